@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print and record figures (never timed assertions)."""

@@ -1,0 +1,106 @@
+"""Primary-engine benchmark: plain greedy decoding against transformers, and the verify-cost curve.
+
+    python -m bench.engine [--model_path PATH] [--precisions fp32,bf16] [--num-prompts 3]
+                           [--max-new-tokens 64] [--threads 2] [--out engine.json]
+
+Same model, same prompts, same process, alternating systems per prompt so drift on a noisy
+machine hits both alike. Prints a table and writes JSON. Figures, not assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.prompts import load_prompts
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.model.loader import default_cache_dir, resolve_model_dir
+from specdec.model.precision import compute_dtype
+from specdec.model.tokenizer import Tokenizer
+from specdec.sampling import SamplingParams
+
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXT_TOKENS = 256
+
+
+def plain_decoding(engine: Engine, hf_model, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    ours, theirs, same = [], [], 0
+    for ids in prompts:
+        t = time.perf_counter()
+        out = engine.generate(ids, max_new_tokens, SamplingParams())
+        ours.append(len(out) / (time.perf_counter() - t))
+        t = time.perf_counter()
+        with torch.inference_mode():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        theirs.append(len(ref) / (time.perf_counter() - t))
+        same += out == ref
+    return {"specdec_tokens_per_s": statistics.median(ours), "transformers_tokens_per_s": statistics.median(theirs),
+            "ratio": statistics.median(ours) / statistics.median(theirs), "same_tokens": f"{same}/{len(prompts)}"}
+
+
+def verify_curve(engine: Engine, repeats: int) -> dict:
+    """Median ms of one verify of k nodes (a chain: root + k-1 drafts) after CONTEXT_TOKENS of context."""
+    engine.open("curve", list(range(1000, 1000 + CONTEXT_TOKENS)))
+    engine.prefill("curve")
+    out = {}
+    for k in VERIFY_SIZES:
+        times = []
+        for _ in range(repeats):
+            drafts = list(range(2000, 2000 + k - 1))
+            t = time.perf_counter()
+            engine.verify("curve", drafts, [-1] + list(range(k - 2)) if drafts else [])
+            times.append((time.perf_counter() - t) * 1000)
+            engine.commit("curve", (), (42,))           # reject the drafts; the context grows by one
+        out[k] = statistics.median(times)
+    engine.release("curve")
+    return {"ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_path", default=None)
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    model_dir = resolve_model_dir(args.model_path, default_cache_dir())
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompts = [tokenizer.encode(p.text(tokenizer)) for p in
+               load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=2000)]
+    results = {"model_dir": str(model_dir), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "threads": args.threads, "torch": torch.__version__}
+    for precision in args.precisions.split(","):
+        loaded = load_model(model_dir, precision, max_positions=2048, is_shared=False)
+        engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), 2048)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
+        results[precision] = {"weight_bytes": loaded.weight_bytes,
+                              "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
+                              "verify": verify_curve(engine, args.repeats)}
+        r = results[precision]
+        print(f"[{precision}] weights {r['weight_bytes'] / 1e6:.0f} MB | plain greedy: specdec "
+              f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, transformers {r['plain']['transformers_tokens_per_s']:.1f}"
+              f" tok/s ({r['plain']['ratio']:.2f}x), same tokens {r['plain']['same_tokens']}")
+        print(f"[{precision}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
+        print(f"[{precision}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
+                                                        for k, v in r["verify"]["relative_to_1"].items()))
+        del hf
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

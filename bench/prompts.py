@@ -1,0 +1,40 @@
+"""Deterministic selection of benchmark prompts from the shared JSONL sets (json, code, prose, specbench)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BenchPrompt:
+    id: str
+    scenario: str
+    prompt: str
+    system: str | None
+    schema: dict | None
+    is_completion: bool        # HumanEval-style stubs are fed raw, without the chat template
+
+    def messages(self) -> list[dict[str, str]]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": "user", "content": self.prompt}]
+
+    def text(self, tokenizer: Any) -> str:
+        return self.prompt if self.is_completion else tokenizer.apply_chat_template(self.messages())
+
+
+def load_prompts(data_dir: str | Path, scenarios: list[str], num_prompts: int,
+                 max_chars: int | None = None) -> list[BenchPrompt]:
+    """The first `num_prompts` rows of each scenario file (in file order) that fit `max_chars`.
+
+    Rows are taken in file order so every run and every system sees the same prompts.
+    """
+    out = []
+    for scenario in scenarios:
+        rows = [json.loads(line) for line in (Path(data_dir) / f"{scenario}.jsonl").read_text().splitlines()
+                if line.strip()]
+        chosen = [r for r in rows if max_chars is None or len(r["prompt"]) <= max_chars][:num_prompts]
+        out.extend(BenchPrompt(r["id"], scenario, r["prompt"], r.get("system"), r.get("schema"),
+                               r.get("prompt_style") == "completion") for r in chosen)
+    return out

@@ -1,0 +1,240 @@
+"""The primary engine: every request's KV cache, prefill, one-pass tree verify, commit, release.
+
+Per request it keeps the committed token ids and a KV slot whose first `num_cached` rows
+hold their keys/values. The invariant between steps is that the last committed token is
+*pending*: committed but not yet run through the model. A verify pass runs the uncached
+committed tokens (the "chain", usually just the pending token; the whole prompt on the
+first step or after a re-prefill) plus a draft token tree, in ONE forward, and returns
+logits for the pending token (the tree's root) and for every node:
+
+    logits[0]     next-token logits after the committed context   (decides depth-1 nodes)
+    logits[1 + i] next-token logits after draft node i            (decides node i's children)
+
+`commit` then keeps the KV rows of the accepted path and appends the new committed
+tokens (the accepted drafts and one bonus token), which rolls back everything else.
+Plain autoregressive decoding is the special case of an empty tree.
+
+The engine is not thread-safe: the primary service serialises (and batches) calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from specdec.engine import tree as tree_geometry
+from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
+from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdec.model.llama import SequenceSpan, Transformer
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+
+PREFILL_CHUNK_TOKENS = 512   # bounds the [chunk, context] attention mask of long prompts
+MAX_TREE_NODES = 256
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    token_ids: list[int]
+    kv: KVSlot
+    tree_parents: tuple[int, ...] = ()     # the tree of the last verify, whose rows follow num_cached
+    tree_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyWork:
+    request_id: str
+    token_ids: Sequence[int]     # draft tree tokens [N]
+    parents: Sequence[int]       # [N], -1 = child of the root
+
+
+class Engine:
+    def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int) -> None:
+        if max_context > model.max_positions:
+            raise ValueError(f"max_context {max_context} exceeds the model's {model.max_positions} positions")
+        self.model, self.kv_cache, self.max_context = model, kv_cache, max_context
+        self.vocab_size = model.config.vocab_size
+        self._requests: dict[str, _Request] = {}
+
+    # --- bookkeeping -------------------------------------------------------------------
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_cache.num_bytes
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return list(self._get(request_id).token_ids)
+
+    def num_cached(self, request_id: str) -> int:
+        return self._get(request_id).kv.num_cached
+
+    def _get(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise NotFound("request_id", f"no active request {request_id!r} on this primary") from None
+
+    def _check_token_ids(self, field: str, token_ids: Iterable[int]) -> None:
+        for t in token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument(field, f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def open(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Register a request with its committed tokens (prompt, or prompt + output on recovery)."""
+        if not request_id:
+            raise InvalidArgument("request_id", "must not be empty")
+        if request_id in self._requests:
+            raise InvalidArgument("request_id", f"request {request_id!r} is already open")
+        if not token_ids:
+            raise InvalidArgument("token_ids", "a request needs at least one token")
+        if len(token_ids) >= self.max_context:
+            raise InvalidArgument("token_ids", f"{len(token_ids)} tokens do not fit the context of "
+                                  f"{self.max_context} with room to generate")
+        self._check_token_ids("token_ids", token_ids)
+        try:
+            slot = self.kv_cache.allocate(len(token_ids) + 1)
+        except KVBudgetExceeded as e:
+            raise ResourceExhausted("kv_cache", str(e)) from None
+        self._requests[request_id] = _Request(list(token_ids), slot)
+
+    def release(self, request_id: str) -> int:
+        """Free the request's KV slot; returns the bytes freed."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise NotFound("request_id", f"no active request {request_id!r} on this primary")
+        return self.kv_cache.release(req.kv)
+
+    def prefill(self, request_id: str) -> int:
+        """Run every committed token but the pending one into the cache; returns num_cached."""
+        req = self._get(request_id)
+        while req.kv.num_cached < len(req.token_ids) - 1:
+            start = req.kv.num_cached
+            chunk = req.token_ids[start:min(start + PREFILL_CHUNK_TOKENS, len(req.token_ids) - 1)]
+            self._reserve(req, start + len(chunk))
+            span_ids = torch.tensor(chunk, dtype=torch.int64)
+            positions = torch.arange(start, start + len(chunk))
+            mask = tree_geometry.verify_mask(start, len(chunk), ())
+            span = SequenceSpan(0, len(chunk), start, req.kv.k, req.kv.v, mask)
+            self.model.forward(span_ids, positions, [span], logits_rows=torch.empty(0, dtype=torch.int64))
+            req.kv.num_cached += len(chunk)
+            req.tree_parents = req.tree_token_ids = ()
+        return req.kv.num_cached
+
+    def _reserve(self, req: _Request, num_rows: int) -> None:
+        try:
+            self.kv_cache.reserve(req.kv, num_rows)
+        except KVBudgetExceeded as e:
+            raise ResourceExhausted("kv_cache", str(e)) from None
+
+    # --- verify / commit -------------------------------------------------------------------
+
+    def verify(self, request_id: str, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """One forward over the uncached chain + the tree; logits [N+1, V] fp32 (see module doc)."""
+        return self.verify_batch([VerifyWork(request_id, token_ids, parents)])[0]
+
+    def verify_batch(self, works: Sequence[VerifyWork]) -> list[torch.Tensor]:
+        """Verify several requests' trees in one forward (linear layers run once over all rows)."""
+        if len({w.request_id for w in works}) != len(works):
+            raise InvalidArgument("request_id", "a request appears twice in one batch")
+        input_ids, positions, spans, logits_rows, reqs = [], [], [], [], []
+        num_rows = 0
+        for w in works:
+            req = self._get(w.request_id)
+            self._check_tree(req, w)
+            chain = req.token_ids[req.kv.num_cached:]
+            if not chain:
+                raise FailedPrecondition("request_id", f"request {w.request_id!r} has no pending token: "
+                                         "commit the last step's bonus token before verifying again")
+            n, c = len(w.token_ids), len(chain)
+            self._reserve(req, req.kv.num_cached + c + n)
+            input_ids.extend(chain)
+            input_ids.extend(w.token_ids)
+            positions.append(tree_geometry.verify_positions(req.kv.num_cached, c, w.parents))
+            mask = tree_geometry.verify_mask(req.kv.num_cached, c, w.parents)
+            spans.append(SequenceSpan(num_rows, c + n, req.kv.num_cached, req.kv.k, req.kv.v, mask))
+            logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
+            num_rows += c + n
+            reqs.append((req, c, w))
+        logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions),
+                                    spans, torch.cat(logits_rows))
+        out, row = [], 0
+        for req, c, w in reqs:
+            req.kv.num_cached += c                      # the chain is committed context now
+            req.tree_parents, req.tree_token_ids = tuple(w.parents), tuple(w.token_ids)
+            out.append(logits[row:row + len(w.token_ids) + 1])
+            row += len(w.token_ids) + 1
+        return out
+
+    def _check_tree(self, req: _Request, w: VerifyWork) -> None:
+        n = len(w.token_ids)
+        if len(w.parents) != n:
+            raise InvalidArgument("tree.parents", f"{len(w.parents)} parents for {n} tokens")
+        if n > MAX_TREE_NODES:
+            raise InvalidArgument("tree.token_ids", f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
+        try:
+            tree_geometry.validate_parents(w.parents)
+        except ValueError as e:
+            raise InvalidArgument("tree.parents", str(e)) from None
+        self._check_token_ids("tree.token_ids", w.token_ids)
+        max_depth = max(tree_geometry.node_depths(w.parents), default=0)
+        if len(req.token_ids) + max_depth > self.max_context:
+            raise InvalidArgument("tree", f"context {len(req.token_ids)} + tree depth {max_depth} exceeds "
+                                  f"max_context {self.max_context}")
+
+    def commit(self, request_id: str, accepted_nodes: Sequence[int], new_token_ids: Sequence[int]) -> None:
+        """Keep the KV rows of `accepted_nodes` (a root-to-node path of the last verified tree) and
+        append `new_token_ids` (the accepted tokens followed by the bonus token) to the request."""
+        req = self._get(request_id)
+        accepted_nodes = list(accepted_nodes)
+        if accepted_nodes:
+            if not tree_geometry.is_path(req.tree_parents, accepted_nodes):
+                raise InvalidArgument("accepted_nodes", f"{accepted_nodes} is not a root-to-node path of "
+                                      "the last verified tree")
+            accepted_tokens = [req.tree_token_ids[i] for i in accepted_nodes]
+            if list(new_token_ids[:len(accepted_nodes)]) != accepted_tokens:
+                raise InvalidArgument("committed_token_ids", "must start with the accepted nodes' tokens")
+        if len(req.token_ids) + len(new_token_ids) > self.max_context:
+            raise InvalidArgument("committed_token_ids", f"the request would exceed max_context {self.max_context}")
+        self._check_token_ids("committed_token_ids", new_token_ids)
+        self.kv_cache.commit(req.kv, 0, accepted_nodes)
+        req.token_ids.extend(new_token_ids)
+        req.tree_parents = req.tree_token_ids = ()
+
+    # --- plain autoregressive decoding (the baseline) -------------------------------------------
+
+    def decode(self, request_id: str, sampling: SamplingParams, step: int) -> int:
+        """One plain step: the next token after the committed context, committed at once."""
+        logits = self.verify(request_id, (), ())                               # [1, V]
+        if sampling.is_greedy:
+            token = int(torch.argmax(logits[0]))
+        else:
+            token = int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, step))[0])
+        self.commit(request_id, (), (token,))
+        return token
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
+                 stop_token_ids: Iterable[int] = ()) -> list[int]:
+        """Plain autoregressive generation of up to `max_new_tokens` tokens (stops after a stop token)."""
+        request_id = f"generate-{time.monotonic_ns()}"
+        stop = set(stop_token_ids)
+        self.open(request_id, prompt_ids)
+        try:
+            self.prefill(request_id)
+            out: list[int] = []
+            for step in range(max_new_tokens):
+                out.append(self.decode(request_id, sampling, step))
+                if out[-1] in stop or len(prompt_ids) + len(out) >= self.max_context:
+                    break
+            return out
+        finally:
+            self.release(request_id)

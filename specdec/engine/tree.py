@@ -1,0 +1,83 @@
+"""Token-tree geometry for one verify pass: depths, the attention mask, positions.
+
+A verify pass runs, for one request, `num_chain` committed-but-uncached tokens (the last
+of them is the ROOT of the tree; normally num_chain == 1) followed by N draft nodes with
+`parents[i]` in {-1} ∪ [0, i) (-1: child of the root).
+
+    E.g. num_cached = 5, chain = [r] (row 0), nodes a b c d with parents [-1, 0, 0, -1]:
+
+           r(pos 5) ── a(6) ── b(7)
+                  │       └── c(7)
+                  └── d(6)
+
+    rows:   r   a   b   c   d         mask over [ctx(5) | r a b c d]
+    r       1   .   .   .   .         every row sees the whole context,
+    a       1   1   .   .   .         the chain causally, and in the tree
+    b       1   1   1   .   .         only its ancestors and itself
+    c       1   1   .   1   .
+    d       1   .   .   .   1
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+ROOT = -1  # parent index of a node hanging off the root
+
+
+def validate_parents(parents: Sequence[int]) -> None:
+    for i, p in enumerate(parents):
+        if not (p == ROOT or 0 <= p < i):
+            raise ValueError(f"parents[{i}] = {p}: must be -1 or the index of an earlier node")
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of every node; children of the root have depth 1."""
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p == ROOT else depths[p] + 1)
+    return depths
+
+
+def ancestor_matrix(parents: Sequence[int]) -> torch.Tensor:
+    """[N, N] bool: entry (i, j) is True when node j is node i or one of its ancestors."""
+    n = len(parents)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p != ROOT:
+            anc[i] |= anc[p]
+    return anc
+
+
+def verify_mask(num_cached: int, num_chain: int, parents: Sequence[int]) -> torch.Tensor | None:
+    """[num_chain + N, num_cached + num_chain + N] bool (True = attend); None when every row sees all."""
+    n = len(parents)
+    rows = num_chain + n
+    if rows == 1:
+        return None  # a single new token attends to everything before it
+    mask = torch.ones(rows, num_cached + rows, dtype=torch.bool)
+    new = mask[:, num_cached:]                                      # [rows, rows] over the new tokens
+    new[:num_chain, :num_chain] = torch.ones(num_chain, num_chain, dtype=torch.bool).tril()
+    new[:num_chain, num_chain:] = False                             # the chain never sees drafts
+    if n:
+        new[num_chain:, num_chain:] = ancestor_matrix(parents)      # drafts see the chain + ancestors
+    return mask
+
+
+def verify_positions(num_cached: int, num_chain: int, parents: Sequence[int]) -> torch.Tensor:
+    """[num_chain + N] int64: chain tokens sit at consecutive positions, nodes at root + depth."""
+    chain = torch.arange(num_cached, num_cached + num_chain)
+    root_pos = num_cached + num_chain - 1
+    nodes = torch.tensor([root_pos + d for d in node_depths(parents)], dtype=torch.int64)
+    return torch.cat([chain, nodes])
+
+
+def is_path(parents: Sequence[int], nodes: Sequence[int]) -> bool:
+    """True when `nodes` walks down from the root: each node's parent is the previous one."""
+    expected_parent = ROOT
+    for i in nodes:
+        if not (0 <= i < len(parents)) or parents[i] != expected_parent:
+            return False
+        expected_parent = i
+    return True

@@ -1,0 +1,186 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral), read top to bottom.
+
+    x = embed(tokens)
+    for each layer:  x = x + Attention(RMSNorm(x));  x = x + MLP(RMSNorm(x))
+    logits = lm_head(RMSNorm(x))
+
+The forward pass works on a *flattened* batch: the new tokens of every sequence in the
+batch are concatenated into one [T] vector, so every linear layer runs once over all of
+them (the weights are read once per step, whatever the number of sequences), and only
+attention is split per sequence, each against its own KV cache. A token tree is one
+sequence whose new tokens carry an explicit attention mask and positions by depth.
+
+Weights are plain tensors handed in by name (Hugging Face names), never copied: they may
+live in shared memory mapped from another process (`specdec.weights`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specdec.model.config import ModelConfig
+from specdec.model.linear import Linear
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(slots=True)
+class SequenceSpan:
+    """The part of a flattened batch that belongs to one sequence.
+
+    Rows [start, start + num_tokens) of the batch are this sequence's new tokens. Their
+    keys/values are written to `k_cache`/`v_cache` rows [num_cached, num_cached + num_tokens),
+    and they attend to cache rows [0, num_cached + num_tokens) under `mask`.
+    """
+    start: int
+    num_tokens: int
+    num_cached: int
+    k_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
+    v_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
+    mask: Tensor | None  # [num_tokens, num_cached + num_tokens] bool, True = attend; None = attend to all
+
+
+class RMSNorm:
+    def __init__(self, weight: Tensor, eps: float) -> None:
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 as the reference implementation does, then cast back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """RoPE tables for every position up to `max_positions`, rotate-half layout (HF)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
+        dim = config.head_dim
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)                    # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)             # [P, D]
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
+        # x: [T, heads, D], positions: [T]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def _scale_inv_freq(inv_freq: Tensor, rope_scaling: Mapping | None) -> Tensor:
+    if not rope_scaling:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = rope_scaling.get("high_freq_factor", 4.0)
+    old_len = rope_scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_len / low_freq_factor, old_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class Attention:
+    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], prefix: str, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = Linear.from_weights(w, prefix + "q_proj")
+        self.k_proj = Linear.from_weights(w, prefix + "k_proj")
+        self.v_proj = Linear.from_weights(w, prefix + "v_proj")
+        self.o_proj = Linear.from_weights(w, prefix + "o_proj")
+
+    def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
+                 spans: Sequence[SequenceSpan]) -> Tensor:
+        T = x.shape[0]
+        q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)     # [T, H, D]
+        k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)                   # [T, Hkv, D]
+        out = torch.empty_like(q)
+        for s in spans:
+            rows = slice(s.start, s.start + s.num_tokens)
+            end = s.num_cached + s.num_tokens
+            s.k_cache[self.layer_idx, :, s.num_cached:end] = k[rows].transpose(0, 1)
+            s.v_cache[self.layer_idx, :, s.num_cached:end] = v[rows].transpose(0, 1)
+            keys = s.k_cache[self.layer_idx, :, :end]      # [Hkv, L, D]
+            values = s.v_cache[self.layer_idx, :, :end]    # [Hkv, L, D]
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),      # [1, H, n, D]
+                keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=s.mask, enable_gqa=self.num_heads != self.num_kv_heads)
+            out[rows] = o[0].transpose(0, 1)               # [n, H, D]
+        return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+
+
+class MLP:
+    def __init__(self, w: Mapping[str, Tensor], prefix: str) -> None:
+        self.gate_proj = Linear.from_weights(w, prefix + "gate_proj")
+        self.up_proj = Linear.from_weights(w, prefix + "up_proj")
+        self.down_proj = Linear.from_weights(w, prefix + "down_proj")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block:
+    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], layer_idx: int) -> None:
+        p = f"model.layers.{layer_idx}."
+        self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], config.rms_norm_eps)
+        self.self_attn = Attention(config, w, p + "self_attn.", layer_idx)
+        self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
+        self.mlp = MLP(w, p + "mlp.")
+
+    def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
+                 spans: Sequence[SequenceSpan]) -> Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions, rope, spans)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer:
+    """The model over a dict of named weight tensors (HF names; see `specdec.weights.precision`)."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int) -> None:
+        self.config = config
+        self.embed_tokens = weights["model.embed_tokens.weight"]   # [V, C]
+        self.dtype = self.embed_tokens.dtype
+        self.layers = [Block(config, weights, i) for i in range(config.num_hidden_layers)]
+        self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
+        head = "lm_head" if "lm_head.weight" in weights else "model.embed_tokens"
+        self.lm_head = Linear.from_weights(weights, head)
+        self.rope = RotaryEmbedding(config, max_positions, self.dtype)
+        self.max_positions = max_positions
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, spans: Sequence[SequenceSpan],
+                logits_rows: Tensor | None = None, num_layers: int | None = None,
+                layer_ids: Sequence[int] | None = None) -> Tensor:
+        """Run the new tokens of every span; return fp32 logits [R, V] at `logits_rows` (all rows if None).
+
+        `num_layers` (early exit) or `layer_ids` (layer skipping) run a subset of the layers over
+        the same weights: the draft pool's self-drafting strategies. The caches of skipped layers
+        are left untouched.
+        """
+        x = self.embed_tokens[input_ids]                   # [T, C]
+        chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
+        for i in chosen:
+            x = self.layers[i](x, positions, self.rope, spans)
+        if logits_rows is not None:
+            x = x[logits_rows]                             # [R, C]: only rows whose logits are needed
+        return self.lm_head(self.norm(x)).float()          # [R, V]

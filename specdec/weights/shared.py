@@ -1,0 +1,231 @@
+"""Weights in memory another process maps zero-copy, described as plain data.
+
+The owner (the primary) packs every weight tensor into ONE segment, 64-byte aligned, and
+then runs on views into that segment, so there is a single copy on the machine:
+
+* CPU: a POSIX shared-memory file `/dev/shm/<segment_name>`, mapped MAP_SHARED;
+* GPU: one `cudaMalloc` block exported with `cudaIpcGetMemHandle` (64 opaque bytes).
+
+A `WeightManifest` (segment name or IPC handle, and per tensor: name, dtype, shape, byte
+offset, byte count) is all a peer needs to rebuild the same views; it travels as explicit
+protobuf fields, never pickled. `attach` checks every field before mapping anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+ALIGNMENT = 64
+SEGMENT_PREFIX = "specdec-weights"
+KIND_SHARED_MEMORY = "shared_memory"
+KIND_CUDA_IPC = "cuda_ipc"
+CUDA_IPC_HANDLE_BYTES = 64
+_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "int64": torch.int64, "int32": torch.int32,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class HandleError(ValueError):
+    """A manifest or handle that does not describe a segment this process can map."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorDescriptor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WeightManifest:
+    kind: str                       # KIND_SHARED_MEMORY or KIND_CUDA_IPC
+    segment_name: str               # shared memory: the file name under /dev/shm
+    cuda_ipc_handle: bytes          # CUDA IPC: cudaIpcMemHandle_t bytes
+    device_index: int               # CUDA device; -1 on CPU
+    total_bytes: int
+    owner_instance_id: str
+    tensors: tuple[TensorDescriptor, ...]
+
+
+def _layout(weights: Mapping[str, torch.Tensor]) -> tuple[list[TensorDescriptor], int]:
+    descriptors, offset = [], 0
+    for name, t in weights.items():
+        num_bytes = t.numel() * t.element_size()
+        descriptors.append(TensorDescriptor(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, num_bytes))
+        offset += math.ceil(num_bytes / ALIGNMENT) * ALIGNMENT
+    return descriptors, max(offset, ALIGNMENT)
+
+
+def _views(base: torch.Tensor, descriptors: tuple[TensorDescriptor, ...]) -> dict[str, torch.Tensor]:
+    # base: [total_bytes] uint8; each view aliases it (no copy).
+    return {d.name: base[d.offset:d.offset + d.num_bytes].view(DTYPES[d.dtype]).view(d.shape)
+            for d in descriptors}
+
+
+class SharedWeights:
+    """The owner's side: a segment holding every weight, and views into it."""
+
+    def __init__(self, manifest: WeightManifest, base: torch.Tensor, keepalive: object = None) -> None:
+        self.manifest, self._base, self._keepalive = manifest, base, keepalive
+        self.tensors = _views(base, manifest.tensors)
+
+    @classmethod
+    def create(cls, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
+               instance_id: str | None = None) -> "SharedWeights":
+        device = torch.device(device)
+        instance_id = instance_id or uuid.uuid4().hex[:12]
+        descriptors, total = _layout(weights)
+        if device.type == "cuda":
+            base, handle, keepalive = _cuda_alloc_exported(total, device)
+            manifest = WeightManifest(KIND_CUDA_IPC, "", handle, device.index or 0, total, instance_id,
+                                      tuple(descriptors))
+        else:
+            cleanup_stale_segments()
+            name = f"{SEGMENT_PREFIX}-{os.getpid()}-{instance_id}"
+            path = SHM_DIR / name
+            with open(path, "wb") as f:
+                f.truncate(total)
+            storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=total)
+            base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (total,), (1,))
+            keepalive = None
+            manifest = WeightManifest(KIND_SHARED_MEMORY, name, b"", -1, total, instance_id, tuple(descriptors))
+        shared = cls(manifest, base, keepalive)
+        for name, t in weights.items():
+            shared.tensors[name].copy_(t)
+        return shared
+
+    @property
+    def num_bytes(self) -> int:
+        return self.manifest.total_bytes
+
+    def unlink(self) -> None:
+        """Remove the segment's name; mappings (ours and peers') stay valid until unmapped."""
+        if self.manifest.kind == KIND_SHARED_MEMORY:
+            (SHM_DIR / self.manifest.segment_name).unlink(missing_ok=True)
+
+
+def attach(manifest: WeightManifest) -> dict[str, torch.Tensor]:
+    """Map a peer's segment and return views of every tensor in it, without copying."""
+    _check_manifest(manifest)
+    if manifest.kind == KIND_CUDA_IPC:
+        base = _cuda_open_exported(manifest)
+    else:
+        path = SHM_DIR / manifest.segment_name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise HandleError("segment_name", f"no shared-memory segment {manifest.segment_name!r}") from None
+        if size != manifest.total_bytes:
+            raise HandleError("total_bytes", f"segment holds {size} bytes, manifest says {manifest.total_bytes}")
+        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=size)
+        base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
+    return _views(base, manifest.tensors)
+
+
+def _check_manifest(m: WeightManifest) -> None:
+    if m.kind == KIND_SHARED_MEMORY:
+        if not _SEGMENT_NAME.match(m.segment_name) or not m.segment_name.startswith(SEGMENT_PREFIX):
+            raise HandleError("segment_name", f"not a weight segment name: {m.segment_name!r}")
+    elif m.kind == KIND_CUDA_IPC:
+        if len(m.cuda_ipc_handle) != CUDA_IPC_HANDLE_BYTES:
+            raise HandleError("cuda_ipc_handle", f"must be {CUDA_IPC_HANDLE_BYTES} bytes, "
+                              f"got {len(m.cuda_ipc_handle)}")
+        if not torch.cuda.is_available() or m.device_index >= torch.cuda.device_count():
+            raise HandleError("device_index", f"CUDA device {m.device_index} is not visible to this process")
+    else:
+        raise HandleError("kind", f"unknown handle kind {m.kind!r}")
+    if m.total_bytes <= 0:
+        raise HandleError("total_bytes", "must be positive")
+    if not m.tensors:
+        raise HandleError("tensors", "the manifest lists no tensor")
+    for d in m.tensors:
+        if d.dtype not in DTYPES:
+            raise HandleError("tensors.dtype", f"{d.name}: unknown dtype {d.dtype!r}")
+        itemsize = DTYPES[d.dtype].itemsize
+        if any(s < 0 for s in d.shape) or math.prod(d.shape) * itemsize != d.num_bytes:
+            raise HandleError("tensors.shape", f"{d.name}: shape {d.shape} does not hold {d.num_bytes} bytes")
+        if d.offset % ALIGNMENT or d.offset < 0 or d.offset + d.num_bytes > m.total_bytes:
+            raise HandleError("tensors.offset", f"{d.name}: [{d.offset}, +{d.num_bytes}) is outside the "
+                              f"{m.total_bytes}-byte segment or misaligned")
+
+
+def cleanup_stale_segments() -> list[str]:
+    """Unlink weight segments left by owners that died without cleaning up (pid in the name)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}-*"):
+        parts = path.name.split("-")
+        pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
+        if pid is not None and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+# --- CUDA IPC (GPU nodes only; CuPy provides the runtime calls) ---------------------------
+
+def _cuda_alloc_exported(total: int, device: torch.device):
+    import cupy
+    with cupy.cuda.Device(device.index or 0):
+        ptr = cupy.cuda.runtime.malloc(total)              # the allocation base: exportable as is
+        handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr))
+        mem = cupy.cuda.UnownedMemory(ptr, total, owner=None, device_id=device.index or 0)
+        arr = cupy.ndarray((total,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    base = torch.from_dlpack(arr)
+    keepalive = _CudaFree(ptr, device.index or 0)
+    return base, handle, keepalive
+
+
+def _cuda_open_exported(m: WeightManifest) -> torch.Tensor:
+    import cupy
+    try:
+        with cupy.cuda.Device(m.device_index):
+            ptr = cupy.cuda.runtime.ipcOpenMemHandle(m.cuda_ipc_handle,
+                                                     cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            mem = cupy.cuda.UnownedMemory(ptr, m.total_bytes, owner=None, device_id=m.device_index)
+            arr = cupy.ndarray((m.total_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise HandleError("cuda_ipc_handle", f"cannot open the IPC handle: {e}") from None
+    return torch.from_dlpack(arr)
+
+
+class _CudaFree:
+    def __init__(self, ptr: int, device_index: int) -> None:
+        self.ptr, self.device_index = ptr, device_index
+
+    def __del__(self) -> None:
+        import cupy
+        with cupy.cuda.Device(self.device_index):
+            cupy.cuda.runtime.free(self.ptr)
+
+
+def manifest_to_dict(m: WeightManifest) -> dict:
+    """Plain data (JSON-safe; the IPC handle as hex) for logs, tests and config files."""
+    d = dataclasses.asdict(m)
+    d["cuda_ipc_handle"] = m.cuda_ipc_handle.hex()
+    return d
+
+
+def manifest_from_dict(d: dict) -> WeightManifest:
+    tensors = tuple(TensorDescriptor(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["num_bytes"])
+                    for t in d["tensors"])
+    return WeightManifest(d["kind"], d["segment_name"], bytes.fromhex(d["cuda_ipc_handle"]), d["device_index"],
+                          d["total_bytes"], d["owner_instance_id"], tensors)

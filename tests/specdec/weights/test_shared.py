@@ -1,0 +1,101 @@
+"""Shared weights: another process maps the primary's segment, sees the same bytes without a
+copy, and the model built on them gives identical logits."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import config_to_json, load_model
+from specdec.weights.shared import (SHM_DIR, HandleError, SharedWeights, attach, cleanup_stale_segments,
+                                    manifest_to_dict)
+
+CHILD = Path(__file__).with_name("attach_child.py")
+REPO = Path(__file__).parents[3]
+TOKENS = [1, 504, 3458, 282, 260, 2114]
+
+
+@pytest.fixture(scope="module")
+def shared_model(default_model_dir):
+    loaded = load_model(default_model_dir, "fp32", max_positions=256, is_shared=True)
+    yield loaded
+    loaded.shared.unlink()
+
+
+def test_child_process_maps_the_same_pages_and_computes_the_same_logits(shared_model, tmp_path):
+    manifest = shared_model.shared.manifest
+    request = {"manifest": manifest_to_dict(manifest), "config": config_to_json(shared_model.config),
+               "token_ids": TOKENS, "tree_token_ids": [700, 701, 702], "tree_parents": [-1, 0, -1],
+               "logits_path": str(tmp_path / "logits.f32")}
+    out = subprocess.run([sys.executable, str(CHILD)], input=json.dumps(request), capture_output=True,
+                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["is_mapped"], "a tensor of the child's model does not point into the shared segment"
+    # The child touched every weight page, yet owns none privately: they are the owner's pages.
+    assert report["smaps"]["Rss"] * 1024 >= 0.9 * manifest.total_bytes
+    assert report["smaps"]["Private_Dirty"] == 0 and report["smaps"].get("Anonymous", 0) == 0
+    own = sum(float(t.float().sum()) for t in shared_model.shared.tensors.values())
+    assert report["checksum"] == own
+
+    engine = Engine(shared_model.model, KVCache(shared_model.config, torch.float32), 256)
+    engine.open("owner", TOKENS)
+    expected = engine.verify("owner", [700, 701, 702], [-1, 0, -1])
+    got = torch.from_numpy(np.fromfile(tmp_path / "logits.f32", dtype=np.float32)).view_as(expected)
+    assert torch.equal(got, expected)
+
+
+def test_owner_runs_on_the_segment_itself(shared_model):
+    # No private copy in the owner either: the model's tensors are views of the segment.
+    base = shared_model.shared.tensors["model.embed_tokens.weight"]
+    assert shared_model.model.embed_tokens.data_ptr() == base.data_ptr()
+    assert shared_model.weight_bytes <= shared_model.shared.num_bytes
+
+
+def test_bad_manifests_are_refused(shared_model):
+    m = shared_model.shared.manifest
+    cases = {
+        "segment_name": dataclasses.replace(m, segment_name="specdec-weights-no-such-segment"),
+        "total_bytes": dataclasses.replace(m, total_bytes=m.total_bytes + 64),
+        "tensors.offset": dataclasses.replace(m, tensors=(dataclasses.replace(m.tensors[0],
+                                                                              offset=m.total_bytes),)),
+        "tensors.shape": dataclasses.replace(m, tensors=(dataclasses.replace(m.tensors[0], shape=(3, 3)),)),
+        "tensors.dtype": dataclasses.replace(m, tensors=(dataclasses.replace(m.tensors[0], dtype="int4"),)),
+        "kind": dataclasses.replace(m, kind="rdma"),
+        "cuda_ipc_handle": dataclasses.replace(m, kind="cuda_ipc", cuda_ipc_handle=b"short"),
+    }
+    for field, bad in cases.items():
+        with pytest.raises(HandleError) as e:
+            attach(bad)
+        assert e.value.field == field
+    with pytest.raises(HandleError, match="segment_name"):
+        attach(dataclasses.replace(m, segment_name="../../etc/passwd"))
+
+
+def test_stale_segments_of_dead_owners_are_cleaned(tmp_path):
+    dead = SHM_DIR / "specdec-weights-999999999-deadbeef"
+    dead.write_bytes(b"x" * 64)
+    assert dead.name in cleanup_stale_segments()
+    assert not dead.exists()
+
+
+def test_a_segment_of_mixed_dtypes_round_trips():
+    weights = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16),
+               "c": torch.full((7,), 0.5).to(torch.float8_e4m3fn)}
+    shared = SharedWeights.create(weights)
+    try:
+        views = attach(shared.manifest)
+        for name, t in weights.items():
+            assert views[name].dtype == t.dtype and torch.equal(views[name].float(), t.float())
+        assert all(d.offset % 64 == 0 for d in shared.manifest.tensors)
+    finally:
+        shared.unlink()
