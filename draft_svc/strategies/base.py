@@ -1,0 +1,130 @@
+"""The one small protocol every draft strategy implements, and the registry of strategies.
+
+Per request the pool creates one decoder per strategy (`DecoderRegistry.create`). A decoder
+keeps its own per-request state and sees the request's committed tokens exactly once:
+
+    decoder.extend(prompt_ids)            # first call: the prompt
+    decoder.propose(max_tokens=8, max_candidates=2)
+    decoder.extend(committed_ids)         # the tokens the step committed (accepted + bonus)
+    decoder.propose(...)
+
+`propose` returns a tuple of candidates, best first, rather than one candidate: a strategy
+such as prompt lookup finds several matches in one pass over its index, so asking one decoder
+for its top-k is k times cheaper than k decoders that each keep the same index. Rank r of a
+decoder's answer is `Candidate.rank == r`; the controller keeps acceptance statistics per
+(decoder, rank), so "a second prompt-lookup match" earns its place like any other decoder.
+An empty tuple means "nothing to propose" (no match), which is common and cheap.
+"""
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+# Context tokens live in array('i'): 4 bytes a token, appended in place, no per-step list copies.
+TOKEN_TYPECODE = "i"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Candidate:
+    """One decoder's proposed continuation of the request's current context."""
+
+    decoder: str
+    token_ids: tuple[int, ...]
+    # [len(token_ids), V] float32 draft distribution per position (numpy or torch), or None for a
+    # deterministic point-mass draft (prompt lookup, suffix index, grammar-forced tokens). Not part
+    # of equality: two candidates are the same proposal when decoder, tokens and rank agree.
+    draft_probs: Any = dataclasses.field(default=None, compare=False)
+    rank: int = 0  # position in the decoder's best-first answer to one propose() call
+
+    def __post_init__(self) -> None:
+        if not self.decoder:
+            raise ValueError("decoder must be a non-empty name")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if self.draft_probs is not None and len(self.draft_probs) != len(self.token_ids):
+            raise ValueError(f"draft_probs has {len(self.draft_probs)} rows for {len(self.token_ids)} token_ids")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@runtime_checkable
+class DraftDecoder(Protocol):
+    """A proposer with independent per-request state."""
+
+    name: ClassVar[str]
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append the tokens committed since the last call (the first call passes the prompt)."""
+        ...
+
+    def propose(self, max_tokens: int, max_candidates: int = 1) -> tuple[Candidate, ...]:
+        """Up to `max_candidates` continuations of the current context, best first, each at most
+        `max_tokens` long; candidates are distinct, ranks are 0, 1, ...; may be empty."""
+        ...
+
+
+DecoderFactory = Callable[..., DraftDecoder]
+
+
+class UnknownDecoderError(ValueError):
+    """A request named a draft decoder that this pool does not have."""
+
+
+class DecoderRegistry:
+    """Names -> factories: a new strategy is one `register` call, never a new `elif`.
+
+    A factory carries the strategy's configuration and shared objects (a `functools.partial` over
+    the class); `create(name, **request_kwargs)` passes per-request arguments through.
+    """
+
+    def __init__(self, factories: Mapping[str, DecoderFactory] | None = None) -> None:
+        self._factories: dict[str, DecoderFactory] = {}
+        for name, factory in (factories or {}).items():
+            self.register(name, factory)
+
+    def register(self, name: str, factory: DecoderFactory) -> None:
+        if not name:
+            raise ValueError("decoder name must be non-empty")
+        if name in self._factories:
+            raise ValueError(f"decoder {name!r} is already registered")
+        self._factories[name] = factory
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._factories)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._factories
+
+    def create(self, name: str, **request_kwargs: Any) -> DraftDecoder:
+        factory = self._factories.get(name)
+        if factory is None:
+            raise UnknownDecoderError(f"decoder {name!r} is not one of {sorted(self._factories)}")
+        return factory(**request_kwargs)
+
+    def create_all(self, names: Iterable[str], **request_kwargs: Any) -> dict[str, DraftDecoder]:
+        return {name: self.create(name, **request_kwargs) for name in names}
+
+
+def new_context() -> array:
+    return array(TOKEN_TYPECODE)
+
+
+def append_tokens(context: array, token_ids: Sequence[int]) -> None:
+    """Append committed token ids to a context array; ids must be non-negative (negative values are
+    the strategies' sentinels)."""
+    # numpy / torch elements are converted once so that array('i') accepts them
+    chunk = token_ids if isinstance(token_ids, (list, tuple, array)) else [int(t) for t in token_ids]
+    if len(chunk) and min(chunk) < 0:
+        raise ValueError(f"token_ids must be non-negative, got min {min(chunk)}")
+    context.extend(chunk)
+
+
+def validate_propose_args(max_tokens: int, max_candidates: int) -> None:
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")

@@ -1,0 +1,1 @@
+"""The public API: the per-request loop (propose -> verify -> validate -> commit) and its controller."""

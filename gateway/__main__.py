@@ -1,0 +1,64 @@
+"""python -m gateway: the public GenerationService, backed by primary, draft, validator and the state store."""
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from gateway.backends import Backends
+from gateway.config import parse_config
+from gateway.server import GenerationServicer
+from specdec.errors import Unavailable
+from specdec.logging import configure_logging
+from specdec.metrics import ServiceMetrics
+from specdec.model.loader import resolve_model_dir
+from specdec.model.tokenizer import Tokenizer
+from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.server import serve
+from specdec.state_store import StateStoreConfig, open_state_store
+from specdec.v1 import gateway_pb2_grpc
+
+MODEL_INFO_TIMEOUT_S = 600.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    configure_logging("gateway", level=config.log_level)
+    log = structlog.get_logger("gateway")
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
+                                                     show_progress=sys.stderr.isatty()))
+    backends = Backends(config.primary_address, config.draft_address, config.validator_address,
+                        config.rpc_timeout_s, config.server.max_message_bytes * 32)
+    give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
+    while True:
+        try:
+            model = backends.model_info()
+            break
+        except Unavailable:
+            if time.monotonic() > give_up:
+                raise
+            time.sleep(0.5)
+    store = open_state_store(config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s))
+    owner = f"gateway@{socket.gethostname()}:{config.server.port}"
+    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner)
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry)
+    log.info("gateway ready", primary=config.primary_address, draft=config.draft_address,
+             validator=config.validator_address, state_store="redis" if config.redis_url else "in-process",
+             max_context=model.max_context)
+    if config.redis_url:
+        threading.Thread(target=servicer.resume_active, name="resume", daemon=True).start()
+    try:
+        serve(config.server, [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
+              interceptors=[ErrorInterceptor(metrics)], registry=registry)
+    finally:
+        backends.close()
+        store.close()
+
+
+if __name__ == "__main__":
+    main()

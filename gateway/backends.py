@@ -1,0 +1,158 @@
+"""The gateway's view of the three internal services: typed calls, domain errors.
+
+Protobuf stays here; the request loop sees plain values. A failed call becomes the domain
+error of its status (NotFound, Unavailable, ...), so the loop can recover from a restarted
+primary (NOT_FOUND after a re-prefill is needed, UNAVAILABLE while it is down).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import grpc
+
+from specdec import pb
+from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                            ResourceExhausted, SpecdecError, Unavailable)
+from specdec.sampling import SamplingParams
+from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, primary_pb2, primary_pb2_grpc, validator_pb2,
+                        validator_pb2_grpc)
+
+_ERRORS: dict[grpc.StatusCode, type[SpecdecError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFound, grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition, grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
+MODES = {"greedy": validator_pb2.ACCEPTANCE_MODE_GREEDY, "sample": validator_pb2.ACCEPTANCE_MODE_SAMPLE,
+         "threshold": validator_pb2.ACCEPTANCE_MODE_THRESHOLD}
+TASK_TYPES = {"": common_pb2.TASK_TYPE_UNSPECIFIED, "structured": common_pb2.TASK_TYPE_STRUCTURED,
+              "code": common_pb2.TASK_TYPE_CODE, "creative": common_pb2.TASK_TYPE_CREATIVE}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelInfo:
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    instance_id: str
+    verify_costs_ms: dict[int, float]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftTree:
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...]
+    node_sources: tuple[int, ...]            # bit i set: decoders[i] proposed the node
+    decoders: tuple[str, ...]
+    decoder_ms: dict[str, float]
+    time_ms: float
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+
+EMPTY_TREE = DraftTree((), (), (), (), {}, 0.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verified:
+    logits: Any                             # common_pb2.Logits, passed through to the validator untouched
+    argmax_token_ids: tuple[int, ...]
+    forward_ms: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Validation:
+    accepted_nodes: tuple[int, ...]
+    bonus_token: int
+    accepted_entropies: tuple[float, ...]
+    rejected_entropies: tuple[float, ...]
+
+
+def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
+    cls = _ERRORS.get(e.code(), Unavailable if e.code() == grpc.StatusCode.UNKNOWN else None)
+    if cls is None:
+        return Unavailable(service, f"{e.code().name}: {e.details()}")
+    return cls(service, e.details() or e.code().name)
+
+
+class Backends:
+    def __init__(self, primary_address: str, draft_address: str, validator_address: str, timeout_s: float,
+                 max_message_bytes: int = 128 << 20) -> None:
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes)]
+        self._channels = [grpc.insecure_channel(a, options=options)
+                          for a in (primary_address, draft_address, validator_address)]
+        self.primary = primary_pb2_grpc.PrimaryServiceStub(self._channels[0])
+        self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
+        self.validator = validator_pb2_grpc.ValidatorServiceStub(self._channels[2])
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()
+
+    def _call(self, service: str, method, request):
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise _domain_error(e, service) from None
+
+    # --- primary ---------------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        r = self._call("primary", self.primary.GetModelInfo, primary_pb2.GetModelInfoRequest())
+        return ModelInfo(r.vocab_size, tuple(r.eos_token_ids), r.max_context_length, r.instance_id,
+                         {c.num_nodes: c.time_ms for c in r.verify_costs})
+
+    def prefill(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(request_id=request_id,
+                                                                               token_ids=token_ids))
+
+    def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
+               tree: DraftTree, logits_format: str) -> Verified:
+        r = self._call("primary", self.primary.Verify, primary_pb2.VerifyRequest(
+            request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
+            tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
+            logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format]))
+        return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
+
+    def decode(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
+               sampling: SamplingParams, step: int) -> tuple[int, float]:
+        r = self._call("primary", self.primary.Decode, primary_pb2.DecodeRequest(
+            request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
+            sampling=pb.sampling_to_pb(sampling), step=step))
+        return r.token_id, r.forward_ms
+
+    def release_primary(self, request_id: str) -> None:
+        self._call("primary", self.primary.Release, primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id))
+
+    # --- draft -------------------------------------------------------------------------------
+
+    def propose(self, request_id: str, prompt_token_ids: Sequence[int], new_token_ids: Sequence[int],
+                strategies: Sequence[str], speculative_degree: int, draft_length: int, max_nodes: int,
+                sampling: SamplingParams, task_type: str) -> DraftTree:
+        r = self._call("draft", self.draft.Propose, draft_pb2.ProposeRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, new_token_ids=new_token_ids,
+            strategies=strategies, speculative_degree=speculative_degree, draft_length=draft_length,
+            max_nodes=max_nodes, sampling=pb.sampling_to_pb(sampling), task_type=TASK_TYPES[task_type]))
+        return DraftTree(tuple(r.tree.token_ids), tuple(r.tree.parents), tuple(r.node_sources),
+                         tuple(r.decoders), {s.name: s.time_ms for s in r.decoder_stats}, r.time_ms)
+
+    def release_draft(self, request_id: str, is_finished: bool) -> None:
+        self._call("draft", self.draft.Release,
+                   draft_pb2.DraftServiceReleaseRequest(request_id=request_id, is_finished=is_finished))
+
+    # --- validator ---------------------------------------------------------------------------
+
+    def validate(self, request_id: str, mode: str, sampling: SamplingParams, acceptance_threshold: float,
+                 step: int, tree: DraftTree, verified: Verified) -> Validation:
+        r = self._call("validator", self.validator.Validate, validator_pb2.ValidateRequest(
+            request_id=request_id, mode=MODES[mode], sampling=pb.sampling_to_pb(sampling),
+            acceptance_threshold=acceptance_threshold, step=step,
+            tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
+            target_logits=verified.logits, target_argmax_token_ids=verified.argmax_token_ids))
+        return Validation(tuple(r.accepted_nodes), r.bonus_token, tuple(r.accepted_entropies),
+                          tuple(r.rejected_entropies))

@@ -1,0 +1,98 @@
+"""Gateway configuration: flags, with SPECDEC_GATEWAY_* / SPECDEC_* environment variables as defaults.
+The only module of the gateway that reads os.environ."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from specdec.logits_codec import FORMATS
+from specdec.service.server import DEFAULT_HOST, ServerConfig
+
+KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "early_exit", "layer_skip")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask for; beyond these it gets INVALID_ARGUMENT naming the field."""
+    default_max_new_tokens: int = 256
+    max_new_tokens: int = 8192
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
+    max_prompt_chars: int = 1 << 20
+    max_chat_messages: int = 256
+    max_speculative_degree: int = 8
+    max_draft_length: int = 32
+    max_tree_nodes: int = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculationDefaults:
+    is_enabled: bool = True
+    speculative_degree: int = 1
+    draft_length: int = 8
+    strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")
+    greedy_logits_format: str = "fp8_e4m3"   # greedy decisions use the primary's fp32 argmax
+    sample_logits_format: str = "fp32"       # lossless sampling needs the exact distribution
+
+    def __post_init__(self) -> None:
+        for fmt in (self.greedy_logits_format, self.sample_logits_format):
+            if fmt not in FORMATS:
+                raise ValueError(f"logits format must be one of {FORMATS}, got {fmt!r}")
+        unknown = set(self.strategies) - set(KNOWN_STRATEGIES)
+        if unknown:
+            raise ValueError(f"unknown strategies {sorted(unknown)}; known: {KNOWN_STRATEGIES}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    server: ServerConfig
+    primary_address: str
+    draft_address: str
+    validator_address: str
+    redis_url: str                      # "" -> the in-process store (single machine, no recovery across restarts)
+    model_path: str | None
+    cache_dir: Path
+    limits: Limits = Limits()
+    speculation: SpeculationDefaults = SpeculationDefaults()
+    rpc_timeout_s: float = 60.0
+    recovery_timeout_s: float = 120.0   # how long a request waits for a restarted primary
+    state_ttl_s: float = 24 * 3600.0
+    log_level: str = "INFO"
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(f"SPECDEC_GATEWAY_{name}", os.environ.get(f"SPECDEC_{name}", default))
+
+
+def parse_config(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="The public gRPC API and the per-request loop.")
+    p.add_argument("--host", default=_env("HOST", DEFAULT_HOST))
+    p.add_argument("--port", type=int, default=int(_env("PORT", "50050")))
+    p.add_argument("--metrics_port", type=int, default=int(_env("METRICS_PORT", "0")))
+    p.add_argument("--primary_address", default=_env("PRIMARY_ADDRESS", "127.0.0.1:50051"))
+    p.add_argument("--draft_address", default=_env("DRAFT_ADDRESS", "127.0.0.1:50052"))
+    p.add_argument("--validator_address", default=_env("VALIDATOR_ADDRESS", "127.0.0.1:50053"))
+    p.add_argument("--redis_url", default=_env("REDIS_URL", ""))
+    p.add_argument("--model_path", default=_env("MODEL_PATH", _env("MODEL", None)))
+    p.add_argument("--cache_dir", default=_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
+    p.add_argument("--strategies", default=_env("STRATEGIES", "prompt_lookup,suffix_index"))
+    p.add_argument("--draft_length", type=int, default=int(_env("DRAFT_LENGTH", "8")))
+    p.add_argument("--speculative_degree", type=int, default=int(_env("SPECULATIVE_DEGREE", "1")))
+    p.add_argument("--greedy_logits_format", default=_env("GREEDY_LOGITS_FORMAT", "fp8_e4m3"), choices=FORMATS)
+    p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(4 << 20))))
+    p.add_argument("--rpc_timeout_s", type=float, default=float(_env("RPC_TIMEOUT_S", "60")))
+    p.add_argument("--recovery_timeout_s", type=float, default=float(_env("RECOVERY_TIMEOUT_S", "120")))
+    p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    return GatewayConfig(
+        server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
+                            max_message_bytes=a.max_message_bytes),
+        primary_address=a.primary_address, draft_address=a.draft_address,
+        validator_address=a.validator_address, redis_url=a.redis_url, model_path=a.model_path,
+        cache_dir=Path(a.cache_dir),
+        speculation=SpeculationDefaults(speculative_degree=a.speculative_degree, draft_length=a.draft_length,
+                                        strategies=tuple(s for s in a.strategies.split(",") if s),
+                                        greedy_logits_format=a.greedy_logits_format),
+        rpc_timeout_s=a.rpc_timeout_s, recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level)

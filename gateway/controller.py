@@ -1,0 +1,510 @@
+"""Adaptive speculation control: which draft decoders, how long a draft, or no speculation at all.
+
+Replaces the reference article's sketch `adjust_speculative_degree(task_type, current_acceptance)`, a
+table (structured -> many candidates, creative -> few), with a cost model. That name stays as the
+one-shot public entry; `AdaptiveController` is the per-request loop around the same optimiser.
+
+Terms (Leviathan et al. 2023): alpha, the per-token acceptance (the chance the primary accepts a draft
+token given that it accepted all earlier ones); gamma, the draft_length. One chain gains, bonus included,
+    E[accepted length] = 1 + alpha + ... + alpha^gamma = (1 - alpha^(gamma+1)) / (1 - alpha).
+Several candidates (a token tree, SpecInfer): depth j is reached when some candidate's first j tokens are
+all accepted. Treating candidates as independent,
+    E[accepted length] = 1 + sum_{j=1..gamma} (1 - prod_s (1 - reach_s(j))),
+    reach_s(j) = c_s * alpha_s^j * [j <= f_s * gamma]
+with c_s the chance decoder s proposes anything (coverage) and f_s the part of gamma it fills. Independence
+understates mutually exclusive candidates (distinct first tokens give a0 + a1, not a0 + a1 - a0*a1) and
+overstates correlated ones; node counts ignore merged prefixes (an upper bound on verify cost).
+
+Step cost, in units of one 1-token primary forward (verify(1) = 1):
+    plain       = verify(1) + plain_overhead
+    speculative = speculative_overhead + sum_{decoders used} draft_cost(gamma) + verify(1 + nodes)
+    speedup     = E[accepted length] * plain / speculative
+verify(k) is a measured curve (MEASUREMENTS.md, SmolLM2 bf16: 8 tokens cost 1.18x one). For each gamma
+on a grid, decoders are added greedily while the speedup grows, so one whose gain does not pay for its
+draft and verify cost is left out; the best gamma wins. Ranks of one decoder share its draft cost.
+
+Estimates per request and per (decoder, rank), as discounted Beta counts: a step that accepted a of p
+proposed tokens adds a successes and one failure when a < p (the geometric model's maximum likelihood:
+tokens after the first rejection were never tested). Counts start at a task-type prior worth
+`prior_strength` trials and are discounted by decay^(steps since the last observation) before each new
+observation, so the prior fades like any old evidence and a probe after a long pause dominates.
+
+Hysteresis and probing: speculation turns off when the best plan's expected speedup < off_below, and on
+again only at >= on_above. While off, every probe_interval steps a short draft re-measures acceptance;
+while on, a decoder left out for probe_interval steps rides along for one step. Only decoders cheap
+enough that probing costs < max_probe_overhead of throughput are probed: a model-based drafter that
+the cost model dropped stays dropped for the request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+STATE_VERSION = 1
+_TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
+
+# SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (MEASUREMENTS.md).
+SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
+    (1, 26.8), (2, 26.4), (4, 28.3), (8, 31.7), (16, 37.7), (32, 46.7), (64, 72.3))
+
+
+class TaskType(enum.StrEnum):
+    STRUCTURED = "structured"
+    CODE = "code"
+    CREATIVE = "creative"
+
+
+# Code fences, a line that starts like code in common languages, or a line that ends like a C statement.
+_CODE_PATTERN = re.compile(
+    r"```|^[ \t]*(?:def|class|import|from[ \t]+[\w.]+[ \t]+import|async[ \t]+def|function|fn|func|"
+    r"public|private|#include|package|const|let|var|SELECT|CREATE[ \t]+TABLE)\b|[;{][ \t]*$",
+    re.MULTILINE)
+
+
+def infer_task_type(prompt_text: str, has_schema: bool) -> TaskType:
+    """structured when a schema / JSON mode constrains the output, code when the prompt looks like code."""
+    if has_schema:
+        return TaskType.STRUCTURED
+    return TaskType.CODE if _CODE_PATTERN.search(prompt_text) else TaskType.CREATIVE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftCost:
+    """A decoder's cost per step, in 1-token forwards (prompt lookup ~0; early exit ~0.6-0.9 a token)."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.fixed < 0 or self.per_token < 0:
+            raise ValueError(f"draft costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}")
+
+    def at(self, draft_length: int) -> float:
+        return self.fixed + self.per_token * draft_length
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CostModel:
+    verify_curve: tuple[tuple[int, float], ...]  # (num_tokens, cost relative to 1 token), from num_tokens 1
+    draft_costs: tuple[tuple[str, DraftCost], ...] = ()  # (decoder, cost); every decoder a request may use
+    plain_overhead: float = 0.0  # per plain step outside model compute (RPC, Redis)
+    speculative_overhead: float = 0.0  # per speculative step: propose + validate RPCs, tree building
+    _curve: tuple[np.ndarray, np.ndarray] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = [k for k, _ in self.verify_curve]
+        if not sizes or sizes[0] != 1 or sizes != sorted(set(sizes)):
+            raise ValueError(f"verify_curve must start at num_tokens 1 and ascend, got sizes {sizes}")
+        if any(cost <= 0 for _, cost in self.verify_curve):
+            raise ValueError("verify_curve costs must be positive")
+        if self.plain_overhead < 0 or self.speculative_overhead < 0:
+            raise ValueError("plain_overhead and speculative_overhead must be >= 0")
+        names = [name for name, _ in self.draft_costs]
+        if len(names) != len(set(names)):
+            raise ValueError(f"draft_costs names a decoder twice: {names}")
+        object.__setattr__(self, "_curve", (np.array(sizes, dtype=np.float64),  # [P] num_tokens
+                                            np.array([c for _, c in self.verify_curve], dtype=np.float64)))
+
+    @classmethod
+    def from_verify_ms(cls, verify_ms: Iterable[tuple[int, float]],
+                       draft_costs: Mapping[str, DraftCost] | None = None, *,
+                       plain_overhead: float = 0.0, speculative_overhead: float = 0.0) -> CostModel:
+        """A measured curve in ms, normalised by its 1-token entry."""
+        points = sorted(verify_ms)
+        if not points or points[0][0] != 1:
+            raise ValueError("verify_ms must include num_tokens 1")
+        return cls(verify_curve=tuple((k, ms / points[0][1]) for k, ms in points),
+                   draft_costs=tuple(sorted((draft_costs or {}).items())),
+                   plain_overhead=plain_overhead, speculative_overhead=speculative_overhead)
+
+    @property
+    def plain_step(self) -> float:
+        return float(self.verify(1)) + self.plain_overhead
+
+    def verify(self, num_tokens: Any) -> Any:
+        """Piecewise-linear in num_tokens (a number or an array); past the last point the last
+        segment's slope continues."""
+        sizes, costs = self._curve
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        inside = np.interp(num_tokens, sizes, costs)
+        if sizes.size == 1:
+            return inside
+        slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
+        return np.where(num_tokens > sizes[-1], costs[-1] + slope * (num_tokens - sizes[-1]), inside)
+
+    def draft(self, decoder: str, draft_length: int) -> float:
+        for name, cost in self.draft_costs:
+            if name == decoder:
+                return cost.at(draft_length)
+        raise ValueError(f"decoder {decoder!r} has no draft cost in the cost model")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    draft_length_choices: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+    max_speculative_degree: int = 4
+    max_tree_nodes: int = 64
+    # Task-type priors for alpha (the article: JSON 89 % acceptance, prose 18 %); rank r gets decay^r of it.
+    prior_acceptance_structured: float = 0.8
+    prior_acceptance_code: float = 0.6
+    prior_acceptance_creative: float = 0.3
+    rank_prior_decay: float = 0.5
+    prior_coverage: float = 0.5
+    prior_strength: float = 2.0  # trials the prior is worth
+    half_life_steps: float = 4.0  # evidence weight halves every this many steps
+    max_evidence_tokens: float = 16.0  # tested draft tokens an alpha estimate remembers at most
+    off_below: float = 1.0
+    on_above: float = 1.05
+    probe_interval: int = 16
+    probe_draft_length: int = 4
+    # Probing may cost at most this share of throughput: a decoder is probed only when its draft cost,
+    # paid once per probe_interval steps, stays below it (prompt lookup yes, early exit at 0.6 a token no).
+    max_probe_overhead: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not self.draft_length_choices or min(self.draft_length_choices) < 1:
+            raise ValueError(f"draft_length_choices must be positive, got {self.draft_length_choices}")
+        for name in ("max_speculative_degree", "max_tree_nodes", "probe_interval", "probe_draft_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prior_acceptance_structured", "prior_acceptance_code", "prior_acceptance_creative",
+                     "rank_prior_decay", "prior_coverage"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.prior_strength <= 0 or self.half_life_steps <= 0:
+            raise ValueError("prior_strength and half_life_steps must be positive")
+        if self.max_evidence_tokens < self.prior_strength:
+            raise ValueError(f"max_evidence_tokens ({self.max_evidence_tokens}) must be >= prior_strength "
+                             f"({self.prior_strength})")
+        if not 0 < self.off_below <= self.on_above:
+            raise ValueError(f"need 0 < off_below <= on_above, got {self.off_below}, {self.on_above}")
+
+    @property
+    def decay_per_step(self) -> float:
+        return 0.5 ** (1.0 / self.half_life_steps)
+
+    def prior_acceptance(self, task_type: TaskType, rank: int) -> float:
+        base = {TaskType.STRUCTURED: self.prior_acceptance_structured, TaskType.CODE: self.prior_acceptance_code,
+                TaskType.CREATIVE: self.prior_acceptance_creative}[task_type]
+        return base * self.rank_prior_decay ** rank
+
+
+@dataclasses.dataclass(slots=True)
+class DecoderEstimate:
+    """Discounted evidence about one (decoder, rank) of one request; every field a plain number."""
+
+    decoder: str
+    rank: int
+    prior_acceptance: float
+    accepted: float  # accepted draft tokens (+ prior pseudo-successes)
+    tested: float  # accepted tokens + rejections (+ prior pseudo-trials)
+    proposed_steps: float  # steps with a non-empty candidate
+    asked_steps: float  # steps the decoder was asked
+    filled: float  # sum over non-empty steps of proposed / requested tokens
+    last_observed_step: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.tested if self.tested > _TINY else self.prior_acceptance
+
+    @property
+    def coverage(self) -> float:
+        return self.proposed_steps / self.asked_steps if self.asked_steps > _TINY else 0.0
+
+    @property
+    def fill(self) -> float:
+        return self.filled / self.proposed_steps if self.proposed_steps > _TINY else 1.0
+
+    def record(self, weight: float, num_proposed: int, num_accepted: int, num_requested: int,
+               max_tested: float) -> None:
+        """Discount the old evidence by `weight`, add one step's, cap the token evidence at max_tested."""
+        for name in ("accepted", "tested", "proposed_steps", "asked_steps", "filled"):
+            setattr(self, name, getattr(self, name) * weight)
+        self.asked_steps += 1.0
+        if num_proposed > 0:
+            self.proposed_steps += 1.0
+            self.filled += min(1.0, num_proposed / max(1, num_requested))
+            self.accepted += num_accepted
+            self.tested += num_accepted + (1 if num_accepted < num_proposed else 0)
+        if self.tested > max_tested:
+            # Long accepted runs add many successes but a rejection adds one failure: without a cap a few
+            # good steps would outweigh a run of bad ones for dozens of steps.
+            scale = max_tested / self.tested
+            self.accepted *= scale
+            self.tested = max_tested
+
+
+# (field, the type a stored value is coerced to) for rebuilding a DecoderEstimate from a plain dict
+_ESTIMATE_FIELDS = tuple((f, {"decoder": str, "rank": int, "last_observed_step": int}.get(f.name, float))
+                         for f in dataclasses.fields(DecoderEstimate))
+
+
+@dataclasses.dataclass(slots=True)
+class ControllerState:
+    """Per-request controller state; `to_dict()` is what the gateway stores in Redis."""
+
+    task_type: TaskType
+    estimates: list[DecoderEstimate]
+    num_steps: int = 0
+    is_speculating: bool = True
+    last_probe_step: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "task_type": self.task_type.value, "num_steps": self.num_steps,
+                "is_speculating": self.is_speculating, "last_probe_step": self.last_probe_step,
+                "estimates": [dataclasses.asdict(e) for e in self.estimates]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ControllerState:
+        if data.get("version") != STATE_VERSION:
+            raise ValueError(f"controller state version must be {STATE_VERSION}, got {data.get('version')!r}")
+        try:
+            estimates = [DecoderEstimate(**{f.name: f_type(row[f.name]) for f, f_type in _ESTIMATE_FIELDS})
+                         for row in data["estimates"]]
+            return cls(task_type=TaskType(data["task_type"]), estimates=estimates,
+                       num_steps=int(data["num_steps"]), is_speculating=bool(data["is_speculating"]),
+                       last_probe_step=int(data["last_probe_step"]))
+        except KeyError as e:
+            raise ValueError(f"controller state lacks field {e.args[0]!r}") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculationPlan:
+    """What the next step drafts. No sources (or draft_length 0) means a plain, non-speculative step.
+
+    The pool asks each decoder for `num_candidates(decoder)` candidates, keeps the listed ranks and
+    orders the tree's candidates as `sources` lists them (best first)."""
+
+    draft_length: int = 0
+    sources: tuple[tuple[str, int], ...] = ()  # (decoder, rank), best first
+    max_tree_nodes: int = 0  # node budget for build_token_tree
+    expected_accepted_length: float = 1.0  # bonus token included
+    # of the best speculative plan the model found, also when it lost (< 1) and this step is plain
+    expected_speedup: float = 1.0
+    is_probe: bool = False  # drafts chosen to re-measure acceptance, not because they pay
+
+    @property
+    def speculative_degree(self) -> int:
+        return len(self.sources)
+
+    @property
+    def is_speculative(self) -> bool:
+        return self.draft_length > 0 and bool(self.sources)
+
+    def num_candidates(self, decoder: str) -> int:
+        return 1 + max((rank for name, rank in self.sources if name == decoder), default=-1)
+
+
+class DraftOutcome(Protocol):
+    """One candidate's result (draft_svc.tree.CandidateOutcome or the gateway's proto message)."""
+
+    decoder: str
+    rank: int
+    num_proposed: int
+    num_accepted: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Choice:
+    sources: tuple[int, ...]  # indices into the estimates, best first
+    draft_length: int
+    expected_accepted_length: float
+    expected_speedup: float
+
+
+def expected_accepted_length(alpha: float, gamma: int) -> float:
+    """Leviathan et al. 2023, eq. 1: (1 - alpha^(gamma+1)) / (1 - alpha), bonus token included."""
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config: ControllerConfig) -> _Choice:
+    """Greedy selection for every draft length at once (G lengths, S estimates, J = max length depths).
+
+    For each length, add the estimate that raises the speedup most while it does (rank r of a decoder
+    only after rank r - 1); then keep the best length. A length stops growing at the first round
+    that does not improve it (its state no longer changes, so later rounds cannot either).
+    """
+    num_sources = len(estimates)
+    if num_sources == 0:
+        return _Choice((), 0, 1.0, 1.0)
+    gammas = np.array(config.draft_length_choices, dtype=np.float64)  # [G]
+    depth = np.arange(int(gammas.max()), dtype=np.float64)  # [J], depth j + 1
+    alpha = np.array([e.acceptance for e in estimates])  # [S]
+    coverage = np.array([e.coverage for e in estimates])  # [S]
+    lengths = np.array([e.fill for e in estimates]) * gammas[:, None]  # [G, S] expected candidate lengths
+    # reach[g, s, j] = c_s * alpha_s^(j+1) * [j + 1 <= f_s * gamma_g], the last partial token pro rata
+    reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] \
+        * np.clip(lengths[:, :, None] - depth, 0.0, 1.0)  # [G, S, J]
+    nodes = coverage * lengths  # [G, S] expected nodes each candidate adds
+    decoder_names = sorted({e.decoder for e in estimates})
+    decoder_of = np.array([decoder_names.index(e.decoder) for e in estimates])  # [S]
+    draft = np.array([[cost_model.draft(e.decoder, int(g)) for e in estimates] for g in gammas])  # [G, S]
+    key_index = {(e.decoder, e.rank): s for s, e in enumerate(estimates)}
+    prev_rank = np.array([key_index.get((e.decoder, e.rank - 1), -1) for e in estimates])  # [S], -1: rank 0
+
+    plain_step = cost_model.plain_step
+    grid = np.arange(len(gammas))
+    miss = np.ones((len(gammas), depth.size))  # [G, J] chance that no chosen candidate reaches depth j + 1
+    chosen = np.zeros((len(gammas), num_sources), dtype=bool)  # [G, S]
+    is_used = np.zeros((len(gammas), len(decoder_names)), dtype=bool)  # [G, D] decoders already paid for
+    num_nodes, draft_cost = np.zeros(len(gammas)), np.zeros(len(gammas))  # [G]
+    speedup, accepted_length = np.zeros(len(gammas)), np.ones(len(gammas))  # [G]
+    order: list[list[int]] = [[] for _ in gammas]
+    for _ in range(min(config.max_speculative_degree, num_sources)):
+        is_eligible = ~chosen & ((prev_rank < 0) | chosen[:, np.maximum(prev_rank, 0)])  # [G, S]
+        new_miss = miss[:, None, :] * (1.0 - reach)  # [G, S, J]
+        new_length = 1.0 + (1.0 - new_miss).sum(axis=2)  # [G, S], bonus token included
+        new_nodes = num_nodes[:, None] + nodes  # [G, S]
+        new_draft = draft_cost[:, None] + np.where(is_used[:, decoder_of], 0.0, draft)  # [G, S]
+        step = (cost_model.speculative_overhead + new_draft
+                + cost_model.verify(1.0 + np.minimum(new_nodes, config.max_tree_nodes)))  # [G, S]
+        new_speedup = np.where(is_eligible, new_length * plain_step / step, -np.inf)  # [G, S]
+        pick = new_speedup.argmax(axis=1)  # [G]
+        is_better = new_speedup[grid, pick] > speedup  # [G]; a length whose best addition loses stops
+        if not is_better.any():
+            break
+        rows, cols = grid[is_better], pick[is_better]
+        chosen[rows, cols] = True
+        is_used[rows, decoder_of[cols]] = True
+        miss[rows] = new_miss[rows, cols]
+        num_nodes[rows], draft_cost[rows] = new_nodes[rows, cols], new_draft[rows, cols]
+        speedup[rows], accepted_length[rows] = new_speedup[rows, cols], new_length[rows, cols]
+        for g, s in zip(rows.tolist(), cols.tolist()):
+            order[g].append(s)
+    g = int(speedup.argmax())  # the best speculative plan, even when it loses to plain decoding
+    if not order[g]:
+        return _Choice((), 0, 1.0, 1.0)
+    return _Choice(tuple(order[g]), int(gammas[g]), float(accepted_length[g]), float(speedup[g]))
+
+
+def _initial_estimates(task_type: TaskType, decoders: Mapping[str, int],
+                       config: ControllerConfig) -> list[DecoderEstimate]:
+    estimates = []
+    for decoder, num_ranks in decoders.items():
+        if num_ranks < 1:
+            raise ValueError(f"decoders[{decoder!r}] must be >= 1 candidates, got {num_ranks}")
+        for rank in range(num_ranks):
+            prior = config.prior_acceptance(task_type, rank)
+            proposed = config.prior_strength * config.prior_coverage
+            estimates.append(DecoderEstimate(
+                decoder=decoder, rank=rank, prior_acceptance=prior, accepted=config.prior_strength * prior,
+                tested=config.prior_strength, proposed_steps=proposed, asked_steps=config.prior_strength,
+                filled=proposed))
+    return estimates
+
+
+def _task_type(value: TaskType | str) -> TaskType:
+    try:
+        return TaskType(value)
+    except ValueError:
+        raise ValueError(f"task_type {value!r} is not one of {[t.value for t in TaskType]}") from None
+
+
+def _plan_from(choice: _Choice, estimates: list[DecoderEstimate], config: ControllerConfig,
+               extra: tuple[tuple[str, int], ...] = ()) -> SpeculationPlan:
+    sources = tuple((estimates[s].decoder, estimates[s].rank) for s in choice.sources) + extra
+    return SpeculationPlan(draft_length=choice.draft_length, sources=sources,
+                           max_tree_nodes=min(config.max_tree_nodes, len(sources) * choice.draft_length),
+                           expected_accepted_length=choice.expected_accepted_length,
+                           expected_speedup=choice.expected_speedup, is_probe=bool(extra))
+
+
+def adjust_speculative_degree(task_type: TaskType | str,
+                              current_acceptance: float | Mapping[tuple[str, int], float] | None = None, *,
+                              decoders: Mapping[str, int], cost_model: CostModel,
+                              config: ControllerConfig | None = None) -> SpeculationPlan:
+    """One-shot plan for a task type and the current alpha (one number for every rank-0 decoder, or
+    per (decoder, rank); None: the task type's prior). Stateless: no hysteresis, no probing."""
+    config = config or ControllerConfig()
+    estimates = _initial_estimates(_task_type(task_type), decoders, config)
+    if current_acceptance is not None:
+        for e in estimates:
+            alpha = (current_acceptance.get((e.decoder, e.rank), e.prior_acceptance)
+                     if isinstance(current_acceptance, Mapping)
+                     else current_acceptance * config.rank_prior_decay ** e.rank)
+            e.accepted = alpha * e.tested
+    choice = _best_choice(estimates, cost_model, config)
+    if not choice.sources or choice.expected_speedup < config.off_below:
+        return SpeculationPlan(expected_speedup=choice.expected_speedup)
+    return _plan_from(choice, estimates, config)
+
+
+class AdaptiveController:
+    """The per-request loop: plan() before each step, observe() after it; state lives in the caller."""
+
+    def __init__(self, cost_model: CostModel, config: ControllerConfig | None = None) -> None:
+        self._cost_model = cost_model
+        self._config = config or ControllerConfig()
+
+    def new_state(self, task_type: TaskType | str, decoders: Mapping[str, int]) -> ControllerState:
+        """decoders: name -> how many ranked candidates it can give per step (1 for most strategies)."""
+        for decoder in decoders:
+            self._cost_model.draft(decoder, 1)  # fail now, naming the decoder, not mid-request
+        return ControllerState(task_type=_task_type(task_type),
+                               estimates=_initial_estimates(_task_type(task_type), decoders, self._config))
+
+    def plan(self, state: ControllerState) -> SpeculationPlan:
+        config, estimates = self._config, state.estimates
+        choice = _best_choice(estimates, self._cost_model, config)
+        if state.is_speculating and (not choice.sources or choice.expected_speedup < config.off_below):
+            state.is_speculating = False
+            state.last_probe_step = state.num_steps
+        elif not state.is_speculating and choice.sources and choice.expected_speedup >= config.on_above:
+            state.is_speculating = True
+        if state.is_speculating:
+            return _plan_from(choice, estimates, config, self._stale_source(state, choice))
+        if state.num_steps - state.last_probe_step < config.probe_interval or not estimates:
+            return SpeculationPlan(expected_speedup=choice.expected_speedup)
+        state.last_probe_step = state.num_steps
+        gamma = config.probe_draft_length
+        sources = tuple((e.decoder, 0) for e in estimates
+                        if e.rank == 0 and self._is_cheap_probe(e.decoder, gamma))[:config.max_speculative_degree]
+        if not sources:  # only expensive decoders: staying off is what the cost model chose
+            return SpeculationPlan(expected_speedup=choice.expected_speedup)
+        return SpeculationPlan(draft_length=gamma, sources=sources,
+                               max_tree_nodes=min(config.max_tree_nodes, len(sources) * gamma),
+                               expected_speedup=choice.expected_speedup, is_probe=True)
+
+    def _is_cheap_probe(self, decoder: str, draft_length: int) -> bool:
+        amortised = self._cost_model.draft(decoder, draft_length) / self._config.probe_interval
+        return amortised <= self._config.max_probe_overhead
+
+    def _stale_source(self, state: ControllerState, choice: _Choice) -> tuple[tuple[str, int], ...]:
+        """The cheap decoder left out longest, when it has been out for probe_interval steps."""
+        in_plan = {state.estimates[s].decoder for s in choice.sources}
+        stale = [e for s, e in enumerate(state.estimates)
+                 if s not in choice.sources
+                 and state.num_steps - e.last_observed_step >= self._config.probe_interval
+                 and (e.decoder in in_plan or self._is_cheap_probe(e.decoder, choice.draft_length))]
+        if not stale:
+            return ()
+        oldest = min(stale, key=lambda e: e.last_observed_step)
+        return ((oldest.decoder, oldest.rank),)
+
+    def observe(self, state: ControllerState, plan: SpeculationPlan, outcomes: Iterable[DraftOutcome]) -> None:
+        """Record one finished step. Planned sources without an outcome proposed nothing."""
+        if not plan.is_speculative:
+            state.num_steps += 1
+            return
+        by_key = {(e.decoder, e.rank): e for e in state.estimates}
+        results = {key: (0, 0) for key in plan.sources}
+        for outcome in outcomes:
+            results[outcome.decoder, outcome.rank] = (outcome.num_proposed, outcome.num_accepted)
+            if not 0 <= outcome.num_accepted <= outcome.num_proposed:
+                raise ValueError(f"outcome for {outcome.decoder!r}: need 0 <= num_accepted <= num_proposed, "
+                                 f"got {outcome.num_accepted}, {outcome.num_proposed}")
+        for decoder, rank in results:
+            if (decoder, rank) not in by_key:
+                raise ValueError(f"decoder {decoder!r} rank {rank} is not tracked by this request's controller")
+        state.num_steps += 1  # only now: a rejected observation leaves the state untouched
+        decay = self._config.decay_per_step
+        for key, (num_proposed, num_accepted) in results.items():
+            estimate = by_key[key]
+            estimate.record(decay ** (state.num_steps - estimate.last_observed_step),
+                            num_proposed, num_accepted, plan.draft_length, self._config.max_evidence_tokens)
+            estimate.last_observed_step = state.num_steps

@@ -1,0 +1,270 @@
+"""The per-request loop: propose -> verify -> validate -> commit, until a stop condition.
+
+One step, speculative:
+    tree      = draft.Propose(tokens committed since the last step)
+    logits    = primary.Verify(commit of the last step, tree)      # ONE forward over the tree
+    accepted  = validator.Validate(tree, logits)                   # path + bonus token
+    committed = [tree tokens on the accepted path] + [bonus]
+    state store: append committed tokens, stats                    # one round trip
+The primary learns the commit at the start of the next Verify (no extra RPC). With
+speculation off a step is one primary.Decode (the baseline the speedup is measured against).
+
+Recovery: the committed tokens are in the state store after every step. If the primary
+restarts, its Verify answers NOT_FOUND (or UNAVAILABLE while it is down): the loop waits for
+it, re-prefills prompt + committed tokens, and goes on; greedy output is unchanged.
+Cancellation and deadlines are checked once per step, so they stop a request within a step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable, Iterator, Sequence
+
+import structlog
+
+from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo
+from gateway.params import GenerationParams
+from gateway.stats import RequestStats
+from specdec.errors import FailedPrecondition, NotFound, Unavailable
+from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+from specdec.state_store import RequestStatus, StateStore
+
+FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
+FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
+RECOVERY_POLL_S = 0.5
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    token_ids: list[int]           # tokens committed by this step (after stop handling)
+    text: str                      # text that became final with them (stop strings held back)
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutcome:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: RequestStats
+
+
+class RequestLoop:
+    def __init__(self, request_id: str, params: GenerationParams, prompt_ids: Sequence[int],
+                 backends: Backends, store: StateStore, tokenizer: Tokenizer, model: ModelInfo,
+                 logits_formats: tuple[str, str], recovery_timeout_s: float, max_tree_nodes: int,
+                 cancel: threading.Event, owner: str, deadline: float | None = None,
+                 generated: Sequence[int] = (), stats: RequestStats | None = None) -> None:
+        self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
+        self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
+        self.greedy_format, self.sample_format = logits_formats
+        self.recovery_timeout_s, self.max_tree_nodes = recovery_timeout_s, max_tree_nodes
+        self.cancel, self.deadline, self.owner = cancel, deadline, owner
+        self.generated: list[int] = list(generated)
+        self.stats = stats or RequestStats(num_prompt_tokens=len(prompt_ids))
+        self.eos = set(model.eos_token_ids)
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.text = self.detok.add(self.generated) if self.generated else ""
+        self.emitted_chars = len(self.text)
+        # What the primary / draft service still has to learn (piggybacked on the next call).
+        self.pending_accepted: tuple[int, ...] = ()
+        self.pending_committed: list[int] = []
+        self.draft_synced = 0            # generated tokens the draft service has seen
+        self.is_draft_open = False
+        self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> Iterator[StepOutput]:
+        """Yield each step's committed tokens and final text; the outcome is in `self.outcome` at the end."""
+        start = time.perf_counter()
+        finish = None
+        try:
+            self._prefill()
+            while finish is None:
+                finish = self._stop_signal()
+                if finish is not None:
+                    break
+                step_start = time.perf_counter()
+                new_tokens = self._speculative_step() if self._is_speculative() else self._plain_step()
+                kept, finish = self._truncate(new_tokens)
+                self.stats.num_steps += 1
+                self.stats.num_generated_tokens += len(kept)
+                delta, is_stopped, is_stored = self._commit(kept, is_final=finish is not None)
+                self.stats.total_ms += (time.perf_counter() - step_start) * 1000
+                if not is_stored:                  # the store refused: cancelled from elsewhere
+                    finish = FINISH_CANCELLED
+                    break
+                if is_stopped:
+                    finish = FINISH_STOP
+                if kept or delta:
+                    yield StepOutput(kept, delta)
+        except BaseException as e:
+            self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
+            raise
+        if finish != FINISH_STOP:
+            self.text = self._cut_at_stop(self.text + self.detok.finish())[0]
+        tail = self.text[self.emitted_chars:]
+        self._finish(finish)
+        self.outcome = RequestOutcome(self.generated, self.text, finish, self.stats)
+        if tail:
+            yield StepOutput([], tail)
+        self.log.info("request finished", finish_reason=finish, num_tokens=len(self.generated),
+                      steps=self.stats.num_steps, wall_ms=round((time.perf_counter() - start) * 1000, 1))
+
+    def _is_speculative(self) -> bool:
+        return self.params.speculation.is_enabled
+
+    def _stop_signal(self) -> str | None:
+        if self.cancel.is_set():
+            return FINISH_CANCELLED
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return FINISH_DEADLINE
+        return None
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def _prefill(self) -> None:
+        t = time.perf_counter()
+        self._with_primary(lambda: None, is_fresh=True)
+        ms = (time.perf_counter() - t) * 1000
+        self.stats.stage_ms["verify"] += ms
+        self.stats.total_ms += ms
+
+    def _speculative_step(self) -> list[int]:
+        spec, sampling = self.params.speculation, self.params.sampling
+        t0 = time.perf_counter()
+        tree = self._propose()
+        t1 = time.perf_counter()
+        fmt = self.greedy_format if sampling.is_greedy and spec.acceptance_threshold == 0 else self.sample_format
+        verified = self._with_primary(lambda: self.backends.verify(
+            self.request_id, self.pending_accepted, self.pending_committed, tree, fmt))
+        t2 = time.perf_counter()
+        mode = "threshold" if spec.acceptance_threshold > 0 else ("greedy" if sampling.is_greedy else "sample")
+        v = self.backends.validate(self.request_id, mode, sampling, spec.acceptance_threshold,
+                                   self.stats.num_steps, tree, verified)
+        t3 = time.perf_counter()
+        self.pending_accepted = v.accepted_nodes
+        self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
+        self._account(tree, v.accepted_nodes, v.accepted_entropies, v.rejected_entropies)
+        for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
+            self.stats.stage_ms[stage] += ms * 1000
+        return list(self.pending_committed)
+
+    def _plain_step(self) -> list[int]:
+        t = time.perf_counter()
+        token, _ = self._with_primary(lambda: self.backends.decode(
+            self.request_id, self.pending_accepted, self.pending_committed, self.params.sampling,
+            self.stats.num_steps))
+        self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
+        self.pending_accepted, self.pending_committed = (), [token]
+        return [token]
+
+    def _propose(self) -> DraftTree:
+        spec = self.params.speculation
+        new = self.generated[self.draft_synced:]
+        prompt = [] if self.is_draft_open else self.prompt_ids + new
+        try:
+            tree = self.backends.propose(self.request_id, prompt, [] if prompt else new, spec.strategies,
+                                         spec.speculative_degree, spec.draft_length, self.max_tree_nodes,
+                                         self.params.sampling, spec.task_type)
+        except NotFound:                         # the draft service restarted: resend the context
+            self.is_draft_open = False
+            return self._propose() if prompt == [] else EMPTY_TREE
+        except Unavailable as e:                 # no drafts this step; the primary alone still progresses
+            self.log.warning("draft service unavailable; verifying without drafts", error=str(e))
+            self.is_draft_open = False
+            return EMPTY_TREE
+        self.is_draft_open = True
+        self.draft_synced = len(self.generated)
+        return tree
+
+    def _account(self, tree: DraftTree, accepted: Sequence[int], accepted_h, rejected_h) -> None:
+        self.stats.num_proposed += tree.num_nodes
+        self.stats.num_accepted += len(accepted)
+        accepted_set = set(accepted)
+        for i, name in enumerate(tree.decoders):
+            bit = 1 << i
+            proposed = sum(1 for s in tree.node_sources if s & bit)
+            hits = sum(1 for n in accepted_set if tree.node_sources[n] & bit)
+            self.stats.add_decoder(name, proposed, hits, tree.decoder_ms.get(name, 0.0))
+        self.stats.add_entropies(list(accepted_h), list(rejected_h))
+
+    # --- stop conditions, commit ---------------------------------------------------------------
+
+    def _truncate(self, new_tokens: list[int]) -> tuple[list[int], str | None]:
+        kept: list[int] = []
+        for t in new_tokens:
+            if t in self.eos:
+                return kept, FINISH_EOS
+            kept.append(t)
+            total = len(self.generated) + len(kept)
+            if total >= self.params.max_new_tokens or len(self.prompt_ids) + total >= self.model.max_context - 1:
+                return kept, FINISH_LENGTH
+        return kept, None
+
+    def _cut_at_stop(self, text: str) -> tuple[str, bool]:
+        if not self.params.stop:
+            return text, False
+        cut = find_stop_string(text, self.params.stop)
+        return (text, False) if cut is None else (text[:cut], True)
+
+    def _commit(self, kept: list[int], is_final: bool) -> tuple[str, bool, bool]:
+        """Record the step's tokens; returns (text delta ready to emit, hit a stop string, stored)."""
+        t = time.perf_counter()
+        self.text += self.detok.add(kept)
+        self.text, is_stopped = self._cut_at_stop(self.text)
+        try:
+            self.store.append_step(self.request_id, kept, expected_num_tokens=len(self.generated),
+                                   stats=self.stats.to_dict(), owner=self.owner)
+        except FailedPrecondition:
+            return "", False, False
+        finally:
+            self.stats.stage_ms["state"] += (time.perf_counter() - t) * 1000
+        self.generated.extend(kept)
+        # Hold back a tail that could still become a stop string, unless this is the end.
+        ready = len(self.text) if (is_final or is_stopped) else len(self.text) - num_held_back_chars(
+            self.text, self.params.stop)
+        delta = self.text[self.emitted_chars:ready]
+        self.emitted_chars = max(self.emitted_chars, ready)
+        return delta, is_stopped, True
+
+    def _finish(self, finish: str, error: str = "") -> None:
+        status = {FINISH_CANCELLED: RequestStatus.CANCELLED, FINISH_ERROR: RequestStatus.FAILED,
+                  FINISH_DEADLINE: RequestStatus.CANCELLED}.get(finish, RequestStatus.FINISHED)
+        try:
+            self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
+        except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
+            self.log.warning("could not record the final status", error=str(e))
+        for release in (lambda: self.backends.release_primary(self.request_id),
+                        lambda: self.backends.release_draft(self.request_id, finish in (FINISH_EOS, FINISH_LENGTH,
+                                                                                        FINISH_STOP))):
+            try:
+                release()
+            except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
+                pass
+
+    # --- primary recovery ----------------------------------------------------------------------
+
+    def _with_primary(self, call: Callable, is_fresh: bool = False):
+        """Run a primary call; if the primary lost the request (restart), re-prefill and retry."""
+        give_up = time.monotonic() + self.recovery_timeout_s
+        needs_prefill = is_fresh
+        while True:
+            try:
+                if needs_prefill:
+                    self.backends.prefill(self.request_id, self.prompt_ids + self.generated)
+                    self.pending_accepted, self.pending_committed = (), []
+                    needs_prefill = False
+                return call()
+            except NotFound:
+                if is_fresh:
+                    raise
+                self.log.warning("primary lost the request; re-prefilling from the committed tokens")
+                needs_prefill = True
+            except Unavailable as e:
+                if time.monotonic() > give_up or self.cancel.is_set():
+                    raise
+                self.log.warning("primary unavailable; waiting", error=str(e))
+                time.sleep(RECOVERY_POLL_S)
+                needs_prefill = True

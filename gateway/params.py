@@ -1,0 +1,126 @@
+"""A generation request, validated: GenerateRequest (protobuf) -> GenerationParams (domain).
+
+Every field a caller controls is checked here, before anything is allocated, and a bad one
+raises InvalidArgument naming the protobuf field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from gateway.config import KNOWN_STRATEGIES, Limits, SpeculationDefaults
+from specdec import pb
+from specdec.errors import InvalidArgument, Unimplemented
+from specdec.sampling import SamplingParams
+from specdec.v1 import common_pb2, gateway_pb2
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+TASK_TYPES = {common_pb2.TASK_TYPE_UNSPECIFIED: "", common_pb2.TASK_TYPE_STRUCTURED: "structured",
+              common_pb2.TASK_TYPE_CODE: "code", common_pb2.TASK_TYPE_CREATIVE: "creative"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpeculationParams:
+    is_enabled: bool
+    speculative_degree: int
+    draft_length: int
+    acceptance_threshold: float
+    strategies: tuple[str, ...]
+    task_type: str                 # "", "structured", "code" or "creative"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationParams:
+    prompt: str | None
+    messages: tuple[tuple[str, str], ...] | None     # (role, content) pairs
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    sampling: SamplingParams
+    speculation: SpeculationParams
+
+    def prompt_text(self, tokenizer: Any) -> str:
+        if self.messages is None:
+            return self.prompt
+        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in self.messages])
+
+
+def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits,
+                   defaults: SpeculationDefaults) -> GenerationParams:
+    prompt, messages = _input_from_pb(req, limits)
+    if req.HasField("max_new_tokens"):
+        max_new_tokens = req.max_new_tokens
+        if not 1 <= max_new_tokens <= limits.max_new_tokens:
+            raise InvalidArgument("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new_tokens}")
+    else:
+        max_new_tokens = limits.default_max_new_tokens
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidArgument("stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}")
+    for s in req.stop:
+        if not s or len(s) > limits.max_stop_chars:
+            raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
+    sampling = pb.sampling_from_pb(req.sampling)
+    if req.response_format.type not in (common_pb2.ResponseFormat.TYPE_UNSPECIFIED,
+                                        common_pb2.ResponseFormat.TYPE_TEXT):
+        raise Unimplemented("response_format", "constrained (JSON) decoding is not served by this gateway yet")
+    return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling,
+                            _speculation_from_pb(req.speculation, limits, defaults))
+
+
+def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
+    which = req.WhichOneof("input")
+    if which is None:
+        raise InvalidArgument("prompt", "give a prompt or chat messages")
+    if which == "prompt":
+        if not req.prompt.strip():
+            raise InvalidArgument("prompt", "must not be empty")
+        if len(req.prompt) > limits.max_prompt_chars:
+            raise InvalidArgument("prompt", f"longer than {limits.max_prompt_chars} characters")
+        return req.prompt, None
+    messages = req.chat.messages
+    if not messages:
+        raise InvalidArgument("chat.messages", "must not be empty")
+    if len(messages) > limits.max_chat_messages:
+        raise InvalidArgument("chat.messages", f"at most {limits.max_chat_messages} messages")
+    if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
+        raise InvalidArgument("chat.messages", f"longer than {limits.max_prompt_chars} characters in all")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgument(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+    if not any(m.content.strip() for m in messages):
+        raise InvalidArgument("chat.messages", "every message is empty")
+    return None, tuple((m.role, m.content) for m in messages)
+
+
+def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits,
+                         defaults: SpeculationDefaults) -> SpeculationParams:
+    is_enabled = spec.is_enabled if spec.HasField("is_enabled") else defaults.is_enabled
+    degree = spec.speculative_degree or defaults.speculative_degree
+    if not 1 <= degree <= limits.max_speculative_degree:
+        raise InvalidArgument("speculation.speculative_degree",
+                              f"must be in [1, {limits.max_speculative_degree}], got {degree}")
+    draft_length = spec.draft_length or defaults.draft_length
+    if not 1 <= draft_length <= limits.max_draft_length:
+        raise InvalidArgument("speculation.draft_length", f"must be in [1, {limits.max_draft_length}], got {draft_length}")
+    threshold = float(spec.acceptance_threshold)
+    if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
+        raise InvalidArgument("speculation.acceptance_threshold", f"must be in [0, 1], got {threshold}")
+    strategies = tuple(spec.strategies) or defaults.strategies
+    for s in strategies:
+        if s not in KNOWN_STRATEGIES:
+            raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {KNOWN_STRATEGIES}")
+    if spec.task_type not in TASK_TYPES:
+        raise InvalidArgument("speculation.task_type", f"unknown task type {spec.task_type}")
+    return SpeculationParams(is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type])
+
+
+def params_to_json(req: gateway_pb2.GenerateRequest) -> dict:
+    """The request as stored in the state store (protobuf JSON), to rebuild it on recovery."""
+    from google.protobuf import json_format
+    return json.loads(json_format.MessageToJson(req, preserving_proto_field_name=True))
+
+
+def params_pb_from_json(d: dict) -> gateway_pb2.GenerateRequest:
+    from google.protobuf import json_format
+    return json_format.ParseDict(d, gateway_pb2.GenerateRequest())

@@ -1,0 +1,156 @@
+"""GenerationService servicer (the public API): protobuf -> RequestLoop -> protobuf."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import structlog
+
+from gateway.backends import Backends, ModelInfo
+from gateway.config import GatewayConfig
+from gateway.loop import RequestLoop
+from gateway.params import params_from_pb, params_to_json
+from gateway.stats import RequestStats
+from specdec import pb
+from specdec.errors import InvalidArgument, NotFound
+from specdec.model.tokenizer import Tokenizer
+from specdec.state_store import RequestStatus, StateStore
+from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+
+FINISH_REASONS = {"length": gateway_pb2.FINISH_REASON_LENGTH, "stop": gateway_pb2.FINISH_REASON_STOP,
+                  "eos": gateway_pb2.FINISH_REASON_EOS, "cancelled": gateway_pb2.FINISH_REASON_CANCELLED,
+                  "deadline": gateway_pb2.FINISH_REASON_DEADLINE, "error": gateway_pb2.FINISH_REASON_ERROR}
+STATUSES = {RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
+            RequestStatus.RUNNING: gateway_pb2.REQUEST_STATUS_RUNNING,
+            RequestStatus.FINISHED: gateway_pb2.REQUEST_STATUS_FINISHED,
+            RequestStatus.CANCELLED: gateway_pb2.REQUEST_STATUS_CANCELLED,
+            RequestStatus.FAILED: gateway_pb2.REQUEST_STATUS_FAILED}
+
+
+class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, config: GatewayConfig, backends: Backends, store: StateStore, tokenizer: Tokenizer,
+                 model: ModelInfo, owner: str) -> None:
+        self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
+        self.owner = owner
+        self._active: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+        self.log = structlog.get_logger("gateway")
+
+    # --- RPCs -------------------------------------------------------------------------------
+
+    def Generate(self, request, context):
+        loop = self._start(request, context)
+        try:
+            for _ in loop.run():
+                pass
+        finally:
+            self._forget(loop.request_id)
+        o = loop.outcome
+        return gateway_pb2.GenerateResponse(request_id=loop.request_id, text=o.text, token_ids=o.token_ids,
+                                            finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb())
+
+    def GenerateStream(self, request, context):
+        loop = self._start(request, context)
+        try:
+            for out in loop.run():
+                yield gateway_pb2.GenerateStreamResponse(request_id=loop.request_id, text=out.text,
+                                                         token_ids=out.token_ids)
+        finally:
+            self._forget(loop.request_id)
+        o = loop.outcome
+        yield gateway_pb2.GenerateStreamResponse(request_id=loop.request_id, is_final=True,
+                                                 finish_reason=FINISH_REASONS[o.finish_reason],
+                                                 stats=o.stats.to_pb())
+
+    def Cancel(self, request, context):
+        request_id = pb.request_id_from_pb(request.request_id)
+        with self._lock:
+            event = self._active.get(request_id)
+        if event is not None:
+            event.set()
+        state = self.store.load(request_id)
+        if state is None and event is None:
+            raise NotFound("request_id", f"no request {request_id!r}")
+        # Another gateway running it sees the status at its next per-step write and stops.
+        was_active = self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+        return gateway_pb2.CancelResponse(was_active=was_active or event is not None)
+
+    def GetRequest(self, request, context):
+        request_id = pb.request_id_from_pb(request.request_id)
+        state = self.store.load(request_id)
+        if state is None:
+            raise NotFound("request_id", f"no request {request_id!r} (unknown or expired)")
+        from gateway.params import params_pb_from_json
+        return gateway_pb2.GetRequestResponse(
+            status=STATUSES[state.status], params=params_pb_from_json(state.params), token_ids=state.token_ids,
+            text=self.tokenizer.decode(state.token_ids), stats=RequestStats.from_dict(state.stats).to_pb(),
+            finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
+            error=state.error)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _start(self, request, context) -> RequestLoop:
+        params = params_from_pb(request, self.config.limits, self.config.speculation)
+        request_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
+        prompt_ids = self.tokenizer.encode(params.prompt_text(self.tokenizer))
+        field = "prompt" if params.messages is None else "chat.messages"
+        if not prompt_ids:
+            raise InvalidArgument(field, "the prompt encodes to no tokens")
+        if len(prompt_ids) >= self.model.max_context - 1:
+            raise InvalidArgument(field, f"{len(prompt_ids)} prompt tokens do not fit the context of "
+                                  f"{self.model.max_context} tokens")
+        stored = request.__class__()
+        stored.CopyFrom(request)
+        stored.request_id = request_id
+        self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
+                          status=RequestStatus.RUNNING)
+        cancel = threading.Event()
+        with self._lock:
+            self._active[request_id] = cancel
+        context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        return self.make_loop(request_id, params, prompt_ids, cancel, deadline)
+
+    def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None) -> RequestLoop:
+        spec = self.config.speculation
+        return RequestLoop(request_id, params, prompt_ids, self.backends, self.store, self.tokenizer, self.model,
+                           (spec.greedy_logits_format, spec.sample_logits_format), self.config.recovery_timeout_s,
+                           self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._active.pop(request_id, None)
+
+    def resume_active(self) -> list[str]:
+        """Finish requests that a previous gateway left running (state from the store)."""
+        from gateway.params import params_pb_from_json
+        resumed = []
+        for request_id in self.store.list_active():
+            if not self.store.claim(request_id, self.owner):
+                continue
+            state = self.store.load(request_id)
+            if state is None:
+                continue
+            params = params_from_pb(params_pb_from_json(state.params), self.config.limits, self.config.speculation)
+            cancel = threading.Event()
+            with self._lock:
+                self._active[request_id] = cancel
+            loop = self.make_loop(request_id, params, state.prompt_token_ids, cancel, None, state.token_ids,
+                                  RequestStats.from_dict(state.stats))
+
+            def run(loop=loop) -> None:
+                try:
+                    for _ in loop.run():
+                        pass
+                except Exception as e:  # noqa: BLE001 - recorded as FAILED in the store by the loop
+                    self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))
+                finally:
+                    self._forget(loop.request_id)
+
+            threading.Thread(target=run, name=f"resume-{request_id}", daemon=True).start()
+            resumed.append(request_id)
+        if resumed:
+            self.log.info("resumed requests", request_ids=resumed)
+        return resumed

@@ -1,0 +1,76 @@
+"""Per-request statistics: tokens, steps, acceptance, time per stage, per decoder, by entropy bin.
+
+Kept as plain data so the gateway can write them to the state store at every step and any
+gateway can serve them (GetRequest) or resume from them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specdec.v1 import common_pb2, gateway_pb2
+from validator_svc.entropy import DEFAULT_ENTROPY_BIN_EDGES
+
+STAGES = ("draft", "verify", "validate", "commit", "state", "other")
+
+
+@dataclasses.dataclass(slots=True)
+class RequestStats:
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    num_proposed: int = 0        # draft tokens sent to verify
+    num_accepted: int = 0        # draft tokens accepted
+    stage_ms: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    total_ms: float = 0.0
+    decoders: dict[str, list[float]] = dataclasses.field(default_factory=dict)   # name -> [proposed, accepted, ms]
+    entropy_proposed: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
+    entropy_accepted: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.num_generated_tokens / self.num_steps if self.num_steps else 0.0
+
+    def add_decoder(self, name: str, num_proposed: int, num_accepted: int, ms: float) -> None:
+        row = self.decoders.setdefault(name, [0, 0, 0.0])
+        row[0] += num_proposed
+        row[1] += num_accepted
+        row[2] += ms
+
+    def add_entropies(self, accepted: list[float], rejected: list[float]) -> None:
+        edges = DEFAULT_ENTROPY_BIN_EDGES
+        for values, is_accepted in ((accepted, True), (rejected, False)):
+            for h in values:
+                b = next(i for i in range(len(edges) - 1) if h < edges[i + 1] or i == len(edges) - 2)
+                self.entropy_proposed[b] += 1
+                self.entropy_accepted[b] += is_accepted
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RequestStats":
+        return cls(**d) if d else cls()
+
+    def to_pb(self) -> gateway_pb2.GenerationStats:
+        edges = DEFAULT_ENTROPY_BIN_EDGES
+        other = max(0.0, self.total_ms - sum(v for k, v in self.stage_ms.items() if k != "other"))
+        return gateway_pb2.GenerationStats(
+            num_prompt_tokens=self.num_prompt_tokens, num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps, num_proposed_tokens=self.num_proposed, num_accepted_tokens=self.num_accepted,
+            acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+            stage_times=gateway_pb2.StageTimes(
+                draft_ms=self.stage_ms["draft"], verify_ms=self.stage_ms["verify"],
+                validate_ms=self.stage_ms["validate"], commit_ms=self.stage_ms["commit"],
+                state_ms=self.stage_ms["state"], other_ms=other, total_ms=self.total_ms),
+            tokens_per_second=self.num_generated_tokens / (self.total_ms / 1000) if self.total_ms else 0.0,
+            decoders=[common_pb2.DecoderStats(name=n, num_proposed=int(r[0]), num_accepted=int(r[1]), time_ms=r[2])
+                      for n, r in sorted(self.decoders.items())],
+            entropy_bins=[gateway_pb2.EntropyBin(lower=edges[i], upper=edges[i + 1],
+                                                 num_proposed=self.entropy_proposed[i],
+                                                 num_accepted=self.entropy_accepted[i])
+                          for i in range(len(edges) - 1)])

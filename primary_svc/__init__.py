@@ -1,0 +1,1 @@
+"""The primary (target) decoder service: the model, every request's KV cache, tree verify."""

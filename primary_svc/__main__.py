@@ -1,0 +1,64 @@
+"""python -m primary_svc: load the model (into shared memory), serve PrimaryService."""
+from __future__ import annotations
+
+import sys
+import uuid
+
+import structlog
+import torch
+from prometheus_client import CollectorRegistry
+
+from primary_svc.config import parse_config
+from primary_svc.costs import measure_verify_costs
+from primary_svc.server import ModelIdentity, PrimaryServicer
+from primary_svc.worker import EngineWorker
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.logging import configure_logging
+from specdec.metrics import ServiceMetrics
+from specdec.model.loader import resolve_model_dir
+from specdec.model.tokenizer import Tokenizer
+from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.server import serve
+from specdec.v1 import primary_pb2_grpc
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    configure_logging("primary_svc", level=config.log_level)
+    log = structlog.get_logger("primary_svc")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
+    instance_id = uuid.uuid4().hex[:12]
+    loaded = load_model(model_dir, config.precision, max_positions=config.max_context,
+                        is_shared=config.is_shared_weights, instance_id=instance_id)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, max_bytes=config.max_kv_bytes),
+                    config.max_context)
+    costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
+    log.info("model loaded", model_dir=str(model_dir), precision=config.precision,
+             weight_bytes=loaded.weight_bytes, verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
+    eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
+    identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs)
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry)
+    worker = EngineWorker(engine, config.max_batch, config.min_batch, config.max_wait_ms)
+    servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics)
+
+    def on_stopped() -> None:
+        worker.stop()
+        if loaded.shared is not None:
+            loaded.shared.unlink()
+
+    try:
+        serve(config.server, [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
+              interceptors=[ErrorInterceptor(metrics)], registry=registry, on_stopped=on_stopped)
+    finally:
+        if loaded.shared is not None:
+            loaded.shared.unlink()
+
+
+if __name__ == "__main__":
+    main()

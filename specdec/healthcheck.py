@@ -1,0 +1,30 @@
+"""Container health check: `python -m specdec.healthcheck ADDRESS [--service NAME]`.
+
+Exits 0 when the gRPC server at ADDRESS reports SERVING (grpc.health.v1),
+1 otherwise. Stands in for grpc_health_probe, which the image does not ship.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from specdec.service.health import check_health
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specdec.healthcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("address", help="host:port of the gRPC server")
+    parser.add_argument("--service", default="", help="service name to check; empty means the whole server")
+    parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    args = parser.parse_args(argv)
+    with grpc.insecure_channel(args.address) as channel:
+        is_serving = check_health(channel, args.service, timeout_s=args.timeout)
+    print("SERVING" if is_serving else "NOT_SERVING", file=sys.stderr)
+    return 0 if is_serving else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""Prometheus metrics of one service.
+
+Every metric object lives in a ServiceMetrics built around a CollectorRegistry
+that the caller owns (no module-level metric objects: tests build their own
+registry and read it back with registry.get_sample_value). Each service
+exposes its registry on its own HTTP port; the scrape target identifies the
+service, so names carry no service label.
+
+Names follow Prometheus conventions: counters end in _total, durations are in
+seconds, sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+NAMESPACE = "specdec"
+# Port value that disables the metrics endpoint.
+METRICS_DISABLED_PORT = 0
+# Pipeline stages timed per step (GenerationStats.stage_times, without total).
+STAGES = ("draft", "verify", "validate", "commit", "state", "other")
+# Token kinds counted: prompt and generated tokens of requests; proposed and
+# accepted draft tokens (acceptance rate = accepted / proposed).
+TOKEN_KINDS = ("prompt", "generated", "proposed", "accepted")
+
+# RPC latencies span sub-millisecond (Validate of a small tree) to tens of
+# seconds (a long Generate).
+_RPC_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# A pipeline stage of one step: sub-ms (validate, Redis) to a few hundred ms
+# (a verify of a large tree on CPU).
+_STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# Accepted length per step is an integer >= 1 (accepted draft tokens + bonus).
+_ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+
+
+class ServiceMetrics:
+    """The metric set every service exports (each service uses its subset)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "rpc_requests", "RPCs handled, by method and status code.",
+            ["method", "code"], namespace=NAMESPACE, registry=registry)
+        self.rpc_latency = Histogram(
+            "rpc_latency_seconds", "RPC handling time, by method.",
+            ["method"], namespace=NAMESPACE, registry=registry, buckets=_RPC_BUCKETS_S)
+        self.tokens = Counter(
+            "tokens", f"Tokens by kind: {', '.join(TOKEN_KINDS)}.",
+            ["kind"], namespace=NAMESPACE, registry=registry)
+        self.steps = Counter(
+            "steps", "Pipeline steps (one primary forward each).",
+            namespace=NAMESPACE, registry=registry)
+        self.accepted_length = Histogram(
+            "accepted_length", "Tokens gained per step (accepted draft tokens + 1).",
+            namespace=NAMESPACE, registry=registry, buckets=_ACCEPTED_LENGTH_BUCKETS)
+        self.stage_latency = Histogram(
+            "stage_latency_seconds", f"Time per pipeline stage of one step: {', '.join(STAGES)}.",
+            ["stage"], namespace=NAMESPACE, registry=registry, buckets=_STAGE_BUCKETS_S)
+        self.queue_depth = Gauge(
+            "queue_depth", "Requests (or work items) waiting to be served.",
+            namespace=NAMESPACE, registry=registry)
+        self.active_requests = Gauge(
+            "active_requests", "Requests being served.",
+            namespace=NAMESPACE, registry=registry)
+        self.kv_bytes = Gauge(
+            "kv_bytes", "KV-cache bytes in use.",
+            namespace=NAMESPACE, registry=registry)
+
+    def observe_step(self, *, num_proposed: int, num_accepted: int, stage_seconds: dict[str, float]) -> None:
+        """Record one speculative step: num_accepted draft tokens + 1 bonus token."""
+        if num_accepted > num_proposed:
+            raise ValueError(f"num_accepted {num_accepted} > num_proposed {num_proposed}")
+        unknown = set(stage_seconds) - set(STAGES)
+        if unknown:
+            raise ValueError(f"unknown stages {sorted(unknown)}; expected a subset of {STAGES}")
+        self.steps.inc()
+        self.tokens.labels("proposed").inc(num_proposed)
+        self.tokens.labels("accepted").inc(num_accepted)
+        self.tokens.labels("generated").inc(num_accepted + 1)
+        self.accepted_length.observe(num_accepted + 1)
+        for stage, seconds in stage_seconds.items():
+            self.stage_latency.labels(stage).observe(seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsServer:
+    """A running /metrics endpoint."""
+
+    httpd: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.httpd.server_address[1]
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> MetricsServer | None:
+    """Serve `registry` on http://host:port/metrics; port 0 disables it (returns None)."""
+    if port == METRICS_DISABLED_PORT:
+        return None
+    if not 0 < port < 65536:
+        raise ValueError(f"metrics port must be in [0, 65535], got {port}")
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(httpd, thread)

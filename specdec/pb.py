@@ -1,0 +1,87 @@
+"""Protobuf <-> domain translation shared by the services (sampling, trees, logits).
+
+Each conversion validates what a caller controls and raises InvalidArgument naming the
+protobuf field, so every service refuses bad input the same way.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.errors import InvalidArgument
+from specdec.logits_codec import (FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits,
+                                  encode_logits)
+from specdec.sampling import SamplingParams
+from specdec.v1 import common_pb2
+
+LOGITS_FORMATS = {common_pb2.LOGITS_FORMAT_FP32: FORMAT_FP32, common_pb2.LOGITS_FORMAT_BF16: FORMAT_BF16,
+                  common_pb2.LOGITS_FORMAT_FP8_E4M3: FORMAT_FP8_E4M3}
+LOGITS_FORMAT_ENUMS = {v: k for k, v in LOGITS_FORMATS.items()}
+MAX_REQUEST_ID_CHARS = 128
+
+
+def request_id_from_pb(request_id: str, field: str = "request_id") -> str:
+    if not request_id:
+        raise InvalidArgument(field, "must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidArgument(field, f"must be at most {MAX_REQUEST_ID_CHARS} printable characters")
+    return request_id
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
+    try:
+        return SamplingParams(temperature=float(pb.temperature), top_k=int(pb.top_k),
+                              top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0,
+                              seed=int(pb.seed) if pb.HasField("seed") else None)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise InvalidArgument(f"{field}.{name}", str(e)) from None
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if params.seed is not None:
+        pb.seed = params.seed
+    return pb
+
+
+def tree_from_pb(pb: common_pb2.TokenTree, vocab_size: int, field: str = "tree") -> tuple[list[int], list[int]]:
+    token_ids, parents = list(pb.token_ids), list(pb.parents)
+    if len(token_ids) != len(parents):
+        raise InvalidArgument(f"{field}.parents", f"{len(parents)} parents for {len(token_ids)} tokens")
+    for i, p in enumerate(parents):
+        if not (p == -1 or 0 <= p < i):
+            raise InvalidArgument(f"{field}.parents", f"parents[{i}] = {p}: must be -1 or an earlier node")
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{field}.token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return token_ids, parents
+
+
+def logits_format_from_pb(value: int, field: str = "logits_format") -> str:
+    if value == common_pb2.LOGITS_FORMAT_UNSPECIFIED:
+        return FORMAT_FP32
+    if value not in LOGITS_FORMATS:
+        raise InvalidArgument(field, f"unknown logits format {value}")
+    return LOGITS_FORMATS[value]
+
+
+def logits_to_pb(logits: torch.Tensor, fmt: str) -> common_pb2.Logits:
+    """fp32 logits [R, V] -> inline Logits in `fmt`."""
+    enc = encode_logits(logits, fmt)
+    inline = common_pb2.InlineLogits(format=LOGITS_FORMAT_ENUMS[enc.format], num_rows=enc.num_rows,
+                                     vocab_size=enc.vocab_size, data=enc.data, row_scales=enc.row_scales or ())
+    return common_pb2.Logits(inline_logits=inline)
+
+
+def logits_from_pb(pb: common_pb2.Logits, field: str) -> torch.Tensor:
+    """Inline Logits -> fp32 [R, V]. (Handles are resolved by the validator, which maps them.)"""
+    if not pb.HasField("inline_logits"):
+        raise InvalidArgument(field, "expected inline logits")
+    inline = pb.inline_logits
+    fmt = logits_format_from_pb(inline.format, f"{field}.inline_logits.format")
+    try:
+        enc = EncodedLogits(fmt, inline.num_rows, inline.vocab_size, inline.data,
+                            tuple(inline.row_scales) if fmt == FORMAT_FP8_E4M3 else None)
+        return decode_logits(enc)
+    except ValueError as e:
+        raise InvalidArgument(f"{field}.inline_logits", str(e)) from None

@@ -1,0 +1,162 @@
+"""Sampling parameters and the ONE function that turns logits into a sampling distribution.
+
+Every stage applies the request's temperature, top-k and top-p through `logits_to_probs`, to the
+primary's (target) logits and to a draft decoder's logits alike. Rejection sampling is only
+lossless when target and draft distributions are shaped by the same rule, so there is exactly
+one implementation and everybody imports it.
+
+Order of operations (the Hugging Face order): divide by temperature, keep the top-k logits,
+softmax, keep the smallest top-p nucleus, renormalise. Ties are broken by the lowest token id
+everywhere (argmax, the k-th place, the nucleus boundary), so the result does not depend on the
+sort implementation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+TOP_K_OFF = 0  # top_k == 0 keeps the whole vocabulary
+TOP_P_OFF = 1.0  # top_p == 1.0 keeps the whole vocabulary
+GREEDY_TEMPERATURE = 0.0  # temperature == 0 means argmax decoding
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts unsigned 64-bit seeds
+
+_MASK_64 = 2**64 - 1
+_TOP_P_FIRST_PREFIX = 256  # typical nuclei are far smaller; the prefix grows x8 when not
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = GREEDY_TEMPERATURE
+    top_k: int = TOP_K_OFF
+    top_p: float = TOP_P_OFF
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise ValueError(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+            raise ValueError(f"top_p must be a number, got {self.top_p!r}")
+        if not (0.0 < self.top_p <= 1.0):  # also rejects NaN
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            if not (0 <= self.seed <= MAX_SEED):
+                raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == GREEDY_TEMPERATURE
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logits [R, V] fp32 -> probabilities [R, V] fp32 under `params`.
+
+    Greedy (temperature 0) gives the one-hot of the argmax, the lowest token id winning ties.
+    """
+    assert logits.dim() == 2, f"logits must be [R, V], got {tuple(logits.shape)}"
+    assert logits.dtype == torch.float32, f"logits must be float32, got {logits.dtype}"
+    num_rows, vocab_size = logits.shape
+    if params.is_greedy:
+        argmax_ids = torch.argmax(logits, dim=-1)  # [R]; torch returns the first maximum
+        probs = torch.zeros_like(logits)  # [R, V]
+        probs[torch.arange(num_rows), argmax_ids] = 1.0
+        return probs
+    scaled = logits / params.temperature  # [R, V]
+    if params.top_k != TOP_K_OFF and params.top_k < vocab_size:
+        scaled = scaled.masked_fill(~_top_k_mask(scaled, params.top_k), -math.inf)
+    probs = torch.softmax(scaled, dim=-1)  # [R, V]
+    if params.top_p < TOP_P_OFF:
+        probs = probs * _top_p_mask(probs, params.top_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _top_k_mask(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Bool [R, V]: exactly top_k kept per row; at a tie on the k-th value the lowest ids win.
+
+    E.g. scores [3, 1, 3, 3], k=2 -> kth value 3, nothing above it, ties at ids 0, 2, 3 ->
+    keep the first two tied ids: [T, F, T, F]. O(V) per row, no full sort.
+    """
+    kth_value = torch.topk(scores, top_k, dim=-1).values[:, -1:]  # [R, 1]
+    return _keep_first(scores, kth_value, torch.full_like(kth_value, top_k, dtype=torch.int64))
+
+
+def _keep_first(scores: torch.Tensor, boundary: torch.Tensor, num_kept: torch.Tensor) -> torch.Tensor:
+    """Bool [R, V]: the num_kept [R, 1] highest scores per row, whose lowest is boundary [R, 1];
+    ties at the boundary are filled by the lowest ids."""
+    is_above = scores > boundary  # [R, V]
+    is_tied = scores == boundary  # [R, V]
+    num_tied_slots = num_kept - is_above.sum(dim=-1, keepdim=True)  # [R, 1]
+    tie_rank = torch.cumsum(is_tied.to(torch.int64), dim=-1)  # [R, V]; 1-based among ties
+    return is_above | (is_tied & (tie_rank <= num_tied_slots))
+
+
+def _top_p_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Float [R, V] 0/1: the smallest set of most likely tokens whose mass reaches top_p.
+
+    In descending-probability order a token is kept when the mass strictly before it is below
+    top_p; the most likely token is always kept; ties at the boundary go to the lowest ids.
+    E.g. probs [0.5, 0.3, 0.2], top_p 0.6 -> mass before each [0, 0.5, 0.8] -> keep [T, T, F].
+    The nucleus size depends only on the sorted values, so a top-k prefix (grown until the
+    nucleus ends inside it) replaces a full sort of V: ~0.3 ms instead of ~5 ms at V = 49152.
+    """
+    vocab_size = probs.shape[1]
+    prefix = min(vocab_size, _TOP_P_FIRST_PREFIX)
+    while True:
+        sorted_probs = torch.topk(probs, prefix, dim=-1).values  # [R, prefix], descending
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [R, prefix]
+        nucleus_size = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)  # [R, 1]
+        if prefix == vocab_size or bool((nucleus_size < prefix).all()):
+            break
+        prefix = min(vocab_size, prefix * 8)
+    boundary = sorted_probs.gather(-1, nucleus_size - 1)  # [R, 1]
+    return _keep_first(probs, boundary, nucleus_size).to(probs.dtype)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row of probs [R, V] -> [R] int64, by inverse CDF in float64.
+
+    Uses exactly one uniform per row from `generator`, so a seeded caller can reason about how
+    many draws a step consumes. Zero-probability tokens are never returned. Rows need not be
+    normalised, only non-negative with a positive sum.
+    """
+    assert probs.dim() == 2, f"probs must be [R, V], got {tuple(probs.shape)}"
+    num_rows = probs.shape[0]
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [R, V]
+    total = cdf[:, -1:]  # [R, 1]
+    assert bool((total > 0).all()), "every row of probs must have positive mass"
+    uniforms = torch.rand(num_rows, 1, generator=generator, dtype=torch.float64)  # [R, 1]
+    token_ids = torch.searchsorted(cdf, uniforms * total, right=True).squeeze(1)  # [R]
+    vocab_size = probs.shape[1]
+    if bool((token_ids == vocab_size).any()):
+        # u * total rounded up to total: fall back to the last token with positive mass.
+        last_positive = vocab_size - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+        token_ids = torch.minimum(token_ids, last_positive)
+    return token_ids  # [R]
+
+
+def make_generator(seed: int | None, step: int) -> torch.Generator:
+    """A CPU generator, deterministic per (seed, step); seed None draws fresh OS entropy."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step!r}")
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+        return generator
+    generator.manual_seed(_splitmix64(_splitmix64(seed) ^ step))
+    return generator
+
+
+def _splitmix64(value: int) -> int:
+    """SplitMix64 finaliser: nearby (seed, step) pairs give unrelated generator seeds."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)

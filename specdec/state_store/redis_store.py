@@ -1,0 +1,257 @@
+"""The request state store on Redis (redis-py with the hiredis parser).
+
+Keys of request R, all expiring ttl_s after the request's last write:
+    {ns}:req:{R}:meta    hash: params, status, stats, controller (JSON text),
+                         finish_reason, error, created_ms, updated_ms
+    {ns}:req:{R}:tokens  string: committed token ids, int32 little-endian,
+                         grown with APPEND (4 bytes per token, one value)
+    {ns}:req:{R}:prompt  string: prompt token ids, same packing
+    {ns}:req:{R}:owner   string: the gateway holding the lease (expires lease_s)
+and one index, {ns}:active, a sorted set of active ids scored by creation time.
+The literal braces make {R} a Redis Cluster hash tag: a request's keys share a
+slot, so the Lua scripts below (one round trip each) stay cluster-safe; only
+the index lives elsewhere and is touched at creation, at the end and by
+list_active. The meta hash is the truth; the index may briefly hold ids of
+ended or expired requests, which list_active filters out and prunes.
+
+Why APPEND to one string rather than RPUSH of one packed item per step
+(scripts/measure_state_store.py, unix socket, 3000 steps of 4 tokens): the
+writes cost the same (185 vs 200 us median per MULTI), but loading the log
+back, what recovery and GetRequest do, is 5x faster (GET 132 us vs LRANGE +
+join 695 us for 12000 tokens). The string's cost is Redis' doubling growth:
+at most ~2x the 4 bytes per token. The whole per-step write (append_step:
+checks, APPEND, HSET stats/controller, lease, PEXPIRE) is one EVALSHA:
+~37 us on the server, ~235 us median seen by the Python client, against a
+~110 us PING round trip on the same (busy, 2-core) machine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+
+from specdec.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from specdec.state_store.types import (
+    TERMINAL_STATUSES,
+    RequestState,
+    RequestStatus,
+    StateStoreConfig,
+    check_request_id,
+    check_step,
+    decode_token_ids,
+    encode_json,
+    encode_token_ids,
+    token_count_mismatch,
+)
+
+# An error reply of the scripts below: a code, then an optional detail.
+_SCRIPT_ERROR = re.compile(r"(SPECDEC_[A-Z_]+)(?: (.*))?$")
+_TERMINAL_LUA = " or ".join(f"s == '{s}'" for s in sorted(TERMINAL_STATUSES))
+
+# KEYS: meta, tokens, prompt, owner.
+# ARGV: params JSON, status, packed prompt, ttl_ms, now_ms.
+_CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('SPECDEC_EXISTS') end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[1], 'params', ARGV[1], 'status', ARGV[2], 'stats', '{}', 'controller', '{}',
+           'finish_reason', '', 'error', '', 'created_ms', ARGV[5], 'updated_ms', ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if string.len(ARGV[3]) > 0 then redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4]) end
+return 1
+"""
+
+# The per-step write. Checks in the in-memory store's order: exists, not
+# ended, token count, lease; then appends, sets fields, re-arms expiry.
+# KEYS: meta, tokens, prompt, owner.
+# ARGV: packed tokens, expected count (-1: no check), ttl_ms, now_ms, owner ('' : none),
+#       lease_ms, then field/value pairs for the meta hash.
+_STEP_LUA = f"""
+local function is_terminal(s) return {_TERMINAL_LUA} end
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return redis.error_reply('SPECDEC_NOT_FOUND') end
+if is_terminal(status) then return redis.error_reply('SPECDEC_ENDED ' .. status) end
+local n = redis.call('STRLEN', KEYS[2]) / 4
+local expected = tonumber(ARGV[2])
+if expected >= 0 and n ~= expected then return redis.error_reply('SPECDEC_MISMATCH ' .. n) end
+if ARGV[5] ~= '' then
+  local holder = redis.call('GET', KEYS[4])
+  if holder and holder ~= ARGV[5] then return redis.error_reply('SPECDEC_NOT_OWNER ' .. holder) end
+end
+if string.len(ARGV[1]) > 0 then n = redis.call('APPEND', KEYS[2], ARGV[1]) / 4 end
+if #ARGV > 6 then redis.call('HSET', KEYS[1], unpack(ARGV, 7)) end
+redis.call('HSET', KEYS[1], 'updated_ms', ARGV[4])
+if is_terminal(redis.call('HGET', KEYS[1], 'status')) then
+  redis.call('DEL', KEYS[4])
+elseif ARGV[5] ~= '' then
+  redis.call('SET', KEYS[4], ARGV[5], 'PX', ARGV[6])
+end
+for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+return n
+"""
+
+# KEYS: meta, owner. ARGV: owner, lease_ms.
+_CLAIM_LUA = f"""
+local function is_terminal(s) return {_TERMINAL_LUA} end
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return redis.error_reply('SPECDEC_NOT_FOUND') end
+if is_terminal(status) then return 0 end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+
+class RedisStateStore:
+    """StateStore on a Redis server; the client comes in through the constructor."""
+
+    def __init__(self, client: redis.Redis, config: StateStoreConfig | None = None, *,
+                 wall_clock_ms: Callable[[], int] | None = None) -> None:
+        self.config = StateStoreConfig() if config is None else config
+        self._client = client
+        self._wall_clock_ms = wall_clock_ms or (lambda: int(time.time() * 1000))
+        self._ttl_ms = max(1, round(self.config.ttl_s * 1000))
+        self._lease_ms = max(1, round(self.config.lease_s * 1000))
+        self._active_key = f"{self.config.namespace}:active"
+        self._create = client.register_script(_CREATE_LUA)
+        self._step = client.register_script(_STEP_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, config: StateStoreConfig | None = None, *, timeout_s: float = 5.0) -> RedisStateStore:
+        """url: redis://host:port/db or unix:///path/to.sock."""
+        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                      health_check_interval=30)
+        return cls(client, config)
+
+    def keys(self, request_id: str) -> tuple[str, str, str, str]:
+        """meta, tokens, prompt, owner keys of request_id."""
+        base = f"{self.config.namespace}:req:{{{request_id}}}"
+        return f"{base}:meta", f"{base}:tokens", f"{base}:prompt", f"{base}:owner"
+
+    def create(self, request_id: str, params: Mapping[str, Any], *, prompt_token_ids: Sequence[int] = (),
+               status: RequestStatus = RequestStatus.QUEUED) -> None:
+        check_request_id(request_id)
+        check_step(status, None)
+        now_ms = self._wall_clock_ms()
+        args = [encode_json("params", params), status.value, encode_token_ids(prompt_token_ids), self._ttl_ms, now_ms]
+        with _redis_errors(request_id):
+            pipe = self._client.pipeline(transaction=False)
+            self._create(self.keys(request_id), args, client=pipe)
+            pipe.zadd(self._active_key, {request_id: now_ms}, nx=True)
+            pipe.execute()
+
+    def append_step(self, request_id: str, token_ids: Sequence[int] = (), *,
+                    expected_num_tokens: int | None = None, status: RequestStatus | None = None,
+                    stats: Mapping[str, Any] | None = None, controller_state: Mapping[str, Any] | None = None,
+                    finish_reason: str | None = None, error: str | None = None, owner: str | None = None) -> int:
+        check_step(status, expected_num_tokens)
+        fields: list[str] = []
+        for name, value in (("status", None if status is None else status.value),
+                            ("stats", None if stats is None else encode_json("stats", stats)),
+                            ("controller", None if controller_state is None
+                             else encode_json("controller_state", controller_state)),
+                            ("finish_reason", finish_reason), ("error", error)):
+            if value is not None:
+                fields += [name, value]
+        args = [encode_token_ids(token_ids), -1 if expected_num_tokens is None else expected_num_tokens,
+                self._ttl_ms, self._wall_clock_ms(), owner or "", self._lease_ms, *fields]
+        with _redis_errors(request_id, expected_num_tokens, owner):
+            num_tokens = int(self._step(self.keys(request_id), args))
+            if status is not None and status.is_terminal:
+                # The index only after the write succeeded (a second round trip,
+                # once per request): a failed write must leave the request listed.
+                self._client.zrem(self._active_key, request_id)
+        return num_tokens
+
+    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "",
+                   error: str = "") -> bool:
+        try:
+            self.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
+        except FailedPrecondition:
+            return False
+        return True
+
+    def claim(self, request_id: str, owner: str) -> bool:
+        if not owner:
+            raise ValueError("owner must not be empty")
+        meta, _, _, owner_key = self.keys(request_id)
+        with _redis_errors(request_id):
+            return bool(self._claim([meta, owner_key], [owner, self._lease_ms]))
+
+    def load(self, request_id: str) -> RequestState | None:
+        meta_key, tokens_key, prompt_key, owner_key = self.keys(request_id)
+        with _redis_errors(request_id):
+            pipe = self._client.pipeline(transaction=True)  # MULTI/EXEC: one consistent snapshot
+            pipe.hgetall(meta_key).get(tokens_key).get(prompt_key).get(owner_key)
+            meta, tokens, prompt, owner = pipe.execute()
+        if not meta:
+            return None
+        text = {k.decode(): v.decode() for k, v in meta.items()}
+        return RequestState(
+            request_id=request_id, params=json.loads(text["params"]), status=RequestStatus(text["status"]),
+            prompt_token_ids=decode_token_ids(prompt), token_ids=decode_token_ids(tokens),
+            stats=json.loads(text["stats"]), controller_state=json.loads(text["controller"]),
+            finish_reason=text["finish_reason"], error=text["error"], owner=(owner or b"").decode(),
+            created_ms=int(text["created_ms"]), updated_ms=int(text["updated_ms"]))
+
+    def list_active(self) -> list[str]:
+        with _redis_errors("*"):
+            ids = [rid.decode() for rid in self._client.zrange(self._active_key, 0, -1)]
+            if not ids:
+                return []
+            pipe = self._client.pipeline(transaction=False)
+            for rid in ids:
+                pipe.hget(self.keys(rid)[0], "status")
+            statuses = pipe.execute()
+            stale = [rid for rid, status in zip(ids, statuses, strict=True)
+                     if status is None or RequestStatus(status.decode()).is_terminal]
+            if stale:
+                self._client.zrem(self._active_key, *stale)
+        stale_set = set(stale)
+        return [rid for rid in ids if rid not in stale_set]
+
+    def delete(self, request_id: str) -> bool:
+        meta, *others = self.keys(request_id)
+        with _redis_errors(request_id):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(meta).delete(*others).zrem(self._active_key, request_id)
+            num_meta, _, _ = pipe.execute()
+        return num_meta == 1
+
+    def close(self) -> None:
+        self._client.close()
+
+
+@contextmanager
+def _redis_errors(request_id: str, expected_num_tokens: int | None = None,
+                  owner: str | None = None) -> Iterator[None]:
+    """Turn Redis errors into the domain errors the in-memory store raises."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise Unavailable("state_store", f"Redis unreachable: {e}") from e
+    except redis.ResponseError as e:
+        # The script's reply (prefixed with the command when raised from a pipeline).
+        match = _SCRIPT_ERROR.search(str(e))
+        if match is None:
+            raise
+        code, detail = match.group(1), match.group(2) or ""
+        if code == "SPECDEC_EXISTS":
+            raise AlreadyExists("request_id", f"request {request_id!r} exists already") from None
+        if code == "SPECDEC_NOT_FOUND":
+            raise NotFound("request_id", f"no stored request {request_id!r}") from None
+        if code == "SPECDEC_ENDED":
+            raise FailedPrecondition("request_id", f"request {request_id!r} has ended ({detail})") from None
+        if code == "SPECDEC_MISMATCH":
+            raise token_count_mismatch(int(float(detail)), expected_num_tokens or 0) from None
+        if code == "SPECDEC_NOT_OWNER":
+            raise FailedPrecondition(
+                "owner", f"the lease of {request_id!r} is held by {detail!r}, not {owner!r}") from None
+        raise

@@ -1,0 +1,199 @@
+"""The request state store's contract: what is stored per request, and the
+interface both stores (Redis, in-memory) implement identically.
+
+Per request the store holds the parameters (a JSON object: the GenerateRequest
+through protobuf json_format, or any plain dict), the status, the prompt's
+token ids, the committed (generated) token ids, the latest statistics and the
+adaptive controller's state. The gateway writes once per step
+(`append_step`, one round trip on Redis); a restarted gateway lists the active
+requests, claims them and loads everything back to re-prefill (design property
+4: nothing lost).
+
+Ownership: a gateway that resumes requests claims them for lease_s seconds;
+an append_step that names its owner takes or renews the lease in the same
+atomic write and fails while another owner holds a live lease. Together with
+expected_num_tokens this fences a stalled gateway: it cannot write behind the
+gateway that took its request over. Single-gateway deployments may ignore
+ownership (owner=None skips it).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from specdec.errors import FailedPrecondition, InvalidArgument
+
+DEFAULT_NAMESPACE = "specdec"
+DEFAULT_TTL_S = 24 * 3600.0
+DEFAULT_LEASE_S = 30.0
+# Token ids are stored as little-endian int32, 4 bytes each.
+TOKEN_BYTES = 4
+_MAX_TOKEN_ID = 2**31 - 1
+
+
+class RequestStatus(enum.StrEnum):
+    """Lifecycle of a request (mirrors specdec.v1.RequestStatus)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset({RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED})
+
+
+@dataclass(frozen=True, slots=True)
+class StateStoreConfig:
+    """ttl_s: every write re-arms the expiry of all of a request's keys, so a
+    request disappears ttl_s after its last write. lease_s: ownership lease."""
+
+    namespace: str = DEFAULT_NAMESPACE
+    ttl_s: float = DEFAULT_TTL_S
+    lease_s: float = DEFAULT_LEASE_S
+
+    def __post_init__(self) -> None:
+        if not self.namespace or any(c in self.namespace for c in "{}: "):
+            raise ValueError(f"namespace must be a non-empty word without '{{}}: ', got {self.namespace!r}")
+        if self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {self.ttl_s}")
+        if self.lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    """Everything stored about one request (what recovery loads back)."""
+
+    request_id: str
+    params: dict[str, Any]
+    status: RequestStatus
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # committed generated tokens, in order
+    stats: dict[str, Any]
+    controller_state: dict[str, Any]
+    finish_reason: str
+    error: str
+    owner: str  # "" when unclaimed or the lease expired
+    created_ms: int
+    updated_ms: int
+
+
+class StateStore(Protocol):
+    """The interface of RedisStateStore and InMemoryStateStore.
+
+    Errors (specdec.errors): NotFound for an unknown request_id, AlreadyExists
+    for create() of an existing one, FailedPrecondition for a write to a
+    finished request, a token-count mismatch or a lost lease, Unavailable when
+    the backend cannot be reached.
+    """
+
+    def create(self, request_id: str, params: Mapping[str, Any], *, prompt_token_ids: Sequence[int] = (),
+               status: RequestStatus = RequestStatus.QUEUED) -> None:
+        """Store a new request (active until a terminal status)."""
+        ...
+
+    def append_step(self, request_id: str, token_ids: Sequence[int] = (), *,
+                    expected_num_tokens: int | None = None, status: RequestStatus | None = None,
+                    stats: Mapping[str, Any] | None = None, controller_state: Mapping[str, Any] | None = None,
+                    finish_reason: str | None = None, error: str | None = None, owner: str | None = None) -> int:
+        """The per-step write, atomic and one round trip: append committed
+        tokens and replace whichever of status/stats/controller_state/
+        finish_reason/error are given. expected_num_tokens (the count before
+        this step) makes a retried write fail instead of appending twice.
+        Returns the number of committed tokens after the write."""
+        ...
+
+    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "",
+                   error: str = "") -> bool:
+        """Move a request to status; False (no change) when it already ended."""
+        ...
+
+    def claim(self, request_id: str, owner: str) -> bool:
+        """Take (or renew) the request's lease for owner; False when another
+        owner holds a live lease or the request has ended."""
+        ...
+
+    def load(self, request_id: str) -> RequestState | None:
+        """Everything stored about the request; None when unknown or expired."""
+        ...
+
+    def list_active(self) -> list[str]:
+        """Ids of requests not yet ended (queued or running), oldest first."""
+        ...
+
+    def delete(self, request_id: str) -> bool:
+        """Forget the request now; False when it did not exist."""
+        ...
+
+    def close(self) -> None:
+        """Release the backend connection."""
+        ...
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """[5, 258] -> b'\\x05\\x00\\x00\\x00\\x02\\x01\\x00\\x00' (int32 little-endian)."""
+    packed = array("i")
+    assert packed.itemsize == TOKEN_BYTES
+    for t in token_ids:
+        t = int(t)
+        if not 0 <= t <= _MAX_TOKEN_ID:
+            raise InvalidArgument("token_ids", f"token id {t} is outside [0, {_MAX_TOKEN_ID}]")
+        packed.append(t)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def decode_token_ids(data: bytes | None) -> tuple[int, ...]:
+    """Inverse of encode_token_ids (None, from a missing key, -> ())."""
+    if not data:
+        return ()
+    if len(data) % TOKEN_BYTES:
+        raise ValueError(f"token log of {len(data)} bytes is not a whole number of int32")
+    packed = array("i")
+    packed.frombytes(data)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return tuple(packed)
+
+
+def encode_json(field: str, value: Mapping[str, Any]) -> str:
+    """Compact JSON of a plain dict (params, stats, controller state)."""
+    try:
+        return json.dumps(dict(value), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(field, f"not JSON-serializable: {e}") from None
+
+
+def check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidArgument("request_id", "must not be empty")
+    # Braces would break the Redis Cluster hash tag {request_id} of the keys.
+    if "{" in request_id or "}" in request_id:
+        raise InvalidArgument("request_id", f"must not contain braces, got {request_id!r}")
+
+
+def check_step(status: RequestStatus | None, expected_num_tokens: int | None) -> None:
+    if status is not None and not isinstance(status, RequestStatus):
+        raise InvalidArgument("status", f"must be a RequestStatus, got {status!r}")
+    if expected_num_tokens is not None and expected_num_tokens < 0:
+        raise InvalidArgument("expected_num_tokens", f"must be >= 0, got {expected_num_tokens}")
+
+
+def token_count_mismatch(num_stored: int, expected_num_tokens: int) -> FailedPrecondition:
+    return FailedPrecondition(
+        "expected_num_tokens",
+        f"the store holds {num_stored} committed tokens, the writer expected {expected_num_tokens} "
+        "(a retried or concurrent write)")

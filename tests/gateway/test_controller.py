@@ -1,0 +1,276 @@
+"""Adaptive controller: the cost model's formulas, the optimiser, and deterministic closed-loop simulations."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import statistics
+from collections.abc import Callable
+
+import pytest
+
+from gateway.controller import (SMOLLM2_BF16_VERIFY_MS, AdaptiveController, ControllerConfig, ControllerState,
+                                CostModel, DraftCost, SpeculationPlan, TaskType, adjust_speculative_degree,
+                                expected_accepted_length, infer_task_type)
+
+LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
+# MEASUREMENTS.md: bf16 verify curve, ~10 % of a step outside model compute when speculating, early exit
+# costing 0.6 of a full step per drafted token.
+COST = CostModel.from_verify_ms(
+    SMOLLM2_BF16_VERIFY_MS,
+    {LOOKUP: DraftCost(fixed=0.002), SUFFIX: DraftCost(fixed=0.004), EARLY_EXIT: DraftCost(per_token=0.6)},
+    plain_overhead=0.05, speculative_overhead=0.10)
+# coverage 1: every decoder always proposes, so the closed forms apply exactly
+FULL_COVERAGE = ControllerConfig(prior_coverage=1.0)
+
+World = Callable[[int], dict[tuple[str, int], float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    decoder: str
+    rank: int
+    num_proposed: int
+    num_accepted: int
+
+
+def simulate(controller: AdaptiveController, state: ControllerState, world: World, num_steps: int,
+             rng: random.Random) -> list[SpeculationPlan]:
+    """Each planned candidate is accepted token by token with the world's true alpha (geometric)."""
+    plans = []
+    for step in range(num_steps):
+        plan = controller.plan(state)
+        alphas, outcomes = world(step), []
+        for decoder, rank in plan.sources:
+            accepted = 0
+            while accepted < plan.draft_length and rng.random() < alphas[decoder, rank]:
+                accepted += 1
+            outcomes.append(Outcome(decoder, rank, plan.draft_length, accepted))
+        controller.observe(state, plan, outcomes)
+        plans.append(plan)
+    return plans
+
+
+def reference_speedup(alphas: list[float], decoders: set[str], gamma: int, config: ControllerConfig) -> float:
+    """E[accepted length] of independent full-length candidates over the cost of their tree."""
+    length = 1 + sum(1 - math.prod(1 - a ** j for a in alphas) for j in range(1, gamma + 1))
+    step = (COST.speculative_overhead + sum(COST.draft(d, gamma) for d in decoders)
+            + float(COST.verify(1 + min(len(alphas) * gamma, config.max_tree_nodes))))
+    return length * COST.plain_step / step
+
+
+def test_expected_accepted_length_is_leviathans_closed_form():
+    assert expected_accepted_length(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_accepted_length(0.0, 5) == 1.0
+    assert expected_accepted_length(1.0, 5) == 6.0
+
+
+def test_verify_cost_interpolates_and_extrapolates_the_measured_curve():
+    cost = CostModel(verify_curve=((1, 1.0), (4, 1.3), (8, 1.5)))
+    assert float(cost.verify(2)) == pytest.approx(1.1)
+    assert float(cost.verify(6)) == pytest.approx(1.4)
+    assert float(cost.verify(10)) == pytest.approx(1.6)  # last slope 0.05 a token continues
+    assert float(cost.verify(0)) == 1.0
+    assert float(COST.verify(8)) == pytest.approx(31.7 / 26.8)
+    assert COST.plain_step == pytest.approx(1.05)
+    with pytest.raises(ValueError, match="num_tokens 1"):
+        CostModel(verify_curve=((2, 1.0),))
+    with pytest.raises(ValueError, match="'unknown'"):
+        COST.draft("unknown", 4)
+
+
+def test_single_chain_plan_uses_the_closed_form():
+    plan = adjust_speculative_degree("code", 0.8, decoders={LOOKUP: 1}, cost_model=COST, config=FULL_COVERAGE)
+    assert plan.sources == ((LOOKUP, 0),)
+    assert plan.expected_accepted_length == pytest.approx(expected_accepted_length(0.8, plan.draft_length))
+    assert plan.expected_speedup == pytest.approx(reference_speedup([0.8], {LOOKUP}, plan.draft_length,
+                                                                    FULL_COVERAGE))
+    # and it is the best length on the grid
+    assert plan.expected_speedup == pytest.approx(max(
+        reference_speedup([0.8], {LOOKUP}, g, FULL_COVERAGE) for g in FULL_COVERAGE.draft_length_choices))
+
+
+def test_draft_length_grows_with_acceptance_and_speculation_stops_at_zero():
+    lengths = [adjust_speculative_degree("code", a, decoders={LOOKUP: 1}, cost_model=COST,
+                                         config=FULL_COVERAGE).draft_length
+               for a in (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)]
+    assert lengths == sorted(lengths)
+    assert lengths[0] <= 2 and lengths[-1] >= 12
+    off = adjust_speculative_degree("code", 0.0, decoders={LOOKUP: 1}, cost_model=COST, config=FULL_COVERAGE)
+    assert not off.is_speculative and off.speculative_degree == 0 and off.expected_speedup < 1.0
+
+
+def test_optimiser_agrees_with_the_reference_and_beats_every_single_candidate():
+    rng = random.Random(7)
+    decoders = {LOOKUP: 3, SUFFIX: 1}
+    for _ in range(25):
+        alphas = {(LOOKUP, 0): rng.random(), (LOOKUP, 1): rng.random() * 0.6, (LOOKUP, 2): rng.random() * 0.3,
+                  (SUFFIX, 0): rng.random()}
+        plan = adjust_speculative_degree("creative", alphas, decoders=decoders, cost_model=COST,
+                                         config=FULL_COVERAGE)
+        singles = max(reference_speedup([alphas[d, 0]], {d}, g, FULL_COVERAGE)
+                      for d in decoders for g in FULL_COVERAGE.draft_length_choices)
+        if not plan.is_speculative:
+            assert singles < 1.0
+            continue
+        assert plan.expected_speedup == pytest.approx(reference_speedup(
+            [alphas[s] for s in plan.sources], {d for d, _ in plan.sources}, plan.draft_length, FULL_COVERAGE))
+        assert plan.expected_speedup >= singles - 1e-12
+        for decoder, rank in plan.sources:  # ranks come in order within a decoder
+            assert rank == 0 or (decoder, rank - 1) in plan.sources
+
+
+def test_a_decoder_that_does_not_pay_for_its_cost_is_left_out():
+    # Early exit agreeing on 39 % of tokens at 0.6 of a step per token (MEASUREMENTS.md) never pays.
+    alone = adjust_speculative_degree("code", {(EARLY_EXIT, 0): 0.39}, decoders={EARLY_EXIT: 1},
+                                      cost_model=COST, config=FULL_COVERAGE)
+    assert not alone.is_speculative
+    mixed = adjust_speculative_degree("code", {(EARLY_EXIT, 0): 0.39, (LOOKUP, 0): 0.6},
+                                      decoders={LOOKUP: 1, EARLY_EXIT: 1}, cost_model=COST, config=FULL_COVERAGE)
+    assert mixed.sources == ((LOOKUP, 0),)
+    cheap = CostModel(COST.verify_curve, ((EARLY_EXIT, DraftCost(per_token=0.01)),))
+    paid = adjust_speculative_degree("code", {(EARLY_EXIT, 0): 0.39}, decoders={EARLY_EXIT: 1},
+                                     cost_model=cheap, config=FULL_COVERAGE)
+    assert paid.sources == ((EARLY_EXIT, 0),)  # the same acceptance earns its place once it is cheap
+
+
+def test_task_type_priors_order_the_first_plan():
+    first = {t: adjust_speculative_degree(t, decoders={LOOKUP: 1}, cost_model=COST) for t in TaskType}
+    assert first[TaskType.STRUCTURED].draft_length >= first[TaskType.CODE].draft_length \
+        >= first[TaskType.CREATIVE].draft_length
+
+
+HIGH = {(LOOKUP, 0): 0.9, (LOOKUP, 1): 0.45, (SUFFIX, 0): 0.6}
+LOW = {(LOOKUP, 0): 0.35, (LOOKUP, 1): 0.15, (SUFFIX, 0): 0.2}
+ZERO = dict.fromkeys(HIGH, 0.0)
+
+
+def _settled(plans: list[SpeculationPlan], last: int = 15) -> tuple[float, float]:
+    """Median draft_length and tree size (degree * length) over the last steps, probes left out."""
+    steady = [p for p in plans[-last:] if not p.is_probe]
+    return (statistics.median(p.draft_length for p in steady),
+            statistics.median(p.draft_length * p.speculative_degree for p in steady))
+
+
+def test_falling_acceptance_shrinks_drafts_and_rising_acceptance_grows_them():
+    controller = AdaptiveController(COST)
+    state = controller.new_state("code", {LOOKUP: 2, SUFFIX: 1})
+    rng = random.Random(0)
+    high = _settled(simulate(controller, state, lambda _: HIGH, 40, rng))
+    low = _settled(simulate(controller, state, lambda _: LOW, 40, rng))
+    high_again = _settled(simulate(controller, state, lambda _: HIGH, 40, rng))
+    assert low[0] < high[0] and low[1] < high[1]
+    assert high_again[0] > low[0] and high_again[1] > low[1]
+    assert high[0] >= 8 and low[0] <= 4
+
+
+def test_consistently_losing_turns_speculation_off_then_probes_bring_it_back():
+    config = ControllerConfig(probe_interval=10)
+    controller = AdaptiveController(COST, config)
+    state = controller.new_state("code", {LOOKUP: 1, SUFFIX: 1})
+    rng = random.Random(1)
+    simulate(controller, state, lambda _: HIGH, 20, rng)
+    assert state.is_speculating
+    losing = simulate(controller, state, lambda _: ZERO, 60, rng)
+    assert not state.is_speculating
+    assert max(p.draft_length for p in losing[10:]) <= 4  # drafts shrink within a few steps
+    # speculating with 1-2 tokens costs only a few percent in bf16, so turning off needs alpha near 0
+    first_off = next(i for i, p in enumerate(losing) if not p.is_speculative)
+    assert first_off < 30
+    # while off, the only drafts are short probes, one every probe_interval steps
+    probes = [i for i, p in enumerate(losing[first_off:]) if p.is_speculative]
+    assert probes and all(losing[first_off + i].is_probe for i in probes)
+    assert all(losing[first_off + i].draft_length == config.probe_draft_length for i in probes)
+    assert all(b - a == config.probe_interval for a, b in zip(probes, probes[1:]))
+    recovered = simulate(controller, state, lambda _: HIGH, 40, rng)
+    back_on = next(i for i, p in enumerate(recovered) if p.is_speculative and not p.is_probe)
+    assert back_on <= config.probe_interval + 5
+    assert state.is_speculating and _settled(recovered)[0] >= 8
+
+
+def test_a_collapsing_decoder_is_dropped_and_a_probe_readmits_it():
+    both_good = {(LOOKUP, 0): 0.5, (SUFFIX, 0): 0.5}
+    suffix_dead = {(LOOKUP, 0): 0.5, (SUFFIX, 0): 0.0}
+    config = ControllerConfig(probe_interval=8)
+    controller = AdaptiveController(COST, config)
+    state = controller.new_state("creative", {LOOKUP: 1, SUFFIX: 1})
+    rng = random.Random(2)
+    plans = simulate(controller, state, lambda _: both_good, 30, rng)
+    assert all((SUFFIX, 0) in p.sources for p in plans[-10:])
+    plans = simulate(controller, state, lambda _: suffix_dead, 40, rng)
+    steady = [p for p in plans[-15:] if not p.is_probe]
+    assert steady and all(p.sources == ((LOOKUP, 0),) for p in steady)  # degree 2 -> 1
+    assert any(p.is_probe and (SUFFIX, 0) in p.sources for p in plans[-15:])
+    plans = simulate(controller, state, lambda _: both_good, 40, rng)
+    assert all((SUFFIX, 0) in p.sources for p in plans[-10:])  # degree back to 2
+
+
+def test_expensive_decoders_are_neither_chosen_nor_probed():
+    # early exit: 4 tokens cost 2.4 steps; probing it every 4 steps would cost 60 % of throughput
+    controller = AdaptiveController(COST, ControllerConfig(probe_interval=4))
+    rng = random.Random(4)
+    state = controller.new_state("creative", {EARLY_EXIT: 1, LOOKUP: 1})
+    plans = simulate(controller, state, lambda _: {(EARLY_EXIT, 0): 0.39, (LOOKUP, 0): 0.7}, 30, rng)
+    assert any(p.is_speculative for p in plans)
+    assert all((EARLY_EXIT, 0) not in p.sources for p in plans)
+    state = controller.new_state("creative", {EARLY_EXIT: 1})
+    plans = simulate(controller, state, lambda _: {(EARLY_EXIT, 0): 0.39}, 30, rng)
+    assert not any(p.is_speculative for p in plans) and not state.is_speculating
+
+
+def test_a_planned_decoder_without_an_outcome_proposed_nothing():
+    controller = AdaptiveController(COST)
+    state = controller.new_state("code", {LOOKUP: 1})
+    before = state.estimates[0].coverage
+    plan = SpeculationPlan(draft_length=4, sources=((LOOKUP, 0),))
+    for _ in range(5):
+        controller.observe(state, plan, [])
+    assert state.estimates[0].coverage < before / 2
+    assert state.num_steps == 5
+
+
+def test_state_round_trips_through_a_plain_dict():
+    controller = AdaptiveController(COST)
+    state = controller.new_state("structured", {LOOKUP: 2, SUFFIX: 1})
+    simulate(controller, state, lambda step: HIGH if step < 10 else ZERO, 25, random.Random(3))
+    data = json.loads(json.dumps(state.to_dict()))  # what Redis holds
+    restored = ControllerState.from_dict(data)
+    assert restored == state
+    assert restored.task_type is TaskType.STRUCTURED
+    assert controller.plan(restored) == controller.plan(state)
+    assert restored == state  # both advanced identically
+    with pytest.raises(ValueError, match="'num_steps'"):
+        ControllerState.from_dict({k: v for k, v in data.items() if k != "num_steps"})
+    with pytest.raises(ValueError, match="version"):
+        ControllerState.from_dict({**data, "version": 99})
+
+
+def test_bad_inputs_are_rejected_naming_the_field():
+    controller = AdaptiveController(COST)
+    with pytest.raises(ValueError, match="'mystery'"):
+        controller.new_state("code", {"mystery": 1})
+    with pytest.raises(ValueError, match="task_type"):
+        controller.new_state("poetry", {LOOKUP: 1})
+    state = controller.new_state("code", {LOOKUP: 1})
+    plan = SpeculationPlan(draft_length=4, sources=((LOOKUP, 0),))
+    with pytest.raises(ValueError, match="num_accepted"):
+        controller.observe(state, plan, [Outcome(LOOKUP, 0, num_proposed=2, num_accepted=3)])
+    with pytest.raises(ValueError, match="not tracked"):
+        controller.observe(state, plan, [Outcome(SUFFIX, 0, num_proposed=2, num_accepted=1)])
+    with pytest.raises(ValueError, match="not tracked"):
+        controller.observe(state, SpeculationPlan(draft_length=4, sources=((SUFFIX, 0),)), [])
+    with pytest.raises(ValueError, match="on_above"):
+        ControllerConfig(off_below=1.1, on_above=1.0)
+
+
+@pytest.mark.parametrize("prompt, has_schema, expected", [
+    ("Give me the weather in Paris.", True, TaskType.STRUCTURED),
+    ("Fix this:\n```python\nprint(1)\n```", False, TaskType.CODE),
+    ("def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n", False, TaskType.CODE),
+    ("#include <stdio.h>\nint main() {\n", False, TaskType.CODE),
+    ("Write a short story about a lighthouse keeper.", False, TaskType.CREATIVE),
+    ("Describe the class struggle in Victorian novels.", False, TaskType.CREATIVE),
+])
+def test_infer_task_type(prompt, has_schema, expected):
+    assert infer_task_type(prompt, has_schema) is expected

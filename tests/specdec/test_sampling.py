@@ -1,0 +1,126 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+
+LOG_1234 = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # softmax at temperature 1 = [.1, .2, .3, .4]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": math.inf}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": True}, "seed"),
+])
+def test_params_reject_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_defaults_are_greedy_and_off():
+    params = SamplingParams()
+    assert params.is_greedy and params.top_k == 0 and params.top_p == 1.0 and params.seed is None
+    assert not SamplingParams(temperature=0.7).is_greedy
+
+
+def test_greedy_is_one_hot_of_the_lowest_index_argmax():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # ties at 1,2 and everywhere
+    probs = logits_to_probs(logits, SamplingParams())
+    assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
+def test_temperature_scales_logits():
+    # At T=0.5 the probabilities are squared and renormalised: [1, 4, 9, 16] / 30.
+    probs = logits_to_probs(LOG_1234, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(probs, torch.tensor([[1.0, 4.0, 9.0, 16.0]]) / 30.0)
+
+
+def test_top_k_keeps_k_largest_and_breaks_ties_by_lowest_id():
+    probs = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.0, 3 / 7, 4 / 7]]))
+    # Three logits tie for the 2 slots: ids 0 and 2 win, id 3 is dropped.
+    tied = logits_to_probs(torch.tensor([[2.0, 1.0, 2.0, 2.0]]), SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(tied, torch.tensor([[0.5, 0.0, 0.5, 0.0]]))
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    # Sorted [.4, .3, .2, .1]; mass before each [0, .4, .7, .9]: top_p .5 keeps {.4, .3}, .35 keeps {.4}.
+    half = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, top_p=0.5))
+    torch.testing.assert_close(half, torch.tensor([[0.0, 0.0, 3 / 7, 4 / 7]]))
+    small = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, top_p=0.35))
+    torch.testing.assert_close(small, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
+
+
+def test_top_k_applies_before_top_p():
+    # top_k 2 -> [3/7, 4/7]; mass before 3/7 is 4/7 > .55, so only id 3 stays. (top_p on the full
+    # vocabulary first would have kept ids 2 and 3.)
+    probs = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, top_k=2, top_p=0.55))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
+
+
+def test_masked_logits_get_zero_probability():
+    logits = torch.tensor([[0.0, -math.inf, 0.0, -math.inf]])
+    torch.testing.assert_close(logits_to_probs(logits, SamplingParams(temperature=2.0)),
+                               torch.tensor([[0.5, 0.0, 0.5, 0.0]]))
+
+
+def test_sample_is_deterministic_per_seed_and_step():
+    probs = torch.full((64, 6), 1 / 6)
+    first = sample(probs, make_generator(7, 3))
+    assert torch.equal(first, sample(probs, make_generator(7, 3)))
+    assert not torch.equal(first, sample(probs, make_generator(7, 4)))
+    assert not torch.equal(first, sample(probs, make_generator(8, 3)))
+    assert sample(probs, make_generator(None, 0)).shape == (64,)
+
+
+def test_make_generator_rejects_negative_step():
+    with pytest.raises(ValueError, match="step"):
+        make_generator(1, -1)
+
+
+def test_sample_never_returns_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).repeat(2000, 1)
+    token_ids = sample(probs, make_generator(0, 0))
+    assert set(token_ids.tolist()) == {1, 3}
+    assert sample(torch.tensor([[0.0, 0.0, 1.0]]), make_generator(0, 0)).tolist() == [2]
+
+
+def test_sample_matches_the_distribution():
+    # 20k draws of [.1, .2, .3, .4]: chi-square with 3 dof; 21.1 is the 1e-4 upper quantile, so a
+    # correct sampler fails with probability 1e-4 for a random seed (this seed is fixed).
+    num_draws = 20_000
+    expected = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    token_ids = sample(expected.repeat(num_draws, 1), make_generator(123, 0))
+    observed = torch.bincount(token_ids, minlength=4).double()
+    chi2 = float((((observed - num_draws * expected) ** 2) / (num_draws * expected)).sum())
+    assert chi2 < 21.1, chi2
+
+
+def full_sort_top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition, by a stable full sort (the implementation uses a growing top-k prefix)."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < top_p
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
+
+
+@pytest.mark.parametrize("scale, is_rounded", [(0.05, False), (3.0, False), (2.0, True), (0.0, False)])
+def test_top_p_equals_the_full_sort_definition(scale, is_rounded):
+    # Flat rows (scale 0.05, 0.0) need nuclei of thousands of tokens: the prefix must grow past 256.
+    # Rounded logits create many ties at the nucleus boundary.
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(1)) * scale
+    logits = torch.round(logits) if is_rounded else logits
+    for top_p in (0.3, 0.9, 0.999):
+        probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert torch.equal(probs > 0, full_sort_top_p_keep(torch.softmax(logits, dim=-1), top_p))

@@ -1,0 +1,317 @@
+"""The request state store: one suite against both stores (a real Redis on a
+unix socket, and the in-memory store), plus Redis-only checks of key layout,
+round trips and recovery through a fresh client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import redis
+
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from specdec.state_store import (
+    InMemoryStateStore,
+    RedisStateStore,
+    RequestStatus,
+    StateStore,
+    StateStoreConfig,
+    decode_token_ids,
+    encode_token_ids,
+    open_state_store,
+)
+
+PARAMS = {"requestId": "r1", "prompt": "Hello", "maxNewTokens": 8, "sampling": {"temperature": 0.0}}
+# Short enough to wait out on the real server.
+SHORT_TTL_S = 0.3
+SHORT_LEASE_S = 0.3
+
+
+@dataclass
+class FakeClock:
+    now: float = 1000.0
+    wall_ms: int = 1_700_000_000_000
+    history: list[float] = field(default_factory=list)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Harness:
+    """A store plus a way to let time pass: the fake clock for memory, real
+    sleep for Redis (whose expiry runs on the server's clock)."""
+
+    store: StateStore
+    clock: FakeClock
+    kind: str
+
+    def advance(self, seconds: float) -> None:
+        self.clock.now += seconds
+        if self.kind == "redis":
+            time.sleep(seconds)
+
+
+def make_harness(kind: str, request: pytest.FixtureRequest, config: StateStoreConfig) -> Harness:
+    clock = FakeClock()
+    wall_ms = lambda: clock.wall_ms  # noqa: E731 - a one-line clock
+    if kind == "memory":
+        return Harness(InMemoryStateStore(config, clock=clock, wall_clock_ms=wall_ms), clock, kind)
+    client = request.getfixturevalue("redis_client")
+    return Harness(RedisStateStore(client, config, wall_clock_ms=wall_ms), clock, kind)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    h = make_harness(request.param, request, StateStoreConfig(ttl_s=60.0, lease_s=SHORT_LEASE_S))
+    yield h
+    h.store.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def short_ttl(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    h = make_harness(request.param, request, StateStoreConfig(ttl_s=SHORT_TTL_S, lease_s=60.0))
+    yield h
+    h.store.close()
+
+
+def test_token_packing_is_int32_little_endian() -> None:
+    assert encode_token_ids([5, 258]) == b"\x05\x00\x00\x00\x02\x01\x00\x00"
+    assert decode_token_ids(b"\x05\x00\x00\x00\x02\x01\x00\x00") == (5, 258)
+    assert decode_token_ids(None) == ()
+    with pytest.raises(InvalidArgument, match="token_ids"):
+        encode_token_ids([-1])
+    with pytest.raises(ValueError):
+        decode_token_ids(b"\x01\x02\x03")
+
+
+def test_create_then_load_round_trips(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS, prompt_token_ids=[1, 2, 3])
+    state = harness.store.load("r1")
+    assert state is not None
+    assert state.params == PARAMS
+    assert state.status == RequestStatus.QUEUED
+    assert state.prompt_token_ids == (1, 2, 3)
+    assert state.token_ids == ()
+    assert (state.stats, state.controller_state, state.finish_reason, state.error, state.owner) == ({}, {}, "", "", "")
+    assert state.created_ms == state.updated_ms == harness.clock.wall_ms
+
+
+def test_append_step_appends_in_order_and_counts(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS)
+    assert harness.store.append_step("r1", [5, 258], expected_num_tokens=0, status=RequestStatus.RUNNING) == 2
+    harness.clock.wall_ms += 7
+    assert harness.store.append_step("r1", [0, 49151, 2**31 - 1], expected_num_tokens=2) == 5
+    assert harness.store.append_step("r1", []) == 5
+    state = harness.store.load("r1")
+    assert state.token_ids == (5, 258, 0, 49151, 2**31 - 1)
+    assert state.status == RequestStatus.RUNNING
+    assert state.updated_ms == state.created_ms + 7
+
+
+def test_stats_and_controller_are_replaced_only_when_given(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS)
+    harness.store.append_step("r1", [1], stats={"num_steps": 1}, controller_state={"draft_length": 4})
+    harness.store.append_step("r1", [2], stats={"num_steps": 2})
+    state = harness.store.load("r1")
+    assert state.stats == {"num_steps": 2}
+    assert state.controller_state == {"draft_length": 4}
+
+
+def test_token_count_mismatch_rejects_the_whole_write(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS)
+    harness.store.append_step("r1", [1, 2], expected_num_tokens=0)
+    # A retry of the same step (the writer did not see the first reply).
+    with pytest.raises(FailedPrecondition, match="expected_num_tokens: the store holds 2 .* expected 0"):
+        harness.store.append_step("r1", [1, 2], expected_num_tokens=0, stats={"x": 1})
+    state = harness.store.load("r1")
+    assert state.token_ids == (1, 2)
+    assert state.stats == {}
+
+
+def test_unknown_and_duplicate_ids(harness: Harness) -> None:
+    with pytest.raises(NotFound, match="request_id"):
+        harness.store.append_step("nope", [1])
+    with pytest.raises(NotFound, match="request_id"):
+        harness.store.claim("nope", "gw-1")
+    assert harness.store.load("nope") is None
+    harness.store.create("r1", PARAMS)
+    with pytest.raises(AlreadyExists, match="request_id"):
+        harness.store.create("r1", {})
+
+
+def test_bad_input_names_the_field(harness: Harness) -> None:
+    with pytest.raises(InvalidArgument, match="request_id"):
+        harness.store.create("", PARAMS)
+    with pytest.raises(InvalidArgument, match="request_id"):
+        harness.store.create("a{b}", PARAMS)
+    with pytest.raises(InvalidArgument, match="params"):
+        harness.store.create("r1", {"x": object()})
+    with pytest.raises(InvalidArgument, match="params"):
+        harness.store.create("r1", {"x": float("nan")})
+    harness.store.create("r1", PARAMS)
+    with pytest.raises(InvalidArgument, match="token_ids"):
+        harness.store.append_step("r1", [3, -2])
+    with pytest.raises(InvalidArgument, match="expected_num_tokens"):
+        harness.store.append_step("r1", [3], expected_num_tokens=-1)
+    assert harness.store.load("r1").token_ids == ()
+
+
+def test_ended_requests_leave_the_active_list_and_refuse_writes(harness: Harness) -> None:
+    for rid in ("a", "b", "c"):
+        harness.store.create(rid, PARAMS)
+    assert harness.store.list_active() == ["a", "b", "c"]
+    harness.store.append_step("b", [9], status=RequestStatus.FINISHED, finish_reason="length")
+    assert harness.store.set_status("c", RequestStatus.CANCELLED, finish_reason="cancelled") is True
+    assert harness.store.list_active() == ["a"]
+    assert harness.store.set_status("b", RequestStatus.CANCELLED) is False
+    with pytest.raises(FailedPrecondition, match="has ended"):
+        harness.store.append_step("b", [10])
+    state = harness.store.load("b")
+    assert (state.status, state.finish_reason, state.token_ids) == (RequestStatus.FINISHED, "length", (9,))
+
+
+def test_failed_request_keeps_its_error(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS)
+    assert harness.store.set_status("r1", RequestStatus.FAILED, error="primary unavailable")
+    state = harness.store.load("r1")
+    assert (state.status, state.error) == (RequestStatus.FAILED, "primary unavailable")
+
+
+def test_claim_lease_fences_a_stalled_owner(harness: Harness) -> None:
+    store = harness.store
+    store.create("r1", PARAMS)
+    assert store.claim("r1", "gw-1")
+    assert store.claim("r1", "gw-1")  # renewal
+    assert not store.claim("r1", "gw-2")
+    assert store.load("r1").owner == "gw-1"
+    store.append_step("r1", [1], owner="gw-1")
+    with pytest.raises(FailedPrecondition, match="owner: the lease of 'r1' is held by 'gw-1'"):
+        store.append_step("r1", [2], owner="gw-2")
+    harness.advance(SHORT_LEASE_S + 0.1)  # gw-1 stalls past its lease
+    assert store.load("r1").owner == ""
+    assert store.claim("r1", "gw-2")
+    with pytest.raises(FailedPrecondition, match="owner"):
+        store.append_step("r1", [2], owner="gw-1")
+    assert store.append_step("r1", [2], owner="gw-2") == 2
+    store.append_step("r1", [3], status=RequestStatus.FINISHED, owner="gw-2")
+    assert store.load("r1").owner == ""  # the lease ends with the request
+    assert not store.claim("r1", "gw-3")
+
+
+def test_append_step_with_owner_takes_a_free_lease(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS)
+    harness.store.append_step("r1", [1], owner="gw-1")
+    assert harness.store.load("r1").owner == "gw-1"
+    assert not harness.store.claim("r1", "gw-2")
+
+
+def test_delete_forgets_everything(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS, prompt_token_ids=[1])
+    harness.store.append_step("r1", [2])
+    assert harness.store.delete("r1") is True
+    assert harness.store.delete("r1") is False
+    assert harness.store.load("r1") is None
+    assert harness.store.list_active() == []
+    harness.store.create("r1", {"again": True})  # the id is free again
+    assert harness.store.load("r1").token_ids == ()
+
+
+def test_requests_expire_ttl_after_their_last_write(short_ttl: Harness) -> None:
+    store = short_ttl.store
+    store.create("old", PARAMS, prompt_token_ids=[1])
+    store.create("kept", PARAMS, prompt_token_ids=[1])
+    short_ttl.advance(SHORT_TTL_S * 0.6)
+    store.append_step("kept", [7])  # re-arms kept's expiry, not old's
+    short_ttl.advance(SHORT_TTL_S * 0.6)
+    assert store.load("old") is None
+    assert store.list_active() == ["kept"]
+    with pytest.raises(NotFound):
+        store.append_step("old", [1])
+    state = store.load("kept")
+    assert (state.prompt_token_ids, state.token_ids) == ((1,), (7,))
+    short_ttl.advance(SHORT_TTL_S * 1.2)
+    assert store.load("kept") is None
+    assert store.list_active() == []
+
+
+def test_open_state_store_picks_the_backend(redis_server) -> None:
+    memory = open_state_store("")
+    assert isinstance(memory, InMemoryStateStore)
+    store = open_state_store(redis_server.url, StateStoreConfig(namespace="pick"))
+    try:
+        assert isinstance(store, RedisStateStore)
+        store.create("r1", PARAMS)
+        assert store.load("r1").params == PARAMS
+    finally:
+        store.delete("r1")
+        store.close()
+
+
+# ---- Redis only --------------------------------------------------------------------------------
+
+
+def test_redis_keys_are_namespaced_and_expiring(redis_client: redis.Redis) -> None:
+    store = RedisStateStore(redis_client, StateStoreConfig(namespace="ns1", ttl_s=60.0))
+    other = RedisStateStore(redis_client, StateStoreConfig(namespace="ns2", ttl_s=60.0))
+    store.create("r1", PARAMS, prompt_token_ids=[1, 2])
+    store.append_step("r1", [3, 4, 5], owner="gw-1")
+    keys = sorted(k.decode() for k in redis_client.keys("*"))
+    assert keys == ["ns1:active", "ns1:req:{r1}:meta", "ns1:req:{r1}:owner", "ns1:req:{r1}:prompt",
+                    "ns1:req:{r1}:tokens"]
+    for key in keys:
+        if key != "ns1:active":  # the index is permanent; its stale ids are pruned by list_active
+            assert 0 < redis_client.pttl(key) <= 60_000
+    # 4 bytes per committed token, one value.
+    assert redis_client.strlen("ns1:req:{r1}:tokens") == 3 * 4
+    assert other.load("r1") is None
+    assert other.list_active() == []
+
+
+def test_redis_per_step_write_is_one_round_trip(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = RedisStateStore(redis_client, StateStoreConfig())
+    store.create("r1", PARAMS)
+    store.append_step("r1", [0])  # loads the script (EVALSHA miss -> SCRIPT LOAD) once
+    evalsha_before = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
+    # Every round trip goes through one send_packed_command (a pipeline too).
+    connection = redis_client.connection_pool.get_connection()
+    redis_client.connection_pool.release(connection)
+    connection_type = type(connection)
+    owner = next(c for c in connection_type.__mro__ if "send_packed_command" in vars(c))
+    sends = []
+    original = owner.send_packed_command
+
+    def counting_send(self, command, check_health=True):  # noqa: ANN001 - redis-py's signature
+        sends.append(command)
+        return original(self, command, check_health)
+
+    monkeypatch.setattr(owner, "send_packed_command", counting_send)
+    for i in range(10):
+        store.append_step("r1", [i], expected_num_tokens=1 + i, stats={"step": i}, controller_state={"k": 4},
+                          owner="gw-1")
+    monkeypatch.undo()
+    assert len(sends) == 10
+    assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] - evalsha_before == 10
+
+
+def test_redis_recovery_through_a_fresh_client(redis_server, redis_client: redis.Redis) -> None:
+    config = StateStoreConfig(namespace="recover")
+    first = RedisStateStore(redis_client, config)
+    first.create("done", PARAMS, prompt_token_ids=[1])
+    first.append_step("done", [2], status=RequestStatus.FINISHED, finish_reason="eos")
+    first.create("live", PARAMS, prompt_token_ids=[10, 11, 12])
+    first.append_step("live", [13, 14], expected_num_tokens=0, status=RequestStatus.RUNNING,
+                      stats={"num_steps": 1}, controller_state={"draft_length": 5}, owner="gw-old")
+    # The gateway dies; a new one connects with its own client.
+    restarted = RedisStateStore.from_url(redis_server.url, config)
+    try:
+        assert restarted.list_active() == ["live"]
+        assert not restarted.claim("live", "gw-new")  # the old lease is still live
+        state = restarted.load("live")
+        assert state == first.load("live")
+        assert (state.prompt_token_ids + state.token_ids) == (10, 11, 12, 13, 14)  # what to re-prefill
+        assert (state.stats, state.controller_state) == ({"num_steps": 1}, {"draft_length": 5})
+    finally:
+        restarted.close()

@@ -1,0 +1,207 @@
+"""Row statistics: the torch reference (hand cases), the host walk, the CUDA source and GPU parity."""
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.logits_codec import FORMATS, EncodedLogits, decode_logits, encode_logits
+from specdec.sampling import SamplingParams
+from validator_svc.acceptance import greedy_accept, threshold_accept
+from validator_svc.entropy import row_entropy
+from validator_svc.kernel import (
+    KERNEL_NAME, ROW_STATS_SOURCE, THREADS_PER_BLOCK, CudaRowStats, _csr, cuda_device_count, make_row_stats,
+    row_stats_cpu, row_stats_reference, validate_from_stats)
+
+NEG = -math.inf
+TOKEN_IDS, PARENTS = [2, 0, 3, 1], [-1, 0, -1, 2]  # root ── 0:2 ── 1:0 ;  root ── 2:3 ── 3:1
+requires_gpu = pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")
+
+
+def random_tree_logits(num_nodes: int, vocab_size: int, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """A random tree whose nodes often hit the argmax, so walks go deep; logits [N+1, V]."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_nodes + 1, vocab_size, generator=generator) * 3  # [N+1, V]
+    token_ids, parents = [], []
+    for i in range(num_nodes):
+        parent = int(torch.randint(-1, i, (1,), generator=generator)) if i else -1
+        row = logits[parent + 1]
+        used = {token_ids[j] for j in range(i) if parents[j] == parent}
+        ranked = [t for t in row.argsort(descending=True).tolist() if t not in used][:2]  # best unused tokens
+        token_ids.append(ranked[int(torch.randint(0, len(ranked), (1,), generator=generator))])
+        parents.append(parent)
+    return token_ids, parents, logits
+
+
+def test_reference_hand_case():
+    logits = torch.tensor([
+        [0.0, 0.0, 0.0, 0.0],  # uniform: max 0, lse ln 4, entropy ln 4, argmax 0 (lowest of ties)
+        [1.0, NEG, 1.0, NEG],  # two tokens: lse 1 + ln 2, entropy ln 2, argmax 0
+        [0.0, 0.0, 0.0, 5.0],
+        [0.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0],
+    ])
+    stats = row_stats_reference(logits, TOKEN_IDS, PARENTS)
+    assert stats.argmax_ids.tolist() == [0, 0, 3, 0, 0]
+    torch.testing.assert_close(stats.log_normalizer[:2], torch.tensor([math.log(4), 1 + math.log(2)]))
+    torch.testing.assert_close(stats.entropy[:2], torch.tensor([math.log(4), math.log(2)]))
+    # Node 0 (tok 2) and node 2 (tok 3) sit in row 0 (p = 1/4 each); node 1 (tok 0) in row 1 (p = 1/2);
+    # node 3 (tok 1) in row 3 (p = 1/4).
+    torch.testing.assert_close(stats.child_probs, torch.tensor([0.25, 0.5, 0.25, 0.25]))
+    assert stats.child_logits.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_csr_worked_example():
+    assert _csr(((0, 2), (1,), (), ()), [7, 8, 9]) == ([0, 2, 3, 3, 3], [0, 2, 1], [7, 9, 8])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_host_walk_on_stats_equals_the_reference_rule(fmt):
+    for seed in range(6):
+        token_ids, parents, logits = random_tree_logits(8, 64, seed)
+        decoded = decode_logits(encode_logits(logits, fmt))
+        stats = row_stats_cpu(encode_logits(logits, fmt), token_ids, parents)
+        assert validate_from_stats(stats, token_ids, parents) == greedy_accept(token_ids, parents, decoded)
+        for threshold in (0.05, 0.5):
+            assert validate_from_stats(stats, token_ids, parents, acceptance_threshold=threshold) == \
+                threshold_accept(token_ids, parents, decoded, SamplingParams(), threshold, None)
+        argmax_ids = logits.argmax(dim=-1).tolist()
+        assert validate_from_stats(stats, token_ids, parents, argmax_ids=argmax_ids) == \
+            greedy_accept(token_ids, parents, decoded, argmax_ids=argmax_ids)
+
+
+def test_invalid_rows_are_rejected_after_the_stats():
+    encoded = encode_logits(torch.zeros(2, 4), "fp8_e4m3")
+    nan_row = EncodedLogits("fp8_e4m3", 2, 4, b"\x00\x00\x00\x00\x7f\x00\x00\x00", encoded.row_scales)  # 0x7f is NaN
+    with pytest.raises(ValueError, match="target_logits row 1"):
+        validate_from_stats(row_stats_cpu(nan_row, [1], [-1]), [1], [-1])
+    with pytest.raises(ValueError, match="target_logits row 0"):
+        validate_from_stats(row_stats_reference(torch.tensor([[NEG, NEG], [0.0, 0.0]]), [1], [-1]), [1], [-1])
+    with pytest.raises(ValueError, match=r"token_ids\[0\]"):
+        row_stats_cpu(encoded, [4], [-1])
+
+
+def test_dispatcher_and_lazy_compilation():
+    assert make_row_stats("cpu") is row_stats_cpu
+    with pytest.raises(ValueError, match="device"):
+        make_row_stats("tpu")
+    CudaRowStats()  # constructing compiles nothing and needs no GPU
+    if cuda_device_count() == 0:
+        assert make_row_stats("auto") is row_stats_cpu
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_source_compiles_for_sm90(tmp_path):
+    source = tmp_path / "row_stats.cu"
+    source.write_text(ROW_STATS_SOURCE)
+    ptx = tmp_path / "row_stats.ptx"
+    completed = subprocess.run(["nvcc", "-arch=sm_90", "--ptx", str(source), "-o", str(ptx)],
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert f".entry {KERNEL_NAME}(" in ptx.read_text()
+
+
+# ---- GPU parity (skipped without a device) -----------------------------------------------------
+
+def assert_stats_match(gpu, cpu) -> None:
+    assert torch.equal(gpu.argmax_ids, cpu.argmax_ids)
+    assert torch.equal(gpu.row_max, cpu.row_max)
+    assert torch.equal(gpu.child_logits, cpu.child_logits)  # exact decode in both
+    torch.testing.assert_close(gpu.log_normalizer, cpu.log_normalizer, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gpu.entropy, cpu.entropy, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gpu.child_probs, cpu.child_probs, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("vocab_size", [1, 33, 49152, 151936])
+def test_gpu_stats_equal_the_reference(fmt, vocab_size):
+    kernel = CudaRowStats()
+    num_nodes = 8 if vocab_size >= 4 else 0
+    token_ids, parents, logits = random_tree_logits(num_nodes, vocab_size, seed=vocab_size)
+    if vocab_size >= 33:
+        logits[1, [3, 17, 30]] = logits[1].max() + 1.0  # a three-way tie for the argmax
+    if vocab_size >= 33 and fmt != "fp8_e4m3":
+        logits[2, :10] = NEG  # masked tokens
+    encoded = encode_logits(logits, fmt)
+    gpu, cpu = kernel(encoded, token_ids, parents), row_stats_cpu(encoded, token_ids, parents)
+    assert_stats_match(gpu, cpu)
+    if vocab_size >= 33:
+        assert int(gpu.argmax_ids[1]) == 3
+    for threshold in (0.0, 0.3):
+        assert validate_from_stats(gpu, token_ids, parents, acceptance_threshold=threshold) == \
+            validate_from_stats(cpu, token_ids, parents, acceptance_threshold=threshold)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_flags_nan_rows():
+    data = bytearray(encode_logits(torch.zeros(2, 64), "fp8_e4m3").data)
+    data[64 + 5] = 0x7F  # NaN in row 1
+    encoded = EncodedLogits("fp8_e4m3", 2, 64, bytes(data), (1.0, 1.0))
+    with pytest.raises(ValueError, match="target_logits row 1"):
+        validate_from_stats(CudaRowStats()(encoded, [1], [-1]), [1], [-1])
+
+
+class FakeCupy:
+    """Stands in for CuPy on a machine without a GPU: arrays are NumPy arrays and the "kernel" is a
+    NumPy emulation of ROW_STATS_SOURCE's contract (per-pointer layout from its shape comments). It
+    checks the host glue of CudaRowStats: CSR packing, argument order, outputs by node index."""
+    uint8, int32, float32 = np.uint8, np.int32, np.float32
+
+    class RawModule:
+        def __init__(self, code: str) -> None:
+            assert code == ROW_STATS_SOURCE
+
+        def get_function(self, name: str):
+            assert name == KERNEL_NAME
+            return FakeCupy.row_stats
+
+    @staticmethod
+    def asarray(array):
+        return np.array(array)
+
+    @staticmethod
+    def empty(size, dtype):
+        return np.full(size, -7, dtype=dtype)  # garbage that a missed write would leave behind
+
+    @staticmethod
+    def asnumpy(array):
+        return array
+
+    @staticmethod
+    def row_stats(grid, block, args):
+        (data, scales, offsets, nodes, tokens, fmt, vocab_size, itemsize,
+         out_max, out_lse, out_entropy, out_argmax, out_child_logits, out_child_probs) = args
+        num_rows = grid[0]
+        fmt_name = {0: "fp32", 1: "bf16", 2: "fp8_e4m3"}[int(fmt)]
+        assert len(data) == num_rows * int(vocab_size) * int(itemsize) and block == (THREADS_PER_BLOCK,)
+        encoded = EncodedLogits(fmt_name, num_rows, int(vocab_size), data.tobytes(),
+                                tuple(float(s) for s in scales) if fmt_name == "fp8_e4m3" else None)
+        logits = decode_logits(encoded)  # [R, V]
+        out_max[:] = logits.amax(dim=-1).numpy()
+        out_lse[:] = torch.logsumexp(logits, dim=-1).numpy()
+        out_entropy[:] = row_entropy(logits).numpy()
+        out_argmax[:] = logits.argmax(dim=-1).numpy()
+        for row in range(num_rows):
+            for k in range(offsets[row], offsets[row + 1]):
+                out_child_logits[nodes[k]] = logits[row, tokens[k]]
+                out_child_probs[nodes[k]] = math.exp(float(logits[row, tokens[k]]) - float(out_lse[row]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("num_nodes", [0, 8])
+def test_cuda_host_glue_with_an_emulated_kernel(monkeypatch, fmt, num_nodes):
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
+    token_ids, parents, logits = random_tree_logits(num_nodes, 40, seed=num_nodes + 3)
+    encoded = encode_logits(logits, fmt)
+    emulated, cpu = CudaRowStats()(encoded, token_ids, parents), row_stats_cpu(encoded, token_ids, parents)
+    assert emulated.child_logits.shape == (num_nodes,)
+    assert_stats_match(emulated, cpu)
+    assert validate_from_stats(emulated, token_ids, parents) == validate_from_stats(cpu, token_ids, parents)

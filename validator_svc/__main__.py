@@ -1,0 +1,26 @@
+"""python -m validator_svc: serve the acceptance rule."""
+from __future__ import annotations
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from specdec.logging import configure_logging
+from specdec.metrics import ServiceMetrics
+from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.server import serve
+from specdec.v1 import validator_pb2_grpc
+from validator_svc.config import parse_config
+from validator_svc.server import ValidatorServicer
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    configure_logging("validator_svc", level=config.log_level)
+    structlog.get_logger("validator_svc").info("starting", device=config.device)
+    registry = CollectorRegistry()
+    serve(config.server, [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, ValidatorServicer())],
+          interceptors=[ErrorInterceptor(ServiceMetrics(registry))], registry=registry)
+
+
+if __name__ == "__main__":
+    main()

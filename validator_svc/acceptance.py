@@ -1,0 +1,337 @@
+"""The acceptance rule: which path of a verified token tree is kept, plus one primary token.
+
+Terms (one speculative step, tree of N draft nodes, target logits [N+1, V], row 0 = the root):
+  accepted tokens   draft tokens on the kept root-to-node path; `accepted_nodes` lists their
+                    node indices in order (possibly empty).
+  bonus token       one token drawn from the primary at the row of the last accepted node (row 0
+                    when none was accepted). When the walk ends at a leaf it is a plain sample
+                    (argmax in greedy mode) of that row; when it ends because every child was
+                    rejected it is the correction (recovered) token: a sample from the residual
+                    distribution that makes the step exact.
+  accepted length   len(accepted_nodes) + 1 tokens committed per step.
+
+Modes:
+  greedy     Accept the child whose token is the primary's argmax (lossless for temperature 0).
+  sample     Recursive rejection sampling (Leviathan et al. 2023, "Fast Inference from
+             Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating LLM
+             Decoding with Speculative Sampling"), extended to trees as in SpecInfer (Miao et al.
+             2024), SpecTr (Sun et al. 2023) and RSD (Jeon et al. 2024). At a node with target p
+             and children x_1..x_k (index order) drawn from q_1..q_k:
+               accept x_j with probability min(1, p(x_j) / q_j(x_j));
+               on reject  p <- normalize(max(p - q_j, 0)) and try x_{j+1};
+               all rejected -> correction token ~ p.
+             q_j is renormalised without the tokens of earlier siblings: the merge dedups
+             siblings, so x_j can only be a token not already offered (sampling without
+             replacement, as in RSD). A deterministic draft (n-gram, suffix: no draft probs) is
+             the point mass q_j = onehot(x_j): accept with probability p(x_j), on reject zero
+             p(x_j) and renormalise. Lossless: the committed tokens are distributed exactly as
+             the primary's (after temperature / top-k / top-p).
+  threshold  Opt-in and LOSSY: accept a child x when p(x) >= acceptance_threshold * max(p) at
+             that row (p after the sampling params; the temperature-1 softmax when temperature
+             is 0), the most likely qualifying child first. Trades exactness for accepted
+             length on near-ties. Threshold 0 means off (greedy or sample).
+
+Inputs are validated (ValueError naming the field); per-row quantities (entropy, argmax,
+probabilities) are computed once for all rows, the walk itself touches only the visited rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Callable, Sequence
+
+import torch
+
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from validator_svc.entropy import row_entropy
+
+MODE_GREEDY = "greedy"
+MODE_SAMPLE = "sample"
+MODE_THRESHOLD = "threshold"
+MODES = (MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD)
+ROOT = -1  # parents[i] of a child of the root
+THRESHOLD_OFF = 0.0
+ROOT_ROW = 0  # logits row of the root; node i's row is i + 1
+
+Children = tuple[tuple[int, ...], ...]  # children[row]: node indices in index order
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ValidationResult:
+    accepted_nodes: tuple[int, ...]
+    bonus_token: int
+    accepted_entropies: tuple[float, ...]  # primary entropy (nats) at each row where a child was accepted
+    rejected_entropies: tuple[float, ...]  # ... at the row where the walk stopped with children present
+
+    @property
+    def accepted_length(self) -> int:
+        return len(self.accepted_nodes) + 1
+
+
+def select_mode(params: SamplingParams, acceptance_threshold: float = THRESHOLD_OFF) -> str:
+    if acceptance_threshold != THRESHOLD_OFF:
+        return MODE_THRESHOLD
+    return MODE_GREEDY if params.is_greedy else MODE_SAMPLE
+
+
+def validate_tree(token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor,
+                  target_logits: torch.Tensor, params: SamplingParams, *,
+                  acceptance_threshold: float = THRESHOLD_OFF, draft_probs: torch.Tensor | None = None,
+                  argmax_ids: Sequence[int] | torch.Tensor | None = None,
+                  generator: torch.Generator | None = None, step: int = 0) -> ValidationResult:
+    """Dispatch on select_mode; the random stream is make_generator(params.seed, step) unless given."""
+    mode = select_mode(params, acceptance_threshold)
+    if mode == MODE_GREEDY:
+        return greedy_accept(token_ids, parents, target_logits, argmax_ids=argmax_ids)
+    generator = generator if generator is not None else make_generator(params.seed, step)
+    if mode == MODE_SAMPLE:
+        return rejection_sample_accept(token_ids, parents, target_logits, params, generator, draft_probs=draft_probs)
+    return threshold_accept(token_ids, parents, target_logits, params, acceptance_threshold, generator,
+                            argmax_ids=argmax_ids)
+
+
+def greedy_accept(token_ids, parents, target_logits: torch.Tensor, *, argmax_ids=None) -> ValidationResult:
+    """argmax_ids [N+1], when given (computed by the primary from fp32), overrides the logits' argmax."""
+    ids, children, entropies = _check_inputs(token_ids, parents, target_logits)
+    argmax = check_argmax_ids(argmax_ids, *target_logits.shape) or tuple(torch.argmax(target_logits, dim=-1).tolist())
+    return greedy_walk(children, ids, argmax, entropies)
+
+
+def greedy_walk(children: Children, token_ids: Sequence[int], argmax_ids: Sequence[int],
+                row_entropies: Sequence[float]) -> ValidationResult:
+    """The greedy rule on precomputed per-row argmax [N+1] (shared with the CUDA path)."""
+    def choose(row: int) -> int | None:
+        return next((j for j in children[row] if token_ids[j] == argmax_ids[row]), None)
+
+    accepted, stop_row = _walk(children, choose)
+    return walk_result(children, accepted, stop_row, argmax_ids[stop_row], row_entropies)
+
+
+def threshold_walk(children: Children, node_scores: Sequence[float], is_qualified: Sequence[bool],
+                   ) -> tuple[tuple[int, ...], int]:
+    """Walk taking, at each row, the qualifying child with the highest score (lowest index on ties).
+
+    Returns (accepted_nodes, stop_row). Shared by the reference and the CUDA path.
+    """
+    def choose(row: int) -> int | None:
+        best = None
+        for j in children[row]:
+            if is_qualified[j] and (best is None or node_scores[j] > node_scores[best]):
+                best = j
+        return best
+
+    return _walk(children, choose)
+
+
+def threshold_greedy_qualified(child_logits: Sequence[float], parent_row_max: Sequence[float],
+                               acceptance_threshold: float) -> list[bool]:
+    """Temperature 0: p(x) >= t * max(p) under softmax(logits)  <=>  x_logit - row_max >= log t.
+
+    Compared in float64 on the exact decoded float32 values, so the CPU and CUDA paths agree bit for bit.
+    """
+    log_threshold = math.log(acceptance_threshold)
+    return [float(x) - float(m) >= log_threshold for x, m in zip(child_logits, parent_row_max)]
+
+
+def threshold_accept(token_ids, parents, target_logits: torch.Tensor, params: SamplingParams,
+                     acceptance_threshold: float, generator: torch.Generator | None, *,
+                     argmax_ids=None) -> ValidationResult:
+    _check_threshold(acceptance_threshold)
+    ids, children, entropies = _check_inputs(token_ids, parents, target_logits)
+    argmax = check_argmax_ids(argmax_ids, *target_logits.shape)
+    if params.is_greedy:
+        parent_rows = torch.tensor([int(p) + 1 for p in parents], dtype=torch.int64)  # [N]
+        child_logits = target_logits[parent_rows, torch.tensor(ids, dtype=torch.int64)].tolist()  # [N]
+        row_max = target_logits.amax(dim=-1)[parent_rows].tolist()  # [N]
+        qualified = threshold_greedy_qualified(child_logits, row_max, acceptance_threshold)
+        accepted, stop_row = threshold_walk(children, child_logits, qualified)
+        bonus = argmax[stop_row] if argmax else int(torch.argmax(target_logits[stop_row]))
+        return walk_result(children, accepted, stop_row, bonus, entropies)
+    row_probs = _RowProbs(target_logits, params)
+
+    def choose(row: int) -> int | None:
+        if not children[row]:
+            return None
+        probs = row_probs[row]  # [V]
+        child_probs = probs[torch.tensor([ids[j] for j in children[row]])].tolist()  # [num children]
+        floor = acceptance_threshold * float(probs.max())
+        best = max(range(len(child_probs)), key=lambda k: (child_probs[k], -k))  # most likely, lowest index
+        return children[row][best] if child_probs[best] >= floor else None
+
+    accepted, stop_row = _walk(children, choose)
+    bonus = int(sample(row_probs[stop_row][None], generator)[0])
+    return walk_result(children, accepted, stop_row, bonus, entropies)
+
+
+class _RowProbs:
+    """logits_to_probs of a row, computed when the walk first visits it: the walk touches depth + 1
+    of the N + 1 rows, and top-k / top-p cost a sort of V per row."""
+
+    def __init__(self, target_logits: torch.Tensor, params: SamplingParams) -> None:
+        self._logits, self._params, self._rows = target_logits, params, {}
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        if row not in self._rows:
+            self._rows[row] = logits_to_probs(self._logits[row:row + 1], self._params)[0]  # [V]
+        return self._rows[row]
+
+
+def rejection_sample_accept(token_ids, parents, target_logits: torch.Tensor, params: SamplingParams,
+                            generator: torch.Generator | None, *,
+                            draft_probs: torch.Tensor | None = None) -> ValidationResult:
+    """Recursive rejection sampling over the tree. draft_probs [N, V]: row j is the distribution node j
+    was drawn from (rows are renormalised); a one-hot row, or draft_probs None for all nodes, is a
+    deterministic draft. Consumes one uniform per child tried and one for the final sample.
+    """
+    ids, children, entropies = _check_inputs(token_ids, parents, target_logits)
+    _check_draft_probs(draft_probs, ids, target_logits.shape[1])
+    row_probs = _RowProbs(target_logits, params)
+    accepted: list[int] = []
+    row = ROOT_ROW
+    while True:
+        p = row_probs[row].to(torch.float64)  # [V], the target at this row, then its residuals
+        offered: list[int] = []  # tokens of the siblings rejected so far
+        for j in children[row]:
+            x = ids[j]
+            q = None if draft_probs is None else _proposal(draft_probs[j], offered)  # [V] or point mass
+            q_x = 1.0 if q is None else float(q[x])
+            accept_prob = min(1.0, float(p[x]) / q_x)
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < accept_prob:
+                accepted.append(j)
+                row = j + 1
+                break
+            p = _residual(p, q, x)
+            offered.append(x)
+        else:  # a leaf, or every child rejected: draw the bonus / correction token from p
+            bonus = int(sample(p[None], generator)[0])
+            return walk_result(children, tuple(accepted), row, bonus, entropies)
+
+
+def _proposal(draft_row: torch.Tensor, offered: list[int]) -> torch.Tensor | None:
+    """q_j renormalised without earlier siblings' tokens; None for a point mass (deterministic draft)."""
+    q = draft_row.to(torch.float64)  # [V]
+    if int((q > 0).sum()) == 1:
+        return None
+    if offered:
+        q = q.clone()
+        q[offered] = 0.0
+    return q / q.sum()
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+    """normalize(max(p - q, 0)); a point mass at x just removes x from p."""
+    if q is None:
+        residual = p.clone()
+        residual[x] = 0.0
+    else:
+        residual = torch.clamp(p - q, min=0.0)  # [V]
+    total = float(residual.sum())
+    # total == 0 only when p <= q everywhere, i.e. p == q and x was accepted with probability 1;
+    # rounding can still reject, and then p itself is the exact residual.
+    return residual / total if total > 0.0 else p
+
+
+def _walk(children: Children, choose: Callable[[int], int | None]) -> tuple[tuple[int, ...], int]:
+    accepted: list[int] = []
+    row = ROOT_ROW
+    while (node := choose(row)) is not None:
+        accepted.append(node)
+        row = node + 1
+    return tuple(accepted), row
+
+
+def walk_result(children: Children, accepted: Sequence[int], stop_row: int, bonus: int,
+                row_entropies: Sequence[float]) -> ValidationResult:
+    """Entropies: each accepted node's parent row; the stop row when it offered children."""
+    parent_rows = [ROOT_ROW] + [j + 1 for j in accepted[:-1]]
+    return ValidationResult(
+        accepted_nodes=tuple(accepted),
+        bonus_token=int(bonus),
+        accepted_entropies=tuple(float(row_entropies[r]) for r in parent_rows[:len(accepted)]),
+        rejected_entropies=(float(row_entropies[stop_row]),) if children[stop_row] else (),
+    )
+
+
+def build_children(token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor,
+                   vocab_size: int) -> tuple[tuple[int, ...], Children]:
+    """Validate a tree and index it by logits row: children[0] = the root's, children[i + 1] = node i's.
+
+    E.g. token_ids [7, 8, 9], parents [-1, 0, -1] -> children ((0, 2), (1,), (), ()).
+    """
+    ids = _as_ints(token_ids, "token_ids")
+    parent_ids = _as_ints(parents, "parents")
+    if len(parent_ids) != len(ids):
+        raise ValueError(f"parents has {len(parent_ids)} entries, token_ids has {len(ids)}")
+    children: list[list[int]] = [[] for _ in range(len(ids) + 1)]
+    for i, (token, parent) in enumerate(zip(ids, parent_ids)):
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"token_ids[{i}] = {token}: outside the vocabulary [0, {vocab_size})")
+        if not (parent == ROOT or 0 <= parent < i):
+            raise ValueError(f"parents[{i}] = {parent}: must be -1 or the index of an earlier node")
+        siblings = children[parent + 1]
+        if any(ids[s] == token for s in siblings):
+            raise ValueError(f"token_ids[{i}] = {token}: repeats a sibling's token (the merge must dedup)")
+        siblings.append(i)
+    return ids, tuple(tuple(c) for c in children)
+
+
+def _as_ints(values: Sequence[int] | torch.Tensor, name: str) -> tuple[int, ...]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got {tuple(values.shape)} {values.dtype}")
+        return tuple(values.tolist())
+    result = tuple(values)
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in result):
+        raise ValueError(f"{name} must hold ints")
+    return tuple(int(v) for v in result)
+
+
+def _check_inputs(token_ids, parents, target_logits: torch.Tensor,
+                  ) -> tuple[tuple[int, ...], Children, list[float]]:
+    """(token ids, children by row, row entropies) of a valid tree and logits."""
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2 \
+            or target_logits.dtype != torch.float32:
+        raise ValueError("target_logits must be a 2-D float32 tensor [N+1, V]")
+    ids, children = build_children(token_ids, parents, target_logits.shape[1])
+    if target_logits.shape[0] != len(ids) + 1:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected num_nodes + 1 = {len(ids) + 1}")
+    # NaN, +inf or a row of only -inf makes that row's entropy NaN: one [R] check instead of a scan
+    # of [R, V]. A -inf logit alone (a masked token) is fine.
+    entropies = row_entropy(target_logits)  # [N+1]
+    bad_rows = (~torch.isfinite(entropies)).nonzero()
+    if bad_rows.numel():
+        raise ValueError(f"target_logits row {int(bad_rows[0])} holds NaN or +inf, or no finite logit")
+    return ids, children, entropies.tolist()
+
+
+def check_argmax_ids(argmax_ids, num_rows: int, vocab_size: int) -> tuple[int, ...]:
+    """The validated ids, () when absent."""
+    if argmax_ids is None:
+        return ()
+    argmax = _as_ints(argmax_ids, "argmax_ids")
+    if len(argmax) != num_rows:
+        raise ValueError(f"argmax_ids has {len(argmax)} entries, expected num_nodes + 1 = {num_rows}")
+    if any(not 0 <= a < vocab_size for a in argmax):
+        raise ValueError(f"argmax_ids must lie in [0, {vocab_size})")
+    return argmax
+
+
+def _check_draft_probs(draft_probs: torch.Tensor | None, ids: Sequence[int], vocab_size: int) -> None:
+    if draft_probs is None:
+        return
+    if not isinstance(draft_probs, torch.Tensor) or not draft_probs.dtype.is_floating_point:
+        raise ValueError("draft_probs must be a floating-point tensor [N, V]")
+    if tuple(draft_probs.shape) != (len(ids), vocab_size):
+        raise ValueError(f"draft_probs has shape {tuple(draft_probs.shape)}, expected {(len(ids), vocab_size)}")
+    if not bool(torch.isfinite(draft_probs).all()) or bool((draft_probs < 0).any()):
+        raise ValueError("draft_probs must be finite and >= 0")
+    own_probs = draft_probs[torch.arange(len(ids)), torch.tensor(ids, dtype=torch.int64)]  # [N]
+    bad_nodes = (own_probs <= 0).nonzero()
+    if bad_nodes.numel():
+        raise ValueError(f"draft_probs[{int(bad_nodes[0])}] gives zero probability to the node's own token")
+
+
+def _check_threshold(acceptance_threshold: float) -> None:
+    if not (0.0 < acceptance_threshold <= 1.0):
+        raise ValueError(f"acceptance_threshold must be in (0, 1] for threshold mode, got {acceptance_threshold!r}")
