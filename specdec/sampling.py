@@ -94,6 +94,8 @@ def _keep_first(scores: torch.Tensor, boundary: torch.Tensor, num_kept: torch.Te
     is_above = scores > boundary  # [R, V]
     is_tied = scores == boundary  # [R, V]
     num_tied_slots = num_kept - is_above.sum(dim=-1, keepdim=True)  # [R, 1]
+    if bool((is_tied.sum(dim=-1, keepdim=True) <= num_tied_slots).all()):
+        return is_above | is_tied  # the usual case: no tie straddles the boundary
     tie_rank = torch.cumsum(is_tied.to(torch.int64), dim=-1)  # [R, V]; 1-based among ties
     return is_above | (is_tied & (tie_rank <= num_tied_slots))
 

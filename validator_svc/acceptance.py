@@ -324,7 +324,9 @@ def _check_draft_probs(draft_probs: torch.Tensor | None, ids: Sequence[int], voc
         raise ValueError("draft_probs must be a floating-point tensor [N, V]")
     if tuple(draft_probs.shape) != (len(ids), vocab_size):
         raise ValueError(f"draft_probs has shape {tuple(draft_probs.shape)}, expected {(len(ids), vocab_size)}")
-    if not bool(torch.isfinite(draft_probs).all()) or bool((draft_probs < 0).any()):
+    # Reductions instead of elementwise masks over [N, V]: a NaN or inf anywhere makes its row sum
+    # non-finite (no negative entries once the minimum is >= 0).
+    if len(ids) and not (bool(torch.isfinite(draft_probs.sum(dim=-1)).all()) and float(draft_probs.amin()) >= 0.0):
         raise ValueError("draft_probs must be finite and >= 0")
     own_probs = draft_probs[torch.arange(len(ids)), torch.tensor(ids, dtype=torch.int64)]  # [N]
     bad_nodes = (own_probs <= 0).nonzero()

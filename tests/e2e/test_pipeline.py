@@ -1,0 +1,186 @@
+"""End to end through real processes: gateway -> draft/primary/validator over gRPC, a real Redis.
+
+One stack for the module (tests/e2e/conftest.py). Greedy fp32 output must not depend on
+speculation, degree or draft length; a primary killed mid-request is recovered; bad input
+gets a specific status naming the field, and leaves no KV memory behind.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bench.prompts import load_prompts
+from specdec.launcher import PRIMARY
+from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, primary_pb2, primary_pb2_grpc,
+                        validator_pb2, validator_pb2_grpc)
+
+pytestmark = pytest.mark.e2e
+
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
+SETTINGS = [  # (is_enabled, speculative_degree, draft_length)
+    (False, 1, 1), (True, 1, 4), (True, 2, 8), (True, 4, 16),
+]
+MAX_NEW_TOKENS = 32
+
+
+def generate(stub, messages=None, prompt=None, is_enabled=True, degree=1, draft_length=8,
+             max_new_tokens=MAX_NEW_TOKENS, **kwargs) -> gateway_pb2.GenerateResponse:
+    spec = gateway_pb2.SpeculationConfig(is_enabled=is_enabled, speculative_degree=degree,
+                                         draft_length=draft_length)
+    req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens, speculation=spec, **kwargs)
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.chat.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in messages)
+    return stub.Generate(req, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    chosen = load_prompts(DATA_DIR, ["code", "prose", "json"], 1, max_chars=600)
+    assert len(chosen) == 3
+    return chosen
+
+
+def primary_stats(stack) -> primary_pb2.GetStatsResponse:
+    with grpc.insecure_channel(stack.addresses[PRIMARY]) as ch:
+        return primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest(), timeout=10)
+
+
+def test_greedy_output_is_identical_with_and_without_speculation(gateway_stub, prompts, stack):
+    for p in prompts:
+        messages = [(m["role"], m["content"]) for m in p.messages()]
+        outputs = {s: generate(gateway_stub, messages, is_enabled=s[0], degree=s[1], draft_length=s[2])
+                   for s in SETTINGS}
+        baseline = outputs[SETTINGS[0]]
+        assert len(baseline.token_ids) > 0
+        for setting, out in outputs.items():
+            assert list(out.token_ids) == list(baseline.token_ids), (p.id, setting, out.text, baseline.text)
+            assert out.text == baseline.text
+        speculative = outputs[SETTINGS[2]]
+        assert speculative.stats.num_steps <= baseline.stats.num_steps
+        assert speculative.stats.num_generated_tokens == len(speculative.token_ids)
+        assert speculative.stats.mean_accepted_length >= 1.0
+    assert primary_stats(stack).kv_bytes == 0
+
+
+def test_stream_delivers_the_same_text_and_final_stats(gateway_stub):
+    messages = [("user", "List the planets of the solar system, one per line.")]
+    unary = generate(gateway_stub, messages)
+    req = gateway_pb2.GenerateRequest(max_new_tokens=MAX_NEW_TOKENS)
+    req.chat.messages.add(role="user", content=messages[0][1])
+    chunks = list(gateway_stub.GenerateStream(req, timeout=300))
+    assert chunks[-1].is_final and chunks[-1].stats.num_generated_tokens == len(unary.token_ids)
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    state = gateway_stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=chunks[0].request_id))
+    assert state.status == gateway_pb2.REQUEST_STATUS_FINISHED and list(state.token_ids) == list(unary.token_ids)
+
+
+def test_stop_strings_and_cancel(gateway_stub):
+    out = generate(gateway_stub, [("user", "Count from 1 to 20, separated by commas.")], stop=["7"])
+    assert "7" not in out.text and out.finish_reason == gateway_pb2.FINISH_REASON_STOP
+
+    req = gateway_pb2.GenerateRequest(request_id="to-cancel", max_new_tokens=200)
+    req.chat.messages.add(role="user", content="Write a long story about a lighthouse keeper.")
+    stream = gateway_stub.GenerateStream(req, timeout=300)
+    next(stream)
+    assert gateway_stub.Cancel(gateway_pb2.CancelRequest(request_id="to-cancel")).was_active
+    rest = list(stream)
+    assert rest[-1].finish_reason == gateway_pb2.FINISH_REASON_CANCELLED
+    assert rest[-1].stats.num_generated_tokens < 200
+
+
+def test_killed_primary_is_recovered_with_the_same_text(gateway_stub, stack):
+    messages = [("user", "Explain in a few sentences how a bicycle gear works.")]
+    reference = generate(gateway_stub, messages, max_new_tokens=40)
+    req = gateway_pb2.GenerateRequest(request_id="survives-primary-crash", max_new_tokens=40)
+    req.chat.messages.add(role="user", content=messages[0][1])
+    req.speculation.is_enabled = True
+    received: list[gateway_pb2.GenerateStreamResponse] = []
+    errors: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            received.extend(gateway_stub.GenerateStream(req, timeout=600))
+        except BaseException as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    while not received and t.is_alive():
+        time.sleep(0.05)
+    stack.restart(PRIMARY)                       # SIGKILL, then a fresh process on the same port
+    t.join(timeout=600)
+    assert not errors, errors
+    assert received[-1].is_final
+    assert [tok for c in received for tok in c.token_ids] == list(reference.token_ids)
+    assert "".join(c.text for c in received) == reference.text
+
+
+def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(gateway_stub, stack):
+    def expect(code, field, **kwargs):
+        req = gateway_pb2.GenerateRequest(**kwargs)
+        with pytest.raises(grpc.RpcError) as e:
+            gateway_stub.Generate(req, timeout=60)
+        assert e.value.code() == code, (field, e.value.code(), e.value.details())
+        assert field in e.value.details(), (field, e.value.details())
+
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    expect(bad, "prompt", prompt="")
+    expect(bad, "prompt", prompt="word " * 5000)                       # longer than the context
+    expect(bad, "max_new_tokens", prompt="hi", max_new_tokens=0)
+    expect(bad, "max_new_tokens", prompt="hi", max_new_tokens=10**9)
+    expect(bad, "sampling.temperature", prompt="hi", sampling=common_pb2.SamplingParams(temperature=-1))
+    expect(bad, "sampling.top_p", prompt="hi", sampling=common_pb2.SamplingParams(top_p=0))
+    expect(bad, "sampling.top_p", prompt="hi", sampling=common_pb2.SamplingParams(top_p=1.5))
+    expect(bad, "sampling.top_k", prompt="hi", sampling=common_pb2.SamplingParams(top_k=-2))
+    expect(bad, "speculation.speculative_degree", prompt="hi",
+           speculation=gateway_pb2.SpeculationConfig(speculative_degree=100))
+    expect(bad, "speculation.draft_length", prompt="hi", speculation=gateway_pb2.SpeculationConfig(draft_length=999))
+    expect(bad, "speculation.acceptance_threshold", prompt="hi",
+           speculation=gateway_pb2.SpeculationConfig(acceptance_threshold=1.5))
+    expect(bad, "speculation.acceptance_threshold", prompt="hi",
+           speculation=gateway_pb2.SpeculationConfig(acceptance_threshold=-0.1))
+    expect(bad, "speculation.strategies", prompt="hi", speculation=gateway_pb2.SpeculationConfig(strategies=["x"]))
+    expect(bad, "chat.messages[0].role", chat=gateway_pb2.ChatMessages(
+        messages=[gateway_pb2.ChatMessage(role="wizard", content="hi")]))
+    expect(bad, "request_id", prompt="hi", request_id="x" * 500)
+
+    for call, req in ((gateway_stub.GetRequest, gateway_pb2.GetRequestRequest(request_id="no-such-request")),
+                      (gateway_stub.Cancel, gateway_pb2.CancelRequest(request_id="no-such-request"))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "request_id" in e.value.details()
+
+    with grpc.insecure_channel(stack.gateway_address) as ch:
+        # Field 2 (prompt), length-delimited, two bytes that are not UTF-8.
+        raw = ch.unary_unary("/specdec.v1.GenerationService/Generate")
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\x12\x02\xff\xfe", timeout=10)
+        assert e.value.code() == bad and "UTF-8" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:                            # over the message size limit
+            gateway_stub.Generate(gateway_pb2.GenerateRequest(prompt="x" * (8 << 20)), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    with grpc.insecure_channel(stack.addresses["draft"]) as ch:
+        manifest = common_pb2.WeightManifest(memory=common_pb2.MemoryHandle(
+            kind=common_pb2.HANDLE_KIND_SHARED_MEMORY, segment_name="../../etc/passwd", num_bytes=64))
+        with pytest.raises(grpc.RpcError) as e:
+            draft_pb2_grpc.DraftServiceStub(ch).Attach(draft_pb2.AttachRequest(manifest=manifest), timeout=10)
+        assert e.value.code() == bad and "segment_name" in e.value.details()
+    with grpc.insecure_channel(stack.addresses["validator"]) as ch:
+        logits = common_pb2.Logits(inline_logits=common_pb2.InlineLogits(
+            format=common_pb2.LOGITS_FORMAT_FP32, num_rows=2, vocab_size=8, data=b"\0" * 12))
+        with pytest.raises(grpc.RpcError) as e:
+            validator_pb2_grpc.ValidatorServiceStub(ch).Validate(validator_pb2.ValidateRequest(
+                request_id="r", tree=common_pb2.TokenTree(token_ids=[1], parents=[-1]), target_logits=logits),
+                timeout=10)
+        assert e.value.code() == bad and "target_logits" in e.value.details()
+
+    stats = primary_stats(stack)
+    assert stats.kv_bytes == 0 and stats.num_active_requests == 0
