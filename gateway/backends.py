@@ -81,8 +81,12 @@ def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
 class Backends:
     def __init__(self, primary_address: str, draft_address: str, validator_address: str, timeout_s: float,
                  max_message_bytes: int = 128 << 20) -> None:
+        # Reconnect quickly: a restarted service must be found again within a step or two
+        # (gRPC's default backoff grows to two minutes).
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
         self._channels = [grpc.insecure_channel(a, options=options)
                           for a in (primary_address, draft_address, validator_address)]
         self.primary = primary_pb2_grpc.PrimaryServiceStub(self._channels[0])

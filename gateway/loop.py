@@ -70,6 +70,11 @@ class RequestLoop:
         self.pending_accepted: tuple[int, ...] = ()
         self.pending_committed: list[int] = []
         self.draft_synced = 0            # generated tokens the draft service has seen
+        # speculative_degree decoders in parallel, cycling through the strategies; the r-th
+        # repeat of a strategy is its rank-r candidate. E.g. [prompt_lookup, suffix_index],
+        # degree 3 -> [prompt_lookup#0, suffix_index#0, prompt_lookup#1].
+        strategies = params.speculation.strategies
+        self.decoders = [strategies[i % len(strategies)] for i in range(params.speculation.speculative_degree)]
         self.is_draft_open = False
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
 
@@ -165,8 +170,8 @@ class RequestLoop:
         new = self.generated[self.draft_synced:]
         prompt = [] if self.is_draft_open else self.prompt_ids + new
         try:
-            tree = self.backends.propose(self.request_id, prompt, [] if prompt else new, spec.strategies,
-                                         spec.speculative_degree, spec.draft_length, self.max_tree_nodes,
+            tree = self.backends.propose(self.request_id, prompt, [] if prompt else new, self.decoders,
+                                         len(self.decoders), spec.draft_length, self.max_tree_nodes,
                                          self.params.sampling, spec.task_type)
         except NotFound:                         # the draft service restarted: resend the context
             self.is_draft_open = False

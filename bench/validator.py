@@ -1,0 +1,97 @@
+"""Validator figures on real logits of the default model: wire bytes, validation time, fp8/bf16 vs fp32.
+
+    python -m bench.validator [--num-prompts 3] [--max-new-tokens 48] [--threads 2]
+
+For every position of greedy generations it records the primary's fp32 logits, then compares,
+per wire format: the greedy decision (argmax) after a round trip, the total-variation distance
+between the softmax of the decoded and the fp32 logits (temperature 1), and the acceptance
+decisions of a seeded sample-mode validation of an 8-node chain (fp32 vs decoded logits).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.prompts import load_prompts
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.logits_codec import FORMATS, decode_logits, encode_logits
+from specdec.model.loader import default_cache_dir, resolve_model_dir
+from specdec.model.tokenizer import Tokenizer
+from specdec.sampling import SamplingParams
+from validator_svc.acceptance import validate_tree
+
+CHAIN = 8
+
+
+def collect_logits(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[torch.Tensor, list]:
+    rows, chains = [], []
+    for i, ids in enumerate(prompts):
+        out = engine.generate(ids, max_new_tokens, SamplingParams())
+        engine.open(f"p{i}", ids)
+        # One verify of the whole continuation as a chain: the logits a validator sees.
+        for start in range(0, len(out) - CHAIN, CHAIN + 1):     # chain, then its bonus token
+            chain = out[start:start + CHAIN]
+            logits = engine.verify(f"p{i}", chain, [-1] + list(range(CHAIN - 1)))      # [CHAIN+1, V]
+            rows.append(logits)
+            chains.append(chain)
+            engine.commit(f"p{i}", list(range(CHAIN)), chain + [out[start + CHAIN]])
+        engine.release(f"p{i}")
+    return torch.cat(rows), list(zip(chains, rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_path", default=None)
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model_path, default_cache_dir())
+    tokenizer = Tokenizer.from_dir(model_dir)
+    prompts = [tokenizer.encode(x.text(tokenizer)) for x in
+               load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=1500)]
+    loaded = load_model(model_dir, "fp32", max_positions=2048, is_shared=False)
+    engine = Engine(loaded.model, KVCache(loaded.config, torch.float32), 2048)
+    all_rows, steps = collect_logits(engine, prompts, args.max_new_tokens)
+    print(f"{all_rows.shape[0]} rows of real fp32 logits ({len(steps)} verify steps of {CHAIN + 1} rows), "
+          f"V = {all_rows.shape[1]}")
+    p32 = torch.softmax(all_rows, dim=-1)
+    argmax32 = all_rows.argmax(-1)
+    sampling = SamplingParams(temperature=1.0, seed=7)
+    for fmt in FORMATS:
+        t = time.perf_counter()
+        enc = [encode_logits(rows, fmt) for _, rows in steps]
+        encode_ms = (time.perf_counter() - t) * 1000 / len(steps)
+        t = time.perf_counter()
+        dec = torch.cat([decode_logits(e) for e in enc])
+        decode_ms = (time.perf_counter() - t) * 1000 / len(steps)
+        tv = 0.5 * (torch.softmax(dec, dim=-1) - p32).abs().sum(-1)
+        flips = int((dec.argmax(-1) != argmax32).sum())
+        same_sample = 0
+        for (chain, rows), e in zip(steps, enc):
+            a = validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, sampling, step=1)
+            b = validate_tree(chain, [-1] + list(range(CHAIN - 1)), decode_logits(e), sampling, step=1)
+            same_sample += a == b
+        print(f"{fmt:9s} {enc[0].num_bytes:>9,d} B/step | encode {encode_ms:.2f} ms, decode {decode_ms:.2f} ms | "
+              f"argmax flips {flips}/{len(argmax32)} | TV mean {tv.mean():.2e} max {tv.max():.2e} | "
+              f"sample-mode decisions identical {same_sample}/{len(steps)}")
+    for mode, params in (("greedy", SamplingParams()), ("sample T=1", sampling),
+                         ("sample T=0.8 k=50 p=0.9", SamplingParams(0.8, 50, 0.9, seed=3))):
+        times = []
+        for chain, rows in steps:
+            t = time.perf_counter()
+            validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, params, step=1)
+            times.append((time.perf_counter() - t) * 1000)
+        print(f"validation {mode:24s} median {statistics.median(times):.2f} ms per step ({CHAIN} nodes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""`python -m draft_svc`: the draft pool service (see draft_svc/config.py for flags and env)."""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import structlog
+import torch
+from prometheus_client import CollectorRegistry
+
+from draft_svc.config import DraftConfig, from_args
+from draft_svc.pool import DraftPool
+from draft_svc.primary_client import GrpcPrimaryClient
+from draft_svc.server import DraftServicer
+from draft_svc.strategies import model_free_registry
+from draft_svc.strategies.self_draft import self_draft_registry
+from draft_svc.strategies.suffix_index import SuffixIndex
+from draft_svc.weights import PrimaryClient, WeightAttacher
+from specdec.logging import configure_logging
+from specdec.metrics import ServiceMetrics
+from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.server import serve
+from specdec.v1 import draft_pb2_grpc
+
+
+def build(config: DraftConfig, client: PrimaryClient | None,
+          metrics: ServiceMetrics | None = None) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
+    """The servicer and what it runs on; the attacher's monitor is not started yet."""
+    model_based = self_draft_registry(config.self_draft)
+
+    def check_model(model) -> None:
+        # Resolve the configured layers against the model now, not in a request.
+        for name in config.pool.strategies:
+            if name in model_based:
+                model_based.create(name, model=model)
+
+    # Without model-based strategies the primary is still asked for its vocabulary (to validate
+    # token ids), but its weights are not mapped.
+    attacher = WeightAttacher(client, check_model=check_model, max_context=config.max_context,
+                              poll_interval_s=config.attach_poll_s, is_attaching=config.has_model_strategies)
+    pool = DraftPool(config.pool, model_free_registry(suffix_index=(index := SuffixIndex(config.suffix_index))),
+                     model_based, attacher, suffix_index=index)
+    return DraftServicer(pool, attacher, metrics), pool, attacher
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = from_args(argv, os.environ)
+    configure_logging("draft", level=config.log_level)
+    log = structlog.get_logger("draft_svc")
+    if config.num_torch_threads:
+        torch.set_num_threads(config.num_torch_threads)
+    client = GrpcPrimaryClient(config.primary_address) if config.primary_address else None
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry)
+    servicer, pool, attacher = build(config, client, metrics)
+    log.info("draft_pool_configured", strategies=list(config.pool.strategies),
+             default_strategies=list(config.pool.default_strategies), primary_address=config.primary_address)
+
+    def on_stopped() -> None:
+        attacher.stop()
+        pool.close()
+        if client is not None:
+            client.close()
+
+    attacher.start()  # attaches in the background: model-free strategies serve at once
+    serve(config.server, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
+          interceptors=[ErrorInterceptor(metrics)], registry=registry, on_stopped=on_stopped)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,107 @@
+"""The draft service's configuration: CLI flags over environment variables over defaults.
+
+The only module of the service that reads `os.environ` (through `from_args`' `environ`).
+
+    python -m draft_svc --port 50052 --primary_address primary:50051 \\
+        --strategies prompt_lookup,suffix_index,early_exit,layer_skip
+
+Environment (compose.yaml sets the first five for every service):
+    SPECDEC_HOST, SPECDEC_PORT, SPECDEC_METRICS_PORT, SPECDEC_LOG_LEVEL, SPECDEC_PRIMARY_ADDRESS,
+    SPECDEC_NUM_THREADS, SPECDEC_DRAFT_STRATEGIES, SPECDEC_DRAFT_DEFAULT_STRATEGIES,
+    SPECDEC_DRAFT_LENGTH, SPECDEC_DRAFT_THREADS, SPECDEC_DRAFT_EARLY_EXIT_LAYERS,
+    SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from draft_svc.pool import PoolConfig
+from draft_svc.strategies.prompt_lookup import PromptLookupDecoder
+from draft_svc.strategies.self_draft import MODEL_STRATEGIES, SelfDraftConfig
+from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndexConfig
+from specdec.logging import LOG_LEVELS
+from specdec.service.server import DEFAULT_HOST, ServerConfig
+
+MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name)
+KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + MODEL_STRATEGIES
+DEFAULT_PORT = 50052
+NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftConfig:
+    server: ServerConfig
+    pool: PoolConfig
+    self_draft: SelfDraftConfig = SelfDraftConfig()
+    suffix_index: SuffixIndexConfig = SuffixIndexConfig()
+    primary_address: str = NO_PRIMARY
+    attach_poll_s: float = 5.0      # how often the primary's instance id is checked
+    max_context: int = 0            # rotary table length of the draft model; 0 = the primary's context
+    num_torch_threads: int = 0      # 0 = torch's default
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if unknown := set(self.pool.strategies) - set(KNOWN_STRATEGIES):
+            raise ValueError(f"strategies {sorted(unknown)} are not among {KNOWN_STRATEGIES}")
+        if self.attach_poll_s <= 0:
+            raise ValueError(f"attach_poll_s must be > 0, got {self.attach_poll_s}")
+        if self.max_context < 0 or self.num_torch_threads < 0:
+            raise ValueError("max_context and num_torch_threads must be >= 0")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    @property
+    def has_model_strategies(self) -> bool:
+        return any(name in MODEL_STRATEGIES for name in self.pool.strategies)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in _names(text))
+
+
+def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftConfig:
+    env = environ.get
+    p = argparse.ArgumentParser(prog="python -m draft_svc", description="The draft pool service.")
+    p.add_argument("--host", default=env("SPECDEC_HOST", DEFAULT_HOST))
+    p.add_argument("--port", type=int, default=int(env("SPECDEC_PORT", DEFAULT_PORT)))
+    p.add_argument("--metrics_port", type=int, default=int(env("SPECDEC_METRICS_PORT", 0)))
+    p.add_argument("--log_level", default=env("SPECDEC_LOG_LEVEL", "INFO"))
+    p.add_argument("--primary_address", default=env("SPECDEC_PRIMARY_ADDRESS", NO_PRIMARY),
+                   help="host:port of the primary whose weights the model-based strategies run on")
+    p.add_argument("--num_threads", type=int, default=int(env("SPECDEC_NUM_THREADS", 0)),
+                   help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--strategies", default=env("SPECDEC_DRAFT_STRATEGIES", ",".join(MODEL_FREE_STRATEGIES)),
+                   help=f"comma-separated strategies this pool offers, of {','.join(KNOWN_STRATEGIES)}")
+    p.add_argument("--default_strategies", default=env("SPECDEC_DRAFT_DEFAULT_STRATEGIES", ""),
+                   help="strategies of a request that names none (default: the model-free ones offered)")
+    p.add_argument("--draft_length", type=int, default=int(env("SPECDEC_DRAFT_LENGTH", 8)))
+    p.add_argument("--draft_threads", type=int, default=int(env("SPECDEC_DRAFT_THREADS", 4)),
+                   help="threads running one step's decoders in parallel")
+    p.add_argument("--early_exit_layers", type=int, default=int(env("SPECDEC_DRAFT_EARLY_EXIT_LAYERS", 0)),
+                   help="layers the early-exit decoder runs (0: 3/4 of the model's)")
+    p.add_argument("--skipped_layers", default=env("SPECDEC_DRAFT_SKIPPED_LAYERS", ""),
+                   help="comma-separated layers the layer-skip decoder skips (default: every other one "
+                        "from L/4 to 2L/3)")
+    p.add_argument("--max_context", type=int, default=int(env("SPECDEC_DRAFT_MAX_CONTEXT", 0)))
+    p.add_argument("--attach_poll_s", type=float, default=float(env("SPECDEC_DRAFT_ATTACH_POLL_S", 5.0)))
+    a = p.parse_args(argv)
+    strategies = _names(a.strategies)
+    defaults = _names(a.default_strategies) or tuple(n for n in strategies if n in MODEL_FREE_STRATEGIES) \
+        or strategies
+    try:
+        return DraftConfig(
+            server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
+            pool=PoolConfig(strategies=strategies, default_strategies=defaults,
+                            default_draft_length=a.draft_length, num_threads=a.draft_threads),
+            self_draft=SelfDraftConfig(early_exit_layers=a.early_exit_layers,
+                                       skipped_layers=_ints(a.skipped_layers)),
+            primary_address=a.primary_address, attach_poll_s=a.attach_poll_s, max_context=a.max_context,
+            num_torch_threads=a.num_threads, log_level=a.log_level.upper())
+    except ValueError as e:
+        p.error(str(e))   # exits with status 2 and the message: a configuration error is not a crash

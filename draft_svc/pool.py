@@ -1,0 +1,324 @@
+"""The draft pool: per-request draft decoders, run in parallel, merged into one token tree.
+
+Per request the pool keeps the committed context and one decoder per strategy the request has
+used; a decoder is created on first use and catches up on the whole context then, so a request
+may change strategies between steps (the controller does) and model-based decoders join once
+the primary's weights are attached.
+
+Candidate list of a step (bit order of the tree's node_sources): `strategies` best first, the
+r-th occurrence of a name meaning that decoder's rank r, truncated to `speculative_degree`:
+
+    # E.g. strategies [prompt_lookup, suffix_index, prompt_lookup], degree 0 (all):
+    #   prompt_lookup runs once with max_candidates=2, suffix_index once with 1;
+    #   candidates = [prompt_lookup#0, suffix_index#0, prompt_lookup#1]
+
+A decoder that has nothing (no match, weights not attached) contributes an empty candidate,
+so bit i always means strategies[i]. Model-based decoders run in parallel in a thread pool
+(torch releases the GIL); the model-free ones take microseconds and run on the calling thread.
+
+Release(is_finished) adds the request's output (committed tokens after the prompt) to the
+shared suffix index, so later requests can draft from it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Protocol
+
+import structlog
+
+from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder
+from draft_svc.strategies.suffix_index import SuffixIndex
+from draft_svc.tree import TokenTree, build_token_tree
+from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
+from specdec.model.llama import Transformer
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CANDIDATES = 32  # node_sources is a uint32 bitmask over the candidates
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolConfig:
+    strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")  # what this pool offers
+    default_strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")  # when a request names none
+    default_draft_length: int = 8
+    max_draft_length: int = 64
+    max_speculative_degree: int = 16
+    max_tree_nodes: int = 256         # the primary's limit on a verified tree
+    max_context_tokens: int = 1 << 20
+    max_requests: int = 4096
+    request_ttl_s: float = 900.0      # a request idle this long (its gateway died) is dropped
+    num_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_speculative_degree > MAX_CANDIDATES:
+            raise ValueError(f"max_speculative_degree must be <= {MAX_CANDIDATES}, got {self.max_speculative_degree}")
+        if not self.strategies or len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"strategies must be distinct and non-empty, got {self.strategies}")
+        unknown = set(self.default_strategies) - set(self.strategies)
+        if unknown or not self.default_strategies:
+            raise ValueError(f"default_strategies must be a non-empty subset of strategies {self.strategies}, "
+                             f"got {self.default_strategies}")
+        for name in ("default_draft_length", "max_draft_length", "max_speculative_degree", "max_tree_nodes",
+                     "max_context_tokens", "max_requests", "num_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_draft_length > self.max_draft_length:
+            raise ValueError(f"default_draft_length {self.default_draft_length} exceeds max_draft_length "
+                             f"{self.max_draft_length}")
+        if self.request_ttl_s <= 0:
+            raise ValueError(f"request_ttl_s must be > 0, got {self.request_ttl_s}")
+
+
+class ModelSource(Protocol):
+    """What the pool needs from the attached primary weights (draft_svc.weights.WeightAttacher)."""
+
+    def current_model(self) -> tuple[str, Transformer] | None:
+        """(instance id, model) of the attached weights, or None while none are attached."""
+        ...
+
+    def vocab_size(self) -> int | None:
+        """The primary's vocabulary size when known (attached or described by the primary)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProposeArgs:
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = ()   # first call: creates the request's state
+    new_token_ids: tuple[int, ...] = ()      # committed since the previous call
+    strategies: tuple[str, ...] = ()         # () = the pool's default_strategies
+    speculative_degree: int = 0              # 0 = len(strategies)
+    draft_length: int = 0                    # 0 = default_draft_length
+    max_nodes: int = 0                       # 0 = speculative_degree * draft_length (capped)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecoderStep:
+    name: str
+    num_proposed: int   # tree nodes this decoder's candidates pass through
+    time_ms: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Proposal:
+    tree: TokenTree                           # tree.decoders[i] = candidate i's decoder = bit i
+    decoder_steps: tuple[DecoderStep, ...]    # one per distinct decoder, in first-use order
+    time_ms: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    decoders: dict[str, DraftDecoder] = dataclasses.field(default_factory=dict)
+    model_instance: dict[str, str] = dataclasses.field(default_factory=dict)  # decoder -> its weights' instance
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    last_used: float = 0.0
+
+
+class DraftPool:
+    def __init__(self, config: PoolConfig, model_free: DecoderRegistry, model_based: DecoderRegistry,
+                 models: ModelSource, suffix_index: SuffixIndex | None = None) -> None:
+        offered = set(model_free.names()) | set(model_based.names())
+        if missing := set(config.strategies) - offered:
+            raise ValueError(f"strategies {sorted(missing)} have no registered decoder (have {sorted(offered)})")
+        self.config = config
+        self._model_free, self._model_based, self._models = model_free, model_based, models
+        self._suffix_index = suffix_index
+        self._requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()  # LRU order
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(config.num_threads, thread_name_prefix="draft")
+        self._log = structlog.get_logger("draft_svc.pool")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_kv_bytes(self) -> int:
+        """KV bytes of the model-based decoders of every request (the pool's own memory beyond weights)."""
+        with self._lock:
+            requests = list(self._requests.values())
+        return sum(getattr(d, "num_kv_bytes", 0) for r in requests for d in list(r.decoders.values()))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- Propose -----------------------------------------------------------------------------
+
+    def propose(self, args: ProposeArgs) -> Proposal:
+        started = time.perf_counter()
+        entries, draft_length, max_nodes = self._resolve(args)
+        request, is_new = self._request_for(args)
+        with request.lock:
+            if not is_new:
+                self._extend(request, args.new_token_ids)
+            candidates, steps = self._run_decoders(request, entries, draft_length)
+            request.last_used = time.monotonic()
+        tree = build_token_tree(candidates, max_nodes)
+        steps = tuple(dataclasses.replace(s, num_proposed=_num_nodes_from(tree, s.name)) for s in steps)
+        return Proposal(tree, steps, (time.perf_counter() - started) * 1e3)
+
+    def _resolve(self, args: ProposeArgs) -> tuple[list[tuple[str, int]], int, int]:
+        """Validate the step's parameters -> ([(decoder, rank)] best first, draft_length, max_nodes)."""
+        c = self.config
+        if not args.request_id or len(args.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument("request_id", f"must have 1 to {MAX_REQUEST_ID_CHARS} characters")
+        names = args.strategies or c.default_strategies
+        for name in names:
+            if name not in c.strategies:
+                raise InvalidArgument("strategies", f"{name!r} is not one of this pool's {list(c.strategies)}")
+        degree = args.speculative_degree or len(names)
+        if not 1 <= degree <= min(len(names), c.max_speculative_degree):
+            raise InvalidArgument("speculative_degree", f"must be in [0, {min(len(names), c.max_speculative_degree)}]"
+                                  f" ({len(names)} strategies named), got {args.speculative_degree}")
+        draft_length = args.draft_length or c.default_draft_length
+        if not 1 <= draft_length <= c.max_draft_length:
+            raise InvalidArgument("draft_length", f"must be in [0, {c.max_draft_length}], got {args.draft_length}")
+        if not 0 <= args.max_nodes <= c.max_tree_nodes:
+            raise InvalidArgument("max_nodes", f"must be in [0, {c.max_tree_nodes}], got {args.max_nodes}")
+        max_nodes = args.max_nodes or min(degree * draft_length, c.max_tree_nodes)
+        self._check_token_ids("prompt_token_ids", args.prompt_token_ids)
+        self._check_token_ids("new_token_ids", args.new_token_ids)
+        seen: collections.Counter[str] = collections.Counter()
+        entries = []
+        for name in names[:degree]:
+            entries.append((name, seen[name]))
+            seen[name] += 1
+        return entries, draft_length, max_nodes
+
+    def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            return
+        vocab_size = self._models.vocab_size()
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            bad = low if low < 0 else high
+            raise InvalidArgument(field, f"token id {bad} is outside the vocabulary [0, {vocab_size or '?'})")
+
+    def _request_for(self, args: ProposeArgs) -> tuple[_Request, bool]:
+        """The request's state, and whether this call created it (from prompt + new tokens)."""
+        now = time.monotonic()
+        with self._lock:
+            self._drop_idle(now)
+            request = self._requests.get(args.request_id)
+            if args.prompt_token_ids:
+                # A prompt (re)opens the request: on a known id it is a gateway that recovered the
+                # request, whose view of the committed tokens wins.
+                c = self.config
+                if len(args.prompt_token_ids) + len(args.new_token_ids) > c.max_context_tokens:
+                    raise InvalidArgument("prompt_token_ids", f"context exceeds {c.max_context_tokens} tokens")
+                if request is None and len(self._requests) >= c.max_requests:
+                    raise ResourceExhausted("request_id", f"the draft pool holds {c.max_requests} requests")
+                request = _Request([*args.prompt_token_ids, *args.new_token_ids], len(args.prompt_token_ids),
+                                   last_used=now)
+                self._requests[args.request_id] = request
+                self._requests.move_to_end(args.request_id)
+                return request, True
+            elif request is None:
+                raise NotFound("request_id", f"no draft state for {args.request_id!r}: the first Propose of a "
+                                             "request carries prompt_token_ids")
+            self._requests.move_to_end(args.request_id)
+            request.last_used = now
+        return request, False
+
+    def _drop_idle(self, now: float) -> None:
+        while self._requests:
+            request_id, request = next(iter(self._requests.items()))
+            if now - request.last_used < self.config.request_ttl_s:
+                return
+            del self._requests[request_id]
+            self._log.warning("draft_request_expired", request_id=request_id, idle_s=round(now - request.last_used))
+            _release_decoders(request)
+
+    def _extend(self, request: _Request, token_ids: Sequence[int]) -> None:
+        if len(request.token_ids) + len(token_ids) > self.config.max_context_tokens:
+            raise InvalidArgument("new_token_ids", f"context exceeds {self.config.max_context_tokens} tokens")
+        request.token_ids.extend(token_ids)
+        for decoder in request.decoders.values():
+            decoder.extend(token_ids)
+
+    def _run_decoders(self, request: _Request, entries: list[tuple[str, int]],
+                      draft_length: int) -> tuple[list[Candidate], list[DecoderStep]]:
+        num_ranks: dict[str, int] = {}
+        for name, rank in entries:
+            num_ranks[name] = max(num_ranks.get(name, 0), rank + 1)
+        runnable = {name: d for name in num_ranks if (d := self._decoder(request, name)) is not None}
+        # Model-based decoders run in parallel, the first on this thread; the model-free ones take
+        # microseconds, less than handing them to another thread.
+        heavy = [name for name in runnable if name in self._model_based]
+        futures = {name: self._executor.submit(_timed_propose, runnable[name], draft_length, num_ranks[name])
+                   for name in heavy[1:]}
+        try:
+            results = {name: _timed_propose(runnable[name], draft_length, num_ranks[name])
+                       for name in runnable if name not in futures}
+        finally:
+            wait(futures.values())  # even when one fails: no decoder may outlive the request's lock
+        results.update((name, f.result()) for name, f in futures.items())  # a decoder's error propagates
+        candidates = []
+        for name, rank in entries:
+            proposed = results.get(name, ((), 0.0))[0]
+            candidates.append(proposed[rank] if rank < len(proposed) else Candidate(name, (), rank=rank))
+        steps = [DecoderStep(name, 0, results.get(name, ((), 0.0))[1]) for name in num_ranks]
+        return candidates, steps
+
+    def _decoder(self, request: _Request, name: str) -> DraftDecoder | None:
+        """The request's decoder for `name`, created (and caught up) on first use; None when a
+        model-based strategy has no attached weights."""
+        if name in self._model_based:
+            attached = self._models.current_model()
+            if attached is None:
+                return None
+            instance_id, model = attached
+            if request.model_instance.get(name) != instance_id:
+                # New weights (the primary restarted): the old decoder's cache belongs to the old ones.
+                old = request.decoders.pop(name, None)
+                if old is not None and hasattr(old, "release"):
+                    old.release()
+                request.decoders[name] = self._model_based.create(name, model=model)
+                request.decoders[name].extend(request.token_ids)
+                request.model_instance[name] = instance_id
+        elif name not in request.decoders:
+            request.decoders[name] = self._model_free.create(name)
+            request.decoders[name].extend(request.token_ids)
+        return request.decoders[name]
+
+    # --- Release -----------------------------------------------------------------------------
+
+    def release(self, request_id: str, is_finished: bool) -> int:
+        """Drop the request's state; a finished request's output joins the suffix index. Returns
+        the number of output tokens indexed."""
+        with self._lock:
+            request = self._requests.pop(request_id, None)
+        if request is None:
+            raise NotFound("request_id", f"no draft state for {request_id!r}")
+        with request.lock:  # wait for an in-flight Propose of the request
+            _release_decoders(request)
+            output = request.token_ids[request.num_prompt_tokens:]
+        if is_finished and self._suffix_index is not None and output:
+            self._suffix_index.insert(output)
+            return len(output)
+        return 0
+
+
+def _timed_propose(decoder: DraftDecoder, max_tokens: int, max_candidates: int) -> tuple[tuple[Candidate, ...], float]:
+    started = time.perf_counter()
+    candidates = decoder.propose(max_tokens, max_candidates)
+    return candidates, (time.perf_counter() - started) * 1e3
+
+
+def _num_nodes_from(tree: TokenTree, decoder: str) -> int:
+    bits = sum(1 << i for i, name in enumerate(tree.decoders) if name == decoder)
+    return sum(1 for sources in tree.node_sources if sources & bits)
+
+
+def _release_decoders(request: _Request) -> None:
+    for decoder in request.decoders.values():
+        if hasattr(decoder, "release"):
+            decoder.release()
+    request.decoders.clear()

@@ -1,0 +1,50 @@
+"""The draft pool's client of the primary: the two RPCs that attaching to its weights needs."""
+from __future__ import annotations
+
+import grpc
+
+from draft_svc.weights import ExportedWeights, ModelInfo
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.service.server import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.v1 import primary_pb2, primary_pb2_grpc
+from specdec.weights.shared import HandleError
+from specdec.weights.wire import manifest_from_pb
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class GrpcPrimaryClient:
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.address, self._timeout_s = address, timeout_s
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES)])
+        self._stub = primary_pb2_grpc.PrimaryServiceStub(self._channel)
+
+    def get_model_info(self) -> ModelInfo:
+        try:
+            r = self._stub.GetModelInfo(primary_pb2.GetModelInfoRequest(), timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            raise Unavailable("primary_address", f"GetModelInfo on {self.address} failed: {e.code().name} "
+                              f"{e.details()}") from None
+        return ModelInfo(instance_id=r.instance_id, vocab_size=r.vocab_size,
+                         max_context_length=r.max_context_length, model_id=r.model_id)
+
+    def export_weights(self) -> ExportedWeights:
+        try:
+            r = self._stub.ExportWeights(primary_pb2.ExportWeightsRequest(), timeout=self._timeout_s)
+        except grpc.RpcError as e:
+            raise Unavailable("primary_address", f"ExportWeights on {self.address} failed: {e.code().name} "
+                              f"{e.details()}") from None
+        return exported_from_pb(r.manifest)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def exported_from_pb(pb) -> ExportedWeights:
+    """A protobuf WeightManifest -> ExportedWeights; a malformed one is InvalidArgument("manifest.<field>")."""
+    try:
+        manifest, config_json, precision, model_id = manifest_from_pb(pb)
+    except HandleError as e:
+        raise InvalidArgument(f"manifest.{e.field}", str(e).split(": ", 1)[-1]) from None
+    return ExportedWeights(manifest, config_json, precision, model_id)

@@ -1,0 +1,74 @@
+"""DraftService servicer: protobuf -> pool / attacher -> protobuf, nothing else.
+
+Domain errors (specdec.errors) raised below become their gRPC status in the interceptor.
+"""
+from __future__ import annotations
+
+import grpc
+
+from draft_svc.pool import DraftPool, Proposal, ProposeArgs
+from draft_svc.primary_client import exported_from_pb
+from draft_svc.weights import WeightAttacher
+from specdec.errors import InvalidArgument
+from specdec.metrics import ServiceMetrics
+from specdec.sampling import SamplingParams
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+TOP_P_UNSET = 0.0  # proto3 cannot tell an unset top_p from 0: read as 1.0 (off), see common.proto
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, pool: DraftPool, attacher: WeightAttacher, metrics: ServiceMetrics | None = None) -> None:
+        self._pool, self._attacher, self._metrics = pool, attacher, metrics
+
+    def Attach(self, request: draft_pb2.AttachRequest, context: grpc.ServicerContext) -> draft_pb2.AttachResponse:
+        if not request.HasField("manifest"):
+            raise InvalidArgument("manifest", "is not set")
+        attached = self._attacher.attach(exported_from_pb(request.manifest))
+        return draft_pb2.AttachResponse(mapped_bytes=attached.mapped_bytes)
+
+    def Propose(self, request: draft_pb2.ProposeRequest,
+                context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
+        _check_sampling(request.sampling)
+        proposal = self._pool.propose(ProposeArgs(
+            request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
+            new_token_ids=tuple(request.new_token_ids), strategies=tuple(request.strategies),
+            speculative_degree=request.speculative_degree, draft_length=request.draft_length,
+            max_nodes=request.max_nodes))
+        self._record(proposal)
+        return proposal_to_pb(proposal)
+
+    def Release(self, request: draft_pb2.DraftServiceReleaseRequest,
+                context: grpc.ServicerContext) -> draft_pb2.DraftServiceReleaseResponse:
+        self._pool.release(request.request_id, request.is_finished)
+        if self._metrics is not None:
+            self._metrics.active_requests.set(self._pool.num_requests)
+        return draft_pb2.DraftServiceReleaseResponse()
+
+    def _record(self, proposal: Proposal) -> None:
+        if self._metrics is None:
+            return
+        self._metrics.tokens.labels("proposed").inc(proposal.tree.num_nodes)
+        self._metrics.stage_latency.labels("draft").observe(proposal.time_ms / 1e3)
+        self._metrics.active_requests.set(self._pool.num_requests)
+        self._metrics.kv_bytes.set(self._pool.num_kv_bytes)
+
+
+def proposal_to_pb(proposal: Proposal) -> draft_pb2.ProposeResponse:
+    tree = proposal.tree
+    return draft_pb2.ProposeResponse(
+        tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
+        node_sources=tree.node_sources, decoders=tree.decoders,
+        decoder_stats=[common_pb2.DecoderStats(name=s.name, num_proposed=s.num_proposed, time_ms=s.time_ms)
+                       for s in proposal.decoder_steps],
+        time_ms=proposal.time_ms)
+
+
+def _check_sampling(pb: common_pb2.SamplingParams) -> None:
+    """The drafts are greedy whatever the sampling, but a bad field is still the caller's to fix."""
+    try:
+        SamplingParams(temperature=pb.temperature, top_k=pb.top_k,
+                       top_p=1.0 if pb.top_p == TOP_P_UNSET else pb.top_p,
+                       seed=pb.seed if pb.HasField("seed") else None)
+    except ValueError as e:
+        raise InvalidArgument(f"sampling.{str(e).split()[0]}", str(e)) from None

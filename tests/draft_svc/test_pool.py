@@ -1,0 +1,178 @@
+"""The draft pool: candidate order, merge into one tree, per-request decoder state, parallel runs,
+validation, release into the suffix index. Fake decoders with scripted answers, no model."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from typing import ClassVar
+
+import pytest
+
+from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
+from draft_svc.strategies import model_free_registry
+from draft_svc.strategies.base import Candidate, DecoderRegistry
+from draft_svc.strategies.suffix_index import SuffixIndex, SuffixIndexConfig
+from draft_svc.tree import ROOT_PARENT
+from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
+
+A, B, C, D, E = 10, 11, 12, 13, 14
+VOCAB = 100
+
+
+class Scripted:
+    """Answers every propose with fixed continuations (truncated to max_tokens / max_candidates) and
+    records what it was shown."""
+
+    name: ClassVar[str] = "scripted"
+
+    def __init__(self, name: str, answers: tuple[tuple[int, ...], ...], log: list, barrier=None,
+                 model=None) -> None:
+        self.name, self._answers, self._barrier, self.model = name, answers, barrier, model
+        self.context: list[int] = []
+        log.append(self)
+
+    def extend(self, token_ids) -> None:
+        self.context.extend(token_ids)
+
+    def propose(self, max_tokens: int, max_candidates: int = 1) -> tuple[Candidate, ...]:
+        if self._barrier is not None:
+            self._barrier.wait(timeout=5)   # raises BrokenBarrierError unless both decoders run at once
+        return tuple(Candidate(self.name, a[:max_tokens], rank=r) for r, a in enumerate(self._answers[:max_candidates]))
+
+
+class Models:
+    def __init__(self) -> None:
+        self.attached: tuple[str, object] | None = None
+
+    def current_model(self):
+        return self.attached
+
+    def vocab_size(self) -> int | None:
+        return VOCAB
+
+
+def make_pool(answers: dict[str, tuple[tuple[int, ...], ...]], log: list, model_based: tuple[str, ...] = (),
+              models: Models | None = None, barrier=None, suffix_index=None, **config) -> DraftPool:
+    free, based = DecoderRegistry(), DecoderRegistry()
+    for name, a in answers.items():
+        registry = based if name in model_based else free
+        registry.register(name, functools.partial(Scripted, name, a, log, barrier))
+    names = tuple(answers)
+    config = PoolConfig(**{"strategies": names, "default_strategies": names[:1], **config})
+    return DraftPool(config, free, based, models or Models(), suffix_index=suffix_index)
+
+
+def test_candidates_follow_the_strategies_list_and_merge_into_one_tree():
+    log: list[Scripted] = []
+    pool = make_pool({"p": ((A, B, C), (A, D)), "s": ((A, B), (E,))}, log)
+    proposal = pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 3), strategies=("p", "s", "p"),
+                                        draft_length=3))
+    tree = proposal.tree
+    # candidates p#0 [a b c], s#0 [a b], p#1 [a d] -> nodes a b c d; bit i = strategies[i]
+    assert tree.decoders == ("p", "s", "p") and tree.ranks == (0, 0, 1)
+    assert tree.token_ids == (A, B, C, D)
+    assert tree.parents == (ROOT_PARENT, 0, 1, 0)
+    assert tree.node_sources == (0b111, 0b011, 0b001, 0b100)
+    assert [(s.name, s.num_proposed) for s in proposal.decoder_steps] == [("p", 4), ("s", 2)]
+    assert all(s.time_ms >= 0 for s in proposal.decoder_steps) and proposal.time_ms > 0
+    assert [d.context for d in log] == [[1, 2, 3], [1, 2, 3]]   # one decoder per strategy, prompt once
+
+
+def test_degree_draft_length_and_node_budget_cut_the_tree():
+    pool = make_pool({"p": ((A, B, C), (D, E)), "s": ((E,),)}, [])
+    args = ProposeArgs("r", prompt_token_ids=(1,), strategies=("p", "p", "s"))
+    # degree 2: the first two entries only; draft_length 2 cuts each chain
+    tree = pool.propose(dataclasses.replace(args, speculative_degree=2, draft_length=2)).tree
+    assert tree.decoders == ("p", "p") and tree.token_ids == (A, B, D, E)
+    # max_nodes 4: candidate 0 whole (a b c), then depth 1 of the others: d; e (under the root) is cut
+    tree = pool.propose(dataclasses.replace(args, max_nodes=4, new_token_ids=(2,))).tree
+    assert tree.token_ids == (A, B, C, D) and tree.parents == (ROOT_PARENT, 0, 1, ROOT_PARENT)
+
+
+def test_decoders_see_every_committed_token_once_and_late_decoders_catch_up():
+    log: list[Scripted] = []
+    pool = make_pool({"p": ((A,),), "s": ((B,),)}, log)
+    pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=("p",)))
+    pool.propose(ProposeArgs("r", new_token_ids=(3, 4), strategies=("p",)))
+    pool.propose(ProposeArgs("r", new_token_ids=(5,), strategies=("s", "p")))  # s joins at step 3
+    pool.propose(ProposeArgs("r", new_token_ids=(6,), strategies=("p",)))       # s sits out: still fed
+    assert [(d.name, d.context) for d in log] == [("p", [1, 2, 3, 4, 5, 6]), ("s", [1, 2, 3, 4, 5, 6])]
+    # A prompt on a known id re-opens the request (a recovering gateway): fresh decoders.
+    pool.propose(ProposeArgs("r", prompt_token_ids=(7, 8), strategies=("p",)))
+    assert log[-1].context == [7, 8] and len(log) == 3
+
+
+def test_model_based_decoders_of_one_step_run_in_parallel():
+    models = Models()
+    models.attached = ("primary-1", "model-1")
+    barrier = threading.Barrier(2)
+    pool = make_pool({"m1": ((A,),), "m2": ((B,),)}, [], model_based=("m1", "m2"), models=models,
+                     barrier=barrier)
+    tree = pool.propose(ProposeArgs("r", prompt_token_ids=(1,), strategies=("m1", "m2"))).tree
+    assert tree.token_ids == (A, B)
+
+
+def test_model_based_decoders_wait_for_weights_and_follow_a_new_instance():
+    log: list[Scripted] = []
+    models = Models()
+    pool = make_pool({"p": ((A,),), "m": ((B, C),)}, log, model_based=("m",), models=models)
+    proposal = pool.propose(ProposeArgs("r", prompt_token_ids=(1,), strategies=("m", "p")))
+    # not attached: an empty candidate keeps bit 0 for m
+    assert proposal.tree.decoders == ("m", "p") and proposal.tree.token_ids == (A,)
+    assert proposal.tree.node_sources == (0b10,)
+    assert [(s.name, s.num_proposed) for s in proposal.decoder_steps] == [("m", 0), ("p", 1)]
+    models.attached = ("primary-1", "model-1")
+    assert pool.propose(ProposeArgs("r", new_token_ids=(2,), strategies=("m", "p"))).tree.token_ids == (B, C, A)
+    assert log[-1].model == "model-1" and log[-1].context == [1, 2]
+    models.attached = ("primary-2", "model-2")   # the primary restarted
+    pool.propose(ProposeArgs("r", new_token_ids=(3,), strategies=("m",)))
+    assert log[-1].model == "model-2" and log[-1].context == [1, 2, 3]
+    assert [d.name for d in log] == ["p", "m", "m"]
+
+
+@pytest.mark.parametrize("args, field", [
+    (ProposeArgs("", prompt_token_ids=(1,)), "request_id"),
+    (ProposeArgs("r", prompt_token_ids=(1,), strategies=("p", "nope")), "strategies"),
+    (ProposeArgs("r", prompt_token_ids=(1,), strategies=("p",), speculative_degree=2), "speculative_degree"),
+    (ProposeArgs("r", prompt_token_ids=(1,), draft_length=65), "draft_length"),
+    (ProposeArgs("r", prompt_token_ids=(1,), max_nodes=257), "max_nodes"),
+    (ProposeArgs("r", prompt_token_ids=(1, VOCAB)), "prompt_token_ids"),
+    (ProposeArgs("r", prompt_token_ids=(1,), new_token_ids=(-1,)), "new_token_ids"),
+])
+def test_bad_arguments_name_their_field(args, field):
+    pool = make_pool({"p": ((A,),)}, [])
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(args)
+    assert e.value.field == field
+    assert pool.num_requests == 0
+
+
+def test_unknown_requests_limits_and_idle_expiry():
+    pool = make_pool({"p": ((A,),)}, [], max_requests=1, request_ttl_s=0.05)
+    with pytest.raises(NotFound):
+        pool.propose(ProposeArgs("r", new_token_ids=(1,)))
+    pool.propose(ProposeArgs("r", prompt_token_ids=(1,)))
+    with pytest.raises(ResourceExhausted):
+        pool.propose(ProposeArgs("other", prompt_token_ids=(1,)))
+    time.sleep(0.06)  # "r" idles past its ttl: dropped when the next request arrives
+    pool.propose(ProposeArgs("other", prompt_token_ids=(1,)))
+    with pytest.raises(NotFound):
+        pool.propose(ProposeArgs("r", new_token_ids=(2,)))
+    with pytest.raises(NotFound):
+        pool.release("r", is_finished=False)
+
+
+def test_finished_output_joins_the_suffix_index_for_later_requests():
+    index = SuffixIndex(SuffixIndexConfig(max_total_tokens=256, ngram_sizes=(2,), max_match_len=8))
+    pool = DraftPool(PoolConfig(strategies=("suffix_index",), default_strategies=("suffix_index",)),
+                     model_free_registry(suffix_index=index), DecoderRegistry(), Models(), suffix_index=index)
+    pool.propose(ProposeArgs("first", prompt_token_ids=(1, 2)))
+    pool.propose(ProposeArgs("first", new_token_ids=(20, 21, 22, 23, 24)))
+    assert pool.release("first", is_finished=True) == 5        # the output, not the prompt
+    pool.propose(ProposeArgs("cancelled", prompt_token_ids=(3,), new_token_ids=(30, 31, 32)))
+    assert pool.release("cancelled", is_finished=False) == 0   # an unfinished output is not indexed
+    proposal = pool.propose(ProposeArgs("second", prompt_token_ids=(9, 20, 21), draft_length=3))
+    assert proposal.tree.token_ids == (22, 23, 24)
+    assert pool.propose(ProposeArgs("third", prompt_token_ids=(9, 30, 31))).tree.token_ids == ()

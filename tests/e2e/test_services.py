@@ -1,0 +1,47 @@
+"""Every service of a live stack: health, reflection, and a Node.js client streaming from the gateway."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+NODE_DIR = Path(__file__).resolve().parents[1] / "node"
+SERVICES = {"primary": "specdec.v1.PrimaryService", "draft": "specdec.v1.DraftService",
+            "validator": "specdec.v1.ValidatorService", "gateway": "specdec.v1.GenerationService"}
+
+
+def test_each_service_is_healthy_and_reflects_its_api(stack):
+    for name, service in SERVICES.items():
+        with grpc.insecure_channel(stack.addresses[name]) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for target in ("", service):
+                reply = health.Check(health_pb2.HealthCheckRequest(service=target), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, (name, target)
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                     timeout=10))
+            listed = {s.name for s in replies[0].list_services_response.service}
+            assert service in listed and "grpc.health.v1.Health" in listed, (name, listed)
+
+
+def test_node_client_streams_a_generation(stack):
+    node = shutil.which("node")
+    if node is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        pytest.skip("node or tests/node dependencies missing (`make test` installs them)")
+    out = subprocess.run([node, str(NODE_DIR / "stream_client.js"), stack.gateway_address,
+                          "The capital of France is", "12", "node-client-request"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    messages = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert messages[-1]["is_final"] is True and messages[-1]["request_id"] == "node-client-request"
+    generated = [t for m in messages for t in m.get("token_ids", [])]
+    assert 0 < len(generated) <= 12
+    assert int(messages[-1]["stats"]["num_generated_tokens"]) == len(generated)
