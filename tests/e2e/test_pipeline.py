@@ -192,3 +192,29 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
 
     stats = primary_stats(stack)
     assert stats.kv_bytes == 0 and stats.num_active_requests == 0
+
+
+def test_killed_gateway_is_resumed_from_redis_by_its_successor(gateway_stub, stack):
+    from specdec.launcher import GATEWAY
+    messages = [("user", "Describe the water cycle in four sentences.")]
+    reference = generate(gateway_stub, messages, max_new_tokens=40)
+    req = gateway_pb2.GenerateRequest(request_id="survives-gateway-crash", max_new_tokens=40)
+    req.chat.messages.add(role="user", content=messages[0][1])
+    stream = gateway_stub.GenerateStream(req, timeout=600)
+    first = next(stream)                              # the request is running and in Redis
+    assert first.token_ids
+    stack.restart(GATEWAY)                            # SIGKILL mid-request; the successor resumes it
+    with pytest.raises(grpc.RpcError):
+        list(stream)                                  # this client's stream died with the old gateway
+    with grpc.insecure_channel(stack.gateway_address) as ch:
+        from specdec.v1 import gateway_pb2_grpc
+        stub = gateway_pb2_grpc.GenerationServiceStub(ch)
+        give_up = time.monotonic() + 300
+        while True:
+            state = stub.GetRequest(gateway_pb2.GetRequestRequest(request_id="survives-gateway-crash"), timeout=10)
+            if state.status != gateway_pb2.REQUEST_STATUS_RUNNING or time.monotonic() > give_up:
+                break
+            time.sleep(0.2)
+    assert state.status == gateway_pb2.REQUEST_STATUS_FINISHED, state
+    assert list(state.token_ids) == list(reference.token_ids)
+    assert state.text == reference.text
