@@ -138,7 +138,8 @@ class EngineWorker:
                 self._queue.put(i)
                 continue
             try:
-                self.engine.commit(i.request_id, i.accepted_nodes, i.committed_token_ids)
+                if i.accepted_nodes or i.committed_token_ids:   # nothing to commit: a (re)verify only
+                    self.engine.commit(i.request_id, i.accepted_nodes, i.committed_token_ids)
                 work = VerifyWork(i.request_id, i.tree_token_ids, i.tree_parents)
                 self.engine.check_verify(work)
             except SpecdecError as e:

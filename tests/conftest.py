@@ -21,6 +21,13 @@ def default_model_dir() -> Path:
     return loader.resolve_model_dir(None, loader.default_cache_dir(), show_progress=False)
 
 
+@pytest.fixture(scope="session")
+def fp32_model(default_model_dir):
+    """The default model in fp32 with private weights (1024 positions), loaded once per run."""
+    from specdec.engine.loading import load_model
+    return load_model(default_model_dir, "fp32", max_positions=1024, is_shared=False)
+
+
 # ---- Redis fixtures (state store, end-to-end tests) ----------------------------------------------
 # A REAL redis-server on a unix socket, no persistence, one per test module.
 # Fixtures: redis_server (module: RedisServer with .url and .socket_path), redis_client (function:

@@ -10,8 +10,9 @@ logits for the pending token (the tree's root) and for every node:
     logits[0]     next-token logits after the committed context   (decides depth-1 nodes)
     logits[1 + i] next-token logits after draft node i            (decides node i's children)
 
-`commit` then keeps the KV rows of the accepted path and appends the new committed
-tokens (the accepted drafts and one bonus token), which rolls back everything else.
+`commit` then keeps the KV rows of the chain and of the accepted path and appends the new
+committed tokens (the accepted drafts and one bonus token), which rolls back everything
+else. Until then nothing is committed, so repeating a verify (a retried RPC) is harmless.
 Plain autoregressive decoding is the special case of an empty tree.
 
 The engine is not thread-safe: the primary service serialises (and batches) calls.
@@ -38,7 +39,8 @@ MAX_TREE_NODES = 256
 class _Request:
     token_ids: list[int]
     kv: KVSlot
-    tree_parents: tuple[int, ...] = ()     # the tree of the last verify, whose rows follow num_cached
+    tree_chain: int = 0                    # chain rows written by the last verify, after num_cached
+    tree_parents: tuple[int, ...] = ()     # the tree of the last verify, whose rows follow the chain
     tree_token_ids: tuple[int, ...] = ()
 
 
@@ -127,7 +129,7 @@ class Engine:
             span = SequenceSpan(0, len(chunk), start, req.kv.k, req.kv.v, mask)
             self.model.forward(span_ids, positions, [span], logits_rows=torch.empty(0, dtype=torch.int64))
             req.kv.num_cached += len(chunk)
-            req.tree_parents = req.tree_token_ids = ()
+            req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
         return req.kv.num_cached
 
     def _reserve(self, req: _Request, num_rows: int) -> None:
@@ -167,7 +169,8 @@ class Engine:
                                     spans, torch.cat(logits_rows))
         out, row = [], 0
         for req, c, w in reqs:
-            req.kv.num_cached += c                      # the chain is committed context now
+            # The rows stay uncommitted until `commit`, so a repeated verify (a retry) is harmless.
+            req.tree_chain = c
             req.tree_parents, req.tree_token_ids = tuple(w.parents), tuple(w.token_ids)
             out.append(logits[row:row + len(w.token_ids) + 1])
             row += len(w.token_ids) + 1
@@ -209,9 +212,9 @@ class Engine:
         if len(req.token_ids) + len(new_token_ids) > self.max_context:
             raise InvalidArgument("committed_token_ids", f"the request would exceed max_context {self.max_context}")
         self._check_token_ids("committed_token_ids", new_token_ids)
-        self.kv_cache.commit(req.kv, 0, accepted_nodes)
+        self.kv_cache.commit(req.kv, req.tree_chain, accepted_nodes)
         req.token_ids.extend(new_token_ids)
-        req.tree_parents = req.tree_token_ids = ()
+        req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
 
     # --- plain autoregressive decoding (the baseline) -------------------------------------------
 

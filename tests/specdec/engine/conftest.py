@@ -11,12 +11,6 @@ MAX_CONTEXT = 1024
 
 
 @pytest.fixture(scope="session")
-def fp32_model(default_model_dir):
-    torch.set_num_threads(2)
-    return load_model(default_model_dir, "fp32", max_positions=MAX_CONTEXT, is_shared=False)
-
-
-@pytest.fixture(scope="session")
 def bf16_model(default_model_dir):
     return load_model(default_model_dir, "bf16", max_positions=MAX_CONTEXT, is_shared=False)
 

@@ -81,8 +81,8 @@ def test_commit_then_continue_equals_fresh_prefill(engine):
     engine.prefill("a")
     engine.verify("a", token_ids, parents)
     engine.commit("a", [0, 2, 3], [700, 702, 703, 9000])               # accepted path + bonus
+    assert engine.num_cached("a") == len(PROMPT) + 3                    # everything but the bonus token
     continued = engine.verify("a", [11, 12], [-1, 0])                   # next step, on the compacted cache
-    assert engine.num_cached("a") == len(PROMPT) + 4
     engine.commit("a", [0], [11, 42])
     after_second = engine.verify("a", (), ())
 
@@ -158,6 +158,8 @@ def test_bad_calls_name_the_field(engine):
         engine.commit("a", [1], [6, 8])                  # node 1 is not a child of the root
     with pytest.raises(InvalidArgument, match="committed_token_ids"):
         engine.commit("a", [0], [9, 8])                  # node 0 carries token 5, not 9
+    torch.testing.assert_close(engine.verify("a", [5, 6, 7], [-1, 0, -1]),   # a retried verify: same logits
+                               engine.verify("a", [5, 6, 7], [-1, 0, -1]), atol=0, rtol=0)
     engine.commit("a", [], [])
     with pytest.raises(FailedPrecondition):
         engine.verify("a", (), ())                       # nothing pending: the bonus was not committed
