@@ -79,7 +79,7 @@ def main() -> None:
         for (chain, rows), e in zip(steps, enc):
             a = validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, sampling, step=1)
             b = validate_tree(chain, [-1] + list(range(CHAIN - 1)), decode_logits(e), sampling, step=1)
-            same_sample += a == b
+            same_sample += (a.accepted_nodes, a.bonus_token) == (b.accepted_nodes, b.bonus_token)
         print(f"{fmt:9s} {enc[0].num_bytes:>9,d} B/step | encode {encode_ms:.2f} ms, decode {decode_ms:.2f} ms | "
               f"argmax flips {flips}/{len(argmax32)} | TV mean {tv.mean():.2e} max {tv.max():.2e} | "
               f"sample-mode decisions identical {same_sample}/{len(steps)}")

@@ -6,7 +6,9 @@ between primary and validator when the two are not co-located. Layouts (row-majo
   fp32      4 bytes per element, the IEEE float32 bits.
   bf16      2 bytes per element, the top half of the float32 bits after round-to-nearest-even
             (what torch's float32 -> bfloat16 cast does).
-  fp8_e4m3  1 byte per element plus one float32 scale per row: scale = absmax(row) / 448 (1.0
+  fp8_e4m3  1 byte per element plus one float32 scale per row, of the row shifted by its max
+            (x - max(row): lossless for every decision the validator makes, which all depend
+            on the softmax or on argmax; decoding yields the shifted row): scale = absmax / 448 (1.0
             for an all-zero row), byte = e4m3fn(clip(x / scale, -448, 448)) rounded to nearest
             even. The clip is CUDA's SATFINITE behaviour: e4m3fn has no infinity and both torch
             and ml_dtypes turn an overflow into NaN, which x / scale can hit by one fp32 rounding.
@@ -95,6 +97,17 @@ def fp8_row_scales(logits: torch.Tensor) -> torch.Tensor:
     return torch.where(scales > 0, scales, torch.full_like(scales, ZERO_ROW_SCALE))
 
 
+def shift_to_row_max(logits: torch.Tensor) -> torch.Tensor:
+    """logits - rowmax: softmax, argmax, entropy and probability ratios are unchanged, and the
+    likely tokens land near 0, where e4m3 is finest in absolute terms.
+
+    E.g. a row [30.0, 29.5, -20.0]: unshifted, 30 maps to 448 where the e4m3 step is 32 (±1.07
+    logits after scaling); shifted to [0, -0.5, -50], the top two sit in e4m3's fine range and
+    only the improbable -50 is coarse.
+    """
+    return logits - logits.amax(dim=-1, keepdim=True)
+
+
 def saturating_e4m3_codes(values: torch.Tensor) -> torch.Tensor:
     """float32 -> e4m3fn bytes (uint8), round-to-nearest-even, clipped to +-448 first (SATFINITE)."""
     clipped = values.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
@@ -115,10 +128,11 @@ def encode_logits(logits: torch.Tensor, fmt: str) -> EncodedLogits:
     elif fmt == FORMAT_BF16:
         payload = logits.to(torch.bfloat16).view(torch.int16).numpy().astype("<i2", copy=False)
     else:
-        scales = fp8_row_scales(logits)  # [R]
+        shifted = shift_to_row_max(logits)  # [R, V], each row's max at 0
+        scales = fp8_row_scales(shifted)  # [R]
         if not bool(torch.isfinite(scales).all()):
             raise ValueError("logits must be finite for format fp8_e4m3 (e4m3fn has no infinity)")
-        payload = saturating_e4m3_codes(logits / scales[:, None]).numpy()  # [R, V] uint8
+        payload = saturating_e4m3_codes(shifted / scales[:, None]).numpy()  # [R, V] uint8
         row_scales = tuple(float(s) for s in scales.tolist())
     return EncodedLogits(fmt, num_rows, vocab_size, payload.tobytes(), row_scales)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdec.logits_codec import (
+    shift_to_row_max,
     FORMATS, EncodedLogits, bytes_per_row, decode_logits, encode_logits, fp8_row_scales, saturating_e4m3_codes)
 
 E4M3_MAX_CODE, E4M3_MIN_CODE = 0x7E, 0xFE  # +448 and -448
@@ -46,7 +47,7 @@ def test_fp8_codes_equal_ml_dtypes_with_saturation():
 
 
 def test_fp8_encoding_equals_the_ml_dtypes_reference():
-    logits = random_logits(5, 300, seed=1)
+    logits = shift_to_row_max(random_logits(5, 300, seed=1))   # what the encoder scales
     encoded = encode_logits(logits, "fp8_e4m3")
     scales = logits.abs().amax(dim=-1) / 448.0  # [R]
     scaled = np.clip((logits / scales[:, None]).numpy(), -448.0, 448.0)
@@ -60,8 +61,9 @@ def test_fp8_round_trip_error_bound():
     # bits for normals, subnormal step 2^-9), with 1e-6 relative slack for the fp32 divide/multiply.
     logits = random_logits(8, 4096, seed=2)
     logits[1] *= 1e-3  # a row of tiny values: scale adapts per row
-    logits[2, :100] = 1e-6  # subnormal territory inside a normal row
+    logits[2, :100] = logits[2].max() - 1e-6  # just below the max: subnormal territory once shifted
     decoded = decode_logits(encode_logits(logits, "fp8_e4m3"))
+    logits = shift_to_row_max(logits)  # decoding gives the row shifted by its max
     scales = fp8_row_scales(logits)[:, None]  # [R, 1]
     bound = scales * torch.maximum((logits / scales).abs() * 2**-4, torch.full_like(logits, 2**-10))
     assert bool(((decoded - logits).abs() <= bound * (1 + 1e-6)).all())
@@ -120,6 +122,8 @@ def test_argmax_flips_under_lossy_formats_sit_at_near_ties(fmt, relative_error):
     """
     logits = random_logits(64, 49152, seed=3)
     decoded = decode_logits(encode_logits(logits, fmt))
+    if fmt == "fp8_e4m3":
+        logits = shift_to_row_max(logits)  # fp8 carries the row shifted by its max
     exact, lossy = logits.argmax(dim=-1), decoded.argmax(dim=-1)  # [R]
     flips = (exact != lossy).nonzero().flatten()
     scales = fp8_row_scales(logits) if fmt == "fp8_e4m3" else torch.zeros(64)
