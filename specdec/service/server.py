@@ -31,6 +31,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
 DEFAULT_MAX_WORKERS = 16
 DEFAULT_GRACE_S = 5.0
+SIGNAL_POLL_S = 0.1  # how often serve() looks for a SIGTERM/SIGINT recorded by its handler
 # The health-check name that stands for the whole server.
 OVERALL_HEALTH = ""
 
@@ -139,9 +140,12 @@ def serve(config: ServerConfig, services: Sequence[tuple[AddServicerFn, Any]], *
                                  health_servicer=health_servicer)
     stop = threading.Event() if stop_event is None else stop_event
     previous = {}
+    received_signals: list[int] = []
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
-            previous[signum] = signal.signal(signum, lambda signum, _frame: stop.set())
+            # The handler only records the signal: Event.set() from a handler can deadlock on the
+            # Event's lock when the signal lands while this same thread is inside stop.wait().
+            previous[signum] = signal.signal(signum, lambda signum, _frame: received_signals.append(signum))
     metrics_server = None
     try:
         if registry is not None:
@@ -151,7 +155,8 @@ def serve(config: ServerConfig, services: Sequence[tuple[AddServicerFn, Any]], *
                  metrics_port=None if metrics_server is None else metrics_server.port)
         if on_started is not None:
             on_started(port)
-        stop.wait()
+        while not received_signals and not stop.wait(SIGNAL_POLL_S):
+            pass
         log.info("stopping", grace_s=config.grace_s)
         health_servicer.enter_graceful_shutdown()
         server.stop(config.grace_s).wait()

@@ -1,0 +1,396 @@
+"""Generate text with speculative decoding from the command line.
+
+    python inference.py --model_path PATH --speculative_decoding=true --speculative_degree 4 \\
+        --acceptance_threshold 0.7 --prompt "Write a JSON object describing Mars."
+
+Starts the four services (primary, validator, draft pool, gateway) as separate
+processes talking gRPC on loopback (specdec.launcher.Stack), sends one request
+to the gateway, prints the result and stops the services. Without --model_path
+it serves the default model (SmolLM2-135M-Instruct). The text goes to stdout
+and a short stats line to stderr; --json prints one JSON object instead, and
+--stream prints the text as it is accepted. --serve keeps the services up and
+prints the gateway's address; --gateway_address talks to one already running.
+
+Exit codes: 0 success, 1 the gateway refused or failed the request (its gRPC
+status and message are printed), 2 bad flags, 3 the services did not start,
+130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+
+from specdec.launcher import ServiceError, Stack, StackConfig
+from specdec.model.loader import default_cache_dir
+from specdec.model.precision import PRECISIONS
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+TASK_TYPES = {"structured": common_pb2.TASK_TYPE_STRUCTURED, "code": common_pb2.TASK_TYPE_CODE,
+              "creative": common_pb2.TASK_TYPE_CREATIVE}
+FINISH_REASON_PREFIX = "FINISH_REASON_"
+MAX_SEED = 2**64 - 1
+# Statuses that say the request was at fault, not a service: no need to point at the logs.
+CLIENT_ERROR_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+                      grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+DEFAULT_TIMEOUT_S = 600.0
+# How often --serve checks that every service is still alive.
+_SERVE_POLL_S = 0.5
+
+
+# ---- flags ---------------------------------------------------------------------------------------------
+
+def parse_bool(text: str) -> bool:
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"expected one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}, got {text!r}")
+
+
+def ranged(kind: Callable[[str], Any], low: float | None = None, high: float | None = None, *,
+           is_low_open: bool = False) -> Callable[[str], Any]:
+    """An argparse type: kind(text) within [low, high] ((low, high] when is_low_open)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+        too_low = low is not None and (value <= low if is_low_open else value < low)
+        if too_low or (high is not None and value > high):
+            bounds = f"{'(' if is_low_open else '['}{'-inf' if low is None else low:g}, " \
+                     f"{'inf' if high is None else high:g}]"
+            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {value}")
+        return value
+    return parse
+
+
+def strategy_list(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated strategy names, got {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python inference.py", description=__doc__.split("\n\n")[0],
+                                allow_abbrev=False)
+    io = p.add_argument_group("input and output")
+    io.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin (required unless --serve)")
+    io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (chat mode only)")
+    io.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                    help="send the prompt as a chat message (the gateway applies the chat template)")
+    io.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
+    io.add_argument("--stream", action="store_true", help="print the text as it is accepted (GenerateStream)")
+    io.add_argument("--quiet", action="store_true", help="no progress or stats lines on stderr")
+    fmt = io.add_mutually_exclusive_group()
+    fmt.add_argument("--json_schema", type=Path, metavar="FILE", help="constrain the output to this JSON Schema")
+    fmt.add_argument("--json_mode", action="store_true", help="constrain the output to a JSON object")
+
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max_new_tokens", type=ranged(int, 1), metavar="N", help="default: the gateway's")
+    gen.add_argument("--temperature", type=ranged(float, 0.0), default=0.0, metavar="T", help="0 (default): greedy")
+    gen.add_argument("--top_k", type=ranged(int, 0), default=0, metavar="K", help="0 (default): off")
+    gen.add_argument("--top_p", type=ranged(float, 0.0, 1.0, is_low_open=True), default=1.0, metavar="P",
+                     help="1 (default): off")
+    gen.add_argument("--seed", type=ranged(int, 0, MAX_SEED), metavar="N", help="seed of the sampling stream")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    gen.add_argument("--timeout", type=ranged(float, 0.0, is_low_open=True), default=DEFAULT_TIMEOUT_S,
+                     metavar="S", help=f"deadline of the request, seconds (default {DEFAULT_TIMEOUT_S:g})")
+
+    spec = p.add_argument_group("speculation")
+    spec.add_argument("--speculative_decoding", type=parse_bool, nargs="?", const=True, default=None,
+                      metavar="BOOL", help="speculate (true/false/1/0/yes/no); default: the gateway's (on)")
+    spec.add_argument("--speculative_degree", type=ranged(int, 1), metavar="N", help="draft decoders per step")
+    spec.add_argument("--draft_length", type=ranged(int, 1), metavar="N",
+                      help="tokens each decoder proposes per step")
+    spec.add_argument("--acceptance_threshold", type=ranged(float, 0.0, 1.0), default=0.0, metavar="X",
+                      help="opt-in lossy mode: accept a draft token the primary gives at least this "
+                           "probability; 0 (default): lossless")
+    spec.add_argument("--strategies", type=strategy_list, metavar="A,B", help="draft decoders, comma-separated")
+    spec.add_argument("--task_type", choices=sorted(TASK_TYPES), help="default: inferred by the gateway")
+    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
+                      help="let the controller tune degree and draft length per step")
+
+    stack = p.add_argument_group("services")
+    stack.add_argument("--model_path", metavar="PATH",
+                       help="HF model dir or .gguf file; default: SmolLM2-135M-Instruct")
+    stack.add_argument("--precision", choices=PRECISIONS, help="the primary's weights (default fp32)")
+    stack.add_argument("--cache_dir", type=Path, metavar="DIR",
+                       help=f"where converted models are kept (default: {default_cache_dir()})")
+    stack.add_argument("--redis_url", metavar="URL",
+                       help="state store, e.g. redis://127.0.0.1:6379/0; default: in memory")
+    stack.add_argument("--num_threads", type=ranged(int, 0), default=0, metavar="N",
+                       help="the primary's threads; 0: torch's")
+    stack.add_argument("--log_dir", type=Path, metavar="DIR",
+                       help="service logs (default: a temporary dir, kept on failure)")
+    stack.add_argument("--serve", action="store_true",
+                       help="keep the services up, print the gateway address, stop on Ctrl-C / SIGTERM")
+    stack.add_argument("--gateway_address", metavar="HOST:PORT",
+                       help="use a running gateway instead of starting the services")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.prompt is None and not args.serve:
+        parser.error("--prompt is required (or --serve)")
+    if args.gateway_address is not None:
+        if args.serve:
+            parser.error("--serve starts the services: it does not take --gateway_address")
+        given = [f"--{n}" for n in ("model_path", "precision", "cache_dir", "redis_url", "log_dir")
+                 if getattr(args, n) is not None]
+        if given:
+            parser.error(f"{', '.join(given)} configure the services, which --gateway_address does not start")
+    if args.model_path is not None and not Path(args.model_path).expanduser().exists():
+        parser.error(f"--model_path: {args.model_path!r} does not exist")
+    if args.system is not None and not args.chat:
+        parser.error("--system needs chat mode (drop --no-chat)")
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
+    if args.json_schema is not None:
+        args.json_schema_text = read_json_schema(parser, args.json_schema)
+    return args
+
+
+def read_json_schema(parser: argparse.ArgumentParser, path: Path) -> str:
+    try:
+        text = path.read_text()
+        json.loads(text)
+    except OSError as e:
+        parser.error(f"--json_schema: cannot read {str(path)!r}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        parser.error(f"--json_schema: {str(path)!r} is not JSON: {e}")
+    return text
+
+
+# ---- request and result --------------------------------------------------------------------------------
+
+def build_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
+    req = gateway_pb2.GenerateRequest(stop=args.stop)
+    if args.chat:
+        messages = [] if args.system is None else [gateway_pb2.ChatMessage(role="system", content=args.system)]
+        messages.append(gateway_pb2.ChatMessage(role="user", content=args.prompt))
+        req.chat.messages.extend(messages)
+    else:
+        req.prompt = args.prompt
+    if args.max_new_tokens is not None:
+        req.max_new_tokens = args.max_new_tokens
+    req.sampling.temperature, req.sampling.top_k, req.sampling.top_p = args.temperature, args.top_k, args.top_p
+    if args.seed is not None:
+        req.sampling.seed = args.seed
+    s = req.speculation
+    if args.speculative_decoding is not None:
+        s.is_enabled = args.speculative_decoding
+    s.speculative_degree = args.speculative_degree or 0
+    s.draft_length = args.draft_length or 0
+    s.acceptance_threshold = args.acceptance_threshold
+    s.strategies.extend(args.strategies or ())
+    if args.task_type is not None:
+        s.task_type = TASK_TYPES[args.task_type]
+    if args.adaptive is not None:
+        s.is_adaptive = args.adaptive
+    if args.json_schema is not None:
+        req.response_format.type = common_pb2.ResponseFormat.TYPE_JSON_SCHEMA
+        req.response_format.json_schema = args.json_schema_text
+    elif args.json_mode:
+        req.response_format.type = common_pb2.ResponseFormat.TYPE_JSON_OBJECT
+    return req
+
+
+@dataclass(slots=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: int
+    stats: gateway_pb2.GenerationStats
+    wall_s: float
+
+
+def generate(stub: gateway_pb2_grpc.GenerationServiceStub, req: gateway_pb2.GenerateRequest,
+             timeout_s: float) -> Result:
+    started = time.perf_counter()
+    resp = stub.Generate(req, timeout=timeout_s)
+    return Result(resp.request_id, resp.text, list(resp.token_ids), resp.finish_reason, resp.stats,
+                  time.perf_counter() - started)
+
+
+def generate_stream(stub: gateway_pb2_grpc.GenerationServiceStub, req: gateway_pb2.GenerateRequest,
+                    timeout_s: float, out: TextIO | None) -> Result:
+    """GenerateStream, writing each step's text to out (when given) as it arrives."""
+    started = time.perf_counter()
+    result = Result("", "", [], gateway_pb2.FINISH_REASON_UNSPECIFIED, gateway_pb2.GenerationStats(), 0.0)
+    for msg in stub.GenerateStream(req, timeout=timeout_s):
+        result.request_id = msg.request_id or result.request_id
+        result.text += msg.text
+        result.token_ids.extend(msg.token_ids)
+        if out is not None and msg.text:
+            out.write(msg.text)
+            out.flush()
+        if msg.is_final:
+            result.finish_reason, result.stats = msg.finish_reason, msg.stats
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def finish_reason_name(value: int) -> str:
+    return gateway_pb2.FinishReason.Name(value).removeprefix(FINISH_REASON_PREFIX).lower()
+
+
+def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: float | None) -> dict[str, Any]:
+    st = result.stats
+    times = st.stage_times
+    return {
+        "request_id": result.request_id,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": finish_reason_name(result.finish_reason),
+        "speculative_decoding": is_speculative,
+        "num_prompt_tokens": st.num_prompt_tokens,
+        "num_generated_tokens": st.num_generated_tokens,
+        "num_steps": st.num_steps,
+        "num_proposed_tokens": st.num_proposed_tokens,
+        "num_accepted_tokens": st.num_accepted_tokens,
+        "acceptance_rate": st.acceptance_rate,
+        "mean_accepted_length": st.mean_accepted_length,
+        "tokens_per_second": st.tokens_per_second,
+        "stage_times": {name: getattr(times, name) for name in
+                        ("draft_ms", "verify_ms", "validate_ms", "commit_ms", "state_ms", "other_ms", "total_ms")},
+        "decoders": [{"name": d.name, "num_proposed": d.num_proposed, "num_accepted": d.num_accepted,
+                      "acceptance_rate": d.num_accepted / d.num_proposed if d.num_proposed else 0.0,
+                      "time_ms": d.time_ms} for d in st.decoders],
+        "entropy_bins": [{"lower": b.lower, "upper": b.upper, "num_proposed": b.num_proposed,
+                          "num_accepted": b.num_accepted} for b in st.entropy_bins],
+        "wall_s": result.wall_s,
+        "stack_start_s": stack_start_s,
+    }
+
+
+def stats_line(result: Result) -> str:
+    st, times = result.stats, result.stats.stage_times
+    decoders = ", ".join(f"{d.name} {d.num_accepted}/{d.num_proposed}" for d in st.decoders)
+    return (f"[{st.num_generated_tokens} tokens in {result.wall_s:.2f} s ({st.tokens_per_second:.1f} tok/s), "
+            f"{st.num_steps} steps, mean accepted length {st.mean_accepted_length:.2f}, "
+            f"acceptance {100 * st.acceptance_rate:.1f} %, finish {finish_reason_name(result.finish_reason)}; "
+            f"ms: draft {times.draft_ms:.0f}, verify {times.verify_ms:.0f}, validate {times.validate_ms:.0f}, "
+            f"commit {times.commit_ms:.0f}, state {times.state_ms:.0f}, other {times.other_ms:.0f}"
+            f"{'; accepted/proposed: ' + decoders if decoders else ''}]")
+
+
+# ---- running -------------------------------------------------------------------------------------------
+
+def run_request(address: str, args: argparse.Namespace, stack_start_s: float | None) -> None:
+    req = build_request(args)
+    with grpc.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        if args.stream:
+            result = generate_stream(stub, req, args.timeout, out=None if args.json else sys.stdout)
+        else:
+            result = generate(stub, req, args.timeout)
+    if args.json:
+        print(json.dumps(result_to_dict(result, args.speculative_decoding, stack_start_s)))
+        return
+    if args.stream:
+        print(flush=True)
+    else:
+        print(result.text, flush=True)
+    if not args.quiet:
+        print(stats_line(result), file=sys.stderr)
+
+
+def request_or_report(address: str, args: argparse.Namespace, stack: Stack | None,
+                      stack_start_s: float | None = None) -> int:
+    """run_request; on a gRPC error print its status and message, and keep the
+    service logs of a stack we started when the error is not the request's fault."""
+    try:
+        run_request(address, args, stack_start_s)
+        return 0
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
+        details = e.details() if isinstance(e, grpc.Call) else str(e)
+        print(f"error: {code.name}: {details}", file=sys.stderr)
+        if stack is not None and code not in CLIENT_ERROR_CODES:
+            stack.keep_logs()
+            print(f"the services' logs are kept in {stack.log_dir}", file=sys.stderr)
+        return EXIT_RPC_ERROR
+
+
+def stack_config(args: argparse.Namespace) -> StackConfig:
+    return StackConfig(model_path=args.model_path, precision=args.precision or "fp32", cache_dir=args.cache_dir,
+                       redis_url=args.redis_url or "", strategies=args.strategies or (),
+                       num_threads=args.num_threads, log_dir=args.log_dir)
+
+
+def serve_until_stopped(stack: Stack) -> int:
+    """Wait for Ctrl-C / SIGTERM (KeyboardInterrupt); fail if a service dies meanwhile."""
+    while True:
+        for name in stack.addresses:
+            if not stack.is_running(name):
+                print(f"error: service {name!r} exited; its log: {stack.log_path(name)}", file=sys.stderr)
+                return EXIT_STACK_FAILED
+        time.sleep(_SERVE_POLL_S)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    # Once: a second SIGTERM must not cut short the stop of the services.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the services are stopped on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
+    say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        if args.gateway_address is not None:
+            return request_or_report(args.gateway_address, args, stack=None)
+        say("starting the services (primary, validator, draft, gateway)...")
+        started = time.perf_counter()
+        with Stack(stack_config(args)) as stack:
+            stack_start_s = time.perf_counter() - started
+            say(f"services ready in {stack_start_s:.1f} s (logs: {stack.log_dir})")
+            if args.prompt is not None:
+                exit_code = request_or_report(stack.gateway_address, args, stack, stack_start_s)
+                if exit_code or not args.serve:
+                    return exit_code
+            print(stack.gateway_address, flush=True)
+            say("serving GenerationService at the address above; Ctrl-C stops")
+            try:
+                return serve_until_stopped(stack)
+            except KeyboardInterrupt:  # the normal end of --serve
+                say("stopping the services...")
+                return 0
+    except ServiceError as e:
+        print(f"error: the services did not start: {e}", file=sys.stderr)
+        return EXIT_STACK_FAILED
+    except KeyboardInterrupt:
+        say("interrupted; services stopped")
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BrokenPipeError:
+        # stdout was closed early (`| head`); the services are stopped already.
+        # Point stdout at /dev/null so the interpreter's final flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_RPC_ERROR)

@@ -1,0 +1,482 @@
+"""Starting the four services as separate processes on loopback: the stack behind
+inference.py and the end-to-end tests.
+
+    with Stack(StackConfig(precision="fp32")) as stack:
+        channel = grpc.insecure_channel(stack.gateway_address)
+
+Each service runs as `python -m <module>` in its own process group (so a stop
+reaches anything it spawned, and a Ctrl-C in the terminal reaches only the
+launcher, which then stops the services in order), on a free loopback port,
+with stdout and stderr appended to `<log_dir>/<name>.log`. Services start in
+dependency waves (primary; then validator and draft; then gateway), each
+wave waiting for grpc.health.v1 SERVING. A service that exits while starting
+fails the start at once with the tail of its log; the log dir is kept then.
+stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
+Linux the kernel also SIGTERMs the services if the launcher itself is killed.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+
+from specdec.service.health import check_health
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOOPBACK = "127.0.0.1"
+PRIMARY, DRAFT, VALIDATOR, GATEWAY = "primary", "draft", "validator", "gateway"
+SERVICE_NAMES = (PRIMARY, VALIDATOR, DRAFT, GATEWAY)
+# The metrics port flag every service takes; 0 means no /metrics endpoint (port
+# 0 cannot be scraped anyway, and a fixed one would collide between stacks).
+NO_METRICS_PORT = "0"
+# Lines of a service's log quoted in the error when it fails to start.
+NUM_TAIL_LINES = 25
+# How often a starting service is polled (exit status, then health).
+_POLL_S = 0.05
+# Picking a free port is bind(0)-then-release, so another process can take the
+# port before the service binds it: retry a lost race this many times.
+MAX_BIND_ATTEMPTS = 3
+# A fresh channel retries a refused connection after 1 s, then backs off
+# exponentially; while a service loads its model that would add seconds.
+_HEALTH_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 50),
+                           ("grpc.min_reconnect_backoff_ms", 50),
+                           ("grpc.max_reconnect_backoff_ms", 250))
+# argv: [launcher pid, program, args...]. PR_SET_PDEATHSIG is 1; it survives exec.
+_DEATH_SIGNAL_SHIM = f"""
+import ctypes, os, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, {int(signal.SIGTERM)})
+if os.getppid() != int(sys.argv[1]):  # the launcher died before prctl: no signal will come
+    sys.exit("the launcher exited before the service started")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+class ServiceError(RuntimeError):
+    """A service failed to start (exited, or not SERVING in time)."""
+
+    def __init__(self, name: str, reason: str, log_path: Path, log_tail: str) -> None:
+        super().__init__(f"service {name!r} {reason}; log: {log_path}\n--- last lines of {log_path.name} ---\n"
+                         f"{log_tail}")
+        self.name = name
+        self.reason = reason
+        self.log_path = log_path
+        self.log_tail = log_tail
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServiceSpec:
+    """How to run one service. The launcher appends --host, --port,
+    --metrics_port, --log_level and one `flag address` pair per address_flags."""
+
+    name: str
+    command: tuple[str, ...]                          # e.g. (python, "-m", "primary_svc", "--precision", "fp32")
+    health_service: str = ""                          # grpc.health.v1 name; "" is the whole server
+    depends_on: tuple[str, ...] = ()                  # services that must be SERVING before this one starts
+    address_flags: tuple[tuple[str, str], ...] = ()   # (flag, service name): flag gets that service's address
+    startup_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.command:
+            raise ValueError("name and command must not be empty")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        missing = {dep for _, dep in self.address_flags} - set(self.depends_on)
+        if missing:
+            raise ValueError(f"{self.name}: address_flags name services not in depends_on: {sorted(missing)}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StackConfig:
+    """What the four real services run with."""
+
+    model_path: str | None = None            # None: the default model (SmolLM2-135M-Instruct)
+    # fp32, bf16, fp16 or fp8_e4m3 (specdec.model.precision.PRECISIONS); checked
+    # by the primary, whose refusal fails the start at once with its message.
+    # Not imported here: that module loads torch, which the launcher does not need.
+    precision: str = "fp32"
+    cache_dir: Path | None = None            # converted models; None: the services' default
+    redis_url: str = ""                      # "": the gateway's in-memory state store
+    strategies: tuple[str, ...] = ()         # draft decoders to load; (): the services' defaults
+    num_threads: int = 0                     # the primary's torch threads; 0: torch's default
+    max_context: int = 4096
+    extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    python: str = sys.executable
+    log_level: str = "INFO"
+    log_dir: Path | None = None              # None: a fresh temporary dir, removed after a clean stop
+    is_keeping_logs: bool = False            # keep a temporary log dir after a clean stop too
+    primary_startup_timeout_s: float = 300.0  # first run: GGUF conversion, load, verify-cost calibration
+    startup_timeout_s: float = 120.0         # the other services
+    stop_grace_s: float = 15.0               # SIGTERM -> SIGKILL; above the services' 5 s drain
+
+    def __post_init__(self) -> None:
+        if not self.precision:
+            raise ValueError("precision must not be empty")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.max_context < 16:
+            raise ValueError(f"max_context must be >= 16, got {self.max_context}")
+        if any(not s or "," in s for s in self.strategies):
+            raise ValueError(f"strategies must be non-empty names without commas, got {self.strategies}")
+        if self.stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
+
+
+def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
+    """The four services, in start order."""
+    py = config.python
+    model = () if config.model_path is None else ("--model_path", str(config.model_path))
+    cache = () if config.cache_dir is None else ("--cache_dir", str(config.cache_dir))
+    strategies = ("--strategies", ",".join(config.strategies)) if config.strategies else ()
+    return (
+        ServiceSpec(PRIMARY, (py, "-m", "primary_svc", *model, *cache, "--precision", config.precision,
+                              "--max_context", str(config.max_context), "--num_threads", str(config.num_threads)),
+                    health_service="specdec.v1.PrimaryService",
+                    startup_timeout_s=config.primary_startup_timeout_s),
+        # After the primary, although it needs nothing from it: the primary
+        # times its verify passes at startup, best done on an otherwise idle CPU.
+        ServiceSpec(VALIDATOR, (py, "-m", "validator_svc"), health_service="specdec.v1.ValidatorService",
+                    depends_on=(PRIMARY,), startup_timeout_s=config.startup_timeout_s),
+        ServiceSpec(DRAFT, (py, "-m", "draft_svc", *strategies), health_service="specdec.v1.DraftService",
+                    depends_on=(PRIMARY,), address_flags=(("--primary_address", PRIMARY),),
+                    startup_timeout_s=config.startup_timeout_s),
+        # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
+        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *strategies, f"--redis_url={config.redis_url}"),
+                    health_service="specdec.v1.GenerationService", depends_on=(PRIMARY, DRAFT, VALIDATOR),
+                    address_flags=(("--primary_address", PRIMARY), ("--draft_address", DRAFT),
+                                   ("--validator_address", VALIDATOR)),
+                    startup_timeout_s=config.startup_timeout_s),
+    )
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nothing listens on right now (bind 0, read, release)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_port_taken(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # The same option gRPC listens with: a port in TIME_WAIT counts as free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+        return False
+
+
+def waves(specs: Sequence[ServiceSpec]) -> list[list[ServiceSpec]]:
+    """Specs grouped into start waves: each wave depends only on earlier ones.
+
+    E.g. primary; validator, draft (on primary); gateway (on all) ->
+    [[primary], [validator, draft], [gateway]].
+    """
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate service names in {names}")
+    unknown = {d for s in specs for d in s.depends_on} - set(names)
+    if unknown:
+        raise ValueError(f"unknown dependencies {sorted(unknown)}")
+    done: set[str] = set()
+    remaining = list(specs)
+    result: list[list[ServiceSpec]] = []
+    while remaining:
+        wave = [s for s in remaining if set(s.depends_on) <= done]
+        if not wave:
+            raise ValueError(f"dependency cycle among {[s.name for s in remaining]}")
+        result.append(wave)
+        done |= {s.name for s in wave}
+        remaining = [s for s in remaining if s.name not in done]
+    return result
+
+
+@dataclasses.dataclass(slots=True)
+class _Running:
+    """One launched service."""
+
+    spec: ServiceSpec
+    port: int
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen
+    is_swept: bool = False   # its process group got the final SIGKILL after it exited
+
+
+class Stack:
+    """The services as child processes: start() / stop(), or a context manager.
+
+    specs: what to run (default: the four real services from config); tests
+    pass tiny fakes. Not thread-safe: drive it from one thread (the one that
+    called start(), which children are tied to on Linux: see _start_process).
+    """
+
+    def __init__(self, config: StackConfig | None = None, *, specs: Sequence[ServiceSpec] | None = None,
+                 host: str = LOOPBACK) -> None:
+        self.config = StackConfig() if config is None else config
+        self._specs = tuple(service_specs(self.config) if specs is None else specs)
+        self._waves = waves(self._specs)
+        self._host = host
+        self._running: dict[str, _Running] = {}
+        self._log_dir: Path | None = None
+        self._is_temporary_log_dir = False
+        self._is_keeping_logs = self.config.is_keeping_logs
+        # Kills whatever is left if the Stack is dropped or the interpreter
+        # exits without stop(); holds the dict, not self.
+        self._finalizer = weakref.finalize(self, _kill_all, self._running)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> Stack:
+        if any(r.process.poll() is None for r in self._running.values()):
+            raise RuntimeError("the stack is already running")
+        self._running.clear()  # in place: the finalizer holds this dict
+        self._open_log_dir()
+        try:
+            for wave in self._waves:
+                launched = [self._launch(spec, port=None) for spec in wave]
+                for running in launched:
+                    self._await_serving(running)
+            for running in self._running.values():  # an early wave may have died meanwhile
+                if (code := running.process.poll()) is not None:
+                    raise ServiceError(running.spec.name, f"exited with code {code} while the stack started",
+                                       running.log_path, log_tail(running.log_path))
+        except BaseException:  # KeyboardInterrupt too: never leave children behind
+            self.keep_logs()
+            self._terminate_all()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM every service (gateway first), SIGKILL what is left after stop_grace_s.
+
+        A temporary log dir is removed, unless keep_logs() was called, config
+        says so, or a service had exited with an error before the stop.
+        """
+        if any(r.process.poll() not in (None, 0, -signal.SIGTERM) for r in self._running.values()):
+            self._is_keeping_logs = True
+        self._terminate_all()
+        if self._is_temporary_log_dir and not self._is_keeping_logs and self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def keep_logs(self) -> None:
+        """Keep a temporary log dir after stop() (a failure worth reading about)."""
+        self._is_keeping_logs = True
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
+            self.keep_logs()  # the failure may be a service's
+        self.stop()
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Send sig to a service's process group and reap it (a crash, for recovery tests)."""
+        running = self._get(name)
+        if running.process.poll() is None:
+            _signal_group(running.process, sig)
+        running.process.wait()
+        _sweep(running)
+
+    def restart(self, name: str, *, is_killing: bool = True) -> None:
+        """kill -9 the service (unless is_killing=False: it is already down), then
+        start it again on the SAME port and wait for SERVING."""
+        running = self._get(name)
+        if is_killing:
+            self.kill(name)
+        if running.process.poll() is None:
+            raise RuntimeError(f"service {name!r} is still running")
+        with open(running.log_path, "ab") as log:
+            log.write(f"\n---- restarted by the launcher at {time.strftime('%H:%M:%S')} ----\n".encode())
+        relaunched = self._launch(running.spec, port=running.port)
+        self._await_serving(relaunched, may_retry_port=False)
+
+    # ---- introspection -----------------------------------------------------------------------------
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Service name -> "host:port" of every launched service."""
+        return {name: self._address(r.port) for name, r in self._running.items()}
+
+    @property
+    def gateway_address(self) -> str:
+        return self._address(self._get(GATEWAY).port)
+
+    @property
+    def log_dir(self) -> Path:
+        if self._log_dir is None:
+            raise RuntimeError("the stack has not been started")
+        return self._log_dir
+
+    def log_path(self, name: str) -> Path:
+        return self._get(name).log_path
+
+    def pid(self, name: str) -> int:
+        return self._get(name).process.pid
+
+    def is_running(self, name: str) -> bool:
+        return self._get(name).process.poll() is None
+
+    # ---- internals ---------------------------------------------------------------------------------
+
+    def _get(self, name: str) -> _Running:
+        if name not in self._running:
+            raise KeyError(f"no running service {name!r}; launched: {sorted(self._running)}")
+        return self._running[name]
+
+    def _address(self, port: int) -> str:
+        return f"[{self._host}]:{port}" if ":" in self._host else f"{self._host}:{port}"
+
+    def _open_log_dir(self) -> None:
+        if self.config.log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="specdec-stack-"))
+            self._is_temporary_log_dir = True
+        else:
+            self._log_dir = Path(self.config.log_dir)
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
+        port = free_port(self._host) if port is None else port
+        argv = [*spec.command, "--host", self._host, "--port", str(port), "--metrics_port", NO_METRICS_PORT,
+                "--log_level", self.config.log_level]
+        for flag, dep in spec.address_flags:
+            argv += [flag, self._address(self._get(dep).port)]
+        log_path = self.log_dir / f"{spec.name}.log"
+        running = _Running(spec, port, argv, log_path, _start_process(argv, log_path, self._env()))
+        self._running[spec.name] = running
+        return running
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.extra_env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file before a crash
+        return env
+
+    def _await_serving(self, running: _Running, may_retry_port: bool = True) -> None:
+        """Wait for SERVING; relaunch on a new port when another process took ours."""
+        for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
+            exit_code = _wait_serving(running, self._address(running.port))
+            if exit_code is None:
+                return
+            is_race = may_retry_port and attempt < MAX_BIND_ATTEMPTS and is_port_taken(self._host, running.port)
+            if not is_race:
+                raise ServiceError(running.spec.name, f"exited with code {exit_code} while starting",
+                                   running.log_path, log_tail(running.log_path))
+            with open(running.log_path, "ab") as log:
+                log.write(f"\n---- port {running.port} was taken: retrying on another port ----\n".encode())
+            running = self._launch(running.spec, port=None)
+
+    def _terminate_all(self) -> None:
+        order = [r for wave in reversed(self._waves) for spec in reversed(wave)
+                 if (r := self._running.get(spec.name)) is not None]
+        _terminate(order, self.config.stop_grace_s)
+
+
+def _wait_serving(running: _Running, address: str) -> int | None:
+    """None once SERVING; the exit code if the process exits first. Raises
+    ServiceError (after killing it) when startup_timeout_s passes."""
+    spec = running.spec
+    deadline = time.monotonic() + spec.startup_timeout_s
+    with grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS) as channel:
+        while True:
+            if (code := running.process.poll()) is not None:
+                _sweep(running)
+                return code
+            if check_health(channel, spec.health_service, timeout_s=1.0):
+                # Guards against another server on a port we lost to a race.
+                if (code := running.process.poll()) is not None:
+                    _sweep(running)
+                    return code
+                return None
+            if time.monotonic() > deadline:
+                _terminate([running], grace_s=0.0)
+                raise ServiceError(spec.name, f"was not SERVING within {spec.startup_timeout_s:g} s",
+                                   running.log_path, log_tail(running.log_path))
+            time.sleep(_POLL_S)
+
+
+def _start_process(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(_with_parent_death_signal(argv), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
+
+
+def _with_parent_death_signal(argv: list[str]) -> list[str]:
+    """On Linux, argv behind a shim that asks the kernel to SIGTERM the service
+    when the launcher dies without cleaning up (kill -9, OOM), then execs it
+    under the same pid. Not a preexec_fn: that forks with Python's at-fork
+    handlers, which can deadlock on locks held by the launcher's other threads."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _DEATH_SIGNAL_SHIM, str(os.getpid()), *argv]
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    # The child leads its own session, so its pid is its process group's id.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _sweep(running: _Running) -> None:
+    """SIGKILL what is left of an exited service's group (what it spawned), once:
+    right after the leader is reaped, before its pid (the group id) can be reused."""
+    if not running.is_swept:
+        _signal_group(running.process, signal.SIGKILL)
+        running.is_swept = True
+
+
+def _terminate(services: Iterable[_Running], grace_s: float) -> None:
+    """SIGTERM each group in order, wait up to grace_s in all, then SIGKILL."""
+    services = list(services)
+    for r in services:
+        if r.process.poll() is None:
+            _signal_group(r.process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for r in services:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            r.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for r in services:
+        if r.process.poll() is None:
+            _signal_group(r.process, signal.SIGKILL)
+            r.process.wait()
+        _sweep(r)
+
+
+def _kill_all(running: dict[str, _Running]) -> None:
+    for r in running.values():
+        if r.process.poll() is None:
+            _signal_group(r.process, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            r.process.wait(timeout=5)
+        _sweep(r)
+
+
+def log_tail(path: Path, num_lines: int = NUM_TAIL_LINES, max_bytes: int = 16384) -> str:
+    """The last num_lines lines of a log file ("" when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            data = f.read()
+    except FileNotFoundError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-num_lines:])

@@ -1,0 +1,258 @@
+"""The process launcher with tiny fake services (a health-only gRPC server in
+`python -c`): dependency order, fail-fast with the log tail, timeouts, no
+orphans after stop or after the launcher's own death, restart on the same
+port, a lost port race."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec import launcher
+from specdec.launcher import ServiceError, ServiceSpec, Stack, StackConfig, log_tail, service_specs, waves
+from specdec.service.health import check_health
+
+# A fake service: serves only grpc.health.v1 ("" SERVING) through the real
+# serve(), after printing its argv. --mode changes what it does:
+#   serve (default), die (stderr line, exit 3), hang (never serves),
+#   stubborn (ignores SIGTERM, spawns a grandchild whose pid goes to --pid_file).
+FAKE_SERVICE = """
+import argparse, os, signal, subprocess, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--mode", default="serve")
+p.add_argument("--pid_file", default="")
+p.add_argument("--host")
+p.add_argument("--port", type=int)
+a, _ = p.parse_known_args()
+print("argv:", " ".join(sys.argv[1:]), flush=True)
+if a.mode == "die":
+    print("fatal: the fake cannot start", file=sys.stderr, flush=True)
+    sys.exit(3)
+if a.mode == "hang":
+    time.sleep(300)
+from specdec.service import ServerConfig, create_server, serve
+if a.mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(a.pid_file, "w") as f:
+        f.write(str(child.pid))
+    server, _ = create_server(f"{a.host}:{a.port}", [])
+    server.start()
+    time.sleep(300)
+serve(ServerConfig(host=a.host, port=a.port, grace_s=0.0), [])
+"""
+
+
+def fake(name: str, *args: str, depends_on: tuple[str, ...] = (), address_flags: tuple[tuple[str, str], ...] = (),
+         startup_timeout_s: float = 20.0) -> ServiceSpec:
+    return ServiceSpec(name, (sys.executable, "-c", FAKE_SERVICE, *args), depends_on=depends_on,
+                       address_flags=address_flags, startup_timeout_s=startup_timeout_s)
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead, merely not reaped yet by whoever inherited it
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def wait_dead(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while is_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def is_serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        return check_health(channel, timeout_s=5.0)
+
+
+@pytest.fixture
+def config() -> StackConfig:
+    return StackConfig(stop_grace_s=2.0)
+
+
+# ---- pure parts ------------------------------------------------------------------------------------
+
+def test_waves_follow_dependencies() -> None:
+    specs = service_specs(StackConfig())
+    assert [[s.name for s in wave] for wave in waves(specs)] == [["primary"], ["validator", "draft"], ["gateway"]]
+    a, b = fake("a", depends_on=("b",)), fake("b", depends_on=("a",))
+    with pytest.raises(ValueError, match="cycle"):
+        waves([a, b])
+    with pytest.raises(ValueError, match="unknown"):
+        waves([fake("a", depends_on=("zz",))])
+    with pytest.raises(ValueError, match="depends_on"):
+        fake("a", address_flags=(("--x", "b"),))
+
+
+def test_service_specs_pass_the_fixed_flags() -> None:
+    config = StackConfig(model_path="/m.gguf", precision="bf16", cache_dir=Path("/c"), strategies=("prompt_lookup",),
+                         num_threads=1, python="py")
+    specs = {s.name: s for s in service_specs(config)}
+    assert specs["primary"].command == ("py", "-m", "primary_svc", "--model_path", "/m.gguf", "--cache_dir", "/c",
+                                        "--precision", "bf16", "--max_context", "4096", "--num_threads", "1")
+    assert specs["draft"].command[-2:] == ("--strategies", "prompt_lookup")
+    assert dict(specs["draft"].address_flags) == {"--primary_address": "primary"}
+    assert dict(specs["gateway"].address_flags) == {"--primary_address": "primary", "--draft_address": "draft",
+                                                    "--validator_address": "validator"}
+    # An empty redis_url is passed too: the gateway must not pick one up from the environment.
+    defaults = service_specs(StackConfig())
+    assert "--redis_url=" in defaults[3].command
+    assert not any("--model_path" in s.command or "--cache_dir" in s.command for s in defaults)
+    with pytest.raises(ValueError, match="strategies"):
+        StackConfig(strategies=("a,b",))
+
+
+def test_log_tail_keeps_the_last_lines(tmp_path: Path) -> None:
+    path = tmp_path / "x.log"
+    path.write_text("".join(f"line {i}\n" for i in range(100)))
+    assert log_tail(path, num_lines=2) == "line 98\nline 99"
+    assert log_tail(tmp_path / "missing.log") == ""
+
+
+# ---- real child processes --------------------------------------------------------------------------
+
+def test_start_in_order_then_stop(config: StackConfig) -> None:
+    stack = Stack(config, specs=[fake("a"), fake("b", depends_on=("a",), address_flags=(("--upstream", "a"),))])
+    with stack:
+        addresses = stack.addresses
+        pids = [stack.pid("a"), stack.pid("b")]
+        log_dir = stack.log_dir
+        assert all(is_serving(address) for address in addresses.values())
+        assert f"--upstream {addresses['a']}" in stack.log_path("b").read_text()
+        assert addresses["a"] != addresses["b"]
+    assert not any(is_alive(pid) for pid in pids)
+    assert not log_dir.exists(), "a clean stop removes the temporary log dir"
+
+
+def test_a_dying_service_fails_the_start_at_once_with_its_log(config: StackConfig) -> None:
+    stack = Stack(config, specs=[fake("a"), fake("b", "--mode", "die", depends_on=("a",))])
+    started = time.monotonic()
+    with pytest.raises(ServiceError, match="fatal: the fake cannot start") as info:
+        stack.start()
+    assert time.monotonic() - started < 15.0
+    assert info.value.name == "b" and "exited with code 3" in str(info.value)
+    assert not is_alive(stack.pid("a")), "the services already started are stopped"
+    assert info.value.log_path.exists(), "the logs are kept after a failure"
+    stack.stop()
+    assert info.value.log_path.exists()
+    shutil.rmtree(stack.log_dir)
+
+
+def test_a_service_that_never_serves_times_out(config: StackConfig) -> None:
+    stack = Stack(config, specs=[fake("a", "--mode", "hang", startup_timeout_s=1.0)])
+    with pytest.raises(ServiceError, match="not SERVING within 1 s"):
+        stack.start()
+    assert not is_alive(stack.pid("a"))
+    shutil.rmtree(stack.log_dir)
+
+
+def test_stop_kills_a_stubborn_service_and_what_it_spawned(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    stack = Stack(StackConfig(stop_grace_s=0.5), specs=[fake("a", "--mode", "stubborn", "--pid_file", str(pid_file))])
+    with stack:
+        grandchild = int(pid_file.read_text())
+        assert is_alive(grandchild)
+        leader = stack.pid("a")
+    assert not is_alive(leader)
+    assert wait_dead(grandchild), "no orphans: the whole process group is killed"
+
+
+def test_an_exception_inside_the_stack_stops_it(config: StackConfig) -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with Stack(config, specs=[fake("a")]) as stack:
+            pid = stack.pid("a")
+            raise RuntimeError("boom")
+    assert not is_alive(pid)
+    assert stack.log_dir.exists(), "the logs are kept: the failure may be a service's"
+    shutil.rmtree(stack.log_dir)
+
+
+def test_restart_comes_back_on_the_same_port(config: StackConfig) -> None:
+    with Stack(config, specs=[fake("a")]) as stack:
+        address, pid = stack.addresses["a"], stack.pid("a")
+        stack.restart("a")
+        assert stack.addresses["a"] == address
+        assert stack.pid("a") != pid and not is_alive(pid)
+        assert is_serving(address)
+        assert "restarted by the launcher" in stack.log_path("a").read_text()
+
+
+def test_a_port_lost_to_a_race_is_retried_on_another(config: StackConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as squatter:
+        squatter.bind((launcher.LOOPBACK, 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real_free_port = launcher.free_port
+        monkeypatch.setattr(launcher, "free_port", lambda host: next(ports, None) or real_free_port(host))
+        with Stack(config, specs=[fake("a")]) as stack:
+            port = int(stack.addresses["a"].rsplit(":", 1)[1])
+            assert port != taken
+            assert is_serving(stack.addresses["a"])
+            assert f"port {taken} was taken" in stack.log_path("a").read_text()
+
+
+def test_sigterm_stops_a_cooperative_service_within_the_grace(tmp_path: Path) -> None:
+    config = StackConfig(stop_grace_s=5.0, log_dir=tmp_path)
+    stack = Stack(config, specs=[fake("a")]).start()
+    started = time.monotonic()
+    stack.stop()
+    assert time.monotonic() - started < config.stop_grace_s, "it was not left to the SIGKILL"
+    assert "stopped" in (tmp_path / "a.log").read_text(), "serve() ran its graceful stop"
+
+
+def test_restart_while_the_launcher_has_an_rpc_in_flight(config: StackConfig) -> None:
+    # The e2e tests restart a service while a stream to the gateway is open in
+    # another thread: the fork for the new child must not hang on gRPC's state.
+    with Stack(config, specs=[fake("a"), fake("b")]) as stack:
+        with grpc.insecure_channel(stack.addresses["a"]) as channel:
+            request = health_pb2.HealthCheckRequest(service="")
+            watch = health_pb2_grpc.HealthStub(channel).Watch(request, timeout=60)
+            first = next(watch)  # the stream stays open: Watch reports every change
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            stack.restart("b")
+            assert is_serving(stack.addresses["b"])
+            watch.cancel()
+
+
+def test_services_die_with_a_launcher_killed_by_sigkill(tmp_path: Path) -> None:
+    # A launcher that cannot clean up (kill -9, an OOM kill): on Linux the
+    # kernel SIGTERMs its children (PR_SET_PDEATHSIG), so nothing is orphaned.
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signals are Linux-only")
+    script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+              "from test_launcher import fake; from specdec.launcher import Stack, StackConfig; "
+              f"s = Stack(StackConfig(log_dir={str(tmp_path)!r}), specs=[fake('a')]).start(); "
+              "print(s.pid('a'), flush=True); time.sleep(300)")
+    launcher_process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                        cwd=launcher.REPO_ROOT)
+    service_pid = None
+    try:
+        service_pid = int(launcher_process.stdout.readline())
+        assert is_alive(service_pid)
+        launcher_process.kill()
+        launcher_process.wait()
+        assert wait_dead(service_pid), "the service outlived its launcher"
+    finally:
+        launcher_process.kill()
+        launcher_process.wait()
+        if service_pid is not None and is_alive(service_pid):
+            os.kill(service_pid, signal.SIGKILL)  # leave no orphan behind a failure
