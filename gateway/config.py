@@ -7,6 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from gateway.cost_model import CostSettings
 from specdec.logits_codec import FORMATS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
@@ -33,6 +34,11 @@ class SpeculationDefaults:
     speculative_degree: int = 1
     draft_length: int = 8
     strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")
+    # The adaptive controller picks degree and draft length per step; a request's own values bound
+    # them, and these bound them when the request leaves them unset.
+    is_adaptive: bool = True
+    max_adaptive_degree: int = 4
+    max_adaptive_draft_length: int = 16
     greedy_logits_format: str = "fp8_e4m3"   # greedy decisions use the primary's fp32 argmax
     sample_logits_format: str = "fp32"       # lossless sampling needs the exact distribution
 
@@ -40,6 +46,9 @@ class SpeculationDefaults:
         for fmt in (self.greedy_logits_format, self.sample_logits_format):
             if fmt not in FORMATS:
                 raise ValueError(f"logits format must be one of {FORMATS}, got {fmt!r}")
+        for name in ("speculative_degree", "draft_length", "max_adaptive_degree", "max_adaptive_draft_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         unknown = set(self.strategies) - set(KNOWN_STRATEGIES)
         if unknown:
             raise ValueError(f"unknown strategies {sorted(unknown)}; known: {KNOWN_STRATEGIES}")
@@ -56,6 +65,7 @@ class GatewayConfig:
     cache_dir: Path
     limits: Limits = Limits()
     speculation: SpeculationDefaults = SpeculationDefaults()
+    costs: CostSettings = CostSettings()   # the adaptive controller's cost model beyond the verify curve
     rpc_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0   # how long a request waits for a restarted primary
     state_ttl_s: float = 24 * 3600.0
@@ -64,6 +74,15 @@ class GatewayConfig:
 
 def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"SPECDEC_GATEWAY_{name}", os.environ.get(f"SPECDEC_{name}", default))
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = _env(name, None)
+    if value is None:
+        return default
+    if value.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ValueError(f"SPECDEC_GATEWAY_{name} must be true or false, got {value!r}")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
@@ -75,11 +94,20 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--draft_address", default=_env("DRAFT_ADDRESS", "127.0.0.1:50052"))
     p.add_argument("--validator_address", default=_env("VALIDATOR_ADDRESS", "127.0.0.1:50053"))
     p.add_argument("--redis_url", default=_env("REDIS_URL", ""))
-    p.add_argument("--model_path", default=_env("MODEL_PATH", _env("MODEL", None)))
+    p.add_argument("--model_path", default=_env("MODEL_PATH", _env("MODEL", None)) or None)
     p.add_argument("--cache_dir", default=_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
     p.add_argument("--strategies", default=_env("STRATEGIES", "prompt_lookup,suffix_index"))
     p.add_argument("--draft_length", type=int, default=int(_env("DRAFT_LENGTH", "8")))
     p.add_argument("--speculative_degree", type=int, default=int(_env("SPECULATIVE_DEGREE", "1")))
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=_env_bool("ADAPTIVE", True),
+                   help="let the adaptive controller choose degree and draft length per step (requests may "
+                        "override with speculation.is_adaptive)")
+    p.add_argument("--max_adaptive_degree", type=int, default=int(_env("MAX_ADAPTIVE_DEGREE", "4")))
+    p.add_argument("--max_adaptive_draft_length", type=int, default=int(_env("MAX_ADAPTIVE_DRAFT_LENGTH", "16")))
+    p.add_argument("--plain_overhead_ms", type=float, default=float(_env("PLAIN_OVERHEAD_MS", "1.0")),
+                   help="cost model: time per plain step outside the primary's forward")
+    p.add_argument("--speculative_overhead_ms", type=float, default=float(_env("SPECULATIVE_OVERHEAD_MS", "4.0")),
+                   help="cost model: time per speculative step outside the forward and the drafts")
     p.add_argument("--greedy_logits_format", default=_env("GREEDY_LOGITS_FORMAT", "fp8_e4m3"), choices=FORMATS)
     p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(4 << 20))))
     p.add_argument("--rpc_timeout_s", type=float, default=float(_env("RPC_TIMEOUT_S", "60")))
@@ -94,5 +122,8 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         cache_dir=Path(a.cache_dir),
         speculation=SpeculationDefaults(speculative_degree=a.speculative_degree, draft_length=a.draft_length,
                                         strategies=tuple(s for s in a.strategies.split(",") if s),
-                                        greedy_logits_format=a.greedy_logits_format),
+                                        greedy_logits_format=a.greedy_logits_format, is_adaptive=a.adaptive,
+                                        max_adaptive_degree=a.max_adaptive_degree,
+                                        max_adaptive_draft_length=a.max_adaptive_draft_length),
+        costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
         rpc_timeout_s=a.rpc_timeout_s, recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level)

@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
     loaded = load_model(model_dir, config.precision, max_positions=config.max_context,
-                        is_shared=config.is_shared_weights, instance_id=instance_id)
+                        device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id)
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, max_bytes=config.max_kv_bytes),
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, config.device,
+                                          max_bytes=config.max_kv_bytes),
                     config.max_context)
     costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
     log.info("model loaded", model_dir=str(model_dir), precision=config.precision,

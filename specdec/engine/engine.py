@@ -166,7 +166,7 @@ class Engine:
             num_rows += c + n
             reqs.append((req, c, w))
         logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions),
-                                    spans, torch.cat(logits_rows))
+                                    spans, torch.cat(logits_rows)).cpu()       # [sum(N+1), V] fp32
         out, row = [], 0
         for req, c, w in reqs:
             # The rows stay uncommitted until `commit`, so a repeated verify (a retry) is harmless.

@@ -58,14 +58,15 @@ class RMSNorm:
 class RotaryEmbedding:
     """RoPE tables for every position up to `max_positions`, rotate-half layout (HF)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         dim = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)                    # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)             # [P, D]
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.cos, self.sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
     def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
         # x: [T, heads, D], positions: [T]
@@ -164,7 +165,8 @@ class Transformer:
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
         head = "lm_head" if "lm_head.weight" in weights else "model.embed_tokens"
         self.lm_head = Linear.from_weights(weights, head)
-        self.rope = RotaryEmbedding(config, max_positions, self.dtype)
+        self.device = self.embed_tokens.device
+        self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
 
     @torch.inference_mode()
@@ -177,6 +179,11 @@ class Transformer:
         the same weights: the draft pool's self-drafting strategies. The caches of skipped layers
         are left untouched.
         """
+        if input_ids.device != self.device:                # host-built index tensors -> the weights' device
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+            logits_rows = None if logits_rows is None else logits_rows.to(self.device)
+            for s in spans:
+                s.mask = None if s.mask is None else s.mask.to(self.device)
         x = self.embed_tokens[input_ids]                   # [T, C]
         chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
         for i in chosen:

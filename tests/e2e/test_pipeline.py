@@ -29,8 +29,9 @@ MAX_NEW_TOKENS = 32
 
 def generate(stub, messages=None, prompt=None, is_enabled=True, degree=1, draft_length=8,
              max_new_tokens=MAX_NEW_TOKENS, **kwargs) -> gateway_pb2.GenerateResponse:
+    # Fixed settings (not adaptive): every setting of SETTINGS runs as given.
     spec = gateway_pb2.SpeculationConfig(is_enabled=is_enabled, speculative_degree=degree,
-                                         draft_length=draft_length)
+                                         draft_length=draft_length, is_adaptive=False)
     req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens, speculation=spec, **kwargs)
     if prompt is not None:
         req.prompt = prompt
@@ -218,3 +219,20 @@ def test_killed_gateway_is_resumed_from_redis_by_its_successor(gateway_stub, sta
     assert state.status == gateway_pb2.REQUEST_STATUS_FINISHED, state
     assert list(state.token_ids) == list(reference.token_ids)
     assert state.text == reference.text
+
+
+def test_a_client_deadline_stops_the_request_within_a_step_and_frees_its_kv(gateway_stub, stack):
+    req = gateway_pb2.GenerateRequest(request_id="short-deadline", max_new_tokens=400)
+    req.chat.messages.add(role="user", content="Write a very long essay about the history of bridges.")
+    with pytest.raises(grpc.RpcError) as e:
+        gateway_stub.Generate(req, timeout=3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    give_up = time.monotonic() + 60
+    while time.monotonic() < give_up:
+        state = gateway_stub.GetRequest(gateway_pb2.GetRequestRequest(request_id="short-deadline"), timeout=10)
+        if state.status != gateway_pb2.REQUEST_STATUS_RUNNING and primary_stats(stack).kv_bytes == 0:
+            break
+        time.sleep(0.2)
+    assert state.status == gateway_pb2.REQUEST_STATUS_CANCELLED
+    assert state.finish_reason in (gateway_pb2.FINISH_REASON_DEADLINE, gateway_pb2.FINISH_REASON_CANCELLED)
+    assert len(state.token_ids) < 400 and primary_stats(stack).kv_bytes == 0
