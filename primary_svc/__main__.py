@@ -17,6 +17,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.logging import configure_logging
 from specdec.metrics import ServiceMetrics
+from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.interceptor import ErrorInterceptor
@@ -32,15 +33,18 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
+    min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(576, 1536)
     loaded = load_model(model_dir, config.precision, max_positions=config.max_context,
-                        device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id)
+                        device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id,
+                        min_gemm_rows=min_gemm_rows)
     tokenizer = Tokenizer.from_dir(model_dir)
     engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, config.device,
                                           max_bytes=config.max_kv_bytes),
                     config.max_context)
     costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
     log.info("model loaded", model_dir=str(model_dir), precision=config.precision,
-             weight_bytes=loaded.weight_bytes, verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
+             weight_bytes=loaded.weight_bytes, min_gemm_rows=min_gemm_rows,
+             verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs)
     registry = CollectorRegistry()

@@ -26,6 +26,7 @@ class PrimaryConfig:
     is_shared_weights: bool = True  # weights in /dev/shm, exportable to the draft pool
     measure_verify_costs: bool = True
     device: str = "cpu"             # cuda: weights, KV cache and compute on the GPU (CUDA IPC export)
+    min_gemm_rows: int = 0          # pad fp32 GEMMs of 2..n-1 rows to n; 0: measure at startup
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -52,6 +53,8 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
     p.add_argument("--metrics_port", type=int, default=int(_env("METRICS_PORT", "0")))
     p.add_argument("--model_path", default=_env("MODEL_PATH", _env("MODEL", None)) or None)
     p.add_argument("--device", default=_env("DEVICE", "cpu"), choices=("cpu", "cuda"))
+    p.add_argument("--min_gemm_rows", type=int, default=int(_env("MIN_GEMM_ROWS", "0")), choices=(0, 1, 4),
+                   help="pad fp32 CPU GEMMs of 2..n-1 rows to n rows (0: measure which is faster here)")
     p.add_argument("--cache_dir", default=_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
     p.add_argument("--precision", default=_env("PRECISION", "fp32"), choices=PRECISIONS)
     p.add_argument("--max_context", type=int, default=int(_env("MAX_CONTEXT", "4096")))
@@ -73,4 +76,5 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         model_path=a.model_path, cache_dir=Path(a.cache_dir), precision=a.precision, max_context=a.max_context,
         max_kv_bytes=a.max_kv_bytes, num_threads=a.num_threads, max_batch=a.max_batch, min_batch=a.min_batch,
         max_wait_ms=a.max_wait_ms, is_shared_weights=not a.no_shared_weights,
-        measure_verify_costs=not a.no_measure_verify_costs, device=a.device, log_level=a.log_level)
+        measure_verify_costs=not a.no_measure_verify_costs, device=a.device, min_gemm_rows=a.min_gemm_rows,
+        log_level=a.log_level)

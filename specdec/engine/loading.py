@@ -23,7 +23,8 @@ class LoadedModel:
 
 
 def load_model(model_dir, precision: str = "fp32", max_positions: int | None = None,
-               device: str = "cpu", is_shared: bool = True, instance_id: str | None = None) -> LoadedModel:
+               device: str = "cpu", is_shared: bool = True, instance_id: str | None = None,
+               min_gemm_rows: int = 1) -> LoadedModel:
     """Load HF-format weights, convert them to `precision`, optionally move them into shared memory.
 
     With `is_shared`, the converted tensors are copied once into one exportable segment and the
@@ -37,7 +38,7 @@ def load_model(model_dir, precision: str = "fp32", max_positions: int | None = N
         weights = shared.tensors
     elif device != "cpu":
         weights = {k: v.to(device) for k, v in weights.items()}
-    model = Transformer(config, weights, max_positions or config.max_position_embeddings)
+    model = Transformer(config, weights, max_positions or config.max_position_embeddings, min_gemm_rows)
     return LoadedModel(config, model, precision, weight_bytes(weights), shared)
 
 

@@ -7,9 +7,11 @@ Two things are not a plain `F.linear`:
   call (an honest emulation: memory is fp8, arithmetic is bf16). On CUDA GPUs with fp8
   tensor cores `torch._scaled_mm` multiplies fp8 × fp8 directly, the activations being
   quantized per row on the fly.
-* On CPU, fp32 GEMMs with 2 or 3 rows run as repeated matrix-vector products and cost
-  more than 4 rows (measured: 7.0 / 13.8 / 21.2 / 11.5 ms for 1/2/3/4 rows of the
-  49152×576 lm_head). Such inputs are padded to `MIN_GEMM_ROWS` rows.
+* On some CPUs, fp32 GEMMs with 2 or 3 rows run as repeated matrix-vector products and
+  cost more than 4 rows (measured on an AVX512 machine: 7.0 / 13.8 / 21.2 / 11.5 ms for
+  1/2/3/4 rows of the 49152×576 lm_head); on others (AVX2) 2 rows are cheaper than 4.
+  `calibrate_min_gemm_rows` times both on the machine at hand, and inputs of 2..n-1 rows
+  are padded to `min_gemm_rows` = n only where that measured faster.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ Tensor = torch.Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0            # largest finite e4m3 value; quantization saturates here (SATFINITE)
-MIN_GEMM_ROWS = 4          # see the module docstring
+PADDED_GEMM_ROWS = 4       # see the module docstring
+NO_PADDING = 1
 
 
 def _has_fp8_tensor_cores(device: torch.device) -> bool:
@@ -31,17 +34,19 @@ def _has_fp8_tensor_cores(device: torch.device) -> bool:
 
 
 class Linear:
-    def __init__(self, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None,
+                 min_gemm_rows: int = NO_PADDING) -> None:
         assert weight.dim() == 2
         assert (scale is not None) == (weight.dtype == FP8_DTYPE), "fp8 weights need a scale and only they"
         self.weight, self.scale, self.bias = weight, scale, bias   # weight: [out, in], scale: [out]
         self.is_fp8 = weight.dtype == FP8_DTYPE
+        self.min_gemm_rows = min_gemm_rows
         self.use_scaled_mm = self.is_fp8 and _has_fp8_tensor_cores(weight.device)
 
     @classmethod
-    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str) -> "Linear":
+    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str, min_gemm_rows: int = NO_PADDING) -> "Linear":
         return cls(weights[prefix + ".weight"], weights.get(prefix + ".weight_scale"),
-                   weights.get(prefix + ".bias"))
+                   weights.get(prefix + ".bias"), min_gemm_rows)
 
     @property
     def out_features(self) -> int:
@@ -50,8 +55,8 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:
         # x: [T, in] -> [T, out]
         num_rows = x.shape[0]
-        if 1 < num_rows < MIN_GEMM_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-            padded = x.new_zeros(MIN_GEMM_ROWS, x.shape[1])
+        if 1 < num_rows < self.min_gemm_rows and x.dtype == torch.float32 and x.device.type == "cpu":
+            padded = x.new_zeros(self.min_gemm_rows, x.shape[1])
             padded[:num_rows] = x
             return self._matmul(padded)[:num_rows]
         return self._matmul(x)
@@ -68,3 +73,22 @@ class Linear:
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def calibrate_min_gemm_rows(in_features: int, out_features: int, repeats: int = 20) -> int:
+    """PADDED_GEMM_ROWS when a 4-row fp32 GEMM of this shape beats 2 or 3 rows here, else NO_PADDING."""
+    import time
+    weight = torch.randn(out_features, in_features)
+
+    def median_s(num_rows: int) -> float:
+        x = torch.randn(num_rows, in_features)
+        F.linear(x, weight)                                  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            F.linear(x, weight)
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    padded = median_s(PADDED_GEMM_ROWS)
+    return PADDED_GEMM_ROWS if padded < min(median_s(2), median_s(3)) else NO_PADDING

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.model.config import ModelConfig
-from specdec.model.linear import Linear
+from specdec.model.linear import NO_PADDING, Linear
 
 Tensor = torch.Tensor
 
@@ -99,14 +99,15 @@ def _scale_inv_freq(inv_freq: Tensor, rope_scaling: Mapping | None) -> Tensor:
 
 
 class Attention:
-    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], prefix: str, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], prefix: str, layer_idx: int,
+                 min_gemm_rows: int = NO_PADDING) -> None:
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = Linear.from_weights(w, prefix + "q_proj")
-        self.k_proj = Linear.from_weights(w, prefix + "k_proj")
-        self.v_proj = Linear.from_weights(w, prefix + "v_proj")
-        self.o_proj = Linear.from_weights(w, prefix + "o_proj")
+        self.q_proj = Linear.from_weights(w, prefix + "q_proj", min_gemm_rows)
+        self.k_proj = Linear.from_weights(w, prefix + "k_proj", min_gemm_rows)
+        self.v_proj = Linear.from_weights(w, prefix + "v_proj", min_gemm_rows)
+        self.o_proj = Linear.from_weights(w, prefix + "o_proj", min_gemm_rows)
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
                  spans: Sequence[SequenceSpan]) -> Tensor:
@@ -131,22 +132,23 @@ class Attention:
 
 
 class MLP:
-    def __init__(self, w: Mapping[str, Tensor], prefix: str) -> None:
-        self.gate_proj = Linear.from_weights(w, prefix + "gate_proj")
-        self.up_proj = Linear.from_weights(w, prefix + "up_proj")
-        self.down_proj = Linear.from_weights(w, prefix + "down_proj")
+    def __init__(self, w: Mapping[str, Tensor], prefix: str, min_gemm_rows: int = NO_PADDING) -> None:
+        self.gate_proj = Linear.from_weights(w, prefix + "gate_proj", min_gemm_rows)
+        self.up_proj = Linear.from_weights(w, prefix + "up_proj", min_gemm_rows)
+        self.down_proj = Linear.from_weights(w, prefix + "down_proj", min_gemm_rows)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block:
-    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], layer_idx: int,
+                 min_gemm_rows: int = NO_PADDING) -> None:
         p = f"model.layers.{layer_idx}."
         self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], config.rms_norm_eps)
-        self.self_attn = Attention(config, w, p + "self_attn.", layer_idx)
+        self.self_attn = Attention(config, w, p + "self_attn.", layer_idx, min_gemm_rows)
         self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
-        self.mlp = MLP(w, p + "mlp.")
+        self.mlp = MLP(w, p + "mlp.", min_gemm_rows)
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
                  spans: Sequence[SequenceSpan]) -> Tensor:
@@ -157,14 +159,15 @@ class Block:
 class Transformer:
     """The model over a dict of named weight tensors (HF names; see `specdec.weights.precision`)."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int,
+                 min_gemm_rows: int = NO_PADDING) -> None:
         self.config = config
         self.embed_tokens = weights["model.embed_tokens.weight"]   # [V, C]
         self.dtype = self.embed_tokens.dtype
-        self.layers = [Block(config, weights, i) for i in range(config.num_hidden_layers)]
+        self.layers = [Block(config, weights, i, min_gemm_rows) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
         head = "lm_head" if "lm_head.weight" in weights else "model.embed_tokens"
-        self.lm_head = Linear.from_weights(weights, head)
+        self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions

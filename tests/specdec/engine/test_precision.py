@@ -13,7 +13,7 @@ import torch
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
-from specdec.model.linear import Linear, MIN_GEMM_ROWS
+from specdec.model.linear import PADDED_GEMM_ROWS, Linear, calibrate_min_gemm_rows
 from specdec.model.precision import quantize_fp8_per_channel
 
 NEAR_TIE_TOLERANCE = 1.0     # logits
@@ -67,5 +67,8 @@ def test_fp8_saturates_instead_of_overflowing():
 def test_padding_small_fp32_gemms_does_not_change_results(num_rows):
     torch.manual_seed(num_rows)
     w, x = torch.randn(40, 16), torch.randn(num_rows, 16)
-    assert MIN_GEMM_ROWS == 4
-    torch.testing.assert_close(Linear(w)(x), x @ w.t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(Linear(w, min_gemm_rows=PADDED_GEMM_ROWS)(x), x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_calibration_picks_one_of_the_two_policies():
+    assert calibrate_min_gemm_rows(64, 256, repeats=3) in (1, PADDED_GEMM_ROWS)
