@@ -15,13 +15,11 @@ with c_s the chance decoder s proposes anything (coverage) and f_s the part of g
 understates mutually exclusive candidates (distinct first tokens give a0 + a1, not a0 + a1 - a0*a1) and
 overstates correlated ones; node counts ignore merged prefixes (an upper bound on verify cost).
 
-Step cost, in units of one 1-token primary forward (verify(1) = 1):
-    plain       = verify(1) + plain_overhead
-    speculative = speculative_overhead + sum_{decoders used} draft_cost(gamma) + verify(1 + nodes)
-    speedup     = E[accepted length] * plain / speculative
-verify(k) is a measured curve (MEASUREMENTS.md, SmolLM2 bf16: 8 tokens cost 1.18x one). For each gamma
-on a grid, decoders are added greedily while the speedup grows, so one whose gain does not pay for its
-draft and verify cost is left out; the best gamma wins. Ranks of one decoder share its draft cost.
+Step costs come from gateway/cost_model.py, in units of one 1-token primary forward:
+    speedup     = E[accepted length] * plain step cost / speculative step cost
+For each gamma on a grid, decoders are added greedily while the speedup grows, so one whose gain does
+not pay for its draft and verify cost is left out; the best gamma wins. Ranks of one decoder share its
+draft cost.
 
 Estimates per request and per (decoder, rank), as discounted Beta counts: a step that accepted a of p
 proposed tokens adds a successes and one failure when a < p (the geometric model's maximum likelihood:
@@ -40,17 +38,15 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
+from gateway.cost_model import CostModel
+
 STATE_VERSION = 1
 _TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
-
-# SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (MEASUREMENTS.md).
-SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
-    (1, 26.8), (2, 26.4), (4, 28.3), (8, 31.7), (16, 37.7), (32, 46.7), (64, 72.3))
 
 
 class TaskType(enum.StrEnum):
@@ -71,77 +67,6 @@ def infer_task_type(prompt_text: str, has_schema: bool) -> TaskType:
     if has_schema:
         return TaskType.STRUCTURED
     return TaskType.CODE if _CODE_PATTERN.search(prompt_text) else TaskType.CREATIVE
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DraftCost:
-    """A decoder's cost per step, in 1-token forwards (prompt lookup ~0; early exit ~0.6-0.9 a token)."""
-
-    fixed: float = 0.0
-    per_token: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.fixed < 0 or self.per_token < 0:
-            raise ValueError(f"draft costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}")
-
-    def at(self, draft_length: int) -> float:
-        return self.fixed + self.per_token * draft_length
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CostModel:
-    verify_curve: tuple[tuple[int, float], ...]  # (num_tokens, cost relative to 1 token), from num_tokens 1
-    draft_costs: tuple[tuple[str, DraftCost], ...] = ()  # (decoder, cost); every decoder a request may use
-    plain_overhead: float = 0.0  # per plain step outside model compute (RPC, Redis)
-    speculative_overhead: float = 0.0  # per speculative step: propose + validate RPCs, tree building
-    _curve: tuple[np.ndarray, np.ndarray] = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        sizes = [k for k, _ in self.verify_curve]
-        if not sizes or sizes[0] != 1 or sizes != sorted(set(sizes)):
-            raise ValueError(f"verify_curve must start at num_tokens 1 and ascend, got sizes {sizes}")
-        if any(cost <= 0 for _, cost in self.verify_curve):
-            raise ValueError("verify_curve costs must be positive")
-        if self.plain_overhead < 0 or self.speculative_overhead < 0:
-            raise ValueError("plain_overhead and speculative_overhead must be >= 0")
-        names = [name for name, _ in self.draft_costs]
-        if len(names) != len(set(names)):
-            raise ValueError(f"draft_costs names a decoder twice: {names}")
-        object.__setattr__(self, "_curve", (np.array(sizes, dtype=np.float64),  # [P] num_tokens
-                                            np.array([c for _, c in self.verify_curve], dtype=np.float64)))
-
-    @classmethod
-    def from_verify_ms(cls, verify_ms: Iterable[tuple[int, float]],
-                       draft_costs: Mapping[str, DraftCost] | None = None, *,
-                       plain_overhead: float = 0.0, speculative_overhead: float = 0.0) -> CostModel:
-        """A measured curve in ms, normalised by its 1-token entry."""
-        points = sorted(verify_ms)
-        if not points or points[0][0] != 1:
-            raise ValueError("verify_ms must include num_tokens 1")
-        return cls(verify_curve=tuple((k, ms / points[0][1]) for k, ms in points),
-                   draft_costs=tuple(sorted((draft_costs or {}).items())),
-                   plain_overhead=plain_overhead, speculative_overhead=speculative_overhead)
-
-    @property
-    def plain_step(self) -> float:
-        return float(self.verify(1)) + self.plain_overhead
-
-    def verify(self, num_tokens: Any) -> Any:
-        """Piecewise-linear in num_tokens (a number or an array); past the last point the last
-        segment's slope continues."""
-        sizes, costs = self._curve
-        num_tokens = np.asarray(num_tokens, dtype=np.float64)
-        inside = np.interp(num_tokens, sizes, costs)
-        if sizes.size == 1:
-            return inside
-        slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
-        return np.where(num_tokens > sizes[-1], costs[-1] + slope * (num_tokens - sizes[-1]), inside)
-
-    def draft(self, decoder: str, draft_length: int) -> float:
-        for name, cost in self.draft_costs:
-            if name == decoder:
-                return cost.at(draft_length)
-        raise ValueError(f"decoder {decoder!r} has no draft cost in the cost model")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -310,6 +235,56 @@ class DraftOutcome(Protocol):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CandidateOutcome:
+    """One candidate of a verified tree: its nodes, and how many of them the accepted path holds."""
+
+    decoder: str
+    rank: int
+    num_proposed: int
+    num_accepted: int
+
+
+def ranked_sources(strategies: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """The draft pool's candidate list -> (decoder, rank): the r-th occurrence of a name is rank r.
+
+    # E.g. (prompt_lookup, suffix_index, prompt_lookup)
+    #   -> ((prompt_lookup, 0), (suffix_index, 0), (prompt_lookup, 1))
+    """
+    seen: dict[str, int] = {}
+    ranked = []
+    for name in strategies:
+        ranked.append((name, seen.get(name, 0)))
+        seen[name] = seen.get(name, 0) + 1
+    return tuple(ranked)
+
+
+def strategies_for(sources: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+    """A plan's sources -> the draft pool's candidate list; the inverse of ranked_sources.
+    Ranks of a decoder must appear in order 0, 1, 2, ... (the controller plans them so)."""
+    strategies = tuple(name for name, _ in sources)
+    if ranked_sources(strategies) != tuple(sources):
+        raise ValueError(f"sources must list each decoder's ranks in order from 0, got {list(sources)}")
+    return strategies
+
+
+def candidate_outcomes(strategies: Sequence[str], node_sources: Sequence[int],
+                       accepted_nodes: Sequence[int]) -> list[CandidateOutcome]:
+    """Per candidate (bit i of node_sources = strategies[i]): nodes it proposed, and those on the
+    accepted path. A candidate is a chain, so its accepted nodes are the prefix the primary took.
+
+    # E.g. strategies (a, b), tree 0:x(a,b) 1:y(a) 2:z(b) with parents (-1, 0, 0), accepted [0, 2]
+    #   -> a: 2 proposed, 1 accepted; b: 2 proposed, 2 accepted
+    """
+    accepted = set(accepted_nodes)
+    outcomes = []
+    for i, (decoder, rank) in enumerate(ranked_sources(strategies)):
+        bit = 1 << i
+        nodes = [n for n, sources in enumerate(node_sources) if sources & bit]
+        outcomes.append(CandidateOutcome(decoder, rank, len(nodes), sum(1 for n in nodes if n in accepted)))
+    return outcomes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Choice:
     sources: tuple[int, ...]  # indices into the estimates, best first
     draft_length: int
@@ -457,7 +432,13 @@ class AdaptiveController:
         elif not state.is_speculating and choice.sources and choice.expected_speedup >= config.on_above:
             state.is_speculating = True
         if state.is_speculating:
-            return _plan_from(choice, estimates, config, self._stale_source(state, choice))
+            # At the degree bound a ride-along takes the weakest source's place for that step.
+            kept = choice.sources[:config.max_speculative_degree - 1]
+            extra = self._stale_source(state, kept if len(kept) < len(choice.sources) else choice.sources,
+                                       choice.draft_length)
+            if extra and len(kept) < len(choice.sources):
+                choice = dataclasses.replace(choice, sources=kept)
+            return _plan_from(choice, estimates, config, extra)
         if state.num_steps - state.last_probe_step < config.probe_interval or not estimates:
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
         state.last_probe_step = state.num_steps
@@ -474,13 +455,16 @@ class AdaptiveController:
         amortised = self._cost_model.draft(decoder, draft_length) / self._config.probe_interval
         return amortised <= self._config.max_probe_overhead
 
-    def _stale_source(self, state: ControllerState, choice: _Choice) -> tuple[tuple[str, int], ...]:
-        """The cheap decoder left out longest, when it has been out for probe_interval steps."""
-        in_plan = {state.estimates[s].decoder for s in choice.sources}
+    def _stale_source(self, state: ControllerState, kept: tuple[int, ...],
+                      draft_length: int) -> tuple[tuple[str, int], ...]:
+        """The cheap (decoder, rank) left out longest, when it has been out for probe_interval steps
+        and can join `kept` (rank r only next to rank r - 1, so the pool's rank convention holds)."""
+        in_plan = {(state.estimates[s].decoder, state.estimates[s].rank) for s in kept}
         stale = [e for s, e in enumerate(state.estimates)
-                 if s not in choice.sources
+                 if s not in kept
+                 and (e.rank == 0 or (e.decoder, e.rank - 1) in in_plan)
                  and state.num_steps - e.last_observed_step >= self._config.probe_interval
-                 and (e.decoder in in_plan or self._is_cheap_probe(e.decoder, choice.draft_length))]
+                 and ((e.decoder, 0) in in_plan or self._is_cheap_probe(e.decoder, draft_length))]
         if not stale:
             return ()
         oldest = min(stale, key=lambda e: e.last_observed_step)

@@ -9,6 +9,13 @@ One step, speculative:
 The primary learns the commit at the start of the next Verify (no extra RPC). With
 speculation off a step is one primary.Decode (the baseline the speedup is measured against).
 
+What a step drafts is a SpeculationPlan: fixed by the request (its strategies cycled to
+speculative_degree, its draft_length), or, when adaptive, chosen before every step by the
+controller from the acceptance it observed (the request's degree and draft length are then upper
+bounds, and a plan may be a plain step). The draft service hears every committed token at its
+next Propose, however many plain steps came between; the controller's state is written to the
+state store with each step's tokens and restored with them.
+
 Recovery: the committed tokens are in the state store after every step. If the primary
 restarts, its Verify answers NOT_FOUND (or UNAVAILABLE while it is down): the loop waits for
 it, re-prefills prompt + committed tokens, and goes on; greedy output is unchanged.
@@ -17,14 +24,19 @@ Cancellation and deadlines are checked once per step, so they stop a request wit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
-from typing import Callable, Iterator, Sequence
+from collections import Counter
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import structlog
 
-from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo
-from gateway.params import GenerationParams
+from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation
+from gateway.controller import (AdaptiveController, CandidateOutcome, ControllerConfig, ControllerState,
+                                SpeculationPlan, candidate_outcomes, infer_task_type, ranked_sources, strategies_for)
+from gateway.cost_model import CostModel, CostSettings, cost_model_for
+from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
@@ -33,6 +45,31 @@ from specdec.state_store import RequestStatus, StateStore
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
 RECOVERY_POLL_S = 0.5
+
+
+def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
+    """speculative_degree decoders cycling through the strategies; the r-th repeat of a strategy is
+    its rank-r candidate. E.g. [prompt_lookup, suffix_index], degree 3 ->
+    [prompt_lookup#0, suffix_index#0, prompt_lookup#1]."""
+    return tuple(itertools.islice(itertools.cycle(spec.strategies), spec.speculative_degree))
+
+
+def fixed_plan(spec: SpeculationParams, max_tree_nodes: int) -> SpeculationPlan:
+    """The request's own settings, every step (speculation off: a plain step)."""
+    if not spec.is_enabled:
+        return SpeculationPlan()
+    return SpeculationPlan(draft_length=spec.draft_length, sources=ranked_sources(cycled_strategies(spec)),
+                           max_tree_nodes=max_tree_nodes)
+
+
+def bounded_config(config: ControllerConfig, spec: SpeculationParams, max_tree_nodes: int) -> ControllerConfig:
+    """The controller's settings within the request's bounds: at most speculative_degree candidates
+    and draft_length tokens (itself a choice), at most max_tree_nodes nodes."""
+    lengths = {g for g in config.draft_length_choices if g <= spec.draft_length} | {spec.draft_length}
+    return dataclasses.replace(config, draft_length_choices=tuple(sorted(lengths)),
+                               max_speculative_degree=spec.speculative_degree,
+                               max_tree_nodes=min(config.max_tree_nodes, max_tree_nodes),
+                               probe_draft_length=min(config.probe_draft_length, spec.draft_length))
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,7 +91,9 @@ class RequestLoop:
                  backends: Backends, store: StateStore, tokenizer: Tokenizer, model: ModelInfo,
                  logits_formats: tuple[str, str], recovery_timeout_s: float, max_tree_nodes: int,
                  cancel: threading.Event, owner: str, deadline: float | None = None,
-                 generated: Sequence[int] = (), stats: RequestStats | None = None) -> None:
+                 generated: Sequence[int] = (), stats: RequestStats | None = None, *,
+                 cost_model: CostModel | None = None, controller_config: ControllerConfig | None = None,
+                 controller_state: Mapping[str, Any] | None = None) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
@@ -70,13 +109,33 @@ class RequestLoop:
         self.pending_accepted: tuple[int, ...] = ()
         self.pending_committed: list[int] = []
         self.draft_synced = 0            # generated tokens the draft service has seen
-        # speculative_degree decoders in parallel, cycling through the strategies; the r-th
-        # repeat of a strategy is its rank-r candidate. E.g. [prompt_lookup, suffix_index],
-        # degree 3 -> [prompt_lookup#0, suffix_index#0, prompt_lookup#1].
-        strategies = params.speculation.strategies
-        self.decoders = [strategies[i % len(strategies)] for i in range(params.speculation.speculative_degree)]
         self.is_draft_open = False
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
+        spec = params.speculation
+        self.fixed_plan = fixed_plan(spec, max_tree_nodes)
+        self.controller: AdaptiveController | None = None
+        self.controller_state: ControllerState | None = None
+        if spec.is_enabled and spec.is_adaptive:
+            self.controller = AdaptiveController(
+                cost_model or cost_model_for(model.verify_costs_ms, CostSettings()),
+                bounded_config(controller_config or ControllerConfig(), spec, max_tree_nodes))
+            self.controller_state = self._restore_controller(controller_state)
+            self.stats.task_type = self.controller_state.task_type.value
+
+    def _restore_controller(self, stored: Mapping[str, Any] | None) -> ControllerState:
+        """The stored state of a resumed request, or a fresh one (task type given or inferred)."""
+        spec = self.params.speculation
+        decoders = Counter(cycled_strategies(spec))          # name -> ranks it may offer
+        if stored:
+            try:
+                state = ControllerState.from_dict(stored)
+                if Counter(e.decoder for e in state.estimates) == decoders:
+                    return state
+                self.log.warning("stored controller state tracks other decoders; starting afresh")
+            except ValueError as e:
+                self.log.warning("stored controller state unreadable; starting afresh", error=str(e))
+        task_type = spec.task_type or infer_task_type(self.params.prompt_text(self.tokenizer), self.params.has_schema)
+        return self.controller.new_state(task_type, decoders)
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -91,7 +150,12 @@ class RequestLoop:
                 if finish is not None:
                     break
                 step_start = time.perf_counter()
-                new_tokens = self._speculative_step() if self._is_speculative() else self._plain_step()
+                plan = self._plan()
+                if plan.is_speculative:
+                    new_tokens, outcomes = self._speculative_step(plan)
+                else:
+                    new_tokens, outcomes = self._plain_step(), None
+                self._observe(plan, outcomes)
                 kept, finish = self._truncate(new_tokens)
                 self.stats.num_steps += 1
                 self.stats.num_generated_tokens += len(kept)
@@ -117,8 +181,17 @@ class RequestLoop:
         self.log.info("request finished", finish_reason=finish, num_tokens=len(self.generated),
                       steps=self.stats.num_steps, wall_ms=round((time.perf_counter() - start) * 1000, 1))
 
-    def _is_speculative(self) -> bool:
-        return self.params.speculation.is_enabled
+    def _plan(self) -> SpeculationPlan:
+        if self.controller is None:
+            return self.fixed_plan
+        return self.controller.plan(self.controller_state)
+
+    def _observe(self, plan: SpeculationPlan, outcomes: list[CandidateOutcome] | None) -> None:
+        """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran)."""
+        self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe)
+        if self.controller is not None:
+            self.controller.observe(self.controller_state, plan if outcomes is not None else SpeculationPlan(),
+                                    outcomes or ())
 
     def _stop_signal(self) -> str | None:
         if self.cancel.is_set():
@@ -136,10 +209,11 @@ class RequestLoop:
         self.stats.stage_ms["verify"] += ms
         self.stats.total_ms += ms
 
-    def _speculative_step(self) -> list[int]:
+    def _speculative_step(self, plan: SpeculationPlan) -> tuple[list[int], list[CandidateOutcome] | None]:
+        """One propose -> verify -> validate; the candidates' outcomes (None when the draft service failed)."""
         spec, sampling = self.params.speculation, self.params.sampling
         t0 = time.perf_counter()
-        tree = self._propose()
+        tree = self._propose(plan)
         t1 = time.perf_counter()
         fmt = self.greedy_format if sampling.is_greedy and spec.acceptance_threshold == 0 else self.sample_format
         verified = self._with_primary(lambda: self.backends.verify(
@@ -151,10 +225,11 @@ class RequestLoop:
         t3 = time.perf_counter()
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
-        self._account(tree, v.accepted_nodes, v.accepted_entropies, v.rejected_entropies)
+        outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes)
+        self._account(tree, outcomes, v)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
             self.stats.stage_ms[stage] += ms * 1000
-        return list(self.pending_committed)
+        return list(self.pending_committed), (outcomes if tree.decoders else None)
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
@@ -165,17 +240,19 @@ class RequestLoop:
         self.pending_accepted, self.pending_committed = (), [token]
         return [token]
 
-    def _propose(self) -> DraftTree:
-        spec = self.params.speculation
-        new = self.generated[self.draft_synced:]
-        prompt = [] if self.is_draft_open else self.prompt_ids + new
+    def _propose(self, plan: SpeculationPlan) -> DraftTree:
+        """The plan's candidates as a tree. The draft service first hears the tokens committed since
+        its previous call (all of them when it opens the request: first call, or after it lost it)."""
+        strategies = strategies_for(plan.sources)
+        prompt, new = ((), self.generated[self.draft_synced:]) if self.is_draft_open else (self.prompt_ids,
+                                                                                            self.generated)
         try:
-            tree = self.backends.propose(self.request_id, prompt, [] if prompt else new, self.decoders,
-                                         len(self.decoders), spec.draft_length, self.max_tree_nodes,
-                                         self.params.sampling, spec.task_type)
+            tree = self.backends.propose(self.request_id, prompt, new, strategies, len(strategies),
+                                         plan.draft_length, min(plan.max_tree_nodes, self.max_tree_nodes),
+                                         self.params.sampling, self._task_type())
         except NotFound:                         # the draft service restarted: resend the context
             self.is_draft_open = False
-            return self._propose() if prompt == [] else EMPTY_TREE
+            return self._propose(plan) if not prompt else EMPTY_TREE
         except Unavailable as e:                 # no drafts this step; the primary alone still progresses
             self.log.warning("draft service unavailable; verifying without drafts", error=str(e))
             self.is_draft_open = False
@@ -184,16 +261,20 @@ class RequestLoop:
         self.draft_synced = len(self.generated)
         return tree
 
-    def _account(self, tree: DraftTree, accepted: Sequence[int], accepted_h, rejected_h) -> None:
+    def _task_type(self) -> str:
+        state = self.controller_state
+        return state.task_type.value if state is not None else self.params.speculation.task_type
+
+    def _account(self, tree: DraftTree, outcomes: list[CandidateOutcome], v: Validation) -> None:
+        """Per decoder and rank ("prompt_lookup", "prompt_lookup#1", ...); a decoder's time is its
+        one run for all its ranks, so it goes to rank 0."""
         self.stats.num_proposed += tree.num_nodes
-        self.stats.num_accepted += len(accepted)
-        accepted_set = set(accepted)
-        for i, name in enumerate(tree.decoders):
-            bit = 1 << i
-            proposed = sum(1 for s in tree.node_sources if s & bit)
-            hits = sum(1 for n in accepted_set if tree.node_sources[n] & bit)
-            self.stats.add_decoder(name, proposed, hits, tree.decoder_ms.get(name, 0.0))
-        self.stats.add_entropies(list(accepted_h), list(rejected_h))
+        self.stats.num_accepted += len(v.accepted_nodes)
+        for o in outcomes:
+            name = o.decoder if o.rank == 0 else f"{o.decoder}#{o.rank}"
+            ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
+            self.stats.add_decoder(name, o.num_proposed, o.num_accepted, ms)
+        self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     # --- stop conditions, commit ---------------------------------------------------------------
 
@@ -220,8 +301,9 @@ class RequestLoop:
         self.text += self.detok.add(kept)
         self.text, is_stopped = self._cut_at_stop(self.text)
         try:
+            controller = None if self.controller_state is None else self.controller_state.to_dict()
             self.store.append_step(self.request_id, kept, expected_num_tokens=len(self.generated),
-                                   stats=self.stats.to_dict(), owner=self.owner)
+                                   stats=self.stats.to_dict(), controller_state=controller, owner=self.owner)
         except FailedPrecondition:
             return "", False, False
         finally:

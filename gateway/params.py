@@ -24,11 +24,12 @@ TASK_TYPES = {common_pb2.TASK_TYPE_UNSPECIFIED: "", common_pb2.TASK_TYPE_STRUCTU
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpeculationParams:
     is_enabled: bool
-    speculative_degree: int
-    draft_length: int
+    speculative_degree: int        # fixed; an upper bound when is_adaptive
+    draft_length: int              # fixed; an upper bound when is_adaptive
     acceptance_threshold: float
     strategies: tuple[str, ...]
-    task_type: str                 # "", "structured", "code" or "creative"
+    task_type: str                 # "", "structured", "code" or "creative"; "" = inferred from the prompt
+    is_adaptive: bool = False      # the controller chooses decoders and draft length per step
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,6 +40,7 @@ class GenerationParams:
     stop: tuple[str, ...]
     sampling: SamplingParams
     speculation: SpeculationParams
+    has_schema: bool = False       # response_format asks for JSON (a structured task)
 
     def prompt_text(self, tokenizer: Any) -> str:
         if self.messages is None:
@@ -61,11 +63,13 @@ def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits,
         if not s or len(s) > limits.max_stop_chars:
             raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
     sampling = pb.sampling_from_pb(req.sampling)
+    has_schema = req.response_format.type in (common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
+                                              common_pb2.ResponseFormat.TYPE_JSON_SCHEMA)
     if req.response_format.type not in (common_pb2.ResponseFormat.TYPE_UNSPECIFIED,
                                         common_pb2.ResponseFormat.TYPE_TEXT):
         raise Unimplemented("response_format", "constrained (JSON) decoding is not served by this gateway yet")
     return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling,
-                            _speculation_from_pb(req.speculation, limits, defaults))
+                            _speculation_from_pb(req.speculation, limits, defaults), has_schema)
 
 
 def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
@@ -96,11 +100,14 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
 def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits,
                          defaults: SpeculationDefaults) -> SpeculationParams:
     is_enabled = spec.is_enabled if spec.HasField("is_enabled") else defaults.is_enabled
-    degree = spec.speculative_degree or defaults.speculative_degree
+    is_adaptive = spec.is_adaptive if spec.HasField("is_adaptive") else defaults.is_adaptive
+    degree = spec.speculative_degree or (min(defaults.max_adaptive_degree, limits.max_speculative_degree)
+                                         if is_adaptive else defaults.speculative_degree)
     if not 1 <= degree <= limits.max_speculative_degree:
         raise InvalidArgument("speculation.speculative_degree",
                               f"must be in [1, {limits.max_speculative_degree}], got {degree}")
-    draft_length = spec.draft_length or defaults.draft_length
+    draft_length = spec.draft_length or (min(defaults.max_adaptive_draft_length, limits.max_draft_length)
+                                         if is_adaptive else defaults.draft_length)
     if not 1 <= draft_length <= limits.max_draft_length:
         raise InvalidArgument("speculation.draft_length", f"must be in [1, {limits.max_draft_length}], got {draft_length}")
     threshold = float(spec.acceptance_threshold)
@@ -112,7 +119,8 @@ def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits,
             raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {KNOWN_STRATEGIES}")
     if spec.task_type not in TASK_TYPES:
         raise InvalidArgument("speculation.task_type", f"unknown task type {spec.task_type}")
-    return SpeculationParams(is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type])
+    return SpeculationParams(is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type],
+                             is_adaptive)
 
 
 def params_to_json(req: gateway_pb2.GenerateRequest) -> dict:

@@ -9,6 +9,7 @@ import structlog
 
 from gateway.backends import Backends, ModelInfo
 from gateway.config import GatewayConfig
+from gateway.cost_model import cost_model_for
 from gateway.loop import RequestLoop
 from gateway.params import params_from_pb, params_to_json
 from gateway.stats import RequestStats
@@ -33,6 +34,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                  model: ModelInfo, owner: str) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
         self.owner = owner
+        # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
+        self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
         self._active: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self.log = structlog.get_logger("gateway")
@@ -113,11 +116,13 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
         return self.make_loop(request_id, params, prompt_ids, cancel, deadline)
 
-    def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None) -> RequestLoop:
+    def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None,
+                  controller_state=None) -> RequestLoop:
         spec = self.config.speculation
         return RequestLoop(request_id, params, prompt_ids, self.backends, self.store, self.tokenizer, self.model,
                            (spec.greedy_logits_format, spec.sample_logits_format), self.config.recovery_timeout_s,
-                           self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats)
+                           self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats,
+                           cost_model=self.cost_model, controller_state=controller_state)
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -138,7 +143,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             with self._lock:
                 self._active[request_id] = cancel
             loop = self.make_loop(request_id, params, state.prompt_token_ids, cancel, None, state.token_ids,
-                                  RequestStats.from_dict(state.stats))
+                                  RequestStats.from_dict(state.stats), state.controller_state)
 
             def run(loop=loop) -> None:
                 try:

@@ -26,6 +26,12 @@ class RequestStats:
     decoders: dict[str, list[float]] = dataclasses.field(default_factory=dict)   # name -> [proposed, accepted, ms]
     entropy_proposed: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
     entropy_accepted: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
+    # What each step ran (the adaptive controller's choices, or the fixed settings): index = draft_length
+    # and = candidates per step; index 0 counts the steps that did not speculate.
+    num_steps_by_draft_length: list[int] = dataclasses.field(default_factory=list)
+    num_steps_by_degree: list[int] = dataclasses.field(default_factory=list)
+    num_probe_steps: int = 0     # steps whose drafts re-measured acceptance rather than paid
+    task_type: str = ""          # the controller's task type ("" when not adaptive)
 
     @property
     def acceptance_rate(self) -> float:
@@ -40,6 +46,16 @@ class RequestStats:
         row[0] += num_proposed
         row[1] += num_accepted
         row[2] += ms
+
+    def add_plan(self, draft_length: int, speculative_degree: int, is_probe: bool) -> None:
+        """Count one step's choice; draft_length 0 (or degree 0) is a step without speculation."""
+        if draft_length == 0 or speculative_degree == 0:
+            draft_length = speculative_degree = 0
+        for counts, index in ((self.num_steps_by_draft_length, draft_length),
+                              (self.num_steps_by_degree, speculative_degree)):
+            counts.extend([0] * (index + 1 - len(counts)))
+            counts[index] += 1
+        self.num_probe_steps += is_probe
 
     def add_entropies(self, accepted: list[float], rejected: list[float]) -> None:
         edges = DEFAULT_ENTROPY_BIN_EDGES

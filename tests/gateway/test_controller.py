@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.controller import (SMOLLM2_BF16_VERIFY_MS, AdaptiveController, ControllerConfig, ControllerState,
-                                CostModel, DraftCost, SpeculationPlan, TaskType, adjust_speculative_degree,
-                                expected_accepted_length, infer_task_type)
+from gateway.controller import (AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, TaskType,
+                                adjust_speculative_degree, expected_accepted_length, infer_task_type)
+from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, DraftCost
 
 LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
 # MEASUREMENTS.md: bf16 verify curve, ~10 % of a step outside model compute when speculating, early exit
@@ -274,3 +274,25 @@ def test_bad_inputs_are_rejected_naming_the_field():
 ])
 def test_infer_task_type(prompt, has_schema, expected):
     assert infer_task_type(prompt, has_schema) is expected
+
+
+def test_ride_alongs_keep_the_degree_bound_and_rank_order():
+    # degree bound 1: a probe of the left-out decoder takes the chosen one's place for that step
+    config = ControllerConfig(max_speculative_degree=1, probe_interval=6)
+    controller = AdaptiveController(COST, config)
+    state = controller.new_state("code", {LOOKUP: 2, SUFFIX: 1})
+    plans = simulate(controller, state, lambda _: {(LOOKUP, 0): 0.8, (LOOKUP, 1): 0.3, (SUFFIX, 0): 0.4},
+                     60, random.Random(5))
+    assert all(p.speculative_degree <= 1 for p in plans)
+    assert any(p.is_probe and p.sources == ((SUFFIX, 0),) for p in plans)
+    assert all(p.sources[0][1] == 0 for p in plans if p.sources)          # never rank 1 alone
+    # degree 2 with three ranks: rank 2 rides along only next to rank 1
+    state = AdaptiveController(COST, ControllerConfig(max_speculative_degree=2, probe_interval=4)).new_state(
+        "code", {LOOKUP: 3})
+    controller = AdaptiveController(COST, ControllerConfig(max_speculative_degree=2, probe_interval=4))
+    plans = simulate(controller, state, lambda _: {(LOOKUP, 0): 0.9, (LOOKUP, 1): 0.05, (LOOKUP, 2): 0.05},
+                     60, random.Random(6))
+    for p in plans:
+        assert p.speculative_degree <= 2
+        ranks = sorted(r for _, r in p.sources)
+        assert ranks == list(range(len(ranks))), p.sources

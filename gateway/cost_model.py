@@ -1,0 +1,129 @@
+"""What a speculative step costs: the primary's verify curve, each draft decoder's cost, and the
+per-step overhead outside model compute, all in units of one 1-token primary forward.
+
+Step cost (verify(1) = 1):
+    plain       = verify(1) + plain_overhead
+    speculative = speculative_overhead + sum_{decoders used} draft_cost(gamma) + verify(1 + nodes)
+verify(k) is measured by the primary at startup (GetModelInfo.verify_costs, keyed by rows: the
+pending root plus k - 1 draft nodes). On a CPU without AVX512, fp32 rows 2..16 cost 1.6-1.9x one row,
+so a tree must gain ~0.8 tokens a step before it pays; in bf16 (MEASUREMENTS.md) 8 rows cost 1.18x.
+The overheads are given in ms (RPCs, logits transfer, Redis) and divided by the measured 1-row
+forward, so the same settings mean little on a slow CPU forward and a lot on a fast GPU one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+# SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (MEASUREMENTS.md).
+SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
+    (1, 26.8), (2, 26.4), (4, 28.3), (8, 31.7), (16, 37.7), (32, 46.7), (64, 72.3))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftCost:
+    """A decoder's cost per step, in 1-token forwards (prompt lookup ~0; early exit ~0.6-0.9 a token)."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.fixed < 0 or self.per_token < 0:
+            raise ValueError(f"draft costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}")
+
+    def at(self, draft_length: int) -> float:
+        return self.fixed + self.per_token * draft_length
+
+
+# Model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); self-drafting over the shared
+# weights costs 0.6-0.9 of a full step per drafted token without fine-tuning (MEASUREMENTS.md).
+DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
+    ("early_exit", DraftCost(per_token=0.75)), ("layer_skip", DraftCost(per_token=0.85)),
+    ("prompt_lookup", DraftCost(fixed=0.002)), ("suffix_index", DraftCost(fixed=0.004)))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CostModel:
+    verify_curve: tuple[tuple[int, float], ...]  # (num_tokens, cost relative to 1 token), from num_tokens 1
+    draft_costs: tuple[tuple[str, DraftCost], ...] = ()  # (decoder, cost); every decoder a request may use
+    plain_overhead: float = 0.0  # per plain step outside model compute (RPC, Redis)
+    speculative_overhead: float = 0.0  # per speculative step: propose + validate RPCs, tree building
+    _curve: tuple[np.ndarray, np.ndarray] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        sizes = [k for k, _ in self.verify_curve]
+        if not sizes or sizes[0] != 1 or sizes != sorted(set(sizes)):
+            raise ValueError(f"verify_curve must start at num_tokens 1 and ascend, got sizes {sizes}")
+        if any(cost <= 0 for _, cost in self.verify_curve):
+            raise ValueError("verify_curve costs must be positive")
+        if self.plain_overhead < 0 or self.speculative_overhead < 0:
+            raise ValueError("plain_overhead and speculative_overhead must be >= 0")
+        names = [name for name, _ in self.draft_costs]
+        if len(names) != len(set(names)):
+            raise ValueError(f"draft_costs names a decoder twice: {names}")
+        object.__setattr__(self, "_curve", (np.array(sizes, dtype=np.float64),  # [P] num_tokens
+                                            np.array([c for _, c in self.verify_curve], dtype=np.float64)))
+
+    @classmethod
+    def from_verify_ms(cls, verify_ms: Iterable[tuple[int, float]],
+                       draft_costs: Mapping[str, DraftCost] | None = None, *,
+                       plain_overhead: float = 0.0, speculative_overhead: float = 0.0) -> CostModel:
+        """A measured curve in ms, normalised by its 1-token entry."""
+        points = sorted(verify_ms)
+        if not points or points[0][0] != 1:
+            raise ValueError("verify_ms must include num_tokens 1")
+        return cls(verify_curve=tuple((k, ms / points[0][1]) for k, ms in points),
+                   draft_costs=tuple(sorted((draft_costs or {}).items())),
+                   plain_overhead=plain_overhead, speculative_overhead=speculative_overhead)
+
+    @property
+    def plain_step(self) -> float:
+        return float(self.verify(1)) + self.plain_overhead
+
+    def verify(self, num_tokens: Any) -> Any:
+        """Piecewise-linear in num_tokens (a number or an array); past the last point the last
+        segment's slope continues."""
+        sizes, costs = self._curve
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        inside = np.interp(num_tokens, sizes, costs)
+        if sizes.size == 1:
+            return inside
+        slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
+        return np.where(num_tokens > sizes[-1], costs[-1] + slope * (num_tokens - sizes[-1]), inside)
+
+    def draft(self, decoder: str, draft_length: int) -> float:
+        for name, cost in self.draft_costs:
+            if name == decoder:
+                return cost.at(draft_length)
+        raise ValueError(f"decoder {decoder!r} has no draft cost in the cost model")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CostSettings:
+    """What the gateway knows about costs beyond the primary's measured verify curve."""
+
+    plain_overhead_ms: float = 1.0  # Decode RPC + state write + Python, per plain step
+    speculative_overhead_ms: float = 4.0  # Propose, Verify, Validate RPCs, logits transfer, state write
+    draft_costs: tuple[tuple[str, DraftCost], ...] = DEFAULT_DRAFT_COSTS
+
+    def __post_init__(self) -> None:
+        if self.plain_overhead_ms < 0 or self.speculative_overhead_ms < 0:
+            raise ValueError("plain_overhead_ms and speculative_overhead_ms must be >= 0")
+        names = [name for name, _ in self.draft_costs]
+        if len(names) != len(set(names)):
+            raise ValueError(f"draft_costs names a decoder twice: {names}")
+
+
+def cost_model_for(verify_costs_ms: Mapping[int, float], settings: CostSettings) -> CostModel:
+    """The cost model of a primary that measured `verify_costs_ms` ({rows: ms}); a primary that
+    measured nothing (or not 1 row) gets the bf16 reference curve's shape."""
+    points = sorted((int(k), float(ms)) for k, ms in verify_costs_ms.items() if ms > 0)
+    if not points or points[0][0] != 1:
+        points = list(SMOLLM2_BF16_VERIFY_MS)
+    one_row_ms = points[0][1]
+    return CostModel.from_verify_ms(points, dict(settings.draft_costs),
+                                    plain_overhead=settings.plain_overhead_ms / one_row_ms,
+                                    speculative_overhead=settings.speculative_overhead_ms / one_row_ms)

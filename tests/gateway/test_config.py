@@ -1,0 +1,28 @@
+"""Gateway flags for the adaptive controller: --adaptive (default on), its bounds and cost settings."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import parse_config
+
+
+def test_adaptive_is_on_by_default_and_a_flag_or_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.delenv("SPECDEC_GATEWAY_ADAPTIVE", raising=False)
+    monkeypatch.delenv("SPECDEC_ADAPTIVE", raising=False)
+    assert parse_config([]).speculation.is_adaptive
+    assert not parse_config(["--no-adaptive"]).speculation.is_adaptive
+    monkeypatch.setenv("SPECDEC_GATEWAY_ADAPTIVE", "false")
+    assert not parse_config([]).speculation.is_adaptive
+    assert parse_config(["--adaptive"]).speculation.is_adaptive
+    monkeypatch.setenv("SPECDEC_GATEWAY_ADAPTIVE", "maybe")
+    with pytest.raises(ValueError, match="SPECDEC_GATEWAY_ADAPTIVE"):
+        parse_config([])
+
+
+def test_adaptive_bounds_and_cost_settings_come_from_flags():
+    config = parse_config(["--max_adaptive_degree", "2", "--max_adaptive_draft_length", "6",
+                           "--speculative_overhead_ms", "7.5"])
+    assert (config.speculation.max_adaptive_degree, config.speculation.max_adaptive_draft_length) == (2, 6)
+    assert config.costs.speculative_overhead_ms == 7.5
+    with pytest.raises(ValueError, match="max_adaptive_degree"):
+        parse_config(["--max_adaptive_degree", "0"])

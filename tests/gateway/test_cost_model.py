@@ -1,0 +1,35 @@
+"""The cost model built from a primary's measured verify curve (GetModelInfo.verify_costs)."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostSettings, DraftCost, cost_model_for
+
+FP32_CPU_MS = {1: 40.0, 2: 68.0, 4: 66.0, 8: 70.0, 16: 76.0, 32: 108.0}
+
+
+def test_the_measured_curve_is_normalised_and_the_overheads_are_in_one_row_forwards():
+    model = cost_model_for(FP32_CPU_MS, CostSettings(plain_overhead_ms=2.0, speculative_overhead_ms=6.0))
+    assert float(model.verify(1)) == 1.0
+    assert float(model.verify(2)) == pytest.approx(1.7)
+    assert float(model.verify(8)) == pytest.approx(1.75)
+    assert float(model.verify(32)) == pytest.approx(2.7)
+    assert (model.plain_overhead, model.speculative_overhead) == (pytest.approx(0.05), pytest.approx(0.15))
+    assert model.plain_step == pytest.approx(1.05)
+    assert model.draft("prompt_lookup", 8) == pytest.approx(0.002)
+    assert model.draft("early_exit", 4) == pytest.approx(3.0)        # 0.75 of a forward per token
+
+
+def test_a_primary_that_measured_nothing_gets_the_reference_curve_shape():
+    for measured in ({}, {2: 50.0, 4: 60.0}, {1: 0.0}):
+        model = cost_model_for(measured, CostSettings(plain_overhead_ms=26.8, draft_costs=()))
+        assert float(model.verify(8)) == pytest.approx(31.7 / 26.8)
+        assert model.plain_overhead == pytest.approx(1.0)
+        assert dict(SMOLLM2_BF16_VERIFY_MS)[1] == 26.8
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="overhead"):
+        CostSettings(plain_overhead_ms=-1.0)
+    with pytest.raises(ValueError, match="twice"):
+        CostSettings(draft_costs=(("a", DraftCost()), ("a", DraftCost())))

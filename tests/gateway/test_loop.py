@@ -1,0 +1,362 @@
+"""The request loop against fake services (no processes): plan -> Propose/Verify/Decode call sequence,
+draft and primary synchronisation across plain and speculative steps, greedy exactness, state store.
+
+The fakes check the protocol on every call and fail the request when it is broken:
+- the primary: each Verify/Decode first commits the previous step; the committed tokens must be a
+  root-to-node path of the previous tree plus the primary's own greedy token after it (after a plain
+  step: no nodes, just the token Decode returned);
+- the draft service: the context it has after each Propose (prompt + new_token_ids of every call)
+  must equal prompt + everything committed so far.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from gateway.backends import DraftTree, ModelInfo, Validation, Verified
+from gateway.controller import (CandidateOutcome, ControllerConfig, ControllerState, candidate_outcomes,
+                                ranked_sources, strategies_for)
+from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan
+from gateway.params import GenerationParams, SpeculationParams
+from gateway.stats import RequestStats
+from specdec.errors import NotFound
+from specdec.sampling import SamplingParams
+from specdec.state_store import RequestStatus
+from specdec.state_store.memory import InMemoryStateStore
+
+LOOKUP, SUFFIX = "prompt_lookup", "suffix_index"
+EOS, WRONG = 49, 45          # the fake primary never emits either
+PROMPT = [3, 7, 1, 4, 1, 5, 9, 2, 6]
+# fp32 on a CPU without AVX512: 2..16 rows cost 1.6-1.9x one row (the gateway brief's figures)
+FP32_VERIFY_MS = {1: 40.0, 2: 68.0, 4: 66.0, 8: 70.0, 16: 76.0, 32: 108.0}
+MODEL = ModelInfo(vocab_size=50, eos_token_ids=(EOS,), max_context=4096, instance_id="fake",
+                  verify_costs_ms=FP32_VERIFY_MS)
+
+
+def primary_next(context: Sequence[int]) -> int:
+    """The fake primary's greedy next token (never EOS, never WRONG)."""
+    return (3 * context[-1] + context[-2] + len(context)) % 40 + 1
+
+
+def plain_decoding(prompt: Sequence[int], num_tokens: int) -> list[int]:
+    context = list(prompt)
+    for _ in range(num_tokens):
+        context.append(primary_next(context))
+    return context[len(prompt):]
+
+
+class FakeTokenizer:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{t}>" for t in token_ids)
+
+    def apply_chat_template(self, messages) -> str:
+        return "\n".join(m["content"] for m in messages)
+
+
+@dataclasses.dataclass
+class FakeBackends:
+    """Primary, draft pool and greedy validator in one object, recording every call.
+
+    Drafts: prompt_lookup is an oracle while `is_lookup_right(num_committed)` holds (its rank r > 0
+    candidates diverge after r tokens), else proposes WRONG; suffix_index always proposes WRONG."""
+
+    is_lookup_right: Callable[[int], bool] = lambda num_committed: True
+    lose_draft_at_call: int = -1     # the draft service "restarts" before this Propose
+    calls: list[tuple[str, dict]] = dataclasses.field(default_factory=list)
+    truth: list[int] = dataclasses.field(default_factory=list)          # prompt + committed, per the fakes
+    primary_context: list[int] = dataclasses.field(default_factory=list)
+    last_tree: DraftTree | None = None        # None: nothing to commit yet (just prefilled)
+    draft_context: list[int] | None = None
+
+    # --- primary ---
+    def prefill(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.calls.append(("prefill", {"num_tokens": len(token_ids)}))
+        self.primary_context, self.last_tree = list(token_ids), None
+        if not self.truth:
+            self.truth = list(token_ids)
+
+    def _commit(self, accepted_nodes: Sequence[int], committed: Sequence[int]) -> None:
+        if self.last_tree is None:
+            assert not accepted_nodes and not committed, "nothing to commit right after a prefill"
+            return
+        tree = self.last_tree
+        for k, node in enumerate(accepted_nodes):
+            assert tree.parents[node] == (accepted_nodes[k - 1] if k else -1), "accepted nodes are not a path"
+        path = [tree.token_ids[n] for n in accepted_nodes]
+        assert list(committed[:-1]) == path, (committed, path)
+        assert committed[-1] == primary_next(self.primary_context + path), "the bonus token is not the primary's"
+        self.primary_context += list(committed)
+
+    def _rows(self, tree: DraftTree) -> list[int]:
+        rows = [primary_next(self.primary_context)]
+        for i in range(tree.num_nodes):
+            path, node = [], i
+            while node != -1:
+                path.insert(0, tree.token_ids[node])
+                node = tree.parents[node]
+            rows.append(primary_next(self.primary_context + path))
+        return rows
+
+    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format) -> Verified:
+        self.calls.append(("verify", {"accepted_nodes": tuple(accepted_nodes),
+                                      "committed": list(committed_token_ids), "num_nodes": tree.num_nodes}))
+        self._commit(accepted_nodes, committed_token_ids)
+        self.last_tree = tree
+        return Verified(None, tuple(self._rows(tree)), 0.0)
+
+    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step) -> tuple[int, float]:
+        self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes),
+                                      "committed": list(committed_token_ids)}))
+        self._commit(accepted_nodes, committed_token_ids)
+        self.last_tree = DraftTree((), (), (), (), {}, 0.0)
+        token = primary_next(self.primary_context)
+        self.truth.append(token)
+        return token, 0.0
+
+    def validate(self, request_id, mode, sampling, acceptance_threshold, step, tree, verified) -> Validation:
+        rows, accepted, node = verified.argmax_token_ids, [], -1
+        while True:
+            child = next((i for i in range(tree.num_nodes)
+                          if tree.parents[i] == node and tree.token_ids[i] == rows[node + 1]), None)
+            if child is None:
+                break
+            accepted.append(child)
+            node = child
+        bonus = rows[node + 1]
+        self.truth += [tree.token_ids[i] for i in accepted] + [bonus]
+        return Validation(tuple(accepted), bonus, (), ())
+
+    # --- draft ---
+    def propose(self, request_id, prompt_token_ids, new_token_ids, strategies, speculative_degree, draft_length,
+                max_nodes, sampling, task_type) -> DraftTree:
+        num_call = sum(1 for name, _ in self.calls if name == "propose")
+        self.calls.append(("propose", {"is_open": bool(prompt_token_ids), "new": list(new_token_ids),
+                                       "strategies": tuple(strategies), "draft_length": draft_length,
+                                       "max_nodes": max_nodes}))
+        if num_call == self.lose_draft_at_call:
+            self.draft_context = None
+        if prompt_token_ids:
+            self.draft_context = list(prompt_token_ids) + list(new_token_ids)
+        elif self.draft_context is None:
+            raise NotFound("request_id", "no draft state")
+        else:
+            self.draft_context += list(new_token_ids)
+        assert self.draft_context == self.truth, "the draft service missed committed tokens"
+        assert speculative_degree == len(strategies)
+        candidates = [self._candidate(name, rank, draft_length) for name, rank in ranked_sources(strategies)]
+        return merge(candidates, tuple(strategies), max_nodes)
+
+    def _candidate(self, name: str, rank: int, draft_length: int) -> list[int]:
+        if name != LOOKUP or not self.is_lookup_right(len(self.truth) - len(PROMPT)):
+            return [WRONG] * draft_length
+        context = list(self.truth)
+        for _ in range(draft_length):
+            context.append(primary_next(context) if len(context) - len(self.truth) < rank or rank == 0 else WRONG)
+        return context[len(self.truth):]
+
+    def release_primary(self, request_id: str) -> None:
+        self.calls.append(("release_primary", {}))
+
+    def release_draft(self, request_id: str, is_finished: bool) -> None:
+        self.calls.append(("release_draft", {}))
+
+    def steps(self) -> list[str]:
+        return [name for name, _ in self.calls if name in ("verify", "decode")]
+
+
+def merge(candidates: list[list[int]], strategies: tuple[str, ...], max_nodes: int) -> DraftTree:
+    """Candidates merged by common prefix (node_sources bit i = candidate i), at most max_nodes nodes."""
+    tokens, parents, sources = [], [], []
+    for i, candidate in enumerate(candidates):
+        node = -1
+        for token in candidate:
+            child = next((n for n in range(len(tokens)) if parents[n] == node and tokens[n] == token), None)
+            if child is None:
+                if len(tokens) == max_nodes:
+                    break
+                tokens.append(token)
+                parents.append(node)
+                sources.append(0)
+                child = len(tokens) - 1
+            sources[child] |= 1 << i
+            node = child
+    return DraftTree(tuple(tokens), tuple(parents), tuple(sources), strategies, dict.fromkeys(strategies, 0.5), 1.0)
+
+
+def make_params(is_enabled=True, is_adaptive=True, degree=4, draft_length=16, max_new_tokens=60,
+                strategies=(LOOKUP, SUFFIX), task_type="code") -> GenerationParams:
+    spec = SpeculationParams(is_enabled, degree, draft_length, 0.0, tuple(strategies), task_type, is_adaptive)
+    return GenerationParams(" ".join(map(str, PROMPT)), None, max_new_tokens, (), SamplingParams(), spec)
+
+
+def run(params: GenerationParams, backends: FakeBackends, store=None, request_id="r1", generated=(),
+        stats=None, controller_state=None, **kwargs) -> RequestLoop:
+    store = store or InMemoryStateStore()
+    if store.load(request_id) is None:
+        store.create(request_id, {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    loop = RequestLoop(request_id, params, PROMPT, backends, store, FakeTokenizer(), MODEL, ("fp32", "fp32"),
+                       recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(), owner="test",
+                       generated=generated, stats=stats, controller_state=controller_state, **kwargs)
+    for _ in loop.run():
+        pass
+    return loop
+
+
+# --- pure helpers ---------------------------------------------------------------------------------
+
+def test_plan_sources_map_to_the_pools_repeated_names_and_back():
+    sources = ((LOOKUP, 0), (SUFFIX, 0), (LOOKUP, 1), (LOOKUP, 2))
+    assert strategies_for(sources) == (LOOKUP, SUFFIX, LOOKUP, LOOKUP)
+    assert ranked_sources(strategies_for(sources)) == sources
+    assert strategies_for(()) == ()
+    with pytest.raises(ValueError, match="ranks in order"):
+        strategies_for(((LOOKUP, 1),))              # rank 1 without rank 0 would be read as rank 0
+    with pytest.raises(ValueError, match="ranks in order"):
+        strategies_for(((LOOKUP, 0), (LOOKUP, 0)))
+
+
+def test_candidate_outcomes_count_each_candidates_nodes_on_the_accepted_path():
+    # tree 0:x(a,b) 1:y(a) 2:z(b) 3:w(a#1), parents (-1, 0, 0, -1); accepted path [0, 2]
+    outcomes = candidate_outcomes(("a", "b", "a"), (0b011, 0b001, 0b010, 0b100), (0, 2))
+    assert outcomes == [CandidateOutcome("a", 0, 2, 1), CandidateOutcome("b", 0, 2, 2),
+                        CandidateOutcome("a", 1, 1, 0)]
+    assert candidate_outcomes((), (), ()) == []
+
+
+def test_fixed_plan_cycles_the_strategies_to_the_degree():
+    spec = make_params(is_adaptive=False, degree=3, draft_length=5).speculation
+    assert cycled_strategies(spec) == (LOOKUP, SUFFIX, LOOKUP)
+    plan = fixed_plan(spec, max_tree_nodes=64)
+    assert plan.sources == ((LOOKUP, 0), (SUFFIX, 0), (LOOKUP, 1))
+    assert (plan.draft_length, plan.max_tree_nodes, plan.is_probe) == (5, 64, False)
+    assert not fixed_plan(make_params(is_enabled=False).speculation, 64).is_speculative
+
+
+def test_the_requests_degree_and_draft_length_bound_the_controller():
+    config = bounded_config(ControllerConfig(), make_params(degree=2, draft_length=5).speculation, max_tree_nodes=32)
+    assert config.draft_length_choices == (1, 2, 3, 4, 5)
+    assert (config.max_speculative_degree, config.max_tree_nodes, config.probe_draft_length) == (2, 32, 4)
+    config = bounded_config(ControllerConfig(), make_params(degree=8, draft_length=2).speculation, 64)
+    assert config.draft_length_choices == (1, 2) and config.probe_draft_length == 2
+
+
+def test_stats_count_the_steps_choices():
+    stats = RequestStats()
+    stats.add_plan(8, 2, False)
+    stats.add_plan(0, 0, False)
+    stats.add_plan(4, 1, True)
+    stats.add_plan(8, 2, False)
+    assert stats.num_steps_by_draft_length == [1, 0, 0, 0, 1, 0, 0, 0, 2]
+    assert stats.num_steps_by_degree == [1, 1, 2]
+    assert stats.num_probe_steps == 1
+    assert RequestStats.from_dict(stats.to_dict()) == stats
+
+
+# --- the loop -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("is_enabled, is_adaptive", [(False, False), (True, False), (True, True)])
+def test_greedy_output_equals_plain_decoding(is_enabled, is_adaptive):
+    backends = FakeBackends(is_lookup_right=lambda n: n % 20 < 12)
+    loop = run(make_params(is_enabled=is_enabled, is_adaptive=is_adaptive, degree=2, draft_length=6), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    assert loop.outcome.finish_reason == "length"
+    assert loop.outcome.text == "".join(f"<{t}>" for t in plain_decoding(PROMPT, 60))
+    assert sum(loop.stats.num_steps_by_draft_length) == loop.stats.num_steps == len(backends.steps())
+    if not is_enabled:
+        assert set(backends.steps()) == {"decode"} and loop.stats.num_steps_by_draft_length == [60]
+
+
+def test_fixed_settings_are_honoured_every_step():
+    backends = FakeBackends()
+    loop = run(make_params(is_adaptive=False, degree=3, draft_length=5), backends)
+    proposes = [c for name, c in backends.calls if name == "propose"]
+    assert proposes and all(c["strategies"] == (LOOKUP, SUFFIX, LOOKUP) and c["draft_length"] == 5
+                            and c["max_nodes"] == 64 for c in proposes)
+    assert set(backends.steps()) == {"verify"}
+    assert loop.controller is None and loop.stats.task_type == ""
+    assert loop.stats.num_steps_by_draft_length[5] == loop.stats.num_steps
+    # per decoder and rank; a decoder's time counted once (rank 0)
+    assert set(loop.stats.decoders) == {LOOKUP, SUFFIX, f"{LOOKUP}#1"}
+    assert loop.stats.decoders[LOOKUP][2] == pytest.approx(0.5 * len(proposes))
+    assert loop.stats.decoders[f"{LOOKUP}#1"][2] == 0.0
+    lookup, suffix = loop.stats.decoders[LOOKUP], loop.stats.decoders[SUFFIX]
+    assert lookup[1] > 0 and suffix[1] == 0 and lookup[1] <= lookup[0]
+
+
+def test_adaptive_switches_between_plain_and_speculative_steps_without_losing_sync():
+    # The oracle is right for 30 tokens, wrong for the next 40 (the controller turns speculation off
+    # and probes), then right again (a probe turns it back on).
+    backends = FakeBackends(is_lookup_right=lambda n: not 30 <= n < 70)
+    loop = run(make_params(degree=4, draft_length=16, max_new_tokens=160), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 160)
+    steps = backends.steps()
+    assert "verify" in steps and "decode" in steps
+    assert any(a == "verify" and b == "decode" for a, b in zip(steps, steps[1:]))
+    assert any(a == "decode" and b == "verify" for a, b in zip(steps, steps[1:]))
+    # the step right after a plain one commits exactly the token Decode returned, no tree nodes
+    primary = [(name, c) for name, c in backends.calls if name in ("verify", "decode")]
+    for (before, _), (_, after) in zip(primary, primary[1:]):
+        if before == "decode":
+            assert after["accepted_nodes"] == () and len(after["committed"]) == 1
+    # the draft service is told every committed token when it is used again after plain steps
+    # (FakeBackends.propose checks the draft's context against everything committed, every call)
+    proposes = [c for name, c in backends.calls if name == "propose"]
+    assert max(len(c["new"]) for c in proposes) > 8    # a run of plain steps was caught up in one call
+    assert all(len(c["strategies"]) <= 4 and c["draft_length"] <= 16 for c in proposes)  # the request's bounds
+    stats = loop.stats
+    assert stats.num_steps_by_draft_length[0] > 0                       # speculation was off for a while
+    assert sum(stats.num_steps_by_draft_length[1:]) > 0
+    assert stats.num_probe_steps > 0
+    assert stats.num_steps < 160 and stats.task_type == "code"
+    assert loop.controller_state.num_steps == stats.num_steps
+
+
+def test_the_draft_service_losing_the_request_gets_the_whole_context_again():
+    backends = FakeBackends(lose_draft_at_call=3)
+    loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)
+    opens = [c for name, c in backends.calls if name == "propose" and c["is_open"]]
+    assert len(opens) == 2 and len(opens[1]["new"]) > 0   # reopened with prompt + everything committed
+
+
+def test_controller_state_is_stored_every_step_and_restored_on_resume():
+    store = InMemoryStateStore()
+    params = make_params(degree=2, draft_length=8, max_new_tokens=80)
+    whole = run(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, request_id="whole")
+    stored = store.load("whole")
+    assert stored.controller_state == whole.controller_state.to_dict()
+    assert stored.stats["num_steps_by_draft_length"] == whole.stats.num_steps_by_draft_length
+
+    # A gateway that died after 6 steps: a successor resumes from the stored tokens, stats and
+    # controller state, and produces the same output.
+    dead_store = InMemoryStateStore()
+    dead_store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    dead = RequestLoop("r1", params, PROMPT, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store,
+                       FakeTokenizer(), MODEL, ("fp32", "fp32"), 1.0, 64, threading.Event(), "gw-1")
+    steps = dead.run()
+    for _ in range(6):
+        next(steps)
+    state = dead_store.load("r1")
+    assert state.controller_state["num_steps"] == 6 and state.controller_state == dead.controller_state.to_dict()
+    store = InMemoryStateStore()                       # what the successor finds in Redis
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    store.append_step("r1", state.token_ids, stats=state.stats, controller_state=state.controller_state)
+    resumed = run(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, generated=state.token_ids,
+                  stats=RequestStats.from_dict(state.stats), controller_state=state.controller_state)
+    assert resumed.controller_state.num_steps == resumed.stats.num_steps > 6
+    assert resumed.outcome.token_ids == plain_decoding(PROMPT, 80)
+    assert resumed.controller_state.estimates != ControllerState.from_dict(state.controller_state).estimates
+
+
+def test_an_unreadable_stored_controller_state_starts_afresh():
+    loop = run(make_params(max_new_tokens=10), FakeBackends(), controller_state={"version": 99})
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 10)
+    assert isinstance(loop.controller_state, ControllerState)
+
+
+def test_task_type_is_inferred_when_the_request_gives_none():
+    loop = run(make_params(task_type="", max_new_tokens=5), FakeBackends())
+    assert loop.stats.task_type == "creative"             # "3 7 1 4 ..." does not look like code
