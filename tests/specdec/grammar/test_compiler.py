@@ -1,0 +1,98 @@
+"""Response formats: validation with the field named, compilation, the LRU of compiled grammars."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.errors import InvalidArgument
+from specdec.grammar import GrammarCache, ResponseFormat, compile_response_format
+from specdec.grammar.compiler import GrammarCacheConfig
+
+from .conftest import PERSON_SCHEMA
+
+
+@pytest.mark.parametrize("schema_text, reason", [
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "must be a JSON object, got list"),
+    ('"string"', "must be a JSON object, got str"),
+    ('{"type": "foo"}', "is not a valid JSON Schema"),
+    ('{"properties": {"a": {"minLength": -1}}}', "at /properties/a/minLength"),
+    # valid JSON Schema, but the engine refuses it: its reason comes through without the C++ log prefix
+    ('{"type": "object", "minProperties": 3, "maxProperties": 1}',
+     "is not supported by the grammar engine: minProperties is greater than maxProperties"),
+])
+def test_invalid_schema_names_the_field(tokenizer_info, schema_text, reason):
+    with pytest.raises(InvalidArgument) as info:
+        compile_response_format("json_schema", schema_text, tokenizer_info)
+    assert info.value.field == "response_format.json_schema"
+    assert reason in info.value.message
+    assert "[" not in info.value.message.split(":")[0]  # no "[17:07:09] /project/cpp/..." prefix
+
+
+def test_schema_is_required_for_json_schema_and_refused_for_json_object():
+    with pytest.raises(InvalidArgument, match="response_format.json_schema: is required"):
+        ResponseFormat("json_schema", "")
+    with pytest.raises(InvalidArgument, match="response_format.json_schema: must be empty"):
+        ResponseFormat("json_object", PERSON_SCHEMA)
+    assert ResponseFormat("json_object", "").schema_text is None  # proto3's default string = absent
+
+
+def test_unknown_kind_names_the_type_field():
+    with pytest.raises(InvalidArgument) as info:
+        ResponseFormat("yaml")
+    assert info.value.field == "response_format.type"
+
+
+def test_too_long_schema_is_refused_before_parsing(tokenizer_info):
+    with pytest.raises(InvalidArgument, match="more than the limit of 10"):
+        compile_response_format("json_schema", PERSON_SCHEMA, tokenizer_info, max_schema_chars=10)
+
+
+def _accepts(grammar, text: str, tokenizer) -> bool:
+    state = grammar.new_state()
+    return state.accept_tokens(tokenizer.encode(text)) and state.is_completed
+
+
+def test_json_object_allows_any_object_and_nothing_else(grammar_cache, tokenizer):
+    grammar = grammar_cache.compile_response_format("json_object", None)
+    assert _accepts(grammar, '{"a": [1, {"b": null}], "c": "x"}', tokenizer)
+    assert _accepts(grammar, "{}", tokenizer)
+    assert not _accepts(grammar, "[1]", tokenizer)
+    assert not _accepts(grammar, '"x"', tokenizer)
+    assert not _accepts(grammar, '{"a":1}', tokenizer)   # the layout is fixed: ": " after a key
+
+
+def test_json_schema_is_strict_about_properties_and_types(grammar_cache, tokenizer):
+    grammar = grammar_cache.compile_response_format("json_schema", PERSON_SCHEMA)
+    assert _accepts(grammar, '{"name": "Bob", "age": 42, "unit": "celsius"}', tokenizer)
+    assert not _accepts(grammar, '{"name": "Bob", "age": "42", "unit": "celsius"}', tokenizer)  # type
+    assert not _accepts(grammar, '{"name": "Bob", "age": 42}', tokenizer)                      # required
+    assert not _accepts(grammar, '{"name": "Bob", "age": 42, "unit": "kelvin"}', tokenizer)     # enum
+    assert not _accepts(grammar, '{"name": "Bob", "age": 42, "unit": "celsius", "x": 1}', tokenizer)
+
+
+def test_cache_returns_the_same_grammar_and_evicts_least_recently_used(tokenizer_info):
+    cache = GrammarCache(tokenizer_info, GrammarCacheConfig(max_cached_grammars=2))
+    schema = lambda key: json.dumps({"type": "object", "properties": {key: {"type": "integer"}}})  # noqa: E731
+    a = cache.compile_response_format("json_schema", schema("a"))
+    b = cache.compile_response_format("json_schema", schema("b"))
+    assert cache.compile_response_format("json_schema", schema("a")) is a    # hit; a is now the most recent
+    cache.compile_response_format("json_schema", schema("c"))                # evicts b, not a
+    assert cache.num_cached == 2
+    assert cache.compile_response_format("json_schema", schema("a")) is a
+    assert cache.compile_response_format("json_schema", schema("b")) is not b
+    assert (cache.num_hits, cache.num_misses) == (2, 4)
+
+
+def test_failed_compile_is_not_cached(tokenizer_info):
+    cache = GrammarCache(tokenizer_info)
+    for _ in range(2):
+        with pytest.raises(InvalidArgument):
+            cache.compile_response_format("json_schema", "{not json")
+    assert (cache.num_cached, cache.num_misses) == (0, 2)
+
+
+def test_cache_config_validates():
+    with pytest.raises(ValueError, match="max_cached_grammars"):
+        GrammarCacheConfig(max_cached_grammars=0)
