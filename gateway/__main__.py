@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.5)
     store = open_state_store(config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s))
     owner = f"gateway@{socket.gethostname()}:{config.server.port}"
-    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner)
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
+    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics)
     log.info("gateway ready", primary=config.primary_address, draft=config.draft_address,
              validator=config.validator_address, state_store="redis" if config.redis_url else "in-process",
              max_context=model.max_context)

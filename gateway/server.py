@@ -15,6 +15,7 @@ from gateway.params import params_from_pb, params_to_json
 from gateway.stats import RequestStats
 from specdec import pb
 from specdec.errors import InvalidArgument, NotFound
+from specdec.metrics import ServiceMetrics
 from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import RequestStatus, StateStore
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -31,9 +32,9 @@ STATUSES = {RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: GatewayConfig, backends: Backends, store: StateStore, tokenizer: Tokenizer,
-                 model: ModelInfo, owner: str) -> None:
+                 model: ModelInfo, owner: str, metrics: ServiceMetrics | None = None) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
-        self.owner = owner
+        self.owner, self.metrics = owner, metrics
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
         self._active: dict[str, threading.Event] = {}
@@ -45,7 +46,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def Generate(self, request, context):
         loop = self._start(request, context)
         try:
-            for _ in loop.run():
+            for _ in self._observed(loop):
                 pass
         finally:
             self._forget(loop.request_id)
@@ -56,7 +57,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def GenerateStream(self, request, context):
         loop = self._start(request, context)
         try:
-            for out in loop.run():
+            for out in self._observed(loop):
                 yield gateway_pb2.GenerateStreamResponse(request_id=loop.request_id, text=out.text,
                                                          token_ids=out.token_ids)
         finally:
@@ -123,6 +124,26 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                            (spec.greedy_logits_format, spec.sample_logits_format), self.config.recovery_timeout_s,
                            self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats,
                            cost_model=self.cost_model, controller_state=controller_state)
+
+    def _observed(self, loop: RequestLoop):
+        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics."""
+        if self.metrics is None:
+            yield from loop.run()
+            return
+        self.metrics.active_requests.inc()
+        self.metrics.tokens.labels("prompt").inc(len(loop.prompt_ids))
+        stats = loop.stats
+        last = (stats.num_steps, stats.num_proposed, stats.num_accepted, dict(stats.stage_ms))
+        try:
+            for out in loop.run():
+                if stats.num_steps > last[0]:
+                    self.metrics.observe_step(
+                        num_proposed=stats.num_proposed - last[1], num_accepted=stats.num_accepted - last[2],
+                        stage_seconds={k: (v - last[3].get(k, 0.0)) / 1000 for k, v in stats.stage_ms.items()})
+                    last = (stats.num_steps, stats.num_proposed, stats.num_accepted, dict(stats.stage_ms))
+                yield out
+        finally:
+            self.metrics.active_requests.dec()
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
