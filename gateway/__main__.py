@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
                                                      show_progress=sys.stderr.isatty()))
     backends = Backends(config.primary_address, config.draft_address, config.validator_address,
-                        config.rpc_timeout_s, config.server.max_message_bytes * 32)
+                        config.rpc_timeout_s, config.server.max_message_bytes * 32, config.is_logits_via_handle)
     give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
     while True:
         try:

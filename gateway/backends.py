@@ -80,7 +80,8 @@ def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
 
 class Backends:
     def __init__(self, primary_address: str, draft_address: str, validator_address: str, timeout_s: float,
-                 max_message_bytes: int = 128 << 20) -> None:
+                 max_message_bytes: int = 128 << 20, is_logits_via_handle: bool = False) -> None:
+        self.is_logits_via_handle = is_logits_via_handle   # logits through /dev/shm, primary -> validator
         # Reconnect quickly: a restarted service must be found again within a step or two
         # (gRPC's default backoff grows to two minutes).
         options = [("grpc.max_receive_message_length", max_message_bytes),
@@ -120,7 +121,7 @@ class Backends:
         r = self._call("primary", self.primary.Verify, primary_pb2.VerifyRequest(
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
             tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
-            logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format]))
+            logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format], return_handle=self.is_logits_via_handle))
         return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
 
     def decode(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],

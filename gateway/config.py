@@ -66,6 +66,7 @@ class GatewayConfig:
     limits: Limits = Limits()
     speculation: SpeculationDefaults = SpeculationDefaults()
     costs: CostSettings = CostSettings()   # the adaptive controller's cost model beyond the verify curve
+    is_logits_via_handle: bool = False  # validator co-located with the primary: logits through /dev/shm
     rpc_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0   # how long a request waits for a restarted primary
     state_ttl_s: float = 24 * 3600.0
@@ -109,6 +110,9 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--speculative_overhead_ms", type=float, default=float(_env("SPECULATIVE_OVERHEAD_MS", "4.0")),
                    help="cost model: time per speculative step outside the forward and the drafts")
     p.add_argument("--greedy_logits_format", default=_env("GREEDY_LOGITS_FORMAT", "fp8_e4m3"), choices=FORMATS)
+    p.add_argument("--logits_via_handle", action="store_true",
+                   default=_env("LOGITS_VIA_HANDLE", "0") in ("1", "true", "yes"),
+                   help="the validator runs on the primary's machine: pass verify logits through /dev/shm")
     p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(4 << 20))))
     p.add_argument("--rpc_timeout_s", type=float, default=float(_env("RPC_TIMEOUT_S", "60")))
     p.add_argument("--recovery_timeout_s", type=float, default=float(_env("RECOVERY_TIMEOUT_S", "120")))
@@ -126,4 +130,5 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
                                         max_adaptive_degree=a.max_adaptive_degree,
                                         max_adaptive_draft_length=a.max_adaptive_draft_length),
         costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
-        rpc_timeout_s=a.rpc_timeout_s, recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level)
+        is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
+        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level)

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def on_stopped() -> None:
         worker.stop()
+        servicer.logits_slots.release_all()
         if loaded.shared is not None:
             loaded.shared.unlink()
 

@@ -11,6 +11,7 @@ from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.errors import InvalidArgument
+from specdec.logits_shm import LogitsSlots
 from specdec.metrics import ServiceMetrics
 from specdec.sampling import logits_to_probs, make_generator, sample
 from specdec.v1 import primary_pb2, primary_pb2_grpc
@@ -32,6 +33,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         self.loaded, self.worker, self.identity = loaded, worker, identity
         self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
         self.vocab_size = loaded.config.vocab_size
+        self.logits_slots = LogitsSlots(identity.instance_id)
 
     def GetModelInfo(self, request, context):
         return primary_pb2.GetModelInfoResponse(
@@ -73,14 +75,16 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         token_ids, parents = pb.tree_from_pb(request.tree, self.vocab_size)
         fmt = pb.logits_format_from_pb(request.logits_format)
-        if request.return_handle:
-            raise InvalidArgument("return_handle", "logits handles are not served by this primary; "
-                                  "ask for inline logits")
         logits, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
                                                 list(request.committed_token_ids), token_ids, parents)
         argmax = torch.argmax(logits, dim=-1)                # [N+1], from fp32 logits whatever the wire format
+        if request.return_handle:                            # co-located validator: bytes through /dev/shm
+            name, encoded = self.logits_slots.write(request_id, logits, fmt)
+            payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
+        else:
+            payload = pb.logits_to_pb(logits, fmt)
         return primary_pb2.VerifyResponse(
-            logits=pb.logits_to_pb(logits, fmt), argmax_token_ids=argmax.tolist(),
+            logits=payload, argmax_token_ids=argmax.tolist(),
             num_cached_tokens=0, forward_ms=forward_ms, kv_bytes=self.worker.engine.kv_bytes)
 
     def Decode(self, request, context):
@@ -97,6 +101,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
+        self.logits_slots.release(request_id)
         freed = self.worker.call(lambda engine: engine.release(request_id))
         self._observe_kv()
         return primary_pb2.PrimaryServiceReleaseResponse(freed_kv_bytes=freed)

@@ -154,7 +154,9 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
                     depends_on=(PRIMARY,), address_flags=(("--primary_address", PRIMARY),),
                     startup_timeout_s=config.startup_timeout_s),
         # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
-        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *strategies, f"--redis_url={config.redis_url}"),
+        # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
+        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *strategies, f"--redis_url={config.redis_url}",
+                              "--logits_via_handle"),
                     health_service="specdec.v1.GenerationService", depends_on=(PRIMARY, DRAFT, VALIDATOR),
                     address_flags=(("--primary_address", PRIMARY), ("--draft_address", DRAFT),
                                    ("--validator_address", VALIDATOR)),

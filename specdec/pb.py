@@ -10,6 +10,7 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.logits_codec import (FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits,
                                   encode_logits)
+from specdec.logits_shm import read_slot
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
 
@@ -73,10 +74,27 @@ def logits_to_pb(logits: torch.Tensor, fmt: str) -> common_pb2.Logits:
     return common_pb2.Logits(inline_logits=inline)
 
 
+def logits_handle_to_pb(segment_name: str, enc: EncodedLogits, instance_id: str) -> common_pb2.Logits:
+    """Logits written to a shared-memory slot (specdec.logits_shm) -> a handle to them."""
+    memory = common_pb2.MemoryHandle(kind=common_pb2.HANDLE_KIND_SHARED_MEMORY, segment_name=segment_name,
+                                     device_index=-1, num_bytes=len(enc.data), owner_instance_id=instance_id)
+    return common_pb2.Logits(handle=common_pb2.LogitsHandle(
+        memory=memory, format=LOGITS_FORMAT_ENUMS[enc.format], num_rows=enc.num_rows, vocab_size=enc.vocab_size,
+        row_scales=enc.row_scales or ()))
+
+
 def logits_from_pb(pb: common_pb2.Logits, field: str) -> torch.Tensor:
-    """Inline Logits -> fp32 [R, V]. (Handles are resolved by the validator, which maps them.)"""
+    """Inline Logits, or a handle to a shared-memory slot on this machine -> fp32 [R, V]."""
+    if pb.HasField("handle"):
+        h = pb.handle
+        if h.memory.kind != common_pb2.HANDLE_KIND_SHARED_MEMORY:
+            raise InvalidArgument(f"{field}.handle.memory.kind", "only shared-memory logits handles are served here")
+        fmt = logits_format_from_pb(h.format, f"{field}.handle.format")
+        scales = tuple(h.row_scales) if fmt == FORMAT_FP8_E4M3 else None
+        return decode_logits(read_slot(h.memory.segment_name, h.memory.num_bytes, fmt, h.num_rows, h.vocab_size,
+                                       scales, f"{field}.handle"))
     if not pb.HasField("inline_logits"):
-        raise InvalidArgument(field, "expected inline logits")
+        raise InvalidArgument(field, "expected inline logits or a handle")
     inline = pb.inline_logits
     fmt = logits_format_from_pb(inline.format, f"{field}.inline_logits.format")
     try:

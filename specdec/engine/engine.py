@@ -53,6 +53,10 @@ class VerifyWork:
 
 class Engine:
     def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int) -> None:
+        window = model.config.sliding_window
+        if window is not None and max_context > window:
+            raise ValueError(f"this model uses sliding-window attention ({window} tokens), which the engine does "
+                             f"not implement: serve it with max_context <= {window}")
         if max_context > model.max_positions:
             raise ValueError(f"max_context {max_context} exceeds the model's {model.max_positions} positions")
         self.model, self.kv_cache, self.max_context = model, kv_cache, max_context

@@ -47,6 +47,9 @@ def test_prefill_verify_commit_decode_release(primary):
     fp8 = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree,
                                                 logits_format=common_pb2.LOGITS_FORMAT_FP8_E4M3))
     assert list(fp8.argmax_token_ids) == list(v.argmax_token_ids)     # argmax from fp32, whatever the format
+    shm = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, return_handle=True,
+                                                logits_format=common_pb2.LOGITS_FORMAT_FP32))
+    assert shm.logits.HasField("handle") and torch.equal(logits_from_pb(shm.logits, "logits"), logits)
     # Accept node 0 and a bonus token; the next plain step continues from there.
     d = stub.Decode(primary_pb2.DecodeRequest(request_id="r", accepted_nodes=[0], committed_token_ids=[700, 42]))
     assert engine.token_ids("r") == PROMPT + [700, 42]

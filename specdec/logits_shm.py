@@ -1,0 +1,86 @@
+"""Verify logits through POSIX shared memory, for a validator on the same machine as the primary.
+
+The primary keeps one segment per active request, `/dev/shm/specdec-logits-<pid>-<n>`, and
+rewrites it at every verify; the handle it returns (segment name, byte count, format, shape,
+fp8 row scales) travels in the protobuf instead of the bytes. One slot per request is enough:
+a request's loop is sequential (verify -> validate -> next verify), so the validator always
+reads a slot before its next overwrite. Slots are removed when the request is released.
+
+The reader maps the named file read-only and checks every field before using it; a handle
+that does not describe a live slot gets InvalidArgument naming the field.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from pathlib import Path
+
+from specdec.errors import InvalidArgument
+from specdec.logits_codec import EncodedLogits, encode_logits
+from specdec.weights.shared import SHM_DIR
+
+SLOT_PREFIX = "specdec-logits"
+_SLOT_NAME = re.compile(rf"^{SLOT_PREFIX}-[0-9]+-[0-9]+$")
+
+
+class LogitsSlots:
+    """The primary's side: one shared-memory slot per request."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self._names: dict[str, str] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def write(self, request_id: str, logits, fmt: str) -> tuple[str, EncodedLogits]:
+        """Encode logits [R, V] into the request's slot; returns (segment name, encoded metadata)."""
+        encoded = encode_logits(logits, fmt)
+        with self._lock:
+            name = self._names.get(request_id)
+            if name is None:
+                name = self._names[request_id] = f"{SLOT_PREFIX}-{os.getpid()}-{self._next}"
+                self._next += 1
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, len(encoded.data))
+            os.pwrite(fd, encoded.data, 0)
+        finally:
+            os.close(fd)
+        return name, encoded
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            name = self._names.pop(request_id, None)
+        if name is not None:
+            (SHM_DIR / name).unlink(missing_ok=True)
+
+    def release_all(self) -> None:
+        for request_id in list(self._names):
+            self.release(request_id)
+
+
+def read_slot(segment_name: str, num_bytes: int, fmt: str, num_rows: int, vocab_size: int,
+              row_scales: tuple[float, ...] | None, field: str) -> EncodedLogits:
+    """Map a slot read-only and return its logits (copied out, so the slot may be rewritten)."""
+    if not _SLOT_NAME.match(segment_name):
+        raise InvalidArgument(f"{field}.memory.segment_name", f"not a logits slot name: {segment_name!r}")
+    path = Path(SHM_DIR) / segment_name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise InvalidArgument(f"{field}.memory.segment_name", f"no logits slot {segment_name!r} on this "
+                              "machine (is the validator co-located with the primary?)") from None
+    try:
+        size = os.fstat(fd).st_size
+        if num_bytes <= 0 or size < num_bytes:
+            raise InvalidArgument(f"{field}.memory.num_bytes", f"{num_bytes} bytes asked, the slot holds {size}")
+        with mmap.mmap(fd, num_bytes, prot=mmap.PROT_READ) as m:
+            data = bytes(m)
+    finally:
+        os.close(fd)
+    try:
+        return EncodedLogits(fmt, num_rows, vocab_size, data, row_scales)
+    except ValueError as e:
+        raise InvalidArgument(field, str(e)) from None
