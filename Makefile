@@ -83,8 +83,11 @@ test: setup redis-server node-deps
 lint: $(STAMP_DEV)
 	$(VENV)/bin/buf lint
 
+# BENCH=engine|validator|drafts, BENCH_ARGS="..." (each prints its figures)
+BENCH ?= drafts
+BENCH_ARGS ?=
 bench: setup
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH) $(BENCH_ARGS)
 
 clean:
 	rm -rf specdec/v1 $(NODE_DIR)/node_modules .pytest_cache

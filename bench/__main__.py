@@ -1,0 +1,24 @@
+"""python -m bench {engine,validator,drafts} [ARGS...]: run one benchmark (each prints its figures).
+
+    engine     plain decoding vs transformers, verify cost per tree size     (bench/engine.py)
+    validator  wire bytes, validation time, fp8/bf16 vs fp32 on real logits (bench/validator.py)
+    drafts     acceptance per decoder and scenario through the whole pipeline (bench/drafts.py)
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = ("engine", "validator", "drafts")
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    name = sys.argv.pop(1)
+    importlib.import_module(f"bench.{name}").main()
+
+
+if __name__ == "__main__":
+    main()
