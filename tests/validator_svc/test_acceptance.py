@@ -121,9 +121,11 @@ def test_greedy_empty_tree_returns_only_the_bonus():
 
 
 def test_greedy_precomputed_argmax_overrides_the_decoded_logits():
-    # fp8 cannot separate 100.0 from 100.1 (step 4 near 100 at scale 1/4.48): the decoded row ties and
-    # the argmax moves to id 0; the primary's fp32 argmax (id 1) keeps the decision exact.
-    logits = torch.tensor([[100.0, 100.1, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    # fp8 rows are shifted to their max, so near-ties at the top survive down to e4m3's subnormal
+    # step: here 100.0 vs 100.0001 -> [-1e-4, 0, -100, -100] at scale 100/448, and -1e-4 / scale
+    # = -4.5e-4 is below half the smallest subnormal (2^-10): the decoded row ties and the argmax
+    # moves to id 0; the primary's fp32 argmax (id 1) keeps the decision exact.
+    logits = torch.tensor([[100.0, 100.0001, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
     decoded = decode_logits(encode_logits(logits, "fp8_e4m3"))
     assert decoded[0, 0] == decoded[0, 1]
     assert greedy_accept([1], [-1], decoded).accepted_nodes == ()
