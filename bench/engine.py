@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from bench.prompts import load_prompts
+from primary_svc.costs import measure_verify_costs
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
@@ -46,20 +47,8 @@ def plain_decoding(engine: Engine, hf_model, prompts: list[list[int]], max_new_t
 
 
 def verify_curve(engine: Engine, repeats: int) -> dict:
-    """Median ms of one verify of k nodes (a chain: root + k-1 drafts) after CONTEXT_TOKENS of context."""
-    engine.open("curve", list(range(1000, 1000 + CONTEXT_TOKENS)))
-    engine.prefill("curve")
-    out = {}
-    for k in VERIFY_SIZES:
-        times = []
-        for _ in range(repeats):
-            drafts = list(range(2000, 2000 + k - 1))
-            t = time.perf_counter()
-            engine.verify("curve", drafts, [-1] + list(range(k - 2)) if drafts else [])
-            times.append((time.perf_counter() - t) * 1000)
-            engine.commit("curve", (), (42,))           # reject the drafts; the context grows by one
-        out[k] = statistics.median(times)
-    engine.release("curve")
+    """Fastest ms of one verify of k nodes (root + k-1 chained drafts) after CONTEXT_TOKENS of context."""
+    out = measure_verify_costs(engine, repeats, VERIFY_SIZES, CONTEXT_TOKENS)
     return {"ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
 
 

@@ -10,15 +10,15 @@ COST_CONTEXT_TOKENS = 128
 _REQUEST_ID = "__verify_cost_probe__"
 
 
-def measure_verify_costs(engine: Engine, repeats: int = 3,
-                         node_counts: tuple[int, ...] = COST_NODE_COUNTS) -> dict[int, float]:
+def measure_verify_costs(engine: Engine, repeats: int = 3, node_counts: tuple[int, ...] = COST_NODE_COUNTS,
+                         context_tokens: int = COST_CONTEXT_TOKENS) -> dict[int, float]:
     """Fastest of `repeats` verifies of k rows (root + k-1 chained drafts) after a short context, in ms.
 
     The minimum, not the median: on a shared machine noise only ever adds time, and the
     controller needs the ratio between sizes, which a noisy sample distorts most.
     """
     vocab = engine.vocab_size
-    engine.open(_REQUEST_ID, [i % vocab for i in range(1000, 1000 + COST_CONTEXT_TOKENS)])
+    engine.open(_REQUEST_ID, [i % vocab for i in range(1000, 1000 + context_tokens)])
     try:
         engine.prefill(_REQUEST_ID)
         engine.verify(_REQUEST_ID, (), ())          # warm-up
