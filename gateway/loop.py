@@ -300,6 +300,13 @@ class RequestLoop:
         t = time.perf_counter()
         self.text += self.detok.add(kept)
         self.text, is_stopped = self._cut_at_stop(self.text)
+        if is_stopped and len(kept) > 1:
+            # A step can commit several tokens: keep only those up to the one completing the stop
+            # string, so token_ids match what plain decoding stops at. (Rare: decodes at most a step.)
+            k = next((k for k in range(1, len(kept) + 1)
+                      if self._cut_at_stop(self.tokenizer.decode(self.generated + kept[:k]))[1]), len(kept))
+            self.stats.num_generated_tokens -= len(kept) - k
+            del kept[k:]                                       # the caller yields this same list
         try:
             controller = None if self.controller_state is None else self.controller_state.to_dict()
             self.store.append_step(self.request_id, kept, expected_num_tokens=len(self.generated),

@@ -83,8 +83,11 @@ def test_stream_delivers_the_same_text_and_final_stats(gateway_stub):
 
 
 def test_stop_strings_and_cancel(gateway_stub):
-    out = generate(gateway_stub, [("user", "Count from 1 to 20, separated by commas.")], stop=["7"])
+    messages = [("user", "Count from 1 to 20, separated by commas.")]
+    out = generate(gateway_stub, messages, stop=["7"], draft_length=16)
     assert "7" not in out.text and out.finish_reason == gateway_pb2.FINISH_REASON_STOP
+    plain = generate(gateway_stub, messages, stop=["7"], is_enabled=False)
+    assert list(out.token_ids) == list(plain.token_ids) and out.text == plain.text   # cut at the same token
 
     req = gateway_pb2.GenerateRequest(request_id="to-cancel", max_new_tokens=200)
     req.chat.messages.add(role="user", content="Write a long story about a lighthouse keeper.")
