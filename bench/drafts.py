@@ -31,13 +31,14 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
-def run(stub, prompt, is_enabled: bool, strategies: list[str], max_new_tokens: int) -> gateway_pb2.GenerateResponse:
+def run(stub, prompt, is_enabled: bool, strategies: list[str], max_new_tokens: int,
+        is_adaptive: bool = False) -> gateway_pb2.GenerateResponse:
     req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens)
     req.speculation.is_enabled = is_enabled
     if is_enabled:
         req.speculation.strategies.extend(strategies)
         req.speculation.speculative_degree = len(strategies)
-        req.speculation.is_adaptive = False     # fixed settings: every decoder proposes at every step
+        req.speculation.is_adaptive = is_adaptive  # False: every decoder proposes at every step
     if prompt.is_completion:
         req.prompt = prompt.prompt
     else:
@@ -52,13 +53,15 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--strategies", default="prompt_lookup,suffix_index")
-    p.add_argument("--draft-length", type=int, default=8)
+    p.add_argument("--adaptive", action="store_true",
+                   help="let the gateway's controller choose decoders and draft length (bounded by the above)")
     p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     strategies = args.strategies.split(",")
     prompts = load_prompts(args.data_dir, args.scenarios.split(","), args.num_prompts, max_chars=1500)
-    results: dict = {"strategies": strategies, "max_new_tokens": args.max_new_tokens, "scenarios": {}}
+    results: dict = {"strategies": strategies, "max_new_tokens": args.max_new_tokens, "adaptive": args.adaptive,
+                     "scenarios": {}}
     with Stack(StackConfig(strategies=tuple(strategies))) as stack, \
             grpc.insecure_channel(stack.gateway_address) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
@@ -67,7 +70,7 @@ def main() -> None:
                     "generated": 0, "steps": 0, "decoders": {}}
             for prompt in (x for x in prompts if x.scenario == scenario):
                 plain = run(stub, prompt, False, strategies, args.max_new_tokens)
-                spec = run(stub, prompt, True, strategies, args.max_new_tokens)
+                spec = run(stub, prompt, True, strategies, args.max_new_tokens, args.adaptive)
                 rows["n"] += 1
                 rows["same"] += list(plain.token_ids) == list(spec.token_ids)
                 rows["plain_tps"].append(plain.stats.tokens_per_second)
