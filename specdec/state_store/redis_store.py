@@ -38,6 +38,7 @@ import redis
 
 from specdec.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from specdec.state_store.types import (
+    set_status_by_step,
     TERMINAL_STATUSES,
     RequestState,
     RequestStatus,
@@ -172,11 +173,7 @@ class RedisStateStore:
 
     def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "",
                    error: str = "") -> bool:
-        try:
-            self.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
-        except FailedPrecondition:
-            return False
-        return True
+        return set_status_by_step(self, request_id, status, finish_reason=finish_reason, error=error)
 
     def claim(self, request_id: str, owner: str) -> bool:
         if not owner:

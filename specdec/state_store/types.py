@@ -197,3 +197,13 @@ def token_count_mismatch(num_stored: int, expected_num_tokens: int) -> FailedPre
         "expected_num_tokens",
         f"the store holds {num_stored} committed tokens, the writer expected {expected_num_tokens} "
         "(a retried or concurrent write)")
+
+
+def set_status_by_step(store: StateStore, request_id: str, status: RequestStatus, *, finish_reason: str = "",
+                       error: str = "") -> bool:
+    """set_status for any store: a step that appends nothing; False when the request already ended."""
+    try:
+        store.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
+    except FailedPrecondition:
+        return False
+    return True
