@@ -13,20 +13,25 @@ from draft_svc.config import DraftConfig, from_args
 from draft_svc.pool import DraftPool
 from draft_svc.primary_client import GrpcPrimaryClient
 from draft_svc.server import DraftServicer
-from draft_svc.strategies import model_free_registry
+from draft_svc.strategies import DecoderRegistry, model_free_registry
+from draft_svc.strategies.grammar_forced import register_grammar_decoder
 from draft_svc.strategies.self_draft import self_draft_registry
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.weights import PrimaryClient, WeightAttacher
+from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.logging import configure_logging
+from specdec.model.loader import resolve_model_dir
+from specdec.model.tokenizer import Tokenizer
 from specdec.metrics import ServiceMetrics
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.v1 import draft_pb2_grpc
 
 
-def build(config: DraftConfig, client: PrimaryClient | None,
-          metrics: ServiceMetrics | None = None) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
-    """The servicer and what it runs on; the attacher's monitor is not started yet."""
+def build(config: DraftConfig, client: PrimaryClient | None, metrics: ServiceMetrics | None = None,
+          grammars: GrammarCache | None = None) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
+    """The servicer and what it runs on; the attacher's monitor is not started yet. `grammars` is
+    needed when the pool offers grammar-forced drafts."""
     model_based = self_draft_registry(config.self_draft)
 
     def check_model(model) -> None:
@@ -39,8 +44,13 @@ def build(config: DraftConfig, client: PrimaryClient | None,
     # token ids), but its weights are not mapped.
     attacher = WeightAttacher(client, check_model=check_model, max_context=config.max_context,
                               poll_interval_s=config.attach_poll_s, is_attaching=config.has_model_strategies)
+    grammar_based = DecoderRegistry()
+    if config.has_grammar_strategies:
+        if grammars is None:
+            raise ValueError("grammar-forced drafts need a GrammarCache")
+        register_grammar_decoder(grammar_based, grammars)
     pool = DraftPool(config.pool, model_free_registry(suffix_index=(index := SuffixIndex(config.suffix_index))),
-                     model_based, attacher, suffix_index=index)
+                     model_based, attacher, suffix_index=index, grammar_based=grammar_based, grammars=grammars)
     return DraftServicer(pool, attacher, metrics), pool, attacher
 
 
@@ -53,7 +63,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     client = GrpcPrimaryClient(config.primary_address) if config.primary_address else None
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    servicer, pool, attacher = build(config, client, metrics)
+    grammars = None
+    if config.has_grammar_strategies:   # the tokenizer only (~1 s): the weights come from the primary
+        tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
+                                                         show_progress=sys.stderr.isatty()))
+        grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer))
+    servicer, pool, attacher = build(config, client, metrics, grammars)
     log.info("draft_pool_configured", strategies=list(config.pool.strategies),
              default_strategies=list(config.pool.default_strategies), primary_address=config.primary_address)
 

@@ -9,15 +9,18 @@ Environment (compose.yaml sets the first five for every service):
     SPECDEC_HOST, SPECDEC_PORT, SPECDEC_METRICS_PORT, SPECDEC_LOG_LEVEL, SPECDEC_PRIMARY_ADDRESS,
     SPECDEC_NUM_THREADS, SPECDEC_DRAFT_STRATEGIES, SPECDEC_DRAFT_DEFAULT_STRATEGIES,
     SPECDEC_DRAFT_LENGTH, SPECDEC_DRAFT_THREADS, SPECDEC_DRAFT_EARLY_EXIT_LAYERS,
-    SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S
+    SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S,
+    SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from draft_svc.pool import PoolConfig
+from draft_svc.strategies.grammar_forced import GrammarForcedDecoder
 from draft_svc.strategies.prompt_lookup import PromptLookupDecoder
 from draft_svc.strategies.self_draft import MODEL_STRATEGIES, SelfDraftConfig
 from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndexConfig
@@ -25,7 +28,8 @@ from specdec.logging import LOG_LEVELS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name)
-KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + MODEL_STRATEGIES
+GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)   # need the model's tokenizer; only for constrained requests
+KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES + MODEL_STRATEGIES
 DEFAULT_PORT = 50052
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
@@ -41,6 +45,8 @@ class DraftConfig:
     max_context: int = 0            # rotary table length of the draft model; 0 = the primary's context
     num_torch_threads: int = 0      # 0 = torch's default
     log_level: str = "INFO"
+    model_path: str | None = None   # the model's tokenizer for grammar-forced drafts (None: the default model)
+    cache_dir: Path = Path.home() / ".cache" / "specdec" / "models"
 
     def __post_init__(self) -> None:
         if unknown := set(self.pool.strategies) - set(KNOWN_STRATEGIES):
@@ -51,6 +57,10 @@ class DraftConfig:
             raise ValueError("max_context and num_torch_threads must be >= 0")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    @property
+    def has_grammar_strategies(self) -> bool:
+        return any(name in GRAMMAR_STRATEGIES for name in self.pool.strategies)
 
     @property
     def has_model_strategies(self) -> bool:
@@ -76,7 +86,11 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
                    help="host:port of the primary whose weights the model-based strategies run on")
     p.add_argument("--num_threads", type=int, default=int(env("SPECDEC_NUM_THREADS", 0)),
                    help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--strategies", default=env("SPECDEC_DRAFT_STRATEGIES", ",".join(MODEL_FREE_STRATEGIES)),
+    p.add_argument("--model_path", default=env("SPECDEC_MODEL_PATH", None) or None,
+                   help="the model whose tokenizer grammar-forced drafts use (default: the default model)")
+    p.add_argument("--cache_dir", default=env("SPECDEC_CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
+    p.add_argument("--strategies", default=env("SPECDEC_DRAFT_STRATEGIES",
+                                               ",".join(MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES)),
                    help=f"comma-separated strategies this pool offers, of {','.join(KNOWN_STRATEGIES)}")
     p.add_argument("--default_strategies", default=env("SPECDEC_DRAFT_DEFAULT_STRATEGIES", ""),
                    help="strategies of a request that names none (default: the model-free ones offered)")
@@ -102,6 +116,7 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
             self_draft=SelfDraftConfig(early_exit_layers=a.early_exit_layers,
                                        skipped_layers=_ints(a.skipped_layers)),
             primary_address=a.primary_address, attach_poll_s=a.attach_poll_s, max_context=a.max_context,
-            num_torch_threads=a.num_threads, log_level=a.log_level.upper())
+            num_torch_threads=a.num_threads, log_level=a.log_level.upper(), model_path=a.model_path,
+            cache_dir=Path(a.cache_dir))
     except ValueError as e:
         p.error(str(e))   # exits with status 2 and the message: a configuration error is not a crash

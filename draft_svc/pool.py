@@ -35,6 +35,7 @@ from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
+from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
 
 MAX_REQUEST_ID_CHARS = 256
@@ -95,6 +96,7 @@ class ProposeArgs:
     speculative_degree: int = 0              # 0 = len(strategies)
     draft_length: int = 0                    # 0 = default_draft_length
     max_nodes: int = 0                       # 0 = speculative_degree * draft_length (capped)
+    response_format: ResponseFormat | None = None   # first call: the output's grammar (None: free text)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,18 +119,28 @@ class _Request:
     num_prompt_tokens: int
     decoders: dict[str, DraftDecoder] = dataclasses.field(default_factory=dict)
     model_instance: dict[str, str] = dataclasses.field(default_factory=dict)  # decoder -> its weights' instance
+    response_format: ResponseFormat | None = None
+    grammar: GrammarState | None = None   # at the end of the committed output: cuts candidates that leave it
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     last_used: float = 0.0
 
 
 class DraftPool:
     def __init__(self, config: PoolConfig, model_free: DecoderRegistry, model_based: DecoderRegistry,
-                 models: ModelSource, suffix_index: SuffixIndex | None = None) -> None:
-        offered = set(model_free.names()) | set(model_based.names())
+                 models: ModelSource, suffix_index: SuffixIndex | None = None, *,
+                 grammar_based: DecoderRegistry | None = None, grammars: GrammarCache | None = None) -> None:
+        """`grammar_based` decoders are created with the request's response_format (requests without
+        one get no candidate from them); `grammars` compiles those formats for the pool's own check
+        that every proposed token is one the grammar allows."""
+        grammar_based = grammar_based or DecoderRegistry()
+        if grammar_based.names() and grammars is None:
+            raise ValueError("grammar-based strategies need a GrammarCache")
+        offered = set(model_free.names()) | set(model_based.names()) | set(grammar_based.names())
         if missing := set(config.strategies) - offered:
             raise ValueError(f"strategies {sorted(missing)} have no registered decoder (have {sorted(offered)})")
         self.config = config
         self._model_free, self._model_based, self._models = model_free, model_based, models
+        self._grammar_based, self._grammars = grammar_based, grammars
         self._suffix_index = suffix_index
         self._requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()  # LRU order
         self._lock = threading.Lock()
@@ -159,6 +171,8 @@ class DraftPool:
             if not is_new:
                 self._extend(request, args.new_token_ids)
             candidates, steps = self._run_decoders(request, entries, draft_length)
+            if request.grammar is not None:
+                candidates = [within_grammar(request.grammar, c) for c in candidates]
             request.last_used = time.monotonic()
         tree = build_token_tree(candidates, max_nodes)
         steps = tuple(dataclasses.replace(s, num_proposed=_num_nodes_from(tree, s.name)) for s in steps)
@@ -216,7 +230,8 @@ class DraftPool:
                 if request is None and len(self._requests) >= c.max_requests:
                     raise ResourceExhausted("request_id", f"the draft pool holds {c.max_requests} requests")
                 request = _Request([*args.prompt_token_ids, *args.new_token_ids], len(args.prompt_token_ids),
-                                   last_used=now)
+                                   last_used=now, response_format=args.response_format,
+                                   grammar=self._grammar_state(args))
                 self._requests[args.request_id] = request
                 self._requests.move_to_end(args.request_id)
                 return request, True
@@ -226,6 +241,17 @@ class DraftPool:
             self._requests.move_to_end(args.request_id)
             request.last_used = now
         return request, False
+
+    def _grammar_state(self, args: ProposeArgs) -> GrammarState | None:
+        """The pool's grammar state of a new request, past the output tokens it was opened with."""
+        if args.response_format is None:
+            return None
+        if self._grammars is None:
+            raise InvalidArgument("response_format", "this draft pool serves no grammars (no tokenizer configured)")
+        state = self._grammars.compile(args.response_format).new_state()   # InvalidArgument for a bad schema
+        if not state.accept_tokens(args.new_token_ids):
+            raise InvalidArgument("new_token_ids", "the committed output does not follow response_format")
+        return state
 
     def _drop_idle(self, now: float) -> None:
         while self._requests:
@@ -240,6 +266,11 @@ class DraftPool:
         if len(request.token_ids) + len(token_ids) > self.config.max_context_tokens:
             raise InvalidArgument("new_token_ids", f"context exceeds {self.config.max_context_tokens} tokens")
         request.token_ids.extend(token_ids)
+        if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
+            # The primary committed text the grammar refuses (its masks were not applied): stop filtering
+            # rather than fail the request; the grammar decoder falls silent the same way.
+            self._log.warning("draft_output_left_grammar", num_tokens=len(request.token_ids))
+            request.grammar = None
         for decoder in request.decoders.values():
             decoder.extend(token_ids)
 
@@ -283,6 +314,13 @@ class DraftPool:
                 request.decoders[name] = self._model_based.create(name, model=model)
                 request.decoders[name].extend(request.token_ids)
                 request.model_instance[name] = instance_id
+        elif name in self._grammar_based:
+            if request.response_format is None:
+                return None
+            if name not in request.decoders:
+                request.decoders[name] = self._grammar_based.create(
+                    name, response_format=request.response_format, num_prompt_tokens=request.num_prompt_tokens)
+                request.decoders[name].extend(request.token_ids)
         elif name not in request.decoders:
             request.decoders[name] = self._model_free.create(name)
             request.decoders[name].extend(request.token_ids)
@@ -310,6 +348,21 @@ def _timed_propose(decoder: DraftDecoder, max_tokens: int, max_candidates: int) 
     started = time.perf_counter()
     candidates = decoder.propose(max_tokens, max_candidates)
     return candidates, (time.perf_counter() - started) * 1e3
+
+
+def within_grammar(grammar: GrammarState, candidate: Candidate) -> Candidate:
+    """`candidate` cut before its first token the grammar refuses (the state is unchanged after).
+    E.g. after `{"a": ` a candidate `1`, `}`, `}` keeps `1`, `}`: the second `}` closes nothing."""
+    num_kept = 0
+    for token_id in candidate.token_ids:
+        if not grammar.accept_tokens((token_id,)):
+            break
+        num_kept += 1
+    grammar.rollback(num_kept)
+    if num_kept == len(candidate.token_ids):
+        return candidate
+    probs = None if candidate.draft_probs is None else candidate.draft_probs[:num_kept]
+    return dataclasses.replace(candidate, token_ids=candidate.token_ids[:num_kept], draft_probs=probs)
 
 
 def _num_nodes_from(tree: TokenTree, decoder: str) -> int:

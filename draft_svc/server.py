@@ -9,6 +9,7 @@ import grpc
 from draft_svc.pool import DraftPool, Proposal, ProposeArgs
 from draft_svc.primary_client import exported_from_pb
 from draft_svc.weights import WeightAttacher
+from specdec import pb
 from specdec.errors import InvalidArgument
 from specdec.metrics import ServiceMetrics
 from specdec.sampling import SamplingParams
@@ -34,7 +35,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
             new_token_ids=tuple(request.new_token_ids), strategies=tuple(request.strategies),
             speculative_degree=request.speculative_degree, draft_length=request.draft_length,
-            max_nodes=request.max_nodes))
+            max_nodes=request.max_nodes,
+            response_format=pb.response_format_from_pb(request.response_format) if request.prompt_token_ids
+            else None))
         self._record(proposal)
         return proposal_to_pb(proposal)
 

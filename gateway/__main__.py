@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(config.server, [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
               interceptors=[ErrorInterceptor(metrics)], registry=registry)
     finally:
+        servicer.grammars.close()
         backends.close()
         store.close()
 

@@ -10,8 +10,10 @@ import dataclasses
 from typing import Any, Sequence
 
 import grpc
+import torch
 
 from specdec import pb
+from specdec.grammar.compiler import ResponseFormat
 from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                             ResourceExhausted, SpecdecError, Unavailable)
 from specdec.sampling import SamplingParams
@@ -71,6 +73,10 @@ class Validation:
     rejected_entropies: tuple[float, ...]
 
 
+def _mask(allowed: torch.Tensor | None) -> common_pb2.TokenMask | None:
+    return None if allowed is None else pb.token_mask_to_pb(allowed)
+
+
 def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
     cls = _ERRORS.get(e.code(), Unavailable if e.code() == grpc.StatusCode.UNKNOWN else None)
     if cls is None:
@@ -117,18 +123,20 @@ class Backends:
                                                                                token_ids=token_ids))
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               tree: DraftTree, logits_format: str) -> Verified:
+               tree: DraftTree, logits_format: str, allowed: torch.Tensor | None = None) -> Verified:
+        """`allowed`: the grammar's bool [N+1, V] mask of the tree's rows, or None."""
         r = self._call("primary", self.primary.Verify, primary_pb2.VerifyRequest(
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
             tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
-            logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format], return_handle=self.is_logits_via_handle))
+            logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format], return_handle=self.is_logits_via_handle,
+            allowed_tokens=_mask(allowed)))
         return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
 
     def decode(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               sampling: SamplingParams, step: int) -> tuple[int, float]:
+               sampling: SamplingParams, step: int, allowed: torch.Tensor | None = None) -> tuple[int, float]:
         r = self._call("primary", self.primary.Decode, primary_pb2.DecodeRequest(
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
-            sampling=pb.sampling_to_pb(sampling), step=step))
+            sampling=pb.sampling_to_pb(sampling), step=step, allowed_tokens=_mask(allowed)))
         return r.token_id, r.forward_ms
 
     def release_primary(self, request_id: str) -> None:
@@ -138,11 +146,13 @@ class Backends:
 
     def propose(self, request_id: str, prompt_token_ids: Sequence[int], new_token_ids: Sequence[int],
                 strategies: Sequence[str], speculative_degree: int, draft_length: int, max_nodes: int,
-                sampling: SamplingParams, task_type: str) -> DraftTree:
+                sampling: SamplingParams, task_type: str, response_format: ResponseFormat | None = None) -> DraftTree:
+        """`response_format` goes with the first call of a request (the one carrying the prompt)."""
         r = self._call("draft", self.draft.Propose, draft_pb2.ProposeRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, new_token_ids=new_token_ids,
             strategies=strategies, speculative_degree=speculative_degree, draft_length=draft_length,
-            max_nodes=max_nodes, sampling=pb.sampling_to_pb(sampling), task_type=TASK_TYPES[task_type]))
+            max_nodes=max_nodes, sampling=pb.sampling_to_pb(sampling), task_type=TASK_TYPES[task_type],
+            response_format=None if response_format is None else pb.response_format_to_pb(response_format)))
         return DraftTree(tuple(r.tree.token_ids), tuple(r.tree.parents), tuple(r.node_sources),
                          tuple(r.decoders), {s.name: s.time_ms for s in r.decoder_stats}, r.time_ms)
 
@@ -153,11 +163,12 @@ class Backends:
     # --- validator ---------------------------------------------------------------------------
 
     def validate(self, request_id: str, mode: str, sampling: SamplingParams, acceptance_threshold: float,
-                 step: int, tree: DraftTree, verified: Verified) -> Validation:
+                 step: int, tree: DraftTree, verified: Verified, allowed: torch.Tensor | None = None) -> Validation:
         r = self._call("validator", self.validator.Validate, validator_pb2.ValidateRequest(
             request_id=request_id, mode=MODES[mode], sampling=pb.sampling_to_pb(sampling),
             acceptance_threshold=acceptance_threshold, step=step,
             tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
-            target_logits=verified.logits, target_argmax_token_ids=verified.argmax_token_ids))
+            target_logits=verified.logits, target_argmax_token_ids=verified.argmax_token_ids,
+            allowed_tokens=_mask(allowed)))
         return Validation(tuple(r.accepted_nodes), r.bonus_token, tuple(r.accepted_entropies),
                           tuple(r.rejected_entropies))

@@ -8,10 +8,12 @@ import os
 from pathlib import Path
 
 from gateway.cost_model import CostSettings
+from gateway.grammars import GrammarSettings
 from specdec.logits_codec import FORMATS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
-KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "early_exit", "layer_skip")
+GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a response_format
+KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ class GatewayConfig:
     limits: Limits = Limits()
     speculation: SpeculationDefaults = SpeculationDefaults()
     costs: CostSettings = CostSettings()   # the adaptive controller's cost model beyond the verify curve
+    grammar: GrammarSettings = GrammarSettings()   # compiling response formats
     is_logits_via_handle: bool = False  # validator co-located with the primary: logits through /dev/shm
     rpc_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0   # how long a request waits for a restarted primary
@@ -116,6 +119,8 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(4 << 20))))
     p.add_argument("--rpc_timeout_s", type=float, default=float(_env("RPC_TIMEOUT_S", "60")))
     p.add_argument("--recovery_timeout_s", type=float, default=float(_env("RECOVERY_TIMEOUT_S", "120")))
+    p.add_argument("--max_grammar_compile_s", type=float, default=float(_env("MAX_GRAMMAR_COMPILE_S", "10")),
+                   help="longest a request waits for its response_format to compile (RESOURCE_EXHAUSTED after)")
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     return GatewayConfig(
@@ -130,5 +135,6 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
                                         max_adaptive_degree=a.max_adaptive_degree,
                                         max_adaptive_draft_length=a.max_adaptive_draft_length),
         costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
+        grammar=GrammarSettings(max_compile_s=a.max_grammar_compile_s),
         is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
         recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level)

@@ -38,11 +38,13 @@ class DraftCost:
         return self.fixed + self.per_token * draft_length
 
 
-# Model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); self-drafting over the shared
-# weights costs 0.6-0.9 of a full step per drafted token without fine-tuning (MEASUREMENTS.md).
+# Model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); grammar-forced drafts a
+# jump-forward query, a re-tokenization and a mask per tree node (~0.2 ms); self-drafting over the
+# shared weights costs 0.6-0.9 of a full step per drafted token without fine-tuning (MEASUREMENTS.md).
 DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
     ("early_exit", DraftCost(per_token=0.75)), ("layer_skip", DraftCost(per_token=0.85)),
-    ("prompt_lookup", DraftCost(fixed=0.002)), ("suffix_index", DraftCost(fixed=0.004)))
+    ("prompt_lookup", DraftCost(fixed=0.002)), ("suffix_index", DraftCost(fixed=0.004)),
+    ("grammar", DraftCost(fixed=0.005)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

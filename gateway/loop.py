@@ -34,11 +34,14 @@ import structlog
 
 from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation
 from gateway.controller import (AdaptiveController, CandidateOutcome, ControllerConfig, ControllerState,
-                                SpeculationPlan, candidate_outcomes, infer_task_type, ranked_sources, strategies_for)
+                                SpeculationPlan, TaskType, candidate_outcomes, infer_task_type, ranked_sources,
+                                strategies_for)
+from gateway.config import GRAMMAR_STRATEGY
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
+from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import RequestStatus, StateStore
 
@@ -50,8 +53,14 @@ RECOVERY_POLL_S = 0.5
 def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
     """speculative_degree decoders cycling through the strategies; the r-th repeat of a strategy is
     its rank-r candidate. E.g. [prompt_lookup, suffix_index], degree 3 ->
-    [prompt_lookup#0, suffix_index#0, prompt_lookup#1]."""
-    return tuple(itertools.islice(itertools.cycle(spec.strategies), spec.speculative_degree))
+    [prompt_lookup#0, suffix_index#0, prompt_lookup#1]. Grammar-forced drafts have one candidate
+    at most (the forced text), so they are not repeated: [grammar, prompt_lookup], degree 3 ->
+    [grammar#0, prompt_lookup#0, prompt_lookup#1]."""
+    repeatable = [s for s in spec.strategies if s != GRAMMAR_STRATEGY]
+    once = [GRAMMAR_STRATEGY] if GRAMMAR_STRATEGY in spec.strategies else []
+    if not repeatable:
+        return tuple(once)
+    return tuple(itertools.islice(itertools.chain(once, itertools.cycle(repeatable)), spec.speculative_degree))
 
 
 def fixed_plan(spec: SpeculationParams, max_tree_nodes: int) -> SpeculationPlan:
@@ -93,7 +102,7 @@ class RequestLoop:
                  cancel: threading.Event, owner: str, deadline: float | None = None,
                  generated: Sequence[int] = (), stats: RequestStats | None = None, *,
                  cost_model: CostModel | None = None, controller_config: ControllerConfig | None = None,
-                 controller_state: Mapping[str, Any] | None = None) -> None:
+                 controller_state: Mapping[str, Any] | None = None, grammar: GrammarState | None = None) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
@@ -111,6 +120,10 @@ class RequestLoop:
         self.draft_synced = 0            # generated tokens the draft service has seen
         self.is_draft_open = False
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
+        # The response format's grammar, at the end of the committed output (replayed on a resume).
+        self.grammar = grammar
+        if grammar is not None and not grammar.accept_tokens(self.generated):
+            raise FailedPrecondition("response_format", "the stored output does not follow the request's grammar")
         spec = params.speculation
         self.fixed_plan = fixed_plan(spec, max_tree_nodes)
         self.controller: AdaptiveController | None = None
@@ -134,8 +147,12 @@ class RequestLoop:
                 self.log.warning("stored controller state tracks other decoders; starting afresh")
             except ValueError as e:
                 self.log.warning("stored controller state unreadable; starting afresh", error=str(e))
-        task_type = spec.task_type or infer_task_type(self.params.prompt_text(self.tokenizer), self.params.has_schema)
-        return self.controller.new_state(task_type, decoders)
+        return self.controller.new_state(self._requested_task_type() or infer_task_type(
+            self.params.prompt_text(self.tokenizer), self.params.has_schema), decoders)
+
+    def _requested_task_type(self) -> str:
+        """A constrained output is a structured task whatever the request says; else its own, or ""."""
+        return TaskType.STRUCTURED.value if self.params.has_schema else self.params.speculation.task_type
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -214,15 +231,17 @@ class RequestLoop:
         spec, sampling = self.params.speculation, self.params.sampling
         t0 = time.perf_counter()
         tree = self._propose(plan)
+        allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
         t1 = time.perf_counter()
         fmt = self.greedy_format if sampling.is_greedy and spec.acceptance_threshold == 0 else self.sample_format
         verified = self._with_primary(lambda: self.backends.verify(
-            self.request_id, self.pending_accepted, self.pending_committed, tree, fmt))
+            self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed))
         t2 = time.perf_counter()
         mode = "threshold" if spec.acceptance_threshold > 0 else ("greedy" if sampling.is_greedy else "sample")
         v = self.backends.validate(self.request_id, mode, sampling, spec.acceptance_threshold,
-                                   self.stats.num_steps, tree, verified)
+                                   self.stats.num_steps, tree, verified, allowed)
         t3 = time.perf_counter()
+        self.stats.forward_ms += verified.forward_ms
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
         outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes)
@@ -233,9 +252,11 @@ class RequestLoop:
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
-        token, _ = self._with_primary(lambda: self.backends.decode(
+        allowed = None if self.grammar is None else self.grammar.allowed_mask()[None]     # [1, V]
+        token, forward_ms = self._with_primary(lambda: self.backends.decode(
             self.request_id, self.pending_accepted, self.pending_committed, self.params.sampling,
-            self.stats.num_steps))
+            self.stats.num_steps, allowed))
+        self.stats.forward_ms += forward_ms
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
         self.pending_accepted, self.pending_committed = (), [token]
         return [token]
@@ -249,7 +270,8 @@ class RequestLoop:
         try:
             tree = self.backends.propose(self.request_id, prompt, new, strategies, len(strategies),
                                          plan.draft_length, min(plan.max_tree_nodes, self.max_tree_nodes),
-                                         self.params.sampling, self._task_type())
+                                         self.params.sampling, self._task_type(),
+                                         self.params.response_format if prompt else None)
         except NotFound:                         # the draft service restarted: resend the context
             self.is_draft_open = False
             return self._propose(plan) if not prompt else EMPTY_TREE
@@ -263,7 +285,7 @@ class RequestLoop:
 
     def _task_type(self) -> str:
         state = self.controller_state
-        return state.task_type.value if state is not None else self.params.speculation.task_type
+        return state.task_type.value if state is not None else self._requested_task_type()
 
     def _account(self, tree: DraftTree, outcomes: list[CandidateOutcome], v: Validation) -> None:
         """Per decoder and rank ("prompt_lookup", "prompt_lookup#1", ...); a decoder's time is its
@@ -316,6 +338,9 @@ class RequestLoop:
         finally:
             self.stats.stage_ms["state"] += (time.perf_counter() - t) * 1000
         self.generated.extend(kept)
+        if self.grammar is not None and not self.grammar.accept_tokens(kept):
+            # Cannot happen while primary and validator apply the masks: fail loudly, not silently off-grammar.
+            raise FailedPrecondition("response_format", f"committed tokens {kept} leave the request's grammar")
         # Hold back a tail that could still become a stop string, unless this is the end.
         ready = len(self.text) if (is_final or is_stopped) else len(self.text) - num_held_back_chars(
             self.text, self.params.stop)

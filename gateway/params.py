@@ -10,9 +10,10 @@ import json
 import math
 from typing import Any
 
-from gateway.config import KNOWN_STRATEGIES, Limits, SpeculationDefaults
+from gateway.config import GRAMMAR_STRATEGY, KNOWN_STRATEGIES, Limits, SpeculationDefaults
 from specdec import pb
-from specdec.errors import InvalidArgument, Unimplemented
+from specdec.errors import InvalidArgument
+from specdec.grammar.compiler import ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -40,7 +41,12 @@ class GenerationParams:
     stop: tuple[str, ...]
     sampling: SamplingParams
     speculation: SpeculationParams
-    has_schema: bool = False       # response_format asks for JSON (a structured task)
+    response_format: ResponseFormat | None = None     # None: free text
+
+    @property
+    def has_schema(self) -> bool:
+        """The output is constrained to JSON (a structured task)."""
+        return self.response_format is not None
 
     def prompt_text(self, tokenizer: Any) -> str:
         if self.messages is None:
@@ -63,13 +69,20 @@ def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits,
         if not s or len(s) > limits.max_stop_chars:
             raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
     sampling = pb.sampling_from_pb(req.sampling)
-    has_schema = req.response_format.type in (common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
-                                              common_pb2.ResponseFormat.TYPE_JSON_SCHEMA)
-    if req.response_format.type not in (common_pb2.ResponseFormat.TYPE_UNSPECIFIED,
-                                        common_pb2.ResponseFormat.TYPE_TEXT):
-        raise Unimplemented("response_format", "constrained (JSON) decoding is not served by this gateway yet")
-    return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling,
-                            _speculation_from_pb(req.speculation, limits, defaults), has_schema)
+    response_format = response_format_from_pb(req.response_format)
+    speculation = _speculation_from_pb(req.speculation, limits, defaults,
+                                       is_structured=response_format is not None)
+    return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation,
+                            response_format)
+
+
+def response_format_from_pb(pb_format: common_pb2.ResponseFormat) -> ResponseFormat | None:
+    """None for free text; else a checked format (the schema parses and is a valid JSON Schema).
+    Compiling it into a grammar is the server's (it takes a deadline)."""
+    response_format = pb.response_format_from_pb(pb_format)
+    if response_format is not None and response_format.schema_text is not None:
+        check_schema_text(response_format.schema_text)
+    return response_format
 
 
 def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
@@ -97,8 +110,8 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
     return None, tuple((m.role, m.content) for m in messages)
 
 
-def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits,
-                         defaults: SpeculationDefaults) -> SpeculationParams:
+def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits, defaults: SpeculationDefaults,
+                         is_structured: bool = False) -> SpeculationParams:
     is_enabled = spec.is_enabled if spec.HasField("is_enabled") else defaults.is_enabled
     is_adaptive = spec.is_adaptive if spec.HasField("is_adaptive") else defaults.is_adaptive
     degree = spec.speculative_degree or (min(defaults.max_adaptive_degree, limits.max_speculative_degree)
@@ -113,10 +126,15 @@ def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits,
     threshold = float(spec.acceptance_threshold)
     if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
         raise InvalidArgument("speculation.acceptance_threshold", f"must be in [0, 1], got {threshold}")
-    strategies = tuple(spec.strategies) or defaults.strategies
+    # A constrained output also drafts what the grammar forces, first: it is free and exact.
+    strategies = tuple(spec.strategies) or ((GRAMMAR_STRATEGY, *defaults.strategies) if is_structured
+                                            and GRAMMAR_STRATEGY not in defaults.strategies else defaults.strategies)
     for s in strategies:
         if s not in KNOWN_STRATEGIES:
             raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {KNOWN_STRATEGIES}")
+    if GRAMMAR_STRATEGY in strategies and not is_structured:
+        raise InvalidArgument("speculation.strategies", f"{GRAMMAR_STRATEGY!r} drafts need a response_format "
+                              "(TYPE_JSON_OBJECT or TYPE_JSON_SCHEMA)")
     if spec.task_type not in TASK_TYPES:
         raise InvalidArgument("speculation.task_type", f"unknown task type {spec.task_type}")
     return SpeculationParams(is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type],

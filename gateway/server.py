@@ -10,11 +10,14 @@ import structlog
 from gateway.backends import Backends, ModelInfo
 from gateway.config import GatewayConfig
 from gateway.cost_model import cost_model_for
+from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
 from gateway.params import params_from_pb, params_to_json
 from gateway.stats import RequestStats
 from specdec import pb
 from specdec.errors import InvalidArgument, NotFound
+from specdec.grammar import GrammarCache, GrammarTokenizerInfo
+from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
 from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import RequestStatus, StateStore
@@ -32,9 +35,12 @@ STATUSES = {RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: GatewayConfig, backends: Backends, store: StateStore, tokenizer: Tokenizer,
-                 model: ModelInfo, owner: str, metrics: ServiceMetrics | None = None) -> None:
+                 model: ModelInfo, owner: str, metrics: ServiceMetrics | None = None,
+                 grammars: Grammars | None = None) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
         self.owner, self.metrics = owner, metrics
+        self.grammars = grammars or Grammars(GrammarCache(GrammarTokenizerInfo.from_tokenizer(
+            tokenizer, model.vocab_size), GrammarCacheConfig(config.grammar.max_cached_grammars)), config.grammar)
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
         self._active: dict[str, threading.Event] = {}
@@ -104,6 +110,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         if len(prompt_ids) >= self.model.max_context - 1:
             raise InvalidArgument(field, f"{len(prompt_ids)} prompt tokens do not fit the context of "
                                   f"{self.model.max_context} tokens")
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        # Compiled before anything is stored: a schema refused here leaves no trace.
+        grammar = None if params.response_format is None else self.grammars.new_state(params.response_format,
+                                                                                     deadline)
         stored = request.__class__()
         stored.CopyFrom(request)
         stored.request_id = request_id
@@ -113,17 +124,15 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         with self._lock:
             self._active[request_id] = cancel
         context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
-        return self.make_loop(request_id, params, prompt_ids, cancel, deadline)
+        return self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
 
     def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None,
-                  controller_state=None) -> RequestLoop:
+                  controller_state=None, grammar=None) -> RequestLoop:
         spec = self.config.speculation
         return RequestLoop(request_id, params, prompt_ids, self.backends, self.store, self.tokenizer, self.model,
                            (spec.greedy_logits_format, spec.sample_logits_format), self.config.recovery_timeout_s,
                            self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats,
-                           cost_model=self.cost_model, controller_state=controller_state)
+                           cost_model=self.cost_model, controller_state=controller_state, grammar=grammar)
 
     def _observed(self, loop: RequestLoop):
         """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics."""
@@ -163,8 +172,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             cancel = threading.Event()
             with self._lock:
                 self._active[request_id] = cancel
+            grammar = None if params.response_format is None else self.grammars.new_state(params.response_format)
             loop = self.make_loop(request_id, params, state.prompt_token_ids, cancel, None, state.token_ids,
-                                  RequestStats.from_dict(state.stats), state.controller_state)
+                                  RequestStats.from_dict(state.stats), state.controller_state, grammar)
 
             def run(loop=loop) -> None:
                 try:

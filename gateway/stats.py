@@ -23,6 +23,7 @@ class RequestStats:
     num_accepted: int = 0        # draft tokens accepted
     stage_ms: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     total_ms: float = 0.0
+    forward_ms: float = 0.0      # of stage "verify": the primary's forward passes themselves
     decoders: dict[str, list[float]] = dataclasses.field(default_factory=dict)   # name -> [proposed, accepted, ms]
     entropy_proposed: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
     entropy_accepted: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
@@ -70,7 +71,8 @@ class RequestStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RequestStats":
-        return cls(**d) if d else cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known}) if d else cls()
 
     def to_pb(self) -> gateway_pb2.GenerationStats:
         edges = DEFAULT_ENTROPY_BIN_EDGES
@@ -82,11 +84,13 @@ class RequestStats:
             stage_times=gateway_pb2.StageTimes(
                 draft_ms=self.stage_ms["draft"], verify_ms=self.stage_ms["verify"],
                 validate_ms=self.stage_ms["validate"], commit_ms=self.stage_ms["commit"],
-                state_ms=self.stage_ms["state"], other_ms=other, total_ms=self.total_ms),
+                state_ms=self.stage_ms["state"], other_ms=other, total_ms=self.total_ms, forward_ms=self.forward_ms),
             tokens_per_second=self.num_generated_tokens / (self.total_ms / 1000) if self.total_ms else 0.0,
             decoders=[common_pb2.DecoderStats(name=n, num_proposed=int(r[0]), num_accepted=int(r[1]), time_ms=r[2])
                       for n, r in sorted(self.decoders.items())],
             entropy_bins=[gateway_pb2.EntropyBin(lower=edges[i], upper=edges[i + 1],
                                                  num_proposed=self.entropy_proposed[i],
                                                  num_accepted=self.entropy_accepted[i])
-                          for i in range(len(edges) - 1)])
+                          for i in range(len(edges) - 1)],
+            num_steps_by_draft_length=self.num_steps_by_draft_length, num_steps_by_degree=self.num_steps_by_degree,
+            num_probe_steps=self.num_probe_steps, task_type=self.task_type)

@@ -11,6 +11,7 @@ from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.errors import InvalidArgument
+from specdec.grammar.mask import apply_token_mask
 from specdec.logits_shm import LogitsSlots
 from specdec.metrics import ServiceMetrics
 from specdec.sampling import logits_to_probs, make_generator, sample
@@ -75,9 +76,11 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         token_ids, parents = pb.tree_from_pb(request.tree, self.vocab_size)
         fmt = pb.logits_format_from_pb(request.logits_format)
+        allowed = self._allowed_tokens(request, len(token_ids) + 1)
         logits, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
                                                 list(request.committed_token_ids), token_ids, parents)
-        argmax = torch.argmax(logits, dim=-1)                # [N+1], from fp32 logits whatever the wire format
+        # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
+        argmax = torch.argmax(logits if allowed is None else apply_token_mask(logits, allowed), dim=-1)
         if request.return_handle:                            # co-located validator: bytes through /dev/shm
             name, encoded = self.logits_slots.write(request_id, logits, fmt)
             payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
@@ -90,8 +93,11 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         sampling = pb.sampling_from_pb(request.sampling)
+        allowed = self._allowed_tokens(request, 1)
         logits, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
                                                 list(request.committed_token_ids), (), ())
+        if allowed is not None:          # the same masked row constrained speculation validates against
+            logits = apply_token_mask(logits, allowed)
         if sampling.is_greedy:
             token = int(torch.argmax(logits[0]))
         else:
@@ -111,6 +117,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         return primary_pb2.GetStatsResponse(num_active_requests=engine.num_active_requests,
                                             kv_bytes=engine.kv_bytes, max_kv_bytes=self.max_kv_bytes,
                                             weight_bytes=self.loaded.weight_bytes)
+
+    def _allowed_tokens(self, request, num_rows: int) -> torch.Tensor | None:
+        """The request's grammar mask, bool [num_rows, V], or None when it has none."""
+        if not request.HasField("allowed_tokens"):
+            return None
+        return pb.token_mask_from_pb(request.allowed_tokens, num_rows, self.vocab_size, "allowed_tokens")
 
     def _observe_kv(self) -> None:
         if self.metrics is not None:

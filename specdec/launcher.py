@@ -38,6 +38,7 @@ from specdec.service.health import check_health
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
+GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts (draft_svc); not imported: the launcher stays light
 PRIMARY, DRAFT, VALIDATOR, GATEWAY = "primary", "draft", "validator", "gateway"
 SERVICE_NAMES = (PRIMARY, VALIDATOR, DRAFT, GATEWAY)
 # The metrics port flag every service takes; 0 means no /metrics endpoint (port
@@ -141,6 +142,11 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     model = () if config.model_path is None else ("--model_path", str(config.model_path))
     cache = () if config.cache_dir is None else ("--cache_dir", str(config.cache_dir))
     strategies = ("--strategies", ",".join(config.strategies)) if config.strategies else ()
+    # The pool also offers grammar-forced drafts, which the gateway adds to constrained requests only.
+    offered = config.strategies + (() if GRAMMAR_STRATEGY in config.strategies else (GRAMMAR_STRATEGY,))
+    draft_strategies = ("--strategies", ",".join(offered)) if config.strategies else ()
+    gateway_strategies = tuple(s for s in config.strategies if s != GRAMMAR_STRATEGY)
+    gateway_strategies = ("--strategies", ",".join(gateway_strategies)) if gateway_strategies else ()
     return (
         ServiceSpec(PRIMARY, (py, "-m", "primary_svc", *model, *cache, "--precision", config.precision,
                               "--max_context", str(config.max_context), "--num_threads", str(config.num_threads)),
@@ -150,12 +156,14 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
         # times its verify passes at startup, best done on an otherwise idle CPU.
         ServiceSpec(VALIDATOR, (py, "-m", "validator_svc"), health_service="specdec.v1.ValidatorService",
                     depends_on=(PRIMARY,), startup_timeout_s=config.startup_timeout_s),
-        ServiceSpec(DRAFT, (py, "-m", "draft_svc", *strategies), health_service="specdec.v1.DraftService",
+        ServiceSpec(DRAFT, (py, "-m", "draft_svc", *model, *cache, *draft_strategies),
+                    health_service="specdec.v1.DraftService",
                     depends_on=(PRIMARY,), address_flags=(("--primary_address", PRIMARY),),
                     startup_timeout_s=config.startup_timeout_s),
         # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
         # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
-        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *strategies, f"--redis_url={config.redis_url}",
+        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *gateway_strategies,
+                              f"--redis_url={config.redis_url}",
                               "--logits_via_handle"),
                     health_service="specdec.v1.GenerationService", depends_on=(PRIMARY, DRAFT, VALIDATOR),
                     address_flags=(("--primary_address", PRIMARY), ("--draft_address", DRAFT),

@@ -5,6 +5,7 @@ protobuf field, so every service refuses bad input the same way.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec.errors import InvalidArgument
@@ -103,3 +104,60 @@ def logits_from_pb(pb: common_pb2.Logits, field: str) -> torch.Tensor:
         return decode_logits(enc)
     except ValueError as e:
         raise InvalidArgument(f"{field}.inline_logits", str(e)) from None
+
+
+def token_mask_row_bytes(vocab_size: int) -> int:
+    """Bytes of one TokenMask row: whole 32-bit words, as the grammar engine packs them."""
+    return (vocab_size + 31) // 32 * 4
+
+
+def token_mask_to_pb(allowed: torch.Tensor) -> common_pb2.TokenMask:
+    """bool [R, V] -> TokenMask (rows padded to whole 32-bit words with zero bits)."""
+    assert allowed.dtype == torch.bool and allowed.dim() == 2, "allowed must be bool [R, V]"
+    num_rows, vocab_size = allowed.shape
+    padded = np.zeros((num_rows, token_mask_row_bytes(vocab_size) * 8), dtype=np.bool_)   # [R, W*32]
+    padded[:, :vocab_size] = allowed.numpy()
+    return common_pb2.TokenMask(num_rows=num_rows, bits=np.packbits(padded, axis=1, bitorder="little").tobytes())
+
+
+def token_mask_from_pb(pb: common_pb2.TokenMask, num_rows: int, vocab_size: int, field: str) -> torch.Tensor:
+    """TokenMask -> bool [num_rows, vocab_size]; refuses a wrong shape, set padding bits, or a row that
+    allows no token (it would leave no token to choose)."""
+    row_bytes = token_mask_row_bytes(vocab_size)
+    if pb.num_rows != num_rows:
+        raise InvalidArgument(f"{field}.num_rows", f"is {pb.num_rows}, expected {num_rows}")
+    if len(pb.bits) != num_rows * row_bytes:
+        raise InvalidArgument(f"{field}.bits", f"has {len(pb.bits)} bytes, expected {num_rows} rows of {row_bytes}")
+    packed = np.frombuffer(pb.bits, dtype=np.uint8).reshape(num_rows, row_bytes)    # [R, W*4]
+    bits = np.unpackbits(packed, axis=1, bitorder="little")                          # [R, W*32]
+    if bits[:, vocab_size:].any():
+        raise InvalidArgument(f"{field}.bits", f"allows a token id >= the vocabulary size {vocab_size}")
+    allowed = torch.from_numpy(bits[:, :vocab_size].astype(np.bool_))               # [R, V]
+    if num_rows and not bool(allowed.any(dim=1).all()):
+        raise InvalidArgument(f"{field}.bits", "a row allows no token")
+    return allowed
+
+
+RESPONSE_FORMAT_TYPES = {"json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
+                         "json_schema": common_pb2.ResponseFormat.TYPE_JSON_SCHEMA}
+
+
+def response_format_to_pb(response_format) -> common_pb2.ResponseFormat:
+    """specdec.grammar.ResponseFormat -> ResponseFormat (kind json_object or json_schema)."""
+    return common_pb2.ResponseFormat(type=RESPONSE_FORMAT_TYPES[response_format.kind],
+                                     json_schema=response_format.schema_text or "")
+
+
+def response_format_from_pb(pb: common_pb2.ResponseFormat):
+    """ResponseFormat -> specdec.grammar.ResponseFormat, or None for free text (unset or TYPE_TEXT).
+    Raises InvalidArgument naming response_format.type / .json_schema."""
+    from specdec.grammar.compiler import ResponseFormat   # the grammar engine loads only where it is used
+    kinds = {v: k for k, v in RESPONSE_FORMAT_TYPES.items()}
+    if pb.type in (common_pb2.ResponseFormat.TYPE_UNSPECIFIED, common_pb2.ResponseFormat.TYPE_TEXT):
+        if pb.json_schema:
+            raise InvalidArgument("response_format.json_schema",
+                                  "must be empty unless response_format.type is TYPE_JSON_SCHEMA")
+        return None
+    if pb.type not in kinds:
+        raise InvalidArgument("response_format.type", f"unknown response format type {pb.type}")
+    return ResponseFormat(kinds[pb.type], pb.json_schema or None)

@@ -28,6 +28,27 @@ def fp32_model(default_model_dir):
     return load_model(default_model_dir, "fp32", max_positions=1024, is_shared=False)
 
 
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from specdec.model.tokenizer import Tokenizer
+    return Tokenizer.from_dir(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_info(tokenizer, default_model_dir):
+    """The default model's vocabulary as the grammar engine sees it (mask width = the model's vocabulary)."""
+    import json
+    from specdec.grammar import GrammarTokenizerInfo
+    vocab_size = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
+    return GrammarTokenizerInfo.from_tokenizer(tokenizer, vocab_size)
+
+
+@pytest.fixture(scope="session")
+def grammar_cache(tokenizer_info):
+    from specdec.grammar import GrammarCache
+    return GrammarCache(tokenizer_info)
+
+
 # ---- Redis fixtures (state store, end-to-end tests) ----------------------------------------------
 # A REAL redis-server on a unix socket, no persistence, one per test module.
 # Fixtures: redis_server (module: RedisServer with .url and .socket_path), redis_client (function:

@@ -108,7 +108,7 @@ def test_service_specs_pass_the_fixed_flags() -> None:
     specs = {s.name: s for s in service_specs(config)}
     assert specs["primary"].command == ("py", "-m", "primary_svc", "--model_path", "/m.gguf", "--cache_dir", "/c",
                                         "--precision", "bf16", "--max_context", "4096", "--num_threads", "1")
-    assert specs["draft"].command[-2:] == ("--strategies", "prompt_lookup")
+    assert specs["draft"].command[-2:] == ("--strategies", "prompt_lookup,grammar")  # + grammar-forced drafts
     assert dict(specs["draft"].address_flags) == {"--primary_address": "primary"}
     assert dict(specs["gateway"].address_flags) == {"--primary_address": "primary", "--draft_address": "draft",
                                                     "--validator_address": "validator"}

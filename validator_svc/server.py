@@ -5,6 +5,7 @@ import time
 
 from specdec import pb
 from specdec.errors import InvalidArgument
+from specdec.grammar.mask import apply_token_mask
 from specdec.v1 import validator_pb2, validator_pb2_grpc
 from validator_svc.acceptance import MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD, validate_tree
 
@@ -35,7 +36,15 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         if logits.shape[0] != len(token_ids) + 1:
             raise InvalidArgument("target_logits", f"{logits.shape[0]} rows for a tree of {len(token_ids)} nodes "
                                   f"(expected {len(token_ids) + 1})")
+        if request.HasField("allowed_tokens"):
+            # Disallowed tokens get probability 0: no path that leaves the grammar can be accepted, and
+            # the bonus token is one the grammar allows. (Re-masking here, not only in the primary,
+            # also restores exact zeros that an fp8 wire format cannot carry.)
+            allowed = pb.token_mask_from_pb(request.allowed_tokens, logits.shape[0], vocab_size, "allowed_tokens")
+            logits = apply_token_mask(logits, allowed)
         argmax = list(request.target_argmax_token_ids) or None
+        if argmax is not None and request.HasField("allowed_tokens"):
+            _check_argmax_allowed(argmax, allowed)
         draft_probs = pb.logits_from_pb(request.draft_probs, "draft_probs") if request.HasField("draft_probs") \
             else None
         try:
@@ -47,3 +56,14 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
             accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
             accepted_entropies=result.accepted_entropies, rejected_entropies=result.rejected_entropies,
             time_ms=(time.perf_counter() - start) * 1000)
+
+
+def _check_argmax_allowed(argmax: list[int], allowed) -> None:
+    """The consistency check of a constrained step: the primary's argmax of every row must be a token
+    the grammar allows there (it took them under the same mask), or greedy acceptance could leave it."""
+    if len(argmax) != allowed.shape[0]:
+        return  # validate_tree refuses the length, naming the field
+    for row, token in enumerate(argmax):
+        if not (0 <= token < allowed.shape[1] and bool(allowed[row, token])):
+            raise InvalidArgument("target_argmax_token_ids", f"row {row}'s token {token} is not allowed by "
+                                  "allowed_tokens: the argmax was not taken under the same grammar mask")

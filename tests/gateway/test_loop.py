@@ -100,14 +100,16 @@ class FakeBackends:
             rows.append(primary_next(self.primary_context + path))
         return rows
 
-    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format) -> Verified:
+    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
+        assert allowed is None, "no grammar in these requests"
         self.calls.append(("verify", {"accepted_nodes": tuple(accepted_nodes),
                                       "committed": list(committed_token_ids), "num_nodes": tree.num_nodes}))
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = tree
         return Verified(None, tuple(self._rows(tree)), 0.0)
 
-    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step) -> tuple[int, float]:
+    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> tuple[int, float]:
+        assert allowed is None, "no grammar in these requests"
         self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes),
                                       "committed": list(committed_token_ids)}))
         self._commit(accepted_nodes, committed_token_ids)
@@ -116,7 +118,9 @@ class FakeBackends:
         self.truth.append(token)
         return token, 0.0
 
-    def validate(self, request_id, mode, sampling, acceptance_threshold, step, tree, verified) -> Validation:
+    def validate(self, request_id, mode, sampling, acceptance_threshold, step, tree, verified,
+                 allowed=None) -> Validation:
+        assert allowed is None, "no grammar in these requests"
         rows, accepted, node = verified.argmax_token_ids, [], -1
         while True:
             child = next((i for i in range(tree.num_nodes)
@@ -131,7 +135,8 @@ class FakeBackends:
 
     # --- draft ---
     def propose(self, request_id, prompt_token_ids, new_token_ids, strategies, speculative_degree, draft_length,
-                max_nodes, sampling, task_type) -> DraftTree:
+                max_nodes, sampling, task_type, response_format=None) -> DraftTree:
+        assert response_format is None, "no grammar in these requests"
         num_call = sum(1 for name, _ in self.calls if name == "propose")
         self.calls.append(("propose", {"is_open": bool(prompt_token_ids), "new": list(new_token_ids),
                                        "strategies": tuple(strategies), "draft_length": draft_length,

@@ -1,8 +1,12 @@
-"""SpeculationConfig -> SpeculationParams: is_adaptive and what degree / draft length mean with it."""
+"""GenerateRequest -> GenerationParams: is_adaptive and what degree / draft length mean with it; response
+formats and their refusals."""
 from __future__ import annotations
+
+import pytest
 
 from gateway.config import Limits, SpeculationDefaults
 from gateway.params import params_from_pb
+from specdec.errors import InvalidArgument
 from specdec.v1 import common_pb2, gateway_pb2
 
 DEFAULTS = SpeculationDefaults(speculative_degree=1, draft_length=8, max_adaptive_degree=4,
@@ -35,3 +39,42 @@ def test_not_adaptive_keeps_the_fixed_settings_and_their_defaults():
 def test_task_type_given_or_left_to_inference():
     assert speculation().task_type == ""
     assert speculation(task_type=common_pb2.TASK_TYPE_CODE).task_type == "code"
+
+
+def fmt(type_, schema: str = ""):
+    req = gateway_pb2.GenerateRequest(prompt="hi", response_format=common_pb2.ResponseFormat(type=type_,
+                                                                                             json_schema=schema))
+    return params_from_pb(req, Limits(), DEFAULTS)
+
+
+def test_response_format_free_text_json_mode_and_schema():
+    assert fmt(common_pb2.ResponseFormat.TYPE_UNSPECIFIED).response_format is None
+    assert fmt(common_pb2.ResponseFormat.TYPE_TEXT).response_format is None
+    json_mode = fmt(common_pb2.ResponseFormat.TYPE_JSON_OBJECT)
+    assert json_mode.has_schema and json_mode.response_format.kind == "json_object"
+    schema = fmt(common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, '{"type": "object"}')
+    assert schema.response_format.schema_text == '{"type": "object"}'
+    # A constrained request also drafts the grammar's forced text, first; a free one does not.
+    assert schema.speculation.strategies[0] == "grammar"
+    assert "grammar" not in fmt(common_pb2.ResponseFormat.TYPE_TEXT).speculation.strategies
+
+
+@pytest.mark.parametrize("type_, schema, field, words", [
+    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "", "response_format.json_schema", "is required"),
+    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "{not json", "response_format.json_schema", "not valid JSON"),
+    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, '{"type": "strange"}', "response_format.json_schema",
+     "not a valid JSON Schema"),
+    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "[1, 2]", "response_format.json_schema", "must be a JSON object"),
+    (common_pb2.ResponseFormat.TYPE_TEXT, '{"type": "object"}', "response_format.json_schema", "must be empty"),
+    (7, "", "response_format.type", "unknown"),
+])
+def test_bad_response_formats_are_refused_naming_the_problem(type_, schema, field, words):
+    with pytest.raises(InvalidArgument) as e:
+        fmt(type_, schema)
+    assert e.value.field == field and words in str(e.value)
+
+
+def test_grammar_drafts_without_a_response_format_are_refused():
+    with pytest.raises(InvalidArgument) as e:
+        speculation(strategies=["grammar"])
+    assert e.value.field == "speculation.strategies"

@@ -1,0 +1,74 @@
+"""Response formats compiled for the gateway's requests, within a deadline.
+
+A schema compiles once (then the LRU in specdec.grammar.GrammarCache serves it), usually in tens
+of milliseconds, but xgrammar's worst case on this CPU was 66 s for one schema of the json
+prompts (long bounded repetitions). A request must not hang on that: the compile runs on a
+worker thread and the request waits at most `max_compile_s` (or its own deadline, if sooner),
+then gets RESOURCE_EXHAUSTED naming response_format.json_schema. The compile goes on in the
+background and lands in the cache, so a retry of the same schema is served at once; concurrent
+requests for one schema share one compile.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from specdec.errors import ResourceExhausted
+from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, ResponseFormat
+from specdec.grammar.compiler import SCHEMA_FIELD
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GrammarSettings:
+    max_compile_s: float = 10.0        # longest a request waits for its schema to compile
+    num_compile_threads: int = 2
+    max_cached_grammars: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_compile_s <= 0:
+            raise ValueError(f"max_compile_s must be > 0, got {self.max_compile_s}")
+        if self.num_compile_threads < 1 or self.max_cached_grammars < 1:
+            raise ValueError("num_compile_threads and max_cached_grammars must be >= 1")
+
+
+class Grammars:
+    """Compiled grammars for requests: cached, deduplicated while compiling, bounded in wait."""
+
+    def __init__(self, cache: GrammarCache, settings: GrammarSettings | None = None) -> None:
+        self.cache, self.settings = cache, settings or GrammarSettings()
+        self._executor = ThreadPoolExecutor(self.settings.num_compile_threads, thread_name_prefix="grammar")
+        self._compiling: dict[ResponseFormat, Future] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def new_state(self, response_format: ResponseFormat, deadline: float | None = None) -> GrammarState:
+        """A fresh grammar state for one request; `deadline` is a time.monotonic() bound (the call's)."""
+        return self.compile(response_format, deadline).new_state()
+
+    def compile(self, response_format: ResponseFormat, deadline: float | None = None) -> CompiledGrammar:
+        """Raises InvalidArgument (bad schema) or ResourceExhausted (compile too slow)."""
+        with self._lock:
+            future = self._compiling.get(response_format)
+            is_new = future is None
+            if is_new:
+                future = self._executor.submit(self.cache.compile, response_format)
+                self._compiling[response_format] = future
+        if is_new:   # outside the lock: a future already done runs the callback right here
+            future.add_done_callback(lambda _, key=response_format: self._done(key))
+        wait_s = self.settings.max_compile_s
+        if deadline is not None:
+            wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))
+        try:
+            return future.result(timeout=wait_s)
+        except FutureTimeout:
+            raise ResourceExhausted(SCHEMA_FIELD, f"took longer than {wait_s:.1f} s to compile into a grammar; it "
+                                    "keeps compiling in the background, retry later or simplify the schema") from None
+
+    def _done(self, response_format: ResponseFormat) -> None:
+        with self._lock:
+            self._compiling.pop(response_format, None)
