@@ -1,6 +1,7 @@
 # Entry points: `make setup`, `make run`, `make test` (what CI runs), `make lint`,
-# `make protos`, `make bench`. Every target is idempotent: stamp files keyed on
-# the requirements and the protos make a second run a no-op.
+# `make protos`, `make bench` (`make bench-deps`: its optional llama.cpp peer). Every
+# target is idempotent: stamp files keyed on the requirements and the protos make a
+# second run a no-op.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -23,7 +24,7 @@ STUBS := specdec/v1/__init__.py
 NODE_DIR := tests/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.stamp
 
-.PHONY: help setup setup-runtime run test lint protos bench redis-server node-deps clean
+.PHONY: help setup setup-runtime run test lint protos bench bench-deps redis-server node-deps clean
 
 help:
 	@echo "make setup   - create .venv, install runtime + dev requirements, generate stubs"
@@ -31,7 +32,8 @@ help:
 	@echo "make test    - setup, install redis-server / node deps if needed, run pytest"
 	@echo "make lint    - buf lint the protos"
 	@echo "make protos  - regenerate the gRPC stubs into specdec/v1/"
-	@echo "make bench   - run the benchmark (python -m bench)"
+	@echo "make bench   - run the benchmark suite (python -m bench; BENCH=engine|validator|drafts for one part)"
+	@echo "make bench-deps - install the suite's optional llama.cpp peer (compiles llama.cpp)"
 
 $(PY):
 	$(PYTHON_SYSTEM) -m venv $(VENV)
@@ -83,11 +85,17 @@ test: setup redis-server node-deps
 lint: $(STAMP_DEV)
 	$(VENV)/bin/buf lint
 
-# BENCH=engine|validator|drafts, BENCH_ARGS="..." (each prints its figures)
-BENCH ?= drafts
+# `make bench`: the headline suite (python -m bench: baseline, speculative and peers on json, code
+# and prose; results/results.{json,md,png}). BENCH=engine|validator|drafts runs one component
+# benchmark instead; BENCH_ARGS="..." passes flags (e.g. --num-prompts 5 --concurrency 1,4,16).
+BENCH ?=
 BENCH_ARGS ?=
-bench: setup
+bench: setup redis-server
 	$(PY) -m bench $(BENCH) $(BENCH_ARGS)
+
+# The llama.cpp peer, built for this CPU; without it the suite reports the peer as skipped.
+bench-deps: $(STAMP_RUNTIME)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PIP) install -r requirements-llamacpp.txt
 
 clean:
 	rm -rf specdec/v1 $(NODE_DIR)/node_modules .pytest_cache

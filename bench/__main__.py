@@ -1,4 +1,6 @@
-"""python -m bench {engine,validator,drafts} [ARGS...]: run one benchmark (each prints its figures).
+"""python -m bench [ARGS...]: the headline suite (bench/suite.py; `python -m bench --help`).
+
+python -m bench {engine,validator,drafts} [ARGS...]: one component benchmark (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size     (bench/engine.py)
     validator  wire bytes, validation time, fp8/bf16 vs fp32 on real logits (bench/validator.py)
@@ -13,11 +15,13 @@ BENCHMARKS = ("engine", "validator", "drafts")
 
 
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
-        print(__doc__, file=sys.stderr)
-        sys.exit(2)
-    name = sys.argv.pop(1)
-    importlib.import_module(f"bench.{name}").main()
+    if len(sys.argv) >= 2 and sys.argv[1] in BENCHMARKS:
+        name = sys.argv.pop(1)
+        importlib.import_module(f"bench.{name}").main()
+        return
+    from bench.suite import main as run_suite
+
+    run_suite(sys.argv[1:])
 
 
 if __name__ == "__main__":

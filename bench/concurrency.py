@@ -1,0 +1,163 @@
+"""The concurrency sweep of `python -m bench --concurrency 1,4,16,32`: N clients at once against one
+stack, with speculation off and on (product defaults), greedy.
+
+Each client is a thread with its own gRPC channel that sends one GenerateStream request; all start
+together (a barrier). Per wave:
+    aggregate tokens/s   all generated tokens / wall time from the start to the last final message
+    per-token latency    inter-token time from the client's receive timestamps of the stream:
+                         a message with k tokens that arrives g ms after the previous message gives
+                         k latencies of g/k ms; the first message (prefill included) is reported
+                         apart, as time to first token (TTFT)
+    controller           the adaptive controller's choices under load, summed over the wave's
+                         requests: steps by speculative_degree and by draft_length (index 0 = a step
+                         without speculation), probe steps (read back from Redis)
+Waves use distinct prompts (taken after the main run's), so the draft pool's suffix index, which
+learns from finished outputs, never holds the output of the request it drafts for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from bench.prompts import BenchPrompt
+from bench.report import sum_counts
+from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, controller_choices, rpc_error
+from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+
+CONNECT_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StreamTrace:
+    """One streamed request as the client saw it."""
+
+    request_id: str
+    sent_at: float                               # perf_counter seconds
+    arrivals: tuple[tuple[float, int], ...]      # (receive time, tokens in the message), messages with tokens
+    error: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+    @property
+    def ended_at(self) -> float:
+        return self.arrivals[-1][0] if self.arrivals else self.sent_at
+
+
+def token_latencies_ms(trace: StreamTrace) -> list[float]:
+    """Per-token inter-token times after the first message, ms.
+
+    E.g. arrivals at 1.0 s (3 tokens), 1.1 s (2 tokens), 1.4 s (1 token) -> [50, 50, 300].
+    """
+    out: list[float] = []
+    for (t0, _), (t1, n) in zip(trace.arrivals, trace.arrivals[1:]):
+        out.extend([(t1 - t0) * 1000 / n] * n)
+    return out
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict[str, float | None]:
+    """{"p50": ..., "p99": ...} by linear interpolation; None for no values."""
+    if not values:
+        return {f"p{q:g}": None for q in qs}
+    return {f"p{q:g}": float(v) for q, v in zip(qs, np.percentile(np.asarray(values, dtype=np.float64), qs))}
+
+
+def summarize_wave(traces: Sequence[StreamTrace], controllers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Aggregate tokens/s, latency percentiles and controller choices of one wave."""
+    ok = [t for t in traces if not t.error]
+    start = min((t.sent_at for t in traces), default=0.0)
+    wall_s = max((t.ended_at for t in ok), default=start) - start
+    num_tokens = sum(t.num_tokens for t in ok)
+    latencies = [ms for t in ok for ms in token_latencies_ms(t)]
+    ttft = [(t.arrivals[0][0] - t.sent_at) * 1000 for t in ok if t.arrivals]
+    return {"num_requests": len(traces), "num_errors": len(traces) - len(ok),
+            "errors": sorted({t.error for t in traces if t.error}), "num_tokens": num_tokens, "wall_s": wall_s,
+            "aggregate_tokens_per_s": num_tokens / wall_s if wall_s > 0 else None,
+            "token_latency_ms": percentiles(latencies), "ttft_ms": percentiles(ttft),
+            "num_steps_by_degree": sum_counts(c.get("num_steps_by_degree", []) for c in controllers),
+            "num_steps_by_draft_length": sum_counts(c.get("num_steps_by_draft_length", []) for c in controllers),
+            "num_probe_steps": sum(c.get("num_probe_steps", 0) for c in controllers)}
+
+
+def _stream_one(address: str, request: gateway_pb2.GenerateRequest, barrier: threading.Barrier,
+                out: list[StreamTrace], index: int) -> None:
+    """Thread body: out[index] = the trace, or a trace with the error that stopped it."""
+    try:
+        _stream(address, request, barrier, out, index)
+    except Exception as e:  # a thread's exception would otherwise only be printed
+        out[index] = StreamTrace("", time.perf_counter(), (), error=f"{type(e).__name__}: {e}")
+        barrier.abort()  # the others must not wait for this client
+
+
+def _stream(address: str, request: gateway_pb2.GenerateRequest, barrier: threading.Barrier,
+            out: list[StreamTrace], index: int) -> None:
+    """Connect, wait for the others, stream one request, store its trace at out[index]."""
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        barrier.wait()
+        sent_at = time.perf_counter()
+        request_id, arrivals = "", []
+        try:
+            for message in stub.GenerateStream(request, timeout=REQUEST_TIMEOUT_S):
+                now = time.perf_counter()
+                request_id = message.request_id or request_id
+                if message.token_ids:
+                    arrivals.append((now, len(message.token_ids)))
+        except grpc.RpcError as e:
+            out[index] = StreamTrace(request_id, sent_at, tuple(arrivals), error=rpc_error(e))
+            return
+        out[index] = StreamTrace(request_id, sent_at, tuple(arrivals))
+
+
+def run_wave(sut: SystemUnderTest, requests: Sequence[gateway_pb2.GenerateRequest]) -> list[StreamTrace]:
+    """All requests at once, one thread and channel each; their traces in request order."""
+    barrier = threading.Barrier(len(requests), timeout=2 * CONNECT_TIMEOUT_S)
+    traces: list[StreamTrace] = [StreamTrace("", 0.0, (), error="not run")] * len(requests)
+    threads = [threading.Thread(target=_stream_one, args=(sut.address, r, barrier, traces, i), daemon=True)
+               for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return traces
+
+
+def run_sweep(sut: SystemUnderTest, prompts: Sequence[BenchPrompt], levels: Sequence[int], max_new_tokens: int,
+              is_schema: bool) -> list[dict[str, Any]]:
+    """For each concurrency level: one wave with speculation off, then one with it on, on the same prompts.
+
+    prompts: at least sum(levels) of them; level i takes the next `level` prompts in order.
+    """
+    if len(prompts) < sum(levels):
+        raise ValueError(f"the sweep needs {sum(levels)} prompts, got {len(prompts)}")
+    rows, start = [], 0
+    for level in levels:
+        wave_prompts = prompts[start:start + level]
+        start += level
+        for is_speculative in (False, True):
+            requests = [build_request(p, max_new_tokens, is_speculative, is_schema and p.schema is not None)
+                        for p in wave_prompts]
+            traces = run_wave(sut, requests)
+            controllers = [controller_choices(sut.store, t.request_id) for t in traces if t.request_id]
+            row = {"concurrency": level, "speculation": is_speculative, **summarize_wave(traces, controllers)}
+            rows.append(row)
+            print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row: dict[str, Any]) -> str:
+    head = f"[concurrency {row['concurrency']:>3}] speculation {'on ' if row['speculation'] else 'off'} |"
+    errors = f"errors {row['num_errors']}/{row['num_requests']}"
+    if row["aggregate_tokens_per_s"] is None:
+        return f"{head} no output | {errors}"
+    lat = row["token_latency_ms"]
+    latency = "" if lat["p50"] is None else f" | per-token p50 {lat['p50']:.0f} ms, p99 {lat['p99']:.0f} ms"
+    return f"{head} {row['aggregate_tokens_per_s']:.1f} tok/s aggregate{latency} | {errors}"

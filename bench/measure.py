@@ -1,0 +1,152 @@
+"""Running the systems of `python -m bench` on the chosen prompts, one precision at a time.
+
+    run, records = measure_precision("fp32", config, selections, sweep_prompts, tokenizer, model_dir,
+                                     peers=["transformers"], cache={})
+
+Order: the stack first (redis + four services; per prompt the baseline, then the speculative
+request, so drift on a noisy machine hits both alike; then the concurrency sweep), stopped before
+the peers run, so that idle services do not share the CPU with them. Each system answers one
+short warm-up request first (not recorded; the warm-up prompt is not a benchmark prompt, so the
+suffix index never learns a measured output from it).
+"""
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.concurrency import run_sweep
+from bench.peers import LlamaCppPeer, TransformersPeer, default_gguf_path, llama_cpp_missing
+from bench.prompts import BenchPrompt
+from bench.report import BASELINE, SPECULATIVE, Record, check_json, summarize_scenario
+from bench.stack import SystemUnderTest, run_request, system_under_test
+
+if TYPE_CHECKING:  # bench.suite imports this module
+    from bench.suite import Selection, SuiteConfig
+
+WARMUP_PROMPT = BenchPrompt("warmup", "warmup", "Say hello.", None, None, False)
+NUM_WARMUP_TOKENS = 8
+# KV room beyond the sequence length for the draft tokens of the last verify (a tree has at most 64 nodes).
+MAX_TREE_NODES = 64
+MEASURED_ONCE = ("llamacpp",)   # peers whose weights do not depend on --precision
+
+
+def peers_skipped(peers: Sequence[str]) -> dict[str, str]:
+    """Peer name -> why it cannot run here."""
+    reason = llama_cpp_missing() if "llamacpp" in peers else ""
+    return {"llamacpp": reason} if reason else {}
+
+
+def is_constrained(prompt: BenchPrompt, is_schema: bool) -> bool:
+    return is_schema and prompt.scenario == "json" and prompt.schema is not None
+
+
+def print_record(precision: str, r: Record) -> None:
+    head = f"[{precision} {r.scenario}] {r.prompt_id} {r.system:>19}:"
+    if r.error:
+        print(f"{head} error {r.error} (recorded, not measured)", flush=True)
+        return
+    extra = ""
+    if r.stats is not None and r.stats["num_proposed"]:
+        extra = (f", acceptance {r.stats['num_accepted'] / r.stats['num_proposed']:.1%}, "
+                 f"{r.stats['num_generated_tokens'] / max(r.stats['num_steps'], 1):.2f} tokens/step")
+    print(f"{head} {r.num_tokens} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.1f} tok/s{extra}", flush=True)
+
+
+def measure_stack(sut: SystemUnderTest, selections: Mapping[str, Selection], is_schema: bool, max_new_tokens: int,
+                  tokenizer: Any, precision: str) -> list[Record]:
+    for system in (BASELINE, SPECULATIVE):
+        run_request(sut, WARMUP_PROMPT, system, NUM_WARMUP_TOKENS, False, tokenizer)
+    records = []
+    for selection in selections.values():
+        for prompt in selection.prompts:
+            for system in (BASELINE, SPECULATIVE):
+                record = run_request(sut, prompt, system, max_new_tokens, is_constrained(prompt, is_schema), tokenizer)
+                print_record(precision, record)
+                records.append(record)
+    return records
+
+
+def peer_record(system: str, prompt: BenchPrompt, prompt_ids: Sequence[int], token_ids: Sequence[int],
+                seconds: float, tokenizer: Any) -> Record:
+    text = tokenizer.decode(token_ids)
+    is_json, is_valid = check_json(text, prompt.schema) if prompt.scenario == "json" else (None, None)
+    return Record(system, prompt.scenario, prompt.id, len(prompt_ids), tuple(token_ids), text, seconds,
+                  is_json=is_json, is_schema_valid=is_valid)
+
+
+def measure_peer(peer: Any, selections: Mapping[str, Selection], max_new_tokens: int, tokenizer: Any,
+                 precision: str) -> list[Record]:
+    warmup_ids = tokenizer.encode(WARMUP_PROMPT.text(tokenizer))
+    for system in peer.systems:
+        peer.run(system, warmup_ids, NUM_WARMUP_TOKENS)
+    records = []
+    for selection in selections.values():
+        for prompt in selection.prompts:
+            prompt_ids = tokenizer.encode(prompt.text(tokenizer))
+            for system in peer.systems:
+                try:
+                    token_ids, seconds = peer.run(system, prompt_ids, max_new_tokens)
+                    record = peer_record(system, prompt, prompt_ids, token_ids, seconds, tokenizer)
+                except Exception as e:  # a peer's failure is a figure of this run, not the end of it
+                    record = Record(system, prompt.scenario, prompt.id, len(prompt_ids), (), "", 0.0,
+                                    error=f"{type(e).__name__}: {e}")
+                print_record(precision, record)
+                records.append(record)
+    return records
+
+
+def make_peer(name: str, precision: str, num_threads: int, sequence_length: int, tokenizer: Any,
+              model_dir: Path) -> Any:
+    if name == "transformers":
+        return TransformersPeer(model_dir, precision, num_threads, tokenizer.eos_token_ids)
+    return LlamaCppPeer(default_gguf_path(), sequence_length, num_threads, tokenizer.eos_token_ids)
+
+
+def prompt_token_mismatches(records: Sequence[Record], tokenizer: Any,
+                            selections: Mapping[str, Selection]) -> list[str]:
+    """Prompts whose token count at the gateway differs from the ids the peers get (should be none)."""
+    expected = {p.id: len(tokenizer.encode(p.text(tokenizer))) for s in selections.values() for p in s.prompts}
+    return sorted({f"{r.prompt_id}: gateway {r.num_prompt_tokens}, peers {expected[r.prompt_id]}"
+                   for r in records if not r.error and r.num_prompt_tokens != expected[r.prompt_id]})
+
+
+def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[str, Selection],
+                      sweep_prompts: Sequence[BenchPrompt], tokenizer: Any, model_dir: Path, peers: Sequence[str],
+                      cache: dict[str, list[Record]]) -> tuple[dict[str, Any], list[Record]]:
+    """Every system at one precision: (the run's summary for results.json, its records)."""
+    max_context = config.sequence_length + MAX_TREE_NODES
+    with system_under_test(precision, config.threads, max_context) as sut:
+        records = measure_stack(sut, selections, config.is_schema, config.max_new_tokens, tokenizer, precision)
+        sweep = (run_sweep(sut, sweep_prompts, config.concurrency, config.max_new_tokens, config.is_schema)
+                 if config.concurrency else [])
+    mismatches = prompt_token_mismatches(records, tokenizer, selections)
+    for line in mismatches:
+        print(f"warning: prompt token count differs, {line}", flush=True)
+    failed = {}
+    for name in peers:
+        try:
+            records.extend(cache[name] if name in cache else
+                           _measure_new_peer(name, precision, config, selections, tokenizer, model_dir, cache))
+        except Exception as e:  # e.g. a model that does not load: the other systems' figures still count
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"peer {name} failed: {failed[name]}", flush=True)
+    scenarios = {name: {"num_prompts": len(s.prompts), "num_skipped": s.num_skipped,
+                        "prompt_ids": [p.id for p in s.prompts],
+                        "is_constrained": any(is_constrained(p, config.is_schema) for p in s.prompts),
+                        "systems": summarize_scenario([r for r in records if r.scenario == name])}
+                 for name, s in selections.items()}
+    return ({"scenarios": scenarios, "concurrency": sweep, "prompt_token_mismatches": mismatches,
+             "peers_failed": failed}, records)
+
+
+def _measure_new_peer(name: str, precision: str, config: SuiteConfig, selections: Mapping[str, Selection],
+                      tokenizer: Any, model_dir: Path, cache: dict[str, list[Record]]) -> list[Record]:
+    peer = make_peer(name, precision, config.threads, config.sequence_length, tokenizer, model_dir)
+    records = measure_peer(peer, selections, config.max_new_tokens, tokenizer, precision)
+    del peer
+    gc.collect()  # one model at a time in this process
+    if name in MEASURED_ONCE:
+        cache[name] = records
+    return records

@@ -1,0 +1,240 @@
+"""Aggregation of the benchmark suite's per-request records into results.json, and the machine info.
+
+Pure functions over plain data (no gRPC, no model): `Record` is one request of one system on one
+prompt; `summarize_scenario` turns a scenario's records into the figures of results.json.
+The markdown tables are bench/tables.py's, the chart bench/chart.py's.
+
+Definitions (also in bench/suite.py's docstring):
+    tokens/s            generated tokens / client wall time of the whole call (prefill included);
+                        median and spread (min, q1, q3, max) over prompts
+    speedup             median tokens/s of the system / median tokens/s of the baseline
+    acceptance rate     accepted draft tokens / proposed draft tokens, summed over prompts
+    mean accepted length  generated tokens / steps, summed over prompts
+    outside model compute  (total - verify - model-based drafting) / total, summed over prompts:
+                        verify is the gateway's wall time of the primary's Prefill/Decode/Verify
+                        calls (their RPC time included), so this is a lower bound on the overhead
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# Draft decoders that run a model (the primary's weights): their time counts as model compute.
+MODEL_BASED_DECODERS = ("early_exit", "layer_skip")
+BASELINE = "baseline"
+SPECULATIVE = "speculative"
+STACK_SYSTEMS = (BASELINE, SPECULATIVE)   # through the gateway; the other systems are peers
+# A peer's prompt-lookup system is compared with its greedy one: "transformers_lookup" -> "transformers".
+LOOKUP_SUFFIX = "_lookup"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """One request of one system on one prompt."""
+
+    system: str
+    scenario: str
+    prompt_id: str
+    num_prompt_tokens: int
+    token_ids: tuple[int, ...]
+    text: str
+    seconds: float                       # client wall time of the whole call, prefill included
+    error: str = ""                      # "" when it ran; else the gRPC status (or exception) and message
+    stats: dict[str, Any] | None = None  # the gateway's statistics (bench.stack.stats_dict); stack systems only
+    is_json: bool | None = None          # json scenario only: the text parses as JSON
+    is_schema_valid: bool | None = None  # json scenario only: ... and validates against the prompt's schema
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """What results.json keeps of a record (the text, not the token ids)."""
+        out = dataclasses.asdict(self)
+        del out["token_ids"]
+        out["num_tokens"] = self.num_tokens
+        out["tokens_per_s"] = self.tokens_per_s
+        return out
+
+
+def check_json(text: str, schema: dict | None) -> tuple[bool, bool]:
+    """(parses, validates): the whole text is one JSON value, and it satisfies `schema` (Draft 7)."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False, False
+    if schema is None:
+        return True, False
+    try:
+        jsonschema.Draft7Validator(schema).validate(value)
+    except (jsonschema.ValidationError, jsonschema.SchemaError):
+        return True, False
+    return True, True
+
+
+def spread(values: Sequence[float]) -> dict[str, float] | None:
+    """Median, min, max and quartiles (inclusive method); None for no values."""
+    if not values:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
+    return {"median": statistics.median(values), "min": min(values), "q1": q1, "q3": q3, "max": max(values),
+            "n": len(values)}
+
+
+def merge_entropy_bins(bin_lists: Iterable[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Sum bins with the same (lower, upper) over requests, ascending; upper None is unbounded.
+
+    E.g. [[{0, 0.5, 4 proposed, 3 accepted}], [{0, 0.5, 2, 1}, {0.5, 1, 1, 0}]]
+      -> [{0, 0.5, 6, 4, rate 0.667}, {0.5, 1, 1, 0, rate 0.0}]
+    """
+    totals: dict[tuple[float, float | None], list[int]] = {}
+    for bins in bin_lists:
+        for b in bins:
+            row = totals.setdefault((b["lower"], b["upper"]), [0, 0])
+            row[0] += b["num_proposed"]
+            row[1] += b["num_accepted"]
+    return [{"lower": lower, "upper": upper, "num_proposed": p, "num_accepted": a,
+             "acceptance_rate": a / p if p else None}
+            for (lower, upper), (p, a) in sorted(totals.items(), key=lambda kv: kv[0][0])]
+
+
+def sum_counts(count_lists: Iterable[Sequence[int]]) -> list[int]:
+    """Element-wise sum of lists of different lengths: [1, 2] + [0, 0, 5] -> [1, 2, 5]."""
+    out: list[int] = []
+    for counts in count_lists:
+        out.extend([0] * (len(counts) - len(out)))
+        for i, c in enumerate(counts):
+            out[i] += c
+    return out
+
+
+def outside_fraction(stats: Sequence[dict[str, Any]]) -> float | None:
+    """Share of the total time outside model compute: (total - verify - model-based drafting) / total."""
+    total = sum(s["stage_ms"]["total"] for s in stats)
+    if total <= 0:
+        return None
+    model_ms = sum(s["stage_ms"]["verify"] + sum(d["time_ms"] for name, d in s["decoders"].items()
+                                                  if name.split("#")[0] in MODEL_BASED_DECODERS) for s in stats)
+    return max(0.0, total - model_ms) / total
+
+
+def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance, accepted length, per-decoder acceptance, entropy bins and the steps' plans of a system."""
+    proposed = sum(s["num_proposed"] for s in stats)
+    accepted = sum(s["num_accepted"] for s in stats)
+    steps = sum(s["num_steps"] for s in stats)
+    decoders: dict[str, dict[str, float]] = {}
+    for s in stats:
+        for name, d in s["decoders"].items():
+            row = decoders.setdefault(name, {"num_proposed": 0, "num_accepted": 0, "time_ms": 0.0})
+            for key in row:
+                row[key] += d[key]
+    for row in decoders.values():
+        row["acceptance_rate"] = row["num_accepted"] / row["num_proposed"] if row["num_proposed"] else None
+    return {"acceptance_rate": accepted / proposed if proposed else None, "num_proposed": proposed,
+            "num_accepted": accepted,
+            "mean_accepted_length": sum(s["num_generated_tokens"] for s in stats) / steps if steps else None,
+            "outside_model_fraction": outside_fraction(stats), "decoders": dict(sorted(decoders.items())),
+            "entropy_bins": merge_entropy_bins(s["entropy_bins"] for s in stats),
+            "num_steps_by_degree": sum_counts(s.get("num_steps_by_degree", []) for s in stats),
+            "num_steps_by_draft_length": sum_counts(s.get("num_steps_by_draft_length", []) for s in stats),
+            "num_probe_steps": sum(s.get("num_probe_steps", 0) for s in stats)}
+
+
+def num_same(records: Sequence[Record], references: dict[str, Record], by_text: bool) -> int | None:
+    """How many records equal their prompt's reference (token ids, or decoded text across engines)."""
+    pairs = [(r, references[r.prompt_id]) for r in records if r.prompt_id in references]
+    if not pairs:
+        return None
+    return sum((r.text == ref.text) if by_text else (r.token_ids == ref.token_ids) for r, ref in pairs)
+
+
+def summarize_system(records: Sequence[Record], baseline: Sequence[Record],
+                     own_greedy: Sequence[Record] | None = None) -> dict[str, Any]:
+    """The figures of one system in one scenario; baseline/own_greedy: the reference systems' records."""
+    ok = [r for r in records if not r.error]
+    ok_baseline = [r for r in baseline if not r.error]
+    tps = spread([r.tokens_per_s for r in ok])
+    base_tps = spread([r.tokens_per_s for r in ok_baseline])
+    is_peer = any(r.system not in STACK_SYSTEMS for r in records)   # another engine: compare decoded text
+    out: dict[str, Any] = {
+        "num_prompts": len(records), "num_errors": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if r.error}),
+        "tokens_per_s": tps, "num_tokens": sum(r.num_tokens for r in ok),
+        "speedup": tps["median"] / base_tps["median"] if tps and base_tps and base_tps["median"] > 0 else None,
+        "num_same_as_baseline": num_same(ok, {r.prompt_id: r for r in ok_baseline}, by_text=is_peer),
+        "compared_by": "text" if is_peer else "token_ids"}
+    if own_greedy is not None:
+        ok_greedy = [r for r in own_greedy if not r.error]
+        greedy_tps = spread([r.tokens_per_s for r in ok_greedy])
+        out["speedup_over_own_greedy"] = (tps["median"] / greedy_tps["median"]
+                                          if tps and greedy_tps and greedy_tps["median"] > 0 else None)
+        out["num_same_as_own_greedy"] = num_same(ok, {r.prompt_id: r for r in ok_greedy}, by_text=False)
+    if any(r.is_json is not None for r in ok):
+        out["num_json"] = sum(bool(r.is_json) for r in ok)
+        out["num_schema_valid"] = sum(bool(r.is_schema_valid) for r in ok)
+    stats = [r.stats for r in ok if r.stats is not None]
+    if stats:
+        out.update(speculation_figures(stats))
+    return out
+
+
+def summarize_scenario(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
+    """System name -> summarize_system, for one scenario's records (baseline first, then as they came)."""
+    by_system: dict[str, list[Record]] = {}
+    for r in records:
+        by_system.setdefault(r.system, []).append(r)
+    baseline = by_system.get(BASELINE, [])
+    out = {}
+    for system, rows in by_system.items():
+        own = system.removesuffix(LOOKUP_SUFFIX) if system.endswith(LOOKUP_SUFFIX) else None
+        out[system] = summarize_system(rows, baseline, by_system.get(own) if own else None)
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, cores, AVX512 flags, library versions and the date of the run."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", platform.processor()), "num_cpus": os.cpu_count(),
+            "num_usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "python": sys.version.split()[0], "platform": platform.platform(),
+            "versions": {name: _version(name) for name in ("torch", "transformers", "llama_cpp_python", "grpcio")},
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def finite(value: Any) -> Any:
+    """value with infinities as None, recursively (JSON has no infinity)."""
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value

@@ -1,0 +1,161 @@
+"""The system under test of `python -m bench`: a redis-server and the four services, and one
+benchmark prompt through the gateway as a Record.
+
+    with system_under_test(precision="fp32", num_threads=2, max_context=2112) as sut:
+        record = run_request(sut, prompt, BASELINE, max_new_tokens=64, is_constrained=False,
+                             tokenizer=tokenizer)
+
+The state lives in a real Redis (unix socket, no persistence), as in production; the bench also
+reads each request's stats back from it, for what GenerationStats does not carry: the adaptive
+controller's choices (steps by speculative_degree and by draft_length, probe steps, task type).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+
+from bench.prompts import BenchPrompt
+from bench.report import BASELINE, Record, check_json
+from specdec.launcher import Stack, StackConfig
+from specdec.state_store.redis_store import RedisStateStore
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+REQUEST_TIMEOUT_S = 1800.0   # one request, prefill to the last token, on a slow shared CPU
+REDIS_START_TIMEOUT_S = 10.0
+# The controller's choices, as the gateway stores them (gateway/stats.py RequestStats).
+CONTROLLER_FIELDS = ("num_steps_by_draft_length", "num_steps_by_degree", "num_probe_steps", "task_type")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SystemUnderTest:
+    stack: Stack
+    stub: gateway_pb2_grpc.GenerationServiceStub
+    store: RedisStateStore   # read-only use: the requests' stored stats
+
+    @property
+    def address(self) -> str:
+        return self.stack.gateway_address
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A throwaway redis-server on a unix socket; yields its URL (unix:///...)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (`make redis-server` installs it)")
+    directory = tempfile.mkdtemp(prefix="specdec-bench-redis-", dir="/tmp")  # socket paths are short
+    socket_path = str(Path(directory) / "redis.sock")
+    with open(Path(directory) / "redis.log", "wb") as log:
+        process = subprocess.Popen([binary, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm", "700",
+                                    "--save", "", "--appendonly", "no", "--dir", directory],
+                                   stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _await_redis(process, socket_path)
+        yield f"unix://{socket_path}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _await_redis(process: subprocess.Popen, socket_path: str) -> None:
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with code {process.returncode}")
+        try:
+            with redis.Redis(unix_socket_path=socket_path) as probe:
+                probe.ping()
+            return
+        except (redis.ConnectionError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not answer within {REDIS_START_TIMEOUT_S} s") from None
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def system_under_test(precision: str, num_threads: int, max_context: int) -> Iterator[SystemUnderTest]:
+    """Redis, then the four services (default model, product defaults), and a gateway stub."""
+    with redis_server() as url:
+        config = StackConfig(precision=precision, redis_url=url, num_threads=num_threads, max_context=max_context)
+        with Stack(config) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
+            store = RedisStateStore.from_url(url)
+            try:
+                yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel), store)
+            finally:
+                store.close()
+
+
+def build_request(prompt: BenchPrompt, max_new_tokens: int, is_speculative: bool,
+                  is_constrained: bool) -> gateway_pb2.GenerateRequest:
+    """Greedy; speculation off for the baseline, else the product defaults (adaptive controller on)."""
+    req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens)
+    if not is_speculative:
+        req.speculation.is_enabled = False
+    if prompt.is_completion:
+        req.prompt = prompt.prompt
+    else:  # rendered by the gateway with the same chat template as BenchPrompt.text
+        req.chat.messages.extend(gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                 for m in prompt.messages())
+    if is_constrained:
+        req.response_format.type = common_pb2.ResponseFormat.TYPE_JSON_SCHEMA
+        req.response_format.json_schema = json.dumps(prompt.schema)
+    return req
+
+
+def stats_dict(stats: gateway_pb2.GenerationStats, controller: dict[str, Any]) -> dict[str, Any]:
+    """GenerationStats as plain data (bench.report's input), with the controller's choices added."""
+    st = stats.stage_times
+    return {
+        "num_prompt_tokens": stats.num_prompt_tokens, "num_generated_tokens": stats.num_generated_tokens,
+        "num_steps": stats.num_steps, "num_proposed": stats.num_proposed_tokens,
+        "num_accepted": stats.num_accepted_tokens, "tokens_per_second": stats.tokens_per_second,
+        "stage_ms": {"draft": st.draft_ms, "verify": st.verify_ms, "validate": st.validate_ms,
+                     "commit": st.commit_ms, "state": st.state_ms, "other": st.other_ms, "total": st.total_ms},
+        "decoders": {d.name: {"num_proposed": d.num_proposed, "num_accepted": d.num_accepted, "time_ms": d.time_ms}
+                     for d in stats.decoders},
+        "entropy_bins": [{"lower": b.lower, "upper": b.upper, "num_proposed": b.num_proposed,
+                          "num_accepted": b.num_accepted} for b in stats.entropy_bins],
+        **{k: controller[k] for k in CONTROLLER_FIELDS if k in controller}}
+
+
+def controller_choices(store: RedisStateStore, request_id: str) -> dict[str, Any]:
+    """The stored stats' plan counters of a finished request ({} when it is gone)."""
+    state = store.load(request_id)
+    return {} if state is None else {k: state.stats[k] for k in CONTROLLER_FIELDS if k in state.stats}
+
+
+def rpc_error(e: grpc.RpcError) -> str:
+    return f"{e.code().name}: {e.details()}"
+
+
+def run_request(sut: SystemUnderTest, prompt: BenchPrompt, system: str, max_new_tokens: int,
+                is_constrained: bool, tokenizer: Any) -> Record:
+    """One greedy request through the gateway, timed by the client; an RPC error becomes the record's error."""
+    req = build_request(prompt, max_new_tokens, is_speculative=system != BASELINE, is_constrained=is_constrained)
+    t = time.perf_counter()
+    try:
+        resp = sut.stub.Generate(req, timeout=REQUEST_TIMEOUT_S)
+    except grpc.RpcError as e:
+        num_prompt_tokens = len(tokenizer.encode(prompt.text(tokenizer)))
+        return Record(system, prompt.scenario, prompt.id, num_prompt_tokens, (), "", 0.0, error=rpc_error(e))
+    seconds = time.perf_counter() - t
+    stats = stats_dict(resp.stats, controller_choices(sut.store, resp.request_id))
+    is_json, is_valid = check_json(resp.text, prompt.schema) if prompt.scenario == "json" else (None, None)
+    return Record(system, prompt.scenario, prompt.id, resp.stats.num_prompt_tokens, tuple(resp.token_ids),
+                  resp.text, seconds, stats=stats, is_json=is_json, is_schema_valid=is_valid)

@@ -1,0 +1,223 @@
+"""python -m bench: the headline benchmark. One run, one machine, one model (the default
+SmolLM2-135M-Instruct), the same prompts for every system, greedy everywhere.
+
+    python -m bench [--scenarios json,code,prose[,specbench]] [--num-prompts 3] [--max-new-tokens 128]
+                    [--sequence-length 2048] [--precision fp32[,bf16]] [--peers transformers,llamacpp]
+                    [--no-schema] [--concurrency 1,4,16,32] [--threads N] [--data-dir DIR]
+                    [--out results/results.json]
+    python -m bench engine|validator|drafts ...     the component benchmarks (bench/__main__.py)
+
+Systems, per precision:
+    baseline      the four services through the gateway (gRPC, Redis), speculation off
+                  (GenerateRequest.speculation.is_enabled = False)
+    speculative   the same stack with the product defaults: speculation on, adaptive controller on
+    transformers, transformers_lookup   AutoModelForCausalLM.generate on the same converted weights,
+                  greedy / prompt_lookup_num_tokens=10
+    llamacpp, llamacpp_lookup   llama-cpp-python on the model's GGUF (Q4_1, measured once per run),
+                  greedy / LlamaPromptLookupDecoding; skipped (a line and results.json's
+                  peers_skipped) when llama_cpp is not installed: `make bench-deps`
+Every system gets the same prompt token ids: the model's chat template (BenchPrompt.text) for chat
+prompts, the raw text for completion-style ones. The stack's outputs are compared with the
+baseline's token for token, the peers' by decoded text (different engines). The json scenario
+sends each prompt's schema as response_format (TYPE_JSON_SCHEMA) to baseline and speculative alike
+(--no-schema: unconstrained); the peers run it unconstrained. An RPC error (UNIMPLEMENTED while the
+gateway does not serve response_format) is recorded for that system and scenario, not raised.
+Every json output is checked: parses as JSON, validates against its schema (jsonschema, Draft 7).
+
+Prompts: the first --num-prompts rows of each scenario file, in file order, whose prompt tokens +
+--max-new-tokens fit --sequence-length; the rows skipped on the way are counted.
+
+Figures (bench/report.py): tokens/s = generated tokens / client wall time of the call, prefill
+included (median and min/q1/q3/max over prompts); speedup = median tok/s over the baseline's;
+acceptance rate = accepted / proposed draft tokens; mean accepted length = tokens per step;
+fraction outside model compute = (total - verify - model-based drafting) / total from
+GenerationStats.stage_times, where verify is the gateway's wall time of the primary's
+Prefill/Decode/Verify calls (RPC included: a lower bound on the overhead); acceptance by entropy
+bin (GenerationStats.entropy_bins); the controller's plans (steps by degree / draft length, read
+from Redis). The concurrency sweep is bench/concurrency.py's.
+
+Writes results.json, results.md (the tables, also printed) and results.png next to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.peers import PEERS
+from bench.prompts import BenchPrompt, load_prompts
+from bench.report import finite, machine_info
+
+SCENARIOS = ("json", "code", "prose", "specbench")
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
+DEFAULT_OUT = Path("results") / "results.json"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SuiteConfig:
+    data_dir: Path = DEFAULT_DATA_DIR
+    scenarios: tuple[str, ...] = ("json", "code", "prose")
+    num_prompts: int = 3                  # per scenario
+    max_new_tokens: int = 128
+    sequence_length: int = 2048           # prompt + max_new_tokens budget, as in the reference article
+    precisions: tuple[str, ...] = ("fp32",)
+    peers: tuple[str, ...] = ("transformers", "llamacpp")
+    is_schema: bool = True                # json scenario: response_format with the prompt's schema
+    concurrency: tuple[int, ...] = ()     # client counts of the sweep; (): no sweep
+    num_threads: int = 0                  # 0: the CPUs this process may use
+    out: Path = DEFAULT_OUT
+
+    def __post_init__(self) -> None:
+        for name, values, known in (("scenarios", self.scenarios, SCENARIOS),
+                                    ("precision", self.precisions, PRECISIONS), ("peers", self.peers, tuple(PEERS))):
+            unknown = set(values) - set(known)
+            if unknown:
+                raise ValueError(f"--{name}: unknown {sorted(unknown)}; known: {', '.join(known)}")
+        if not self.scenarios or not self.precisions:
+            raise ValueError("--scenarios and --precision must name at least one")
+        if self.num_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
+        if self.sequence_length <= self.max_new_tokens:
+            raise ValueError(f"--sequence-length ({self.sequence_length}) must exceed --max-new-tokens")
+        if any(n < 1 for n in self.concurrency):
+            raise ValueError(f"--concurrency levels must be >= 1, got {self.concurrency}")
+        if self.num_threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {self.num_threads}")
+
+    @property
+    def threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
+    p.add_argument("--scenarios", default="json,code,prose")
+    p.add_argument("--num-prompts", type=int, default=3, help="prompts per scenario")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sequence-length", type=int, default=2048, help="prompt + output budget")
+    p.add_argument("--precision", default="fp32", help="comma list of fp32, bf16, fp16")
+    p.add_argument("--peers", default="transformers,llamacpp", help="comma list; empty for none")
+    p.add_argument("--no-schema", action="store_true", help="run the json scenario without response_format")
+    p.add_argument("--concurrency", default="", help="client counts of the sweep, e.g. 1,4,16,32")
+    p.add_argument("--threads", type=int, default=0, help="threads of the primary and the peers; 0: all CPUs")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results.json path (.md and .png beside it)")
+    a = p.parse_args(argv)
+    try:
+        return SuiteConfig(a.data_dir, _names(a.scenarios), a.num_prompts, a.max_new_tokens, a.sequence_length,
+                           _names(a.precision), _names(a.peers), not a.no_schema,
+                           tuple(int(n) for n in _names(a.concurrency)), a.threads, a.out)
+    except ValueError as e:
+        p.error(str(e))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Selection:
+    prompts: tuple[BenchPrompt, ...]
+    num_skipped: int      # rows passed over before the selection was complete: too long for the budget
+
+
+def select_prompts(candidates: Iterable[BenchPrompt], count_tokens: Callable[[BenchPrompt], int],
+                   num_prompts: int, max_new_tokens: int, sequence_length: int) -> Selection:
+    """The first num_prompts candidates, in order, whose tokens + max_new_tokens fit sequence_length.
+
+    E.g. token counts [10, 50, 20, 30], max_new_tokens 8, sequence_length 32, num_prompts 2
+      -> the 1st and 3rd, 1 skipped (the 4th is never looked at).
+    """
+    chosen, num_skipped = [], 0
+    for prompt in candidates:
+        if len(chosen) == num_prompts:
+            break
+        if count_tokens(prompt) + max_new_tokens > sequence_length:
+            num_skipped += 1
+        else:
+            chosen.append(prompt)
+    return Selection(tuple(chosen), num_skipped)
+
+
+def interleave(groups: Sequence[Sequence[BenchPrompt]]) -> list[BenchPrompt]:
+    """Round robin over groups: [[a1, a2], [b1]] -> [a1, b1, a2]."""
+    out = []
+    for i in range(max((len(g) for g in groups), default=0)):
+        out.extend(g[i] for g in groups if i < len(g))
+    return out
+
+
+def choose_prompts(config: SuiteConfig, tokenizer: Any) -> tuple[dict[str, Selection], list[BenchPrompt]]:
+    """Per scenario, the measured prompts; and the concurrency sweep's own prompts (the next ones, mixed)."""
+    num_sweep = math.ceil(sum(config.concurrency) / len(config.scenarios))
+
+    def count_tokens(p: BenchPrompt) -> int:
+        return len(tokenizer.encode(p.text(tokenizer)))
+
+    selections, sweep_groups = {}, []
+    for scenario in config.scenarios:
+        rows = load_prompts(config.data_dir, [scenario], num_prompts=1 << 30)
+        main = select_prompts(rows, count_tokens, config.num_prompts, config.max_new_tokens, config.sequence_length)
+        selections[scenario] = main
+        if num_sweep:
+            rest = rows[len(main.prompts) + main.num_skipped:]   # the rows after the last one examined
+            sweep_groups.append(select_prompts(rest, count_tokens, num_sweep, config.max_new_tokens,
+                                               config.sequence_length).prompts)
+    return selections, interleave(sweep_groups)[:sum(config.concurrency)]
+
+
+def config_dict(config: SuiteConfig) -> dict[str, Any]:
+    out = dataclasses.asdict(config)
+    out.update(data_dir=str(config.data_dir), out=str(config.out), num_threads=config.threads)
+    return out
+
+
+def write_results(results: dict[str, Any], out: Path) -> str:
+    """results.json, results.md and results.png at out's place; returns the markdown."""
+    from bench.chart import write_chart
+    from bench.tables import render_markdown
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(finite(results), indent=2))
+    markdown = render_markdown(results)
+    out.with_suffix(".md").write_text(markdown)
+    write_chart(results, out.with_suffix(".png"))
+    return markdown
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Choose the prompts, measure every precision (bench/measure.py), write and print the results."""
+    from bench.measure import measure_precision, peers_skipped
+    from specdec.model.loader import default_cache_dir, resolve_model_dir
+    from specdec.model.tokenizer import Tokenizer
+
+    config = parse_config(argv)
+    model_dir = resolve_model_dir(None, default_cache_dir())
+    tokenizer = Tokenizer.from_dir(model_dir)
+    selections, sweep_prompts = choose_prompts(config, tokenizer)
+    if len(sweep_prompts) < sum(config.concurrency):
+        raise SystemExit(f"the concurrency sweep needs {sum(config.concurrency)} prompts that fit the sequence "
+                         f"length beyond the measured ones; the data has {len(sweep_prompts)}")
+    for scenario, s in selections.items():
+        print(f"[{scenario}] {len(s.prompts)} prompts ({', '.join(p.id for p in s.prompts)}), "
+              f"{s.num_skipped} skipped as too long", flush=True)
+    skipped = peers_skipped(config.peers)
+    for name, reason in skipped.items():
+        print(f"peer {name} skipped: {reason}", flush=True)
+    results: dict[str, Any] = {"machine": machine_info(), "config": config_dict(config), "peers_skipped": skipped,
+                               "definitions": __doc__, "runs": {}, "records": {}}
+    cache: dict[str, Any] = {}   # measurements shared by the precisions (llama.cpp runs its own weights)
+    for precision in config.precisions:
+        run, records = measure_precision(precision, config, selections, sweep_prompts, tokenizer, model_dir,
+                                         [p for p in config.peers if p not in skipped], cache)
+        results["runs"][precision] = run
+        results["records"][precision] = [r.to_dict() for r in records]
+    print(write_results(results, config.out))
+    print(f"wrote {config.out}, {config.out.with_suffix('.md')}, {config.out.with_suffix('.png')}")

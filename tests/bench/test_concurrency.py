@@ -1,0 +1,37 @@
+"""bench.concurrency: per-token latency from stream arrival times, and a wave's summary."""
+from __future__ import annotations
+
+import pytest
+
+from bench.concurrency import StreamTrace, format_row, percentiles, summarize_wave, token_latencies_ms
+
+
+def test_token_latencies_split_a_message_gap_over_its_tokens():
+    trace = StreamTrace("r", 0.5, ((1.0, 3), (1.1, 2), (1.4, 1)))
+    assert token_latencies_ms(trace) == pytest.approx([50.0, 50.0, 300.0])
+    assert token_latencies_ms(StreamTrace("r", 0.5, ((1.0, 3),))) == []
+
+
+def test_percentiles_interpolate():
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"p50": 3.0, "p99": pytest.approx(4.96)}
+    assert percentiles([]) == {"p50": None, "p99": None}
+
+
+def test_summarize_wave():
+    traces = [StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3))), StreamTrace("b", 0.0, ((1.0, 2), (2.0, 2))),
+              StreamTrace("c", 0.0, (), error="UNAVAILABLE: down")]
+    controllers = [{"num_steps_by_degree": [1, 2], "num_probe_steps": 1}, {"num_steps_by_degree": [0, 0, 4]}]
+    out = summarize_wave(traces, controllers)
+    assert (out["num_requests"], out["num_errors"], out["num_tokens"]) == (3, 1, 8)
+    assert out["wall_s"] == 2.0 and out["aggregate_tokens_per_s"] == 4.0
+    assert out["ttft_ms"]["p50"] == pytest.approx(750.0)
+    # latencies: 500/3 ms x3, 500 ms x2
+    assert out["token_latency_ms"]["p50"] == pytest.approx(500 / 3)
+    assert out["num_steps_by_degree"] == [1, 2, 4] and out["num_probe_steps"] == 1
+    assert out["errors"] == ["UNAVAILABLE: down"]
+
+
+def test_format_row_without_output():
+    row = {"concurrency": 4, "speculation": True, "num_errors": 4, "num_requests": 4,
+           "aggregate_tokens_per_s": None, "token_latency_ms": {"p50": None, "p99": None}}
+    assert format_row(row) == "[concurrency   4] speculation on  | no output | errors 4/4"

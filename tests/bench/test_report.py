@@ -1,0 +1,139 @@
+"""bench.report: aggregation of per-request records into results.json figures, on hand-computed cases."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.report import (BASELINE, SPECULATIVE, Record, check_json, finite, merge_entropy_bins, num_same,
+                          outside_fraction, speculation_figures, spread, sum_counts, summarize_scenario)
+
+
+def stats(total: float = 100.0, verify: float = 60.0, decoders: dict | None = None, proposed: int = 10,
+          accepted: int = 4, generated: int = 12, steps: int = 6, bins: list | None = None) -> dict:
+    return {"num_prompt_tokens": 5, "num_generated_tokens": generated, "num_steps": steps, "num_proposed": proposed,
+            "num_accepted": accepted, "tokens_per_second": 0.0,
+            "stage_ms": {"draft": 5.0, "verify": verify, "validate": 1.0, "commit": 1.0, "state": 1.0, "other": 0.0,
+                         "total": total},
+            "decoders": decoders or {}, "entropy_bins": bins or [],
+            "num_steps_by_degree": [1, 5], "num_steps_by_draft_length": [1, 0, 2, 3], "num_probe_steps": 1}
+
+
+def record(system: str, prompt_id: str, token_ids: tuple = (1, 2, 3, 4), seconds: float = 1.0, error: str = "",
+           stats_: dict | None = None, text: str | None = None) -> Record:
+    return Record(system, "code", prompt_id, 5, () if error else token_ids,
+                  text if text is not None else " ".join(map(str, token_ids)), seconds, error=error, stats=stats_)
+
+
+def test_spread_of_four_values():
+    s = spread([4.0, 1.0, 3.0, 2.0])
+    assert s == {"median": 2.5, "min": 1.0, "q1": 1.75, "q3": 3.25, "max": 4.0, "n": 4}
+
+
+def test_spread_of_one_and_none():
+    assert spread([7.0]) == {"median": 7.0, "min": 7.0, "q1": 7.0, "q3": 7.0, "max": 7.0, "n": 1}
+    assert spread([]) is None
+
+
+def test_merge_entropy_bins_sums_equal_bands_in_ascending_order():
+    a = [{"lower": 0.5, "upper": 1.0, "num_proposed": 1, "num_accepted": 0},
+         {"lower": 0.0, "upper": 0.5, "num_proposed": 4, "num_accepted": 3}]
+    b = [{"lower": 0.0, "upper": 0.5, "num_proposed": 2, "num_accepted": 1},
+         {"lower": 4.0, "upper": None, "num_proposed": 0, "num_accepted": 0}]
+    merged = merge_entropy_bins([a, b])
+    assert [(m["lower"], m["upper"], m["num_proposed"], m["num_accepted"]) for m in merged] == [
+        (0.0, 0.5, 6, 4), (0.5, 1.0, 1, 0), (4.0, None, 0, 0)]
+    assert merged[0]["acceptance_rate"] == pytest.approx(4 / 6)
+    assert merged[1]["acceptance_rate"] == 0.0
+    assert merged[2]["acceptance_rate"] is None
+
+
+def test_sum_counts_pads_shorter_lists():
+    assert sum_counts([[1, 2], [0, 0, 5], []]) == [1, 2, 5]
+    assert sum_counts([]) == []
+
+
+def test_outside_fraction_leaves_out_verify_and_model_based_drafting_only():
+    # 200 ms total; 120 verify; early_exit (both ranks' names) 20 ms is model compute, prompt lookup 10 ms is not.
+    s1 = stats(total=100.0, verify=60.0,
+               decoders={"early_exit": {"num_proposed": 1, "num_accepted": 0, "time_ms": 15.0},
+                         "prompt_lookup": {"num_proposed": 1, "num_accepted": 1, "time_ms": 10.0}})
+    s2 = stats(total=100.0, verify=60.0, decoders={"early_exit#1": {"num_proposed": 1, "num_accepted": 0,
+                                                                    "time_ms": 5.0}})
+    assert outside_fraction([s1, s2]) == pytest.approx((200 - 120 - 20) / 200)
+    assert outside_fraction([stats(total=0.0)]) is None
+
+
+def test_speculation_figures_sum_over_requests():
+    d1 = {"prompt_lookup": {"num_proposed": 8, "num_accepted": 4, "time_ms": 1.0}}
+    d2 = {"prompt_lookup": {"num_proposed": 2, "num_accepted": 0, "time_ms": 0.5},
+          "suffix_index": {"num_proposed": 0, "num_accepted": 0, "time_ms": 0.2}}
+    f = speculation_figures([stats(decoders=d1, proposed=8, accepted=4, generated=10, steps=5),
+                             stats(decoders=d2, proposed=2, accepted=0, generated=2, steps=2)])
+    assert f["acceptance_rate"] == pytest.approx(0.4)
+    assert f["mean_accepted_length"] == pytest.approx(12 / 7)
+    assert f["decoders"]["prompt_lookup"] == {"num_proposed": 10, "num_accepted": 4, "time_ms": 1.5,
+                                              "acceptance_rate": 0.4}
+    assert f["decoders"]["suffix_index"]["acceptance_rate"] is None
+    assert f["num_steps_by_degree"] == [2, 10]
+    assert f["num_probe_steps"] == 2
+
+
+def test_num_same_by_token_ids_or_text():
+    refs = {"a": record(BASELINE, "a", (1, 2)), "b": record(BASELINE, "b", (3, 4), text="x")}
+    rows = [record("s", "a", (1, 2)), record("s", "b", (9, 9), text="x"), record("s", "c", (5,))]
+    assert num_same(rows, refs, by_text=False) == 1
+    assert num_same(rows, refs, by_text=True) == 2   # "b" differs in ids but decodes the same
+    assert num_same([record("s", "c")], refs, by_text=False) is None
+
+
+def test_summarize_scenario_speedups_and_comparisons():
+    records = [record(BASELINE, "a", seconds=2.0), record(BASELINE, "b", seconds=4.0),    # 2.0 and 1.0 tok/s
+               record(SPECULATIVE, "a", seconds=1.0, stats_=stats()),                     # 4.0 tok/s
+               record(SPECULATIVE, "b", (1, 2, 3, 5), seconds=2.0, stats_=stats()),       # 2.0 tok/s, differs
+               record("transformers", "a", seconds=4.0), record("transformers", "b", seconds=4.0),
+               record("transformers_lookup", "a", seconds=2.0), record("transformers_lookup", "b", error="E: x")]
+    out = summarize_scenario(records)
+    assert list(out) == [BASELINE, SPECULATIVE, "transformers", "transformers_lookup"]
+    assert out[BASELINE]["speedup"] == pytest.approx(1.0)
+    assert out[SPECULATIVE]["speedup"] == pytest.approx(3.0 / 1.5)
+    assert out[SPECULATIVE]["num_same_as_baseline"] == 1
+    assert out[SPECULATIVE]["compared_by"] == "token_ids"
+    assert out[SPECULATIVE]["acceptance_rate"] == pytest.approx(0.4)
+    assert out["transformers"]["compared_by"] == "text"
+    assert out["transformers"]["num_same_as_baseline"] == 2
+    lookup = out["transformers_lookup"]
+    assert (lookup["num_errors"], lookup["errors"]) == (1, ["E: x"])
+    assert lookup["speedup_over_own_greedy"] == pytest.approx(2.0)
+    assert lookup["num_same_as_own_greedy"] == 1
+    assert "acceptance_rate" not in out["transformers"]
+
+
+def test_summarize_scenario_with_a_failed_baseline_has_no_speedup():
+    out = summarize_scenario([record(BASELINE, "a", error="UNIMPLEMENTED: response_format"),
+                              record(SPECULATIVE, "a", error="UNIMPLEMENTED: response_format"),
+                              record("transformers", "a")])
+    assert out[BASELINE]["tokens_per_s"] is None
+    assert out[SPECULATIVE]["errors"] == ["UNIMPLEMENTED: response_format"]
+    assert out["transformers"]["speedup"] is None
+    assert out["transformers"]["num_same_as_baseline"] is None
+
+
+def test_json_counts_appear_for_json_records():
+    r = Record("transformers", "json", "a", 5, (1,), "{}", 1.0, is_json=True, is_schema_valid=False)
+    out = summarize_scenario([r])["transformers"]
+    assert (out["num_json"], out["num_schema_valid"]) == (1, 0)
+
+
+def test_check_json():
+    schema = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
+    assert check_json('{"n": 3}', schema) == (True, True)
+    assert check_json(' {"n": "3"} ', schema) == (True, False)
+    assert check_json('```json\n{"n": 3}\n```', schema) == (False, False)
+    assert check_json("[1]", None) == (True, False)
+
+
+def test_record_to_dict_and_finite():
+    d = Record("baseline", "code", "a", 5, (1, 2), "x", 0.5).to_dict()
+    assert "token_ids" not in d and d["num_tokens"] == 2 and d["tokens_per_s"] == 4.0
+    assert finite({"a": [1.0, math.inf], "b": (math.inf,)}) == {"a": [1.0, None], "b": [None]}

@@ -1,0 +1,84 @@
+"""End to end with every mix of draft decoders: greedy fp32 output equals speculation off whichever
+decoders propose, the model-based ones (early exit, layer skip over the primary's weights, mapped
+by the draft pool) included, alone, beside a model-free one, all four at once, and all four under
+the adaptive controller.
+
+One stack for the module, offering all four strategies; it is used only once the draft pool has
+attached the primary's weights (before that the model-based decoders propose nothing, and a test
+could pass without them). The fixed mixes check that those decoders did propose.
+
+    .venv/bin/pytest -q tests/e2e/test_decoder_mix.py
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from bench.drafts import MODEL_DECODERS, wait_for_model_decoders
+from specdec.launcher import Stack, StackConfig
+from specdec.v1 import gateway_pb2
+
+pytestmark = pytest.mark.e2e
+
+STRATEGIES = ("prompt_lookup", "suffix_index", "early_exit", "layer_skip")
+MIXES = (("early_exit",), ("layer_skip",), ("prompt_lookup", "early_exit"), ("suffix_index", "layer_skip"),
+         STRATEGIES)
+MAX_NEW_TOKENS = 24
+DRAFT_LENGTH = 4
+ATTACH_TIMEOUT_S = 120.0
+PROMPTS = {  # name -> (is_chat, text): one chat request, one raw completion of a code stub
+    "chat": (True, "Name three primary colors and one thing that has each color."),
+    "completion": (False, 'def is_palindrome(text: str) -> bool:\n    """Return True when text reads the same '
+                          'backwards, ignoring case."""\n'),
+}
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """tests/e2e/conftest.py's stack, offering the model-based strategies too, once they propose."""
+    log_dir = tmp_path_factory.mktemp("stack-test_decoder_mix")
+    config = StackConfig(precision="fp32", redis_url=redis_server.url, strategies=STRATEGIES, log_dir=log_dir)
+    with Stack(config) as started:
+        wait_for_model_decoders(started, MODEL_DECODERS, timeout_s=ATTACH_TIMEOUT_S)
+        yield started
+
+
+def generate(stub, prompt: str, speculation: gateway_pb2.SpeculationConfig) -> gateway_pb2.GenerateResponse:
+    is_chat, text = PROMPTS[prompt]
+    req = gateway_pb2.GenerateRequest(max_new_tokens=MAX_NEW_TOKENS, speculation=speculation)
+    if is_chat:
+        req.chat.messages.add(role="user", content=text)
+    else:
+        req.prompt = text
+    return stub.Generate(req, timeout=300)
+
+
+def fixed(mix: tuple[str, ...]) -> gateway_pb2.SpeculationConfig:
+    """Every decoder of the mix proposes draft_length tokens at every step."""
+    return gateway_pb2.SpeculationConfig(is_enabled=True, strategies=mix, speculative_degree=len(mix),
+                                         draft_length=DRAFT_LENGTH, is_adaptive=False)
+
+
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prompt):
+    baseline = generate(gateway_stub, prompt, gateway_pb2.SpeculationConfig(is_enabled=False))
+    assert len(baseline.token_ids) > 0
+    assert baseline.stats.num_proposed_tokens == 0
+    for mix in MIXES:
+        out = generate(gateway_stub, prompt, fixed(mix))
+        assert list(out.token_ids) == list(baseline.token_ids), (prompt, mix, out.text, baseline.text)
+        assert out.text == baseline.text
+        proposed = {d.name: d.num_proposed for d in out.stats.decoders}
+        assert set(proposed) <= set(mix), (mix, proposed)
+        for name in set(mix) & set(MODEL_DECODERS):   # the model-based decoders really ran
+            assert proposed.get(name, 0) > 0, (prompt, mix, proposed)
+        assert out.stats.num_generated_tokens == len(out.token_ids)
+        assert out.stats.num_steps <= baseline.stats.num_steps
+
+    adaptive = generate(gateway_stub, prompt, gateway_pb2.SpeculationConfig(
+        is_enabled=True, strategies=STRATEGIES, speculative_degree=len(STRATEGIES), draft_length=DRAFT_LENGTH,
+        is_adaptive=True))
+    assert list(adaptive.token_ids) == list(baseline.token_ids), (prompt, "adaptive", adaptive.text, baseline.text)
+    assert adaptive.text == baseline.text
