@@ -5,7 +5,8 @@ declared order, `": "`, `", "`, closing brackets, the rest of an enum value once
 is written. Those tokens cost nothing to propose (no model, one jump-forward query of the
 grammar state), and the primary accepts them whenever it writes them with the same tokens, which
 it usually does because they are re-tokenized with its own tokenizer (see
-`specdec.grammar.GrammarState.forced_continuation`). Inside strings and numbers nothing is forced
+`specdec.grammar.GrammarState.forced_continuation`), except for the last token before free text,
+which the model often merges with what follows: that one is left to the primary (the bonus token). Inside strings and numbers nothing is forced
 and this decoder proposes nothing; prompt lookup and the suffix index cover those.
 
 The decoder follows the request's committed tokens with its own grammar state. The first
@@ -56,8 +57,24 @@ class GrammarForcedDecoder:
         validate_propose_args(max_tokens, max_candidates)
         if self.is_diverged:
             return ()
-        token_ids = self._state.forced_continuation(max_tokens)
+        # One token more than asked for tells whether the forced text goes on past max_tokens.
+        token_ids = self._state.forced_continuation(max_tokens + 1)
+        if len(token_ids) > max_tokens:
+            token_ids = token_ids[:max_tokens]       # the cut falls inside forced text: tokens as written
+        elif token_ids and not self._ends_output(token_ids):
+            # The forced text ends where free text begins, and the model's last token there often
+            # spans both: forced ` [` then `]` is written ` [],`; forced `": "` then `Al` is `":` ` "Al`.
+            # That token comes free as the step's bonus token instead.
+            token_ids = token_ids[:-1]
         return (Candidate(self.name, token_ids),) if token_ids else ()
+
+    def _ends_output(self, token_ids: tuple[int, ...]) -> bool:
+        """Whether `token_ids` complete the output (nothing but the end follows, e.g. a final `}`)."""
+        if not self._state.accept_tokens(token_ids):
+            return False
+        is_completed = self._state.is_completed
+        self._state.rollback(len(token_ids))
+        return is_completed
 
 
 def register_grammar_decoder(registry: DecoderRegistry, grammars: GrammarCache) -> None:

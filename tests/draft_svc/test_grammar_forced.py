@@ -51,15 +51,19 @@ def test_follows_the_protocol_and_registers_as_grammar(grammars):
 def test_proposes_the_forced_text_by_hand(grammars, tokenizer):
     decoder = GrammarForcedDecoder(grammars, response_format=PERSON)
     decoder.extend(PROMPT_IDS)                                    # the prompt is not grammar input
-    assert _texts(tokenizer, decoder.propose(16)) == ['{"name": "']
+    # The forced text is `{"name": "`; its last token ` "` is held back: the model writes ` "Al` at once.
+    assert _texts(tokenizer, decoder.propose(16)) == ['{"name":']
     [candidate] = decoder.propose(2, max_candidates=3)            # one continuation at most
     assert tokenizer.decode(candidate.token_ids) == '{"' + "name" and candidate.rank == 0
     assert candidate.decoder == "grammar" and candidate.draft_probs is None
     decoder.extend(tokenizer.encode('{"name": "Al'))
     assert decoder.propose(16) == ()                              # inside a string: nothing forced
     decoder.extend(tokenizer.encode('"'))
-    assert _texts(tokenizer, decoder.propose(16)) == [', "age": ']
-    decoder.extend(tokenizer.encode(', "age": 7}') + [EOS])
+    assert _texts(tokenizer, decoder.propose(16)) == [', "age":']      # forced `, "age": ` less ` `
+    decoder.extend(tokenizer.encode(', "age": 7'))
+    assert _texts(tokenizer, decoder.propose(16)) == []                # `}` or more digits: not forced
+    decoder.extend(tokenizer.encode('}'))
+    decoder.extend([EOS])
     assert decoder.propose(16) == () and decoder.propose(0) == ()
     with pytest.raises(ValueError, match="max_candidates"):
         decoder.propose(4, max_candidates=0)
@@ -70,7 +74,7 @@ def test_late_creation_catches_up_on_the_output(grammars, tokenizer):
     decoder = GrammarForcedDecoder(grammars, response_format=PERSON, num_prompt_tokens=len(PROMPT_IDS))
     decoder.extend(PROMPT_IDS + output)                           # the pool's first call: prompt + output
     assert decoder.num_output_tokens == len(output)
-    assert _texts(tokenizer, decoder.propose(16)) == [', "age": ']
+    assert _texts(tokenizer, decoder.propose(16)) == [', "age":']
 
 
 def test_output_outside_the_grammar_silences_the_decoder(grammars, tokenizer):

@@ -60,7 +60,7 @@ def test_within_grammar_cuts_at_the_first_forbidden_token(grammar_cache, tokeniz
 
 
 def test_grammar_drafts_merge_with_the_others_and_nothing_off_grammar_is_proposed(grammar_cache, tokenizer):
-    forced = tokenizer.encode('{"name": "')
+    forced = tokenizer.encode('{"name":')          # `{"name": "` less its last token (held back)
     off_grammar = tuple(tokenizer.encode("Sure! Here"))
     pool = make_pool(grammar_cache, off_grammar)
     proposal = pool.propose(ProposeArgs("r", prompt_token_ids=PROMPT, strategies=("grammar", "lookup"),
