@@ -10,7 +10,7 @@ together (a barrier). Per wave:
                          apart, as time to first token (TTFT)
     controller           the adaptive controller's choices under load, summed over the wave's
                          requests: steps by speculative_degree and by draft_length (index 0 = a step
-                         without speculation), probe steps (read back from Redis)
+                         without speculation), probe steps (the final message's GenerationStats)
 Waves use distinct prompts (taken after the main run's), so the draft pool's suffix index, which
 learns from finished outputs, never holds the output of the request it drafts for.
 """
@@ -41,6 +41,7 @@ class StreamTrace:
     sent_at: float                               # perf_counter seconds
     arrivals: tuple[tuple[float, int], ...]      # (receive time, tokens in the message), messages with tokens
     error: str = ""
+    controller: dict[str, Any] | None = None    # bench.stack.controller_choices of the final message's stats
 
     @property
     def num_tokens(self) -> int:
@@ -69,9 +70,10 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict
     return {f"p{q:g}": float(v) for q, v in zip(qs, np.percentile(np.asarray(values, dtype=np.float64), qs))}
 
 
-def summarize_wave(traces: Sequence[StreamTrace], controllers: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize_wave(traces: Sequence[StreamTrace]) -> dict[str, Any]:
     """Aggregate tokens/s, latency percentiles and controller choices of one wave."""
     ok = [t for t in traces if not t.error]
+    controllers = [t.controller for t in ok if t.controller is not None]
     start = min((t.sent_at for t in traces), default=0.0)
     wall_s = max((t.ended_at for t in ok), default=start) - start
     num_tokens = sum(t.num_tokens for t in ok)
@@ -104,17 +106,19 @@ def _stream(address: str, request: gateway_pb2.GenerateRequest, barrier: threadi
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         barrier.wait()
         sent_at = time.perf_counter()
-        request_id, arrivals = "", []
+        request_id, arrivals, controller = "", [], None
         try:
             for message in stub.GenerateStream(request, timeout=REQUEST_TIMEOUT_S):
                 now = time.perf_counter()
                 request_id = message.request_id or request_id
                 if message.token_ids:
                     arrivals.append((now, len(message.token_ids)))
+                if message.is_final:
+                    controller = controller_choices(message.stats)
         except grpc.RpcError as e:
             out[index] = StreamTrace(request_id, sent_at, tuple(arrivals), error=rpc_error(e))
             return
-        out[index] = StreamTrace(request_id, sent_at, tuple(arrivals))
+        out[index] = StreamTrace(request_id, sent_at, tuple(arrivals), controller=controller)
 
 
 def run_wave(sut: SystemUnderTest, requests: Sequence[gateway_pb2.GenerateRequest]) -> list[StreamTrace]:
@@ -146,8 +150,7 @@ def run_sweep(sut: SystemUnderTest, prompts: Sequence[BenchPrompt], levels: Sequ
             requests = [build_request(p, max_new_tokens, is_speculative, is_schema and p.schema is not None)
                         for p in wave_prompts]
             traces = run_wave(sut, requests)
-            controllers = [controller_choices(sut.store, t.request_id) for t in traces if t.request_id]
-            row = {"concurrency": level, "speculation": is_speculative, **summarize_wave(traces, controllers)}
+            row = {"concurrency": level, "speculation": is_speculative, **summarize_wave(traces)}
             rows.append(row)
             print(format_row(row), flush=True)
     return rows

@@ -3,14 +3,16 @@
     run, records = measure_precision("fp32", config, selections, sweep_prompts, tokenizer, model_dir,
                                      peers=["transformers"], cache={})
 
-Order: the stack first (redis + four services; per prompt the baseline, then the speculative
-request, so drift on a noisy machine hits both alike; then the concurrency sweep), stopped before
-the peers run, so that idle services do not share the CPU with them. Each system answers one
-short warm-up request first (not recorded; the warm-up prompt is not a benchmark prompt, so the
-suffix index never learns a measured output from it).
+Order: the stack first (redis + four services; per scenario and prompt the baseline, then the
+speculative request, so drift on a noisy machine hits both alike; then the concurrency sweep),
+stopped before the peers run, so that idle services do not share the CPU with them. Each system
+answers one short warm-up request first (not recorded; the warm-up prompt is not a benchmark
+prompt, so the suffix index never learns a measured output from it). The peers run each prompt
+once: the json variants (bench/scenarios.py) differ only on the stack.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,6 +22,7 @@ from bench.concurrency import run_sweep
 from bench.peers import LlamaCppPeer, TransformersPeer, default_gguf_path, llama_cpp_missing
 from bench.prompts import BenchPrompt
 from bench.report import BASELINE, SPECULATIVE, Record, check_json, summarize_scenario
+from bench.scenarios import is_constrained, prompt_file
 from bench.stack import SystemUnderTest, run_request, system_under_test
 
 if TYPE_CHECKING:  # bench.suite imports this module
@@ -38,10 +41,6 @@ def peers_skipped(peers: Sequence[str]) -> dict[str, str]:
     return {"llamacpp": reason} if reason else {}
 
 
-def is_constrained(prompt: BenchPrompt, is_schema: bool) -> bool:
-    return is_schema and prompt.scenario == "json" and prompt.schema is not None
-
-
 def print_record(precision: str, r: Record) -> None:
     head = f"[{precision} {r.scenario}] {r.prompt_id} {r.system:>19}:"
     if r.error:
@@ -51,28 +50,32 @@ def print_record(precision: str, r: Record) -> None:
     if r.stats is not None and r.stats["num_proposed"]:
         extra = (f", acceptance {r.stats['num_accepted'] / r.stats['num_proposed']:.1%}, "
                  f"{r.stats['num_generated_tokens'] / max(r.stats['num_steps'], 1):.2f} tokens/step")
+    if r.is_json is not None:
+        extra += ", " + ("schema-valid JSON" if r.is_schema_valid else "JSON, not schema-valid" if r.is_json
+                         else "not JSON")
     print(f"{head} {r.num_tokens} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.1f} tok/s{extra}", flush=True)
 
 
-def measure_stack(sut: SystemUnderTest, selections: Mapping[str, Selection], is_schema: bool, max_new_tokens: int,
+def measure_stack(sut: SystemUnderTest, selections: Mapping[str, Selection], max_new_tokens: int,
                   tokenizer: Any, precision: str) -> list[Record]:
     for system in (BASELINE, SPECULATIVE):
-        run_request(sut, WARMUP_PROMPT, system, NUM_WARMUP_TOKENS, False, tokenizer)
+        run_request(sut, WARMUP_PROMPT, WARMUP_PROMPT.scenario, system, NUM_WARMUP_TOKENS, False, tokenizer)
     records = []
-    for selection in selections.values():
+    for scenario, selection in selections.items():
         for prompt in selection.prompts:
             for system in (BASELINE, SPECULATIVE):
-                record = run_request(sut, prompt, system, max_new_tokens, is_constrained(prompt, is_schema), tokenizer)
+                record = run_request(sut, prompt, scenario, system, max_new_tokens,
+                                     is_constrained(scenario, prompt), tokenizer)
                 print_record(precision, record)
                 records.append(record)
     return records
 
 
-def peer_record(system: str, prompt: BenchPrompt, prompt_ids: Sequence[int], token_ids: Sequence[int],
-                seconds: float, tokenizer: Any) -> Record:
+def peer_record(system: str, scenario: str, prompt: BenchPrompt, prompt_ids: Sequence[int],
+                token_ids: Sequence[int], seconds: float, tokenizer: Any) -> Record:
     text = tokenizer.decode(token_ids)
-    is_json, is_valid = check_json(text, prompt.schema) if prompt.scenario == "json" else (None, None)
-    return Record(system, prompt.scenario, prompt.id, len(prompt_ids), tuple(token_ids), text, seconds,
+    is_json, is_valid = check_json(text, prompt.schema) if prompt.schema is not None else (None, None)
+    return Record(system, scenario, prompt.id, len(prompt_ids), tuple(token_ids), text, seconds,
                   is_json=is_json, is_schema_valid=is_valid)
 
 
@@ -82,18 +85,24 @@ def measure_peer(peer: Any, selections: Mapping[str, Selection], max_new_tokens:
     for system in peer.systems:
         peer.run(system, warmup_ids, NUM_WARMUP_TOKENS)
     records = []
-    for selection in selections.values():
+    done: dict[tuple[str, str, str], Record] = {}   # (prompt file, prompt id, system) -> its first record
+    for scenario, selection in selections.items():
         for prompt in selection.prompts:
             prompt_ids = tokenizer.encode(prompt.text(tokenizer))
             for system in peer.systems:
+                key = (prompt_file(scenario), prompt.id, system)
+                if key in done:   # the peers run json unconstrained: one measurement serves both variants
+                    records.append(dataclasses.replace(done[key], scenario=scenario))
+                    continue
                 try:
                     token_ids, seconds = peer.run(system, prompt_ids, max_new_tokens)
-                    record = peer_record(system, prompt, prompt_ids, token_ids, seconds, tokenizer)
+                    record = peer_record(system, scenario, prompt, prompt_ids, token_ids, seconds, tokenizer)
                 except Exception as e:  # a peer's failure is a figure of this run, not the end of it
-                    record = Record(system, prompt.scenario, prompt.id, len(prompt_ids), (), "", 0.0,
+                    record = Record(system, scenario, prompt.id, len(prompt_ids), (), "", 0.0,
                                     error=f"{type(e).__name__}: {e}")
                 print_record(precision, record)
                 records.append(record)
+                done[key] = record
     return records
 
 
@@ -118,7 +127,7 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
     """Every system at one precision: (the run's summary for results.json, its records)."""
     max_context = config.sequence_length + MAX_TREE_NODES
     with system_under_test(precision, config.threads, max_context) as sut:
-        records = measure_stack(sut, selections, config.is_schema, config.max_new_tokens, tokenizer, precision)
+        records = measure_stack(sut, selections, config.max_new_tokens, tokenizer, precision)
         sweep = (run_sweep(sut, sweep_prompts, config.concurrency, config.max_new_tokens, config.is_schema)
                  if config.concurrency else [])
     mismatches = prompt_token_mismatches(records, tokenizer, selections)
@@ -133,8 +142,8 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"peer {name} failed: {failed[name]}", flush=True)
     scenarios = {name: {"num_prompts": len(s.prompts), "num_skipped": s.num_skipped,
-                        "prompt_ids": [p.id for p in s.prompts],
-                        "is_constrained": any(is_constrained(p, config.is_schema) for p in s.prompts),
+                        "prompt_file": prompt_file(name), "prompt_ids": [p.id for p in s.prompts],
+                        "is_constrained": any(is_constrained(name, p) for p in s.prompts),
                         "systems": summarize_scenario([r for r in records if r.scenario == name])}
                  for name, s in selections.items()}
     return ({"scenarios": scenarios, "concurrency": sweep, "prompt_token_mismatches": mismatches,

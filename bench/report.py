@@ -7,12 +7,18 @@ The markdown tables are bench/tables.py's, the chart bench/chart.py's.
 Definitions (also in bench/suite.py's docstring):
     tokens/s            generated tokens / client wall time of the whole call (prefill included);
                         median and spread (min, q1, q3, max) over prompts
-    speedup             median tokens/s of the system / median tokens/s of the baseline
+    speedup             ratio of medians: median tokens/s of the system / median tokens/s of the baseline
+    speedup_per_prompt  median of ratios: spread over prompts of the system's tokens/s / the baseline's
+                        on the same prompt
     acceptance rate     accepted draft tokens / proposed draft tokens, summed over prompts
     mean accepted length  generated tokens / steps, summed over prompts
-    outside model compute  (total - verify - model-based drafting) / total, summed over prompts:
-                        verify is the gateway's wall time of the primary's Prefill/Decode/Verify
-                        calls (their RPC time included), so this is a lower bound on the overhead
+    outside model compute  (total - forward - model-based drafting) / total, summed over prompts:
+                        forward is StageTimes.forward_ms (the primary's forward passes themselves),
+                        model-based drafting the time_ms of the early_exit / layer_skip decoders
+    stage_ms_per_step   each stage's ms summed over prompts / steps summed over prompts; verify is
+                        split into forward and verify_minus_forward (RPC, queueing, logits encoding),
+                        draft_model is the model-based part of draft
+    grammar-forced share  the grammar decoder's accepted draft tokens / all accepted draft tokens
 """
 from __future__ import annotations
 
@@ -29,8 +35,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# Draft decoders that run a model (the primary's weights): their time counts as model compute.
-MODEL_BASED_DECODERS = ("early_exit", "layer_skip")
+from bench.overhead import outside_fraction, stage_ms_per_step, strategy_of
+
+GRAMMAR_DECODER = "grammar"   # grammar-forced drafts (jump-forward text of the schema)
 BASELINE = "baseline"
 SPECULATIVE = "speculative"
 STACK_SYSTEMS = (BASELINE, SPECULATIVE)   # through the gateway; the other systems are peers
@@ -124,21 +131,8 @@ def sum_counts(count_lists: Iterable[Sequence[int]]) -> list[int]:
     return out
 
 
-def outside_fraction(stats: Sequence[dict[str, Any]]) -> float | None:
-    """Share of the total time outside model compute: (total - verify - model-based drafting) / total."""
-    total = sum(s["stage_ms"]["total"] for s in stats)
-    if total <= 0:
-        return None
-    model_ms = sum(s["stage_ms"]["verify"] + sum(d["time_ms"] for name, d in s["decoders"].items()
-                                                  if name.split("#")[0] in MODEL_BASED_DECODERS) for s in stats)
-    return max(0.0, total - model_ms) / total
-
-
-def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Acceptance, accepted length, per-decoder acceptance, entropy bins and the steps' plans of a system."""
-    proposed = sum(s["num_proposed"] for s in stats)
-    accepted = sum(s["num_accepted"] for s in stats)
-    steps = sum(s["num_steps"] for s in stats)
+def sum_decoders(stats: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Decoder name -> proposed, accepted, time_ms summed over requests, and its acceptance rate."""
     decoders: dict[str, dict[str, float]] = {}
     for s in stats:
         for name, d in s["decoders"].items():
@@ -147,14 +141,33 @@ def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 row[key] += d[key]
     for row in decoders.values():
         row["acceptance_rate"] = row["num_accepted"] / row["num_proposed"] if row["num_proposed"] else None
+    return dict(sorted(decoders.items()))
+
+
+def grammar_forced_share(decoders: dict[str, dict[str, float]], num_accepted: int) -> float | None:
+    """The grammar decoder's accepted draft tokens / all accepted draft tokens; None when none accepted."""
+    if not num_accepted:
+        return None
+    num_forced = sum(d["num_accepted"] for name, d in decoders.items() if strategy_of(name) == GRAMMAR_DECODER)
+    return num_forced / num_accepted
+
+
+def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Acceptance, accepted length, time per stage, per-decoder figures, entropy bins and the steps' plans."""
+    proposed = sum(s["num_proposed"] for s in stats)
+    accepted = sum(s["num_accepted"] for s in stats)
+    steps = sum(s["num_steps"] for s in stats)
+    decoders = sum_decoders(stats)
     return {"acceptance_rate": accepted / proposed if proposed else None, "num_proposed": proposed,
             "num_accepted": accepted,
             "mean_accepted_length": sum(s["num_generated_tokens"] for s in stats) / steps if steps else None,
-            "outside_model_fraction": outside_fraction(stats), "decoders": dict(sorted(decoders.items())),
+            "outside_model_fraction": outside_fraction(stats), "stage_ms_per_step": stage_ms_per_step(stats),
+            "decoders": decoders, "grammar_forced_share": grammar_forced_share(decoders, accepted),
             "entropy_bins": merge_entropy_bins(s["entropy_bins"] for s in stats),
-            "num_steps_by_degree": sum_counts(s.get("num_steps_by_degree", []) for s in stats),
-            "num_steps_by_draft_length": sum_counts(s.get("num_steps_by_draft_length", []) for s in stats),
-            "num_probe_steps": sum(s.get("num_probe_steps", 0) for s in stats)}
+            "num_steps_by_degree": sum_counts(s["num_steps_by_degree"] for s in stats),
+            "num_steps_by_draft_length": sum_counts(s["num_steps_by_draft_length"] for s in stats),
+            "num_probe_steps": sum(s["num_probe_steps"] for s in stats),
+            "task_types": sorted({s["task_type"] for s in stats if s["task_type"]})}
 
 
 def num_same(records: Sequence[Record], references: dict[str, Record], by_text: bool) -> int | None:
@@ -165,30 +178,50 @@ def num_same(records: Sequence[Record], references: dict[str, Record], by_text: 
     return sum((r.text == ref.text) if by_text else (r.token_ids == ref.token_ids) for r, ref in pairs)
 
 
+def speedups(records: Sequence[Record], references: Sequence[Record]) -> tuple[float | None, dict | None]:
+    """(ratio of medians, spread of per-prompt ratios) of tokens/s over the references' (errors left out).
+
+    E.g. tok/s a: 4 vs 2, b: 2 vs 1, c: 3 vs 3 -> medians 3 / 2 = 1.5; per prompt [2, 2, 1], median 2.
+    """
+    ok = [r for r in records if not r.error]
+    ok_refs = {r.prompt_id: r for r in references if not r.error}
+    tps, ref_tps = spread([r.tokens_per_s for r in ok]), spread([r.tokens_per_s for r in ok_refs.values()])
+    ratio_of_medians = tps["median"] / ref_tps["median"] if tps and ref_tps and ref_tps["median"] > 0 else None
+    per_prompt = [r.tokens_per_s / ok_refs[r.prompt_id].tokens_per_s for r in ok
+                  if r.prompt_id in ok_refs and ok_refs[r.prompt_id].tokens_per_s > 0]
+    return ratio_of_medians, spread(per_prompt)
+
+
+def json_figures(records: Sequence[Record]) -> dict[str, Any]:
+    """Outputs of prompts with a schema: how many parse as JSON, how many validate, and the rates."""
+    n = len(records)
+    num_json = sum(bool(r.is_json) for r in records)
+    num_valid = sum(bool(r.is_schema_valid) for r in records)
+    return {"num_json": num_json, "num_schema_valid": num_valid, "json_parse_rate": num_json / n if n else None,
+            "schema_validity_rate": num_valid / n if n else None}
+
+
 def summarize_system(records: Sequence[Record], baseline: Sequence[Record],
                      own_greedy: Sequence[Record] | None = None) -> dict[str, Any]:
     """The figures of one system in one scenario; baseline/own_greedy: the reference systems' records."""
     ok = [r for r in records if not r.error]
     ok_baseline = [r for r in baseline if not r.error]
-    tps = spread([r.tokens_per_s for r in ok])
-    base_tps = spread([r.tokens_per_s for r in ok_baseline])
     is_peer = any(r.system not in STACK_SYSTEMS for r in records)   # another engine: compare decoded text
+    speedup, per_prompt = speedups(records, baseline)
     out: dict[str, Any] = {
         "num_prompts": len(records), "num_errors": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error}),
-        "tokens_per_s": tps, "num_tokens": sum(r.num_tokens for r in ok),
-        "speedup": tps["median"] / base_tps["median"] if tps and base_tps and base_tps["median"] > 0 else None,
+        "tokens_per_s": spread([r.tokens_per_s for r in ok]), "num_tokens": sum(r.num_tokens for r in ok),
+        "speedup": speedup, "speedup_per_prompt": per_prompt,
         "num_same_as_baseline": num_same(ok, {r.prompt_id: r for r in ok_baseline}, by_text=is_peer),
         "compared_by": "text" if is_peer else "token_ids"}
     if own_greedy is not None:
-        ok_greedy = [r for r in own_greedy if not r.error]
-        greedy_tps = spread([r.tokens_per_s for r in ok_greedy])
-        out["speedup_over_own_greedy"] = (tps["median"] / greedy_tps["median"]
-                                          if tps and greedy_tps and greedy_tps["median"] > 0 else None)
-        out["num_same_as_own_greedy"] = num_same(ok, {r.prompt_id: r for r in ok_greedy}, by_text=False)
-    if any(r.is_json is not None for r in ok):
-        out["num_json"] = sum(bool(r.is_json) for r in ok)
-        out["num_schema_valid"] = sum(bool(r.is_schema_valid) for r in ok)
+        out["speedup_over_own_greedy"], out["speedup_over_own_greedy_per_prompt"] = speedups(records, own_greedy)
+        out["num_same_as_own_greedy"] = num_same(ok, {r.prompt_id: r for r in own_greedy if not r.error},
+                                                 by_text=False)
+    checked = [r for r in ok if r.is_json is not None]
+    if checked:
+        out.update(json_figures(checked))
     stats = [r.stats for r in ok if r.stats is not None]
     if stats:
         out.update(speculation_figures(stats))

@@ -2,12 +2,11 @@
 benchmark prompt through the gateway as a Record.
 
     with system_under_test(precision="fp32", num_threads=2, max_context=2112) as sut:
-        record = run_request(sut, prompt, BASELINE, max_new_tokens=64, is_constrained=False,
+        record = run_request(sut, prompt, "json", BASELINE, max_new_tokens=64, is_constrained=True,
                              tokenizer=tokenizer)
 
-The state lives in a real Redis (unix socket, no persistence), as in production; the bench also
-reads each request's stats back from it, for what GenerationStats does not carry: the adaptive
-controller's choices (steps by speculative_degree and by draft_length, probe steps, task type).
+The state lives in a real Redis (unix socket, no persistence), as in production. Every figure of
+a request, the adaptive controller's choices included, comes from its GenerationStats.
 """
 from __future__ import annotations
 
@@ -28,20 +27,16 @@ import redis
 from bench.prompts import BenchPrompt
 from bench.report import BASELINE, Record, check_json
 from specdec.launcher import Stack, StackConfig
-from specdec.state_store.redis_store import RedisStateStore
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 REQUEST_TIMEOUT_S = 1800.0   # one request, prefill to the last token, on a slow shared CPU
 REDIS_START_TIMEOUT_S = 10.0
-# The controller's choices, as the gateway stores them (gateway/stats.py RequestStats).
-CONTROLLER_FIELDS = ("num_steps_by_draft_length", "num_steps_by_degree", "num_probe_steps", "task_type")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SystemUnderTest:
     stack: Stack
     stub: gateway_pb2_grpc.GenerationServiceStub
-    store: RedisStateStore   # read-only use: the requests' stored stats
 
     @property
     def address(self) -> str:
@@ -94,11 +89,7 @@ def system_under_test(precision: str, num_threads: int, max_context: int) -> Ite
     with redis_server() as url:
         config = StackConfig(precision=precision, redis_url=url, num_threads=num_threads, max_context=max_context)
         with Stack(config) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
-            store = RedisStateStore.from_url(url)
-            try:
-                yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel), store)
-            finally:
-                store.close()
+            yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel))
 
 
 def build_request(prompt: BenchPrompt, max_new_tokens: int, is_speculative: bool,
@@ -118,44 +109,46 @@ def build_request(prompt: BenchPrompt, max_new_tokens: int, is_speculative: bool
     return req
 
 
-def stats_dict(stats: gateway_pb2.GenerationStats, controller: dict[str, Any]) -> dict[str, Any]:
-    """GenerationStats as plain data (bench.report's input), with the controller's choices added."""
+def controller_choices(stats: gateway_pb2.GenerationStats) -> dict[str, Any]:
+    """What each step ran: the adaptive controller's choices (or the fixed settings), index 0 = no speculation."""
+    return {"num_steps_by_draft_length": list(stats.num_steps_by_draft_length),
+            "num_steps_by_degree": list(stats.num_steps_by_degree), "num_probe_steps": stats.num_probe_steps,
+            "task_type": stats.task_type}
+
+
+def stats_dict(stats: gateway_pb2.GenerationStats) -> dict[str, Any]:
+    """GenerationStats as plain data (bench.report's input)."""
     st = stats.stage_times
     return {
         "num_prompt_tokens": stats.num_prompt_tokens, "num_generated_tokens": stats.num_generated_tokens,
         "num_steps": stats.num_steps, "num_proposed": stats.num_proposed_tokens,
         "num_accepted": stats.num_accepted_tokens, "tokens_per_second": stats.tokens_per_second,
-        "stage_ms": {"draft": st.draft_ms, "verify": st.verify_ms, "validate": st.validate_ms,
-                     "commit": st.commit_ms, "state": st.state_ms, "other": st.other_ms, "total": st.total_ms},
+        "stage_ms": {"draft": st.draft_ms, "verify": st.verify_ms, "forward": st.forward_ms,
+                     "validate": st.validate_ms, "commit": st.commit_ms, "state": st.state_ms, "other": st.other_ms,
+                     "total": st.total_ms},
         "decoders": {d.name: {"num_proposed": d.num_proposed, "num_accepted": d.num_accepted, "time_ms": d.time_ms}
                      for d in stats.decoders},
         "entropy_bins": [{"lower": b.lower, "upper": b.upper, "num_proposed": b.num_proposed,
                           "num_accepted": b.num_accepted} for b in stats.entropy_bins],
-        **{k: controller[k] for k in CONTROLLER_FIELDS if k in controller}}
-
-
-def controller_choices(store: RedisStateStore, request_id: str) -> dict[str, Any]:
-    """The stored stats' plan counters of a finished request ({} when it is gone)."""
-    state = store.load(request_id)
-    return {} if state is None else {k: state.stats[k] for k in CONTROLLER_FIELDS if k in state.stats}
+        **controller_choices(stats)}
 
 
 def rpc_error(e: grpc.RpcError) -> str:
     return f"{e.code().name}: {e.details()}"
 
 
-def run_request(sut: SystemUnderTest, prompt: BenchPrompt, system: str, max_new_tokens: int,
+def run_request(sut: SystemUnderTest, prompt: BenchPrompt, scenario: str, system: str, max_new_tokens: int,
                 is_constrained: bool, tokenizer: Any) -> Record:
-    """One greedy request through the gateway, timed by the client; an RPC error becomes the record's error."""
+    """One greedy request through the gateway, timed by the client; an RPC error becomes the record's error.
+    Outputs of prompts with a schema are checked against it, constrained or not."""
     req = build_request(prompt, max_new_tokens, is_speculative=system != BASELINE, is_constrained=is_constrained)
     t = time.perf_counter()
     try:
         resp = sut.stub.Generate(req, timeout=REQUEST_TIMEOUT_S)
     except grpc.RpcError as e:
         num_prompt_tokens = len(tokenizer.encode(prompt.text(tokenizer)))
-        return Record(system, prompt.scenario, prompt.id, num_prompt_tokens, (), "", 0.0, error=rpc_error(e))
+        return Record(system, scenario, prompt.id, num_prompt_tokens, (), "", 0.0, error=rpc_error(e))
     seconds = time.perf_counter() - t
-    stats = stats_dict(resp.stats, controller_choices(sut.store, resp.request_id))
-    is_json, is_valid = check_json(resp.text, prompt.schema) if prompt.scenario == "json" else (None, None)
-    return Record(system, prompt.scenario, prompt.id, resp.stats.num_prompt_tokens, tuple(resp.token_ids),
-                  resp.text, seconds, stats=stats, is_json=is_json, is_schema_valid=is_valid)
+    is_json, is_valid = check_json(resp.text, prompt.schema) if prompt.schema is not None else (None, None)
+    return Record(system, scenario, prompt.id, resp.stats.num_prompt_tokens, tuple(resp.token_ids),
+                  resp.text, seconds, stats=stats_dict(resp.stats), is_json=is_json, is_schema_valid=is_valid)

@@ -18,23 +18,41 @@ Systems, per precision:
                   peers_skipped) when llama_cpp is not installed: `make bench-deps`
 Every system gets the same prompt token ids: the model's chat template (BenchPrompt.text) for chat
 prompts, the raw text for completion-style ones. The stack's outputs are compared with the
-baseline's token for token, the peers' by decoded text (different engines). The json scenario
-sends each prompt's schema as response_format (TYPE_JSON_SCHEMA) to baseline and speculative alike
-(--no-schema: unconstrained); the peers run it unconstrained. An RPC error (UNIMPLEMENTED while the
-gateway does not serve response_format) is recorded for that system and scenario, not raised.
-Every json output is checked: parses as JSON, validates against its schema (jsonschema, Draft 7).
+baseline's token for token, the peers' by decoded text (different engines).
+
+Scenarios (bench/scenarios.py): json runs twice on the stack, on the same prompts: "json" sends each
+row's schema as response_format (TYPE_JSON_SCHEMA) to baseline and speculative alike, "json_noschema"
+sends no response_format; --no-schema keeps only "json_noschema". The peers run the json prompts
+unconstrained, once; their records are listed under both json scenarios. An RPC error is recorded for
+that system and scenario, not raised. Every output of a json row is checked: parses as JSON,
+validates against the row's schema (jsonschema, Draft 7).
 
 Prompts: the first --num-prompts rows of each scenario file, in file order, whose prompt tokens +
 --max-new-tokens fit --sequence-length; the rows skipped on the way are counted.
 
-Figures (bench/report.py): tokens/s = generated tokens / client wall time of the call, prefill
-included (median and min/q1/q3/max over prompts); speedup = median tok/s over the baseline's;
-acceptance rate = accepted / proposed draft tokens; mean accepted length = tokens per step;
-fraction outside model compute = (total - verify - model-based drafting) / total from
-GenerationStats.stage_times, where verify is the gateway's wall time of the primary's
-Prefill/Decode/Verify calls (RPC included: a lower bound on the overhead); acceptance by entropy
-bin (GenerationStats.entropy_bins); the controller's plans (steps by degree / draft length, read
-from Redis). The concurrency sweep is bench/concurrency.py's.
+Figures (bench/report.py), per scenario and system:
+    tokens/s        generated tokens / client wall time of the call, prefill included; median and
+                    min/q1/q3/max over prompts
+    speedup         ratio of medians: median tok/s of the system / median tok/s of the baseline
+                    (speedup_over_own_greedy likewise for a peer's prompt lookup over its greedy)
+    speedup_per_prompt  median of ratios: per prompt, the system's tok/s / the baseline's on the same
+                    prompt; median and spread over prompts (less sensitive to a slow moment of a noisy
+                    machine, which hits both requests of a prompt alike)
+    acceptance rate = accepted / proposed draft tokens; mean accepted length = tokens per step
+    outside model compute  (total_ms - forward_ms - model-based drafting ms) / total_ms, summed over
+                    prompts, from GenerationStats: forward_ms is the primary's forward passes
+                    (StageTimes.forward_ms), model-based drafting the time_ms of the early_exit and
+                    layer_skip decoders; everything else (RPC, encoding, queueing, validation, state,
+                    cheap drafters, Python) is outside
+    stage_ms_per_step  the composition of a step: draft (of which draft_model: model-based decoders),
+                    forward, verify_minus_forward (RPC, queueing, logits encoding), validate, commit,
+                    state, other, total; summed ms over prompts / summed steps (the prefill call is in
+                    verify and total: a step count does not include it)
+    json            json_parse_rate, schema_validity_rate: shares of the outputs; grammar_forced_share:
+                    the grammar decoder's accepted tokens / all accepted draft tokens
+    acceptance by entropy bin (GenerationStats.entropy_bins); the adaptive controller's choices
+                    (steps by degree / draft length, probe steps, task types) from GenerationStats.
+The concurrency sweep is bench/concurrency.py's.
 
 Writes results.json, results.md (the tables, also printed) and results.png next to --out.
 """
@@ -52,8 +70,8 @@ from typing import Any
 from bench.peers import PEERS
 from bench.prompts import BenchPrompt, load_prompts
 from bench.report import finite, machine_info
+from bench.scenarios import PROMPT_FILES, prompt_file, run_scenarios
 
-SCENARIOS = ("json", "code", "prose", "specbench")
 PRECISIONS = ("fp32", "bf16", "fp16")
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 DEFAULT_OUT = Path("results") / "results.json"
@@ -62,19 +80,19 @@ DEFAULT_OUT = Path("results") / "results.json"
 @dataclasses.dataclass(frozen=True, slots=True)
 class SuiteConfig:
     data_dir: Path = DEFAULT_DATA_DIR
-    scenarios: tuple[str, ...] = ("json", "code", "prose")
+    scenarios: tuple[str, ...] = ("json", "code", "prose")   # prompt files; json runs as bench.scenarios says
     num_prompts: int = 3                  # per scenario
     max_new_tokens: int = 128
     sequence_length: int = 2048           # prompt + max_new_tokens budget, as in the reference article
     precisions: tuple[str, ...] = ("fp32",)
     peers: tuple[str, ...] = ("transformers", "llamacpp")
-    is_schema: bool = True                # json scenario: response_format with the prompt's schema
+    is_schema: bool = True                # json also with response_format (scenario "json"), not only without
     concurrency: tuple[int, ...] = ()     # client counts of the sweep; (): no sweep
     num_threads: int = 0                  # 0: the CPUs this process may use
     out: Path = DEFAULT_OUT
 
     def __post_init__(self) -> None:
-        for name, values, known in (("scenarios", self.scenarios, SCENARIOS),
+        for name, values, known in (("scenarios", self.scenarios, PROMPT_FILES),
                                     ("precision", self.precisions, PRECISIONS), ("peers", self.peers, tuple(PEERS))):
             unknown = set(values) - set(known)
             if unknown:
@@ -94,6 +112,11 @@ class SuiteConfig:
     def threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
 
+    @property
+    def measured_scenarios(self) -> tuple[str, ...]:
+        """The scenarios measured on the stack, e.g. ("json", "json_noschema", "code")."""
+        return run_scenarios(self.scenarios, self.is_schema)
+
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
@@ -109,7 +132,8 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
     p.add_argument("--sequence-length", type=int, default=2048, help="prompt + output budget")
     p.add_argument("--precision", default="fp32", help="comma list of fp32, bf16, fp16")
     p.add_argument("--peers", default="transformers,llamacpp", help="comma list; empty for none")
-    p.add_argument("--no-schema", action="store_true", help="run the json scenario without response_format")
+    p.add_argument("--no-schema", action="store_true",
+                   help="run the json prompts only without response_format (default: with and without)")
     p.add_argument("--concurrency", default="", help="client counts of the sweep, e.g. 1,4,16,32")
     p.add_argument("--threads", type=int, default=0, help="threads of the primary and the peers; 0: all CPUs")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results.json path (.md and .png beside it)")
@@ -155,27 +179,30 @@ def interleave(groups: Sequence[Sequence[BenchPrompt]]) -> list[BenchPrompt]:
 
 
 def choose_prompts(config: SuiteConfig, tokenizer: Any) -> tuple[dict[str, Selection], list[BenchPrompt]]:
-    """Per scenario, the measured prompts; and the concurrency sweep's own prompts (the next ones, mixed)."""
+    """Per measured scenario, its prompts (the json variants share theirs); and the concurrency sweep's own
+    prompts (the rows after the measured ones, the files mixed)."""
     num_sweep = math.ceil(sum(config.concurrency) / len(config.scenarios))
 
     def count_tokens(p: BenchPrompt) -> int:
         return len(tokenizer.encode(p.text(tokenizer)))
 
-    selections, sweep_groups = {}, []
-    for scenario in config.scenarios:
-        rows = load_prompts(config.data_dir, [scenario], num_prompts=1 << 30)
+    by_file, sweep_groups = {}, []
+    for name in config.scenarios:
+        rows = load_prompts(config.data_dir, [name], num_prompts=1 << 30)
         main = select_prompts(rows, count_tokens, config.num_prompts, config.max_new_tokens, config.sequence_length)
-        selections[scenario] = main
+        by_file[name] = main
         if num_sweep:
             rest = rows[len(main.prompts) + main.num_skipped:]   # the rows after the last one examined
             sweep_groups.append(select_prompts(rest, count_tokens, num_sweep, config.max_new_tokens,
                                                config.sequence_length).prompts)
+    selections = {s: by_file[prompt_file(s)] for s in config.measured_scenarios}
     return selections, interleave(sweep_groups)[:sum(config.concurrency)]
 
 
 def config_dict(config: SuiteConfig) -> dict[str, Any]:
     out = dataclasses.asdict(config)
-    out.update(data_dir=str(config.data_dir), out=str(config.out), num_threads=config.threads)
+    out.update(data_dir=str(config.data_dir), out=str(config.out), num_threads=config.threads,
+               measured_scenarios=list(config.measured_scenarios))
     return out
 
 

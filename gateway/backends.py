@@ -118,9 +118,10 @@ class Backends:
         return ModelInfo(r.vocab_size, tuple(r.eos_token_ids), r.max_context_length, r.instance_id,
                          {c.num_nodes: c.time_ms for c in r.verify_costs})
 
-    def prefill(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(request_id=request_id,
-                                                                               token_ids=token_ids))
+    def prefill(self, request_id: str, token_ids: Sequence[int]) -> float:
+        """Returns the primary's time for the prefill, milliseconds."""
+        return self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(
+            request_id=request_id, token_ids=token_ids)).time_ms
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
                tree: DraftTree, logits_format: str, allowed: torch.Tensor | None = None) -> Verified:

@@ -18,10 +18,11 @@ def test_percentiles_interpolate():
 
 
 def test_summarize_wave():
-    traces = [StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3))), StreamTrace("b", 0.0, ((1.0, 2), (2.0, 2))),
+    traces = [StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3)), controller={"num_steps_by_degree": [1, 2],
+                                                                       "num_probe_steps": 1}),
+              StreamTrace("b", 0.0, ((1.0, 2), (2.0, 2)), controller={"num_steps_by_degree": [0, 0, 4]}),
               StreamTrace("c", 0.0, (), error="UNAVAILABLE: down")]
-    controllers = [{"num_steps_by_degree": [1, 2], "num_probe_steps": 1}, {"num_steps_by_degree": [0, 0, 4]}]
-    out = summarize_wave(traces, controllers)
+    out = summarize_wave(traces)
     assert (out["num_requests"], out["num_errors"], out["num_tokens"]) == (3, 1, 8)
     assert out["wall_s"] == 2.0 and out["aggregate_tokens_per_s"] == 4.0
     assert out["ttft_ms"]["p50"] == pytest.approx(750.0)

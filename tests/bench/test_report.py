@@ -5,18 +5,22 @@ import math
 
 import pytest
 
-from bench.report import (BASELINE, SPECULATIVE, Record, check_json, finite, merge_entropy_bins, num_same,
-                          outside_fraction, speculation_figures, spread, sum_counts, summarize_scenario)
+from bench.report import (BASELINE, SPECULATIVE, Record, check_json, finite, grammar_forced_share, json_figures,
+                          merge_entropy_bins, num_same, speculation_figures, speedups, spread, sum_counts,
+                          summarize_scenario)
 
 
-def stats(total: float = 100.0, verify: float = 60.0, decoders: dict | None = None, proposed: int = 10,
-          accepted: int = 4, generated: int = 12, steps: int = 6, bins: list | None = None) -> dict:
+def stats(total: float = 100.0, verify: float = 60.0, forward: float = 50.0, decoders: dict | None = None,
+          proposed: int = 10, accepted: int = 4, generated: int = 12, steps: int = 6, bins: list | None = None,
+          task_type: str = "code") -> dict:
+    """bench.stack.stats_dict's shape."""
     return {"num_prompt_tokens": 5, "num_generated_tokens": generated, "num_steps": steps, "num_proposed": proposed,
             "num_accepted": accepted, "tokens_per_second": 0.0,
-            "stage_ms": {"draft": 5.0, "verify": verify, "validate": 1.0, "commit": 1.0, "state": 1.0, "other": 0.0,
-                         "total": total},
+            "stage_ms": {"draft": 5.0, "verify": verify, "forward": forward, "validate": 1.0, "commit": 1.0,
+                         "state": 1.0, "other": 0.0, "total": total},
             "decoders": decoders or {}, "entropy_bins": bins or [],
-            "num_steps_by_degree": [1, 5], "num_steps_by_draft_length": [1, 0, 2, 3], "num_probe_steps": 1}
+            "num_steps_by_degree": [1, 5], "num_steps_by_draft_length": [1, 0, 2, 3], "num_probe_steps": 1,
+            "task_type": task_type}
 
 
 def record(system: str, prompt_id: str, token_ids: tuple = (1, 2, 3, 4), seconds: float = 1.0, error: str = "",
@@ -53,17 +57,6 @@ def test_sum_counts_pads_shorter_lists():
     assert sum_counts([]) == []
 
 
-def test_outside_fraction_leaves_out_verify_and_model_based_drafting_only():
-    # 200 ms total; 120 verify; early_exit (both ranks' names) 20 ms is model compute, prompt lookup 10 ms is not.
-    s1 = stats(total=100.0, verify=60.0,
-               decoders={"early_exit": {"num_proposed": 1, "num_accepted": 0, "time_ms": 15.0},
-                         "prompt_lookup": {"num_proposed": 1, "num_accepted": 1, "time_ms": 10.0}})
-    s2 = stats(total=100.0, verify=60.0, decoders={"early_exit#1": {"num_proposed": 1, "num_accepted": 0,
-                                                                    "time_ms": 5.0}})
-    assert outside_fraction([s1, s2]) == pytest.approx((200 - 120 - 20) / 200)
-    assert outside_fraction([stats(total=0.0)]) is None
-
-
 def test_speculation_figures_sum_over_requests():
     d1 = {"prompt_lookup": {"num_proposed": 8, "num_accepted": 4, "time_ms": 1.0}}
     d2 = {"prompt_lookup": {"num_proposed": 2, "num_accepted": 0, "time_ms": 0.5},
@@ -77,6 +70,34 @@ def test_speculation_figures_sum_over_requests():
     assert f["decoders"]["suffix_index"]["acceptance_rate"] is None
     assert f["num_steps_by_degree"] == [2, 10]
     assert f["num_probe_steps"] == 2
+    assert f["task_types"] == ["code"]
+    assert f["grammar_forced_share"] == 0.0          # 4 accepted, none by the grammar decoder
+    assert f["outside_model_fraction"] == pytest.approx((200 - 100) / 200)
+    assert f["stage_ms_per_step"]["forward"] == pytest.approx(100 / 7)
+
+
+def test_grammar_forced_share_counts_every_grammar_instance():
+    decoders = {"grammar": {"num_accepted": 6}, "grammar#1": {"num_accepted": 2}, "prompt_lookup": {"num_accepted": 2}}
+    assert grammar_forced_share(decoders, 10) == pytest.approx(0.8)
+    assert grammar_forced_share(decoders, 0) is None   # speculation off: nothing accepted, no share
+
+
+def test_speedups_ratio_of_medians_and_median_of_ratios():
+    # tok/s (4 tokens): a 4 vs 2, b 2 vs 1, c 1 vs 4 -> medians 2 / 2 = 1.0; per prompt [2, 2, 0.25] -> 2.0
+    spec = [record(SPECULATIVE, "a", seconds=1.0), record(SPECULATIVE, "b", seconds=2.0),
+            record(SPECULATIVE, "c", seconds=4.0), record(SPECULATIVE, "d", error="E: x")]
+    base = [record(BASELINE, "a", seconds=2.0), record(BASELINE, "b", seconds=4.0), record(BASELINE, "c", seconds=1.0)]
+    ratio_of_medians, per_prompt = speedups(spec, base)
+    assert ratio_of_medians == pytest.approx(1.0)
+    assert per_prompt["median"] == pytest.approx(2.0) and per_prompt["n"] == 3
+    assert speedups(spec, [record(BASELINE, "a", error="E: x")]) == (None, None)
+
+
+def test_json_figures_rates():
+    rows = [Record(BASELINE, "json", p, 5, (1,), "{}", 1.0, is_json=j, is_schema_valid=v)
+            for p, j, v in (("a", True, True), ("b", True, False), ("c", False, False), ("d", True, True))]
+    assert json_figures(rows) == {"num_json": 3, "num_schema_valid": 2, "json_parse_rate": 0.75,
+                                  "schema_validity_rate": 0.5}
 
 
 def test_num_same_by_token_ids_or_text():
@@ -97,6 +118,7 @@ def test_summarize_scenario_speedups_and_comparisons():
     assert list(out) == [BASELINE, SPECULATIVE, "transformers", "transformers_lookup"]
     assert out[BASELINE]["speedup"] == pytest.approx(1.0)
     assert out[SPECULATIVE]["speedup"] == pytest.approx(3.0 / 1.5)
+    assert out[SPECULATIVE]["speedup_per_prompt"]["median"] == pytest.approx(2.0)
     assert out[SPECULATIVE]["num_same_as_baseline"] == 1
     assert out[SPECULATIVE]["compared_by"] == "token_ids"
     assert out[SPECULATIVE]["acceptance_rate"] == pytest.approx(0.4)
@@ -105,6 +127,7 @@ def test_summarize_scenario_speedups_and_comparisons():
     lookup = out["transformers_lookup"]
     assert (lookup["num_errors"], lookup["errors"]) == (1, ["E: x"])
     assert lookup["speedup_over_own_greedy"] == pytest.approx(2.0)
+    assert lookup["speedup_over_own_greedy_per_prompt"]["n"] == 1
     assert lookup["num_same_as_own_greedy"] == 1
     assert "acceptance_rate" not in out["transformers"]
 
@@ -122,7 +145,8 @@ def test_summarize_scenario_with_a_failed_baseline_has_no_speedup():
 def test_json_counts_appear_for_json_records():
     r = Record("transformers", "json", "a", 5, (1,), "{}", 1.0, is_json=True, is_schema_valid=False)
     out = summarize_scenario([r])["transformers"]
-    assert (out["num_json"], out["num_schema_valid"]) == (1, 0)
+    assert (out["num_json"], out["num_schema_valid"], out["schema_validity_rate"]) == (1, 0, 0.0)
+    assert "num_json" not in summarize_scenario([record(BASELINE, "a")])[BASELINE]
 
 
 def test_check_json():

@@ -1,11 +1,14 @@
-"""bench.suite: prompt selection within the sequence budget, flags, and bench.peers.cut_at_eos."""
+"""bench.suite: prompt selection within the sequence budget, flags, the json variants, and
+bench.peers.cut_at_eos."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from bench.peers import cut_at_eos
 from bench.prompts import BenchPrompt
-from bench.suite import SuiteConfig, interleave, parse_config, select_prompts
+from bench.suite import SuiteConfig, choose_prompts, interleave, parse_config, select_prompts
 
 
 def prompts(n: int, scenario: str = "code") -> list[BenchPrompt]:
@@ -41,8 +44,14 @@ def test_parse_config_lists_and_defaults():
     assert parse_config([]).concurrency == ()
 
 
-@pytest.mark.parametrize("kwargs", [{"scenarios": ("poetry",)}, {"precisions": ("int4",)}, {"peers": ("vllm",)},
-                                    {"max_new_tokens": 2048}, {"concurrency": (0,)}, {"num_prompts": 0}])
+def test_json_runs_with_and_without_its_schema_by_default():
+    assert parse_config(["--scenarios", "json,code"]).measured_scenarios == ("json", "json_noschema", "code")
+    assert parse_config(["--scenarios", "json", "--no-schema"]).measured_scenarios == ("json_noschema",)
+
+
+@pytest.mark.parametrize("kwargs", [{"scenarios": ("poetry",)}, {"scenarios": ("json_noschema",)},
+                                    {"precisions": ("int4",)}, {"peers": ("vllm",)}, {"max_new_tokens": 2048},
+                                    {"concurrency": (0,)}, {"num_prompts": 0}])
 def test_config_refuses_bad_values(kwargs):
     with pytest.raises(ValueError):
         SuiteConfig(**kwargs)
@@ -51,3 +60,24 @@ def test_config_refuses_bad_values(kwargs):
 def test_cut_at_eos():
     assert cut_at_eos([5, 6, 2, 7], eos_token_ids=(2,), max_new_tokens=10) == [5, 6]
     assert cut_at_eos([5, 6, 7], eos_token_ids=(2,), max_new_tokens=2) == [5, 6]
+
+
+class WordTokenizer:
+    """One token per word; the chat template joins the messages' contents."""
+
+    def encode(self, text: str) -> list[str]:
+        return text.split()
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return " ".join(m["content"] for m in messages)
+
+
+def test_choose_prompts_gives_both_json_variants_the_same_rows(tmp_path):
+    rows = [{"id": f"j{i}", "prompt": "w " * n, "schema": {"type": "object"}} for i, n in enumerate((3, 30, 4))]
+    (tmp_path / "json.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    config = SuiteConfig(data_dir=tmp_path, scenarios=("json",), num_prompts=2, max_new_tokens=8, sequence_length=16)
+    selections, sweep = choose_prompts(config, WordTokenizer())
+    assert list(selections) == ["json", "json_noschema"]
+    assert selections["json"] is selections["json_noschema"]
+    assert [p.id for p in selections["json"].prompts] == ["j0", "j2"] and selections["json"].num_skipped == 1
+    assert sweep == []
