@@ -272,7 +272,8 @@ def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: f
         "mean_accepted_length": st.mean_accepted_length,
         "tokens_per_second": st.tokens_per_second,
         "stage_times": {name: getattr(times, name) for name in
-                        ("draft_ms", "verify_ms", "validate_ms", "commit_ms", "state_ms", "other_ms", "total_ms")},
+                        ("draft_ms", "verify_ms", "validate_ms", "commit_ms", "state_ms", "other_ms", "total_ms",
+                         "forward_ms")},
         "decoders": [{"name": d.name, "num_proposed": d.num_proposed, "num_accepted": d.num_accepted,
                       "acceptance_rate": d.num_accepted / d.num_proposed if d.num_proposed else 0.0,
                       "time_ms": d.time_ms} for d in st.decoders],

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 import inference
@@ -133,7 +134,8 @@ def test_json_output_of_a_self_launched_run(self_launched: dict) -> None:
     assert out["num_accepted_tokens"] <= out["num_proposed_tokens"]
     assert out["tokens_per_second"] > 0 and out["stack_start_s"] > 0
     assert set(out["stage_times"]) == {"draft_ms", "verify_ms", "validate_ms", "commit_ms", "state_ms",
-                                       "other_ms", "total_ms"}
+                                       "other_ms", "total_ms", "forward_ms"}
+    assert 0 < out["stage_times"]["forward_ms"] <= out["stage_times"]["verify_ms"]
     assert out["stage_times"]["verify_ms"] > 0 and out["num_prompt_tokens"] > 0
     for decoder in out["decoders"]:
         assert decoder["num_accepted"] <= decoder["num_proposed"]
@@ -173,3 +175,15 @@ def test_a_request_the_gateway_refuses_exits_with_its_status(stack: Stack) -> No
     assert done.returncode == inference.EXIT_RPC_ERROR
     assert "INVALID_ARGUMENT" in done.stderr and "draft_length" in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_json_schema_constrains_the_output(stack: Stack, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"planet": {"type": "string"}, "moons": {"type": "integer"}},
+              "required": ["planet", "moons"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    out = run_json("--json_schema", str(path), "--max_new_tokens", "48", "--gateway_address", stack.gateway_address)
+    assert out["finish_reason"] == "eos", out["text"]
+    jsonschema.validate(json.loads(out["text"]), schema)
