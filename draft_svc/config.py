@@ -86,7 +86,7 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
                    help="host:port of the primary whose weights the model-based strategies run on")
     p.add_argument("--num_threads", type=int, default=int(env("SPECDEC_NUM_THREADS", 0)),
                    help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--model_path", default=env("SPECDEC_MODEL_PATH", None) or None,
+    p.add_argument("--model_path", default=env("SPECDEC_MODEL_PATH", env("SPECDEC_MODEL", None)) or None,
                    help="the model whose tokenizer grammar-forced drafts use (default: the default model)")
     p.add_argument("--cache_dir", default=env("SPECDEC_CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
     p.add_argument("--strategies", default=env("SPECDEC_DRAFT_STRATEGIES",
