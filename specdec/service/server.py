@@ -29,10 +29,7 @@ from specdec.metrics import start_metrics_server
 DEFAULT_HOST = "127.0.0.1"
 # Inline fp32 logits of a 65-row tree over a 262144-token vocabulary are 68 MB.
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024
-# RPCs served at once. A gateway Generate holds its thread for the whole generation, and the
-# primary batches only the verifies in flight, so this bounds concurrent requests (at 16, a sweep at
-# 32 clients queued half of them for a whole generation: TTFT p50 15-20 s).
-DEFAULT_MAX_WORKERS = 128
+DEFAULT_MAX_WORKERS = 16
 DEFAULT_GRACE_S = 5.0
 SIGNAL_POLL_S = 0.1  # how often serve() looks for a SIGTERM/SIGINT recorded by its handler
 # The health-check name that stands for the whole server.
