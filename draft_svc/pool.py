@@ -16,6 +16,11 @@ A decoder that has nothing (no match, weights not attached) contributes an empty
 so bit i always means strategies[i]. Model-based decoders run in parallel in a thread pool
 (torch releases the GIL); the model-free ones take microseconds and run on the calling thread.
 
+A request opened with a response_format also gets the grammar-based decoders (grammar-forced
+text), and the pool follows the output with its own grammar state: every candidate is cut before
+its first token the grammar forbids, so no draft leaves the grammar (the primary and validator
+mask the rest).
+
 Release(is_finished) adds the request's output (committed tokens after the prompt) to the
 shared suffix index, so later requests can draft from it.
 """
