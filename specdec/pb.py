@@ -129,13 +129,13 @@ def token_mask_from_pb(pb: common_pb2.TokenMask, num_rows: int, vocab_size: int,
     if len(pb.bits) != num_rows * row_bytes:
         raise InvalidArgument(f"{field}.bits", f"has {len(pb.bits)} bytes, expected {num_rows} rows of {row_bytes}")
     packed = np.frombuffer(pb.bits, dtype=np.uint8).reshape(num_rows, row_bytes)    # [R, W*4]
-    bits = np.unpackbits(packed, axis=1, bitorder="little")                          # [R, W*32]
+    if num_rows and not packed.any(axis=1).all():          # on the packed bytes: 8x less to scan
+        raise InvalidArgument(f"{field}.bits", "a row allows no token")
+    bits = np.unpackbits(packed, axis=1, bitorder="little")                          # [R, W*32] uint8 0/1
     if bits[:, vocab_size:].any():
         raise InvalidArgument(f"{field}.bits", f"allows a token id >= the vocabulary size {vocab_size}")
-    allowed = torch.from_numpy(bits[:, :vocab_size].astype(np.bool_))               # [R, V]
-    if num_rows and not bool(allowed.any(dim=1).all()):
-        raise InvalidArgument(f"{field}.bits", "a row allows no token")
-    return allowed
+    # 0/1 bytes are valid bools: a view, not a copy (the slice is contiguous when V fills whole words).
+    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size]).view(np.bool_))   # [R, V]
 
 
 RESPONSE_FORMAT_TYPES = {"json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from specdec import pb
 from specdec.errors import InvalidArgument
 from specdec.grammar.mask import apply_token_mask
@@ -61,9 +63,11 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
 def _check_argmax_allowed(argmax: list[int], allowed) -> None:
     """The consistency check of a constrained step: the primary's argmax of every row must be a token
     the grammar allows there (it took them under the same mask), or greedy acceptance could leave it."""
-    if len(argmax) != allowed.shape[0]:
-        return  # validate_tree refuses the length, naming the field
-    for row, token in enumerate(argmax):
-        if not (0 <= token < allowed.shape[1] and bool(allowed[row, token])):
-            raise InvalidArgument("target_argmax_token_ids", f"row {row}'s token {token} is not allowed by "
-                                  "allowed_tokens: the argmax was not taken under the same grammar mask")
+    num_rows, vocab_size = allowed.shape
+    if len(argmax) != num_rows or not all(0 <= t < vocab_size for t in argmax):
+        return  # validate_tree refuses the length or the ids, naming the field
+    is_allowed = allowed[torch.arange(num_rows), torch.tensor(argmax)]              # [R] bool
+    if not bool(is_allowed.all()):
+        row = int((~is_allowed).nonzero()[0])
+        raise InvalidArgument("target_argmax_token_ids", f"row {row}'s token {argmax[row]} is not allowed by "
+                              "allowed_tokens: the argmax was not taken under the same grammar mask")

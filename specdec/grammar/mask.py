@@ -17,14 +17,15 @@ def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
     """Logits with MASKED_LOGIT where `allowed` is False (a new tensor; the input is unchanged).
 
     logits [R, V] (or [V]), any float dtype; allowed bool, the same shape, or [V] for every row.
-    Every row must allow at least one token: a row of only MASKED_LOGIT has no softmax.
+    Every row must allow at least one token: a row of only MASKED_LOGIT has no softmax. Callers
+    guarantee it (GrammarState's masks allow the stop tokens at least; `specdec.pb.token_mask_from_pb`
+    refuses an empty row from the wire), so it is not re-checked here, on every step's hot path.
     E.g. logits [[1., 5., 3.]], allowed [[True, False, True]] -> [[1., -inf, 3.]] (argmax 2, not 1).
     """
     assert allowed.dtype == torch.bool, f"allowed must be bool, got {allowed.dtype}"
     assert allowed.shape == logits.shape or allowed.shape == logits.shape[-1:], \
         f"mask {tuple(allowed.shape)} does not fit logits {tuple(logits.shape)}"
-    assert bool(allowed.any(dim=-1).all()), "a mask row allows no token"
-    return logits.masked_fill(~allowed, MASKED_LOGIT)
+    return torch.where(allowed, logits, MASKED_LOGIT)    # no ~allowed copy, unlike masked_fill
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
