@@ -1,10 +1,15 @@
-"""Primary-engine benchmark: plain greedy decoding against transformers, and the verify-cost curve.
+"""Primary-engine benchmark, per precision: weight bytes, start-up time, plain greedy decoding
+against transformers, the verify-cost curve, the same step inside the running service, and
+llama.cpp's own step on the same GGUF.
 
     python -m bench.engine [--model_path PATH] [--precisions fp32,bf16] [--num-prompts 3]
-                           [--max-new-tokens 64] [--threads 2] [--out engine.json]
+                           [--max-new-tokens 64] [--threads 2] [--service-steps 64] [--out engine.json]
 
 Same model, same prompts, same process, alternating systems per prompt so drift on a noisy
-machine hits both alike. Prints a table and writes JSON. Figures, not assertions.
+machine hits both alike. `service` (bench/service_step.py) starts the whole stack and compares
+the primary's forward per plain step with `Engine.decode` in-process: a gap is overhead of the
+service around the engine. `llamacpp` (when llama-cpp-python is installed: `make bench-deps`)
+runs in a child process. Prints a table and writes JSON. Figures, not assertions.
 """
 from __future__ import annotations
 
@@ -16,7 +21,11 @@ from pathlib import Path
 
 import torch
 
+from bench.peer_process import PeerProcess
+from bench.peers import default_gguf_path, llama_cpp_missing
 from bench.prompts import load_prompts
+from bench.service_step import service_vs_engine
+from bench.report import machine_info
 from primary_svc.costs import measure_verify_costs
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -52,6 +61,23 @@ def verify_curve(engine: Engine, repeats: int) -> dict:
     return {"ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
 
 
+def llama_cpp_curve(context_tokens: int, repeats: int, num_threads: int) -> dict:
+    """llama.cpp's ms for a forward of k tokens (all logits kept) after `context_tokens`, same GGUF."""
+    if reason := llama_cpp_missing():
+        return {"skipped": reason}
+    peer = PeerProcess("llamacpp", {"gguf_path": str(default_gguf_path()), "num_context": 2048,
+                                    "num_threads": num_threads, "eos_token_ids": []})
+    try:
+        ms = peer.call({"op": "step_curve", "context_ids": [(1000 + i) % 49152 for i in range(context_tokens)],
+                        "sizes": list(VERIFY_SIZES), "repeats": repeats})["ms"]
+    except Exception as e:  # a crashing peer is a figure of this run too
+        return {"failed": f"{type(e).__name__}: {e}"}
+    finally:
+        peer.close()
+    ms = {int(k): v for k, v in ms.items()}
+    return {"ms": ms, "relative_to_1": {k: v / ms[1] for k, v in ms.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=None)
@@ -60,6 +86,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--service-steps", type=int, default=64, help="plain steps in the service vs in-process; 0: skip")
     p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -68,25 +95,42 @@ def main() -> None:
 
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
     tokenizer = Tokenizer.from_dir(model_dir)
-    prompts = [tokenizer.encode(p.text(tokenizer)) for p in
-               load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=2000)]
+    bench_prompts = load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=2000)
+    prompts = [tokenizer.encode(p.text(tokenizer)) for p in bench_prompts]
     results = {"model_dir": str(model_dir), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-               "threads": args.threads, "torch": torch.__version__}
+               "threads": args.threads, "torch": torch.__version__, "machine": machine_info()}
+    results["llamacpp"] = llama_cpp_curve(CONTEXT_TOKENS, args.repeats, args.threads)
+    if "ms" in results["llamacpp"]:
+        print("[llama.cpp] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in results["llamacpp"]["ms"].items()))
+        print("[llama.cpp] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
+                                                   for k, v in results["llamacpp"]["relative_to_1"].items()))
+    else:
+        print(f"[llama.cpp] {results['llamacpp']}")
     for precision in args.precisions.split(","):
+        start = time.perf_counter()
         loaded = load_model(model_dir, precision, max_positions=2048, is_shared=False)
         engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), 2048)
+        load_s = time.perf_counter() - start
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
-        results[precision] = {"weight_bytes": loaded.weight_bytes,
+        results[precision] = {"weight_bytes": loaded.weight_bytes, "load_s": load_s,
                               "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
                               "verify": verify_curve(engine, args.repeats)}
+        del hf, engine, loaded
+        if args.service_steps:
+            results[precision]["service"] = service_vs_engine(precision, args.threads, bench_prompts[0], tokenizer,
+                                                              args.service_steps)
         r = results[precision]
-        print(f"[{precision}] weights {r['weight_bytes'] / 1e6:.0f} MB | plain greedy: specdec "
+        print(f"[{precision}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
               f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, transformers {r['plain']['transformers_tokens_per_s']:.1f}"
               f" tok/s ({r['plain']['ratio']:.2f}x), same tokens {r['plain']['same_tokens']}")
         print(f"[{precision}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
         print(f"[{precision}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
                                                         for k, v in r["verify"]["relative_to_1"].items()))
-        del hf
+        if "service" in r:
+            sv = r["service"]
+            print(f"[{precision}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
+                  f"({sv['service_rpc_ms']:.1f} ms per Decode RPC, {sv['gateway_forward_ms']:.1f} ms through the "
+                  f"gateway), in-process {sv['engine_ms']:.1f} ms: {sv['service_over_engine']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -13,13 +13,13 @@ once: the json variants (bench/scenarios.py) differ only on the stack.
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.concurrency import run_sweep
-from bench.peers import LlamaCppPeer, TransformersPeer, default_gguf_path, llama_cpp_missing
+from bench.peer_process import PeerProcess
+from bench.peers import default_gguf_path, llama_cpp_missing
 from bench.prompts import BenchPrompt
 from bench.report import BASELINE, SPECULATIVE, Record, check_json, summarize_scenario
 from bench.scenarios import is_constrained, prompt_file
@@ -107,10 +107,14 @@ def measure_peer(peer: Any, selections: Mapping[str, Selection], max_new_tokens:
 
 
 def make_peer(name: str, precision: str, num_threads: int, sequence_length: int, tokenizer: Any,
-              model_dir: Path) -> Any:
+              model_dir: Path) -> PeerProcess:
+    """The peer in a child process of its own (see bench.peer_process)."""
+    options = {"num_threads": num_threads, "eos_token_ids": list(tokenizer.eos_token_ids)}
     if name == "transformers":
-        return TransformersPeer(model_dir, precision, num_threads, tokenizer.eos_token_ids)
-    return LlamaCppPeer(default_gguf_path(), sequence_length, num_threads, tokenizer.eos_token_ids)
+        options |= {"model_dir": str(model_dir), "precision": precision}
+    else:
+        options |= {"gguf_path": str(default_gguf_path()), "num_context": sequence_length}
+    return PeerProcess(name, options)
 
 
 def prompt_token_mismatches(records: Sequence[Record], tokenizer: Any,
@@ -153,9 +157,10 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
 def _measure_new_peer(name: str, precision: str, config: SuiteConfig, selections: Mapping[str, Selection],
                       tokenizer: Any, model_dir: Path, cache: dict[str, list[Record]]) -> list[Record]:
     peer = make_peer(name, precision, config.threads, config.sequence_length, tokenizer, model_dir)
-    records = measure_peer(peer, selections, config.max_new_tokens, tokenizer, precision)
-    del peer
-    gc.collect()  # one model at a time in this process
+    try:
+        records = measure_peer(peer, selections, config.max_new_tokens, tokenizer, precision)
+    finally:
+        peer.close()  # one model at a time on the machine
     if name in MEASURED_ONCE:
         cache[name] = records
     return records

@@ -9,7 +9,11 @@ own prompt-lookup drafting, fed the same prompt token ids as the stack.
 - llama.cpp (llama-cpp-python, an optional extra: `make bench-deps`): the GGUF file the default
   model ships as (Q4_1, so its text may differ from the fp32 primary's); systems "llamacpp"
   (greedy) and "llamacpp_lookup" (LlamaPromptLookupDecoding, 10 tokens). Whatever the precision
-  asked for, it runs its own quantized weights.
+  asked for, it runs its own quantized weights. On CPUs with AMX it loads with
+  `use_extra_bufts = False`: the AMX buffer type crashes on batches > 1 there.
+
+The suite runs each peer in a child process (`bench.peer_process`), so a crash is recorded as
+that peer's failure instead of ending the run.
 Generation stops at the model's end-of-sequence ids (as the gateway does) or after
 max_new_tokens; the end-of-sequence token is not part of the output.
 """
@@ -97,6 +101,9 @@ class LlamaCppPeer:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+        self.use_extra_bufts = not cpu_has_amx()
+        if not self.use_extra_bufts:
+            _disable_extra_buffer_types()
         common = {"model_path": str(gguf_path), "n_ctx": num_context, "n_threads": num_threads,
                   "n_threads_batch": num_threads, "verbose": False}
         draft = LlamaPromptLookupDecoding(max_ngram_size=LLAMACPP_MAX_NGRAM_SIZE,
@@ -119,3 +126,47 @@ class LlamaCppPeer:
             if len(out) >= max_new_tokens:
                 break
         return out, time.perf_counter() - t
+
+    def step_curve(self, context_ids: Sequence[int], sizes: Sequence[int], repeats: int) -> dict[int, float]:
+        """Fastest ms of one forward of k tokens after `context_ids`, keeping every row's logits
+        (what a verify of k tokens needs), for each k in `sizes`."""
+        llm = self.models["llamacpp_lookup"]          # the context that keeps all logits
+        llm.reset()
+        llm.eval(list(context_ids))
+        base = llm.n_tokens
+        out = {}
+        for k in sizes:
+            times = []
+            for r in range(repeats + 1):              # the first run of a size warms it up
+                start = time.perf_counter()
+                llm.eval([(1000 + j) % llm.n_vocab() for j in range(k)])
+                if r:
+                    times.append((time.perf_counter() - start) * 1000)
+                llm.n_tokens = base                   # the next eval drops these rows from the KV cache
+            out[k] = min(times)
+        return out
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles, where llama.cpp's AMX buffer type crashes on batches > 1."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def _disable_extra_buffer_types() -> None:
+    """Load models with `use_extra_bufts = False` (weights not repacked for the AMX kernels).
+
+    `Llama` builds its model params from `llama_model_default_params()` with no way to pass this
+    field, so the default is wrapped; the peer runs in a process of its own (bench.peer_worker)."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params

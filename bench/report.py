@@ -249,7 +249,8 @@ def machine_info() -> dict[str, Any]:
     flags = set(fields.get("flags", "").split())
     return {"cpu_model": fields.get("model name", platform.processor()), "num_cpus": os.cpu_count(),
             "num_usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+            "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags,
+            "avx2": "avx2" in flags,
             "python": sys.version.split()[0], "platform": platform.platform(),
             "versions": {name: _version(name) for name in ("torch", "transformers", "llama_cpp_python", "grpcio")},
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, config.device,
                                           max_bytes=config.max_kv_bytes),
                     config.max_context)
-    costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
+    worker = EngineWorker(engine, config.max_batch, config.min_batch, config.max_wait_ms)
+    # On the engine thread, like every forward after it (see primary_svc.worker).
+    costs = worker.call(measure_verify_costs) if config.measure_verify_costs else {}
     log.info("model loaded", model_dir=str(model_dir), precision=config.precision,
              weight_bytes=loaded.weight_bytes, min_gemm_rows=min_gemm_rows,
              verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
@@ -49,7 +51,6 @@ def main(argv: list[str] | None = None) -> None:
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs)
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    worker = EngineWorker(engine, config.max_batch, config.min_batch, config.max_wait_ms)
     servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics)
 
     def on_stopped() -> None:

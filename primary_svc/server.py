@@ -15,7 +15,7 @@ from specdec.grammar.mask import apply_token_mask
 from specdec.logits_shm import LogitsSlots
 from specdec.metrics import ServiceMetrics
 from specdec.sampling import logits_to_probs, make_generator, sample
-from specdec.v1 import primary_pb2, primary_pb2_grpc
+from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
 
 
@@ -77,32 +77,35 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         token_ids, parents = pb.tree_from_pb(request.tree, self.vocab_size)
         fmt = pb.logits_format_from_pb(request.logits_format)
         allowed = self._allowed_tokens(request, len(token_ids) + 1)
-        logits, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
-                                                list(request.committed_token_ids), token_ids, parents)
-        # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
-        argmax = torch.argmax(logits if allowed is None else apply_token_mask(logits, allowed), dim=-1)
-        if request.return_handle:                            # co-located validator: bytes through /dev/shm
-            name, encoded = self.logits_slots.write(request_id, logits, fmt)
-            payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
-        else:
-            payload = pb.logits_to_pb(logits, fmt)
+
+        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits]:  # on the engine thread
+            # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
+            argmax = torch.argmax(logits if allowed is None else apply_token_mask(logits, allowed), dim=-1)
+            if request.return_handle:                        # co-located validator: bytes through /dev/shm
+                name, encoded = self.logits_slots.write(request_id, logits, fmt)
+                return argmax.tolist(), pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
+            return argmax.tolist(), pb.logits_to_pb(logits, fmt)
+
+        (argmax, payload), forward_ms = self.worker.verify(
+            request_id, list(request.accepted_nodes), list(request.committed_token_ids), token_ids, parents, finish)
         return primary_pb2.VerifyResponse(
-            logits=payload, argmax_token_ids=argmax.tolist(),
+            logits=payload, argmax_token_ids=argmax,
             num_cached_tokens=0, forward_ms=forward_ms, kv_bytes=self.worker.engine.kv_bytes)
 
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         sampling = pb.sampling_from_pb(request.sampling)
         allowed = self._allowed_tokens(request, 1)
-        logits, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
-                                                list(request.committed_token_ids), (), ())
-        if allowed is not None:          # the same masked row constrained speculation validates against
-            logits = apply_token_mask(logits, allowed)
-        if sampling.is_greedy:
-            token = int(torch.argmax(logits[0]))
-        else:
-            probs = logits_to_probs(logits, sampling)
-            token = int(sample(probs, make_generator(sampling.seed, request.step))[0])
+
+        def finish(logits: torch.Tensor) -> int:       # on the engine thread
+            if allowed is not None:      # the same masked row constrained speculation validates against
+                logits = apply_token_mask(logits, allowed)
+            if sampling.is_greedy:
+                return int(torch.argmax(logits[0]))
+            return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.step))[0])
+
+        token, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
+                                               list(request.committed_token_ids), (), (), finish)
         return primary_pb2.DecodeResponse(token_id=token, forward_ms=forward_ms)
 
     def Release(self, request, context):

@@ -9,6 +9,12 @@ never waits: batch-1 latency is untouched.
 
 Each verify item first commits the previous step of its request (accepted path + new
 tokens), then joins the batch; an item whose commit or tree is invalid fails alone.
+
+Every tensor operation of an RPC runs on this one thread: the caller's `finish` (argmax,
+grammar mask, logits encoding) runs here right after the forward, and RPC threads only
+build protobufs from plain values. Torch's OpenMP runtime keeps one team of worker threads
+per calling thread; tensor work spread over the RPC threads would start a team per thread,
+all of them competing for the same cores as the forward.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ class _VerifyItem:
     committed_token_ids: Sequence[int]
     tree_token_ids: Sequence[int]
     tree_parents: Sequence[int]
+    finish: Callable[[torch.Tensor], Any]
     future: Future
     enqueued_at: float
 
@@ -71,11 +78,14 @@ class EngineWorker:
         return future.result()
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               tree_token_ids: Sequence[int], tree_parents: Sequence[int]) -> tuple[torch.Tensor, float]:
-        """Commit the previous step, verify the tree; returns (logits [N+1, V], forward ms)."""
+               tree_token_ids: Sequence[int], tree_parents: Sequence[int],
+               finish: Callable[[torch.Tensor], Any] = lambda logits: logits) -> tuple[Any, float]:
+        """Commit the previous step, verify the tree; returns (finish(logits [N+1, V]), forward ms).
+
+        `finish` runs on the engine thread; an exception it raises fails this item alone."""
         future: Future = Future()
         self._queue.put(_VerifyItem(request_id, accepted_nodes, committed_token_ids, tree_token_ids,
-                                    tree_parents, future, time.monotonic()))
+                                    tree_parents, finish, future, time.monotonic()))
         return future.result()
 
     def stop(self) -> None:
@@ -161,7 +171,10 @@ class EngineWorker:
         self.stats.num_items += len(ready)
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(ready))
         for (i, _), logits in zip(ready, results):
-            i.future.set_result((logits, forward_ms))
+            try:
+                i.future.set_result((i.finish(logits), forward_ms))
+            except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
+                i.future.set_exception(e)
 
     def _fail_pending(self) -> None:
         for item in self._drain(10**9):
