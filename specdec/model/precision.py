@@ -15,6 +15,7 @@ from specdec.model.config import ModelConfig
 from specdec.model.linear import FP8_DTYPE, FP8_MAX
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8_e4m3")
+AUTO = "auto"   # not a format: the primary measures candidates at start-up (primary_svc.autotune)
 _COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                    "fp8_e4m3": torch.bfloat16}
 _FP8_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",

@@ -1,0 +1,169 @@
+"""`--precision auto`: measure the candidate weight formats on this machine, serve the fastest.
+
+Which format is fastest depends on the CPU: packed int4/int8 kernels with bf16 activations read
+a quarter of fp32's bytes, but on a CPU without native bf16 arithmetic their cost grows with the
+rows of a verify far faster than fp32's, and speculation lives on multi-row verifies. So each
+candidate is loaded and its verify curve measured (a short context, a few repeats: about a
+second per candidate), then scored by what the gateway's controller would get from it:
+
+    tokens/s(alpha) = max over draft length g in 0..MAX_DRAFT_LENGTH of
+                      E[tokens per step | g] / (verify_ms(g + 1) + overhead_ms(g)) * 1000
+    E[tokens per step | g] = (1 - alpha^(g+1)) / (1 - alpha)     (a chain of g drafts, each accepted
+                                                                  with probability alpha, + the bonus)
+    overhead_ms(0) = plain step overhead, overhead_ms(g > 0) = speculative step overhead
+
+averaged over the controller's task-type priors for alpha (structured, code, creative). g = 0
+is plain decoding, so a format whose verify curve is steep still scores its plain speed.
+
+The choice is cached per machine (CPU model and flags, core count, torch version, threads)
+and model, in the primary's cache directory, so only the first start pays for measuring. Any
+failure falls back to fp32 with the reason: `auto` never stops the service from starting.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from primary_svc.costs import measure_verify_costs
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.model.precision import PRECISIONS
+
+FALLBACK_PRECISION = "fp32"
+CANDIDATES = ("int4", "int8", "bf16", "fp32")      # in order of preference on a tie
+FLOAT_CANDIDATES = ("bf16", "fp32")
+MAX_DRAFT_LENGTH = 16
+PROBE_SIZES = (1, 2, 4, 8, 16)
+PROBE_CONTEXT_TOKENS = 64
+PROBE_REPEATS = 2
+PRIOR_ACCEPTANCES = (0.8, 0.6, 0.3)                # the controller's structured / code / creative priors
+PLAIN_OVERHEAD_MS = 1.0                            # the gateway's CostSettings defaults
+SPECULATIVE_OVERHEAD_MS = 4.0
+CACHE_FILE = "precision_autotune.json"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrecisionChoice:
+    precision: str
+    reason: str                                    # one line for logs and GetModelInfo
+    tokens_per_s: dict[str, float]                 # candidate -> score (empty on a fallback)
+    verify_ms: dict[str, dict[int, float]]         # candidate -> measured curve
+    is_cached: bool = False
+
+
+def expected_tokens_per_s(verify_ms: Mapping[int, float], acceptance: float,
+                          plain_overhead_ms: float = PLAIN_OVERHEAD_MS,
+                          speculative_overhead_ms: float = SPECULATIVE_OVERHEAD_MS) -> float:
+    """The best tokens/s over draft lengths 0..MAX_DRAFT_LENGTH (see the module docstring)."""
+    sizes = sorted(verify_ms)
+    costs = [verify_ms[k] for k in sizes]
+    best = 0.0
+    for g in range(MAX_DRAFT_LENGTH + 1):
+        rows = g + 1
+        if rows > sizes[-1]:                       # past the last point: the last segment's slope
+            slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+            ms = costs[-1] + slope * (rows - sizes[-1])
+        else:
+            ms = float(np.interp(rows, sizes, costs))
+        tokens = float(g + 1) if acceptance >= 1 else (1 - acceptance ** (g + 1)) / (1 - acceptance)
+        ms += plain_overhead_ms if g == 0 else speculative_overhead_ms
+        best = max(best, tokens / ms * 1000)
+    return best
+
+
+def score(verify_ms: Mapping[int, float]) -> float:
+    """Mean expected tokens/s over the task-type priors."""
+    return sum(expected_tokens_per_s(verify_ms, a) for a in PRIOR_ACCEPTANCES) / len(PRIOR_ACCEPTANCES)
+
+
+def machine_key(num_threads: int) -> str:
+    """CPU model and flags, usable cores, torch version and threads: what the measurement depends on."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
+    identity = "\0".join([fields.get("model name", platform.processor()), " ".join(sorted(fields.get("flags", "").split())),
+                          str(len(os.sched_getaffinity(0))), torch.__version__,
+                          str(num_threads or torch.get_num_threads())])
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def measure_candidate(model_dir: Path, precision: str) -> dict[int, float]:
+    loaded = load_model(model_dir, precision, max_positions=PROBE_CONTEXT_TOKENS + 2 * PROBE_SIZES[-1],
+                        is_shared=False)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), loaded.model.max_positions)
+    return measure_verify_costs(engine, PROBE_REPEATS, PROBE_SIZES, PROBE_CONTEXT_TOKENS)
+
+
+def choose_precision_or_fallback(model_dir: Path, cache_dir: Path, num_threads: int,
+                                 candidates: Sequence[str] = CANDIDATES) -> PrecisionChoice:
+    """`choose_precision`, but any error becomes fp32 with the error as the reason."""
+    try:
+        return choose_precision(model_dir, cache_dir, num_threads, candidates)
+    except Exception as e:
+        return PrecisionChoice(FALLBACK_PRECISION, f"auto fell back to {FALLBACK_PRECISION}: {type(e).__name__}: {e}",
+                               {}, {})
+
+
+def choose_precision(model_dir: Path, cache_dir: Path, num_threads: int,
+                     candidates: Sequence[str] = CANDIDATES,
+                     measure: Callable[[Path, str], dict[int, float]] = measure_candidate) -> PrecisionChoice:
+    """The candidate with the best score on this machine (cached), or fp32 with the reason why."""
+    log = structlog.get_logger("primary_svc")
+    candidates = tuple(p for p in candidates if p in PRECISIONS)
+    key = f"{machine_key(num_threads)}/{Path(model_dir).name}"
+    cache_path = Path(cache_dir) / CACHE_FILE
+    cached = _read_cache(cache_path).get(key)
+    if cached is not None and cached.get("precision") in candidates:
+        return PrecisionChoice(cached["precision"], cached["reason"] + " (cached)", cached["tokens_per_s"],
+                               {p: {int(k): v for k, v in c.items()} for p, c in cached["verify_ms"].items()},
+                               is_cached=True)
+    start = time.perf_counter()
+    curves: dict[str, dict[int, float]] = {}
+    failures = []
+    for precision in candidates:
+        try:
+            curves[precision] = measure(model_dir, precision)
+        except Exception as e:  # a format this model or torch build cannot serve is not a candidate
+            failures.append(f"{precision}: {e}")
+            log.info("precision candidate unavailable", precision=precision, error=str(e))
+    if not curves:
+        return PrecisionChoice(FALLBACK_PRECISION, f"auto fell back to {FALLBACK_PRECISION}: no candidate "
+                               f"could be measured ({'; '.join(failures)})", {}, {})
+    scores = {p: score(c) for p, c in curves.items()}
+    best = max(candidates, key=lambda p: (scores.get(p, -1.0), -candidates.index(p)))
+    ranking = ", ".join(f"{p} {s:.1f}" for p, s in sorted(scores.items(), key=lambda x: -x[1]))
+    reason = (f"auto chose {best}: expected tokens/s {ranking} (measured in {time.perf_counter() - start:.1f} s"
+              + (f"; unavailable: {'; '.join(failures)}" if failures else "") + ")")
+    choice = PrecisionChoice(best, reason, scores, curves)
+    _write_cache(cache_path, key, choice)
+    return choice
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, key: str, choice: PrecisionChoice) -> None:
+    entries = _read_cache(path)
+    entries[key] = {"precision": choice.precision, "reason": choice.reason, "tokens_per_s": choice.tokens_per_s,
+                    "verify_ms": {p: {str(k): v for k, v in c.items()} for p, c in choice.verify_ms.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, path)                     # atomic: concurrent starts never read half a file
+    except OSError as e:
+        structlog.get_logger("primary_svc").warning("precision choice not cached", error=str(e))

@@ -1,0 +1,81 @@
+"""--precision auto: the score of a verify curve, the choice, its cache, and the fallback."""
+from __future__ import annotations
+
+import pytest
+
+from primary_svc import autotune
+from primary_svc.autotune import choose_precision, choose_precision_or_fallback, expected_tokens_per_s
+
+FLAT = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}         # verifying 16 costs what 1 does
+STEEP = {1: 5.0, 2: 10.0, 4: 20.0, 8: 40.0, 16: 80.0}          # cost linear in rows
+
+
+def test_plain_decoding_when_nothing_is_accepted():
+    # alpha = 0: every draft is rejected, so the best is plain: 1 token per (10 + 1) ms.
+    assert expected_tokens_per_s(FLAT, 0.0) == pytest.approx(1000 / 11)
+
+
+def test_a_flat_curve_drafts_as_far_as_it_can():
+    # alpha = 1 on a flat curve: 17 tokens per (10 + 4) ms at the longest draft.
+    assert expected_tokens_per_s(FLAT, 1.0) == pytest.approx(17 * 1000 / 14)
+
+
+def test_the_curve_past_its_last_point_continues_its_last_slope():
+    # Only k = 1, 2 measured: 17 rows cost 5 + 15 * 5 = 80 ms; alpha = 1 makes 17 tokens the best.
+    assert expected_tokens_per_s({1: 5.0, 2: 10.0}, 1.0) == pytest.approx(max(
+        (g + 1) * 1000 / (5.0 * (g + 1) + (1.0 if g == 0 else 4.0)) for g in range(17)))
+
+
+def test_a_steep_fast_format_can_beat_a_flat_slow_one_and_vice_versa():
+    assert autotune.score(STEEP) > autotune.score({k: 4 * v for k, v in FLAT.items()})
+    assert autotune.score({k: 0.5 * v for k, v in FLAT.items()}) > autotune.score(STEEP)
+
+
+def curves(**by_precision):
+    def measure(model_dir, precision):
+        value = by_precision[precision]
+        if isinstance(value, Exception):
+            raise value
+        return value
+    return measure
+
+
+def test_choice_is_measured_then_cached_per_machine_and_model(tmp_path, monkeypatch):
+    model_dir = tmp_path / "model-abc"
+    measured = []
+
+    def measure(model_dir, precision):
+        measured.append(precision)
+        return {"fp32": {k: v / 2 for k, v in FLAT.items()}, "bf16": FLAT}[precision]
+
+    first = choose_precision(model_dir, tmp_path, 2, ("bf16", "fp32"), measure)
+    assert first.precision == "fp32" and not first.is_cached and measured == ["bf16", "fp32"]
+    assert "fp32" in first.reason and "bf16" in first.reason
+    again = choose_precision(model_dir, tmp_path, 2, ("bf16", "fp32"), measure)
+    assert again.precision == "fp32" and again.is_cached and measured == ["bf16", "fp32"]
+    assert again.verify_ms["fp32"] == {k: v / 2 for k, v in FLAT.items()}
+    choose_precision(tmp_path / "other-model", tmp_path, 2, ("bf16", "fp32"), measure)
+    assert measured == ["bf16", "fp32"] * 2                          # another model is measured anew
+
+
+def test_a_candidate_that_fails_is_skipped_with_its_reason(tmp_path):
+    choice = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"),
+                              curves(bf16=ValueError("no bf16 kernel for lm_head"), fp32=FLAT))
+    assert choice.precision == "fp32" and "no bf16 kernel for lm_head" in choice.reason
+
+
+def test_auto_never_fails(tmp_path, monkeypatch):
+    choice = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16",), curves(bf16=RuntimeError("boom")))
+    assert choice.precision == "fp32" and "boom" in choice.reason
+
+    def broken(*args, **kwargs):
+        raise OSError("cache directory is read-only")
+
+    monkeypatch.setattr(autotune, "choose_precision", broken)
+    choice = choose_precision_or_fallback(tmp_path / "m", tmp_path, 2)
+    assert choice.precision == "fp32" and "read-only" in choice.reason
+
+
+def test_unknown_candidates_are_ignored(tmp_path):
+    choice = choose_precision(tmp_path / "m", tmp_path, 2, ("fp64", "fp32"), curves(fp32=FLAT))
+    assert choice.precision == "fp32" and set(choice.tokens_per_s) == {"fp32"}
