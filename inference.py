@@ -33,8 +33,8 @@ import grpc
 
 from specdec.launcher import ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
-from specdec.model.precision import PRECISIONS
-from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specdec.model.precision import AUTO, PRECISIONS
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     stack = p.add_argument_group("services")
     stack.add_argument("--model_path", metavar="PATH",
                        help="HF model dir or .gguf file; default: SmolLM2-135M-Instruct")
-    stack.add_argument("--precision", choices=PRECISIONS, help="the primary's weights (default fp32)")
+    stack.add_argument("--precision", choices=(AUTO, *PRECISIONS),
+                       help="the primary's weights (default auto: the format that measures fastest here)")
     stack.add_argument("--cache_dir", type=Path, metavar="DIR",
                        help=f"where converted models are kept (default: {default_cache_dir()})")
     stack.add_argument("--redis_url", metavar="URL",
@@ -254,7 +255,8 @@ def finish_reason_name(value: int) -> str:
     return gateway_pb2.FinishReason.Name(value).removeprefix(FINISH_REASON_PREFIX).lower()
 
 
-def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: float | None) -> dict[str, Any]:
+def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: float | None,
+                   primary: dict[str, str] | None = None) -> dict[str, Any]:
     st = result.stats
     times = st.stage_times
     return {
@@ -281,7 +283,18 @@ def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: f
                           "num_accepted": b.num_accepted} for b in st.entropy_bins],
         "wall_s": result.wall_s,
         "stack_start_s": stack_start_s,
+        # The primary's weight format and how it was chosen (None when talking to a running gateway).
+        "precision": (primary or {}).get("precision"),
+        "precision_choice": (primary or {}).get("precision_choice"),
     }
+
+
+def primary_info(address: str) -> dict[str, str]:
+    """The weight format the primary serves and how it was chosen (GetModelInfo)."""
+    with grpc.insecure_channel(address) as channel:
+        info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(),
+                                                                         timeout=30)
+    return {"precision": info.precision, "precision_choice": info.precision_choice}
 
 
 def stats_line(result: Result) -> str:
@@ -297,7 +310,8 @@ def stats_line(result: Result) -> str:
 
 # ---- running -------------------------------------------------------------------------------------------
 
-def run_request(address: str, args: argparse.Namespace, stack_start_s: float | None) -> None:
+def run_request(address: str, args: argparse.Namespace, stack_start_s: float | None,
+                primary: dict[str, str] | None = None) -> None:
     req = build_request(args)
     with grpc.insecure_channel(address) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
@@ -306,7 +320,7 @@ def run_request(address: str, args: argparse.Namespace, stack_start_s: float | N
         else:
             result = generate(stub, req, args.timeout)
     if args.json:
-        print(json.dumps(result_to_dict(result, args.speculative_decoding, stack_start_s)))
+        print(json.dumps(result_to_dict(result, args.speculative_decoding, stack_start_s, primary)))
         return
     if args.stream:
         print(flush=True)
@@ -317,11 +331,11 @@ def run_request(address: str, args: argparse.Namespace, stack_start_s: float | N
 
 
 def request_or_report(address: str, args: argparse.Namespace, stack: Stack | None,
-                      stack_start_s: float | None = None) -> int:
+                      stack_start_s: float | None = None, primary: dict[str, str] | None = None) -> int:
     """run_request; on a gRPC error print its status and message, and keep the
     service logs of a stack we started when the error is not the request's fault."""
     try:
-        run_request(address, args, stack_start_s)
+        run_request(address, args, stack_start_s, primary)
         return 0
     except grpc.RpcError as e:
         code = e.code() if isinstance(e, grpc.Call) else grpc.StatusCode.UNKNOWN
@@ -334,7 +348,7 @@ def request_or_report(address: str, args: argparse.Namespace, stack: Stack | Non
 
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
-    return StackConfig(model_path=args.model_path, precision=args.precision or "fp32", cache_dir=args.cache_dir,
+    return StackConfig(model_path=args.model_path, precision=args.precision or AUTO, cache_dir=args.cache_dir,
                        redis_url=args.redis_url or "", strategies=args.strategies or (),
                        num_threads=args.num_threads, log_dir=args.log_dir)
 
@@ -367,9 +381,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         with Stack(stack_config(args)) as stack:
             stack_start_s = time.perf_counter() - started
-            say(f"services ready in {stack_start_s:.1f} s (logs: {stack.log_dir})")
+            primary = primary_info(stack.addresses["primary"])
+            say(f"services ready in {stack_start_s:.1f} s (logs: {stack.log_dir}); primary weights "
+                f"{primary['precision']} ({primary['precision_choice']})")
             if args.prompt is not None:
-                exit_code = request_or_report(stack.gateway_address, args, stack, stack_start_s)
+                exit_code = request_or_report(stack.gateway_address, args, stack, stack_start_s, primary)
                 if exit_code or not args.serve:
                     return exit_code
             print(stack.gateway_address, flush=True)

@@ -105,10 +105,10 @@ class StackConfig:
     """What the four real services run with."""
 
     model_path: str | None = None            # None: the default model (SmolLM2-135M-Instruct)
-    # fp32, bf16, fp16 or fp8_e4m3 (specdec.model.precision.PRECISIONS); checked
+    # "auto" or a weight format of specdec.model.precision.PRECISIONS; checked
     # by the primary, whose refusal fails the start at once with its message.
     # Not imported here: that module loads torch, which the launcher does not need.
-    precision: str = "fp32"
+    precision: str = "auto"
     cache_dir: Path | None = None            # converted models; None: the services' default
     redis_url: str = ""                      # "": the gateway's in-memory state store
     strategies: tuple[str, ...] = ()         # draft decoders to load; (): the services' defaults

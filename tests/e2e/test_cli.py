@@ -14,6 +14,7 @@ import pytest
 
 import inference
 from specdec.launcher import Stack
+from specdec.model.precision import PRECISIONS
 from specdec.v1 import common_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,7 @@ CLI_TIMEOUT_S = 900
 JSON_KEYS = {"request_id", "text", "token_ids", "finish_reason", "speculative_decoding", "num_prompt_tokens",
              "num_generated_tokens", "num_steps", "num_proposed_tokens", "num_accepted_tokens", "acceptance_rate",
              "mean_accepted_length", "tokens_per_second", "stage_times", "decoders", "entropy_bins", "wall_s",
-             "stack_start_s"}
+             "stack_start_s", "precision", "precision_choice"}
 
 
 def run_cli(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -62,7 +63,7 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
     (["--temperature", "-0.5"], "--temperature"), (["--max_new_tokens", "0"], "--max_new_tokens"),
     (["--speculative_degree", "0"], "--speculative_degree"), (["--top_k", "nan"], "--top_k"),
     (["--temperature", "inf"], "--temperature"), (["--speculative_decoding=maybe"], "--speculative_decoding"),
-    (["--precision", "int4"], "--precision"), (["--json_mode", "--json_schema", "s.json"], "--json_schema"),
+    (["--precision", "int3"], "--precision"), (["--json_mode", "--json_schema", "s.json"], "--json_schema"),
 ])
 def test_bad_flags_are_refused_locally_naming_the_flag(flags: list[str], field: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,6 +134,7 @@ def test_json_output_of_a_self_launched_run(self_launched: dict) -> None:
     assert 0.0 <= out["acceptance_rate"] <= 1.0
     assert out["num_accepted_tokens"] <= out["num_proposed_tokens"]
     assert out["tokens_per_second"] > 0 and out["stack_start_s"] > 0
+    assert out["precision"] in PRECISIONS and out["precision_choice"]     # auto's pick, and why
     assert set(out["stage_times"]) == {"draft_ms", "verify_ms", "validate_ms", "commit_ms", "state_ms",
                                        "other_ms", "total_ms", "forward_ms"}
     assert 0 < out["stage_times"]["forward_ms"] <= out["stage_times"]["verify_ms"]
