@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from bench.concurrency import run_sweep
 from bench.peer_process import PeerProcess
 from bench.peers import default_gguf_path, llama_cpp_missing
@@ -24,6 +26,7 @@ from bench.prompts import BenchPrompt
 from bench.report import BASELINE, SPECULATIVE, Record, check_json, summarize_scenario
 from bench.scenarios import is_constrained, prompt_file
 from bench.stack import SystemUnderTest, run_request, system_under_test
+from specdec.v1 import primary_pb2, primary_pb2_grpc
 
 if TYPE_CHECKING:  # bench.suite imports this module
     from bench.suite import Selection, SuiteConfig
@@ -33,6 +36,8 @@ NUM_WARMUP_TOKENS = 8
 # KV room beyond the sequence length for the draft tokens of the last verify (a tree has at most 64 nodes).
 MAX_TREE_NODES = 64
 MEASURED_ONCE = ("llamacpp",)   # peers whose weights do not depend on --precision
+# transformers runs these as they are; the quantized formats have no CPU path there: it runs fp32.
+FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def peers_skipped(peers: Sequence[str]) -> dict[str, str]:
@@ -131,6 +136,8 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
     """Every system at one precision: (the run's summary for results.json, its records)."""
     max_context = config.sequence_length + MAX_TREE_NODES
     with system_under_test(precision, config.threads, max_context) as sut:
+        served = served_precision(sut)
+        print(f"[{precision}] the primary serves {served['precision']} ({served['precision_choice']})", flush=True)
         records = measure_stack(sut, selections, config.max_new_tokens, tokenizer, precision)
         sweep = (run_sweep(sut, sweep_prompts, config.concurrency, config.max_new_tokens, config.is_schema)
                  if config.concurrency else [])
@@ -138,10 +145,11 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
     for line in mismatches:
         print(f"warning: prompt token count differs, {line}", flush=True)
     failed = {}
+    peer_precision = served["precision"] if served["precision"] in FLOAT_PRECISIONS else "fp32"
     for name in peers:
         try:
             records.extend(cache[name] if name in cache else
-                           _measure_new_peer(name, precision, config, selections, tokenizer, model_dir, cache))
+                           _measure_new_peer(name, peer_precision, config, selections, tokenizer, model_dir, cache))
         except Exception as e:  # e.g. a model that does not load: the other systems' figures still count
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"peer {name} failed: {failed[name]}", flush=True)
@@ -151,7 +159,15 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
                         "systems": summarize_scenario([r for r in records if r.scenario == name])}
                  for name, s in selections.items()}
     return ({"scenarios": scenarios, "concurrency": sweep, "prompt_token_mismatches": mismatches,
-             "peers_failed": failed}, records)
+             "peers_failed": failed, "served_precision": served["precision"],
+             "precision_choice": served["precision_choice"], "transformers_precision": peer_precision}, records)
+
+
+def served_precision(sut: SystemUnderTest) -> dict[str, str]:
+    """The weight format the primary serves (auto's pick) and how it was chosen."""
+    with grpc.insecure_channel(sut.stack.addresses["primary"]) as channel:
+        info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(), timeout=30)
+    return {"precision": info.precision, "precision_choice": info.precision_choice}
 
 
 def _measure_new_peer(name: str, precision: str, config: SuiteConfig, selections: Mapping[str, Selection],

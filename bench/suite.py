@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct), the same prompts for every system, greedy everywhere.
 
     python -m bench [--scenarios json,code,prose[,specbench]] [--num-prompts 3] [--max-new-tokens 128]
-                    [--sequence-length 2048] [--precision fp32[,bf16]] [--peers transformers,llamacpp]
+                    [--sequence-length 2048] [--precision auto[,int4,fp32,...]] [--peers transformers,llamacpp]
                     [--no-schema] [--concurrency 1,4,16,32] [--threads N] [--data-dir DIR]
                     [--out results/results.json]
     python -m bench engine|validator|drafts ...     the component benchmarks (bench/__main__.py)
@@ -71,8 +71,10 @@ from bench.peers import PEERS
 from bench.prompts import BenchPrompt, load_prompts
 from bench.report import finite, machine_info
 from bench.scenarios import PROMPT_FILES, prompt_file, run_scenarios
+from specdec.model.precision import AUTO
+from specdec.model.precision import PRECISIONS as WEIGHT_PRECISIONS
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = (AUTO, *WEIGHT_PRECISIONS)
 DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 DEFAULT_OUT = Path("results") / "results.json"
 
@@ -84,7 +86,7 @@ class SuiteConfig:
     num_prompts: int = 3                  # per scenario
     max_new_tokens: int = 128
     sequence_length: int = 2048           # prompt + max_new_tokens budget, as in the reference article
-    precisions: tuple[str, ...] = ("fp32",)
+    precisions: tuple[str, ...] = (AUTO,)   # the primary's --precision; auto: its measured choice
     peers: tuple[str, ...] = ("transformers", "llamacpp")
     is_schema: bool = True                # json also with response_format (scenario "json"), not only without
     concurrency: tuple[int, ...] = ()     # client counts of the sweep; (): no sweep
@@ -130,7 +132,8 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per scenario")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sequence-length", type=int, default=2048, help="prompt + output budget")
-    p.add_argument("--precision", default="fp32", help="comma list of fp32, bf16, fp16")
+    p.add_argument("--precision", default=AUTO, help=f"comma list of {', '.join(PRECISIONS)} (default auto: the "
+                                                       "format the primary measures fastest here)")
     p.add_argument("--peers", default="transformers,llamacpp", help="comma list; empty for none")
     p.add_argument("--no-schema", action="store_true",
                    help="run the json prompts only without response_format (default: with and without)")

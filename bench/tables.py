@@ -182,7 +182,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     for precision, run in results["runs"].items():
         by_file = {v.get("prompt_file", k): v["num_skipped"] for k, v in run["scenarios"].items()}  # json: once
         skipped = ", ".join(f"{name} {n}" for name, n in by_file.items() if n)
-        parts += [f"### {precision}", headline_table(run), systems_table(run),
+        served = run.get("served_precision", precision)
+        title = precision if served == precision else f"{precision}: the primary chose {served}"
+        parts += [f"### {title}", headline_table(run), systems_table(run),
                   "Time per step by stage (ms; verify = forward + verify − forward; draft includes model drafting):",
                   step_time_table(run)]
         if any(name in run["scenarios"] for name in (CONSTRAINED, UNCONSTRAINED)):
