@@ -11,19 +11,22 @@ attention is split per sequence, each against its own KV cache. A token tree is 
 sequence whose new tokens carry an explicit attention mask and positions by depth.
 
 Weights are plain tensors handed in by name (Hugging Face names), never copied: they may
-live in shared memory mapped from another process (`specdec.weights`).
+live in shared memory mapped from another process (`specdec.weights`). Quantized layouts are
+recognised by name (`quant.py`): an int8 embedding (`model.embed_tokens.weight_int8` + scale)
+serves both the lookup and the tied lm_head. The activation dtype is the final norm's dtype.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from specdec.model.config import ModelConfig
 from specdec.model.linear import NO_PADDING, Linear
+from specdec.model.quant import INT8_SCALE, INT8_WEIGHT, Int8Embedding
 
 Tensor = torch.Tensor
 
@@ -162,11 +165,12 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int,
                  min_gemm_rows: int = NO_PADDING) -> None:
         self.config = config
-        self.embed_tokens = weights["model.embed_tokens.weight"]   # [V, C]
-        self.dtype = self.embed_tokens.dtype
+        self.dtype = weights["model.norm.weight"].dtype             # activations, KV cache
+        self.embed, self.embed_tokens = _embedding(weights, self.dtype)   # embed_tokens: [V, C], float or int8
         self.layers = [Block(config, weights, i, min_gemm_rows) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
-        head = "lm_head" if "lm_head.weight" in weights else "model.embed_tokens"
+        is_untied = "lm_head.weight" in weights or "lm_head" + INT8_WEIGHT in weights
+        head = "lm_head" if is_untied else "model.embed_tokens"
         self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
@@ -187,10 +191,20 @@ class Transformer:
             logits_rows = None if logits_rows is None else logits_rows.to(self.device)
             for s in spans:
                 s.mask = None if s.mask is None else s.mask.to(self.device)
-        x = self.embed_tokens[input_ids]                   # [T, C]
+        x = self.embed(input_ids)                          # [T, C]
         chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
         for i in chosen:
             x = self.layers[i](x, positions, self.rope, spans)
         if logits_rows is not None:
             x = x[logits_rows]                             # [R, C]: only rows whose logits are needed
         return self.lm_head(self.norm(x)).float()          # [R, V]
+
+
+def _embedding(weights: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """(lookup: token ids [T] -> rows [T, C] in `dtype`, the matrix [V, C] it reads)."""
+    name = "model.embed_tokens"
+    if name + INT8_WEIGHT in weights:
+        embedding = Int8Embedding(weights[name + INT8_WEIGHT], weights[name + INT8_SCALE], dtype)
+        return embedding, embedding.weight
+    matrix = weights[name + ".weight"]
+    return matrix.__getitem__, matrix
