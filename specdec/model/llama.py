@@ -26,9 +26,11 @@ import torch.nn.functional as F
 
 from specdec.model.config import ModelConfig
 from specdec.model.linear import NO_PADDING, Linear
-from specdec.model.quant import INT8_SCALE, INT8_WEIGHT, Int8Embedding
+from specdec.model.quant import INT8_SCALE, INT8_WEIGHT, Int4Linear, Int8Embedding, Int8Linear
 
 Tensor = torch.Tensor
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,6 +47,9 @@ class SequenceSpan:
     k_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
     v_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
     mask: Tensor | None  # [num_tokens, num_cached + num_tokens] bool, True = attend; None = attend to all
+    # Set: attend row by row, row r to the cache and exactly the new rows row_paths[r] (int64 [d],
+    # in position order), the call a 1-row decode of that token makes once its path is committed.
+    row_paths: Sequence[Tensor] | None = None
 
 
 class RMSNorm:
@@ -121,17 +126,38 @@ class Attention:
         out = torch.empty_like(q)
         for s in spans:
             rows = slice(s.start, s.start + s.num_tokens)
-            end = s.num_cached + s.num_tokens
-            s.k_cache[self.layer_idx, :, s.num_cached:end] = k[rows].transpose(0, 1)
-            s.v_cache[self.layer_idx, :, s.num_cached:end] = v[rows].transpose(0, 1)
-            keys = s.k_cache[self.layer_idx, :, :end]      # [Hkv, L, D]
-            values = s.v_cache[self.layer_idx, :, :end]    # [Hkv, L, D]
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),      # [1, H, n, D]
-                keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=s.mask, enable_gqa=self.num_heads != self.num_kv_heads)
-            out[rows] = o[0].transpose(0, 1)               # [n, H, D]
+            self._write_cache(s, k[rows], v[rows])
+            if s.row_paths is None:
+                out[rows] = self._attend(q[rows], s, s.num_cached + s.num_tokens, s.mask)
+            else:
+                out[rows] = self._attend_row_by_row(q[rows], k[rows], v[rows], s)
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+
+    def _write_cache(self, s: SequenceSpan, k: Tensor, v: Tensor) -> None:
+        # k, v: [n, Hkv, D] -> cache rows [num_cached, num_cached + n) of this layer
+        end = s.num_cached + k.shape[0]
+        s.k_cache[self.layer_idx, :, s.num_cached:end] = k.transpose(0, 1)
+        s.v_cache[self.layer_idx, :, s.num_cached:end] = v.transpose(0, 1)
+
+    def _attend(self, q: Tensor, s: SequenceSpan, end: int, mask: Tensor | None) -> Tensor:
+        # q: [n, H, D] against cache rows [0, end) -> [n, H, D]
+        keys = s.k_cache[self.layer_idx, :, :end]          # [Hkv, L, D]
+        values = s.v_cache[self.layer_idx, :, :end]        # [Hkv, L, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),                # [1, H, n, D]
+            keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)                        # [n, H, D]
+
+    def _attend_row_by_row(self, q: Tensor, k: Tensor, v: Tensor, s: SequenceSpan) -> Tensor:
+        """Row r alone, its visible new rows moved right after the cache (where commit will put
+        them), unmasked: E.g. node c of [r a b c] with path [r a c] reads cache rows [ctx | r a c]."""
+        out = torch.empty_like(q)                          # [n, H, D]
+        for r, path in enumerate(s.row_paths):
+            self._write_cache(s, k[path], v[path])
+            out[r] = self._attend(q[r:r + 1], s, s.num_cached + len(path), None)[0]
+        self._write_cache(s, k, v)                         # back in verify order, as commit expects
+        return out
 
 
 class MLP:
@@ -173,6 +199,10 @@ class Transformer:
         head = "lm_head" if is_untied else "model.embed_tokens"
         self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
+        # Packed int4/int8 kernels give a row the same bits whatever the row count (measured, see quant.py)
+        linears = [self.lm_head] + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN] + [
+            getattr(b.mlp, n) for b in self.layers for n in _MLP]
+        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear)) for lin in linears)
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
 
