@@ -174,7 +174,8 @@ class Engine:
             input_ids.extend(w.token_ids)
             positions.append(tree_geometry.verify_positions(req.kv.num_cached, c, w.parents))
             mask = tree_geometry.verify_mask(req.kv.num_cached, c, w.parents)
-            paths = tree_geometry.row_paths(c, w.parents) if self.is_row_by_row and c + n > 1 else None
+            # the chain before the root attends together, as a prefill would; the root and the tree row by row
+            paths = tree_geometry.row_paths(c, w.parents)[c - 1:] if self.is_row_by_row and c + n > 1 else None
             spans.append(SequenceSpan(num_rows, c + n, req.kv.num_cached, req.kv.k, req.kv.v, mask, paths))
             logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
             num_rows += c + n

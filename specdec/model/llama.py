@@ -47,8 +47,9 @@ class SequenceSpan:
     k_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
     v_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
     mask: Tensor | None  # [num_tokens, num_cached + num_tokens] bool, True = attend; None = attend to all
-    # Set: attend row by row, row r to the cache and exactly the new rows row_paths[r] (int64 [d],
-    # in position order), the call a 1-row decode of that token makes once its path is committed.
+    # Set: the last len(row_paths) rows attend one by one, each to the cache and exactly the new
+    # rows row_paths[i] (int64 [d], in position order): the call a 1-row decode of that token makes
+    # once its path is committed. The rows before them (a chain) attend together, causally.
     row_paths: Sequence[Tensor] | None = None
 
 
@@ -153,7 +154,11 @@ class Attention:
         """Row r alone, its visible new rows moved right after the cache (where commit will put
         them), unmasked: E.g. node c of [r a b c] with path [r a c] reads cache rows [ctx | r a c]."""
         out = torch.empty_like(q)                          # [n, H, D]
-        for r, path in enumerate(s.row_paths):
+        first = s.num_tokens - len(s.row_paths)
+        if first:
+            mask = None if s.mask is None else s.mask[:first, :s.num_cached + first]
+            out[:first] = self._attend(q[:first], s, s.num_cached + first, mask)
+        for r, path in enumerate(s.row_paths, start=first):
             self._write_cache(s, k[path], v[path])
             out[r] = self._attend(q[r:r + 1], s, s.num_cached + len(path), None)[0]
         self._write_cache(s, k, v)                         # back in verify order, as commit expects
