@@ -15,6 +15,13 @@ committed tokens (the accepted drafts and one bonus token), which rolls back eve
 else. Until then nothing is committed, so repeating a verify (a retried RPC) is harmless.
 Plain autoregressive decoding is the special case of an empty tree.
 
+Batch invariance: where the model's kernels give a row the same bits whatever the row count (the
+packed int4/int8 layers, `Transformer.is_batch_invariant`), the engine also runs attention row by
+row in verify (`SequenceSpan.row_paths`), so a k-row verify returns exactly the logits k 1-row
+decodes would, and greedy speculation equals greedy decoding token for token. Batched masked
+attention rounds differently from a 1-row call (~3e-7 in fp32), which the bf16 casts into the
+packed kernels amplify into argmax flips at near-ties.
+
 The engine is not thread-safe: the primary service serialises (and batches) calls.
 """
 from __future__ import annotations
@@ -52,7 +59,8 @@ class VerifyWork:
 
 
 class Engine:
-    def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int) -> None:
+    def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int,
+                 is_row_by_row: bool | None = None) -> None:
         window = model.config.sliding_window
         if window is not None and max_context > window:
             raise ValueError(f"this model uses sliding-window attention ({window} tokens), which the engine does "
@@ -61,6 +69,7 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's {model.max_positions} positions")
         self.model, self.kv_cache, self.max_context = model, kv_cache, max_context
         self.vocab_size = model.config.vocab_size
+        self.is_row_by_row = model.is_batch_invariant if is_row_by_row is None else is_row_by_row
         self._requests: dict[str, _Request] = {}
 
     # --- bookkeeping -------------------------------------------------------------------
@@ -165,7 +174,9 @@ class Engine:
             input_ids.extend(w.token_ids)
             positions.append(tree_geometry.verify_positions(req.kv.num_cached, c, w.parents))
             mask = tree_geometry.verify_mask(req.kv.num_cached, c, w.parents)
-            spans.append(SequenceSpan(num_rows, c + n, req.kv.num_cached, req.kv.k, req.kv.v, mask))
+            # the chain before the root attends together, as a prefill would; the root and the tree row by row
+            paths = tree_geometry.row_paths(c, w.parents)[c - 1:] if self.is_row_by_row and c + n > 1 else None
+            spans.append(SequenceSpan(num_rows, c + n, req.kv.num_cached, req.kv.k, req.kv.v, mask, paths))
             logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
             num_rows += c + n
             reqs.append((req, c, w))

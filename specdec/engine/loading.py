@@ -7,6 +7,7 @@ import json
 import torch
 
 from specdec.model.config import ModelConfig
+from specdec.model.gguf_blocks import load_q4_blocks
 from specdec.model.llama import Transformer
 from specdec.model.loader import load_config, load_state_dict
 from specdec.model.precision import convert_weights, weight_bytes
@@ -27,11 +28,13 @@ def load_model(model_dir, precision: str = "fp32", max_positions: int | None = N
                min_gemm_rows: int = 1) -> LoadedModel:
     """Load HF-format weights, convert them to `precision`, optionally move them into shared memory.
 
+    int4 serves a GGUF's own Q4 blocks where the directory holds them (`gguf_blocks.py`).
     With `is_shared`, the converted tensors are copied once into one exportable segment and the
     model runs on views of it; the private copies are dropped, so the process holds one copy.
     """
     config = load_config(model_dir)
-    weights = convert_weights(load_state_dict(model_dir), config, precision)
+    q4_blocks = load_q4_blocks(model_dir) if precision == "int4" else None
+    weights = convert_weights(load_state_dict(model_dir), config, precision, q4_blocks, device)
     shared = None
     if is_shared:
         shared = SharedWeights.create(weights, device=device, instance_id=instance_id)
@@ -43,7 +46,8 @@ def load_model(model_dir, precision: str = "fp32", max_positions: int | None = N
 
 
 def model_from_manifest(manifest: WeightManifest, config: ModelConfig, max_positions: int) -> Transformer:
-    """The same model over a peer's weights, mapped without copying (see `specdec.weights.shared`)."""
+    """The same model over a peer's weights, mapped without copying (see `specdec.weights.shared`);
+    packed int4/int8 layers are recognised by their tensor names (`Linear.from_weights`)."""
     return Transformer(config, attach(manifest), max_positions)
 
 

@@ -81,3 +81,13 @@ def is_path(parents: Sequence[int], nodes: Sequence[int]) -> bool:
             return False
         expected_parent = i
     return True
+
+
+def row_paths(num_chain: int, parents: Sequence[int]) -> list[torch.Tensor]:
+    """Per verify row, the new rows it sees in position order (int64 [depth]): the chain causally,
+    then a node's ancestors and itself. E.g. chain [r], parents [-1, 0, 0, -1] (rows r a b c d):
+    r -> [0], a -> [0 1], b -> [0 1 2], c -> [0 1 3], d -> [0 4]."""
+    mask = verify_mask(0, num_chain, parents)
+    if mask is None:
+        return [torch.zeros(1, dtype=torch.int64)]
+    return [row.nonzero().squeeze(1) for row in mask]

@@ -7,7 +7,8 @@ of ready float weights, and nothing at runtime depends on `gguf` or `transformer
 
 What the conversion has to undo:
   * quantization: every quantized tensor is dequantized to float32 (`gguf.quants.dequantize`);
-    an unquantized file keeps its float dtype (F32, F16 or BF16).
+    an unquantized file keeps its float dtype (F32, F16 or BF16). Q4_0/Q4_1 tensors are also
+    kept as their raw blocks (`gguf_blocks.Q4_BLOCKS_FILE`), which `--precision int4` serves as is.
   * the Q/K row permutation: llama.cpp's converter reorders the rows of `attn_q`/`attn_k` of
     `llama` files so that its adjacent-pair RoPE computes what HF's half-split RoPE computes;
     `unpermute_qk_rows` puts them back (the inverse of what transformers' GGUF loader does).
@@ -34,10 +35,10 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from specdec.model import gguf_tokenizer
+from specdec.model import gguf_blocks, gguf_tokenizer
 
 # Bump when the files this module writes change: it is part of the cache key in `loader.py`.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2    # 2: the raw Q4_0/Q4_1 blocks file
 # Above this many bytes of weights the output is split into shards, so that peak memory during
 # conversion stays near one shard rather than the whole float32 model.
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
@@ -224,6 +225,7 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, sh
         raise ValueError(f"GGUF tensors with no Hugging Face counterpart: {unknown[:8]}")
     shards = _plan_shards([t.n_elements * dtype.itemsize for t, _ in named], max_shard_bytes)
     index: dict[str, str] = {}
+    blocks: dict[str, torch.Tensor] = {}
     progress = tqdm(total=len(named), desc="converting GGUF tensors", unit="tensor", disable=not show_progress)
     for shard_num, tensor_indices in enumerate(shards, start=1):
         file_name = ("model.safetensors" if len(shards) == 1
@@ -231,21 +233,32 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, sh
         state: dict[str, torch.Tensor] = {}
         for i in tensor_indices:
             tensor, hf_name = named[i]
-            weight = dequantize(tensor.data, tensor.tensor_type)  # [out, in] float32, HF layout
-            if is_qk_permuted and ".attn_q." in tensor.name:
-                weight = unpermute_qk_rows(weight, config["num_attention_heads"])
-            elif is_qk_permuted and ".attn_k." in tensor.name:
-                weight = unpermute_qk_rows(weight, config["num_key_value_heads"])
+            weight = _hf_rows(dequantize(tensor.data, tensor.tensor_type), tensor.name, config, is_qk_permuted)
+            if tensor.tensor_type in gguf_blocks.Q4_TYPES:
+                q, d, m = gguf_blocks.unpack_q4_blocks(tensor.data, tensor.tensor_type)
+                q, d, m = (_hf_rows(a, tensor.name, config, is_qk_permuted) for a in (q, d, m))
+                blocks.update(gguf_blocks.q4_block_tensors(hf_name, q, d, m))
             state[hf_name] = torch.from_numpy(np.require(weight, requirements=("C", "W"))).to(dtype)
             index[hf_name] = file_name
             progress.update(1)
         save_file(state, str(out_dir / file_name), metadata={"format": "pt"})
         del state
     progress.close()
+    if blocks:
+        save_file(blocks, str(out_dir / gguf_blocks.Q4_BLOCKS_FILE), metadata={"format": "pt"})
     if len(shards) > 1:
         total_size = sum(t.n_elements for t, _ in named) * dtype.itemsize
         _write_json(out_dir / "model.safetensors.index.json",
                     {"metadata": {"total_size": total_size}, "weight_map": index})
+
+
+def _hf_rows(rows: np.ndarray, gguf_name: str, config: dict[str, Any], is_qk_permuted: bool) -> np.ndarray:
+    """Rows of a tensor [out, ...] in HF order: Q/K rows of permuted architectures un-permuted."""
+    if is_qk_permuted and ".attn_q." in gguf_name:
+        return unpermute_qk_rows(rows, config["num_attention_heads"])
+    if is_qk_permuted and ".attn_k." in gguf_name:
+        return unpermute_qk_rows(rows, config["num_key_value_heads"])
+    return rows
 
 
 def _plan_shards(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:

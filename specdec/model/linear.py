@@ -1,6 +1,8 @@
 """One linear layer over borrowed weight tensors, in any of the engine's precisions.
 
-Two things are not a plain `F.linear`:
+`Linear.from_weights` recognises the layout by tensor names: int4/int8 weights
+(`<name>.weight_int4*`, `<name>.weight_int8*`) give the packed-kernel layers of `quant.py`;
+everything else is this class. Two things here are not a plain `F.linear`:
 
 * fp8_e4m3 weights carry a per-output-channel scale (`<name>.weight_scale`, [out] fp32):
   W ≈ W8 * scale[:, None]. On CPU the fp8 weight is widened to the compute dtype inside the
@@ -19,6 +21,8 @@ from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+
+from specdec.model.quant import Int4Linear, Int8Linear, quantized_linear
 
 Tensor = torch.Tensor
 
@@ -44,7 +48,10 @@ class Linear:
         self.use_scaled_mm = self.is_fp8 and _has_fp8_tensor_cores(weight.device)
 
     @classmethod
-    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str, min_gemm_rows: int = NO_PADDING) -> "Linear":
+    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str,
+                     min_gemm_rows: int = NO_PADDING) -> "Linear | Int4Linear | Int8Linear":
+        if (quantized := quantized_linear(weights, prefix)) is not None:
+            return quantized
         return cls(weights[prefix + ".weight"], weights.get(prefix + ".weight_scale"),
                    weights.get(prefix + ".bias"), min_gemm_rows)
 

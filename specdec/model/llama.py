@@ -11,21 +11,26 @@ attention is split per sequence, each against its own KV cache. A token tree is 
 sequence whose new tokens carry an explicit attention mask and positions by depth.
 
 Weights are plain tensors handed in by name (Hugging Face names), never copied: they may
-live in shared memory mapped from another process (`specdec.weights`).
+live in shared memory mapped from another process (`specdec.weights`). Quantized layouts are
+recognised by name (`quant.py`): an int8 embedding (`model.embed_tokens.weight_int8` + scale)
+serves both the lookup and the tied lm_head. The activation dtype is the final norm's dtype.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from specdec.model.config import ModelConfig
 from specdec.model.linear import NO_PADDING, Linear
+from specdec.model.quant import INT8_SCALE, INT8_WEIGHT, Int4Linear, Int8Embedding, Int8Linear
 
 Tensor = torch.Tensor
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,6 +47,10 @@ class SequenceSpan:
     k_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
     v_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
     mask: Tensor | None  # [num_tokens, num_cached + num_tokens] bool, True = attend; None = attend to all
+    # Set: the last len(row_paths) rows attend one by one, each to the cache and exactly the new
+    # rows row_paths[i] (int64 [d], in position order): the call a 1-row decode of that token makes
+    # once its path is committed. The rows before them (a chain) attend together, causally.
+    row_paths: Sequence[Tensor] | None = None
 
 
 class RMSNorm:
@@ -118,17 +127,42 @@ class Attention:
         out = torch.empty_like(q)
         for s in spans:
             rows = slice(s.start, s.start + s.num_tokens)
-            end = s.num_cached + s.num_tokens
-            s.k_cache[self.layer_idx, :, s.num_cached:end] = k[rows].transpose(0, 1)
-            s.v_cache[self.layer_idx, :, s.num_cached:end] = v[rows].transpose(0, 1)
-            keys = s.k_cache[self.layer_idx, :, :end]      # [Hkv, L, D]
-            values = s.v_cache[self.layer_idx, :, :end]    # [Hkv, L, D]
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1).unsqueeze(0),      # [1, H, n, D]
-                keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=s.mask, enable_gqa=self.num_heads != self.num_kv_heads)
-            out[rows] = o[0].transpose(0, 1)               # [n, H, D]
+            self._write_cache(s, k[rows], v[rows])
+            if s.row_paths is None:
+                out[rows] = self._attend(q[rows], s, s.num_cached + s.num_tokens, s.mask)
+            else:
+                out[rows] = self._attend_row_by_row(q[rows], k[rows], v[rows], s)
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+
+    def _write_cache(self, s: SequenceSpan, k: Tensor, v: Tensor) -> None:
+        # k, v: [n, Hkv, D] -> cache rows [num_cached, num_cached + n) of this layer
+        end = s.num_cached + k.shape[0]
+        s.k_cache[self.layer_idx, :, s.num_cached:end] = k.transpose(0, 1)
+        s.v_cache[self.layer_idx, :, s.num_cached:end] = v.transpose(0, 1)
+
+    def _attend(self, q: Tensor, s: SequenceSpan, end: int, mask: Tensor | None) -> Tensor:
+        # q: [n, H, D] against cache rows [0, end) -> [n, H, D]
+        keys = s.k_cache[self.layer_idx, :, :end]          # [Hkv, L, D]
+        values = s.v_cache[self.layer_idx, :, :end]        # [Hkv, L, D]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),                # [1, H, n, D]
+            keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)                        # [n, H, D]
+
+    def _attend_row_by_row(self, q: Tensor, k: Tensor, v: Tensor, s: SequenceSpan) -> Tensor:
+        """Row r alone, its visible new rows moved right after the cache (where commit will put
+        them), unmasked: E.g. node c of [r a b c] with path [r a c] reads cache rows [ctx | r a c]."""
+        out = torch.empty_like(q)                          # [n, H, D]
+        first = s.num_tokens - len(s.row_paths)
+        if first:
+            mask = None if s.mask is None else s.mask[:first, :s.num_cached + first]
+            out[:first] = self._attend(q[:first], s, s.num_cached + first, mask)
+        for r, path in enumerate(s.row_paths, start=first):
+            self._write_cache(s, k[path], v[path])
+            out[r] = self._attend(q[r:r + 1], s, s.num_cached + len(path), None)[0]
+        self._write_cache(s, k, v)                         # back in verify order, as commit expects
+        return out
 
 
 class MLP:
@@ -162,13 +196,18 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int,
                  min_gemm_rows: int = NO_PADDING) -> None:
         self.config = config
-        self.embed_tokens = weights["model.embed_tokens.weight"]   # [V, C]
-        self.dtype = self.embed_tokens.dtype
+        self.dtype = weights["model.norm.weight"].dtype             # activations, KV cache
+        self.embed, self.embed_tokens = _embedding(weights, self.dtype)   # embed_tokens: [V, C], float or int8
         self.layers = [Block(config, weights, i, min_gemm_rows) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
-        head = "lm_head" if "lm_head.weight" in weights else "model.embed_tokens"
+        is_untied = "lm_head.weight" in weights or "lm_head" + INT8_WEIGHT in weights
+        head = "lm_head" if is_untied else "model.embed_tokens"
         self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
+        # Packed int4/int8 kernels give a row the same bits whatever the row count (measured, see quant.py)
+        linears = [self.lm_head] + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN] + [
+            getattr(b.mlp, n) for b in self.layers for n in _MLP]
+        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear)) for lin in linears)
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
 
@@ -187,10 +226,20 @@ class Transformer:
             logits_rows = None if logits_rows is None else logits_rows.to(self.device)
             for s in spans:
                 s.mask = None if s.mask is None else s.mask.to(self.device)
-        x = self.embed_tokens[input_ids]                   # [T, C]
+        x = self.embed(input_ids)                          # [T, C]
         chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
         for i in chosen:
             x = self.layers[i](x, positions, self.rope, spans)
         if logits_rows is not None:
             x = x[logits_rows]                             # [R, C]: only rows whose logits are needed
         return self.lm_head(self.norm(x)).float()          # [R, V]
+
+
+def _embedding(weights: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """(lookup: token ids [T] -> rows [T, C] in `dtype`, the matrix [V, C] it reads)."""
+    name = "model.embed_tokens"
+    if name + INT8_WEIGHT in weights:
+        embedding = Int8Embedding(weights[name + INT8_WEIGHT], weights[name + INT8_SCALE], dtype)
+        return embedding, embedding.weight
+    matrix = weights[name + ".weight"]
+    return matrix.__getitem__, matrix

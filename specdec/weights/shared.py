@@ -33,7 +33,7 @@ _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "float8_e4m3fn": torch.float8_e4m3fn, "int64": torch.int64, "int32": torch.int32,
-    "uint8": torch.uint8,
+    "uint8": torch.uint8, "int8": torch.int8,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 

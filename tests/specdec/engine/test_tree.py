@@ -46,3 +46,11 @@ def test_is_path():
     parents = [-1, 0, 0, -1]
     assert tree.is_path(parents, [0, 2]) and tree.is_path(parents, [3]) and tree.is_path(parents, [])
     assert not tree.is_path(parents, [2]) and not tree.is_path(parents, [0, 3]) and not tree.is_path(parents, [9])
+
+
+def test_row_paths_follow_the_chain_then_each_nodes_ancestors():
+    from specdec.engine.tree import row_paths
+    paths = [p.tolist() for p in row_paths(1, [-1, 0, 0, -1])]      # the module docstring's tree
+    assert paths == [[0], [0, 1], [0, 1, 2], [0, 1, 3], [0, 4]]
+    assert [p.tolist() for p in row_paths(2, [-1])] == [[0], [0, 1], [0, 1, 2]]
+    assert [p.tolist() for p in row_paths(1, [])] == [[0]]

@@ -31,7 +31,16 @@ def shared_model(default_model_dir):
     loaded.shared.unlink()
 
 
-def test_child_process_maps_the_same_pages_and_computes_the_same_logits(shared_model, tmp_path):
+@pytest.fixture(scope="module")
+def shared_int4_model(default_model_dir):
+    loaded = load_model(default_model_dir, "int4", max_positions=256, is_shared=True)
+    yield loaded
+    loaded.shared.unlink()
+
+
+@pytest.mark.parametrize("model_fixture", ["shared_model", "shared_int4_model"])
+def test_child_process_maps_the_same_pages_and_computes_the_same_logits(model_fixture, request, tmp_path):
+    shared_model = request.getfixturevalue(model_fixture)    # int4: packed uint8/int8 tensors, same layers
     manifest = shared_model.shared.manifest
     request = {"manifest": manifest_to_dict(manifest), "config": config_to_json(shared_model.config),
                "token_ids": TOKENS, "tree_token_ids": [700, 701, 702], "tree_parents": [-1, 0, -1],
@@ -47,7 +56,7 @@ def test_child_process_maps_the_same_pages_and_computes_the_same_logits(shared_m
     own = sum(float(t.float().sum()) for t in shared_model.shared.tensors.values())
     assert report["checksum"] == own
 
-    engine = Engine(shared_model.model, KVCache(shared_model.config, torch.float32), 256)
+    engine = Engine(shared_model.model, KVCache(shared_model.config, shared_model.model.dtype), 256)
     engine.open("owner", TOKENS)
     expected = engine.verify("owner", [700, 701, 702], [-1, 0, -1])
     got = torch.from_numpy(np.fromfile(tmp_path / "logits.f32", dtype=np.float32)).view_as(expected)
@@ -90,7 +99,8 @@ def test_stale_segments_of_dead_owners_are_cleaned(tmp_path):
 
 def test_a_segment_of_mixed_dtypes_round_trips():
     weights = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16),
-               "c": torch.full((7,), 0.5).to(torch.float8_e4m3fn)}
+               "c": torch.full((7,), 0.5).to(torch.float8_e4m3fn), "d": torch.arange(-3, 3, dtype=torch.int8),
+               "e": torch.arange(6, dtype=torch.uint8).view(2, 3)}
     shared = SharedWeights.create(weights)
     try:
         views = attach(shared.manifest)

@@ -1,0 +1,88 @@
+"""int4/int8: greedy tree-verify speculation equals plain greedy decoding, token for token.
+
+The packed kernels give a row the same bits whatever the row count, and the engine attends row
+by row for these models, so a k-row verify reproduces 1-row decoding exactly (not only at
+non-near-ties, as bf16 does: see test_precision.py).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.sampling import SamplingParams
+
+PROMPT = [1, 9690, 198, 2683, 253, 30760, 563, 260, 1945, 28, 837, 2456, 357, 30, 2, 198, 1, 520, 9531, 198]
+NUM_TOKENS = 16
+MAX_CONTEXT = 256
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def quantized_engine(request, default_model_dir):
+    loaded = load_model(default_model_dir, request.param, max_positions=MAX_CONTEXT, is_shared=False)
+    assert loaded.model.is_batch_invariant
+    return Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), MAX_CONTEXT)
+
+
+def draft_tree(rng: random.Random, truth: list[int]) -> tuple[list[int], list[int]]:
+    """A tree whose main branch follows `truth` for a random number of tokens, then goes wrong,
+    with a wrong sibling at every depth: acceptance stops anywhere from depth 0 to the end."""
+    num_right = rng.randint(0, len(truth))
+    token_ids, parents, parent = [], [], -1
+    for depth, token in enumerate(truth):
+        wrong = (token + 1 + rng.randrange(1000)) % 49152
+        main = token if depth < num_right else wrong
+        token_ids += [main, (main + 7) % 49152]
+        parents += [parent, parent]
+        parent = len(token_ids) - 2
+    return token_ids, parents
+
+
+def speculate_greedy(engine: Engine, prompt: list[int], plain: list[int], seed: int) -> list[int]:
+    rng, out = random.Random(seed), []
+    engine.open("spec", prompt)
+    engine.prefill("spec")
+    while len(out) < len(plain):
+        token_ids, parents = draft_tree(rng, plain[len(out):len(out) + rng.randint(1, 6)])
+        logits = engine.verify("spec", token_ids, parents)               # [N + 1, V]
+        node, accepted = -1, []
+        while True:
+            best = int(logits[node + 1].argmax())
+            child = next((i for i, (t, p) in enumerate(zip(token_ids, parents)) if p == node and t == best), None)
+            if child is None:
+                break
+            accepted.append(child)
+            node = child
+        new_tokens = [token_ids[i] for i in accepted] + [best]
+        engine.commit("spec", accepted, new_tokens)
+        out += new_tokens
+    engine.release("spec")
+    return out[:len(plain)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_tree_speculation_equals_plain_decoding(quantized_engine, seed):
+    plain = quantized_engine.generate(PROMPT, NUM_TOKENS, SamplingParams())
+    assert speculate_greedy(quantized_engine, PROMPT, plain, seed) == plain
+
+
+@pytest.mark.parametrize("k", [8])
+def test_chain_verify_logits_equal_one_token_decoding_bit_for_bit(quantized_engine, k):
+    engine = quantized_engine
+    engine.open("one", PROMPT)
+    engine.prefill("one")
+    rows, tokens = [], []
+    for _ in range(k):
+        rows.append(engine.verify("one", (), ())[0])
+        tokens.append(int(rows[-1].argmax()))
+        engine.commit("one", (), (tokens[-1],))
+    engine.release("one")
+    engine.open("chain", PROMPT)
+    engine.prefill("chain")                                                 # the same prompt KV as "one"
+    chain = engine.verify("chain", tokens[:-1], [-1] + list(range(k - 2)))   # [k, V], same positions
+    engine.release("chain")
+    assert torch.equal(chain, torch.stack(rows))
