@@ -25,9 +25,9 @@ from specdec.model.linear import FP8_DTYPE, FP8_MAX
 _FLOAT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8_e4m3")
 PRECISIONS = _FLOAT_PRECISIONS + quant.QUANTIZED_PRECISIONS
 _INT4_FALLBACKS = _FLOAT_PRECISIONS + ("int8",)     # what serves a model int4 cannot pack
+AUTO = "auto"   # not a format: the primary measures candidates at start-up (primary_svc.autotune)
 # int4/int8: the dtype of everything but the packed matmuls (residual stream, norms, RoPE,
 # attention, KV cache), chosen by measurement; see the module docstring of `quant.py`.
-AUTO = "auto"   # not a format: the primary measures candidates at start-up (primary_svc.autotune)
 _COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
                    "fp8_e4m3": torch.bfloat16, "int8": torch.float32, "int4": torch.float32}
 _EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
