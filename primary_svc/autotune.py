@@ -15,7 +15,9 @@ second per candidate), then scored by what the gateway's controller would get fr
 averaged over the controller's task-type priors for alpha (structured, code, creative). g = 0
 is plain decoding, so a format whose verify curve is steep still scores its plain speed.
 
-The choice is cached per machine (CPU model and flags, core count, torch version, threads)
+Measuring stops after MAX_MEASURE_S (the candidates are tried in order of preference, so a
+slow start still measures the likeliest winners); such an incomplete choice is used but not
+cached. The choice is cached per machine (CPU model and flags, core count, torch version, threads)
 and model, in the primary's cache directory, so only the first start pays for measuring. Any
 failure falls back to fp32 with the reason: `auto` never stops the service from starting.
 """
@@ -51,6 +53,7 @@ PRIOR_ACCEPTANCES = (0.8, 0.6, 0.3)                # the controller's structured
 PLAIN_OVERHEAD_MS = 1.0                            # the gateway's CostSettings defaults
 SPECULATIVE_OVERHEAD_MS = 4.0
 CACHE_FILE = "precision_autotune.json"
+MAX_MEASURE_S = 20.0       # a start-up budget: candidates not reached by then are not measured
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,7 +119,8 @@ def choose_precision_or_fallback(model_dir: Path, cache_dir: Path, num_threads: 
 
 def choose_precision(model_dir: Path, cache_dir: Path, num_threads: int,
                      candidates: Sequence[str] = CANDIDATES,
-                     measure: Callable[[Path, str], dict[int, float]] = measure_candidate) -> PrecisionChoice:
+                     measure: Callable[[Path, str], dict[int, float]] = measure_candidate,
+                     max_measure_s: float = MAX_MEASURE_S) -> PrecisionChoice:
     """The candidate with the best score on this machine (cached), or fp32 with the reason why."""
     log = structlog.get_logger("primary_svc")
     candidates = tuple(p for p in candidates if p in PRECISIONS)
@@ -131,6 +135,9 @@ def choose_precision(model_dir: Path, cache_dir: Path, num_threads: int,
     curves: dict[str, dict[int, float]] = {}
     failures = []
     for precision in candidates:
+        if curves and time.perf_counter() - start > max_measure_s:   # a loaded or slow machine
+            failures.append(f"{precision}: not measured, the {max_measure_s:.0f} s budget ran out")
+            continue
         try:
             curves[precision] = measure(model_dir, precision)
         except Exception as e:  # a format this model or torch build cannot serve is not a candidate
@@ -145,7 +152,8 @@ def choose_precision(model_dir: Path, cache_dir: Path, num_threads: int,
     reason = (f"auto chose {best}: expected tokens/s {ranking} (measured in {time.perf_counter() - start:.1f} s"
               + (f"; unavailable: {'; '.join(failures)}" if failures else "") + ")")
     choice = PrecisionChoice(best, reason, scores, curves)
-    _write_cache(cache_path, key, choice)
+    if not any("budget ran out" in f for f in failures):
+        _write_cache(cache_path, key, choice)      # a complete measurement only: a busy start re-measures
     return choice
 
 

@@ -20,13 +20,13 @@ from specdec.v1 import gateway_pb2_grpc
 @pytest.fixture(scope="module")
 def stack(redis_server, tmp_path_factory: pytest.TempPathFactory,  # noqa: ANN001 - RedisServer from tests/conftest.py
           request: pytest.FixtureRequest) -> Iterator[Stack]:
-    """The four services (default model, fp32) with the state in redis_server.
+    """The four services (default model, default precision: auto) with the state in redis_server.
 
     Logs go to pytest's temp dir (pytest keeps the last few runs), so a failed
     test's service logs can be read afterwards; the path is printed on failure.
     """
     log_dir = tmp_path_factory.mktemp(f"stack-{request.module.__name__.rpartition('.')[2]}")
-    config = StackConfig(precision="fp32", redis_url=redis_server.url, log_dir=log_dir)
+    config = StackConfig(redis_url=redis_server.url, log_dir=log_dir)
     with Stack(config) as started:
         yield started
 

@@ -39,7 +39,7 @@ def stack(redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """tests/e2e/conftest.py's stack, offering the model-based strategies too, once they propose."""
     log_dir = tmp_path_factory.mktemp("stack-test_decoder_mix")
-    config = StackConfig(precision="fp32", redis_url=redis_server.url, strategies=STRATEGIES, log_dir=log_dir)
+    config = StackConfig(redis_url=redis_server.url, strategies=STRATEGIES, log_dir=log_dir)
     with Stack(config) as started:
         wait_for_model_decoders(started, MODEL_DECODERS, timeout_s=ATTACH_TIMEOUT_S)
         yield started

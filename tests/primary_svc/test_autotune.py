@@ -79,3 +79,16 @@ def test_auto_never_fails(tmp_path, monkeypatch):
 def test_unknown_candidates_are_ignored(tmp_path):
     choice = choose_precision(tmp_path / "m", tmp_path, 2, ("fp64", "fp32"), curves(fp32=FLAT))
     assert choice.precision == "fp32" and set(choice.tokens_per_s) == {"fp32"}
+
+
+def test_the_budget_stops_measuring_and_an_incomplete_choice_is_not_cached(tmp_path):
+    measured = []
+
+    def slow(model_dir, precision):
+        measured.append(precision)
+        return FLAT
+
+    choice = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), slow, max_measure_s=0.0)
+    assert measured == ["bf16"] and choice.precision == "bf16" and "budget" in choice.reason
+    again = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), slow, max_measure_s=0.0)
+    assert not again.is_cached and measured == ["bf16", "bf16"]
