@@ -1,4 +1,4 @@
-"""End to end with the adaptive controller: greedy fp32 output equals speculation off, whatever the
+"""End to end with the adaptive controller: greedy output (at the default precision) equals speculation off, whatever the
 controller chose per step, and the choices are reported (response stats per decoder and rank; the
 per-step choices in the stored stats, next to the controller state the gateway writes every step).
 

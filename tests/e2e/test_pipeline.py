@@ -1,6 +1,6 @@
 """End to end through real processes: gateway -> draft/primary/validator over gRPC, a real Redis.
 
-One stack for the module (tests/e2e/conftest.py). Greedy fp32 output must not depend on
+One stack for the module (tests/e2e/conftest.py). Greedy output, at the default precision, must not depend on
 speculation, degree or draft length; a primary killed mid-request is recovered; bad input
 gets a specific status naming the field, and leaves no KV memory behind.
 """

@@ -2,7 +2,7 @@
 with their schemas as response_format, through the four real services.
 
 Constrained speculative decoding (grammar-forced drafts + prompt lookup + suffix index, adaptive)
-equals constrained plain decoding token for token (fp32, greedy); every finished output parses and
+equals constrained plain decoding token for token (greedy, default precision); every finished output parses and
 validates against its schema (jsonschema); JSON mode gives a JSON object; a bad schema is refused
 with INVALID_ARGUMENT naming the problem.
 """
