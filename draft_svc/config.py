@@ -7,7 +7,7 @@ The only module of the service that reads `os.environ` (through `from_args`' `en
 
 Environment (compose.yaml sets the first five for every service):
     SPECDEC_HOST, SPECDEC_PORT, SPECDEC_METRICS_PORT, SPECDEC_LOG_LEVEL, SPECDEC_PRIMARY_ADDRESS,
-    SPECDEC_NUM_THREADS, SPECDEC_DRAFT_STRATEGIES, SPECDEC_DRAFT_DEFAULT_STRATEGIES,
+    SPECDEC_DRAFT_NUM_THREADS, SPECDEC_DRAFT_STRATEGIES, SPECDEC_DRAFT_DEFAULT_STRATEGIES,
     SPECDEC_DRAFT_LENGTH, SPECDEC_DRAFT_THREADS, SPECDEC_DRAFT_EARLY_EXIT_LAYERS,
     SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S,
     SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR
@@ -43,7 +43,9 @@ class DraftConfig:
     primary_address: str = NO_PRIMARY
     attach_poll_s: float = 5.0      # how often the primary's instance id is checked
     max_context: int = 0            # rotary table length of the draft model; 0 = the primary's context
-    num_torch_threads: int = 0      # 0 = torch's default
+    # Torch intra-op threads per process (0 = torch's default). One: the pool already runs a step's
+    # decoders on parallel threads, and spare OpenMP workers spin on the cores the primary needs.
+    num_torch_threads: int = 1
     log_level: str = "INFO"
     model_path: str | None = None   # the model's tokenizer for grammar-forced drafts (None: the default model)
     cache_dir: Path = Path.home() / ".cache" / "specdec" / "models"
@@ -84,8 +86,8 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
     p.add_argument("--log_level", default=env("SPECDEC_LOG_LEVEL", "INFO"))
     p.add_argument("--primary_address", default=env("SPECDEC_PRIMARY_ADDRESS", NO_PRIMARY),
                    help="host:port of the primary whose weights the model-based strategies run on")
-    p.add_argument("--num_threads", type=int, default=int(env("SPECDEC_NUM_THREADS", 0)),
-                   help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--num_threads", type=int, default=int(env("SPECDEC_DRAFT_NUM_THREADS", 1)),
+                   help="torch intra-op threads (default 1; 0: torch's default)")
     p.add_argument("--model_path", default=env("SPECDEC_MODEL_PATH", env("SPECDEC_MODEL", None)) or None,
                    help="the model whose tokenizer grammar-forced drafts use (default: the default model)")
     p.add_argument("--cache_dir", default=env("SPECDEC_CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))

@@ -7,6 +7,7 @@ import threading
 import time
 
 import structlog
+import torch
 from prometheus_client import CollectorRegistry
 
 from gateway.backends import Backends
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("gateway", level=config.log_level)
     log = structlog.get_logger("gateway")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
                                                      show_progress=sys.stderr.isatty()))
     backends = Backends(config.primary_address, config.draft_address, config.validator_address,

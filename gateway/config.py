@@ -74,6 +74,9 @@ class GatewayConfig:
     recovery_timeout_s: float = 120.0   # how long a request waits for a restarted primary
     state_ttl_s: float = 24 * 3600.0
     log_level: str = "INFO"
+    # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
+    # OpenMP workers of each RPC thread would spin on the cores the primary's forward needs.
+    num_threads: int = 1
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -122,6 +125,8 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--max_grammar_compile_s", type=float, default=float(_env("MAX_GRAMMAR_COMPILE_S", "10")),
                    help="longest a request waits for its response_format to compile (RESOURCE_EXHAUSTED after)")
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--num_threads", type=int, default=int(os.environ.get("SPECDEC_GATEWAY_NUM_THREADS", "1")),
+                   help="torch intra-op threads (default 1; 0: torch's default)")
     a = p.parse_args(argv)
     return GatewayConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
@@ -137,4 +142,4 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
         grammar=GrammarSettings(max_compile_s=a.max_grammar_compile_s),
         is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
-        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level)
+        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import structlog
+import torch
 from prometheus_client import CollectorRegistry
 
 from specdec.logging import configure_logging
@@ -16,7 +17,9 @@ from validator_svc.server import ValidatorServicer
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("validator_svc", level=config.log_level)
-    structlog.get_logger("validator_svc").info("starting", device=config.device)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    structlog.get_logger("validator_svc").info("starting", device=config.device, num_threads=config.num_threads)
     registry = CollectorRegistry()
     serve(config.server, [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, ValidatorServicer())],
           interceptors=[ErrorInterceptor(ServiceMetrics(registry))], registry=registry)
