@@ -5,13 +5,14 @@ python -m bench {engine,validator,drafts} [ARGS...]: one component benchmark (ea
     engine     plain decoding vs transformers, verify cost per tree size     (bench/engine.py)
     validator  wire bytes, validation time, fp8/bf16 vs fp32 on real logits (bench/validator.py)
     drafts     acceptance per decoder and scenario through the whole pipeline (bench/drafts.py)
+    quality    perplexity and greedy agreement with fp32 per weight format     (bench/quality.py)
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts")
+BENCHMARKS = ("engine", "validator", "drafts", "quality")
 
 
 def main() -> None:
