@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +115,15 @@ class Attention:
         q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)     # [T, H, D]
         k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)                   # [T, Hkv, D]
-        out = torch.empty_like(q)
+        return self.o_proj(self.attend(q, k, v, spans).view(T, self.num_heads * self.head_dim))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, spans: Sequence[SequenceSpan]) -> Tensor:
+        """Write each span's keys/values into its cache, attend to it: out [T, H, D].
+
+        q: [T, H, D], k, v: [T, Hkv, D]. Rows outside every span (a compiled step's padding)
+        write no cache rows and come out zero.
+        """
+        out = torch.zeros_like(q)
         for s in spans:
             rows = slice(s.start, s.start + s.num_tokens)
             end = s.num_cached + s.num_tokens
@@ -128,7 +136,7 @@ class Attention:
                 keys.unsqueeze(0), values.unsqueeze(0),
                 attn_mask=s.mask, enable_gqa=self.num_heads != self.num_kv_heads)
             out[rows] = o[0].transpose(0, 1)               # [n, H, D]
-        return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+        return out
 
 
 class MLP:
@@ -171,6 +179,9 @@ class Transformer:
         self.device = self.embed_tokens.device
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
+        # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the
+        # forward's arguments, it returns the logits, or None to leave the step to the eager code.
+        self.fast_path: Callable[..., Tensor | None] | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, spans: Sequence[SequenceSpan],
@@ -187,6 +198,10 @@ class Transformer:
             logits_rows = None if logits_rows is None else logits_rows.to(self.device)
             for s in spans:
                 s.mask = None if s.mask is None else s.mask.to(self.device)
+        if self.fast_path is not None and num_layers is None and layer_ids is None:
+            logits = self.fast_path(input_ids, positions, spans, logits_rows)
+            if logits is not None:
+                return logits
         x = self.embed_tokens[input_ids]                   # [T, C]
         chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
         for i in chosen:
