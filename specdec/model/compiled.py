@@ -18,7 +18,8 @@ their identity), and any `Linear` that is a plain callable over tensors compiles
 
 Compiling happens on dummy inputs (`compile_bucket`, normally from a background thread) and a
 bucket is used only once its three graphs exist; the forward path runs the regions in dynamo's
-run-only mode, so a guard miss falls back to eager instead of compiling on the serving thread.
+run-only mode, so a guard miss falls back to eager instead of compiling on the serving thread,
+and the serving thread never waits for a compile.
 """
 from __future__ import annotations
 
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch._dynamo
 
 from specdec.model.llama import Block, RotaryEmbedding, SequenceSpan, Transformer
 
@@ -56,6 +56,8 @@ class CompileSettings:
 
 def configure_inductor_cache(cache_dir: Path) -> None:
     """Keep inductor's compiled artifacts (FX graph cache) in `cache_dir`, so a restart reuses them."""
+    import torch._dynamo   # ~1 s to import; only a compiled step needs it
+    import torch._inductor.config
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)   # inductor reads its cache root from here
     torch._inductor.config.fx_graph_cache = True
@@ -88,10 +90,21 @@ def _head(model: Transformer, x: Tensor) -> Tensor:
     return model.lm_head(model.norm(x)).float()
 
 
+def _layers(model: Transformer, x: Tensor, positions: Tensor, spans: Sequence[SequenceSpan]) -> Tensor:
+    # x: [B, C] -> [B, C]. Run under dynamo's run-only mode, the region calls below find their
+    # compiled graphs; one mode switch per step costs less than one per region call.
+    for block in model.layers:
+        q, k, v = _pre_attention(block, model.rope, x, positions)
+        x = _post_attention(block, x, block.self_attn.attend(q, k, v, spans))   # spans: rows < T only
+    return x
+
+
 def _pad_rows(t: Tensor, num_rows: int, value: int | float) -> Tensor:
-    if t.shape[0] == num_rows:
-        return t
-    return torch.cat([t, t.new_full((num_rows - t.shape[0], *t.shape[1:]), value)])
+    # Always a new tensor, even without padding: made under inference_mode like compile_bucket's dummy
+    # inputs, so it passes the graphs' guards (an engine-built tensor is not an inference tensor).
+    padded = t.new_full((num_rows, *t.shape[1:]), value)
+    padded[:t.shape[0]] = t
+    return padded
 
 
 class CompiledStep:
@@ -102,11 +115,12 @@ class CompiledStep:
     """
 
     def __init__(self, model: Transformer, settings: CompileSettings = CompileSettings()) -> None:
+        import torch._dynamo
         self.model, self.settings = model, settings
         mode = None if settings.mode == "default" else settings.mode
         compile_ = lambda fn: torch.compile(fn, dynamic=False, mode=mode)   # noqa: E731
         self._compiling = (compile_(_pre_attention), compile_(_post_attention), compile_(_head))
-        self._running = tuple(torch._dynamo.run(fn) for fn in (_pre_attention, _post_attention, _head))
+        self._run_layers, self._run_head = torch._dynamo.run(_layers), torch._dynamo.run(_head)
         self._ready: frozenset[int] = frozenset()      # replaced whole, so readers need no lock
         self._compile_lock = threading.Lock()
 
@@ -143,12 +157,9 @@ class CompiledStep:
         head_bucket = self.bucket_for(R)
         if B not in self._ready or (R and head_bucket not in self._ready):
             return None
-        m, (pre, post, head) = self.model, self._running
+        m = self.model
         x = m.embed_tokens[_pad_rows(input_ids, B, PAD_TOKEN_ID)]           # [B, C]
-        positions = _pad_rows(positions, B, PAD_POSITION)                    # [B]
-        for block in m.layers:
-            q, k, v = pre(block, m.rope, x, positions)
-            x = post(block, x, block.self_attn.attend(q, k, v, spans))   # spans cover rows < T only
+        x = self._run_layers(m, x, _pad_rows(positions, B, PAD_POSITION), spans)
         if R == 0:
             return torch.empty(0, m.config.vocab_size, device=x.device)
-        return head(m, _pad_rows(x[rows], head_bucket, 0.0))[:R]           # [R, V] fp32
+        return self._run_head(m, _pad_rows(x[rows], head_bucket, 0.0))[:R]  # [R, V] fp32
