@@ -18,7 +18,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.logging import configure_logging
 from specdec.metrics import ServiceMetrics
-from specdec.model.compiled import CompiledStep, CompileSettings, configure_inductor_cache
+from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.llama import Transformer
 from specdec.model.loader import resolve_model_dir
@@ -74,10 +74,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def start_step_compiler(config: PrimaryConfig, model: Transformer, metrics: ServiceMetrics) -> BackgroundCompiler:
     """Install a compiled step on `model` and compile its buckets in the background; serving starts eager."""
-    configure_inductor_cache(config.compile_cache_dir)
     step = CompiledStep(model, CompileSettings(mode=config.compile_mode))
     model.fast_path = step
-    compiler = BackgroundCompiler(step, on_bucket_ready=metrics.compiled_buckets.set)
+    compiler = BackgroundCompiler(step, config.compile_cache_dir, on_bucket_ready=metrics.compiled_buckets.set)
     compiler.start()
     return compiler
 

@@ -8,17 +8,18 @@ throughout and never waits. A failed compile leaves the remaining buckets eager.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Callable
 
 import structlog
 
-from specdec.model.compiled import CompiledStep
+from specdec.model.compiled import CompiledStep, configure_inductor_cache
 
 
 class BackgroundCompiler:
-    def __init__(self, step: CompiledStep, on_bucket_ready: Callable[[int], None] = lambda num_ready: None
-                 ) -> None:
-        self.step = step
+    def __init__(self, step: CompiledStep, cache_dir: Path | None = None,
+                 on_bucket_ready: Callable[[int], None] = lambda num_ready: None) -> None:
+        self.step, self.cache_dir = step, cache_dir   # cache_dir: inductor's on-disk cache (None: its default)
         self.on_bucket_ready = on_bucket_ready       # called with the number of ready buckets
         self.seconds_per_bucket: dict[int, float] = {}
         self._stop = threading.Event()
@@ -39,7 +40,10 @@ class BackgroundCompiler:
 
     def _run(self) -> None:
         buckets = self.step.settings.buckets
-        self._log.info("step compile started", buckets=list(buckets), mode=self.step.settings.mode)
+        if self.cache_dir is not None:
+            configure_inductor_cache(self.cache_dir)
+        self._log.info("step compile started", buckets=list(buckets), mode=self.step.settings.mode,
+                       cache_dir=None if self.cache_dir is None else str(self.cache_dir))
         for num_rows in buckets:
             if self._stop.is_set():
                 self._log.info("step compile stopped", ready_buckets=list(self.step.ready_buckets))

@@ -115,14 +115,20 @@ class CompiledStep:
     """
 
     def __init__(self, model: Transformer, settings: CompileSettings = CompileSettings()) -> None:
-        import torch._dynamo
         self.model, self.settings = model, settings
-        mode = None if settings.mode == "default" else settings.mode
+        self._ready: frozenset[int] = frozenset()      # replaced whole, so readers need no lock
+        self._compile_lock = threading.Lock()
+        # Built by the first compile_bucket, not here: importing dynamo and inductor takes seconds
+        # (~16 s on a busy 2-core machine) and belongs on the compiling thread, not at start-up.
+        self._compiling: tuple | None = None
+        self._run_layers = self._run_head = None
+
+    def _build_wrappers(self) -> None:
+        import torch._dynamo
+        mode = None if self.settings.mode == "default" else self.settings.mode
         compile_ = lambda fn: torch.compile(fn, dynamic=False, mode=mode)   # noqa: E731
         self._compiling = (compile_(_pre_attention), compile_(_post_attention), compile_(_head))
         self._run_layers, self._run_head = torch._dynamo.run(_layers), torch._dynamo.run(_head)
-        self._ready: frozenset[int] = frozenset()      # replaced whole, so readers need no lock
-        self._compile_lock = threading.Lock()
 
     @property
     def ready_buckets(self) -> tuple[int, ...]:
@@ -137,9 +143,11 @@ class CompiledStep:
         Runs them on dummy inputs with the real weights of layer 0; no KV cache is touched.
         """
         assert num_rows in self.settings.buckets
-        m, (pre, post, head) = self.model, self._compiling
         start = time.perf_counter()
         with self._compile_lock, torch.inference_mode():   # the serving thread's forward runs under it too
+            if self._compiling is None:
+                self._build_wrappers()
+            m, (pre, post, head) = self.model, self._compiling
             x = torch.zeros(num_rows, m.config.hidden_size, dtype=m.dtype, device=m.device)
             positions = torch.full((num_rows,), PAD_POSITION, dtype=torch.int64, device=m.device)
             q, _, _ = pre(m.layers[0], m.rope, x, positions)
