@@ -9,16 +9,19 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from primary_svc.autotune import CANDIDATES, FLOAT_CANDIDATES, choose_precision_or_fallback
-from primary_svc.config import parse_config
+from primary_svc.config import PrimaryConfig, parse_config
 from primary_svc.costs import measure_verify_costs
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
+from specdec.engine.background_compile import BackgroundCompiler
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.logging import configure_logging
 from specdec.metrics import ServiceMetrics
+from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
+from specdec.model.llama import Transformer
 from specdec.model.loader import resolve_model_dir
 from specdec.model.precision import AUTO
 from specdec.model.tokenizer import Tokenizer
@@ -63,9 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
+    compiler = start_step_compiler(config, loaded.model, metrics) if config.tensormt_optimizer else None
     servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics)
 
     def on_stopped() -> None:
+        if compiler is not None:
+            compiler.stop()
         worker.stop()
         servicer.logits_slots.release_all()
         if loaded.shared is not None:
@@ -77,6 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def start_step_compiler(config: PrimaryConfig, model: Transformer, metrics: ServiceMetrics) -> BackgroundCompiler:
+    """Install a compiled step on `model` and compile its buckets in the background; serving starts eager."""
+    step = CompiledStep(model, CompileSettings(mode=config.compile_mode))
+    model.fast_path = step
+    compiler = BackgroundCompiler(step, config.compile_cache_dir, on_bucket_ready=metrics.compiled_buckets.set)
+    compiler.start()
+    return compiler
 
 
 if __name__ == "__main__":

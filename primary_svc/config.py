@@ -7,6 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
@@ -28,6 +29,13 @@ class PrimaryConfig:
     device: str = "cpu"             # cuda: weights, KV cache and compute on the GPU (CUDA IPC export)
     min_gemm_rows: int = 0          # pad fp32 GEMMs of 2..n-1 rows to n; 0: measure at startup
     log_level: str = "INFO"
+    tensormt_optimizer: bool = False  # compile the decode/verify step in the background (eager until ready)
+    compile_mode: str = "default"     # torch.compile mode of that step
+
+    @property
+    def compile_cache_dir(self) -> Path:
+        """Inductor's on-disk cache of compiled graphs: a restart loads them instead of compiling."""
+        return self.cache_dir / "inductor"
 
     def __post_init__(self) -> None:
         if self.precision not in (AUTO, *PRECISIONS):
@@ -40,10 +48,22 @@ class PrimaryConfig:
             raise ValueError(f"need 1 <= min_batch <= max_batch, got {self.min_batch}, {self.max_batch}")
         if self.max_wait_ms < 0:
             raise ValueError("max_wait_ms must be >= 0")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
 
 def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"SPECDEC_PRIMARY_{name}", os.environ.get(f"SPECDEC_{name}", default))
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value in _TRUE
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
@@ -71,6 +91,11 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
                    default=_env("MEASURE_VERIFY_COSTS", "1") in ("0", "false"))
     p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(128 << 20))))
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
+    p.add_argument("--tensormt_optimizer", "--compile", dest="tensormt_optimizer", type=_parse_bool, nargs="?",
+                   const=True, default=_parse_bool(_env("TENSORMT_OPTIMIZER", "false")), metavar="true|false",
+                   help="compile the decode/verify step with torch.compile per row bucket, in a background "
+                        "thread; the service serves eagerly until each bucket is ready")
+    p.add_argument("--compile_mode", default=_env("COMPILE_MODE", "default"), choices=COMPILE_MODES)
     a = p.parse_args(argv)
     return PrimaryConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
@@ -79,4 +104,4 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         max_kv_bytes=a.max_kv_bytes, num_threads=a.num_threads, max_batch=a.max_batch, min_batch=a.min_batch,
         max_wait_ms=a.max_wait_ms, is_shared_weights=not a.no_shared_weights,
         measure_verify_costs=not a.no_measure_verify_costs, device=a.device, min_gemm_rows=a.min_gemm_rows,
-        log_level=a.log_level)
+        log_level=a.log_level, tensormt_optimizer=a.tensormt_optimizer, compile_mode=a.compile_mode)

@@ -69,6 +69,9 @@ class ServiceMetrics:
         self.kv_bytes = Gauge(
             "kv_bytes", "KV-cache bytes in use.",
             namespace=NAMESPACE, registry=registry)
+        self.compiled_buckets = Gauge(
+            "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only).",
+            namespace=NAMESPACE, registry=registry)
 
     def observe_step(self, *, num_proposed: int, num_accepted: int, stage_seconds: dict[str, float]) -> None:
         """Record one speculative step: num_accepted draft tokens + 1 bonus token."""

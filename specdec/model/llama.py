@@ -124,7 +124,15 @@ class Attention:
         q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)     # [T, H, D]
         k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)                   # [T, Hkv, D]
-        out = torch.empty_like(q)
+        return self.o_proj(self.attend(q, k, v, spans).view(T, self.num_heads * self.head_dim))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, spans: Sequence[SequenceSpan]) -> Tensor:
+        """Write each span's keys/values into its cache, attend to it: out [T, H, D].
+
+        q: [T, H, D], k, v: [T, Hkv, D]. Rows outside every span (a compiled step's padding)
+        write no cache rows and come out zero.
+        """
+        out = torch.zeros_like(q)
         for s in spans:
             rows = slice(s.start, s.start + s.num_tokens)
             self._write_cache(s, k[rows], v[rows])
@@ -132,7 +140,7 @@ class Attention:
                 out[rows] = self._attend(q[rows], s, s.num_cached + s.num_tokens, s.mask)
             else:
                 out[rows] = self._attend_row_by_row(q[rows], k[rows], v[rows], s)
-        return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+        return out
 
     def _write_cache(self, s: SequenceSpan, k: Tensor, v: Tensor) -> None:
         # k, v: [n, Hkv, D] -> cache rows [num_cached, num_cached + n) of this layer
@@ -210,6 +218,9 @@ class Transformer:
         self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear)) for lin in linears)
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
+        # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the
+        # forward's arguments, it returns the logits, or None to leave the step to the eager code.
+        self.fast_path: Callable[..., Tensor | None] | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, spans: Sequence[SequenceSpan],
@@ -226,6 +237,10 @@ class Transformer:
             logits_rows = None if logits_rows is None else logits_rows.to(self.device)
             for s in spans:
                 s.mask = None if s.mask is None else s.mask.to(self.device)
+        if self.fast_path is not None and num_layers is None and layer_ids is None:
+            logits = self.fast_path(input_ids, positions, spans, logits_rows)
+            if logits is not None:
+                return logits
         x = self.embed(input_ids)                          # [T, C]
         chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
         for i in chosen:

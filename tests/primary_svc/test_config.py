@@ -1,0 +1,38 @@
+"""The primary's flags: the compiled-step switch, its alias and its environment default."""
+from __future__ import annotations
+
+import pytest
+
+from primary_svc.config import parse_config
+
+
+def test_compiled_step_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("SPECDEC_PRIMARY_TENSORMT_OPTIMIZER", raising=False)
+    monkeypatch.delenv("SPECDEC_TENSORMT_OPTIMIZER", raising=False)
+    assert not parse_config([]).tensormt_optimizer
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--tensormt_optimizer", "true"], True), (["--tensormt_optimizer", "false"], False),
+    (["--compile"], True), (["--compile", "false"], False), (["--compile", "1"], True),
+])
+def test_tensormt_optimizer_flag_and_its_compile_alias(argv, expected):
+    assert parse_config(argv).tensormt_optimizer is expected
+
+
+def test_environment_sets_the_default_and_the_flag_wins(monkeypatch):
+    monkeypatch.setenv("SPECDEC_PRIMARY_TENSORMT_OPTIMIZER", "true")
+    assert parse_config([]).tensormt_optimizer
+    assert not parse_config(["--tensormt_optimizer", "false"]).tensormt_optimizer
+
+
+def test_bad_values_are_rejected():
+    with pytest.raises(SystemExit):
+        parse_config(["--tensormt_optimizer", "maybe"])
+    with pytest.raises(SystemExit):
+        parse_config(["--compile_mode", "reduce-overhead"])
+
+
+def test_compiled_graphs_are_cached_under_the_cache_dir(tmp_path):
+    config = parse_config(["--cache_dir", str(tmp_path)])
+    assert config.compile_cache_dir == tmp_path / "inductor"
