@@ -39,16 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
     min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(576, 1536)
-    precision, precision_choice = config.precision, "requested"
-    if config.precision == AUTO:
-        # A GGUF's own format is quantized, so int4/int8 serve the file as it is; a float checkpoint
-        # is served in a float format unless a quantized precision is asked for.
-        is_gguf = config.model_path is None or str(config.model_path).lower().endswith(".gguf")
-        choice = choose_precision_or_fallback(model_dir, config.cache_dir, config.num_threads,
-                                              CANDIDATES if is_gguf else FLOAT_CANDIDATES)
-        precision, precision_choice = choice.precision, choice.reason
-        log.info("precision chosen", precision=precision, reason=choice.reason,
-                 expected_tokens_per_s={p: round(v, 1) for p, v in choice.tokens_per_s.items()})
+    precision, precision_choice = served_precision(config, model_dir)
     loaded = load_model(model_dir, precision, max_positions=config.max_context,
                         device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id,
                         min_gemm_rows=min_gemm_rows)
@@ -83,6 +74,21 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def served_precision(config: PrimaryConfig, model_dir) -> tuple[str, str]:
+    """(the weight format to serve, how it was chosen): --precision as given, or auto's measured pick."""
+    if config.precision != AUTO:
+        return config.precision, "requested"
+    # A GGUF's own format is quantized, so int4/int8 serve the file as it is; a float checkpoint
+    # is served in a float format unless a quantized precision is asked for.
+    is_gguf = config.model_path is None or str(config.model_path).lower().endswith(".gguf")
+    choice = choose_precision_or_fallback(model_dir, config.cache_dir, config.num_threads,
+                                          CANDIDATES if is_gguf else FLOAT_CANDIDATES)
+    structlog.get_logger("primary_svc").info(
+        "precision chosen", precision=choice.precision, reason=choice.reason,
+        expected_tokens_per_s={p: round(v, 1) for p, v in choice.tokens_per_s.items()})
+    return choice.precision, choice.reason
 
 
 def start_step_compiler(config: PrimaryConfig, model: Transformer, metrics: ServiceMetrics) -> BackgroundCompiler:
