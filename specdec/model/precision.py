@@ -9,8 +9,14 @@ int4 and int8 (`quant.py`) keep the block matrices packed for torch's CPU kernel
 of 32 (a Q4_0/Q4_1 GGUF's own blocks when the model directory holds them, `gguf_blocks.py`,
 else round-to-nearest), int8 per output channel. The embedding matrix is int8 per channel in
 both: one copy serves the lookup and the tied lm_head (the head is 28M of SmolLM2-135M's 135M
-weights; in bf16 it alone would take 56 MB next to ~67 MB of int4 layers). Norms and the rest of
-the model run in `compute_dtype` (see `_COMPUTE_DTYPES`); only the packed matmuls see bf16.
+weights). Measured for that choice, with int4 layers: greedy agreement with the fp32 model over
+200 teacher-forced positions (8 prompts) is 197 / 196 / 189 / 174 for an fp32 / bf16 / int8 /
+int4 head; the 49152x576 head costs 2.7 / 3.1 / 4.0 / 11.0 ms at 1 row and 9.2 / 13.8 / 27 / 22
+ms at 8 rows (int4 / int8 / bf16 / fp32). A bf16 head (56 MB) with the int4 layers (~67 MB)
+would exceed 1.2x the 98 MB GGUF; int8 takes 28 MB (int4 in memory: 95 MB in all) and needs no
+second copy for the lookup, which int4's opaque packed layout would. Whole-model agreement with
+fp32 on the same positions: bf16 187, int8 184, int4 189 of 200. Norms and the rest of the model
+run in `compute_dtype` (see `_COMPUTE_DTYPES`); only the packed matmuls see bf16.
 """
 from __future__ import annotations
 
