@@ -56,7 +56,7 @@ class CompileSettings:
 
 def configure_inductor_cache(cache_dir: Path) -> None:
     """Keep inductor's compiled artifacts (FX graph cache) in `cache_dir`, so a restart reuses them."""
-    import torch._dynamo   # ~1 s to import; only a compiled step needs it
+    import torch._dynamo   # seconds to import; only a compiled step needs it
     import torch._inductor.config
     cache_dir.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)   # inductor reads its cache root from here
