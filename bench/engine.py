@@ -3,7 +3,8 @@ against transformers, the verify-cost curve, the same step inside the running se
 llama.cpp's own step on the same GGUF.
 
     python -m bench.engine [--model_path PATH] [--precisions fp32,bf16] [--num-prompts 3]
-                           [--max-new-tokens 64] [--threads 2] [--service-steps 64] [--out engine.json]
+                           [--max-new-tokens 64] [--threads 2] [--service-steps 64] [--compiled default]
+                           [--out engine.json]
 
 Same model, same prompts, same process, alternating systems per prompt so drift on a noisy
 machine hits both alike. `service` (bench/service_step.py) starts the whole stack and compares
@@ -61,6 +62,19 @@ def verify_curve(engine: Engine, repeats: int) -> dict:
     return {"ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
 
 
+def compiled_curve(engine: Engine, repeats: int, mode: str) -> dict:
+    """The same curve with the compiled step (specdec.model.compiled), after compiling each size's bucket."""
+    from specdec.model.compiled import CompiledStep, CompileSettings
+
+    step = CompiledStep(engine.model, CompileSettings(buckets=VERIFY_SIZES, mode=mode))
+    compile_s = {k: step.compile_bucket(k) for k in VERIFY_SIZES}
+    engine.model.fast_path = step
+    try:
+        return {"compile_s": compile_s, "mode": mode, **verify_curve(engine, repeats)}
+    finally:
+        engine.model.fast_path = None
+
+
 def llama_cpp_curve(context_tokens: int, repeats: int, num_threads: int) -> dict:
     """llama.cpp's ms for a forward of k tokens (all logits kept) after `context_tokens`, same GGUF."""
     if reason := llama_cpp_missing():
@@ -86,6 +100,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compiled", default="", help="also the compiled step in this torch.compile mode "
+                                                  "(default or max-autotune-no-cudagraphs); empty: eager only")
     p.add_argument("--service-steps", type=int, default=64, help="plain steps in the service vs in-process; 0: skip")
     p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
     p.add_argument("--out", default=None)
@@ -115,6 +131,8 @@ def main() -> None:
         results[precision] = {"weight_bytes": loaded.weight_bytes, "load_s": load_s,
                               "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
                               "verify": verify_curve(engine, args.repeats)}
+        if args.compiled:
+            results[precision]["compiled"] = compiled_curve(engine, args.repeats, args.compiled)
         del hf, engine, loaded
         if args.service_steps:
             results[precision]["service"] = service_vs_engine(precision, args.threads, bench_prompts[0], tokenizer,
@@ -126,6 +144,11 @@ def main() -> None:
         print(f"[{precision}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
         print(f"[{precision}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
                                                         for k, v in r["verify"]["relative_to_1"].items()))
+        if "compiled" in r:
+            c = r["compiled"]
+            print(f"[{precision}] compiled ({c['mode']}; compile s " + ", ".join(
+                f"k={k}: {v:.0f}" for k, v in c["compile_s"].items()) + ")")
+            print(f"[{precision}] compiled verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in c["ms"].items()))
         if "service" in r:
             sv = r["service"]
             print(f"[{precision}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
