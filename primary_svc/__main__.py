@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import uuid
+from pathlib import Path
 
 import structlog
 import torch
@@ -16,7 +17,7 @@ from primary_svc.worker import EngineWorker
 from specdec.engine.background_compile import BackgroundCompiler
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.engine.loading import load_model
+from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_logging
 from specdec.metrics import ServiceMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
@@ -34,25 +35,15 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("primary_svc", level=config.log_level)
     log = structlog.get_logger("primary_svc")
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
-    min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(576, 1536)
-    precision, precision_choice = served_precision(config, model_dir)
-    loaded = load_model(model_dir, precision, max_positions=config.max_context,
-                        device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id,
-                        min_gemm_rows=min_gemm_rows)
+    worker = EngineWorker(None, config.max_batch, config.min_batch, config.max_wait_ms)
+    # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
+    loaded, engine, costs, precision_choice = worker.call(lambda _: load_engine(config, model_dir, instance_id))
+    worker.engine = engine
     tokenizer = Tokenizer.from_dir(model_dir)
-    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, config.device,
-                                          max_bytes=config.max_kv_bytes),
-                    config.max_context)
-    worker = EngineWorker(engine, config.max_batch, config.min_batch, config.max_wait_ms)
-    # On the engine thread, like every forward after it (see primary_svc.worker).
-    costs = worker.call(measure_verify_costs) if config.measure_verify_costs else {}
-    log.info("model loaded", model_dir=str(model_dir), precision=precision,
-             weight_bytes=loaded.weight_bytes, min_gemm_rows=min_gemm_rows,
-             verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
+    log.info("model loaded", model_dir=str(model_dir), precision=loaded.precision,
+             weight_bytes=loaded.weight_bytes, verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
     registry = CollectorRegistry()
@@ -74,6 +65,24 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def load_engine(config: PrimaryConfig, model_dir: Path, instance_id: str
+                ) -> tuple[LoadedModel, Engine, dict[int, float], str]:
+    """(the model, its engine, the measured verify costs, how the precision was chosen)."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(576, 1536)
+    structlog.get_logger("primary_svc").info("fp32 GEMM padding", min_gemm_rows=min_gemm_rows)
+    precision, precision_choice = served_precision(config, model_dir)
+    loaded = load_model(model_dir, precision, max_positions=config.max_context,
+                        device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id,
+                        min_gemm_rows=min_gemm_rows)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, config.device,
+                                          max_bytes=config.max_kv_bytes),
+                    config.max_context)
+    costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
+    return loaded, engine, costs, precision_choice
 
 
 def served_precision(config: PrimaryConfig, model_dir) -> tuple[str, str]:

@@ -10,11 +10,13 @@ never waits: batch-1 latency is untouched.
 Each verify item first commits the previous step of its request (accepted path + new
 tokens), then joins the batch; an item whose commit or tree is invalid fails alone.
 
-Every tensor operation of an RPC runs on this one thread: the caller's `finish` (argmax,
-grammar mask, logits encoding) runs here right after the forward, and RPC threads only
-build protobufs from plain values. Torch's OpenMP runtime keeps one team of worker threads
-per calling thread; tensor work spread over the RPC threads would start a team per thread,
-all of them competing for the same cores as the forward.
+Every tensor operation of the process runs on this one thread: the model's loading and the
+start-up measurements (`call` before the engine exists), and per RPC the caller's `finish`
+(argmax, grammar mask, logits encoding) right after the forward, so RPC threads only build
+protobufs from plain values. Torch's OpenMP runtime keeps one team of worker threads per
+calling thread, and a forward on a second thread ran 2x slower than on the first (int4,
+measured: 27-33 ms per step when one thread did everything, 56-88 ms when the model had been
+loaded on another thread).
 """
 from __future__ import annotations
 
@@ -58,7 +60,11 @@ class BatchStats:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, max_batch: int = 32, min_batch: int = 4, max_wait_ms: float = 2.0) -> None:
+    """The engine thread. `engine` may be None at first: build it with `call` (on this thread)
+    and set it before serving."""
+
+    def __init__(self, engine: Engine | None, max_batch: int = 32, min_batch: int = 4,
+                 max_wait_ms: float = 2.0) -> None:
         self.engine = engine
         self.max_batch, self.min_batch, self.max_wait_s = max_batch, min_batch, max_wait_ms / 1000
         self.stats = BatchStats()
@@ -102,7 +108,8 @@ class EngineWorker:
                 break
             items = [item] + self._drain(self.max_batch - 1)
             verifies = [i for i in items if isinstance(i, _VerifyItem)]
-            if verifies and len(verifies) < self.min_batch and self.engine.num_active_requests > len(verifies):
+            if (verifies and len(verifies) < self.min_batch and self.engine is not None
+                    and self.engine.num_active_requests > len(verifies)):
                 deadline = verifies[0].enqueued_at + self.max_wait_s
                 while len(verifies) < self.min_batch and (remaining := deadline - time.monotonic()) > 0:
                     try:
