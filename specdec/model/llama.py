@@ -160,16 +160,23 @@ class Attention:
 
     def _attend_row_by_row(self, q: Tensor, k: Tensor, v: Tensor, s: SequenceSpan) -> Tensor:
         """Row r alone, its visible new rows moved right after the cache (where commit will put
-        them), unmasked: E.g. node c of [r a b c] with path [r a c] reads cache rows [ctx | r a c]."""
+        them), unmasked: E.g. node c of [r a b c] with path [r a c] reads cache rows [ctx | r a c].
+        The cache holds the new rows in verify order on entry, so a path that is a prefix of them
+        (every row of a chain) reads them where they are, without a copy."""
         out = torch.empty_like(q)                          # [n, H, D]
         first = s.num_tokens - len(s.row_paths)
         if first:
             mask = None if s.mask is None else s.mask[:first, :s.num_cached + first]
             out[:first] = self._attend(q[:first], s, s.num_cached + first, mask)
+        is_in_order = True                                 # cache rows after num_cached = verify order
         for r, path in enumerate(s.row_paths, start=first):
-            self._write_cache(s, k[path], v[path])
+            is_prefix = int(path[-1]) == len(path) - 1
+            if not (is_prefix and is_in_order):
+                self._write_cache(s, k[path], v[path])     # rows past the path may now be stale
+                is_in_order = False
             out[r] = self._attend(q[r:r + 1], s, s.num_cached + len(path), None)[0]
-        self._write_cache(s, k, v)                         # back in verify order, as commit expects
+        if not is_in_order:
+            self._write_cache(s, k, v)                     # back in verify order, as commit expects
         return out
 
 
