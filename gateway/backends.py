@@ -118,10 +118,11 @@ class Backends:
         return ModelInfo(r.vocab_size, tuple(r.eos_token_ids), r.max_context_length, r.instance_id,
                          {c.num_nodes: c.time_ms for c in r.verify_costs})
 
-    def prefill(self, request_id: str, token_ids: Sequence[int]) -> float:
-        """Returns the primary's time for the prefill, milliseconds."""
+    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> float:
+        """Returns the primary's time for the prefill, milliseconds. `num_prompt_tokens`: how many
+        of `token_ids` are the prompt (a recovery sends the generated tokens after it)."""
         return self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(
-            request_id=request_id, token_ids=token_ids)).time_ms
+            request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens)).time_ms
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
                tree: DraftTree, logits_format: str, allowed: torch.Tensor | None = None) -> Verified:

@@ -372,7 +372,8 @@ class RequestLoop:
         while True:
             try:
                 if needs_prefill:
-                    prefill_ms = self.backends.prefill(self.request_id, self.prompt_ids + self.generated)
+                    prefill_ms = self.backends.prefill(self.request_id, self.prompt_ids + self.generated,
+                                                       len(self.prompt_ids))
                     self.stats.forward_ms += prefill_ms or 0.0
                     self.pending_accepted, self.pending_committed = (), []
                     needs_prefill = False

@@ -57,6 +57,9 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Prefill(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         token_ids = list(request.token_ids)
+        if request.num_prompt_tokens > len(token_ids):
+            raise InvalidArgument("num_prompt_tokens", f"is {request.num_prompt_tokens}, more than the "
+                                  f"{len(token_ids)} token_ids")
         start = time.perf_counter()
 
         def run(engine: Engine) -> int:
@@ -64,7 +67,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 engine.release(request_id)
             engine.open(request_id, token_ids)
             try:
-                return engine.prefill(request_id)
+                return engine.prefill(request_id, request.num_prompt_tokens)
             except BaseException:
                 engine.release(request_id)
                 raise

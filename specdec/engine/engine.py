@@ -129,19 +129,28 @@ class Engine:
             raise NotFound("request_id", f"no active request {request_id!r} on this primary")
         return self.kv_cache.release(req.kv)
 
-    def prefill(self, request_id: str) -> int:
-        """Run every committed token but the pending one into the cache; returns num_cached."""
+    def prefill(self, request_id: str, num_prompt_tokens: int = 0) -> int:
+        """Run every committed token but the pending one into the cache; returns num_cached.
+
+        The prompt runs in chunks. With row-by-row verify (`is_row_by_row`), tokens from the
+        prompt's last one on (`num_prompt_tokens` > 0: a recovered request's generated tokens) run
+        row by row, each exactly as the step that decoded it did, so the cache and every later
+        step are bit for bit those of the uninterrupted request.
+        """
         req = self._get(request_id)
-        while req.kv.num_cached < len(req.token_ids) - 1:
+        last = len(req.token_ids) - 1                      # the pending token stays out
+        batched_end = min(last, num_prompt_tokens - 1) if self.is_row_by_row and num_prompt_tokens else last
+        while req.kv.num_cached < last:
             start = req.kv.num_cached
-            chunk = req.token_ids[start:min(start + PREFILL_CHUNK_TOKENS, len(req.token_ids) - 1)]
-            self._reserve(req, start + len(chunk))
-            span_ids = torch.tensor(chunk, dtype=torch.int64)
-            positions = torch.arange(start, start + len(chunk))
-            mask = tree_geometry.verify_mask(start, len(chunk), ())
-            span = SequenceSpan(0, len(chunk), start, req.kv.k, req.kv.v, mask)
-            self.model.forward(span_ids, positions, [span], logits_rows=torch.empty(0, dtype=torch.int64))
-            req.kv.num_cached += len(chunk)
+            is_row_by_row = start >= batched_end
+            end = min(start + PREFILL_CHUNK_TOKENS, last if is_row_by_row else batched_end)
+            self._reserve(req, end)
+            mask = tree_geometry.verify_mask(start, end - start, ())
+            paths = tree_geometry.row_paths(end - start, ()) if is_row_by_row else None
+            span = SequenceSpan(0, end - start, start, req.kv.k, req.kv.v, mask, paths)
+            self.model.forward(torch.tensor(req.token_ids[start:end], dtype=torch.int64), torch.arange(start, end),
+                               [span], logits_rows=torch.empty(0, dtype=torch.int64))
+            req.kv.num_cached = end
             req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
         return req.kv.num_cached
 

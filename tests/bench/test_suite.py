@@ -50,7 +50,7 @@ def test_json_runs_with_and_without_its_schema_by_default():
 
 
 @pytest.mark.parametrize("kwargs", [{"scenarios": ("poetry",)}, {"scenarios": ("json_noschema",)},
-                                    {"precisions": ("int4",)}, {"peers": ("vllm",)}, {"max_new_tokens": 2048},
+                                    {"precisions": ("int3",)}, {"peers": ("vllm",)}, {"max_new_tokens": 2048},
                                     {"concurrency": (0,)}, {"num_prompts": 0}])
 def test_config_refuses_bad_values(kwargs):
     with pytest.raises(ValueError):

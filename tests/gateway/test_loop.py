@@ -72,8 +72,8 @@ class FakeBackends:
     draft_context: list[int] | None = None
 
     # --- primary ---
-    def prefill(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self.calls.append(("prefill", {"num_tokens": len(token_ids)}))
+    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> None:
+        self.calls.append(("prefill", {"num_tokens": len(token_ids), "num_prompt_tokens": num_prompt_tokens}))
         self.primary_context, self.last_tree = list(token_ids), None
         if not self.truth:
             self.truth = list(token_ids)

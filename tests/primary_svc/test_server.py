@@ -70,6 +70,8 @@ def test_prefill_verify_commit_decode_release(primary):
      grpc.StatusCode.INVALID_ARGUMENT, "tree.token_ids"),
     (primary_pb2.VerifyRequest(request_id="r", logits_format=17), grpc.StatusCode.INVALID_ARGUMENT, "logits_format"),
     (primary_pb2.PrefillRequest(request_id="big", token_ids=[1] * 600), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
+    (primary_pb2.PrefillRequest(request_id="p", token_ids=[1, 2], num_prompt_tokens=3),
+     grpc.StatusCode.INVALID_ARGUMENT, "num_prompt_tokens"),
 ])
 def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, field):
     stub, engine = primary

@@ -86,3 +86,23 @@ def test_chain_verify_logits_equal_one_token_decoding_bit_for_bit(quantized_engi
     chain = engine.verify("chain", tokens[:-1], [-1] + list(range(k - 2)))   # [k, V], same positions
     engine.release("chain")
     assert torch.equal(chain, torch.stack(rows))
+
+
+def test_a_recovered_request_continues_bit_for_bit(quantized_engine):
+    """Re-prefilling prompt + generated tokens (a restarted primary) recomputes the generated
+    tokens row by row, as decoding did: the next logits equal the uninterrupted request's."""
+    engine = quantized_engine
+    engine.open("live", PROMPT)
+    engine.prefill("live", len(PROMPT))
+    generated = []
+    for _ in range(6):
+        logits = engine.verify("live", (), ())
+        generated.append(int(logits[0].argmax()))
+        engine.commit("live", (), (generated[-1],))
+    live = engine.verify("live", (), ())
+    engine.release("live")
+    engine.open("recovered", PROMPT + generated)
+    engine.prefill("recovered", len(PROMPT))
+    recovered = engine.verify("recovered", (), ())
+    engine.release("recovered")
+    assert torch.equal(recovered, live)
