@@ -36,6 +36,8 @@ import numpy as np
 import structlog
 import torch
 
+from gateway.controller import ControllerConfig
+from gateway.cost_model import CostSettings
 from primary_svc.costs import measure_verify_costs
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -45,13 +47,15 @@ from specdec.model.precision import PRECISIONS
 FALLBACK_PRECISION = "fp32"
 CANDIDATES = ("int4", "int8", "bf16", "fp32")      # in order of preference on a tie
 FLOAT_CANDIDATES = ("bf16", "fp32")
-MAX_DRAFT_LENGTH = 16
 PROBE_SIZES = (1, 2, 4, 8, 16)
 PROBE_CONTEXT_TOKENS = 64
 PROBE_REPEATS = 2
-PRIOR_ACCEPTANCES = (0.8, 0.6, 0.3)                # the controller's structured / code / creative priors
-PLAIN_OVERHEAD_MS = 1.0                            # the gateway's CostSettings defaults
-SPECULATIVE_OVERHEAD_MS = 4.0
+# What the gateway's adaptive controller assumes, from its own defaults (one definition).
+_CONTROLLER, _COSTS = ControllerConfig(), CostSettings()
+MAX_DRAFT_LENGTH = max(_CONTROLLER.draft_length_choices)
+PRIOR_ACCEPTANCES = (_CONTROLLER.prior_acceptance_structured, _CONTROLLER.prior_acceptance_code,
+                     _CONTROLLER.prior_acceptance_creative)
+PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS = _COSTS.plain_overhead_ms, _COSTS.speculative_overhead_ms
 CACHE_FILE = "precision_autotune.json"
 MAX_MEASURE_S = 20.0       # a start-up budget: candidates not reached by then are not measured
 
