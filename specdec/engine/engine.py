@@ -59,8 +59,7 @@ class VerifyWork:
 
 
 class Engine:
-    def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int,
-                 is_row_by_row: bool | None = None) -> None:
+    def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int) -> None:
         window = model.config.sliding_window
         if window is not None and max_context > window:
             raise ValueError(f"this model uses sliding-window attention ({window} tokens), which the engine does "
@@ -69,7 +68,7 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's {model.max_positions} positions")
         self.model, self.kv_cache, self.max_context = model, kv_cache, max_context
         self.vocab_size = model.config.vocab_size
-        self.is_row_by_row = model.is_batch_invariant if is_row_by_row is None else is_row_by_row
+        self.is_row_by_row = model.is_batch_invariant    # see "Batch invariance" above
         self._requests: dict[str, _Request] = {}
 
     # --- bookkeeping -------------------------------------------------------------------
