@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from specdec.model import native
 from specdec.model.config import ModelConfig
 from specdec.model.linear import NO_PADDING, Linear
 from specdec.model.quant import INT8_SCALE, INT8_WEIGHT, Int4Linear, Int8Embedding, Int8Linear
@@ -198,9 +199,14 @@ class Block:
         self.self_attn = Attention(config, w, p + "self_attn.", layer_idx, min_gemm_rows)
         self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
         self.mlp = MLP(w, p + "mlp.", min_gemm_rows)
+        # All seven products native and an fp32 stream: the dense parts run as two native calls
+        is_native = native.NativeLayer.supports(self) and self.input_layernorm.weight.dtype == torch.float32
+        self.native = native.NativeLayer(native.library(), self) if is_native else None
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
                  spans: Sequence[SequenceSpan]) -> Tensor:
+        if self.native is not None:
+            return self.native(x, positions, rope, spans)
         h = x + self.self_attn(self.input_layernorm(x), positions, rope, spans)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -222,7 +228,8 @@ class Transformer:
         # Packed int4/int8 kernels give a row the same bits whatever the row count (measured, see quant.py)
         linears = [self.lm_head] + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN] + [
             getattr(b.mlp, n) for b in self.layers for n in _MLP]
-        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear)) for lin in linears)
+        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear, native.QuantLinear))
+                                      for lin in linears)
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
         # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the
