@@ -118,6 +118,8 @@ class Attention:
         self.k_proj = Linear.from_weights(w, prefix + "k_proj", min_gemm_rows)
         self.v_proj = Linear.from_weights(w, prefix + "v_proj", min_gemm_rows)
         self.o_proj = Linear.from_weights(w, prefix + "o_proj", min_gemm_rows)
+        # set by `native.NativeLayer`: (q, k_cache, v_cache, end, mask) -> out, replacing SDPA
+        self.native_attend: Callable[..., Tensor] | None = None
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
                  spans: Sequence[SequenceSpan]) -> Tensor:
@@ -151,6 +153,8 @@ class Attention:
 
     def _attend(self, q: Tensor, s: SequenceSpan, end: int, mask: Tensor | None) -> Tensor:
         # q: [n, H, D] against cache rows [0, end) -> [n, H, D]
+        if self.native_attend is not None:
+            return self.native_attend(q, s.k_cache[self.layer_idx], s.v_cache[self.layer_idx], end, mask)
         keys = s.k_cache[self.layer_idx, :, :end]          # [Hkv, L, D]
         values = s.v_cache[self.layer_idx, :, :end]        # [Hkv, L, D]
         o = F.scaled_dot_product_attention(
@@ -230,6 +234,9 @@ class Transformer:
             getattr(b.mlp, n) for b in self.layers for n in _MLP]
         self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear, native.QuantLinear))
                                       for lin in linears)
+        # Native attention computes each row alone over its keys in cache order, skipping masked ones:
+        # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
+        self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
         # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the

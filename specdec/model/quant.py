@@ -1,6 +1,8 @@
-"""Weight-only int4 and int8: the packed matrices torch's CPU kernels multiply, and the layers over them.
+"""Weight-only int4 and int8: the quantized matrices, and the layers over torch's packed CPU kernels.
 
-Memory holds only the quantized form; no layer ever widens its weights into a float copy.
+Memory holds only the quantized form; no layer ever widens its weights into a float copy. Where
+the native kernels build (`specdec.model.native`, the default), int4 is stored as GGUF Q4_1 blocks
+(`pack_q4_1`) and int8 rows run there too; what follows is the torch-kernel form, used otherwise.
 
 int4, group-32 asymmetric (the form of llama.cpp's Q4_1). For output row n, input k, group g = k // 32:
 

@@ -21,7 +21,9 @@ SPECDEC_NATIVE_KERNELS=0, `library()` is None and int4/int8 run on torch's packe
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -31,6 +33,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -48,6 +51,7 @@ KIND_Q4, KIND_Q8 = 4, 8
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status: str | None = None                     # why `library()` is None, once tried
+_disabled = False                              # see `disabled()`
 
 
 class QWeight(ctypes.Structure):
@@ -108,11 +112,26 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_layer_pre.restype = i32
     lib.qgemm_layer_post.argtypes = [p, p, i64, i64, w, p, f32, w, w, w, p, i32]
     lib.qgemm_layer_post.restype = i32
+    lib.qgemm_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i32]
+    lib.qgemm_attention.restype = i32
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within: `library()` is None, so models loaded here run on torch's kernels (benchmarks compare both)."""
+    global _disabled
+    _disabled, before = True, _disabled
+    try:
+        yield
+    finally:
+        _disabled = before
 
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first call; None (and `status()` says why) if unavailable."""
     global _library, _status
+    if _disabled:
+        return None
     with _lock:
         if _library is not None or _status is not None:
             return _library
@@ -140,8 +159,13 @@ def status() -> str:
     """'available (AVX2|portable)' or why not."""
     lib = library()
     if lib is None:
-        return f"unavailable: {_status}"
+        return f"unavailable: {'disabled here' if _disabled else _status}"
     return f"available ({'AVX2' if lib.qgemm_has_avx2() else 'portable'})"
+
+
+def identity() -> str:
+    """What a measurement of the int4/int8 step depends on here: the kernels' source and whether they run."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16] + " " + status()
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -189,6 +213,22 @@ class QuantLinear:
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: int,
+           mask: Tensor | None) -> Tensor:
+    """q [n, H, D] fp32 against cache rows [0, end) of k_cache/v_cache [Hkv, capacity, D] (one layer),
+    under mask [n, end] bool (None: all rows) -> [n, H, D]. Each row alone, keys in cache order."""
+    n, heads, dim = q.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
+    q = q.contiguous()
+    if mask is not None:
+        mask = mask.contiguous().view(torch.uint8)
+    out = torch.empty(n, heads, dim)
+    if lib.qgemm_attention(q.data_ptr(), n, heads, k_cache.shape[0], dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                           k_cache.shape[1], end, _ptr(mask), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("native kernel: out of memory")
+    return out
+
+
 class NativeLayer:
     """A decoder layer's pre- and post-attention parts, each one native call (see the module docstring).
 
@@ -200,6 +240,7 @@ class NativeLayer:
     def __init__(self, lib: ctypes.CDLL, block) -> None:   # block: specdec.model.llama.Block
         self.lib, attn, mlp = lib, block.self_attn, block.mlp
         self.attn = attn
+        attn.native_attend = functools.partial(attend, lib)    # the layer's attention runs natively too
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.norm1 = block.input_layernorm.weight.float().contiguous()
         self.norm2 = block.post_attention_layernorm.weight.float().contiguous()

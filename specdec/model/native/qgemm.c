@@ -307,3 +307,61 @@ done:
     free(o); free(n); free(g); free(u);
     return rc;
 }
+
+/* ---- attention of a span's new rows over its KV cache ---- */
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline float dot_f32(const float *a, const float *b, int64_t D) {
+    v8 acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) acc += ld8(a + i) * ld8(b + i);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < D; ++i) s += a[i] * b[i];
+    return s;
+}
+
+/* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
+ * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32.
+ * Keys are visited in cache order and masked ones are skipped, never added as zeros: a tree row's
+ * result is that of a 1-row step over the same keys once they are committed in that order. */
+int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
+                    const float *v_cache, int64_t capacity, int64_t L, const uint8_t *mask,
+                    float *out, int num_threads) {
+    const int64_t group = H / Hkv;
+    const float scale = 1.f / sqrtf((float)D);
+    int failed = 0;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(|:failed)
+    for (int64_t rh = 0; rh < n * H; ++rh) {
+        const int64_t r = rh / H, h = rh % H, kvh = h / group;
+        const float *qr = q + (r * H + h) * D, *K = k_cache + kvh * capacity * D, *V = v_cache + kvh * capacity * D;
+        const uint8_t *mr = mask ? mask + r * L : NULL;
+        float *s = malloc(sizeof(float) * (size_t)L), *o = out + (r * H + h) * D;
+        if (!s) { failed = 1; continue; }
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) {
+            if (mr && !mr[j]) continue;
+            s[j] = dot_f32(qr, K + j * D, D) * scale;
+            if (s[j] > mx) mx = s[j];
+        }
+        float sum = 0.f;
+        for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
+        for (int64_t j = 0; j < L; ++j) {
+            if (mr && !mr[j]) continue;
+            const float p = expf(s[j] - mx);
+            sum += p;
+            const float *vj = V + j * D;
+            int64_t i = 0;
+            const v8 pv = {p, p, p, p, p, p, p, p};
+            for (; i + 8 <= D; i += 8) st8(o + i, ld8(o + i) + pv * ld8(vj + i));
+            for (; i < D; ++i) o[i] += p * vj[i];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+        free(s);
+    }
+    return failed ? -1 : 0;
+}

@@ -131,3 +131,29 @@ def test_without_the_library_int4_falls_back_to_torchs_kernels(monkeypatch):
     assert set(weights) == {"model.layers.0.mlp.up_proj" + quant.INT4_WEIGHT,
                             "model.layers.0.mlp.up_proj" + quant.INT4_SCALES_ZEROS}
     assert native.status() == "unavailable: disabled by the test"
+
+
+def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
+    g = torch.Generator().manual_seed(10)
+    heads, kv_heads, dim, cached, capacity = 6, 2, 16, 5, 12
+    k_cache, v_cache = torch.randn(kv_heads, capacity, dim, generator=g), torch.randn(kv_heads, capacity, dim, generator=g)
+    q = torch.randn(4, heads, dim, generator=g)
+    # a tree over 4 new rows: r0 <- r1, r0 <- r2 <- r3 (cache rows 5..8)
+    parents = [-1, 0, 0, 2]
+    mask = torch.zeros(4, cached + 4, dtype=torch.bool)
+    mask[:, :cached] = True
+    for r, parent in enumerate(parents):
+        mask[r, cached + r] = True
+        while parent >= 0:
+            mask[r, cached + parent], parent = True, parents[parent]
+    got = native.attend(native.library(), q, k_cache, v_cache, cached + 4, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k_cache[:, :cached + 4][None], v_cache[:, :cached + 4][None],
+        attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # row 3 after its path r0, r2, r3 is committed to cache rows 5, 6, 7: the same bits
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    for dst, src in enumerate((0, 2, 3)):
+        k2[:, cached + dst], v2[:, cached + dst] = k_cache[:, cached + src], v_cache[:, cached + src]
+    alone = native.attend(native.library(), q[3:4], k2, v2, cached + 3, None)
+    assert torch.equal(alone[0], got[3])
