@@ -252,7 +252,7 @@ class RequestLoop:
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
-        allowed = None if self.grammar is None else self.grammar.allowed_mask()[None]     # [1, V]
+        allowed = None if self.grammar is None else self.grammar.allowed_mask()           # 1 row
         token, forward_ms = self._with_primary(lambda: self.backends.decode(
             self.request_id, self.pending_accepted, self.pending_committed, self.params.sampling,
             self.stats.num_steps, allowed))

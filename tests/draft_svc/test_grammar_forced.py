@@ -114,7 +114,7 @@ def _plain(engine, prompt_ids, grammar) -> list[int]:
     engine.prefill("plain")
     while len(out) < MAX_NEW_TOKENS and not state.is_terminated:
         logits = engine.verify("plain", (), ())                                        # [1, V]
-        token = int(apply_token_mask(logits, state.allowed_mask()).argmax(dim=-1)[0])
+        token = int(apply_token_mask(logits, state.allowed_mask().to_bool()).argmax(dim=-1)[0])
         assert state.accept_tokens([token])
         engine.commit("plain", (), (token,))
         out.append(token)
@@ -134,7 +134,7 @@ def _speculative(engine, prompt_ids, grammar, grammars, response_format) -> tupl
         draft = list(candidates[0].token_ids) if candidates else []
         parents = list(range(-1, len(draft) - 1))                                       # a chain
         logits = engine.verify("spec", draft, parents)                                  # [N+1, V]
-        chosen = apply_token_mask(logits, state.tree_masks(draft, parents).allowed).argmax(dim=-1)  # [N+1]
+        chosen = state.tree_masks(draft, parents).allowed.argmax(logits)                # [N+1], packed
         num_accepted = 0
         while num_accepted < len(draft) and int(chosen[num_accepted]) == draft[num_accepted]:
             num_accepted += 1
