@@ -153,24 +153,35 @@ class GrammarState:
 
     # --- jump-forward --------------------------------------------------------------------------
 
-    def forced_continuation(self, max_tokens: int) -> tuple[int, ...]:
-        """Up to `max_tokens` token ids spelling the only text the grammar allows next (keys,
-        punctuation, `": "`), or () when the next text is the model's choice.
+    def forced_text(self) -> str:
+        """The only text the grammar allows next (keys, punctuation, `": "`), "" when the next text
+        is the model's choice or the output is over."""
+        if self.is_terminated:
+            return ""
+        return self._matcher.find_jump_forward_string()
 
-        The engine gives the forced text; it is re-tokenized with the model's own tokenizer, which
-        is how the model itself would write it (MEASUREMENTS.md: these drafts are accepted more
-        often than the engine's forced-token list). Tokens are checked against the grammar and cut
-        at the first one it refuses, so every proposed token is one the mask would allow."""
-        if max_tokens <= 0 or self.is_terminated:
-            return ()
-        forced_text = self._matcher.find_jump_forward_string()
-        if not forced_text:
-            return ()
-        token_ids = self._info.tokenizer.encode(forced_text)[:max_tokens]
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar accepts in a row (the state is
+        unchanged after)."""
         num_checked = 0
         for token_id in token_ids:
-            if not self._accept(token_id):
+            if not self._accept(int(token_id)):
                 break
             num_checked += 1
         self.rollback(num_checked)
-        return tuple(token_ids[:num_checked])
+        return num_checked
+
+    def forced_continuation(self, max_tokens: int) -> tuple[int, ...]:
+        """Up to `max_tokens` token ids spelling `forced_text()`, or () when nothing is forced.
+
+        The forced text is re-tokenized with the model's own tokenizer, which is how the model
+        itself would write it unconstrained (MEASUREMENTS.md: these drafts are accepted more often
+        than the engine's forced-token list). Tokens are checked against the grammar and cut at the
+        first one it refuses, so every proposed token is one the mask would allow."""
+        if max_tokens <= 0:
+            return ()
+        forced_text = self.forced_text()
+        if not forced_text:
+            return ()
+        token_ids = self._info.tokenizer.encode(forced_text)[:max_tokens]
+        return tuple(token_ids[:self.num_valid(token_ids)])

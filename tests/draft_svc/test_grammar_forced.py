@@ -77,6 +77,28 @@ def test_late_creation_catches_up_on_the_output(grammars, tokenizer):
     assert _texts(tokenizer, decoder.propose(16)) == [', "age":']
 
 
+ROOMS = ResponseFormat("json_schema", json.dumps({
+    "type": "object", "required": ["rooms"], "properties": {"rooms": {"type": "array", "items": {
+        "type": "object", "required": ["clean"], "properties": {"clean": {"type": "boolean"}}}}},
+}))
+
+
+def test_proposes_the_models_own_spelling_of_a_repeated_key_first(grammars, tokenizer):
+    decoder = GrammarForcedDecoder(grammars, response_format=ROOMS)
+    decoder.extend(PROMPT_IDS)
+    # The model writes the first object's key in pieces: `cl` `e` `an` rather than `clean`.
+    for piece in ['{"', 'rooms', '":', ' [{"', 'cl', 'e', 'an', '":', ' true', '},']:
+        decoder.extend(tokenizer.encode(piece))
+    # Forced now: ` {"clean": `. Rank 0: its own pieces where `clean":` starts; rank 1: canonical.
+    # (The last canonical token ` ` is held back as before: the model writes ` true` at once.)
+    spellings = [[tokenizer.decode([t]) for t in c.token_ids] for c in decoder.propose(16, max_candidates=2)]
+    assert spellings == [[' {"', 'cl', 'e', 'an', '":'], [' {"', 'clean', '":']]
+    assert [c.rank for c in decoder.propose(16, max_candidates=2)] == [0, 1]
+    [best] = decoder.propose(16)
+    assert tokenizer.decode(best.token_ids) == ' {"clean":' and len(best.token_ids) == 5
+    assert [tokenizer.decode(c.token_ids) for c in decoder.propose(3, max_candidates=2)] == [' {"cle', ' {"clean":']
+
+
 def test_output_outside_the_grammar_silences_the_decoder(grammars, tokenizer):
     decoder = GrammarForcedDecoder(grammars, response_format=PERSON)
     decoder.extend(PROMPT_IDS)
