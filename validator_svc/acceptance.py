@@ -337,7 +337,7 @@ def _check_inputs(token_ids, parents, target_logits: torch.Tensor, allowed: Toke
     if allowed is not None and allowed.num_rows != target_logits.shape[0]:
         raise ValueError(f"allowed has {allowed.num_rows} rows, expected num_nodes + 1 = {target_logits.shape[0]}")
     # A row max is NaN when the row holds a NaN (amax propagates it), +inf with a +inf, -inf when no
-    # logit is finite: one reduction instead of a scan of [R, V]. A -inf logit alone is fine.
+    # logit is finite: one reduction, then a check of [R]. A -inf logit alone is fine.
     bad_rows = (~torch.isfinite(target_logits.amax(dim=-1))).nonzero()
     if bad_rows.numel():
         raise ValueError(f"target_logits row {int(bad_rows[0])} holds NaN or +inf, or no finite logit")
