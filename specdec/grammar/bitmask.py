@@ -30,13 +30,14 @@ class TokenBitmask:
     """Allowed tokens of R rows as little-endian int32 words [R, W]. Rows are never all-forbidden
     (the grammar state and `specdec.pb.token_mask_from_pb` guarantee it)."""
 
-    __slots__ = ("words", "vocab_size")
+    __slots__ = ("words", "vocab_size", "_wire_bytes")
 
     def __init__(self, words: np.ndarray, vocab_size: int) -> None:
         assert words.dtype == np.dtype("<i4") and words.ndim == 2, "words must be little-endian int32 [R, W]"
         assert words.shape[1] * BITS_PER_WORD >= vocab_size, "words are narrower than the vocabulary"
         self.words = words                 # [R, W]; may be a read-only view of wire bytes
         self.vocab_size = vocab_size
+        self._wire_bytes: bytes | None = None
 
     @classmethod
     def from_engine(cls, bitmask: torch.Tensor, vocab_size: int) -> "TokenBitmask":
@@ -59,8 +60,11 @@ class TokenBitmask:
         return self.words.shape[0]
 
     def to_bytes(self) -> bytes:
-        """The TokenMask wire bytes: rows of W little-endian words."""
-        return self.words.tobytes()
+        """The TokenMask wire bytes: rows of W little-endian words, copied once (Verify and Validate
+        carry the same mask)."""
+        if self._wire_bytes is None:
+            self._wire_bytes = self.words.tobytes()
+        return self._wire_bytes
 
     def to_bool(self) -> torch.Tensor:
         """bool [R, V]: for tests and inspection, never on the serving path."""
