@@ -13,7 +13,7 @@ from specdec.logits_codec import FORMATS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a response_format
-KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
+KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

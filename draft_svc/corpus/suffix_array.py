@@ -91,7 +91,8 @@ class SuffixArray:
     def __init__(self, tokens: np.ndarray, order: np.ndarray, starts: np.ndarray, sort_depth: int,
                  config: QueryConfig | None = None) -> None:
         assert tokens.ndim == order.ndim == starts.ndim == 1
-        self.tokens, self.order, self.starts = tokens, order, starts
+        # Plain ndarray views of memory maps: np.memmap's own indexing costs microseconds per lookup.
+        self.tokens, self.order, self.starts = np.asarray(tokens), np.asarray(order), np.asarray(starts)
         self.sort_depth = sort_depth
         self.config = config or QueryConfig()
         self.vocab_size = starts.size - 1
