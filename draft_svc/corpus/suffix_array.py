@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from draft_svc.strategies.base import validate_propose_args
 from draft_svc.strategies.suffix_index import SEPARATOR, most_frequent_paths
 
-NO_PROGRESS: Callable[[int, int], None] = lambda done, total: None  # noqa: E731 - (sort rounds done, total)
 GATHER_ROWS = 4096  # a range at most this wide is narrowed by one vectorised gather + searchsorted
+
+
+def no_progress(num_done: int, num_total: int) -> None:
+    """sort_positions' default progress callback: (sorting rounds done, rounds in all)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ class QueryConfig:
 
 
 def sort_positions(tokens: np.ndarray, sort_depth: int,
-                   progress: Callable[[int, int], None] = NO_PROGRESS) -> np.ndarray:
+                   progress: Callable[[int, int], None] = no_progress) -> np.ndarray:
     """tokens [N] int32 (SEPARATOR after every document) -> order [R] int32, the positions p with a
     real token at p - 1, sorted by their backward key of sort_depth tokens, ties by p."""
     if sort_depth < 1:
@@ -122,7 +125,7 @@ class SuffixArray:
                 break
         return tuple(paths[:max_candidates])
 
-    def occurrences(self, context_ids: Sequence[int]):  # -> Iterator[np.ndarray]
+    def occurrences(self, context_ids: Sequence[int]) -> Iterator[np.ndarray]:
         """Continuation starts [K] int64 per match length, longest first, down to min_match_len; each at
         most max_occurrences (evenly sampled from a wider range)."""
         suffix = [int(t) for t in context_ids[-self.config.max_match_len:]]
@@ -161,8 +164,9 @@ class SuffixArray:
 
     def _narrow(self, lo: int, hi: int, depth: int, token: int) -> tuple[int, int]:
         """The sub-range of rows [lo, hi) whose token at `depth` is `token` (rows are sorted by it)."""
-        if hi - lo > GATHER_ROWS:
-            key = lambda row: self._key(row, depth)  # noqa: E731
+        if hi - lo > GATHER_ROWS:   # a scalar lookup per bisection step, not a gather of the whole range
+            def key(row: int) -> int:
+                return self._key(row, depth)
             return (bisect.bisect_left(range(hi), token, lo, hi, key=key),
                     bisect.bisect_right(range(hi), token, lo, hi, key=key))
         at = self.order[lo:hi].astype(np.int64) - 1 - depth                          # [R]
