@@ -55,7 +55,7 @@ def source_files(sources: Sequence[str], paths: Sequence[Path], max_bytes: int) 
         if num_bytes >= max_bytes:
             break
         stat = path.stat()
-        if stat.st_size == 0 or stat.st_size > MAX_FILE_BYTES and source == "python":
+        if stat.st_size == 0 or (source == "python" and stat.st_size > MAX_FILE_BYTES):
             continue
         files.append(SourceFile(path, source, stat.st_size, stat.st_mtime_ns))
         num_bytes += stat.st_size
