@@ -76,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if config.has_grammar_strategies:   # ~1 s
         grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(Tokenizer.from_dir(model_dir)))
     if config.has_corpus_strategy:   # mapped at once when cached, else built in the background (progress on stderr)
-        corpus = PendingCorpusIndex(functools.partial(open_index, config.corpus, model_dir, config.cache_dir),
+        corpus = PendingCorpusIndex(functools.partial(open_index, config.corpus, model_dir,
+                                                      config.corpus.cache_dir or config.cache_dir),
                                     config.corpus.query.max_match_len)
     servicer, pool, attacher = build(config, client, metrics, grammars, corpus)
     log.info("draft_pool_configured", strategies=list(config.pool.strategies),

@@ -12,6 +12,7 @@ Environment (compose.yaml sets the first five for every service):
     SPECDEC_DRAFT_LENGTH, SPECDEC_DRAFT_THREADS, SPECDEC_DRAFT_EARLY_EXIT_LAYERS,
     SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S,
     SPECDEC_DRAFT_CORPUS_SOURCES, SPECDEC_DRAFT_CORPUS_PATHS, SPECDEC_DRAFT_CORPUS_MAX_TOKENS,
+    SPECDEC_DRAFT_CORPUS_CACHE_DIR,
     SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR
 """
 from __future__ import annotations
@@ -103,11 +104,13 @@ def add_corpus_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str])
     p.add_argument("--corpus_max_tokens", type=int,
                    default=int(env("SPECDEC_DRAFT_CORPUS_MAX_TOKENS", DEFAULT_MAX_TOKENS)),
                    help="the corpus budget in tokens: bounds the build time and the index size (~10 bytes a token)")
+    p.add_argument("--corpus_cache_dir", default=env("SPECDEC_DRAFT_CORPUS_CACHE_DIR", ""),
+                   help="where corpus indexes are kept (default: --cache_dir)")
 
 
 def corpus_config(a: argparse.Namespace) -> CorpusConfig:
     return CorpusConfig(sources=_names(a.corpus_sources), paths=tuple(Path(p) for p in _names(a.corpus_paths)),
-                        max_tokens=a.corpus_max_tokens)
+                        max_tokens=a.corpus_max_tokens, cache_dir=Path(a.corpus_cache_dir or a.cache_dir))
 
 
 def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftConfig:

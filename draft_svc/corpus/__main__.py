@@ -1,7 +1,8 @@
 """`python -m draft_svc.corpus build`: build (or find) the corpus decoder's index ahead of time.
 
     python -m draft_svc.corpus build [--corpus_sources docs,json,python] [--corpus_paths DIR,...]
-                                     [--corpus_max_tokens 2097152] [--model_path M] [--cache_dir D]
+                                     [--corpus_max_tokens 2097152] [--corpus_cache_dir D]
+                                     [--model_path M] [--cache_dir D]
     python -m draft_svc.corpus query --text "import numpy as"
 
 Takes the draft service's flags and SPECDEC_* environment (draft_svc/config.py), so it builds the
@@ -40,10 +41,10 @@ def main(argv: Sequence[str] | None, environ: Mapping[str, str]) -> int:
         p.error("--max_tokens and --max_candidates must be >= 1")
     configure_logging("corpus", level="WARNING")
     model_dir = resolve_model_dir(a.model_path, a.cache_dir, show_progress=sys.stderr.isatty())
-    path, _ = index_dir(config, model_dir, a.cache_dir)
+    path, _ = index_dir(config, model_dir, config.cache_dir)
     was_cached = path.is_dir()
     started = time.perf_counter()
-    index = open_index(config, model_dir, a.cache_dir, show_progress=True)
+    index = open_index(config, model_dir, config.cache_dir, show_progress=True)
     if a.command == "build":
         print(json.dumps({"path": str(index.path), "was_cached": was_cached, "num_bytes": index.num_bytes,
                           "open_s": round(time.perf_counter() - started, 2), **index.meta}, indent=1))

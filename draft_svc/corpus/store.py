@@ -50,6 +50,7 @@ class CorpusConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS    # the corpus budget (separators included)
     sort_depth: int = 16                # tokens the suffix array is sorted by (a power of two is cheapest)
     query: QueryConfig = QueryConfig()
+    cache_dir: Path | None = None       # where indexes are kept; None: the service's model cache dir
 
     def __post_init__(self) -> None:
         if unknown := set(self.sources) - set(SOURCES):

@@ -56,7 +56,8 @@ def stack(redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
     for name, text in TINY_CORPUS.items():
         (corpus_dir / name).write_text(text)
     config = StackConfig(redis_url=redis_server.url, strategies=STRATEGIES, log_dir=log_dir,
-                         extra_env={"SPECDEC_DRAFT_CORPUS_SOURCES": "", "SPECDEC_DRAFT_CORPUS_PATHS": str(corpus_dir)})
+                         extra_env={"SPECDEC_DRAFT_CORPUS_SOURCES": "", "SPECDEC_DRAFT_CORPUS_PATHS": str(corpus_dir),
+                                    "SPECDEC_DRAFT_CORPUS_CACHE_DIR": str(tmp_path_factory.mktemp("corpus-index"))})
     with Stack(config) as started:
         wait_for_model_decoders(started, BACKGROUND_DECODERS, timeout_s=ATTACH_TIMEOUT_S,
                                 probe_token_ids=tokenizer.encode("def reverse(text"))
