@@ -30,6 +30,8 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc,
 # The draft decoders that run over the primary's weights, attached by the draft pool in the background
 # after it starts serving (draft_svc/weights.py): until then they propose nothing.
 MODEL_DECODERS = ("early_exit", "layer_skip")
+# Those, and the corpus decoder, whose index the pool opens (or builds) in the background.
+BACKGROUND_DECODERS = MODEL_DECODERS + ("corpus",)
 # The probe's prompt: any ids inside every vocabulary; a few tokens keep the probe's forward cheap.
 PROBE_TOKEN_IDS = (1, 2, 3, 4)
 PROBE_INTERVAL_S = 0.25
@@ -44,13 +46,15 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
-def wait_for_model_decoders(stack: Stack, strategies: Sequence[str], timeout_s: float = 120.0) -> float:
-    """Block until every model-based decoder among `strategies` proposes tokens in the stack's draft
-    pool; returns the seconds waited. Raises TimeoutError after timeout_s.
+def wait_for_model_decoders(stack: Stack, strategies: Sequence[str], timeout_s: float = 120.0,
+                            probe_token_ids: Sequence[int] = PROBE_TOKEN_IDS) -> float:
+    """Block until every background decoder among `strategies` (model-based, corpus) proposes tokens
+    in the stack's draft pool; returns the seconds waited. Raises TimeoutError after timeout_s.
 
-    Each probe is one Propose straight to the draft service under a fresh request id, released
-    unfinished afterwards (so nothing joins the suffix index)."""
-    wanted = [s for s in strategies if s in MODEL_DECODERS]
+    Each probe is one Propose of `probe_token_ids` (for the corpus decoder: text its corpus holds)
+    straight to the draft service under a fresh request id, released unfinished afterwards (so
+    nothing joins the suffix index)."""
+    wanted = [s for s in strategies if s in BACKGROUND_DECODERS]
     started = time.monotonic()
     if not wanted:
         return 0.0
@@ -58,14 +62,14 @@ def wait_for_model_decoders(stack: Stack, strategies: Sequence[str], timeout_s: 
         stub = draft_pb2_grpc.DraftServiceStub(channel)
         for attempt in itertools.count():
             request_id = f"bench-attach-probe-{attempt}"
-            reply = stub.Propose(draft_pb2.ProposeRequest(request_id=request_id, prompt_token_ids=PROBE_TOKEN_IDS,
+            reply = stub.Propose(draft_pb2.ProposeRequest(request_id=request_id, prompt_token_ids=probe_token_ids,
                                                           strategies=wanted, draft_length=1), timeout=60)
             stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id=request_id), timeout=60)
             if {s.name for s in reply.decoder_stats if s.num_proposed > 0} >= set(wanted):
                 break
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"the draft pool did not propose with {wanted} within {timeout_s:g} s "
-                                   f"(weights not attached? see {stack.log_path(DRAFT)})")
+                                   f"(weights not attached, corpus index not built? see {stack.log_path(DRAFT)})")
             time.sleep(PROBE_INTERVAL_S)
     return time.monotonic() - started
 
@@ -162,7 +166,10 @@ def main() -> None:
                      "scenarios": {}}
     with Stack(StackConfig(strategies=tuple(strategies))) as stack, \
             grpc.insecure_channel(stack.gateway_address) as channel:
-        waited_s = wait_for_model_decoders(stack, strategies, args.attach_timeout_s)
+        # The corpus decoder joins once its index is open: at once when `python -m draft_svc.corpus
+        # build` built it beforehand; the default probe's ids are in no corpus, so it is not awaited.
+        waited_s = wait_for_model_decoders(stack, [s for s in strategies if s in MODEL_DECODERS],
+                                           args.attach_timeout_s)
         if waited_s:
             print(f"draft pool proposing with {[s for s in strategies if s in MODEL_DECODERS]} "
                   f"after {waited_s:.1f} s")

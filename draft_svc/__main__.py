@@ -1,6 +1,7 @@
 """`python -m draft_svc`: the draft pool service (see draft_svc/config.py for flags and env)."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -10,13 +11,15 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from draft_svc.config import DraftConfig, from_args
+from draft_svc.corpus.store import open_index
 from draft_svc.pool import DraftPool
 from draft_svc.primary_client import GrpcPrimaryClient
 from draft_svc.server import DraftServicer
 from draft_svc.strategies import DecoderRegistry, model_free_registry
+from draft_svc.strategies.corpus import PendingCorpusIndex
 from draft_svc.strategies.grammar_forced import register_grammar_decoder
 from draft_svc.strategies.self_draft import self_draft_registry
-from draft_svc.strategies.suffix_index import SuffixIndex
+from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixIndex
 from draft_svc.weights import PrimaryClient, WeightAttacher
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.logging import configure_logging
@@ -29,9 +32,10 @@ from specdec.v1 import draft_pb2_grpc
 
 
 def build(config: DraftConfig, client: PrimaryClient | None, metrics: ServiceMetrics | None = None,
-          grammars: GrammarCache | None = None) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
+          grammars: GrammarCache | None = None,
+          corpus: ContinuationIndex | None = None) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
     """The servicer and what it runs on; the attacher's monitor is not started yet. `grammars` is
-    needed when the pool offers grammar-forced drafts."""
+    needed when the pool offers grammar-forced drafts, `corpus` (the index) when it offers corpus drafts."""
     model_based = self_draft_registry(config.self_draft)
 
     def check_model(model) -> None:
@@ -49,7 +53,10 @@ def build(config: DraftConfig, client: PrimaryClient | None, metrics: ServiceMet
         if grammars is None:
             raise ValueError("grammar-forced drafts need a GrammarCache")
         register_grammar_decoder(grammar_based, grammars)
-    pool = DraftPool(config.pool, model_free_registry(suffix_index=(index := SuffixIndex(config.suffix_index))),
+    if config.has_corpus_strategy and corpus is None:
+        raise ValueError("corpus drafts need a corpus index")
+    index = SuffixIndex(config.suffix_index)
+    pool = DraftPool(config.pool, model_free_registry(suffix_index=index, corpus=corpus),
                      model_based, attacher, suffix_index=index, grammar_based=grammar_based, grammars=grammars)
     return DraftServicer(pool, attacher, metrics), pool, attacher
 
@@ -63,12 +70,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     client = GrpcPrimaryClient(config.primary_address) if config.primary_address else None
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    grammars = None
-    if config.has_grammar_strategies:   # the tokenizer only (~1 s): the weights come from the primary
-        tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
-                                                         show_progress=sys.stderr.isatty()))
-        grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer))
-    servicer, pool, attacher = build(config, client, metrics, grammars)
+    grammars = corpus = None
+    if config.has_grammar_strategies or config.has_corpus_strategy:   # the tokenizer only: weights come from the primary
+        model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
+    if config.has_grammar_strategies:   # ~1 s
+        grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(Tokenizer.from_dir(model_dir)))
+    if config.has_corpus_strategy:   # mapped at once when cached, else built in the background (progress on stderr)
+        corpus = PendingCorpusIndex(functools.partial(open_index, config.corpus, model_dir,
+                                                      config.corpus.cache_dir or config.cache_dir),
+                                    config.corpus.query.max_match_len)
+    servicer, pool, attacher = build(config, client, metrics, grammars, corpus)
     log.info("draft_pool_configured", strategies=list(config.pool.strategies),
              default_strategies=list(config.pool.default_strategies), primary_address=config.primary_address)
 
@@ -79,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             client.close()
 
     attacher.start()  # attaches in the background: model-free strategies serve at once
+    if corpus is not None:
+        corpus.start()
     serve(config.server, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
           interceptors=[ErrorInterceptor(metrics)], registry=registry, on_stopped=on_stopped)
 

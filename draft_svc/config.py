@@ -4,12 +4,15 @@ The only module of the service that reads `os.environ` (through `from_args`' `en
 
     python -m draft_svc --port 50052 --primary_address primary:50051 \\
         --strategies prompt_lookup,suffix_index,early_exit,layer_skip
+    python -m draft_svc --strategies prompt_lookup,suffix_index,corpus --corpus_max_tokens 2000000
 
 Environment (compose.yaml sets the first five for every service):
     SPECDEC_HOST, SPECDEC_PORT, SPECDEC_METRICS_PORT, SPECDEC_LOG_LEVEL, SPECDEC_PRIMARY_ADDRESS,
     SPECDEC_DRAFT_NUM_THREADS, SPECDEC_DRAFT_STRATEGIES, SPECDEC_DRAFT_DEFAULT_STRATEGIES,
     SPECDEC_DRAFT_LENGTH, SPECDEC_DRAFT_THREADS, SPECDEC_DRAFT_EARLY_EXIT_LAYERS,
     SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S,
+    SPECDEC_DRAFT_CORPUS_SOURCES, SPECDEC_DRAFT_CORPUS_PATHS, SPECDEC_DRAFT_CORPUS_MAX_TOKENS,
+    SPECDEC_DRAFT_CORPUS_CACHE_DIR,
     SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR
 """
 from __future__ import annotations
@@ -19,7 +22,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from draft_svc.corpus.sources import SOURCES
+from draft_svc.corpus.store import DEFAULT_MAX_TOKENS, CorpusConfig
 from draft_svc.pool import PoolConfig
+from draft_svc.strategies.corpus import CorpusDecoder
 from draft_svc.strategies.grammar_forced import GrammarForcedDecoder
 from draft_svc.strategies.prompt_lookup import PromptLookupDecoder
 from draft_svc.strategies.self_draft import MODEL_STRATEGIES, SelfDraftConfig
@@ -27,9 +33,11 @@ from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndexConfig
 from specdec.logging import LOG_LEVELS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
-MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name)
+CORPUS_STRATEGY = CorpusDecoder.name   # needs the model's tokenizer and a corpus index (built on first use)
+MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, CORPUS_STRATEGY)
 GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)   # need the model's tokenizer; only for constrained requests
 KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES + MODEL_STRATEGIES
+DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name) + GRAMMAR_STRATEGIES
 DEFAULT_PORT = 50052
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
@@ -40,6 +48,7 @@ class DraftConfig:
     pool: PoolConfig
     self_draft: SelfDraftConfig = SelfDraftConfig()
     suffix_index: SuffixIndexConfig = SuffixIndexConfig()
+    corpus: CorpusConfig = CorpusConfig()   # the corpus decoder's index, when the pool offers it
     primary_address: str = NO_PRIMARY
     attach_poll_s: float = 5.0      # how often the primary's instance id is checked
     max_context: int = 0            # rotary table length of the draft model; 0 = the primary's context
@@ -65,6 +74,10 @@ class DraftConfig:
         return any(name in GRAMMAR_STRATEGIES for name in self.pool.strategies)
 
     @property
+    def has_corpus_strategy(self) -> bool:
+        return CORPUS_STRATEGY in self.pool.strategies
+
+    @property
     def has_model_strategies(self) -> bool:
         return any(name in MODEL_STRATEGIES for name in self.pool.strategies)
 
@@ -75,6 +88,29 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in _names(text))
+
+
+def add_corpus_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """The corpus index's flags, shared with `python -m draft_svc.corpus` (which builds the same index)."""
+    env = environ.get
+    p.add_argument("--model_path", default=env("SPECDEC_MODEL_PATH", env("SPECDEC_MODEL", None)) or None,
+                   help="the model whose tokenizer grammar-forced and corpus drafts use (default: the default model)")
+    p.add_argument("--cache_dir", default=env("SPECDEC_CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
+    p.add_argument("--corpus_sources", default=env("SPECDEC_DRAFT_CORPUS_SOURCES", ",".join(SOURCES)),
+                   help=f"comma-separated corpus sources of the corpus decoder, of {','.join(SOURCES)} "
+                        "(draft_svc/corpus/sources.py); may be empty when --corpus_paths names files")
+    p.add_argument("--corpus_paths", default=env("SPECDEC_DRAFT_CORPUS_PATHS", ""),
+                   help="comma-separated extra files or folders (.py .txt .md .rst .json) read after the sources")
+    p.add_argument("--corpus_max_tokens", type=int,
+                   default=int(env("SPECDEC_DRAFT_CORPUS_MAX_TOKENS", DEFAULT_MAX_TOKENS)),
+                   help="the corpus budget in tokens: bounds the build time and the index size (~10 bytes a token)")
+    p.add_argument("--corpus_cache_dir", default=env("SPECDEC_DRAFT_CORPUS_CACHE_DIR", ""),
+                   help="where corpus indexes are kept (default: --cache_dir)")
+
+
+def corpus_config(a: argparse.Namespace) -> CorpusConfig:
+    return CorpusConfig(sources=_names(a.corpus_sources), paths=tuple(Path(p) for p in _names(a.corpus_paths)),
+                        max_tokens=a.corpus_max_tokens, cache_dir=Path(a.corpus_cache_dir or a.cache_dir))
 
 
 def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftConfig:
@@ -88,11 +124,8 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
                    help="host:port of the primary whose weights the model-based strategies run on")
     p.add_argument("--num_threads", type=int, default=int(env("SPECDEC_DRAFT_NUM_THREADS", 1)),
                    help="torch intra-op threads (default 1; 0: torch's default)")
-    p.add_argument("--model_path", default=env("SPECDEC_MODEL_PATH", env("SPECDEC_MODEL", None)) or None,
-                   help="the model whose tokenizer grammar-forced drafts use (default: the default model)")
-    p.add_argument("--cache_dir", default=env("SPECDEC_CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
-    p.add_argument("--strategies", default=env("SPECDEC_DRAFT_STRATEGIES",
-                                               ",".join(MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES)),
+    add_corpus_arguments(p, environ)
+    p.add_argument("--strategies", default=env("SPECDEC_DRAFT_STRATEGIES", ",".join(DEFAULT_STRATEGIES)),
                    help=f"comma-separated strategies this pool offers, of {','.join(KNOWN_STRATEGIES)}")
     p.add_argument("--default_strategies", default=env("SPECDEC_DRAFT_DEFAULT_STRATEGIES", ""),
                    help="strategies of a request that names none (default: the model-free ones offered)")
@@ -119,6 +152,6 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
                                        skipped_layers=_ints(a.skipped_layers)),
             primary_address=a.primary_address, attach_poll_s=a.attach_poll_s, max_context=a.max_context,
             num_torch_threads=a.num_threads, log_level=a.log_level.upper(), model_path=a.model_path,
-            cache_dir=Path(a.cache_dir))
+            cache_dir=Path(a.cache_dir), corpus=corpus_config(a))
     except ValueError as e:
         p.error(str(e))   # exits with status 2 and the message: a configuration error is not a crash

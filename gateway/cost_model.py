@@ -38,15 +38,17 @@ class DraftCost:
         return self.fixed + self.per_token * draft_length
 
 
-# Model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); grammar-forced drafts a
-# jump-forward query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree
-# node in the gateway (~0.2 ms in all); self-drafting over the shared weights costs 0.6-0.9 of a full
-# step per drafted token without fine-tuning (MEASUREMENTS.md). A grammar rank's extra nodes are
-# priced by the verify curve like any candidate's.
+# Model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); the corpus decoder's
+# longest-match search over a 2M-token memory-mapped suffix array ~0.3-0.4 ms (a few binary
+# searches and a vote; draft_svc/corpus/suffix_array.py); grammar-forced drafts a jump-forward
+# query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree node in the
+# gateway (~0.2 ms in all; a rank's extra nodes are priced by the verify curve like any candidate's);
+# self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without
+# fine-tuning (MEASUREMENTS.md).
 DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
     ("early_exit", DraftCost(per_token=0.75)), ("layer_skip", DraftCost(per_token=0.85)),
     ("prompt_lookup", DraftCost(fixed=0.002)), ("suffix_index", DraftCost(fixed=0.004)),
-    ("grammar", DraftCost(fixed=0.005)))
+    ("corpus", DraftCost(fixed=0.01)), ("grammar", DraftCost(fixed=0.005)))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

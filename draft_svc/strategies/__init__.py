@@ -4,19 +4,24 @@ from __future__ import annotations
 import functools
 
 from draft_svc.strategies.base import (Candidate, DecoderRegistry, DraftDecoder, UnknownDecoderError)
+from draft_svc.strategies.corpus import CorpusDecoder
 from draft_svc.strategies.prompt_lookup import PromptLookupConfig, PromptLookupDecoder
-from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndex, SuffixIndexConfig
+from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixDecoder, SuffixIndex, SuffixIndexConfig
 
-__all__ = ["Candidate", "DecoderRegistry", "DraftDecoder", "PromptLookupConfig", "PromptLookupDecoder",
-           "SuffixDecoder", "SuffixIndex", "SuffixIndexConfig", "UnknownDecoderError", "model_free_registry"]
+__all__ = ["Candidate", "CorpusDecoder", "DecoderRegistry", "DraftDecoder", "PromptLookupConfig",
+           "PromptLookupDecoder", "SuffixDecoder", "SuffixIndex", "SuffixIndexConfig", "UnknownDecoderError",
+           "model_free_registry"]
 
 
 def model_free_registry(prompt_lookup: PromptLookupConfig | None = None,
-                        suffix_index: SuffixIndex | None = None) -> DecoderRegistry:
-    """The strategies that need no model: prompt lookup always, the suffix index when one is given
-    (it is shared across requests, so its owner creates it once and passes it in)."""
+                        suffix_index: SuffixIndex | None = None,
+                        corpus: ContinuationIndex | None = None) -> DecoderRegistry:
+    """The strategies that need no model: prompt lookup always, the suffix index and the corpus
+    decoder when their index is given (each is shared across requests: its owner creates it once)."""
     registry = DecoderRegistry()
     registry.register(PromptLookupDecoder.name, functools.partial(PromptLookupDecoder, prompt_lookup))
     if suffix_index is not None:
         registry.register(SuffixDecoder.name, functools.partial(SuffixDecoder, suffix_index))
+    if corpus is not None:
+        registry.register(CorpusDecoder.name, functools.partial(CorpusDecoder, corpus))
     return registry

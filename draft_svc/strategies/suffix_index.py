@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import threading
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -99,6 +99,10 @@ class SuffixIndex:
     @property
     def config(self) -> SuffixIndexConfig:
         return self._config
+
+    @property
+    def max_match_len(self) -> int:
+        return self._config.max_match_len
 
     @property
     def num_documents(self) -> int:
@@ -170,7 +174,7 @@ class SuffixIndex:
             ahead = starts[:, None] + np.arange(max_tokens)  # [K, T] absolute positions
             continuations = self._ring[ahead % self._config.max_total_tokens].astype(np.int64)  # [K, T]
             continuations[ahead >= self._write_pos] = SEPARATOR
-        return _most_frequent_paths(continuations, max_candidates)
+        return most_frequent_paths(continuations, max_candidates)
 
     def _longest_matches(self, suffix: np.ndarray, reversed_suffix: np.ndarray) -> np.ndarray:
         """Continuation starts [K] of the occurrences with the longest exact match, most recent first."""
@@ -198,7 +202,7 @@ class SuffixIndex:
         return np.empty(0, dtype=np.int64)
 
 
-def _most_frequent_paths(continuations: np.ndarray, max_candidates: int) -> tuple[tuple[int, ...], ...]:
+def most_frequent_paths(continuations: np.ndarray, max_candidates: int) -> tuple[tuple[int, ...], ...]:
     """continuations [K, T], rows most recent first, SEPARATOR past a document's end.
 
     Rank r follows the r-th most frequent first token, then at each depth the most frequent next
@@ -240,14 +244,24 @@ def _ranked_tokens(column: np.ndarray) -> np.ndarray:
     return values[np.lexsort((first_rows, -counts))]
 
 
+class ContinuationIndex(Protocol):
+    """What a SuffixDecoder reads: a SuffixIndex here, draft_svc.corpus's suffix array for "corpus"."""
+
+    @property
+    def max_match_len(self) -> int: ...
+
+    def query(self, context_ids: Sequence[int], max_tokens: int,
+              max_candidates: int = 1) -> tuple[tuple[int, ...], ...]: ...
+
+
 class SuffixDecoder:
-    """Per-request view of a shared SuffixIndex: keeps only the context tail that matching reads."""
+    """Per-request view of a shared index: keeps only the context tail that matching reads."""
 
     name: ClassVar[str] = "suffix_index"
 
-    def __init__(self, index: SuffixIndex) -> None:
+    def __init__(self, index: ContinuationIndex) -> None:
         self._index = index
-        self._max_match_len = index.config.max_match_len
+        self._max_match_len = index.max_match_len
         self._tail = new_context()
 
     def extend(self, token_ids: Sequence[int]) -> None:

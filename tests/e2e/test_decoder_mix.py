@@ -1,11 +1,13 @@
 """End to end with every mix of draft decoders: greedy output (at the default precision) equals speculation off whichever
 decoders propose, the model-based ones (early exit, layer skip over the primary's weights, mapped
-by the draft pool) included, alone, beside a model-free one, all four at once, and all four under
-the adaptive controller.
+by the draft pool) and the corpus decoder included, alone, beside a model-free one, all five at
+once, and all five under the adaptive controller.
 
-One stack for the module, offering all four strategies; it is used only once the draft pool has
-attached the primary's weights (before that the model-based decoders propose nothing, and a test
-could pass without them). The fixed mixes check that those decoders did propose.
+One stack for the module, offering all five strategies, the corpus decoder over a tiny corpus
+(TINY_CORPUS, indexed in a second at start-up); it is used only once the draft pool has attached
+the primary's weights and opened the corpus index (before that those decoders propose nothing,
+and a test could pass without them). The fixed mixes check that the model-based decoders did propose,
+and the corpus decoder in some mix (it proposes where its corpus matches the output).
 
     .venv/bin/pytest -q tests/e2e/test_decoder_mix.py
 """
@@ -15,15 +17,26 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.drafts import MODEL_DECODERS, wait_for_model_decoders
+from bench.drafts import BACKGROUND_DECODERS, MODEL_DECODERS, wait_for_model_decoders
 from specdec.launcher import Stack, StackConfig
 from specdec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.e2e
 
-STRATEGIES = ("prompt_lookup", "suffix_index", "early_exit", "layer_skip")
-MIXES = (("early_exit",), ("layer_skip",), ("prompt_lookup", "early_exit"), ("suffix_index", "layer_skip"),
-         STRATEGIES)
+STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip")
+MIXES = (("early_exit",), ("layer_skip",), ("corpus",), ("prompt_lookup", "early_exit"),
+         ("suffix_index", "layer_skip"), STRATEGIES)
+# The corpus decoder's corpus: a little Python and prose, so that it matches, and is both
+# accepted and rejected, on both prompts.
+TINY_CORPUS = {
+    "strings.py": 'def is_palindrome(text: str) -> bool:\n    """Return True when text is a palindrome."""\n'
+                  "    text = text.lower()\n    return text == text[::-1]\n\n\n"
+                  "def reverse(text: str) -> str:\n    return text[::-1]\n",
+    "colors.md": "The three primary colors are red, blue, and yellow. Here is one thing that has each color:\n\n"
+                 "1. **Red**: an apple, a strawberry or a fire truck.\n2. **Blue**: the sky, the ocean or a "
+                 "blueberry.\n3. **Yellow**: the sun, a banana or a lemon.\n\nThese colors cannot be made by "
+                 "mixing other colors, and every other color is a mix of them.\n",
+}
 MAX_NEW_TOKENS = 24
 DRAFT_LENGTH = 4
 ATTACH_TIMEOUT_S = 120.0
@@ -36,12 +49,18 @@ PROMPTS = {  # name -> (is_chat, text): one chat request, one raw completion of 
 
 @pytest.fixture(scope="module")
 def stack(redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """tests/e2e/conftest.py's stack, offering the model-based strategies too, once they propose."""
+          tmp_path_factory: pytest.TempPathFactory, tokenizer) -> Iterator[Stack]:
+    """tests/e2e/conftest.py's stack, offering the model-based and corpus strategies too, once they propose."""
     log_dir = tmp_path_factory.mktemp("stack-test_decoder_mix")
-    config = StackConfig(redis_url=redis_server.url, strategies=STRATEGIES, log_dir=log_dir)
+    corpus_dir = tmp_path_factory.mktemp("corpus")
+    for name, text in TINY_CORPUS.items():
+        (corpus_dir / name).write_text(text)
+    config = StackConfig(redis_url=redis_server.url, strategies=STRATEGIES, log_dir=log_dir,
+                         extra_env={"SPECDEC_DRAFT_CORPUS_SOURCES": "", "SPECDEC_DRAFT_CORPUS_PATHS": str(corpus_dir),
+                                    "SPECDEC_DRAFT_CORPUS_CACHE_DIR": str(tmp_path_factory.mktemp("corpus-index"))})
     with Stack(config) as started:
-        wait_for_model_decoders(started, MODEL_DECODERS, timeout_s=ATTACH_TIMEOUT_S)
+        wait_for_model_decoders(started, BACKGROUND_DECODERS, timeout_s=ATTACH_TIMEOUT_S,
+                                probe_token_ids=tokenizer.encode("def reverse(text"))
         yield started
 
 
@@ -66,6 +85,7 @@ def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prom
     baseline = generate(gateway_stub, prompt, gateway_pb2.SpeculationConfig(is_enabled=False))
     assert len(baseline.token_ids) > 0
     assert baseline.stats.num_proposed_tokens == 0
+    num_corpus_proposed = 0
     for mix in MIXES:
         out = generate(gateway_stub, prompt, fixed(mix))
         assert list(out.token_ids) == list(baseline.token_ids), (prompt, mix, out.text, baseline.text)
@@ -74,8 +94,11 @@ def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prom
         assert set(proposed) <= set(mix), (mix, proposed)
         for name in set(mix) & set(MODEL_DECODERS):   # the model-based decoders really ran
             assert proposed.get(name, 0) > 0, (prompt, mix, proposed)
+        num_corpus_proposed += proposed.get("corpus", 0)
         assert out.stats.num_generated_tokens == len(out.token_ids)
         assert out.stats.num_steps <= baseline.stats.num_steps
+    # The corpus decoder proposes where its corpus matches the output, which depends on the mix's steps.
+    assert num_corpus_proposed > 0, prompt
 
     adaptive = generate(gateway_stub, prompt, gateway_pb2.SpeculationConfig(
         is_enabled=True, strategies=STRATEGIES, speculative_degree=len(STRATEGIES), draft_length=DRAFT_LENGTH,

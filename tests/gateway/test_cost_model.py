@@ -33,3 +33,11 @@ def test_settings_are_checked():
         CostSettings(plain_overhead_ms=-1.0)
     with pytest.raises(ValueError, match="twice"):
         CostSettings(draft_costs=(("a", DraftCost()), ("a", DraftCost())))
+
+
+def test_every_strategy_has_a_default_draft_cost():
+    from gateway.config import KNOWN_STRATEGIES
+    model = cost_model_for(FP32_CPU_MS, CostSettings())
+    for name in KNOWN_STRATEGIES:
+        assert model.draft(name, 8) >= 0
+    assert model.draft("corpus", 8) < 0.02       # a query, not a forward: cheap enough to probe
