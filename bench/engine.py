@@ -25,7 +25,7 @@ import torch
 
 from bench.peer_process import PeerProcess
 from bench.peers import default_gguf_path, llama_cpp_missing
-from bench.prompts import load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.service_step import service_vs_engine
 from bench.report import machine_info
 from primary_svc.costs import measure_verify_costs
@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--compiled", default="", help="also the compiled step in this torch.compile mode "
                                                   "(default or max-autotune-no-cudagraphs); empty: eager only")
     p.add_argument("--service-steps", type=int, default=64, help="plain steps in the service vs in-process; 0: skip")
-    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

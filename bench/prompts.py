@@ -1,10 +1,14 @@
-"""Deterministic selection of benchmark prompts from the shared JSONL sets (json, code, prose, specbench)."""
+"""Deterministic selection of benchmark prompts from the JSONL sets (json, code, prose, specbench)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+# The prompt sets that ship with the repository (bench/data/README.md: sources and licences), so the
+# benchmarks run on a fresh clone; every benchmark's --data-dir takes another folder of the same files.
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
