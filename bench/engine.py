@@ -99,7 +99,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=None)
     p.add_argument("--precisions", default="int4,int4:torch,fp32",
-                   help="comma-separated; 'int4:torch'/'int8:torch' run torch's packed kernels instead of the native ones")
+                   help="comma-separated; 'int4:torch'/'int8:torch' run torch's packed kernels instead of the "
+                        "native ones")
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
@@ -149,8 +150,9 @@ def main() -> None:
         r = results[name]
         print(f"[{name}] kernels {r['kernels']}")
         print(f"[{name}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
-              f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, transformers {r['plain']['transformers_tokens_per_s']:.1f}"
-              f" tok/s ({r['plain']['ratio']:.2f}x), same tokens {r['plain']['same_tokens']}")
+              f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, "
+              f"transformers {r['plain']['transformers_tokens_per_s']:.1f} tok/s ({r['plain']['ratio']:.2f}x), "
+              f"same tokens {r['plain']['same_tokens']}")
         print(f"[{name}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
         print(f"[{name}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
                                                         for k, v in r["verify"]["relative_to_1"].items()))

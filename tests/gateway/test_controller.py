@@ -15,7 +15,7 @@ from gateway.controller import (AdaptiveController, ControllerConfig, Controller
 from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, DraftCost
 
 LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
-# docs/architecture.md, Measurements: bf16 verify curve, ~10 % of a step outside model compute when speculating, early exit
+# docs/architecture.md: bf16 verify curve, ~10 % of a step outside model compute when speculating, early exit
 # costing 0.6 of a full step per drafted token.
 COST = CostModel.from_verify_ms(
     SMOLLM2_BF16_VERIFY_MS,
