@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from bench.prompts import BenchPrompt, load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from specdec.launcher import DRAFT, PRIMARY, Stack, StackConfig
 from specdec.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
@@ -156,7 +156,7 @@ def main() -> None:
                    help="let the gateway's controller choose decoders and draft length (bounded by the above)")
     p.add_argument("--attach-timeout-s", type=float, default=120.0,
                    help="how long to wait for the draft pool to attach the primary's weights")
-    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     strategies = args.strategies.split(",")

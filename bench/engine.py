@@ -25,7 +25,7 @@ import torch
 
 from bench.peer_process import PeerProcess
 from bench.peers import default_gguf_path, llama_cpp_missing
-from bench.prompts import load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.service_step import service_vs_engine
 from bench.report import machine_info
 from primary_svc.costs import measure_verify_costs
@@ -99,7 +99,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=None)
     p.add_argument("--precisions", default="int4,int4:torch,fp32",
-                   help="comma-separated; 'int4:torch'/'int8:torch' run torch's packed kernels instead of the native ones")
+                   help="comma-separated; 'int4:torch'/'int8:torch' run torch's packed kernels instead of the "
+                        "native ones")
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
@@ -107,7 +108,7 @@ def main() -> None:
     p.add_argument("--compiled", default="", help="also the compiled step in this torch.compile mode "
                                                   "(default or max-autotune-no-cudagraphs); empty: eager only")
     p.add_argument("--service-steps", type=int, default=64, help="plain steps in the service vs in-process; 0: skip")
-    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -149,8 +150,9 @@ def main() -> None:
         r = results[name]
         print(f"[{name}] kernels {r['kernels']}")
         print(f"[{name}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
-              f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, transformers {r['plain']['transformers_tokens_per_s']:.1f}"
-              f" tok/s ({r['plain']['ratio']:.2f}x), same tokens {r['plain']['same_tokens']}")
+              f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, "
+              f"transformers {r['plain']['transformers_tokens_per_s']:.1f} tok/s ({r['plain']['ratio']:.2f}x), "
+              f"same tokens {r['plain']['same_tokens']}")
         print(f"[{name}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
         print(f"[{name}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
                                                         for k, v in r["verify"]["relative_to_1"].items()))

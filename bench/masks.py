@@ -12,9 +12,9 @@ Per step, summed over the services:
     validator  decode and check it; check the primary's argmax against it; mask the rows whose
                entropies the result reports (k rows: the accepted path and the stop row)
 The reference packs bool rows for the wire, unpacks every row in both services, applies them with
-a where over [R, V] and takes the entropy of every masked row. Filling the mask in the grammar engine, the same for both, is
-not counted. Each figure is the fastest of --repeats (a shared machine's preemptions are not
-cost), its median over positions, minus the same work without a mask.
+a where over [R, V] and takes the entropy of every masked row. Filling the mask in the grammar
+engine, the same for both, is not counted. Each figure is the fastest of --repeats (a shared
+machine's preemptions are not cost), its median over positions, minus the same work without a mask.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ the share outside model compute and the mean time per step of each stage.
 
 Model compute is the primary's forward passes (StageTimes.forward_ms) and the draft decoders that
 run a model over the primary's weights (their DecoderStats.time_ms); everything else (RPC, queueing,
-logits encoding, validation, Redis, cheap drafters, Python) is overhead, the figure DESIGN.md asks
-to report. Pure functions over plain data.
+logits encoding, validation, Redis, cheap drafters, Python) is overhead, the figure docs/architecture.md
+(Measurements) asks to report. Pure functions over plain data.
 """
 from __future__ import annotations
 

@@ -1,10 +1,14 @@
-"""Deterministic selection of benchmark prompts from the shared JSONL sets (json, code, prose, specbench)."""
+"""Deterministic selection of benchmark prompts from the JSONL sets (json, code, prose, specbench)."""
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+# The prompt sets that ship with the repository (bench/data/README.md: sources and licences), so the
+# benchmarks run on a fresh clone; every benchmark's --data-dir takes another folder of the same files.
+DEFAULT_DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,8 +36,8 @@ def load_prompts(data_dir: str | Path, scenarios: list[str], num_prompts: int,
     """
     out = []
     for scenario in scenarios:
-        rows = [json.loads(line) for line in (Path(data_dir) / f"{scenario}.jsonl").read_text(encoding="utf-8").split("\n")
-                if line.strip()]  # split on "\n" only: prompts contain U+2028 and friends
+        text = (Path(data_dir) / f"{scenario}.jsonl").read_text(encoding="utf-8")
+        rows = [json.loads(line) for line in text.split("\n") if line.strip()]  # "\n" only: prompts hold U+2028
         chosen = [r for r in rows if max_chars is None or len(r["prompt"]) <= max_chars][:num_prompts]
         out.extend(BenchPrompt(r["id"], scenario, r["prompt"], r.get("system"), r.get("schema"),
                                r.get("prompt_style") == "completion") for r in chosen)

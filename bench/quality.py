@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from bench.prompts import DEFAULT_DATA_DIR
 from specdec.engine import tree as tree_geometry
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
@@ -58,7 +59,7 @@ def main() -> None:
     p.add_argument("--precisions", default="fp32,bf16,int8,int4")
     p.add_argument("--num-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -68,14 +68,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.peers import PEERS
-from bench.prompts import BenchPrompt, load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.report import finite, machine_info
 from bench.scenarios import PROMPT_FILES, prompt_file, run_scenarios
 from specdec.model.precision import AUTO
 from specdec.model.precision import PRECISIONS as WEIGHT_PRECISIONS
 
 PRECISIONS = (AUTO, *WEIGHT_PRECISIONS)
-DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"
 DEFAULT_OUT = Path("results") / "results.json"
 
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from bench.prompts import load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
@@ -51,7 +50,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts"))
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())

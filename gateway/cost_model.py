@@ -6,7 +6,7 @@ Step cost (verify(1) = 1):
     speculative = speculative_overhead + sum_{decoders used} draft_cost(gamma) + verify(1 + nodes)
 verify(k) is measured by the primary at startup (GetModelInfo.verify_costs, keyed by rows: the
 pending root plus k - 1 draft nodes). On a CPU without AVX512, fp32 rows 2..16 cost 1.6-1.9x one row,
-so a tree must gain ~0.8 tokens a step before it pays; in bf16 (MEASUREMENTS.md) 8 rows cost 1.18x.
+so a tree must gain ~0.8 tokens a step before it pays; in bf16 (docs/architecture.md, Measurements) 8 rows cost 1.18x.
 The overheads are given in ms (RPCs, logits transfer, Redis) and divided by the measured 1-row
 forward, so the same settings mean little on a slow CPU forward and a lot on a fast GPU one.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-# SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (MEASUREMENTS.md).
+# SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (docs/architecture.md).
 SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
     (1, 26.8), (2, 26.4), (4, 28.3), (8, 31.7), (16, 37.7), (32, 46.7), (64, 72.3))
 
@@ -44,7 +44,7 @@ class DraftCost:
 # query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree node in the
 # gateway (~0.2 ms in all; a rank's extra nodes are priced by the verify curve like any candidate's);
 # self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without
-# fine-tuning (MEASUREMENTS.md).
+# fine-tuning (docs/architecture.md, Measurements).
 DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
     ("early_exit", DraftCost(per_token=0.75)), ("layer_skip", DraftCost(per_token=0.85)),
     ("prompt_lookup", DraftCost(fixed=0.002)), ("suffix_index", DraftCost(fixed=0.004)),

@@ -122,7 +122,8 @@ def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits, de
     draft_length = spec.draft_length or (min(defaults.max_adaptive_draft_length, limits.max_draft_length)
                                          if is_adaptive else defaults.draft_length)
     if not 1 <= draft_length <= limits.max_draft_length:
-        raise InvalidArgument("speculation.draft_length", f"must be in [1, {limits.max_draft_length}], got {draft_length}")
+        raise InvalidArgument("speculation.draft_length",
+                              f"must be in [1, {limits.max_draft_length}], got {draft_length}")
     threshold = float(spec.acceptance_threshold)
     if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
         raise InvalidArgument("speculation.acceptance_threshold", f"must be in [0, 1], got {threshold}")

@@ -49,12 +49,14 @@ def main(argv: list[str] | None = None) -> None:
              weight_bytes=loaded.weight_bytes, verify_costs_ms={k: round(v, 2) for k, v in costs.items()},
              native_kernels=native.status() if loaded.precision in QUANTIZED_PRECISIONS else "not used")
     if config.tensormt_optimizer and is_native:
-        log.warning("--tensormt_optimizer not applied: the layers already run as native calls", precision=loaded.precision)
+        log.warning("--tensormt_optimizer not applied: the layers already run as native calls",
+                    precision=loaded.precision)
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    compiler = start_step_compiler(config, loaded.model, metrics) if config.tensormt_optimizer and not is_native else None
+    is_compiled = config.tensormt_optimizer and not is_native
+    compiler = start_step_compiler(config, loaded.model, metrics) if is_compiled else None
     servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics)
 
     def on_stopped() -> None:

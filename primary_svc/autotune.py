@@ -100,7 +100,8 @@ def machine_key(num_threads: int) -> str:
     which source): what the measurement depends on."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
-    identity = "\0".join([fields.get("model name", platform.processor()), " ".join(sorted(fields.get("flags", "").split())),
+    cpu_flags = " ".join(sorted(fields.get("flags", "").split()))
+    identity = "\0".join([fields.get("model name", platform.processor()), cpu_flags,
                           str(len(os.sched_getaffinity(0))), torch.__version__,
                           str(num_threads or torch.get_num_threads()), native.identity()])
     return hashlib.sha256(identity.encode()).hexdigest()[:16]

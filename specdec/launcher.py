@@ -141,7 +141,6 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     py = config.python
     model = () if config.model_path is None else ("--model_path", str(config.model_path))
     cache = () if config.cache_dir is None else ("--cache_dir", str(config.cache_dir))
-    strategies = ("--strategies", ",".join(config.strategies)) if config.strategies else ()
     # The pool also offers grammar-forced drafts, which the gateway adds to constrained requests only.
     offered = config.strategies + (() if GRAMMAR_STRATEGY in config.strategies else (GRAMMAR_STRATEGY,))
     draft_strategies = ("--strategies", ",".join(offered)) if config.strategies else ()

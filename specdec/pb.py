@@ -86,22 +86,27 @@ def logits_handle_to_pb(segment_name: str, enc: EncodedLogits, instance_id: str)
 
 def logits_from_pb(pb: common_pb2.Logits, field: str) -> torch.Tensor:
     """Inline Logits, or a handle to a shared-memory slot on this machine -> fp32 [R, V]."""
+    return decode_logits(encoded_logits_from_pb(pb, field))
+
+
+def encoded_logits_from_pb(pb: common_pb2.Logits, field: str) -> EncodedLogits:
+    """Inline Logits, or a handle to a shared-memory slot on this machine -> the checked wire bytes,
+    not decoded (the validator's CUDA path reads fp8 / bf16 / fp32 bytes as they came)."""
     if pb.HasField("handle"):
         h = pb.handle
         if h.memory.kind != common_pb2.HANDLE_KIND_SHARED_MEMORY:
             raise InvalidArgument(f"{field}.handle.memory.kind", "only shared-memory logits handles are served here")
         fmt = logits_format_from_pb(h.format, f"{field}.handle.format")
         scales = tuple(h.row_scales) if fmt == FORMAT_FP8_E4M3 else None
-        return decode_logits(read_slot(h.memory.segment_name, h.memory.num_bytes, fmt, h.num_rows, h.vocab_size,
-                                       scales, f"{field}.handle"))
+        return read_slot(h.memory.segment_name, h.memory.num_bytes, fmt, h.num_rows, h.vocab_size, scales,
+                         f"{field}.handle")
     if not pb.HasField("inline_logits"):
         raise InvalidArgument(field, "expected inline logits or a handle")
     inline = pb.inline_logits
     fmt = logits_format_from_pb(inline.format, f"{field}.inline_logits.format")
     try:
-        enc = EncodedLogits(fmt, inline.num_rows, inline.vocab_size, inline.data,
-                            tuple(inline.row_scales) if fmt == FORMAT_FP8_E4M3 else None)
-        return decode_logits(enc)
+        return EncodedLogits(fmt, inline.num_rows, inline.vocab_size, inline.data,
+                             tuple(inline.row_scales) if fmt == FORMAT_FP8_E4M3 else None)
     except ValueError as e:
         raise InvalidArgument(f"{field}.inline_logits", str(e)) from None
 

@@ -1,9 +1,17 @@
 """Fixtures shared by the whole test suite."""
 from __future__ import annotations
 
+import os as _os
+import shutil as _shutil
+import subprocess as _subprocess
+import tempfile as _tempfile
+import time as _time
+from collections.abc import Iterator as _Iterator
+from dataclasses import dataclass as _dataclass
 from pathlib import Path
 
 import pytest
+import redis as _redis
 
 from specdec.model import loader
 
@@ -53,16 +61,6 @@ def grammar_cache(tokenizer_info):
 # A REAL redis-server on a unix socket, no persistence, one per test module.
 # Fixtures: redis_server (module: RedisServer with .url and .socket_path), redis_client (function:
 # a redis.Redis on it, the database flushed first).
-import os as _os
-import shutil as _shutil
-import subprocess as _subprocess
-import tempfile as _tempfile
-import time as _time
-from collections.abc import Iterator as _Iterator
-from dataclasses import dataclass as _dataclass
-
-import redis as _redis
-
 
 @_dataclass(frozen=True, slots=True)
 class RedisServer:

@@ -1,17 +1,34 @@
 """python -m validator_svc: serve the acceptance rule."""
 from __future__ import annotations
 
+from typing import Callable
+
 import structlog
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from specdec.logging import configure_logging
-from specdec.metrics import ServiceMetrics
+from specdec.metrics import NAMESPACE, ServiceMetrics
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.v1 import validator_pb2_grpc
-from validator_svc.config import parse_config
+from validator_svc.config import ValidatorConfig, parse_config
+from validator_svc.kernel import cuda_device_count
+from validator_svc.paths import make_path
 from validator_svc.server import ValidatorServicer
+
+
+def build_servicer(config: ValidatorConfig, registry: CollectorRegistry, *,
+                   device_count: Callable[[], int] = cuda_device_count) -> ValidatorServicer:
+    """Choose the validation path once (paths.make_path), warm it, and say which one serves: in the log
+    and as specdec_validation_path{path="cuda"|"torch"} = 1, so a dashboard shows a GPU node that fell
+    back to the host rule."""
+    path = make_path(config.device, device_count=device_count)
+    path.warm_up()
+    Gauge("validation_path", "The validation path this validator runs (1 on the chosen one's label).",
+          ["path"], namespace=NAMESPACE, registry=registry).labels(path.name).set(1)
+    structlog.get_logger("validator_svc").info("validation path", device=config.device, path=path.name)
+    return ValidatorServicer(path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(config.num_threads)
     structlog.get_logger("validator_svc").info("starting", device=config.device, num_threads=config.num_threads)
     registry = CollectorRegistry()
-    serve(config.server, [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, ValidatorServicer())],
+    servicer = build_servicer(config, registry)
+    serve(config.server, [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, servicer)],
           interceptors=[ErrorInterceptor(ServiceMetrics(registry))], registry=registry)
 
 

@@ -6,14 +6,13 @@ import dataclasses
 import os
 
 from specdec.service.server import DEFAULT_HOST, ServerConfig
-
-DEVICES = ("auto", "cpu", "cuda")
+from validator_svc.paths import DEVICES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ValidatorConfig:
     server: ServerConfig
-    device: str = "auto"         # cuda: the CuPy kernel; cpu: the torch reference; auto: cuda when present
+    device: str = "auto"         # cuda: the CuPy kernel; cpu: the torch reference; auto: cuda when present (paths.py)
     log_level: str = "INFO"
     # Torch intra-op threads. One: a step's validation is a few small ops on the logits, and every
     # extra thread is an OpenMP worker spinning on the cores the primary's forward needs next.

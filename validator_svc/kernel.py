@@ -5,6 +5,8 @@ bf16, or fp8_e4m3 with a per-row scale; see specdec/logits_codec.py), compute
   row_max[r], log_normalizer[r] (log-sum-exp), entropy[r] (nats), argmax_ids[r] (lowest index
   on ties) and, for each tree node j whose parent row is r, child_logits[j] and child_probs[j]
   (temperature-1 softmax probability of token_ids[j]).
+Under a grammar mask (the packed TokenMask words, one bit a token) a forbidden token counts as
+MASKED_LOGIT (-inf): every statistic above is that of the masked row, as in acceptance.py.
 That is everything greedy validation and temperature-0 threshold validation need, so the GPU
 path never materialises decoded logits. Sampled modes need whole distributions after top-k/top-p
 and run the host reference in acceptance.py.
@@ -27,6 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import (
     FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, ITEMSIZE, EncodedLogits, decode_logits)
 from validator_svc.acceptance import (
@@ -60,6 +63,11 @@ __device__ __forceinline__ float load_logit(const unsigned char* row, int fmt, l
     if (fmt == 0) return reinterpret_cast<const float*>(row)[i];
     if (fmt == 1) return __uint_as_float(((unsigned int)reinterpret_cast<const unsigned short*>(row)[i]) << 16);
     return decode_e4m3(row[i]) * scale;
+}
+
+// Grammar mask row, packed: bit k of word w allows token 32 w + k (the TokenMask wire layout).
+__device__ __forceinline__ bool is_allowed(const unsigned int* mask_row, long long i) {
+    return (mask_row[i >> 5] >> (i & 31)) & 1u;
 }
 
 struct RowState {
@@ -104,6 +112,8 @@ extern "C" __global__ void row_stats(
         const int* child_offsets,      // [R + 1] CSR: row r's children are entries [offsets[r], offsets[r+1])
         const int* child_nodes,        // [N] node index of each CSR entry
         const int* child_tokens,       // [N] token id of each CSR entry
+        const unsigned int* allowed_words,  // [R, num_words] packed grammar mask (unread when num_words == 0)
+        const int num_words,           // ceil(V / 32) with a mask, 0 without
         const int fmt,
         const int vocab_size,
         const int itemsize,
@@ -118,6 +128,8 @@ extern "C" __global__ void row_stats(
     const int r = blockIdx.x;
     const unsigned char* row = data + (long long)r * vocab_size * itemsize;
     const float scale = fmt == 2 ? row_scales[r] : 1.0f;
+    // A forbidden token is read as -inf (MASKED_LOGIT): probability exactly 0, as in the reference.
+    const unsigned int* mask_row = num_words ? allowed_words + (long long)r * num_words : nullptr;
 
     RowState st;
     st.m = NEG_INF;  // -inf
@@ -125,6 +137,7 @@ extern "C" __global__ void row_stats(
     st.s = 0.0f;
     st.t = 0.0f;
     for (int i = threadIdx.x; i < vocab_size; i += blockDim.x) {  // ascending: ties keep the first index
+        if (mask_row && !is_allowed(mask_row, i)) continue;  // forbidden by the grammar: probability 0
         const float x = load_logit(row, fmt, i, scale);
         if (x == NEG_INF) continue;  // a masked token: probability 0
         if (x > st.m) {
@@ -161,7 +174,8 @@ extern "C" __global__ void row_stats(
     }
     __syncthreads();
     for (int k = child_offsets[r] + threadIdx.x; k < child_offsets[r + 1]; k += blockDim.x) {
-        const float x = load_logit(row, fmt, child_tokens[k], scale);
+        const int token = child_tokens[k];
+        const float x = (mask_row && !is_allowed(mask_row, token)) ? NEG_INF : load_logit(row, fmt, token, scale);
         out_child_logits[child_nodes[k]] = x;
         out_child_probs[child_nodes[k]] = expf(x - row_lse);
     }
@@ -187,9 +201,13 @@ class RowStats:
                 raise ValueError(f"target_logits row {int(bad[0])} is not a valid distribution ({name} not finite)")
 
 
-def row_stats_reference(logits: torch.Tensor, token_ids: Sequence[int], parents: Sequence[int]) -> RowStats:
-    """Torch CPU reference of the kernel on decoded logits [R, V] fp32."""
+def row_stats_reference(logits: torch.Tensor, token_ids: Sequence[int], parents: Sequence[int],
+                        allowed: TokenBitmask | None = None) -> RowStats:
+    """Torch CPU reference of the kernel on decoded logits [R, V] fp32, under the grammar mask when given."""
     ids, _ = build_children(token_ids, parents, logits.shape[1])
+    if allowed is not None:
+        assert allowed.num_rows == logits.shape[0], "one mask row per logits row"
+        logits = allowed.masked_rows(logits, list(range(logits.shape[0])))  # [R, V], MASKED_LOGIT where forbidden
     parent_rows = torch.tensor([int(p) + 1 for p in parents], dtype=torch.int64)  # [N]
     row_max = logits.amax(dim=-1)  # [R]
     lse = torch.logsumexp(logits, dim=-1)  # [R]
@@ -198,8 +216,9 @@ def row_stats_reference(logits: torch.Tensor, token_ids: Sequence[int], parents:
                     torch.exp(child_logits - lse[parent_rows]))
 
 
-def row_stats_cpu(encoded: EncodedLogits, token_ids: Sequence[int], parents: Sequence[int]) -> RowStats:
-    return row_stats_reference(decode_logits(encoded), token_ids, parents)
+def row_stats_cpu(encoded: EncodedLogits, token_ids: Sequence[int], parents: Sequence[int],
+                  allowed: TokenBitmask | None = None) -> RowStats:
+    return row_stats_reference(decode_logits(encoded), token_ids, parents, allowed)
 
 
 class CudaRowStats:
@@ -211,6 +230,10 @@ class CudaRowStats:
         self.threads_per_block = threads_per_block
         self._function: Any = None
 
+    def compile(self) -> None:
+        """Compile now (NVRTC, ~0.1-1 s) rather than on the first request."""
+        self._compiled()
+
     def _compiled(self) -> Any:
         if self._function is None:
             import cupy  # deferred: importing this module must not need CUDA
@@ -218,20 +241,24 @@ class CudaRowStats:
             self._function = cupy.RawModule(code=ROW_STATS_SOURCE).get_function(KERNEL_NAME)
         return self._function
 
-    def __call__(self, encoded: EncodedLogits, token_ids: Sequence[int], parents: Sequence[int]) -> RowStats:
+    def __call__(self, encoded: EncodedLogits, token_ids: Sequence[int], parents: Sequence[int],
+                 allowed: TokenBitmask | None = None) -> RowStats:
         """Rows received inline: one host-to-device copy of the encoded bytes, no host decode."""
         import cupy
 
         data = cupy.asarray(np.frombuffer(encoded.data, dtype=np.uint8))  # [R * V * itemsize]
         return self.on_device(data, encoded.format, encoded.num_rows, encoded.vocab_size, encoded.row_scales,
-                              token_ids, parents)
+                              token_ids, parents, allowed)
 
     def on_device(self, data: Any, fmt: str, num_rows: int, vocab_size: int,
-                  row_scales: Sequence[float] | None, token_ids: Sequence[int], parents: Sequence[int]) -> RowStats:
-        """Rows already in device memory (a CuPy uint8 array, e.g. mapped from a CUDA IPC handle)."""
+                  row_scales: Sequence[float] | None, token_ids: Sequence[int], parents: Sequence[int],
+                  allowed: TokenBitmask | None = None) -> RowStats:
+        """Rows already in device memory (a CuPy uint8 array, e.g. mapped from a CUDA IPC handle).
+        The grammar mask travels packed (W = ceil(V / 32) words a row) and the kernel tests its bits."""
         import cupy
 
         assert data.dtype == cupy.uint8 and data.size == num_rows * vocab_size * ITEMSIZE[fmt], "encoded rows"
+        assert allowed is None or (allowed.num_rows, allowed.vocab_size) == (num_rows, vocab_size), "mask shape"
         _, children = build_children(token_ids, parents, vocab_size)
         offsets, nodes, tokens = _csr(children, token_ids)
         num_nodes = len(nodes)
@@ -240,12 +267,16 @@ class CudaRowStats:
         # One padding slot keeps the node arrays non-empty when N == 0.
         device_offsets, device_nodes, device_tokens = (cupy.asarray(np.asarray(a, dtype=np.int32))
                                                        for a in (offsets, nodes + [0], tokens + [0]))
+        # The words' bits as they are (int32 -> uint32 is a view); one unread word stands in for no mask.
+        words = np.zeros((1, 1), dtype=np.uint32) if allowed is None else allowed.words.view(np.uint32)
+        device_words = cupy.asarray(np.ascontiguousarray(words))  # [R, W] or [1, 1]
+        num_words = 0 if allowed is None else words.shape[1]
         out_max, out_lse, out_entropy = (cupy.empty(num_rows, dtype=cupy.float32) for _ in range(3))
         out_argmax = cupy.empty(num_rows, dtype=cupy.int32)
         out_child_logits, out_child_probs = (cupy.empty(num_nodes + 1, dtype=cupy.float32) for _ in range(2))
         self._compiled()(
             (num_rows,), (self.threads_per_block,),
-            (data, device_scales, device_offsets, device_nodes, device_tokens,
+            (data, device_scales, device_offsets, device_nodes, device_tokens, device_words, np.int32(num_words),
              np.int32(FORMAT_CODES[fmt]), np.int32(vocab_size), np.int32(ITEMSIZE[fmt]),
              out_max, out_lse, out_entropy, out_argmax, out_child_logits, out_child_probs))
 
@@ -276,16 +307,7 @@ def cuda_device_count() -> int:
         return 0
 
 
-RowStatsFn = Callable[[EncodedLogits, Sequence[int], Sequence[int]], RowStats]
-
-
-def make_row_stats(device: str = "auto") -> RowStatsFn:
-    """"cpu" -> the torch reference, "cuda" -> the kernel, "auto" -> the kernel when a GPU is present."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
-    if device == "cuda" or (device == "auto" and cuda_device_count() > 0):
-        return CudaRowStats()
-    return row_stats_cpu
+RowStatsFn = Callable[[EncodedLogits, Sequence[int], Sequence[int], TokenBitmask | None], RowStats]
 
 
 def validate_from_stats(stats: RowStats, token_ids: Sequence[int], parents: Sequence[int], *,

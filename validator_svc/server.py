@@ -1,4 +1,7 @@
-"""ValidatorService servicer: protobuf -> the acceptance rule -> protobuf. Translation only."""
+"""ValidatorService servicer: protobuf -> the acceptance rule -> protobuf. Translation only.
+
+The rule runs on the validation path chosen at start-up (paths.py: the CUDA kernel or the torch
+reference); the logits reach it as the wire's bytes, undecoded."""
 from __future__ import annotations
 
 import time
@@ -9,13 +12,17 @@ from specdec import pb
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.v1 import validator_pb2, validator_pb2_grpc
-from validator_svc.acceptance import MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD, validate_tree
+from validator_svc.acceptance import MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD
+from validator_svc.paths import TorchPath, ValidationInputs, ValidationPath
 
 MODES = {validator_pb2.ACCEPTANCE_MODE_GREEDY: MODE_GREEDY, validator_pb2.ACCEPTANCE_MODE_SAMPLE: MODE_SAMPLE,
          validator_pb2.ACCEPTANCE_MODE_THRESHOLD: MODE_THRESHOLD}
 
 
 class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
+    def __init__(self, path: ValidationPath | None = None) -> None:
+        self.path = path if path is not None else TorchPath()
+
     def Validate(self, request, context):
         start = time.perf_counter()
         pb.request_id_from_pb(request.request_id)
@@ -32,26 +39,27 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
             threshold = 0.0
         if mode == MODE_GREEDY and not sampling.is_greedy:
             raise InvalidArgument("mode", "greedy acceptance needs sampling.temperature = 0")
-        logits = pb.logits_from_pb(request.target_logits, "target_logits")
-        vocab_size = logits.shape[1]
+        logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
+        vocab_size = logits.vocab_size
         token_ids, parents = pb.tree_from_pb(request.tree, vocab_size)
-        if logits.shape[0] != len(token_ids) + 1:
-            raise InvalidArgument("target_logits", f"{logits.shape[0]} rows for a tree of {len(token_ids)} nodes "
+        if logits.num_rows != len(token_ids) + 1:
+            raise InvalidArgument("target_logits", f"{logits.num_rows} rows for a tree of {len(token_ids)} nodes "
                                   f"(expected {len(token_ids) + 1})")
         allowed = None
         if request.HasField("allowed_tokens"):
             # Disallowed tokens get probability 0: no path that leaves the grammar can be accepted, and
             # the bonus token is one the grammar allows. (Masking here, not only in the primary, also
             # gives exact zeros that an fp8 wire format cannot carry.) The mask stays packed.
-            allowed = pb.token_mask_from_pb(request.allowed_tokens, logits.shape[0], vocab_size, "allowed_tokens")
+            allowed = pb.token_mask_from_pb(request.allowed_tokens, logits.num_rows, vocab_size, "allowed_tokens")
         argmax = list(request.target_argmax_token_ids) or None
         if argmax is not None and allowed is not None:
             _check_argmax_allowed(argmax, allowed)
         draft_probs = pb.logits_from_pb(request.draft_probs, "draft_probs") if request.HasField("draft_probs") \
             else None
         try:
-            result = validate_tree(token_ids, parents, logits, sampling, acceptance_threshold=threshold,
-                                   draft_probs=draft_probs, argmax_ids=argmax, step=request.step, allowed=allowed)
+            result = self.path.validate(ValidationInputs(
+                token_ids, parents, logits, sampling, mode, acceptance_threshold=threshold, argmax_ids=argmax,
+                draft_probs=draft_probs, step=request.step, allowed=allowed))
         except ValueError as e:
             raise InvalidArgument(str(e).split(" ", 1)[0].rstrip(":"), str(e)) from None
         return validator_pb2.ValidateResponse(

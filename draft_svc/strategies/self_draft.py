@@ -6,8 +6,8 @@ over the SAME tensors (mapped zero-copy from the primary, `draft_svc.weights`), 
     early exit  (LayerSkip, Elhoushi et al. 2024):  layers 0 .. L'-1
     layer skip  (Draft & Verify, Zhang et al. 2023): every layer but a skipped set
 
-Without fine-tuning such drafts agree with the full model on few positions (MEASUREMENTS.md:
-7-39 % for SmolLM2) at 60-90 % of a full step's cost, so the controller's cost model decides
+Without fine-tuning such drafts agree with the full model on few positions (docs/architecture.md,
+Measurements: 7-39 % for SmolLM2) at 60-90 % of a full step's cost, so the controller's cost model decides
 whether they run; they are here so that it can.
 
 Per request a decoder keeps the committed context and its OWN KV slot holding the keys/values
@@ -56,7 +56,7 @@ class SelfDraftConfig:
 
 
 def default_skipped_layers(num_layers: int) -> tuple[int, ...]:
-    """Every other layer from ~L/4 to 2L/3; for 30 layers 8, 10, ..., 20 (the set in MEASUREMENTS.md)."""
+    """Every other layer from ~L/4 to 2L/3; for 30 layers 8, 10, ..., 20 (the set in docs/architecture.md)."""
     first = (num_layers // 4 + 1) & ~1
     return tuple(range(first, 2 * num_layers // 3 + 1, 2))
 

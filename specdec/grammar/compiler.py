@@ -18,7 +18,7 @@ tail on schemas with long bounded repetitions (`{0,199}` in a pattern): a few se
 
 Output layout is fixed, not free: no whitespace except the separators ", " and ": " (the layout
 the model writes by itself). Free whitespace leaves every separator open and kills forced runs
-(MEASUREMENTS.md: compact JSON forces 8-21 % of positions, free whitespace 5-6 %).
+(docs/architecture.md: compact JSON forces 8-21 % of positions, free whitespace 5-6 %).
 """
 from __future__ import annotations
 

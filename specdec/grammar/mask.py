@@ -33,7 +33,7 @@ def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The engine's packed mask, int32 [R, ceil(V/32)] with bit k of word w = token 32*w + k,
     as bool [R, V]. E.g. words [[0b101]] -> tokens 0 and 2 allowed."""
-    assert bitmask.dtype == torch.int32 and bitmask.dim() == 2, f"bitmask must be int32 [R, W]"
+    assert bitmask.dtype == torch.int32 and bitmask.dim() == 2, "bitmask must be int32 [R, W]"
     assert bitmask.shape[1] * BITS_PER_WORD >= vocab_size, "bitmask is narrower than the vocabulary"
     # numpy's unpackbits is ~20x faster than shifts in torch; "<i4" fixes the byte order of the words
     little_endian_words = bitmask.numpy().astype("<i4", copy=False)                  # [R, W]

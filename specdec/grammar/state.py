@@ -175,7 +175,7 @@ class GrammarState:
         """Up to `max_tokens` token ids spelling `forced_text()`, or () when nothing is forced.
 
         The forced text is re-tokenized with the model's own tokenizer, which is how the model
-        itself would write it unconstrained (MEASUREMENTS.md: these drafts are accepted more often
+        itself would write it unconstrained (docs/architecture.md: these drafts are accepted more often
         than the engine's forced-token list). Tokens are checked against the grammar and cut at the
         first one it refuses, so every proposed token is one the mask would allow."""
         if max_tokens <= 0:

@@ -28,8 +28,9 @@ Both kernels run 10-20x faster with bf16 activations than with fp32 or fp16 on a
 output back. Everything else (residual stream, norms, RoPE, attention, KV cache) stays fp32:
 measured on the 2-vCPU AVX2 EPYC, an int4 step after 256 tokens took 26 / 31 / 44 / 54 / 122 ms at
 k = 1 / 2 / 4 / 8 / 16 rows with an fp32 stream and 30 / 39 / 31 / 156 / 1920 ms all in bf16 (bf16
-SDPA has no fast path on AVX2: ~7.5 ms vs ~3.4 ms per step at one row). Measured, both kernels are batch-invariant: a row's output does not depend on how
-many rows share the call (1..16), so a k-row verify and 1-row decoding agree bit for bit there.
+SDPA has no fast path on AVX2: ~7.5 ms vs ~3.4 ms per step at one row). Measured, both kernels are
+batch-invariant: a row's output does not depend on how many rows share the call (1..16), so a k-row
+verify and 1-row decoding agree bit for bit there.
 """
 from __future__ import annotations
 

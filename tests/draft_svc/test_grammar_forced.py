@@ -114,7 +114,7 @@ def test_invalid_schema_fails_at_creation(grammars):
 
 # --- constrained speculative decoding == constrained plain decoding (real model) -------------------
 
-PROMPTS_FILE = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts" / "json.jsonl"
+PROMPTS_FILE = Path(__file__).resolve().parents[2] / "bench" / "data" / "json.jsonl"
 SCHEMA_PROMPT_IDS = ("bfcl-live_simple_10-3-6", "bfcl-simple_python_149")  # short answers: a fast suite
 MAX_NEW_TOKENS = 40
 DRAFT_LENGTH = 8

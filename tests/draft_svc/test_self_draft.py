@@ -120,7 +120,7 @@ def test_drafts_stop_at_the_end_of_the_rotary_table(draft_model):
 
 
 def test_default_layers_and_registry(draft_model):
-    # 30 layers: skip every other layer from 8 to 20, as measured in MEASUREMENTS.md; 4 layers: skip 2.
+    # 30 layers: skip every other layer from 8 to 20, as measured in docs/architecture.md; 4 layers: skip 2.
     assert default_skipped_layers(30) == (8, 10, 12, 14, 16, 18, 20)
     assert default_skipped_layers(4) == (2,)
     registry = self_draft_registry(SelfDraftConfig())

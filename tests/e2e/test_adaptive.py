@@ -1,5 +1,5 @@
-"""End to end with the adaptive controller: greedy output (at the default precision) equals speculation off, whatever the
-controller chose per step, and the choices are reported (response stats per decoder and rank; the
+"""End to end with the adaptive controller: greedy output (at the default precision) equals speculation off,
+whatever the controller chose per step, and the choices are reported (response stats per decoder and rank; the
 per-step choices in the stored stats, next to the controller state the gateway writes every step).
 
 One stack for the module (tests/e2e/conftest.py).

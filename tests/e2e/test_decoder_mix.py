@@ -1,5 +1,5 @@
-"""End to end with every mix of draft decoders: greedy output (at the default precision) equals speculation off whichever
-decoders propose, the model-based ones (early exit, layer skip over the primary's weights, mapped
+"""End to end with every mix of draft decoders: greedy output (at the default precision) equals speculation off
+whichever decoders propose, the model-based ones (early exit, layer skip over the primary's weights, mapped
 by the draft pool) and the corpus decoder included, alone, beside a model-free one, all five at
 once, and all five under the adaptive controller.
 

@@ -20,7 +20,7 @@ from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, prim
 
 pytestmark = pytest.mark.e2e
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
+DATA_DIR = Path(__file__).resolve().parents[2] / "bench" / "data"
 SETTINGS = [  # (is_enabled, speculative_degree, draft_length)
     (False, 1, 1), (True, 1, 4), (True, 2, 8), (True, 4, 16),
 ]

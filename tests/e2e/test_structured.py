@@ -19,7 +19,7 @@ from specdec.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.e2e
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts"
+DATA_DIR = Path(__file__).resolve().parents[2] / "bench" / "data"
 # A sample of json.jsonl whose answers are short (the benchmark runs all of them).
 SAMPLE_IDS = ("bfcl-live_simple_100-59-1", "bfcl-live_simple_101-60-0", "bfcl-live_simple_105-62-0")
 MAX_NEW_TOKENS = 64

@@ -15,7 +15,7 @@ from gateway.controller import (AdaptiveController, ControllerConfig, Controller
 from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, DraftCost
 
 LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
-# MEASUREMENTS.md: bf16 verify curve, ~10 % of a step outside model compute when speculating, early exit
+# docs/architecture.md: bf16 verify curve, ~10 % of a step outside model compute when speculating, early exit
 # costing 0.6 of a full step per drafted token.
 COST = CostModel.from_verify_ms(
     SMOLLM2_BF16_VERIFY_MS,
@@ -122,7 +122,7 @@ def test_optimiser_agrees_with_the_reference_and_beats_every_single_candidate():
 
 
 def test_a_decoder_that_does_not_pay_for_its_cost_is_left_out():
-    # Early exit agreeing on 39 % of tokens at 0.6 of a step per token (MEASUREMENTS.md) never pays.
+    # Early exit agreeing on 39 % of tokens at 0.6 of a step per token (docs/architecture.md) never pays.
     alone = adjust_speculative_degree("code", {(EARLY_EXIT, 0): 0.39}, decoders={EARLY_EXIT: 1},
                                       cost_model=COST, config=FULL_COVERAGE)
     assert not alone.is_speculative

@@ -108,7 +108,8 @@ class FakeBackends:
         self.last_tree = tree
         return Verified(None, tuple(self._rows(tree)), 0.0)
 
-    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> tuple[int, float]:
+    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step,
+               allowed=None) -> tuple[int, float]:
         assert allowed is None, "no grammar in these requests"
         self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes),
                                       "committed": list(committed_token_ids)}))

@@ -4,38 +4,21 @@ from __future__ import annotations
 import math
 import shutil
 import subprocess
-import sys
 
-import numpy as np
 import pytest
 import torch
 
+from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import FORMATS, EncodedLogits, decode_logits, encode_logits
 from specdec.sampling import SamplingParams
 from validator_svc.acceptance import greedy_accept, threshold_accept
-from validator_svc.entropy import row_entropy
 from validator_svc.kernel import (
-    KERNEL_NAME, ROW_STATS_SOURCE, THREADS_PER_BLOCK, CudaRowStats, _csr, cuda_device_count, make_row_stats,
-    row_stats_cpu, row_stats_reference, validate_from_stats)
+    KERNEL_NAME, ROW_STATS_SOURCE, CudaRowStats, _csr, cuda_device_count, row_stats_cpu, row_stats_reference,
+    validate_from_stats)
 
 NEG = -math.inf
 TOKEN_IDS, PARENTS = [2, 0, 3, 1], [-1, 0, -1, 2]  # root ── 0:2 ── 1:0 ;  root ── 2:3 ── 3:1
 requires_gpu = pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")
-
-
-def random_tree_logits(num_nodes: int, vocab_size: int, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
-    """A random tree whose nodes often hit the argmax, so walks go deep; logits [N+1, V]."""
-    generator = torch.Generator().manual_seed(seed)
-    logits = torch.randn(num_nodes + 1, vocab_size, generator=generator) * 3  # [N+1, V]
-    token_ids, parents = [], []
-    for i in range(num_nodes):
-        parent = int(torch.randint(-1, i, (1,), generator=generator)) if i else -1
-        row = logits[parent + 1]
-        used = {token_ids[j] for j in range(i) if parents[j] == parent}
-        ranked = [t for t in row.argsort(descending=True).tolist() if t not in used][:2]  # best unused tokens
-        token_ids.append(ranked[int(torch.randint(0, len(ranked), (1,), generator=generator))])
-        parents.append(parent)
-    return token_ids, parents, logits
 
 
 def test_reference_hand_case():
@@ -61,7 +44,7 @@ def test_csr_worked_example():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_host_walk_on_stats_equals_the_reference_rule(fmt):
+def test_host_walk_on_stats_equals_the_reference_rule(fmt, random_tree_logits):
     for seed in range(6):
         token_ids, parents, logits = random_tree_logits(8, 64, seed)
         decoded = decode_logits(encode_logits(logits, fmt))
@@ -86,13 +69,38 @@ def test_invalid_rows_are_rejected_after_the_stats():
         row_stats_cpu(encoded, [4], [-1])
 
 
-def test_dispatcher_and_lazy_compilation():
-    assert make_row_stats("cpu") is row_stats_cpu
-    with pytest.raises(ValueError, match="device"):
-        make_row_stats("tpu")
-    CudaRowStats()  # constructing compiles nothing and needs no GPU
-    if cuda_device_count() == 0:
-        assert make_row_stats("auto") is row_stats_cpu
+def test_construction_compiles_nothing():
+    CudaRowStats()  # constructing needs no GPU; the service compiles at start-up (paths.CudaPath.warm_up)
+    with pytest.raises(ValueError, match="threads_per_block"):
+        CudaRowStats(threads_per_block=48)
+
+
+def random_mask(num_rows: int, vocab_size: int, token_ids, parents, seed: int) -> TokenBitmask:
+    """Allows about half the vocabulary in each row, and always forbids the first child of the root
+    (so a walk meets a forbidden draft token) while allowing the other nodes' tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(num_rows, vocab_size, generator=generator) < 0.5  # [R, V]
+    allowed[:, 0] = True  # never an empty row
+    for j, (token, parent) in enumerate(zip(token_ids, parents)):
+        allowed[parent + 1, token] = j != 0
+    return TokenBitmask.from_bool(allowed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_reference_stats_under_a_mask_equal_the_masked_rule(fmt, random_tree_logits):
+    """The stats of masked rows decide exactly what greedy / threshold acceptance with `allowed` decide."""
+    for seed in range(4):
+        token_ids, parents, logits = random_tree_logits(8, 70, seed)  # 70: the last word is partial
+        allowed = random_mask(9, 70, token_ids, parents, seed)
+        encoded = encode_logits(logits, fmt)
+        decoded = decode_logits(encoded)
+        stats = row_stats_cpu(encoded, token_ids, parents, allowed)
+        assert float(stats.child_probs[0]) == 0.0 and stats.child_logits[0] == -math.inf  # node 0 is forbidden
+        assert validate_from_stats(stats, token_ids, parents) == \
+            greedy_accept(token_ids, parents, decoded, allowed=allowed)
+        for threshold in (0.05, 0.5):
+            assert validate_from_stats(stats, token_ids, parents, acceptance_threshold=threshold) == \
+                threshold_accept(token_ids, parents, decoded, SamplingParams(), threshold, None, allowed=allowed)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -121,7 +129,7 @@ def assert_stats_match(gpu, cpu) -> None:
 @requires_gpu
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("vocab_size", [1, 33, 49152, 151936])
-def test_gpu_stats_equal_the_reference(fmt, vocab_size):
+def test_gpu_stats_equal_the_reference(fmt, vocab_size, random_tree_logits):
     kernel = CudaRowStats()
     num_nodes = 8 if vocab_size >= 4 else 0
     token_ids, parents, logits = random_tree_logits(num_nodes, vocab_size, seed=vocab_size)
@@ -137,6 +145,10 @@ def test_gpu_stats_equal_the_reference(fmt, vocab_size):
     for threshold in (0.0, 0.3):
         assert validate_from_stats(gpu, token_ids, parents, acceptance_threshold=threshold) == \
             validate_from_stats(cpu, token_ids, parents, acceptance_threshold=threshold)
+    if num_nodes:  # the packed grammar mask, bits tested in the kernel
+        allowed = random_mask(num_nodes + 1, vocab_size, token_ids, parents, seed=vocab_size)
+        assert_stats_match(kernel(encoded, token_ids, parents, allowed),
+                           row_stats_cpu(encoded, token_ids, parents, allowed))
 
 
 @pytest.mark.gpu
@@ -149,59 +161,15 @@ def test_gpu_flags_nan_rows():
         validate_from_stats(CudaRowStats()(encoded, [1], [-1]), [1], [-1])
 
 
-class FakeCupy:
-    """Stands in for CuPy on a machine without a GPU: arrays are NumPy arrays and the "kernel" is a
-    NumPy emulation of ROW_STATS_SOURCE's contract (per-pointer layout from its shape comments). It
-    checks the host glue of CudaRowStats: CSR packing, argument order, outputs by node index."""
-    uint8, int32, float32 = np.uint8, np.int32, np.float32
-
-    class RawModule:
-        def __init__(self, code: str) -> None:
-            assert code == ROW_STATS_SOURCE
-
-        def get_function(self, name: str):
-            assert name == KERNEL_NAME
-            return FakeCupy.row_stats
-
-    @staticmethod
-    def asarray(array):
-        return np.array(array)
-
-    @staticmethod
-    def empty(size, dtype):
-        return np.full(size, -7, dtype=dtype)  # garbage that a missed write would leave behind
-
-    @staticmethod
-    def asnumpy(array):
-        return array
-
-    @staticmethod
-    def row_stats(grid, block, args):
-        (data, scales, offsets, nodes, tokens, fmt, vocab_size, itemsize,
-         out_max, out_lse, out_entropy, out_argmax, out_child_logits, out_child_probs) = args
-        num_rows = grid[0]
-        fmt_name = {0: "fp32", 1: "bf16", 2: "fp8_e4m3"}[int(fmt)]
-        assert len(data) == num_rows * int(vocab_size) * int(itemsize) and block == (THREADS_PER_BLOCK,)
-        encoded = EncodedLogits(fmt_name, num_rows, int(vocab_size), data.tobytes(),
-                                tuple(float(s) for s in scales) if fmt_name == "fp8_e4m3" else None)
-        logits = decode_logits(encoded)  # [R, V]
-        out_max[:] = logits.amax(dim=-1).numpy()
-        out_lse[:] = torch.logsumexp(logits, dim=-1).numpy()
-        out_entropy[:] = row_entropy(logits).numpy()
-        out_argmax[:] = logits.argmax(dim=-1).numpy()
-        for row in range(num_rows):
-            for k in range(offsets[row], offsets[row + 1]):
-                out_child_logits[nodes[k]] = logits[row, tokens[k]]
-                out_child_probs[nodes[k]] = math.exp(float(logits[row, tokens[k]]) - float(out_lse[row]))
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("num_nodes", [0, 8])
-def test_cuda_host_glue_with_an_emulated_kernel(monkeypatch, fmt, num_nodes):
-    monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
+def test_cuda_host_glue_with_an_emulated_kernel(fake_cupy, random_tree_logits, fmt, num_nodes):
     token_ids, parents, logits = random_tree_logits(num_nodes, 40, seed=num_nodes + 3)
     encoded = encode_logits(logits, fmt)
     emulated, cpu = CudaRowStats()(encoded, token_ids, parents), row_stats_cpu(encoded, token_ids, parents)
     assert emulated.child_logits.shape == (num_nodes,)
     assert_stats_match(emulated, cpu)
     assert validate_from_stats(emulated, token_ids, parents) == validate_from_stats(cpu, token_ids, parents)
+    allowed = random_mask(num_nodes + 1, 40, token_ids, parents, seed=num_nodes)
+    assert_stats_match(CudaRowStats()(encoded, token_ids, parents, allowed),
+                       row_stats_cpu(encoded, token_ids, parents, allowed))

@@ -16,7 +16,7 @@ from specdec.grammar import apply_token_mask
 
 pytestmark = pytest.mark.slow
 
-PROMPTS_FILE = Path(__file__).resolve().parents[4] / "shared" / "data" / "prompts" / "json.jsonl"
+PROMPTS_FILE = Path(__file__).resolve().parents[3] / "bench" / "data" / "json.jsonl"
 # Three schemas of data/prompts/json.jsonl whose greedy answers fit MAX_NEW_TOKENS: an enum, two
 # required strings, an array of strings.
 PROMPT_IDS = ("bfcl-live_simple_10-3-6", "bfcl-live_simple_21-4-1", "bfcl-simple_python_149")

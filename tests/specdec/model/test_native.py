@@ -136,7 +136,8 @@ def test_without_the_library_int4_falls_back_to_torchs_kernels(monkeypatch):
 def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
     g = torch.Generator().manual_seed(10)
     heads, kv_heads, dim, cached, capacity = 6, 2, 16, 5, 12
-    k_cache, v_cache = torch.randn(kv_heads, capacity, dim, generator=g), torch.randn(kv_heads, capacity, dim, generator=g)
+    k_cache = torch.randn(kv_heads, capacity, dim, generator=g)
+    v_cache = torch.randn(kv_heads, capacity, dim, generator=g)
     q = torch.randn(4, heads, dim, generator=g)
     # a tree over 4 new rows: r0 <- r1, r0 <- r2 <- r3 (cache rows 5..8)
     parents = [-1, 0, 0, 2]

@@ -1,0 +1,148 @@
+"""The validation path: chosen once at start-up, logged and exported; the CUDA path validates through
+the kernel on the wire's bytes and answers what the torch path answers, through the servicer."""
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from specdec import pb
+from specdec.grammar.bitmask import TokenBitmask
+from specdec.logits_codec import FORMATS, EncodedLogits
+from specdec.sampling import SamplingParams
+from specdec.service.server import ServerConfig
+from specdec.v1 import common_pb2, validator_pb2
+from validator_svc import paths
+from validator_svc.__main__ import build_servicer
+from validator_svc.config import ValidatorConfig
+from validator_svc.kernel import CudaRowStats, cuda_device_count, row_stats_cpu
+from validator_svc.paths import PATH_CUDA, PATH_TORCH, CudaPath, TorchPath, make_path
+from validator_svc.server import ValidatorServicer
+
+GREEDY, SAMPLE, THRESHOLD = (validator_pb2.ACCEPTANCE_MODE_GREEDY, validator_pb2.ACCEPTANCE_MODE_SAMPLE,
+                             validator_pb2.ACCEPTANCE_MODE_THRESHOLD)
+
+
+def no_device() -> int:
+    return 0
+
+
+def one_device() -> int:
+    return 1
+
+
+def test_make_path_follows_the_device():
+    assert isinstance(make_path("cpu", device_count=one_device), TorchPath)
+    assert isinstance(make_path("auto", device_count=no_device), TorchPath)
+    assert isinstance(make_path("auto", device_count=one_device), CudaPath)
+    assert isinstance(make_path("cuda", device_count=one_device), CudaPath)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        make_path("cuda", device_count=no_device)  # refused at start-up, not on the first request
+    with pytest.raises(ValueError, match="device"):
+        make_path("tpu")
+
+
+@pytest.mark.parametrize("device, device_count, expected", [
+    ("auto", no_device, PATH_TORCH), ("auto", one_device, PATH_CUDA), ("cpu", one_device, PATH_TORCH)])
+def test_the_servicer_runs_the_chosen_path_and_exports_it(fake_cupy, device, device_count, expected):
+    registry = CollectorRegistry()
+    servicer = build_servicer(ValidatorConfig(ServerConfig(port=0), device=device), registry,
+                              device_count=device_count)
+    assert servicer.path.name == expected
+    assert registry.get_sample_value("specdec_validation_path", {"path": expected}) == 1.0
+    token_ids, parents, logits = [2, 0], [-1, 0], torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    response = servicer.Validate(request(logits, token_ids, parents, "bf16"), None)
+    assert list(response.accepted_nodes) == [0, 1] and response.bonus_token == 1
+    assert fake_cupy.launches == (1 if expected == PATH_CUDA else 0)  # the kernel runs on the cuda path only
+
+
+def test_the_cuda_path_reads_the_wire_bytes_and_never_decodes_on_the_host(monkeypatch):
+    calls = []
+
+    def spy_row_stats(encoded, token_ids, parents, allowed):
+        calls.append((encoded, allowed))
+        return row_stats_cpu(encoded, token_ids, parents, allowed)
+
+    def no_host_decode(encoded):
+        raise AssertionError("the cuda path decoded the logits on the host")
+
+    monkeypatch.setattr(paths, "decode_logits", no_host_decode)
+    logits = torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
+    allowed = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
+    servicer = ValidatorServicer(CudaPath(row_stats=spy_row_stats))
+    response = servicer.Validate(request(logits, [2, 0], [-1, 0], "fp8_e4m3", allowed=allowed), None)
+    (encoded, mask), = calls
+    assert isinstance(encoded, EncodedLogits) and encoded.format == "fp8_e4m3"
+    assert isinstance(mask, TokenBitmask)                       # packed, as it came
+    assert list(response.accepted_nodes) == [] and response.bonus_token == 1  # token 2 is forbidden at the root
+
+
+def test_sampled_modes_go_to_the_host_path():
+    def no_kernel(*args):
+        raise AssertionError("the kernel cannot decide a sampled mode")
+
+    logits = torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0]])
+    cuda = ValidatorServicer(CudaPath(row_stats=no_kernel))
+    for mode, threshold in ((SAMPLE, 0.0), (THRESHOLD, 0.5)):
+        req = request(logits, [2], [-1], "fp32", mode=mode, sampling=SamplingParams(temperature=0.7, seed=3))
+        req.acceptance_threshold = threshold
+        got, expected = cuda.Validate(req, None), ValidatorServicer(TorchPath()).Validate(req, None)
+        got.ClearField("time_ms")
+        expected.ClearField("time_ms")
+        assert got == expected
+
+
+# ---- the two paths agree through the servicer: an emulated kernel here, the real one on a GPU -------
+
+def request(logits: torch.Tensor, token_ids, parents, fmt: str, *, mode=GREEDY, sampling=SamplingParams(),
+            allowed: torch.Tensor | None = None, argmax=None) -> validator_pb2.ValidateRequest:
+    req = validator_pb2.ValidateRequest(
+        request_id="r", mode=mode, sampling=pb.sampling_to_pb(sampling), step=0,
+        tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents), target_logits=pb.logits_to_pb(logits, fmt),
+        target_argmax_token_ids=argmax or ())
+    if allowed is not None:
+        req.allowed_tokens.CopyFrom(pb.token_mask_to_pb(TokenBitmask.from_bool(allowed)))
+    return req
+
+
+def parity_requests(random_tree_logits, fmt: str, vocab_size: int):
+    """Greedy and temperature-0 threshold steps, with and without a grammar mask and the primary's argmax."""
+    for seed in range(3):
+        token_ids, parents, logits = random_tree_logits(8, vocab_size, seed)
+        generator = torch.Generator().manual_seed(seed)
+        allowed = torch.rand(9, vocab_size, generator=generator) < 0.7  # [N+1, V]
+        allowed[:, 0] = True
+        for j, (token, parent) in enumerate(zip(token_ids, parents)):
+            allowed[parent + 1, token] = j != 1  # node 1 is off the grammar
+        masked_argmax = torch.where(allowed, logits, float("-inf")).argmax(dim=-1).tolist()
+        for mask, argmax in ((None, None), (None, logits.argmax(dim=-1).tolist()), (allowed, None),
+                             (allowed, masked_argmax)):
+            yield request(logits, token_ids, parents, fmt, allowed=mask, argmax=argmax)
+            req = request(logits, token_ids, parents, fmt, mode=THRESHOLD, allowed=mask)
+            req.acceptance_threshold = 0.3
+            yield req
+
+
+def assert_paths_agree(cuda_path, random_tree_logits, fmt: str, vocab_size: int) -> None:
+    cuda, host = ValidatorServicer(cuda_path), ValidatorServicer(TorchPath())
+    for req in parity_requests(random_tree_logits, fmt, vocab_size):
+        got, expected = cuda.Validate(req, None), host.Validate(req, None)
+        assert (list(got.accepted_nodes), got.bonus_token) == (list(expected.accepted_nodes), expected.bonus_token)
+        assert list(got.accepted_entropies) == pytest.approx(list(expected.accepted_entropies), rel=1e-4, abs=1e-4)
+        assert list(got.rejected_entropies) == pytest.approx(list(expected.rejected_entropies), rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_path_with_an_emulated_kernel_agrees_with_torch(fake_cupy, random_tree_logits, fmt):
+    assert_paths_agree(CudaPath(CudaRowStats()), random_tree_logits, fmt, vocab_size=70)
+    assert fake_cupy.launches > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("vocab_size", [70, 49152])
+def test_gpu_service_path_agrees_with_torch(random_tree_logits, fmt, vocab_size):
+    path = make_path("cuda")
+    path.warm_up()
+    assert_paths_agree(path, random_tree_logits, fmt, vocab_size)
