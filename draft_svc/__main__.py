@@ -71,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     grammars = corpus = None
-    if config.has_grammar_strategies or config.has_corpus_strategy:   # the tokenizer only: weights come from the primary
+    # the tokenizer only: weights come from the primary
+    if config.has_grammar_strategies or config.has_corpus_strategy:
         model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     if config.has_grammar_strategies:   # ~1 s
         grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(Tokenizer.from_dir(model_dir)))

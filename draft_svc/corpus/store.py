@@ -86,7 +86,8 @@ def index_dir(config: CorpusConfig, tokenizer_dir: Path, cache_dir: Path) -> tup
     return Path(cache_dir) / f"corpus-{digest.hexdigest()[:_KEY_CHARS]}", files
 
 
-def open_index(config: CorpusConfig, tokenizer_dir: Path, cache_dir: Path, *, show_progress: bool = True) -> CorpusIndex:
+def open_index(config: CorpusConfig, tokenizer_dir: Path, cache_dir: Path, *,
+               show_progress: bool = True) -> CorpusIndex:
     """The index of this tokenizer and corpus, built on first use."""
     out_dir, files = index_dir(config, tokenizer_dir, cache_dir)
     if not out_dir.is_dir():   # the rename that publishes an index is atomic: present means complete

@@ -19,7 +19,8 @@ def test_the_corpus_decoder_is_offered_on_request_with_its_corpus_flags():
                        {"SPECDEC_DRAFT_CORPUS_SOURCES": "", "SPECDEC_DRAFT_CORPUS_PATHS": "/a,/b",
                         "SPECDEC_DRAFT_CORPUS_MAX_TOKENS": "5"})
     assert config.has_corpus_strategy and config.pool.default_strategies == ("prompt_lookup", "corpus")
-    assert (config.corpus.sources, config.corpus.paths, config.corpus.max_tokens) == ((), (Path("/a"), Path("/b")), 1000)
+    assert (config.corpus.sources, config.corpus.paths, config.corpus.max_tokens) == (
+        (), (Path("/a"), Path("/b")), 1000)
     assert config.corpus.cache_dir == config.cache_dir     # indexes live beside the converted models
     assert from_args(["--corpus_cache_dir", "/idx"], {}).corpus.cache_dir == Path("/idx")
 
