@@ -154,7 +154,8 @@ class Attention:
     def _attend(self, q: Tensor, s: SequenceSpan, end: int, mask: Tensor | None) -> Tensor:
         # q: [n, H, D] against cache rows [0, end) -> [n, H, D]
         if self.native_attend is not None:
-            return self.native_attend(q, s.k_cache[self.layer_idx], s.v_cache[self.layer_idx], end, mask)
+            # (layer, :, :) keys: the cache may be a view by layer id (the draft pool's compact layers)
+            return self.native_attend(q, s.k_cache[self.layer_idx, :, :], s.v_cache[self.layer_idx, :, :], end, mask)
         keys = s.k_cache[self.layer_idx, :, :end]          # [Hkv, L, D]
         values = s.v_cache[self.layer_idx, :, :end]        # [Hkv, L, D]
         o = F.scaled_dot_product_attention(

@@ -19,10 +19,11 @@ EARLY_EXIT_LAYERS = 3
 RUN_LAYERS = (0, 2, 5)   # layer skip: a non-prefix subset, so the compact cache has to remap
 
 
-@pytest.fixture(scope="module")
-def owner(default_model_dir):
+@pytest.fixture(scope="module", params=["fp32", "int4"])
+def owner(default_model_dir, request):
+    """fp32, and int4 (its layers native where the kernels build, attention reading the compact cache)."""
     torch.set_num_threads(2)
-    loaded = load_model(default_model_dir, "fp32", max_positions=MAX_POSITIONS, is_shared=True)
+    loaded = load_model(default_model_dir, request.param, max_positions=MAX_POSITIONS, is_shared=True)
     yield loaded
     loaded.shared.unlink()
 
@@ -30,7 +31,7 @@ def owner(default_model_dir):
 @pytest.fixture(scope="module")
 def draft_model(owner) -> Transformer:
     """The model as the draft pool builds it: a second mapping of the owner's segment."""
-    exported = ExportedWeights(owner.shared.manifest, config_to_json(owner.config), "fp32", "test")
+    exported = ExportedWeights(owner.shared.manifest, config_to_json(owner.config), owner.precision, "test")
     model = WeightAttacher().attach(exported, max_positions=MAX_POSITIONS).model
     assert model.embed_tokens.data_ptr() != owner.model.embed_tokens.data_ptr()  # its own mapping
     return model
