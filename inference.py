@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from specdec.launcher import ServiceError, Stack, StackConfig
+from specdec.launcher import PRIMARY, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
@@ -289,9 +289,9 @@ def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: f
     }
 
 
-def primary_info(address: str) -> dict[str, str]:
+def primary_info(stack: Stack) -> dict[str, str]:
     """The weight format the primary serves and how it was chosen (GetModelInfo)."""
-    with grpc.insecure_channel(address) as channel:
+    with stack.channel(PRIMARY) as channel:
         info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(),
                                                                          timeout=30)
     return {"precision": info.precision, "precision_choice": info.precision_choice}
@@ -381,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         with Stack(stack_config(args)) as stack:
             stack_start_s = time.perf_counter() - started
-            primary = primary_info(stack.addresses["primary"])
+            primary = primary_info(stack)
             say(f"services ready in {stack_start_s:.1f} s (logs: {stack.log_dir}); primary weights "
                 f"{primary['precision']} ({primary['precision_choice']})")
             if args.prompt is not None:

@@ -6,13 +6,14 @@ python -m bench {engine,validator,drafts} [ARGS...]: one component benchmark (ea
     validator  wire bytes, validation time, fp8/bf16 vs fp32 on real logits (bench/validator.py)
     drafts     acceptance per decoder and scenario through the whole pipeline (bench/drafts.py)
     quality    perplexity and greedy agreement with fp32 per weight format     (bench/quality.py)
+    auth       cost of the service token per internal RPC                       (bench/auth.py)
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts", "quality")
+BENCHMARKS = ("engine", "validator", "drafts", "quality", "auth")
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from specdec.logging import configure_logging
 from specdec.metrics import ServiceMetrics
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
+from specdec.service.auth import service_token_or_exit
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.state_store import StateStoreConfig, open_state_store
@@ -30,12 +31,14 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("gateway", level=config.log_level)
     log = structlog.get_logger("gateway")
+    service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
                                                      show_progress=sys.stderr.isatty()))
     backends = Backends(config.primary_address, config.draft_address, config.validator_address,
-                        config.rpc_timeout_s, config.server.max_message_bytes * 32, config.is_logits_via_handle)
+                        config.rpc_timeout_s, config.server.max_message_bytes * 32, config.is_logits_via_handle,
+                        service_token=service_token)
     give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
     while True:
         try:

@@ -17,6 +17,7 @@ from specdec.grammar.compiler import ResponseFormat
 from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
                             ResourceExhausted, SpecdecError, Unavailable)
 from specdec.sampling import SamplingParams
+from specdec.service.auth import authenticated_channel
 from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, primary_pb2, primary_pb2_grpc, validator_pb2,
                         validator_pb2_grpc)
 
@@ -86,7 +87,8 @@ def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
 
 class Backends:
     def __init__(self, primary_address: str, draft_address: str, validator_address: str, timeout_s: float,
-                 max_message_bytes: int = 128 << 20, is_logits_via_handle: bool = False) -> None:
+                 max_message_bytes: int = 128 << 20, is_logits_via_handle: bool = False,
+                 service_token: str | None = None) -> None:
         self.is_logits_via_handle = is_logits_via_handle   # logits through /dev/shm, primary -> validator
         # Reconnect quickly: a restarted service must be found again within a step or two
         # (gRPC's default backoff grows to two minutes).
@@ -94,7 +96,8 @@ class Backends:
                    ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-        self._channels = [grpc.insecure_channel(a, options=options)
+        # service_token: sent on every call (specdec.service.auth); None when the services run without one.
+        self._channels = [authenticated_channel(grpc.insecure_channel(a, options=options), service_token)
                           for a in (primary_address, draft_address, validator_address)]
         self.primary = primary_pb2_grpc.PrimaryServiceStub(self._channels[0])
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])

@@ -77,6 +77,10 @@ class GatewayConfig:
     # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
     # OpenMP workers of each RPC thread would spin on the cores the primary's forward needs.
     num_threads: int = 1
+    # The shared secret sent to primary, draft and validator (specdec.service.auth); "" with
+    # is_unauthenticated_allowed: send none (services started with --allow_unauthenticated).
+    service_token_file: str = ""
+    is_unauthenticated_allowed: bool = False
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -127,6 +131,12 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument("--num_threads", type=int, default=int(os.environ.get("SPECDEC_GATEWAY_NUM_THREADS", "1")),
                    help="torch intra-op threads (default 1; 0: torch's default)")
+    p.add_argument("--service_token_file", default=_env("SERVICE_TOKEN_FILE", ""),
+                   help="file holding the shared secret the internal services expect (required unless "
+                        "--allow_unauthenticated)")
+    p.add_argument("--allow_unauthenticated", action="store_true",
+                   default=_env_bool("ALLOW_UNAUTHENTICATED", False),
+                   help="call the internal services without the service token")
     a = p.parse_args(argv)
     return GatewayConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
@@ -142,4 +152,5 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
         grammar=GrammarSettings(max_compile_s=a.max_grammar_compile_s),
         is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
-        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads)
+        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads,
+        service_token_file=a.service_token_file, is_unauthenticated_allowed=a.allow_unauthenticated)

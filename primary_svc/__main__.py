@@ -26,6 +26,7 @@ from specdec.model.llama import Transformer
 from specdec.model.loader import resolve_model_dir
 from specdec.model.precision import AUTO
 from specdec.model.tokenizer import Tokenizer
+from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.v1 import primary_pb2_grpc
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("primary_svc", level=config.log_level)
     log = structlog.get_logger("primary_svc")
+    service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
     worker = EngineWorker(None, config.max_batch, config.min_batch, config.max_wait_ms)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         serve(config.server, [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-              interceptors=[ErrorInterceptor(metrics)], registry=registry, on_stopped=on_stopped)
+              interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)], registry=registry,
+              on_stopped=on_stopped)
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()

@@ -226,7 +226,8 @@ def test_a_draft_process_maps_the_weights_without_a_private_copy(primary, owner,
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "draft_svc", "--port", "0", "--primary_address", primary_address,
-             "--strategies", "prompt_lookup,early_exit,layer_skip", "--num_threads", "1", "--attach_poll_s", "0.2"],
+             "--strategies", "prompt_lookup,early_exit,layer_skip", "--num_threads", "1", "--attach_poll_s", "0.2",
+             "--allow_unauthenticated"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
     try:
         port = _wait_for_port(log_path, process)
