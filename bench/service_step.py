@@ -56,18 +56,19 @@ def _primary_decode_steps(stack: Stack, prompt_ids: list[int], num_steps: int) -
     """Median (forward ms, RPC wall ms) of greedy Decode calls made directly to the primary."""
     with stack.channel("primary") as channel:
         stub = primary_pb2_grpc.PrimaryServiceStub(channel)
-        stub.Prefill(primary_pb2.PrefillRequest(request_id=PROBE_REQUEST_ID, token_ids=prompt_ids))
+        lease = stub.Prefill(primary_pb2.PrefillRequest(request_id=PROBE_REQUEST_ID, token_ids=prompt_ids)).kv_lease
         forward, wall, committed = [], [], []
         try:
             for step in range(num_steps):
                 start = time.perf_counter()
                 resp = stub.Decode(primary_pb2.DecodeRequest(request_id=PROBE_REQUEST_ID,
-                                                             committed_token_ids=committed, step=step))
+                                                             committed_token_ids=committed, step=step,
+                                                             kv_lease=lease))
                 wall.append((time.perf_counter() - start) * 1000)
                 forward.append(resp.forward_ms)
                 committed = [resp.token_id]
         finally:
-            stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=PROBE_REQUEST_ID))
+            stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=PROBE_REQUEST_ID, kv_lease=lease))
     return statistics.median(forward[1:]), statistics.median(wall[1:])
 
 

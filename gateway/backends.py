@@ -103,6 +103,9 @@ class Backends:
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.validator = validator_pb2_grpc.ValidatorServiceStub(self._channels[2])
         self.timeout_s = timeout_s
+        # request id -> the primary's lease on its KV slot (PrefillResponse.kv_lease): only the
+        # gateway instance that prefilled a request can step or release it.
+        self._kv_leases: dict[str, str] = {}
 
     def close(self) -> None:
         for c in self._channels:
@@ -124,8 +127,10 @@ class Backends:
     def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> float:
         """Returns the primary's time for the prefill, milliseconds. `num_prompt_tokens`: how many
         of `token_ids` are the prompt (a recovery sends the generated tokens after it)."""
-        return self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(
-            request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens)).time_ms
+        r = self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(
+            request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens))
+        self._kv_leases[request_id] = r.kv_lease
+        return r.time_ms
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
                tree: DraftTree, logits_format: str, allowed: torch.Tensor | None = None) -> Verified:
@@ -134,18 +139,21 @@ class Backends:
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
             tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
             logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format], return_handle=self.is_logits_via_handle,
-            allowed_tokens=_mask(allowed)))
+            allowed_tokens=_mask(allowed), kv_lease=self._kv_leases.get(request_id, "")))
         return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
 
     def decode(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
                sampling: SamplingParams, step: int, allowed: torch.Tensor | None = None) -> tuple[int, float]:
         r = self._call("primary", self.primary.Decode, primary_pb2.DecodeRequest(
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
-            sampling=pb.sampling_to_pb(sampling), step=step, allowed_tokens=_mask(allowed)))
+            sampling=pb.sampling_to_pb(sampling), step=step, allowed_tokens=_mask(allowed),
+            kv_lease=self._kv_leases.get(request_id, "")))
         return r.token_id, r.forward_ms
 
     def release_primary(self, request_id: str) -> None:
-        self._call("primary", self.primary.Release, primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id))
+        release = primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id,
+                                                           kv_lease=self._kv_leases.pop(request_id, ""))
+        self._call("primary", self.primary.Release, release)
 
     # --- draft -------------------------------------------------------------------------------
 

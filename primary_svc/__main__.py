@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from primary_svc.autotune import CANDIDATES, FLOAT_CANDIDATES, choose_precision_or_fallback
 from primary_svc.config import PrimaryConfig, parse_config
 from primary_svc.costs import measure_verify_costs
+from primary_svc.leases import KVLeases
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.background_compile import BackgroundCompiler
@@ -19,6 +21,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_logging
+from specdec.logits_shm import cleanup_stale_slots
 from specdec.metrics import ServiceMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
@@ -30,6 +33,8 @@ from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.v1 import primary_pb2_grpc
+
+LEASE_CHECK_MAX_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,9 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     compiler = start_step_compiler(config, loaded.model, metrics) if config.tensormt_optimizer else None
-    servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics)
+    if swept := cleanup_stale_slots():
+        log.info("removed the logits slots of primaries that exited without cleaning up", num_slots=len(swept))
+    servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics, KVLeases(config.kv_lease_s))
+    stop_expiry = threading.Event()
+    threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()
 
     def on_stopped() -> None:
+        stop_expiry.set()
         if compiler is not None:
             compiler.stop()
         worker.stop()
@@ -68,6 +78,17 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def expire_leases(servicer: PrimaryServicer, stop: threading.Event) -> None:
+    """Free the KV slots whose lease ran out, checking a few times per lease period."""
+    log = structlog.get_logger("primary_svc")
+    while not stop.wait(min(servicer.leases.lease_s / 4, LEASE_CHECK_MAX_S)):
+        try:
+            if expired := servicer.expire_idle_requests():
+                log.warning("kv leases expired: slots released", request_ids=expired)
+        except Exception:  # noqa: BLE001 - the thread must outlive one failure
+            log.exception("kv lease expiry failed")
 
 
 def load_engine(config: PrimaryConfig, model_dir: Path, instance_id: str

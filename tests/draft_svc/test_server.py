@@ -165,6 +165,22 @@ def test_attach_refuses_bad_manifests_naming_the_field(draft, primary, change, f
     assert attacher.attached is None
 
 
+def test_attach_maps_only_the_segment_the_primary_exports(draft, primary, owner):
+    """Another process's valid weight segment (same layout, same size) is refused before it is mapped."""
+    stub, _, attacher = draft
+    impostor = SHM_DIR / f"specdec-weights-{os.getpid()}-impostor"
+    impostor.write_bytes(b"\0" * owner.shared.num_bytes)
+    try:
+        manifest = primary[0].manifest_pb()
+        manifest.memory.segment_name = impostor.name
+        code, details = _code_and_details(lambda: stub.Attach(draft_pb2.AttachRequest(manifest=manifest)))
+    finally:
+        impostor.unlink()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("manifest.memory.segment_name: not the memory the primary exports"), details
+    assert attacher.attached is None
+
+
 def test_attach_maps_a_good_manifest(draft, primary, owner):
     stub, _, attacher = draft
     r = stub.Attach(draft_pb2.AttachRequest(manifest=primary[0].manifest_pb()))
