@@ -10,6 +10,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
+from gateway.api_keys import ApiKeys
 from gateway.backends import Backends
 from gateway.config import parse_config
 from gateway.server import GenerationServicer
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging("gateway", level=config.log_level)
     log = structlog.get_logger("gateway")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
+    try:
+        api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --api_keys_file: {e}") from None
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
@@ -52,10 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     owner = f"gateway@{socket.gethostname()}:{config.server.port}"
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics)
+    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
     log.info("gateway ready", primary=config.primary_address, draft=config.draft_address,
-             validator=config.validator_address, state_store="redis" if config.redis_url else "in-process",
-             max_context=model.max_context)
+             validator=config.validator_address, tls=config.server.is_tls,
+             tenants=None if api_keys is None else sorted(api_keys.tenants),
+             state_store="redis" if config.redis_url else "in-process", max_context=model.max_context)
     if config.redis_url:
         threading.Thread(target=servicer.resume_active, name="resume", daemon=True).start()
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from pathlib import Path
 
@@ -81,6 +82,24 @@ class GatewayConfig:
     # is_unauthenticated_allowed: send none (services started with --allow_unauthenticated).
     service_token_file: str = ""
     is_unauthenticated_allowed: bool = False
+    # The public API: tenants and the hashes of their keys (gateway.api_keys); "" accepts any
+    # caller, and is allowed only on a loopback host unless is_insecure_public_allowed.
+    api_keys_file: str = ""
+    is_insecure_public_allowed: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.server.host):
+            raise ValueError(f"host {self.server.host!r} is reachable from other machines: give --api_keys_file, "
+                             "or --allow_insecure_public to serve anyone who can reach it")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False   # a host name other than localhost: it may resolve to anything
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -137,10 +156,19 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--allow_unauthenticated", action="store_true",
                    default=_env_bool("ALLOW_UNAUTHENTICATED", False),
                    help="call the internal services without the service token")
+    p.add_argument("--api_keys_file", default=_env("API_KEYS_FILE", ""),
+                   help="tenants and the SHA-256 of their API keys (python -m gateway.api_keys add); every call "
+                        "must carry one of the keys, and a request belongs to the tenant that made it")
+    p.add_argument("--allow_insecure_public", action="store_true",
+                   default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
+                   help="without --api_keys_file, listen on a non-loopback --host anyway")
+    p.add_argument("--tls_cert", default=_env("TLS_CERT", ""), help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls_key", default=_env("TLS_KEY", ""), help="PEM private key of --tls_cert")
     a = p.parse_args(argv)
     return GatewayConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
-                            max_message_bytes=a.max_message_bytes),
+                            max_message_bytes=a.max_message_bytes, tls_cert_file=a.tls_cert,
+                            tls_key_file=a.tls_key),
         primary_address=a.primary_address, draft_address=a.draft_address,
         validator_address=a.validator_address, redis_url=a.redis_url, model_path=a.model_path,
         cache_dir=Path(a.cache_dir),
@@ -153,4 +181,5 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         grammar=GrammarSettings(max_compile_s=a.max_grammar_compile_s),
         is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
         recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads,
-        service_token_file=a.service_token_file, is_unauthenticated_allowed=a.allow_unauthenticated)
+        service_token_file=a.service_token_file, is_unauthenticated_allowed=a.allow_unauthenticated,
+        api_keys_file=a.api_keys_file, is_insecure_public_allowed=a.allow_insecure_public)

@@ -1,4 +1,10 @@
-"""GenerationService servicer (the public API): protobuf -> RequestLoop -> protobuf."""
+"""GenerationService servicer (the public API): protobuf -> RequestLoop -> protobuf.
+
+With API keys (gateway.api_keys) every call names its tenant, and a request belongs to the
+tenant that made it: the id the client sees, "order-1", is "<tenant>/order-1" everywhere behind
+the gateway (state store, primary, draft pool). Another tenant's "order-1" is another request,
+and GetRequest/Cancel of an id the caller's tenant does not hold is NOT_FOUND.
+"""
 from __future__ import annotations
 
 import threading
@@ -7,6 +13,7 @@ import uuid
 
 import structlog
 
+from gateway.api_keys import ApiKeys
 from gateway.backends import Backends, ModelInfo
 from gateway.config import GatewayConfig
 from gateway.cost_model import cost_model_for
@@ -36,9 +43,9 @@ STATUSES = {RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: GatewayConfig, backends: Backends, store: StateStore, tokenizer: Tokenizer,
                  model: ModelInfo, owner: str, metrics: ServiceMetrics | None = None,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, api_keys: ApiKeys | None = None) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
-        self.owner, self.metrics = owner, metrics
+        self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
         self.grammars = grammars or Grammars(GrammarCache(GrammarTokenizerInfo.from_tokenizer(
             tokenizer, model.vocab_size), GrammarCacheConfig(config.grammar.max_cached_grammars)), config.grammar)
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
@@ -50,47 +57,47 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     # --- RPCs -------------------------------------------------------------------------------
 
     def Generate(self, request, context):
-        loop = self._start(request, context)
+        client_id, loop = self._start(request, context)
         try:
             for _ in self._observed(loop):
                 pass
         finally:
             self._forget(loop.request_id)
         o = loop.outcome
-        return gateway_pb2.GenerateResponse(request_id=loop.request_id, text=o.text, token_ids=o.token_ids,
+        return gateway_pb2.GenerateResponse(request_id=client_id, text=o.text, token_ids=o.token_ids,
                                             finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb())
 
     def GenerateStream(self, request, context):
-        loop = self._start(request, context)
+        client_id, loop = self._start(request, context)
         try:
             for out in self._observed(loop):
-                yield gateway_pb2.GenerateStreamResponse(request_id=loop.request_id, text=out.text,
+                yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text,
                                                          token_ids=out.token_ids)
         finally:
             self._forget(loop.request_id)
         o = loop.outcome
-        yield gateway_pb2.GenerateStreamResponse(request_id=loop.request_id, is_final=True,
+        yield gateway_pb2.GenerateStreamResponse(request_id=client_id, is_final=True,
                                                  finish_reason=FINISH_REASONS[o.finish_reason],
                                                  stats=o.stats.to_pb())
 
     def Cancel(self, request, context):
-        request_id = pb.request_id_from_pb(request.request_id)
+        request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
         with self._lock:
             event = self._active.get(request_id)
         if event is not None:
             event.set()
         state = self.store.load(request_id)
         if state is None and event is None:
-            raise NotFound("request_id", f"no request {request_id!r}")
+            raise NotFound("request_id", f"no request {request.request_id!r}")
         # Another gateway running it sees the status at its next per-step write and stops.
         was_active = self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
         return gateway_pb2.CancelResponse(was_active=was_active or event is not None)
 
     def GetRequest(self, request, context):
-        request_id = pb.request_id_from_pb(request.request_id)
+        request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
         state = self.store.load(request_id)
         if state is None:
-            raise NotFound("request_id", f"no request {request_id!r} (unknown or expired)")
+            raise NotFound("request_id", f"no request {request.request_id!r} (unknown or expired)")
         from gateway.params import params_pb_from_json
         return gateway_pb2.GetRequestResponse(
             status=STATUSES[state.status], params=params_pb_from_json(state.params), token_ids=state.token_ids,
@@ -100,9 +107,21 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _start(self, request, context) -> RequestLoop:
+    def _scoped(self, context, client_id: str) -> str:
+        """The id behind the gateway of the caller's request client_id (Unauthenticated without a valid key)."""
+        if self.api_keys is None:
+            return client_id
+        prefix = f"{self.api_keys.tenant(context.invocation_metadata())}/"
+        if len(prefix) + len(client_id) > pb.MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument("request_id", f"must be at most {pb.MAX_REQUEST_ID_CHARS - len(prefix)} "
+                                  "characters")
+        return prefix + client_id
+
+    def _start(self, request, context) -> tuple[str, RequestLoop]:
+        """(the id the client sees, the request's loop)."""
+        client_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
+        request_id = self._scoped(context, client_id)
         params = params_from_pb(request, self.config.limits, self.config.speculation)
-        request_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
         prompt_ids = self.tokenizer.encode(params.prompt_text(self.tokenizer))
         field = "prompt" if params.messages is None else "chat.messages"
         if not prompt_ids:
@@ -117,14 +136,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                                                                                      deadline)
         stored = request.__class__()
         stored.CopyFrom(request)
-        stored.request_id = request_id
+        stored.request_id = client_id
         self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
                           status=RequestStatus.RUNNING)
         cancel = threading.Event()
         with self._lock:
             self._active[request_id] = cancel
         context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
-        return self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+        return client_id, self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
 
     def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None,
                   controller_state=None, grammar=None) -> RequestLoop:

@@ -79,3 +79,9 @@ class Unimplemented(SpecdecError):
     """The request asks for a feature this deployment does not serve."""
 
     status_name = "UNIMPLEMENTED"
+
+
+class Unauthenticated(SpecdecError):
+    """The caller did not present valid credentials (an API key, the service token)."""
+
+    status_name = "UNAUTHENTICATED"

@@ -122,6 +122,7 @@ class StackConfig:
     strategies: tuple[str, ...] = ()         # draft decoders to load; (): the services' defaults
     num_threads: int = 0                     # the primary's torch threads; 0: torch's default
     max_context: int = 4096
+    api_keys_file: Path | None = None        # the gateway's tenants (gateway.api_keys); None: any local caller
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     log_level: str = "INFO"
@@ -155,6 +156,7 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     draft_strategies = ("--strategies", ",".join(offered)) if config.strategies else ()
     gateway_strategies = tuple(s for s in config.strategies if s != GRAMMAR_STRATEGY)
     gateway_strategies = ("--strategies", ",".join(gateway_strategies)) if gateway_strategies else ()
+    api_keys = () if config.api_keys_file is None else ("--api_keys_file", str(config.api_keys_file))
     return (
         ServiceSpec(PRIMARY, (py, "-m", "primary_svc", *model, *cache, "--precision", config.precision,
                               "--max_context", str(config.max_context), "--num_threads", str(config.num_threads)),
@@ -171,7 +173,7 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
                     startup_timeout_s=config.startup_timeout_s, is_taking_service_token=True),
         # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
         # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
-        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *gateway_strategies,
+        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *gateway_strategies, *api_keys,
                               f"--redis_url={config.redis_url}",
                               "--logits_via_handle"),
                     health_service="specdec.v1.GenerationService", depends_on=(PRIMARY, DRAFT, VALIDATOR),
