@@ -15,6 +15,7 @@ import structlog
 
 from gateway.api_keys import ApiKeys
 from gateway.backends import Backends, ModelInfo
+from gateway.chat import PromptEncoder
 from gateway.config import GatewayConfig
 from gateway.cost_model import cost_model_for
 from gateway.grammars import Grammars
@@ -46,6 +47,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                  grammars: Grammars | None = None, api_keys: ApiKeys | None = None) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
         self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
+        self.prompt_encoder = PromptEncoder(tokenizer)
         self.grammars = grammars or Grammars(GrammarCache(GrammarTokenizerInfo.from_tokenizer(
             tokenizer, model.vocab_size), GrammarCacheConfig(config.grammar.max_cached_grammars)), config.grammar)
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
@@ -122,7 +124,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         client_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
         request_id = self._scoped(context, client_id)
         params = params_from_pb(request, self.config.limits, self.config.speculation)
-        prompt_ids = self.tokenizer.encode(params.prompt_text(self.tokenizer))
+        prompt_ids = self.prompt_encoder.encode(params)
         field = "prompt" if params.messages is None else "chat.messages"
         if not prompt_ids:
             raise InvalidArgument(field, "the prompt encodes to no tokens")
