@@ -29,6 +29,9 @@ class Limits:
     max_speculative_degree: int = 8
     max_draft_length: int = 32
     max_tree_nodes: int = 64
+    # JSON nesting of a response_format schema: deeper ones exhaust the recursion of schema checking
+    # and compiling (RecursionError after seconds of CPU), so they are refused before either runs.
+    max_schema_depth: int = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
