@@ -16,6 +16,7 @@ import structlog
 from gateway.api_keys import ApiKeys
 from gateway.backends import Backends, ModelInfo
 from gateway.chat import PromptEncoder
+from gateway.dependencies import DependencyState
 from gateway.config import GatewayConfig
 from gateway.cost_model import cost_model_for
 from gateway.grammars import Grammars
@@ -48,6 +49,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
         self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
         self.prompt_encoder = PromptEncoder(tokenizer)
+        # Whether the validator and the draft service answer, for all requests (gateway.dependencies).
+        self.validator_state, self.draft_state = (DependencyState(name, on_change=self._availability_recorder(name))
+                                                  for name in ("validator", "draft"))
         self.grammars = grammars or Grammars(GrammarCache(GrammarTokenizerInfo.from_tokenizer(
             tokenizer, model.vocab_size), GrammarCacheConfig(config.grammar.max_cached_grammars)), config.grammar)
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
@@ -153,7 +157,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         return RequestLoop(request_id, params, prompt_ids, self.backends, self.store, self.tokenizer, self.model,
                            (spec.greedy_logits_format, spec.sample_logits_format), self.config.recovery_timeout_s,
                            self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats,
-                           cost_model=self.cost_model, controller_state=controller_state, grammar=grammar)
+                           cost_model=self.cost_model, controller_state=controller_state, grammar=grammar,
+                           validator_state=self.validator_state, draft_state=self.draft_state)
+
+    def _availability_recorder(self, name: str):
+        if self.metrics is None:
+            return None
+        self.metrics.dependency_available.labels(name).set(1)
+        return lambda is_up: self.metrics.dependency_available.labels(name).set(int(is_up))
 
     def _observed(self, loop: RequestLoop):
         """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics."""
