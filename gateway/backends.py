@@ -14,7 +14,7 @@ import torch
 
 from specdec import pb
 from specdec.grammar.compiler import ResponseFormat
-from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound,
                             ResourceExhausted, SpecdecError, Unavailable)
 from specdec.sampling import SamplingParams
 from specdec.service.auth import authenticated_channel
@@ -78,11 +78,28 @@ def _mask(allowed: torch.Tensor | None) -> common_pb2.TokenMask | None:
     return None if allowed is None else pb.token_mask_to_pb(allowed)
 
 
+# Failures of an internal service that a client may retry; any other is a fault of the service.
+_RETRYABLE = (Unavailable, DeadlineExceeded, ResourceExhausted, Cancelled)
+
+
 def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
     cls = _ERRORS.get(e.code(), Unavailable if e.code() == grpc.StatusCode.UNKNOWN else None)
-    if cls is None:
-        return Unavailable(service, f"{e.code().name}: {e.details()}")
-    return cls(service, e.details() or e.code().name)
+    error = Unavailable(service, f"{e.code().name}: {e.details()}") if cls is None else cls(
+        service, e.details() or e.code().name)
+    error.dependency = service    # the loop recovers from some; a client never sees it as its own (client_error)
+    return error
+
+
+def client_error(error: SpecdecError, request_id: str) -> SpecdecError:
+    """What a client is told of `error`: its own fields' errors as they are; an internal service's
+    failure without naming that service or its details (they belong in the log), as UNAVAILABLE
+    (or the like) when retrying may help, else INTERNAL. Both name the request."""
+    if getattr(error, "dependency", None) is None:
+        return error
+    if isinstance(error, _RETRYABLE):
+        return type(error)("request_id", f"request {request_id!r} could not be completed now; retry later")
+    return Internal("request_id", f"request {request_id!r} failed inside the service; the gateway log has the "
+                    "details")
 
 
 class Backends:

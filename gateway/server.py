@@ -14,7 +14,7 @@ import uuid
 import structlog
 
 from gateway.api_keys import ApiKeys
-from gateway.backends import Backends, ModelInfo
+from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
 from gateway.dependencies import DependencyState
 from gateway.config import GatewayConfig
@@ -24,7 +24,7 @@ from gateway.loop import RequestLoop
 from gateway.params import params_from_pb, params_to_json
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import InvalidArgument, NotFound
+from specdec.errors import InvalidArgument, NotFound, SpecdecError
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
@@ -65,7 +65,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def Generate(self, request, context):
         client_id, loop = self._start(request, context)
         try:
-            for _ in self._observed(loop):
+            for _ in self._observed(loop, client_id):
                 pass
         finally:
             self._forget(loop.request_id)
@@ -76,7 +76,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def GenerateStream(self, request, context):
         client_id, loop = self._start(request, context)
         try:
-            for out in self._observed(loop):
+            for out in self._observed(loop, client_id):
                 yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text,
                                                          token_ids=out.token_ids)
         finally:
@@ -166,8 +166,20 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self.metrics.dependency_available.labels(name).set(1)
         return lambda is_up: self.metrics.dependency_available.labels(name).set(int(is_up))
 
-    def _observed(self, loop: RequestLoop):
-        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics."""
+    def _observed(self, loop: RequestLoop, client_id: str):
+        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics; an
+        internal service's failure reaches the client as client_error says (the details are logged)."""
+        try:
+            yield from self._measured(loop)
+        except SpecdecError as e:
+            told = client_error(e, client_id)
+            if told is not e:
+                self.log.warning("request failed in a dependency", request_id=loop.request_id,
+                                 dependency=e.dependency, code=e.status_name, error=str(e))
+                raise told from None
+            raise
+
+    def _measured(self, loop: RequestLoop):
         if self.metrics is None:
             yield from loop.run()
             return

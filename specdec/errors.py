@@ -81,6 +81,12 @@ class Unimplemented(SpecdecError):
     status_name = "UNIMPLEMENTED"
 
 
+class Internal(SpecdecError):
+    """Something failed inside the service that the caller cannot fix (the details are in the log)."""
+
+    status_name = "INTERNAL"
+
+
 class Unauthenticated(SpecdecError):
     """The caller did not present valid credentials (an API key, the service token)."""
 
