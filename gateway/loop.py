@@ -49,6 +49,11 @@ from specdec.state_store import RequestStatus, StateStore
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
 RECOVERY_POLL_S = 0.5
+# A state store that does not answer (a Redis failover, a blip) is retried after these waits, then
+# every STATE_RETRY_MAX_WAIT_S, for at most max_state_retry_s and never past the request's deadline.
+STATE_RETRY_WAITS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
+STATE_RETRY_MAX_WAIT_S = 1.0
+DEFAULT_MAX_STATE_RETRY_S = 10.0
 
 
 def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
@@ -128,7 +133,8 @@ class RequestLoop:
                  generated: Sequence[int] = (), stats: RequestStats | None = None, *,
                  cost_model: CostModel | None = None, controller_config: ControllerConfig | None = None,
                  controller_state: Mapping[str, Any] | None = None, grammar: GrammarState | None = None,
-                 validator_state: DependencyState | None = None, draft_state: DependencyState | None = None) -> None:
+                 validator_state: DependencyState | None = None, draft_state: DependencyState | None = None,
+                 max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
@@ -149,6 +155,7 @@ class RequestLoop:
         # Shared by the gateway's requests: whether the validator and the draft service answer.
         self.validator_state = validator_state or DependencyState("validator")
         self.draft_state = draft_state or DependencyState("draft")
+        self.max_state_retry_s = max_state_retry_s
         # The response format's grammar, at the end of the committed output (replayed on a resume).
         self.grammar = grammar
         if grammar is not None and not grammar.accept_tokens(self.generated):
@@ -388,12 +395,21 @@ class RequestLoop:
                       if self._cut_at_stop(self.tokenizer.decode(self.generated + kept[:k]))[1]), len(kept))
             self.stats.num_generated_tokens -= len(kept) - k
             del kept[k:]                                       # the caller yields this same list
-        try:
-            controller = None if self.controller_state is None else self.controller_state.to_dict()
+        controller = None if self.controller_state is None else self.controller_state.to_dict()
+        num_attempts = 0
+
+        def append() -> None:
+            nonlocal num_attempts
+            num_attempts += 1
             self.store.append_step(self.request_id, kept, expected_num_tokens=len(self.generated),
                                    stats=self.stats.to_dict(), controller_state=controller, owner=self.owner)
+
+        try:
+            self._with_state_store(append)
         except FailedPrecondition:
-            return "", False, False
+            if num_attempts == 1 or not self._is_stored(len(self.generated) + len(kept)):
+                return "", False, False
+            # A retried write whose first attempt had been applied (its reply was lost): it is stored.
         finally:
             self.stats.stage_ms["state"] += (time.perf_counter() - t) * 1000
         self.generated.extend(kept)
@@ -411,7 +427,8 @@ class RequestLoop:
         status = {FINISH_CANCELLED: RequestStatus.CANCELLED, FINISH_ERROR: RequestStatus.FAILED,
                   FINISH_DEADLINE: RequestStatus.CANCELLED}.get(finish, RequestStatus.FINISHED)
         try:
-            self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
+            self._with_state_store(lambda: self.store.set_status(self.request_id, status, finish_reason=finish,
+                                                                 error=error))
         except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
             self.log.warning("could not record the final status", error=str(e))
         for release in (lambda: self.backends.release_primary(self.request_id),
@@ -421,6 +438,29 @@ class RequestLoop:
                 release()
             except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
                 pass
+
+    # --- state store retries ---------------------------------------------------------------------
+
+    def _with_state_store(self, write: Callable[[], Any]) -> Any:
+        """write(), retried with bounded backoff while the state store is unavailable; Unavailable once
+        max_state_retry_s (or the request's deadline) would pass."""
+        give_up = time.monotonic() + self.max_state_retry_s
+        if self.deadline is not None:
+            give_up = min(give_up, self.deadline)
+        for attempt in itertools.count():
+            try:
+                return write()
+            except Unavailable as e:
+                wait = STATE_RETRY_WAITS_S[attempt] if attempt < len(STATE_RETRY_WAITS_S) else STATE_RETRY_MAX_WAIT_S
+                if time.monotonic() + wait > give_up or self.cancel.is_set():
+                    raise
+                (self.log.warning if attempt == 0 else self.log.debug)("state store unavailable; retrying",
+                                                                       attempt=attempt + 1, error=str(e))
+                time.sleep(wait)
+
+    def _is_stored(self, num_tokens: int) -> bool:
+        state = self._with_state_store(lambda: self.store.load(self.request_id))
+        return state is not None and len(state.token_ids) == num_tokens and not state.status.is_terminal
 
     # --- primary recovery ----------------------------------------------------------------------
 

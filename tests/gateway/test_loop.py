@@ -502,3 +502,41 @@ def test_greedy_validation_follows_the_primarys_argmaxes():
     assert greedy_validation(tree, (a, c, x, y)) == Validation((0, 2), y, (), ())
     assert greedy_validation(tree, (b, c, x, y)) == Validation((), b, (), ())
     assert greedy_validation(DraftTree((), (), (), (), {}, 0.0), (x,)) == Validation((), x, (), ())
+
+
+class BlippingStore(InMemoryStateStore):
+    """A state store that does not answer the writes numbered in `failing`; with is_applying_first,
+    a failing write is applied and then its reply is lost (the ambiguous case)."""
+
+    def __init__(self, failing: set[int], is_applying_first: bool = False) -> None:
+        super().__init__()
+        self.failing, self.is_applying_first, self.num_writes = failing, is_applying_first, 0
+
+    def append_step(self, request_id, token_ids=(), **kwargs):
+        self.num_writes += 1
+        if self.num_writes in self.failing:
+            if self.is_applying_first:
+                super().append_step(request_id, token_ids, **kwargs)
+            raise Unavailable("state_store", "redis: Connection refused")
+        return super().append_step(request_id, token_ids, **kwargs)
+
+
+@pytest.mark.parametrize("is_applying_first", [False, True])
+def test_state_store_blips_are_retried_within_the_request(is_applying_first):
+    store = BlippingStore(failing={2, 3, 4, 7}, is_applying_first=is_applying_first)
+    loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40), FakeBackends(), store)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 40) and loop.outcome.finish_reason == "length"
+    state = store.load("r1")
+    assert state.status == RequestStatus.FINISHED and list(state.token_ids) == loop.outcome.token_ids
+
+
+def test_a_state_store_that_stays_down_fails_the_request_after_the_bounded_retries():
+    store = BlippingStore(failing=set(range(3, 10_000)))
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    loop = RequestLoop("r1", make_params(max_new_tokens=40), PROMPT, FakeBackends(), store, FakeTokenizer(), MODEL,
+                       ("fp32", "fp32"), recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(),
+                       owner="test", max_state_retry_s=0.5)
+    with pytest.raises(Unavailable, match="state_store"):
+        for _ in loop.run():
+            pass
+    assert 3 < store.num_writes < 12, "retried, with backoff, then gave up"
