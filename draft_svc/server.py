@@ -48,6 +48,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self._metrics.active_requests.set(self._pool.num_requests)
         return draft_pb2.DraftServiceReleaseResponse()
 
+    def GetPoolInfo(self, request: draft_pb2.GetPoolInfoRequest,
+                    context: grpc.ServicerContext) -> draft_pb2.GetPoolInfoResponse:
+        return draft_pb2.GetPoolInfoResponse(strategies=self._pool.config.strategies)
+
     def _record(self, proposal: Proposal) -> None:
         if self._metrics is None:
             return

@@ -186,6 +186,10 @@ class Backends:
         return DraftTree(tuple(r.tree.token_ids), tuple(r.tree.parents), tuple(r.node_sources),
                          tuple(r.decoders), {s.name: s.time_ms for s in r.decoder_stats}, r.time_ms)
 
+    def draft_strategies(self) -> tuple[str, ...]:
+        """The strategies the draft pool offers."""
+        return tuple(self._call("draft", self.draft.GetPoolInfo, draft_pb2.GetPoolInfoRequest()).strategies)
+
     def release_draft(self, request_id: str, is_finished: bool) -> None:
         self._call("draft", self.draft.Release,
                    draft_pb2.DraftServiceReleaseRequest(request_id=request_id, is_finished=is_finished))

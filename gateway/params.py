@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import GRAMMAR_STRATEGY, KNOWN_STRATEGIES, Limits, SpeculationDefaults
@@ -112,6 +113,15 @@ def json_nesting_depth(text: str) -> int:
         elif c in "}]":
             depth -= 1
     return max_depth
+
+
+def check_offered(requested: Sequence[str], offered: frozenset[str]) -> None:
+    """Refuse strategies a request names that the draft pool was not started with, before anything
+    runs (adaptive requests ignored them silently, others failed mid-request)."""
+    missing = [s for s in requested if s not in offered]
+    if missing:
+        raise InvalidArgument("speculation.strategies", f"{missing} are not offered by this deployment; "
+                              f"offered: {sorted(offered)}")
 
 
 def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):

@@ -21,10 +21,10 @@ from gateway.config import GatewayConfig
 from gateway.cost_model import cost_model_for
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
-from gateway.params import params_from_pb, params_to_json
+from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import InvalidArgument, NotFound, SpecdecError
+from specdec.errors import InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
@@ -56,6 +56,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             tokenizer, model.vocab_size), GrammarCacheConfig(config.grammar.max_cached_grammars)), config.grammar)
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
+        self._offered_strategies: frozenset[str] | None = None   # the draft pool's, once it answered
         self._active: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self.log = structlog.get_logger("gateway")
@@ -128,6 +129,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         client_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
         request_id = self._scoped(context, client_id)
         params = params_from_pb(request, self.config.limits, self.config.speculation)
+        if params.speculation.is_enabled and request.speculation.strategies:
+            offered = self._offered_by_pool()
+            if offered is not None:   # None: the pool is down, and the request runs without drafts anyway
+                check_offered(request.speculation.strategies, offered)
         prompt_ids = self.prompt_encoder.encode(params)
         field = "prompt" if params.messages is None else "chat.messages"
         if not prompt_ids:
@@ -150,6 +155,15 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             self._active[request_id] = cancel
         context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
         return client_id, self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+
+    def _offered_by_pool(self) -> frozenset[str] | None:
+        """The strategies the draft pool was started with (asked once), None while it cannot be reached."""
+        if self._offered_strategies is None:
+            try:
+                self._offered_strategies = frozenset(self.backends.draft_strategies())
+            except Unavailable:
+                return None
+        return self._offered_strategies
 
     def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None,
                   controller_state=None, grammar=None) -> RequestLoop:

@@ -312,3 +312,9 @@ def _propose_until_model_decoders_run(stub, timeout_s: float = 60.0) -> dict[str
             return {name: round(s.time_ms, 1) for name, s in stats.items()}
         time.sleep(0.2)
     raise TimeoutError("the model-based decoders never ran: the weights were not attached")
+
+
+def test_pool_info_lists_the_strategies_it_was_started_with(draft):
+    stub, _, _ = draft
+    info = stub.GetPoolInfo(draft_pb2.GetPoolInfoRequest(), timeout=10)
+    assert list(info.strategies) == ["prompt_lookup", "early_exit", "layer_skip"]

@@ -103,3 +103,14 @@ def test_json_nesting_depth_ignores_brackets_in_strings():
     assert json_nesting_depth('{"a": [{"b": "[["}]}') == 3
     assert json_nesting_depth('{"a": "\\"{{{"}') == 1
     assert json_nesting_depth("[]") == 1 and json_nesting_depth('"x"') == 0
+
+
+def test_strategies_the_pool_does_not_offer_are_refused_up_front():
+    from gateway.params import check_offered
+    offered = frozenset({"prompt_lookup", "suffix_index", "grammar"})
+    check_offered(["prompt_lookup", "grammar"], offered)
+    with pytest.raises(InvalidArgument) as e:
+        check_offered(["prompt_lookup", "early_exit"], offered)
+    assert e.value.field == "speculation.strategies"
+    assert e.value.message == ("['early_exit'] are not offered by this deployment; "
+                               "offered: ['grammar', 'prompt_lookup', 'suffix_index']")
