@@ -34,6 +34,7 @@ import grpc
 from specdec.launcher import PRIMARY, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
+from specdec.service.auth import authenticated_channel
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -144,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the services up, print the gateway address, stop on Ctrl-C / SIGTERM")
     stack.add_argument("--gateway_address", metavar="HOST:PORT",
                        help="use a running gateway instead of starting the services")
+    stack.add_argument("--api_key", metavar="KEY", default=os.environ.get("SPECDEC_API_KEY"),
+                       help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY)")
     return p
 
 
@@ -313,7 +316,8 @@ def stats_line(result: Result) -> str:
 def run_request(address: str, args: argparse.Namespace, stack_start_s: float | None,
                 primary: dict[str, str] | None = None) -> None:
     req = build_request(args)
-    with grpc.insecure_channel(address) as channel:
+    # An API key travels as the service token does: `authorization: Bearer <key>` on every call.
+    with authenticated_channel(grpc.insecure_channel(address), args.api_key) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         if args.stream:
             result = generate_stream(stub, req, args.timeout, out=None if args.json else sys.stdout)
