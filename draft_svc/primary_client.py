@@ -17,8 +17,12 @@ DEFAULT_TIMEOUT_S = 10.0
 class GrpcPrimaryClient:
     def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, service_token: str | None = None) -> None:
         self.address, self._timeout_s = address, timeout_s
+        # Reconnect quickly: after a primary restart the next Attach must find it within a second,
+        # not after gRPC's default backoff (up to two minutes).
         self._channel = authenticated_channel(grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES)]), service_token)
+            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]), service_token)
         self._stub = primary_pb2_grpc.PrimaryServiceStub(self._channel)
 
     def get_model_info(self) -> ModelInfo:
