@@ -2,7 +2,7 @@
 against transformers, the verify-cost curve, the same step inside the running service, and
 llama.cpp's own step on the same GGUF.
 
-    python -m bench.engine [--model_path PATH] [--precisions fp32,bf16] [--num-prompts 3]
+    python -m bench.engine [--model_path PATH] [--precisions int4,int4:torch,fp32] [--num-prompts 3]
                            [--max-new-tokens 64] [--threads 2] [--service-steps 64] [--compiled default]
                            [--out engine.json]
 
@@ -15,6 +15,7 @@ runs in a child process. Prints a table and writes JSON. Figures, not assertions
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -31,8 +32,10 @@ from primary_svc.costs import measure_verify_costs
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
+from specdec.model import native
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.precision import compute_dtype
+from specdec.model.quant import QUANTIZED_PRECISIONS
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 
@@ -95,7 +98,8 @@ def llama_cpp_curve(context_tokens: int, repeats: int, num_threads: int) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=None)
-    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--precisions", default="int4,int4:torch,fp32",
+                   help="comma-separated; 'int4:torch'/'int8:torch' run torch's packed kernels instead of the native ones")
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
@@ -122,36 +126,42 @@ def main() -> None:
                                                    for k, v in results["llamacpp"]["relative_to_1"].items()))
     else:
         print(f"[llama.cpp] {results['llamacpp']}")
-    for precision in args.precisions.split(","):
+    for name in args.precisions.split(","):
+        # "int4:torch": int4 on torch's packed kernels instead of the native ones, for comparison
+        precision, _, kernels = name.partition(":")
         start = time.perf_counter()
-        loaded = load_model(model_dir, precision, max_positions=2048, is_shared=False)
+        with native.disabled() if kernels == "torch" else contextlib.nullcontext():
+            loaded = load_model(model_dir, precision, max_positions=2048, is_shared=False)
         engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), 2048)
         load_s = time.perf_counter() - start
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
-        results[precision] = {"weight_bytes": loaded.weight_bytes, "load_s": load_s,
+        results[name] = {"weight_bytes": loaded.weight_bytes, "load_s": load_s,
+                         "kernels": "torch" if kernels == "torch" or precision not in QUANTIZED_PRECISIONS
+                         else native.status(),
                               "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
                               "verify": verify_curve(engine, args.repeats)}
-        if args.compiled:
-            results[precision]["compiled"] = compiled_curve(engine, args.repeats, args.compiled)
+        if args.compiled and not any(block.native is not None for block in loaded.model.layers):
+            results[name]["compiled"] = compiled_curve(engine, args.repeats, args.compiled)
         del hf, engine, loaded
-        if args.service_steps:
-            results[precision]["service"] = service_vs_engine(precision, args.threads, bench_prompts[0], tokenizer,
+        if args.service_steps and not kernels:
+            results[name]["service"] = service_vs_engine(precision, args.threads, bench_prompts[0], tokenizer,
                                                               args.service_steps)
-        r = results[precision]
-        print(f"[{precision}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
+        r = results[name]
+        print(f"[{name}] kernels {r['kernels']}")
+        print(f"[{name}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
               f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, transformers {r['plain']['transformers_tokens_per_s']:.1f}"
               f" tok/s ({r['plain']['ratio']:.2f}x), same tokens {r['plain']['same_tokens']}")
-        print(f"[{precision}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
-        print(f"[{precision}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
+        print(f"[{name}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
+        print(f"[{name}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
                                                         for k, v in r["verify"]["relative_to_1"].items()))
         if "compiled" in r:
             c = r["compiled"]
-            print(f"[{precision}] compiled ({c['mode']}; compile s " + ", ".join(
+            print(f"[{name}] compiled ({c['mode']}; compile s " + ", ".join(
                 f"k={k}: {v:.0f}" for k, v in c["compile_s"].items()) + ")")
-            print(f"[{precision}] compiled verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in c["ms"].items()))
+            print(f"[{name}] compiled verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in c["ms"].items()))
         if "service" in r:
             sv = r["service"]
-            print(f"[{precision}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
+            print(f"[{name}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
                   f"({sv['service_rpc_ms']:.1f} ms per Decode RPC, {sv['gateway_forward_ms']:.1f} ms through the "
                   f"gateway), in-process {sv['engine_ms']:.1f} ms: {sv['service_over_engine']:.2f}x")
     if args.out:

@@ -10,9 +10,9 @@ import dataclasses
 from typing import Any, Sequence
 
 import grpc
-import torch
 
 from specdec import pb
+from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.compiler import ResponseFormat
 from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound,
                             ResourceExhausted, SpecdecError, Unavailable)
@@ -74,7 +74,7 @@ class Validation:
     rejected_entropies: tuple[float, ...]
 
 
-def _mask(allowed: torch.Tensor | None) -> common_pb2.TokenMask | None:
+def _mask(allowed: TokenBitmask | None) -> common_pb2.TokenMask | None:
     return None if allowed is None else pb.token_mask_to_pb(allowed)
 
 
@@ -150,8 +150,8 @@ class Backends:
         return r.time_ms
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               tree: DraftTree, logits_format: str, allowed: torch.Tensor | None = None) -> Verified:
-        """`allowed`: the grammar's bool [N+1, V] mask of the tree's rows, or None."""
+               tree: DraftTree, logits_format: str, allowed: TokenBitmask | None = None) -> Verified:
+        """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None."""
         r = self._call("primary", self.primary.Verify, primary_pb2.VerifyRequest(
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
             tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
@@ -160,7 +160,7 @@ class Backends:
         return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
 
     def decode(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               sampling: SamplingParams, step: int, allowed: torch.Tensor | None = None) -> tuple[int, float]:
+               sampling: SamplingParams, step: int, allowed: TokenBitmask | None = None) -> tuple[int, float]:
         r = self._call("primary", self.primary.Decode, primary_pb2.DecodeRequest(
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
             sampling=pb.sampling_to_pb(sampling), step=step, allowed_tokens=_mask(allowed),
@@ -197,7 +197,7 @@ class Backends:
     # --- validator ---------------------------------------------------------------------------
 
     def validate(self, request_id: str, mode: str, sampling: SamplingParams, acceptance_threshold: float,
-                 step: int, tree: DraftTree, verified: Verified, allowed: torch.Tensor | None = None) -> Validation:
+                 step: int, tree: DraftTree, verified: Verified, allowed: TokenBitmask | None = None) -> Validation:
         r = self._call("validator", self.validator.Validate, validator_pb2.ValidateRequest(
             request_id=request_id, mode=MODES[mode], sampling=pb.sampling_to_pb(sampling),
             acceptance_threshold=acceptance_threshold, step=step,

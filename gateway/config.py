@@ -14,6 +14,9 @@ from specdec.logits_codec import FORMATS
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a response_format
+# Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
+# the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
+GRAMMAR_MAX_SPELLINGS = 2
 KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
 
 

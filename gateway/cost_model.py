@@ -39,8 +39,10 @@ class DraftCost:
 
 
 # Model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); grammar-forced drafts a
-# jump-forward query, a re-tokenization and a mask per tree node (~0.2 ms); self-drafting over the
-# shared weights costs 0.6-0.9 of a full step per drafted token without fine-tuning (MEASUREMENTS.md).
+# jump-forward query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree
+# node in the gateway (~0.2 ms in all); self-drafting over the shared weights costs 0.6-0.9 of a full
+# step per drafted token without fine-tuning (MEASUREMENTS.md). A grammar rank's extra nodes are
+# priced by the verify curve like any candidate's.
 DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
     ("early_exit", DraftCost(per_token=0.75)), ("layer_skip", DraftCost(per_token=0.85)),
     ("prompt_lookup", DraftCost(fixed=0.002)), ("suffix_index", DraftCost(fixed=0.004)),

@@ -36,7 +36,7 @@ from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validat
 from gateway.controller import (AdaptiveController, CandidateOutcome, ControllerConfig, ControllerState,
                                 SpeculationPlan, TaskType, candidate_outcomes, infer_task_type, ranked_sources,
                                 strategies_for)
-from gateway.config import GRAMMAR_STRATEGY
+from gateway.config import GRAMMAR_MAX_SPELLINGS, GRAMMAR_STRATEGY
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
@@ -59,14 +59,16 @@ DEFAULT_MAX_STATE_RETRY_S = 10.0
 def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
     """speculative_degree decoders cycling through the strategies; the r-th repeat of a strategy is
     its rank-r candidate. E.g. [prompt_lookup, suffix_index], degree 3 ->
-    [prompt_lookup#0, suffix_index#0, prompt_lookup#1]. Grammar-forced drafts have one candidate
-    at most (the forced text), so they are not repeated: [grammar, prompt_lookup], degree 3 ->
-    [grammar#0, prompt_lookup#0, prompt_lookup#1]."""
+    [prompt_lookup#0, suffix_index#0, prompt_lookup#1]. Grammar-forced drafts are spellings of the
+    one forced text, so they leave the cycle after GRAMMAR_MAX_SPELLINGS rounds: [grammar,
+    prompt_lookup], degree 5 -> [grammar#0, prompt_lookup#0, grammar#1, prompt_lookup#1,
+    prompt_lookup#2]; [grammar] alone, degree 4 -> [grammar#0, grammar#1]."""
     repeatable = [s for s in spec.strategies if s != GRAMMAR_STRATEGY]
-    once = [GRAMMAR_STRATEGY] if GRAMMAR_STRATEGY in spec.strategies else []
+    num_spellings = GRAMMAR_MAX_SPELLINGS if GRAMMAR_STRATEGY in spec.strategies else 0
     if not repeatable:
-        return tuple(once)
-    return tuple(itertools.islice(itertools.chain(once, itertools.cycle(repeatable)), spec.speculative_degree))
+        return (GRAMMAR_STRATEGY,) * min(num_spellings, spec.speculative_degree)
+    rounds = (([GRAMMAR_STRATEGY] if r < num_spellings else []) + repeatable for r in itertools.count())
+    return tuple(itertools.islice(itertools.chain.from_iterable(rounds), spec.speculative_degree))
 
 
 def fixed_plan(spec: SpeculationParams, max_tree_nodes: int) -> SpeculationPlan:
@@ -314,7 +316,7 @@ class RequestLoop:
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
-        allowed = None if self.grammar is None else self.grammar.allowed_mask()[None]     # [1, V]
+        allowed = None if self.grammar is None else self.grammar.allowed_mask()           # 1 row
         token, forward_ms = self._with_primary(lambda: self.backends.decode(
             self.request_id, self.pending_accepted, self.pending_committed, self.params.sampling,
             self.stats.num_steps, allowed))

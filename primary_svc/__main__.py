@@ -27,7 +27,9 @@ from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.llama import Transformer
 from specdec.model.loader import resolve_model_dir
+from specdec.model import native
 from specdec.model.precision import AUTO
+from specdec.model.quant import QUANTIZED_PRECISIONS
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
@@ -49,13 +51,17 @@ def main(argv: list[str] | None = None) -> None:
     loaded, engine, costs, precision_choice = worker.call(lambda _: load_engine(config, model_dir, instance_id))
     worker.engine = engine
     tokenizer = Tokenizer.from_dir(model_dir)
+    is_native = any(block.native is not None for block in loaded.model.layers)
     log.info("model loaded", model_dir=str(model_dir), precision=loaded.precision,
-             weight_bytes=loaded.weight_bytes, verify_costs_ms={k: round(v, 2) for k, v in costs.items()})
+             weight_bytes=loaded.weight_bytes, verify_costs_ms={k: round(v, 2) for k, v in costs.items()},
+             native_kernels=native.status() if loaded.precision in QUANTIZED_PRECISIONS else "not used")
+    if config.tensormt_optimizer and is_native:
+        log.warning("--tensormt_optimizer not applied: the layers already run as native calls", precision=loaded.precision)
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    compiler = start_step_compiler(config, loaded.model, metrics) if config.tensormt_optimizer else None
+    compiler = start_step_compiler(config, loaded.model, metrics) if config.tensormt_optimizer and not is_native else None
     if swept := cleanup_stale_slots():
         log.info("removed the logits slots of primaries that exited without cleaning up", num_slots=len(swept))
     servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics, KVLeases(config.kv_lease_s))

@@ -42,6 +42,7 @@ from primary_svc.costs import measure_verify_costs
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
+from specdec.model import native
 from specdec.model.precision import PRECISIONS
 
 FALLBACK_PRECISION = "fp32"
@@ -95,12 +96,13 @@ def score(verify_ms: Mapping[int, float]) -> float:
 
 
 def machine_key(num_threads: int) -> str:
-    """CPU model and flags, usable cores, torch version and threads: what the measurement depends on."""
+    """CPU model and flags, usable cores, torch version, threads and the native kernels (built or not,
+    which source): what the measurement depends on."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
     identity = "\0".join([fields.get("model name", platform.processor()), " ".join(sorted(fields.get("flags", "").split())),
                           str(len(os.sched_getaffinity(0))), torch.__version__,
-                          str(num_threads or torch.get_num_threads())])
+                          str(num_threads or torch.get_num_threads()), native.identity()])
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 

@@ -17,7 +17,7 @@ from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.errors import InvalidArgument
-from specdec.grammar.mask import apply_token_mask
+from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_shm import LogitsSlots
 from specdec.metrics import ServiceMetrics
 from specdec.sampling import logits_to_probs, make_generator, sample
@@ -95,7 +95,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
         def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits]:  # on the engine thread
             # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
-            argmax = torch.argmax(logits if allowed is None else apply_token_mask(logits, allowed), dim=-1)
+            argmax = torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)
             if request.return_handle:                        # co-located validator: bytes through /dev/shm
                 name, encoded = self.logits_slots.write(request_id, logits, fmt)
                 return argmax.tolist(), pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
@@ -114,10 +114,10 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         allowed = self._allowed_tokens(request, 1)
 
         def finish(logits: torch.Tensor) -> int:       # on the engine thread
-            if allowed is not None:      # the same masked row constrained speculation validates against
-                logits = apply_token_mask(logits, allowed)
-            if sampling.is_greedy:
-                return int(torch.argmax(logits[0]))
+            if sampling.is_greedy:      # the masked argmax constrained speculation validates against
+                return int(torch.argmax(logits[0]) if allowed is None else allowed.argmax(logits)[0])
+            if allowed is not None:
+                logits = allowed.masked_rows(logits, [0])                          # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.step))[0])
 
         token, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
@@ -154,8 +154,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                                             kv_bytes=engine.kv_bytes, max_kv_bytes=self.max_kv_bytes,
                                             weight_bytes=self.loaded.weight_bytes)
 
-    def _allowed_tokens(self, request, num_rows: int) -> torch.Tensor | None:
-        """The request's grammar mask, bool [num_rows, V], or None when it has none."""
+    def _allowed_tokens(self, request, num_rows: int) -> TokenBitmask | None:
+        """The request's grammar mask, num_rows packed rows, or None when it has none."""
         if not request.HasField("allowed_tokens"):
             return None
         return pb.token_mask_from_pb(request.allowed_tokens, num_rows, self.vocab_size, "allowed_tokens")

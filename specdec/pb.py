@@ -111,31 +111,28 @@ def token_mask_row_bytes(vocab_size: int) -> int:
     return (vocab_size + 31) // 32 * 4
 
 
-def token_mask_to_pb(allowed: torch.Tensor) -> common_pb2.TokenMask:
-    """bool [R, V] -> TokenMask (rows padded to whole 32-bit words with zero bits)."""
-    assert allowed.dtype == torch.bool and allowed.dim() == 2, "allowed must be bool [R, V]"
-    num_rows, vocab_size = allowed.shape
-    padded = np.zeros((num_rows, token_mask_row_bytes(vocab_size) * 8), dtype=np.bool_)   # [R, W*32]
-    padded[:, :vocab_size] = allowed.numpy()
-    return common_pb2.TokenMask(num_rows=num_rows, bits=np.packbits(padded, axis=1, bitorder="little").tobytes())
+def token_mask_to_pb(mask) -> common_pb2.TokenMask:
+    """specdec.grammar.TokenBitmask -> TokenMask: its words are the wire layout, copied as they are."""
+    return common_pb2.TokenMask(num_rows=mask.num_rows, bits=mask.to_bytes())
 
 
-def token_mask_from_pb(pb: common_pb2.TokenMask, num_rows: int, vocab_size: int, field: str) -> torch.Tensor:
-    """TokenMask -> bool [num_rows, vocab_size]; refuses a wrong shape, set padding bits, or a row that
-    allows no token (it would leave no token to choose)."""
+def token_mask_from_pb(pb: common_pb2.TokenMask, num_rows: int, vocab_size: int, field: str):
+    """TokenMask -> specdec.grammar.TokenBitmask [num_rows] over the wire bytes (no copy, never unpacked);
+    refuses a wrong shape, set padding bits, or a row that allows no token (it would leave no token to
+    choose). The checks read the packed words: O(rows x words), not rows x vocabulary."""
+    from specdec.grammar.bitmask import TokenBitmask   # the grammar engine loads only where it is used
     row_bytes = token_mask_row_bytes(vocab_size)
     if pb.num_rows != num_rows:
         raise InvalidArgument(f"{field}.num_rows", f"is {pb.num_rows}, expected {num_rows}")
     if len(pb.bits) != num_rows * row_bytes:
         raise InvalidArgument(f"{field}.bits", f"has {len(pb.bits)} bytes, expected {num_rows} rows of {row_bytes}")
-    packed = np.frombuffer(pb.bits, dtype=np.uint8).reshape(num_rows, row_bytes)    # [R, W*4]
-    if num_rows and not packed.any(axis=1).all():          # on the packed bytes: 8x less to scan
+    words = np.frombuffer(pb.bits, dtype="<i4").reshape(num_rows, row_bytes // 4)     # [R, W]
+    if num_rows and not words.any(axis=1).all():
         raise InvalidArgument(f"{field}.bits", "a row allows no token")
-    bits = np.unpackbits(packed, axis=1, bitorder="little")                          # [R, W*32] uint8 0/1
-    if bits[:, vocab_size:].any():
+    num_padding_bits = row_bytes * 8 - vocab_size               # in the last word, above token V - 1
+    if num_rows and num_padding_bits and (words[:, -1] >> (32 - num_padding_bits)).any():
         raise InvalidArgument(f"{field}.bits", f"allows a token id >= the vocabulary size {vocab_size}")
-    # 0/1 bytes are valid bools: a view, not a copy (the slice is contiguous when V fills whole words).
-    return torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size]).view(np.bool_))   # [R, V]
+    return TokenBitmask(words, vocab_size)
 
 
 RESPONSE_FORMAT_TYPES = {"json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,

@@ -31,8 +31,12 @@ Modes:
              is 0), the most likely qualifying child first. Trades exactness for accepted
              length on near-ties. Threshold 0 means off (greedy or sample).
 
-Inputs are validated (ValueError naming the field); per-row quantities (entropy, argmax,
-probabilities) are computed once for all rows, the walk itself touches only the visited rows.
+Inputs are validated (ValueError naming the field); argmax is computed once for all rows, entropy
+and probabilities only for the rows the walk visits (depth + 1 of the N + 1).
+
+A grammar mask (`allowed`, a specdec.grammar.TokenBitmask of the N + 1 rows) gives every token it
+forbids probability 0, exactly as if its logits were MASKED_LOGIT: the masked argmax, the masked
+row of a visited row, a bit test for a child's token. The logits themselves stay unmasked.
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdec.grammar.bitmask import TokenBitmask
+from specdec.grammar.mask import MASKED_LOGIT
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from validator_svc.entropy import row_entropy
 
@@ -79,27 +85,30 @@ def validate_tree(token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int
                   target_logits: torch.Tensor, params: SamplingParams, *,
                   acceptance_threshold: float = THRESHOLD_OFF, draft_probs: torch.Tensor | None = None,
                   argmax_ids: Sequence[int] | torch.Tensor | None = None,
-                  generator: torch.Generator | None = None, step: int = 0) -> ValidationResult:
+                  generator: torch.Generator | None = None, step: int = 0,
+                  allowed: TokenBitmask | None = None) -> ValidationResult:
     """Dispatch on select_mode; the random stream is make_generator(params.seed, step) unless given."""
     mode = select_mode(params, acceptance_threshold)
     if mode == MODE_GREEDY:
-        return greedy_accept(token_ids, parents, target_logits, argmax_ids=argmax_ids)
+        return greedy_accept(token_ids, parents, target_logits, argmax_ids=argmax_ids, allowed=allowed)
     generator = generator if generator is not None else make_generator(params.seed, step)
     if mode == MODE_SAMPLE:
-        return rejection_sample_accept(token_ids, parents, target_logits, params, generator, draft_probs=draft_probs)
+        return rejection_sample_accept(token_ids, parents, target_logits, params, generator, draft_probs=draft_probs,
+                                       allowed=allowed)
     return threshold_accept(token_ids, parents, target_logits, params, acceptance_threshold, generator,
-                            argmax_ids=argmax_ids)
+                            argmax_ids=argmax_ids, allowed=allowed)
 
 
-def greedy_accept(token_ids, parents, target_logits: torch.Tensor, *, argmax_ids=None) -> ValidationResult:
+def greedy_accept(token_ids, parents, target_logits: torch.Tensor, *, argmax_ids=None,
+                  allowed: TokenBitmask | None = None) -> ValidationResult:
     """argmax_ids [N+1], when given (computed by the primary from fp32), overrides the logits' argmax."""
-    ids, children, entropies = _check_inputs(token_ids, parents, target_logits)
-    argmax = check_argmax_ids(argmax_ids, *target_logits.shape) or tuple(torch.argmax(target_logits, dim=-1).tolist())
+    ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
+    argmax = check_argmax_ids(argmax_ids, *target_logits.shape) or tuple(_argmax(target_logits, allowed).tolist())
     return greedy_walk(children, ids, argmax, entropies)
 
 
 def greedy_walk(children: Children, token_ids: Sequence[int], argmax_ids: Sequence[int],
-                row_entropies: Sequence[float]) -> ValidationResult:
+                row_entropies: Sequence[float] | _RowEntropies) -> ValidationResult:
     """The greedy rule on precomputed per-row argmax [N+1] (shared with the CUDA path)."""
     def choose(row: int) -> int | None:
         return next((j for j in children[row] if token_ids[j] == argmax_ids[row]), None)
@@ -136,19 +145,25 @@ def threshold_greedy_qualified(child_logits: Sequence[float], parent_row_max: Se
 
 def threshold_accept(token_ids, parents, target_logits: torch.Tensor, params: SamplingParams,
                      acceptance_threshold: float, generator: torch.Generator | None, *,
-                     argmax_ids=None) -> ValidationResult:
+                     argmax_ids=None, allowed: TokenBitmask | None = None) -> ValidationResult:
     _check_threshold(acceptance_threshold)
-    ids, children, entropies = _check_inputs(token_ids, parents, target_logits)
+    ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
     argmax = check_argmax_ids(argmax_ids, *target_logits.shape)
     if params.is_greedy:
         parent_rows = torch.tensor([int(p) + 1 for p in parents], dtype=torch.int64)  # [N]
-        child_logits = target_logits[parent_rows, torch.tensor(ids, dtype=torch.int64)].tolist()  # [N]
-        row_max = target_logits.amax(dim=-1)[parent_rows].tolist()  # [N]
-        qualified = threshold_greedy_qualified(child_logits, row_max, acceptance_threshold)
-        accepted, stop_row = threshold_walk(children, child_logits, qualified)
-        bonus = argmax[stop_row] if argmax else int(torch.argmax(target_logits[stop_row]))
+        child_ids = torch.tensor(ids, dtype=torch.int64)                               # [N]
+        child_logits = target_logits[parent_rows, child_ids]                           # [N]
+        row_argmax = _argmax(target_logits, allowed)                                   # [N+1]
+        row_max = target_logits.gather(1, row_argmax[:, None])[:, 0][parent_rows]      # [N], masked max
+        if allowed is not None and len(ids):
+            is_allowed = torch.from_numpy(allowed.is_allowed(parent_rows.numpy(), child_ids.numpy()))
+            child_logits = torch.where(is_allowed, child_logits, MASKED_LOGIT)
+        child_logits_list = child_logits.tolist()
+        qualified = threshold_greedy_qualified(child_logits_list, row_max.tolist(), acceptance_threshold)
+        accepted, stop_row = threshold_walk(children, child_logits_list, qualified)
+        bonus = argmax[stop_row] if argmax else int(row_argmax[stop_row])
         return walk_result(children, accepted, stop_row, bonus, entropies)
-    row_probs = _RowProbs(target_logits, params)
+    row_probs = _RowProbs(target_logits, params, allowed)
 
     def choose(row: int) -> int | None:
         if not children[row]:
@@ -168,25 +183,46 @@ class _RowProbs:
     """logits_to_probs of a row, computed when the walk first visits it: the walk touches depth + 1
     of the N + 1 rows, and top-k / top-p cost a sort of V per row."""
 
-    def __init__(self, target_logits: torch.Tensor, params: SamplingParams) -> None:
-        self._logits, self._params, self._rows = target_logits, params, {}
+    def __init__(self, target_logits: torch.Tensor, params: SamplingParams,
+                 allowed: TokenBitmask | None = None) -> None:
+        self._logits, self._params, self._allowed, self._rows = target_logits, params, allowed, {}
 
     def __getitem__(self, row: int) -> torch.Tensor:
         if row not in self._rows:
-            self._rows[row] = logits_to_probs(self._logits[row:row + 1], self._params)[0]  # [V]
+            logits = self._logits[row:row + 1] if self._allowed is None \
+                else self._allowed.masked_rows(self._logits, [row])                         # [1, V]
+            self._rows[row] = logits_to_probs(logits, self._params)[0]                      # [V]
         return self._rows[row]
+
+
+class _RowEntropies:
+    """row_entropy of the rows a result reports (the parent rows of the accepted nodes and the stop
+    row), computed for those rows only, once the walk is done; masked rows as the walk saw them."""
+
+    def __init__(self, target_logits: torch.Tensor, allowed: TokenBitmask | None = None) -> None:
+        self._logits, self._allowed = target_logits, allowed
+
+    def take(self, rows: list[int]) -> list[float]:
+        logits = self._logits[rows] if self._allowed is None else self._allowed.masked_rows(self._logits, rows)
+        return row_entropy(logits).tolist()                                                # [len(rows)]
+
+
+def _argmax(target_logits: torch.Tensor, allowed: TokenBitmask | None) -> torch.Tensor:
+    """int64 [N+1]: each row's argmax, among the allowed tokens when masked."""
+    return torch.argmax(target_logits, dim=-1) if allowed is None else allowed.argmax(target_logits)
 
 
 def rejection_sample_accept(token_ids, parents, target_logits: torch.Tensor, params: SamplingParams,
                             generator: torch.Generator | None, *,
-                            draft_probs: torch.Tensor | None = None) -> ValidationResult:
+                            draft_probs: torch.Tensor | None = None,
+                            allowed: TokenBitmask | None = None) -> ValidationResult:
     """Recursive rejection sampling over the tree. draft_probs [N, V]: row j is the distribution node j
     was drawn from (rows are renormalised); a one-hot row, or draft_probs None for all nodes, is a
     deterministic draft. Consumes one uniform per child tried and one for the final sample.
     """
-    ids, children, entropies = _check_inputs(token_ids, parents, target_logits)
+    ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
     _check_draft_probs(draft_probs, ids, target_logits.shape[1])
-    row_probs = _RowProbs(target_logits, params)
+    row_probs = _RowProbs(target_logits, params, allowed)
     accepted: list[int] = []
     row = ROOT_ROW
     while True:
@@ -242,14 +278,16 @@ def _walk(children: Children, choose: Callable[[int], int | None]) -> tuple[tupl
 
 
 def walk_result(children: Children, accepted: Sequence[int], stop_row: int, bonus: int,
-                row_entropies: Sequence[float]) -> ValidationResult:
+                row_entropies: Sequence[float] | _RowEntropies) -> ValidationResult:
     """Entropies: each accepted node's parent row; the stop row when it offered children."""
-    parent_rows = [ROOT_ROW] + [j + 1 for j in accepted[:-1]]
+    rows = ([ROOT_ROW] + [j + 1 for j in accepted[:-1]])[:len(accepted)] + ([stop_row] if children[stop_row] else [])
+    entropies = row_entropies.take(rows) if isinstance(row_entropies, _RowEntropies) \
+        else [float(row_entropies[r]) for r in rows]
     return ValidationResult(
         accepted_nodes=tuple(accepted),
         bonus_token=int(bonus),
-        accepted_entropies=tuple(float(row_entropies[r]) for r in parent_rows[:len(accepted)]),
-        rejected_entropies=(float(row_entropies[stop_row]),) if children[stop_row] else (),
+        accepted_entropies=tuple(entropies[:len(accepted)]),
+        rejected_entropies=tuple(entropies[len(accepted):]),
     )
 
 
@@ -287,22 +325,23 @@ def _as_ints(values: Sequence[int] | torch.Tensor, name: str) -> tuple[int, ...]
     return tuple(int(v) for v in result)
 
 
-def _check_inputs(token_ids, parents, target_logits: torch.Tensor,
-                  ) -> tuple[tuple[int, ...], Children, list[float]]:
-    """(token ids, children by row, row entropies) of a valid tree and logits."""
+def _check_inputs(token_ids, parents, target_logits: torch.Tensor, allowed: TokenBitmask | None = None,
+                  ) -> tuple[tuple[int, ...], Children, _RowEntropies]:
+    """(token ids, children by row, row entropies on demand) of a valid tree and logits."""
     if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2 \
             or target_logits.dtype != torch.float32:
         raise ValueError("target_logits must be a 2-D float32 tensor [N+1, V]")
     ids, children = build_children(token_ids, parents, target_logits.shape[1])
     if target_logits.shape[0] != len(ids) + 1:
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows, expected num_nodes + 1 = {len(ids) + 1}")
-    # NaN, +inf or a row of only -inf makes that row's entropy NaN: one [R] check instead of a scan
-    # of [R, V]. A -inf logit alone (a masked token) is fine.
-    entropies = row_entropy(target_logits)  # [N+1]
-    bad_rows = (~torch.isfinite(entropies)).nonzero()
+    if allowed is not None and allowed.num_rows != target_logits.shape[0]:
+        raise ValueError(f"allowed has {allowed.num_rows} rows, expected num_nodes + 1 = {target_logits.shape[0]}")
+    # A row max is NaN when the row holds a NaN (amax propagates it), +inf with a +inf, -inf when no
+    # logit is finite: one reduction, then a check of [R]. A -inf logit alone is fine.
+    bad_rows = (~torch.isfinite(target_logits.amax(dim=-1))).nonzero()
     if bad_rows.numel():
         raise ValueError(f"target_logits row {int(bad_rows[0])} holds NaN or +inf, or no finite logit")
-    return ids, children, entropies.tolist()
+    return ids, children, _RowEntropies(target_logits, allowed)
 
 
 def check_argmax_ids(argmax_ids, num_rows: int, vocab_size: int) -> tuple[int, ...]:

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import time
 
-import torch
+import numpy as np
 
 from specdec import pb
 from specdec.errors import InvalidArgument
-from specdec.grammar.mask import apply_token_mask
+from specdec.grammar.bitmask import TokenBitmask
 from specdec.v1 import validator_pb2, validator_pb2_grpc
 from validator_svc.acceptance import MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD, validate_tree
 
@@ -38,20 +38,20 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         if logits.shape[0] != len(token_ids) + 1:
             raise InvalidArgument("target_logits", f"{logits.shape[0]} rows for a tree of {len(token_ids)} nodes "
                                   f"(expected {len(token_ids) + 1})")
+        allowed = None
         if request.HasField("allowed_tokens"):
             # Disallowed tokens get probability 0: no path that leaves the grammar can be accepted, and
-            # the bonus token is one the grammar allows. (Re-masking here, not only in the primary,
-            # also restores exact zeros that an fp8 wire format cannot carry.)
+            # the bonus token is one the grammar allows. (Masking here, not only in the primary, also
+            # gives exact zeros that an fp8 wire format cannot carry.) The mask stays packed.
             allowed = pb.token_mask_from_pb(request.allowed_tokens, logits.shape[0], vocab_size, "allowed_tokens")
-            logits = apply_token_mask(logits, allowed)
         argmax = list(request.target_argmax_token_ids) or None
-        if argmax is not None and request.HasField("allowed_tokens"):
+        if argmax is not None and allowed is not None:
             _check_argmax_allowed(argmax, allowed)
         draft_probs = pb.logits_from_pb(request.draft_probs, "draft_probs") if request.HasField("draft_probs") \
             else None
         try:
             result = validate_tree(token_ids, parents, logits, sampling, acceptance_threshold=threshold,
-                                   draft_probs=draft_probs, argmax_ids=argmax, step=request.step)
+                                   draft_probs=draft_probs, argmax_ids=argmax, step=request.step, allowed=allowed)
         except ValueError as e:
             raise InvalidArgument(str(e).split(" ", 1)[0].rstrip(":"), str(e)) from None
         return validator_pb2.ValidateResponse(
@@ -60,14 +60,14 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
             time_ms=(time.perf_counter() - start) * 1000)
 
 
-def _check_argmax_allowed(argmax: list[int], allowed) -> None:
+def _check_argmax_allowed(argmax: list[int], allowed: TokenBitmask) -> None:
     """The consistency check of a constrained step: the primary's argmax of every row must be a token
     the grammar allows there (it took them under the same mask), or greedy acceptance could leave it."""
-    num_rows, vocab_size = allowed.shape
-    if len(argmax) != num_rows or not all(0 <= t < vocab_size for t in argmax):
+    num_rows = allowed.num_rows
+    if len(argmax) != num_rows or not all(0 <= t < allowed.vocab_size for t in argmax):
         return  # validate_tree refuses the length or the ids, naming the field
-    is_allowed = allowed[torch.arange(num_rows), torch.tensor(argmax)]              # [R] bool
-    if not bool(is_allowed.all()):
-        row = int((~is_allowed).nonzero()[0])
+    is_allowed = allowed.is_allowed(np.arange(num_rows), argmax)                    # [R] bool
+    if not is_allowed.all():
+        row = int(np.flatnonzero(~is_allowed)[0])
         raise InvalidArgument("target_argmax_token_ids", f"row {row}'s token {argmax[row]} is not allowed by "
                               "allowed_tokens: the argmax was not taken under the same grammar mask")

@@ -1,13 +1,24 @@
-"""Grammar-forced drafts: propose the text the request's grammar leaves no choice about.
+"""Grammar-forced drafts: propose the text the request's grammar leaves no choice about, spelled the
+way the model spells it.
 
 In structured output much of the text is fixed by the schema: the opening `{"`, every key in
 declared order, `": "`, `", "`, closing brackets, the rest of an enum value once its first letter
 is written. Those tokens cost nothing to propose (no model, one jump-forward query of the
-grammar state), and the primary accepts them whenever it writes them with the same tokens, which
-it usually does because they are re-tokenized with its own tokenizer (see
-`specdec.grammar.GrammarState.forced_continuation`), except for the last token before free text,
-which the model often merges with what follows: that one is left to the primary (the bonus token). Inside strings and numbers nothing is forced
-and this decoder proposes nothing; prompt lookup and the suffix index cover those.
+grammar state), and the primary accepts them whenever it writes them with the same tokens. The
+canonical re-tokenization with the model's tokenizer is how the model writes most of them (see
+`specdec.grammar.GrammarState.forced_continuation`), but under the mask it writes some keys in
+other pieces (`cl`, `e`, `a`, `n` for `clean`), and then a canonical draft fails at its first
+token. So the decoder watches what the model writes wherever text was forced, remembers those
+spellings per request (`spellings.SpellingMemory`), and proposes a small tree: rank 0 the spelling
+the model used most for this text, then the others and the canonical one (the pool merges them by
+common prefix). The controller keeps acceptance per rank, so a request whose model sticks to the
+canonical tokens soon drafts rank 0 only.
+
+The last canonical token before free text is left out, because the model often merges it with what
+follows: forced ` [` then `]` is written ` [],`; forced `": "` then `Al` is `":` ` "Al`. That token
+comes free as the step's bonus token instead. A learned spelling stops where the model's own
+tokens stopped inside the forced text, so it needs no such cut. Inside strings and numbers nothing
+is forced and this decoder proposes nothing; prompt lookup and the suffix index cover those.
 
 The decoder follows the request's committed tokens with its own grammar state. The first
 `extend` may carry the prompt and, when the decoder is created late or after a recovery, the
@@ -22,11 +33,12 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from draft_svc.strategies.base import Candidate, DecoderRegistry, validate_propose_args
+from draft_svc.strategies.spellings import Spelling, SpellingMemory
 from specdec.grammar import GrammarCache, ResponseFormat
 
 
 class GrammarForcedDecoder:
-    """Per-request grammar state; proposes at most one candidate, the forced continuation."""
+    """Per-request grammar state and spelling memory; proposes spellings of the forced text, best first."""
 
     name: ClassVar[str] = "grammar"
 
@@ -36,6 +48,11 @@ class GrammarForcedDecoder:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
         # An invalid schema raises specdec.errors.InvalidArgument here, naming response_format.json_schema.
         self._state = grammars.compile(response_format).new_state()
+        tokenizer = grammars.tokenizer_info.tokenizer
+        self._decode = tokenizer.decode
+        self._spellings = SpellingMemory(tokenizer.encode, tokenizer.decode)
+        # The forced text where the current forced run began, and the tokens the model wrote since.
+        self._run: tuple[str, list[int]] | None = None
         self._num_prompt_tokens = num_prompt_tokens
         self._num_context_tokens = 0      # prompt + output tokens seen through extend()
         self.is_diverged = False          # the committed output left the grammar: propose nothing
@@ -50,23 +67,49 @@ class GrammarForcedDecoder:
         num_prompt_left = max(0, self._num_prompt_tokens - self._num_context_tokens)
         self._num_context_tokens += len(token_ids)
         output_ids = [int(t) for t in token_ids[num_prompt_left:]]
-        if output_ids and not self.is_diverged and not self._state.accept_tokens(output_ids):
+        if output_ids and not self.is_diverged and not self._follow(output_ids):
             self.is_diverged = True
+
+    def _follow(self, output_ids: list[int]) -> bool:
+        """Accept committed output tokens one by one; where forced text begins, hand the tokens the
+        model writes for it to the spelling memory once they cover it. False: the grammar refused one."""
+        for token_id in output_ids:
+            if self._run is None and (forced_text := self._state.forced_text()):
+                self._run = (forced_text, [])
+            if not self._state.accept_tokens((token_id,)):
+                return False
+            if self._run is not None:
+                forced_text, run_ids = self._run
+                run_ids.append(token_id)
+                if len(self._decode(run_ids)) >= len(forced_text):
+                    self._spellings.observe(forced_text, run_ids)
+                    self._run = None
+        return True
 
     def propose(self, max_tokens: int, max_candidates: int = 1) -> tuple[Candidate, ...]:
         validate_propose_args(max_tokens, max_candidates)
-        if self.is_diverged:
+        if self.is_diverged or max_tokens == 0:
             return ()
-        # One token more than asked for tells whether the forced text goes on past max_tokens.
-        token_ids = self._state.forced_continuation(max_tokens + 1)
+        forced_text = self._state.forced_text()
+        if not forced_text:
+            return ()
+        candidates: list[Candidate] = []
+        for spelling in self._spellings.spellings(forced_text, max_candidates):
+            token_ids = self._draft(spelling, max_tokens)
+            if token_ids and all(c.token_ids != token_ids for c in candidates):
+                candidates.append(Candidate(self.name, token_ids, rank=len(candidates)))
+        return tuple(candidates)
+
+    def _draft(self, spelling: Spelling, max_tokens: int) -> tuple[int, ...]:
+        """The tokens of `spelling` to propose: those the grammar accepts, at most max_tokens, and
+        without the last canonical token before free text (module doc)."""
+        token_ids = spelling.token_ids
+        token_ids = token_ids[:self._state.num_valid(token_ids)]
         if len(token_ids) > max_tokens:
-            token_ids = token_ids[:max_tokens]       # the cut falls inside forced text: tokens as written
-        elif token_ids and not self._ends_output(token_ids):
-            # The forced text ends where free text begins, and the model's last token there often
-            # spans both: forced ` [` then `]` is written ` [],`; forced `": "` then `Al` is `":` ` "Al`.
-            # That token comes free as the step's bonus token instead.
-            token_ids = token_ids[:-1]
-        return (Candidate(self.name, token_ids),) if token_ids else ()
+            return token_ids[:max_tokens]            # the cut falls inside forced text: tokens as written
+        if spelling.is_canonical_end and token_ids and not self._ends_output(token_ids):
+            return token_ids[:-1]
+        return token_ids
 
     def _ends_output(self, token_ids: tuple[int, ...]) -> bool:
         """Whether `token_ids` complete the output (nothing but the end follows, e.g. a final `}`)."""

@@ -19,8 +19,10 @@ Batch invariance: where the model's kernels give a row the same bits whatever th
 packed int4/int8 layers, `Transformer.is_batch_invariant`), the engine also runs attention row by
 row in verify (`SequenceSpan.row_paths`), so a k-row verify returns exactly the logits k 1-row
 decodes would, and greedy speculation equals greedy decoding token for token. Batched masked
-attention rounds differently from a 1-row call (~3e-7 in fp32), which the bf16 casts into the
-packed kernels amplify into argmax flips at near-ties.
+attention (SDPA) rounds differently from a 1-row call (~3e-7 in fp32), which the quantized
+activations of the packed kernels amplify into argmax flips at near-ties. The native kernels'
+attention (`specdec.model.native`) is row-exact under a mask already, so there the whole tree
+runs as one masked call.
 
 The engine is not thread-safe: the primary service serialises (and batches) calls.
 """
@@ -68,7 +70,8 @@ class Engine:
             raise ValueError(f"max_context {max_context} exceeds the model's {model.max_positions} positions")
         self.model, self.kv_cache, self.max_context = model, kv_cache, max_context
         self.vocab_size = model.config.vocab_size
-        self.is_row_by_row = model.is_batch_invariant    # see "Batch invariance" above
+        # see "Batch invariance" above
+        self.is_row_by_row = model.is_batch_invariant and not model.is_attention_row_exact
         self._requests: dict[str, _Request] = {}
 
     # --- bookkeeping -------------------------------------------------------------------

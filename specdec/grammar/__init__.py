@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from specdec.grammar.compiler import (JSON_OBJECT, JSON_SCHEMA, CompiledGrammar, GrammarCache, ResponseFormat,
                                       compile_response_format)
+from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.mask import MASKED_LOGIT, apply_token_mask, bitmask_to_bool
 from specdec.grammar.state import GrammarState, TreeMasks
 from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 
 __all__ = ["JSON_OBJECT", "JSON_SCHEMA", "MASKED_LOGIT", "CompiledGrammar", "GrammarCache", "GrammarState",
-           "GrammarTokenizerInfo", "ResponseFormat", "TreeMasks", "apply_token_mask", "bitmask_to_bool",
-           "compile_response_format"]
+           "GrammarTokenizerInfo", "ResponseFormat", "TokenBitmask", "TreeMasks", "apply_token_mask",
+           "bitmask_to_bool", "compile_response_format"]

@@ -1,8 +1,10 @@
-"""Token masks: the engine's packed bitmask to bool, and the one way masks meet logits.
+"""Token masks as bool rows: the definition of applying a mask, and unpacking the engine's bitmask.
 
-`apply_token_mask` is what constrained plain decoding and constrained speculative decoding both
-call before `specdec.sampling.logits_to_probs`, so that for the same context they see the same
-masked row and pick the same token (greedy), or sample from the same distribution.
+`apply_token_mask` defines what a mask does to logits: constrained plain decoding and constrained
+speculative decoding must see the same masked row for the same context, and so pick the same token
+(greedy) or sample from the same distribution. The services never build bool rows on a step's
+path: they apply `specdec.grammar.bitmask.TokenBitmask`, the packed form, whose every operation
+equals this one on `bitmask_to_bool` of its words (tests check it).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
     logits [R, V] (or [V]), any float dtype; allowed bool, the same shape, or [V] for every row.
     Every row must allow at least one token: a row of only MASKED_LOGIT has no softmax. Callers
     guarantee it (GrammarState's masks allow the stop tokens at least; `specdec.pb.token_mask_from_pb`
-    refuses an empty row from the wire), so it is not re-checked here, on every step's hot path.
+    refuses an empty row from the wire), so it is not re-checked here.
     E.g. logits [[1., 5., 3.]], allowed [[True, False, True]] -> [[1., -inf, 3.]] (argmax 2, not 1).
     """
     assert allowed.dtype == torch.bool, f"allowed must be bool, got {allowed.dtype}"

@@ -18,10 +18,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
-from specdec.grammar.mask import bitmask_to_bool
+from specdec.grammar.bitmask import TokenBitmask
 
 if TYPE_CHECKING:
     from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
@@ -35,7 +36,7 @@ class TreeMasks:
     parent's row already excludes its token, so no acceptance rule can accept it, and its own row
     (never reached) allows every token rather than none, so every row keeps a finite softmax."""
 
-    allowed: torch.Tensor          # bool [N+1, V]
+    allowed: TokenBitmask          # [N+1] rows, packed as the engine fills them (never unpacked here)
     is_valid_node: torch.Tensor    # bool [N]
 
 
@@ -49,8 +50,11 @@ class GrammarState:
         self._matcher = matcher
         self.num_tokens = num_tokens  # tokens accepted so far (the bound of rollback)
         # After the end only the end again: keeps a mask row non-empty once a stop token is accepted.
-        self._stop_mask = torch.zeros(tokenizer_info.vocab_size, dtype=torch.bool)   # [V]
-        self._stop_mask[list(tokenizer_info.stop_token_ids)] = True
+        # Packed once per state, copied into the rows after a stop token.
+        stop_bytes = np.zeros(xgr.get_bitmask_shape(1, tokenizer_info.vocab_size)[1] * 4, dtype=np.uint8)
+        for token_id in tokenizer_info.stop_token_ids:
+            stop_bytes[token_id // 8] |= 1 << (token_id % 8)          # little-endian words: byte k // 8
+        self._stop_words = torch.from_numpy(stop_bytes.view("<i4").astype(np.int32))   # [W]
 
     @property
     def vocab_size(self) -> int:
@@ -101,13 +105,11 @@ class GrammarState:
 
     # --- masks ---------------------------------------------------------------------------------
 
-    def allowed_mask(self) -> torch.Tensor:
-        """bool [V]: the tokens the grammar allows next (only the stop tokens once terminated)."""
-        if self.is_terminated:
-            return self._stop_mask.clone()
+    def allowed_mask(self) -> TokenBitmask:
+        """One row: the tokens the grammar allows next (only the stop tokens once terminated)."""
         bitmask = xgr.allocate_token_bitmask(1, self._info.vocab_size)      # [1, W] int32
-        self._matcher.fill_next_token_bitmask(bitmask, 0)
-        return bitmask_to_bool(bitmask, self._info.vocab_size)[0]           # [V]
+        self._fill_row(bitmask, 0)
+        return TokenBitmask.from_engine(bitmask, self._info.vocab_size)
 
     def tree_masks(self, token_ids: Sequence[int], parents: Sequence[int]) -> TreeMasks:
         """Masks after the committed context and after every node of a token tree (module doc).
@@ -121,9 +123,8 @@ class GrammarState:
                 raise ValueError(f"parents[{node}] = {parent}: must be -1 or a node index below {node}")
             children[parent + 1].append(node)
         bitmask = xgr.allocate_token_bitmask(num_nodes + 1, self._info.vocab_size)  # [N+1, W], all allowed
-        is_terminated_row = [False] * (num_nodes + 1)
         is_valid_node = [False] * num_nodes
-        self._fill_row(bitmask, 0, is_terminated_row)
+        self._fill_row(bitmask, 0)
         num_committed = self.num_tokens
         # Depth-first with an explicit stack; (node, True) marks "leaving node": roll its token back.
         stack = [(child, False) for child in reversed(children[0])]
@@ -136,43 +137,51 @@ class GrammarState:
                 if not self._accept(int(token_ids[node])):
                     continue      # invalid: its subtree is never entered, their rows stay all-allowed
                 is_valid_node[node] = True
-                self._fill_row(bitmask, node + 1, is_terminated_row)
+                self._fill_row(bitmask, node + 1)
                 stack.append((node, True))
                 stack.extend((child, False) for child in reversed(children[node + 1]))
         finally:  # an error mid-walk (a bad token id type) must not leave draft tokens accepted
             self.rollback(self.num_tokens - num_committed)
-        allowed = bitmask_to_bool(bitmask, self._info.vocab_size)                   # [N+1, V]
-        for row, is_terminated in enumerate(is_terminated_row):
-            if is_terminated:
-                allowed[row] = self._stop_mask
-        return TreeMasks(allowed, torch.tensor(is_valid_node, dtype=torch.bool))
+        return TreeMasks(TokenBitmask.from_engine(bitmask, self._info.vocab_size),
+                         torch.tensor(is_valid_node, dtype=torch.bool))
 
-    def _fill_row(self, bitmask: torch.Tensor, row: int, is_terminated_row: list[bool]) -> None:
+    def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         if self.is_terminated:    # the engine has no mask after a stop token
-            is_terminated_row[row] = True
+            bitmask[row] = self._stop_words
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
     # --- jump-forward --------------------------------------------------------------------------
 
-    def forced_continuation(self, max_tokens: int) -> tuple[int, ...]:
-        """Up to `max_tokens` token ids spelling the only text the grammar allows next (keys,
-        punctuation, `": "`), or () when the next text is the model's choice.
+    def forced_text(self) -> str:
+        """The only text the grammar allows next (keys, punctuation, `": "`), "" when the next text
+        is the model's choice or the output is over."""
+        if self.is_terminated:
+            return ""
+        return self._matcher.find_jump_forward_string()
 
-        The engine gives the forced text; it is re-tokenized with the model's own tokenizer, which
-        is how the model itself would write it (MEASUREMENTS.md: these drafts are accepted more
-        often than the engine's forced-token list). Tokens are checked against the grammar and cut
-        at the first one it refuses, so every proposed token is one the mask would allow."""
-        if max_tokens <= 0 or self.is_terminated:
-            return ()
-        forced_text = self._matcher.find_jump_forward_string()
-        if not forced_text:
-            return ()
-        token_ids = self._info.tokenizer.encode(forced_text)[:max_tokens]
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar accepts in a row (the state is
+        unchanged after)."""
         num_checked = 0
         for token_id in token_ids:
-            if not self._accept(token_id):
+            if not self._accept(int(token_id)):
                 break
             num_checked += 1
         self.rollback(num_checked)
-        return tuple(token_ids[:num_checked])
+        return num_checked
+
+    def forced_continuation(self, max_tokens: int) -> tuple[int, ...]:
+        """Up to `max_tokens` token ids spelling `forced_text()`, or () when nothing is forced.
+
+        The forced text is re-tokenized with the model's own tokenizer, which is how the model
+        itself would write it unconstrained (MEASUREMENTS.md: these drafts are accepted more often
+        than the engine's forced-token list). Tokens are checked against the grammar and cut at the
+        first one it refuses, so every proposed token is one the mask would allow."""
+        if max_tokens <= 0:
+            return ()
+        forced_text = self.forced_text()
+        if not forced_text:
+            return ()
+        token_ids = self._info.tokenizer.encode(forced_text)[:max_tokens]
+        return tuple(token_ids[:self.num_valid(token_ids)])

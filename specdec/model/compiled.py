@@ -115,6 +115,9 @@ class CompiledStep:
     """
 
     def __init__(self, model: Transformer, settings: CompileSettings = CompileSettings()) -> None:
+        if any(block.native is not None for block in model.layers):
+            raise ValueError("the compiled step runs torch-served precisions; this model's layers already run "
+                             "as native calls (specdec.model.native), which torch.compile cannot trace")
         self.model, self.settings = model, settings
         self._ready: frozenset[int] = frozenset()      # replaced whole, so readers need no lock
         self._compile_lock = threading.Lock()

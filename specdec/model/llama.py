@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from specdec.model import native
 from specdec.model.config import ModelConfig
 from specdec.model.linear import NO_PADDING, Linear
 from specdec.model.quant import INT8_SCALE, INT8_WEIGHT, Int4Linear, Int8Embedding, Int8Linear
@@ -117,6 +118,8 @@ class Attention:
         self.k_proj = Linear.from_weights(w, prefix + "k_proj", min_gemm_rows)
         self.v_proj = Linear.from_weights(w, prefix + "v_proj", min_gemm_rows)
         self.o_proj = Linear.from_weights(w, prefix + "o_proj", min_gemm_rows)
+        # set by `native.NativeLayer`: (q, k_cache, v_cache, end, mask) -> out, replacing SDPA
+        self.native_attend: Callable[..., Tensor] | None = None
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
                  spans: Sequence[SequenceSpan]) -> Tensor:
@@ -150,6 +153,8 @@ class Attention:
 
     def _attend(self, q: Tensor, s: SequenceSpan, end: int, mask: Tensor | None) -> Tensor:
         # q: [n, H, D] against cache rows [0, end) -> [n, H, D]
+        if self.native_attend is not None:
+            return self.native_attend(q, s.k_cache[self.layer_idx], s.v_cache[self.layer_idx], end, mask)
         keys = s.k_cache[self.layer_idx, :, :end]          # [Hkv, L, D]
         values = s.v_cache[self.layer_idx, :, :end]        # [Hkv, L, D]
         o = F.scaled_dot_product_attention(
@@ -198,9 +203,14 @@ class Block:
         self.self_attn = Attention(config, w, p + "self_attn.", layer_idx, min_gemm_rows)
         self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
         self.mlp = MLP(w, p + "mlp.", min_gemm_rows)
+        # All seven products native and an fp32 stream: the dense parts run as two native calls
+        is_native = native.NativeLayer.supports(self) and self.input_layernorm.weight.dtype == torch.float32
+        self.native = native.NativeLayer(native.library(), self) if is_native else None
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
                  spans: Sequence[SequenceSpan]) -> Tensor:
+        if self.native is not None:
+            return self.native(x, positions, rope, spans)
         h = x + self.self_attn(self.input_layernorm(x), positions, rope, spans)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -222,7 +232,11 @@ class Transformer:
         # Packed int4/int8 kernels give a row the same bits whatever the row count (measured, see quant.py)
         linears = [self.lm_head] + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN] + [
             getattr(b.mlp, n) for b in self.layers for n in _MLP]
-        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear)) for lin in linears)
+        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear, native.QuantLinear))
+                                      for lin in linears)
+        # Native attention computes each row alone over its keys in cache order, skipping masked ones:
+        # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
+        self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
         # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the

@@ -24,7 +24,7 @@ from typing import Mapping
 
 import torch
 
-from specdec.model import quant
+from specdec.model import native, quant
 from specdec.model.config import ModelConfig
 from specdec.model.linear import FP8_DTYPE, FP8_MAX
 
@@ -86,6 +86,10 @@ def convert_weights(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
 
 def _int4_weights(name: str, weight: torch.Tensor, blocks: tuple[torch.Tensor, ...] | None) -> dict[str, torch.Tensor]:
     quant.check_int4_shape(name, weight, _INT4_FALLBACKS)
+    if native.library() is not None:       # the file's blocks byte for byte, for the native kernels
+        q, d, m = quant.quantize_q4_1(weight) if blocks is None else blocks
+        assert q.shape == weight.shape, (name, q.shape, weight.shape)
+        return quant.pack_q4_1(name.removesuffix(".weight"), q, d, m)
     if blocks is None:
         q, scale, zero = quant.quantize_int4(weight)
     else:

@@ -1,6 +1,8 @@
-"""Weight-only int4 and int8: the packed matrices torch's CPU kernels multiply, and the layers over them.
+"""Weight-only int4 and int8: the quantized matrices, and the layers over torch's packed CPU kernels.
 
-Memory holds only the quantized form; no layer ever widens its weights into a float copy.
+Memory holds only the quantized form; no layer ever widens its weights into a float copy. Where
+the native kernels build (`specdec.model.native`, the default), int4 is stored as GGUF Q4_1 blocks
+(`pack_q4_1`) and int8 rows run there too; what follows is the torch-kernel form, used otherwise.
 
 int4, group-32 asymmetric (the form of llama.cpp's Q4_1). For output row n, input k, group g = k // 32:
 
@@ -35,6 +37,8 @@ from typing import Mapping
 
 import torch
 
+from specdec.model import native
+
 Tensor = torch.Tensor
 
 GROUP_SIZE = 32                    # inputs per int4 scale/zero group (= a GGUF block)
@@ -44,6 +48,7 @@ INT8_MAX = 127
 KERNEL_DTYPE = torch.bfloat16      # activation dtype into both kernels (see the module docstring)
 INT4_WEIGHT, INT4_SCALES_ZEROS = ".weight_int4", ".weight_int4_scales_zeros"
 INT8_WEIGHT, INT8_SCALE = ".weight_int8", ".weight_int8_scale"
+Q4_1_BLOCKS = ".weight_q4_1"       # GGUF Q4_1 blocks [N, K/32 * 20] for the native kernels (`native/`)
 QUANTIZED_PRECISIONS = ("int8", "int4")
 # int4 serves the embedding/lm_head in int8 too (see `precision.py`)
 _KERNELS = {"int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"),
@@ -51,10 +56,12 @@ _KERNELS = {"int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm
 
 
 def check_kernels(precision: str, device: torch.device | str, other_precisions: tuple[str, ...]) -> None:
-    """ValueError unless `precision`'s kernels exist in this torch build for `device`."""
+    """ValueError unless `precision`'s kernels exist (native, or in this torch build) for `device`."""
     if torch.device(device).type != "cpu":
-        raise ValueError(f"--precision {precision} runs on torch's packed CPU kernels only, not on "
+        raise ValueError(f"--precision {precision} runs on the CPU kernels only, not on "
                          f"{torch.device(device).type}; serve that device with one of {other_precisions}")
+    if native.library() is not None:
+        return
     for op in _KERNELS[precision]:
         if not hasattr(torch.ops.aten, op):
             raise ValueError(f"--precision {precision} needs torch.ops.aten.{op}, which this torch build "
@@ -84,6 +91,29 @@ def pack_int4(name: str, q: Tensor, scale: Tensor, zero: Tensor) -> dict[str, Te
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)  # [N, K/2]
     scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()           # [K/32, N, 2]
     return {name + INT4_WEIGHT: packed, name + INT4_SCALES_ZEROS: scales_and_zeros.to(KERNEL_DTYPE)}
+
+
+def quantize_q4_1(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """weight [N, K] float -> GGUF Q4_1 (q uint8 [N, K] in 0..15, d fp16 [N, K/32], m fp16 [N, K/32]),
+    w ≈ q * d + m: llama.cpp's own rounding (d = (max - min) / 15, m = min, q = round((w - m) / d))."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)              # [N, G, 32]
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    d = ((hi - lo) / INT4_MAX).to(torch.float16)
+    m = lo.to(torch.float16)
+    inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(lo))
+    q = torch.round((groups - m.float()[..., None]) * inv[..., None]).clamp(0, INT4_MAX).to(torch.uint8)
+    return q.reshape(n, k), d, m
+
+
+def pack_q4_1(name: str, q: Tensor, d: Tensor, m: Tensor) -> dict[str, Tensor]:
+    """q uint8 [N, K] in 0..15, d/m fp16 [N, K/32] -> `<name>.weight_q4_1`: the 20-byte GGUF blocks
+    (fp16 d, fp16 m, byte j = q[j] | q[j + 16] << 4) the native kernels read, [N, K/32 * 20] uint8."""
+    n, k = q.shape
+    g = q.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    nibbles = g[..., :GROUP_SIZE // 2] | (g[..., GROUP_SIZE // 2:] << 4)            # [N, G, 16]
+    header = torch.stack((d.to(torch.float16), m.to(torch.float16)), dim=-1).view(torch.uint8)  # [N, G, 4]
+    return {name + Q4_1_BLOCKS: torch.cat((header, nibbles), dim=-1).reshape(n, -1).contiguous()}
 
 
 def check_int4_shape(name: str, weight: Tensor, other_precisions: tuple[str, ...]) -> None:
@@ -142,9 +172,21 @@ class Int8Embedding:
         return (self.weight[input_ids].float() * self.scale[input_ids].float()[:, None]).to(self.dtype)
 
 
-def quantized_linear(weights: Mapping[str, Tensor], prefix: str) -> Int4Linear | Int8Linear | None:
-    """The quantized layer `prefix` names in `weights` (recognised by tensor names), or None."""
+def quantized_linear(weights: Mapping[str, Tensor], prefix: str
+                     ) -> Int4Linear | Int8Linear | native.QuantLinear | None:
+    """The quantized layer `prefix` names in `weights` (recognised by tensor names), or None.
+
+    int8 rows run on the native kernels where they are built, else on torch's; Q4_1 blocks only
+    exist when the native kernels were there to convert for (`precision.convert_weights`)."""
     bias = weights.get(prefix + ".bias")
+    lib = native.library()
+    if prefix + Q4_1_BLOCKS in weights:
+        if lib is None:
+            raise ValueError(f"{prefix}{Q4_1_BLOCKS} needs the native kernels: {native.status()}")
+        return native.QuantLinear(lib, blocks=weights[prefix + Q4_1_BLOCKS], bias=bias)
+    if prefix + INT8_WEIGHT in weights and lib is not None:
+        return native.QuantLinear(lib, weight=weights[prefix + INT8_WEIGHT], scale=weights[prefix + INT8_SCALE],
+                                  bias=bias)
     if prefix + INT4_WEIGHT in weights:
         return Int4Linear(weights[prefix + INT4_WEIGHT], weights[prefix + INT4_SCALES_ZEROS], bias)
     if prefix + INT8_WEIGHT in weights:

@@ -77,6 +77,28 @@ def test_late_creation_catches_up_on_the_output(grammars, tokenizer):
     assert _texts(tokenizer, decoder.propose(16)) == [', "age":']
 
 
+ROOMS = ResponseFormat("json_schema", json.dumps({
+    "type": "object", "required": ["rooms"], "properties": {"rooms": {"type": "array", "items": {
+        "type": "object", "required": ["clean"], "properties": {"clean": {"type": "boolean"}}}}},
+}))
+
+
+def test_proposes_the_models_own_spelling_of_a_repeated_key_first(grammars, tokenizer):
+    decoder = GrammarForcedDecoder(grammars, response_format=ROOMS)
+    decoder.extend(PROMPT_IDS)
+    # The model writes the first object's key in pieces: `cl` `e` `an` rather than `clean`.
+    for piece in ['{"', 'rooms', '":', ' [{"', 'cl', 'e', 'an', '":', ' true', '},']:
+        decoder.extend(tokenizer.encode(piece))
+    # Forced now: ` {"clean": `. Rank 0: its own pieces where `clean":` starts; rank 1: canonical.
+    # (The last canonical token ` ` is held back as before: the model writes ` true` at once.)
+    spellings = [[tokenizer.decode([t]) for t in c.token_ids] for c in decoder.propose(16, max_candidates=2)]
+    assert spellings == [[' {"', 'cl', 'e', 'an', '":'], [' {"', 'clean', '":']]
+    assert [c.rank for c in decoder.propose(16, max_candidates=2)] == [0, 1]
+    [best] = decoder.propose(16)
+    assert tokenizer.decode(best.token_ids) == ' {"clean":' and len(best.token_ids) == 5
+    assert [tokenizer.decode(c.token_ids) for c in decoder.propose(3, max_candidates=2)] == [' {"cle', ' {"clean":']
+
+
 def test_output_outside_the_grammar_silences_the_decoder(grammars, tokenizer):
     decoder = GrammarForcedDecoder(grammars, response_format=PERSON)
     decoder.extend(PROMPT_IDS)
@@ -114,7 +136,7 @@ def _plain(engine, prompt_ids, grammar) -> list[int]:
     engine.prefill("plain")
     while len(out) < MAX_NEW_TOKENS and not state.is_terminated:
         logits = engine.verify("plain", (), ())                                        # [1, V]
-        token = int(apply_token_mask(logits, state.allowed_mask()).argmax(dim=-1)[0])
+        token = int(apply_token_mask(logits, state.allowed_mask().to_bool()).argmax(dim=-1)[0])
         assert state.accept_tokens([token])
         engine.commit("plain", (), (token,))
         out.append(token)
@@ -134,7 +156,7 @@ def _speculative(engine, prompt_ids, grammar, grammars, response_format) -> tupl
         draft = list(candidates[0].token_ids) if candidates else []
         parents = list(range(-1, len(draft) - 1))                                       # a chain
         logits = engine.verify("spec", draft, parents)                                  # [N+1, V]
-        chosen = apply_token_mask(logits, state.tree_masks(draft, parents).allowed).argmax(dim=-1)  # [N+1]
+        chosen = state.tree_masks(draft, parents).allowed.argmax(logits)                # [N+1], packed
         num_accepted = 0
         while num_accepted < len(draft) and int(chosen[num_accepted]) == draft[num_accepted]:
             num_accepted += 1

@@ -76,6 +76,27 @@ def test_fixed_grammar_and_lookup_drafts_give_the_same_tokens(gateway_stub, json
     assert {d.name for d in spec.stats.decoders} >= {"grammar"}
 
 
+# Repeated keys (an array of objects): from the second object on, the grammar decoder proposes the
+# spellings the model used for them before beside the canonical ones, as a small tree.
+ROOMS = {"id": "rooms", "prompt": "List three rooms of a house and say for each whether it is clean.",
+         "schema": {"type": "object", "required": ["rooms"], "properties": {"rooms": {
+             "type": "array", "items": {"type": "object", "required": ["room", "clean"],
+                                        "properties": {"room": {"type": "string"}, "clean": {"type": "boolean"}}}}}}}
+
+
+def test_grammar_spelling_trees_give_the_same_tokens(gateway_stub):
+    plain = gateway_stub.Generate(request(ROOMS, is_speculative=False), timeout=300)
+    for strategies, degree in ((["grammar"], 2), (["grammar", "prompt_lookup"], 4)):
+        spec = gateway_stub.Generate(request(ROOMS, is_speculative=True, is_adaptive=False,
+                                             speculative_degree=degree, draft_length=8, strategies=strategies),
+                                     timeout=300)
+        assert list(spec.token_ids) == list(plain.token_ids), (strategies, spec.text, plain.text)
+        accepted = {d.name: d.num_accepted for d in spec.stats.decoders}
+        assert accepted.get("grammar", 0) > 0, accepted
+    adaptive = gateway_stub.Generate(request(ROOMS, is_speculative=True), timeout=300)
+    assert list(adaptive.token_ids) == list(plain.token_ids)
+
+
 def test_json_mode_gives_a_json_object(gateway_stub, json_prompts):
     reply = gateway_stub.Generate(request(json_prompts[0], is_speculative=True,
                                           kind=common_pb2.ResponseFormat.TYPE_JSON_OBJECT), timeout=300)

@@ -241,6 +241,17 @@ def test_fixed_plan_cycles_the_strategies_to_the_degree():
     assert not fixed_plan(make_params(is_enabled=False).speculation, 64).is_speculative
 
 
+@pytest.mark.parametrize("strategies, degree, expected", [
+    (("grammar", LOOKUP), 5, ("grammar", LOOKUP, "grammar", LOOKUP, LOOKUP)),   # two spellings at most
+    (("grammar", LOOKUP, SUFFIX), 4, ("grammar", LOOKUP, SUFFIX, "grammar")),
+    (("grammar",), 4, ("grammar", "grammar")),
+    (("grammar",), 1, ("grammar",)),
+])
+def test_grammar_drafts_offer_at_most_two_ranked_spellings(strategies, degree, expected):
+    spec = make_params(is_adaptive=False, degree=degree, strategies=strategies).speculation
+    assert cycled_strategies(spec) == expected
+
+
 def test_the_requests_degree_and_draft_length_bound_the_controller():
     config = bounded_config(ControllerConfig(), make_params(degree=2, draft_length=5).speculation, max_tree_nodes=32)
     assert config.draft_length_choices == (1, 2, 3, 4, 5)

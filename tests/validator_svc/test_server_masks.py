@@ -7,6 +7,7 @@ import torch
 
 from specdec import pb
 from specdec.errors import InvalidArgument
+from specdec.grammar import TokenBitmask
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, validator_pb2
 from validator_svc.server import ValidatorServicer
@@ -21,7 +22,7 @@ def _request(logits: torch.Tensor, token_ids, parents, allowed: torch.Tensor | N
         tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents), target_logits=pb.logits_to_pb(logits, fmt),
         target_argmax_token_ids=argmax or ())
     if allowed is not None:
-        req.allowed_tokens.CopyFrom(pb.token_mask_to_pb(allowed))
+        req.allowed_tokens.CopyFrom(pb.token_mask_to_pb(TokenBitmask.from_bool(allowed)))
     return req
 
 

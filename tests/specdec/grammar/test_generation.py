@@ -56,7 +56,7 @@ def constrained_greedy(engine: Engine, prompt_ids: list[int], state, max_new_tok
         out: list[int] = []
         for _ in range(max_new_tokens):
             logits = engine.verify(request_id, (), ())                              # [1, V]
-            token = int(torch.argmax(apply_token_mask(logits, state.allowed_mask()), dim=-1)[0])
+            token = int(torch.argmax(apply_token_mask(logits, state.allowed_mask().to_bool()), dim=-1)[0])
             assert state.accept_tokens([token])
             if state.is_terminated:
                 break

@@ -17,6 +17,11 @@ def state(grammar_cache):
     return grammar_cache.compile_response_format("json_schema", PERSON_SCHEMA).new_state()
 
 
+def allowed_row(state) -> torch.Tensor:
+    """bool [V]: the state's next-token mask, unpacked for inspection."""
+    return state.allowed_mask().to_bool()[0]
+
+
 def _pieces(tokenizer, token_ids) -> list[str]:
     return [tokenizer.decode([t]) for t in token_ids]
 
@@ -51,24 +56,24 @@ def test_forced_continuation_by_hand(state, tokenizer, prefix, forced_text, forc
 
 
 def test_masks_by_hand(state, tokenizer):
-    start = state.allowed_mask()
+    start = allowed_row(state)
     assert start.shape == (state.vocab_size,) and start.dtype == torch.bool
     # '{"name": "' is forced; SmolLM2 has exactly two tokens that start it
     assert sorted(_pieces(tokenizer, start.nonzero().flatten().tolist())) == ["{", '{"']
     _advance(state, tokenizer, '{"name": "Bob", "age": ')
-    digits = set(_pieces(tokenizer, state.allowed_mask().nonzero().flatten().tolist()))
+    digits = set(_pieces(tokenizer, allowed_row(state).nonzero().flatten().tolist()))
     assert {"1", "9", "-"} <= digits and not {"a", '"', " "} & digits
     _advance(state, tokenizer, '42, "unit": "celsius"}')
     assert state.is_completed and not state.is_terminated
-    assert state.allowed_mask().nonzero().flatten().tolist() == [EOS]
+    assert allowed_row(state).nonzero().flatten().tolist() == [EOS]
     assert state.accept_tokens([EOS]) and state.is_terminated
-    assert state.allowed_mask().nonzero().flatten().tolist() == [EOS]  # after the end, only the end again
+    assert allowed_row(state).nonzero().flatten().tolist() == [EOS]  # after the end, only the end again
     assert state.forced_continuation(8) == ()
 
 
 def test_special_tokens_are_refused_even_inside_strings(state, tokenizer):
     _advance(state, tokenizer, '{"name": "')
-    in_string = state.allowed_mask()
+    in_string = allowed_row(state)
     assert not in_string[:17].any()  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ...
     assert in_string.sum() > 40000   # almost anything else may go into a string
     assert not state.accept_tokens([1])
@@ -76,10 +81,10 @@ def test_special_tokens_are_refused_even_inside_strings(state, tokenizer):
 
 def test_accept_is_all_or_nothing(state, tokenizer):
     _advance(state, tokenizer, '{"name": "Bob"')
-    before = (state.num_tokens, state.allowed_mask())
+    before = (state.num_tokens, allowed_row(state))
     good, bad = tokenizer.encode(', "age": '), tokenizer.encode("}")
     assert not state.accept_tokens(good + bad)           # '}' is refused: "age" and "unit" are required
-    assert (state.num_tokens, state.allowed_mask().tolist()) == (before[0], before[1].tolist())
+    assert (state.num_tokens, allowed_row(state).tolist()) == (before[0], before[1].tolist())
     assert not state.accept_tokens([-1]) and not state.accept_tokens([state.vocab_size])
 
 
@@ -87,12 +92,12 @@ def test_rollback_restores_masks_and_forced_text(state, tokenizer):
     token_ids = tokenizer.encode('{"name": "Bob", "age": 42, "unit": "celsius"}') + [EOS]
     history = []
     for token_id in token_ids:
-        history.append((state.allowed_mask(), state.forced_continuation(16), state.is_completed))
+        history.append((allowed_row(state), state.forced_continuation(16), state.is_completed))
         assert state.accept_tokens([token_id])
     for position in reversed(range(len(token_ids))):
         state.rollback(1)
         mask, forced, is_completed = history[position]
-        assert torch.equal(state.allowed_mask(), mask) and state.forced_continuation(16) == forced
+        assert torch.equal(allowed_row(state), mask) and state.forced_continuation(16) == forced
         assert state.is_completed == is_completed and not state.is_terminated
     with pytest.raises(ValueError, match="cannot roll back 1 of 0"):
         state.rollback(1)
@@ -110,7 +115,7 @@ def test_fork_is_independent(state, tokenizer):
 
 def brute_force_tree_masks(state, token_ids, parents):
     """Replay every root-to-node path on a fork of the state: what tree_masks must equal."""
-    rows, valid = [state.allowed_mask()], []
+    rows, valid = [allowed_row(state)], []
     for node in range(len(token_ids)):
         path = []
         cursor = node
@@ -120,7 +125,7 @@ def brute_force_tree_masks(state, token_ids, parents):
         replay = state.fork()
         is_valid = replay.accept_tokens(path[::-1])
         valid.append(is_valid)
-        rows.append(replay.allowed_mask() if is_valid else torch.ones(state.vocab_size, dtype=torch.bool))
+        rows.append(allowed_row(replay) if is_valid else torch.ones(state.vocab_size, dtype=torch.bool))
     return torch.stack(rows), torch.tensor(valid, dtype=torch.bool)
 
 
@@ -133,13 +138,14 @@ def test_tree_masks_by_hand(state, tokenizer):
     parents = [-1, 0, 1, 2, -1, 4]
     masks = state.tree_masks(token_ids, parents)
     assert masks.is_valid_node.tolist() == [True, True, True, True, False, False]
-    assert masks.allowed.shape == (7, state.vocab_size)
-    assert masks.allowed[0, comma] and not masks.allowed[0, brace]     # row 0: after the context
-    assert _pieces(tokenizer, masks.allowed[1].nonzero().flatten().tolist()) == [' ', ' "']  # after ','
-    assert masks.allowed[4, tokenizer.encode(" ")[0]]                  # after '":' comes ' '
-    assert masks.allowed[5].all() and masks.allowed[6].all()           # unreachable rows: no constraint
+    allowed = masks.allowed.to_bool()
+    assert allowed.shape == (7, state.vocab_size)
+    assert allowed[0, comma] and not allowed[0, brace]     # row 0: after the context
+    assert _pieces(tokenizer, allowed[1].nonzero().flatten().tolist()) == [' ', ' "']  # after ','
+    assert allowed[4, tokenizer.encode(" ")[0]]                  # after '":' comes ' '
+    assert allowed[5].all() and allowed[6].all()           # unreachable rows: no constraint
     expected_allowed, expected_valid = brute_force_tree_masks(state, token_ids, parents)
-    assert torch.equal(masks.allowed, expected_allowed) and torch.equal(masks.is_valid_node, expected_valid)
+    assert torch.equal(allowed, expected_allowed) and torch.equal(masks.is_valid_node, expected_valid)
 
 
 def _random_tree(state, rng: random.Random, num_nodes: int):
@@ -153,7 +159,7 @@ def _random_tree(state, rng: random.Random, num_nodes: int):
             path.append(token_ids[cursor])
             cursor = parents[cursor]
         replay = state.fork()
-        allowed = replay.allowed_mask().nonzero().flatten().tolist() if replay.accept_tokens(path[::-1]) else []
+        allowed = allowed_row(replay).nonzero().flatten().tolist() if replay.accept_tokens(path[::-1]) else []
         siblings = {token_ids[i] for i in range(node) if parents[i] == parent}
         choices = [t for t in allowed if t not in siblings]
         token = rng.choice(choices) if choices and rng.random() < 0.8 else rng.randrange(state.vocab_size)
@@ -171,12 +177,12 @@ def test_tree_masks_equal_brute_force_on_random_trees(state, tokenizer, prefix):
     rng = random.Random(len(prefix))
     for _ in range(3):
         token_ids, parents = _random_tree(state, rng, num_nodes=12)
-        before = (state.num_tokens, state.allowed_mask())
+        before = (state.num_tokens, allowed_row(state))
         masks = state.tree_masks(token_ids, parents)
         expected_allowed, expected_valid = brute_force_tree_masks(state, token_ids, parents)
         assert torch.equal(masks.is_valid_node, expected_valid)
-        assert torch.equal(masks.allowed, expected_allowed)
-        assert state.num_tokens == before[0] and torch.equal(state.allowed_mask(), before[1])
+        assert torch.equal(masks.allowed.to_bool(), expected_allowed)
+        assert state.num_tokens == before[0] and torch.equal(allowed_row(state), before[1])
 
 
 def test_tree_masks_after_eos_allow_only_eos(state, tokenizer):
@@ -184,7 +190,7 @@ def test_tree_masks_after_eos_allow_only_eos(state, tokenizer):
     brace = tokenizer.encode("}")[0]
     masks = state.tree_masks([brace, EOS, brace], [-1, 0, 1])
     assert masks.is_valid_node.tolist() == [True, True, False]      # nothing follows EOS
-    assert masks.allowed[2].nonzero().flatten().tolist() == [EOS]   # the row after EOS: a finite softmax
+    assert masks.allowed.to_bool()[2].nonzero().flatten().tolist() == [EOS]   # the row after EOS: a finite softmax
 
 
 def test_tree_masks_reject_bad_parents(state):

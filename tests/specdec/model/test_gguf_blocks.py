@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from specdec.engine.loading import load_model
-from specdec.model import quant
+from specdec.model import native, quant
 from specdec.model.gguf_blocks import Q4_BLOCKS_FILE, load_q4_blocks, unpack_q4_blocks
 from specdec.model.loader import load_state_dict
 
@@ -44,12 +44,39 @@ def int4_model(default_model_dir):
     return load_model(default_model_dir, "int4", max_positions=64, is_shared=False)
 
 
+@pytest.fixture
+def torch_int4_model(default_model_dir, monkeypatch):
+    """int4 on torch's packed kernels: what serves where the native kernels cannot be built."""
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_status", "disabled by the test")
+    return load_model(default_model_dir, "int4", max_positions=64, is_shared=False)
+
+
+def file_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The file's Q4 blocks re-assembled as GGUF lays out Q4_1: fp16 d, fp16 m, 16 nibble bytes."""
+    n, k = q.shape
+    g = q.view(n, k // 32, 32)
+    nibbles = g[..., :16] | (g[..., 16:] << 4)
+    return torch.cat((d.view(torch.uint8).view(n, -1, 2), m.view(torch.uint8).view(n, -1, 2), nibbles), -1).view(n, -1)
+
+
 @pytest.mark.parametrize("layer, matrix", [(0, "q_proj"), (3, "k_proj"), (11, "o_proj"), (29, "down_proj")])
-def test_served_int4_weights_are_the_files_blocks(default_model_dir, int4_model, layer, matrix):
+def test_served_int4_weights_are_the_files_blocks_byte_for_byte(default_model_dir, int4_model, layer, matrix):
+    if native.library() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    module = "self_attn" if matrix in MATRICES[:4] else "mlp"
+    q, d, m = load_q4_blocks(default_model_dir)[f"model.layers.{layer}.{module}.{matrix}.weight"]
+    linear = getattr(getattr(int4_model.model.layers[layer], module), matrix)
+    assert isinstance(linear, native.QuantLinear)
+    assert torch.equal(linear.blocks, file_blocks(q, d, m))
+
+
+@pytest.mark.parametrize("layer, matrix", [(0, "q_proj"), (29, "down_proj")])
+def test_torch_served_int4_weights_are_the_files_blocks(default_model_dir, torch_int4_model, layer, matrix):
     module = "self_attn" if matrix in MATRICES[:4] else "mlp"
     name = f"model.layers.{layer}.{module}.{matrix}.weight"
     q, d, m = load_q4_blocks(default_model_dir)[name]
-    linear = getattr(getattr(int4_model.model.layers[layer], module), matrix)
+    linear = getattr(getattr(torch_int4_model.model.layers[layer], module), matrix)
     assert isinstance(linear, quant.Int4Linear)
     k = q.shape[1]
     served = linear(torch.eye(k, dtype=torch.bfloat16)).t().float()      # [N, K], rounded to bf16 on output

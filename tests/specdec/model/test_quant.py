@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.model import quant
+from specdec.model import native, quant
 from specdec.model.config import ModelConfig
 from specdec.model.precision import convert_weights
 
@@ -81,6 +81,8 @@ def test_int4_names_the_matrix_it_cannot_pack():
 def test_missing_kernel_and_cuda_are_refused_at_start_up(monkeypatch):
     with pytest.raises(ValueError, match="CPU kernels only.*'fp32'"):
         convert_weights({}, tiny_config(32), "int8", device="cuda")
+    monkeypatch.setattr(native, "_library", None)                # torch's kernels are the ones needed
+    monkeypatch.setattr(native, "_status", "disabled by the test")
     monkeypatch.setitem(quant._KERNELS, "int8", ("_weight_int8pack_mm_not_in_this_build",))
     with pytest.raises(ValueError, match="_weight_int8pack_mm_not_in_this_build.*'bf16'"):
         convert_weights({}, tiny_config(32), "int8")

@@ -1,0 +1,277 @@
+"""Native 4-bit/8-bit kernels (`qgemm.c`): the quantized matmuls and each layer's dense parts in C.
+
+Why: on a 2-core AVX2 CPU an int4 step through torch's packed kernels cost ~30 ms, of which ~10 ms
+were the matmuls and the rest ~500 small tensor ops and their dispatch. `qgemm.c` multiplies the
+GGUF's own Q4_1 blocks (and per-channel int8 rows) against activations quantized per block of 32,
+as llama.cpp does, and runs everything of a layer except attention in two calls:
+
+    pre:   RMSNorm -> q/k/v products -> RoPE                    (one call)
+    attn:  KV-cache write + SDPA over the span(s)               (torch, as for every precision)
+    post:  o product + residual -> RMSNorm -> gate/up -> SiLU*up -> down + residual   (one call)
+
+Every output is computed row by row in a fixed order, so a row's result does not depend on how many
+rows share the step: the engine's k-row verify equals 1-row decoding bit for bit.
+
+The library is compiled on first use for the machine at hand (`cc -O3 -march=native -fopenmp`,
+about a second) into `~/.cache/specdec/native/`, keyed by the source, the compiler and the CPU's
+flags, and loaded with ctypes (no Python objects cross the boundary, only tensor data pointers;
+ctypes releases the GIL during the call). Its OpenMP calls share torch's runtime: torch loads its
+libgomp first and the library's dependency resolves to it by soname. Without a C compiler, or with
+SPECDEC_NATIVE_KERNELS=0, `library()` is None and int4/int8 run on torch's packed kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+SOURCE = Path(__file__).with_name("qgemm.c")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"          # "0": never build or use the native kernels
+QK = 32                                        # weights per block
+Q4_BLOCK_BYTES = 20                            # fp16 d, fp16 m, 16 bytes of nibbles
+KIND_Q4, KIND_Q8 = 4, 8
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_status: str | None = None                     # why `library()` is None, once tried
+_disabled = False                              # see `disabled()`
+
+
+class QWeight(ctypes.Structure):
+    """The C struct `qweight` (qgemm.c): one quantized matrix by pointer, valid while its tensors live."""
+    _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64)]
+
+
+def cache_dir() -> Path:
+    return Path.home() / ".cache" / "specdec" / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256("\0".join((SOURCE.read_text(), cc, version, " ".join(CFLAGS), _cpu_flags(),
+                                    platform.machine())).encode()).hexdigest()[:16]
+    target = cache_dir() / f"qgemm-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                                check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)               # atomic: processes building at once all see a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("native kernels built: %s", target)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    w = ctypes.POINTER(QWeight)
+    lib.qgemm_has_avx2.argtypes, lib.qgemm_has_avx2.restype = [], i32
+    lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
+    lib.qgemm_rmsnorm.argtypes, lib.qgemm_rmsnorm.restype = [p, i64, i64, p, f32, p], None
+    lib.qgemm_layer_pre.argtypes = [p, i64, i64, p, f32, w, w, w, i64, i64, i64, p, p, p, p, p, p, i32]
+    lib.qgemm_layer_pre.restype = i32
+    lib.qgemm_layer_post.argtypes = [p, p, i64, i64, w, p, f32, w, w, w, p, i32]
+    lib.qgemm_layer_post.restype = i32
+    lib.qgemm_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i32]
+    lib.qgemm_attention.restype = i32
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within: `library()` is None, so models loaded here run on torch's kernels (benchmarks compare both)."""
+    global _disabled
+    _disabled, before = True, _disabled
+    try:
+        yield
+    finally:
+        _disabled = before
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, building them on first call; None (and `status()` says why) if unavailable."""
+    global _library, _status
+    if _disabled:
+        return None
+    with _lock:
+        if _library is not None or _status is not None:
+            return _library
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            _status = f"disabled by {ENV_SWITCH}=0"
+            return None
+        cc = _compiler()
+        if cc is None:
+            _status = "no C compiler (cc, gcc or clang) on PATH"
+            log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+            _declare(lib)
+        except (OSError, RuntimeError) as e:
+            _status = f"build or load failed: {e}"
+            log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)
+            return None
+        _library = lib
+        log.info("native kernels loaded (%s path)", "AVX2" if lib.qgemm_has_avx2() else "portable")
+        return lib
+
+
+def status() -> str:
+    """'available (AVX2|portable)' or why not."""
+    lib = library()
+    if lib is None:
+        return f"unavailable: {'disabled here' if _disabled else _status}"
+    return f"available ({'AVX2' if lib.qgemm_has_avx2() else 'portable'})"
+
+
+def identity() -> str:
+    """What a measurement of the int4/int8 step depends on here: the kernels' source and whether they run."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16] + " " + status()
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+# --- layers ------------------------------------------------------------------------------------
+
+class QuantLinear:
+    """A 4-bit (GGUF Q4_1 blocks) or 8-bit (int8 rows, fp32 scale) matrix run by the native kernels.
+
+    `blocks` [N, K/32 * 20] uint8 are the file's blocks byte for byte; `weight` int8 [N, K] with
+    `scale` [N]. The float activations are quantized per block of 32 inside the call.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, *, blocks: Tensor | None = None, weight: Tensor | None = None,
+                 scale: Tensor | None = None, bias: Tensor | None = None) -> None:
+        self.lib = lib
+        if blocks is not None:
+            assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] % Q4_BLOCK_BYTES == 0
+            self.blocks, self.out_features = blocks.contiguous(), blocks.shape[0]
+            self.in_features = blocks.shape[1] // Q4_BLOCK_BYTES * QK
+            self.scale, kind, data = None, KIND_Q4, self.blocks
+        else:
+            assert weight is not None and weight.dtype == torch.int8 and scale is not None
+            self.blocks, self.weight = None, weight.contiguous()
+            self.out_features, self.in_features = weight.shape
+            self.scale = scale.float().contiguous()           # [N]: a private fp32 copy (N floats)
+            kind, data = KIND_Q8, self.weight
+        if self.in_features % QK:
+            raise ValueError(f"native kernels need an input dimension that is a multiple of {QK}, "
+                             f"got {self.in_features}")
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.qweight = QWeight(kind, 0, data.data_ptr(), _ptr(self.scale), _ptr(self.bias),
+                               self.out_features, self.in_features)
+        self.ref = ctypes.byref(self.qweight)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        # x: [T, K] -> [T, N] in x's dtype
+        x32 = x.float().contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if x.shape[0] and self.lib.qgemm_linear(x32.data_ptr(), x.shape[0], self.ref, out.data_ptr(),
+                                                torch.get_num_threads()):
+            raise MemoryError("native kernel: out of memory")
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: int,
+           mask: Tensor | None) -> Tensor:
+    """q [n, H, D] fp32 against cache rows [0, end) of k_cache/v_cache [Hkv, capacity, D] (one layer),
+    under mask [n, end] bool (None: all rows) -> [n, H, D]. Each row alone, keys in cache order."""
+    n, heads, dim = q.shape
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
+    q = q.contiguous()
+    if mask is not None:
+        mask = mask.contiguous().view(torch.uint8)
+    out = torch.empty(n, heads, dim)
+    if lib.qgemm_attention(q.data_ptr(), n, heads, k_cache.shape[0], dim, k_cache.data_ptr(), v_cache.data_ptr(),
+                           k_cache.shape[1], end, _ptr(mask), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("native kernel: out of memory")
+    return out
+
+
+class NativeLayer:
+    """A decoder layer's pre- and post-attention parts, each one native call (see the module docstring).
+
+    Built only when all seven products are `QuantLinear`s and the stream is fp32 on the CPU;
+    attention itself stays the layer's own (`Attention.attend`), so trees, masks and row-by-row
+    verification work exactly as for every other precision.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, block) -> None:   # block: specdec.model.llama.Block
+        self.lib, attn, mlp = lib, block.self_attn, block.mlp
+        self.attn = attn
+        attn.native_attend = functools.partial(attend, lib)    # the layer's attention runs natively too
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.norm1 = block.input_layernorm.weight.float().contiguous()
+        self.norm2 = block.post_attention_layernorm.weight.float().contiguous()
+        self.eps1, self.eps2 = block.input_layernorm.eps, block.post_attention_layernorm.eps
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    @staticmethod
+    def supports(block) -> bool:
+        attn, mlp = block.self_attn, block.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        return (all(isinstance(lin, QuantLinear) for lin in linears)
+                and block.input_layernorm.weight.device.type == "cpu")
+
+    def __call__(self, x: Tensor, positions: Tensor, rope, spans) -> Tensor:
+        # x: [T, C] fp32 -> [T, C]
+        T, C = x.shape
+        x = x.contiguous()
+        positions = positions.contiguous()
+        threads = torch.get_num_threads()
+        q = torch.empty(T, self.heads, self.head_dim)
+        k = torch.empty(T, self.kv_heads, self.head_dim)
+        v = torch.empty(T, self.kv_heads, self.head_dim)
+        if self.lib.qgemm_layer_pre(x.data_ptr(), T, C, self.norm1.data_ptr(), self.eps1, self.q.ref, self.k.ref,
+                                    self.v.ref, self.heads, self.kv_heads, self.head_dim, rope.cos.data_ptr(),
+                                    rope.sin.data_ptr(), positions.data_ptr(), q.data_ptr(), k.data_ptr(),
+                                    v.data_ptr(), threads):
+            raise MemoryError("native kernel: out of memory")
+        attn = self.attn.attend(q, k, v, spans).reshape(T, self.heads * self.head_dim).contiguous()
+        out = torch.empty(T, C)
+        if self.lib.qgemm_layer_post(x.data_ptr(), attn.data_ptr(), T, C, self.o.ref, self.norm2.data_ptr(),
+                                     self.eps2, self.gate.ref, self.up.ref, self.down.ref, out.data_ptr(), threads):
+            raise MemoryError("native kernel: out of memory")
+        return out

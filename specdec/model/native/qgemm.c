@@ -1,0 +1,367 @@
+/* Weight-only 4-bit and 8-bit matrix products for the CPU, in the style of llama.cpp's Q4_1 x Q8_1.
+ *
+ * Activations are quantized per row in blocks of 32 (q8 block: int8 x[j] * dx, dx = max|x| / 127,
+ * and sx = dx * sum x[j] for the 4-bit minimum term); then every block's product is an exact
+ * integer dot product, scaled once:
+ *
+ *   4-bit rows (the GGUF Q4_1 block, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles, byte j holding
+ *   element j low and j + 16 high; w = q * d + m):
+ *       y[t, n] = sum_g  d[n,g] dx[t,g] * (q . xq)  +  m[n,g] * sx[t,g]
+ *   8-bit rows (int8 w[n, k] with one fp32 scale per row):
+ *       y[t, n] = scale[n] * sum_g dx[t,g] * (w . xq)
+ *
+ * Every output element is computed alone, in the same order whatever the number of rows T in the
+ * call, so a row's result does not depend on the batch it came in (batch invariance: a k-row verify
+ * and 1-row decoding agree bit for bit). The AVX2 path keeps 8 lane sums per output as llama.cpp
+ * does; the portable path sums each block's integer dot first; each is deterministic on its own.
+ * Threads: OpenMP, sharing the process's runtime (torch's libgomp is loaded first and has the
+ * same soname), over output rows.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QGEMM_AVX2 1
+#else
+#define QGEMM_AVX2 0
+#endif
+
+#define QK 32            /* weights per block */
+#define Q4_BLOCK 20      /* bytes per 4-bit block */
+#define TILE 4           /* activation rows per pass over a weight row */
+
+int qgemm_has_avx2(void) { return QGEMM_AVX2; }
+
+static inline float fp16_to_fp32(uint16_t h) {
+#if QGEMM_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {                                   /* subnormal: normalise */
+            exp = 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            mant &= 0x3FF;
+            bits = sign | ((exp + 112) << 23) | (mant << 13);
+        }
+    } else if (exp == 31) { bits = sign | 0x7F800000 | (mant << 13); }
+    else { bits = sign | ((exp + 112) << 23) | (mant << 13); }
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+/* x [T, K] fp32 -> xq int8 [T, K], dx [T, K/32], sx [T, K/32] */
+void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float *dx, float *sx) {
+    const int64_t G = K / QK;
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t g = 0; g < G; ++g) {
+            const float *b = x + t * K + g * QK;
+            float amax = 0.f;
+            for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(b[j]));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            int8_t *q = xq + t * K + g * QK;
+            for (int j = 0; j < QK; ++j) { q[j] = (int8_t)lrintf(b[j] * id); sum += q[j]; }
+            dx[t * G + g] = d;
+            sx[t * G + g] = d * (float)sum;
+        }
+    }
+}
+
+#if QGEMM_AVX2
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* unsigned bytes u (0..255 fits; here 0..15 or |w|) times signed bytes s -> 8 int32 lane sums as floats */
+static inline __m256 dot_lanes(__m256i u, __m256i s) {
+    const __m256i pairs = _mm256_maddubs_epi16(u, s);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+static inline int dot_q4_portable(const uint8_t *qs, const int8_t *y) {
+    int s = 0;
+    for (int j = 0; j < QK / 2; ++j) s += (qs[j] & 0x0F) * y[j] + (qs[j] >> 4) * y[j + QK / 2];
+    return s;
+}
+
+static inline int dot_q8_portable(const int8_t *w, const int8_t *y) {
+    int s = 0;
+    for (int j = 0; j < QK; ++j) s += w[j] * y[j];
+    return s;
+}
+
+/* rows t0..t0+nt (nt <= TILE) of one 4-bit weight row */
+static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
+                   int64_t K, int nt, float *out, int64_t N) {
+#if QGEMM_AVX2
+    __m256 acc[TILE];
+    float summ[TILE];
+    for (int t = 0; t < nt; ++t) { acc[t] = _mm256_setzero_ps(); summ[t] = 0.f; }
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *b = row + g * Q4_BLOCK;
+        uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
+        const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
+        const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
+        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), _mm256_set1_epi8(0x0F));
+        for (int t = 0; t < nt; ++t) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]), dot_lanes(q, y), acc[t]);
+            summ[t] += m * sx[t * G + g];
+        }
+    }
+    for (int t = 0; t < nt; ++t) out[t * N] = hsum8(acc[t]) + summ[t];
+#else
+    for (int t = 0; t < nt; ++t) {
+        float s = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t *b = row + g * Q4_BLOCK;
+            uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
+            const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
+            s += d * dx[t * G + g] * (float)dot_q4_portable(b + 4, xq + t * K + g * QK) + m * sx[t * G + g];
+        }
+        out[t * N] = s;
+    }
+#endif
+}
+
+/* rows t0..t0+nt of one 8-bit weight row */
+static void q8_row(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
+                   int64_t K, int nt, float *out, int64_t N) {
+#if QGEMM_AVX2
+    __m256 acc[TILE];
+    for (int t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);            /* |w| as unsigned bytes (w in -127..127) */
+        for (int t = 0; t < nt; ++t) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx[t * G + g]), dot_lanes(wabs, _mm256_sign_epi8(y, wv)), acc[t]);
+        }
+    }
+    for (int t = 0; t < nt; ++t) out[t * N] = scale * hsum8(acc[t]);
+#else
+    for (int t = 0; t < nt; ++t) {
+        float s = 0.f;
+        for (int64_t g = 0; g < G; ++g) s += dx[t * G + g] * (float)dot_q8_portable(w + g * QK, xq + t * K + g * QK);
+        out[t * N] = scale * s;
+    }
+#endif
+}
+
+/* out [T, N] = x [T, K] @ W^T, W given as 4-bit blocks [N, K/32 * 20] */
+void qgemm_q4(const int8_t *xq, const float *dx, const float *sx, int64_t T, int64_t K,
+              const uint8_t *w, int64_t N, float *out, int num_threads) {
+    const int64_t G = K / QK;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t *row = w + n * G * Q4_BLOCK;
+        for (int64_t t = 0; t < T; t += TILE) {
+            const int nt = T - t < TILE ? (int)(T - t) : TILE;
+            q4_row(row, G, xq + t * K, dx + t * G, sx + t * G, K, nt, out + t * N + n, N);
+        }
+    }
+}
+
+/* out [T, N] = x [T, K] @ (W * scale[:, None])^T, W int8 [N, K] */
+void qgemm_q8(const int8_t *xq, const float *dx, int64_t T, int64_t K,
+              const int8_t *w, const float *scale, int64_t N, float *out, int num_threads) {
+    const int64_t G = K / QK;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t t = 0; t < T; t += TILE) {
+            const int nt = T - t < TILE ? (int)(T - t) : TILE;
+            q8_row(w + n * K, scale[n], G, xq + t * K, dx + t * G, K, nt, out + t * N + n, N);
+        }
+    }
+}
+
+/* ---- a layer's dense parts around attention, row by row in fp32 (see specdec/model/native/__init__.py) ---- */
+
+#include <stdlib.h>
+
+enum { QW_Q4 = 4, QW_Q8 = 8 };
+
+typedef struct {
+    int32_t kind;            /* QW_Q4: `w` = 4-bit blocks [n, k/32 * 20]; QW_Q8: int8 [n, k] with `scale` [n] */
+    int32_t pad;
+    const void *w;
+    const float *scale;      /* QW_Q8 only */
+    const float *bias;       /* [n] or NULL */
+    int64_t n, k;
+} qweight;
+
+typedef struct {             /* an activation [T, k] quantized once for every product that reads it */
+    int8_t *xq; float *dx, *sx;
+} qact;
+
+static int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
+    a->xq = malloc((size_t)(T * K)); a->dx = malloc(sizeof(float) * (size_t)(T * K / QK));
+    a->sx = malloc(sizeof(float) * (size_t)(T * K / QK));
+    if (!a->xq || !a->dx || !a->sx) return -1;
+    qgemm_quantize_rows(x, T, K, a->xq, a->dx, a->sx);
+    return 0;
+}
+
+static void qact_free(qact *a) { free(a->xq); free(a->dx); free(a->sx); }
+
+/* out [T, w.n] = a @ w^T (+ bias) */
+static void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_threads) {
+    if (w->kind == QW_Q4) qgemm_q4(a->xq, a->dx, a->sx, T, w->k, (const uint8_t *)w->w, w->n, out, num_threads);
+    else qgemm_q8(a->xq, a->dx, T, w->k, (const int8_t *)w->w, w->scale, w->n, out, num_threads);
+    if (w->bias)
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < w->n; ++j) out[t * w->n + j] += w->bias[j];
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight, per row */
+void qgemm_rmsnorm(const float *x, int64_t T, int64_t C, const float *weight, float eps, float *out) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *r = x + t * C;
+        float ss = 0.f;
+        for (int64_t j = 0; j < C; ++j) ss += r[j] * r[j];
+        const float inv = 1.f / sqrtf(ss / (float)C + eps);
+        for (int64_t j = 0; j < C; ++j) out[t * C + j] = weight[j] * (r[j] * inv);
+    }
+}
+
+/* rotate-half RoPE in place on x [T, heads, D] with tables cos/sin [P, D] */
+static void rope(float *x, int64_t T, int64_t heads, int64_t D, const float *cos_t, const float *sin_t,
+                 const int64_t *positions) {
+    const int64_t half = D / 2;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos_t + positions[t] * D, *s = sin_t + positions[t] * D;
+        for (int64_t h = 0; h < heads; ++h) {
+            float *v = x + (t * heads + h) * D;
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* out [T, w.n] = x [T, w.k] @ w^T (+ bias) */
+int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads) {
+    qact a;
+    if (qact_init(&a, x, T, w->k)) { qact_free(&a); return -1; }
+    qmatmul(&a, T, w, out, num_threads);
+    qact_free(&a);
+    return 0;
+}
+
+/* Before attention: h = RMSNorm(x); q = RoPE(h Wq), k = RoPE(h Wk), v = h Wv.
+ * x [T, C]; q [T, H, D], k/v [T, Hkv, D]. */
+int qgemm_layer_pre(const float *x, int64_t T, int64_t C, const float *norm_w, float eps,
+                    const qweight *wq, const qweight *wk, const qweight *wv, int64_t heads, int64_t kv_heads,
+                    int64_t D, const float *cos_t, const float *sin_t, const int64_t *positions,
+                    float *q, float *k, float *v, int num_threads) {
+    float *h = malloc(sizeof(float) * (size_t)(T * C));
+    qact a = {0};
+    int rc = -1;
+    if (!h) goto done;
+    qgemm_rmsnorm(x, T, C, norm_w, eps, h);
+    if (qact_init(&a, h, T, C)) goto done;
+    qmatmul(&a, T, wq, q, num_threads);
+    qmatmul(&a, T, wk, k, num_threads);
+    qmatmul(&a, T, wv, v, num_threads);
+    rope(q, T, heads, D, cos_t, sin_t, positions);
+    rope(k, T, kv_heads, D, cos_t, sin_t, positions);
+    rc = 0;
+done:
+    qact_free(&a); free(h);
+    return rc;
+}
+
+/* After attention: h = x + attn Wo; out = h + Wdown(silu(Wgate n) * Wup n), n = RMSNorm(h).
+ * x, out [T, C]; attn [T, H*D]. */
+int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, const qweight *wo,
+                     const float *norm_w, float eps, const qweight *wgate, const qweight *wup,
+                     const qweight *wdown, float *out, int num_threads) {
+    const int64_t I = wgate->n;
+    float *o = malloc(sizeof(float) * (size_t)(T * C)), *n = malloc(sizeof(float) * (size_t)(T * C));
+    float *g = malloc(sizeof(float) * (size_t)(T * I)), *u = malloc(sizeof(float) * (size_t)(T * I));
+    qact a = {0}, b = {0}, c = {0};
+    int rc = -1;
+    if (!o || !n || !g || !u) goto done;
+    if (qact_init(&a, attn, T, wo->k)) goto done;
+    qmatmul(&a, T, wo, o, num_threads);
+    for (int64_t j = 0; j < T * C; ++j) o[j] += x[j];                     /* h */
+    qgemm_rmsnorm(o, T, C, norm_w, eps, n);
+    if (qact_init(&b, n, T, C)) goto done;
+    qmatmul(&b, T, wgate, g, num_threads);
+    qmatmul(&b, T, wup, u, num_threads);
+    for (int64_t j = 0; j < T * I; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    if (qact_init(&c, g, T, I)) goto done;
+    qmatmul(&c, T, wdown, out, num_threads);
+    for (int64_t j = 0; j < T * C; ++j) out[j] += o[j];
+    rc = 0;
+done:
+    qact_free(&a); qact_free(&b); qact_free(&c);
+    free(o); free(n); free(g); free(u);
+    return rc;
+}
+
+/* ---- attention of a span's new rows over its KV cache ---- */
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+static inline void st8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline float dot_f32(const float *a, const float *b, int64_t D) {
+    v8 acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) acc += ld8(a + i) * ld8(b + i);
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < D; ++i) s += a[i] * b[i];
+    return s;
+}
+
+/* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
+ * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32.
+ * Keys are visited in cache order and masked ones are skipped, never added as zeros: a tree row's
+ * result is that of a 1-row step over the same keys once they are committed in that order. */
+int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
+                    const float *v_cache, int64_t capacity, int64_t L, const uint8_t *mask,
+                    float *out, int num_threads) {
+    const int64_t group = H / Hkv;
+    const float scale = 1.f / sqrtf((float)D);
+    int failed = 0;
+    #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(|:failed)
+    for (int64_t rh = 0; rh < n * H; ++rh) {
+        const int64_t r = rh / H, h = rh % H, kvh = h / group;
+        const float *qr = q + (r * H + h) * D, *K = k_cache + kvh * capacity * D, *V = v_cache + kvh * capacity * D;
+        const uint8_t *mr = mask ? mask + r * L : NULL;
+        float *s = malloc(sizeof(float) * (size_t)L), *o = out + (r * H + h) * D;
+        if (!s) { failed = 1; continue; }
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) {
+            if (mr && !mr[j]) continue;
+            s[j] = dot_f32(qr, K + j * D, D) * scale;
+            if (s[j] > mx) mx = s[j];
+        }
+        float sum = 0.f;
+        for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
+        for (int64_t j = 0; j < L; ++j) {
+            if (mr && !mr[j]) continue;
+            const float p = expf(s[j] - mx);
+            sum += p;
+            const float *vj = V + j * D;
+            int64_t i = 0;
+            const v8 pv = {p, p, p, p, p, p, p, p};
+            for (; i + 8 <= D; i += 8) st8(o + i, ld8(o + i) + pv * ld8(vj + i));
+            for (; i < D; ++i) o[i] += p * vj[i];
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+        free(s);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,159 @@
+"""The native 4-bit/8-bit kernels: block layout, products against a float64 reference of the same
+quantization, batch invariance, the fused layer against the layer's own code, and the fallback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.model import native, quant
+from specdec.model.config import ModelConfig
+from specdec.model.llama import Block, RotaryEmbedding, SequenceSpan
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
+
+
+def q8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels multiply by: x [T, K] -> (int values [T, K], block scale dx [T, K/32]) in float64."""
+    t, k = x.shape
+    blocks = x.double().view(t, k // 32, 32)
+    dx = (blocks.float().abs().amax(-1) / 127).double()
+    inv = torch.where(dx > 0, 127 / blocks.float().abs().amax(-1).double(), torch.zeros_like(dx))
+    xq = torch.round(blocks.float().double() * inv.float().double()[..., None])
+    return xq.view(t, k), dx
+
+
+def q4_layer(n: int, k: int, seed: int) -> tuple[native.QuantLinear, torch.Tensor]:
+    """A random 4-bit layer and its weights [N, K] in float64."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    q, d, m = quant.quantize_q4_1(w)
+    blocks = quant.pack_q4_1("w", q, d, m)["w" + quant.Q4_1_BLOCKS]
+    dense = (q.double().view(n, k // 32, 32) * d.double()[..., None] + m.double()[..., None]).view(n, k)
+    return native.QuantLinear(native.library(), blocks=blocks), dense
+
+
+def test_pack_q4_1_lays_out_the_gguf_block():
+    q = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
+    d, m = torch.tensor([[0.5]], dtype=torch.float16), torch.tensor([[-1.25]], dtype=torch.float16)
+    block = quant.pack_q4_1("w", q, d, m)["w" + quant.Q4_1_BLOCKS]
+    assert block.shape == (1, 20)
+    assert torch.equal(block[0, :2].view(torch.float16), d[0]) and torch.equal(block[0, 2:4].view(torch.float16), m[0])
+    # byte j: element j low, element j + 16 high
+    assert block[0, 4:].tolist() == [(j % 16) | (((j + 16) % 16) << 4) for j in range(16)]
+
+
+def test_quantize_q4_1_is_within_half_a_step():
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(1))
+    q, d, m = quant.quantize_q4_1(w)
+    assert q.max() <= 15 and d.dtype == m.dtype == torch.float16
+    w_hat = q.float().view(16, 3, 32) * d.float()[..., None] + m.float()[..., None]
+    # half a step, plus the group's range lost to fp16 rounding of d and m
+    bound = d.float()[..., None] * 0.5 + 2**-10 * (15 * d.float() + m.float().abs())[..., None] + 1e-6
+    assert ((w_hat - w.view(16, 3, 32)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_q4_product_is_the_blocks_times_the_quantized_activations(rows):
+    layer, dense = q4_layer(72, 96, seed=2)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3))
+    xq, dx = q8_activations(x)
+    # sum_g d dx (q . xq) + m dx sum(xq)  ==  (xq * dx) @ W^T, in float64; only fp32 summation order differs
+    expected = (xq.view(rows, 3, 32) * dx[..., None]).view(rows, 96) @ dense.t()
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_q8_product_is_the_rows_times_the_quantized_activations():
+    t = quant.quantize_int8("w", torch.randn(40, 64, generator=torch.Generator().manual_seed(4)))
+    w, scale = t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE]
+    layer = native.QuantLinear(native.library(), weight=w, scale=scale, bias=torch.ones(40))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    xq, dx = q8_activations(x)
+    expected = (xq.view(5, 2, 32) * dx[..., None]).view(5, 64) @ (w.double() * scale.double()[:, None]).t() + 1
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_a_row_gets_the_same_bits_whatever_the_row_count():
+    layer, _ = q4_layer(64, 64, seed=6)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(7))
+    full = layer(x)
+    assert all(torch.equal(layer(x[i:i + 1]), full[i:i + 1]) for i in range(16))
+    assert all(torch.equal(layer(x[i:i + 5]), full[i:i + 5]) for i in range(11))
+    assert layer(x[:0]).shape == (0, 64)
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
+                       tie_word_embeddings=True)
+
+
+def block_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
+    g, p, out = torch.Generator().manual_seed(8), "model.layers.0.", {}
+    c, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
+    shapes = {"self_attn.q_proj": (c, c), "self_attn.k_proj": (kv, c), "self_attn.v_proj": (kv, c),
+              "self_attn.o_proj": (c, c), "mlp.gate_proj": (i, c), "mlp.up_proj": (i, c), "mlp.down_proj": (c, i)}
+    for name, shape in shapes.items():
+        q, d, m = quant.quantize_q4_1(torch.randn(*shape, generator=g) / 4)
+        out.update(quant.pack_q4_1(p + name, q, d, m))
+    out[p + "input_layernorm.weight"] = 1 + torch.rand(c, generator=g) / 10
+    out[p + "post_attention_layernorm.weight"] = 1 + torch.rand(c, generator=g) / 10
+    return out
+
+
+def test_the_fused_layer_computes_what_the_layer_code_does():
+    config = tiny_config()
+    block, rope = Block(config, block_weights(config), 0), RotaryEmbedding(config, 64, torch.float32)
+    assert block.native is not None
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(9))
+    positions = torch.arange(3, 9)
+
+    def run(use_native: bool) -> torch.Tensor:
+        kc = torch.zeros(1, 2, 16, 16)
+        span = SequenceSpan(0, 6, 3, kc, torch.zeros_like(kc), torch.ones(6, 9, dtype=torch.bool).tril(3))
+        saved = block.native
+        block.native = saved if use_native else None     # the same QuantLinears, called one by one
+        try:
+            return block(x, positions, rope, [span])
+        finally:
+            block.native = saved
+
+    # one RMSNorm summation order differs; everything else is the same products of the same values
+    torch.testing.assert_close(run(True), run(False), atol=2e-3, rtol=2e-3)
+
+
+def test_without_the_library_int4_falls_back_to_torchs_kernels(monkeypatch):
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_status", "disabled by the test")
+    config = tiny_config()
+    from specdec.model.precision import convert_weights
+    weights = convert_weights({"model.layers.0.mlp.up_proj.weight": torch.randn(96, 64)}, config, "int4")
+    assert set(weights) == {"model.layers.0.mlp.up_proj" + quant.INT4_WEIGHT,
+                            "model.layers.0.mlp.up_proj" + quant.INT4_SCALES_ZEROS}
+    assert native.status() == "unavailable: disabled by the test"
+
+
+def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
+    g = torch.Generator().manual_seed(10)
+    heads, kv_heads, dim, cached, capacity = 6, 2, 16, 5, 12
+    k_cache, v_cache = torch.randn(kv_heads, capacity, dim, generator=g), torch.randn(kv_heads, capacity, dim, generator=g)
+    q = torch.randn(4, heads, dim, generator=g)
+    # a tree over 4 new rows: r0 <- r1, r0 <- r2 <- r3 (cache rows 5..8)
+    parents = [-1, 0, 0, 2]
+    mask = torch.zeros(4, cached + 4, dtype=torch.bool)
+    mask[:, :cached] = True
+    for r, parent in enumerate(parents):
+        mask[r, cached + r] = True
+        while parent >= 0:
+            mask[r, cached + parent], parent = True, parents[parent]
+    got = native.attend(native.library(), q, k_cache, v_cache, cached + 4, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k_cache[:, :cached + 4][None], v_cache[:, :cached + 4][None],
+        attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # row 3 after its path r0, r2, r3 is committed to cache rows 5, 6, 7: the same bits
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    for dst, src in enumerate((0, 2, 3)):
+        k2[:, cached + dst], v2[:, cached + dst] = k_cache[:, cached + src], v_cache[:, cached + src]
+    alone = native.attend(native.library(), q[3:4], k2, v2, cached + 3, None)
+    assert torch.equal(alone[0], got[3])
