@@ -31,9 +31,10 @@ from typing import Any, TextIO
 
 import grpc
 
-from specdec.launcher import ServiceError, Stack, StackConfig
+from specdec.launcher import PRIMARY, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
+from specdec.service.auth import authenticated_channel
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
@@ -144,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep the services up, print the gateway address, stop on Ctrl-C / SIGTERM")
     stack.add_argument("--gateway_address", metavar="HOST:PORT",
                        help="use a running gateway instead of starting the services")
+    stack.add_argument("--api_key", metavar="KEY", default=os.environ.get("SPECDEC_API_KEY"),
+                       help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY)")
     return p
 
 
@@ -289,9 +292,9 @@ def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: f
     }
 
 
-def primary_info(address: str) -> dict[str, str]:
+def primary_info(stack: Stack) -> dict[str, str]:
     """The weight format the primary serves and how it was chosen (GetModelInfo)."""
-    with grpc.insecure_channel(address) as channel:
+    with stack.channel(PRIMARY) as channel:
         info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(),
                                                                          timeout=30)
     return {"precision": info.precision, "precision_choice": info.precision_choice}
@@ -313,7 +316,8 @@ def stats_line(result: Result) -> str:
 def run_request(address: str, args: argparse.Namespace, stack_start_s: float | None,
                 primary: dict[str, str] | None = None) -> None:
     req = build_request(args)
-    with grpc.insecure_channel(address) as channel:
+    # An API key travels as the service token does: `authorization: Bearer <key>` on every call.
+    with authenticated_channel(grpc.insecure_channel(address), args.api_key) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         if args.stream:
             result = generate_stream(stub, req, args.timeout, out=None if args.json else sys.stdout)
@@ -381,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         with Stack(stack_config(args)) as stack:
             stack_start_s = time.perf_counter() - started
-            primary = primary_info(stack.addresses["primary"])
+            primary = primary_info(stack)
             say(f"services ready in {stack_start_s:.1f} s (logs: {stack.log_dir}); primary weights "
                 f"{primary['precision']} ({primary['precision_choice']})")
             if args.prompt is not None:

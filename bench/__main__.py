@@ -1,19 +1,21 @@
 """python -m bench [ARGS...]: the headline suite (bench/suite.py; `python -m bench --help`).
 
-python -m bench {engine,validator,drafts,quality,masks} [ARGS...]: one component benchmark (each prints its figures).
+python -m bench {engine,validator,drafts,quality,masks,auth} [ARGS...]: one component benchmark
+(each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size     (bench/engine.py)
     validator  wire bytes, validation time, fp8/bf16 vs fp32 on real logits (bench/validator.py)
     drafts     acceptance per decoder and scenario through the whole pipeline (bench/drafts.py)
     quality    perplexity and greedy agreement with fp32 per weight format     (bench/quality.py)
     masks      the grammar mask's work per constrained step, packed vs bool rows (bench/masks.py)
+    auth       cost of the service token per internal RPC                       (bench/auth.py)
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks")
+BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth")
 
 
 def main() -> None:

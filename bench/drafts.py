@@ -58,7 +58,7 @@ def wait_for_model_decoders(stack: Stack, strategies: Sequence[str], timeout_s: 
     started = time.monotonic()
     if not wanted:
         return 0.0
-    with grpc.insecure_channel(stack.addresses[DRAFT]) as channel:
+    with stack.channel(DRAFT) as channel:
         stub = draft_pb2_grpc.DraftServiceStub(channel)
         for attempt in itertools.count():
             request_id = f"bench-attach-probe-{attempt}"
@@ -179,7 +179,7 @@ def main() -> None:
             results["scenarios"][scenario] = measure_scenario(stub, chosen, strategies, args.max_new_tokens,
                                                               args.adaptive)
             print_scenario(scenario, results["scenarios"][scenario])
-        with grpc.insecure_channel(stack.addresses[PRIMARY]) as ch:
+        with stack.channel(PRIMARY) as ch:
             weight_bytes = primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest()).weight_bytes
         mem = smaps_rollup(stack.pid(DRAFT))
         private_kb = mem.get("Private_Clean", 0) + mem.get("Private_Dirty", 0)

@@ -17,8 +17,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from bench.concurrency import run_sweep
 from bench.peer_process import PeerProcess
 from bench.peers import default_gguf_path, llama_cpp_missing
@@ -165,7 +163,7 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
 
 def served_precision(sut: SystemUnderTest) -> dict[str, str]:
     """The weight format the primary serves (auto's pick) and how it was chosen."""
-    with grpc.insecure_channel(sut.stack.addresses["primary"]) as channel:
+    with sut.stack.channel("primary") as channel:
         info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(), timeout=30)
     return {"precision": info.precision, "precision_choice": info.precision_choice}
 

@@ -22,14 +22,13 @@ import statistics
 import time
 from typing import Any
 
-import grpc
-
 from bench.prompts import BenchPrompt
 from bench.report import BASELINE
 from bench.stack import run_request, system_under_test
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
+from specdec.launcher import Stack
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.sampling import SamplingParams
 from specdec.v1 import primary_pb2, primary_pb2_grpc
@@ -43,7 +42,7 @@ def service_vs_engine(precision: str, num_threads: int, prompt: BenchPrompt, tok
     prompt_ids = tokenizer.encode(prompt.text(tokenizer))
     with system_under_test(precision, num_threads, MAX_CONTEXT) as sut:
         record = run_request(sut, prompt, prompt.scenario, BASELINE, num_steps, False, tokenizer)
-        forward_ms, rpc_ms = _primary_decode_steps(sut.stack.addresses["primary"], prompt_ids, num_steps)
+        forward_ms, rpc_ms = _primary_decode_steps(sut.stack, prompt_ids, num_steps)
     gateway_ms = (record.stats["stage_ms"]["forward"] / max(record.stats["num_steps"], 1)
                   if record.stats is not None else float("nan"))
     engine_ms = _engine_decode_steps(precision, num_threads, prompt_ids, num_steps)
@@ -53,22 +52,23 @@ def service_vs_engine(precision: str, num_threads: int, prompt: BenchPrompt, tok
     return out
 
 
-def _primary_decode_steps(address: str, prompt_ids: list[int], num_steps: int) -> tuple[float, float]:
+def _primary_decode_steps(stack: Stack, prompt_ids: list[int], num_steps: int) -> tuple[float, float]:
     """Median (forward ms, RPC wall ms) of greedy Decode calls made directly to the primary."""
-    with grpc.insecure_channel(address) as channel:
+    with stack.channel("primary") as channel:
         stub = primary_pb2_grpc.PrimaryServiceStub(channel)
-        stub.Prefill(primary_pb2.PrefillRequest(request_id=PROBE_REQUEST_ID, token_ids=prompt_ids))
+        lease = stub.Prefill(primary_pb2.PrefillRequest(request_id=PROBE_REQUEST_ID, token_ids=prompt_ids)).kv_lease
         forward, wall, committed = [], [], []
         try:
             for step in range(num_steps):
                 start = time.perf_counter()
                 resp = stub.Decode(primary_pb2.DecodeRequest(request_id=PROBE_REQUEST_ID,
-                                                             committed_token_ids=committed, step=step))
+                                                             committed_token_ids=committed, step=step,
+                                                             kv_lease=lease))
                 wall.append((time.perf_counter() - start) * 1000)
                 forward.append(resp.forward_ms)
                 committed = [resp.token_id]
         finally:
-            stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=PROBE_REQUEST_ID))
+            stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=PROBE_REQUEST_ID, kv_lease=lease))
     return statistics.median(forward[1:]), statistics.median(wall[1:])
 
 

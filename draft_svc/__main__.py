@@ -26,6 +26,7 @@ from specdec.logging import configure_logging
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.metrics import ServiceMetrics
+from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.v1 import draft_pb2_grpc
@@ -65,9 +66,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = from_args(argv, os.environ)
     configure_logging("draft", level=config.log_level)
     log = structlog.get_logger("draft_svc")
+    service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     if config.num_torch_threads:
         torch.set_num_threads(config.num_torch_threads)
-    client = GrpcPrimaryClient(config.primary_address) if config.primary_address else None
+    client = GrpcPrimaryClient(config.primary_address, service_token=service_token) if config.primary_address else None
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     grammars = corpus = None
@@ -94,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if corpus is not None:
         corpus.start()
     serve(config.server, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-          interceptors=[ErrorInterceptor(metrics)], registry=registry, on_stopped=on_stopped)
+          interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)], registry=registry,
+          on_stopped=on_stopped)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Environment (compose.yaml sets the first five for every service):
     SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S,
     SPECDEC_DRAFT_CORPUS_SOURCES, SPECDEC_DRAFT_CORPUS_PATHS, SPECDEC_DRAFT_CORPUS_MAX_TOKENS,
     SPECDEC_DRAFT_CORPUS_CACHE_DIR,
-    SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR
+    SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR, SPECDEC_SERVICE_TOKEN_FILE, SPECDEC_ALLOW_UNAUTHENTICATED
 """
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ class DraftConfig:
     log_level: str = "INFO"
     model_path: str | None = None   # the model's tokenizer for grammar-forced drafts (None: the default model)
     cache_dir: Path = Path.home() / ".cache" / "specdec" / "models"
+    service_token_file: str = ""      # the shared secret callers must send, and this pool sends the primary
+    is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
 
     def __post_init__(self) -> None:
         if unknown := set(self.pool.strategies) - set(KNOWN_STRATEGIES):
@@ -139,6 +141,12 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
                         "from L/4 to 2L/3)")
     p.add_argument("--max_context", type=int, default=int(env("SPECDEC_DRAFT_MAX_CONTEXT", 0)))
     p.add_argument("--attach_poll_s", type=float, default=float(env("SPECDEC_DRAFT_ATTACH_POLL_S", 5.0)))
+    p.add_argument("--service_token_file", default=env("SPECDEC_SERVICE_TOKEN_FILE", ""),
+                   help="file holding the shared secret of the internal services (required unless "
+                        "--allow_unauthenticated)")
+    p.add_argument("--allow_unauthenticated", action="store_true",
+                   default=env("SPECDEC_ALLOW_UNAUTHENTICATED", "0").lower() in ("1", "true", "yes", "on"),
+                   help="accept calls without the service token (a trusted network only)")
     a = p.parse_args(argv)
     strategies = _names(a.strategies)
     defaults = _names(a.default_strategies) or tuple(n for n in strategies if n in MODEL_FREE_STRATEGIES) \
@@ -152,6 +160,7 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
                                        skipped_layers=_ints(a.skipped_layers)),
             primary_address=a.primary_address, attach_poll_s=a.attach_poll_s, max_context=a.max_context,
             num_torch_threads=a.num_threads, log_level=a.log_level.upper(), model_path=a.model_path,
-            cache_dir=Path(a.cache_dir), corpus=corpus_config(a))
+            cache_dir=Path(a.cache_dir), corpus=corpus_config(a), service_token_file=a.service_token_file,
+            is_unauthenticated_allowed=a.allow_unauthenticated)
     except ValueError as e:
         p.error(str(e))   # exits with status 2 and the message: a configuration error is not a crash

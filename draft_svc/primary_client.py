@@ -5,6 +5,7 @@ import grpc
 
 from draft_svc.weights import ExportedWeights, ModelInfo
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.service.auth import authenticated_channel
 from specdec.service.server import DEFAULT_MAX_MESSAGE_BYTES
 from specdec.v1 import primary_pb2, primary_pb2_grpc
 from specdec.weights.shared import HandleError
@@ -14,10 +15,14 @@ DEFAULT_TIMEOUT_S = 10.0
 
 
 class GrpcPrimaryClient:
-    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, service_token: str | None = None) -> None:
         self.address, self._timeout_s = address, timeout_s
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES)])
+        # Reconnect quickly: after a primary restart the next Attach must find it within a second,
+        # not after gRPC's default backoff (up to two minutes).
+        self._channel = authenticated_channel(grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000)]), service_token)
         self._stub = primary_pb2_grpc.PrimaryServiceStub(self._channel)
 
     def get_model_info(self) -> ModelInfo:

@@ -25,7 +25,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Attach(self, request: draft_pb2.AttachRequest, context: grpc.ServicerContext) -> draft_pb2.AttachResponse:
         if not request.HasField("manifest"):
             raise InvalidArgument("manifest", "is not set")
-        attached = self._attacher.attach(exported_from_pb(request.manifest))
+        attached = self._attacher.attach_offered(exported_from_pb(request.manifest))
         return draft_pb2.AttachResponse(mapped_bytes=attached.mapped_bytes)
 
     def Propose(self, request: draft_pb2.ProposeRequest,
@@ -47,6 +47,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         if self._metrics is not None:
             self._metrics.active_requests.set(self._pool.num_requests)
         return draft_pb2.DraftServiceReleaseResponse()
+
+    def GetPoolInfo(self, request: draft_pb2.GetPoolInfoRequest,
+                    context: grpc.ServicerContext) -> draft_pb2.GetPoolInfoResponse:
+        return draft_pb2.GetPoolInfoResponse(strategies=self._pool.config.strategies)
 
     def _record(self, proposal: Proposal) -> None:
         if self._metrics is None:

@@ -12,9 +12,11 @@ How the attachment is kept current:
 - `current_model()` (called by every Propose) notices a vanished shared-memory segment (the
   primary exited and unlinked it) and wakes the monitor. The old mapping stays valid until the
   new one replaces it: an unlinked segment's pages live while mapped.
-- `attach(exported)` (also the Attach RPC) validates everything before the switch: the manifest's
-  fields (`specdec.weights.shared.attach`), the config, the tensor shapes (one smoke forward), and
-  the draft strategies against the model; a bad one raises InvalidArgument naming the field.
+- `attach(exported)` validates everything before the switch: the manifest's fields
+  (`specdec.weights.shared.attach`), the config, the tensor shapes (one smoke forward), and the
+  draft strategies against the model; a bad one raises InvalidArgument naming the field.
+- `attach_offered(exported)` (the Attach RPC) maps only the memory the primary itself exports:
+  a caller cannot make this process map any other segment.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import structlog
 import torch
 
 from specdec.engine.kv_cache import KVCache
-from specdec.errors import InvalidArgument, SpecdecError
+from specdec.errors import FailedPrecondition, InvalidArgument, SpecdecError
 from specdec.model.config import ModelConfig
 from specdec.model.llama import SequenceSpan, Transformer
 from specdec.weights.shared import KIND_SHARED_MEMORY, SHM_DIR, HandleError, WeightManifest, attach
@@ -111,13 +113,21 @@ class WeightAttacher:
 
     # --- attaching ---------------------------------------------------------------------------------
 
+    def attach_offered(self, exported: ExportedWeights) -> AttachedModel:
+        """attach() a manifest a caller offers, once the primary confirms it exports that memory."""
+        if self._client is None:
+            raise FailedPrecondition("manifest", "this draft pool has no primary_address to check a manifest "
+                                     "against")
+        return self.attach(exported, announced=self._client.export_weights().manifest)
+
     def attach(self, exported: ExportedWeights, instance_id: str | None = None,
-               max_positions: int | None = None) -> AttachedModel:
-        """Validate and map `exported`, then make it the current model (fields in errors: wire paths)."""
+               max_positions: int | None = None, announced: WeightManifest | None = None) -> AttachedModel:
+        """Validate and map `exported`, then make it the current model (fields in errors: wire paths).
+        announced: what the primary exports; `exported` must name the same memory."""
         m = exported.manifest
         config = _parse_config(exported.config_json)
         try:
-            tensors = attach(m)
+            tensors = attach(m, announced)
         except HandleError as e:
             raise InvalidArgument(f"manifest.{wire_field(e.field)}", str(e).split(": ", 1)[-1]) from None
         positions = min(max_positions or config.max_position_embeddings,

@@ -10,6 +10,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
+from gateway.api_keys import ApiKeys
 from gateway.backends import Backends
 from gateway.config import parse_config
 from gateway.server import GenerationServicer
@@ -18,6 +19,7 @@ from specdec.logging import configure_logging
 from specdec.metrics import ServiceMetrics
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
+from specdec.service.auth import service_token_or_exit
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.state_store import StateStoreConfig, open_state_store
@@ -30,12 +32,18 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("gateway", level=config.log_level)
     log = structlog.get_logger("gateway")
+    service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
+    try:
+        api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: --api_keys_file: {e}") from None
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
                                                      show_progress=sys.stderr.isatty()))
     backends = Backends(config.primary_address, config.draft_address, config.validator_address,
-                        config.rpc_timeout_s, config.server.max_message_bytes * 32, config.is_logits_via_handle)
+                        config.rpc_timeout_s, config.server.max_message_bytes * 32, config.is_logits_via_handle,
+                        service_token=service_token)
     give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
     while True:
         try:
@@ -49,10 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     owner = f"gateway@{socket.gethostname()}:{config.server.port}"
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics)
+    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
     log.info("gateway ready", primary=config.primary_address, draft=config.draft_address,
-             validator=config.validator_address, state_store="redis" if config.redis_url else "in-process",
-             max_context=model.max_context)
+             validator=config.validator_address, tls=config.server.is_tls,
+             tenants=None if api_keys is None else sorted(api_keys.tenants),
+             state_store="redis" if config.redis_url else "in-process", max_context=model.max_context)
     if config.redis_url:
         threading.Thread(target=servicer.resume_active, name="resume", daemon=True).start()
     try:

@@ -14,9 +14,10 @@ import grpc
 from specdec import pb
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.compiler import ResponseFormat
-from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound,
                             ResourceExhausted, SpecdecError, Unavailable)
 from specdec.sampling import SamplingParams
+from specdec.service.auth import authenticated_channel
 from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, primary_pb2, primary_pb2_grpc, validator_pb2,
                         validator_pb2_grpc)
 
@@ -77,16 +78,34 @@ def _mask(allowed: TokenBitmask | None) -> common_pb2.TokenMask | None:
     return None if allowed is None else pb.token_mask_to_pb(allowed)
 
 
+# Failures of an internal service that a client may retry; any other is a fault of the service.
+_RETRYABLE = (Unavailable, DeadlineExceeded, ResourceExhausted, Cancelled)
+
+
 def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
     cls = _ERRORS.get(e.code(), Unavailable if e.code() == grpc.StatusCode.UNKNOWN else None)
-    if cls is None:
-        return Unavailable(service, f"{e.code().name}: {e.details()}")
-    return cls(service, e.details() or e.code().name)
+    error = Unavailable(service, f"{e.code().name}: {e.details()}") if cls is None else cls(
+        service, e.details() or e.code().name)
+    error.dependency = service    # the loop recovers from some; a client never sees it as its own (client_error)
+    return error
+
+
+def client_error(error: SpecdecError, request_id: str) -> SpecdecError:
+    """What a client is told of `error`: its own fields' errors as they are; an internal service's
+    failure without naming that service or its details (they belong in the log), as UNAVAILABLE
+    (or the like) when retrying may help, else INTERNAL. Both name the request."""
+    if getattr(error, "dependency", None) is None:
+        return error
+    if isinstance(error, _RETRYABLE):
+        return type(error)("request_id", f"request {request_id!r} could not be completed now; retry later")
+    return Internal("request_id", f"request {request_id!r} failed inside the service; the gateway log has the "
+                    "details")
 
 
 class Backends:
     def __init__(self, primary_address: str, draft_address: str, validator_address: str, timeout_s: float,
-                 max_message_bytes: int = 128 << 20, is_logits_via_handle: bool = False) -> None:
+                 max_message_bytes: int = 128 << 20, is_logits_via_handle: bool = False,
+                 service_token: str | None = None) -> None:
         self.is_logits_via_handle = is_logits_via_handle   # logits through /dev/shm, primary -> validator
         # Reconnect quickly: a restarted service must be found again within a step or two
         # (gRPC's default backoff grows to two minutes).
@@ -94,12 +113,16 @@ class Backends:
                    ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-        self._channels = [grpc.insecure_channel(a, options=options)
+        # service_token: sent on every call (specdec.service.auth); None when the services run without one.
+        self._channels = [authenticated_channel(grpc.insecure_channel(a, options=options), service_token)
                           for a in (primary_address, draft_address, validator_address)]
         self.primary = primary_pb2_grpc.PrimaryServiceStub(self._channels[0])
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.validator = validator_pb2_grpc.ValidatorServiceStub(self._channels[2])
         self.timeout_s = timeout_s
+        # request id -> the primary's lease on its KV slot (PrefillResponse.kv_lease): only the
+        # gateway instance that prefilled a request can step or release it.
+        self._kv_leases: dict[str, str] = {}
 
     def close(self) -> None:
         for c in self._channels:
@@ -121,8 +144,10 @@ class Backends:
     def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> float:
         """Returns the primary's time for the prefill, milliseconds. `num_prompt_tokens`: how many
         of `token_ids` are the prompt (a recovery sends the generated tokens after it)."""
-        return self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(
-            request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens)).time_ms
+        r = self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(
+            request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens))
+        self._kv_leases[request_id] = r.kv_lease
+        return r.time_ms
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
                tree: DraftTree, logits_format: str, allowed: TokenBitmask | None = None) -> Verified:
@@ -131,18 +156,21 @@ class Backends:
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
             tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
             logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format], return_handle=self.is_logits_via_handle,
-            allowed_tokens=_mask(allowed)))
+            allowed_tokens=_mask(allowed), kv_lease=self._kv_leases.get(request_id, "")))
         return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
 
     def decode(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
                sampling: SamplingParams, step: int, allowed: TokenBitmask | None = None) -> tuple[int, float]:
         r = self._call("primary", self.primary.Decode, primary_pb2.DecodeRequest(
             request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
-            sampling=pb.sampling_to_pb(sampling), step=step, allowed_tokens=_mask(allowed)))
+            sampling=pb.sampling_to_pb(sampling), step=step, allowed_tokens=_mask(allowed),
+            kv_lease=self._kv_leases.get(request_id, "")))
         return r.token_id, r.forward_ms
 
     def release_primary(self, request_id: str) -> None:
-        self._call("primary", self.primary.Release, primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id))
+        release = primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id,
+                                                           kv_lease=self._kv_leases.pop(request_id, ""))
+        self._call("primary", self.primary.Release, release)
 
     # --- draft -------------------------------------------------------------------------------
 
@@ -157,6 +185,10 @@ class Backends:
             response_format=None if response_format is None else pb.response_format_to_pb(response_format)))
         return DraftTree(tuple(r.tree.token_ids), tuple(r.tree.parents), tuple(r.node_sources),
                          tuple(r.decoders), {s.name: s.time_ms for s in r.decoder_stats}, r.time_ms)
+
+    def draft_strategies(self) -> tuple[str, ...]:
+        """The strategies the draft pool offers."""
+        return tuple(self._call("draft", self.draft.GetPoolInfo, draft_pb2.GetPoolInfoRequest()).strategies)
 
     def release_draft(self, request_id: str, is_finished: bool) -> None:
         self._call("draft", self.draft.Release,

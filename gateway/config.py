@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from pathlib import Path
 
@@ -31,6 +32,9 @@ class Limits:
     max_speculative_degree: int = 8
     max_draft_length: int = 32
     max_tree_nodes: int = 64
+    # JSON nesting of a response_format schema: deeper ones exhaust the recursion of schema checking
+    # and compiling (RecursionError after seconds of CPU), so they are refused before either runs.
+    max_schema_depth: int = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +84,28 @@ class GatewayConfig:
     # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
     # OpenMP workers of each RPC thread would spin on the cores the primary's forward needs.
     num_threads: int = 1
+    # The shared secret sent to primary, draft and validator (specdec.service.auth); "" with
+    # is_unauthenticated_allowed: send none (services started with --allow_unauthenticated).
+    service_token_file: str = ""
+    is_unauthenticated_allowed: bool = False
+    # The public API: tenants and the hashes of their keys (gateway.api_keys); "" accepts any
+    # caller, and is allowed only on a loopback host unless is_insecure_public_allowed.
+    api_keys_file: str = ""
+    is_insecure_public_allowed: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.server.host):
+            raise ValueError(f"host {self.server.host!r} is reachable from other machines: give --api_keys_file, "
+                             "or --allow_insecure_public to serve anyone who can reach it")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False   # a host name other than localhost: it may resolve to anything
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -130,10 +156,25 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument("--num_threads", type=int, default=int(os.environ.get("SPECDEC_GATEWAY_NUM_THREADS", "1")),
                    help="torch intra-op threads (default 1; 0: torch's default)")
+    p.add_argument("--service_token_file", default=_env("SERVICE_TOKEN_FILE", ""),
+                   help="file holding the shared secret the internal services expect (required unless "
+                        "--allow_unauthenticated)")
+    p.add_argument("--allow_unauthenticated", action="store_true",
+                   default=_env_bool("ALLOW_UNAUTHENTICATED", False),
+                   help="call the internal services without the service token")
+    p.add_argument("--api_keys_file", default=_env("API_KEYS_FILE", ""),
+                   help="tenants and the SHA-256 of their API keys (python -m gateway.api_keys add); every call "
+                        "must carry one of the keys, and a request belongs to the tenant that made it")
+    p.add_argument("--allow_insecure_public", action="store_true",
+                   default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
+                   help="without --api_keys_file, listen on a non-loopback --host anyway")
+    p.add_argument("--tls_cert", default=_env("TLS_CERT", ""), help="PEM certificate chain: serve TLS")
+    p.add_argument("--tls_key", default=_env("TLS_KEY", ""), help="PEM private key of --tls_cert")
     a = p.parse_args(argv)
     return GatewayConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
-                            max_message_bytes=a.max_message_bytes),
+                            max_message_bytes=a.max_message_bytes, tls_cert_file=a.tls_cert,
+                            tls_key_file=a.tls_key),
         primary_address=a.primary_address, draft_address=a.draft_address,
         validator_address=a.validator_address, redis_url=a.redis_url, model_path=a.model_path,
         cache_dir=Path(a.cache_dir),
@@ -145,4 +186,6 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
         grammar=GrammarSettings(max_compile_s=a.max_grammar_compile_s),
         is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
-        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads)
+        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads,
+        service_token_file=a.service_token_file, is_unauthenticated_allowed=a.allow_unauthenticated,
+        api_keys_file=a.api_keys_file, is_insecure_public_allowed=a.allow_insecure_public)

@@ -38,6 +38,7 @@ from gateway.controller import (AdaptiveController, CandidateOutcome, Controller
                                 strategies_for)
 from gateway.config import GRAMMAR_MAX_SPELLINGS, GRAMMAR_STRATEGY
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
+from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
@@ -48,6 +49,11 @@ from specdec.state_store import RequestStatus, StateStore
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
 RECOVERY_POLL_S = 0.5
+# A state store that does not answer (a Redis failover, a blip) is retried after these waits, then
+# every STATE_RETRY_MAX_WAIT_S, for at most max_state_retry_s and never past the request's deadline.
+STATE_RETRY_WAITS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
+STATE_RETRY_MAX_WAIT_S = 1.0
+DEFAULT_MAX_STATE_RETRY_S = 10.0
 
 
 def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
@@ -71,6 +77,30 @@ def fixed_plan(spec: SpeculationParams, max_tree_nodes: int) -> SpeculationPlan:
         return SpeculationPlan()
     return SpeculationPlan(draft_length=spec.draft_length, sources=ranked_sources(cycled_strategies(spec)),
                            max_tree_nodes=max_tree_nodes)
+
+
+def within_context(plan: SpeculationPlan, room: int) -> SpeculationPlan:
+    """plan with its tree no deeper than the context has room for: the primary verifies a tree only
+    when context + depth <= max_context. E.g. context 4089 of 4096, draft_length 16 -> 7; no room
+    left -> a plain step. Output is unchanged: the drafts only propose, the primary decides."""
+    if not plan.is_speculative or plan.draft_length <= room:
+        return plan
+    return dataclasses.replace(plan, draft_length=room) if room >= 1 else SpeculationPlan()
+
+
+def greedy_validation(tree: DraftTree, argmax_token_ids: Sequence[int]) -> Validation:
+    """The greedy rule on the primary's argmaxes (row 0: the root, row i+1: node i): follow the
+    child whose token is its parent's argmax, then the bonus is the last row's argmax.
+    E.g. tree 0:a 1:b(parent 0) 2:c(parent 0), argmax rows [a, c, x, y] -> path [0, 2], bonus y."""
+    accepted: list[int] = []
+    node = -1
+    while True:
+        child = next((i for i in range(tree.num_nodes)
+                      if tree.parents[i] == node and tree.token_ids[i] == argmax_token_ids[node + 1]), None)
+        if child is None:
+            return Validation(tuple(accepted), argmax_token_ids[node + 1], (), ())
+        accepted.append(child)
+        node = child
 
 
 def bounded_config(config: ControllerConfig, spec: SpeculationParams, max_tree_nodes: int) -> ControllerConfig:
@@ -104,7 +134,9 @@ class RequestLoop:
                  cancel: threading.Event, owner: str, deadline: float | None = None,
                  generated: Sequence[int] = (), stats: RequestStats | None = None, *,
                  cost_model: CostModel | None = None, controller_config: ControllerConfig | None = None,
-                 controller_state: Mapping[str, Any] | None = None, grammar: GrammarState | None = None) -> None:
+                 controller_state: Mapping[str, Any] | None = None, grammar: GrammarState | None = None,
+                 validator_state: DependencyState | None = None, draft_state: DependencyState | None = None,
+                 max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
@@ -122,6 +154,10 @@ class RequestLoop:
         self.draft_synced = 0            # generated tokens the draft service has seen
         self.is_draft_open = False
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
+        # Shared by the gateway's requests: whether the validator and the draft service answer.
+        self.validator_state = validator_state or DependencyState("validator")
+        self.draft_state = draft_state or DependencyState("draft")
+        self.max_state_retry_s = max_state_retry_s
         # The response format's grammar, at the end of the committed output (replayed on a resume).
         self.grammar = grammar
         if grammar is not None and not grammar.accept_tokens(self.generated):
@@ -187,6 +223,10 @@ class RequestLoop:
                     finish = FINISH_STOP
                 if kept or delta:
                     yield StepOutput(kept, delta)
+        except GeneratorExit:
+            # The consumer closed the stream: its client cancelled, went away or ran out of time.
+            self._finish(self._stop_signal() or FINISH_CANCELLED)
+            raise
         except BaseException as e:
             self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
             raise
@@ -201,9 +241,14 @@ class RequestLoop:
                       steps=self.stats.num_steps, wall_ms=round((time.perf_counter() - start) * 1000, 1))
 
     def _plan(self) -> SpeculationPlan:
-        if self.controller is None:
-            return self.fixed_plan
-        return self.controller.plan(self.controller_state)
+        plan = self.fixed_plan if self.controller is None else self.controller.plan(self.controller_state)
+        if plan.is_speculative and not self._is_greedy_acceptance() and not self.validator_state.is_retry_due():
+            self.stats.num_validator_fallback_steps += 1
+            return SpeculationPlan()     # no validator to sample against: the primary samples alone
+        return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
+
+    def _is_greedy_acceptance(self) -> bool:
+        return self.params.sampling.is_greedy and self.params.speculation.acceptance_threshold == 0
 
     def _observe(self, plan: SpeculationPlan, outcomes: list[CandidateOutcome] | None) -> None:
         """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran)."""
@@ -240,9 +285,11 @@ class RequestLoop:
             self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed))
         t2 = time.perf_counter()
         mode = "threshold" if spec.acceptance_threshold > 0 else ("greedy" if sampling.is_greedy else "sample")
-        v = self.backends.validate(self.request_id, mode, sampling, spec.acceptance_threshold,
-                                   self.stats.num_steps, tree, verified, allowed)
+        v = self._validate(mode, tree, verified, allowed)
         t3 = time.perf_counter()
+        if v is None:         # the validator is gone and only it can sample: drop this step's tree
+            self._with_primary(lambda: None, is_fresh=True)
+            return [], None
         self.stats.forward_ms += verified.forward_ms
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
@@ -251,6 +298,21 @@ class RequestLoop:
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
             self.stats.stage_ms[stage] += ms * 1000
         return list(self.pending_committed), (outcomes if tree.decoders else None)
+
+    def _validate(self, mode: str, tree: DraftTree, verified, allowed) -> Validation | None:
+        """The validator's decision; while it cannot be reached, the same greedy rule here from the
+        primary's argmaxes, or None (sampling and threshold modes need the validator)."""
+        if self.validator_state.should_call():
+            try:
+                v = self.backends.validate(self.request_id, mode, self.params.sampling,
+                                           self.params.speculation.acceptance_threshold, self.stats.num_steps,
+                                           tree, verified, allowed)
+                self.validator_state.succeeded()
+                return v
+            except Unavailable as e:
+                self.validator_state.failed(str(e))
+        self.stats.num_validator_fallback_steps += 1
+        return greedy_validation(tree, verified.argmax_token_ids) if mode == "greedy" else None
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
@@ -269,6 +331,9 @@ class RequestLoop:
         strategies = strategies_for(plan.sources)
         prompt, new = ((), self.generated[self.draft_synced:]) if self.is_draft_open else (self.prompt_ids,
                                                                                             self.generated)
+        if not self.draft_state.should_call():   # down: no drafts; the primary alone still progresses
+            self.is_draft_open = False
+            return EMPTY_TREE
         try:
             tree = self.backends.propose(self.request_id, prompt, new, strategies, len(strategies),
                                          plan.draft_length, min(plan.max_tree_nodes, self.max_tree_nodes),
@@ -277,10 +342,11 @@ class RequestLoop:
         except NotFound:                         # the draft service restarted: resend the context
             self.is_draft_open = False
             return self._propose(plan) if not prompt else EMPTY_TREE
-        except Unavailable as e:                 # no drafts this step; the primary alone still progresses
-            self.log.warning("draft service unavailable; verifying without drafts", error=str(e))
+        except Unavailable as e:                 # logged once by the state, not at every step
+            self.draft_state.failed(str(e))
             self.is_draft_open = False
             return EMPTY_TREE
+        self.draft_state.succeeded()
         self.is_draft_open = True
         self.draft_synced = len(self.generated)
         return tree
@@ -331,12 +397,21 @@ class RequestLoop:
                       if self._cut_at_stop(self.tokenizer.decode(self.generated + kept[:k]))[1]), len(kept))
             self.stats.num_generated_tokens -= len(kept) - k
             del kept[k:]                                       # the caller yields this same list
-        try:
-            controller = None if self.controller_state is None else self.controller_state.to_dict()
+        controller = None if self.controller_state is None else self.controller_state.to_dict()
+        num_attempts = 0
+
+        def append() -> None:
+            nonlocal num_attempts
+            num_attempts += 1
             self.store.append_step(self.request_id, kept, expected_num_tokens=len(self.generated),
                                    stats=self.stats.to_dict(), controller_state=controller, owner=self.owner)
+
+        try:
+            self._with_state_store(append)
         except FailedPrecondition:
-            return "", False, False
+            if num_attempts == 1 or not self._is_stored(len(self.generated) + len(kept)):
+                return "", False, False
+            # A retried write whose first attempt had been applied (its reply was lost): it is stored.
         finally:
             self.stats.stage_ms["state"] += (time.perf_counter() - t) * 1000
         self.generated.extend(kept)
@@ -354,7 +429,8 @@ class RequestLoop:
         status = {FINISH_CANCELLED: RequestStatus.CANCELLED, FINISH_ERROR: RequestStatus.FAILED,
                   FINISH_DEADLINE: RequestStatus.CANCELLED}.get(finish, RequestStatus.FINISHED)
         try:
-            self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
+            self._with_state_store(lambda: self.store.set_status(self.request_id, status, finish_reason=finish,
+                                                                 error=error))
         except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
             self.log.warning("could not record the final status", error=str(e))
         for release in (lambda: self.backends.release_primary(self.request_id),
@@ -364,6 +440,29 @@ class RequestLoop:
                 release()
             except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
                 pass
+
+    # --- state store retries ---------------------------------------------------------------------
+
+    def _with_state_store(self, write: Callable[[], Any]) -> Any:
+        """write(), retried with bounded backoff while the state store is unavailable; Unavailable once
+        max_state_retry_s (or the request's deadline) would pass."""
+        give_up = time.monotonic() + self.max_state_retry_s
+        if self.deadline is not None:
+            give_up = min(give_up, self.deadline)
+        for attempt in itertools.count():
+            try:
+                return write()
+            except Unavailable as e:
+                wait = STATE_RETRY_WAITS_S[attempt] if attempt < len(STATE_RETRY_WAITS_S) else STATE_RETRY_MAX_WAIT_S
+                if time.monotonic() + wait > give_up or self.cancel.is_set():
+                    raise
+                (self.log.warning if attempt == 0 else self.log.debug)("state store unavailable; retrying",
+                                                                       attempt=attempt + 1, error=str(e))
+                time.sleep(wait)
+
+    def _is_stored(self, num_tokens: int) -> bool:
+        state = self._with_state_store(lambda: self.store.load(self.request_id))
+        return state is not None and len(state.token_ids) == num_tokens and not state.status.is_terminal
 
     # --- primary recovery ----------------------------------------------------------------------
 

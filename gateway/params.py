@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import GRAMMAR_STRATEGY, KNOWN_STRATEGIES, Limits, SpeculationDefaults
 from specdec import pb
 from specdec.errors import InvalidArgument
-from specdec.grammar.compiler import ResponseFormat, check_schema_text
+from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -69,20 +70,58 @@ def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits,
         if not s or len(s) > limits.max_stop_chars:
             raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
     sampling = pb.sampling_from_pb(req.sampling)
-    response_format = response_format_from_pb(req.response_format)
+    response_format = response_format_from_pb(req.response_format, limits.max_schema_depth)
     speculation = _speculation_from_pb(req.speculation, limits, defaults,
                                        is_structured=response_format is not None)
     return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation,
                             response_format)
 
 
-def response_format_from_pb(pb_format: common_pb2.ResponseFormat) -> ResponseFormat | None:
-    """None for free text; else a checked format (the schema parses and is a valid JSON Schema).
-    Compiling it into a grammar is the server's (it takes a deadline)."""
+def response_format_from_pb(pb_format: common_pb2.ResponseFormat,
+                            max_schema_depth: int = Limits.max_schema_depth) -> ResponseFormat | None:
+    """None for free text; else a checked format (not nested deeper than max_schema_depth, the
+    schema parses and is a valid JSON Schema). Compiling it into a grammar is the server's (it
+    takes a deadline)."""
     response_format = pb.response_format_from_pb(pb_format)
     if response_format is not None and response_format.schema_text is not None:
+        depth = json_nesting_depth(response_format.schema_text)
+        if depth > max_schema_depth:
+            raise InvalidArgument(SCHEMA_FIELD, f"nests {depth} levels deep, more than the limit of "
+                                  f"{max_schema_depth} (max_schema_depth)")
         check_schema_text(response_format.schema_text)
     return response_format
+
+
+def json_nesting_depth(text: str) -> int:
+    """How deep the objects and arrays of JSON text nest, by one scan without parsing (and without
+    recursion). Brackets inside strings do not count. E.g. '{"a": [{"b": "[["}]}' -> 3."""
+    depth = max_depth = 0
+    is_in_string = is_escaped = False
+    for c in text:
+        if is_in_string:
+            if is_escaped:
+                is_escaped = False
+            elif c == "\\":
+                is_escaped = True
+            elif c == '"':
+                is_in_string = False
+        elif c == '"':
+            is_in_string = True
+        elif c in "{[":
+            depth += 1
+            max_depth = max(max_depth, depth)
+        elif c in "}]":
+            depth -= 1
+    return max_depth
+
+
+def check_offered(requested: Sequence[str], offered: frozenset[str]) -> None:
+    """Refuse strategies a request names that the draft pool was not started with, before anything
+    runs (adaptive requests ignored them silently, others failed mid-request)."""
+    missing = [s for s in requested if s not in offered]
+    if missing:
+        raise InvalidArgument("speculation.strategies", f"{missing} are not offered by this deployment; "
+                              f"offered: {sorted(offered)}")
 
 
 def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):

@@ -1,4 +1,10 @@
-"""GenerationService servicer (the public API): protobuf -> RequestLoop -> protobuf."""
+"""GenerationService servicer (the public API): protobuf -> RequestLoop -> protobuf.
+
+With API keys (gateway.api_keys) every call names its tenant, and a request belongs to the
+tenant that made it: the id the client sees, "order-1", is "<tenant>/order-1" everywhere behind
+the gateway (state store, primary, draft pool). Another tenant's "order-1" is another request,
+and GetRequest/Cancel of an id the caller's tenant does not hold is NOT_FOUND.
+"""
 from __future__ import annotations
 
 import threading
@@ -7,15 +13,18 @@ import uuid
 
 import structlog
 
-from gateway.backends import Backends, ModelInfo
+from gateway.api_keys import ApiKeys
+from gateway.backends import Backends, ModelInfo, client_error
+from gateway.chat import PromptEncoder
+from gateway.dependencies import DependencyState
 from gateway.config import GatewayConfig
 from gateway.cost_model import cost_model_for
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
-from gateway.params import params_from_pb, params_to_json
+from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import InvalidArgument, NotFound
+from specdec.errors import InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
@@ -36,13 +45,18 @@ STATUSES = {RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: GatewayConfig, backends: Backends, store: StateStore, tokenizer: Tokenizer,
                  model: ModelInfo, owner: str, metrics: ServiceMetrics | None = None,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None, api_keys: ApiKeys | None = None) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
-        self.owner, self.metrics = owner, metrics
+        self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
+        self.prompt_encoder = PromptEncoder(tokenizer)
+        # Whether the validator and the draft service answer, for all requests (gateway.dependencies).
+        self.validator_state, self.draft_state = (DependencyState(name, on_change=self._availability_recorder(name))
+                                                  for name in ("validator", "draft"))
         self.grammars = grammars or Grammars(GrammarCache(GrammarTokenizerInfo.from_tokenizer(
             tokenizer, model.vocab_size), GrammarCacheConfig(config.grammar.max_cached_grammars)), config.grammar)
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
+        self._offered_strategies: frozenset[str] | None = None   # the draft pool's, once it answered
         self._active: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
         self.log = structlog.get_logger("gateway")
@@ -50,47 +64,47 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     # --- RPCs -------------------------------------------------------------------------------
 
     def Generate(self, request, context):
-        loop = self._start(request, context)
+        client_id, loop = self._start(request, context)
         try:
-            for _ in self._observed(loop):
+            for _ in self._observed(loop, client_id):
                 pass
         finally:
             self._forget(loop.request_id)
         o = loop.outcome
-        return gateway_pb2.GenerateResponse(request_id=loop.request_id, text=o.text, token_ids=o.token_ids,
+        return gateway_pb2.GenerateResponse(request_id=client_id, text=o.text, token_ids=o.token_ids,
                                             finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb())
 
     def GenerateStream(self, request, context):
-        loop = self._start(request, context)
+        client_id, loop = self._start(request, context)
         try:
-            for out in self._observed(loop):
-                yield gateway_pb2.GenerateStreamResponse(request_id=loop.request_id, text=out.text,
+            for out in self._observed(loop, client_id):
+                yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text,
                                                          token_ids=out.token_ids)
         finally:
             self._forget(loop.request_id)
         o = loop.outcome
-        yield gateway_pb2.GenerateStreamResponse(request_id=loop.request_id, is_final=True,
+        yield gateway_pb2.GenerateStreamResponse(request_id=client_id, is_final=True,
                                                  finish_reason=FINISH_REASONS[o.finish_reason],
                                                  stats=o.stats.to_pb())
 
     def Cancel(self, request, context):
-        request_id = pb.request_id_from_pb(request.request_id)
+        request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
         with self._lock:
             event = self._active.get(request_id)
         if event is not None:
             event.set()
         state = self.store.load(request_id)
         if state is None and event is None:
-            raise NotFound("request_id", f"no request {request_id!r}")
+            raise NotFound("request_id", f"no request {request.request_id!r}")
         # Another gateway running it sees the status at its next per-step write and stops.
         was_active = self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
         return gateway_pb2.CancelResponse(was_active=was_active or event is not None)
 
     def GetRequest(self, request, context):
-        request_id = pb.request_id_from_pb(request.request_id)
+        request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
         state = self.store.load(request_id)
         if state is None:
-            raise NotFound("request_id", f"no request {request_id!r} (unknown or expired)")
+            raise NotFound("request_id", f"no request {request.request_id!r} (unknown or expired)")
         from gateway.params import params_pb_from_json
         return gateway_pb2.GetRequestResponse(
             status=STATUSES[state.status], params=params_pb_from_json(state.params), token_ids=state.token_ids,
@@ -100,10 +114,26 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _start(self, request, context) -> RequestLoop:
+    def _scoped(self, context, client_id: str) -> str:
+        """The id behind the gateway of the caller's request client_id (Unauthenticated without a valid key)."""
+        if self.api_keys is None:
+            return client_id
+        prefix = f"{self.api_keys.tenant(context.invocation_metadata())}/"
+        if len(prefix) + len(client_id) > pb.MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument("request_id", f"must be at most {pb.MAX_REQUEST_ID_CHARS - len(prefix)} "
+                                  "characters")
+        return prefix + client_id
+
+    def _start(self, request, context) -> tuple[str, RequestLoop]:
+        """(the id the client sees, the request's loop)."""
+        client_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
+        request_id = self._scoped(context, client_id)
         params = params_from_pb(request, self.config.limits, self.config.speculation)
-        request_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
-        prompt_ids = self.tokenizer.encode(params.prompt_text(self.tokenizer))
+        if params.speculation.is_enabled and request.speculation.strategies:
+            offered = self._offered_by_pool()
+            if offered is not None:   # None: the pool is down, and the request runs without drafts anyway
+                check_offered(request.speculation.strategies, offered)
+        prompt_ids = self.prompt_encoder.encode(params)
         field = "prompt" if params.messages is None else "chat.messages"
         if not prompt_ids:
             raise InvalidArgument(field, "the prompt encodes to no tokens")
@@ -117,14 +147,23 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                                                                                      deadline)
         stored = request.__class__()
         stored.CopyFrom(request)
-        stored.request_id = request_id
+        stored.request_id = client_id
         self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
                           status=RequestStatus.RUNNING)
         cancel = threading.Event()
         with self._lock:
             self._active[request_id] = cancel
         context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
-        return self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+        return client_id, self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+
+    def _offered_by_pool(self) -> frozenset[str] | None:
+        """The strategies the draft pool was started with (asked once), None while it cannot be reached."""
+        if self._offered_strategies is None:
+            try:
+                self._offered_strategies = frozenset(self.backends.draft_strategies())
+            except Unavailable:
+                return None
+        return self._offered_strategies
 
     def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None,
                   controller_state=None, grammar=None) -> RequestLoop:
@@ -132,10 +171,29 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         return RequestLoop(request_id, params, prompt_ids, self.backends, self.store, self.tokenizer, self.model,
                            (spec.greedy_logits_format, spec.sample_logits_format), self.config.recovery_timeout_s,
                            self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats,
-                           cost_model=self.cost_model, controller_state=controller_state, grammar=grammar)
+                           cost_model=self.cost_model, controller_state=controller_state, grammar=grammar,
+                           validator_state=self.validator_state, draft_state=self.draft_state)
 
-    def _observed(self, loop: RequestLoop):
-        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics."""
+    def _availability_recorder(self, name: str):
+        if self.metrics is None:
+            return None
+        self.metrics.dependency_available.labels(name).set(1)
+        return lambda is_up: self.metrics.dependency_available.labels(name).set(int(is_up))
+
+    def _observed(self, loop: RequestLoop, client_id: str):
+        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics; an
+        internal service's failure reaches the client as client_error says (the details are logged)."""
+        try:
+            yield from self._measured(loop)
+        except SpecdecError as e:
+            told = client_error(e, client_id)
+            if told is not e:
+                self.log.warning("request failed in a dependency", request_id=loop.request_id,
+                                 dependency=e.dependency, code=e.status_name, error=str(e))
+                raise told from None
+            raise
+
+    def _measured(self, loop: RequestLoop):
         if self.metrics is None:
             yield from loop.run()
             return

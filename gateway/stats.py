@@ -33,6 +33,7 @@ class RequestStats:
     num_steps_by_degree: list[int] = dataclasses.field(default_factory=list)
     num_probe_steps: int = 0     # steps whose drafts re-measured acceptance rather than paid
     task_type: str = ""          # the controller's task type ("" when not adaptive)
+    num_validator_fallback_steps: int = 0   # steps run while the validator could not be reached
 
     @property
     def acceptance_rate(self) -> float:
@@ -93,4 +94,5 @@ class RequestStats:
                                                  num_accepted=self.entropy_accepted[i])
                           for i in range(len(edges) - 1)],
             num_steps_by_draft_length=self.num_steps_by_draft_length, num_steps_by_degree=self.num_steps_by_degree,
-            num_probe_steps=self.num_probe_steps, task_type=self.task_type)
+            num_probe_steps=self.num_probe_steps, task_type=self.task_type,
+            num_validator_fallback_steps=self.num_validator_fallback_steps)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from primary_svc.autotune import CANDIDATES, FLOAT_CANDIDATES, choose_precision_or_fallback
 from primary_svc.config import PrimaryConfig, parse_config
 from primary_svc.costs import measure_verify_costs
+from primary_svc.leases import KVLeases
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.background_compile import BackgroundCompiler
@@ -19,6 +21,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_logging
+from specdec.logits_shm import cleanup_stale_slots
 from specdec.metrics import ServiceMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
@@ -28,15 +31,19 @@ from specdec.model import native
 from specdec.model.precision import AUTO
 from specdec.model.quant import QUANTIZED_PRECISIONS
 from specdec.model.tokenizer import Tokenizer
+from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
 from specdec.v1 import primary_pb2_grpc
+
+LEASE_CHECK_MAX_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("primary_svc", level=config.log_level)
     log = structlog.get_logger("primary_svc")
+    service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
     worker = EngineWorker(None, config.max_batch, config.min_batch, config.max_wait_ms)
@@ -57,9 +64,14 @@ def main(argv: list[str] | None = None) -> None:
     metrics = ServiceMetrics(registry)
     is_compiled = config.tensormt_optimizer and not is_native
     compiler = start_step_compiler(config, loaded.model, metrics) if is_compiled else None
-    servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics)
+    if swept := cleanup_stale_slots():
+        log.info("removed the logits slots of primaries that exited without cleaning up", num_slots=len(swept))
+    servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics, KVLeases(config.kv_lease_s))
+    stop_expiry = threading.Event()
+    threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()
 
     def on_stopped() -> None:
+        stop_expiry.set()
         if compiler is not None:
             compiler.stop()
         worker.stop()
@@ -69,10 +81,22 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         serve(config.server, [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-              interceptors=[ErrorInterceptor(metrics)], registry=registry, on_stopped=on_stopped)
+              interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)], registry=registry,
+              on_stopped=on_stopped)
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def expire_leases(servicer: PrimaryServicer, stop: threading.Event) -> None:
+    """Free the KV slots whose lease ran out, checking a few times per lease period."""
+    log = structlog.get_logger("primary_svc")
+    while not stop.wait(min(servicer.leases.lease_s / 4, LEASE_CHECK_MAX_S)):
+        try:
+            if expired := servicer.expire_idle_requests():
+                log.warning("kv leases expired: slots released", request_ids=expired)
+        except Exception:  # noqa: BLE001 - the thread must outlive one failure
+            log.exception("kv lease expiry failed")
 
 
 def load_engine(config: PrimaryConfig, model_dir: Path, instance_id: str

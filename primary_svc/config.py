@@ -31,6 +31,9 @@ class PrimaryConfig:
     log_level: str = "INFO"
     tensormt_optimizer: bool = False  # compile the decode/verify step in the background (eager until ready)
     compile_mode: str = "default"     # torch.compile mode of that step
+    kv_lease_s: float = 300.0         # a KV slot with no Verify/Decode for this long is released
+    service_token_file: str = ""      # the shared secret callers must send (specdec.service.auth)
+    is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
 
     @property
     def compile_cache_dir(self) -> Path:
@@ -48,6 +51,8 @@ class PrimaryConfig:
             raise ValueError(f"need 1 <= min_batch <= max_batch, got {self.min_batch}, {self.max_batch}")
         if self.max_wait_ms < 0:
             raise ValueError("max_wait_ms must be >= 0")
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
@@ -96,6 +101,15 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
                    help="compile the decode/verify step with torch.compile per row bucket, in a background "
                         "thread; the service serves eagerly until each bucket is ready")
     p.add_argument("--compile_mode", default=_env("COMPILE_MODE", "default"), choices=COMPILE_MODES)
+    p.add_argument("--kv_lease_s", type=float, default=float(_env("KV_LEASE_S", "300")),
+                   help="release a request's KV slot after this many seconds without a Verify or Decode "
+                        "(its gateway died, or never came back after Prefill)")
+    p.add_argument("--service_token_file", default=_env("SERVICE_TOKEN_FILE", ""),
+                   help="file holding the shared secret every caller must send (required unless "
+                        "--allow_unauthenticated)")
+    p.add_argument("--allow_unauthenticated", action="store_true",
+                   default=_parse_bool(_env("ALLOW_UNAUTHENTICATED", "false")),
+                   help="accept calls without the service token (a trusted network only)")
     a = p.parse_args(argv)
     return PrimaryConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
@@ -104,4 +118,6 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         max_kv_bytes=a.max_kv_bytes, num_threads=a.num_threads, max_batch=a.max_batch, min_batch=a.min_batch,
         max_wait_ms=a.max_wait_ms, is_shared_weights=not a.no_shared_weights,
         measure_verify_costs=not a.no_measure_verify_costs, device=a.device, min_gemm_rows=a.min_gemm_rows,
-        log_level=a.log_level, tensormt_optimizer=a.tensormt_optimizer, compile_mode=a.compile_mode)
+        log_level=a.log_level, tensormt_optimizer=a.tensormt_optimizer, compile_mode=a.compile_mode,
+        kv_lease_s=a.kv_lease_s, service_token_file=a.service_token_file,
+        is_unauthenticated_allowed=a.allow_unauthenticated)

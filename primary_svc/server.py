@@ -1,4 +1,9 @@
-"""PrimaryService servicer: protobuf -> engine work -> protobuf. Translation only."""
+"""PrimaryService servicer: protobuf -> engine work -> protobuf. Translation only.
+
+Every request's KV slot is leased to the caller that prefilled it (primary_svc.leases):
+Verify, Decode and Release check the lease first; expire_idle_requests() frees the slots
+nobody called for --kv_lease_s.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -6,6 +11,7 @@ import time
 
 import torch
 
+from primary_svc.leases import KVLeases
 from primary_svc.worker import EngineWorker
 from specdec import pb
 from specdec.engine.engine import Engine
@@ -31,11 +37,12 @@ class ModelIdentity:
 
 class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def __init__(self, loaded: LoadedModel, worker: EngineWorker, identity: ModelIdentity,
-                 max_kv_bytes: int, metrics: ServiceMetrics | None = None) -> None:
+                 max_kv_bytes: int, metrics: ServiceMetrics | None = None, leases: KVLeases | None = None) -> None:
         self.loaded, self.worker, self.identity = loaded, worker, identity
         self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
         self.vocab_size = loaded.config.vocab_size
         self.logits_slots = LogitsSlots(identity.instance_id)
+        self.leases = KVLeases() if leases is None else leases
 
     def GetModelInfo(self, request, context):
         return primary_pb2.GetModelInfoResponse(
@@ -62,23 +69,26 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                                   f"{len(token_ids)} token_ids")
         start = time.perf_counter()
 
-        def run(engine: Engine) -> int:
+        def run(engine: Engine) -> tuple[int, str]:
+            # On the engine thread, like expiry: a lease is never granted to a slot being expired.
             if engine.has_request(request_id):   # a re-prefill (recovery) replaces the old state
+                self.leases.drop(request_id)
                 engine.release(request_id)
             engine.open(request_id, token_ids)
             try:
-                return engine.prefill(request_id, request.num_prompt_tokens)
+                return engine.prefill(request_id, request.num_prompt_tokens), self.leases.grant(request_id)
             except BaseException:
                 engine.release(request_id)
                 raise
 
-        num_cached = self.worker.call(run)
+        num_cached, lease = self.worker.call(run)
         self._observe_kv()
-        return primary_pb2.PrefillResponse(num_cached_tokens=num_cached,
+        return primary_pb2.PrefillResponse(num_cached_tokens=num_cached, kv_lease=lease,
                                            time_ms=(time.perf_counter() - start) * 1000)
 
     def Verify(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
+        self.leases.check(request_id, request.kv_lease)
         token_ids, parents = pb.tree_from_pb(request.tree, self.vocab_size)
         fmt = pb.logits_format_from_pb(request.logits_format)
         allowed = self._allowed_tokens(request, len(token_ids) + 1)
@@ -99,6 +109,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
+        self.leases.check(request_id, request.kv_lease)
         sampling = pb.sampling_from_pb(request.sampling)
         allowed = self._allowed_tokens(request, 1)
 
@@ -115,10 +126,27 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
+        self.leases.check(request_id, request.kv_lease)
+        self.leases.drop(request_id)
         self.logits_slots.release(request_id)
         freed = self.worker.call(lambda engine: engine.release(request_id))
         self._observe_kv()
         return primary_pb2.PrimaryServiceReleaseResponse(freed_kv_bytes=freed)
+
+    def expire_idle_requests(self) -> list[str]:
+        """Release every request whose lease ran out (no call for leases.lease_s); returns their ids."""
+        def run(engine: Engine) -> list[str]:
+            expired = self.leases.take_expired()
+            for request_id in expired:
+                self.logits_slots.release(request_id)
+                if engine.has_request(request_id):
+                    engine.release(request_id)
+            return expired
+
+        expired = self.worker.call(run)
+        if expired:
+            self._observe_kv()
+        return expired
 
     def GetStats(self, request, context):
         engine = self.worker.engine

@@ -79,3 +79,15 @@ class Unimplemented(SpecdecError):
     """The request asks for a feature this deployment does not serve."""
 
     status_name = "UNIMPLEMENTED"
+
+
+class Internal(SpecdecError):
+    """Something failed inside the service that the caller cannot fix (the details are in the log)."""
+
+    status_name = "INTERNAL"
+
+
+class Unauthenticated(SpecdecError):
+    """The caller did not present valid credentials (an API key, the service token)."""
+
+    status_name = "UNAUTHENTICATED"

@@ -13,6 +13,12 @@ wave waiting for grpc.health.v1 SERVING. A service that exits while starting
 fails the start at once with the tail of its log; the log dir is kept then.
 stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
 Linux the kernel also SIGTERMs the services if the launcher itself is killed.
+
+The internal services accept only callers that present the stack's service
+token (specdec.service.auth): start() writes a fresh one into a private
+directory (0700, the file 0600), passes its path to every service with
+--service_token_file, and removes it on stop(). Tests and tools reach an
+internal service through stack.channel(name), which sends the token.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from types import TracebackType
 
 import grpc
 
+from specdec.service.auth import TOKEN_FILE_NAME, authenticated_channel, write_service_token
 from specdec.service.health import check_health
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +96,7 @@ class ServiceSpec:
     depends_on: tuple[str, ...] = ()                  # services that must be SERVING before this one starts
     address_flags: tuple[tuple[str, str], ...] = ()   # (flag, service name): flag gets that service's address
     startup_timeout_s: float = 120.0
+    is_taking_service_token: bool = False             # gets --service_token_file (specdec.service.auth)
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -114,6 +122,7 @@ class StackConfig:
     strategies: tuple[str, ...] = ()         # draft decoders to load; (): the services' defaults
     num_threads: int = 0                     # the primary's torch threads; 0: torch's default
     max_context: int = 4096
+    api_keys_file: Path | None = None        # the gateway's tenants (gateway.api_keys); None: any local caller
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     log_level: str = "INFO"
@@ -146,28 +155,30 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     draft_strategies = ("--strategies", ",".join(offered)) if config.strategies else ()
     gateway_strategies = tuple(s for s in config.strategies if s != GRAMMAR_STRATEGY)
     gateway_strategies = ("--strategies", ",".join(gateway_strategies)) if gateway_strategies else ()
+    api_keys = () if config.api_keys_file is None else ("--api_keys_file", str(config.api_keys_file))
     return (
         ServiceSpec(PRIMARY, (py, "-m", "primary_svc", *model, *cache, "--precision", config.precision,
                               "--max_context", str(config.max_context), "--num_threads", str(config.num_threads)),
                     health_service="specdec.v1.PrimaryService",
-                    startup_timeout_s=config.primary_startup_timeout_s),
+                    startup_timeout_s=config.primary_startup_timeout_s, is_taking_service_token=True),
         # After the primary, although it needs nothing from it: the primary
         # times its verify passes at startup, best done on an otherwise idle CPU.
         ServiceSpec(VALIDATOR, (py, "-m", "validator_svc"), health_service="specdec.v1.ValidatorService",
-                    depends_on=(PRIMARY,), startup_timeout_s=config.startup_timeout_s),
+                    depends_on=(PRIMARY,), startup_timeout_s=config.startup_timeout_s,
+                    is_taking_service_token=True),
         ServiceSpec(DRAFT, (py, "-m", "draft_svc", *model, *cache, *draft_strategies),
                     health_service="specdec.v1.DraftService",
                     depends_on=(PRIMARY,), address_flags=(("--primary_address", PRIMARY),),
-                    startup_timeout_s=config.startup_timeout_s),
+                    startup_timeout_s=config.startup_timeout_s, is_taking_service_token=True),
         # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
         # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
-        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *gateway_strategies,
+        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *gateway_strategies, *api_keys,
                               f"--redis_url={config.redis_url}",
                               "--logits_via_handle"),
                     health_service="specdec.v1.GenerationService", depends_on=(PRIMARY, DRAFT, VALIDATOR),
                     address_flags=(("--primary_address", PRIMARY), ("--draft_address", DRAFT),
                                    ("--validator_address", VALIDATOR)),
-                    startup_timeout_s=config.startup_timeout_s),
+                    startup_timeout_s=config.startup_timeout_s, is_taking_service_token=True),
     )
 
 
@@ -246,9 +257,12 @@ class Stack:
         self._log_dir: Path | None = None
         self._is_temporary_log_dir = False
         self._is_keeping_logs = self.config.is_keeping_logs
+        self._secrets_dir: Path | None = None
+        self._service_token: str | None = None
         # Kills whatever is left if the Stack is dropped or the interpreter
         # exits without stop(); holds the dict, not self.
         self._finalizer = weakref.finalize(self, _kill_all, self._running)
+        self._secrets_finalizer: weakref.finalize | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -257,6 +271,7 @@ class Stack:
             raise RuntimeError("the stack is already running")
         self._running.clear()  # in place: the finalizer holds this dict
         self._open_log_dir()
+        self._write_service_token()
         try:
             for wave in self._waves:
                 launched = [self._launch(spec, port=None) for spec in wave]
@@ -269,6 +284,7 @@ class Stack:
         except BaseException:  # KeyboardInterrupt too: never leave children behind
             self.keep_logs()
             self._terminate_all()
+            self._remove_service_token()
             raise
         return self
 
@@ -281,6 +297,7 @@ class Stack:
         if any(r.process.poll() not in (None, 0, -signal.SIGTERM) for r in self._running.values()):
             self._is_keeping_logs = True
         self._terminate_all()
+        self._remove_service_token()
         if self._is_temporary_log_dir and not self._is_keeping_logs and self._log_dir is not None:
             shutil.rmtree(self._log_dir, ignore_errors=True)
 
@@ -330,6 +347,18 @@ class Stack:
         return self._address(self._get(GATEWAY).port)
 
     @property
+    def service_token(self) -> str:
+        """The secret the internal services of this stack expect from their callers."""
+        if self._service_token is None:
+            raise RuntimeError("the stack has not been started")
+        return self._service_token
+
+    def channel(self, name: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+        """A channel to a service that sends the service token (close it, or use it as a context manager)."""
+        return authenticated_channel(grpc.insecure_channel(self.addresses[name], options=list(options)),
+                                     self.service_token)
+
+    @property
     def log_dir(self) -> Path:
         if self._log_dir is None:
             raise RuntimeError("the stack has not been started")
@@ -362,12 +391,26 @@ class Stack:
             self._log_dir = Path(self.config.log_dir)
             self._log_dir.mkdir(parents=True, exist_ok=True)
 
+    def _write_service_token(self) -> None:
+        if self._secrets_dir is not None:
+            return   # started again without stop(): the services' token stays
+        self._secrets_dir = Path(tempfile.mkdtemp(prefix="specdec-secrets-"))   # 0700
+        self._secrets_finalizer = weakref.finalize(self, shutil.rmtree, self._secrets_dir, True)
+        self._service_token = write_service_token(self._secrets_dir / TOKEN_FILE_NAME)
+
+    def _remove_service_token(self) -> None:
+        if self._secrets_finalizer is not None:
+            self._secrets_finalizer()   # removes the directory, once
+        self._secrets_dir, self._secrets_finalizer = None, None
+
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
         port = free_port(self._host) if port is None else port
         argv = [*spec.command, "--host", self._host, "--port", str(port), "--metrics_port", NO_METRICS_PORT,
                 "--log_level", self.config.log_level]
         for flag, dep in spec.address_flags:
             argv += [flag, self._address(self._get(dep).port)]
+        if spec.is_taking_service_token and self._secrets_dir is not None:
+            argv += ["--service_token_file", str(self._secrets_dir / TOKEN_FILE_NAME)]
         log_path = self.log_dir / f"{spec.name}.log"
         running = _Running(spec, port, argv, log_path, _start_process(argv, log_path, self._env()))
         self._running[spec.name] = running

@@ -1,10 +1,15 @@
 """Verify logits through POSIX shared memory, for a validator on the same machine as the primary.
 
-The primary keeps one segment per active request, `/dev/shm/specdec-logits-<pid>-<n>`, and
-rewrites it at every verify; the handle it returns (segment name, byte count, format, shape,
-fp8 row scales) travels in the protobuf instead of the bytes. One slot per request is enough:
-a request's loop is sequential (verify -> validate -> next verify), so the validator always
-reads a slot before its next overwrite. Slots are removed when the request is released.
+The primary keeps one segment per active request, `/dev/shm/specdec-logits-<pid>-<128 random
+bits>`, and rewrites it at every verify; the handle it returns (segment name, byte count, format,
+shape, fp8 row scales) travels in the protobuf instead of the bytes. One slot per request is
+enough: a request's loop is sequential (verify -> validate -> next verify), so the validator
+always reads a slot before its next overwrite. Slots are removed when the request is released;
+the slots of a primary that died without cleaning up are swept when the next one starts.
+
+A slot is a capability: its name cannot be guessed (a caller that was not handed it cannot make
+the validator read another request's logits) and its file is 0600 (other users of the machine
+cannot read it).
 
 The reader maps the named file read-only and checks every field before using it; a handle
 that does not describe a live slot gets InvalidArgument naming the field.
@@ -14,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import secrets
 import threading
 from pathlib import Path
 
@@ -22,7 +28,10 @@ from specdec.logits_codec import EncodedLogits, encode_logits
 from specdec.weights.shared import SHM_DIR
 
 SLOT_PREFIX = "specdec-logits"
-_SLOT_NAME = re.compile(rf"^{SLOT_PREFIX}-[0-9]+-[0-9]+$")
+SLOT_NAME_BYTES = 16   # random bytes in a slot's name
+SLOT_MODE = 0o600
+_SLOT_NAME = re.compile(rf"^{SLOT_PREFIX}-[0-9]+-[0-9a-f]{{{2 * SLOT_NAME_BYTES}}}$")
+_SLOT_OWNER_PID = re.compile(rf"^{SLOT_PREFIX}-([0-9]+)-")   # any slot name, older formats too
 
 
 class LogitsSlots:
@@ -31,7 +40,6 @@ class LogitsSlots:
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
         self._names: dict[str, str] = {}
-        self._next = 0
         self._lock = threading.Lock()
 
     def write(self, request_id: str, logits, fmt: str) -> tuple[str, EncodedLogits]:
@@ -40,10 +48,10 @@ class LogitsSlots:
         with self._lock:
             name = self._names.get(request_id)
             if name is None:
-                name = self._names[request_id] = f"{SLOT_PREFIX}-{os.getpid()}-{self._next}"
-                self._next += 1
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT, 0o600)
+                name = self._names[request_id] = f"{SLOT_PREFIX}-{os.getpid()}-{secrets.token_hex(SLOT_NAME_BYTES)}"
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, SLOT_MODE)
         try:
+            os.fchmod(fd, SLOT_MODE)   # whatever the umask or an earlier file left
             os.ftruncate(fd, len(encoded.data))
             os.pwrite(fd, encoded.data, 0)
         finally:
@@ -59,6 +67,17 @@ class LogitsSlots:
     def release_all(self) -> None:
         for request_id in list(self._names):
             self.release(request_id)
+
+
+def cleanup_stale_slots() -> list[str]:
+    """Unlink the logits slots of primaries that are no longer running (the pid in the name)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SLOT_PREFIX}-*"):
+        match = _SLOT_OWNER_PID.match(path.name)
+        if match is not None and not Path(f"/proc/{match.group(1)}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 def read_slot(segment_name: str, num_bytes: int, fmt: str, num_rows: int, vocab_size: int,

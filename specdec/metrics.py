@@ -69,6 +69,9 @@ class ServiceMetrics:
         self.kv_bytes = Gauge(
             "kv_bytes", "KV-cache bytes in use.",
             namespace=NAMESPACE, registry=registry)
+        self.dependency_available = Gauge(
+            "dependency_available", "1 while a dependency answers; 0 while the gateway serves without it.",
+            ["dependency"], namespace=NAMESPACE, registry=registry)
         self.compiled_buckets = Gauge(
             "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only).",
             namespace=NAMESPACE, registry=registry)

@@ -92,6 +92,27 @@ def test_gateway_addresses_point_at_the_services(services: dict) -> None:
     assert [(p["target"], p["published"], p["host_ip"]) for p in published] == [(50050, "50050", "127.0.0.1")]
 
 
+def test_internal_calls_carry_the_service_token_secret() -> None:
+    config = json.loads(_compose("config", "--format", "json").stdout)
+    assert config["secrets"]["service_token"]["file"] == str(REPO_ROOT / "secrets" / "service_token")
+    for name in GRPC_SERVICES:
+        service = config["services"][name]
+        assert {"source": "service_token", "target": "/run/secrets/service_token"} in service["secrets"], name
+        assert service["environment"]["SPECDEC_SERVICE_TOKEN_FILE"] == "/run/secrets/service_token", name
+        assert "SPECDEC_ALLOW_UNAUTHENTICATED" not in service["environment"], name
+    assert "secrets" not in config["services"]["redis"]
+
+
+def test_the_public_gateway_needs_api_keys() -> None:
+    """It listens on 0.0.0.0 in its container: without keys it would refuse to start (or serve anyone)."""
+    config = json.loads(_compose("config", "--format", "json").stdout)
+    gateway = config["services"]["gateway"]
+    assert {"source": "api_keys", "target": "/run/secrets/api_keys"} in gateway["secrets"]
+    assert gateway["environment"]["SPECDEC_GATEWAY_API_KEYS_FILE"] == "/run/secrets/api_keys"
+    assert "SPECDEC_GATEWAY_ALLOW_INSECURE_PUBLIC" not in gateway["environment"]
+    assert all("api_keys" not in str(s.get("secrets", "")) for n, s in config["services"].items() if n != "gateway")
+
+
 def test_dockerfile_builds_one_image_with_stubs() -> None:
     lines = [line.strip() for line in (REPO_ROOT / "Dockerfile").read_text().splitlines()]
     assert "FROM python:3.11-slim" in lines
@@ -99,3 +120,4 @@ def test_dockerfile_builds_one_image_with_stubs() -> None:
     assert any(line.startswith("RUN pip install -r requirements.txt") for line in lines)
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert "specdec/v1" in ignored and ".venv" in ignored  # stubs are generated in the image
+    assert "secrets" in ignored   # never baked into the image

@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -53,9 +54,10 @@ serve(ServerConfig(host=a.host, port=a.port, grace_s=0.0), [])
 
 
 def fake(name: str, *args: str, depends_on: tuple[str, ...] = (), address_flags: tuple[tuple[str, str], ...] = (),
-         startup_timeout_s: float = 20.0) -> ServiceSpec:
+         startup_timeout_s: float = 20.0, is_taking_service_token: bool = False) -> ServiceSpec:
     return ServiceSpec(name, (sys.executable, "-c", FAKE_SERVICE, *args), depends_on=depends_on,
-                       address_flags=address_flags, startup_timeout_s=startup_timeout_s)
+                       address_flags=address_flags, startup_timeout_s=startup_timeout_s,
+                       is_taking_service_token=is_taking_service_token)
 
 
 def is_alive(pid: int) -> bool:
@@ -118,6 +120,25 @@ def test_service_specs_pass_the_fixed_flags() -> None:
     assert not any("--model_path" in s.command or "--cache_dir" in s.command for s in defaults)
     with pytest.raises(ValueError, match="strategies"):
         StackConfig(strategies=("a,b",))
+
+
+def test_every_real_service_gets_the_service_token() -> None:
+    assert all(s.is_taking_service_token for s in service_specs(StackConfig()))
+
+
+def test_the_service_token_is_private_shared_and_removed_on_stop(config: StackConfig) -> None:
+    stack = Stack(config, specs=[fake("a", is_taking_service_token=True), fake("b")])
+    with stack:
+        argv = stack.log_path("a").read_text().split()
+        path = Path(argv[argv.index("--service_token_file") + 1])
+        assert path.read_text().strip() == stack.service_token and len(stack.service_token) == 64
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert "--service_token_file" not in stack.log_path("b").read_text(), "only the services that take it"
+        stack.restart("a")
+        argv = stack.log_path("a").read_text().split()
+        assert argv[len(argv) - argv[::-1].index("--service_token_file")] == str(path), "a restart keeps it"
+    assert not path.exists() and not path.parent.exists()
 
 
 def test_log_tail_keeps_the_last_lines(tmp_path: Path) -> None:

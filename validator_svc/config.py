@@ -17,6 +17,8 @@ class ValidatorConfig:
     # Torch intra-op threads. One: a step's validation is a few small ops on the logits, and every
     # extra thread is an OpenMP worker spinning on the cores the primary's forward needs next.
     num_threads: int = 1
+    service_token_file: str = ""      # the shared secret callers must send (specdec.service.auth)
+    is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -39,7 +41,13 @@ def parse_config(argv: list[str] | None = None) -> ValidatorConfig:
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument("--num_threads", type=int, default=int(os.environ.get("SPECDEC_VALIDATOR_NUM_THREADS", "1")),
                    help="torch intra-op threads (default 1; 0: torch's default)")
+    p.add_argument("--service_token_file", default=_env("SERVICE_TOKEN_FILE", ""),
+                   help="file holding the shared secret every caller must send (required unless "
+                        "--allow_unauthenticated)")
+    p.add_argument("--allow_unauthenticated", action="store_true",
+                   default=_env("ALLOW_UNAUTHENTICATED", "0").lower() in ("1", "true", "yes", "on"),
+                   help="accept calls without the service token (a trusted network only)")
     a = p.parse_args(argv)
     return ValidatorConfig(ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
                                         max_message_bytes=a.max_message_bytes), a.device, a.log_level,
-                           a.num_threads)
+                           a.num_threads, a.service_token_file, a.allow_unauthenticated)

@@ -48,6 +48,8 @@ class ServerConfig:
     max_workers: int = DEFAULT_MAX_WORKERS
     grace_s: float = DEFAULT_GRACE_S
     metrics_port: int = 0  # 0: no /metrics endpoint
+    tls_cert_file: str = ""   # PEM certificate chain; with tls_key_file: serve TLS instead of plaintext
+    tls_key_file: str = ""    # PEM private key of that certificate
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -62,6 +64,19 @@ class ServerConfig:
             raise ValueError(f"max_workers must be >= 1, got {self.max_workers}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+
+    @property
+    def is_tls(self) -> bool:
+        return bool(self.tls_cert_file)
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials from the PEM files, or None for plaintext."""
+        if not self.is_tls:
+            return None
+        with open(self.tls_key_file, "rb") as key, open(self.tls_cert_file, "rb") as cert:
+            return grpc.ssl_server_credentials([(key.read(), cert.read())])
 
     @property
     def address(self) -> str:
@@ -93,10 +108,12 @@ class _NameRecorder:
 def create_server(address: str, services: Sequence[tuple[AddServicerFn, Any]], *,
                   max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = DEFAULT_MAX_WORKERS,
                   interceptors: Sequence[grpc.ServerInterceptor] = (),
-                  health_servicer: health.HealthServicer | None = None) -> tuple[grpc.Server, int]:
+                  health_servicer: health.HealthServicer | None = None,
+                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
     """A server (not started) with `services` + health + reflection bound to address.
 
     services: (add_XServicer_to_server, servicer) pairs from the generated stubs.
+    credentials: TLS (ServerConfig.server_credentials()); None serves plaintext.
     Returns the server and the bound port (the real one when address ends in :0).
     """
     options = [
@@ -116,7 +133,7 @@ def create_server(address: str, services: Sequence[tuple[AddServicerFn, Any]], *
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (*recorder.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
     return server, port
@@ -137,7 +154,7 @@ def serve(config: ServerConfig, services: Sequence[tuple[AddServicerFn, Any]], *
     health_servicer = health.HealthServicer()
     server, port = create_server(config.address, services, max_message_bytes=config.max_message_bytes,
                                  max_workers=config.max_workers, interceptors=interceptors,
-                                 health_servicer=health_servicer)
+                                 health_servicer=health_servicer, credentials=config.server_credentials())
     stop = threading.Event() if stop_event is None else stop_event
     previous = {}
     received_signals: list[int] = []
@@ -151,7 +168,7 @@ def serve(config: ServerConfig, services: Sequence[tuple[AddServicerFn, Any]], *
         if registry is not None:
             metrics_server = start_metrics_server(config.metrics_port, registry, host=config.host)
         server.start()
-        log.info("serving", host=config.host, port=port,
+        log.info("serving", host=config.host, port=port, tls=config.is_tls,
                  metrics_port=None if metrics_server is None else metrics_server.port)
         if on_started is not None:
             on_started(port)

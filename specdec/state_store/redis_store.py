@@ -143,10 +143,11 @@ class RedisStateStore:
         now_ms = self._wall_clock_ms()
         args = [encode_json("params", params), status.value, encode_token_ids(prompt_token_ids), self._ttl_ms, now_ms]
         with _redis_errors(request_id):
-            pipe = self._client.pipeline(transaction=False)
-            self._create(self.keys(request_id), args, client=pipe)
-            pipe.zadd(self._active_key, {request_id: now_ms}, nx=True)
-            pipe.execute()
+            # Two round trips, not one pipeline: a refused create (an id that exists) must not reach
+            # the index of active requests. The index key is in another cluster slot than the
+            # request's, so one script cannot write both.
+            self._create(self.keys(request_id), args)
+            self._client.zadd(self._active_key, {request_id: now_ms}, nx=True)
 
     def append_step(self, request_id: str, token_ids: Sequence[int] = (), *,
                     expected_num_tokens: int | None = None, status: RequestStatus | None = None,

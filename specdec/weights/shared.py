@@ -123,9 +123,15 @@ class SharedWeights:
             (SHM_DIR / self.manifest.segment_name).unlink(missing_ok=True)
 
 
-def attach(manifest: WeightManifest) -> dict[str, torch.Tensor]:
-    """Map a peer's segment and return views of every tensor in it, without copying."""
+def attach(manifest: WeightManifest, announced: WeightManifest | None = None) -> dict[str, torch.Tensor]:
+    """Map a peer's segment and return views of every tensor in it, without copying.
+
+    announced: the manifest the owner itself exports; when given, `manifest` must name the same
+    memory (a caller cannot make this process map some other segment or IPC handle)."""
     _check_manifest(manifest)
+    if announced is not None and (manifest.kind, manifest.segment_name, manifest.cuda_ipc_handle) != (
+            announced.kind, announced.segment_name, announced.cuda_ipc_handle):
+        raise HandleError("segment_name", "not the memory the primary exports (ExportWeights)")
     if manifest.kind == KIND_CUDA_IPC:
         base = _cuda_open_exported(manifest)
     else:

@@ -165,6 +165,22 @@ def test_attach_refuses_bad_manifests_naming_the_field(draft, primary, change, f
     assert attacher.attached is None
 
 
+def test_attach_maps_only_the_segment_the_primary_exports(draft, primary, owner):
+    """Another process's valid weight segment (same layout, same size) is refused before it is mapped."""
+    stub, _, attacher = draft
+    impostor = SHM_DIR / f"specdec-weights-{os.getpid()}-impostor"
+    impostor.write_bytes(b"\0" * owner.shared.num_bytes)
+    try:
+        manifest = primary[0].manifest_pb()
+        manifest.memory.segment_name = impostor.name
+        code, details = _code_and_details(lambda: stub.Attach(draft_pb2.AttachRequest(manifest=manifest)))
+    finally:
+        impostor.unlink()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("manifest.memory.segment_name: not the memory the primary exports"), details
+    assert attacher.attached is None
+
+
 def test_attach_maps_a_good_manifest(draft, primary, owner):
     stub, _, attacher = draft
     r = stub.Attach(draft_pb2.AttachRequest(manifest=primary[0].manifest_pb()))
@@ -226,7 +242,8 @@ def test_a_draft_process_maps_the_weights_without_a_private_copy(primary, owner,
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "draft_svc", "--port", "0", "--primary_address", primary_address,
-             "--strategies", "prompt_lookup,early_exit,layer_skip", "--num_threads", "1", "--attach_poll_s", "0.2"],
+             "--strategies", "prompt_lookup,early_exit,layer_skip", "--num_threads", "1", "--attach_poll_s", "0.2",
+             "--allow_unauthenticated"],
             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
     try:
         port = _wait_for_port(log_path, process)
@@ -295,3 +312,9 @@ def _propose_until_model_decoders_run(stub, timeout_s: float = 60.0) -> dict[str
             return {name: round(s.time_ms, 1) for name, s in stats.items()}
         time.sleep(0.2)
     raise TimeoutError("the model-based decoders never ran: the weights were not attached")
+
+
+def test_pool_info_lists_the_strategies_it_was_started_with(draft):
+    stub, _, _ = draft
+    info = stub.GetPoolInfo(draft_pb2.GetPoolInfoRequest(), timeout=10)
+    assert list(info.strategies) == ["prompt_lookup", "early_exit", "layer_skip"]

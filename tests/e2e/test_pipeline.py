@@ -48,7 +48,7 @@ def prompts():
 
 
 def primary_stats(stack) -> primary_pb2.GetStatsResponse:
-    with grpc.insecure_channel(stack.addresses[PRIMARY]) as ch:
+    with stack.channel(PRIMARY) as ch:
         return primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest(), timeout=10)
 
 
@@ -171,10 +171,10 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
             gateway_stub.Generate(gateway_pb2.GenerateRequest(prompt="x" * (8 << 20)), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    with grpc.insecure_channel(stack.addresses[PRIMARY]) as ch:
+    with stack.channel(PRIMARY) as ch:
         manifest = primary_pb2_grpc.PrimaryServiceStub(ch).ExportWeights(primary_pb2.ExportWeightsRequest(),
                                                                           timeout=10).manifest
-    with grpc.insecure_channel(stack.addresses["draft"]) as ch:
+    with stack.channel("draft") as ch:
         draft = draft_pb2_grpc.DraftServiceStub(ch)
         for field, corrupt in (("segment_name", lambda m: setattr(m.memory, "segment_name", "../../etc/passwd")),
                                ("num_bytes", lambda m: setattr(m.memory, "num_bytes", m.memory.num_bytes + 64)),
@@ -185,7 +185,7 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
             with pytest.raises(grpc.RpcError) as e:
                 draft.Attach(draft_pb2.AttachRequest(manifest=bad_manifest), timeout=30)
             assert e.value.code() == bad and field in e.value.details(), (field, e.value.details())
-    with grpc.insecure_channel(stack.addresses["validator"]) as ch:
+    with stack.channel("validator") as ch:
         logits = common_pb2.Logits(inline_logits=common_pb2.InlineLogits(
             format=common_pb2.LOGITS_FORMAT_FP32, num_rows=2, vocab_size=8, data=b"\0" * 12))
         with pytest.raises(grpc.RpcError) as e:

@@ -17,12 +17,13 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from gateway.backends import DraftTree, ModelInfo, Validation, Verified
+from gateway.dependencies import DependencyState
 from gateway.controller import (CandidateOutcome, ControllerConfig, ControllerState, candidate_outcomes,
                                 ranked_sources, strategies_for)
-from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan
+from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan, greedy_validation
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
-from specdec.errors import NotFound
+from specdec.errors import NotFound, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store.memory import InMemoryStateStore
@@ -377,3 +378,177 @@ def test_an_unreadable_stored_controller_state_starts_afresh():
 def test_task_type_is_inferred_when_the_request_gives_none():
     loop = run(make_params(task_type="", max_new_tokens=5), FakeBackends())
     assert loop.stats.task_type == "creative"             # "3 7 1 4 ..." does not look like code
+
+
+@dataclasses.dataclass
+class BoundedPrimary(FakeBackends):
+    """A primary that refuses a tree deeper than its context has room for, as the real one does."""
+
+    max_context: int = MODEL.max_context
+
+    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
+        context = len(self.primary_context) + len(committed_token_ids)
+        depth = max((len(tree_path(tree, i)) for i in range(tree.num_nodes)), default=0)
+        assert context + depth <= self.max_context, f"context {context} + tree depth {depth} > {self.max_context}"
+        return super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
+
+
+def tree_path(tree: DraftTree, node: int) -> list[int]:
+    path = []
+    while node != -1:
+        path.append(node)
+        node = tree.parents[node]
+    return path
+
+
+@pytest.mark.parametrize("is_adaptive", [False, True])
+def test_the_end_of_the_context_clamps_the_tree_and_stops_like_plain_decoding(is_adaptive):
+    """A prompt near max_context with max_new_tokens beyond it: the tree shrinks to the room left
+    (it used to exceed it, and the request FAILED); the output is plain decoding's, ending LENGTH."""
+    max_context = len(PROMPT) + 30
+    backends = BoundedPrimary(max_context=max_context)
+    model = dataclasses.replace(MODEL, max_context=max_context)
+    store = InMemoryStateStore()
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    loop = RequestLoop("r1", make_params(is_adaptive=is_adaptive, degree=2, draft_length=16, max_new_tokens=200),
+                       PROMPT, backends, store, FakeTokenizer(), model, ("fp32", "fp32"), recovery_timeout_s=1.0,
+                       max_tree_nodes=64, cancel=threading.Event(), owner="test")
+    for _ in loop.run():
+        pass
+    assert loop.outcome.finish_reason == "length"
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
+    assert store.load("r1").status == RequestStatus.FINISHED
+    assert any(c["draft_length"] < 16 for name, c in backends.calls if name == "propose"), "the tree was clamped"
+
+
+def test_a_stream_closed_by_its_consumer_is_cancelled_and_released():
+    """A streaming client that goes away closes the loop's generator (GeneratorExit): the request is
+    CANCELLED, not FAILED, and its KV slot and draft state are released."""
+    backends, store = FakeBackends(), InMemoryStateStore()
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    loop = RequestLoop("r1", make_params(max_new_tokens=60), PROMPT, backends, store, FakeTokenizer(), MODEL,
+                       ("fp32", "fp32"), recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(),
+                       owner="test")
+    steps = loop.run()
+    assert next(steps).token_ids
+    steps.close()
+    state = store.load("r1")
+    assert (state.status, state.finish_reason, state.error) == (RequestStatus.CANCELLED, "cancelled", "")
+    assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
+
+
+@dataclasses.dataclass
+class FlakyValidator(FakeBackends):
+    """A validator that cannot be reached while is_down(number of its call) holds."""
+
+    is_down: Callable[[int], bool] = lambda num_call: False
+    num_validate_calls: int = 0
+
+    def validate(self, request_id, mode, sampling, acceptance_threshold, step, tree, verified,
+                 allowed=None) -> Validation:
+        self.num_validate_calls += 1
+        if self.is_down(self.num_validate_calls):
+            if sampling.is_greedy:  # the gateway commits the greedy path itself: the draft fake must know
+                v = greedy_validation(tree, verified.argmax_token_ids)
+                self.truth += [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
+            raise Unavailable("validator", "UNAVAILABLE: connection refused")
+        return super().validate(request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed)
+
+
+def run_with_validator(params: GenerationParams, backends: FakeBackends, retry_s: float) -> RequestLoop:
+    store = InMemoryStateStore()
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    loop = RequestLoop("r1", params, PROMPT, backends, store, FakeTokenizer(), MODEL, ("fp32", "fp32"),
+                       recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(), owner="test",
+                       validator_state=DependencyState("validator", retry_s=retry_s))
+    for _ in loop.run():
+        pass
+    assert store.load("r1").status == RequestStatus.FINISHED
+    return loop
+
+
+def test_greedy_requests_stay_exact_and_speculative_while_the_validator_is_down():
+    """Down for its calls 3..9 (each step probes it: retry_s 0): those steps accept in the gateway
+    from the primary's argmaxes; the output is plain decoding's; validation returns to the validator."""
+    backends = FlakyValidator(is_down=lambda n: 3 <= n <= 9)
+    loop = run_with_validator(make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=80),
+                              backends, retry_s=0.0)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
+    assert loop.stats.num_validator_fallback_steps == 7
+    assert set(backends.steps()) == {"verify"} and backends.num_validate_calls > 9, "back to the validator"
+    assert loop.stats.to_pb().num_validator_fallback_steps == 7
+
+
+def test_sampling_requests_run_plain_steps_while_the_validator_is_down():
+    """Only the validator samples against a tree: the failed step's tree is dropped (re-prefill) and
+    later steps are the primary's own plain steps until the validator answers a probe again."""
+    backends = FlakyValidator(is_down=lambda n: True)
+    params = dataclasses.replace(make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=30),
+                                 sampling=SamplingParams(temperature=0.7, seed=1))
+    loop = run_with_validator(params, backends, retry_s=3600.0)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 30)       # the fake primary ignores temperature
+    assert backends.num_validate_calls == 1 and [n for n, _ in backends.calls].count("prefill") == 2
+    assert backends.steps()[0] == "verify" and set(backends.steps()[1:]) == {"decode"}
+    assert loop.stats.num_validator_fallback_steps == loop.stats.num_steps
+
+
+def test_a_dependency_is_probed_once_per_retry_period_and_each_transition_logged_once():
+    now = [0.0]
+    changes = []
+    state = DependencyState("validator", retry_s=2.0, clock=lambda: now[0], on_change=changes.append)
+    assert state.should_call()
+    state.failed("refused")
+    state.failed("refused")
+    assert not state.is_up and not state.should_call() and not state.is_retry_due()
+    now[0] = 2.5
+    assert state.is_retry_due() and state.should_call() and not state.should_call(), "one probe per period"
+    state.succeeded()
+    state.succeeded()
+    assert state.is_up and changes == [False, True]
+
+
+def test_greedy_validation_follows_the_primarys_argmaxes():
+    # tree 0:a 1:b(parent 0) 2:c(parent 0); argmax rows [a, c, x, y] -> path [0, 2], bonus y
+    a, b, c, x, y = 11, 12, 13, 14, 15
+    tree = DraftTree((a, b, c), (-1, 0, 0), (1, 1, 1), (LOOKUP,), {}, 0.0)
+    assert greedy_validation(tree, (a, c, x, y)) == Validation((0, 2), y, (), ())
+    assert greedy_validation(tree, (b, c, x, y)) == Validation((), b, (), ())
+    assert greedy_validation(DraftTree((), (), (), (), {}, 0.0), (x,)) == Validation((), x, (), ())
+
+
+class BlippingStore(InMemoryStateStore):
+    """A state store that does not answer the writes numbered in `failing`; with is_applying_first,
+    a failing write is applied and then its reply is lost (the ambiguous case)."""
+
+    def __init__(self, failing: set[int], is_applying_first: bool = False) -> None:
+        super().__init__()
+        self.failing, self.is_applying_first, self.num_writes = failing, is_applying_first, 0
+
+    def append_step(self, request_id, token_ids=(), **kwargs):
+        self.num_writes += 1
+        if self.num_writes in self.failing:
+            if self.is_applying_first:
+                super().append_step(request_id, token_ids, **kwargs)
+            raise Unavailable("state_store", "redis: Connection refused")
+        return super().append_step(request_id, token_ids, **kwargs)
+
+
+@pytest.mark.parametrize("is_applying_first", [False, True])
+def test_state_store_blips_are_retried_within_the_request(is_applying_first):
+    store = BlippingStore(failing={2, 3, 4, 7}, is_applying_first=is_applying_first)
+    loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40), FakeBackends(), store)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 40) and loop.outcome.finish_reason == "length"
+    state = store.load("r1")
+    assert state.status == RequestStatus.FINISHED and list(state.token_ids) == loop.outcome.token_ids
+
+
+def test_a_state_store_that_stays_down_fails_the_request_after_the_bounded_retries():
+    store = BlippingStore(failing=set(range(3, 10_000)))
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    loop = RequestLoop("r1", make_params(max_new_tokens=40), PROMPT, FakeBackends(), store, FakeTokenizer(), MODEL,
+                       ("fp32", "fp32"), recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(),
+                       owner="test", max_state_retry_s=0.5)
+    with pytest.raises(Unavailable, match="state_store"):
+        for _ in loop.run():
+            pass
+    assert 3 < store.num_writes < 12, "retried, with backoff, then gave up"

@@ -78,3 +78,39 @@ def test_grammar_drafts_without_a_response_format_are_refused():
     with pytest.raises(InvalidArgument) as e:
         speculation(strategies=["grammar"])
     assert e.value.field == "speculation.strategies"
+
+
+def nested_schema(depth: int) -> str:
+    """An object schema whose properties nest `depth` objects deep (about 2 JSON levels each)."""
+    schema = '{"type": "string"}'
+    for i in range(depth):
+        schema = f'{{"type": "object", "properties": {{"p{i}": {schema}}}, "required": ["p{i}"]}}'
+    return schema
+
+
+def test_a_deeply_nested_schema_is_refused_naming_the_depth_limit():
+    """Depth 150 (12 KB): refused by a scan before any recursive schema check or compile ran
+    (those took 7-18 s of CPU, then failed INTERNAL with a RecursionError)."""
+    with pytest.raises(InvalidArgument) as e:
+        fmt(common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, nested_schema(150))
+    assert e.value.field == "response_format.json_schema"
+    assert "nests 301 levels deep, more than the limit of 64 (max_schema_depth)" in e.value.message
+    assert fmt(common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, nested_schema(20)).response_format is not None
+
+
+def test_json_nesting_depth_ignores_brackets_in_strings():
+    from gateway.params import json_nesting_depth
+    assert json_nesting_depth('{"a": [{"b": "[["}]}') == 3
+    assert json_nesting_depth('{"a": "\\"{{{"}') == 1
+    assert json_nesting_depth("[]") == 1 and json_nesting_depth('"x"') == 0
+
+
+def test_strategies_the_pool_does_not_offer_are_refused_up_front():
+    from gateway.params import check_offered
+    offered = frozenset({"prompt_lookup", "suffix_index", "grammar"})
+    check_offered(["prompt_lookup", "grammar"], offered)
+    with pytest.raises(InvalidArgument) as e:
+        check_offered(["prompt_lookup", "early_exit"], offered)
+    assert e.value.field == "speculation.strategies"
+    assert e.value.message == ("['early_exit'] are not offered by this deployment; "
+                               "offered: ['grammar', 'prompt_lookup', 'suffix_index']")

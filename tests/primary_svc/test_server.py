@@ -1,10 +1,12 @@
-"""PrimaryService in process on port 0: the RPCs over a real model, and their errors."""
+"""PrimaryService in process on port 0: the RPCs over a real model, their errors, and the KV
+leases (only the caller that prefilled a request can step or release it; idle slots expire)."""
 from __future__ import annotations
 
 import grpc
 import pytest
 import torch
 
+from primary_svc.leases import KVLeases
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
@@ -16,6 +18,15 @@ from specdec.service.server import create_server
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
+LEASE_S = 30.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -24,40 +35,43 @@ def primary(default_model_dir):
     engine = Engine(loaded.model, KVCache(loaded.config, torch.float32, max_bytes=64 << 20), 512)
     worker = EngineWorker(engine)
     identity = ModelIdentity("test-model", "instance-1", 512, (2,), {1: 10.0, 8: 15.0})
-    servicer = PrimaryServicer(loaded, worker, identity, 64 << 20)
+    clock = FakeClock()
+    servicer = PrimaryServicer(loaded, worker, identity, 64 << 20, leases=KVLeases(LEASE_S, clock))
     server, port = create_server("127.0.0.1:0", [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
                                  interceptors=[ErrorInterceptor()])
     server.start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield primary_pb2_grpc.PrimaryServiceStub(channel), engine
+        yield primary_pb2_grpc.PrimaryServiceStub(channel), engine, servicer, clock
     server.stop(0)
     worker.stop()
     loaded.shared.unlink()
 
 
 def test_prefill_verify_commit_decode_release(primary):
-    stub, engine = primary
-    stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT))
+    stub, engine, *_ = primary
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT)).kv_lease
+    assert len(lease) == 32
     tree = common_pb2.TokenTree(token_ids=[700, 701, 702], parents=[-1, 0, -1])
-    v = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree,
+    v = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, kv_lease=lease,
                                               logits_format=common_pb2.LOGITS_FORMAT_FP32))
     logits = logits_from_pb(v.logits, "logits")
     assert logits.shape == (4, engine.vocab_size)
     assert list(v.argmax_token_ids) == logits.argmax(-1).tolist()
-    fp8 = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree,
+    fp8 = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, kv_lease=lease,
                                                 logits_format=common_pb2.LOGITS_FORMAT_FP8_E4M3))
     assert list(fp8.argmax_token_ids) == list(v.argmax_token_ids)     # argmax from fp32, whatever the format
-    shm = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, return_handle=True,
+    shm = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, return_handle=True, kv_lease=lease,
                                                 logits_format=common_pb2.LOGITS_FORMAT_FP32))
     assert shm.logits.HasField("handle") and torch.equal(logits_from_pb(shm.logits, "logits"), logits)
     # Accept node 0 and a bonus token; the next plain step continues from there.
-    d = stub.Decode(primary_pb2.DecodeRequest(request_id="r", accepted_nodes=[0], committed_token_ids=[700, 42]))
+    d = stub.Decode(primary_pb2.DecodeRequest(request_id="r", accepted_nodes=[0], committed_token_ids=[700, 42],
+                                              kv_lease=lease))
     assert engine.token_ids("r") == PROMPT + [700, 42]
     assert 0 <= d.token_id < engine.vocab_size
     info = stub.GetModelInfo(primary_pb2.GetModelInfoRequest())
     assert info.vocab_size == engine.vocab_size and info.instance_id == "instance-1"
     assert stub.ExportWeights(primary_pb2.ExportWeightsRequest()).manifest.memory.segment_name
-    freed = stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="r")).freed_kv_bytes
+    freed = stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="r", kv_lease=lease)).freed_kv_bytes
     assert freed > 0 and stub.GetStats(primary_pb2.GetStatsRequest()).kv_bytes == 0
 
 
@@ -74,25 +88,65 @@ def test_prefill_verify_commit_decode_release(primary):
      grpc.StatusCode.INVALID_ARGUMENT, "num_prompt_tokens"),
 ])
 def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, field):
-    stub, engine = primary
-    stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT))
+    stub, engine, *_ = primary
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT)).kv_lease
     method = stub.Prefill if isinstance(request_, primary_pb2.PrefillRequest) else stub.Verify
+    if request_.request_id == "r":       # the caller that holds the lease, with a bad field
+        request_ = type(request_).FromString(request_.SerializeToString())
+        request_.kv_lease = lease
     with pytest.raises(grpc.RpcError) as e:
         method(request_)
     assert e.value.code() == code and field in e.value.details()
-    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="r"))
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="r", kv_lease=lease))
     assert engine.kv_bytes == 0
 
 
 def test_kv_budget_gives_resource_exhausted(primary):
-    stub, engine = primary
+    stub, engine, *_ = primary
+    leases = []
     with pytest.raises(grpc.RpcError) as e:
         for i in range(100):       # 64 MiB of KV at ~46 KB per token: a few requests of 500 tokens
-            stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500))
+            leases.append(stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "kv_cache" in e.value.details()
-    for i in range(100):
-        try:
-            stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=f"fill{i}"))
-        except grpc.RpcError:
-            break
+    for i, lease in enumerate(leases):
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=f"fill{i}", kv_lease=lease))
     assert engine.kv_bytes == 0
+
+
+def test_only_the_lease_holder_can_step_or_release_a_request(primary):
+    """Another caller (no lease, a made-up one, an old one) gets NOT_FOUND, as for an unknown id."""
+    stub, engine, *_ = primary
+    old = stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT)).kv_lease
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT)).kv_lease  # a recovery
+    kv_bytes = engine.kv_bytes
+    for wrong in ("", "0" * 32, old):
+        for call in (lambda: stub.Decode(primary_pb2.DecodeRequest(request_id="victim", committed_token_ids=[9],
+                                                                   kv_lease=wrong)),
+                     lambda: stub.Verify(primary_pb2.VerifyRequest(request_id="victim", kv_lease=wrong)),
+                     lambda: stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="victim",
+                                                                                   kv_lease=wrong))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            assert e.value.details() == "request_id: no active request 'victim' on this primary"
+    assert engine.token_ids("victim") == PROMPT and engine.kv_bytes == kv_bytes, "nothing was stepped or freed"
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="victim", kv_lease=lease))
+    assert engine.kv_bytes == 0
+
+
+def test_slots_without_a_call_for_the_lease_period_are_released(primary):
+    stub, engine, servicer, clock = primary
+    stub.Prefill(primary_pb2.PrefillRequest(request_id="ghost", token_ids=PROMPT))   # nobody follows up
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="busy", token_ids=PROMPT)).kv_lease
+    clock.now += LEASE_S * 0.75
+    stub.Decode(primary_pb2.DecodeRequest(request_id="busy", kv_lease=lease))       # a step renews the lease
+    assert servicer.expire_idle_requests() == []
+    clock.now += LEASE_S * 0.5
+    assert servicer.expire_idle_requests() == ["ghost"]
+    assert not engine.has_request("ghost") and engine.has_request("busy")
+    clock.now += LEASE_S
+    assert servicer.expire_idle_requests() == ["busy"]
+    assert engine.kv_bytes == 0 and engine.num_active_requests == 0
+    with pytest.raises(grpc.RpcError) as e:      # its gateway re-prefills when it sees this
+        stub.Decode(primary_pb2.DecodeRequest(request_id="busy", kv_lease=lease))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -41,3 +41,25 @@ def test_console_format_and_level_check() -> None:
     assert "hello" in stream.getvalue() and not stream.getvalue().startswith("{")
     with pytest.raises(ValueError, match="level"):
         configure_logging("gateway", level="LOUD")
+
+
+def test_a_logged_traceback_carries_no_local_variables() -> None:
+    """An internal error while a request's prompt is in a local variable: the frames are logged,
+    the prompt is not."""
+    stream = io.StringIO()
+    configure_logging("gateway", stream=stream)
+
+    def step(prompt: str) -> None:
+        token_ids = [ord(c) for c in prompt]
+        raise RuntimeError(f"step failed after {len(token_ids)} tokens")
+
+    try:
+        step("SECRET PROMPT: my bank password is hunter2")
+    except RuntimeError:
+        structlog.get_logger().exception("rpc_internal_error")
+    line = stream.getvalue()
+    assert "hunter2" not in line and "SECRET" not in line
+    event = json.loads(line)
+    frames = event["exception"][0]["frames"]
+    assert [f["name"] for f in frames][-1] == "step" and all("locals" not in f or not f["locals"] for f in frames)
+    assert event["exception"][0]["exc_value"] == "step failed after 42 tokens"

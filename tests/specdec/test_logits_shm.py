@@ -1,13 +1,19 @@
 """Logits through shared-memory slots: the handle decodes to what inline bytes would, bad handles
-are refused naming the field, released slots are gone."""
+are refused naming the field, released slots are gone, names are unguessable, files private,
+and the slots of dead primaries are swept."""
 from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from specdec import pb
 from specdec.errors import InvalidArgument
-from specdec.logits_shm import LogitsSlots
+from specdec.logits_shm import LogitsSlots, cleanup_stale_slots, read_slot
 from specdec.weights.shared import SHM_DIR
 
 
@@ -52,3 +58,30 @@ def test_bad_handles_name_the_field(slots):
     assert not (SHM_DIR / name).exists()
     with pytest.raises(InvalidArgument, match="no logits slot"):
         pb.logits_from_pb(good, "target_logits")
+
+
+def test_slot_names_are_unguessable_and_private(slots):
+    names = {slots.write(f"req{i}", torch.randn(1, 8), "fp32")[0] for i in range(3)}
+    assert len(names) == 3
+    for name in names:
+        pid, secret = name.removeprefix("specdec-logits-").split("-")
+        assert pid == str(os.getpid()) and len(secret) == 32 and int(secret, 16) >= 0   # 128 random bits
+        assert stat.S_IMODE((SHM_DIR / name).stat().st_mode) == 0o600
+    guessed = f"specdec-logits-{os.getpid()}-0"   # the sequential names of the past
+    with pytest.raises(InvalidArgument, match="not a logits slot name"):
+        read_slot(guessed, 32, "fp32", 1, 8, None, "target_logits")
+
+
+def test_slots_of_dead_primaries_are_swept_and_live_ones_kept(slots):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = [SHM_DIR / f"specdec-logits-{dead_pid}-{'ab' * 16}", SHM_DIR / f"specdec-logits-{dead_pid}-7"]
+    for path in stale:
+        path.write_bytes(b"\0" * 16)
+    live, _ = slots.write("req", torch.randn(1, 8), "fp32")
+    try:
+        assert {p.name for p in stale} <= set(cleanup_stale_slots())   # others' stale slots may go too
+        assert not any(p.exists() for p in stale) and (SHM_DIR / live).exists()
+    finally:
+        for path in stale:
+            path.unlink(missing_ok=True)

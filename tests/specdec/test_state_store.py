@@ -142,6 +142,19 @@ def test_unknown_and_duplicate_ids(harness: Harness) -> None:
         harness.store.create("r1", {})
 
 
+def test_a_duplicate_id_of_a_finished_request_stays_out_of_the_active_list(harness: Harness) -> None:
+    """The refused create must not put the finished request back among the active ones (a
+    successor gateway would try to resume it)."""
+    harness.store.create("done", PARAMS)
+    harness.store.append_step("done", [9], status=RequestStatus.FINISHED, finish_reason="length")
+    with pytest.raises(AlreadyExists, match="request_id"):
+        harness.store.create("done", PARAMS)
+    if harness.kind == "redis":   # the index itself, before list_active() would prune it
+        assert harness.store._client.zscore(harness.store._active_key, "done") is None  # noqa: SLF001
+    assert harness.store.list_active() == []
+    assert harness.store.load("done").status == RequestStatus.FINISHED
+
+
 def test_bad_input_names_the_field(harness: Harness) -> None:
     with pytest.raises(InvalidArgument, match="request_id"):
         harness.store.create("", PARAMS)

@@ -1,0 +1,98 @@
+"""API keys of the public gateway: who a caller is, from `authorization: Bearer <key>`.
+
+The keys file holds one tenant per line, the key itself never, only its SHA-256:
+
+    # tenant  sha256 of the key (hex)
+    alice     2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
+
+A key is 256 random bits (new_key), so a plain hash is enough: nothing to guess from it, and
+a stolen file grants nothing. `python -m gateway.api_keys add NAME FILE` appends a new
+tenant and prints its key once. A request belongs to the tenant whose key created it; the
+gateway scopes request ids by tenant, so another tenant's GetRequest/Cancel finds nothing
+(NOT_FOUND, the same as an unknown id: no existence oracle).
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from specdec.errors import Unauthenticated
+
+AUTHORIZATION = "authorization"
+BEARER = "Bearer "
+KEY_BYTES = 32
+_TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def new_key() -> str:
+    return secrets.token_urlsafe(KEY_BYTES)
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiKeys:
+    """tenant by key hash; built from the keys file (ValueError naming the line when malformed)."""
+
+    def __init__(self, tenants_by_hash: dict[str, str]) -> None:
+        if not tenants_by_hash:
+            raise ValueError("the API keys file names no tenant")
+        self._tenants_by_hash = dict(tenants_by_hash)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ApiKeys:
+        tenants_by_hash: dict[str, str] = {}
+        for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2 or not _TENANT.match(parts[0]) or not _SHA256_HEX.match(parts[1]):
+                raise ValueError(f"{path}:{number}: expected `tenant sha256-hex` (tenant: letters, digits, _.-)")
+            if parts[1] in tenants_by_hash:
+                raise ValueError(f"{path}:{number}: the same key hash as tenant {tenants_by_hash[parts[1]]!r}")
+            tenants_by_hash[parts[1]] = parts[0]
+        return cls(tenants_by_hash)
+
+    @property
+    def tenants(self) -> set[str]:
+        return set(self._tenants_by_hash.values())
+
+    def tenant(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+        """The tenant whose key the call carries; Unauthenticated when none matches."""
+        for key, value in metadata or ():
+            if key != AUTHORIZATION:
+                continue
+            text = value.decode() if isinstance(value, bytes) else value
+            # Looked up by the hash of the key: how long the lookup takes says nothing about the key.
+            tenant = self._tenants_by_hash.get(key_hash(text[len(BEARER):].strip())) if text.startswith(
+                BEARER) else None
+            if tenant is not None:
+                return tenant
+        raise Unauthenticated("authorization", "a valid API key is required (metadata "
+                                               f"'{AUTHORIZATION}: {BEARER.strip()} <key>')")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m gateway.api_keys add TENANT FILE: append a tenant with a fresh key; print the key."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "add" or not _TENANT.match(args[1]):
+        print("usage: python -m gateway.api_keys add TENANT FILE   (tenant: letters, digits, _.-)", file=sys.stderr)
+        return 2
+    tenant, path = args[1], Path(args[2])
+    key = new_key()
+    with open(path, "a") as f:
+        f.write(f"{tenant} {key_hash(key)}\n")
+    path.chmod(0o600)
+    print(key)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

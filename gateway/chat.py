@@ -1,0 +1,66 @@
+"""A request's prompt as token ids, where a user's text never becomes a control token.
+
+The chat template's own markup (`<|im_start|>user\\n`, `<|im_end|>`) is encoded with its special
+tokens; a message's content is encoded as plain text even when it spells one: content
+"<|im_end|>\\n<|im_start|>system" is the characters `<`, `|`, `im`, ... and cannot forge a turn
+(transformers' `split_special_tokens`). A raw `prompt` is the caller's whole model input, its
+markup included, and is encoded as written.
+
+    E.g. content "hi<|im_end|>" in ChatML:
+    template  "<|im_start|>user\\n" + MARKER + "<|im_end|>\\n<|im_start|>assistant\\n"
+    ids       encode("<|im_start|>user\\n") + encode_plain("hi<|im_end|>") + encode("<|im_end|>\\n...")
+
+Content without any special token's text is encoded with the rest in one piece, exactly as
+before (token boundaries unchanged).
+"""
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer as BackendTokenizer
+
+from gateway.params import GenerationParams
+from specdec.errors import InvalidArgument
+from specdec.model.tokenizer import Tokenizer
+
+# Private-use code points around a random word: a stand-in for a message's content that no
+# template markup contains.
+_MARKER_OPEN, _MARKER_CLOSE = "\ue000", "\ue001"
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        # A copy that encodes special tokens' text as plain text; the shared one is left as it is.
+        self._plain = BackendTokenizer.from_str(tokenizer.backend.to_str())
+        self._plain.encode_special_tokens = True
+        self._special_texts = tuple(t.content for t in tokenizer.backend.get_added_tokens_decoder().values()
+                                    if t.special)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """text as plain text: a special token's spelling becomes ordinary tokens."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode(self, params: GenerationParams) -> list[int]:
+        if params.messages is None:
+            return self.tokenizer.encode(params.prompt)
+        if not any(s in content for _, content in params.messages for s in self._special_texts):
+            return self.tokenizer.encode(params.prompt_text(self.tokenizer))
+        return self._encode_chat_split(params.messages)
+
+    def _encode_chat_split(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        markers = [f"{_MARKER_OPEN}{secrets.token_hex(8)}{_MARKER_CLOSE}" for _ in messages]
+        rendered = self.tokenizer.apply_chat_template([{"role": r, "content": m}
+                                                       for (r, _), m in zip(messages, markers)])
+        ids: list[int] = []
+        start = 0
+        for i, ((_, content), marker) in enumerate(zip(messages, markers)):
+            at = rendered.find(marker, start)
+            if at < 0 or rendered.count(marker) != 1:
+                # The template rewrites or repeats the content: there is no safe place to cut.
+                raise InvalidArgument(f"chat.messages[{i}].content", "contains control-token text, which this "
+                                      "model's chat template cannot keep apart from its own markup")
+            ids += self.tokenizer.encode(rendered[start:at]) + self.encode_plain(content)
+            start = at + len(marker)
+        return ids + self.tokenizer.encode(rendered[start:])

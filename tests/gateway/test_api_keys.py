@@ -1,0 +1,60 @@
+"""API keys of the public gateway: the file holds hashes only, a call's key names its tenant,
+anything else is UNAUTHENTICATED; a public host needs keys unless explicitly allowed."""
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from gateway.api_keys import ApiKeys, key_hash, main
+from gateway.config import is_loopback, parse_config
+from specdec.errors import Unauthenticated
+
+
+def test_add_appends_a_hash_and_prints_the_key_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "api_keys"
+    assert main(["add", "alice", str(path)]) == 0
+    alice = capsys.readouterr().out.strip()
+    assert main(["add", "bob", str(path)]) == 0
+    bob = capsys.readouterr().out.strip()
+    text = path.read_text()
+    assert alice not in text and bob not in text and key_hash(alice) in text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    keys = ApiKeys.from_file(path)
+    assert keys.tenants == {"alice", "bob"}
+    assert keys.tenant([("authorization", f"Bearer {alice}")]) == "alice"
+    assert keys.tenant([("user-agent", "x"), ("authorization", f"Bearer {bob}".encode())]) == "bob"
+    assert main(["add", "no spaces", str(path)]) == 2
+
+
+@pytest.mark.parametrize("metadata", [None, [], [("authorization", "Bearer wrong")], [("authorization", "key")],
+                                      [("x-api-key", "Bearer k")]])
+def test_calls_without_a_known_key_are_unauthenticated(tmp_path: Path, metadata) -> None:
+    path = tmp_path / "api_keys"
+    path.write_text(f"# tenant hash\nalice {key_hash('k')}\n")
+    with pytest.raises(Unauthenticated, match="authorization"):
+        ApiKeys.from_file(path).tenant(metadata)
+
+
+@pytest.mark.parametrize("text, match", [("alice k\n", ":1:"), (f"a b {key_hash('k')}\n", ":1:"),
+                                         (f"alice {key_hash('k')}\nbob {key_hash('k')}\n", "same key"),
+                                         ("# nobody\n", "no tenant")])
+def test_a_malformed_keys_file_is_refused_naming_the_line(tmp_path: Path, text: str, match: str) -> None:
+    path = tmp_path / "api_keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        ApiKeys.from_file(path)
+
+
+def test_a_public_host_needs_api_keys_or_an_explicit_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HOST", "API_KEYS_FILE", "ALLOW_INSECURE_PUBLIC"):
+        monkeypatch.delenv(f"SPECDEC_{name}", raising=False)
+        monkeypatch.delenv(f"SPECDEC_GATEWAY_{name}", raising=False)
+    assert parse_config([]).server.host == "127.0.0.1"
+    with pytest.raises(ValueError, match="--api_keys_file"):
+        parse_config(["--host", "0.0.0.0"])
+    assert parse_config(["--host", "0.0.0.0", "--allow_insecure_public"]).is_insecure_public_allowed
+    assert parse_config(["--host", "0.0.0.0", "--api_keys_file", str(tmp_path / "keys")]).api_keys_file
+    assert all(map(is_loopback, ("127.0.0.1", "127.3.2.1", "::1", "[::1]", "localhost")))
+    assert not any(map(is_loopback, ("0.0.0.0", "::", "10.0.0.1", "gateway.example.com")))

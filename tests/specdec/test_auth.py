@@ -1,0 +1,99 @@
+"""Service identity in process on port 0: the token interceptor refuses calls
+without the right token (UNAUTHENTICATED, before the servicer runs), for unary
+and streaming methods and for reflection; health stays open; the token file
+is private and a service refuses to start without one unless told to."""
+from __future__ import annotations
+
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specdec.service import ErrorInterceptor, create_server
+from specdec.service.auth import (ServiceTokenError, ServiceTokenInterceptor, authenticated_channel,
+                                  load_service_token, new_service_token, read_service_token, write_service_token)
+from specdec.v1 import gateway_pb2, gateway_pb2_grpc, validator_pb2, validator_pb2_grpc
+
+TOKEN = new_service_token()
+
+
+class CountingValidator(validator_pb2_grpc.ValidatorServiceServicer):
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def Validate(self, request, context):  # noqa: ANN001, ANN201, N802 - the RPC's name
+        self.num_calls += 1
+        return validator_pb2.ValidateResponse(bonus_token=7)
+
+
+class StreamingGateway(gateway_pb2_grpc.GenerationServiceServicer):
+    def GenerateStream(self, request, context):  # noqa: ANN001, ANN201, N802 - the RPC's name
+        yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id, is_final=True)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[str, CountingValidator]]:
+    validator = CountingValidator()
+    server, port = create_server(
+        "127.0.0.1:0", [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, validator),
+                        (gateway_pb2_grpc.add_GenerationServiceServicer_to_server, StreamingGateway())],
+        interceptors=[ServiceTokenInterceptor(TOKEN), ErrorInterceptor()])
+    server.start()
+    yield f"127.0.0.1:{port}", validator
+    server.stop(None)
+
+
+@pytest.mark.parametrize("token", [None, "0" * 64, TOKEN[:-1], TOKEN + "0"], ids=["none", "wrong", "short", "long"])
+def test_calls_without_the_right_token_are_unauthenticated(served, token: str | None) -> None:
+    address, validator = served
+    with authenticated_channel(grpc.insecure_channel(address), token) as channel:
+        with pytest.raises(grpc.RpcError) as unary:
+            validator_pb2_grpc.ValidatorServiceStub(channel).Validate(validator_pb2.ValidateRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as stream:
+            list(gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+                gateway_pb2.GenerateRequest(request_id="x"), timeout=10))
+        with pytest.raises(grpc.RpcError) as reflection:
+            list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    for e in (unary, stream, reflection):
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        assert TOKEN not in e.value.details()
+    assert validator.num_calls == 0, "the servicer never ran"
+
+
+def test_the_right_token_reaches_the_servicer_and_health_needs_none(served) -> None:
+    address, validator = served
+    with authenticated_channel(grpc.insecure_channel(address), TOKEN) as channel:
+        reply = validator_pb2_grpc.ValidatorServiceStub(channel).Validate(validator_pb2.ValidateRequest(), timeout=10)
+        assert reply.bonus_token == 7 and validator.num_calls == 1
+        final = list(gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+            gateway_pb2.GenerateRequest(request_id="x"), timeout=10))
+        assert final[-1].is_final
+    with grpc.insecure_channel(address) as channel:   # probes carry no secret
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_token_file_is_private_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "service_token"
+    path.write_text("old")
+    path.chmod(0o644)
+    token = write_service_token(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_service_token(path) == token and len(token) == 64
+    assert write_service_token(path) != token, "each call writes a fresh secret"
+
+
+def test_a_service_needs_a_token_unless_told_otherwise(tmp_path: Path) -> None:
+    with pytest.raises(ServiceTokenError, match="--service_token_file"):
+        load_service_token("", is_unauthenticated_allowed=False)
+    assert load_service_token("", is_unauthenticated_allowed=True) is None
+    with pytest.raises(ServiceTokenError, match="at least"):
+        (tmp_path / "short").write_text("secret\n")
+        load_service_token(str(tmp_path / "short"), is_unauthenticated_allowed=False)
+    with pytest.raises(ServiceTokenError, match="No such file"):
+        load_service_token(str(tmp_path / "missing"), is_unauthenticated_allowed=True)
