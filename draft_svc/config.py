@@ -31,6 +31,7 @@ from draft_svc.strategies.prompt_lookup import PromptLookupDecoder
 from draft_svc.strategies.self_draft import MODEL_STRATEGIES, SelfDraftConfig
 from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndexConfig
 from specdec.logging import LOG_LEVELS
+from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 CORPUS_STRATEGY = CorpusDecoder.name   # needs the model's tokenizer and a corpus index (built on first use)
@@ -141,12 +142,7 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
                         "from L/4 to 2L/3)")
     p.add_argument("--max_context", type=int, default=int(env("SPECDEC_DRAFT_MAX_CONTEXT", 0)))
     p.add_argument("--attach_poll_s", type=float, default=float(env("SPECDEC_DRAFT_ATTACH_POLL_S", 5.0)))
-    p.add_argument("--service_token_file", default=env("SPECDEC_SERVICE_TOKEN_FILE", ""),
-                   help="file holding the shared secret of the internal services (required unless "
-                        "--allow_unauthenticated)")
-    p.add_argument("--allow_unauthenticated", action="store_true",
-                   default=env("SPECDEC_ALLOW_UNAUTHENTICATED", "0").lower() in ("1", "true", "yes", "on"),
-                   help="accept calls without the service token (a trusted network only)")
+    add_service_token_arguments(p, lambda name, default: env("SPECDEC_" + name, default))
     a = p.parse_args(argv)
     strategies = _names(a.strategies)
     defaults = _names(a.default_strategies) or tuple(n for n in strategies if n in MODEL_FREE_STRATEGIES) \

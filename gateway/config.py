@@ -11,6 +11,7 @@ from pathlib import Path
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
 from specdec.logits_codec import FORMATS
+from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a response_format
@@ -156,12 +157,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument("--num_threads", type=int, default=int(os.environ.get("SPECDEC_GATEWAY_NUM_THREADS", "1")),
                    help="torch intra-op threads (default 1; 0: torch's default)")
-    p.add_argument("--service_token_file", default=_env("SERVICE_TOKEN_FILE", ""),
-                   help="file holding the shared secret the internal services expect (required unless "
-                        "--allow_unauthenticated)")
-    p.add_argument("--allow_unauthenticated", action="store_true",
-                   default=_env_bool("ALLOW_UNAUTHENTICATED", False),
-                   help="call the internal services without the service token")
+    add_service_token_arguments(p, _env, is_server=False)
     p.add_argument("--api_keys_file", default=_env("API_KEYS_FILE", ""),
                    help="tenants and the SHA-256 of their API keys (python -m gateway.api_keys add); every call "
                         "must carry one of the keys, and a request belongs to the tenant that made it")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
+from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 
@@ -104,12 +105,7 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
     p.add_argument("--kv_lease_s", type=float, default=float(_env("KV_LEASE_S", "300")),
                    help="release a request's KV slot after this many seconds without a Verify or Decode "
                         "(its gateway died, or never came back after Prefill)")
-    p.add_argument("--service_token_file", default=_env("SERVICE_TOKEN_FILE", ""),
-                   help="file holding the shared secret every caller must send (required unless "
-                        "--allow_unauthenticated)")
-    p.add_argument("--allow_unauthenticated", action="store_true",
-                   default=_parse_bool(_env("ALLOW_UNAUTHENTICATED", "false")),
-                   help="accept calls without the service token (a trusted network only)")
+    add_service_token_arguments(p, _env)
     a = p.parse_args(argv)
     return PrimaryConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import os
 
+from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 from validator_svc.paths import DEVICES
 
@@ -41,12 +42,7 @@ def parse_config(argv: list[str] | None = None) -> ValidatorConfig:
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument("--num_threads", type=int, default=int(os.environ.get("SPECDEC_VALIDATOR_NUM_THREADS", "1")),
                    help="torch intra-op threads (default 1; 0: torch's default)")
-    p.add_argument("--service_token_file", default=_env("SERVICE_TOKEN_FILE", ""),
-                   help="file holding the shared secret every caller must send (required unless "
-                        "--allow_unauthenticated)")
-    p.add_argument("--allow_unauthenticated", action="store_true",
-                   default=_env("ALLOW_UNAUTHENTICATED", "0").lower() in ("1", "true", "yes", "on"),
-                   help="accept calls without the service token (a trusted network only)")
+    add_service_token_arguments(p, _env)
     a = p.parse_args(argv)
     return ValidatorConfig(ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
                                         max_message_bytes=a.max_message_bytes), a.device, a.log_level,

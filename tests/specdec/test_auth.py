@@ -97,3 +97,16 @@ def test_a_service_needs_a_token_unless_told_otherwise(tmp_path: Path) -> None:
         load_service_token(str(tmp_path / "short"), is_unauthenticated_allowed=False)
     with pytest.raises(ServiceTokenError, match="No such file"):
         load_service_token(str(tmp_path / "missing"), is_unauthenticated_allowed=True)
+
+
+def test_every_service_reads_the_token_flags_from_one_definition():
+    import argparse
+
+    from specdec.service.auth import add_service_token_arguments
+    env = {"SERVICE_TOKEN_FILE": "/run/secrets/t", "ALLOW_UNAUTHENTICATED": "yes"}
+    p = argparse.ArgumentParser()
+    add_service_token_arguments(p, lambda name, default: env.get(name, default))
+    a = p.parse_args([])
+    assert (a.service_token_file, a.allow_unauthenticated) == ("/run/secrets/t", True)
+    with pytest.raises(ValueError, match="SPECDEC_ALLOW_UNAUTHENTICATED must be true or false"):
+        add_service_token_arguments(argparse.ArgumentParser(), lambda name, default: "maybe")
