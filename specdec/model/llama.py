@@ -238,6 +238,9 @@ class Transformer:
         # Native attention computes each row alone over its keys in cache order, skipping masked ones:
         # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
         self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
+        # Every layer native: a whole forward's layers in one native call where the spans allow it
+        self.native_stack = (native.NativeStack(native.library(), self.layers)
+                             if self.is_attention_row_exact and all(b.native for b in self.layers) else None)
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
         # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the
@@ -264,9 +267,13 @@ class Transformer:
             if logits is not None:
                 return logits
         x = self.embed(input_ids)                          # [T, C]
-        chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
-        for i in chosen:
-            x = self.layers[i](x, positions, self.rope, spans)
+        if (self.native_stack is not None and num_layers is None and layer_ids is None
+                and self.native_stack.fits(spans)):
+            x = self.native_stack(x, positions, self.rope, spans)
+        else:
+            chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
+            for i in chosen:
+                x = self.layers[i](x, positions, self.rope, spans)
         if logits_rows is not None:
             x = x[logits_rows]                             # [R, C]: only rows whose logits are needed
         return self.lm_head(self.norm(x)).float()          # [R, V]

@@ -96,6 +96,32 @@ static inline int dot_q8_portable(const int8_t *w, const int8_t *y) {
     return s;
 }
 
+#if QGEMM_AVX2
+/* TILE rows of activations against one 4-bit weight row, unrolled so the accumulators stay in
+ * registers: the same per-row operations, in the same order, as q4_row (same bits). */
+static void q4_row_tile(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
+                        int64_t K, float *out, int64_t N) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *b = row + g * Q4_BLOCK;
+        uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
+        const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
+        const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
+        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), low);
+        const int8_t *y = xq + g * QK;
+#define Q4_STEP(t, acc, summ) \
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]), \
+                              dot_lanes(q, _mm256_loadu_si256((const __m256i *)(y + t * K))), acc); \
+        summ += m * sx[t * G + g];
+        Q4_STEP(0, a0, m0) Q4_STEP(1, a1, m1) Q4_STEP(2, a2, m2) Q4_STEP(3, a3, m3)
+#undef Q4_STEP
+    }
+    out[0] = hsum8(a0) + m0; out[N] = hsum8(a1) + m1; out[2 * N] = hsum8(a2) + m2; out[3 * N] = hsum8(a3) + m3;
+}
+#endif
+
 /* rows t0..t0+nt (nt <= TILE) of one 4-bit weight row */
 static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
                    int64_t K, int nt, float *out, int64_t N) {
@@ -163,6 +189,9 @@ void qgemm_q4(const int8_t *xq, const float *dx, const float *sx, int64_t T, int
         const uint8_t *row = w + n * G * Q4_BLOCK;
         for (int64_t t = 0; t < T; t += TILE) {
             const int nt = T - t < TILE ? (int)(T - t) : TILE;
+#if QGEMM_AVX2
+            if (nt == TILE) { q4_row_tile(row, G, xq + t * K, dx + t * G, sx + t * G, K, out + t * N + n, N); continue; }
+#endif
             q4_row(row, G, xq + t * K, dx + t * G, sx + t * G, K, nt, out + t * N + n, N);
         }
     }
@@ -315,13 +344,53 @@ typedef float v8 __attribute__((vector_size(32)));
 static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void st8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
+static inline float hsum_v8(v8 acc) {
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
 static inline float dot_f32(const float *a, const float *b, int64_t D) {
     v8 acc = {0};
     int64_t i = 0;
     for (; i + 8 <= D; i += 8) acc += ld8(a + i) * ld8(b + i);
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    float s = hsum_v8(acc);
     for (; i < D; ++i) s += a[i] * b[i];
     return s;
+}
+
+/* exp of every element of s[0, m) in place, lane by lane the same operations whatever m or the
+ * element's position (so a row's probabilities do not depend on how many keys share the call). */
+#if QGEMM_AVX2
+static inline __m256 exp8(__m256 x) {        /* Cephes' expf polynomial: |error| <= 2 ulp on [-87, 88] */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(.5f)));
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+static void exp_shifted(float *s, int64_t m, float shift) {
+    int64_t i = 0;
+#if QGEMM_AVX2
+    const __m256 sh = _mm256_set1_ps(shift);
+    for (; i + 8 <= m; i += 8) _mm256_storeu_ps(s + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh)));
+    if (i < m) {                             /* the tail through the same lanes */
+        float t[8];
+        for (int j = 0; j < 8; ++j) t[j] = i + j < m ? s[i + j] : shift;
+        _mm256_storeu_ps(t, exp8(_mm256_sub_ps(_mm256_loadu_ps(t), sh)));
+        for (int j = 0; i + j < m; ++j) s[i + j] = t[j];
+    }
+#else
+    for (; i < m; ++i) s[i] = expf(s[i] - shift);
+#endif
 }
 
 /* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
@@ -334,34 +403,121 @@ int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D
     const int64_t group = H / Hkv;
     const float scale = 1.f / sqrtf((float)D);
     int failed = 0;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(|:failed)
-    for (int64_t rh = 0; rh < n * H; ++rh) {
-        const int64_t r = rh / H, h = rh % H, kvh = h / group;
-        const float *qr = q + (r * H + h) * D, *K = k_cache + kvh * capacity * D, *V = v_cache + kvh * capacity * D;
-        const uint8_t *mr = mask ? mask + r * L : NULL;
-        float *s = malloc(sizeof(float) * (size_t)L), *o = out + (r * H + h) * D;
-        if (!s) { failed = 1; continue; }
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < L; ++j) {
-            if (mr && !mr[j]) continue;
-            s[j] = dot_f32(qr, K + j * D, D) * scale;
-            if (s[j] > mx) mx = s[j];
-        }
-        float sum = 0.f;
-        for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
-        for (int64_t j = 0; j < L; ++j) {
-            if (mr && !mr[j]) continue;
-            const float p = expf(s[j] - mx);
-            sum += p;
-            const float *vj = V + j * D;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        int64_t *keys = malloc(sizeof(int64_t) * (size_t)(L ? L : 1));   /* the row's visible keys */
+        float *s = malloc(sizeof(float) * (size_t)(L ? L : 1));            /* their scores, then p */
+        failed = !keys || !s;
+        #pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < n * H; ++rh) {
+            if (!keys || !s) continue;
+            const int64_t r = rh / H, h = rh % H, kvh = h / group;
+            const float *qr = q + (r * H + h) * D, *K = k_cache + kvh * capacity * D, *V = v_cache + kvh * capacity * D;
+            const uint8_t *mr = mask ? mask + r * L : NULL;
+            float *o = out + (r * H + h) * D;
+            int64_t m = 0;
+            for (int64_t j = 0; j < L; ++j)
+                if (!mr || mr[j]) keys[m++] = j;
+            float mx = -INFINITY;
             int64_t i = 0;
-            const v8 pv = {p, p, p, p, p, p, p, p};
-            for (; i + 8 <= D; i += 8) st8(o + i, ld8(o + i) + pv * ld8(vj + i));
-            for (; i < D; ++i) o[i] += p * vj[i];
+            /* four keys at a time (independent chains); a short last group repeats its last key, so
+             * every key's score comes from the same instructions wherever it falls */
+            if (D % 8 == 0)
+                for (; i < m; i += 4) {
+                    const int64_t last = m - 1;
+                    const float *k0 = K + keys[i] * D, *k1 = K + keys[i + 1 < m ? i + 1 : last] * D;
+                    const float *k2 = K + keys[i + 2 < m ? i + 2 : last] * D, *k3 = K + keys[i + 3 < m ? i + 3 : last] * D;
+                    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+                    for (int64_t e = 0; e < D; e += 8) {
+                        const v8 qv = ld8(qr + e);
+                        c0 += qv * ld8(k0 + e); c1 += qv * ld8(k1 + e); c2 += qv * ld8(k2 + e); c3 += qv * ld8(k3 + e);
+                    }
+                    const float g[4] = {hsum_v8(c0) * scale, hsum_v8(c1) * scale, hsum_v8(c2) * scale,
+                                        hsum_v8(c3) * scale};
+                    for (int j = 0; j < 4 && i + j < m; ++j) {
+                        s[i + j] = g[j];
+                        if (g[j] > mx) mx = g[j];
+                    }
+                }
+            for (; i < m; ++i) {
+                s[i] = dot_f32(qr, K + keys[i] * D, D) * scale;
+                if (s[i] > mx) mx = s[i];
+            }
+            exp_shifted(s, m, mx);
+            float sum = 0.f;
+            for (int64_t i = 0; i < m; ++i) sum += s[i];
+            /* o[c] = sum_i p_i v_i[c], i ascending; 64 columns at a time held in registers */
+            int64_t c = 0;
+            for (; c + 64 <= D; c += 64) {
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+                for (int64_t i = 0; i < m; ++i) {
+                    const float p = s[i], *vj = V + keys[i] * D + c;
+                    const v8 pv = {p, p, p, p, p, p, p, p};
+                    a0 += pv * ld8(vj); a1 += pv * ld8(vj + 8); a2 += pv * ld8(vj + 16); a3 += pv * ld8(vj + 24);
+                    a4 += pv * ld8(vj + 32); a5 += pv * ld8(vj + 40); a6 += pv * ld8(vj + 48); a7 += pv * ld8(vj + 56);
+                }
+                st8(o + c, a0); st8(o + c + 8, a1); st8(o + c + 16, a2); st8(o + c + 24, a3);
+                st8(o + c + 32, a4); st8(o + c + 40, a5); st8(o + c + 48, a6); st8(o + c + 56, a7);
+            }
+            for (; c < D; ++c) {
+                float a = 0.f;
+                for (int64_t i = 0; i < m; ++i) a += s[i] * V[keys[i] * D + c];
+                o[c] = a;
+            }
+            const float inv = sum > 0.f ? 1.f / sum : 0.f;
+            for (int64_t i = 0; i < D; ++i) o[i] *= inv;
         }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t i = 0; i < D; ++i) o[i] *= inv;
-        free(s);
+        free(keys); free(s);
     }
     return failed ? -1 : 0;
+}
+
+/* ---- a whole forward's decoder layers in one call ---- */
+
+typedef struct {             /* one decoder layer: its norms and seven products */
+    const float *norm1, *norm2;
+    float eps1, eps2;
+    const qweight *q, *k, *v, *o, *gate, *up, *down;
+} qlayer;
+
+typedef struct {             /* rows [start, start + n) of the batch: one sequence's new tokens */
+    int64_t start, n, num_cached;
+    float *k_cache, *v_cache;    /* layer l at + l * layer_stride: [Hkv, capacity, D] */
+    int64_t layer_stride, capacity;
+    const uint8_t *mask;         /* [n, num_cached + n] (1 = attend) or NULL: all */
+} qspan;
+
+/* x [T, C] in place: every layer of `layers` in turn, each exactly as qgemm_layer_pre, the cache
+ * write, qgemm_attention per span and qgemm_layer_post do it one call at a time (same bits). */
+int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t num_layers, int64_t H,
+                  int64_t Hkv, int64_t D, const float *cos_t, const float *sin_t, const int64_t *positions,
+                  const qspan *spans, int64_t num_spans, int num_threads) {
+    float *q = malloc(sizeof(float) * (size_t)(T * H * D)), *k = malloc(sizeof(float) * (size_t)(T * Hkv * D));
+    float *v = malloc(sizeof(float) * (size_t)(T * Hkv * D));
+    float *attn = calloc((size_t)(T * H * D), sizeof(float));   /* rows outside every span stay 0 */
+    float *out = malloc(sizeof(float) * (size_t)(T * C));
+    int rc = (q && k && v && attn && out) ? 0 : -1;
+    for (int64_t l = 0; l < num_layers && !rc; ++l) {
+        const qlayer *ly = layers + l;
+        rc = qgemm_layer_pre(x, T, C, ly->norm1, ly->eps1, ly->q, ly->k, ly->v, H, Hkv, D, cos_t, sin_t,
+                             positions, q, k, v, num_threads);
+        for (int64_t si = 0; si < num_spans && !rc; ++si) {
+            const qspan *s = spans + si;
+            float *kc = s->k_cache + l * s->layer_stride, *vc = s->v_cache + l * s->layer_stride;
+            for (int64_t r = 0; r < s->n; ++r)
+                for (int64_t h = 0; h < Hkv; ++h) {
+                    const int64_t src = ((s->start + r) * Hkv + h) * D, dst = (h * s->capacity + s->num_cached + r) * D;
+                    memcpy(kc + dst, k + src, sizeof(float) * (size_t)D);
+                    memcpy(vc + dst, v + src, sizeof(float) * (size_t)D);
+                }
+            rc = qgemm_attention(q + s->start * H * D, s->n, H, Hkv, D, kc, vc, s->capacity, s->num_cached + s->n,
+                                 s->mask, attn + s->start * H * D, num_threads);
+        }
+        if (!rc)
+            rc = qgemm_layer_post(x, attn, T, C, ly->o, ly->norm2, ly->eps2, ly->gate, ly->up, ly->down, out,
+                                  num_threads);
+        if (!rc) memcpy(x, out, sizeof(float) * (size_t)(T * C));
+    }
+    free(q); free(k); free(v); free(attn); free(out);
+    return rc;
 }

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from specdec.engine.engine import Engine
+from specdec.engine.engine import Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.sampling import SamplingParams
@@ -106,3 +106,35 @@ def test_a_recovered_request_continues_bit_for_bit(quantized_engine):
     recovered = engine.verify("recovered", (), ())
     engine.release("recovered")
     assert torch.equal(recovered, live)
+
+
+def test_the_one_call_native_stack_equals_the_layer_by_layer_path(quantized_engine):
+    """Where every layer is native, a forward's layers run as one native call (`NativeStack`): the
+    same arithmetic in the same order as the per-layer calls, so prefill, a batched verify of two
+    trees and their cache rows come out bit for bit the same."""
+    engine, model = quantized_engine, quantized_engine.model
+    if model.native_stack is None:
+        pytest.skip("the native kernels are unavailable here")
+    trees = [([5, 6, 7, 8], [-1, 0, 0, 2]), ([9, 10, 11], [-1, -1, 1])]
+
+    def run(stack) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        saved, model.native_stack = model.native_stack, stack
+        try:
+            for name in ("a", "b"):
+                engine.open(name, PROMPT[:10] if name == "a" else PROMPT)
+                engine.prefill(name)
+            logits = engine.verify_batch([VerifyWork(n, t, p) for n, (t, p) in zip("ab", trees)])
+            kv = []
+            for name, (tokens, _) in zip("ab", trees):    # the context, the chain row and the tree's rows
+                c = engine._requests[name].kv
+                end = c.num_cached + 1 + len(tokens)
+                kv.append(torch.cat([c.k[:, :, :end].flatten(), c.v[:, :, :end].flatten()]))
+            return logits, kv
+        finally:
+            model.native_stack = saved
+            for name in ("a", "b"):
+                engine.release(name)
+
+    (one_call, one_call_kv), (per_layer, per_layer_kv) = run(model.native_stack), run(None)
+    assert all(torch.equal(x, y) for x, y in zip(one_call, per_layer))
+    assert all(torch.equal(x, y) for x, y in zip(one_call_kv, per_layer_kv))
