@@ -180,34 +180,42 @@ static void q8_row(const int8_t *w, float scale, int64_t G, const int8_t *xq, co
 #endif
 }
 
+/* output column n of out [T, N] = x [T, K] @ W^T, W given as 4-bit blocks [N, K/32 * 20] */
+static inline void q4_column(const int8_t *xq, const float *dx, const float *sx, int64_t T, int64_t K,
+                             const uint8_t *w, int64_t n, int64_t N, float *out) {
+    const int64_t G = K / QK;
+    const uint8_t *row = w + n * G * Q4_BLOCK;
+    for (int64_t t = 0; t < T; t += TILE) {
+        const int nt = T - t < TILE ? (int)(T - t) : TILE;
+#if QGEMM_AVX2
+        if (nt == TILE) { q4_row_tile(row, G, xq + t * K, dx + t * G, sx + t * G, K, out + t * N + n, N); continue; }
+#endif
+        q4_row(row, G, xq + t * K, dx + t * G, sx + t * G, K, nt, out + t * N + n, N);
+    }
+}
+
+/* output column n of out [T, N] = x [T, K] @ (W * scale[:, None])^T, W int8 [N, K] */
+static inline void q8_column(const int8_t *xq, const float *dx, int64_t T, int64_t K, const int8_t *w,
+                             const float *scale, int64_t n, int64_t N, float *out) {
+    const int64_t G = K / QK;
+    for (int64_t t = 0; t < T; t += TILE) {
+        const int nt = T - t < TILE ? (int)(T - t) : TILE;
+        q8_row(w + n * K, scale[n], G, xq + t * K, dx + t * G, K, nt, out + t * N + n, N);
+    }
+}
+
 /* out [T, N] = x [T, K] @ W^T, W given as 4-bit blocks [N, K/32 * 20] */
 void qgemm_q4(const int8_t *xq, const float *dx, const float *sx, int64_t T, int64_t K,
               const uint8_t *w, int64_t N, float *out, int num_threads) {
-    const int64_t G = K / QK;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        const uint8_t *row = w + n * G * Q4_BLOCK;
-        for (int64_t t = 0; t < T; t += TILE) {
-            const int nt = T - t < TILE ? (int)(T - t) : TILE;
-#if QGEMM_AVX2
-            if (nt == TILE) { q4_row_tile(row, G, xq + t * K, dx + t * G, sx + t * G, K, out + t * N + n, N); continue; }
-#endif
-            q4_row(row, G, xq + t * K, dx + t * G, sx + t * G, K, nt, out + t * N + n, N);
-        }
-    }
+    for (int64_t n = 0; n < N; ++n) q4_column(xq, dx, sx, T, K, w, n, N, out);
 }
 
 /* out [T, N] = x [T, K] @ (W * scale[:, None])^T, W int8 [N, K] */
 void qgemm_q8(const int8_t *xq, const float *dx, int64_t T, int64_t K,
               const int8_t *w, const float *scale, int64_t N, float *out, int num_threads) {
-    const int64_t G = K / QK;
     #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-        for (int64_t t = 0; t < T; t += TILE) {
-            const int nt = T - t < TILE ? (int)(T - t) : TILE;
-            q8_row(w + n * K, scale[n], G, xq + t * K, dx + t * G, K, nt, out + t * N + n, N);
-        }
-    }
+    for (int64_t n = 0; n < N; ++n) q8_column(xq, dx, T, K, w, scale, n, N, out);
 }
 
 /* ---- a layer's dense parts around attention, row by row in fp32 (see specdec/model/native/__init__.py) ---- */
@@ -239,13 +247,31 @@ static int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
 
 static void qact_free(qact *a) { free(a->xq); free(a->dx); free(a->sx); }
 
+/* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in ONE
+ * parallel loop over all their output columns (one fork/join instead of `count`); every element
+ * is computed as by the single product. */
+static void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                         int num_threads) {
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) total += ws[i]->n;
+    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t c = 0; c < total; ++c) {
+        int i = 0;
+        int64_t n = c;
+        while (n >= ws[i]->n) n -= ws[i++]->n;
+        const qweight *w = ws[i];
+        if (w->kind == QW_Q4) q4_column(a->xq, a->dx, a->sx, T, w->k, (const uint8_t *)w->w, n, w->n, outs[i]);
+        else q8_column(a->xq, a->dx, T, w->k, (const int8_t *)w->w, w->scale, n, w->n, outs[i]);
+    }
+    for (int i = 0; i < count; ++i)
+        if (ws[i]->bias)
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < ws[i]->n; ++j) outs[i][t * ws[i]->n + j] += ws[i]->bias[j];
+}
+
 /* out [T, w.n] = a @ w^T (+ bias) */
 static void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_threads) {
-    if (w->kind == QW_Q4) qgemm_q4(a->xq, a->dx, a->sx, T, w->k, (const uint8_t *)w->w, w->n, out, num_threads);
-    else qgemm_q8(a->xq, a->dx, T, w->k, (const int8_t *)w->w, w->scale, w->n, out, num_threads);
-    if (w->bias)
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t j = 0; j < w->n; ++j) out[t * w->n + j] += w->bias[j];
+    qmatmul_many(a, T, &w, &out, 1, num_threads);
 }
 
 /* out = x * rsqrt(mean(x^2) + eps) * weight, per row */
@@ -297,9 +323,9 @@ int qgemm_layer_pre(const float *x, int64_t T, int64_t C, const float *norm_w, f
     if (!h) goto done;
     qgemm_rmsnorm(x, T, C, norm_w, eps, h);
     if (qact_init(&a, h, T, C)) goto done;
-    qmatmul(&a, T, wq, q, num_threads);
-    qmatmul(&a, T, wk, k, num_threads);
-    qmatmul(&a, T, wv, v, num_threads);
+    const qweight *const qkv[3] = {wq, wk, wv};
+    float *const qkv_out[3] = {q, k, v};
+    qmatmul_many(&a, T, qkv, qkv_out, 3, num_threads);
     rope(q, T, heads, D, cos_t, sin_t, positions);
     rope(k, T, kv_heads, D, cos_t, sin_t, positions);
     rc = 0;
@@ -324,8 +350,9 @@ int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, co
     for (int64_t j = 0; j < T * C; ++j) o[j] += x[j];                     /* h */
     qgemm_rmsnorm(o, T, C, norm_w, eps, n);
     if (qact_init(&b, n, T, C)) goto done;
-    qmatmul(&b, T, wgate, g, num_threads);
-    qmatmul(&b, T, wup, u, num_threads);
+    const qweight *const gate_up[2] = {wgate, wup};
+    float *const gate_up_out[2] = {g, u};
+    qmatmul_many(&b, T, gate_up, gate_up_out, 2, num_threads);
     for (int64_t j = 0; j < T * I; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
     if (qact_init(&c, g, T, I)) goto done;
     qmatmul(&c, T, wdown, out, num_threads);
