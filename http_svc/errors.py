@@ -8,7 +8,6 @@ into the OpenAI parameter the client sent ("temperature").
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 
@@ -49,15 +48,14 @@ _PARAM_BY_FIELD = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
 class ApiError(Exception):
     """An answer that is an error: HTTP status, OpenAI error object, extra headers."""
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | None = None
-    headers: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(status, message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def to_json(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
