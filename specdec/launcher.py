@@ -101,6 +101,7 @@ class ServiceSpec:
     startup_timeout_s: float = 120.0
     is_taking_service_token: bool = False             # gets --service_token_file (specdec.service.auth)
     health_http_path: str = ""                        # an HTTP server: SERVING once GET path answers 200
+    port: int = 0                                     # 0: a free port; else this one (no retry elsewhere)
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -128,6 +129,7 @@ class StackConfig:
     max_context: int = 4096
     api_keys_file: Path | None = None        # the gateway's tenants (gateway.api_keys); None: any local caller
     is_serving_http: bool = False            # also the OpenAI-compatible HTTP front (http_svc) on the gateway
+    http_port: int = 0                       # its port; 0: a free one
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     log_level: str = "INFO"
@@ -148,6 +150,8 @@ class StackConfig:
             raise ValueError(f"strategies must be non-empty names without commas, got {self.strategies}")
         if self.stop_grace_s < 0:
             raise ValueError(f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
 
 
 def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
@@ -164,7 +168,7 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     # A client of the gateway's public API: it takes the same keys and no service token.
     http = (ServiceSpec(HTTP, (py, "-m", "http_svc", *model, *api_keys), depends_on=(GATEWAY,),
                         address_flags=(("--gateway_address", GATEWAY),), startup_timeout_s=config.startup_timeout_s,
-                        health_http_path=HTTP_HEALTH_PATH),) if config.is_serving_http else ()
+                        health_http_path=HTTP_HEALTH_PATH, port=config.http_port),) if config.is_serving_http else ()
     return (
         ServiceSpec(PRIMARY, (py, "-m", "primary_svc", *model, *cache, "--precision", config.precision,
                               "--max_context", str(config.max_context), "--num_threads", str(config.num_threads)),
@@ -419,7 +423,7 @@ class Stack:
         self._secrets_dir, self._secrets_finalizer = None, None
 
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
-        port = free_port(self._host) if port is None else port
+        port = (spec.port or free_port(self._host)) if port is None else port
         argv = [*spec.command, "--host", self._host, "--port", str(port), "--metrics_port", NO_METRICS_PORT,
                 "--log_level", self.config.log_level]
         for flag, dep in spec.address_flags:
@@ -444,7 +448,8 @@ class Stack:
             exit_code = _wait_serving(running, self._address(running.port))
             if exit_code is None:
                 return
-            is_race = may_retry_port and attempt < MAX_BIND_ATTEMPTS and is_port_taken(self._host, running.port)
+            is_race = (may_retry_port and not running.spec.port and attempt < MAX_BIND_ATTEMPTS
+                       and is_port_taken(self._host, running.port))
             if not is_race:
                 raise ServiceError(running.spec.name, f"exited with code {exit_code} while starting",
                                    running.log_path, log_tail(running.log_path))
