@@ -133,6 +133,8 @@ def test_dockerfile_builds_one_image_with_stubs() -> None:
     lines = [line.strip() for line in (REPO_ROOT / "Dockerfile").read_text().splitlines()]
     assert "FROM python:3.11-slim" in lines
     assert "RUN python scripts/gen_protos.py" in lines
+    for package in ("specdec", "primary_svc", "draft_svc", "validator_svc", "gateway", "http_svc"):
+        assert f"COPY {package}/ {package}/" in lines, package   # every service's command runs in it
     assert any(line.startswith("RUN pip install -r requirements.txt") for line in lines)
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert "specdec/v1" in ignored and ".venv" in ignored  # stubs are generated in the image
