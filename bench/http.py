@@ -89,13 +89,15 @@ def _bodies() -> tuple[bytes, bytes]:
     return json.dumps(base).encode(), json.dumps({**base, "stream": True}).encode()
 
 
-def _run(concurrency: int, num_requests: int, call) -> list[float]:
-    """µs per call, num_requests calls spread over `concurrency` threads; call(thread_state) does one."""
+def _run(concurrency: int, num_requests: int, call, make_state=lambda: None) -> list[float]:
+    """µs per call, num_requests calls spread over `concurrency` threads; call(state) does one, with
+    the thread's make_state() (made before the clock starts: a connection)."""
     times_us: list[float] = []
     lock = threading.Lock()
     per_thread = max(1, num_requests // concurrency)
 
-    def worker(state) -> None:
+    def worker(_: int) -> None:
+        state = make_state()
         mine = []
         for _ in range(per_thread):
             started = time.perf_counter()
@@ -105,7 +107,7 @@ def _run(concurrency: int, num_requests: int, call) -> list[float]:
             times_us.extend(mine)
 
     with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(worker, [object() for _ in range(concurrency)]))
+        list(pool.map(worker, range(concurrency)))
     return times_us
 
 
@@ -114,23 +116,21 @@ def measure(gateway_address: str, http_address: str, concurrency: int, num_reque
     unary_body, stream_body = _bodies()
     request = gateway_pb2.GenerateRequest(max_new_tokens=16)
     request.chat.messages.add(role="user", content="Hello")
-    clients: dict[int, HttpClient] = {}
-
-    def http_client() -> HttpClient:
-        return clients.setdefault(threading.get_ident(), HttpClient(http_address))
-
     results: dict[str, list[float]] = {"grpc": [], "http": [], "grpc_stream": [], "http_stream": []}
     with grpc.insecure_channel(gateway_address) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
         paths = {"grpc": lambda _: stub.Generate(request, timeout=60),
-                 "http": lambda _: http_client().post(unary_body),
+                 "http": lambda client: client.post(unary_body),
                  "grpc_stream": lambda _: list(stub.GenerateStream(request, timeout=60)),
-                 "http_stream": lambda _: http_client().post(stream_body)}
+                 "http_stream": lambda client: client.post(stream_body)}
+        # HTTP clients: a keep-alive connection per thread and run (the server drops idle ones after 5 s).
+        states = {name: (lambda: HttpClient(http_address)) if name.startswith("http") else (lambda: None)
+                  for name in paths}
         for name, call in paths.items():   # warm-up: connections, thread pools
-            _run(concurrency, min(num_requests, 50), call)
+            _run(concurrency, min(num_requests, 50), call, states[name])
         for _ in range(num_rounds):
             for name, call in paths.items():
-                times = _run(concurrency, num_requests // num_rounds, call)
+                times = _run(concurrency, num_requests // num_rounds, call, states[name])
                 results[name] += times if "stream" not in name else [t / num_tokens for t in times]
     return results
 

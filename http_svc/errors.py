@@ -31,9 +31,10 @@ _STATUS_BY_CODE = {
 # The `code` of an error object, where OpenAI has a well-known one.
 _CODE_BY_STATUS = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 429: "rate_limit_exceeded",
                    503: "service_unavailable", 504: "timeout"}
-# Trailing metadata keys a gateway may give a retry hint in (seconds, or milliseconds).
+# Trailing metadata keys a gateway may give a retry hint in: seconds, or milliseconds (gRPC's own
+# server pushback key among them).
 RETRY_AFTER_KEYS = ("retry-after", "retry-after-s")
-RETRY_AFTER_MS_KEYS = ("retry-after-ms",)
+RETRY_AFTER_MS_KEYS = ("retry-after-ms", "grpc-retry-pushback-ms")
 # "field.path[3].name: message" -> field path, message (the gateway's InvalidArgument text).
 _FIELD_MESSAGE = re.compile(r"^([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): (.*)$", re.S)
 # Gateway field -> OpenAI parameter; prefixes map with what follows them kept.
@@ -96,8 +97,8 @@ def from_rpc_error(error: grpc.RpcError, aliases: dict[str, str], default_retry_
 
 
 def retry_after_s(error: grpc.RpcError, default_s: int) -> int:
-    """Whole seconds to wait, from the call's trailing metadata (`retry-after` in seconds or
-    `retry-after-ms`), rounded up; default_s when it carries none."""
+    """Whole seconds to wait, from the call's trailing metadata (RETRY_AFTER_KEYS in seconds,
+    RETRY_AFTER_MS_KEYS in milliseconds), rounded up; default_s when it carries none."""
     metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     for key, value in metadata or ():
         text = value.decode() if isinstance(value, bytes) else str(value)

@@ -46,6 +46,7 @@ def test_statuses(code: grpc.StatusCode, status: int) -> None:
 
 @pytest.mark.parametrize(("trailing", "seconds"), [
     ((), 7), ((("retry-after", "2"),), 2), ((("retry-after", "0.2"),), 1), ((("retry-after-ms", "2500"),), 3),
+    ((("grpc-retry-pushback-ms", "900"),), 1),
     ((("retry-after", "soon"),), 7), ((("other", "1"),), 7),
 ])
 def test_a_429_says_when_to_retry(trailing: tuple, seconds: int) -> None:
