@@ -248,6 +248,25 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack: Stack, 
     assert len(state.token_ids) < 400 and _kv_bytes(stack) == 0
 
 
+def test_a_client_that_disconnects_before_a_whole_answer_cancels_its_request(stack: Stack):
+    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a ship."}],
+                       "max_tokens": 400, "temperature": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=300) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        give_up = time.monotonic() + 120
+        while _metric(stack, "specdec_http_active_requests") < 1 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        while _kv_bytes(stack) == 0 and time.monotonic() < give_up:   # prefilled: the request holds KV
+            time.sleep(0.05)
+    give_up = time.monotonic() + 120
+    while (_metric(stack, "specdec_http_client_disconnects_total") < 1 or _kv_bytes(stack) != 0) \
+            and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert _metric(stack, "specdec_http_client_disconnects_total") >= 1 and _kv_bytes(stack) == 0
+
+
 # ---- statuses shown by extra fronts -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -370,6 +389,12 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def _metric(stack: Stack, name: str) -> float:
+    """A sample without labels from the front's /metrics."""
+    _, text = _get(f"{stack.http_url}/metrics", is_json=False)
+    return next((float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] == name), 0.0)
 
 
 def _kv_bytes(stack: Stack) -> int:
