@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -102,6 +103,7 @@ class ServiceSpec:
     is_taking_service_token: bool = False             # gets --service_token_file (specdec.service.auth)
     health_http_path: str = ""                        # an HTTP server: SERVING once GET path answers 200
     port: int = 0                                     # 0: a free port; else this one (no retry elsewhere)
+    health_ca_file: str = ""                          # it serves TLS: health checks trust these PEM roots
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -468,13 +470,20 @@ def _wait_serving(running: _Running, address: str) -> int | None:
     ServiceError (after killing it) when startup_timeout_s passes."""
     spec = running.spec
     deadline = time.monotonic() + spec.startup_timeout_s
-    with grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS) as channel:
+    if spec.health_ca_file:
+        with open(spec.health_ca_file, "rb") as f:
+            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        channel = grpc.secure_channel(address, credentials, options=_HEALTH_CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS)
+    scheme = "https" if spec.health_ca_file else "http"
+    with channel:
         while True:
             if (code := running.process.poll()) is not None:
                 _sweep(running)
                 return code
-            is_serving = (is_http_healthy(f"http://{address}{spec.health_http_path}") if spec.health_http_path
-                          else check_health(channel, spec.health_service, timeout_s=1.0))
+            is_serving = (is_http_healthy(f"{scheme}://{address}{spec.health_http_path}", ca_file=spec.health_ca_file)
+                          if spec.health_http_path else check_health(channel, spec.health_service, timeout_s=1.0))
             if is_serving:
                 # Guards against another server on a port we lost to a race.
                 if (code := running.process.poll()) is not None:
@@ -488,10 +497,14 @@ def _wait_serving(running: _Running, address: str) -> int | None:
             time.sleep(_POLL_S)
 
 
-def is_http_healthy(url: str, timeout_s: float = 1.0) -> bool:
-    """GET url answers 200 (directly: loopback is never behind an HTTP proxy)."""
+def is_http_healthy(url: str, timeout_s: float = 1.0, ca_file: str = "") -> bool:
+    """GET url answers 200 (directly: loopback is never behind an HTTP proxy); an https url is
+    verified against ca_file's PEM roots when given."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if ca_file:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca_file)))
     try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=timeout_s) as response:
+        with urllib.request.build_opener(*handlers).open(url, timeout=timeout_s) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False

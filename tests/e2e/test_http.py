@@ -6,12 +6,14 @@ client that disconnects mid-stream cancels its request and frees its KV cache.
 
 Statuses that the module's stack cannot show are shown by extra HTTP fronts (real processes):
 one with API keys (401), one pointed at a closed port (503), one with a short deadline (504),
-and one in front of a second gateway that gives schemas no time to compile (429)."""
+and one in front of a second gateway that gives schemas no time to compile (429); that front
+serves HTTPS and reaches its gateway over TLS."""
 from __future__ import annotations
 
 import json
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -270,9 +272,25 @@ def test_a_client_that_disconnects_before_a_whole_answer_cancels_its_request(sta
 # ---- statuses shown by extra fronts -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def fronts(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    folder = tmp_path_factory.mktemp("http-tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def fronts(stack: Stack, certificate: tuple[Path, Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Extra HTTP fronts (and one extra gateway) as real processes: name -> base URL with /v1."""
     folder = tmp_path_factory.mktemp("http-fronts")
+    cert, key = (str(path) for path in certificate)
+    tls = ("--tls_cert", cert, "--tls_key", key)
     keys_file = folder / "api_keys"
     keys_file.write_text(f"tester {key_hash(API_KEY)}\n")
     token_file = folder / "service_token"
@@ -284,8 +302,8 @@ def fronts(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
         "gateway-quick", (py, "-m", "gateway", "--primary_address", stack.addresses[PRIMARY],
                           "--draft_address", stack.addresses[DRAFT], "--validator_address", stack.addresses[VALIDATOR],
                           "--redis_url=", "--logits_via_handle", "--max_grammar_compile_s", "0.001",
-                          "--service_token_file", str(token_file)),
-        health_service="specdec.v1.GenerationService")
+                          "--service_token_file", str(token_file), *tls),
+        health_service="specdec.v1.GenerationService", health_ca_file=cert)
     specs = [ServiceSpec("http-keys", (py, "-m", "http_svc", "--gateway_address", gateway,
                                        "--api_keys_file", str(keys_file)), health_http_path="/health"),
              ServiceSpec("http-dead", (py, "-m", "http_svc", "--gateway_address", dead),
@@ -293,10 +311,12 @@ def fronts(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
              ServiceSpec("http-deadline", (py, "-m", "http_svc", "--gateway_address", gateway,
                                            "--request_timeout_s", "1"), health_http_path="/health"),
              quick_gateway,
-             ServiceSpec("http-quick", (py, "-m", "http_svc"), depends_on=("gateway-quick",),
-                         address_flags=(("--gateway_address", "gateway-quick"),), health_http_path="/health")]
+             ServiceSpec("http-quick", (py, "-m", "http_svc", "--gateway_ca_file", cert, *tls),
+                         depends_on=("gateway-quick",), address_flags=(("--gateway_address", "gateway-quick"),),
+                         health_http_path="/health", health_ca_file=cert)]
     with Stack(StackConfig(log_dir=folder), specs=specs) as extra:
-        yield {name: f"http://{address}/v1" for name, address in extra.addresses.items()}
+        yield {name: f"{'https' if name == 'http-quick' else 'http'}://{address}/v1"
+               for name, address in extra.addresses.items()}
 
 
 def test_a_missing_or_wrong_key_is_a_401(fronts: dict[str, str]):
@@ -334,10 +354,17 @@ def test_a_deadline_is_a_504(fronts: dict[str, str]):
     assert e.value.status_code == 504 and e.value.body["type"] == "timeout_error"
 
 
-def test_no_capacity_is_a_429_with_retry_after(fronts: dict[str, str]):
+def test_no_capacity_is_a_429_with_retry_after(fronts: dict[str, str], certificate: tuple[Path, Path]):
     """The second gateway gives a schema 1 ms to compile: RESOURCE_EXHAUSTED, as a full admission
-    queue would answer."""
-    client = openai.OpenAI(base_url=fronts["http-quick"], api_key="unused", max_retries=0)
+    queue would answer. Over HTTPS to a front that reaches that gateway over TLS."""
+    trusted = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(certificate[0])))
+    client = openai.OpenAI(base_url=fronts["http-quick"], api_key="unused", max_retries=0, http_client=trusted)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert answer.usage.completion_tokens == 2
+    plaintext = openai.OpenAI(base_url=fronts["http-quick"].replace("https://", "http://"), api_key="unused",
+                              max_retries=0)
+    with pytest.raises(openai.APIConnectionError):
+        plaintext.models.list()
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 17}}, "required": ["city"]}
     with pytest.raises(openai.RateLimitError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city?"}], max_tokens=8,
