@@ -7,7 +7,8 @@ client that disconnects mid-stream cancels its request and frees its KV cache.
 Statuses that the module's stack cannot show are shown by extra HTTP fronts (real processes):
 one with API keys (401), one pointed at a closed port (503), one with a short deadline (504),
 and one in front of a second gateway that gives schemas no time to compile (429); that front
-serves HTTPS and reaches its gateway over TLS."""
+serves HTTPS, reaches its gateway over TLS and forwards the caller's key to it (the gateway has
+the keys: requests belong to the key's tenant)."""
 from __future__ import annotations
 
 import json
@@ -302,7 +303,7 @@ def fronts(stack: Stack, certificate: tuple[Path, Path],
         "gateway-quick", (py, "-m", "gateway", "--primary_address", stack.addresses[PRIMARY],
                           "--draft_address", stack.addresses[DRAFT], "--validator_address", stack.addresses[VALIDATOR],
                           "--redis_url=", "--logits_via_handle", "--max_grammar_compile_s", "0.001",
-                          "--service_token_file", str(token_file), *tls),
+                          "--service_token_file", str(token_file), "--api_keys_file", str(keys_file), *tls),
         health_service="specdec.v1.GenerationService", health_ca_file=cert)
     specs = [ServiceSpec("http-keys", (py, "-m", "http_svc", "--gateway_address", gateway,
                                        "--api_keys_file", str(keys_file)), health_http_path="/health"),
@@ -357,11 +358,8 @@ def test_a_deadline_is_a_504(fronts: dict[str, str]):
 def test_no_capacity_is_a_429_with_retry_after(fronts: dict[str, str], certificate: tuple[Path, Path]):
     """The second gateway gives a schema 1 ms to compile: RESOURCE_EXHAUSTED, as a full admission
     queue would answer. Over HTTPS to a front that reaches that gateway over TLS."""
-    trusted = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(certificate[0])))
-    client = openai.OpenAI(base_url=fronts["http-quick"], api_key="unused", max_retries=0, http_client=trusted)
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    assert answer.usage.completion_tokens == 2
-    plaintext = openai.OpenAI(base_url=fronts["http-quick"].replace("https://", "http://"), api_key="unused",
+    client = _tls_client(fronts, certificate, API_KEY)
+    plaintext = openai.OpenAI(base_url=fronts["http-quick"].replace("https://", "http://"), api_key=API_KEY,
                               max_retries=0)
     with pytest.raises(openai.APIConnectionError):
         plaintext.models.list()
@@ -372,6 +370,32 @@ def test_no_capacity_is_a_429_with_retry_after(fronts: dict[str, str], certifica
                                                         "json_schema": {"name": "city", "schema": schema}})
     assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
     assert e.value.body["type"] == "rate_limit_error" and e.value.body["code"] == "rate_limit_exceeded"
+
+
+def test_the_key_is_forwarded_to_the_gateway(fronts: dict[str, str], certificate: tuple[Path, Path]):
+    """http-quick checks no key itself: its gateway does, from the forwarded Authorization header."""
+    with pytest.raises(openai.AuthenticationError) as e:
+        _tls_client(fronts, certificate, "not-a-key").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert e.value.body["code"] == "invalid_api_key"
+    answer = _tls_client(fronts, certificate, API_KEY).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert answer.usage.completion_tokens == 2
+    address = fronts["gateway-quick"].removeprefix("http://").removesuffix("/v1")
+    credentials = grpc.ssl_channel_credentials(root_certificates=certificate[0].read_bytes())
+    with grpc.secure_channel(address, credentials) as channel:
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        state = stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=answer.id), timeout=30,
+                                metadata=(("authorization", f"Bearer {API_KEY}"),))
+        assert state.status == gateway_pb2.REQUEST_STATUS_FINISHED and len(state.token_ids) == 2
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=answer.id), timeout=30)
+        assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def _tls_client(fronts: dict[str, str], certificate: tuple[Path, Path], key: str) -> openai.OpenAI:
+    trusted = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(certificate[0])))
+    return openai.OpenAI(base_url=fronts["http-quick"], api_key=key, max_retries=0, http_client=trusted)
 
 
 # ---- Node ------------------------------------------------------------------------------------------------
