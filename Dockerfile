@@ -38,6 +38,7 @@ COPY primary_svc/ primary_svc/
 COPY draft_svc/ draft_svc/
 COPY validator_svc/ validator_svc/
 COPY gateway/ gateway/
+COPY http_svc/ http_svc/
 
 # Unprivileged user; /cache holds the converted model (a volume in compose).
 RUN useradd --create-home --uid 10001 specdec \
@@ -50,5 +51,5 @@ USER specdec
 ENV SPECDEC_HOST=0.0.0.0 \
     SPECDEC_CACHE_DIR=/cache
 
-EXPOSE 50050 50051 50052 50053 9100
+EXPOSE 8000 50050 50051 50052 50053 9100
 CMD ["python", "-m", "gateway"]

@@ -8,8 +8,10 @@ processes talking gRPC on loopback (specdec.launcher.Stack), sends one request
 to the gateway, prints the result and stops the services. Without --model_path
 it serves the default model (SmolLM2-135M-Instruct). The text goes to stdout
 and a short stats line to stderr; --json prints one JSON object instead, and
---stream prints the text as it is accepted. --serve keeps the services up and
-prints the gateway's address; --gateway_address talks to one already running.
+--stream prints the text as it is accepted. --serve keeps the services up with
+the OpenAI-compatible HTTP API in front (http_svc, on --http_port) and prints
+the gateway's address and the HTTP API's URL; --gateway_address talks to a
+gateway already running.
 
 Exit codes: 0 success, 1 the gateway refused or failed the request (its gRPC
 status and message are printed), 2 bad flags, 3 the services did not start,
@@ -142,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument("--log_dir", type=Path, metavar="DIR",
                        help="service logs (default: a temporary dir, kept on failure)")
     stack.add_argument("--serve", action="store_true",
-                       help="keep the services up, print the gateway address, stop on Ctrl-C / SIGTERM")
+                       help="keep the services up with the OpenAI-compatible HTTP API in front, print the gateway "
+                            "address and the HTTP API's URL, stop on Ctrl-C / SIGTERM")
+    stack.add_argument("--http_port", type=ranged(int, 0, 65535), default=8000, metavar="PORT",
+                       help="--serve: the HTTP API's port on 127.0.0.1 (default 8000; 0: a free one)")
     stack.add_argument("--gateway_address", metavar="HOST:PORT",
                        help="use a running gateway instead of starting the services")
     stack.add_argument("--api_key", metavar="KEY", default=os.environ.get("SPECDEC_API_KEY"),
@@ -354,7 +359,8 @@ def request_or_report(address: str, args: argparse.Namespace, stack: Stack | Non
 def stack_config(args: argparse.Namespace) -> StackConfig:
     return StackConfig(model_path=args.model_path, precision=args.precision or AUTO, cache_dir=args.cache_dir,
                        redis_url=args.redis_url or "", strategies=args.strategies or (),
-                       num_threads=args.num_threads, log_dir=args.log_dir)
+                       num_threads=args.num_threads, log_dir=args.log_dir, is_serving_http=args.serve,
+                       http_port=args.http_port)
 
 
 def serve_until_stopped(stack: Stack) -> int:
@@ -381,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.gateway_address is not None:
             return request_or_report(args.gateway_address, args, stack=None)
-        say("starting the services (primary, validator, draft, gateway)...")
+        say(f"starting the services (primary, validator, draft, gateway{', http' if args.serve else ''})...")
         started = time.perf_counter()
         with Stack(stack_config(args)) as stack:
             stack_start_s = time.perf_counter() - started
@@ -393,7 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if exit_code or not args.serve:
                     return exit_code
             print(stack.gateway_address, flush=True)
-            say("serving GenerationService at the address above; Ctrl-C stops")
+            print(stack.http_url, flush=True)
+            say("serving GenerationService (gRPC) at the first address above, the OpenAI-compatible HTTP API "
+                "at the second (base URL + /v1); Ctrl-C stops")
             try:
                 return serve_until_stopped(stack)
             except KeyboardInterrupt:  # the normal end of --serve

@@ -1,6 +1,6 @@
 """python -m bench [ARGS...]: the headline suite (bench/suite.py; `python -m bench --help`).
 
-python -m bench {engine,validator,drafts,quality,masks,auth} [ARGS...]: one component benchmark
+python -m bench {engine,validator,drafts,quality,masks,auth,http} [ARGS...]: one component benchmark
 (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size     (bench/engine.py)
@@ -9,13 +9,14 @@ python -m bench {engine,validator,drafts,quality,masks,auth} [ARGS...]: one comp
     quality    perplexity and greedy agreement with fp32 per weight format     (bench/quality.py)
     masks      the grammar mask's work per constrained step, packed vs bool rows (bench/masks.py)
     auth       cost of the service token per internal RPC                       (bench/auth.py)
+    http       the HTTP front's overhead per request and per streamed token     (bench/http.py)
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth")
+BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "http")
 
 
 def main() -> None:

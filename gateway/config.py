@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import os
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
 from specdec.logits_codec import FORMATS
 from specdec.service.auth import add_service_token_arguments
-from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.service.server import DEFAULT_HOST, ServerConfig, is_loopback
 
 GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a response_format
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
@@ -98,15 +97,6 @@ class GatewayConfig:
         if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.server.host):
             raise ValueError(f"host {self.server.host!r} is reachable from other machines: give --api_keys_file, "
                              "or --allow_insecure_public to serve anyone who can reach it")
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False   # a host name other than localhost: it may resolve to anything
 
 
 def _env(name: str, default: str | None) -> str | None:

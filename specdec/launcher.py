@@ -1,5 +1,5 @@
-"""Starting the four services as separate processes on loopback: the stack behind
-inference.py and the end-to-end tests.
+"""Starting the four services (and, when asked, the OpenAI-compatible HTTP front) as separate
+processes on loopback: the stack behind inference.py and the end-to-end tests.
 
     with Stack(StackConfig(precision="fp32")) as stack:
         channel = grpc.insecure_channel(stack.gateway_address)
@@ -9,7 +9,7 @@ reaches anything it spawned, and a Ctrl-C in the terminal reaches only the
 launcher, which then stops the services in order), on a free loopback port,
 with stdout and stderr appended to `<log_dir>/<name>.log`. Services start in
 dependency waves (primary; then validator and draft; then gateway), each
-wave waiting for grpc.health.v1 SERVING. A service that exits while starting
+wave waiting for grpc.health.v1 SERVING (the HTTP front: GET /health answering 200). A service that exits while starting
 fails the start at once with the tail of its log; the log dir is kept then.
 stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
 Linux the kernel also SIGTERMs the services if the launcher itself is killed.
@@ -29,10 +29,13 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -46,8 +49,9 @@ from specdec.service.health import check_health
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
 GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts (draft_svc); not imported: the launcher stays light
-PRIMARY, DRAFT, VALIDATOR, GATEWAY = "primary", "draft", "validator", "gateway"
+PRIMARY, DRAFT, VALIDATOR, GATEWAY, HTTP = "primary", "draft", "validator", "gateway", "http"
 SERVICE_NAMES = (PRIMARY, VALIDATOR, DRAFT, GATEWAY)
+HTTP_HEALTH_PATH = "/health"
 # The metrics port flag every service takes; 0 means no /metrics endpoint (port
 # 0 cannot be scraped anyway, and a fixed one would collide between stacks).
 NO_METRICS_PORT = "0"
@@ -97,6 +101,9 @@ class ServiceSpec:
     address_flags: tuple[tuple[str, str], ...] = ()   # (flag, service name): flag gets that service's address
     startup_timeout_s: float = 120.0
     is_taking_service_token: bool = False             # gets --service_token_file (specdec.service.auth)
+    health_http_path: str = ""                        # an HTTP server: SERVING once GET path answers 200
+    port: int = 0                                     # 0: a free port; else this one (no retry elsewhere)
+    health_ca_file: str = ""                          # it serves TLS: health checks trust these PEM roots
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -123,6 +130,8 @@ class StackConfig:
     num_threads: int = 0                     # the primary's torch threads; 0: torch's default
     max_context: int = 4096
     api_keys_file: Path | None = None        # the gateway's tenants (gateway.api_keys); None: any local caller
+    is_serving_http: bool = False            # also the OpenAI-compatible HTTP front (http_svc) on the gateway
+    http_port: int = 0                       # its port; 0: a free one
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
     log_level: str = "INFO"
@@ -143,10 +152,12 @@ class StackConfig:
             raise ValueError(f"strategies must be non-empty names without commas, got {self.strategies}")
         if self.stop_grace_s < 0:
             raise ValueError(f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
 
 
 def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
-    """The four services, in start order."""
+    """The four services, in start order (then the HTTP front, with is_serving_http)."""
     py = config.python
     model = () if config.model_path is None else ("--model_path", str(config.model_path))
     cache = () if config.cache_dir is None else ("--cache_dir", str(config.cache_dir))
@@ -156,6 +167,10 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     gateway_strategies = tuple(s for s in config.strategies if s != GRAMMAR_STRATEGY)
     gateway_strategies = ("--strategies", ",".join(gateway_strategies)) if gateway_strategies else ()
     api_keys = () if config.api_keys_file is None else ("--api_keys_file", str(config.api_keys_file))
+    # A client of the gateway's public API: it takes the same keys and no service token.
+    http = (ServiceSpec(HTTP, (py, "-m", "http_svc", *model, *api_keys), depends_on=(GATEWAY,),
+                        address_flags=(("--gateway_address", GATEWAY),), startup_timeout_s=config.startup_timeout_s,
+                        health_http_path=HTTP_HEALTH_PATH, port=config.http_port),) if config.is_serving_http else ()
     return (
         ServiceSpec(PRIMARY, (py, "-m", "primary_svc", *model, *cache, "--precision", config.precision,
                               "--max_context", str(config.max_context), "--num_threads", str(config.num_threads)),
@@ -179,6 +194,7 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
                     address_flags=(("--primary_address", PRIMARY), ("--draft_address", DRAFT),
                                    ("--validator_address", VALIDATOR)),
                     startup_timeout_s=config.startup_timeout_s, is_taking_service_token=True),
+        *http,
     )
 
 
@@ -347,6 +363,11 @@ class Stack:
         return self._address(self._get(GATEWAY).port)
 
     @property
+    def http_url(self) -> str:
+        """The HTTP front's base URL, e.g. http://127.0.0.1:8000 (the OpenAI SDKs take it + "/v1")."""
+        return f"http://{self._address(self._get(HTTP).port)}"
+
+    @property
     def service_token(self) -> str:
         """The secret the internal services of this stack expect from their callers."""
         if self._service_token is None:
@@ -404,7 +425,7 @@ class Stack:
         self._secrets_dir, self._secrets_finalizer = None, None
 
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
-        port = free_port(self._host) if port is None else port
+        port = (spec.port or free_port(self._host)) if port is None else port
         argv = [*spec.command, "--host", self._host, "--port", str(port), "--metrics_port", NO_METRICS_PORT,
                 "--log_level", self.config.log_level]
         for flag, dep in spec.address_flags:
@@ -429,7 +450,8 @@ class Stack:
             exit_code = _wait_serving(running, self._address(running.port))
             if exit_code is None:
                 return
-            is_race = may_retry_port and attempt < MAX_BIND_ATTEMPTS and is_port_taken(self._host, running.port)
+            is_race = (may_retry_port and not running.spec.port and attempt < MAX_BIND_ATTEMPTS
+                       and is_port_taken(self._host, running.port))
             if not is_race:
                 raise ServiceError(running.spec.name, f"exited with code {exit_code} while starting",
                                    running.log_path, log_tail(running.log_path))
@@ -448,12 +470,21 @@ def _wait_serving(running: _Running, address: str) -> int | None:
     ServiceError (after killing it) when startup_timeout_s passes."""
     spec = running.spec
     deadline = time.monotonic() + spec.startup_timeout_s
-    with grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS) as channel:
+    if spec.health_ca_file:
+        with open(spec.health_ca_file, "rb") as f:
+            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        channel = grpc.secure_channel(address, credentials, options=_HEALTH_CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS)
+    scheme = "https" if spec.health_ca_file else "http"
+    with channel:
         while True:
             if (code := running.process.poll()) is not None:
                 _sweep(running)
                 return code
-            if check_health(channel, spec.health_service, timeout_s=1.0):
+            is_serving = (is_http_healthy(f"{scheme}://{address}{spec.health_http_path}", ca_file=spec.health_ca_file)
+                          if spec.health_http_path else check_health(channel, spec.health_service, timeout_s=1.0))
+            if is_serving:
                 # Guards against another server on a port we lost to a race.
                 if (code := running.process.poll()) is not None:
                     _sweep(running)
@@ -464,6 +495,19 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                 raise ServiceError(spec.name, f"was not SERVING within {spec.startup_timeout_s:g} s",
                                    running.log_path, log_tail(running.log_path))
             time.sleep(_POLL_S)
+
+
+def is_http_healthy(url: str, timeout_s: float = 1.0, ca_file: str = "") -> bool:
+    """GET url answers 200 (directly: loopback is never behind an HTTP proxy); an https url is
+    verified against ca_file's PEM roots when given."""
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if ca_file:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca_file)))
+    try:
+        with urllib.request.build_opener(*handlers).open(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def _start_process(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:

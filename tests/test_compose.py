@@ -53,7 +53,22 @@ def test_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
 
 
 def test_all_services_present(services: dict) -> None:
-    assert set(services) == {"redis", *GRPC_SERVICES}
+    assert set(services) == {"redis", "http", *GRPC_SERVICES}
+
+
+def test_the_http_front_calls_the_gateway_with_the_callers_keys(services: dict) -> None:
+    http = services["http"]
+    env = http["environment"]
+    assert http["command"] == ["python", "-m", "http_svc"] and env["SPECDEC_HOST"] == "0.0.0.0"
+    assert env["SPECDEC_HTTP_GATEWAY_ADDRESS"] == f"gateway:{services['gateway']['environment']['SPECDEC_PORT']}"
+    assert env["SPECDEC_HTTP_API_KEYS_FILE"] == "/run/secrets/api_keys"
+    assert [s["source"] for s in http["secrets"]] == ["api_keys"]   # no service token: a public client
+    assert "SPECDEC_SERVICE_TOKEN_FILE" not in env and "SPECDEC_HTTP_ALLOW_INSECURE_PUBLIC" not in env
+    assert http["depends_on"]["gateway"]["condition"] == "service_healthy"
+    assert http["healthcheck"]["test"] == ["CMD", "python", "-m", "specdec.healthcheck",
+                                           f"127.0.0.1:{env['SPECDEC_PORT']}", "--http_path", "/health"]
+    assert [(p["target"], p["published"], p["host_ip"]) for p in http["ports"]] == [(8000, "8000", "127.0.0.1")]
+    assert "deploy" not in http
 
 
 def test_grpc_services_bind_all_interfaces_and_check_health(services: dict) -> None:
@@ -110,13 +125,16 @@ def test_the_public_gateway_needs_api_keys() -> None:
     assert {"source": "api_keys", "target": "/run/secrets/api_keys"} in gateway["secrets"]
     assert gateway["environment"]["SPECDEC_GATEWAY_API_KEYS_FILE"] == "/run/secrets/api_keys"
     assert "SPECDEC_GATEWAY_ALLOW_INSECURE_PUBLIC" not in gateway["environment"]
-    assert all("api_keys" not in str(s.get("secrets", "")) for n, s in config["services"].items() if n != "gateway")
+    assert all("api_keys" not in str(s.get("secrets", "")) for n, s in config["services"].items()
+               if n not in ("gateway", "http"))
 
 
 def test_dockerfile_builds_one_image_with_stubs() -> None:
     lines = [line.strip() for line in (REPO_ROOT / "Dockerfile").read_text().splitlines()]
     assert "FROM python:3.11-slim" in lines
     assert "RUN python scripts/gen_protos.py" in lines
+    for package in ("specdec", "primary_svc", "draft_svc", "validator_svc", "gateway", "http_svc"):
+        assert f"COPY {package}/ {package}/" in lines, package   # every service's command runs in it
     assert any(line.startswith("RUN pip install -r requirements.txt") for line in lines)
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert "specdec/v1" in ignored and ".venv" in ignored  # stubs are generated in the image

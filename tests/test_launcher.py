@@ -122,6 +122,18 @@ def test_service_specs_pass_the_fixed_flags() -> None:
         StackConfig(strategies=("a,b",))
 
 
+def test_the_http_front_is_a_client_of_the_gateway_with_its_keys() -> None:
+    assert "http" not in {s.name for s in service_specs(StackConfig())}
+    config = StackConfig(model_path="/m.gguf", api_keys_file=Path("/k"), is_serving_http=True, http_port=8123,
+                         python="py")
+    http = service_specs(config)[-1]
+    assert http.command == ("py", "-m", "http_svc", "--model_path", "/m.gguf", "--api_keys_file", "/k")
+    assert http.depends_on == ("gateway",) and dict(http.address_flags) == {"--gateway_address": "gateway"}
+    assert http.health_http_path == "/health" and http.port == 8123
+    assert not http.is_taking_service_token   # it calls the public API only, with the caller's key
+    assert [[s.name for s in wave] for wave in waves(service_specs(config))][-1] == ["http"]
+
+
 def test_every_real_service_gets_the_service_token() -> None:
     assert all(s.is_taking_service_token for s in service_specs(StackConfig()))
 

@@ -9,6 +9,7 @@ for "") and server reflection (grpcurl, grpcui).
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -36,6 +37,16 @@ SIGNAL_POLL_S = 0.1  # how often serve() looks for a SIGTERM/SIGINT recorded by 
 OVERALL_HEALTH = ""
 
 AddServicerFn = Callable[[Any, grpc.Server], None]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (public listeners need API keys otherwise)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False   # a host name other than localhost: it may resolve to anything
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,7 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
     (["--speculative_degree", "0"], "--speculative_degree"), (["--top_k", "nan"], "--top_k"),
     (["--temperature", "inf"], "--temperature"), (["--speculative_decoding=maybe"], "--speculative_decoding"),
     (["--precision", "int3"], "--precision"), (["--json_mode", "--json_schema", "s.json"], "--json_schema"),
+    (["--http_port", "70000"], "--http_port"),
 ])
 def test_bad_flags_are_refused_locally_naming_the_flag(flags: list[str], field: str,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,6 +93,13 @@ def test_the_request_carries_every_flag(tmp_path: Path) -> None:
     assert s.task_type == common_pb2.TASK_TYPE_CODE and s.HasField("is_adaptive") and not s.is_adaptive
     assert req.response_format.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA
     assert req.response_format.json_schema == '{"type": "object"}'
+
+
+def test_serve_adds_the_http_front_on_its_port() -> None:
+    config = inference.stack_config(inference.parse_args(["--serve"]))
+    assert config.is_serving_http and config.http_port == 8000
+    assert inference.stack_config(inference.parse_args(["--serve", "--http_port", "0"])).http_port == 0
+    assert not inference.stack_config(inference.parse_args(["--prompt", "x"])).is_serving_http
 
 
 def test_defaults_send_a_raw_prompt_only_with_no_chat() -> None:

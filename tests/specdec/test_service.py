@@ -207,6 +207,30 @@ def test_wait_for_serving_and_the_healthcheck_command(server) -> None:
     assert healthcheck.main([address, "--service", "specdec.v1.NoSuchService"]) == 1
 
 
+def test_the_healthcheck_command_checks_an_http_server_too() -> None:
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{httpd.server_address[1]}"
+        assert healthcheck.main([address, "--http_path", "/health"]) == 0
+        assert healthcheck.main([address, "--http_path", "/down"]) == 1
+        assert healthcheck.main(["127.0.0.1:1", "--http_path", "/health", "--timeout", "0.3"]) == 1
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_wait_for_serving_times_out_on_a_dead_address() -> None:
     with pytest.raises(TimeoutError, match="did not report"):
         wait_for_serving("127.0.0.1:1", timeout_s=0.3)

@@ -1,0 +1,301 @@
+"""The HTTP routes: an OpenAI-shaped request -> one gateway gRPC call -> an OpenAI-shaped answer.
+
+Starlette on uvicorn rather than FastAPI: the routes take raw bodies, because the errors must
+be OpenAI's (400 naming the parameter, from the gateway's own checks), not pydantic's 422; that
+leaves FastAPI nothing to do but add a layer per request.
+
+A client that goes away cancels its gRPC call, at any point: while the gateway prefills or
+generates a non-streamed answer (a task watches the connection), or mid-stream (the response
+cancels the call when it ends, however it ends). The gateway stops the request within a step
+and the primary frees its KV cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.api_keys import AUTHORIZATION, ApiKeys
+from http_svc.config import HttpConfig
+from http_svc.errors import ApiError, from_rpc_error
+from http_svc.metrics import HttpMetrics
+from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest, parse_body, parse_request
+from http_svc.openai_response import ChunkWriter, completion, error_event
+from specdec.errors import Unauthenticated
+from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+
+GATEWAY_HEALTH_SERVICE = "specdec.v1.GenerationService"
+HEALTH_TIMEOUT_S = 2.0
+REQUEST_ID_HEADER = "x-request-id"
+ID_PREFIXES = {CHAT: "chatcmpl", COMPLETION: "cmpl"}
+ENDPOINTS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
+# Reconnect to a restarted gateway within a second (gRPC's default backoff grows to two minutes).
+CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 1000))
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class HttpFront:
+    """The routes and their state: one gRPC channel to the gateway (opened on the server's loop)."""
+
+    def __init__(self, config: HttpConfig, api_keys: ApiKeys | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.config, self.api_keys = config, api_keys
+        self.metrics = HttpMetrics(CollectorRegistry() if registry is None else registry)
+        self.created = int(time.time())
+        self.log = structlog.get_logger("http")
+        self._channel: grpc.aio.Channel | None = None
+        self.stub: gateway_pb2_grpc.GenerationServiceStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+
+    # --- the application ------------------------------------------------------------------------
+
+    def app(self) -> Starlette:
+        routes = [Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.prometheus, methods=["GET"])]
+        return Starlette(routes=routes, lifespan=self._lifespan,
+                         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal})
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        if self.config.gateway_ca_file:
+            with open(self.config.gateway_ca_file, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.aio.secure_channel(self.config.gateway_address, credentials, CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.config.gateway_address, CHANNEL_OPTIONS)
+        self.stub = gateway_pb2_grpc.GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            yield
+        finally:
+            await self._channel.close()
+
+    # --- routes -----------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, CHAT)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, COMPLETION)
+
+    async def models(self, request: Request) -> Response:
+        self._check_key(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_key(request)
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def health(self, _request: Request) -> Response:
+        """200 when the gateway reports SERVING (grpc.health.v1), else 503: what a probe needs."""
+        try:
+            answer = await self._health.Check(health_pb2.HealthCheckRequest(service=GATEWAY_HEALTH_SERVICE),
+                                              timeout=HEALTH_TIMEOUT_S)
+            gateway = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+        except grpc.RpcError as e:
+            gateway = e.code().name if hasattr(e, "code") else "UNKNOWN"
+        is_ok = gateway == "SERVING"
+        return JSONResponse({"status": "ok" if is_ok else "unavailable", "gateway": gateway},
+                            status_code=200 if is_ok else 503)
+
+    async def prometheus(self, _request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # --- generation -------------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        started = time.perf_counter()
+        endpoint = ENDPOINTS[kind]
+        status, is_stream, aliases, response_id = 500, False, {}, ""
+        try:
+            self._check_key(request)
+            parsed = parse_request(parse_body(await self._body(request)), kind)
+            is_stream, aliases = parsed.is_stream, parsed.param_aliases
+            self._check_model(parsed.model)
+            response_id = f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
+            parsed.request.request_id = response_id
+            call_args = {"metadata": self._metadata(request), "timeout": self.config.request_timeout_s}
+            if parsed.is_stream:
+                response = await self._stream(request, parsed, response_id, call_args, started)
+            else:
+                call = self.stub.Generate(parsed.request, **call_args)
+                answer = await self._unless_gone(request, call, call)
+                self._count_tokens(answer.stats)
+                response = JSONResponse(completion(parsed, response_id, int(time.time()), self.config.model_name,
+                                                   answer), headers={REQUEST_ID_HEADER: response_id})
+            status = response.status_code
+            return response
+        except ApiError as e:
+            status = e.status
+            raise
+        except grpc.RpcError as e:
+            error = from_rpc_error(e, aliases, self.config.default_retry_after_s)
+            status = error.status
+            if status >= 500:
+                self.log.warning("gateway call failed", request_id=response_id, status=status,
+                                 code=e.code().name if hasattr(e, "code") else "UNKNOWN")
+            raise error from None
+        except ClientGone:
+            status = 499   # nginx's "client closed request": nobody reads the answer
+            self.metrics.disconnects.inc()
+            return Response(status_code=499)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            if not (status == 200 and is_stream):   # a stream's time is observed at its end
+                self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    async def _stream(self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict,
+                      started: float) -> Response:
+        """The first message is awaited before the status line, so that a refused request (bad
+        parameter, no capacity) still gets its HTTP status; later failures become an error event."""
+        call = self.stub.GenerateStream(parsed.request, **call_args)
+        try:
+            first = await self._unless_gone(request, call.read(), call)
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            raise ApiError(502, "the gateway ended the stream without an answer", "server_error")
+        writer = ChunkWriter(parsed, response_id, int(time.time()), self.config.model_name)
+        endpoint = ENDPOINTS[parsed.kind]
+        self.metrics.first_event.labels(endpoint).observe(time.perf_counter() - started)
+        return _CallStreamingResponse(self._events(call, first, writer, parsed, endpoint, started), call,
+                                      media_type="text/event-stream",
+                                      headers={REQUEST_ID_HEADER: response_id, "cache-control": "no-cache"})
+
+    async def _events(self, call: grpc.aio.UnaryStreamCall, first: gateway_pb2.GenerateStreamResponse,
+                      writer: ChunkWriter, parsed: ParsedRequest, endpoint: str,
+                      started: float) -> AsyncIterator[bytes]:
+        self.metrics.active.inc()
+        try:
+            message = first
+            while True:
+                yield writer.step(message)
+                if message.is_final:
+                    self._count_tokens(message.stats)
+                    return
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    return
+        except grpc.RpcError as e:
+            yield error_event(from_rpc_error(e, parsed.param_aliases, self.config.default_retry_after_s).to_json())
+        finally:
+            self.metrics.active.dec()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    async def _unless_gone(self, request: Request, awaitable: Awaitable[Any], call: grpc.aio.Call) -> Any:
+        """awaitable's result; ClientGone (and the call cancelled) if the client disconnects first."""
+        answer = asyncio.ensure_future(awaitable)
+        gone = asyncio.ensure_future(_disconnected(request))
+        self.metrics.active.inc()
+        try:
+            await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.metrics.active.dec()
+            gone.cancel()
+        if not answer.done():
+            call.cancel()
+            answer.cancel()
+            raise ClientGone()
+        return answer.result()
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    def _check_key(self, request: Request) -> None:
+        if self.api_keys is None:
+            return
+        try:
+            self.api_keys.tenant([(AUTHORIZATION, request.headers.get(AUTHORIZATION, ""))])
+        except Unauthenticated:
+            raise ApiError(401, "a valid API key is required (header 'Authorization: Bearer <key>')",
+                           "authentication_error") from None
+
+    def _check_model(self, model: str) -> None:
+        if model != self.config.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.config.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+
+    def _model_card(self) -> dict:
+        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}
+
+    @staticmethod
+    def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
+        """The caller's key, as the gateway reads it (gRPC metadata `authorization: Bearer <key>`)."""
+        value = request.headers.get(AUTHORIZATION)
+        return ((AUTHORIZATION, value),) if value and value.isascii() and value.isprintable() else ()
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        too_large = ApiError(413, f"the request body is larger than {limit} bytes", "invalid_request_error")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _count_tokens(self, stats: gateway_pb2.GenerationStats) -> None:
+        self.metrics.tokens.labels("prompt").inc(stats.num_prompt_tokens)
+        self.metrics.tokens.labels("completion").inc(stats.num_generated_tokens)
+
+
+class _CallStreamingResponse(StreamingResponse):
+    """A streamed answer that cancels its gRPC call when it ends, however it ends (a finished
+    call ignores the cancel): a client that disconnects mid-stream stops its request."""
+
+    def __init__(self, content: AsyncIterator[bytes], call: grpc.aio.Call, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._call = call
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._call.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _api_error(_request: Request, error: ApiError) -> Response:
+    return JSONResponse(error.to_json(), status_code=error.status, headers=dict(error.headers))
+
+
+async def _http_error(_request: Request, error: HTTPException) -> Response:
+    return JSONResponse(ApiError(error.status_code, str(error.detail), "invalid_request_error").to_json(),
+                        status_code=error.status_code, headers=error.headers)
+
+
+async def _internal(_request: Request, error: Exception) -> Response:
+    structlog.get_logger("http").exception("internal error", error_type=type(error).__name__)
+    return JSONResponse(ApiError(500, f"internal error ({type(error).__name__}); see the server log",
+                                 "server_error").to_json(), status_code=500)

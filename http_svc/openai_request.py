@@ -1,0 +1,233 @@
+"""An OpenAI request body -> GenerateRequest (protobuf).
+
+Only the HTTP shape is checked here: types, the OpenAI spellings, what the protobuf can hold
+(a negative seed cannot be a uint64), and OpenAI features this service does not have (n > 1,
+tools, logprobs, penalties), each a 400 naming the parameter. Whether a value is in range (a
+temperature, a stop list, a schema, a strategy) is the gateway's to say, once for every
+client: its INVALID_ARGUMENT comes back as a 400 naming the same parameter (http_svc.errors).
+
+Speculation settings ride as extra body fields (the OpenAI SDKs send them with `extra_body`):
+
+    {"model": "...", "messages": [...], "speculative_decoding": true, "speculative_degree": 4,
+     "draft_length": 8, "acceptance_threshold": 0.0, "strategies": ["prompt_lookup"]}
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from http_svc.errors import bad_request
+from specdec.v1 import common_pb2, gateway_pb2
+
+CHAT, COMPLETION = "chat", "completion"
+# OpenAI's default temperature when a request gives none (the gRPC API's default is greedy).
+DEFAULT_TEMPERATURE = 1.0
+MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
+# "developer" is OpenAI's newer name for the system turn.
+_ROLE_ALIASES = {"developer": "system"}
+# OpenAI parameters this service does not implement: refused unless given their neutral value.
+_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                "function_call": (None, "none"), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+                "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+                "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
+                "modalities": (None, ["text"]), "prediction": (None,), "parallel_tool_calls": (None, False, True)}
+_RESPONSE_FORMATS = {"text": common_pb2.ResponseFormat.TYPE_TEXT,
+                     "json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
+                     "json_schema": common_pb2.ResponseFormat.TYPE_JSON_SCHEMA}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: str                          # CHAT or COMPLETION
+    model: str
+    request: gateway_pb2.GenerateRequest
+    is_stream: bool
+    is_usage_streamed: bool            # stream_options.include_usage: a last chunk with the usage
+    is_returning_token_ids: bool       # extra field return_token_ids: each choice carries its token ids
+    # Gateway fields whose OpenAI name depends on the request: {"max_new_tokens": "max_tokens"}.
+    param_aliases: dict[str, str]
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(None, f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(None, "the body must be a JSON object")
+    return data
+
+
+def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
+    """The GenerateRequest of a /v1/chat/completions (CHAT) or /v1/completions (COMPLETION) body."""
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model", "is required: the id of a model /v1/models lists")
+    for name, neutral in _UNSUPPORTED.items():
+        if data.get(name) not in neutral:
+            raise bad_request(name, "is not supported by this server")
+    n = data.get("n")
+    if n is not None and (_integer(n, "n") != 1):
+        raise bad_request("n", f"only n=1 is supported (one choice per request), got {n}")
+    request = gateway_pb2.GenerateRequest()
+    if kind == CHAT:
+        _set_messages(request, data.get("messages"))
+    else:
+        request.prompt = _prompt(data.get("prompt"))
+    aliases = {}
+    for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins when both are given
+        if data.get(name) is not None:
+            request.max_new_tokens = _integer(data[name], name, MAX_UINT32)
+            aliases["max_new_tokens"] = name
+            break
+    request.stop.extend(_stop(data.get("stop")))
+    _set_sampling(request.sampling, data)
+    _set_response_format(request.response_format, data.get("response_format"))
+    _set_speculation(request.speculation, data)
+    if data.get("user") is not None and not isinstance(data["user"], str):
+        raise bad_request("user", "must be a string")
+    is_stream = _boolean(data.get("stream"), "stream", False)
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options", "must be an object")
+    include_usage = _boolean((options or {}).get("include_usage"), "stream_options.include_usage", False)
+    if options is not None and not is_stream:
+        raise bad_request("stream_options", "is only allowed when stream is true")
+    return ParsedRequest(kind, model, request, is_stream, include_usage,
+                         _boolean(data.get("return_token_ids"), "return_token_ids", False), aliases)
+
+
+def _set_messages(request: gateway_pb2.GenerateRequest, messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages", "must be a non-empty array of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"messages[{i}]", "must be an object with role and content")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise bad_request(f"messages[{i}].role", "must be a string")
+        if message.get("tool_calls") or message.get("function_call"):
+            raise bad_request(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
+        request.chat.messages.add(role=_ROLE_ALIASES.get(role, role),
+                                  content=_content(message.get("content"), f"messages[{i}].content"))
+
+
+def _content(content: Any, param: str) -> str:
+    """A message's text: a string, or text parts ({"type": "text", "text": ...}) joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(param, "must be a string or an array of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad_request(f"{param}[{j}].type", "only text parts ({\"type\": \"text\", \"text\": ...}) are "
+                              "supported by this server")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{param}[{j}].text", "must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _prompt(prompt: Any) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if isinstance(prompt, list):
+        raise bad_request("prompt", "must be one string (several prompts or token ids are not supported)")
+    if not isinstance(prompt, str):
+        raise bad_request("prompt", "is required: a string")
+    return prompt
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad_request("stop", "must be a string or an array of strings")
+    return stop
+
+
+def _set_sampling(sampling: common_pb2.SamplingParams, data: dict[str, Any]) -> None:
+    temperature = data.get("temperature")
+    sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else _number(temperature, "temperature")
+    if data.get("top_p") is not None:
+        sampling.top_p = _number(data["top_p"], "top_p")
+    if data.get("top_k") is not None:
+        top_k = _integer(data["top_k"], "top_k", MAX_UINT32)
+        if top_k > (1 << 31) - 1:
+            raise bad_request("top_k", f"must fit a 32-bit integer, got {top_k}")
+        sampling.top_k = top_k
+    if data.get("seed") is not None:
+        sampling.seed = _integer(data["seed"], "seed", MAX_UINT64)
+
+
+def _set_response_format(response_format: common_pb2.ResponseFormat, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") not in _RESPONSE_FORMATS:
+        raise bad_request("response_format.type", f"must be one of {list(_RESPONSE_FORMATS)}")
+    response_format.type = _RESPONSE_FORMATS[value["type"]]
+    if value["type"] != "json_schema":
+        return
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema", "must be an object with name and schema")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad_request("response_format.json_schema.name", "is required: a string")
+    _boolean(spec.get("strict"), "response_format.json_schema.strict", False)   # the output always follows it
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema", "is required: a JSON Schema object")
+    response_format.json_schema = json.dumps(schema)
+
+
+def _set_speculation(speculation: gateway_pb2.SpeculationConfig, data: dict[str, Any]) -> None:
+    if data.get("speculative_decoding") is not None:
+        speculation.is_enabled = _boolean(data["speculative_decoding"], "speculative_decoding", True)
+    if data.get("adaptive") is not None:
+        speculation.is_adaptive = _boolean(data["adaptive"], "adaptive", True)
+    for name in ("speculative_degree", "draft_length"):
+        if data.get(name) is not None:
+            setattr(speculation, name, _integer(data[name], name, MAX_UINT32))
+    if data.get("acceptance_threshold") is not None:
+        speculation.acceptance_threshold = _number(data["acceptance_threshold"], "acceptance_threshold")
+    strategies = data.get("strategies")
+    if isinstance(strategies, str):
+        strategies = [s for s in strategies.split(",") if s]
+    if strategies is not None:
+        if not isinstance(strategies, list) or not all(isinstance(s, str) for s in strategies):
+            raise bad_request("strategies", "must be an array of draft decoder names (or one comma-separated string)")
+        speculation.strategies.extend(strategies)
+
+
+def _boolean(value: Any, param: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(param, f"must be true or false, got {json.dumps(value)}")
+    return value
+
+
+def _integer(value: Any, param: str, maximum: int = MAX_UINT64) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(param, f"must be an integer, got {json.dumps(value)}")
+    if not 0 <= value <= maximum:
+        raise bad_request(param, f"must be in [0, {maximum}], got {value}")
+    return value
+
+
+def _number(value: Any, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(param, f"must be a number, got {json.dumps(value)}")
+    if not math.isfinite(value):
+        raise bad_request(param, "must be finite")
+    return float(value)
+
