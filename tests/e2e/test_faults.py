@@ -79,7 +79,7 @@ def _assert_names_only_the_request(error: grpc.RpcError, request_id: str) -> Non
 
 def test_a_redis_blip_mid_request_changes_nothing_in_the_output(gateway_stub, redis_server, stack):
     """Redis stalls for BLIP_S mid-stream: the write in flight times out and is retried until it
-    succeeds (on main it failed the request at that step with UNAVAILABLE)."""
+    succeeds (before, the request failed at that step with UNAVAILABLE)."""
     reference = gateway_stub.Generate(_request("undisturbed"), timeout=300)
     received, errors, reader = _stream_in_background(gateway_stub, _request("blip"))
     os.kill(redis_server.pid, signal.SIGSTOP)
@@ -119,7 +119,7 @@ def test_a_redis_outage_ends_the_request_unavailable_within_its_deadline(gateway
 def test_an_internal_services_refusal_reaches_the_client_as_internal(gateway_stub, stack):
     """The gateway's default strategies name one the pool did not load, so the pool refuses the
     request's Propose with INVALID_ARGUMENT. The client cannot fix that: INTERNAL naming the request
-    (on main: INVALID_ARGUMENT "draft: strategies: 'early_exit' is not one of this pool's ..."); the
+    (before: INVALID_ARGUMENT "draft: strategies: 'early_exit' is not one of this pool's ..."); the
     details are in the gateway's log."""
     req = gateway_pb2.GenerateRequest(request_id="misconfigured", max_new_tokens=8,
                                       speculation=gateway_pb2.SpeculationConfig(is_adaptive=False,
@@ -136,7 +136,7 @@ def test_an_internal_services_refusal_reaches_the_client_as_internal(gateway_stu
 
 def test_a_primary_that_stays_away_reaches_the_client_as_unavailable(gateway_stub, stack):
     """kill -9 the primary mid-stream and leave it down past the gateway's 3 s recovery wait:
-    UNAVAILABLE naming the request (on main: "primary: UNAVAILABLE: failed to connect ...").
+    UNAVAILABLE naming the request (before: "primary: failed to connect to all addresses; ...").
     Last in the module: the primary stays down."""
     received, errors, reader = _stream_in_background(gateway_stub, _request("primary-gone", max_new_tokens=200))
     stack.kill(PRIMARY)
