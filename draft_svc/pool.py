@@ -366,8 +366,7 @@ def within_grammar(grammar: GrammarState, candidate: Candidate) -> Candidate:
     grammar.rollback(num_kept)
     if num_kept == len(candidate.token_ids):
         return candidate
-    probs = None if candidate.draft_probs is None else candidate.draft_probs[:num_kept]
-    return dataclasses.replace(candidate, token_ids=candidate.token_ids[:num_kept], draft_probs=probs)
+    return dataclasses.replace(candidate, token_ids=candidate.token_ids[:num_kept])
 
 
 def _num_nodes_from(tree: TokenTree, decoder: str) -> int:

@@ -20,9 +20,6 @@ deep ones. The kept set is closed under ancestors and keeps the candidate-major 
 
     # E.g. the candidates above with max_nodes=4 -> [a b c] whole, then depth 1: [e] (a is shared);
     #      then depth 3: budget gone before d -> tokens [a b c e], parents [-1 0 1 -1]
-
-Draft distributions: node j came first from candidate `origin(j)[0]` at position `origin(j)[1]`;
-the pool gathers `candidates[i].draft_probs[pos]` from there (point mass when None).
 """
 from __future__ import annotations
 

@@ -198,9 +198,6 @@ def test_attach_maps_a_good_manifest(draft, primary, owner):
     ({"draft_length": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "draft_length"),
     ({"max_nodes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "max_nodes"),
     ({"prompt_token_ids": [1, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
-    ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
-    ({"sampling": common_pb2.SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT,
-     "sampling.temperature"),
 ])
 def test_propose_errors_name_the_field(draft, fields, code, field):
     stub, pool, attacher = draft
