@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdec.engine.tree import TreeError, check_tree
 from specdec.errors import InvalidArgument
 from specdec.logits_codec import (FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits,
                                   encode_logits)
@@ -48,14 +49,10 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def tree_from_pb(pb: common_pb2.TokenTree, vocab_size: int, field: str = "tree") -> tuple[list[int], list[int]]:
     token_ids, parents = list(pb.token_ids), list(pb.parents)
-    if len(token_ids) != len(parents):
-        raise InvalidArgument(f"{field}.parents", f"{len(parents)} parents for {len(token_ids)} tokens")
-    for i, p in enumerate(parents):
-        if not (p == -1 or 0 <= p < i):
-            raise InvalidArgument(f"{field}.parents", f"parents[{i}] = {p}: must be -1 or an earlier node")
-    for t in token_ids:
-        if not 0 <= t < vocab_size:
-            raise InvalidArgument(f"{field}.token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    try:
+        check_tree(token_ids, parents, vocab_size)
+    except TreeError as e:
+        raise InvalidArgument(f"{field}.{e.field}", str(e)) from None
     return token_ids, parents
 
 
