@@ -263,7 +263,13 @@ def finish_reason_name(value: int) -> str:
     return gateway_pb2.FinishReason.Name(value).removeprefix(FINISH_REASON_PREFIX).lower()
 
 
-def result_to_dict(result: Result, is_speculative: bool | None, stack_start_s: float | None,
+def is_speculative(req: gateway_pb2.GenerateRequest) -> bool:
+    """Whether the request runs with speculation: its own setting, else the gateway's default
+    (gateway.proto: SpeculationConfig.is_enabled unset means on)."""
+    return req.speculation.is_enabled if req.speculation.HasField("is_enabled") else True
+
+
+def result_to_dict(result: Result, is_speculative: bool, stack_start_s: float | None,
                    primary: dict[str, str] | None = None) -> dict[str, Any]:
     st = result.stats
     times = st.stage_times
@@ -329,7 +335,7 @@ def run_request(address: str, args: argparse.Namespace, stack_start_s: float | N
         else:
             result = generate(stub, req, args.timeout)
     if args.json:
-        print(json.dumps(result_to_dict(result, args.speculative_decoding, stack_start_s, primary)))
+        print(json.dumps(result_to_dict(result, is_speculative(req), stack_start_s, primary)))
         return
     if args.stream:
         print(flush=True)

@@ -13,24 +13,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
-import redis
 
 from bench.prompts import BenchPrompt
 from bench.report import BASELINE, Record, check_json
 from specdec.launcher import Stack, StackConfig
+from specdec.redis_server import RedisServerError, redis_server
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 REQUEST_TIMEOUT_S = 1800.0   # one request, prefill to the last token, on a slow shared CPU
-REDIS_START_TIMEOUT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,50 +39,15 @@ class SystemUnderTest:
 
 
 @contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    """A throwaway redis-server on a unix socket; yields its URL (unix:///...)."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (`make redis-server` installs it)")
-    directory = tempfile.mkdtemp(prefix="specdec-bench-redis-", dir="/tmp")  # socket paths are short
-    socket_path = str(Path(directory) / "redis.sock")
-    with open(Path(directory) / "redis.log", "wb") as log:
-        process = subprocess.Popen([binary, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm", "700",
-                                    "--save", "", "--appendonly", "no", "--dir", directory],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _await_redis(process, socket_path)
-        yield f"unix://{socket_path}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def _await_redis(process: subprocess.Popen, socket_path: str) -> None:
-    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with code {process.returncode}")
-        try:
-            with redis.Redis(unix_socket_path=socket_path) as probe:
-                probe.ping()
-            return
-        except (redis.ConnectionError, FileNotFoundError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not answer within {REDIS_START_TIMEOUT_S} s") from None
-            time.sleep(0.02)
-
-
-@contextlib.contextmanager
 def system_under_test(precision: str, num_threads: int, max_context: int) -> Iterator[SystemUnderTest]:
     """Redis, then the four services (default model, product defaults), and a gateway stub."""
-    with redis_server() as url:
-        config = StackConfig(precision=precision, redis_url=url, num_threads=num_threads, max_context=max_context)
+    with contextlib.ExitStack() as cleanup:
+        try:
+            server = cleanup.enter_context(redis_server(prefix="specdec-bench-redis-"))
+        except RedisServerError as e:
+            raise SystemExit(str(e)) from None
+        config = StackConfig(precision=precision, redis_url=server.url, num_threads=num_threads,
+                             max_context=max_context)
         with Stack(config) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
             yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel))
 

@@ -42,8 +42,8 @@ from draft_svc.tree import TokenTree, build_token_tree
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
+from specdec.request_id import check_request_id
 
-MAX_REQUEST_ID_CHARS = 256
 MAX_CANDIDATES = 32  # node_sources is a uint32 bitmask over the candidates
 
 
@@ -186,8 +186,7 @@ class DraftPool:
     def _resolve(self, args: ProposeArgs) -> tuple[list[tuple[str, int]], int, int]:
         """Validate the step's parameters -> ([(decoder, rank)] best first, draft_length, max_nodes)."""
         c = self.config
-        if not args.request_id or len(args.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument("request_id", f"must have 1 to {MAX_REQUEST_ID_CHARS} characters")
+        check_request_id(args.request_id)
         names = args.strategies or c.default_strategies
         for name in names:
             if name not in c.strategies:
@@ -366,8 +365,7 @@ def within_grammar(grammar: GrammarState, candidate: Candidate) -> Candidate:
     grammar.rollback(num_kept)
     if num_kept == len(candidate.token_ids):
         return candidate
-    probs = None if candidate.draft_probs is None else candidate.draft_probs[:num_kept]
-    return dataclasses.replace(candidate, token_ids=candidate.token_ids[:num_kept], draft_probs=probs)
+    return dataclasses.replace(candidate, token_ids=candidate.token_ids[:num_kept])
 
 
 def _num_nodes_from(tree: TokenTree, decoder: str) -> int:

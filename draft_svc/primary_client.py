@@ -26,21 +26,20 @@ class GrpcPrimaryClient:
         self._stub = primary_pb2_grpc.PrimaryServiceStub(self._channel)
 
     def get_model_info(self) -> ModelInfo:
-        try:
-            r = self._stub.GetModelInfo(primary_pb2.GetModelInfoRequest(), timeout=self._timeout_s)
-        except grpc.RpcError as e:
-            raise Unavailable("primary_address", f"GetModelInfo on {self.address} failed: {e.code().name} "
-                              f"{e.details()}") from None
+        r = self._call("GetModelInfo", primary_pb2.GetModelInfoRequest())
         return ModelInfo(instance_id=r.instance_id, vocab_size=r.vocab_size,
                          max_context_length=r.max_context_length, model_id=r.model_id)
 
     def export_weights(self) -> ExportedWeights:
+        return exported_from_pb(self._call("ExportWeights", primary_pb2.ExportWeightsRequest()).manifest)
+
+    def _call(self, method: str, request):
+        """The primary's RPC `method`; any failure is Unavailable("primary_address") naming it."""
         try:
-            r = self._stub.ExportWeights(primary_pb2.ExportWeightsRequest(), timeout=self._timeout_s)
+            return getattr(self._stub, method)(request, timeout=self._timeout_s)
         except grpc.RpcError as e:
-            raise Unavailable("primary_address", f"ExportWeights on {self.address} failed: {e.code().name} "
+            raise Unavailable("primary_address", f"{method} on {self.address} failed: {e.code().name} "
                               f"{e.details()}") from None
-        return exported_from_pb(r.manifest)
 
     def close(self) -> None:
         self._channel.close()

@@ -12,10 +12,7 @@ from draft_svc.weights import WeightAttacher
 from specdec import pb
 from specdec.errors import InvalidArgument
 from specdec.metrics import ServiceMetrics
-from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-
-TOP_P_UNSET = 0.0  # proto3 cannot tell an unset top_p from 0: read as 1.0 (off), see common.proto
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
@@ -30,7 +27,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Propose(self, request: draft_pb2.ProposeRequest,
                 context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
-        _check_sampling(request.sampling)
         proposal = self._pool.propose(ProposeArgs(
             request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
             new_token_ids=tuple(request.new_token_ids), strategies=tuple(request.strategies),
@@ -43,7 +39,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     def Release(self, request: draft_pb2.DraftServiceReleaseRequest,
                 context: grpc.ServicerContext) -> draft_pb2.DraftServiceReleaseResponse:
-        self._pool.release(request.request_id, request.is_finished)
+        self._pool.release(pb.request_id_from_pb(request.request_id), request.is_finished)
         if self._metrics is not None:
             self._metrics.active_requests.set(self._pool.num_requests)
         return draft_pb2.DraftServiceReleaseResponse()
@@ -69,13 +65,3 @@ def proposal_to_pb(proposal: Proposal) -> draft_pb2.ProposeResponse:
         decoder_stats=[common_pb2.DecoderStats(name=s.name, num_proposed=s.num_proposed, time_ms=s.time_ms)
                        for s in proposal.decoder_steps],
         time_ms=proposal.time_ms)
-
-
-def _check_sampling(pb: common_pb2.SamplingParams) -> None:
-    """The drafts are greedy whatever the sampling, but a bad field is still the caller's to fix."""
-    try:
-        SamplingParams(temperature=pb.temperature, top_k=pb.top_k,
-                       top_p=1.0 if pb.top_p == TOP_P_UNSET else pb.top_p,
-                       seed=pb.seed if pb.HasField("seed") else None)
-    except ValueError as e:
-        raise InvalidArgument(f"sampling.{str(e).split()[0]}", str(e)) from None

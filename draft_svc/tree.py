@@ -1,7 +1,7 @@
 """Merge the candidates of one speculative step into a token tree (SpecInfer, Miao et al. 2024).
 
 Conventions (shared with primary_svc and validator_svc): nodes 0..N-1 in topological order;
-`parents[i]` is ROOT_PARENT (-1) for a child of the root (the request's pending last token), else
+`parents[i]` is ROOT (-1) for a child of the root (the request's pending last token), else
 an index below i; the root has depth 0, its children depth 1; children of one parent carry
 distinct tokens. Bit i of `node_sources[j]` says candidate i's chain passes through node j.
 
@@ -20,9 +20,6 @@ deep ones. The kept set is closed under ancestors and keeps the candidate-major 
 
     # E.g. the candidates above with max_nodes=4 -> [a b c] whole, then depth 1: [e] (a is shared);
     #      then depth 3: budget gone before d -> tokens [a b c e], parents [-1 0 1 -1]
-
-Draft distributions: node j came first from candidate `origin(j)[0]` at position `origin(j)[1]`;
-the pool gathers `candidates[i].draft_probs[pos]` from there (point mass when None).
 """
 from __future__ import annotations
 
@@ -30,8 +27,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from draft_svc.strategies.base import Candidate
+from specdec.engine.tree import ROOT, check_tree
 
-ROOT_PARENT = -1  # parents[i] of a child of the root
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,15 +46,10 @@ class TokenTree:
             raise ValueError("token_ids, parents, depths and node_sources must have one entry per node")
         if len(self.decoders) != len(self.ranks):
             raise ValueError("decoders and ranks must have one entry per candidate")
-        children: set[tuple[int, int]] = set()
-        for i, (token, parent, depth) in enumerate(zip(self.token_ids, self.parents, self.depths)):
-            if not ROOT_PARENT <= parent < i:
-                raise ValueError(f"parents[{i}]={parent} breaks topological order")
-            if depth != (1 if parent == ROOT_PARENT else self.depths[parent] + 1):
+        check_tree(self.token_ids, self.parents, is_siblings_unique=True)
+        for i, (parent, depth) in enumerate(zip(self.parents, self.depths)):
+            if depth != (1 if parent == ROOT else self.depths[parent] + 1):
                 raise ValueError(f"depths[{i}]={depth} disagrees with its parent")
-            if (parent, token) in children:
-                raise ValueError(f"node {i} repeats token {token} under parent {parent}")
-            children.add((parent, token))
 
     @property
     def num_nodes(self) -> int:
@@ -84,7 +76,7 @@ def build_token_tree(candidates: Sequence[Candidate], max_nodes: int) -> TokenTr
     sources: list[int] = []
     paths: list[list[int]] = []  # paths[i]: candidate i's nodes, root to leaf
     for i, candidate in enumerate(candidates):
-        parent, path = ROOT_PARENT, []
+        parent, path = ROOT, []
         for depth, token in enumerate(candidate.token_ids, start=1):
             node = child_of.get((parent, token))
             if node is None:
@@ -102,7 +94,7 @@ def build_token_tree(candidates: Sequence[Candidate], max_nodes: int) -> TokenTr
         # Ascending old index keeps the candidate-major (hence topological) order.
         order = sorted(_within_budget(paths, max_nodes))
         new_index = {old: new for new, old in enumerate(order)}
-        new_index[ROOT_PARENT] = ROOT_PARENT
+        new_index[ROOT] = ROOT
         token_ids = [token_ids[old] for old in order]
         parents = [new_index[parents[old]] for old in order]
         depths = [depths[old] for old in order]
@@ -142,7 +134,7 @@ def candidate_outcomes(tree: TokenTree, accepted_nodes: Sequence[int]) -> tuple[
     E.g. the tree [a b c d e] above with accepted_nodes [0 1 3] (a b d) -> candidate 0 (a b c):
     2 of 3, candidate 1 (a b d): 3 of 3, candidate 2 (e): 0 of 1.
     """
-    expected_parent = ROOT_PARENT
+    expected_parent = ROOT
     for node in accepted_nodes:
         if not 0 <= node < tree.num_nodes or tree.parents[node] != expected_parent:
             raise ValueError(f"accepted_nodes {list(accepted_nodes)} is not a root path of the tree")

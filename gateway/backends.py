@@ -29,8 +29,6 @@ _ERRORS: dict[grpc.StatusCode, type[SpecdecError]] = {
 }
 MODES = {"greedy": validator_pb2.ACCEPTANCE_MODE_GREEDY, "sample": validator_pb2.ACCEPTANCE_MODE_SAMPLE,
          "threshold": validator_pb2.ACCEPTANCE_MODE_THRESHOLD}
-TASK_TYPES = {"": common_pb2.TASK_TYPE_UNSPECIFIED, "structured": common_pb2.TASK_TYPE_STRUCTURED,
-              "code": common_pb2.TASK_TYPE_CODE, "creative": common_pb2.TASK_TYPE_CREATIVE}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,12 +174,12 @@ class Backends:
 
     def propose(self, request_id: str, prompt_token_ids: Sequence[int], new_token_ids: Sequence[int],
                 strategies: Sequence[str], speculative_degree: int, draft_length: int, max_nodes: int,
-                sampling: SamplingParams, task_type: str, response_format: ResponseFormat | None = None) -> DraftTree:
+                response_format: ResponseFormat | None = None) -> DraftTree:
         """`response_format` goes with the first call of a request (the one carrying the prompt)."""
         r = self._call("draft", self.draft.Propose, draft_pb2.ProposeRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, new_token_ids=new_token_ids,
             strategies=strategies, speculative_degree=speculative_degree, draft_length=draft_length,
-            max_nodes=max_nodes, sampling=pb.sampling_to_pb(sampling), task_type=TASK_TYPES[task_type],
+            max_nodes=max_nodes,
             response_format=None if response_format is None else pb.response_format_to_pb(response_format)))
         return DraftTree(tuple(r.tree.token_ids), tuple(r.tree.parents), tuple(r.node_sources),
                          tuple(r.decoders), {s.name: s.time_ms for s in r.decoder_stats}, r.time_ms)

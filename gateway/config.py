@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
+from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
 from specdec.logits_codec import FORMATS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig, is_loopback
@@ -131,9 +132,11 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
                         "override with speculation.is_adaptive)")
     p.add_argument("--max_adaptive_degree", type=int, default=int(_env("MAX_ADAPTIVE_DEGREE", "4")))
     p.add_argument("--max_adaptive_draft_length", type=int, default=int(_env("MAX_ADAPTIVE_DRAFT_LENGTH", "16")))
-    p.add_argument("--plain_overhead_ms", type=float, default=float(_env("PLAIN_OVERHEAD_MS", "1.0")),
+    p.add_argument("--plain_overhead_ms", type=float,
+                   default=float(_env("PLAIN_OVERHEAD_MS", str(PLAIN_OVERHEAD_MS))),
                    help="cost model: time per plain step outside the primary's forward")
-    p.add_argument("--speculative_overhead_ms", type=float, default=float(_env("SPECULATIVE_OVERHEAD_MS", "4.0")),
+    p.add_argument("--speculative_overhead_ms", type=float,
+                   default=float(_env("SPECULATIVE_OVERHEAD_MS", str(SPECULATIVE_OVERHEAD_MS))),
                    help="cost model: time per speculative step outside the forward and the drafts")
     p.add_argument("--greedy_logits_format", default=_env("GREEDY_LOGITS_FORMAT", "fp8_e4m3"), choices=FORMATS)
     p.add_argument("--logits_via_handle", action="store_true",

@@ -44,6 +44,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from gateway.cost_model import CostModel
+from specdec.controller_defaults import (DRAFT_LENGTH_CHOICES, PRIOR_ACCEPTANCE_CODE, PRIOR_ACCEPTANCE_CREATIVE,
+                                         PRIOR_ACCEPTANCE_STRUCTURED)
 
 STATE_VERSION = 1
 _TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
@@ -71,13 +73,13 @@ def infer_task_type(prompt_text: str, has_schema: bool) -> TaskType:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ControllerConfig:
-    draft_length_choices: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)
+    draft_length_choices: tuple[int, ...] = DRAFT_LENGTH_CHOICES
     max_speculative_degree: int = 4
     max_tree_nodes: int = 64
-    # Task-type priors for alpha (the article: JSON 89 % acceptance, prose 18 %); rank r gets decay^r of it.
-    prior_acceptance_structured: float = 0.8
-    prior_acceptance_code: float = 0.6
-    prior_acceptance_creative: float = 0.3
+    # Task-type priors for alpha (specdec.controller_defaults); rank r gets decay^r of it.
+    prior_acceptance_structured: float = PRIOR_ACCEPTANCE_STRUCTURED
+    prior_acceptance_code: float = PRIOR_ACCEPTANCE_CODE
+    prior_acceptance_creative: float = PRIOR_ACCEPTANCE_CREATIVE
     rank_prior_decay: float = 0.5
     prior_coverage: float = 0.5
     prior_strength: float = 2.0  # trials the prior is worth

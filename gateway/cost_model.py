@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
+
 # SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (docs/architecture.md).
 SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
     (1, 26.8), (2, 26.4), (4, 28.3), (8, 31.7), (16, 37.7), (32, 46.7), (64, 72.3))
@@ -111,8 +113,8 @@ class CostModel:
 class CostSettings:
     """What the gateway knows about costs beyond the primary's measured verify curve."""
 
-    plain_overhead_ms: float = 1.0  # Decode RPC + state write + Python, per plain step
-    speculative_overhead_ms: float = 4.0  # Propose, Verify, Validate RPCs, logits transfer, state write
+    plain_overhead_ms: float = PLAIN_OVERHEAD_MS  # per plain step (specdec.controller_defaults)
+    speculative_overhead_ms: float = SPECULATIVE_OVERHEAD_MS  # per speculative step
     draft_costs: tuple[tuple[str, DraftCost], ...] = DEFAULT_DRAFT_COSTS
 
     def __post_init__(self) -> None:

@@ -337,7 +337,6 @@ class RequestLoop:
         try:
             tree = self.backends.propose(self.request_id, prompt, new, strategies, len(strategies),
                                          plan.draft_length, min(plan.max_tree_nodes, self.max_tree_nodes),
-                                         self.params.sampling, self._task_type(),
                                          self.params.response_format if prompt else None)
         except NotFound:                         # the draft service restarted: resend the context
             self.is_draft_open = False
@@ -350,10 +349,6 @@ class RequestLoop:
         self.is_draft_open = True
         self.draft_synced = len(self.generated)
         return tree
-
-    def _task_type(self) -> str:
-        state = self.controller_state
-        return state.task_type.value if state is not None else self._requested_task_type()
 
     def _account(self, tree: DraftTree, outcomes: list[CandidateOutcome], v: Validation) -> None:
         """Per decoder and rank ("prompt_lookup", "prompt_lookup#1", ...); a decoder's time is its
@@ -386,7 +381,8 @@ class RequestLoop:
         return (text, False) if cut is None else (text[:cut], True)
 
     def _commit(self, kept: list[int], is_final: bool) -> tuple[str, bool, bool]:
-        """Record the step's tokens; returns (text delta ready to emit, hit a stop string, stored)."""
+        """Record the step's tokens; returns (text delta ready to emit, hit a stop string, stored).
+        Detokenizing, stop strings and the grammar are booked as commit time, the store's write as state."""
         t = time.perf_counter()
         self.text += self.detok.add(kept)
         self.text, is_stopped = self._cut_at_stop(self.text)
@@ -399,6 +395,8 @@ class RequestLoop:
             del kept[k:]                                       # the caller yields this same list
         controller = None if self.controller_state is None else self.controller_state.to_dict()
         num_attempts = 0
+        t_state = time.perf_counter()
+        self.stats.stage_ms["commit"] += (t_state - t) * 1000
 
         def append() -> None:
             nonlocal num_attempts
@@ -413,7 +411,8 @@ class RequestLoop:
                 return "", False, False
             # A retried write whose first attempt had been applied (its reply was lost): it is stored.
         finally:
-            self.stats.stage_ms["state"] += (time.perf_counter() - t) * 1000
+            self.stats.stage_ms["state"] += (time.perf_counter() - t_state) * 1000
+        t = time.perf_counter()
         self.generated.extend(kept)
         if self.grammar is not None and not self.grammar.accept_tokens(kept):
             # Cannot happen while primary and validator apply the masks: fail loudly, not silently off-grammar.
@@ -423,6 +422,7 @@ class RequestLoop:
             self.text, self.params.stop)
         delta = self.text[self.emitted_chars:ready]
         self.emitted_chars = max(self.emitted_chars, ready)
+        self.stats.stage_ms["commit"] += (time.perf_counter() - t) * 1000
         return delta, is_stopped, True
 
     def _finish(self, finish: str, error: str = "") -> None:

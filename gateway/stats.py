@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from specdec.entropy_bins import DEFAULT_ENTROPY_BIN_EDGES
 from specdec.v1 import common_pb2, gateway_pb2
-from validator_svc.entropy import DEFAULT_ENTROPY_BIN_EDGES
 
 STAGES = ("draft", "verify", "validate", "commit", "state", "other")
 

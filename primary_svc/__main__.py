@@ -26,7 +26,7 @@ from specdec.metrics import ServiceMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.llama import Transformer
-from specdec.model.loader import resolve_model_dir
+from specdec.model.loader import load_config, resolve_model_dir
 from specdec.model import native
 from specdec.model.precision import AUTO
 from specdec.model.quant import QUANTIZED_PRECISIONS
@@ -104,7 +104,7 @@ def load_engine(config: PrimaryConfig, model_dir: Path, instance_id: str
     """(the model, its engine, the measured verify costs, how the precision was chosen)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(576, 1536)
+    min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(load_config(model_dir))
     structlog.get_logger("primary_svc").info("fp32 GEMM padding", min_gemm_rows=min_gemm_rows)
     precision, precision_choice = served_precision(config, model_dir)
     loaded = load_model(model_dir, precision, max_positions=config.max_context,

@@ -36,12 +36,13 @@ import numpy as np
 import structlog
 import torch
 
-from gateway.controller import ControllerConfig
-from gateway.cost_model import CostSettings
 from primary_svc.costs import measure_verify_costs
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
+from specdec.controller_defaults import (DRAFT_LENGTH_CHOICES, PLAIN_OVERHEAD_MS, PRIOR_ACCEPTANCE_CODE,
+                                         PRIOR_ACCEPTANCE_CREATIVE, PRIOR_ACCEPTANCE_STRUCTURED,
+                                         SPECULATIVE_OVERHEAD_MS)
 from specdec.model import native
 from specdec.model.precision import PRECISIONS
 
@@ -51,12 +52,9 @@ FLOAT_CANDIDATES = ("bf16", "fp32")
 PROBE_SIZES = (1, 2, 4, 8, 16)
 PROBE_CONTEXT_TOKENS = 64
 PROBE_REPEATS = 2
-# What the gateway's adaptive controller assumes, from its own defaults (one definition).
-_CONTROLLER, _COSTS = ControllerConfig(), CostSettings()
-MAX_DRAFT_LENGTH = max(_CONTROLLER.draft_length_choices)
-PRIOR_ACCEPTANCES = (_CONTROLLER.prior_acceptance_structured, _CONTROLLER.prior_acceptance_code,
-                     _CONTROLLER.prior_acceptance_creative)
-PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS = _COSTS.plain_overhead_ms, _COSTS.speculative_overhead_ms
+# What the gateway's adaptive controller assumes by default (one definition, in specdec).
+MAX_DRAFT_LENGTH = max(DRAFT_LENGTH_CHOICES)
+PRIOR_ACCEPTANCES = (PRIOR_ACCEPTANCE_STRUCTURED, PRIOR_ACCEPTANCE_CODE, PRIOR_ACCEPTANCE_CREATIVE)
 CACHE_FILE = "precision_autotune.json"
 MAX_MEASURE_S = 20.0       # a start-up budget: candidates not reached by then are not measured
 

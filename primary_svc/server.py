@@ -93,19 +93,20 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         fmt = pb.logits_format_from_pb(request.logits_format)
         allowed = self._allowed_tokens(request, len(token_ids) + 1)
 
-        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits]:  # on the engine thread
+        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int]:  # on the engine thread
             # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
             argmax = torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)
+            num_cached = self.worker.engine.num_cached(request_id)   # read here: this pass's, not a later one's
             if request.return_handle:                        # co-located validator: bytes through /dev/shm
                 name, encoded = self.logits_slots.write(request_id, logits, fmt)
-                return argmax.tolist(), pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
-            return argmax.tolist(), pb.logits_to_pb(logits, fmt)
+                return argmax.tolist(), pb.logits_handle_to_pb(name, encoded, self.identity.instance_id), num_cached
+            return argmax.tolist(), pb.logits_to_pb(logits, fmt), num_cached
 
-        (argmax, payload), forward_ms = self.worker.verify(
+        (argmax, payload, num_cached), forward_ms = self.worker.verify(
             request_id, list(request.accepted_nodes), list(request.committed_token_ids), token_ids, parents, finish)
         return primary_pb2.VerifyResponse(
             logits=payload, argmax_token_ids=argmax,
-            num_cached_tokens=0, forward_ms=forward_ms, kv_bytes=self.worker.engine.kv_bytes)
+            num_cached_tokens=num_cached, forward_ms=forward_ms, kv_bytes=self.worker.engine.kv_bytes)
 
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)

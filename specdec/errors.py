@@ -18,12 +18,15 @@ class SpecdecError(Exception):
     # module needs no grpc import).
     status_name = "UNKNOWN"
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, dependency: str | None = None) -> None:
         if not field:
             raise ValueError("field must name what the error is about")
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+        # The internal part that failed (a service, the state store), None for the caller's own
+        # errors: a client is told of a dependency's failure without its name or details.
+        self.dependency = dependency
 
 
 class InvalidArgument(SpecdecError):

@@ -8,25 +8,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specdec.engine.tree import TreeError, check_tree
 from specdec.errors import InvalidArgument
 from specdec.logits_codec import (FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits,
                                   encode_logits)
 from specdec.logits_shm import read_slot
+from specdec.request_id import MAX_REQUEST_ID_CHARS as MAX_REQUEST_ID_CHARS  # the gateway reads it here
+from specdec.request_id import check_request_id
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
 
 LOGITS_FORMATS = {common_pb2.LOGITS_FORMAT_FP32: FORMAT_FP32, common_pb2.LOGITS_FORMAT_BF16: FORMAT_BF16,
                   common_pb2.LOGITS_FORMAT_FP8_E4M3: FORMAT_FP8_E4M3}
 LOGITS_FORMAT_ENUMS = {v: k for k, v in LOGITS_FORMATS.items()}
-MAX_REQUEST_ID_CHARS = 128
 
 
 def request_id_from_pb(request_id: str, field: str = "request_id") -> str:
-    if not request_id:
-        raise InvalidArgument(field, "must not be empty")
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidArgument(field, f"must be at most {MAX_REQUEST_ID_CHARS} printable characters")
-    return request_id
+    return check_request_id(request_id, field)
 
 
 def sampling_from_pb(pb: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
@@ -48,14 +46,10 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def tree_from_pb(pb: common_pb2.TokenTree, vocab_size: int, field: str = "tree") -> tuple[list[int], list[int]]:
     token_ids, parents = list(pb.token_ids), list(pb.parents)
-    if len(token_ids) != len(parents):
-        raise InvalidArgument(f"{field}.parents", f"{len(parents)} parents for {len(token_ids)} tokens")
-    for i, p in enumerate(parents):
-        if not (p == -1 or 0 <= p < i):
-            raise InvalidArgument(f"{field}.parents", f"parents[{i}] = {p}: must be -1 or an earlier node")
-    for t in token_ids:
-        if not 0 <= t < vocab_size:
-            raise InvalidArgument(f"{field}.token_ids", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    try:
+        check_tree(token_ids, parents, vocab_size)
+    except TreeError as e:
+        raise InvalidArgument(f"{field}.{e.field}", str(e)) from None
     return token_ids, parents
 
 

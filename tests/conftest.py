@@ -3,17 +3,15 @@ from __future__ import annotations
 
 import os as _os
 import shutil as _shutil
-import subprocess as _subprocess
-import tempfile as _tempfile
-import time as _time
 from collections.abc import Iterator as _Iterator
-from dataclasses import dataclass as _dataclass
 from pathlib import Path
 
 import pytest
 import redis as _redis
 
 from specdec.model import loader
+from specdec.redis_server import RedisServer, RedisServerError
+from specdec.redis_server import redis_server as _redis_server
 
 
 @pytest.fixture(scope="session")
@@ -58,55 +56,22 @@ def grammar_cache(tokenizer_info):
 
 
 # ---- Redis fixtures (state store, end-to-end tests) ----------------------------------------------
-# A REAL redis-server on a unix socket, no persistence, one per test module.
-# Fixtures: redis_server (module: RedisServer with .url and .socket_path), redis_client (function:
-# a redis.Redis on it, the database flushed first).
-
-@_dataclass(frozen=True, slots=True)
-class RedisServer:
-    socket_path: str
-    url: str  # unix:///...sock, for redis.Redis.from_url and the services' SPECDEC_REDIS_URL
-
+# A REAL redis-server on a unix socket, no persistence, one per test module (specdec.redis_server).
+# Fixtures: redis_server (module: RedisServer with .url, .socket_path and .pid), redis_client
+# (function: a redis.Redis on it, the database flushed first).
 
 @pytest.fixture(scope="module")
 def redis_server() -> _Iterator[RedisServer]:
-    binary = _shutil.which("redis-server")
-    if binary is None:
+    if _shutil.which("redis-server") is None:
         message = "redis-server is not installed (`make test` installs it)"
         if _os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    # Unix socket paths are limited to ~107 bytes: keep the directory short.
-    directory = _tempfile.mkdtemp(prefix="specdec-redis-", dir="/tmp")
-    socket_path = _os.path.join(directory, "redis.sock")
-    log_path = _os.path.join(directory, "redis.log")
-    with open(log_path, "wb") as log:
-        process = _subprocess.Popen(
-            [binary, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm", "700", "--save", "",
-             "--appendonly", "no", "--dir", directory, "--daemonize", "no"],
-            stdout=log, stderr=_subprocess.STDOUT)
     try:
-        deadline = _time.monotonic() + 10.0
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"redis-server exited with {process.returncode}: {open(log_path).read()[-2000:]}")
-            try:
-                with _redis.Redis(unix_socket_path=socket_path) as probe:
-                    probe.ping()
-                break
-            except (_redis.ConnectionError, FileNotFoundError):
-                if _time.monotonic() > deadline:
-                    pytest.fail(f"redis-server did not start: {open(log_path).read()[-2000:]}")
-                _time.sleep(0.02)
-        yield RedisServer(socket_path=socket_path, url=f"unix://{socket_path}")
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=5)
-        except _subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        _shutil.rmtree(directory, ignore_errors=True)
+        with _redis_server() as server:
+            yield server
+    except RedisServerError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdec.engine.tree import check_tree
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.mask import MASKED_LOGIT
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
@@ -56,7 +57,6 @@ MODE_GREEDY = "greedy"
 MODE_SAMPLE = "sample"
 MODE_THRESHOLD = "threshold"
 MODES = (MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD)
-ROOT = -1  # parents[i] of a child of the root
 THRESHOLD_OFF = 0.0
 ROOT_ROW = 0  # logits row of the root; node i's row is i + 1
 
@@ -299,18 +299,10 @@ def build_children(token_ids: Sequence[int] | torch.Tensor, parents: Sequence[in
     """
     ids = _as_ints(token_ids, "token_ids")
     parent_ids = _as_ints(parents, "parents")
-    if len(parent_ids) != len(ids):
-        raise ValueError(f"parents has {len(parent_ids)} entries, token_ids has {len(ids)}")
+    check_tree(ids, parent_ids, vocab_size, is_siblings_unique=True)   # the merge must have deduplicated
     children: list[list[int]] = [[] for _ in range(len(ids) + 1)]
-    for i, (token, parent) in enumerate(zip(ids, parent_ids)):
-        if not 0 <= token < vocab_size:
-            raise ValueError(f"token_ids[{i}] = {token}: outside the vocabulary [0, {vocab_size})")
-        if not (parent == ROOT or 0 <= parent < i):
-            raise ValueError(f"parents[{i}] = {parent}: must be -1 or the index of an earlier node")
-        siblings = children[parent + 1]
-        if any(ids[s] == token for s in siblings):
-            raise ValueError(f"token_ids[{i}] = {token}: repeats a sibling's token (the merge must dedup)")
-        siblings.append(i)
+    for i, parent in enumerate(parent_ids):
+        children[parent + 1].append(i)
     return ids, tuple(tuple(c) for c in children)
 
 

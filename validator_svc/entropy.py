@@ -23,8 +23,8 @@ from typing import Any, Iterable
 
 import torch
 
-# Left-closed bins [e_i, e_{i+1}) in nats; 2.8 is the article's threshold.
-DEFAULT_ENTROPY_BIN_EDGES = (0.0, 0.5, 1.0, 1.5, 2.0, 2.8, 4.0, math.inf)
+from specdec.entropy_bins import DEFAULT_ENTROPY_BIN_EDGES
+
 _INF_TEXT = "inf"  # JSON has no infinity; the last edge is written as this string
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Protocol, Sequence
 
-import torch
 
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import EncodedLogits, decode_logits
@@ -41,7 +40,6 @@ class ValidationInputs:
     mode: str                                   # one of acceptance.MODES
     acceptance_threshold: float = 0.0           # in (0, 1] in threshold mode, else 0
     argmax_ids: Sequence[int] | None = None     # [N+1], the primary's fp32 argmax, when sent
-    draft_probs: torch.Tensor | None = None     # [N, V], sample mode only
     step: int = 0                               # with sampling.seed, selects the random stream
     allowed: TokenBitmask | None = None         # [N+1] rows of packed grammar mask
 
@@ -69,7 +67,7 @@ class TorchPath:
 
     def validate(self, inputs: ValidationInputs) -> ValidationResult:
         return validate_tree(inputs.token_ids, inputs.parents, decode_logits(inputs.target_logits), inputs.sampling,
-                             acceptance_threshold=inputs.acceptance_threshold, draft_probs=inputs.draft_probs,
+                             acceptance_threshold=inputs.acceptance_threshold,
                              argmax_ids=inputs.argmax_ids, step=inputs.step, allowed=inputs.allowed)
 
 

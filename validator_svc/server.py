@@ -54,12 +54,10 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         argmax = list(request.target_argmax_token_ids) or None
         if argmax is not None and allowed is not None:
             _check_argmax_allowed(argmax, allowed)
-        draft_probs = pb.logits_from_pb(request.draft_probs, "draft_probs") if request.HasField("draft_probs") \
-            else None
         try:
             result = self.path.validate(ValidationInputs(
                 token_ids, parents, logits, sampling, mode, acceptance_threshold=threshold, argmax_ids=argmax,
-                draft_probs=draft_probs, step=request.step, allowed=allowed))
+                step=request.step, allowed=allowed))
         except ValueError as e:
             raise InvalidArgument(str(e).split(" ", 1)[0].rstrip(":"), str(e)) from None
         return validator_pb2.ValidateResponse(

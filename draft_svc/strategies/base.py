@@ -31,11 +31,7 @@ class Candidate:
     """One decoder's proposed continuation of the request's current context."""
 
     decoder: str
-    token_ids: tuple[int, ...]
-    # [len(token_ids), V] float32 draft distribution per position (numpy or torch), or None for a
-    # deterministic point-mass draft (prompt lookup, suffix index, grammar-forced tokens). Not part
-    # of equality: two candidates are the same proposal when decoder, tokens and rank agree.
-    draft_probs: Any = dataclasses.field(default=None, compare=False)
+    token_ids: tuple[int, ...]   # a point-mass draft: every strategy proposes deterministically
     rank: int = 0  # position in the decoder's best-first answer to one propose() call
 
     def __post_init__(self) -> None:
@@ -43,8 +39,6 @@ class Candidate:
             raise ValueError("decoder must be a non-empty name")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
-        if self.draft_probs is not None and len(self.draft_probs) != len(self.token_ids):
-            raise ValueError(f"draft_probs has {len(self.draft_probs)} rows for {len(self.token_ids)} token_ids")
 
     @property
     def num_tokens(self) -> int:

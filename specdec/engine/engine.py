@@ -209,15 +209,12 @@ class Engine:
             raise FailedPrecondition("request_id", f"request {w.request_id!r} has no pending token: "
                                      "commit the last step's bonus token before verifying again")
         n = len(w.token_ids)
-        if len(w.parents) != n:
-            raise InvalidArgument("tree.parents", f"{len(w.parents)} parents for {n} tokens")
         if n > MAX_TREE_NODES:
             raise InvalidArgument("tree.token_ids", f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
         try:
-            tree_geometry.validate_parents(w.parents)
-        except ValueError as e:
-            raise InvalidArgument("tree.parents", str(e)) from None
-        self._check_token_ids("tree.token_ids", w.token_ids)
+            tree_geometry.check_tree(w.token_ids, w.parents, self.vocab_size)
+        except tree_geometry.TreeError as e:
+            raise InvalidArgument(f"tree.{e.field}", str(e)) from None
         max_depth = max(tree_geometry.node_depths(w.parents), default=0)
         if len(req.token_ids) + max_depth > self.max_context:
             raise InvalidArgument("tree", f"context {len(req.token_ids)} + tree depth {max_depth} exceeds "

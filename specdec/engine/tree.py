@@ -23,13 +23,35 @@ from typing import Sequence
 
 import torch
 
-ROOT = -1  # parent index of a node hanging off the root
+ROOT = -1  # parents[i] of a node hanging off the root (the one definition of the project)
 
 
-def validate_parents(parents: Sequence[int]) -> None:
-    for i, p in enumerate(parents):
-        if not (p == ROOT or 0 <= p < i):
-            raise ValueError(f"parents[{i}] = {p}: must be -1 or the index of an earlier node")
+class TreeError(ValueError):
+    """A malformed token tree; `field` is "token_ids" or "parents" (callers put their own prefix)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_tree(token_ids: Sequence[int], parents: Sequence[int], vocab_size: int | None = None, *,
+               is_siblings_unique: bool = False) -> None:
+    """The token tree's invariants, checked in one place for every service: one parent per token;
+    parents[i] is ROOT or an earlier node (parents precede children, so every node reaches the one
+    root); tokens in [0, vocab_size) when given; with is_siblings_unique, no two children of a node
+    carry the same token (a merged tree). TreeError naming the first offending entry."""
+    if len(parents) != len(token_ids):
+        raise TreeError("parents", f"parents has {len(parents)} entries, token_ids has {len(token_ids)}")
+    children: set[tuple[int, int]] = set()
+    for i, (token, parent) in enumerate(zip(token_ids, parents)):
+        if not (parent == ROOT or 0 <= parent < i):
+            raise TreeError("parents", f"parents[{i}] = {parent}: must be -1 or the index of an earlier node")
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            raise TreeError("token_ids", f"token_ids[{i}] = {token}: outside the vocabulary [0, {vocab_size})")
+        if is_siblings_unique:
+            if (parent, token) in children:
+                raise TreeError("token_ids", f"token_ids[{i}] = {token}: repeats a sibling's token")
+            children.add((parent, token))
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from specdec.engine.tree import check_tree
 from specdec.grammar.bitmask import TokenBitmask
 
 if TYPE_CHECKING:
     from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 
-ROOT_PARENT = -1  # parents[i] of a node that hangs off the committed context
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,12 +115,9 @@ class GrammarState:
         """Masks after the committed context and after every node of a token tree (module doc).
         The state is the same before and after the call."""
         num_nodes = len(token_ids)
-        if len(parents) != num_nodes:
-            raise ValueError(f"{len(parents)} parents for {num_nodes} tokens")
-        children: list[list[int]] = [[] for _ in range(num_nodes + 1)]   # children[p + 1]: of parent p
+        check_tree(token_ids, parents)
+        children: list[list[int]] = [[] for _ in range(num_nodes + 1)]   # children[p + 1]: of parent p (ROOT: 0)
         for node, parent in enumerate(parents):
-            if not ROOT_PARENT <= parent < node:
-                raise ValueError(f"parents[{node}] = {parent}: must be -1 or a node index below {node}")
             children[parent + 1].append(node)
         bitmask = xgr.allocate_token_bitmask(num_nodes + 1, self._info.vocab_size)  # [N+1, W], all allowed
         is_valid_node = [False] * num_nodes

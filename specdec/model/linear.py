@@ -17,12 +17,15 @@ everything else is this class. Two things here are not a plain `F.linear`:
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from specdec.model.quant import Int4Linear, Int8Linear, quantized_linear
+
+if TYPE_CHECKING:
+    from specdec.model.config import ModelConfig
 
 Tensor = torch.Tensor
 
@@ -82,9 +85,12 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
-def calibrate_min_gemm_rows(in_features: int, out_features: int, repeats: int = 20) -> int:
-    """PADDED_GEMM_ROWS when a 4-row fp32 GEMM of this shape beats 2 or 3 rows here, else NO_PADDING."""
+def calibrate_min_gemm_rows(config: ModelConfig, repeats: int = 20) -> int:
+    """PADDED_GEMM_ROWS when a 4-row fp32 GEMM beats 2 or 3 rows here, else NO_PADDING, timed on the
+    model's own MLP up-projection shape (hidden_size -> intermediate_size), the GEMM of every layer
+    with the most work per row: whether padding pays depends on the shape."""
     import time
+    in_features, out_features = config.hidden_size, config.intermediate_size
     weight = torch.randn(out_features, in_features)
 
     def median_s(num_rows: int) -> float:

@@ -234,7 +234,7 @@ def _redis_errors(request_id: str, expected_num_tokens: int | None = None,
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise Unavailable("state_store", f"Redis unreachable: {e}") from e
+        raise Unavailable("state_store", f"Redis unreachable: {e}", dependency="state_store") from e
     except redis.ResponseError as e:
         # The script's reply (prefixed with the command when raised from a pipeline).
         match = _SCRIPT_ERROR.search(str(e))

@@ -55,7 +55,7 @@ def test_proposes_the_forced_text_by_hand(grammars, tokenizer):
     assert _texts(tokenizer, decoder.propose(16)) == ['{"name":']
     [candidate] = decoder.propose(2, max_candidates=3)            # one continuation at most
     assert tokenizer.decode(candidate.token_ids) == '{"' + "name" and candidate.rank == 0
-    assert candidate.decoder == "grammar" and candidate.draft_probs is None
+    assert candidate.decoder == "grammar"
     decoder.extend(tokenizer.encode('{"name": "Al'))
     assert decoder.propose(16) == ()                              # inside a string: nothing forced
     decoder.extend(tokenizer.encode('"'))

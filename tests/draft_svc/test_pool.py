@@ -14,7 +14,7 @@ from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
 from draft_svc.strategies import model_free_registry
 from draft_svc.strategies.base import Candidate, DecoderRegistry
 from draft_svc.strategies.suffix_index import SuffixIndex, SuffixIndexConfig
-from draft_svc.tree import ROOT_PARENT
+from specdec.engine.tree import ROOT
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 
 A, B, C, D, E = 10, 11, 12, 13, 14
@@ -73,7 +73,7 @@ def test_candidates_follow_the_strategies_list_and_merge_into_one_tree():
     # candidates p#0 [a b c], s#0 [a b], p#1 [a d] -> nodes a b c d; bit i = strategies[i]
     assert tree.decoders == ("p", "s", "p") and tree.ranks == (0, 0, 1)
     assert tree.token_ids == (A, B, C, D)
-    assert tree.parents == (ROOT_PARENT, 0, 1, 0)
+    assert tree.parents == (ROOT, 0, 1, 0)
     assert tree.node_sources == (0b111, 0b011, 0b001, 0b100)
     assert [(s.name, s.num_proposed) for s in proposal.decoder_steps] == [("p", 4), ("s", 2)]
     assert all(s.time_ms >= 0 for s in proposal.decoder_steps) and proposal.time_ms > 0
@@ -88,7 +88,7 @@ def test_degree_draft_length_and_node_budget_cut_the_tree():
     assert tree.decoders == ("p", "p") and tree.token_ids == (A, B, D, E)
     # max_nodes 4: candidate 0 whole (a b c), then depth 1 of the others: d; e (under the root) is cut
     tree = pool.propose(dataclasses.replace(args, max_nodes=4, new_token_ids=(2,))).tree
-    assert tree.token_ids == (A, B, C, D) and tree.parents == (ROOT_PARENT, 0, 1, ROOT_PARENT)
+    assert tree.token_ids == (A, B, C, D) and tree.parents == (ROOT, 0, 1, ROOT)
 
 
 def test_decoders_see_every_committed_token_once_and_late_decoders_catch_up():

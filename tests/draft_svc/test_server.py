@@ -120,6 +120,8 @@ def test_propose_and_release_over_grpc_before_and_after_attaching(draft, primary
     assert pool.num_requests == 0
     code, details = _code_and_details(lambda: stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r")))
     assert code == grpc.StatusCode.NOT_FOUND and "request_id" in details
+    code, details = _code_and_details(lambda: stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="")))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "request_id: must not be empty"
 
 
 def test_a_restarted_primary_is_re_attached_and_decoders_rebuilt(draft, primary):
@@ -198,9 +200,7 @@ def test_attach_maps_a_good_manifest(draft, primary, owner):
     ({"draft_length": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "draft_length"),
     ({"max_nodes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "max_nodes"),
     ({"prompt_token_ids": [1, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
-    ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
-    ({"sampling": common_pb2.SamplingParams(temperature=-1)}, grpc.StatusCode.INVALID_ARGUMENT,
-     "sampling.temperature"),
+    ({"request_id": "x" * 129}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),   # the limit of every service
 ])
 def test_propose_errors_name_the_field(draft, fields, code, field):
     stub, pool, attacher = draft

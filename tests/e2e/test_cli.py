@@ -56,6 +56,8 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         assert not request.speculation.HasField("is_enabled"), "unset: the gateway's default"
     else:
         assert request.speculation.is_enabled is expected
+    # What --json reports: on unless turned off (it reported null without the flag).
+    assert inference.is_speculative(request) is (expected is not False)
 
 
 @pytest.mark.parametrize(("flags", "field"), [

@@ -42,3 +42,10 @@ def test_the_clients_own_errors_pass_unchanged():
     assert client_error(mine, "order-1") is mine
     gone = NotFound("request_id", "no request 'x'")
     assert client_error(gone, "x") is gone
+
+
+def test_a_state_store_outage_names_the_request_not_the_store():
+    outage = Unavailable("state_store", "Redis unreachable: Timeout reading from socket", dependency="state_store")
+    error = client_error(outage, "order-1")
+    assert type(error) is Unavailable and error.field == "request_id" and "'order-1'" in error.message
+    assert "state_store" not in str(error) and "Redis" not in str(error)

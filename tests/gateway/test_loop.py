@@ -137,7 +137,7 @@ class FakeBackends:
 
     # --- draft ---
     def propose(self, request_id, prompt_token_ids, new_token_ids, strategies, speculative_degree, draft_length,
-                max_nodes, sampling, task_type, response_format=None) -> DraftTree:
+                max_nodes, response_format=None) -> DraftTree:
         assert response_format is None, "no grammar in these requests"
         num_call = sum(1 for name, _ in self.calls if name == "propose")
         self.calls.append(("propose", {"is_open": bool(prompt_token_ids), "new": list(new_token_ids),
@@ -283,6 +283,9 @@ def test_greedy_output_equals_plain_decoding(is_enabled, is_adaptive):
     assert loop.outcome.finish_reason == "length"
     assert loop.outcome.text == "".join(f"<{t}>" for t in plain_decoding(PROMPT, 60))
     assert sum(loop.stats.num_steps_by_draft_length) == loop.stats.num_steps == len(backends.steps())
+    # Committing (detokenizing, stop strings) and the store's writes are booked apart, both measured.
+    times = loop.stats.to_pb().stage_times
+    assert times.commit_ms == loop.stats.stage_ms["commit"] > 0 and times.state_ms > 0
     if not is_enabled:
         assert set(backends.steps()) == {"decode"} and loop.stats.num_steps_by_draft_length == [60]
 

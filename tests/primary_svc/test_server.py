@@ -57,6 +57,7 @@ def test_prefill_verify_commit_decode_release(primary):
     logits = logits_from_pb(v.logits, "logits")
     assert logits.shape == (4, engine.vocab_size)
     assert list(v.argmax_token_ids) == logits.argmax(-1).tolist()
+    assert v.num_cached_tokens == len(PROMPT) - 1            # the context; the pending token and the tree are not
     fp8 = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, kv_lease=lease,
                                                 logits_format=common_pb2.LOGITS_FORMAT_FP8_E4M3))
     assert list(fp8.argmax_token_ids) == list(v.argmax_token_ids)     # argmax from fp32, whatever the format
@@ -68,6 +69,11 @@ def test_prefill_verify_commit_decode_release(primary):
                                               kv_lease=lease))
     assert engine.token_ids("r") == PROMPT + [700, 42]
     assert 0 <= d.token_id < engine.vocab_size
+    # The step commits node 0, the bonus 42 and Decode's token: all but the newest one are in the context.
+    after = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, kv_lease=lease,
+                                                  committed_token_ids=[d.token_id],
+                                                  logits_format=common_pb2.LOGITS_FORMAT_FP32))
+    assert after.num_cached_tokens == len(PROMPT) + 2 == len(engine.token_ids("r")) - 1
     info = stub.GetModelInfo(primary_pb2.GetModelInfoRequest())
     assert info.vocab_size == engine.vocab_size and info.instance_id == "instance-1"
     assert stub.ExportWeights(primary_pb2.ExportWeightsRequest()).manifest.memory.segment_name

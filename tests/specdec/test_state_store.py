@@ -4,6 +4,8 @@ round trips and recovery through a fresh client."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from specdec.state_store import (
     InMemoryStateStore,
     RedisStateStore,
@@ -328,3 +330,17 @@ def test_redis_recovery_through_a_fresh_client(redis_server, redis_client: redis
         assert (state.stats, state.controller_state) == ({"num_steps": 1}, {"draft_length": 5})
     finally:
         restarted.close()
+
+
+def test_a_stalled_redis_is_unavailable_and_named_as_the_dependency(redis_server) -> None:
+    """A Redis that does not answer (stopped) times out: Unavailable, marked as the state store's
+    failure (clients are told without its name or details)."""
+    store = RedisStateStore.from_url(redis_server.url, StateStoreConfig(namespace="stall"), timeout_s=0.2)
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(Unavailable) as e:
+            store.load("r1")
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+        store.close()
+    assert e.value.dependency == "state_store" and e.value.field == "state_store"

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
+from specdec.engine.tree import ROOT
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from validator_svc import acceptance
 from validator_svc.acceptance import rejection_sample_accept
@@ -75,7 +76,7 @@ def merge(candidates: list[Candidate]) -> tuple[list[int], list[int], torch.Tens
     """Merge by common prefix, siblings deduped in candidate order; a deterministic node's row is one-hot."""
     token_ids, parents, rows = [], [], []
     for tokens, drawn_from in candidates:
-        parent = acceptance.ROOT
+        parent = ROOT
         for depth, token in enumerate(tokens):
             node = next((j for j in range(len(token_ids)) if parents[j] == parent and token_ids[j] == token), None)
             if node is None:

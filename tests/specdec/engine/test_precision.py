@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
+from specdec.model.config import ModelConfig
 from specdec.model.linear import PADDED_GEMM_ROWS, Linear, calibrate_min_gemm_rows
+from specdec.model.loader import load_config
 from specdec.model.precision import quantize_fp8_per_channel
 
 NEAR_TIE_TOLERANCE = 1.0     # logits
@@ -70,5 +74,32 @@ def test_padding_small_fp32_gemms_does_not_change_results(num_rows):
     torch.testing.assert_close(Linear(w, min_gemm_rows=PADDED_GEMM_ROWS)(x), x @ w.t(), atol=1e-5, rtol=1e-5)
 
 
-def test_calibration_picks_one_of_the_two_policies():
-    assert calibrate_min_gemm_rows(64, 256, repeats=3) in (1, PADDED_GEMM_ROWS)
+class LinearShapes(TorchFunctionMode):
+    """Records the weight shape of every F.linear call made while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            self.shapes.add(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("hidden_size, intermediate_size", [(576, 1536), (64, 256), (896, 4864)])
+def test_calibration_times_the_models_own_gemm_and_picks_one_of_the_two_policies(hidden_size, intermediate_size):
+    """The shape is the model's (it was SmolLM2's 576 -> 1536 whatever model was loaded)."""
+    config = ModelConfig("qwen2", vocab_size=1000, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                         head_dim=hidden_size // 8, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    with LinearShapes() as timed:
+        assert calibrate_min_gemm_rows(config, repeats=3) in (1, PADDED_GEMM_ROWS)
+    assert timed.shapes == {(intermediate_size, hidden_size)}
+
+
+def test_the_default_models_calibration_shape_is_its_mlp(default_model_dir):
+    with LinearShapes() as timed:
+        calibrate_min_gemm_rows(load_config(default_model_dir), repeats=1)
+    assert timed.shapes == {(1536, 576)}

@@ -36,10 +36,29 @@ def test_single_token_needs_no_mask():
     assert tree.verify_mask(7, 1, []) is None
 
 
-@pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, -2], [-1, 0, 3]])
-def test_bad_parents_are_refused(parents):
-    with pytest.raises(ValueError):
-        tree.validate_parents(parents)
+@pytest.mark.parametrize("token_ids, parents, field, message", [
+    ([5], [0], "parents", "parents[0] = 0: must be -1 or the index of an earlier node"),
+    ([5, 6], [-1, 1], "parents", "parents[1] = 1: must be -1 or the index of an earlier node"),
+    ([5, 6], [-1, -2], "parents", "parents[1] = -2: must be -1 or the index of an earlier node"),
+    ([5, 6, 7], [-1, 0, 3], "parents", "parents[2] = 3: must be -1 or the index of an earlier node"),
+    ([5, 6], [-1], "parents", "parents has 1 entries, token_ids has 2"),
+    ([5, 10], [-1, 0], "token_ids", "token_ids[1] = 10: outside the vocabulary [0, 10)"),
+    ([5, -1], [-1, 0], "token_ids", "token_ids[1] = -1: outside the vocabulary [0, 10)"),
+])
+def test_a_malformed_tree_is_refused_naming_the_entry(token_ids, parents, field, message):
+    with pytest.raises(tree.TreeError) as e:
+        tree.check_tree(token_ids, parents, vocab_size=10)
+    assert (e.value.field, str(e.value)) == (field, message)
+
+
+def test_siblings_must_differ_only_in_a_merged_tree():
+    # E.g. two children of the root both carrying token 5, and two of node 0 carrying 6.
+    for token_ids, parents in (([5, 5], [-1, -1]), ([5, 6, 6], [-1, 0, 0])):
+        tree.check_tree(token_ids, parents, vocab_size=10)
+        with pytest.raises(tree.TreeError, match=r"repeats a sibling's token") as e:
+            tree.check_tree(token_ids, parents, vocab_size=10, is_siblings_unique=True)
+        assert e.value.field == "token_ids"
+    tree.check_tree([5, 5, 6], [-1, 0, 0], is_siblings_unique=True)   # same token, other parents: fine
 
 
 def test_is_path():

@@ -196,5 +196,5 @@ def test_tree_masks_after_eos_allow_only_eos(state, tokenizer):
 def test_tree_masks_reject_bad_parents(state):
     with pytest.raises(ValueError, match="parents\\[1\\] = 1"):
         state.tree_masks([5, 6], [-1, 1])
-    with pytest.raises(ValueError, match="2 parents for 1 tokens"):
+    with pytest.raises(ValueError, match="parents has 2 entries, token_ids has 1"):
         state.tree_masks([5], [-1, -1])
