@@ -359,6 +359,8 @@ class EngineWorker:
         for item in verify_items:
             self._verifies.remove(item)
         works = [VerifyWork(i.request_id, i.tree_token_ids, i.tree_parents) for i in verify_items]
+        if not works and not chunks:
+            return
         num_forwards, forward_ms, results = 0, 0.0, []
         start = time.perf_counter()
         try:

@@ -9,8 +9,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
+from primary_svc import step_report
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -188,6 +189,9 @@ def test_prefills_of_several_requests_share_a_step(int4_model):
         assert value("specdec_scheduler_waiting_requests") == 0
         assert value("specdec_scheduler_running_requests") == 3
         assert value("specdec_preemptions_total") == 0
+        report = step_report.parse(generate_latest(metrics.registry).decode()).summary()
+        assert report == {"steps": 2, "preemptions": 0, "verify_rows_per_step": 0, "prefill_rows_per_step": 300,
+                          "steps_with_verify": 0, "steps_with_prefill": 2}
     finally:
         worker.stop()
 
