@@ -141,13 +141,16 @@ class Engine:
     # --- lifecycle -----------------------------------------------------------------------
 
     def open(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> None:
-        """Register a request with its committed tokens (prompt, or prompt + output on recovery)."""
+        """Register a request with its committed tokens (prompt, or prompt + output on recovery:
+        `num_prompt_tokens` says where the prompt ends; 0: all of them)."""
         self.check_open(request_id, token_ids)
         try:
             slot = self.kv_cache.allocate(len(token_ids) + 1)
         except KVBudgetExceeded as e:
             raise ResourceExhausted("kv_cache", str(e)) from None
-        self._requests[request_id] = _Request(list(token_ids), slot, num_prompt_tokens)
+        # A fresh request's tokens are all prompt; the mark lets a preempted request re-prefill the
+        # tokens it generated row by row (`prefill`), as the steps that decoded them ran.
+        self._requests[request_id] = _Request(list(token_ids), slot, num_prompt_tokens or len(token_ids))
 
     def check_open(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Raise the error `open` would raise for these arguments, other than a full KV cache."""

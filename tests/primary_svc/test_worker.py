@@ -256,3 +256,36 @@ def test_preemption_releases_the_newest_and_it_continues_after_a_re_prefill(int4
     finally:
         worker.stop()
         unlimited.stop()
+
+
+def test_concurrent_greedy_requests_equal_each_one_alone_int4(int4_model):
+    """Four requests at once (chunked prompts, verify rows and chunks sharing forwards, a KV budget
+    with no room to grow, so a request may wait or be preempted, depending on the order of arrival)
+    produce the logits each produces alone. int4: bit for bit."""
+    prompts = {f"c{i}": LONG_PROMPT[i * 20:i * 20 + 60 + 25 * i] for i in range(4)}
+    alone = {}
+    for rid, prompt in prompts.items():
+        worker = EngineWorker(new_engine(int4_model))
+        try:
+            worker.prefill(rid, prompt)
+            alone[rid] = decode_steps(worker, rid, 6)
+        finally:
+            worker.stop()
+    probe = new_engine(int4_model)
+    budget = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())    # no room for any slot to grow
+    worker = EngineWorker(new_engine(int4_model, max_bytes=budget), max_step_tokens=40, prefill_chunk_tokens=32)
+    try:
+        def run(rid: str) -> list[torch.Tensor]:
+            worker.prefill(rid, prompts[rid])
+            out = decode_steps(worker, rid, 6)
+            worker.call(lambda e: e.release(rid))                  # done: its KV lets the others grow
+            return out
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = dict(zip(prompts, pool.map(run, prompts)))
+        for rid in prompts:
+            assert all(torch.equal(a, b) for a, b in zip(together[rid], alone[rid])), rid
+        assert worker.engine.kv_bytes == 0 and worker.num_waiting == 0
+        assert any(s.num_verify_rows and s.num_prefill_rows for s in worker.step_history)
+    finally:
+        worker.stop()
