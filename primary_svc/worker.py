@@ -428,9 +428,9 @@ class EngineWorker:
                 if w.entry.request_id == rid:
                     w.entry.is_admitted = False
                     w.entry.num_remaining = engine.num_to_prefill(rid)
-            if rid in plan.verify_ids:                  # its verify waits for the re-prefill
+            if rid in plan.verify_ids:
                 plan.verify_ids.remove(rid)
-                item = next(v for v in self._verifies if v.request_id == rid)
+            for item in [v for v in self._verifies if v.request_id == rid]:   # it waits for the re-prefill
                 self._verifies.remove(item)
                 self._wait_for_reprefill(item)
 
