@@ -36,7 +36,7 @@ import dataclasses
 from typing import Sequence
 
 DEFAULT_MAX_STEP_TOKENS = 1024
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
+DEFAULT_PREFILL_CHUNK_TOKENS = 512     # = Engine.prefill's chunk: fp32 caches keep the bits they had before
 DEFAULT_MAX_SKIPPED_STEPS = 4
 
 
