@@ -198,15 +198,18 @@ class EngineWorker:
                 if item is None:
                     self._stopped.set()
                     break
-                self._intake(item)
+                self._intake_or_fail(item)
             if self._stopped.is_set():
                 break
             self._expire_waiting()
             if self._verifies or self._waiting:
-                self._step()
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - a scheduling bug must not hang every caller
+                    self._fail_queued(e)
                 deferred, self._deferred = self._deferred, []
                 for item in deferred:
-                    self._intake(item)
+                    self._intake_or_fail(item)
             self._observe()
         self._fail_pending()
 
@@ -235,6 +238,21 @@ class EngineWorker:
             return True
         free = self.engine.kv_cache.free_bytes
         return free is None or self._waiting[0].entry.kv_bytes_to_admit <= free
+
+    def _intake_or_fail(self, item: Any) -> None:
+        try:
+            self._intake(item)
+        except Exception as e:  # noqa: BLE001 - handed to the caller; the engine thread goes on
+            if not item.future.done():
+                item.future.set_exception(e)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Fail every queued verify and prefill; the waiting ones release their KV."""
+        for item in list(self._verifies):
+            item.future.set_exception(error)
+        self._verifies.clear()
+        for w in list(self._waiting):
+            self._fail_waiting(w, error)
 
     def _intake(self, item: Any) -> None:
         if isinstance(item, _CallItem):

@@ -39,9 +39,15 @@ class Paused:
     """Holds the engine thread in a call until released, so that work queued meanwhile shares a step."""
 
     def __init__(self, worker: EngineWorker) -> None:
-        self.worker, self.event = worker, threading.Event()
-        self.done = threading.Thread(target=worker.call, args=(lambda e: self.event.wait(60),))
+        self.worker, self.event, entered = worker, threading.Event(), threading.Event()
+
+        def hold(engine: Engine) -> None:
+            entered.set()
+            self.event.wait(60)
+
+        self.done = threading.Thread(target=worker.call, args=(hold,))
         self.done.start()
+        assert entered.wait(60), "the engine thread is holding"
 
     def release_when_queued(self, num_items: int) -> None:
         deadline = time.monotonic() + 60
