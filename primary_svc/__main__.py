@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
-    worker = EngineWorker(None, config.max_batch, config.min_batch, config.max_wait_ms)
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics(registry)
+    worker = EngineWorker(None, config.max_batch, config.max_step_tokens, config.prefill_chunk_tokens, metrics)
     # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
     loaded, engine, costs, precision_choice = worker.call(lambda _: load_engine(config, model_dir, instance_id))
     worker.engine = engine
@@ -60,8 +62,6 @@ def main(argv: list[str] | None = None) -> None:
                     precision=loaded.precision)
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
-    registry = CollectorRegistry()
-    metrics = ServiceMetrics(registry)
     is_compiled = config.tensormt_optimizer and not is_native
     compiler = start_step_compiler(config, loaded.model, metrics) if is_compiled else None
     if swept := cleanup_stale_slots():

@@ -7,6 +7,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import add_service_token_arguments
@@ -22,9 +23,9 @@ class PrimaryConfig:
     max_context: int = 4096
     max_kv_bytes: int = 2 << 30
     num_threads: int = 0            # 0: torch's default
-    max_batch: int = 32             # dynamic batching of verify work across requests
-    min_batch: int = 4
-    max_wait_ms: float = 2.0        # a verify never waits longer than this for a batch to fill
+    max_batch: int = 32             # verify items of different requests in one engine step, at most
+    max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS            # rows per engine step (primary_svc.scheduler)
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # prompt rows of one request per step
     is_shared_weights: bool = True  # weights in /dev/shm, exportable to the draft pool
     measure_verify_costs: bool = True
     device: str = "cpu"             # cuda: weights, KV cache and compute on the GPU (CUDA IPC export)
@@ -48,10 +49,13 @@ class PrimaryConfig:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
         if self.max_kv_bytes <= 0:
             raise ValueError("max_kv_bytes must be positive")
-        if not 1 <= self.min_batch <= self.max_batch:
-            raise ValueError(f"need 1 <= min_batch <= max_batch, got {self.min_batch}, {self.max_batch}")
-        if self.max_wait_ms < 0:
-            raise ValueError("max_wait_ms must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if not 1 <= self.prefill_chunk_tokens <= self.max_step_tokens:
+            raise ValueError(f"need 1 <= prefill_chunk_tokens <= max_step_tokens, got {self.prefill_chunk_tokens}, "
+                             f"{self.max_step_tokens}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if self.compile_mode not in COMPILE_MODES:
@@ -88,9 +92,14 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
     p.add_argument("--max_context", type=int, default=int(_env("MAX_CONTEXT", "4096")))
     p.add_argument("--max_kv_bytes", type=int, default=int(_env("MAX_KV_BYTES", str(2 << 30))))
     p.add_argument("--num_threads", type=int, default=int(_env("NUM_THREADS", "0")))
-    p.add_argument("--max_batch", type=int, default=int(_env("MAX_BATCH", "32")))
-    p.add_argument("--min_batch", type=int, default=int(_env("MIN_BATCH", "4")))
-    p.add_argument("--max_wait_ms", type=float, default=float(_env("MAX_WAIT_MS", "2.0")))
+    p.add_argument("--max_batch", type=int, default=int(_env("MAX_BATCH", "32")),
+                   help="verify items of different requests in one engine step, at most")
+    p.add_argument("--max_step_tokens", type=int, default=int(_env("MAX_STEP_TOKENS", str(DEFAULT_MAX_STEP_TOKENS))),
+                   help="rows per engine step: the running requests' verify rows first, then prefill chunks")
+    p.add_argument("--prefill_chunk_tokens", type=int,
+                   default=int(_env("PREFILL_CHUNK_TOKENS", str(DEFAULT_PREFILL_CHUNK_TOKENS))),
+                   help="prompt rows of one request per engine step (a long prompt is prefilled over several "
+                        "steps while the others keep decoding)")
     p.add_argument("--no_shared_weights", action="store_true",
                    default=_env("SHARED_WEIGHTS", "1") in ("0", "false"))
     p.add_argument("--no_measure_verify_costs", action="store_true",
@@ -111,8 +120,9 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
                             max_message_bytes=a.max_message_bytes),
         model_path=a.model_path, cache_dir=Path(a.cache_dir), precision=a.precision, max_context=a.max_context,
-        max_kv_bytes=a.max_kv_bytes, num_threads=a.num_threads, max_batch=a.max_batch, min_batch=a.min_batch,
-        max_wait_ms=a.max_wait_ms, is_shared_weights=not a.no_shared_weights,
+        max_kv_bytes=a.max_kv_bytes, num_threads=a.num_threads, max_batch=a.max_batch,
+        max_step_tokens=a.max_step_tokens, prefill_chunk_tokens=a.prefill_chunk_tokens,
+        is_shared_weights=not a.no_shared_weights,
         measure_verify_costs=not a.no_measure_verify_costs, device=a.device, min_gemm_rows=a.min_gemm_rows,
         log_level=a.log_level, tensormt_optimizer=a.tensormt_optimizer, compile_mode=a.compile_mode,
         kv_lease_s=a.kv_lease_s, service_token_file=a.service_token_file,

@@ -68,20 +68,13 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             raise InvalidArgument("num_prompt_tokens", f"is {request.num_prompt_tokens}, more than the "
                                   f"{len(token_ids)} token_ids")
         start = time.perf_counter()
-
-        def run(engine: Engine) -> tuple[int, str]:
-            # On the engine thread, like expiry: a lease is never granted to a slot being expired.
-            if engine.has_request(request_id):   # a re-prefill (recovery) replaces the old state
-                self.leases.drop(request_id)
-                engine.release(request_id)
-            engine.open(request_id, token_ids)
-            try:
-                return engine.prefill(request_id, request.num_prompt_tokens), self.leases.grant(request_id)
-            except BaseException:
-                engine.release(request_id)
-                raise
-
-        num_cached, lease = self.worker.call(run)
+        # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
+        # then runs in chunks between other requests' steps. A re-prefill (recovery) replaces the old
+        # state; the lease is granted on the engine thread, like expiry, so never to a slot being expired.
+        num_cached, lease = self.worker.prefill(
+            request_id, token_ids, request.num_prompt_tokens, timeout_s=context.time_remaining(),
+            on_replace=lambda: self.leases.drop(request_id),
+            finish=lambda num_cached: (num_cached, self.leases.grant(request_id)))
         self._observe_kv()
         return primary_pb2.PrefillResponse(num_cached_tokens=num_cached, kv_lease=lease,
                                            time_ms=(time.perf_counter() - start) * 1000)
@@ -166,3 +159,4 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             self.metrics.kv_bytes.set(self.worker.engine.kv_bytes)
             self.metrics.active_requests.set(self.worker.engine.num_active_requests)
             self.metrics.queue_depth.set(self.worker.queue_depth)
+            self.metrics.scheduler_waiting.set(self.worker.num_waiting)

@@ -1,14 +1,27 @@
-"""One thread owns the engine; RPC threads hand it work and wait. Verify work is batched.
+"""One thread owns the engine; RPC threads hand it work and wait. It runs a scheduler loop.
 
-Dynamic batching: verify items from different requests that are waiting together run as ONE
-forward (`Engine.verify_batch`): the linear layers read the weights once for all of them.
-The worker takes up to `max_batch` queued items; when fewer than `min_batch` are there and
-other requests are active (so more work may be about to arrive), it waits for more, but
-never past `max_wait_ms` after the oldest item arrived. With a single active request it
-never waits: batch-1 latency is untouched.
+The engine thread keeps two queues (policy: primary_svc.scheduler):
 
-Each verify item first commits the previous step of its request (accepted path + new
-tokens), then joins the batch; an item whose commit or tree is invalid fails alone.
+- verify: the pending Verify/Decode items of running requests (one per request per step);
+- waiting: prefills, FIFO: a new request's Prefill (its KV is allocated only when its whole prompt
+  fits the free KV bytes, admission instead of failure; it waits at most until its RPC deadline), and
+  preempted requests, which re-prefill from their committed tokens before their verify runs.
+
+Each step the policy fills a budget of `max_step_tokens` rows with the verify rows first, then with
+prefill chunks of at most `prefill_chunk_tokens` rows per waiting request, so a long prompt is
+prefilled over several steps while the others keep decoding. The loop never waits for a batch to
+fill: whatever arrived while a step ran joins the next one (continuous batching).
+
+Where the model is batch invariant (packed int4/int8 kernels: a row gets the same bits whatever the
+batch) the verify rows and every prefill chunk run as ONE forward; elsewhere (fp32/bf16, whose GEMMs
+round differently with the row count) the verify rows run as one forward and each chunk in a forward
+of its own, cut where an uninterrupted prefill cuts, so the cache holds the same bits as before.
+
+When the verify rows need more KV than is free, running requests are preempted, newest admitted
+first: their KV is released and they re-prefill (from their committed tokens) when room returns.
+
+Each verify item first commits the previous step of its request (accepted path + new tokens), then
+joins the queue; an item whose commit or tree is invalid fails alone.
 
 Every tensor operation of the process runs on this one thread: the model's loading and the
 start-up measurements (`call` before the engine exists), and per RPC the caller's `finish`
@@ -20,7 +33,9 @@ loaded on another thread).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -29,11 +44,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from specdec.engine.engine import Engine, VerifyWork
-from specdec.errors import SpecdecError
+from primary_svc.scheduler import (DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, RunningEntry,
+                                   SchedulerPolicy, StepPlan, VerifyEntry, WaitingEntry, choose_victims)
+from specdec.engine.engine import Engine, PrefillChunk, VerifyWork
+from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
+from specdec.metrics import ServiceMetrics
+
+STEP_HISTORY = 4096       # steps whose composition `step_history` keeps
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class _VerifyItem:
     request_id: str
     accepted_nodes: Sequence[int]
@@ -42,45 +62,116 @@ class _VerifyItem:
     tree_parents: Sequence[int]
     finish: Callable[[torch.Tensor], Any]
     future: Future
-    enqueued_at: float
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
+class _PrefillItem:
+    request_id: str
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    deadline: float | None                  # time.monotonic() past which it fails (while it waits)
+    on_replace: Callable[[], None]          # the request was open: called before its state is dropped
+    finish: Callable[[int], Any]            # finish(num_cached) on the engine thread once prefilled
+    future: Future
+
+
+@dataclasses.dataclass(slots=True, eq=False)
 class _CallItem:
     fn: Callable[[Engine], Any]
     future: Future
-    enqueued_at: float
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Waiting:
+    entry: WaitingEntry
+    prefill: _PrefillItem | None = None     # a new request's Prefill
+    verify: _VerifyItem | None = None       # a preempted request's verify, run once it is re-prefilled
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepComposition:
+    num_verify_items: int
+    num_verify_rows: int
+    num_prefill_chunks: int
+    num_prefill_rows: int
+    num_forwards: int
 
 
 @dataclasses.dataclass(slots=True)
 class BatchStats:
-    num_batches: int = 0
-    num_items: int = 0
+    num_batches: int = 0          # steps with verify work
+    num_items: int = 0            # verify items run
     max_batch_seen: int = 0
+    num_steps: int = 0
+    num_prefill_chunks: int = 0
+    num_preemptions: int = 0
 
 
 class EngineWorker:
     """The engine thread. `engine` may be None at first: build it with `call` (on this thread)
     and set it before serving."""
 
-    def __init__(self, engine: Engine | None, max_batch: int = 32, min_batch: int = 4,
-                 max_wait_ms: float = 2.0) -> None:
+    def __init__(self, engine: Engine | None, max_batch: int = 32,
+                 max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+                 metrics: ServiceMetrics | None = None) -> None:
+        self.max_batch = max_batch
+        self.max_step_tokens, self.prefill_chunk_tokens = max_step_tokens, prefill_chunk_tokens
+        SchedulerPolicy(max_step_tokens, prefill_chunk_tokens)      # the settings' check, before the thread
+        self._policy: SchedulerPolicy | None = None
+        self._engine: Engine | None = None
         self.engine = engine
-        self.max_batch, self.min_batch, self.max_wait_s = max_batch, min_batch, max_wait_ms / 1000
+        self.metrics = metrics
         self.stats = BatchStats()
-        self._queue: queue.Queue = queue.Queue()
+        self.step_history: collections.deque[StepComposition] = collections.deque(maxlen=STEP_HISTORY)
+        self._inbox: queue.Queue = queue.Queue()
+        self._verifies: collections.deque[_VerifyItem] = collections.deque()
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._deferred: list[_VerifyItem] = []          # a second verify of a request already queued
+        self._admitted_seq: dict[str, int] = {}
+        self._seq = itertools.count()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
     @property
+    def engine(self) -> Engine | None:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine | None) -> None:
+        self._engine = engine
+        if engine is not None:
+            # Chunks may be cut anywhere only where every row's bits are independent of the cut.
+            is_splittable = engine.model.is_batch_invariant and engine.model.is_attention_row_exact
+            self._policy = SchedulerPolicy(self.max_step_tokens, self.prefill_chunk_tokens, is_splittable,
+                                           max_verify_items=self.max_batch)
+
+    @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._inbox.qsize() + len(self._verifies) + len(self._waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
 
     def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread and return its result (or raise its exception)."""
         future: Future = Future()
-        self._queue.put(_CallItem(fn, future, time.monotonic()))
+        self._inbox.put(_CallItem(fn, future))
+        return future.result()
+
+    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0,
+                timeout_s: float | None = None, on_replace: Callable[[], None] = lambda: None,
+                finish: Callable[[int], Any] = lambda num_cached: num_cached) -> Any:
+        """Open the request (replacing an open one of that id) and prefill it; returns finish(num_cached).
+
+        It waits in the queue until its prompt fits the KV budget, at most timeout_s (then
+        DEADLINE_EXCEEDED); a prompt larger than the whole budget fails at once (RESOURCE_EXHAUSTED)."""
+        future: Future = Future()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._inbox.put(_PrefillItem(request_id, list(token_ids), num_prompt_tokens, deadline, on_replace,
+                                     finish, future))
         return future.result()
 
     def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
@@ -90,99 +181,323 @@ class EngineWorker:
 
         `finish` runs on the engine thread; an exception it raises fails this item alone."""
         future: Future = Future()
-        self._queue.put(_VerifyItem(request_id, accepted_nodes, committed_token_ids, tree_token_ids,
-                                    tree_parents, finish, future, time.monotonic()))
+        self._inbox.put(_VerifyItem(request_id, accepted_nodes, committed_token_ids, tree_token_ids,
+                                    tree_parents, finish, future))
         return future.result()
 
     def stop(self) -> None:
         self._stopped.set()
-        self._queue.put(None)
+        self._inbox.put(None)
         self._thread.join(timeout=5)
 
     # --- the engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            item = self._queue.get()
-            if item is None:
+            for item in self._next_items():
+                if item is None:
+                    self._stopped.set()
+                    break
+                self._intake_or_fail(item)
+            if self._stopped.is_set():
                 break
-            items = [item] + self._drain(self.max_batch - 1)
-            verifies = [i for i in items if isinstance(i, _VerifyItem)]
-            if (verifies and len(verifies) < self.min_batch and self.engine is not None
-                    and self.engine.num_active_requests > len(verifies)):
-                deadline = verifies[0].enqueued_at + self.max_wait_s
-                while len(verifies) < self.min_batch and (remaining := deadline - time.monotonic()) > 0:
-                    try:
-                        more = self._queue.get(timeout=remaining)
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        self._stopped.set()
-                        break
-                    items.append(more)
-                    if isinstance(more, _VerifyItem):
-                        verifies.append(more)
-            for i in items:
-                if isinstance(i, _CallItem):
-                    self._run_call(i)
-            if verifies:
-                self._run_verifies(verifies)
+            self._expire_waiting()
+            if self._verifies or self._waiting:
+                try:
+                    self._step()
+                except Exception as e:  # noqa: BLE001 - a scheduling bug must not hang every caller
+                    self._fail_queued(e)
+                deferred, self._deferred = self._deferred, []
+                for item in deferred:
+                    self._intake_or_fail(item)
+            self._observe()
         self._fail_pending()
 
-    def _drain(self, limit: int) -> list:
-        out = []
-        while len(out) < limit:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                self._stopped.set()
-                break
-            out.append(item)
-        return out
-
-    def _run_call(self, item: _CallItem) -> None:
+    def _next_items(self) -> list:
+        """What arrived; blocks when there is nothing to run (until the next waiting deadline)."""
+        if self._verifies or self._has_runnable_waiting():
+            block, timeout = False, None
+        else:
+            deadlines = [w.prefill.deadline for w in self._waiting if w.prefill and w.prefill.deadline]
+            block, timeout = True, (max(0.0, min(deadlines) - time.monotonic()) if deadlines else None)
+        items = []
         try:
-            item.future.set_result(item.fn(self.engine))
-        except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
-            item.future.set_exception(e)
-
-    def _run_verifies(self, items: list[_VerifyItem]) -> None:
-        ready, seen = [], set()
-        for i in items:
-            if i.request_id in seen:   # the same request twice: run the second in a later batch
-                self._queue.put(i)
-                continue
+            items.append(self._inbox.get(block=block, timeout=timeout))
+        except queue.Empty:
+            return items
+        while True:
             try:
-                if i.accepted_nodes or i.committed_token_ids:   # nothing to commit: a (re)verify only
-                    self.engine.commit(i.request_id, i.accepted_nodes, i.committed_token_ids)
-                work = VerifyWork(i.request_id, i.tree_token_ids, i.tree_parents)
-                self.engine.check_verify(work)
-            except SpecdecError as e:
-                i.future.set_exception(e)
-                continue
-            seen.add(i.request_id)
-            ready.append((i, work))
-        if not ready:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _has_runnable_waiting(self) -> bool:
+        if not self._waiting or self.engine is None:
+            return False
+        if any(w.entry.is_admitted for w in self._waiting):
+            return True
+        free = self.engine.kv_cache.free_bytes
+        return free is None or self._waiting[0].entry.kv_bytes_to_admit <= free
+
+    def _intake_or_fail(self, item: Any) -> None:
+        try:
+            self._intake(item)
+        except Exception as e:  # noqa: BLE001 - handed to the caller; the engine thread goes on
+            if not item.future.done():
+                item.future.set_exception(e)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Fail every queued verify and prefill; the waiting ones release their KV."""
+        for item in list(self._verifies):
+            item.future.set_exception(error)
+        self._verifies.clear()
+        for w in list(self._waiting):
+            self._fail_waiting(w, error)
+
+    def _intake(self, item: Any) -> None:
+        if isinstance(item, _CallItem):
+            try:
+                item.future.set_result(item.fn(self.engine))
+            except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
+                item.future.set_exception(e)
+            self._forget_closed()
+        elif isinstance(item, _VerifyItem):
+            self._intake_verify(item)
+        else:
+            self._intake_prefill(item)
+
+    def _intake_verify(self, item: _VerifyItem) -> None:
+        rid = item.request_id
+        if any(v.request_id == rid for v in self._verifies) or any(
+                w.verify is not None and w.verify.request_id == rid for w in self._waiting):
+            self._deferred.append(item)                 # runs after the queued one
             return
+        engine = self.engine
+        try:
+            if item.accepted_nodes or item.committed_token_ids:   # nothing to commit: a (re)verify only
+                engine.commit(rid, item.accepted_nodes, item.committed_token_ids)
+            engine.check_verify(VerifyWork(rid, item.tree_token_ids, item.tree_parents), is_evicted_ok=True)
+        except SpecdecError as e:
+            item.future.set_exception(e)
+            return
+        if engine.is_evicted(rid):
+            self._wait_for_reprefill(item)
+        else:
+            self._verifies.append(item)
+
+    def _wait_for_reprefill(self, item: _VerifyItem) -> None:
+        """A preempted request's (committed) verify: re-prefill first, ahead of new prompts. It is
+        admitted only with room for its tree too, so its verify cannot need to preempt it again."""
+        engine, rid = self.engine, item.request_id
+        need = engine.kv_bytes_to_open(len(engine.token_ids(rid)) + len(item.tree_token_ids))
+        self._waiting.appendleft(_Waiting(WaitingEntry(rid, engine.num_to_prefill(rid), need), verify=item))
+
+    def _intake_prefill(self, item: _PrefillItem) -> None:
+        engine, rid = self.engine, item.request_id
+        try:
+            if engine.has_request(rid):                 # a re-prefill (recovery) replaces the old state
+                item.on_replace()
+                self._drop(rid, NotFound("request_id", f"request {rid!r} was replaced by a new prefill"))
+                engine.release(rid)
+            self._drop(rid, NotFound("request_id", f"request {rid!r} was replaced by a new prefill"))
+            engine.check_open(rid, item.token_ids)
+            need = engine.kv_bytes_to_open(len(item.token_ids))
+            max_bytes = engine.kv_cache.max_bytes
+            if max_bytes is not None and need > max_bytes:
+                raise ResourceExhausted("kv_cache", f"{len(item.token_ids)} tokens need {need} KV bytes, more "
+                                        f"than the whole budget of {max_bytes}")
+        except BaseException as e:
+            item.future.set_exception(e)
+            return
+        self._waiting.append(_Waiting(WaitingEntry(rid, len(item.token_ids) - 1, need), prefill=item))
+
+    def _drop(self, request_id: str, error: SpecdecError) -> None:
+        """Fail and forget the queued work of request_id."""
+        for v in [v for v in self._verifies if v.request_id == request_id]:
+            self._verifies.remove(v)
+            v.future.set_exception(error)
+        for w in [w for w in self._waiting if w.entry.request_id == request_id]:
+            self._waiting.remove(w)
+            for i in (w.prefill, w.verify):
+                if i is not None:
+                    i.future.set_exception(error)
+        self._admitted_seq.pop(request_id, None)
+
+    def _forget_closed(self) -> None:
+        """Queued work of requests a call released (Release, lease expiry) fails as NOT_FOUND."""
+        if self.engine is None:
+            return
+        gone = {v.request_id for v in self._verifies if not self.engine.has_request(v.request_id)}
+        gone |= {w.entry.request_id for w in self._waiting
+                 if w.entry.is_admitted or w.verify is not None}
+        for rid in gone:
+            if not self.engine.has_request(rid):
+                self._drop(rid, NotFound("request_id", f"no active request {rid!r} on this primary"))
+        for rid in [r for r in self._admitted_seq if not self.engine.has_request(r)]:
+            del self._admitted_seq[rid]
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        for w in [w for w in self._waiting if w.prefill and w.prefill.deadline and w.prefill.deadline <= now]:
+            self._waiting.remove(w)
+            rid = w.entry.request_id
+            if w.entry.is_admitted and self.engine.has_request(rid):
+                self.engine.release(rid)
+                self._admitted_seq.pop(rid, None)
+            w.prefill.future.set_exception(DeadlineExceeded(
+                "deadline", f"request {rid!r} waited past its deadline for KV room or its prefill"))
+
+    def _step(self) -> None:
+        engine = self.engine
+        by_id = {v.request_id: v for v in self._verifies}
+        entries = []
+        for v in self._verifies:
+            work = VerifyWork(v.request_id, v.tree_token_ids, v.tree_parents)
+            rows = len(engine.token_ids(v.request_id)) - engine.num_cached(v.request_id) + len(v.tree_token_ids)
+            entries.append(VerifyEntry(v.request_id, rows, engine.kv_growth_bytes(work)))
+        plan = self._policy.plan(entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes)
+        if plan.kv_shortfall_bytes > 0:
+            self._preempt(plan, {e.request_id: e.kv_growth_bytes for e in entries})
+        waiting = {w.entry.request_id: w for w in self._waiting}
+        for rid in plan.admit_ids:
+            w = waiting[rid]
+            try:
+                if w.prefill is not None:
+                    engine.open(rid, w.prefill.token_ids, w.prefill.num_prompt_tokens)
+                else:
+                    engine.readmit(rid, len(w.verify.tree_token_ids))
+            except SpecdecError as e:
+                self._fail_waiting(w, e)
+                continue
+            w.entry.is_admitted = True
+            self._admitted_seq[rid] = next(self._seq)
+        chunks = [PrefillChunk(rid, n) for rid, n in plan.prefill_chunks
+                  if rid in waiting and waiting[rid].entry.is_admitted and waiting[rid] in self._waiting]
+        verify_items = [by_id[rid] for rid in plan.verify_ids if rid in by_id]
+        for item in verify_items:
+            self._verifies.remove(item)
+        works = [VerifyWork(i.request_id, i.tree_token_ids, i.tree_parents) for i in verify_items]
+        if not works and not chunks:
+            return
+        num_forwards, forward_ms, results = 0, 0.0, []
         start = time.perf_counter()
         try:
-            results = self.engine.verify_batch([w for _, w in ready])
+            if engine.model.is_batch_invariant:         # one forward: every row's bits are its own
+                results = engine.step(works, chunks)
+                num_forwards = 1
+            else:
+                if works:
+                    results = engine.step(works, [])
+                    num_forwards += 1
+                forward_ms = (time.perf_counter() - start) * 1000
+                for chunk in chunks:
+                    engine.step([], [chunk])
+                    num_forwards += 1
         except BaseException as e:
-            for i, _ in ready:
-                i.future.set_exception(e)
+            for item in verify_items:
+                item.future.set_exception(e)
+            for chunk in chunks:
+                self._fail_waiting(waiting[chunk.request_id], e)
             return
-        forward_ms = (time.perf_counter() - start) * 1000
-        self.stats.num_batches += 1
-        self.stats.num_items += len(ready)
-        self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(ready))
-        for (i, _), logits in zip(ready, results):
+        if engine.model.is_batch_invariant:
+            forward_ms = (time.perf_counter() - start) * 1000
+        self._record(verify_items, plan, chunks, num_forwards)
+        for chunk in chunks:
+            w = waiting[chunk.request_id]
+            w.entry.num_remaining = engine.num_to_prefill(chunk.request_id)
+            if w.entry.num_remaining == 0:
+                self._waiting.remove(w)
+                if w.prefill is not None:
+                    try:
+                        w.prefill.future.set_result(w.prefill.finish(engine.num_cached(chunk.request_id)))
+                    except BaseException as e:  # handed to the waiting RPC thread
+                        w.prefill.future.set_exception(e)
+                if w.verify is not None:
+                    self._verifies.appendleft(w.verify)
+        for item, logits in zip(verify_items, results):
             try:
-                i.future.set_result((i.finish(logits), forward_ms))
+                item.future.set_result((item.finish(logits), forward_ms))
             except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
-                i.future.set_exception(e)
+                item.future.set_exception(e)
+
+    def _preempt(self, plan: StepPlan, growth: dict[str, int]) -> None:
+        """Release running requests, newest first, until the step's verify rows fit the KV budget."""
+        engine = self.engine
+        resident = engine.resident_request_ids()
+        running = [RunningEntry(rid, self._admitted_seq.get(rid, -1), engine.kv_bytes_of(rid),
+                                growth.get(rid, 0) if rid in plan.verify_ids else 0) for rid in resident]
+        for rid in choose_victims(running, plan.kv_shortfall_bytes):
+            if len(engine.resident_request_ids()) <= 1:
+                # Alone and still too large: nothing to wait for, its verify fails.
+                for v in [v for v in self._verifies if v.request_id == rid]:
+                    self._verifies.remove(v)
+                    v.future.set_exception(ResourceExhausted(
+                        "kv_cache", f"request {rid!r} alone needs more KV than max_kv_bytes"))
+                if rid in plan.verify_ids:
+                    plan.verify_ids.remove(rid)
+                break
+            engine.evict(rid)
+            self._admitted_seq.pop(rid, None)
+            self.stats.num_preemptions += 1
+            if self.metrics is not None:
+                self.metrics.preemptions.inc()
+            plan.prefill_chunks = [(r, n) for r, n in plan.prefill_chunks if r != rid]
+            for w in self._waiting:                     # preempted in the middle of its prefill
+                if w.entry.request_id == rid:
+                    w.entry.is_admitted = False
+                    w.entry.num_remaining = engine.num_to_prefill(rid)
+            if rid in plan.verify_ids:
+                plan.verify_ids.remove(rid)
+            for item in [v for v in self._verifies if v.request_id == rid]:   # it waits for the re-prefill
+                self._verifies.remove(item)
+                self._wait_for_reprefill(item)
+
+    def _fail_waiting(self, w: _Waiting, error: BaseException) -> None:
+        if w in self._waiting:
+            self._waiting.remove(w)
+        rid = w.entry.request_id
+        if self.engine.has_request(rid):
+            self.engine.release(rid)
+        self._admitted_seq.pop(rid, None)
+        for i in (w.prefill, w.verify):
+            if i is not None:
+                i.future.set_exception(error)
+
+    def _record(self, verify_items: list, plan: StepPlan, chunks: list[PrefillChunk], num_forwards: int) -> None:
+        verify_rows = plan.num_verify_rows if verify_items else 0
+        prefill_rows = sum(n for rid, n in plan.prefill_chunks if any(c.request_id == rid for c in chunks))
+        self.stats.num_steps += 1
+        self.stats.num_prefill_chunks += len(chunks)
+        if verify_items:
+            self.stats.num_batches += 1
+            self.stats.num_items += len(verify_items)
+            self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(verify_items))
+        self.step_history.append(StepComposition(len(verify_items), verify_rows, len(chunks), prefill_rows,
+                                                 num_forwards))
+        if self.metrics is not None:
+            self.metrics.engine_steps.inc()
+            self.metrics.step_rows.labels(kind="verify").observe(verify_rows)
+            self.metrics.step_rows.labels(kind="prefill").observe(prefill_rows)
+
+    def _observe(self) -> None:
+        if self.metrics is None or self.engine is None:
+            return
+        self.metrics.scheduler_waiting.set(len(self._waiting))
+        waiting = {w.entry.request_id for w in self._waiting}
+        self.metrics.scheduler_running.set(sum(1 for r in self.engine.resident_request_ids() if r not in waiting))
 
     def _fail_pending(self) -> None:
-        for item in self._drain(10**9):
-            item.future.set_exception(RuntimeError("the engine worker stopped"))
+        error = RuntimeError("the engine worker stopped")
+        items: list = list(self._verifies) + self._deferred
+        for w in self._waiting:
+            items += [i for i in (w.prefill, w.verify) if i is not None]
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                items.append(item)
+        for item in items:
+            if not item.future.done():
+                item.future.set_exception(error)

@@ -35,6 +35,10 @@ _RPC_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 _STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # Accepted length per step is an integer >= 1 (accepted draft tokens + bonus).
 _ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+# Rows of one primary engine step by kind: 0 (none of that kind) to a few thousand (the step budget).
+_STEP_ROWS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Row kinds of a primary engine step: verify/decode rows of running requests, prefill chunk rows.
+STEP_ROW_KINDS = ("verify", "prefill")
 
 
 class ServiceMetrics:
@@ -72,6 +76,21 @@ class ServiceMetrics:
         self.dependency_available = Gauge(
             "dependency_available", "1 while a dependency answers; 0 while the gateway serves without it.",
             ["dependency"], namespace=NAMESPACE, registry=registry)
+        self.scheduler_waiting = Gauge(
+            "scheduler_waiting_requests", "Primary: prefills waiting (for KV room or to finish their chunks).",
+            namespace=NAMESPACE, registry=registry)
+        self.scheduler_running = Gauge(
+            "scheduler_running_requests", "Primary: prefilled requests holding KV.",
+            namespace=NAMESPACE, registry=registry)
+        self.engine_steps = Counter(
+            "engine_steps", "Primary: engine steps (one budgeted batch of verify rows and prefill chunks).",
+            namespace=NAMESPACE, registry=registry)
+        self.step_rows = Histogram(
+            "engine_step_rows", f"Primary: rows of one engine step, by kind: {', '.join(STEP_ROW_KINDS)}.",
+            ["kind"], namespace=NAMESPACE, registry=registry, buckets=_STEP_ROWS_BUCKETS)
+        self.preemptions = Counter(
+            "preemptions", "Primary: requests whose KV was released to let others grow (they re-prefill).",
+            namespace=NAMESPACE, registry=registry)
         self.compiled_buckets = Gauge(
             "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only).",
             namespace=NAMESPACE, registry=registry)

@@ -47,7 +47,8 @@ MAX_TREE_NODES = 256
 @dataclasses.dataclass(slots=True)
 class _Request:
     token_ids: list[int]
-    kv: KVSlot
+    kv: KVSlot | None                      # None: evicted (preempted); re-prefills from token_ids
+    num_prompt_tokens: int = 0             # > 0: tokens after the prompt re-prefill row by row (`prefill`)
     tree_chain: int = 0                    # chain rows written by the last verify, after num_cached
     tree_parents: tuple[int, ...] = ()     # the tree of the last verify, whose rows follow the chain
     tree_token_ids: tuple[int, ...] = ()
@@ -58,6 +59,12 @@ class VerifyWork:
     request_id: str
     token_ids: Sequence[int]     # draft tree tokens [N]
     parents: Sequence[int]       # [N], -1 = child of the root
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    request_id: str
+    num_tokens: int              # at most this many; `step` runs up to the next row-by-row boundary
 
 
 class Engine:
@@ -91,7 +98,34 @@ class Engine:
         return list(self._get(request_id).token_ids)
 
     def num_cached(self, request_id: str) -> int:
-        return self._get(request_id).kv.num_cached
+        kv = self._get(request_id).kv
+        return 0 if kv is None else kv.num_cached
+
+    def resident_request_ids(self) -> list[str]:
+        """The requests that hold a KV slot (not evicted)."""
+        return [r for r, req in self._requests.items() if req.kv is not None]
+
+    def is_evicted(self, request_id: str) -> bool:
+        return self._get(request_id).kv is None
+
+    def num_to_prefill(self, request_id: str) -> int:
+        """Committed tokens not yet in the cache, the pending one excepted."""
+        return len(self._get(request_id).token_ids) - 1 - self.num_cached(request_id)
+
+    def kv_bytes_of(self, request_id: str) -> int:
+        kv = self._get(request_id).kv
+        return 0 if kv is None else kv.num_bytes
+
+    def kv_bytes_to_open(self, num_tokens: int) -> int:
+        """The bytes a slot for num_tokens committed tokens takes (what `open`/`readmit` allocate)."""
+        return self.kv_cache.bytes_for_rows(num_tokens + 1)
+
+    def kv_growth_bytes(self, w: VerifyWork) -> int:
+        """The bytes the request's slot grows by to run this verify."""
+        req = self._get(w.request_id)
+        if req.kv is None:
+            return 0
+        return self.kv_cache.growth_bytes(req.kv, len(req.token_ids) + len(w.token_ids))
 
     def _get(self, request_id: str) -> _Request:
         try:
@@ -106,8 +140,20 @@ class Engine:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def open(self, request_id: str, token_ids: Sequence[int]) -> None:
-        """Register a request with its committed tokens (prompt, or prompt + output on recovery)."""
+    def open(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> None:
+        """Register a request with its committed tokens (prompt, or prompt + output on recovery:
+        `num_prompt_tokens` says where the prompt ends; 0: all of them)."""
+        self.check_open(request_id, token_ids)
+        try:
+            slot = self.kv_cache.allocate(len(token_ids) + 1)
+        except KVBudgetExceeded as e:
+            raise ResourceExhausted("kv_cache", str(e)) from None
+        # A fresh request's tokens are all prompt; the mark lets a preempted request re-prefill the
+        # tokens it generated row by row (`prefill`), as the steps that decoded them ran.
+        self._requests[request_id] = _Request(list(token_ids), slot, num_prompt_tokens or len(token_ids))
+
+    def check_open(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Raise the error `open` would raise for these arguments, other than a full KV cache."""
         if not request_id:
             raise InvalidArgument("request_id", "must not be empty")
         if request_id in self._requests:
@@ -118,43 +164,60 @@ class Engine:
             raise InvalidArgument("token_ids", f"{len(token_ids)} tokens do not fit the context of "
                                   f"{self.max_context} with room to generate")
         self._check_token_ids("token_ids", token_ids)
-        try:
-            slot = self.kv_cache.allocate(len(token_ids) + 1)
-        except KVBudgetExceeded as e:
-            raise ResourceExhausted("kv_cache", str(e)) from None
-        self._requests[request_id] = _Request(list(token_ids), slot)
 
     def release(self, request_id: str) -> int:
-        """Free the request's KV slot; returns the bytes freed."""
+        """Forget the request and free its KV slot; returns the bytes freed."""
         req = self._requests.pop(request_id, None)
         if req is None:
             raise NotFound("request_id", f"no active request {request_id!r} on this primary")
-        return self.kv_cache.release(req.kv)
+        return 0 if req.kv is None else self.kv_cache.release(req.kv)
 
-    def prefill(self, request_id: str, num_prompt_tokens: int = 0) -> int:
+    def evict(self, request_id: str) -> int:
+        """Preemption: free the request's KV slot but keep its committed tokens (and its last tree, so
+        the next commit is still checked); `readmit` and a prefill bring it back. Returns the bytes freed."""
+        req = self._get(request_id)
+        if req.kv is None:
+            return 0
+        freed = self.kv_cache.release(req.kv)
+        req.kv = None
+        return freed
+
+    def readmit(self, request_id: str, num_extra_rows: int = 0) -> None:
+        """A new KV slot for an evicted request, to re-prefill from its committed tokens, with room
+        for `num_extra_rows` more (the tree of the verify it waits to run)."""
+        req = self._get(request_id)
+        if req.kv is not None:
+            return
+        try:
+            req.kv = self.kv_cache.allocate(len(req.token_ids) + 1 + num_extra_rows)
+        except KVBudgetExceeded as e:
+            raise ResourceExhausted("kv_cache", str(e)) from None
+
+    def prefill(self, request_id: str, num_prompt_tokens: int = 0,
+                chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
         """Run every committed token but the pending one into the cache; returns num_cached.
 
-        The prompt runs in chunks. With row-by-row verify (`is_row_by_row`), tokens from the
-        prompt's last one on (`num_prompt_tokens` > 0: a recovered request's generated tokens) run
-        row by row, each exactly as the step that decoded it did, so the cache and every later
-        step are bit for bit those of the uninterrupted request.
+        The prompt runs in chunks of `chunk_tokens`. With row-by-row verify (`is_row_by_row`), tokens
+        from the prompt's last one on (`num_prompt_tokens` > 0: a recovered request's generated tokens)
+        run row by row, each exactly as the step that decoded it did, so the cache and every later
+        step are bit for bit those of the uninterrupted request. The scheduler (primary_svc.worker)
+        runs the same chunks one `step` at a time, interleaved with other requests' work.
         """
         req = self._get(request_id)
-        last = len(req.token_ids) - 1                      # the pending token stays out
-        batched_end = min(last, num_prompt_tokens - 1) if self.is_row_by_row and num_prompt_tokens else last
-        while req.kv.num_cached < last:
-            start = req.kv.num_cached
-            is_row_by_row = start >= batched_end
-            end = min(start + PREFILL_CHUNK_TOKENS, last if is_row_by_row else batched_end)
-            self._reserve(req, end)
-            mask = tree_geometry.verify_mask(start, end - start, ())
-            paths = tree_geometry.row_paths(end - start, ()) if is_row_by_row else None
-            span = SequenceSpan(0, end - start, start, req.kv.k, req.kv.v, mask, paths)
-            self.model.forward(torch.tensor(req.token_ids[start:end], dtype=torch.int64), torch.arange(start, end),
-                               [span], logits_rows=torch.empty(0, dtype=torch.int64))
-            req.kv.num_cached = end
-            req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
+        if num_prompt_tokens:
+            req.num_prompt_tokens = num_prompt_tokens
+        while self.num_to_prefill(request_id) > 0:
+            self.step([], [PrefillChunk(request_id, chunk_tokens)])
         return req.kv.num_cached
+
+    def _chunk_end(self, req: _Request, max_tokens: int) -> tuple[int, int, bool]:
+        """(start, end, row by row) of the request's next prefill chunk of at most max_tokens."""
+        last = len(req.token_ids) - 1                      # the pending token stays out
+        n = req.num_prompt_tokens
+        batched_end = min(last, n - 1) if self.is_row_by_row and n else last
+        start = req.kv.num_cached
+        is_row_by_row = start >= batched_end
+        return start, min(start + max_tokens, last if is_row_by_row else batched_end), is_row_by_row
 
     def _reserve(self, req: _Request, num_rows: int) -> None:
         try:
@@ -170,12 +233,26 @@ class Engine:
 
     def verify_batch(self, works: Sequence[VerifyWork]) -> list[torch.Tensor]:
         """Verify several requests' trees in one forward (linear layers run once over all rows)."""
-        if len({w.request_id for w in works}) != len(works):
+        return self.step(works, [])
+
+    def step(self, works: Sequence[VerifyWork], chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
+        """One forward over several requests' verify rows and prefill chunks; the verifies' logits.
+
+        A prefill chunk's rows are computed as `prefill` computes them, so mixing them into a forward
+        with other rows changes no bit where the model is batch invariant (`model.is_batch_invariant`);
+        elsewhere the scheduler runs each chunk in a forward of its own.
+        """
+        ids = [w.request_id for w in works] + [c.request_id for c in chunks]
+        if len(set(ids)) != len(ids):
             raise InvalidArgument("request_id", "a request appears twice in one batch")
         input_ids, positions, spans, logits_rows, reqs = [], [], [], [], []
         num_rows = 0
         for w in works:
             self.check_verify(w)
+        for c in chunks:
+            req = self._get(c.request_id)
+            if req.kv is None:
+                raise FailedPrecondition("request_id", f"request {c.request_id!r} holds no KV slot")
         for w in works:
             req = self._requests[w.request_id]
             chain = req.token_ids[req.kv.num_cached:]
@@ -191,8 +268,28 @@ class Engine:
             logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
             num_rows += c + n
             reqs.append((req, c, w))
+        prefilled = []
+        for chunk in chunks:
+            req = self._requests[chunk.request_id]
+            start, end, is_row_by_row = self._chunk_end(req, chunk.num_tokens)
+            if end <= start:
+                continue
+            self._reserve(req, end)
+            mask = tree_geometry.verify_mask(start, end - start, ())
+            paths = tree_geometry.row_paths(end - start, ()) if is_row_by_row else None
+            spans.append(SequenceSpan(num_rows, end - start, start, req.kv.k, req.kv.v, mask, paths))
+            input_ids.extend(req.token_ids[start:end])
+            positions.append(torch.arange(start, end))
+            num_rows += end - start
+            prefilled.append((req, end))
+        if not spans:
+            return []
+        rows = torch.cat(logits_rows) if logits_rows else torch.empty(0, dtype=torch.int64)
         logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions),
-                                    spans, torch.cat(logits_rows)).cpu()       # [sum(N+1), V] fp32
+                                    spans, rows).cpu()                          # [sum(N+1), V] fp32
+        for req, end in prefilled:
+            req.kv.num_cached = end
+            req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
         out, row = [], 0
         for req, c, w in reqs:
             # The rows stay uncommitted until `commit`, so a repeated verify (a retry) is harmless.
@@ -202,10 +299,14 @@ class Engine:
             row += len(w.token_ids) + 1
         return out
 
-    def check_verify(self, w: VerifyWork) -> None:
-        """Raise the error `verify_batch` would raise for this work item, without running anything."""
+    def check_verify(self, w: VerifyWork, is_evicted_ok: bool = False) -> None:
+        """Raise the error `verify_batch` would raise for this work item, without running anything
+        (`is_evicted_ok`: but for an evicted request, which can verify once re-prefilled)."""
         req = self._get(w.request_id)
-        if req.kv.num_cached >= len(req.token_ids):
+        if req.kv is None and not is_evicted_ok:
+            raise FailedPrecondition("request_id", f"request {w.request_id!r} was preempted: it re-prefills "
+                                     "before its next verify")
+        if req.kv is not None and req.kv.num_cached >= len(req.token_ids):
             raise FailedPrecondition("request_id", f"request {w.request_id!r} has no pending token: "
                                      "commit the last step's bonus token before verifying again")
         n = len(w.token_ids)
@@ -235,7 +336,8 @@ class Engine:
         if len(req.token_ids) + len(new_token_ids) > self.max_context:
             raise InvalidArgument("committed_token_ids", f"the request would exceed max_context {self.max_context}")
         self._check_token_ids("committed_token_ids", new_token_ids)
-        self.kv_cache.commit(req.kv, req.tree_chain, accepted_nodes)
+        if req.kv is not None:                              # an evicted request re-prefills these tokens
+            self.kv_cache.commit(req.kv, req.tree_chain, accepted_nodes)
         req.token_ids.extend(new_token_ids)
         req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
 

@@ -66,6 +66,22 @@ class KVCache:
                                    f"{self.max_bytes} are in use")
         self.num_bytes += extra_bytes
 
+    def bytes_for_rows(self, num_rows: int) -> int:
+        """What `allocate(num_rows)` charges."""
+        return self._round_capacity(max(num_rows, 1)) * self.bytes_per_token
+
+    def growth_bytes(self, slot: KVSlot, num_rows: int) -> int:
+        """What `reserve(slot, num_rows)` charges."""
+        if num_rows <= slot.capacity:
+            return 0
+        return (self._round_capacity(max(num_rows, int(slot.capacity * GROWTH_FACTOR))) - slot.capacity
+                ) * self.bytes_per_token
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Bytes left under max_bytes; None without a budget."""
+        return None if self.max_bytes is None else self.max_bytes - self.num_bytes
+
     def allocate(self, num_rows: int) -> KVSlot:
         capacity = self._round_capacity(max(num_rows, 1))
         self._charge(capacity * self.bytes_per_token)

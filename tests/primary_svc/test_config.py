@@ -36,3 +36,16 @@ def test_bad_values_are_rejected():
 def test_compiled_graphs_are_cached_under_the_cache_dir(tmp_path):
     config = parse_config(["--cache_dir", str(tmp_path)])
     assert config.compile_cache_dir == tmp_path / "inductor"
+
+
+def test_scheduler_flags_and_their_environment(monkeypatch):
+    config = parse_config([])
+    assert (config.max_step_tokens, config.prefill_chunk_tokens) == (1024, 512)
+    monkeypatch.setenv("SPECDEC_PRIMARY_MAX_STEP_TOKENS", "256")
+    monkeypatch.setenv("SPECDEC_PRIMARY_PREFILL_CHUNK_TOKENS", "64")
+    assert (parse_config([]).max_step_tokens, parse_config([]).prefill_chunk_tokens) == (256, 64)
+    assert parse_config(["--prefill_chunk_tokens", "32"]).prefill_chunk_tokens == 32
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        parse_config(["--prefill_chunk_tokens", "512"])            # more than the step's 256
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        parse_config(["--max_step_tokens", "0"])

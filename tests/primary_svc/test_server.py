@@ -107,15 +107,21 @@ def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, fie
     assert engine.kv_bytes == 0
 
 
-def test_kv_budget_gives_resource_exhausted(primary):
+def test_a_full_kv_cache_makes_a_prefill_wait_until_its_deadline(primary):
     stub, engine, *_ = primary
-    leases = []
-    with pytest.raises(grpc.RpcError) as e:
-        for i in range(100):       # 64 MiB of KV at ~46 KB per token: a few requests of 500 tokens
-            leases.append(stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease)
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "kv_cache" in e.value.details()
+    per_request = engine.kv_bytes_to_open(500)
+    leases = [stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
+              for i in range(engine.kv_cache.max_bytes // per_request)]   # 64 MiB at ~46 KB per token
+    with pytest.raises(grpc.RpcError) as e:           # waits for room, then its deadline passes
+        stub.Prefill(primary_pb2.PrefillRequest(request_id="late", token_ids=[5] * 500), timeout=0.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert not engine.has_request("late")
+    late = stub.Prefill.future(primary_pb2.PrefillRequest(request_id="late", token_ids=[5] * 500), timeout=120)
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="fill0", kv_lease=leases[0]))
+    leases[0] = late.result().kv_lease                 # admitted once a slot was freed
     for i, lease in enumerate(leases):
-        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=f"fill{i}", kv_lease=lease))
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="late" if i == 0 else f"fill{i}",
+                                                              kv_lease=lease))
     assert engine.kv_bytes == 0
 
 

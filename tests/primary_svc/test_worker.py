@@ -1,21 +1,64 @@
-"""The engine thread: concurrent verify work is batched into one forward, results unchanged."""
+"""The engine thread's scheduler on the real default model: concurrent verifies share a step,
+long prompts are prefilled in chunks between other requests' steps with unchanged results,
+prefills wait for KV room instead of failing, and preempted requests re-prefill and continue."""
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
+from primary_svc import step_report
+from primary_svc.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
 from primary_svc.worker import EngineWorker
-from specdec.engine.engine import Engine
+from specdec.engine.engine import PREFILL_CHUNK_TOKENS, Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.errors import InvalidArgument
+from specdec.engine.loading import load_model
+from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from specdec.metrics import ServiceMetrics
 
 PROMPTS = [[1, 504, 3458, 282], [1, 9690, 198, 2683, 253], [1, 30760, 563], [1, 260, 1945, 28, 837]]
 TREES = [([700, 701], [-1, 0]), ([5], [-1]), ([], []), ([11, 12, 13], [-1, -1, 0])]
+LONG_PROMPT = [1] + [(i * 7919) % 40000 + 100 for i in range(300)]
+MAX_CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def int4_model(default_model_dir):
+    return load_model(default_model_dir, "int4", max_positions=MAX_CONTEXT, is_shared=False)
+
+
+def new_engine(loaded, max_bytes: int | None = None) -> Engine:
+    return Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, max_bytes=max_bytes), MAX_CONTEXT)
+
+
+class Paused:
+    """Holds the engine thread in a call until released, so that work queued meanwhile shares a step."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker, self.event, entered = worker, threading.Event(), threading.Event()
+
+        def hold(engine: Engine) -> None:
+            entered.set()
+            self.event.wait(60)
+
+        self.done = threading.Thread(target=worker.call, args=(hold,))
+        self.done.start()
+        assert entered.wait(60), "the engine thread is holding"
+
+    def release_when_queued(self, num_items: int) -> None:
+        deadline = time.monotonic() + 60
+        while self.worker.queue_depth < num_items and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.event.set()
+        self.done.join()
 
 
 def unbatched(fp32_model) -> list[torch.Tensor]:
-    engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32), 1024)
+    engine = new_engine(fp32_model)
     out = []
     for i, (prompt, (ids, parents)) in enumerate(zip(PROMPTS, TREES)):
         engine.open(f"r{i}", prompt)
@@ -23,46 +66,237 @@ def unbatched(fp32_model) -> list[torch.Tensor]:
     return out
 
 
-def test_concurrent_verifies_are_batched_and_equal_to_one_at_a_time(fp32_model):
+def test_concurrent_verifies_share_one_step_and_equal_one_at_a_time(fp32_model):
     expected = unbatched(fp32_model)
-    engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32), 1024)
-    worker = EngineWorker(engine, max_batch=32, min_batch=4, max_wait_ms=500)
+    engine = new_engine(fp32_model)
+    worker = EngineWorker(engine)
     try:
         for i, prompt in enumerate(PROMPTS):
             worker.call(lambda e, i=i, prompt=prompt: e.open(f"r{i}", prompt))
-        results: dict[int, torch.Tensor] = {}
-
-        def run(i: int) -> None:
-            ids, parents = TREES[i]
-            results[i] = worker.verify(f"r{i}", (), (), ids, parents)[0]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert worker.stats.max_batch_seen == len(PROMPTS)     # min_batch 4: all four in one forward
-        for i, logits in results.items():
-            torch.testing.assert_close(logits, expected[i], atol=2e-4, rtol=0)
+        paused = Paused(worker)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futures = [pool.submit(lambda i=i: worker.verify(f"r{i}", (), (), *TREES[i])[0])
+                       for i in range(len(PROMPTS))]
+            paused.release_when_queued(len(PROMPTS))
+            results = [f.result() for f in futures]
+        assert worker.stats.max_batch_seen == len(PROMPTS)     # all four in one step, one forward
+        for logits, want in zip(results, expected):
+            torch.testing.assert_close(logits, want, atol=2e-4, rtol=0)   # fp32 GEMMs round per row count
     finally:
         worker.stop()
 
 
 def test_a_bad_item_fails_alone_and_a_lone_request_never_waits(fp32_model):
-    engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32), 1024)
-    worker = EngineWorker(engine, max_batch=32, min_batch=4, max_wait_ms=60_000)
+    engine = new_engine(fp32_model)
+    worker = EngineWorker(engine)
     try:
         worker.call(lambda e: e.open("a", PROMPTS[0]))
-        # One active request: the 60 s window must not be waited for.
         logits, _ = worker.verify("a", (), (), [700], [-1])
         assert logits.shape == (2, fp32_model.config.vocab_size)
-        try:
+        with pytest.raises(InvalidArgument) as e:
             worker.verify("a", [5], [9, 9], [1], [-1])             # node 5 is not in the last tree
-        except InvalidArgument as e:
-            assert e.field == "accepted_nodes"
-        else:
-            raise AssertionError("a bad commit was accepted")
+        assert e.value.field == "accepted_nodes"
         worker.call(lambda e: e.release("a"))
         assert engine.kv_bytes == 0
+    finally:
+        worker.stop()
+
+
+def decode_steps(worker: EngineWorker, request_id: str, num_steps: int) -> list[torch.Tensor]:
+    """num_steps greedy 1-row decode steps through the worker: each commits the last argmax."""
+    out, pending = [], ()
+    for _ in range(num_steps):
+        logits, _ = worker.verify(request_id, (), pending, (), ())
+        out.append(logits)
+        pending = (int(torch.argmax(logits[0])),)
+    return out
+
+
+def reference(loaded, prompt, num_steps: int, chunk_tokens: int) -> list[torch.Tensor]:
+    """The same decode steps after one uninterrupted Engine.prefill, on an engine of its own."""
+    engine = new_engine(loaded)
+    engine.open("ref", prompt)
+    engine.prefill("ref", chunk_tokens=chunk_tokens)
+    out, pending = [], ()
+    for _ in range(num_steps):
+        if pending:
+            engine.commit("ref", (), pending)
+        logits = engine.verify("ref", (), ())
+        out.append(logits)
+        pending = (int(torch.argmax(logits[0])),)
+    return out
+
+
+def chunked_while_another_decodes(loaded, chunk_tokens: int, max_step_tokens: int) -> tuple[list, EngineWorker]:
+    """Prefill LONG_PROMPT through the scheduler while request 'busy' keeps decoding; then decode it."""
+    worker = EngineWorker(new_engine(loaded), max_step_tokens=max_step_tokens, prefill_chunk_tokens=chunk_tokens)
+    worker.prefill("busy", PROMPTS[1])
+    stop = threading.Event()
+
+    def keep_decoding() -> None:
+        pending = ()
+        while not stop.is_set():
+            logits, _ = worker.verify("busy", (), pending, (), ())
+            pending = (int(torch.argmax(logits[0])),)
+
+    busy = threading.Thread(target=keep_decoding)
+    busy.start()
+    try:
+        assert worker.prefill("long", LONG_PROMPT) == len(LONG_PROMPT) - 1
+    finally:
+        stop.set()
+        busy.join()
+    return decode_steps(worker, "long", 3), worker
+
+
+def test_the_default_chunk_is_the_engines_so_fp32_prefills_keep_their_bits():
+    assert DEFAULT_PREFILL_CHUNK_TOKENS == PREFILL_CHUNK_TOKENS
+
+
+def test_chunked_prefill_between_other_steps_equals_one_prefill_fp32(fp32_model):
+    """fp32: chunks cut where an uninterrupted prefill of the same chunk size cuts, each its own
+    forward, so the logits are bit for bit those of Engine.prefill."""
+    got, worker = chunked_while_another_decodes(fp32_model, chunk_tokens=64, max_step_tokens=96)
+    try:
+        for g, want in zip(got, reference(fp32_model, LONG_PROMPT, 3, chunk_tokens=64)):
+            assert torch.equal(g, want)
+        prefills = [s for s in worker.step_history if s.num_prefill_rows]
+        assert len(prefills) >= 5 and all(s.num_prefill_rows <= 64 for s in prefills)   # 300 tokens, 64 a step
+        assert any(s.num_verify_rows for s in prefills), "the other request decoded between the chunks"
+    finally:
+        worker.stop()
+
+
+def test_chunked_prefill_mixed_with_verify_rows_equals_one_prefill_int4(int4_model):
+    """int4 (native kernels, row-exact): chunks cut anywhere, mixed in one forward with other
+    requests' verify rows, still give the bits of an uninterrupted prefill in the default 512 chunks."""
+    assert int4_model.model.is_batch_invariant
+    got, worker = chunked_while_another_decodes(int4_model, chunk_tokens=48, max_step_tokens=48)
+    try:
+        for g, want in zip(got, reference(int4_model, LONG_PROMPT, 3, chunk_tokens=512)):
+            assert torch.equal(g, want)
+        mixed = [s for s in worker.step_history if s.num_prefill_rows and s.num_verify_rows]
+        assert mixed and all(s.num_forwards == 1 for s in worker.step_history)
+        assert all(s.num_verify_rows + s.num_prefill_rows <= 48 for s in mixed), "chunks cut to the budget's rest"
+    finally:
+        worker.stop()
+
+
+def test_prefills_of_several_requests_share_a_step(int4_model):
+    metrics = ServiceMetrics(CollectorRegistry())
+    worker = EngineWorker(new_engine(int4_model), max_step_tokens=512, prefill_chunk_tokens=128, metrics=metrics)
+    try:
+        paused = Paused(worker)
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(worker.prefill, f"p{i}", LONG_PROMPT[:200 + i]) for i in range(3)]
+            paused.release_when_queued(3)
+            assert [f.result() for f in futures] == [199, 200, 201]
+        assert worker.step_history[0].num_prefill_chunks == 3
+        assert worker.step_history[0].num_prefill_rows == 3 * 128
+        value = metrics.registry.get_sample_value
+        assert value("specdec_engine_steps_total") == 2             # 384 rows, then the rests (71 + 72 + 73)
+        assert value("specdec_engine_step_rows_sum", {"kind": "prefill"}) == 199 + 200 + 201
+        assert value("specdec_engine_step_rows_sum", {"kind": "verify"}) == 0
+        assert value("specdec_scheduler_waiting_requests") == 0
+        assert value("specdec_scheduler_running_requests") == 3
+        assert value("specdec_preemptions_total") == 0
+        report = step_report.parse(generate_latest(metrics.registry).decode()).summary()
+        assert report == {"steps": 2, "preemptions": 0, "verify_rows_per_step": 0, "prefill_rows_per_step": 300,
+                          "steps_with_verify": 0, "steps_with_prefill": 2}
+    finally:
+        worker.stop()
+
+
+def test_a_prefill_waits_for_kv_room_instead_of_failing(fp32_model):
+    probe = new_engine(fp32_model)
+    one = probe.kv_bytes_to_open(len(LONG_PROMPT))
+    worker = EngineWorker(new_engine(fp32_model, max_bytes=one + one // 2))   # room for one long prompt
+    try:
+        worker.prefill("a", LONG_PROMPT)
+        with pytest.raises(DeadlineExceeded):
+            worker.prefill("b", LONG_PROMPT, timeout_s=0.3)
+        assert worker.engine.kv_bytes == one and not worker.engine.has_request("b")
+        with ThreadPoolExecutor(1) as pool:
+            waiting: Future = pool.submit(worker.prefill, "b", LONG_PROMPT)
+            time.sleep(0.3)
+            assert not waiting.done() and worker.num_waiting == 1
+            worker.call(lambda e: e.release("a"))
+            assert waiting.result(timeout=120) == len(LONG_PROMPT) - 1
+        with pytest.raises(ResourceExhausted):                    # never fits, even alone: at once
+            worker.prefill("huge", LONG_PROMPT * 2)
+        worker.call(lambda e: e.release("b"))
+        assert worker.engine.kv_bytes == 0 and worker.num_waiting == 0
+    finally:
+        worker.stop()
+
+
+def test_preemption_releases_the_newest_and_it_continues_after_a_re_prefill(int4_model):
+    """Two requests whose slots fill the budget; the older one's tree needs its slot to grow, so the
+    newer one is preempted; its next verify waits for room (the older one finishing), re-prefills
+    it from its committed tokens and runs. int4: every logit equals the run without preemption."""
+    probe = new_engine(int4_model)
+    prompts = {"old": LONG_PROMPT[:120], "new": LONG_PROMPT[:100]}
+    slots = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())
+    tree = ([7] * 16, list(range(-1, 15)))                        # a 16-deep chain: 'old' must grow
+    growth = probe.kv_cache.bytes_for_rows(len(prompts["old"]) + 16) - probe.kv_bytes_to_open(len(prompts["old"]))
+    assert growth > 0
+    worker = EngineWorker(new_engine(int4_model, max_bytes=slots + growth // 2))
+    unlimited = EngineWorker(new_engine(int4_model))
+    try:
+        results = {}
+        for w in (worker, unlimited):
+            for rid, prompt in prompts.items():
+                w.prefill(rid, prompt)
+            first_new, _ = w.verify("new", (), (), (), ())
+            big, _ = w.verify("old", (), (), *tree)
+            if w is worker:
+                assert w.stats.num_preemptions == 1 and w.engine.is_evicted("new")
+            nxt = int(torch.argmax(first_new[0]))
+            with ThreadPoolExecutor(1) as pool:
+                after = pool.submit(w.verify, "new", (), (nxt,), (5, 6), (-1, 0))
+                if w is worker:
+                    time.sleep(0.3)
+                    assert not after.done() and w.num_waiting == 1     # no room to re-prefill yet
+                w.call(lambda e: e.release("old"))
+                results[w is worker] = (first_new, big, after.result(timeout=120)[0])
+        assert not worker.engine.is_evicted("new") and unlimited.stats.num_preemptions == 0
+        for got, want in zip(results[True], results[False]):
+            assert torch.equal(got, want)
+        worker.call(lambda e: e.release("new"))
+        assert worker.engine.kv_bytes == 0
+    finally:
+        worker.stop()
+        unlimited.stop()
+
+
+def test_concurrent_greedy_requests_equal_each_one_alone_int4(int4_model):
+    """Four requests at once (chunked prompts, verify rows and chunks sharing forwards, a KV budget
+    with no room to grow, so a request may wait or be preempted, depending on the order of arrival)
+    produce the logits each produces alone. int4: bit for bit."""
+    prompts = {f"c{i}": LONG_PROMPT[i * 20:i * 20 + 60 + 25 * i] for i in range(4)}
+    alone = {}
+    for rid, prompt in prompts.items():
+        worker = EngineWorker(new_engine(int4_model))
+        try:
+            worker.prefill(rid, prompt)
+            alone[rid] = decode_steps(worker, rid, 6)
+        finally:
+            worker.stop()
+    probe = new_engine(int4_model)
+    budget = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())    # no room for any slot to grow
+    worker = EngineWorker(new_engine(int4_model, max_bytes=budget), max_step_tokens=40, prefill_chunk_tokens=32)
+    try:
+        def run(rid: str) -> list[torch.Tensor]:
+            worker.prefill(rid, prompts[rid])
+            out = decode_steps(worker, rid, 6)
+            worker.call(lambda e: e.release(rid))                  # done: its KV lets the others grow
+            return out
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = dict(zip(prompts, pool.map(run, prompts)))
+        for rid in prompts:
+            assert all(torch.equal(a, b) for a, b in zip(together[rid], alone[rid])), rid
+        assert worker.engine.kv_bytes == 0 and worker.num_waiting == 0
+        assert any(s.num_verify_rows and s.num_prefill_rows for s in worker.step_history)
     finally:
         worker.stop()
