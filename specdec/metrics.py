@@ -35,6 +35,10 @@ _RPC_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 _STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 # Accepted length per step is an integer >= 1 (accepted draft tokens + bonus).
 _ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
+# A request's wait in the gateway's admission queue: none to minutes under overload.
+_ADMISSION_WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Why admission control turned a request away (gateway.admission).
+ADMISSION_REJECTIONS = ("queue_full", "deadline", "cancelled")
 
 
 class ServiceMetrics:
@@ -75,6 +79,15 @@ class ServiceMetrics:
         self.compiled_buckets = Gauge(
             "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only).",
             namespace=NAMESPACE, registry=registry)
+        self.admission_wait = Histogram(
+            "admission_wait_seconds", "Time a request waited in the gateway's admission queue (admitted or not).",
+            namespace=NAMESPACE, registry=registry, buckets=_ADMISSION_WAIT_BUCKETS_S)
+        self.admission_rejections = Counter(
+            "admission_rejections", "Requests admission control turned away, by reason: "
+            f"{', '.join(ADMISSION_REJECTIONS)}.",
+            ["reason"], namespace=NAMESPACE, registry=registry)
+        for reason in ADMISSION_REJECTIONS:   # exported as 0 before the first one
+            self.admission_rejections.labels(reason)
 
     def observe_step(self, *, num_proposed: int, num_accepted: int, stage_seconds: dict[str, float]) -> None:
         """Record one speculative step: num_accepted draft tokens + 1 bonus token."""
