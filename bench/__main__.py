@@ -9,13 +9,14 @@ python -m bench {engine,validator,drafts,quality,masks,auth} [ARGS...]: one comp
     quality    perplexity and greedy agreement with fp32 per weight format     (bench/quality.py)
     masks      the grammar mask's work per constrained step, packed vs bool rows (bench/masks.py)
     auth       cost of the service token per internal RPC                       (bench/auth.py)
+    load       N clients for a bounded time: req/s, tok/s, TTFT, ITL, errors, RSS (bench/load.py)
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth")
+BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "load")
 
 
 def main() -> None:

@@ -164,9 +164,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         except QueueFull as e:
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             raise
+        is_queued = not ticket.is_granted
         try:
             self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
-                              status=RequestStatus.RUNNING if ticket.is_granted else RequestStatus.QUEUED)
+                              status=RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING)
         except BaseException:
             ticket.release()
             raise
@@ -175,7 +176,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             self._active[request_id] = cancel
         context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
         try:
-            queue_s = self._await_turn(request_id, ticket, deadline, cancel)
+            queue_s = self._await_turn(request_id, ticket, is_queued, deadline, cancel)
             loop = self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
         except BaseException:
             ticket.release()
@@ -184,10 +185,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         loop.stats.queue_ms = queue_s * 1000
         return client_id, loop, ticket
 
-    def _await_turn(self, request_id: str, ticket: Ticket, deadline: float | None, cancel: threading.Event) -> float:
-        """Wait in the admission queue (when queued); the seconds waited. A request that leaves the
-        queue (deadline, cancel) is recorded as such and never reaches the primary."""
-        if ticket.is_granted:
+    def _await_turn(self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None,
+                    cancel: threading.Event) -> float:
+        """Wait in the admission queue (is_queued: stored as QUEUED); the seconds waited. A request
+        that leaves the queue (deadline, cancel) is recorded as such and never reaches the primary."""
+        if not is_queued:
             return ticket.wait(deadline, cancel, request_id)
         try:
             queue_s = ticket.wait(deadline, cancel, request_id)
