@@ -1,6 +1,6 @@
 """python -m bench [ARGS...]: the headline suite (bench/suite.py; `python -m bench --help`).
 
-python -m bench {engine,validator,drafts,quality,masks,auth,http} [ARGS...]: one component benchmark
+python -m bench {engine,validator,drafts,quality,masks,auth,http,load} [ARGS...]: one component benchmark
 (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size     (bench/engine.py)
@@ -10,13 +10,14 @@ python -m bench {engine,validator,drafts,quality,masks,auth,http} [ARGS...]: one
     masks      the grammar mask's work per constrained step, packed vs bool rows (bench/masks.py)
     auth       cost of the service token per internal RPC                       (bench/auth.py)
     http       the HTTP front's overhead per request and per streamed token     (bench/http.py)
+    load       N clients for a bounded time: req/s, tok/s, TTFT, ITL, errors, RSS (bench/load.py)
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "http")
+BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "http", "load")
 
 
 def main() -> None:

@@ -13,13 +13,22 @@ together (a barrier). Per wave:
                          without speculation), probe steps (the final message's GenerationStats)
 Waves use distinct prompts (taken after the main run's), so the draft pool's suffix index, which
 learns from finished outputs, never holds the output of the request it drafts for.
+
+The load of `python -m bench load` (bench/load.py) is run_load: N clients, each with its own
+channel, send requests back to back (the prompts of the mix in turn) until the duration is over;
+a RESOURCE_EXHAUSTED client waits the gateway's retry-after-ms hint (at most what is left of the
+run) before its next request. summarize_load: requests/s and generated tokens/s over the run,
+TTFT and inter-token latency as above (streamed requests; a unary request's TTFT is its whole
+latency), and errors by status code.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -31,6 +40,8 @@ from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, contr
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 CONNECT_TIMEOUT_S = 30.0
+RETRY_AFTER_KEY = "retry-after-ms"     # gateway.admission.RETRY_AFTER_KEY (not imported: it loads the gateway)
+DEFAULT_RETRY_AFTER_S = 1.0            # a RESOURCE_EXHAUSTED without a hint
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -164,3 +175,101 @@ def format_row(row: dict[str, Any]) -> str:
     lat = row["token_latency_ms"]
     latency = "" if lat["p50"] is None else f" | per-token p50 {lat['p50']:.0f} ms, p99 {lat['p99']:.0f} ms"
     return f"{head} {row['aggregate_tokens_per_s']:.1f} tok/s aggregate{latency} | {errors}"
+
+
+# --- python -m bench load -------------------------------------------------------------------------
+
+
+def error_code(trace: StreamTrace) -> str:
+    """"OK" or the status code name of a failed request (rpc_error's "CODE: details")."""
+    return trace.error.split(":", 1)[0] if trace.error else "OK"
+
+
+def retry_after_s(e: grpc.RpcError) -> float:
+    """The gateway's retry hint of a RESOURCE_EXHAUSTED, seconds (DEFAULT_RETRY_AFTER_S without one)."""
+    for key, value in (e.trailing_metadata() or ()):
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                break
+    return DEFAULT_RETRY_AFTER_S
+
+
+def request_once(stub: gateway_pb2_grpc.GenerationServiceStub, request: gateway_pb2.GenerateRequest,
+                 is_stream: bool, timeout_s: float) -> tuple[StreamTrace, float]:
+    """One request as the client saw it, and how long to wait before the next (a retry hint, else 0)."""
+    sent_at = time.perf_counter()
+    request_id, arrivals = "", []
+    try:
+        if is_stream:
+            for message in stub.GenerateStream(request, timeout=timeout_s):
+                request_id = message.request_id or request_id
+                if message.token_ids:
+                    arrivals.append((time.perf_counter(), len(message.token_ids)))
+        else:
+            response = stub.Generate(request, timeout=timeout_s)
+            request_id = response.request_id
+            if response.token_ids:
+                arrivals.append((time.perf_counter(), len(response.token_ids)))
+    except grpc.RpcError as e:
+        wait = retry_after_s(e) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else 0.0
+        return StreamTrace(request_id, sent_at, tuple(arrivals), error=rpc_error(e)), wait
+    return StreamTrace(request_id, sent_at, tuple(arrivals)), 0.0
+
+
+def _load_client(address: str, requests: Iterator[gateway_pb2.GenerateRequest], lock: threading.Lock,
+                 stop_at: float, is_stream: bool, timeout_s: float, out: list[StreamTrace]) -> None:
+    """Thread body: requests back to back until stop_at (perf_counter), their traces appended to out."""
+    try:
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+            while time.perf_counter() < stop_at:
+                with lock:
+                    request = next(requests)
+                trace, wait = request_once(stub, request, is_stream, timeout_s)
+                with lock:
+                    out.append(trace)
+                time.sleep(max(0.0, min(wait, stop_at - time.perf_counter())))
+    except Exception as e:  # noqa: BLE001 - a thread's exception would otherwise only be printed
+        with lock:
+            out.append(StreamTrace("", time.perf_counter(), (), error=f"CLIENT: {type(e).__name__}: {e}"))
+
+
+def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest], num_clients: int, duration_s: float,
+             is_stream: bool, timeout_s: float, on_tick: Any = None, tick_s: float = 10.0) -> tuple[list[StreamTrace],
+                                                                                                float]:
+    """num_clients threads send `requests` in turn (shared, round-robin) for duration_s; requests in flight
+    at the end finish (within timeout_s). on_tick(elapsed_s) runs every tick_s meanwhile (resource samples).
+    Returns the traces and the wall time, seconds, from the start to the last client's end."""
+    cycle, lock, traces = itertools.cycle(requests), threading.Lock(), []
+    start = time.perf_counter()
+    stop_at = start + duration_s
+    threads = [threading.Thread(target=_load_client, args=(address, cycle, lock, stop_at, is_stream, timeout_s,
+                                                           traces), name=f"load-{i}", daemon=True)
+               for i in range(num_clients)]
+    for t in threads:
+        t.start()
+    next_tick = start + tick_s
+    while alive := [t for t in threads if t.is_alive()]:
+        alive[0].join(timeout=0.5)
+        if on_tick is not None and time.perf_counter() >= next_tick:
+            on_tick(time.perf_counter() - start)
+            next_tick += tick_s
+    return traces, time.perf_counter() - start
+
+
+def summarize_load(traces: Sequence[StreamTrace], wall_s: float, is_stream: bool) -> dict[str, Any]:
+    """Throughput over the run, latency percentiles of the requests that succeeded, errors by code."""
+    ok = [t for t in traces if not t.error]
+    num_tokens = sum(t.num_tokens for t in ok)
+    ttft = [(t.arrivals[0][0] - t.sent_at) * 1000 for t in ok if t.arrivals]
+    latencies = [ms for t in ok for ms in token_latencies_ms(t)] if is_stream else []
+    codes = collections.Counter(error_code(t) for t in traces)
+    return {"num_requests": len(traces), "num_ok": len(ok), "num_tokens": num_tokens, "wall_s": wall_s,
+            "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+            "tokens_per_s": num_tokens / wall_s if wall_s > 0 else None,
+            "ttft_ms": percentiles(ttft), "inter_token_ms": percentiles(latencies),
+            "errors_by_code": {c: n for c, n in sorted(codes.items()) if c != "OK"},
+            "error_examples": sorted({t.error for t in traces if t.error})[:5]}

@@ -18,6 +18,9 @@ GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
+# RPC threads beyond one per running or queued request: Cancel, GetRequest, health, and the
+# requests that are refused because the queue is full.
+SPARE_RPC_WORKERS = 16
 KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
 
 
@@ -93,8 +96,16 @@ class GatewayConfig:
     # caller, and is allowed only on a loopback host unless is_insecure_public_allowed.
     api_keys_file: str = ""
     is_insecure_public_allowed: bool = False
+    # Admission control (gateway.admission): requests generating at once, and waiting beyond those
+    # (FIFO per tenant, round-robin across tenants); beyond both, RESOURCE_EXHAUSTED.
+    max_active_requests: int = 16
+    max_queued_requests: int = 128
 
     def __post_init__(self) -> None:
+        if self.max_active_requests < 1:
+            raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.server.host):
             raise ValueError(f"host {self.server.host!r} is reachable from other machines: give --api_keys_file, "
                              "or --allow_insecure_public to serve anyone who can reach it")
@@ -159,11 +170,18 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
                    help="without --api_keys_file, listen on a non-loopback --host anyway")
     p.add_argument("--tls_cert", default=_env("TLS_CERT", ""), help="PEM certificate chain: serve TLS")
     p.add_argument("--tls_key", default=_env("TLS_KEY", ""), help="PEM private key of --tls_cert")
+    p.add_argument("--max_active_requests", type=int, default=int(_env("MAX_ACTIVE_REQUESTS", "16")),
+                   help="requests generating at once; more wait in the admission queue")
+    p.add_argument("--max_queued_requests", type=int, default=int(_env("MAX_QUEUED_REQUESTS", "128")),
+                   help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
+                        "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata")
     a = p.parse_args(argv)
     return GatewayConfig(
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
                             max_message_bytes=a.max_message_bytes, tls_cert_file=a.tls_cert,
-                            tls_key_file=a.tls_key),
+                            tls_key_file=a.tls_key,
+                            # A request holds its thread while it waits and while it generates.
+                            max_workers=max(1, a.max_active_requests + a.max_queued_requests) + SPARE_RPC_WORKERS),
         primary_address=a.primary_address, draft_address=a.draft_address,
         validator_address=a.validator_address, redis_url=a.redis_url, model_path=a.model_path,
         cache_dir=Path(a.cache_dir),
@@ -177,4 +195,5 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
         recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads,
         service_token_file=a.service_token_file, is_unauthenticated_allowed=a.allow_unauthenticated,
-        api_keys_file=a.api_keys_file, is_insecure_public_allowed=a.allow_insecure_public)
+        api_keys_file=a.api_keys_file, is_insecure_public_allowed=a.allow_insecure_public,
+        max_active_requests=a.max_active_requests, max_queued_requests=a.max_queued_requests)

@@ -4,6 +4,9 @@ With API keys (gateway.api_keys) every call names its tenant, and a request belo
 tenant that made it: the id the client sees, "order-1", is "<tenant>/order-1" everywhere behind
 the gateway (state store, primary, draft pool). Another tenant's "order-1" is another request,
 and GetRequest/Cancel of an id the caller's tenant does not hold is NOT_FOUND.
+
+A generation starts when admission control (gateway.admission) gives it a slot; until then it is
+stored as QUEUED, and a full queue refuses it before anything is stored.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import uuid
 
 import structlog
 
+from gateway.admission import RETRY_AFTER_KEY, Admission, QueueFull, Ticket
 from gateway.api_keys import ApiKeys
 from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
@@ -24,7 +28,7 @@ from gateway.loop import RequestLoop
 from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, SpecdecError, Unavailable
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
@@ -58,29 +62,32 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
         self._offered_strategies: frozenset[str] | None = None   # the draft pool's, once it answered
         self._active: dict[str, threading.Event] = {}
+        self.admission = Admission(config.max_active_requests, config.max_queued_requests, metrics)
         self._lock = threading.Lock()
         self.log = structlog.get_logger("gateway")
 
     # --- RPCs -------------------------------------------------------------------------------
 
     def Generate(self, request, context):
-        client_id, loop = self._start(request, context)
+        client_id, loop, ticket = self._start(request, context)
         try:
             for _ in self._observed(loop, client_id):
                 pass
         finally:
+            ticket.release()
             self._forget(loop.request_id)
         o = loop.outcome
         return gateway_pb2.GenerateResponse(request_id=client_id, text=o.text, token_ids=o.token_ids,
                                             finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb())
 
     def GenerateStream(self, request, context):
-        client_id, loop = self._start(request, context)
+        client_id, loop, ticket = self._start(request, context)
         try:
             for out in self._observed(loop, client_id):
                 yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text,
                                                          token_ids=out.token_ids)
         finally:
+            ticket.release()
             self._forget(loop.request_id)
         o = loop.outcome
         yield gateway_pb2.GenerateStreamResponse(request_id=client_id, is_final=True,
@@ -114,18 +121,22 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     # --- helpers ------------------------------------------------------------------------------
 
+    def _tenant(self, context) -> str:
+        """The caller's tenant ("" without API keys; Unauthenticated without a valid key)."""
+        return "" if self.api_keys is None else self.api_keys.tenant(context.invocation_metadata())
+
     def _scoped(self, context, client_id: str) -> str:
         """The id behind the gateway of the caller's request client_id (Unauthenticated without a valid key)."""
         if self.api_keys is None:
             return client_id
-        prefix = f"{self.api_keys.tenant(context.invocation_metadata())}/"
+        prefix = f"{self._tenant(context)}/"
         if len(prefix) + len(client_id) > pb.MAX_REQUEST_ID_CHARS:
             raise InvalidArgument("request_id", f"must be at most {pb.MAX_REQUEST_ID_CHARS - len(prefix)} "
                                   "characters")
         return prefix + client_id
 
-    def _start(self, request, context) -> tuple[str, RequestLoop]:
-        """(the id the client sees, the request's loop)."""
+    def _start(self, request, context) -> tuple[str, RequestLoop, Ticket]:
+        """(the id the client sees, the request's loop, its admission ticket: release() when done)."""
         client_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
         request_id = self._scoped(context, client_id)
         params = params_from_pb(request, self.config.limits, self.config.speculation)
@@ -148,13 +159,49 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         stored = request.__class__()
         stored.CopyFrom(request)
         stored.request_id = client_id
-        self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
-                          status=RequestStatus.RUNNING)
+        try:   # a slot now, a place in the queue, or refused before anything is stored
+            ticket = self.admission.enter(self._tenant(context))
+        except QueueFull as e:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
+            raise
+        is_queued = not ticket.is_granted
+        try:
+            self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
+                              status=RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING)
+        except BaseException:
+            ticket.release()
+            raise
         cancel = threading.Event()
         with self._lock:
             self._active[request_id] = cancel
         context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
-        return client_id, self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+        try:
+            queue_s = self._await_turn(request_id, ticket, is_queued, deadline, cancel)
+            loop = self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+        except BaseException:
+            ticket.release()
+            self._forget(request_id)
+            raise
+        loop.stats.queue_ms = queue_s * 1000
+        return client_id, loop, ticket
+
+    def _await_turn(self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None,
+                    cancel: threading.Event) -> float:
+        """Wait in the admission queue (is_queued: stored as QUEUED); the seconds waited. A request
+        that leaves the queue (deadline, cancel) is recorded as such and never reaches the primary."""
+        if not is_queued:
+            return ticket.wait(deadline, cancel, request_id)
+        try:
+            queue_s = ticket.wait(deadline, cancel, request_id)
+            if cancel.is_set():     # at the very moment it was let in
+                raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
+        except (Cancelled, DeadlineExceeded) as e:
+            self.store.set_status(request_id, RequestStatus.CANCELLED,
+                                  finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline")
+            raise
+        if not self.store.set_status(request_id, RequestStatus.RUNNING):   # ended meanwhile (Cancel)
+            raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
+        return queue_s
 
     def _offered_by_pool(self) -> frozenset[str] | None:
         """The strategies the draft pool was started with (asked once), None while it cannot be reached."""

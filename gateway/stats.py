@@ -34,6 +34,7 @@ class RequestStats:
     num_probe_steps: int = 0     # steps whose drafts re-measured acceptance rather than paid
     task_type: str = ""          # the controller's task type ("" when not adaptive)
     num_validator_fallback_steps: int = 0   # steps run while the validator could not be reached
+    queue_ms: float = 0.0        # waited in the gateway's admission queue before it started (not in total_ms)
 
     @property
     def acceptance_rate(self) -> float:
@@ -95,4 +96,4 @@ class RequestStats:
                           for i in range(len(edges) - 1)],
             num_steps_by_draft_length=self.num_steps_by_draft_length, num_steps_by_degree=self.num_steps_by_degree,
             num_probe_steps=self.num_probe_steps, task_type=self.task_type,
-            num_validator_fallback_steps=self.num_validator_fallback_steps)
+            num_validator_fallback_steps=self.num_validator_fallback_steps, queue_ms=self.queue_ms)

@@ -133,6 +133,7 @@ class StackConfig:
     is_serving_http: bool = False            # also the OpenAI-compatible HTTP front (http_svc) on the gateway
     http_port: int = 0                       # its port; 0: a free one
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    is_serving_metrics: bool = False         # each service serves /metrics on a free port (Stack.metrics_url)
     python: str = sys.executable
     log_level: str = "INFO"
     log_dir: Path | None = None              # None: a fresh temporary dir, removed after a clean stop
@@ -252,6 +253,7 @@ class _Running:
     argv: list[str]
     log_path: Path
     process: subprocess.Popen
+    metrics_port: int = 0    # 0: no /metrics endpoint
     is_swept: bool = False   # its process group got the final SIGKILL after it exited
 
 
@@ -385,6 +387,13 @@ class Stack:
             raise RuntimeError("the stack has not been started")
         return self._log_dir
 
+    def metrics_url(self, name: str) -> str:
+        """http://host:port/metrics of a service (StackConfig.is_serving_metrics)."""
+        port = self._get(name).metrics_port
+        if not port:
+            raise RuntimeError("the stack serves no metrics: start it with StackConfig(is_serving_metrics=True)")
+        return f"http://{self._address(port)}/metrics"
+
     def log_path(self, name: str) -> Path:
         return self._get(name).log_path
 
@@ -426,14 +435,15 @@ class Stack:
 
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
         port = (spec.port or free_port(self._host)) if port is None else port
-        argv = [*spec.command, "--host", self._host, "--port", str(port), "--metrics_port", NO_METRICS_PORT,
+        metrics_port = free_port(self._host) if self.config.is_serving_metrics else int(NO_METRICS_PORT)
+        argv = [*spec.command, "--host", self._host, "--port", str(port), "--metrics_port", str(metrics_port),
                 "--log_level", self.config.log_level]
         for flag, dep in spec.address_flags:
             argv += [flag, self._address(self._get(dep).port)]
         if spec.is_taking_service_token and self._secrets_dir is not None:
             argv += ["--service_token_file", str(self._secrets_dir / TOKEN_FILE_NAME)]
         log_path = self.log_dir / f"{spec.name}.log"
-        running = _Running(spec, port, argv, log_path, _start_process(argv, log_path, self._env()))
+        running = _Running(spec, port, argv, log_path, _start_process(argv, log_path, self._env()), metrics_port)
         self._running[spec.name] = running
         return running
 

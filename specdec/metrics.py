@@ -39,6 +39,10 @@ _ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 _STEP_ROWS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # Row kinds of a primary engine step: verify/decode rows of running requests, prefill chunk rows.
 STEP_ROW_KINDS = ("verify", "prefill")
+# A request's wait in the gateway's admission queue: none to minutes under overload.
+_ADMISSION_WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Why admission control turned a request away (gateway.admission).
+ADMISSION_REJECTIONS = ("queue_full", "deadline", "cancelled")
 
 
 class ServiceMetrics:
@@ -94,6 +98,15 @@ class ServiceMetrics:
         self.compiled_buckets = Gauge(
             "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only).",
             namespace=NAMESPACE, registry=registry)
+        self.admission_wait = Histogram(
+            "admission_wait_seconds", "Time a request waited in the gateway's admission queue (admitted or not).",
+            namespace=NAMESPACE, registry=registry, buckets=_ADMISSION_WAIT_BUCKETS_S)
+        self.admission_rejections = Counter(
+            "admission_rejections", "Requests admission control turned away, by reason: "
+            f"{', '.join(ADMISSION_REJECTIONS)}.",
+            ["reason"], namespace=NAMESPACE, registry=registry)
+        for reason in ADMISSION_REJECTIONS:   # exported as 0 before the first one
+            self.admission_rejections.labels(reason)
 
     def observe_step(self, *, num_proposed: int, num_accepted: int, stage_seconds: dict[str, float]) -> None:
         """Record one speculative step: num_accepted draft tokens + 1 bonus token."""

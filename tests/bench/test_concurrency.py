@@ -36,3 +36,27 @@ def test_format_row_without_output():
     row = {"concurrency": 4, "speculation": True, "num_errors": 4, "num_requests": 4,
            "aggregate_tokens_per_s": None, "token_latency_ms": {"p50": None, "p99": None}}
     assert format_row(row) == "[concurrency   4] speculation on  | no output | errors 4/4"
+
+
+def test_summarize_load_counts_throughput_over_the_run_and_errors_by_code():
+    from bench.concurrency import summarize_load
+    traces = [StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3))), StreamTrace("b", 1.0, ((1.2, 2),)),
+              StreamTrace("", 1.0, (), error="RESOURCE_EXHAUSTED: at capacity"),
+              StreamTrace("", 1.5, (), error="RESOURCE_EXHAUSTED: at capacity")]
+    out = summarize_load(traces, wall_s=2.0, is_stream=True)
+    assert (out["num_requests"], out["num_ok"], out["num_tokens"]) == (4, 2, 6)
+    assert out["requests_per_s"] == 1.0 and out["tokens_per_s"] == 3.0
+    assert out["ttft_ms"]["p50"] == pytest.approx(350.0)
+    assert out["inter_token_ms"]["p50"] == pytest.approx(500 / 3)
+    assert out["errors_by_code"] == {"RESOURCE_EXHAUSTED": 2}
+
+
+def test_the_load_generator_stays_on_loopback_and_within_its_bounds():
+    from bench.load import is_loopback_address, parse_args
+    assert is_loopback_address("127.0.0.1:50050") and is_loopback_address("[::1]:1")
+    assert is_loopback_address("localhost:9") and not is_loopback_address("192.168.1.2:50050")
+    a = parse_args(["--soak"])
+    assert (a.clients, a.duration) == (16, 600.0)
+    for bad in (["--clients", "0"], ["--duration", "100000"], ["--mix", "poems"], ["--address", "10.1.1.1:5"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

@@ -1,0 +1,175 @@
+"""python -m bench load: many clients at once against one stack, for a bounded time.
+
+    python -m bench load --clients 16 --duration 60 --max-new-tokens 64 --mix json,code,prose [--stream]
+    python -m bench load --soak                     # 16 clients for 10 minutes
+    python -m bench load --address 127.0.0.1:50050  # a stack already running on this machine
+
+Without --address it starts its own stack (a redis-server and the four services, bench/stack.py;
+SPECDEC_GATEWAY_* variables such as SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS reach the gateway). Each
+client sends greedy requests back to back (bench/concurrency.py run_load), the prompts of the mix in
+turn (json rows with their schema as response_format unless --no-schema), until --duration is over.
+Reported: requests/s, generated tokens/s, TTFT p50/p99, inter-token latency p50/p99 (--stream),
+errors by status code; for a stack it started, each service's RSS and open file descriptors at the
+start, every --sample-s, and at the end, and the primary's KV bytes and active requests afterwards.
+Loopback only: the gateway's address must be a loopback one.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bench.concurrency import run_load, summarize_load
+from bench.prompts import DEFAULT_DATA_DIR, load_prompts
+from bench.stack import build_request, system_under_test
+from specdec.launcher import PRIMARY, SERVICE_NAMES, Stack
+from specdec.v1 import primary_pb2, primary_pb2_grpc
+
+MAX_CLIENTS = 1024
+MAX_DURATION_S = 3600.0
+SOAK_DURATION_S = 600.0
+SOAK_CLIENTS = 16
+PROMPTS_PER_SCENARIO = 8
+MAX_PROMPT_CHARS = 2000
+SCENARIOS = ("json", "code", "prose")
+
+
+def is_loopback_address(address: str) -> bool:
+    """"127.0.0.1:50050", "localhost:50050", "[::1]:50050" -> True."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def process_resources(pid: int) -> dict[str, int]:
+    """Resident memory (bytes) and open file descriptors of a process, from /proc."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return {"rss_bytes": rss_kb * 1024, "open_fds": len(os.listdir(f"/proc/{pid}/fd"))}
+
+
+def services_resources(pids: Mapping[str, int]) -> dict[str, dict[str, int]]:
+    return {name: process_resources(pid) for name, pid in pids.items()}
+
+
+def primary_occupancy(stack: Stack) -> dict[str, int]:
+    with stack.channel(PRIMARY) as ch:
+        stats = primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest(), timeout=10)
+    return {"kv_bytes": stats.kv_bytes, "num_active_requests": stats.num_active_requests}
+
+
+def build_requests(mix: list[str], max_new_tokens: int, is_speculative: bool, is_schema: bool,
+                   data_dir: Path = DEFAULT_DATA_DIR, max_prompt_chars: int = MAX_PROMPT_CHARS,
+                   num_per_scenario: int = PROMPTS_PER_SCENARIO) -> list:
+    """The mix's prompts interleaved (json 0, code 0, prose 0, json 1, ...) as GenerateRequests."""
+    by_scenario = [load_prompts(data_dir, [s], num_per_scenario, max_chars=max_prompt_chars) for s in mix]
+    interleaved = [p for row in zip(*by_scenario) for p in row]
+    return [build_request(p, max_new_tokens, is_speculative, is_schema and p.schema is not None)
+            for p in interleaved]
+
+
+def run(address: str, clients: int, duration_s: float, requests: list, is_stream: bool, timeout_s: float,
+        pids: Mapping[str, int] | None = None, sample_s: float = 10.0, stack: Stack | None = None) -> dict[str, Any]:
+    """The load against address; resources of `pids` sampled at the start, every sample_s and at the end."""
+    samples: list[dict[str, Any]] = []
+
+    def sample(elapsed_s: float) -> None:
+        if pids:
+            samples.append({"elapsed_s": round(elapsed_s, 1), "services": services_resources(pids)})
+
+    sample(0.0)
+    traces, wall_s = run_load(address, requests, clients, duration_s, is_stream, timeout_s,
+                              on_tick=sample, tick_s=sample_s)
+    sample(wall_s)
+    result: dict[str, Any] = {"clients": clients, "duration_s": duration_s, "stream": is_stream,
+                              **summarize_load(traces, wall_s, is_stream), "resources": samples}
+    if stack is not None:
+        result["primary_after"] = primary_occupancy(stack)
+    return result
+
+
+def format_result(r: dict[str, Any]) -> str:
+    def ms(p: dict[str, float | None]) -> str:
+        return "n/a" if p["p50"] is None else f"p50 {p['p50']:.0f} ms, p99 {p['p99']:.0f} ms"
+
+    lines = [f"{r['clients']} clients, {r['wall_s']:.1f} s, {'stream' if r['stream'] else 'unary'}: "
+             f"{r['num_ok']}/{r['num_requests']} requests ok",
+             f"  requests/s {r['requests_per_s'] or 0:.2f} | generated tokens/s {r['tokens_per_s'] or 0:.1f}",
+             f"  TTFT {ms(r['ttft_ms'])} | inter-token {ms(r['inter_token_ms'])}",
+             f"  errors by code: {r['errors_by_code'] or 'none'}"]
+    lines += [f"    e.g. {e}" for e in r["error_examples"]]
+    if r["resources"]:
+        first, last = r["resources"][0]["services"], r["resources"][-1]["services"]
+        for name in first:
+            a, b = first[name], last[name]
+            lines.append(f"  {name:<9} RSS {a['rss_bytes'] / 2**20:.0f} -> {b['rss_bytes'] / 2**20:.0f} MiB | "
+                         f"open fds {a['open_fds']} -> {b['open_fds']}")
+    if "primary_after" in r:
+        lines.append(f"  primary afterwards: {r['primary_after']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench load", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=None, help=f"concurrent clients (1..{MAX_CLIENTS}; default 4, "
+                                                              f"{SOAK_CLIENTS} with --soak)")
+    p.add_argument("--duration", type=float, default=None, help=f"seconds (max {MAX_DURATION_S:.0f}; default 30)")
+    p.add_argument("--soak", action="store_true", help=f"run for {SOAK_DURATION_S / 60:.0f} minutes")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--mix", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--stream", action="store_true", help="GenerateStream (TTFT and inter-token latency)")
+    p.add_argument("--no-speculation", action="store_true", help="speculation off (the baseline)")
+    p.add_argument("--no-schema", action="store_true", help="json prompts without their response_format")
+    p.add_argument("--address", default="", help="a running gateway on this machine; default: start a stack")
+    p.add_argument("--precision", default="auto")
+    p.add_argument("--threads", type=int, default=0, help="the primary's threads when a stack is started")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
+    p.add_argument("--sample-s", type=float, default=10.0, help="resource samples every this many seconds")
+    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    a = p.parse_args(argv)
+    a.clients = a.clients if a.clients is not None else (SOAK_CLIENTS if a.soak else 4)
+    a.duration = a.duration if a.duration is not None else (SOAK_DURATION_S if a.soak else 30.0)
+    a.mix = [m for m in a.mix.split(",") if m]
+    if not 1 <= a.clients <= MAX_CLIENTS:
+        p.error(f"--clients must be in [1, {MAX_CLIENTS}], got {a.clients}")
+    if not 0 < a.duration <= MAX_DURATION_S:
+        p.error(f"--duration must be in (0, {MAX_DURATION_S:.0f}], got {a.duration}")
+    if a.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if not a.mix or set(a.mix) - set(SCENARIOS):
+        p.error(f"--mix must be a comma list of {', '.join(SCENARIOS)}, got {','.join(a.mix)!r}")
+    if a.address and not is_loopback_address(a.address):
+        p.error(f"--address must be a loopback address (the load stays on this machine), got {a.address!r}")
+    if not 0 < a.timeout_s <= MAX_DURATION_S or a.sample_s <= 0:
+        p.error("--timeout-s must be in (0, 3600] and --sample-s > 0")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    requests = build_requests(a.mix, a.max_new_tokens, not a.no_speculation, not a.no_schema)
+    if a.address:
+        result = run(a.address, a.clients, a.duration, requests, a.stream, a.timeout_s, sample_s=a.sample_s)
+    else:
+        with system_under_test(a.precision, a.threads, max_context=4096) as sut:
+            pids = {name: sut.stack.pid(name) for name in SERVICE_NAMES}
+            result = run(sut.address, a.clients, a.duration, requests, a.stream, a.timeout_s, pids, a.sample_s,
+                         sut.stack)
+    print(format_result(result), flush=True)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

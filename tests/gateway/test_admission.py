@@ -1,0 +1,122 @@
+"""Admission control (gateway.admission): the fair queue's order, slots, overflow, deadlines, cancels."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.admission import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS, Admission, FairQueue, QueueFull
+from specdec.errors import Cancelled, DeadlineExceeded
+from specdec.metrics import ServiceMetrics
+
+
+def test_fair_queue_is_fifo_per_key_and_round_robin_across_keys():
+    q: FairQueue[str] = FairQueue()
+    for item in ("a1", "a2", "a3", "b1", "c1", "b2"):
+        q.push(item[0], item)
+    assert len(q) == 6
+    assert [q.pop() for _ in range(3)] == ["a1", "b1", "c1"]
+    q.push("c", "c2")     # c went behind a and b when c1 was taken
+    q.push("d", "d1")     # a new key waits behind those already waiting
+    assert [q.pop() for _ in range(len(q))] == ["a2", "b2", "c2", "d1", "a3"]
+    with pytest.raises(IndexError):
+        q.pop()
+
+
+def test_fair_queue_with_one_key_is_plain_fifo_and_remove_takes_an_item_out():
+    q: FairQueue[int] = FairQueue()
+    for i in range(5):
+        q.push("", i)
+    assert q.remove("", 2) and not q.remove("", 2) and not q.remove("other", 1)
+    assert [q.pop() for _ in range(len(q))] == [0, 1, 3, 4]
+
+
+def test_slots_pass_to_waiters_in_fair_order():
+    admission = Admission(max_active=1, max_queued=8)
+    holder = admission.enter("a")
+    assert holder.is_granted
+    waiting = [(key, admission.enter(key)) for key in ("a", "a", "a", "b", "c")]
+    assert not any(t.is_granted for _, t in waiting) and admission.num_queued == 5
+    order = []
+    current = holder
+    for _ in waiting:
+        current.release()
+        granted = [(k, t) for k, t in waiting if t.is_granted and not t.is_released]
+        assert len(granted) == 1 and admission.num_active == 1
+        order.append(granted[0][0])
+        current = granted[0][1]
+    current.release()
+    assert order == ["a", "b", "c", "a", "a"]
+    assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_counted():
+    registry = CollectorRegistry()
+    admission = Admission(max_active=2, max_queued=1, metrics=ServiceMetrics(registry))
+    running = [admission.enter(""), admission.enter("")]
+    queued = admission.enter("")
+    with pytest.raises(QueueFull) as refused:
+        admission.enter("")
+    assert MIN_RETRY_AFTER_MS <= refused.value.retry_after_ms <= MAX_RETRY_AFTER_MS
+    assert refused.value.status_name == "RESOURCE_EXHAUSTED"
+    assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "queue_full"}) == 1
+    assert registry.get_sample_value("specdec_queue_depth") == 1
+    running[0].release()
+    running[0].release()             # idempotent: the slot is handed on once
+    assert queued.is_granted and admission.num_active == 2 and admission.num_queued == 0
+    assert queued.wait(None, threading.Event(), "r") >= 0
+    assert registry.get_sample_value("specdec_admission_wait_seconds_count") == 1
+    for t in (running[1], queued):
+        t.release()
+    assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+def test_a_queued_request_past_its_deadline_leaves_the_queue():
+    registry = CollectorRegistry()
+    admission = Admission(max_active=1, max_queued=4, metrics=ServiceMetrics(registry))
+    holder = admission.enter("")
+    late = admission.enter("")
+    with pytest.raises(DeadlineExceeded, match="request_id: request 'r1' waited"):
+        late.wait(time.monotonic() + 0.05, threading.Event(), "r1")
+    assert admission.num_queued == 0 and registry.get_sample_value("specdec_queue_depth") == 0
+    assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "deadline"}) == 1
+    holder.release()
+    late.release()
+    assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+def test_a_cancelled_queued_request_leaves_the_queue_and_the_next_one_keeps_its_turn():
+    admission = Admission(max_active=1, max_queued=4)
+    holder = admission.enter("")
+    cancelled, after = admission.enter(""), admission.enter("")
+    cancel = threading.Event()
+    threading.Timer(0.05, cancel.set).start()
+    with pytest.raises(Cancelled):
+        cancelled.wait(None, cancel, "r1")
+    assert admission.num_queued == 1
+    holder.release()
+    assert after.is_granted and not cancelled.is_granted
+    after.release()
+    assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+def test_a_slot_granted_as_the_deadline_passes_goes_on_to_the_next_waiter():
+    admission = Admission(max_active=1, max_queued=4)
+    holder = admission.enter("")
+    late, after = admission.enter(""), admission.enter("")
+    holder.release()                                # late is granted, but its deadline has passed
+    assert late.is_granted
+    assert late.wait(time.monotonic() - 1, threading.Event(), "r") >= 0   # granted first: it runs
+    late.release()
+    assert after.is_granted
+    after.release()
+    assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+def test_bounds_are_checked():
+    with pytest.raises(ValueError, match="max_active"):
+        Admission(0, 1)
+    with pytest.raises(ValueError, match="max_queued"):
+        Admission(1, -1)
