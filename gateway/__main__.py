@@ -10,7 +10,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from gateway.api_keys import ApiKeys
+from specdec.service.api_keys import ApiKeys
 from gateway.backends import Backends
 from gateway.config import parse_config
 from gateway.server import GenerationServicer

@@ -92,7 +92,7 @@ class GatewayConfig:
     # is_unauthenticated_allowed: send none (services started with --allow_unauthenticated).
     service_token_file: str = ""
     is_unauthenticated_allowed: bool = False
-    # The public API: tenants and the hashes of their keys (gateway.api_keys); "" accepts any
+    # The public API: tenants and the hashes of their keys (specdec.service.api_keys); "" accepts any
     # caller, and is allowed only on a loopback host unless is_insecure_public_allowed.
     api_keys_file: str = ""
     is_insecure_public_allowed: bool = False
@@ -163,8 +163,8 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
                    help="torch intra-op threads (default 1; 0: torch's default)")
     add_service_token_arguments(p, _env, is_server=False)
     p.add_argument("--api_keys_file", default=_env("API_KEYS_FILE", ""),
-                   help="tenants and the SHA-256 of their API keys (python -m gateway.api_keys add); every call "
-                        "must carry one of the keys, and a request belongs to the tenant that made it")
+                   help="tenants and the SHA-256 of their API keys (python -m specdec.service.api_keys add); "
+                        "every call must carry one of the keys, and a request belongs to the tenant that made it")
     p.add_argument("--allow_insecure_public", action="store_true",
                    default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
                    help="without --api_keys_file, listen on a non-loopback --host anyway")

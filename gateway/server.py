@@ -1,6 +1,6 @@
 """GenerationService servicer (the public API): protobuf -> RequestLoop -> protobuf.
 
-With API keys (gateway.api_keys) every call names its tenant, and a request belongs to the
+With API keys (specdec.service.api_keys) every call names its tenant, and a request belongs to the
 tenant that made it: the id the client sees, "order-1", is "<tenant>/order-1" everywhere behind
 the gateway (state store, primary, draft pool). Another tenant's "order-1" is another request,
 and GetRequest/Cancel of an id the caller's tenant does not hold is NOT_FOUND.
@@ -17,7 +17,7 @@ import uuid
 import structlog
 
 from gateway.admission import RETRY_AFTER_KEY, Admission, QueueFull, Ticket
-from gateway.api_keys import ApiKeys
+from specdec.service.api_keys import ApiKeys
 from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
 from gateway.dependencies import DependencyState

@@ -5,7 +5,7 @@ import structlog
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from gateway.api_keys import ApiKeys
+from specdec.service.api_keys import ApiKeys
 from http_svc.app import HttpFront
 from http_svc.config import parse_config
 from specdec.logging import configure_logging

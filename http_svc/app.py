@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.api_keys import AUTHORIZATION, ApiKeys
+from specdec.service.api_keys import AUTHORIZATION, ApiKeys
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, from_rpc_error
 from http_svc.metrics import HttpMetrics

@@ -129,7 +129,7 @@ class StackConfig:
     strategies: tuple[str, ...] = ()         # draft decoders to load; (): the services' defaults
     num_threads: int = 0                     # the primary's torch threads; 0: torch's default
     max_context: int = 4096
-    api_keys_file: Path | None = None        # the gateway's tenants (gateway.api_keys); None: any local caller
+    api_keys_file: Path | None = None        # the gateway's tenants (specdec.service.api_keys); None: any local caller
     is_serving_http: bool = False            # also the OpenAI-compatible HTTP front (http_svc) on the gateway
     http_port: int = 0                       # its port; 0: a free one
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)

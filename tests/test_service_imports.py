@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SERVICES = ("gateway", "primary_svc", "draft_svc", "validator_svc")
+SERVICES = ("gateway", "primary_svc", "draft_svc", "validator_svc", "http_svc")
 CORE = "specdec"
 
 

@@ -26,7 +26,7 @@ import jsonschema
 import openai
 import pytest
 
-from gateway.api_keys import key_hash, new_key
+from specdec.service.api_keys import key_hash, new_key
 from specdec.launcher import DRAFT, PRIMARY, VALIDATOR, ServiceSpec, Stack, StackConfig, free_port
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 

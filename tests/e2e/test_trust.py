@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from gateway.api_keys import key_hash, new_key
+from specdec.service.api_keys import key_hash, new_key
 from gateway.chat import PromptEncoder
 from specdec.launcher import PRIMARY, REPO_ROOT, VALIDATOR, Stack, StackConfig
 from specdec.v1 import common_pb2, gateway_pb2, primary_pb2, primary_pb2_grpc

@@ -6,7 +6,7 @@ The keys file holds one tenant per line, the key itself never, only its SHA-256:
     alice     2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
 
 A key is 256 random bits (new_key), so a plain hash is enough: nothing to guess from it, and
-a stolen file grants nothing. `python -m gateway.api_keys add NAME FILE` appends a new
+a stolen file grants nothing. `python -m specdec.service.api_keys add NAME FILE` appends a new
 tenant and prints its key once. A request belongs to the tenant whose key created it; the
 gateway scopes request ids by tenant, so another tenant's GetRequest/Cancel finds nothing
 (NOT_FOUND, the same as an unknown id: no existence oracle).
@@ -80,10 +80,11 @@ class ApiKeys:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m gateway.api_keys add TENANT FILE: append a tenant with a fresh key; print the key."""
+    """python -m specdec.service.api_keys add TENANT FILE: append a tenant with a fresh key; print the key."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "add" or not _TENANT.match(args[1]):
-        print("usage: python -m gateway.api_keys add TENANT FILE   (tenant: letters, digits, _.-)", file=sys.stderr)
+        print("usage: python -m specdec.service.api_keys add TENANT FILE (tenant: letters, digits, _.-)",
+              file=sys.stderr)
         return 2
     tenant, path = args[1], Path(args[2])
     key = new_key()

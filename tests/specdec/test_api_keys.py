@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.api_keys import ApiKeys, key_hash, main
+from specdec.service.api_keys import ApiKeys, key_hash, main
 from gateway.config import is_loopback, parse_config
 from specdec.errors import Unauthenticated
 
