@@ -10,6 +10,7 @@ stored as QUEUED, and a full queue refuses it before anything is stored.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
@@ -17,7 +18,6 @@ import uuid
 import structlog
 
 from gateway.admission import RETRY_AFTER_KEY, Admission, QueueFull, Ticket
-from specdec.service.api_keys import ApiKeys
 from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
 from gateway.dependencies import DependencyState
@@ -32,6 +32,7 @@ from specdec.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFoun
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
+from specdec.service.api_keys import ApiKeys
 from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import RequestStatus, StateStore
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -100,16 +101,18 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             event = self._active.get(request_id)
         if event is not None:
             event.set()
-        state = self.store.load(request_id)
-        if state is None and event is None:
-            raise NotFound("request_id", f"no request {request.request_id!r}")
-        # Another gateway running it sees the status at its next per-step write and stops.
-        was_active = self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+        with self._told_as_client(request_id, request.request_id):
+            state = self.store.load(request_id)
+            if state is None and event is None:
+                raise NotFound("request_id", f"no request {request.request_id!r}")
+            # Another gateway running it sees the status at its next per-step write and stops.
+            was_active = self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
         return gateway_pb2.CancelResponse(was_active=was_active or event is not None)
 
     def GetRequest(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
-        state = self.store.load(request_id)
+        with self._told_as_client(request_id, request.request_id):
+            state = self.store.load(request_id)
         if state is None:
             raise NotFound("request_id", f"no request {request.request_id!r} (unknown or expired)")
         from gateway.params import params_pb_from_json
@@ -166,8 +169,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             raise
         is_queued = not ticket.is_granted
         try:
-            self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
-                              status=RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING)
+            with self._told_as_client(request_id, client_id):
+                self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
+                                  status=RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING)
         except BaseException:
             ticket.release()
             raise
@@ -176,8 +180,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             self._active[request_id] = cancel
         context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
         try:
-            queue_s = self._await_turn(request_id, ticket, is_queued, deadline, cancel)
-            loop = self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+            with self._told_as_client(request_id, client_id):
+                queue_s = self._await_turn(request_id, ticket, is_queued, deadline, cancel)
+                loop = self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
         except BaseException:
             ticket.release()
             self._forget(request_id)
@@ -227,18 +232,25 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self.metrics.dependency_available.labels(name).set(1)
         return lambda is_up: self.metrics.dependency_available.labels(name).set(int(is_up))
 
-    def _observed(self, loop: RequestLoop, client_id: str):
-        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics; an
-        internal service's failure reaches the client as client_error says (the details are logged)."""
+    @contextlib.contextmanager
+    def _told_as_client(self, request_id: str, client_id: str):
+        """Within: a dependency's failure (the state store's, an internal service's) reaches the
+        client as client_error says, and its details go to the log."""
         try:
-            yield from self._measured(loop)
+            yield
         except SpecdecError as e:
             told = client_error(e, client_id)
             if told is not e:
-                self.log.warning("request failed in a dependency", request_id=loop.request_id,
+                self.log.warning("request failed in a dependency", request_id=request_id,
                                  dependency=e.dependency, code=e.status_name, error=str(e))
                 raise told from None
             raise
+
+    def _observed(self, loop: RequestLoop, client_id: str):
+        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics; an
+        internal service's failure reaches the client as client_error says (the details are logged)."""
+        with self._told_as_client(loop.request_id, client_id):
+            yield from self._measured(loop)
 
     def _measured(self, loop: RequestLoop):
         if self.metrics is None:

@@ -120,6 +120,24 @@ def test_a_redis_outage_ends_the_request_unavailable_within_its_deadline(gateway
     assert after.finish_reason == gateway_pb2.FINISH_REASON_LENGTH and len(after.token_ids) == 8
 
 
+def test_a_redis_outage_outside_a_running_request_names_only_the_request(gateway_stub, redis_server):
+    """Starting a request, GetRequest and Cancel while Redis is stopped: UNAVAILABLE naming the
+    request, not the store (before: `state_store: Redis unreachable: ...`)."""
+    os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        calls = {"starting": lambda: gateway_stub.Generate(_request("starting", max_new_tokens=8), timeout=120),
+                 "undisturbed": lambda: gateway_stub.GetRequest(
+                     gateway_pb2.GetRequestRequest(request_id="undisturbed"), timeout=120),
+                 "blip": lambda: gateway_stub.Cancel(gateway_pb2.CancelRequest(request_id="blip"), timeout=120)}
+        for request_id, call in calls.items():
+            with pytest.raises(grpc.RpcError) as raised:
+                call()
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE, raised.value
+            _assert_names_only_the_request(raised.value, request_id)
+    finally:
+        os.kill(redis_server.pid, signal.SIGCONT)
+
+
 def test_an_internal_services_refusal_reaches_the_client_as_internal(gateway_stub, stack):
     """The gateway's default strategies name one the pool did not load, so the pool refuses the
     request's Propose with INVALID_ARGUMENT. The client cannot fix that: INTERNAL naming the request
