@@ -303,6 +303,7 @@ def fronts(stack: Stack, certificate: tuple[Path, Path],
         "gateway-quick", (py, "-m", "gateway", "--primary_address", stack.addresses[PRIMARY],
                           "--draft_address", stack.addresses[DRAFT], "--validator_address", stack.addresses[VALIDATOR],
                           "--redis_url=", "--logits_via_handle", "--max_grammar_compile_s", "0.001",
+                          "--max_active_requests", "1", "--max_queued_requests", "0",
                           "--service_token_file", str(token_file), "--api_keys_file", str(keys_file), *tls),
         health_service="specdec.v1.GenerationService", health_ca_file=cert)
     specs = [ServiceSpec("http-keys", (py, "-m", "http_svc", "--gateway_address", gateway,
@@ -370,6 +371,31 @@ def test_no_capacity_is_a_429_with_retry_after(fronts: dict[str, str], certifica
                                                         "json_schema": {"name": "city", "schema": schema}})
     assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
     assert e.value.body["type"] == "rate_limit_error" and e.value.body["code"] == "rate_limit_exceeded"
+
+
+def test_a_full_admission_queue_is_a_429_with_retry_after(fronts: dict[str, str], certificate: tuple[Path, Path]):
+    """The second gateway admits one request and queues none: while a stream holds its slot, the
+    next request is turned away (RESOURCE_EXHAUSTED with retry-after-ms) and the front says 429 with
+    Retry-After; once the stream is closed the slot is free again."""
+    client = _tls_client(fronts, certificate, API_KEY)
+    messages = [{"role": "user", "content": "Write a long essay about bridges."}]
+    holder = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0,
+                                            stream=True)
+    try:
+        next(iter(holder))                                   # admitted and generating
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
+    finally:
+        holder.close()                                       # the front cancels the call: the slot frees
+    give_up = time.monotonic() + 120
+    while True:
+        try:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < give_up, "the slot was never released"
+            time.sleep(0.2)
 
 
 def test_the_key_is_forwarded_to_the_gateway(fronts: dict[str, str], certificate: tuple[Path, Path]):
