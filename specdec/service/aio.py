@@ -99,10 +99,10 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def create_aio_server(address: str, services: Sequence[tuple[AddServicerFn, Any]], *,
-                      max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                      interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                      health_servicer: health.aio.HealthServicer | None = None,
-                      credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
+                            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                            interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                            health_servicer: health.aio.HealthServicer | None = None,
+                            credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.aio.Server, int]:
     """An asyncio server (not started) with `services` + health (SERVING) + reflection bound to address;
     awaited in the event loop that will run the server. Returns the server and the bound port."""
     options = [
