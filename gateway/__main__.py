@@ -1,6 +1,7 @@
 """python -m gateway: the public GenerationService, backed by primary, draft, validator and the state store."""
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 import threading
@@ -20,8 +21,7 @@ from specdec.metrics import ServiceMetrics
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit
-from specdec.service.interceptor import ErrorInterceptor
-from specdec.service.server import serve
+from specdec.service.aio import AioErrorInterceptor, serve_aio
 from specdec.state_store import StateStoreConfig, open_state_store
 from specdec.v1 import gateway_pb2_grpc
 
@@ -65,9 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     if config.redis_url:
         threading.Thread(target=servicer.resume_active, name="resume", daemon=True).start()
     try:
-        serve(config.server, [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
-              interceptors=[ErrorInterceptor(metrics)], registry=registry)
+        # An asyncio server: open streams and queued requests hold no thread (gateway.server).
+        asyncio.run(serve_aio(config.server, [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
+                              interceptors=[AioErrorInterceptor(metrics)], registry=registry))
     finally:
+        servicer.close()
         servicer.grammars.close()
         backends.close()
         store.close()

@@ -14,9 +14,13 @@ queue without ever reaching the primary.
         ... generate ...
     finally:
         ticket.release()                      # the slot goes to the next waiter
+
+The asyncio gateway waits with `await ticket.wait_async(deadline, cancel, request_id)` instead:
+a queued request then holds no thread, only a future that the grant resolves.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
@@ -101,6 +105,7 @@ class Ticket:
         self.granted_at: float | None = admission.clock() if is_granted else None
         self.queued_at = admission.clock()
         self.is_released = False
+        self._waker: Callable[[], None] | None = None   # wait_async's: called (lock held) when granted
 
     @property
     def is_granted(self) -> bool:
@@ -116,17 +121,56 @@ class Ticket:
             timeout = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S, max(0.0, deadline - now))
             if self._granted.wait(timeout):
                 break
-            is_late = deadline is not None and a.clock() >= deadline
-            if is_late or cancel.is_set():
-                waited_s = a.clock() - self.queued_at
+            self._leave_if_ended(deadline, cancel, request_id)
+        return self._admitted()
+
+    async def wait_async(self, deadline: float | None, cancel: threading.Event, request_id: str) -> float:
+        """wait() for a coroutine: no thread is held while it waits. The coroutine cancelled (its
+        client went away) leaves the queue as a cancel does (asyncio.CancelledError goes on)."""
+        a = self._admission
+        if not self._granted.is_set():
+            loop = asyncio.get_running_loop()
+            granted = loop.create_future()
+
+            def resolve() -> None:
+                if not granted.done():
+                    granted.set_result(None)
+
+            with a._lock:
+                self._waker = lambda: loop.call_soon_threadsafe(resolve)
+            try:
+                while not self._granted.is_set():
+                    timeout = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S,
+                                                                         max(0.0, deadline - a.clock()))
+                    try:
+                        await asyncio.wait_for(asyncio.shield(granted), timeout)
+                    except asyncio.TimeoutError:
+                        pass
+                    if self._granted.is_set():
+                        break
+                    self._leave_if_ended(deadline, cancel, request_id)
+            except asyncio.CancelledError:
                 self.release()
-                a.record_abandoned("deadline" if is_late else "cancelled", waited_s)
-                if is_late:
-                    raise DeadlineExceeded("request_id", f"request {request_id!r} waited {waited_s:.1f} s in the "
-                                           "admission queue and its deadline passed before it could start")
-                raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
+                a.record_abandoned("cancelled", a.clock() - self.queued_at)
+                raise
+        return self._admitted()
+
+    def _leave_if_ended(self, deadline: float | None, cancel: threading.Event, request_id: str) -> None:
+        """Leave the queue (DeadlineExceeded / Cancelled) when the deadline passed or it was cancelled."""
+        a = self._admission
+        is_late = deadline is not None and a.clock() >= deadline
+        if is_late or cancel.is_set():
+            waited_s = a.clock() - self.queued_at
+            self.release()
+            a.record_abandoned("deadline" if is_late else "cancelled", waited_s)
+            if is_late:
+                raise DeadlineExceeded("request_id", f"request {request_id!r} waited {waited_s:.1f} s in the "
+                                       "admission queue and its deadline passed before it could start")
+            raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
+
+    def _admitted(self) -> float:
         waited_s = self.granted_at - self.queued_at
-        a.record_admitted(waited_s)
+        self._admission.record_admitted(waited_s)
         return waited_s
 
     def release(self) -> None:
@@ -197,6 +241,8 @@ class Admission:
                 nxt = self._queue.pop()
                 nxt.granted_at = now
                 nxt._granted.set()
+                if nxt._waker is not None:
+                    nxt._waker()
                 self._record_depth()
             else:
                 self._num_active -= 1

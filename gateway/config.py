@@ -18,9 +18,6 @@ GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
-# RPC threads beyond one per running or queued request: Cancel, GetRequest, health, and the
-# requests that are refused because the queue is full.
-SPARE_RPC_WORKERS = 16
 KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
 
 
@@ -180,8 +177,8 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
                             max_message_bytes=a.max_message_bytes, tls_cert_file=a.tls_cert,
                             tls_key_file=a.tls_key,
-                            # A request holds its thread while it waits and while it generates.
-                            max_workers=max(1, a.max_active_requests + a.max_queued_requests) + SPARE_RPC_WORKERS),
+                            # The threads that run admitted requests' loops (the server itself is asyncio).
+                            max_workers=max(1, a.max_active_requests)),
         primary_address=a.primary_address, draft_address=a.draft_address,
         validator_address=a.validator_address, redis_url=a.redis_url, model_path=a.model_path,
         cache_dir=Path(a.cache_dir),

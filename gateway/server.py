@@ -7,13 +7,24 @@ and GetRequest/Cancel of an id the caller's tenant does not hold is NOT_FOUND.
 
 A generation starts when admission control (gateway.admission) gives it a slot; until then it is
 stored as QUEUED, and a full queue refuses it before anything is stored.
+
+The servicer runs on a grpc.aio server: its RPCs are coroutines, so an open stream or a queued
+request holds no thread, only memory. An admitted request's loop (gateway.loop, synchronous: it
+calls the internal services and the state store) runs in a pool of max_active_requests threads
+and hands each step's output to its coroutine through an asyncio queue; state-store calls made
+outside the loop run in asyncio's default thread pool. A client that goes away (its coroutine
+cancelled) sets the loop's cancel event: the loop stops within a step and stores CANCELLED.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
+import functools
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
@@ -40,11 +51,18 @@ from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 FINISH_REASONS = {"length": gateway_pb2.FINISH_REASON_LENGTH, "stop": gateway_pb2.FINISH_REASON_STOP,
                   "eos": gateway_pb2.FINISH_REASON_EOS, "cancelled": gateway_pb2.FINISH_REASON_CANCELLED,
                   "deadline": gateway_pb2.FINISH_REASON_DEADLINE, "error": gateway_pb2.FINISH_REASON_ERROR}
+_STEP, _FAILED, _DONE = "step", "failed", "done"      # what a loop thread hands its coroutine
 STATUSES = {RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
             RequestStatus.RUNNING: gateway_pb2.REQUEST_STATUS_RUNNING,
             RequestStatus.FINISHED: gateway_pb2.REQUEST_STATUS_FINISHED,
             RequestStatus.CANCELLED: gateway_pb2.REQUEST_STATUS_CANCELLED,
             RequestStatus.FAILED: gateway_pb2.REQUEST_STATUS_FAILED}
+
+
+async def _in_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in asyncio's default thread pool (blocking I/O: the state store, a
+    compile), with the caller's logging context."""
+    return await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
@@ -65,56 +83,59 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self._active: dict[str, threading.Event] = {}
         self.admission = Admission(config.max_active_requests, config.max_queued_requests, metrics)
         self._lock = threading.Lock()
+        # Admitted requests' loops, one thread each: admission lets at most max_active_requests run.
+        self._loop_threads = ThreadPoolExecutor(config.max_active_requests, thread_name_prefix="request-loop")
+        self._background: set[asyncio.Task] = set()
         self.log = structlog.get_logger("gateway")
 
     # --- RPCs -------------------------------------------------------------------------------
 
-    def Generate(self, request, context):
-        client_id, loop, ticket = self._start(request, context)
-        try:
-            for _ in self._observed(loop, client_id):
+    async def Generate(self, request, context):
+        client_id, loop, ticket = await self._start(request, context)
+        async with contextlib.aclosing(self._run(loop, client_id, ticket)) as steps:
+            async for _ in steps:
                 pass
-        finally:
-            ticket.release()
-            self._forget(loop.request_id)
         o = loop.outcome
         return gateway_pb2.GenerateResponse(request_id=client_id, text=o.text, token_ids=o.token_ids,
                                             finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb())
 
-    def GenerateStream(self, request, context):
-        client_id, loop, ticket = self._start(request, context)
-        try:
-            for out in self._observed(loop, client_id):
+    async def GenerateStream(self, request, context):
+        client_id, loop, ticket = await self._start(request, context)
+        async with contextlib.aclosing(self._run(loop, client_id, ticket)) as steps:
+            async for out in steps:
                 yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text,
                                                          token_ids=out.token_ids)
-        finally:
-            ticket.release()
-            self._forget(loop.request_id)
         o = loop.outcome
         yield gateway_pb2.GenerateStreamResponse(request_id=client_id, is_final=True,
                                                  finish_reason=FINISH_REASONS[o.finish_reason],
                                                  stats=o.stats.to_pb())
 
-    def Cancel(self, request, context):
+    async def Cancel(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
         with self._lock:
             event = self._active.get(request_id)
         if event is not None:
             event.set()
-        with self._told_as_client(request_id, request.request_id):
+        return await _in_thread(self._cancel_stored, request_id, request.request_id, event is not None)
+
+    def _cancel_stored(self, request_id: str, client_id: str, is_running_here: bool) -> gateway_pb2.CancelResponse:
+        with self._told_as_client(request_id, client_id):
             state = self.store.load(request_id)
-            if state is None and event is None:
-                raise NotFound("request_id", f"no request {request.request_id!r}")
+            if state is None and not is_running_here:
+                raise NotFound("request_id", f"no request {client_id!r}")
             # Another gateway running it sees the status at its next per-step write and stops.
             was_active = self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
-        return gateway_pb2.CancelResponse(was_active=was_active or event is not None)
+        return gateway_pb2.CancelResponse(was_active=was_active or is_running_here)
 
-    def GetRequest(self, request, context):
+    async def GetRequest(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
-        with self._told_as_client(request_id, request.request_id):
+        return await _in_thread(self._stored_request, request_id, request.request_id)
+
+    def _stored_request(self, request_id: str, client_id: str) -> gateway_pb2.GetRequestResponse:
+        with self._told_as_client(request_id, client_id):
             state = self.store.load(request_id)
         if state is None:
-            raise NotFound("request_id", f"no request {request.request_id!r} (unknown or expired)")
+            raise NotFound("request_id", f"no request {client_id!r} (unknown or expired)")
         from gateway.params import params_pb_from_json
         return gateway_pb2.GetRequestResponse(
             status=STATUSES[state.status], params=params_pb_from_json(state.params), token_ids=state.token_ids,
@@ -138,10 +159,51 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                                   "characters")
         return prefix + client_id
 
-    def _start(self, request, context) -> tuple[str, RequestLoop, Ticket]:
-        """(the id the client sees, the request's loop, its admission ticket: release() when done)."""
+    async def _start(self, request, context) -> tuple[str, RequestLoop, Ticket]:
+        """(the id the client sees, the request's loop, its admission slot), once admission let it in;
+        _run() it next, which gives the slot back when the loop ends."""
         client_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
         request_id = self._scoped(context, client_id)
+        tenant = self._tenant(context)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        params, prompt_ids, grammar, stored = await _in_thread(self._prepare, request, client_id, deadline)
+        try:   # a slot now, a place in the queue, or refused before anything is stored
+            ticket = self.admission.enter(tenant)
+        except QueueFull as e:
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
+            raise
+        is_queued = not ticket.is_granted
+        status = RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING
+        creating = asyncio.ensure_future(_in_thread(self._create, request_id, client_id, stored, prompt_ids, status))
+        try:
+            await asyncio.shield(creating)
+        except asyncio.CancelledError:      # the client went away: once stored, it is stored as cancelled
+            ticket.release()
+            creating.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._in_background(
+                self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled"))
+            raise
+        except BaseException:
+            ticket.release()
+            raise
+        cancel = threading.Event()
+        with self._lock:
+            self._active[request_id] = cancel
+        context.add_done_callback(lambda _: cancel.set())   # the call ended (or its client went away)
+        try:
+            with self._told_as_client(request_id, client_id):
+                queue_s = await self._await_turn(request_id, ticket, is_queued, deadline, cancel)
+            loop = await _in_thread(self.make_loop, request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+        except BaseException:
+            ticket.release()
+            self._forget(request_id)
+            raise
+        loop.stats.queue_ms = queue_s * 1000
+        return client_id, loop, ticket
+
+    def _prepare(self, request, client_id: str, deadline: float | None):
+        """(params, prompt token ids, grammar state or None, the request as stored): every check that
+        can refuse the request, before anything is stored."""
         params = params_from_pb(request, self.config.limits, self.config.speculation)
         if params.speculation.is_enabled and request.speculation.strategies:
             offered = self._offered_by_pool()
@@ -154,59 +216,94 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         if len(prompt_ids) >= self.model.max_context - 1:
             raise InvalidArgument(field, f"{len(prompt_ids)} prompt tokens do not fit the context of "
                                   f"{self.model.max_context} tokens")
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
         # Compiled before anything is stored: a schema refused here leaves no trace.
         grammar = None if params.response_format is None else self.grammars.new_state(params.response_format,
                                                                                      deadline)
         stored = request.__class__()
         stored.CopyFrom(request)
         stored.request_id = client_id
-        try:   # a slot now, a place in the queue, or refused before anything is stored
-            ticket = self.admission.enter(self._tenant(context))
-        except QueueFull as e:
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
-            raise
-        is_queued = not ticket.is_granted
-        try:
-            with self._told_as_client(request_id, client_id):
-                self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids,
-                                  status=RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING)
-        except BaseException:
-            ticket.release()
-            raise
-        cancel = threading.Event()
-        with self._lock:
-            self._active[request_id] = cancel
-        context.add_callback(cancel.set)     # the client went away (or the call ended): stop within a step
-        try:
-            with self._told_as_client(request_id, client_id):
-                queue_s = self._await_turn(request_id, ticket, is_queued, deadline, cancel)
-                loop = self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
-        except BaseException:
-            ticket.release()
-            self._forget(request_id)
-            raise
-        loop.stats.queue_ms = queue_s * 1000
-        return client_id, loop, ticket
+        return params, prompt_ids, grammar, stored
 
-    def _await_turn(self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None,
-                    cancel: threading.Event) -> float:
+    def _create(self, request_id: str, client_id: str, stored, prompt_ids, status: RequestStatus) -> None:
+        with self._told_as_client(request_id, client_id):
+            self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids, status=status)
+
+    async def _await_turn(self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None,
+                          cancel: threading.Event) -> float:
         """Wait in the admission queue (is_queued: stored as QUEUED); the seconds waited. A request
-        that leaves the queue (deadline, cancel) is recorded as such and never reaches the primary."""
+        that leaves the queue (deadline, cancel, its client gone) is recorded as such and never
+        reaches the primary."""
         if not is_queued:
-            return ticket.wait(deadline, cancel, request_id)
+            return await ticket.wait_async(deadline, cancel, request_id)
         try:
-            queue_s = ticket.wait(deadline, cancel, request_id)
+            queue_s = await ticket.wait_async(deadline, cancel, request_id)
             if cancel.is_set():     # at the very moment it was let in
                 raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         except (Cancelled, DeadlineExceeded) as e:
-            self.store.set_status(request_id, RequestStatus.CANCELLED,
-                                  finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline")
+            await _in_thread(self.store.set_status, request_id, RequestStatus.CANCELLED,
+                             finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline")
             raise
-        if not self.store.set_status(request_id, RequestStatus.RUNNING):   # ended meanwhile (Cancel)
+        except asyncio.CancelledError:
+            self._in_background(self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+            raise
+        if not await _in_thread(self.store.set_status, request_id, RequestStatus.RUNNING):   # ended meanwhile
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         return queue_s
+
+    async def _run(self, loop: RequestLoop, client_id: str, ticket: Ticket):
+        """Each step's output of loop.run(), run in the loop threads (see _observed). The loop's
+        admission slot is given back when the loop ends; when this generator is closed before
+        (the client went away), the loop is cancelled and stops within a step."""
+        events = asyncio.get_running_loop()
+        steps: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            with contextlib.suppress(RuntimeError):    # the event loop is gone (shutdown)
+                events.call_soon_threadsafe(steps.put_nowait, item)
+
+        def drive() -> None:
+            try:
+                for out in self._observed(loop, client_id):
+                    put((_STEP, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the coroutine, raised there
+                put((_FAILED, e))
+            else:
+                put((_DONE, None))
+
+        worker = events.run_in_executor(self._loop_threads, contextvars.copy_context().run, drive)
+        worker.add_done_callback(lambda _: self._end(loop.request_id, ticket))   # the slot goes on
+        try:
+            while True:
+                kind, value = await steps.get()
+                if kind is _STEP:
+                    yield value
+                elif kind is _FAILED:
+                    raise value
+                else:
+                    return
+        finally:
+            if not worker.done():     # closed early: the client went away
+                loop.cancel.set()
+
+    def _end(self, request_id: str, ticket: Ticket) -> None:
+        ticket.release()
+        self._forget(request_id)
+
+    def _in_background(self, fn, *args, **kwargs) -> None:
+        """fn(*args, **kwargs) in a thread, not awaited (a cancelled call's last write); failures are logged."""
+        task = asyncio.ensure_future(_in_thread(fn, *args, **kwargs))
+        self._background.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                self.log.warning("background state-store write failed", error=str(t.exception()))
+
+        task.add_done_callback(done)
+
+    def close(self) -> None:
+        """Stop taking loops; running ones were cancelled with their calls."""
+        self._loop_threads.shutdown(wait=False, cancel_futures=True)
 
     def _offered_by_pool(self) -> frozenset[str] | None:
         """The strategies the draft pool was started with (asked once), None while it cannot be reached."""

@@ -1,6 +1,7 @@
 """Admission control (gateway.admission): the fair queue's order, slots, overflow, deadlines, cancels."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -113,6 +114,53 @@ def test_a_slot_granted_as_the_deadline_passes_goes_on_to_the_next_waiter():
     assert after.is_granted
     after.release()
     assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+def test_an_async_waiter_is_woken_by_the_grant_and_holds_no_thread():
+    async def scenario() -> float:
+        admission = Admission(max_active=1, max_queued=4)
+        holder = admission.enter("")
+        queued = admission.enter("")
+        waiting = asyncio.ensure_future(queued.wait_async(None, threading.Event(), "r1"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and threading.active_count() == threads_before
+        asyncio.get_running_loop().call_later(0.05, holder.release)
+        waited_s = await waiting
+        assert queued.is_granted and admission.num_queued == 0
+        queued.release()
+        assert (admission.num_active, admission.num_queued) == (0, 0)
+        return waited_s
+
+    threads_before = threading.active_count()
+    assert asyncio.run(scenario()) > 0
+
+
+def test_an_async_waiter_leaves_the_queue_on_its_deadline_a_cancel_or_its_coroutine_cancelled():
+    async def scenario(registry: CollectorRegistry) -> None:
+        admission = Admission(max_active=1, max_queued=4, metrics=ServiceMetrics(registry))
+        holder = admission.enter("")
+        late, cancelled, gone, after = (admission.enter("") for _ in range(4))
+        with pytest.raises(DeadlineExceeded, match="request 'r1' waited"):
+            await late.wait_async(time.monotonic() + 0.05, threading.Event(), "r1")
+        cancel = threading.Event()
+        asyncio.get_running_loop().call_later(0.05, cancel.set)
+        with pytest.raises(Cancelled):
+            await cancelled.wait_async(None, cancel, "r2")
+        task = asyncio.ensure_future(gone.wait_async(None, threading.Event(), "r3"))
+        await asyncio.sleep(0.01)
+        task.cancel()                                # its client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert admission.num_queued == 1
+        holder.release()
+        assert after.is_granted and await after.wait_async(None, threading.Event(), "r4") >= 0
+        after.release()
+        assert (admission.num_active, admission.num_queued) == (0, 0)
+
+    registry = CollectorRegistry()
+    asyncio.run(scenario(registry))
+    assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "deadline"}) == 1
+    assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "cancelled"}) == 2
 
 
 def test_bounds_are_checked():
