@@ -17,6 +17,7 @@ Exit codes: 0 success, 1 the gateway refused or failed the request (its gRPC
 status and message are printed), 2 bad flags, 3 the services did not start,
 130 interrupted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,19 +42,28 @@ from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, p
 
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-TASK_TYPES = {"structured": common_pb2.TASK_TYPE_STRUCTURED, "code": common_pb2.TASK_TYPE_CODE,
-              "creative": common_pb2.TASK_TYPE_CREATIVE}
+TASK_TYPES = {
+    "structured": common_pb2.TASK_TYPE_STRUCTURED,
+    "code": common_pb2.TASK_TYPE_CODE,
+    "creative": common_pb2.TASK_TYPE_CREATIVE,
+}
 FINISH_REASON_PREFIX = "FINISH_REASON_"
 MAX_SEED = 2**64 - 1
 # Statuses that say the request was at fault, not a service: no need to point at the logs.
-CLIENT_ERROR_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
-                      grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+CLIENT_ERROR_CODES = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+)
 DEFAULT_TIMEOUT_S = 600.0
 # How often --serve checks that every service is still alive.
 _SERVE_POLL_S = 0.5
 
 
 # ---- flags ---------------------------------------------------------------------------------------------
+
 
 def parse_bool(text: str) -> bool:
     word = text.strip().lower()
@@ -64,9 +74,11 @@ def parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}, got {text!r}")
 
 
-def ranged(kind: Callable[[str], Any], low: float | None = None, high: float | None = None, *,
-           is_low_open: bool = False) -> Callable[[str], Any]:
+def ranged(
+    kind: Callable[[str], Any], low: float | None = None, high: float | None = None, *, is_low_open: bool = False
+) -> Callable[[str], Any]:
     """An argparse type: kind(text) within [low, high] ((low, high] when is_low_open)."""
+
     def parse(text: str) -> Any:
         try:
             value = kind(text)
@@ -76,10 +88,12 @@ def ranged(kind: Callable[[str], Any], low: float | None = None, high: float | N
             raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
         too_low = low is not None and (value <= low if is_low_open else value < low)
         if too_low or (high is not None and value > high):
-            bounds = f"{'(' if is_low_open else '['}{'-inf' if low is None else low:g}, " \
-                     f"{'inf' if high is None else high:g}]"
+            bounds = (
+                f"{'(' if is_low_open else '['}{'-inf' if low is None else low:g}, {'inf' if high is None else high:g}]"
+            )
             raise argparse.ArgumentTypeError(f"must be in {bounds}, got {value}")
         return value
+
     return parse
 
 
@@ -91,13 +105,16 @@ def strategy_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python inference.py", description=__doc__.split("\n\n")[0],
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python inference.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     io = p.add_argument_group("input and output")
     io.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin (required unless --serve)")
     io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (chat mode only)")
-    io.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                    help="send the prompt as a chat message (the gateway applies the chat template)")
+    io.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send the prompt as a chat message (the gateway applies the chat template)",
+    )
     io.add_argument("--json", action="store_true", help="print one machine-readable JSON object")
     io.add_argument("--stream", action="store_true", help="print the text as it is accepted (GenerateStream)")
     io.add_argument("--quiet", action="store_true", help="no progress or stats lines on stderr")
@@ -109,49 +126,94 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max_new_tokens", type=ranged(int, 1), metavar="N", help="default: the gateway's")
     gen.add_argument("--temperature", type=ranged(float, 0.0), default=0.0, metavar="T", help="0 (default): greedy")
     gen.add_argument("--top_k", type=ranged(int, 0), default=0, metavar="K", help="0 (default): off")
-    gen.add_argument("--top_p", type=ranged(float, 0.0, 1.0, is_low_open=True), default=1.0, metavar="P",
-                     help="1 (default): off")
+    gen.add_argument(
+        "--top_p", type=ranged(float, 0.0, 1.0, is_low_open=True), default=1.0, metavar="P", help="1 (default): off"
+    )
     gen.add_argument("--seed", type=ranged(int, 0, MAX_SEED), metavar="N", help="seed of the sampling stream")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    gen.add_argument("--timeout", type=ranged(float, 0.0, is_low_open=True), default=DEFAULT_TIMEOUT_S,
-                     metavar="S", help=f"deadline of the request, seconds (default {DEFAULT_TIMEOUT_S:g})")
+    gen.add_argument(
+        "--timeout",
+        type=ranged(float, 0.0, is_low_open=True),
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"deadline of the request, seconds (default {DEFAULT_TIMEOUT_S:g})",
+    )
 
     spec = p.add_argument_group("speculation")
-    spec.add_argument("--speculative_decoding", type=parse_bool, nargs="?", const=True, default=None,
-                      metavar="BOOL", help="speculate (true/false/1/0/yes/no); default: the gateway's (on)")
+    spec.add_argument(
+        "--speculative_decoding",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="BOOL",
+        help="speculate (true/false/1/0/yes/no); default: the gateway's (on)",
+    )
     spec.add_argument("--speculative_degree", type=ranged(int, 1), metavar="N", help="draft decoders per step")
-    spec.add_argument("--draft_length", type=ranged(int, 1), metavar="N",
-                      help="tokens each decoder proposes per step")
-    spec.add_argument("--acceptance_threshold", type=ranged(float, 0.0, 1.0), default=0.0, metavar="X",
-                      help="opt-in lossy mode: accept a draft token the primary gives at least this "
-                           "probability; 0 (default): lossless")
+    spec.add_argument("--draft_length", type=ranged(int, 1), metavar="N", help="tokens each decoder proposes per step")
+    spec.add_argument(
+        "--acceptance_threshold",
+        type=ranged(float, 0.0, 1.0),
+        default=0.0,
+        metavar="X",
+        help="opt-in lossy mode: accept a draft token the primary gives at least this "
+        "probability; 0 (default): lossless",
+    )
     spec.add_argument("--strategies", type=strategy_list, metavar="A,B", help="draft decoders, comma-separated")
     spec.add_argument("--task_type", choices=sorted(TASK_TYPES), help="default: inferred by the gateway")
-    spec.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=None,
-                      help="let the controller tune degree and draft length per step")
+    spec.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let the controller tune degree and draft length per step",
+    )
 
     stack = p.add_argument_group("services")
-    stack.add_argument("--model_path", metavar="PATH",
-                       help="HF model dir or .gguf file; default: SmolLM2-135M-Instruct")
-    stack.add_argument("--precision", choices=(AUTO, *PRECISIONS),
-                       help="the primary's weights (default auto: the format that measures fastest here)")
-    stack.add_argument("--cache_dir", type=Path, metavar="DIR",
-                       help=f"where converted models are kept (default: {default_cache_dir()})")
-    stack.add_argument("--redis_url", metavar="URL",
-                       help="state store, e.g. redis://127.0.0.1:6379/0; default: in memory")
-    stack.add_argument("--num_threads", type=ranged(int, 0), default=0, metavar="N",
-                       help="the primary's threads; 0: torch's")
-    stack.add_argument("--log_dir", type=Path, metavar="DIR",
-                       help="service logs (default: a temporary dir, kept on failure)")
-    stack.add_argument("--serve", action="store_true",
-                       help="keep the services up with the OpenAI-compatible HTTP API in front, print the gateway "
-                            "address and the HTTP API's URL, stop on Ctrl-C / SIGTERM")
-    stack.add_argument("--http_port", type=ranged(int, 0, 65535), default=8000, metavar="PORT",
-                       help="--serve: the HTTP API's port on 127.0.0.1 (default 8000; 0: a free one)")
-    stack.add_argument("--gateway_address", metavar="HOST:PORT",
-                       help="use a running gateway instead of starting the services")
-    stack.add_argument("--api_key", metavar="KEY", default=os.environ.get("SPECDEC_API_KEY"),
-                       help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY)")
+    stack.add_argument(
+        "--model_path", metavar="PATH", help="HF model dir or .gguf file; default: SmolLM2-135M-Instruct"
+    )
+    stack.add_argument(
+        "--precision",
+        choices=(AUTO, *PRECISIONS),
+        help="the primary's weights (default auto: the format that measures fastest here)",
+    )
+    stack.add_argument(
+        "--cache_dir",
+        type=Path,
+        metavar="DIR",
+        help=f"where converted models are kept (default: {default_cache_dir()})",
+    )
+    stack.add_argument(
+        "--redis_url", metavar="URL", help="state store, e.g. redis://127.0.0.1:6379/0; default: in memory"
+    )
+    stack.add_argument(
+        "--num_threads", type=ranged(int, 0), default=0, metavar="N", help="the primary's threads; 0: torch's"
+    )
+    stack.add_argument(
+        "--log_dir", type=Path, metavar="DIR", help="service logs (default: a temporary dir, kept on failure)"
+    )
+    stack.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep the services up with the OpenAI-compatible HTTP API in front, print the gateway "
+        "address and the HTTP API's URL, stop on Ctrl-C / SIGTERM",
+    )
+    stack.add_argument(
+        "--http_port",
+        type=ranged(int, 0, 65535),
+        default=8000,
+        metavar="PORT",
+        help="--serve: the HTTP API's port on 127.0.0.1 (default 8000; 0: a free one)",
+    )
+    stack.add_argument(
+        "--gateway_address", metavar="HOST:PORT", help="use a running gateway instead of starting the services"
+    )
+    stack.add_argument(
+        "--api_key",
+        metavar="KEY",
+        default=os.environ.get("SPECDEC_API_KEY"),
+        help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY)",
+    )
     return p
 
 
@@ -163,8 +225,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.gateway_address is not None:
         if args.serve:
             parser.error("--serve starts the services: it does not take --gateway_address")
-        given = [f"--{n}" for n in ("model_path", "precision", "cache_dir", "redis_url", "log_dir")
-                 if getattr(args, n) is not None]
+        given = [
+            f"--{n}"
+            for n in ("model_path", "precision", "cache_dir", "redis_url", "log_dir")
+            if getattr(args, n) is not None
+        ]
         if given:
             parser.error(f"{', '.join(given)} configure the services, which --gateway_address does not start")
     if args.model_path is not None and not Path(args.model_path).expanduser().exists():
@@ -190,6 +255,7 @@ def read_json_schema(parser: argparse.ArgumentParser, path: Path) -> str:
 
 
 # ---- request and result --------------------------------------------------------------------------------
+
 
 def build_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(stop=args.stop)
@@ -233,16 +299,19 @@ class Result:
     wall_s: float
 
 
-def generate(stub: gateway_pb2_grpc.GenerationServiceStub, req: gateway_pb2.GenerateRequest,
-             timeout_s: float) -> Result:
+def generate(
+    stub: gateway_pb2_grpc.GenerationServiceStub, req: gateway_pb2.GenerateRequest, timeout_s: float
+) -> Result:
     started = time.perf_counter()
     resp = stub.Generate(req, timeout=timeout_s)
-    return Result(resp.request_id, resp.text, list(resp.token_ids), resp.finish_reason, resp.stats,
-                  time.perf_counter() - started)
+    return Result(
+        resp.request_id, resp.text, list(resp.token_ids), resp.finish_reason, resp.stats, time.perf_counter() - started
+    )
 
 
-def generate_stream(stub: gateway_pb2_grpc.GenerationServiceStub, req: gateway_pb2.GenerateRequest,
-                    timeout_s: float, out: TextIO | None) -> Result:
+def generate_stream(
+    stub: gateway_pb2_grpc.GenerationServiceStub, req: gateway_pb2.GenerateRequest, timeout_s: float, out: TextIO | None
+) -> Result:
     """GenerateStream, writing each step's text to out (when given) as it arrives."""
     started = time.perf_counter()
     result = Result("", "", [], gateway_pb2.FINISH_REASON_UNSPECIFIED, gateway_pb2.GenerationStats(), 0.0)
@@ -269,8 +338,9 @@ def is_speculative(req: gateway_pb2.GenerateRequest) -> bool:
     return req.speculation.is_enabled if req.speculation.HasField("is_enabled") else True
 
 
-def result_to_dict(result: Result, is_speculative: bool, stack_start_s: float | None,
-                   primary: dict[str, str] | None = None) -> dict[str, Any]:
+def result_to_dict(
+    result: Result, is_speculative: bool, stack_start_s: float | None, primary: dict[str, str] | None = None
+) -> dict[str, Any]:
     st = result.stats
     times = st.stage_times
     return {
@@ -287,14 +357,33 @@ def result_to_dict(result: Result, is_speculative: bool, stack_start_s: float | 
         "acceptance_rate": st.acceptance_rate,
         "mean_accepted_length": st.mean_accepted_length,
         "tokens_per_second": st.tokens_per_second,
-        "stage_times": {name: getattr(times, name) for name in
-                        ("draft_ms", "verify_ms", "validate_ms", "commit_ms", "state_ms", "other_ms", "total_ms",
-                         "forward_ms")},
-        "decoders": [{"name": d.name, "num_proposed": d.num_proposed, "num_accepted": d.num_accepted,
-                      "acceptance_rate": d.num_accepted / d.num_proposed if d.num_proposed else 0.0,
-                      "time_ms": d.time_ms} for d in st.decoders],
-        "entropy_bins": [{"lower": b.lower, "upper": b.upper, "num_proposed": b.num_proposed,
-                          "num_accepted": b.num_accepted} for b in st.entropy_bins],
+        "stage_times": {
+            name: getattr(times, name)
+            for name in (
+                "draft_ms",
+                "verify_ms",
+                "validate_ms",
+                "commit_ms",
+                "state_ms",
+                "other_ms",
+                "total_ms",
+                "forward_ms",
+            )
+        },
+        "decoders": [
+            {
+                "name": d.name,
+                "num_proposed": d.num_proposed,
+                "num_accepted": d.num_accepted,
+                "acceptance_rate": d.num_accepted / d.num_proposed if d.num_proposed else 0.0,
+                "time_ms": d.time_ms,
+            }
+            for d in st.decoders
+        ],
+        "entropy_bins": [
+            {"lower": b.lower, "upper": b.upper, "num_proposed": b.num_proposed, "num_accepted": b.num_accepted}
+            for b in st.entropy_bins
+        ],
         "wall_s": result.wall_s,
         "stack_start_s": stack_start_s,
         # The primary's weight format and how it was chosen (None when talking to a running gateway).
@@ -306,26 +395,29 @@ def result_to_dict(result: Result, is_speculative: bool, stack_start_s: float | 
 def primary_info(stack: Stack) -> dict[str, str]:
     """The weight format the primary serves and how it was chosen (GetModelInfo)."""
     with stack.channel(PRIMARY) as channel:
-        info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(),
-                                                                         timeout=30)
+        info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(), timeout=30)
     return {"precision": info.precision, "precision_choice": info.precision_choice}
 
 
 def stats_line(result: Result) -> str:
     st, times = result.stats, result.stats.stage_times
     decoders = ", ".join(f"{d.name} {d.num_accepted}/{d.num_proposed}" for d in st.decoders)
-    return (f"[{st.num_generated_tokens} tokens in {result.wall_s:.2f} s ({st.tokens_per_second:.1f} tok/s), "
-            f"{st.num_steps} steps, mean accepted length {st.mean_accepted_length:.2f}, "
-            f"acceptance {100 * st.acceptance_rate:.1f} %, finish {finish_reason_name(result.finish_reason)}; "
-            f"ms: draft {times.draft_ms:.0f}, verify {times.verify_ms:.0f}, validate {times.validate_ms:.0f}, "
-            f"commit {times.commit_ms:.0f}, state {times.state_ms:.0f}, other {times.other_ms:.0f}"
-            f"{'; accepted/proposed: ' + decoders if decoders else ''}]")
+    return (
+        f"[{st.num_generated_tokens} tokens in {result.wall_s:.2f} s ({st.tokens_per_second:.1f} tok/s), "
+        f"{st.num_steps} steps, mean accepted length {st.mean_accepted_length:.2f}, "
+        f"acceptance {100 * st.acceptance_rate:.1f} %, finish {finish_reason_name(result.finish_reason)}; "
+        f"ms: draft {times.draft_ms:.0f}, verify {times.verify_ms:.0f}, validate {times.validate_ms:.0f}, "
+        f"commit {times.commit_ms:.0f}, state {times.state_ms:.0f}, other {times.other_ms:.0f}"
+        f"{'; accepted/proposed: ' + decoders if decoders else ''}]"
+    )
 
 
 # ---- running -------------------------------------------------------------------------------------------
 
-def run_request(address: str, args: argparse.Namespace, stack_start_s: float | None,
-                primary: dict[str, str] | None = None) -> None:
+
+def run_request(
+    address: str, args: argparse.Namespace, stack_start_s: float | None, primary: dict[str, str] | None = None
+) -> None:
     req = build_request(args)
     # An API key travels as the service token does: `authorization: Bearer <key>` on every call.
     with authenticated_channel(grpc.insecure_channel(address), args.api_key) as channel:
@@ -345,8 +437,13 @@ def run_request(address: str, args: argparse.Namespace, stack_start_s: float | N
         print(stats_line(result), file=sys.stderr)
 
 
-def request_or_report(address: str, args: argparse.Namespace, stack: Stack | None,
-                      stack_start_s: float | None = None, primary: dict[str, str] | None = None) -> int:
+def request_or_report(
+    address: str,
+    args: argparse.Namespace,
+    stack: Stack | None,
+    stack_start_s: float | None = None,
+    primary: dict[str, str] | None = None,
+) -> int:
     """run_request; on a gRPC error print its status and message, and keep the
     service logs of a stack we started when the error is not the request's fault."""
     try:
@@ -363,10 +460,17 @@ def request_or_report(address: str, args: argparse.Namespace, stack: Stack | Non
 
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
-    return StackConfig(model_path=args.model_path, precision=args.precision or AUTO, cache_dir=args.cache_dir,
-                       redis_url=args.redis_url or "", strategies=args.strategies or (),
-                       num_threads=args.num_threads, log_dir=args.log_dir, is_serving_http=args.serve,
-                       http_port=args.http_port)
+    return StackConfig(
+        model_path=args.model_path,
+        precision=args.precision or AUTO,
+        cache_dir=args.cache_dir,
+        redis_url=args.redis_url or "",
+        strategies=args.strategies or (),
+        num_threads=args.num_threads,
+        log_dir=args.log_dir,
+        is_serving_http=args.serve,
+        http_port=args.http_port,
+    )
 
 
 def serve_until_stopped(stack: Stack) -> int:
@@ -398,16 +502,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Stack(stack_config(args)) as stack:
             stack_start_s = time.perf_counter() - started
             primary = primary_info(stack)
-            say(f"services ready in {stack_start_s:.1f} s (logs: {stack.log_dir}); primary weights "
-                f"{primary['precision']} ({primary['precision_choice']})")
+            say(
+                f"services ready in {stack_start_s:.1f} s (logs: {stack.log_dir}); primary weights "
+                f"{primary['precision']} ({primary['precision_choice']})"
+            )
             if args.prompt is not None:
                 exit_code = request_or_report(stack.gateway_address, args, stack, stack_start_s, primary)
                 if exit_code or not args.serve:
                     return exit_code
             print(stack.gateway_address, flush=True)
             print(stack.http_url, flush=True)
-            say("serving GenerationService (gRPC) at the first address above, the OpenAI-compatible HTTP API "
-                "at the second (base URL + /v1); Ctrl-C stops")
+            say(
+                "serving GenerationService (gRPC) at the first address above, the OpenAI-compatible HTTP API "
+                "at the second (base URL + /v1); Ctrl-C stops"
+            )
             try:
                 return serve_until_stopped(stack)
             except KeyboardInterrupt:  # the normal end of --serve

@@ -12,6 +12,7 @@ python -m bench {engine,validator,drafts,quality,masks,auth,http,load} [ARGS...]
     http       the HTTP front's overhead per request and per streamed token     (bench/http.py)
     load       N clients for a bounded time: req/s, tok/s, TTFT, ITL, errors, RSS (bench/load.py)
 """
+
 from __future__ import annotations
 
 import importlib

@@ -7,6 +7,7 @@ it in constant time); the rounds alternate so that drift hits both alike.
 Also the check alone (ServiceTokenInterceptor on a call's metadata), no RPC.
 Prints median and mean µs per call and the difference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,13 @@ from contextlib import contextmanager
 import grpc
 
 from specdec.service import ErrorInterceptor, create_server
-from specdec.service.auth import (AUTHORIZATION, BEARER, ServiceTokenInterceptor, authenticated_channel,
-                                  new_service_token)
+from specdec.service.auth import (
+    AUTHORIZATION,
+    BEARER,
+    ServiceTokenInterceptor,
+    authenticated_channel,
+    new_service_token,
+)
 from specdec.v1 import validator_pb2, validator_pb2_grpc
 
 
@@ -31,9 +37,12 @@ class _TrivialValidator(validator_pb2_grpc.ValidatorServiceServicer):
 @contextmanager
 def _stub(token: str | None) -> Iterator[validator_pb2_grpc.ValidatorServiceStub]:
     auth = [] if token is None else [ServiceTokenInterceptor(token)]
-    server, port = create_server("127.0.0.1:0", [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server,
-                                                  _TrivialValidator())],
-                                 interceptors=[*auth, ErrorInterceptor()], max_workers=4)
+    server, port = create_server(
+        "127.0.0.1:0",
+        [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, _TrivialValidator())],
+        interceptors=[*auth, ErrorInterceptor()],
+        max_workers=4,
+    )
     server.start()
     try:
         with authenticated_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), token) as channel:
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     plain: list[float] = []
     authed: list[float] = []
     with _stub(None) as plain_stub, _stub(token) as authed_stub:
-        _time_calls(plain_stub, 200)   # warm-up: connections, thread pools
+        _time_calls(plain_stub, 200)  # warm-up: connections, thread pools
         _time_calls(authed_stub, 200)
         for _ in range(a.num_rounds):
             plain += _time_calls(plain_stub, a.num_calls)
@@ -80,8 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"unary RPC over loopback, {len(plain)} calls each")
     print(f"  without token: median {statistics.median(plain):7.1f} µs  mean {statistics.fmean(plain):7.1f} µs")
     print(f"  with token:    median {statistics.median(authed):7.1f} µs  mean {statistics.fmean(authed):7.1f} µs")
-    print(f"  cost per RPC:  median {statistics.median(authed) - statistics.median(plain):+7.1f} µs  "
-          f"mean {statistics.fmean(authed) - statistics.fmean(plain):+7.1f} µs")
+    print(
+        f"  cost per RPC:  median {statistics.median(authed) - statistics.median(plain):+7.1f} µs  "
+        f"mean {statistics.fmean(authed) - statistics.fmean(plain):+7.1f} µs"
+    )
     print(f"server-side check alone: {check_us:.2f} µs")
 
 

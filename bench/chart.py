@@ -3,6 +3,7 @@ and system (bars), and the speculative system's acceptance rate by primary entro
 
     write_chart(results, Path("results/results.png"))
 """
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,9 @@ OPEN_BIN_WIDTH = 1.0
 def speedup_series(run: dict[str, Any]) -> tuple[list[str], dict[str, list[float]]]:
     """(scenarios, system -> speedup per scenario, NaN where it did not run), baseline left out."""
     scenarios = list(run["scenarios"])
-    systems = [s for s in SYSTEM_LABELS if s != BASELINE
-               and any(s in run["scenarios"][n]["systems"] for n in scenarios)]
+    systems = [
+        s for s in SYSTEM_LABELS if s != BASELINE and any(s in run["scenarios"][n]["systems"] for n in scenarios)
+    ]
     series = {}
     for system in systems:
         values = []
@@ -36,8 +38,14 @@ def entropy_series(run: dict[str, Any]) -> dict[str, tuple[list[float], list[flo
     out = {}
     for name, scenario in run["scenarios"].items():
         bins = scenario["systems"].get(SPECULATIVE, {}).get("entropy_bins", [])
-        points = [((b["lower"] + (b["upper"] if b["upper"] is not None else b["lower"] + OPEN_BIN_WIDTH)) / 2,
-                   b["acceptance_rate"]) for b in bins if b["num_proposed"]]
+        points = [
+            (
+                (b["lower"] + (b["upper"] if b["upper"] is not None else b["lower"] + OPEN_BIN_WIDTH)) / 2,
+                b["acceptance_rate"],
+            )
+            for b in bins
+            if b["num_proposed"]
+        ]
         if points:
             out[name] = ([x for x, _ in points], [y for _, y in points])
     return out

@@ -21,6 +21,7 @@ run) before its next request. summarize_load: requests/s and generated tokens/s 
 TTFT and inter-token latency as above (streamed requests; a unary request's TTFT is its whole
 latency), and errors by status code.
 """
+
 from __future__ import annotations
 
 import collections
@@ -40,8 +41,8 @@ from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, contr
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 CONNECT_TIMEOUT_S = 30.0
-RETRY_AFTER_KEY = "retry-after-ms"     # gateway.admission.RETRY_AFTER_KEY (not imported: it loads the gateway)
-DEFAULT_RETRY_AFTER_S = 1.0            # a RESOURCE_EXHAUSTED without a hint
+RETRY_AFTER_KEY = "retry-after-ms"  # gateway.admission.RETRY_AFTER_KEY (not imported: it loads the gateway)
+DEFAULT_RETRY_AFTER_S = 1.0  # a RESOURCE_EXHAUSTED without a hint
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,10 +50,10 @@ class StreamTrace:
     """One streamed request as the client saw it."""
 
     request_id: str
-    sent_at: float                               # perf_counter seconds
-    arrivals: tuple[tuple[float, int], ...]      # (receive time, tokens in the message), messages with tokens
+    sent_at: float  # perf_counter seconds
+    arrivals: tuple[tuple[float, int], ...]  # (receive time, tokens in the message), messages with tokens
     error: str = ""
-    controller: dict[str, Any] | None = None    # bench.stack.controller_choices of the final message's stats
+    controller: dict[str, Any] | None = None  # bench.stack.controller_choices of the final message's stats
 
     @property
     def num_tokens(self) -> int:
@@ -90,17 +91,24 @@ def summarize_wave(traces: Sequence[StreamTrace]) -> dict[str, Any]:
     num_tokens = sum(t.num_tokens for t in ok)
     latencies = [ms for t in ok for ms in token_latencies_ms(t)]
     ttft = [(t.arrivals[0][0] - t.sent_at) * 1000 for t in ok if t.arrivals]
-    return {"num_requests": len(traces), "num_errors": len(traces) - len(ok),
-            "errors": sorted({t.error for t in traces if t.error}), "num_tokens": num_tokens, "wall_s": wall_s,
-            "aggregate_tokens_per_s": num_tokens / wall_s if wall_s > 0 else None,
-            "token_latency_ms": percentiles(latencies), "ttft_ms": percentiles(ttft),
-            "num_steps_by_degree": sum_counts(c.get("num_steps_by_degree", []) for c in controllers),
-            "num_steps_by_draft_length": sum_counts(c.get("num_steps_by_draft_length", []) for c in controllers),
-            "num_probe_steps": sum(c.get("num_probe_steps", 0) for c in controllers)}
+    return {
+        "num_requests": len(traces),
+        "num_errors": len(traces) - len(ok),
+        "errors": sorted({t.error for t in traces if t.error}),
+        "num_tokens": num_tokens,
+        "wall_s": wall_s,
+        "aggregate_tokens_per_s": num_tokens / wall_s if wall_s > 0 else None,
+        "token_latency_ms": percentiles(latencies),
+        "ttft_ms": percentiles(ttft),
+        "num_steps_by_degree": sum_counts(c.get("num_steps_by_degree", []) for c in controllers),
+        "num_steps_by_draft_length": sum_counts(c.get("num_steps_by_draft_length", []) for c in controllers),
+        "num_probe_steps": sum(c.get("num_probe_steps", 0) for c in controllers),
+    }
 
 
-def _stream_one(address: str, request: gateway_pb2.GenerateRequest, barrier: threading.Barrier,
-                out: list[StreamTrace], index: int) -> None:
+def _stream_one(
+    address: str, request: gateway_pb2.GenerateRequest, barrier: threading.Barrier, out: list[StreamTrace], index: int
+) -> None:
     """Thread body: out[index] = the trace, or a trace with the error that stopped it."""
     try:
         _stream(address, request, barrier, out, index)
@@ -109,8 +117,9 @@ def _stream_one(address: str, request: gateway_pb2.GenerateRequest, barrier: thr
         barrier.abort()  # the others must not wait for this client
 
 
-def _stream(address: str, request: gateway_pb2.GenerateRequest, barrier: threading.Barrier,
-            out: list[StreamTrace], index: int) -> None:
+def _stream(
+    address: str, request: gateway_pb2.GenerateRequest, barrier: threading.Barrier, out: list[StreamTrace], index: int
+) -> None:
     """Connect, wait for the others, stream one request, store its trace at out[index]."""
     with grpc.insecure_channel(address) as channel:
         grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
@@ -136,8 +145,10 @@ def run_wave(sut: SystemUnderTest, requests: Sequence[gateway_pb2.GenerateReques
     """All requests at once, one thread and channel each; their traces in request order."""
     barrier = threading.Barrier(len(requests), timeout=2 * CONNECT_TIMEOUT_S)
     traces: list[StreamTrace] = [StreamTrace("", 0.0, (), error="not run")] * len(requests)
-    threads = [threading.Thread(target=_stream_one, args=(sut.address, r, barrier, traces, i), daemon=True)
-               for i, r in enumerate(requests)]
+    threads = [
+        threading.Thread(target=_stream_one, args=(sut.address, r, barrier, traces, i), daemon=True)
+        for i, r in enumerate(requests)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -145,8 +156,9 @@ def run_wave(sut: SystemUnderTest, requests: Sequence[gateway_pb2.GenerateReques
     return traces
 
 
-def run_sweep(sut: SystemUnderTest, prompts: Sequence[BenchPrompt], levels: Sequence[int], max_new_tokens: int,
-              is_schema: bool) -> list[dict[str, Any]]:
+def run_sweep(
+    sut: SystemUnderTest, prompts: Sequence[BenchPrompt], levels: Sequence[int], max_new_tokens: int, is_schema: bool
+) -> list[dict[str, Any]]:
     """For each concurrency level: one wave with speculation off, then one with it on, on the same prompts.
 
     prompts: at least sum(levels) of them; level i takes the next `level` prompts in order.
@@ -155,11 +167,13 @@ def run_sweep(sut: SystemUnderTest, prompts: Sequence[BenchPrompt], levels: Sequ
         raise ValueError(f"the sweep needs {sum(levels)} prompts, got {len(prompts)}")
     rows, start = [], 0
     for level in levels:
-        wave_prompts = prompts[start:start + level]
+        wave_prompts = prompts[start : start + level]
         start += level
         for is_speculative in (False, True):
-            requests = [build_request(p, max_new_tokens, is_speculative, is_schema and p.schema is not None)
-                        for p in wave_prompts]
+            requests = [
+                build_request(p, max_new_tokens, is_speculative, is_schema and p.schema is not None)
+                for p in wave_prompts
+            ]
             traces = run_wave(sut, requests)
             row = {"concurrency": level, "speculation": is_speculative, **summarize_wave(traces)}
             rows.append(row)
@@ -181,13 +195,13 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def error_code(trace: StreamTrace) -> str:
-    """"OK" or the status code name of a failed request (rpc_error's "CODE: details")."""
+    """ "OK" or the status code name of a failed request (rpc_error's "CODE: details")."""
     return trace.error.split(":", 1)[0] if trace.error else "OK"
 
 
 def retry_after_s(e: grpc.RpcError) -> float:
     """The gateway's retry hint of a RESOURCE_EXHAUSTED, seconds (DEFAULT_RETRY_AFTER_S without one)."""
-    for key, value in (e.trailing_metadata() or ()):
+    for key, value in e.trailing_metadata() or ():
         if key == RETRY_AFTER_KEY:
             try:
                 return max(0.0, int(value) / 1000)
@@ -196,8 +210,12 @@ def retry_after_s(e: grpc.RpcError) -> float:
     return DEFAULT_RETRY_AFTER_S
 
 
-def request_once(stub: gateway_pb2_grpc.GenerationServiceStub, request: gateway_pb2.GenerateRequest,
-                 is_stream: bool, timeout_s: float) -> tuple[StreamTrace, float]:
+def request_once(
+    stub: gateway_pb2_grpc.GenerationServiceStub,
+    request: gateway_pb2.GenerateRequest,
+    is_stream: bool,
+    timeout_s: float,
+) -> tuple[StreamTrace, float]:
     """One request as the client saw it, and how long to wait before the next (a retry hint, else 0)."""
     sent_at = time.perf_counter()
     request_id, arrivals = "", []
@@ -218,8 +236,15 @@ def request_once(stub: gateway_pb2_grpc.GenerationServiceStub, request: gateway_
     return StreamTrace(request_id, sent_at, tuple(arrivals)), 0.0
 
 
-def _load_client(address: str, requests: Iterator[gateway_pb2.GenerateRequest], lock: threading.Lock,
-                 stop_at: float, is_stream: bool, timeout_s: float, out: list[StreamTrace]) -> None:
+def _load_client(
+    address: str,
+    requests: Iterator[gateway_pb2.GenerateRequest],
+    lock: threading.Lock,
+    stop_at: float,
+    is_stream: bool,
+    timeout_s: float,
+    out: list[StreamTrace],
+) -> None:
     """Thread body: requests back to back until stop_at (perf_counter), their traces appended to out."""
     try:
         with grpc.insecure_channel(address) as channel:
@@ -237,18 +262,31 @@ def _load_client(address: str, requests: Iterator[gateway_pb2.GenerateRequest], 
             out.append(StreamTrace("", time.perf_counter(), (), error=f"CLIENT: {type(e).__name__}: {e}"))
 
 
-def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest], num_clients: int, duration_s: float,
-             is_stream: bool, timeout_s: float, on_tick: Any = None, tick_s: float = 10.0) -> tuple[list[StreamTrace],
-                                                                                                float]:
+def run_load(
+    address: str,
+    requests: Sequence[gateway_pb2.GenerateRequest],
+    num_clients: int,
+    duration_s: float,
+    is_stream: bool,
+    timeout_s: float,
+    on_tick: Any = None,
+    tick_s: float = 10.0,
+) -> tuple[list[StreamTrace], float]:
     """num_clients threads send `requests` in turn (shared, round-robin) for duration_s; requests in flight
     at the end finish (within timeout_s). on_tick(elapsed_s) runs every tick_s meanwhile (resource samples).
     Returns the traces and the wall time, seconds, from the start to the last client's end."""
     cycle, lock, traces = itertools.cycle(requests), threading.Lock(), []
     start = time.perf_counter()
     stop_at = start + duration_s
-    threads = [threading.Thread(target=_load_client, args=(address, cycle, lock, stop_at, is_stream, timeout_s,
-                                                           traces), name=f"load-{i}", daemon=True)
-               for i in range(num_clients)]
+    threads = [
+        threading.Thread(
+            target=_load_client,
+            args=(address, cycle, lock, stop_at, is_stream, timeout_s, traces),
+            name=f"load-{i}",
+            daemon=True,
+        )
+        for i in range(num_clients)
+    ]
     for t in threads:
         t.start()
     next_tick = start + tick_s
@@ -267,9 +305,15 @@ def summarize_load(traces: Sequence[StreamTrace], wall_s: float, is_stream: bool
     ttft = [(t.arrivals[0][0] - t.sent_at) * 1000 for t in ok if t.arrivals]
     latencies = [ms for t in ok for ms in token_latencies_ms(t)] if is_stream else []
     codes = collections.Counter(error_code(t) for t in traces)
-    return {"num_requests": len(traces), "num_ok": len(ok), "num_tokens": num_tokens, "wall_s": wall_s,
-            "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
-            "tokens_per_s": num_tokens / wall_s if wall_s > 0 else None,
-            "ttft_ms": percentiles(ttft), "inter_token_ms": percentiles(latencies),
-            "errors_by_code": {c: n for c, n in sorted(codes.items()) if c != "OK"},
-            "error_examples": sorted({t.error for t in traces if t.error})[:5]}
+    return {
+        "num_requests": len(traces),
+        "num_ok": len(ok),
+        "num_tokens": num_tokens,
+        "wall_s": wall_s,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "tokens_per_s": num_tokens / wall_s if wall_s > 0 else None,
+        "ttft_ms": percentiles(ttft),
+        "inter_token_ms": percentiles(latencies),
+        "errors_by_code": {c: n for c, n in sorted(codes.items()) if c != "OK"},
+        "error_examples": sorted({t.error for t in traces if t.error})[:5],
+    }

@@ -12,6 +12,7 @@ the primary's forward per plain step with `Engine.decode` in-process: a gap is o
 service around the engine. `llamacpp` (when llama-cpp-python is installed: `make bench-deps`)
 runs in a child process. Prints a table and writes JSON. Figures, not assertions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,12 +52,17 @@ def plain_decoding(engine: Engine, hf_model, prompts: list[list[int]], max_new_t
         ours.append(len(out) / (time.perf_counter() - t))
         t = time.perf_counter()
         with torch.inference_mode():
-            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            ref = hf_model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(ids) :].tolist()
         theirs.append(len(ref) / (time.perf_counter() - t))
         same += out == ref
-    return {"specdec_tokens_per_s": statistics.median(ours), "transformers_tokens_per_s": statistics.median(theirs),
-            "ratio": statistics.median(ours) / statistics.median(theirs), "same_tokens": f"{same}/{len(prompts)}"}
+    return {
+        "specdec_tokens_per_s": statistics.median(ours),
+        "transformers_tokens_per_s": statistics.median(theirs),
+        "ratio": statistics.median(ours) / statistics.median(theirs),
+        "same_tokens": f"{same}/{len(prompts)}",
+    }
 
 
 def verify_curve(engine: Engine, repeats: int) -> dict:
@@ -82,11 +88,19 @@ def llama_cpp_curve(context_tokens: int, repeats: int, num_threads: int) -> dict
     """llama.cpp's ms for a forward of k tokens (all logits kept) after `context_tokens`, same GGUF."""
     if reason := llama_cpp_missing():
         return {"skipped": reason}
-    peer = PeerProcess("llamacpp", {"gguf_path": str(default_gguf_path()), "num_context": 2048,
-                                    "num_threads": num_threads, "eos_token_ids": []})
+    peer = PeerProcess(
+        "llamacpp",
+        {"gguf_path": str(default_gguf_path()), "num_context": 2048, "num_threads": num_threads, "eos_token_ids": []},
+    )
     try:
-        ms = peer.call({"op": "step_curve", "context_ids": [(1000 + i) % 49152 for i in range(context_tokens)],
-                        "sizes": list(VERIFY_SIZES), "repeats": repeats})["ms"]
+        ms = peer.call(
+            {
+                "op": "step_curve",
+                "context_ids": [(1000 + i) % 49152 for i in range(context_tokens)],
+                "sizes": list(VERIFY_SIZES),
+                "repeats": repeats,
+            }
+        )["ms"]
     except Exception as e:  # a crashing peer is a figure of this run too
         return {"failed": f"{type(e).__name__}: {e}"}
     finally:
@@ -98,15 +112,21 @@ def llama_cpp_curve(context_tokens: int, repeats: int, num_threads: int) -> dict
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=None)
-    p.add_argument("--precisions", default="int4,int4:torch,fp32",
-                   help="comma-separated; 'int4:torch'/'int8:torch' run torch's packed kernels instead of the "
-                        "native ones")
+    p.add_argument(
+        "--precisions",
+        default="int4,int4:torch,fp32",
+        help="comma-separated; 'int4:torch'/'int8:torch' run torch's packed kernels instead of the native ones",
+    )
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compiled", default="", help="also the compiled step in this torch.compile mode "
-                                                  "(default or max-autotune-no-cudagraphs); empty: eager only")
+    p.add_argument(
+        "--compiled",
+        default="",
+        help="also the compiled step in this torch.compile mode "
+        "(default or max-autotune-no-cudagraphs); empty: eager only",
+    )
     p.add_argument("--service-steps", type=int, default=64, help="plain steps in the service vs in-process; 0: skip")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
@@ -118,13 +138,21 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     bench_prompts = load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=2000)
     prompts = [tokenizer.encode(p.text(tokenizer)) for p in bench_prompts]
-    results = {"model_dir": str(model_dir), "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-               "threads": args.threads, "torch": torch.__version__, "machine": machine_info()}
+    results = {
+        "model_dir": str(model_dir),
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "machine": machine_info(),
+    }
     results["llamacpp"] = llama_cpp_curve(CONTEXT_TOKENS, args.repeats, args.threads)
     if "ms" in results["llamacpp"]:
         print("[llama.cpp] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in results["llamacpp"]["ms"].items()))
-        print("[llama.cpp] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
-                                                   for k, v in results["llamacpp"]["relative_to_1"].items()))
+        print(
+            "[llama.cpp] vs k=1     "
+            + "  ".join(f"k={k}: {v:.2f}x" for k, v in results["llamacpp"]["relative_to_1"].items())
+        )
     else:
         print(f"[llama.cpp] {results['llamacpp']}")
     for name in args.precisions.split(","):
@@ -136,36 +164,45 @@ def main() -> None:
         engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), 2048)
         load_s = time.perf_counter() - start
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
-        results[name] = {"weight_bytes": loaded.weight_bytes, "load_s": load_s,
-                         "kernels": "torch" if kernels == "torch" or precision not in QUANTIZED_PRECISIONS
-                         else native.status(),
-                              "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
-                              "verify": verify_curve(engine, args.repeats)}
+        results[name] = {
+            "weight_bytes": loaded.weight_bytes,
+            "load_s": load_s,
+            "kernels": "torch" if kernels == "torch" or precision not in QUANTIZED_PRECISIONS else native.status(),
+            "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
+            "verify": verify_curve(engine, args.repeats),
+        }
         if args.compiled and not any(block.native is not None for block in loaded.model.layers):
             results[name]["compiled"] = compiled_curve(engine, args.repeats, args.compiled)
         del hf, engine, loaded
         if args.service_steps and not kernels:
-            results[name]["service"] = service_vs_engine(precision, args.threads, bench_prompts[0], tokenizer,
-                                                              args.service_steps)
+            results[name]["service"] = service_vs_engine(
+                precision, args.threads, bench_prompts[0], tokenizer, args.service_steps
+            )
         r = results[name]
         print(f"[{name}] kernels {r['kernels']}")
-        print(f"[{name}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
-              f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, "
-              f"transformers {r['plain']['transformers_tokens_per_s']:.1f} tok/s ({r['plain']['ratio']:.2f}x), "
-              f"same tokens {r['plain']['same_tokens']}")
+        print(
+            f"[{name}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
+            f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, "
+            f"transformers {r['plain']['transformers_tokens_per_s']:.1f} tok/s ({r['plain']['ratio']:.2f}x), "
+            f"same tokens {r['plain']['same_tokens']}"
+        )
         print(f"[{name}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
-        print(f"[{name}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x"
-                                                        for k, v in r["verify"]["relative_to_1"].items()))
+        print(f"[{name}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in r["verify"]["relative_to_1"].items()))
         if "compiled" in r:
             c = r["compiled"]
-            print(f"[{name}] compiled ({c['mode']}; compile s " + ", ".join(
-                f"k={k}: {v:.0f}" for k, v in c["compile_s"].items()) + ")")
+            print(
+                f"[{name}] compiled ({c['mode']}; compile s "
+                + ", ".join(f"k={k}: {v:.0f}" for k, v in c["compile_s"].items())
+                + ")"
+            )
             print(f"[{name}] compiled verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in c["ms"].items()))
         if "service" in r:
             sv = r["service"]
-            print(f"[{name}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
-                  f"({sv['service_rpc_ms']:.1f} ms per Decode RPC, {sv['gateway_forward_ms']:.1f} ms through the "
-                  f"gateway), in-process {sv['engine_ms']:.1f} ms: {sv['service_over_engine']:.2f}x")
+            print(
+                f"[{name}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
+                f"({sv['service_rpc_ms']:.1f} ms per Decode RPC, {sv['gateway_forward_ms']:.1f} ms through the "
+                f"gateway), in-process {sv['engine_ms']:.1f} ms: {sv['service_over_engine']:.2f}x"
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

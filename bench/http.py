@@ -12,6 +12,7 @@ cost (HTTP parsing, JSON, the extra gRPC hop, SSE framing).
 Prints, per concurrency, µs per non-streamed request and µs per streamed token (a stream's time
 / its tokens), median and p99, for each path and the difference (HTTP - gRPC).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,31 +42,43 @@ class TrivialGateway(gateway_pb2_grpc.GenerationServiceServicer):
 
     @staticmethod
     def _stats(num_tokens: int) -> gateway_pb2.GenerationStats:
-        return gateway_pb2.GenerationStats(num_prompt_tokens=8, num_generated_tokens=num_tokens, num_steps=num_tokens,
-                                           mean_accepted_length=1.0)
+        return gateway_pb2.GenerationStats(
+            num_prompt_tokens=8, num_generated_tokens=num_tokens, num_steps=num_tokens, mean_accepted_length=1.0
+        )
 
     def Generate(self, request, context):  # noqa: N802 - the RPC's name
-        return gateway_pb2.GenerateResponse(request_id=request.request_id, text=" token", token_ids=[42],
-                                            finish_reason=gateway_pb2.FINISH_REASON_LENGTH, stats=self._stats(1))
+        return gateway_pb2.GenerateResponse(
+            request_id=request.request_id,
+            text=" token",
+            token_ids=[42],
+            finish_reason=gateway_pb2.FINISH_REASON_LENGTH,
+            stats=self._stats(1),
+        )
 
     def GenerateStream(self, request, context):  # noqa: N802 - the RPC's name
         for _ in range(self.num_tokens):
             yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id, text=" token", token_ids=[42])
-        yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id, is_final=True,
-                                                 finish_reason=gateway_pb2.FINISH_REASON_LENGTH,
-                                                 stats=self._stats(self.num_tokens))
+        yield gateway_pb2.GenerateStreamResponse(
+            request_id=request.request_id,
+            is_final=True,
+            finish_reason=gateway_pb2.FINISH_REASON_LENGTH,
+            stats=self._stats(self.num_tokens),
+        )
 
 
 def serve_trivial(argv: list[str]) -> None:
     """The trivial gateway's process (the launcher passes --host, --port, ...)."""
     from specdec.service.server import ServerConfig, serve
+
     p = argparse.ArgumentParser()
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--num_tokens", type=int, default=32)
     a, _ = p.parse_known_args(argv)
-    serve(ServerConfig(host=a.host, port=a.port, max_workers=32, grace_s=0.0),
-          [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, TrivialGateway(a.num_tokens))])
+    serve(
+        ServerConfig(host=a.host, port=a.port, max_workers=32, grace_s=0.0),
+        [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, TrivialGateway(a.num_tokens))],
+    )
 
 
 class HttpClient:
@@ -111,22 +124,26 @@ def _run(concurrency: int, num_requests: int, call, make_state=lambda: None) -> 
     return times_us
 
 
-def measure(gateway_address: str, http_address: str, concurrency: int, num_requests: int, num_rounds: int,
-            num_tokens: int) -> dict[str, list[float]]:
+def measure(
+    gateway_address: str, http_address: str, concurrency: int, num_requests: int, num_rounds: int, num_tokens: int
+) -> dict[str, list[float]]:
     unary_body, stream_body = _bodies()
     request = gateway_pb2.GenerateRequest(max_new_tokens=16)
     request.chat.messages.add(role="user", content="Hello")
     results: dict[str, list[float]] = {"grpc": [], "http": [], "grpc_stream": [], "http_stream": []}
     with grpc.insecure_channel(gateway_address) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-        paths = {"grpc": lambda _: stub.Generate(request, timeout=60),
-                 "http": lambda client: client.post(unary_body),
-                 "grpc_stream": lambda _: list(stub.GenerateStream(request, timeout=60)),
-                 "http_stream": lambda client: client.post(stream_body)}
+        paths = {
+            "grpc": lambda _: stub.Generate(request, timeout=60),
+            "http": lambda client: client.post(unary_body),
+            "grpc_stream": lambda _: list(stub.GenerateStream(request, timeout=60)),
+            "http_stream": lambda client: client.post(stream_body),
+        }
         # HTTP clients: a keep-alive connection per thread and run (the server drops idle ones after 5 s).
-        states = {name: (lambda: HttpClient(http_address)) if name.startswith("http") else (lambda: None)
-                  for name in paths}
-        for name, call in paths.items():   # warm-up: connections, thread pools
+        states = {
+            name: (lambda: HttpClient(http_address)) if name.startswith("http") else (lambda: None) for name in paths
+        }
+        for name, call in paths.items():  # warm-up: connections, thread pools
             _run(concurrency, min(num_requests, 50), call, states[name])
         for _ in range(num_rounds):
             for name, call in paths.items():
@@ -151,27 +168,46 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num_tokens", type=int, default=32, help="messages (one token each) per stream")
     a = p.parse_args(argv)
     py = sys.executable
-    specs = [ServiceSpec(TRIVIAL, (py, "-m", "bench", "http", "serve-trivial", "--num_tokens", str(a.num_tokens))),
-             ServiceSpec(FRONT, (py, "-m", "http_svc", "--model_name", MODEL), depends_on=(TRIVIAL,),
-                         address_flags=(("--gateway_address", TRIVIAL),), health_http_path="/health")]
+    specs = [
+        ServiceSpec(TRIVIAL, (py, "-m", "bench", "http", "serve-trivial", "--num_tokens", str(a.num_tokens))),
+        ServiceSpec(
+            FRONT,
+            (py, "-m", "http_svc", "--model_name", MODEL),
+            depends_on=(TRIVIAL,),
+            address_flags=(("--gateway_address", TRIVIAL),),
+            health_http_path="/health",
+        ),
+    ]
     load_before = os.getloadavg()
     with Stack(StackConfig(log_level="WARNING"), specs=specs) as stack:
         rows = []
         for concurrency in (int(c) for c in a.concurrency.split(",")):
-            r = measure(stack.addresses[TRIVIAL], stack.addresses[FRONT], concurrency, a.num_requests,
-                        a.num_rounds, a.num_tokens)
+            r = measure(
+                stack.addresses[TRIVIAL],
+                stack.addresses[FRONT],
+                concurrency,
+                a.num_requests,
+                a.num_rounds,
+                a.num_tokens,
+            )
             rows.append((concurrency, r))
     load_after = os.getloadavg()
-    print(f"HTTP front overhead against gRPC direct (trivial GenerationService, {a.num_tokens}-token streams); "
-          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, {os.cpu_count()} CPUs")
+    print(
+        f"HTTP front overhead against gRPC direct (trivial GenerationService, {a.num_tokens}-token streams); "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after, {os.cpu_count()} CPUs"
+    )
     print("| clients | what | gRPC median / p99 µs | HTTP median / p99 µs | added median / p99 µs |")
     print("|---|---|---|---|---|")
     for concurrency, r in rows:
-        for what, g, h in (("per request", r["grpc"], r["http"]),
-                           ("per streamed token", r["grpc_stream"], r["http_stream"])):
-            print(f"| {concurrency} | {what} ({len(h)}) | {statistics.median(g):.0f} / {_p99(g):.0f} | "
-                  f"{statistics.median(h):.0f} / {_p99(h):.0f} | {statistics.median(h) - statistics.median(g):+.0f} / "
-                  f"{_p99(h) - _p99(g):+.0f} |")
+        for what, g, h in (
+            ("per request", r["grpc"], r["http"]),
+            ("per streamed token", r["grpc_stream"], r["http_stream"]),
+        ):
+            print(
+                f"| {concurrency} | {what} ({len(h)}) | {statistics.median(g):.0f} / {_p99(g):.0f} | "
+                f"{statistics.median(h):.0f} / {_p99(h):.0f} | {statistics.median(h) - statistics.median(g):+.0f} / "
+                f"{_p99(h) - _p99(g):+.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ errors by status code; for a stack it started, each service's RSS and open file 
 start, every --sample-s, and at the end, and the primary's KV bytes and active requests afterwards.
 Loopback only: the gateway's address must be a loopback one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ SCENARIOS = ("json", "code", "prose")
 
 
 def is_loopback_address(address: str) -> bool:
-    """"127.0.0.1:50050", "localhost:50050", "[::1]:50050" -> True."""
+    """ "127.0.0.1:50050", "localhost:50050", "[::1]:50050" -> True."""
     host = address.rpartition(":")[0].strip("[]")
     if host == "localhost":
         return True
@@ -67,18 +68,32 @@ def primary_occupancy(stack: Stack) -> dict[str, int]:
     return {"kv_bytes": stats.kv_bytes, "num_active_requests": stats.num_active_requests}
 
 
-def build_requests(mix: list[str], max_new_tokens: int, is_speculative: bool, is_schema: bool,
-                   data_dir: Path = DEFAULT_DATA_DIR, max_prompt_chars: int = MAX_PROMPT_CHARS,
-                   num_per_scenario: int = PROMPTS_PER_SCENARIO) -> list:
+def build_requests(
+    mix: list[str],
+    max_new_tokens: int,
+    is_speculative: bool,
+    is_schema: bool,
+    data_dir: Path = DEFAULT_DATA_DIR,
+    max_prompt_chars: int = MAX_PROMPT_CHARS,
+    num_per_scenario: int = PROMPTS_PER_SCENARIO,
+) -> list:
     """The mix's prompts interleaved (json 0, code 0, prose 0, json 1, ...) as GenerateRequests."""
     by_scenario = [load_prompts(data_dir, [s], num_per_scenario, max_chars=max_prompt_chars) for s in mix]
     interleaved = [p for row in zip(*by_scenario) for p in row]
-    return [build_request(p, max_new_tokens, is_speculative, is_schema and p.schema is not None)
-            for p in interleaved]
+    return [build_request(p, max_new_tokens, is_speculative, is_schema and p.schema is not None) for p in interleaved]
 
 
-def run(address: str, clients: int, duration_s: float, requests: list, is_stream: bool, timeout_s: float,
-        pids: Mapping[str, int] | None = None, sample_s: float = 10.0, stack: Stack | None = None) -> dict[str, Any]:
+def run(
+    address: str,
+    clients: int,
+    duration_s: float,
+    requests: list,
+    is_stream: bool,
+    timeout_s: float,
+    pids: Mapping[str, int] | None = None,
+    sample_s: float = 10.0,
+    stack: Stack | None = None,
+) -> dict[str, Any]:
     """The load against address; resources of `pids` sampled at the start, every sample_s and at the end."""
     samples: list[dict[str, Any]] = []
 
@@ -87,11 +102,17 @@ def run(address: str, clients: int, duration_s: float, requests: list, is_stream
             samples.append({"elapsed_s": round(elapsed_s, 1), "services": services_resources(pids)})
 
     sample(0.0)
-    traces, wall_s = run_load(address, requests, clients, duration_s, is_stream, timeout_s,
-                              on_tick=sample, tick_s=sample_s)
+    traces, wall_s = run_load(
+        address, requests, clients, duration_s, is_stream, timeout_s, on_tick=sample, tick_s=sample_s
+    )
     sample(wall_s)
-    result: dict[str, Any] = {"clients": clients, "duration_s": duration_s, "stream": is_stream,
-                              **summarize_load(traces, wall_s, is_stream), "resources": samples}
+    result: dict[str, Any] = {
+        "clients": clients,
+        "duration_s": duration_s,
+        "stream": is_stream,
+        **summarize_load(traces, wall_s, is_stream),
+        "resources": samples,
+    }
     if stack is not None:
         result["primary_after"] = primary_occupancy(stack)
     return result
@@ -101,28 +122,37 @@ def format_result(r: dict[str, Any]) -> str:
     def ms(p: dict[str, float | None]) -> str:
         return "n/a" if p["p50"] is None else f"p50 {p['p50']:.0f} ms, p99 {p['p99']:.0f} ms"
 
-    lines = [f"{r['clients']} clients, {r['wall_s']:.1f} s, {'stream' if r['stream'] else 'unary'}: "
-             f"{r['num_ok']}/{r['num_requests']} requests ok",
-             f"  requests/s {r['requests_per_s'] or 0:.2f} | generated tokens/s {r['tokens_per_s'] or 0:.1f}",
-             f"  TTFT {ms(r['ttft_ms'])} | inter-token {ms(r['inter_token_ms'])}",
-             f"  errors by code: {r['errors_by_code'] or 'none'}"]
+    lines = [
+        f"{r['clients']} clients, {r['wall_s']:.1f} s, {'stream' if r['stream'] else 'unary'}: "
+        f"{r['num_ok']}/{r['num_requests']} requests ok",
+        f"  requests/s {r['requests_per_s'] or 0:.2f} | generated tokens/s {r['tokens_per_s'] or 0:.1f}",
+        f"  TTFT {ms(r['ttft_ms'])} | inter-token {ms(r['inter_token_ms'])}",
+        f"  errors by code: {r['errors_by_code'] or 'none'}",
+    ]
     lines += [f"    e.g. {e}" for e in r["error_examples"]]
     if r["resources"]:
         first, last = r["resources"][0]["services"], r["resources"][-1]["services"]
         for name in first:
             a, b = first[name], last[name]
-            lines.append(f"  {name:<9} RSS {a['rss_bytes'] / 2**20:.0f} -> {b['rss_bytes'] / 2**20:.0f} MiB | "
-                         f"open fds {a['open_fds']} -> {b['open_fds']}")
+            lines.append(
+                f"  {name:<9} RSS {a['rss_bytes'] / 2**20:.0f} -> {b['rss_bytes'] / 2**20:.0f} MiB | "
+                f"open fds {a['open_fds']} -> {b['open_fds']}"
+            )
     if "primary_after" in r:
         lines.append(f"  primary afterwards: {r['primary_after']}")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench load", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, default=None, help=f"concurrent clients (1..{MAX_CLIENTS}; default 4, "
-                                                              f"{SOAK_CLIENTS} with --soak)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=None,
+        help=f"concurrent clients (1..{MAX_CLIENTS}; default 4, {SOAK_CLIENTS} with --soak)",
+    )
     p.add_argument("--duration", type=float, default=None, help=f"seconds (max {MAX_DURATION_S:.0f}; default 30)")
     p.add_argument("--soak", action="store_true", help=f"run for {SOAK_DURATION_S / 60:.0f} minutes")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -163,8 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with system_under_test(a.precision, a.threads, max_context=4096) as sut:
             pids = {name: sut.stack.pid(name) for name in SERVICE_NAMES}
-            result = run(sut.address, a.clients, a.duration, requests, a.stream, a.timeout_s, pids, a.sample_s,
-                         sut.stack)
+            result = run(
+                sut.address, a.clients, a.duration, requests, a.stream, a.timeout_s, pids, a.sample_s, sut.stack
+            )
     print(format_result(result), flush=True)
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

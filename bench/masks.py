@@ -16,6 +16,7 @@ a where over [R, V] and takes the entropy of every masked row. Filling the mask 
 engine, the same for both, is not counted. Each figure is the fastest of --repeats (a shared
 machine's preemptions are not cost), its median over positions, minus the same work without a mask.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,28 @@ from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from validator_svc.entropy import row_entropy
 
-SCHEMA = {"type": "object", "required": ["rooms"], "properties": {"rooms": {"type": "array", "items": {
-    "type": "object", "required": ["room", "clean"],
-    "properties": {"room": {"type": "string"}, "clean": {"type": "boolean"}}}}}}
-OUTPUT = json.dumps({"rooms": [{"room": f"the {name} on the ground floor", "clean": i % 2 == 0}
-                               for i, name in enumerate(("kitchen", "hall", "study", "pantry"))]})
+SCHEMA = {
+    "type": "object",
+    "required": ["rooms"],
+    "properties": {
+        "rooms": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["room", "clean"],
+                "properties": {"room": {"type": "string"}, "clean": {"type": "boolean"}},
+            },
+        }
+    },
+}
+OUTPUT = json.dumps(
+    {
+        "rooms": [
+            {"room": f"the {name} on the ground floor", "clean": i % 2 == 0}
+            for i, name in enumerate(("kitchen", "hall", "study", "pantry"))
+        ]
+    }
+)
 
 
 def pack_bool(allowed: torch.Tensor) -> bytes:
@@ -70,12 +88,13 @@ def main() -> None:
     p.add_argument("--reported-rows", type=int, default=3, help="rows whose entropy the validator reports")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    torch.set_num_threads(1)                       # as the validator and the gateway run
+    torch.set_num_threads(1)  # as the validator and the gateway run
     model_dir = resolve_model_dir(None, default_cache_dir())
     tokenizer = Tokenizer.from_dir(model_dir)
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     grammar = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, vocab_size)).compile(
-        ResponseFormat("json_schema", json.dumps(SCHEMA)))
+        ResponseFormat("json_schema", json.dumps(SCHEMA))
+    )
     output_ids = tokenizer.encode(OUTPUT)
     generator = torch.Generator().manual_seed(0)
     for num_rows in (int(r) for r in args.tree_rows.split(",")):
@@ -83,16 +102,16 @@ def main() -> None:
         packed_ms, reference_ms = [], []
         state = grammar.new_state()
         for position in range(len(output_ids) - num_rows):
-            chain = output_ids[position:position + num_rows - 1]
-            logits = torch.randn(num_rows, vocab_size, generator=generator) * 3                  # [R, V]
-            logits[torch.arange(num_rows), torch.tensor(output_ids[position:position + num_rows])] = 20.0
+            chain = output_ids[position : position + num_rows - 1]
+            logits = torch.randn(num_rows, vocab_size, generator=generator) * 3  # [R, V]
+            logits[torch.arange(num_rows), torch.tensor(output_ids[position : position + num_rows])] = 20.0
             mask = state.tree_masks(chain, list(range(-1, num_rows - 2))).allowed
-            engine_words = torch.from_numpy(mask.words.astype(np.int32))                       # [R, W]
+            engine_words = torch.from_numpy(mask.words.astype(np.int32))  # [R, W]
 
             def packed() -> None:
-                wire = [pb.token_mask_to_pb(mask) for _ in range(2)]                               # gateway
+                wire = [pb.token_mask_to_pb(mask) for _ in range(2)]  # gateway
                 argmax = pb.token_mask_from_pb(wire[0], num_rows, vocab_size, "m").argmax(logits)  # primary
-                received = pb.token_mask_from_pb(wire[1], num_rows, vocab_size, "m")               # validator
+                received = pb.token_mask_from_pb(wire[1], num_rows, vocab_size, "m")  # validator
                 assert received.is_allowed(np.arange(num_rows), argmax.numpy()).all()
                 row_entropy(received.masked_rows(logits, reported))
 
@@ -101,10 +120,10 @@ def main() -> None:
                 row_entropy(logits[reported])
 
             def reference() -> None:
-                allowed = bitmask_to_bool(engine_words, vocab_size)                   # gateway: [R, V]
+                allowed = bitmask_to_bool(engine_words, vocab_size)  # gateway: [R, V]
                 wire = [pack_bool(allowed) for _ in range(2)]
                 torch.argmax(apply_token_mask(logits, unpack_bool(wire[0], vocab_size)), dim=-1)  # primary
-                row_entropy(apply_token_mask(logits, unpack_bool(wire[1], vocab_size)))            # validator
+                row_entropy(apply_token_mask(logits, unpack_bool(wire[1], vocab_size)))  # validator
 
             def reference_unmasked() -> None:
                 torch.argmax(logits, dim=-1)
@@ -112,9 +131,11 @@ def main() -> None:
 
             packed_ms.append(fastest_ms(packed, args.repeats) - fastest_ms(packed_unmasked, args.repeats))
             reference_ms.append(fastest_ms(reference, args.repeats) - fastest_ms(reference_unmasked, args.repeats))
-            assert state.accept_tokens(output_ids[position:position + 1])
-        print(f"tree rows {num_rows}, {len(reported)} reported, {len(packed_ms)} positions: mask work per step "
-              f"packed {statistics.median(packed_ms):.3f} ms, bool rows {statistics.median(reference_ms):.3f} ms")
+            assert state.accept_tokens(output_ids[position : position + 1])
+        print(
+            f"tree rows {num_rows}, {len(reported)} reported, {len(packed_ms)} positions: mask work per step "
+            f"packed {statistics.median(packed_ms):.3f} ms, bool rows {statistics.median(reference_ms):.3f} ms"
+        )
 
 
 if __name__ == "__main__":

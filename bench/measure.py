@@ -10,6 +10,7 @@ answers one short warm-up request first (not recorded; the warm-up prompt is not
 prompt, so the suffix index never learns a measured output from it). The peers run each prompt
 once: the json variants (bench/scenarios.py) differ only on the stack.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,7 +34,7 @@ WARMUP_PROMPT = BenchPrompt("warmup", "warmup", "Say hello.", None, None, False)
 NUM_WARMUP_TOKENS = 8
 # KV room beyond the sequence length for the draft tokens of the last verify (a tree has at most 64 nodes).
 MAX_TREE_NODES = 64
-MEASURED_ONCE = ("llamacpp",)   # peers whose weights do not depend on --precision
+MEASURED_ONCE = ("llamacpp",)  # peers whose weights do not depend on --precision
 # transformers runs these as they are; the quantized formats have no CPU path there: it runs fp32.
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -51,66 +52,90 @@ def print_record(precision: str, r: Record) -> None:
         return
     extra = ""
     if r.stats is not None and r.stats["num_proposed"]:
-        extra = (f", acceptance {r.stats['num_accepted'] / r.stats['num_proposed']:.1%}, "
-                 f"{r.stats['num_generated_tokens'] / max(r.stats['num_steps'], 1):.2f} tokens/step")
+        extra = (
+            f", acceptance {r.stats['num_accepted'] / r.stats['num_proposed']:.1%}, "
+            f"{r.stats['num_generated_tokens'] / max(r.stats['num_steps'], 1):.2f} tokens/step"
+        )
     if r.is_json is not None:
-        extra += ", " + ("schema-valid JSON" if r.is_schema_valid else "JSON, not schema-valid" if r.is_json
-                         else "not JSON")
+        extra += ", " + (
+            "schema-valid JSON" if r.is_schema_valid else "JSON, not schema-valid" if r.is_json else "not JSON"
+        )
     print(f"{head} {r.num_tokens} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.1f} tok/s{extra}", flush=True)
 
 
-def measure_stack(sut: SystemUnderTest, selections: Mapping[str, Selection], max_new_tokens: int,
-                  tokenizer: Any, precision: str) -> list[Record]:
+def measure_stack(
+    sut: SystemUnderTest, selections: Mapping[str, Selection], max_new_tokens: int, tokenizer: Any, precision: str
+) -> list[Record]:
     for system in (BASELINE, SPECULATIVE):
         run_request(sut, WARMUP_PROMPT, WARMUP_PROMPT.scenario, system, NUM_WARMUP_TOKENS, False, tokenizer)
     records = []
     for scenario, selection in selections.items():
         for prompt in selection.prompts:
             for system in (BASELINE, SPECULATIVE):
-                record = run_request(sut, prompt, scenario, system, max_new_tokens,
-                                     is_constrained(scenario, prompt), tokenizer)
+                record = run_request(
+                    sut, prompt, scenario, system, max_new_tokens, is_constrained(scenario, prompt), tokenizer
+                )
                 print_record(precision, record)
                 records.append(record)
     return records
 
 
-def peer_record(system: str, scenario: str, prompt: BenchPrompt, prompt_ids: Sequence[int],
-                token_ids: Sequence[int], seconds: float, tokenizer: Any) -> Record:
+def peer_record(
+    system: str,
+    scenario: str,
+    prompt: BenchPrompt,
+    prompt_ids: Sequence[int],
+    token_ids: Sequence[int],
+    seconds: float,
+    tokenizer: Any,
+) -> Record:
     text = tokenizer.decode(token_ids)
     is_json, is_valid = check_json(text, prompt.schema) if prompt.schema is not None else (None, None)
-    return Record(system, scenario, prompt.id, len(prompt_ids), tuple(token_ids), text, seconds,
-                  is_json=is_json, is_schema_valid=is_valid)
+    return Record(
+        system,
+        scenario,
+        prompt.id,
+        len(prompt_ids),
+        tuple(token_ids),
+        text,
+        seconds,
+        is_json=is_json,
+        is_schema_valid=is_valid,
+    )
 
 
-def measure_peer(peer: Any, selections: Mapping[str, Selection], max_new_tokens: int, tokenizer: Any,
-                 precision: str) -> list[Record]:
+def measure_peer(
+    peer: Any, selections: Mapping[str, Selection], max_new_tokens: int, tokenizer: Any, precision: str
+) -> list[Record]:
     warmup_ids = tokenizer.encode(WARMUP_PROMPT.text(tokenizer))
     for system in peer.systems:
         peer.run(system, warmup_ids, NUM_WARMUP_TOKENS)
     records = []
-    done: dict[tuple[str, str, str], Record] = {}   # (prompt file, prompt id, system) -> its first record
+    done: dict[tuple[str, str, str], Record] = {}  # (prompt file, prompt id, system) -> its first record
     for scenario, selection in selections.items():
         for prompt in selection.prompts:
             prompt_ids = tokenizer.encode(prompt.text(tokenizer))
             for system in peer.systems:
                 key = (prompt_file(scenario), prompt.id, system)
-                if key in done:   # the peers run json unconstrained: one measurement serves both variants
+                if key in done:  # the peers run json unconstrained: one measurement serves both variants
                     records.append(dataclasses.replace(done[key], scenario=scenario))
                     continue
                 try:
                     token_ids, seconds = peer.run(system, prompt_ids, max_new_tokens)
                     record = peer_record(system, scenario, prompt, prompt_ids, token_ids, seconds, tokenizer)
                 except Exception as e:  # a peer's failure is a figure of this run, not the end of it
-                    record = Record(system, scenario, prompt.id, len(prompt_ids), (), "", 0.0,
-                                    error=f"{type(e).__name__}: {e}")
+                    record = Record(
+                        system, scenario, prompt.id, len(prompt_ids), (), "", 0.0, error=f"{type(e).__name__}: {e}"
+                    )
                 print_record(precision, record)
                 records.append(record)
                 done[key] = record
     return records
 
 
-def make_peer(name: str, precision: str, num_threads: int, sequence_length: int, tokenizer: Any,
-              model_dir: Path) -> PeerProcess:
+def make_peer(
+    name: str, precision: str, num_threads: int, sequence_length: int, tokenizer: Any, model_dir: Path
+) -> PeerProcess:
     """The peer in a child process of its own (see bench.peer_process)."""
     options = {"num_threads": num_threads, "eos_token_ids": list(tokenizer.eos_token_ids)}
     if name == "transformers":
@@ -120,25 +145,41 @@ def make_peer(name: str, precision: str, num_threads: int, sequence_length: int,
     return PeerProcess(name, options)
 
 
-def prompt_token_mismatches(records: Sequence[Record], tokenizer: Any,
-                            selections: Mapping[str, Selection]) -> list[str]:
+def prompt_token_mismatches(
+    records: Sequence[Record], tokenizer: Any, selections: Mapping[str, Selection]
+) -> list[str]:
     """Prompts whose token count at the gateway differs from the ids the peers get (should be none)."""
     expected = {p.id: len(tokenizer.encode(p.text(tokenizer))) for s in selections.values() for p in s.prompts}
-    return sorted({f"{r.prompt_id}: gateway {r.num_prompt_tokens}, peers {expected[r.prompt_id]}"
-                   for r in records if not r.error and r.num_prompt_tokens != expected[r.prompt_id]})
+    return sorted(
+        {
+            f"{r.prompt_id}: gateway {r.num_prompt_tokens}, peers {expected[r.prompt_id]}"
+            for r in records
+            if not r.error and r.num_prompt_tokens != expected[r.prompt_id]
+        }
+    )
 
 
-def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[str, Selection],
-                      sweep_prompts: Sequence[BenchPrompt], tokenizer: Any, model_dir: Path, peers: Sequence[str],
-                      cache: dict[str, list[Record]]) -> tuple[dict[str, Any], list[Record]]:
+def measure_precision(
+    precision: str,
+    config: SuiteConfig,
+    selections: Mapping[str, Selection],
+    sweep_prompts: Sequence[BenchPrompt],
+    tokenizer: Any,
+    model_dir: Path,
+    peers: Sequence[str],
+    cache: dict[str, list[Record]],
+) -> tuple[dict[str, Any], list[Record]]:
     """Every system at one precision: (the run's summary for results.json, its records)."""
     max_context = config.sequence_length + MAX_TREE_NODES
     with system_under_test(precision, config.threads, max_context) as sut:
         served = served_precision(sut)
         print(f"[{precision}] the primary serves {served['precision']} ({served['precision_choice']})", flush=True)
         records = measure_stack(sut, selections, config.max_new_tokens, tokenizer, precision)
-        sweep = (run_sweep(sut, sweep_prompts, config.concurrency, config.max_new_tokens, config.is_schema)
-                 if config.concurrency else [])
+        sweep = (
+            run_sweep(sut, sweep_prompts, config.concurrency, config.max_new_tokens, config.is_schema)
+            if config.concurrency
+            else []
+        )
     mismatches = prompt_token_mismatches(records, tokenizer, selections)
     for line in mismatches:
         print(f"warning: prompt token count differs, {line}", flush=True)
@@ -146,19 +187,37 @@ def measure_precision(precision: str, config: SuiteConfig, selections: Mapping[s
     peer_precision = served["precision"] if served["precision"] in FLOAT_PRECISIONS else "fp32"
     for name in peers:
         try:
-            records.extend(cache[name] if name in cache else
-                           _measure_new_peer(name, peer_precision, config, selections, tokenizer, model_dir, cache))
+            records.extend(
+                cache[name]
+                if name in cache
+                else _measure_new_peer(name, peer_precision, config, selections, tokenizer, model_dir, cache)
+            )
         except Exception as e:  # e.g. a model that does not load: the other systems' figures still count
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"peer {name} failed: {failed[name]}", flush=True)
-    scenarios = {name: {"num_prompts": len(s.prompts), "num_skipped": s.num_skipped,
-                        "prompt_file": prompt_file(name), "prompt_ids": [p.id for p in s.prompts],
-                        "is_constrained": any(is_constrained(name, p) for p in s.prompts),
-                        "systems": summarize_scenario([r for r in records if r.scenario == name])}
-                 for name, s in selections.items()}
-    return ({"scenarios": scenarios, "concurrency": sweep, "prompt_token_mismatches": mismatches,
-             "peers_failed": failed, "served_precision": served["precision"],
-             "precision_choice": served["precision_choice"], "transformers_precision": peer_precision}, records)
+    scenarios = {
+        name: {
+            "num_prompts": len(s.prompts),
+            "num_skipped": s.num_skipped,
+            "prompt_file": prompt_file(name),
+            "prompt_ids": [p.id for p in s.prompts],
+            "is_constrained": any(is_constrained(name, p) for p in s.prompts),
+            "systems": summarize_scenario([r for r in records if r.scenario == name]),
+        }
+        for name, s in selections.items()
+    }
+    return (
+        {
+            "scenarios": scenarios,
+            "concurrency": sweep,
+            "prompt_token_mismatches": mismatches,
+            "peers_failed": failed,
+            "served_precision": served["precision"],
+            "precision_choice": served["precision_choice"],
+            "transformers_precision": peer_precision,
+        },
+        records,
+    )
 
 
 def served_precision(sut: SystemUnderTest) -> dict[str, str]:
@@ -168,8 +227,15 @@ def served_precision(sut: SystemUnderTest) -> dict[str, str]:
     return {"precision": info.precision, "precision_choice": info.precision_choice}
 
 
-def _measure_new_peer(name: str, precision: str, config: SuiteConfig, selections: Mapping[str, Selection],
-                      tokenizer: Any, model_dir: Path, cache: dict[str, list[Record]]) -> list[Record]:
+def _measure_new_peer(
+    name: str,
+    precision: str,
+    config: SuiteConfig,
+    selections: Mapping[str, Selection],
+    tokenizer: Any,
+    model_dir: Path,
+    cache: dict[str, list[Record]],
+) -> list[Record]:
     peer = make_peer(name, precision, config.threads, config.sequence_length, tokenizer, model_dir)
     try:
         records = measure_peer(peer, selections, config.max_new_tokens, tokenizer, precision)

@@ -9,6 +9,7 @@ run a model over the primary's weights (their DecoderStats.time_ms); everything 
 logits encoding, validation, Redis, cheap drafters, Python) is overhead, the figure docs/architecture.md
 (Measurements) asks to report. Pure functions over plain data.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ INSTANCE_SEPARATOR = "#"
 
 
 def strategy_of(decoder_name: str) -> str:
-    """"early_exit#1" -> "early_exit"; "prompt_lookup" -> "prompt_lookup"."""
+    """ "early_exit#1" -> "early_exit"; "prompt_lookup" -> "prompt_lookup"."""
     return decoder_name.split(INSTANCE_SEPARATOR)[0]
 
 
@@ -52,7 +53,11 @@ def stage_ms_per_step(stats: Sequence[dict[str, Any]]) -> dict[str, float] | Non
     def total(key: str) -> float:
         return sum(s["stage_ms"][key] for s in stats)
 
-    out = {"draft": total("draft"), "draft_model": sum(model_draft_ms(s) for s in stats),
-           "forward": total("forward"), "verify_minus_forward": total("verify") - total("forward"),
-           **{key: total(key) for key in ("validate", "commit", "state", "other", "total")}}
+    out = {
+        "draft": total("draft"),
+        "draft_model": sum(model_draft_ms(s) for s in stats),
+        "forward": total("forward"),
+        "verify_minus_forward": total("verify") - total("forward"),
+        **{key: total(key) for key in ("validate", "commit", "state", "other", "total")},
+    }
     return {key: ms / num_steps for key, ms in out.items()}

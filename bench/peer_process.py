@@ -11,6 +11,7 @@ on some Xeons): in-process that would end the whole benchmark run. The child
 stdin/stdout (plain data only, nothing pickled). When the child dies, the call that was running
 raises `PeerCrashed` naming the signal, and the next call starts a fresh child.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,12 @@ class PeerProcess:
     def _start(self) -> dict[str, Any]:
         self._process = subprocess.Popen(
             [*self.worker, self.name, json.dumps(self.options)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO_ROOT, text=True, bufsize=1)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=REPO_ROOT,
+            text=True,
+            bufsize=1,
+        )
         return self._read()
 
     def _read(self) -> dict[str, Any]:
@@ -67,8 +73,9 @@ class PeerProcess:
         return self._read()
 
     def run(self, system: str, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], float]:
-        reply = self.call({"op": "run", "system": system, "prompt_ids": list(prompt_ids),
-                           "max_new_tokens": max_new_tokens})
+        reply = self.call(
+            {"op": "run", "system": system, "prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens}
+        )
         return reply["token_ids"], reply["seconds"]
 
     def close(self) -> None:

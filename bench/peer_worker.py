@@ -11,6 +11,7 @@ The child side of `bench.peer_process.PeerProcess`. It loads the peer, writes
 A Python exception becomes `{"error": "..."}` and the worker keeps serving; a crash in native
 code ends the process, which the parent reports.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,13 @@ def make_peer(name: str, options: dict[str, Any]) -> Any:
     from bench.peers import LlamaCppPeer, TransformersPeer
 
     if name == "transformers":
-        return TransformersPeer(Path(options["model_dir"]), options["precision"], options["num_threads"],
-                                options["eos_token_ids"])
+        return TransformersPeer(
+            Path(options["model_dir"]), options["precision"], options["num_threads"], options["eos_token_ids"]
+        )
     if name == "llamacpp":
-        return LlamaCppPeer(Path(options["gguf_path"]), options["num_context"], options["num_threads"],
-                            options["eos_token_ids"])
+        return LlamaCppPeer(
+            Path(options["gguf_path"]), options["num_context"], options["num_threads"], options["eos_token_ids"]
+        )
     raise ValueError(f"unknown peer {name!r}")
 
 
@@ -43,7 +46,7 @@ def answer(peer: Any, request: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     name, options = sys.argv[1], json.loads(sys.argv[2])
     out = sys.stdout
-    sys.stdout = sys.stderr          # whatever the peer prints must not corrupt the reply stream
+    sys.stdout = sys.stderr  # whatever the peer prints must not corrupt the reply stream
     try:
         peer = make_peer(name, options)
     except Exception as e:
@@ -55,7 +58,7 @@ def main() -> None:
     for line in sys.stdin:
         try:
             reply = answer(peer, json.loads(line))
-        except Exception as e:       # reported to the parent, which records the failure
+        except Exception as e:  # reported to the parent, which records the failure
             reply = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(reply) + "\n")
         out.flush()

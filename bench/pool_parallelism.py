@@ -24,6 +24,7 @@ its layers. The first step after setup is not timed; the median of --num-steps i
 It also prints each worker's memory from /proc/PID/smaps_rollup: its USS (private pages) is what
 a process per decoder costs beyond the shared weights. Figures, not tests: no assertions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,15 +52,16 @@ from specdec.v1 import common_pb2
 from specdec.weights.wire import manifest_from_pb, manifest_to_pb
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("early_exit", "layer_skip")     # cycled over a step's decoders
+KINDS = ("early_exit", "layer_skip")  # cycled over a step's decoders
 MODES = ("sequential", "threads", "processes")
 MAX_POSITIONS = 1024
-OP_EXIT, OP_THREADS, OP_SETUP, OP_STEP = 0, 1, 2, 3   # worker commands: [op, args...] as int32
+OP_EXIT, OP_THREADS, OP_SETUP, OP_STEP = 0, 1, 2, 3  # worker commands: [op, args...] as int32
 REPLY_OK = (0,)
-FRAME_HEADER = struct.Struct("<I")                    # byte length of the frame that follows
+FRAME_HEADER = struct.Struct("<I")  # byte length of the frame that follows
 
 
 # ---- framing: length-prefixed bytes over a pipe --------------------------------------------------
+
 
 def write_frame(stream: BinaryIO, payload: bytes) -> None:
     stream.write(FRAME_HEADER.pack(len(payload)) + payload)
@@ -86,6 +88,7 @@ def read_ints(stream: BinaryIO) -> list[int]:
 
 # ---- the decoders of one request ------------------------------------------------------------------
 
+
 def kinds_for(degree: int) -> list[str]:
     return [KINDS[i % len(KINDS)] for i in range(degree)]
 
@@ -107,8 +110,14 @@ def step_one(decoder: SelfDraftDecoder, token_id: int, draft_length: int) -> lis
 class LocalDecoders:
     """The decoders in this process: one after another (executor None) or as the pool runs them."""
 
-    def __init__(self, model: Transformer, kinds: Sequence[str], context: Sequence[int], draft_length: int,
-                 executor: ThreadPoolExecutor | None) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        kinds: Sequence[str],
+        context: Sequence[int],
+        draft_length: int,
+        executor: ThreadPoolExecutor | None,
+    ) -> None:
         self._decoders = [make_decoder(model, kind, context, draft_length) for kind in kinds]
         self._draft_length, self._executor = draft_length, executor
 
@@ -132,7 +141,10 @@ class Worker:
         from_worker_r, from_worker_w = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "bench.pool_parallelism", "--worker", str(to_worker_r), str(from_worker_w)],
-            pass_fds=(to_worker_r, from_worker_w), cwd=REPO_ROOT, stdin=subprocess.DEVNULL)
+            pass_fds=(to_worker_r, from_worker_w),
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+        )
         os.close(to_worker_r)
         os.close(from_worker_w)
         self._out = os.fdopen(to_worker_w, "wb")
@@ -161,9 +173,10 @@ class Worker:
 class WorkerDecoders:
     """The decoders in worker processes, one each; a step is sent to all, then the replies collected."""
 
-    def __init__(self, workers: Sequence[Worker], kinds: Sequence[str], context: Sequence[int],
-                 draft_length: int) -> None:
-        self._workers = list(workers[:len(kinds)])
+    def __init__(
+        self, workers: Sequence[Worker], kinds: Sequence[str], context: Sequence[int], draft_length: int
+    ) -> None:
+        self._workers = list(workers[: len(kinds)])
         for worker, kind in zip(self._workers, kinds):
             worker.send([OP_SETUP, KINDS.index(kind), draft_length, *context])
         for worker in self._workers:
@@ -175,7 +188,7 @@ class WorkerDecoders:
         return [worker.receive() for worker in self._workers]
 
     def close(self) -> None:
-        pass   # a worker's next OP_SETUP replaces its decoder
+        pass  # a worker's next OP_SETUP replaces its decoder
 
 
 def worker_main(read_fd: int, write_fd: int) -> None:
@@ -206,13 +219,15 @@ def worker_main(read_fd: int, write_fd: int) -> None:
 
 # ---- the measurement ------------------------------------------------------------------------------
 
+
 def context_ids(num_tokens: int, vocab_size: int) -> list[int]:
     """A fixed pseudo-text of token ids: the step time does not depend on which tokens they are."""
     return [(7919 * i + 13) % (vocab_size - 100) + 100 for i in range(num_tokens)]
 
 
-def time_steps(decoders: LocalDecoders | WorkerDecoders,
-               step_tokens: Sequence[int]) -> tuple[list[float], list[list[list[int]]]]:
+def time_steps(
+    decoders: LocalDecoders | WorkerDecoders, step_tokens: Sequence[int]
+) -> tuple[list[float], list[list[list[int]]]]:
     """(wall ms of each step after the first, which is not timed; every step's drafts per decoder)."""
     drafts = [decoders.step(step_tokens[0])]
     times = []
@@ -225,9 +240,9 @@ def time_steps(decoders: LocalDecoders | WorkerDecoders,
 
 def measure(args: argparse.Namespace, model: Transformer, workers: list[Worker]) -> list[dict]:
     context = context_ids(args.context_tokens, model.config.vocab_size)
-    step_tokens = context_ids(args.num_steps + 1 + args.context_tokens, model.config.vocab_size)[-args.num_steps - 1:]
+    step_tokens = context_ids(args.num_steps + 1 + args.context_tokens, model.config.vocab_size)[-args.num_steps - 1 :]
     rows = []
-    reference_drafts: dict[tuple[int, int], list] = {}   # (threads, degree) -> the first mode's drafts
+    reference_drafts: dict[tuple[int, int], list] = {}  # (threads, degree) -> the first mode's drafts
     with ThreadPoolExecutor(max(args.degrees)) as executor:
         for num_threads in args.num_threads:
             torch.set_num_threads(num_threads)
@@ -240,24 +255,39 @@ def measure(args: argparse.Namespace, model: Transformer, workers: list[Worker])
                     if mode == "processes":
                         decoders = WorkerDecoders(workers, kinds, context, args.draft_length)
                     else:
-                        decoders = LocalDecoders(model, kinds, context, args.draft_length,
-                                                 executor if mode == "threads" else None)
+                        decoders = LocalDecoders(
+                            model, kinds, context, args.draft_length, executor if mode == "threads" else None
+                        )
                     times, drafts = time_steps(decoders, step_tokens)
                     decoders.close()
                     # The same drafts whichever way they ran: the modes did the same work.
                     reference = reference_drafts.setdefault((num_threads, degree), drafts)
-                    rows.append({"mode": mode, "degree": degree, "num_threads": num_threads,
-                                 "median_ms": statistics.median(times), "mean_ms": statistics.fmean(times),
-                                 "step_ms": times, "is_same_drafts": drafts == reference})
-                    print(f"  threads {num_threads} degree {degree} {mode:10s} {rows[-1]['median_ms']:8.1f} ms"
-                          f"{'' if drafts == reference else '  (drafts differ from the first mode)'}", flush=True)
+                    rows.append(
+                        {
+                            "mode": mode,
+                            "degree": degree,
+                            "num_threads": num_threads,
+                            "median_ms": statistics.median(times),
+                            "mean_ms": statistics.fmean(times),
+                            "step_ms": times,
+                            "is_same_drafts": drafts == reference,
+                        }
+                    )
+                    print(
+                        f"  threads {num_threads} degree {degree} {mode:10s} {rows[-1]['median_ms']:8.1f} ms"
+                        f"{'' if drafts == reference else '  (drafts differ from the first mode)'}",
+                        flush=True,
+                    )
     return rows
 
 
 def print_table(rows: list[dict], modes: Sequence[str]) -> None:
     by_key = {(r["num_threads"], r["degree"], r["mode"]): r["median_ms"] for r in rows}
-    print(f"\n{'threads':>7} {'degree':>6} " + " ".join(f"{m + ' ms':>14}" for m in modes)
-          + "".join(f" {m + ' speedup':>18}" for m in modes if m != "sequential"))
+    print(
+        f"\n{'threads':>7} {'degree':>6} "
+        + " ".join(f"{m + ' ms':>14}" for m in modes)
+        + "".join(f" {m + ' speedup':>18}" for m in modes if m != "sequential")
+    )
     for num_threads, degree in dict.fromkeys((r["num_threads"], r["degree"]) for r in rows):
         times = [by_key[(num_threads, degree, m)] for m in modes]
         line = f"{num_threads:>7} {degree:>6} " + " ".join(f"{t:14.1f}" for t in times)
@@ -269,8 +299,11 @@ def print_table(rows: list[dict], modes: Sequence[str]) -> None:
 
 def memory_figures(pid: int) -> dict[str, int]:
     mem = smaps_rollup(pid)
-    return {"rss_kb": mem["Rss"], "pss_kb": mem["Pss"],
-            "uss_kb": mem.get("Private_Clean", 0) + mem.get("Private_Dirty", 0)}
+    return {
+        "rss_kb": mem["Rss"],
+        "pss_kb": mem["Pss"],
+        "uss_kb": mem.get("Private_Clean", 0) + mem.get("Private_Dirty", 0),
+    }
 
 
 def print_memory(memory: dict) -> None:
@@ -285,7 +318,7 @@ def _csv_ints(text: str) -> list[int]:
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--worker":   # started by Worker, not by hand
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":  # started by Worker, not by hand
         worker_main(int(sys.argv[2]), int(sys.argv[3]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,8 +335,12 @@ def main() -> None:
     if args.context_tokens + args.num_steps + args.draft_length + 1 > MAX_POSITIONS:
         p.error(f"context + steps + draft length must fit {MAX_POSITIONS} positions")
 
-    owner = load_model(loader.resolve_model_dir(None, loader.default_cache_dir(), show_progress=False), "fp32",
-                       max_positions=MAX_POSITIONS, is_shared=True)
+    owner = load_model(
+        loader.resolve_model_dir(None, loader.default_cache_dir(), show_progress=False),
+        "fp32",
+        max_positions=MAX_POSITIONS,
+        is_shared=True,
+    )
     workers: list[Worker] = []
     try:
         config_json = config_to_json(owner.config)
@@ -312,22 +349,31 @@ def main() -> None:
         if "processes" in args.modes:
             manifest_pb = manifest_to_pb(owner.shared.manifest, config_json, "fp32", "bench").SerializeToString()
             workers = [Worker(manifest_pb) for _ in range(max(args.degrees))]
-        print(f"{len(owner.model.layers)} layers, fp32; context {args.context_tokens} tokens, draft length "
-              f"{args.draft_length}, {args.num_steps} timed steps; decoders cycle {KINDS}", flush=True)
+        print(
+            f"{len(owner.model.layers)} layers, fp32; context {args.context_tokens} tokens, draft length "
+            f"{args.draft_length}, {args.num_steps} timed steps; decoders cycle {KINDS}",
+            flush=True,
+        )
         rows = measure(args, model, workers)
         print_table(rows, args.modes)
-        memory = {"main": memory_figures(os.getpid()), "weight_bytes": owner.weight_bytes,
-                  "workers": [{"pid": w.process.pid, **memory_figures(w.process.pid)} for w in workers]}
+        memory = {
+            "main": memory_figures(os.getpid()),
+            "weight_bytes": owner.weight_bytes,
+            "workers": [{"pid": w.process.pid, **memory_figures(w.process.pid)} for w in workers],
+        }
         print_memory(memory)
     finally:
         for worker in workers:
             worker.close()
         owner.shared.unlink()
     if args.out:
-        settings = {k: getattr(args, k) for k in ("degrees", "num_threads", "context_tokens", "draft_length",
-                                                   "num_steps", "modes")}
-        Path(args.out).write_text(json.dumps({"settings": settings, "kinds": KINDS, "rows": rows,
-                                              "memory": memory}, indent=2))
+        settings = {
+            k: getattr(args, k)
+            for k in ("degrees", "num_threads", "context_tokens", "draft_length", "num_steps", "modes")
+        }
+        Path(args.out).write_text(
+            json.dumps({"settings": settings, "kinds": KINDS, "rows": rows, "memory": memory}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Deterministic selection of benchmark prompts from the JSONL sets (json, code, prose, specbench)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ class BenchPrompt:
     prompt: str
     system: str | None
     schema: dict | None
-    is_completion: bool        # HumanEval-style stubs are fed raw, without the chat template
+    is_completion: bool  # HumanEval-style stubs are fed raw, without the chat template
 
     def messages(self) -> list[dict[str, str]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -28,8 +29,9 @@ class BenchPrompt:
         return self.prompt if self.is_completion else tokenizer.apply_chat_template(self.messages())
 
 
-def load_prompts(data_dir: str | Path, scenarios: list[str], num_prompts: int,
-                 max_chars: int | None = None) -> list[BenchPrompt]:
+def load_prompts(
+    data_dir: str | Path, scenarios: list[str], num_prompts: int, max_chars: int | None = None
+) -> list[BenchPrompt]:
     """The first `num_prompts` rows of each scenario file (in file order) that fit `max_chars`.
 
     Rows are taken in file order so every run and every system sees the same prompts.
@@ -39,6 +41,10 @@ def load_prompts(data_dir: str | Path, scenarios: list[str], num_prompts: int,
         text = (Path(data_dir) / f"{scenario}.jsonl").read_text(encoding="utf-8")
         rows = [json.loads(line) for line in text.split("\n") if line.strip()]  # "\n" only: prompts hold U+2028
         chosen = [r for r in rows if max_chars is None or len(r["prompt"]) <= max_chars][:num_prompts]
-        out.extend(BenchPrompt(r["id"], scenario, r["prompt"], r.get("system"), r.get("schema"),
-                               r.get("prompt_style") == "completion") for r in chosen)
+        out.extend(
+            BenchPrompt(
+                r["id"], scenario, r["prompt"], r.get("system"), r.get("schema"), r.get("prompt_style") == "completion"
+            )
+            for r in chosen
+        )
     return out

@@ -12,6 +12,7 @@ engine's model in chunks (teacher forcing) and reports
 fp32 on a GGUF source is the file's own weights dequantized exactly, so the quantized formats'
 figures say what serving them costs against that reference. Figures, not assertions.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ def next_token_logits(model_dir: Path, precision: str, token_ids: list[int]) -> 
     kv = KVCache(loaded.config, loaded.model.dtype).allocate(len(token_ids))
     rows = []
     for start in range(0, len(token_ids) - 1, CHUNK_TOKENS):
-        chunk = token_ids[start:min(start + CHUNK_TOKENS, len(token_ids) - 1)]
+        chunk = token_ids[start : min(start + CHUNK_TOKENS, len(token_ids) - 1)]
         span = SequenceSpan(0, len(chunk), start, kv.k, kv.v, tree_geometry.verify_mask(start, len(chunk), ()))
         rows.append(loaded.model.forward(torch.tensor(chunk), torch.arange(start, start + len(chunk)), [span]))
     return torch.cat(rows)
@@ -69,14 +70,17 @@ def main() -> None:
     reference = None
     results = {"num_tokens": len(token_ids), "model_dir": str(model_dir)}
     for precision in ["fp32"] + [x for x in args.precisions.split(",") if x != "fp32"]:
-        logits = next_token_logits(model_dir, precision, token_ids)              # [T-1, V]
+        logits = next_token_logits(model_dir, precision, token_ids)  # [T-1, V]
         nll = torch.nn.functional.cross_entropy(logits, targets).item()
         argmax = logits.argmax(-1)
         reference = argmax if reference is None else reference
         agree = (argmax == reference).float().mean().item()
         results[precision] = {"perplexity": math.exp(nll), "argmax_agreement_with_fp32": agree}
-        print(f"[{precision}] perplexity {math.exp(nll):.3f}, greedy agreement with fp32 {agree:.1%} "
-              f"over {len(targets)} positions", flush=True)
+        print(
+            f"[{precision}] perplexity {math.exp(nll):.3f}, greedy agreement with fp32 {agree:.1%} "
+            f"over {len(targets)} positions",
+            flush=True,
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

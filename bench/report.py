@@ -20,6 +20,7 @@ Definitions (also in bench/suite.py's docstring):
                         draft_model is the model-based part of draft
     grammar-forced share  the grammar decoder's accepted draft tokens / all accepted draft tokens
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,10 @@ from typing import Any
 
 from bench.overhead import outside_fraction, stage_ms_per_step, strategy_of
 
-GRAMMAR_DECODER = "grammar"   # grammar-forced drafts (jump-forward text of the schema)
+GRAMMAR_DECODER = "grammar"  # grammar-forced drafts (jump-forward text of the schema)
 BASELINE = "baseline"
 SPECULATIVE = "speculative"
-STACK_SYSTEMS = (BASELINE, SPECULATIVE)   # through the gateway; the other systems are peers
+STACK_SYSTEMS = (BASELINE, SPECULATIVE)  # through the gateway; the other systems are peers
 # A peer's prompt-lookup system is compared with its greedy one: "transformers_lookup" -> "transformers".
 LOOKUP_SUFFIX = "_lookup"
 
@@ -55,10 +56,10 @@ class Record:
     num_prompt_tokens: int
     token_ids: tuple[int, ...]
     text: str
-    seconds: float                       # client wall time of the whole call, prefill included
-    error: str = ""                      # "" when it ran; else the gRPC status (or exception) and message
+    seconds: float  # client wall time of the whole call, prefill included
+    error: str = ""  # "" when it ran; else the gRPC status (or exception) and message
     stats: dict[str, Any] | None = None  # the gateway's statistics (bench.stack.stats_dict); stack systems only
-    is_json: bool | None = None          # json scenario only: the text parses as JSON
+    is_json: bool | None = None  # json scenario only: the text parses as JSON
     is_schema_valid: bool | None = None  # json scenario only: ... and validates against the prompt's schema
 
     @property
@@ -100,8 +101,14 @@ def spread(values: Sequence[float]) -> dict[str, float] | None:
     if not values:
         return None
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
-    return {"median": statistics.median(values), "min": min(values), "q1": q1, "q3": q3, "max": max(values),
-            "n": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "q1": q1,
+        "q3": q3,
+        "max": max(values),
+        "n": len(values),
+    }
 
 
 def merge_entropy_bins(bin_lists: Iterable[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -116,9 +123,10 @@ def merge_entropy_bins(bin_lists: Iterable[Sequence[dict[str, Any]]]) -> list[di
             row = totals.setdefault((b["lower"], b["upper"]), [0, 0])
             row[0] += b["num_proposed"]
             row[1] += b["num_accepted"]
-    return [{"lower": lower, "upper": upper, "num_proposed": p, "num_accepted": a,
-             "acceptance_rate": a / p if p else None}
-            for (lower, upper), (p, a) in sorted(totals.items(), key=lambda kv: kv[0][0])]
+    return [
+        {"lower": lower, "upper": upper, "num_proposed": p, "num_accepted": a, "acceptance_rate": a / p if p else None}
+        for (lower, upper), (p, a) in sorted(totals.items(), key=lambda kv: kv[0][0])
+    ]
 
 
 def sum_counts(count_lists: Iterable[Sequence[int]]) -> list[int]:
@@ -158,16 +166,21 @@ def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     accepted = sum(s["num_accepted"] for s in stats)
     steps = sum(s["num_steps"] for s in stats)
     decoders = sum_decoders(stats)
-    return {"acceptance_rate": accepted / proposed if proposed else None, "num_proposed": proposed,
-            "num_accepted": accepted,
-            "mean_accepted_length": sum(s["num_generated_tokens"] for s in stats) / steps if steps else None,
-            "outside_model_fraction": outside_fraction(stats), "stage_ms_per_step": stage_ms_per_step(stats),
-            "decoders": decoders, "grammar_forced_share": grammar_forced_share(decoders, accepted),
-            "entropy_bins": merge_entropy_bins(s["entropy_bins"] for s in stats),
-            "num_steps_by_degree": sum_counts(s["num_steps_by_degree"] for s in stats),
-            "num_steps_by_draft_length": sum_counts(s["num_steps_by_draft_length"] for s in stats),
-            "num_probe_steps": sum(s["num_probe_steps"] for s in stats),
-            "task_types": sorted({s["task_type"] for s in stats if s["task_type"]})}
+    return {
+        "acceptance_rate": accepted / proposed if proposed else None,
+        "num_proposed": proposed,
+        "num_accepted": accepted,
+        "mean_accepted_length": sum(s["num_generated_tokens"] for s in stats) / steps if steps else None,
+        "outside_model_fraction": outside_fraction(stats),
+        "stage_ms_per_step": stage_ms_per_step(stats),
+        "decoders": decoders,
+        "grammar_forced_share": grammar_forced_share(decoders, accepted),
+        "entropy_bins": merge_entropy_bins(s["entropy_bins"] for s in stats),
+        "num_steps_by_degree": sum_counts(s["num_steps_by_degree"] for s in stats),
+        "num_steps_by_draft_length": sum_counts(s["num_steps_by_draft_length"] for s in stats),
+        "num_probe_steps": sum(s["num_probe_steps"] for s in stats),
+        "task_types": sorted({s["task_type"] for s in stats if s["task_type"]}),
+    }
 
 
 def num_same(records: Sequence[Record], references: dict[str, Record], by_text: bool) -> int | None:
@@ -187,8 +200,11 @@ def speedups(records: Sequence[Record], references: Sequence[Record]) -> tuple[f
     ok_refs = {r.prompt_id: r for r in references if not r.error}
     tps, ref_tps = spread([r.tokens_per_s for r in ok]), spread([r.tokens_per_s for r in ok_refs.values()])
     ratio_of_medians = tps["median"] / ref_tps["median"] if tps and ref_tps and ref_tps["median"] > 0 else None
-    per_prompt = [r.tokens_per_s / ok_refs[r.prompt_id].tokens_per_s for r in ok
-                  if r.prompt_id in ok_refs and ok_refs[r.prompt_id].tokens_per_s > 0]
+    per_prompt = [
+        r.tokens_per_s / ok_refs[r.prompt_id].tokens_per_s
+        for r in ok
+        if r.prompt_id in ok_refs and ok_refs[r.prompt_id].tokens_per_s > 0
+    ]
     return ratio_of_medians, spread(per_prompt)
 
 
@@ -197,28 +213,36 @@ def json_figures(records: Sequence[Record]) -> dict[str, Any]:
     n = len(records)
     num_json = sum(bool(r.is_json) for r in records)
     num_valid = sum(bool(r.is_schema_valid) for r in records)
-    return {"num_json": num_json, "num_schema_valid": num_valid, "json_parse_rate": num_json / n if n else None,
-            "schema_validity_rate": num_valid / n if n else None}
+    return {
+        "num_json": num_json,
+        "num_schema_valid": num_valid,
+        "json_parse_rate": num_json / n if n else None,
+        "schema_validity_rate": num_valid / n if n else None,
+    }
 
 
-def summarize_system(records: Sequence[Record], baseline: Sequence[Record],
-                     own_greedy: Sequence[Record] | None = None) -> dict[str, Any]:
+def summarize_system(
+    records: Sequence[Record], baseline: Sequence[Record], own_greedy: Sequence[Record] | None = None
+) -> dict[str, Any]:
     """The figures of one system in one scenario; baseline/own_greedy: the reference systems' records."""
     ok = [r for r in records if not r.error]
     ok_baseline = [r for r in baseline if not r.error]
-    is_peer = any(r.system not in STACK_SYSTEMS for r in records)   # another engine: compare decoded text
+    is_peer = any(r.system not in STACK_SYSTEMS for r in records)  # another engine: compare decoded text
     speedup, per_prompt = speedups(records, baseline)
     out: dict[str, Any] = {
-        "num_prompts": len(records), "num_errors": len(records) - len(ok),
+        "num_prompts": len(records),
+        "num_errors": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error}),
-        "tokens_per_s": spread([r.tokens_per_s for r in ok]), "num_tokens": sum(r.num_tokens for r in ok),
-        "speedup": speedup, "speedup_per_prompt": per_prompt,
+        "tokens_per_s": spread([r.tokens_per_s for r in ok]),
+        "num_tokens": sum(r.num_tokens for r in ok),
+        "speedup": speedup,
+        "speedup_per_prompt": per_prompt,
         "num_same_as_baseline": num_same(ok, {r.prompt_id: r for r in ok_baseline}, by_text=is_peer),
-        "compared_by": "text" if is_peer else "token_ids"}
+        "compared_by": "text" if is_peer else "token_ids",
+    }
     if own_greedy is not None:
         out["speedup_over_own_greedy"], out["speedup_over_own_greedy_per_prompt"] = speedups(records, own_greedy)
-        out["num_same_as_own_greedy"] = num_same(ok, {r.prompt_id: r for r in own_greedy if not r.error},
-                                                 by_text=False)
+        out["num_same_as_own_greedy"] = num_same(ok, {r.prompt_id: r for r in own_greedy if not r.error}, by_text=False)
     checked = [r for r in ok if r.is_json is not None]
     if checked:
         out.update(json_figures(checked))
@@ -247,13 +271,19 @@ def machine_info() -> dict[str, Any]:
     fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = set(fields.get("flags", "").split())
-    return {"cpu_model": fields.get("model name", platform.processor()), "num_cpus": os.cpu_count(),
-            "num_usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags, "amx": "amx_tile" in flags,
-            "avx2": "avx2" in flags,
-            "python": sys.version.split()[0], "platform": platform.platform(),
-            "versions": {name: _version(name) for name in ("torch", "transformers", "llama_cpp_python", "grpcio")},
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "cpu_model": fields.get("model name", platform.processor()),
+        "num_cpus": os.cpu_count(),
+        "num_usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "avx512": "avx512f" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx": "amx_tile" in flags,
+        "avx2": "avx2" in flags,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": {name: _version(name) for name in ("torch", "transformers", "llama_cpp_python", "grpcio")},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def _version(distribution: str) -> str | None:

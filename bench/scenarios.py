@@ -9,16 +9,17 @@ one run on the same prompts: "json" sends each row's schema as response_format (
 the grammar-forced draft decoder), "json_noschema" sends the same requests without it. --no-schema
 keeps only "json_noschema". Every output of a row with a schema is checked against it either way.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from bench.prompts import BenchPrompt
 
-PROMPT_FILES = ("json", "code", "prose", "specbench")   # data/prompts/{name}.jsonl
-CONSTRAINED = "json"                                   # the scenario sent with response_format
+PROMPT_FILES = ("json", "code", "prose", "specbench")  # data/prompts/{name}.jsonl
+CONSTRAINED = "json"  # the scenario sent with response_format
 UNCONSTRAINED_SUFFIX = "_noschema"
-UNCONSTRAINED = CONSTRAINED + UNCONSTRAINED_SUFFIX      # the same prompts, no response_format
+UNCONSTRAINED = CONSTRAINED + UNCONSTRAINED_SUFFIX  # the same prompts, no response_format
 
 
 def run_scenarios(prompt_files: Sequence[str], is_schema: bool) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ prompt, same precision, greedy:
 
 Medians over the steps after the first (the first decode warms caches up).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -37,17 +38,25 @@ MAX_CONTEXT = 2048
 PROBE_REQUEST_ID = "bench-service-step"
 
 
-def service_vs_engine(precision: str, num_threads: int, prompt: BenchPrompt, tokenizer: Any,
-                      num_steps: int) -> dict[str, float]:
+def service_vs_engine(
+    precision: str, num_threads: int, prompt: BenchPrompt, tokenizer: Any, num_steps: int
+) -> dict[str, float]:
     prompt_ids = tokenizer.encode(prompt.text(tokenizer))
     with system_under_test(precision, num_threads, MAX_CONTEXT) as sut:
         record = run_request(sut, prompt, prompt.scenario, BASELINE, num_steps, False, tokenizer)
         forward_ms, rpc_ms = _primary_decode_steps(sut.stack, prompt_ids, num_steps)
-    gateway_ms = (record.stats["stage_ms"]["forward"] / max(record.stats["num_steps"], 1)
-                  if record.stats is not None else float("nan"))
+    gateway_ms = (
+        record.stats["stage_ms"]["forward"] / max(record.stats["num_steps"], 1)
+        if record.stats is not None
+        else float("nan")
+    )
     engine_ms = _engine_decode_steps(precision, num_threads, prompt_ids, num_steps)
-    out = {"service_forward_ms": forward_ms, "service_rpc_ms": rpc_ms, "gateway_forward_ms": gateway_ms,
-           "engine_ms": engine_ms}
+    out = {
+        "service_forward_ms": forward_ms,
+        "service_rpc_ms": rpc_ms,
+        "gateway_forward_ms": gateway_ms,
+        "engine_ms": engine_ms,
+    }
     out["service_over_engine"] = forward_ms / engine_ms
     return out
 
@@ -61,9 +70,11 @@ def _primary_decode_steps(stack: Stack, prompt_ids: list[int], num_steps: int) -
         try:
             for step in range(num_steps):
                 start = time.perf_counter()
-                resp = stub.Decode(primary_pb2.DecodeRequest(request_id=PROBE_REQUEST_ID,
-                                                             committed_token_ids=committed, step=step,
-                                                             kv_lease=lease))
+                resp = stub.Decode(
+                    primary_pb2.DecodeRequest(
+                        request_id=PROBE_REQUEST_ID, committed_token_ids=committed, step=step, kv_lease=lease
+                    )
+                )
                 wall.append((time.perf_counter() - start) * 1000)
                 forward.append(resp.forward_ms)
                 committed = [resp.token_id]
@@ -78,8 +89,9 @@ def _engine_decode_steps(precision: str, num_threads: int, prompt_ids: list[int]
 
     if num_threads:
         torch.set_num_threads(num_threads)
-    loaded = load_model(resolve_model_dir(None, default_cache_dir()), precision, max_positions=MAX_CONTEXT,
-                        is_shared=False)
+    loaded = load_model(
+        resolve_model_dir(None, default_cache_dir()), precision, max_positions=MAX_CONTEXT, is_shared=False
+    )
     engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), MAX_CONTEXT)
     engine.open(PROBE_REQUEST_ID, prompt_ids)
     try:

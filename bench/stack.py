@@ -8,6 +8,7 @@ benchmark prompt through the gateway as a Record.
 The state lives in a real Redis (unix socket, no persistence), as in production. Every figure of
 a request, the adaptive controller's choices included, comes from its GenerationStats.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ from specdec.launcher import Stack, StackConfig
 from specdec.redis_server import RedisServerError, redis_server
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
-REQUEST_TIMEOUT_S = 1800.0   # one request, prefill to the last token, on a slow shared CPU
+REQUEST_TIMEOUT_S = 1800.0  # one request, prefill to the last token, on a slow shared CPU
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,14 +47,16 @@ def system_under_test(precision: str, num_threads: int, max_context: int) -> Ite
             server = cleanup.enter_context(redis_server(prefix="specdec-bench-redis-"))
         except RedisServerError as e:
             raise SystemExit(str(e)) from None
-        config = StackConfig(precision=precision, redis_url=server.url, num_threads=num_threads,
-                             max_context=max_context)
+        config = StackConfig(
+            precision=precision, redis_url=server.url, num_threads=num_threads, max_context=max_context
+        )
         with Stack(config) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
             yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel))
 
 
-def build_request(prompt: BenchPrompt, max_new_tokens: int, is_speculative: bool,
-                  is_constrained: bool) -> gateway_pb2.GenerateRequest:
+def build_request(
+    prompt: BenchPrompt, max_new_tokens: int, is_speculative: bool, is_constrained: bool
+) -> gateway_pb2.GenerateRequest:
     """Greedy; speculation off for the baseline, else the product defaults (adaptive controller on)."""
     req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens)
     if not is_speculative:
@@ -61,8 +64,9 @@ def build_request(prompt: BenchPrompt, max_new_tokens: int, is_speculative: bool
     if prompt.is_completion:
         req.prompt = prompt.prompt
     else:  # rendered by the gateway with the same chat template as BenchPrompt.text
-        req.chat.messages.extend(gateway_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                 for m in prompt.messages())
+        req.chat.messages.extend(
+            gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt.messages()
+        )
     if is_constrained:
         req.response_format.type = common_pb2.ResponseFormat.TYPE_JSON_SCHEMA
         req.response_format.json_schema = json.dumps(prompt.schema)
@@ -71,34 +75,59 @@ def build_request(prompt: BenchPrompt, max_new_tokens: int, is_speculative: bool
 
 def controller_choices(stats: gateway_pb2.GenerationStats) -> dict[str, Any]:
     """What each step ran: the adaptive controller's choices (or the fixed settings), index 0 = no speculation."""
-    return {"num_steps_by_draft_length": list(stats.num_steps_by_draft_length),
-            "num_steps_by_degree": list(stats.num_steps_by_degree), "num_probe_steps": stats.num_probe_steps,
-            "task_type": stats.task_type}
+    return {
+        "num_steps_by_draft_length": list(stats.num_steps_by_draft_length),
+        "num_steps_by_degree": list(stats.num_steps_by_degree),
+        "num_probe_steps": stats.num_probe_steps,
+        "task_type": stats.task_type,
+    }
 
 
 def stats_dict(stats: gateway_pb2.GenerationStats) -> dict[str, Any]:
     """GenerationStats as plain data (bench.report's input)."""
     st = stats.stage_times
     return {
-        "num_prompt_tokens": stats.num_prompt_tokens, "num_generated_tokens": stats.num_generated_tokens,
-        "num_steps": stats.num_steps, "num_proposed": stats.num_proposed_tokens,
-        "num_accepted": stats.num_accepted_tokens, "tokens_per_second": stats.tokens_per_second,
-        "stage_ms": {"draft": st.draft_ms, "verify": st.verify_ms, "forward": st.forward_ms,
-                     "validate": st.validate_ms, "commit": st.commit_ms, "state": st.state_ms, "other": st.other_ms,
-                     "total": st.total_ms},
-        "decoders": {d.name: {"num_proposed": d.num_proposed, "num_accepted": d.num_accepted, "time_ms": d.time_ms}
-                     for d in stats.decoders},
-        "entropy_bins": [{"lower": b.lower, "upper": b.upper, "num_proposed": b.num_proposed,
-                          "num_accepted": b.num_accepted} for b in stats.entropy_bins],
-        **controller_choices(stats)}
+        "num_prompt_tokens": stats.num_prompt_tokens,
+        "num_generated_tokens": stats.num_generated_tokens,
+        "num_steps": stats.num_steps,
+        "num_proposed": stats.num_proposed_tokens,
+        "num_accepted": stats.num_accepted_tokens,
+        "tokens_per_second": stats.tokens_per_second,
+        "stage_ms": {
+            "draft": st.draft_ms,
+            "verify": st.verify_ms,
+            "forward": st.forward_ms,
+            "validate": st.validate_ms,
+            "commit": st.commit_ms,
+            "state": st.state_ms,
+            "other": st.other_ms,
+            "total": st.total_ms,
+        },
+        "decoders": {
+            d.name: {"num_proposed": d.num_proposed, "num_accepted": d.num_accepted, "time_ms": d.time_ms}
+            for d in stats.decoders
+        },
+        "entropy_bins": [
+            {"lower": b.lower, "upper": b.upper, "num_proposed": b.num_proposed, "num_accepted": b.num_accepted}
+            for b in stats.entropy_bins
+        ],
+        **controller_choices(stats),
+    }
 
 
 def rpc_error(e: grpc.RpcError) -> str:
     return f"{e.code().name}: {e.details()}"
 
 
-def run_request(sut: SystemUnderTest, prompt: BenchPrompt, scenario: str, system: str, max_new_tokens: int,
-                is_constrained: bool, tokenizer: Any) -> Record:
+def run_request(
+    sut: SystemUnderTest,
+    prompt: BenchPrompt,
+    scenario: str,
+    system: str,
+    max_new_tokens: int,
+    is_constrained: bool,
+    tokenizer: Any,
+) -> Record:
     """One greedy request through the gateway, timed by the client; an RPC error becomes the record's error.
     Outputs of prompts with a schema are checked against it, constrained or not."""
     req = build_request(prompt, max_new_tokens, is_speculative=system != BASELINE, is_constrained=is_constrained)
@@ -110,5 +139,15 @@ def run_request(sut: SystemUnderTest, prompt: BenchPrompt, scenario: str, system
         return Record(system, scenario, prompt.id, num_prompt_tokens, (), "", 0.0, error=rpc_error(e))
     seconds = time.perf_counter() - t
     is_json, is_valid = check_json(resp.text, prompt.schema) if prompt.schema is not None else (None, None)
-    return Record(system, scenario, prompt.id, resp.stats.num_prompt_tokens, tuple(resp.token_ids),
-                  resp.text, seconds, stats=stats_dict(resp.stats), is_json=is_json, is_schema_valid=is_valid)
+    return Record(
+        system,
+        scenario,
+        prompt.id,
+        resp.stats.num_prompt_tokens,
+        tuple(resp.token_ids),
+        resp.text,
+        seconds,
+        stats=stats_dict(resp.stats),
+        is_json=is_json,
+        is_schema_valid=is_valid,
+    )

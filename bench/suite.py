@@ -56,6 +56,7 @@ The concurrency sweep is bench/concurrency.py's.
 
 Writes results.json, results.md (the tables, also printed) and results.png next to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,20 +82,23 @@ DEFAULT_OUT = Path("results") / "results.json"
 @dataclasses.dataclass(frozen=True, slots=True)
 class SuiteConfig:
     data_dir: Path = DEFAULT_DATA_DIR
-    scenarios: tuple[str, ...] = ("json", "code", "prose")   # prompt files; json runs as bench.scenarios says
-    num_prompts: int = 3                  # per scenario
+    scenarios: tuple[str, ...] = ("json", "code", "prose")  # prompt files; json runs as bench.scenarios says
+    num_prompts: int = 3  # per scenario
     max_new_tokens: int = 128
-    sequence_length: int = 2048           # prompt + max_new_tokens budget, as in the reference article
-    precisions: tuple[str, ...] = (AUTO,)   # the primary's --precision; auto: its measured choice
+    sequence_length: int = 2048  # prompt + max_new_tokens budget, as in the reference article
+    precisions: tuple[str, ...] = (AUTO,)  # the primary's --precision; auto: its measured choice
     peers: tuple[str, ...] = ("transformers", "llamacpp")
-    is_schema: bool = True                # json also with response_format (scenario "json"), not only without
-    concurrency: tuple[int, ...] = ()     # client counts of the sweep; (): no sweep
-    num_threads: int = 0                  # 0: the CPUs this process may use
+    is_schema: bool = True  # json also with response_format (scenario "json"), not only without
+    concurrency: tuple[int, ...] = ()  # client counts of the sweep; (): no sweep
+    num_threads: int = 0  # 0: the CPUs this process may use
     out: Path = DEFAULT_OUT
 
     def __post_init__(self) -> None:
-        for name, values, known in (("scenarios", self.scenarios, PROMPT_FILES),
-                                    ("precision", self.precisions, PRECISIONS), ("peers", self.peers, tuple(PEERS))):
+        for name, values, known in (
+            ("scenarios", self.scenarios, PROMPT_FILES),
+            ("precision", self.precisions, PRECISIONS),
+            ("peers", self.peers, tuple(PEERS)),
+        ):
             unknown = set(values) - set(known)
             if unknown:
                 raise ValueError(f"--{name}: unknown {sorted(unknown)}; known: {', '.join(known)}")
@@ -124,26 +128,43 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     p.add_argument("--scenarios", default="json,code,prose")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per scenario")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sequence-length", type=int, default=2048, help="prompt + output budget")
-    p.add_argument("--precision", default=AUTO, help=f"comma list of {', '.join(PRECISIONS)} (default auto: the "
-                                                       "format the primary measures fastest here)")
+    p.add_argument(
+        "--precision",
+        default=AUTO,
+        help=f"comma list of {', '.join(PRECISIONS)} (default auto: the format the primary measures fastest here)",
+    )
     p.add_argument("--peers", default="transformers,llamacpp", help="comma list; empty for none")
-    p.add_argument("--no-schema", action="store_true",
-                   help="run the json prompts only without response_format (default: with and without)")
+    p.add_argument(
+        "--no-schema",
+        action="store_true",
+        help="run the json prompts only without response_format (default: with and without)",
+    )
     p.add_argument("--concurrency", default="", help="client counts of the sweep, e.g. 1,4,16,32")
     p.add_argument("--threads", type=int, default=0, help="threads of the primary and the peers; 0: all CPUs")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results.json path (.md and .png beside it)")
     a = p.parse_args(argv)
     try:
-        return SuiteConfig(a.data_dir, _names(a.scenarios), a.num_prompts, a.max_new_tokens, a.sequence_length,
-                           _names(a.precision), _names(a.peers), not a.no_schema,
-                           tuple(int(n) for n in _names(a.concurrency)), a.threads, a.out)
+        return SuiteConfig(
+            a.data_dir,
+            _names(a.scenarios),
+            a.num_prompts,
+            a.max_new_tokens,
+            a.sequence_length,
+            _names(a.precision),
+            _names(a.peers),
+            not a.no_schema,
+            tuple(int(n) for n in _names(a.concurrency)),
+            a.threads,
+            a.out,
+        )
     except ValueError as e:
         p.error(str(e))
 
@@ -151,11 +172,16 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Selection:
     prompts: tuple[BenchPrompt, ...]
-    num_skipped: int      # rows passed over before the selection was complete: too long for the budget
+    num_skipped: int  # rows passed over before the selection was complete: too long for the budget
 
 
-def select_prompts(candidates: Iterable[BenchPrompt], count_tokens: Callable[[BenchPrompt], int],
-                   num_prompts: int, max_new_tokens: int, sequence_length: int) -> Selection:
+def select_prompts(
+    candidates: Iterable[BenchPrompt],
+    count_tokens: Callable[[BenchPrompt], int],
+    num_prompts: int,
+    max_new_tokens: int,
+    sequence_length: int,
+) -> Selection:
     """The first num_prompts candidates, in order, whose tokens + max_new_tokens fit sequence_length.
 
     E.g. token counts [10, 50, 20, 30], max_new_tokens 8, sequence_length 32, num_prompts 2
@@ -194,17 +220,22 @@ def choose_prompts(config: SuiteConfig, tokenizer: Any) -> tuple[dict[str, Selec
         main = select_prompts(rows, count_tokens, config.num_prompts, config.max_new_tokens, config.sequence_length)
         by_file[name] = main
         if num_sweep:
-            rest = rows[len(main.prompts) + main.num_skipped:]   # the rows after the last one examined
-            sweep_groups.append(select_prompts(rest, count_tokens, num_sweep, config.max_new_tokens,
-                                               config.sequence_length).prompts)
+            rest = rows[len(main.prompts) + main.num_skipped :]  # the rows after the last one examined
+            sweep_groups.append(
+                select_prompts(rest, count_tokens, num_sweep, config.max_new_tokens, config.sequence_length).prompts
+            )
     selections = {s: by_file[prompt_file(s)] for s in config.measured_scenarios}
-    return selections, interleave(sweep_groups)[:sum(config.concurrency)]
+    return selections, interleave(sweep_groups)[: sum(config.concurrency)]
 
 
 def config_dict(config: SuiteConfig) -> dict[str, Any]:
     out = dataclasses.asdict(config)
-    out.update(data_dir=str(config.data_dir), out=str(config.out), num_threads=config.threads,
-               measured_scenarios=list(config.measured_scenarios))
+    out.update(
+        data_dir=str(config.data_dir),
+        out=str(config.out),
+        num_threads=config.threads,
+        measured_scenarios=list(config.measured_scenarios),
+    )
     return out
 
 
@@ -232,20 +263,39 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = Tokenizer.from_dir(model_dir)
     selections, sweep_prompts = choose_prompts(config, tokenizer)
     if len(sweep_prompts) < sum(config.concurrency):
-        raise SystemExit(f"the concurrency sweep needs {sum(config.concurrency)} prompts that fit the sequence "
-                         f"length beyond the measured ones; the data has {len(sweep_prompts)}")
+        raise SystemExit(
+            f"the concurrency sweep needs {sum(config.concurrency)} prompts that fit the sequence "
+            f"length beyond the measured ones; the data has {len(sweep_prompts)}"
+        )
     for scenario, s in selections.items():
-        print(f"[{scenario}] {len(s.prompts)} prompts ({', '.join(p.id for p in s.prompts)}), "
-              f"{s.num_skipped} skipped as too long", flush=True)
+        print(
+            f"[{scenario}] {len(s.prompts)} prompts ({', '.join(p.id for p in s.prompts)}), "
+            f"{s.num_skipped} skipped as too long",
+            flush=True,
+        )
     skipped = peers_skipped(config.peers)
     for name, reason in skipped.items():
         print(f"peer {name} skipped: {reason}", flush=True)
-    results: dict[str, Any] = {"machine": machine_info(), "config": config_dict(config), "peers_skipped": skipped,
-                               "definitions": __doc__, "runs": {}, "records": {}}
-    cache: dict[str, Any] = {}   # measurements shared by the precisions (llama.cpp runs its own weights)
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "config": config_dict(config),
+        "peers_skipped": skipped,
+        "definitions": __doc__,
+        "runs": {},
+        "records": {},
+    }
+    cache: dict[str, Any] = {}  # measurements shared by the precisions (llama.cpp runs its own weights)
     for precision in config.precisions:
-        run, records = measure_precision(precision, config, selections, sweep_prompts, tokenizer, model_dir,
-                                         [p for p in config.peers if p not in skipped], cache)
+        run, records = measure_precision(
+            precision,
+            config,
+            selections,
+            sweep_prompts,
+            tokenizer,
+            model_dir,
+            [p for p in config.peers if p not in skipped],
+            cache,
+        )
         results["runs"][precision] = run
         results["records"][precision] = [r.to_dict() for r in records]
     print(write_results(results, config.out))

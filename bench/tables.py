@@ -9,6 +9,7 @@ of every scenario; the mean time per step by stage (the overhead's composition);
 the concurrency sweep when it ran. Speedups: "speedup" is the ratio of medians, "per prompt" the
 median of per-prompt ratios (bench/report.py).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,9 +17,14 @@ from typing import Any
 from bench.report import BASELINE, SPECULATIVE, STACK_SYSTEMS
 from bench.scenarios import CONSTRAINED, UNCONSTRAINED
 
-SYSTEM_LABELS = {BASELINE: "baseline (speculation off)", SPECULATIVE: "specdec (adaptive)",
-                 "transformers": "transformers greedy", "transformers_lookup": "transformers + prompt lookup",
-                 "llamacpp": "llama.cpp greedy", "llamacpp_lookup": "llama.cpp + prompt lookup"}
+SYSTEM_LABELS = {
+    BASELINE: "baseline (speculation off)",
+    SPECULATIVE: "specdec (adaptive)",
+    "transformers": "transformers greedy",
+    "transformers_lookup": "transformers + prompt lookup",
+    "llamacpp": "llama.cpp greedy",
+    "llamacpp_lookup": "llama.cpp + prompt lookup",
+}
 NONE = "—"
 
 
@@ -74,18 +80,32 @@ def peer_systems(run: dict[str, Any]) -> list[str]:
 
 def headline_table(run: dict[str, Any]) -> str:
     peers = peer_systems(run)
-    header = ["scenario", "prompts", "baseline tok/s", "optimized tok/s", "speedup", "per prompt", "acceptance",
-              "same output", *(f"{SYSTEM_LABELS[p]} tok/s" for p in peers)]
+    header = [
+        "scenario",
+        "prompts",
+        "baseline tok/s",
+        "optimized tok/s",
+        "speedup",
+        "per prompt",
+        "acceptance",
+        "same output",
+        *(f"{SYSTEM_LABELS[p]} tok/s" for p in peers),
+    ]
     rows = []
     for name, scenario in run["scenarios"].items():
         systems = scenario["systems"]
         base, spec = systems.get(BASELINE), systems.get(SPECULATIVE)
         n = scenario["num_prompts"]
-        row = [name, str(n), _tps(base) if base else NONE, _tps(spec) if spec else NONE,
-               _times(spec["speedup"]) if spec else NONE,
-               _times(_median(spec["speedup_per_prompt"])) if spec else NONE,
-               _pct(spec.get("acceptance_rate")) if spec else NONE,
-               _ratio(spec["num_same_as_baseline"], n) if spec else NONE]
+        row = [
+            name,
+            str(n),
+            _tps(base) if base else NONE,
+            _tps(spec) if spec else NONE,
+            _times(spec["speedup"]) if spec else NONE,
+            _times(_median(spec["speedup_per_prompt"])) if spec else NONE,
+            _pct(spec.get("acceptance_rate")) if spec else NONE,
+            _ratio(spec["num_same_as_baseline"], n) if spec else NONE,
+        ]
         for p in peers:
             peer = systems.get(p)
             row.append(NONE if peer is None else f"{_tps(peer)} ({_times(peer['speedup'])})")
@@ -94,33 +114,67 @@ def headline_table(run: dict[str, Any]) -> str:
 
 
 def systems_table(run: dict[str, Any]) -> str:
-    header = ["scenario", "system", "tok/s median (min–max)", "vs baseline", "vs own greedy", "acceptance",
-              "mean accepted length", "outside model compute", "same as baseline", "JSON parses / valid"]
+    header = [
+        "scenario",
+        "system",
+        "tok/s median (min–max)",
+        "vs baseline",
+        "vs own greedy",
+        "acceptance",
+        "mean accepted length",
+        "outside model compute",
+        "same as baseline",
+        "JSON parses / valid",
+    ]
     rows = []
     for name, scenario in run["scenarios"].items():
         for system, s in scenario["systems"].items():
             n = s["num_prompts"] - s["num_errors"]
-            json_cell = (f"{s['num_json']}/{n} / {s['num_schema_valid']}/{n}" if "num_json" in s else NONE)
-            rows.append([name, SYSTEM_LABELS.get(system, system), _tps_spread(s), _times(s["speedup"]),
-                         _times(s.get("speedup_over_own_greedy")), _pct(s.get("acceptance_rate")),
-                         _num(s.get("mean_accepted_length"), "{:.2f}"), _pct(s.get("outside_model_fraction")),
-                         f"{_ratio(s['num_same_as_baseline'], n)} ({s['compared_by']})"
-                         if s["num_same_as_baseline"] is not None else NONE, json_cell])
+            json_cell = f"{s['num_json']}/{n} / {s['num_schema_valid']}/{n}" if "num_json" in s else NONE
+            rows.append(
+                [
+                    name,
+                    SYSTEM_LABELS.get(system, system),
+                    _tps_spread(s),
+                    _times(s["speedup"]),
+                    _times(s.get("speedup_over_own_greedy")),
+                    _pct(s.get("acceptance_rate")),
+                    _num(s.get("mean_accepted_length"), "{:.2f}"),
+                    _pct(s.get("outside_model_fraction")),
+                    f"{_ratio(s['num_same_as_baseline'], n)} ({s['compared_by']})"
+                    if s["num_same_as_baseline"] is not None
+                    else NONE,
+                    json_cell,
+                ]
+            )
     return _table(header, rows)
 
 
 def step_time_table(run: dict[str, Any]) -> str:
     """The stack's systems: mean ms per step of each stage (bench/overhead.py), model compute first."""
     keys = ("total", "forward", "draft_model", "verify_minus_forward", "draft", "validate", "commit", "state", "other")
-    header = ["scenario", "system", "step ms", "forward", "model drafting", "verify − forward", "draft (all)",
-              "validate", "commit", "state", "other", "outside model compute"]
+    header = [
+        "scenario",
+        "system",
+        "step ms",
+        "forward",
+        "model drafting",
+        "verify − forward",
+        "draft (all)",
+        "validate",
+        "commit",
+        "state",
+        "other",
+        "outside model compute",
+    ]
     rows = []
     for name, scenario in run["scenarios"].items():
         for system, s in scenario["systems"].items():
             per_step = s.get("stage_ms_per_step")
             if system in STACK_SYSTEMS and per_step:
-                rows.append([name, SYSTEM_LABELS[system], *(_num(per_step[k]) for k in keys),
-                             _pct(s["outside_model_fraction"])])
+                rows.append(
+                    [name, SYSTEM_LABELS[system], *(_num(per_step[k]) for k in keys), _pct(s["outside_model_fraction"])]
+                )
     return _table(header, rows)
 
 
@@ -129,64 +183,125 @@ def structured_table(run: dict[str, Any]) -> str:
     (unconstrained either way) are listed once, under json_noschema."""
     base = run["scenarios"].get(UNCONSTRAINED, {}).get("systems", {}).get(BASELINE)
     base_tps = _median(base["tokens_per_s"]) if base else None
-    header = ["scenario", "system", "tok/s", "speedup", "per prompt", "vs baseline without schema", "acceptance",
-              "mean accepted length", "grammar-forced share of accepted", "parses as JSON", "schema-valid"]
+    header = [
+        "scenario",
+        "system",
+        "tok/s",
+        "speedup",
+        "per prompt",
+        "vs baseline without schema",
+        "acceptance",
+        "mean accepted length",
+        "grammar-forced share of accepted",
+        "parses as JSON",
+        "schema-valid",
+    ]
     rows = []
     for name in (CONSTRAINED, UNCONSTRAINED):
         for system, s in run["scenarios"].get(name, {}).get("systems", {}).items():
             if name == CONSTRAINED and system not in STACK_SYSTEMS:
                 continue
             tps = _median(s["tokens_per_s"])
-            rows.append([name, SYSTEM_LABELS.get(system, system), _tps(s), _times(s["speedup"]),
-                         _times(_median(s["speedup_per_prompt"])),
-                         _times(tps / base_tps if tps is not None and base_tps else None),
-                         _pct(s.get("acceptance_rate")), _num(s.get("mean_accepted_length"), "{:.2f}"),
-                         _pct(s.get("grammar_forced_share")), _pct(s.get("json_parse_rate")),
-                         _pct(s.get("schema_validity_rate"))])
+            rows.append(
+                [
+                    name,
+                    SYSTEM_LABELS.get(system, system),
+                    _tps(s),
+                    _times(s["speedup"]),
+                    _times(_median(s["speedup_per_prompt"])),
+                    _times(tps / base_tps if tps is not None and base_tps else None),
+                    _pct(s.get("acceptance_rate")),
+                    _num(s.get("mean_accepted_length"), "{:.2f}"),
+                    _pct(s.get("grammar_forced_share")),
+                    _pct(s.get("json_parse_rate")),
+                    _pct(s.get("schema_validity_rate")),
+                ]
+            )
     return _table(header, rows)
 
 
 def speculation_table(run: dict[str, Any]) -> str:
     """The speculative system per scenario: each decoder's acceptance and the controller's plans."""
-    header = ["scenario", "decoders: accepted / proposed", "steps by degree (0 = plain)", "steps by draft length",
-              "probe steps", "task type"]
+    header = [
+        "scenario",
+        "decoders: accepted / proposed",
+        "steps by degree (0 = plain)",
+        "steps by draft length",
+        "probe steps",
+        "task type",
+    ]
     rows = []
     for name, scenario in run["scenarios"].items():
         spec = scenario["systems"].get(SPECULATIVE)
         if spec is None or "decoders" not in spec:
             continue
         decoders = ", ".join(f"{d} {v['num_accepted']}/{v['num_proposed']}" for d, v in spec["decoders"].items())
-        rows.append([name, decoders or NONE, str(spec["num_steps_by_degree"]), str(spec["num_steps_by_draft_length"]),
-                     str(spec["num_probe_steps"]), ", ".join(spec["task_types"]) or NONE])
+        rows.append(
+            [
+                name,
+                decoders or NONE,
+                str(spec["num_steps_by_degree"]),
+                str(spec["num_steps_by_draft_length"]),
+                str(spec["num_probe_steps"]),
+                ", ".join(spec["task_types"]) or NONE,
+            ]
+        )
     return _table(header, rows)
 
 
 def concurrency_table(rows: list[dict[str, Any]]) -> str:
-    header = ["clients", "speculation", "aggregate tok/s", "per-token p50 ms", "per-token p99 ms", "TTFT p50 ms",
-              "steps by degree (0 = plain)", "steps by draft length", "errors"]
-    return _table(header, [[str(r["concurrency"]), "on" if r["speculation"] else "off",
-                            _num(r["aggregate_tokens_per_s"]), _num(r["token_latency_ms"]["p50"], "{:.0f}"),
-                            _num(r["token_latency_ms"]["p99"], "{:.0f}"), _num(r["ttft_ms"]["p50"], "{:.0f}"),
-                            str(r["num_steps_by_degree"]), str(r["num_steps_by_draft_length"]),
-                            f"{r['num_errors']}/{r['num_requests']}"] for r in rows])
+    header = [
+        "clients",
+        "speculation",
+        "aggregate tok/s",
+        "per-token p50 ms",
+        "per-token p99 ms",
+        "TTFT p50 ms",
+        "steps by degree (0 = plain)",
+        "steps by draft length",
+        "errors",
+    ]
+    return _table(
+        header,
+        [
+            [
+                str(r["concurrency"]),
+                "on" if r["speculation"] else "off",
+                _num(r["aggregate_tokens_per_s"]),
+                _num(r["token_latency_ms"]["p50"], "{:.0f}"),
+                _num(r["token_latency_ms"]["p99"], "{:.0f}"),
+                _num(r["ttft_ms"]["p50"], "{:.0f}"),
+                str(r["num_steps_by_degree"]),
+                str(r["num_steps_by_draft_length"]),
+                f"{r['num_errors']}/{r['num_requests']}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     config, machine = results["config"], results["machine"]
-    parts = [f"Machine: {machine['cpu_model']}, {machine['num_cpus']} CPUs, AVX512 "
-             f"{'yes' if machine['avx512'] else 'no'}, torch {machine['versions']['torch']}, {machine['date']}. "
-             f"Greedy, batch 1, at most {config['max_new_tokens']} new tokens, sequence length "
-             f"{config['sequence_length']}. json: the row's schema as response_format; json_noschema: the same "
-             f"prompts without (peers: always without)."]
+    parts = [
+        f"Machine: {machine['cpu_model']}, {machine['num_cpus']} CPUs, AVX512 "
+        f"{'yes' if machine['avx512'] else 'no'}, torch {machine['versions']['torch']}, {machine['date']}. "
+        f"Greedy, batch 1, at most {config['max_new_tokens']} new tokens, sequence length "
+        f"{config['sequence_length']}. json: the row's schema as response_format; json_noschema: the same "
+        f"prompts without (peers: always without)."
+    ]
     parts += [f"Peer {name} skipped: {reason}" for name, reason in results["peers_skipped"].items()]
     for precision, run in results["runs"].items():
         by_file = {v.get("prompt_file", k): v["num_skipped"] for k, v in run["scenarios"].items()}  # json: once
         skipped = ", ".join(f"{name} {n}" for name, n in by_file.items() if n)
         served = run.get("served_precision", precision)
         title = precision if served == precision else f"{precision}: the primary chose {served}"
-        parts += [f"### {title}", headline_table(run), systems_table(run),
-                  "Time per step by stage (ms; verify = forward + verify − forward; draft includes model drafting):",
-                  step_time_table(run)]
+        parts += [
+            f"### {title}",
+            headline_table(run),
+            systems_table(run),
+            "Time per step by stage (ms; verify = forward + verify − forward; draft includes model drafting):",
+            step_time_table(run),
+        ]
         if any(name in run["scenarios"] for name in (CONSTRAINED, UNCONSTRAINED)):
             parts += ["Structured output:", structured_table(run)]
         parts.append(speculation_table(run))
@@ -194,6 +309,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         if skipped:
             parts.append(f"Prompts skipped (prompt + max new tokens > sequence length): {skipped}.")
         if run.get("concurrency"):
-            parts += ["Concurrency sweep (per-token latency: inter-token time at the client):",
-                      concurrency_table(run["concurrency"])]
+            parts += [
+                "Concurrency sweep (per-token latency: inter-token time at the client):",
+                concurrency_table(run["concurrency"]),
+            ]
     return "\n\n".join(parts) + "\n"

@@ -7,6 +7,7 @@ per wire format: the greedy decision (argmax) after a round trip, the total-vari
 between the softmax of the decoded and the fp32 logits (temperature 1), and the acceptance
 decisions of a seeded sample-mode validation of an 8-node chain (fp32 vs decoded logits).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,9 @@ def collect_logits(engine: Engine, prompts: list[list[int]], max_new_tokens: int
         out = engine.generate(ids, max_new_tokens, SamplingParams())
         engine.open(f"p{i}", ids)
         # One verify of the whole continuation as a chain: the logits a validator sees.
-        for start in range(0, len(out) - CHAIN, CHAIN + 1):     # chain, then its bonus token
-            chain = out[start:start + CHAIN]
-            logits = engine.verify(f"p{i}", chain, [-1] + list(range(CHAIN - 1)))      # [CHAIN+1, V]
+        for start in range(0, len(out) - CHAIN, CHAIN + 1):  # chain, then its bonus token
+            chain = out[start : start + CHAIN]
+            logits = engine.verify(f"p{i}", chain, [-1] + list(range(CHAIN - 1)))  # [CHAIN+1, V]
             rows.append(logits)
             chains.append(chain)
             engine.commit(f"p{i}", list(range(CHAIN)), chain + [out[start + CHAIN]])
@@ -55,13 +56,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
     tokenizer = Tokenizer.from_dir(model_dir)
-    prompts = [tokenizer.encode(x.text(tokenizer)) for x in
-               load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=1500)]
+    prompts = [
+        tokenizer.encode(x.text(tokenizer))
+        for x in load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=1500)
+    ]
     loaded = load_model(model_dir, "fp32", max_positions=2048, is_shared=False)
     engine = Engine(loaded.model, KVCache(loaded.config, torch.float32), 2048)
     all_rows, steps = collect_logits(engine, prompts, args.max_new_tokens)
-    print(f"{all_rows.shape[0]} rows of real fp32 logits ({len(steps)} verify steps of {CHAIN + 1} rows), "
-          f"V = {all_rows.shape[1]}")
+    print(
+        f"{all_rows.shape[0]} rows of real fp32 logits ({len(steps)} verify steps of {CHAIN + 1} rows), "
+        f"V = {all_rows.shape[1]}"
+    )
     p32 = torch.softmax(all_rows, dim=-1)
     argmax32 = all_rows.argmax(-1)
     sampling = SamplingParams(temperature=1.0, seed=7)
@@ -79,11 +84,16 @@ def main() -> None:
             a = validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, sampling, step=1)
             b = validate_tree(chain, [-1] + list(range(CHAIN - 1)), decode_logits(e), sampling, step=1)
             same_sample += (a.accepted_nodes, a.bonus_token) == (b.accepted_nodes, b.bonus_token)
-        print(f"{fmt:9s} {enc[0].num_bytes:>9,d} B/step | encode {encode_ms:.2f} ms, decode {decode_ms:.2f} ms | "
-              f"argmax flips {flips}/{len(argmax32)} | TV mean {tv.mean():.2e} max {tv.max():.2e} | "
-              f"sample-mode decisions identical {same_sample}/{len(steps)}")
-    for mode, params in (("greedy", SamplingParams()), ("sample T=1", sampling),
-                         ("sample T=0.8 k=50 p=0.9", SamplingParams(0.8, 50, 0.9, seed=3))):
+        print(
+            f"{fmt:9s} {enc[0].num_bytes:>9,d} B/step | encode {encode_ms:.2f} ms, decode {decode_ms:.2f} ms | "
+            f"argmax flips {flips}/{len(argmax32)} | TV mean {tv.mean():.2e} max {tv.max():.2e} | "
+            f"sample-mode decisions identical {same_sample}/{len(steps)}"
+        )
+    for mode, params in (
+        ("greedy", SamplingParams()),
+        ("sample T=1", sampling),
+        ("sample T=0.8 k=50 p=0.9", SamplingParams(0.8, 50, 0.9, seed=3)),
+    ):
         times = []
         for chain, rows in steps:
             t = time.perf_counter()

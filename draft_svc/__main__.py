@@ -1,4 +1,5 @@
 """`python -m draft_svc`: the draft pool service (see draft_svc/config.py for flags and env)."""
+
 from __future__ import annotations
 
 import functools
@@ -32,9 +33,13 @@ from specdec.service.server import serve
 from specdec.v1 import draft_pb2_grpc
 
 
-def build(config: DraftConfig, client: PrimaryClient | None, metrics: ServiceMetrics | None = None,
-          grammars: GrammarCache | None = None,
-          corpus: ContinuationIndex | None = None) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
+def build(
+    config: DraftConfig,
+    client: PrimaryClient | None,
+    metrics: ServiceMetrics | None = None,
+    grammars: GrammarCache | None = None,
+    corpus: ContinuationIndex | None = None,
+) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
     """The servicer and what it runs on; the attacher's monitor is not started yet. `grammars` is
     needed when the pool offers grammar-forced drafts, `corpus` (the index) when it offers corpus drafts."""
     model_based = self_draft_registry(config.self_draft)
@@ -47,8 +52,13 @@ def build(config: DraftConfig, client: PrimaryClient | None, metrics: ServiceMet
 
     # Without model-based strategies the primary is still asked for its vocabulary (to validate
     # token ids), but its weights are not mapped.
-    attacher = WeightAttacher(client, check_model=check_model, max_context=config.max_context,
-                              poll_interval_s=config.attach_poll_s, is_attaching=config.has_model_strategies)
+    attacher = WeightAttacher(
+        client,
+        check_model=check_model,
+        max_context=config.max_context,
+        poll_interval_s=config.attach_poll_s,
+        is_attaching=config.has_model_strategies,
+    )
     grammar_based = DecoderRegistry()
     if config.has_grammar_strategies:
         if grammars is None:
@@ -57,8 +67,15 @@ def build(config: DraftConfig, client: PrimaryClient | None, metrics: ServiceMet
     if config.has_corpus_strategy and corpus is None:
         raise ValueError("corpus drafts need a corpus index")
     index = SuffixIndex(config.suffix_index)
-    pool = DraftPool(config.pool, model_free_registry(suffix_index=index, corpus=corpus),
-                     model_based, attacher, suffix_index=index, grammar_based=grammar_based, grammars=grammars)
+    pool = DraftPool(
+        config.pool,
+        model_free_registry(suffix_index=index, corpus=corpus),
+        model_based,
+        attacher,
+        suffix_index=index,
+        grammar_based=grammar_based,
+        grammars=grammars,
+    )
     return DraftServicer(pool, attacher, metrics), pool, attacher
 
 
@@ -76,15 +93,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     # the tokenizer only: weights come from the primary
     if config.has_grammar_strategies or config.has_corpus_strategy:
         model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
-    if config.has_grammar_strategies:   # ~1 s
+    if config.has_grammar_strategies:  # ~1 s
         grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(Tokenizer.from_dir(model_dir)))
-    if config.has_corpus_strategy:   # mapped at once when cached, else built in the background (progress on stderr)
-        corpus = PendingCorpusIndex(functools.partial(open_index, config.corpus, model_dir,
-                                                      config.corpus.cache_dir or config.cache_dir),
-                                    config.corpus.query.max_match_len)
+    if config.has_corpus_strategy:  # mapped at once when cached, else built in the background (progress on stderr)
+        corpus = PendingCorpusIndex(
+            functools.partial(open_index, config.corpus, model_dir, config.corpus.cache_dir or config.cache_dir),
+            config.corpus.query.max_match_len,
+        )
     servicer, pool, attacher = build(config, client, metrics, grammars, corpus)
-    log.info("draft_pool_configured", strategies=list(config.pool.strategies),
-             default_strategies=list(config.pool.default_strategies), primary_address=config.primary_address)
+    log.info(
+        "draft_pool_configured",
+        strategies=list(config.pool.strategies),
+        default_strategies=list(config.pool.default_strategies),
+        primary_address=config.primary_address,
+    )
 
     def on_stopped() -> None:
         attacher.stop()
@@ -95,9 +117,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     attacher.start()  # attaches in the background: model-free strategies serve at once
     if corpus is not None:
         corpus.start()
-    serve(config.server, [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-          interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)], registry=registry,
-          on_stopped=on_stopped)
+    serve(
+        config.server,
+        [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
+        interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)],
+        registry=registry,
+        on_stopped=on_stopped,
+    )
 
 
 if __name__ == "__main__":

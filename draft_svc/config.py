@@ -15,6 +15,7 @@ Environment (compose.yaml sets the first five for every service):
     SPECDEC_DRAFT_CORPUS_CACHE_DIR,
     SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR, SPECDEC_SERVICE_TOKEN_FILE, SPECDEC_ALLOW_UNAUTHENTICATED
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,9 +35,9 @@ from specdec.logging import LOG_LEVELS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
-CORPUS_STRATEGY = CorpusDecoder.name   # needs the model's tokenizer and a corpus index (built on first use)
+CORPUS_STRATEGY = CorpusDecoder.name  # needs the model's tokenizer and a corpus index (built on first use)
 MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, CORPUS_STRATEGY)
-GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)   # need the model's tokenizer; only for constrained requests
+GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)  # need the model's tokenizer; only for constrained requests
 KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES + MODEL_STRATEGIES
 DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name) + GRAMMAR_STRATEGIES
 DEFAULT_PORT = 50052
@@ -49,17 +50,17 @@ class DraftConfig:
     pool: PoolConfig
     self_draft: SelfDraftConfig = SelfDraftConfig()
     suffix_index: SuffixIndexConfig = SuffixIndexConfig()
-    corpus: CorpusConfig = CorpusConfig()   # the corpus decoder's index, when the pool offers it
+    corpus: CorpusConfig = CorpusConfig()  # the corpus decoder's index, when the pool offers it
     primary_address: str = NO_PRIMARY
-    attach_poll_s: float = 5.0      # how often the primary's instance id is checked
-    max_context: int = 0            # rotary table length of the draft model; 0 = the primary's context
+    attach_poll_s: float = 5.0  # how often the primary's instance id is checked
+    max_context: int = 0  # rotary table length of the draft model; 0 = the primary's context
     # Torch intra-op threads per process (0 = torch's default). One: the pool already runs a step's
     # decoders on parallel threads, and spare OpenMP workers spin on the cores the primary needs.
     num_torch_threads: int = 1
     log_level: str = "INFO"
-    model_path: str | None = None   # the model's tokenizer for grammar-forced drafts (None: the default model)
+    model_path: str | None = None  # the model's tokenizer for grammar-forced drafts (None: the default model)
     cache_dir: Path = Path.home() / ".cache" / "specdec" / "models"
-    service_token_file: str = ""      # the shared secret callers must send, and this pool sends the primary
+    service_token_file: str = ""  # the shared secret callers must send, and this pool sends the primary
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
 
     def __post_init__(self) -> None:
@@ -96,24 +97,43 @@ def _ints(text: str) -> tuple[int, ...]:
 def add_corpus_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """The corpus index's flags, shared with `python -m draft_svc.corpus` (which builds the same index)."""
     env = environ.get
-    p.add_argument("--model_path", default=env("SPECDEC_MODEL_PATH", env("SPECDEC_MODEL", None)) or None,
-                   help="the model whose tokenizer grammar-forced and corpus drafts use (default: the default model)")
+    p.add_argument(
+        "--model_path",
+        default=env("SPECDEC_MODEL_PATH", env("SPECDEC_MODEL", None)) or None,
+        help="the model whose tokenizer grammar-forced and corpus drafts use (default: the default model)",
+    )
     p.add_argument("--cache_dir", default=env("SPECDEC_CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
-    p.add_argument("--corpus_sources", default=env("SPECDEC_DRAFT_CORPUS_SOURCES", ",".join(SOURCES)),
-                   help=f"comma-separated corpus sources of the corpus decoder, of {','.join(SOURCES)} "
-                        "(draft_svc/corpus/sources.py); may be empty when --corpus_paths names files")
-    p.add_argument("--corpus_paths", default=env("SPECDEC_DRAFT_CORPUS_PATHS", ""),
-                   help="comma-separated extra files or folders (.py .txt .md .rst .json) read after the sources")
-    p.add_argument("--corpus_max_tokens", type=int,
-                   default=int(env("SPECDEC_DRAFT_CORPUS_MAX_TOKENS", DEFAULT_MAX_TOKENS)),
-                   help="the corpus budget in tokens: bounds the build time and the index size (~10 bytes a token)")
-    p.add_argument("--corpus_cache_dir", default=env("SPECDEC_DRAFT_CORPUS_CACHE_DIR", ""),
-                   help="where corpus indexes are kept (default: --cache_dir)")
+    p.add_argument(
+        "--corpus_sources",
+        default=env("SPECDEC_DRAFT_CORPUS_SOURCES", ",".join(SOURCES)),
+        help=f"comma-separated corpus sources of the corpus decoder, of {','.join(SOURCES)} "
+        "(draft_svc/corpus/sources.py); may be empty when --corpus_paths names files",
+    )
+    p.add_argument(
+        "--corpus_paths",
+        default=env("SPECDEC_DRAFT_CORPUS_PATHS", ""),
+        help="comma-separated extra files or folders (.py .txt .md .rst .json) read after the sources",
+    )
+    p.add_argument(
+        "--corpus_max_tokens",
+        type=int,
+        default=int(env("SPECDEC_DRAFT_CORPUS_MAX_TOKENS", DEFAULT_MAX_TOKENS)),
+        help="the corpus budget in tokens: bounds the build time and the index size (~10 bytes a token)",
+    )
+    p.add_argument(
+        "--corpus_cache_dir",
+        default=env("SPECDEC_DRAFT_CORPUS_CACHE_DIR", ""),
+        help="where corpus indexes are kept (default: --cache_dir)",
+    )
 
 
 def corpus_config(a: argparse.Namespace) -> CorpusConfig:
-    return CorpusConfig(sources=_names(a.corpus_sources), paths=tuple(Path(p) for p in _names(a.corpus_paths)),
-                        max_tokens=a.corpus_max_tokens, cache_dir=Path(a.corpus_cache_dir or a.cache_dir))
+    return CorpusConfig(
+        sources=_names(a.corpus_sources),
+        paths=tuple(Path(p) for p in _names(a.corpus_paths)),
+        max_tokens=a.corpus_max_tokens,
+        cache_dir=Path(a.corpus_cache_dir or a.cache_dir),
+    )
 
 
 def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftConfig:
@@ -123,40 +143,72 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
     p.add_argument("--port", type=int, default=int(env("SPECDEC_PORT", DEFAULT_PORT)))
     p.add_argument("--metrics_port", type=int, default=int(env("SPECDEC_METRICS_PORT", 0)))
     p.add_argument("--log_level", default=env("SPECDEC_LOG_LEVEL", "INFO"))
-    p.add_argument("--primary_address", default=env("SPECDEC_PRIMARY_ADDRESS", NO_PRIMARY),
-                   help="host:port of the primary whose weights the model-based strategies run on")
-    p.add_argument("--num_threads", type=int, default=int(env("SPECDEC_DRAFT_NUM_THREADS", 1)),
-                   help="torch intra-op threads (default 1; 0: torch's default)")
+    p.add_argument(
+        "--primary_address",
+        default=env("SPECDEC_PRIMARY_ADDRESS", NO_PRIMARY),
+        help="host:port of the primary whose weights the model-based strategies run on",
+    )
+    p.add_argument(
+        "--num_threads",
+        type=int,
+        default=int(env("SPECDEC_DRAFT_NUM_THREADS", 1)),
+        help="torch intra-op threads (default 1; 0: torch's default)",
+    )
     add_corpus_arguments(p, environ)
-    p.add_argument("--strategies", default=env("SPECDEC_DRAFT_STRATEGIES", ",".join(DEFAULT_STRATEGIES)),
-                   help=f"comma-separated strategies this pool offers, of {','.join(KNOWN_STRATEGIES)}")
-    p.add_argument("--default_strategies", default=env("SPECDEC_DRAFT_DEFAULT_STRATEGIES", ""),
-                   help="strategies of a request that names none (default: the model-free ones offered)")
+    p.add_argument(
+        "--strategies",
+        default=env("SPECDEC_DRAFT_STRATEGIES", ",".join(DEFAULT_STRATEGIES)),
+        help=f"comma-separated strategies this pool offers, of {','.join(KNOWN_STRATEGIES)}",
+    )
+    p.add_argument(
+        "--default_strategies",
+        default=env("SPECDEC_DRAFT_DEFAULT_STRATEGIES", ""),
+        help="strategies of a request that names none (default: the model-free ones offered)",
+    )
     p.add_argument("--draft_length", type=int, default=int(env("SPECDEC_DRAFT_LENGTH", 8)))
-    p.add_argument("--draft_threads", type=int, default=int(env("SPECDEC_DRAFT_THREADS", 4)),
-                   help="threads running one step's decoders in parallel")
-    p.add_argument("--early_exit_layers", type=int, default=int(env("SPECDEC_DRAFT_EARLY_EXIT_LAYERS", 0)),
-                   help="layers the early-exit decoder runs (0: 3/4 of the model's)")
-    p.add_argument("--skipped_layers", default=env("SPECDEC_DRAFT_SKIPPED_LAYERS", ""),
-                   help="comma-separated layers the layer-skip decoder skips (default: every other one "
-                        "from L/4 to 2L/3)")
+    p.add_argument(
+        "--draft_threads",
+        type=int,
+        default=int(env("SPECDEC_DRAFT_THREADS", 4)),
+        help="threads running one step's decoders in parallel",
+    )
+    p.add_argument(
+        "--early_exit_layers",
+        type=int,
+        default=int(env("SPECDEC_DRAFT_EARLY_EXIT_LAYERS", 0)),
+        help="layers the early-exit decoder runs (0: 3/4 of the model's)",
+    )
+    p.add_argument(
+        "--skipped_layers",
+        default=env("SPECDEC_DRAFT_SKIPPED_LAYERS", ""),
+        help="comma-separated layers the layer-skip decoder skips (default: every other one from L/4 to 2L/3)",
+    )
     p.add_argument("--max_context", type=int, default=int(env("SPECDEC_DRAFT_MAX_CONTEXT", 0)))
     p.add_argument("--attach_poll_s", type=float, default=float(env("SPECDEC_DRAFT_ATTACH_POLL_S", 5.0)))
     add_service_token_arguments(p, lambda name, default: env("SPECDEC_" + name, default))
     a = p.parse_args(argv)
     strategies = _names(a.strategies)
-    defaults = _names(a.default_strategies) or tuple(n for n in strategies if n in MODEL_FREE_STRATEGIES) \
-        or strategies
+    defaults = _names(a.default_strategies) or tuple(n for n in strategies if n in MODEL_FREE_STRATEGIES) or strategies
     try:
         return DraftConfig(
             server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
-            pool=PoolConfig(strategies=strategies, default_strategies=defaults,
-                            default_draft_length=a.draft_length, num_threads=a.draft_threads),
-            self_draft=SelfDraftConfig(early_exit_layers=a.early_exit_layers,
-                                       skipped_layers=_ints(a.skipped_layers)),
-            primary_address=a.primary_address, attach_poll_s=a.attach_poll_s, max_context=a.max_context,
-            num_torch_threads=a.num_threads, log_level=a.log_level.upper(), model_path=a.model_path,
-            cache_dir=Path(a.cache_dir), corpus=corpus_config(a), service_token_file=a.service_token_file,
-            is_unauthenticated_allowed=a.allow_unauthenticated)
+            pool=PoolConfig(
+                strategies=strategies,
+                default_strategies=defaults,
+                default_draft_length=a.draft_length,
+                num_threads=a.draft_threads,
+            ),
+            self_draft=SelfDraftConfig(early_exit_layers=a.early_exit_layers, skipped_layers=_ints(a.skipped_layers)),
+            primary_address=a.primary_address,
+            attach_poll_s=a.attach_poll_s,
+            max_context=a.max_context,
+            num_torch_threads=a.num_threads,
+            log_level=a.log_level.upper(),
+            model_path=a.model_path,
+            cache_dir=Path(a.cache_dir),
+            corpus=corpus_config(a),
+            service_token_file=a.service_token_file,
+            is_unauthenticated_allowed=a.allow_unauthenticated,
+        )
     except ValueError as e:
-        p.error(str(e))   # exits with status 2 and the message: a configuration error is not a crash
+        p.error(str(e))  # exits with status 2 and the message: a configuration error is not a crash

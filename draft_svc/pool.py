@@ -24,6 +24,7 @@ mask the rest).
 Release(is_finished) adds the request's output (committed tokens after the prompt) to the
 shared suffix index, so later requests can draft from it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,10 +55,10 @@ class PoolConfig:
     default_draft_length: int = 8
     max_draft_length: int = 64
     max_speculative_degree: int = 16
-    max_tree_nodes: int = 256         # the primary's limit on a verified tree
+    max_tree_nodes: int = 256  # the primary's limit on a verified tree
     max_context_tokens: int = 1 << 20
     max_requests: int = 4096
-    request_ttl_s: float = 900.0      # a request idle this long (its gateway died) is dropped
+    request_ttl_s: float = 900.0  # a request idle this long (its gateway died) is dropped
     num_threads: int = 4
 
     def __post_init__(self) -> None:
@@ -67,15 +68,25 @@ class PoolConfig:
             raise ValueError(f"strategies must be distinct and non-empty, got {self.strategies}")
         unknown = set(self.default_strategies) - set(self.strategies)
         if unknown or not self.default_strategies:
-            raise ValueError(f"default_strategies must be a non-empty subset of strategies {self.strategies}, "
-                             f"got {self.default_strategies}")
-        for name in ("default_draft_length", "max_draft_length", "max_speculative_degree", "max_tree_nodes",
-                     "max_context_tokens", "max_requests", "num_threads"):
+            raise ValueError(
+                f"default_strategies must be a non-empty subset of strategies {self.strategies}, "
+                f"got {self.default_strategies}"
+            )
+        for name in (
+            "default_draft_length",
+            "max_draft_length",
+            "max_speculative_degree",
+            "max_tree_nodes",
+            "max_context_tokens",
+            "max_requests",
+            "num_threads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_draft_length > self.max_draft_length:
-            raise ValueError(f"default_draft_length {self.default_draft_length} exceeds max_draft_length "
-                             f"{self.max_draft_length}")
+            raise ValueError(
+                f"default_draft_length {self.default_draft_length} exceeds max_draft_length {self.max_draft_length}"
+            )
         if self.request_ttl_s <= 0:
             raise ValueError(f"request_ttl_s must be > 0, got {self.request_ttl_s}")
 
@@ -95,26 +106,26 @@ class ModelSource(Protocol):
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProposeArgs:
     request_id: str
-    prompt_token_ids: tuple[int, ...] = ()   # first call: creates the request's state
-    new_token_ids: tuple[int, ...] = ()      # committed since the previous call
-    strategies: tuple[str, ...] = ()         # () = the pool's default_strategies
-    speculative_degree: int = 0              # 0 = len(strategies)
-    draft_length: int = 0                    # 0 = default_draft_length
-    max_nodes: int = 0                       # 0 = speculative_degree * draft_length (capped)
-    response_format: ResponseFormat | None = None   # first call: the output's grammar (None: free text)
+    prompt_token_ids: tuple[int, ...] = ()  # first call: creates the request's state
+    new_token_ids: tuple[int, ...] = ()  # committed since the previous call
+    strategies: tuple[str, ...] = ()  # () = the pool's default_strategies
+    speculative_degree: int = 0  # 0 = len(strategies)
+    draft_length: int = 0  # 0 = default_draft_length
+    max_nodes: int = 0  # 0 = speculative_degree * draft_length (capped)
+    response_format: ResponseFormat | None = None  # first call: the output's grammar (None: free text)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DecoderStep:
     name: str
-    num_proposed: int   # tree nodes this decoder's candidates pass through
+    num_proposed: int  # tree nodes this decoder's candidates pass through
     time_ms: float
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Proposal:
-    tree: TokenTree                           # tree.decoders[i] = candidate i's decoder = bit i
-    decoder_steps: tuple[DecoderStep, ...]    # one per distinct decoder, in first-use order
+    tree: TokenTree  # tree.decoders[i] = candidate i's decoder = bit i
+    decoder_steps: tuple[DecoderStep, ...]  # one per distinct decoder, in first-use order
     time_ms: float
 
 
@@ -125,15 +136,23 @@ class _Request:
     decoders: dict[str, DraftDecoder] = dataclasses.field(default_factory=dict)
     model_instance: dict[str, str] = dataclasses.field(default_factory=dict)  # decoder -> its weights' instance
     response_format: ResponseFormat | None = None
-    grammar: GrammarState | None = None   # at the end of the committed output: cuts candidates that leave it
+    grammar: GrammarState | None = None  # at the end of the committed output: cuts candidates that leave it
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     last_used: float = 0.0
 
 
 class DraftPool:
-    def __init__(self, config: PoolConfig, model_free: DecoderRegistry, model_based: DecoderRegistry,
-                 models: ModelSource, suffix_index: SuffixIndex | None = None, *,
-                 grammar_based: DecoderRegistry | None = None, grammars: GrammarCache | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        model_free: DecoderRegistry,
+        model_based: DecoderRegistry,
+        models: ModelSource,
+        suffix_index: SuffixIndex | None = None,
+        *,
+        grammar_based: DecoderRegistry | None = None,
+        grammars: GrammarCache | None = None,
+    ) -> None:
         """`grammar_based` decoders are created with the request's response_format (requests without
         one get no candidate from them); `grammars` compiles those formats for the pool's own check
         that every proposed token is one the grammar allows."""
@@ -193,8 +212,11 @@ class DraftPool:
                 raise InvalidArgument("strategies", f"{name!r} is not one of this pool's {list(c.strategies)}")
         degree = args.speculative_degree or len(names)
         if not 1 <= degree <= min(len(names), c.max_speculative_degree):
-            raise InvalidArgument("speculative_degree", f"must be in [0, {min(len(names), c.max_speculative_degree)}]"
-                                  f" ({len(names)} strategies named), got {args.speculative_degree}")
+            raise InvalidArgument(
+                "speculative_degree",
+                f"must be in [0, {min(len(names), c.max_speculative_degree)}]"
+                f" ({len(names)} strategies named), got {args.speculative_degree}",
+            )
         draft_length = args.draft_length or c.default_draft_length
         if not 1 <= draft_length <= c.max_draft_length:
             raise InvalidArgument("draft_length", f"must be in [0, {c.max_draft_length}], got {args.draft_length}")
@@ -233,15 +255,21 @@ class DraftPool:
                     raise InvalidArgument("prompt_token_ids", f"context exceeds {c.max_context_tokens} tokens")
                 if request is None and len(self._requests) >= c.max_requests:
                     raise ResourceExhausted("request_id", f"the draft pool holds {c.max_requests} requests")
-                request = _Request([*args.prompt_token_ids, *args.new_token_ids], len(args.prompt_token_ids),
-                                   last_used=now, response_format=args.response_format,
-                                   grammar=self._grammar_state(args))
+                request = _Request(
+                    [*args.prompt_token_ids, *args.new_token_ids],
+                    len(args.prompt_token_ids),
+                    last_used=now,
+                    response_format=args.response_format,
+                    grammar=self._grammar_state(args),
+                )
                 self._requests[args.request_id] = request
                 self._requests.move_to_end(args.request_id)
                 return request, True
             elif request is None:
-                raise NotFound("request_id", f"no draft state for {args.request_id!r}: the first Propose of a "
-                                             "request carries prompt_token_ids")
+                raise NotFound(
+                    "request_id",
+                    f"no draft state for {args.request_id!r}: the first Propose of a request carries prompt_token_ids",
+                )
             self._requests.move_to_end(args.request_id)
             request.last_used = now
         return request, False
@@ -252,7 +280,7 @@ class DraftPool:
             return None
         if self._grammars is None:
             raise InvalidArgument("response_format", "this draft pool serves no grammars (no tokenizer configured)")
-        state = self._grammars.compile(args.response_format).new_state()   # InvalidArgument for a bad schema
+        state = self._grammars.compile(args.response_format).new_state()  # InvalidArgument for a bad schema
         if not state.accept_tokens(args.new_token_ids):
             raise InvalidArgument("new_token_ids", "the committed output does not follow response_format")
         return state
@@ -278,8 +306,9 @@ class DraftPool:
         for decoder in request.decoders.values():
             decoder.extend(token_ids)
 
-    def _run_decoders(self, request: _Request, entries: list[tuple[str, int]],
-                      draft_length: int) -> tuple[list[Candidate], list[DecoderStep]]:
+    def _run_decoders(
+        self, request: _Request, entries: list[tuple[str, int]], draft_length: int
+    ) -> tuple[list[Candidate], list[DecoderStep]]:
         num_ranks: dict[str, int] = {}
         for name, rank in entries:
             num_ranks[name] = max(num_ranks.get(name, 0), rank + 1)
@@ -287,11 +316,16 @@ class DraftPool:
         # Model-based decoders run in parallel, the first on this thread; the model-free ones take
         # microseconds, less than handing them to another thread.
         heavy = [name for name in runnable if name in self._model_based]
-        futures = {name: self._executor.submit(_timed_propose, runnable[name], draft_length, num_ranks[name])
-                   for name in heavy[1:]}
+        futures = {
+            name: self._executor.submit(_timed_propose, runnable[name], draft_length, num_ranks[name])
+            for name in heavy[1:]
+        }
         try:
-            results = {name: _timed_propose(runnable[name], draft_length, num_ranks[name])
-                       for name in runnable if name not in futures}
+            results = {
+                name: _timed_propose(runnable[name], draft_length, num_ranks[name])
+                for name in runnable
+                if name not in futures
+            }
         finally:
             wait(futures.values())  # even when one fails: no decoder may outlive the request's lock
         results.update((name, f.result()) for name, f in futures.items())  # a decoder's error propagates
@@ -323,7 +357,8 @@ class DraftPool:
                 return None
             if name not in request.decoders:
                 request.decoders[name] = self._grammar_based.create(
-                    name, response_format=request.response_format, num_prompt_tokens=request.num_prompt_tokens)
+                    name, response_format=request.response_format, num_prompt_tokens=request.num_prompt_tokens
+                )
                 request.decoders[name].extend(request.token_ids)
         elif name not in request.decoders:
             request.decoders[name] = self._model_free.create(name)
@@ -341,7 +376,7 @@ class DraftPool:
             raise NotFound("request_id", f"no draft state for {request_id!r}")
         with request.lock:  # wait for an in-flight Propose of the request
             _release_decoders(request)
-            output = request.token_ids[request.num_prompt_tokens:]
+            output = request.token_ids[request.num_prompt_tokens :]
         if is_finished and self._suffix_index is not None and output:
             self._suffix_index.insert(output)
             return len(output)

@@ -1,4 +1,5 @@
 """The draft pool's client of the primary: the two RPCs that attaching to its weights needs."""
+
 from __future__ import annotations
 
 import grpc
@@ -19,16 +20,28 @@ class GrpcPrimaryClient:
         self.address, self._timeout_s = address, timeout_s
         # Reconnect quickly: after a primary restart the next Attach must find it within a second,
         # not after gRPC's default backoff (up to two minutes).
-        self._channel = authenticated_channel(grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000)]), service_token)
+        self._channel = authenticated_channel(
+            grpc.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
+            ),
+            service_token,
+        )
         self._stub = primary_pb2_grpc.PrimaryServiceStub(self._channel)
 
     def get_model_info(self) -> ModelInfo:
         r = self._call("GetModelInfo", primary_pb2.GetModelInfoRequest())
-        return ModelInfo(instance_id=r.instance_id, vocab_size=r.vocab_size,
-                         max_context_length=r.max_context_length, model_id=r.model_id)
+        return ModelInfo(
+            instance_id=r.instance_id,
+            vocab_size=r.vocab_size,
+            max_context_length=r.max_context_length,
+            model_id=r.model_id,
+        )
 
     def export_weights(self) -> ExportedWeights:
         return exported_from_pb(self._call("ExportWeights", primary_pb2.ExportWeightsRequest()).manifest)
@@ -38,8 +51,9 @@ class GrpcPrimaryClient:
         try:
             return getattr(self._stub, method)(request, timeout=self._timeout_s)
         except grpc.RpcError as e:
-            raise Unavailable("primary_address", f"{method} on {self.address} failed: {e.code().name} "
-                              f"{e.details()}") from None
+            raise Unavailable(
+                "primary_address", f"{method} on {self.address} failed: {e.code().name} {e.details()}"
+            ) from None
 
     def close(self) -> None:
         self._channel.close()

@@ -2,6 +2,7 @@
 
 Domain errors (specdec.errors) raised below become their gRPC status in the interceptor.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -25,27 +26,35 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         attached = self._attacher.attach_offered(exported_from_pb(request.manifest))
         return draft_pb2.AttachResponse(mapped_bytes=attached.mapped_bytes)
 
-    def Propose(self, request: draft_pb2.ProposeRequest,
-                context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
-        proposal = self._pool.propose(ProposeArgs(
-            request_id=request.request_id, prompt_token_ids=tuple(request.prompt_token_ids),
-            new_token_ids=tuple(request.new_token_ids), strategies=tuple(request.strategies),
-            speculative_degree=request.speculative_degree, draft_length=request.draft_length,
-            max_nodes=request.max_nodes,
-            response_format=pb.response_format_from_pb(request.response_format) if request.prompt_token_ids
-            else None))
+    def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
+        proposal = self._pool.propose(
+            ProposeArgs(
+                request_id=request.request_id,
+                prompt_token_ids=tuple(request.prompt_token_ids),
+                new_token_ids=tuple(request.new_token_ids),
+                strategies=tuple(request.strategies),
+                speculative_degree=request.speculative_degree,
+                draft_length=request.draft_length,
+                max_nodes=request.max_nodes,
+                response_format=pb.response_format_from_pb(request.response_format)
+                if request.prompt_token_ids
+                else None,
+            )
+        )
         self._record(proposal)
         return proposal_to_pb(proposal)
 
-    def Release(self, request: draft_pb2.DraftServiceReleaseRequest,
-                context: grpc.ServicerContext) -> draft_pb2.DraftServiceReleaseResponse:
+    def Release(
+        self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.ServicerContext
+    ) -> draft_pb2.DraftServiceReleaseResponse:
         self._pool.release(pb.request_id_from_pb(request.request_id), request.is_finished)
         if self._metrics is not None:
             self._metrics.active_requests.set(self._pool.num_requests)
         return draft_pb2.DraftServiceReleaseResponse()
 
-    def GetPoolInfo(self, request: draft_pb2.GetPoolInfoRequest,
-                    context: grpc.ServicerContext) -> draft_pb2.GetPoolInfoResponse:
+    def GetPoolInfo(
+        self, request: draft_pb2.GetPoolInfoRequest, context: grpc.ServicerContext
+    ) -> draft_pb2.GetPoolInfoResponse:
         return draft_pb2.GetPoolInfoResponse(strategies=self._pool.config.strategies)
 
     def _record(self, proposal: Proposal) -> None:
@@ -61,7 +70,11 @@ def proposal_to_pb(proposal: Proposal) -> draft_pb2.ProposeResponse:
     tree = proposal.tree
     return draft_pb2.ProposeResponse(
         tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
-        node_sources=tree.node_sources, decoders=tree.decoders,
-        decoder_stats=[common_pb2.DecoderStats(name=s.name, num_proposed=s.num_proposed, time_ms=s.time_ms)
-                       for s in proposal.decoder_steps],
-        time_ms=proposal.time_ms)
+        node_sources=tree.node_sources,
+        decoders=tree.decoders,
+        decoder_stats=[
+            common_pb2.DecoderStats(name=s.name, num_proposed=s.num_proposed, time_ms=s.time_ms)
+            for s in proposal.decoder_steps
+        ],
+        time_ms=proposal.time_ms,
+    )

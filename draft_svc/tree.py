@@ -21,6 +21,7 @@ deep ones. The kept set is closed under ancestors and keeps the candidate-major 
     # E.g. the candidates above with max_nodes=4 -> [a b c] whole, then depth 1: [e] (a is shared);
     #      then depth 3: budget gone before d -> tokens [a b c e], parents [-1 0 1 -1]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,6 @@ from collections.abc import Sequence
 
 from draft_svc.strategies.base import Candidate
 from specdec.engine.tree import ROOT, check_tree
-
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -100,9 +100,14 @@ def build_token_tree(candidates: Sequence[Candidate], max_nodes: int) -> TokenTr
         depths = [depths[old] for old in order]
         sources = [sources[old] for old in order]
 
-    return TokenTree(token_ids=tuple(token_ids), parents=tuple(parents), depths=tuple(depths),
-                     node_sources=tuple(sources), decoders=tuple(c.decoder for c in candidates),
-                     ranks=tuple(c.rank for c in candidates))
+    return TokenTree(
+        token_ids=tuple(token_ids),
+        parents=tuple(parents),
+        depths=tuple(depths),
+        node_sources=tuple(sources),
+        decoders=tuple(c.decoder for c in candidates),
+        ranks=tuple(c.rank for c in candidates),
+    )
 
 
 def _within_budget(paths: list[list[int]], max_nodes: int) -> set[int]:
@@ -142,8 +147,12 @@ def candidate_outcomes(tree: TokenTree, accepted_nodes: Sequence[int]) -> tuple[
     outcomes = []
     for i, (decoder, rank) in enumerate(zip(tree.decoders, tree.ranks)):
         bit = 1 << i
-        outcomes.append(CandidateOutcome(
-            decoder=decoder, rank=rank,
-            num_proposed=sum(1 for mask in tree.node_sources if mask & bit),
-            num_accepted=sum(1 for node in accepted_nodes if tree.node_sources[node] & bit)))
+        outcomes.append(
+            CandidateOutcome(
+                decoder=decoder,
+                rank=rank,
+                num_proposed=sum(1 for mask in tree.node_sources if mask & bit),
+                num_accepted=sum(1 for node in accepted_nodes if tree.node_sources[node] & bit),
+            )
+        )
     return tuple(outcomes)

@@ -18,6 +18,7 @@ How the attachment is kept current:
 - `attach_offered(exported)` (the Attach RPC) maps only the memory the primary itself exports:
   a caller cannot make this process map any other segment.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,8 +81,14 @@ ModelCheck = Callable[[Transformer], None]  # raises ValueError when the model d
 
 
 class WeightAttacher:
-    def __init__(self, client: PrimaryClient | None = None, check_model: ModelCheck | None = None,
-                 max_context: int = 0, poll_interval_s: float = 5.0, is_attaching: bool = True) -> None:
+    def __init__(
+        self,
+        client: PrimaryClient | None = None,
+        check_model: ModelCheck | None = None,
+        max_context: int = 0,
+        poll_interval_s: float = 5.0,
+        is_attaching: bool = True,
+    ) -> None:
         self._client, self._check_model, self._is_attaching = client, check_model, is_attaching
         self._max_context, self._poll_interval_s = max_context, poll_interval_s
         self._attached: AttachedModel | None = None
@@ -102,7 +109,7 @@ class WeightAttacher:
         if attached is None:
             return None
         if attached.manifest.kind == KIND_SHARED_MEMORY and not (SHM_DIR / attached.manifest.segment_name).exists():
-            self._wake.set()   # the primary may have restarted: check now, keep the valid old mapping meanwhile
+            self._wake.set()  # the primary may have restarted: check now, keep the valid old mapping meanwhile
         return attached.instance_id, attached.model
 
     def vocab_size(self) -> int | None:
@@ -116,12 +123,16 @@ class WeightAttacher:
     def attach_offered(self, exported: ExportedWeights) -> AttachedModel:
         """attach() a manifest a caller offers, once the primary confirms it exports that memory."""
         if self._client is None:
-            raise FailedPrecondition("manifest", "this draft pool has no primary_address to check a manifest "
-                                     "against")
+            raise FailedPrecondition("manifest", "this draft pool has no primary_address to check a manifest against")
         return self.attach(exported, announced=self._client.export_weights().manifest)
 
-    def attach(self, exported: ExportedWeights, instance_id: str | None = None,
-               max_positions: int | None = None, announced: WeightManifest | None = None) -> AttachedModel:
+    def attach(
+        self,
+        exported: ExportedWeights,
+        instance_id: str | None = None,
+        max_positions: int | None = None,
+        announced: WeightManifest | None = None,
+    ) -> AttachedModel:
         """Validate and map `exported`, then make it the current model (fields in errors: wire paths).
         announced: what the primary exports; `exported` must name the same memory."""
         m = exported.manifest
@@ -130,8 +141,9 @@ class WeightAttacher:
             tensors = attach(m, announced)
         except HandleError as e:
             raise InvalidArgument(f"manifest.{wire_field(e.field)}", str(e).split(": ", 1)[-1]) from None
-        positions = min(max_positions or config.max_position_embeddings,
-                        self._max_context or config.max_position_embeddings)
+        positions = min(
+            max_positions or config.max_position_embeddings, self._max_context or config.max_position_embeddings
+        )
         try:
             model = Transformer(config, tensors, positions)
         except KeyError as e:
@@ -141,12 +153,19 @@ class WeightAttacher:
             try:
                 self._check_model(model)
             except ValueError as e:
-                raise InvalidArgument("manifest.model_config_json", f"the draft strategies do not fit this "
-                                      f"model: {e}") from None
+                raise InvalidArgument(
+                    "manifest.model_config_json", f"the draft strategies do not fit this model: {e}"
+                ) from None
         attached = AttachedModel(instance_id or m.owner_instance_id, model, m, exported.precision, exported.model_id)
-        self._attached = attached   # one reference swap: Propose threads see the old or the new model
-        self._log.info("weights_attached", instance_id=attached.instance_id, model_id=attached.model_id,
-                       precision=attached.precision, mapped_bytes=attached.mapped_bytes, kind=m.kind)
+        self._attached = attached  # one reference swap: Propose threads see the old or the new model
+        self._log.info(
+            "weights_attached",
+            instance_id=attached.instance_id,
+            model_id=attached.model_id,
+            precision=attached.precision,
+            mapped_bytes=attached.mapped_bytes,
+            kind=m.kind,
+        )
         return attached
 
     def refresh(self) -> AttachedModel | None:
@@ -159,10 +178,12 @@ class WeightAttacher:
         attached = self._attached
         if not self._is_attaching or (attached is not None and attached.instance_id == info.instance_id):
             return attached
-        self._log.info("primary_instance_changed", old=None if attached is None else attached.instance_id,
-                       new=info.instance_id)
-        return self.attach(self._client.export_weights(), instance_id=info.instance_id,
-                           max_positions=info.max_context_length or None)
+        self._log.info(
+            "primary_instance_changed", old=None if attached is None else attached.instance_id, new=info.instance_id
+        )
+        return self.attach(
+            self._client.export_weights(), instance_id=info.instance_id, max_positions=info.max_context_length or None
+        )
 
     # --- the monitor thread ---------------------------------------------------------------------------
 
@@ -179,7 +200,7 @@ class WeightAttacher:
             self._thread.join(timeout=5.0)
 
     def _monitor(self) -> None:
-        is_failing = False   # a primary that stays down is reported once, not every poll
+        is_failing = False  # a primary that stays down is reported once, not every poll
         while not self._stop.is_set():
             try:
                 self.refresh()
@@ -215,11 +236,15 @@ def _smoke_forward(model: Transformer) -> None:
     slot = kv.allocate(1)
     device = model.embed_tokens.device
     try:
-        logits = model.forward(torch.tensor([SMOKE_TOKEN_ID], device=device), torch.zeros(1, dtype=torch.int64,
-                               device=device), [SequenceSpan(0, 1, 0, slot.k, slot.v, None)])
+        logits = model.forward(
+            torch.tensor([SMOKE_TOKEN_ID], device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+            [SequenceSpan(0, 1, 0, slot.k, slot.v, None)],
+        )
     except (RuntimeError, IndexError) as e:
         raise InvalidArgument("manifest.tensors", f"the tensors do not fit the config: {e}") from None
     if tuple(logits.shape) != (1, model.config.vocab_size):
-        raise InvalidArgument("manifest.tensors", f"logits of shape {tuple(logits.shape)} do not match "
-                              f"vocab_size {model.config.vocab_size}")
-
+        raise InvalidArgument(
+            "manifest.tensors",
+            f"logits of shape {tuple(logits.shape)} do not match vocab_size {model.config.vocab_size}",
+        )

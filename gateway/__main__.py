@@ -1,4 +1,5 @@
 """python -m gateway: the public GenerationService, backed by primary, draft, validator and the state store."""
+
 from __future__ import annotations
 
 import asyncio
@@ -39,11 +40,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: --api_keys_file: {e}") from None
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    tokenizer = Tokenizer.from_dir(resolve_model_dir(config.model_path, config.cache_dir,
-                                                     show_progress=sys.stderr.isatty()))
-    backends = Backends(config.primary_address, config.draft_address, config.validator_address,
-                        config.rpc_timeout_s, config.server.max_message_bytes * 32, config.is_logits_via_handle,
-                        service_token=service_token)
+    tokenizer = Tokenizer.from_dir(
+        resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
+    )
+    backends = Backends(
+        config.primary_address,
+        config.draft_address,
+        config.validator_address,
+        config.rpc_timeout_s,
+        config.server.max_message_bytes * 32,
+        config.is_logits_via_handle,
+        service_token=service_token,
+    )
     give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
     while True:
         try:
@@ -58,16 +66,28 @@ def main(argv: list[str] | None = None) -> None:
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
     servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
-    log.info("gateway ready", primary=config.primary_address, draft=config.draft_address,
-             validator=config.validator_address, tls=config.server.is_tls,
-             tenants=None if api_keys is None else sorted(api_keys.tenants),
-             state_store="redis" if config.redis_url else "in-process", max_context=model.max_context)
+    log.info(
+        "gateway ready",
+        primary=config.primary_address,
+        draft=config.draft_address,
+        validator=config.validator_address,
+        tls=config.server.is_tls,
+        tenants=None if api_keys is None else sorted(api_keys.tenants),
+        state_store="redis" if config.redis_url else "in-process",
+        max_context=model.max_context,
+    )
     if config.redis_url:
         threading.Thread(target=servicer.resume_active, name="resume", daemon=True).start()
     try:
         # An asyncio server: open streams and queued requests hold no thread (gateway.server).
-        asyncio.run(serve_aio(config.server, [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
-                              interceptors=[AioErrorInterceptor(metrics)], registry=registry))
+        asyncio.run(
+            serve_aio(
+                config.server,
+                [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
+                interceptors=[AioErrorInterceptor(metrics)],
+                registry=registry,
+            )
+        )
     finally:
         servicer.close()
         servicer.grammars.close()

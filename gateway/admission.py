@@ -18,6 +18,7 @@ queue without ever reaching the primary.
 The asyncio gateway waits with `await ticket.wait_async(deadline, cancel, request_id)` instead:
 a queued request then holds no thread, only a future that the grant resolves.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,8 @@ from specdec.metrics import ServiceMetrics
 # integer milliseconds (HTTP fronts turn it into Retry-After).
 RETRY_AFTER_KEY = "retry-after-ms"
 MIN_RETRY_AFTER_MS, MAX_RETRY_AFTER_MS = 100, 60_000
-DEFAULT_SERVICE_S = 1.0        # a request's time in a slot, until one has been measured
-SERVICE_TIME_WEIGHT = 0.2      # weight of the latest request in the moving average of the service time
+DEFAULT_SERVICE_S = 1.0  # a request's time in a slot, until one has been measured
+SERVICE_TIME_WEIGHT = 0.2  # weight of the latest request in the moving average of the service time
 # How often a queued request looks at its cancel event (a deadline wakes it exactly).
 CANCEL_POLL_S = 0.2
 
@@ -105,7 +106,7 @@ class Ticket:
         self.granted_at: float | None = admission.clock() if is_granted else None
         self.queued_at = admission.clock()
         self.is_released = False
-        self._waker: Callable[[], None] | None = None   # wait_async's: called (lock held) when granted
+        self._waker: Callable[[], None] | None = None  # wait_async's: called (lock held) when granted
 
     @property
     def is_granted(self) -> bool:
@@ -140,8 +141,7 @@ class Ticket:
                 self._waker = lambda: loop.call_soon_threadsafe(resolve)
             try:
                 while not self._granted.is_set():
-                    timeout = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S,
-                                                                         max(0.0, deadline - a.clock()))
+                    timeout = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S, max(0.0, deadline - a.clock()))
                     try:
                         await asyncio.wait_for(asyncio.shield(granted), timeout)
                     except asyncio.TimeoutError:
@@ -164,8 +164,11 @@ class Ticket:
             self.release()
             a.record_abandoned("deadline" if is_late else "cancelled", waited_s)
             if is_late:
-                raise DeadlineExceeded("request_id", f"request {request_id!r} waited {waited_s:.1f} s in the "
-                                       "admission queue and its deadline passed before it could start")
+                raise DeadlineExceeded(
+                    "request_id",
+                    f"request {request_id!r} waited {waited_s:.1f} s in the "
+                    "admission queue and its deadline passed before it could start",
+                )
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
 
     def _admitted(self) -> float:
@@ -179,8 +182,13 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, max_active: int, max_queued: int, metrics: ServiceMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_active: int,
+        max_queued: int,
+        metrics: ServiceMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_active < 1:
             raise ValueError(f"max_active must be >= 1, got {max_active}")
         if max_queued < 0:
@@ -209,8 +217,11 @@ class Admission:
                 retry_ms = self._retry_after_ms()
                 if self.metrics is not None:
                     self.metrics.admission_rejections.labels("queue_full").inc()
-                raise QueueFull(f"the gateway is at capacity ({self.max_active} requests running, "
-                                f"{self.max_queued} waiting); retry in {retry_ms} ms", retry_ms)
+                raise QueueFull(
+                    f"the gateway is at capacity ({self.max_active} requests running, "
+                    f"{self.max_queued} waiting); retry in {retry_ms} ms",
+                    retry_ms,
+                )
             ticket = Ticket(self, key, is_granted=False)
             self._queue.push(key, ticket)
             self._record_depth()
@@ -237,7 +248,7 @@ class Admission:
             now = self.clock()
             held_s = now - ticket.granted_at
             self._service_s += SERVICE_TIME_WEIGHT * (held_s - self._service_s)
-            if self._queue:               # the slot passes straight to the next waiter
+            if self._queue:  # the slot passes straight to the next waiter
                 nxt = self._queue.pop()
                 nxt.granted_at = now
                 nxt._granted.set()

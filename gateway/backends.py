@@ -4,6 +4,7 @@ Protobuf stays here; the request loop sees plain values. A failed call becomes t
 error of its status (NotFound, Unavailable, ...), so the loop can recover from a restarted
 primary (NOT_FOUND after a re-prefill is needed, UNAVAILABLE while it is down).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,21 +15,43 @@ import grpc
 from specdec import pb
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.compiler import ResponseFormat
-from specdec.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal, InvalidArgument, NotFound,
-                            ResourceExhausted, SpecdecError, Unavailable)
+from specdec.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SpecdecError,
+    Unavailable,
+)
 from specdec.sampling import SamplingParams
 from specdec.service.auth import authenticated_channel
-from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, primary_pb2, primary_pb2_grpc, validator_pb2,
-                        validator_pb2_grpc)
+from specdec.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    primary_pb2,
+    primary_pb2_grpc,
+    validator_pb2,
+    validator_pb2_grpc,
+)
 
 _ERRORS: dict[grpc.StatusCode, type[SpecdecError]] = {
-    grpc.StatusCode.NOT_FOUND: NotFound, grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition, grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
 }
-MODES = {"greedy": validator_pb2.ACCEPTANCE_MODE_GREEDY, "sample": validator_pb2.ACCEPTANCE_MODE_SAMPLE,
-         "threshold": validator_pb2.ACCEPTANCE_MODE_THRESHOLD}
+MODES = {
+    "greedy": validator_pb2.ACCEPTANCE_MODE_GREEDY,
+    "sample": validator_pb2.ACCEPTANCE_MODE_SAMPLE,
+    "threshold": validator_pb2.ACCEPTANCE_MODE_THRESHOLD,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,7 +67,7 @@ class ModelInfo:
 class DraftTree:
     token_ids: tuple[int, ...]
     parents: tuple[int, ...]
-    node_sources: tuple[int, ...]            # bit i set: decoders[i] proposed the node
+    node_sources: tuple[int, ...]  # bit i set: decoders[i] proposed the node
     decoders: tuple[str, ...]
     decoder_ms: dict[str, float]
     time_ms: float
@@ -59,7 +82,7 @@ EMPTY_TREE = DraftTree((), (), (), (), {}, 0.0)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Verified:
-    logits: Any                             # common_pb2.Logits, passed through to the validator untouched
+    logits: Any  # common_pb2.Logits, passed through to the validator untouched
     argmax_token_ids: tuple[int, ...]
     forward_ms: float
 
@@ -82,9 +105,12 @@ _RETRYABLE = (Unavailable, DeadlineExceeded, ResourceExhausted, Cancelled)
 
 def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
     cls = _ERRORS.get(e.code(), Unavailable if e.code() == grpc.StatusCode.UNKNOWN else None)
-    error = Unavailable(service, f"{e.code().name}: {e.details()}") if cls is None else cls(
-        service, e.details() or e.code().name)
-    error.dependency = service    # the loop recovers from some; a client never sees it as its own (client_error)
+    error = (
+        Unavailable(service, f"{e.code().name}: {e.details()}")
+        if cls is None
+        else cls(service, e.details() or e.code().name)
+    )
+    error.dependency = service  # the loop recovers from some; a client never sees it as its own (client_error)
     return error
 
 
@@ -96,24 +122,35 @@ def client_error(error: SpecdecError, request_id: str) -> SpecdecError:
         return error
     if isinstance(error, _RETRYABLE):
         return type(error)("request_id", f"request {request_id!r} could not be completed now; retry later")
-    return Internal("request_id", f"request {request_id!r} failed inside the service; the gateway log has the "
-                    "details")
+    return Internal("request_id", f"request {request_id!r} failed inside the service; the gateway log has the details")
 
 
 class Backends:
-    def __init__(self, primary_address: str, draft_address: str, validator_address: str, timeout_s: float,
-                 max_message_bytes: int = 128 << 20, is_logits_via_handle: bool = False,
-                 service_token: str | None = None) -> None:
-        self.is_logits_via_handle = is_logits_via_handle   # logits through /dev/shm, primary -> validator
+    def __init__(
+        self,
+        primary_address: str,
+        draft_address: str,
+        validator_address: str,
+        timeout_s: float,
+        max_message_bytes: int = 128 << 20,
+        is_logits_via_handle: bool = False,
+        service_token: str | None = None,
+    ) -> None:
+        self.is_logits_via_handle = is_logits_via_handle  # logits through /dev/shm, primary -> validator
         # Reconnect quickly: a restarted service must be found again within a step or two
         # (gRPC's default backoff grows to two minutes).
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         # service_token: sent on every call (specdec.service.auth); None when the services run without one.
-        self._channels = [authenticated_channel(grpc.insecure_channel(a, options=options), service_token)
-                          for a in (primary_address, draft_address, validator_address)]
+        self._channels = [
+            authenticated_channel(grpc.insecure_channel(a, options=options), service_token)
+            for a in (primary_address, draft_address, validator_address)
+        ]
         self.primary = primary_pb2_grpc.PrimaryServiceStub(self._channels[0])
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.validator = validator_pb2_grpc.ValidatorServiceStub(self._channels[2])
@@ -136,71 +173,157 @@ class Backends:
 
     def model_info(self) -> ModelInfo:
         r = self._call("primary", self.primary.GetModelInfo, primary_pb2.GetModelInfoRequest())
-        return ModelInfo(r.vocab_size, tuple(r.eos_token_ids), r.max_context_length, r.instance_id,
-                         {c.num_nodes: c.time_ms for c in r.verify_costs})
+        return ModelInfo(
+            r.vocab_size,
+            tuple(r.eos_token_ids),
+            r.max_context_length,
+            r.instance_id,
+            {c.num_nodes: c.time_ms for c in r.verify_costs},
+        )
 
     def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> float:
         """Returns the primary's time for the prefill, milliseconds. `num_prompt_tokens`: how many
         of `token_ids` are the prompt (a recovery sends the generated tokens after it)."""
-        r = self._call("primary", self.primary.Prefill, primary_pb2.PrefillRequest(
-            request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens))
+        r = self._call(
+            "primary",
+            self.primary.Prefill,
+            primary_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens),
+        )
         self._kv_leases[request_id] = r.kv_lease
         return r.time_ms
 
-    def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               tree: DraftTree, logits_format: str, allowed: TokenBitmask | None = None) -> Verified:
+    def verify(
+        self,
+        request_id: str,
+        accepted_nodes: Sequence[int],
+        committed_token_ids: Sequence[int],
+        tree: DraftTree,
+        logits_format: str,
+        allowed: TokenBitmask | None = None,
+    ) -> Verified:
         """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None."""
-        r = self._call("primary", self.primary.Verify, primary_pb2.VerifyRequest(
-            request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
-            tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
-            logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format], return_handle=self.is_logits_via_handle,
-            allowed_tokens=_mask(allowed), kv_lease=self._kv_leases.get(request_id, "")))
+        r = self._call(
+            "primary",
+            self.primary.Verify,
+            primary_pb2.VerifyRequest(
+                request_id=request_id,
+                accepted_nodes=accepted_nodes,
+                committed_token_ids=committed_token_ids,
+                tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
+                logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format],
+                return_handle=self.is_logits_via_handle,
+                allowed_tokens=_mask(allowed),
+                kv_lease=self._kv_leases.get(request_id, ""),
+            ),
+        )
         return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
 
-    def decode(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               sampling: SamplingParams, step: int, allowed: TokenBitmask | None = None) -> tuple[int, float]:
-        r = self._call("primary", self.primary.Decode, primary_pb2.DecodeRequest(
-            request_id=request_id, accepted_nodes=accepted_nodes, committed_token_ids=committed_token_ids,
-            sampling=pb.sampling_to_pb(sampling), step=step, allowed_tokens=_mask(allowed),
-            kv_lease=self._kv_leases.get(request_id, "")))
+    def decode(
+        self,
+        request_id: str,
+        accepted_nodes: Sequence[int],
+        committed_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        step: int,
+        allowed: TokenBitmask | None = None,
+    ) -> tuple[int, float]:
+        r = self._call(
+            "primary",
+            self.primary.Decode,
+            primary_pb2.DecodeRequest(
+                request_id=request_id,
+                accepted_nodes=accepted_nodes,
+                committed_token_ids=committed_token_ids,
+                sampling=pb.sampling_to_pb(sampling),
+                step=step,
+                allowed_tokens=_mask(allowed),
+                kv_lease=self._kv_leases.get(request_id, ""),
+            ),
+        )
         return r.token_id, r.forward_ms
 
     def release_primary(self, request_id: str) -> None:
-        release = primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id,
-                                                           kv_lease=self._kv_leases.pop(request_id, ""))
+        release = primary_pb2.PrimaryServiceReleaseRequest(
+            request_id=request_id, kv_lease=self._kv_leases.pop(request_id, "")
+        )
         self._call("primary", self.primary.Release, release)
 
     # --- draft -------------------------------------------------------------------------------
 
-    def propose(self, request_id: str, prompt_token_ids: Sequence[int], new_token_ids: Sequence[int],
-                strategies: Sequence[str], speculative_degree: int, draft_length: int, max_nodes: int,
-                response_format: ResponseFormat | None = None) -> DraftTree:
+    def propose(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        new_token_ids: Sequence[int],
+        strategies: Sequence[str],
+        speculative_degree: int,
+        draft_length: int,
+        max_nodes: int,
+        response_format: ResponseFormat | None = None,
+    ) -> DraftTree:
         """`response_format` goes with the first call of a request (the one carrying the prompt)."""
-        r = self._call("draft", self.draft.Propose, draft_pb2.ProposeRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, new_token_ids=new_token_ids,
-            strategies=strategies, speculative_degree=speculative_degree, draft_length=draft_length,
-            max_nodes=max_nodes,
-            response_format=None if response_format is None else pb.response_format_to_pb(response_format)))
-        return DraftTree(tuple(r.tree.token_ids), tuple(r.tree.parents), tuple(r.node_sources),
-                         tuple(r.decoders), {s.name: s.time_ms for s in r.decoder_stats}, r.time_ms)
+        r = self._call(
+            "draft",
+            self.draft.Propose,
+            draft_pb2.ProposeRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                new_token_ids=new_token_ids,
+                strategies=strategies,
+                speculative_degree=speculative_degree,
+                draft_length=draft_length,
+                max_nodes=max_nodes,
+                response_format=None if response_format is None else pb.response_format_to_pb(response_format),
+            ),
+        )
+        return DraftTree(
+            tuple(r.tree.token_ids),
+            tuple(r.tree.parents),
+            tuple(r.node_sources),
+            tuple(r.decoders),
+            {s.name: s.time_ms for s in r.decoder_stats},
+            r.time_ms,
+        )
 
     def draft_strategies(self) -> tuple[str, ...]:
         """The strategies the draft pool offers."""
         return tuple(self._call("draft", self.draft.GetPoolInfo, draft_pb2.GetPoolInfoRequest()).strategies)
 
     def release_draft(self, request_id: str, is_finished: bool) -> None:
-        self._call("draft", self.draft.Release,
-                   draft_pb2.DraftServiceReleaseRequest(request_id=request_id, is_finished=is_finished))
+        self._call(
+            "draft",
+            self.draft.Release,
+            draft_pb2.DraftServiceReleaseRequest(request_id=request_id, is_finished=is_finished),
+        )
 
     # --- validator ---------------------------------------------------------------------------
 
-    def validate(self, request_id: str, mode: str, sampling: SamplingParams, acceptance_threshold: float,
-                 step: int, tree: DraftTree, verified: Verified, allowed: TokenBitmask | None = None) -> Validation:
-        r = self._call("validator", self.validator.Validate, validator_pb2.ValidateRequest(
-            request_id=request_id, mode=MODES[mode], sampling=pb.sampling_to_pb(sampling),
-            acceptance_threshold=acceptance_threshold, step=step,
-            tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
-            target_logits=verified.logits, target_argmax_token_ids=verified.argmax_token_ids,
-            allowed_tokens=_mask(allowed)))
-        return Validation(tuple(r.accepted_nodes), r.bonus_token, tuple(r.accepted_entropies),
-                          tuple(r.rejected_entropies))
+    def validate(
+        self,
+        request_id: str,
+        mode: str,
+        sampling: SamplingParams,
+        acceptance_threshold: float,
+        step: int,
+        tree: DraftTree,
+        verified: Verified,
+        allowed: TokenBitmask | None = None,
+    ) -> Validation:
+        r = self._call(
+            "validator",
+            self.validator.Validate,
+            validator_pb2.ValidateRequest(
+                request_id=request_id,
+                mode=MODES[mode],
+                sampling=pb.sampling_to_pb(sampling),
+                acceptance_threshold=acceptance_threshold,
+                step=step,
+                tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
+                target_logits=verified.logits,
+                target_argmax_token_ids=verified.argmax_token_ids,
+                allowed_tokens=_mask(allowed),
+            ),
+        )
+        return Validation(
+            tuple(r.accepted_nodes), r.bonus_token, tuple(r.accepted_entropies), tuple(r.rejected_entropies)
+        )

@@ -13,6 +13,7 @@ markup included, and is encoded as written.
 Content without any special token's text is encoded with the rest in one piece, exactly as
 before (token boundaries unchanged).
 """
+
 from __future__ import annotations
 
 import secrets
@@ -35,8 +36,9 @@ class PromptEncoder:
         # A copy that encodes special tokens' text as plain text; the shared one is left as it is.
         self._plain = BackendTokenizer.from_str(tokenizer.backend.to_str())
         self._plain.encode_special_tokens = True
-        self._special_texts = tuple(t.content for t in tokenizer.backend.get_added_tokens_decoder().values()
-                                    if t.special)
+        self._special_texts = tuple(
+            t.content for t in tokenizer.backend.get_added_tokens_decoder().values() if t.special
+        )
 
     def encode_plain(self, text: str) -> list[int]:
         """text as plain text: a special token's spelling becomes ordinary tokens."""
@@ -51,16 +53,20 @@ class PromptEncoder:
 
     def _encode_chat_split(self, messages: Sequence[tuple[str, str]]) -> list[int]:
         markers = [f"{_MARKER_OPEN}{secrets.token_hex(8)}{_MARKER_CLOSE}" for _ in messages]
-        rendered = self.tokenizer.apply_chat_template([{"role": r, "content": m}
-                                                       for (r, _), m in zip(messages, markers)])
+        rendered = self.tokenizer.apply_chat_template(
+            [{"role": r, "content": m} for (r, _), m in zip(messages, markers)]
+        )
         ids: list[int] = []
         start = 0
         for i, ((_, content), marker) in enumerate(zip(messages, markers)):
             at = rendered.find(marker, start)
             if at < 0 or rendered.count(marker) != 1:
                 # The template rewrites or repeats the content: there is no safe place to cut.
-                raise InvalidArgument(f"chat.messages[{i}].content", "contains control-token text, which this "
-                                      "model's chat template cannot keep apart from its own markup")
+                raise InvalidArgument(
+                    f"chat.messages[{i}].content",
+                    "contains control-token text, which this "
+                    "model's chat template cannot keep apart from its own markup",
+                )
             ids += self.tokenizer.encode(rendered[start:at]) + self.encode_plain(content)
             start = at + len(marker)
         return ids + self.tokenizer.encode(rendered[start:])

@@ -1,5 +1,6 @@
 """Gateway configuration: flags, with SPECDEC_GATEWAY_* / SPECDEC_* environment variables as defaults.
 The only module of the gateway that reads os.environ."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,7 @@ from specdec.logits_codec import FORMATS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig, is_loopback
 
-GRAMMAR_STRATEGY = "grammar"   # grammar-forced drafts; only for requests with a response_format
+GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; only for requests with a response_format
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
@@ -24,6 +25,7 @@ KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "la
 @dataclasses.dataclass(frozen=True, slots=True)
 class Limits:
     """What one request may ask for; beyond these it gets INVALID_ARGUMENT naming the field."""
+
     default_max_new_tokens: int = 256
     max_new_tokens: int = 8192
     max_stop_strings: int = 16
@@ -49,8 +51,8 @@ class SpeculationDefaults:
     is_adaptive: bool = True
     max_adaptive_degree: int = 4
     max_adaptive_draft_length: int = 16
-    greedy_logits_format: str = "fp8_e4m3"   # greedy decisions use the primary's fp32 argmax
-    sample_logits_format: str = "fp32"       # lossless sampling needs the exact distribution
+    greedy_logits_format: str = "fp8_e4m3"  # greedy decisions use the primary's fp32 argmax
+    sample_logits_format: str = "fp32"  # lossless sampling needs the exact distribution
 
     def __post_init__(self) -> None:
         for fmt in (self.greedy_logits_format, self.sample_logits_format):
@@ -70,16 +72,16 @@ class GatewayConfig:
     primary_address: str
     draft_address: str
     validator_address: str
-    redis_url: str                      # "" -> the in-process store (single machine, no recovery across restarts)
+    redis_url: str  # "" -> the in-process store (single machine, no recovery across restarts)
     model_path: str | None
     cache_dir: Path
     limits: Limits = Limits()
     speculation: SpeculationDefaults = SpeculationDefaults()
-    costs: CostSettings = CostSettings()   # the adaptive controller's cost model beyond the verify curve
-    grammar: GrammarSettings = GrammarSettings()   # compiling response formats
+    costs: CostSettings = CostSettings()  # the adaptive controller's cost model beyond the verify curve
+    grammar: GrammarSettings = GrammarSettings()  # compiling response formats
     is_logits_via_handle: bool = False  # validator co-located with the primary: logits through /dev/shm
     rpc_timeout_s: float = 60.0
-    recovery_timeout_s: float = 120.0   # how long a request waits for a restarted primary
+    recovery_timeout_s: float = 120.0  # how long a request waits for a restarted primary
     state_ttl_s: float = 24 * 3600.0
     log_level: str = "INFO"
     # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
@@ -104,8 +106,10 @@ class GatewayConfig:
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.server.host):
-            raise ValueError(f"host {self.server.host!r} is reachable from other machines: give --api_keys_file, "
-                             "or --allow_insecure_public to serve anyone who can reach it")
+            raise ValueError(
+                f"host {self.server.host!r} is reachable from other machines: give --api_keys_file, "
+                "or --allow_insecure_public to serve anyone who can reach it"
+            )
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -135,62 +139,116 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--strategies", default=_env("STRATEGIES", "prompt_lookup,suffix_index"))
     p.add_argument("--draft_length", type=int, default=int(_env("DRAFT_LENGTH", "8")))
     p.add_argument("--speculative_degree", type=int, default=int(_env("SPECULATIVE_DEGREE", "1")))
-    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=_env_bool("ADAPTIVE", True),
-                   help="let the adaptive controller choose degree and draft length per step (requests may "
-                        "override with speculation.is_adaptive)")
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool("ADAPTIVE", True),
+        help="let the adaptive controller choose degree and draft length per step (requests may "
+        "override with speculation.is_adaptive)",
+    )
     p.add_argument("--max_adaptive_degree", type=int, default=int(_env("MAX_ADAPTIVE_DEGREE", "4")))
     p.add_argument("--max_adaptive_draft_length", type=int, default=int(_env("MAX_ADAPTIVE_DRAFT_LENGTH", "16")))
-    p.add_argument("--plain_overhead_ms", type=float,
-                   default=float(_env("PLAIN_OVERHEAD_MS", str(PLAIN_OVERHEAD_MS))),
-                   help="cost model: time per plain step outside the primary's forward")
-    p.add_argument("--speculative_overhead_ms", type=float,
-                   default=float(_env("SPECULATIVE_OVERHEAD_MS", str(SPECULATIVE_OVERHEAD_MS))),
-                   help="cost model: time per speculative step outside the forward and the drafts")
+    p.add_argument(
+        "--plain_overhead_ms",
+        type=float,
+        default=float(_env("PLAIN_OVERHEAD_MS", str(PLAIN_OVERHEAD_MS))),
+        help="cost model: time per plain step outside the primary's forward",
+    )
+    p.add_argument(
+        "--speculative_overhead_ms",
+        type=float,
+        default=float(_env("SPECULATIVE_OVERHEAD_MS", str(SPECULATIVE_OVERHEAD_MS))),
+        help="cost model: time per speculative step outside the forward and the drafts",
+    )
     p.add_argument("--greedy_logits_format", default=_env("GREEDY_LOGITS_FORMAT", "fp8_e4m3"), choices=FORMATS)
-    p.add_argument("--logits_via_handle", action="store_true",
-                   default=_env("LOGITS_VIA_HANDLE", "0") in ("1", "true", "yes"),
-                   help="the validator runs on the primary's machine: pass verify logits through /dev/shm")
+    p.add_argument(
+        "--logits_via_handle",
+        action="store_true",
+        default=_env("LOGITS_VIA_HANDLE", "0") in ("1", "true", "yes"),
+        help="the validator runs on the primary's machine: pass verify logits through /dev/shm",
+    )
     p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(4 << 20))))
     p.add_argument("--rpc_timeout_s", type=float, default=float(_env("RPC_TIMEOUT_S", "60")))
     p.add_argument("--recovery_timeout_s", type=float, default=float(_env("RECOVERY_TIMEOUT_S", "120")))
-    p.add_argument("--max_grammar_compile_s", type=float, default=float(_env("MAX_GRAMMAR_COMPILE_S", "10")),
-                   help="longest a request waits for its response_format to compile (RESOURCE_EXHAUSTED after)")
+    p.add_argument(
+        "--max_grammar_compile_s",
+        type=float,
+        default=float(_env("MAX_GRAMMAR_COMPILE_S", "10")),
+        help="longest a request waits for its response_format to compile (RESOURCE_EXHAUSTED after)",
+    )
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
-    p.add_argument("--num_threads", type=int, default=int(os.environ.get("SPECDEC_GATEWAY_NUM_THREADS", "1")),
-                   help="torch intra-op threads (default 1; 0: torch's default)")
+    p.add_argument(
+        "--num_threads",
+        type=int,
+        default=int(os.environ.get("SPECDEC_GATEWAY_NUM_THREADS", "1")),
+        help="torch intra-op threads (default 1; 0: torch's default)",
+    )
     add_service_token_arguments(p, _env, is_server=False)
-    p.add_argument("--api_keys_file", default=_env("API_KEYS_FILE", ""),
-                   help="tenants and the SHA-256 of their API keys (python -m specdec.service.api_keys add); "
-                        "every call must carry one of the keys, and a request belongs to the tenant that made it")
-    p.add_argument("--allow_insecure_public", action="store_true",
-                   default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
-                   help="without --api_keys_file, listen on a non-loopback --host anyway")
+    p.add_argument(
+        "--api_keys_file",
+        default=_env("API_KEYS_FILE", ""),
+        help="tenants and the SHA-256 of their API keys (python -m specdec.service.api_keys add); "
+        "every call must carry one of the keys, and a request belongs to the tenant that made it",
+    )
+    p.add_argument(
+        "--allow_insecure_public",
+        action="store_true",
+        default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
+        help="without --api_keys_file, listen on a non-loopback --host anyway",
+    )
     p.add_argument("--tls_cert", default=_env("TLS_CERT", ""), help="PEM certificate chain: serve TLS")
     p.add_argument("--tls_key", default=_env("TLS_KEY", ""), help="PEM private key of --tls_cert")
-    p.add_argument("--max_active_requests", type=int, default=int(_env("MAX_ACTIVE_REQUESTS", "16")),
-                   help="requests generating at once; more wait in the admission queue")
-    p.add_argument("--max_queued_requests", type=int, default=int(_env("MAX_QUEUED_REQUESTS", "128")),
-                   help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
-                        "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata")
+    p.add_argument(
+        "--max_active_requests",
+        type=int,
+        default=int(_env("MAX_ACTIVE_REQUESTS", "16")),
+        help="requests generating at once; more wait in the admission queue",
+    )
+    p.add_argument(
+        "--max_queued_requests",
+        type=int,
+        default=int(_env("MAX_QUEUED_REQUESTS", "128")),
+        help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
+        "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata",
+    )
     a = p.parse_args(argv)
     return GatewayConfig(
-        server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port,
-                            max_message_bytes=a.max_message_bytes, tls_cert_file=a.tls_cert,
-                            tls_key_file=a.tls_key,
-                            # The threads that run admitted requests' loops (the server itself is asyncio).
-                            max_workers=max(1, a.max_active_requests)),
-        primary_address=a.primary_address, draft_address=a.draft_address,
-        validator_address=a.validator_address, redis_url=a.redis_url, model_path=a.model_path,
+        server=ServerConfig(
+            host=a.host,
+            port=a.port,
+            metrics_port=a.metrics_port,
+            max_message_bytes=a.max_message_bytes,
+            tls_cert_file=a.tls_cert,
+            tls_key_file=a.tls_key,
+            # The threads that run admitted requests' loops (the server itself is asyncio).
+            max_workers=max(1, a.max_active_requests),
+        ),
+        primary_address=a.primary_address,
+        draft_address=a.draft_address,
+        validator_address=a.validator_address,
+        redis_url=a.redis_url,
+        model_path=a.model_path,
         cache_dir=Path(a.cache_dir),
-        speculation=SpeculationDefaults(speculative_degree=a.speculative_degree, draft_length=a.draft_length,
-                                        strategies=tuple(s for s in a.strategies.split(",") if s),
-                                        greedy_logits_format=a.greedy_logits_format, is_adaptive=a.adaptive,
-                                        max_adaptive_degree=a.max_adaptive_degree,
-                                        max_adaptive_draft_length=a.max_adaptive_draft_length),
+        speculation=SpeculationDefaults(
+            speculative_degree=a.speculative_degree,
+            draft_length=a.draft_length,
+            strategies=tuple(s for s in a.strategies.split(",") if s),
+            greedy_logits_format=a.greedy_logits_format,
+            is_adaptive=a.adaptive,
+            max_adaptive_degree=a.max_adaptive_degree,
+            max_adaptive_draft_length=a.max_adaptive_draft_length,
+        ),
         costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
         grammar=GrammarSettings(max_compile_s=a.max_grammar_compile_s),
-        is_logits_via_handle=a.logits_via_handle, rpc_timeout_s=a.rpc_timeout_s,
-        recovery_timeout_s=a.recovery_timeout_s, log_level=a.log_level, num_threads=a.num_threads,
-        service_token_file=a.service_token_file, is_unauthenticated_allowed=a.allow_unauthenticated,
-        api_keys_file=a.api_keys_file, is_insecure_public_allowed=a.allow_insecure_public,
-        max_active_requests=a.max_active_requests, max_queued_requests=a.max_queued_requests)
+        is_logits_via_handle=a.logits_via_handle,
+        rpc_timeout_s=a.rpc_timeout_s,
+        recovery_timeout_s=a.recovery_timeout_s,
+        log_level=a.log_level,
+        num_threads=a.num_threads,
+        service_token_file=a.service_token_file,
+        is_unauthenticated_allowed=a.allow_unauthenticated,
+        api_keys_file=a.api_keys_file,
+        is_insecure_public_allowed=a.allow_insecure_public,
+        max_active_requests=a.max_active_requests,
+        max_queued_requests=a.max_queued_requests,
+    )

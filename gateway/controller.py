@@ -33,6 +33,7 @@ while on, a decoder left out for probe_interval steps rides along for one step. 
 enough that probing costs < max_probe_overhead of throughput are probed: a model-based drafter that
 the cost model dropped stays dropped for the request.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,8 +45,12 @@ from typing import Any, Protocol
 import numpy as np
 
 from gateway.cost_model import CostModel
-from specdec.controller_defaults import (DRAFT_LENGTH_CHOICES, PRIOR_ACCEPTANCE_CODE, PRIOR_ACCEPTANCE_CREATIVE,
-                                         PRIOR_ACCEPTANCE_STRUCTURED)
+from specdec.controller_defaults import (
+    DRAFT_LENGTH_CHOICES,
+    PRIOR_ACCEPTANCE_CODE,
+    PRIOR_ACCEPTANCE_CREATIVE,
+    PRIOR_ACCEPTANCE_STRUCTURED,
+)
 
 STATE_VERSION = 1
 _TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
@@ -61,7 +66,8 @@ class TaskType(enum.StrEnum):
 _CODE_PATTERN = re.compile(
     r"```|^[ \t]*(?:def|class|import|from[ \t]+[\w.]+[ \t]+import|async[ \t]+def|function|fn|func|"
     r"public|private|#include|package|const|let|var|SELECT|CREATE[ \t]+TABLE)\b|[;{][ \t]*$",
-    re.MULTILINE)
+    re.MULTILINE,
+)
 
 
 def infer_task_type(prompt_text: str, has_schema: bool) -> TaskType:
@@ -99,15 +105,21 @@ class ControllerConfig:
         for name in ("max_speculative_degree", "max_tree_nodes", "probe_interval", "probe_draft_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("prior_acceptance_structured", "prior_acceptance_code", "prior_acceptance_creative",
-                     "rank_prior_decay", "prior_coverage"):
+        for name in (
+            "prior_acceptance_structured",
+            "prior_acceptance_code",
+            "prior_acceptance_creative",
+            "rank_prior_decay",
+            "prior_coverage",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
         if self.prior_strength <= 0 or self.half_life_steps <= 0:
             raise ValueError("prior_strength and half_life_steps must be positive")
         if self.max_evidence_tokens < self.prior_strength:
-            raise ValueError(f"max_evidence_tokens ({self.max_evidence_tokens}) must be >= prior_strength "
-                             f"({self.prior_strength})")
+            raise ValueError(
+                f"max_evidence_tokens ({self.max_evidence_tokens}) must be >= prior_strength ({self.prior_strength})"
+            )
         if not 0 < self.off_below <= self.on_above:
             raise ValueError(f"need 0 < off_below <= on_above, got {self.off_below}, {self.on_above}")
 
@@ -116,9 +128,12 @@ class ControllerConfig:
         return 0.5 ** (1.0 / self.half_life_steps)
 
     def prior_acceptance(self, task_type: TaskType, rank: int) -> float:
-        base = {TaskType.STRUCTURED: self.prior_acceptance_structured, TaskType.CODE: self.prior_acceptance_code,
-                TaskType.CREATIVE: self.prior_acceptance_creative}[task_type]
-        return base * self.rank_prior_decay ** rank
+        base = {
+            TaskType.STRUCTURED: self.prior_acceptance_structured,
+            TaskType.CODE: self.prior_acceptance_code,
+            TaskType.CREATIVE: self.prior_acceptance_creative,
+        }[task_type]
+        return base * self.rank_prior_decay**rank
 
 
 @dataclasses.dataclass(slots=True)
@@ -147,8 +162,9 @@ class DecoderEstimate:
     def fill(self) -> float:
         return self.filled / self.proposed_steps if self.proposed_steps > _TINY else 1.0
 
-    def record(self, weight: float, num_proposed: int, num_accepted: int, num_requested: int,
-               max_tested: float) -> None:
+    def record(
+        self, weight: float, num_proposed: int, num_accepted: int, num_requested: int, max_tested: float
+    ) -> None:
         """Discount the old evidence by `weight`, add one step's, cap the token evidence at max_tested."""
         for name in ("accepted", "tested", "proposed_steps", "asked_steps", "filled"):
             setattr(self, name, getattr(self, name) * weight)
@@ -167,8 +183,10 @@ class DecoderEstimate:
 
 
 # (field, the type a stored value is coerced to) for rebuilding a DecoderEstimate from a plain dict
-_ESTIMATE_FIELDS = tuple((f, {"decoder": str, "rank": int, "last_observed_step": int}.get(f.name, float))
-                         for f in dataclasses.fields(DecoderEstimate))
+_ESTIMATE_FIELDS = tuple(
+    (f, {"decoder": str, "rank": int, "last_observed_step": int}.get(f.name, float))
+    for f in dataclasses.fields(DecoderEstimate)
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -182,20 +200,31 @@ class ControllerState:
     last_probe_step: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "task_type": self.task_type.value, "num_steps": self.num_steps,
-                "is_speculating": self.is_speculating, "last_probe_step": self.last_probe_step,
-                "estimates": [dataclasses.asdict(e) for e in self.estimates]}
+        return {
+            "version": STATE_VERSION,
+            "task_type": self.task_type.value,
+            "num_steps": self.num_steps,
+            "is_speculating": self.is_speculating,
+            "last_probe_step": self.last_probe_step,
+            "estimates": [dataclasses.asdict(e) for e in self.estimates],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ControllerState:
         if data.get("version") != STATE_VERSION:
             raise ValueError(f"controller state version must be {STATE_VERSION}, got {data.get('version')!r}")
         try:
-            estimates = [DecoderEstimate(**{f.name: f_type(row[f.name]) for f, f_type in _ESTIMATE_FIELDS})
-                         for row in data["estimates"]]
-            return cls(task_type=TaskType(data["task_type"]), estimates=estimates,
-                       num_steps=int(data["num_steps"]), is_speculating=bool(data["is_speculating"]),
-                       last_probe_step=int(data["last_probe_step"]))
+            estimates = [
+                DecoderEstimate(**{f.name: f_type(row[f.name]) for f, f_type in _ESTIMATE_FIELDS})
+                for row in data["estimates"]
+            ]
+            return cls(
+                task_type=TaskType(data["task_type"]),
+                estimates=estimates,
+                num_steps=int(data["num_steps"]),
+                is_speculating=bool(data["is_speculating"]),
+                last_probe_step=int(data["last_probe_step"]),
+            )
         except KeyError as e:
             raise ValueError(f"controller state lacks field {e.args[0]!r}") from None
 
@@ -269,8 +298,9 @@ def strategies_for(sources: Sequence[tuple[str, int]]) -> tuple[str, ...]:
     return strategies
 
 
-def candidate_outcomes(strategies: Sequence[str], node_sources: Sequence[int],
-                       accepted_nodes: Sequence[int]) -> list[CandidateOutcome]:
+def candidate_outcomes(
+    strategies: Sequence[str], node_sources: Sequence[int], accepted_nodes: Sequence[int]
+) -> list[CandidateOutcome]:
     """Per candidate (bit i of node_sources = strategies[i]): nodes it proposed, and those on the
     accepted path. A candidate is a chain, so its accepted nodes are the prefix the primary took.
 
@@ -315,8 +345,9 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
     coverage = np.array([e.coverage for e in estimates])  # [S]
     lengths = np.array([e.fill for e in estimates]) * gammas[:, None]  # [G, S] expected candidate lengths
     # reach[g, s, j] = c_s * alpha_s^(j+1) * [j + 1 <= f_s * gamma_g], the last partial token pro rata
-    reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] \
-        * np.clip(lengths[:, :, None] - depth, 0.0, 1.0)  # [G, S, J]
+    reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] * np.clip(
+        lengths[:, :, None] - depth, 0.0, 1.0
+    )  # [G, S, J]
     nodes = coverage * lengths  # [G, S] expected nodes each candidate adds
     decoder_names = sorted({e.decoder for e in estimates})
     decoder_of = np.array([decoder_names.index(e.decoder) for e in estimates])  # [S]
@@ -338,8 +369,11 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
         new_length = 1.0 + (1.0 - new_miss).sum(axis=2)  # [G, S], bonus token included
         new_nodes = num_nodes[:, None] + nodes  # [G, S]
         new_draft = draft_cost[:, None] + np.where(is_used[:, decoder_of], 0.0, draft)  # [G, S]
-        step = (cost_model.speculative_overhead + new_draft
-                + cost_model.verify(1.0 + np.minimum(new_nodes, config.max_tree_nodes)))  # [G, S]
+        step = (
+            cost_model.speculative_overhead
+            + new_draft
+            + cost_model.verify(1.0 + np.minimum(new_nodes, config.max_tree_nodes))
+        )  # [G, S]
         new_speedup = np.where(is_eligible, new_length * plain_step / step, -np.inf)  # [G, S]
         pick = new_speedup.argmax(axis=1)  # [G]
         is_better = new_speedup[grid, pick] > speedup  # [G]; a length whose best addition loses stops
@@ -359,8 +393,9 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
     return _Choice(tuple(order[g]), int(gammas[g]), float(accepted_length[g]), float(speedup[g]))
 
 
-def _initial_estimates(task_type: TaskType, decoders: Mapping[str, int],
-                       config: ControllerConfig) -> list[DecoderEstimate]:
+def _initial_estimates(
+    task_type: TaskType, decoders: Mapping[str, int], config: ControllerConfig
+) -> list[DecoderEstimate]:
     estimates = []
     for decoder, num_ranks in decoders.items():
         if num_ranks < 1:
@@ -368,10 +403,18 @@ def _initial_estimates(task_type: TaskType, decoders: Mapping[str, int],
         for rank in range(num_ranks):
             prior = config.prior_acceptance(task_type, rank)
             proposed = config.prior_strength * config.prior_coverage
-            estimates.append(DecoderEstimate(
-                decoder=decoder, rank=rank, prior_acceptance=prior, accepted=config.prior_strength * prior,
-                tested=config.prior_strength, proposed_steps=proposed, asked_steps=config.prior_strength,
-                filled=proposed))
+            estimates.append(
+                DecoderEstimate(
+                    decoder=decoder,
+                    rank=rank,
+                    prior_acceptance=prior,
+                    accepted=config.prior_strength * prior,
+                    tested=config.prior_strength,
+                    proposed_steps=proposed,
+                    asked_steps=config.prior_strength,
+                    filled=proposed,
+                )
+            )
     return estimates
 
 
@@ -382,28 +425,39 @@ def _task_type(value: TaskType | str) -> TaskType:
         raise ValueError(f"task_type {value!r} is not one of {[t.value for t in TaskType]}") from None
 
 
-def _plan_from(choice: _Choice, estimates: list[DecoderEstimate], config: ControllerConfig,
-               extra: tuple[tuple[str, int], ...] = ()) -> SpeculationPlan:
+def _plan_from(
+    choice: _Choice, estimates: list[DecoderEstimate], config: ControllerConfig, extra: tuple[tuple[str, int], ...] = ()
+) -> SpeculationPlan:
     sources = tuple((estimates[s].decoder, estimates[s].rank) for s in choice.sources) + extra
-    return SpeculationPlan(draft_length=choice.draft_length, sources=sources,
-                           max_tree_nodes=min(config.max_tree_nodes, len(sources) * choice.draft_length),
-                           expected_accepted_length=choice.expected_accepted_length,
-                           expected_speedup=choice.expected_speedup, is_probe=bool(extra))
+    return SpeculationPlan(
+        draft_length=choice.draft_length,
+        sources=sources,
+        max_tree_nodes=min(config.max_tree_nodes, len(sources) * choice.draft_length),
+        expected_accepted_length=choice.expected_accepted_length,
+        expected_speedup=choice.expected_speedup,
+        is_probe=bool(extra),
+    )
 
 
-def adjust_speculative_degree(task_type: TaskType | str,
-                              current_acceptance: float | Mapping[tuple[str, int], float] | None = None, *,
-                              decoders: Mapping[str, int], cost_model: CostModel,
-                              config: ControllerConfig | None = None) -> SpeculationPlan:
+def adjust_speculative_degree(
+    task_type: TaskType | str,
+    current_acceptance: float | Mapping[tuple[str, int], float] | None = None,
+    *,
+    decoders: Mapping[str, int],
+    cost_model: CostModel,
+    config: ControllerConfig | None = None,
+) -> SpeculationPlan:
     """One-shot plan for a task type and the current alpha (one number for every rank-0 decoder, or
     per (decoder, rank); None: the task type's prior). Stateless: no hysteresis, no probing."""
     config = config or ControllerConfig()
     estimates = _initial_estimates(_task_type(task_type), decoders, config)
     if current_acceptance is not None:
         for e in estimates:
-            alpha = (current_acceptance.get((e.decoder, e.rank), e.prior_acceptance)
-                     if isinstance(current_acceptance, Mapping)
-                     else current_acceptance * config.rank_prior_decay ** e.rank)
+            alpha = (
+                current_acceptance.get((e.decoder, e.rank), e.prior_acceptance)
+                if isinstance(current_acceptance, Mapping)
+                else current_acceptance * config.rank_prior_decay**e.rank
+            )
             e.accepted = alpha * e.tested
     choice = _best_choice(estimates, cost_model, config)
     if not choice.sources or choice.expected_speedup < config.off_below:
@@ -422,8 +476,9 @@ class AdaptiveController:
         """decoders: name -> how many ranked candidates it can give per step (1 for most strategies)."""
         for decoder in decoders:
             self._cost_model.draft(decoder, 1)  # fail now, naming the decoder, not mid-request
-        return ControllerState(task_type=_task_type(task_type),
-                               estimates=_initial_estimates(_task_type(task_type), decoders, self._config))
+        return ControllerState(
+            task_type=_task_type(task_type), estimates=_initial_estimates(_task_type(task_type), decoders, self._config)
+        )
 
     def plan(self, state: ControllerState) -> SpeculationPlan:
         config, estimates = self._config, state.estimates
@@ -435,9 +490,10 @@ class AdaptiveController:
             state.is_speculating = True
         if state.is_speculating:
             # At the degree bound a ride-along takes the weakest source's place for that step.
-            kept = choice.sources[:config.max_speculative_degree - 1]
-            extra = self._stale_source(state, kept if len(kept) < len(choice.sources) else choice.sources,
-                                       choice.draft_length)
+            kept = choice.sources[: config.max_speculative_degree - 1]
+            extra = self._stale_source(
+                state, kept if len(kept) < len(choice.sources) else choice.sources, choice.draft_length
+            )
             if extra and len(kept) < len(choice.sources):
                 choice = dataclasses.replace(choice, sources=kept)
             return _plan_from(choice, estimates, config, extra)
@@ -445,28 +501,37 @@ class AdaptiveController:
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
         state.last_probe_step = state.num_steps
         gamma = config.probe_draft_length
-        sources = tuple((e.decoder, 0) for e in estimates
-                        if e.rank == 0 and self._is_cheap_probe(e.decoder, gamma))[:config.max_speculative_degree]
+        sources = tuple((e.decoder, 0) for e in estimates if e.rank == 0 and self._is_cheap_probe(e.decoder, gamma))[
+            : config.max_speculative_degree
+        ]
         if not sources:  # only expensive decoders: staying off is what the cost model chose
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
-        return SpeculationPlan(draft_length=gamma, sources=sources,
-                               max_tree_nodes=min(config.max_tree_nodes, len(sources) * gamma),
-                               expected_speedup=choice.expected_speedup, is_probe=True)
+        return SpeculationPlan(
+            draft_length=gamma,
+            sources=sources,
+            max_tree_nodes=min(config.max_tree_nodes, len(sources) * gamma),
+            expected_speedup=choice.expected_speedup,
+            is_probe=True,
+        )
 
     def _is_cheap_probe(self, decoder: str, draft_length: int) -> bool:
         amortised = self._cost_model.draft(decoder, draft_length) / self._config.probe_interval
         return amortised <= self._config.max_probe_overhead
 
-    def _stale_source(self, state: ControllerState, kept: tuple[int, ...],
-                      draft_length: int) -> tuple[tuple[str, int], ...]:
+    def _stale_source(
+        self, state: ControllerState, kept: tuple[int, ...], draft_length: int
+    ) -> tuple[tuple[str, int], ...]:
         """The cheap (decoder, rank) left out longest, when it has been out for probe_interval steps
         and can join `kept` (rank r only next to rank r - 1, so the pool's rank convention holds)."""
         in_plan = {(state.estimates[s].decoder, state.estimates[s].rank) for s in kept}
-        stale = [e for s, e in enumerate(state.estimates)
-                 if s not in kept
-                 and (e.rank == 0 or (e.decoder, e.rank - 1) in in_plan)
-                 and state.num_steps - e.last_observed_step >= self._config.probe_interval
-                 and ((e.decoder, 0) in in_plan or self._is_cheap_probe(e.decoder, draft_length))]
+        stale = [
+            e
+            for s, e in enumerate(state.estimates)
+            if s not in kept
+            and (e.rank == 0 or (e.decoder, e.rank - 1) in in_plan)
+            and state.num_steps - e.last_observed_step >= self._config.probe_interval
+            and ((e.decoder, 0) in in_plan or self._is_cheap_probe(e.decoder, draft_length))
+        ]
         if not stale:
             return ()
         oldest = min(stale, key=lambda e: e.last_observed_step)
@@ -482,8 +547,10 @@ class AdaptiveController:
         for outcome in outcomes:
             results[outcome.decoder, outcome.rank] = (outcome.num_proposed, outcome.num_accepted)
             if not 0 <= outcome.num_accepted <= outcome.num_proposed:
-                raise ValueError(f"outcome for {outcome.decoder!r}: need 0 <= num_accepted <= num_proposed, "
-                                 f"got {outcome.num_accepted}, {outcome.num_proposed}")
+                raise ValueError(
+                    f"outcome for {outcome.decoder!r}: need 0 <= num_accepted <= num_proposed, "
+                    f"got {outcome.num_accepted}, {outcome.num_proposed}"
+                )
         for decoder, rank in results:
             if (decoder, rank) not in by_key:
                 raise ValueError(f"decoder {decoder!r} rank {rank} is not tracked by this request's controller")
@@ -491,6 +558,11 @@ class AdaptiveController:
         decay = self._config.decay_per_step
         for key, (num_proposed, num_accepted) in results.items():
             estimate = by_key[key]
-            estimate.record(decay ** (state.num_steps - estimate.last_observed_step),
-                            num_proposed, num_accepted, plan.draft_length, self._config.max_evidence_tokens)
+            estimate.record(
+                decay ** (state.num_steps - estimate.last_observed_step),
+                num_proposed,
+                num_accepted,
+                plan.draft_length,
+                self._config.max_evidence_tokens,
+            )
             estimate.last_observed_step = state.num_steps

@@ -10,6 +10,7 @@ so a tree must gain ~0.8 tokens a step before it pays; in bf16 (docs/architectur
 The overheads are given in ms (RPCs, logits transfer, Redis) and divided by the measured 1-row
 forward, so the same settings mean little on a slow CPU forward and a lot on a fast GPU one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,14 @@ from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_
 
 # SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (docs/architecture.md).
 SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
-    (1, 26.8), (2, 26.4), (4, 28.3), (8, 31.7), (16, 37.7), (32, 46.7), (64, 72.3))
+    (1, 26.8),
+    (2, 26.4),
+    (4, 28.3),
+    (8, 31.7),
+    (16, 37.7),
+    (32, 46.7),
+    (64, 72.3),
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,9 +56,13 @@ class DraftCost:
 # self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without
 # fine-tuning (docs/architecture.md, Measurements).
 DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
-    ("early_exit", DraftCost(per_token=0.75)), ("layer_skip", DraftCost(per_token=0.85)),
-    ("prompt_lookup", DraftCost(fixed=0.002)), ("suffix_index", DraftCost(fixed=0.004)),
-    ("corpus", DraftCost(fixed=0.01)), ("grammar", DraftCost(fixed=0.005)))
+    ("early_exit", DraftCost(per_token=0.75)),
+    ("layer_skip", DraftCost(per_token=0.85)),
+    ("prompt_lookup", DraftCost(fixed=0.002)),
+    ("suffix_index", DraftCost(fixed=0.004)),
+    ("corpus", DraftCost(fixed=0.01)),
+    ("grammar", DraftCost(fixed=0.005)),
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,20 +84,34 @@ class CostModel:
         names = [name for name, _ in self.draft_costs]
         if len(names) != len(set(names)):
             raise ValueError(f"draft_costs names a decoder twice: {names}")
-        object.__setattr__(self, "_curve", (np.array(sizes, dtype=np.float64),  # [P] num_tokens
-                                            np.array([c for _, c in self.verify_curve], dtype=np.float64)))
+        object.__setattr__(
+            self,
+            "_curve",
+            (
+                np.array(sizes, dtype=np.float64),  # [P] num_tokens
+                np.array([c for _, c in self.verify_curve], dtype=np.float64),
+            ),
+        )
 
     @classmethod
-    def from_verify_ms(cls, verify_ms: Iterable[tuple[int, float]],
-                       draft_costs: Mapping[str, DraftCost] | None = None, *,
-                       plain_overhead: float = 0.0, speculative_overhead: float = 0.0) -> CostModel:
+    def from_verify_ms(
+        cls,
+        verify_ms: Iterable[tuple[int, float]],
+        draft_costs: Mapping[str, DraftCost] | None = None,
+        *,
+        plain_overhead: float = 0.0,
+        speculative_overhead: float = 0.0,
+    ) -> CostModel:
         """A measured curve in ms, normalised by its 1-token entry."""
         points = sorted(verify_ms)
         if not points or points[0][0] != 1:
             raise ValueError("verify_ms must include num_tokens 1")
-        return cls(verify_curve=tuple((k, ms / points[0][1]) for k, ms in points),
-                   draft_costs=tuple(sorted((draft_costs or {}).items())),
-                   plain_overhead=plain_overhead, speculative_overhead=speculative_overhead)
+        return cls(
+            verify_curve=tuple((k, ms / points[0][1]) for k, ms in points),
+            draft_costs=tuple(sorted((draft_costs or {}).items())),
+            plain_overhead=plain_overhead,
+            speculative_overhead=speculative_overhead,
+        )
 
     @property
     def plain_step(self) -> float:
@@ -132,6 +158,9 @@ def cost_model_for(verify_costs_ms: Mapping[int, float], settings: CostSettings)
     if not points or points[0][0] != 1:
         points = list(SMOLLM2_BF16_VERIFY_MS)
     one_row_ms = points[0][1]
-    return CostModel.from_verify_ms(points, dict(settings.draft_costs),
-                                    plain_overhead=settings.plain_overhead_ms / one_row_ms,
-                                    speculative_overhead=settings.speculative_overhead_ms / one_row_ms)
+    return CostModel.from_verify_ms(
+        points,
+        dict(settings.draft_costs),
+        plain_overhead=settings.plain_overhead_ms / one_row_ms,
+        speculative_overhead=settings.speculative_overhead_ms / one_row_ms,
+    )

@@ -7,6 +7,7 @@ one dependency for the whole gateway: the first failure marks it down (logged on
 set to 0), calls are skipped until retry_s has passed, then one call probes it again; the first
 success marks it up (logged once).
 """
+
 from __future__ import annotations
 
 import threading
@@ -19,8 +20,13 @@ DEFAULT_RETRY_S = 2.0
 
 
 class DependencyState:
-    def __init__(self, name: str, retry_s: float = DEFAULT_RETRY_S, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        retry_s: float = DEFAULT_RETRY_S,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[bool], None] | None = None,
+    ) -> None:
         self.name, self.retry_s = name, retry_s
         self._clock, self._on_change = clock, on_change
         self._is_up = True
@@ -43,7 +49,7 @@ class DependencyState:
                 return True
             if self._clock() < self._retry_at:
                 return False
-            self._retry_at = self._clock() + self.retry_s   # one probe per period, whoever calls
+            self._retry_at = self._clock() + self.retry_s  # one probe per period, whoever calls
             return True
 
     def succeeded(self) -> None:

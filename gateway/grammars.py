@@ -8,6 +8,7 @@ then gets RESOURCE_EXHAUSTED naming response_format.json_schema. The compile goe
 background and lands in the cache, so a retry of the same schema is served at once; concurrent
 requests for one schema share one compile.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,7 @@ from specdec.grammar.compiler import SCHEMA_FIELD
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GrammarSettings:
-    max_compile_s: float = 10.0        # longest a request waits for its schema to compile
+    max_compile_s: float = 10.0  # longest a request waits for its schema to compile
     num_compile_threads: int = 2
     max_cached_grammars: int = 64
 
@@ -58,7 +59,7 @@ class Grammars:
             if is_new:
                 future = self._executor.submit(self.cache.compile, response_format)
                 self._compiling[response_format] = future
-        if is_new:   # outside the lock: a future already done runs the callback right here
+        if is_new:  # outside the lock: a future already done runs the callback right here
             future.add_done_callback(lambda _, key=response_format: self._done(key))
         wait_s = self.settings.max_compile_s
         if deadline is not None:
@@ -66,8 +67,11 @@ class Grammars:
         try:
             return future.result(timeout=wait_s)
         except FutureTimeout:
-            raise ResourceExhausted(SCHEMA_FIELD, f"took longer than {wait_s:.1f} s to compile into a grammar; it "
-                                    "keeps compiling in the background, retry later or simplify the schema") from None
+            raise ResourceExhausted(
+                SCHEMA_FIELD,
+                f"took longer than {wait_s:.1f} s to compile into a grammar; it "
+                "keeps compiling in the background, retry later or simplify the schema",
+            ) from None
 
     def _done(self, response_format: ResponseFormat) -> None:
         with self._lock:

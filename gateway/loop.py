@@ -21,6 +21,7 @@ restarts, its Verify answers NOT_FOUND (or UNAVAILABLE while it is down): the lo
 it, re-prefills prompt + committed tokens, and goes on; greedy output is unchanged.
 Cancellation and deadlines are checked once per step, so they stop a request within a step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +34,18 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import structlog
 
 from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation
-from gateway.controller import (AdaptiveController, CandidateOutcome, ControllerConfig, ControllerState,
-                                SpeculationPlan, TaskType, candidate_outcomes, infer_task_type, ranked_sources,
-                                strategies_for)
+from gateway.controller import (
+    AdaptiveController,
+    CandidateOutcome,
+    ControllerConfig,
+    ControllerState,
+    SpeculationPlan,
+    TaskType,
+    candidate_outcomes,
+    infer_task_type,
+    ranked_sources,
+    strategies_for,
+)
 from gateway.config import GRAMMAR_MAX_SPELLINGS, GRAMMAR_STRATEGY
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
@@ -75,8 +85,9 @@ def fixed_plan(spec: SpeculationParams, max_tree_nodes: int) -> SpeculationPlan:
     """The request's own settings, every step (speculation off: a plain step)."""
     if not spec.is_enabled:
         return SpeculationPlan()
-    return SpeculationPlan(draft_length=spec.draft_length, sources=ranked_sources(cycled_strategies(spec)),
-                           max_tree_nodes=max_tree_nodes)
+    return SpeculationPlan(
+        draft_length=spec.draft_length, sources=ranked_sources(cycled_strategies(spec)), max_tree_nodes=max_tree_nodes
+    )
 
 
 def within_context(plan: SpeculationPlan, room: int) -> SpeculationPlan:
@@ -95,8 +106,14 @@ def greedy_validation(tree: DraftTree, argmax_token_ids: Sequence[int]) -> Valid
     accepted: list[int] = []
     node = -1
     while True:
-        child = next((i for i in range(tree.num_nodes)
-                      if tree.parents[i] == node and tree.token_ids[i] == argmax_token_ids[node + 1]), None)
+        child = next(
+            (
+                i
+                for i in range(tree.num_nodes)
+                if tree.parents[i] == node and tree.token_ids[i] == argmax_token_ids[node + 1]
+            ),
+            None,
+        )
         if child is None:
             return Validation(tuple(accepted), argmax_token_ids[node + 1], (), ())
         accepted.append(child)
@@ -107,16 +124,19 @@ def bounded_config(config: ControllerConfig, spec: SpeculationParams, max_tree_n
     """The controller's settings within the request's bounds: at most speculative_degree candidates
     and draft_length tokens (itself a choice), at most max_tree_nodes nodes."""
     lengths = {g for g in config.draft_length_choices if g <= spec.draft_length} | {spec.draft_length}
-    return dataclasses.replace(config, draft_length_choices=tuple(sorted(lengths)),
-                               max_speculative_degree=spec.speculative_degree,
-                               max_tree_nodes=min(config.max_tree_nodes, max_tree_nodes),
-                               probe_draft_length=min(config.probe_draft_length, spec.draft_length))
+    return dataclasses.replace(
+        config,
+        draft_length_choices=tuple(sorted(lengths)),
+        max_speculative_degree=spec.speculative_degree,
+        max_tree_nodes=min(config.max_tree_nodes, max_tree_nodes),
+        probe_draft_length=min(config.probe_draft_length, spec.draft_length),
+    )
 
 
 @dataclasses.dataclass(slots=True)
 class StepOutput:
-    token_ids: list[int]           # tokens committed by this step (after stop handling)
-    text: str                      # text that became final with them (stop strings held back)
+    token_ids: list[int]  # tokens committed by this step (after stop handling)
+    text: str  # text that became final with them (stop strings held back)
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,15 +148,32 @@ class RequestOutcome:
 
 
 class RequestLoop:
-    def __init__(self, request_id: str, params: GenerationParams, prompt_ids: Sequence[int],
-                 backends: Backends, store: StateStore, tokenizer: Tokenizer, model: ModelInfo,
-                 logits_formats: tuple[str, str], recovery_timeout_s: float, max_tree_nodes: int,
-                 cancel: threading.Event, owner: str, deadline: float | None = None,
-                 generated: Sequence[int] = (), stats: RequestStats | None = None, *,
-                 cost_model: CostModel | None = None, controller_config: ControllerConfig | None = None,
-                 controller_state: Mapping[str, Any] | None = None, grammar: GrammarState | None = None,
-                 validator_state: DependencyState | None = None, draft_state: DependencyState | None = None,
-                 max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        params: GenerationParams,
+        prompt_ids: Sequence[int],
+        backends: Backends,
+        store: StateStore,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        logits_formats: tuple[str, str],
+        recovery_timeout_s: float,
+        max_tree_nodes: int,
+        cancel: threading.Event,
+        owner: str,
+        deadline: float | None = None,
+        generated: Sequence[int] = (),
+        stats: RequestStats | None = None,
+        *,
+        cost_model: CostModel | None = None,
+        controller_config: ControllerConfig | None = None,
+        controller_state: Mapping[str, Any] | None = None,
+        grammar: GrammarState | None = None,
+        validator_state: DependencyState | None = None,
+        draft_state: DependencyState | None = None,
+        max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
+    ) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
@@ -151,7 +188,7 @@ class RequestLoop:
         # What the primary / draft service still has to learn (piggybacked on the next call).
         self.pending_accepted: tuple[int, ...] = ()
         self.pending_committed: list[int] = []
-        self.draft_synced = 0            # generated tokens the draft service has seen
+        self.draft_synced = 0  # generated tokens the draft service has seen
         self.is_draft_open = False
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         # Shared by the gateway's requests: whether the validator and the draft service answer.
@@ -169,14 +206,15 @@ class RequestLoop:
         if spec.is_enabled and spec.is_adaptive:
             self.controller = AdaptiveController(
                 cost_model or cost_model_for(model.verify_costs_ms, CostSettings()),
-                bounded_config(controller_config or ControllerConfig(), spec, max_tree_nodes))
+                bounded_config(controller_config or ControllerConfig(), spec, max_tree_nodes),
+            )
             self.controller_state = self._restore_controller(controller_state)
             self.stats.task_type = self.controller_state.task_type.value
 
     def _restore_controller(self, stored: Mapping[str, Any] | None) -> ControllerState:
         """The stored state of a resumed request, or a fresh one (task type given or inferred)."""
         spec = self.params.speculation
-        decoders = Counter(cycled_strategies(spec))          # name -> ranks it may offer
+        decoders = Counter(cycled_strategies(spec))  # name -> ranks it may offer
         if stored:
             try:
                 state = ControllerState.from_dict(stored)
@@ -185,8 +223,11 @@ class RequestLoop:
                 self.log.warning("stored controller state tracks other decoders; starting afresh")
             except ValueError as e:
                 self.log.warning("stored controller state unreadable; starting afresh", error=str(e))
-        return self.controller.new_state(self._requested_task_type() or infer_task_type(
-            self.params.prompt_text(self.tokenizer), self.params.has_schema), decoders)
+        return self.controller.new_state(
+            self._requested_task_type()
+            or infer_task_type(self.params.prompt_text(self.tokenizer), self.params.has_schema),
+            decoders,
+        )
 
     def _requested_task_type(self) -> str:
         """A constrained output is a structured task whatever the request says; else its own, or ""."""
@@ -216,7 +257,7 @@ class RequestLoop:
                 self.stats.num_generated_tokens += len(kept)
                 delta, is_stopped, is_stored = self._commit(kept, is_final=finish is not None)
                 self.stats.total_ms += (time.perf_counter() - step_start) * 1000
-                if not is_stored:                  # the store refused: cancelled from elsewhere
+                if not is_stored:  # the store refused: cancelled from elsewhere
                     finish = FINISH_CANCELLED
                     break
                 if is_stopped:
@@ -232,19 +273,24 @@ class RequestLoop:
             raise
         if finish != FINISH_STOP:
             self.text = self._cut_at_stop(self.text + self.detok.finish())[0]
-        tail = self.text[self.emitted_chars:]
+        tail = self.text[self.emitted_chars :]
         self._finish(finish)
         self.outcome = RequestOutcome(self.generated, self.text, finish, self.stats)
         if tail:
             yield StepOutput([], tail)
-        self.log.info("request finished", finish_reason=finish, num_tokens=len(self.generated),
-                      steps=self.stats.num_steps, wall_ms=round((time.perf_counter() - start) * 1000, 1))
+        self.log.info(
+            "request finished",
+            finish_reason=finish,
+            num_tokens=len(self.generated),
+            steps=self.stats.num_steps,
+            wall_ms=round((time.perf_counter() - start) * 1000, 1),
+        )
 
     def _plan(self) -> SpeculationPlan:
         plan = self.fixed_plan if self.controller is None else self.controller.plan(self.controller_state)
         if plan.is_speculative and not self._is_greedy_acceptance() and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
-            return SpeculationPlan()     # no validator to sample against: the primary samples alone
+            return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
     def _is_greedy_acceptance(self) -> bool:
@@ -254,8 +300,9 @@ class RequestLoop:
         """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran)."""
         self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe)
         if self.controller is not None:
-            self.controller.observe(self.controller_state, plan if outcomes is not None else SpeculationPlan(),
-                                    outcomes or ())
+            self.controller.observe(
+                self.controller_state, plan if outcomes is not None else SpeculationPlan(), outcomes or ()
+            )
 
     def _stop_signal(self) -> str | None:
         if self.cancel.is_set():
@@ -281,13 +328,16 @@ class RequestLoop:
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
         t1 = time.perf_counter()
         fmt = self.greedy_format if sampling.is_greedy and spec.acceptance_threshold == 0 else self.sample_format
-        verified = self._with_primary(lambda: self.backends.verify(
-            self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed))
+        verified = self._with_primary(
+            lambda: self.backends.verify(
+                self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed
+            )
+        )
         t2 = time.perf_counter()
         mode = "threshold" if spec.acceptance_threshold > 0 else ("greedy" if sampling.is_greedy else "sample")
         v = self._validate(mode, tree, verified, allowed)
         t3 = time.perf_counter()
-        if v is None:         # the validator is gone and only it can sample: drop this step's tree
+        if v is None:  # the validator is gone and only it can sample: drop this step's tree
             self._with_primary(lambda: None, is_fresh=True)
             return [], None
         self.stats.forward_ms += verified.forward_ms
@@ -304,9 +354,16 @@ class RequestLoop:
         primary's argmaxes, or None (sampling and threshold modes need the validator)."""
         if self.validator_state.should_call():
             try:
-                v = self.backends.validate(self.request_id, mode, self.params.sampling,
-                                           self.params.speculation.acceptance_threshold, self.stats.num_steps,
-                                           tree, verified, allowed)
+                v = self.backends.validate(
+                    self.request_id,
+                    mode,
+                    self.params.sampling,
+                    self.params.speculation.acceptance_threshold,
+                    self.stats.num_steps,
+                    tree,
+                    verified,
+                    allowed,
+                )
                 self.validator_state.succeeded()
                 return v
             except Unavailable as e:
@@ -316,10 +373,17 @@ class RequestLoop:
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
-        allowed = None if self.grammar is None else self.grammar.allowed_mask()           # 1 row
-        token, forward_ms = self._with_primary(lambda: self.backends.decode(
-            self.request_id, self.pending_accepted, self.pending_committed, self.params.sampling,
-            self.stats.num_steps, allowed))
+        allowed = None if self.grammar is None else self.grammar.allowed_mask()  # 1 row
+        token, forward_ms = self._with_primary(
+            lambda: self.backends.decode(
+                self.request_id,
+                self.pending_accepted,
+                self.pending_committed,
+                self.params.sampling,
+                self.stats.num_steps,
+                allowed,
+            )
+        )
         self.stats.forward_ms += forward_ms
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
         self.pending_accepted, self.pending_committed = (), [token]
@@ -329,19 +393,27 @@ class RequestLoop:
         """The plan's candidates as a tree. The draft service first hears the tokens committed since
         its previous call (all of them when it opens the request: first call, or after it lost it)."""
         strategies = strategies_for(plan.sources)
-        prompt, new = ((), self.generated[self.draft_synced:]) if self.is_draft_open else (self.prompt_ids,
-                                                                                            self.generated)
-        if not self.draft_state.should_call():   # down: no drafts; the primary alone still progresses
+        prompt, new = (
+            ((), self.generated[self.draft_synced :]) if self.is_draft_open else (self.prompt_ids, self.generated)
+        )
+        if not self.draft_state.should_call():  # down: no drafts; the primary alone still progresses
             self.is_draft_open = False
             return EMPTY_TREE
         try:
-            tree = self.backends.propose(self.request_id, prompt, new, strategies, len(strategies),
-                                         plan.draft_length, min(plan.max_tree_nodes, self.max_tree_nodes),
-                                         self.params.response_format if prompt else None)
-        except NotFound:                         # the draft service restarted: resend the context
+            tree = self.backends.propose(
+                self.request_id,
+                prompt,
+                new,
+                strategies,
+                len(strategies),
+                plan.draft_length,
+                min(plan.max_tree_nodes, self.max_tree_nodes),
+                self.params.response_format if prompt else None,
+            )
+        except NotFound:  # the draft service restarted: resend the context
             self.is_draft_open = False
             return self._propose(plan) if not prompt else EMPTY_TREE
-        except Unavailable as e:                 # logged once by the state, not at every step
+        except Unavailable as e:  # logged once by the state, not at every step
             self.draft_state.failed(str(e))
             self.is_draft_open = False
             return EMPTY_TREE
@@ -389,10 +461,16 @@ class RequestLoop:
         if is_stopped and len(kept) > 1:
             # A step can commit several tokens: keep only those up to the one completing the stop
             # string, so token_ids match what plain decoding stops at. (Rare: decodes at most a step.)
-            k = next((k for k in range(1, len(kept) + 1)
-                      if self._cut_at_stop(self.tokenizer.decode(self.generated + kept[:k]))[1]), len(kept))
+            k = next(
+                (
+                    k
+                    for k in range(1, len(kept) + 1)
+                    if self._cut_at_stop(self.tokenizer.decode(self.generated + kept[:k]))[1]
+                ),
+                len(kept),
+            )
             self.stats.num_generated_tokens -= len(kept) - k
-            del kept[k:]                                       # the caller yields this same list
+            del kept[k:]  # the caller yields this same list
         controller = None if self.controller_state is None else self.controller_state.to_dict()
         num_attempts = 0
         t_state = time.perf_counter()
@@ -401,8 +479,14 @@ class RequestLoop:
         def append() -> None:
             nonlocal num_attempts
             num_attempts += 1
-            self.store.append_step(self.request_id, kept, expected_num_tokens=len(self.generated),
-                                   stats=self.stats.to_dict(), controller_state=controller, owner=self.owner)
+            self.store.append_step(
+                self.request_id,
+                kept,
+                expected_num_tokens=len(self.generated),
+                stats=self.stats.to_dict(),
+                controller_state=controller,
+                owner=self.owner,
+            )
 
         try:
             self._with_state_store(append)
@@ -418,24 +502,32 @@ class RequestLoop:
             # Cannot happen while primary and validator apply the masks: fail loudly, not silently off-grammar.
             raise FailedPrecondition("response_format", f"committed tokens {kept} leave the request's grammar")
         # Hold back a tail that could still become a stop string, unless this is the end.
-        ready = len(self.text) if (is_final or is_stopped) else len(self.text) - num_held_back_chars(
-            self.text, self.params.stop)
-        delta = self.text[self.emitted_chars:ready]
+        ready = (
+            len(self.text)
+            if (is_final or is_stopped)
+            else len(self.text) - num_held_back_chars(self.text, self.params.stop)
+        )
+        delta = self.text[self.emitted_chars : ready]
         self.emitted_chars = max(self.emitted_chars, ready)
         self.stats.stage_ms["commit"] += (time.perf_counter() - t) * 1000
         return delta, is_stopped, True
 
     def _finish(self, finish: str, error: str = "") -> None:
-        status = {FINISH_CANCELLED: RequestStatus.CANCELLED, FINISH_ERROR: RequestStatus.FAILED,
-                  FINISH_DEADLINE: RequestStatus.CANCELLED}.get(finish, RequestStatus.FINISHED)
+        status = {
+            FINISH_CANCELLED: RequestStatus.CANCELLED,
+            FINISH_ERROR: RequestStatus.FAILED,
+            FINISH_DEADLINE: RequestStatus.CANCELLED,
+        }.get(finish, RequestStatus.FINISHED)
         try:
-            self._with_state_store(lambda: self.store.set_status(self.request_id, status, finish_reason=finish,
-                                                                 error=error))
+            self._with_state_store(
+                lambda: self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
+            )
         except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
             self.log.warning("could not record the final status", error=str(e))
-        for release in (lambda: self.backends.release_primary(self.request_id),
-                        lambda: self.backends.release_draft(self.request_id, finish in (FINISH_EOS, FINISH_LENGTH,
-                                                                                        FINISH_STOP))):
+        for release in (
+            lambda: self.backends.release_primary(self.request_id),
+            lambda: self.backends.release_draft(self.request_id, finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)),
+        ):
             try:
                 release()
             except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
@@ -456,8 +548,9 @@ class RequestLoop:
                 wait = STATE_RETRY_WAITS_S[attempt] if attempt < len(STATE_RETRY_WAITS_S) else STATE_RETRY_MAX_WAIT_S
                 if time.monotonic() + wait > give_up or self.cancel.is_set():
                     raise
-                (self.log.warning if attempt == 0 else self.log.debug)("state store unavailable; retrying",
-                                                                       attempt=attempt + 1, error=str(e))
+                (self.log.warning if attempt == 0 else self.log.debug)(
+                    "state store unavailable; retrying", attempt=attempt + 1, error=str(e)
+                )
                 time.sleep(wait)
 
     def _is_stored(self, num_tokens: int) -> bool:
@@ -473,8 +566,9 @@ class RequestLoop:
         while True:
             try:
                 if needs_prefill:
-                    prefill_ms = self.backends.prefill(self.request_id, self.prompt_ids + self.generated,
-                                                       len(self.prompt_ids))
+                    prefill_ms = self.backends.prefill(
+                        self.request_id, self.prompt_ids + self.generated, len(self.prompt_ids)
+                    )
                     self.stats.forward_ms += prefill_ms or 0.0
                     self.pending_accepted, self.pending_committed = (), []
                     needs_prefill = False

@@ -3,6 +3,7 @@
 Every field a caller controls is checked here, before anything is allocated, and a bad one
 raises InvalidArgument naming the protobuf field.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,30 +20,34 @@ from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, gateway_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-TASK_TYPES = {common_pb2.TASK_TYPE_UNSPECIFIED: "", common_pb2.TASK_TYPE_STRUCTURED: "structured",
-              common_pb2.TASK_TYPE_CODE: "code", common_pb2.TASK_TYPE_CREATIVE: "creative"}
+TASK_TYPES = {
+    common_pb2.TASK_TYPE_UNSPECIFIED: "",
+    common_pb2.TASK_TYPE_STRUCTURED: "structured",
+    common_pb2.TASK_TYPE_CODE: "code",
+    common_pb2.TASK_TYPE_CREATIVE: "creative",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpeculationParams:
     is_enabled: bool
-    speculative_degree: int        # fixed; an upper bound when is_adaptive
-    draft_length: int              # fixed; an upper bound when is_adaptive
+    speculative_degree: int  # fixed; an upper bound when is_adaptive
+    draft_length: int  # fixed; an upper bound when is_adaptive
     acceptance_threshold: float
     strategies: tuple[str, ...]
-    task_type: str                 # "", "structured", "code" or "creative"; "" = inferred from the prompt
-    is_adaptive: bool = False      # the controller chooses decoders and draft length per step
+    task_type: str  # "", "structured", "code" or "creative"; "" = inferred from the prompt
+    is_adaptive: bool = False  # the controller chooses decoders and draft length per step
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerationParams:
     prompt: str | None
-    messages: tuple[tuple[str, str], ...] | None     # (role, content) pairs
+    messages: tuple[tuple[str, str], ...] | None  # (role, content) pairs
     max_new_tokens: int
     stop: tuple[str, ...]
     sampling: SamplingParams
     speculation: SpeculationParams
-    response_format: ResponseFormat | None = None     # None: free text
+    response_format: ResponseFormat | None = None  # None: free text
 
     @property
     def has_schema(self) -> bool:
@@ -55,8 +60,7 @@ class GenerationParams:
         return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in self.messages])
 
 
-def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits,
-                   defaults: SpeculationDefaults) -> GenerationParams:
+def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits, defaults: SpeculationDefaults) -> GenerationParams:
     prompt, messages = _input_from_pb(req, limits)
     if req.HasField("max_new_tokens"):
         max_new_tokens = req.max_new_tokens
@@ -71,14 +75,13 @@ def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits,
             raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
     sampling = pb.sampling_from_pb(req.sampling)
     response_format = response_format_from_pb(req.response_format, limits.max_schema_depth)
-    speculation = _speculation_from_pb(req.speculation, limits, defaults,
-                                       is_structured=response_format is not None)
-    return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation,
-                            response_format)
+    speculation = _speculation_from_pb(req.speculation, limits, defaults, is_structured=response_format is not None)
+    return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation, response_format)
 
 
-def response_format_from_pb(pb_format: common_pb2.ResponseFormat,
-                            max_schema_depth: int = Limits.max_schema_depth) -> ResponseFormat | None:
+def response_format_from_pb(
+    pb_format: common_pb2.ResponseFormat, max_schema_depth: int = Limits.max_schema_depth
+) -> ResponseFormat | None:
     """None for free text; else a checked format (not nested deeper than max_schema_depth, the
     schema parses and is a valid JSON Schema). Compiling it into a grammar is the server's (it
     takes a deadline)."""
@@ -86,8 +89,9 @@ def response_format_from_pb(pb_format: common_pb2.ResponseFormat,
     if response_format is not None and response_format.schema_text is not None:
         depth = json_nesting_depth(response_format.schema_text)
         if depth > max_schema_depth:
-            raise InvalidArgument(SCHEMA_FIELD, f"nests {depth} levels deep, more than the limit of "
-                                  f"{max_schema_depth} (max_schema_depth)")
+            raise InvalidArgument(
+                SCHEMA_FIELD, f"nests {depth} levels deep, more than the limit of {max_schema_depth} (max_schema_depth)"
+            )
         check_schema_text(response_format.schema_text)
     return response_format
 
@@ -120,8 +124,9 @@ def check_offered(requested: Sequence[str], offered: frozenset[str]) -> None:
     runs (adaptive requests ignored them silently, others failed mid-request)."""
     missing = [s for s in requested if s not in offered]
     if missing:
-        raise InvalidArgument("speculation.strategies", f"{missing} are not offered by this deployment; "
-                              f"offered: {sorted(offered)}")
+        raise InvalidArgument(
+            "speculation.strategies", f"{missing} are not offered by this deployment; offered: {sorted(offered)}"
+        )
 
 
 def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
@@ -149,44 +154,57 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
     return None, tuple((m.role, m.content) for m in messages)
 
 
-def _speculation_from_pb(spec: gateway_pb2.SpeculationConfig, limits: Limits, defaults: SpeculationDefaults,
-                         is_structured: bool = False) -> SpeculationParams:
+def _speculation_from_pb(
+    spec: gateway_pb2.SpeculationConfig, limits: Limits, defaults: SpeculationDefaults, is_structured: bool = False
+) -> SpeculationParams:
     is_enabled = spec.is_enabled if spec.HasField("is_enabled") else defaults.is_enabled
     is_adaptive = spec.is_adaptive if spec.HasField("is_adaptive") else defaults.is_adaptive
-    degree = spec.speculative_degree or (min(defaults.max_adaptive_degree, limits.max_speculative_degree)
-                                         if is_adaptive else defaults.speculative_degree)
+    degree = spec.speculative_degree or (
+        min(defaults.max_adaptive_degree, limits.max_speculative_degree) if is_adaptive else defaults.speculative_degree
+    )
     if not 1 <= degree <= limits.max_speculative_degree:
-        raise InvalidArgument("speculation.speculative_degree",
-                              f"must be in [1, {limits.max_speculative_degree}], got {degree}")
-    draft_length = spec.draft_length or (min(defaults.max_adaptive_draft_length, limits.max_draft_length)
-                                         if is_adaptive else defaults.draft_length)
+        raise InvalidArgument(
+            "speculation.speculative_degree", f"must be in [1, {limits.max_speculative_degree}], got {degree}"
+        )
+    draft_length = spec.draft_length or (
+        min(defaults.max_adaptive_draft_length, limits.max_draft_length) if is_adaptive else defaults.draft_length
+    )
     if not 1 <= draft_length <= limits.max_draft_length:
-        raise InvalidArgument("speculation.draft_length",
-                              f"must be in [1, {limits.max_draft_length}], got {draft_length}")
+        raise InvalidArgument(
+            "speculation.draft_length", f"must be in [1, {limits.max_draft_length}], got {draft_length}"
+        )
     threshold = float(spec.acceptance_threshold)
     if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
         raise InvalidArgument("speculation.acceptance_threshold", f"must be in [0, 1], got {threshold}")
     # A constrained output also drafts what the grammar forces, first: it is free and exact.
-    strategies = tuple(spec.strategies) or ((GRAMMAR_STRATEGY, *defaults.strategies) if is_structured
-                                            and GRAMMAR_STRATEGY not in defaults.strategies else defaults.strategies)
+    strategies = tuple(spec.strategies) or (
+        (GRAMMAR_STRATEGY, *defaults.strategies)
+        if is_structured and GRAMMAR_STRATEGY not in defaults.strategies
+        else defaults.strategies
+    )
     for s in strategies:
         if s not in KNOWN_STRATEGIES:
             raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {KNOWN_STRATEGIES}")
     if GRAMMAR_STRATEGY in strategies and not is_structured:
-        raise InvalidArgument("speculation.strategies", f"{GRAMMAR_STRATEGY!r} drafts need a response_format "
-                              "(TYPE_JSON_OBJECT or TYPE_JSON_SCHEMA)")
+        raise InvalidArgument(
+            "speculation.strategies",
+            f"{GRAMMAR_STRATEGY!r} drafts need a response_format (TYPE_JSON_OBJECT or TYPE_JSON_SCHEMA)",
+        )
     if spec.task_type not in TASK_TYPES:
         raise InvalidArgument("speculation.task_type", f"unknown task type {spec.task_type}")
-    return SpeculationParams(is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type],
-                             is_adaptive)
+    return SpeculationParams(
+        is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type], is_adaptive
+    )
 
 
 def params_to_json(req: gateway_pb2.GenerateRequest) -> dict:
     """The request as stored in the state store (protobuf JSON), to rebuild it on recovery."""
     from google.protobuf import json_format
+
     return json.loads(json_format.MessageToJson(req, preserving_proto_field_name=True))
 
 
 def params_pb_from_json(d: dict) -> gateway_pb2.GenerateRequest:
     from google.protobuf import json_format
+
     return json_format.ParseDict(d, gateway_pb2.GenerateRequest())

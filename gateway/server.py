@@ -15,6 +15,7 @@ and hands each step's output to its coroutine through an asyncio queue; state-st
 outside the loop run in asyncio's default thread pool. A client that goes away (its coroutine
 cancelled) sets the loop's cancel event: the loop stops within a step and stores CANCELLED.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,15 +49,22 @@ from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import RequestStatus, StateStore
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
-FINISH_REASONS = {"length": gateway_pb2.FINISH_REASON_LENGTH, "stop": gateway_pb2.FINISH_REASON_STOP,
-                  "eos": gateway_pb2.FINISH_REASON_EOS, "cancelled": gateway_pb2.FINISH_REASON_CANCELLED,
-                  "deadline": gateway_pb2.FINISH_REASON_DEADLINE, "error": gateway_pb2.FINISH_REASON_ERROR}
-_STEP, _FAILED, _DONE = "step", "failed", "done"      # what a loop thread hands its coroutine
-STATUSES = {RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
-            RequestStatus.RUNNING: gateway_pb2.REQUEST_STATUS_RUNNING,
-            RequestStatus.FINISHED: gateway_pb2.REQUEST_STATUS_FINISHED,
-            RequestStatus.CANCELLED: gateway_pb2.REQUEST_STATUS_CANCELLED,
-            RequestStatus.FAILED: gateway_pb2.REQUEST_STATUS_FAILED}
+FINISH_REASONS = {
+    "length": gateway_pb2.FINISH_REASON_LENGTH,
+    "stop": gateway_pb2.FINISH_REASON_STOP,
+    "eos": gateway_pb2.FINISH_REASON_EOS,
+    "cancelled": gateway_pb2.FINISH_REASON_CANCELLED,
+    "deadline": gateway_pb2.FINISH_REASON_DEADLINE,
+    "error": gateway_pb2.FINISH_REASON_ERROR,
+}
+_STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop thread hands its coroutine
+STATUSES = {
+    RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
+    RequestStatus.RUNNING: gateway_pb2.REQUEST_STATUS_RUNNING,
+    RequestStatus.FINISHED: gateway_pb2.REQUEST_STATUS_FINISHED,
+    RequestStatus.CANCELLED: gateway_pb2.REQUEST_STATUS_CANCELLED,
+    RequestStatus.FAILED: gateway_pb2.REQUEST_STATUS_FAILED,
+}
 
 
 async def _in_thread(fn, *args, **kwargs):
@@ -66,20 +74,35 @@ async def _in_thread(fn, *args, **kwargs):
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, config: GatewayConfig, backends: Backends, store: StateStore, tokenizer: Tokenizer,
-                 model: ModelInfo, owner: str, metrics: ServiceMetrics | None = None,
-                 grammars: Grammars | None = None, api_keys: ApiKeys | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        backends: Backends,
+        store: StateStore,
+        tokenizer: Tokenizer,
+        model: ModelInfo,
+        owner: str,
+        metrics: ServiceMetrics | None = None,
+        grammars: Grammars | None = None,
+        api_keys: ApiKeys | None = None,
+    ) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
         self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
         self.prompt_encoder = PromptEncoder(tokenizer)
         # Whether the validator and the draft service answer, for all requests (gateway.dependencies).
-        self.validator_state, self.draft_state = (DependencyState(name, on_change=self._availability_recorder(name))
-                                                  for name in ("validator", "draft"))
-        self.grammars = grammars or Grammars(GrammarCache(GrammarTokenizerInfo.from_tokenizer(
-            tokenizer, model.vocab_size), GrammarCacheConfig(config.grammar.max_cached_grammars)), config.grammar)
+        self.validator_state, self.draft_state = (
+            DependencyState(name, on_change=self._availability_recorder(name)) for name in ("validator", "draft")
+        )
+        self.grammars = grammars or Grammars(
+            GrammarCache(
+                GrammarTokenizerInfo.from_tokenizer(tokenizer, model.vocab_size),
+                GrammarCacheConfig(config.grammar.max_cached_grammars),
+            ),
+            config.grammar,
+        )
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
-        self._offered_strategies: frozenset[str] | None = None   # the draft pool's, once it answered
+        self._offered_strategies: frozenset[str] | None = None  # the draft pool's, once it answered
         self._active: dict[str, threading.Event] = {}
         self.admission = Admission(config.max_active_requests, config.max_queued_requests, metrics)
         self._lock = threading.Lock()
@@ -96,19 +119,23 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             async for _ in steps:
                 pass
         o = loop.outcome
-        return gateway_pb2.GenerateResponse(request_id=client_id, text=o.text, token_ids=o.token_ids,
-                                            finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb())
+        return gateway_pb2.GenerateResponse(
+            request_id=client_id,
+            text=o.text,
+            token_ids=o.token_ids,
+            finish_reason=FINISH_REASONS[o.finish_reason],
+            stats=o.stats.to_pb(),
+        )
 
     async def GenerateStream(self, request, context):
         client_id, loop, ticket = await self._start(request, context)
         async with contextlib.aclosing(self._run(loop, client_id, ticket)) as steps:
             async for out in steps:
-                yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text,
-                                                         token_ids=out.token_ids)
+                yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text, token_ids=out.token_ids)
         o = loop.outcome
-        yield gateway_pb2.GenerateStreamResponse(request_id=client_id, is_final=True,
-                                                 finish_reason=FINISH_REASONS[o.finish_reason],
-                                                 stats=o.stats.to_pb())
+        yield gateway_pb2.GenerateStreamResponse(
+            request_id=client_id, is_final=True, finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb()
+        )
 
     async def Cancel(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
@@ -137,11 +164,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         if state is None:
             raise NotFound("request_id", f"no request {client_id!r} (unknown or expired)")
         from gateway.params import params_pb_from_json
+
         return gateway_pb2.GetRequestResponse(
-            status=STATUSES[state.status], params=params_pb_from_json(state.params), token_ids=state.token_ids,
-            text=self.tokenizer.decode(state.token_ids), stats=RequestStats.from_dict(state.stats).to_pb(),
+            status=STATUSES[state.status],
+            params=params_pb_from_json(state.params),
+            token_ids=state.token_ids,
+            text=self.tokenizer.decode(state.token_ids),
+            stats=RequestStats.from_dict(state.stats).to_pb(),
             finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
-            error=state.error)
+            error=state.error,
+        )
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -155,8 +187,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             return client_id
         prefix = f"{self._tenant(context)}/"
         if len(prefix) + len(client_id) > pb.MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument("request_id", f"must be at most {pb.MAX_REQUEST_ID_CHARS - len(prefix)} "
-                                  "characters")
+            raise InvalidArgument("request_id", f"must be at most {pb.MAX_REQUEST_ID_CHARS - len(prefix)} characters")
         return prefix + client_id
 
     async def _start(self, request, context) -> tuple[str, RequestLoop, Ticket]:
@@ -168,7 +199,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         params, prompt_ids, grammar, stored = await _in_thread(self._prepare, request, client_id, deadline)
-        try:   # a slot now, a place in the queue, or refused before anything is stored
+        try:  # a slot now, a place in the queue, or refused before anything is stored
             ticket = self.admission.enter(tenant)
         except QueueFull as e:
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
@@ -178,10 +209,17 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         creating = asyncio.ensure_future(_in_thread(self._create, request_id, client_id, stored, prompt_ids, status))
         try:
             await asyncio.shield(creating)
-        except asyncio.CancelledError:      # the client went away: once stored, it is stored as cancelled
+        except asyncio.CancelledError:  # the client went away: once stored, it is stored as cancelled
             ticket.release()
-            creating.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._in_background(
-                self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled"))
+            creating.add_done_callback(
+                lambda f: (
+                    f.cancelled()
+                    or f.exception() is not None
+                    or self._in_background(
+                        self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
+                    )
+                )
+            )
             raise
         except BaseException:
             ticket.release()
@@ -189,7 +227,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         cancel = threading.Event()
         with self._lock:
             self._active[request_id] = cancel
-        context.add_done_callback(lambda _: cancel.set())   # the call ended (or its client went away)
+        context.add_done_callback(lambda _: cancel.set())  # the call ended (or its client went away)
         try:
             with self._told_as_client(request_id, client_id):
                 queue_s = await self._await_turn(request_id, ticket, is_queued, deadline, cancel)
@@ -207,18 +245,18 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         params = params_from_pb(request, self.config.limits, self.config.speculation)
         if params.speculation.is_enabled and request.speculation.strategies:
             offered = self._offered_by_pool()
-            if offered is not None:   # None: the pool is down, and the request runs without drafts anyway
+            if offered is not None:  # None: the pool is down, and the request runs without drafts anyway
                 check_offered(request.speculation.strategies, offered)
         prompt_ids = self.prompt_encoder.encode(params)
         field = "prompt" if params.messages is None else "chat.messages"
         if not prompt_ids:
             raise InvalidArgument(field, "the prompt encodes to no tokens")
         if len(prompt_ids) >= self.model.max_context - 1:
-            raise InvalidArgument(field, f"{len(prompt_ids)} prompt tokens do not fit the context of "
-                                  f"{self.model.max_context} tokens")
+            raise InvalidArgument(
+                field, f"{len(prompt_ids)} prompt tokens do not fit the context of {self.model.max_context} tokens"
+            )
         # Compiled before anything is stored: a schema refused here leaves no trace.
-        grammar = None if params.response_format is None else self.grammars.new_state(params.response_format,
-                                                                                     deadline)
+        grammar = None if params.response_format is None else self.grammars.new_state(params.response_format, deadline)
         stored = request.__class__()
         stored.CopyFrom(request)
         stored.request_id = client_id
@@ -228,8 +266,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         with self._told_as_client(request_id, client_id):
             self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids, status=status)
 
-    async def _await_turn(self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None,
-                          cancel: threading.Event) -> float:
+    async def _await_turn(
+        self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None, cancel: threading.Event
+    ) -> float:
         """Wait in the admission queue (is_queued: stored as QUEUED); the seconds waited. A request
         that leaves the queue (deadline, cancel, its client gone) is recorded as such and never
         reaches the primary."""
@@ -237,16 +276,20 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             return await ticket.wait_async(deadline, cancel, request_id)
         try:
             queue_s = await ticket.wait_async(deadline, cancel, request_id)
-            if cancel.is_set():     # at the very moment it was let in
+            if cancel.is_set():  # at the very moment it was let in
                 raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         except (Cancelled, DeadlineExceeded) as e:
-            await _in_thread(self.store.set_status, request_id, RequestStatus.CANCELLED,
-                             finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline")
+            await _in_thread(
+                self.store.set_status,
+                request_id,
+                RequestStatus.CANCELLED,
+                finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline",
+            )
             raise
         except asyncio.CancelledError:
             self._in_background(self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
             raise
-        if not await _in_thread(self.store.set_status, request_id, RequestStatus.RUNNING):   # ended meanwhile
+        if not await _in_thread(self.store.set_status, request_id, RequestStatus.RUNNING):  # ended meanwhile
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         return queue_s
 
@@ -258,7 +301,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         steps: asyncio.Queue = asyncio.Queue()
 
         def put(item) -> None:
-            with contextlib.suppress(RuntimeError):    # the event loop is gone (shutdown)
+            with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
                 events.call_soon_threadsafe(steps.put_nowait, item)
 
         def drive() -> None:
@@ -271,7 +314,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 put((_DONE, None))
 
         worker = events.run_in_executor(self._loop_threads, contextvars.copy_context().run, drive)
-        worker.add_done_callback(lambda _: self._end(loop.request_id, ticket))   # the slot goes on
+        worker.add_done_callback(lambda _: self._end(loop.request_id, ticket))  # the slot goes on
         try:
             while True:
                 kind, value = await steps.get()
@@ -282,7 +325,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 else:
                     return
         finally:
-            if not worker.done():     # closed early: the client went away
+            if not worker.done():  # closed early: the client went away
                 loop.cancel.set()
 
     def _end(self, request_id: str, ticket: Ticket) -> None:
@@ -314,14 +357,41 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 return None
         return self._offered_strategies
 
-    def make_loop(self, request_id, params, prompt_ids, cancel, deadline, generated=(), stats=None,
-                  controller_state=None, grammar=None) -> RequestLoop:
+    def make_loop(
+        self,
+        request_id,
+        params,
+        prompt_ids,
+        cancel,
+        deadline,
+        generated=(),
+        stats=None,
+        controller_state=None,
+        grammar=None,
+    ) -> RequestLoop:
         spec = self.config.speculation
-        return RequestLoop(request_id, params, prompt_ids, self.backends, self.store, self.tokenizer, self.model,
-                           (spec.greedy_logits_format, spec.sample_logits_format), self.config.recovery_timeout_s,
-                           self.config.limits.max_tree_nodes, cancel, self.owner, deadline, generated, stats,
-                           cost_model=self.cost_model, controller_state=controller_state, grammar=grammar,
-                           validator_state=self.validator_state, draft_state=self.draft_state)
+        return RequestLoop(
+            request_id,
+            params,
+            prompt_ids,
+            self.backends,
+            self.store,
+            self.tokenizer,
+            self.model,
+            (spec.greedy_logits_format, spec.sample_logits_format),
+            self.config.recovery_timeout_s,
+            self.config.limits.max_tree_nodes,
+            cancel,
+            self.owner,
+            deadline,
+            generated,
+            stats,
+            cost_model=self.cost_model,
+            controller_state=controller_state,
+            grammar=grammar,
+            validator_state=self.validator_state,
+            draft_state=self.draft_state,
+        )
 
     def _availability_recorder(self, name: str):
         if self.metrics is None:
@@ -338,8 +408,13 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         except SpecdecError as e:
             told = client_error(e, client_id)
             if told is not e:
-                self.log.warning("request failed in a dependency", request_id=request_id,
-                                 dependency=e.dependency, code=e.status_name, error=str(e))
+                self.log.warning(
+                    "request failed in a dependency",
+                    request_id=request_id,
+                    dependency=e.dependency,
+                    code=e.status_name,
+                    error=str(e),
+                )
                 raise told from None
             raise
 
@@ -361,8 +436,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             for out in loop.run():
                 if stats.num_steps > last[0]:
                     self.metrics.observe_step(
-                        num_proposed=stats.num_proposed - last[1], num_accepted=stats.num_accepted - last[2],
-                        stage_seconds={k: (v - last[3].get(k, 0.0)) / 1000 for k, v in stats.stage_ms.items()})
+                        num_proposed=stats.num_proposed - last[1],
+                        num_accepted=stats.num_accepted - last[2],
+                        stage_seconds={k: (v - last[3].get(k, 0.0)) / 1000 for k, v in stats.stage_ms.items()},
+                    )
                     last = (stats.num_steps, stats.num_proposed, stats.num_accepted, dict(stats.stage_ms))
                 yield out
         finally:
@@ -375,6 +452,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     def resume_active(self) -> list[str]:
         """Finish requests that a previous gateway left running (state from the store)."""
         from gateway.params import params_pb_from_json
+
         resumed = []
         for request_id in self.store.list_active():
             if not self.store.claim(request_id, self.owner):
@@ -387,8 +465,17 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             with self._lock:
                 self._active[request_id] = cancel
             grammar = None if params.response_format is None else self.grammars.new_state(params.response_format)
-            loop = self.make_loop(request_id, params, state.prompt_token_ids, cancel, None, state.token_ids,
-                                  RequestStats.from_dict(state.stats), state.controller_state, grammar)
+            loop = self.make_loop(
+                request_id,
+                params,
+                state.prompt_token_ids,
+                cancel,
+                None,
+                state.token_ids,
+                RequestStats.from_dict(state.stats),
+                state.controller_state,
+                grammar,
+            )
 
             def run(loop=loop) -> None:
                 try:

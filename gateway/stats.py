@@ -3,6 +3,7 @@
 Kept as plain data so the gateway can write them to the state store at every step and any
 gateway can serve them (GetRequest) or resume from them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,22 +20,22 @@ class RequestStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
-    num_proposed: int = 0        # draft tokens sent to verify
-    num_accepted: int = 0        # draft tokens accepted
+    num_proposed: int = 0  # draft tokens sent to verify
+    num_accepted: int = 0  # draft tokens accepted
     stage_ms: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     total_ms: float = 0.0
-    forward_ms: float = 0.0      # of stage "verify": the primary's forward passes themselves
-    decoders: dict[str, list[float]] = dataclasses.field(default_factory=dict)   # name -> [proposed, accepted, ms]
+    forward_ms: float = 0.0  # of stage "verify": the primary's forward passes themselves
+    decoders: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # name -> [proposed, accepted, ms]
     entropy_proposed: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
     entropy_accepted: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
     # What each step ran (the adaptive controller's choices, or the fixed settings): index = draft_length
     # and = candidates per step; index 0 counts the steps that did not speculate.
     num_steps_by_draft_length: list[int] = dataclasses.field(default_factory=list)
     num_steps_by_degree: list[int] = dataclasses.field(default_factory=list)
-    num_probe_steps: int = 0     # steps whose drafts re-measured acceptance rather than paid
-    task_type: str = ""          # the controller's task type ("" when not adaptive)
-    num_validator_fallback_steps: int = 0   # steps run while the validator could not be reached
-    queue_ms: float = 0.0        # waited in the gateway's admission queue before it started (not in total_ms)
+    num_probe_steps: int = 0  # steps whose drafts re-measured acceptance rather than paid
+    task_type: str = ""  # the controller's task type ("" when not adaptive)
+    num_validator_fallback_steps: int = 0  # steps run while the validator could not be reached
+    queue_ms: float = 0.0  # waited in the gateway's admission queue before it started (not in total_ms)
 
     @property
     def acceptance_rate(self) -> float:
@@ -54,8 +55,10 @@ class RequestStats:
         """Count one step's choice; draft_length 0 (or degree 0) is a step without speculation."""
         if draft_length == 0 or speculative_degree == 0:
             draft_length = speculative_degree = 0
-        for counts, index in ((self.num_steps_by_draft_length, draft_length),
-                              (self.num_steps_by_degree, speculative_degree)):
+        for counts, index in (
+            (self.num_steps_by_draft_length, draft_length),
+            (self.num_steps_by_degree, speculative_degree),
+        ):
             counts.extend([0] * (index + 1 - len(counts)))
             counts[index] += 1
         self.num_probe_steps += is_probe
@@ -80,20 +83,41 @@ class RequestStats:
         edges = DEFAULT_ENTROPY_BIN_EDGES
         other = max(0.0, self.total_ms - sum(v for k, v in self.stage_ms.items() if k != "other"))
         return gateway_pb2.GenerationStats(
-            num_prompt_tokens=self.num_prompt_tokens, num_generated_tokens=self.num_generated_tokens,
-            num_steps=self.num_steps, num_proposed_tokens=self.num_proposed, num_accepted_tokens=self.num_accepted,
-            acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps,
+            num_proposed_tokens=self.num_proposed,
+            num_accepted_tokens=self.num_accepted,
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_length=self.mean_accepted_length,
             stage_times=gateway_pb2.StageTimes(
-                draft_ms=self.stage_ms["draft"], verify_ms=self.stage_ms["verify"],
-                validate_ms=self.stage_ms["validate"], commit_ms=self.stage_ms["commit"],
-                state_ms=self.stage_ms["state"], other_ms=other, total_ms=self.total_ms, forward_ms=self.forward_ms),
+                draft_ms=self.stage_ms["draft"],
+                verify_ms=self.stage_ms["verify"],
+                validate_ms=self.stage_ms["validate"],
+                commit_ms=self.stage_ms["commit"],
+                state_ms=self.stage_ms["state"],
+                other_ms=other,
+                total_ms=self.total_ms,
+                forward_ms=self.forward_ms,
+            ),
             tokens_per_second=self.num_generated_tokens / (self.total_ms / 1000) if self.total_ms else 0.0,
-            decoders=[common_pb2.DecoderStats(name=n, num_proposed=int(r[0]), num_accepted=int(r[1]), time_ms=r[2])
-                      for n, r in sorted(self.decoders.items())],
-            entropy_bins=[gateway_pb2.EntropyBin(lower=edges[i], upper=edges[i + 1],
-                                                 num_proposed=self.entropy_proposed[i],
-                                                 num_accepted=self.entropy_accepted[i])
-                          for i in range(len(edges) - 1)],
-            num_steps_by_draft_length=self.num_steps_by_draft_length, num_steps_by_degree=self.num_steps_by_degree,
-            num_probe_steps=self.num_probe_steps, task_type=self.task_type,
-            num_validator_fallback_steps=self.num_validator_fallback_steps, queue_ms=self.queue_ms)
+            decoders=[
+                common_pb2.DecoderStats(name=n, num_proposed=int(r[0]), num_accepted=int(r[1]), time_ms=r[2])
+                for n, r in sorted(self.decoders.items())
+            ],
+            entropy_bins=[
+                gateway_pb2.EntropyBin(
+                    lower=edges[i],
+                    upper=edges[i + 1],
+                    num_proposed=self.entropy_proposed[i],
+                    num_accepted=self.entropy_accepted[i],
+                )
+                for i in range(len(edges) - 1)
+            ],
+            num_steps_by_draft_length=self.num_steps_by_draft_length,
+            num_steps_by_degree=self.num_steps_by_degree,
+            num_probe_steps=self.num_probe_steps,
+            task_type=self.task_type,
+            num_validator_fallback_steps=self.num_validator_fallback_steps,
+            queue_ms=self.queue_ms,
+        )

@@ -1,4 +1,5 @@
 """python -m http_svc: the OpenAI-compatible HTTP API in front of the gateway's gRPC API."""
+
 from __future__ import annotations
 
 import structlog
@@ -27,11 +28,26 @@ def main(argv: list[str] | None = None) -> None:
     front = HttpFront(config, api_keys, registry)
     if config.metrics_port:
         start_metrics_server(config.metrics_port, registry, config.host)
-    log.info("http ready", host=config.host, port=config.port, gateway=config.gateway_address,
-             model=config.model_name, tls=config.is_tls, api_keys=api_keys is not None)
-    uvicorn.run(front.app(), host=config.host, port=config.port, ssl_certfile=config.tls_cert_file or None,
-                ssl_keyfile=config.tls_key_file or None, log_config=None, access_log=False,
-                timeout_graceful_shutdown=GRACEFUL_STOP_S, lifespan="on")
+    log.info(
+        "http ready",
+        host=config.host,
+        port=config.port,
+        gateway=config.gateway_address,
+        model=config.model_name,
+        tls=config.is_tls,
+        api_keys=api_keys is not None,
+    )
+    uvicorn.run(
+        front.app(),
+        host=config.host,
+        port=config.port,
+        ssl_certfile=config.tls_cert_file or None,
+        ssl_keyfile=config.tls_key_file or None,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_STOP_S,
+        lifespan="on",
+    )
 
 
 if __name__ == "__main__":

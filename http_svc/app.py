@@ -9,6 +9,7 @@ generates a non-streamed answer (a task watches the connection), or mid-stream (
 cancels the call when it ends, however it ends). The gateway stops the request within a step
 and the primary frees its KV cache.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,8 +44,11 @@ REQUEST_ID_HEADER = "x-request-id"
 ID_PREFIXES = {CHAT: "chatcmpl", COMPLETION: "cmpl"}
 ENDPOINTS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 # Reconnect to a restarted gateway within a second (gRPC's default backoff grows to two minutes).
-CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000))
+CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 class ClientGone(Exception):
@@ -54,8 +58,9 @@ class ClientGone(Exception):
 class HttpFront:
     """The routes and their state: one gRPC channel to the gateway (opened on the server's loop)."""
 
-    def __init__(self, config: HttpConfig, api_keys: ApiKeys | None = None,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, config: HttpConfig, api_keys: ApiKeys | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
         self.config, self.api_keys = config, api_keys
         self.metrics = HttpMetrics(CollectorRegistry() if registry is None else registry)
         self.created = int(time.time())
@@ -67,14 +72,19 @@ class HttpFront:
     # --- the application ------------------------------------------------------------------------
 
     def app(self) -> Starlette:
-        routes = [Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                  Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
-                  Route("/health", self.health, methods=["GET"]),
-                  Route("/metrics", self.prometheus, methods=["GET"])]
-        return Starlette(routes=routes, lifespan=self._lifespan,
-                         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal})
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ]
+        return Starlette(
+            routes=routes,
+            lifespan=self._lifespan,
+            exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal},
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
@@ -111,14 +121,16 @@ class HttpFront:
     async def health(self, _request: Request) -> Response:
         """200 when the gateway reports SERVING (grpc.health.v1), else 503: what a probe needs."""
         try:
-            answer = await self._health.Check(health_pb2.HealthCheckRequest(service=GATEWAY_HEALTH_SERVICE),
-                                              timeout=HEALTH_TIMEOUT_S)
+            answer = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=GATEWAY_HEALTH_SERVICE), timeout=HEALTH_TIMEOUT_S
+            )
             gateway = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
         except grpc.RpcError as e:
             gateway = e.code().name if hasattr(e, "code") else "UNKNOWN"
         is_ok = gateway == "SERVING"
-        return JSONResponse({"status": "ok" if is_ok else "unavailable", "gateway": gateway},
-                            status_code=200 if is_ok else 503)
+        return JSONResponse(
+            {"status": "ok" if is_ok else "unavailable", "gateway": gateway}, status_code=200 if is_ok else 503
+        )
 
     async def prometheus(self, _request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -143,8 +155,10 @@ class HttpFront:
                 call = self.stub.Generate(parsed.request, **call_args)
                 answer = await self._unless_gone(request, call, call)
                 self._count_tokens(answer.stats)
-                response = JSONResponse(completion(parsed, response_id, int(time.time()), self.config.model_name,
-                                                   answer), headers={REQUEST_ID_HEADER: response_id})
+                response = JSONResponse(
+                    completion(parsed, response_id, int(time.time()), self.config.model_name, answer),
+                    headers={REQUEST_ID_HEADER: response_id},
+                )
             status = response.status_code
             return response
         except ApiError as e:
@@ -154,20 +168,25 @@ class HttpFront:
             error = from_rpc_error(e, aliases, self.config.default_retry_after_s)
             status = error.status
             if status >= 500:
-                self.log.warning("gateway call failed", request_id=response_id, status=status,
-                                 code=e.code().name if hasattr(e, "code") else "UNKNOWN")
+                self.log.warning(
+                    "gateway call failed",
+                    request_id=response_id,
+                    status=status,
+                    code=e.code().name if hasattr(e, "code") else "UNKNOWN",
+                )
             raise error from None
         except ClientGone:
-            status = 499   # nginx's "client closed request": nobody reads the answer
+            status = 499  # nginx's "client closed request": nobody reads the answer
             self.metrics.disconnects.inc()
             return Response(status_code=499)
         finally:
             self.metrics.requests.labels(endpoint, str(status)).inc()
-            if not (status == 200 and is_stream):   # a stream's time is observed at its end
+            if not (status == 200 and is_stream):  # a stream's time is observed at its end
                 self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
-    async def _stream(self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict,
-                      started: float) -> Response:
+    async def _stream(
+        self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict, started: float
+    ) -> Response:
         """The first message is awaited before the status line, so that a refused request (bad
         parameter, no capacity) still gets its HTTP status; later failures become an error event."""
         call = self.stub.GenerateStream(parsed.request, **call_args)
@@ -181,13 +200,22 @@ class HttpFront:
         writer = ChunkWriter(parsed, response_id, int(time.time()), self.config.model_name)
         endpoint = ENDPOINTS[parsed.kind]
         self.metrics.first_event.labels(endpoint).observe(time.perf_counter() - started)
-        return _CallStreamingResponse(self._events(call, first, writer, parsed, endpoint, started), call,
-                                      media_type="text/event-stream",
-                                      headers={REQUEST_ID_HEADER: response_id, "cache-control": "no-cache"})
+        return _CallStreamingResponse(
+            self._events(call, first, writer, parsed, endpoint, started),
+            call,
+            media_type="text/event-stream",
+            headers={REQUEST_ID_HEADER: response_id, "cache-control": "no-cache"},
+        )
 
-    async def _events(self, call: grpc.aio.UnaryStreamCall, first: gateway_pb2.GenerateStreamResponse,
-                      writer: ChunkWriter, parsed: ParsedRequest, endpoint: str,
-                      started: float) -> AsyncIterator[bytes]:
+    async def _events(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        first: gateway_pb2.GenerateStreamResponse,
+        writer: ChunkWriter,
+        parsed: ParsedRequest,
+        endpoint: str,
+        started: float,
+    ) -> AsyncIterator[bytes]:
         self.metrics.active.inc()
         try:
             message = first
@@ -229,13 +257,18 @@ class HttpFront:
         try:
             self.api_keys.tenant([(AUTHORIZATION, request.headers.get(AUTHORIZATION, ""))])
         except Unauthenticated:
-            raise ApiError(401, "a valid API key is required (header 'Authorization: Bearer <key>')",
-                           "authentication_error") from None
+            raise ApiError(
+                401, "a valid API key is required (header 'Authorization: Bearer <key>')", "authentication_error"
+            ) from None
 
     def _check_model(self, model: str) -> None:
         if model != self.config.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.config.model_name!r} (GET /v1/models)", param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.config.model_name!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     def _model_card(self) -> dict:
         return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}
@@ -291,11 +324,16 @@ async def _api_error(_request: Request, error: ApiError) -> Response:
 
 
 async def _http_error(_request: Request, error: HTTPException) -> Response:
-    return JSONResponse(ApiError(error.status_code, str(error.detail), "invalid_request_error").to_json(),
-                        status_code=error.status_code, headers=error.headers)
+    return JSONResponse(
+        ApiError(error.status_code, str(error.detail), "invalid_request_error").to_json(),
+        status_code=error.status_code,
+        headers=error.headers,
+    )
 
 
 async def _internal(_request: Request, error: Exception) -> Response:
     structlog.get_logger("http").exception("internal error", error_type=type(error).__name__)
-    return JSONResponse(ApiError(500, f"internal error ({type(error).__name__}); see the server log",
-                                 "server_error").to_json(), status_code=500)
+    return JSONResponse(
+        ApiError(500, f"internal error ({type(error).__name__}); see the server log", "server_error").to_json(),
+        status_code=500,
+    )

@@ -1,5 +1,6 @@
 """HTTP front configuration: flags, with SPECDEC_HTTP_* / SPECDEC_* environment variables as defaults.
 The only module of the HTTP front that reads os.environ."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,11 @@ DEFAULT_RETRY_AFTER_S = 1
 class HttpConfig:
     host: str = DEFAULT_HOST
     port: int = 8000
-    metrics_port: int = 0                  # 0: /metrics on the API port only
+    metrics_port: int = 0  # 0: /metrics on the API port only
     gateway_address: str = "127.0.0.1:50050"
-    gateway_ca_file: str = ""              # PEM roots of a gateway that serves TLS; "": plaintext gRPC
-    model_name: str = DEFAULT_MODEL_NAME   # the one model /v1/models lists and requests must name
-    api_keys_file: str = ""                # the gateway's keys file: checked here too (401 before any RPC)
+    gateway_ca_file: str = ""  # PEM roots of a gateway that serves TLS; "": plaintext gRPC
+    model_name: str = DEFAULT_MODEL_NAME  # the one model /v1/models lists and requests must name
+    api_keys_file: str = ""  # the gateway's keys file: checked here too (401 before any RPC)
     is_insecure_public_allowed: bool = False
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -56,8 +57,10 @@ class HttpConfig:
         if self.default_retry_after_s < 0:
             raise ValueError(f"default_retry_after_s must be >= 0, got {self.default_retry_after_s}")
         if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.host):
-            raise ValueError(f"host {self.host!r} is reachable from other machines: give --api_keys_file, "
-                             "or --allow_insecure_public to serve anyone who can reach it")
+            raise ValueError(
+                f"host {self.host!r} is reachable from other machines: give --api_keys_file, "
+                "or --allow_insecure_public to serve anyone who can reach it"
+            )
 
     @property
     def is_tls(self) -> bool:
@@ -69,7 +72,7 @@ def model_name_for(model_path: str | None) -> str:
     if not model_path:
         return DEFAULT_MODEL_NAME
     name = Path(model_path).expanduser().name
-    return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -86,43 +89,83 @@ def _env_bool(name: str, default: bool) -> bool:
 
 
 def parse_config(argv: list[str] | None = None) -> HttpConfig:
-    p = argparse.ArgumentParser(prog="python -m http_svc",
-                                description="The OpenAI-compatible HTTP API, a client of the gateway's gRPC API.")
+    p = argparse.ArgumentParser(
+        prog="python -m http_svc", description="The OpenAI-compatible HTTP API, a client of the gateway's gRPC API."
+    )
     p.add_argument("--host", default=_env("HOST", DEFAULT_HOST))
     p.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
-    p.add_argument("--metrics_port", type=int, default=int(_env("METRICS_PORT", "0")),
-                   help="also serve /metrics on this port (0: only on --port)")
+    p.add_argument(
+        "--metrics_port",
+        type=int,
+        default=int(_env("METRICS_PORT", "0")),
+        help="also serve /metrics on this port (0: only on --port)",
+    )
     p.add_argument("--gateway_address", default=_env("GATEWAY_ADDRESS", "127.0.0.1:50050"))
-    p.add_argument("--gateway_ca_file", default=_env("GATEWAY_CA_FILE", ""),
-                   help="PEM root certificates of a gateway that serves TLS (empty: plaintext gRPC)")
-    p.add_argument("--model_path", default=_env("MODEL_PATH", _env("MODEL", None)) or None,
-                   help="the gateway's model; only its name is used (--model_name's default)")
-    p.add_argument("--model_name", default=_env("MODEL_NAME", None),
-                   help="the model id clients send and /v1/models lists (default: from --model_path)")
-    p.add_argument("--api_keys_file", default=_env("API_KEYS_FILE", ""),
-                   help="the gateway's API keys file: calls without one of its keys get 401 here already; the "
-                        "key is forwarded to the gateway, which checks it again and scopes requests by tenant")
-    p.add_argument("--allow_insecure_public", action="store_true",
-                   default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
-                   help="without --api_keys_file, listen on a non-loopback --host anyway")
+    p.add_argument(
+        "--gateway_ca_file",
+        default=_env("GATEWAY_CA_FILE", ""),
+        help="PEM root certificates of a gateway that serves TLS (empty: plaintext gRPC)",
+    )
+    p.add_argument(
+        "--model_path",
+        default=_env("MODEL_PATH", _env("MODEL", None)) or None,
+        help="the gateway's model; only its name is used (--model_name's default)",
+    )
+    p.add_argument(
+        "--model_name",
+        default=_env("MODEL_NAME", None),
+        help="the model id clients send and /v1/models lists (default: from --model_path)",
+    )
+    p.add_argument(
+        "--api_keys_file",
+        default=_env("API_KEYS_FILE", ""),
+        help="the gateway's API keys file: calls without one of its keys get 401 here already; the "
+        "key is forwarded to the gateway, which checks it again and scopes requests by tenant",
+    )
+    p.add_argument(
+        "--allow_insecure_public",
+        action="store_true",
+        default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
+        help="without --api_keys_file, listen on a non-loopback --host anyway",
+    )
     p.add_argument("--tls_cert", default=_env("TLS_CERT", ""), help="PEM certificate chain: serve HTTPS")
     p.add_argument("--tls_key", default=_env("TLS_KEY", ""), help="PEM private key of --tls_cert")
-    p.add_argument("--max_body_bytes", type=int, default=int(_env("MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
-                   help="larger request bodies get 413")
-    p.add_argument("--request_timeout_s", type=float,
-                   default=float(_env("REQUEST_TIMEOUT_S", str(DEFAULT_REQUEST_TIMEOUT_S))),
-                   help="deadline of one generation (504 after it)")
-    p.add_argument("--default_retry_after_s", type=int,
-                   default=int(_env("DEFAULT_RETRY_AFTER_S", str(DEFAULT_RETRY_AFTER_S))),
-                   help="Retry-After of a 429 when the gateway gives no retry hint")
+    p.add_argument(
+        "--max_body_bytes",
+        type=int,
+        default=int(_env("MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
+        help="larger request bodies get 413",
+    )
+    p.add_argument(
+        "--request_timeout_s",
+        type=float,
+        default=float(_env("REQUEST_TIMEOUT_S", str(DEFAULT_REQUEST_TIMEOUT_S))),
+        help="deadline of one generation (504 after it)",
+    )
+    p.add_argument(
+        "--default_retry_after_s",
+        type=int,
+        default=int(_env("DEFAULT_RETRY_AFTER_S", str(DEFAULT_RETRY_AFTER_S))),
+        help="Retry-After of a 429 when the gateway gives no retry hint",
+    )
     p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
     a = p.parse_args(argv)
     try:
-        return HttpConfig(host=a.host, port=a.port, metrics_port=a.metrics_port, gateway_address=a.gateway_address,
-                          gateway_ca_file=a.gateway_ca_file, model_name=a.model_name or model_name_for(a.model_path),
-                          api_keys_file=a.api_keys_file, is_insecure_public_allowed=a.allow_insecure_public,
-                          tls_cert_file=a.tls_cert, tls_key_file=a.tls_key, max_body_bytes=a.max_body_bytes,
-                          request_timeout_s=a.request_timeout_s, default_retry_after_s=a.default_retry_after_s,
-                          log_level=a.log_level)
+        return HttpConfig(
+            host=a.host,
+            port=a.port,
+            metrics_port=a.metrics_port,
+            gateway_address=a.gateway_address,
+            gateway_ca_file=a.gateway_ca_file,
+            model_name=a.model_name or model_name_for(a.model_path),
+            api_keys_file=a.api_keys_file,
+            is_insecure_public_allowed=a.allow_insecure_public,
+            tls_cert_file=a.tls_cert,
+            tls_key_file=a.tls_key,
+            max_body_bytes=a.max_body_bytes,
+            request_timeout_s=a.request_timeout_s,
+            default_retry_after_s=a.default_retry_after_s,
+            log_level=a.log_level,
+        )
     except ValueError as e:
         p.error(str(e))

@@ -6,6 +6,7 @@ checks stay the gateway's: its INVALID_ARGUMENT names the protobuf field
 ("sampling.temperature: must be finite and >= 0, got -1.0"), and param_for() turns that field
 into the OpenAI parameter the client sent ("temperature").
 """
+
 from __future__ import annotations
 
 import math
@@ -25,12 +26,18 @@ _STATUS_BY_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.CANCELLED: (503, "service_unavailable_error"),   # the gateway stopped it (shutdown)
+    grpc.StatusCode.CANCELLED: (503, "service_unavailable_error"),  # the gateway stopped it (shutdown)
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 # The `code` of an error object, where OpenAI has a well-known one.
-_CODE_BY_STATUS = {401: "invalid_api_key", 404: "not_found", 413: "request_too_large", 429: "rate_limit_exceeded",
-                   503: "service_unavailable", 504: "timeout"}
+_CODE_BY_STATUS = {
+    401: "invalid_api_key",
+    404: "not_found",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+    504: "timeout",
+}
 # Trailing metadata keys a gateway may give a retry hint in: seconds, or milliseconds (gRPC's own
 # server pushback key among them).
 RETRY_AFTER_KEYS = ("retry-after", "retry-after-s")
@@ -39,28 +46,49 @@ RETRY_AFTER_MS_KEYS = ("retry-after-ms", "grpc-retry-pushback-ms")
 _FIELD_MESSAGE = re.compile(r"^([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): (.*)$", re.S)
 # Gateway field -> OpenAI parameter; prefixes map with what follows them kept.
 _PARAM_BY_FIELD = {
-    "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
-    "sampling.seed": "seed", "stop": "stop", "prompt": "prompt", "chat.messages": "messages",
+    "sampling.temperature": "temperature",
+    "sampling.top_p": "top_p",
+    "sampling.top_k": "top_k",
+    "sampling.seed": "seed",
+    "stop": "stop",
+    "prompt": "prompt",
+    "chat.messages": "messages",
     "response_format.type": "response_format.type",
     "response_format.json_schema": "response_format.json_schema.schema",
-    "speculation.is_enabled": "speculative_decoding", "speculation.speculative_degree": "speculative_degree",
-    "speculation.draft_length": "draft_length", "speculation.acceptance_threshold": "acceptance_threshold",
-    "speculation.strategies": "strategies", "speculation.is_adaptive": "adaptive",
+    "speculation.is_enabled": "speculative_decoding",
+    "speculation.speculative_degree": "speculative_degree",
+    "speculation.draft_length": "draft_length",
+    "speculation.acceptance_threshold": "acceptance_threshold",
+    "speculation.strategies": "strategies",
+    "speculation.is_adaptive": "adaptive",
 }
 
 
 class ApiError(Exception):
     """An answer that is an error: HTTP status, OpenAI error object, extra headers."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(status, message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
     def to_json(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else _CODE_BY_STATUS.get(self.status)}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else _CODE_BY_STATUS.get(self.status),
+            }
+        }
 
 
 def bad_request(param: str | None, message: str) -> ApiError:
@@ -76,7 +104,7 @@ def param_for(field: str, aliases: dict[str, str]) -> str:
         return aliases[field]
     for prefix in sorted(_PARAM_BY_FIELD, key=len, reverse=True):
         if field == prefix or field.startswith((f"{prefix}.", f"{prefix}[")):
-            return _PARAM_BY_FIELD[prefix] + field[len(prefix):]
+            return _PARAM_BY_FIELD[prefix] + field[len(prefix) :]
     return field
 
 

@@ -11,6 +11,7 @@ Speculation settings ride as extra body fields (the OpenAI SDKs send them with `
     {"model": "...", "messages": [...], "speculative_decoding": true, "speculative_degree": 4,
      "draft_length": 8, "acceptance_threshold": 0.0, "strategies": ["prompt_lookup"]}
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,24 +29,39 @@ MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
 # "developer" is OpenAI's newer name for the system turn.
 _ROLE_ALIASES = {"developer": "system"}
 # OpenAI parameters this service does not implement: refused unless given their neutral value.
-_UNSUPPORTED = {"tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                "function_call": (None, "none"), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-                "logit_bias": (None, {}), "frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-                "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "audio": (None,),
-                "modalities": (None, ["text"]), "prediction": (None,), "parallel_tool_calls": (None, False, True)}
-_RESPONSE_FORMATS = {"text": common_pb2.ResponseFormat.TYPE_TEXT,
-                     "json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
-                     "json_schema": common_pb2.ResponseFormat.TYPE_JSON_SCHEMA}
+_UNSUPPORTED = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "parallel_tool_calls": (None, False, True),
+}
+_RESPONSE_FORMATS = {
+    "text": common_pb2.ResponseFormat.TYPE_TEXT,
+    "json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
+    "json_schema": common_pb2.ResponseFormat.TYPE_JSON_SCHEMA,
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    kind: str                          # CHAT or COMPLETION
+    kind: str  # CHAT or COMPLETION
     model: str
     request: gateway_pb2.GenerateRequest
     is_stream: bool
-    is_usage_streamed: bool            # stream_options.include_usage: a last chunk with the usage
-    is_returning_token_ids: bool       # extra field return_token_ids: each choice carries its token ids
+    is_usage_streamed: bool  # stream_options.include_usage: a last chunk with the usage
+    is_returning_token_ids: bool  # extra field return_token_ids: each choice carries its token ids
     # Gateway fields whose OpenAI name depends on the request: {"max_new_tokens": "max_tokens"}.
     param_aliases: dict[str, str]
 
@@ -77,7 +93,7 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     else:
         request.prompt = _prompt(data.get("prompt"))
     aliases = {}
-    for name in ("max_completion_tokens", "max_tokens"):   # the newer name wins when both are given
+    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are given
         if data.get(name) is not None:
             request.max_new_tokens = _integer(data[name], name, MAX_UINT32)
             aliases["max_new_tokens"] = name
@@ -95,8 +111,15 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     include_usage = _boolean((options or {}).get("include_usage"), "stream_options.include_usage", False)
     if options is not None and not is_stream:
         raise bad_request("stream_options", "is only allowed when stream is true")
-    return ParsedRequest(kind, model, request, is_stream, include_usage,
-                         _boolean(data.get("return_token_ids"), "return_token_ids", False), aliases)
+    return ParsedRequest(
+        kind,
+        model,
+        request,
+        is_stream,
+        include_usage,
+        _boolean(data.get("return_token_ids"), "return_token_ids", False),
+        aliases,
+    )
 
 
 def _set_messages(request: gateway_pb2.GenerateRequest, messages: Any) -> None:
@@ -110,8 +133,9 @@ def _set_messages(request: gateway_pb2.GenerateRequest, messages: Any) -> None:
             raise bad_request(f"messages[{i}].role", "must be a string")
         if message.get("tool_calls") or message.get("function_call"):
             raise bad_request(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
-        request.chat.messages.add(role=_ROLE_ALIASES.get(role, role),
-                                  content=_content(message.get("content"), f"messages[{i}].content"))
+        request.chat.messages.add(
+            role=_ROLE_ALIASES.get(role, role), content=_content(message.get("content"), f"messages[{i}].content")
+        )
 
 
 def _content(content: Any, param: str) -> str:
@@ -125,8 +149,9 @@ def _content(content: Any, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise bad_request(f"{param}[{j}].type", "only text parts ({\"type\": \"text\", \"text\": ...}) are "
-                              "supported by this server")
+            raise bad_request(
+                f"{param}[{j}].type", 'only text parts ({"type": "text", "text": ...}) are supported by this server'
+            )
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{param}[{j}].text", "must be a string")
         texts.append(part["text"])
@@ -180,7 +205,7 @@ def _set_response_format(response_format: common_pb2.ResponseFormat, value: Any)
         raise bad_request("response_format.json_schema", "must be an object with name and schema")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise bad_request("response_format.json_schema.name", "is required: a string")
-    _boolean(spec.get("strict"), "response_format.json_schema.strict", False)   # the output always follows it
+    _boolean(spec.get("strict"), "response_format.json_schema.strict", False)  # the output always follows it
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema", "is required: a JSON Schema object")
@@ -230,4 +255,3 @@ def _number(value: Any, param: str) -> float:
     if not math.isfinite(value):
         raise bad_request(param, "must be finite")
     return float(value)
-

@@ -6,6 +6,7 @@
               "speculation": {"proposed_tokens": 52, "accepted_tokens": 29, "acceptance_rate": 0.56,
                               "mean_accepted_length": 3.9, "num_steps": 10}}
 """
+
 from __future__ import annotations
 
 import json
@@ -14,39 +15,63 @@ from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest
 from specdec.v1 import gateway_pb2
 
 # OpenAI's finish reasons: "stop" (a stop string or the end of the text), "length".
-FINISH_REASONS = {gateway_pb2.FINISH_REASON_LENGTH: "length", gateway_pb2.FINISH_REASON_STOP: "stop",
-                  gateway_pb2.FINISH_REASON_EOS: "stop"}
+FINISH_REASONS = {
+    gateway_pb2.FINISH_REASON_LENGTH: "length",
+    gateway_pb2.FINISH_REASON_STOP: "stop",
+    gateway_pb2.FINISH_REASON_EOS: "stop",
+}
 SSE_DONE = b"data: [DONE]\n\n"
 # The `object` of a whole answer and of a chunk, per endpoint.
 OBJECTS = {CHAT: ("chat.completion", "chat.completion.chunk"), COMPLETION: ("text_completion", "text_completion")}
 
 
 def usage(stats: gateway_pb2.GenerationStats) -> dict:
-    return {"prompt_tokens": stats.num_prompt_tokens, "completion_tokens": stats.num_generated_tokens,
-            "total_tokens": stats.num_prompt_tokens + stats.num_generated_tokens,
-            "speculation": {"proposed_tokens": stats.num_proposed_tokens,
-                            "accepted_tokens": stats.num_accepted_tokens,
-                            "acceptance_rate": stats.acceptance_rate,
-                            "mean_accepted_length": stats.mean_accepted_length, "num_steps": stats.num_steps}}
+    return {
+        "prompt_tokens": stats.num_prompt_tokens,
+        "completion_tokens": stats.num_generated_tokens,
+        "total_tokens": stats.num_prompt_tokens + stats.num_generated_tokens,
+        "speculation": {
+            "proposed_tokens": stats.num_proposed_tokens,
+            "accepted_tokens": stats.num_accepted_tokens,
+            "acceptance_rate": stats.acceptance_rate,
+            "mean_accepted_length": stats.mean_accepted_length,
+            "num_steps": stats.num_steps,
+        },
+    }
 
 
 def finish_reason(value: int) -> str | None:
     return FINISH_REASONS.get(value)
 
 
-def completion(parsed: ParsedRequest, response_id: str, created: int, model: str,
-               response: gateway_pb2.GenerateResponse) -> dict:
+def completion(
+    parsed: ParsedRequest, response_id: str, created: int, model: str, response: gateway_pb2.GenerateResponse
+) -> dict:
     """The whole answer of a request without `stream`."""
     if parsed.kind == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": response.text, "refusal": None},
-                  "logprobs": None, "finish_reason": finish_reason(response.finish_reason)}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": response.text, "refusal": None},
+            "logprobs": None,
+            "finish_reason": finish_reason(response.finish_reason),
+        }
     else:
-        choice = {"index": 0, "text": response.text, "logprobs": None,
-                  "finish_reason": finish_reason(response.finish_reason)}
+        choice = {
+            "index": 0,
+            "text": response.text,
+            "logprobs": None,
+            "finish_reason": finish_reason(response.finish_reason),
+        }
     if parsed.is_returning_token_ids:
         choice["token_ids"] = list(response.token_ids)
-    return {"id": response_id, "object": OBJECTS[parsed.kind][0], "created": created,
-            "model": model, "choices": [choice], "usage": usage(response.stats)}
+    return {
+        "id": response_id,
+        "object": OBJECTS[parsed.kind][0],
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(response.stats),
+    }
 
 
 class ChunkWriter:
@@ -55,8 +80,10 @@ class ChunkWriter:
     with no choices and the usage (every chunk before it has "usage": null), then `data: [DONE]`."""
 
     def __init__(self, parsed: ParsedRequest, response_id: str, created: int, model: str) -> None:
-        self.parsed, self.head = parsed, {"id": response_id, "object": OBJECTS[parsed.kind][1],
-                                          "created": created, "model": model}
+        self.parsed, self.head = (
+            parsed,
+            {"id": response_id, "object": OBJECTS[parsed.kind][1], "created": created, "model": model},
+        )
         self._is_role_sent = False
 
     def step(self, message: gateway_pb2.GenerateStreamResponse) -> bytes:
@@ -68,8 +95,11 @@ class ChunkWriter:
         if message.text or message.token_ids:
             events.append(self._chunk(self._delta(message.text), None, message.token_ids))
         if message.is_final:
-            events.append(self._chunk({} if self.parsed.kind == CHAT else self._delta(""),
-                                       finish_reason(message.finish_reason), ()))
+            events.append(
+                self._chunk(
+                    {} if self.parsed.kind == CHAT else self._delta(""), finish_reason(message.finish_reason), ()
+                )
+            )
             if self.parsed.is_usage_streamed:
                 events.append(self._event({**self.head, "choices": [], "usage": usage(message.stats)}))
             events.append(SSE_DONE)

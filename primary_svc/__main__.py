@@ -1,4 +1,5 @@
 """python -m primary_svc: load the model (into shared memory), serve PrimaryService."""
+
 from __future__ import annotations
 
 import sys
@@ -54,12 +55,18 @@ def main(argv: list[str] | None = None) -> None:
     worker.engine = engine
     tokenizer = Tokenizer.from_dir(model_dir)
     is_native = any(block.native is not None for block in loaded.model.layers)
-    log.info("model loaded", model_dir=str(model_dir), precision=loaded.precision,
-             weight_bytes=loaded.weight_bytes, verify_costs_ms={k: round(v, 2) for k, v in costs.items()},
-             native_kernels=native.status() if loaded.precision in QUANTIZED_PRECISIONS else "not used")
+    log.info(
+        "model loaded",
+        model_dir=str(model_dir),
+        precision=loaded.precision,
+        weight_bytes=loaded.weight_bytes,
+        verify_costs_ms={k: round(v, 2) for k, v in costs.items()},
+        native_kernels=native.status() if loaded.precision in QUANTIZED_PRECISIONS else "not used",
+    )
     if config.tensormt_optimizer and is_native:
-        log.warning("--tensormt_optimizer not applied: the layers already run as native calls",
-                    precision=loaded.precision)
+        log.warning(
+            "--tensormt_optimizer not applied: the layers already run as native calls", precision=loaded.precision
+        )
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
     is_compiled = config.tensormt_optimizer and not is_native
@@ -80,9 +87,13 @@ def main(argv: list[str] | None = None) -> None:
             loaded.shared.unlink()
 
     try:
-        serve(config.server, [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-              interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)], registry=registry,
-              on_stopped=on_stopped)
+        serve(
+            config.server,
+            [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
+            interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)],
+            registry=registry,
+            on_stopped=on_stopped,
+        )
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
@@ -99,20 +110,29 @@ def expire_leases(servicer: PrimaryServicer, stop: threading.Event) -> None:
             log.exception("kv lease expiry failed")
 
 
-def load_engine(config: PrimaryConfig, model_dir: Path, instance_id: str
-                ) -> tuple[LoadedModel, Engine, dict[int, float], str]:
+def load_engine(
+    config: PrimaryConfig, model_dir: Path, instance_id: str
+) -> tuple[LoadedModel, Engine, dict[int, float], str]:
     """(the model, its engine, the measured verify costs, how the precision was chosen)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(load_config(model_dir))
     structlog.get_logger("primary_svc").info("fp32 GEMM padding", min_gemm_rows=min_gemm_rows)
     precision, precision_choice = served_precision(config, model_dir)
-    loaded = load_model(model_dir, precision, max_positions=config.max_context,
-                        device=config.device, is_shared=config.is_shared_weights, instance_id=instance_id,
-                        min_gemm_rows=min_gemm_rows)
-    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, config.device,
-                                          max_bytes=config.max_kv_bytes),
-                    config.max_context)
+    loaded = load_model(
+        model_dir,
+        precision,
+        max_positions=config.max_context,
+        device=config.device,
+        is_shared=config.is_shared_weights,
+        instance_id=instance_id,
+        min_gemm_rows=min_gemm_rows,
+    )
+    engine = Engine(
+        loaded.model,
+        KVCache(loaded.config, loaded.model.dtype, config.device, max_bytes=config.max_kv_bytes),
+        config.max_context,
+    )
     costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
     return loaded, engine, costs, precision_choice
 
@@ -124,11 +144,15 @@ def served_precision(config: PrimaryConfig, model_dir) -> tuple[str, str]:
     # A GGUF's own format is quantized, so int4/int8 serve the file as it is; a float checkpoint
     # is served in a float format unless a quantized precision is asked for.
     is_gguf = config.model_path is None or str(config.model_path).lower().endswith(".gguf")
-    choice = choose_precision_or_fallback(model_dir, config.cache_dir, config.num_threads,
-                                          CANDIDATES if is_gguf else FLOAT_CANDIDATES)
+    choice = choose_precision_or_fallback(
+        model_dir, config.cache_dir, config.num_threads, CANDIDATES if is_gguf else FLOAT_CANDIDATES
+    )
     structlog.get_logger("primary_svc").info(
-        "precision chosen", precision=choice.precision, reason=choice.reason,
-        expected_tokens_per_s={p: round(v, 1) for p, v in choice.tokens_per_s.items()})
+        "precision chosen",
+        precision=choice.precision,
+        reason=choice.reason,
+        expected_tokens_per_s={p: round(v, 1) for p, v in choice.tokens_per_s.items()},
+    )
     return choice.precision, choice.reason
 
 

@@ -21,6 +21,7 @@ cached. The choice is cached per machine (CPU model and flags, core count, torch
 and model, in the primary's cache directory, so only the first start pays for measuring. Any
 failure falls back to fp32 with the reason: `auto` never stops the service from starting.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,14 +41,19 @@ from primary_svc.costs import measure_verify_costs
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
-from specdec.controller_defaults import (DRAFT_LENGTH_CHOICES, PLAIN_OVERHEAD_MS, PRIOR_ACCEPTANCE_CODE,
-                                         PRIOR_ACCEPTANCE_CREATIVE, PRIOR_ACCEPTANCE_STRUCTURED,
-                                         SPECULATIVE_OVERHEAD_MS)
+from specdec.controller_defaults import (
+    DRAFT_LENGTH_CHOICES,
+    PLAIN_OVERHEAD_MS,
+    PRIOR_ACCEPTANCE_CODE,
+    PRIOR_ACCEPTANCE_CREATIVE,
+    PRIOR_ACCEPTANCE_STRUCTURED,
+    SPECULATIVE_OVERHEAD_MS,
+)
 from specdec.model import native
 from specdec.model.precision import PRECISIONS
 
 FALLBACK_PRECISION = "fp32"
-CANDIDATES = ("int4", "int8", "bf16", "fp32")      # in order of preference on a tie
+CANDIDATES = ("int4", "int8", "bf16", "fp32")  # in order of preference on a tie
 FLOAT_CANDIDATES = ("bf16", "fp32")
 PROBE_SIZES = (1, 2, 4, 8, 16)
 PROBE_CONTEXT_TOKENS = 64
@@ -56,28 +62,31 @@ PROBE_REPEATS = 2
 MAX_DRAFT_LENGTH = max(DRAFT_LENGTH_CHOICES)
 PRIOR_ACCEPTANCES = (PRIOR_ACCEPTANCE_STRUCTURED, PRIOR_ACCEPTANCE_CODE, PRIOR_ACCEPTANCE_CREATIVE)
 CACHE_FILE = "precision_autotune.json"
-MAX_MEASURE_S = 20.0       # a start-up budget: candidates not reached by then are not measured
+MAX_MEASURE_S = 20.0  # a start-up budget: candidates not reached by then are not measured
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrecisionChoice:
     precision: str
-    reason: str                                    # one line for logs and GetModelInfo
-    tokens_per_s: dict[str, float]                 # candidate -> score (empty on a fallback)
-    verify_ms: dict[str, dict[int, float]]         # candidate -> measured curve
+    reason: str  # one line for logs and GetModelInfo
+    tokens_per_s: dict[str, float]  # candidate -> score (empty on a fallback)
+    verify_ms: dict[str, dict[int, float]]  # candidate -> measured curve
     is_cached: bool = False
 
 
-def expected_tokens_per_s(verify_ms: Mapping[int, float], acceptance: float,
-                          plain_overhead_ms: float = PLAIN_OVERHEAD_MS,
-                          speculative_overhead_ms: float = SPECULATIVE_OVERHEAD_MS) -> float:
+def expected_tokens_per_s(
+    verify_ms: Mapping[int, float],
+    acceptance: float,
+    plain_overhead_ms: float = PLAIN_OVERHEAD_MS,
+    speculative_overhead_ms: float = SPECULATIVE_OVERHEAD_MS,
+) -> float:
     """The best tokens/s over draft lengths 0..MAX_DRAFT_LENGTH (see the module docstring)."""
     sizes = sorted(verify_ms)
     costs = [verify_ms[k] for k in sizes]
     best = 0.0
     for g in range(MAX_DRAFT_LENGTH + 1):
         rows = g + 1
-        if rows > sizes[-1]:                       # past the last point: the last segment's slope
+        if rows > sizes[-1]:  # past the last point: the last segment's slope
             slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
             ms = costs[-1] + slope * (rows - sizes[-1])
         else:
@@ -99,33 +108,45 @@ def machine_key(num_threads: int) -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)}
     cpu_flags = " ".join(sorted(fields.get("flags", "").split()))
-    identity = "\0".join([fields.get("model name", platform.processor()), cpu_flags,
-                          str(len(os.sched_getaffinity(0))), torch.__version__,
-                          str(num_threads or torch.get_num_threads()), native.identity()])
+    identity = "\0".join(
+        [
+            fields.get("model name", platform.processor()),
+            cpu_flags,
+            str(len(os.sched_getaffinity(0))),
+            torch.__version__,
+            str(num_threads or torch.get_num_threads()),
+            native.identity(),
+        ]
+    )
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def measure_candidate(model_dir: Path, precision: str) -> dict[int, float]:
-    loaded = load_model(model_dir, precision, max_positions=PROBE_CONTEXT_TOKENS + 2 * PROBE_SIZES[-1],
-                        is_shared=False)
+    loaded = load_model(model_dir, precision, max_positions=PROBE_CONTEXT_TOKENS + 2 * PROBE_SIZES[-1], is_shared=False)
     engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), loaded.model.max_positions)
     return measure_verify_costs(engine, PROBE_REPEATS, PROBE_SIZES, PROBE_CONTEXT_TOKENS)
 
 
-def choose_precision_or_fallback(model_dir: Path, cache_dir: Path, num_threads: int,
-                                 candidates: Sequence[str] = CANDIDATES) -> PrecisionChoice:
+def choose_precision_or_fallback(
+    model_dir: Path, cache_dir: Path, num_threads: int, candidates: Sequence[str] = CANDIDATES
+) -> PrecisionChoice:
     """`choose_precision`, but any error becomes fp32 with the error as the reason."""
     try:
         return choose_precision(model_dir, cache_dir, num_threads, candidates)
     except Exception as e:
-        return PrecisionChoice(FALLBACK_PRECISION, f"auto fell back to {FALLBACK_PRECISION}: {type(e).__name__}: {e}",
-                               {}, {})
+        return PrecisionChoice(
+            FALLBACK_PRECISION, f"auto fell back to {FALLBACK_PRECISION}: {type(e).__name__}: {e}", {}, {}
+        )
 
 
-def choose_precision(model_dir: Path, cache_dir: Path, num_threads: int,
-                     candidates: Sequence[str] = CANDIDATES,
-                     measure: Callable[[Path, str], dict[int, float]] = measure_candidate,
-                     max_measure_s: float = MAX_MEASURE_S) -> PrecisionChoice:
+def choose_precision(
+    model_dir: Path,
+    cache_dir: Path,
+    num_threads: int,
+    candidates: Sequence[str] = CANDIDATES,
+    measure: Callable[[Path, str], dict[int, float]] = measure_candidate,
+    max_measure_s: float = MAX_MEASURE_S,
+) -> PrecisionChoice:
     """The candidate with the best score on this machine (cached), or fp32 with the reason why."""
     log = structlog.get_logger("primary_svc")
     candidates = tuple(p for p in candidates if p in PRECISIONS)
@@ -133,14 +154,18 @@ def choose_precision(model_dir: Path, cache_dir: Path, num_threads: int,
     cache_path = Path(cache_dir) / CACHE_FILE
     cached = _read_cache(cache_path).get(key)
     if cached is not None and cached.get("precision") in candidates:
-        return PrecisionChoice(cached["precision"], cached["reason"] + " (cached)", cached["tokens_per_s"],
-                               {p: {int(k): v for k, v in c.items()} for p, c in cached["verify_ms"].items()},
-                               is_cached=True)
+        return PrecisionChoice(
+            cached["precision"],
+            cached["reason"] + " (cached)",
+            cached["tokens_per_s"],
+            {p: {int(k): v for k, v in c.items()} for p, c in cached["verify_ms"].items()},
+            is_cached=True,
+        )
     start = time.perf_counter()
     curves: dict[str, dict[int, float]] = {}
     failures = []
     for precision in candidates:
-        if curves and time.perf_counter() - start > max_measure_s:   # a loaded or slow machine
+        if curves and time.perf_counter() - start > max_measure_s:  # a loaded or slow machine
             failures.append(f"{precision}: not measured, the {max_measure_s:.0f} s budget ran out")
             continue
         try:
@@ -149,16 +174,23 @@ def choose_precision(model_dir: Path, cache_dir: Path, num_threads: int,
             failures.append(f"{precision}: {e}")
             log.info("precision candidate unavailable", precision=precision, error=str(e))
     if not curves:
-        return PrecisionChoice(FALLBACK_PRECISION, f"auto fell back to {FALLBACK_PRECISION}: no candidate "
-                               f"could be measured ({'; '.join(failures)})", {}, {})
+        return PrecisionChoice(
+            FALLBACK_PRECISION,
+            f"auto fell back to {FALLBACK_PRECISION}: no candidate could be measured ({'; '.join(failures)})",
+            {},
+            {},
+        )
     scores = {p: score(c) for p, c in curves.items()}
     best = max(candidates, key=lambda p: (scores.get(p, -1.0), -candidates.index(p)))
     ranking = ", ".join(f"{p} {s:.1f}" for p, s in sorted(scores.items(), key=lambda x: -x[1]))
-    reason = (f"auto chose {best}: expected tokens/s {ranking} (measured in {time.perf_counter() - start:.1f} s"
-              + (f"; unavailable: {'; '.join(failures)}" if failures else "") + ")")
+    reason = (
+        f"auto chose {best}: expected tokens/s {ranking} (measured in {time.perf_counter() - start:.1f} s"
+        + (f"; unavailable: {'; '.join(failures)}" if failures else "")
+        + ")"
+    )
     choice = PrecisionChoice(best, reason, scores, curves)
     if not any("budget ran out" in f for f in failures):
-        _write_cache(cache_path, key, choice)      # a complete measurement only: a busy start re-measures
+        _write_cache(cache_path, key, choice)  # a complete measurement only: a busy start re-measures
     return choice
 
 
@@ -171,12 +203,16 @@ def _read_cache(path: Path) -> dict:
 
 def _write_cache(path: Path, key: str, choice: PrecisionChoice) -> None:
     entries = _read_cache(path)
-    entries[key] = {"precision": choice.precision, "reason": choice.reason, "tokens_per_s": choice.tokens_per_s,
-                    "verify_ms": {p: {str(k): v for k, v in c.items()} for p, c in choice.verify_ms.items()}}
+    entries[key] = {
+        "precision": choice.precision,
+        "reason": choice.reason,
+        "tokens_per_s": choice.tokens_per_s,
+        "verify_ms": {p: {str(k): v for k, v in c.items()} for p, c in choice.verify_ms.items()},
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(entries, indent=1))
-        os.replace(tmp, path)                     # atomic: concurrent starts never read half a file
+        os.replace(tmp, path)  # atomic: concurrent starts never read half a file
     except OSError as e:
         structlog.get_logger("primary_svc").warning("precision choice not cached", error=str(e))

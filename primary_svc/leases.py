@@ -9,6 +9,7 @@ accepted call renews the lease; a slot with no call for lease_s is expired
 up cannot hold KV memory forever. A gateway whose request was expired finds
 NOT_FOUND at its next step and re-prefills from the committed tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from specdec.errors import NotFound
 
 DEFAULT_LEASE_S = 300.0
-LEASE_BYTES = 16   # 128 bits
+LEASE_BYTES = 16  # 128 bits
 
 
 @dataclasses.dataclass(slots=True)

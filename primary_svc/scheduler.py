@@ -30,47 +30,48 @@ Preemption: when the running requests' verify rows need more KV than is free, `c
 requests to release, newest admitted first (as vLLM): they lose their KV and re-prefill later from
 their committed tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
 
 DEFAULT_MAX_STEP_TOKENS = 1024
-DEFAULT_PREFILL_CHUNK_TOKENS = 512     # = Engine.prefill's chunk: fp32 caches keep the bits they had before
+DEFAULT_PREFILL_CHUNK_TOKENS = 512  # = Engine.prefill's chunk: fp32 caches keep the bits they had before
 DEFAULT_MAX_SKIPPED_STEPS = 4
 
 
 @dataclasses.dataclass(slots=True)
 class VerifyEntry:
     request_id: str
-    num_rows: int                 # chain + tree rows this verify runs
-    kv_growth_bytes: int = 0      # KV bytes its slot must grow by to hold them
+    num_rows: int  # chain + tree rows this verify runs
+    kv_growth_bytes: int = 0  # KV bytes its slot must grow by to hold them
 
 
 @dataclasses.dataclass(slots=True)
 class WaitingEntry:
     request_id: str
-    num_remaining: int            # tokens still to prefill
-    kv_bytes_to_admit: int        # KV bytes its slot takes when admitted
-    is_admitted: bool = False     # holds its KV slot (prefill under way)
-    num_skipped_steps: int = 0    # steps in a row it could have run but did not (the policy counts)
+    num_remaining: int  # tokens still to prefill
+    kv_bytes_to_admit: int  # KV bytes its slot takes when admitted
+    is_admitted: bool = False  # holds its KV slot (prefill under way)
+    num_skipped_steps: int = 0  # steps in a row it could have run but did not (the policy counts)
 
 
 @dataclasses.dataclass(slots=True)
 class RunningEntry:
     request_id: str
-    admitted_seq: int             # admission order: larger is newer
-    kv_bytes: int                 # what releasing it frees
-    kv_growth_bytes: int = 0      # what its verify in this step needs (0 when it has none)
+    admitted_seq: int  # admission order: larger is newer
+    kv_bytes: int  # what releasing it frees
+    kv_growth_bytes: int = 0  # what its verify in this step needs (0 when it has none)
 
 
 @dataclasses.dataclass(slots=True)
 class StepPlan:
-    verify_ids: list[str]                       # in arrival order
-    prefill_chunks: list[tuple[str, int]]       # (request_id, tokens) in FIFO order
-    admit_ids: list[str]                        # waiting requests to admit (allocate KV) before the step
+    verify_ids: list[str]  # in arrival order
+    prefill_chunks: list[tuple[str, int]]  # (request_id, tokens) in FIFO order
+    admit_ids: list[str]  # waiting requests to admit (allocate KV) before the step
     num_verify_rows: int = 0
-    kv_shortfall_bytes: int = 0                 # verify growth beyond the free KV: preempt this much
+    kv_shortfall_bytes: int = 0  # verify growth beyond the free KV: preempt this much
 
     @property
     def num_prefill_rows(self) -> int:
@@ -78,22 +79,29 @@ class StepPlan:
 
 
 class SchedulerPolicy:
-    def __init__(self, max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
-                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, is_chunk_splittable: bool = False,
-                 max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS, max_verify_items: int | None = None) -> None:
+    def __init__(
+        self,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        is_chunk_splittable: bool = False,
+        max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS,
+        max_verify_items: int | None = None,
+    ) -> None:
         if max_step_tokens < 1:
             raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
         if not 1 <= prefill_chunk_tokens <= max_step_tokens:
-            raise ValueError(f"need 1 <= prefill_chunk_tokens <= max_step_tokens, got {prefill_chunk_tokens}, "
-                             f"{max_step_tokens}")
+            raise ValueError(
+                f"need 1 <= prefill_chunk_tokens <= max_step_tokens, got {prefill_chunk_tokens}, {max_step_tokens}"
+            )
         if max_skipped_steps < 0:
             raise ValueError(f"max_skipped_steps must be >= 0, got {max_skipped_steps}")
         self.max_step_tokens, self.prefill_chunk_tokens = max_step_tokens, prefill_chunk_tokens
         self.is_chunk_splittable, self.max_skipped_steps = is_chunk_splittable, max_skipped_steps
         self.max_verify_items = max_verify_items
 
-    def plan(self, verifies: Sequence[VerifyEntry], waiting: Sequence[WaitingEntry],
-             kv_free_bytes: int | None) -> StepPlan:
+    def plan(
+        self, verifies: Sequence[VerifyEntry], waiting: Sequence[WaitingEntry], kv_free_bytes: int | None
+    ) -> StepPlan:
         """The next step. `kv_free_bytes` None: no KV budget. Updates waiting entries' num_skipped_steps."""
         verify_ids, rows, growth, seen = [], 0, 0, set()
         for v in verifies:
@@ -116,7 +124,7 @@ class SchedulerPolicy:
         for w in waiting:
             if not w.is_admitted:
                 if not is_admitting or (free is not None and w.kv_bytes_to_admit > free):
-                    is_admitting = False        # head-of-line: nobody behind it is admitted first
+                    is_admitting = False  # head-of-line: nobody behind it is admitted first
                     continue
                 if free is not None:
                     free -= w.kv_bytes_to_admit
@@ -124,7 +132,7 @@ class SchedulerPolicy:
             whole = min(w.num_remaining, self.prefill_chunk_tokens)
             chunk = min(whole, budget) if self.is_chunk_splittable else (whole if whole <= budget else 0)
             if chunk == 0 and whole > 0 and w.num_skipped_steps >= self.max_skipped_steps:
-                chunk = whole                   # starved long enough: runs past the budget
+                chunk = whole  # starved long enough: runs past the budget
             if chunk == 0 and whole > 0:
                 w.num_skipped_steps += 1
                 continue

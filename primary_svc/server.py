@@ -4,6 +4,7 @@ Every request's KV slot is leased to the caller that prefilled it (primary_svc.l
 Verify, Decode and Release check the lease first; expire_idle_requests() frees the slots
 nobody called for --kv_lease_s.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,15 @@ class ModelIdentity:
 
 
 class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
-    def __init__(self, loaded: LoadedModel, worker: EngineWorker, identity: ModelIdentity,
-                 max_kv_bytes: int, metrics: ServiceMetrics | None = None, leases: KVLeases | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        worker: EngineWorker,
+        identity: ModelIdentity,
+        max_kv_bytes: int,
+        metrics: ServiceMetrics | None = None,
+        leases: KVLeases | None = None,
+    ) -> None:
         self.loaded, self.worker, self.identity = loaded, worker, identity
         self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
         self.vocab_size = loaded.config.vocab_size
@@ -46,38 +54,55 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def GetModelInfo(self, request, context):
         return primary_pb2.GetModelInfoResponse(
-            model_id=self.identity.model_id, model_config_json=config_to_json(self.loaded.config),
-            precision=self.loaded.precision, vocab_size=self.vocab_size,
-            eos_token_ids=self.identity.eos_token_ids, max_context_length=self.identity.max_context,
+            model_id=self.identity.model_id,
+            model_config_json=config_to_json(self.loaded.config),
+            precision=self.loaded.precision,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.identity.eos_token_ids,
+            max_context_length=self.identity.max_context,
             instance_id=self.identity.instance_id,
-            verify_costs=[primary_pb2.VerifyCost(num_nodes=k, time_ms=ms)
-                          for k, ms in sorted(self.identity.verify_costs_ms.items())],
-            precision_choice=self.identity.precision_choice)
+            verify_costs=[
+                primary_pb2.VerifyCost(num_nodes=k, time_ms=ms)
+                for k, ms in sorted(self.identity.verify_costs_ms.items())
+            ],
+            precision_choice=self.identity.precision_choice,
+        )
 
     def ExportWeights(self, request, context):
         if self.loaded.shared is None:
             raise InvalidArgument("weights", "this primary runs with private weights (--no_shared_weights)")
-        return primary_pb2.ExportWeightsResponse(manifest=manifest_to_pb(
-            self.loaded.shared.manifest, config_to_json(self.loaded.config), self.loaded.precision,
-            self.identity.model_id))
+        return primary_pb2.ExportWeightsResponse(
+            manifest=manifest_to_pb(
+                self.loaded.shared.manifest,
+                config_to_json(self.loaded.config),
+                self.loaded.precision,
+                self.identity.model_id,
+            )
+        )
 
     def Prefill(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         token_ids = list(request.token_ids)
         if request.num_prompt_tokens > len(token_ids):
-            raise InvalidArgument("num_prompt_tokens", f"is {request.num_prompt_tokens}, more than the "
-                                  f"{len(token_ids)} token_ids")
+            raise InvalidArgument(
+                "num_prompt_tokens", f"is {request.num_prompt_tokens}, more than the {len(token_ids)} token_ids"
+            )
         start = time.perf_counter()
         # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
         # then runs in chunks between other requests' steps. A re-prefill (recovery) replaces the old
         # state; the lease is granted on the engine thread, like expiry, so never to a slot being expired.
         num_cached, lease = self.worker.prefill(
-            request_id, token_ids, request.num_prompt_tokens, timeout_s=context.time_remaining(),
+            request_id,
+            token_ids,
+            request.num_prompt_tokens,
+            timeout_s=context.time_remaining(),
             on_replace=lambda: self.leases.drop(request_id),
-            finish=lambda num_cached: (num_cached, self.leases.grant(request_id)))
+            finish=lambda num_cached: (num_cached, self.leases.grant(request_id)),
+        )
         self._observe_kv()
-        return primary_pb2.PrefillResponse(num_cached_tokens=num_cached, kv_lease=lease,
-                                           time_ms=(time.perf_counter() - start) * 1000)
+        return primary_pb2.PrefillResponse(
+            num_cached_tokens=num_cached, kv_lease=lease, time_ms=(time.perf_counter() - start) * 1000
+        )
 
     def Verify(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
@@ -89,17 +114,22 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int]:  # on the engine thread
             # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
             argmax = torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)
-            num_cached = self.worker.engine.num_cached(request_id)   # read here: this pass's, not a later one's
-            if request.return_handle:                        # co-located validator: bytes through /dev/shm
+            num_cached = self.worker.engine.num_cached(request_id)  # read here: this pass's, not a later one's
+            if request.return_handle:  # co-located validator: bytes through /dev/shm
                 name, encoded = self.logits_slots.write(request_id, logits, fmt)
                 return argmax.tolist(), pb.logits_handle_to_pb(name, encoded, self.identity.instance_id), num_cached
             return argmax.tolist(), pb.logits_to_pb(logits, fmt), num_cached
 
         (argmax, payload, num_cached), forward_ms = self.worker.verify(
-            request_id, list(request.accepted_nodes), list(request.committed_token_ids), token_ids, parents, finish)
+            request_id, list(request.accepted_nodes), list(request.committed_token_ids), token_ids, parents, finish
+        )
         return primary_pb2.VerifyResponse(
-            logits=payload, argmax_token_ids=argmax,
-            num_cached_tokens=num_cached, forward_ms=forward_ms, kv_bytes=self.worker.engine.kv_bytes)
+            logits=payload,
+            argmax_token_ids=argmax,
+            num_cached_tokens=num_cached,
+            forward_ms=forward_ms,
+            kv_bytes=self.worker.engine.kv_bytes,
+        )
 
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
@@ -107,15 +137,16 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         sampling = pb.sampling_from_pb(request.sampling)
         allowed = self._allowed_tokens(request, 1)
 
-        def finish(logits: torch.Tensor) -> int:       # on the engine thread
-            if sampling.is_greedy:      # the masked argmax constrained speculation validates against
+        def finish(logits: torch.Tensor) -> int:  # on the engine thread
+            if sampling.is_greedy:  # the masked argmax constrained speculation validates against
                 return int(torch.argmax(logits[0]) if allowed is None else allowed.argmax(logits)[0])
             if allowed is not None:
-                logits = allowed.masked_rows(logits, [0])                          # [1, V]
+                logits = allowed.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.step))[0])
 
-        token, forward_ms = self.worker.verify(request_id, list(request.accepted_nodes),
-                                               list(request.committed_token_ids), (), (), finish)
+        token, forward_ms = self.worker.verify(
+            request_id, list(request.accepted_nodes), list(request.committed_token_ids), (), (), finish
+        )
         return primary_pb2.DecodeResponse(token_id=token, forward_ms=forward_ms)
 
     def Release(self, request, context):
@@ -129,6 +160,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def expire_idle_requests(self) -> list[str]:
         """Release every request whose lease ran out (no call for leases.lease_s); returns their ids."""
+
         def run(engine: Engine) -> list[str]:
             expired = self.leases.take_expired()
             for request_id in expired:
@@ -144,9 +176,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def GetStats(self, request, context):
         engine = self.worker.engine
-        return primary_pb2.GetStatsResponse(num_active_requests=engine.num_active_requests,
-                                            kv_bytes=engine.kv_bytes, max_kv_bytes=self.max_kv_bytes,
-                                            weight_bytes=self.loaded.weight_bytes)
+        return primary_pb2.GetStatsResponse(
+            num_active_requests=engine.num_active_requests,
+            kv_bytes=engine.kv_bytes,
+            max_kv_bytes=self.max_kv_bytes,
+            weight_bytes=self.loaded.weight_bytes,
+        )
 
     def _allowed_tokens(self, request, num_rows: int) -> TokenBitmask | None:
         """The request's grammar mask, num_rows packed rows, or None when it has none."""

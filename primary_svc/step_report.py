@@ -7,6 +7,7 @@ per engine step, and preemptions.
 Reads the `specdec_engine_step_rows` histograms (primary_svc.worker records one observation per
 step and kind) and `specdec_preemptions_total`; with --interval_s, the difference of two scrapes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,27 +26,32 @@ FETCH_TIMEOUT_S = 10.0
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepComposition:
     num_steps: int
-    rows: dict[str, float]                        # kind -> rows over those steps
-    steps_with: dict[str, float]                  # kind -> steps that had rows of that kind
+    rows: dict[str, float]  # kind -> rows over those steps
+    steps_with: dict[str, float]  # kind -> steps that had rows of that kind
     num_preemptions: float
 
     def minus(self, earlier: "StepComposition") -> "StepComposition":
-        return StepComposition(self.num_steps - earlier.num_steps,
-                               {k: v - earlier.rows[k] for k, v in self.rows.items()},
-                               {k: v - earlier.steps_with[k] for k, v in self.steps_with.items()},
-                               self.num_preemptions - earlier.num_preemptions)
+        return StepComposition(
+            self.num_steps - earlier.num_steps,
+            {k: v - earlier.rows[k] for k, v in self.rows.items()},
+            {k: v - earlier.steps_with[k] for k, v in self.steps_with.items()},
+            self.num_preemptions - earlier.num_preemptions,
+        )
 
     def summary(self) -> dict:
         n = max(self.num_steps, 1)
-        return {"steps": self.num_steps, "preemptions": self.num_preemptions,
-                **{f"{k}_rows_per_step": round(self.rows[k] / n, 2) for k in STEP_ROW_KINDS},
-                **{f"steps_with_{k}": self.steps_with[k] for k in STEP_ROW_KINDS}}
+        return {
+            "steps": self.num_steps,
+            "preemptions": self.num_preemptions,
+            **{f"{k}_rows_per_step": round(self.rows[k] / n, 2) for k in STEP_ROW_KINDS},
+            **{f"steps_with_{k}": self.steps_with[k] for k in STEP_ROW_KINDS},
+        }
 
 
 def parse(metrics_text: str) -> StepComposition:
     """The step composition in one scrape of a primary's /metrics text."""
     rows = {k: 0.0 for k in STEP_ROW_KINDS}
-    zero = {k: 0.0 for k in STEP_ROW_KINDS}     # steps with no rows of the kind: the le="0.0" bucket
+    zero = {k: 0.0 for k in STEP_ROW_KINDS}  # steps with no rows of the kind: the le="0.0" bucket
     count = {k: 0.0 for k in STEP_ROW_KINDS}
     num_steps, preemptions = 0, 0.0
     for family in text_string_to_metric_families(metrics_text):
@@ -65,7 +71,7 @@ def parse(metrics_text: str) -> StepComposition:
 
 
 def scrape(url: str) -> StepComposition:
-    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:   # noqa: S310 - the caller's URL
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as response:  # noqa: S310 - the caller's URL
         return parse(response.read().decode())
 
 

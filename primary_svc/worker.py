@@ -31,6 +31,7 @@ calling thread, and a forward on a second thread ran 2x slower than on the first
 measured: 27-33 ms per step when one thread did everything, 56-88 ms when the model had been
 loaded on another thread).
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,13 +45,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from primary_svc.scheduler import (DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS, RunningEntry,
-                                   SchedulerPolicy, StepPlan, VerifyEntry, WaitingEntry, choose_victims)
+from primary_svc.scheduler import (
+    DEFAULT_MAX_STEP_TOKENS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    RunningEntry,
+    SchedulerPolicy,
+    StepPlan,
+    VerifyEntry,
+    WaitingEntry,
+    choose_victims,
+)
 from specdec.engine.engine import Engine, PrefillChunk, VerifyWork
 from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
 from specdec.metrics import ServiceMetrics
 
-STEP_HISTORY = 4096       # steps whose composition `step_history` keeps
+STEP_HISTORY = 4096  # steps whose composition `step_history` keeps
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -69,9 +78,9 @@ class _PrefillItem:
     request_id: str
     token_ids: Sequence[int]
     num_prompt_tokens: int
-    deadline: float | None                  # time.monotonic() past which it fails (while it waits)
-    on_replace: Callable[[], None]          # the request was open: called before its state is dropped
-    finish: Callable[[int], Any]            # finish(num_cached) on the engine thread once prefilled
+    deadline: float | None  # time.monotonic() past which it fails (while it waits)
+    on_replace: Callable[[], None]  # the request was open: called before its state is dropped
+    finish: Callable[[int], Any]  # finish(num_cached) on the engine thread once prefilled
     future: Future
 
 
@@ -84,8 +93,8 @@ class _CallItem:
 @dataclasses.dataclass(slots=True, eq=False)
 class _Waiting:
     entry: WaitingEntry
-    prefill: _PrefillItem | None = None     # a new request's Prefill
-    verify: _VerifyItem | None = None       # a preempted request's verify, run once it is re-prefilled
+    prefill: _PrefillItem | None = None  # a new request's Prefill
+    verify: _VerifyItem | None = None  # a preempted request's verify, run once it is re-prefilled
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -99,8 +108,8 @@ class StepComposition:
 
 @dataclasses.dataclass(slots=True)
 class BatchStats:
-    num_batches: int = 0          # steps with verify work
-    num_items: int = 0            # verify items run
+    num_batches: int = 0  # steps with verify work
+    num_items: int = 0  # verify items run
     max_batch_seen: int = 0
     num_steps: int = 0
     num_prefill_chunks: int = 0
@@ -111,13 +120,17 @@ class EngineWorker:
     """The engine thread. `engine` may be None at first: build it with `call` (on this thread)
     and set it before serving."""
 
-    def __init__(self, engine: Engine | None, max_batch: int = 32,
-                 max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
-                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-                 metrics: ServiceMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine | None,
+        max_batch: int = 32,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.max_batch = max_batch
         self.max_step_tokens, self.prefill_chunk_tokens = max_step_tokens, prefill_chunk_tokens
-        SchedulerPolicy(max_step_tokens, prefill_chunk_tokens)      # the settings' check, before the thread
+        SchedulerPolicy(max_step_tokens, prefill_chunk_tokens)  # the settings' check, before the thread
         self._policy: SchedulerPolicy | None = None
         self._engine: Engine | None = None
         self.engine = engine
@@ -127,7 +140,7 @@ class EngineWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._verifies: collections.deque[_VerifyItem] = collections.deque()
         self._waiting: collections.deque[_Waiting] = collections.deque()
-        self._deferred: list[_VerifyItem] = []          # a second verify of a request already queued
+        self._deferred: list[_VerifyItem] = []  # a second verify of a request already queued
         self._admitted_seq: dict[str, int] = {}
         self._seq = itertools.count()
         self._stopped = threading.Event()
@@ -144,8 +157,9 @@ class EngineWorker:
         if engine is not None:
             # Chunks may be cut anywhere only where every row's bits are independent of the cut.
             is_splittable = engine.model.is_batch_invariant and engine.model.is_attention_row_exact
-            self._policy = SchedulerPolicy(self.max_step_tokens, self.prefill_chunk_tokens, is_splittable,
-                                           max_verify_items=self.max_batch)
+            self._policy = SchedulerPolicy(
+                self.max_step_tokens, self.prefill_chunk_tokens, is_splittable, max_verify_items=self.max_batch
+            )
 
     @property
     def queue_depth(self) -> int:
@@ -161,28 +175,42 @@ class EngineWorker:
         self._inbox.put(_CallItem(fn, future))
         return future.result()
 
-    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0,
-                timeout_s: float | None = None, on_replace: Callable[[], None] = lambda: None,
-                finish: Callable[[int], Any] = lambda num_cached: num_cached) -> Any:
+    def prefill(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int = 0,
+        timeout_s: float | None = None,
+        on_replace: Callable[[], None] = lambda: None,
+        finish: Callable[[int], Any] = lambda num_cached: num_cached,
+    ) -> Any:
         """Open the request (replacing an open one of that id) and prefill it; returns finish(num_cached).
 
         It waits in the queue until its prompt fits the KV budget, at most timeout_s (then
         DEADLINE_EXCEEDED); a prompt larger than the whole budget fails at once (RESOURCE_EXHAUSTED)."""
         future: Future = Future()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._inbox.put(_PrefillItem(request_id, list(token_ids), num_prompt_tokens, deadline, on_replace,
-                                     finish, future))
+        self._inbox.put(
+            _PrefillItem(request_id, list(token_ids), num_prompt_tokens, deadline, on_replace, finish, future)
+        )
         return future.result()
 
-    def verify(self, request_id: str, accepted_nodes: Sequence[int], committed_token_ids: Sequence[int],
-               tree_token_ids: Sequence[int], tree_parents: Sequence[int],
-               finish: Callable[[torch.Tensor], Any] = lambda logits: logits) -> tuple[Any, float]:
+    def verify(
+        self,
+        request_id: str,
+        accepted_nodes: Sequence[int],
+        committed_token_ids: Sequence[int],
+        tree_token_ids: Sequence[int],
+        tree_parents: Sequence[int],
+        finish: Callable[[torch.Tensor], Any] = lambda logits: logits,
+    ) -> tuple[Any, float]:
         """Commit the previous step, verify the tree; returns (finish(logits [N+1, V]), forward ms).
 
         `finish` runs on the engine thread; an exception it raises fails this item alone."""
         future: Future = Future()
-        self._inbox.put(_VerifyItem(request_id, accepted_nodes, committed_token_ids, tree_token_ids,
-                                    tree_parents, finish, future))
+        self._inbox.put(
+            _VerifyItem(request_id, accepted_nodes, committed_token_ids, tree_token_ids, tree_parents, finish, future)
+        )
         return future.result()
 
     def stop(self) -> None:
@@ -269,12 +297,13 @@ class EngineWorker:
     def _intake_verify(self, item: _VerifyItem) -> None:
         rid = item.request_id
         if any(v.request_id == rid for v in self._verifies) or any(
-                w.verify is not None and w.verify.request_id == rid for w in self._waiting):
-            self._deferred.append(item)                 # runs after the queued one
+            w.verify is not None and w.verify.request_id == rid for w in self._waiting
+        ):
+            self._deferred.append(item)  # runs after the queued one
             return
         engine = self.engine
         try:
-            if item.accepted_nodes or item.committed_token_ids:   # nothing to commit: a (re)verify only
+            if item.accepted_nodes or item.committed_token_ids:  # nothing to commit: a (re)verify only
                 engine.commit(rid, item.accepted_nodes, item.committed_token_ids)
             engine.check_verify(VerifyWork(rid, item.tree_token_ids, item.tree_parents), is_evicted_ok=True)
         except SpecdecError as e:
@@ -295,7 +324,7 @@ class EngineWorker:
     def _intake_prefill(self, item: _PrefillItem) -> None:
         engine, rid = self.engine, item.request_id
         try:
-            if engine.has_request(rid):                 # a re-prefill (recovery) replaces the old state
+            if engine.has_request(rid):  # a re-prefill (recovery) replaces the old state
                 item.on_replace()
                 self._drop(rid, NotFound("request_id", f"request {rid!r} was replaced by a new prefill"))
                 engine.release(rid)
@@ -304,8 +333,10 @@ class EngineWorker:
             need = engine.kv_bytes_to_open(len(item.token_ids))
             max_bytes = engine.kv_cache.max_bytes
             if max_bytes is not None and need > max_bytes:
-                raise ResourceExhausted("kv_cache", f"{len(item.token_ids)} tokens need {need} KV bytes, more "
-                                        f"than the whole budget of {max_bytes}")
+                raise ResourceExhausted(
+                    "kv_cache",
+                    f"{len(item.token_ids)} tokens need {need} KV bytes, more than the whole budget of {max_bytes}",
+                )
         except BaseException as e:
             item.future.set_exception(e)
             return
@@ -328,8 +359,7 @@ class EngineWorker:
         if self.engine is None:
             return
         gone = {v.request_id for v in self._verifies if not self.engine.has_request(v.request_id)}
-        gone |= {w.entry.request_id for w in self._waiting
-                 if w.entry.is_admitted or w.verify is not None}
+        gone |= {w.entry.request_id for w in self._waiting if w.entry.is_admitted or w.verify is not None}
         for rid in gone:
             if not self.engine.has_request(rid):
                 self._drop(rid, NotFound("request_id", f"no active request {rid!r} on this primary"))
@@ -344,8 +374,9 @@ class EngineWorker:
             if w.entry.is_admitted and self.engine.has_request(rid):
                 self.engine.release(rid)
                 self._admitted_seq.pop(rid, None)
-            w.prefill.future.set_exception(DeadlineExceeded(
-                "deadline", f"request {rid!r} waited past its deadline for KV room or its prefill"))
+            w.prefill.future.set_exception(
+                DeadlineExceeded("deadline", f"request {rid!r} waited past its deadline for KV room or its prefill")
+            )
 
     def _step(self) -> None:
         engine = self.engine
@@ -371,8 +402,11 @@ class EngineWorker:
                 continue
             w.entry.is_admitted = True
             self._admitted_seq[rid] = next(self._seq)
-        chunks = [PrefillChunk(rid, n) for rid, n in plan.prefill_chunks
-                  if rid in waiting and waiting[rid].entry.is_admitted and waiting[rid] in self._waiting]
+        chunks = [
+            PrefillChunk(rid, n)
+            for rid, n in plan.prefill_chunks
+            if rid in waiting and waiting[rid].entry.is_admitted and waiting[rid] in self._waiting
+        ]
         verify_items = [by_id[rid] for rid in plan.verify_ids if rid in by_id]
         for item in verify_items:
             self._verifies.remove(item)
@@ -382,7 +416,7 @@ class EngineWorker:
         num_forwards, forward_ms, results = 0, 0.0, []
         start = time.perf_counter()
         try:
-            if engine.model.is_batch_invariant:         # one forward: every row's bits are its own
+            if engine.model.is_batch_invariant:  # one forward: every row's bits are its own
                 results = engine.step(works, chunks)
                 num_forwards = 1
             else:
@@ -424,15 +458,23 @@ class EngineWorker:
         """Release running requests, newest first, until the step's verify rows fit the KV budget."""
         engine = self.engine
         resident = engine.resident_request_ids()
-        running = [RunningEntry(rid, self._admitted_seq.get(rid, -1), engine.kv_bytes_of(rid),
-                                growth.get(rid, 0) if rid in plan.verify_ids else 0) for rid in resident]
+        running = [
+            RunningEntry(
+                rid,
+                self._admitted_seq.get(rid, -1),
+                engine.kv_bytes_of(rid),
+                growth.get(rid, 0) if rid in plan.verify_ids else 0,
+            )
+            for rid in resident
+        ]
         for rid in choose_victims(running, plan.kv_shortfall_bytes):
             if len(engine.resident_request_ids()) <= 1:
                 # Alone and still too large: nothing to wait for, its verify fails.
                 for v in [v for v in self._verifies if v.request_id == rid]:
                     self._verifies.remove(v)
-                    v.future.set_exception(ResourceExhausted(
-                        "kv_cache", f"request {rid!r} alone needs more KV than max_kv_bytes"))
+                    v.future.set_exception(
+                        ResourceExhausted("kv_cache", f"request {rid!r} alone needs more KV than max_kv_bytes")
+                    )
                 if rid in plan.verify_ids:
                     plan.verify_ids.remove(rid)
                 break
@@ -442,13 +484,13 @@ class EngineWorker:
             if self.metrics is not None:
                 self.metrics.preemptions.inc()
             plan.prefill_chunks = [(r, n) for r, n in plan.prefill_chunks if r != rid]
-            for w in self._waiting:                     # preempted in the middle of its prefill
+            for w in self._waiting:  # preempted in the middle of its prefill
                 if w.entry.request_id == rid:
                     w.entry.is_admitted = False
                     w.entry.num_remaining = engine.num_to_prefill(rid)
             if rid in plan.verify_ids:
                 plan.verify_ids.remove(rid)
-            for item in [v for v in self._verifies if v.request_id == rid]:   # it waits for the re-prefill
+            for item in [v for v in self._verifies if v.request_id == rid]:  # it waits for the re-prefill
                 self._verifies.remove(item)
                 self._wait_for_reprefill(item)
 
@@ -472,8 +514,9 @@ class EngineWorker:
             self.stats.num_batches += 1
             self.stats.num_items += len(verify_items)
             self.stats.max_batch_seen = max(self.stats.max_batch_seen, len(verify_items))
-        self.step_history.append(StepComposition(len(verify_items), verify_rows, len(chunks), prefill_rows,
-                                                 num_forwards))
+        self.step_history.append(
+            StepComposition(len(verify_items), verify_rows, len(chunks), prefill_rows, num_forwards)
+        )
         if self.metrics is not None:
             self.metrics.engine_steps.inc()
             self.metrics.step_rows.labels(kind="verify").observe(verify_rows)

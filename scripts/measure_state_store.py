@@ -26,8 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdec.state_store import RedisStateStore, StateStoreConfig, encode_token_ids  # noqa: E402
 
-STATS = {"num_steps": 100, "num_proposed_tokens": 800, "num_accepted_tokens": 300, "acceptance_rate": 0.375,
-         "stage_times": {"draft_ms": 12.5, "verify_ms": 3100.2, "validate_ms": 8.1, "state_ms": 9.9}}
+STATS = {
+    "num_steps": 100,
+    "num_proposed_tokens": 800,
+    "num_accepted_tokens": 300,
+    "acceptance_rate": 0.375,
+    "stage_times": {"draft_ms": 12.5, "verify_ms": 3100.2, "validate_ms": 8.1, "state_ms": 9.9},
+}
 CONTROLLER = {"speculative_degree": 3, "draft_length": 6, "ewma_acceptance": 0.41}
 
 
@@ -62,14 +67,32 @@ def main() -> int:
     print(row("PING (round-trip floor)", time_us(lambda i: client.ping(), n)))
 
     store.create("r1", {"prompt": "x" * 200, "max_new_tokens": n * k}, prompt_token_ids=list(range(256)))
-    print(row("append_step: tokens only", time_us(
-        lambda i: store.append_step("r1", step_tokens[i], expected_num_tokens=i * k), n)))
+    print(
+        row(
+            "append_step: tokens only",
+            time_us(lambda i: store.append_step("r1", step_tokens[i], expected_num_tokens=i * k), n),
+        )
+    )
     store.create("r2", {"prompt": "x" * 200}, prompt_token_ids=list(range(256)))
-    print(row("append_step: tokens + stats + controller + lease", time_us(
-        lambda i: store.append_step("r2", step_tokens[i], expected_num_tokens=i * k, stats=STATS,
-                                    controller_state=CONTROLLER, owner="gw-1"), n)))
+    print(
+        row(
+            "append_step: tokens + stats + controller + lease",
+            time_us(
+                lambda i: store.append_step(
+                    "r2",
+                    step_tokens[i],
+                    expected_num_tokens=i * k,
+                    stats=STATS,
+                    controller_state=CONTROLLER,
+                    owner="gw-1",
+                ),
+                n,
+            ),
+        )
+    )
 
     import json
+
     stats_json = json.dumps(STATS)
 
     def multi_append(i: int) -> None:

@@ -2,6 +2,7 @@
 autotune, which predicts the controller's gains on each candidate precision's verify curve, so that
 both read one definition (the gateway's flags may override them for the gateway alone).
 """
+
 from __future__ import annotations
 
 DRAFT_LENGTH_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -9,5 +10,5 @@ DRAFT_LENGTH_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 PRIOR_ACCEPTANCE_STRUCTURED = 0.8
 PRIOR_ACCEPTANCE_CODE = 0.6
 PRIOR_ACCEPTANCE_CREATIVE = 0.3
-PLAIN_OVERHEAD_MS = 1.0          # Decode RPC + state write + Python, per plain step
-SPECULATIVE_OVERHEAD_MS = 4.0    # Propose, Verify, Validate RPCs, logits transfer, state write
+PLAIN_OVERHEAD_MS = 1.0  # Decode RPC + state write + Python, per plain step
+SPECULATIVE_OVERHEAD_MS = 4.0  # Propose, Verify, Validate RPCs, logits transfer, state write

@@ -4,6 +4,7 @@ step's decisions per band, the gateway sums them per request (GenerationStats.en
 Left-closed bins [e_i, e_{i+1}) in nats; 2.8 is the reference article's threshold (acceptance
 stays >= 75 % below it).
 """
+
 from __future__ import annotations
 
 import math

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.http_path:
         from specdec.launcher import is_http_healthy
+
         is_serving = is_http_healthy(f"http://{args.address}{args.http_path}", timeout_s=args.timeout)
     else:
         with grpc.insecure_channel(args.address) as channel:

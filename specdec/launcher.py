@@ -20,6 +20,7 @@ directory (0700, the file 0600), passes its path to every service with
 --service_token_file, and removes it on stop(). Tests and tools reach an
 internal service through stack.channel(name), which sends the token.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,9 +65,11 @@ _POLL_S = 0.05
 MAX_BIND_ATTEMPTS = 3
 # A fresh channel retries a refused connection after 1 s, then backs off
 # exponentially; while a service loads its model that would add seconds.
-_HEALTH_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 50),
-                           ("grpc.min_reconnect_backoff_ms", 50),
-                           ("grpc.max_reconnect_backoff_ms", 250))
+_HEALTH_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 250),
+)
 # argv: [launcher pid, program, args...]. PR_SET_PDEATHSIG is 1; it survives exec.
 _DEATH_SIGNAL_SHIM = f"""
 import ctypes, os, sys
@@ -81,8 +84,9 @@ class ServiceError(RuntimeError):
     """A service failed to start (exited, or not SERVING in time)."""
 
     def __init__(self, name: str, reason: str, log_path: Path, log_tail: str) -> None:
-        super().__init__(f"service {name!r} {reason}; log: {log_path}\n--- last lines of {log_path.name} ---\n"
-                         f"{log_tail}")
+        super().__init__(
+            f"service {name!r} {reason}; log: {log_path}\n--- last lines of {log_path.name} ---\n{log_tail}"
+        )
         self.name = name
         self.reason = reason
         self.log_path = log_path
@@ -95,15 +99,15 @@ class ServiceSpec:
     --metrics_port, --log_level and one `flag address` pair per address_flags."""
 
     name: str
-    command: tuple[str, ...]                          # e.g. (python, "-m", "primary_svc", "--precision", "fp32")
-    health_service: str = ""                          # grpc.health.v1 name; "" is the whole server
-    depends_on: tuple[str, ...] = ()                  # services that must be SERVING before this one starts
-    address_flags: tuple[tuple[str, str], ...] = ()   # (flag, service name): flag gets that service's address
+    command: tuple[str, ...]  # e.g. (python, "-m", "primary_svc", "--precision", "fp32")
+    health_service: str = ""  # grpc.health.v1 name; "" is the whole server
+    depends_on: tuple[str, ...] = ()  # services that must be SERVING before this one starts
+    address_flags: tuple[tuple[str, str], ...] = ()  # (flag, service name): flag gets that service's address
     startup_timeout_s: float = 120.0
-    is_taking_service_token: bool = False             # gets --service_token_file (specdec.service.auth)
-    health_http_path: str = ""                        # an HTTP server: SERVING once GET path answers 200
-    port: int = 0                                     # 0: a free port; else this one (no retry elsewhere)
-    health_ca_file: str = ""                          # it serves TLS: health checks trust these PEM roots
+    is_taking_service_token: bool = False  # gets --service_token_file (specdec.service.auth)
+    health_http_path: str = ""  # an HTTP server: SERVING once GET path answers 200
+    port: int = 0  # 0: a free port; else this one (no retry elsewhere)
+    health_ca_file: str = ""  # it serves TLS: health checks trust these PEM roots
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -119,28 +123,28 @@ class ServiceSpec:
 class StackConfig:
     """What the four real services run with."""
 
-    model_path: str | None = None            # None: the default model (SmolLM2-135M-Instruct)
+    model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     # "auto" or a weight format of specdec.model.precision.PRECISIONS; checked
     # by the primary, whose refusal fails the start at once with its message.
     # Not imported here: that module loads torch, which the launcher does not need.
     precision: str = "auto"
-    cache_dir: Path | None = None            # converted models; None: the services' default
-    redis_url: str = ""                      # "": the gateway's in-memory state store
-    strategies: tuple[str, ...] = ()         # draft decoders to load; (): the services' defaults
-    num_threads: int = 0                     # the primary's torch threads; 0: torch's default
+    cache_dir: Path | None = None  # converted models; None: the services' default
+    redis_url: str = ""  # "": the gateway's in-memory state store
+    strategies: tuple[str, ...] = ()  # draft decoders to load; (): the services' defaults
+    num_threads: int = 0  # the primary's torch threads; 0: torch's default
     max_context: int = 4096
-    api_keys_file: Path | None = None        # the gateway's tenants (specdec.service.api_keys); None: any local caller
-    is_serving_http: bool = False            # also the OpenAI-compatible HTTP front (http_svc) on the gateway
-    http_port: int = 0                       # its port; 0: a free one
+    api_keys_file: Path | None = None  # the gateway's tenants (specdec.service.api_keys); None: any local caller
+    is_serving_http: bool = False  # also the OpenAI-compatible HTTP front (http_svc) on the gateway
+    http_port: int = 0  # its port; 0: a free one
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    is_serving_metrics: bool = False         # each service serves /metrics on a free port (Stack.metrics_url)
+    is_serving_metrics: bool = False  # each service serves /metrics on a free port (Stack.metrics_url)
     python: str = sys.executable
     log_level: str = "INFO"
-    log_dir: Path | None = None              # None: a fresh temporary dir, removed after a clean stop
-    is_keeping_logs: bool = False            # keep a temporary log dir after a clean stop too
+    log_dir: Path | None = None  # None: a fresh temporary dir, removed after a clean stop
+    is_keeping_logs: bool = False  # keep a temporary log dir after a clean stop too
     primary_startup_timeout_s: float = 300.0  # first run: GGUF conversion, load, verify-cost calibration
-    startup_timeout_s: float = 120.0         # the other services
-    stop_grace_s: float = 15.0               # SIGTERM -> SIGKILL; above the services' 5 s drain
+    startup_timeout_s: float = 120.0  # the other services
+    stop_grace_s: float = 15.0  # SIGTERM -> SIGKILL; above the services' 5 s drain
 
     def __post_init__(self) -> None:
         if not self.precision:
@@ -169,32 +173,85 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     gateway_strategies = ("--strategies", ",".join(gateway_strategies)) if gateway_strategies else ()
     api_keys = () if config.api_keys_file is None else ("--api_keys_file", str(config.api_keys_file))
     # A client of the gateway's public API: it takes the same keys and no service token.
-    http = (ServiceSpec(HTTP, (py, "-m", "http_svc", *model, *api_keys), depends_on=(GATEWAY,),
-                        address_flags=(("--gateway_address", GATEWAY),), startup_timeout_s=config.startup_timeout_s,
-                        health_http_path=HTTP_HEALTH_PATH, port=config.http_port),) if config.is_serving_http else ()
+    http = (
+        (
+            ServiceSpec(
+                HTTP,
+                (py, "-m", "http_svc", *model, *api_keys),
+                depends_on=(GATEWAY,),
+                address_flags=(("--gateway_address", GATEWAY),),
+                startup_timeout_s=config.startup_timeout_s,
+                health_http_path=HTTP_HEALTH_PATH,
+                port=config.http_port,
+            ),
+        )
+        if config.is_serving_http
+        else ()
+    )
     return (
-        ServiceSpec(PRIMARY, (py, "-m", "primary_svc", *model, *cache, "--precision", config.precision,
-                              "--max_context", str(config.max_context), "--num_threads", str(config.num_threads)),
-                    health_service="specdec.v1.PrimaryService",
-                    startup_timeout_s=config.primary_startup_timeout_s, is_taking_service_token=True),
+        ServiceSpec(
+            PRIMARY,
+            (
+                py,
+                "-m",
+                "primary_svc",
+                *model,
+                *cache,
+                "--precision",
+                config.precision,
+                "--max_context",
+                str(config.max_context),
+                "--num_threads",
+                str(config.num_threads),
+            ),
+            health_service="specdec.v1.PrimaryService",
+            startup_timeout_s=config.primary_startup_timeout_s,
+            is_taking_service_token=True,
+        ),
         # After the primary, although it needs nothing from it: the primary
         # times its verify passes at startup, best done on an otherwise idle CPU.
-        ServiceSpec(VALIDATOR, (py, "-m", "validator_svc"), health_service="specdec.v1.ValidatorService",
-                    depends_on=(PRIMARY,), startup_timeout_s=config.startup_timeout_s,
-                    is_taking_service_token=True),
-        ServiceSpec(DRAFT, (py, "-m", "draft_svc", *model, *cache, *draft_strategies),
-                    health_service="specdec.v1.DraftService",
-                    depends_on=(PRIMARY,), address_flags=(("--primary_address", PRIMARY),),
-                    startup_timeout_s=config.startup_timeout_s, is_taking_service_token=True),
+        ServiceSpec(
+            VALIDATOR,
+            (py, "-m", "validator_svc"),
+            health_service="specdec.v1.ValidatorService",
+            depends_on=(PRIMARY,),
+            startup_timeout_s=config.startup_timeout_s,
+            is_taking_service_token=True,
+        ),
+        ServiceSpec(
+            DRAFT,
+            (py, "-m", "draft_svc", *model, *cache, *draft_strategies),
+            health_service="specdec.v1.DraftService",
+            depends_on=(PRIMARY,),
+            address_flags=(("--primary_address", PRIMARY),),
+            startup_timeout_s=config.startup_timeout_s,
+            is_taking_service_token=True,
+        ),
         # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
         # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
-        ServiceSpec(GATEWAY, (py, "-m", "gateway", *model, *cache, *gateway_strategies, *api_keys,
-                              f"--redis_url={config.redis_url}",
-                              "--logits_via_handle"),
-                    health_service="specdec.v1.GenerationService", depends_on=(PRIMARY, DRAFT, VALIDATOR),
-                    address_flags=(("--primary_address", PRIMARY), ("--draft_address", DRAFT),
-                                   ("--validator_address", VALIDATOR)),
-                    startup_timeout_s=config.startup_timeout_s, is_taking_service_token=True),
+        ServiceSpec(
+            GATEWAY,
+            (
+                py,
+                "-m",
+                "gateway",
+                *model,
+                *cache,
+                *gateway_strategies,
+                *api_keys,
+                f"--redis_url={config.redis_url}",
+                "--logits_via_handle",
+            ),
+            health_service="specdec.v1.GenerationService",
+            depends_on=(PRIMARY, DRAFT, VALIDATOR),
+            address_flags=(
+                ("--primary_address", PRIMARY),
+                ("--draft_address", DRAFT),
+                ("--validator_address", VALIDATOR),
+            ),
+            startup_timeout_s=config.startup_timeout_s,
+            is_taking_service_token=True,
+        ),
         *http,
     )
 
@@ -253,8 +310,8 @@ class _Running:
     argv: list[str]
     log_path: Path
     process: subprocess.Popen
-    metrics_port: int = 0    # 0: no /metrics endpoint
-    is_swept: bool = False   # its process group got the final SIGKILL after it exited
+    metrics_port: int = 0  # 0: no /metrics endpoint
+    is_swept: bool = False  # its process group got the final SIGKILL after it exited
 
 
 class Stack:
@@ -265,8 +322,9 @@ class Stack:
     called start(), which children are tied to on Linux: see _start_process).
     """
 
-    def __init__(self, config: StackConfig | None = None, *, specs: Sequence[ServiceSpec] | None = None,
-                 host: str = LOOPBACK) -> None:
+    def __init__(
+        self, config: StackConfig | None = None, *, specs: Sequence[ServiceSpec] | None = None, host: str = LOOPBACK
+    ) -> None:
         self.config = StackConfig() if config is None else config
         self._specs = tuple(service_specs(self.config) if specs is None else specs)
         self._waves = waves(self._specs)
@@ -297,8 +355,12 @@ class Stack:
                     self._await_serving(running)
             for running in self._running.values():  # an early wave may have died meanwhile
                 if (code := running.process.poll()) is not None:
-                    raise ServiceError(running.spec.name, f"exited with code {code} while the stack started",
-                                       running.log_path, log_tail(running.log_path))
+                    raise ServiceError(
+                        running.spec.name,
+                        f"exited with code {code} while the stack started",
+                        running.log_path,
+                        log_tail(running.log_path),
+                    )
         except BaseException:  # KeyboardInterrupt too: never leave children behind
             self.keep_logs()
             self._terminate_all()
@@ -326,8 +388,9 @@ class Stack:
     def __enter__(self) -> Stack:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc is not None and not isinstance(exc, KeyboardInterrupt):
             self.keep_logs()  # the failure may be a service's
         self.stop()
@@ -378,8 +441,9 @@ class Stack:
 
     def channel(self, name: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
         """A channel to a service that sends the service token (close it, or use it as a context manager)."""
-        return authenticated_channel(grpc.insecure_channel(self.addresses[name], options=list(options)),
-                                     self.service_token)
+        return authenticated_channel(
+            grpc.insecure_channel(self.addresses[name], options=list(options)), self.service_token
+        )
 
     @property
     def log_dir(self) -> Path:
@@ -423,21 +487,30 @@ class Stack:
 
     def _write_service_token(self) -> None:
         if self._secrets_dir is not None:
-            return   # started again without stop(): the services' token stays
-        self._secrets_dir = Path(tempfile.mkdtemp(prefix="specdec-secrets-"))   # 0700
+            return  # started again without stop(): the services' token stays
+        self._secrets_dir = Path(tempfile.mkdtemp(prefix="specdec-secrets-"))  # 0700
         self._secrets_finalizer = weakref.finalize(self, shutil.rmtree, self._secrets_dir, True)
         self._service_token = write_service_token(self._secrets_dir / TOKEN_FILE_NAME)
 
     def _remove_service_token(self) -> None:
         if self._secrets_finalizer is not None:
-            self._secrets_finalizer()   # removes the directory, once
+            self._secrets_finalizer()  # removes the directory, once
         self._secrets_dir, self._secrets_finalizer = None, None
 
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
         port = (spec.port or free_port(self._host)) if port is None else port
         metrics_port = free_port(self._host) if self.config.is_serving_metrics else int(NO_METRICS_PORT)
-        argv = [*spec.command, "--host", self._host, "--port", str(port), "--metrics_port", str(metrics_port),
-                "--log_level", self.config.log_level]
+        argv = [
+            *spec.command,
+            "--host",
+            self._host,
+            "--port",
+            str(port),
+            "--metrics_port",
+            str(metrics_port),
+            "--log_level",
+            self.config.log_level,
+        ]
         for flag, dep in spec.address_flags:
             argv += [flag, self._address(self._get(dep).port)]
         if spec.is_taking_service_token and self._secrets_dir is not None:
@@ -460,18 +533,30 @@ class Stack:
             exit_code = _wait_serving(running, self._address(running.port))
             if exit_code is None:
                 return
-            is_race = (may_retry_port and not running.spec.port and attempt < MAX_BIND_ATTEMPTS
-                       and is_port_taken(self._host, running.port))
+            is_race = (
+                may_retry_port
+                and not running.spec.port
+                and attempt < MAX_BIND_ATTEMPTS
+                and is_port_taken(self._host, running.port)
+            )
             if not is_race:
-                raise ServiceError(running.spec.name, f"exited with code {exit_code} while starting",
-                                   running.log_path, log_tail(running.log_path))
+                raise ServiceError(
+                    running.spec.name,
+                    f"exited with code {exit_code} while starting",
+                    running.log_path,
+                    log_tail(running.log_path),
+                )
             with open(running.log_path, "ab") as log:
                 log.write(f"\n---- port {running.port} was taken: retrying on another port ----\n".encode())
             running = self._launch(running.spec, port=None)
 
     def _terminate_all(self) -> None:
-        order = [r for wave in reversed(self._waves) for spec in reversed(wave)
-                 if (r := self._running.get(spec.name)) is not None]
+        order = [
+            r
+            for wave in reversed(self._waves)
+            for spec in reversed(wave)
+            if (r := self._running.get(spec.name)) is not None
+        ]
         _terminate(order, self.config.stop_grace_s)
 
 
@@ -492,8 +577,11 @@ def _wait_serving(running: _Running, address: str) -> int | None:
             if (code := running.process.poll()) is not None:
                 _sweep(running)
                 return code
-            is_serving = (is_http_healthy(f"{scheme}://{address}{spec.health_http_path}", ca_file=spec.health_ca_file)
-                          if spec.health_http_path else check_health(channel, spec.health_service, timeout_s=1.0))
+            is_serving = (
+                is_http_healthy(f"{scheme}://{address}{spec.health_http_path}", ca_file=spec.health_ca_file)
+                if spec.health_http_path
+                else check_health(channel, spec.health_service, timeout_s=1.0)
+            )
             if is_serving:
                 # Guards against another server on a port we lost to a race.
                 if (code := running.process.poll()) is not None:
@@ -502,8 +590,12 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                 return None
             if time.monotonic() > deadline:
                 _terminate([running], grace_s=0.0)
-                raise ServiceError(spec.name, f"was not SERVING within {spec.startup_timeout_s:g} s",
-                                   running.log_path, log_tail(running.log_path))
+                raise ServiceError(
+                    spec.name,
+                    f"was not SERVING within {spec.startup_timeout_s:g} s",
+                    running.log_path,
+                    log_tail(running.log_path),
+                )
             time.sleep(_POLL_S)
 
 
@@ -522,8 +614,15 @@ def is_http_healthy(url: str, timeout_s: float = 1.0, ca_file: str = "") -> bool
 
 def _start_process(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log_path, "ab") as log:
-        return subprocess.Popen(_with_parent_death_signal(argv), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
+        return subprocess.Popen(
+            _with_parent_death_signal(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO_ROOT,
+            start_new_session=True,
+        )
 
 
 def _with_parent_death_signal(argv: list[str]) -> list[str]:

@@ -27,8 +27,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_TRACEBACK_FRAMES = 20
 
 
-def configure_logging(service: str, *, level: str = "INFO", is_json: bool | None = None,
-                      stream: TextIO | None = None) -> None:
+def configure_logging(
+    service: str, *, level: str = "INFO", is_json: bool | None = None, stream: TextIO | None = None
+) -> None:
     """Configure structlog and the stdlib root logger (grpc logs through it).
 
     is_json None means: JSON unless `stream` is a terminal.

@@ -20,6 +20,7 @@ Round-trip error bound per element: |x - dec(enc(x))| <= scale * max(2^-4 * |x /
 (half an ulp: 3 mantissa bits for normals, the subnormal step 2^-9 below 2^-6), plus float32
 rounding of the divide and multiply.
 """
+
 from __future__ import annotations
 
 import dataclasses

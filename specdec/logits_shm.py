@@ -14,6 +14,7 @@ cannot read it).
 The reader maps the named file read-only and checks every field before using it; a handle
 that does not describe a live slot gets InvalidArgument naming the field.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -28,10 +29,10 @@ from specdec.logits_codec import EncodedLogits, encode_logits
 from specdec.weights.shared import SHM_DIR
 
 SLOT_PREFIX = "specdec-logits"
-SLOT_NAME_BYTES = 16   # random bytes in a slot's name
+SLOT_NAME_BYTES = 16  # random bytes in a slot's name
 SLOT_MODE = 0o600
 _SLOT_NAME = re.compile(rf"^{SLOT_PREFIX}-[0-9]+-[0-9a-f]{{{2 * SLOT_NAME_BYTES}}}$")
-_SLOT_OWNER_PID = re.compile(rf"^{SLOT_PREFIX}-([0-9]+)-")   # any slot name, older formats too
+_SLOT_OWNER_PID = re.compile(rf"^{SLOT_PREFIX}-([0-9]+)-")  # any slot name, older formats too
 
 
 class LogitsSlots:
@@ -51,7 +52,7 @@ class LogitsSlots:
                 name = self._names[request_id] = f"{SLOT_PREFIX}-{os.getpid()}-{secrets.token_hex(SLOT_NAME_BYTES)}"
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, SLOT_MODE)
         try:
-            os.fchmod(fd, SLOT_MODE)   # whatever the umask or an earlier file left
+            os.fchmod(fd, SLOT_MODE)  # whatever the umask or an earlier file left
             os.ftruncate(fd, len(encoded.data))
             os.pwrite(fd, encoded.data, 0)
         finally:
@@ -80,8 +81,15 @@ def cleanup_stale_slots() -> list[str]:
     return removed
 
 
-def read_slot(segment_name: str, num_bytes: int, fmt: str, num_rows: int, vocab_size: int,
-              row_scales: tuple[float, ...] | None, field: str) -> EncodedLogits:
+def read_slot(
+    segment_name: str,
+    num_bytes: int,
+    fmt: str,
+    num_rows: int,
+    vocab_size: int,
+    row_scales: tuple[float, ...] | None,
+    field: str,
+) -> EncodedLogits:
     """Map a slot read-only and return its logits (copied out, so the slot may be rewritten)."""
     if not _SLOT_NAME.match(segment_name):
         raise InvalidArgument(f"{field}.memory.segment_name", f"not a logits slot name: {segment_name!r}")
@@ -89,8 +97,10 @@ def read_slot(segment_name: str, num_bytes: int, fmt: str, num_rows: int, vocab_
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        raise InvalidArgument(f"{field}.memory.segment_name", f"no logits slot {segment_name!r} on this "
-                              "machine (is the validator co-located with the primary?)") from None
+        raise InvalidArgument(
+            f"{field}.memory.segment_name",
+            f"no logits slot {segment_name!r} on this machine (is the validator co-located with the primary?)",
+        ) from None
     try:
         size = os.fstat(fd).st_size
         if num_bytes <= 0 or size < num_bytes:

@@ -51,61 +51,108 @@ class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.requests = Counter(
-            "rpc_requests", "RPCs handled, by method and status code.",
-            ["method", "code"], namespace=NAMESPACE, registry=registry)
+            "rpc_requests",
+            "RPCs handled, by method and status code.",
+            ["method", "code"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.rpc_latency = Histogram(
-            "rpc_latency_seconds", "RPC handling time, by method.",
-            ["method"], namespace=NAMESPACE, registry=registry, buckets=_RPC_BUCKETS_S)
+            "rpc_latency_seconds",
+            "RPC handling time, by method.",
+            ["method"],
+            namespace=NAMESPACE,
+            registry=registry,
+            buckets=_RPC_BUCKETS_S,
+        )
         self.tokens = Counter(
-            "tokens", f"Tokens by kind: {', '.join(TOKEN_KINDS)}.",
-            ["kind"], namespace=NAMESPACE, registry=registry)
+            "tokens", f"Tokens by kind: {', '.join(TOKEN_KINDS)}.", ["kind"], namespace=NAMESPACE, registry=registry
+        )
         self.steps = Counter(
-            "steps", "Pipeline steps (one primary forward each).",
-            namespace=NAMESPACE, registry=registry)
+            "steps", "Pipeline steps (one primary forward each).", namespace=NAMESPACE, registry=registry
+        )
         self.accepted_length = Histogram(
-            "accepted_length", "Tokens gained per step (accepted draft tokens + 1).",
-            namespace=NAMESPACE, registry=registry, buckets=_ACCEPTED_LENGTH_BUCKETS)
+            "accepted_length",
+            "Tokens gained per step (accepted draft tokens + 1).",
+            namespace=NAMESPACE,
+            registry=registry,
+            buckets=_ACCEPTED_LENGTH_BUCKETS,
+        )
         self.stage_latency = Histogram(
-            "stage_latency_seconds", f"Time per pipeline stage of one step: {', '.join(STAGES)}.",
-            ["stage"], namespace=NAMESPACE, registry=registry, buckets=_STAGE_BUCKETS_S)
+            "stage_latency_seconds",
+            f"Time per pipeline stage of one step: {', '.join(STAGES)}.",
+            ["stage"],
+            namespace=NAMESPACE,
+            registry=registry,
+            buckets=_STAGE_BUCKETS_S,
+        )
         self.queue_depth = Gauge(
-            "queue_depth", "Requests (or work items) waiting to be served.",
-            namespace=NAMESPACE, registry=registry)
+            "queue_depth", "Requests (or work items) waiting to be served.", namespace=NAMESPACE, registry=registry
+        )
         self.active_requests = Gauge(
-            "active_requests", "Requests being served.",
-            namespace=NAMESPACE, registry=registry)
-        self.kv_bytes = Gauge(
-            "kv_bytes", "KV-cache bytes in use.",
-            namespace=NAMESPACE, registry=registry)
+            "active_requests", "Requests being served.", namespace=NAMESPACE, registry=registry
+        )
+        self.kv_bytes = Gauge("kv_bytes", "KV-cache bytes in use.", namespace=NAMESPACE, registry=registry)
         self.dependency_available = Gauge(
-            "dependency_available", "1 while a dependency answers; 0 while the gateway serves without it.",
-            ["dependency"], namespace=NAMESPACE, registry=registry)
+            "dependency_available",
+            "1 while a dependency answers; 0 while the gateway serves without it.",
+            ["dependency"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.scheduler_waiting = Gauge(
-            "scheduler_waiting_requests", "Primary: prefills waiting (for KV room or to finish their chunks).",
-            namespace=NAMESPACE, registry=registry)
+            "scheduler_waiting_requests",
+            "Primary: prefills waiting (for KV room or to finish their chunks).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.scheduler_running = Gauge(
-            "scheduler_running_requests", "Primary: prefilled requests holding KV.",
-            namespace=NAMESPACE, registry=registry)
+            "scheduler_running_requests",
+            "Primary: prefilled requests holding KV.",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.engine_steps = Counter(
-            "engine_steps", "Primary: engine steps (one budgeted batch of verify rows and prefill chunks).",
-            namespace=NAMESPACE, registry=registry)
+            "engine_steps",
+            "Primary: engine steps (one budgeted batch of verify rows and prefill chunks).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.step_rows = Histogram(
-            "engine_step_rows", f"Primary: rows of one engine step, by kind: {', '.join(STEP_ROW_KINDS)}.",
-            ["kind"], namespace=NAMESPACE, registry=registry, buckets=_STEP_ROWS_BUCKETS)
+            "engine_step_rows",
+            f"Primary: rows of one engine step, by kind: {', '.join(STEP_ROW_KINDS)}.",
+            ["kind"],
+            namespace=NAMESPACE,
+            registry=registry,
+            buckets=_STEP_ROWS_BUCKETS,
+        )
         self.preemptions = Counter(
-            "preemptions", "Primary: requests whose KV was released to let others grow (they re-prefill).",
-            namespace=NAMESPACE, registry=registry)
+            "preemptions",
+            "Primary: requests whose KV was released to let others grow (they re-prefill).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.compiled_buckets = Gauge(
-            "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only).",
-            namespace=NAMESPACE, registry=registry)
+            "compiled_buckets",
+            "Row buckets of the compiled engine step that are ready (0: eager only).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.admission_wait = Histogram(
-            "admission_wait_seconds", "Time a request waited in the gateway's admission queue (admitted or not).",
-            namespace=NAMESPACE, registry=registry, buckets=_ADMISSION_WAIT_BUCKETS_S)
+            "admission_wait_seconds",
+            "Time a request waited in the gateway's admission queue (admitted or not).",
+            namespace=NAMESPACE,
+            registry=registry,
+            buckets=_ADMISSION_WAIT_BUCKETS_S,
+        )
         self.admission_rejections = Counter(
-            "admission_rejections", "Requests admission control turned away, by reason: "
-            f"{', '.join(ADMISSION_REJECTIONS)}.",
-            ["reason"], namespace=NAMESPACE, registry=registry)
-        for reason in ADMISSION_REJECTIONS:   # exported as 0 before the first one
+            "admission_rejections",
+            f"Requests admission control turned away, by reason: {', '.join(ADMISSION_REJECTIONS)}.",
+            ["reason"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        for reason in ADMISSION_REJECTIONS:  # exported as 0 before the first one
             self.admission_rejections.labels(reason)
 
     def observe_step(self, *, num_proposed: int, num_accepted: int, stage_seconds: dict[str, float]) -> None:

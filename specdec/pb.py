@@ -3,6 +3,7 @@
 Each conversion validates what a caller controls and raises InvalidArgument naming the
 protobuf field, so every service refuses bad input the same way.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,16 +11,18 @@ import torch
 
 from specdec.engine.tree import TreeError, check_tree
 from specdec.errors import InvalidArgument
-from specdec.logits_codec import (FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits,
-                                  encode_logits)
+from specdec.logits_codec import FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits, encode_logits
 from specdec.logits_shm import read_slot
 from specdec.request_id import MAX_REQUEST_ID_CHARS as MAX_REQUEST_ID_CHARS  # the gateway reads it here
 from specdec.request_id import check_request_id
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2
 
-LOGITS_FORMATS = {common_pb2.LOGITS_FORMAT_FP32: FORMAT_FP32, common_pb2.LOGITS_FORMAT_BF16: FORMAT_BF16,
-                  common_pb2.LOGITS_FORMAT_FP8_E4M3: FORMAT_FP8_E4M3}
+LOGITS_FORMATS = {
+    common_pb2.LOGITS_FORMAT_FP32: FORMAT_FP32,
+    common_pb2.LOGITS_FORMAT_BF16: FORMAT_BF16,
+    common_pb2.LOGITS_FORMAT_FP8_E4M3: FORMAT_FP8_E4M3,
+}
 LOGITS_FORMAT_ENUMS = {v: k for k, v in LOGITS_FORMATS.items()}
 
 
@@ -29,9 +32,12 @@ def request_id_from_pb(request_id: str, field: str = "request_id") -> str:
 
 def sampling_from_pb(pb: common_pb2.SamplingParams, field: str = "sampling") -> SamplingParams:
     try:
-        return SamplingParams(temperature=float(pb.temperature), top_k=int(pb.top_k),
-                              top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0,
-                              seed=int(pb.seed) if pb.HasField("seed") else None)
+        return SamplingParams(
+            temperature=float(pb.temperature),
+            top_k=int(pb.top_k),
+            top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0,
+            seed=int(pb.seed) if pb.HasField("seed") else None,
+        )
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         raise InvalidArgument(f"{field}.{name}", str(e)) from None
@@ -64,18 +70,34 @@ def logits_format_from_pb(value: int, field: str = "logits_format") -> str:
 def logits_to_pb(logits: torch.Tensor, fmt: str) -> common_pb2.Logits:
     """fp32 logits [R, V] -> inline Logits in `fmt`."""
     enc = encode_logits(logits, fmt)
-    inline = common_pb2.InlineLogits(format=LOGITS_FORMAT_ENUMS[enc.format], num_rows=enc.num_rows,
-                                     vocab_size=enc.vocab_size, data=enc.data, row_scales=enc.row_scales or ())
+    inline = common_pb2.InlineLogits(
+        format=LOGITS_FORMAT_ENUMS[enc.format],
+        num_rows=enc.num_rows,
+        vocab_size=enc.vocab_size,
+        data=enc.data,
+        row_scales=enc.row_scales or (),
+    )
     return common_pb2.Logits(inline_logits=inline)
 
 
 def logits_handle_to_pb(segment_name: str, enc: EncodedLogits, instance_id: str) -> common_pb2.Logits:
     """Logits written to a shared-memory slot (specdec.logits_shm) -> a handle to them."""
-    memory = common_pb2.MemoryHandle(kind=common_pb2.HANDLE_KIND_SHARED_MEMORY, segment_name=segment_name,
-                                     device_index=-1, num_bytes=len(enc.data), owner_instance_id=instance_id)
-    return common_pb2.Logits(handle=common_pb2.LogitsHandle(
-        memory=memory, format=LOGITS_FORMAT_ENUMS[enc.format], num_rows=enc.num_rows, vocab_size=enc.vocab_size,
-        row_scales=enc.row_scales or ()))
+    memory = common_pb2.MemoryHandle(
+        kind=common_pb2.HANDLE_KIND_SHARED_MEMORY,
+        segment_name=segment_name,
+        device_index=-1,
+        num_bytes=len(enc.data),
+        owner_instance_id=instance_id,
+    )
+    return common_pb2.Logits(
+        handle=common_pb2.LogitsHandle(
+            memory=memory,
+            format=LOGITS_FORMAT_ENUMS[enc.format],
+            num_rows=enc.num_rows,
+            vocab_size=enc.vocab_size,
+            row_scales=enc.row_scales or (),
+        )
+    )
 
 
 def logits_from_pb(pb: common_pb2.Logits, field: str) -> torch.Tensor:
@@ -92,15 +114,21 @@ def encoded_logits_from_pb(pb: common_pb2.Logits, field: str) -> EncodedLogits:
             raise InvalidArgument(f"{field}.handle.memory.kind", "only shared-memory logits handles are served here")
         fmt = logits_format_from_pb(h.format, f"{field}.handle.format")
         scales = tuple(h.row_scales) if fmt == FORMAT_FP8_E4M3 else None
-        return read_slot(h.memory.segment_name, h.memory.num_bytes, fmt, h.num_rows, h.vocab_size, scales,
-                         f"{field}.handle")
+        return read_slot(
+            h.memory.segment_name, h.memory.num_bytes, fmt, h.num_rows, h.vocab_size, scales, f"{field}.handle"
+        )
     if not pb.HasField("inline_logits"):
         raise InvalidArgument(field, "expected inline logits or a handle")
     inline = pb.inline_logits
     fmt = logits_format_from_pb(inline.format, f"{field}.inline_logits.format")
     try:
-        return EncodedLogits(fmt, inline.num_rows, inline.vocab_size, inline.data,
-                             tuple(inline.row_scales) if fmt == FORMAT_FP8_E4M3 else None)
+        return EncodedLogits(
+            fmt,
+            inline.num_rows,
+            inline.vocab_size,
+            inline.data,
+            tuple(inline.row_scales) if fmt == FORMAT_FP8_E4M3 else None,
+        )
     except ValueError as e:
         raise InvalidArgument(f"{field}.inline_logits", str(e)) from None
 
@@ -119,40 +147,46 @@ def token_mask_from_pb(pb: common_pb2.TokenMask, num_rows: int, vocab_size: int,
     """TokenMask -> specdec.grammar.TokenBitmask [num_rows] over the wire bytes (no copy, never unpacked);
     refuses a wrong shape, set padding bits, or a row that allows no token (it would leave no token to
     choose). The checks read the packed words: O(rows x words), not rows x vocabulary."""
-    from specdec.grammar.bitmask import TokenBitmask   # the grammar engine loads only where it is used
+    from specdec.grammar.bitmask import TokenBitmask  # the grammar engine loads only where it is used
+
     row_bytes = token_mask_row_bytes(vocab_size)
     if pb.num_rows != num_rows:
         raise InvalidArgument(f"{field}.num_rows", f"is {pb.num_rows}, expected {num_rows}")
     if len(pb.bits) != num_rows * row_bytes:
         raise InvalidArgument(f"{field}.bits", f"has {len(pb.bits)} bytes, expected {num_rows} rows of {row_bytes}")
-    words = np.frombuffer(pb.bits, dtype="<i4").reshape(num_rows, row_bytes // 4)     # [R, W]
+    words = np.frombuffer(pb.bits, dtype="<i4").reshape(num_rows, row_bytes // 4)  # [R, W]
     if num_rows and not words.any(axis=1).all():
         raise InvalidArgument(f"{field}.bits", "a row allows no token")
-    num_padding_bits = row_bytes * 8 - vocab_size               # in the last word, above token V - 1
+    num_padding_bits = row_bytes * 8 - vocab_size  # in the last word, above token V - 1
     if num_rows and num_padding_bits and (words[:, -1] >> (32 - num_padding_bits)).any():
         raise InvalidArgument(f"{field}.bits", f"allows a token id >= the vocabulary size {vocab_size}")
     return TokenBitmask(words, vocab_size)
 
 
-RESPONSE_FORMAT_TYPES = {"json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
-                         "json_schema": common_pb2.ResponseFormat.TYPE_JSON_SCHEMA}
+RESPONSE_FORMAT_TYPES = {
+    "json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
+    "json_schema": common_pb2.ResponseFormat.TYPE_JSON_SCHEMA,
+}
 
 
 def response_format_to_pb(response_format) -> common_pb2.ResponseFormat:
     """specdec.grammar.ResponseFormat -> ResponseFormat (kind json_object or json_schema)."""
-    return common_pb2.ResponseFormat(type=RESPONSE_FORMAT_TYPES[response_format.kind],
-                                     json_schema=response_format.schema_text or "")
+    return common_pb2.ResponseFormat(
+        type=RESPONSE_FORMAT_TYPES[response_format.kind], json_schema=response_format.schema_text or ""
+    )
 
 
 def response_format_from_pb(pb: common_pb2.ResponseFormat):
     """ResponseFormat -> specdec.grammar.ResponseFormat, or None for free text (unset or TYPE_TEXT).
     Raises InvalidArgument naming response_format.type / .json_schema."""
-    from specdec.grammar.compiler import ResponseFormat   # the grammar engine loads only where it is used
+    from specdec.grammar.compiler import ResponseFormat  # the grammar engine loads only where it is used
+
     kinds = {v: k for k, v in RESPONSE_FORMAT_TYPES.items()}
     if pb.type in (common_pb2.ResponseFormat.TYPE_UNSPECIFIED, common_pb2.ResponseFormat.TYPE_TEXT):
         if pb.json_schema:
-            raise InvalidArgument("response_format.json_schema",
-                                  "must be empty unless response_format.type is TYPE_JSON_SCHEMA")
+            raise InvalidArgument(
+                "response_format.json_schema", "must be empty unless response_format.type is TYPE_JSON_SCHEMA"
+            )
         return None
     if pb.type not in kinds:
         raise InvalidArgument("response_format.type", f"unknown response format type {pb.type}")

@@ -4,6 +4,7 @@ in a fresh directory under /tmp (unix socket paths are limited to ~107 bytes), r
     with redis_server() as server:
         store = RedisStateStore.from_url(server.url)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,8 @@ class RedisServerError(RuntimeError):
 @dataclasses.dataclass(frozen=True, slots=True)
 class RedisServer:
     socket_path: str
-    url: str       # unix:///...sock, for redis.Redis.from_url and the services' --redis_url
-    pid: int       # the redis-server process (tests stop and continue it to make outages)
+    url: str  # unix:///...sock, for redis.Redis.from_url and the services' --redis_url
+    pid: int  # the redis-server process (tests stop and continue it to make outages)
 
 
 @contextlib.contextmanager
@@ -43,9 +44,26 @@ def redis_server(prefix: str = "specdec-redis-") -> Iterator[RedisServer]:
     log_path = Path(directory) / "redis.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [binary, "--port", "0", "--unixsocket", socket_path, "--unixsocketperm", "700", "--save", "",
-             "--appendonly", "no", "--dir", directory, "--daemonize", "no"],
-            stdout=log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                "--port",
+                "0",
+                "--unixsocket",
+                socket_path,
+                "--unixsocketperm",
+                "700",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                directory,
+                "--daemonize",
+                "no",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _await(process, socket_path, log_path)
         yield RedisServer(socket_path=socket_path, url=f"unix://{socket_path}", pid=process.pid)
@@ -70,6 +88,7 @@ def _await(process: subprocess.Popen, socket_path: str, log_path: Path) -> None:
             return
         except (redis.ConnectionError, FileNotFoundError):
             if time.monotonic() > deadline:
-                raise RedisServerError(f"redis-server did not answer within {START_TIMEOUT_S} s: "
-                                       f"{log_path.read_text()[-2000:]}") from None
+                raise RedisServerError(
+                    f"redis-server did not answer within {START_TIMEOUT_S} s: {log_path.read_text()[-2000:]}"
+                ) from None
             time.sleep(0.02)

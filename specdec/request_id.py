@@ -1,5 +1,6 @@
 """Request ids: the one limit every service checks them against. The gateway's own ids behind a
 tenant's (`tenant/client-id`) obey it too, so an id accepted at the edge is accepted everywhere."""
+
 from __future__ import annotations
 
 from specdec.errors import InvalidArgument

@@ -10,6 +10,7 @@ softmax, keep the smallest top-p nucleus, renormalise. Ties are broken by the lo
 everywhere (argmax, the k-th place, the nucleus boundary), so the result does not depend on the
 sort implementation.
 """
+
 from __future__ import annotations
 
 import dataclasses

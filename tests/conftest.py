@@ -1,4 +1,5 @@
 """Fixtures shared by the whole test suite."""
+
 from __future__ import annotations
 
 import os as _os
@@ -31,12 +32,14 @@ def default_model_dir() -> Path:
 def fp32_model(default_model_dir):
     """The default model in fp32 with private weights (1024 positions), loaded once per run."""
     from specdec.engine.loading import load_model
+
     return load_model(default_model_dir, "fp32", max_positions=1024, is_shared=False)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
     from specdec.model.tokenizer import Tokenizer
+
     return Tokenizer.from_dir(default_model_dir)
 
 
@@ -45,6 +48,7 @@ def tokenizer_info(tokenizer, default_model_dir):
     """The default model's vocabulary as the grammar engine sees it (mask width = the model's vocabulary)."""
     import json
     from specdec.grammar import GrammarTokenizerInfo
+
     vocab_size = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
     return GrammarTokenizerInfo.from_tokenizer(tokenizer, vocab_size)
 
@@ -52,6 +56,7 @@ def tokenizer_info(tokenizer, default_model_dir):
 @pytest.fixture(scope="session")
 def grammar_cache(tokenizer_info):
     from specdec.grammar import GrammarCache
+
     return GrammarCache(tokenizer_info)
 
 
@@ -59,6 +64,7 @@ def grammar_cache(tokenizer_info):
 # A REAL redis-server on a unix socket, no persistence, one per test module (specdec.redis_server).
 # Fixtures: redis_server (module: RedisServer with .url, .socket_path and .pid), redis_client
 # (function: a redis.Redis on it, the database flushed first).
+
 
 @pytest.fixture(scope="module")
 def redis_server() -> _Iterator[RedisServer]:
@@ -82,4 +88,6 @@ def redis_client(redis_server: RedisServer) -> _Iterator[_redis.Redis]:
         yield client
     finally:
         client.close()
+
+
 # ---- end of Redis fixtures -------------------------------------------------------------------------

@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GRPC_SERVICES = {"primary": "PrimaryService", "draft": "DraftService", "validator": "ValidatorService",
-                 "gateway": "GenerationService"}
+GRPC_SERVICES = {
+    "primary": "PrimaryService",
+    "draft": "DraftService",
+    "validator": "ValidatorService",
+    "gateway": "GenerationService",
+}
 GPU_SERVICES = ("primary", "draft", "validator")
 
 
@@ -27,8 +31,13 @@ def _compose_binary() -> Path:
 
 
 def _compose(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(_compose_binary()), "-f", str(REPO_ROOT / "compose.yaml"), *args],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(_compose_binary()), "-f", str(REPO_ROOT / "compose.yaml"), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +56,9 @@ def test_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
     """The exit code is real: a bad file fails (so the test above can fail)."""
     broken = tmp_path / "compose.yaml"
     broken.write_text("services:\n  x:\n    image: a\n    ipc: 12\n    depends_on: [nope]\n")
-    result = subprocess.run([str(_compose_binary()), "-f", str(broken), "config", "-q"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(_compose_binary()), "-f", str(broken), "config", "-q"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode != 0
 
 
@@ -62,11 +72,18 @@ def test_the_http_front_calls_the_gateway_with_the_callers_keys(services: dict) 
     assert http["command"] == ["python", "-m", "http_svc"] and env["SPECDEC_HOST"] == "0.0.0.0"
     assert env["SPECDEC_HTTP_GATEWAY_ADDRESS"] == f"gateway:{services['gateway']['environment']['SPECDEC_PORT']}"
     assert env["SPECDEC_HTTP_API_KEYS_FILE"] == "/run/secrets/api_keys"
-    assert [s["source"] for s in http["secrets"]] == ["api_keys"]   # no service token: a public client
+    assert [s["source"] for s in http["secrets"]] == ["api_keys"]  # no service token: a public client
     assert "SPECDEC_SERVICE_TOKEN_FILE" not in env and "SPECDEC_HTTP_ALLOW_INSECURE_PUBLIC" not in env
     assert http["depends_on"]["gateway"]["condition"] == "service_healthy"
-    assert http["healthcheck"]["test"] == ["CMD", "python", "-m", "specdec.healthcheck",
-                                           f"127.0.0.1:{env['SPECDEC_PORT']}", "--http_path", "/health"]
+    assert http["healthcheck"]["test"] == [
+        "CMD",
+        "python",
+        "-m",
+        "specdec.healthcheck",
+        f"127.0.0.1:{env['SPECDEC_PORT']}",
+        "--http_path",
+        "/health",
+    ]
     assert [(p["target"], p["published"], p["host_ip"]) for p in http["ports"]] == [(8000, "8000", "127.0.0.1")]
     assert "deploy" not in http
 
@@ -78,8 +95,14 @@ def test_grpc_services_bind_all_interfaces_and_check_health(services: dict) -> N
         assert env["SPECDEC_HOST"] == "0.0.0.0", name
         assert s["command"] == ["python", "-m", "gateway" if name == "gateway" else f"{name}_svc"]
         assert s["healthcheck"]["test"] == [
-            "CMD", "python", "-m", "specdec.healthcheck", f"127.0.0.1:{env['SPECDEC_PORT']}",
-            "--service", f"specdec.v1.{service_name}"]
+            "CMD",
+            "python",
+            "-m",
+            "specdec.healthcheck",
+            f"127.0.0.1:{env['SPECDEC_PORT']}",
+            "--service",
+            f"specdec.v1.{service_name}",
+        ]
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 
@@ -125,8 +148,11 @@ def test_the_public_gateway_needs_api_keys() -> None:
     assert {"source": "api_keys", "target": "/run/secrets/api_keys"} in gateway["secrets"]
     assert gateway["environment"]["SPECDEC_GATEWAY_API_KEYS_FILE"] == "/run/secrets/api_keys"
     assert "SPECDEC_GATEWAY_ALLOW_INSECURE_PUBLIC" not in gateway["environment"]
-    assert all("api_keys" not in str(s.get("secrets", "")) for n, s in config["services"].items()
-               if n not in ("gateway", "http"))
+    assert all(
+        "api_keys" not in str(s.get("secrets", ""))
+        for n, s in config["services"].items()
+        if n not in ("gateway", "http")
+    )
 
 
 def test_dockerfile_builds_one_image_with_stubs() -> None:
@@ -134,8 +160,8 @@ def test_dockerfile_builds_one_image_with_stubs() -> None:
     assert "FROM python:3.11-slim" in lines
     assert "RUN python scripts/gen_protos.py" in lines
     for package in ("specdec", "primary_svc", "draft_svc", "validator_svc", "gateway", "http_svc"):
-        assert f"COPY {package}/ {package}/" in lines, package   # every service's command runs in it
+        assert f"COPY {package}/ {package}/" in lines, package  # every service's command runs in it
     assert any(line.startswith("RUN pip install -r requirements.txt") for line in lines)
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert "specdec/v1" in ignored and ".venv" in ignored  # stubs are generated in the image
-    assert "secrets" in ignored   # never baked into the image
+    assert "secrets" in ignored  # never baked into the image

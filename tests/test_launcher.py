@@ -2,6 +2,7 @@
 `python -c`): dependency order, fail-fast with the log tail, timeouts, no
 orphans after stop or after the launcher's own death, restart on the same
 port, a lost port race."""
+
 from __future__ import annotations
 
 import os
@@ -53,11 +54,22 @@ serve(ServerConfig(host=a.host, port=a.port, grace_s=0.0), [])
 """
 
 
-def fake(name: str, *args: str, depends_on: tuple[str, ...] = (), address_flags: tuple[tuple[str, str], ...] = (),
-         startup_timeout_s: float = 20.0, is_taking_service_token: bool = False) -> ServiceSpec:
-    return ServiceSpec(name, (sys.executable, "-c", FAKE_SERVICE, *args), depends_on=depends_on,
-                       address_flags=address_flags, startup_timeout_s=startup_timeout_s,
-                       is_taking_service_token=is_taking_service_token)
+def fake(
+    name: str,
+    *args: str,
+    depends_on: tuple[str, ...] = (),
+    address_flags: tuple[tuple[str, str], ...] = (),
+    startup_timeout_s: float = 20.0,
+    is_taking_service_token: bool = False,
+) -> ServiceSpec:
+    return ServiceSpec(
+        name,
+        (sys.executable, "-c", FAKE_SERVICE, *args),
+        depends_on=depends_on,
+        address_flags=address_flags,
+        startup_timeout_s=startup_timeout_s,
+        is_taking_service_token=is_taking_service_token,
+    )
 
 
 def is_alive(pid: int) -> bool:
@@ -92,6 +104,7 @@ def config() -> StackConfig:
 
 # ---- pure parts ------------------------------------------------------------------------------------
 
+
 def test_waves_follow_dependencies() -> None:
     specs = service_specs(StackConfig())
     assert [[s.name for s in wave] for wave in waves(specs)] == [["primary"], ["validator", "draft"], ["gateway"]]
@@ -105,15 +118,37 @@ def test_waves_follow_dependencies() -> None:
 
 
 def test_service_specs_pass_the_fixed_flags() -> None:
-    config = StackConfig(model_path="/m.gguf", precision="bf16", cache_dir=Path("/c"), strategies=("prompt_lookup",),
-                         num_threads=1, python="py")
+    config = StackConfig(
+        model_path="/m.gguf",
+        precision="bf16",
+        cache_dir=Path("/c"),
+        strategies=("prompt_lookup",),
+        num_threads=1,
+        python="py",
+    )
     specs = {s.name: s for s in service_specs(config)}
-    assert specs["primary"].command == ("py", "-m", "primary_svc", "--model_path", "/m.gguf", "--cache_dir", "/c",
-                                        "--precision", "bf16", "--max_context", "4096", "--num_threads", "1")
+    assert specs["primary"].command == (
+        "py",
+        "-m",
+        "primary_svc",
+        "--model_path",
+        "/m.gguf",
+        "--cache_dir",
+        "/c",
+        "--precision",
+        "bf16",
+        "--max_context",
+        "4096",
+        "--num_threads",
+        "1",
+    )
     assert specs["draft"].command[-2:] == ("--strategies", "prompt_lookup,grammar")  # + grammar-forced drafts
     assert dict(specs["draft"].address_flags) == {"--primary_address": "primary"}
-    assert dict(specs["gateway"].address_flags) == {"--primary_address": "primary", "--draft_address": "draft",
-                                                    "--validator_address": "validator"}
+    assert dict(specs["gateway"].address_flags) == {
+        "--primary_address": "primary",
+        "--draft_address": "draft",
+        "--validator_address": "validator",
+    }
     # An empty redis_url is passed too: the gateway must not pick one up from the environment.
     defaults = service_specs(StackConfig())
     assert "--redis_url=" in defaults[3].command
@@ -124,13 +159,14 @@ def test_service_specs_pass_the_fixed_flags() -> None:
 
 def test_the_http_front_is_a_client_of_the_gateway_with_its_keys() -> None:
     assert "http" not in {s.name for s in service_specs(StackConfig())}
-    config = StackConfig(model_path="/m.gguf", api_keys_file=Path("/k"), is_serving_http=True, http_port=8123,
-                         python="py")
+    config = StackConfig(
+        model_path="/m.gguf", api_keys_file=Path("/k"), is_serving_http=True, http_port=8123, python="py"
+    )
     http = service_specs(config)[-1]
     assert http.command == ("py", "-m", "http_svc", "--model_path", "/m.gguf", "--api_keys_file", "/k")
     assert http.depends_on == ("gateway",) and dict(http.address_flags) == {"--gateway_address": "gateway"}
     assert http.health_http_path == "/health" and http.port == 8123
-    assert not http.is_taking_service_token   # it calls the public API only, with the caller's key
+    assert not http.is_taking_service_token  # it calls the public API only, with the caller's key
     assert [[s.name for s in wave] for wave in waves(service_specs(config))][-1] == ["http"]
 
 
@@ -161,6 +197,7 @@ def test_log_tail_keeps_the_last_lines(tmp_path: Path) -> None:
 
 
 # ---- real child processes --------------------------------------------------------------------------
+
 
 def test_start_in_order_then_stop(config: StackConfig) -> None:
     stack = Stack(config, specs=[fake("a"), fake("b", depends_on=("a",), address_flags=(("--upstream", "a"),))])
@@ -271,12 +308,15 @@ def test_services_die_with_a_launcher_killed_by_sigkill(tmp_path: Path) -> None:
     # kernel SIGTERMs its children (PR_SET_PDEATHSIG), so nothing is orphaned.
     if not sys.platform.startswith("linux"):
         pytest.skip("parent-death signals are Linux-only")
-    script = (f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-              "from test_launcher import fake; from specdec.launcher import Stack, StackConfig; "
-              f"s = Stack(StackConfig(log_dir={str(tmp_path)!r}), specs=[fake('a')]).start(); "
-              "print(s.pid('a'), flush=True); time.sleep(300)")
-    launcher_process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                                        cwd=launcher.REPO_ROOT)
+    script = (
+        f"import sys, time; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "from test_launcher import fake; from specdec.launcher import Stack, StackConfig; "
+        f"s = Stack(StackConfig(log_dir={str(tmp_path)!r}), specs=[fake('a')]).start(); "
+        "print(s.pid('a'), flush=True); time.sleep(300)"
+    )
+    launcher_process = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=launcher.REPO_ROOT
+    )
     service_pid = None
     try:
         service_pid = int(launcher_process.stdout.readline())

@@ -35,11 +35,16 @@ def test_stubs_import_with_services_and_messages() -> None:
     )
 
     assert primary_pb2.DESCRIPTOR.package == "specdec.v1"
-    services = {name for m in (primary_pb2, draft_pb2, validator_pb2, gateway_pb2)
-                for name in m.DESCRIPTOR.services_by_name}
+    services = {
+        name for m in (primary_pb2, draft_pb2, validator_pb2, gateway_pb2) for name in m.DESCRIPTOR.services_by_name
+    }
     assert services == {"PrimaryService", "DraftService", "ValidatorService", "GenerationService"}
-    for grpc_module, service in ((primary_pb2_grpc, "PrimaryService"), (draft_pb2_grpc, "DraftService"),
-                                 (validator_pb2_grpc, "ValidatorService"), (gateway_pb2_grpc, "GenerationService")):
+    for grpc_module, service in (
+        (primary_pb2_grpc, "PrimaryService"),
+        (draft_pb2_grpc, "DraftService"),
+        (validator_pb2_grpc, "ValidatorService"),
+        (gateway_pb2_grpc, "GenerationService"),
+    ):
         assert hasattr(grpc_module, f"{service}Stub")
         assert hasattr(grpc_module, f"add_{service}Servicer_to_server")
     tree = common_pb2.TokenTree(token_ids=[5, 6], parents=[-1, 0])
@@ -53,10 +58,13 @@ def test_generate_request_round_trips_through_json() -> None:
     from specdec.v1 import common_pb2, gateway_pb2
 
     request = gateway_pb2.GenerateRequest(
-        request_id="r1", chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="hi")]),
-        max_new_tokens=16, sampling=common_pb2.SamplingParams(temperature=0.7, seed=0),
+        request_id="r1",
+        chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="user", content="hi")]),
+        max_new_tokens=16,
+        sampling=common_pb2.SamplingParams(temperature=0.7, seed=0),
         speculation=gateway_pb2.SpeculationConfig(is_enabled=False, draft_length=4),
-        response_format=common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT))
+        response_format=common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT),
+    )
     params = json_format.MessageToDict(request)
     again = json_format.ParseDict(params, gateway_pb2.GenerateRequest())
     assert again == request
@@ -69,8 +77,11 @@ def test_generate_request_round_trips_through_json() -> None:
 def test_logits_payload_is_one_of_inline_or_handle() -> None:
     from specdec.v1 import common_pb2
 
-    logits = common_pb2.Logits(inline_logits=common_pb2.InlineLogits(
-        format=common_pb2.LOGITS_FORMAT_FP32, num_rows=1, vocab_size=2, data=b"\0" * 8))
+    logits = common_pb2.Logits(
+        inline_logits=common_pb2.InlineLogits(
+            format=common_pb2.LOGITS_FORMAT_FP32, num_rows=1, vocab_size=2, data=b"\0" * 8
+        )
+    )
     assert logits.WhichOneof("payload") == "inline_logits"
     logits.handle.memory.segment_name = "psm_1"
     assert logits.WhichOneof("payload") == "handle"
@@ -95,8 +106,9 @@ def _node() -> str:
 
 
 def test_node_stream_client_parses() -> None:
-    result = subprocess.run([_node(), "--check", str(NODE_DIR / "stream_client.js")],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_node(), "--check", str(NODE_DIR / "stream_client.js")], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -114,21 +126,30 @@ def test_node_stream_client_against_a_fake_gateway() -> None:
         def GenerateStream(self, request, context):  # noqa: N802, ANN001
             if request.max_new_tokens == 0:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens: must be > 0")
-            yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id or "gen-1", text=request.prompt,
-                                                     token_ids=[1, 2])
             yield gateway_pb2.GenerateStreamResponse(
-                request_id="gen-1", is_final=not request.prompt.startswith("no-final"),
+                request_id=request.request_id or "gen-1", text=request.prompt, token_ids=[1, 2]
+            )
+            yield gateway_pb2.GenerateStreamResponse(
+                request_id="gen-1",
+                is_final=not request.prompt.startswith("no-final"),
                 finish_reason=gateway_pb2.FINISH_REASON_LENGTH,
-                stats=gateway_pb2.GenerationStats(num_generated_tokens=request.max_new_tokens,
-                                                  num_proposed_tokens=2**40))
+                stats=gateway_pb2.GenerationStats(
+                    num_generated_tokens=request.max_new_tokens, num_proposed_tokens=2**40
+                ),
+            )
 
-    server, port = create_server("127.0.0.1:0", [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server,
-                                                  FakeGateway())])
+    server, port = create_server(
+        "127.0.0.1:0", [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, FakeGateway())]
+    )
     server.start()
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([_node(), str(NODE_DIR / "stream_client.js"), f"127.0.0.1:{port}", *args],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [_node(), str(NODE_DIR / "stream_client.js"), f"127.0.0.1:{port}", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     try:
         ok = run("Hello", "2", "my-id")

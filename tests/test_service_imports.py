@@ -1,5 +1,6 @@
 """Services import the core library (`specdec`), never each other, and the core library imports no
 service: every import statement of every module, nested ones included, is read from the source."""
+
 from __future__ import annotations
 
 import ast
@@ -26,9 +27,12 @@ def imported_packages(path: Path) -> set[str]:
 @pytest.mark.parametrize("package", [*SERVICES, CORE])
 def test_a_package_imports_no_service_but_itself(package):
     others = set(SERVICES) - {package}
-    crossings = sorted(f"{path.relative_to(REPO_ROOT)} imports {other}"
-                       for path in (REPO_ROOT / package).rglob("*.py") if "v1" not in path.parts
-                       for other in imported_packages(path) & others)
+    crossings = sorted(
+        f"{path.relative_to(REPO_ROOT)} imports {other}"
+        for path in (REPO_ROOT / package).rglob("*.py")
+        if "v1" not in path.parts
+        for other in imported_packages(path) & others
+    )
     assert crossings == []
 
 

@@ -1,4 +1,5 @@
 """python -m validator_svc: serve the acceptance rule."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -19,15 +20,21 @@ from validator_svc.paths import make_path
 from validator_svc.server import ValidatorServicer
 
 
-def build_servicer(config: ValidatorConfig, registry: CollectorRegistry, *,
-                   device_count: Callable[[], int] = cuda_device_count) -> ValidatorServicer:
+def build_servicer(
+    config: ValidatorConfig, registry: CollectorRegistry, *, device_count: Callable[[], int] = cuda_device_count
+) -> ValidatorServicer:
     """Choose the validation path once (paths.make_path), warm it, and say which one serves: in the log
     and as specdec_validation_path{path="cuda"|"torch"} = 1, so a dashboard shows a GPU node that fell
     back to the host rule."""
     path = make_path(config.device, device_count=device_count)
     path.warm_up()
-    Gauge("validation_path", "The validation path this validator runs (1 on the chosen one's label).",
-          ["path"], namespace=NAMESPACE, registry=registry).labels(path.name).set(1)
+    Gauge(
+        "validation_path",
+        "The validation path this validator runs (1 on the chosen one's label).",
+        ["path"],
+        namespace=NAMESPACE,
+        registry=registry,
+    ).labels(path.name).set(1)
     structlog.get_logger("validator_svc").info("validation path", device=config.device, path=path.name)
     return ValidatorServicer(path)
 
@@ -41,9 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     structlog.get_logger("validator_svc").info("starting", device=config.device, num_threads=config.num_threads)
     registry = CollectorRegistry()
     servicer = build_servicer(config, registry)
-    serve(config.server, [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, servicer)],
-          interceptors=[*token_interceptors(service_token), ErrorInterceptor(ServiceMetrics(registry))],
-          registry=registry)
+    serve(
+        config.server,
+        [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, servicer)],
+        interceptors=[*token_interceptors(service_token), ErrorInterceptor(ServiceMetrics(registry))],
+        registry=registry,
+    )
 
 
 if __name__ == "__main__":

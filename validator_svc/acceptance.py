@@ -38,6 +38,7 @@ A grammar mask (`allowed`, a specdec.grammar.TokenBitmask of the N + 1 rows) giv
 forbids probability 0, exactly as if its logits were MASKED_LOGIT: the masked argmax, the masked
 row of a visited row, a bit test for a child's token. The logits themselves stay unmasked.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -81,35 +82,57 @@ def select_mode(params: SamplingParams, acceptance_threshold: float = THRESHOLD_
     return MODE_GREEDY if params.is_greedy else MODE_SAMPLE
 
 
-def validate_tree(token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor,
-                  target_logits: torch.Tensor, params: SamplingParams, *,
-                  acceptance_threshold: float = THRESHOLD_OFF, draft_probs: torch.Tensor | None = None,
-                  argmax_ids: Sequence[int] | torch.Tensor | None = None,
-                  generator: torch.Generator | None = None, step: int = 0,
-                  allowed: TokenBitmask | None = None) -> ValidationResult:
+def validate_tree(
+    token_ids: Sequence[int] | torch.Tensor,
+    parents: Sequence[int] | torch.Tensor,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    acceptance_threshold: float = THRESHOLD_OFF,
+    draft_probs: torch.Tensor | None = None,
+    argmax_ids: Sequence[int] | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    step: int = 0,
+    allowed: TokenBitmask | None = None,
+) -> ValidationResult:
     """Dispatch on select_mode; the random stream is make_generator(params.seed, step) unless given."""
     mode = select_mode(params, acceptance_threshold)
     if mode == MODE_GREEDY:
         return greedy_accept(token_ids, parents, target_logits, argmax_ids=argmax_ids, allowed=allowed)
     generator = generator if generator is not None else make_generator(params.seed, step)
     if mode == MODE_SAMPLE:
-        return rejection_sample_accept(token_ids, parents, target_logits, params, generator, draft_probs=draft_probs,
-                                       allowed=allowed)
-    return threshold_accept(token_ids, parents, target_logits, params, acceptance_threshold, generator,
-                            argmax_ids=argmax_ids, allowed=allowed)
+        return rejection_sample_accept(
+            token_ids, parents, target_logits, params, generator, draft_probs=draft_probs, allowed=allowed
+        )
+    return threshold_accept(
+        token_ids,
+        parents,
+        target_logits,
+        params,
+        acceptance_threshold,
+        generator,
+        argmax_ids=argmax_ids,
+        allowed=allowed,
+    )
 
 
-def greedy_accept(token_ids, parents, target_logits: torch.Tensor, *, argmax_ids=None,
-                  allowed: TokenBitmask | None = None) -> ValidationResult:
+def greedy_accept(
+    token_ids, parents, target_logits: torch.Tensor, *, argmax_ids=None, allowed: TokenBitmask | None = None
+) -> ValidationResult:
     """argmax_ids [N+1], when given (computed by the primary from fp32), overrides the logits' argmax."""
     ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
     argmax = check_argmax_ids(argmax_ids, *target_logits.shape) or tuple(_argmax(target_logits, allowed).tolist())
     return greedy_walk(children, ids, argmax, entropies)
 
 
-def greedy_walk(children: Children, token_ids: Sequence[int], argmax_ids: Sequence[int],
-                row_entropies: Sequence[float] | _RowEntropies) -> ValidationResult:
+def greedy_walk(
+    children: Children,
+    token_ids: Sequence[int],
+    argmax_ids: Sequence[int],
+    row_entropies: Sequence[float] | _RowEntropies,
+) -> ValidationResult:
     """The greedy rule on precomputed per-row argmax [N+1] (shared with the CUDA path)."""
+
     def choose(row: int) -> int | None:
         return next((j for j in children[row] if token_ids[j] == argmax_ids[row]), None)
 
@@ -117,12 +140,16 @@ def greedy_walk(children: Children, token_ids: Sequence[int], argmax_ids: Sequen
     return walk_result(children, accepted, stop_row, argmax_ids[stop_row], row_entropies)
 
 
-def threshold_walk(children: Children, node_scores: Sequence[float], is_qualified: Sequence[bool],
-                   ) -> tuple[tuple[int, ...], int]:
+def threshold_walk(
+    children: Children,
+    node_scores: Sequence[float],
+    is_qualified: Sequence[bool],
+) -> tuple[tuple[int, ...], int]:
     """Walk taking, at each row, the qualifying child with the highest score (lowest index on ties).
 
     Returns (accepted_nodes, stop_row). Shared by the reference and the CUDA path.
     """
+
     def choose(row: int) -> int | None:
         best = None
         for j in children[row]:
@@ -133,8 +160,9 @@ def threshold_walk(children: Children, node_scores: Sequence[float], is_qualifie
     return _walk(children, choose)
 
 
-def threshold_greedy_qualified(child_logits: Sequence[float], parent_row_max: Sequence[float],
-                               acceptance_threshold: float) -> list[bool]:
+def threshold_greedy_qualified(
+    child_logits: Sequence[float], parent_row_max: Sequence[float], acceptance_threshold: float
+) -> list[bool]:
     """Temperature 0: p(x) >= t * max(p) under softmax(logits)  <=>  x_logit - row_max >= log t.
 
     Compared in float64 on the exact decoded float32 values, so the CPU and CUDA paths agree bit for bit.
@@ -143,18 +171,26 @@ def threshold_greedy_qualified(child_logits: Sequence[float], parent_row_max: Se
     return [float(x) - float(m) >= log_threshold for x, m in zip(child_logits, parent_row_max)]
 
 
-def threshold_accept(token_ids, parents, target_logits: torch.Tensor, params: SamplingParams,
-                     acceptance_threshold: float, generator: torch.Generator | None, *,
-                     argmax_ids=None, allowed: TokenBitmask | None = None) -> ValidationResult:
+def threshold_accept(
+    token_ids,
+    parents,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    acceptance_threshold: float,
+    generator: torch.Generator | None,
+    *,
+    argmax_ids=None,
+    allowed: TokenBitmask | None = None,
+) -> ValidationResult:
     _check_threshold(acceptance_threshold)
     ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
     argmax = check_argmax_ids(argmax_ids, *target_logits.shape)
     if params.is_greedy:
         parent_rows = torch.tensor([int(p) + 1 for p in parents], dtype=torch.int64)  # [N]
-        child_ids = torch.tensor(ids, dtype=torch.int64)                               # [N]
-        child_logits = target_logits[parent_rows, child_ids]                           # [N]
-        row_argmax = _argmax(target_logits, allowed)                                   # [N+1]
-        row_max = target_logits.gather(1, row_argmax[:, None])[:, 0][parent_rows]      # [N], masked max
+        child_ids = torch.tensor(ids, dtype=torch.int64)  # [N]
+        child_logits = target_logits[parent_rows, child_ids]  # [N]
+        row_argmax = _argmax(target_logits, allowed)  # [N+1]
+        row_max = target_logits.gather(1, row_argmax[:, None])[:, 0][parent_rows]  # [N], masked max
         if allowed is not None and len(ids):
             is_allowed = torch.from_numpy(allowed.is_allowed(parent_rows.numpy(), child_ids.numpy()))
             child_logits = torch.where(is_allowed, child_logits, MASKED_LOGIT)
@@ -183,15 +219,17 @@ class _RowProbs:
     """logits_to_probs of a row, computed when the walk first visits it: the walk touches depth + 1
     of the N + 1 rows, and top-k / top-p cost a sort of V per row."""
 
-    def __init__(self, target_logits: torch.Tensor, params: SamplingParams,
-                 allowed: TokenBitmask | None = None) -> None:
+    def __init__(
+        self, target_logits: torch.Tensor, params: SamplingParams, allowed: TokenBitmask | None = None
+    ) -> None:
         self._logits, self._params, self._allowed, self._rows = target_logits, params, allowed, {}
 
     def __getitem__(self, row: int) -> torch.Tensor:
         if row not in self._rows:
-            logits = self._logits[row:row + 1] if self._allowed is None \
-                else self._allowed.masked_rows(self._logits, [row])                         # [1, V]
-            self._rows[row] = logits_to_probs(logits, self._params)[0]                      # [V]
+            logits = (
+                self._logits[row : row + 1] if self._allowed is None else self._allowed.masked_rows(self._logits, [row])
+            )  # [1, V]
+            self._rows[row] = logits_to_probs(logits, self._params)[0]  # [V]
         return self._rows[row]
 
 
@@ -204,7 +242,7 @@ class _RowEntropies:
 
     def take(self, rows: list[int]) -> list[float]:
         logits = self._logits[rows] if self._allowed is None else self._allowed.masked_rows(self._logits, rows)
-        return row_entropy(logits).tolist()                                                # [len(rows)]
+        return row_entropy(logits).tolist()  # [len(rows)]
 
 
 def _argmax(target_logits: torch.Tensor, allowed: TokenBitmask | None) -> torch.Tensor:
@@ -212,10 +250,16 @@ def _argmax(target_logits: torch.Tensor, allowed: TokenBitmask | None) -> torch.
     return torch.argmax(target_logits, dim=-1) if allowed is None else allowed.argmax(target_logits)
 
 
-def rejection_sample_accept(token_ids, parents, target_logits: torch.Tensor, params: SamplingParams,
-                            generator: torch.Generator | None, *,
-                            draft_probs: torch.Tensor | None = None,
-                            allowed: TokenBitmask | None = None) -> ValidationResult:
+def rejection_sample_accept(
+    token_ids,
+    parents,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    *,
+    draft_probs: torch.Tensor | None = None,
+    allowed: TokenBitmask | None = None,
+) -> ValidationResult:
     """Recursive rejection sampling over the tree. draft_probs [N, V]: row j is the distribution node j
     was drawn from (rows are renormalised); a one-hot row, or draft_probs None for all nodes, is a
     deterministic draft. Consumes one uniform per child tried and one for the final sample.
@@ -277,29 +321,38 @@ def _walk(children: Children, choose: Callable[[int], int | None]) -> tuple[tupl
     return tuple(accepted), row
 
 
-def walk_result(children: Children, accepted: Sequence[int], stop_row: int, bonus: int,
-                row_entropies: Sequence[float] | _RowEntropies) -> ValidationResult:
+def walk_result(
+    children: Children,
+    accepted: Sequence[int],
+    stop_row: int,
+    bonus: int,
+    row_entropies: Sequence[float] | _RowEntropies,
+) -> ValidationResult:
     """Entropies: each accepted node's parent row; the stop row when it offered children."""
-    rows = ([ROOT_ROW] + [j + 1 for j in accepted[:-1]])[:len(accepted)] + ([stop_row] if children[stop_row] else [])
-    entropies = row_entropies.take(rows) if isinstance(row_entropies, _RowEntropies) \
+    rows = ([ROOT_ROW] + [j + 1 for j in accepted[:-1]])[: len(accepted)] + ([stop_row] if children[stop_row] else [])
+    entropies = (
+        row_entropies.take(rows)
+        if isinstance(row_entropies, _RowEntropies)
         else [float(row_entropies[r]) for r in rows]
+    )
     return ValidationResult(
         accepted_nodes=tuple(accepted),
         bonus_token=int(bonus),
-        accepted_entropies=tuple(entropies[:len(accepted)]),
-        rejected_entropies=tuple(entropies[len(accepted):]),
+        accepted_entropies=tuple(entropies[: len(accepted)]),
+        rejected_entropies=tuple(entropies[len(accepted) :]),
     )
 
 
-def build_children(token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor,
-                   vocab_size: int) -> tuple[tuple[int, ...], Children]:
+def build_children(
+    token_ids: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor, vocab_size: int
+) -> tuple[tuple[int, ...], Children]:
     """Validate a tree and index it by logits row: children[0] = the root's, children[i + 1] = node i's.
 
     E.g. token_ids [7, 8, 9], parents [-1, 0, -1] -> children ((0, 2), (1,), (), ()).
     """
     ids = _as_ints(token_ids, "token_ids")
     parent_ids = _as_ints(parents, "parents")
-    check_tree(ids, parent_ids, vocab_size, is_siblings_unique=True)   # the merge must have deduplicated
+    check_tree(ids, parent_ids, vocab_size, is_siblings_unique=True)  # the merge must have deduplicated
     children: list[list[int]] = [[] for _ in range(len(ids) + 1)]
     for i, parent in enumerate(parent_ids):
         children[parent + 1].append(i)
@@ -317,11 +370,14 @@ def _as_ints(values: Sequence[int] | torch.Tensor, name: str) -> tuple[int, ...]
     return tuple(int(v) for v in result)
 
 
-def _check_inputs(token_ids, parents, target_logits: torch.Tensor, allowed: TokenBitmask | None = None,
-                  ) -> tuple[tuple[int, ...], Children, _RowEntropies]:
+def _check_inputs(
+    token_ids,
+    parents,
+    target_logits: torch.Tensor,
+    allowed: TokenBitmask | None = None,
+) -> tuple[tuple[int, ...], Children, _RowEntropies]:
     """(token ids, children by row, row entropies on demand) of a valid tree and logits."""
-    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2 \
-            or target_logits.dtype != torch.float32:
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2 or target_logits.dtype != torch.float32:
         raise ValueError("target_logits must be a 2-D float32 tensor [N+1, V]")
     ids, children = build_children(token_ids, parents, target_logits.shape[1])
     if target_logits.shape[0] != len(ids) + 1:

@@ -14,6 +14,7 @@ A decision event is a row of the walk where the tree offered at least one child:
 proposed once, and as accepted when one of the children was accepted. Rows below a rejection
 are never reached and are not counted.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -71,8 +72,9 @@ class EntropyAcceptanceStats:
         index = bisect.bisect_right(self.bin_edges, entropy) - 1
         return min(max(index, 0), self.num_bins - 1)
 
-    def record(self, accepted_entropies: Iterable[float],
-               rejected_entropies: Iterable[float]) -> EntropyAcceptanceStats:
+    def record(
+        self, accepted_entropies: Iterable[float], rejected_entropies: Iterable[float]
+    ) -> EntropyAcceptanceStats:
         """A copy with one step's decisions added (ValidationResult's two entropy tuples)."""
         proposed, accepted = list(self.num_proposed), list(self.num_accepted)
         for entropy in accepted_entropies:

@@ -21,6 +21,7 @@ pass combine the states. entropy = log s - t/s, lse = m + log s: the formulas of
 entropy.row_entropy, in one pass instead of two (results agree to float32 rounding; max, argmax
 and child logits are exact, so greedy decisions agree bit for bit).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,17 @@ import numpy as np
 import torch
 
 from specdec.grammar.bitmask import TokenBitmask
-from specdec.logits_codec import (
-    FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, ITEMSIZE, EncodedLogits, decode_logits)
+from specdec.logits_codec import FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, ITEMSIZE, EncodedLogits, decode_logits
 from validator_svc.acceptance import (
-    Children, ValidationResult, build_children, check_argmax_ids, greedy_walk, threshold_greedy_qualified,
-    threshold_walk, walk_result)
+    Children,
+    ValidationResult,
+    build_children,
+    check_argmax_ids,
+    greedy_walk,
+    threshold_greedy_qualified,
+    threshold_walk,
+    walk_result,
+)
 from validator_svc.entropy import row_entropy
 
 FORMAT_CODES = {FORMAT_FP32: 0, FORMAT_BF16: 1, FORMAT_FP8_E4M3: 2}  # `fmt` argument of the kernel
@@ -201,8 +208,9 @@ class RowStats:
                 raise ValueError(f"target_logits row {int(bad[0])} is not a valid distribution ({name} not finite)")
 
 
-def row_stats_reference(logits: torch.Tensor, token_ids: Sequence[int], parents: Sequence[int],
-                        allowed: TokenBitmask | None = None) -> RowStats:
+def row_stats_reference(
+    logits: torch.Tensor, token_ids: Sequence[int], parents: Sequence[int], allowed: TokenBitmask | None = None
+) -> RowStats:
     """Torch CPU reference of the kernel on decoded logits [R, V] fp32, under the grammar mask when given."""
     ids, _ = build_children(token_ids, parents, logits.shape[1])
     if allowed is not None:
@@ -212,12 +220,20 @@ def row_stats_reference(logits: torch.Tensor, token_ids: Sequence[int], parents:
     row_max = logits.amax(dim=-1)  # [R]
     lse = torch.logsumexp(logits, dim=-1)  # [R]
     child_logits = logits[parent_rows, torch.tensor(ids, dtype=torch.int64)]  # [N]
-    return RowStats(logits.shape[1], row_max, lse, row_entropy(logits), torch.argmax(logits, dim=-1), child_logits,
-                    torch.exp(child_logits - lse[parent_rows]))
+    return RowStats(
+        logits.shape[1],
+        row_max,
+        lse,
+        row_entropy(logits),
+        torch.argmax(logits, dim=-1),
+        child_logits,
+        torch.exp(child_logits - lse[parent_rows]),
+    )
 
 
-def row_stats_cpu(encoded: EncodedLogits, token_ids: Sequence[int], parents: Sequence[int],
-                  allowed: TokenBitmask | None = None) -> RowStats:
+def row_stats_cpu(
+    encoded: EncodedLogits, token_ids: Sequence[int], parents: Sequence[int], allowed: TokenBitmask | None = None
+) -> RowStats:
     return row_stats_reference(decode_logits(encoded), token_ids, parents, allowed)
 
 
@@ -241,18 +257,32 @@ class CudaRowStats:
             self._function = cupy.RawModule(code=ROW_STATS_SOURCE).get_function(KERNEL_NAME)
         return self._function
 
-    def __call__(self, encoded: EncodedLogits, token_ids: Sequence[int], parents: Sequence[int],
-                 allowed: TokenBitmask | None = None) -> RowStats:
+    def __call__(
+        self,
+        encoded: EncodedLogits,
+        token_ids: Sequence[int],
+        parents: Sequence[int],
+        allowed: TokenBitmask | None = None,
+    ) -> RowStats:
         """Rows received inline: one host-to-device copy of the encoded bytes, no host decode."""
         import cupy
 
         data = cupy.asarray(np.frombuffer(encoded.data, dtype=np.uint8))  # [R * V * itemsize]
-        return self.on_device(data, encoded.format, encoded.num_rows, encoded.vocab_size, encoded.row_scales,
-                              token_ids, parents, allowed)
+        return self.on_device(
+            data, encoded.format, encoded.num_rows, encoded.vocab_size, encoded.row_scales, token_ids, parents, allowed
+        )
 
-    def on_device(self, data: Any, fmt: str, num_rows: int, vocab_size: int,
-                  row_scales: Sequence[float] | None, token_ids: Sequence[int], parents: Sequence[int],
-                  allowed: TokenBitmask | None = None) -> RowStats:
+    def on_device(
+        self,
+        data: Any,
+        fmt: str,
+        num_rows: int,
+        vocab_size: int,
+        row_scales: Sequence[float] | None,
+        token_ids: Sequence[int],
+        parents: Sequence[int],
+        allowed: TokenBitmask | None = None,
+    ) -> RowStats:
         """Rows already in device memory (a CuPy uint8 array, e.g. mapped from a CUDA IPC handle).
         The grammar mask travels packed (W = ceil(V / 32) words a row) and the kernel tests its bits."""
         import cupy
@@ -265,8 +295,9 @@ class CudaRowStats:
         scales = row_scales if row_scales is not None else (1.0,) * num_rows
         device_scales = cupy.asarray(np.asarray(scales, dtype=np.float32))  # [R]
         # One padding slot keeps the node arrays non-empty when N == 0.
-        device_offsets, device_nodes, device_tokens = (cupy.asarray(np.asarray(a, dtype=np.int32))
-                                                       for a in (offsets, nodes + [0], tokens + [0]))
+        device_offsets, device_nodes, device_tokens = (
+            cupy.asarray(np.asarray(a, dtype=np.int32)) for a in (offsets, nodes + [0], tokens + [0])
+        )
         # The words' bits as they are (int32 -> uint32 is a view); one unread word stands in for no mask.
         words = np.zeros((1, 1), dtype=np.uint32) if allowed is None else allowed.words.view(np.uint32)
         device_words = cupy.asarray(np.ascontiguousarray(words))  # [R, W] or [1, 1]
@@ -275,17 +306,40 @@ class CudaRowStats:
         out_argmax = cupy.empty(num_rows, dtype=cupy.int32)
         out_child_logits, out_child_probs = (cupy.empty(num_nodes + 1, dtype=cupy.float32) for _ in range(2))
         self._compiled()(
-            (num_rows,), (self.threads_per_block,),
-            (data, device_scales, device_offsets, device_nodes, device_tokens, device_words, np.int32(num_words),
-             np.int32(FORMAT_CODES[fmt]), np.int32(vocab_size), np.int32(ITEMSIZE[fmt]),
-             out_max, out_lse, out_entropy, out_argmax, out_child_logits, out_child_probs))
+            (num_rows,),
+            (self.threads_per_block,),
+            (
+                data,
+                device_scales,
+                device_offsets,
+                device_nodes,
+                device_tokens,
+                device_words,
+                np.int32(num_words),
+                np.int32(FORMAT_CODES[fmt]),
+                np.int32(vocab_size),
+                np.int32(ITEMSIZE[fmt]),
+                out_max,
+                out_lse,
+                out_entropy,
+                out_argmax,
+                out_child_logits,
+                out_child_probs,
+            ),
+        )
 
         def host(array: Any, length: int) -> torch.Tensor:
             return torch.from_numpy(cupy.asnumpy(array)[:length])
 
-        return RowStats(vocab_size, host(out_max, num_rows), host(out_lse, num_rows), host(out_entropy, num_rows),
-                        host(out_argmax, num_rows).to(torch.int64), host(out_child_logits, num_nodes),
-                        host(out_child_probs, num_nodes))
+        return RowStats(
+            vocab_size,
+            host(out_max, num_rows),
+            host(out_lse, num_rows),
+            host(out_entropy, num_rows),
+            host(out_argmax, num_rows).to(torch.int64),
+            host(out_child_logits, num_nodes),
+            host(out_child_probs, num_nodes),
+        )
 
 
 def _csr(children: Children, token_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
@@ -310,9 +364,14 @@ def cuda_device_count() -> int:
 RowStatsFn = Callable[[EncodedLogits, Sequence[int], Sequence[int], TokenBitmask | None], RowStats]
 
 
-def validate_from_stats(stats: RowStats, token_ids: Sequence[int], parents: Sequence[int], *,
-                        argmax_ids: Sequence[int] | None = None,
-                        acceptance_threshold: float = 0.0) -> ValidationResult:
+def validate_from_stats(
+    stats: RowStats,
+    token_ids: Sequence[int],
+    parents: Sequence[int],
+    *,
+    argmax_ids: Sequence[int] | None = None,
+    acceptance_threshold: float = 0.0,
+) -> ValidationResult:
     """Greedy (threshold 0) or temperature-0 threshold validation from row statistics.
 
     Equals acceptance.greedy_accept / threshold_accept(temperature 0) on the decoded logits.

@@ -13,6 +13,7 @@ Both return what acceptance.validate_tree returns for the same step (the kernel 
 kernel against the reference; tests/validator_svc/test_paths.py checks the two paths through the
 servicer).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,15 +34,16 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclasses.dataclass(frozen=True, slots=True)
 class ValidationInputs:
     """One step to validate, checked by the servicer: a tree of N nodes and its N+1 logits rows."""
-    token_ids: Sequence[int]                    # [N]
-    parents: Sequence[int]                      # [N], -1 for a child of the root
-    target_logits: EncodedLogits                # [N+1, V] as they came on the wire, not decoded
+
+    token_ids: Sequence[int]  # [N]
+    parents: Sequence[int]  # [N], -1 for a child of the root
+    target_logits: EncodedLogits  # [N+1, V] as they came on the wire, not decoded
     sampling: SamplingParams
-    mode: str                                   # one of acceptance.MODES
-    acceptance_threshold: float = 0.0           # in (0, 1] in threshold mode, else 0
-    argmax_ids: Sequence[int] | None = None     # [N+1], the primary's fp32 argmax, when sent
-    step: int = 0                               # with sampling.seed, selects the random stream
-    allowed: TokenBitmask | None = None         # [N+1] rows of packed grammar mask
+    mode: str  # one of acceptance.MODES
+    acceptance_threshold: float = 0.0  # in (0, 1] in threshold mode, else 0
+    argmax_ids: Sequence[int] | None = None  # [N+1], the primary's fp32 argmax, when sent
+    step: int = 0  # with sampling.seed, selects the random stream
+    allowed: TokenBitmask | None = None  # [N+1] rows of packed grammar mask
 
     def __post_init__(self) -> None:
         assert self.mode in MODES, f"mode {self.mode!r}"
@@ -60,19 +62,28 @@ class ValidationPath(Protocol):
 
 class TorchPath:
     """The reference rule on the host."""
+
     name = PATH_TORCH
 
     def warm_up(self) -> None:
         pass
 
     def validate(self, inputs: ValidationInputs) -> ValidationResult:
-        return validate_tree(inputs.token_ids, inputs.parents, decode_logits(inputs.target_logits), inputs.sampling,
-                             acceptance_threshold=inputs.acceptance_threshold,
-                             argmax_ids=inputs.argmax_ids, step=inputs.step, allowed=inputs.allowed)
+        return validate_tree(
+            inputs.token_ids,
+            inputs.parents,
+            decode_logits(inputs.target_logits),
+            inputs.sampling,
+            acceptance_threshold=inputs.acceptance_threshold,
+            argmax_ids=inputs.argmax_ids,
+            step=inputs.step,
+            allowed=inputs.allowed,
+        )
 
 
 class CudaPath:
     """The kernel's row statistics and the host walk; the sampled modes go to `host` (see the module doc)."""
+
     name = PATH_CUDA
 
     def __init__(self, row_stats: RowStatsFn | None = None, host: ValidationPath | None = None) -> None:
@@ -89,8 +100,13 @@ class CudaPath:
         if not is_decided_by_row_stats(inputs):
             return self.host.validate(inputs)
         stats = self.row_stats(inputs.target_logits, inputs.token_ids, inputs.parents, inputs.allowed)
-        return validate_from_stats(stats, inputs.token_ids, inputs.parents, argmax_ids=inputs.argmax_ids,
-                                   acceptance_threshold=inputs.acceptance_threshold)
+        return validate_from_stats(
+            stats,
+            inputs.token_ids,
+            inputs.parents,
+            argmax_ids=inputs.argmax_ids,
+            acceptance_threshold=inputs.acceptance_threshold,
+        )
 
 
 def is_decided_by_row_stats(inputs: ValidationInputs) -> bool:
@@ -99,9 +115,10 @@ def is_decided_by_row_stats(inputs: ValidationInputs) -> bool:
     return inputs.mode == MODE_GREEDY or (inputs.mode == MODE_THRESHOLD and inputs.sampling.is_greedy)
 
 
-def make_path(device: str, *, device_count: Callable[[], int] = cuda_device_count,
-              row_stats: RowStatsFn | None = None) -> ValidationPath:
-    """"cpu" -> torch; "cuda" -> the kernel (refused when no CUDA device is visible, so a
+def make_path(
+    device: str, *, device_count: Callable[[], int] = cuda_device_count, row_stats: RowStatsFn | None = None
+) -> ValidationPath:
+    """ "cpu" -> torch; "cuda" -> the kernel (refused when no CUDA device is visible, so a
     misconfigured node fails at start-up, not on its first request); "auto" -> cuda when a device is
     visible. device_count and row_stats are the seams a test without a GPU uses."""
     if device not in DEVICES:

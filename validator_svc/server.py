@@ -2,6 +2,7 @@
 
 The rule runs on the validation path chosen at start-up (paths.py: the CUDA kernel or the torch
 reference); the logits reach it as the wire's bytes, undecoded."""
+
 from __future__ import annotations
 
 import time
@@ -15,8 +16,11 @@ from specdec.v1 import validator_pb2, validator_pb2_grpc
 from validator_svc.acceptance import MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD
 from validator_svc.paths import TorchPath, ValidationInputs, ValidationPath
 
-MODES = {validator_pb2.ACCEPTANCE_MODE_GREEDY: MODE_GREEDY, validator_pb2.ACCEPTANCE_MODE_SAMPLE: MODE_SAMPLE,
-         validator_pb2.ACCEPTANCE_MODE_THRESHOLD: MODE_THRESHOLD}
+MODES = {
+    validator_pb2.ACCEPTANCE_MODE_GREEDY: MODE_GREEDY,
+    validator_pb2.ACCEPTANCE_MODE_SAMPLE: MODE_SAMPLE,
+    validator_pb2.ACCEPTANCE_MODE_THRESHOLD: MODE_THRESHOLD,
+}
 
 
 class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
@@ -43,8 +47,10 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         vocab_size = logits.vocab_size
         token_ids, parents = pb.tree_from_pb(request.tree, vocab_size)
         if logits.num_rows != len(token_ids) + 1:
-            raise InvalidArgument("target_logits", f"{logits.num_rows} rows for a tree of {len(token_ids)} nodes "
-                                  f"(expected {len(token_ids) + 1})")
+            raise InvalidArgument(
+                "target_logits",
+                f"{logits.num_rows} rows for a tree of {len(token_ids)} nodes (expected {len(token_ids) + 1})",
+            )
         allowed = None
         if request.HasField("allowed_tokens"):
             # Disallowed tokens get probability 0: no path that leaves the grammar can be accepted, and
@@ -55,15 +61,28 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         if argmax is not None and allowed is not None:
             _check_argmax_allowed(argmax, allowed)
         try:
-            result = self.path.validate(ValidationInputs(
-                token_ids, parents, logits, sampling, mode, acceptance_threshold=threshold, argmax_ids=argmax,
-                step=request.step, allowed=allowed))
+            result = self.path.validate(
+                ValidationInputs(
+                    token_ids,
+                    parents,
+                    logits,
+                    sampling,
+                    mode,
+                    acceptance_threshold=threshold,
+                    argmax_ids=argmax,
+                    step=request.step,
+                    allowed=allowed,
+                )
+            )
         except ValueError as e:
             raise InvalidArgument(str(e).split(" ", 1)[0].rstrip(":"), str(e)) from None
         return validator_pb2.ValidateResponse(
-            accepted_nodes=result.accepted_nodes, bonus_token=result.bonus_token,
-            accepted_entropies=result.accepted_entropies, rejected_entropies=result.rejected_entropies,
-            time_ms=(time.perf_counter() - start) * 1000)
+            accepted_nodes=result.accepted_nodes,
+            bonus_token=result.bonus_token,
+            accepted_entropies=result.accepted_entropies,
+            rejected_entropies=result.rejected_entropies,
+            time_ms=(time.perf_counter() - start) * 1000,
+        )
 
 
 def _check_argmax_allowed(argmax: list[int], allowed: TokenBitmask) -> None:
@@ -72,8 +91,11 @@ def _check_argmax_allowed(argmax: list[int], allowed: TokenBitmask) -> None:
     num_rows = allowed.num_rows
     if len(argmax) != num_rows or not all(0 <= t < allowed.vocab_size for t in argmax):
         return  # validate_tree refuses the length or the ids, naming the field
-    is_allowed = allowed.is_allowed(np.arange(num_rows), argmax)                    # [R] bool
+    is_allowed = allowed.is_allowed(np.arange(num_rows), argmax)  # [R] bool
     if not is_allowed.all():
         row = int(np.flatnonzero(~is_allowed)[0])
-        raise InvalidArgument("target_argmax_token_ids", f"row {row}'s token {argmax[row]} is not allowed by "
-                              "allowed_tokens: the argmax was not taken under the same grammar mask")
+        raise InvalidArgument(
+            "target_argmax_token_ids",
+            f"row {row}'s token {argmax[row]} is not allowed by "
+            "allowed_tokens: the argmax was not taken under the same grammar mask",
+        )

@@ -9,6 +9,7 @@ Takes the draft service's flags and SPECDEC_* environment (draft_svc/config.py),
 very index the service would otherwise build on its first start; prints where it is and what it
 holds (tokens, bytes, build time) as one JSON object. `query` prints the drafts for a text.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,18 @@ def main(argv: Sequence[str] | None, environ: Mapping[str, str]) -> int:
     started = time.perf_counter()
     index = open_index(config, model_dir, config.cache_dir, show_progress=True)
     if a.command == "build":
-        print(json.dumps({"path": str(index.path), "was_cached": was_cached, "num_bytes": index.num_bytes,
-                          "open_s": round(time.perf_counter() - started, 2), **index.meta}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "path": str(index.path),
+                    "was_cached": was_cached,
+                    "num_bytes": index.num_bytes,
+                    "open_s": round(time.perf_counter() - started, 2),
+                    **index.meta,
+                },
+                indent=1,
+            )
+        )
         return 0
     tokenizer = Tokenizer.from_dir(model_dir)
     context = tokenizer.encode(a.text)

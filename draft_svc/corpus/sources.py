@@ -14,6 +14,7 @@ Sources, read in this order (a corpus is cut at its token budget, so the small o
 Extra paths (files, or folders read recursively for TEXT_SUFFIXES) come last. Nothing is
 downloaded: every file is found through the running interpreter's own paths.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,13 +28,13 @@ from pathlib import Path
 SOURCES = ("docs", "json", "python")
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json")
 SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "__pycache__", "site-packages", "dist-packages"})
-MAX_FILE_BYTES = 1 << 20   # larger files are generated tables, not code anyone writes
+MAX_FILE_BYTES = 1 << 20  # larger files are generated tables, not code anyone writes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SourceFile:
     path: Path
-    source: str        # one of SOURCES, or "path" for an extra path
+    source: str  # one of SOURCES, or "path" for an extra path
     num_bytes: int
     mtime_ns: int
 
@@ -64,10 +65,13 @@ def source_files(sources: Sequence[str], paths: Sequence[Path], max_bytes: int) 
 
 def documents(file: SourceFile) -> list[str]:
     """The documents of one file: the docs source's topics, else the file's text."""
-    if file.source == "docs":   # `topics = {name: text, ...}`, read as a literal, not executed
+    if file.source == "docs":  # `topics = {name: text, ...}`, read as a literal, not executed
         tree = ast.parse(file.path.read_text(encoding="utf-8"))
-        topics = next(ast.literal_eval(node.value) for node in tree.body
-                      if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["topics"])
+        topics = next(
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["topics"]
+        )
         return [topics[name] for name in sorted(topics)]
     return [file.path.read_text(encoding="utf-8", errors="replace")]
 

@@ -1,21 +1,34 @@
 """Draft strategies behind one protocol (`DraftDecoder`), created per request through a registry."""
+
 from __future__ import annotations
 
 import functools
 
-from draft_svc.strategies.base import (Candidate, DecoderRegistry, DraftDecoder, UnknownDecoderError)
+from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder, UnknownDecoderError
 from draft_svc.strategies.corpus import CorpusDecoder
 from draft_svc.strategies.prompt_lookup import PromptLookupConfig, PromptLookupDecoder
 from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixDecoder, SuffixIndex, SuffixIndexConfig
 
-__all__ = ["Candidate", "CorpusDecoder", "DecoderRegistry", "DraftDecoder", "PromptLookupConfig",
-           "PromptLookupDecoder", "SuffixDecoder", "SuffixIndex", "SuffixIndexConfig", "UnknownDecoderError",
-           "model_free_registry"]
+__all__ = [
+    "Candidate",
+    "CorpusDecoder",
+    "DecoderRegistry",
+    "DraftDecoder",
+    "PromptLookupConfig",
+    "PromptLookupDecoder",
+    "SuffixDecoder",
+    "SuffixIndex",
+    "SuffixIndexConfig",
+    "UnknownDecoderError",
+    "model_free_registry",
+]
 
 
-def model_free_registry(prompt_lookup: PromptLookupConfig | None = None,
-                        suffix_index: SuffixIndex | None = None,
-                        corpus: ContinuationIndex | None = None) -> DecoderRegistry:
+def model_free_registry(
+    prompt_lookup: PromptLookupConfig | None = None,
+    suffix_index: SuffixIndex | None = None,
+    corpus: ContinuationIndex | None = None,
+) -> DecoderRegistry:
     """The strategies that need no model: prompt lookup always, the suffix index and the corpus
     decoder when their index is given (each is shared across requests: its owner creates it once)."""
     registry = DecoderRegistry()

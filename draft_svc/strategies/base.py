@@ -15,6 +15,7 @@ decoder's answer is `Candidate.rank == r`; the controller keeps acceptance stati
 (decoder, rank), so "a second prompt-lookup match" earns its place like any other decoder.
 An empty tuple means "nothing to propose" (no match), which is common and cheap.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,7 @@ class Candidate:
     """One decoder's proposed continuation of the request's current context."""
 
     decoder: str
-    token_ids: tuple[int, ...]   # a point-mass draft: every strategy proposes deterministically
+    token_ids: tuple[int, ...]  # a point-mass draft: every strategy proposes deterministically
     rank: int = 0  # position in the decoder's best-first answer to one propose() call
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ The index is opened (and built, the first time on a machine) on a background thr
 ready the decoder proposes nothing, as the model-based decoders before the primary's weights
 attach, so the service serves at once. A failed build is logged and leaves the decoder silent.
 """
+
 from __future__ import annotations
 
 import threading
@@ -59,19 +60,24 @@ class PendingCorpusIndex:
         self._done.wait(timeout_s)
         return self._index
 
-    def query(self, context_ids: Sequence[int], max_tokens: int,
-              max_candidates: int = 1) -> tuple[tuple[int, ...], ...]:
+    def query(
+        self, context_ids: Sequence[int], max_tokens: int, max_candidates: int = 1
+    ) -> tuple[tuple[int, ...], ...]:
         index = self._index
         return () if index is None else index.suffix_array.query(context_ids, max_tokens, max_candidates)
 
     def _open(self) -> None:
         try:
             index = self._open_index()
-        except Exception:   # the pool keeps serving its other strategies; the log says why this one is silent
+        except Exception:  # the pool keeps serving its other strategies; the log says why this one is silent
             self._log.exception("corpus_index_failed")
         else:
             self._index = index
-            self._log.info("corpus_index_ready", path=str(index.path), num_tokens=index.meta["num_tokens"],
-                           num_bytes=index.num_bytes)
+            self._log.info(
+                "corpus_index_ready",
+                path=str(index.path),
+                num_tokens=index.meta["num_tokens"],
+                num_bytes=index.num_bytes,
+            )
         finally:
             self._done.set()

@@ -26,6 +26,7 @@ output committed so far: `num_prompt_tokens` says where the output starts (None:
 call is prompt). Should the committed output ever leave the grammar (the primary did not apply
 the mask), the decoder falls silent rather than fail the request.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,9 @@ class GrammarForcedDecoder:
 
     name: ClassVar[str] = "grammar"
 
-    def __init__(self, grammars: GrammarCache, *, response_format: ResponseFormat,
-                 num_prompt_tokens: int | None = None) -> None:
+    def __init__(
+        self, grammars: GrammarCache, *, response_format: ResponseFormat, num_prompt_tokens: int | None = None
+    ) -> None:
         if num_prompt_tokens is not None and num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
         # An invalid schema raises specdec.errors.InvalidArgument here, naming response_format.json_schema.
@@ -54,15 +56,15 @@ class GrammarForcedDecoder:
         # The forced text where the current forced run began, and the tokens the model wrote since.
         self._run: tuple[str, list[int]] | None = None
         self._num_prompt_tokens = num_prompt_tokens
-        self._num_context_tokens = 0      # prompt + output tokens seen through extend()
-        self.is_diverged = False          # the committed output left the grammar: propose nothing
+        self._num_context_tokens = 0  # prompt + output tokens seen through extend()
+        self.is_diverged = False  # the committed output left the grammar: propose nothing
 
     @property
     def num_output_tokens(self) -> int:
         return self._state.num_tokens
 
     def extend(self, token_ids: Sequence[int]) -> None:
-        if self._num_prompt_tokens is None:      # first call without a stated prompt length: all prompt
+        if self._num_prompt_tokens is None:  # first call without a stated prompt length: all prompt
             self._num_prompt_tokens = len(token_ids)
         num_prompt_left = max(0, self._num_prompt_tokens - self._num_context_tokens)
         self._num_context_tokens += len(token_ids)
@@ -104,9 +106,9 @@ class GrammarForcedDecoder:
         """The tokens of `spelling` to propose: those the grammar accepts, at most max_tokens, and
         without the last canonical token before free text (module doc)."""
         token_ids = spelling.token_ids
-        token_ids = token_ids[:self._state.num_valid(token_ids)]
+        token_ids = token_ids[: self._state.num_valid(token_ids)]
         if len(token_ids) > max_tokens:
-            return token_ids[:max_tokens]            # the cut falls inside forced text: tokens as written
+            return token_ids[:max_tokens]  # the cut falls inside forced text: tokens as written
         if spelling.is_canonical_end and token_ids and not self._ends_output(token_ids):
             return token_ids[:-1]
         return token_ids

@@ -23,6 +23,7 @@ O(num_new_tokens * num_ngram_sizes); propose() costs O(max_ngram^2 + max_tokens)
 candidate and O(max_ngram * max_chain_steps * max_tokens) at most for k candidates: it never
 rescans the context. Memory: one dict entry per distinct (n, n-gram) and 4 bytes per token per n.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,7 @@ from array import array
 from collections.abc import Sequence
 from typing import ClassVar
 
-from draft_svc.strategies.base import (TOKEN_TYPECODE, Candidate, append_tokens, new_context,
-                                       validate_propose_args)
+from draft_svc.strategies.base import TOKEN_TYPECODE, Candidate, append_tokens, new_context, validate_propose_args
 
 NO_POSITION = -1  # end of a hash chain: no earlier occurrence
 _TOKEN_BYTES = array(TOKEN_TYPECODE).itemsize  # n-gram keys are n * 4 bytes, so sizes never collide
@@ -47,8 +47,9 @@ class PromptLookupConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
-                             f"max_ngram={self.max_ngram}")
+            raise ValueError(
+                f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
+            )
         if self.max_chain_steps < 1:
             raise ValueError(f"max_chain_steps must be >= 1, got {self.max_chain_steps}")
 
@@ -84,7 +85,7 @@ class PromptLookupDecoder:
                 if c < n:
                     prev.append(NO_POSITION)
                     continue
-                key = tail[(c - n - tail_start) * _TOKEN_BYTES:(c - tail_start) * _TOKEN_BYTES]
+                key = tail[(c - n - tail_start) * _TOKEN_BYTES : (c - tail_start) * _TOKEN_BYTES]
                 prev.append(self._last_start.get(key, NO_POSITION))
                 self._last_start[key] = c
 
@@ -93,19 +94,19 @@ class PromptLookupDecoder:
         num_tokens = len(self._tokens)
         if max_tokens == 0 or num_tokens == 0:
             return ()
-        tail = self._tokens[max(0, num_tokens - self._config.max_ngram):].tobytes()
+        tail = self._tokens[max(0, num_tokens - self._config.max_ngram) :].tobytes()
         found: list[tuple[int, ...]] = []
         for size_idx in reversed(range(len(self._ngram_sizes))):
             n = self._ngram_sizes[size_idx]
             if n > num_tokens:
                 continue
-            c = self._last_start.get(tail[len(tail) - n * _TOKEN_BYTES:], NO_POSITION)
+            c = self._last_start.get(tail[len(tail) - n * _TOKEN_BYTES :], NO_POSITION)
             prev = self._prev_start[size_idx]
             for _ in range(self._config.max_chain_steps):
                 if c == NO_POSITION:
                     break
                 continuation = self._continuation(c, max_tokens)
-                if not any(seen[:len(continuation)] == continuation for seen in found):
+                if not any(seen[: len(continuation)] == continuation for seen in found):
                     found.append(continuation)
                     if len(found) == max_candidates:
                         return self._candidates(found)
@@ -113,7 +114,7 @@ class PromptLookupDecoder:
         return self._candidates(found)
 
     def _continuation(self, start: int, max_tokens: int) -> tuple[int, ...]:
-        out = self._tokens[start:start + max_tokens].tolist()
+        out = self._tokens[start : start + max_tokens].tolist()
         period = len(self._tokens) - start  # = len(out) whenever the copy reaches the context end
         while len(out) < max_tokens:
             out.append(out[len(out) - period])

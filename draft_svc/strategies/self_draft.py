@@ -24,6 +24,7 @@ index a Block writes to onto the compact row. The primary's KV cache is never to
 Rows of drafts that the primary then accepts are recomputed in the next catch-up (one forward
 of accepted + bonus tokens), which keeps the cache equal to the committed context at rest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,14 +40,14 @@ from specdec.engine.kv_cache import KVCache, KVSlot
 from specdec.model.llama import SequenceSpan, Transformer
 
 CATCH_UP_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of a long prompt's catch-up
-EARLY_EXIT_FRACTION = 0.75   # default L' / L: 22 of SmolLM2's 30 layers (24 % agreement, 0.79 cost)
-NO_TOKENS = 0                # num_cached of an empty slot
+EARLY_EXIT_FRACTION = 0.75  # default L' / L: 22 of SmolLM2's 30 layers (24 % agreement, 0.79 cost)
+NO_TOKENS = 0  # num_cached of an empty slot
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SelfDraftConfig:
-    early_exit_layers: int = 0             # L'; 0 = round(EARLY_EXIT_FRACTION * num_layers)
-    skipped_layers: tuple[int, ...] = ()   # () = default_skipped_layers(num_layers)
+    early_exit_layers: int = 0  # L'; 0 = round(EARLY_EXIT_FRACTION * num_layers)
+    skipped_layers: tuple[int, ...] = ()  # () = default_skipped_layers(num_layers)
 
     def __post_init__(self) -> None:
         if self.early_exit_layers < 0:
@@ -88,17 +89,21 @@ class SelfDraftDecoder:
     def __init__(self, model: Transformer, layer_ids: Sequence[int]) -> None:
         num_model_layers = len(model.layers)
         self.layer_ids = tuple(layer_ids)
-        if not self.layer_ids or list(self.layer_ids) != sorted(set(self.layer_ids)) \
-                or not 0 <= self.layer_ids[0] <= self.layer_ids[-1] < num_model_layers:
-            raise ValueError(f"layer_ids must be ascending, distinct ids in [0, {num_model_layers}), "
-                             f"got {self.layer_ids}")
+        if (
+            not self.layer_ids
+            or list(self.layer_ids) != sorted(set(self.layer_ids))
+            or not 0 <= self.layer_ids[0] <= self.layer_ids[-1] < num_model_layers
+        ):
+            raise ValueError(
+                f"layer_ids must be ascending, distinct ids in [0, {num_model_layers}), got {self.layer_ids}"
+            )
         self._model = model
         self._is_prefix = self.layer_ids == tuple(range(len(self.layer_ids)))  # no remapping needed
         self._row_of = {layer: row for row, layer in enumerate(self.layer_ids)}
         compact = dataclasses.replace(model.config, num_hidden_layers=len(self.layer_ids))
         self._kv_cache = KVCache(compact, model.dtype, device=model.embed_tokens.device)
-        self._slot: KVSlot | None = None           # allocated at the first catch-up
-        self._token_ids: list[int] = []            # the committed context
+        self._slot: KVSlot | None = None  # allocated at the first catch-up
+        self._token_ids: list[int] = []  # the committed context
 
     @property
     def num_tokens(self) -> int:
@@ -119,12 +124,12 @@ class SelfDraftDecoder:
         max_tokens = min(max_tokens, self._model.max_positions - context_len + 1)
         if max_tokens <= 0 or context_len == 0:
             return ()
-        logits = self._catch_up()                                   # [V]
+        logits = self._catch_up()  # [V]
         draft_ids = [int(torch.argmax(logits))]
         for _ in range(max_tokens - 1):
             logits = self._run(draft_ids[-1:], context_len + len(draft_ids) - 1)
             draft_ids.append(int(torch.argmax(logits)))
-        self._slot.num_cached = context_len                         # roll back the drafts' rows
+        self._slot.num_cached = context_len  # roll back the drafts' rows
         return (Candidate(self.name, tuple(draft_ids)),)
 
     def release(self) -> None:
@@ -152,20 +157,23 @@ class SelfDraftDecoder:
         """Forward `input_ids` at positions start.. over the chosen layers; logits [V] of the last one."""
         num_new = len(input_ids)
         self._kv_cache.reserve(self._slot, start + num_new)
-        k, v = self._slot.k, self._slot.v                           # [len(layer_ids), Hkv, capacity, D]
+        k, v = self._slot.k, self._slot.v  # [len(layer_ids), Hkv, capacity, D]
         if not self._is_prefix:
             k, v = _CompactLayers(k, self._row_of), _CompactLayers(v, self._row_of)
-        mask = tree_geometry.verify_mask(start, num_new, ())        # causal over the new rows
+        mask = tree_geometry.verify_mask(start, num_new, ())  # causal over the new rows
         span = SequenceSpan(0, num_new, start, k, v, mask)
         device = self._model.embed_tokens.device
-        logits = self._model.forward(torch.tensor(input_ids, dtype=torch.int64, device=device),
-                                     torch.arange(start, start + num_new, device=device), [span],
-                                     logits_rows=torch.tensor([num_new - 1], device=device),
-                                     **self._layer_args())
+        logits = self._model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.arange(start, start + num_new, device=device),
+            [span],
+            logits_rows=torch.tensor([num_new - 1], device=device),
+            **self._layer_args(),
+        )
         # Count the new rows as cached, drafts included, so that a slot growing mid-chain copies them
         # too; propose() rolls the drafts back afterwards.
         self._slot.num_cached = start + num_new
-        return logits[0]                                            # [V]
+        return logits[0]  # [V]
 
     def _layer_args(self) -> dict[str, Any]:
         return {"layer_ids": self.layer_ids}
@@ -191,8 +199,9 @@ class LayerSkipDecoder(SelfDraftDecoder):
     def __init__(self, model: Transformer, skipped_layers: Sequence[int]) -> None:
         skipped = set(skipped_layers)
         if not skipped <= set(range(len(model.layers))):
-            raise ValueError(f"skipped_layers {sorted(skipped)} are not all layers of a "
-                             f"{len(model.layers)}-layer model")
+            raise ValueError(
+                f"skipped_layers {sorted(skipped)} are not all layers of a {len(model.layers)}-layer model"
+            )
         super().__init__(model, [i for i in range(len(model.layers)) if i not in skipped])
 
 

@@ -15,14 +15,15 @@ forced text, and proposes those spellings beside the canonical one, most used fi
     #   spellings(', "clean": ') later -> [`, "` cl e a n `":` ` `, `, "` `clean` `":` ` `]: the
     #   model's pieces where 'clean":' starts at a canonical token boundary, and the canonical ones
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
-DEFAULT_MAX_TEXTS = 256          # remembered texts per request (least recently used dropped first)
-DEFAULT_MAX_SPELLINGS = 4        # remembered spellings per text
+DEFAULT_MAX_TEXTS = 256  # remembered texts per request (least recently used dropped first)
+DEFAULT_MAX_SPELLINGS = 4  # remembered spellings per text
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,13 +44,19 @@ class _Seen:
 class SpellingMemory:
     """One request's forced-text spellings. Not thread-safe (the pool holds the request's lock)."""
 
-    def __init__(self, encode: Callable[[str], Sequence[int]], decode: Callable[[Sequence[int]], str], *,
-                 max_texts: int = DEFAULT_MAX_TEXTS, max_spellings: int = DEFAULT_MAX_SPELLINGS) -> None:
+    def __init__(
+        self,
+        encode: Callable[[str], Sequence[int]],
+        decode: Callable[[Sequence[int]], str],
+        *,
+        max_texts: int = DEFAULT_MAX_TEXTS,
+        max_spellings: int = DEFAULT_MAX_SPELLINGS,
+    ) -> None:
         if max_texts < 1 or max_spellings < 1:
             raise ValueError(f"max_texts and max_spellings must be >= 1, got {max_texts}, {max_spellings}")
         self._encode, self._decode = encode, decode
         self._max_texts, self._max_spellings = max_texts, max_spellings
-        self._texts: collections.OrderedDict[str, list[_Seen]] = collections.OrderedDict()   # LRU order
+        self._texts: collections.OrderedDict[str, list[_Seen]] = collections.OrderedDict()  # LRU order
         self._num_observed = 0
 
     @property
@@ -68,9 +75,9 @@ class SpellingMemory:
                 break
             num_spelled, texts = i, texts + [text]
         spelled = tuple(int(t) for t in token_ids[:num_spelled])
-        for start in range(num_spelled):           # the whole spelling, then each suffix of it
-            suffix_text = texts[num_spelled][len(texts[start]):]
-            if suffix_text and self._decode(spelled[start:]) == suffix_text:    # whole characters only
+        for start in range(num_spelled):  # the whole spelling, then each suffix of it
+            suffix_text = texts[num_spelled][len(texts[start]) :]
+            if suffix_text and self._decode(spelled[start:]) == suffix_text:  # whole characters only
                 self._remember(suffix_text, spelled[start:])
         return spelled
 
@@ -92,17 +99,17 @@ class SpellingMemory:
         result: list[Spelling] = []
         for b in range(len(canonical)):
             head_text = self._decode(canonical[:b])
-            if not forced_text.startswith(head_text):    # a boundary inside a character
+            if not forced_text.startswith(head_text):  # a boundary inside a character
                 continue
-            tail = forced_text[len(head_text):]
+            tail = forced_text[len(head_text) :]
             for text in sorted((t for t in self._texts if tail.startswith(t)), key=len, reverse=True):
                 self._texts.move_to_end(text)
-                rest = tuple(self._encode(tail[len(text):])) if len(text) < len(tail) else ()
+                rest = tuple(self._encode(tail[len(text) :])) if len(text) < len(tail) else ()
                 for seen in sorted(self._texts[text], key=lambda s: (-s.count, -s.last_seen)):
                     _add(result, Spelling(canonical[:b] + seen.token_ids + rest, bool(rest)))
         head = result[:max_spellings]
         if not head or (max_spellings > 1 and all(s.token_ids != canonical for s in head)):
-            head = head[:max_spellings - 1] + [Spelling(canonical, True)]
+            head = head[: max_spellings - 1] + [Spelling(canonical, True)]
         return head
 
     def _remember(self, text: str, token_ids: tuple[int, ...]) -> None:
@@ -114,7 +121,7 @@ class SpellingMemory:
                 s.last_seen = self._num_observed
                 return
         seen.append(_Seen(token_ids, 1, self._num_observed))
-        if len(seen) > self._max_spellings:        # forget the least used, oldest first
+        if len(seen) > self._max_spellings:  # forget the least used, oldest first
             seen.remove(min(seen, key=lambda s: (s.count, s.last_seen)))
         while len(self._texts) > self._max_texts:
             self._texts.popitem(last=False)

@@ -24,6 +24,7 @@ O(m log m) vectorised for a document of m tokens; eviction O(1); query O(sum(ngr
 K * (max_match_len + max_tokens)) vectorised, K = max_occurrences, independent of index size.
 Thread-safe: one lock around insert and query (a query takes tens of microseconds).
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,12 +55,12 @@ class SuffixIndexConfig:
     def __post_init__(self) -> None:
         if self.max_total_tokens < 2:
             raise ValueError(f"max_total_tokens must be >= 2, got {self.max_total_tokens}")
-        if not self.ngram_sizes or list(self.ngram_sizes) != sorted(set(self.ngram_sizes)) \
-                or self.ngram_sizes[0] < 1:
+        if not self.ngram_sizes or list(self.ngram_sizes) != sorted(set(self.ngram_sizes)) or self.ngram_sizes[0] < 1:
             raise ValueError(f"ngram_sizes must be positive, ascending and distinct, got {self.ngram_sizes}")
         if self.max_match_len < self.ngram_sizes[-1]:
-            raise ValueError(f"max_match_len ({self.max_match_len}) must be >= the largest ngram size "
-                             f"({self.ngram_sizes[-1]})")
+            raise ValueError(
+                f"max_match_len ({self.max_match_len}) must be >= the largest ngram size ({self.ngram_sizes[-1]})"
+            )
         if self.max_occurrences < 1:
             raise ValueError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
 
@@ -119,7 +120,7 @@ class SuffixIndex:
 
     def insert(self, doc_tokens: Sequence[int]) -> None:
         """Add one document. One longer than the ring keeps its first max_total_tokens - 1 tokens."""
-        tokens = np.asarray(doc_tokens, dtype=np.int64).reshape(-1)[:self._config.max_total_tokens - 1]
+        tokens = np.asarray(doc_tokens, dtype=np.int64).reshape(-1)[: self._config.max_total_tokens - 1]
         if tokens.size == 0:
             return
         if tokens.min() < 0 or tokens.max() > _MAX_TOKEN_ID:
@@ -140,7 +141,7 @@ class SuffixIndex:
 
     def _link(self, level: int, n: int, tokens: np.ndarray, start: int) -> None:
         """Push every n-gram of the document that has a next token onto its bucket's chain."""
-        windows = np.lib.stride_tricks.sliding_window_view(tokens, n)[:tokens.size - n]  # [m - n, n]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens, n)[: tokens.size - n]  # [m - n, n]
         buckets = _buckets(windows, self._bucket_bits)  # [m - n]
         starts = start + n + np.arange(tokens.size - n, dtype=np.int64)  # [m - n] continuation starts
         # Chain order inside the document: sort by (bucket, position); each entry links to the previous
@@ -157,8 +158,9 @@ class SuffixIndex:
         is_last = np.append(is_first[1:], True)
         self._heads[level, sorted_buckets[is_last]] = sorted_starts[is_last]
 
-    def query(self, context_ids: Sequence[int], max_tokens: int,
-              max_candidates: int = 1) -> tuple[tuple[int, ...], ...]:
+    def query(
+        self, context_ids: Sequence[int], max_tokens: int, max_candidates: int = 1
+    ) -> tuple[tuple[int, ...], ...]:
         """Continuations of the context's suffix, best first; () when nothing matches."""
         validate_propose_args(max_tokens, max_candidates)
         match_len = self._config.max_match_len
@@ -166,7 +168,7 @@ class SuffixIndex:
         if max_tokens == 0 or suffix.size == 0:
             return ()
         reversed_suffix = np.full(match_len, _NO_TOKEN, dtype=np.int64)  # [M], last context token first
-        reversed_suffix[:suffix.size] = suffix[::-1]
+        reversed_suffix[: suffix.size] = suffix[::-1]
         with self._lock:
             starts = self._longest_matches(suffix, reversed_suffix)
             if starts.size == 0:
@@ -216,10 +218,10 @@ def most_frequent_paths(continuations: np.ndarray, max_candidates: int) -> tuple
         while depth < num_tokens:
             # Where all rows agree, the vote is unanimous: take that stretch in one step.
             is_agreed = (rows[:, depth:] == rows[0, depth:]).all(axis=0)  # [T - depth]
-            stretch = rows[0, depth:depth + (is_agreed.size if is_agreed.all() else int(is_agreed.argmin()))]
+            stretch = rows[0, depth : depth + (is_agreed.size if is_agreed.all() else int(is_agreed.argmin()))]
             is_end = stretch == SEPARATOR
             if is_end.any():
-                path.extend(stretch[:int(is_end.argmax())].tolist())
+                path.extend(stretch[: int(is_end.argmax())].tolist())
                 break
             path.extend(stretch.tolist())
             depth += stretch.size
@@ -250,8 +252,9 @@ class ContinuationIndex(Protocol):
     @property
     def max_match_len(self) -> int: ...
 
-    def query(self, context_ids: Sequence[int], max_tokens: int,
-              max_candidates: int = 1) -> tuple[tuple[int, ...], ...]: ...
+    def query(
+        self, context_ids: Sequence[int], max_tokens: int, max_candidates: int = 1
+    ) -> tuple[tuple[int, ...], ...]: ...
 
 
 class SuffixDecoder:
@@ -267,8 +270,8 @@ class SuffixDecoder:
     def extend(self, token_ids: Sequence[int]) -> None:
         append_tokens(self._tail, token_ids)
         if len(self._tail) > 2 * self._max_match_len:  # trim in batches: amortised O(1) per token
-            del self._tail[:len(self._tail) - self._max_match_len]
+            del self._tail[: len(self._tail) - self._max_match_len]
 
     def propose(self, max_tokens: int, max_candidates: int = 1) -> tuple[Candidate, ...]:
-        continuations = self._index.query(self._tail[-self._max_match_len:], max_tokens, max_candidates)
+        continuations = self._index.query(self._tail[-self._max_match_len :], max_tokens, max_candidates)
         return tuple(Candidate(self.name, tokens, rank=rank) for rank, tokens in enumerate(continuations))

@@ -26,6 +26,7 @@ runs as one masked call.
 
 The engine is not thread-safe: the primary service serialises (and batches) calls.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,39 +41,41 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from specdec.model.llama import SequenceSpan, Transformer
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
-PREFILL_CHUNK_TOKENS = 512   # bounds the [chunk, context] attention mask of long prompts
+PREFILL_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of long prompts
 MAX_TREE_NODES = 256
 
 
 @dataclasses.dataclass(slots=True)
 class _Request:
     token_ids: list[int]
-    kv: KVSlot | None                      # None: evicted (preempted); re-prefills from token_ids
-    num_prompt_tokens: int = 0             # > 0: tokens after the prompt re-prefill row by row (`prefill`)
-    tree_chain: int = 0                    # chain rows written by the last verify, after num_cached
-    tree_parents: tuple[int, ...] = ()     # the tree of the last verify, whose rows follow the chain
+    kv: KVSlot | None  # None: evicted (preempted); re-prefills from token_ids
+    num_prompt_tokens: int = 0  # > 0: tokens after the prompt re-prefill row by row (`prefill`)
+    tree_chain: int = 0  # chain rows written by the last verify, after num_cached
+    tree_parents: tuple[int, ...] = ()  # the tree of the last verify, whose rows follow the chain
     tree_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VerifyWork:
     request_id: str
-    token_ids: Sequence[int]     # draft tree tokens [N]
-    parents: Sequence[int]       # [N], -1 = child of the root
+    token_ids: Sequence[int]  # draft tree tokens [N]
+    parents: Sequence[int]  # [N], -1 = child of the root
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefillChunk:
     request_id: str
-    num_tokens: int              # at most this many; `step` runs up to the next row-by-row boundary
+    num_tokens: int  # at most this many; `step` runs up to the next row-by-row boundary
 
 
 class Engine:
     def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int) -> None:
         window = model.config.sliding_window
         if window is not None and max_context > window:
-            raise ValueError(f"this model uses sliding-window attention ({window} tokens), which the engine does "
-                             f"not implement: serve it with max_context <= {window}")
+            raise ValueError(
+                f"this model uses sliding-window attention ({window} tokens), which the engine does "
+                f"not implement: serve it with max_context <= {window}"
+            )
         if max_context > model.max_positions:
             raise ValueError(f"max_context {max_context} exceeds the model's {model.max_positions} positions")
         self.model, self.kv_cache, self.max_context = model, kv_cache, max_context
@@ -161,8 +164,10 @@ class Engine:
         if not token_ids:
             raise InvalidArgument("token_ids", "a request needs at least one token")
         if len(token_ids) >= self.max_context:
-            raise InvalidArgument("token_ids", f"{len(token_ids)} tokens do not fit the context of "
-                                  f"{self.max_context} with room to generate")
+            raise InvalidArgument(
+                "token_ids",
+                f"{len(token_ids)} tokens do not fit the context of {self.max_context} with room to generate",
+            )
         self._check_token_ids("token_ids", token_ids)
 
     def release(self, request_id: str) -> int:
@@ -193,8 +198,7 @@ class Engine:
         except KVBudgetExceeded as e:
             raise ResourceExhausted("kv_cache", str(e)) from None
 
-    def prefill(self, request_id: str, num_prompt_tokens: int = 0,
-                chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+    def prefill(self, request_id: str, num_prompt_tokens: int = 0, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
         """Run every committed token but the pending one into the cache; returns num_cached.
 
         The prompt runs in chunks of `chunk_tokens`. With row-by-row verify (`is_row_by_row`), tokens
@@ -212,7 +216,7 @@ class Engine:
 
     def _chunk_end(self, req: _Request, max_tokens: int) -> tuple[int, int, bool]:
         """(start, end, row by row) of the request's next prefill chunk of at most max_tokens."""
-        last = len(req.token_ids) - 1                      # the pending token stays out
+        last = len(req.token_ids) - 1  # the pending token stays out
         n = req.num_prompt_tokens
         batched_end = min(last, n - 1) if self.is_row_by_row and n else last
         start = req.kv.num_cached
@@ -255,7 +259,7 @@ class Engine:
                 raise FailedPrecondition("request_id", f"request {c.request_id!r} holds no KV slot")
         for w in works:
             req = self._requests[w.request_id]
-            chain = req.token_ids[req.kv.num_cached:]
+            chain = req.token_ids[req.kv.num_cached :]
             n, c = len(w.token_ids), len(chain)
             self._reserve(req, req.kv.num_cached + c + n)
             input_ids.extend(chain)
@@ -263,7 +267,7 @@ class Engine:
             positions.append(tree_geometry.verify_positions(req.kv.num_cached, c, w.parents))
             mask = tree_geometry.verify_mask(req.kv.num_cached, c, w.parents)
             # the chain before the root attends together, as a prefill would; the root and the tree row by row
-            paths = tree_geometry.row_paths(c, w.parents)[c - 1:] if self.is_row_by_row and c + n > 1 else None
+            paths = tree_geometry.row_paths(c, w.parents)[c - 1 :] if self.is_row_by_row and c + n > 1 else None
             spans.append(SequenceSpan(num_rows, c + n, req.kv.num_cached, req.kv.k, req.kv.v, mask, paths))
             logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
             num_rows += c + n
@@ -285,8 +289,9 @@ class Engine:
         if not spans:
             return []
         rows = torch.cat(logits_rows) if logits_rows else torch.empty(0, dtype=torch.int64)
-        logits = self.model.forward(torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions),
-                                    spans, rows).cpu()                          # [sum(N+1), V] fp32
+        logits = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), spans, rows
+        ).cpu()  # [sum(N+1), V] fp32
         for req, end in prefilled:
             req.kv.num_cached = end
             req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
@@ -295,7 +300,7 @@ class Engine:
             # The rows stay uncommitted until `commit`, so a repeated verify (a retry) is harmless.
             req.tree_chain = c
             req.tree_parents, req.tree_token_ids = tuple(w.parents), tuple(w.token_ids)
-            out.append(logits[row:row + len(w.token_ids) + 1])
+            out.append(logits[row : row + len(w.token_ids) + 1])
             row += len(w.token_ids) + 1
         return out
 
@@ -304,11 +309,15 @@ class Engine:
         (`is_evicted_ok`: but for an evicted request, which can verify once re-prefilled)."""
         req = self._get(w.request_id)
         if req.kv is None and not is_evicted_ok:
-            raise FailedPrecondition("request_id", f"request {w.request_id!r} was preempted: it re-prefills "
-                                     "before its next verify")
+            raise FailedPrecondition(
+                "request_id", f"request {w.request_id!r} was preempted: it re-prefills before its next verify"
+            )
         if req.kv is not None and req.kv.num_cached >= len(req.token_ids):
-            raise FailedPrecondition("request_id", f"request {w.request_id!r} has no pending token: "
-                                     "commit the last step's bonus token before verifying again")
+            raise FailedPrecondition(
+                "request_id",
+                f"request {w.request_id!r} has no pending token: "
+                "commit the last step's bonus token before verifying again",
+            )
         n = len(w.token_ids)
         if n > MAX_TREE_NODES:
             raise InvalidArgument("tree.token_ids", f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
@@ -318,8 +327,9 @@ class Engine:
             raise InvalidArgument(f"tree.{e.field}", str(e)) from None
         max_depth = max(tree_geometry.node_depths(w.parents), default=0)
         if len(req.token_ids) + max_depth > self.max_context:
-            raise InvalidArgument("tree", f"context {len(req.token_ids)} + tree depth {max_depth} exceeds "
-                                  f"max_context {self.max_context}")
+            raise InvalidArgument(
+                "tree", f"context {len(req.token_ids)} + tree depth {max_depth} exceeds max_context {self.max_context}"
+            )
 
     def commit(self, request_id: str, accepted_nodes: Sequence[int], new_token_ids: Sequence[int]) -> None:
         """Keep the KV rows of `accepted_nodes` (a root-to-node path of the last verified tree) and
@@ -328,15 +338,16 @@ class Engine:
         accepted_nodes = list(accepted_nodes)
         if accepted_nodes:
             if not tree_geometry.is_path(req.tree_parents, accepted_nodes):
-                raise InvalidArgument("accepted_nodes", f"{accepted_nodes} is not a root-to-node path of "
-                                      "the last verified tree")
+                raise InvalidArgument(
+                    "accepted_nodes", f"{accepted_nodes} is not a root-to-node path of the last verified tree"
+                )
             accepted_tokens = [req.tree_token_ids[i] for i in accepted_nodes]
-            if list(new_token_ids[:len(accepted_nodes)]) != accepted_tokens:
+            if list(new_token_ids[: len(accepted_nodes)]) != accepted_tokens:
                 raise InvalidArgument("committed_token_ids", "must start with the accepted nodes' tokens")
         if len(req.token_ids) + len(new_token_ids) > self.max_context:
             raise InvalidArgument("committed_token_ids", f"the request would exceed max_context {self.max_context}")
         self._check_token_ids("committed_token_ids", new_token_ids)
-        if req.kv is not None:                              # an evicted request re-prefills these tokens
+        if req.kv is not None:  # an evicted request re-prefills these tokens
             self.kv_cache.commit(req.kv, req.tree_chain, accepted_nodes)
         req.token_ids.extend(new_token_ids)
         req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
@@ -345,7 +356,7 @@ class Engine:
 
     def decode(self, request_id: str, sampling: SamplingParams, step: int) -> int:
         """One plain step: the next token after the committed context, committed at once."""
-        logits = self.verify(request_id, (), ())                               # [1, V]
+        logits = self.verify(request_id, (), ())  # [1, V]
         if sampling.is_greedy:
             token = int(torch.argmax(logits[0]))
         else:
@@ -353,8 +364,13 @@ class Engine:
         self.commit(request_id, (), (token,))
         return token
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-                 stop_token_ids: Iterable[int] = ()) -> list[int]:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop_token_ids: Iterable[int] = (),
+    ) -> list[int]:
         """Plain autoregressive generation of up to `max_new_tokens` tokens (stops after a stop token)."""
         request_id = f"generate-{time.monotonic_ns()}"
         stop = set(stop_token_ids)

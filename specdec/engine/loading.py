@@ -1,4 +1,5 @@
 """Build a runnable model from a model directory or from a peer's shared-weight manifest."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,12 +21,18 @@ class LoadedModel:
     model: Transformer
     precision: str
     weight_bytes: int
-    shared: SharedWeights | None     # set when the weights live in an exportable segment
+    shared: SharedWeights | None  # set when the weights live in an exportable segment
 
 
-def load_model(model_dir, precision: str = "fp32", max_positions: int | None = None,
-               device: str = "cpu", is_shared: bool = True, instance_id: str | None = None,
-               min_gemm_rows: int = 1) -> LoadedModel:
+def load_model(
+    model_dir,
+    precision: str = "fp32",
+    max_positions: int | None = None,
+    device: str = "cpu",
+    is_shared: bool = True,
+    instance_id: str | None = None,
+    min_gemm_rows: int = 1,
+) -> LoadedModel:
     """Load HF-format weights, convert them to `precision`, optionally move them into shared memory.
 
     int4 serves a GGUF's own Q4 blocks where the directory holds them (`gguf_blocks.py`).

@@ -17,6 +17,7 @@ of them is the ROOT of the tree; normally num_chain == 1) followed by N draft no
     c       1   1   .   1   .
     d       1   .   .   .   1
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -34,8 +35,9 @@ class TreeError(ValueError):
         self.field = field
 
 
-def check_tree(token_ids: Sequence[int], parents: Sequence[int], vocab_size: int | None = None, *,
-               is_siblings_unique: bool = False) -> None:
+def check_tree(
+    token_ids: Sequence[int], parents: Sequence[int], vocab_size: int | None = None, *, is_siblings_unique: bool = False
+) -> None:
     """The token tree's invariants, checked in one place for every service: one parent per token;
     parents[i] is ROOT or an earlier node (parents precede children, so every node reaches the one
     root); tokens in [0, vocab_size) when given; with is_siblings_unique, no two children of a node
@@ -79,11 +81,11 @@ def verify_mask(num_cached: int, num_chain: int, parents: Sequence[int]) -> torc
     if rows == 1:
         return None  # a single new token attends to everything before it
     mask = torch.ones(rows, num_cached + rows, dtype=torch.bool)
-    new = mask[:, num_cached:]                                      # [rows, rows] over the new tokens
+    new = mask[:, num_cached:]  # [rows, rows] over the new tokens
     new[:num_chain, :num_chain] = torch.ones(num_chain, num_chain, dtype=torch.bool).tril()
-    new[:num_chain, num_chain:] = False                             # the chain never sees drafts
+    new[:num_chain, num_chain:] = False  # the chain never sees drafts
     if n:
-        new[num_chain:, num_chain:] = ancestor_matrix(parents)      # drafts see the chain + ancestors
+        new[num_chain:, num_chain:] = ancestor_matrix(parents)  # drafts see the chain + ancestors
     return mask
 
 

@@ -16,6 +16,7 @@ w = token 32*w + k, the TokenMask wire layout), each use touches only what it ne
 Every result equals the same operation on `apply_token_mask(logits, self.to_bool())`, the
 reference (tests check it); ties resolve to the lowest token id as torch.argmax does.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 
 from specdec.grammar.mask import BITS_PER_WORD, MASKED_LOGIT, bitmask_to_bool
 
-_BIT_OFFSETS = np.arange(8, dtype=np.int64)         # bit k of a byte = token 8*byte + k
+_BIT_OFFSETS = np.arange(8, dtype=np.int64)  # bit k of a byte = token 8*byte + k
 
 
 class TokenBitmask:
@@ -35,7 +36,7 @@ class TokenBitmask:
     def __init__(self, words: np.ndarray, vocab_size: int) -> None:
         assert words.dtype == np.dtype("<i4") and words.ndim == 2, "words must be little-endian int32 [R, W]"
         assert words.shape[1] * BITS_PER_WORD >= vocab_size, "words are narrower than the vocabulary"
-        self.words = words                 # [R, W]; may be a read-only view of wire bytes
+        self.words = words  # [R, W]; may be a read-only view of wire bytes
         self.vocab_size = vocab_size
         self._wire_bytes: bytes | None = None
 
@@ -50,9 +51,9 @@ class TokenBitmask:
         assert allowed.dtype == torch.bool and allowed.dim() == 2, "allowed must be bool [R, V]"
         num_rows, vocab_size = allowed.shape
         num_words = (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
-        padded = np.zeros((num_rows, num_words * BITS_PER_WORD), dtype=np.bool_)   # [R, W*32]
+        padded = np.zeros((num_rows, num_words * BITS_PER_WORD), dtype=np.bool_)  # [R, W*32]
         padded[:, :vocab_size] = allowed.numpy()
-        packed = np.packbits(padded, axis=1, bitorder="little")                     # [R, W*4] uint8
+        packed = np.packbits(padded, axis=1, bitorder="little")  # [R, W*4] uint8
         return cls(packed.view("<i4"), vocab_size)
 
     @property
@@ -73,8 +74,8 @@ class TokenBitmask:
     def is_allowed(self, rows: np.ndarray | list[int], token_ids: np.ndarray | list[int]) -> np.ndarray:
         """bool [K]: whether token_ids[k] is allowed at rows[k] (ids in [0, V))."""
         rows, token_ids = np.asarray(rows, dtype=np.int64), np.asarray(token_ids, dtype=np.int64)
-        words = self.words[rows, token_ids >> 5]                                     # [K]
-        return ((words >> (token_ids & 31)) & 1).astype(np.bool_)   # arithmetic shift: bit k lands at 0
+        words = self.words[rows, token_ids >> 5]  # [K]
+        return ((words >> (token_ids & 31)) & 1).astype(np.bool_)  # arithmetic shift: bit k lands at 0
 
     def allowed_ids(self, row: int) -> torch.Tensor:
         """int64 [num allowed], ascending: the allowed tokens of one row, from its non-zero bytes only."""
@@ -87,10 +88,11 @@ class TokenBitmask:
         argmax: no allowed token is larger, and an allowed token equal to it at a lower id would have
         been the raw argmax. Otherwise the row's allowed tokens are gathered, in ascending order, so
         their first maximum is again the lowest id."""
-        assert logits.dim() == 2 and logits.shape == (self.num_rows, self.vocab_size), \
+        assert logits.dim() == 2 and logits.shape == (self.num_rows, self.vocab_size), (
             f"logits {tuple(logits.shape)} do not fit the mask [{self.num_rows}, {self.vocab_size}]"
-        argmax = torch.argmax(logits, dim=-1)                                              # [R]
-        is_allowed = self.is_allowed(np.arange(self.num_rows), argmax.numpy())             # [R]
+        )
+        argmax = torch.argmax(logits, dim=-1)  # [R]
+        is_allowed = self.is_allowed(np.arange(self.num_rows), argmax.numpy())  # [R]
         for row in np.flatnonzero(~is_allowed).tolist():
             ids = self.allowed_ids(row)
             argmax[row] = ids[torch.argmax(logits[row, ids])]
@@ -100,18 +102,18 @@ class TokenBitmask:
         """[len(rows), V]: logits[rows] with MASKED_LOGIT at the tokens each row forbids (a new tensor).
         For the few rows a result needs whole (those a walk visits or reports, not every tree row):
         each is unpacked once here, ~6 KB of bits into V bytes."""
-        assert logits.dim() == 2 and logits.shape[1] == self.vocab_size, \
+        assert logits.dim() == 2 and logits.shape[1] == self.vocab_size, (
             f"logits {tuple(logits.shape)} do not fit the mask's vocabulary {self.vocab_size}"
-        packed = self.words[rows].view(np.uint8)                                          # [K, W*4]
-        bits = np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little")    # [K, V] 0/1
+        )
+        packed = self.words[rows].view(np.uint8)  # [K, W*4]
+        bits = np.unpackbits(packed, axis=1, count=self.vocab_size, bitorder="little")  # [K, V] 0/1
         return torch.where(torch.from_numpy(bits).view(torch.bool), logits[rows], MASKED_LOGIT)
 
 
 def _set_bits(packed: np.ndarray) -> torch.Tensor:
     """Positions of the set bits of little-endian bytes, ascending (the bytes' own order, then bit
     order within a byte). E.g. bytes [0b101, 0, 0b10] -> [0, 2, 17]."""
-    nonzero = np.flatnonzero(packed)                                                  # [B]
-    bits = np.unpackbits(packed[nonzero][:, None], axis=1, bitorder="little")         # [B, 8]
-    positions = nonzero[:, None] * 8 + _BIT_OFFSETS                                   # [B, 8]
+    nonzero = np.flatnonzero(packed)  # [B]
+    bits = np.unpackbits(packed[nonzero][:, None], axis=1, bitorder="little")  # [B, 8]
+    positions = nonzero[:, None] * 8 + _BIT_OFFSETS  # [B, 8]
     return torch.from_numpy(positions[bits.astype(np.bool_)])
-

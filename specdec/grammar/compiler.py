@@ -20,6 +20,7 @@ Output layout is fixed, not free: no whitespace except the separators ", " and "
 the model writes by itself). Free whitespace leaves every separator open and kills forced runs
 (docs/architecture.md: compact JSON forces 8-21 % of positions, free whitespace 5-6 %).
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,8 +36,8 @@ from specdec.errors import InvalidArgument
 from specdec.grammar.state import GrammarState
 from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 
-JSON_OBJECT = "json_object"    # any JSON object
-JSON_SCHEMA = "json_schema"    # JSON that validates against the request's schema
+JSON_OBJECT = "json_object"  # any JSON object
+JSON_SCHEMA = "json_schema"  # JSON that validates against the request's schema
 KINDS = (JSON_OBJECT, JSON_SCHEMA)
 TYPE_FIELD = "response_format.type"
 SCHEMA_FIELD = "response_format.json_schema"
@@ -78,8 +79,13 @@ class CompiledGrammar:
         return GrammarState(xgr.GrammarMatcher(self.xgr_grammar), self.tokenizer_info)
 
 
-def compile_response_format(kind: str, schema_text: str | None, tokenizer_info: GrammarTokenizerInfo, *,
-                            max_schema_chars: int = DEFAULT_MAX_SCHEMA_CHARS) -> CompiledGrammar:
+def compile_response_format(
+    kind: str,
+    schema_text: str | None,
+    tokenizer_info: GrammarTokenizerInfo,
+    *,
+    max_schema_chars: int = DEFAULT_MAX_SCHEMA_CHARS,
+) -> CompiledGrammar:
     """Compile one response format (uncached; `GrammarCache` is the cached way in).
 
     Raises InvalidArgument naming response_format.json_schema when the schema is not JSON, not a
@@ -103,8 +109,9 @@ def compile_response_format(kind: str, schema_text: str | None, tokenizer_info: 
 def check_schema_text(schema_text: str, max_schema_chars: int = DEFAULT_MAX_SCHEMA_CHARS) -> None:
     """Raise InvalidArgument unless `schema_text` is a JSON Schema object of bounded size."""
     if len(schema_text) > max_schema_chars:
-        raise InvalidArgument(SCHEMA_FIELD, f"has {len(schema_text)} characters, more than the limit of "
-                              f"{max_schema_chars}")
+        raise InvalidArgument(
+            SCHEMA_FIELD, f"has {len(schema_text)} characters, more than the limit of {max_schema_chars}"
+        )
     try:
         schema = json.loads(schema_text)
     except (ValueError, RecursionError) as e:
@@ -161,8 +168,12 @@ class GrammarCache:
                 self.num_hits += 1
                 return grammar
             self.num_misses += 1
-        grammar = compile_response_format(response_format.kind, response_format.schema_text, self.tokenizer_info,
-                                          max_schema_chars=self.config.max_schema_chars)
+        grammar = compile_response_format(
+            response_format.kind,
+            response_format.schema_text,
+            self.tokenizer_info,
+            max_schema_chars=self.config.max_schema_chars,
+        )
         with self._lock:
             self._grammars[response_format] = grammar
             self._grammars.move_to_end(response_format)

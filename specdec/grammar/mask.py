@@ -6,6 +6,7 @@ speculative decoding must see the same masked row for the same context, and so p
 path: they apply `specdec.grammar.bitmask.TokenBitmask`, the packed form, whose every operation
 equals this one on `bitmask_to_bool` of its words (tests check it).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,9 +26,10 @@ def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
     E.g. logits [[1., 5., 3.]], allowed [[True, False, True]] -> [[1., -inf, 3.]] (argmax 2, not 1).
     """
     assert allowed.dtype == torch.bool, f"allowed must be bool, got {allowed.dtype}"
-    assert allowed.shape == logits.shape or allowed.shape == logits.shape[-1:], \
+    assert allowed.shape == logits.shape or allowed.shape == logits.shape[-1:], (
         f"mask {tuple(allowed.shape)} does not fit logits {tuple(logits.shape)}"
-    return torch.where(allowed, logits, MASKED_LOGIT)    # no ~allowed copy, unlike masked_fill
+    )
+    return torch.where(allowed, logits, MASKED_LOGIT)  # no ~allowed copy, unlike masked_fill
 
 
 def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -36,6 +38,6 @@ def bitmask_to_bool(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     assert bitmask.dtype == torch.int32 and bitmask.dim() == 2, "bitmask must be int32 [R, W]"
     assert bitmask.shape[1] * BITS_PER_WORD >= vocab_size, "bitmask is narrower than the vocabulary"
     # numpy's unpackbits is ~20x faster than shifts in torch; "<i4" fixes the byte order of the words
-    little_endian_words = bitmask.numpy().astype("<i4", copy=False)                  # [R, W]
+    little_endian_words = bitmask.numpy().astype("<i4", copy=False)  # [R, W]
     bits = np.unpackbits(little_endian_words.view(np.uint8), axis=1, bitorder="little")  # [R, W*32]
-    return torch.from_numpy(bits[:, :vocab_size].astype(np.bool_))                      # [R, V]
+    return torch.from_numpy(bits[:, :vocab_size].astype(np.bool_))  # [R, V]

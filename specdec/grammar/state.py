@@ -12,6 +12,7 @@ the way up, so a tree of N nodes costs N accepts, N rollbacks and at most N + 1 
 one replay of every root-to-node path. E.g. parents [-1, 0, -1] (a -> b, c): accept a, fill row
 1, accept b, fill row 2, roll back b, roll back a, accept c, fill row 3, roll back c.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,22 +30,20 @@ if TYPE_CHECKING:
     from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 
 
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class TreeMasks:
     """Masks for one token tree. A node whose path the grammar rejects is invalid: the mask of its
     parent's row already excludes its token, so no acceptance rule can accept it, and its own row
     (never reached) allows every token rather than none, so every row keeps a finite softmax."""
 
-    allowed: TokenBitmask          # [N+1] rows, packed as the engine fills them (never unpacked here)
-    is_valid_node: torch.Tensor    # bool [N]
+    allowed: TokenBitmask  # [N+1] rows, packed as the engine fills them (never unpacked here)
+    is_valid_node: torch.Tensor  # bool [N]
 
 
 class GrammarState:
     """One request's position in its grammar. Not thread-safe (one request, one caller)."""
 
-    def __init__(self, matcher: xgr.GrammarMatcher, tokenizer_info: GrammarTokenizerInfo,
-                 num_tokens: int = 0) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, tokenizer_info: GrammarTokenizerInfo, num_tokens: int = 0) -> None:
         """Made by `CompiledGrammar.new_state()` (a fresh matcher) or `fork()`."""
         self._info = tokenizer_info
         self._matcher = matcher
@@ -53,8 +52,8 @@ class GrammarState:
         # Packed once per state, copied into the rows after a stop token.
         stop_bytes = np.zeros(xgr.get_bitmask_shape(1, tokenizer_info.vocab_size)[1] * 4, dtype=np.uint8)
         for token_id in tokenizer_info.stop_token_ids:
-            stop_bytes[token_id // 8] |= 1 << (token_id % 8)          # little-endian words: byte k // 8
-        self._stop_words = torch.from_numpy(stop_bytes.view("<i4").astype(np.int32))   # [W]
+            stop_bytes[token_id // 8] |= 1 << (token_id % 8)  # little-endian words: byte k // 8
+        self._stop_words = torch.from_numpy(stop_bytes.view("<i4").astype(np.int32))  # [W]
 
     @property
     def vocab_size(self) -> int:
@@ -107,7 +106,7 @@ class GrammarState:
 
     def allowed_mask(self) -> TokenBitmask:
         """One row: the tokens the grammar allows next (only the stop tokens once terminated)."""
-        bitmask = xgr.allocate_token_bitmask(1, self._info.vocab_size)      # [1, W] int32
+        bitmask = xgr.allocate_token_bitmask(1, self._info.vocab_size)  # [1, W] int32
         self._fill_row(bitmask, 0)
         return TokenBitmask.from_engine(bitmask, self._info.vocab_size)
 
@@ -116,7 +115,7 @@ class GrammarState:
         The state is the same before and after the call."""
         num_nodes = len(token_ids)
         check_tree(token_ids, parents)
-        children: list[list[int]] = [[] for _ in range(num_nodes + 1)]   # children[p + 1]: of parent p (ROOT: 0)
+        children: list[list[int]] = [[] for _ in range(num_nodes + 1)]  # children[p + 1]: of parent p (ROOT: 0)
         for node, parent in enumerate(parents):
             children[parent + 1].append(node)
         bitmask = xgr.allocate_token_bitmask(num_nodes + 1, self._info.vocab_size)  # [N+1, W], all allowed
@@ -132,18 +131,19 @@ class GrammarState:
                     self.rollback(1)
                     continue
                 if not self._accept(int(token_ids[node])):
-                    continue      # invalid: its subtree is never entered, their rows stay all-allowed
+                    continue  # invalid: its subtree is never entered, their rows stay all-allowed
                 is_valid_node[node] = True
                 self._fill_row(bitmask, node + 1)
                 stack.append((node, True))
                 stack.extend((child, False) for child in reversed(children[node + 1]))
         finally:  # an error mid-walk (a bad token id type) must not leave draft tokens accepted
             self.rollback(self.num_tokens - num_committed)
-        return TreeMasks(TokenBitmask.from_engine(bitmask, self._info.vocab_size),
-                         torch.tensor(is_valid_node, dtype=torch.bool))
+        return TreeMasks(
+            TokenBitmask.from_engine(bitmask, self._info.vocab_size), torch.tensor(is_valid_node, dtype=torch.bool)
+        )
 
     def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.is_terminated:    # the engine has no mask after a stop token
+        if self.is_terminated:  # the engine has no mask after a stop token
             bitmask[row] = self._stop_words
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -181,4 +181,4 @@ class GrammarState:
         if not forced_text:
             return ()
         token_ids = self._info.tokenizer.encode(forced_text)[:max_tokens]
-        return tuple(token_ids[:self.num_valid(token_ids)])
+        return tuple(token_ids[: self.num_valid(token_ids)])

@@ -21,6 +21,7 @@ bucket is used only once its three graphs exist; the forward path runs the regio
 run-only mode, so a guard miss falls back to eager instead of compiling on the serving thread,
 and the serving thread never waits for a compile.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,7 @@ Tensor = torch.Tensor
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
-PAD_TOKEN_ID = 0       # any valid token: padded rows are computed and thrown away
+PAD_TOKEN_ID = 0  # any valid token: padded rows are computed and thrown away
 PAD_POSITION = 0
 
 
@@ -56,10 +57,11 @@ class CompileSettings:
 
 def configure_inductor_cache(cache_dir: Path) -> None:
     """Keep inductor's compiled artifacts (FX graph cache) in `cache_dir`, so a restart reuses them."""
-    import torch._dynamo   # seconds to import; only a compiled step needs it
+    import torch._dynamo  # seconds to import; only a compiled step needs it
     import torch._inductor.config
+
     cache_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)   # inductor reads its cache root from here
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # inductor reads its cache root from here
     torch._inductor.config.fx_graph_cache = True
     # One graph per region and bucket, with room for a second dtype (tests load fp32 and bf16).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -68,8 +70,8 @@ def configure_inductor_cache(cache_dir: Path) -> None:
 
 # --- the regions (module-level functions: one code object, so one dynamo cache, per region) ---
 
-def _pre_attention(block: Block, rope: RotaryEmbedding, x: Tensor, positions: Tensor
-                   ) -> tuple[Tensor, Tensor, Tensor]:
+
+def _pre_attention(block: Block, rope: RotaryEmbedding, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     # x: [B, C], positions: [B] -> q [B, H, D], k, v [B, Hkv, D]
     attn, B = block.self_attn, x.shape[0]
     h = block.input_layernorm(x)
@@ -95,7 +97,7 @@ def _layers(model: Transformer, x: Tensor, positions: Tensor, spans: Sequence[Se
     # compiled graphs; one mode switch per step costs less than one per region call.
     for block in model.layers:
         q, k, v = _pre_attention(block, model.rope, x, positions)
-        x = _post_attention(block, x, block.self_attn.attend(q, k, v, spans))   # spans: rows < T only
+        x = _post_attention(block, x, block.self_attn.attend(q, k, v, spans))  # spans: rows < T only
     return x
 
 
@@ -103,7 +105,7 @@ def _pad_rows(t: Tensor, num_rows: int, value: int | float) -> Tensor:
     # Always a new tensor, even without padding: made under inference_mode like compile_bucket's dummy
     # inputs, so it passes the graphs' guards (an engine-built tensor is not an inference tensor).
     padded = t.new_full((num_rows, *t.shape[1:]), value)
-    padded[:t.shape[0]] = t
+    padded[: t.shape[0]] = t
     return padded
 
 
@@ -116,10 +118,12 @@ class CompiledStep:
 
     def __init__(self, model: Transformer, settings: CompileSettings = CompileSettings()) -> None:
         if any(block.native is not None for block in model.layers):
-            raise ValueError("the compiled step runs torch-served precisions; this model's layers already run "
-                             "as native calls (specdec.model.native), which torch.compile cannot trace")
+            raise ValueError(
+                "the compiled step runs torch-served precisions; this model's layers already run "
+                "as native calls (specdec.model.native), which torch.compile cannot trace"
+            )
         self.model, self.settings = model, settings
-        self._ready: frozenset[int] = frozenset()      # replaced whole, so readers need no lock
+        self._ready: frozenset[int] = frozenset()  # replaced whole, so readers need no lock
         self._compile_lock = threading.Lock()
         # Built by the first compile_bucket, not here: importing dynamo and inductor takes seconds
         # (~16 s on a busy 2-core machine) and belongs on the compiling thread, not at start-up.
@@ -128,8 +132,9 @@ class CompiledStep:
 
     def _build_wrappers(self) -> None:
         import torch._dynamo
+
         mode = None if self.settings.mode == "default" else self.settings.mode
-        compile_ = lambda fn: torch.compile(fn, dynamic=False, mode=mode)   # noqa: E731
+        compile_ = lambda fn: torch.compile(fn, dynamic=False, mode=mode)  # noqa: E731
         self._compiling = (compile_(_pre_attention), compile_(_post_attention), compile_(_head))
         self._run_layers, self._run_head = torch._dynamo.run(_layers), torch._dynamo.run(_head)
 
@@ -147,7 +152,7 @@ class CompiledStep:
         """
         assert num_rows in self.settings.buckets
         start = time.perf_counter()
-        with self._compile_lock, torch.inference_mode():   # the serving thread's forward runs under it too
+        with self._compile_lock, torch.inference_mode():  # the serving thread's forward runs under it too
             if self._compiling is None:
                 self._build_wrappers()
             m, (pre, post, head) = self.model, self._compiling
@@ -159,8 +164,9 @@ class CompiledStep:
         self._ready = self._ready | {num_rows}
         return time.perf_counter() - start
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, spans: Sequence[SequenceSpan],
-                 logits_rows: Tensor | None) -> Tensor | None:
+    def __call__(
+        self, input_ids: Tensor, positions: Tensor, spans: Sequence[SequenceSpan], logits_rows: Tensor | None
+    ) -> Tensor | None:
         T = input_ids.shape[0]
         B = self.bucket_for(T)
         rows = torch.arange(T, device=input_ids.device) if logits_rows is None else logits_rows
@@ -169,7 +175,7 @@ class CompiledStep:
         if B not in self._ready or (R and head_bucket not in self._ready):
             return None
         m = self.model
-        x = m.embed(_pad_rows(input_ids, B, PAD_TOKEN_ID))                  # [B, C]
+        x = m.embed(_pad_rows(input_ids, B, PAD_TOKEN_ID))  # [B, C]
         x = self._run_layers(m, x, _pad_rows(positions, B, PAD_POSITION), spans)
         if R == 0:
             return torch.empty(0, m.config.vocab_size, device=x.device)

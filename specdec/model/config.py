@@ -4,6 +4,7 @@ One frozen dataclass, read from a Hugging Face `config.json` dict. It checks its
 `__post_init__` so that a bad checkpoint fails at load time with a clear message, not
 with a shape error deep inside a forward pass.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,13 +39,23 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads "
-                             f"({self.num_attention_heads} vs {self.num_key_value_heads})")
+            raise ValueError(
+                "num_attention_heads must be a multiple of num_key_value_heads "
+                f"({self.num_attention_heads} vs {self.num_key_value_heads})"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.rope_scaling is not None:

@@ -13,6 +13,7 @@ fp16 [N, K/32] (d and m). The converter writes them next to the dequantized weig
 `--precision int4` serves the file's own blocks instead of quantizing the float weights again.
 Blocks run along the input dimension, so permuting rows (llama.cpp's Q/K order) is exact.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,19 +35,21 @@ def unpack_q4_blocks(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tup
     has_min = tensor_type == GGMLQuantizationType.Q4_1
     header = 4 if has_min else 2
     num_rows = data.shape[0]
-    blocks = data.reshape(num_rows, -1, header + BLOCK_SIZE // 2)           # [N, K/32, bytes]
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]                    # [N, K/32]
+    blocks = data.reshape(num_rows, -1, header + BLOCK_SIZE // 2)  # [N, K/32, bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # [N, K/32]
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if has_min else (-8 * d.astype(np.float32)).astype(np.float16)
-    nibbles = blocks[..., header:]                                          # [N, K/32, 16]
-    q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)             # [N, K/32, 32]: j, then j + 16
+    nibbles = blocks[..., header:]  # [N, K/32, 16]
+    q = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)  # [N, K/32, 32]: j, then j + 16
     return q.reshape(num_rows, -1), d, m
 
 
 def q4_block_tensors(hf_name: str, q: np.ndarray, d: np.ndarray, m: np.ndarray) -> dict[str, torch.Tensor]:
     """`<module>.weight` -> its three block tensors under `<module>.weight.qweight|.qscale|.qmin`."""
-    return {hf_name + QWEIGHT: torch.from_numpy(np.ascontiguousarray(q)),
-            hf_name + QSCALE: torch.from_numpy(np.ascontiguousarray(d)),
-            hf_name + QMIN: torch.from_numpy(np.ascontiguousarray(m))}
+    return {
+        hf_name + QWEIGHT: torch.from_numpy(np.ascontiguousarray(q)),
+        hf_name + QSCALE: torch.from_numpy(np.ascontiguousarray(d)),
+        hf_name + QMIN: torch.from_numpy(np.ascontiguousarray(m)),
+    }
 
 
 def load_q4_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

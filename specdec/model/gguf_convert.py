@@ -18,6 +18,7 @@ What the conversion has to undo:
 The output directory appears atomically (built in a sibling temp dir, then renamed), so a killed
 conversion never leaves a half-written model behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ from tqdm.auto import tqdm
 from specdec.model import gguf_blocks, gguf_tokenizer
 
 # Bump when the files this module writes change: it is part of the cache key in `loader.py`.
-CONVERTER_VERSION = 2    # 2: the raw Q4_0/Q4_1 blocks file
+CONVERTER_VERSION = 2  # 2: the raw Q4_0/Q4_1 blocks file
 # Above this many bytes of weights the output is split into shards, so that peak memory during
 # conversion stays near one shard rather than the whole float32 model.
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
@@ -105,8 +106,14 @@ def unpermute_qk_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(weight.shape))
 
 
-def llama3_rope_factors(head_dim: int, rope_theta: float, factor: float, low_freq_factor: float,
-                        high_freq_factor: float, original_max_position_embeddings: int) -> np.ndarray:
+def llama3_rope_factors(
+    head_dim: int,
+    rope_theta: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> np.ndarray:
     """The per-frequency divisors of Llama 3.1 RoPE scaling [head_dim/2], as llama.cpp stores them."""
     freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / freqs
@@ -138,8 +145,10 @@ def build_hf_config(metadata: dict[str, Any], reader: GGUFReader) -> dict[str, A
     hidden_size = key("embedding_length")
     head_dim = key("attention.key_length", hidden_size // num_heads)
     if key("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError(f"partial rotary embeddings are not supported "
-                         f"(rope.dimension_count {key('rope.dimension_count')} != head_dim {head_dim})")
+        raise ValueError(
+            f"partial rotary embeddings are not supported "
+            f"(rope.dimension_count {key('rope.dimension_count')} != head_dim {head_dim})"
+        )
     rope_theta = _float32_value(key("rope.freq_base", 10000.0))
     eos_token_ids = gguf_tokenizer.eos_token_ids(metadata)
     config = {
@@ -180,8 +189,9 @@ def output_dtype(reader: GGUFReader) -> torch.dtype:
     return torch.float32
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, *, show_progress: bool = True,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, *, show_progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Path:
     """Write the HF-style directory of `gguf_path` to `out_dir` (which must not exist) atomically."""
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
     if out_dir.exists():
@@ -198,13 +208,22 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, show_progress: bool = True,
         tokenizer_json, tokenizer_config = gguf_tokenizer.build_tokenizer_files(metadata, gguf_path)
         (partial_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         _write_json(partial_dir / "tokenizer_config.json", tokenizer_config)
-        _write_json(partial_dir / "generation_config.json", {
-            key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if config[key] is not None})
+        _write_json(
+            partial_dir / "generation_config.json",
+            {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if config[key] is not None},
+        )
         stat = gguf_path.stat()
-        _write_json(partial_dir / CONVERSION_INFO_FILE, {
-            "source": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "converter_version": CONVERTER_VERSION, "general.name": metadata.get("general.name"),
-            "general.file_type": metadata.get("general.file_type")})
+        _write_json(
+            partial_dir / CONVERSION_INFO_FILE,
+            {
+                "source": str(gguf_path),
+                "size": stat.st_size,
+                "mtime_ns": stat.st_mtime_ns,
+                "converter_version": CONVERTER_VERSION,
+                "general.name": metadata.get("general.name"),
+                "general.file_type": metadata.get("general.file_type"),
+            },
+        )
         for path in partial_dir.iterdir():  # on disk before it is published, even across a power loss
             with open(path, "rb") as file:
                 os.fsync(file.fileno())
@@ -215,8 +234,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, show_progress: bool = True,
     return out_dir
 
 
-def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, show_progress: bool,
-                   max_shard_bytes: int) -> None:
+def _write_weights(
+    reader: GGUFReader, config: dict[str, Any], out_dir: Path, show_progress: bool, max_shard_bytes: int
+) -> None:
     arch = reader.fields["general.architecture"].contents()
     is_qk_permuted = SUPPORTED_ARCHITECTURES[arch][2]
     dtype = output_dtype(reader)
@@ -228,8 +248,9 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, sh
     blocks: dict[str, torch.Tensor] = {}
     progress = tqdm(total=len(named), desc="converting GGUF tensors", unit="tensor", disable=not show_progress)
     for shard_num, tensor_indices in enumerate(shards, start=1):
-        file_name = ("model.safetensors" if len(shards) == 1
-                     else f"model-{shard_num:05d}-of-{len(shards):05d}.safetensors")
+        file_name = (
+            "model.safetensors" if len(shards) == 1 else f"model-{shard_num:05d}-of-{len(shards):05d}.safetensors"
+        )
         state: dict[str, torch.Tensor] = {}
         for i in tensor_indices:
             tensor, hf_name = named[i]
@@ -248,8 +269,9 @@ def _write_weights(reader: GGUFReader, config: dict[str, Any], out_dir: Path, sh
         save_file(blocks, str(out_dir / gguf_blocks.Q4_BLOCKS_FILE), metadata={"format": "pt"})
     if len(shards) > 1:
         total_size = sum(t.n_elements for t, _ in named) * dtype.itemsize
-        _write_json(out_dir / "model.safetensors.index.json",
-                    {"metadata": {"total_size": total_size}, "weight_map": index})
+        _write_json(
+            out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total_size}, "weight_map": index}
+        )
 
 
 def _hf_rows(rows: np.ndarray, gguf_name: str, config: dict[str, Any], is_qk_permuted: bool) -> np.ndarray:
@@ -274,8 +296,9 @@ def _plan_shards(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
     return shards
 
 
-def _rope_scaling(metadata: dict[str, Any], arch: str, reader: GGUFReader, head_dim: int,
-                  rope_theta: float) -> dict[str, Any] | None:
+def _rope_scaling(
+    metadata: dict[str, Any], arch: str, reader: GGUFReader, head_dim: int, rope_theta: float
+) -> dict[str, Any] | None:
     scaling_type = metadata.get(f"{arch}.rope.scaling.type", "none")
     rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
     if rope_freqs is not None:
@@ -291,8 +314,10 @@ def _llama3_rope_scaling(rope_freqs: np.ndarray, head_dim: int, rope_theta: floa
     params = {"factor": float(rope_freqs.max()), **_LLAMA3_ROPE_DEFAULTS}
     expected = llama3_rope_factors(head_dim, rope_theta, **params)
     if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-4):
-        raise ValueError("the file's rope_freqs tensor does not match llama3 RoPE scaling with "
-                         f"{_LLAMA3_ROPE_DEFAULTS}; this scaling is not supported")
+        raise ValueError(
+            "the file's rope_freqs tensor does not match llama3 RoPE scaling with "
+            f"{_LLAMA3_ROPE_DEFAULTS}; this scaling is not supported"
+        )
     return {"rope_type": "llama3", **params}
 
 

@@ -6,6 +6,7 @@ vocabularies (`tokenizer.ggml.model == "gpt2"`: SmolLM, Llama 3, Qwen2, ...) are
 `tokenizers` alone, using llama.cpp's split rules for the named pre-tokenizer; anything else falls
 back to transformers' GGUF tokenizer conversion, which is then needed at conversion time only.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,12 +24,20 @@ _GPT2_PRE = ("default", "gpt2", "mpt", "olmo", "jais")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva")
 _LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3")
 _QWEN2_PRE = ("qwen2", "deepseek-r1-qwen", "stablelm2")
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPECIAL_TOKEN_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
-                       "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 
 
 def eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
@@ -57,8 +66,10 @@ def byte_level_bpe_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     alphabet = set(byte_chars.values())
     # Vocabulary entries are spelled in the byte alphabet; a few files store added tokens as raw
     # text, which is respelled the same way transformers does it.
-    vocab = {(token if set(token) <= alphabet else "".join(byte_chars[b] for b in token.encode("utf-8"))): i
-             for i, token in enumerate(tokens)}
+    vocab = {
+        (token if set(token) <= alphabet else "".join(byte_chars[b] for b in token.encode("utf-8"))): i
+        for i, token in enumerate(tokens)
+    }
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
     # llama.cpp (and Llama 3's own tokenizer) take a whole word straight from the vocabulary.
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _LLAMA3_PRE))
@@ -68,7 +79,8 @@ def byte_level_bpe_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     elif pre in _LLAMA3_PRE + _QWEN2_PRE:
         split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+        )
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
@@ -83,7 +95,8 @@ def byte_level_bpe_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     if metadata.get("tokenizer.ggml.add_bos_token", False) and bos_id is not None:
         bos = tokens[bos_id]
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+            single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+        )
     else:
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     return tokenizer
@@ -93,7 +106,8 @@ def _tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     config: dict[str, Any] = {
         name: (tokens[metadata[f"tokenizer.ggml.{key}"]] if f"tokenizer.ggml.{key}" in metadata else None)
-        for name, key in _SPECIAL_TOKEN_KEYS.items()}
+        for name, key in _SPECIAL_TOKEN_KEYS.items()
+    }
     config["add_bos_token"] = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
     config["add_eos_token"] = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     config["clean_up_tokenization_spaces"] = False
@@ -101,12 +115,16 @@ def _tokenizer_config(metadata: dict[str, Any]) -> dict[str, Any]:
     if (context_length := metadata.get(f"{metadata['general.architecture']}.context_length")) is not None:
         config["model_max_length"] = context_length
     # Named variants (`tokenizer.chat_template.tool_use`, ...) use HF's list form next to "default".
-    named = {key.removeprefix("tokenizer.chat_template."): value for key, value in metadata.items()
-             if key.startswith("tokenizer.chat_template.")}
+    named = {
+        key.removeprefix("tokenizer.chat_template."): value
+        for key, value in metadata.items()
+        if key.startswith("tokenizer.chat_template.")
+    }
     default = metadata.get("tokenizer.chat_template")
     if named:
         config["chat_template"] = ([{"name": "default", "template": default}] if default else []) + [
-            {"name": name, "template": template} for name, template in named.items()]
+            {"name": name, "template": template} for name, template in named.items()
+        ]
     elif default is not None:
         config["chat_template"] = default
     return config
@@ -118,7 +136,8 @@ def _tokenizer_json_via_transformers(gguf_path: Path, tokenizer_type: str | None
     except ImportError as error:
         raise RuntimeError(
             f"{gguf_path.name} has a {tokenizer_type!r} tokenizer with pre-tokenizer {pre!r}, which only "
-            "transformers can rebuild; install it for the one-time conversion (pip install transformers)") from error
+            "transformers can rebuild; install it for the one-time conversion (pip install transformers)"
+        ) from error
     hf_tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     return hf_tokenizer.backend_tokenizer.to_str()
 

@@ -15,6 +15,7 @@ everything else is this class. Two things here are not a plain `F.linear`:
   `calibrate_min_gemm_rows` times both on the machine at hand, and inputs of 2..n-1 rows
   are padded to `min_gemm_rows` = n only where that measured faster.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping
@@ -30,33 +31,38 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0            # largest finite e4m3 value; quantization saturates here (SATFINITE)
-PADDED_GEMM_ROWS = 4       # see the module docstring
+FP8_MAX = 448.0  # largest finite e4m3 value; quantization saturates here (SATFINITE)
+PADDED_GEMM_ROWS = 4  # see the module docstring
 NO_PADDING = 1
 
 
 def _has_fp8_tensor_cores(device: torch.device) -> bool:
-    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
-            and torch.cuda.get_device_capability(device) >= (8, 9))
+    return device.type == "cuda" and hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 class Linear:
-    def __init__(self, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None,
-                 min_gemm_rows: int = NO_PADDING) -> None:
+    def __init__(
+        self, weight: Tensor, scale: Tensor | None = None, bias: Tensor | None = None, min_gemm_rows: int = NO_PADDING
+    ) -> None:
         assert weight.dim() == 2
         assert (scale is not None) == (weight.dtype == FP8_DTYPE), "fp8 weights need a scale and only they"
-        self.weight, self.scale, self.bias = weight, scale, bias   # weight: [out, in], scale: [out]
+        self.weight, self.scale, self.bias = weight, scale, bias  # weight: [out, in], scale: [out]
         self.is_fp8 = weight.dtype == FP8_DTYPE
         self.min_gemm_rows = min_gemm_rows
         self.use_scaled_mm = self.is_fp8 and _has_fp8_tensor_cores(weight.device)
 
     @classmethod
-    def from_weights(cls, weights: Mapping[str, Tensor], prefix: str,
-                     min_gemm_rows: int = NO_PADDING) -> "Linear | Int4Linear | Int8Linear":
+    def from_weights(
+        cls, weights: Mapping[str, Tensor], prefix: str, min_gemm_rows: int = NO_PADDING
+    ) -> "Linear | Int4Linear | Int8Linear":
         if (quantized := quantized_linear(weights, prefix)) is not None:
             return quantized
-        return cls(weights[prefix + ".weight"], weights.get(prefix + ".weight_scale"),
-                   weights.get(prefix + ".bias"), min_gemm_rows)
+        return cls(
+            weights[prefix + ".weight"],
+            weights.get(prefix + ".weight_scale"),
+            weights.get(prefix + ".bias"),
+            min_gemm_rows,
+        )
 
     @property
     def out_features(self) -> int:
@@ -78,8 +84,9 @@ class Linear:
             # Row-wise dynamic activation scale; _scaled_mm wants a column-major second operand.
             x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]
             x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-            y = torch._scaled_mm(x8, self.weight.t(), scale_a=x_scale,
-                                 scale_b=self.scale.view(1, -1), out_dtype=x.dtype)
+            y = torch._scaled_mm(
+                x8, self.weight.t(), scale_a=x_scale, scale_b=self.scale.view(1, -1), out_dtype=x.dtype
+            )
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -90,12 +97,13 @@ def calibrate_min_gemm_rows(config: ModelConfig, repeats: int = 20) -> int:
     model's own MLP up-projection shape (hidden_size -> intermediate_size), the GEMM of every layer
     with the most work per row: whether padding pays depends on the shape."""
     import time
+
     in_features, out_features = config.hidden_size, config.intermediate_size
     weight = torch.randn(out_features, in_features)
 
     def median_s(num_rows: int) -> float:
         x = torch.randn(num_rows, in_features)
-        F.linear(x, weight)                                  # warm-up
+        F.linear(x, weight)  # warm-up
         times = []
         for _ in range(repeats):
             start = time.perf_counter()

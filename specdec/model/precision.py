@@ -18,6 +18,7 @@ second copy for the lookup, which int4's opaque packed layout would. Whole-model
 fp32 on the same positions: bf16 187, int8 184, int4 189 of 200. Norms and the rest of the model
 run in `compute_dtype` (see `_COMPUTE_DTYPES`); only the packed matmuls see bf16.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -30,15 +31,28 @@ from specdec.model.linear import FP8_DTYPE, FP8_MAX
 
 _FLOAT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8_e4m3")
 PRECISIONS = _FLOAT_PRECISIONS + quant.QUANTIZED_PRECISIONS
-_INT4_FALLBACKS = _FLOAT_PRECISIONS + ("int8",)     # what serves a model int4 cannot pack
-AUTO = "auto"   # not a format: the primary measures candidates at start-up (primary_svc.autotune)
+_INT4_FALLBACKS = _FLOAT_PRECISIONS + ("int8",)  # what serves a model int4 cannot pack
+AUTO = "auto"  # not a format: the primary measures candidates at start-up (primary_svc.autotune)
 # int4/int8: the dtype of everything but the packed matmuls (residual stream, norms, RoPE,
 # attention, KV cache), chosen by measurement; see the module docstring of `quant.py`.
-_COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-                   "fp8_e4m3": torch.bfloat16, "int8": torch.float32, "int4": torch.float32}
+_COMPUTE_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3": torch.bfloat16,
+    "int8": torch.float32,
+    "int4": torch.float32,
+}
 _EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
-_MATRIX_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                 "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+_MATRIX_SUFFIXES = (
+    "q_proj.weight",
+    "k_proj.weight",
+    "v_proj.weight",
+    "o_proj.weight",
+    "gate_proj.weight",
+    "up_proj.weight",
+    "down_proj.weight",
+)
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -55,9 +69,13 @@ def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.
     return w8, scale
 
 
-def convert_weights(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, precision: str,
-                    q4_blocks: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
-                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def convert_weights(
+    state_dict: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    precision: str,
+    q4_blocks: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     """HF-named fp32/bf16 tensors -> the tensors `Transformer` runs on, in `precision`.
 
     `q4_blocks` (weight name -> GGUF Q4 (q, d, m), see `gguf_blocks.load_q4_blocks`) are what int4
@@ -86,21 +104,22 @@ def convert_weights(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
 
 def _int4_weights(name: str, weight: torch.Tensor, blocks: tuple[torch.Tensor, ...] | None) -> dict[str, torch.Tensor]:
     quant.check_int4_shape(name, weight, _INT4_FALLBACKS)
-    if native.library() is not None:       # the file's blocks byte for byte, for the native kernels
+    if native.library() is not None:  # the file's blocks byte for byte, for the native kernels
         q, d, m = quant.quantize_q4_1(weight) if blocks is None else blocks
         assert q.shape == weight.shape, (name, q.shape, weight.shape)
         return quant.pack_q4_1(name.removesuffix(".weight"), q, d, m)
     if blocks is None:
         q, scale, zero = quant.quantize_int4(weight)
     else:
-        q, d, m = blocks                     # the file's own blocks: [N, K], [N, K/32], [N, K/32]
+        q, d, m = blocks  # the file's own blocks: [N, K], [N, K/32], [N, K/32]
         assert q.shape == weight.shape, (name, q.shape, weight.shape)
         scale, zero = quant.q4_block_scales(d, m)
     try:
         return quant.pack_int4(name.removesuffix(".weight"), q, scale, zero)
     except RuntimeError as e:
-        raise ValueError(f"--precision int4 cannot pack {name} {tuple(weight.shape)} ({e}); "
-                         f"use one of {_INT4_FALLBACKS}") from None
+        raise ValueError(
+            f"--precision int4 cannot pack {name} {tuple(weight.shape)} ({e}); use one of {_INT4_FALLBACKS}"
+        ) from None
 
 
 def weight_bytes(weights: Mapping[str, torch.Tensor]) -> int:

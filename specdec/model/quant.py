@@ -32,6 +32,7 @@ SDPA has no fast path on AVX2: ~7.5 ms vs ~3.4 ms per step at one row). Measured
 batch-invariant: a row's output does not depend on how many rows share the call (1..16), so a k-row
 verify and 1-row decoding agree bit for bit there.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -42,40 +43,47 @@ from specdec.model import native
 
 Tensor = torch.Tensor
 
-GROUP_SIZE = 32                    # inputs per int4 scale/zero group (= a GGUF block)
+GROUP_SIZE = 32  # inputs per int4 scale/zero group (= a GGUF block)
 INT4_MAX = 15
-INT4_OFFSET = 8                    # the kernel subtracts this from every nibble
+INT4_OFFSET = 8  # the kernel subtracts this from every nibble
 INT8_MAX = 127
-KERNEL_DTYPE = torch.bfloat16      # activation dtype into both kernels (see the module docstring)
+KERNEL_DTYPE = torch.bfloat16  # activation dtype into both kernels (see the module docstring)
 INT4_WEIGHT, INT4_SCALES_ZEROS = ".weight_int4", ".weight_int4_scales_zeros"
 INT8_WEIGHT, INT8_SCALE = ".weight_int8", ".weight_int8_scale"
-Q4_1_BLOCKS = ".weight_q4_1"       # GGUF Q4_1 blocks [N, K/32 * 20] for the native kernels (`native/`)
+Q4_1_BLOCKS = ".weight_q4_1"  # GGUF Q4_1 blocks [N, K/32 * 20] for the native kernels (`native/`)
 QUANTIZED_PRECISIONS = ("int8", "int4")
 # int4 serves the embedding/lm_head in int8 too (see `precision.py`)
-_KERNELS = {"int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"),
-            "int8": ("_weight_int8pack_mm",)}
+_KERNELS = {
+    "int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"),
+    "int8": ("_weight_int8pack_mm",),
+}
 
 
 def check_kernels(precision: str, device: torch.device | str, other_precisions: tuple[str, ...]) -> None:
     """ValueError unless `precision`'s kernels exist (native, or in this torch build) for `device`."""
     if torch.device(device).type != "cpu":
-        raise ValueError(f"--precision {precision} runs on the CPU kernels only, not on "
-                         f"{torch.device(device).type}; serve that device with one of {other_precisions}")
+        raise ValueError(
+            f"--precision {precision} runs on the CPU kernels only, not on "
+            f"{torch.device(device).type}; serve that device with one of {other_precisions}"
+        )
     if native.library() is not None:
         return
     for op in _KERNELS[precision]:
         if not hasattr(torch.ops.aten, op):
-            raise ValueError(f"--precision {precision} needs torch.ops.aten.{op}, which this torch build "
-                             f"({torch.__version__}) lacks; use one of {other_precisions}")
+            raise ValueError(
+                f"--precision {precision} needs torch.ops.aten.{op}, which this torch build "
+                f"({torch.__version__}) lacks; use one of {other_precisions}"
+            )
 
 
 # --- int4 ---------------------------------------------------------------------------------------
 
+
 def quantize_int4(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """weight [N, K] float -> (q uint8 [N, K], scale bf16 [N, K/32], zero bf16 [N, K/32]), round to nearest."""
     n, k = weight.shape
-    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)              # [N, G, 32]
-    lo, hi = groups.amin(-1), groups.amax(-1)                                      # [N, G]
+    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)  # [N, G, 32]
+    lo, hi = groups.amin(-1), groups.amax(-1)  # [N, G]
     scale = ((hi - lo) / INT4_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)
     zero = (lo + INT4_OFFSET * scale.float()).to(KERNEL_DTYPE)
     q = torch.round((groups - zero.float()[..., None]) / scale.float()[..., None]) + INT4_OFFSET
@@ -90,7 +98,7 @@ def q4_block_scales(d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
 def pack_int4(name: str, q: Tensor, scale: Tensor, zero: Tensor) -> dict[str, Tensor]:
     """q uint8 [N, K] in 0..15, scale/zero [N, K/32] -> the two tensors `Int4Linear` runs on."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)  # [N, K/2]
-    scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()           # [K/32, N, 2]
+    scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous()  # [K/32, N, 2]
     return {name + INT4_WEIGHT: packed, name + INT4_SCALES_ZEROS: scales_and_zeros.to(KERNEL_DTYPE)}
 
 
@@ -98,7 +106,7 @@ def quantize_q4_1(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """weight [N, K] float -> GGUF Q4_1 (q uint8 [N, K] in 0..15, d fp16 [N, K/32], m fp16 [N, K/32]),
     w ≈ q * d + m: llama.cpp's own rounding (d = (max - min) / 15, m = min, q = round((w - m) / d))."""
     n, k = weight.shape
-    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)              # [N, G, 32]
+    groups = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)  # [N, G, 32]
     lo, hi = groups.amin(-1), groups.amax(-1)
     d = ((hi - lo) / INT4_MAX).to(torch.float16)
     m = lo.to(torch.float16)
@@ -112,15 +120,17 @@ def pack_q4_1(name: str, q: Tensor, d: Tensor, m: Tensor) -> dict[str, Tensor]:
     (fp16 d, fp16 m, byte j = q[j] | q[j + 16] << 4) the native kernels read, [N, K/32 * 20] uint8."""
     n, k = q.shape
     g = q.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    nibbles = g[..., :GROUP_SIZE // 2] | (g[..., GROUP_SIZE // 2:] << 4)            # [N, G, 16]
+    nibbles = g[..., : GROUP_SIZE // 2] | (g[..., GROUP_SIZE // 2 :] << 4)  # [N, G, 16]
     header = torch.stack((d.to(torch.float16), m.to(torch.float16)), dim=-1).view(torch.uint8)  # [N, G, 4]
     return {name + Q4_1_BLOCKS: torch.cat((header, nibbles), dim=-1).reshape(n, -1).contiguous()}
 
 
 def check_int4_shape(name: str, weight: Tensor, other_precisions: tuple[str, ...]) -> None:
     if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
-        raise ValueError(f"--precision int4 cannot pack {name} {tuple(weight.shape)}: its input dimension "
-                         f"must be a multiple of {GROUP_SIZE}; use one of {other_precisions}")
+        raise ValueError(
+            f"--precision int4 cannot pack {name} {tuple(weight.shape)}: its input dimension "
+            f"must be a multiple of {GROUP_SIZE}; use one of {other_precisions}"
+        )
 
 
 class Int4Linear:
@@ -133,12 +143,14 @@ class Int4Linear:
         # x: [T, K] -> [T, N] in x's dtype
         if x.shape[0] == 0:
             return x.new_empty(0, self.out_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, GROUP_SIZE,
-                                                       self.scales_and_zeros).to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(KERNEL_DTYPE), self.packed, GROUP_SIZE, self.scales_and_zeros
+        ).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
 # --- int8 ---------------------------------------------------------------------------------------
+
 
 def quantize_int8(name: str, weight: Tensor) -> dict[str, Tensor]:
     """weight [N, K] float -> q int8 [N, K] and scale bf16 [N] with w ≈ q * scale[:, None]."""
@@ -151,7 +163,7 @@ def quantize_int8(name: str, weight: Tensor) -> dict[str, Tensor]:
 class Int8Linear:
     def __init__(self, weight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         assert weight.dtype == torch.int8 and scale.shape == weight.shape[:1]
-        self.weight, self.scale, self.bias = weight, scale, bias     # [N, K] int8, [N] bf16
+        self.weight, self.scale, self.bias = weight, scale, bias  # [N, K] int8, [N] bf16
         self.out_features = weight.shape[0]
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -173,8 +185,7 @@ class Int8Embedding:
         return (self.weight[input_ids].float() * self.scale[input_ids].float()[:, None]).to(self.dtype)
 
 
-def quantized_linear(weights: Mapping[str, Tensor], prefix: str
-                     ) -> Int4Linear | Int8Linear | native.QuantLinear | None:
+def quantized_linear(weights: Mapping[str, Tensor], prefix: str) -> Int4Linear | Int8Linear | native.QuantLinear | None:
     """The quantized layer `prefix` names in `weights` (recognised by tensor names), or None.
 
     int8 rows run on the native kernels where they are built, else on torch's; Q4_1 blocks only
@@ -186,8 +197,9 @@ def quantized_linear(weights: Mapping[str, Tensor], prefix: str
             raise ValueError(f"{prefix}{Q4_1_BLOCKS} needs the native kernels: {native.status()}")
         return native.QuantLinear(lib, blocks=weights[prefix + Q4_1_BLOCKS], bias=bias)
     if prefix + INT8_WEIGHT in weights and lib is not None:
-        return native.QuantLinear(lib, weight=weights[prefix + INT8_WEIGHT], scale=weights[prefix + INT8_SCALE],
-                                  bias=bias)
+        return native.QuantLinear(
+            lib, weight=weights[prefix + INT8_WEIGHT], scale=weights[prefix + INT8_SCALE], bias=bias
+        )
     if prefix + INT4_WEIGHT in weights:
         return Int4Linear(weights[prefix + INT4_WEIGHT], weights[prefix + INT4_SCALES_ZEROS], bias)
     if prefix + INT8_WEIGHT in weights:

@@ -6,6 +6,7 @@ Runtime needs only `tokenizers` and `jinja2`: the directory's `tokenizer.json` i
 way transformers renders them (sandboxed jinja2, `trim_blocks`, `lstrip_blocks`, `tojson`,
 `raise_exception`, `strftime_now`), so a prompt is byte-for-byte what the model was trained on.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,14 @@ _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
-    def __init__(self, backend: BackendTokenizer, *, chat_template: str | None = None,
-                 special_tokens: dict[str, str] | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self.backend = backend
         self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<|im_start|>", ...}
         self.chat_template = chat_template
@@ -45,12 +52,19 @@ class Tokenizer:
             raise FileNotFoundError(f"model directory {str(model_dir)!r} has no tokenizer.json")
         backend = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
         config = _read_json(model_dir / "tokenizer_config.json")
-        special_tokens = {name: _token_content(config[name]) for name in _SPECIAL_TOKEN_NAMES
-                          if config.get(name) is not None}
-        eos_token_ids = [*_id_list(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
-                         *_id_list(_read_json(model_dir / "config.json").get("eos_token_id"))]
-        return cls(backend, chat_template=_chat_template(model_dir, config), special_tokens=special_tokens,
-                   eos_token_ids=eos_token_ids)
+        special_tokens = {
+            name: _token_content(config[name]) for name in _SPECIAL_TOKEN_NAMES if config.get(name) is not None
+        }
+        eos_token_ids = [
+            *_id_list(_read_json(model_dir / "generation_config.json").get("eos_token_id")),
+            *_id_list(_read_json(model_dir / "config.json").get("eos_token_id")),
+        ]
+        return cls(
+            backend,
+            chat_template=_chat_template(model_dir, config),
+            special_tokens=special_tokens,
+            eos_token_ids=eos_token_ids,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -70,15 +84,16 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
         """The prompt text for `messages` (`[{"role": "user", "content": "hi"}, ...]`); extra keyword
         arguments (`tools=...`) are visible to the template, as in transformers."""
         if self._compiled_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead")
         return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **template_kwargs})
+            messages=messages, add_generation_prompt=add_generation_prompt, **{**self.special_tokens, **template_kwargs}
+        )
 
 
 class IncrementalDetokenizer:
@@ -91,8 +106,9 @@ class IncrementalDetokenizer:
     deltas equals `tokenizer.decode(context_ids + all ids)` minus the decoded context.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True,
-                 context_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = list(context_ids[-NUM_CONTEXT_TOKENS:]) if context_ids else []
@@ -104,19 +120,19 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append this step's new token ids; return the text they completed ("" if none yet)."""
         self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self.token_ids[self._prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""  # nothing new, or it ends inside a character: wait for the next token
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def finish(self) -> str:
         """The text still held back at the end of the stream (a trailing partial character decodes as "\ufffd")."""
-        prefix_text = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self.token_ids[self._prefix_offset:])
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
@@ -153,8 +169,13 @@ def compile_chat_template(chat_template: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:
         # Jinja's own tojson escapes HTML characters, which would change the prompt.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -162,7 +183,8 @@ def compile_chat_template(chat_template: str) -> jinja2.Template:
         return datetime.now().strftime(date_format)
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

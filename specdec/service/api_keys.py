@@ -11,6 +11,7 @@ tenant and prints its key once. A request belongs to the tenant whose key create
 gateway scopes request ids by tenant, so another tenant's GetRequest/Cancel finds nothing
 (NOT_FOUND, the same as an unknown id: no existence oracle).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -71,20 +72,23 @@ class ApiKeys:
                 continue
             text = value.decode() if isinstance(value, bytes) else value
             # Looked up by the hash of the key: how long the lookup takes says nothing about the key.
-            tenant = self._tenants_by_hash.get(key_hash(text[len(BEARER):].strip())) if text.startswith(
-                BEARER) else None
+            tenant = (
+                self._tenants_by_hash.get(key_hash(text[len(BEARER) :].strip())) if text.startswith(BEARER) else None
+            )
             if tenant is not None:
                 return tenant
-        raise Unauthenticated("authorization", "a valid API key is required (metadata "
-                                               f"'{AUTHORIZATION}: {BEARER.strip()} <key>')")
+        raise Unauthenticated(
+            "authorization", f"a valid API key is required (metadata '{AUTHORIZATION}: {BEARER.strip()} <key>')"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     """python -m specdec.service.api_keys add TENANT FILE: append a tenant with a fresh key; print the key."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "add" or not _TENANT.match(args[1]):
-        print("usage: python -m specdec.service.api_keys add TENANT FILE (tenant: letters, digits, _.-)",
-              file=sys.stderr)
+        print(
+            "usage: python -m specdec.service.api_keys add TENANT FILE (tenant: letters, digits, _.-)", file=sys.stderr
+        )
         return 2
     tenant, path = args[1], Path(args[2])
     key = new_key()

@@ -15,6 +15,7 @@ stack; compose mounts it as a secret). Comparison is constant-time
     server interceptors: [ServiceTokenInterceptor(token), ErrorInterceptor(...)]
     channel = authenticated_channel(grpc.insecure_channel(address), token)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,11 @@ from typing import Any
 import grpc
 import structlog
 
-AUTHORIZATION = "authorization"   # gRPC metadata keys are lower case
+AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "Bearer "
 # Methods that answer without the token: the standard health service only.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
-MIN_TOKEN_CHARS = 32   # 128 bits as hex; the launcher writes 256 bits
+MIN_TOKEN_CHARS = 32  # 128 bits as hex; the launcher writes 256 bits
 TOKEN_FILE_MODE = 0o600
 TOKEN_FILE_NAME = "service_token"
 
@@ -41,21 +42,30 @@ TOKEN_FILE_NAME = "service_token"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def add_service_token_arguments(p: "argparse.ArgumentParser", env: Callable[[str, str], str | None], *,
-                                is_server: bool = True) -> None:
+def add_service_token_arguments(
+    p: "argparse.ArgumentParser", env: Callable[[str, str], str | None], *, is_server: bool = True
+) -> None:
     """--service_token_file and --allow_unauthenticated, for every service the same way.
 
     `env(name, default)` reads the service's environment for SPECDEC_<name> (each service's own
     prefixes first). `is_server`: the token guards this service's port; else it is only sent."""
     role = "every caller must send" if is_server else "the internal services expect"
-    p.add_argument("--service_token_file", default=env("SERVICE_TOKEN_FILE", "") or "",
-                   help=f"file holding the shared secret {role} (required unless --allow_unauthenticated)")
+    p.add_argument(
+        "--service_token_file",
+        default=env("SERVICE_TOKEN_FILE", "") or "",
+        help=f"file holding the shared secret {role} (required unless --allow_unauthenticated)",
+    )
     allowed = (env("ALLOW_UNAUTHENTICATED", "false") or "false").strip().lower()
     if allowed not in _TRUE + _FALSE:
         raise ValueError(f"SPECDEC_ALLOW_UNAUTHENTICATED must be true or false, got {allowed!r}")
-    p.add_argument("--allow_unauthenticated", action="store_true", default=allowed in _TRUE,
-                   help="accept calls without the service token (a trusted network only)" if is_server
-                   else "call the internal services without the service token")
+    p.add_argument(
+        "--allow_unauthenticated",
+        action="store_true",
+        default=allowed in _TRUE,
+        help="accept calls without the service token (a trusted network only)"
+        if is_server
+        else "call the internal services without the service token",
+    )
 
 
 class ServiceTokenError(ValueError):
@@ -71,7 +81,7 @@ def write_service_token(path: Path, token: str | None = None) -> str:
     token = new_service_token() if token is None else token
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, TOKEN_FILE_MODE)
     with os.fdopen(fd, "w") as f:
-        os.fchmod(f.fileno(), TOKEN_FILE_MODE)   # O_CREAT's mode does not apply to an existing file
+        os.fchmod(f.fileno(), TOKEN_FILE_MODE)  # O_CREAT's mode does not apply to an existing file
         f.write(token + "\n")
     return token
 
@@ -83,8 +93,10 @@ def read_service_token(path: str | Path) -> str:
     except OSError as e:
         raise ServiceTokenError(f"service token file {str(path)!r}: {e.strerror}") from None
     if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise ServiceTokenError(f"service token file {str(path)!r}: the token must be one word of at least "
-                                f"{MIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)")
+        raise ServiceTokenError(
+            f"service token file {str(path)!r}: the token must be one word of at least "
+            f"{MIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)"
+        )
     return token
 
 
@@ -96,10 +108,14 @@ class ServiceTokenInterceptor(grpc.ServerInterceptor):
             raise ServiceTokenError(f"the service token must have at least {MIN_TOKEN_CHARS} characters")
         self._expected = (BEARER + token).encode()
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         if handler_call_details.method.startswith(OPEN_METHOD_PREFIXES) or self._is_authorized(
-                handler_call_details.invocation_metadata):
+            handler_call_details.invocation_metadata
+        ):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         return None if handler is None else _refusing(handler)
@@ -114,12 +130,14 @@ class ServiceTokenInterceptor(grpc.ServerInterceptor):
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same kind as handler that answers UNAUTHENTICATED without reading the request."""
-    def refuse(_request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong service token (metadata "
-                                                       f"'{AUTHORIZATION}: {BEARER.strip()} <token>')")
 
-    codec = {"request_deserializer": handler.request_deserializer,
-             "response_serializer": handler.response_serializer}
+    def refuse(_request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"missing or wrong service token (metadata '{AUTHORIZATION}: {BEARER.strip()} <token>')",
+        )
+
+    codec = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(refuse, **codec)
     if handler.unary_stream is not None:
@@ -129,16 +147,26 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(refuse, **codec)
 
 
-class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds the service token to the metadata of every call."""
 
     def __init__(self, token: str) -> None:
         self._entry = (AUTHORIZATION, BEARER + token)
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
-        return _CallDetails(details.method, details.timeout, (*(details.metadata or ()), self._entry),
-                            details.credentials, details.wait_for_ready, details.compression)
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), self._entry),
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
 
     def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001, ANN201
         return continuation(self._details(client_call_details), request)
@@ -154,8 +182,15 @@ class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStream
 
 
 class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method: str, timeout: float | None, metadata: tuple, credentials: Any,
-                 wait_for_ready: bool | None, compression: Any) -> None:
+    def __init__(
+        self,
+        method: str,
+        timeout: float | None,
+        metadata: tuple,
+        credentials: Any,
+        wait_for_ready: bool | None,
+        compression: Any,
+    ) -> None:
         self.method, self.timeout, self.metadata = method, timeout, metadata
         self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
 
@@ -171,8 +206,10 @@ def load_service_token(token_file: str, is_unauthenticated_allowed: bool) -> str
         return read_service_token(token_file)
     if is_unauthenticated_allowed:
         return None
-    raise ServiceTokenError("no service token: give --service_token_file (SPECDEC_SERVICE_TOKEN_FILE), or "
-                            "--allow_unauthenticated to accept any caller (a trusted network only)")
+    raise ServiceTokenError(
+        "no service token: give --service_token_file (SPECDEC_SERVICE_TOKEN_FILE), or "
+        "--allow_unauthenticated to accept any caller (a trusted network only)"
+    )
 
 
 def token_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
@@ -188,5 +225,6 @@ def service_token_or_exit(token_file: str, is_unauthenticated_allowed: bool) -> 
         raise SystemExit(f"error: {e}") from None
     if token is None:
         structlog.get_logger("specdec.auth").warning(
-            "no service token: internal calls are not authenticated (--allow_unauthenticated)")
+            "no service token: internal calls are not authenticated (--allow_unauthenticated)"
+        )
     return token

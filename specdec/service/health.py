@@ -32,8 +32,10 @@ def wait_for_serving(target: str | grpc.Channel, service: str = "", timeout_s: f
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{target if isinstance(target, str) else 'channel'} did not report "
-                                   f"{service or 'the server'} SERVING within {timeout_s} s")
+                raise TimeoutError(
+                    f"{target if isinstance(target, str) else 'channel'} did not report "
+                    f"{service or 'the server'} SERVING within {timeout_s} s"
+                )
             if check_health(channel, service, timeout_s=min(1.0, remaining)):
                 return
             time.sleep(min(_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -24,12 +24,14 @@ from specdec.metrics import ServiceMetrics
 # Codes of a failed call to another service that are passed through as they
 # are: they say something true about this call too (the dependency is down,
 # out of time or capacity). Any other downstream failure is a bug here: INTERNAL.
-_PASSTHROUGH_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.CANCELLED,
-})
+_PASSTHROUGH_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 def method_name(full_method: str) -> str:
@@ -45,14 +47,19 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         self._metrics = metrics
         self._log = structlog.get_logger("specdec.rpc")
 
-    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-                          handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = method_name(handler_call_details.method)
-        codec = {"request_deserializer": _lenient(handler.request_deserializer),
-                 "response_serializer": handler.response_serializer}
+        codec = {
+            "request_deserializer": _lenient(handler.request_deserializer),
+            "response_serializer": handler.response_serializer,
+        }
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(self._wrap_unary(handler.unary_unary, method), **codec)
         if handler.unary_stream is not None:
@@ -61,8 +68,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(self._wrap_unary(handler.stream_unary, method), **codec)
         return grpc.stream_stream_rpc_method_handler(self._wrap_stream(handler.stream_stream, method), **codec)
 
-    def _wrap_unary(self, behavior: Callable[[Any, grpc.ServicerContext], Any],
-                    method: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def _wrap_unary(
+        self, behavior: Callable[[Any, grpc.ServicerContext], Any], method: str
+    ) -> Callable[[Any, grpc.ServicerContext], Any]:
         def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
@@ -80,8 +88,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
         return wrapped
 
-    def _wrap_stream(self, behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]],
-                     method: str) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
+    def _wrap_stream(
+        self, behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]], method: str
+    ) -> Callable[[Any, grpc.ServicerContext], Iterator[Any]]:
         def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
@@ -101,8 +110,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
         return wrapped
 
-    def _status_for(self, exc: Exception, context: grpc.ServicerContext,
-                    method: str) -> tuple[grpc.StatusCode, str | None]:
+    def _status_for(
+        self, exc: Exception, context: grpc.ServicerContext, method: str
+    ) -> tuple[grpc.StatusCode, str | None]:
         """The status for exc; message None when the servicer already set one."""
         already = context.code()
         if already is not None and already != grpc.StatusCode.OK:
@@ -149,8 +159,9 @@ def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 
 def _check_decoded(request: Any) -> None:
     if isinstance(request, _UndecodableRequest):
-        raise InvalidArgument("request", "the message does not parse (text fields must be valid UTF-8): "
-                              f"{type(request.error).__name__}")
+        raise InvalidArgument(
+            "request", f"the message does not parse (text fields must be valid UTF-8): {type(request.error).__name__}"
+        )
 
 
 def _request_scope(request: Any, method: str) -> AbstractContextManager[None]:

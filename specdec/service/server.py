@@ -46,7 +46,7 @@ def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False   # a host name other than localhost: it may resolve to anything
+        return False  # a host name other than localhost: it may resolve to anything
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +59,8 @@ class ServerConfig:
     max_workers: int = DEFAULT_MAX_WORKERS
     grace_s: float = DEFAULT_GRACE_S
     metrics_port: int = 0  # 0: no /metrics endpoint
-    tls_cert_file: str = ""   # PEM certificate chain; with tls_key_file: serve TLS instead of plaintext
-    tls_key_file: str = ""    # PEM private key of that certificate
+    tls_cert_file: str = ""  # PEM certificate chain; with tls_key_file: serve TLS instead of plaintext
+    tls_key_file: str = ""  # PEM private key of that certificate
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -116,11 +116,16 @@ class _NameRecorder:
         self._server.add_registered_method_handlers(service_name, method_handlers)
 
 
-def create_server(address: str, services: Sequence[tuple[AddServicerFn, Any]], *,
-                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = DEFAULT_MAX_WORKERS,
-                  interceptors: Sequence[grpc.ServerInterceptor] = (),
-                  health_servicer: health.HealthServicer | None = None,
-                  credentials: grpc.ServerCredentials | None = None) -> tuple[grpc.Server, int]:
+def create_server(
+    address: str,
+    services: Sequence[tuple[AddServicerFn, Any]],
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    health_servicer: health.HealthServicer | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.Server, int]:
     """A server (not started) with `services` + health + reflection bound to address.
 
     services: (add_XServicer_to_server, servicer) pairs from the generated stubs.
@@ -133,8 +138,11 @@ def create_server(address: str, services: Sequence[tuple[AddServicerFn, Any]], *
         # Two servers on one port would split traffic silently; fail the bind instead.
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-                         interceptors=list(interceptors), options=options)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        interceptors=list(interceptors),
+        options=options,
+    )
     recorder = _NameRecorder(server)
     for add_to_server, servicer in services:
         add_to_server(servicer, recorder)
@@ -142,18 +150,23 @@ def create_server(address: str, services: Sequence[tuple[AddServicerFn, Any]], *
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in (OVERALL_HEALTH, *recorder.names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection(
-        (*recorder.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((*recorder.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
     return server, port
 
 
-def serve(config: ServerConfig, services: Sequence[tuple[AddServicerFn, Any]], *,
-          interceptors: Sequence[grpc.ServerInterceptor] = (), registry: CollectorRegistry | None = None,
-          stop_event: threading.Event | None = None, on_started: Callable[[int], None] | None = None,
-          on_stopped: Callable[[], None] | None = None) -> None:
+def serve(
+    config: ServerConfig,
+    services: Sequence[tuple[AddServicerFn, Any]],
+    *,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    registry: CollectorRegistry | None = None,
+    stop_event: threading.Event | None = None,
+    on_started: Callable[[int], None] | None = None,
+    on_stopped: Callable[[], None] | None = None,
+) -> None:
     """Run a server until SIGTERM/SIGINT (or stop_event), then stop gracefully.
 
     registry: served on config.metrics_port (when not 0) at /metrics.
@@ -163,9 +176,15 @@ def serve(config: ServerConfig, services: Sequence[tuple[AddServicerFn, Any]], *
     """
     log = structlog.get_logger("specdec.service")
     health_servicer = health.HealthServicer()
-    server, port = create_server(config.address, services, max_message_bytes=config.max_message_bytes,
-                                 max_workers=config.max_workers, interceptors=interceptors,
-                                 health_servicer=health_servicer, credentials=config.server_credentials())
+    server, port = create_server(
+        config.address,
+        services,
+        max_message_bytes=config.max_message_bytes,
+        max_workers=config.max_workers,
+        interceptors=interceptors,
+        health_servicer=health_servicer,
+        credentials=config.server_credentials(),
+    )
     stop = threading.Event() if stop_event is None else stop_event
     previous = {}
     received_signals: list[int] = []
@@ -179,8 +198,13 @@ def serve(config: ServerConfig, services: Sequence[tuple[AddServicerFn, Any]], *
         if registry is not None:
             metrics_server = start_metrics_server(config.metrics_port, registry, host=config.host)
         server.start()
-        log.info("serving", host=config.host, port=port, tls=config.is_tls,
-                 metrics_port=None if metrics_server is None else metrics_server.port)
+        log.info(
+            "serving",
+            host=config.host,
+            port=port,
+            tls=config.is_tls,
+            metrics_port=None if metrics_server is None else metrics_server.port,
+        )
         if on_started is not None:
             on_started(port)
         while not received_signals and not stop.wait(SIGNAL_POLL_S):

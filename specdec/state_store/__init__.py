@@ -1,9 +1,9 @@
 """The request state store: Redis when a URL is configured, else in memory.
 
-    store = open_state_store(redis_url)          # "" -> InMemoryStateStore
-    store.create(request_id, params, prompt_token_ids=prompt_ids)
-    n = store.append_step(request_id, [t1, t2, bonus], expected_num_tokens=n, stats=...)
-    state = store.load(request_id)               # recovery: re-prefill prompt + tokens
+store = open_state_store(redis_url)          # "" -> InMemoryStateStore
+store.create(request_id, params, prompt_token_ids=prompt_ids)
+n = store.append_step(request_id, [t1, t2, bonus], expected_num_tokens=n, stats=...)
+state = store.load(request_id)               # recovery: re-prefill prompt + tokens
 """
 
 from __future__ import annotations

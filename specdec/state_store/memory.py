@@ -50,8 +50,13 @@ class _Entry:
 class InMemoryStateStore:
     """A thread-safe dict of requests with TTL expiry on a caller-given clock."""
 
-    def __init__(self, config: StateStoreConfig | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, wall_clock_ms: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        config: StateStoreConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock_ms: Callable[[], int] | None = None,
+    ) -> None:
         self.config = StateStoreConfig() if config is None else config
         self._clock = clock
         self._wall_clock_ms = wall_clock_ms or (lambda: int(time.time() * 1000))
@@ -59,8 +64,14 @@ class InMemoryStateStore:
         # Insertion order = creation order, which list_active reports.
         self._entries: dict[str, _Entry] = {}
 
-    def create(self, request_id: str, params: Mapping[str, Any], *, prompt_token_ids: Sequence[int] = (),
-               status: RequestStatus = RequestStatus.QUEUED) -> None:
+    def create(
+        self,
+        request_id: str,
+        params: Mapping[str, Any],
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        status: RequestStatus = RequestStatus.QUEUED,
+    ) -> None:
         check_request_id(request_id)
         check_step(status, None)
         params_json = encode_json("params", params)
@@ -69,13 +80,23 @@ class InMemoryStateStore:
             if self._live(request_id) is not None:
                 raise AlreadyExists("request_id", f"request {request_id!r} exists already")
             now_ms = self._wall_clock_ms()
-            self._entries[request_id] = _Entry(params_json, status, prompt, now_ms, now_ms,
-                                               self._clock() + self.config.ttl_s)
+            self._entries[request_id] = _Entry(
+                params_json, status, prompt, now_ms, now_ms, self._clock() + self.config.ttl_s
+            )
 
-    def append_step(self, request_id: str, token_ids: Sequence[int] = (), *,
-                    expected_num_tokens: int | None = None, status: RequestStatus | None = None,
-                    stats: Mapping[str, Any] | None = None, controller_state: Mapping[str, Any] | None = None,
-                    finish_reason: str | None = None, error: str | None = None, owner: str | None = None) -> int:
+    def append_step(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        expected_num_tokens: int | None = None,
+        status: RequestStatus | None = None,
+        stats: Mapping[str, Any] | None = None,
+        controller_state: Mapping[str, Any] | None = None,
+        finish_reason: str | None = None,
+        error: str | None = None,
+        owner: str | None = None,
+    ) -> int:
         check_step(status, expected_num_tokens)
         packed = encode_token_ids(token_ids)
         stats_json = None if stats is None else encode_json("stats", stats)
@@ -108,8 +129,7 @@ class InMemoryStateStore:
             entry.expires_at = now + self.config.ttl_s
             return len(entry.tokens) // TOKEN_BYTES
 
-    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "",
-                   error: str = "") -> bool:
+    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = "") -> bool:
         return set_status_by_step(self, request_id, status, finish_reason=finish_reason, error=error)
 
     def claim(self, request_id: str, owner: str) -> bool:
@@ -132,16 +152,25 @@ class InMemoryStateStore:
                 return None
             is_owned = entry.owner and entry.owner_expires_at > self._clock()
             return RequestState(
-                request_id=request_id, params=json.loads(entry.params_json), status=entry.status,
-                prompt_token_ids=decode_token_ids(entry.prompt), token_ids=decode_token_ids(bytes(entry.tokens)),
-                stats=json.loads(entry.stats_json), controller_state=json.loads(entry.controller_json),
-                finish_reason=entry.finish_reason, error=entry.error, owner=entry.owner if is_owned else "",
-                created_ms=entry.created_ms, updated_ms=entry.updated_ms)
+                request_id=request_id,
+                params=json.loads(entry.params_json),
+                status=entry.status,
+                prompt_token_ids=decode_token_ids(entry.prompt),
+                token_ids=decode_token_ids(bytes(entry.tokens)),
+                stats=json.loads(entry.stats_json),
+                controller_state=json.loads(entry.controller_json),
+                finish_reason=entry.finish_reason,
+                error=entry.error,
+                owner=entry.owner if is_owned else "",
+                created_ms=entry.created_ms,
+                updated_ms=entry.updated_ms,
+            )
 
     def list_active(self) -> list[str]:
         with self._lock:
-            return [rid for rid in list(self._entries)
-                    if (e := self._live(rid)) is not None and not e.status.is_terminal]
+            return [
+                rid for rid in list(self._entries) if (e := self._live(rid)) is not None and not e.status.is_terminal
+            ]
 
     def delete(self, request_id: str) -> bool:
         with self._lock:
@@ -168,5 +197,3 @@ class InMemoryStateStore:
         if entry.owner != owner and entry.owner_expires_at > now:
             raise FailedPrecondition("owner", f"the lease of {request_id!r} is held by {entry.owner!r}, not {owner!r}")
         entry.owner = owner
-
-

@@ -112,8 +112,13 @@ return 1
 class RedisStateStore:
     """StateStore on a Redis server; the client comes in through the constructor."""
 
-    def __init__(self, client: redis.Redis, config: StateStoreConfig | None = None, *,
-                 wall_clock_ms: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        config: StateStoreConfig | None = None,
+        *,
+        wall_clock_ms: Callable[[], int] | None = None,
+    ) -> None:
         self.config = StateStoreConfig() if config is None else config
         self._client = client
         self._wall_clock_ms = wall_clock_ms or (lambda: int(time.time() * 1000))
@@ -127,8 +132,9 @@ class RedisStateStore:
     @classmethod
     def from_url(cls, url: str, config: StateStoreConfig | None = None, *, timeout_s: float = 5.0) -> RedisStateStore:
         """url: redis://host:port/db or unix:///path/to.sock."""
-        client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                      health_check_interval=30)
+        client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=30
+        )
         return cls(client, config)
 
     def keys(self, request_id: str) -> tuple[str, str, str, str]:
@@ -136,8 +142,14 @@ class RedisStateStore:
         base = f"{self.config.namespace}:req:{{{request_id}}}"
         return f"{base}:meta", f"{base}:tokens", f"{base}:prompt", f"{base}:owner"
 
-    def create(self, request_id: str, params: Mapping[str, Any], *, prompt_token_ids: Sequence[int] = (),
-               status: RequestStatus = RequestStatus.QUEUED) -> None:
+    def create(
+        self,
+        request_id: str,
+        params: Mapping[str, Any],
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        status: RequestStatus = RequestStatus.QUEUED,
+    ) -> None:
         check_request_id(request_id)
         check_step(status, None)
         now_ms = self._wall_clock_ms()
@@ -149,21 +161,39 @@ class RedisStateStore:
             self._create(self.keys(request_id), args)
             self._client.zadd(self._active_key, {request_id: now_ms}, nx=True)
 
-    def append_step(self, request_id: str, token_ids: Sequence[int] = (), *,
-                    expected_num_tokens: int | None = None, status: RequestStatus | None = None,
-                    stats: Mapping[str, Any] | None = None, controller_state: Mapping[str, Any] | None = None,
-                    finish_reason: str | None = None, error: str | None = None, owner: str | None = None) -> int:
+    def append_step(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        expected_num_tokens: int | None = None,
+        status: RequestStatus | None = None,
+        stats: Mapping[str, Any] | None = None,
+        controller_state: Mapping[str, Any] | None = None,
+        finish_reason: str | None = None,
+        error: str | None = None,
+        owner: str | None = None,
+    ) -> int:
         check_step(status, expected_num_tokens)
         fields: list[str] = []
-        for name, value in (("status", None if status is None else status.value),
-                            ("stats", None if stats is None else encode_json("stats", stats)),
-                            ("controller", None if controller_state is None
-                             else encode_json("controller_state", controller_state)),
-                            ("finish_reason", finish_reason), ("error", error)):
+        for name, value in (
+            ("status", None if status is None else status.value),
+            ("stats", None if stats is None else encode_json("stats", stats)),
+            ("controller", None if controller_state is None else encode_json("controller_state", controller_state)),
+            ("finish_reason", finish_reason),
+            ("error", error),
+        ):
             if value is not None:
                 fields += [name, value]
-        args = [encode_token_ids(token_ids), -1 if expected_num_tokens is None else expected_num_tokens,
-                self._ttl_ms, self._wall_clock_ms(), owner or "", self._lease_ms, *fields]
+        args = [
+            encode_token_ids(token_ids),
+            -1 if expected_num_tokens is None else expected_num_tokens,
+            self._ttl_ms,
+            self._wall_clock_ms(),
+            owner or "",
+            self._lease_ms,
+            *fields,
+        ]
         with _redis_errors(request_id, expected_num_tokens, owner):
             num_tokens = int(self._step(self.keys(request_id), args))
             if status is not None and status.is_terminal:
@@ -172,8 +202,7 @@ class RedisStateStore:
                 self._client.zrem(self._active_key, request_id)
         return num_tokens
 
-    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "",
-                   error: str = "") -> bool:
+    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = "") -> bool:
         return set_status_by_step(self, request_id, status, finish_reason=finish_reason, error=error)
 
     def claim(self, request_id: str, owner: str) -> bool:
@@ -193,11 +222,19 @@ class RedisStateStore:
             return None
         text = {k.decode(): v.decode() for k, v in meta.items()}
         return RequestState(
-            request_id=request_id, params=json.loads(text["params"]), status=RequestStatus(text["status"]),
-            prompt_token_ids=decode_token_ids(prompt), token_ids=decode_token_ids(tokens),
-            stats=json.loads(text["stats"]), controller_state=json.loads(text["controller"]),
-            finish_reason=text["finish_reason"], error=text["error"], owner=(owner or b"").decode(),
-            created_ms=int(text["created_ms"]), updated_ms=int(text["updated_ms"]))
+            request_id=request_id,
+            params=json.loads(text["params"]),
+            status=RequestStatus(text["status"]),
+            prompt_token_ids=decode_token_ids(prompt),
+            token_ids=decode_token_ids(tokens),
+            stats=json.loads(text["stats"]),
+            controller_state=json.loads(text["controller"]),
+            finish_reason=text["finish_reason"],
+            error=text["error"],
+            owner=(owner or b"").decode(),
+            created_ms=int(text["created_ms"]),
+            updated_ms=int(text["updated_ms"]),
+        )
 
     def list_active(self) -> list[str]:
         with _redis_errors("*"):
@@ -208,8 +245,11 @@ class RedisStateStore:
             for rid in ids:
                 pipe.hget(self.keys(rid)[0], "status")
             statuses = pipe.execute()
-            stale = [rid for rid, status in zip(ids, statuses, strict=True)
-                     if status is None or RequestStatus(status.decode()).is_terminal]
+            stale = [
+                rid
+                for rid, status in zip(ids, statuses, strict=True)
+                if status is None or RequestStatus(status.decode()).is_terminal
+            ]
             if stale:
                 self._client.zrem(self._active_key, *stale)
         stale_set = set(stale)
@@ -228,8 +268,7 @@ class RedisStateStore:
 
 
 @contextmanager
-def _redis_errors(request_id: str, expected_num_tokens: int | None = None,
-                  owner: str | None = None) -> Iterator[None]:
+def _redis_errors(request_id: str, expected_num_tokens: int | None = None, owner: str | None = None) -> Iterator[None]:
     """Turn Redis errors into the domain errors the in-memory store raises."""
     try:
         yield
@@ -251,5 +290,6 @@ def _redis_errors(request_id: str, expected_num_tokens: int | None = None,
             raise token_count_mismatch(int(float(detail)), expected_num_tokens or 0) from None
         if code == "SPECDEC_NOT_OWNER":
             raise FailedPrecondition(
-                "owner", f"the lease of {request_id!r} is held by {detail!r}, not {owner!r}") from None
+                "owner", f"the lease of {request_id!r} is held by {detail!r}, not {owner!r}"
+            ) from None
         raise

@@ -99,15 +99,30 @@ class StateStore(Protocol):
     the backend cannot be reached.
     """
 
-    def create(self, request_id: str, params: Mapping[str, Any], *, prompt_token_ids: Sequence[int] = (),
-               status: RequestStatus = RequestStatus.QUEUED) -> None:
+    def create(
+        self,
+        request_id: str,
+        params: Mapping[str, Any],
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        status: RequestStatus = RequestStatus.QUEUED,
+    ) -> None:
         """Store a new request (active until a terminal status)."""
         ...
 
-    def append_step(self, request_id: str, token_ids: Sequence[int] = (), *,
-                    expected_num_tokens: int | None = None, status: RequestStatus | None = None,
-                    stats: Mapping[str, Any] | None = None, controller_state: Mapping[str, Any] | None = None,
-                    finish_reason: str | None = None, error: str | None = None, owner: str | None = None) -> int:
+    def append_step(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        expected_num_tokens: int | None = None,
+        status: RequestStatus | None = None,
+        stats: Mapping[str, Any] | None = None,
+        controller_state: Mapping[str, Any] | None = None,
+        finish_reason: str | None = None,
+        error: str | None = None,
+        owner: str | None = None,
+    ) -> int:
         """The per-step write, atomic and one round trip: append committed
         tokens and replace whichever of status/stats/controller_state/
         finish_reason/error are given. expected_num_tokens (the count before
@@ -115,8 +130,7 @@ class StateStore(Protocol):
         Returns the number of committed tokens after the write."""
         ...
 
-    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "",
-                   error: str = "") -> bool:
+    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = "") -> bool:
         """Move a request to status; False (no change) when it already ended."""
         ...
 
@@ -196,11 +210,13 @@ def token_count_mismatch(num_stored: int, expected_num_tokens: int) -> FailedPre
     return FailedPrecondition(
         "expected_num_tokens",
         f"the store holds {num_stored} committed tokens, the writer expected {expected_num_tokens} "
-        "(a retried or concurrent write)")
+        "(a retried or concurrent write)",
+    )
 
 
-def set_status_by_step(store: StateStore, request_id: str, status: RequestStatus, *, finish_reason: str = "",
-                       error: str = "") -> bool:
+def set_status_by_step(
+    store: StateStore, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
+) -> bool:
     """set_status for any store: a step that appends nothing; False when the request already ended."""
     try:
         store.append_step(request_id, status=status, finish_reason=finish_reason, error=error)

@@ -10,6 +10,7 @@ A `WeightManifest` (segment name or IPC handle, and per tensor: name, dtype, sha
 offset, byte count) is all a peer needs to rebuild the same views; it travels as explicit
 protobuf fields, never pickled. `attach` checks every field before mapping anything.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,14 @@ CUDA_IPC_HANDLE_BYTES = 64
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-    "float8_e4m3fn": torch.float8_e4m3fn, "int64": torch.int64, "int32": torch.int32,
-    "uint8": torch.uint8, "int8": torch.int8,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -57,10 +63,10 @@ class TensorDescriptor:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class WeightManifest:
-    kind: str                       # KIND_SHARED_MEMORY or KIND_CUDA_IPC
-    segment_name: str               # shared memory: the file name under /dev/shm
-    cuda_ipc_handle: bytes          # CUDA IPC: cudaIpcMemHandle_t bytes
-    device_index: int               # CUDA device; -1 on CPU
+    kind: str  # KIND_SHARED_MEMORY or KIND_CUDA_IPC
+    segment_name: str  # shared memory: the file name under /dev/shm
+    cuda_ipc_handle: bytes  # CUDA IPC: cudaIpcMemHandle_t bytes
+    device_index: int  # CUDA device; -1 on CPU
     total_bytes: int
     owner_instance_id: str
     tensors: tuple[TensorDescriptor, ...]
@@ -77,8 +83,7 @@ def _layout(weights: Mapping[str, torch.Tensor]) -> tuple[list[TensorDescriptor]
 
 def _views(base: torch.Tensor, descriptors: tuple[TensorDescriptor, ...]) -> dict[str, torch.Tensor]:
     # base: [total_bytes] uint8; each view aliases it (no copy).
-    return {d.name: base[d.offset:d.offset + d.num_bytes].view(DTYPES[d.dtype]).view(d.shape)
-            for d in descriptors}
+    return {d.name: base[d.offset : d.offset + d.num_bytes].view(DTYPES[d.dtype]).view(d.shape) for d in descriptors}
 
 
 class SharedWeights:
@@ -89,15 +94,17 @@ class SharedWeights:
         self.tensors = _views(base, manifest.tensors)
 
     @classmethod
-    def create(cls, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu",
-               instance_id: str | None = None) -> "SharedWeights":
+    def create(
+        cls, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", instance_id: str | None = None
+    ) -> "SharedWeights":
         device = torch.device(device)
         instance_id = instance_id or uuid.uuid4().hex[:12]
         descriptors, total = _layout(weights)
         if device.type == "cuda":
             base, handle, keepalive = _cuda_alloc_exported(total, device)
-            manifest = WeightManifest(KIND_CUDA_IPC, "", handle, device.index or 0, total, instance_id,
-                                      tuple(descriptors))
+            manifest = WeightManifest(
+                KIND_CUDA_IPC, "", handle, device.index or 0, total, instance_id, tuple(descriptors)
+            )
         else:
             cleanup_stale_segments()
             name = f"{SEGMENT_PREFIX}-{os.getpid()}-{instance_id}"
@@ -130,7 +137,10 @@ def attach(manifest: WeightManifest, announced: WeightManifest | None = None) ->
     memory (a caller cannot make this process map some other segment or IPC handle)."""
     _check_manifest(manifest)
     if announced is not None and (manifest.kind, manifest.segment_name, manifest.cuda_ipc_handle) != (
-            announced.kind, announced.segment_name, announced.cuda_ipc_handle):
+        announced.kind,
+        announced.segment_name,
+        announced.cuda_ipc_handle,
+    ):
         raise HandleError("segment_name", "not the memory the primary exports (ExportWeights)")
     if manifest.kind == KIND_CUDA_IPC:
         base = _cuda_open_exported(manifest)
@@ -153,8 +163,7 @@ def _check_manifest(m: WeightManifest) -> None:
             raise HandleError("segment_name", f"not a weight segment name: {m.segment_name!r}")
     elif m.kind == KIND_CUDA_IPC:
         if len(m.cuda_ipc_handle) != CUDA_IPC_HANDLE_BYTES:
-            raise HandleError("cuda_ipc_handle", f"must be {CUDA_IPC_HANDLE_BYTES} bytes, "
-                              f"got {len(m.cuda_ipc_handle)}")
+            raise HandleError("cuda_ipc_handle", f"must be {CUDA_IPC_HANDLE_BYTES} bytes, got {len(m.cuda_ipc_handle)}")
         if not torch.cuda.is_available() or m.device_index >= torch.cuda.device_count():
             raise HandleError("device_index", f"CUDA device {m.device_index} is not visible to this process")
     else:
@@ -170,8 +179,10 @@ def _check_manifest(m: WeightManifest) -> None:
         if any(s < 0 for s in d.shape) or math.prod(d.shape) * itemsize != d.num_bytes:
             raise HandleError("tensors.shape", f"{d.name}: shape {d.shape} does not hold {d.num_bytes} bytes")
         if d.offset % ALIGNMENT or d.offset < 0 or d.offset + d.num_bytes > m.total_bytes:
-            raise HandleError("tensors.offset", f"{d.name}: [{d.offset}, +{d.num_bytes}) is outside the "
-                              f"{m.total_bytes}-byte segment or misaligned")
+            raise HandleError(
+                "tensors.offset",
+                f"{d.name}: [{d.offset}, +{d.num_bytes}) is outside the {m.total_bytes}-byte segment or misaligned",
+            )
 
 
 def cleanup_stale_segments() -> list[str]:
@@ -188,10 +199,12 @@ def cleanup_stale_segments() -> list[str]:
 
 # --- CUDA IPC (GPU nodes only; CuPy provides the runtime calls) ---------------------------
 
+
 def _cuda_alloc_exported(total: int, device: torch.device):
     import cupy
+
     with cupy.cuda.Device(device.index or 0):
-        ptr = cupy.cuda.runtime.malloc(total)              # the allocation base: exportable as is
+        ptr = cupy.cuda.runtime.malloc(total)  # the allocation base: exportable as is
         handle = bytes(cupy.cuda.runtime.ipcGetMemHandle(ptr))
         mem = cupy.cuda.UnownedMemory(ptr, total, owner=None, device_id=device.index or 0)
         arr = cupy.ndarray((total,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
@@ -202,10 +215,12 @@ def _cuda_alloc_exported(total: int, device: torch.device):
 
 def _cuda_open_exported(m: WeightManifest) -> torch.Tensor:
     import cupy
+
     try:
         with cupy.cuda.Device(m.device_index):
-            ptr = cupy.cuda.runtime.ipcOpenMemHandle(m.cuda_ipc_handle,
-                                                     cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess)
+            ptr = cupy.cuda.runtime.ipcOpenMemHandle(
+                m.cuda_ipc_handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
+            )
             mem = cupy.cuda.UnownedMemory(ptr, m.total_bytes, owner=None, device_id=m.device_index)
             arr = cupy.ndarray((m.total_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
     except cupy.cuda.runtime.CUDARuntimeError as e:
@@ -219,6 +234,7 @@ class _CudaFree:
 
     def __del__(self) -> None:
         import cupy
+
         with cupy.cuda.Device(self.device_index):
             cupy.cuda.runtime.free(self.ptr)
 
@@ -231,7 +247,15 @@ def manifest_to_dict(m: WeightManifest) -> dict:
 
 
 def manifest_from_dict(d: dict) -> WeightManifest:
-    tensors = tuple(TensorDescriptor(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["num_bytes"])
-                    for t in d["tensors"])
-    return WeightManifest(d["kind"], d["segment_name"], bytes.fromhex(d["cuda_ipc_handle"]), d["device_index"],
-                          d["total_bytes"], d["owner_instance_id"], tensors)
+    tensors = tuple(
+        TensorDescriptor(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["num_bytes"]) for t in d["tensors"]
+    )
+    return WeightManifest(
+        d["kind"],
+        d["segment_name"],
+        bytes.fromhex(d["cuda_ipc_handle"]),
+        d["device_index"],
+        d["total_bytes"],
+        d["owner_instance_id"],
+        tensors,
+    )

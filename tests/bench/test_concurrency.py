@@ -1,4 +1,5 @@
 """bench.concurrency: per-token latency from stream arrival times, and a wave's summary."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,10 +19,11 @@ def test_percentiles_interpolate():
 
 
 def test_summarize_wave():
-    traces = [StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3)), controller={"num_steps_by_degree": [1, 2],
-                                                                       "num_probe_steps": 1}),
-              StreamTrace("b", 0.0, ((1.0, 2), (2.0, 2)), controller={"num_steps_by_degree": [0, 0, 4]}),
-              StreamTrace("c", 0.0, (), error="UNAVAILABLE: down")]
+    traces = [
+        StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3)), controller={"num_steps_by_degree": [1, 2], "num_probe_steps": 1}),
+        StreamTrace("b", 0.0, ((1.0, 2), (2.0, 2)), controller={"num_steps_by_degree": [0, 0, 4]}),
+        StreamTrace("c", 0.0, (), error="UNAVAILABLE: down"),
+    ]
     out = summarize_wave(traces)
     assert (out["num_requests"], out["num_errors"], out["num_tokens"]) == (3, 1, 8)
     assert out["wall_s"] == 2.0 and out["aggregate_tokens_per_s"] == 4.0
@@ -33,16 +35,26 @@ def test_summarize_wave():
 
 
 def test_format_row_without_output():
-    row = {"concurrency": 4, "speculation": True, "num_errors": 4, "num_requests": 4,
-           "aggregate_tokens_per_s": None, "token_latency_ms": {"p50": None, "p99": None}}
+    row = {
+        "concurrency": 4,
+        "speculation": True,
+        "num_errors": 4,
+        "num_requests": 4,
+        "aggregate_tokens_per_s": None,
+        "token_latency_ms": {"p50": None, "p99": None},
+    }
     assert format_row(row) == "[concurrency   4] speculation on  | no output | errors 4/4"
 
 
 def test_summarize_load_counts_throughput_over_the_run_and_errors_by_code():
     from bench.concurrency import summarize_load
-    traces = [StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3))), StreamTrace("b", 1.0, ((1.2, 2),)),
-              StreamTrace("", 1.0, (), error="RESOURCE_EXHAUSTED: at capacity"),
-              StreamTrace("", 1.5, (), error="RESOURCE_EXHAUSTED: at capacity")]
+
+    traces = [
+        StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3))),
+        StreamTrace("b", 1.0, ((1.2, 2),)),
+        StreamTrace("", 1.0, (), error="RESOURCE_EXHAUSTED: at capacity"),
+        StreamTrace("", 1.5, (), error="RESOURCE_EXHAUSTED: at capacity"),
+    ]
     out = summarize_load(traces, wall_s=2.0, is_stream=True)
     assert (out["num_requests"], out["num_ok"], out["num_tokens"]) == (4, 2, 6)
     assert out["requests_per_s"] == 1.0 and out["tokens_per_s"] == 3.0
@@ -53,6 +65,7 @@ def test_summarize_load_counts_throughput_over_the_run_and_errors_by_code():
 
 def test_the_load_generator_stays_on_loopback_and_within_its_bounds():
     from bench.load import is_loopback_address, parse_args
+
     assert is_loopback_address("127.0.0.1:50050") and is_loopback_address("[::1]:1")
     assert is_loopback_address("localhost:9") and not is_loopback_address("192.168.1.2:50050")
     a = parse_args(["--soak"])

@@ -1,4 +1,5 @@
 """python -m bench http runs end to end (tiny sizes) and prints its table."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """A peer in a child process: replies over JSON lines, errors and crashes recorded, restarted after a crash."""
+
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,7 @@ from bench.peer_process import PeerCrashed, PeerProcess
 
 # A stand-in worker speaking the same protocol: echoes the prompt, fails on an empty one,
 # and dies of SIGSEGV (as llama.cpp's native code can) on max_new_tokens == 13.
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, os, signal, sys
     print(json.dumps({"systems": ["echo"]}), flush=True)
     for line in sys.stdin:
@@ -21,7 +22,7 @@ WORKER = textwrap.dedent('''
             print(json.dumps({"error": "ValueError: empty prompt"}), flush=True)
             continue
         print(json.dumps({"token_ids": req["prompt_ids"][:req["max_new_tokens"]], "seconds": 0.5}), flush=True)
-''')
+""")
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_replies_and_errors(peer):
     assert peer.run("echo", [5, 6, 7], 2) == ([5, 6], 0.5)
     with pytest.raises(RuntimeError, match="empty prompt"):
         peer.run("echo", [], 2)
-    assert peer.run("echo", [8], 4) == ([8], 0.5)       # still serving after an error
+    assert peer.run("echo", [8], 4) == ([8], 0.5)  # still serving after an error
 
 
 def test_crash_is_an_error_and_the_next_call_restarts(peer):

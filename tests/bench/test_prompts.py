@@ -1,4 +1,5 @@
 """The prompt sets the benchmarks read by default ship with the repository, in the row format they load."""
+
 from __future__ import annotations
 
 from pathlib import Path

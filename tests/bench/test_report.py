@@ -1,32 +1,88 @@
 """bench.report: aggregation of per-request records into results.json figures, on hand-computed cases."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from bench.report import (BASELINE, SPECULATIVE, Record, check_json, finite, grammar_forced_share, json_figures,
-                          merge_entropy_bins, num_same, speculation_figures, speedups, spread, sum_counts,
-                          summarize_scenario)
+from bench.report import (
+    BASELINE,
+    SPECULATIVE,
+    Record,
+    check_json,
+    finite,
+    grammar_forced_share,
+    json_figures,
+    merge_entropy_bins,
+    num_same,
+    speculation_figures,
+    speedups,
+    spread,
+    sum_counts,
+    summarize_scenario,
+)
 
 
-def stats(total: float = 100.0, verify: float = 60.0, forward: float = 50.0, decoders: dict | None = None,
-          proposed: int = 10, accepted: int = 4, generated: int = 12, steps: int = 6, bins: list | None = None,
-          task_type: str = "code") -> dict:
+def stats(
+    total: float = 100.0,
+    verify: float = 60.0,
+    forward: float = 50.0,
+    decoders: dict | None = None,
+    proposed: int = 10,
+    accepted: int = 4,
+    generated: int = 12,
+    steps: int = 6,
+    bins: list | None = None,
+    task_type: str = "code",
+) -> dict:
     """bench.stack.stats_dict's shape."""
-    return {"num_prompt_tokens": 5, "num_generated_tokens": generated, "num_steps": steps, "num_proposed": proposed,
-            "num_accepted": accepted, "tokens_per_second": 0.0,
-            "stage_ms": {"draft": 5.0, "verify": verify, "forward": forward, "validate": 1.0, "commit": 1.0,
-                         "state": 1.0, "other": 0.0, "total": total},
-            "decoders": decoders or {}, "entropy_bins": bins or [],
-            "num_steps_by_degree": [1, 5], "num_steps_by_draft_length": [1, 0, 2, 3], "num_probe_steps": 1,
-            "task_type": task_type}
+    return {
+        "num_prompt_tokens": 5,
+        "num_generated_tokens": generated,
+        "num_steps": steps,
+        "num_proposed": proposed,
+        "num_accepted": accepted,
+        "tokens_per_second": 0.0,
+        "stage_ms": {
+            "draft": 5.0,
+            "verify": verify,
+            "forward": forward,
+            "validate": 1.0,
+            "commit": 1.0,
+            "state": 1.0,
+            "other": 0.0,
+            "total": total,
+        },
+        "decoders": decoders or {},
+        "entropy_bins": bins or [],
+        "num_steps_by_degree": [1, 5],
+        "num_steps_by_draft_length": [1, 0, 2, 3],
+        "num_probe_steps": 1,
+        "task_type": task_type,
+    }
 
 
-def record(system: str, prompt_id: str, token_ids: tuple = (1, 2, 3, 4), seconds: float = 1.0, error: str = "",
-           stats_: dict | None = None, text: str | None = None) -> Record:
-    return Record(system, "code", prompt_id, 5, () if error else token_ids,
-                  text if text is not None else " ".join(map(str, token_ids)), seconds, error=error, stats=stats_)
+def record(
+    system: str,
+    prompt_id: str,
+    token_ids: tuple = (1, 2, 3, 4),
+    seconds: float = 1.0,
+    error: str = "",
+    stats_: dict | None = None,
+    text: str | None = None,
+) -> Record:
+    return Record(
+        system,
+        "code",
+        prompt_id,
+        5,
+        () if error else token_ids,
+        text if text is not None else " ".join(map(str, token_ids)),
+        seconds,
+        error=error,
+        stats=stats_,
+    )
 
 
 def test_spread_of_four_values():
@@ -40,13 +96,20 @@ def test_spread_of_one_and_none():
 
 
 def test_merge_entropy_bins_sums_equal_bands_in_ascending_order():
-    a = [{"lower": 0.5, "upper": 1.0, "num_proposed": 1, "num_accepted": 0},
-         {"lower": 0.0, "upper": 0.5, "num_proposed": 4, "num_accepted": 3}]
-    b = [{"lower": 0.0, "upper": 0.5, "num_proposed": 2, "num_accepted": 1},
-         {"lower": 4.0, "upper": None, "num_proposed": 0, "num_accepted": 0}]
+    a = [
+        {"lower": 0.5, "upper": 1.0, "num_proposed": 1, "num_accepted": 0},
+        {"lower": 0.0, "upper": 0.5, "num_proposed": 4, "num_accepted": 3},
+    ]
+    b = [
+        {"lower": 0.0, "upper": 0.5, "num_proposed": 2, "num_accepted": 1},
+        {"lower": 4.0, "upper": None, "num_proposed": 0, "num_accepted": 0},
+    ]
     merged = merge_entropy_bins([a, b])
     assert [(m["lower"], m["upper"], m["num_proposed"], m["num_accepted"]) for m in merged] == [
-        (0.0, 0.5, 6, 4), (0.5, 1.0, 1, 0), (4.0, None, 0, 0)]
+        (0.0, 0.5, 6, 4),
+        (0.5, 1.0, 1, 0),
+        (4.0, None, 0, 0),
+    ]
     assert merged[0]["acceptance_rate"] == pytest.approx(4 / 6)
     assert merged[1]["acceptance_rate"] == 0.0
     assert merged[2]["acceptance_rate"] is None
@@ -59,19 +122,29 @@ def test_sum_counts_pads_shorter_lists():
 
 def test_speculation_figures_sum_over_requests():
     d1 = {"prompt_lookup": {"num_proposed": 8, "num_accepted": 4, "time_ms": 1.0}}
-    d2 = {"prompt_lookup": {"num_proposed": 2, "num_accepted": 0, "time_ms": 0.5},
-          "suffix_index": {"num_proposed": 0, "num_accepted": 0, "time_ms": 0.2}}
-    f = speculation_figures([stats(decoders=d1, proposed=8, accepted=4, generated=10, steps=5),
-                             stats(decoders=d2, proposed=2, accepted=0, generated=2, steps=2)])
+    d2 = {
+        "prompt_lookup": {"num_proposed": 2, "num_accepted": 0, "time_ms": 0.5},
+        "suffix_index": {"num_proposed": 0, "num_accepted": 0, "time_ms": 0.2},
+    }
+    f = speculation_figures(
+        [
+            stats(decoders=d1, proposed=8, accepted=4, generated=10, steps=5),
+            stats(decoders=d2, proposed=2, accepted=0, generated=2, steps=2),
+        ]
+    )
     assert f["acceptance_rate"] == pytest.approx(0.4)
     assert f["mean_accepted_length"] == pytest.approx(12 / 7)
-    assert f["decoders"]["prompt_lookup"] == {"num_proposed": 10, "num_accepted": 4, "time_ms": 1.5,
-                                              "acceptance_rate": 0.4}
+    assert f["decoders"]["prompt_lookup"] == {
+        "num_proposed": 10,
+        "num_accepted": 4,
+        "time_ms": 1.5,
+        "acceptance_rate": 0.4,
+    }
     assert f["decoders"]["suffix_index"]["acceptance_rate"] is None
     assert f["num_steps_by_degree"] == [2, 10]
     assert f["num_probe_steps"] == 2
     assert f["task_types"] == ["code"]
-    assert f["grammar_forced_share"] == 0.0          # 4 accepted, none by the grammar decoder
+    assert f["grammar_forced_share"] == 0.0  # 4 accepted, none by the grammar decoder
     assert f["outside_model_fraction"] == pytest.approx((200 - 100) / 200)
     assert f["stage_ms_per_step"]["forward"] == pytest.approx(100 / 7)
 
@@ -79,13 +152,17 @@ def test_speculation_figures_sum_over_requests():
 def test_grammar_forced_share_counts_every_grammar_instance():
     decoders = {"grammar": {"num_accepted": 6}, "grammar#1": {"num_accepted": 2}, "prompt_lookup": {"num_accepted": 2}}
     assert grammar_forced_share(decoders, 10) == pytest.approx(0.8)
-    assert grammar_forced_share(decoders, 0) is None   # speculation off: nothing accepted, no share
+    assert grammar_forced_share(decoders, 0) is None  # speculation off: nothing accepted, no share
 
 
 def test_speedups_ratio_of_medians_and_median_of_ratios():
     # tok/s (4 tokens): a 4 vs 2, b 2 vs 1, c 1 vs 4 -> medians 2 / 2 = 1.0; per prompt [2, 2, 0.25] -> 2.0
-    spec = [record(SPECULATIVE, "a", seconds=1.0), record(SPECULATIVE, "b", seconds=2.0),
-            record(SPECULATIVE, "c", seconds=4.0), record(SPECULATIVE, "d", error="E: x")]
+    spec = [
+        record(SPECULATIVE, "a", seconds=1.0),
+        record(SPECULATIVE, "b", seconds=2.0),
+        record(SPECULATIVE, "c", seconds=4.0),
+        record(SPECULATIVE, "d", error="E: x"),
+    ]
     base = [record(BASELINE, "a", seconds=2.0), record(BASELINE, "b", seconds=4.0), record(BASELINE, "c", seconds=1.0)]
     ratio_of_medians, per_prompt = speedups(spec, base)
     assert ratio_of_medians == pytest.approx(1.0)
@@ -94,26 +171,37 @@ def test_speedups_ratio_of_medians_and_median_of_ratios():
 
 
 def test_json_figures_rates():
-    rows = [Record(BASELINE, "json", p, 5, (1,), "{}", 1.0, is_json=j, is_schema_valid=v)
-            for p, j, v in (("a", True, True), ("b", True, False), ("c", False, False), ("d", True, True))]
-    assert json_figures(rows) == {"num_json": 3, "num_schema_valid": 2, "json_parse_rate": 0.75,
-                                  "schema_validity_rate": 0.5}
+    rows = [
+        Record(BASELINE, "json", p, 5, (1,), "{}", 1.0, is_json=j, is_schema_valid=v)
+        for p, j, v in (("a", True, True), ("b", True, False), ("c", False, False), ("d", True, True))
+    ]
+    assert json_figures(rows) == {
+        "num_json": 3,
+        "num_schema_valid": 2,
+        "json_parse_rate": 0.75,
+        "schema_validity_rate": 0.5,
+    }
 
 
 def test_num_same_by_token_ids_or_text():
     refs = {"a": record(BASELINE, "a", (1, 2)), "b": record(BASELINE, "b", (3, 4), text="x")}
     rows = [record("s", "a", (1, 2)), record("s", "b", (9, 9), text="x"), record("s", "c", (5,))]
     assert num_same(rows, refs, by_text=False) == 1
-    assert num_same(rows, refs, by_text=True) == 2   # "b" differs in ids but decodes the same
+    assert num_same(rows, refs, by_text=True) == 2  # "b" differs in ids but decodes the same
     assert num_same([record("s", "c")], refs, by_text=False) is None
 
 
 def test_summarize_scenario_speedups_and_comparisons():
-    records = [record(BASELINE, "a", seconds=2.0), record(BASELINE, "b", seconds=4.0),    # 2.0 and 1.0 tok/s
-               record(SPECULATIVE, "a", seconds=1.0, stats_=stats()),                     # 4.0 tok/s
-               record(SPECULATIVE, "b", (1, 2, 3, 5), seconds=2.0, stats_=stats()),       # 2.0 tok/s, differs
-               record("transformers", "a", seconds=4.0), record("transformers", "b", seconds=4.0),
-               record("transformers_lookup", "a", seconds=2.0), record("transformers_lookup", "b", error="E: x")]
+    records = [
+        record(BASELINE, "a", seconds=2.0),
+        record(BASELINE, "b", seconds=4.0),  # 2.0 and 1.0 tok/s
+        record(SPECULATIVE, "a", seconds=1.0, stats_=stats()),  # 4.0 tok/s
+        record(SPECULATIVE, "b", (1, 2, 3, 5), seconds=2.0, stats_=stats()),  # 2.0 tok/s, differs
+        record("transformers", "a", seconds=4.0),
+        record("transformers", "b", seconds=4.0),
+        record("transformers_lookup", "a", seconds=2.0),
+        record("transformers_lookup", "b", error="E: x"),
+    ]
     out = summarize_scenario(records)
     assert list(out) == [BASELINE, SPECULATIVE, "transformers", "transformers_lookup"]
     assert out[BASELINE]["speedup"] == pytest.approx(1.0)
@@ -133,9 +221,13 @@ def test_summarize_scenario_speedups_and_comparisons():
 
 
 def test_summarize_scenario_with_a_failed_baseline_has_no_speedup():
-    out = summarize_scenario([record(BASELINE, "a", error="UNIMPLEMENTED: response_format"),
-                              record(SPECULATIVE, "a", error="UNIMPLEMENTED: response_format"),
-                              record("transformers", "a")])
+    out = summarize_scenario(
+        [
+            record(BASELINE, "a", error="UNIMPLEMENTED: response_format"),
+            record(SPECULATIVE, "a", error="UNIMPLEMENTED: response_format"),
+            record("transformers", "a"),
+        ]
+    )
     assert out[BASELINE]["tokens_per_s"] is None
     assert out[SPECULATIVE]["errors"] == ["UNIMPLEMENTED: response_format"]
     assert out["transformers"]["speedup"] is None

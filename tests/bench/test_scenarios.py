@@ -1,4 +1,5 @@
 """bench.scenarios: json runs with and without its schema; which requests are constrained."""
+
 from __future__ import annotations
 
 from bench.prompts import BenchPrompt

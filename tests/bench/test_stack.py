@@ -1,4 +1,5 @@
 """bench.stack: GenerationStats as the plain data bench.report aggregates (no stack started)."""
+
 from __future__ import annotations
 
 from bench.stack import stats_dict
@@ -7,11 +8,17 @@ from specdec.v1 import common_pb2, gateway_pb2
 
 def test_stats_dict_carries_forward_time_decoders_and_the_controller_choices():
     pb = gateway_pb2.GenerationStats(
-        num_generated_tokens=9, num_steps=4, num_proposed_tokens=12, num_accepted_tokens=5,
+        num_generated_tokens=9,
+        num_steps=4,
+        num_proposed_tokens=12,
+        num_accepted_tokens=5,
         stage_times=gateway_pb2.StageTimes(draft_ms=2.0, verify_ms=40.0, forward_ms=31.5, total_ms=50.0),
         decoders=[common_pb2.DecoderStats(name="grammar", num_proposed=6, num_accepted=4, time_ms=0.5)],
-        num_steps_by_degree=[1, 0, 3], num_steps_by_draft_length=[1, 0, 0, 0, 3], num_probe_steps=1,
-        task_type="structured")
+        num_steps_by_degree=[1, 0, 3],
+        num_steps_by_draft_length=[1, 0, 0, 0, 3],
+        num_probe_steps=1,
+        task_type="structured",
+    )
     d = stats_dict(pb)
     assert (d["num_steps"], d["num_proposed"], d["num_accepted"]) == (4, 12, 5)
     assert (d["stage_ms"]["verify"], d["stage_ms"]["forward"], d["stage_ms"]["total"]) == (40.0, 31.5, 50.0)

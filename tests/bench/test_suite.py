@@ -1,5 +1,6 @@
 """bench.suite: prompt selection within the sequence budget, flags, the json variants, and
 bench.peers.cut_at_eos."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ def test_select_prompts_skips_and_counts_too_long_ones():
     counts = {"code0": 10, "code1": 50, "code2": 20, "code3": 30}
     s = select_prompts(rows, lambda p: counts[p.id], num_prompts=2, max_new_tokens=8, sequence_length=32)
     assert [p.id for p in s.prompts] == ["code0", "code2"]
-    assert s.num_skipped == 1   # code3 (too long as well) is never examined
+    assert s.num_skipped == 1  # code3 (too long as well) is never examined
 
 
 def test_select_prompts_budget_is_inclusive_and_may_run_out():
@@ -37,8 +38,21 @@ def test_interleave_round_robin():
 
 
 def test_parse_config_lists_and_defaults():
-    c = parse_config(["--scenarios", "code,prose", "--precision", "fp32,bf16", "--peers", "", "--no-schema",
-                      "--concurrency", "1,4", "--num-prompts", "2"])
+    c = parse_config(
+        [
+            "--scenarios",
+            "code,prose",
+            "--precision",
+            "fp32,bf16",
+            "--peers",
+            "",
+            "--no-schema",
+            "--concurrency",
+            "1,4",
+            "--num-prompts",
+            "2",
+        ]
+    )
     assert c.scenarios == ("code", "prose") and c.precisions == ("fp32", "bf16") and c.peers == ()
     assert c.concurrency == (1, 4) and not c.is_schema and c.num_prompts == 2
     assert parse_config([]).concurrency == ()
@@ -49,9 +63,18 @@ def test_json_runs_with_and_without_its_schema_by_default():
     assert parse_config(["--scenarios", "json", "--no-schema"]).measured_scenarios == ("json_noschema",)
 
 
-@pytest.mark.parametrize("kwargs", [{"scenarios": ("poetry",)}, {"scenarios": ("json_noschema",)},
-                                    {"precisions": ("int3",)}, {"peers": ("vllm",)}, {"max_new_tokens": 2048},
-                                    {"concurrency": (0,)}, {"num_prompts": 0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"scenarios": ("poetry",)},
+        {"scenarios": ("json_noschema",)},
+        {"precisions": ("int3",)},
+        {"peers": ("vllm",)},
+        {"max_new_tokens": 2048},
+        {"concurrency": (0,)},
+        {"num_prompts": 0},
+    ],
+)
 def test_config_refuses_bad_values(kwargs):
     with pytest.raises(ValueError):
         SuiteConfig(**kwargs)

@@ -1,6 +1,7 @@
 """Grammar-forced drafts: the protocol, hand-computed proposals, catching up on late creation, and
 constrained speculative decoding with these drafts giving exactly constrained plain decoding's
 tokens with the real default model (fp32, greedy)."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,17 @@ from specdec.errors import InvalidArgument
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo, ResponseFormat, apply_token_mask
 from specdec.model.tokenizer import Tokenizer
 
-PERSON = ResponseFormat("json_schema", json.dumps({
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-}))
-PROMPT_IDS = [1, 9690, 198]   # any prompt: the grammar starts after it
+PERSON = ResponseFormat(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        }
+    ),
+)
+PROMPT_IDS = [1, 9690, 198]  # any prompt: the grammar starts after it
 EOS = 2
 
 
@@ -50,19 +56,19 @@ def test_follows_the_protocol_and_registers_as_grammar(grammars):
 
 def test_proposes_the_forced_text_by_hand(grammars, tokenizer):
     decoder = GrammarForcedDecoder(grammars, response_format=PERSON)
-    decoder.extend(PROMPT_IDS)                                    # the prompt is not grammar input
+    decoder.extend(PROMPT_IDS)  # the prompt is not grammar input
     # The forced text is `{"name": "`; its last token ` "` is held back: the model writes ` "Al` at once.
     assert _texts(tokenizer, decoder.propose(16)) == ['{"name":']
-    [candidate] = decoder.propose(2, max_candidates=3)            # one continuation at most
+    [candidate] = decoder.propose(2, max_candidates=3)  # one continuation at most
     assert tokenizer.decode(candidate.token_ids) == '{"' + "name" and candidate.rank == 0
     assert candidate.decoder == "grammar"
     decoder.extend(tokenizer.encode('{"name": "Al'))
-    assert decoder.propose(16) == ()                              # inside a string: nothing forced
+    assert decoder.propose(16) == ()  # inside a string: nothing forced
     decoder.extend(tokenizer.encode('"'))
-    assert _texts(tokenizer, decoder.propose(16)) == [', "age":']      # forced `, "age": ` less ` `
+    assert _texts(tokenizer, decoder.propose(16)) == [', "age":']  # forced `, "age": ` less ` `
     decoder.extend(tokenizer.encode(', "age": 7'))
-    assert _texts(tokenizer, decoder.propose(16)) == []                # `}` or more digits: not forced
-    decoder.extend(tokenizer.encode('}'))
+    assert _texts(tokenizer, decoder.propose(16)) == []  # `}` or more digits: not forced
+    decoder.extend(tokenizer.encode("}"))
     decoder.extend([EOS])
     assert decoder.propose(16) == () and decoder.propose(0) == ()
     with pytest.raises(ValueError, match="max_candidates"):
@@ -72,27 +78,38 @@ def test_proposes_the_forced_text_by_hand(grammars, tokenizer):
 def test_late_creation_catches_up_on_the_output(grammars, tokenizer):
     output = tokenizer.encode('{"name": "Al"')
     decoder = GrammarForcedDecoder(grammars, response_format=PERSON, num_prompt_tokens=len(PROMPT_IDS))
-    decoder.extend(PROMPT_IDS + output)                           # the pool's first call: prompt + output
+    decoder.extend(PROMPT_IDS + output)  # the pool's first call: prompt + output
     assert decoder.num_output_tokens == len(output)
     assert _texts(tokenizer, decoder.propose(16)) == [', "age":']
 
 
-ROOMS = ResponseFormat("json_schema", json.dumps({
-    "type": "object", "required": ["rooms"], "properties": {"rooms": {"type": "array", "items": {
-        "type": "object", "required": ["clean"], "properties": {"clean": {"type": "boolean"}}}}},
-}))
+ROOMS = ResponseFormat(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "required": ["rooms"],
+            "properties": {
+                "rooms": {
+                    "type": "array",
+                    "items": {"type": "object", "required": ["clean"], "properties": {"clean": {"type": "boolean"}}},
+                }
+            },
+        }
+    ),
+)
 
 
 def test_proposes_the_models_own_spelling_of_a_repeated_key_first(grammars, tokenizer):
     decoder = GrammarForcedDecoder(grammars, response_format=ROOMS)
     decoder.extend(PROMPT_IDS)
     # The model writes the first object's key in pieces: `cl` `e` `an` rather than `clean`.
-    for piece in ['{"', 'rooms', '":', ' [{"', 'cl', 'e', 'an', '":', ' true', '},']:
+    for piece in ['{"', "rooms", '":', ' [{"', "cl", "e", "an", '":', " true", "},"]:
         decoder.extend(tokenizer.encode(piece))
     # Forced now: ` {"clean": `. Rank 0: its own pieces where `clean":` starts; rank 1: canonical.
     # (The last canonical token ` ` is held back as before: the model writes ` true` at once.)
     spellings = [[tokenizer.decode([t]) for t in c.token_ids] for c in decoder.propose(16, max_candidates=2)]
-    assert spellings == [[' {"', 'cl', 'e', 'an', '":'], [' {"', 'clean', '":']]
+    assert spellings == [[' {"', "cl", "e", "an", '":'], [' {"', "clean", '":']]
     assert [c.rank for c in decoder.propose(16, max_candidates=2)] == [0, 1]
     [best] = decoder.propose(16)
     assert tokenizer.decode(best.token_ids) == ' {"clean":' and len(best.token_ids) == 5
@@ -135,7 +152,7 @@ def _plain(engine, prompt_ids, grammar) -> list[int]:
     engine.open("plain", prompt_ids)
     engine.prefill("plain")
     while len(out) < MAX_NEW_TOKENS and not state.is_terminated:
-        logits = engine.verify("plain", (), ())                                        # [1, V]
+        logits = engine.verify("plain", (), ())  # [1, V]
         token = int(apply_token_mask(logits, state.allowed_mask().to_bool()).argmax(dim=-1)[0])
         assert state.accept_tokens([token])
         engine.commit("plain", (), (token,))
@@ -154,9 +171,9 @@ def _speculative(engine, prompt_ids, grammar, grammars, response_format) -> tupl
     while len(out) < MAX_NEW_TOKENS and not state.is_terminated:
         candidates = decoder.propose(DRAFT_LENGTH)
         draft = list(candidates[0].token_ids) if candidates else []
-        parents = list(range(-1, len(draft) - 1))                                       # a chain
-        logits = engine.verify("spec", draft, parents)                                  # [N+1, V]
-        chosen = state.tree_masks(draft, parents).allowed.argmax(logits)                # [N+1], packed
+        parents = list(range(-1, len(draft) - 1))  # a chain
+        logits = engine.verify("spec", draft, parents)  # [N+1, V]
+        chosen = state.tree_masks(draft, parents).allowed.argmax(logits)  # [N+1], packed
         num_accepted = 0
         while num_accepted < len(draft) and int(chosen[num_accepted]) == draft[num_accepted]:
             num_accepted += 1
@@ -171,8 +188,7 @@ def _speculative(engine, prompt_ids, grammar, grammars, response_format) -> tupl
 
 
 @pytest.mark.slow
-def test_speculation_with_grammar_drafts_equals_constrained_plain_decoding(fp32_model, grammars, tokenizer,
-                                                                           one_thread):
+def test_speculation_with_grammar_drafts_equals_constrained_plain_decoding(fp32_model, grammars, tokenizer, one_thread):
     if not PROMPTS_FILE.is_file():
         pytest.skip(f"{PROMPTS_FILE} is not on this machine")
     lines = PROMPTS_FILE.read_text(encoding="utf-8").split("\n")  # "\n" only: prompts hold U+2028

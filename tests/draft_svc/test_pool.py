@@ -1,5 +1,6 @@
 """The draft pool: candidate order, merge into one tree, per-request decoder state, parallel runs,
 validation, release into the suffix index. Fake decoders with scripted answers, no model."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,7 @@ class Scripted:
 
     name: ClassVar[str] = "scripted"
 
-    def __init__(self, name: str, answers: tuple[tuple[int, ...], ...], log: list, barrier=None,
-                 model=None) -> None:
+    def __init__(self, name: str, answers: tuple[tuple[int, ...], ...], log: list, barrier=None, model=None) -> None:
         self.name, self._answers, self._barrier, self.model = name, answers, barrier, model
         self.context: list[int] = []
         log.append(self)
@@ -38,7 +38,7 @@ class Scripted:
 
     def propose(self, max_tokens: int, max_candidates: int = 1) -> tuple[Candidate, ...]:
         if self._barrier is not None:
-            self._barrier.wait(timeout=5)   # raises BrokenBarrierError unless both decoders run at once
+            self._barrier.wait(timeout=5)  # raises BrokenBarrierError unless both decoders run at once
         return tuple(Candidate(self.name, a[:max_tokens], rank=r) for r, a in enumerate(self._answers[:max_candidates]))
 
 
@@ -53,8 +53,15 @@ class Models:
         return VOCAB
 
 
-def make_pool(answers: dict[str, tuple[tuple[int, ...], ...]], log: list, model_based: tuple[str, ...] = (),
-              models: Models | None = None, barrier=None, suffix_index=None, **config) -> DraftPool:
+def make_pool(
+    answers: dict[str, tuple[tuple[int, ...], ...]],
+    log: list,
+    model_based: tuple[str, ...] = (),
+    models: Models | None = None,
+    barrier=None,
+    suffix_index=None,
+    **config,
+) -> DraftPool:
     free, based = DecoderRegistry(), DecoderRegistry()
     for name, a in answers.items():
         registry = based if name in model_based else free
@@ -67,8 +74,7 @@ def make_pool(answers: dict[str, tuple[tuple[int, ...], ...]], log: list, model_
 def test_candidates_follow_the_strategies_list_and_merge_into_one_tree():
     log: list[Scripted] = []
     pool = make_pool({"p": ((A, B, C), (A, D)), "s": ((A, B), (E,))}, log)
-    proposal = pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 3), strategies=("p", "s", "p"),
-                                        draft_length=3))
+    proposal = pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 3), strategies=("p", "s", "p"), draft_length=3))
     tree = proposal.tree
     # candidates p#0 [a b c], s#0 [a b], p#1 [a d] -> nodes a b c d; bit i = strategies[i]
     assert tree.decoders == ("p", "s", "p") and tree.ranks == (0, 0, 1)
@@ -77,7 +83,7 @@ def test_candidates_follow_the_strategies_list_and_merge_into_one_tree():
     assert tree.node_sources == (0b111, 0b011, 0b001, 0b100)
     assert [(s.name, s.num_proposed) for s in proposal.decoder_steps] == [("p", 4), ("s", 2)]
     assert all(s.time_ms >= 0 for s in proposal.decoder_steps) and proposal.time_ms > 0
-    assert [d.context for d in log] == [[1, 2, 3], [1, 2, 3]]   # one decoder per strategy, prompt once
+    assert [d.context for d in log] == [[1, 2, 3], [1, 2, 3]]  # one decoder per strategy, prompt once
 
 
 def test_degree_draft_length_and_node_budget_cut_the_tree():
@@ -97,7 +103,7 @@ def test_decoders_see_every_committed_token_once_and_late_decoders_catch_up():
     pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=("p",)))
     pool.propose(ProposeArgs("r", new_token_ids=(3, 4), strategies=("p",)))
     pool.propose(ProposeArgs("r", new_token_ids=(5,), strategies=("s", "p")))  # s joins at step 3
-    pool.propose(ProposeArgs("r", new_token_ids=(6,), strategies=("p",)))       # s sits out: still fed
+    pool.propose(ProposeArgs("r", new_token_ids=(6,), strategies=("p",)))  # s sits out: still fed
     assert [(d.name, d.context) for d in log] == [("p", [1, 2, 3, 4, 5, 6]), ("s", [1, 2, 3, 4, 5, 6])]
     # A prompt on a known id re-opens the request (a recovering gateway): fresh decoders.
     pool.propose(ProposeArgs("r", prompt_token_ids=(7, 8), strategies=("p",)))
@@ -108,8 +114,7 @@ def test_model_based_decoders_of_one_step_run_in_parallel():
     models = Models()
     models.attached = ("primary-1", "model-1")
     barrier = threading.Barrier(2)
-    pool = make_pool({"m1": ((A,),), "m2": ((B,),)}, [], model_based=("m1", "m2"), models=models,
-                     barrier=barrier)
+    pool = make_pool({"m1": ((A,),), "m2": ((B,),)}, [], model_based=("m1", "m2"), models=models, barrier=barrier)
     tree = pool.propose(ProposeArgs("r", prompt_token_ids=(1,), strategies=("m1", "m2"))).tree
     assert tree.token_ids == (A, B)
 
@@ -126,21 +131,24 @@ def test_model_based_decoders_wait_for_weights_and_follow_a_new_instance():
     models.attached = ("primary-1", "model-1")
     assert pool.propose(ProposeArgs("r", new_token_ids=(2,), strategies=("m", "p"))).tree.token_ids == (B, C, A)
     assert log[-1].model == "model-1" and log[-1].context == [1, 2]
-    models.attached = ("primary-2", "model-2")   # the primary restarted
+    models.attached = ("primary-2", "model-2")  # the primary restarted
     pool.propose(ProposeArgs("r", new_token_ids=(3,), strategies=("m",)))
     assert log[-1].model == "model-2" and log[-1].context == [1, 2, 3]
     assert [d.name for d in log] == ["p", "m", "m"]
 
 
-@pytest.mark.parametrize("args, field", [
-    (ProposeArgs("", prompt_token_ids=(1,)), "request_id"),
-    (ProposeArgs("r", prompt_token_ids=(1,), strategies=("p", "nope")), "strategies"),
-    (ProposeArgs("r", prompt_token_ids=(1,), strategies=("p",), speculative_degree=2), "speculative_degree"),
-    (ProposeArgs("r", prompt_token_ids=(1,), draft_length=65), "draft_length"),
-    (ProposeArgs("r", prompt_token_ids=(1,), max_nodes=257), "max_nodes"),
-    (ProposeArgs("r", prompt_token_ids=(1, VOCAB)), "prompt_token_ids"),
-    (ProposeArgs("r", prompt_token_ids=(1,), new_token_ids=(-1,)), "new_token_ids"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (ProposeArgs("", prompt_token_ids=(1,)), "request_id"),
+        (ProposeArgs("r", prompt_token_ids=(1,), strategies=("p", "nope")), "strategies"),
+        (ProposeArgs("r", prompt_token_ids=(1,), strategies=("p",), speculative_degree=2), "speculative_degree"),
+        (ProposeArgs("r", prompt_token_ids=(1,), draft_length=65), "draft_length"),
+        (ProposeArgs("r", prompt_token_ids=(1,), max_nodes=257), "max_nodes"),
+        (ProposeArgs("r", prompt_token_ids=(1, VOCAB)), "prompt_token_ids"),
+        (ProposeArgs("r", prompt_token_ids=(1,), new_token_ids=(-1,)), "new_token_ids"),
+    ],
+)
 def test_bad_arguments_name_their_field(args, field):
     pool = make_pool({"p": ((A,),)}, [])
     with pytest.raises(InvalidArgument) as e:
@@ -166,13 +174,18 @@ def test_unknown_requests_limits_and_idle_expiry():
 
 def test_finished_output_joins_the_suffix_index_for_later_requests():
     index = SuffixIndex(SuffixIndexConfig(max_total_tokens=256, ngram_sizes=(2,), max_match_len=8))
-    pool = DraftPool(PoolConfig(strategies=("suffix_index",), default_strategies=("suffix_index",)),
-                     model_free_registry(suffix_index=index), DecoderRegistry(), Models(), suffix_index=index)
+    pool = DraftPool(
+        PoolConfig(strategies=("suffix_index",), default_strategies=("suffix_index",)),
+        model_free_registry(suffix_index=index),
+        DecoderRegistry(),
+        Models(),
+        suffix_index=index,
+    )
     pool.propose(ProposeArgs("first", prompt_token_ids=(1, 2)))
     pool.propose(ProposeArgs("first", new_token_ids=(20, 21, 22, 23, 24)))
-    assert pool.release("first", is_finished=True) == 5        # the output, not the prompt
+    assert pool.release("first", is_finished=True) == 5  # the output, not the prompt
     pool.propose(ProposeArgs("cancelled", prompt_token_ids=(3,), new_token_ids=(30, 31, 32)))
-    assert pool.release("cancelled", is_finished=False) == 0   # an unfinished output is not indexed
+    assert pool.release("cancelled", is_finished=False) == 0  # an unfinished output is not indexed
     proposal = pool.propose(ProposeArgs("second", prompt_token_ids=(9, 20, 21), draft_length=3))
     assert proposal.tree.token_ids == (22, 23, 24)
     assert pool.propose(ProposeArgs("third", prompt_token_ids=(9, 30, 31))).tree.token_ids == ()

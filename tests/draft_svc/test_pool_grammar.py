@@ -1,5 +1,6 @@
 """The pool with a response format: grammar-forced drafts merged with the others, and no proposed
 token the grammar forbids (candidates are cut at the first one). Real tokenizer and grammar engine."""
+
 from __future__ import annotations
 
 import functools
@@ -13,9 +14,16 @@ from draft_svc.strategies.grammar_forced import register_grammar_decoder
 from specdec.errors import InvalidArgument
 from specdec.grammar import ResponseFormat
 
-PERSON = ResponseFormat("json_schema", json.dumps({
-    "type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"]}))
+PERSON = ResponseFormat(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+        }
+    ),
+)
 PROMPT = (1, 9690, 198)
 
 
@@ -55,31 +63,35 @@ def test_within_grammar_cuts_at_the_first_forbidden_token(grammar_cache, tokeniz
     # E.g. ... 7 } } -> ... 7 }: the second brace closes nothing.
     cut = within_grammar(state, Candidate("lookup", tuple(body + closing + closing)))
     assert list(cut.token_ids) == body + closing
-    assert state.num_tokens == 0                                      # unchanged
+    assert state.num_tokens == 0  # unchanged
     assert within_grammar(state, Candidate("lookup", tuple(tokenizer.encode("hello")))).token_ids == ()
 
 
 def test_grammar_drafts_merge_with_the_others_and_nothing_off_grammar_is_proposed(grammar_cache, tokenizer):
-    forced = tokenizer.encode('{"name":')          # `{"name": "` less its last token (held back)
+    forced = tokenizer.encode('{"name":')  # `{"name": "` less its last token (held back)
     off_grammar = tuple(tokenizer.encode("Sure! Here"))
     pool = make_pool(grammar_cache, off_grammar)
-    proposal = pool.propose(ProposeArgs("r", prompt_token_ids=PROMPT, strategies=("grammar", "lookup"),
-                                        draft_length=8, response_format=PERSON))
-    assert list(proposal.tree.token_ids) == forced                    # the lookup's text was cut to nothing
+    proposal = pool.propose(
+        ProposeArgs(
+            "r", prompt_token_ids=PROMPT, strategies=("grammar", "lookup"), draft_length=8, response_format=PERSON
+        )
+    )
+    assert list(proposal.tree.token_ids) == forced  # the lookup's text was cut to nothing
     assert {s.name: s.num_proposed for s in proposal.decoder_steps} == {"grammar": len(forced), "lookup": 0}
     # Next step: the primary wrote `{"name": "Al`; inside the string the grammar forces nothing, and a
     # lookup proposing `ice", "age": 3}` is kept whole.
     pool2 = make_pool(grammar_cache, tuple(tokenizer.encode('ice", "age": 3}')))
     pool2.propose(ProposeArgs("r", prompt_token_ids=PROMPT, strategies=("grammar",), response_format=PERSON))
-    step = pool2.propose(ProposeArgs("r", new_token_ids=tuple(tokenizer.encode('{"name": "Al')),
-                                     strategies=("grammar", "lookup")))
+    step = pool2.propose(
+        ProposeArgs("r", new_token_ids=tuple(tokenizer.encode('{"name": "Al')), strategies=("grammar", "lookup"))
+    )
     assert tokenizer.decode(step.tree.token_ids) == 'ice", "age": 3}'
 
 
 def test_without_a_response_format_grammar_drafts_propose_nothing(grammar_cache, tokenizer):
     pool = make_pool(grammar_cache, tuple(tokenizer.encode("Sure")))
     proposal = pool.propose(ProposeArgs("r", prompt_token_ids=PROMPT, strategies=("grammar", "lookup")))
-    assert tokenizer.decode(proposal.tree.token_ids) == "Sure"       # no grammar: no cut either
+    assert tokenizer.decode(proposal.tree.token_ids) == "Sure"  # no grammar: no cut either
 
 
 def test_a_bad_schema_is_refused_naming_the_field(grammar_cache):

@@ -1,5 +1,6 @@
 """The draft pool's client of the primary: a primary that does not answer is Unavailable naming
 the flag that points at it and the RPC that failed."""
+
 from __future__ import annotations
 
 import pytest

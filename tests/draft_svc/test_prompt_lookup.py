@@ -1,4 +1,5 @@
 """Prompt lookup: hand-computed cases, the ranking rule, and incremental == from scratch == a rescan."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,22 +20,23 @@ def _decoder(context: list[int], **config) -> PromptLookupDecoder:
     return decoder
 
 
-def reference_lookup(context: list[int], max_tokens: int, max_candidates: int,
-                     config: PromptLookupConfig) -> list[tuple[int, ...]]:
+def reference_lookup(
+    context: list[int], max_tokens: int, max_candidates: int, config: PromptLookupConfig
+) -> list[tuple[int, ...]]:
     """The ranking rule by rescanning the whole context (what the incremental index must equal)."""
     num_tokens, found = len(context), []
     for n in range(config.max_ngram, config.min_ngram - 1, -1):
         if n > num_tokens:
             continue
-        suffix = context[num_tokens - n:]
+        suffix = context[num_tokens - n :]
         # continuation starts c <= num_tokens - 1 (a next token exists), most recent first
-        starts = [c for c in range(num_tokens - 1, n - 1, -1) if context[c - n:c] == suffix]
-        for c in starts[:config.max_chain_steps]:
+        starts = [c for c in range(num_tokens - 1, n - 1, -1) if context[c - n : c] == suffix]
+        for c in starts[: config.max_chain_steps]:
             extended = list(context)
             while len(extended) < c + max_tokens:  # LZ77 copy: the text repeats with period L - c
                 extended.append(extended[len(extended) - (num_tokens - c)])
-            continuation = tuple(extended[c:c + max_tokens])
-            if not any(seen[:len(continuation)] == continuation for seen in found):
+            continuation = tuple(extended[c : c + max_tokens])
+            if not any(seen[: len(continuation)] == continuation for seen in found):
                 found.append(continuation)
                 if len(found) == max_candidates:
                     return found
@@ -65,7 +67,8 @@ def test_shorter_ngram_supplies_lower_ranks_and_prefix_duplicates_are_skipped():
     # [6 8] with max_tokens 2 is a prefix of the rank-0 [6 8 ...]: c=4 at n=1 adds nothing
     assert _proposals(decoder, 2, max_candidates=4) == [(6, 8), (5, 8)]
     assert _proposals(decoder, 3, max_candidates=4) == reference_lookup(
-        [4, 8, 5, 8, 6, 8, 5, 8], 3, 4, PromptLookupConfig(max_ngram=2))
+        [4, 8, 5, 8, 6, 8, 5, 8], 3, 4, PromptLookupConfig(max_ngram=2)
+    )
 
 
 def test_match_overlapping_the_suffix_repeats_periodically():
@@ -96,7 +99,7 @@ def test_incremental_extend_equals_from_scratch_and_a_rescan(seed):
     incremental = PromptLookupDecoder(config)
     position = 0
     while position < len(context):
-        chunk = context[position:position + rng.randint(1, 7)]  # a prompt, then accepted runs
+        chunk = context[position : position + rng.randint(1, 7)]  # a prompt, then accepted runs
         incremental.extend(chunk)
         position += len(chunk)
         scratch = _decoder(context[:position], **dataclasses.asdict(config))

@@ -1,12 +1,18 @@
 """Self-drafting decoders over the primary's shared weights: the same tokens as the same layers run on
 the owner's own tensors, compact per-request KV caches kept in sync with the committed tokens."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from draft_svc.strategies.self_draft import (EarlyExitDecoder, LayerSkipDecoder, SelfDraftConfig,
-                                             default_skipped_layers, self_draft_registry)
+from draft_svc.strategies.self_draft import (
+    EarlyExitDecoder,
+    LayerSkipDecoder,
+    SelfDraftConfig,
+    default_skipped_layers,
+    self_draft_registry,
+)
 from draft_svc.weights import ExportedWeights, WeightAttacher
 from specdec.engine import tree as tree_geometry
 from specdec.engine.kv_cache import KVCache
@@ -16,7 +22,7 @@ from specdec.model.llama import SequenceSpan, Transformer
 MAX_POSITIONS = 256
 PROMPT = [1, 504, 3458, 282, 260, 2114, 30, 365]
 EARLY_EXIT_LAYERS = 3
-RUN_LAYERS = (0, 2, 5)   # layer skip: a non-prefix subset, so the compact cache has to remap
+RUN_LAYERS = (0, 2, 5)  # layer skip: a non-prefix subset, so the compact cache has to remap
 
 
 @pytest.fixture(scope="module", params=["fp32", "int4"])
@@ -44,8 +50,13 @@ def greedy_reference(model: Transformer, context: list[int], num_tokens: int, **
     ids, start, out = list(context), 0, []
     while len(out) < num_tokens:
         span = SequenceSpan(0, len(ids), start, slot.k, slot.v, tree_geometry.verify_mask(start, len(ids), ()))
-        logits = model.forward(torch.tensor(ids), torch.arange(start, start + len(ids)), [span],
-                               logits_rows=torch.tensor([len(ids) - 1]), **layers)
+        logits = model.forward(
+            torch.tensor(ids),
+            torch.arange(start, start + len(ids)),
+            [span],
+            logits_rows=torch.tensor([len(ids) - 1]),
+            **layers,
+        )
         start += len(ids)
         out.append(int(torch.argmax(logits[0])))
         ids = out[-1:]
@@ -101,7 +112,7 @@ def test_cache_holds_only_the_run_layers_and_only_committed_rows(draft_model):
     decoder.extend(PROMPT)
     decoder.propose(6)
     slot = decoder._slot
-    assert slot.num_cached == len(PROMPT)   # the drafts' rows were rolled back
+    assert slot.num_cached == len(PROMPT)  # the drafts' rows were rolled back
     assert slot.k.shape == (len(RUN_LAYERS), config.num_key_value_heads, slot.capacity, config.head_dim)
     assert decoder.num_kv_bytes == 2 * slot.k.numel() * 4
     full_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * slot.capacity * config.head_dim * 4
@@ -114,9 +125,9 @@ def test_drafts_stop_at_the_end_of_the_rotary_table(draft_model):
     decoder = EarlyExitDecoder(draft_model, 1)
     decoder.extend([7] * (MAX_POSITIONS - 3))
     (candidate,) = decoder.propose(10)
-    assert len(candidate.token_ids) == 4   # d1..d4 feed positions up to MAX_POSITIONS - 1
+    assert len(candidate.token_ids) == 4  # d1..d4 feed positions up to MAX_POSITIONS - 1
     decoder.extend([7] * 4)
-    assert decoder.propose(10) == ()       # the context fills the table: nothing to draft
+    assert decoder.propose(10) == ()  # the context fills the table: nothing to draft
     assert decoder.propose(0) == ()
 
 

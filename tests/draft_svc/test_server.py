@@ -1,6 +1,7 @@
 """The draft service over gRPC: Propose/Release translation and errors, Attach validation, attaching
 to a (fake) primary and following its restarts, and a real `python -m draft_svc` process whose memory
 beyond the shared weights is its own small state."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,7 @@ class FakePrimary(primary_pb2_grpc.PrimaryServiceServicer):
         self.loaded = loaded
         self.instance_id = loaded.shared.manifest.owner_instance_id
         self.num_exports = 0
-        self.is_down = False   # answers UNAVAILABLE, as a primary still loading its model
+        self.is_down = False  # answers UNAVAILABLE, as a primary still loading its model
 
     def manifest_pb(self) -> common_pb2.WeightManifest:
         manifest = dataclasses.replace(self.loaded.shared.manifest, owner_instance_id=self.instance_id)
@@ -49,9 +50,14 @@ class FakePrimary(primary_pb2_grpc.PrimaryServiceServicer):
         if self.is_down:
             context.abort(grpc.StatusCode.UNAVAILABLE, "loading")
         c = self.loaded.config
-        return primary_pb2.GetModelInfoResponse(model_id="smollm2-test", model_config_json=config_to_json(c),
-                                                precision="fp32", vocab_size=c.vocab_size,
-                                                max_context_length=MAX_CONTEXT, instance_id=self.instance_id)
+        return primary_pb2.GetModelInfoResponse(
+            model_id="smollm2-test",
+            model_config_json=config_to_json(c),
+            precision="fp32",
+            vocab_size=c.vocab_size,
+            max_context_length=MAX_CONTEXT,
+            instance_id=self.instance_id,
+        )
 
     def ExportWeights(self, request, context):
         self.num_exports += 1
@@ -79,12 +85,26 @@ def primary(owner):
 def draft(primary):
     """An in-process draft service (port 0) whose attacher is driven by the test (no monitor thread)."""
     fake, address = primary
-    config = from_args(["--primary_address", address, "--strategies", "prompt_lookup,early_exit,layer_skip",
-                        "--early_exit_layers", "2", "--skipped_layers", ",".join(map(str, range(3, 30)))], {})
+    config = from_args(
+        [
+            "--primary_address",
+            address,
+            "--strategies",
+            "prompt_lookup,early_exit,layer_skip",
+            "--early_exit_layers",
+            "2",
+            "--skipped_layers",
+            ",".join(map(str, range(3, 30))),
+        ],
+        {},
+    )
     client = GrpcPrimaryClient(address)
     servicer, pool, attacher = build(config, client)
-    server, port = create_server("127.0.0.1:0", [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-                                 interceptors=[ErrorInterceptor()])
+    server, port = create_server(
+        "127.0.0.1:0",
+        [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
+        interceptors=[ErrorInterceptor()],
+    )
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     yield draft_pb2_grpc.DraftServiceStub(channel), pool, attacher
@@ -102,8 +122,9 @@ def _code_and_details(call) -> tuple[grpc.StatusCode, str]:
 
 def test_propose_and_release_over_grpc_before_and_after_attaching(draft, primary):
     stub, pool, attacher = draft
-    request = draft_pb2.ProposeRequest(request_id="r", prompt_token_ids=PROMPT, draft_length=2,
-                                       strategies=["prompt_lookup", "early_exit"])
+    request = draft_pb2.ProposeRequest(
+        request_id="r", prompt_token_ids=PROMPT, draft_length=2, strategies=["prompt_lookup", "early_exit"]
+    )
     # Not attached yet: prompt lookup works ([504 3458] occurred before: 282 260 follows), early exit is empty.
     r = stub.Propose(request)
     assert list(r.decoders) == ["prompt_lookup", "early_exit"]
@@ -112,8 +133,11 @@ def test_propose_and_release_over_grpc_before_and_after_attaching(draft, primary
     assert [(s.name, s.num_proposed) for s in r.decoder_stats] == [("prompt_lookup", 2), ("early_exit", 0)]
 
     assert attacher.refresh().instance_id == primary[0].instance_id
-    r = stub.Propose(draft_pb2.ProposeRequest(request_id="r", new_token_ids=[282], draft_length=2,
-                                              strategies=["early_exit", "layer_skip"]))
+    r = stub.Propose(
+        draft_pb2.ProposeRequest(
+            request_id="r", new_token_ids=[282], draft_length=2, strategies=["early_exit", "layer_skip"]
+        )
+    )
     assert [(s.name, s.num_proposed) for s in r.decoder_stats] == [("early_exit", 2), ("layer_skip", 2)]
     assert len(r.tree.token_ids) >= 2 and r.time_ms > 0
     stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r", is_finished=True))
@@ -128,7 +152,7 @@ def test_a_restarted_primary_is_re_attached_and_decoders_rebuilt(draft, primary)
     stub, pool, attacher = draft
     fake, _ = primary
     first = attacher.refresh()
-    assert attacher.refresh() is first                 # same instance: nothing to do
+    assert attacher.refresh() is first  # same instance: nothing to do
     stub.Propose(draft_pb2.ProposeRequest(request_id="r", prompt_token_ids=PROMPT, strategies=["early_exit"]))
     (old_decoder,) = pool._requests["r"].decoders.values()
     num_exports, fake.instance_id = fake.num_exports, "restarted"
@@ -138,25 +162,28 @@ def test_a_restarted_primary_is_re_attached_and_decoders_rebuilt(draft, primary)
         stub.Propose(draft_pb2.ProposeRequest(request_id="r", new_token_ids=[5], strategies=["early_exit"]))
         (new_decoder,) = pool._requests["r"].decoders.values()
         assert new_decoder is not old_decoder and new_decoder.num_tokens == len(PROMPT) + 1
-        assert old_decoder.num_kv_bytes == 0           # the old weights' cache was released
+        assert old_decoder.num_kv_bytes == 0  # the old weights' cache was released
     finally:
         fake.instance_id = first.instance_id
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda m: m.ClearField("memory"), "manifest.memory"),
-    (lambda m: setattr(m.memory, "kind", common_pb2.HANDLE_KIND_UNSPECIFIED), "manifest.memory.kind"),
-    (lambda m: setattr(m.memory, "offset", 64), "manifest.memory.offset"),
-    (lambda m: setattr(m.memory, "segment_name", "specdec-weights-gone"), "manifest.memory.segment_name"),
-    (lambda m: setattr(m.memory, "segment_name", "../etc/passwd"), "manifest.memory.segment_name"),
-    (lambda m: setattr(m.memory, "num_bytes", m.memory.num_bytes + 64), "manifest.memory.num_bytes"),
-    (lambda m: setattr(m.tensors[0], "offset", 3), "manifest.tensors.offset"),
-    (lambda m: m.tensors[1].shape.append(2), "manifest.tensors.shape"),
-    (lambda m: setattr(m.tensors[0], "dtype", "int4"), "manifest.tensors.dtype"),
-    (lambda m: m.tensors.pop(), "manifest.tensors"),
-    (lambda m: setattr(m, "model_config_json", "{not json"), "manifest.model_config_json"),
-    (lambda m: setattr(m, "model_config_json", json.dumps({"hidden_size": 1})), "manifest.model_config_json"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda m: m.ClearField("memory"), "manifest.memory"),
+        (lambda m: setattr(m.memory, "kind", common_pb2.HANDLE_KIND_UNSPECIFIED), "manifest.memory.kind"),
+        (lambda m: setattr(m.memory, "offset", 64), "manifest.memory.offset"),
+        (lambda m: setattr(m.memory, "segment_name", "specdec-weights-gone"), "manifest.memory.segment_name"),
+        (lambda m: setattr(m.memory, "segment_name", "../etc/passwd"), "manifest.memory.segment_name"),
+        (lambda m: setattr(m.memory, "num_bytes", m.memory.num_bytes + 64), "manifest.memory.num_bytes"),
+        (lambda m: setattr(m.tensors[0], "offset", 3), "manifest.tensors.offset"),
+        (lambda m: m.tensors[1].shape.append(2), "manifest.tensors.shape"),
+        (lambda m: setattr(m.tensors[0], "dtype", "int4"), "manifest.tensors.dtype"),
+        (lambda m: m.tensors.pop(), "manifest.tensors"),
+        (lambda m: setattr(m, "model_config_json", "{not json"), "manifest.model_config_json"),
+        (lambda m: setattr(m, "model_config_json", json.dumps({"hidden_size": 1})), "manifest.model_config_json"),
+    ],
+)
 def test_attach_refuses_bad_manifests_naming_the_field(draft, primary, change, field):
     stub, _, attacher = draft
     manifest = primary[0].manifest_pb()
@@ -192,19 +219,25 @@ def test_attach_maps_a_good_manifest(draft, primary, owner):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("manifest:")
 
 
-@pytest.mark.parametrize("fields, code, field", [
-    ({"prompt_token_ids": [], "new_token_ids": [1]}, grpc.StatusCode.NOT_FOUND, "request_id"),
-    ({"strategies": ["medusa"]}, grpc.StatusCode.INVALID_ARGUMENT, "strategies"),
-    ({"strategies": ["prompt_lookup"], "speculative_degree": 2}, grpc.StatusCode.INVALID_ARGUMENT,
-     "speculative_degree"),
-    ({"draft_length": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "draft_length"),
-    ({"max_nodes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "max_nodes"),
-    ({"prompt_token_ids": [1, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
-    ({"request_id": "x" * 129}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),   # the limit of every service
-])
+@pytest.mark.parametrize(
+    "fields, code, field",
+    [
+        ({"prompt_token_ids": [], "new_token_ids": [1]}, grpc.StatusCode.NOT_FOUND, "request_id"),
+        ({"strategies": ["medusa"]}, grpc.StatusCode.INVALID_ARGUMENT, "strategies"),
+        (
+            {"strategies": ["prompt_lookup"], "speculative_degree": 2},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "speculative_degree",
+        ),
+        ({"draft_length": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "draft_length"),
+        ({"max_nodes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "max_nodes"),
+        ({"prompt_token_ids": [1, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+        ({"request_id": "x" * 129}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),  # the limit of every service
+    ],
+)
 def test_propose_errors_name_the_field(draft, fields, code, field):
     stub, pool, attacher = draft
-    attacher.refresh()   # the vocabulary comes from the primary
+    attacher.refresh()  # the vocabulary comes from the primary
     request = draft_pb2.ProposeRequest(**{"request_id": "r", "prompt_token_ids": PROMPT, **fields})
     got_code, details = _code_and_details(lambda: stub.Propose(request))
     assert got_code == code and details.startswith(field + ":"), details
@@ -226,7 +259,7 @@ def _segment_smaps(pid: int, segment: str) -> dict[str, int]:
     is_inside = False
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         head = line.split()
-        if "-" in head[0] and len(head) >= 5:                  # a mapping's header line
+        if "-" in head[0] and len(head) >= 5:  # a mapping's header line
             is_inside = line.endswith(str(SHM_DIR / segment))
         elif is_inside and head[0].endswith(":") and len(head) == 3 and head[2] == "kB":
             out[head[0][:-1]] = out.get(head[0][:-1], 0) + int(head[1]) * 1024
@@ -238,13 +271,30 @@ def _segment_smaps(pid: int, segment: str) -> dict[str, int]:
 def test_a_draft_process_maps_the_weights_without_a_private_copy(primary, owner, tmp_path):
     fake, primary_address = primary
     log_path = tmp_path / "draft.log"
-    fake.is_down = True   # the primary is still loading when the draft pool starts
+    fake.is_down = True  # the primary is still loading when the draft pool starts
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "draft_svc", "--port", "0", "--primary_address", primary_address,
-             "--strategies", "prompt_lookup,early_exit,layer_skip", "--num_threads", "1", "--attach_poll_s", "0.2",
-             "--allow_unauthenticated"],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "draft_svc",
+                "--port",
+                "0",
+                "--primary_address",
+                primary_address,
+                "--strategies",
+                "prompt_lookup,early_exit,layer_skip",
+                "--num_threads",
+                "1",
+                "--attach_poll_s",
+                "0.2",
+                "--allow_unauthenticated",
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         port = _wait_for_port(log_path, process)
         wait_for_serving(f"127.0.0.1:{port}", timeout_s=30)
@@ -261,11 +311,13 @@ def test_a_draft_process_maps_the_weights_without_a_private_copy(primary, owner,
         weight_bytes = owner.shared.num_bytes
         private_before = before["Private_Clean"] + before["Private_Dirty"]
         private = after["Private_Clean"] + after["Private_Dirty"]
-        print(f"\nweights {weight_bytes / 2**20:.0f} MiB; draft process before attaching: Rss "
-              f"{before['Rss'] / 2**20:.0f} MiB, USS {private_before / 2**20:.0f} MiB; after attaching and "
-              f"drafting: Rss {after['Rss'] / 2**20:.0f} MiB, Pss {after['Pss'] / 2**20:.0f} MiB, USS "
-              f"{private / 2**20:.0f} MiB; segment Rss {segment['Rss'] / 2**20:.0f} MiB, private "
-              f"{(segment['Private_Clean'] + segment['Private_Dirty']) / 2**20:.0f} MiB; first propose ms {stats}")
+        print(
+            f"\nweights {weight_bytes / 2**20:.0f} MiB; draft process before attaching: Rss "
+            f"{before['Rss'] / 2**20:.0f} MiB, USS {private_before / 2**20:.0f} MiB; after attaching and "
+            f"drafting: Rss {after['Rss'] / 2**20:.0f} MiB, Pss {after['Pss'] / 2**20:.0f} MiB, USS "
+            f"{private / 2**20:.0f} MiB; segment Rss {segment['Rss'] / 2**20:.0f} MiB, private "
+            f"{(segment['Private_Clean'] + segment['Private_Dirty']) / 2**20:.0f} MiB; first propose ms {stats}"
+        )
         # Every weight page is resident in the draft process (the attach-time forward touched all of
         # them), yet none is its own: they are the owner's pages.
         assert segment["Rss"] >= 0.95 * weight_bytes
@@ -274,9 +326,9 @@ def test_a_draft_process_maps_the_weights_without_a_private_copy(primary, owner,
         # What attaching and drafting added to the process's own memory (model objects, rotary tables,
         # decoders' KV caches, torch's scratch) is a few percent of one copy of the weights.
         assert private - private_before < 0.1 * weight_bytes
-        assert after["Pss"] < after["Rss"] - 0.4 * weight_bytes   # shared with the owner: counted half
+        assert after["Pss"] < after["Rss"] - 0.4 * weight_bytes  # shared with the owner: counted half
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0                        # graceful stop
+        assert process.wait(timeout=30) == 0  # graceful stop
     finally:
         fake.is_down = False
         if process.poll() is None:
@@ -285,8 +337,14 @@ def test_a_draft_process_maps_the_weights_without_a_private_copy(primary, owner,
 
 
 def _propose(stub, request_id: str) -> dict[str, common_pb2.DecoderStats]:
-    r = stub.Propose(draft_pb2.ProposeRequest(request_id=request_id, prompt_token_ids=PROMPT * 8, draft_length=4,
-                                              strategies=["early_exit", "layer_skip", "prompt_lookup"]))
+    r = stub.Propose(
+        draft_pb2.ProposeRequest(
+            request_id=request_id,
+            prompt_token_ids=PROMPT * 8,
+            draft_length=4,
+            strategies=["early_exit", "layer_skip", "prompt_lookup"],
+        )
+    )
     return {s.name: s for s in r.decoder_stats}
 
 

@@ -1,4 +1,5 @@
 """The draft-decoder protocol, Candidate and the registry."""
+
 from __future__ import annotations
 
 import functools
@@ -6,9 +7,18 @@ import functools
 import numpy as np
 import pytest
 
-from draft_svc.strategies import (Candidate, DecoderRegistry, DraftDecoder, PromptLookupConfig,
-                                  PromptLookupDecoder, SuffixDecoder, SuffixIndex, SuffixIndexConfig,
-                                  UnknownDecoderError, model_free_registry)
+from draft_svc.strategies import (
+    Candidate,
+    DecoderRegistry,
+    DraftDecoder,
+    PromptLookupConfig,
+    PromptLookupDecoder,
+    SuffixDecoder,
+    SuffixIndex,
+    SuffixIndexConfig,
+    UnknownDecoderError,
+    model_free_registry,
+)
 from draft_svc.strategies.base import append_tokens, new_context
 
 

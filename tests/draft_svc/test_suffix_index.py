@@ -1,4 +1,5 @@
 """Suffix index: longest match, most frequent continuation, eviction, concurrency, and a brute-force rescan."""
+
 from __future__ import annotations
 
 import collections
@@ -25,20 +26,21 @@ def _ranked(column: list[int]) -> list[int]:
     return sorted(counts, key=lambda token: (-counts[token], first[token]))
 
 
-def reference_query(docs: list[list[int]], context: list[int], max_tokens: int, max_candidates: int,
-                    config: SuffixIndexConfig) -> tuple[tuple[int, ...], ...]:
+def reference_query(
+    docs: list[list[int]], context: list[int], max_tokens: int, max_candidates: int, config: SuffixIndexConfig
+) -> tuple[tuple[int, ...], ...]:
     """The documented rule by scanning every document (no hashing, no ring)."""
     occurrences, offset = [], 0  # (global position of the continuation start, doc, c)
     for d, doc in enumerate(docs):
         occurrences += [(offset + c, d, c) for c in range(len(doc))]
         offset += len(doc) + 1
     occurrences.sort(reverse=True)  # most recent first
-    suffix = context[-config.max_match_len:]
+    suffix = context[-config.max_match_len :]
     for n in reversed(config.ngram_sizes):
         if len(suffix) < n:
             continue
-        found = [(d, c) for _, d, c in occurrences if c >= n and docs[d][c - n:c] == suffix[-n:]]
-        found = found[:config.max_occurrences]
+        found = [(d, c) for _, d, c in occurrences if c >= n and docs[d][c - n : c] == suffix[-n:]]
+        found = found[: config.max_occurrences]
         if not found:
             continue
 
@@ -49,7 +51,7 @@ def reference_query(docs: list[list[int]], context: list[int], max_tokens: int, 
             return length
 
         lengths = [match_len(d, c) for d, c in found]
-        rows = [docs[d][c:c + max_tokens] for (d, c), length in zip(found, lengths) if length == max(lengths)]
+        rows = [docs[d][c : c + max_tokens] for (d, c), length in zip(found, lengths) if length == max(lengths)]
         paths = []
         for first in _ranked([row[0] for row in rows])[:max_candidates]:
             agree, path = [row for row in rows if row[0] == first], [first]
@@ -127,7 +129,7 @@ def test_matches_a_brute_force_scan_through_ring_wraps(seed):
         doc = [rng.randrange(6) for _ in range(rng.randint(1, 14))]
         docs.append(doc)
         index.insert(doc)
-        retained = docs[len(docs) - index.num_documents:]
+        retained = docs[len(docs) - index.num_documents :]
         for _ in range(3):
             context = [rng.randrange(6) for _ in range(rng.randint(1, 8))]
             assert index.query(context, 5, 3) == reference_query(retained, context, 5, 3, config)

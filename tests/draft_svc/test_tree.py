@@ -1,4 +1,5 @@
 """Token tree: merge by common prefix, node budget, node sources, and mapping acceptance back."""
+
 from __future__ import annotations
 
 import pytest
@@ -73,13 +74,13 @@ def test_origin_points_at_the_first_proposer_and_its_position():
 
 
 def test_candidate_outcomes_map_the_accepted_path_back_to_decoders():
-    candidates = [Candidate("lookup", (A, B, C)), Candidate("lookup", (A, B, D), rank=1),
-                  Candidate("suffix", (E,))]
+    candidates = [Candidate("lookup", (A, B, C)), Candidate("lookup", (A, B, D), rank=1), Candidate("suffix", (E,))]
     tree = build_token_tree(candidates, max_nodes=16)
     assert candidate_outcomes(tree, [0, 1, 3]) == (  # a b d accepted
         CandidateOutcome("lookup", 0, num_proposed=3, num_accepted=2),
         CandidateOutcome("lookup", 1, num_proposed=3, num_accepted=3),
-        CandidateOutcome("suffix", 0, num_proposed=1, num_accepted=0))
+        CandidateOutcome("suffix", 0, num_proposed=1, num_accepted=0),
+    )
     assert [o.num_accepted for o in candidate_outcomes(tree, [])] == [0, 0, 0]
     assert [o.num_accepted for o in candidate_outcomes(tree, [4])] == [0, 0, 1]
     with pytest.raises(ValueError, match="root path"):
@@ -95,11 +96,15 @@ def test_truncated_candidate_counts_only_its_kept_tokens():
 
 def test_tree_validates_its_invariants():
     with pytest.raises(ValueError, match="earlier node"):
-        TokenTree(token_ids=(A, B), parents=(1, ROOT), depths=(2, 1), node_sources=(1, 1),
-                  decoders=("d",), ranks=(0,))
+        TokenTree(token_ids=(A, B), parents=(1, ROOT), depths=(2, 1), node_sources=(1, 1), decoders=("d",), ranks=(0,))
     with pytest.raises(ValueError, match="repeats a sibling"):
-        TokenTree(token_ids=(A, A), parents=(ROOT, ROOT), depths=(1, 1), node_sources=(1, 2),
-                  decoders=("d", "e"), ranks=(0, 0))
+        TokenTree(
+            token_ids=(A, A),
+            parents=(ROOT, ROOT),
+            depths=(1, 1),
+            node_sources=(1, 2),
+            decoders=("d", "e"),
+            ranks=(0, 0),
+        )
     with pytest.raises(ValueError, match="depths"):
-        TokenTree(token_ids=(A, B), parents=(ROOT, 0), depths=(1, 3), node_sources=(1, 1),
-                  decoders=("d",), ranks=(0,))
+        TokenTree(token_ids=(A, B), parents=(ROOT, 0), depths=(1, 3), node_sources=(1, 1), decoders=("d",), ranks=(0,))

@@ -6,6 +6,7 @@ loopback with a real redis-server, one stack per test module.
     def test_something(gateway_stub):
         gateway_stub.Generate(gateway_pb2.GenerateRequest(prompt="Hi"), timeout=60)
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -18,8 +19,11 @@ from specdec.v1 import gateway_pb2_grpc
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory,  # noqa: ANN001 - RedisServer from tests/conftest.py
-          request: pytest.FixtureRequest) -> Iterator[Stack]:
+def stack(
+    redis_server,
+    tmp_path_factory: pytest.TempPathFactory,  # noqa: ANN001 - RedisServer from tests/conftest.py
+    request: pytest.FixtureRequest,
+) -> Iterator[Stack]:
     """The four services (default model, default precision: auto) with the state in redis_server.
 
     Logs go to pytest's temp dir (pytest keeps the last few runs), so a failed

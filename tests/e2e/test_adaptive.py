@@ -4,6 +4,7 @@ per-step choices in the stored stats, next to the controller state the gateway w
 
 One stack for the module (tests/e2e/conftest.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,12 @@ pytestmark = pytest.mark.e2e
 
 MAX_NEW_TOKENS = 48
 PROMPTS = {  # request id prefix -> (chat message, task type the controller should infer)
-    "code": ("Rename the variable `x` to `total` in this function and show the whole function:\n"
-             "```python\ndef add_all(items):\n    x = 0\n    for item in items:\n        x += item\n"
-             "    return x\n```", "code"),
+    "code": (
+        "Rename the variable `x` to `total` in this function and show the whole function:\n"
+        "```python\ndef add_all(items):\n    x = 0\n    for item in items:\n        x += item\n"
+        "    return x\n```",
+        "code",
+    ),
     "prose": ("Write a short story about a lighthouse keeper and a storm.", "creative"),
 }
 
@@ -33,15 +37,19 @@ def test_adaptive_greedy_output_equals_speculation_off_and_reports_its_choices(g
     try:
         for name, (content, task_type) in PROMPTS.items():
             off = generate(gateway_stub, f"{name}-off", content, gateway_pb2.SpeculationConfig(is_enabled=False))
-            adaptive = generate(gateway_stub, f"{name}-adaptive", content,
-                                gateway_pb2.SpeculationConfig(is_enabled=True, is_adaptive=True))
+            adaptive = generate(
+                gateway_stub,
+                f"{name}-adaptive",
+                content,
+                gateway_pb2.SpeculationConfig(is_enabled=True, is_adaptive=True),
+            )
             assert len(off.token_ids) > 0
             assert list(adaptive.token_ids) == list(off.token_ids), (name, adaptive.text, off.text)
             assert adaptive.text == off.text
             stats = adaptive.stats
             assert stats.num_generated_tokens == len(adaptive.token_ids)
             assert stats.num_steps <= off.stats.num_steps
-            for d in stats.decoders:               # "prompt_lookup", "prompt_lookup#1", ... within the bounds
+            for d in stats.decoders:  # "prompt_lookup", "prompt_lookup#1", ... within the bounds
                 decoder, _, rank = d.name.partition("#")
                 assert decoder in ("prompt_lookup", "suffix_index") and int(rank or 0) < 4
                 assert d.num_accepted <= d.num_proposed
@@ -51,7 +59,7 @@ def test_adaptive_greedy_output_equals_speculation_off_and_reports_its_choices(g
             assert choices["task_type"] == task_type
             assert sum(choices["num_steps_by_draft_length"]) == stats.num_steps
             assert sum(choices["num_steps_by_degree"]) == stats.num_steps
-            assert len(choices["num_steps_by_draft_length"]) <= 16 + 1          # the default bound
+            assert len(choices["num_steps_by_draft_length"]) <= 16 + 1  # the default bound
             assert stored.controller_state["num_steps"] == stats.num_steps
             assert stored.controller_state["task_type"] == task_type
             # Steps that speculated proposed something or found nothing to propose; plain ones never did.

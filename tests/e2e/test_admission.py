@@ -4,6 +4,7 @@ A request beyond the queue is refused with RESOURCE_EXHAUSTED and a retry hint, 
 behind; a queued request whose deadline passes gets DEADLINE_EXCEEDED without reaching the primary
 (its Prefill count does not move); a queued request that is let in reports its wait in its stats.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,10 +27,12 @@ LONG_PROMPT = "Write a very long essay about the history of bridges, with many s
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-admission"),
-                         is_serving_metrics=True,
-                         extra_env={"SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": "1",
-                                    "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": "1"})
+    config = StackConfig(
+        redis_url=redis_server.url,
+        log_dir=tmp_path_factory.mktemp("stack-admission"),
+        is_serving_metrics=True,
+        extra_env={"SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": "1", "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": "1"},
+    )
     with Stack(config) as started:
         yield started
 
@@ -83,9 +86,12 @@ def await_idle(stub, stack: Stack, timeout_s: float = 60) -> None:
     give_up = time.monotonic() + timeout_s
     while time.monotonic() < give_up:
         stats = primary_stats(stack)
-        if (stats.kv_bytes == 0 and stats.num_active_requests == 0
-                and metric(stack, GATEWAY, "specdec_active_requests") == 0
-                and metric(stack, GATEWAY, "specdec_queue_depth") == 0):
+        if (
+            stats.kv_bytes == 0
+            and stats.num_active_requests == 0
+            and metric(stack, GATEWAY, "specdec_active_requests") == 0
+            and metric(stack, GATEWAY, "specdec_queue_depth") == 0
+        ):
             return
         time.sleep(0.1)
     pytest.fail(f"the stack did not go idle: {primary_stats(stack)}")
@@ -118,7 +124,7 @@ def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_leaves_noth
     hints = [v for k, v in refused.value.trailing_metadata() if k == RETRY_AFTER_KEY]
     assert len(hints) == 1 and int(hints[0]) > 0
     with pytest.raises(grpc.RpcError) as missing:
-        status_of(gateway_stub, "refused-1")       # refused before anything was stored
+        status_of(gateway_stub, "refused-1")  # refused before anything was stored
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
     assert metric(stack, GATEWAY, "specdec_admission_rejections_total", {"reason": "queue_full"}) == 1
 
@@ -142,12 +148,17 @@ def test_a_queued_request_past_its_deadline_never_reaches_the_primary(gateway_st
     assert state.status == gateway_pb2.REQUEST_STATUS_CANCELLED and not state.token_ids
     # The gateway's own deadline and the client's go off together; either names the end.
     assert state.finish_reason in (gateway_pb2.FINISH_REASON_DEADLINE, gateway_pb2.FINISH_REASON_CANCELLED)
-    assert num_prefills(stack) == prefills          # the holder's steps are Verify/Decode, not Prefill
-    assert sum(metric(stack, GATEWAY, "specdec_admission_rejections_total", {"reason": r})
-               for r in ("deadline", "cancelled")) == 1
+    assert num_prefills(stack) == prefills  # the holder's steps are Verify/Decode, not Prefill
+    assert (
+        sum(
+            metric(stack, GATEWAY, "specdec_admission_rejections_total", {"reason": r})
+            for r in ("deadline", "cancelled")
+        )
+        == 1
+    )
 
     assert gateway_stub.Cancel(gateway_pb2.CancelRequest(request_id="holder-2"), timeout=10).was_active
     assert list(holder)[-1].finish_reason == gateway_pb2.FINISH_REASON_CANCELLED
     await_idle(gateway_stub, stack)
-    assert num_prefills(stack) == prefills          # nothing was left in the queue to start later
+    assert num_prefills(stack) == prefills  # nothing was left in the queue to start later
     assert status_of(gateway_stub, "late-1").status == gateway_pb2.REQUEST_STATUS_CANCELLED

@@ -4,6 +4,7 @@ A gateway that runs 2 requests at a time holds 200 open streams (2 generating, 1
 about as many threads as it had idle, read from /proc/<gateway pid>/status; when their clients go
 away every one of them is stored as CANCELLED and the stack goes idle.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,10 +29,15 @@ MAX_EXTRA_THREADS = NUM_STREAMS // 4
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-async-gateway"),
-                         is_serving_metrics=True,
-                         extra_env={"SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": str(MAX_ACTIVE),
-                                    "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": str(NUM_STREAMS)})
+    config = StackConfig(
+        redis_url=redis_server.url,
+        log_dir=tmp_path_factory.mktemp("stack-async-gateway"),
+        is_serving_metrics=True,
+        extra_env={
+            "SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": str(MAX_ACTIVE),
+            "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": str(NUM_STREAMS),
+        },
+    )
     with Stack(config) as started:
         yield started
 
@@ -60,8 +66,9 @@ def await_metrics(stack: Stack, expected: dict[str, float], timeout_s: float) ->
 
 
 def request(i: int) -> gateway_pb2.GenerateRequest:
-    return gateway_pb2.GenerateRequest(request_id=f"open-{i}", prompt=f"Count slowly from {i} to one thousand:",
-                                       max_new_tokens=1000)
+    return gateway_pb2.GenerateRequest(
+        request_id=f"open-{i}", prompt=f"Count slowly from {i} to one thousand:", max_new_tokens=1000
+    )
 
 
 def test_200_open_streams_against_2_slots_do_not_hold_200_threads(gateway_stub, stack):
@@ -69,13 +76,16 @@ def test_200_open_streams_against_2_slots_do_not_hold_200_threads(gateway_stub, 
     idle_threads = num_threads(pid)
     calls = [gateway_stub.GenerateStream(request(i), timeout=600) for i in range(NUM_STREAMS)]
     try:
-        await_metrics(stack, {"specdec_active_requests": MAX_ACTIVE,
-                              "specdec_queue_depth": NUM_STREAMS - MAX_ACTIVE}, timeout_s=300)
+        await_metrics(
+            stack,
+            {"specdec_active_requests": MAX_ACTIVE, "specdec_queue_depth": NUM_STREAMS - MAX_ACTIVE},
+            timeout_s=300,
+        )
         open_threads = num_threads(pid)
         assert open_threads - idle_threads < MAX_EXTRA_THREADS, (idle_threads, open_threads)
     finally:
         for call in calls:
-            call.cancel()                       # the clients go away
+            call.cancel()  # the clients go away
     await_metrics(stack, {"specdec_active_requests": 0, "specdec_queue_depth": 0}, timeout_s=120)
     give_up = time.monotonic() + 60
     pending = set(range(NUM_STREAMS))

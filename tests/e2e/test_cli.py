@@ -2,6 +2,7 @@
 real command line as a subprocess, once starting its own services and against
 the module's stack (--gateway_address): JSON fields, greedy token ids equal
 with speculation on and off, streaming, errors with their gRPC status."""
+
 from __future__ import annotations
 
 import json
@@ -22,15 +23,34 @@ PROMPT = "Write a JSON object describing the planet Mars with keys name, moons a
 MAX_NEW_TOKENS = 12
 # A whole stack start (model load, verify-cost calibration) on a busy 2-core machine, plus the run.
 CLI_TIMEOUT_S = 900
-JSON_KEYS = {"request_id", "text", "token_ids", "finish_reason", "speculative_decoding", "num_prompt_tokens",
-             "num_generated_tokens", "num_steps", "num_proposed_tokens", "num_accepted_tokens", "acceptance_rate",
-             "mean_accepted_length", "tokens_per_second", "stage_times", "decoders", "entropy_bins", "wall_s",
-             "stack_start_s", "precision", "precision_choice"}
+JSON_KEYS = {
+    "request_id",
+    "text",
+    "token_ids",
+    "finish_reason",
+    "speculative_decoding",
+    "num_prompt_tokens",
+    "num_generated_tokens",
+    "num_steps",
+    "num_proposed_tokens",
+    "num_accepted_tokens",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "tokens_per_second",
+    "stage_times",
+    "decoders",
+    "entropy_bins",
+    "wall_s",
+    "stack_start_s",
+    "precision",
+    "precision_choice",
+}
 
 
 def run_cli(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "inference.py", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "inference.py", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def run_json(*args: str) -> dict:
@@ -41,13 +61,22 @@ def run_json(*args: str) -> dict:
 
 # ---- flags and the request, no services ------------------------------------------------------------
 
-@pytest.mark.parametrize(("flags", "expected"), [
-    (["--speculative_decoding=true"], True), (["--speculative_decoding=false"], False),
-    (["--speculative_decoding", "true"], True), (["--speculative_decoding", "false"], False),
-    (["--speculative_decoding=1"], True), (["--speculative_decoding", "0"], False),
-    (["--speculative_decoding=yes"], True), (["--speculative_decoding", "NO"], False),
-    (["--speculative_decoding"], True), ([], None),
-])
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--speculative_decoding=true"], True),
+        (["--speculative_decoding=false"], False),
+        (["--speculative_decoding", "true"], True),
+        (["--speculative_decoding", "false"], False),
+        (["--speculative_decoding=1"], True),
+        (["--speculative_decoding", "0"], False),
+        (["--speculative_decoding=yes"], True),
+        (["--speculative_decoding", "NO"], False),
+        (["--speculative_decoding"], True),
+        ([], None),
+    ],
+)
 def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool | None) -> None:
     args = inference.parse_args(["--prompt", "x", *flags])
     assert args.speculative_decoding is expected
@@ -60,16 +89,25 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
     assert inference.is_speculative(request) is (expected is not False)
 
 
-@pytest.mark.parametrize(("flags", "field"), [
-    (["--acceptance_threshold", "2"], "--acceptance_threshold"), (["--top_p", "0"], "--top_p"),
-    (["--temperature", "-0.5"], "--temperature"), (["--max_new_tokens", "0"], "--max_new_tokens"),
-    (["--speculative_degree", "0"], "--speculative_degree"), (["--top_k", "nan"], "--top_k"),
-    (["--temperature", "inf"], "--temperature"), (["--speculative_decoding=maybe"], "--speculative_decoding"),
-    (["--precision", "int3"], "--precision"), (["--json_mode", "--json_schema", "s.json"], "--json_schema"),
-    (["--http_port", "70000"], "--http_port"),
-])
-def test_bad_flags_are_refused_locally_naming_the_flag(flags: list[str], field: str,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--acceptance_threshold", "2"], "--acceptance_threshold"),
+        (["--top_p", "0"], "--top_p"),
+        (["--temperature", "-0.5"], "--temperature"),
+        (["--max_new_tokens", "0"], "--max_new_tokens"),
+        (["--speculative_degree", "0"], "--speculative_degree"),
+        (["--top_k", "nan"], "--top_k"),
+        (["--temperature", "inf"], "--temperature"),
+        (["--speculative_decoding=maybe"], "--speculative_decoding"),
+        (["--precision", "int3"], "--precision"),
+        (["--json_mode", "--json_schema", "s.json"], "--json_schema"),
+        (["--http_port", "70000"], "--http_port"),
+    ],
+)
+def test_bad_flags_are_refused_locally_naming_the_flag(
+    flags: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         inference.parse_args(["--prompt", "x", *flags])
     assert info.value.code == inference.EXIT_BAD_FLAGS
@@ -79,11 +117,41 @@ def test_bad_flags_are_refused_locally_naming_the_flag(flags: list[str], field: 
 def test_the_request_carries_every_flag(tmp_path: Path) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object"}')
-    args = inference.parse_args([
-        "--prompt", "Hi", "--system", "Be brief.", "--max_new_tokens", "7", "--temperature", "0.5", "--top_k", "3",
-        "--top_p", "0.9", "--seed", "11", "--stop", "\n\n", "--stop", "END", "--speculative_degree", "4",
-        "--draft_length", "6", "--acceptance_threshold", "0.7", "--strategies", "prompt_lookup,suffix_index",
-        "--task_type", "code", "--no-adaptive", "--json_schema", str(schema)])
+    args = inference.parse_args(
+        [
+            "--prompt",
+            "Hi",
+            "--system",
+            "Be brief.",
+            "--max_new_tokens",
+            "7",
+            "--temperature",
+            "0.5",
+            "--top_k",
+            "3",
+            "--top_p",
+            "0.9",
+            "--seed",
+            "11",
+            "--stop",
+            "\n\n",
+            "--stop",
+            "END",
+            "--speculative_degree",
+            "4",
+            "--draft_length",
+            "6",
+            "--acceptance_threshold",
+            "0.7",
+            "--strategies",
+            "prompt_lookup,suffix_index",
+            "--task_type",
+            "code",
+            "--no-adaptive",
+            "--json_schema",
+            str(schema),
+        ]
+    )
     req = inference.build_request(args)
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
     assert req.max_new_tokens == 7 and list(req.stop) == ["\n\n", "END"]
@@ -122,6 +190,7 @@ def test_a_bad_flag_exits_nonzero_naming_the_field() -> None:
 
 # ---- the real command line -------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def self_launched() -> dict:
     """One run that starts (and stops) its own four services, speculation on."""
@@ -144,9 +213,17 @@ def test_json_output_of_a_self_launched_run(self_launched: dict) -> None:
     assert 0.0 <= out["acceptance_rate"] <= 1.0
     assert out["num_accepted_tokens"] <= out["num_proposed_tokens"]
     assert out["tokens_per_second"] > 0 and out["stack_start_s"] > 0
-    assert out["precision"] in PRECISIONS and out["precision_choice"]     # auto's pick, and why
-    assert set(out["stage_times"]) == {"draft_ms", "verify_ms", "validate_ms", "commit_ms", "state_ms",
-                                       "other_ms", "total_ms", "forward_ms"}
+    assert out["precision"] in PRECISIONS and out["precision_choice"]  # auto's pick, and why
+    assert set(out["stage_times"]) == {
+        "draft_ms",
+        "verify_ms",
+        "validate_ms",
+        "commit_ms",
+        "state_ms",
+        "other_ms",
+        "total_ms",
+        "forward_ms",
+    }
     assert 0 < out["stage_times"]["forward_ms"] <= out["stage_times"]["verify_ms"]
     assert out["stage_times"]["verify_ms"] > 0 and out["num_prompt_tokens"] > 0
     for decoder in out["decoders"]:
@@ -157,8 +234,15 @@ def test_json_output_of_a_self_launched_run(self_launched: dict) -> None:
 @pytest.mark.slow
 def test_greedy_token_ids_do_not_depend_on_speculation(self_launched: dict, stack: Stack) -> None:
     off = run_json("--speculative_decoding", "false", "--gateway_address", stack.gateway_address)
-    on = run_json("--speculative_decoding=true", "--speculative_degree", "2", "--draft_length", "4",
-                  "--gateway_address", stack.gateway_address)
+    on = run_json(
+        "--speculative_decoding=true",
+        "--speculative_degree",
+        "2",
+        "--draft_length",
+        "4",
+        "--gateway_address",
+        stack.gateway_address,
+    )
     assert off["speculative_decoding"] is False and off["num_proposed_tokens"] == 0
     assert on["token_ids"] == off["token_ids"] == self_launched["token_ids"]
     assert on["text"] == off["text"] == self_launched["text"]
@@ -171,8 +255,15 @@ def test_stream_prints_the_same_text(self_launched: dict, stack: Stack) -> None:
     assert streamed["token_ids"] == self_launched["token_ids"]
     assert streamed["text"] == self_launched["text"]
     assert streamed["finish_reason"] == self_launched["finish_reason"]
-    human = run_cli("--prompt", PROMPT, "--max_new_tokens", str(MAX_NEW_TOKENS), "--stream",
-                    "--gateway_address", stack.gateway_address)
+    human = run_cli(
+        "--prompt",
+        PROMPT,
+        "--max_new_tokens",
+        str(MAX_NEW_TOKENS),
+        "--stream",
+        "--gateway_address",
+        stack.gateway_address,
+    )
     assert human.returncode == 0, human.stderr[-3000:]
     assert human.stdout == self_launched["text"] + "\n"
     assert "tokens in" in human.stderr and "mean accepted length" in human.stderr
@@ -182,8 +273,9 @@ def test_stream_prints_the_same_text(self_launched: dict, stack: Stack) -> None:
 @pytest.mark.slow
 def test_a_request_the_gateway_refuses_exits_with_its_status(stack: Stack) -> None:
     # Valid locally (>= 1), beyond the gateway's limit on draft_length.
-    done = run_cli("--prompt", PROMPT, "--draft_length", "100000", "--gateway_address", stack.gateway_address,
-                   timeout_s=120)
+    done = run_cli(
+        "--prompt", PROMPT, "--draft_length", "100000", "--gateway_address", stack.gateway_address, timeout_s=120
+    )
     assert done.returncode == inference.EXIT_RPC_ERROR
     assert "INVALID_ARGUMENT" in done.stderr and "draft_length" in done.stderr
     assert done.stdout == ""
@@ -192,8 +284,11 @@ def test_a_request_the_gateway_refuses_exits_with_its_status(stack: Stack) -> No
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_json_schema_constrains_the_output(stack: Stack, tmp_path: Path) -> None:
-    schema = {"type": "object", "properties": {"planet": {"type": "string"}, "moons": {"type": "integer"}},
-              "required": ["planet", "moons"]}
+    schema = {
+        "type": "object",
+        "properties": {"planet": {"type": "string"}, "moons": {"type": "integer"}},
+        "required": ["planet", "moons"],
+    }
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
     out = run_json("--json_schema", str(path), "--max_new_tokens", "48", "--gateway_address", stack.gateway_address)

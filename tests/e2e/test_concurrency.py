@@ -1,5 +1,6 @@
 """Many clients at once through the real stack: greedy output does not depend on the company a request
 keeps, and the load generator (python -m bench load) runs against a stack and reports its figures."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -24,20 +25,28 @@ MAX_PROMPT_CHARS = 300
 def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
     """The default stack, but the gateway waits up to 10 minutes for a primary call: 16 prefills queue
     in the primary one after another, which on a small shared CPU passes the default 60 s."""
-    config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-concurrency"),
-                         extra_env={"SPECDEC_GATEWAY_RPC_TIMEOUT_S": "600"})
+    config = StackConfig(
+        redis_url=redis_server.url,
+        log_dir=tmp_path_factory.mktemp("stack-concurrency"),
+        extra_env={"SPECDEC_GATEWAY_RPC_TIMEOUT_S": "600"},
+    )
     with Stack(config) as started:
         yield started
 
 
 def test_greedy_outputs_under_16_concurrent_clients_match_each_request_alone(gateway_stub, stack):
-    requests = load.build_requests(["json", "code", "prose"], MAX_NEW_TOKENS, is_speculative=True,
-                                   is_schema=False, max_prompt_chars=MAX_PROMPT_CHARS)[:NUM_CLIENTS]
+    requests = load.build_requests(
+        ["json", "code", "prose"],
+        MAX_NEW_TOKENS,
+        is_speculative=True,
+        is_schema=False,
+        max_prompt_chars=MAX_PROMPT_CHARS,
+    )[:NUM_CLIENTS]
     assert len(requests) == NUM_CLIENTS
     alone = [gateway_stub.Generate(r, timeout=300) for r in requests]
 
     def one(request):
-        with grpc.insecure_channel(stack.gateway_address) as channel:   # a client each
+        with grpc.insecure_channel(stack.gateway_address) as channel:  # a client each
             return gateway_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=600)
 
     with ThreadPoolExecutor(NUM_CLIENTS) as pool:
@@ -48,11 +57,13 @@ def test_greedy_outputs_under_16_concurrent_clients_match_each_request_alone(gat
 
 
 def test_the_load_generator_runs_two_clients_for_a_few_seconds(stack):
-    requests = load.build_requests(["json", "prose"], 8, is_speculative=True, is_schema=False,
-                                   max_prompt_chars=MAX_PROMPT_CHARS)
+    requests = load.build_requests(
+        ["json", "prose"], 8, is_speculative=True, is_schema=False, max_prompt_chars=MAX_PROMPT_CHARS
+    )
     pids = {name: stack.pid(name) for name in SERVICE_NAMES}
-    result = load.run(stack.gateway_address, 2, 3.0, requests, is_stream=True, timeout_s=300, pids=pids,
-                      sample_s=1.0, stack=stack)
+    result = load.run(
+        stack.gateway_address, 2, 3.0, requests, is_stream=True, timeout_s=300, pids=pids, sample_s=1.0, stack=stack
+    )
     assert result["num_requests"] >= 2 and result["num_ok"] == result["num_requests"], result["error_examples"]
     assert result["errors_by_code"] == {} and result["num_tokens"] > 0
     assert result["tokens_per_s"] > 0 and result["requests_per_s"] > 0

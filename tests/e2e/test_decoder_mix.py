@@ -11,6 +11,7 @@ and the corpus decoder in some mix (it proposes where its corpus matches the out
 
     .venv/bin/pytest -q tests/e2e/test_decoder_mix.py
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -24,43 +25,66 @@ from specdec.v1 import gateway_pb2
 pytestmark = pytest.mark.e2e
 
 STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip")
-MIXES = (("early_exit",), ("layer_skip",), ("corpus",), ("prompt_lookup", "early_exit"),
-         ("suffix_index", "layer_skip"), STRATEGIES)
+MIXES = (
+    ("early_exit",),
+    ("layer_skip",),
+    ("corpus",),
+    ("prompt_lookup", "early_exit"),
+    ("suffix_index", "layer_skip"),
+    STRATEGIES,
+)
 # The corpus decoder's corpus: a little Python and prose, so that it matches, and is both
 # accepted and rejected, on both prompts.
 TINY_CORPUS = {
     "strings.py": 'def is_palindrome(text: str) -> bool:\n    """Return True when text is a palindrome."""\n'
-                  "    text = text.lower()\n    return text == text[::-1]\n\n\n"
-                  "def reverse(text: str) -> str:\n    return text[::-1]\n",
+    "    text = text.lower()\n    return text == text[::-1]\n\n\n"
+    "def reverse(text: str) -> str:\n    return text[::-1]\n",
     "colors.md": "The three primary colors are red, blue, and yellow. Here is one thing that has each color:\n\n"
-                 "1. **Red**: an apple, a strawberry or a fire truck.\n2. **Blue**: the sky, the ocean or a "
-                 "blueberry.\n3. **Yellow**: the sun, a banana or a lemon.\n\nThese colors cannot be made by "
-                 "mixing other colors, and every other color is a mix of them.\n",
+    "1. **Red**: an apple, a strawberry or a fire truck.\n2. **Blue**: the sky, the ocean or a "
+    "blueberry.\n3. **Yellow**: the sun, a banana or a lemon.\n\nThese colors cannot be made by "
+    "mixing other colors, and every other color is a mix of them.\n",
 }
 MAX_NEW_TOKENS = 24
 DRAFT_LENGTH = 4
 ATTACH_TIMEOUT_S = 120.0
 PROMPTS = {  # name -> (is_chat, text): one chat request, one raw completion of a code stub
     "chat": (True, "Name three primary colors and one thing that has each color."),
-    "completion": (False, 'def is_palindrome(text: str) -> bool:\n    """Return True when text reads the same '
-                          'backwards, ignoring case."""\n'),
+    "completion": (
+        False,
+        'def is_palindrome(text: str) -> bool:\n    """Return True when text reads the same '
+        'backwards, ignoring case."""\n',
+    ),
 }
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
-          tmp_path_factory: pytest.TempPathFactory, tokenizer) -> Iterator[Stack]:
+def stack(
+    redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
+    tmp_path_factory: pytest.TempPathFactory,
+    tokenizer,
+) -> Iterator[Stack]:
     """tests/e2e/conftest.py's stack, offering the model-based and corpus strategies too, once they propose."""
     log_dir = tmp_path_factory.mktemp("stack-test_decoder_mix")
     corpus_dir = tmp_path_factory.mktemp("corpus")
     for name, text in TINY_CORPUS.items():
         (corpus_dir / name).write_text(text)
-    config = StackConfig(redis_url=redis_server.url, strategies=STRATEGIES, log_dir=log_dir,
-                         extra_env={"SPECDEC_DRAFT_CORPUS_SOURCES": "", "SPECDEC_DRAFT_CORPUS_PATHS": str(corpus_dir),
-                                    "SPECDEC_DRAFT_CORPUS_CACHE_DIR": str(tmp_path_factory.mktemp("corpus-index"))})
+    config = StackConfig(
+        redis_url=redis_server.url,
+        strategies=STRATEGIES,
+        log_dir=log_dir,
+        extra_env={
+            "SPECDEC_DRAFT_CORPUS_SOURCES": "",
+            "SPECDEC_DRAFT_CORPUS_PATHS": str(corpus_dir),
+            "SPECDEC_DRAFT_CORPUS_CACHE_DIR": str(tmp_path_factory.mktemp("corpus-index")),
+        },
+    )
     with Stack(config) as started:
-        wait_for_model_decoders(started, BACKGROUND_DECODERS, timeout_s=ATTACH_TIMEOUT_S,
-                                probe_token_ids=tokenizer.encode("def reverse(text"))
+        wait_for_model_decoders(
+            started,
+            BACKGROUND_DECODERS,
+            timeout_s=ATTACH_TIMEOUT_S,
+            probe_token_ids=tokenizer.encode("def reverse(text"),
+        )
         yield started
 
 
@@ -76,8 +100,9 @@ def generate(stub, prompt: str, speculation: gateway_pb2.SpeculationConfig) -> g
 
 def fixed(mix: tuple[str, ...]) -> gateway_pb2.SpeculationConfig:
     """Every decoder of the mix proposes draft_length tokens at every step."""
-    return gateway_pb2.SpeculationConfig(is_enabled=True, strategies=mix, speculative_degree=len(mix),
-                                         draft_length=DRAFT_LENGTH, is_adaptive=False)
+    return gateway_pb2.SpeculationConfig(
+        is_enabled=True, strategies=mix, speculative_degree=len(mix), draft_length=DRAFT_LENGTH, is_adaptive=False
+    )
 
 
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
@@ -92,7 +117,7 @@ def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prom
         assert out.text == baseline.text
         proposed = {d.name: d.num_proposed for d in out.stats.decoders}
         assert set(proposed) <= set(mix), (mix, proposed)
-        for name in set(mix) & set(MODEL_DECODERS):   # the model-based decoders really ran
+        for name in set(mix) & set(MODEL_DECODERS):  # the model-based decoders really ran
             assert proposed.get(name, 0) > 0, (prompt, mix, proposed)
         num_corpus_proposed += proposed.get("corpus", 0)
         assert out.stats.num_generated_tokens == len(out.token_ids)
@@ -100,8 +125,16 @@ def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prom
     # The corpus decoder proposes where its corpus matches the output, which depends on the mix's steps.
     assert num_corpus_proposed > 0, prompt
 
-    adaptive = generate(gateway_stub, prompt, gateway_pb2.SpeculationConfig(
-        is_enabled=True, strategies=STRATEGIES, speculative_degree=len(STRATEGIES), draft_length=DRAFT_LENGTH,
-        is_adaptive=True))
+    adaptive = generate(
+        gateway_stub,
+        prompt,
+        gateway_pb2.SpeculationConfig(
+            is_enabled=True,
+            strategies=STRATEGIES,
+            speculative_degree=len(STRATEGIES),
+            draft_length=DRAFT_LENGTH,
+            is_adaptive=True,
+        ),
+    )
     assert list(adaptive.token_ids) == list(baseline.token_ids), (prompt, "adaptive", adaptive.text, baseline.text)
     assert adaptive.text == baseline.text

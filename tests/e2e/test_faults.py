@@ -12,6 +12,7 @@ the gateway has seen a write time out (its log says it retries), however slow th
 gateway also offers a strategy the draft pool does not load (a deployment fault), and waits only 3 s
 for a primary that went away.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,16 +31,21 @@ from specdec.v1 import gateway_pb2
 pytestmark = pytest.mark.e2e
 
 PROMPT = "List the planets of the solar system, one per line, with one fact about each."
-RETRYING = "state store unavailable; retrying"    # the gateway's log line when a write timed out
+RETRYING = "state store unavailable; retrying"  # the gateway's log line when a write timed out
 INTERNAL_NAMES = ("primary", "draft", "validator", "state_store", "redis", "early_exit")
 
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
     config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-faults"))
-    specs = tuple(dataclasses.replace(s, command=(*s.command, "--strategies", "prompt_lookup,early_exit",
-                                                  "--recovery_timeout_s", "3"))
-                  if s.name == GATEWAY else s for s in service_specs(config))
+    specs = tuple(
+        dataclasses.replace(
+            s, command=(*s.command, "--strategies", "prompt_lookup,early_exit", "--recovery_timeout_s", "3")
+        )
+        if s.name == GATEWAY
+        else s
+        for s in service_specs(config)
+    )
     with Stack(config, specs=specs) as started:
         yield started
 
@@ -87,8 +93,11 @@ def test_a_redis_blip_mid_request_changes_nothing_in_the_output(gateway_stub, re
     os.kill(redis_server.pid, signal.SIGSTOP)
     try:
         give_up = time.monotonic() + 120
-        while (gateway_log.read_text().count(RETRYING) == num_retries_before and reader.is_alive()
-               and time.monotonic() < give_up):
+        while (
+            gateway_log.read_text().count(RETRYING) == num_retries_before
+            and reader.is_alive()
+            and time.monotonic() < give_up
+        ):
             time.sleep(0.05)
     finally:
         os.kill(redis_server.pid, signal.SIGCONT)
@@ -125,10 +134,13 @@ def test_a_redis_outage_outside_a_running_request_names_only_the_request(gateway
     request, not the store (before: `state_store: Redis unreachable: ...`)."""
     os.kill(redis_server.pid, signal.SIGSTOP)
     try:
-        calls = {"starting": lambda: gateway_stub.Generate(_request("starting", max_new_tokens=8), timeout=120),
-                 "undisturbed": lambda: gateway_stub.GetRequest(
-                     gateway_pb2.GetRequestRequest(request_id="undisturbed"), timeout=120),
-                 "blip": lambda: gateway_stub.Cancel(gateway_pb2.CancelRequest(request_id="blip"), timeout=120)}
+        calls = {
+            "starting": lambda: gateway_stub.Generate(_request("starting", max_new_tokens=8), timeout=120),
+            "undisturbed": lambda: gateway_stub.GetRequest(
+                gateway_pb2.GetRequestRequest(request_id="undisturbed"), timeout=120
+            ),
+            "blip": lambda: gateway_stub.Cancel(gateway_pb2.CancelRequest(request_id="blip"), timeout=120),
+        }
         for request_id, call in calls.items():
             with pytest.raises(grpc.RpcError) as raised:
                 call()
@@ -143,9 +155,11 @@ def test_an_internal_services_refusal_reaches_the_client_as_internal(gateway_stu
     request's Propose with INVALID_ARGUMENT. The client cannot fix that: INTERNAL naming the request
     (before: INVALID_ARGUMENT "draft: strategies: 'early_exit' is not one of this pool's ..."); the
     details are in the gateway's log."""
-    req = gateway_pb2.GenerateRequest(request_id="misconfigured", max_new_tokens=8,
-                                      speculation=gateway_pb2.SpeculationConfig(is_adaptive=False,
-                                                                                speculative_degree=2))
+    req = gateway_pb2.GenerateRequest(
+        request_id="misconfigured",
+        max_new_tokens=8,
+        speculation=gateway_pb2.SpeculationConfig(is_adaptive=False, speculative_degree=2),
+    )
     req.chat.messages.add(role="user", content=PROMPT)
     with pytest.raises(grpc.RpcError) as e:
         gateway_stub.Generate(req, timeout=300)

@@ -9,6 +9,7 @@ one with API keys (401), one pointed at a closed port (503), one with a short de
 and one in front of a second gateway that gives schemas no time to compile (429); that front
 serves HTTPS, reaches its gateway over TLS and forwards the caller's key to it (the gateway has
 the keys: requests belong to the key's tenant)."""
+
 from __future__ import annotations
 
 import json
@@ -35,15 +36,20 @@ pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 NODE_DIR = Path(__file__).resolve().parents[1] / "node"
 PROMPT = "List three colours of the rainbow."
-PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                 "required": ["name", "age"], "additionalProperties": False}
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 API_KEY = new_key()
 
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-http"),
-                         is_serving_http=True)
+    config = StackConfig(
+        redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-http"), is_serving_http=True
+    )
     with Stack(config) as started:
         yield started
 
@@ -67,6 +73,7 @@ def _grpc_chat(stub, content: str, max_new_tokens: int) -> gateway_pb2.GenerateR
 
 # ---- answers ---------------------------------------------------------------------------------------
 
+
 def test_models_health_and_metrics(client: openai.OpenAI, stack: Stack):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
@@ -80,9 +87,13 @@ def test_models_health_and_metrics(client: openai.OpenAI, stack: Stack):
 
 def test_greedy_chat_over_http_is_the_grpc_output_token_for_token(client: openai.OpenAI, gateway_stub):
     reference = _grpc_chat(gateway_stub, PROMPT, 24)
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}],
-                                            max_completion_tokens=24, temperature=0,
-                                            extra_body={"return_token_ids": True})
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_completion_tokens=24,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     choice = answer.choices[0]
     assert choice.token_ids == list(reference.token_ids)
     assert choice.message.content == reference.text and choice.message.role == "assistant"
@@ -91,14 +102,27 @@ def test_greedy_chat_over_http_is_the_grpc_output_token_for_token(client: openai
     assert answer.usage.completion_tokens == reference.stats.num_generated_tokens == len(reference.token_ids)
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
     speculation = answer.usage.model_extra["speculation"]
-    assert set(speculation) == {"proposed_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length",
-                                "num_steps"}
+    assert set(speculation) == {
+        "proposed_tokens",
+        "accepted_tokens",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "num_steps",
+    }
     assert speculation["accepted_tokens"] <= speculation["proposed_tokens"]
     assert speculation["mean_accepted_length"] >= 1.0
 
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=24, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"return_token_ids": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     token_ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
@@ -124,15 +148,27 @@ def test_completions_streamed_and_not(client: openai.OpenAI, gateway_stub):
 
 def test_json_schema_output_validates(client: openai.OpenAI):
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=60,
-        temperature=0, response_format={"type": "json_schema", "json_schema": {
-            "name": "person", "strict": True, "schema": PERSON_SCHEMA}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "strict": True, "schema": PERSON_SCHEMA},
+        },
+    )
     assert answer.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON_SCHEMA)
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": "Answer in JSON."},
-                               {"role": "user", "content": [{"type": "text", "text": "A colour and its hex code."}]}],
-        max_tokens=60, temperature=0, response_format={"type": "json_object"})
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Answer in JSON."},
+            {"role": "user", "content": [{"type": "text", "text": "A colour and its hex code."}]},
+        ],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
 
@@ -143,15 +179,26 @@ def test_stop_strings(client: openai.OpenAI):
     assert "4" in text
     for stop in ("4", ["4", "never-produced"]):
         cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop)
-        assert cut.choices[0].message.content == text[:text.index("4")]
+        assert cut.choices[0].message.content == text[: text.index("4")]
         assert cut.choices[0].finish_reason == "stop"
 
 
 def test_a_seed_reproduces_a_sampled_answer(client: openai.OpenAI):
     def sample(seed: int) -> str:
-        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name an animal."}],
-                                              max_tokens=16, temperature=1.0, top_p=0.95, seed=seed,
-                                              user="tester").choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Name an animal."}],
+                max_tokens=16,
+                temperature=1.0,
+                top_p=0.95,
+                seed=seed,
+                user="tester",
+            )
+            .choices[0]
+            .message.content
+        )
+
     first = sample(7)
     assert sample(7) == first
     assert any(sample(seed) != first for seed in (8, 9, 10))
@@ -160,41 +207,62 @@ def test_a_seed_reproduces_a_sampled_answer(client: openai.OpenAI):
 def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, gateway_stub):
     reference = _grpc_chat(gateway_stub, PROMPT, 20)
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=20, temperature=0,
-        extra_body={"speculative_decoding": False})
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"speculative_decoding": False},
+    )
     assert answer.choices[0].message.content == reference.text
     assert answer.usage.model_extra["speculation"]["proposed_tokens"] == 0
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=20, temperature=0,
-        extra_body={"speculative_degree": 2, "draft_length": 4, "acceptance_threshold": 0.0,
-                    "strategies": ["prompt_lookup"], "adaptive": False})
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={
+            "speculative_degree": 2,
+            "draft_length": 4,
+            "acceptance_threshold": 0.0,
+            "strategies": ["prompt_lookup"],
+            "adaptive": False,
+        },
+    )
     assert answer.choices[0].message.content == reference.text
 
 
 # ---- errors ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_completion_tokens": 10 ** 6}, "max_completion_tokens"),
-    ({"n": 2}, "n"),
-    ({"stop": [""]}, "stop"),
-    ({"stop": 5}, "stop"),
-    ({"seed": -1}, "seed"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0].type"),
-    ({"messages": []}, "messages"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"speculative_degree": 1000}, "speculative_degree"),
-    ({"draft_length": 1000}, "draft_length"),
-    ({"acceptance_threshold": 2}, "acceptance_threshold"),
-    ({"strategies": ["telepathy"]}, "strategies"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-])
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ({"n": 2}, "n"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"seed": -1}, "seed"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"messages": []}, "messages"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"speculative_degree": 1000}, "speculative_degree"),
+        ({"draft_length": 1000}, "draft_length"),
+        ({"acceptance_threshold": 2}, "acceptance_threshold"),
+        ({"strategies": ["telepathy"]}, "strategies"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ],
+)
 def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, extra: dict, param: str):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **extra}
     with pytest.raises(openai.BadRequestError) as e:
@@ -230,11 +298,20 @@ def test_an_oversize_body_is_a_413(client: openai.OpenAI):
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack: Stack, gateway_stub):
     host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a ship."}],
-                       "max_tokens": 400, "temperature": 0, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a long story about a ship."}],
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
     with socket.create_connection((host, int(port)), timeout=300) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         received = b""
         while b"data: " not in received:
             received += s.recv(65536)
@@ -242,8 +319,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack: Stack, 
     give_up = time.monotonic() + 120
     while True:
         state = gateway_stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=request_id), timeout=10)
-        if (state.status != gateway_pb2.REQUEST_STATUS_RUNNING and _kv_bytes(stack) == 0) \
-                or time.monotonic() > give_up:
+        if (state.status != gateway_pb2.REQUEST_STATUS_RUNNING and _kv_bytes(stack) == 0) or time.monotonic() > give_up:
             break
         time.sleep(0.2)
     assert state.status == gateway_pb2.REQUEST_STATUS_CANCELLED, state
@@ -253,24 +329,34 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack: Stack, 
 
 def test_a_client_that_disconnects_before_a_whole_answer_cancels_its_request(stack: Stack):
     host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a ship."}],
-                       "max_tokens": 400, "temperature": 0}).encode()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a long story about a ship."}],
+            "max_tokens": 400,
+            "temperature": 0,
+        }
+    ).encode()
     with socket.create_connection((host, int(port)), timeout=300) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
         give_up = time.monotonic() + 120
         while _metric(stack, "specdec_http_active_requests") < 1 and time.monotonic() < give_up:
             time.sleep(0.05)
-        while _kv_bytes(stack) == 0 and time.monotonic() < give_up:   # prefilled: the request holds KV
+        while _kv_bytes(stack) == 0 and time.monotonic() < give_up:  # prefilled: the request holds KV
             time.sleep(0.05)
     give_up = time.monotonic() + 120
-    while (_metric(stack, "specdec_http_client_disconnects_total") < 1 or _kv_bytes(stack) != 0) \
-            and time.monotonic() < give_up:
+    while (
+        _metric(stack, "specdec_http_client_disconnects_total") < 1 or _kv_bytes(stack) != 0
+    ) and time.monotonic() < give_up:
         time.sleep(0.2)
     assert _metric(stack, "specdec_http_client_disconnects_total") >= 1 and _kv_bytes(stack) == 0
 
 
 # ---- statuses shown by extra fronts -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
@@ -279,15 +365,35 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         pytest.skip("openssl is not installed")
     folder = tmp_path_factory.mktemp("http-tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
 @pytest.fixture(scope="module")
-def fronts(stack: Stack, certificate: tuple[Path, Path],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def fronts(
+    stack: Stack, certificate: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, str]]:
     """Extra HTTP fronts (and one extra gateway) as real processes: name -> base URL with /v1."""
     folder = tmp_path_factory.mktemp("http-fronts")
     cert, key = (str(path) for path in certificate)
@@ -298,27 +404,63 @@ def fronts(stack: Stack, certificate: tuple[Path, Path],
     token_file.write_text(stack.service_token)
     token_file.chmod(0o600)
     py, gateway = sys.executable, stack.gateway_address
-    dead = f"127.0.0.1:{free_port()}"   # nothing listens there
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     quick_gateway = ServiceSpec(
-        "gateway-quick", (py, "-m", "gateway", "--primary_address", stack.addresses[PRIMARY],
-                          "--draft_address", stack.addresses[DRAFT], "--validator_address", stack.addresses[VALIDATOR],
-                          "--redis_url=", "--logits_via_handle", "--max_grammar_compile_s", "0.001",
-                          "--max_active_requests", "1", "--max_queued_requests", "0",
-                          "--service_token_file", str(token_file), "--api_keys_file", str(keys_file), *tls),
-        health_service="specdec.v1.GenerationService", health_ca_file=cert)
-    specs = [ServiceSpec("http-keys", (py, "-m", "http_svc", "--gateway_address", gateway,
-                                       "--api_keys_file", str(keys_file)), health_http_path="/health"),
-             ServiceSpec("http-dead", (py, "-m", "http_svc", "--gateway_address", dead),
-                         health_http_path="/v1/models"),
-             ServiceSpec("http-deadline", (py, "-m", "http_svc", "--gateway_address", gateway,
-                                           "--request_timeout_s", "1"), health_http_path="/health"),
-             quick_gateway,
-             ServiceSpec("http-quick", (py, "-m", "http_svc", "--gateway_ca_file", cert, *tls),
-                         depends_on=("gateway-quick",), address_flags=(("--gateway_address", "gateway-quick"),),
-                         health_http_path="/health", health_ca_file=cert)]
+        "gateway-quick",
+        (
+            py,
+            "-m",
+            "gateway",
+            "--primary_address",
+            stack.addresses[PRIMARY],
+            "--draft_address",
+            stack.addresses[DRAFT],
+            "--validator_address",
+            stack.addresses[VALIDATOR],
+            "--redis_url=",
+            "--logits_via_handle",
+            "--max_grammar_compile_s",
+            "0.001",
+            "--max_active_requests",
+            "1",
+            "--max_queued_requests",
+            "0",
+            "--service_token_file",
+            str(token_file),
+            "--api_keys_file",
+            str(keys_file),
+            *tls,
+        ),
+        health_service="specdec.v1.GenerationService",
+        health_ca_file=cert,
+    )
+    specs = [
+        ServiceSpec(
+            "http-keys",
+            (py, "-m", "http_svc", "--gateway_address", gateway, "--api_keys_file", str(keys_file)),
+            health_http_path="/health",
+        ),
+        ServiceSpec("http-dead", (py, "-m", "http_svc", "--gateway_address", dead), health_http_path="/v1/models"),
+        ServiceSpec(
+            "http-deadline",
+            (py, "-m", "http_svc", "--gateway_address", gateway, "--request_timeout_s", "1"),
+            health_http_path="/health",
+        ),
+        quick_gateway,
+        ServiceSpec(
+            "http-quick",
+            (py, "-m", "http_svc", "--gateway_ca_file", cert, *tls),
+            depends_on=("gateway-quick",),
+            address_flags=(("--gateway_address", "gateway-quick"),),
+            health_http_path="/health",
+            health_ca_file=cert,
+        ),
+    ]
     with Stack(StackConfig(log_dir=folder), specs=specs) as extra:
-        yield {name: f"{'https' if name == 'http-quick' else 'http'}://{address}/v1"
-               for name, address in extra.addresses.items()}
+        yield {
+            name: f"{'https' if name == 'http-quick' else 'http'}://{address}/v1"
+            for name, address in extra.addresses.items()
+        }
 
 
 def test_a_missing_or_wrong_key_is_a_401(fronts: dict[str, str]):
@@ -330,8 +472,13 @@ def test_a_missing_or_wrong_key_is_a_401(fronts: dict[str, str]):
         client.models.list()
     # Without any key (the SDK always sends one).
     assert _get(f"{fronts['http-keys']}/models")[0] == 401
-    assert _post(f"{fronts['http-keys']}/chat/completions", json.dumps(
-        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}).encode())[0] == 401
+    assert (
+        _post(
+            f"{fronts['http-keys']}/chat/completions",
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}).encode(),
+        )[0]
+        == 401
+    )
     client = openai.OpenAI(base_url=fronts["http-keys"], api_key=API_KEY, max_retries=0)
     assert [m.id for m in client.models.list()] == [MODEL]
     answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
@@ -342,8 +489,9 @@ def test_a_gateway_that_cannot_be_reached_is_a_503(fronts: dict[str, str]):
     client = openai.OpenAI(base_url=fronts["http-dead"], api_key="unused", max_retries=0)
     for stream in (False, True):
         with pytest.raises(openai.InternalServerError) as e:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                           stream=stream)
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=stream
+            )
         assert e.value.status_code == 503 and e.value.body["code"] == "service_unavailable"
     assert _get(fronts["http-dead"].removesuffix("/v1") + "/health")[0] == 503
 
@@ -351,8 +499,12 @@ def test_a_gateway_that_cannot_be_reached_is_a_503(fronts: dict[str, str]):
 def test_a_deadline_is_a_504(fronts: dict[str, str]):
     client = openai.OpenAI(base_url=fronts["http-deadline"], api_key="unused", max_retries=0)
     with pytest.raises(openai.InternalServerError) as e:
-        client.chat.completions.create(model=MODEL, max_tokens=400, temperature=0,
-                                       messages=[{"role": "user", "content": "Write a long essay about bridges."}])
+        client.chat.completions.create(
+            model=MODEL,
+            max_tokens=400,
+            temperature=0,
+            messages=[{"role": "user", "content": "Write a long essay about bridges."}],
+        )
     assert e.value.status_code == 504 and e.value.body["type"] == "timeout_error"
 
 
@@ -360,15 +512,19 @@ def test_no_capacity_is_a_429_with_retry_after(fronts: dict[str, str], certifica
     """The second gateway gives a schema 1 ms to compile: RESOURCE_EXHAUSTED, as a full admission
     queue would answer. Over HTTPS to a front that reaches that gateway over TLS."""
     client = _tls_client(fronts, certificate, API_KEY)
-    plaintext = openai.OpenAI(base_url=fronts["http-quick"].replace("https://", "http://"), api_key=API_KEY,
-                              max_retries=0)
+    plaintext = openai.OpenAI(
+        base_url=fronts["http-quick"].replace("https://", "http://"), api_key=API_KEY, max_retries=0
+    )
     with pytest.raises(openai.APIConnectionError):
         plaintext.models.list()
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 17}}, "required": ["city"]}
     with pytest.raises(openai.RateLimitError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city?"}], max_tokens=8,
-                                       response_format={"type": "json_schema",
-                                                        "json_schema": {"name": "city", "schema": schema}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "A city?"}],
+            max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        )
     assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
     assert e.value.body["type"] == "rate_limit_error" and e.value.body["code"] == "rate_limit_exceeded"
 
@@ -379,15 +535,14 @@ def test_a_full_admission_queue_is_a_429_with_retry_after(fronts: dict[str, str]
     Retry-After; once the stream is closed the slot is free again."""
     client = _tls_client(fronts, certificate, API_KEY)
     messages = [{"role": "user", "content": "Write a long essay about bridges."}]
-    holder = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0,
-                                            stream=True)
+    holder = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0, stream=True)
     try:
-        next(iter(holder))                                   # admitted and generating
+        next(iter(holder))  # admitted and generating
         with pytest.raises(openai.RateLimitError) as e:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         assert e.value.status_code == 429 and int(e.value.response.headers["retry-after"]) >= 1
     finally:
-        holder.close()                                       # the front cancels the call: the slot frees
+        holder.close()  # the front cancels the call: the slot frees
     give_up = time.monotonic() + 120
     while True:
         try:
@@ -402,17 +557,22 @@ def test_the_key_is_forwarded_to_the_gateway(fronts: dict[str, str], certificate
     """http-quick checks no key itself: its gateway does, from the forwarded Authorization header."""
     with pytest.raises(openai.AuthenticationError) as e:
         _tls_client(fronts, certificate, "not-a-key").chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
     assert e.value.body["code"] == "invalid_api_key"
     answer = _tls_client(fronts, certificate, API_KEY).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+    )
     assert answer.usage.completion_tokens == 2
     address = fronts["gateway-quick"].removeprefix("http://").removesuffix("/v1")
     credentials = grpc.ssl_channel_credentials(root_certificates=certificate[0].read_bytes())
     with grpc.secure_channel(address, credentials) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-        state = stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=answer.id), timeout=30,
-                                metadata=(("authorization", f"Bearer {API_KEY}"),))
+        state = stub.GetRequest(
+            gateway_pb2.GetRequestRequest(request_id=answer.id),
+            timeout=30,
+            metadata=(("authorization", f"Bearer {API_KEY}"),),
+        )
         assert state.status == gateway_pb2.REQUEST_STATUS_FINISHED and len(state.token_ids) == 2
         with pytest.raises(grpc.RpcError) as rpc:
             stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=answer.id), timeout=30)
@@ -426,27 +586,37 @@ def _tls_client(fronts: dict[str, str], certificate: tuple[Path, Path], key: str
 
 # ---- Node ------------------------------------------------------------------------------------------------
 
+
 def test_the_node_openai_package_streams_a_chat_completion(stack: Stack, client: openai.OpenAI):
     node = shutil.which("node")
     if node is None or not (NODE_DIR / "node_modules" / "openai").is_dir():
         pytest.skip("node or tests/node dependencies missing (`make test` installs them)")
     prompt = "Name two planets."
-    reference = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=12, temperature=0)
-    out = subprocess.run([node, str(NODE_DIR / "openai_stream.js"), f"{stack.http_url}/v1", MODEL, prompt, "12"],
-                         capture_output=True, text=True, timeout=600)
+    reference = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0
+    )
+    out = subprocess.run(
+        [node, str(NODE_DIR / "openai_stream.js"), f"{stack.http_url}/v1", MODEL, prompt, "12"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     chunks = [json.loads(line) for line in out.stdout.splitlines()]
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
-        reference.choices[0].message.content
+    assert (
+        "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        == reference.choices[0].message.content
+    )
     assert chunks[-1]["usage"]["completion_tokens"] == reference.usage.completion_tokens
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------
 
+
 def _get(url: str, is_json: bool = True) -> tuple[int, object]:
     import urllib.error
     import urllib.request
+
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=30) as response:
@@ -459,6 +629,7 @@ def _get(url: str, is_json: bool = True) -> tuple[int, object]:
 def _post(url: str, body: bytes) -> tuple[int, dict]:
     import urllib.error
     import urllib.request
+
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     request = urllib.request.Request(url, data=body, headers={"content-type": "application/json"})
     try:

@@ -4,6 +4,7 @@ One stack for the module (tests/e2e/conftest.py). Greedy output, at the default 
 speculation, degree or draft length; a primary killed mid-request is recovered; bad input
 gets a specific status naming the field, and leaves no KV memory behind.
 """
+
 from __future__ import annotations
 
 import threading
@@ -15,23 +16,36 @@ import pytest
 
 from bench.prompts import load_prompts
 from specdec.launcher import PRIMARY
-from specdec.v1 import (common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, primary_pb2, primary_pb2_grpc,
-                        validator_pb2, validator_pb2_grpc)
+from specdec.v1 import (
+    common_pb2,
+    draft_pb2,
+    draft_pb2_grpc,
+    gateway_pb2,
+    primary_pb2,
+    primary_pb2_grpc,
+    validator_pb2,
+    validator_pb2_grpc,
+)
 
 pytestmark = pytest.mark.e2e
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "bench" / "data"
 SETTINGS = [  # (is_enabled, speculative_degree, draft_length)
-    (False, 1, 1), (True, 1, 4), (True, 2, 8), (True, 4, 16),
+    (False, 1, 1),
+    (True, 1, 4),
+    (True, 2, 8),
+    (True, 4, 16),
 ]
 MAX_NEW_TOKENS = 32
 
 
-def generate(stub, messages=None, prompt=None, is_enabled=True, degree=1, draft_length=8,
-             max_new_tokens=MAX_NEW_TOKENS, **kwargs) -> gateway_pb2.GenerateResponse:
+def generate(
+    stub, messages=None, prompt=None, is_enabled=True, degree=1, draft_length=8, max_new_tokens=MAX_NEW_TOKENS, **kwargs
+) -> gateway_pb2.GenerateResponse:
     # Fixed settings (not adaptive): every setting of SETTINGS runs as given.
-    spec = gateway_pb2.SpeculationConfig(is_enabled=is_enabled, speculative_degree=degree,
-                                         draft_length=draft_length, is_adaptive=False)
+    spec = gateway_pb2.SpeculationConfig(
+        is_enabled=is_enabled, speculative_degree=degree, draft_length=draft_length, is_adaptive=False
+    )
     req = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens, speculation=spec, **kwargs)
     if prompt is not None:
         req.prompt = prompt
@@ -55,8 +69,9 @@ def primary_stats(stack) -> primary_pb2.GetStatsResponse:
 def test_greedy_output_is_identical_with_and_without_speculation(gateway_stub, prompts, stack):
     for p in prompts:
         messages = [(m["role"], m["content"]) for m in p.messages()]
-        outputs = {s: generate(gateway_stub, messages, is_enabled=s[0], degree=s[1], draft_length=s[2])
-                   for s in SETTINGS}
+        outputs = {
+            s: generate(gateway_stub, messages, is_enabled=s[0], degree=s[1], draft_length=s[2]) for s in SETTINGS
+        }
         baseline = outputs[SETTINGS[0]]
         assert len(baseline.token_ids) > 0
         for setting, out in outputs.items():
@@ -87,7 +102,7 @@ def test_stop_strings_and_cancel(gateway_stub):
     out = generate(gateway_stub, messages, stop=["7"], draft_length=16)
     assert "7" not in out.text and out.finish_reason == gateway_pb2.FINISH_REASON_STOP
     plain = generate(gateway_stub, messages, stop=["7"], is_enabled=False)
-    assert list(out.token_ids) == list(plain.token_ids) and out.text == plain.text   # cut at the same token
+    assert list(out.token_ids) == list(plain.token_ids) and out.text == plain.text  # cut at the same token
 
     req = gateway_pb2.GenerateRequest(request_id="to-cancel", max_new_tokens=200)
     req.chat.messages.add(role="user", content="Write a long story about a lighthouse keeper.")
@@ -118,7 +133,7 @@ def test_killed_primary_is_recovered_with_the_same_text(gateway_stub, stack):
     t.start()
     while not received and t.is_alive():
         time.sleep(0.05)
-    stack.restart(PRIMARY)                       # SIGKILL, then a fresh process on the same port
+    stack.restart(PRIMARY)  # SIGKILL, then a fresh process on the same port
     t.join(timeout=600)
     assert not errors, errors
     assert received[-1].is_final
@@ -136,27 +151,44 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
 
     bad = grpc.StatusCode.INVALID_ARGUMENT
     expect(bad, "prompt", prompt="")
-    expect(bad, "prompt", prompt="word " * 5000)                       # longer than the context
+    expect(bad, "prompt", prompt="word " * 5000)  # longer than the context
     expect(bad, "max_new_tokens", prompt="hi", max_new_tokens=0)
     expect(bad, "max_new_tokens", prompt="hi", max_new_tokens=10**9)
     expect(bad, "sampling.temperature", prompt="hi", sampling=common_pb2.SamplingParams(temperature=-1))
     expect(bad, "sampling.top_p", prompt="hi", sampling=common_pb2.SamplingParams(top_p=0))
     expect(bad, "sampling.top_p", prompt="hi", sampling=common_pb2.SamplingParams(top_p=1.5))
     expect(bad, "sampling.top_k", prompt="hi", sampling=common_pb2.SamplingParams(top_k=-2))
-    expect(bad, "speculation.speculative_degree", prompt="hi",
-           speculation=gateway_pb2.SpeculationConfig(speculative_degree=100))
+    expect(
+        bad,
+        "speculation.speculative_degree",
+        prompt="hi",
+        speculation=gateway_pb2.SpeculationConfig(speculative_degree=100),
+    )
     expect(bad, "speculation.draft_length", prompt="hi", speculation=gateway_pb2.SpeculationConfig(draft_length=999))
-    expect(bad, "speculation.acceptance_threshold", prompt="hi",
-           speculation=gateway_pb2.SpeculationConfig(acceptance_threshold=1.5))
-    expect(bad, "speculation.acceptance_threshold", prompt="hi",
-           speculation=gateway_pb2.SpeculationConfig(acceptance_threshold=-0.1))
+    expect(
+        bad,
+        "speculation.acceptance_threshold",
+        prompt="hi",
+        speculation=gateway_pb2.SpeculationConfig(acceptance_threshold=1.5),
+    )
+    expect(
+        bad,
+        "speculation.acceptance_threshold",
+        prompt="hi",
+        speculation=gateway_pb2.SpeculationConfig(acceptance_threshold=-0.1),
+    )
     expect(bad, "speculation.strategies", prompt="hi", speculation=gateway_pb2.SpeculationConfig(strategies=["x"]))
-    expect(bad, "chat.messages[0].role", chat=gateway_pb2.ChatMessages(
-        messages=[gateway_pb2.ChatMessage(role="wizard", content="hi")]))
+    expect(
+        bad,
+        "chat.messages[0].role",
+        chat=gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role="wizard", content="hi")]),
+    )
     expect(bad, "request_id", prompt="hi", request_id="x" * 500)
 
-    for call, req in ((gateway_stub.GetRequest, gateway_pb2.GetRequestRequest(request_id="no-such-request")),
-                      (gateway_stub.Cancel, gateway_pb2.CancelRequest(request_id="no-such-request"))):
+    for call, req in (
+        (gateway_stub.GetRequest, gateway_pb2.GetRequestRequest(request_id="no-such-request")),
+        (gateway_stub.Cancel, gateway_pb2.CancelRequest(request_id="no-such-request")),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "request_id" in e.value.details()
@@ -167,18 +199,23 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
         with pytest.raises(grpc.RpcError) as e:
             raw(b"\x12\x02\xff\xfe", timeout=10)
         assert e.value.code() == bad and "UTF-8" in e.value.details()
-        with pytest.raises(grpc.RpcError) as e:                            # over the message size limit
+        with pytest.raises(grpc.RpcError) as e:  # over the message size limit
             gateway_stub.Generate(gateway_pb2.GenerateRequest(prompt="x" * (8 << 20)), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     with stack.channel(PRIMARY) as ch:
-        manifest = primary_pb2_grpc.PrimaryServiceStub(ch).ExportWeights(primary_pb2.ExportWeightsRequest(),
-                                                                          timeout=10).manifest
+        manifest = (
+            primary_pb2_grpc.PrimaryServiceStub(ch)
+            .ExportWeights(primary_pb2.ExportWeightsRequest(), timeout=10)
+            .manifest
+        )
     with stack.channel("draft") as ch:
         draft = draft_pb2_grpc.DraftServiceStub(ch)
-        for field, corrupt in (("segment_name", lambda m: setattr(m.memory, "segment_name", "../../etc/passwd")),
-                               ("num_bytes", lambda m: setattr(m.memory, "num_bytes", m.memory.num_bytes + 64)),
-                               ("offset", lambda m: setattr(m.tensors[0], "offset", 1 << 40))):
+        for field, corrupt in (
+            ("segment_name", lambda m: setattr(m.memory, "segment_name", "../../etc/passwd")),
+            ("num_bytes", lambda m: setattr(m.memory, "num_bytes", m.memory.num_bytes + 64)),
+            ("offset", lambda m: setattr(m.tensors[0], "offset", 1 << 40)),
+        ):
             bad_manifest = common_pb2.WeightManifest()
             bad_manifest.CopyFrom(manifest)
             corrupt(bad_manifest)
@@ -186,12 +223,18 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
                 draft.Attach(draft_pb2.AttachRequest(manifest=bad_manifest), timeout=30)
             assert e.value.code() == bad and field in e.value.details(), (field, e.value.details())
     with stack.channel("validator") as ch:
-        logits = common_pb2.Logits(inline_logits=common_pb2.InlineLogits(
-            format=common_pb2.LOGITS_FORMAT_FP32, num_rows=2, vocab_size=8, data=b"\0" * 12))
+        logits = common_pb2.Logits(
+            inline_logits=common_pb2.InlineLogits(
+                format=common_pb2.LOGITS_FORMAT_FP32, num_rows=2, vocab_size=8, data=b"\0" * 12
+            )
+        )
         with pytest.raises(grpc.RpcError) as e:
-            validator_pb2_grpc.ValidatorServiceStub(ch).Validate(validator_pb2.ValidateRequest(
-                request_id="r", tree=common_pb2.TokenTree(token_ids=[1], parents=[-1]), target_logits=logits),
-                timeout=10)
+            validator_pb2_grpc.ValidatorServiceStub(ch).Validate(
+                validator_pb2.ValidateRequest(
+                    request_id="r", tree=common_pb2.TokenTree(token_ids=[1], parents=[-1]), target_logits=logits
+                ),
+                timeout=10,
+            )
         assert e.value.code() == bad and "target_logits" in e.value.details()
 
     stats = primary_stats(stack)
@@ -200,18 +243,20 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
 
 def test_killed_gateway_is_resumed_from_redis_by_its_successor(gateway_stub, stack):
     from specdec.launcher import GATEWAY
+
     messages = [("user", "Describe the water cycle in four sentences.")]
     reference = generate(gateway_stub, messages, max_new_tokens=40)
     req = gateway_pb2.GenerateRequest(request_id="survives-gateway-crash", max_new_tokens=40)
     req.chat.messages.add(role="user", content=messages[0][1])
     stream = gateway_stub.GenerateStream(req, timeout=600)
-    first = next(stream)                              # the request is running and in Redis
+    first = next(stream)  # the request is running and in Redis
     assert first.token_ids
-    stack.restart(GATEWAY)                            # SIGKILL mid-request; the successor resumes it
+    stack.restart(GATEWAY)  # SIGKILL mid-request; the successor resumes it
     with pytest.raises(grpc.RpcError):
-        list(stream)                                  # this client's stream died with the old gateway
+        list(stream)  # this client's stream died with the old gateway
     with grpc.insecure_channel(stack.gateway_address) as ch:
         from specdec.v1 import gateway_pb2_grpc
+
         stub = gateway_pb2_grpc.GenerationServiceStub(ch)
         give_up = time.monotonic() + 300
         while True:

@@ -1,5 +1,6 @@
 """Every service of a live stack: health, reflection, service identity on the internal ports, and a
 Node.js client streaming from the gateway."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,12 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc, primary_pb2, primary_pb2_grpc,
 pytestmark = pytest.mark.e2e
 
 NODE_DIR = Path(__file__).resolve().parents[1] / "node"
-SERVICES = {"primary": "specdec.v1.PrimaryService", "draft": "specdec.v1.DraftService",
-            "validator": "specdec.v1.ValidatorService", "gateway": "specdec.v1.GenerationService"}
+SERVICES = {
+    "primary": "specdec.v1.PrimaryService",
+    "draft": "specdec.v1.DraftService",
+    "validator": "specdec.v1.ValidatorService",
+    "gateway": "specdec.v1.GenerationService",
+}
 
 
 def test_each_service_is_healthy_and_reflects_its_api(stack):
@@ -30,8 +35,9 @@ def test_each_service_is_healthy_and_reflects_its_api(stack):
                 reply = health.Check(health_pb2.HealthCheckRequest(service=target), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING, (name, target)
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
-            replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                     timeout=10))
+            replies = list(
+                stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            )
             listed = {s.name for s in replies[0].list_services_response.service}
             assert service in listed and "grpc.health.v1.Health" in listed, (name, listed)
 
@@ -40,16 +46,23 @@ def test_internal_services_refuse_callers_without_the_service_token(stack):
     """The attacks of an unauthenticated caller: a ghost Prefill that would hold KV forever, a Decode
     into someone's request, a Validate, an Attach. Each is refused before the servicer runs."""
     calls = {
-        "primary": [lambda ch: primary_pb2_grpc.PrimaryServiceStub(ch).Prefill(
-                        primary_pb2.PrefillRequest(request_id="ghost", token_ids=[1, 2, 3]), timeout=30),
-                    lambda ch: primary_pb2_grpc.PrimaryServiceStub(ch).Decode(
-                        primary_pb2.DecodeRequest(request_id="ghost"), timeout=30)],
+        "primary": [
+            lambda ch: primary_pb2_grpc.PrimaryServiceStub(ch).Prefill(
+                primary_pb2.PrefillRequest(request_id="ghost", token_ids=[1, 2, 3]), timeout=30
+            ),
+            lambda ch: primary_pb2_grpc.PrimaryServiceStub(ch).Decode(
+                primary_pb2.DecodeRequest(request_id="ghost"), timeout=30
+            ),
+        ],
         "draft": [lambda ch: draft_pb2_grpc.DraftServiceStub(ch).Attach(draft_pb2.AttachRequest(), timeout=30)],
-        "validator": [lambda ch: validator_pb2_grpc.ValidatorServiceStub(ch).Validate(
-                          validator_pb2.ValidateRequest(request_id="ghost"), timeout=30)],
+        "validator": [
+            lambda ch: validator_pb2_grpc.ValidatorServiceStub(ch).Validate(
+                validator_pb2.ValidateRequest(request_id="ghost"), timeout=30
+            )
+        ],
     }
     for name, attempts in calls.items():
-        for token in (None, "f" * 64):   # no credentials, a wrong token
+        for token in (None, "f" * 64):  # no credentials, a wrong token
             with authenticated_channel(grpc.insecure_channel(stack.addresses[name]), token) as ch:
                 for call in attempts:
                     with pytest.raises(grpc.RpcError) as e:
@@ -64,9 +77,19 @@ def test_node_client_streams_a_generation(stack):
     node = shutil.which("node")
     if node is None or not (NODE_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
         pytest.skip("node or tests/node dependencies missing (`make test` installs them)")
-    out = subprocess.run([node, str(NODE_DIR / "stream_client.js"), stack.gateway_address,
-                          "The capital of France is", "12", "node-client-request"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            node,
+            str(NODE_DIR / "stream_client.js"),
+            stack.gateway_address,
+            "The capital of France is",
+            "12",
+            "node-client-request",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     messages = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
     assert messages[-1]["is_final"] is True and messages[-1]["request_id"] == "node-client-request"

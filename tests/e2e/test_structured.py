@@ -6,6 +6,7 @@ equals constrained plain decoding token for token (greedy, default precision); e
 validates against its schema (jsonschema); JSON mode gives a JSON object; a bad schema is refused
 with INVALID_ARGUMENT naming the problem.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,14 @@ def json_prompts() -> list[dict]:
     return [by_id[i] for i in SAMPLE_IDS]
 
 
-def request(row: dict, *, is_speculative: bool, kind=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA,
-            schema: str | None = None, **speculation) -> gateway_pb2.GenerateRequest:
+def request(
+    row: dict,
+    *,
+    is_speculative: bool,
+    kind=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA,
+    schema: str | None = None,
+    **speculation,
+) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(max_new_tokens=MAX_NEW_TOKENS)
     if row.get("system"):
         req.chat.messages.add(role="system", content=row["system"])
@@ -70,26 +77,57 @@ def test_constrained_speculation_equals_constrained_plain_decoding_and_validates
 def test_fixed_grammar_and_lookup_drafts_give_the_same_tokens(gateway_stub, json_prompts):
     row = json_prompts[0]
     plain = gateway_stub.Generate(request(row, is_speculative=False), timeout=300)
-    spec = gateway_stub.Generate(request(row, is_speculative=True, is_adaptive=False, speculative_degree=2,
-                                         draft_length=6, strategies=["grammar", "prompt_lookup"]), timeout=300)
+    spec = gateway_stub.Generate(
+        request(
+            row,
+            is_speculative=True,
+            is_adaptive=False,
+            speculative_degree=2,
+            draft_length=6,
+            strategies=["grammar", "prompt_lookup"],
+        ),
+        timeout=300,
+    )
     assert list(spec.token_ids) == list(plain.token_ids)
     assert {d.name for d in spec.stats.decoders} >= {"grammar"}
 
 
 # Repeated keys (an array of objects): from the second object on, the grammar decoder proposes the
 # spellings the model used for them before beside the canonical ones, as a small tree.
-ROOMS = {"id": "rooms", "prompt": "List three rooms of a house and say for each whether it is clean.",
-         "schema": {"type": "object", "required": ["rooms"], "properties": {"rooms": {
-             "type": "array", "items": {"type": "object", "required": ["room", "clean"],
-                                        "properties": {"room": {"type": "string"}, "clean": {"type": "boolean"}}}}}}}
+ROOMS = {
+    "id": "rooms",
+    "prompt": "List three rooms of a house and say for each whether it is clean.",
+    "schema": {
+        "type": "object",
+        "required": ["rooms"],
+        "properties": {
+            "rooms": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["room", "clean"],
+                    "properties": {"room": {"type": "string"}, "clean": {"type": "boolean"}},
+                },
+            }
+        },
+    },
+}
 
 
 def test_grammar_spelling_trees_give_the_same_tokens(gateway_stub):
     plain = gateway_stub.Generate(request(ROOMS, is_speculative=False), timeout=300)
     for strategies, degree in ((["grammar"], 2), (["grammar", "prompt_lookup"], 4)):
-        spec = gateway_stub.Generate(request(ROOMS, is_speculative=True, is_adaptive=False,
-                                             speculative_degree=degree, draft_length=8, strategies=strategies),
-                                     timeout=300)
+        spec = gateway_stub.Generate(
+            request(
+                ROOMS,
+                is_speculative=True,
+                is_adaptive=False,
+                speculative_degree=degree,
+                draft_length=8,
+                strategies=strategies,
+            ),
+            timeout=300,
+        )
         assert list(spec.token_ids) == list(plain.token_ids), (strategies, spec.text, plain.text)
         accepted = {d.name: d.num_accepted for d in spec.stats.decoders}
         assert accepted.get("grammar", 0) > 0, accepted
@@ -98,18 +136,22 @@ def test_grammar_spelling_trees_give_the_same_tokens(gateway_stub):
 
 
 def test_json_mode_gives_a_json_object(gateway_stub, json_prompts):
-    reply = gateway_stub.Generate(request(json_prompts[0], is_speculative=True,
-                                          kind=common_pb2.ResponseFormat.TYPE_JSON_OBJECT), timeout=300)
+    reply = gateway_stub.Generate(
+        request(json_prompts[0], is_speculative=True, kind=common_pb2.ResponseFormat.TYPE_JSON_OBJECT), timeout=300
+    )
     if reply.finish_reason == gateway_pb2.FINISH_REASON_EOS:
         assert isinstance(json.loads(reply.text), dict)
-    else:   # cut at max_new_tokens: still a prefix of JSON object text
+    else:  # cut at max_new_tokens: still a prefix of JSON object text
         assert reply.text.startswith("{")
 
 
-@pytest.mark.parametrize("schema, words", [
-    ('{"type": "object", "properties": {"a": {"type": "nonsense"}}}', "not a valid JSON Schema"),
-    ("{oops", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ('{"type": "object", "properties": {"a": {"type": "nonsense"}}}', "not a valid JSON Schema"),
+        ("{oops", "not valid JSON"),
+    ],
+)
 def test_an_invalid_schema_is_refused_naming_the_problem(gateway_stub, json_prompts, schema, words):
     with pytest.raises(grpc.RpcError) as e:
         gateway_stub.Generate(request(json_prompts[0], is_speculative=True, schema=schema), timeout=60)

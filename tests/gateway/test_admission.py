@@ -1,4 +1,5 @@
 """Admission control (gateway.admission): the fair queue's order, slots, overflow, deadlines, cancels."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,8 @@ def test_fair_queue_is_fifo_per_key_and_round_robin_across_keys():
         q.push(item[0], item)
     assert len(q) == 6
     assert [q.pop() for _ in range(3)] == ["a1", "b1", "c1"]
-    q.push("c", "c2")     # c went behind a and b when c1 was taken
-    q.push("d", "d1")     # a new key waits behind those already waiting
+    q.push("c", "c2")  # c went behind a and b when c1 was taken
+    q.push("d", "d1")  # a new key waits behind those already waiting
     assert [q.pop() for _ in range(len(q))] == ["a2", "b2", "c2", "d1", "a3"]
     with pytest.raises(IndexError):
         q.pop()
@@ -65,7 +66,7 @@ def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_counted():
     assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "queue_full"}) == 1
     assert registry.get_sample_value("specdec_queue_depth") == 1
     running[0].release()
-    running[0].release()             # idempotent: the slot is handed on once
+    running[0].release()  # idempotent: the slot is handed on once
     assert queued.is_granted and admission.num_active == 2 and admission.num_queued == 0
     assert queued.wait(None, threading.Event(), "r") >= 0
     assert registry.get_sample_value("specdec_admission_wait_seconds_count") == 1
@@ -107,9 +108,9 @@ def test_a_slot_granted_as_the_deadline_passes_goes_on_to_the_next_waiter():
     admission = Admission(max_active=1, max_queued=4)
     holder = admission.enter("")
     late, after = admission.enter(""), admission.enter("")
-    holder.release()                                # late is granted, but its deadline has passed
+    holder.release()  # late is granted, but its deadline has passed
     assert late.is_granted
-    assert late.wait(time.monotonic() - 1, threading.Event(), "r") >= 0   # granted first: it runs
+    assert late.wait(time.monotonic() - 1, threading.Event(), "r") >= 0  # granted first: it runs
     late.release()
     assert after.is_granted
     after.release()
@@ -148,7 +149,7 @@ def test_an_async_waiter_leaves_the_queue_on_its_deadline_a_cancel_or_its_corout
             await cancelled.wait_async(None, cancel, "r2")
         task = asyncio.ensure_future(gone.wait_async(None, threading.Event(), "r3"))
         await asyncio.sleep(0.01)
-        task.cancel()                                # its client went away
+        task.cancel()  # its client went away
         with pytest.raises(asyncio.CancelledError):
             await task
         assert admission.num_queued == 1

@@ -1,5 +1,6 @@
 """Prompt encoding: a user's text never becomes a control token (the forged system turn of the
 issue), the template's markup does, and ordinary chats encode exactly as before."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,7 +35,7 @@ def test_control_tokens_in_content_are_plain_text(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode(plain) == FORGED
     header = tokenizer.encode("<|im_start|>user\n")
     at = len(forged) - len(plain) - len(tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n"))
-    assert forged[at - len(header):at] == header and forged[at:at + len(plain)] == plain
+    assert forged[at - len(header) : at] == header and forged[at : at + len(plain)] == plain
 
 
 def test_ordinary_chats_and_raw_prompts_encode_as_before(tokenizer: Tokenizer) -> None:
@@ -46,7 +47,10 @@ def test_ordinary_chats_and_raw_prompts_encode_as_before(tokenizer: Tokenizer) -
 
 
 def test_a_template_that_rewrites_content_refuses_control_token_text(tokenizer: Tokenizer) -> None:
-    rewriting = Tokenizer(tokenizer.backend, chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                          "{{ m['content'] | upper }}<|im_end|>\n{% endfor %}")
+    rewriting = Tokenizer(
+        tokenizer.backend,
+        chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] | upper }}<|im_end|>\n{% endfor %}",
+    )
     with pytest.raises(InvalidArgument, match=r"chat.messages\[0\].content"):
         PromptEncoder(rewriting).encode(chat_params(("user", FORGED)))

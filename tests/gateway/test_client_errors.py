@@ -1,6 +1,7 @@
 """What a client is told when an internal service fails: never that service's name or details
 (`primary: tree: ...` reached clients as INVALID_ARGUMENT), but INTERNAL or a retryable status
 naming the request; its own fields' errors as they are."""
+
 from __future__ import annotations
 
 import grpc
@@ -21,14 +22,21 @@ class FakeRpcError(grpc.RpcError, grpc.Call):
         return self._details
 
 
-@pytest.mark.parametrize("code, details, told, status", [
-    (grpc.StatusCode.INVALID_ARGUMENT, "tree: context 4089 + tree depth 16 exceeds max_context 4096",
-     Internal, "INTERNAL"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "strategies: 'early_exit' is not loaded", Internal, "INTERNAL"),
-    (grpc.StatusCode.NOT_FOUND, "request_id: no active request 'x' on this primary", Internal, "INTERNAL"),
-    (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", Unavailable, "UNAVAILABLE"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_cache: no free KV blocks", ResourceExhausted, "RESOURCE_EXHAUSTED"),
-])
+@pytest.mark.parametrize(
+    "code, details, told, status",
+    [
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tree: context 4089 + tree depth 16 exceeds max_context 4096",
+            Internal,
+            "INTERNAL",
+        ),
+        (grpc.StatusCode.INVALID_ARGUMENT, "strategies: 'early_exit' is not loaded", Internal, "INTERNAL"),
+        (grpc.StatusCode.NOT_FOUND, "request_id: no active request 'x' on this primary", Internal, "INTERNAL"),
+        (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses", Unavailable, "UNAVAILABLE"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_cache: no free KV blocks", ResourceExhausted, "RESOURCE_EXHAUSTED"),
+    ],
+)
 def test_an_internal_services_failure_names_the_request_not_the_service(code, details, told, status):
     for service in ("primary", "draft", "validator"):
         error = client_error(_domain_error(FakeRpcError(code, details), service), "order-1")

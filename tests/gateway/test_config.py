@@ -1,4 +1,5 @@
 """Gateway flags for the adaptive controller: --adaptive (default on), its bounds and cost settings."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,9 @@ def test_adaptive_is_on_by_default_and_a_flag_or_the_environment_turns_it_off(mo
 
 
 def test_adaptive_bounds_and_cost_settings_come_from_flags():
-    config = parse_config(["--max_adaptive_degree", "2", "--max_adaptive_draft_length", "6",
-                           "--speculative_overhead_ms", "7.5"])
+    config = parse_config(
+        ["--max_adaptive_degree", "2", "--max_adaptive_draft_length", "6", "--speculative_overhead_ms", "7.5"]
+    )
     assert (config.speculation.max_adaptive_degree, config.speculation.max_adaptive_draft_length) == (2, 6)
     assert config.costs.speculative_overhead_ms == 7.5
     with pytest.raises(ValueError, match="max_adaptive_degree"):
@@ -34,7 +36,7 @@ def test_admission_limits_come_from_flags_or_the_environment_and_size_the_loop_t
         monkeypatch.delenv(f"SPECDEC_{name}", raising=False)
     config = parse_config(["--max_active_requests", "4", "--max_queued_requests", "10"])
     assert (config.max_active_requests, config.max_queued_requests) == (4, 10)
-    assert config.server.max_workers == 4          # a thread per running request; queued ones hold none
+    assert config.server.max_workers == 4  # a thread per running request; queued ones hold none
     monkeypatch.setenv("SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS", "0")
     assert parse_config([]).max_queued_requests == 0
     with pytest.raises(ValueError, match="max_active_requests"):

@@ -1,4 +1,5 @@
 """Adaptive controller: the cost model's formulas, the optimiser, and deterministic closed-loop simulations."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,16 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.controller import (AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, TaskType,
-                                adjust_speculative_degree, expected_accepted_length, infer_task_type)
+from gateway.controller import (
+    AdaptiveController,
+    ControllerConfig,
+    ControllerState,
+    SpeculationPlan,
+    TaskType,
+    adjust_speculative_degree,
+    expected_accepted_length,
+    infer_task_type,
+)
 from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, DraftCost
 
 LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
@@ -20,7 +29,9 @@ LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
 COST = CostModel.from_verify_ms(
     SMOLLM2_BF16_VERIFY_MS,
     {LOOKUP: DraftCost(fixed=0.002), SUFFIX: DraftCost(fixed=0.004), EARLY_EXIT: DraftCost(per_token=0.6)},
-    plain_overhead=0.05, speculative_overhead=0.10)
+    plain_overhead=0.05,
+    speculative_overhead=0.10,
+)
 # coverage 1: every decoder always proposes, so the closed forms apply exactly
 FULL_COVERAGE = ControllerConfig(prior_coverage=1.0)
 
@@ -35,8 +46,9 @@ class Outcome:
     num_accepted: int
 
 
-def simulate(controller: AdaptiveController, state: ControllerState, world: World, num_steps: int,
-             rng: random.Random) -> list[SpeculationPlan]:
+def simulate(
+    controller: AdaptiveController, state: ControllerState, world: World, num_steps: int, rng: random.Random
+) -> list[SpeculationPlan]:
     """Each planned candidate is accepted token by token with the world's true alpha (geometric)."""
     plans = []
     for step in range(num_steps):
@@ -54,9 +66,12 @@ def simulate(controller: AdaptiveController, state: ControllerState, world: Worl
 
 def reference_speedup(alphas: list[float], decoders: set[str], gamma: int, config: ControllerConfig) -> float:
     """E[accepted length] of independent full-length candidates over the cost of their tree."""
-    length = 1 + sum(1 - math.prod(1 - a ** j for a in alphas) for j in range(1, gamma + 1))
-    step = (COST.speculative_overhead + sum(COST.draft(d, gamma) for d in decoders)
-            + float(COST.verify(1 + min(len(alphas) * gamma, config.max_tree_nodes))))
+    length = 1 + sum(1 - math.prod(1 - a**j for a in alphas) for j in range(1, gamma + 1))
+    step = (
+        COST.speculative_overhead
+        + sum(COST.draft(d, gamma) for d in decoders)
+        + float(COST.verify(1 + min(len(alphas) * gamma, config.max_tree_nodes)))
+    )
     return length * COST.plain_step / step
 
 
@@ -84,17 +99,18 @@ def test_single_chain_plan_uses_the_closed_form():
     plan = adjust_speculative_degree("code", 0.8, decoders={LOOKUP: 1}, cost_model=COST, config=FULL_COVERAGE)
     assert plan.sources == ((LOOKUP, 0),)
     assert plan.expected_accepted_length == pytest.approx(expected_accepted_length(0.8, plan.draft_length))
-    assert plan.expected_speedup == pytest.approx(reference_speedup([0.8], {LOOKUP}, plan.draft_length,
-                                                                    FULL_COVERAGE))
+    assert plan.expected_speedup == pytest.approx(reference_speedup([0.8], {LOOKUP}, plan.draft_length, FULL_COVERAGE))
     # and it is the best length on the grid
-    assert plan.expected_speedup == pytest.approx(max(
-        reference_speedup([0.8], {LOOKUP}, g, FULL_COVERAGE) for g in FULL_COVERAGE.draft_length_choices))
+    assert plan.expected_speedup == pytest.approx(
+        max(reference_speedup([0.8], {LOOKUP}, g, FULL_COVERAGE) for g in FULL_COVERAGE.draft_length_choices)
+    )
 
 
 def test_draft_length_grows_with_acceptance_and_speculation_stops_at_zero():
-    lengths = [adjust_speculative_degree("code", a, decoders={LOOKUP: 1}, cost_model=COST,
-                                         config=FULL_COVERAGE).draft_length
-               for a in (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)]
+    lengths = [
+        adjust_speculative_degree("code", a, decoders={LOOKUP: 1}, cost_model=COST, config=FULL_COVERAGE).draft_length
+        for a in (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95)
+    ]
     assert lengths == sorted(lengths)
     assert lengths[0] <= 2 and lengths[-1] >= 12
     off = adjust_speculative_degree("code", 0.0, decoders={LOOKUP: 1}, cost_model=COST, config=FULL_COVERAGE)
@@ -105,17 +121,26 @@ def test_optimiser_agrees_with_the_reference_and_beats_every_single_candidate():
     rng = random.Random(7)
     decoders = {LOOKUP: 3, SUFFIX: 1}
     for _ in range(25):
-        alphas = {(LOOKUP, 0): rng.random(), (LOOKUP, 1): rng.random() * 0.6, (LOOKUP, 2): rng.random() * 0.3,
-                  (SUFFIX, 0): rng.random()}
-        plan = adjust_speculative_degree("creative", alphas, decoders=decoders, cost_model=COST,
-                                         config=FULL_COVERAGE)
-        singles = max(reference_speedup([alphas[d, 0]], {d}, g, FULL_COVERAGE)
-                      for d in decoders for g in FULL_COVERAGE.draft_length_choices)
+        alphas = {
+            (LOOKUP, 0): rng.random(),
+            (LOOKUP, 1): rng.random() * 0.6,
+            (LOOKUP, 2): rng.random() * 0.3,
+            (SUFFIX, 0): rng.random(),
+        }
+        plan = adjust_speculative_degree("creative", alphas, decoders=decoders, cost_model=COST, config=FULL_COVERAGE)
+        singles = max(
+            reference_speedup([alphas[d, 0]], {d}, g, FULL_COVERAGE)
+            for d in decoders
+            for g in FULL_COVERAGE.draft_length_choices
+        )
         if not plan.is_speculative:
             assert singles < 1.0
             continue
-        assert plan.expected_speedup == pytest.approx(reference_speedup(
-            [alphas[s] for s in plan.sources], {d for d, _ in plan.sources}, plan.draft_length, FULL_COVERAGE))
+        assert plan.expected_speedup == pytest.approx(
+            reference_speedup(
+                [alphas[s] for s in plan.sources], {d for d, _ in plan.sources}, plan.draft_length, FULL_COVERAGE
+            )
+        )
         assert plan.expected_speedup >= singles - 1e-12
         for decoder, rank in plan.sources:  # ranks come in order within a decoder
             assert rank == 0 or (decoder, rank - 1) in plan.sources
@@ -123,22 +148,32 @@ def test_optimiser_agrees_with_the_reference_and_beats_every_single_candidate():
 
 def test_a_decoder_that_does_not_pay_for_its_cost_is_left_out():
     # Early exit agreeing on 39 % of tokens at 0.6 of a step per token (docs/architecture.md) never pays.
-    alone = adjust_speculative_degree("code", {(EARLY_EXIT, 0): 0.39}, decoders={EARLY_EXIT: 1},
-                                      cost_model=COST, config=FULL_COVERAGE)
+    alone = adjust_speculative_degree(
+        "code", {(EARLY_EXIT, 0): 0.39}, decoders={EARLY_EXIT: 1}, cost_model=COST, config=FULL_COVERAGE
+    )
     assert not alone.is_speculative
-    mixed = adjust_speculative_degree("code", {(EARLY_EXIT, 0): 0.39, (LOOKUP, 0): 0.6},
-                                      decoders={LOOKUP: 1, EARLY_EXIT: 1}, cost_model=COST, config=FULL_COVERAGE)
+    mixed = adjust_speculative_degree(
+        "code",
+        {(EARLY_EXIT, 0): 0.39, (LOOKUP, 0): 0.6},
+        decoders={LOOKUP: 1, EARLY_EXIT: 1},
+        cost_model=COST,
+        config=FULL_COVERAGE,
+    )
     assert mixed.sources == ((LOOKUP, 0),)
     cheap = CostModel(COST.verify_curve, ((EARLY_EXIT, DraftCost(per_token=0.01)),))
-    paid = adjust_speculative_degree("code", {(EARLY_EXIT, 0): 0.39}, decoders={EARLY_EXIT: 1},
-                                     cost_model=cheap, config=FULL_COVERAGE)
+    paid = adjust_speculative_degree(
+        "code", {(EARLY_EXIT, 0): 0.39}, decoders={EARLY_EXIT: 1}, cost_model=cheap, config=FULL_COVERAGE
+    )
     assert paid.sources == ((EARLY_EXIT, 0),)  # the same acceptance earns its place once it is cheap
 
 
 def test_task_type_priors_order_the_first_plan():
     first = {t: adjust_speculative_degree(t, decoders={LOOKUP: 1}, cost_model=COST) for t in TaskType}
-    assert first[TaskType.STRUCTURED].draft_length >= first[TaskType.CODE].draft_length \
+    assert (
+        first[TaskType.STRUCTURED].draft_length
+        >= first[TaskType.CODE].draft_length
         >= first[TaskType.CREATIVE].draft_length
+    )
 
 
 HIGH = {(LOOKUP, 0): 0.9, (LOOKUP, 1): 0.45, (SUFFIX, 0): 0.6}
@@ -149,8 +184,10 @@ ZERO = dict.fromkeys(HIGH, 0.0)
 def _settled(plans: list[SpeculationPlan], last: int = 15) -> tuple[float, float]:
     """Median draft_length and tree size (degree * length) over the last steps, probes left out."""
     steady = [p for p in plans[-last:] if not p.is_probe]
-    return (statistics.median(p.draft_length for p in steady),
-            statistics.median(p.draft_length * p.speculative_degree for p in steady))
+    return (
+        statistics.median(p.draft_length for p in steady),
+        statistics.median(p.draft_length * p.speculative_degree for p in steady),
+    )
 
 
 def test_falling_acceptance_shrinks_drafts_and_rising_acceptance_grows_them():
@@ -264,14 +301,17 @@ def test_bad_inputs_are_rejected_naming_the_field():
         ControllerConfig(off_below=1.1, on_above=1.0)
 
 
-@pytest.mark.parametrize("prompt, has_schema, expected", [
-    ("Give me the weather in Paris.", True, TaskType.STRUCTURED),
-    ("Fix this:\n```python\nprint(1)\n```", False, TaskType.CODE),
-    ("def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n", False, TaskType.CODE),
-    ("#include <stdio.h>\nint main() {\n", False, TaskType.CODE),
-    ("Write a short story about a lighthouse keeper.", False, TaskType.CREATIVE),
-    ("Describe the class struggle in Victorian novels.", False, TaskType.CREATIVE),
-])
+@pytest.mark.parametrize(
+    "prompt, has_schema, expected",
+    [
+        ("Give me the weather in Paris.", True, TaskType.STRUCTURED),
+        ("Fix this:\n```python\nprint(1)\n```", False, TaskType.CODE),
+        ('def add(a, b):\n    """Add two numbers."""\n', False, TaskType.CODE),
+        ("#include <stdio.h>\nint main() {\n", False, TaskType.CODE),
+        ("Write a short story about a lighthouse keeper.", False, TaskType.CREATIVE),
+        ("Describe the class struggle in Victorian novels.", False, TaskType.CREATIVE),
+    ],
+)
 def test_infer_task_type(prompt, has_schema, expected):
     assert infer_task_type(prompt, has_schema) is expected
 
@@ -281,17 +321,20 @@ def test_ride_alongs_keep_the_degree_bound_and_rank_order():
     config = ControllerConfig(max_speculative_degree=1, probe_interval=6)
     controller = AdaptiveController(COST, config)
     state = controller.new_state("code", {LOOKUP: 2, SUFFIX: 1})
-    plans = simulate(controller, state, lambda _: {(LOOKUP, 0): 0.8, (LOOKUP, 1): 0.3, (SUFFIX, 0): 0.4},
-                     60, random.Random(5))
+    plans = simulate(
+        controller, state, lambda _: {(LOOKUP, 0): 0.8, (LOOKUP, 1): 0.3, (SUFFIX, 0): 0.4}, 60, random.Random(5)
+    )
     assert all(p.speculative_degree <= 1 for p in plans)
     assert any(p.is_probe and p.sources == ((SUFFIX, 0),) for p in plans)
-    assert all(p.sources[0][1] == 0 for p in plans if p.sources)          # never rank 1 alone
+    assert all(p.sources[0][1] == 0 for p in plans if p.sources)  # never rank 1 alone
     # degree 2 with three ranks: rank 2 rides along only next to rank 1
     state = AdaptiveController(COST, ControllerConfig(max_speculative_degree=2, probe_interval=4)).new_state(
-        "code", {LOOKUP: 3})
+        "code", {LOOKUP: 3}
+    )
     controller = AdaptiveController(COST, ControllerConfig(max_speculative_degree=2, probe_interval=4))
-    plans = simulate(controller, state, lambda _: {(LOOKUP, 0): 0.9, (LOOKUP, 1): 0.05, (LOOKUP, 2): 0.05},
-                     60, random.Random(6))
+    plans = simulate(
+        controller, state, lambda _: {(LOOKUP, 0): 0.9, (LOOKUP, 1): 0.05, (LOOKUP, 2): 0.05}, 60, random.Random(6)
+    )
     for p in plans:
         assert p.speculative_degree <= 2
         ranks = sorted(r for _, r in p.sources)

@@ -1,4 +1,5 @@
 """The cost model built from a primary's measured verify curve (GetModelInfo.verify_costs)."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,7 @@ def test_the_measured_curve_is_normalised_and_the_overheads_are_in_one_row_forwa
     assert (model.plain_overhead, model.speculative_overhead) == (pytest.approx(0.05), pytest.approx(0.15))
     assert model.plain_step == pytest.approx(1.05)
     assert model.draft("prompt_lookup", 8) == pytest.approx(0.002)
-    assert model.draft("early_exit", 4) == pytest.approx(3.0)        # 0.75 of a forward per token
+    assert model.draft("early_exit", 4) == pytest.approx(3.0)  # 0.75 of a forward per token
 
 
 def test_a_primary_that_measured_nothing_gets_the_reference_curve_shape():
@@ -37,7 +38,8 @@ def test_settings_are_checked():
 
 def test_every_strategy_has_a_default_draft_cost():
     from gateway.config import KNOWN_STRATEGIES
+
     model = cost_model_for(FP32_CPU_MS, CostSettings())
     for name in KNOWN_STRATEGIES:
         assert model.draft(name, 8) >= 0
-    assert model.draft("corpus", 8) < 0.02       # a query, not a forward: cheap enough to probe
+    assert model.draft("corpus", 8) < 0.02  # a query, not a forward: cheap enough to probe

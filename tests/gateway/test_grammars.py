@@ -1,5 +1,6 @@
 """Compiling response formats within a deadline: a slow compile gets RESOURCE_EXHAUSTED naming the
 schema field, finishes in the background and serves the next request; one compile per format."""
+
 from __future__ import annotations
 
 import threading
@@ -35,10 +36,10 @@ def test_a_slow_compile_is_refused_then_served_once_finished():
     with pytest.raises(ResourceExhausted) as e:
         grammars.compile(SLOW)
     assert e.value.field == "response_format.json_schema" and "0.1 s" in str(e.value)
-    with pytest.raises(ResourceExhausted):            # a second request waits on the same compile
+    with pytest.raises(ResourceExhausted):  # a second request waits on the same compile
         grammars.compile(SLOW)
     cache.release.set()
-    assert grammars.compile(SLOW) == "compiled json_schema"   # (a real cache would answer from its LRU)
+    assert grammars.compile(SLOW) == "compiled json_schema"  # (a real cache would answer from its LRU)
     assert cache.num_compiles <= 2
     grammars.close()
 

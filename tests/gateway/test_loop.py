@@ -8,6 +8,7 @@ The fakes check the protocol on every call and fail the request when it is broke
 - the draft service: the context it has after each Propose (prompt + new_token_ids of every call)
   must equal prompt + everything committed so far.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,14 @@ import pytest
 
 from gateway.backends import DraftTree, ModelInfo, Validation, Verified
 from gateway.dependencies import DependencyState
-from gateway.controller import (CandidateOutcome, ControllerConfig, ControllerState, candidate_outcomes,
-                                ranked_sources, strategies_for)
+from gateway.controller import (
+    CandidateOutcome,
+    ControllerConfig,
+    ControllerState,
+    candidate_outcomes,
+    ranked_sources,
+    strategies_for,
+)
 from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan, greedy_validation
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
@@ -29,12 +36,13 @@ from specdec.state_store import RequestStatus
 from specdec.state_store.memory import InMemoryStateStore
 
 LOOKUP, SUFFIX = "prompt_lookup", "suffix_index"
-EOS, WRONG = 49, 45          # the fake primary never emits either
+EOS, WRONG = 49, 45  # the fake primary never emits either
 PROMPT = [3, 7, 1, 4, 1, 5, 9, 2, 6]
 # fp32 on a CPU without AVX512: 2..16 rows cost 1.6-1.9x one row (the gateway brief's figures)
 FP32_VERIFY_MS = {1: 40.0, 2: 68.0, 4: 66.0, 8: 70.0, 16: 76.0, 32: 108.0}
-MODEL = ModelInfo(vocab_size=50, eos_token_ids=(EOS,), max_context=4096, instance_id="fake",
-                  verify_costs_ms=FP32_VERIFY_MS)
+MODEL = ModelInfo(
+    vocab_size=50, eos_token_ids=(EOS,), max_context=4096, instance_id="fake", verify_costs_ms=FP32_VERIFY_MS
+)
 
 
 def primary_next(context: Sequence[int]) -> int:
@@ -46,7 +54,7 @@ def plain_decoding(prompt: Sequence[int], num_tokens: int) -> list[int]:
     context = list(prompt)
     for _ in range(num_tokens):
         context.append(primary_next(context))
-    return context[len(prompt):]
+    return context[len(prompt) :]
 
 
 class FakeTokenizer:
@@ -65,11 +73,11 @@ class FakeBackends:
     candidates diverge after r tokens), else proposes WRONG; suffix_index always proposes WRONG."""
 
     is_lookup_right: Callable[[int], bool] = lambda num_committed: True
-    lose_draft_at_call: int = -1     # the draft service "restarts" before this Propose
+    lose_draft_at_call: int = -1  # the draft service "restarts" before this Propose
     calls: list[tuple[str, dict]] = dataclasses.field(default_factory=list)
-    truth: list[int] = dataclasses.field(default_factory=list)          # prompt + committed, per the fakes
+    truth: list[int] = dataclasses.field(default_factory=list)  # prompt + committed, per the fakes
     primary_context: list[int] = dataclasses.field(default_factory=list)
-    last_tree: DraftTree | None = None        # None: nothing to commit yet (just prefilled)
+    last_tree: DraftTree | None = None  # None: nothing to commit yet (just prefilled)
     draft_context: list[int] | None = None
 
     # --- primary ---
@@ -103,30 +111,41 @@ class FakeBackends:
 
     def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
         assert allowed is None, "no grammar in these requests"
-        self.calls.append(("verify", {"accepted_nodes": tuple(accepted_nodes),
-                                      "committed": list(committed_token_ids), "num_nodes": tree.num_nodes}))
+        self.calls.append(
+            (
+                "verify",
+                {
+                    "accepted_nodes": tuple(accepted_nodes),
+                    "committed": list(committed_token_ids),
+                    "num_nodes": tree.num_nodes,
+                },
+            )
+        )
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = tree
         return Verified(None, tuple(self._rows(tree)), 0.0)
 
-    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step,
-               allowed=None) -> tuple[int, float]:
+    def decode(
+        self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None
+    ) -> tuple[int, float]:
         assert allowed is None, "no grammar in these requests"
-        self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes),
-                                      "committed": list(committed_token_ids)}))
+        self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes), "committed": list(committed_token_ids)}))
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         token = primary_next(self.primary_context)
         self.truth.append(token)
         return token, 0.0
 
-    def validate(self, request_id, mode, sampling, acceptance_threshold, step, tree, verified,
-                 allowed=None) -> Validation:
+    def validate(
+        self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
+    ) -> Validation:
         assert allowed is None, "no grammar in these requests"
         rows, accepted, node = verified.argmax_token_ids, [], -1
         while True:
-            child = next((i for i in range(tree.num_nodes)
-                          if tree.parents[i] == node and tree.token_ids[i] == rows[node + 1]), None)
+            child = next(
+                (i for i in range(tree.num_nodes) if tree.parents[i] == node and tree.token_ids[i] == rows[node + 1]),
+                None,
+            )
             if child is None:
                 break
             accepted.append(child)
@@ -136,13 +155,31 @@ class FakeBackends:
         return Validation(tuple(accepted), bonus, (), ())
 
     # --- draft ---
-    def propose(self, request_id, prompt_token_ids, new_token_ids, strategies, speculative_degree, draft_length,
-                max_nodes, response_format=None) -> DraftTree:
+    def propose(
+        self,
+        request_id,
+        prompt_token_ids,
+        new_token_ids,
+        strategies,
+        speculative_degree,
+        draft_length,
+        max_nodes,
+        response_format=None,
+    ) -> DraftTree:
         assert response_format is None, "no grammar in these requests"
         num_call = sum(1 for name, _ in self.calls if name == "propose")
-        self.calls.append(("propose", {"is_open": bool(prompt_token_ids), "new": list(new_token_ids),
-                                       "strategies": tuple(strategies), "draft_length": draft_length,
-                                       "max_nodes": max_nodes}))
+        self.calls.append(
+            (
+                "propose",
+                {
+                    "is_open": bool(prompt_token_ids),
+                    "new": list(new_token_ids),
+                    "strategies": tuple(strategies),
+                    "draft_length": draft_length,
+                    "max_nodes": max_nodes,
+                },
+            )
+        )
         if num_call == self.lose_draft_at_call:
             self.draft_context = None
         if prompt_token_ids:
@@ -162,7 +199,7 @@ class FakeBackends:
         context = list(self.truth)
         for _ in range(draft_length):
             context.append(primary_next(context) if len(context) - len(self.truth) < rank or rank == 0 else WRONG)
-        return context[len(self.truth):]
+        return context[len(self.truth) :]
 
     def release_primary(self, request_id: str) -> None:
         self.calls.append(("release_primary", {}))
@@ -193,20 +230,50 @@ def merge(candidates: list[list[int]], strategies: tuple[str, ...], max_nodes: i
     return DraftTree(tuple(tokens), tuple(parents), tuple(sources), strategies, dict.fromkeys(strategies, 0.5), 1.0)
 
 
-def make_params(is_enabled=True, is_adaptive=True, degree=4, draft_length=16, max_new_tokens=60,
-                strategies=(LOOKUP, SUFFIX), task_type="code") -> GenerationParams:
+def make_params(
+    is_enabled=True,
+    is_adaptive=True,
+    degree=4,
+    draft_length=16,
+    max_new_tokens=60,
+    strategies=(LOOKUP, SUFFIX),
+    task_type="code",
+) -> GenerationParams:
     spec = SpeculationParams(is_enabled, degree, draft_length, 0.0, tuple(strategies), task_type, is_adaptive)
     return GenerationParams(" ".join(map(str, PROMPT)), None, max_new_tokens, (), SamplingParams(), spec)
 
 
-def run(params: GenerationParams, backends: FakeBackends, store=None, request_id="r1", generated=(),
-        stats=None, controller_state=None, **kwargs) -> RequestLoop:
+def run(
+    params: GenerationParams,
+    backends: FakeBackends,
+    store=None,
+    request_id="r1",
+    generated=(),
+    stats=None,
+    controller_state=None,
+    **kwargs,
+) -> RequestLoop:
     store = store or InMemoryStateStore()
     if store.load(request_id) is None:
         store.create(request_id, {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop(request_id, params, PROMPT, backends, store, FakeTokenizer(), MODEL, ("fp32", "fp32"),
-                       recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(), owner="test",
-                       generated=generated, stats=stats, controller_state=controller_state, **kwargs)
+    loop = RequestLoop(
+        request_id,
+        params,
+        PROMPT,
+        backends,
+        store,
+        FakeTokenizer(),
+        MODEL,
+        ("fp32", "fp32"),
+        recovery_timeout_s=1.0,
+        max_tree_nodes=64,
+        cancel=threading.Event(),
+        owner="test",
+        generated=generated,
+        stats=stats,
+        controller_state=controller_state,
+        **kwargs,
+    )
     for _ in loop.run():
         pass
     return loop
@@ -214,13 +281,14 @@ def run(params: GenerationParams, backends: FakeBackends, store=None, request_id
 
 # --- pure helpers ---------------------------------------------------------------------------------
 
+
 def test_plan_sources_map_to_the_pools_repeated_names_and_back():
     sources = ((LOOKUP, 0), (SUFFIX, 0), (LOOKUP, 1), (LOOKUP, 2))
     assert strategies_for(sources) == (LOOKUP, SUFFIX, LOOKUP, LOOKUP)
     assert ranked_sources(strategies_for(sources)) == sources
     assert strategies_for(()) == ()
     with pytest.raises(ValueError, match="ranks in order"):
-        strategies_for(((LOOKUP, 1),))              # rank 1 without rank 0 would be read as rank 0
+        strategies_for(((LOOKUP, 1),))  # rank 1 without rank 0 would be read as rank 0
     with pytest.raises(ValueError, match="ranks in order"):
         strategies_for(((LOOKUP, 0), (LOOKUP, 0)))
 
@@ -228,8 +296,7 @@ def test_plan_sources_map_to_the_pools_repeated_names_and_back():
 def test_candidate_outcomes_count_each_candidates_nodes_on_the_accepted_path():
     # tree 0:x(a,b) 1:y(a) 2:z(b) 3:w(a#1), parents (-1, 0, 0, -1); accepted path [0, 2]
     outcomes = candidate_outcomes(("a", "b", "a"), (0b011, 0b001, 0b010, 0b100), (0, 2))
-    assert outcomes == [CandidateOutcome("a", 0, 2, 1), CandidateOutcome("b", 0, 2, 2),
-                        CandidateOutcome("a", 1, 1, 0)]
+    assert outcomes == [CandidateOutcome("a", 0, 2, 1), CandidateOutcome("b", 0, 2, 2), CandidateOutcome("a", 1, 1, 0)]
     assert candidate_outcomes((), (), ()) == []
 
 
@@ -242,12 +309,15 @@ def test_fixed_plan_cycles_the_strategies_to_the_degree():
     assert not fixed_plan(make_params(is_enabled=False).speculation, 64).is_speculative
 
 
-@pytest.mark.parametrize("strategies, degree, expected", [
-    (("grammar", LOOKUP), 5, ("grammar", LOOKUP, "grammar", LOOKUP, LOOKUP)),   # two spellings at most
-    (("grammar", LOOKUP, SUFFIX), 4, ("grammar", LOOKUP, SUFFIX, "grammar")),
-    (("grammar",), 4, ("grammar", "grammar")),
-    (("grammar",), 1, ("grammar",)),
-])
+@pytest.mark.parametrize(
+    "strategies, degree, expected",
+    [
+        (("grammar", LOOKUP), 5, ("grammar", LOOKUP, "grammar", LOOKUP, LOOKUP)),  # two spellings at most
+        (("grammar", LOOKUP, SUFFIX), 4, ("grammar", LOOKUP, SUFFIX, "grammar")),
+        (("grammar",), 4, ("grammar", "grammar")),
+        (("grammar",), 1, ("grammar",)),
+    ],
+)
 def test_grammar_drafts_offer_at_most_two_ranked_spellings(strategies, degree, expected):
     spec = make_params(is_adaptive=False, degree=degree, strategies=strategies).speculation
     assert cycled_strategies(spec) == expected
@@ -275,6 +345,7 @@ def test_stats_count_the_steps_choices():
 
 # --- the loop -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("is_enabled, is_adaptive", [(False, False), (True, False), (True, True)])
 def test_greedy_output_equals_plain_decoding(is_enabled, is_adaptive):
     backends = FakeBackends(is_lookup_right=lambda n: n % 20 < 12)
@@ -294,8 +365,10 @@ def test_fixed_settings_are_honoured_every_step():
     backends = FakeBackends()
     loop = run(make_params(is_adaptive=False, degree=3, draft_length=5), backends)
     proposes = [c for name, c in backends.calls if name == "propose"]
-    assert proposes and all(c["strategies"] == (LOOKUP, SUFFIX, LOOKUP) and c["draft_length"] == 5
-                            and c["max_nodes"] == 64 for c in proposes)
+    assert proposes and all(
+        c["strategies"] == (LOOKUP, SUFFIX, LOOKUP) and c["draft_length"] == 5 and c["max_nodes"] == 64
+        for c in proposes
+    )
     assert set(backends.steps()) == {"verify"}
     assert loop.controller is None and loop.stats.task_type == ""
     assert loop.stats.num_steps_by_draft_length[5] == loop.stats.num_steps
@@ -325,10 +398,10 @@ def test_adaptive_switches_between_plain_and_speculative_steps_without_losing_sy
     # the draft service is told every committed token when it is used again after plain steps
     # (FakeBackends.propose checks the draft's context against everything committed, every call)
     proposes = [c for name, c in backends.calls if name == "propose"]
-    assert max(len(c["new"]) for c in proposes) > 8    # a run of plain steps was caught up in one call
+    assert max(len(c["new"]) for c in proposes) > 8  # a run of plain steps was caught up in one call
     assert all(len(c["strategies"]) <= 4 and c["draft_length"] <= 16 for c in proposes)  # the request's bounds
     stats = loop.stats
-    assert stats.num_steps_by_draft_length[0] > 0                       # speculation was off for a while
+    assert stats.num_steps_by_draft_length[0] > 0  # speculation was off for a while
     assert sum(stats.num_steps_by_draft_length[1:]) > 0
     assert stats.num_probe_steps > 0
     assert stats.num_steps < 160 and stats.task_type == "code"
@@ -340,7 +413,7 @@ def test_the_draft_service_losing_the_request_gets_the_whole_context_again():
     loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40), backends)
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)
     opens = [c for name, c in backends.calls if name == "propose" and c["is_open"]]
-    assert len(opens) == 2 and len(opens[1]["new"]) > 0   # reopened with prompt + everything committed
+    assert len(opens) == 2 and len(opens[1]["new"]) > 0  # reopened with prompt + everything committed
 
 
 def test_controller_state_is_stored_every_step_and_restored_on_resume():
@@ -355,18 +428,36 @@ def test_controller_state_is_stored_every_step_and_restored_on_resume():
     # controller state, and produces the same output.
     dead_store = InMemoryStateStore()
     dead_store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    dead = RequestLoop("r1", params, PROMPT, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store,
-                       FakeTokenizer(), MODEL, ("fp32", "fp32"), 1.0, 64, threading.Event(), "gw-1")
+    dead = RequestLoop(
+        "r1",
+        params,
+        PROMPT,
+        FakeBackends(is_lookup_right=lambda n: n < 40),
+        dead_store,
+        FakeTokenizer(),
+        MODEL,
+        ("fp32", "fp32"),
+        1.0,
+        64,
+        threading.Event(),
+        "gw-1",
+    )
     steps = dead.run()
     for _ in range(6):
         next(steps)
     state = dead_store.load("r1")
     assert state.controller_state["num_steps"] == 6 and state.controller_state == dead.controller_state.to_dict()
-    store = InMemoryStateStore()                       # what the successor finds in Redis
+    store = InMemoryStateStore()  # what the successor finds in Redis
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
     store.append_step("r1", state.token_ids, stats=state.stats, controller_state=state.controller_state)
-    resumed = run(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, generated=state.token_ids,
-                  stats=RequestStats.from_dict(state.stats), controller_state=state.controller_state)
+    resumed = run(
+        params,
+        FakeBackends(is_lookup_right=lambda n: n < 40),
+        store,
+        generated=state.token_ids,
+        stats=RequestStats.from_dict(state.stats),
+        controller_state=state.controller_state,
+    )
     assert resumed.controller_state.num_steps == resumed.stats.num_steps > 6
     assert resumed.outcome.token_ids == plain_decoding(PROMPT, 80)
     assert resumed.controller_state.estimates != ControllerState.from_dict(state.controller_state).estimates
@@ -380,7 +471,7 @@ def test_an_unreadable_stored_controller_state_starts_afresh():
 
 def test_task_type_is_inferred_when_the_request_gives_none():
     loop = run(make_params(task_type="", max_new_tokens=5), FakeBackends())
-    assert loop.stats.task_type == "creative"             # "3 7 1 4 ..." does not look like code
+    assert loop.stats.task_type == "creative"  # "3 7 1 4 ..." does not look like code
 
 
 @dataclasses.dataclass
@@ -413,9 +504,20 @@ def test_the_end_of_the_context_clamps_the_tree_and_stops_like_plain_decoding(is
     model = dataclasses.replace(MODEL, max_context=max_context)
     store = InMemoryStateStore()
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop("r1", make_params(is_adaptive=is_adaptive, degree=2, draft_length=16, max_new_tokens=200),
-                       PROMPT, backends, store, FakeTokenizer(), model, ("fp32", "fp32"), recovery_timeout_s=1.0,
-                       max_tree_nodes=64, cancel=threading.Event(), owner="test")
+    loop = RequestLoop(
+        "r1",
+        make_params(is_adaptive=is_adaptive, degree=2, draft_length=16, max_new_tokens=200),
+        PROMPT,
+        backends,
+        store,
+        FakeTokenizer(),
+        model,
+        ("fp32", "fp32"),
+        recovery_timeout_s=1.0,
+        max_tree_nodes=64,
+        cancel=threading.Event(),
+        owner="test",
+    )
     for _ in loop.run():
         pass
     assert loop.outcome.finish_reason == "length"
@@ -429,9 +531,20 @@ def test_a_stream_closed_by_its_consumer_is_cancelled_and_released():
     CANCELLED, not FAILED, and its KV slot and draft state are released."""
     backends, store = FakeBackends(), InMemoryStateStore()
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop("r1", make_params(max_new_tokens=60), PROMPT, backends, store, FakeTokenizer(), MODEL,
-                       ("fp32", "fp32"), recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(),
-                       owner="test")
+    loop = RequestLoop(
+        "r1",
+        make_params(max_new_tokens=60),
+        PROMPT,
+        backends,
+        store,
+        FakeTokenizer(),
+        MODEL,
+        ("fp32", "fp32"),
+        recovery_timeout_s=1.0,
+        max_tree_nodes=64,
+        cancel=threading.Event(),
+        owner="test",
+    )
     steps = loop.run()
     assert next(steps).token_ids
     steps.close()
@@ -447,8 +560,9 @@ class FlakyValidator(FakeBackends):
     is_down: Callable[[int], bool] = lambda num_call: False
     num_validate_calls: int = 0
 
-    def validate(self, request_id, mode, sampling, acceptance_threshold, step, tree, verified,
-                 allowed=None) -> Validation:
+    def validate(
+        self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
+    ) -> Validation:
         self.num_validate_calls += 1
         if self.is_down(self.num_validate_calls):
             if sampling.is_greedy:  # the gateway commits the greedy path itself: the draft fake must know
@@ -461,9 +575,21 @@ class FlakyValidator(FakeBackends):
 def run_with_validator(params: GenerationParams, backends: FakeBackends, retry_s: float) -> RequestLoop:
     store = InMemoryStateStore()
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop("r1", params, PROMPT, backends, store, FakeTokenizer(), MODEL, ("fp32", "fp32"),
-                       recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(), owner="test",
-                       validator_state=DependencyState("validator", retry_s=retry_s))
+    loop = RequestLoop(
+        "r1",
+        params,
+        PROMPT,
+        backends,
+        store,
+        FakeTokenizer(),
+        MODEL,
+        ("fp32", "fp32"),
+        recovery_timeout_s=1.0,
+        max_tree_nodes=64,
+        cancel=threading.Event(),
+        owner="test",
+        validator_state=DependencyState("validator", retry_s=retry_s),
+    )
     for _ in loop.run():
         pass
     assert store.load("r1").status == RequestStatus.FINISHED
@@ -474,8 +600,9 @@ def test_greedy_requests_stay_exact_and_speculative_while_the_validator_is_down(
     """Down for its calls 3..9 (each step probes it: retry_s 0): those steps accept in the gateway
     from the primary's argmaxes; the output is plain decoding's; validation returns to the validator."""
     backends = FlakyValidator(is_down=lambda n: 3 <= n <= 9)
-    loop = run_with_validator(make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=80),
-                              backends, retry_s=0.0)
+    loop = run_with_validator(
+        make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=80), backends, retry_s=0.0
+    )
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
     assert loop.stats.num_validator_fallback_steps == 7
     assert set(backends.steps()) == {"verify"} and backends.num_validate_calls > 9, "back to the validator"
@@ -486,10 +613,12 @@ def test_sampling_requests_run_plain_steps_while_the_validator_is_down():
     """Only the validator samples against a tree: the failed step's tree is dropped (re-prefill) and
     later steps are the primary's own plain steps until the validator answers a probe again."""
     backends = FlakyValidator(is_down=lambda n: True)
-    params = dataclasses.replace(make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=30),
-                                 sampling=SamplingParams(temperature=0.7, seed=1))
+    params = dataclasses.replace(
+        make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=30),
+        sampling=SamplingParams(temperature=0.7, seed=1),
+    )
     loop = run_with_validator(params, backends, retry_s=3600.0)
-    assert loop.outcome.token_ids == plain_decoding(PROMPT, 30)       # the fake primary ignores temperature
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 30)  # the fake primary ignores temperature
     assert backends.num_validate_calls == 1 and [n for n, _ in backends.calls].count("prefill") == 2
     assert backends.steps()[0] == "verify" and set(backends.steps()[1:]) == {"decode"}
     assert loop.stats.num_validator_fallback_steps == loop.stats.num_steps
@@ -548,9 +677,21 @@ def test_state_store_blips_are_retried_within_the_request(is_applying_first):
 def test_a_state_store_that_stays_down_fails_the_request_after_the_bounded_retries():
     store = BlippingStore(failing=set(range(3, 10_000)))
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop("r1", make_params(max_new_tokens=40), PROMPT, FakeBackends(), store, FakeTokenizer(), MODEL,
-                       ("fp32", "fp32"), recovery_timeout_s=1.0, max_tree_nodes=64, cancel=threading.Event(),
-                       owner="test", max_state_retry_s=0.5)
+    loop = RequestLoop(
+        "r1",
+        make_params(max_new_tokens=40),
+        PROMPT,
+        FakeBackends(),
+        store,
+        FakeTokenizer(),
+        MODEL,
+        ("fp32", "fp32"),
+        recovery_timeout_s=1.0,
+        max_tree_nodes=64,
+        cancel=threading.Event(),
+        owner="test",
+        max_state_retry_s=0.5,
+    )
     with pytest.raises(Unavailable, match="state_store"):
         for _ in loop.run():
             pass

@@ -1,5 +1,6 @@
 """GenerateRequest -> GenerationParams: is_adaptive and what degree / draft length mean with it; response
 formats and their refusals."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,9 @@ from gateway.params import params_from_pb
 from specdec.errors import InvalidArgument
 from specdec.v1 import common_pb2, gateway_pb2
 
-DEFAULTS = SpeculationDefaults(speculative_degree=1, draft_length=8, max_adaptive_degree=4,
-                               max_adaptive_draft_length=16)
+DEFAULTS = SpeculationDefaults(
+    speculative_degree=1, draft_length=8, max_adaptive_degree=4, max_adaptive_draft_length=16
+)
 
 
 def speculation(defaults: SpeculationDefaults = DEFAULTS, **fields):
@@ -42,8 +44,9 @@ def test_task_type_given_or_left_to_inference():
 
 
 def fmt(type_, schema: str = ""):
-    req = gateway_pb2.GenerateRequest(prompt="hi", response_format=common_pb2.ResponseFormat(type=type_,
-                                                                                             json_schema=schema))
+    req = gateway_pb2.GenerateRequest(
+        prompt="hi", response_format=common_pb2.ResponseFormat(type=type_, json_schema=schema)
+    )
     return params_from_pb(req, Limits(), DEFAULTS)
 
 
@@ -59,15 +62,22 @@ def test_response_format_free_text_json_mode_and_schema():
     assert "grammar" not in fmt(common_pb2.ResponseFormat.TYPE_TEXT).speculation.strategies
 
 
-@pytest.mark.parametrize("type_, schema, field, words", [
-    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "", "response_format.json_schema", "is required"),
-    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "{not json", "response_format.json_schema", "not valid JSON"),
-    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, '{"type": "strange"}', "response_format.json_schema",
-     "not a valid JSON Schema"),
-    (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "[1, 2]", "response_format.json_schema", "must be a JSON object"),
-    (common_pb2.ResponseFormat.TYPE_TEXT, '{"type": "object"}', "response_format.json_schema", "must be empty"),
-    (7, "", "response_format.type", "unknown"),
-])
+@pytest.mark.parametrize(
+    "type_, schema, field, words",
+    [
+        (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "", "response_format.json_schema", "is required"),
+        (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "{not json", "response_format.json_schema", "not valid JSON"),
+        (
+            common_pb2.ResponseFormat.TYPE_JSON_SCHEMA,
+            '{"type": "strange"}',
+            "response_format.json_schema",
+            "not a valid JSON Schema",
+        ),
+        (common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, "[1, 2]", "response_format.json_schema", "must be a JSON object"),
+        (common_pb2.ResponseFormat.TYPE_TEXT, '{"type": "object"}', "response_format.json_schema", "must be empty"),
+        (7, "", "response_format.type", "unknown"),
+    ],
+)
 def test_bad_response_formats_are_refused_naming_the_problem(type_, schema, field, words):
     with pytest.raises(InvalidArgument) as e:
         fmt(type_, schema)
@@ -100,6 +110,7 @@ def test_a_deeply_nested_schema_is_refused_naming_the_depth_limit():
 
 def test_json_nesting_depth_ignores_brackets_in_strings():
     from gateway.params import json_nesting_depth
+
     assert json_nesting_depth('{"a": [{"b": "[["}]}') == 3
     assert json_nesting_depth('{"a": "\\"{{{"}') == 1
     assert json_nesting_depth("[]") == 1 and json_nesting_depth('"x"') == 0
@@ -107,10 +118,12 @@ def test_json_nesting_depth_ignores_brackets_in_strings():
 
 def test_strategies_the_pool_does_not_offer_are_refused_up_front():
     from gateway.params import check_offered
+
     offered = frozenset({"prompt_lookup", "suffix_index", "grammar"})
     check_offered(["prompt_lookup", "grammar"], offered)
     with pytest.raises(InvalidArgument) as e:
         check_offered(["prompt_lookup", "early_exit"], offered)
     assert e.value.field == "speculation.strategies"
-    assert e.value.message == ("['early_exit'] are not offered by this deployment; "
-                               "offered: ['grammar', 'prompt_lookup', 'suffix_index']")
+    assert e.value.message == (
+        "['early_exit'] are not offered by this deployment; offered: ['grammar', 'prompt_lookup', 'suffix_index']"
+    )

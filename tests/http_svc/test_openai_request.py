@@ -1,4 +1,5 @@
 """OpenAI bodies -> GenerateRequest: the HTTP shape only (values are the gateway's to check)."""
+
 from __future__ import annotations
 
 import json
@@ -24,15 +25,31 @@ def refused(data: dict, kind: str = CHAT) -> ApiError:
 
 
 def test_a_chat_body_becomes_a_generate_request() -> None:
-    parsed = parse_request(chat(messages=[
-        {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]},
-        {"role": "assistant", "content": None}],
-        max_tokens=7, stop="END", temperature=0, top_p=0.5, seed=3, user="u1", stream=True,
-        stream_options={"include_usage": True}, return_token_ids=True), CHAT)
+    parsed = parse_request(
+        chat(
+            messages=[
+                {"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "you"}]},
+                {"role": "assistant", "content": None},
+            ],
+            max_tokens=7,
+            stop="END",
+            temperature=0,
+            top_p=0.5,
+            seed=3,
+            user="u1",
+            stream=True,
+            stream_options={"include_usage": True},
+            return_token_ids=True,
+        ),
+        CHAT,
+    )
     r = parsed.request
-    assert [(m.role, m.content) for m in r.chat.messages] == [("system", "Be brief."), ("user", "Hello, you"),
-                                                              ("assistant", "")]
+    assert [(m.role, m.content) for m in r.chat.messages] == [
+        ("system", "Be brief."),
+        ("user", "Hello, you"),
+        ("assistant", ""),
+    ]
     assert r.max_new_tokens == 7 and list(r.stop) == ["END"]
     assert r.sampling.temperature == 0 and r.sampling.top_p == 0.5 and r.sampling.seed == 3
     assert parsed.is_stream and parsed.is_usage_streamed and parsed.is_returning_token_ids
@@ -56,8 +73,10 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
 
 def test_response_formats() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    r = parse_request(chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "strict": True, "schema": schema}}), CHAT).request
+    r = parse_request(
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}}),
+        CHAT,
+    ).request
     assert r.response_format.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA
     assert json.loads(r.response_format.json_schema) == schema
     r = parse_request(chat(response_format={"type": "json_object"}), CHAT).request
@@ -67,41 +86,58 @@ def test_response_formats() -> None:
 
 
 def test_speculation_settings_are_extra_fields() -> None:
-    r = parse_request(chat(speculative_decoding=True, speculative_degree=3, draft_length=6, acceptance_threshold=0.5,
-                           strategies="prompt_lookup,suffix_index", adaptive=False), CHAT).request
+    r = parse_request(
+        chat(
+            speculative_decoding=True,
+            speculative_degree=3,
+            draft_length=6,
+            acceptance_threshold=0.5,
+            strategies="prompt_lookup,suffix_index",
+            adaptive=False,
+        ),
+        CHAT,
+    ).request
     s = r.speculation
     assert s.is_enabled and not s.is_adaptive and s.speculative_degree == 3 and s.draft_length == 6
     assert s.acceptance_threshold == 0.5 and list(s.strategies) == ["prompt_lookup", "suffix_index"]
 
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"model": None}, "model"),
-    ({"n": 3}, "n"),
-    ({"n": "1"}, "n"),
-    ({"messages": "Hi"}, "messages"),
-    ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
-    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
-    ({"max_tokens": -1}, "max_tokens"),
-    ({"max_tokens": 1.5}, "max_tokens"),
-    ({"max_tokens": True}, "max_tokens"),
-    ({"temperature": "hot"}, "temperature"),
-    ({"top_p": float("nan")}, "top_p"),
-    ({"seed": 1 << 64}, "seed"),
-    ({"stop": ["a", 1]}, "stop"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
-     "response_format.json_schema.schema"),
-    ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"stream": "yes"}, "stream"),
-    ({"speculative_decoding": 1}, "speculative_decoding"),
-    ({"strategies": [1]}, "strategies"),
-    ({"logprobs": True}, "logprobs"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"user": 5}, "user"),
-])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"model": None}, "model"),
+        ({"n": 3}, "n"),
+        ({"n": "1"}, "n"),
+        ({"messages": "Hi"}, "messages"),
+        ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"stop": ["a", 1]}, "stop"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": "yes"}, "stream"),
+        ({"speculative_decoding": 1}, "speculative_decoding"),
+        ({"strategies": [1]}, "strategies"),
+        ({"logprobs": True}, "logprobs"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"user": 5}, "user"),
+    ],
+)
 def test_a_body_not_of_the_openai_shape_is_a_400_naming_the_parameter(fields: dict, param: str) -> None:
     error = refused(chat(**fields))
     assert error.param == param and error.message.startswith(f"{param}: ")

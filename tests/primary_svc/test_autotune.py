@@ -1,4 +1,5 @@
 """--precision auto: the score of a verify curve, the choice, its cache, and the fallback."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,8 +7,8 @@ import pytest
 from primary_svc import autotune
 from primary_svc.autotune import choose_precision, choose_precision_or_fallback, expected_tokens_per_s
 
-FLAT = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}         # verifying 16 costs what 1 does
-STEEP = {1: 5.0, 2: 10.0, 4: 20.0, 8: 40.0, 16: 80.0}          # cost linear in rows
+FLAT = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}  # verifying 16 costs what 1 does
+STEEP = {1: 5.0, 2: 10.0, 4: 20.0, 8: 40.0, 16: 80.0}  # cost linear in rows
 
 
 def test_plain_decoding_when_nothing_is_accepted():
@@ -22,8 +23,9 @@ def test_a_flat_curve_drafts_as_far_as_it_can():
 
 def test_the_curve_past_its_last_point_continues_its_last_slope():
     # Only k = 1, 2 measured: 17 rows cost 5 + 15 * 5 = 80 ms; alpha = 1 makes 17 tokens the best.
-    assert expected_tokens_per_s({1: 5.0, 2: 10.0}, 1.0) == pytest.approx(max(
-        (g + 1) * 1000 / (5.0 * (g + 1) + (1.0 if g == 0 else 4.0)) for g in range(17)))
+    assert expected_tokens_per_s({1: 5.0, 2: 10.0}, 1.0) == pytest.approx(
+        max((g + 1) * 1000 / (5.0 * (g + 1) + (1.0 if g == 0 else 4.0)) for g in range(17))
+    )
 
 
 def test_a_steep_fast_format_can_beat_a_flat_slow_one_and_vice_versa():
@@ -37,6 +39,7 @@ def curves(**by_precision):
         if isinstance(value, Exception):
             raise value
         return value
+
     return measure
 
 
@@ -55,12 +58,13 @@ def test_choice_is_measured_then_cached_per_machine_and_model(tmp_path, monkeypa
     assert again.precision == "fp32" and again.is_cached and measured == ["bf16", "fp32"]
     assert again.verify_ms["fp32"] == {k: v / 2 for k, v in FLAT.items()}
     choose_precision(tmp_path / "other-model", tmp_path, 2, ("bf16", "fp32"), measure)
-    assert measured == ["bf16", "fp32"] * 2                          # another model is measured anew
+    assert measured == ["bf16", "fp32"] * 2  # another model is measured anew
 
 
 def test_a_candidate_that_fails_is_skipped_with_its_reason(tmp_path):
-    choice = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"),
-                              curves(bf16=ValueError("no bf16 kernel for lm_head"), fp32=FLAT))
+    choice = choose_precision(
+        tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), curves(bf16=ValueError("no bf16 kernel for lm_head"), fp32=FLAT)
+    )
     assert choice.precision == "fp32" and "no bf16 kernel for lm_head" in choice.reason
 
 

@@ -1,4 +1,5 @@
 """The primary's flags: the compiled-step switch, its alias and its environment default."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,10 +13,16 @@ def test_compiled_step_is_off_by_default(monkeypatch):
     assert not parse_config([]).tensormt_optimizer
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--tensormt_optimizer", "true"], True), (["--tensormt_optimizer", "false"], False),
-    (["--compile"], True), (["--compile", "false"], False), (["--compile", "1"], True),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--tensormt_optimizer", "true"], True),
+        (["--tensormt_optimizer", "false"], False),
+        (["--compile"], True),
+        (["--compile", "false"], False),
+        (["--compile", "1"], True),
+    ],
+)
 def test_tensormt_optimizer_flag_and_its_compile_alias(argv, expected):
     assert parse_config(argv).tensormt_optimizer is expected
 
@@ -46,6 +53,6 @@ def test_scheduler_flags_and_their_environment(monkeypatch):
     assert (parse_config([]).max_step_tokens, parse_config([]).prefill_chunk_tokens) == (256, 64)
     assert parse_config(["--prefill_chunk_tokens", "32"]).prefill_chunk_tokens == 32
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
-        parse_config(["--prefill_chunk_tokens", "512"])            # more than the step's 256
+        parse_config(["--prefill_chunk_tokens", "512"])  # more than the step's 256
     with pytest.raises(ValueError, match="max_step_tokens"):
         parse_config(["--max_step_tokens", "0"])

@@ -1,5 +1,6 @@
 """PrimaryService in process on port 0: the RPCs over a real model, their errors, and the KV
 leases (only the caller that prefilled a request can step or release it; idle slots expire)."""
+
 from __future__ import annotations
 
 import grpc
@@ -37,8 +38,11 @@ def primary(default_model_dir):
     identity = ModelIdentity("test-model", "instance-1", 512, (2,), {1: 10.0, 8: 15.0})
     clock = FakeClock()
     servicer = PrimaryServicer(loaded, worker, identity, 64 << 20, leases=KVLeases(LEASE_S, clock))
-    server, port = create_server("127.0.0.1:0", [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-                                 interceptors=[ErrorInterceptor()])
+    server, port = create_server(
+        "127.0.0.1:0",
+        [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
+        interceptors=[ErrorInterceptor()],
+    )
     server.start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield primary_pb2_grpc.PrimaryServiceStub(channel), engine, servicer, clock
@@ -52,27 +56,43 @@ def test_prefill_verify_commit_decode_release(primary):
     lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT)).kv_lease
     assert len(lease) == 32
     tree = common_pb2.TokenTree(token_ids=[700, 701, 702], parents=[-1, 0, -1])
-    v = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, kv_lease=lease,
-                                              logits_format=common_pb2.LOGITS_FORMAT_FP32))
+    v = stub.Verify(
+        primary_pb2.VerifyRequest(
+            request_id="r", tree=tree, kv_lease=lease, logits_format=common_pb2.LOGITS_FORMAT_FP32
+        )
+    )
     logits = logits_from_pb(v.logits, "logits")
     assert logits.shape == (4, engine.vocab_size)
     assert list(v.argmax_token_ids) == logits.argmax(-1).tolist()
-    assert v.num_cached_tokens == len(PROMPT) - 1            # the context; the pending token and the tree are not
-    fp8 = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, kv_lease=lease,
-                                                logits_format=common_pb2.LOGITS_FORMAT_FP8_E4M3))
-    assert list(fp8.argmax_token_ids) == list(v.argmax_token_ids)     # argmax from fp32, whatever the format
-    shm = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, return_handle=True, kv_lease=lease,
-                                                logits_format=common_pb2.LOGITS_FORMAT_FP32))
+    assert v.num_cached_tokens == len(PROMPT) - 1  # the context; the pending token and the tree are not
+    fp8 = stub.Verify(
+        primary_pb2.VerifyRequest(
+            request_id="r", tree=tree, kv_lease=lease, logits_format=common_pb2.LOGITS_FORMAT_FP8_E4M3
+        )
+    )
+    assert list(fp8.argmax_token_ids) == list(v.argmax_token_ids)  # argmax from fp32, whatever the format
+    shm = stub.Verify(
+        primary_pb2.VerifyRequest(
+            request_id="r", tree=tree, return_handle=True, kv_lease=lease, logits_format=common_pb2.LOGITS_FORMAT_FP32
+        )
+    )
     assert shm.logits.HasField("handle") and torch.equal(logits_from_pb(shm.logits, "logits"), logits)
     # Accept node 0 and a bonus token; the next plain step continues from there.
-    d = stub.Decode(primary_pb2.DecodeRequest(request_id="r", accepted_nodes=[0], committed_token_ids=[700, 42],
-                                              kv_lease=lease))
+    d = stub.Decode(
+        primary_pb2.DecodeRequest(request_id="r", accepted_nodes=[0], committed_token_ids=[700, 42], kv_lease=lease)
+    )
     assert engine.token_ids("r") == PROMPT + [700, 42]
     assert 0 <= d.token_id < engine.vocab_size
     # The step commits node 0, the bonus 42 and Decode's token: all but the newest one are in the context.
-    after = stub.Verify(primary_pb2.VerifyRequest(request_id="r", tree=tree, kv_lease=lease,
-                                                  committed_token_ids=[d.token_id],
-                                                  logits_format=common_pb2.LOGITS_FORMAT_FP32))
+    after = stub.Verify(
+        primary_pb2.VerifyRequest(
+            request_id="r",
+            tree=tree,
+            kv_lease=lease,
+            committed_token_ids=[d.token_id],
+            logits_format=common_pb2.LOGITS_FORMAT_FP32,
+        )
+    )
     assert after.num_cached_tokens == len(PROMPT) + 2 == len(engine.token_ids("r")) - 1
     info = stub.GetModelInfo(primary_pb2.GetModelInfoRequest())
     assert info.vocab_size == engine.vocab_size and info.instance_id == "instance-1"
@@ -81,23 +101,43 @@ def test_prefill_verify_commit_decode_release(primary):
     assert freed > 0 and stub.GetStats(primary_pb2.GetStatsRequest()).kv_bytes == 0
 
 
-@pytest.mark.parametrize("request_, code, field", [
-    (primary_pb2.VerifyRequest(request_id="missing"), grpc.StatusCode.NOT_FOUND, "request_id"),
-    (primary_pb2.VerifyRequest(request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
-    (primary_pb2.VerifyRequest(request_id="r", tree=common_pb2.TokenTree(token_ids=[1], parents=[3])),
-     grpc.StatusCode.INVALID_ARGUMENT, "tree.parents"),
-    (primary_pb2.VerifyRequest(request_id="r", tree=common_pb2.TokenTree(token_ids=[10**8], parents=[-1])),
-     grpc.StatusCode.INVALID_ARGUMENT, "tree.token_ids"),
-    (primary_pb2.VerifyRequest(request_id="r", logits_format=17), grpc.StatusCode.INVALID_ARGUMENT, "logits_format"),
-    (primary_pb2.PrefillRequest(request_id="big", token_ids=[1] * 600), grpc.StatusCode.INVALID_ARGUMENT, "token_ids"),
-    (primary_pb2.PrefillRequest(request_id="p", token_ids=[1, 2], num_prompt_tokens=3),
-     grpc.StatusCode.INVALID_ARGUMENT, "num_prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "request_, code, field",
+    [
+        (primary_pb2.VerifyRequest(request_id="missing"), grpc.StatusCode.NOT_FOUND, "request_id"),
+        (primary_pb2.VerifyRequest(request_id=""), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        (
+            primary_pb2.VerifyRequest(request_id="r", tree=common_pb2.TokenTree(token_ids=[1], parents=[3])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tree.parents",
+        ),
+        (
+            primary_pb2.VerifyRequest(request_id="r", tree=common_pb2.TokenTree(token_ids=[10**8], parents=[-1])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "tree.token_ids",
+        ),
+        (
+            primary_pb2.VerifyRequest(request_id="r", logits_format=17),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logits_format",
+        ),
+        (
+            primary_pb2.PrefillRequest(request_id="big", token_ids=[1] * 600),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "token_ids",
+        ),
+        (
+            primary_pb2.PrefillRequest(request_id="p", token_ids=[1, 2], num_prompt_tokens=3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "num_prompt_tokens",
+        ),
+    ],
+)
 def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, field):
     stub, engine, *_ = primary
     lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT)).kv_lease
     method = stub.Prefill if isinstance(request_, primary_pb2.PrefillRequest) else stub.Verify
-    if request_.request_id == "r":       # the caller that holds the lease, with a bad field
+    if request_.request_id == "r":  # the caller that holds the lease, with a bad field
         request_ = type(request_).FromString(request_.SerializeToString())
         request_.kv_lease = lease
     with pytest.raises(grpc.RpcError) as e:
@@ -110,18 +150,21 @@ def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, fie
 def test_a_full_kv_cache_makes_a_prefill_wait_until_its_deadline(primary):
     stub, engine, *_ = primary
     per_request = engine.kv_bytes_to_open(500)
-    leases = [stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
-              for i in range(engine.kv_cache.max_bytes // per_request)]   # 64 MiB at ~46 KB per token
-    with pytest.raises(grpc.RpcError) as e:           # waits for room, then its deadline passes
+    leases = [
+        stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
+        for i in range(engine.kv_cache.max_bytes // per_request)
+    ]  # 64 MiB at ~46 KB per token
+    with pytest.raises(grpc.RpcError) as e:  # waits for room, then its deadline passes
         stub.Prefill(primary_pb2.PrefillRequest(request_id="late", token_ids=[5] * 500), timeout=0.5)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert not engine.has_request("late")
     late = stub.Prefill.future(primary_pb2.PrefillRequest(request_id="late", token_ids=[5] * 500), timeout=120)
     stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="fill0", kv_lease=leases[0]))
-    leases[0] = late.result().kv_lease                 # admitted once a slot was freed
+    leases[0] = late.result().kv_lease  # admitted once a slot was freed
     for i, lease in enumerate(leases):
-        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="late" if i == 0 else f"fill{i}",
-                                                              kv_lease=lease))
+        stub.Release(
+            primary_pb2.PrimaryServiceReleaseRequest(request_id="late" if i == 0 else f"fill{i}", kv_lease=lease)
+        )
     assert engine.kv_bytes == 0
 
 
@@ -132,11 +175,13 @@ def test_only_the_lease_holder_can_step_or_release_a_request(primary):
     lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT)).kv_lease  # a recovery
     kv_bytes = engine.kv_bytes
     for wrong in ("", "0" * 32, old):
-        for call in (lambda: stub.Decode(primary_pb2.DecodeRequest(request_id="victim", committed_token_ids=[9],
-                                                                   kv_lease=wrong)),
-                     lambda: stub.Verify(primary_pb2.VerifyRequest(request_id="victim", kv_lease=wrong)),
-                     lambda: stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="victim",
-                                                                                   kv_lease=wrong))):
+        for call in (
+            lambda: stub.Decode(
+                primary_pb2.DecodeRequest(request_id="victim", committed_token_ids=[9], kv_lease=wrong)
+            ),
+            lambda: stub.Verify(primary_pb2.VerifyRequest(request_id="victim", kv_lease=wrong)),
+            lambda: stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="victim", kv_lease=wrong)),
+        ):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -148,10 +193,10 @@ def test_only_the_lease_holder_can_step_or_release_a_request(primary):
 
 def test_slots_without_a_call_for_the_lease_period_are_released(primary):
     stub, engine, servicer, clock = primary
-    stub.Prefill(primary_pb2.PrefillRequest(request_id="ghost", token_ids=PROMPT))   # nobody follows up
+    stub.Prefill(primary_pb2.PrefillRequest(request_id="ghost", token_ids=PROMPT))  # nobody follows up
     lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="busy", token_ids=PROMPT)).kv_lease
     clock.now += LEASE_S * 0.75
-    stub.Decode(primary_pb2.DecodeRequest(request_id="busy", kv_lease=lease))       # a step renews the lease
+    stub.Decode(primary_pb2.DecodeRequest(request_id="busy", kv_lease=lease))  # a step renews the lease
     assert servicer.expire_idle_requests() == []
     clock.now += LEASE_S * 0.5
     assert servicer.expire_idle_requests() == ["ghost"]
@@ -159,6 +204,6 @@ def test_slots_without_a_call_for_the_lease_period_are_released(primary):
     clock.now += LEASE_S
     assert servicer.expire_idle_requests() == ["busy"]
     assert engine.kv_bytes == 0 and engine.num_active_requests == 0
-    with pytest.raises(grpc.RpcError) as e:      # its gateway re-prefills when it sees this
+    with pytest.raises(grpc.RpcError) as e:  # its gateway re-prefills when it sees this
         stub.Decode(primary_pb2.DecodeRequest(request_id="busy", kv_lease=lease))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND

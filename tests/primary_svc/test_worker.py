@@ -1,6 +1,7 @@
 """The engine thread's scheduler on the real default model: concurrent verifies share a step,
 long prompts are prefilled in chunks between other requests' steps with unchanged results,
 prefills wait for KV room instead of failing, and preempted requests re-prefill and continue."""
+
 from __future__ import annotations
 
 import threading
@@ -75,13 +76,14 @@ def test_concurrent_verifies_share_one_step_and_equal_one_at_a_time(fp32_model):
             worker.call(lambda e, i=i, prompt=prompt: e.open(f"r{i}", prompt))
         paused = Paused(worker)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futures = [pool.submit(lambda i=i: worker.verify(f"r{i}", (), (), *TREES[i])[0])
-                       for i in range(len(PROMPTS))]
+            futures = [
+                pool.submit(lambda i=i: worker.verify(f"r{i}", (), (), *TREES[i])[0]) for i in range(len(PROMPTS))
+            ]
             paused.release_when_queued(len(PROMPTS))
             results = [f.result() for f in futures]
-        assert worker.stats.max_batch_seen == len(PROMPTS)     # all four in one step, one forward
+        assert worker.stats.max_batch_seen == len(PROMPTS)  # all four in one step, one forward
         for logits, want in zip(results, expected):
-            torch.testing.assert_close(logits, want, atol=2e-4, rtol=0)   # fp32 GEMMs round per row count
+            torch.testing.assert_close(logits, want, atol=2e-4, rtol=0)  # fp32 GEMMs round per row count
     finally:
         worker.stop()
 
@@ -94,7 +96,7 @@ def test_a_bad_item_fails_alone_and_a_lone_request_never_waits(fp32_model):
         logits, _ = worker.verify("a", (), (), [700], [-1])
         assert logits.shape == (2, fp32_model.config.vocab_size)
         with pytest.raises(InvalidArgument) as e:
-            worker.verify("a", [5], [9, 9], [1], [-1])             # node 5 is not in the last tree
+            worker.verify("a", [5], [9, 9], [1], [-1])  # node 5 is not in the last tree
         assert e.value.field == "accepted_nodes"
         worker.call(lambda e: e.release("a"))
         assert engine.kv_bytes == 0
@@ -161,7 +163,7 @@ def test_chunked_prefill_between_other_steps_equals_one_prefill_fp32(fp32_model)
         for g, want in zip(got, reference(fp32_model, LONG_PROMPT, 3, chunk_tokens=64)):
             assert torch.equal(g, want)
         prefills = [s for s in worker.step_history if s.num_prefill_rows]
-        assert len(prefills) >= 5 and all(s.num_prefill_rows <= 64 for s in prefills)   # 300 tokens, 64 a step
+        assert len(prefills) >= 5 and all(s.num_prefill_rows <= 64 for s in prefills)  # 300 tokens, 64 a step
         assert any(s.num_verify_rows for s in prefills), "the other request decoded between the chunks"
     finally:
         worker.stop()
@@ -188,21 +190,27 @@ def test_prefills_of_several_requests_share_a_step(int4_model):
     try:
         paused = Paused(worker)
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(worker.prefill, f"p{i}", LONG_PROMPT[:200 + i]) for i in range(3)]
+            futures = [pool.submit(worker.prefill, f"p{i}", LONG_PROMPT[: 200 + i]) for i in range(3)]
             paused.release_when_queued(3)
             assert [f.result() for f in futures] == [199, 200, 201]
         assert worker.step_history[0].num_prefill_chunks == 3
         assert worker.step_history[0].num_prefill_rows == 3 * 128
         value = metrics.registry.get_sample_value
-        assert value("specdec_engine_steps_total") == 2             # 384 rows, then the rests (71 + 72 + 73)
+        assert value("specdec_engine_steps_total") == 2  # 384 rows, then the rests (71 + 72 + 73)
         assert value("specdec_engine_step_rows_sum", {"kind": "prefill"}) == 199 + 200 + 201
         assert value("specdec_engine_step_rows_sum", {"kind": "verify"}) == 0
         assert value("specdec_scheduler_waiting_requests") == 0
         assert value("specdec_scheduler_running_requests") == 3
         assert value("specdec_preemptions_total") == 0
         report = step_report.parse(generate_latest(metrics.registry).decode()).summary()
-        assert report == {"steps": 2, "preemptions": 0, "verify_rows_per_step": 0, "prefill_rows_per_step": 300,
-                          "steps_with_verify": 0, "steps_with_prefill": 2}
+        assert report == {
+            "steps": 2,
+            "preemptions": 0,
+            "verify_rows_per_step": 0,
+            "prefill_rows_per_step": 300,
+            "steps_with_verify": 0,
+            "steps_with_prefill": 2,
+        }
     finally:
         worker.stop()
 
@@ -210,7 +218,7 @@ def test_prefills_of_several_requests_share_a_step(int4_model):
 def test_a_prefill_waits_for_kv_room_instead_of_failing(fp32_model):
     probe = new_engine(fp32_model)
     one = probe.kv_bytes_to_open(len(LONG_PROMPT))
-    worker = EngineWorker(new_engine(fp32_model, max_bytes=one + one // 2))   # room for one long prompt
+    worker = EngineWorker(new_engine(fp32_model, max_bytes=one + one // 2))  # room for one long prompt
     try:
         worker.prefill("a", LONG_PROMPT)
         with pytest.raises(DeadlineExceeded):
@@ -222,7 +230,7 @@ def test_a_prefill_waits_for_kv_room_instead_of_failing(fp32_model):
             assert not waiting.done() and worker.num_waiting == 1
             worker.call(lambda e: e.release("a"))
             assert waiting.result(timeout=120) == len(LONG_PROMPT) - 1
-        with pytest.raises(ResourceExhausted):                    # never fits, even alone: at once
+        with pytest.raises(ResourceExhausted):  # never fits, even alone: at once
             worker.prefill("huge", LONG_PROMPT * 2)
         worker.call(lambda e: e.release("b"))
         assert worker.engine.kv_bytes == 0 and worker.num_waiting == 0
@@ -237,7 +245,7 @@ def test_preemption_releases_the_newest_and_it_continues_after_a_re_prefill(int4
     probe = new_engine(int4_model)
     prompts = {"old": LONG_PROMPT[:120], "new": LONG_PROMPT[:100]}
     slots = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())
-    tree = ([7] * 16, list(range(-1, 15)))                        # a 16-deep chain: 'old' must grow
+    tree = ([7] * 16, list(range(-1, 15)))  # a 16-deep chain: 'old' must grow
     growth = probe.kv_cache.bytes_for_rows(len(prompts["old"]) + 16) - probe.kv_bytes_to_open(len(prompts["old"]))
     assert growth > 0
     worker = EngineWorker(new_engine(int4_model, max_bytes=slots + growth // 2))
@@ -256,7 +264,7 @@ def test_preemption_releases_the_newest_and_it_continues_after_a_re_prefill(int4
                 after = pool.submit(w.verify, "new", (), (nxt,), (5, 6), (-1, 0))
                 if w is worker:
                     time.sleep(0.3)
-                    assert not after.done() and w.num_waiting == 1     # no room to re-prefill yet
+                    assert not after.done() and w.num_waiting == 1  # no room to re-prefill yet
                 w.call(lambda e: e.release("old"))
                 results[w is worker] = (first_new, big, after.result(timeout=120)[0])
         assert not worker.engine.is_evicted("new") and unlimited.stats.num_preemptions == 0
@@ -273,7 +281,7 @@ def test_concurrent_greedy_requests_equal_each_one_alone_int4(int4_model):
     """Four requests at once (chunked prompts, verify rows and chunks sharing forwards, a KV budget
     with no room to grow, so a request may wait or be preempted, depending on the order of arrival)
     produce the logits each produces alone. int4: bit for bit."""
-    prompts = {f"c{i}": LONG_PROMPT[i * 20:i * 20 + 60 + 25 * i] for i in range(4)}
+    prompts = {f"c{i}": LONG_PROMPT[i * 20 : i * 20 + 60 + 25 * i] for i in range(4)}
     alone = {}
     for rid, prompt in prompts.items():
         worker = EngineWorker(new_engine(int4_model))
@@ -283,13 +291,14 @@ def test_concurrent_greedy_requests_equal_each_one_alone_int4(int4_model):
         finally:
             worker.stop()
     probe = new_engine(int4_model)
-    budget = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())    # no room for any slot to grow
+    budget = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())  # no room for any slot to grow
     worker = EngineWorker(new_engine(int4_model, max_bytes=budget), max_step_tokens=40, prefill_chunk_tokens=32)
     try:
+
         def run(rid: str) -> list[torch.Tensor]:
             worker.prefill(rid, prompts[rid])
             out = decode_steps(worker, rid, 6)
-            worker.call(lambda e: e.release(rid))                  # done: its KV lets the others grow
+            worker.call(lambda e: e.release(rid))  # done: its KV lets the others grow
             return out
 
         with ThreadPoolExecutor(len(prompts)) as pool:

@@ -1,5 +1,6 @@
 """API keys of the public gateway: the file holds hashes only, a call's key names its tenant,
 anything else is UNAUTHENTICATED; a public host needs keys unless explicitly allowed."""
+
 from __future__ import annotations
 
 import stat
@@ -28,8 +29,9 @@ def test_add_appends_a_hash_and_prints_the_key_once(tmp_path: Path, capsys: pyte
     assert main(["add", "no spaces", str(path)]) == 2
 
 
-@pytest.mark.parametrize("metadata", [None, [], [("authorization", "Bearer wrong")], [("authorization", "key")],
-                                      [("x-api-key", "Bearer k")]])
+@pytest.mark.parametrize(
+    "metadata", [None, [], [("authorization", "Bearer wrong")], [("authorization", "key")], [("x-api-key", "Bearer k")]]
+)
 def test_calls_without_a_known_key_are_unauthenticated(tmp_path: Path, metadata) -> None:
     path = tmp_path / "api_keys"
     path.write_text(f"# tenant hash\nalice {key_hash('k')}\n")
@@ -37,9 +39,15 @@ def test_calls_without_a_known_key_are_unauthenticated(tmp_path: Path, metadata)
         ApiKeys.from_file(path).tenant(metadata)
 
 
-@pytest.mark.parametrize("text, match", [("alice k\n", ":1:"), (f"a b {key_hash('k')}\n", ":1:"),
-                                         (f"alice {key_hash('k')}\nbob {key_hash('k')}\n", "same key"),
-                                         ("# nobody\n", "no tenant")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("alice k\n", ":1:"),
+        (f"a b {key_hash('k')}\n", ":1:"),
+        (f"alice {key_hash('k')}\nbob {key_hash('k')}\n", "same key"),
+        ("# nobody\n", "no tenant"),
+    ],
+)
 def test_a_malformed_keys_file_is_refused_naming_the_line(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "api_keys"
     path.write_text(text)

@@ -2,6 +2,7 @@
 without the right token (UNAUTHENTICATED, before the servicer runs), for unary
 and streaming methods and for reflection; health stays open; the token file
 is private and a service refuses to start without one unless told to."""
+
 from __future__ import annotations
 
 import stat
@@ -14,8 +15,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specdec.service import ErrorInterceptor, create_server
-from specdec.service.auth import (ServiceTokenError, ServiceTokenInterceptor, authenticated_channel,
-                                  load_service_token, new_service_token, read_service_token, write_service_token)
+from specdec.service.auth import (
+    ServiceTokenError,
+    ServiceTokenInterceptor,
+    authenticated_channel,
+    load_service_token,
+    new_service_token,
+    read_service_token,
+    write_service_token,
+)
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, validator_pb2, validator_pb2_grpc
 
 TOKEN = new_service_token()
@@ -39,9 +47,13 @@ class StreamingGateway(gateway_pb2_grpc.GenerationServiceServicer):
 def served() -> Iterator[tuple[str, CountingValidator]]:
     validator = CountingValidator()
     server, port = create_server(
-        "127.0.0.1:0", [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, validator),
-                        (gateway_pb2_grpc.add_GenerationServiceServicer_to_server, StreamingGateway())],
-        interceptors=[ServiceTokenInterceptor(TOKEN), ErrorInterceptor()])
+        "127.0.0.1:0",
+        [
+            (validator_pb2_grpc.add_ValidatorServiceServicer_to_server, validator),
+            (gateway_pb2_grpc.add_GenerationServiceServicer_to_server, StreamingGateway()),
+        ],
+        interceptors=[ServiceTokenInterceptor(TOKEN), ErrorInterceptor()],
+    )
     server.start()
     yield f"127.0.0.1:{port}", validator
     server.stop(None)
@@ -54,11 +66,17 @@ def test_calls_without_the_right_token_are_unauthenticated(served, token: str | 
         with pytest.raises(grpc.RpcError) as unary:
             validator_pb2_grpc.ValidatorServiceStub(channel).Validate(validator_pb2.ValidateRequest(), timeout=10)
         with pytest.raises(grpc.RpcError) as stream:
-            list(gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
-                gateway_pb2.GenerateRequest(request_id="x"), timeout=10))
+            list(
+                gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+                    gateway_pb2.GenerateRequest(request_id="x"), timeout=10
+                )
+            )
         with pytest.raises(grpc.RpcError) as reflection:
-            list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+            list(
+                reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+                )
+            )
     for e in (unary, stream, reflection):
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
         assert TOKEN not in e.value.details()
@@ -70,10 +88,13 @@ def test_the_right_token_reaches_the_servicer_and_health_needs_none(served) -> N
     with authenticated_channel(grpc.insecure_channel(address), TOKEN) as channel:
         reply = validator_pb2_grpc.ValidatorServiceStub(channel).Validate(validator_pb2.ValidateRequest(), timeout=10)
         assert reply.bonus_token == 7 and validator.num_calls == 1
-        final = list(gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
-            gateway_pb2.GenerateRequest(request_id="x"), timeout=10))
+        final = list(
+            gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(
+                gateway_pb2.GenerateRequest(request_id="x"), timeout=10
+            )
+        )
         assert final[-1].is_final
-    with grpc.insecure_channel(address) as channel:   # probes carry no secret
+    with grpc.insecure_channel(address) as channel:  # probes carry no secret
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -103,6 +124,7 @@ def test_every_service_reads_the_token_flags_from_one_definition():
     import argparse
 
     from specdec.service.auth import add_service_token_arguments
+
     env = {"SERVICE_TOKEN_FILE": "/run/secrets/t", "ALLOW_UNAUTHENTICATED": "yes"}
     p = argparse.ArgumentParser()
     add_service_token_arguments(p, lambda name, default: env.get(name, default))

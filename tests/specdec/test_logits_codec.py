@@ -9,7 +9,14 @@ import torch
 
 from specdec.logits_codec import (
     shift_to_row_max,
-    FORMATS, EncodedLogits, bytes_per_row, decode_logits, encode_logits, fp8_row_scales, saturating_e4m3_codes)
+    FORMATS,
+    EncodedLogits,
+    bytes_per_row,
+    decode_logits,
+    encode_logits,
+    fp8_row_scales,
+    saturating_e4m3_codes,
+)
 
 E4M3_MAX_CODE, E4M3_MIN_CODE = 0x7E, 0xFE  # +448 and -448
 
@@ -47,7 +54,7 @@ def test_fp8_codes_equal_ml_dtypes_with_saturation():
 
 
 def test_fp8_encoding_equals_the_ml_dtypes_reference():
-    logits = shift_to_row_max(random_logits(5, 300, seed=1))   # what the encoder scales
+    logits = shift_to_row_max(random_logits(5, 300, seed=1))  # what the encoder scales
     encoded = encode_logits(logits, "fp8_e4m3")
     scales = logits.abs().amax(dim=-1) / 448.0  # [R]
     scaled = np.clip((logits / scales[:, None]).numpy(), -448.0, 448.0)
@@ -85,17 +92,20 @@ def test_fp8_zero_row_and_non_finite_input():
         encode_logits(torch.tensor([[0.0, -math.inf]]), "fp8_e4m3")
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"format": "fp16"}, "format"),
-    ({"num_rows": 0}, "num_rows"),
-    ({"data": b"\x00" * 7}, "data"),
-    ({"row_scales": (1.0,)}, "row_scales"),
-    ({"row_scales": None}, "row_scales"),
-    ({"row_scales": (1.0, math.nan)}, r"row_scales\[1\]"),
-    ({"row_scales": (math.inf, 1.0)}, r"row_scales\[0\]"),
-    ({"row_scales": (1.0, -2.0)}, r"row_scales\[1\]"),
-    ({"row_scales": (1.0, 1e39)}, r"row_scales\[1\]"),  # overflows float32
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"format": "fp16"}, "format"),
+        ({"num_rows": 0}, "num_rows"),
+        ({"data": b"\x00" * 7}, "data"),
+        ({"row_scales": (1.0,)}, "row_scales"),
+        ({"row_scales": None}, "row_scales"),
+        ({"row_scales": (1.0, math.nan)}, r"row_scales\[1\]"),
+        ({"row_scales": (math.inf, 1.0)}, r"row_scales\[0\]"),
+        ({"row_scales": (1.0, -2.0)}, r"row_scales\[1\]"),
+        ({"row_scales": (1.0, 1e39)}, r"row_scales\[1\]"),  # overflows float32
+    ],
+)
 def test_encoded_logits_validate_naming_the_field(kwargs, field):
     valid = {"format": "fp8_e4m3", "num_rows": 2, "vocab_size": 4, "data": b"\x00" * 8, "row_scales": (1.0, 2.0)}
     EncodedLogits(**valid)

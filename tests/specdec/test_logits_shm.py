@@ -1,6 +1,7 @@
 """Logits through shared-memory slots: the handle decodes to what inline bytes would, bad handles
 are refused naming the field, released slots are gone, names are unguessable, files private,
 and the slots of dead primaries are swept."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,10 @@ def test_a_handle_reads_back_what_inline_bytes_carry(slots, fmt):
 def test_bad_handles_name_the_field(slots):
     name, enc = slots.write("req", torch.randn(2, 64), "fp32")
     good = pb.logits_handle_to_pb(name, enc, "i")
-    cases = {"segment_name": ("memory", "segment_name", "../../etc/passwd"),
-             "num_bytes": ("memory", "num_bytes", enc.num_bytes * 4)}
+    cases = {
+        "segment_name": ("memory", "segment_name", "../../etc/passwd"),
+        "num_bytes": ("memory", "num_bytes", enc.num_bytes * 4),
+    }
     for field, (part, attr, value) in cases.items():
         bad = type(good)()
         bad.CopyFrom(good)
@@ -51,7 +54,7 @@ def test_bad_handles_name_the_field(slots):
         assert field in e.value.field
     bad = type(good)()
     bad.CopyFrom(good)
-    bad.handle.num_rows = 3                                   # shape does not match the bytes
+    bad.handle.num_rows = 3  # shape does not match the bytes
     with pytest.raises(InvalidArgument, match="target_logits.handle"):
         pb.logits_from_pb(bad, "target_logits")
     slots.release("req")
@@ -65,9 +68,9 @@ def test_slot_names_are_unguessable_and_private(slots):
     assert len(names) == 3
     for name in names:
         pid, secret = name.removeprefix("specdec-logits-").split("-")
-        assert pid == str(os.getpid()) and len(secret) == 32 and int(secret, 16) >= 0   # 128 random bits
+        assert pid == str(os.getpid()) and len(secret) == 32 and int(secret, 16) >= 0  # 128 random bits
         assert stat.S_IMODE((SHM_DIR / name).stat().st_mode) == 0o600
-    guessed = f"specdec-logits-{os.getpid()}-0"   # the sequential names of the past
+    guessed = f"specdec-logits-{os.getpid()}-0"  # the sequential names of the past
     with pytest.raises(InvalidArgument, match="not a logits slot name"):
         read_slot(guessed, 32, "fp32", 1, 8, None, "target_logits")
 
@@ -80,7 +83,7 @@ def test_slots_of_dead_primaries_are_swept_and_live_ones_kept(slots):
         path.write_bytes(b"\0" * 16)
     live, _ = slots.write("req", torch.randn(1, 8), "fp32")
     try:
-        assert {p.name for p in stale} <= set(cleanup_stale_slots())   # others' stale slots may go too
+        assert {p.name for p in stale} <= set(cleanup_stale_slots())  # others' stale slots may go too
         assert not any(p.exists() for p in stale) and (SHM_DIR / live).exists()
     finally:
         for path in stale:

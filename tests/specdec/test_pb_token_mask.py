@@ -1,4 +1,5 @@
 """TokenMask on the wire: the packed layout (the grammar engine's little-endian words) and refusals."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,19 +25,22 @@ def test_round_trip_and_layout_by_hand():
 
 def test_matches_the_grammar_engines_packed_words():
     rng = np.random.default_rng(0)
-    words = torch.from_numpy(rng.integers(-2**31, 2**31, size=(3, 4), dtype=np.int64).astype(np.int32))
-    allowed = bitmask_to_bool(words, 128)                                    # [3, 128]
+    words = torch.from_numpy(rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int64).astype(np.int32))
+    allowed = bitmask_to_bool(words, 128)  # [3, 128]
     assert pb.token_mask_to_pb(TokenBitmask.from_bool(allowed)).bits == words.numpy().astype("<i4").tobytes()
     assert pb.token_mask_to_pb(TokenBitmask.from_engine(words, 128)).bits == words.numpy().astype("<i4").tobytes()
 
 
-@pytest.mark.parametrize("num_rows, bits, field", [
-    (2, bytes(8), "allowed_tokens.num_rows"),                # says 1 row, 2 expected
-    (1, bytes(4), "allowed_tokens.bits"),                    # short
-    (1, bytes([0, 0, 0, 0, 0, 0, 0, 0b1000]), "allowed_tokens.bits"),  # token 59 >= V = 35
-    (1, bytes([0, 0, 0, 0, 0b1000, 0, 0, 0]), "allowed_tokens.bits"),  # token 35, the first padding bit
-    (1, bytes(8), "allowed_tokens.bits"),                    # allows nothing
-])
+@pytest.mark.parametrize(
+    "num_rows, bits, field",
+    [
+        (2, bytes(8), "allowed_tokens.num_rows"),  # says 1 row, 2 expected
+        (1, bytes(4), "allowed_tokens.bits"),  # short
+        (1, bytes([0, 0, 0, 0, 0, 0, 0, 0b1000]), "allowed_tokens.bits"),  # token 59 >= V = 35
+        (1, bytes([0, 0, 0, 0, 0b1000, 0, 0, 0]), "allowed_tokens.bits"),  # token 35, the first padding bit
+        (1, bytes(8), "allowed_tokens.bits"),  # allows nothing
+    ],
+)
 def test_refuses_wrong_shapes_padding_bits_and_empty_rows(num_rows, bits, field):
     msg = common_pb2.TokenMask(num_rows=1, bits=bits)
     with pytest.raises(InvalidArgument) as e:

@@ -1,4 +1,5 @@
 """specdec.redis_server: the one throwaway redis-server of the test suite and the benchmark."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ def test_it_answers_on_its_socket_and_leaves_nothing_behind():
         assert server.url == f"unix://{server.socket_path}"
         with redis.Redis.from_url(server.url) as client:
             assert client.ping() and client.set("k", "v")
-        os.kill(server.pid, 0)                        # running
+        os.kill(server.pid, 0)  # running
     assert not os.path.exists(os.path.dirname(server.socket_path))
-    with pytest.raises(ProcessLookupError):           # terminated and reaped
+    with pytest.raises(ProcessLookupError):  # terminated and reaped
         os.kill(server.pid, 0)

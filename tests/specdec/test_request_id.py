@@ -1,4 +1,5 @@
 """The one request-id limit (it was 128 characters in pb and 256 in the draft pool)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,11 +15,14 @@ def test_ids_of_1_to_128_printable_characters_pass():
         assert check_request_id(request_id) == pb.request_id_from_pb(request_id) == request_id
 
 
-@pytest.mark.parametrize("request_id, message", [
-    ("", "request_id: must not be empty"),
-    ("x" * (MAX_REQUEST_ID_CHARS + 1), "request_id: must be at most 128 printable characters"),
-    ("a\nb", "request_id: must be at most 128 printable characters"),
-])
+@pytest.mark.parametrize(
+    "request_id, message",
+    [
+        ("", "request_id: must not be empty"),
+        ("x" * (MAX_REQUEST_ID_CHARS + 1), "request_id: must be at most 128 printable characters"),
+        ("a\nb", "request_id: must be at most 128 printable characters"),
+    ],
+)
 def test_other_ids_are_refused_naming_the_field(request_id, message):
     for check in (check_request_id, pb.request_id_from_pb):
         with pytest.raises(InvalidArgument) as e:

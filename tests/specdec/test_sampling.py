@@ -10,19 +10,22 @@ from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sa
 LOG_1234 = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # softmax at temperature 1 = [.1, .2, .3, .4]
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": math.nan}, "temperature"),
-    ({"temperature": math.inf}, "temperature"),
-    ({"top_k": -1}, "top_k"),
-    ({"top_k": 2.0}, "top_k"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_p": math.nan}, "top_p"),
-    ({"seed": -1}, "seed"),
-    ({"seed": 2**64}, "seed"),
-    ({"seed": True}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": True}, "seed"),
+    ],
+)
 def test_params_reject_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -71,8 +74,9 @@ def test_top_k_applies_before_top_p():
 
 def test_masked_logits_get_zero_probability():
     logits = torch.tensor([[0.0, -math.inf, 0.0, -math.inf]])
-    torch.testing.assert_close(logits_to_probs(logits, SamplingParams(temperature=2.0)),
-                               torch.tensor([[0.5, 0.0, 0.5, 0.0]]))
+    torch.testing.assert_close(
+        logits_to_probs(logits, SamplingParams(temperature=2.0)), torch.tensor([[0.5, 0.0, 0.5, 0.0]])
+    )
 
 
 def test_sample_is_deterministic_per_seed_and_step():

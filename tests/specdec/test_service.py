@@ -44,8 +44,11 @@ class FakeValidator(validator_pb2_grpc.ValidatorServiceServicer):
     def __init__(self) -> None:
         self.contexts: list[dict] = []
 
-    def Validate(self, request: validator_pb2.ValidateRequest,  # noqa: N802 - the RPC's name
-                 context: grpc.ServicerContext) -> validator_pb2.ValidateResponse:
+    def Validate(
+        self,
+        request: validator_pb2.ValidateRequest,  # noqa: N802 - the RPC's name
+        context: grpc.ServicerContext,
+    ) -> validator_pb2.ValidateResponse:
         self.contexts.append(structlog.contextvars.get_contextvars())
         if request.request_id in DOMAIN_ERRORS:
             raise DOMAIN_ERRORS[request.request_id]
@@ -63,8 +66,11 @@ class FakeValidator(validator_pb2_grpc.ValidatorServiceServicer):
 class FakeGateway(gateway_pb2_grpc.GenerationServiceServicer):
     """Streams two messages, then fails when asked to."""
 
-    def GenerateStream(self, request: gateway_pb2.GenerateRequest,  # noqa: N802 - the RPC's name
-                       context: grpc.ServicerContext) -> Iterator[gateway_pb2.GenerateStreamResponse]:
+    def GenerateStream(
+        self,
+        request: gateway_pb2.GenerateRequest,  # noqa: N802 - the RPC's name
+        context: grpc.ServicerContext,
+    ) -> Iterator[gateway_pb2.GenerateStreamResponse]:
         yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=[1])
         yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=[2])
         if request.prompt == "fail":
@@ -82,9 +88,12 @@ def server(registry: CollectorRegistry) -> Iterator[tuple[int, FakeValidator]]:
     validator = FakeValidator()
     server, port = create_server(
         "127.0.0.1:0",
-        [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, validator),
-         (gateway_pb2_grpc.add_GenerationServiceServicer_to_server, FakeGateway())],
-        interceptors=[ErrorInterceptor(ServiceMetrics(registry))])
+        [
+            (validator_pb2_grpc.add_ValidatorServiceServicer_to_server, validator),
+            (gateway_pb2_grpc.add_GenerationServiceServicer_to_server, FakeGateway()),
+        ],
+        interceptors=[ErrorInterceptor(ServiceMetrics(registry))],
+    )
     server.start()
     yield port, validator
     server.stop(None)
@@ -138,14 +147,18 @@ def test_success_passes_through_with_request_id_bound(channel: grpc.Channel, ser
     assert server[1].contexts[-1] == {}
 
 
-@pytest.mark.parametrize(("request_id", "code", "message"), [
-    ("invalid", grpc.StatusCode.INVALID_ARGUMENT, "tree.parents: parent 3 of node 1 is not below 1"),
-    ("missing", grpc.StatusCode.NOT_FOUND, "request_id: no active request 'missing'"),
-    ("full", grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_cache: no free KV blocks"),
-    ("early", grpc.StatusCode.FAILED_PRECONDITION, "request_id: Verify before Prefill"),
-])
-def test_domain_errors_get_their_code_and_name_the_field(channel: grpc.Channel, request_id: str,
-                                                         code: grpc.StatusCode, message: str) -> None:
+@pytest.mark.parametrize(
+    ("request_id", "code", "message"),
+    [
+        ("invalid", grpc.StatusCode.INVALID_ARGUMENT, "tree.parents: parent 3 of node 1 is not below 1"),
+        ("missing", grpc.StatusCode.NOT_FOUND, "request_id: no active request 'missing'"),
+        ("full", grpc.StatusCode.RESOURCE_EXHAUSTED, "kv_cache: no free KV blocks"),
+        ("early", grpc.StatusCode.FAILED_PRECONDITION, "request_id: Verify before Prefill"),
+    ],
+)
+def test_domain_errors_get_their_code_and_name_the_field(
+    channel: grpc.Channel, request_id: str, code: grpc.StatusCode, message: str
+) -> None:
     stub = validator_pb2_grpc.ValidatorServiceStub(channel)
     with pytest.raises(grpc.RpcError) as e:
         stub.Validate(validator_pb2.ValidateRequest(request_id=request_id), timeout=5)
@@ -253,10 +266,17 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
     registry = CollectorRegistry()
     ServiceMetrics(registry).queue_depth.set(3)
     metrics_port = _free_port()
-    thread = threading.Thread(target=serve, kwargs=dict(
-        config=ServerConfig(grace_s=0.5, metrics_port=metrics_port),
-        services=[(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
-        registry=registry, stop_event=stop, on_started=started.append, on_stopped=stopped.set))
+    thread = threading.Thread(
+        target=serve,
+        kwargs=dict(
+            config=ServerConfig(grace_s=0.5, metrics_port=metrics_port),
+            services=[(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
+            registry=registry,
+            stop_event=stop,
+            on_started=started.append,
+            on_stopped=stopped.set,
+        ),
+    )
     thread.start()
     try:
         address = f"127.0.0.1:{_wait_for(lambda: started)[0]}"
@@ -274,7 +294,8 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
 
 def test_sigterm_stops_a_serving_process_gracefully(tmp_path: Path) -> None:
     script = tmp_path / "serve_one.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         from specdec.logging import configure_logging
         from specdec.service import ServerConfig, serve
@@ -287,9 +308,16 @@ def test_sigterm_stops_a_serving_process_gracefully(tmp_path: Path) -> None:
         serve(ServerConfig(grace_s=0.5), [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server,
                                            validator_pb2_grpc.ValidatorServiceServicer())],
               on_started=started, on_stopped=lambda: print("stopped", flush=True))
-    """))
-    process = subprocess.Popen([sys.executable, str(script)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env={"PYTHONPATH": str(REPO_ROOT)})
+    """)
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(REPO_ROOT)},
+    )
     try:
         port = int(process.stdout.readline())
         wait_for_serving(f"127.0.0.1:{port}", timeout_s=10)

@@ -151,7 +151,7 @@ def test_a_duplicate_id_of_a_finished_request_stays_out_of_the_active_list(harne
     harness.store.append_step("done", [9], status=RequestStatus.FINISHED, finish_reason="length")
     with pytest.raises(AlreadyExists, match="request_id"):
         harness.store.create("done", PARAMS)
-    if harness.kind == "redis":   # the index itself, before list_active() would prune it
+    if harness.kind == "redis":  # the index itself, before list_active() would prune it
         assert harness.store._client.zscore(harness.store._active_key, "done") is None  # noqa: SLF001
     assert harness.store.list_active() == []
     assert harness.store.load("done").status == RequestStatus.FINISHED
@@ -274,8 +274,13 @@ def test_redis_keys_are_namespaced_and_expiring(redis_client: redis.Redis) -> No
     store.create("r1", PARAMS, prompt_token_ids=[1, 2])
     store.append_step("r1", [3, 4, 5], owner="gw-1")
     keys = sorted(k.decode() for k in redis_client.keys("*"))
-    assert keys == ["ns1:active", "ns1:req:{r1}:meta", "ns1:req:{r1}:owner", "ns1:req:{r1}:prompt",
-                    "ns1:req:{r1}:tokens"]
+    assert keys == [
+        "ns1:active",
+        "ns1:req:{r1}:meta",
+        "ns1:req:{r1}:owner",
+        "ns1:req:{r1}:prompt",
+        "ns1:req:{r1}:tokens",
+    ]
     for key in keys:
         if key != "ns1:active":  # the index is permanent; its stale ids are pruned by list_active
             assert 0 < redis_client.pttl(key) <= 60_000
@@ -304,8 +309,9 @@ def test_redis_per_step_write_is_one_round_trip(redis_client: redis.Redis, monke
 
     monkeypatch.setattr(owner, "send_packed_command", counting_send)
     for i in range(10):
-        store.append_step("r1", [i], expected_num_tokens=1 + i, stats={"step": i}, controller_state={"k": 4},
-                          owner="gw-1")
+        store.append_step(
+            "r1", [i], expected_num_tokens=1 + i, stats={"step": i}, controller_state={"k": 4}, owner="gw-1"
+        )
     monkeypatch.undo()
     assert len(sends) == 10
     assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] - evalsha_before == 10
@@ -317,8 +323,15 @@ def test_redis_recovery_through_a_fresh_client(redis_server, redis_client: redis
     first.create("done", PARAMS, prompt_token_ids=[1])
     first.append_step("done", [2], status=RequestStatus.FINISHED, finish_reason="eos")
     first.create("live", PARAMS, prompt_token_ids=[10, 11, 12])
-    first.append_step("live", [13, 14], expected_num_tokens=0, status=RequestStatus.RUNNING,
-                      stats={"num_steps": 1}, controller_state={"draft_length": 5}, owner="gw-old")
+    first.append_step(
+        "live",
+        [13, 14],
+        expected_num_tokens=0,
+        status=RequestStatus.RUNNING,
+        stats={"num_steps": 1},
+        controller_state={"draft_length": 5},
+        owner="gw-old",
+    )
     # The gateway dies; a new one connects with its own client.
     restarted = RedisStateStore.from_url(redis_server.url, config)
     try:

@@ -1,4 +1,5 @@
 """Shared by the kernel and validation-path tests: random trees, and a CuPy stand-in for CPU machines."""
+
 from __future__ import annotations
 
 import math
@@ -42,6 +43,7 @@ class FakeCupy:
     NumPy emulation of ROW_STATS_SOURCE's contract (per-pointer layout from its shape comments). It
     checks the host glue of CudaRowStats: CSR packing, argument order, the packed mask, outputs by
     node index. `launches` counts kernel launches."""
+
     uint8, int32, float32 = np.uint8, np.int32, np.float32
     launches = 0
 
@@ -67,14 +69,35 @@ class FakeCupy:
 
     @staticmethod
     def row_stats(grid, block, args):
-        (data, scales, offsets, nodes, tokens, words, num_words, fmt, vocab_size, itemsize,
-         out_max, out_lse, out_entropy, out_argmax, out_child_logits, out_child_probs) = args
+        (
+            data,
+            scales,
+            offsets,
+            nodes,
+            tokens,
+            words,
+            num_words,
+            fmt,
+            vocab_size,
+            itemsize,
+            out_max,
+            out_lse,
+            out_entropy,
+            out_argmax,
+            out_child_logits,
+            out_child_probs,
+        ) = args
         FakeCupy.launches += 1
         num_rows, fmt_name = grid[0], FORMAT_NAMES[int(fmt)]
         assert len(data) == num_rows * int(vocab_size) * int(itemsize) and block == (THREADS_PER_BLOCK,)
         assert words.dtype == np.uint32 and (int(num_words) == 0 or words.shape == (num_rows, int(num_words)))
-        encoded = EncodedLogits(fmt_name, num_rows, int(vocab_size), data.tobytes(),
-                                tuple(float(s) for s in scales) if fmt_name == "fp8_e4m3" else None)
+        encoded = EncodedLogits(
+            fmt_name,
+            num_rows,
+            int(vocab_size),
+            data.tobytes(),
+            tuple(float(s) for s in scales) if fmt_name == "fp8_e4m3" else None,
+        )
         logits = decode_logits(encoded)  # [R, V]
         if int(num_words):
             allowed = TokenBitmask(np.ascontiguousarray(words).view("<i4"), int(vocab_size)).to_bool()  # [R, V]

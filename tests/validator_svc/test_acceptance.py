@@ -1,4 +1,5 @@
 """Hand-computed cases of the acceptance rule on vocabularies of 4-6 tokens."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,14 @@ import torch
 from specdec.logits_codec import decode_logits, encode_logits
 from specdec.sampling import SamplingParams, make_generator
 from validator_svc.acceptance import (
-    ValidationResult, build_children, greedy_accept, rejection_sample_accept, select_mode, threshold_accept,
-    validate_tree)
+    ValidationResult,
+    build_children,
+    greedy_accept,
+    rejection_sample_accept,
+    select_mode,
+    threshold_accept,
+    validate_tree,
+)
 
 NEG = -math.inf
 GREEDY = SamplingParams()
@@ -38,22 +45,26 @@ def probs_logits(*rows: list[float]) -> torch.Tensor:
 
 # ---- tree checks -------------------------------------------------------------------------------
 
+
 def test_build_children_indexes_by_logits_row():
     # root ── 0 ── 1
     #     └── 2
     assert build_children([7, 8, 9], [-1, 0, -1], 10) == ((7, 8, 9), ((0, 2), (1,), (), ()))
 
 
-@pytest.mark.parametrize("token_ids, parents, num_rows, field", [
-    ([1, 6], [-1, 0], 3, r"token_ids\[1\]"),  # outside V = 6
-    ([1, -1], [-1, 0], 3, r"token_ids\[1\]"),
-    ([1, 2], [0, -1], 3, r"parents\[0\]"),  # not topological: node 0 cannot hang off itself
-    ([1, 2], [-1, 1], 3, r"parents\[1\]"),
-    ([1, 2], [-1, -2], 3, r"parents\[1\]"),
-    ([1, 2], [-1], 3, "parents has 1"),
-    ([1, 1], [-1, -1], 3, r"token_ids\[1\].*sibling"),  # siblings must carry distinct tokens
-    ([1, 2], [-1, 0], 2, "target_logits has 2 rows"),
-])
+@pytest.mark.parametrize(
+    "token_ids, parents, num_rows, field",
+    [
+        ([1, 6], [-1, 0], 3, r"token_ids\[1\]"),  # outside V = 6
+        ([1, -1], [-1, 0], 3, r"token_ids\[1\]"),
+        ([1, 2], [0, -1], 3, r"parents\[0\]"),  # not topological: node 0 cannot hang off itself
+        ([1, 2], [-1, 1], 3, r"parents\[1\]"),
+        ([1, 2], [-1, -2], 3, r"parents\[1\]"),
+        ([1, 2], [-1], 3, "parents has 1"),
+        ([1, 1], [-1, -1], 3, r"token_ids\[1\].*sibling"),  # siblings must carry distinct tokens
+        ([1, 2], [-1, 0], 2, "target_logits has 2 rows"),
+    ],
+)
 def test_invalid_trees_raise_naming_the_field(token_ids, parents, num_rows, field):
     with pytest.raises(ValueError, match=field):
         greedy_accept(token_ids, parents, torch.zeros(num_rows, 6))
@@ -73,8 +84,9 @@ def test_invalid_logits_and_side_inputs_raise():
     with pytest.raises(ValueError, match="draft_probs has shape"):
         rejection_sample_accept([1], [-1], torch.zeros(2, 3), SAMPLED, None, draft_probs=torch.ones(2, 3))
     with pytest.raises(ValueError, match="draft_probs\\[0\\] gives zero"):
-        rejection_sample_accept([1], [-1], torch.zeros(2, 3), SAMPLED, None,
-                                draft_probs=torch.tensor([[1.0, 0.0, 0.0]]))
+        rejection_sample_accept(
+            [1], [-1], torch.zeros(2, 3), SAMPLED, None, draft_probs=torch.tensor([[1.0, 0.0, 0.0]])
+        )
     with pytest.raises(ValueError, match="acceptance_threshold"):
         validate_tree([1], [-1], torch.zeros(2, 3), GREEDY, acceptance_threshold=1.5)
     with pytest.raises(ValueError, match="acceptance_threshold"):
@@ -88,6 +100,7 @@ def test_select_mode():
 
 
 # ---- greedy ------------------------------------------------------------------------------------
+
 
 def test_greedy_accepts_the_argmax_path_and_takes_the_bonus_from_the_last_row():
     # root ── 0:tok 2 ── 1:tok 3        argmax by row: root 2, node0 3, node1 5, node2 0
@@ -135,6 +148,7 @@ def test_greedy_precomputed_argmax_overrides_the_decoded_logits():
 
 # ---- sample (recursive rejection sampling) -----------------------------------------------------
 
+
 def test_sample_point_masses_accept_with_certainty():
     # Target rows are point masses at 1, 2, 3: the chain [1, 2] is accepted with p = 1 each and the
     # leaf's bonus is 3, whatever the seed.
@@ -180,8 +194,9 @@ def test_sample_later_siblings_exclude_earlier_tokens_from_their_draft():
     draft_probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.5, 0.0]])
     outcomes = set()
     for seed in range(40):
-        result = rejection_sample_accept([2, 0], [-1, -1], logits, SAMPLED, make_generator(seed, 0),
-                                         draft_probs=draft_probs)
+        result = rejection_sample_accept(
+            [2, 0], [-1, -1], logits, SAMPLED, make_generator(seed, 0), draft_probs=draft_probs
+        )
         outcomes.add((result.accepted_nodes, result.bonus_token if not result.accepted_nodes else None))
     assert outcomes == {((1,), None), ((), 1)}
 
@@ -215,7 +230,8 @@ def test_threshold_accepts_near_argmax_tokens_at_temperature_zero():
     assert greedy_accept([1, 2], [-1, -1], logits).accepted_nodes == ()
     # ... threshold .5: only tok 1 qualifies (.3 >= .5 * .5); bonus = argmax of node 0's row = 3.
     assert threshold_accept([1, 2], [-1, -1], logits, GREEDY, 0.5, None) == ValidationResult(
-        (0,), 3, (pytest.approx(1.0297, abs=1e-4),), ())
+        (0,), 3, (pytest.approx(1.0297, abs=1e-4),), ()
+    )
     # threshold .3: both qualify, the more likely tok 1 wins although it comes first here anyway;
     # swapped order (tok 2 first) still picks tok 1.
     assert threshold_accept([2, 1], [-1, -1], logits, GREEDY, 0.3, None).accepted_nodes == (1,)
@@ -240,6 +256,7 @@ def test_threshold_zero_means_off():
 
 
 # ---- determinism -------------------------------------------------------------------------------
+
 
 def test_deterministic_when_seeded():
     generator = torch.Generator().manual_seed(5)

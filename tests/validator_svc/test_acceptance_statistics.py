@@ -12,6 +12,7 @@ Test: Pearson chi-square over the 25 cells (cells with expected count < 5 pooled
 random seed; the seeds here are fixed, so the outcome is deterministic. Cells of probability 0 must
 stay empty. `test_a_biased_rule_is_detected` shows the test has the power to fail.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -82,8 +83,11 @@ def merge(candidates: list[Candidate]) -> tuple[list[int], list[int], torch.Tens
             if node is None:
                 token_ids.append(token)
                 parents.append(parent)
-                rows.append(drawn_from[depth] if drawn_from else torch.nn.functional.one_hot(
-                    torch.tensor(token), VOCAB_SIZE).float())
+                rows.append(
+                    drawn_from[depth]
+                    if drawn_from
+                    else torch.nn.functional.one_hot(torch.tensor(token), VOCAB_SIZE).float()
+                )
                 node = len(token_ids) - 1
             parent = node
     return token_ids, parents, torch.stack(rows) if rows else torch.zeros(0, VOCAB_SIZE)
@@ -95,8 +99,14 @@ def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool) -> t
     while len(emitted) < 2:
         token_ids, parents, draft_probs = merge(propose(last, draft_rng))
         target_logits = TARGET_LOGITS[[last] + token_ids]  # [N+1, V]: the bigram row of each node's token
-        result = rejection_sample_accept(token_ids, parents, target_logits, PARAMS, make_generator(trial, step),
-                                         draft_probs=None if is_deterministic else draft_probs)
+        result = rejection_sample_accept(
+            token_ids,
+            parents,
+            target_logits,
+            PARAMS,
+            make_generator(trial, step),
+            draft_probs=None if is_deterministic else draft_probs,
+        )
         emitted += [token_ids[j] for j in result.accepted_nodes] + [result.bonus_token]
         last, step = emitted[-1], step + 1
     return emitted[0], emitted[1]
@@ -116,8 +126,9 @@ def chi_square_check(counts: torch.Tensor, expected_probs: torch.Tensor) -> tupl
     return statistic, critical
 
 
-def run_trials(propose: Proposer, is_deterministic: bool,
-               num_trials: int = NUM_TRIALS) -> tuple[torch.Tensor, torch.Tensor]:
+def run_trials(
+    propose: Proposer, is_deterministic: bool, num_trials: int = NUM_TRIALS
+) -> tuple[torch.Tensor, torch.Tensor]:
     joint_counts = torch.zeros(VOCAB_SIZE, VOCAB_SIZE)
     for trial in range(num_trials):
         first, second = first_two_tokens(propose, trial, is_deterministic)
@@ -129,15 +140,31 @@ def run_trials(propose: Proposer, is_deterministic: bool,
 PROPOSERS: dict[str, tuple[Proposer, bool]] = {
     "chain, stochastic draft": (lambda last, g: [stochastic_chain(DRAFT_PROBS_1, last, 3, g)], False),
     # Two i.i.d. drafters (SpecInfer-style): frequent collisions exercise dedup + sibling exclusion.
-    "tree, stochastic drafts": (lambda last, g: [stochastic_chain(DRAFT_PROBS_1, last, 2, g),
-                                                 stochastic_chain(DRAFT_PROBS_1, last, 2, g),
-                                                 stochastic_chain(DRAFT_PROBS_2, last, 2, g)], False),
-    "chain, deterministic draft": (lambda last, g: [greedy_chain(DRAFT_LOGITS_1, int(DRAFT_LOGITS_1[last].argmax()),
-                                                                 3)], True),
-    "tree, deterministic drafts": (lambda last, g: [greedy_chain(DRAFT_LOGITS_1, int(r), 2)
-                                                    for r in DRAFT_LOGITS_1[last].argsort(descending=True)[:3]], True),
-    "tree, mixed drafts": (lambda last, g: [greedy_chain(DRAFT_LOGITS_2, int(DRAFT_LOGITS_2[last].argmax()), 2),
-                                            stochastic_chain(DRAFT_PROBS_1, last, 2, g)], False),
+    "tree, stochastic drafts": (
+        lambda last, g: [
+            stochastic_chain(DRAFT_PROBS_1, last, 2, g),
+            stochastic_chain(DRAFT_PROBS_1, last, 2, g),
+            stochastic_chain(DRAFT_PROBS_2, last, 2, g),
+        ],
+        False,
+    ),
+    "chain, deterministic draft": (
+        lambda last, g: [greedy_chain(DRAFT_LOGITS_1, int(DRAFT_LOGITS_1[last].argmax()), 3)],
+        True,
+    ),
+    "tree, deterministic drafts": (
+        lambda last, g: [
+            greedy_chain(DRAFT_LOGITS_1, int(r), 2) for r in DRAFT_LOGITS_1[last].argsort(descending=True)[:3]
+        ],
+        True,
+    ),
+    "tree, mixed drafts": (
+        lambda last, g: [
+            greedy_chain(DRAFT_LOGITS_2, int(DRAFT_LOGITS_2[last].argmax()), 2),
+            stochastic_chain(DRAFT_PROBS_1, last, 2, g),
+        ],
+        False,
+    ),
 }
 
 

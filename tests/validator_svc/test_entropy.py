@@ -10,14 +10,17 @@ from validator_svc.entropy import DEFAULT_ENTROPY_BIN_EDGES, EntropyAcceptanceSt
 
 
 def test_row_entropy_hand_cases():
-    logits = torch.tensor([
-        [0.0, 0.0, 0.0, 0.0],  # uniform over 4: ln 4
-        [3.0, -math.inf, -math.inf, -math.inf],  # one token left: 0
-        [1.0, 1.0, -math.inf, -math.inf],  # two equal tokens: ln 2
-        [100.0, 0.0, 0.0, 0.0],  # nearly one-hot, no overflow: ~0
-    ])
-    torch.testing.assert_close(row_entropy(logits), torch.tensor([math.log(4), 0.0, math.log(2), 0.0]), atol=1e-6,
-                               rtol=0)
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # uniform over 4: ln 4
+            [3.0, -math.inf, -math.inf, -math.inf],  # one token left: 0
+            [1.0, 1.0, -math.inf, -math.inf],  # two equal tokens: ln 2
+            [100.0, 0.0, 0.0, 0.0],  # nearly one-hot, no overflow: ~0
+        ]
+    )
+    torch.testing.assert_close(
+        row_entropy(logits), torch.tensor([math.log(4), 0.0, math.log(2), 0.0]), atol=1e-6, rtol=0
+    )
 
 
 def test_row_entropy_equals_minus_sum_p_log_p():

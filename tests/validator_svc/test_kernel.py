@@ -1,4 +1,5 @@
 """Row statistics: the torch reference (hand cases), the host walk, the CUDA source and GPU parity."""
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,15 @@ from specdec.logits_codec import FORMATS, EncodedLogits, decode_logits, encode_l
 from specdec.sampling import SamplingParams
 from validator_svc.acceptance import greedy_accept, threshold_accept
 from validator_svc.kernel import (
-    KERNEL_NAME, ROW_STATS_SOURCE, CudaRowStats, _csr, cuda_device_count, row_stats_cpu, row_stats_reference,
-    validate_from_stats)
+    KERNEL_NAME,
+    ROW_STATS_SOURCE,
+    CudaRowStats,
+    _csr,
+    cuda_device_count,
+    row_stats_cpu,
+    row_stats_reference,
+    validate_from_stats,
+)
 
 NEG = -math.inf
 TOKEN_IDS, PARENTS = [2, 0, 3, 1], [-1, 0, -1, 2]  # root ── 0:2 ── 1:0 ;  root ── 2:3 ── 3:1
@@ -22,13 +30,15 @@ requires_gpu = pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA devi
 
 
 def test_reference_hand_case():
-    logits = torch.tensor([
-        [0.0, 0.0, 0.0, 0.0],  # uniform: max 0, lse ln 4, entropy ln 4, argmax 0 (lowest of ties)
-        [1.0, NEG, 1.0, NEG],  # two tokens: lse 1 + ln 2, entropy ln 2, argmax 0
-        [0.0, 0.0, 0.0, 5.0],
-        [0.0, 0.0, 0.0, 0.0],
-        [0.0, 0.0, 0.0, 0.0],
-    ])
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],  # uniform: max 0, lse ln 4, entropy ln 4, argmax 0 (lowest of ties)
+            [1.0, NEG, 1.0, NEG],  # two tokens: lse 1 + ln 2, entropy ln 2, argmax 0
+            [0.0, 0.0, 0.0, 5.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+        ]
+    )
     stats = row_stats_reference(logits, TOKEN_IDS, PARENTS)
     assert stats.argmax_ids.tolist() == [0, 0, 3, 0, 0]
     torch.testing.assert_close(stats.log_normalizer[:2], torch.tensor([math.log(4), 1 + math.log(2)]))
@@ -51,11 +61,13 @@ def test_host_walk_on_stats_equals_the_reference_rule(fmt, random_tree_logits):
         stats = row_stats_cpu(encode_logits(logits, fmt), token_ids, parents)
         assert validate_from_stats(stats, token_ids, parents) == greedy_accept(token_ids, parents, decoded)
         for threshold in (0.05, 0.5):
-            assert validate_from_stats(stats, token_ids, parents, acceptance_threshold=threshold) == \
-                threshold_accept(token_ids, parents, decoded, SamplingParams(), threshold, None)
+            assert validate_from_stats(stats, token_ids, parents, acceptance_threshold=threshold) == threshold_accept(
+                token_ids, parents, decoded, SamplingParams(), threshold, None
+            )
         argmax_ids = logits.argmax(dim=-1).tolist()
-        assert validate_from_stats(stats, token_ids, parents, argmax_ids=argmax_ids) == \
-            greedy_accept(token_ids, parents, decoded, argmax_ids=argmax_ids)
+        assert validate_from_stats(stats, token_ids, parents, argmax_ids=argmax_ids) == greedy_accept(
+            token_ids, parents, decoded, argmax_ids=argmax_ids
+        )
 
 
 def test_invalid_rows_are_rejected_after_the_stats():
@@ -96,11 +108,13 @@ def test_reference_stats_under_a_mask_equal_the_masked_rule(fmt, random_tree_log
         decoded = decode_logits(encoded)
         stats = row_stats_cpu(encoded, token_ids, parents, allowed)
         assert float(stats.child_probs[0]) == 0.0 and stats.child_logits[0] == -math.inf  # node 0 is forbidden
-        assert validate_from_stats(stats, token_ids, parents) == \
-            greedy_accept(token_ids, parents, decoded, allowed=allowed)
+        assert validate_from_stats(stats, token_ids, parents) == greedy_accept(
+            token_ids, parents, decoded, allowed=allowed
+        )
         for threshold in (0.05, 0.5):
-            assert validate_from_stats(stats, token_ids, parents, acceptance_threshold=threshold) == \
-                threshold_accept(token_ids, parents, decoded, SamplingParams(), threshold, None, allowed=allowed)
+            assert validate_from_stats(stats, token_ids, parents, acceptance_threshold=threshold) == threshold_accept(
+                token_ids, parents, decoded, SamplingParams(), threshold, None, allowed=allowed
+            )
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -108,13 +122,15 @@ def test_cuda_source_compiles_for_sm90(tmp_path):
     source = tmp_path / "row_stats.cu"
     source.write_text(ROW_STATS_SOURCE)
     ptx = tmp_path / "row_stats.ptx"
-    completed = subprocess.run(["nvcc", "-arch=sm_90", "--ptx", str(source), "-o", str(ptx)],
-                               capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        ["nvcc", "-arch=sm_90", "--ptx", str(source), "-o", str(ptx)], capture_output=True, text=True, timeout=120
+    )
     assert completed.returncode == 0, completed.stderr
     assert f".entry {KERNEL_NAME}(" in ptx.read_text()
 
 
 # ---- GPU parity (skipped without a device) -----------------------------------------------------
+
 
 def assert_stats_match(gpu, cpu) -> None:
     assert torch.equal(gpu.argmax_ids, cpu.argmax_ids)
@@ -143,12 +159,14 @@ def test_gpu_stats_equal_the_reference(fmt, vocab_size, random_tree_logits):
     if vocab_size >= 33:
         assert int(gpu.argmax_ids[1]) == 3
     for threshold in (0.0, 0.3):
-        assert validate_from_stats(gpu, token_ids, parents, acceptance_threshold=threshold) == \
-            validate_from_stats(cpu, token_ids, parents, acceptance_threshold=threshold)
+        assert validate_from_stats(gpu, token_ids, parents, acceptance_threshold=threshold) == validate_from_stats(
+            cpu, token_ids, parents, acceptance_threshold=threshold
+        )
     if num_nodes:  # the packed grammar mask, bits tested in the kernel
         allowed = random_mask(num_nodes + 1, vocab_size, token_ids, parents, seed=vocab_size)
-        assert_stats_match(kernel(encoded, token_ids, parents, allowed),
-                           row_stats_cpu(encoded, token_ids, parents, allowed))
+        assert_stats_match(
+            kernel(encoded, token_ids, parents, allowed), row_stats_cpu(encoded, token_ids, parents, allowed)
+        )
 
 
 @pytest.mark.gpu
@@ -171,5 +189,6 @@ def test_cuda_host_glue_with_an_emulated_kernel(fake_cupy, random_tree_logits, f
     assert_stats_match(emulated, cpu)
     assert validate_from_stats(emulated, token_ids, parents) == validate_from_stats(cpu, token_ids, parents)
     allowed = random_mask(num_nodes + 1, 40, token_ids, parents, seed=num_nodes)
-    assert_stats_match(CudaRowStats()(encoded, token_ids, parents, allowed),
-                       row_stats_cpu(encoded, token_ids, parents, allowed))
+    assert_stats_match(
+        CudaRowStats()(encoded, token_ids, parents, allowed), row_stats_cpu(encoded, token_ids, parents, allowed)
+    )

@@ -1,5 +1,6 @@
 """The validation path: chosen once at start-up, logged and exported; the CUDA path validates through
 the kernel on the wire's bytes and answers what the torch path answers, through the servicer."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,11 @@ from validator_svc.kernel import CudaRowStats, cuda_device_count, row_stats_cpu
 from validator_svc.paths import PATH_CUDA, PATH_TORCH, CudaPath, TorchPath, make_path
 from validator_svc.server import ValidatorServicer
 
-GREEDY, SAMPLE, THRESHOLD = (validator_pb2.ACCEPTANCE_MODE_GREEDY, validator_pb2.ACCEPTANCE_MODE_SAMPLE,
-                             validator_pb2.ACCEPTANCE_MODE_THRESHOLD)
+GREEDY, SAMPLE, THRESHOLD = (
+    validator_pb2.ACCEPTANCE_MODE_GREEDY,
+    validator_pb2.ACCEPTANCE_MODE_SAMPLE,
+    validator_pb2.ACCEPTANCE_MODE_THRESHOLD,
+)
 
 
 def no_device() -> int:
@@ -42,12 +46,13 @@ def test_make_path_follows_the_device():
         make_path("tpu")
 
 
-@pytest.mark.parametrize("device, device_count, expected", [
-    ("auto", no_device, PATH_TORCH), ("auto", one_device, PATH_CUDA), ("cpu", one_device, PATH_TORCH)])
+@pytest.mark.parametrize(
+    "device, device_count, expected",
+    [("auto", no_device, PATH_TORCH), ("auto", one_device, PATH_CUDA), ("cpu", one_device, PATH_TORCH)],
+)
 def test_the_servicer_runs_the_chosen_path_and_exports_it(fake_cupy, device, device_count, expected):
     registry = CollectorRegistry()
-    servicer = build_servicer(ValidatorConfig(ServerConfig(port=0), device=device), registry,
-                              device_count=device_count)
+    servicer = build_servicer(ValidatorConfig(ServerConfig(port=0), device=device), registry, device_count=device_count)
     assert servicer.path.name == expected
     assert registry.get_sample_value("specdec_validation_path", {"path": expected}) == 1.0
     token_ids, parents, logits = [2, 0], [-1, 0], torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
@@ -71,9 +76,9 @@ def test_the_cuda_path_reads_the_wire_bytes_and_never_decodes_on_the_host(monkey
     allowed = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
     servicer = ValidatorServicer(CudaPath(row_stats=spy_row_stats))
     response = servicer.Validate(request(logits, [2, 0], [-1, 0], "fp8_e4m3", allowed=allowed), None)
-    (encoded, mask), = calls
+    ((encoded, mask),) = calls
     assert isinstance(encoded, EncodedLogits) and encoded.format == "fp8_e4m3"
-    assert isinstance(mask, TokenBitmask)                       # packed, as it came
+    assert isinstance(mask, TokenBitmask)  # packed, as it came
     assert list(response.accepted_nodes) == [] and response.bonus_token == 1  # token 2 is forbidden at the root
 
 
@@ -94,12 +99,27 @@ def test_sampled_modes_go_to_the_host_path():
 
 # ---- the two paths agree through the servicer: an emulated kernel here, the real one on a GPU -------
 
-def request(logits: torch.Tensor, token_ids, parents, fmt: str, *, mode=GREEDY, sampling=SamplingParams(),
-            allowed: torch.Tensor | None = None, argmax=None) -> validator_pb2.ValidateRequest:
+
+def request(
+    logits: torch.Tensor,
+    token_ids,
+    parents,
+    fmt: str,
+    *,
+    mode=GREEDY,
+    sampling=SamplingParams(),
+    allowed: torch.Tensor | None = None,
+    argmax=None,
+) -> validator_pb2.ValidateRequest:
     req = validator_pb2.ValidateRequest(
-        request_id="r", mode=mode, sampling=pb.sampling_to_pb(sampling), step=0,
-        tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents), target_logits=pb.logits_to_pb(logits, fmt),
-        target_argmax_token_ids=argmax or ())
+        request_id="r",
+        mode=mode,
+        sampling=pb.sampling_to_pb(sampling),
+        step=0,
+        tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents),
+        target_logits=pb.logits_to_pb(logits, fmt),
+        target_argmax_token_ids=argmax or (),
+    )
     if allowed is not None:
         req.allowed_tokens.CopyFrom(pb.token_mask_to_pb(TokenBitmask.from_bool(allowed)))
     return req
@@ -115,8 +135,12 @@ def parity_requests(random_tree_logits, fmt: str, vocab_size: int):
         for j, (token, parent) in enumerate(zip(token_ids, parents)):
             allowed[parent + 1, token] = j != 1  # node 1 is off the grammar
         masked_argmax = torch.where(allowed, logits, float("-inf")).argmax(dim=-1).tolist()
-        for mask, argmax in ((None, None), (None, logits.argmax(dim=-1).tolist()), (allowed, None),
-                             (allowed, masked_argmax)):
+        for mask, argmax in (
+            (None, None),
+            (None, logits.argmax(dim=-1).tolist()),
+            (allowed, None),
+            (allowed, masked_argmax),
+        ):
             yield request(logits, token_ids, parents, fmt, allowed=mask, argmax=argmax)
             req = request(logits, token_ids, parents, fmt, mode=THRESHOLD, allowed=mask)
             req.acceptance_threshold = 0.3

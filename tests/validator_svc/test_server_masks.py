@@ -1,5 +1,6 @@
 """Grammar masks in Validate: a path that leaves the grammar is never accepted, the bonus token is
 always allowed, and an argmax taken without the mask is refused (the consistency check)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,26 @@ from validator_svc.server import ValidatorServicer
 V = 8
 
 
-def _request(logits: torch.Tensor, token_ids, parents, allowed: torch.Tensor | None, *, fmt="fp32",
-             argmax=None, mode=validator_pb2.ACCEPTANCE_MODE_GREEDY, sampling=SamplingParams()):
+def _request(
+    logits: torch.Tensor,
+    token_ids,
+    parents,
+    allowed: torch.Tensor | None,
+    *,
+    fmt="fp32",
+    argmax=None,
+    mode=validator_pb2.ACCEPTANCE_MODE_GREEDY,
+    sampling=SamplingParams(),
+):
     req = validator_pb2.ValidateRequest(
-        request_id="r", mode=mode, sampling=pb.sampling_to_pb(sampling), step=0,
-        tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents), target_logits=pb.logits_to_pb(logits, fmt),
-        target_argmax_token_ids=argmax or ())
+        request_id="r",
+        mode=mode,
+        sampling=pb.sampling_to_pb(sampling),
+        step=0,
+        tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents),
+        target_logits=pb.logits_to_pb(logits, fmt),
+        target_argmax_token_ids=argmax or (),
+    )
     if allowed is not None:
         req.allowed_tokens.CopyFrom(pb.token_mask_to_pb(TokenBitmask.from_bool(allowed)))
     return req
@@ -29,8 +44,9 @@ def _request(logits: torch.Tensor, token_ids, parents, allowed: torch.Tensor | N
 def _tree_case():
     # Tree: node 0 = token 3 (off the root). The primary's raw favourite everywhere is token 3, but the
     # grammar allows only tokens {1, 5} at the root (e.g. `"` or a digit) and anything after node 0.
-    logits = torch.tensor([[0.0, 2.0, 0.0, 9.0, 0.0, 1.0, 0.0, 0.0],
-                           [0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0]])       # [2, V]
+    logits = torch.tensor(
+        [[0.0, 2.0, 0.0, 9.0, 0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0]]
+    )  # [2, V]
     allowed = torch.ones(2, V, dtype=torch.bool)
     allowed[0] = False
     allowed[0, [1, 5]] = True
@@ -41,17 +57,18 @@ def _tree_case():
 def test_greedy_never_accepts_a_token_the_grammar_forbids(fmt):
     logits, allowed = _tree_case()
     unmasked = ValidatorServicer().Validate(_request(logits, [3], [-1], None, fmt=fmt), None)
-    assert list(unmasked.accepted_nodes) == [0]                    # without the grammar: accepted
+    assert list(unmasked.accepted_nodes) == [0]  # without the grammar: accepted
     masked = ValidatorServicer().Validate(_request(logits, [3], [-1], allowed, fmt=fmt), None)
-    assert list(masked.accepted_nodes) == [] and masked.bonus_token == 1   # best allowed token instead
+    assert list(masked.accepted_nodes) == [] and masked.bonus_token == 1  # best allowed token instead
 
 
 def test_sampling_and_threshold_give_forbidden_tokens_probability_zero():
     logits, allowed = _tree_case()
     for seed in range(20):
         sampling = SamplingParams(temperature=1.0, seed=seed)
-        r = ValidatorServicer().Validate(_request(logits, [3], [-1], allowed, mode=validator_pb2.ACCEPTANCE_MODE_SAMPLE,
-                                                  sampling=sampling), None)
+        r = ValidatorServicer().Validate(
+            _request(logits, [3], [-1], allowed, mode=validator_pb2.ACCEPTANCE_MODE_SAMPLE, sampling=sampling), None
+        )
         assert list(r.accepted_nodes) == [] and r.bonus_token in (1, 5)
     req = _request(logits, [3], [-1], allowed, mode=validator_pb2.ACCEPTANCE_MODE_THRESHOLD)
     req.acceptance_threshold = 0.01

@@ -19,6 +19,7 @@ ctypes releases the GIL during the call). Its OpenMP calls share torch's runtime
 libgomp first and the library's dependency resolves to it by soname. Without a C compiler, or with
 SPECDEC_NATIVE_KERNELS=0, `library()` is None and int4/int8 run on torch's packed kernels.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,36 +44,55 @@ Tensor = torch.Tensor
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"          # "0": never build or use the native kernels
-QK = 32                                        # weights per block
-Q4_BLOCK_BYTES = 20                            # fp16 d, fp16 m, 16 bytes of nibbles
+ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"  # "0": never build or use the native kernels
+QK = 32  # weights per block
+Q4_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 KIND_Q4, KIND_Q8 = 4, 8
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
-_status: str | None = None                     # why `library()` is None, once tried
-_disabled = False                              # see `disabled()`
+_status: str | None = None  # why `library()` is None, once tried
+_disabled = False  # see `disabled()`
 
 
 class QWeight(ctypes.Structure):
     """The C struct `qweight` (qgemm.c): one quantized matrix by pointer, valid while its tensors live."""
-    _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64),
-                ("k", ctypes.c_int64)]
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+        ("w", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
 
 
 class QLayer(ctypes.Structure):
     """The C struct `qlayer`: one decoder layer's norms and seven products."""
-    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float),
-                ("eps2", ctypes.c_float)] + [(n, ctypes.POINTER(QWeight))
-                                             for n in ("q", "k", "v", "o", "gate", "up", "down")]
+
+    _fields_ = [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps1", ctypes.c_float),
+        ("eps2", ctypes.c_float),
+    ] + [(n, ctypes.POINTER(QWeight)) for n in ("q", "k", "v", "o", "gate", "up", "down")]
 
 
 class QSpan(ctypes.Structure):
     """The C struct `qspan`: one sequence's rows of the batch and its KV cache."""
-    _fields_ = [("start", ctypes.c_int64), ("n", ctypes.c_int64), ("num_cached", ctypes.c_int64),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
-                ("capacity", ctypes.c_int64), ("mask", ctypes.c_void_p)]
+
+    _fields_ = [
+        ("start", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("num_cached", ctypes.c_int64),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("layer_stride", ctypes.c_int64),
+        ("capacity", ctypes.c_int64),
+        ("mask", ctypes.c_void_p),
+    ]
 
 
 def cache_dir() -> Path:
@@ -95,8 +115,9 @@ def _compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256("\0".join((SOURCE.read_text(), cc, version, " ".join(CFLAGS), _cpu_flags(),
-                                    platform.machine())).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join((SOURCE.read_text(), cc, version, " ".join(CFLAGS), _cpu_flags(), platform.machine())).encode()
+    ).hexdigest()[:16]
     target = cache_dir() / f"qgemm-{key}.so"
     if target.is_file():
         return target
@@ -104,11 +125,12 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                check=False)
+        result = subprocess.run(
+            [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+        )
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)               # atomic: processes building at once all see a whole file
+        os.replace(tmp, target)  # atomic: processes building at once all see a whole file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -128,8 +150,22 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_layer_post.restype = i32
     lib.qgemm_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i32]
     lib.qgemm_attention.restype = i32
-    lib.qgemm_forward.argtypes = [p, i64, i64, ctypes.POINTER(QLayer), i64, i64, i64, i64, p, p, p,
-                                  ctypes.POINTER(QSpan), i64, i32]
+    lib.qgemm_forward.argtypes = [
+        p,
+        i64,
+        i64,
+        ctypes.POINTER(QLayer),
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        p,
+        p,
+        ctypes.POINTER(QSpan),
+        i64,
+        i32,
+    ]
     lib.qgemm_forward.restype = i32
 
 
@@ -191,6 +227,7 @@ def _ptr(t: Tensor | None) -> int | None:
 
 # --- layers ------------------------------------------------------------------------------------
 
+
 class QuantLinear:
     """A 4-bit (GGUF Q4_1 blocks) or 8-bit (int8 rows, fp32 scale) matrix run by the native kernels.
 
@@ -198,8 +235,15 @@ class QuantLinear:
     `scale` [N]. The float activations are quantized per block of 32 inside the call.
     """
 
-    def __init__(self, lib: ctypes.CDLL, *, blocks: Tensor | None = None, weight: Tensor | None = None,
-                 scale: Tensor | None = None, bias: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        *,
+        blocks: Tensor | None = None,
+        weight: Tensor | None = None,
+        scale: Tensor | None = None,
+        bias: Tensor | None = None,
+    ) -> None:
         self.lib = lib
         if blocks is not None:
             assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] % Q4_BLOCK_BYTES == 0
@@ -210,28 +254,30 @@ class QuantLinear:
             assert weight is not None and weight.dtype == torch.int8 and scale is not None
             self.blocks, self.weight = None, weight.contiguous()
             self.out_features, self.in_features = weight.shape
-            self.scale = scale.float().contiguous()           # [N]: a private fp32 copy (N floats)
+            self.scale = scale.float().contiguous()  # [N]: a private fp32 copy (N floats)
             kind, data = KIND_Q8, self.weight
         if self.in_features % QK:
-            raise ValueError(f"native kernels need an input dimension that is a multiple of {QK}, "
-                             f"got {self.in_features}")
+            raise ValueError(
+                f"native kernels need an input dimension that is a multiple of {QK}, got {self.in_features}"
+            )
         self.bias = None if bias is None else bias.float().contiguous()
-        self.qweight = QWeight(kind, 0, data.data_ptr(), _ptr(self.scale), _ptr(self.bias),
-                               self.out_features, self.in_features)
+        self.qweight = QWeight(
+            kind, 0, data.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.out_features, self.in_features
+        )
         self.ref = ctypes.byref(self.qweight)
 
     def __call__(self, x: Tensor) -> Tensor:
         # x: [T, K] -> [T, N] in x's dtype
         x32 = x.float().contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if x.shape[0] and self.lib.qgemm_linear(x32.data_ptr(), x.shape[0], self.ref, out.data_ptr(),
-                                                torch.get_num_threads()):
+        if x.shape[0] and self.lib.qgemm_linear(
+            x32.data_ptr(), x.shape[0], self.ref, out.data_ptr(), torch.get_num_threads()
+        ):
             raise MemoryError("native kernel: out of memory")
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: int,
-           mask: Tensor | None) -> Tensor:
+def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: int, mask: Tensor | None) -> Tensor:
     """q [n, H, D] fp32 against cache rows [0, end) of k_cache/v_cache [Hkv, capacity, D] (one layer),
     under mask [n, end] bool (None: all rows) -> [n, H, D]. Each row alone, keys in cache order."""
     n, heads, dim = q.shape
@@ -240,8 +286,20 @@ def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: i
     if mask is not None:
         mask = mask.contiguous().view(torch.uint8)
     out = torch.empty(n, heads, dim)
-    if lib.qgemm_attention(q.data_ptr(), n, heads, k_cache.shape[0], dim, k_cache.data_ptr(), v_cache.data_ptr(),
-                           k_cache.shape[1], end, _ptr(mask), out.data_ptr(), torch.get_num_threads()):
+    if lib.qgemm_attention(
+        q.data_ptr(),
+        n,
+        heads,
+        k_cache.shape[0],
+        dim,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[1],
+        end,
+        _ptr(mask),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    ):
         raise MemoryError("native kernel: out of memory")
     return out
 
@@ -254,10 +312,10 @@ class NativeLayer:
     verification work exactly as for every other precision.
     """
 
-    def __init__(self, lib: ctypes.CDLL, block) -> None:   # block: specdec.model.llama.Block
+    def __init__(self, lib: ctypes.CDLL, block) -> None:  # block: specdec.model.llama.Block
         self.lib, attn, mlp = lib, block.self_attn, block.mlp
         self.attn = attn
-        attn.native_attend = functools.partial(attend, lib)    # the layer's attention runs natively too
+        attn.native_attend = functools.partial(attend, lib)  # the layer's attention runs natively too
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.norm1 = block.input_layernorm.weight.float().contiguous()
         self.norm2 = block.post_attention_layernorm.weight.float().contiguous()
@@ -269,8 +327,9 @@ class NativeLayer:
     def supports(block) -> bool:
         attn, mlp = block.self_attn, block.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        return (all(isinstance(lin, QuantLinear) for lin in linears)
-                and block.input_layernorm.weight.device.type == "cpu")
+        return (
+            all(isinstance(lin, QuantLinear) for lin in linears) and block.input_layernorm.weight.device.type == "cpu"
+        )
 
     def __call__(self, x: Tensor, positions: Tensor, rope, spans) -> Tensor:
         # x: [T, C] fp32 -> [T, C]
@@ -281,15 +340,43 @@ class NativeLayer:
         q = torch.empty(T, self.heads, self.head_dim)
         k = torch.empty(T, self.kv_heads, self.head_dim)
         v = torch.empty(T, self.kv_heads, self.head_dim)
-        if self.lib.qgemm_layer_pre(x.data_ptr(), T, C, self.norm1.data_ptr(), self.eps1, self.q.ref, self.k.ref,
-                                    self.v.ref, self.heads, self.kv_heads, self.head_dim, rope.cos.data_ptr(),
-                                    rope.sin.data_ptr(), positions.data_ptr(), q.data_ptr(), k.data_ptr(),
-                                    v.data_ptr(), threads):
+        if self.lib.qgemm_layer_pre(
+            x.data_ptr(),
+            T,
+            C,
+            self.norm1.data_ptr(),
+            self.eps1,
+            self.q.ref,
+            self.k.ref,
+            self.v.ref,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            rope.cos.data_ptr(),
+            rope.sin.data_ptr(),
+            positions.data_ptr(),
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            threads,
+        ):
             raise MemoryError("native kernel: out of memory")
         attn = self.attn.attend(q, k, v, spans).reshape(T, self.heads * self.head_dim).contiguous()
         out = torch.empty(T, C)
-        if self.lib.qgemm_layer_post(x.data_ptr(), attn.data_ptr(), T, C, self.o.ref, self.norm2.data_ptr(),
-                                     self.eps2, self.gate.ref, self.up.ref, self.down.ref, out.data_ptr(), threads):
+        if self.lib.qgemm_layer_post(
+            x.data_ptr(),
+            attn.data_ptr(),
+            T,
+            C,
+            self.o.ref,
+            self.norm2.data_ptr(),
+            self.eps2,
+            self.gate.ref,
+            self.up.ref,
+            self.down.ref,
+            out.data_ptr(),
+            threads,
+        ):
             raise MemoryError("native kernel: out of memory")
         return out
 
@@ -305,7 +392,7 @@ class NativeStack:
     layer subsets over compact caches) takes the per-layer path.
     """
 
-    def __init__(self, lib: ctypes.CDLL, layers) -> None:    # layers: [specdec.model.llama.Block]
+    def __init__(self, lib: ctypes.CDLL, layers) -> None:  # layers: [specdec.model.llama.Block]
         self.lib, self.num_layers = lib, len(layers)
         first = layers[0].native
         self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
@@ -316,12 +403,18 @@ class NativeStack:
             desc.eps1, desc.eps2 = nl.eps1, nl.eps2
             for name in ("q", "k", "v", "o", "gate", "up", "down"):
                 setattr(desc, name, ctypes.pointer(getattr(nl, name).qweight))
-        self._keep = layers                                 # the tensors the descriptors point into
+        self._keep = layers  # the tensors the descriptors point into
 
     def fits(self, spans) -> bool:
-        return all(s.row_paths is None and s.k_cache.dim() == 4 and s.k_cache.shape[0] == self.num_layers
-                   and s.k_cache.is_contiguous() and s.v_cache.is_contiguous()
-                   and s.k_cache.dtype == torch.float32 for s in spans)
+        return all(
+            s.row_paths is None
+            and s.k_cache.dim() == 4
+            and s.k_cache.shape[0] == self.num_layers
+            and s.k_cache.is_contiguous()
+            and s.v_cache.is_contiguous()
+            and s.k_cache.dtype == torch.float32
+            for s in spans
+        )
 
     def __call__(self, x: Tensor, positions: Tensor, rope, spans) -> Tensor:
         # x: [T, C] fp32 -> [T, C] after every layer; writes each span's new cache rows
@@ -336,8 +429,21 @@ class NativeStack:
             d.k_cache, d.v_cache = s.k_cache.data_ptr(), s.v_cache.data_ptr()
             d.layer_stride, d.capacity = s.k_cache.stride(0), s.k_cache.shape[2]
             d.mask = _ptr(mask)
-        if self.lib.qgemm_forward(x.data_ptr(), x.shape[0], x.shape[1], self.layers, self.num_layers, self.heads,
-                                  self.kv_heads, self.head_dim, rope.cos.data_ptr(), rope.sin.data_ptr(),
-                                  positions.data_ptr(), descs, len(spans), torch.get_num_threads()):
+        if self.lib.qgemm_forward(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            self.layers,
+            self.num_layers,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            rope.cos.data_ptr(),
+            rope.sin.data_ptr(),
+            positions.data_ptr(),
+            descs,
+            len(spans),
+            torch.get_num_threads(),
+        ):
             raise MemoryError("native kernel: out of memory")
         return x

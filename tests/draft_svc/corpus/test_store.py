@@ -1,5 +1,6 @@
 """The corpus index on disk with the real tokenizer: built from hand-made files, cached, mapped
 read-only; the `build` command; the corpus decoder before and after its index is ready."""
+
 from __future__ import annotations
 
 import io
@@ -19,8 +20,11 @@ from draft_svc.strategies import Candidate, model_free_registry
 from draft_svc.strategies.corpus import CorpusDecoder, PendingCorpusIndex
 from draft_svc.strategies.suffix_index import SEPARATOR
 
-DOCS = {"a.py": "def add(a, b):\n    return a + b\n", "b.txt": "The quick brown fox jumps over the lazy dog.\n",
-        "c.py": "def add(a, b):\n    return a - b\n"}
+DOCS = {
+    "a.py": "def add(a, b):\n    return a + b\n",
+    "b.txt": "The quick brown fox jumps over the lazy dog.\n",
+    "c.py": "def add(a, b):\n    return a - b\n",
+}
 
 
 @pytest.fixture
@@ -29,7 +33,7 @@ def corpus_dir(tmp_path: Path) -> Path:
     folder.mkdir()
     for name, text in DOCS.items():
         (folder / name).write_text(text)
-    (folder / "skipped.bin").write_bytes(b"\0\1")       # not a text suffix
+    (folder / "skipped.bin").write_bytes(b"\0\1")  # not a text suffix
     return folder
 
 
@@ -46,15 +50,16 @@ def test_sources_are_listed_in_order_up_to_the_byte_budget(corpus_dir):
         CorpusConfig(sources=())
 
 
-def test_index_holds_the_tokenized_documents_and_is_mapped_read_only(corpus_dir, tmp_path, tokenizer,
-                                                                     default_model_dir):
+def test_index_holds_the_tokenized_documents_and_is_mapped_read_only(
+    corpus_dir, tmp_path, tokenizer, default_model_dir
+):
     index = open_index(config_for(corpus_dir), default_model_dir, tmp_path / "cache", show_progress=False)
     want = [t for name in sorted(DOCS) for t in [*tokenizer.encode(DOCS[name]), SEPARATOR]]
     sa = index.suffix_array
     assert sa.tokens.tolist() == want
     assert sa.order.tolist() == sort_positions(np.array(want, dtype=np.int32), 16).tolist()
     assert (index.meta["num_documents"], index.meta["num_tokens"]) == (3, len(want))
-    assert not sa.tokens.flags.writeable and not sa.order.flags.writeable   # mapped, shared, never copied
+    assert not sa.tokens.flags.writeable and not sa.order.flags.writeable  # mapped, shared, never copied
     assert index.num_bytes >= 4 * len(want) * 2
     # "def add(a, b):\n    return a" is followed by " +" once and " -" once: two candidates.
     context = tokenizer.encode("def add(a, b):\n    return a")
@@ -67,20 +72,28 @@ def test_the_index_is_built_once_per_tokenizer_and_corpus(corpus_dir, tmp_path, 
     first = open_index(config_for(corpus_dir), default_model_dir, cache, show_progress=False)
     monkeypatch.setattr("draft_svc.corpus.store.build_index", lambda *a, **k: pytest.fail("rebuilt a cached index"))
     assert open_index(config_for(corpus_dir), default_model_dir, cache, show_progress=False).path == first.path
-    (corpus_dir / "b.txt").write_text("Changed.\n")     # another corpus, another index
+    (corpus_dir / "b.txt").write_text("Changed.\n")  # another corpus, another index
     assert index_dir(config_for(corpus_dir), default_model_dir, cache)[0] != first.path
     assert index_dir(config_for(corpus_dir, max_tokens=5), default_model_dir, cache)[0] != first.path
 
 
 def test_the_budget_cuts_the_corpus(corpus_dir, tmp_path, default_model_dir):
-    index = open_index(config_for(corpus_dir, max_tokens=5), default_model_dir, tmp_path / "cache",
-                       show_progress=False)
+    index = open_index(config_for(corpus_dir, max_tokens=5), default_model_dir, tmp_path / "cache", show_progress=False)
     assert index.suffix_array.tokens.size == 5 and index.suffix_array.tokens[-1] == SEPARATOR
 
 
 def test_build_command_prints_what_it_built_then_finds_it_cached(corpus_dir, tmp_path, default_model_dir):
-    argv = ["build", "--corpus_sources", "", "--corpus_paths", str(corpus_dir), "--model_path",
-            str(default_model_dir), "--cache_dir", str(tmp_path / "cache")]
+    argv = [
+        "build",
+        "--corpus_sources",
+        "",
+        "--corpus_paths",
+        str(corpus_dir),
+        "--model_path",
+        str(default_model_dir),
+        "--cache_dir",
+        str(tmp_path / "cache"),
+    ]
     outputs = []
     for _ in range(2):
         with redirect_stdout(io.StringIO()) as out:
@@ -89,7 +102,7 @@ def test_build_command_prints_what_it_built_then_finds_it_cached(corpus_dir, tmp
     assert [o["was_cached"] for o in outputs] == [False, True]
     assert outputs[0]["num_documents"] == 3 and outputs[0]["num_bytes"] > 0
     assert Path(outputs[0]["path"]).parent == tmp_path / "cache"
-    with pytest.raises(SystemExit):   # a bad flag is a usage error, not a traceback
+    with pytest.raises(SystemExit):  # a bad flag is a usage error, not a traceback
         corpus_main(["build", "--corpus_sources", "nope"], environ={})
 
 

@@ -1,5 +1,6 @@
 """The backward suffix array: hand-built corpora with hand-computed rows, matches, counts and
 continuations, then a brute-force rescan on random corpora."""
+
 from __future__ import annotations
 
 import collections
@@ -40,7 +41,7 @@ def test_a_separator_ends_the_key():
     # Doc 2's "a" at position 4 has key (a, SEP): it sorts before doc 1's (a, c) at position 2.
     tokens = corpus([C, A], [A, B])
     order = sort_positions(tokens, 4)
-    assert order.tolist() == [4, 2, 5, 1]        # keys (a SEP), (a c), (b a SEP), (c)
+    assert order.tolist() == [4, 2, 5, 1]  # keys (a SEP), (a c), (b a SEP), (c)
 
 
 def test_hand_made_corpus_counts_and_continuations():
@@ -48,7 +49,7 @@ def test_hand_made_corpus_counts_and_continuations():
     docs = [[A, B, C, D], [A, B, C, D], [E, A, B, C, E], [C, A, B, E, A]]
     sa = suffix_array(corpus(*docs))
     counts = [collections.Counter(int(sa.tokens[s]) for s in starts) for starts in sa.occurrences([D, A, B])]
-    assert counts == [{C: 3, E: 1}]              # "d a b" never occurs: the match is "a b", 4 times
+    assert counts == [{C: 3, E: 1}]  # "d a b" never occurs: the match is "a b", 4 times
     assert sa.query([D, A, B], max_tokens=3, max_candidates=2) == ((C, D), (E, A))
     # The longer match "c a b" (once, -> e a) wins over the more frequent "a b" -> c; a second
     # candidate backs off to "a b", whose most frequent next token is c.
@@ -75,14 +76,15 @@ def test_wide_ranges_are_narrowed_then_sampled():
     assert [len(s) for s in sa.occurrences([D, B])] == [16]
 
 
-def _reference(docs: list[list[int]], context: list[int], max_tokens: int,
-               config: QueryConfig) -> tuple[tuple[int, ...], set[int]]:
+def _reference(
+    docs: list[list[int]], context: list[int], max_tokens: int, config: QueryConfig
+) -> tuple[tuple[int, ...], set[int]]:
     """By scanning every position: the continuations of the longest context suffix that some
     occurrence continues, and the most frequent path through them -> (path, the first tokens tied
     for the top count)."""
     for n in range(min(len(context), config.max_match_len), config.min_match_len - 1, -1):
         suffix = context[-n:]
-        rows = [doc[c:c + max_tokens] for doc in docs for c in range(n, len(doc)) if doc[c - n:c] == suffix]
+        rows = [doc[c : c + max_tokens] for doc in docs for c in range(n, len(doc)) if doc[c - n : c] == suffix]
         if rows:
             break
     else:
@@ -119,11 +121,14 @@ def test_matches_a_brute_force_rescan(seed):
 
 
 def vars_of(config: QueryConfig) -> dict:
-    return {"max_match_len": config.max_match_len, "min_match_len": config.min_match_len,
-            "max_occurrences": config.max_occurrences}
+    return {
+        "max_match_len": config.max_match_len,
+        "min_match_len": config.min_match_len,
+        "max_occurrences": config.max_occurrences,
+    }
 
 
-@pytest.mark.parametrize("gather_rows", [16, 4096])   # narrowing by bisection, and by one gather
+@pytest.mark.parametrize("gather_rows", [16, 4096])  # narrowing by bisection, and by one gather
 def test_narrowing_finds_every_occurrence_of_the_longest_match(gather_rows, monkeypatch):
     monkeypatch.setattr("draft_svc.corpus.suffix_array.GATHER_ROWS", gather_rows)
     rng = random.Random(7)
@@ -137,10 +142,16 @@ def test_narrowing_finds_every_occurrence_of_the_longest_match(gather_rows, monk
         longest = next(iter(sa.occurrences(context)), None)
         assert longest is not None
         if longest.size == 8:
-            continue   # possibly sampled: the count is not exact
-        n = max(n for n in range(1, 13) for doc in docs for c in range(n, len(doc) + 1) if doc[c - n:c] == context[-n:])
-        want = sorted(int(starts_in_doc[d]) + c for d, doc in enumerate(docs)
-                      for c in range(n, len(doc) + 1) if doc[c - n:c] == context[-n:])
+            continue  # possibly sampled: the count is not exact
+        n = max(
+            n for n in range(1, 13) for doc in docs for c in range(n, len(doc) + 1) if doc[c - n : c] == context[-n:]
+        )
+        want = sorted(
+            int(starts_in_doc[d]) + c
+            for d, doc in enumerate(docs)
+            for c in range(n, len(doc) + 1)
+            if doc[c - n : c] == context[-n:]
+        )
         assert sorted(longest.tolist()) == want, context
         num_compared += 1
     assert num_compared > 50

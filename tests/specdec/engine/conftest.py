@@ -28,10 +28,14 @@ def transformers_reference_dir(default_gguf_path, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("transformers_reference")
-    hf = AutoModelForCausalLM.from_pretrained(default_gguf_path.parent, gguf_file=default_gguf_path.name,
-                                              dtype=torch.float32)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()
-             if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    hf = AutoModelForCausalLM.from_pretrained(
+        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
+    )
+    state = {
+        k: v.contiguous()
+        for k, v in hf.state_dict().items()
+        if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)
+    }
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     hf.config.quantization_config = None
     hf.config.to_json_file(out / "config.json")

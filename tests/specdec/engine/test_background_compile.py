@@ -1,5 +1,6 @@
 """The background compiler's schedule, against a stand-in step (the real compile is tested in
 tests/specdec/model/test_compiled.py): smallest bucket first, progress reported, failures contained."""
+
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,9 @@ from specdec.model.compiled import CompileSettings
 
 
 class FakeStep:
-    def __init__(self, buckets: tuple[int, ...], failing: int | None = None,
-                 gate: threading.Event | None = None) -> None:
+    def __init__(
+        self, buckets: tuple[int, ...], failing: int | None = None, gate: threading.Event | None = None
+    ) -> None:
         self.settings = CompileSettings(buckets=buckets)
         self.compiled: list[int] = []
         self.failing, self.gate = failing, gate
@@ -34,12 +36,12 @@ def test_buckets_compile_in_order_off_the_calling_thread_and_report_progress(tmp
     step, progress = FakeStep((1, 2, 4, 8)), []
     compiler = BackgroundCompiler(step, tmp_path / "inductor", on_bucket_ready=progress.append)
     compiler.start()
-    assert compiler.join(120)                        # the thread imports dynamo first: seconds
+    assert compiler.join(120)  # the thread imports dynamo first: seconds
     assert step.compiled == [1, 2, 4, 8]
     assert progress == [1, 2, 3, 4]
     assert set(compiler.seconds_per_bucket) == {1, 2, 4, 8}
     assert threading.current_thread().name not in step.threads
-    assert (tmp_path / "inductor").is_dir()          # the cache directory is set up on the compiling thread
+    assert (tmp_path / "inductor").is_dir()  # the cache directory is set up on the compiling thread
 
 
 def test_a_failed_bucket_leaves_the_rest_eager():

@@ -1,4 +1,5 @@
 """The engine against itself: tree verify == token-by-token decoding; commit == fresh prefill."""
+
 from __future__ import annotations
 
 import random
@@ -12,7 +13,7 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from specdec.sampling import SamplingParams
 
 PROMPT = [1, 504, 3458, 282, 260, 2114, 314, 5248, 30, 198, 549, 7224, 314]
-ATOL = 2e-4   # fp32: the same math in another order (masked batch vs one row at a time)
+ATOL = 2e-4  # fp32: the same math in another order (masked batch vs one row at a time)
 
 
 def random_tree(rng: random.Random, num_nodes: int) -> tuple[list[int], list[int]]:
@@ -38,7 +39,7 @@ def sequential_logits(engine: Engine, context: list[int], continuation: list[int
         if token is not None:
             engine.commit("seq", (), (token,))
     engine.release("seq")
-    return torch.stack(rows)        # [len(continuation) + 1, V]
+    return torch.stack(rows)  # [len(continuation) + 1, V]
 
 
 def path_to(parents: list[int], node: int) -> list[int]:
@@ -55,7 +56,7 @@ def test_tree_verify_equals_decoding_each_root_to_leaf_path(engine, seed):
     token_ids, parents = random_tree(rng, rng.randint(5, 12))
     engine.open("tree", PROMPT)
     engine.prefill("tree")
-    tree_logits = engine.verify("tree", token_ids, parents)            # [N+1, V]
+    tree_logits = engine.verify("tree", token_ids, parents)  # [N+1, V]
     engine.release("tree")
     leaves = [i for i in range(len(parents)) if i not in parents]
     for leaf in leaves:
@@ -80,9 +81,9 @@ def test_commit_then_continue_equals_fresh_prefill(engine):
     engine.open("a", PROMPT)
     engine.prefill("a")
     engine.verify("a", token_ids, parents)
-    engine.commit("a", [0, 2, 3], [700, 702, 703, 9000])               # accepted path + bonus
-    assert engine.num_cached("a") == len(PROMPT) + 3                    # everything but the bonus token
-    continued = engine.verify("a", [11, 12], [-1, 0])                   # next step, on the compacted cache
+    engine.commit("a", [0, 2, 3], [700, 702, 703, 9000])  # accepted path + bonus
+    assert engine.num_cached("a") == len(PROMPT) + 3  # everything but the bonus token
+    continued = engine.verify("a", [11, 12], [-1, 0])  # next step, on the compacted cache
     engine.commit("a", [0], [11, 42])
     after_second = engine.verify("a", (), ())
 
@@ -104,6 +105,7 @@ def test_rejecting_every_node_rolls_the_tree_back(engine):
 
 def test_batched_verify_equals_separate_verifies(engine):
     from specdec.engine.engine import VerifyWork
+
     engine.open("a", PROMPT)
     engine.open("b", PROMPT[:5])
     batched = engine.verify_batch([VerifyWork("a", [700, 701], [-1, -1]), VerifyWork("b", [5], [-1])])
@@ -155,14 +157,18 @@ def test_bad_calls_name_the_field(engine):
         engine.verify("a", [-3], [-1])
     engine.verify("a", [5, 6, 7], [-1, 0, -1])
     with pytest.raises(InvalidArgument, match="accepted_nodes"):
-        engine.commit("a", [1], [6, 8])                  # node 1 is not a child of the root
+        engine.commit("a", [1], [6, 8])  # node 1 is not a child of the root
     with pytest.raises(InvalidArgument, match="committed_token_ids"):
-        engine.commit("a", [0], [9, 8])                  # node 0 carries token 5, not 9
-    torch.testing.assert_close(engine.verify("a", [5, 6, 7], [-1, 0, -1]),   # a retried verify: same logits
-                               engine.verify("a", [5, 6, 7], [-1, 0, -1]), atol=0, rtol=0)
+        engine.commit("a", [0], [9, 8])  # node 0 carries token 5, not 9
+    torch.testing.assert_close(
+        engine.verify("a", [5, 6, 7], [-1, 0, -1]),  # a retried verify: same logits
+        engine.verify("a", [5, 6, 7], [-1, 0, -1]),
+        atol=0,
+        rtol=0,
+    )
     engine.commit("a", [], [])
     with pytest.raises(FailedPrecondition):
-        engine.verify("a", (), ())                       # nothing pending: the bonus was not committed
+        engine.verify("a", (), ())  # nothing pending: the bonus was not committed
     engine.release("a")
     with pytest.raises(NotFound):
         engine.release("a")

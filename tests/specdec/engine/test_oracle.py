@@ -1,4 +1,5 @@
 """Outside oracles: transformers' own GGUF reader and its greedy `generate`."""
+
 from __future__ import annotations
 
 import torch
@@ -35,6 +36,7 @@ def test_fp32_greedy_equals_transformers_generate(engine, default_model_dir, tra
         prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
         ours = engine.generate(prompt_ids, 32, SamplingParams())
         with torch.inference_mode():
-            theirs = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, len(prompt_ids):].tolist()
+            theirs = hf.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(prompt_ids) :].tolist()
         assert ours == theirs, (tokenizer.decode(ours), tokenizer.decode(theirs))

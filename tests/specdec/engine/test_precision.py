@@ -5,6 +5,7 @@ blocking), so the greedy token may flip where the top two logits are nearly equa
 model the rows differ by at most ~0.6 logits in bf16 (measured over 24 positions), so a flip
 is only legitimate where the 1-token top-2 gap is below NEAR_TIE_TOLERANCE.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ from specdec.model.linear import PADDED_GEMM_ROWS, Linear, calibrate_min_gemm_ro
 from specdec.model.loader import load_config
 from specdec.model.precision import quantize_fp8_per_channel
 
-NEAR_TIE_TOLERANCE = 1.0     # logits
+NEAR_TIE_TOLERANCE = 1.0  # logits
 NUM_TOKENS = 24
 PROMPT = [1, 9690, 198, 2683, 253, 30760, 563, 260, 1945, 28, 837, 2456, 357, 30, 2, 198, 1, 520, 9531, 198]
 
@@ -36,15 +37,15 @@ def test_tree_verify_disagrees_with_one_token_decoding_only_at_near_ties(default
         rows.append(engine.verify("one", (), ())[0])
         tokens.append(int(rows[-1].argmax()))
         engine.commit("one", (), (tokens[-1],))
-    one_token = torch.stack(rows)                                            # [NUM_TOKENS, V]
+    one_token = torch.stack(rows)  # [NUM_TOKENS, V]
     engine.open("tree", PROMPT)
-    tree = engine.verify("tree", tokens, [-1] + list(range(NUM_TOKENS - 1)))[:-1]   # same positions
+    tree = engine.verify("tree", tokens, [-1] + list(range(NUM_TOKENS - 1)))[:-1]  # same positions
 
     top2 = one_token.topk(2, dim=-1).values
     gaps = top2[:, 0] - top2[:, 1]
     disagree = tree.argmax(-1) != one_token.argmax(-1)
     assert (gaps[disagree] < NEAR_TIE_TOLERANCE).all(), f"flips at gaps {gaps[disagree].tolist()}"
-    assert (tree - one_token).abs().max() < NEAR_TIE_TOLERANCE     # the premise of the tolerance
+    assert (tree - one_token).abs().max() < NEAR_TIE_TOLERANCE  # the premise of the tolerance
 
 
 def test_fp8_weights_are_a_quarter_of_fp32_and_close():
@@ -90,10 +91,20 @@ class LinearShapes(TorchFunctionMode):
 @pytest.mark.parametrize("hidden_size, intermediate_size", [(576, 1536), (64, 256), (896, 4864)])
 def test_calibration_times_the_models_own_gemm_and_picks_one_of_the_two_policies(hidden_size, intermediate_size):
     """The shape is the model's (it was SmolLM2's 576 -> 1536 whatever model was loaded)."""
-    config = ModelConfig("qwen2", vocab_size=1000, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                         head_dim=hidden_size // 8, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=512,
-                         tie_word_embeddings=True)
+    config = ModelConfig(
+        "qwen2",
+        vocab_size=1000,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     with LinearShapes() as timed:
         assert calibrate_min_gemm_rows(config, repeats=3) in (1, PADDED_GEMM_ROWS)
     assert timed.shapes == {(intermediate_size, hidden_size)}

@@ -4,6 +4,7 @@ The packed kernels give a row the same bits whatever the row count, and the engi
 by row for these models, so a k-row verify reproduces 1-row decoding exactly (not only at
 non-near-ties, as bf16 does: see test_precision.py).
 """
+
 from __future__ import annotations
 
 import random
@@ -47,8 +48,8 @@ def speculate_greedy(engine: Engine, prompt: list[int], plain: list[int], seed: 
     engine.open("spec", prompt)
     engine.prefill("spec")
     while len(out) < len(plain):
-        token_ids, parents = draft_tree(rng, plain[len(out):len(out) + rng.randint(1, 6)])
-        logits = engine.verify("spec", token_ids, parents)               # [N + 1, V]
+        token_ids, parents = draft_tree(rng, plain[len(out) : len(out) + rng.randint(1, 6)])
+        logits = engine.verify("spec", token_ids, parents)  # [N + 1, V]
         node, accepted = -1, []
         while True:
             best = int(logits[node + 1].argmax())
@@ -61,7 +62,7 @@ def speculate_greedy(engine: Engine, prompt: list[int], plain: list[int], seed: 
         engine.commit("spec", accepted, new_tokens)
         out += new_tokens
     engine.release("spec")
-    return out[:len(plain)]
+    return out[: len(plain)]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -82,8 +83,8 @@ def test_chain_verify_logits_equal_one_token_decoding_bit_for_bit(quantized_engi
         engine.commit("one", (), (tokens[-1],))
     engine.release("one")
     engine.open("chain", PROMPT)
-    engine.prefill("chain")                                                 # the same prompt KV as "one"
-    chain = engine.verify("chain", tokens[:-1], [-1] + list(range(k - 2)))   # [k, V], same positions
+    engine.prefill("chain")  # the same prompt KV as "one"
+    chain = engine.verify("chain", tokens[:-1], [-1] + list(range(k - 2)))  # [k, V], same positions
     engine.release("chain")
     assert torch.equal(chain, torch.stack(rows))
 
@@ -125,7 +126,7 @@ def test_the_one_call_native_stack_equals_the_layer_by_layer_path(quantized_engi
                 engine.prefill(name)
             logits = engine.verify_batch([VerifyWork(n, t, p) for n, (t, p) in zip("ab", trees)])
             kv = []
-            for name, (tokens, _) in zip("ab", trees):    # the context, the chain row and the tree's rows
+            for name, (tokens, _) in zip("ab", trees):  # the context, the chain row and the tree's rows
                 c = engine._requests[name].kv
                 end = c.num_cached + 1 + len(tokens)
                 kv.append(torch.cat([c.k[:, :, :end].flatten(), c.v[:, :, :end].flatten()]))

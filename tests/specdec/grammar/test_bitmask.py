@@ -1,4 +1,5 @@
 """The packed mask: hand cases, and every operation equal to the bool reference `apply_token_mask`."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,9 +26,13 @@ def test_layout_and_bit_queries_by_hand():
 
 
 def test_argmax_by_hand_including_ties():
-    logits = torch.tensor([[1.0, 5.0, 3.0, 3.0],      # favourite 1 forbidden: 2 and 3 tie, lowest id wins
-                           [2.0, 0.0, -1.0, 2.0],     # favourite 0 allowed: kept
-                           [7.0, 7.0, 0.0, 0.0]])     # tie at the top, first one forbidden: 1
+    logits = torch.tensor(
+        [
+            [1.0, 5.0, 3.0, 3.0],  # favourite 1 forbidden: 2 and 3 tie, lowest id wins
+            [2.0, 0.0, -1.0, 2.0],  # favourite 0 allowed: kept
+            [7.0, 7.0, 0.0, 0.0],
+        ]
+    )  # tie at the top, first one forbidden: 1
     mask = _mask([[0, 2, 3], [0, 1], [1, 2]], 4)
     assert mask.argmax(logits).tolist() == [2, 0, 1]
 
@@ -35,9 +40,11 @@ def test_argmax_by_hand_including_ties():
 def test_masked_rows_by_hand():
     logits = torch.tensor([[1.0, 5.0, 3.0, -2.0], [0.0, 1.0, 2.0, 3.0]])
     mask = _mask([[2], [0, 1, 3]], 4)
-    assert mask.masked_rows(logits, [1, 0]).tolist() == [[0.0, 1.0, MASKED_LOGIT, 3.0],
-                                                         [MASKED_LOGIT, MASKED_LOGIT, 3.0, MASKED_LOGIT]]
-    assert logits[0, 1] == 5.0                            # the input is unchanged
+    assert mask.masked_rows(logits, [1, 0]).tolist() == [
+        [0.0, 1.0, MASKED_LOGIT, 3.0],
+        [MASKED_LOGIT, MASKED_LOGIT, 3.0, MASKED_LOGIT],
+    ]
+    assert logits[0, 1] == 5.0  # the input is unchanged
 
 
 @pytest.mark.parametrize("vocab_size", [64, 1000, 49152])
@@ -53,7 +60,7 @@ def test_every_operation_equals_the_bool_reference_on_random_masks(vocab_size):
     favourite = (~allowed).float().argmax(dim=-1)
     logits[torch.arange(num_rows), favourite] = 100.0
     mask = TokenBitmask.from_bool(allowed)
-    reference = apply_token_mask(logits, allowed)                          # [R, V]
+    reference = apply_token_mask(logits, allowed)  # [R, V]
     assert torch.equal(mask.to_bool(), allowed)
     assert torch.equal(mask.argmax(logits), reference.argmax(dim=-1))
     rows = [5, 0, 11, 5]

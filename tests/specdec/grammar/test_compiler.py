@@ -1,4 +1,5 @@
 """Response formats: validation with the field named, compilation, the LRU of compiled grammars."""
+
 from __future__ import annotations
 
 import json
@@ -12,16 +13,21 @@ from specdec.grammar.compiler import GrammarCacheConfig
 from .conftest import PERSON_SCHEMA
 
 
-@pytest.mark.parametrize("schema_text, reason", [
-    ("{not json", "is not valid JSON"),
-    ("[1, 2]", "must be a JSON object, got list"),
-    ('"string"', "must be a JSON object, got str"),
-    ('{"type": "foo"}', "is not a valid JSON Schema"),
-    ('{"properties": {"a": {"minLength": -1}}}', "at /properties/a/minLength"),
-    # valid JSON Schema, but the engine refuses it: its reason comes through without the C++ log prefix
-    ('{"type": "object", "minProperties": 3, "maxProperties": 1}',
-     "is not supported by the grammar engine: minProperties is greater than maxProperties"),
-])
+@pytest.mark.parametrize(
+    "schema_text, reason",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "must be a JSON object, got list"),
+        ('"string"', "must be a JSON object, got str"),
+        ('{"type": "foo"}', "is not a valid JSON Schema"),
+        ('{"properties": {"a": {"minLength": -1}}}', "at /properties/a/minLength"),
+        # valid JSON Schema, but the engine refuses it: its reason comes through without the C++ log prefix
+        (
+            '{"type": "object", "minProperties": 3, "maxProperties": 1}',
+            "is not supported by the grammar engine: minProperties is greater than maxProperties",
+        ),
+    ],
+)
 def test_invalid_schema_names_the_field(tokenizer_info, schema_text, reason):
     with pytest.raises(InvalidArgument) as info:
         compile_response_format("json_schema", schema_text, tokenizer_info)
@@ -60,15 +66,15 @@ def test_json_object_allows_any_object_and_nothing_else(grammar_cache, tokenizer
     assert _accepts(grammar, "{}", tokenizer)
     assert not _accepts(grammar, "[1]", tokenizer)
     assert not _accepts(grammar, '"x"', tokenizer)
-    assert not _accepts(grammar, '{"a":1}', tokenizer)   # the layout is fixed: ": " after a key
+    assert not _accepts(grammar, '{"a":1}', tokenizer)  # the layout is fixed: ": " after a key
 
 
 def test_json_schema_is_strict_about_properties_and_types(grammar_cache, tokenizer):
     grammar = grammar_cache.compile_response_format("json_schema", PERSON_SCHEMA)
     assert _accepts(grammar, '{"name": "Bob", "age": 42, "unit": "celsius"}', tokenizer)
     assert not _accepts(grammar, '{"name": "Bob", "age": "42", "unit": "celsius"}', tokenizer)  # type
-    assert not _accepts(grammar, '{"name": "Bob", "age": 42}', tokenizer)                      # required
-    assert not _accepts(grammar, '{"name": "Bob", "age": 42, "unit": "kelvin"}', tokenizer)     # enum
+    assert not _accepts(grammar, '{"name": "Bob", "age": 42}', tokenizer)  # required
+    assert not _accepts(grammar, '{"name": "Bob", "age": 42, "unit": "kelvin"}', tokenizer)  # enum
     assert not _accepts(grammar, '{"name": "Bob", "age": 42, "unit": "celsius", "x": 1}', tokenizer)
 
 
@@ -77,8 +83,8 @@ def test_cache_returns_the_same_grammar_and_evicts_least_recently_used(tokenizer
     schema = lambda key: json.dumps({"type": "object", "properties": {key: {"type": "integer"}}})  # noqa: E731
     a = cache.compile_response_format("json_schema", schema("a"))
     b = cache.compile_response_format("json_schema", schema("b"))
-    assert cache.compile_response_format("json_schema", schema("a")) is a    # hit; a is now the most recent
-    cache.compile_response_format("json_schema", schema("c"))                # evicts b, not a
+    assert cache.compile_response_format("json_schema", schema("a")) is a  # hit; a is now the most recent
+    cache.compile_response_format("json_schema", schema("c"))  # evicts b, not a
     assert cache.num_cached == 2
     assert cache.compile_response_format("json_schema", schema("a")) is a
     assert cache.compile_response_format("json_schema", schema("b")) is not b

@@ -1,6 +1,7 @@
 """Constrained greedy decoding with the real default model: plain decoding through the engine,
 the grammar's mask applied with `apply_token_mask`; the output must parse and validate against
 its schema (checked by `jsonschema`, independently of the grammar engine)."""
+
 from __future__ import annotations
 
 import json
@@ -32,6 +33,8 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
 MAX_CONTEXT = 1024
 
 
@@ -55,7 +58,7 @@ def constrained_greedy(engine: Engine, prompt_ids: list[int], state, max_new_tok
         engine.prefill(request_id)
         out: list[int] = []
         for _ in range(max_new_tokens):
-            logits = engine.verify(request_id, (), ())                              # [1, V]
+            logits = engine.verify(request_id, (), ())  # [1, V]
             token = int(torch.argmax(apply_token_mask(logits, state.allowed_mask().to_bool()), dim=-1)[0])
             assert state.accept_tokens([token])
             if state.is_terminated:
@@ -67,8 +70,9 @@ def constrained_greedy(engine: Engine, prompt_ids: list[int], state, max_new_tok
         engine.release(request_id)
 
 
-def test_constrained_greedy_output_validates_against_its_schema(fp32_model, grammar_cache, tokenizer, prompt_rows,
-                                                                one_thread):
+def test_constrained_greedy_output_validates_against_its_schema(
+    fp32_model, grammar_cache, tokenizer, prompt_rows, one_thread
+):
     engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32), MAX_CONTEXT)
     for row in prompt_rows:
         grammar = grammar_cache.compile_response_format("json_schema", json.dumps(row["schema"]))

@@ -1,4 +1,5 @@
 """The mask helper shared by constrained plain and speculative decoding, and bitmask unpacking."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,8 @@ def test_apply_token_mask_by_hand():
     allowed = torch.tensor([[True, False, True], [False, True, True]])
     masked = apply_token_mask(logits, allowed)
     assert masked.tolist() == [[1.0, MASKED_LOGIT, 3.0], [MASKED_LOGIT, 0.0, -1.0]]
-    assert masked.argmax(dim=-1).tolist() == [2, 1]        # the unmasked argmax would be [1, 0]
-    assert logits[0, 1] == 5.0                               # the input is unchanged
+    assert masked.argmax(dim=-1).tolist() == [2, 1]  # the unmasked argmax would be [1, 0]
+    assert logits[0, 1] == 5.0  # the input is unchanged
     assert torch.softmax(masked, dim=-1)[0, 1] == 0.0
 
 
@@ -29,8 +30,8 @@ def test_apply_token_mask_refuses_a_wrong_shape():
 
 
 def test_bitmask_to_bool_by_hand():
-    words = torch.tensor([[0b101, 0], [0, -2**31]], dtype=torch.int32)   # -2**31: only bit 31 set
+    words = torch.tensor([[0b101, 0], [0, -(2**31)]], dtype=torch.int32)  # -2**31: only bit 31 set
     allowed = bitmask_to_bool(words, vocab_size=64)
     assert allowed[0].nonzero().flatten().tolist() == [0, 2]
     assert allowed[1].nonzero().flatten().tolist() == [63]
-    assert bitmask_to_bool(words, vocab_size=40).shape == (2, 40)   # padding bits are cut off
+    assert bitmask_to_bool(words, vocab_size=40).shape == (2, 40)  # padding bits are cut off

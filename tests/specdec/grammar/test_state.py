@@ -1,5 +1,6 @@
 """Grammar state: hand-computed forced text, masks, all-or-nothing accept, rollback, tree masks
 against a brute-force replay of every root-to-node path."""
+
 from __future__ import annotations
 
 import random
@@ -33,13 +34,13 @@ def _advance(state, tokenizer, text: str) -> None:
 # (text accepted so far, forced text the grammar allows next, its tokens as the model's BPE writes it)
 FORCED_CASES = [
     ("", '{"name": "', ['{"', "name", '":', ' "']),
-    ('{"name": "Bob', "", []),                                  # inside a string: the model's choice
+    ('{"name": "Bob', "", []),  # inside a string: the model's choice
     ('{"name": "Bob"', ', "age": ', [",", ' "', "age", '":', " "]),
-    ('{"name": "Bob", "age": 42', "", []),                      # more digits may follow
+    ('{"name": "Bob", "age": 42', "", []),  # more digits may follow
     ('{"name": "Bob", "age": 42,', ' "unit": "', [' "', "unit", '":', ' "']),
-    ('{"name": "Bob", "age": 42, "unit": "', "", []),           # celsius | fahrenheit
+    ('{"name": "Bob", "age": 42, "unit": "', "", []),  # celsius | fahrenheit
     ('{"name": "Bob", "age": 42, "unit": "f', 'ahrenheit"}', ["ahrenheit", '"}']),
-    ('{"name": "Bob", "age": 42, "unit": "fahrenheit"}', "", []),   # complete: only EOS may follow
+    ('{"name": "Bob", "age": 42, "unit": "fahrenheit"}', "", []),  # complete: only EOS may follow
 ]
 
 
@@ -50,9 +51,9 @@ def test_forced_continuation_by_hand(state, tokenizer, prefix, forced_text, forc
     forced = state.forced_continuation(max_tokens=16)
     assert tokenizer.decode(forced) == forced_text
     assert _pieces(tokenizer, forced) == forced_pieces
-    assert list(forced) == tokenizer.encode(forced_text)        # re-tokenized with the model's BPE
+    assert list(forced) == tokenizer.encode(forced_text)  # re-tokenized with the model's BPE
     assert state.forced_continuation(max_tokens=2) == forced[:2]
-    assert state.num_tokens == len(tokenizer.encode(prefix))    # proposing does not move the state
+    assert state.num_tokens == len(tokenizer.encode(prefix))  # proposing does not move the state
 
 
 def test_masks_by_hand(state, tokenizer):
@@ -75,7 +76,7 @@ def test_special_tokens_are_refused_even_inside_strings(state, tokenizer):
     _advance(state, tokenizer, '{"name": "')
     in_string = allowed_row(state)
     assert not in_string[:17].any()  # <|endoftext|>, <|im_start|>, <|im_end|>, <repo_name>, ...
-    assert in_string.sum() > 40000   # almost anything else may go into a string
+    assert in_string.sum() > 40000  # almost anything else may go into a string
     assert not state.accept_tokens([1])
 
 
@@ -83,7 +84,7 @@ def test_accept_is_all_or_nothing(state, tokenizer):
     _advance(state, tokenizer, '{"name": "Bob"')
     before = (state.num_tokens, allowed_row(state))
     good, bad = tokenizer.encode(', "age": '), tokenizer.encode("}")
-    assert not state.accept_tokens(good + bad)           # '}' is refused: "age" and "unit" are required
+    assert not state.accept_tokens(good + bad)  # '}' is refused: "age" and "unit" are required
     assert (state.num_tokens, allowed_row(state).tolist()) == (before[0], before[1].tolist())
     assert not state.accept_tokens([-1]) and not state.accept_tokens([state.vocab_size])
 
@@ -113,6 +114,7 @@ def test_fork_is_independent(state, tokenizer):
 
 # --- tree masks ------------------------------------------------------------------------------------
 
+
 def brute_force_tree_masks(state, token_ids, parents):
     """Replay every root-to-node path on a fork of the state: what tree_masks must equal."""
     rows, valid = [allowed_row(state)], []
@@ -140,10 +142,10 @@ def test_tree_masks_by_hand(state, tokenizer):
     assert masks.is_valid_node.tolist() == [True, True, True, True, False, False]
     allowed = masks.allowed.to_bool()
     assert allowed.shape == (7, state.vocab_size)
-    assert allowed[0, comma] and not allowed[0, brace]     # row 0: after the context
-    assert _pieces(tokenizer, allowed[1].nonzero().flatten().tolist()) == [' ', ' "']  # after ','
-    assert allowed[4, tokenizer.encode(" ")[0]]                  # after '":' comes ' '
-    assert allowed[5].all() and allowed[6].all()           # unreachable rows: no constraint
+    assert allowed[0, comma] and not allowed[0, brace]  # row 0: after the context
+    assert _pieces(tokenizer, allowed[1].nonzero().flatten().tolist()) == [" ", ' "']  # after ','
+    assert allowed[4, tokenizer.encode(" ")[0]]  # after '":' comes ' '
+    assert allowed[5].all() and allowed[6].all()  # unreachable rows: no constraint
     expected_allowed, expected_valid = brute_force_tree_masks(state, token_ids, parents)
     assert torch.equal(allowed, expected_allowed) and torch.equal(masks.is_valid_node, expected_valid)
 
@@ -189,8 +191,8 @@ def test_tree_masks_after_eos_allow_only_eos(state, tokenizer):
     _advance(state, tokenizer, '{"name": "Bob", "age": 42, "unit": "celsius"')
     brace = tokenizer.encode("}")[0]
     masks = state.tree_masks([brace, EOS, brace], [-1, 0, 1])
-    assert masks.is_valid_node.tolist() == [True, True, False]      # nothing follows EOS
-    assert masks.allowed.to_bool()[2].nonzero().flatten().tolist() == [EOS]   # the row after EOS: a finite softmax
+    assert masks.is_valid_node.tolist() == [True, True, False]  # nothing follows EOS
+    assert masks.allowed.to_bool()[2].nonzero().flatten().tolist() == [EOS]  # the row after EOS: a finite softmax
 
 
 def test_tree_masks_reject_bad_parents(state):

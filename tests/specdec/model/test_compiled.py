@@ -2,6 +2,7 @@
 
 Compiling is slow, so the whole module shares one step with two small buckets (1 and 4 rows).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,9 @@ from specdec.sampling import SamplingParams
 
 BUCKETS = (1, 4)
 PROMPT = [1, 504, 3458, 282, 260, 2114, 314, 5248, 30, 198, 549, 7224, 314]
-ATOL = 2e-4          # fp32: the same math, fused and ordered differently
+ATOL = 2e-4  # fp32: the same math, fused and ordered differently
 MAX_CONTEXT = 256
-SENTINEL = 1234.5    # a KV value no forward writes
+SENTINEL = 1234.5  # a KV value no forward writes
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +78,13 @@ def test_only_ready_buckets_up_to_the_largest_run_compiled(fp32_model):
     step = CompiledStep(fp32_model.model, CompileSettings(buckets=(1, 4)))
     assert [step.bucket_for(n) for n in (1, 2, 3, 4, 5)] == [1, 4, 4, 4, None]
     ids, positions = torch.tensor([504]), torch.arange(1)
-    assert step(ids, positions, [], None) is None        # nothing compiled yet: the eager forward runs it
+    assert step(ids, positions, [], None) is None  # nothing compiled yet: the eager forward runs it
 
 
 def test_compiled_logits_equal_eager_logits(model, step):
-    for token_ids in ([504], [504, 3458, 282], [504, 3458, 282, 260]):    # buckets 1, 4 (padded), 4
+    for token_ids in ([504], [504, 3458, 282], [504, 3458, 282, 260]):  # buckets 1, 4 (padded), 4
         k, v = empty_caches(model)
-        if len(token_ids) == 1:        # the graphs' guards pass: nothing falls back to eager
+        if len(token_ids) == 1:  # the graphs' guards pass: nothing falls back to eager
             num_regions = num_compiled_regions_run(lambda: forward_rows(model, token_ids, k, v))
             assert num_regions == 2 * model.config.num_hidden_layers + 1  # pre, post per layer; the head
         got = forward_rows(model, token_ids, k, v)
@@ -96,7 +97,7 @@ def test_compiled_logits_equal_eager_logits(model, step):
 
 
 def test_padded_rows_write_no_kv_and_do_not_change_real_rows(model, monkeypatch):
-    token_ids = [504, 3458, 282]                          # 3 rows in the 4-row bucket: one padded row
+    token_ids = [504, 3458, 282]  # 3 rows in the 4-row bucket: one padded row
     k, v = empty_caches(model)
     logits = forward_rows(model, token_ids, k, v)
     assert logits.shape == (3, model.config.vocab_size)
@@ -121,15 +122,17 @@ def greedy_speculation(engine: Engine, prompt: list[int], reference: list[int]) 
     out: list[int] = []
     while len(out) < len(reference) - 2:
         i, shape = len(out), len(out) % 3
-        trees = (([reference[i], reference[i] + 1, reference[i + 1] + (i % 2)], [-1, -1, 0]),
-                 ([reference[i] + (i % 2)], [-1]), ([], []))
+        trees = (
+            ([reference[i], reference[i] + 1, reference[i + 1] + (i % 2)], [-1, -1, 0]),
+            ([reference[i] + (i % 2)], [-1]),
+            ([], []),
+        )
         token_ids, parents = trees[shape]
-        logits = engine.verify("spec", token_ids, parents)                   # [N+1, V]
-        accepted, row = [], 0                                                # row 0: the root
+        logits = engine.verify("spec", token_ids, parents)  # [N+1, V]
+        accepted, row = [], 0  # row 0: the root
         while True:
             best = int(logits[row].argmax())
-            child = next((j for j, (t, p) in enumerate(zip(token_ids, parents)) if p == row - 1 and t == best),
-                         None)
+            child = next((j for j, (t, p) in enumerate(zip(token_ids, parents)) if p == row - 1 and t == best), None)
             if child is None:
                 break
             accepted.append(child)
@@ -138,16 +141,16 @@ def greedy_speculation(engine: Engine, prompt: list[int], reference: list[int]) 
         engine.commit("spec", accepted, new_token_ids)
         out.extend(new_token_ids)
     engine.release("spec")
-    return out[:len(reference) - 2]
+    return out[: len(reference) - 2]
 
 
 def test_greedy_speculation_equals_plain_greedy_decoding(model, fp32_model):
     engine = Engine(model, KVCache(fp32_model.config, torch.float32), MAX_CONTEXT)
-    reference = engine.generate(PROMPT, 10, SamplingParams())                  # 1-row steps: bucket 1
+    reference = engine.generate(PROMPT, 10, SamplingParams())  # 1-row steps: bucket 1
     assert greedy_speculation(engine, PROMPT, reference) == reference[:8]
     assert engine.kv_bytes == 0
 
 
 def test_decoding_while_the_step_compiles_is_unaffected(compiled_while_serving, fp32_model):
     engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32), MAX_CONTEXT)
-    assert compiled_while_serving[1] == engine.generate(PROMPT, 8, SamplingParams())     # eager
+    assert compiled_while_serving[1] == engine.generate(PROMPT, 8, SamplingParams())  # eager

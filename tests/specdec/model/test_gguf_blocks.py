@@ -1,4 +1,5 @@
 """The raw Q4 blocks of a GGUF file: unpacked exactly, kept by the converter, served as is by int4."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,7 @@ def recompose(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
 def test_unpacked_blocks_recompose_to_what_gguf_dequantizes(tensor_type):
     w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32)
-    data = quantize(w, tensor_type)                                      # [6, 3 * block bytes] uint8
+    data = quantize(w, tensor_type)  # [6, 3 * block bytes] uint8
     q, d, m = unpack_q4_blocks(data, tensor_type)
     assert q.shape == (6, 96) and q.max() <= 15 and d.shape == m.shape == (6, 3) and d.dtype == np.float16
     np.testing.assert_array_equal(recompose(q, d, m), dequantize(data, tensor_type))
@@ -32,9 +33,12 @@ def test_unpacked_blocks_recompose_to_what_gguf_dequantizes(tensor_type):
 def test_the_converter_keeps_every_q4_matrix_with_hf_row_order(default_model_dir):
     assert (default_model_dir / Q4_BLOCKS_FILE).is_file()
     blocks, state = load_q4_blocks(default_model_dir), load_state_dict(default_model_dir)
-    assert len(blocks) == 7 * 30                                          # every block matrix of SmolLM2-135M
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight",
-                 "model.layers.29.mlp.down_proj.weight"):
+    assert len(blocks) == 7 * 30  # every block matrix of SmolLM2-135M
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+        "model.layers.29.mlp.down_proj.weight",
+    ):
         q, d, m = (t.numpy() for t in blocks[name])
         np.testing.assert_array_equal(recompose(q, d, m), state[name].numpy(), err_msg=name)
 
@@ -79,7 +83,7 @@ def test_torch_served_int4_weights_are_the_files_blocks(default_model_dir, torch
     linear = getattr(getattr(torch_int4_model.model.layers[layer], module), matrix)
     assert isinstance(linear, quant.Int4Linear)
     k = q.shape[1]
-    served = linear(torch.eye(k, dtype=torch.bfloat16)).t().float()      # [N, K], rounded to bf16 on output
+    served = linear(torch.eye(k, dtype=torch.bfloat16)).t().float()  # [N, K], rounded to bf16 on output
     # the kernel's format: scale = bf16(d), zero = bf16(m + 8d)
     scale, zero = d.bfloat16().float(), (m.float() + 8 * d.float()).bfloat16().float()
     expected = (q.float().view(-1, k // 32, 32) - 8) * scale[..., None] + zero[..., None]
@@ -92,4 +96,4 @@ def test_torch_served_int4_weights_are_the_files_blocks(default_model_dir, torch
 
 def test_int4_memory_is_within_1_2x_the_gguf_file(default_gguf_path, int4_model):
     assert int4_model.weight_bytes <= 1.2 * default_gguf_path.stat().st_size
-    assert int4_model.model.embed_tokens.dtype == torch.int8           # one int8 copy: lookup and lm_head
+    assert int4_model.model.embed_tokens.dtype == torch.int8  # one int8 copy: lookup and lm_head

@@ -1,4 +1,5 @@
 """The GGUF converter and the model loader, checked against transformers' own GGUF loader."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -21,8 +22,11 @@ TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_FFN, TINY_LAYERS = 16, 4, 2, 32, 2
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py `LlamaModel.permute`, which our converter must invert."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
@@ -32,17 +36,28 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> dict[str,
     """
     rng = np.random.default_rng(seed)
     tokens = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ", "Ġa", "<|end|>"]
-    hf = {"model.embed_tokens.weight": rng.standard_normal((len(tokens), TINY_HIDDEN)),
-          "model.norm.weight": rng.standard_normal(TINY_HIDDEN),
-          "lm_head.weight": rng.standard_normal((len(tokens), TINY_HIDDEN))}
-    shapes = {"input_layernorm.weight": (TINY_HIDDEN,), "post_attention_layernorm.weight": (TINY_HIDDEN,),
-              "self_attn.q_proj.weight": (TINY_HIDDEN, TINY_HIDDEN), "self_attn.k_proj.weight": (8, TINY_HIDDEN),
-              "self_attn.v_proj.weight": (8, TINY_HIDDEN), "self_attn.o_proj.weight": (TINY_HIDDEN, TINY_HIDDEN),
-              "mlp.gate_proj.weight": (TINY_FFN, TINY_HIDDEN), "mlp.up_proj.weight": (TINY_FFN, TINY_HIDDEN),
-              "mlp.down_proj.weight": (TINY_HIDDEN, TINY_FFN)}
+    hf = {
+        "model.embed_tokens.weight": rng.standard_normal((len(tokens), TINY_HIDDEN)),
+        "model.norm.weight": rng.standard_normal(TINY_HIDDEN),
+        "lm_head.weight": rng.standard_normal((len(tokens), TINY_HIDDEN)),
+    }
+    shapes = {
+        "input_layernorm.weight": (TINY_HIDDEN,),
+        "post_attention_layernorm.weight": (TINY_HIDDEN,),
+        "self_attn.q_proj.weight": (TINY_HIDDEN, TINY_HIDDEN),
+        "self_attn.k_proj.weight": (8, TINY_HIDDEN),
+        "self_attn.v_proj.weight": (8, TINY_HIDDEN),
+        "self_attn.o_proj.weight": (TINY_HIDDEN, TINY_HIDDEN),
+        "mlp.gate_proj.weight": (TINY_FFN, TINY_HIDDEN),
+        "mlp.up_proj.weight": (TINY_FFN, TINY_HIDDEN),
+        "mlp.down_proj.weight": (TINY_HIDDEN, TINY_FFN),
+    }
     if arch == "qwen2":
-        shapes |= {"self_attn.q_proj.bias": (TINY_HIDDEN,), "self_attn.k_proj.bias": (8,),
-                   "self_attn.v_proj.bias": (8,)}
+        shapes |= {
+            "self_attn.q_proj.bias": (TINY_HIDDEN,),
+            "self_attn.k_proj.bias": (8,),
+            "self_attn.v_proj.bias": (8,),
+        }
     for i in range(TINY_LAYERS):
         hf |= {f"model.layers.{i}.{name}": rng.standard_normal(shape) for name, shape in shapes.items()}
     # Values exactly representable in float16, so that every comparison below can be exact.
@@ -81,9 +96,11 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> dict[str,
 
 def _all_gguf_names() -> list[str]:
     block = ["attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
-    return (["token_embd.weight", "output_norm.weight", "output.weight"]
-            + [f"blk.{i}.{kind}.weight" for i in range(TINY_LAYERS) for kind in block]
-            + [f"blk.{i}.attn_{x}.bias" for i in range(TINY_LAYERS) for x in "qkv"])
+    return (
+        ["token_embd.weight", "output_norm.weight", "output.weight"]
+        + [f"blk.{i}.{kind}.weight" for i in range(TINY_LAYERS) for kind in block]
+        + [f"blk.{i}.attn_{x}.bias" for i in range(TINY_LAYERS) for x in "qkv"]
+    )
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -97,8 +114,9 @@ def transformers_default_model(default_gguf_path: Path):
     """transformers' own GGUF load of the default model (~12 s): the oracle for our converter."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(default_gguf_path.parent), gguf_file=default_gguf_path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_gguf_path.parent), gguf_file=default_gguf_path.name, dtype=torch.float32
+    )
     return model.state_dict(), model.config
 
 
@@ -141,8 +159,12 @@ def test_llama3_rope_factors_endpoints():
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
     factors = llama3_rope_factors(128, 500000.0, 32.0, 1.0, 4.0, 8192).astype(np.float32)  # Llama 3.2
     assert gguf_convert._llama3_rope_scaling(factors, 128, 500000.0) == {
-        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     with pytest.raises(ValueError, match="not supported"):
         gguf_convert._llama3_rope_scaling(llama3_rope_factors(128, 500000.0, 8.0, 1.0, 2.0, 8192), 128, 500000.0)
 
@@ -162,9 +184,18 @@ def test_converted_weights_equal_transformers_gguf_load(default_model_dir: Path,
 def test_config_matches_transformers(default_model_dir: Path, transformers_default_model):
     _, expected = transformers_default_model
     config = loader.load_config(default_model_dir)
-    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings",
-                  "bos_token_id"):
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+    ):
         assert getattr(config, field) == getattr(expected, field), field
     assert np.float32(config.rms_norm_eps) == np.float32(expected.rms_norm_eps)
     assert config.rope_theta == expected.rope_parameters["rope_theta"]
@@ -191,8 +222,9 @@ def test_tiny_gguf_matches_transformers(tiny_gguf, tmp_path: Path):
     from transformers import AutoModelForCausalLM
 
     gguf_path, _ = tiny_gguf
-    expected = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
-                                                    dtype=torch.float32).state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).state_dict()
     state = loader.load_state_dict(gguf_convert.convert_gguf(gguf_path, tmp_path / "out", show_progress=False))
     assert set(state) == set(expected)
     for name, tensor in state.items():

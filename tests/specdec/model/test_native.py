@@ -1,5 +1,6 @@
 """The native 4-bit/8-bit kernels: block layout, products against a float64 reference of the same
 quantization, batch invariance, the fused layer against the layer's own code, and the fallback."""
+
 from __future__ import annotations
 
 import pytest
@@ -76,23 +77,40 @@ def test_a_row_gets_the_same_bits_whatever_the_row_count():
     layer, _ = q4_layer(64, 64, seed=6)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(7))
     full = layer(x)
-    assert all(torch.equal(layer(x[i:i + 1]), full[i:i + 1]) for i in range(16))
-    assert all(torch.equal(layer(x[i:i + 5]), full[i:i + 5]) for i in range(11))
+    assert all(torch.equal(layer(x[i : i + 1]), full[i : i + 1]) for i in range(16))
+    assert all(torch.equal(layer(x[i : i + 5]), full[i : i + 5]) for i in range(11))
     assert layer(x[:0]).shape == (0, 64)
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
-                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=64,
-                       tie_word_embeddings=True)
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
 
 
 def block_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     g, p, out = torch.Generator().manual_seed(8), "model.layers.0.", {}
     c, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * config.head_dim
-    shapes = {"self_attn.q_proj": (c, c), "self_attn.k_proj": (kv, c), "self_attn.v_proj": (kv, c),
-              "self_attn.o_proj": (c, c), "mlp.gate_proj": (i, c), "mlp.up_proj": (i, c), "mlp.down_proj": (c, i)}
+    shapes = {
+        "self_attn.q_proj": (c, c),
+        "self_attn.k_proj": (kv, c),
+        "self_attn.v_proj": (kv, c),
+        "self_attn.o_proj": (c, c),
+        "mlp.gate_proj": (i, c),
+        "mlp.up_proj": (i, c),
+        "mlp.down_proj": (c, i),
+    }
     for name, shape in shapes.items():
         q, d, m = quant.quantize_q4_1(torch.randn(*shape, generator=g) / 4)
         out.update(quant.pack_q4_1(p + name, q, d, m))
@@ -112,7 +130,7 @@ def test_the_fused_layer_computes_what_the_layer_code_does():
         kc = torch.zeros(1, 2, 16, 16)
         span = SequenceSpan(0, 6, 3, kc, torch.zeros_like(kc), torch.ones(6, 9, dtype=torch.bool).tril(3))
         saved = block.native
-        block.native = saved if use_native else None     # the same QuantLinears, called one by one
+        block.native = saved if use_native else None  # the same QuantLinears, called one by one
         try:
             return block(x, positions, rope, [span])
         finally:
@@ -127,9 +145,12 @@ def test_without_the_library_int4_falls_back_to_torchs_kernels(monkeypatch):
     monkeypatch.setattr(native, "_status", "disabled by the test")
     config = tiny_config()
     from specdec.model.precision import convert_weights
+
     weights = convert_weights({"model.layers.0.mlp.up_proj.weight": torch.randn(96, 64)}, config, "int4")
-    assert set(weights) == {"model.layers.0.mlp.up_proj" + quant.INT4_WEIGHT,
-                            "model.layers.0.mlp.up_proj" + quant.INT4_SCALES_ZEROS}
+    assert set(weights) == {
+        "model.layers.0.mlp.up_proj" + quant.INT4_WEIGHT,
+        "model.layers.0.mlp.up_proj" + quant.INT4_SCALES_ZEROS,
+    }
     assert native.status() == "unavailable: disabled by the test"
 
 
@@ -149,8 +170,12 @@ def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
             mask[r, cached + parent], parent = True, parents[parent]
     got = native.attend(native.library(), q, k_cache, v_cache, cached + 4, mask)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k_cache[:, :cached + 4][None], v_cache[:, :cached + 4][None],
-        attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        q.transpose(0, 1)[None],
+        k_cache[:, : cached + 4][None],
+        v_cache[:, : cached + 4][None],
+        attn_mask=mask,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     # row 3 after its path r0, r2, r3 is committed to cache rows 5, 6, 7: the same bits
     k2, v2 = k_cache.clone(), v_cache.clone()

@@ -1,4 +1,5 @@
 """Packed int4/int8 layers: the kernels' dequantization, round-to-nearest bounds, and start-up errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def test_int4_kernel_computes_q_minus_8_times_scale_plus_zero():
     scale, zero = torch.rand(48, 2).bfloat16() / 50, (torch.rand(48, 2) - 0.5).bfloat16()
     expected = (q.float().view(48, 2, 32) - 8) * scale.float()[..., None] + zero.float()[..., None]
     got = dequantized(int4_layer(q, scale, zero), 64)
-    assert torch.equal(got, expected.view(48, 64).bfloat16().float())   # exact up to the bf16 output
+    assert torch.equal(got, expected.view(48, 64).bfloat16().float())  # exact up to the bf16 output
 
 
 def test_int4_round_to_nearest_is_within_half_a_step():
@@ -48,32 +49,49 @@ def test_int8_per_channel_round_trip_and_kernel():
     w_hat = q.float() * scale.float()[:, None]
     assert ((w_hat - w).abs() <= scale.float()[:, None] * 0.5 + 1e-6).all()
     layer = quant.Int8Linear(q, scale)
-    torch.testing.assert_close(layer(x), x @ w_hat.t(), atol=0.1, rtol=0.02)   # bf16 activations
+    torch.testing.assert_close(layer(x), x @ w_hat.t(), atol=0.1, rtol=0.02)  # bf16 activations
     embedding = quant.Int8Embedding(q, scale, torch.float32)
     assert torch.equal(embedding(torch.tensor([3, 0])), w_hat[[3, 0]])
 
 
-@pytest.mark.parametrize("make", [
-    lambda: int4_layer(torch.randint(0, 16, (64, 32), dtype=torch.uint8), torch.ones(64, 1).bfloat16(),
-                       torch.zeros(64, 1).bfloat16()),
-    lambda: quant.Int8Linear(torch.ones(64, 32, dtype=torch.int8), torch.ones(64).bfloat16())])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: int4_layer(
+            torch.randint(0, 16, (64, 32), dtype=torch.uint8),
+            torch.ones(64, 1).bfloat16(),
+            torch.zeros(64, 1).bfloat16(),
+        ),
+        lambda: quant.Int8Linear(torch.ones(64, 32, dtype=torch.int8), torch.ones(64).bfloat16()),
+    ],
+)
 def test_a_row_gets_the_same_bits_whatever_the_row_count(make):
     torch.manual_seed(3)
     layer, x = make(), torch.randn(16, 32)
     full = layer(x)
-    assert all(torch.equal(layer(x[i:i + 1]), full[i:i + 1]) for i in range(16))
+    assert all(torch.equal(layer(x[i : i + 1]), full[i : i + 1]) for i in range(16))
     assert layer(x[:0]).shape == (0, 64)
 
 
 def tiny_config(hidden_size: int) -> ModelConfig:
-    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                       num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=hidden_size,
-                       rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-                       tie_word_embeddings=True)
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=hidden_size,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
 
 
 def test_int4_names_the_matrix_it_cannot_pack():
-    weights = {"model.layers.0.mlp.down_proj.weight": torch.randn(48, 40)}   # K = 40: not a multiple of 32
+    weights = {"model.layers.0.mlp.down_proj.weight": torch.randn(48, 40)}  # K = 40: not a multiple of 32
     with pytest.raises(ValueError, match=r"down_proj.weight \(48, 40\).*multiple of 32.*'int8'"):
         convert_weights(weights, tiny_config(48), "int4")
 
@@ -81,7 +99,7 @@ def test_int4_names_the_matrix_it_cannot_pack():
 def test_missing_kernel_and_cuda_are_refused_at_start_up(monkeypatch):
     with pytest.raises(ValueError, match="CPU kernels only.*'fp32'"):
         convert_weights({}, tiny_config(32), "int8", device="cuda")
-    monkeypatch.setattr(native, "_library", None)                # torch's kernels are the ones needed
+    monkeypatch.setattr(native, "_library", None)  # torch's kernels are the ones needed
     monkeypatch.setattr(native, "_status", "disabled by the test")
     monkeypatch.setitem(quant._KERNELS, "int8", ("_weight_int8pack_mm_not_in_this_build",))
     with pytest.raises(ValueError, match="_weight_int8pack_mm_not_in_this_build.*'bf16'"):

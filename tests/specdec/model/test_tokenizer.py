@@ -1,4 +1,5 @@
 """Our runtime tokenizer against transformers' tokenizer of the same GGUF, streaming detokenization, stop strings."""
+
 from __future__ import annotations
 
 import json
@@ -28,10 +29,12 @@ TEXTS = [
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}],
-    [{"role": "system", "content": "You answer in JSON."},
-     {"role": "user", "content": "Describe Mars."},
-     {"role": "assistant", "content": '{"name": "Mars", "moons": 2}'},
-     {"role": "user", "content": "And Phobos? 🤔"}],
+    [
+        {"role": "system", "content": "You answer in JSON."},
+        {"role": "user", "content": "Describe Mars."},
+        {"role": "assistant", "content": '{"name": "Mars", "moons": 2}'},
+        {"role": "user", "content": "And Phobos? 🤔"},
+    ],
 ]
 
 
@@ -55,7 +58,8 @@ def test_encode_decode_match_transformers(tokenizer: Tokenizer, transformers_tok
     assert ids == transformers_tokenizer.encode(text, add_special_tokens=False)
     for skip in (True, False):
         assert tokenizer.decode(ids, skip_special_tokens=skip) == transformers_tokenizer.decode(
-            ids, skip_special_tokens=skip)
+            ids, skip_special_tokens=skip
+        )
     if "<|im_start|>" not in text:
         assert tokenizer.decode(ids) == text  # byte-level BPE round-trips any text
 
@@ -63,10 +67,12 @@ def test_encode_decode_match_transformers(tokenizer: Tokenizer, transformers_tok
 @pytest.mark.slow
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(tokenizer: Tokenizer, transformers_tokenizer, messages,
-                                            add_generation_prompt: bool):
-    expected = transformers_tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=add_generation_prompt)
+def test_chat_template_matches_transformers(
+    tokenizer: Tokenizer, transformers_tokenizer, messages, add_generation_prompt: bool
+):
+    expected = transformers_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
@@ -91,7 +97,7 @@ def test_chat_prompt_starts_with_the_default_system_turn(tokenizer: Tokenizer):
 
 
 def _stream(detokenizer: IncrementalDetokenizer, ids: list[int], step: int) -> list[str]:
-    deltas = [detokenizer.add(ids[i:i + step]) for i in range(0, len(ids), step)]
+    deltas = [detokenizer.add(ids[i : i + step]) for i in range(0, len(ids), step)]
     return deltas + [detokenizer.finish()]
 
 
@@ -167,7 +173,8 @@ def test_template_helpers_and_sandbox(tokenizer: Tokenizer):
 
     messages = [{"role": "user", "content": "<b>é</b>"}]
     assert with_template("{{ messages[0] | tojson }}").apply_chat_template(messages) == (
-        '{"role": "user", "content": "<b>é</b>"}')
+        '{"role": "user", "content": "<b>é</b>"}'
+    )
     assert with_template("{{ eos_token }}{{ add_generation_prompt }}").apply_chat_template([]) == "<|im_end|>True"
     with pytest.raises(jinja2.TemplateError, match="roles must alternate"):
         with_template("{{ raise_exception('roles must alternate') }}").apply_chat_template(messages)
@@ -179,9 +186,17 @@ def test_template_helpers_and_sandbox(tokenizer: Tokenizer):
 
 def test_from_dir_reads_hf_layouts(default_model_dir: Path, tmp_path: Path):
     shutil.copy(default_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": {"content": "<|im_end|>", "special": True},
-        "chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "default"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": {"content": "<|im_end|>", "special": True},
+                "chat_template": [
+                    {"name": "tool_use", "template": "tools"},
+                    {"name": "default", "template": "default"},
+                ],
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     from_list = Tokenizer.from_dir(tmp_path)
     assert from_list.apply_chat_template([]) == "default"

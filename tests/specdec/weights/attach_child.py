@@ -1,5 +1,6 @@
 """Run in a separate process by test_shared.py: attach to a manifest read from stdin (JSON),
 prove the tensors are the owner's pages, and write the model's logits for fixed tokens."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ def shm_mapping(segment: str) -> tuple[list[tuple[int, int]], dict[str, int]]:
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()
-            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:   # a mapping header line
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping header line
                 inside = line.rstrip().endswith(str(SHM_DIR / segment))
                 if inside:
                     lo, hi = (int(x, 16) for x in head[0].split("-"))
@@ -33,14 +34,16 @@ def main() -> None:
     model = model_from_manifest(manifest, config_from_json(request["config"]), 256)
     tensors = attach(manifest)
     ranges, _ = shm_mapping(manifest.segment_name)
-    is_mapped = all(any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
-                        for lo, hi in ranges) for t in tensors.values())
+    is_mapped = all(
+        any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for lo, hi in ranges)
+        for t in tensors.values()
+    )
     engine = Engine(model, KVCache(model.config, model.dtype), 256)
     engine.open("child", request["token_ids"])
     logits = engine.verify("child", request["tree_token_ids"], request["tree_parents"])
     checksum = sum(float(t.float().sum()) for t in tensors.values())
     _, counters = shm_mapping(manifest.segment_name)
-    logits.numpy().tofile(request["logits_path"])   # raw fp32, no pickle
+    logits.numpy().tofile(request["logits_path"])  # raw fp32, no pickle
     print(json.dumps({"is_mapped": is_mapped, "checksum": checksum, "smaps": counters}))
 
 

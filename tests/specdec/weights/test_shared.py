@@ -1,5 +1,6 @@
 """Shared weights: another process maps the primary's segment, sees the same bytes without a
 copy, and the model built on them gives identical logits."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,7 @@ import torch
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import config_to_json, load_model
-from specdec.weights.shared import (SHM_DIR, HandleError, SharedWeights, attach, cleanup_stale_segments,
-                                    manifest_to_dict)
+from specdec.weights.shared import SHM_DIR, HandleError, SharedWeights, attach, cleanup_stale_segments, manifest_to_dict
 
 CHILD = Path(__file__).with_name("attach_child.py")
 REPO = Path(__file__).parents[3]
@@ -40,13 +40,24 @@ def shared_int4_model(default_model_dir):
 
 @pytest.mark.parametrize("model_fixture", ["shared_model", "shared_int4_model"])
 def test_child_process_maps_the_same_pages_and_computes_the_same_logits(model_fixture, request, tmp_path):
-    shared_model = request.getfixturevalue(model_fixture)    # int4: packed uint8/int8 tensors, same layers
+    shared_model = request.getfixturevalue(model_fixture)  # int4: packed uint8/int8 tensors, same layers
     manifest = shared_model.shared.manifest
-    request = {"manifest": manifest_to_dict(manifest), "config": config_to_json(shared_model.config),
-               "token_ids": TOKENS, "tree_token_ids": [700, 701, 702], "tree_parents": [-1, 0, -1],
-               "logits_path": str(tmp_path / "logits.f32")}
-    out = subprocess.run([sys.executable, str(CHILD)], input=json.dumps(request), capture_output=True,
-                         text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    request = {
+        "manifest": manifest_to_dict(manifest),
+        "config": config_to_json(shared_model.config),
+        "token_ids": TOKENS,
+        "tree_token_ids": [700, 701, 702],
+        "tree_parents": [-1, 0, -1],
+        "logits_path": str(tmp_path / "logits.f32"),
+    }
+    out = subprocess.run(
+        [sys.executable, str(CHILD)],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["is_mapped"], "a tensor of the child's model does not point into the shared segment"
@@ -75,8 +86,7 @@ def test_bad_manifests_are_refused(shared_model):
     cases = {
         "segment_name": dataclasses.replace(m, segment_name="specdec-weights-no-such-segment"),
         "total_bytes": dataclasses.replace(m, total_bytes=m.total_bytes + 64),
-        "tensors.offset": dataclasses.replace(m, tensors=(dataclasses.replace(m.tensors[0],
-                                                                              offset=m.total_bytes),)),
+        "tensors.offset": dataclasses.replace(m, tensors=(dataclasses.replace(m.tensors[0], offset=m.total_bytes),)),
         "tensors.shape": dataclasses.replace(m, tensors=(dataclasses.replace(m.tensors[0], shape=(3, 3)),)),
         "tensors.dtype": dataclasses.replace(m, tensors=(dataclasses.replace(m.tensors[0], dtype="int4"),)),
         "kind": dataclasses.replace(m, kind="rdma"),
@@ -98,9 +108,13 @@ def test_stale_segments_of_dead_owners_are_cleaned(tmp_path):
 
 
 def test_a_segment_of_mixed_dtypes_round_trips():
-    weights = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16),
-               "c": torch.full((7,), 0.5).to(torch.float8_e4m3fn), "d": torch.arange(-3, 3, dtype=torch.int8),
-               "e": torch.arange(6, dtype=torch.uint8).view(2, 3)}
+    weights = {
+        "a": torch.arange(10, dtype=torch.float32),
+        "b": torch.ones(3, 5, dtype=torch.bfloat16),
+        "c": torch.full((7,), 0.5).to(torch.float8_e4m3fn),
+        "d": torch.arange(-3, 3, dtype=torch.int8),
+        "e": torch.arange(6, dtype=torch.uint8).view(2, 3),
+    }
     shared = SharedWeights.create(weights)
     try:
         views = attach(shared.manifest)

@@ -1,21 +1,26 @@
 """WeightManifest <-> protobuf: every field survives the round trip; wire-only mistakes name their field."""
+
 from __future__ import annotations
 
 import pytest
 
 from specdec.v1 import common_pb2
-from specdec.weights.shared import (KIND_CUDA_IPC, KIND_SHARED_MEMORY, HandleError, TensorDescriptor,
-                                    WeightManifest)
+from specdec.weights.shared import KIND_CUDA_IPC, KIND_SHARED_MEMORY, HandleError, TensorDescriptor, WeightManifest
 from specdec.weights.wire import manifest_from_pb, manifest_to_pb, wire_field
 
-TENSORS = (TensorDescriptor("model.embed_tokens.weight", "bfloat16", (8, 4), 0, 64),
-           TensorDescriptor("model.norm.weight", "float32", (4,), 64, 16))
+TENSORS = (
+    TensorDescriptor("model.embed_tokens.weight", "bfloat16", (8, 4), 0, 64),
+    TensorDescriptor("model.norm.weight", "float32", (4,), 64, 16),
+)
 
 
-@pytest.mark.parametrize("manifest", [
-    WeightManifest(KIND_SHARED_MEMORY, "specdec-weights-1-abc", b"", -1, 128, "abc", TENSORS),
-    WeightManifest(KIND_CUDA_IPC, "", bytes(range(64)), 1, 128, "def", TENSORS),
-])
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        WeightManifest(KIND_SHARED_MEMORY, "specdec-weights-1-abc", b"", -1, 128, "abc", TENSORS),
+        WeightManifest(KIND_CUDA_IPC, "", bytes(range(64)), 1, 128, "def", TENSORS),
+    ],
+)
 def test_round_trip_keeps_every_field(manifest):
     pb = manifest_to_pb(manifest, '{"model_type": "llama"}', "bf16", "smollm2")
     assert pb.memory.offset == 0 and pb.memory.num_bytes == 128
@@ -23,15 +28,19 @@ def test_round_trip_keeps_every_field(manifest):
     assert manifest_from_pb(wire) == (manifest, '{"model_type": "llama"}', "bf16", "smollm2")
 
 
-@pytest.mark.parametrize("change, field", [
-    (lambda pb: pb.ClearField("memory"), "memory"),
-    (lambda pb: setattr(pb.memory, "kind", common_pb2.HANDLE_KIND_UNSPECIFIED), "memory.kind"),
-    (lambda pb: setattr(pb.memory, "offset", 64), "memory.offset"),
-    (lambda pb: setattr(pb, "model_config_json", ""), "model_config_json"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda pb: pb.ClearField("memory"), "memory"),
+        (lambda pb: setattr(pb.memory, "kind", common_pb2.HANDLE_KIND_UNSPECIFIED), "memory.kind"),
+        (lambda pb: setattr(pb.memory, "offset", 64), "memory.offset"),
+        (lambda pb: setattr(pb, "model_config_json", ""), "model_config_json"),
+    ],
+)
 def test_wire_mistakes_name_their_field(change, field):
-    pb = manifest_to_pb(WeightManifest(KIND_SHARED_MEMORY, "specdec-weights-1-abc", b"", -1, 128, "abc", TENSORS),
-                        "{}", "fp32", "m")
+    pb = manifest_to_pb(
+        WeightManifest(KIND_SHARED_MEMORY, "specdec-weights-1-abc", b"", -1, 128, "abc", TENSORS), "{}", "fp32", "m"
+    )
     change(pb)
     with pytest.raises(HandleError) as e:
         manifest_from_pb(pb)
