@@ -17,7 +17,6 @@ Loopback only: the gateway's address must be a loopback one.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ from bench.concurrency import run_load, summarize_load
 from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.stack import build_request, system_under_test
 from specdec.launcher import PRIMARY, SERVICE_NAMES, Stack
+from specdec.service.server import is_loopback
 from specdec.v1 import primary_pb2, primary_pb2_grpc
 
 MAX_CLIENTS = 1024
@@ -42,13 +42,7 @@ SCENARIOS = ("json", "code", "prose")
 
 def is_loopback_address(address: str) -> bool:
     """ "127.0.0.1:50050", "localhost:50050", "[::1]:50050" -> True."""
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(address.rpartition(":")[0])
 
 
 def process_resources(pid: int) -> dict[str, int]:

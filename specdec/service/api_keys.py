@@ -18,10 +18,11 @@ import hashlib
 import re
 import secrets
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from specdec.errors import Unauthenticated
+from specdec.service.server import is_loopback
 
 AUTHORIZATION = "authorization"
 BEARER = "Bearer "
@@ -79,6 +80,32 @@ class ApiKeys:
                 return tenant
         raise Unauthenticated(
             "authorization", f"a valid API key is required (metadata '{AUTHORIZATION}: {BEARER.strip()} <key>')"
+        )
+
+
+def add_public_access_arguments(
+    p, env: Callable[[str, str], str | None], env_bool: Callable[[str, bool], bool], *, keys_help: str, tls_what: str
+) -> None:
+    """--api_keys_file, --allow_insecure_public, --tls_cert and --tls_key: a public front's access
+    flags (the gateway's and the HTTP front's), the same way for both. `env`/`env_bool` read the
+    service's environment (SPECDEC_<service>_<name>, then SPECDEC_<name>)."""
+    p.add_argument("--api_keys_file", default=env("API_KEYS_FILE", ""), help=keys_help)
+    p.add_argument(
+        "--allow_insecure_public",
+        action="store_true",
+        default=env_bool("ALLOW_INSECURE_PUBLIC", False),
+        help="without --api_keys_file, listen on a non-loopback --host anyway",
+    )
+    p.add_argument("--tls_cert", default=env("TLS_CERT", ""), help=f"PEM certificate chain: serve {tls_what}")
+    p.add_argument("--tls_key", default=env("TLS_KEY", ""), help="PEM private key of --tls_cert")
+
+
+def check_public_exposure(host: str, api_keys_file: str, is_insecure_public_allowed: bool) -> None:
+    """A public front without API keys listens on loopback only, unless told otherwise explicitly."""
+    if not api_keys_file and not is_insecure_public_allowed and not is_loopback(host):
+        raise ValueError(
+            f"host {host!r} is reachable from other machines: give --api_keys_file, "
+            "or --allow_insecure_public to serve anyone who can reach it"
         )
 
 

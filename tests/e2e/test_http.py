@@ -359,38 +359,6 @@ def test_a_client_that_disconnects_before_a_whole_answer_cancels_its_request(sta
 
 
 @pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 and its key."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    folder = tmp_path_factory.mktemp("http-tls")
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
-@pytest.fixture(scope="module")
 def fronts(
     stack: Stack, certificate: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, str]]:

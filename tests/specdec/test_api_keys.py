@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from specdec.service.api_keys import ApiKeys, key_hash, main
-from gateway.config import is_loopback, parse_config
+from gateway.config import parse_config
+from specdec.service.server import is_loopback
 from specdec.errors import Unauthenticated
 
 
