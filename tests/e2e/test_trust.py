@@ -85,7 +85,8 @@ def test_a_request_belongs_to_the_tenant_that_made_it(gateway_stub):
             else "request_id: no request 'order-1'"
         )
     reader.join(timeout=300)
-    assert received[-1].is_final and received[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+    # LENGTH or EOS: int4 weights (which `auto` may choose) end this reply early, the others do not.
+    assert received[-1].is_final and received[-1].finish_reason == reference.finish_reason
     assert [t for r in received for t in r.token_ids] == list(reference.token_ids)
     assert {r.request_id for r in received} == {"order-1"}
     state = gateway_stub.GetRequest(
@@ -189,7 +190,7 @@ def test_a_killed_validator_changes_nothing_in_the_output(gateway_stub, stack):
     received, reader = _stream_in_background(gateway_stub, "validator-killed", "alice")
     stack.kill(VALIDATOR)
     reader.join(timeout=300)
-    assert received[-1].is_final and received[-1].finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+    assert received[-1].is_final and received[-1].finish_reason == plain.finish_reason
     assert [t for r in received for t in r.token_ids] == list(plain.token_ids)
     during = _generate(gateway_stub, PROMPT, max_new_tokens=40)
     assert list(during.token_ids) == list(plain.token_ids)
