@@ -207,13 +207,15 @@ class Admission:
     def num_queued(self) -> int:
         return len(self._queue)
 
-    def enter(self, key: str) -> Ticket:
-        """A slot now when one is free and nobody waits; else a place in the queue; else QueueFull."""
+    def enter(self, key: str, is_accepted: bool = False) -> Ticket:
+        """A slot now when one is free and nobody waits; else a place in the queue; else QueueFull.
+        An accepted request (one a previous gateway admitted, resumed from the store) is never
+        refused: it waits for a slot like the others, beyond max_queued if need be."""
         with self._lock:
             if self._num_active < self.max_active and not self._queue:
                 self._num_active += 1
                 return Ticket(self, key, is_granted=True)
-            if len(self._queue) >= self.max_queued:
+            if len(self._queue) >= self.max_queued and not is_accepted:
                 retry_ms = self._retry_after_ms()
                 if self.metrics is not None:
                     self.metrics.admission_rejections.labels("queue_full").inc()

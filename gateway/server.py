@@ -477,14 +477,23 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 grammar,
             )
 
-            def run(loop=loop) -> None:
+            # A slot like any request's: a restart with many requests in flight must not run more
+            # than max_active_requests at once (the tenant is the id's prefix when keys are on).
+            ticket = self.admission.enter(request_id.partition("/")[0] if self.api_keys else "", is_accepted=True)
+
+            def run(loop=loop, ticket=ticket) -> None:
                 try:
+                    try:
+                        ticket.wait(None, loop.cancel, loop.request_id)
+                    except Cancelled:  # while it waited for a slot
+                        self.store.set_status(loop.request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+                        return
                     for _ in loop.run():
                         pass
                 except Exception as e:  # noqa: BLE001 - recorded as FAILED in the store by the loop
                     self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))
                 finally:
-                    self._forget(loop.request_id)
+                    self._end(loop.request_id, ticket)
 
             threading.Thread(target=run, name=f"resume-{request_id}", daemon=True).start()
             resumed.append(request_id)

@@ -169,3 +169,19 @@ def test_bounds_are_checked():
         Admission(0, 1)
     with pytest.raises(ValueError, match="max_queued"):
         Admission(1, -1)
+
+
+def test_a_resumed_request_is_never_refused_but_waits_for_a_slot():
+    """A request a previous gateway accepted (resumed after a restart) queues beyond max_queued;
+    it still runs only when a slot frees."""
+    admission = Admission(max_active=1, max_queued=0)
+    running = admission.enter("")
+    with pytest.raises(QueueFull):
+        admission.enter("")
+    resumed = [admission.enter("", is_accepted=True) for _ in range(2)]
+    assert not any(t.is_granted for t in resumed) and admission.num_queued == 2
+    running.release()
+    assert resumed[0].is_granted and not resumed[1].is_granted and admission.num_active == 1
+    for t in resumed:
+        t.release()
+    assert (admission.num_active, admission.num_queued) == (0, 0)
