@@ -161,6 +161,12 @@ class EngineWorker:
                 self.max_step_tokens, self.prefill_chunk_tokens, is_splittable, max_verify_items=self.max_batch
             )
 
+    def _built(self) -> tuple[Engine, SchedulerPolicy]:
+        """The engine and its policy, for work that arrives only once the engine is built: the
+        service serves RPCs after `call` built it (primary_svc.__main__)."""
+        assert self._engine is not None and self._policy is not None, "work arrived before the engine was built"
+        return self._engine, self._policy
+
     @property
     def queue_depth(self) -> int:
         return self._inbox.qsize() + len(self._verifies) + len(self._waiting)
@@ -301,7 +307,7 @@ class EngineWorker:
         ):
             self._deferred.append(item)  # runs after the queued one
             return
-        engine = self.engine
+        engine, _ = self._built()
         try:
             if item.accepted_nodes or item.committed_token_ids:  # nothing to commit: a (re)verify only
                 engine.commit(rid, item.accepted_nodes, item.committed_token_ids)
@@ -317,12 +323,12 @@ class EngineWorker:
     def _wait_for_reprefill(self, item: _VerifyItem) -> None:
         """A preempted request's (committed) verify: re-prefill first, ahead of new prompts. It is
         admitted only with room for its tree too, so its verify cannot need to preempt it again."""
-        engine, rid = self.engine, item.request_id
+        (engine, _), rid = self._built(), item.request_id
         need = engine.kv_bytes_to_open(len(engine.token_ids(rid)) + len(item.tree_token_ids))
         self._waiting.appendleft(_Waiting(WaitingEntry(rid, engine.num_to_prefill(rid), need), verify=item))
 
     def _intake_prefill(self, item: _PrefillItem) -> None:
-        engine, rid = self.engine, item.request_id
+        (engine, _), rid = self._built(), item.request_id
         try:
             if engine.has_request(rid):  # a re-prefill (recovery) replaces the old state
                 item.on_replace()
@@ -368,25 +374,28 @@ class EngineWorker:
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
-        for w in [w for w in self._waiting if w.prefill and w.prefill.deadline and w.prefill.deadline <= now]:
+        for w in list(self._waiting):
+            if w.prefill is None or not w.prefill.deadline or w.prefill.deadline > now:
+                continue
             self._waiting.remove(w)
             rid = w.entry.request_id
-            if w.entry.is_admitted and self.engine.has_request(rid):
-                self.engine.release(rid)
+            engine, _ = self._built()
+            if w.entry.is_admitted and engine.has_request(rid):
+                engine.release(rid)
                 self._admitted_seq.pop(rid, None)
             w.prefill.future.set_exception(
                 DeadlineExceeded("deadline", f"request {rid!r} waited past its deadline for KV room or its prefill")
             )
 
     def _step(self) -> None:
-        engine = self.engine
+        engine, policy = self._built()
         by_id = {v.request_id: v for v in self._verifies}
         entries = []
         for v in self._verifies:
             work = VerifyWork(v.request_id, v.tree_token_ids, v.tree_parents)
             rows = len(engine.token_ids(v.request_id)) - engine.num_cached(v.request_id) + len(v.tree_token_ids)
             entries.append(VerifyEntry(v.request_id, rows, engine.kv_growth_bytes(work)))
-        plan = self._policy.plan(entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes)
+        plan = policy.plan(entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes)
         if plan.kv_shortfall_bytes > 0:
             self._preempt(plan, {e.request_id: e.kv_growth_bytes for e in entries})
         waiting = {w.entry.request_id: w for w in self._waiting}
@@ -396,6 +405,7 @@ class EngineWorker:
                 if w.prefill is not None:
                     engine.open(rid, w.prefill.token_ids, w.prefill.num_prompt_tokens)
                 else:
+                    assert w.verify is not None  # a waiting entry holds its prefill or its verify
                     engine.readmit(rid, len(w.verify.tree_token_ids))
             except SpecdecError as e:
                 self._fail_waiting(w, e)
@@ -413,7 +423,8 @@ class EngineWorker:
         works = [VerifyWork(i.request_id, i.tree_token_ids, i.tree_parents) for i in verify_items]
         if not works and not chunks:
             return
-        num_forwards, forward_ms, results = 0, 0.0, []
+        num_forwards, forward_ms = 0, 0.0
+        results: list[torch.Tensor] = []
         start = time.perf_counter()
         try:
             if engine.model.is_batch_invariant:  # one forward: every row's bits are its own
@@ -456,7 +467,7 @@ class EngineWorker:
 
     def _preempt(self, plan: StepPlan, growth: dict[str, int]) -> None:
         """Release running requests, newest first, until the step's verify rows fit the KV budget."""
-        engine = self.engine
+        engine, _ = self._built()
         resident = engine.resident_request_ids()
         running = [
             RunningEntry(
@@ -498,8 +509,9 @@ class EngineWorker:
         if w in self._waiting:
             self._waiting.remove(w)
         rid = w.entry.request_id
-        if self.engine.has_request(rid):
-            self.engine.release(rid)
+        engine, _ = self._built()
+        if engine.has_request(rid):
+            engine.release(rid)
         self._admitted_seq.pop(rid, None)
         for i in (w.prefill, w.verify):
             if i is not None:
