@@ -24,7 +24,7 @@ Each verify item first commits the previous step of its request (accepted path +
 joins the queue; an item whose commit or tree is invalid fails alone.
 
 Every tensor operation of the process runs on this one thread: the model's loading and the
-start-up measurements (`call` before the engine exists), and per RPC the caller's `finish`
+start-up measurements (`run` before the engine exists), and per RPC the caller's `finish`
 (argmax, grammar mask, logits encoding) right after the forward, so RPC threads only build
 protobufs from plain values. Torch's OpenMP runtime keeps one team of worker threads per
 calling thread, and a forward on a second thread ran 2x slower than on the first (int4,
@@ -86,7 +86,7 @@ class _PrefillItem:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _CallItem:
-    fn: Callable[[Engine], Any]
+    fn: Callable[[], Any]
     future: Future
 
 
@@ -117,7 +117,7 @@ class BatchStats:
 
 
 class EngineWorker:
-    """The engine thread. `engine` may be None at first: build it with `call` (on this thread)
+    """The engine thread. `engine` may be None at first: build it with `run` (on this thread)
     and set it before serving."""
 
     def __init__(
@@ -163,9 +163,13 @@ class EngineWorker:
 
     def _built(self) -> tuple[Engine, SchedulerPolicy]:
         """The engine and its policy, for work that arrives only once the engine is built: the
-        service serves RPCs after `call` built it (primary_svc.__main__)."""
+        service serves RPCs after `run` built it (primary_svc.__main__)."""
         assert self._engine is not None and self._policy is not None, "work arrived before the engine was built"
         return self._engine, self._policy
+
+    def built_engine(self) -> Engine:
+        """The engine, for the servicer's RPCs (served once it is built)."""
+        return self._built()[0]
 
     @property
     def queue_depth(self) -> int:
@@ -175,11 +179,16 @@ class EngineWorker:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run fn(engine) on the engine thread and return its result (or raise its exception)."""
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread and return its result (or raise its exception): the model's
+        loading, before the engine exists."""
         future: Future = Future()
         self._inbox.put(_CallItem(fn, future))
         return future.result()
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the engine thread and return its result (or raise its exception)."""
+        return self.run(lambda: fn(self._built()[0]))
 
     def prefill(
         self,
@@ -291,7 +300,7 @@ class EngineWorker:
     def _intake(self, item: Any) -> None:
         if isinstance(item, _CallItem):
             try:
-                item.future.set_result(item.fn(self.engine))
+                item.future.set_result(item.fn())
             except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
                 item.future.set_exception(e)
             self._forget_closed()

@@ -182,4 +182,5 @@ class CompiledStep:
         x = self._run_layers(m, x, _pad_rows(positions, B, PAD_POSITION), spans)
         if R == 0:
             return torch.empty(0, m.config.vocab_size, device=x.device)
+        assert head_bucket is not None  # R rows fit a ready bucket (checked above)
         return self._run_head(m, _pad_rows(x[rows], head_bucket, 0.0))[:R]  # [R, V] fp32

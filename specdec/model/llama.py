@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,15 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+class LayerCache(Protocol):
+    """What attention does with a KV cache: read and write `cache[layer_idx, :, rows]`. A tensor
+    [num_layers, num_kv_heads, capacity, head_dim], or a view that maps layer ids onto fewer stored
+    layers (draft_svc's self-draft slots)."""
+
+    def __getitem__(self, key: tuple[Any, ...]) -> Tensor: ...
+    def __setitem__(self, key: tuple[Any, ...], value: Tensor) -> None: ...
+
+
 @dataclasses.dataclass(slots=True)
 class SequenceSpan:
     """The part of a flattened batch that belongs to one sequence.
@@ -47,8 +56,8 @@ class SequenceSpan:
     start: int
     num_tokens: int
     num_cached: int
-    k_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
-    v_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
+    k_cache: LayerCache  # [num_layers, num_kv_heads, capacity, head_dim]
+    v_cache: LayerCache  # [num_layers, num_kv_heads, capacity, head_dim]
     mask: Tensor | None  # [num_tokens, num_cached + num_tokens] bool, True = attend; None = attend to all
     # Set: the last len(row_paths) rows attend one by one, each to the cache and exactly the new
     # rows row_paths[i] (int64 [d], in position order): the call a 1-row decode of that token makes
