@@ -30,7 +30,7 @@ help:
 	@echo "make setup   - create .venv, install runtime + dev requirements, generate stubs"
 	@echo "make run     - run inference.py on the default model (PROMPT=... to change)"
 	@echo "make test    - setup, install redis-server / node deps if needed, run pytest"
-	@echo "make lint    - buf lint the protos, ruff check and ruff format --check the Python (pyproject.toml)"
+	@echo "make lint    - buf lint the protos, ruff check, ruff format --check and mypy the Python (pyproject.toml)"
 	@echo "make protos  - regenerate the gRPC stubs into specdec/v1/"
 	@echo "make bench   - run the benchmark suite (python -m bench; BENCH=engine|validator|drafts for one part)"
 	@echo "make bench-deps - install the suite's optional llama.cpp peer (compiles llama.cpp)"
@@ -82,10 +82,12 @@ node-deps:
 test: setup redis-server node-deps
 	$(VENV)/bin/pytest -q
 
-lint: $(STAMP_DEV)
+# mypy reads the generated stubs (their .pyi), so they are made first.
+lint: $(STAMP_DEV) $(STUBS)
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # `make bench`: the headline suite (python -m bench: baseline, speculative and peers on json, code
 # and prose; results/results.{json,md,png}). BENCH=engine|validator|drafts runs one component

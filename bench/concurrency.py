@@ -275,7 +275,8 @@ def run_load(
     """num_clients threads send `requests` in turn (shared, round-robin) for duration_s; requests in flight
     at the end finish (within timeout_s). on_tick(elapsed_s) runs every tick_s meanwhile (resource samples).
     Returns the traces and the wall time, seconds, from the start to the last client's end."""
-    cycle, lock, traces = itertools.cycle(requests), threading.Lock(), []
+    cycle, lock = itertools.cycle(requests), threading.Lock()
+    traces: list[StreamTrace] = []
     start = time.perf_counter()
     stop_at = start + duration_s
     threads = [

@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -108,7 +109,7 @@ def measure_scenario(
     stub, prompts: list[BenchPrompt], strategies: list[str], max_new_tokens: int, is_adaptive: bool
 ) -> dict:
     """Each prompt plain, then speculative; the scenario's figures (medians of tokens/s, summed counts)."""
-    rows = {
+    rows: dict[str, Any] = {
         "plain_tps": [],
         "spec_tps": [],
         "same": 0,

@@ -80,6 +80,7 @@ class PeerProcess:
 
     def close(self) -> None:
         if self._process is not None:
+            assert self._process.stdin is not None  # started with stdin=PIPE
             self._process.stdin.close()
             try:
                 self._process.wait(timeout=10)

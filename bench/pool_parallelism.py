@@ -96,6 +96,7 @@ def kinds_for(degree: int) -> list[str]:
 def make_decoder(model: Transformer, kind: str, context: Sequence[int], draft_length: int) -> SelfDraftDecoder:
     """A decoder with `context` cached (one propose runs the context through its layers)."""
     decoder = self_draft_registry(SelfDraftConfig()).create(kind, model=model)
+    assert isinstance(decoder, SelfDraftDecoder)  # every kind of that registry is one
     decoder.extend(context)
     decoder.propose(draft_length)
     return decoder
@@ -212,6 +213,8 @@ def worker_main(read_fd: int, write_fd: int) -> None:
                 decoder = make_decoder(model, kind, context, draft_length)
                 write_ints(replies, REPLY_OK)
             elif op == OP_STEP:
+                if decoder is None:
+                    raise ValueError("a step before any setup")
                 write_ints(replies, step_one(decoder, args[0], draft_length))
             else:
                 raise ValueError(f"unknown op {op}")
@@ -252,6 +255,7 @@ def measure(args: argparse.Namespace, model: Transformer, workers: list[Worker])
             for degree in args.degrees:
                 for mode in args.modes:
                     kinds = kinds_for(degree)
+                    decoders: WorkerDecoders | LocalDecoders
                     if mode == "processes":
                         decoders = WorkerDecoders(workers, kinds, context, args.draft_length)
                     else:
@@ -341,13 +345,15 @@ def main() -> None:
         max_positions=MAX_POSITIONS,
         is_shared=True,
     )
+    assert owner.shared is not None  # loaded with is_shared=True
+    shared = owner.shared
     workers: list[Worker] = []
     try:
         config_json = config_to_json(owner.config)
         # This process drafts over its own mapping of the segment, as the draft pool does.
-        model = model_from_manifest(owner.shared.manifest, owner.config, MAX_POSITIONS)
+        model = model_from_manifest(shared.manifest, owner.config, MAX_POSITIONS)
         if "processes" in args.modes:
-            manifest_pb = manifest_to_pb(owner.shared.manifest, config_json, "fp32", "bench").SerializeToString()
+            manifest_pb = manifest_to_pb(shared.manifest, config_json, "fp32", "bench").SerializeToString()
             workers = [Worker(manifest_pb) for _ in range(max(args.degrees))]
         print(
             f"{len(owner.model.layers)} layers, fp32; context {args.context_tokens} tokens, draft length "
@@ -365,7 +371,7 @@ def main() -> None:
     finally:
         for worker in workers:
             worker.close()
-        owner.shared.unlink()
+        shared.unlink()
     if args.out:
         settings = {
             k: getattr(args, k)

@@ -36,7 +36,7 @@ def load_prompts(
 
     Rows are taken in file order so every run and every system sees the same prompts.
     """
-    out = []
+    out: list[BenchPrompt] = []
     for scenario in scenarios:
         text = (Path(data_dir) / f"{scenario}.jsonl").read_text(encoding="utf-8")
         rows = [json.loads(line) for line in text.split("\n") if line.strip()]  # "\n" only: prompts hold U+2028

@@ -139,24 +139,26 @@ def sum_counts(count_lists: Iterable[Sequence[int]]) -> list[int]:
     return out
 
 
-def sum_decoders(stats: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Decoder name -> proposed, accepted, time_ms summed over requests, and its acceptance rate."""
-    decoders: dict[str, dict[str, float]] = {}
+def sum_decoders(stats: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Decoder name -> proposed, accepted, time_ms summed over requests, and its acceptance rate
+    (None for a decoder that proposed nothing)."""
+    sums: dict[str, dict[str, float]] = {}
     for s in stats:
         for name, d in s["decoders"].items():
-            row = decoders.setdefault(name, {"num_proposed": 0, "num_accepted": 0, "time_ms": 0.0})
+            row = sums.setdefault(name, {"num_proposed": 0, "num_accepted": 0, "time_ms": 0.0})
             for key in row:
                 row[key] += d[key]
-    for row in decoders.values():
-        row["acceptance_rate"] = row["num_accepted"] / row["num_proposed"] if row["num_proposed"] else None
-    return dict(sorted(decoders.items()))
+    return {
+        name: {**row, "acceptance_rate": row["num_accepted"] / row["num_proposed"] if row["num_proposed"] else None}
+        for name, row in sorted(sums.items())
+    }
 
 
-def grammar_forced_share(decoders: dict[str, dict[str, float]], num_accepted: int) -> float | None:
+def grammar_forced_share(decoders: dict[str, dict[str, float | None]], num_accepted: int) -> float | None:
     """The grammar decoder's accepted draft tokens / all accepted draft tokens; None when none accepted."""
     if not num_accepted:
         return None
-    num_forced = sum(d["num_accepted"] for name, d in decoders.items() if strategy_of(name) == GRAMMAR_DECODER)
+    num_forced = sum(d["num_accepted"] or 0 for name, d in decoders.items() if strategy_of(name) == GRAMMAR_DECODER)
     return num_forced / num_accepted
 
 

@@ -66,7 +66,9 @@ def _primary_decode_steps(stack: Stack, prompt_ids: list[int], num_steps: int) -
     with stack.channel("primary") as channel:
         stub = primary_pb2_grpc.PrimaryServiceStub(channel)
         lease = stub.Prefill(primary_pb2.PrefillRequest(request_id=PROBE_REQUEST_ID, token_ids=prompt_ids)).kv_lease
-        forward, wall, committed = [], [], []
+        forward: list[float] = []
+        wall: list[float] = []
+        committed: list[int] = []
         try:
             for step in range(num_steps):
                 start = time.perf_counter()

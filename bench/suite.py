@@ -187,7 +187,8 @@ def select_prompts(
     E.g. token counts [10, 50, 20, 30], max_new_tokens 8, sequence_length 32, num_prompts 2
       -> the 1st and 3rd, 1 skipped (the 4th is never looked at).
     """
-    chosen, num_skipped = [], 0
+    chosen: list[BenchPrompt] = []
+    num_skipped = 0
     for prompt in candidates:
         if len(chosen) == num_prompts:
             break
@@ -200,7 +201,7 @@ def select_prompts(
 
 def interleave(groups: Sequence[Sequence[BenchPrompt]]) -> list[BenchPrompt]:
     """Round robin over groups: [[a1, a2], [b1]] -> [a1, b1, a2]."""
-    out = []
+    out: list[BenchPrompt] = []
     for i in range(max((len(g) for g in groups), default=0)):
         out.extend(g[i] for g in groups if i < len(g))
     return out

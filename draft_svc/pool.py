@@ -199,8 +199,8 @@ class DraftPool:
                 candidates = [within_grammar(request.grammar, c) for c in candidates]
             request.last_used = time.monotonic()
         tree = build_token_tree(candidates, max_nodes)
-        steps = tuple(dataclasses.replace(s, num_proposed=_num_nodes_from(tree, s.name)) for s in steps)
-        return Proposal(tree, steps, (time.perf_counter() - started) * 1e3)
+        counted = tuple(dataclasses.replace(s, num_proposed=_num_nodes_from(tree, s.name)) for s in steps)
+        return Proposal(tree, counted, (time.perf_counter() - started) * 1e3)
 
     def _resolve(self, args: ProposeArgs) -> tuple[list[tuple[str, int]], int, int]:
         """Validate the step's parameters -> ([(decoder, rank)] best first, draft_length, max_nodes)."""

@@ -106,7 +106,7 @@ class Ticket:
         self.granted_at: float | None = admission.clock() if is_granted else None
         self.queued_at = admission.clock()
         self.is_released = False
-        self._waker: Callable[[], None] | None = None  # wait_async's: called (lock held) when granted
+        self._waker: Callable[[], object] | None = None  # wait_async's: called (lock held) when granted
 
     @property
     def is_granted(self) -> bool:
@@ -172,6 +172,7 @@ class Ticket:
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
 
     def _admitted(self) -> float:
+        assert self.granted_at is not None, "a ticket is admitted once granted"
         waited_s = self.granted_at - self.queued_at
         self._admission.record_admitted(waited_s)
         return waited_s
@@ -248,6 +249,7 @@ class Admission:
                 self._record_depth()
                 return
             now = self.clock()
+            assert ticket.granted_at is not None  # set with is_granted
             held_s = now - ticket.granted_at
             self._service_s += SERVICE_TIME_WEIGHT * (held_s - self._service_s)
             if self._queue:  # the slot passes straight to the next waiter

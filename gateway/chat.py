@@ -46,7 +46,7 @@ class PromptEncoder:
 
     def encode(self, params: GenerationParams) -> list[int]:
         if params.messages is None:
-            return self.tokenizer.encode(params.prompt)
+            return self.tokenizer.encode(params.prompt_text(self.tokenizer))
         if not any(s in content for _, content in params.messages for s in self._special_texts):
             return self.tokenizer.encode(params.prompt_text(self.tokenizer))
         return self._encode_chat_split(params.messages)

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
+from typing import TypeVar
 
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
@@ -109,7 +110,10 @@ class GatewayConfig:
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
 
 
-def _env(name: str, default: str | None) -> str | None:
+_Default = TypeVar("_Default", str, None)  # a str default gives a str
+
+
+def _env(name: str, default: _Default) -> str | _Default:
     return os.environ.get(f"SPECDEC_GATEWAY_{name}", os.environ.get(f"SPECDEC_{name}", default))
 
 

@@ -257,12 +257,16 @@ class SpeculationPlan:
 
 
 class DraftOutcome(Protocol):
-    """One candidate's result (draft_svc.tree.CandidateOutcome or the gateway's proto message)."""
+    """One candidate's result (draft_svc.tree.CandidateOutcome or the gateway's proto message), read only."""
 
-    decoder: str
-    rank: int
-    num_proposed: int
-    num_accepted: int
+    @property
+    def decoder(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_proposed(self) -> int: ...
+    @property
+    def num_accepted(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

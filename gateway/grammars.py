@@ -56,11 +56,11 @@ class Grammars:
         with self._lock:
             future = self._compiling.get(response_format)
             is_new = future is None
-            if is_new:
+            if future is None:
                 future = self._executor.submit(self.cache.compile, response_format)
                 self._compiling[response_format] = future
         if is_new:  # outside the lock: a future already done runs the callback right here
-            future.add_done_callback(lambda _, key=response_format: self._done(key))
+            future.add_done_callback(lambda _: self._done(response_format))
         wait_s = self.settings.max_compile_s
         if deadline is not None:
             wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))

@@ -223,6 +223,7 @@ class RequestLoop:
                 self.log.warning("stored controller state tracks other decoders; starting afresh")
             except ValueError as e:
                 self.log.warning("stored controller state unreadable; starting afresh", error=str(e))
+        assert self.controller is not None  # restored only for an adaptive request
         return self.controller.new_state(
             self._requested_task_type()
             or infer_task_type(self.params.prompt_text(self.tokenizer), self.params.has_schema),
@@ -287,11 +288,15 @@ class RequestLoop:
         )
 
     def _plan(self) -> SpeculationPlan:
-        plan = self.fixed_plan if self.controller is None else self.controller.plan(self.controller_state)
+        plan = self.fixed_plan if self.controller is None else self.controller.plan(self._controller_state())
         if plan.is_speculative and not self._is_greedy_acceptance() and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
+
+    def _controller_state(self) -> ControllerState:
+        assert self.controller_state is not None  # set with the controller
+        return self.controller_state
 
     def _is_greedy_acceptance(self) -> bool:
         return self.params.sampling.is_greedy and self.params.speculation.acceptance_threshold == 0
@@ -301,7 +306,7 @@ class RequestLoop:
         self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe)
         if self.controller is not None:
             self.controller.observe(
-                self.controller_state, plan if outcomes is not None else SpeculationPlan(), outcomes or ()
+                self._controller_state(), plan if outcomes is not None else SpeculationPlan(), outcomes or ()
             )
 
     def _stop_signal(self) -> str | None:

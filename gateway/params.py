@@ -56,6 +56,7 @@ class GenerationParams:
 
     def prompt_text(self, tokenizer: Any) -> str:
         if self.messages is None:
+            assert self.prompt is not None  # a request has a prompt or messages (_input_from_pb)
             return self.prompt
         return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in self.messages])
 
@@ -80,7 +81,7 @@ def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits, defaults: S
 
 
 def response_format_from_pb(
-    pb_format: common_pb2.ResponseFormat, max_schema_depth: int = Limits.max_schema_depth
+    pb_format: common_pb2.ResponseFormat, max_schema_depth: int = Limits().max_schema_depth
 ) -> ResponseFormat | None:
     """None for free text; else a checked format (not nested deeper than max_schema_depth, the
     schema parses and is a valid JSON Schema). Compiling it into a grammar is the server's (it

@@ -211,15 +211,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             await asyncio.shield(creating)
         except asyncio.CancelledError:  # the client went away: once stored, it is stored as cancelled
             ticket.release()
-            creating.add_done_callback(
-                lambda f: (
-                    f.cancelled()
-                    or f.exception() is not None
-                    or self._in_background(
+
+            def mark_cancelled(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self._in_background(
                         self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
                     )
-                )
-            )
+
+            creating.add_done_callback(mark_cancelled)
             raise
         except BaseException:
             ticket.release()

@@ -83,7 +83,13 @@ class HttpFront:
         return Starlette(
             routes=routes,
             lifespan=self._lifespan,
-            exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal},
+            # Starlette calls each handler with instances of its key's class; its type says any
+            # Exception, so the narrower handlers need the ignore.
+            exception_handlers={
+                ApiError: _api_error,  # type: ignore[dict-item]
+                HTTPException: _http_error,  # type: ignore[dict-item]
+                Exception: _internal,
+            },
         )
 
     @contextlib.asynccontextmanager
@@ -120,6 +126,7 @@ class HttpFront:
 
     async def health(self, _request: Request) -> Response:
         """200 when the gateway reports SERVING (grpc.health.v1), else 503: what a probe needs."""
+        assert self._health is not None  # the lifespan connects before any request is served
         try:
             answer = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=GATEWAY_HEALTH_SERVICE), timeout=HEALTH_TIMEOUT_S
@@ -152,6 +159,7 @@ class HttpFront:
             if parsed.is_stream:
                 response = await self._stream(request, parsed, response_id, call_args, started)
             else:
+                assert self.stub is not None  # the lifespan connects before any request is served
                 call = self.stub.Generate(parsed.request, **call_args)
                 answer = await self._unless_gone(request, call, call)
                 self._count_tokens(answer.stats)
@@ -189,6 +197,7 @@ class HttpFront:
     ) -> Response:
         """The first message is awaited before the status line, so that a refused request (bad
         parameter, no capacity) still gets its HTTP status; later failures become an error event."""
+        assert self.stub is not None  # the lifespan connects before any request is served
         call = self.stub.GenerateStream(parsed.request, **call_args)
         try:
             first = await self._unless_gone(request, call.read(), call)

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
+from typing import TypeVar
 
 from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
 from specdec.service.server import DEFAULT_HOST
@@ -72,7 +73,10 @@ def model_name_for(model_path: str | None) -> str:
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
-def _env(name: str, default: str | None) -> str | None:
+_Default = TypeVar("_Default", str, None)  # a str default gives a str
+
+
+def _env(name: str, default: _Default) -> str | _Default:
     return os.environ.get(f"SPECDEC_HTTP_{name}", os.environ.get(f"SPECDEC_{name}", default))
 
 

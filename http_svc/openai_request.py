@@ -29,7 +29,7 @@ MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
 # "developer" is OpenAI's newer name for the system turn.
 _ROLE_ALIASES = {"developer": "system"}
 # OpenAI parameters this service does not implement: refused unless given their neutral value.
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),

@@ -15,7 +15,7 @@ from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest
 from specdec.v1 import gateway_pb2
 
 # OpenAI's finish reasons: "stop" (a stop string or the end of the text), "length".
-FINISH_REASONS = {
+FINISH_REASONS: dict[int, str] = {
     gateway_pb2.FINISH_REASON_LENGTH: "length",
     gateway_pb2.FINISH_REASON_STOP: "stop",
     gateway_pb2.FINISH_REASON_EOS: "stop",

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = ServiceMetrics(registry)
     worker = EngineWorker(None, config.max_batch, config.max_step_tokens, config.prefill_chunk_tokens, metrics)
     # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
-    loaded, engine, costs, precision_choice = worker.call(lambda _: load_engine(config, model_dir, instance_id))
+    loaded, engine, costs, precision_choice = worker.run(lambda: load_engine(config, model_dir, instance_id))
     worker.engine = engine
     tokenizer = Tokenizer.from_dir(model_dir)
     is_native = any(block.native is not None for block in loaded.model.layers)

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
+from typing import TypeVar
 
 from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.model.compiled import COMPILE_MODES
@@ -65,7 +66,10 @@ class PrimaryConfig:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
 
-def _env(name: str, default: str | None) -> str | None:
+_Default = TypeVar("_Default", str, None)  # a str default gives a str
+
+
+def _env(name: str, default: _Default) -> str | _Default:
     return os.environ.get(f"SPECDEC_PRIMARY_{name}", os.environ.get(f"SPECDEC_{name}", default))
 
 

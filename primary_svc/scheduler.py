@@ -103,7 +103,8 @@ class SchedulerPolicy:
         self, verifies: Sequence[VerifyEntry], waiting: Sequence[WaitingEntry], kv_free_bytes: int | None
     ) -> StepPlan:
         """The next step. `kv_free_bytes` None: no KV budget. Updates waiting entries' num_skipped_steps."""
-        verify_ids, rows, growth, seen = [], 0, 0, set()
+        verify_ids: list[str] = []
+        rows, growth, seen = 0, 0, set()
         for v in verifies:
             if v.request_id in seen:
                 continue

@@ -114,7 +114,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int]:  # on the engine thread
             # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
             argmax = torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)
-            num_cached = self.worker.engine.num_cached(request_id)  # read here: this pass's, not a later one's
+            num_cached = self.worker.built_engine().num_cached(request_id)  # read here: this pass's, not a later one's
             if request.return_handle:  # co-located validator: bytes through /dev/shm
                 name, encoded = self.logits_slots.write(request_id, logits, fmt)
                 return argmax.tolist(), pb.logits_handle_to_pb(name, encoded, self.identity.instance_id), num_cached
@@ -128,7 +128,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             argmax_token_ids=argmax,
             num_cached_tokens=num_cached,
             forward_ms=forward_ms,
-            kv_bytes=self.worker.engine.kv_bytes,
+            kv_bytes=self.worker.built_engine().kv_bytes,
         )
 
     def Decode(self, request, context):
@@ -175,7 +175,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         return expired
 
     def GetStats(self, request, context):
-        engine = self.worker.engine
+        engine = self.worker.built_engine()
         return primary_pb2.GetStatsResponse(
             num_active_requests=engine.num_active_requests,
             kv_bytes=engine.kv_bytes,
@@ -191,7 +191,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def _observe_kv(self) -> None:
         if self.metrics is not None:
-            self.metrics.kv_bytes.set(self.worker.engine.kv_bytes)
-            self.metrics.active_requests.set(self.worker.engine.num_active_requests)
+            self.metrics.kv_bytes.set(self.worker.built_engine().kv_bytes)
+            self.metrics.active_requests.set(self.worker.built_engine().num_active_requests)
             self.metrics.queue_depth.set(self.worker.queue_depth)
             self.metrics.scheduler_waiting.set(self.worker.num_waiting)

@@ -24,7 +24,7 @@ Each verify item first commits the previous step of its request (accepted path +
 joins the queue; an item whose commit or tree is invalid fails alone.
 
 Every tensor operation of the process runs on this one thread: the model's loading and the
-start-up measurements (`call` before the engine exists), and per RPC the caller's `finish`
+start-up measurements (`run` before the engine exists), and per RPC the caller's `finish`
 (argmax, grammar mask, logits encoding) right after the forward, so RPC threads only build
 protobufs from plain values. Torch's OpenMP runtime keeps one team of worker threads per
 calling thread, and a forward on a second thread ran 2x slower than on the first (int4,
@@ -86,7 +86,7 @@ class _PrefillItem:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _CallItem:
-    fn: Callable[[Engine], Any]
+    fn: Callable[[], Any]
     future: Future
 
 
@@ -117,7 +117,7 @@ class BatchStats:
 
 
 class EngineWorker:
-    """The engine thread. `engine` may be None at first: build it with `call` (on this thread)
+    """The engine thread. `engine` may be None at first: build it with `run` (on this thread)
     and set it before serving."""
 
     def __init__(
@@ -161,6 +161,16 @@ class EngineWorker:
                 self.max_step_tokens, self.prefill_chunk_tokens, is_splittable, max_verify_items=self.max_batch
             )
 
+    def _built(self) -> tuple[Engine, SchedulerPolicy]:
+        """The engine and its policy, for work that arrives only once the engine is built: the
+        service serves RPCs after `run` built it (primary_svc.__main__)."""
+        assert self._engine is not None and self._policy is not None, "work arrived before the engine was built"
+        return self._engine, self._policy
+
+    def built_engine(self) -> Engine:
+        """The engine, for the servicer's RPCs (served once it is built)."""
+        return self._built()[0]
+
     @property
     def queue_depth(self) -> int:
         return self._inbox.qsize() + len(self._verifies) + len(self._waiting)
@@ -169,11 +179,16 @@ class EngineWorker:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run fn(engine) on the engine thread and return its result (or raise its exception)."""
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the engine thread and return its result (or raise its exception): the model's
+        loading, before the engine exists."""
         future: Future = Future()
         self._inbox.put(_CallItem(fn, future))
         return future.result()
+
+    def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run fn(engine) on the engine thread and return its result (or raise its exception)."""
+        return self.run(lambda: fn(self._built()[0]))
 
     def prefill(
         self,
@@ -285,7 +300,7 @@ class EngineWorker:
     def _intake(self, item: Any) -> None:
         if isinstance(item, _CallItem):
             try:
-                item.future.set_result(item.fn(self.engine))
+                item.future.set_result(item.fn())
             except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
                 item.future.set_exception(e)
             self._forget_closed()
@@ -301,7 +316,7 @@ class EngineWorker:
         ):
             self._deferred.append(item)  # runs after the queued one
             return
-        engine = self.engine
+        engine, _ = self._built()
         try:
             if item.accepted_nodes or item.committed_token_ids:  # nothing to commit: a (re)verify only
                 engine.commit(rid, item.accepted_nodes, item.committed_token_ids)
@@ -317,12 +332,12 @@ class EngineWorker:
     def _wait_for_reprefill(self, item: _VerifyItem) -> None:
         """A preempted request's (committed) verify: re-prefill first, ahead of new prompts. It is
         admitted only with room for its tree too, so its verify cannot need to preempt it again."""
-        engine, rid = self.engine, item.request_id
+        (engine, _), rid = self._built(), item.request_id
         need = engine.kv_bytes_to_open(len(engine.token_ids(rid)) + len(item.tree_token_ids))
         self._waiting.appendleft(_Waiting(WaitingEntry(rid, engine.num_to_prefill(rid), need), verify=item))
 
     def _intake_prefill(self, item: _PrefillItem) -> None:
-        engine, rid = self.engine, item.request_id
+        (engine, _), rid = self._built(), item.request_id
         try:
             if engine.has_request(rid):  # a re-prefill (recovery) replaces the old state
                 item.on_replace()
@@ -368,25 +383,28 @@ class EngineWorker:
 
     def _expire_waiting(self) -> None:
         now = time.monotonic()
-        for w in [w for w in self._waiting if w.prefill and w.prefill.deadline and w.prefill.deadline <= now]:
+        for w in list(self._waiting):
+            if w.prefill is None or not w.prefill.deadline or w.prefill.deadline > now:
+                continue
             self._waiting.remove(w)
             rid = w.entry.request_id
-            if w.entry.is_admitted and self.engine.has_request(rid):
-                self.engine.release(rid)
+            engine, _ = self._built()
+            if w.entry.is_admitted and engine.has_request(rid):
+                engine.release(rid)
                 self._admitted_seq.pop(rid, None)
             w.prefill.future.set_exception(
                 DeadlineExceeded("deadline", f"request {rid!r} waited past its deadline for KV room or its prefill")
             )
 
     def _step(self) -> None:
-        engine = self.engine
+        engine, policy = self._built()
         by_id = {v.request_id: v for v in self._verifies}
         entries = []
         for v in self._verifies:
             work = VerifyWork(v.request_id, v.tree_token_ids, v.tree_parents)
             rows = len(engine.token_ids(v.request_id)) - engine.num_cached(v.request_id) + len(v.tree_token_ids)
             entries.append(VerifyEntry(v.request_id, rows, engine.kv_growth_bytes(work)))
-        plan = self._policy.plan(entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes)
+        plan = policy.plan(entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes)
         if plan.kv_shortfall_bytes > 0:
             self._preempt(plan, {e.request_id: e.kv_growth_bytes for e in entries})
         waiting = {w.entry.request_id: w for w in self._waiting}
@@ -396,6 +414,7 @@ class EngineWorker:
                 if w.prefill is not None:
                     engine.open(rid, w.prefill.token_ids, w.prefill.num_prompt_tokens)
                 else:
+                    assert w.verify is not None  # a waiting entry holds its prefill or its verify
                     engine.readmit(rid, len(w.verify.tree_token_ids))
             except SpecdecError as e:
                 self._fail_waiting(w, e)
@@ -413,7 +432,8 @@ class EngineWorker:
         works = [VerifyWork(i.request_id, i.tree_token_ids, i.tree_parents) for i in verify_items]
         if not works and not chunks:
             return
-        num_forwards, forward_ms, results = 0, 0.0, []
+        num_forwards, forward_ms = 0, 0.0
+        results: list[torch.Tensor] = []
         start = time.perf_counter()
         try:
             if engine.model.is_batch_invariant:  # one forward: every row's bits are its own
@@ -456,7 +476,7 @@ class EngineWorker:
 
     def _preempt(self, plan: StepPlan, growth: dict[str, int]) -> None:
         """Release running requests, newest first, until the step's verify rows fit the KV budget."""
-        engine = self.engine
+        engine, _ = self._built()
         resident = engine.resident_request_ids()
         running = [
             RunningEntry(
@@ -498,8 +518,9 @@ class EngineWorker:
         if w in self._waiting:
             self._waiting.remove(w)
         rid = w.entry.request_id
-        if self.engine.has_request(rid):
-            self.engine.release(rid)
+        engine, _ = self._built()
+        if engine.has_request(rid):
+            engine.release(rid)
         self._admitted_seq.pop(rid, None)
         for i in (w.prefill, w.verify):
             if i is not None:

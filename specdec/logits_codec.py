@@ -149,9 +149,9 @@ def decode_logits(encoded: EncodedLogits) -> torch.Tensor:
         bits = halves.astype(np.uint32) << 16  # bf16 is the top half of the float32 bits
         return torch.from_numpy(bits.view(np.float32))
     codes = np.frombuffer(encoded.data, dtype=np.uint8)  # [R * V]
-    values = torch.from_numpy(np.take(e4m3_decode_table(), codes).reshape(shape))  # [R, V], exact
+    unscaled = torch.from_numpy(np.take(e4m3_decode_table(), codes).reshape(shape))  # [R, V], exact
     scales = torch.tensor(encoded.row_scales, dtype=torch.float32)  # [R]
-    return values * scales[:, None]
+    return unscaled * scales[:, None]
 
 
 def e4m3_decode_table() -> np.ndarray:

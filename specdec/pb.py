@@ -59,7 +59,7 @@ def tree_from_pb(pb: common_pb2.TokenTree, vocab_size: int, field: str = "tree")
     return token_ids, parents
 
 
-def logits_format_from_pb(value: int, field: str = "logits_format") -> str:
+def logits_format_from_pb(value: common_pb2.LogitsFormat, field: str = "logits_format") -> str:
     if value == common_pb2.LOGITS_FORMAT_UNSPECIFIED:
         return FORMAT_FP32
     if value not in LOGITS_FORMATS:

@@ -222,7 +222,8 @@ class _RowProbs:
     def __init__(
         self, target_logits: torch.Tensor, params: SamplingParams, allowed: TokenBitmask | None = None
     ) -> None:
-        self._logits, self._params, self._allowed, self._rows = target_logits, params, allowed, {}
+        self._logits, self._params, self._allowed = target_logits, params, allowed
+        self._rows: dict[int, torch.Tensor] = {}
 
     def __getitem__(self, row: int) -> torch.Tensor:
         if row not in self._rows:

@@ -344,7 +344,8 @@ class CudaRowStats:
 
 def _csr(children: Children, token_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
     """E.g. children ((0, 2), (1,), (), ()) -> offsets [0, 2, 3, 3, 3], nodes [0, 2, 1]."""
-    offsets, nodes = [0], []
+    offsets: list[int] = [0]
+    nodes: list[int] = []
     for row_children in children:
         nodes.extend(row_children)
         offsets.append(len(nodes))

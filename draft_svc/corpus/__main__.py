@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None, environ: Mapping[str, str]) -> int:
         p.error("--max_tokens and --max_candidates must be >= 1")
     configure_logging("corpus", level="WARNING")
     model_dir = resolve_model_dir(a.model_path, a.cache_dir, show_progress=sys.stderr.isatty())
+    assert config.cache_dir is not None  # corpus_config always sets it
     path, _ = index_dir(config, model_dir, config.cache_dir)
     was_cached = path.is_dir()
     started = time.perf_counter()

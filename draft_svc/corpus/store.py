@@ -134,7 +134,7 @@ def build_index(
             bar.refresh()
 
         order = sort_positions(tokens, config.sort_depth, progress)
-        bar.n = bar.total
+        bar.n = bar.total or 0  # tqdm types total as optional; progress() has set it
     starts = block_starts(tokens, order, tokenizer.vocab_size)
     meta = {
         "format_version": FORMAT_VERSION,

@@ -37,7 +37,7 @@ import torch
 from draft_svc.strategies.base import Candidate, DecoderRegistry, validate_propose_args
 from specdec.engine import tree as tree_geometry
 from specdec.engine.kv_cache import KVCache, KVSlot
-from specdec.model.llama import SequenceSpan, Transformer
+from specdec.model.llama import LayerCache, SequenceSpan, Transformer
 
 CATCH_UP_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of a long prompt's catch-up
 EARLY_EXIT_FRACTION = 0.75  # default L' / L: 22 of SmolLM2's 30 layers (24 % agreement, 0.79 cost)
@@ -129,6 +129,7 @@ class SelfDraftDecoder:
         for _ in range(max_tokens - 1):
             logits = self._run(draft_ids[-1:], context_len + len(draft_ids) - 1)
             draft_ids.append(int(torch.argmax(logits)))
+        assert self._slot is not None  # _catch_up allocated it
         self._slot.num_cached = context_len  # roll back the drafts' rows
         return (Candidate(self.name, tuple(draft_ids)),)
 
@@ -156,10 +157,13 @@ class SelfDraftDecoder:
     def _run(self, input_ids: list[int], start: int) -> torch.Tensor:
         """Forward `input_ids` at positions start.. over the chosen layers; logits [V] of the last one."""
         num_new = len(input_ids)
-        self._kv_cache.reserve(self._slot, start + num_new)
-        k, v = self._slot.k, self._slot.v  # [len(layer_ids), Hkv, capacity, D]
+        slot = self._slot
+        assert slot is not None  # _catch_up allocated it
+        self._kv_cache.reserve(slot, start + num_new)
+        k: LayerCache = slot.k  # [len(layer_ids), Hkv, capacity, D]
+        v: LayerCache = slot.v
         if not self._is_prefix:
-            k, v = _CompactLayers(k, self._row_of), _CompactLayers(v, self._row_of)
+            k, v = _CompactLayers(slot.k, self._row_of), _CompactLayers(slot.v, self._row_of)
         mask = tree_geometry.verify_mask(start, num_new, ())  # causal over the new rows
         span = SequenceSpan(0, num_new, start, k, v, mask)
         device = self._model.embed_tokens.device
@@ -172,7 +176,7 @@ class SelfDraftDecoder:
         )
         # Count the new rows as cached, drafts included, so that a slot growing mid-chain copies them
         # too; propose() rolls the drafts back afterwards.
-        self._slot.num_cached = start + num_new
+        slot.num_cached = start + num_new
         return logits[0]  # [V]
 
     def _layer_args(self) -> dict[str, Any]:

@@ -54,6 +54,12 @@ class _Request:
     tree_parents: tuple[int, ...] = ()  # the tree of the last verify, whose rows follow the chain
     tree_token_ids: tuple[int, ...] = ()
 
+    @property
+    def slot(self) -> KVSlot:
+        """The KV slot of a resident request: callers reach it after checking it is not evicted."""
+        assert self.kv is not None, "the request is evicted"
+        return self.kv
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VerifyWork:
@@ -212,20 +218,20 @@ class Engine:
             req.num_prompt_tokens = num_prompt_tokens
         while self.num_to_prefill(request_id) > 0:
             self.step([], [PrefillChunk(request_id, chunk_tokens)])
-        return req.kv.num_cached
+        return req.slot.num_cached
 
     def _chunk_end(self, req: _Request, max_tokens: int) -> tuple[int, int, bool]:
         """(start, end, row by row) of the request's next prefill chunk of at most max_tokens."""
         last = len(req.token_ids) - 1  # the pending token stays out
         n = req.num_prompt_tokens
         batched_end = min(last, n - 1) if self.is_row_by_row and n else last
-        start = req.kv.num_cached
+        start = req.slot.num_cached
         is_row_by_row = start >= batched_end
         return start, min(start + max_tokens, last if is_row_by_row else batched_end), is_row_by_row
 
     def _reserve(self, req: _Request, num_rows: int) -> None:
         try:
-            self.kv_cache.reserve(req.kv, num_rows)
+            self.kv_cache.reserve(req.slot, num_rows)
         except KVBudgetExceeded as e:
             raise ResourceExhausted("kv_cache", str(e)) from None
 
@@ -253,22 +259,22 @@ class Engine:
         num_rows = 0
         for w in works:
             self.check_verify(w)
-        for c in chunks:
-            req = self._get(c.request_id)
+        for chunk in chunks:
+            req = self._get(chunk.request_id)
             if req.kv is None:
-                raise FailedPrecondition("request_id", f"request {c.request_id!r} holds no KV slot")
+                raise FailedPrecondition("request_id", f"request {chunk.request_id!r} holds no KV slot")
         for w in works:
             req = self._requests[w.request_id]
-            chain = req.token_ids[req.kv.num_cached :]
+            chain = req.token_ids[req.slot.num_cached :]
             n, c = len(w.token_ids), len(chain)
-            self._reserve(req, req.kv.num_cached + c + n)
+            self._reserve(req, req.slot.num_cached + c + n)
             input_ids.extend(chain)
             input_ids.extend(w.token_ids)
-            positions.append(tree_geometry.verify_positions(req.kv.num_cached, c, w.parents))
-            mask = tree_geometry.verify_mask(req.kv.num_cached, c, w.parents)
+            positions.append(tree_geometry.verify_positions(req.slot.num_cached, c, w.parents))
+            mask = tree_geometry.verify_mask(req.slot.num_cached, c, w.parents)
             # the chain before the root attends together, as a prefill would; the root and the tree row by row
             paths = tree_geometry.row_paths(c, w.parents)[c - 1 :] if self.is_row_by_row and c + n > 1 else None
-            spans.append(SequenceSpan(num_rows, c + n, req.kv.num_cached, req.kv.k, req.kv.v, mask, paths))
+            spans.append(SequenceSpan(num_rows, c + n, req.slot.num_cached, req.slot.k, req.slot.v, mask, paths))
             logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
             num_rows += c + n
             reqs.append((req, c, w))
@@ -281,7 +287,7 @@ class Engine:
             self._reserve(req, end)
             mask = tree_geometry.verify_mask(start, end - start, ())
             paths = tree_geometry.row_paths(end - start, ()) if is_row_by_row else None
-            spans.append(SequenceSpan(num_rows, end - start, start, req.kv.k, req.kv.v, mask, paths))
+            spans.append(SequenceSpan(num_rows, end - start, start, req.slot.k, req.slot.v, mask, paths))
             input_ids.extend(req.token_ids[start:end])
             positions.append(torch.arange(start, end))
             num_rows += end - start
@@ -293,7 +299,7 @@ class Engine:
             torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), spans, rows
         ).cpu()  # [sum(N+1), V] fp32
         for req, end in prefilled:
-            req.kv.num_cached = end
+            req.slot.num_cached = end
             req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
         out, row = [], 0
         for req, c, w in reqs:

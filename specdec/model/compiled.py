@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -128,7 +128,8 @@ class CompiledStep:
         # Built by the first compile_bucket, not here: importing dynamo and inductor takes seconds
         # (~16 s on a busy 2-core machine) and belongs on the compiling thread, not at start-up.
         self._compiling: tuple | None = None
-        self._run_layers = self._run_head = None
+        self._run_layers: Callable[..., Tensor] | None = None
+        self._run_head: Callable[..., Tensor] | None = None
 
     def _build_wrappers(self) -> None:
         import torch._dynamo
@@ -155,6 +156,7 @@ class CompiledStep:
         with self._compile_lock, torch.inference_mode():  # the serving thread's forward runs under it too
             if self._compiling is None:
                 self._build_wrappers()
+            assert self._compiling is not None
             m, (pre, post, head) = self.model, self._compiling
             x = torch.zeros(num_rows, m.config.hidden_size, dtype=m.dtype, device=m.device)
             positions = torch.full((num_rows,), PAD_POSITION, dtype=torch.int64, device=m.device)
@@ -174,9 +176,11 @@ class CompiledStep:
         head_bucket = self.bucket_for(R)
         if B not in self._ready or (R and head_bucket not in self._ready):
             return None
+        assert self._run_layers is not None and self._run_head is not None  # built before any bucket is ready
         m = self.model
         x = m.embed(_pad_rows(input_ids, B, PAD_TOKEN_ID))  # [B, C]
         x = self._run_layers(m, x, _pad_rows(positions, B, PAD_POSITION), spans)
         if R == 0:
             return torch.empty(0, m.config.vocab_size, device=x.device)
+        assert head_bucket is not None  # R rows fit a ready bucket (checked above)
         return self._run_head(m, _pad_rows(x[rows], head_bucket, 0.0))[:R]  # [R, V] fp32

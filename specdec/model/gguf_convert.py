@@ -77,6 +77,7 @@ _FLOAT_DTYPES = {
 }
 # The only llama3 RoPE parameters published (Llama 3.1, 3.2, 3.3); a file that does not match
 # them is rejected rather than guessed at.
+_REQUIRED = object()  # build_hf_config's marker of a metadata field without a default
 _LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
@@ -112,7 +113,7 @@ def llama3_rope_factors(
     factor: float,
     low_freq_factor: float,
     high_freq_factor: float,
-    original_max_position_embeddings: int,
+    original_max_position_embeddings: float,
 ) -> np.ndarray:
     """The per-frequency divisors of Llama 3.1 RoPE scaling [head_dim/2], as llama.cpp stores them."""
     freqs = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -137,7 +138,14 @@ def build_hf_config(metadata: dict[str, Any], reader: GGUFReader) -> dict[str, A
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})")
     model_type, architecture_class, _ = SUPPORTED_ARCHITECTURES[arch]
     tensors = {t.name: t for t in reader.tensors}
-    key = lambda name, default=None: metadata.get(f"{arch}.{name}", default)  # noqa: E731
+
+    def key(name: str, default: Any = _REQUIRED) -> Any:
+        """The file's `<arch>.<name>` field; one without a default must be there (llama.cpp requires it)."""
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is _REQUIRED:
+            raise ValueError(f"GGUF metadata lacks {arch}.{name}")
+        return value
+
     num_heads = key("attention.head_count")
     num_kv_heads = key("attention.head_count_kv", num_heads)
     if not isinstance(num_kv_heads, int):
@@ -254,6 +262,7 @@ def _write_weights(
         state: dict[str, torch.Tensor] = {}
         for i in tensor_indices:
             tensor, hf_name = named[i]
+            assert hf_name is not None  # unknown names were refused above
             weight = _hf_rows(dequantize(tensor.data, tensor.tensor_type), tensor.name, config, is_qk_permuted)
             if tensor.tensor_type in gguf_blocks.Q4_TYPES:
                 q, d, m = gguf_blocks.unpack_q4_blocks(tensor.data, tensor.tensor_type)

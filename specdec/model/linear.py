@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 import torch.nn.functional as F
 
+from specdec.model import native
 from specdec.model.quant import Int4Linear, Int8Linear, quantized_linear
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class Linear:
     @classmethod
     def from_weights(
         cls, weights: Mapping[str, Tensor], prefix: str, min_gemm_rows: int = NO_PADDING
-    ) -> "Linear | Int4Linear | Int8Linear":
+    ) -> "Linear | Int4Linear | Int8Linear | native.QuantLinear":
         if (quantized := quantized_linear(weights, prefix)) is not None:
             return quantized
         return cls(
@@ -80,6 +81,7 @@ class Linear:
     def _matmul(self, x: Tensor) -> Tensor:
         if not self.is_fp8:
             return F.linear(x, self.weight, self.bias)
+        assert self.scale is not None  # fp8 weights come with their scale (__init__)
         if self.use_scaled_mm:
             # Row-wise dynamic activation scale; _scaled_mm wants a column-major second operand.
             x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,15 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+class LayerCache(Protocol):
+    """What attention does with a KV cache: read and write `cache[layer_idx, :, rows]`. A tensor
+    [num_layers, num_kv_heads, capacity, head_dim], or a view that maps layer ids onto fewer stored
+    layers (draft_svc's self-draft slots)."""
+
+    def __getitem__(self, key: tuple[Any, ...]) -> Tensor: ...
+    def __setitem__(self, key: tuple[Any, ...], value: Tensor) -> None: ...
+
+
 @dataclasses.dataclass(slots=True)
 class SequenceSpan:
     """The part of a flattened batch that belongs to one sequence.
@@ -47,8 +56,8 @@ class SequenceSpan:
     start: int
     num_tokens: int
     num_cached: int
-    k_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
-    v_cache: Tensor  # [num_layers, num_kv_heads, capacity, head_dim]
+    k_cache: LayerCache  # [num_layers, num_kv_heads, capacity, head_dim]
+    v_cache: LayerCache  # [num_layers, num_kv_heads, capacity, head_dim]
     mask: Tensor | None  # [num_tokens, num_cached + num_tokens] bool, True = attend; None = attend to all
     # Set: the last len(row_paths) rows attend one by one, each to the cache and exactly the new
     # rows row_paths[i] (int64 [d], in position order): the call a 1-row decode of that token makes
@@ -175,6 +184,7 @@ class Attention:
         them), unmasked: E.g. node c of [r a b c] with path [r a c] reads cache rows [ctx | r a c].
         The cache holds the new rows in verify order on entry, so a path that is a prefix of them
         (every row of a chain) reads them where they are, without a copy."""
+        assert s.row_paths is not None  # the caller's condition
         out = torch.empty_like(q)  # [n, H, D]
         first = s.num_tokens - len(s.row_paths)
         if first:
@@ -213,7 +223,8 @@ class Block:
         self.mlp = MLP(w, p + "mlp.", min_gemm_rows)
         # All seven products native and an fp32 stream: the dense parts run as two native calls
         is_native = native.NativeLayer.supports(self) and self.input_layernorm.weight.dtype == torch.float32
-        self.native = native.NativeLayer(native.library(), self) if is_native else None
+        lib = native.library() if is_native else None  # built by then: the QuantLinear layers hold it
+        self.native = native.NativeLayer(lib, self) if lib is not None else None
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, spans: Sequence[SequenceSpan]) -> Tensor:
         if self.native is not None:
@@ -248,11 +259,9 @@ class Transformer:
         # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
         self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
         # Every layer native: a whole forward's layers in one native call where the spans allow it
-        self.native_stack = (
-            native.NativeStack(native.library(), self.layers)
-            if self.is_attention_row_exact and all(b.native for b in self.layers)
-            else None
-        )
+        is_stack = self.is_attention_row_exact and all(b.native for b in self.layers)
+        lib = native.library() if is_stack else None
+        self.native_stack = native.NativeStack(lib, self.layers) if lib is not None else None
         self.rope = RotaryEmbedding(config, max_positions, self.dtype, self.device)
         self.max_positions = max_positions
         # An optional faster full forward (`specdec.model.compiled.CompiledStep`): called with the

@@ -32,7 +32,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -185,7 +185,7 @@ class RedisStateStore:
         ):
             if value is not None:
                 fields += [name, value]
-        args = [
+        args: list[bytes | str | int] = [
             encode_token_ids(token_ids),
             -1 if expected_num_tokens is None else expected_num_tokens,
             self._ttl_ms,
@@ -216,7 +216,9 @@ class RedisStateStore:
         meta_key, tokens_key, prompt_key, owner_key = self.keys(request_id)
         with _redis_errors(request_id):
             pipe = self._client.pipeline(transaction=True)  # MULTI/EXEC: one consistent snapshot
-            pipe.hgetall(meta_key).get(tokens_key).get(prompt_key).get(owner_key)
+            pipe.hgetall(meta_key)
+            for key in (tokens_key, prompt_key, owner_key):
+                pipe.get(key)
             meta, tokens, prompt, owner = pipe.execute()
         if not meta:
             return None
@@ -238,7 +240,8 @@ class RedisStateStore:
 
     def list_active(self) -> list[str]:
         with _redis_errors("*"):
-            ids = [rid.decode() for rid in self._client.zrange(self._active_key, 0, -1)]
+            # Clients are made without decode_responses (from_url): members come back as bytes.
+            ids = [rid.decode() for rid in cast("list[bytes]", self._client.zrange(self._active_key, 0, -1))]
             if not ids:
                 return []
             pipe = self._client.pipeline(transaction=False)
@@ -259,7 +262,9 @@ class RedisStateStore:
         meta, *others = self.keys(request_id)
         with _redis_errors(request_id):
             pipe = self._client.pipeline(transaction=True)
-            pipe.delete(meta).delete(*others).zrem(self._active_key, request_id)
+            pipe.delete(meta)
+            pipe.delete(*others)
+            pipe.zrem(self._active_key, request_id)
             num_meta, _, _ = pipe.execute()
         return num_meta == 1
 

@@ -19,7 +19,7 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, cast
 
 import torch
 
@@ -81,6 +81,12 @@ def _layout(weights: Mapping[str, torch.Tensor]) -> tuple[list[TensorDescriptor]
     return descriptors, max(offset, ALIGNMENT)
 
 
+def _mapped_storage(path: Path, nbytes: int) -> torch.UntypedStorage:
+    """The file mapped shared (MAP_SHARED) as untyped storage. torch's stubs type from_file as its
+    base class's, which set_ does not take; at run time it is an UntypedStorage."""
+    return cast(torch.UntypedStorage, torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes))
+
+
 def _views(base: torch.Tensor, descriptors: tuple[TensorDescriptor, ...]) -> dict[str, torch.Tensor]:
     # base: [total_bytes] uint8; each view aliases it (no copy).
     return {d.name: base[d.offset : d.offset + d.num_bytes].view(DTYPES[d.dtype]).view(d.shape) for d in descriptors}
@@ -111,7 +117,7 @@ class SharedWeights:
             path = SHM_DIR / name
             with open(path, "wb") as f:
                 f.truncate(total)
-            storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=total)
+            storage = _mapped_storage(path, total)
             base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (total,), (1,))
             keepalive = None
             manifest = WeightManifest(KIND_SHARED_MEMORY, name, b"", -1, total, instance_id, tuple(descriptors))
@@ -152,7 +158,7 @@ def attach(manifest: WeightManifest, announced: WeightManifest | None = None) ->
             raise HandleError("segment_name", f"no shared-memory segment {manifest.segment_name!r}") from None
         if size != manifest.total_bytes:
             raise HandleError("total_bytes", f"segment holds {size} bytes, manifest says {manifest.total_bytes}")
-        storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=size)
+        storage = _mapped_storage(path, size)
         base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
     return _views(base, manifest.tensors)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import Limits, SpeculationDefaults
-from gateway.params import params_from_pb
+from gateway.params import params_from_pb, response_format_from_pb
 from specdec.errors import InvalidArgument
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -127,3 +127,10 @@ def test_strategies_the_pool_does_not_offer_are_refused_up_front():
     assert e.value.message == (
         "['early_exit'] are not offered by this deployment; offered: ['grammar', 'prompt_lookup', 'suffix_index']"
     )
+
+
+def test_response_format_from_pb_defaults_to_the_limits_depth():
+    """The default depth is Limits' 64 (a slots dataclass's class attribute is a slot descriptor, not it)."""
+    deep = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema=nested_schema(150))
+    with pytest.raises(InvalidArgument, match="more than the limit of 64"):
+        response_format_from_pb(deep)

