@@ -38,9 +38,9 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, field: str = "sampling") -> 
             top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0,
             seed=int(pb.seed) if pb.HasField("seed") else None,
         )
-    except ValueError as e:
-        name = str(e).split(" ", 1)[0]
-        raise InvalidArgument(f"{field}.{name}", str(e)) from None
+    except ValueError as e:  # "top_p must be ...": the field's name, then what is wrong with it
+        name, _, problem = str(e).partition(" ")
+        raise InvalidArgument(f"{field}.{name}", problem) from None
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:

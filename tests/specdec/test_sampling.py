@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
+from specdec.errors import InvalidArgument
+from specdec.pb import sampling_from_pb
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec.v1 import common_pb2
 
 LOG_1234 = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # softmax at temperature 1 = [.1, .2, .3, .4]
 
@@ -128,3 +131,9 @@ def test_top_p_equals_the_full_sort_definition(scale, is_rounded):
     for top_p in (0.3, 0.9, 0.999):
         probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
         assert torch.equal(probs > 0, full_sort_top_p_keep(torch.softmax(logits, dim=-1), top_p))
+
+
+def test_bad_sampling_on_the_wire_names_the_field_once():
+    with pytest.raises(InvalidArgument) as e:
+        sampling_from_pb(common_pb2.SamplingParams(temperature=-1))
+    assert str(e.value) == "sampling.temperature: must be finite and >= 0, got -1.0"
