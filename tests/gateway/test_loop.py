@@ -70,7 +70,9 @@ class FakeBackends:
     """Primary, draft pool and greedy validator in one object, recording every call.
 
     Drafts: prompt_lookup is an oracle while `is_lookup_right(num_committed)` holds (its rank r > 0
-    candidates diverge after r tokens), else proposes WRONG; suffix_index always proposes WRONG."""
+    candidates diverge after r tokens), else proposes WRONG; suffix_index always proposes WRONG.
+    Every proposal carries `lookahead_rows` (a chain off the root); the primary's "argmax" at lookahead
+    row j is 1000 + j + the number of verifies so far (this one included)."""
 
     is_lookup_right: Callable[[int], bool] = lambda num_committed: True
     lose_draft_at_call: int = -1  # the draft service "restarts" before this Propose
@@ -79,6 +81,7 @@ class FakeBackends:
     primary_context: list[int] = dataclasses.field(default_factory=list)
     last_tree: DraftTree | None = None  # None: nothing to commit yet (just prefilled)
     draft_context: list[int] | None = None
+    lookahead_rows: tuple[int, ...] = ()
 
     # --- primary ---
     def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> None:
@@ -123,7 +126,9 @@ class FakeBackends:
         )
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = tree
-        return Verified(None, tuple(self._rows(tree)), 0.0)
+        num_verifies = sum(1 for name, _ in self.calls if name == "verify")
+        lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
+        return Verified(None, tuple(self._rows(tree)), 0.0, lookahead)
 
     def decode(
         self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None
@@ -165,6 +170,7 @@ class FakeBackends:
         draft_length,
         max_nodes,
         response_format=None,
+        lookahead_argmax_token_ids=(),
     ) -> DraftTree:
         assert response_format is None, "no grammar in these requests"
         num_call = sum(1 for name, _ in self.calls if name == "propose")
@@ -177,6 +183,7 @@ class FakeBackends:
                     "strategies": tuple(strategies),
                     "draft_length": draft_length,
                     "max_nodes": max_nodes,
+                    "lookahead_argmax": tuple(lookahead_argmax_token_ids),
                 },
             )
         )
@@ -191,7 +198,11 @@ class FakeBackends:
         assert self.draft_context == self.truth, "the draft service missed committed tokens"
         assert speculative_degree == len(strategies)
         candidates = [self._candidate(name, rank, draft_length) for name, rank in ranked_sources(strategies)]
-        return merge(candidates, tuple(strategies), max_nodes)
+        rows = self.lookahead_rows
+        parents = tuple(range(-1, len(rows) - 1))
+        return dataclasses.replace(
+            merge(candidates, tuple(strategies), max_nodes), lookahead_token_ids=rows, lookahead_parents=parents
+        )
 
     def _candidate(self, name: str, rank: int, draft_length: int) -> list[int]:
         if name != LOOKUP or not self.is_lookup_right(len(self.truth) - len(PROMPT)):
@@ -406,6 +417,16 @@ def test_adaptive_switches_between_plain_and_speculative_steps_without_losing_sy
     assert stats.num_probe_steps > 0
     assert stats.num_steps < 160 and stats.task_type == "code"
     assert loop.controller_state.num_steps == stats.num_steps
+
+
+def test_lookahead_rows_ride_in_the_verify_and_their_argmaxes_go_back_with_the_next_propose():
+    backends = FakeBackends(is_lookup_right=lambda n: n % 3 != 0, lookahead_rows=(7, 8, 9))
+    loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=20), backends)
+    assert loop.outcome.token_ids == backends.truth[len(PROMPT) :][: len(loop.outcome.token_ids)]
+    proposes = [args for name, args in backends.calls if name == "propose"]
+    assert proposes[0]["lookahead_argmax"] == ()  # the first proposal: no rows verified yet
+    for k, args in enumerate(proposes[1:], start=1):  # verify k's argmaxes: 1000 + j + k
+        assert args["lookahead_argmax"] == (1000 + k, 1001 + k, 1002 + k)
 
 
 def test_the_draft_service_losing_the_request_gets_the_whole_context_again():
