@@ -40,7 +40,8 @@ CORPUS_STRATEGY = CorpusDecoder.name  # needs the model's tokenizer and a corpus
 MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, CORPUS_STRATEGY, LookaheadDecoder.name)
 GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)  # need the model's tokenizer; only for constrained requests
 KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES + MODEL_STRATEGIES
-DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name) + GRAMMAR_STRATEGIES
+# offered: lookahead costs nothing until a request (or the gateway's default set) names it
+DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, LookaheadDecoder.name) + GRAMMAR_STRATEGIES
 DEFAULT_PORT = 50052
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
