@@ -121,6 +121,7 @@ class FakeBackends:
                     "accepted_nodes": tuple(accepted_nodes),
                     "committed": list(committed_token_ids),
                     "num_nodes": tree.num_nodes,
+                    "num_lookahead": len(tree.lookahead_token_ids),
                 },
             )
         )
@@ -262,6 +263,7 @@ def run(
     generated=(),
     stats=None,
     controller_state=None,
+    model=MODEL,
     **kwargs,
 ) -> RequestLoop:
     store = store or InMemoryStateStore()
@@ -274,7 +276,7 @@ def run(
         backends,
         store,
         FakeTokenizer(),
-        MODEL,
+        model,
         ("fp32", "fp32"),
         recovery_timeout_s=1.0,
         max_tree_nodes=64,
@@ -505,6 +507,7 @@ class BoundedPrimary(FakeBackends):
         context = len(self.primary_context) + len(committed_token_ids)
         depth = max((len(tree_path(tree, i)) for i in range(tree.num_nodes)), default=0)
         assert context + depth <= self.max_context, f"context {context} + tree depth {depth} > {self.max_context}"
+        assert context + tree.lookahead_depth <= self.max_context, "the lookahead rows reach past the context"
         return super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
 
 
@@ -545,6 +548,18 @@ def test_the_end_of_the_context_clamps_the_tree_and_stops_like_plain_decoding(is
     assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
     assert store.load("r1").status == RequestStatus.FINISHED
     assert any(c["draft_length"] < 16 for name, c in backends.calls if name == "propose"), "the tree was clamped"
+
+
+def test_lookahead_rows_are_left_out_where_the_context_has_no_room_for_them():
+    max_context = len(PROMPT) + 12
+    backends = BoundedPrimary(
+        max_context=max_context, is_lookup_right=lambda n: False, lookahead_rows=(7, 8, 9, 10, 11)
+    )
+    params = make_params(is_adaptive=False, degree=1, draft_length=2, max_new_tokens=200)
+    loop = run(params, backends, model=dataclasses.replace(MODEL, max_context=max_context))
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
+    num_lookahead = [c["num_lookahead"] for name, c in backends.calls if name == "verify"]
+    assert num_lookahead[0] == 5 and num_lookahead[-1] == 0  # BoundedPrimary checked every step's depth
 
 
 def test_a_stream_closed_by_its_consumer_is_cancelled_and_released():
