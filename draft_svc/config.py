@@ -28,6 +28,7 @@ from draft_svc.corpus.store import DEFAULT_MAX_TOKENS, CorpusConfig
 from draft_svc.pool import PoolConfig
 from draft_svc.strategies.corpus import CorpusDecoder
 from draft_svc.strategies.grammar_forced import GrammarForcedDecoder
+from draft_svc.strategies.lookahead import LookaheadDecoder
 from draft_svc.strategies.prompt_lookup import PromptLookupDecoder
 from draft_svc.strategies.self_draft import MODEL_STRATEGIES, SelfDraftConfig
 from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndexConfig
@@ -36,10 +37,11 @@ from specdec.service.auth import add_service_token_arguments
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 CORPUS_STRATEGY = CorpusDecoder.name  # needs the model's tokenizer and a corpus index (built on first use)
-MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, CORPUS_STRATEGY)
+MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, CORPUS_STRATEGY, LookaheadDecoder.name)
 GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)  # need the model's tokenizer; only for constrained requests
 KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES + MODEL_STRATEGIES
-DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name) + GRAMMAR_STRATEGIES
+# offered: lookahead costs nothing until a request (or the gateway's default set) names it
+DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, LookaheadDecoder.name) + GRAMMAR_STRATEGIES
 DEFAULT_PORT = 50052
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 

@@ -21,6 +21,11 @@ text), and the pool follows the output with its own grammar state: every candida
 its first token the grammar forbids, so no draft leaves the grammar (the primary and validator
 mask the rest).
 
+A lookahead decoder (draft_svc/strategies/lookahead.py) also has the primary run rows of its own
+beside the tree: the pool returns them with the proposal (Proposal.lookahead) and hands the
+primary's argmaxes there, which the next Propose carries, back to the decoder that asked, before
+it hears the committed tokens.
+
 Release(is_finished) adds the request's output (committed tokens after the prompt) to the
 shared suffix index, so later requests can draft from it.
 """
@@ -38,6 +43,7 @@ from typing import Protocol
 import structlog
 
 from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder
+from draft_svc.strategies.lookahead import LookaheadSource
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -113,6 +119,7 @@ class ProposeArgs:
     draft_length: int = 0  # 0 = default_draft_length
     max_nodes: int = 0  # 0 = speculative_degree * draft_length (capped)
     response_format: ResponseFormat | None = None  # first call: the output's grammar (None: free text)
+    lookahead_argmax_token_ids: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +134,7 @@ class Proposal:
     tree: TokenTree  # tree.decoders[i] = candidate i's decoder = bit i
     decoder_steps: tuple[DecoderStep, ...]  # one per distinct decoder, in first-use order
     time_ms: float
+    lookahead: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # rows (token_ids, parents) to verify beside
 
 
 @dataclasses.dataclass(slots=True)
@@ -139,6 +147,7 @@ class _Request:
     grammar: GrammarState | None = None  # at the end of the committed output: cuts candidates that leave it
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     last_used: float = 0.0
+    lookahead_source: str | None = None  # the decoder whose lookahead rows the last proposal carried
 
 
 class DraftPool:
@@ -192,15 +201,17 @@ class DraftPool:
         entries, draft_length, max_nodes = self._resolve(args)
         request, is_new = self._request_for(args)
         with request.lock:
+            self._observe_lookahead(request, args.lookahead_argmax_token_ids)
             if not is_new:
                 self._extend(request, args.new_token_ids)
             candidates, steps = self._run_decoders(request, entries, draft_length)
             if request.grammar is not None:
                 candidates = [within_grammar(request.grammar, c) for c in candidates]
+            lookahead = self._lookahead_rows(request, entries)
             request.last_used = time.monotonic()
         tree = build_token_tree(candidates, max_nodes)
         counted = tuple(dataclasses.replace(s, num_proposed=_num_nodes_from(tree, s.name)) for s in steps)
-        return Proposal(tree, counted, (time.perf_counter() - started) * 1e3)
+        return Proposal(tree, counted, (time.perf_counter() - started) * 1e3, lookahead)
 
     def _resolve(self, args: ProposeArgs) -> tuple[list[tuple[str, int]], int, int]:
         """Validate the step's parameters -> ([(decoder, rank)] best first, draft_length, max_nodes)."""
@@ -225,6 +236,7 @@ class DraftPool:
         max_nodes = args.max_nodes or min(degree * draft_length, c.max_tree_nodes)
         self._check_token_ids("prompt_token_ids", args.prompt_token_ids)
         self._check_token_ids("new_token_ids", args.new_token_ids)
+        self._check_token_ids("lookahead_argmax_token_ids", args.lookahead_argmax_token_ids)
         seen: collections.Counter[str] = collections.Counter()
         entries = []
         for name in names[:degree]:
@@ -305,6 +317,31 @@ class DraftPool:
             request.grammar = None
         for decoder in request.decoders.values():
             decoder.extend(token_ids)
+
+    def _observe_lookahead(self, request: _Request, argmax_token_ids: Sequence[int]) -> None:
+        """The primary's argmaxes at the last proposal's lookahead rows, to the decoder that gave them
+        (none: they were not verified, and the decoder's window stays)."""
+        source, request.lookahead_source = request.lookahead_source, None
+        decoder = None if source is None else request.decoders.get(source)
+        if not isinstance(decoder, LookaheadSource):
+            if argmax_token_ids:
+                raise InvalidArgument("lookahead_argmax_token_ids", "the previous Propose proposed no lookahead rows")
+            return
+        try:
+            decoder.observe(argmax_token_ids)
+        except ValueError as e:
+            raise InvalidArgument("lookahead_argmax_token_ids", str(e)) from None
+
+    def _lookahead_rows(
+        self, request: _Request, entries: list[tuple[str, int]]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The rows of the step's first lookahead decoder, remembered for the argmaxes that come back."""
+        for name in dict.fromkeys(name for name, _ in entries):
+            decoder = request.decoders.get(name)
+            if isinstance(decoder, LookaheadSource):
+                request.lookahead_source = name
+                return decoder.lookahead_rows()
+        return (), ()
 
     def _run_decoders(
         self, request: _Request, entries: list[tuple[str, int]], draft_length: int

@@ -39,6 +39,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 response_format=pb.response_format_from_pb(request.response_format)
                 if request.prompt_token_ids
                 else None,
+                lookahead_argmax_token_ids=tuple(request.lookahead_argmax_token_ids),
             )
         )
         self._record(proposal)
@@ -77,4 +78,5 @@ def proposal_to_pb(proposal: Proposal) -> draft_pb2.ProposeResponse:
             for s in proposal.decoder_steps
         ],
         time_ms=proposal.time_ms,
+        lookahead=common_pb2.TokenTree(token_ids=proposal.lookahead[0], parents=proposal.lookahead[1]),
     )

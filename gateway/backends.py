@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import grpc
 
 from specdec import pb
+from specdec.engine.tree import node_depths
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.compiler import ResponseFormat
 from specdec.errors import (
@@ -71,10 +72,17 @@ class DraftTree:
     decoders: tuple[str, ...]
     decoder_ms: dict[str, float]
     time_ms: float
+    # lookahead rows to verify beside the tree (never accepted), and how deep they reach
+    lookahead_token_ids: tuple[int, ...] = ()
+    lookahead_parents: tuple[int, ...] = ()
 
     @property
     def num_nodes(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def lookahead_depth(self) -> int:
+        return max(node_depths(self.lookahead_parents), default=0)
 
 
 EMPTY_TREE = DraftTree((), (), (), (), {}, 0.0)
@@ -85,6 +93,7 @@ class Verified:
     logits: Any  # common_pb2.Logits, passed through to the validator untouched
     argmax_token_ids: tuple[int, ...]
     forward_ms: float
+    lookahead_argmax_token_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -210,13 +219,14 @@ class Backends:
                 accepted_nodes=accepted_nodes,
                 committed_token_ids=committed_token_ids,
                 tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
+                lookahead=common_pb2.TokenTree(token_ids=tree.lookahead_token_ids, parents=tree.lookahead_parents),
                 logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format],
                 return_handle=self.is_logits_via_handle,
                 allowed_tokens=_mask(allowed),
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms)
+        return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids))
 
     def decode(
         self,
@@ -260,8 +270,10 @@ class Backends:
         draft_length: int,
         max_nodes: int,
         response_format: ResponseFormat | None = None,
+        lookahead_argmax_token_ids: Sequence[int] = (),
     ) -> DraftTree:
-        """`response_format` goes with the first call of a request (the one carrying the prompt)."""
+        """`response_format` goes with the first call of a request (the one carrying the prompt);
+        `lookahead_argmax_token_ids` are the primary's argmaxes at the previous proposal's lookahead rows."""
         r = self._call(
             "draft",
             self.draft.Propose,
@@ -274,6 +286,7 @@ class Backends:
                 draft_length=draft_length,
                 max_nodes=max_nodes,
                 response_format=None if response_format is None else pb.response_format_to_pb(response_format),
+                lookahead_argmax_token_ids=lookahead_argmax_token_ids,
             ),
         )
         return DraftTree(
@@ -283,6 +296,8 @@ class Backends:
             tuple(r.decoders),
             {s.name: s.time_ms for s in r.decoder_stats},
             r.time_ms,
+            tuple(r.lookahead.token_ids),
+            tuple(r.lookahead.parents),
         )
 
     def draft_strategies(self) -> tuple[str, ...]:

@@ -21,7 +21,15 @@ GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; only for requests with a 
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
-KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
+KNOWN_STRATEGIES = (
+    "prompt_lookup",
+    "suffix_index",
+    "corpus",
+    "lookahead",
+    "early_exit",
+    "layer_skip",
+    GRAMMAR_STRATEGY,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

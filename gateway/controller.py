@@ -19,7 +19,7 @@ Step costs come from gateway/cost_model.py, in units of one 1-token primary forw
     speedup     = E[accepted length] * plain step cost / speculative step cost
 For each gamma on a grid, decoders are added greedily while the speedup grows, so one whose gain does
 not pay for its draft and verify cost is left out; the best gamma wins. Ranks of one decoder share its
-draft cost.
+draft cost and the verify rows it adds beside its candidates (lookahead's window, `extra_rows`).
 
 Estimates per request and per (decoder, rank), as discounted Beta counts: a step that accepted a of p
 proposed tokens adds a successes and one failure when a < p (the geometric model's maximum likelihood:
@@ -356,6 +356,7 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
     decoder_names = sorted({e.decoder for e in estimates})
     decoder_of = np.array([decoder_names.index(e.decoder) for e in estimates])  # [S]
     draft = np.array([[cost_model.draft(e.decoder, int(g)) for e in estimates] for g in gammas])  # [G, S]
+    extra_rows = np.array([float(cost_model.extra_rows(e.decoder)) for e in estimates])  # [S]
     key_index = {(e.decoder, e.rank): s for s, e in enumerate(estimates)}
     prev_rank = np.array([key_index.get((e.decoder, e.rank - 1), -1) for e in estimates])  # [S], -1: rank 0
 
@@ -364,7 +365,7 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
     miss = np.ones((len(gammas), depth.size))  # [G, J] chance that no chosen candidate reaches depth j + 1
     chosen = np.zeros((len(gammas), num_sources), dtype=bool)  # [G, S]
     is_used = np.zeros((len(gammas), len(decoder_names)), dtype=bool)  # [G, D] decoders already paid for
-    num_nodes, draft_cost = np.zeros(len(gammas)), np.zeros(len(gammas))  # [G]
+    num_nodes, draft_cost, num_extra = np.zeros(len(gammas)), np.zeros(len(gammas)), np.zeros(len(gammas))  # [G]
     speedup, accepted_length = np.zeros(len(gammas)), np.ones(len(gammas))  # [G]
     order: list[list[int]] = [[] for _ in gammas]
     for _ in range(min(config.max_speculative_degree, num_sources)):
@@ -373,10 +374,11 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
         new_length = 1.0 + (1.0 - new_miss).sum(axis=2)  # [G, S], bonus token included
         new_nodes = num_nodes[:, None] + nodes  # [G, S]
         new_draft = draft_cost[:, None] + np.where(is_used[:, decoder_of], 0.0, draft)  # [G, S]
+        new_extra = num_extra[:, None] + np.where(is_used[:, decoder_of], 0.0, extra_rows)  # [G, S]
         step = (
             cost_model.speculative_overhead
             + new_draft
-            + cost_model.verify(1.0 + np.minimum(new_nodes, config.max_tree_nodes))
+            + cost_model.verify(1.0 + np.minimum(new_nodes, config.max_tree_nodes) + new_extra)
         )  # [G, S]
         new_speedup = np.where(is_eligible, new_length * plain_step / step, -np.inf)  # [G, S]
         pick = new_speedup.argmax(axis=1)  # [G]
@@ -388,6 +390,7 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
         is_used[rows, decoder_of[cols]] = True
         miss[rows] = new_miss[rows, cols]
         num_nodes[rows], draft_cost[rows] = new_nodes[rows, cols], new_draft[rows, cols]
+        num_extra[rows] = new_extra[rows, cols]
         speedup[rows], accepted_length[rows] = new_speedup[rows, cols], new_length[rows, cols]
         for g, s in zip(rows.tolist(), cols.tolist()):
             order[g].append(s)
@@ -519,7 +522,9 @@ class AdaptiveController:
         )
 
     def _is_cheap_probe(self, decoder: str, draft_length: int) -> bool:
-        amortised = self._cost_model.draft(decoder, draft_length) / self._config.probe_interval
+        m, rows = self._cost_model, 1 + draft_length
+        extra_verify = float(m.verify(rows + m.extra_rows(decoder)) - m.verify(rows))
+        amortised = (m.draft(decoder, draft_length) + extra_verify) / self._config.probe_interval
         return amortised <= self._config.max_probe_overhead
 
     def _stale_source(

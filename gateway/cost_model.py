@@ -3,7 +3,7 @@ per-step overhead outside model compute, all in units of one 1-token primary for
 
 Step cost (verify(1) = 1):
     plain       = verify(1) + plain_overhead
-    speculative = speculative_overhead + sum_{decoders used} draft_cost(gamma) + verify(1 + nodes)
+    speculative = speculative_overhead + sum_{decoders used} draft_cost(gamma) + verify(1 + nodes + extra rows)
 verify(k) is measured by the primary at startup (GetModelInfo.verify_costs, keyed by rows: the
 pending root plus k - 1 draft nodes). On a CPU without AVX512, fp32 rows 2..16 cost 1.6-1.9x one row,
 so a tree must gain ~0.8 tokens a step before it pays; in bf16 (docs/architecture.md, Measurements) 8 rows cost 1.18x.
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
+from specdec.controller_defaults import LOOKAHEAD_ROWS, PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
 
 # SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (docs/architecture.md).
 SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
@@ -35,14 +35,20 @@ SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DraftCost:
-    """A decoder's cost per step, in 1-token forwards (prompt lookup ~0; early exit ~0.6-0.9 a token)."""
+    """A decoder's cost per step, in 1-token forwards (prompt lookup ~0; early exit ~0.6-0.9 a token),
+    and the rows it adds to the verify beside its candidates' nodes (lookahead's Jacobi window),
+    priced by the verify curve with the tree's."""
 
     fixed: float = 0.0
     per_token: float = 0.0
+    extra_rows: int = 0
 
     def __post_init__(self) -> None:
-        if self.fixed < 0 or self.per_token < 0:
-            raise ValueError(f"draft costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}")
+        if self.fixed < 0 or self.per_token < 0 or self.extra_rows < 0:
+            raise ValueError(
+                f"draft costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}, "
+                f"extra_rows={self.extra_rows}"
+            )
 
     def at(self, draft_length: int) -> float:
         return self.fixed + self.per_token * draft_length
@@ -54,7 +60,8 @@ class DraftCost:
 # query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree node in the
 # gateway (~0.2 ms in all; a rank's extra nodes are priced by the verify curve like any candidate's);
 # self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without
-# fine-tuning (docs/architecture.md, Measurements).
+# fine-tuning (docs/architecture.md, Measurements); lookahead's n-gram pool lookup costs microseconds,
+# its Jacobi window LOOKAHEAD_ROWS verify rows (draft_svc/strategies/lookahead.py).
 DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
     ("early_exit", DraftCost(per_token=0.75)),
     ("layer_skip", DraftCost(per_token=0.85)),
@@ -62,6 +69,7 @@ DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
     ("suffix_index", DraftCost(fixed=0.004)),
     ("corpus", DraftCost(fixed=0.01)),
     ("grammar", DraftCost(fixed=0.005)),
+    ("lookahead", DraftCost(fixed=0.002, extra_rows=LOOKAHEAD_ROWS)),
 )
 
 
@@ -129,9 +137,16 @@ class CostModel:
         return np.where(num_tokens > sizes[-1], costs[-1] + slope * (num_tokens - sizes[-1]), inside)
 
     def draft(self, decoder: str, draft_length: int) -> float:
+        return self._draft_cost(decoder).at(draft_length)
+
+    def extra_rows(self, decoder: str) -> int:
+        """Verify rows the decoder adds to a step it takes part in, beyond its candidates' nodes."""
+        return self._draft_cost(decoder).extra_rows
+
+    def _draft_cost(self, decoder: str) -> DraftCost:
         for name, cost in self.draft_costs:
             if name == decoder:
-                return cost.at(draft_length)
+                return cost
         raise ValueError(f"decoder {decoder!r} has no draft cost in the cost model")
 
 

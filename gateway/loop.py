@@ -8,6 +8,9 @@ One step, speculative:
     state store: append committed tokens, stats                    # one round trip
 The primary learns the commit at the start of the next Verify (no extra RPC). With
 speculation off a step is one primary.Decode (the baseline the speedup is measured against).
+A lookahead decoder's rows (Propose's `lookahead`) ride in the Verify beside the tree; the
+primary's argmaxes there go back to the draft service with the next Propose. They are never
+validated: the acceptance rule sees the tree alone.
 
 What a step drafts is a SpeculationPlan: fixed by the request (its strategies cycled to
 speculative_degree, its draft_length), or, when adaptive, chosen before every step by the
@@ -189,6 +192,7 @@ class RequestLoop:
         self.pending_accepted: tuple[int, ...] = ()
         self.pending_committed: list[int] = []
         self.draft_synced = 0  # generated tokens the draft service has seen
+        self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
         self.is_draft_open = False
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         # Shared by the gateway's requests: whether the validator and the draft service answer.
@@ -330,6 +334,8 @@ class RequestLoop:
         spec, sampling = self.params.speculation, self.params.sampling
         t0 = time.perf_counter()
         tree = self._propose(plan)
+        if len(self.prompt_ids) + len(self.generated) + tree.lookahead_depth > self.model.max_context:
+            tree = dataclasses.replace(tree, lookahead_token_ids=(), lookahead_parents=())  # no room: not this step
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
         t1 = time.perf_counter()
         fmt = self.greedy_format if sampling.is_greedy and spec.acceptance_threshold == 0 else self.sample_format
@@ -346,6 +352,7 @@ class RequestLoop:
             self._with_primary(lambda: None, is_fresh=True)
             return [], None
         self.stats.forward_ms += verified.forward_ms
+        self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
         outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes)
@@ -404,6 +411,8 @@ class RequestLoop:
         if not self.draft_state.should_call():  # down: no drafts; the primary alone still progresses
             self.is_draft_open = False
             return EMPTY_TREE
+        # the argmaxes belong to the rows of the service's previous proposal: none for a reopened request
+        lookahead_argmax, self.pending_lookahead_argmax = self.pending_lookahead_argmax, ()
         try:
             tree = self.backends.propose(
                 self.request_id,
@@ -414,6 +423,7 @@ class RequestLoop:
                 plan.draft_length,
                 min(plan.max_tree_nodes, self.max_tree_nodes),
                 self.params.response_format if prompt else None,
+                () if prompt else lookahead_argmax,
             )
         except NotFound:  # the draft service restarted: resend the context
             self.is_draft_open = False

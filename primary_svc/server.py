@@ -17,6 +17,7 @@ from primary_svc.worker import EngineWorker
 from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
+from specdec.engine.tree import with_lookahead
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_shm import LogitsSlots
@@ -108,24 +109,35 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
         token_ids, parents = pb.tree_from_pb(request.tree, self.vocab_size)
+        lookahead_ids, lookahead_parents = pb.tree_from_pb(request.lookahead, self.vocab_size, "lookahead")
         fmt = pb.logits_format_from_pb(request.logits_format)
-        allowed = self._allowed_tokens(request, len(token_ids) + 1)
+        num_rows = len(token_ids) + 1
+        allowed = self._allowed_tokens(request, num_rows)
 
-        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int]:  # on the engine thread
-            # [N+1], from fp32 logits whatever the wire format; among the grammar's tokens when masked.
-            argmax = torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)
+        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int, list[int]]:  # engine thread
+            lookahead_argmax = torch.argmax(logits[num_rows:], dim=-1).tolist()  # [L], unmasked
+            logits = logits[:num_rows]  # [N+1, V]
+            # from fp32 logits whatever the wire format; among the grammar's tokens when masked.
+            argmax = (torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)).tolist()
             num_cached = self.worker.built_engine().num_cached(request_id)  # read here: this pass's, not a later one's
             if request.return_handle:  # co-located validator: bytes through /dev/shm
                 name, encoded = self.logits_slots.write(request_id, logits, fmt)
-                return argmax.tolist(), pb.logits_handle_to_pb(name, encoded, self.identity.instance_id), num_cached
-            return argmax.tolist(), pb.logits_to_pb(logits, fmt), num_cached
+                payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
+                return argmax, payload, num_cached, lookahead_argmax
+            return argmax, pb.logits_to_pb(logits, fmt), num_cached, lookahead_argmax
 
-        (argmax, payload, num_cached), forward_ms = self.worker.verify(
-            request_id, list(request.accepted_nodes), list(request.committed_token_ids), token_ids, parents, finish
+        (argmax, payload, num_cached, lookahead_argmax), forward_ms = self.worker.verify(
+            request_id,
+            list(request.accepted_nodes),
+            list(request.committed_token_ids),
+            *with_lookahead(token_ids, parents, lookahead_ids, lookahead_parents),
+            finish,
+            num_lookahead=len(lookahead_ids),
         )
         return primary_pb2.VerifyResponse(
             logits=payload,
             argmax_token_ids=argmax,
+            lookahead_argmax_token_ids=lookahead_argmax,
             num_cached_tokens=num_cached,
             forward_ms=forward_ms,
             kv_bytes=self.worker.built_engine().kv_bytes,

@@ -69,8 +69,12 @@ class _VerifyItem:
     committed_token_ids: Sequence[int]
     tree_token_ids: Sequence[int]
     tree_parents: Sequence[int]
+    num_lookahead: int  # the tree's last nodes that are lookahead rows (VerifyWork.num_lookahead)
     finish: Callable[[torch.Tensor], Any]
     future: Future
+
+    def work(self) -> VerifyWork:
+        return VerifyWork(self.request_id, self.tree_token_ids, self.tree_parents, self.num_lookahead)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -218,13 +222,24 @@ class EngineWorker:
         tree_token_ids: Sequence[int],
         tree_parents: Sequence[int],
         finish: Callable[[torch.Tensor], Any] = lambda logits: logits,
+        num_lookahead: int = 0,
     ) -> tuple[Any, float]:
-        """Commit the previous step, verify the tree; returns (finish(logits [N+1, V]), forward ms).
+        """Commit the previous step, verify the tree (its last `num_lookahead` nodes lookahead rows);
+        returns (finish(logits [N+1+L, V], the L lookahead rows last), forward ms).
 
         `finish` runs on the engine thread; an exception it raises fails this item alone."""
         future: Future = Future()
         self._inbox.put(
-            _VerifyItem(request_id, accepted_nodes, committed_token_ids, tree_token_ids, tree_parents, finish, future)
+            _VerifyItem(
+                request_id,
+                accepted_nodes,
+                committed_token_ids,
+                tree_token_ids,
+                tree_parents,
+                num_lookahead,
+                finish,
+                future,
+            )
         )
         return future.result()
 
@@ -320,7 +335,7 @@ class EngineWorker:
         try:
             if item.accepted_nodes or item.committed_token_ids:  # nothing to commit: a (re)verify only
                 engine.commit(rid, item.accepted_nodes, item.committed_token_ids)
-            engine.check_verify(VerifyWork(rid, item.tree_token_ids, item.tree_parents), is_evicted_ok=True)
+            engine.check_verify(item.work(), is_evicted_ok=True)
         except SpecdecError as e:
             item.future.set_exception(e)
             return
@@ -401,7 +416,7 @@ class EngineWorker:
         by_id = {v.request_id: v for v in self._verifies}
         entries = []
         for v in self._verifies:
-            work = VerifyWork(v.request_id, v.tree_token_ids, v.tree_parents)
+            work = v.work()
             rows = len(engine.token_ids(v.request_id)) - engine.num_cached(v.request_id) + len(v.tree_token_ids)
             entries.append(VerifyEntry(v.request_id, rows, engine.kv_growth_bytes(work)))
         plan = policy.plan(entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes)
@@ -429,7 +444,7 @@ class EngineWorker:
         verify_items = [by_id[rid] for rid in plan.verify_ids if rid in by_id]
         for item in verify_items:
             self._verifies.remove(item)
-        works = [VerifyWork(i.request_id, i.tree_token_ids, i.tree_parents) for i in verify_items]
+        works = [i.work() for i in verify_items]
         if not works and not chunks:
             return
         num_forwards, forward_ms = 0, 0.0

@@ -12,3 +12,8 @@ PRIOR_ACCEPTANCE_CODE = 0.6
 PRIOR_ACCEPTANCE_CREATIVE = 0.3
 PLAIN_OVERHEAD_MS = 1.0  # Decode RPC + state write + Python, per plain step
 SPECULATIVE_OVERHEAD_MS = 4.0  # Propose, Verify, Validate RPCs, logits transfer, state write
+# Lookahead decoding's Jacobi window (draft_svc/strategies/lookahead.py): W positions x (N - 1)
+# levels, that many extra rows in every verify it rides in (what the cost model prices).
+LOOKAHEAD_WINDOW = 4
+LOOKAHEAD_LEVELS = 3
+LOOKAHEAD_ROWS = LOOKAHEAD_WINDOW * LOOKAHEAD_LEVELS

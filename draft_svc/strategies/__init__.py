@@ -6,6 +6,7 @@ import functools
 
 from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder, UnknownDecoderError
 from draft_svc.strategies.corpus import CorpusDecoder
+from draft_svc.strategies.lookahead import LookaheadConfig, LookaheadDecoder
 from draft_svc.strategies.prompt_lookup import PromptLookupConfig, PromptLookupDecoder
 from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixDecoder, SuffixIndex, SuffixIndexConfig
 
@@ -14,6 +15,8 @@ __all__ = [
     "CorpusDecoder",
     "DecoderRegistry",
     "DraftDecoder",
+    "LookaheadConfig",
+    "LookaheadDecoder",
     "PromptLookupConfig",
     "PromptLookupDecoder",
     "SuffixDecoder",
@@ -28,11 +31,14 @@ def model_free_registry(
     prompt_lookup: PromptLookupConfig | None = None,
     suffix_index: SuffixIndex | None = None,
     corpus: ContinuationIndex | None = None,
+    lookahead: LookaheadConfig | None = None,
 ) -> DecoderRegistry:
-    """The strategies that need no model: prompt lookup always, the suffix index and the corpus
-    decoder when their index is given (each is shared across requests: its owner creates it once)."""
+    """The strategies that need no model of their own: prompt lookup and lookahead (whose rows the
+    primary runs) always, the suffix index and the corpus decoder when their index is given (each
+    is shared across requests: its owner creates it once)."""
     registry = DecoderRegistry()
     registry.register(PromptLookupDecoder.name, functools.partial(PromptLookupDecoder, prompt_lookup))
+    registry.register(LookaheadDecoder.name, functools.partial(LookaheadDecoder, lookahead))
     if suffix_index is not None:
         registry.register(SuffixDecoder.name, functools.partial(SuffixDecoder, suffix_index))
     if corpus is not None:

@@ -15,6 +15,12 @@ committed tokens (the accepted drafts and one bonus token), which rolls back eve
 else. Until then nothing is committed, so repeating a verify (a retried RPC) is harmless.
 Plain autoregressive decoding is the special case of an empty tree.
 
+Lookahead rows (Fu et al. 2024) ride along: a work item's last `num_lookahead` nodes form a second
+tree off the same root, whose rows see the context, the root and their own ancestors only. The
+draft rows never see them, so their logits are those of a verify without them; the lookahead rows'
+logits follow the draft rows', they can never be accepted (`commit` takes paths of the draft tree
+only) and their KV rows are dropped with the rest of the step's rejected rows.
+
 Batch invariance: where the model's kernels give a row the same bits whatever the row count (the
 packed int4/int8 layers, `Transformer.is_batch_invariant`), the engine also runs attention row by
 row in verify (`SequenceSpan.row_paths`), so a k-row verify returns exactly the logits k 1-row
@@ -43,6 +49,7 @@ from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sa
 
 PREFILL_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of long prompts
 MAX_TREE_NODES = 256
+MAX_LOOKAHEAD_NODES = 64  # a Jacobi window of W positions x (N - 1) levels (draft_svc/strategies/lookahead.py)
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,8 +71,13 @@ class _Request:
 @dataclasses.dataclass(frozen=True, slots=True)
 class VerifyWork:
     request_id: str
-    token_ids: Sequence[int]  # draft tree tokens [N]
-    parents: Sequence[int]  # [N], -1 = child of the root
+    token_ids: Sequence[int]  # draft tree tokens, then lookahead tokens [N + L]
+    parents: Sequence[int]  # [N + L], -1 = child of the root; a lookahead node's parent is -1 or a lookahead node
+    num_lookahead: int = 0  # L: the last L nodes are lookahead rows, run but never accepted
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.token_ids) - self.num_lookahead
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -237,9 +249,11 @@ class Engine:
 
     # --- verify / commit -------------------------------------------------------------------
 
-    def verify(self, request_id: str, token_ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
-        """One forward over the uncached chain + the tree; logits [N+1, V] fp32 (see module doc)."""
-        return self.verify_batch([VerifyWork(request_id, token_ids, parents)])[0]
+    def verify(
+        self, request_id: str, token_ids: Sequence[int], parents: Sequence[int], num_lookahead: int = 0
+    ) -> torch.Tensor:
+        """One forward over the uncached chain + the tree; logits [N+L+1, V] fp32 (see module doc)."""
+        return self.verify_batch([VerifyWork(request_id, token_ids, parents, num_lookahead)])[0]
 
     def verify_batch(self, works: Sequence[VerifyWork]) -> list[torch.Tensor]:
         """Verify several requests' trees in one forward (linear layers run once over all rows)."""
@@ -305,7 +319,8 @@ class Engine:
         for req, c, w in reqs:
             # The rows stay uncommitted until `commit`, so a repeated verify (a retry) is harmless.
             req.tree_chain = c
-            req.tree_parents, req.tree_token_ids = tuple(w.parents), tuple(w.token_ids)
+            # only the draft tree's paths can be committed; the lookahead rows after it are dropped
+            req.tree_parents, req.tree_token_ids = tuple(w.parents[: w.num_draft]), tuple(w.token_ids[: w.num_draft])
             out.append(logits[row : row + len(w.token_ids) + 1])
             row += len(w.token_ids) + 1
         return out
@@ -324,18 +339,26 @@ class Engine:
                 f"request {w.request_id!r} has no pending token: "
                 "commit the last step's bonus token before verifying again",
             )
-        n = len(w.token_ids)
-        if n > MAX_TREE_NODES:
-            raise InvalidArgument("tree.token_ids", f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
+        assert 0 <= w.num_lookahead <= len(w.token_ids), "num_lookahead counts the tree's last nodes"
+        if w.num_draft > MAX_TREE_NODES:
+            raise InvalidArgument("tree.token_ids", f"{w.num_draft} nodes exceed the limit of {MAX_TREE_NODES}")
+        if w.num_lookahead > MAX_LOOKAHEAD_NODES:
+            raise InvalidArgument(
+                "lookahead.token_ids", f"{w.num_lookahead} nodes exceed the limit of {MAX_LOOKAHEAD_NODES}"
+            )
         try:
             tree_geometry.check_tree(w.token_ids, w.parents, self.vocab_size)
         except tree_geometry.TreeError as e:
             raise InvalidArgument(f"tree.{e.field}", str(e)) from None
-        max_depth = max(tree_geometry.node_depths(w.parents), default=0)
-        if len(req.token_ids) + max_depth > self.max_context:
-            raise InvalidArgument(
-                "tree", f"context {len(req.token_ids)} + tree depth {max_depth} exceeds max_context {self.max_context}"
-            )
+        if any(p != tree_geometry.ROOT and p < w.num_draft for p in w.parents[w.num_draft :]):
+            raise InvalidArgument("lookahead.parents", "a lookahead row may hang off the root or lookahead rows only")
+        depths = tree_geometry.node_depths(w.parents)
+        for field, part in (("tree", depths[: w.num_draft]), ("lookahead", depths[w.num_draft :])):
+            max_depth = max(part, default=0)
+            if len(req.token_ids) + max_depth > self.max_context:
+                raise InvalidArgument(
+                    field, f"context {len(req.token_ids)} + depth {max_depth} exceeds max_context {self.max_context}"
+                )
 
     def commit(self, request_id: str, accepted_nodes: Sequence[int], new_token_ids: Sequence[int]) -> None:
         """Keep the KV rows of `accepted_nodes` (a root-to-node path of the last verified tree) and

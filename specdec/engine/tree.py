@@ -97,6 +97,20 @@ def verify_positions(num_cached: int, num_chain: int, parents: Sequence[int]) ->
     return torch.cat([chain, nodes])
 
 
+def with_lookahead(
+    token_ids: Sequence[int],
+    parents: Sequence[int],
+    lookahead_token_ids: Sequence[int],
+    lookahead_parents: Sequence[int],
+) -> tuple[list[int], list[int]]:
+    """The draft tree followed by the lookahead tree as one tree: lookahead node j becomes node
+    N + j, its parent shifted by N (ROOT stays ROOT). E.g. tree parents [-1, 0], lookahead parents
+    [-1, 0, 1] -> [-1, 0, -1, 2, 3]."""
+    n = len(token_ids)
+    shifted = [p if p == ROOT else p + n for p in lookahead_parents]
+    return [*token_ids, *lookahead_token_ids], [*parents, *shifted]
+
+
 def is_path(parents: Sequence[int], nodes: Sequence[int]) -> bool:
     """True when `nodes` walks down from the root: each node's parent is the previous one."""
     expected_parent = ROOT

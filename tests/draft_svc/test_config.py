@@ -15,6 +15,7 @@ from draft_svc.corpus.store import DEFAULT_MAX_TOKENS
 def test_the_corpus_decoder_is_offered_on_request_with_its_corpus_flags():
     config = from_args([], {})
     assert "corpus" not in config.pool.strategies and not config.has_corpus_strategy
+    assert "lookahead" in config.pool.strategies  # offered: it runs only where a request names it
     assert (config.corpus.sources, config.corpus.paths, config.corpus.max_tokens) == (SOURCES, (), DEFAULT_MAX_TOKENS)
     config = from_args(
         ["--strategies", "prompt_lookup,corpus", "--corpus_max_tokens", "1000"],

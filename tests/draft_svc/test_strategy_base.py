@@ -33,7 +33,7 @@ def test_candidate_validates_its_fields():
 def test_registry_creates_independent_decoders_per_request():
     index = SuffixIndex(SuffixIndexConfig(max_total_tokens=64))
     registry = model_free_registry(PromptLookupConfig(max_ngram=2), index)
-    assert registry.names() == ("prompt_lookup", "suffix_index")
+    assert registry.names() == ("prompt_lookup", "lookahead", "suffix_index")
     first, second = registry.create("prompt_lookup"), registry.create("prompt_lookup")
     assert first is not second
     first.extend([1, 2, 1])

@@ -1,13 +1,14 @@
 """End to end with every mix of draft decoders: greedy output (at the default precision) equals speculation off
 whichever decoders propose, the model-based ones (early exit, layer skip over the primary's weights, mapped
-by the draft pool) and the corpus decoder included, alone, beside a model-free one, all five at
-once, and all five under the adaptive controller.
+by the draft pool), the corpus decoder and lookahead (whose Jacobi window rides in the primary's verify)
+included, alone, beside a model-free one, all six at once, and all six under the adaptive controller.
 
-One stack for the module, offering all five strategies, the corpus decoder over a tiny corpus
+One stack for the module, offering all six strategies, the corpus decoder over a tiny corpus
 (TINY_CORPUS, indexed in a second at start-up); it is used only once the draft pool has attached
 the primary's weights and opened the corpus index (before that those decoders propose nothing,
 and a test could pass without them). The fixed mixes check that the model-based decoders did propose,
-and the corpus decoder in some mix (it proposes where its corpus matches the output).
+and the corpus and lookahead decoders in some mix (they propose where their corpus or n-gram pool
+matches the output).
 
     .venv/bin/pytest -q tests/e2e/test_decoder_mix.py
 """
@@ -24,13 +25,15 @@ from specdec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.e2e
 
-STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip")
+STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "lookahead", "early_exit", "layer_skip")
 MIXES = (
     ("early_exit",),
     ("layer_skip",),
     ("corpus",),
+    ("lookahead",),
     ("prompt_lookup", "early_exit"),
     ("suffix_index", "layer_skip"),
+    ("prompt_lookup", "lookahead"),
     STRATEGIES,
 )
 # The corpus decoder's corpus: a little Python and prose, so that it matches, and is both
@@ -110,7 +113,7 @@ def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prom
     baseline = generate(gateway_stub, prompt, gateway_pb2.SpeculationConfig(is_enabled=False))
     assert len(baseline.token_ids) > 0
     assert baseline.stats.num_proposed_tokens == 0
-    num_corpus_proposed = 0
+    num_proposed = {"corpus": 0, "lookahead": 0}
     for mix in MIXES:
         out = generate(gateway_stub, prompt, fixed(mix))
         assert list(out.token_ids) == list(baseline.token_ids), (prompt, mix, out.text, baseline.text)
@@ -119,11 +122,13 @@ def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prom
         assert set(proposed) <= set(mix), (mix, proposed)
         for name in set(mix) & set(MODEL_DECODERS):  # the model-based decoders really ran
             assert proposed.get(name, 0) > 0, (prompt, mix, proposed)
-        num_corpus_proposed += proposed.get("corpus", 0)
+        for name in num_proposed:
+            num_proposed[name] += proposed.get(name, 0)
         assert out.stats.num_generated_tokens == len(out.token_ids)
         assert out.stats.num_steps <= baseline.stats.num_steps
-    # The corpus decoder proposes where its corpus matches the output, which depends on the mix's steps.
-    assert num_corpus_proposed > 0, prompt
+    # The corpus and lookahead decoders propose where their corpus or n-gram pool matches the output,
+    # which depends on the mix's steps.
+    assert all(num_proposed.values()), (prompt, num_proposed)
 
     adaptive = generate(
         gateway_stub,

@@ -167,6 +167,23 @@ def test_a_decoder_that_does_not_pay_for_its_cost_is_left_out():
     assert paid.sources == ((EARLY_EXIT, 0),)  # the same acceptance earns its place once it is cheap
 
 
+def test_a_decoders_extra_verify_rows_are_priced_once_by_the_verify_curve():
+    # Lookahead's window adds rows to every verify it rides in: the same acceptance as prompt lookup
+    # loses to it when the rows cost more than they gain, and ranks of it pay for the rows once.
+    lookahead = "lookahead"
+    costs = dict(COST.draft_costs) | {lookahead: DraftCost(fixed=0.002, extra_rows=48)}
+    model = CostModel(COST.verify_curve, tuple(sorted(costs.items())), COST.plain_overhead, COST.speculative_overhead)
+    assert model.extra_rows(lookahead) == 48 and model.extra_rows(LOOKUP) == 0
+    alphas = {(LOOKUP, 0): 0.5, (lookahead, 0): 0.5}
+    plan = adjust_speculative_degree(
+        "code", alphas, decoders={LOOKUP: 1, lookahead: 1}, cost_model=model, config=FULL_COVERAGE
+    )
+    assert plan.sources[0] == (LOOKUP, 0)
+    alone = adjust_speculative_degree("code", {(lookahead, 0): 0.5}, decoders={lookahead: 1}, cost_model=model)
+    free = adjust_speculative_degree("code", {(LOOKUP, 0): 0.5}, decoders={LOOKUP: 1}, cost_model=model)
+    assert alone.expected_speedup < free.expected_speedup
+
+
 def test_task_type_priors_order_the_first_plan():
     first = {t: adjust_speculative_degree(t, decoders={LOOKUP: 1}, cost_model=COST) for t in TaskType}
     assert (

@@ -70,7 +70,9 @@ class FakeBackends:
     """Primary, draft pool and greedy validator in one object, recording every call.
 
     Drafts: prompt_lookup is an oracle while `is_lookup_right(num_committed)` holds (its rank r > 0
-    candidates diverge after r tokens), else proposes WRONG; suffix_index always proposes WRONG."""
+    candidates diverge after r tokens), else proposes WRONG; suffix_index always proposes WRONG.
+    Every proposal carries `lookahead_rows` (a chain off the root); the primary's "argmax" at lookahead
+    row j is 1000 + j + the number of verifies so far (this one included)."""
 
     is_lookup_right: Callable[[int], bool] = lambda num_committed: True
     lose_draft_at_call: int = -1  # the draft service "restarts" before this Propose
@@ -79,6 +81,7 @@ class FakeBackends:
     primary_context: list[int] = dataclasses.field(default_factory=list)
     last_tree: DraftTree | None = None  # None: nothing to commit yet (just prefilled)
     draft_context: list[int] | None = None
+    lookahead_rows: tuple[int, ...] = ()
 
     # --- primary ---
     def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> None:
@@ -118,12 +121,15 @@ class FakeBackends:
                     "accepted_nodes": tuple(accepted_nodes),
                     "committed": list(committed_token_ids),
                     "num_nodes": tree.num_nodes,
+                    "num_lookahead": len(tree.lookahead_token_ids),
                 },
             )
         )
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = tree
-        return Verified(None, tuple(self._rows(tree)), 0.0)
+        num_verifies = sum(1 for name, _ in self.calls if name == "verify")
+        lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
+        return Verified(None, tuple(self._rows(tree)), 0.0, lookahead)
 
     def decode(
         self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None
@@ -165,6 +171,7 @@ class FakeBackends:
         draft_length,
         max_nodes,
         response_format=None,
+        lookahead_argmax_token_ids=(),
     ) -> DraftTree:
         assert response_format is None, "no grammar in these requests"
         num_call = sum(1 for name, _ in self.calls if name == "propose")
@@ -177,6 +184,7 @@ class FakeBackends:
                     "strategies": tuple(strategies),
                     "draft_length": draft_length,
                     "max_nodes": max_nodes,
+                    "lookahead_argmax": tuple(lookahead_argmax_token_ids),
                 },
             )
         )
@@ -191,7 +199,11 @@ class FakeBackends:
         assert self.draft_context == self.truth, "the draft service missed committed tokens"
         assert speculative_degree == len(strategies)
         candidates = [self._candidate(name, rank, draft_length) for name, rank in ranked_sources(strategies)]
-        return merge(candidates, tuple(strategies), max_nodes)
+        rows = self.lookahead_rows
+        parents = tuple(range(-1, len(rows) - 1))
+        return dataclasses.replace(
+            merge(candidates, tuple(strategies), max_nodes), lookahead_token_ids=rows, lookahead_parents=parents
+        )
 
     def _candidate(self, name: str, rank: int, draft_length: int) -> list[int]:
         if name != LOOKUP or not self.is_lookup_right(len(self.truth) - len(PROMPT)):
@@ -251,6 +263,7 @@ def run(
     generated=(),
     stats=None,
     controller_state=None,
+    model=MODEL,
     **kwargs,
 ) -> RequestLoop:
     store = store or InMemoryStateStore()
@@ -263,7 +276,7 @@ def run(
         backends,
         store,
         FakeTokenizer(),
-        MODEL,
+        model,
         ("fp32", "fp32"),
         recovery_timeout_s=1.0,
         max_tree_nodes=64,
@@ -408,6 +421,16 @@ def test_adaptive_switches_between_plain_and_speculative_steps_without_losing_sy
     assert loop.controller_state.num_steps == stats.num_steps
 
 
+def test_lookahead_rows_ride_in_the_verify_and_their_argmaxes_go_back_with_the_next_propose():
+    backends = FakeBackends(is_lookup_right=lambda n: n % 3 != 0, lookahead_rows=(7, 8, 9))
+    loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=20), backends)
+    assert loop.outcome.token_ids == backends.truth[len(PROMPT) :][: len(loop.outcome.token_ids)]
+    proposes = [args for name, args in backends.calls if name == "propose"]
+    assert proposes[0]["lookahead_argmax"] == ()  # the first proposal: no rows verified yet
+    for k, args in enumerate(proposes[1:], start=1):  # verify k's argmaxes: 1000 + j + k
+        assert args["lookahead_argmax"] == (1000 + k, 1001 + k, 1002 + k)
+
+
 def test_the_draft_service_losing_the_request_gets_the_whole_context_again():
     backends = FakeBackends(lose_draft_at_call=3)
     loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40), backends)
@@ -484,6 +507,7 @@ class BoundedPrimary(FakeBackends):
         context = len(self.primary_context) + len(committed_token_ids)
         depth = max((len(tree_path(tree, i)) for i in range(tree.num_nodes)), default=0)
         assert context + depth <= self.max_context, f"context {context} + tree depth {depth} > {self.max_context}"
+        assert context + tree.lookahead_depth <= self.max_context, "the lookahead rows reach past the context"
         return super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
 
 
@@ -524,6 +548,18 @@ def test_the_end_of_the_context_clamps_the_tree_and_stops_like_plain_decoding(is
     assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
     assert store.load("r1").status == RequestStatus.FINISHED
     assert any(c["draft_length"] < 16 for name, c in backends.calls if name == "propose"), "the tree was clamped"
+
+
+def test_lookahead_rows_are_left_out_where_the_context_has_no_room_for_them():
+    max_context = len(PROMPT) + 12
+    backends = BoundedPrimary(
+        max_context=max_context, is_lookup_right=lambda n: False, lookahead_rows=(7, 8, 9, 10, 11)
+    )
+    params = make_params(is_adaptive=False, degree=1, draft_length=2, max_new_tokens=200)
+    loop = run(params, backends, model=dataclasses.replace(MODEL, max_context=max_context))
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
+    num_lookahead = [c["num_lookahead"] for name, c in backends.calls if name == "verify"]
+    assert num_lookahead[0] == 5 and num_lookahead[-1] == 0  # BoundedPrimary checked every step's depth
 
 
 def test_a_stream_closed_by_its_consumer_is_cancelled_and_released():

@@ -71,6 +71,17 @@ def test_prefill_verify_commit_decode_release(primary):
         )
     )
     assert list(fp8.argmax_token_ids) == list(v.argmax_token_ids)  # argmax from fp32, whatever the format
+    # A lookahead window beside the tree: its argmaxes come back, the tree's logits stay N + 1 rows.
+    lookahead = common_pb2.TokenTree(token_ids=[900, 901, 910, 911], parents=[-1, 0, 0, 1])
+    la = stub.Verify(
+        primary_pb2.VerifyRequest(
+            request_id="r", tree=tree, lookahead=lookahead, kv_lease=lease, logits_format=common_pb2.LOGITS_FORMAT_FP32
+        )
+    )
+    assert logits_from_pb(la.logits, "logits").shape == (4, engine.vocab_size)
+    assert list(la.argmax_token_ids) == list(v.argmax_token_ids)
+    window = engine.verify("r", [900, 901, 910, 911], [-1, 0, 0, 1])  # the same rows as a tree of their own
+    assert list(la.lookahead_argmax_token_ids) == window[1:].argmax(-1).tolist()
     shm = stub.Verify(
         primary_pb2.VerifyRequest(
             request_id="r", tree=tree, return_handle=True, kv_lease=lease, logits_format=common_pb2.LOGITS_FORMAT_FP32
@@ -115,6 +126,20 @@ def test_prefill_verify_commit_decode_release(primary):
             primary_pb2.VerifyRequest(request_id="r", tree=common_pb2.TokenTree(token_ids=[10**8], parents=[-1])),
             grpc.StatusCode.INVALID_ARGUMENT,
             "tree.token_ids",
+        ),
+        (
+            primary_pb2.VerifyRequest(
+                request_id="r", lookahead=common_pb2.TokenTree(token_ids=[1, 2], parents=[-1, 5])
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lookahead.parents",
+        ),
+        (
+            primary_pb2.VerifyRequest(
+                request_id="r", lookahead=common_pb2.TokenTree(token_ids=[1] * 65, parents=[-1] * 65)
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lookahead.token_ids",
         ),
         (
             primary_pb2.VerifyRequest(request_id="r", logits_format=17),

@@ -181,3 +181,55 @@ def test_plain_decoding_is_seeded_and_greedy_is_deterministic(engine):
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=123)
     assert engine.generate(PROMPT, 8, params) == engine.generate(PROMPT, 8, params)
     assert engine.kv_bytes == 0
+
+
+# A Jacobi window of 3 positions x 2 levels (draft_svc/strategies/lookahead.py): level 0 a chain off
+# the root, level 1 position i a child of level 0 position i.
+LOOKAHEAD_IDS = [900, 901, 902, 910, 911, 912]
+LOOKAHEAD_PARENTS = [-1, 0, 1, 0, 1, 2]
+
+
+def test_lookahead_rows_do_not_change_the_verify_rows_logits(engine):
+    """The verify rows with a lookahead window equal those with any other rows of the same shape (a
+    forward of as many rows: the linear layers' blocking depends on the row count only) bit for
+    bit, so nothing of the window reaches them; and equal a verify without it to the fp32 tolerance
+    of a different row count."""
+    from specdec.engine.tree import with_lookahead
+
+    token_ids, parents = [700, 701, 702, 703], [-1, 0, 0, -1]
+    num_rows = len(token_ids) + 1
+    other_ids = [t + 1000 for t in LOOKAHEAD_IDS]
+    engine.open("a", PROMPT)
+    engine.prefill("a")
+    alone = engine.verify("a", token_ids, parents)  # [N+1, V]
+    both = engine.verify("a", *with_lookahead(token_ids, parents, LOOKAHEAD_IDS, LOOKAHEAD_PARENTS), 6)
+    other = engine.verify("a", *with_lookahead(token_ids, parents, other_ids, LOOKAHEAD_PARENTS), 6)
+    assert both.shape[0] == num_rows + len(LOOKAHEAD_IDS)
+    torch.testing.assert_close(both[:num_rows], other[:num_rows], atol=0, rtol=0)
+    torch.testing.assert_close(both[:num_rows], alone, atol=ATOL, rtol=0)
+    # the lookahead rows are what the same window gives verified as a draft tree of its own
+    window = engine.verify("a", LOOKAHEAD_IDS, LOOKAHEAD_PARENTS)
+    torch.testing.assert_close(both[num_rows:], window[1:], atol=ATOL, rtol=0)
+    engine.release("a")
+
+
+def test_lookahead_rows_are_never_committed(engine):
+    from specdec.engine.tree import with_lookahead
+
+    engine.open("a", PROMPT)
+    engine.verify("a", *with_lookahead([700], [-1], LOOKAHEAD_IDS, LOOKAHEAD_PARENTS), 6)
+    with pytest.raises(InvalidArgument, match="accepted_nodes"):
+        engine.commit("a", [1], [900, 55])  # node 1 is the lookahead window's first row
+    engine.commit("a", [0], [700, 55])
+    got = engine.verify("a", (), ())
+    torch.testing.assert_close(got, sequential_logits(engine, PROMPT + [700, 55], []), atol=ATOL, rtol=0)
+    engine.release("a")
+
+
+def test_bad_lookahead_rows_name_the_field(engine):
+    engine.open("a", PROMPT)
+    with pytest.raises(InvalidArgument, match="lookahead.parents"):
+        engine.verify("a", [5, 6], [-1, 0], 1)  # the lookahead row hangs off a draft node
+    with pytest.raises(InvalidArgument, match="lookahead.token_ids"):
+        engine.verify("a", list(range(100, 165)), [-1] * 65, 65)
+    engine.release("a")
