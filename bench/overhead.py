@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from specdec import strategies
+
 # Draft decoders that run a model (the primary's weights): their time counts as model compute.
-MODEL_BASED_DECODERS = ("early_exit", "layer_skip")
+MODEL_BASED_DECODERS = strategies.names_of(strategies.MODEL)
 # A decoder's name may carry an instance suffix ("early_exit#1"); its strategy is the part before it.
 INSTANCE_SEPARATOR = "#"
 

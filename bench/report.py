@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.overhead import outside_fraction, stage_ms_per_step, strategy_of
+from specdec.strategies import GRAMMAR_STRATEGY
 
-GRAMMAR_DECODER = "grammar"  # grammar-forced drafts (jump-forward text of the schema)
 BASELINE = "baseline"
 SPECULATIVE = "speculative"
 STACK_SYSTEMS = (BASELINE, SPECULATIVE)  # through the gateway; the other systems are peers
@@ -156,7 +156,7 @@ def grammar_forced_share(decoders: dict[str, dict[str, float]], num_accepted: in
     """The grammar decoder's accepted draft tokens / all accepted draft tokens; None when none accepted."""
     if not num_accepted:
         return None
-    num_forced = sum(d["num_accepted"] for name, d in decoders.items() if strategy_of(name) == GRAMMAR_DECODER)
+    num_forced = sum(d["num_accepted"] for name, d in decoders.items() if strategy_of(name) == GRAMMAR_STRATEGY)
     return num_forced / num_accepted
 
 

@@ -27,21 +27,19 @@ from pathlib import Path
 from draft_svc.corpus.sources import SOURCES
 from draft_svc.corpus.store import DEFAULT_MAX_TOKENS, CorpusConfig
 from draft_svc.pool import PoolConfig
-from draft_svc.strategies.corpus import CorpusDecoder
-from draft_svc.strategies.grammar_forced import GrammarForcedDecoder
-from draft_svc.strategies.prompt_lookup import PromptLookupDecoder
-from draft_svc.strategies.self_draft import MODEL_STRATEGIES, SelfDraftConfig
-from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndexConfig
+from draft_svc.strategies.self_draft import SelfDraftConfig
+from draft_svc.strategies.suffix_index import SuffixIndexConfig
+from specdec import strategies
 from specdec.logging import LOG_LEVELS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
-CORPUS_STRATEGY = CorpusDecoder.name  # needs the model's tokenizer and a corpus index (built on first use)
-MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, CORPUS_STRATEGY)
-GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)  # need the model's tokenizer; only for constrained requests
-KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES + MODEL_STRATEGIES
-DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name) + GRAMMAR_STRATEGIES
+MODEL_FREE_STRATEGIES = strategies.names_of(strategies.MODEL_FREE)
+GRAMMAR_STRATEGIES = strategies.names_of(strategies.GRAMMAR)
+MODEL_STRATEGIES = strategies.names_of(strategies.MODEL)
+# Offered by default: the requests' defaults, and grammar-forced drafts for constrained requests.
+OFFERED_STRATEGIES = strategies.DEFAULT_STRATEGIES + GRAMMAR_STRATEGIES
 DEFAULT_PORT = 50052
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
@@ -66,8 +64,7 @@ class DraftConfig:
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
 
     def __post_init__(self) -> None:
-        if unknown := set(self.pool.strategies) - set(KNOWN_STRATEGIES):
-            raise ValueError(f"strategies {sorted(unknown)} are not among {KNOWN_STRATEGIES}")
+        strategies.check_names(self.pool.strategies)
         if self.attach_poll_s <= 0:
             raise ValueError(f"attach_poll_s must be > 0, got {self.attach_poll_s}")
         if self.max_context < 0 or self.num_torch_threads < 0:
@@ -81,7 +78,7 @@ class DraftConfig:
 
     @property
     def has_corpus_strategy(self) -> bool:
-        return CORPUS_STRATEGY in self.pool.strategies
+        return strategies.CORPUS_STRATEGY in self.pool.strategies
 
     @property
     def has_model_strategies(self) -> bool:
@@ -158,9 +155,9 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
     add_corpus_arguments(flags)
     flags.add(
         "--strategies",
-        ",".join(DEFAULT_STRATEGIES),
+        ",".join(OFFERED_STRATEGIES),
         shared=False,
-        help=f"comma-separated strategies this pool offers, of {','.join(KNOWN_STRATEGIES)}",
+        help=f"comma-separated strategies this pool offers, of {','.join(strategies.NAMES)}",
     )
     flags.add(
         "--default_strategies",
@@ -186,13 +183,13 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
     flags.add("--attach_poll_s", 5.0, shared=False)
     add_service_token_arguments(flags)
     a = p.parse_args(argv)
-    strategies = _names(a.strategies)
-    defaults = _names(a.default_strategies) or tuple(n for n in strategies if n in MODEL_FREE_STRATEGIES) or strategies
+    offered = _names(a.strategies)
+    defaults = _names(a.default_strategies) or tuple(n for n in offered if n in MODEL_FREE_STRATEGIES) or offered
     try:
         return DraftConfig(
             server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
             pool=PoolConfig(
-                strategies=strategies,
+                strategies=offered,
                 default_strategies=defaults,
                 default_draft_length=a.draft_length,
                 num_threads=a.draft_threads,

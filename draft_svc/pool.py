@@ -44,14 +44,15 @@ from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
 from specdec.request_id import check_request_id
+from specdec.strategies import DEFAULT_STRATEGIES
 
 MAX_CANDIDATES = 32  # node_sources is a uint32 bitmask over the candidates
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolConfig:
-    strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")  # what this pool offers
-    default_strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")  # when a request names none
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # what this pool offers
+    default_strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # when a request names none
     default_draft_length: int = 8
     max_draft_length: int = 64
     max_speculative_degree: int = 16

@@ -16,12 +16,11 @@ from specdec.service.auth import add_service_token_arguments
 from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.strategies import DEFAULT_STRATEGIES, check_names
 
-GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; only for requests with a response_format
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
-KNOWN_STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "early_exit", "layer_skip", GRAMMAR_STRATEGY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,7 +46,7 @@ class SpeculationDefaults:
     is_enabled: bool = True
     speculative_degree: int = 1
     draft_length: int = 8
-    strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     # The adaptive controller picks degree and draft length per step; a request's own values bound
     # them, and these bound them when the request leaves them unset.
     is_adaptive: bool = True
@@ -63,9 +62,7 @@ class SpeculationDefaults:
         for name in ("speculative_degree", "draft_length", "max_adaptive_degree", "max_adaptive_draft_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        unknown = set(self.strategies) - set(KNOWN_STRATEGIES)
-        if unknown:
-            raise ValueError(f"unknown strategies {sorted(unknown)}; known: {KNOWN_STRATEGIES}")
+        check_names(self.strategies)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ from gateway.controller import (
     ranked_sources,
     strategies_for,
 )
-from gateway.config import GRAMMAR_MAX_SPELLINGS, GRAMMAR_STRATEGY
+from gateway.config import GRAMMAR_MAX_SPELLINGS
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
@@ -55,6 +55,7 @@ from specdec.errors import FailedPrecondition, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import RequestStatus, StateStore
+from specdec.strategies import GRAMMAR_STRATEGY
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"

@@ -12,11 +12,13 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import GRAMMAR_STRATEGY, KNOWN_STRATEGIES, Limits, SpeculationDefaults
+from gateway.config import Limits, SpeculationDefaults
 from specdec import pb
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
+from specdec.strategies import GRAMMAR_STRATEGY
+from specdec.strategies import NAMES as STRATEGY_NAMES
 from specdec.v1 import common_pb2, gateway_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -183,8 +185,8 @@ def _speculation_from_pb(
         else defaults.strategies
     )
     for s in strategies:
-        if s not in KNOWN_STRATEGIES:
-            raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {KNOWN_STRATEGIES}")
+        if s not in STRATEGY_NAMES:
+            raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {STRATEGY_NAMES}")
     if GRAMMAR_STRATEGY in strategies and not is_structured:
         raise InvalidArgument(
             "speculation.strategies",
