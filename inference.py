@@ -38,10 +38,10 @@ from specdec.launcher import PRIMARY, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import authenticated_channel
+from specdec.service.flags import parse_bool
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
-TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 TASK_TYPES = {
     "structured": common_pb2.TASK_TYPE_STRUCTURED,
     "code": common_pb2.TASK_TYPE_CODE,
@@ -63,15 +63,6 @@ _SERVE_POLL_S = 0.5
 
 
 # ---- flags ---------------------------------------------------------------------------------------------
-
-
-def parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise argparse.ArgumentTypeError(f"expected one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}, got {text!r}")
 
 
 def ranged(

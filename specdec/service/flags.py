@@ -25,9 +25,10 @@ FALSE = ("0", "false", "no", "off")
 
 
 def parse_bool(text: str) -> bool:
+    """An argparse type: ArgumentTypeError, whose message argparse shows as it is."""
     value = text.strip().lower()
     if value not in TRUE + FALSE:
-        raise ValueError(f"expected true or false, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return value in TRUE
 
 

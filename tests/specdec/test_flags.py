@@ -54,5 +54,5 @@ def test_a_bad_variable_names_itself_and_its_flag(variable, flag, default, kwarg
 
 def test_parse_bool_reads_the_usual_spellings_only():
     assert [parse_bool(t) for t in ("1", "true", "Yes", " on ", "0", "false", "NO", "off")] == [True] * 4 + [False] * 4
-    with pytest.raises(ValueError, match="true or false"):
+    with pytest.raises(argparse.ArgumentTypeError, match="true or false"):
         parse_bool("maybe")
