@@ -37,7 +37,6 @@ the cost model dropped stays dropped for the request.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -45,6 +44,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gateway.cost_model import CostModel
+from specdec.task_type import TaskType
 from specdec.controller_defaults import (
     DRAFT_LENGTH_CHOICES,
     PRIOR_ACCEPTANCE_CODE,
@@ -54,12 +54,6 @@ from specdec.controller_defaults import (
 
 STATE_VERSION = 1
 _TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
-
-
-class TaskType(enum.StrEnum):
-    STRUCTURED = "structured"
-    CODE = "code"
-    CREATIVE = "creative"
 
 
 # Code fences, a line that starts like code in common languages, or a line that ends like a C statement.

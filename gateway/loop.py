@@ -230,9 +230,9 @@ class RequestLoop:
             decoders,
         )
 
-    def _requested_task_type(self) -> str:
-        """A constrained output is a structured task whatever the request says; else its own, or ""."""
-        return TaskType.STRUCTURED.value if self.params.has_schema else self.params.speculation.task_type
+    def _requested_task_type(self) -> TaskType | None:
+        """A constrained output is a structured task whatever the request says; else its own, or None."""
+        return TaskType.STRUCTURED if self.params.has_schema else self.params.speculation.task_type
 
     # --- the loop ----------------------------------------------------------------------------
 

@@ -19,15 +19,11 @@ from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_
 from specdec.sampling import SamplingParams
 from specdec.strategies import GRAMMAR_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
+from specdec.task_type import TaskType
+from specdec.task_type import from_pb as task_type_from_pb
 from specdec.v1 import common_pb2, gateway_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-TASK_TYPES = {
-    common_pb2.TASK_TYPE_UNSPECIFIED: "",
-    common_pb2.TASK_TYPE_STRUCTURED: "structured",
-    common_pb2.TASK_TYPE_CODE: "code",
-    common_pb2.TASK_TYPE_CREATIVE: "creative",
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,7 +33,7 @@ class SpeculationParams:
     draft_length: int  # fixed; an upper bound when is_adaptive
     acceptance_threshold: float
     strategies: tuple[str, ...]
-    task_type: str  # "", "structured", "code" or "creative"; "" = inferred from the prompt
+    task_type: TaskType | None  # None: inferred from the prompt
     is_adaptive: bool = False  # the controller chooses decoders and draft length per step
 
 
@@ -192,11 +188,11 @@ def _speculation_from_pb(
             "speculation.strategies",
             f"{GRAMMAR_STRATEGY!r} drafts need a response_format (TYPE_JSON_OBJECT or TYPE_JSON_SCHEMA)",
         )
-    if spec.task_type not in TASK_TYPES:
-        raise InvalidArgument("speculation.task_type", f"unknown task type {spec.task_type}")
-    return SpeculationParams(
-        is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type], is_adaptive
-    )
+    try:
+        task_type = task_type_from_pb(spec.task_type)
+    except ValueError as e:
+        raise InvalidArgument("speculation.task_type", str(e)) from None
+    return SpeculationParams(is_enabled, degree, draft_length, threshold, strategies, task_type, is_adaptive)
 
 
 def params_to_json(req: gateway_pb2.GenerateRequest) -> dict:

@@ -34,6 +34,7 @@ from specdec.errors import NotFound, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store.memory import InMemoryStateStore
+from specdec.task_type import TaskType
 
 LOOKUP, SUFFIX = "prompt_lookup", "suffix_index"
 EOS, WRONG = 49, 45  # the fake primary never emits either
@@ -237,7 +238,7 @@ def make_params(
     draft_length=16,
     max_new_tokens=60,
     strategies=(LOOKUP, SUFFIX),
-    task_type="code",
+    task_type=TaskType.CODE,
 ) -> GenerationParams:
     spec = SpeculationParams(is_enabled, degree, draft_length, 0.0, tuple(strategies), task_type, is_adaptive)
     return GenerationParams(" ".join(map(str, PROMPT)), None, max_new_tokens, (), SamplingParams(), spec)
@@ -470,7 +471,7 @@ def test_an_unreadable_stored_controller_state_starts_afresh():
 
 
 def test_task_type_is_inferred_when_the_request_gives_none():
-    loop = run(make_params(task_type="", max_new_tokens=5), FakeBackends())
+    loop = run(make_params(task_type=None, max_new_tokens=5), FakeBackends())
     assert loop.stats.task_type == "creative"  # "3 7 1 4 ..." does not look like code
 
 
