@@ -51,6 +51,7 @@ from gateway.cost_model import CostModel, CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
+from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
@@ -178,6 +179,8 @@ class RequestLoop:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
+        # The acceptance rule, decided here once for the request and sent on every Validate.
+        self.acceptance_mode = select_mode(params.sampling, params.speculation.acceptance_threshold)
         self.recovery_timeout_s, self.max_tree_nodes = recovery_timeout_s, max_tree_nodes
         self.cancel, self.deadline, self.owner = cancel, deadline, owner
         self.generated: list[int] = list(generated)
@@ -289,13 +292,11 @@ class RequestLoop:
 
     def _plan(self) -> SpeculationPlan:
         plan = self.fixed_plan if self.controller is None else self.controller.plan(self.controller_state)
-        if plan.is_speculative and not self._is_greedy_acceptance() and not self.validator_state.is_retry_due():
+        is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
+        if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
-
-    def _is_greedy_acceptance(self) -> bool:
-        return self.params.sampling.is_greedy and self.params.speculation.acceptance_threshold == 0
 
     def _observe(self, plan: SpeculationPlan, outcomes: list[CandidateOutcome] | None) -> None:
         """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran)."""
@@ -323,20 +324,18 @@ class RequestLoop:
 
     def _speculative_step(self, plan: SpeculationPlan) -> tuple[list[int], list[CandidateOutcome] | None]:
         """One propose -> verify -> validate; the candidates' outcomes (None when the draft service failed)."""
-        spec, sampling = self.params.speculation, self.params.sampling
         t0 = time.perf_counter()
         tree = self._propose(plan)
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
         t1 = time.perf_counter()
-        fmt = self.greedy_format if sampling.is_greedy and spec.acceptance_threshold == 0 else self.sample_format
+        fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
         verified = self._with_primary(
             lambda: self.backends.verify(
                 self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed
             )
         )
         t2 = time.perf_counter()
-        mode = "threshold" if spec.acceptance_threshold > 0 else ("greedy" if sampling.is_greedy else "sample")
-        v = self._validate(mode, tree, verified, allowed)
+        v = self._validate(tree, verified, allowed)
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
             self._with_primary(lambda: None, is_fresh=True)
@@ -350,14 +349,14 @@ class RequestLoop:
             self.stats.stage_ms[stage] += ms * 1000
         return list(self.pending_committed), (outcomes if tree.decoders else None)
 
-    def _validate(self, mode: str, tree: DraftTree, verified, allowed) -> Validation | None:
+    def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
         """The validator's decision; while it cannot be reached, the same greedy rule here from the
         primary's argmaxes, or None (sampling and threshold modes need the validator)."""
         if self.validator_state.should_call():
             try:
                 v = self.backends.validate(
                     self.request_id,
-                    mode,
+                    self.acceptance_mode,
                     self.params.sampling,
                     self.params.speculation.acceptance_threshold,
                     self.stats.num_steps,
@@ -370,7 +369,11 @@ class RequestLoop:
             except Unavailable as e:
                 self.validator_state.failed(str(e))
         self.stats.num_validator_fallback_steps += 1
-        return greedy_validation(tree, verified.argmax_token_ids) if mode == "greedy" else None
+        return (
+            greedy_validation(tree, verified.argmax_token_ids)
+            if self.acceptance_mode == AcceptanceMode.GREEDY
+            else None
+        )
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()

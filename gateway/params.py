@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import Limits, SpeculationDefaults
 from specdec import pb
+from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
@@ -172,8 +172,10 @@ def _speculation_from_pb(
             "speculation.draft_length", f"must be in [1, {limits.max_draft_length}], got {draft_length}"
         )
     threshold = float(spec.acceptance_threshold)
-    if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
-        raise InvalidArgument("speculation.acceptance_threshold", f"must be in [0, 1], got {threshold}")
+    try:
+        check_threshold(threshold)
+    except ValueError as e:
+        raise InvalidArgument("speculation.acceptance_threshold", str(e)) from None
     # A constrained output also drafts what the grammar forces, first: it is free and exact.
     strategies = tuple(spec.strategies) or (
         (GRAMMAR_STRATEGY, *defaults.strategies)

@@ -1,0 +1,42 @@
+"""Python enums derived from the proto's enums, so a concept with a proto enum has no second list.
+
+TaskType = str_enum("TaskType", common_pb2.TaskType, __name__)
+# TASK_TYPE_CODE -> TaskType.CODE == "code"; TASK_TYPE_UNSPECIFIED has no member
+member(TaskType, common_pb2.TaskType, common_pb2.TASK_TYPE_CODE)  # TaskType.CODE
+number(common_pb2.TaskType, TaskType.CODE)                        # common_pb2.TASK_TYPE_CODE
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+UNSPECIFIED = 0  # proto3: the value of an enum field that was not set
+_UNSPECIFIED_SUFFIX = "UNSPECIFIED"
+
+
+def _prefix(proto_enum: Any) -> str:
+    """The prefix of every value's name: ACCEPTANCE_MODE_ from ACCEPTANCE_MODE_UNSPECIFIED."""
+    unspecified = proto_enum.Name(UNSPECIFIED)
+    assert unspecified.endswith(_UNSPECIFIED_SUFFIX), f"{unspecified}: value 0 of a proto enum is *_UNSPECIFIED"
+    return unspecified.removesuffix(_UNSPECIFIED_SUFFIX)
+
+
+def str_enum(name: str, proto_enum: Any, module: str) -> Any:
+    """A StrEnum with a member per set value of `proto_enum`: its name without the prefix, its value
+    that name in lower case (what logs, stats and stored state say)."""
+    prefix = _prefix(proto_enum)
+    members = [(n.removeprefix(prefix), n.removeprefix(prefix).lower()) for n, v in proto_enum.items() if v]
+    return enum.StrEnum(name, members, module=module)  # type: ignore[misc]
+
+
+def member(str_enum_type: Any, proto_enum: Any, value: int) -> Any:
+    """The member of an enum number; ValueError for UNSPECIFIED and for a number the proto does not
+    define (a newer peer's)."""
+    if value == UNSPECIFIED or value not in proto_enum.values():
+        raise ValueError(f"must be one of {[m.value for m in str_enum_type]}, got {value}")
+    return str_enum_type[proto_enum.Name(value).removeprefix(_prefix(proto_enum))]
+
+
+def number(proto_enum: Any, value: enum.Enum) -> int:
+    return proto_enum.Value(_prefix(proto_enum) + value.name)
