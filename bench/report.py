@@ -36,7 +36,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import outside_fraction, stage_ms_per_step, strategy_of
+from bench.overhead import outside_fraction, stage_ms_per_step
+from specdec.candidates import decoder_of
 from specdec.strategies import GRAMMAR_STRATEGY
 
 BASELINE = "baseline"
@@ -156,7 +157,7 @@ def grammar_forced_share(decoders: dict[str, dict[str, float]], num_accepted: in
     """The grammar decoder's accepted draft tokens / all accepted draft tokens; None when none accepted."""
     if not num_accepted:
         return None
-    num_forced = sum(d["num_accepted"] for name, d in decoders.items() if strategy_of(name) == GRAMMAR_STRATEGY)
+    num_forced = sum(d["num_accepted"] for name, d in decoders.items() if decoder_of(name) == GRAMMAR_STRATEGY)
     return num_forced / num_accepted
 
 

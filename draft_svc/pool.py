@@ -40,6 +40,7 @@ import structlog
 from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
+from specdec.candidates import ranked_sources
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
@@ -226,12 +227,7 @@ class DraftPool:
         max_nodes = args.max_nodes or min(degree * draft_length, c.max_tree_nodes)
         self._check_token_ids("prompt_token_ids", args.prompt_token_ids)
         self._check_token_ids("new_token_ids", args.new_token_ids)
-        seen: collections.Counter[str] = collections.Counter()
-        entries = []
-        for name in names[:degree]:
-            entries.append((name, seen[name]))
-            seen[name] += 1
-        return entries, draft_length, max_nodes
+        return list(ranked_sources(names[:degree])), draft_length, max_nodes
 
     def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
         if not token_ids:

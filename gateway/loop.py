@@ -34,29 +34,20 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import structlog
 
 from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation
-from gateway.controller import (
-    AdaptiveController,
-    CandidateOutcome,
-    ControllerConfig,
-    ControllerState,
-    SpeculationPlan,
-    TaskType,
-    candidate_outcomes,
-    infer_task_type,
-    ranked_sources,
-    strategies_for,
-)
+from gateway.controller import AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, infer_task_type
 from gateway.config import GRAMMAR_MAX_SPELLINGS
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.acceptance_mode import AcceptanceMode, select_mode
+from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import RequestStatus, StateStore
 from specdec.strategies import GRAMMAR_STRATEGY
+from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
@@ -343,7 +334,7 @@ class RequestLoop:
         self.stats.forward_ms += verified.forward_ms
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
-        outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes)
+        outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents)
         self._account(tree, outcomes, v)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
             self.stats.stage_ms[stage] += ms * 1000
@@ -396,7 +387,7 @@ class RequestLoop:
     def _propose(self, plan: SpeculationPlan) -> DraftTree:
         """The plan's candidates as a tree. The draft service first hears the tokens committed since
         its previous call (all of them when it opens the request: first call, or after it lost it)."""
-        strategies = strategies_for(plan.sources)
+        strategies = decoders_for(plan.sources)
         prompt, new = (
             ((), self.generated[self.draft_synced :]) if self.is_draft_open else (self.prompt_ids, self.generated)
         )
@@ -432,9 +423,8 @@ class RequestLoop:
         self.stats.num_proposed += tree.num_nodes
         self.stats.num_accepted += len(v.accepted_nodes)
         for o in outcomes:
-            name = o.decoder if o.rank == 0 else f"{o.decoder}#{o.rank}"
             ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
-            self.stats.add_decoder(name, o.num_proposed, o.num_accepted, ms)
+            self.stats.add_decoder(stats_name(o.decoder, o.rank), o.num_proposed, o.num_accepted, ms)
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     # --- stop conditions, commit ---------------------------------------------------------------
