@@ -11,6 +11,7 @@ from pathlib import Path
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
 from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
+from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.logits_codec import FORMATS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
@@ -33,12 +34,18 @@ class Limits:
     max_stop_chars: int = 256
     max_prompt_chars: int = 1 << 20
     max_chat_messages: int = 256
+    # A request's speculation, derived from what every service accepts (specdec.engine.tree's bounds,
+    # also the draft pool's): half the draft length and a quarter of the tree keep a step within the
+    # measured verify curve (64 rows, gateway/cost_model.py).
     max_speculative_degree: int = 8
-    max_draft_length: int = 32
-    max_tree_nodes: int = 64
+    max_draft_length: int = MAX_DRAFT_LENGTH // 2
+    max_tree_nodes: int = MAX_TREE_NODES // 4
     # JSON nesting of a response_format schema: deeper ones exhaust the recursion of schema checking
     # and compiling (RecursionError after seconds of CPU), so they are refused before either runs.
     max_schema_depth: int = 64
+
+    def __post_init__(self) -> None:
+        check_speculation_bounds(self.max_speculative_degree, self.max_draft_length, self.max_tree_nodes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

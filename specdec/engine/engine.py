@@ -42,7 +42,6 @@ from specdec.model.llama import SequenceSpan, Transformer
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
 PREFILL_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of long prompts
-MAX_TREE_NODES = 256
 
 
 @dataclasses.dataclass(slots=True)
@@ -319,8 +318,8 @@ class Engine:
                 "commit the last step's bonus token before verifying again",
             )
         n = len(w.token_ids)
-        if n > MAX_TREE_NODES:
-            raise InvalidArgument("tree.token_ids", f"{n} nodes exceed the limit of {MAX_TREE_NODES}")
+        if n > tree_geometry.MAX_TREE_NODES:
+            raise InvalidArgument("tree.token_ids", f"{n} nodes exceed the limit of {tree_geometry.MAX_TREE_NODES}")
         try:
             tree_geometry.check_tree(w.token_ids, w.parents, self.vocab_size)
         except tree_geometry.TreeError as e:
