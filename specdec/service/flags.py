@@ -10,8 +10,8 @@ A flag's variable is its name upper-cased (`--max_batch` -> MAX_BATCH), looked u
 service's own prefix, then (unless `shared=False`) with the plain SPECDEC_ prefix that compose sets
 for every service. The flag parses what the default's type says (int, float, str; a bool reads
 1/true/yes/on and 0/false/no/off). A variable that does not parse is a ValueError naming the
-variable and the flag, raised while the parser is built: a bad deployment stops at start-up with
-a message that says where to look, not with a traceback from deep inside `int()`.
+variable and the flag, raised while the parser is built: a bad deployment stops at start-up and
+says which variable to fix.
 """
 
 from __future__ import annotations
