@@ -38,15 +38,12 @@ from specdec.launcher import PRIMARY, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import authenticated_channel
+from specdec.service.flags import parse_bool
+from specdec.task_type import TaskType
+from specdec.task_type import to_pb as task_type_to_pb
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
-TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-TASK_TYPES = {
-    "structured": common_pb2.TASK_TYPE_STRUCTURED,
-    "code": common_pb2.TASK_TYPE_CODE,
-    "creative": common_pb2.TASK_TYPE_CREATIVE,
-}
 FINISH_REASON_PREFIX = "FINISH_REASON_"
 MAX_SEED = 2**64 - 1
 # Statuses that say the request was at fault, not a service: no need to point at the logs.
@@ -63,15 +60,6 @@ _SERVE_POLL_S = 0.5
 
 
 # ---- flags ---------------------------------------------------------------------------------------------
-
-
-def parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word in TRUE_WORDS:
-        return True
-    if word in FALSE_WORDS:
-        return False
-    raise argparse.ArgumentTypeError(f"expected one of {'/'.join(TRUE_WORDS + FALSE_WORDS)}, got {text!r}")
 
 
 def ranged(
@@ -160,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "probability; 0 (default): lossless",
     )
     spec.add_argument("--strategies", type=strategy_list, metavar="A,B", help="draft decoders, comma-separated")
-    spec.add_argument("--task_type", choices=sorted(TASK_TYPES), help="default: inferred by the gateway")
+    spec.add_argument("--task_type", choices=sorted(t.value for t in TaskType), help="default: inferred by the gateway")
     spec.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
@@ -278,7 +266,7 @@ def build_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
     s.acceptance_threshold = args.acceptance_threshold
     s.strategies.extend(args.strategies or ())
     if args.task_type is not None:
-        s.task_type = TASK_TYPES[args.task_type]
+        s.task_type = task_type_to_pb(TaskType(args.task_type))
     if args.adaptive is not None:
         s.is_adaptive = args.adaptive
     if args.json_schema is not None:

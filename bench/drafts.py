@@ -26,14 +26,15 @@ from typing import Any
 import grpc
 
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
+from specdec import strategies
 from specdec.launcher import DRAFT, PRIMARY, Stack, StackConfig
 from specdec.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
 # The draft decoders that run over the primary's weights, attached by the draft pool in the background
 # after it starts serving (draft_svc/weights.py): until then they propose nothing.
-MODEL_DECODERS = ("early_exit", "layer_skip")
+MODEL_DECODERS = strategies.names_of(strategies.MODEL)
 # Those, and the corpus decoder, whose index the pool opens (or builds) in the background.
-BACKGROUND_DECODERS = MODEL_DECODERS + ("corpus",)
+BACKGROUND_DECODERS = MODEL_DECODERS + (strategies.CORPUS_STRATEGY,)
 # The probe's prompt: any ids inside every vocabulary; a few tokens keep the probe's forward cheap.
 PROBE_TOKEN_IDS = (1, 2, 3, 4)
 PROBE_INTERVAL_S = 0.25

@@ -15,20 +15,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from specdec import strategies
+from specdec.candidates import decoder_of
+
 # Draft decoders that run a model (the primary's weights): their time counts as model compute.
-MODEL_BASED_DECODERS = ("early_exit", "layer_skip")
-# A decoder's name may carry an instance suffix ("early_exit#1"); its strategy is the part before it.
-INSTANCE_SEPARATOR = "#"
-
-
-def strategy_of(decoder_name: str) -> str:
-    """ "early_exit#1" -> "early_exit"; "prompt_lookup" -> "prompt_lookup"."""
-    return decoder_name.split(INSTANCE_SEPARATOR)[0]
+MODEL_BASED_DECODERS = strategies.names_of(strategies.MODEL)
 
 
 def model_draft_ms(stats: dict[str, Any]) -> float:
     """Time of one request's model-based draft decoders (model compute inside the draft stage)."""
-    return sum(d["time_ms"] for name, d in stats["decoders"].items() if strategy_of(name) in MODEL_BASED_DECODERS)
+    return sum(d["time_ms"] for name, d in stats["decoders"].items() if decoder_of(name) in MODEL_BASED_DECODERS)
 
 
 def outside_fraction(stats: Sequence[dict[str, Any]]) -> float | None:

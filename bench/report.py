@@ -36,9 +36,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import outside_fraction, stage_ms_per_step, strategy_of
+from bench.overhead import outside_fraction, stage_ms_per_step
+from specdec.candidates import decoder_of
+from specdec.strategies import GRAMMAR_STRATEGY
 
-GRAMMAR_DECODER = "grammar"  # grammar-forced drafts (jump-forward text of the schema)
 BASELINE = "baseline"
 SPECULATIVE = "speculative"
 STACK_SYSTEMS = (BASELINE, SPECULATIVE)  # through the gateway; the other systems are peers
@@ -158,7 +159,7 @@ def grammar_forced_share(decoders: dict[str, dict[str, float | None]], num_accep
     """The grammar decoder's accepted draft tokens / all accepted draft tokens; None when none accepted."""
     if not num_accepted:
         return None
-    num_forced = sum(d["num_accepted"] or 0 for name, d in decoders.items() if strategy_of(name) == GRAMMAR_DECODER)
+    num_forced = sum(d["num_accepted"] or 0 for name, d in decoders.items() if decoder_of(name) == GRAMMAR_STRATEGY)
     return num_forced / num_accepted
 
 

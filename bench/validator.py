@@ -23,6 +23,7 @@ from specdec.engine.loading import load_model
 from specdec.logits_codec import FORMATS, decode_logits, encode_logits
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
+from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.sampling import SamplingParams
 from validator_svc.acceptance import validate_tree
 
@@ -81,8 +82,10 @@ def main() -> None:
         flips = int((dec.argmax(-1) != argmax32).sum())
         same_sample = 0
         for (chain, rows), e in zip(steps, enc):
-            a = validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, sampling, step=1)
-            b = validate_tree(chain, [-1] + list(range(CHAIN - 1)), decode_logits(e), sampling, step=1)
+            a = validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, sampling, AcceptanceMode.SAMPLE, step=1)
+            b = validate_tree(
+                chain, [-1] + list(range(CHAIN - 1)), decode_logits(e), sampling, AcceptanceMode.SAMPLE, step=1
+            )
             same_sample += (a.accepted_nodes, a.bonus_token) == (b.accepted_nodes, b.bonus_token)
         print(
             f"{fmt:9s} {enc[0].num_bytes:>9,d} B/step | encode {encode_ms:.2f} ms, decode {decode_ms:.2f} ms | "
@@ -97,7 +100,7 @@ def main() -> None:
         times = []
         for chain, rows in steps:
             t = time.perf_counter()
-            validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, params, step=1)
+            validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, params, select_mode(params, 0.0), step=1)
             times.append((time.perf_counter() - t) * 1000)
         print(f"validation {mode:24s} median {statistics.median(times):.2f} ms per step ({CHAIN} nodes)")
 

@@ -1,6 +1,7 @@
 """The draft service's configuration: CLI flags over environment variables over defaults.
 
-The only module of the service that reads `os.environ` (through `from_args`' `environ`).
+The only module of the service that reads the environment (`from_args`' `environ`), through
+specdec.service.flags: SPECDEC_DRAFT_<FLAG>, then SPECDEC_<FLAG> for the flags every service shares.
 
     python -m draft_svc --port 50052 --primary_address primary:50051 \\
         --strategies prompt_lookup,suffix_index,early_exit,layer_skip
@@ -26,22 +27,20 @@ from pathlib import Path
 from draft_svc.corpus.sources import SOURCES
 from draft_svc.corpus.store import DEFAULT_MAX_TOKENS, CorpusConfig
 from draft_svc.pool import PoolConfig
-from draft_svc.strategies.corpus import CorpusDecoder
-from draft_svc.strategies.grammar_forced import GrammarForcedDecoder
-from draft_svc.strategies.lookahead import LookaheadDecoder
-from draft_svc.strategies.prompt_lookup import PromptLookupDecoder
-from draft_svc.strategies.self_draft import MODEL_STRATEGIES, SelfDraftConfig
-from draft_svc.strategies.suffix_index import SuffixDecoder, SuffixIndexConfig
+from draft_svc.strategies.self_draft import SelfDraftConfig
+from draft_svc.strategies.suffix_index import SuffixIndexConfig
+from specdec import strategies
 from specdec.logging import LOG_LEVELS
 from specdec.service.auth import add_service_token_arguments
+from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
-CORPUS_STRATEGY = CorpusDecoder.name  # needs the model's tokenizer and a corpus index (built on first use)
-MODEL_FREE_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, CORPUS_STRATEGY, LookaheadDecoder.name)
-GRAMMAR_STRATEGIES = (GrammarForcedDecoder.name,)  # need the model's tokenizer; only for constrained requests
-KNOWN_STRATEGIES = MODEL_FREE_STRATEGIES + GRAMMAR_STRATEGIES + MODEL_STRATEGIES
-# offered: lookahead costs nothing until a request (or the gateway's default set) names it
-DEFAULT_STRATEGIES = (PromptLookupDecoder.name, SuffixDecoder.name, LookaheadDecoder.name) + GRAMMAR_STRATEGIES
+MODEL_FREE_STRATEGIES = strategies.names_of(strategies.MODEL_FREE)
+GRAMMAR_STRATEGIES = strategies.names_of(strategies.GRAMMAR)
+MODEL_STRATEGIES = strategies.names_of(strategies.MODEL)
+# Offered by default: the requests' defaults, lookahead (it costs nothing until a request or the
+# gateway's default set names it), and grammar-forced drafts for constrained requests.
+OFFERED_STRATEGIES = strategies.DEFAULT_STRATEGIES + (strategies.LOOKAHEAD_STRATEGY,) + GRAMMAR_STRATEGIES
 DEFAULT_PORT = 50052
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
@@ -66,8 +65,7 @@ class DraftConfig:
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
 
     def __post_init__(self) -> None:
-        if unknown := set(self.pool.strategies) - set(KNOWN_STRATEGIES):
-            raise ValueError(f"strategies {sorted(unknown)} are not among {KNOWN_STRATEGIES}")
+        strategies.check_names(self.pool.strategies)
         if self.attach_poll_s <= 0:
             raise ValueError(f"attach_poll_s must be > 0, got {self.attach_poll_s}")
         if self.max_context < 0 or self.num_torch_threads < 0:
@@ -81,7 +79,7 @@ class DraftConfig:
 
     @property
     def has_corpus_strategy(self) -> bool:
-        return CORPUS_STRATEGY in self.pool.strategies
+        return strategies.CORPUS_STRATEGY in self.pool.strategies
 
     @property
     def has_model_strategies(self) -> bool:
@@ -96,35 +94,39 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in _names(text))
 
 
-def add_corpus_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+def add_corpus_arguments(flags: Flags) -> None:
     """The corpus index's flags, shared with `python -m draft_svc.corpus` (which builds the same index)."""
-    env = environ.get
-    p.add_argument(
+    flags.add(
         "--model_path",
-        default=env("SPECDEC_MODEL_PATH", env("SPECDEC_MODEL", None)) or None,
+        None,
+        env=("MODEL_PATH", "MODEL"),
+        type=str,
         help="the model whose tokenizer grammar-forced and corpus drafts use (default: the default model)",
     )
-    p.add_argument("--cache_dir", default=env("SPECDEC_CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
-    p.add_argument(
+    flags.add("--cache_dir", str(Path.home() / ".cache" / "specdec" / "models"))
+    flags.add(
         "--corpus_sources",
-        default=env("SPECDEC_DRAFT_CORPUS_SOURCES", ",".join(SOURCES)),
+        ",".join(SOURCES),
+        shared=False,
         help=f"comma-separated corpus sources of the corpus decoder, of {','.join(SOURCES)} "
         "(draft_svc/corpus/sources.py); may be empty when --corpus_paths names files",
     )
-    p.add_argument(
+    flags.add(
         "--corpus_paths",
-        default=env("SPECDEC_DRAFT_CORPUS_PATHS", ""),
+        "",
+        shared=False,
         help="comma-separated extra files or folders (.py .txt .md .rst .json) read after the sources",
     )
-    p.add_argument(
+    flags.add(
         "--corpus_max_tokens",
-        type=int,
-        default=int(env("SPECDEC_DRAFT_CORPUS_MAX_TOKENS", DEFAULT_MAX_TOKENS)),
+        DEFAULT_MAX_TOKENS,
+        shared=False,
         help="the corpus budget in tokens: bounds the build time and the index size (~10 bytes a token)",
     )
-    p.add_argument(
+    flags.add(
         "--corpus_cache_dir",
-        default=env("SPECDEC_DRAFT_CORPUS_CACHE_DIR", ""),
+        "",
+        shared=False,
         help="where corpus indexes are kept (default: --cache_dir)",
     )
 
@@ -139,63 +141,56 @@ def corpus_config(a: argparse.Namespace) -> CorpusConfig:
 
 
 def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftConfig:
-    env = environ.get
     p = argparse.ArgumentParser(prog="python -m draft_svc", description="The draft pool service.")
-    p.add_argument("--host", default=env("SPECDEC_HOST", DEFAULT_HOST))
-    p.add_argument("--port", type=int, default=int(env("SPECDEC_PORT", DEFAULT_PORT)))
-    p.add_argument("--metrics_port", type=int, default=int(env("SPECDEC_METRICS_PORT", 0)))
-    p.add_argument("--log_level", default=env("SPECDEC_LOG_LEVEL", "INFO"))
-    p.add_argument(
+    flags = Flags(p, "DRAFT", environ)
+    flags.add("--host", DEFAULT_HOST)
+    flags.add("--port", DEFAULT_PORT)
+    flags.add("--metrics_port", 0)
+    flags.add("--log_level", "INFO")
+    flags.add(
         "--primary_address",
-        default=env("SPECDEC_PRIMARY_ADDRESS", NO_PRIMARY),
+        NO_PRIMARY,
         help="host:port of the primary whose weights the model-based strategies run on",
     )
-    p.add_argument(
-        "--num_threads",
-        type=int,
-        default=int(env("SPECDEC_DRAFT_NUM_THREADS", 1)),
-        help="torch intra-op threads (default 1; 0: torch's default)",
-    )
-    add_corpus_arguments(p, environ)
-    p.add_argument(
+    flags.add("--num_threads", 1, shared=False, help="torch intra-op threads (default 1; 0: torch's default)")
+    add_corpus_arguments(flags)
+    flags.add(
         "--strategies",
-        default=env("SPECDEC_DRAFT_STRATEGIES", ",".join(DEFAULT_STRATEGIES)),
-        help=f"comma-separated strategies this pool offers, of {','.join(KNOWN_STRATEGIES)}",
+        ",".join(OFFERED_STRATEGIES),
+        shared=False,
+        help=f"comma-separated strategies this pool offers, of {','.join(strategies.NAMES)}",
     )
-    p.add_argument(
+    flags.add(
         "--default_strategies",
-        default=env("SPECDEC_DRAFT_DEFAULT_STRATEGIES", ""),
+        "",
+        shared=False,
         help="strategies of a request that names none (default: the model-free ones offered)",
     )
-    p.add_argument("--draft_length", type=int, default=int(env("SPECDEC_DRAFT_LENGTH", 8)))
-    p.add_argument(
-        "--draft_threads",
-        type=int,
-        default=int(env("SPECDEC_DRAFT_THREADS", 4)),
-        help="threads running one step's decoders in parallel",
-    )
-    p.add_argument(
+    flags.add("--draft_length", 8)  # SPECDEC_DRAFT_LENGTH, the gateway's variable too
+    flags.add("--draft_threads", 4, help="threads running one step's decoders in parallel")  # SPECDEC_DRAFT_THREADS
+    flags.add(
         "--early_exit_layers",
-        type=int,
-        default=int(env("SPECDEC_DRAFT_EARLY_EXIT_LAYERS", 0)),
+        0,
+        shared=False,
         help="layers the early-exit decoder runs (0: 3/4 of the model's)",
     )
-    p.add_argument(
+    flags.add(
         "--skipped_layers",
-        default=env("SPECDEC_DRAFT_SKIPPED_LAYERS", ""),
+        "",
+        shared=False,
         help="comma-separated layers the layer-skip decoder skips (default: every other one from L/4 to 2L/3)",
     )
-    p.add_argument("--max_context", type=int, default=int(env("SPECDEC_DRAFT_MAX_CONTEXT", 0)))
-    p.add_argument("--attach_poll_s", type=float, default=float(env("SPECDEC_DRAFT_ATTACH_POLL_S", 5.0)))
-    add_service_token_arguments(p, lambda name, default: env("SPECDEC_" + name, default))
+    flags.add("--max_context", 0, shared=False)
+    flags.add("--attach_poll_s", 5.0, shared=False)
+    add_service_token_arguments(flags)
     a = p.parse_args(argv)
-    strategies = _names(a.strategies)
-    defaults = _names(a.default_strategies) or tuple(n for n in strategies if n in MODEL_FREE_STRATEGIES) or strategies
+    offered = _names(a.strategies)
+    defaults = _names(a.default_strategies) or tuple(n for n in offered if n in MODEL_FREE_STRATEGIES) or offered
     try:
         return DraftConfig(
             server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
             pool=PoolConfig(
-                strategies=strategies,
+                strategies=offered,
                 default_strategies=defaults,
                 default_draft_length=a.draft_length,
                 num_threads=a.draft_threads,
@@ -206,7 +201,7 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
             max_context=a.max_context,
             num_torch_threads=a.num_threads,
             log_level=a.log_level.upper(),
-            model_path=a.model_path,
+            model_path=a.model_path or None,
             cache_dir=Path(a.cache_dir),
             corpus=corpus_config(a),
             service_token_file=a.service_token_file,

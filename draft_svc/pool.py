@@ -46,30 +46,30 @@ from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder
 from draft_svc.strategies.lookahead import LookaheadSource
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
+from specdec.candidates import ranked_sources
+from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
 from specdec.request_id import check_request_id
-
-MAX_CANDIDATES = 32  # node_sources is a uint32 bitmask over the candidates
+from specdec.strategies import DEFAULT_STRATEGIES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolConfig:
-    strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")  # what this pool offers
-    default_strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")  # when a request names none
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # what this pool offers
+    default_strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # when a request names none
     default_draft_length: int = 8
-    max_draft_length: int = 64
+    max_draft_length: int = MAX_DRAFT_LENGTH  # the project's bounds (specdec.engine.tree) are the pool's
     max_speculative_degree: int = 16
-    max_tree_nodes: int = 256  # the primary's limit on a verified tree
+    max_tree_nodes: int = MAX_TREE_NODES
     max_context_tokens: int = 1 << 20
     max_requests: int = 4096
     request_ttl_s: float = 900.0  # a request idle this long (its gateway died) is dropped
     num_threads: int = 4
 
     def __post_init__(self) -> None:
-        if self.max_speculative_degree > MAX_CANDIDATES:
-            raise ValueError(f"max_speculative_degree must be <= {MAX_CANDIDATES}, got {self.max_speculative_degree}")
+        check_speculation_bounds(self.max_speculative_degree, self.max_draft_length, self.max_tree_nodes)
         if not self.strategies or len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"strategies must be distinct and non-empty, got {self.strategies}")
         unknown = set(self.default_strategies) - set(self.strategies)
@@ -80,9 +80,6 @@ class PoolConfig:
             )
         for name in (
             "default_draft_length",
-            "max_draft_length",
-            "max_speculative_degree",
-            "max_tree_nodes",
             "max_context_tokens",
             "max_requests",
             "num_threads",
@@ -237,12 +234,7 @@ class DraftPool:
         self._check_token_ids("prompt_token_ids", args.prompt_token_ids)
         self._check_token_ids("new_token_ids", args.new_token_ids)
         self._check_token_ids("lookahead_argmax_token_ids", args.lookahead_argmax_token_ids)
-        seen: collections.Counter[str] = collections.Counter()
-        entries = []
-        for name in names[:degree]:
-            entries.append((name, seen[name]))
-            seen[name] += 1
-        return entries, draft_length, max_nodes
+        return list(ranked_sources(names[:degree])), draft_length, max_nodes
 
     def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
         if not token_ids:

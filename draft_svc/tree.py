@@ -37,15 +37,12 @@ class TokenTree:
     parents: tuple[int, ...]
     depths: tuple[int, ...]
     node_sources: tuple[int, ...]  # bitmask over candidates: bit i = candidate i proposed this node
-    decoders: tuple[str, ...]  # decoders[i]: candidate i's decoder name (one entry per candidate)
-    ranks: tuple[int, ...]  # ranks[i]: candidate i's rank in its decoder's answer
+    decoders: tuple[str, ...]  # decoders[i]: candidate i's decoder name; its rank: specdec.candidates
 
     def __post_init__(self) -> None:
         num_nodes = len(self.token_ids)
         if not len(self.parents) == len(self.depths) == len(self.node_sources) == num_nodes:
             raise ValueError("token_ids, parents, depths and node_sources must have one entry per node")
-        if len(self.decoders) != len(self.ranks):
-            raise ValueError("decoders and ranks must have one entry per candidate")
         check_tree(self.token_ids, self.parents, is_siblings_unique=True)
         for i, (parent, depth) in enumerate(zip(self.parents, self.depths)):
             if depth != (1 if parent == ROOT else self.depths[parent] + 1):
@@ -58,11 +55,6 @@ class TokenTree:
     @property
     def max_depth(self) -> int:
         return max(self.depths, default=0)
-
-    def origin(self, node: int) -> tuple[int, int]:
-        """(candidate index, position in its token_ids) of the first candidate that proposed `node`."""
-        mask = self.node_sources[node]
-        return (mask & -mask).bit_length() - 1, self.depths[node] - 1
 
 
 def build_token_tree(candidates: Sequence[Candidate], max_nodes: int) -> TokenTree:
@@ -106,7 +98,6 @@ def build_token_tree(candidates: Sequence[Candidate], max_nodes: int) -> TokenTr
         depths=tuple(depths),
         node_sources=tuple(sources),
         decoders=tuple(c.decoder for c in candidates),
-        ranks=tuple(c.rank for c in candidates),
     )
 
 
@@ -120,39 +111,3 @@ def _within_budget(paths: list[list[int]], max_nodes: int) -> set[int]:
                     return kept
                 kept.add(path[depth])
     return kept
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CandidateOutcome:
-    """What one candidate achieved in one step: the controller's per-decoder evidence."""
-
-    decoder: str
-    rank: int
-    num_proposed: int  # the candidate's tokens that made it into the tree
-    num_accepted: int  # of those, on the accepted path (always a prefix of the candidate)
-
-
-def candidate_outcomes(tree: TokenTree, accepted_nodes: Sequence[int]) -> tuple[CandidateOutcome, ...]:
-    """Map the validator's accepted path back to each candidate: how far each one was accepted.
-
-    A candidate's chain is a root path, so its accepted tokens are the accepted nodes carrying its bit.
-    E.g. the tree [a b c d e] above with accepted_nodes [0 1 3] (a b d) -> candidate 0 (a b c):
-    2 of 3, candidate 1 (a b d): 3 of 3, candidate 2 (e): 0 of 1.
-    """
-    expected_parent = ROOT
-    for node in accepted_nodes:
-        if not 0 <= node < tree.num_nodes or tree.parents[node] != expected_parent:
-            raise ValueError(f"accepted_nodes {list(accepted_nodes)} is not a root path of the tree")
-        expected_parent = node
-    outcomes = []
-    for i, (decoder, rank) in enumerate(zip(tree.decoders, tree.ranks)):
-        bit = 1 << i
-        outcomes.append(
-            CandidateOutcome(
-                decoder=decoder,
-                rank=rank,
-                num_proposed=sum(1 for mask in tree.node_sources if mask & bit),
-                num_accepted=sum(1 for node in accepted_nodes if tree.node_sources[node] & bit),
-            )
-        )
-    return tuple(outcomes)

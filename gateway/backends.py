@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import grpc
 
-from specdec import pb
+from specdec import acceptance_mode, pb
+from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import node_depths
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.compiler import ResponseFormat
@@ -47,11 +48,6 @@ _ERRORS: dict[grpc.StatusCode, type[SpecdecError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
-}
-MODES = {
-    "greedy": validator_pb2.ACCEPTANCE_MODE_GREEDY,
-    "sample": validator_pb2.ACCEPTANCE_MODE_SAMPLE,
-    "threshold": validator_pb2.ACCEPTANCE_MODE_THRESHOLD,
 }
 
 
@@ -316,7 +312,7 @@ class Backends:
     def validate(
         self,
         request_id: str,
-        mode: str,
+        mode: AcceptanceMode,
         sampling: SamplingParams,
         acceptance_threshold: float,
         step: int,
@@ -329,7 +325,7 @@ class Backends:
             self.validator.Validate,
             validator_pb2.ValidateRequest(
                 request_id=request_id,
-                mode=MODES[mode],
+                mode=acceptance_mode.to_pb(mode),
                 sampling=pb.sampling_to_pb(sampling),
                 acceptance_threshold=acceptance_threshold,
                 step=step,

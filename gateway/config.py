@@ -7,29 +7,21 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import TypeVar
 
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
 from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
+from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.logits_codec import FORMATS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
+from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.strategies import DEFAULT_STRATEGIES, check_names
 
-GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; only for requests with a response_format
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
-KNOWN_STRATEGIES = (
-    "prompt_lookup",
-    "suffix_index",
-    "corpus",
-    "lookahead",
-    "early_exit",
-    "layer_skip",
-    GRAMMAR_STRATEGY,
-)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,12 +34,18 @@ class Limits:
     max_stop_chars: int = 256
     max_prompt_chars: int = 1 << 20
     max_chat_messages: int = 256
+    # A request's speculation, derived from what every service accepts (specdec.engine.tree's bounds,
+    # also the draft pool's): half the draft length and a quarter of the tree keep a step within the
+    # measured verify curve (64 rows, gateway/cost_model.py).
     max_speculative_degree: int = 8
-    max_draft_length: int = 32
-    max_tree_nodes: int = 64
+    max_draft_length: int = MAX_DRAFT_LENGTH // 2
+    max_tree_nodes: int = MAX_TREE_NODES // 4
     # JSON nesting of a response_format schema: deeper ones exhaust the recursion of schema checking
     # and compiling (RecursionError after seconds of CPU), so they are refused before either runs.
     max_schema_depth: int = 64
+
+    def __post_init__(self) -> None:
+        check_speculation_bounds(self.max_speculative_degree, self.max_draft_length, self.max_tree_nodes)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,7 +53,7 @@ class SpeculationDefaults:
     is_enabled: bool = True
     speculative_degree: int = 1
     draft_length: int = 8
-    strategies: tuple[str, ...] = ("prompt_lookup", "suffix_index")
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     # The adaptive controller picks degree and draft length per step; a request's own values bound
     # them, and these bound them when the request leaves them unset.
     is_adaptive: bool = True
@@ -71,9 +69,7 @@ class SpeculationDefaults:
         for name in ("speculative_degree", "draft_length", "max_adaptive_degree", "max_adaptive_draft_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        unknown = set(self.strategies) - set(KNOWN_STRATEGIES)
-        if unknown:
-            raise ValueError(f"unknown strategies {sorted(unknown)}; known: {KNOWN_STRATEGIES}")
+        check_names(self.strategies)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,99 +114,72 @@ class GatewayConfig:
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
 
 
-_Default = TypeVar("_Default", str, None)  # a str default gives a str
-
-
-def _env(name: str, default: _Default) -> str | _Default:
-    return os.environ.get(f"SPECDEC_GATEWAY_{name}", os.environ.get(f"SPECDEC_{name}", default))
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    value = _env(name, None)
-    if value is None:
-        return default
-    if value.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ValueError(f"SPECDEC_GATEWAY_{name} must be true or false, got {value!r}")
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m gateway", description="The public gRPC API and the per-request loop.")
-    p.add_argument("--host", default=_env("HOST", DEFAULT_HOST))
-    p.add_argument("--port", type=int, default=int(_env("PORT", "50050")))
-    p.add_argument("--metrics_port", type=int, default=int(_env("METRICS_PORT", "0")))
-    p.add_argument("--primary_address", default=_env("PRIMARY_ADDRESS", "127.0.0.1:50051"))
-    p.add_argument("--draft_address", default=_env("DRAFT_ADDRESS", "127.0.0.1:50052"))
-    p.add_argument("--validator_address", default=_env("VALIDATOR_ADDRESS", "127.0.0.1:50053"))
-    p.add_argument("--redis_url", default=_env("REDIS_URL", ""))
-    p.add_argument("--model_path", default=_env("MODEL_PATH", _env("MODEL", None)) or None)
-    p.add_argument("--cache_dir", default=_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
-    p.add_argument("--strategies", default=_env("STRATEGIES", "prompt_lookup,suffix_index"))
-    p.add_argument("--draft_length", type=int, default=int(_env("DRAFT_LENGTH", "8")))
-    p.add_argument("--speculative_degree", type=int, default=int(_env("SPECULATIVE_DEGREE", "1")))
-    p.add_argument(
+    flags = Flags(p, "GATEWAY", os.environ)
+    speculation = SpeculationDefaults()
+    flags.add("--host", DEFAULT_HOST)
+    flags.add("--port", 50050)
+    flags.add("--metrics_port", 0)
+    flags.add("--primary_address", "127.0.0.1:50051")
+    flags.add("--draft_address", "127.0.0.1:50052")
+    flags.add("--validator_address", "127.0.0.1:50053")
+    flags.add("--redis_url", "")
+    flags.add("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str)
+    flags.add("--cache_dir", str(Path.home() / ".cache" / "specdec" / "models"))
+    flags.add("--strategies", ",".join(speculation.strategies))
+    flags.add("--draft_length", speculation.draft_length)
+    flags.add("--speculative_degree", speculation.speculative_degree)
+    flags.add(
         "--adaptive",
-        action=argparse.BooleanOptionalAction,
-        default=_env_bool("ADAPTIVE", True),
+        True,
         help="let the adaptive controller choose degree and draft length per step (requests may "
         "override with speculation.is_adaptive)",
     )
-    p.add_argument("--max_adaptive_degree", type=int, default=int(_env("MAX_ADAPTIVE_DEGREE", "4")))
-    p.add_argument("--max_adaptive_draft_length", type=int, default=int(_env("MAX_ADAPTIVE_DRAFT_LENGTH", "16")))
-    p.add_argument(
+    flags.add("--max_adaptive_degree", speculation.max_adaptive_degree)
+    flags.add("--max_adaptive_draft_length", speculation.max_adaptive_draft_length)
+    flags.add(
         "--plain_overhead_ms",
-        type=float,
-        default=float(_env("PLAIN_OVERHEAD_MS", str(PLAIN_OVERHEAD_MS))),
+        PLAIN_OVERHEAD_MS,
         help="cost model: time per plain step outside the primary's forward",
     )
-    p.add_argument(
+    flags.add(
         "--speculative_overhead_ms",
-        type=float,
-        default=float(_env("SPECULATIVE_OVERHEAD_MS", str(SPECULATIVE_OVERHEAD_MS))),
+        SPECULATIVE_OVERHEAD_MS,
         help="cost model: time per speculative step outside the forward and the drafts",
     )
-    p.add_argument("--greedy_logits_format", default=_env("GREEDY_LOGITS_FORMAT", "fp8_e4m3"), choices=FORMATS)
-    p.add_argument(
+    flags.add("--greedy_logits_format", speculation.greedy_logits_format, choices=FORMATS)
+    flags.add(
         "--logits_via_handle",
+        False,
         action="store_true",
-        default=_env("LOGITS_VIA_HANDLE", "0") in ("1", "true", "yes"),
         help="the validator runs on the primary's machine: pass verify logits through /dev/shm",
     )
-    p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(4 << 20))))
-    p.add_argument("--rpc_timeout_s", type=float, default=float(_env("RPC_TIMEOUT_S", "60")))
-    p.add_argument("--recovery_timeout_s", type=float, default=float(_env("RECOVERY_TIMEOUT_S", "120")))
-    p.add_argument(
+    flags.add("--max_message_bytes", 4 << 20)
+    flags.add("--rpc_timeout_s", 60.0)
+    flags.add("--recovery_timeout_s", 120.0)
+    flags.add(
         "--max_grammar_compile_s",
-        type=float,
-        default=float(_env("MAX_GRAMMAR_COMPILE_S", "10")),
+        10.0,
         help="longest a request waits for its response_format to compile (RESOURCE_EXHAUSTED after)",
     )
-    p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
-    p.add_argument(
-        "--num_threads",
-        type=int,
-        default=int(os.environ.get("SPECDEC_GATEWAY_NUM_THREADS", "1")),
-        help="torch intra-op threads (default 1; 0: torch's default)",
-    )
-    add_service_token_arguments(p, _env, is_server=False)
+    flags.add("--log_level", "INFO")
+    flags.add("--num_threads", 1, shared=False, help="torch intra-op threads (default 1; 0: torch's default)")
+    add_service_token_arguments(flags, is_server=False)
     add_public_access_arguments(
-        p,
-        _env,
-        _env_bool,
+        flags,
         keys_help="tenants and the SHA-256 of their API keys (python -m specdec.service.api_keys add); "
         "every call must carry one of the keys, and a request belongs to the tenant that made it",
         tls_what="TLS",
     )
-    p.add_argument(
+    flags.add(
         "--max_active_requests",
-        type=int,
-        default=int(_env("MAX_ACTIVE_REQUESTS", "16")),
+        16,
         help="requests generating at once; more wait in the admission queue",
     )
-    p.add_argument(
+    flags.add(
         "--max_queued_requests",
-        type=int,
-        default=int(_env("MAX_QUEUED_REQUESTS", "128")),
+        128,
         help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
         "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata",
     )
@@ -230,7 +199,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         draft_address=a.draft_address,
         validator_address=a.validator_address,
         redis_url=a.redis_url,
-        model_path=a.model_path,
+        model_path=a.model_path or None,
         cache_dir=Path(a.cache_dir),
         speculation=SpeculationDefaults(
             speculative_degree=a.speculative_degree,

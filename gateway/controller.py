@@ -37,14 +37,15 @@ the cost model dropped stays dropped for the request.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
 from gateway.cost_model import CostModel
+from specdec.candidates import CandidateOutcome
+from specdec.task_type import TaskType
 from specdec.controller_defaults import (
     DRAFT_LENGTH_CHOICES,
     PRIOR_ACCEPTANCE_CODE,
@@ -54,12 +55,6 @@ from specdec.controller_defaults import (
 
 STATE_VERSION = 1
 _TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
-
-
-class TaskType(enum.StrEnum):
-    STRUCTURED = "structured"
-    CODE = "code"
-    CREATIVE = "creative"
 
 
 # Code fences, a line that starts like code in common languages, or a line that ends like a C statement.
@@ -254,70 +249,6 @@ class SpeculationPlan:
 
     def num_candidates(self, decoder: str) -> int:
         return 1 + max((rank for name, rank in self.sources if name == decoder), default=-1)
-
-
-class DraftOutcome(Protocol):
-    """One candidate's result (draft_svc.tree.CandidateOutcome or the gateway's proto message), read only."""
-
-    @property
-    def decoder(self) -> str: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def num_proposed(self) -> int: ...
-    @property
-    def num_accepted(self) -> int: ...
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CandidateOutcome:
-    """One candidate of a verified tree: its nodes, and how many of them the accepted path holds."""
-
-    decoder: str
-    rank: int
-    num_proposed: int
-    num_accepted: int
-
-
-def ranked_sources(strategies: Sequence[str]) -> tuple[tuple[str, int], ...]:
-    """The draft pool's candidate list -> (decoder, rank): the r-th occurrence of a name is rank r.
-
-    # E.g. (prompt_lookup, suffix_index, prompt_lookup)
-    #   -> ((prompt_lookup, 0), (suffix_index, 0), (prompt_lookup, 1))
-    """
-    seen: dict[str, int] = {}
-    ranked = []
-    for name in strategies:
-        ranked.append((name, seen.get(name, 0)))
-        seen[name] = seen.get(name, 0) + 1
-    return tuple(ranked)
-
-
-def strategies_for(sources: Sequence[tuple[str, int]]) -> tuple[str, ...]:
-    """A plan's sources -> the draft pool's candidate list; the inverse of ranked_sources.
-    Ranks of a decoder must appear in order 0, 1, 2, ... (the controller plans them so)."""
-    strategies = tuple(name for name, _ in sources)
-    if ranked_sources(strategies) != tuple(sources):
-        raise ValueError(f"sources must list each decoder's ranks in order from 0, got {list(sources)}")
-    return strategies
-
-
-def candidate_outcomes(
-    strategies: Sequence[str], node_sources: Sequence[int], accepted_nodes: Sequence[int]
-) -> list[CandidateOutcome]:
-    """Per candidate (bit i of node_sources = strategies[i]): nodes it proposed, and those on the
-    accepted path. A candidate is a chain, so its accepted nodes are the prefix the primary took.
-
-    # E.g. strategies (a, b), tree 0:x(a,b) 1:y(a) 2:z(b) with parents (-1, 0, 0), accepted [0, 2]
-    #   -> a: 2 proposed, 1 accepted; b: 2 proposed, 2 accepted
-    """
-    accepted = set(accepted_nodes)
-    outcomes = []
-    for i, (decoder, rank) in enumerate(ranked_sources(strategies)):
-        bit = 1 << i
-        nodes = [n for n, sources in enumerate(node_sources) if sources & bit]
-        outcomes.append(CandidateOutcome(decoder, rank, len(nodes), sum(1 for n in nodes if n in accepted)))
-    return outcomes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -546,7 +477,7 @@ class AdaptiveController:
         oldest = min(stale, key=lambda e: e.last_observed_step)
         return ((oldest.decoder, oldest.rank),)
 
-    def observe(self, state: ControllerState, plan: SpeculationPlan, outcomes: Iterable[DraftOutcome]) -> None:
+    def observe(self, state: ControllerState, plan: SpeculationPlan, outcomes: Iterable[CandidateOutcome]) -> None:
         """Record one finished step. Planned sources without an outcome proposed nothing."""
         if not plan.is_speculative:
             state.num_steps += 1

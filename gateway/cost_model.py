@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from specdec.controller_defaults import LOOKAHEAD_ROWS, PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
+from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
+from specdec.strategies import STRATEGIES, DraftCost
 
 # SmolLM2-135M bf16, one KV-cached forward of k tokens after 256 tokens of context, in ms (docs/architecture.md).
 SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
@@ -33,44 +34,8 @@ SMOLLM2_BF16_VERIFY_MS: tuple[tuple[int, float], ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class DraftCost:
-    """A decoder's cost per step, in 1-token forwards (prompt lookup ~0; early exit ~0.6-0.9 a token),
-    and the rows it adds to the verify beside its candidates' nodes (lookahead's Jacobi window),
-    priced by the verify curve with the tree's."""
-
-    fixed: float = 0.0
-    per_token: float = 0.0
-    extra_rows: int = 0
-
-    def __post_init__(self) -> None:
-        if self.fixed < 0 or self.per_token < 0 or self.extra_rows < 0:
-            raise ValueError(
-                f"draft costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}, "
-                f"extra_rows={self.extra_rows}"
-            )
-
-    def at(self, draft_length: int) -> float:
-        return self.fixed + self.per_token * draft_length
-
-
-# Model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); the corpus decoder's
-# longest-match search over a 2M-token memory-mapped suffix array ~0.3-0.4 ms (a few binary
-# searches and a vote; draft_svc/corpus/suffix_array.py); grammar-forced drafts a jump-forward
-# query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree node in the
-# gateway (~0.2 ms in all; a rank's extra nodes are priced by the verify curve like any candidate's);
-# self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without
-# fine-tuning (docs/architecture.md, Measurements); lookahead's n-gram pool lookup costs microseconds,
-# its Jacobi window LOOKAHEAD_ROWS verify rows (draft_svc/strategies/lookahead.py).
-DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = (
-    ("early_exit", DraftCost(per_token=0.75)),
-    ("layer_skip", DraftCost(per_token=0.85)),
-    ("prompt_lookup", DraftCost(fixed=0.002)),
-    ("suffix_index", DraftCost(fixed=0.004)),
-    ("corpus", DraftCost(fixed=0.01)),
-    ("grammar", DraftCost(fixed=0.005)),
-    ("lookahead", DraftCost(fixed=0.002, extra_rows=LOOKAHEAD_ROWS)),
-)
+# Each strategy's default cost, from the one list of strategies.
+DEFAULT_DRAFT_COSTS: tuple[tuple[str, DraftCost], ...] = tuple((s.name, s.cost) for s in STRATEGIES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,27 +37,20 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import structlog
 
 from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation
-from gateway.controller import (
-    AdaptiveController,
-    CandidateOutcome,
-    ControllerConfig,
-    ControllerState,
-    SpeculationPlan,
-    TaskType,
-    candidate_outcomes,
-    infer_task_type,
-    ranked_sources,
-    strategies_for,
-)
-from gateway.config import GRAMMAR_MAX_SPELLINGS, GRAMMAR_STRATEGY
+from gateway.controller import AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, infer_task_type
+from gateway.config import GRAMMAR_MAX_SPELLINGS
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
+from specdec.acceptance_mode import AcceptanceMode, select_mode
+from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import RequestStatus, StateStore
+from specdec.strategies import GRAMMAR_STRATEGY
+from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
@@ -180,6 +173,8 @@ class RequestLoop:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
+        # The acceptance rule, decided here once for the request and sent on every Validate.
+        self.acceptance_mode = select_mode(params.sampling, params.speculation.acceptance_threshold)
         self.recovery_timeout_s, self.max_tree_nodes = recovery_timeout_s, max_tree_nodes
         self.cancel, self.deadline, self.owner = cancel, deadline, owner
         self.generated: list[int] = list(generated)
@@ -234,9 +229,9 @@ class RequestLoop:
             decoders,
         )
 
-    def _requested_task_type(self) -> str:
-        """A constrained output is a structured task whatever the request says; else its own, or ""."""
-        return TaskType.STRUCTURED.value if self.params.has_schema else self.params.speculation.task_type
+    def _requested_task_type(self) -> TaskType | None:
+        """A constrained output is a structured task whatever the request says; else its own, or None."""
+        return TaskType.STRUCTURED if self.params.has_schema else self.params.speculation.task_type
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -293,7 +288,8 @@ class RequestLoop:
 
     def _plan(self) -> SpeculationPlan:
         plan = self.fixed_plan if self.controller is None else self.controller.plan(self._controller_state())
-        if plan.is_speculative and not self._is_greedy_acceptance() and not self.validator_state.is_retry_due():
+        is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
+        if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
@@ -301,9 +297,6 @@ class RequestLoop:
     def _controller_state(self) -> ControllerState:
         assert self.controller_state is not None  # set with the controller
         return self.controller_state
-
-    def _is_greedy_acceptance(self) -> bool:
-        return self.params.sampling.is_greedy and self.params.speculation.acceptance_threshold == 0
 
     def _observe(self, plan: SpeculationPlan, outcomes: list[CandidateOutcome] | None) -> None:
         """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran)."""
@@ -331,22 +324,20 @@ class RequestLoop:
 
     def _speculative_step(self, plan: SpeculationPlan) -> tuple[list[int], list[CandidateOutcome] | None]:
         """One propose -> verify -> validate; the candidates' outcomes (None when the draft service failed)."""
-        spec, sampling = self.params.speculation, self.params.sampling
         t0 = time.perf_counter()
         tree = self._propose(plan)
         if len(self.prompt_ids) + len(self.generated) + tree.lookahead_depth > self.model.max_context:
             tree = dataclasses.replace(tree, lookahead_token_ids=(), lookahead_parents=())  # no room: not this step
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
         t1 = time.perf_counter()
-        fmt = self.greedy_format if sampling.is_greedy and spec.acceptance_threshold == 0 else self.sample_format
+        fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
         verified = self._with_primary(
             lambda: self.backends.verify(
                 self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed
             )
         )
         t2 = time.perf_counter()
-        mode = "threshold" if spec.acceptance_threshold > 0 else ("greedy" if sampling.is_greedy else "sample")
-        v = self._validate(mode, tree, verified, allowed)
+        v = self._validate(tree, verified, allowed)
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
             self._with_primary(lambda: None, is_fresh=True)
@@ -355,20 +346,20 @@ class RequestLoop:
         self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
-        outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes)
+        outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents)
         self._account(tree, outcomes, v)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
             self.stats.stage_ms[stage] += ms * 1000
         return list(self.pending_committed), (outcomes if tree.decoders else None)
 
-    def _validate(self, mode: str, tree: DraftTree, verified, allowed) -> Validation | None:
+    def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
         """The validator's decision; while it cannot be reached, the same greedy rule here from the
         primary's argmaxes, or None (sampling and threshold modes need the validator)."""
         if self.validator_state.should_call():
             try:
                 v = self.backends.validate(
                     self.request_id,
-                    mode,
+                    self.acceptance_mode,
                     self.params.sampling,
                     self.params.speculation.acceptance_threshold,
                     self.stats.num_steps,
@@ -381,7 +372,11 @@ class RequestLoop:
             except Unavailable as e:
                 self.validator_state.failed(str(e))
         self.stats.num_validator_fallback_steps += 1
-        return greedy_validation(tree, verified.argmax_token_ids) if mode == "greedy" else None
+        return (
+            greedy_validation(tree, verified.argmax_token_ids)
+            if self.acceptance_mode == AcceptanceMode.GREEDY
+            else None
+        )
 
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
@@ -404,7 +399,7 @@ class RequestLoop:
     def _propose(self, plan: SpeculationPlan) -> DraftTree:
         """The plan's candidates as a tree. The draft service first hears the tokens committed since
         its previous call (all of them when it opens the request: first call, or after it lost it)."""
-        strategies = strategies_for(plan.sources)
+        strategies = decoders_for(plan.sources)
         prompt, new = (
             ((), self.generated[self.draft_synced :]) if self.is_draft_open else (self.prompt_ids, self.generated)
         )
@@ -443,9 +438,8 @@ class RequestLoop:
         self.stats.num_proposed += tree.num_nodes
         self.stats.num_accepted += len(v.accepted_nodes)
         for o in outcomes:
-            name = o.decoder if o.rank == 0 else f"{o.decoder}#{o.rank}"
             ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
-            self.stats.add_decoder(name, o.num_proposed, o.num_accepted, ms)
+            self.stats.add_decoder(stats_name(o.decoder, o.rank), o.num_proposed, o.num_accepted, ms)
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     # --- stop conditions, commit ---------------------------------------------------------------

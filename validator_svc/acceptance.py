@@ -10,7 +10,7 @@ Terms (one speculative step, tree of N draft nodes, target logits [N+1, V], row 
                     distribution that makes the step exact.
   accepted length   len(accepted_nodes) + 1 tokens committed per step.
 
-Modes:
+Modes (specdec.acceptance_mode; the caller decides which, this module applies it):
   greedy     Accept the child whose token is the primary's argmax (lossless for temperature 0).
   sample     Recursive rejection sampling (Leviathan et al. 2023, "Fast Inference from
              Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating LLM
@@ -48,17 +48,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdec.acceptance_mode import THRESHOLD_OFF, AcceptanceMode, check_mode
 from specdec.engine.tree import check_tree
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.mask import MASKED_LOGIT
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from validator_svc.entropy import row_entropy
 
-MODE_GREEDY = "greedy"
-MODE_SAMPLE = "sample"
-MODE_THRESHOLD = "threshold"
-MODES = (MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD)
-THRESHOLD_OFF = 0.0
 ROOT_ROW = 0  # logits row of the root; node i's row is i + 1
 
 Children = tuple[tuple[int, ...], ...]  # children[row]: node indices in index order
@@ -76,17 +72,12 @@ class ValidationResult:
         return len(self.accepted_nodes) + 1
 
 
-def select_mode(params: SamplingParams, acceptance_threshold: float = THRESHOLD_OFF) -> str:
-    if acceptance_threshold != THRESHOLD_OFF:
-        return MODE_THRESHOLD
-    return MODE_GREEDY if params.is_greedy else MODE_SAMPLE
-
-
 def validate_tree(
     token_ids: Sequence[int] | torch.Tensor,
     parents: Sequence[int] | torch.Tensor,
     target_logits: torch.Tensor,
     params: SamplingParams,
+    mode: AcceptanceMode,
     *,
     acceptance_threshold: float = THRESHOLD_OFF,
     draft_probs: torch.Tensor | None = None,
@@ -95,12 +86,13 @@ def validate_tree(
     step: int = 0,
     allowed: TokenBitmask | None = None,
 ) -> ValidationResult:
-    """Dispatch on select_mode; the random stream is make_generator(params.seed, step) unless given."""
-    mode = select_mode(params, acceptance_threshold)
-    if mode == MODE_GREEDY:
+    """Apply `mode` (decided by the caller: specdec.acceptance_mode); the random stream is
+    make_generator(params.seed, step) unless given."""
+    check_mode(mode, params, acceptance_threshold)
+    if mode == AcceptanceMode.GREEDY:
         return greedy_accept(token_ids, parents, target_logits, argmax_ids=argmax_ids, allowed=allowed)
     generator = generator if generator is not None else make_generator(params.seed, step)
-    if mode == MODE_SAMPLE:
+    if mode == AcceptanceMode.SAMPLE:
         return rejection_sample_accept(
             token_ids, parents, target_logits, params, generator, draft_probs=draft_probs, allowed=allowed
         )
@@ -182,7 +174,7 @@ def threshold_accept(
     argmax_ids=None,
     allowed: TokenBitmask | None = None,
 ) -> ValidationResult:
-    _check_threshold(acceptance_threshold)
+    check_mode(AcceptanceMode.THRESHOLD, params, acceptance_threshold)
     ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
     argmax = check_argmax_ids(argmax_ids, *target_logits.shape)
     if params.is_greedy:
@@ -420,8 +412,3 @@ def _check_draft_probs(draft_probs: torch.Tensor | None, ids: Sequence[int], voc
     bad_nodes = (own_probs <= 0).nonzero()
     if bad_nodes.numel():
         raise ValueError(f"draft_probs[{int(bad_nodes[0])}] gives zero probability to the node's own token")
-
-
-def _check_threshold(acceptance_threshold: float) -> None:
-    if not (0.0 < acceptance_threshold <= 1.0):
-        raise ValueError(f"acceptance_threshold must be in (0, 1] for threshold mode, got {acceptance_threshold!r}")

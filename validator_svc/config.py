@@ -1,4 +1,5 @@
-"""Validator service configuration (flags, SPECDEC_VALIDATOR_* / SPECDEC_* env defaults)."""
+"""Validator service configuration: flags, with SPECDEC_VALIDATOR_* / SPECDEC_* environment variables as
+defaults. The only module of the service that reads os.environ."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import dataclasses
 import os
 
 from specdec.service.auth import add_service_token_arguments
+from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 from validator_svc.paths import DEVICES
 
@@ -29,25 +31,17 @@ class ValidatorConfig:
             raise ValueError(f"num_threads must be >= 0 (0: torch's default), got {self.num_threads}")
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"SPECDEC_VALIDATOR_{name}", os.environ.get(f"SPECDEC_{name}", default))
-
-
 def parse_config(argv: list[str] | None = None) -> ValidatorConfig:
     p = argparse.ArgumentParser(prog="python -m validator_svc", description="The acceptance rule over gRPC.")
-    p.add_argument("--host", default=_env("HOST", DEFAULT_HOST))
-    p.add_argument("--port", type=int, default=int(_env("PORT", "50053")))
-    p.add_argument("--metrics_port", type=int, default=int(_env("METRICS_PORT", "0")))
-    p.add_argument("--device", default=_env("DEVICE", "auto"), choices=DEVICES)
-    p.add_argument("--max_message_bytes", type=int, default=int(_env("MAX_MESSAGE_BYTES", str(128 << 20))))
-    p.add_argument("--log_level", default=_env("LOG_LEVEL", "INFO"))
-    p.add_argument(
-        "--num_threads",
-        type=int,
-        default=int(os.environ.get("SPECDEC_VALIDATOR_NUM_THREADS", "1")),
-        help="torch intra-op threads (default 1; 0: torch's default)",
-    )
-    add_service_token_arguments(p, _env)
+    flags = Flags(p, "VALIDATOR", os.environ)
+    flags.add("--host", DEFAULT_HOST)
+    flags.add("--port", 50053)
+    flags.add("--metrics_port", 0)
+    flags.add("--device", "auto", choices=DEVICES)
+    flags.add("--max_message_bytes", 128 << 20)
+    flags.add("--log_level", "INFO")
+    flags.add("--num_threads", 1, shared=False, help="torch intra-op threads (default 1; 0: torch's default)")
+    add_service_token_arguments(flags)
     a = p.parse_args(argv)
     return ValidatorConfig(
         ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port, max_message_bytes=a.max_message_bytes),

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from specdec.acceptance_mode import THRESHOLD_OFF, check_threshold
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, ITEMSIZE, EncodedLogits, decode_logits
 from validator_svc.acceptance import (
@@ -385,10 +386,9 @@ def validate_from_stats(
         raise ValueError(f"target_logits has {num_rows} rows, expected num_nodes + 1 = {len(ids) + 1}")
     argmax = check_argmax_ids(argmax_ids, num_rows, stats.vocab_size) or stats.argmax_ids.tolist()
     entropies = stats.entropy.tolist()
-    if acceptance_threshold == 0.0:
+    if acceptance_threshold == THRESHOLD_OFF:
         return greedy_walk(children, ids, argmax, entropies)
-    if not 0.0 < acceptance_threshold <= 1.0:  # also rejects NaN
-        raise ValueError(f"acceptance_threshold must be in [0, 1], got {acceptance_threshold!r}")
+    check_threshold(acceptance_threshold)
     parent_max = [float(stats.row_max[int(p) + 1]) for p in parents]
     child_logits = stats.child_logits.tolist()
     qualified = threshold_greedy_qualified(child_logits, parent_max, acceptance_threshold)

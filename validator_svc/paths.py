@@ -23,7 +23,8 @@ from typing import Callable, Protocol, Sequence
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import EncodedLogits, decode_logits
 from specdec.sampling import SamplingParams
-from validator_svc.acceptance import MODE_GREEDY, MODE_THRESHOLD, MODES, ValidationResult, validate_tree
+from specdec.acceptance_mode import AcceptanceMode
+from validator_svc.acceptance import ValidationResult, validate_tree
 from validator_svc.kernel import CudaRowStats, RowStatsFn, cuda_device_count, validate_from_stats
 
 PATH_TORCH = "torch"
@@ -39,15 +40,11 @@ class ValidationInputs:
     parents: Sequence[int]  # [N], -1 for a child of the root
     target_logits: EncodedLogits  # [N+1, V] as they came on the wire, not decoded
     sampling: SamplingParams
-    mode: str  # one of acceptance.MODES
+    mode: AcceptanceMode  # as sent, checked (specdec.acceptance_mode.check_mode)
     acceptance_threshold: float = 0.0  # in (0, 1] in threshold mode, else 0
     argmax_ids: Sequence[int] | None = None  # [N+1], the primary's fp32 argmax, when sent
     step: int = 0  # with sampling.seed, selects the random stream
     allowed: TokenBitmask | None = None  # [N+1] rows of packed grammar mask
-
-    def __post_init__(self) -> None:
-        assert self.mode in MODES, f"mode {self.mode!r}"
-        assert self.mode == MODE_THRESHOLD or self.acceptance_threshold == 0.0, "threshold outside threshold mode"
 
 
 class ValidationPath(Protocol):
@@ -74,6 +71,7 @@ class TorchPath:
             inputs.parents,
             decode_logits(inputs.target_logits),
             inputs.sampling,
+            inputs.mode,
             acceptance_threshold=inputs.acceptance_threshold,
             argmax_ids=inputs.argmax_ids,
             step=inputs.step,
@@ -112,7 +110,9 @@ class CudaPath:
 def is_decided_by_row_stats(inputs: ValidationInputs) -> bool:
     """Greedy, and threshold at temperature 0 (p(x) >= t max p  <=>  logit(x) - row max >= log t),
     need only per-row max, argmax and the children's logits: what the kernel computes."""
-    return inputs.mode == MODE_GREEDY or (inputs.mode == MODE_THRESHOLD and inputs.sampling.is_greedy)
+    return inputs.mode == AcceptanceMode.GREEDY or (
+        inputs.mode == AcceptanceMode.THRESHOLD and inputs.sampling.is_greedy
+    )
 
 
 def make_path(

@@ -9,18 +9,11 @@ import time
 
 import numpy as np
 
-from specdec import pb
+from specdec import acceptance_mode, pb
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.v1 import validator_pb2, validator_pb2_grpc
-from validator_svc.acceptance import MODE_GREEDY, MODE_SAMPLE, MODE_THRESHOLD
 from validator_svc.paths import TorchPath, ValidationInputs, ValidationPath
-
-MODES = {
-    validator_pb2.ACCEPTANCE_MODE_GREEDY: MODE_GREEDY,
-    validator_pb2.ACCEPTANCE_MODE_SAMPLE: MODE_SAMPLE,
-    validator_pb2.ACCEPTANCE_MODE_THRESHOLD: MODE_THRESHOLD,
-}
 
 
 class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
@@ -32,17 +25,15 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         pb.request_id_from_pb(request.request_id)
         sampling = pb.sampling_from_pb(request.sampling)
         threshold = float(request.acceptance_threshold)
-        mode = MODES.get(request.mode)
-        if request.mode == validator_pb2.ACCEPTANCE_MODE_UNSPECIFIED:
-            mode = MODE_GREEDY if sampling.is_greedy else MODE_SAMPLE
-        if mode is None:
-            raise InvalidArgument("mode", f"unknown acceptance mode {request.mode}")
-        if mode == MODE_THRESHOLD and not 0.0 < threshold <= 1.0:
-            raise InvalidArgument("acceptance_threshold", f"threshold mode needs a value in (0, 1], got {threshold}")
-        if mode != MODE_THRESHOLD:
-            threshold = 0.0
-        if mode == MODE_GREEDY and not sampling.is_greedy:
-            raise InvalidArgument("mode", "greedy acceptance needs sampling.temperature = 0")
+        # The gateway decided the mode; it is applied as sent, after checking it fits the step.
+        try:
+            mode = acceptance_mode.from_pb(request.mode)
+        except ValueError as e:
+            raise InvalidArgument("mode", f"mode {e}") from None
+        try:
+            acceptance_mode.check_mode(mode, sampling, threshold)
+        except ValueError as e:
+            raise InvalidArgument(str(e).split(" ", 1)[0], str(e)) from None
         logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
         vocab_size = logits.vocab_size
         token_ids, parents = pb.tree_from_pb(request.tree, vocab_size)

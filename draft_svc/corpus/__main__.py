@@ -24,12 +24,13 @@ from draft_svc.corpus.store import index_dir, open_index
 from specdec.logging import configure_logging
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
+from specdec.service.flags import Flags
 
 
 def main(argv: Sequence[str] | None, environ: Mapping[str, str]) -> int:
     p = argparse.ArgumentParser(prog="python -m draft_svc.corpus", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=("build", "query"))
-    add_corpus_arguments(p, environ)
+    add_corpus_arguments(Flags(p, "DRAFT", environ))
     p.add_argument("--text", default="", help="query: the context whose drafts are printed")
     p.add_argument("--max_tokens", type=int, default=8, help="query: tokens per draft")
     p.add_argument("--max_candidates", type=int, default=3, help="query: drafts")

@@ -70,7 +70,8 @@ class UnknownDecoderError(ValueError):
 
 
 class DecoderRegistry:
-    """Names -> factories: a new strategy is one `register` call, never a new `elif`.
+    """Names -> factories: a new strategy is one `register` call (and its entry in specdec/strategies.py,
+    the list the other services read), never a new `elif`.
 
     A factory carries the strategy's configuration and shared objects (a `functools.partial` over
     the class); `create(name, **request_kwargs)` passes per-request arguments through.

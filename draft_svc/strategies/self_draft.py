@@ -228,6 +228,3 @@ def _make_early_exit(config: SelfDraftConfig, *, model: Transformer) -> EarlyExi
 
 def _make_layer_skip(config: SelfDraftConfig, *, model: Transformer) -> LayerSkipDecoder:
     return LayerSkipDecoder(model, config.skipped_layers or default_skipped_layers(len(model.layers)))
-
-
-MODEL_STRATEGIES = (EarlyExitDecoder.name, LayerSkipDecoder.name)

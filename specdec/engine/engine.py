@@ -48,8 +48,6 @@ from specdec.model.llama import SequenceSpan, Transformer
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
 PREFILL_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of long prompts
-MAX_TREE_NODES = 256
-MAX_LOOKAHEAD_NODES = 64  # a Jacobi window of W positions x (N - 1) levels (draft_svc/strategies/lookahead.py)
 
 
 @dataclasses.dataclass(slots=True)
@@ -340,11 +338,14 @@ class Engine:
                 "commit the last step's bonus token before verifying again",
             )
         assert 0 <= w.num_lookahead <= len(w.token_ids), "num_lookahead counts the tree's last nodes"
-        if w.num_draft > MAX_TREE_NODES:
-            raise InvalidArgument("tree.token_ids", f"{w.num_draft} nodes exceed the limit of {MAX_TREE_NODES}")
-        if w.num_lookahead > MAX_LOOKAHEAD_NODES:
+        if w.num_draft > tree_geometry.MAX_TREE_NODES:
             raise InvalidArgument(
-                "lookahead.token_ids", f"{w.num_lookahead} nodes exceed the limit of {MAX_LOOKAHEAD_NODES}"
+                "tree.token_ids", f"{w.num_draft} nodes exceed the limit of {tree_geometry.MAX_TREE_NODES}"
+            )
+        if w.num_lookahead > tree_geometry.MAX_LOOKAHEAD_NODES:
+            raise InvalidArgument(
+                "lookahead.token_ids",
+                f"{w.num_lookahead} nodes exceed the limit of {tree_geometry.MAX_LOOKAHEAD_NODES}",
             )
         try:
             tree_geometry.check_tree(w.token_ids, w.parents, self.vocab_size)

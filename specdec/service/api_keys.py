@@ -18,10 +18,11 @@ import hashlib
 import re
 import secrets
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from specdec.errors import Unauthenticated
+from specdec.service.flags import Flags
 from specdec.service.server import is_loopback
 
 AUTHORIZATION = "authorization"
@@ -83,21 +84,18 @@ class ApiKeys:
         )
 
 
-def add_public_access_arguments(
-    p, env: Callable[[str, str], str | None], env_bool: Callable[[str, bool], bool], *, keys_help: str, tls_what: str
-) -> None:
+def add_public_access_arguments(flags: Flags, *, keys_help: str, tls_what: str) -> None:
     """--api_keys_file, --allow_insecure_public, --tls_cert and --tls_key: a public front's access
-    flags (the gateway's and the HTTP front's), the same way for both. `env`/`env_bool` read the
-    service's environment (SPECDEC_<service>_<name>, then SPECDEC_<name>)."""
-    p.add_argument("--api_keys_file", default=env("API_KEYS_FILE", ""), help=keys_help)
-    p.add_argument(
+    flags (the gateway's and the HTTP front's), the same way for both."""
+    flags.add("--api_keys_file", "", help=keys_help)
+    flags.add(
         "--allow_insecure_public",
+        False,
         action="store_true",
-        default=env_bool("ALLOW_INSECURE_PUBLIC", False),
         help="without --api_keys_file, listen on a non-loopback --host anyway",
     )
-    p.add_argument("--tls_cert", default=env("TLS_CERT", ""), help=f"PEM certificate chain: serve {tls_what}")
-    p.add_argument("--tls_key", default=env("TLS_KEY", ""), help="PEM private key of --tls_cert")
+    flags.add("--tls_cert", "", help=f"PEM certificate chain: serve {tls_what}")
+    flags.add("--tls_key", "", help="PEM private key of --tls_cert")
 
 
 def check_public_exposure(host: str, api_keys_file: str, is_insecure_public_allowed: bool) -> None:

@@ -18,8 +18,6 @@ stack; compose mounts it as a secret). Comparison is constant-time
 
 from __future__ import annotations
 
-import argparse
-
 import hmac
 import os
 import secrets
@@ -30,6 +28,8 @@ from typing import Any
 import grpc
 import structlog
 
+from specdec.service.flags import Flags
+
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "Bearer "
 # Methods that answer without the token: the standard health service only.
@@ -39,29 +39,20 @@ TOKEN_FILE_MODE = 0o600
 TOKEN_FILE_NAME = "service_token"
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def add_service_token_arguments(
-    p: "argparse.ArgumentParser", env: Callable[[str, str], str | None], *, is_server: bool = True
-) -> None:
+def add_service_token_arguments(flags: Flags, *, is_server: bool = True) -> None:
     """--service_token_file and --allow_unauthenticated, for every service the same way.
 
-    `env(name, default)` reads the service's environment for SPECDEC_<name> (each service's own
-    prefixes first). `is_server`: the token guards this service's port; else it is only sent."""
+    `is_server`: the token guards this service's port; else it is only sent."""
     role = "every caller must send" if is_server else "the internal services expect"
-    p.add_argument(
+    flags.add(
         "--service_token_file",
-        default=env("SERVICE_TOKEN_FILE", "") or "",
+        "",
         help=f"file holding the shared secret {role} (required unless --allow_unauthenticated)",
     )
-    allowed = (env("ALLOW_UNAUTHENTICATED", "false") or "false").strip().lower()
-    if allowed not in _TRUE + _FALSE:
-        raise ValueError(f"SPECDEC_ALLOW_UNAUTHENTICATED must be true or false, got {allowed!r}")
-    p.add_argument(
+    flags.add(
         "--allow_unauthenticated",
+        False,
         action="store_true",
-        default=allowed in _TRUE,
         help="accept calls without the service token (a trusted network only)"
         if is_server
         else "call the internal services without the service token",

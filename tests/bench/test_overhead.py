@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.overhead import outside_fraction, stage_ms_per_step, strategy_of
+from bench.overhead import outside_fraction, stage_ms_per_step
 
 
 def stats(total: float, verify: float, forward: float, steps: int = 5, decoders: dict | None = None) -> dict:
@@ -22,10 +22,6 @@ def stats(total: float, verify: float, forward: float, steps: int = 5, decoders:
             "total": total,
         },
     }
-
-
-def test_strategy_of_drops_the_instance_suffix():
-    assert strategy_of("early_exit#1") == "early_exit" and strategy_of("grammar") == "grammar"
 
 
 def test_outside_fraction_leaves_out_forward_and_model_based_drafting_only():

@@ -77,7 +77,7 @@ def test_candidates_follow_the_strategies_list_and_merge_into_one_tree():
     proposal = pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 3), strategies=("p", "s", "p"), draft_length=3))
     tree = proposal.tree
     # candidates p#0 [a b c], s#0 [a b], p#1 [a d] -> nodes a b c d; bit i = strategies[i]
-    assert tree.decoders == ("p", "s", "p") and tree.ranks == (0, 0, 1)
+    assert tree.decoders == ("p", "s", "p")
     assert tree.token_ids == (A, B, C, D)
     assert tree.parents == (ROOT, 0, 1, 0)
     assert tree.node_sources == (0b111, 0b011, 0b001, 0b100)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from draft_svc.strategies.base import Candidate
-from draft_svc.tree import CandidateOutcome, TokenTree, build_token_tree, candidate_outcomes
+from draft_svc.tree import TokenTree, build_token_tree
+from specdec.candidates import candidate_outcomes
 from specdec.engine.tree import ROOT
 
 A, B, C, D, E, F = 10, 11, 12, 13, 14, 15
@@ -22,7 +23,7 @@ def test_shared_prefixes_are_stored_once_in_candidate_major_order():
     assert tree.parents == (ROOT, 0, 1, 1, ROOT)
     assert tree.depths == (1, 2, 3, 3, 1)
     assert tree.node_sources == (0b011, 0b011, 0b001, 0b010, 0b100)
-    assert tree.decoders == ("d0", "d1", "d2") and tree.ranks == (0, 0, 0)
+    assert tree.decoders == ("d0", "d1", "d2")
     assert tree.max_depth == 3
 
 
@@ -65,38 +66,16 @@ def test_empty_candidates_keep_their_index_for_the_bitmask():
     tree = build_token_tree(_candidates((), (A,)), max_nodes=4)
     assert tree.token_ids == (A,)
     assert tree.node_sources == (0b10,)
-    assert tree.origin(0) == (1, 0)
-
-
-def test_origin_points_at_the_first_proposer_and_its_position():
-    tree = build_token_tree(_candidates((A, B, C), (A, B, D), (E,)), max_nodes=16)
-    assert [tree.origin(i) for i in range(tree.num_nodes)] == [(0, 0), (0, 1), (0, 2), (1, 2), (2, 0)]
-
-
-def test_candidate_outcomes_map_the_accepted_path_back_to_decoders():
-    candidates = [Candidate("lookup", (A, B, C)), Candidate("lookup", (A, B, D), rank=1), Candidate("suffix", (E,))]
-    tree = build_token_tree(candidates, max_nodes=16)
-    assert candidate_outcomes(tree, [0, 1, 3]) == (  # a b d accepted
-        CandidateOutcome("lookup", 0, num_proposed=3, num_accepted=2),
-        CandidateOutcome("lookup", 1, num_proposed=3, num_accepted=3),
-        CandidateOutcome("suffix", 0, num_proposed=1, num_accepted=0),
-    )
-    assert [o.num_accepted for o in candidate_outcomes(tree, [])] == [0, 0, 0]
-    assert [o.num_accepted for o in candidate_outcomes(tree, [4])] == [0, 0, 1]
-    with pytest.raises(ValueError, match="root path"):
-        candidate_outcomes(tree, [0, 2, 1])
-    with pytest.raises(ValueError, match="root path"):
-        candidate_outcomes(tree, [1])
 
 
 def test_truncated_candidate_counts_only_its_kept_tokens():
     tree = build_token_tree(_candidates((A, B, C), (E, F)), max_nodes=4)
-    assert [o.num_proposed for o in candidate_outcomes(tree, [3])] == [3, 1]
+    assert [o.num_proposed for o in candidate_outcomes(tree.decoders, tree.node_sources, [3], tree.parents)] == [3, 1]
 
 
 def test_tree_validates_its_invariants():
     with pytest.raises(ValueError, match="earlier node"):
-        TokenTree(token_ids=(A, B), parents=(1, ROOT), depths=(2, 1), node_sources=(1, 1), decoders=("d",), ranks=(0,))
+        TokenTree(token_ids=(A, B), parents=(1, ROOT), depths=(2, 1), node_sources=(1, 1), decoders=("d",))
     with pytest.raises(ValueError, match="repeats a sibling"):
         TokenTree(
             token_ids=(A, A),
@@ -104,7 +83,6 @@ def test_tree_validates_its_invariants():
             depths=(1, 1),
             node_sources=(1, 2),
             decoders=("d", "e"),
-            ranks=(0, 0),
         )
     with pytest.raises(ValueError, match="depths"):
-        TokenTree(token_ids=(A, B), parents=(ROOT, 0), depths=(1, 3), node_sources=(1, 1), decoders=("d",), ranks=(0,))
+        TokenTree(token_ids=(A, B), parents=(ROOT, 0), depths=(1, 3), node_sources=(1, 1), decoders=("d",))

@@ -231,7 +231,10 @@ def test_bad_input_gets_a_specific_status_naming_the_field_and_frees_everything(
         with pytest.raises(grpc.RpcError) as e:
             validator_pb2_grpc.ValidatorServiceStub(ch).Validate(
                 validator_pb2.ValidateRequest(
-                    request_id="r", tree=common_pb2.TokenTree(token_ids=[1], parents=[-1]), target_logits=logits
+                    request_id="r",
+                    mode=validator_pb2.ACCEPTANCE_MODE_GREEDY,
+                    tree=common_pb2.TokenTree(token_ids=[1], parents=[-1]),
+                    target_logits=logits,
                 ),
                 timeout=10,
             )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
@@ -22,6 +21,7 @@ from gateway.controller import (
     infer_task_type,
 )
 from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, DraftCost
+from specdec.candidates import CandidateOutcome
 
 LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
 # docs/architecture.md: bf16 verify curve, ~10 % of a step outside model compute when speculating, early exit
@@ -38,14 +38,6 @@ FULL_COVERAGE = ControllerConfig(prior_coverage=1.0)
 World = Callable[[int], dict[tuple[str, int], float]]
 
 
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    decoder: str
-    rank: int
-    num_proposed: int
-    num_accepted: int
-
-
 def simulate(
     controller: AdaptiveController, state: ControllerState, world: World, num_steps: int, rng: random.Random
 ) -> list[SpeculationPlan]:
@@ -58,7 +50,7 @@ def simulate(
             accepted = 0
             while accepted < plan.draft_length and rng.random() < alphas[decoder, rank]:
                 accepted += 1
-            outcomes.append(Outcome(decoder, rank, plan.draft_length, accepted))
+            outcomes.append(CandidateOutcome(decoder, rank, plan.draft_length, accepted))
         controller.observe(state, plan, outcomes)
         plans.append(plan)
     return plans
@@ -309,9 +301,9 @@ def test_bad_inputs_are_rejected_naming_the_field():
     state = controller.new_state("code", {LOOKUP: 1})
     plan = SpeculationPlan(draft_length=4, sources=((LOOKUP, 0),))
     with pytest.raises(ValueError, match="num_accepted"):
-        controller.observe(state, plan, [Outcome(LOOKUP, 0, num_proposed=2, num_accepted=3)])
+        controller.observe(state, plan, [CandidateOutcome(LOOKUP, 0, num_proposed=2, num_accepted=3)])
     with pytest.raises(ValueError, match="not tracked"):
-        controller.observe(state, plan, [Outcome(SUFFIX, 0, num_proposed=2, num_accepted=1)])
+        controller.observe(state, plan, [CandidateOutcome(SUFFIX, 0, num_proposed=2, num_accepted=1)])
     with pytest.raises(ValueError, match="not tracked"):
         controller.observe(state, SpeculationPlan(draft_length=4, sources=((SUFFIX, 0),)), [])
     with pytest.raises(ValueError, match="on_above"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostSettings, DraftCost, cost_model_for
+from specdec.strategies import NAMES
 
 FP32_CPU_MS = {1: 40.0, 2: 68.0, 4: 66.0, 8: 70.0, 16: 76.0, 32: 108.0}
 
@@ -37,9 +38,7 @@ def test_settings_are_checked():
 
 
 def test_every_strategy_has_a_default_draft_cost():
-    from gateway.config import KNOWN_STRATEGIES
-
     model = cost_model_for(FP32_CPU_MS, CostSettings())
-    for name in KNOWN_STRATEGIES:
+    for name in NAMES:
         assert model.draft(name, 8) >= 0
     assert model.draft("corpus", 8) < 0.02  # a query, not a forward: cheap enough to probe

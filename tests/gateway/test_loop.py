@@ -19,21 +19,16 @@ import pytest
 
 from gateway.backends import DraftTree, ModelInfo, Validation, Verified
 from gateway.dependencies import DependencyState
-from gateway.controller import (
-    CandidateOutcome,
-    ControllerConfig,
-    ControllerState,
-    candidate_outcomes,
-    ranked_sources,
-    strategies_for,
-)
+from gateway.controller import ControllerConfig, ControllerState
 from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan, greedy_validation
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
+from specdec.candidates import ranked_sources
 from specdec.errors import NotFound, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store.memory import InMemoryStateStore
+from specdec.task_type import TaskType
 
 LOOKUP, SUFFIX = "prompt_lookup", "suffix_index"
 EOS, WRONG = 49, 45  # the fake primary never emits either
@@ -249,7 +244,7 @@ def make_params(
     draft_length=16,
     max_new_tokens=60,
     strategies=(LOOKUP, SUFFIX),
-    task_type="code",
+    task_type=TaskType.CODE,
 ) -> GenerationParams:
     spec = SpeculationParams(is_enabled, degree, draft_length, 0.0, tuple(strategies), task_type, is_adaptive)
     return GenerationParams(" ".join(map(str, PROMPT)), None, max_new_tokens, (), SamplingParams(), spec)
@@ -293,24 +288,6 @@ def run(
 
 
 # --- pure helpers ---------------------------------------------------------------------------------
-
-
-def test_plan_sources_map_to_the_pools_repeated_names_and_back():
-    sources = ((LOOKUP, 0), (SUFFIX, 0), (LOOKUP, 1), (LOOKUP, 2))
-    assert strategies_for(sources) == (LOOKUP, SUFFIX, LOOKUP, LOOKUP)
-    assert ranked_sources(strategies_for(sources)) == sources
-    assert strategies_for(()) == ()
-    with pytest.raises(ValueError, match="ranks in order"):
-        strategies_for(((LOOKUP, 1),))  # rank 1 without rank 0 would be read as rank 0
-    with pytest.raises(ValueError, match="ranks in order"):
-        strategies_for(((LOOKUP, 0), (LOOKUP, 0)))
-
-
-def test_candidate_outcomes_count_each_candidates_nodes_on_the_accepted_path():
-    # tree 0:x(a,b) 1:y(a) 2:z(b) 3:w(a#1), parents (-1, 0, 0, -1); accepted path [0, 2]
-    outcomes = candidate_outcomes(("a", "b", "a"), (0b011, 0b001, 0b010, 0b100), (0, 2))
-    assert outcomes == [CandidateOutcome("a", 0, 2, 1), CandidateOutcome("b", 0, 2, 2), CandidateOutcome("a", 1, 1, 0)]
-    assert candidate_outcomes((), (), ()) == []
 
 
 def test_fixed_plan_cycles_the_strategies_to_the_degree():
@@ -493,7 +470,7 @@ def test_an_unreadable_stored_controller_state_starts_afresh():
 
 
 def test_task_type_is_inferred_when_the_request_gives_none():
-    loop = run(make_params(task_type="", max_new_tokens=5), FakeBackends())
+    loop = run(make_params(task_type=None, max_new_tokens=5), FakeBackends())
     assert loop.stats.task_type == "creative"  # "3 7 1 4 ..." does not look like code
 
 

@@ -8,6 +8,7 @@ import pytest
 from gateway.config import Limits, SpeculationDefaults
 from gateway.params import params_from_pb, response_format_from_pb
 from specdec.errors import InvalidArgument
+from specdec.task_type import TaskType
 from specdec.v1 import common_pb2, gateway_pb2
 
 DEFAULTS = SpeculationDefaults(
@@ -39,8 +40,11 @@ def test_not_adaptive_keeps_the_fixed_settings_and_their_defaults():
 
 
 def test_task_type_given_or_left_to_inference():
-    assert speculation().task_type == ""
-    assert speculation(task_type=common_pb2.TASK_TYPE_CODE).task_type == "code"
+    assert speculation().task_type is None
+    assert speculation(task_type=common_pb2.TASK_TYPE_CODE).task_type is TaskType.CODE
+    with pytest.raises(InvalidArgument) as e:
+        speculation(task_type=99)  # a newer client's type
+    assert e.value.field == "speculation.task_type"
 
 
 def fmt(type_, schema: str = ""):

@@ -124,11 +124,14 @@ def test_every_service_reads_the_token_flags_from_one_definition():
     import argparse
 
     from specdec.service.auth import add_service_token_arguments
+    from specdec.service.flags import Flags
 
-    env = {"SERVICE_TOKEN_FILE": "/run/secrets/t", "ALLOW_UNAUTHENTICATED": "yes"}
-    p = argparse.ArgumentParser()
-    add_service_token_arguments(p, lambda name, default: env.get(name, default))
-    a = p.parse_args([])
+    env = {"SPECDEC_SERVICE_TOKEN_FILE": "/run/secrets/t", "SPECDEC_ALLOW_UNAUTHENTICATED": "yes"}
+    flags = Flags(argparse.ArgumentParser(), "PRIMARY", env)
+    add_service_token_arguments(flags)
+    a = flags.parser.parse_args([])
     assert (a.service_token_file, a.allow_unauthenticated) == ("/run/secrets/t", True)
-    with pytest.raises(ValueError, match="SPECDEC_ALLOW_UNAUTHENTICATED must be true or false"):
-        add_service_token_arguments(argparse.ArgumentParser(), lambda name, default: "maybe")
+    with pytest.raises(ValueError, match="SPECDEC_ALLOW_UNAUTHENTICATED .*--allow_unauthenticated"):
+        add_service_token_arguments(
+            Flags(argparse.ArgumentParser(), "PRIMARY", {"SPECDEC_ALLOW_UNAUTHENTICATED": "maybe"})
+        )

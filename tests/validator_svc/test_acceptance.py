@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from specdec.acceptance_mode import AcceptanceMode
 from specdec.logits_codec import decode_logits, encode_logits
 from specdec.sampling import SamplingParams, make_generator
 from validator_svc.acceptance import (
@@ -14,7 +15,6 @@ from validator_svc.acceptance import (
     build_children,
     greedy_accept,
     rejection_sample_accept,
-    select_mode,
     threshold_accept,
     validate_tree,
 )
@@ -88,15 +88,18 @@ def test_invalid_logits_and_side_inputs_raise():
             [1], [-1], torch.zeros(2, 3), SAMPLED, None, draft_probs=torch.tensor([[1.0, 0.0, 0.0]])
         )
     with pytest.raises(ValueError, match="acceptance_threshold"):
-        validate_tree([1], [-1], torch.zeros(2, 3), GREEDY, acceptance_threshold=1.5)
+        validate_tree([1], [-1], torch.zeros(2, 3), GREEDY, AcceptanceMode.THRESHOLD, acceptance_threshold=1.5)
     with pytest.raises(ValueError, match="acceptance_threshold"):
-        validate_tree([1], [-1], torch.zeros(2, 3), GREEDY, acceptance_threshold=-0.5)
+        validate_tree([1], [-1], torch.zeros(2, 3), GREEDY, AcceptanceMode.THRESHOLD, acceptance_threshold=-0.5)
 
 
-def test_select_mode():
-    assert select_mode(GREEDY) == "greedy"
-    assert select_mode(SAMPLED) == "sample"
-    assert select_mode(GREEDY, 0.3) == select_mode(SAMPLED, 0.3) == "threshold"
+def test_the_mode_given_is_the_mode_applied():
+    # Sample mode at temperature 0 is rejection sampling against one-hot rows: greedy's answer, by sampling.
+    logits = torch.cat([probs_logits(ROW_532), one_hot_logits(3, 0, vocab_size=4)])
+    sampled = validate_tree([1, 2], [-1, -1], logits, GREEDY, AcceptanceMode.SAMPLE, step=1)
+    assert sampled == greedy_accept([1, 2], [-1, -1], logits)
+    with pytest.raises(ValueError, match="mode greedy needs sampling.temperature = 0"):
+        validate_tree([1, 2], [-1, -1], logits, SAMPLED, AcceptanceMode.GREEDY)
 
 
 # ---- greedy ------------------------------------------------------------------------------------
@@ -251,7 +254,7 @@ def test_threshold_uses_the_distribution_after_sampling_params():
 
 def test_threshold_zero_means_off():
     logits = torch.cat([probs_logits(ROW_532), one_hot_logits(3, 0, vocab_size=4)])
-    off = validate_tree([1, 2], [-1, -1], logits, GREEDY, acceptance_threshold=0.0)
+    off = validate_tree([1, 2], [-1, -1], logits, GREEDY, AcceptanceMode.GREEDY, acceptance_threshold=0.0)
     assert off == greedy_accept([1, 2], [-1, -1], logits)
 
 
@@ -264,7 +267,13 @@ def test_deterministic_when_seeded():
     token_ids, parents = [0, 1, 2, 3, 4, 0], [-1, -1, 0, 0, 2, 4]
     draft_probs = torch.softmax(torch.randn(6, 5, generator=generator), dim=-1)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
-    results = [validate_tree(token_ids, parents, logits, params, draft_probs=draft_probs, step=s) for s in range(30)]
-    again = [validate_tree(token_ids, parents, logits, params, draft_probs=draft_probs, step=s) for s in range(30)]
+    results = [
+        validate_tree(token_ids, parents, logits, params, AcceptanceMode.SAMPLE, draft_probs=draft_probs, step=s)
+        for s in range(30)
+    ]
+    again = [
+        validate_tree(token_ids, parents, logits, params, AcceptanceMode.SAMPLE, draft_probs=draft_probs, step=s)
+        for s in range(30)
+    ]
     assert results == again
     assert len({(r.accepted_nodes, r.bonus_token) for r in results}) > 1  # the step does change the stream

@@ -8,6 +8,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from specdec import pb
+from specdec.acceptance_mode import AcceptanceMode
+from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import FORMATS, EncodedLogits
 from specdec.sampling import SamplingParams
@@ -95,6 +97,43 @@ def test_sampled_modes_go_to_the_host_path():
         got.ClearField("time_ms")
         expected.ClearField("time_ms")
         assert got == expected
+
+
+class RecordingPath(TorchPath):
+    """The torch path, keeping the inputs the servicer handed it."""
+
+    def __init__(self) -> None:
+        self.inputs: list[paths.ValidationInputs] = []
+
+    def validate(self, inputs):
+        self.inputs.append(inputs)
+        return super().validate(inputs)
+
+
+def test_the_mode_sent_is_the_mode_applied():
+    logits = torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0]])
+    path = RecordingPath()
+    ValidatorServicer(path).Validate(request(logits, [2], [-1], "fp32", mode=SAMPLE), None)  # at temperature 0
+    assert path.inputs[-1].mode == AcceptanceMode.SAMPLE
+
+
+@pytest.mark.parametrize(
+    "mode, temperature, threshold, field",
+    [
+        (validator_pb2.ACCEPTANCE_MODE_UNSPECIFIED, 0.0, 0.0, "mode"),  # the caller decides, always
+        (99, 0.0, 0.0, "mode"),
+        (GREEDY, 0.7, 0.0, "mode"),
+        (GREEDY, 0.0, 0.5, "acceptance_threshold"),
+        (THRESHOLD, 0.0, 0.0, "acceptance_threshold"),
+        (THRESHOLD, 0.0, 1.5, "acceptance_threshold"),
+    ],
+)
+def test_a_mode_that_does_not_fit_the_step_is_refused_naming_the_field(mode, temperature, threshold, field):
+    req = request(torch.zeros(2, 3), [2], [-1], "fp32", mode=mode, sampling=SamplingParams(temperature=temperature))
+    req.acceptance_threshold = threshold
+    with pytest.raises(InvalidArgument) as e:
+        ValidatorServicer().Validate(req, None)
+    assert e.value.field == field
 
 
 # ---- the two paths agree through the servicer: an emulated kernel here, the real one on a GPU -------

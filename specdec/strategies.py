@@ -1,0 +1,93 @@
+"""The draft strategies: their names, and what the services beside the draft pool know of each.
+
+The draft pool implements them (draft_svc/strategies/, one decoder class and one `register` call
+each; tests/draft_svc/test_strategies.py checks that the pool's decoders and this list name the same
+strategies); the gateway accepts a request's strategies from this list and prices them with its
+costs; the launcher and compose pass names from it. Adding a strategy is one entry here plus its
+decoder in the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from specdec.controller_defaults import LOOKAHEAD_ROWS
+
+# What a strategy runs on, which decides what the pool needs before it can offer it.
+MODEL_FREE = "model_free"  # the request's own tokens or a shared index: nothing from the primary
+GRAMMAR = "grammar"  # the model's tokenizer and a compiled response_format: constrained requests only
+MODEL = "model"  # the primary's weights, attached zero-copy
+KINDS = (MODEL_FREE, GRAMMAR, MODEL)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DraftCost:
+    """A decoder's cost per step, in 1-token primary forwards (prompt lookup ~0; early exit ~0.6-0.9 a token),
+    and the rows it adds to the verify beside its candidates' nodes (lookahead's Jacobi window),
+    priced by the verify curve with the tree's."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+    extra_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.fixed < 0 or self.per_token < 0 or self.extra_rows < 0:
+            raise ValueError(
+                f"draft costs must be >= 0, got fixed={self.fixed}, per_token={self.per_token}, "
+                f"extra_rows={self.extra_rows}"
+            )
+
+    def at(self, draft_length: int) -> float:
+        return self.fixed + self.per_token * draft_length
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Strategy:
+    name: str
+    kind: str  # one of KINDS
+    cost: DraftCost  # the gateway's default estimate (gateway/cost_model.py), before anything is measured
+
+    def __post_init__(self) -> None:
+        if not self.name or "," in self.name:
+            raise ValueError(f"a strategy name must be non-empty without commas, got {self.name!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+
+# Costs: model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); the corpus decoder's
+# longest-match search over a 2M-token memory-mapped suffix array ~0.3-0.4 ms (a few binary
+# searches and a vote; draft_svc/corpus/suffix_array.py); grammar-forced drafts a jump-forward
+# query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree node in the
+# gateway (~0.2 ms in all; a rank's extra nodes are priced by the verify curve like any candidate's);
+# self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without
+# fine-tuning (docs/architecture.md, Measurements); lookahead's n-gram pool lookup costs
+# microseconds, its Jacobi window LOOKAHEAD_ROWS verify rows (draft_svc/strategies/lookahead.py).
+STRATEGIES: tuple[Strategy, ...] = (
+    Strategy("prompt_lookup", MODEL_FREE, DraftCost(fixed=0.002)),
+    Strategy("suffix_index", MODEL_FREE, DraftCost(fixed=0.004)),
+    # needs the model's tokenizer and a corpus index (built on first use, draft_svc/corpus/)
+    Strategy("corpus", MODEL_FREE, DraftCost(fixed=0.01)),
+    Strategy("lookahead", MODEL_FREE, DraftCost(fixed=0.002, extra_rows=LOOKAHEAD_ROWS)),
+    Strategy("grammar", GRAMMAR, DraftCost(fixed=0.005)),
+    Strategy("early_exit", MODEL, DraftCost(per_token=0.75)),
+    Strategy("layer_skip", MODEL, DraftCost(per_token=0.85)),
+)
+NAMES = tuple(s.name for s in STRATEGIES)
+GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; the gateway adds them to constrained requests
+CORPUS_STRATEGY = "corpus"
+# A request that names no strategy: the cheap model-free ones that need no index built.
+DEFAULT_STRATEGIES = ("prompt_lookup", "suffix_index")
+# Offered by the pool beside those without being a default: lookahead costs nothing until a request
+# (or the gateway's default set) names it.
+LOOKAHEAD_STRATEGY = "lookahead"
+
+
+def names_of(kind: str) -> tuple[str, ...]:
+    return tuple(s.name for s in STRATEGIES if s.kind == kind)
+
+
+def check_names(names: Iterable[str]) -> None:
+    """ValueError naming every strategy that is not in STRATEGIES."""
+    if unknown := sorted(set(names) - set(NAMES)):
+        raise ValueError(f"unknown strategies {unknown}; known: {NAMES}")
