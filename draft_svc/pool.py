@@ -398,11 +398,13 @@ class DraftPool:
 
     def release(self, request_id: str, is_finished: bool) -> int:
         """Drop the request's state; a finished request's output joins the suffix index. Returns
-        the number of output tokens indexed."""
+        the number of output tokens indexed. Idempotent: a request the pool does not hold (it never
+        proposed, as with speculation off, or it was released already, or the pool restarted) is
+        released already (0)."""
         with self._lock:
             request = self._requests.pop(request_id, None)
         if request is None:
-            raise NotFound("request_id", f"no draft state for {request_id!r}")
+            return 0
         with request.lock:  # wait for an in-flight Propose of the request
             _release_decoders(request)
             output = request.token_ids[request.num_prompt_tokens :]

@@ -168,8 +168,7 @@ def test_unknown_requests_limits_and_idle_expiry():
     pool.propose(ProposeArgs("other", prompt_token_ids=(1,)))
     with pytest.raises(NotFound):
         pool.propose(ProposeArgs("r", new_token_ids=(2,)))
-    with pytest.raises(NotFound):
-        pool.release("r", is_finished=False)
+    assert pool.release("r", is_finished=False) == 0  # dropped already: releasing it again is a no-op
 
 
 def test_finished_output_joins_the_suffix_index_for_later_requests():
@@ -184,6 +183,8 @@ def test_finished_output_joins_the_suffix_index_for_later_requests():
     pool.propose(ProposeArgs("first", prompt_token_ids=(1, 2)))
     pool.propose(ProposeArgs("first", new_token_ids=(20, 21, 22, 23, 24)))
     assert pool.release("first", is_finished=True) == 5  # the output, not the prompt
+    assert pool.release("first", is_finished=True) == 0  # idempotent: released already, nothing indexed twice
+    assert pool.release("never-proposed", is_finished=True) == 0  # e.g. speculation off: nothing to release
     pool.propose(ProposeArgs("cancelled", prompt_token_ids=(3,), new_token_ids=(30, 31, 32)))
     assert pool.release("cancelled", is_finished=False) == 0  # an unfinished output is not indexed
     proposal = pool.propose(ProposeArgs("second", prompt_token_ids=(9, 20, 21), draft_length=3))
