@@ -250,7 +250,15 @@ def make_params(
     return GenerationParams(" ".join(map(str, PROMPT)), None, max_new_tokens, (), SamplingParams(), spec)
 
 
-def run(
+def run(params: GenerationParams, backends: FakeBackends, store=None, **kwargs) -> RequestLoop:
+    """make_loop(...) run to its end."""
+    loop = make_loop(params, backends, store, **kwargs)
+    for _ in loop.run():
+        pass
+    return loop
+
+
+def make_loop(
     params: GenerationParams,
     backends: FakeBackends,
     store=None,
@@ -259,12 +267,14 @@ def run(
     stats=None,
     controller_state=None,
     model=MODEL,
+    owner="test",
     **kwargs,
 ) -> RequestLoop:
-    store = store or InMemoryStateStore()
+    """A loop over PROMPT, its request stored as RUNNING (in `store`, else a fresh in-memory one)."""
+    store = InMemoryStateStore() if store is None else store
     if store.load(request_id) is None:
         store.create(request_id, {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop(
+    return RequestLoop(
         request_id,
         params,
         PROMPT,
@@ -276,15 +286,12 @@ def run(
         recovery_timeout_s=1.0,
         max_tree_nodes=64,
         cancel=threading.Event(),
-        owner="test",
+        owner=owner,
         generated=generated,
         stats=stats,
         controller_state=controller_state,
         **kwargs,
     )
-    for _ in loop.run():
-        pass
-    return loop
 
 
 # --- pure helpers ---------------------------------------------------------------------------------
@@ -427,21 +434,7 @@ def test_controller_state_is_stored_every_step_and_restored_on_resume():
     # A gateway that died after 6 steps: a successor resumes from the stored tokens, stats and
     # controller state, and produces the same output.
     dead_store = InMemoryStateStore()
-    dead_store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    dead = RequestLoop(
-        "r1",
-        params,
-        PROMPT,
-        FakeBackends(is_lookup_right=lambda n: n < 40),
-        dead_store,
-        FakeTokenizer(),
-        MODEL,
-        ("fp32", "fp32"),
-        1.0,
-        64,
-        threading.Event(),
-        "gw-1",
-    )
+    dead = make_loop(params, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store, owner="gw-1")
     steps = dead.run()
     for _ in range(6):
         next(steps)
@@ -504,23 +497,8 @@ def test_the_end_of_the_context_clamps_the_tree_and_stops_like_plain_decoding(is
     backends = BoundedPrimary(max_context=max_context)
     model = dataclasses.replace(MODEL, max_context=max_context)
     store = InMemoryStateStore()
-    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop(
-        "r1",
-        make_params(is_adaptive=is_adaptive, degree=2, draft_length=16, max_new_tokens=200),
-        PROMPT,
-        backends,
-        store,
-        FakeTokenizer(),
-        model,
-        ("fp32", "fp32"),
-        recovery_timeout_s=1.0,
-        max_tree_nodes=64,
-        cancel=threading.Event(),
-        owner="test",
-    )
-    for _ in loop.run():
-        pass
+    params = make_params(is_adaptive=is_adaptive, degree=2, draft_length=16, max_new_tokens=200)
+    loop = run(params, backends, store, model=model)
     assert loop.outcome.finish_reason == "length"
     assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
     assert store.load("r1").status == RequestStatus.FINISHED
@@ -543,22 +521,7 @@ def test_a_stream_closed_by_its_consumer_is_cancelled_and_released():
     """A streaming client that goes away closes the loop's generator (GeneratorExit): the request is
     CANCELLED, not FAILED, and its KV slot and draft state are released."""
     backends, store = FakeBackends(), InMemoryStateStore()
-    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop(
-        "r1",
-        make_params(max_new_tokens=60),
-        PROMPT,
-        backends,
-        store,
-        FakeTokenizer(),
-        MODEL,
-        ("fp32", "fp32"),
-        recovery_timeout_s=1.0,
-        max_tree_nodes=64,
-        cancel=threading.Event(),
-        owner="test",
-    )
-    steps = loop.run()
+    steps = make_loop(make_params(max_new_tokens=60), backends, store).run()
     assert next(steps).token_ids
     steps.close()
     state = store.load("r1")
@@ -587,24 +550,7 @@ class FlakyValidator(FakeBackends):
 
 def run_with_validator(params: GenerationParams, backends: FakeBackends, retry_s: float) -> RequestLoop:
     store = InMemoryStateStore()
-    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop(
-        "r1",
-        params,
-        PROMPT,
-        backends,
-        store,
-        FakeTokenizer(),
-        MODEL,
-        ("fp32", "fp32"),
-        recovery_timeout_s=1.0,
-        max_tree_nodes=64,
-        cancel=threading.Event(),
-        owner="test",
-        validator_state=DependencyState("validator", retry_s=retry_s),
-    )
-    for _ in loop.run():
-        pass
+    loop = run(params, backends, store, validator_state=DependencyState("validator", retry_s=retry_s))
     assert store.load("r1").status == RequestStatus.FINISHED
     return loop
 
@@ -689,22 +635,7 @@ def test_state_store_blips_are_retried_within_the_request(is_applying_first):
 
 def test_a_state_store_that_stays_down_fails_the_request_after_the_bounded_retries():
     store = BlippingStore(failing=set(range(3, 10_000)))
-    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop(
-        "r1",
-        make_params(max_new_tokens=40),
-        PROMPT,
-        FakeBackends(),
-        store,
-        FakeTokenizer(),
-        MODEL,
-        ("fp32", "fp32"),
-        recovery_timeout_s=1.0,
-        max_tree_nodes=64,
-        cancel=threading.Event(),
-        owner="test",
-        max_state_retry_s=0.5,
-    )
+    loop = make_loop(make_params(max_new_tokens=40), FakeBackends(), store, max_state_retry_s=0.5)
     with pytest.raises(Unavailable, match="state_store"):
         for _ in loop.run():
             pass
