@@ -25,6 +25,7 @@ from bench.prompts import BenchPrompt
 from bench.report import BASELINE, SPECULATIVE, Record, check_json, summarize_scenario
 from bench.scenarios import is_constrained, prompt_file
 from bench.stack import SystemUnderTest, run_request, system_under_test
+from gateway.config import Limits
 from specdec.v1 import primary_pb2, primary_pb2_grpc
 
 if TYPE_CHECKING:  # bench.suite imports this module
@@ -32,8 +33,8 @@ if TYPE_CHECKING:  # bench.suite imports this module
 
 WARMUP_PROMPT = BenchPrompt("warmup", "warmup", "Say hello.", None, None, False)
 NUM_WARMUP_TOKENS = 8
-# KV room beyond the sequence length for the draft tokens of the last verify (a tree has at most 64 nodes).
-MAX_TREE_NODES = 64
+# KV room beyond the sequence length for the draft tokens of the last verify: the gateway's tree bound.
+MAX_TREE_NODES = Limits().max_tree_nodes
 MEASURED_ONCE = ("llamacpp",)  # peers whose weights do not depend on --precision
 # transformers runs these as they are; the quantized formats have no CPU path there: it runs fp32.
 FLOAT_PRECISIONS = ("fp32", "bf16", "fp16")
