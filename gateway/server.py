@@ -57,6 +57,7 @@ FINISH_REASONS = {
     "deadline": gateway_pb2.FINISH_REASON_DEADLINE,
     "error": gateway_pb2.FINISH_REASON_ERROR,
 }
+TENANT_SEPARATOR = "/"  # request id behind the gateway = tenant + "/" + the client's id (tenants have no "/")
 _STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop thread hands its coroutine
 STATUSES = {
     RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
@@ -185,10 +186,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         """The id behind the gateway of the caller's request client_id (Unauthenticated without a valid key)."""
         if self.api_keys is None:
             return client_id
-        prefix = f"{self._tenant(context)}/"
+        prefix = f"{self._tenant(context)}{TENANT_SEPARATOR}"
         if len(prefix) + len(client_id) > pb.MAX_REQUEST_ID_CHARS:
             raise InvalidArgument("request_id", f"must be at most {pb.MAX_REQUEST_ID_CHARS - len(prefix)} characters")
         return prefix + client_id
+
+    def _tenant_of(self, request_id: str) -> str:
+        """The tenant of a request id behind the gateway (the inverse of _scoped's prefix)."""
+        return request_id.partition(TENANT_SEPARATOR)[0] if self.api_keys is not None else ""
 
     async def _start(self, request, context) -> tuple[str, RequestLoop, Ticket]:
         """(the id the client sees, the request's loop, its admission slot), once admission let it in;
@@ -477,8 +482,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             )
 
             # A slot like any request's: a restart with many requests in flight must not run more
-            # than max_active_requests at once (the tenant is the id's prefix when keys are on).
-            ticket = self.admission.enter(request_id.partition("/")[0] if self.api_keys else "", is_accepted=True)
+            # than max_active_requests at once.
+            ticket = self.admission.enter(self._tenant_of(request_id), is_accepted=True)
 
             def run(loop=loop, ticket=ticket) -> None:
                 try:
