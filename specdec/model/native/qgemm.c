@@ -420,79 +420,142 @@ static void exp_shifted(float *s, int64_t m, float shift) {
 #endif
 }
 
+/* Scores of four keys k0..k3 for NH query heads at once (their rows qh, D floats apart): every
+ * key row is loaded once for all the group's heads, and the 4 * NH chains run side by side. Each
+ * (head, key) score is the same arithmetic as a lone dot of that head with that key (eight lane
+ * sums over D in order, then hsum_v8), so it has the same bits wherever the key falls. */
+#define SCORES4(NH)                                                                                   \
+    static inline void scores4_##NH(const float *qh, int64_t D, const float *k0, const float *k1,   \
+                                    const float *k2, const float *k3, float scale, float g[][4]) {   \
+        v8 c[NH][4];                                                                                  \
+        for (int h = 0; h < NH; ++h) c[h][0] = c[h][1] = c[h][2] = c[h][3] = (v8){0};                \
+        for (int64_t e = 0; e < D; e += 8) {                                                         \
+            const v8 x0 = ld8(k0 + e), x1 = ld8(k1 + e), x2 = ld8(k2 + e), x3 = ld8(k3 + e);          \
+            for (int h = 0; h < NH; ++h) {                                                           \
+                const v8 qv = ld8(qh + h * D + e);                                                    \
+                c[h][0] += qv * x0; c[h][1] += qv * x1; c[h][2] += qv * x2; c[h][3] += qv * x3;       \
+            }                                                                                         \
+        }                                                                                             \
+        for (int h = 0; h < NH; ++h)                                                                 \
+            for (int j = 0; j < 4; ++j) g[h][j] = hsum_v8(c[h][j]) * scale;                          \
+    }
+SCORES4(1)
+SCORES4(2)
+SCORES4(3)
+#undef SCORES4
+
+/* o_h[c .. c + 32) = sum_i p_h[i] v_i[c .. c + 32), i ascending, for NH heads: each value row is
+ * loaded once for all of them; a lane's sum is the same sequence of FMAs as for one head alone. */
+#define VSUM32(NH)                                                                                    \
+    static inline void vsum32_##NH(const float *p, int64_t L, const int64_t *keys, int64_t m,        \
+                                   const float *V, int64_t D, int64_t c, float *o) {                  \
+        v8 a[NH][4];                                                                                  \
+        for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = a[h][2] = a[h][3] = (v8){0};                \
+        for (int64_t i = 0; i < m; ++i) {                                                            \
+            const float *vj = V + keys[i] * D + c;                                                   \
+            if (i + 4 < m) __builtin_prefetch(V + keys[i + 4] * D + c);                              \
+            if (i + 4 < m) __builtin_prefetch(V + keys[i + 4] * D + c + 16);                         \
+            const v8 x0 = ld8(vj), x1 = ld8(vj + 8), x2 = ld8(vj + 16), x3 = ld8(vj + 24);            \
+            for (int h = 0; h < NH; ++h) {                                                           \
+                const float ph = p[h * L + i];                                                        \
+                const v8 pv = {ph, ph, ph, ph, ph, ph, ph, ph};                                       \
+                a[h][0] += pv * x0; a[h][1] += pv * x1; a[h][2] += pv * x2; a[h][3] += pv * x3;       \
+            }                                                                                         \
+        }                                                                                             \
+        for (int h = 0; h < NH; ++h) {                                                               \
+            st8(o + h * D + c, a[h][0]); st8(o + h * D + c + 8, a[h][1]);                            \
+            st8(o + h * D + c + 16, a[h][2]); st8(o + h * D + c + 24, a[h][3]);                      \
+        }                                                                                             \
+    }
+VSUM32(1)
+VSUM32(2)
+VSUM32(3)
+#undef VSUM32
+
+/* Heads h0 .. h0 + nh (nh <= 3) of row r, which share one KV head: scores, softmax, weighted values. */
+static void attend_heads(const float *qh, int nh, int64_t D, const float *K, const float *V, const int64_t *keys,
+                         int64_t m, int64_t L, float scale, float *s, float *o) {
+    float mx[3] = {-INFINITY, -INFINITY, -INFINITY};
+    int64_t i = 0;
+    /* four keys at a time (independent chains); a short last group repeats its last key, so
+     * every key's score comes from the same instructions wherever it falls */
+    if (D % 8 == 0)
+        for (; i < m; i += 4) {
+            const int64_t last = m - 1;
+            const float *k0 = K + keys[i] * D, *k1 = K + keys[i + 1 < m ? i + 1 : last] * D;
+            const float *k2 = K + keys[i + 2 < m ? i + 2 : last] * D, *k3 = K + keys[i + 3 < m ? i + 3 : last] * D;
+            if (i + 8 < m)                   /* the key rows two groups ahead, from memory to L1 */
+                for (int j = 8; j < 12 && i + j < m; ++j)
+                    for (int64_t e = 0; e < D; e += 16) __builtin_prefetch(K + keys[i + j] * D + e);
+            float g[3][4];
+            if (nh == 3) scores4_3(qh, D, k0, k1, k2, k3, scale, g);
+            else if (nh == 2) scores4_2(qh, D, k0, k1, k2, k3, scale, g);
+            else scores4_1(qh, D, k0, k1, k2, k3, scale, g);
+            for (int h = 0; h < nh; ++h)
+                for (int j = 0; j < 4 && i + j < m; ++j) {
+                    s[h * L + i + j] = g[h][j];
+                    if (g[h][j] > mx[h]) mx[h] = g[h][j];
+                }
+        }
+    for (int h = 0; h < nh; ++h)
+        for (int64_t t = i; t < m; ++t) {
+            const float v = dot_f32(qh + h * D, K + keys[t] * D, D) * scale;
+            s[h * L + t] = v;
+            if (v > mx[h]) mx[h] = v;
+        }
+    float inv[3];
+    for (int h = 0; h < nh; ++h) {
+        exp_shifted(s + h * L, m, mx[h]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < m; ++t) sum += s[h * L + t];
+        inv[h] = sum > 0.f ? 1.f / sum : 0.f;
+    }
+    int64_t c = 0;
+    for (; c + 32 <= D; c += 32) {
+        if (nh == 3) vsum32_3(s, L, keys, m, V, D, c, o);
+        else if (nh == 2) vsum32_2(s, L, keys, m, V, D, c, o);
+        else vsum32_1(s, L, keys, m, V, D, c, o);
+    }
+    for (int h = 0; h < nh; ++h) {
+        float *oh = o + h * D;
+        for (int64_t cc = c; cc < D; ++cc) {
+            float a = 0.f;
+            for (int64_t t = 0; t < m; ++t) a += s[h * L + t] * V[keys[t] * D + cc];
+            oh[cc] = a;
+        }
+        for (int64_t e = 0; e < D; ++e) oh[e] *= inv[h];
+    }
+}
+
 /* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
  * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32.
  * Keys are visited in cache order and masked ones are skipped, never added as zeros: a tree row's
- * result is that of a 1-row step over the same keys once they are committed in that order. */
+ * result is that of a 1-row step over the same keys once they are committed in that order.
+ * The query heads that share a KV head run together, up to three at a time (`attend_heads`): each
+ * key and value row is read once for all of them instead of once per head, with each head's
+ * arithmetic unchanged. */
 int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
                     const float *v_cache, int64_t capacity, int64_t L, const uint8_t *mask,
                     float *out, int num_threads) {
-    const int64_t group = H / Hkv;
+    const int64_t group = H / Hkv, per_kv = (group + 2) / 3;   /* work items per (row, KV head) */
     const float scale = 1.f / sqrtf((float)D);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
-        int64_t *keys = malloc(sizeof(int64_t) * (size_t)(L ? L : 1));   /* the row's visible keys */
-        float *s = malloc(sizeof(float) * (size_t)(L ? L : 1));            /* their scores, then p */
+        int64_t *keys = malloc(sizeof(int64_t) * (size_t)(L ? L : 1));      /* the row's visible keys */
+        float *s = malloc(sizeof(float) * (size_t)(3 * (L ? L : 1)));       /* scores, then p, per head */
         failed = !keys || !s;
         #pragma omp for schedule(static)
-        for (int64_t rh = 0; rh < n * H; ++rh) {
+        for (int64_t item = 0; item < n * Hkv * per_kv; ++item) {
             if (!keys || !s) continue;
-            const int64_t r = rh / H, h = rh % H, kvh = h / group;
-            const float *qr = q + (r * H + h) * D, *K = k_cache + kvh * capacity * D, *V = v_cache + kvh * capacity * D;
+            const int64_t r = item / (Hkv * per_kv), kvh = item / per_kv % Hkv, h0 = kvh * group + item % per_kv * 3;
+            const int nh = (int)(kvh * group + group - h0 < 3 ? kvh * group + group - h0 : 3);
             const uint8_t *mr = mask ? mask + r * L : NULL;
-            float *o = out + (r * H + h) * D;
             int64_t m = 0;
             for (int64_t j = 0; j < L; ++j)
                 if (!mr || mr[j]) keys[m++] = j;
-            float mx = -INFINITY;
-            int64_t i = 0;
-            /* four keys at a time (independent chains); a short last group repeats its last key, so
-             * every key's score comes from the same instructions wherever it falls */
-            if (D % 8 == 0)
-                for (; i < m; i += 4) {
-                    const int64_t last = m - 1;
-                    const float *k0 = K + keys[i] * D, *k1 = K + keys[i + 1 < m ? i + 1 : last] * D;
-                    const float *k2 = K + keys[i + 2 < m ? i + 2 : last] * D, *k3 = K + keys[i + 3 < m ? i + 3 : last] * D;
-                    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-                    for (int64_t e = 0; e < D; e += 8) {
-                        const v8 qv = ld8(qr + e);
-                        c0 += qv * ld8(k0 + e); c1 += qv * ld8(k1 + e); c2 += qv * ld8(k2 + e); c3 += qv * ld8(k3 + e);
-                    }
-                    const float g[4] = {hsum_v8(c0) * scale, hsum_v8(c1) * scale, hsum_v8(c2) * scale,
-                                        hsum_v8(c3) * scale};
-                    for (int j = 0; j < 4 && i + j < m; ++j) {
-                        s[i + j] = g[j];
-                        if (g[j] > mx) mx = g[j];
-                    }
-                }
-            for (; i < m; ++i) {
-                s[i] = dot_f32(qr, K + keys[i] * D, D) * scale;
-                if (s[i] > mx) mx = s[i];
-            }
-            exp_shifted(s, m, mx);
-            float sum = 0.f;
-            for (int64_t i = 0; i < m; ++i) sum += s[i];
-            /* o[c] = sum_i p_i v_i[c], i ascending; 64 columns at a time held in registers */
-            int64_t c = 0;
-            for (; c + 64 <= D; c += 64) {
-                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-                for (int64_t i = 0; i < m; ++i) {
-                    const float p = s[i], *vj = V + keys[i] * D + c;
-                    const v8 pv = {p, p, p, p, p, p, p, p};
-                    a0 += pv * ld8(vj); a1 += pv * ld8(vj + 8); a2 += pv * ld8(vj + 16); a3 += pv * ld8(vj + 24);
-                    a4 += pv * ld8(vj + 32); a5 += pv * ld8(vj + 40); a6 += pv * ld8(vj + 48); a7 += pv * ld8(vj + 56);
-                }
-                st8(o + c, a0); st8(o + c + 8, a1); st8(o + c + 16, a2); st8(o + c + 24, a3);
-                st8(o + c + 32, a4); st8(o + c + 40, a5); st8(o + c + 48, a6); st8(o + c + 56, a7);
-            }
-            for (; c < D; ++c) {
-                float a = 0.f;
-                for (int64_t i = 0; i < m; ++i) a += s[i] * V[keys[i] * D + c];
-                o[c] = a;
-            }
-            const float inv = sum > 0.f ? 1.f / sum : 0.f;
-            for (int64_t i = 0; i < D; ++i) o[i] *= inv;
+            attend_heads(q + (r * H + h0) * D, nh, D, k_cache + kvh * capacity * D, v_cache + kvh * capacity * D,
+                         keys, m, L, scale, s, out + (r * H + h0) * D);
         }
         free(keys); free(s);
     }

@@ -183,3 +183,26 @@ def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
         k2[:, cached + dst], v2[:, cached + dst] = k_cache[:, cached + src], v_cache[:, cached + src]
     alone = native.attend(native.library(), q[3:4], k2, v2, cached + 3, None)
     assert torch.equal(alone[0], got[3])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 2), (5, 5)])
+def test_heads_sharing_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads):
+    """The kernel runs up to three query heads of a KV head together (one read of each key and value
+    row for all of them); every head's output equals a call with that head alone, under a mask too."""
+    g = torch.Generator().manual_seed(11)
+    dim, capacity, end, rows = 64, 40, 37, 3
+    k_cache = torch.randn(kv_heads, capacity, dim, generator=g)
+    v_cache = torch.randn(kv_heads, capacity, dim, generator=g)
+    q = torch.randn(rows, heads, dim, generator=g)
+    mask = torch.rand(rows, end, generator=g) < 0.7
+    mask[:, 0] = True
+    lib = native.library()
+    for m in (None, mask):
+        together = native.attend(lib, q, k_cache, v_cache, end, m)
+        group = heads // kv_heads
+        for h in range(heads):
+            kv = h // group
+            alone = native.attend(
+                lib, q[:, h : h + 1], k_cache[kv : kv + 1].contiguous(), v_cache[kv : kv + 1].contiguous(), end, m
+            )
+            assert torch.equal(together[:, h], alone[:, 0])
