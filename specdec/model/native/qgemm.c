@@ -420,144 +420,229 @@ static void exp_shifted(float *s, int64_t m, float shift) {
 #endif
 }
 
-/* Scores of four keys k0..k3 for NH query heads at once (their rows qh, D floats apart): every
- * key row is loaded once for all the group's heads, and the 4 * NH chains run side by side. Each
- * (head, key) score is the same arithmetic as a lone dot of that head with that key (eight lane
- * sums over D in order, then hsum_v8), so it has the same bits wherever the key falls. */
-#define SCORES4(NH)                                                                                   \
-    static inline void scores4_##NH(const float *qh, int64_t D, const float *k0, const float *k1,   \
-                                    const float *k2, const float *k3, float scale, float g[][4]) {   \
-        v8 c[NH][4];                                                                                  \
-        for (int h = 0; h < NH; ++h) c[h][0] = c[h][1] = c[h][2] = c[h][3] = (v8){0};                \
-        for (int64_t e = 0; e < D; e += 8) {                                                         \
-            const v8 x0 = ld8(k0 + e), x1 = ld8(k1 + e), x2 = ld8(k2 + e), x3 = ld8(k3 + e);          \
-            for (int h = 0; h < NH; ++h) {                                                           \
-                const v8 qv = ld8(qh + h * D + e);                                                    \
-                c[h][0] += qv * x0; c[h][1] += qv * x1; c[h][2] += qv * x2; c[h][3] += qv * x3;       \
+/* Attention as small tiled products over a KV head's rows.
+ *
+ * The queries that read one KV head (every row of the call times the heads of its group) are taken
+ * in chunks; a chunk's scores against a block of key rows are computed while those rows sit in L1,
+ * two queries by four keys at a time, and its softmax-weighted value sums likewise, so a key or value
+ * row is read from memory once per chunk instead of once per (row, head).
+ *
+ * Exactness: every (query, key) score is the same arithmetic as a lone dot of the two (eight lane
+ * sums over D in order, then hsum_v8), whatever the tile it falls in. A key the row may not see gets
+ * probability exactly 0; its FMA into a value sum adds an exact zero, which leaves a finite sum's bits
+ * unchanged (the sum never holds -0: it starts at +0 and x + (-x) rounds to +0), so a row's output is
+ * that of a call over its visible keys alone, in cache order: a tree row equals the 1-row step that
+ * reads the same keys once committed, whatever the other rows of the call. */
+
+/* acc + x * y rounded once, whatever the compiler would contract: pair and lone paths must agree */
+#if QGEMM_AVX2
+#define FMA8(acc, x, y) ((v8)_mm256_fmadd_ps((__m256)(x), (__m256)(y), (__m256)(acc)))
+#else
+static inline v8 fma8(v8 acc, v8 x, v8 y) {
+    for (int i = 0; i < 8; ++i) acc[i] = fmaf(x[i], y[i], acc[i]);
+    return acc;
+}
+#define FMA8(acc, x, y) fma8(acc, x, y)
+#endif
+
+#define ATT_KEY_BLOCK 64     /* key rows per block: 16 KB of fp32 keys at D = 64, within L1 */
+#define ATT_MAX_CHUNK 48     /* queries per work item */
+
+/* hsum_v8 of eight vectors at once, each with hsum_v8's own order of additions (same bits):
+ * ga[t] = hsum_v8(a_t), gb[t] = hsum_v8(b_t) */
+static inline void hsum_8x(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b3, float *ga, float *gb) {
+#if QGEMM_AVX2
+    __m256 x[8];
+    const v8 in[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
+    memcpy(x, in, sizeof x);
+    /* lanes i and i + 4 added: (e0+e4, e1+e5, e2+e6, e3+e7) of two vectors per register */
+    const __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+    const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(x[2], x[3], 0x20), _mm256_permute2f128_ps(x[2], x[3], 0x31));
+    const __m256 t2 = _mm256_add_ps(_mm256_permute2f128_ps(x[4], x[5], 0x20), _mm256_permute2f128_ps(x[4], x[5], 0x31));
+    const __m256 t3 = _mm256_add_ps(_mm256_permute2f128_ps(x[6], x[7], 0x20), _mm256_permute2f128_ps(x[6], x[7], 0x31));
+    /* then (e0+e4)+(e1+e5) and (e2+e6)+(e3+e7), then their sum: low half a0 a2 b0 b2, high a1 a3 b1 b3 */
+    const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+    float f[8];
+    _mm256_storeu_ps(f, r);
+    ga[0] = f[0]; ga[2] = f[1]; gb[0] = f[2]; gb[2] = f[3];
+    ga[1] = f[4]; ga[3] = f[5]; gb[1] = f[6]; gb[3] = f[7];
+#else
+    ga[0] = hsum_v8(a0); ga[1] = hsum_v8(a1); ga[2] = hsum_v8(a2); ga[3] = hsum_v8(a3);
+    gb[0] = hsum_v8(b0); gb[1] = hsum_v8(b1); gb[2] = hsum_v8(b2); gb[3] = hsum_v8(b3);
+#endif
+}
+
+/* s[i][j] for queries i0, i1 (i1 may repeat i0) and keys j .. j + 3 (repeating the last one past jn) */
+static inline void scores_2x4(const float *q0, const float *q1, const float *K, int64_t D, int64_t j,
+                              int64_t jn, float scale, float *s0, float *s1) {
+    const float *k0 = K + j * D, *k1 = K + (j + 1 < jn ? j + 1 : jn - 1) * D;
+    const float *k2 = K + (j + 2 < jn ? j + 2 : jn - 1) * D, *k3 = K + (j + 3 < jn ? j + 3 : jn - 1) * D;
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    for (int64_t e = 0; e < D; e += 8) {
+        const v8 x0 = ld8(k0 + e), x1 = ld8(k1 + e), x2 = ld8(k2 + e), x3 = ld8(k3 + e);
+        const v8 u = ld8(q0 + e), w = ld8(q1 + e);
+        a0 = FMA8(a0, u, x0); a1 = FMA8(a1, u, x1); a2 = FMA8(a2, u, x2); a3 = FMA8(a3, u, x3);
+        b0 = FMA8(b0, w, x0); b1 = FMA8(b1, w, x1); b2 = FMA8(b2, w, x2); b3 = FMA8(b3, w, x3);
+    }
+    float ga[4], gb[4];
+    hsum_8x(a0, a1, a2, a3, b0, b1, b2, b3, ga, gb);
+    for (int t = 0; t < 4 && j + t < jn; ++t) { s0[j + t] = ga[t] * scale; s1[j + t] = gb[t] * scale; }
+}
+
+/* s[j .. j + 3] for one query (a chunk's odd one out): the same per-key arithmetic as scores_2x4 */
+static inline void scores_1x4(const float *q0, const float *K, int64_t D, int64_t j, int64_t jn, float scale,
+                              float *s0) {
+    const float *k0 = K + j * D, *k1 = K + (j + 1 < jn ? j + 1 : jn - 1) * D;
+    const float *k2 = K + (j + 2 < jn ? j + 2 : jn - 1) * D, *k3 = K + (j + 3 < jn ? j + 3 : jn - 1) * D;
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t e = 0; e < D; e += 8) {
+        const v8 u = ld8(q0 + e);
+        a0 = FMA8(a0, u, ld8(k0 + e)); a1 = FMA8(a1, u, ld8(k1 + e));
+        a2 = FMA8(a2, u, ld8(k2 + e)); a3 = FMA8(a3, u, ld8(k3 + e));
+    }
+    const float ga[4] = {hsum_v8(a0), hsum_v8(a1), hsum_v8(a2), hsum_v8(a3)};
+    for (int t = 0; t < 4 && j + t < jn; ++t) s0[j + t] = ga[t] * scale;
+}
+
+/* o[c .. c + 8 * NV) += sum_{j in [j0, j1)} p[j] * V[j][c ..], j ascending (one query) */
+#define VSUM_1xN(NV)                                                                                  \
+    static inline void vsum_1x##NV(const float *p, const float *V, int64_t D, int64_t j0, int64_t j1, \
+                                   int64_t c, float *o) {                                             \
+        v8 a[NV];                                                                                     \
+        for (int u = 0; u < NV; ++u) a[u] = ld8(o + c + 8 * u);                                       \
+        for (int64_t j = j0; j < j1; ++j) {                                                          \
+            const float x = p[j];                                                                     \
+            const v8 px = {x, x, x, x, x, x, x, x};                                                   \
+            for (int u = 0; u < NV; ++u) a[u] = FMA8(a[u], px, ld8(V + j * D + c + 8 * u));           \
+        }                                                                                             \
+        for (int u = 0; u < NV; ++u) st8(o + c + 8 * u, a[u]);                                       \
+    }
+VSUM_1xN(8)
+VSUM_1xN(1)
+#undef VSUM_1xN
+
+/* o0/o1[c .. c + 8 * NV) += sum_{j in [j0, j1)} p0/p1[j] * V[j][c ..], j ascending */
+#define VSUM_2xN(NV)                                                                                  \
+    static inline void vsum_2x##NV(const float *p0, const float *p1, const float *V, int64_t D,      \
+                                   int64_t j0, int64_t j1, int64_t c, float *o0, float *o1) {         \
+        v8 a[NV], b[NV];                                                                              \
+        for (int u = 0; u < NV; ++u) { a[u] = ld8(o0 + c + 8 * u); b[u] = ld8(o1 + c + 8 * u); }     \
+        for (int64_t j = j0; j < j1; ++j) {                                                          \
+            const float *vj = V + j * D + c;                                                         \
+            const float x = p0[j], y = p1[j];                                                         \
+            const v8 px = {x, x, x, x, x, x, x, x}, py = {y, y, y, y, y, y, y, y};                   \
+            for (int u = 0; u < NV; ++u) {                                                           \
+                const v8 vv = ld8(vj + 8 * u);                                                        \
+                a[u] = FMA8(a[u], px, vv); b[u] = FMA8(b[u], py, vv);                                 \
             }                                                                                         \
         }                                                                                             \
-        for (int h = 0; h < NH; ++h)                                                                 \
-            for (int j = 0; j < 4; ++j) g[h][j] = hsum_v8(c[h][j]) * scale;                          \
+        for (int u = 0; u < NV; ++u) { st8(o0 + c + 8 * u, a[u]); st8(o1 + c + 8 * u, b[u]); }       \
     }
-SCORES4(1)
-SCORES4(2)
-SCORES4(3)
-#undef SCORES4
+VSUM_2xN(4)
+VSUM_2xN(1)
+#undef VSUM_2xN
 
-/* o_h[c .. c + 32) = sum_i p_h[i] v_i[c .. c + 32), i ascending, for NH heads: each value row is
- * loaded once for all of them; a lane's sum is the same sequence of FMAs as for one head alone. */
-#define VSUM32(NH)                                                                                    \
-    static inline void vsum32_##NH(const float *p, int64_t L, const int64_t *keys, int64_t m,        \
-                                   const float *V, int64_t D, int64_t c, float *o) {                  \
-        v8 a[NH][4];                                                                                  \
-        for (int h = 0; h < NH; ++h) a[h][0] = a[h][1] = a[h][2] = a[h][3] = (v8){0};                \
-        for (int64_t i = 0; i < m; ++i) {                                                            \
-            const float *vj = V + keys[i] * D + c;                                                   \
-            if (i + 4 < m) __builtin_prefetch(V + keys[i + 4] * D + c);                              \
-            if (i + 4 < m) __builtin_prefetch(V + keys[i + 4] * D + c + 16);                         \
-            const v8 x0 = ld8(vj), x1 = ld8(vj + 8), x2 = ld8(vj + 16), x3 = ld8(vj + 24);            \
-            for (int h = 0; h < NH; ++h) {                                                           \
-                const float ph = p[h * L + i];                                                        \
-                const v8 pv = {ph, ph, ph, ph, ph, ph, ph, ph};                                       \
-                a[h][0] += pv * x0; a[h][1] += pv * x1; a[h][2] += pv * x2; a[h][3] += pv * x3;       \
-            }                                                                                         \
-        }                                                                                             \
-        for (int h = 0; h < NH; ++h) {                                                               \
-            st8(o + h * D + c, a[h][0]); st8(o + h * D + c + 8, a[h][1]);                            \
-            st8(o + h * D + c + 16, a[h][2]); st8(o + h * D + c + 24, a[h][3]);                      \
-        }                                                                                             \
+/* One chunk: queries qs[0 .. nq) (rows rs[i] of the call) over the KV head's rows K, V, keys j < L
+ * under mask rows (NULL: all visible); outputs os[i]. s: nq * L floats; keys, tmp: L each. */
+static void attend_chunk(const float *const *qs, const int64_t *rs, float *const *os, int nq, int64_t D,
+                         const float *K, const float *V, int64_t L, const uint8_t *mask, float scale,
+                         float *s, int64_t *keys, float *tmp) {
+    /* keys past every row's last visible one are never read (a causal prefill's upper triangle) */
+    int64_t jn = 0;
+    for (int i = 0; i < nq; ++i) {
+        int64_t last = L;
+        if (mask) for (last = L; last > 0 && !mask[rs[i] * L + last - 1]; --last) {}
+        if (last > jn) jn = last;
     }
-VSUM32(1)
-VSUM32(2)
-VSUM32(3)
-#undef VSUM32
-
-/* Heads h0 .. h0 + nh (nh <= 3) of row r, which share one KV head: scores, softmax, weighted values. */
-static void attend_heads(const float *qh, int nh, int64_t D, const float *K, const float *V, const int64_t *keys,
-                         int64_t m, int64_t L, float scale, float *s, float *o) {
-    float mx[3] = {-INFINITY, -INFINITY, -INFINITY};
-    int64_t i = 0;
-    /* four keys at a time (independent chains); a short last group repeats its last key, so
-     * every key's score comes from the same instructions wherever it falls */
-    if (D % 8 == 0)
-        for (; i < m; i += 4) {
-            const int64_t last = m - 1;
-            const float *k0 = K + keys[i] * D, *k1 = K + keys[i + 1 < m ? i + 1 : last] * D;
-            const float *k2 = K + keys[i + 2 < m ? i + 2 : last] * D, *k3 = K + keys[i + 3 < m ? i + 3 : last] * D;
-            if (i + 8 < m)                   /* the key rows two groups ahead, from memory to L1 */
-                for (int j = 8; j < 12 && i + j < m; ++j)
-                    for (int64_t e = 0; e < D; e += 16) __builtin_prefetch(K + keys[i + j] * D + e);
-            float g[3][4];
-            if (nh == 3) scores4_3(qh, D, k0, k1, k2, k3, scale, g);
-            else if (nh == 2) scores4_2(qh, D, k0, k1, k2, k3, scale, g);
-            else scores4_1(qh, D, k0, k1, k2, k3, scale, g);
-            for (int h = 0; h < nh; ++h)
-                for (int j = 0; j < 4 && i + j < m; ++j) {
-                    s[h * L + i + j] = g[h][j];
-                    if (g[h][j] > mx[h]) mx[h] = g[h][j];
+    const int is_vector = D % 8 == 0;
+    for (int64_t j0 = 0; j0 < jn; j0 += ATT_KEY_BLOCK) {
+        const int64_t j1 = j0 + ATT_KEY_BLOCK < jn ? j0 + ATT_KEY_BLOCK : jn;
+        for (int i = 0; i < nq; i += 2) {
+            const int i1 = i + 1 < nq ? i + 1 : i;
+            float *s0 = s + (int64_t)i * L, *s1 = s + (int64_t)i1 * L;
+            if (is_vector && i1 == i)
+                for (int64_t j = j0; j < j1; j += 4) scores_1x4(qs[i], K, D, j, j1, scale, s0);
+            else if (is_vector)
+                for (int64_t j = j0; j < j1; j += 4) scores_2x4(qs[i], qs[i1], K, D, j, j1, scale, s0, s1);
+            else
+                for (int64_t j = j0; j < j1; ++j) { s0[j] = dot_f32(qs[i], K + j * D, D) * scale; s1[j] = dot_f32(qs[i1], K + j * D, D) * scale; }
+        }
+    }
+    float inv[ATT_MAX_CHUNK];
+    for (int i = 0; i < nq; ++i) {                 /* softmax over the row's visible keys, in place */
+        float *si = s + (int64_t)i * L;
+        const uint8_t *mr = mask ? mask + rs[i] * L : NULL;
+        int64_t m = 0;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < jn; ++j)
+            if (!mr || mr[j]) { keys[m] = j; tmp[m++] = si[j]; if (si[j] > mx) mx = si[j]; }
+        exp_shifted(tmp, m, mx);
+        float sum = 0.f;
+        for (int64_t t = 0; t < m; ++t) sum += tmp[t];
+        inv[i] = sum > 0.f ? 1.f / sum : 0.f;
+        for (int64_t j = 0; j < jn; ++j) si[j] = 0.f;
+        for (int64_t t = 0; t < m; ++t) si[keys[t]] = tmp[t];
+        for (int64_t e = 0; e < D; ++e) os[i][e] = 0.f;
+    }
+    for (int64_t j0 = 0; j0 < jn; j0 += ATT_KEY_BLOCK) {
+        const int64_t j1 = j0 + ATT_KEY_BLOCK < jn ? j0 + ATT_KEY_BLOCK : jn;
+        for (int i = 0; i < nq; i += 2) {
+            const int i1 = i + 1 < nq ? i + 1 : i;
+            const float *p0 = s + (int64_t)i * L, *p1 = s + (int64_t)i1 * L;
+            int64_t c = 0;
+            if (i1 == i) {                            /* a lone last query */
+                for (; c + 64 <= D; c += 64) vsum_1x8(p0, V, D, j0, j1, c, os[i]);
+                for (; c + 8 <= D; c += 8) vsum_1x1(p0, V, D, j0, j1, c, os[i]);
+            } else {
+                for (; c + 32 <= D; c += 32) vsum_2x4(p0, p1, V, D, j0, j1, c, os[i], os[i1]);
+                for (; c + 8 <= D; c += 8) vsum_2x1(p0, p1, V, D, j0, j1, c, os[i], os[i1]);
+            }
+            for (; c < D; ++c)
+                for (int64_t j = j0; j < j1; ++j) {
+                    os[i][c] = fmaf(p0[j], V[j * D + c], os[i][c]);
+                    if (i1 != i) os[i1][c] = fmaf(p1[j], V[j * D + c], os[i1][c]);
                 }
         }
-    for (int h = 0; h < nh; ++h)
-        for (int64_t t = i; t < m; ++t) {
-            const float v = dot_f32(qh + h * D, K + keys[t] * D, D) * scale;
-            s[h * L + t] = v;
-            if (v > mx[h]) mx[h] = v;
-        }
-    float inv[3];
-    for (int h = 0; h < nh; ++h) {
-        exp_shifted(s + h * L, m, mx[h]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < m; ++t) sum += s[h * L + t];
-        inv[h] = sum > 0.f ? 1.f / sum : 0.f;
     }
-    int64_t c = 0;
-    for (; c + 32 <= D; c += 32) {
-        if (nh == 3) vsum32_3(s, L, keys, m, V, D, c, o);
-        else if (nh == 2) vsum32_2(s, L, keys, m, V, D, c, o);
-        else vsum32_1(s, L, keys, m, V, D, c, o);
-    }
-    for (int h = 0; h < nh; ++h) {
-        float *oh = o + h * D;
-        for (int64_t cc = c; cc < D; ++cc) {
-            float a = 0.f;
-            for (int64_t t = 0; t < m; ++t) a += s[h * L + t] * V[keys[t] * D + cc];
-            oh[cc] = a;
-        }
-        for (int64_t e = 0; e < D; ++e) oh[e] *= inv[h];
-    }
+    for (int i = 0; i < nq; ++i)
+        for (int64_t e = 0; e < D; ++e) os[i][e] *= inv[i];
 }
 
 /* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
- * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32.
- * Keys are visited in cache order and masked ones are skipped, never added as zeros: a tree row's
- * result is that of a 1-row step over the same keys once they are committed in that order.
- * The query heads that share a KV head run together, up to three at a time (`attend_heads`): each
- * key and value row is read once for all of them instead of once per head, with each head's
- * arithmetic unchanged. */
+ * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32; see attend_chunk. */
 int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
                     const float *v_cache, int64_t capacity, int64_t L, const uint8_t *mask,
                     float *out, int num_threads) {
-    const int64_t group = H / Hkv, per_kv = (group + 2) / 3;   /* work items per (row, KV head) */
+    const int64_t group = H / Hkv, per_kv = n * group;      /* queries per KV head */
+    /* chunks small enough for two per thread, at most ATT_MAX_CHUNK queries */
+    int64_t chunk = (per_kv * Hkv + 4 * num_threads - 1) / (4 * (int64_t)num_threads);
+    chunk = chunk < 1 ? 1 : chunk > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : chunk;
+    const int64_t chunks_per_kv = (per_kv + chunk - 1) / chunk;
     const float scale = 1.f / sqrtf((float)D);
+    const int64_t Lb = L ? L : 1;
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
-        int64_t *keys = malloc(sizeof(int64_t) * (size_t)(L ? L : 1));      /* the row's visible keys */
-        float *s = malloc(sizeof(float) * (size_t)(3 * (L ? L : 1)));       /* scores, then p, per head */
-        failed = !keys || !s;
+        float *s = malloc(sizeof(float) * (size_t)(chunk * (L ? L : 1)));
+        int64_t *keys = malloc(sizeof(int64_t) * (size_t)(Lb));
+        float *tmp = malloc(sizeof(float) * (size_t)(Lb));
+        failed = !s || !keys || !tmp;
         #pragma omp for schedule(static)
-        for (int64_t item = 0; item < n * Hkv * per_kv; ++item) {
-            if (!keys || !s) continue;
-            const int64_t r = item / (Hkv * per_kv), kvh = item / per_kv % Hkv, h0 = kvh * group + item % per_kv * 3;
-            const int nh = (int)(kvh * group + group - h0 < 3 ? kvh * group + group - h0 : 3);
-            const uint8_t *mr = mask ? mask + r * L : NULL;
-            int64_t m = 0;
-            for (int64_t j = 0; j < L; ++j)
-                if (!mr || mr[j]) keys[m++] = j;
-            attend_heads(q + (r * H + h0) * D, nh, D, k_cache + kvh * capacity * D, v_cache + kvh * capacity * D,
-                         keys, m, L, scale, s, out + (r * H + h0) * D);
+        for (int64_t item = 0; item < Hkv * chunks_per_kv; ++item) {   /* KV head major: L2 reuse */
+            if (!s || !keys || !tmp) continue;
+            const int64_t kvh = item / chunks_per_kv, first = item % chunks_per_kv * chunk;
+            const int nq = (int)(first + chunk <= per_kv ? chunk : per_kv - first);
+            const float *qs[ATT_MAX_CHUNK];
+            float *os[ATT_MAX_CHUNK];
+            int64_t rs[ATT_MAX_CHUNK];
+            for (int i = 0; i < nq; ++i) {
+                const int64_t r = (first + i) / group, h = kvh * group + (first + i) % group;
+                rs[i] = r; qs[i] = q + (r * H + h) * D; os[i] = out + (r * H + h) * D;
+            }
+            attend_chunk(qs, rs, os, nq, D, k_cache + kvh * capacity * D, v_cache + kvh * capacity * D, L, mask,
+                         scale, s, keys, tmp);
         }
-        free(keys); free(s);
+        free(s); free(keys); free(tmp);
     }
     return failed ? -1 : 0;
 }

@@ -185,12 +185,14 @@ def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
     assert torch.equal(alone[0], got[3])
 
 
+@pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 2), (5, 5)])
-def test_heads_sharing_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads):
-    """The kernel runs up to three query heads of a KV head together (one read of each key and value
-    row for all of them); every head's output equals a call with that head alone, under a mask too."""
+def test_queries_of_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads, dim):
+    """The kernel tiles the queries of a KV head (every row times the heads of its group) two by two
+    over blocks of keys; every head's output equals a call with that head alone, whatever its partner
+    in the tile (another head, another row with another mask, or none)."""
     g = torch.Generator().manual_seed(11)
-    dim, capacity, end, rows = 64, 40, 37, 3
+    capacity, end, rows = 140, 137, 3
     k_cache = torch.randn(kv_heads, capacity, dim, generator=g)
     v_cache = torch.randn(kv_heads, capacity, dim, generator=g)
     q = torch.randn(rows, heads, dim, generator=g)
