@@ -144,6 +144,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     w = ctypes.POINTER(QWeight)
     lib.qgemm_has_avx2.argtypes, lib.qgemm_has_avx2.restype = [], i32
     lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
+    lib.qgemm_quantize_rows.argtypes, lib.qgemm_quantize_rows.restype = [p, i64, i64, p, p, p], None
     lib.qgemm_rmsnorm.argtypes, lib.qgemm_rmsnorm.restype = [p, i64, i64, p, f32, p], None
     lib.qgemm_layer_pre.argtypes = [p, i64, i64, p, f32, w, w, w, i64, i64, i64, p, p, p, p, p, p, i32]
     lib.qgemm_layer_pre.restype = i32

@@ -52,18 +52,45 @@ static inline float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
-/* x [T, K] fp32 -> xq int8 [T, K], dx [T, K/32], sx [T, K/32] */
+/* x [T, K] fp32 -> xq int8 [T, K], dx [T, K/32], sx [T, K/32]. The AVX2 path computes the same
+ * values (max is exact in any order; cvtps rounds to nearest even as lrintf does by default). */
 void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float *dx, float *sx) {
     const int64_t G = K / QK;
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t g = 0; g < G; ++g) {
             const float *b = x + t * K + g * QK;
+            int8_t *q = xq + t * K + g * QK;
+#if QGEMM_AVX2
+            const __m256 sign = _mm256_set1_ps(-0.f);
+            __m256 v[4];
+            for (int u = 0; u < 4; ++u) v[u] = _mm256_loadu_ps(b + 8 * u);
+            const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            const float amax = _mm_cvtss_f32(h);
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            const __m256 ids = _mm256_set1_ps(id);
+            __m256i r[4];
+            for (int u = 0; u < 4; ++u) r[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], ids));
+            /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
+            const __m256i p16a = _mm256_packs_epi32(r[0], r[1]), p16b = _mm256_packs_epi32(r[2], r[3]);
+            const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                           _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)q, p8);
+            const __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            const int sum = _mm_cvtsi128_si32(s4);
+#else
             float amax = 0.f;
             for (int j = 0; j < QK; ++j) amax = fmaxf(amax, fabsf(b[j]));
             const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
             int sum = 0;
-            int8_t *q = xq + t * K + g * QK;
             for (int j = 0; j < QK; ++j) { q[j] = (int8_t)lrintf(b[j] * id); sum += q[j]; }
+#endif
             dx[t * G + g] = d;
             sx[t * G + g] = d * (float)sum;
         }
@@ -334,6 +361,8 @@ done:
     return rc;
 }
 
+static void silu_mul(float *g, const float *u, int64_t n);
+
 /* After attention: h = x + attn Wo; out = h + Wdown(silu(Wgate n) * Wup n), n = RMSNorm(h).
  * x, out [T, C]; attn [T, H*D]. */
 int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, const qweight *wo,
@@ -353,7 +382,7 @@ int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, co
     const qweight *const gate_up[2] = {wgate, wup};
     float *const gate_up_out[2] = {g, u};
     qmatmul_many(&b, T, gate_up, gate_up_out, 2, num_threads);
-    for (int64_t j = 0; j < T * I; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    silu_mul(g, u, T * I);
     if (qact_init(&c, g, T, I)) goto done;
     qmatmul(&c, T, wdown, out, num_threads);
     for (int64_t j = 0; j < T * C; ++j) out[j] += o[j];
@@ -417,6 +446,30 @@ static void exp_shifted(float *s, int64_t m, float shift) {
     }
 #else
     for (; i < m; ++i) s[i] = expf(s[i] - shift);
+#endif
+}
+
+/* g[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u, eight at a time through exp8 (a tail through the
+ * same lanes), so every element gets the same arithmetic wherever it falls. */
+static void silu_mul(float *g, const float *u, int64_t n) {
+    int64_t j = 0;
+#if QGEMM_AVX2
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(g + j);
+        const __m256 e = exp8(_mm256_xor_ps(x, sign));
+        _mm256_storeu_ps(g + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + j)));
+    }
+    if (j < n) {
+        float t[8] = {0}, w[8] = {0};
+        for (int i = 0; j + i < n; ++i) { t[i] = g[j + i]; w[i] = u[j + i]; }
+        const __m256 x = _mm256_loadu_ps(t);
+        const __m256 e = exp8(_mm256_xor_ps(x, sign));
+        _mm256_storeu_ps(t, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(w)));
+        for (int i = 0; j + i < n; ++i) g[j + i] = t[i];
+    }
+#else
+    for (; j < n; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
 #endif
 }
 

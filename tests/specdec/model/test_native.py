@@ -208,3 +208,23 @@ def test_queries_of_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads, d
                 lib, q[:, h : h + 1], k_cache[kv : kv + 1].contiguous(), v_cache[kv : kv + 1].contiguous(), end, m
             )
             assert torch.equal(together[:, h], alone[:, 0])
+
+
+def test_activations_quantize_per_block_to_nearest_even_exactly():
+    """Per block of 32: dx = max|x| / 127 and x * (127 / max|x|) rounded half to even, in fp32, bit for
+    bit (the vector path must agree with this definition, ties and all-zero blocks included)."""
+    g = torch.Generator().manual_seed(12)
+    t, k = 6, 256
+    x = torch.randn(t, k, generator=g) * torch.rand(t, 1, generator=g) * 10
+    x[0, :32] = 0.0
+    x[1, :32] = torch.arange(32) - 15.5
+    x[2] = (torch.arange(k) % 255 - 127) * 0.5  # products landing on .5: ties go to even
+    xq = torch.empty(t, k, dtype=torch.int8)
+    dx, sx = torch.empty(t, k // 32), torch.empty(t, k // 32)
+    native.library().qgemm_quantize_rows(x.data_ptr(), t, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    amax = x.view(t, k // 32, 32).abs().amax(-1)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    expected = torch.round(x.view(t, k // 32, 32) * inv[..., None])
+    assert torch.equal(xq.view(t, k // 32, 32).float(), expected)
+    assert torch.equal(dx, amax / 127)
+    assert torch.equal(sx, dx * expected.sum(-1))
