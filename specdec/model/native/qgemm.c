@@ -15,7 +15,10 @@
  * and 1-row decoding agree bit for bit). The AVX2 path keeps 8 lane sums per output as llama.cpp
  * does; the portable path sums each block's integer dot first; each is deterministic on its own.
  * Threads: OpenMP, sharing the process's runtime (torch's libgomp is loaded first and has the
- * same soname), over output rows.
+ * same soname), over output rows in chunks handed out dynamically: the service's other processes
+ * share these cores, and with a static split every parallel region waits for the thread that lost
+ * its core; dynamically the thread that runs takes the rest. The split never changes an element's
+ * arithmetic.
  */
 #include <math.h>
 #include <stdint.h>
@@ -281,7 +284,7 @@ static void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, flo
                          int num_threads) {
     int64_t total = 0;
     for (int i = 0; i < count; ++i) total += ws[i]->n;
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 32)
     for (int64_t c = 0; c < total; ++c) {
         int i = 0;
         int64_t n = c;
@@ -680,7 +683,7 @@ int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D
         int64_t *keys = malloc(sizeof(int64_t) * (size_t)(Lb));
         float *tmp = malloc(sizeof(float) * (size_t)(Lb));
         failed = !s || !keys || !tmp;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < Hkv * chunks_per_kv; ++item) {   /* KV head major: L2 reuse */
             if (!s || !keys || !tmp) continue;
             const int64_t kvh = item / chunks_per_kv, first = item % chunks_per_kv * chunk;
