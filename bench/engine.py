@@ -161,7 +161,7 @@ def main() -> None:
         start = time.perf_counter()
         with native.disabled() if kernels == "torch" else contextlib.nullcontext():
             loaded = load_model(model_dir, precision, max_positions=2048, is_shared=False)
-        engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), 2048)
+        engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 2048)
         load_s = time.perf_counter() - start
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
         results[name] = {

@@ -45,7 +45,7 @@ def fixed_text_ids(data_dir: Path, tokenizer: Tokenizer, num_tokens: int) -> lis
 def next_token_logits(model_dir: Path, precision: str, token_ids: list[int]) -> torch.Tensor:
     """fp32 logits [T-1, V]: row t predicts token t+1, from one left-to-right pass in chunks."""
     loaded = load_model(model_dir, precision, max_positions=len(token_ids) + 1, is_shared=False)
-    kv = KVCache(loaded.config, loaded.model.dtype).allocate(len(token_ids))
+    kv = KVCache(loaded.config, loaded.model.kv_dtype).allocate(len(token_ids))
     rows = []
     for start in range(0, len(token_ids) - 1, CHUNK_TOKENS):
         chunk = token_ids[start : min(start + CHUNK_TOKENS, len(token_ids) - 1)]

@@ -94,7 +94,7 @@ def _engine_decode_steps(precision: str, num_threads: int, prompt_ids: list[int]
     loaded = load_model(
         resolve_model_dir(None, default_cache_dir()), precision, max_positions=MAX_CONTEXT, is_shared=False
     )
-    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), MAX_CONTEXT)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), MAX_CONTEXT)
     engine.open(PROBE_REQUEST_ID, prompt_ids)
     try:
         engine.prefill(PROBE_REQUEST_ID)

@@ -232,7 +232,7 @@ def _parse_config(text: str) -> ModelConfig:
 def _smoke_forward(model: Transformer) -> None:
     """One token through every layer: a tensor whose shape disagrees with the config fails here, not in
     a request. It also faults the mapped pages in, so the first Propose does not pay for that."""
-    kv = KVCache(model.config, model.dtype, device=model.embed_tokens.device)
+    kv = KVCache(model.config, model.kv_dtype, device=model.embed_tokens.device)
     slot = kv.allocate(1)
     device = model.embed_tokens.device
     try:

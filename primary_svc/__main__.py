@@ -130,7 +130,7 @@ def load_engine(
     )
     engine = Engine(
         loaded.model,
-        KVCache(loaded.config, loaded.model.dtype, config.device, max_bytes=config.max_kv_bytes),
+        KVCache(loaded.config, loaded.model.kv_dtype, config.device, max_bytes=config.max_kv_bytes),
         config.max_context,
     )
     costs = measure_verify_costs(engine) if config.measure_verify_costs else {}

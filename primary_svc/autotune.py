@@ -123,7 +123,7 @@ def machine_key(num_threads: int) -> str:
 
 def measure_candidate(model_dir: Path, precision: str) -> dict[int, float]:
     loaded = load_model(model_dir, precision, max_positions=PROBE_CONTEXT_TOKENS + 2 * PROBE_SIZES[-1], is_shared=False)
-    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), loaded.model.max_positions)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), loaded.model.max_positions)
     return measure_verify_costs(engine, PROBE_REPEATS, PROBE_SIZES, PROBE_CONTEXT_TOKENS)
 
 

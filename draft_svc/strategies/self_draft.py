@@ -101,7 +101,7 @@ class SelfDraftDecoder:
         self._is_prefix = self.layer_ids == tuple(range(len(self.layer_ids)))  # no remapping needed
         self._row_of = {layer: row for row, layer in enumerate(self.layer_ids)}
         compact = dataclasses.replace(model.config, num_hidden_layers=len(self.layer_ids))
-        self._kv_cache = KVCache(compact, model.dtype, device=model.embed_tokens.device)
+        self._kv_cache = KVCache(compact, model.kv_dtype, device=model.embed_tokens.device)
         self._slot: KVSlot | None = None  # allocated at the first catch-up
         self._token_ids: list[int] = []  # the committed context
 

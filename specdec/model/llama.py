@@ -240,7 +240,7 @@ class Transformer:
         self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int, min_gemm_rows: int = NO_PADDING
     ) -> None:
         self.config = config
-        self.dtype = weights["model.norm.weight"].dtype  # activations, KV cache
+        self.dtype = weights["model.norm.weight"].dtype  # activations (and the KV cache: see kv_dtype)
         self.embed, self.embed_tokens = _embedding(weights, self.dtype)  # embed_tokens: [V, C], float or int8
         self.layers = [Block(config, weights, i, min_gemm_rows) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
@@ -258,6 +258,9 @@ class Transformer:
         # Native attention computes each row alone over its keys in cache order, skipping masked ones:
         # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
         self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
+        # The KV cache's dtype: fp16 where attention runs natively (`native.KV_DTYPES`), halving what a
+        # step reads; otherwise the activations' dtype, which SDPA needs.
+        self.kv_dtype = torch.float16 if self.is_attention_row_exact else self.dtype
         # Every layer native: a whole forward's layers in one native call where the spans allow it
         is_stack = self.is_attention_row_exact and all(b.native for b in self.layers)
         lib = native.library() if is_stack else None

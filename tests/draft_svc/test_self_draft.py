@@ -45,7 +45,7 @@ def draft_model(owner) -> Transformer:
 
 def greedy_reference(model: Transformer, context: list[int], num_tokens: int, **layers) -> list[int]:
     """The owner's tensors, a fresh full-layer cache: the context in one forward, then token by token."""
-    kv = KVCache(model.config, model.dtype)
+    kv = KVCache(model.config, model.kv_dtype)
     slot = kv.allocate(len(context) + num_tokens)
     ids, start, out = list(context), 0, []
     while len(out) < num_tokens:
@@ -114,8 +114,15 @@ def test_cache_holds_only_the_run_layers_and_only_committed_rows(draft_model):
     slot = decoder._slot
     assert slot.num_cached == len(PROMPT)  # the drafts' rows were rolled back
     assert slot.k.shape == (len(RUN_LAYERS), config.num_key_value_heads, slot.capacity, config.head_dim)
-    assert decoder.num_kv_bytes == 2 * slot.k.numel() * 4
-    full_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * slot.capacity * config.head_dim * 4
+    assert decoder.num_kv_bytes == 2 * slot.k.numel() * slot.k.element_size()
+    full_bytes = (
+        2
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * slot.capacity
+        * config.head_dim
+        * slot.k.element_size()
+    )
     assert decoder.num_kv_bytes * config.num_hidden_layers == full_bytes * len(RUN_LAYERS)
     decoder.release()
     assert decoder.num_kv_bytes == 0

@@ -33,7 +33,7 @@ def int4_model(default_model_dir):
 
 
 def new_engine(loaded, max_bytes: int | None = None) -> Engine:
-    return Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype, max_bytes=max_bytes), MAX_CONTEXT)
+    return Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype, max_bytes=max_bytes), MAX_CONTEXT)
 
 
 class Paused:

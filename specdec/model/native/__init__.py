@@ -48,6 +48,10 @@ ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"  # "0": never build or use the native kern
 QK = 32  # weights per block
 Q4_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 KIND_Q4, KIND_Q8 = 4, 8
+# What the native attention reads from the KV cache. fp16 (rounded to nearest even on write, as
+# torch's .half()) halves the bytes a step's attention streams, which bound it on the CPU: models
+# whose attention runs natively keep their cache in fp16 (`Transformer.kv_dtype`).
+KV_DTYPES = (torch.float32, torch.float16)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -93,6 +97,7 @@ class QSpan(ctypes.Structure):
         ("layer_stride", ctypes.c_int64),
         ("capacity", ctypes.c_int64),
         ("mask", ctypes.c_void_p),
+        ("half", ctypes.c_int64),
     ]
 
 
@@ -150,7 +155,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_layer_pre.restype = i32
     lib.qgemm_layer_post.argtypes = [p, p, i64, i64, w, p, f32, w, w, w, p, i32]
     lib.qgemm_layer_post.restype = i32
-    lib.qgemm_attention.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i32]
+    lib.qgemm_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, p, i32]
     lib.qgemm_attention.restype = i32
     lib.qgemm_forward.argtypes = [
         p,
@@ -281,10 +286,12 @@ class QuantLinear:
 
 
 def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: int, mask: Tensor | None) -> Tensor:
-    """q [n, H, D] fp32 against cache rows [0, end) of k_cache/v_cache [Hkv, capacity, D] (one layer),
-    under mask [n, end] bool (None: all rows) -> [n, H, D]. Each row alone, keys in cache order."""
+    """q [n, H, D] fp32 against cache rows [0, end) of k_cache/v_cache [Hkv, capacity, D] (one layer;
+    fp32 or fp16, `KV_DTYPES`), under mask [n, end] bool (None: all rows) -> [n, H, D]. Each row alone,
+    keys in cache order."""
     n, heads, dim = q.shape
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in KV_DTYPES
     q = q.contiguous()
     if mask is not None:
         mask = mask.contiguous().view(torch.uint8)
@@ -297,6 +304,7 @@ def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: i
         dim,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        k_cache.dtype == torch.float16,
         k_cache.shape[1],
         end,
         _ptr(mask),
@@ -415,7 +423,8 @@ class NativeStack:
             and s.k_cache.shape[0] == self.num_layers
             and s.k_cache.is_contiguous()
             and s.v_cache.is_contiguous()
-            and s.k_cache.dtype == torch.float32
+            and s.k_cache.dtype == s.v_cache.dtype
+            and s.k_cache.dtype in KV_DTYPES
             for s in spans
         )
 
@@ -432,6 +441,7 @@ class NativeStack:
             d.k_cache, d.v_cache = s.k_cache.data_ptr(), s.v_cache.data_ptr()
             d.layer_stride, d.capacity = s.k_cache.stride(0), s.k_cache.shape[2]
             d.mask = _ptr(mask)
+            d.half = s.k_cache.dtype == torch.float16
         if self.lib.qgemm_forward(
             x.data_ptr(),
             x.shape[0],

@@ -416,6 +416,69 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
     return s;
 }
 
+/* The KV cache holds fp32 or fp16 (IEEE half, rounded to nearest even on write) values: element i
+ * of a cache row as fp32. fp16 halves the bytes attention reads, which bound it on the CPU. */
+static inline v8 ldh8(const uint16_t *p) {
+#if QGEMM_AVX2
+    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    v8 r; memcpy(&r, &x, sizeof r); return r;
+#else
+    v8 r;
+    for (int i = 0; i < 8; ++i) r[i] = fp16_to_fp32(p[i]);
+    return r;
+#endif
+}
+
+static inline v8 ldkv8(const void *base, int64_t i, int half) {
+    return half ? ldh8((const uint16_t *)base + i) : ld8((const float *)base + i);
+}
+
+static inline float ldkv(const void *base, int64_t i, int half) {
+    return half ? fp16_to_fp32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline uint16_t fp32_to_fp16(float f) {   /* round to nearest even, as torch's .half() */
+#if QGEMM_AVX2
+    return _cvtss_sh(f, 0);
+#else
+    uint32_t x; memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t a = x & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) return sign | 0x7C00u | (a > 0x7F800000u ? 0x200u : 0u);   /* inf, nan */
+    if (a >= 0x477FF000u) return sign | 0x7C00u;                                      /* >= 65520: inf */
+    if (a < 0x38800000u) {                                   /* below 2^-14: a subnormal half or 0 */
+        float v; memcpy(&v, &a, 4);
+        return sign | (uint16_t)lrintf(v * 16777216.f);      /* exact scaling by 2^24, then RNE */
+    }
+    uint32_t h = (a >> 13) - (112u << 10);                   /* rebias 127 -> 15, keep 10 bits */
+    const uint32_t rem = a & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  /* a carry rounds into the exponent */
+    return sign | (uint16_t)h;
+#endif
+}
+
+/* dst[0 .. D) = src as the cache's type */
+static inline void store_kv(void *dst, const float *src, int64_t D, int half) {
+    if (!half) { memcpy(dst, src, sizeof(float) * (size_t)D); return; }
+    uint16_t *h = dst;
+    int64_t i = 0;
+#if QGEMM_AVX2
+    for (; i + 8 <= D; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < D; ++i) h[i] = fp32_to_fp16(src[i]);
+}
+
+/* a . (row i of the cache), as dot_f32 computes it */
+static inline float dot_kv(const float *a, const void *base, int64_t row, int64_t D, int half) {
+    v8 acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) acc += ld8(a + i) * ldkv8(base, row + i, half);
+    float s = hsum_v8(acc);
+    for (; i < D; ++i) s += a[i] * ldkv(base, row + i, half);
+    return s;
+}
+
 /* exp of every element of s[0, m) in place, lane by lane the same operations whatever m or the
  * element's position (so a row's probabilities do not depend on how many keys share the call). */
 #if QGEMM_AVX2
@@ -529,13 +592,14 @@ static inline void hsum_8x(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b
 }
 
 /* s[i][j] for queries i0, i1 (i1 may repeat i0) and keys j .. j + 3 (repeating the last one past jn) */
-static inline void scores_2x4(const float *q0, const float *q1, const float *K, int64_t D, int64_t j,
+static inline void scores_2x4(const float *q0, const float *q1, const void *K, int half, int64_t D, int64_t j,
                               int64_t jn, float scale, float *s0, float *s1) {
-    const float *k0 = K + j * D, *k1 = K + (j + 1 < jn ? j + 1 : jn - 1) * D;
-    const float *k2 = K + (j + 2 < jn ? j + 2 : jn - 1) * D, *k3 = K + (j + 3 < jn ? j + 3 : jn - 1) * D;
+    const int64_t k0 = j * D, k1 = (j + 1 < jn ? j + 1 : jn - 1) * D;
+    const int64_t k2 = (j + 2 < jn ? j + 2 : jn - 1) * D, k3 = (j + 3 < jn ? j + 3 : jn - 1) * D;
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     for (int64_t e = 0; e < D; e += 8) {
-        const v8 x0 = ld8(k0 + e), x1 = ld8(k1 + e), x2 = ld8(k2 + e), x3 = ld8(k3 + e);
+        const v8 x0 = ldkv8(K, k0 + e, half), x1 = ldkv8(K, k1 + e, half);
+        const v8 x2 = ldkv8(K, k2 + e, half), x3 = ldkv8(K, k3 + e, half);
         const v8 u = ld8(q0 + e), w = ld8(q1 + e);
         a0 = FMA8(a0, u, x0); a1 = FMA8(a1, u, x1); a2 = FMA8(a2, u, x2); a3 = FMA8(a3, u, x3);
         b0 = FMA8(b0, w, x0); b1 = FMA8(b1, w, x1); b2 = FMA8(b2, w, x2); b3 = FMA8(b3, w, x3);
@@ -546,15 +610,15 @@ static inline void scores_2x4(const float *q0, const float *q1, const float *K, 
 }
 
 /* s[j .. j + 3] for one query (a chunk's odd one out): the same per-key arithmetic as scores_2x4 */
-static inline void scores_1x4(const float *q0, const float *K, int64_t D, int64_t j, int64_t jn, float scale,
-                              float *s0) {
-    const float *k0 = K + j * D, *k1 = K + (j + 1 < jn ? j + 1 : jn - 1) * D;
-    const float *k2 = K + (j + 2 < jn ? j + 2 : jn - 1) * D, *k3 = K + (j + 3 < jn ? j + 3 : jn - 1) * D;
+static inline void scores_1x4(const float *q0, const void *K, int half, int64_t D, int64_t j, int64_t jn,
+                              float scale, float *s0) {
+    const int64_t k0 = j * D, k1 = (j + 1 < jn ? j + 1 : jn - 1) * D;
+    const int64_t k2 = (j + 2 < jn ? j + 2 : jn - 1) * D, k3 = (j + 3 < jn ? j + 3 : jn - 1) * D;
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t e = 0; e < D; e += 8) {
         const v8 u = ld8(q0 + e);
-        a0 = FMA8(a0, u, ld8(k0 + e)); a1 = FMA8(a1, u, ld8(k1 + e));
-        a2 = FMA8(a2, u, ld8(k2 + e)); a3 = FMA8(a3, u, ld8(k3 + e));
+        a0 = FMA8(a0, u, ldkv8(K, k0 + e, half)); a1 = FMA8(a1, u, ldkv8(K, k1 + e, half));
+        a2 = FMA8(a2, u, ldkv8(K, k2 + e, half)); a3 = FMA8(a3, u, ldkv8(K, k3 + e, half));
     }
     const float ga[4] = {hsum_v8(a0), hsum_v8(a1), hsum_v8(a2), hsum_v8(a3)};
     for (int t = 0; t < 4 && j + t < jn; ++t) s0[j + t] = ga[t] * scale;
@@ -562,14 +626,14 @@ static inline void scores_1x4(const float *q0, const float *K, int64_t D, int64_
 
 /* o[c .. c + 8 * NV) += sum_{j in [j0, j1)} p[j] * V[j][c ..], j ascending (one query) */
 #define VSUM_1xN(NV)                                                                                  \
-    static inline void vsum_1x##NV(const float *p, const float *V, int64_t D, int64_t j0, int64_t j1, \
-                                   int64_t c, float *o) {                                             \
+    static inline void vsum_1x##NV(const float *p, const void *V, int half, int64_t D, int64_t j0,    \
+                                   int64_t j1, int64_t c, float *o) {                                 \
         v8 a[NV];                                                                                     \
         for (int u = 0; u < NV; ++u) a[u] = ld8(o + c + 8 * u);                                       \
         for (int64_t j = j0; j < j1; ++j) {                                                          \
             const float x = p[j];                                                                     \
             const v8 px = {x, x, x, x, x, x, x, x};                                                   \
-            for (int u = 0; u < NV; ++u) a[u] = FMA8(a[u], px, ld8(V + j * D + c + 8 * u));           \
+            for (int u = 0; u < NV; ++u) a[u] = FMA8(a[u], px, ldkv8(V, j * D + c + 8 * u, half));    \
         }                                                                                             \
         for (int u = 0; u < NV; ++u) st8(o + c + 8 * u, a[u]);                                       \
     }
@@ -579,16 +643,16 @@ VSUM_1xN(1)
 
 /* o0/o1[c .. c + 8 * NV) += sum_{j in [j0, j1)} p0/p1[j] * V[j][c ..], j ascending */
 #define VSUM_2xN(NV)                                                                                  \
-    static inline void vsum_2x##NV(const float *p0, const float *p1, const float *V, int64_t D,      \
-                                   int64_t j0, int64_t j1, int64_t c, float *o0, float *o1) {         \
+    static inline void vsum_2x##NV(const float *p0, const float *p1, const void *V, int half,        \
+                                   int64_t D, int64_t j0, int64_t j1, int64_t c, float *o0,            \
+                                   float *o1) {                                                        \
         v8 a[NV], b[NV];                                                                              \
         for (int u = 0; u < NV; ++u) { a[u] = ld8(o0 + c + 8 * u); b[u] = ld8(o1 + c + 8 * u); }     \
         for (int64_t j = j0; j < j1; ++j) {                                                          \
-            const float *vj = V + j * D + c;                                                         \
             const float x = p0[j], y = p1[j];                                                         \
             const v8 px = {x, x, x, x, x, x, x, x}, py = {y, y, y, y, y, y, y, y};                   \
             for (int u = 0; u < NV; ++u) {                                                           \
-                const v8 vv = ld8(vj + 8 * u);                                                        \
+                const v8 vv = ldkv8(V, j * D + c + 8 * u, half);                                      \
                 a[u] = FMA8(a[u], px, vv); b[u] = FMA8(b[u], py, vv);                                 \
             }                                                                                         \
         }                                                                                             \
@@ -601,7 +665,7 @@ VSUM_2xN(1)
 /* One chunk: queries qs[0 .. nq) (rows rs[i] of the call) over the KV head's rows K, V, keys j < L
  * under mask rows (NULL: all visible); outputs os[i]. s: nq * L floats; keys, tmp: L each. */
 static void attend_chunk(const float *const *qs, const int64_t *rs, float *const *os, int nq, int64_t D,
-                         const float *K, const float *V, int64_t L, const uint8_t *mask, float scale,
+                         const void *K, const void *V, int half, int64_t L, const uint8_t *mask, float scale,
                          float *s, int64_t *keys, float *tmp) {
     /* keys past every row's last visible one are never read (a causal prefill's upper triangle) */
     int64_t jn = 0;
@@ -617,11 +681,14 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
             const int i1 = i + 1 < nq ? i + 1 : i;
             float *s0 = s + (int64_t)i * L, *s1 = s + (int64_t)i1 * L;
             if (is_vector && i1 == i)
-                for (int64_t j = j0; j < j1; j += 4) scores_1x4(qs[i], K, D, j, j1, scale, s0);
+                for (int64_t j = j0; j < j1; j += 4) scores_1x4(qs[i], K, half, D, j, j1, scale, s0);
             else if (is_vector)
-                for (int64_t j = j0; j < j1; j += 4) scores_2x4(qs[i], qs[i1], K, D, j, j1, scale, s0, s1);
+                for (int64_t j = j0; j < j1; j += 4) scores_2x4(qs[i], qs[i1], K, half, D, j, j1, scale, s0, s1);
             else
-                for (int64_t j = j0; j < j1; ++j) { s0[j] = dot_f32(qs[i], K + j * D, D) * scale; s1[j] = dot_f32(qs[i1], K + j * D, D) * scale; }
+                for (int64_t j = j0; j < j1; ++j) {
+                    s0[j] = dot_kv(qs[i], K, j * D, D, half) * scale;
+                    s1[j] = dot_kv(qs[i1], K, j * D, D, half) * scale;
+                }
         }
     }
     float inv[ATT_MAX_CHUNK];
@@ -647,16 +714,17 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
             const float *p0 = s + (int64_t)i * L, *p1 = s + (int64_t)i1 * L;
             int64_t c = 0;
             if (i1 == i) {                            /* a lone last query */
-                for (; c + 64 <= D; c += 64) vsum_1x8(p0, V, D, j0, j1, c, os[i]);
-                for (; c + 8 <= D; c += 8) vsum_1x1(p0, V, D, j0, j1, c, os[i]);
+                for (; c + 64 <= D; c += 64) vsum_1x8(p0, V, half, D, j0, j1, c, os[i]);
+                for (; c + 8 <= D; c += 8) vsum_1x1(p0, V, half, D, j0, j1, c, os[i]);
             } else {
-                for (; c + 32 <= D; c += 32) vsum_2x4(p0, p1, V, D, j0, j1, c, os[i], os[i1]);
-                for (; c + 8 <= D; c += 8) vsum_2x1(p0, p1, V, D, j0, j1, c, os[i], os[i1]);
+                for (; c + 32 <= D; c += 32) vsum_2x4(p0, p1, V, half, D, j0, j1, c, os[i], os[i1]);
+                for (; c + 8 <= D; c += 8) vsum_2x1(p0, p1, V, half, D, j0, j1, c, os[i], os[i1]);
             }
             for (; c < D; ++c)
                 for (int64_t j = j0; j < j1; ++j) {
-                    os[i][c] = fmaf(p0[j], V[j * D + c], os[i][c]);
-                    if (i1 != i) os[i1][c] = fmaf(p1[j], V[j * D + c], os[i1][c]);
+                    const float v = ldkv(V, j * D + c, half);
+                    os[i][c] = fmaf(p0[j], v, os[i][c]);
+                    if (i1 != i) os[i1][c] = fmaf(p1[j], v, os[i1][c]);
                 }
         }
     }
@@ -665,10 +733,12 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
 }
 
 /* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
- * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32; see attend_chunk. */
-int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const float *k_cache,
-                    const float *v_cache, int64_t capacity, int64_t L, const uint8_t *mask,
+ * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32; see attend_chunk. The caches
+ * are fp32, or fp16 with `half`. */
+int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const void *k_cache,
+                    const void *v_cache, int half, int64_t capacity, int64_t L, const uint8_t *mask,
                     float *out, int num_threads) {
+    const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
     const int64_t group = H / Hkv, per_kv = n * group;      /* queries per KV head */
     /* chunks small enough for two per thread, at most ATT_MAX_CHUNK queries */
     int64_t chunk = (per_kv * Hkv + 4 * num_threads - 1) / (4 * (int64_t)num_threads);
@@ -695,8 +765,8 @@ int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D
                 const int64_t r = (first + i) / group, h = kvh * group + (first + i) % group;
                 rs[i] = r; qs[i] = q + (r * H + h) * D; os[i] = out + (r * H + h) * D;
             }
-            attend_chunk(qs, rs, os, nq, D, k_cache + kvh * capacity * D, v_cache + kvh * capacity * D, L, mask,
-                         scale, s, keys, tmp);
+            attend_chunk(qs, rs, os, nq, D, (const char *)k_cache + kvh * capacity * D * elem,
+                         (const char *)v_cache + kvh * capacity * D * elem, half, L, mask, scale, s, keys, tmp);
         }
         free(s); free(keys); free(tmp);
     }
@@ -713,9 +783,10 @@ typedef struct {             /* one decoder layer: its norms and seven products 
 
 typedef struct {             /* rows [start, start + n) of the batch: one sequence's new tokens */
     int64_t start, n, num_cached;
-    float *k_cache, *v_cache;    /* layer l at + l * layer_stride: [Hkv, capacity, D] */
+    void *k_cache, *v_cache;     /* layer l at + l * layer_stride elements: [Hkv, capacity, D] */
     int64_t layer_stride, capacity;
     const uint8_t *mask;         /* [n, num_cached + n] (1 = attend) or NULL: all */
+    int64_t half;                /* the caches hold fp16 (else fp32) */
 } qspan;
 
 /* x [T, C] in place: every layer of `layers` in turn, each exactly as qgemm_layer_pre, the cache
@@ -734,15 +805,17 @@ int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t 
                              positions, q, k, v, num_threads);
         for (int64_t si = 0; si < num_spans && !rc; ++si) {
             const qspan *s = spans + si;
-            float *kc = s->k_cache + l * s->layer_stride, *vc = s->v_cache + l * s->layer_stride;
+            const int half = (int)s->half;
+            const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
+            char *kc = (char *)s->k_cache + l * s->layer_stride * elem, *vc = (char *)s->v_cache + l * s->layer_stride * elem;
             for (int64_t r = 0; r < s->n; ++r)
                 for (int64_t h = 0; h < Hkv; ++h) {
                     const int64_t src = ((s->start + r) * Hkv + h) * D, dst = (h * s->capacity + s->num_cached + r) * D;
-                    memcpy(kc + dst, k + src, sizeof(float) * (size_t)D);
-                    memcpy(vc + dst, v + src, sizeof(float) * (size_t)D);
+                    store_kv(kc + dst * elem, k + src, D, half);
+                    store_kv(vc + dst * elem, v + src, D, half);
                 }
-            rc = qgemm_attention(q + s->start * H * D, s->n, H, Hkv, D, kc, vc, s->capacity, s->num_cached + s->n,
-                                 s->mask, attn + s->start * H * D, num_threads);
+            rc = qgemm_attention(q + s->start * H * D, s->n, H, Hkv, D, kc, vc, half, s->capacity,
+                                 s->num_cached + s->n, s->mask, attn + s->start * H * D, num_threads);
         }
         if (!rc)
             rc = qgemm_layer_post(x, attn, T, C, ly->o, ly->norm2, ly->eps2, ly->gate, ly->up, ly->down, out,

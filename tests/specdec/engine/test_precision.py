@@ -29,7 +29,7 @@ PROMPT = [1, 9690, 198, 2683, 253, 30760, 563, 260, 1945, 28, 837, 2456, 357, 30
 @pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
 def test_tree_verify_disagrees_with_one_token_decoding_only_at_near_ties(default_model_dir, precision):
     loaded = load_model(default_model_dir, precision, max_positions=256, is_shared=False)
-    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), 256)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 256)
     engine.open("one", PROMPT)
     engine.prefill("one")
     tokens, rows = [], []

@@ -26,7 +26,7 @@ MAX_CONTEXT = 256
 def quantized_engine(request, default_model_dir):
     loaded = load_model(default_model_dir, request.param, max_positions=MAX_CONTEXT, is_shared=False)
     assert loaded.model.is_batch_invariant
-    return Engine(loaded.model, KVCache(loaded.config, loaded.model.dtype), MAX_CONTEXT)
+    return Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), MAX_CONTEXT)
 
 
 def draft_tree(rng: random.Random, truth: list[int]) -> tuple[list[int], list[int]]:

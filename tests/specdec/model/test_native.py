@@ -154,11 +154,12 @@ def test_without_the_library_int4_falls_back_to_torchs_kernels(monkeypatch):
     assert native.status() == "unavailable: disabled by the test"
 
 
-def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
+@pytest.mark.parametrize("kv_dtype", native.KV_DTYPES)
+def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode(kv_dtype):
     g = torch.Generator().manual_seed(10)
     heads, kv_heads, dim, cached, capacity = 6, 2, 16, 5, 12
-    k_cache = torch.randn(kv_heads, capacity, dim, generator=g)
-    v_cache = torch.randn(kv_heads, capacity, dim, generator=g)
+    k_cache = torch.randn(kv_heads, capacity, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(kv_heads, capacity, dim, generator=g).to(kv_dtype)
     q = torch.randn(4, heads, dim, generator=g)
     # a tree over 4 new rows: r0 <- r1, r0 <- r2 <- r3 (cache rows 5..8)
     parents = [-1, 0, 0, 2]
@@ -169,10 +170,10 @@ def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
         while parent >= 0:
             mask[r, cached + parent], parent = True, parents[parent]
     got = native.attend(native.library(), q, k_cache, v_cache, cached + 4, mask)
-    expected = torch.nn.functional.scaled_dot_product_attention(
+    expected = torch.nn.functional.scaled_dot_product_attention(  # over the cache's values, in fp32
         q.transpose(0, 1)[None],
-        k_cache[:, : cached + 4][None],
-        v_cache[:, : cached + 4][None],
+        k_cache[:, : cached + 4].float()[None],
+        v_cache[:, : cached + 4].float()[None],
         attn_mask=mask,
         enable_gqa=True,
     )[0].transpose(0, 1)
@@ -185,16 +186,17 @@ def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode():
     assert torch.equal(alone[0], got[3])
 
 
+@pytest.mark.parametrize("kv_dtype", native.KV_DTYPES)
 @pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 2), (5, 5)])
-def test_queries_of_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads, dim):
+def test_queries_of_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads, dim, kv_dtype):
     """The kernel tiles the queries of a KV head (every row times the heads of its group) two by two
     over blocks of keys; every head's output equals a call with that head alone, whatever its partner
     in the tile (another head, another row with another mask, or none)."""
     g = torch.Generator().manual_seed(11)
     capacity, end, rows = 140, 137, 3
-    k_cache = torch.randn(kv_heads, capacity, dim, generator=g)
-    v_cache = torch.randn(kv_heads, capacity, dim, generator=g)
+    k_cache = torch.randn(kv_heads, capacity, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(kv_heads, capacity, dim, generator=g).to(kv_dtype)
     q = torch.randn(rows, heads, dim, generator=g)
     mask = torch.rand(rows, end, generator=g) < 0.7
     mask[:, 0] = True
@@ -228,3 +230,17 @@ def test_activations_quantize_per_block_to_nearest_even_exactly():
     assert torch.equal(xq.view(t, k // 32, 32).float(), expected)
     assert torch.equal(dx, amax / 127)
     assert torch.equal(sx, dx * expected.sum(-1))
+
+
+def test_an_fp16_cache_gives_the_attention_of_its_values_in_fp32():
+    """fp16 caches are read as their exact fp32 values: the same bits as an fp32 cache holding them."""
+    g = torch.Generator().manual_seed(13)
+    k16 = (torch.randn(3, 50, 64, generator=g) * 30).half()
+    v16 = (torch.randn(3, 50, 64, generator=g) * 30).half()
+    q = torch.randn(2, 9, 64, generator=g)
+    mask = torch.ones(2, 48, dtype=torch.bool)
+    mask[0, 47] = False
+    lib = native.library()
+    assert torch.equal(
+        native.attend(lib, q, k16, v16, 48, mask), native.attend(lib, q, k16.float(), v16.float(), 48, mask)
+    )

@@ -38,7 +38,7 @@ def main() -> None:
         any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for lo, hi in ranges)
         for t in tensors.values()
     )
-    engine = Engine(model, KVCache(model.config, model.dtype), 256)
+    engine = Engine(model, KVCache(model.config, model.kv_dtype), 256)
     engine.open("child", request["token_ids"])
     logits = engine.verify("child", request["tree_token_ids"], request["tree_parents"])
     checksum = sum(float(t.float().sum()) for t in tensors.values())

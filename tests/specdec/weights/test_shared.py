@@ -67,7 +67,7 @@ def test_child_process_maps_the_same_pages_and_computes_the_same_logits(model_fi
     own = sum(float(t.float().sum()) for t in shared_model.shared.tensors.values())
     assert report["checksum"] == own
 
-    engine = Engine(shared_model.model, KVCache(shared_model.config, shared_model.model.dtype), 256)
+    engine = Engine(shared_model.model, KVCache(shared_model.config, shared_model.model.kv_dtype), 256)
     engine.open("owner", TOKENS)
     expected = engine.verify("owner", [700, 701, 702], [-1, 0, -1])
     got = torch.from_numpy(np.fromfile(tmp_path / "logits.f32", dtype=np.float32)).view_as(expected)
