@@ -155,7 +155,9 @@ def format_result(r: dict[str, Any]) -> str:
             )
     if "primary_after" in r:
         lines.append(f"  primary afterwards: {r['primary_after']}")
-    if "prefix_cache" in r:
+    if "prefix_cache" in r and not r["prefix_cache"]["max_bytes"]:
+        lines.append("  primary prefix cache: off")
+    elif "prefix_cache" in r:
         c = r["prefix_cache"]
         share = "n/a" if c["reused_share"] is None else f"{100 * c['reused_share']:.1f} %"
         lines.append(

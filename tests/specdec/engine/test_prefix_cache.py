@@ -132,7 +132,7 @@ def test_a_prompt_sharing_a_prefix_reuses_it_bit_for_bit_int4(int4_model):
     engine.release("a")  # releasing A leaves its blocks in the cache
     assert engine.kv_bytes == 0 and engine.prefix_cache.num_bytes > 0
     got = run(engine, "b", PROMPT_B)
-    assert engine.num_reused_tokens("b") == 128  # 141 shared tokens: four whole blocks of 32
+    assert engine.num_reused_tokens("b") == 128  # 141 shared tokens: eight whole blocks of 16
     assert_equal(got, want)
     assert engine.kv_bytes_of("b") == reference.kv_bytes_of("b")  # the slot is the same size
     engine.release("b")
@@ -140,7 +140,7 @@ def test_a_prompt_sharing_a_prefix_reuses_it_bit_for_bit_int4(int4_model):
 
 
 def test_an_identical_prompt_prefills_nothing_but_its_partial_block_int4(int4_model):
-    prompt = PROMPT_A[:161]  # 160 rows to prefill: five whole blocks
+    prompt = PROMPT_A[:161]  # 160 rows to prefill: ten whole blocks
     want = run(new_engine(int4_model), "x", prompt)
     engine = new_engine(int4_model, PrefixCache())
     run(engine, "first", prompt)
@@ -153,7 +153,7 @@ def test_an_identical_prompt_prefills_nothing_but_its_partial_block_int4(int4_mo
 
 
 def test_a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it_int4(int4_model):
-    prompt = PROMPT_A[:100] + [7] + PROMPT_A[101:]  # differs at position 100, inside block 3 (96..127)
+    prompt = PROMPT_A[:100] + [7] + PROMPT_A[101:]  # differs at position 100, inside block 6 (96..111)
     want = run(new_engine(int4_model), "x", prompt)
     engine = new_engine(int4_model, PrefixCache())
     run(engine, "a", PROMPT_A)
@@ -170,7 +170,7 @@ def test_generated_tokens_are_never_shared_and_a_recovery_reuses_its_prompt_int4
     engine = new_engine(int4_model, PrefixCache())
     live = run(engine, "live", PROMPT_A[:97], num_steps=40)  # 96 prompt rows, 40 decoded
     blocks = engine.prefix_cache.num_blocks
-    assert blocks == 3
+    assert blocks == 96 // 16
     generated = engine.token_ids("live")[97:]
     engine.open("recovered", PROMPT_A[:97] + generated[:-1], num_prompt_tokens=97)
     assert engine.num_reused_tokens("recovered") == 96  # the prompt only
@@ -187,7 +187,7 @@ def test_fp32_reuses_on_the_prefill_chunk_grid_only(fp32_model):
     engine = new_engine(fp32_model, PrefixCache(), prefill_chunk_tokens=64)
     assert engine.prefix_grid_tokens == 64
     run(engine, "a", PROMPT_A[:100])  # 99 prompt rows: one whole chunk is shared, not the 35 after it
-    assert engine.prefix_cache.num_blocks == 2
+    assert engine.prefix_cache.num_blocks == 64 // 16
     got = run(engine, "b", PROMPT_B)
     assert engine.num_reused_tokens("b") == 64
     assert_equal(got, want)
