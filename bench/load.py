@@ -126,7 +126,7 @@ def run(
         **summarize_load(traces, wall_s, is_stream),
         "resources": samples,
     }
-    if stack is not None:
+    if stack is not None and before is not None:
         after = primary_stats(stack)
         result["primary_after"] = primary_occupancy(after)
         result["prefix_cache"] = prefix_cache_share(before, after)
