@@ -265,8 +265,11 @@ class Engine:
         with other requests' work.
         """
         req = self._get(request_id)
+        chunk_tokens = chunk_tokens or self.prefill_chunk_tokens
+        if self.prefix_cache is not None and not self.is_cut_anywhere and chunk_tokens != self.prefill_chunk_tokens:
+            raise ValueError(f"with a prefix cache this engine's prefills cut every {self.prefill_chunk_tokens} tokens")
         while self.num_to_prefill(request_id) > 0:
-            self.step([], [PrefillChunk(request_id, chunk_tokens or self.prefill_chunk_tokens)])
+            self.step([], [PrefillChunk(request_id, chunk_tokens)])
         return req.slot.num_cached
 
     def _chunk_end(self, req: _Request, max_tokens: int) -> tuple[int, int, bool]:

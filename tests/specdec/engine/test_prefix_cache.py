@@ -195,3 +195,21 @@ def test_fp32_reuses_on_the_prefill_chunk_grid_only(fp32_model):
     c = run(engine, "c", SHARED + [5])
     assert engine.num_reused_tokens("c") == 128  # 141 shared: two whole chunks
     assert_equal(c, run(new_engine(fp32_model, prefill_chunk_tokens=64), "c", SHARED + [5]))
+
+
+def test_fp32_prefills_with_a_prefix_cache_keep_to_the_grid(fp32_model):
+    engine = new_engine(fp32_model, PrefixCache(), prefill_chunk_tokens=64)
+    engine.open("a", PROMPT_A)
+    with pytest.raises(ValueError, match="every 64 tokens"):
+        engine.prefill("a", chunk_tokens=32)
+
+
+def test_a_preempted_request_re_prefills_from_its_cached_prompt_int4(int4_model):
+    engine = new_engine(int4_model, PrefixCache())
+    run(engine, "r", PROMPT_A, num_steps=5)
+    want = engine.verify("r", (), ())  # uncommitted: the same verify again after the re-prefill
+    engine.evict("r")
+    engine.readmit("r")
+    assert engine.num_reused_tokens("r") == 192  # 200 prompt rows: twelve whole blocks of 16, no generated ones
+    engine.prefill("r")
+    assert torch.equal(engine.verify("r", (), ()), want)
