@@ -438,11 +438,10 @@ class EngineWorker:
         for rid in plan.admit_ids:
             w = waiting[rid]
             try:
-                if w.prefill is not None:
+                if w.prefill is not None and not engine.has_request(rid):
                     engine.open(rid, w.prefill.token_ids, w.prefill.num_prompt_tokens)
-                else:
-                    assert w.verify is not None  # a waiting entry holds its prefill or its verify
-                    engine.readmit(rid, len(w.verify.tree_token_ids))
+                else:  # preempted: during its prefill (it is open), or waiting to verify
+                    engine.readmit(rid, 0 if w.verify is None else len(w.verify.tree_token_ids))
             except SpecdecError as e:
                 self._fail_waiting(w, e)
                 continue

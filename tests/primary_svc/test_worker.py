@@ -359,3 +359,38 @@ def test_a_float_engines_prefix_cache_must_share_the_schedulers_chunk_grid(fp32_
     engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32), MAX_CONTEXT, PrefixCache(), 512)
     with pytest.raises(ValueError, match="multiples of 512"):
         EngineWorker(engine, prefill_chunk_tokens=64)
+
+
+def test_a_request_preempted_during_its_prefill_is_readmitted_and_finishes_it_int4(int4_model):
+    """The newest request is preempted in the middle of its prefill (another's tree needs the KV):
+    once room returns it gets a slot again, re-prefills (its prefix from the prefix cache) and its
+    Prefill succeeds with the logits of a run without preemption."""
+    old, new = LONG_PROMPT[:120], (LONG_PROMPT * 2)[:600]
+    probe = new_engine(int4_model)
+    growth = probe.kv_cache.bytes_for_rows(len(old) + 16) - probe.kv_bytes_to_open(len(old))
+    budget = probe.kv_bytes_to_open(len(old)) + probe.kv_bytes_to_open(len(new)) + growth // 2
+    kv = KVCache(int4_model.config, int4_model.model.dtype, max_bytes=budget)
+    worker = EngineWorker(Engine(int4_model.model, kv, MAX_CONTEXT, PrefixCache()), 32, 16, 16)
+    try:
+        worker.prefill("old", old)
+        with ThreadPoolExecutor(2) as pool:
+            paused = Paused(worker)
+            prefilled = pool.submit(worker.prefill, "new", new)
+            paused.release_when_queued(1)
+            while not worker.call(lambda e: e.has_request("new")):
+                time.sleep(0.01)
+            paused = Paused(worker)  # between two of its chunks
+            assert 0 < worker.engine.num_cached("new") < len(new) - 1
+            grown = pool.submit(worker.verify, "old", (), (), [7] * 16, list(range(-1, 15)))
+            paused.release_when_queued(1)
+            grown.result(timeout=120)
+            assert worker.stats.num_preemptions == 1 and worker.engine.is_evicted("new")
+            worker.call(lambda e: e.release("old"))
+            assert prefilled.result(timeout=120) == len(new) - 1
+        assert worker.call(lambda e: e.num_reused_tokens("new")) > 0
+        for got, want in zip(decode_steps(worker, "new", 2), reference(int4_model, new, 2, chunk_tokens=512)):
+            assert torch.equal(got, want)
+        worker.call(lambda e: e.release("new"))
+        assert worker.engine.kv_bytes == 0
+    finally:
+        worker.stop()
