@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -62,7 +62,6 @@ class PrefixCacheStats:
     num_hits: int = 0  # of which reused at least one token
     num_query_tokens: int = 0  # prompt tokens that could have come from the cache
     num_reused_tokens: int = 0  # prompt tokens that did
-    num_inserted_blocks: int = 0
     num_evicted_blocks: int = 0
 
 
@@ -82,7 +81,7 @@ class PrefixCache:
     def num_blocks(self) -> int:
         return len(self._blocks)
 
-    def _keys(self, token_ids: Sequence[int]):
+    def _keys(self, token_ids: Sequence[int]) -> Iterator[tuple[int, ...]]:
         """Each full block's token ids, in order."""
         b = self.block_tokens
         for start in range(0, len(token_ids) - b + 1, b):
@@ -134,7 +133,6 @@ class PrefixCache:
                 block = CachedBlock(next(self._ids), key, parent, k[:, :, rows].clone(), v[:, :, rows].clone())
                 self._blocks[key] = block
                 self.num_bytes += num_bytes
-                self.stats.num_inserted_blocks += 1
                 if parent is not None:
                     self._blocks[parent].num_children += 1
             else:
