@@ -10,7 +10,8 @@ client sends greedy requests back to back (bench/concurrency.py run_load), the p
 turn (json rows with their schema as response_format unless --no-schema), until --duration is over.
 Reported: requests/s, generated tokens/s, TTFT p50/p99, inter-token latency p50/p99 (--stream),
 errors by status code; for a stack it started, each service's RSS and open file descriptors at the
-start, every --sample-s, and at the end, and the primary's KV bytes and active requests afterwards.
+start, every --sample-s, and at the end, the primary's KV bytes and active requests afterwards, and
+how many of the prompt tokens it prefilled during the run came from its prefix cache.
 Loopback only: the gateway's address must be a loopback one.
 """
 
@@ -56,10 +57,27 @@ def services_resources(pids: Mapping[str, int]) -> dict[str, dict[str, int]]:
     return {name: process_resources(pid) for name, pid in pids.items()}
 
 
-def primary_occupancy(stack: Stack) -> dict[str, int]:
+def primary_stats(stack: Stack) -> primary_pb2.GetStatsResponse:
     with stack.channel(PRIMARY) as ch:
-        stats = primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest(), timeout=10)
+        return primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest(), timeout=10)
+
+
+def primary_occupancy(stats: primary_pb2.GetStatsResponse) -> dict[str, int]:
     return {"kv_bytes": stats.kv_bytes, "num_active_requests": stats.num_active_requests}
+
+
+def prefix_cache_share(before: primary_pb2.GetStatsResponse, after: primary_pb2.GetStatsResponse) -> dict[str, Any]:
+    """The primary's prefix cache over the run: prompt tokens its prefills would have computed
+    (re-prefills after preemption included) and how many of them came from the cache instead."""
+    num_prompt = after.num_prefix_query_tokens - before.num_prefix_query_tokens
+    num_reused = after.num_prefix_reused_tokens - before.num_prefix_reused_tokens
+    return {
+        "prompt_tokens": num_prompt,
+        "reused_tokens": num_reused,
+        "reused_share": num_reused / num_prompt if num_prompt else None,
+        "bytes": after.prefix_cache_bytes,
+        "max_bytes": after.max_prefix_cache_bytes,
+    }
 
 
 def build_requests(
@@ -90,6 +108,7 @@ def run(
 ) -> dict[str, Any]:
     """The load against address; resources of `pids` sampled at the start, every sample_s and at the end."""
     samples: list[dict[str, Any]] = []
+    before = None if stack is None else primary_stats(stack)
 
     def sample(elapsed_s: float) -> None:
         if pids:
@@ -107,8 +126,10 @@ def run(
         **summarize_load(traces, wall_s, is_stream),
         "resources": samples,
     }
-    if stack is not None:
-        result["primary_after"] = primary_occupancy(stack)
+    if stack is not None and before is not None:
+        after = primary_stats(stack)
+        result["primary_after"] = primary_occupancy(after)
+        result["prefix_cache"] = prefix_cache_share(before, after)
     return result
 
 
@@ -134,6 +155,15 @@ def format_result(r: dict[str, Any]) -> str:
             )
     if "primary_after" in r:
         lines.append(f"  primary afterwards: {r['primary_after']}")
+    if "prefix_cache" in r and not r["prefix_cache"]["max_bytes"]:
+        lines.append("  primary prefix cache: off")
+    elif "prefix_cache" in r:
+        c = r["prefix_cache"]
+        share = "n/a" if c["reused_share"] is None else f"{100 * c['reused_share']:.1f} %"
+        lines.append(
+            f"  primary prefix cache: {c['reused_tokens']} of {c['prompt_tokens']} prefilled prompt tokens "
+            f"reused ({share}); holds {c['bytes'] / 2**20:.0f} of {c['max_bytes'] / 2**20:.0f} MiB"
+        )
     return "\n".join(lines)
 
 

@@ -85,6 +85,12 @@ EMPTY_TREE = DraftTree((), (), (), (), {}, 0.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Prefilled:
+    time_ms: float  # the primary's time for the prefill
+    num_cached_prompt_tokens: int  # prompt tokens whose KV rows came from the primary's prefix cache
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Verified:
     logits: Any  # common_pb2.Logits, passed through to the validator untouched
     argmax_token_ids: tuple[int, ...]
@@ -186,16 +192,16 @@ class Backends:
             {c.num_nodes: c.time_ms for c in r.verify_costs},
         )
 
-    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> float:
-        """Returns the primary's time for the prefill, milliseconds. `num_prompt_tokens`: how many
-        of `token_ids` are the prompt (a recovery sends the generated tokens after it)."""
+    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        """`num_prompt_tokens`: how many of `token_ids` are the prompt (a recovery sends the generated
+        tokens after it)."""
         r = self._call(
             "primary",
             self.primary.Prefill,
             primary_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens),
         )
         self._kv_leases[request_id] = r.kv_lease
-        return r.time_ms
+        return Prefilled(r.time_ms, r.num_cached_prompt_tokens)
 
     def verify(
         self,

@@ -575,10 +575,12 @@ class RequestLoop:
         while True:
             try:
                 if needs_prefill:
-                    prefill_ms = self.backends.prefill(
+                    prefilled = self.backends.prefill(
                         self.request_id, self.prompt_ids + self.generated, len(self.prompt_ids)
                     )
-                    self.stats.forward_ms += prefill_ms or 0.0
+                    self.stats.forward_ms += prefilled.time_ms
+                    if is_fresh:  # the request's own prefill, not a recovery's
+                        self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
                     self.pending_accepted, self.pending_committed = (), []
                     needs_prefill = False
                 return call()

@@ -36,6 +36,7 @@ class RequestStats:
     task_type: str = ""  # the controller's task type ("" when not adaptive)
     num_validator_fallback_steps: int = 0  # steps run while the validator could not be reached
     queue_ms: float = 0.0  # waited in the gateway's admission queue before it started (not in total_ms)
+    num_cached_prompt_tokens: int = 0  # prompt tokens the primary took from its prefix cache
 
     @property
     def acceptance_rate(self) -> float:
@@ -120,4 +121,5 @@ class RequestStats:
             task_type=self.task_type,
             num_validator_fallback_steps=self.num_validator_fallback_steps,
             queue_ms=self.queue_ms,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
         )

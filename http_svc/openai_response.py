@@ -3,6 +3,7 @@
 `usage` carries the standard counts and, as an extra object, the speculation statistics:
 
     "usage": {"prompt_tokens": 31, "completion_tokens": 40, "total_tokens": 71,
+              "prompt_tokens_details": {"cached_tokens": 0},
               "speculation": {"proposed_tokens": 52, "accepted_tokens": 29, "acceptance_rate": 0.56,
                               "mean_accepted_length": 3.9, "num_steps": 10}}
 """
@@ -30,6 +31,7 @@ def usage(stats: gateway_pb2.GenerationStats) -> dict:
         "prompt_tokens": stats.num_prompt_tokens,
         "completion_tokens": stats.num_generated_tokens,
         "total_tokens": stats.num_prompt_tokens + stats.num_generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.num_cached_prompt_tokens},  # the primary's prefix cache
         "speculation": {
             "proposed_tokens": stats.num_proposed_tokens,
             "accepted_tokens": stats.num_accepted_tokens,

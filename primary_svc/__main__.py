@@ -20,6 +20,7 @@ from primary_svc.worker import EngineWorker
 from specdec.engine.background_compile import BackgroundCompiler
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_logging
 from specdec.logits_shm import cleanup_stale_slots
@@ -132,9 +133,29 @@ def load_engine(
         loaded.model,
         KVCache(loaded.config, loaded.model.kv_dtype, config.device, max_bytes=config.max_kv_bytes),
         config.max_context,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
     costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
+    # Attached after the measurement, so that its probe prompt is neither cached nor counted.
+    engine.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes else None
+    log_prefix_cache(engine)
     return loaded, engine, costs, precision_choice
+
+
+def log_prefix_cache(engine: Engine) -> None:
+    """State once whether prompts reuse cached prefixes, and at which multiples (the exactness rule)."""
+    log = structlog.get_logger("primary_svc")
+    if engine.prefix_cache is None:
+        log.info("prefix cache off (--prefix_cache_bytes 0)")
+        return
+    log.info(
+        "prefix cache on",
+        max_bytes=engine.prefix_cache.max_bytes,
+        block_tokens=engine.prefix_cache.block_tokens,
+        # any whole block where a prefill may be cut anywhere; else whole prefill chunks only
+        reuse_multiple_of_tokens=max(engine.prefix_grid_tokens, engine.prefix_cache.block_tokens),
+        reason="batch-invariant kernels" if engine.is_cut_anywhere else "not batch invariant: the prefill chunk grid",
+    )
 
 
 def served_precision(config: PrimaryConfig, model_dir) -> tuple[str, str]:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
+from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import add_service_token_arguments
@@ -28,6 +29,7 @@ class PrimaryConfig:
     max_batch: int = 32  # verify items of different requests in one engine step, at most
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # rows per engine step (primary_svc.scheduler)
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # prompt rows of one request per step
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # KV rows of prompt prefixes kept for reuse; 0: none
     is_shared_weights: bool = True  # weights in /dev/shm, exportable to the draft pool
     measure_verify_costs: bool = True
     device: str = "cpu"  # cuda: weights, KV cache and compute on the GPU (CUDA IPC export)
@@ -51,6 +53,8 @@ class PrimaryConfig:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
         if self.max_kv_bytes <= 0:
             raise ValueError("max_kv_bytes must be positive")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0 (0: no prefix cache), got {self.prefix_cache_bytes}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_step_tokens < 1:
@@ -103,6 +107,13 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         help="prompt rows of one request per engine step (a long prompt is prefilled over several "
         "steps while the others keep decoding)",
     )
+    flags.add(
+        "--prefix_cache_bytes",
+        DEFAULT_PREFIX_CACHE_BYTES,
+        help="bytes of KV rows of earlier prompts kept so that prompts beginning with the same tokens "
+        "reuse them instead of prefilling them (least recently used evicted; apart from "
+        "--max_kv_bytes); 0: no prefix cache",
+    )
     # Switched off by --no_* flags; their variables say what is on (SPECDEC_PRIMARY_SHARED_WEIGHTS=0).
     flags.add("--no_shared_weights", True, env="SHARED_WEIGHTS", dest="shared_weights", action="store_false")
     flags.add(
@@ -143,6 +154,7 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         max_batch=a.max_batch,
         max_step_tokens=a.max_step_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens,
+        prefix_cache_bytes=a.prefix_cache_bytes,
         is_shared_weights=a.shared_weights,
         measure_verify_costs=a.measure_verify_costs,
         device=a.device,

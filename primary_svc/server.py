@@ -92,17 +92,24 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
         # then runs in chunks between other requests' steps. A re-prefill (recovery) replaces the old
         # state; the lease is granted on the engine thread, like expiry, so never to a slot being expired.
-        num_cached, lease = self.worker.prefill(
+        num_cached, num_reused, lease = self.worker.prefill(
             request_id,
             token_ids,
             request.num_prompt_tokens,
             timeout_s=context.time_remaining(),
             on_replace=lambda: self.leases.drop(request_id),
-            finish=lambda num_cached: (num_cached, self.leases.grant(request_id)),
+            finish=lambda num_cached: (
+                num_cached,
+                self.worker.built_engine().num_reused_tokens(request_id),
+                self.leases.grant(request_id),
+            ),
         )
         self._observe_kv()
         return primary_pb2.PrefillResponse(
-            num_cached_tokens=num_cached, kv_lease=lease, time_ms=(time.perf_counter() - start) * 1000
+            num_cached_tokens=num_cached,
+            num_cached_prompt_tokens=num_reused,
+            kv_lease=lease,
+            time_ms=(time.perf_counter() - start) * 1000,
         )
 
     def Verify(self, request, context):
@@ -188,12 +195,18 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def GetStats(self, request, context):
         engine = self.worker.built_engine()
-        return primary_pb2.GetStatsResponse(
+        response = primary_pb2.GetStatsResponse(
             num_active_requests=engine.num_active_requests,
             kv_bytes=engine.kv_bytes,
             max_kv_bytes=self.max_kv_bytes,
             weight_bytes=self.loaded.weight_bytes,
         )
+        if (cache := engine.prefix_cache) is not None:  # plain ints the engine thread updates: read as they are
+            response.prefix_cache_bytes = cache.num_bytes
+            response.max_prefix_cache_bytes = cache.max_bytes
+            response.num_prefix_query_tokens = cache.stats.num_query_tokens
+            response.num_prefix_reused_tokens = cache.stats.num_reused_tokens
+        return response
 
     def _allowed_tokens(self, request, num_rows: int) -> TokenBitmask | None:
         """The request's grammar mask, num_rows packed rows, or None when it has none."""

@@ -17,6 +17,11 @@ batch) the verify rows and every prefill chunk run as ONE forward; elsewhere (fp
 round differently with the row count) the verify rows run as one forward and each chunk in a forward
 of its own, cut where an uninterrupted prefill cuts, so the cache holds the same bits as before.
 
+With a prefix cache (specdec.engine.prefix_cache) a prefill is admitted with its whole prompt's
+KV, as without one, and then copies the cached prefix of its prompt into the slot at admission: only
+the rest runs in chunks. The cache's rows are copies under a budget of their own; they never count
+against the KV budget admission and preemption work with.
+
 When the verify rows need more KV than is free, running requests are preempted, newest admitted
 first: their KV is released and they re-prefill (from their committed tokens) when room returns.
 
@@ -56,6 +61,7 @@ from primary_svc.scheduler import (
     choose_victims,
 )
 from specdec.engine.engine import Engine, PrefillChunk, VerifyWork
+from specdec.engine.prefix_cache import PrefixCacheStats
 from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
 from specdec.metrics import ServiceMetrics
 
@@ -146,6 +152,7 @@ class EngineWorker:
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._deferred: list[_VerifyItem] = []  # a second verify of a request already queued
         self._admitted_seq: dict[str, int] = {}
+        self._prefix_stats_seen = PrefixCacheStats()  # what the metrics counted so far
         self._seq = itertools.count()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -160,9 +167,14 @@ class EngineWorker:
         self._engine = engine
         if engine is not None:
             # Chunks may be cut anywhere only where every row's bits are independent of the cut.
-            is_splittable = engine.model.is_batch_invariant and engine.model.is_attention_row_exact
+            if not engine.is_cut_anywhere and engine.prefix_cache is not None:
+                if engine.prefill_chunk_tokens != self.prefill_chunk_tokens:
+                    raise ValueError(
+                        f"the engine's prefix cache reuses rows at multiples of {engine.prefill_chunk_tokens} "
+                        f"tokens but this scheduler cuts prompts every {self.prefill_chunk_tokens}"
+                    )
             self._policy = SchedulerPolicy(
-                self.max_step_tokens, self.prefill_chunk_tokens, is_splittable, max_verify_items=self.max_batch
+                self.max_step_tokens, self.prefill_chunk_tokens, engine.is_cut_anywhere, max_verify_items=self.max_batch
             )
 
     def _built(self) -> tuple[Engine, SchedulerPolicy]:
@@ -426,18 +438,18 @@ class EngineWorker:
         for rid in plan.admit_ids:
             w = waiting[rid]
             try:
-                if w.prefill is not None:
+                if w.prefill is not None and not engine.has_request(rid):
                     engine.open(rid, w.prefill.token_ids, w.prefill.num_prompt_tokens)
-                else:
-                    assert w.verify is not None  # a waiting entry holds its prefill or its verify
-                    engine.readmit(rid, len(w.verify.tree_token_ids))
+                else:  # preempted: during its prefill (it is open), or waiting to verify
+                    engine.readmit(rid, 0 if w.verify is None else len(w.verify.tree_token_ids))
             except SpecdecError as e:
                 self._fail_waiting(w, e)
                 continue
             w.entry.is_admitted = True
+            w.entry.num_remaining = engine.num_to_prefill(rid)  # less what the prefix cache held
             self._admitted_seq[rid] = next(self._seq)
         chunks = [
-            PrefillChunk(rid, n)
+            PrefillChunk(rid, min(n, waiting[rid].entry.num_remaining))
             for rid, n in plan.prefill_chunks
             if rid in waiting and waiting[rid].entry.is_admitted and waiting[rid] in self._waiting
         ]
@@ -453,7 +465,7 @@ class EngineWorker:
         try:
             if engine.model.is_batch_invariant:  # one forward: every row's bits are its own
                 results = engine.step(works, chunks)
-                num_forwards = 1
+                num_forwards = int(bool(works) or any(c.num_tokens for c in chunks))  # 0: all from the prefix cache
             else:
                 if works:
                     results = engine.step(works, [])
@@ -461,7 +473,7 @@ class EngineWorker:
                 forward_ms = (time.perf_counter() - start) * 1000
                 for chunk in chunks:
                     engine.step([], [chunk])
-                    num_forwards += 1
+                    num_forwards += chunk.num_tokens > 0
         except BaseException as e:
             for item in verify_items:
                 item.future.set_exception(e)
@@ -543,7 +555,7 @@ class EngineWorker:
 
     def _record(self, verify_items: list, plan: StepPlan, chunks: list[PrefillChunk], num_forwards: int) -> None:
         verify_rows = plan.num_verify_rows if verify_items else 0
-        prefill_rows = sum(n for rid, n in plan.prefill_chunks if any(c.request_id == rid for c in chunks))
+        prefill_rows = sum(c.num_tokens for c in chunks)
         self.stats.num_steps += 1
         self.stats.num_prefill_chunks += len(chunks)
         if verify_items:
@@ -564,6 +576,8 @@ class EngineWorker:
         self.metrics.scheduler_waiting.set(len(self._waiting))
         waiting = {w.entry.request_id for w in self._waiting}
         self.metrics.scheduler_running.set(sum(1 for r in self.engine.resident_request_ids() if r not in waiting))
+        if (cache := self.engine.prefix_cache) is not None:
+            self._prefix_stats_seen = self.metrics.observe_prefix_cache(cache, self._prefix_stats_seen)
 
     def _fail_pending(self) -> None:
         error = RuntimeError("the engine worker stopped")

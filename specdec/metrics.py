@@ -12,11 +12,16 @@ seconds, sizes in bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from specdec.engine.prefix_cache import PrefixCache, PrefixCacheStats
 
 NAMESPACE = "specdec"
 # Port value that disables the metrics endpoint.
@@ -43,6 +48,9 @@ STEP_ROW_KINDS = ("verify", "prefill")
 _ADMISSION_WAIT_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Why admission control turned a request away (gateway.admission).
 ADMISSION_REJECTIONS = ("queue_full", "deadline", "cancelled")
+# Prompt tokens of the primary's prefix-cache lookups: those that could have come from the cache
+# (every prompt row of the batched prefill) and those that did (hit share = reused / queried).
+PREFIX_CACHE_TOKEN_KINDS = ("queried", "reused")
 
 
 class ServiceMetrics:
@@ -154,6 +162,55 @@ class ServiceMetrics:
         )
         for reason in ADMISSION_REJECTIONS:  # exported as 0 before the first one
             self.admission_rejections.labels(reason)
+        self.prefix_cache_queries = Counter(
+            "prefix_cache_queries",
+            "Primary: prompts looked up in the prefix cache (when a request gets its KV slot).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "prefix_cache_hits",
+            "Primary: prefix-cache lookups that reused at least one token.",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_tokens = Counter(
+            "prefix_cache_tokens",
+            f"Primary: prompt tokens of prefix-cache lookups, by kind: {', '.join(PREFIX_CACHE_TOKEN_KINDS)}.",
+            ["kind"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        for kind in PREFIX_CACHE_TOKEN_KINDS:
+            self.prefix_cache_tokens.labels(kind)
+        self.prefix_cache_evictions = Counter(
+            "prefix_cache_evictions",
+            "Primary: prefix-cache blocks evicted to make room (least recently used first).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "prefix_cache_bytes",
+            "Primary: bytes of KV rows held by the prefix cache (apart from kv_bytes).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_blocks = Gauge(
+            "prefix_cache_blocks", "Primary: blocks held by the prefix cache.", namespace=NAMESPACE, registry=registry
+        )
+
+    def observe_prefix_cache(self, cache: PrefixCache, seen: PrefixCacheStats) -> PrefixCacheStats:
+        """Bring the prefix-cache metrics up to the cache's counts; `seen`: the counts of the last
+        call. Returns the counts now seen (the cache counts on the engine thread, the counters follow)."""
+        now = dataclasses.replace(cache.stats)
+        self.prefix_cache_queries.inc(now.num_queries - seen.num_queries)
+        self.prefix_cache_hits.inc(now.num_hits - seen.num_hits)
+        self.prefix_cache_tokens.labels("queried").inc(now.num_query_tokens - seen.num_query_tokens)
+        self.prefix_cache_tokens.labels("reused").inc(now.num_reused_tokens - seen.num_reused_tokens)
+        self.prefix_cache_evictions.inc(now.num_evicted_blocks - seen.num_evicted_blocks)
+        self.prefix_cache_bytes.set(cache.num_bytes)
+        self.prefix_cache_blocks.set(cache.num_blocks)
+        return now
 
     def observe_step(self, *, num_proposed: int, num_accepted: int, stage_seconds: dict[str, float]) -> None:
         """Record one speculative step: num_accepted draft tokens + 1 bonus token."""

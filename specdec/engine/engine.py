@@ -30,6 +30,26 @@ activations of the packed kernels amplify into argmax flips at near-ties. The na
 attention (`specdec.model.native`) is row-exact under a mask already, so there the whole tree
 runs as one masked call.
 
+Prefix caching (specdec.engine.prefix_cache): with a `PrefixCache`, `open` and `readmit` copy the
+rows of the longest cached prefix of the prompt into the slot and prefill only the rest, and every
+prefill chunk offers the prompt rows computed so far to the cache. Reuse must not change a bit, so
+only rows that a prefill of the new prompt would compute identically are shared:
+
+- only prompt rows of the batched prefill (positions below num_prompt_tokens - 1), never rows of
+  generated tokens (decoded row by row) nor uncommitted tree rows; the pending token always runs in
+  the verify, so a prompt identical to a cached one still prefills nothing and verifies its last token;
+- where a prefill chunk may be cut anywhere (batch-invariant linears and row-exact attention, the
+  native int4/int8 kernels: `is_cut_anywhere`), a row's bits depend on its tokens and position only,
+  so any whole block is reused;
+- elsewhere (fp32/bf16 GEMMs round by row count; SDPA by query count) a row's bits also depend on
+  the chunk it ran in, so rows are shared and reused only up to a multiple of `prefill_chunk_tokens`
+  (the prefill grid every prefill cuts at, see primary_svc.scheduler): a prompt continuing from
+  k * prefill_chunk_tokens cached rows runs the very chunks an uninterrupted prefill runs after them.
+  Disabling the cache there would lose it on every float deployment; the grid keeps it exact.
+
+The cache holds copies under its own byte budget: the per-request KV accounting (`kv_bytes`,
+`max_bytes`) never sees it, and releasing a request never invalidates it.
+
 The engine is not thread-safe: the primary service serialises (and batches) calls.
 """
 
@@ -43,6 +63,7 @@ import torch
 
 from specdec.engine import tree as tree_geometry
 from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
+from specdec.engine.prefix_cache import PrefixCache
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.model.llama import SequenceSpan, Transformer
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
@@ -58,6 +79,7 @@ class _Request:
     tree_chain: int = 0  # chain rows written by the last verify, after num_cached
     tree_parents: tuple[int, ...] = ()  # the tree of the last verify, whose rows follow the chain
     tree_token_ids: tuple[int, ...] = ()
+    num_reused: int = 0  # prompt tokens whose KV rows came from the prefix cache at the last (re)admission
 
     @property
     def slot(self) -> KVSlot:
@@ -85,7 +107,14 @@ class PrefillChunk:
 
 
 class Engine:
-    def __init__(self, model: Transformer, kv_cache: KVCache, max_context: int) -> None:
+    def __init__(
+        self,
+        model: Transformer,
+        kv_cache: KVCache,
+        max_context: int,
+        prefix_cache: PrefixCache | None = None,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+    ) -> None:
         window = model.config.sliding_window
         if window is not None and max_context > window:
             raise ValueError(
@@ -99,6 +128,10 @@ class Engine:
         # see "Batch invariance" above
         self.is_row_by_row = model.is_batch_invariant and not model.is_attention_row_exact
         self._requests: dict[str, _Request] = {}
+        self.prefix_cache, self.prefill_chunk_tokens = prefix_cache, prefill_chunk_tokens
+        # see "Prefix caching" above: the multiple of tokens at which cached rows may be reused
+        self.is_cut_anywhere = model.is_batch_invariant and model.is_attention_row_exact
+        self.prefix_grid_tokens = 1 if self.is_cut_anywhere else prefill_chunk_tokens
 
     # --- bookkeeping -------------------------------------------------------------------
 
@@ -119,6 +152,10 @@ class Engine:
     def num_cached(self, request_id: str) -> int:
         kv = self._get(request_id).kv
         return 0 if kv is None else kv.num_cached
+
+    def num_reused_tokens(self, request_id: str) -> int:
+        """Prompt tokens whose KV rows came from the prefix cache when the request last got its slot."""
+        return self._get(request_id).num_reused
 
     def resident_request_ids(self) -> list[str]:
         """The requests that hold a KV slot (not evicted)."""
@@ -169,7 +206,9 @@ class Engine:
             raise ResourceExhausted("kv_cache", str(e)) from None
         # A fresh request's tokens are all prompt; the mark lets a preempted request re-prefill the
         # tokens it generated row by row (`prefill`), as the steps that decoded them ran.
-        self._requests[request_id] = _Request(list(token_ids), slot, num_prompt_tokens or len(token_ids))
+        req = _Request(list(token_ids), slot, num_prompt_tokens or len(token_ids))
+        self._requests[request_id] = req
+        self._reuse_prefix(req)
 
     def check_open(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Raise the error `open` would raise for these arguments, other than a full KV cache."""
@@ -213,19 +252,22 @@ class Engine:
             req.kv = self.kv_cache.allocate(len(req.token_ids) + 1 + num_extra_rows)
         except KVBudgetExceeded as e:
             raise ResourceExhausted("kv_cache", str(e)) from None
+        self._reuse_prefix(req)
 
-    def prefill(self, request_id: str, num_prompt_tokens: int = 0, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+    def prefill(self, request_id: str, chunk_tokens: int | None = None) -> int:
         """Run every committed token but the pending one into the cache; returns num_cached.
 
-        The prompt runs in chunks of `chunk_tokens`. With row-by-row verify (`is_row_by_row`), tokens
-        from the prompt's last one on (`num_prompt_tokens` > 0: a recovered request's generated tokens)
-        run row by row, each exactly as the step that decoded it did, so the cache and every later
-        step are bit for bit those of the uninterrupted request. The scheduler (primary_svc.worker)
-        runs the same chunks one `step` at a time, interleaved with other requests' work.
+        The prompt runs in chunks of `chunk_tokens` (default `prefill_chunk_tokens`). With row-by-row
+        verify (`is_row_by_row`), the tokens after the prompt (`open`'s `num_prompt_tokens`: a
+        recovered request's generated tokens) run row by row, each exactly as the step that decoded
+        it did, so the cache and every later step are bit for bit those of the uninterrupted request.
+        The scheduler (primary_svc.worker) runs the same chunks one `step` at a time, interleaved
+        with other requests' work.
         """
         req = self._get(request_id)
-        if num_prompt_tokens:
-            req.num_prompt_tokens = num_prompt_tokens
+        chunk_tokens = chunk_tokens or self.prefill_chunk_tokens
+        if self.prefix_cache is not None and not self.is_cut_anywhere and chunk_tokens != self.prefill_chunk_tokens:
+            raise ValueError(f"with a prefix cache this engine's prefills cut every {self.prefill_chunk_tokens} tokens")
         while self.num_to_prefill(request_id) > 0:
             self.step([], [PrefillChunk(request_id, chunk_tokens)])
         return req.slot.num_cached
@@ -238,6 +280,29 @@ class Engine:
         start = req.slot.num_cached
         is_row_by_row = start >= batched_end
         return start, min(start + max_tokens, last if is_row_by_row else batched_end), is_row_by_row
+
+    def _prompt_rows(self, req: _Request) -> int:
+        """Rows of the batched prompt prefill: every prompt token's but the last one's."""
+        return min(len(req.token_ids), req.num_prompt_tokens) - 1
+
+    def _reuse_prefix(self, req: _Request) -> None:
+        """A fresh slot starts with the rows of the prompt's longest cached prefix (see "Prefix caching")."""
+        if self.prefix_cache is None:
+            return
+        num_rows, grid = self._prompt_rows(req), self.prefix_grid_tokens
+        blocks = self.prefix_cache.match(req.token_ids[:num_rows])
+        num_reused = len(blocks) * self.prefix_cache.block_tokens // grid * grid
+        self.prefix_cache.copy_prefix(blocks, num_reused, req.slot.k, req.slot.v)
+        req.slot.num_cached = req.num_reused = num_reused
+        self.prefix_cache.record_query(num_rows, num_reused)
+
+    def _share_prefix(self, req: _Request) -> None:
+        """Offer the prompt rows computed so far to the prefix cache (whole blocks, on the grid)."""
+        if self.prefix_cache is None:
+            return
+        grid = self.prefix_grid_tokens
+        num_rows = min(req.slot.num_cached, self._prompt_rows(req)) // grid * grid
+        self.prefix_cache.insert(req.token_ids[:num_rows], req.slot.k, req.slot.v)
 
     def _reserve(self, req: _Request, num_rows: int) -> None:
         try:
@@ -313,6 +378,7 @@ class Engine:
         for req, end in prefilled:
             req.slot.num_cached = end
             req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
+            self._share_prefix(req)
         out, row = [], 0
         for req, c, w in reqs:
             # The rows stay uncommitted until `commit`, so a repeated verify (a retry) is harmless.

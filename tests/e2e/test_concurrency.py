@@ -72,4 +72,7 @@ def test_the_load_generator_runs_two_clients_for_a_few_seconds(stack):
     assert set(first) == set(last) == set(SERVICE_NAMES)
     assert all(s["rss_bytes"] > 0 and s["open_fds"] > 0 for s in (*first.values(), *last.values()))
     assert result["primary_after"] == {"kv_bytes": 0, "num_active_requests": 0}
-    assert "requests/s" in load.format_result(result)
+    cache = result["prefix_cache"]  # the requests repeat the mix's prompts: the repeats reuse theirs
+    assert cache["prompt_tokens"] > 0 and 0 <= cache["reused_tokens"] <= cache["prompt_tokens"]
+    assert cache["bytes"] <= cache["max_bytes"]
+    assert "requests/s" in load.format_result(result) and "prefix cache" in load.format_result(result)

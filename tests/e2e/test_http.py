@@ -101,6 +101,8 @@ def test_greedy_chat_over_http_is_the_grpc_output_token_for_token(client: openai
     assert answer.usage.prompt_tokens == reference.stats.num_prompt_tokens
     assert answer.usage.completion_tokens == reference.stats.num_generated_tokens == len(reference.token_ids)
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+    # the same prompt again: the primary's prefix cache holds at least what it held for the reference
+    assert answer.usage.prompt_tokens_details.cached_tokens >= reference.stats.num_cached_prompt_tokens
     speculation = answer.usage.model_extra["speculation"]
     assert set(speculation) == {
         "proposed_tokens",

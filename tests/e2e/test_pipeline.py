@@ -97,6 +97,22 @@ def test_stream_delivers_the_same_text_and_final_stats(gateway_stub):
     assert state.status == gateway_pb2.REQUEST_STATUS_FINISHED and list(state.token_ids) == list(unary.token_ids)
 
 
+def test_a_repeated_long_prompt_is_served_from_the_prefix_cache_with_the_same_output(gateway_stub, stack):
+    """The primary keeps the KV rows of prompts it prefilled: the same prompt again reuses them
+    (reported in the stats) and, the reuse being bit-exact, gives the same greedy output. Longer
+    than one prefill chunk (512), so that even a primary reusing only whole chunks (float) reuses."""
+    text = " ".join(f"Item {i}: a line of a long inventory list that repeats itself." for i in range(50))
+    messages = [("user", f"{text}\nSummarize the list in one sentence.")]
+    first = generate(gateway_stub, messages)
+    again = generate(gateway_stub, messages)
+    assert list(again.token_ids) == list(first.token_ids) and again.text == first.text
+    assert again.stats.num_cached_prompt_tokens > first.stats.num_cached_prompt_tokens
+    assert again.stats.num_cached_prompt_tokens >= 512
+    stats = primary_stats(stack)
+    assert stats.kv_bytes == 0 and 0 < stats.prefix_cache_bytes <= stats.max_prefix_cache_bytes
+    assert stats.num_prefix_reused_tokens >= again.stats.num_cached_prompt_tokens
+
+
 def test_stop_strings_and_cancel(gateway_stub):
     messages = [("user", "Count from 1 to 20, separated by commas.")]
     out = generate(gateway_stub, messages, stop=["7"], draft_length=16)

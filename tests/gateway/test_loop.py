@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from gateway.backends import DraftTree, ModelInfo, Validation, Verified
+from gateway.backends import DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState
 from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan, greedy_validation
@@ -79,11 +79,12 @@ class FakeBackends:
     lookahead_rows: tuple[int, ...] = ()
 
     # --- primary ---
-    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> None:
+    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
         self.calls.append(("prefill", {"num_tokens": len(token_ids), "num_prompt_tokens": num_prompt_tokens}))
         self.primary_context, self.last_tree = list(token_ids), None
         if not self.truth:
             self.truth = list(token_ids)
+        return Prefilled(time_ms=0.0, num_cached_prompt_tokens=0)
 
     def _commit(self, accepted_nodes: Sequence[int], committed: Sequence[int]) -> None:
         if self.last_tree is None:

@@ -56,3 +56,12 @@ def test_scheduler_flags_and_their_environment(monkeypatch):
         parse_config(["--prefill_chunk_tokens", "512"])  # more than the step's 256
     with pytest.raises(ValueError, match="max_step_tokens"):
         parse_config(["--max_step_tokens", "0"])
+
+
+def test_prefix_cache_bytes_flag_its_environment_and_zero_for_none(monkeypatch):
+    assert parse_config([]).prefix_cache_bytes == 256 << 20
+    monkeypatch.setenv("SPECDEC_PRIMARY_PREFIX_CACHE_BYTES", "0")
+    assert parse_config([]).prefix_cache_bytes == 0
+    assert parse_config(["--prefix_cache_bytes", "1048576"]).prefix_cache_bytes == 1 << 20
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        parse_config(["--prefix_cache_bytes", "-1"])

@@ -17,6 +17,7 @@ from primary_svc.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import PREFILL_CHUNK_TOKENS, Engine
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import load_model
 from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from specdec.metrics import ServiceMetrics
@@ -307,5 +308,89 @@ def test_concurrent_greedy_requests_equal_each_one_alone_int4(int4_model):
             assert all(torch.equal(a, b) for a, b in zip(together[rid], alone[rid])), rid
         assert worker.engine.kv_bytes == 0 and worker.num_waiting == 0
         assert any(s.num_verify_rows and s.num_prefill_rows for s in worker.step_history)
+    finally:
+        worker.stop()
+
+
+def test_a_prefill_continues_from_the_prefix_cache_between_other_steps_int4(int4_model):
+    """Through the scheduler: the second prompt sharing a 256-token prefix reuses its rows, runs only
+    its own rest in chunks mixed with another request's decode steps, and decodes exactly as one
+    uninterrupted prefill without the cache would. The metrics count the lookup and the reuse."""
+    prompt_b = LONG_PROMPT[:257] + [(i * 104729) % 40000 + 100 for i in range(30)]
+    want = reference(int4_model, prompt_b, 3, chunk_tokens=512)
+    metrics = ServiceMetrics(CollectorRegistry())
+    engine = Engine(int4_model.model, KVCache(int4_model.config, int4_model.model.dtype), MAX_CONTEXT, PrefixCache())
+    worker = EngineWorker(engine, max_step_tokens=48, prefill_chunk_tokens=48, metrics=metrics)
+    try:
+        worker.prefill("a", LONG_PROMPT)
+        worker.prefill("other", PROMPTS[1])
+        stop = threading.Event()
+
+        def keep_decoding() -> None:
+            while not stop.is_set():
+                decode_steps(worker, "other", 1)
+
+        with ThreadPoolExecutor(1) as pool:
+            decoding = pool.submit(keep_decoding)
+            assert worker.prefill("b", prompt_b) == len(prompt_b) - 1
+            stop.set()
+            decoding.result()
+        assert worker.call(lambda e: e.num_reused_tokens("b")) == 256
+        for got, expected in zip(decode_steps(worker, "b", 3), want):
+            assert torch.equal(got, expected)
+        worker.call(lambda e: [e.release(r) for r in ("a", "other", "b")])
+        assert engine.kv_bytes == 0 and engine.prefix_cache.num_bytes > 0  # the cache is not KV budget
+        worker.call(lambda e: None)  # the engine thread observed the metrics after the release's turn
+        value = metrics.registry.get_sample_value
+        assert value("specdec_prefix_cache_queries_total") == 3
+        assert value("specdec_prefix_cache_hits_total") == 1
+        assert value("specdec_prefix_cache_tokens_total", {"kind": "reused"}) == 256
+        queried = len(LONG_PROMPT) - 1 + len(PROMPTS[1]) - 1 + len(prompt_b) - 1
+        assert value("specdec_prefix_cache_tokens_total", {"kind": "queried"}) == queried
+        assert value("specdec_prefix_cache_bytes") == engine.prefix_cache.num_bytes
+        assert value("specdec_prefix_cache_blocks") == engine.prefix_cache.num_blocks
+    finally:
+        worker.stop()
+
+
+def test_a_float_engines_prefix_cache_must_share_the_schedulers_chunk_grid(fp32_model):
+    """Without batch invariance cached rows are reused on the prefill-chunk grid: a scheduler cutting
+    prompts elsewhere would make them differ from a fresh prefill, so the pairing is refused."""
+    engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32), MAX_CONTEXT, PrefixCache(), 512)
+    with pytest.raises(ValueError, match="multiples of 512"):
+        EngineWorker(engine, prefill_chunk_tokens=64)
+
+
+def test_a_request_preempted_during_its_prefill_is_readmitted_and_finishes_it_int4(int4_model):
+    """The newest request is preempted in the middle of its prefill (another's tree needs the KV):
+    once room returns it gets a slot again, re-prefills (its prefix from the prefix cache) and its
+    Prefill succeeds with the logits of a run without preemption."""
+    old, new = LONG_PROMPT[:120], (LONG_PROMPT * 2)[:600]
+    probe = new_engine(int4_model)
+    growth = probe.kv_cache.bytes_for_rows(len(old) + 16) - probe.kv_bytes_to_open(len(old))
+    budget = probe.kv_bytes_to_open(len(old)) + probe.kv_bytes_to_open(len(new)) + growth // 2
+    kv = KVCache(int4_model.config, int4_model.model.dtype, max_bytes=budget)
+    worker = EngineWorker(Engine(int4_model.model, kv, MAX_CONTEXT, PrefixCache()), 32, 16, 16)
+    try:
+        worker.prefill("old", old)
+        with ThreadPoolExecutor(2) as pool:
+            paused = Paused(worker)
+            prefilled = pool.submit(worker.prefill, "new", new)
+            paused.release_when_queued(1)
+            while not worker.call(lambda e: e.has_request("new")):
+                time.sleep(0.01)
+            paused = Paused(worker)  # between two of its chunks
+            assert 0 < worker.engine.num_cached("new") < len(new) - 1
+            grown = pool.submit(worker.verify, "old", (), (), [7] * 16, list(range(-1, 15)))
+            paused.release_when_queued(1)
+            grown.result(timeout=120)
+            assert worker.stats.num_preemptions == 1 and worker.engine.is_evicted("new")
+            worker.call(lambda e: e.release("old"))
+            assert prefilled.result(timeout=120) == len(new) - 1
+        assert worker.call(lambda e: e.num_reused_tokens("new")) > 0
+        for got, want in zip(decode_steps(worker, "new", 2), reference(int4_model, new, 2, chunk_tokens=512)):
+            assert torch.equal(got, want)
+        worker.call(lambda e: e.release("new"))
+        assert worker.engine.kv_bytes == 0
     finally:
         worker.stop()

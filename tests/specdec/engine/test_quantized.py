@@ -94,7 +94,7 @@ def test_a_recovered_request_continues_bit_for_bit(quantized_engine):
     tokens row by row, as decoding did: the next logits equal the uninterrupted request's."""
     engine = quantized_engine
     engine.open("live", PROMPT)
-    engine.prefill("live", len(PROMPT))
+    engine.prefill("live")
     generated = []
     for _ in range(6):
         logits = engine.verify("live", (), ())
@@ -102,8 +102,8 @@ def test_a_recovered_request_continues_bit_for_bit(quantized_engine):
         engine.commit("live", (), (generated[-1],))
     live = engine.verify("live", (), ())
     engine.release("live")
-    engine.open("recovered", PROMPT + generated)
-    engine.prefill("recovered", len(PROMPT))
+    engine.open("recovered", PROMPT + generated, len(PROMPT))
+    engine.prefill("recovered")
     recovered = engine.verify("recovered", (), ())
     engine.release("recovered")
     assert torch.equal(recovered, live)
