@@ -319,7 +319,7 @@ def test_a_prefill_continues_from_the_prefix_cache_between_other_steps_int4(int4
     prompt_b = LONG_PROMPT[:257] + [(i * 104729) % 40000 + 100 for i in range(30)]
     want = reference(int4_model, prompt_b, 3, chunk_tokens=512)
     metrics = ServiceMetrics(CollectorRegistry())
-    engine = Engine(int4_model.model, KVCache(int4_model.config, int4_model.model.dtype), MAX_CONTEXT, PrefixCache())
+    engine = Engine(int4_model.model, KVCache(int4_model.config, int4_model.model.kv_dtype), MAX_CONTEXT, PrefixCache())
     worker = EngineWorker(engine, max_step_tokens=48, prefill_chunk_tokens=48, metrics=metrics)
     try:
         worker.prefill("a", LONG_PROMPT)
@@ -369,7 +369,7 @@ def test_a_request_preempted_during_its_prefill_is_readmitted_and_finishes_it_in
     probe = new_engine(int4_model)
     growth = probe.kv_cache.bytes_for_rows(len(old) + 16) - probe.kv_bytes_to_open(len(old))
     budget = probe.kv_bytes_to_open(len(old)) + probe.kv_bytes_to_open(len(new)) + growth // 2
-    kv = KVCache(int4_model.config, int4_model.model.dtype, max_bytes=budget)
+    kv = KVCache(int4_model.config, int4_model.model.kv_dtype, max_bytes=budget)
     worker = EngineWorker(Engine(int4_model.model, kv, MAX_CONTEXT, PrefixCache()), 32, 16, 16)
     try:
         worker.prefill("old", old)
@@ -377,7 +377,9 @@ def test_a_request_preempted_during_its_prefill_is_readmitted_and_finishes_it_in
             paused = Paused(worker)
             prefilled = pool.submit(worker.prefill, "new", new)
             paused.release_when_queued(1)
+            deadline = time.monotonic() + 120
             while not worker.call(lambda e: e.has_request("new")):
+                assert time.monotonic() < deadline, "the new request was never admitted"
                 time.sleep(0.01)
             paused = Paused(worker)  # between two of its chunks
             assert 0 < worker.engine.num_cached("new") < len(new) - 1

@@ -99,7 +99,7 @@ def int4_model(default_model_dir):
 
 
 def new_engine(loaded, prefix_cache: PrefixCache | None = None, prefill_chunk_tokens: int = 512) -> Engine:
-    kv = KVCache(loaded.config, loaded.model.dtype)
+    kv = KVCache(loaded.config, loaded.model.kv_dtype)
     return Engine(loaded.model, kv, MAX_CONTEXT, prefix_cache, prefill_chunk_tokens)
 
 
