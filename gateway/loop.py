@@ -294,12 +294,24 @@ class RequestLoop:
         )
 
     def _plan(self) -> SpeculationPlan:
-        plan = self.fixed_plan if self.controller is None else self.controller.plan(self._controller_state())
+        plan = (
+            self.fixed_plan
+            if self.controller is None
+            else self.controller.plan(self._controller_state(), self._known_coverage())
+        )
         is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
         if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
+
+    def _known_coverage(self) -> dict[tuple[str, int], float]:
+        """Grammar-forced drafts propose nothing where the grammar forces no text next (free text, a
+        choice between values): the controller hears so before it plans (AdaptiveController.plan)."""
+        if self.grammar is None or self.grammar.forced_text():
+            return {}
+        estimates = self._controller_state().estimates
+        return {(e.decoder, e.rank): 0.0 for e in estimates if e.decoder == GRAMMAR_STRATEGY}
 
     def _controller_state(self) -> ControllerState:
         assert self.controller_state is not None  # set with the controller
