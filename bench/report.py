@@ -19,6 +19,8 @@ Definitions (also in bench/suite.py's docstring):
                         split into forward and verify_minus_forward (RPC, queueing, logits encoding),
                         draft_model is the model-based part of draft
     grammar-forced share  the grammar decoder's accepted draft tokens / all accepted draft tokens
+    forced token share  tokens the grammar allowed alone, committed undrafted / generated tokens,
+                        summed over prompts (part of the mean accepted length)
 """
 
 from __future__ import annotations
@@ -163,6 +165,13 @@ def grammar_forced_share(decoders: dict[str, dict[str, float | None]], num_accep
     return num_forced / num_accepted
 
 
+def forced_token_share(stats: Sequence[dict[str, Any]]) -> float | None:
+    """Tokens the grammar allowed alone (committed without a draft) / generated tokens; None when
+    nothing was generated."""
+    generated = sum(s["num_generated_tokens"] for s in stats)
+    return sum(s["num_forced_tokens"] for s in stats) / generated if generated else None
+
+
 def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Acceptance, accepted length, time per stage, per-decoder figures, entropy bins and the steps' plans."""
     proposed = sum(s["num_proposed"] for s in stats)
@@ -178,6 +187,7 @@ def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "stage_ms_per_step": stage_ms_per_step(stats),
         "decoders": decoders,
         "grammar_forced_share": grammar_forced_share(decoders, accepted),
+        "forced_token_share": forced_token_share(stats),
         "entropy_bins": merge_entropy_bins(s["entropy_bins"] for s in stats),
         "num_steps_by_degree": sum_counts(s["num_steps_by_degree"] for s in stats),
         "num_steps_by_draft_length": sum_counts(s["num_steps_by_draft_length"] for s in stats),

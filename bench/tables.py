@@ -193,6 +193,7 @@ def structured_table(run: dict[str, Any]) -> str:
         "acceptance",
         "mean accepted length",
         "grammar-forced share of accepted",
+        "forced tokens (undrafted)",
         "parses as JSON",
         "schema-valid",
     ]
@@ -213,6 +214,7 @@ def structured_table(run: dict[str, Any]) -> str:
                     _pct(s.get("acceptance_rate")),
                     _num(s.get("mean_accepted_length"), "{:.2f}"),
                     _pct(s.get("grammar_forced_share")),
+                    _pct(s.get("forced_token_share")),
                     _pct(s.get("json_parse_rate")),
                     _pct(s.get("schema_validity_rate")),
                 ]

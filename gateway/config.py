@@ -20,7 +20,9 @@ from specdec.service.server import DEFAULT_HOST, ServerConfig
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
 
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
-# the canonical tokens. More rarely pay: a forced text seldom has more than two spellings in use.
+# the canonical tokens, or for a text not written before the canonical tokens and the shortest other
+# first piece (draft_svc/strategies/grammar_forced.py). More rarely pay: a forced text seldom has
+# more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
 
 

@@ -264,12 +264,18 @@ def expected_accepted_length(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config: ControllerConfig) -> _Choice:
+def _best_choice(
+    estimates: list[DecoderEstimate],
+    cost_model: CostModel,
+    config: ControllerConfig,
+    known_coverage: Mapping[tuple[str, int], float] | None = None,
+) -> _Choice:
     """Greedy selection for every draft length at once (G lengths, S estimates, J = max length depths).
 
     For each length, add the estimate that raises the speedup most while it does (rank r of a decoder
     only after rank r - 1); then keep the best length. A length stops growing at the first round
     that does not improve it (its state no longer changes, so later rounds cannot either).
+    `known_coverage` replaces the estimated coverage of the (decoder, rank)s it names for this step.
     """
     num_sources = len(estimates)
     if num_sources == 0:
@@ -277,7 +283,8 @@ def _best_choice(estimates: list[DecoderEstimate], cost_model: CostModel, config
     gammas = np.array(config.draft_length_choices, dtype=np.float64)  # [G]
     depth = np.arange(int(gammas.max()), dtype=np.float64)  # [J], depth j + 1
     alpha = np.array([e.acceptance for e in estimates])  # [S]
-    coverage = np.array([e.coverage for e in estimates])  # [S]
+    known_coverage = known_coverage or {}
+    coverage = np.array([known_coverage.get((e.decoder, e.rank), e.coverage) for e in estimates])  # [S]
     lengths = np.array([e.fill for e in estimates]) * gammas[:, None]  # [G, S] expected candidate lengths
     # reach[g, s, j] = c_s * alpha_s^(j+1) * [j + 1 <= f_s * gamma_g], the last partial token pro rata
     reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] * np.clip(
@@ -418,9 +425,19 @@ class AdaptiveController:
             task_type=_task_type(task_type), estimates=_initial_estimates(_task_type(task_type), decoders, self._config)
         )
 
-    def plan(self, state: ControllerState) -> SpeculationPlan:
+    def plan(
+        self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float] | None = None
+    ) -> SpeculationPlan:
+        """The next step's plan. `known_coverage`: (decoder, rank) -> the chance it proposes this
+        step, where the caller knows better than the estimate. The gateway knows that grammar-forced
+        drafts propose nothing inside free text (a string's contents, a number: coverage 0). A
+        (decoder, rank) known silent is neither planned, probed nor counted as a miss, so its
+        estimate describes the steps it can draft: a structured request drafts its forced text
+        (keys, `": "`) whenever it comes, rather than averaging it with the free text between."""
         config, estimates = self._config, state.estimates
-        choice = _best_choice(estimates, self._cost_model, config)
+        known_coverage = known_coverage or {}
+        silent = {key for key, coverage in known_coverage.items() if coverage <= 0.0}
+        choice = _best_choice(estimates, self._cost_model, config, known_coverage)
         if state.is_speculating and (not choice.sources or choice.expected_speedup < config.off_below):
             state.is_speculating = False
             state.last_probe_step = state.num_steps
@@ -430,7 +447,7 @@ class AdaptiveController:
             # At the degree bound a ride-along takes the weakest source's place for that step.
             kept = choice.sources[: config.max_speculative_degree - 1]
             extra = self._stale_source(
-                state, kept if len(kept) < len(choice.sources) else choice.sources, choice.draft_length
+                state, kept if len(kept) < len(choice.sources) else choice.sources, choice.draft_length, silent
             )
             if extra and len(kept) < len(choice.sources):
                 choice = dataclasses.replace(choice, sources=kept)
@@ -439,9 +456,11 @@ class AdaptiveController:
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
         state.last_probe_step = state.num_steps
         gamma = config.probe_draft_length
-        sources = tuple((e.decoder, 0) for e in estimates if e.rank == 0 and self._is_cheap_probe(e.decoder, gamma))[
-            : config.max_speculative_degree
-        ]
+        sources = tuple(
+            (e.decoder, 0)
+            for e in estimates
+            if e.rank == 0 and (e.decoder, 0) not in silent and self._is_cheap_probe(e.decoder, gamma)
+        )[: config.max_speculative_degree]
         if not sources:  # only expensive decoders: staying off is what the cost model chose
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
         return SpeculationPlan(
@@ -459,15 +478,21 @@ class AdaptiveController:
         return amortised <= self._config.max_probe_overhead
 
     def _stale_source(
-        self, state: ControllerState, kept: tuple[int, ...], draft_length: int
+        self,
+        state: ControllerState,
+        kept: tuple[int, ...],
+        draft_length: int,
+        silent: set[tuple[str, int]] | frozenset[tuple[str, int]] = frozenset(),
     ) -> tuple[tuple[str, int], ...]:
         """The cheap (decoder, rank) left out longest, when it has been out for probe_interval steps
-        and can join `kept` (rank r only next to rank r - 1, so the pool's rank convention holds)."""
+        and can join `kept` (rank r only next to rank r - 1, so the pool's rank convention holds);
+        never one of `silent`, known to propose nothing this step."""
         in_plan = {(state.estimates[s].decoder, state.estimates[s].rank) for s in kept}
         stale = [
             e
             for s, e in enumerate(state.estimates)
             if s not in kept
+            and (e.decoder, e.rank) not in silent
             and (e.rank == 0 or (e.decoder, e.rank - 1) in in_plan)
             and state.num_steps - e.last_observed_step >= self._config.probe_interval
             and ((e.decoder, 0) in in_plan or self._is_cheap_probe(e.decoder, draft_length))

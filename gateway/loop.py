@@ -60,6 +60,9 @@ RECOVERY_POLL_S = 0.5
 STATE_RETRY_WAITS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 STATE_RETRY_MAX_WAIT_S = 1.0
 DEFAULT_MAX_STATE_RETRY_S = 10.0
+# Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
+# the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
+MAX_FORCED_TOKENS = 32
 
 
 def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
@@ -251,11 +254,15 @@ class RequestLoop:
                     new_tokens, outcomes = self._speculative_step(plan)
                 else:
                     new_tokens, outcomes = self._plain_step(), None
+                num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
+                new_tokens += self._forced_after(new_tokens)
                 self._observe(plan, outcomes)
                 kept, finish = self._truncate(new_tokens)
                 self.stats.num_steps += 1
                 self.stats.num_generated_tokens += len(kept)
-                delta, is_stopped, is_stored = self._commit(kept, is_final=finish is not None)
+                delta, is_stopped, is_stored = self._commit(
+                    kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen)
+                )
                 self.stats.total_ms += (time.perf_counter() - step_start) * 1000
                 if not is_stored:  # the store refused: cancelled from elsewhere
                     finish = FINISH_CANCELLED
@@ -287,12 +294,24 @@ class RequestLoop:
         )
 
     def _plan(self) -> SpeculationPlan:
-        plan = self.fixed_plan if self.controller is None else self.controller.plan(self._controller_state())
+        plan = (
+            self.fixed_plan
+            if self.controller is None
+            else self.controller.plan(self._controller_state(), self._known_coverage())
+        )
         is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
         if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
+
+    def _known_coverage(self) -> dict[tuple[str, int], float]:
+        """Grammar-forced drafts propose nothing where the grammar forces no text next (free text, a
+        choice between values): the controller hears so before it plans (AdaptiveController.plan)."""
+        if self.grammar is None or self.grammar.forced_text():
+            return {}
+        estimates = self._controller_state().estimates
+        return {(e.decoder, e.rank): 0.0 for e in estimates if e.decoder == GRAMMAR_STRATEGY}
 
     def _controller_state(self) -> ControllerState:
         assert self.controller_state is not None  # set with the controller
@@ -396,6 +415,27 @@ class RequestLoop:
         self.pending_accepted, self.pending_committed = (), [token]
         return [token]
 
+    def _forced_after(self, new_tokens: list[int]) -> list[int]:
+        """The tokens the grammar allows alone after this step's (GrammarState.forced_token_ids): any
+        decoding must write them, so they join the step's commit undrafted and unverified, and the
+        primary runs them as its uncached chain in the next forward (its logits at the last one are
+        the next step's root row). Output is unchanged, token for token. Only with speculation on:
+        with it off a step is one plain Decode, the baseline."""
+        if (
+            self.grammar is None
+            or not self.params.speculation.is_enabled
+            or not new_tokens
+            or not self.eos.isdisjoint(new_tokens)
+            or not self.grammar.accept_tokens(new_tokens)  # off the grammar: _commit fails the request
+        ):
+            return []
+        try:
+            forced = list(self.grammar.forced_token_ids(MAX_FORCED_TOKENS))
+        finally:
+            self.grammar.rollback(len(new_tokens))
+        self.pending_committed.extend(forced)
+        return forced
+
     def _propose(self, plan: SpeculationPlan) -> DraftTree:
         """The plan's candidates as a tree. The draft service first hears the tokens committed since
         its previous call (all of them when it opens the request: first call, or after it lost it)."""
@@ -461,9 +501,10 @@ class RequestLoop:
         cut = find_stop_string(text, self.params.stop)
         return (text, False) if cut is None else (text[:cut], True)
 
-    def _commit(self, kept: list[int], is_final: bool) -> tuple[str, bool, bool]:
-        """Record the step's tokens; returns (text delta ready to emit, hit a stop string, stored).
-        Detokenizing, stop strings and the grammar are booked as commit time, the store's write as state."""
+    def _commit(self, kept: list[int], is_final: bool, num_forced: int = 0) -> tuple[str, bool, bool]:
+        """Record the step's tokens, the last `num_forced` of them forced by the grammar; returns (text
+        delta ready to emit, hit a stop string, stored). Detokenizing, stop strings and the grammar are
+        booked as commit time, the store's write as state."""
         t = time.perf_counter()
         self.text += self.detok.add(kept)
         self.text, is_stopped = self._cut_at_stop(self.text)
@@ -479,7 +520,9 @@ class RequestLoop:
                 len(kept),
             )
             self.stats.num_generated_tokens -= len(kept) - k
+            num_forced = max(0, num_forced - (len(kept) - k))  # the forced tokens are the last ones
             del kept[k:]  # the caller yields this same list
+        self.stats.num_forced_tokens += num_forced
         controller = None if self.controller_state is None else self.controller_state.to_dict()
         num_attempts = 0
         t_state = time.perf_counter()

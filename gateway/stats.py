@@ -22,6 +22,7 @@ class RequestStats:
     num_steps: int = 0
     num_proposed: int = 0  # draft tokens sent to verify
     num_accepted: int = 0  # draft tokens accepted
+    num_forced_tokens: int = 0  # tokens the grammar allowed alone, committed without a draft (in num_generated_tokens)
     stage_ms: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     total_ms: float = 0.0
     forward_ms: float = 0.0  # of stage "verify": the primary's forward passes themselves
@@ -122,4 +123,5 @@ class RequestStats:
             num_validator_fallback_steps=self.num_validator_fallback_steps,
             queue_ms=self.queue_ms,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            num_forced_tokens=self.num_forced_tokens,
         )

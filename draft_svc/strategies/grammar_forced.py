@@ -14,6 +14,14 @@ the model used most for this text, then the others and the canonical one (the po
 common prefix). The controller keeps acceptance per rank, so a request whose model sticks to the
 canonical tokens soon drafts rank 0 only.
 
+A text the model has not written before (most keys appear once) has no learned spelling. Where ranks
+are left, the decoder then offers the text's other first pieces, shortest first, each followed by
+the canonical tokens of the rest: under the mask the model that does not take the canonical first
+token mostly takes the shortest (`c`, `s`, `f` for `clean`, `start`, `faq`). On the BFCL json rows
+the model took the canonical first token at 60 % of the positions inside forced text with a choice,
+the shortest at 30 %; a second rank of this kind cut the steps spent inside forced text by a quarter
+in a replay of their outputs.
+
 The last canonical token before free text is left out, because the model often merges it with what
 follows: forced ` [` then `]` is written ` [],`; forced `": "` then `Al` is `":` ` "Al`. That token
 comes free as the step's bonus token instead. A learned spelling stops where the model's own
@@ -51,7 +59,7 @@ class GrammarForcedDecoder:
         # An invalid schema raises specdec.errors.InvalidArgument here, naming response_format.json_schema.
         self._state = grammars.compile(response_format).new_state()
         tokenizer = grammars.tokenizer_info.tokenizer
-        self._decode = tokenizer.decode
+        self._decode, self._encode = tokenizer.decode, tokenizer.encode
         self._spellings = SpellingMemory(tokenizer.encode, tokenizer.decode)
         # The forced text where the current forced run began, and the tokens the model wrote since.
         self._run: tuple[str, list[int]] | None = None
@@ -100,7 +108,28 @@ class GrammarForcedDecoder:
             token_ids = self._draft(spelling, max_tokens)
             if token_ids and all(c.token_ids != token_ids for c in candidates):
                 candidates.append(Candidate(self.name, token_ids, rank=len(candidates)))
+        if len(candidates) < max_candidates:
+            for spelling in self._first_piece_spellings(forced_text):
+                token_ids = self._draft(spelling, max_tokens)
+                if token_ids and all(c.token_ids[0] != token_ids[0] for c in candidates):
+                    candidates.append(Candidate(self.name, token_ids, rank=len(candidates)))
+                    if len(candidates) == max_candidates:
+                        break
         return tuple(candidates)
+
+    def _first_piece_spellings(self, forced_text: str) -> list[Spelling]:
+        """Each token the grammar allows first that spells a proper prefix of `forced_text`, shortest
+        first, followed by the canonical tokens of the rest (module doc). E.g. forced `clean":` ->
+        [`c` `lean` `":`, `cl` `ean` `":`, `cle` `an` `":`] (`clean` itself is the canonical one)."""
+        pieces = []
+        for token_id in self._state.allowed_mask().allowed_ids(0).tolist():
+            piece = self._decode([token_id])
+            if piece and len(piece) < len(forced_text) and forced_text.startswith(piece):
+                pieces.append((len(piece), token_id, piece))
+        return [
+            Spelling((token_id, *self._encode(forced_text[len(piece) :])), is_canonical_end=True)
+            for _, token_id, piece in sorted(pieces)
+        ]
 
     def _draft(self, spelling: Spelling, max_tokens: int) -> tuple[int, ...]:
         """The tokens of `spelling` to propose: those the grammar accepts, at most max_tokens, and

@@ -4,7 +4,8 @@ Per request it keeps the committed token ids and a KV slot whose first `num_cach
 hold their keys/values. The invariant between steps is that the last committed token is
 *pending*: committed but not yet run through the model. A verify pass runs the uncached
 committed tokens (the "chain", usually just the pending token; the whole prompt on the
-first step or after a re-prefill) plus a draft token tree, in ONE forward, and returns
+first step or after a re-prefill; the tokens a grammar forced behind the last bonus token,
+committed without a verify of their own) plus a draft token tree, in ONE forward, and returns
 logits for the pending token (the tree's root) and for every node:
 
     logits[0]     next-token logits after the committed context   (decides depth-1 nodes)
@@ -349,8 +350,13 @@ class Engine:
             input_ids.extend(w.token_ids)
             positions.append(tree_geometry.verify_positions(req.slot.num_cached, c, w.parents))
             mask = tree_geometry.verify_mask(req.slot.num_cached, c, w.parents)
-            # the chain before the root attends together, as a prefill would; the root and the tree row by row
-            paths = tree_geometry.row_paths(c, w.parents)[c - 1 :] if self.is_row_by_row and c + n > 1 else None
+            # the prompt's part of the chain attends together, as a prefill would; the output's part
+            # (tokens committed behind the last bonus token without a verify: a grammar's forced
+            # tokens), the root and the tree row by row, as the steps of plain decoding would run them
+            first_row_by_row = min(c - 1, max(0, req.num_prompt_tokens - 1 - req.slot.num_cached))
+            paths = (
+                tree_geometry.row_paths(c, w.parents)[first_row_by_row:] if self.is_row_by_row and c + n > 1 else None
+            )
             spans.append(SequenceSpan(num_rows, c + n, req.slot.num_cached, req.slot.k, req.slot.v, mask, paths))
             logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
             num_rows += c + n

@@ -157,6 +157,27 @@ class GrammarState:
             return ""
         return self._matcher.find_jump_forward_string()
 
+    def forced_token_ids(self, max_tokens: int) -> tuple[int, ...]:
+        """Up to `max_tokens` tokens the grammar allows alone, one after another from here, or ().
+
+        Where the mask leaves exactly one token (`_` inside a key the model began as `faq`, the `:`
+        after a key's closing quote, the end token after the last `}`), greedy and sampled decoding
+        alike must write that token: it needs no model decision and no verification. The run stops at
+        the first position with a choice, so a forced *text* the model may spell with several tokens
+        (`clean` or `cl` `e` `a` `n`) is not part of it. The state is the same before and after."""
+        token_ids: list[int] = []
+        try:
+            while len(token_ids) < max_tokens and not self.is_terminated:
+                if not (self.is_completed or self.forced_text()):  # a free choice ahead: skip the mask
+                    break
+                allowed_ids = self.allowed_mask().allowed_ids(0)
+                if allowed_ids.numel() != 1 or not self._accept(int(allowed_ids[0])):
+                    break
+                token_ids.append(int(allowed_ids[0]))
+        finally:
+            self.rollback(len(token_ids))
+        return tuple(token_ids)
+
     def num_valid(self, token_ids: Sequence[int]) -> int:
         """How many of `token_ids`, from the first, the grammar accepts in a row (the state is
         unchanged after)."""

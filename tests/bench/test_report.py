@@ -32,6 +32,7 @@ def stats(
     proposed: int = 10,
     accepted: int = 4,
     generated: int = 12,
+    forced: int = 0,
     steps: int = 6,
     bins: list | None = None,
     task_type: str = "code",
@@ -43,6 +44,7 @@ def stats(
         "num_steps": steps,
         "num_proposed": proposed,
         "num_accepted": accepted,
+        "num_forced_tokens": forced,
         "tokens_per_second": 0.0,
         "stage_ms": {
             "draft": 5.0,
@@ -128,7 +130,7 @@ def test_speculation_figures_sum_over_requests():
     }
     f = speculation_figures(
         [
-            stats(decoders=d1, proposed=8, accepted=4, generated=10, steps=5),
+            stats(decoders=d1, proposed=8, accepted=4, generated=10, forced=3, steps=5),
             stats(decoders=d2, proposed=2, accepted=0, generated=2, steps=2),
         ]
     )
@@ -145,6 +147,7 @@ def test_speculation_figures_sum_over_requests():
     assert f["num_probe_steps"] == 2
     assert f["task_types"] == ["code"]
     assert f["grammar_forced_share"] == 0.0  # 4 accepted, none by the grammar decoder
+    assert f["forced_token_share"] == pytest.approx(3 / 12)  # of the generated tokens, undrafted
     assert f["outside_model_fraction"] == pytest.approx((200 - 100) / 200)
     assert f["stage_ms_per_step"]["forward"] == pytest.approx(100 / 7)
 

@@ -159,6 +159,7 @@ def json_run() -> dict:
             acceptance_rate=0.5,
             mean_accepted_length=1.5,
             grammar_forced_share=share,
+            forced_token_share=share and share / 5,
             json_parse_rate=1.0,
             schema_validity_rate=valid,
         )
@@ -193,10 +194,12 @@ def test_structured_table_rows_with_and_without_the_schema():
     lines = structured_table(json_run()).splitlines()
     assert len(lines) == 2 + 5  # the peer once, under json_noschema
     assert lines[3] == (
-        "| json | specdec (adaptive) | 30.0 | 3.00x | 3.00x | 3.00x | 50.0 % | 1.50 | 25.0 % | 100.0 % | 100.0 % |"
+        "| json | specdec (adaptive) | 30.0 | 3.00x | 3.00x | 3.00x | 50.0 % | 1.50 | 25.0 % | 5.0 % "
+        "| 100.0 % | 100.0 % |"
     )
     assert lines[5] == (
-        "| json_noschema | specdec (adaptive) | 15.0 | 1.50x | 1.50x | 1.50x | 50.0 % | 1.50 | — | 100.0 % | 50.0 % |"
+        "| json_noschema | specdec (adaptive) | 15.0 | 1.50x | 1.50x | 1.50x | 50.0 % | 1.50 | — | — "
+        "| 100.0 % | 50.0 % |"
     )
     assert lines[6].startswith("| json_noschema | transformers greedy | 8.0 | 0.80x |")
 

@@ -59,9 +59,11 @@ def test_proposes_the_forced_text_by_hand(grammars, tokenizer):
     decoder.extend(PROMPT_IDS)  # the prompt is not grammar input
     # The forced text is `{"name": "`; its last token ` "` is held back: the model writes ` "Al` at once.
     assert _texts(tokenizer, decoder.propose(16)) == ['{"name":']
-    [candidate] = decoder.propose(2, max_candidates=3)  # one continuation at most
+    # rank 0 the canonical tokens; then the other first piece `{` (module doc), nothing learned yet
+    candidate, other = decoder.propose(2, max_candidates=3)
     assert tokenizer.decode(candidate.token_ids) == '{"' + "name" and candidate.rank == 0
-    assert candidate.decoder == "grammar"
+    assert _pieces(tokenizer, other) == ["{", '"'] and other.rank == 1
+    assert candidate.decoder == other.decoder == "grammar"
     decoder.extend(tokenizer.encode('{"name": "Al'))
     assert decoder.propose(16) == ()  # inside a string: nothing forced
     decoder.extend(tokenizer.encode('"'))
@@ -73,6 +75,28 @@ def test_proposes_the_forced_text_by_hand(grammars, tokenizer):
     assert decoder.propose(16) == () and decoder.propose(0) == ()
     with pytest.raises(ValueError, match="max_candidates"):
         decoder.propose(4, max_candidates=0)
+
+
+def _pieces(tokenizer, candidate) -> list[str]:
+    return [tokenizer.decode([t]) for t in candidate.token_ids]
+
+
+def test_a_text_never_written_before_is_offered_with_each_first_piece_shortest_first(grammars, tokenizer):
+    schema = {"type": "object", "properties": {"clean_hello": {"type": "array"}}, "required": ["clean_hello"]}
+    decoder = GrammarForcedDecoder(grammars, response_format=ResponseFormat("json_schema", json.dumps(schema)))
+    decoder.extend(PROMPT_IDS)
+    decoder.extend(tokenizer.encode('{"'))
+    # forced `clean_hello": [`: the grammar allows `c`, `cl`, `cle` and `clean` first; the last ` [` held back
+    spellings = [_pieces(tokenizer, c) for c in decoder.propose(16, max_candidates=4)]
+    assert spellings == [
+        ["clean", "_", "hello", '":'],
+        ["c", "lean", "_", "hello", '":'],
+        ["cl", "ean", "_", "hello", '":'],
+        ["cle", "an", "_", "hello", '":'],
+    ]
+    assert [_pieces(tokenizer, c) for c in decoder.propose(2, max_candidates=2)] == [["clean", "_"], ["c", "lean"]]
+    decoder.extend(tokenizer.encode("cl"))  # the model took `cl`: `ean_hello": [` is forced now
+    assert [_pieces(tokenizer, c)[0] for c in decoder.propose(16, max_candidates=4)] == ["ean", "e", "ea"]
 
 
 def test_late_creation_catches_up_on_the_output(grammars, tokenizer):

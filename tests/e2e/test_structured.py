@@ -61,7 +61,7 @@ def request(
 
 
 def test_constrained_speculation_equals_constrained_plain_decoding_and_validates(gateway_stub, json_prompts):
-    num_forced_accepted = 0
+    num_forced_accepted = num_forced_tokens = 0
     for row in json_prompts:
         plain = gateway_stub.Generate(request(row, is_speculative=False), timeout=300)
         spec = gateway_stub.Generate(request(row, is_speculative=True), timeout=300)
@@ -71,7 +71,11 @@ def test_constrained_speculation_equals_constrained_plain_decoding_and_validates
         jsonschema.validate(json.loads(spec.text), row["schema"])
         assert spec.stats.task_type == "structured"
         num_forced_accepted += sum(d.num_accepted for d in spec.stats.decoders if d.name == "grammar")
+        assert plain.stats.num_forced_tokens == 0  # speculation off: one Decode a token, the baseline
+        num_forced_tokens += spec.stats.num_forced_tokens
     assert num_forced_accepted > 0, "the grammar-forced decoder never contributed"
+    # e.g. the `_` after `faq` in a key the model spells `f` `a` `q` `_` ...: committed without a draft
+    assert num_forced_tokens > 0, "no token the grammar allows alone was committed undrafted"
 
 
 def test_fixed_grammar_and_lookup_drafts_give_the_same_tokens(gateway_stub, json_prompts):

@@ -265,6 +265,34 @@ def test_expensive_decoders_are_neither_chosen_nor_probed():
     assert not any(p.is_speculative for p in plans) and not state.is_speculating
 
 
+def test_a_decoder_known_silent_is_neither_planned_nor_probed_nor_counted():
+    # SUFFIX stands in for grammar-forced drafts: certain where it proposes (forced text, 3 steps of
+    # every 8), silent in between (free text); LOOKUP never right. The gateway says which steps are silent.
+    controller = AdaptiveController(COST, ControllerConfig(probe_interval=4))
+    state = controller.new_state("structured", {LOOKUP: 1, SUFFIX: 1})
+    silent = {(SUFFIX, 0): 0.0}
+    suffix = next(e for e in state.estimates if e.decoder == SUFFIX)
+    for step in range(64):
+        is_forced = step % 8 < 3
+        asked_before = suffix.asked_steps
+        plan = controller.plan(state, None if is_forced else silent)
+        assert ((SUFFIX, 0) in plan.sources) == is_forced, (step, plan)  # planned exactly when it can draft
+        outcomes = [
+            CandidateOutcome(name, rank, plan.draft_length, plan.draft_length if name == SUFFIX else 0)
+            for name, rank in plan.sources
+        ]
+        controller.observe(state, plan, outcomes)
+        if not is_forced:
+            assert suffix.asked_steps <= asked_before  # not asked: only discounted, never a miss
+    assert suffix.coverage == pytest.approx(1.0, abs=1e-3) and suffix.acceptance > 0.9  # the prior faded
+    # known silent and nothing else to draft: plain steps, and no probe of it either
+    state = controller.new_state("structured", {SUFFIX: 1})
+    plans = [controller.plan(state, silent) for _ in range(20)]
+    for plan in plans:
+        controller.observe(state, plan, [])
+    assert not any(p.is_speculative for p in plans)
+
+
 def test_a_planned_decoder_without_an_outcome_proposed_nothing():
     controller = AdaptiveController(COST)
     state = controller.new_state("code", {LOOKUP: 1})

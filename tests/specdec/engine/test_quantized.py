@@ -109,6 +109,30 @@ def test_a_recovered_request_continues_bit_for_bit(quantized_engine):
     assert torch.equal(recovered, live)
 
 
+def test_tokens_committed_after_the_bonus_token_continue_bit_for_bit(quantized_engine):
+    """Tokens committed behind a step's bonus token without a verify of their own (the tokens a
+    grammar allows alone) run as the next verify's uncached chain, row by row as decoding ran
+    them: the logits after them, and so every later step, equal one-token decoding's."""
+    engine = quantized_engine
+    engine.open("live", PROMPT)
+    engine.prefill("live", len(PROMPT))
+    generated = []
+    for _ in range(6):
+        generated.append(int(engine.verify("live", (), ())[0].argmax()))
+        engine.commit("live", (), (generated[-1],))
+    live = engine.verify("live", (), ())
+    engine.release("live")
+    engine.open("chained", PROMPT)
+    engine.prefill("chained", len(PROMPT))
+    engine.verify("chained", (), ())
+    engine.commit("chained", (), generated[:2])  # the bonus token, then one without a verify
+    engine.verify("chained", (), ())  # a chain of 2
+    engine.commit("chained", (), generated[2:])  # the bonus token, then three without a verify
+    chained = engine.verify("chained", (), ())  # a chain of 4
+    engine.release("chained")
+    assert torch.equal(chained, live)
+
+
 def test_the_one_call_native_stack_equals_the_layer_by_layer_path(quantized_engine):
     """Where every layer is native, a forward's layers run as one native call (`NativeStack`): the
     same arithmetic in the same order as the per-layer calls, so prefill, a batched verify of two

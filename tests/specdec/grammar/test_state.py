@@ -56,6 +56,41 @@ def test_forced_continuation_by_hand(state, tokenizer, prefix, forced_text, forc
     assert state.num_tokens == len(tokenizer.encode(prefix))  # proposing does not move the state
 
 
+# (text accepted so far, the tokens the grammar then allows alone, one after another)
+FORCED_TOKEN_CASES = [
+    ("", []),  # `{` or `{"`: a choice
+    ("{", ['"']),  # then `n`, `na`, `nam` or `name`: a choice
+    ('{"name": "Bob"', [","]),  # then ` "` or ` ` (a space, then `"`): a choice
+    ('{"name": "Bob", "age": 42', []),  # a digit or `,`
+    ('{"name": "Bob", "age": 42, "unit": "c', []),  # `e`, `el`, `els` or `elsius`
+    ('{"name": "Bob", "age": 42, "unit": "celsius"', ["}", "<|im_end|>"]),  # the end is forced too
+    ('{"name": "Bob", "age": 42, "unit": "celsius"}', ["<|im_end|>"]),
+]
+
+
+@pytest.mark.parametrize("prefix, forced_pieces", FORCED_TOKEN_CASES)
+def test_forced_token_ids_by_hand(state, tokenizer, prefix, forced_pieces):
+    if prefix:
+        _advance(state, tokenizer, prefix)
+    num_tokens = state.num_tokens
+    forced = state.forced_token_ids(max_tokens=8)
+    assert [tokenizer.decode([t], skip_special_tokens=False) for t in forced] == forced_pieces
+    assert state.num_tokens == num_tokens  # a query: the state does not move
+    for token_id in forced:  # each is the only token its row allows
+        assert allowed_row(state).nonzero().flatten().tolist() == [token_id]
+        assert state.accept_tokens([token_id])
+    assert state.forced_token_ids(max_tokens=8) == ()  # a choice (or the end) follows the run
+
+
+def test_forced_token_ids_stop_at_max_tokens_and_after_the_end(state, tokenizer):
+    _advance(state, tokenizer, '{"name": "Bob", "age": 42, "unit": "celsius"')
+    assert len(state.forced_token_ids(max_tokens=2)) == 2
+    assert len(state.forced_token_ids(max_tokens=1)) == 1
+    assert state.forced_token_ids(max_tokens=0) == ()
+    assert state.accept_tokens(state.forced_token_ids(max_tokens=2)) and state.is_terminated
+    assert state.forced_token_ids(max_tokens=8) == ()  # only the end again, forever: not a run
+
+
 def test_masks_by_hand(state, tokenizer):
     start = allowed_row(state)
     assert start.shape == (state.vocab_size,) and start.dtype == torch.bool

@@ -1,0 +1,159 @@
+"""The request loop with a response format: tokens the grammar allows alone are committed after a
+step's own tokens, undrafted and unverified, and the primary runs them at its next call; the output
+equals plain constrained decoding token for token. Real tokenizer and grammar engine, fake services.
+
+The fake primary writes TARGET, a hand-spelled output of the person schema, under the mask: its
+`"` after `{`, `,` after `Bob"`, `}` after `celsius"` and the end token are the only tokens the
+grammar allows there (tests/specdec/grammar/test_state.py), every other token one of several.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import pytest
+
+from gateway.backends import EMPTY_TREE, DraftTree, ModelInfo, Validation, Verified
+from gateway.loop import RequestLoop
+from gateway.params import GenerationParams, SpeculationParams
+from specdec.grammar import ResponseFormat
+from specdec.sampling import SamplingParams
+from specdec.state_store import RequestStatus
+from specdec.state_store.memory import InMemoryStateStore
+from specdec.task_type import TaskType
+
+# tests/specdec/grammar/conftest.py's person: keys in declared order, all required
+PERSON_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "unit": {"enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["name", "age", "unit"],
+    }
+)
+EOS = 2  # SmolLM2's <|im_end|>
+PROMPT = [1, 9690, 198]
+PIECES = ["{", '"', "name", '":', ' "', "Bob", '"', ",", ' "', "age", '":', " ", "4", "2", ","]
+PIECES += [' "', "unit", '":', ' "', "c", "elsius", '"', "}"]
+FORCED = {'"': 1, ",": 1, "}": 1}  # forced once each where the grammar leaves no choice (module doc)
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer) -> list[int]:
+    """TARGET: PIECES as single tokens, then the end token."""
+    token_ids = [tokenizer.encode(piece) for piece in PIECES]
+    assert all(len(t) == 1 for t in token_ids), "every piece is one token of the model's vocabulary"
+    return [t[0] for t in token_ids] + [EOS]
+
+
+@dataclasses.dataclass
+class TargetBackends:
+    """Primary, greedy validator and an oracle draft service that proposes the next `draft_length`
+    target tokens (0: nothing). The primary checks that everything committed is the target so far and
+    that each row's token is allowed by the mask sent with it."""
+
+    target: list[int]
+    draft_length: int = 0
+    context: list[int] = dataclasses.field(default_factory=list)  # prompt + committed, as the primary has it
+    num_drafted_context: int = 0  # prompt + committed, as the draft service has heard it
+    committed: list[list[int]] = dataclasses.field(default_factory=list)  # per Verify/Decode call
+
+    def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> None:
+        self.context = list(token_ids)
+
+    def _commit(self, committed) -> None:
+        self.committed.append(list(committed))
+        self.context += committed
+        assert self.context[len(PROMPT) :] == self.target[: len(self.context) - len(PROMPT)], "off the target"
+
+    def _next(self, path=()) -> int:
+        return self.target[len(self.context) - len(PROMPT) + len(path)]
+
+    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
+        self._commit(committed_token_ids)
+        rows = [self._next(tree.token_ids[: i + 1]) for i in range(-1, tree.num_nodes)]  # a chain tree
+        assert allowed.is_allowed(list(range(len(rows))), rows).all(), "a row's token is off the grammar"
+        return Verified(None, tuple(rows), 0.0)
+
+    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None):
+        self._commit(committed_token_ids)
+        assert allowed.is_allowed([0], [self._next()]).all()
+        return self._next(), 0.0
+
+    def validate(self, request_id, mode, sampling, threshold, step, tree, verified, allowed=None) -> Validation:
+        num_accepted = next(
+            (i for i in range(tree.num_nodes) if tree.token_ids[i] != verified.argmax_token_ids[i]), tree.num_nodes
+        )
+        return Validation(tuple(range(num_accepted)), verified.argmax_token_ids[num_accepted], (), ())
+
+    def propose(self, request_id, prompt_token_ids, new_token_ids, strategies, degree, draft_length, max_nodes, *_):
+        self.num_drafted_context += len(prompt_token_ids) + len(new_token_ids)
+        start = self.num_drafted_context - len(PROMPT)  # the tree continues everything committed
+        chain = tuple(self.target[start : start + self.draft_length][: len(self.target) - 1 - start])
+        if not chain:
+            return EMPTY_TREE
+        return DraftTree(chain, tuple(range(-1, len(chain) - 1)), (1,) * len(chain), ("prompt_lookup",), {}, 0.0)
+
+    def release_primary(self, request_id) -> None:
+        pass
+
+    def release_draft(self, request_id, is_finished) -> None:
+        pass
+
+
+def run_loop(grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool) -> RequestLoop:
+    spec = SpeculationParams(is_enabled, 1, 4, 0.0, ("prompt_lookup",), TaskType.STRUCTURED, False)
+    response_format = ResponseFormat("json_schema", PERSON_SCHEMA)
+    params = GenerationParams("p", None, 64, (), SamplingParams(), spec, response_format=response_format)
+    store = InMemoryStateStore()
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    model = ModelInfo(49152, (EOS,), 4096, "fake", verify_costs_ms={})
+    loop = RequestLoop(
+        "r1",
+        params,
+        PROMPT,
+        backends,
+        store,
+        tokenizer,
+        model,
+        ("fp32", "fp32"),
+        recovery_timeout_s=1.0,
+        max_tree_nodes=64,
+        cancel=threading.Event(),
+        owner="test",
+        grammar=grammar_cache.compile(response_format).new_state(),
+    )
+    for _ in loop.run():
+        pass
+    return loop
+
+
+@pytest.mark.parametrize("draft_length", [0, 2])
+def test_forced_tokens_join_the_commit_and_the_output_equals_plain_decoding(
+    grammar_cache, tokenizer, target, draft_length
+):
+    plain = run_loop(grammar_cache, tokenizer, TargetBackends(target), is_enabled=False)
+    assert plain.outcome.token_ids == target[:-1] and plain.outcome.finish_reason == "eos"
+    assert plain.stats.num_forced_tokens == 0 and plain.stats.num_steps == len(target)  # one token a step
+
+    backends = TargetBackends(target, draft_length)
+    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=True)
+    assert loop.outcome.token_ids == plain.outcome.token_ids and loop.outcome.finish_reason == "eos"
+    assert json.loads(tokenizer.decode(loop.outcome.token_ids))["unit"] == "celsius"
+    if draft_length == 0:
+        # `"`, `,`, `}` forced after their step's one token, and the end token after `}` ends the
+        # request in that step: a step saved for each
+        assert loop.stats.num_forced_tokens == sum(FORCED.values())
+        assert loop.stats.num_steps == plain.stats.num_steps - sum(FORCED.values()) - 1
+        # the primary hears each forced token right behind the step's own token, in one commit
+        forced_ids = {tokenizer.encode(piece)[0] for piece in FORCED}
+        assert sum(len(c) == 2 and c[-1] in forced_ids for c in backends.committed) == 2  # the `}` ended it
+    else:  # the drafts may reach forced tokens first: accepted as drafts then, not counted as forced
+        assert loop.stats.num_forced_tokens <= sum(FORCED.values()) and loop.stats.num_accepted > 0
+        num_gained = loop.stats.num_accepted + loop.stats.num_forced_tokens  # beyond a token a step
+        assert loop.stats.num_steps <= plain.stats.num_steps - num_gained
