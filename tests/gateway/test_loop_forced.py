@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from gateway.backends import EMPTY_TREE, DraftTree, ModelInfo, Validation, Verified
+from gateway.backends import EMPTY_TREE, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
@@ -63,8 +63,9 @@ class TargetBackends:
     num_drafted_context: int = 0  # prompt + committed, as the draft service has heard it
     committed: list[list[int]] = dataclasses.field(default_factory=list)  # per Verify/Decode call
 
-    def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> None:
+    def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
         self.context = list(token_ids)
+        return Prefilled(0.0, 0)
 
     def _commit(self, committed) -> None:
         self.committed.append(list(committed))
