@@ -165,12 +165,13 @@ def test_json_schema_output_validates(client: openai.OpenAI):
         model=MODEL,
         messages=[
             {"role": "system", "content": "Answer in JSON."},
-            {"role": "user", "content": [{"type": "text", "text": "A colour and its hex code."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Give the name and hex code of one colour."}]},
         ],
-        max_tokens=60,
+        max_tokens=200,
         temperature=0,
         response_format={"type": "json_object"},
     )
+    assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content  # not cut mid-object
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
 
