@@ -3,8 +3,9 @@
     run, records = measure_precision("fp32", config, selections, sweep_prompts, tokenizer, model_dir,
                                      peers=["transformers"], cache={})
 
-Order: the stack first (redis + four services; per scenario and prompt the baseline, then the
-speculative request, so drift on a noisy machine hits both alike; then the concurrency sweep),
+Order: the stack first (redis + four services; per scenario and prompt a one-token request that
+puts the prompt in the primary's prefix cache, then the speculative request, then the baseline, so
+drift on a noisy machine hits both alike and both find the prompt cached; then the concurrency sweep),
 stopped before the peers run, so that idle services do not share the CPU with them. Each system
 answers one short warm-up request first (not recorded; the warm-up prompt is not a benchmark
 prompt, so the suffix index never learns a measured output from it). The peers run each prompt
@@ -78,6 +79,10 @@ def measure_stack(
             # run, right after the baseline's, was within noise of a fresh one). It still learns from
             # earlier prompts, as a server does. json_noschema repeats json's prompts: its
             # speculative run may find json's outputs of the same prompt.
+            # Before either, one token with speculation off puts the prompt in the primary's prefix
+            # cache, so both find it there (otherwise the second would, and the first would not;
+            # a request with speculation off never reaches the suffix index).
+            run_request(sut, prompt, scenario, BASELINE, 1, is_constrained(scenario, prompt), tokenizer)
             for system in (SPECULATIVE, BASELINE):
                 record = run_request(
                     sut, prompt, scenario, system, max_new_tokens, is_constrained(scenario, prompt), tokenizer
