@@ -44,6 +44,7 @@ from specdec.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFoun
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
+from specdec.request_id import TENANT_SEPARATOR, tenant_of
 from specdec.service.api_keys import ApiKeys
 from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import RequestStatus, StateStore
@@ -57,7 +58,6 @@ FINISH_REASONS = {
     "deadline": gateway_pb2.FINISH_REASON_DEADLINE,
     "error": gateway_pb2.FINISH_REASON_ERROR,
 }
-TENANT_SEPARATOR = "/"  # request id behind the gateway = tenant + "/" + the client's id (tenants have no "/")
 _STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop thread hands its coroutine
 STATUSES = {
     RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
@@ -193,7 +193,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     def _tenant_of(self, request_id: str) -> str:
         """The tenant of a request id behind the gateway (the inverse of _scoped's prefix)."""
-        return request_id.partition(TENANT_SEPARATOR)[0] if self.api_keys is not None else ""
+        return tenant_of(request_id) if self.api_keys is not None else ""
 
     async def _start(self, request, context) -> tuple[str, RequestLoop, Ticket]:
         """(the id the client sees, the request's loop, its admission slot), once admission let it in;

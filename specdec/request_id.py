@@ -6,6 +6,16 @@ from __future__ import annotations
 from specdec.errors import InvalidArgument
 
 MAX_REQUEST_ID_CHARS = 128
+TENANT_SEPARATOR = "/"  # with API keys, the id behind the gateway is tenant + "/" + the client's id
+
+
+def tenant_of(request_id: str) -> str:
+    """The tenant part of an id behind the gateway ("" for an id without one). With API keys the
+    gateway writes every id as tenant/client-id (tenants have no "/"), so a client cannot name
+    another tenant's prefix; without keys there is one trust domain and a "/" in a client's own id
+    only narrows what the id shares (the primary's prefix cache)."""
+    tenant, sep, _ = request_id.partition(TENANT_SEPARATOR)
+    return tenant if sep else ""
 
 
 def check_request_id(request_id: str, field: str = "request_id") -> str:

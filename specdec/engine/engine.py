@@ -34,7 +34,8 @@ runs as one masked call.
 Prefix caching (specdec.engine.prefix_cache): with a `PrefixCache`, `open` and `readmit` copy the
 rows of the longest cached prefix of the prompt into the slot and prefill only the rest, and every
 prefill chunk offers the prompt rows computed so far to the cache. Reuse must not change a bit, so
-only rows that a prefill of the new prompt would compute identically are shared:
+only rows that a prefill of the new prompt would compute identically are shared, and only within a
+tenant (the prefix of the request id, specdec.request_id.tenant_of: a hit is visible to its client):
 
 - only prompt rows of the batched prefill (positions below num_prompt_tokens - 1), never rows of
   generated tokens (decoded row by row) nor uncommitted tree rows; the pending token always runs in
@@ -67,6 +68,7 @@ from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.model.llama import SequenceSpan, Transformer
+from specdec.request_id import tenant_of
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
 PREFILL_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of long prompts
@@ -81,6 +83,7 @@ class _Request:
     tree_parents: tuple[int, ...] = ()  # the tree of the last verify, whose rows follow the chain
     tree_token_ids: tuple[int, ...] = ()
     num_reused: int = 0  # prompt tokens whose KV rows came from the prefix cache at the last (re)admission
+    scope: str = ""  # the request's tenant: the prefix cache shares rows only within it
 
     @property
     def slot(self) -> KVSlot:
@@ -207,7 +210,7 @@ class Engine:
             raise ResourceExhausted("kv_cache", str(e)) from None
         # A fresh request's tokens are all prompt; the mark lets a preempted request re-prefill the
         # tokens it generated row by row (`prefill`), as the steps that decoded them ran.
-        req = _Request(list(token_ids), slot, num_prompt_tokens or len(token_ids))
+        req = _Request(list(token_ids), slot, num_prompt_tokens or len(token_ids), scope=tenant_of(request_id))
         self._requests[request_id] = req
         self._reuse_prefix(req)
 
@@ -291,7 +294,7 @@ class Engine:
         if self.prefix_cache is None:
             return
         num_rows, grid = self._prompt_rows(req), self.prefix_grid_tokens
-        blocks = self.prefix_cache.match(req.token_ids[:num_rows])
+        blocks = self.prefix_cache.match(req.token_ids[:num_rows], req.scope)
         num_reused = len(blocks) * self.prefix_cache.block_tokens // grid * grid
         self.prefix_cache.copy_prefix(blocks, num_reused, req.slot.k, req.slot.v)
         req.slot.num_cached = req.num_reused = num_reused
@@ -303,7 +306,7 @@ class Engine:
             return
         grid = self.prefix_grid_tokens
         num_rows = min(req.slot.num_cached, self._prompt_rows(req)) // grid * grid
-        self.prefix_cache.insert(req.token_ids[:num_rows], req.slot.k, req.slot.v)
+        self.prefix_cache.insert(req.token_ids[:num_rows], req.slot.k, req.slot.v, req.scope)
 
     def _reserve(self, req: _Request, num_rows: int) -> None:
         try:

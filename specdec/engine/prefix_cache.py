@@ -6,13 +6,18 @@ tokens, so that a new prompt starting with the same tokens copies those rows int
 prefills only the rest (vLLM's automatic prefix caching, SGLang's radix cache).
 
 Keys: block i of a prompt is keyed by (id of block i-1's entry, block i's token ids), block 0 by
-(ROOT_ID, its token ids). Every entry gets a fresh id when it is created and ids are never reused,
-so a key names exactly one token prefix: two prompts reach the same entry only when all their
-tokens up to its end are equal. No hash can collide (the dict compares the token tuples), so the
-cache never hands a prompt rows of other tokens.
+(the request's scope, its token ids). Every entry gets a fresh id when it is created and ids are
+never reused, so a key names exactly one token prefix in one scope: two prompts reach the same entry
+only when their scopes and all their tokens up to its end are equal. No hash can collide (the dict
+compares the token tuples), so the cache never hands a prompt rows of other tokens.
 
-    prompt  [a b c d | e f g h | i j]     block_tokens 4
-    entries (0, (a,b,c,d)) -> id 1,  (1, (e,f,g,h)) -> id 2; [i j] is not a full block
+    prompt  [a b c d | e f g h | i j]     block_tokens 4, scope "acme"
+    entries ("acme", (a,b,c,d)) -> id 1,  (1, (e,f,g,h)) -> id 2; [i j] is not a full block
+
+Scope: the engine passes the request's tenant (specdec.request_id.tenant_of). A hit is visible to
+its client (fewer prompt tokens computed, `num_cached_prompt_tokens`, a shorter time to first
+token), so a shared cache would tell one tenant which prompts another sent; tenants never share
+(vLLM's cache_salt). Without API keys every request is in scope "".
 
 Eviction: least recently used first, under a byte budget of its own (`max_bytes`), apart from the
 per-request KV budget (specdec.engine.kv_cache): the cache holds copies, so releasing a request
@@ -35,9 +40,8 @@ import torch
 
 DEFAULT_BLOCK_TOKENS = 16  # as vLLM: fine enough that a chat template's ~25-token system prompt reuses a block
 DEFAULT_MAX_BYTES = 256 << 20
-ROOT_ID = 0  # the parent id of every prompt's first block
 
-BlockKey = tuple[int, tuple[int, ...]]  # (parent entry id, this block's token ids)
+BlockKey = tuple[int | str, tuple[int, ...]]  # (parent entry id, or the scope for a first block; its token ids)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -75,7 +79,7 @@ class PrefixCache:
         self.num_bytes = 0
         self.stats = PrefixCacheStats()
         self._blocks: collections.OrderedDict[BlockKey, CachedBlock] = collections.OrderedDict()  # LRU first
-        self._ids = itertools.count(ROOT_ID + 1)
+        self._ids = itertools.count(1)
 
     @property
     def num_blocks(self) -> int:
@@ -87,10 +91,10 @@ class PrefixCache:
         for start in range(0, len(token_ids) - b + 1, b):
             yield tuple(token_ids[start : start + b])
 
-    def match(self, token_ids: Sequence[int]) -> list[CachedBlock]:
-        """The blocks of the longest cached prefix of token_ids (whole blocks), touched as used."""
+    def match(self, token_ids: Sequence[int], scope: str = "") -> list[CachedBlock]:
+        """The blocks of the longest prefix of token_ids cached in `scope` (whole blocks), touched as used."""
         found: list[CachedBlock] = []
-        parent_id = ROOT_ID
+        parent_id: int | str = scope
         for tokens in self._keys(token_ids):
             block = self._blocks.get((parent_id, tokens))
             if block is None:
@@ -116,14 +120,14 @@ class PrefixCache:
         self.stats.num_query_tokens += num_query_tokens
         self.stats.num_reused_tokens += num_reused_tokens
 
-    def insert(self, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> int:
-        """Store the full blocks of token_ids whose rows are k/v[:, :, :len(token_ids)] (a slot's
+    def insert(self, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, scope: str = "") -> int:
+        """Store, in `scope`, the full blocks of token_ids whose rows are k/v[:, :, :len(token_ids)] (a slot's
         [num_layers, num_kv_heads, capacity, head_dim]); blocks already cached are only touched.
         Stops at the first block that does not fit the budget. Returns the blocks now cached."""
         chain: list[CachedBlock] = []
         for i, tokens in enumerate(self._keys(token_ids)):
             parent = chain[-1].key if chain else None
-            key = (chain[-1].block_id if chain else ROOT_ID, tokens)
+            key: BlockKey = (chain[-1].block_id if chain else scope, tokens)
             block = self._blocks.get(key)
             if block is None:
                 rows = slice(i * self.block_tokens, (i + 1) * self.block_tokens)

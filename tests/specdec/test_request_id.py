@@ -6,7 +6,7 @@ import pytest
 
 from specdec import pb
 from specdec.errors import InvalidArgument
-from specdec.request_id import MAX_REQUEST_ID_CHARS, check_request_id
+from specdec.request_id import MAX_REQUEST_ID_CHARS, check_request_id, tenant_of
 
 
 def test_ids_of_1_to_128_printable_characters_pass():
@@ -28,3 +28,9 @@ def test_other_ids_are_refused_naming_the_field(request_id, message):
         with pytest.raises(InvalidArgument) as e:
             check(request_id)
         assert str(e.value) == message
+
+
+def test_the_tenant_is_the_part_before_the_first_separator():
+    assert tenant_of("acme/order-1") == "acme"
+    assert tenant_of("acme/a/b") == "acme"
+    assert tenant_of("order-1") == ""

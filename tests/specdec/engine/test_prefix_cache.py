@@ -41,6 +41,16 @@ def test_blocks_chain_so_that_equal_blocks_after_different_prefixes_are_differen
     assert torch.equal(v[:, :, :6], -k[:, :, :6])
 
 
+def test_scopes_never_share_blocks():
+    """A block cached in one scope (a tenant) is invisible from another: a hit would tell a tenant
+    which prompts another sent."""
+    cache = PrefixCache(max_bytes=1 << 20, block_tokens=B)
+    cache.insert(list(range(8)), *rows(8), scope="acme")
+    assert len(cache.match(list(range(8)), scope="acme")) == 2
+    assert len(cache.match(list(range(8)), scope="globex")) == 0 and len(cache.match(list(range(8)))) == 0
+    assert cache.insert(list(range(8)), *rows(8), scope="globex") == 2 and cache.num_blocks == 4
+
+
 def test_longest_prefix_stops_at_the_first_block_that_differs():
     cache = PrefixCache(max_bytes=1 << 20, block_tokens=B)
     cache.insert(list(range(12)), *rows(12))
@@ -137,6 +147,17 @@ def test_a_prompt_sharing_a_prefix_reuses_it_bit_for_bit_int4(int4_model):
     assert engine.kv_bytes_of("b") == reference.kv_bytes_of("b")  # the slot is the same size
     engine.release("b")
     assert engine.kv_bytes == 0  # the per-request accounting never sees the cache
+
+
+def test_the_engine_shares_prefixes_within_a_tenant_only_int4(int4_model):
+    """Request ids behind the gateway are tenant/client-id: the same prompt from another tenant
+    prefills from scratch, from the same tenant it reuses the cached rows."""
+    engine = new_engine(int4_model, PrefixCache())
+    run(engine, "acme/a", PROMPT_A, num_steps=1)
+    run(engine, "globex/a", PROMPT_A, num_steps=1)
+    assert engine.num_reused_tokens("globex/a") == 0
+    run(engine, "acme/b", PROMPT_A, num_steps=1)
+    assert engine.num_reused_tokens("acme/b") > 0
 
 
 def test_an_identical_prompt_prefills_nothing_but_its_partial_block_int4(int4_model):
