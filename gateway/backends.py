@@ -96,6 +96,14 @@ class Verified:
     argmax_token_ids: tuple[int, ...]
     forward_ms: float
     lookahead_argmax_token_ids: tuple[int, ...] = ()
+    mean_step_rows: float = 0.0  # the primary's rows per engine step lately (0: not reported)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decoded:
+    token_id: int
+    forward_ms: float
+    mean_step_rows: float = 0.0  # as Verified.mean_step_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -228,7 +236,9 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        return Verified(r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids))
+        return Verified(
+            r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), r.mean_step_rows
+        )
 
     def decode(
         self,
@@ -238,7 +248,7 @@ class Backends:
         sampling: SamplingParams,
         step: int,
         allowed: TokenBitmask | None = None,
-    ) -> tuple[int, float]:
+    ) -> Decoded:
         r = self._call(
             "primary",
             self.primary.Decode,
@@ -252,7 +262,7 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        return r.token_id, r.forward_ms
+        return Decoded(r.token_id, r.forward_ms, r.mean_step_rows)
 
     def release_primary(self, request_id: str) -> None:
         release = primary_pb2.PrimaryServiceReleaseRequest(

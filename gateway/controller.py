@@ -27,6 +27,16 @@ tokens after the first rejection were never tested). Counts start at a task-type
 `prior_strength` trials and are discounted by decay^(steps since the last observation) before each new
 observation, so the prior fades like any old evidence and a probe after a long pause dominates.
 
+Load: the primary batches every running request's rows into one engine step, so under load a draft
+row is not nearly free: it lengthens a step that R other rows share. With R the rows the primary's
+steps carry besides this request's (VerifyResponse.mean_step_rows less its own, smoothed), the plan
+maximises the throughput of the whole step, counting the others' rows as a token each:
+    speedup     = (R + E[accepted length]) / (R + 1) * (verify(R + 1) + plain overhead)
+                  / (speculative overhead + drafts + verify(R + 1 + nodes + extra rows))
+At R = 0 this is the formula above. Where the verify curve grows about linearly (many rows on a CPU)
+a draft row costs about as much as another request's whole token, so speculation turns itself off
+under load and back on when the load goes.
+
 Hysteresis and probing: speculation turns off when the best plan's expected speedup < off_below, and on
 again only at >= on_above. While off, every probe_interval steps a short draft re-measures acceptance;
 while on, a decoder left out for probe_interval steps rides along for one step. Only decoders cheap
@@ -93,6 +103,7 @@ class ControllerConfig:
     # Probing may cost at most this share of throughput: a decoder is probed only when its draft cost,
     # paid once per probe_interval steps, stays below it (prompt lookup yes, early exit at 0.6 a token no).
     max_probe_overhead: float = 0.02
+    load_smoothing: float = 0.5  # weight of the newest load report in ControllerState.other_rows
 
     def __post_init__(self) -> None:
         if not self.draft_length_choices or min(self.draft_length_choices) < 1:
@@ -115,6 +126,8 @@ class ControllerConfig:
             raise ValueError(
                 f"max_evidence_tokens ({self.max_evidence_tokens}) must be >= prior_strength ({self.prior_strength})"
             )
+        if not 0.0 < self.load_smoothing <= 1.0:
+            raise ValueError(f"load_smoothing must lie in (0, 1], got {self.load_smoothing}")
         if not 0 < self.off_below <= self.on_above:
             raise ValueError(f"need 0 < off_below <= on_above, got {self.off_below}, {self.on_above}")
 
@@ -193,6 +206,7 @@ class ControllerState:
     num_steps: int = 0
     is_speculating: bool = True
     last_probe_step: int = 0
+    other_rows: float = 0.0  # rows the primary's steps carry besides this request's, smoothed
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -201,6 +215,7 @@ class ControllerState:
             "num_steps": self.num_steps,
             "is_speculating": self.is_speculating,
             "last_probe_step": self.last_probe_step,
+            "other_rows": self.other_rows,
             "estimates": [dataclasses.asdict(e) for e in self.estimates],
         }
 
@@ -219,6 +234,7 @@ class ControllerState:
                 num_steps=int(data["num_steps"]),
                 is_speculating=bool(data["is_speculating"]),
                 last_probe_step=int(data["last_probe_step"]),
+                other_rows=max(0.0, float(data.get("other_rows", 0.0))),  # absent: stored before it was kept
             )
         except KeyError as e:
             raise ValueError(f"controller state lacks field {e.args[0]!r}") from None
@@ -269,13 +285,15 @@ def _best_choice(
     cost_model: CostModel,
     config: ControllerConfig,
     known_coverage: Mapping[tuple[str, int], float] | None = None,
+    other_rows: float = 0.0,
 ) -> _Choice:
     """Greedy selection for every draft length at once (G lengths, S estimates, J = max length depths).
 
     For each length, add the estimate that raises the speedup most while it does (rank r of a decoder
     only after rank r - 1); then keep the best length. A length stops growing at the first round
     that does not improve it (its state no longer changes, so later rounds cannot either).
-    `known_coverage` replaces the estimated coverage of the (decoder, rank)s it names for this step.
+    `known_coverage` replaces the estimated coverage of the (decoder, rank)s it names for this step;
+    `other_rows` is the load R of the module docstring.
     """
     num_sources = len(estimates)
     if num_sources == 0:
@@ -298,7 +316,8 @@ def _best_choice(
     key_index = {(e.decoder, e.rank): s for s, e in enumerate(estimates)}
     prev_rank = np.array([key_index.get((e.decoder, e.rank - 1), -1) for e in estimates])  # [S], -1: rank 0
 
-    plain_step = cost_model.plain_step
+    load = max(0.0, other_rows)
+    plain_step = float(cost_model.verify(load + 1.0)) + cost_model.plain_overhead
     grid = np.arange(len(gammas))
     miss = np.ones((len(gammas), depth.size))  # [G, J] chance that no chosen candidate reaches depth j + 1
     chosen = np.zeros((len(gammas), num_sources), dtype=bool)  # [G, S]
@@ -316,9 +335,10 @@ def _best_choice(
         step = (
             cost_model.speculative_overhead
             + new_draft
-            + cost_model.verify(1.0 + np.minimum(new_nodes, config.max_tree_nodes) + new_extra)
+            + cost_model.verify(load + 1.0 + np.minimum(new_nodes, config.max_tree_nodes) + new_extra)
         )  # [G, S]
-        new_speedup = np.where(is_eligible, new_length * plain_step / step, -np.inf)  # [G, S]
+        gain = (load + new_length) / (load + 1.0)  # [G, S]: the step's tokens against a plain step's
+        new_speedup = np.where(is_eligible, gain * plain_step / step, -np.inf)  # [G, S]
         pick = new_speedup.argmax(axis=1)  # [G]
         is_better = new_speedup[grid, pick] > speedup  # [G]; a length whose best addition loses stops
         if not is_better.any():
@@ -437,7 +457,7 @@ class AdaptiveController:
         config, estimates = self._config, state.estimates
         known_coverage = known_coverage or {}
         silent = {key for key, coverage in known_coverage.items() if coverage <= 0.0}
-        choice = _best_choice(estimates, self._cost_model, config, known_coverage)
+        choice = _best_choice(estimates, self._cost_model, config, known_coverage, state.other_rows)
         if state.is_speculating and (not choice.sources or choice.expected_speedup < config.off_below):
             state.is_speculating = False
             state.last_probe_step = state.num_steps
@@ -470,6 +490,14 @@ class AdaptiveController:
             expected_speedup=choice.expected_speedup,
             is_probe=True,
         )
+
+    def observe_load(self, state: ControllerState, mean_step_rows: float, own_rows: int) -> None:
+        """The primary's rows per step lately (0: not reported, nothing changes) and this request's
+        share of them in the step just run: the rest, smoothed, is the load the next plans weigh."""
+        if not mean_step_rows > 0.0:  # also NaN
+            return
+        others = max(0.0, float(mean_step_rows) - own_rows)
+        state.other_rows += self._config.load_smoothing * (others - state.other_rows)
 
     def _is_cheap_probe(self, decoder: str, draft_length: int) -> bool:
         m, rows = self._cost_model, 1 + draft_length

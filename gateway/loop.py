@@ -325,6 +325,12 @@ class RequestLoop:
                 self._controller_state(), plan if outcomes is not None else SpeculationPlan(), outcomes or ()
             )
 
+    def _observe_load(self, mean_step_rows: float, own_rows: int) -> None:
+        """Tell the controller how many rows the primary's steps carry besides this request's: under
+        load a draft row costs another request's token (AdaptiveController.observe_load)."""
+        if self.controller is not None:
+            self.controller.observe_load(self._controller_state(), mean_step_rows, own_rows)
+
     def _stop_signal(self) -> str | None:
         if self.cancel.is_set():
             return FINISH_CANCELLED
@@ -362,6 +368,7 @@ class RequestLoop:
             self._with_primary(lambda: None, is_fresh=True)
             return [], None
         self.stats.forward_ms += verified.forward_ms
+        self._observe_load(verified.mean_step_rows, 1 + len(tree.token_ids) + len(tree.lookahead_token_ids))
         self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
@@ -400,7 +407,7 @@ class RequestLoop:
     def _plain_step(self) -> list[int]:
         t = time.perf_counter()
         allowed = None if self.grammar is None else self.grammar.allowed_mask()  # 1 row
-        token, forward_ms = self._with_primary(
+        decoded = self._with_primary(
             lambda: self.backends.decode(
                 self.request_id,
                 self.pending_accepted,
@@ -410,7 +417,9 @@ class RequestLoop:
                 allowed,
             )
         )
-        self.stats.forward_ms += forward_ms
+        token = decoded.token_id
+        self.stats.forward_ms += decoded.forward_ms
+        self._observe_load(decoded.mean_step_rows, 1)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
         self.pending_accepted, self.pending_committed = (), [token]
         return [token]

@@ -148,6 +148,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             num_cached_tokens=num_cached,
             forward_ms=forward_ms,
             kv_bytes=self.worker.built_engine().kv_bytes,
+            mean_step_rows=self.worker.mean_step_rows,
         )
 
     def Decode(self, request, context):
@@ -166,7 +167,9 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         token, forward_ms = self.worker.verify(
             request_id, list(request.accepted_nodes), list(request.committed_token_ids), (), (), finish
         )
-        return primary_pb2.DecodeResponse(token_id=token, forward_ms=forward_ms)
+        return primary_pb2.DecodeResponse(
+            token_id=token, forward_ms=forward_ms, mean_step_rows=self.worker.mean_step_rows
+        )
 
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)

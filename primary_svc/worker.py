@@ -107,6 +107,9 @@ class _Waiting:
     verify: _VerifyItem | None = None  # a preempted request's verify, run once it is re-prefilled
 
 
+STEP_ROWS_SMOOTHING = 0.25  # weight of the newest step in mean_step_rows: about the last 4-8 steps
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepComposition:
     num_verify_items: int
@@ -147,6 +150,9 @@ class EngineWorker:
         self.metrics = metrics
         self.stats = BatchStats()
         self.step_history: collections.deque[StepComposition] = collections.deque(maxlen=STEP_HISTORY)
+        # Rows per step lately (verify + prefill, every request's), an exponential moving average
+        # written by the engine thread: callers read it to see what their rows add to a shared step.
+        self.mean_step_rows = 0.0
         self._inbox: queue.Queue = queue.Queue()
         self._verifies: collections.deque[_VerifyItem] = collections.deque()
         self._waiting: collections.deque[_Waiting] = collections.deque()
@@ -558,6 +564,11 @@ class EngineWorker:
         prefill_rows = sum(c.num_tokens for c in chunks)
         self.stats.num_steps += 1
         self.stats.num_prefill_chunks += len(chunks)
+        rows = verify_rows + prefill_rows
+        is_first = self.stats.num_steps == 1
+        self.mean_step_rows = (
+            rows if is_first else self.mean_step_rows + STEP_ROWS_SMOOTHING * (rows - self.mean_step_rows)
+        )
         if verify_items:
             self.stats.num_batches += 1
             self.stats.num_items += len(verify_items)

@@ -376,3 +376,60 @@ def test_ride_alongs_keep_the_degree_bound_and_rank_order():
         assert p.speculative_degree <= 2
         ranks = sorted(r for _, r in p.sources)
         assert ranks == list(range(len(ranks))), p.sources
+
+
+# An int8 CPU curve (ms, `python -m bench engine` on a 2-core AVX2 machine): past a few rows every row
+# costs about the same, so under load a draft row costs about what another request's token does.
+CPU_INT8 = CostModel.from_verify_ms(
+    ((1, 11.7), (2, 13.2), (4, 19.9), (8, 32.8), (16, 55.7), (32, 112.0), (64, 262.0)),
+    {LOOKUP: DraftCost(fixed=0.002)},
+)
+
+
+def plan_under_load(alpha: float, other_rows: float) -> SpeculationPlan:
+    controller = AdaptiveController(CPU_INT8, FULL_COVERAGE)
+    state = controller.new_state("code", {LOOKUP: 1})
+    state.estimates[0].accepted = alpha * state.estimates[0].tested
+    state.other_rows = other_rows
+    return controller.plan(state)
+
+
+def test_without_load_the_plan_is_the_single_request_plan():
+    alone = adjust_speculative_degree("code", 0.8, decoders={LOOKUP: 1}, cost_model=CPU_INT8, config=FULL_COVERAGE)
+    plan = plan_under_load(0.8, 0.0)
+    assert plan == alone and plan.is_speculative
+
+
+def test_load_shrinks_drafts_and_turns_speculation_off():
+    busy = (0, 1, 3, 7)
+    plans = [plan_under_load(0.8, rows) for rows in busy]
+    assert all(p.is_speculative for p in plans)
+    speedups, lengths = [p.expected_speedup for p in plans], [p.draft_length for p in plans]
+    assert speedups == sorted(speedups, reverse=True) and lengths == sorted(lengths, reverse=True)
+    assert lengths[0] > lengths[-1]
+    # 1 other row: (1 + E) / 2 tokens for the draft and verify(2 + nodes) against a plain verify(2)
+    gain = (1 + plans[1].expected_accepted_length) / 2
+    step = CPU_INT8.draft(LOOKUP, plans[1].draft_length) + CPU_INT8.verify(2 + plans[1].draft_length)
+    assert plans[1].expected_speedup == pytest.approx(gain * CPU_INT8.verify(2) / step)
+    # where a row costs about another request's token, no draft pays
+    assert not any(plan_under_load(0.8, rows).is_speculative for rows in (15, 31, 63))
+    assert plan_under_load(0.95, 7).is_speculative and not plan_under_load(0.5, 1).is_speculative
+
+
+def test_the_load_is_the_primarys_rows_less_the_requests_own_smoothed():
+    controller = AdaptiveController(CPU_INT8, ControllerConfig(load_smoothing=0.5))
+    state = controller.new_state("code", {LOOKUP: 1})
+    controller.observe_load(state, 0.0, 5)  # not reported: nothing changes
+    assert state.other_rows == 0.0
+    controller.observe_load(state, 37.0, 5)
+    assert state.other_rows == pytest.approx(16.0)
+    controller.observe_load(state, 37.0, 5)
+    assert state.other_rows == pytest.approx(24.0)
+    controller.observe_load(state, 3.0, 5)  # fewer rows than its own: no load, never negative
+    assert state.other_rows == pytest.approx(12.0)
+    data = json.loads(json.dumps(state.to_dict()))
+    assert ControllerState.from_dict(data).other_rows == pytest.approx(12.0)
+    del data["other_rows"]  # a state stored before the load was kept
+    assert ControllerState.from_dict(data).other_rows == 0.0
+    with pytest.raises(ValueError, match="load_smoothing"):
+        ControllerConfig(load_smoothing=0.0)

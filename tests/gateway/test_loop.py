@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from gateway.backends import DraftTree, ModelInfo, Prefilled, Validation, Verified
+from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState
 from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan, greedy_validation
@@ -127,16 +127,14 @@ class FakeBackends:
         lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
         return Verified(None, tuple(self._rows(tree)), 0.0, lookahead)
 
-    def decode(
-        self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None
-    ) -> tuple[int, float]:
+    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
         assert allowed is None, "no grammar in these requests"
         self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes), "committed": list(committed_token_ids)}))
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         token = primary_next(self.primary_context)
         self.truth.append(token)
-        return token, 0.0
+        return Decoded(token, 0.0)
 
     def validate(
         self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None

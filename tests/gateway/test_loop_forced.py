@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from gateway.backends import EMPTY_TREE, DraftTree, ModelInfo, Prefilled, Validation, Verified
+from gateway.backends import EMPTY_TREE, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
@@ -84,7 +84,7 @@ class TargetBackends:
     def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None):
         self._commit(committed_token_ids)
         assert allowed.is_allowed([0], [self._next()]).all()
-        return self._next(), 0.0
+        return Decoded(self._next(), 0.0)
 
     def validate(self, request_id, mode, sampling, threshold, step, tree, verified, allowed=None) -> Validation:
         num_accepted = next(
