@@ -218,22 +218,25 @@ def request_once(
 ) -> tuple[StreamTrace, float]:
     """One request as the client saw it, and how long to wait before the next (a retry hint, else 0)."""
     sent_at = time.perf_counter()
-    request_id, arrivals = "", []
+    request_id, arrivals, controller = "", [], None
     try:
         if is_stream:
             for message in stub.GenerateStream(request, timeout=timeout_s):
                 request_id = message.request_id or request_id
                 if message.token_ids:
                     arrivals.append((time.perf_counter(), len(message.token_ids)))
+                if message.is_final:
+                    controller = controller_choices(message.stats)
         else:
             response = stub.Generate(request, timeout=timeout_s)
             request_id = response.request_id
             if response.token_ids:
                 arrivals.append((time.perf_counter(), len(response.token_ids)))
+            controller = controller_choices(response.stats)
     except grpc.RpcError as e:
         wait = retry_after_s(e) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else 0.0
         return StreamTrace(request_id, sent_at, tuple(arrivals), error=rpc_error(e)), wait
-    return StreamTrace(request_id, sent_at, tuple(arrivals)), 0.0
+    return StreamTrace(request_id, sent_at, tuple(arrivals), controller=controller), 0.0
 
 
 def _load_client(
@@ -317,4 +320,20 @@ def summarize_load(traces: Sequence[StreamTrace], wall_s: float, is_stream: bool
         "inter_token_ms": percentiles(latencies),
         "errors_by_code": {c: n for c, n in sorted(codes.items()) if c != "OK"},
         "error_examples": sorted({t.error for t in traces if t.error})[:5],
+        "steps": step_choices(ok),
+    }
+
+
+def step_choices(traces: Sequence[StreamTrace]) -> dict[str, Any]:
+    """What the requests' steps ran: how many steps, the share that speculated (the controller turns
+    speculation down under load), and generated tokens per step."""
+    controllers = [t.controller for t in traces if t.controller is not None]
+    by_length = sum_counts(c.get("num_steps_by_draft_length", []) for c in controllers)
+    num_steps = sum(by_length)
+    num_tokens = sum(t.num_tokens for t in traces if t.controller is not None)
+    return {
+        "num_steps": num_steps,
+        "speculative_share": (num_steps - by_length[0]) / num_steps if num_steps and by_length else None,
+        "tokens_per_step": num_tokens / num_steps if num_steps else None,
+        "num_steps_by_draft_length": by_length,
     }

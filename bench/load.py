@@ -28,6 +28,7 @@ from typing import Any
 from bench.concurrency import run_load, summarize_load
 from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.stack import build_request, system_under_test
+from primary_svc import step_report
 from specdec.launcher import PRIMARY, SERVICE_NAMES, Stack
 from specdec.service.server import is_loopback
 from specdec.v1 import primary_pb2, primary_pb2_grpc
@@ -109,6 +110,7 @@ def run(
     """The load against address; resources of `pids` sampled at the start, every sample_s and at the end."""
     samples: list[dict[str, Any]] = []
     before = None if stack is None else primary_stats(stack)
+    steps_before = None if stack is None else step_composition(stack)
 
     def sample(elapsed_s: float) -> None:
         if pids:
@@ -130,7 +132,20 @@ def run(
         after = primary_stats(stack)
         result["primary_after"] = primary_occupancy(after)
         result["prefix_cache"] = prefix_cache_share(before, after)
+    if stack is not None and steps_before is not None and (steps_after := step_composition(stack)) is not None:
+        result["engine_steps"] = steps_after.minus(steps_before).summary() | {
+            "steps_per_s": round((steps_after.num_steps - steps_before.num_steps) / wall_s, 2) if wall_s > 0 else None
+        }
     return result
+
+
+def step_composition(stack: Stack) -> step_report.StepComposition | None:
+    """The primary's engine steps so far (rows of verify vs prefill), from its /metrics; None when
+    the stack serves no metrics."""
+    try:
+        return step_report.scrape(stack.metrics_url("primary"))
+    except RuntimeError:
+        return None
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -153,6 +168,15 @@ def format_result(r: dict[str, Any]) -> str:
                 f"  {name:<9} RSS {a['rss_bytes'] / 2**20:.0f} -> {b['rss_bytes'] / 2**20:.0f} MiB | "
                 f"open fds {a['open_fds']} -> {b['open_fds']}"
             )
+    if steps := r.get("steps"):
+        share = "n/a" if steps["speculative_share"] is None else f"{100 * steps['speculative_share']:.0f} %"
+        per_step = "n/a" if steps["tokens_per_step"] is None else f"{steps['tokens_per_step']:.2f}"
+        lines.append(f"  request steps: {steps['num_steps']}, speculative {share}, tokens per step {per_step}")
+    if e := r.get("engine_steps"):
+        lines.append(
+            f"  primary engine steps: {e['steps']} ({e['steps_per_s']}/s), rows per step: verify "
+            f"{e['verify_rows_per_step']}, prefill {e['prefill_rows_per_step']}; preemptions {e['preemptions']:.0f}"
+        )
     if "primary_after" in r:
         lines.append(f"  primary afterwards: {r['primary_after']}")
     if "prefix_cache" in r and not r["prefix_cache"]["max_bytes"]:
@@ -215,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.address:
         result = run(a.address, a.clients, a.duration, requests, a.stream, a.timeout_s, sample_s=a.sample_s)
     else:
-        with system_under_test(a.precision, a.threads, max_context=4096) as sut:
+        with system_under_test(a.precision, a.threads, max_context=4096, is_serving_metrics=True) as sut:
             pids = {name: sut.stack.pid(name) for name in SERVICE_NAMES}
             result = run(
                 sut.address, a.clients, a.duration, requests, a.stream, a.timeout_s, pids, a.sample_s, sut.stack

@@ -40,15 +40,22 @@ class SystemUnderTest:
 
 
 @contextlib.contextmanager
-def system_under_test(precision: str, num_threads: int, max_context: int) -> Iterator[SystemUnderTest]:
-    """Redis, then the four services (default model, product defaults), and a gateway stub."""
+def system_under_test(
+    precision: str, num_threads: int, max_context: int, is_serving_metrics: bool = False
+) -> Iterator[SystemUnderTest]:
+    """Redis, then the four services (default model, product defaults), and a gateway stub; with
+    is_serving_metrics each service serves /metrics (Stack.metrics_url)."""
     with contextlib.ExitStack() as cleanup:
         try:
             server = cleanup.enter_context(redis_server(prefix="specdec-bench-redis-"))
         except RedisServerError as e:
             raise SystemExit(str(e)) from None
         config = StackConfig(
-            precision=precision, redis_url=server.url, num_threads=num_threads, max_context=max_context
+            precision=precision,
+            redis_url=server.url,
+            num_threads=num_threads,
+            max_context=max_context,
+            is_serving_metrics=is_serving_metrics,
         )
         with Stack(config) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
             yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel))

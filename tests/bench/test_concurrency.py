@@ -50,8 +50,8 @@ def test_summarize_load_counts_throughput_over_the_run_and_errors_by_code():
     from bench.concurrency import summarize_load
 
     traces = [
-        StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3))),
-        StreamTrace("b", 1.0, ((1.2, 2),)),
+        StreamTrace("a", 0.0, ((0.5, 1), (1.0, 3)), controller={"num_steps_by_draft_length": [1, 0, 1]}),
+        StreamTrace("b", 1.0, ((1.2, 2),), controller={"num_steps_by_draft_length": [2]}),
         StreamTrace("", 1.0, (), error="RESOURCE_EXHAUSTED: at capacity"),
         StreamTrace("", 1.5, (), error="RESOURCE_EXHAUSTED: at capacity"),
     ]
@@ -61,6 +61,13 @@ def test_summarize_load_counts_throughput_over_the_run_and_errors_by_code():
     assert out["ttft_ms"]["p50"] == pytest.approx(350.0)
     assert out["inter_token_ms"]["p50"] == pytest.approx(500 / 3)
     assert out["errors_by_code"] == {"RESOURCE_EXHAUSTED": 2}
+    # 4 steps, one with a draft of 2 tokens: a quarter speculative, 6 tokens over 4 steps
+    assert out["steps"] == {
+        "num_steps": 4,
+        "speculative_share": 0.25,
+        "tokens_per_step": 1.5,
+        "num_steps_by_draft_length": [3, 0, 1],
+    }
 
 
 def test_the_load_generator_stays_on_loopback_and_within_its_bounds():
