@@ -302,11 +302,21 @@ def run_load(
     return traces, time.perf_counter() - start
 
 
-def summarize_load(traces: Sequence[StreamTrace], wall_s: float, is_stream: bool) -> dict[str, Any]:
+def summarize_load(
+    traces: Sequence[StreamTrace], wall_s: float, is_stream: bool, num_clients: int = 0
+) -> dict[str, Any]:
     """Throughput over the run, latency percentiles of the requests that succeeded, errors by code."""
     ok = [t for t in traces if not t.error]
     num_tokens = sum(t.num_tokens for t in ok)
     ttft = [(t.arrivals[0][0] - t.sent_at) * 1000 for t in ok if t.arrivals]
+    # Every client's first request arrives with all the others at the start, each prompt cold: without
+    # that first wave the figure is the steady state's (one request arriving among running ones).
+    first_wave = set(sorted(range(len(traces)), key=lambda i: traces[i].sent_at)[:num_clients])
+    steady = [
+        (t.arrivals[0][0] - t.sent_at) * 1000
+        for i, t in enumerate(traces)
+        if not t.error and t.arrivals and i not in first_wave
+    ]
     latencies = [ms for t in ok for ms in token_latencies_ms(t)] if is_stream else []
     codes = collections.Counter(error_code(t) for t in traces)
     return {
@@ -317,6 +327,7 @@ def summarize_load(traces: Sequence[StreamTrace], wall_s: float, is_stream: bool
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
         "tokens_per_s": num_tokens / wall_s if wall_s > 0 else None,
         "ttft_ms": percentiles(ttft),
+        "ttft_after_first_wave_ms": percentiles(steady),
         "inter_token_ms": percentiles(latencies),
         "errors_by_code": {c: n for c, n in sorted(codes.items()) if c != "OK"},
         "error_examples": sorted({t.error for t in traces if t.error})[:5],

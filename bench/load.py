@@ -125,7 +125,7 @@ def run(
         "clients": clients,
         "duration_s": duration_s,
         "stream": is_stream,
-        **summarize_load(traces, wall_s, is_stream),
+        **summarize_load(traces, wall_s, is_stream, clients),
         "resources": samples,
     }
     if stack is not None and before is not None:
@@ -156,7 +156,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"{r['clients']} clients, {r['wall_s']:.1f} s, {'stream' if r['stream'] else 'unary'}: "
         f"{r['num_ok']}/{r['num_requests']} requests ok",
         f"  requests/s {r['requests_per_s'] or 0:.2f} | generated tokens/s {r['tokens_per_s'] or 0:.1f}",
-        f"  TTFT {ms(r['ttft_ms'])} | inter-token {ms(r['inter_token_ms'])}",
+        f"  TTFT {ms(r['ttft_ms'])} (after the first wave: {ms(r['ttft_after_first_wave_ms'])}) | "
+        f"inter-token {ms(r['inter_token_ms'])}",
         f"  errors by code: {r['errors_by_code'] or 'none'}",
     ]
     lines += [f"    e.g. {e}" for e in r["error_examples"]]

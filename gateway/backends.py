@@ -174,6 +174,9 @@ class Backends:
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.validator = validator_pb2_grpc.ValidatorServiceStub(self._channels[2])
         self.timeout_s = timeout_s
+        # The primary's rows per engine step as its latest Verify/Decode reported it: a new request's
+        # controller starts from this load instead of from an idle primary.
+        self.mean_step_rows = 0.0
         # request id -> the primary's lease on its KV slot (PrefillResponse.kv_lease): only the
         # gateway instance that prefilled a request can step or release it.
         self._kv_leases: dict[str, str] = {}
@@ -236,6 +239,7 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
+        self.mean_step_rows = r.mean_step_rows
         return Verified(
             r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), r.mean_step_rows
         )
@@ -262,6 +266,7 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
+        self.mean_step_rows = r.mean_step_rows
         return Decoded(r.token_id, r.forward_ms, r.mean_step_rows)
 
     def release_primary(self, request_id: str) -> None:

@@ -105,7 +105,7 @@ class GatewayConfig:
     is_insecure_public_allowed: bool = False
     # Admission control (gateway.admission): requests generating at once, and waiting beyond those
     # (FIFO per tenant, round-robin across tenants); beyond both, RESOURCE_EXHAUSTED.
-    max_active_requests: int = 16
+    max_active_requests: int = 64
     max_queued_requests: int = 128
 
     def __post_init__(self) -> None:
@@ -176,7 +176,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     )
     flags.add(
         "--max_active_requests",
-        16,
+        64,
         help="requests generating at once; more wait in the admission queue",
     )
     flags.add(

@@ -226,11 +226,14 @@ class RequestLoop:
             except ValueError as e:
                 self.log.warning("stored controller state unreadable; starting afresh", error=str(e))
         assert self.controller is not None  # restored only for an adaptive request
-        return self.controller.new_state(
+        state = self.controller.new_state(
             self._requested_task_type()
             or infer_task_type(self.params.prompt_text(self.tokenizer), self.params.has_schema),
             decoders,
         )
+        # starts from the primary's load as other requests last saw it, less this request's own row
+        state.other_rows = max(0.0, self.backends.mean_step_rows - 1.0)
+        return state
 
     def _requested_task_type(self) -> TaskType | None:
         """A constrained output is a structured task whatever the request says; else its own, or None."""

@@ -17,6 +17,14 @@ from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 
+def rpc_threads(max_batch: int) -> int:
+    """The primary's RPC threads: a Verify, Decode or Prefill holds its thread until the engine step
+    that runs it is over, so a step can batch only as many requests as there are threads waiting.
+    With the common pool of 16 a step carried at most 16 requests' rows whatever --max_batch said;
+    this leaves room for a full batch of verifies, as many prefills, and the light RPCs."""
+    return 2 * max_batch + 8
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrimaryConfig:
     server: ServerConfig
@@ -26,7 +34,7 @@ class PrimaryConfig:
     max_context: int = 4096
     max_kv_bytes: int = 2 << 30
     num_threads: int = 0  # 0: torch's default
-    max_batch: int = 32  # verify items of different requests in one engine step, at most
+    max_batch: int = 64  # verify items of different requests in one engine step, at most
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # rows per engine step (primary_svc.scheduler)
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # prompt rows of one request per step
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # KV rows of prompt prefixes kept for reuse; 0: none
@@ -95,7 +103,7 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
     flags.add("--max_context", 4096)
     flags.add("--max_kv_bytes", 2 << 30)
     flags.add("--num_threads", 0)
-    flags.add("--max_batch", 32, help="verify items of different requests in one engine step, at most")
+    flags.add("--max_batch", 64, help="verify items of different requests in one engine step, at most")
     flags.add(
         "--max_step_tokens",
         DEFAULT_MAX_STEP_TOKENS,
@@ -143,7 +151,11 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
     a = p.parse_args(argv)
     return PrimaryConfig(
         server=ServerConfig(
-            host=a.host, port=a.port, metrics_port=a.metrics_port, max_message_bytes=a.max_message_bytes
+            host=a.host,
+            port=a.port,
+            metrics_port=a.metrics_port,
+            max_message_bytes=a.max_message_bytes,
+            max_workers=rpc_threads(a.max_batch),
         ),
         model_path=a.model_path or None,
         cache_dir=Path(a.cache_dir),

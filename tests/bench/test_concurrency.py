@@ -55,10 +55,11 @@ def test_summarize_load_counts_throughput_over_the_run_and_errors_by_code():
         StreamTrace("", 1.0, (), error="RESOURCE_EXHAUSTED: at capacity"),
         StreamTrace("", 1.5, (), error="RESOURCE_EXHAUSTED: at capacity"),
     ]
-    out = summarize_load(traces, wall_s=2.0, is_stream=True)
+    out = summarize_load(traces, wall_s=2.0, is_stream=True, num_clients=1)
     assert (out["num_requests"], out["num_ok"], out["num_tokens"]) == (4, 2, 6)
     assert out["requests_per_s"] == 1.0 and out["tokens_per_s"] == 3.0
     assert out["ttft_ms"]["p50"] == pytest.approx(350.0)
+    assert out["ttft_after_first_wave_ms"]["p50"] == pytest.approx(200.0)  # "a" was the first wave
     assert out["inter_token_ms"]["p50"] == pytest.approx(500 / 3)
     assert out["errors_by_code"] == {"RESOURCE_EXHAUSTED": 2}
     # 4 steps, one with a draft of 2 tokens: a quarter speculative, 6 tokens over 4 steps

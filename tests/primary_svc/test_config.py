@@ -65,3 +65,9 @@ def test_prefix_cache_bytes_flag_its_environment_and_zero_for_none(monkeypatch):
     assert parse_config(["--prefix_cache_bytes", "1048576"]).prefix_cache_bytes == 1 << 20
     with pytest.raises(ValueError, match="prefix_cache_bytes"):
         parse_config(["--prefix_cache_bytes", "-1"])
+
+
+def test_rpc_threads_leave_room_for_a_full_batch_of_verifies_and_as_many_prefills():
+    config = parse_config([])
+    assert config.max_batch == 64 and config.server.max_workers >= 2 * config.max_batch
+    assert parse_config(["--max_batch", "4"]).server.max_workers >= 8
