@@ -96,14 +96,14 @@ class Verified:
     argmax_token_ids: tuple[int, ...]
     forward_ms: float
     lookahead_argmax_token_ids: tuple[int, ...] = ()
-    mean_step_rows: float = 0.0  # the primary's rows per engine step lately (0: not reported)
+    num_step_rows: int = 0  # rows of the primary's engine step that ran it, its own included (0: not reported)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decoded:
     token_id: int
     forward_ms: float
-    mean_step_rows: float = 0.0  # as Verified.mean_step_rows
+    num_step_rows: int = 0  # as Verified.num_step_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,9 +174,9 @@ class Backends:
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.validator = validator_pb2_grpc.ValidatorServiceStub(self._channels[2])
         self.timeout_s = timeout_s
-        # The primary's rows per engine step as its latest Verify/Decode reported it: a new request's
+        # Rows of the primary's engine step as its latest Verify/Decode reported them: a new request's
         # controller starts from this load instead of from an idle primary.
-        self.mean_step_rows = 0.0
+        self.num_step_rows = 0
         # request id -> the primary's lease on its KV slot (PrefillResponse.kv_lease): only the
         # gateway instance that prefilled a request can step or release it.
         self._kv_leases: dict[str, str] = {}
@@ -239,9 +239,9 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        self.mean_step_rows = r.mean_step_rows
+        self.num_step_rows = r.num_step_rows
         return Verified(
-            r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), r.mean_step_rows
+            r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), r.num_step_rows
         )
 
     def decode(
@@ -266,8 +266,8 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        self.mean_step_rows = r.mean_step_rows
-        return Decoded(r.token_id, r.forward_ms, r.mean_step_rows)
+        self.num_step_rows = r.num_step_rows
+        return Decoded(r.token_id, r.forward_ms, r.num_step_rows)
 
     def release_primary(self, request_id: str) -> None:
         release = primary_pb2.PrimaryServiceReleaseRequest(

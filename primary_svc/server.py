@@ -121,19 +121,20 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         num_rows = len(token_ids) + 1
         allowed = self._allowed_tokens(request, num_rows)
 
-        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int, list[int]]:  # engine thread
+        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int, list[int], int]:  # engine thread
             lookahead_argmax = torch.argmax(logits[num_rows:], dim=-1).tolist()  # [L], unmasked
             logits = logits[:num_rows]  # [N+1, V]
             # from fp32 logits whatever the wire format; among the grammar's tokens when masked.
             argmax = (torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)).tolist()
             num_cached = self.worker.built_engine().num_cached(request_id)  # read here: this pass's, not a later one's
+            step_rows = self.worker.step_rows  # likewise
             if request.return_handle:  # co-located validator: bytes through /dev/shm
                 name, encoded = self.logits_slots.write(request_id, logits, fmt)
                 payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
-                return argmax, payload, num_cached, lookahead_argmax
-            return argmax, pb.logits_to_pb(logits, fmt), num_cached, lookahead_argmax
+                return argmax, payload, num_cached, lookahead_argmax, step_rows
+            return argmax, pb.logits_to_pb(logits, fmt), num_cached, lookahead_argmax, step_rows
 
-        (argmax, payload, num_cached, lookahead_argmax), forward_ms = self.worker.verify(
+        (argmax, payload, num_cached, lookahead_argmax, step_rows), forward_ms = self.worker.verify(
             request_id,
             list(request.accepted_nodes),
             list(request.committed_token_ids),
@@ -148,7 +149,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             num_cached_tokens=num_cached,
             forward_ms=forward_ms,
             kv_bytes=self.worker.built_engine().kv_bytes,
-            mean_step_rows=self.worker.mean_step_rows,
+            num_step_rows=step_rows,
         )
 
     def Decode(self, request, context):
@@ -157,19 +158,20 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         sampling = pb.sampling_from_pb(request.sampling)
         allowed = self._allowed_tokens(request, 1)
 
-        def finish(logits: torch.Tensor) -> int:  # on the engine thread
+        def next_token(logits: torch.Tensor) -> int:
             if sampling.is_greedy:  # the masked argmax constrained speculation validates against
                 return int(torch.argmax(logits[0]) if allowed is None else allowed.argmax(logits)[0])
             if allowed is not None:
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.step))[0])
 
-        token, forward_ms = self.worker.verify(
+        def finish(logits: torch.Tensor) -> tuple[int, int]:  # on the engine thread
+            return next_token(logits), self.worker.step_rows
+
+        (token, step_rows), forward_ms = self.worker.verify(
             request_id, list(request.accepted_nodes), list(request.committed_token_ids), (), (), finish
         )
-        return primary_pb2.DecodeResponse(
-            token_id=token, forward_ms=forward_ms, mean_step_rows=self.worker.mean_step_rows
-        )
+        return primary_pb2.DecodeResponse(token_id=token, forward_ms=forward_ms, num_step_rows=step_rows)
 
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)

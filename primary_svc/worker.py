@@ -107,9 +107,6 @@ class _Waiting:
     verify: _VerifyItem | None = None  # a preempted request's verify, run once it is re-prefilled
 
 
-STEP_ROWS_SMOOTHING = 0.25  # weight of the newest step in mean_step_rows: about the last 4-8 steps
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepComposition:
     num_verify_items: int
@@ -150,9 +147,9 @@ class EngineWorker:
         self.metrics = metrics
         self.stats = BatchStats()
         self.step_history: collections.deque[StepComposition] = collections.deque(maxlen=STEP_HISTORY)
-        # Rows per step lately (verify + prefill, every request's), an exponential moving average
-        # written by the engine thread: callers read it to see what their rows add to a shared step.
-        self.mean_step_rows = 0.0
+        # Rows (verify + prefill, every request's) of the step whose items are being finished: set by
+        # the engine thread before it calls their `finish`, so a `finish` may read it (the load).
+        self.step_rows = 0
         self._inbox: queue.Queue = queue.Queue()
         self._verifies: collections.deque[_VerifyItem] = collections.deque()
         self._waiting: collections.deque[_Waiting] = collections.deque()
@@ -501,6 +498,7 @@ class EngineWorker:
                         w.prefill.future.set_exception(e)
                 if w.verify is not None:
                     self._verifies.appendleft(w.verify)
+        self.step_rows = (plan.num_verify_rows if verify_items else 0) + sum(c.num_tokens for c in chunks)
         for item, logits in zip(verify_items, results):
             try:
                 item.future.set_result((item.finish(logits), forward_ms))
@@ -564,11 +562,6 @@ class EngineWorker:
         prefill_rows = sum(c.num_tokens for c in chunks)
         self.stats.num_steps += 1
         self.stats.num_prefill_chunks += len(chunks)
-        rows = verify_rows + prefill_rows
-        is_first = self.stats.num_steps == 1
-        self.mean_step_rows = (
-            rows if is_first else self.mean_step_rows + STEP_ROWS_SMOOTHING * (rows - self.mean_step_rows)
-        )
         if verify_items:
             self.stats.num_batches += 1
             self.stats.num_items += len(verify_items)

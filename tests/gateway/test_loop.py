@@ -77,7 +77,7 @@ class FakeBackends:
     last_tree: DraftTree | None = None  # None: nothing to commit yet (just prefilled)
     draft_context: list[int] | None = None
     lookahead_rows: tuple[int, ...] = ()
-    mean_step_rows: float = 0.0  # the primary's load as Backends keeps it (an idle primary)
+    other_rows: int = 0  # rows of other requests in each of the primary's steps (the load)
 
     # --- primary ---
     def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
@@ -109,6 +109,11 @@ class FakeBackends:
             rows.append(primary_next(self.primary_context + path))
         return rows
 
+    @property
+    def num_step_rows(self) -> int:
+        """Backends.num_step_rows: what the last report said (a step of this request's one row)."""
+        return self.other_rows + 1
+
     def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
         assert allowed is None, "no grammar in these requests"
         self.calls.append(
@@ -126,7 +131,8 @@ class FakeBackends:
         self.last_tree = tree
         num_verifies = sum(1 for name, _ in self.calls if name == "verify")
         lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
-        return Verified(None, tuple(self._rows(tree)), 0.0, lookahead, self.mean_step_rows)
+        own = 1 + tree.num_nodes + len(tree.lookahead_token_ids)
+        return Verified(None, tuple(self._rows(tree)), 0.0, lookahead, self.other_rows + own)
 
     def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
         assert allowed is None, "no grammar in these requests"
@@ -135,7 +141,7 @@ class FakeBackends:
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         token = primary_next(self.primary_context)
         self.truth.append(token)
-        return Decoded(token, 0.0, self.mean_step_rows)
+        return Decoded(token, 0.0, self.other_rows + 1)
 
     def validate(
         self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
@@ -409,10 +415,10 @@ def test_a_busy_primary_turns_speculation_off_and_an_idle_one_back_on():
     # A CPU-like curve, cheap extra rows at first and linear past 8: beside 60 other rows a draft row
     # costs as much as another request's token, so even an always-right oracle does not pay.
     linear = dataclasses.replace(MODEL, verify_costs_ms={1: 10.0, 2: 11.0, 4: 14.0, 8: 20.0, 16: 40.0, 64: 160.0})
-    busy = FakeBackends(mean_step_rows=61.0)
+    busy = FakeBackends(other_rows=60)
     loop = run(make_params(degree=1, draft_length=8, max_new_tokens=40), busy, model=linear)
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)
-    assert 50.0 <= loop.controller_state.other_rows <= 60.0  # the reports less the request's own rows
+    assert loop.controller_state.other_rows == pytest.approx(60.0)  # the reports less the request's own rows
     assert loop.stats.num_steps_by_draft_length[0] > 0.8 * loop.stats.num_steps  # probes aside, plain
     idle = FakeBackends()
     loop = run(make_params(degree=1, draft_length=8, max_new_tokens=40), idle, model=linear)

@@ -94,7 +94,8 @@ def test_prefill_verify_commit_decode_release(primary):
     )
     assert engine.token_ids("r") == PROMPT + [700, 42]
     assert 0 <= d.token_id < engine.vocab_size
-    assert v.mean_step_rows > 0 and d.mean_step_rows > 0  # the load (the worker's figure, tested there)
+    assert d.num_step_rows == 1  # alone: its own row
+    assert v.num_step_rows == 4  # alone: the pending token and 3 nodes
     # The step commits node 0, the bonus 42 and Decode's token: all but the newest one are in the context.
     after = stub.Verify(
         primary_pb2.VerifyRequest(

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from primary_svc import step_report
 from primary_svc.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
-from primary_svc.worker import STEP_ROWS_SMOOTHING, EngineWorker
+from primary_svc.worker import EngineWorker
 from specdec.engine.engine import PREFILL_CHUNK_TOKENS, Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
@@ -83,14 +83,10 @@ def test_concurrent_verifies_share_one_step_and_equal_one_at_a_time(fp32_model):
             paused.release_when_queued(len(PROMPTS))
             results = [f.result() for f in futures]
         assert worker.stats.max_batch_seen == len(PROMPTS)  # all four in one step, one forward
-        # what a Verify/Decode response reports as the load: rows per step, smoothed over the steps run
-        mean = None
-        for step in worker.step_history:
-            rows = step.num_verify_rows + step.num_prefill_rows
-            mean = rows if mean is None else mean + STEP_ROWS_SMOOTHING * (rows - mean)
-        assert worker.mean_step_rows == pytest.approx(mean)
-        # opened without a prefill: each verify runs its prompt's rows and its tree's
+        # opened without a prefill: each verify runs its prompt's rows and its tree's; a `finish` reads
+        # the step's rows (what a Verify/Decode response reports as the load)
         assert worker.step_history[-1].num_verify_rows == sum(len(p) + len(t[0]) for p, t in zip(PROMPTS, TREES))
+        assert worker.step_rows == worker.step_history[-1].num_verify_rows
         for logits, want in zip(results, expected):
             torch.testing.assert_close(logits, want, atol=2e-4, rtol=0)  # fp32 GEMMs round per row count
     finally:
