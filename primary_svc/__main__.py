@@ -50,7 +50,14 @@ def main(argv: list[str] | None = None) -> None:
     instance_id = uuid.uuid4().hex[:12]
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
-    worker = EngineWorker(None, config.max_batch, config.max_step_tokens, config.prefill_chunk_tokens, metrics)
+    worker = EngineWorker(
+        None,
+        config.max_batch,
+        config.max_step_tokens,
+        config.prefill_chunk_tokens,
+        metrics,
+        batch_wait_s=config.batch_wait_ms / 1000,
+    )
     # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
     loaded, engine, costs, precision_choice = worker.run(lambda: load_engine(config, model_dir, instance_id))
     worker.engine = engine

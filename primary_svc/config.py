@@ -17,6 +17,12 @@ from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 
+# A step's wait for requests coming back (EngineWorker._gather). Measured with `python -m bench load
+# --stream --max-new-tokens 32` on the 2-vCPU machine: see the README, "Many users at once".
+DEFAULT_BATCH_WAIT_MS = 0.0
+MAX_BATCH_WAIT_MS = 1000.0
+
+
 def rpc_threads(max_batch: int) -> int:
     """The primary's RPC threads: a Verify, Decode or Prefill holds its thread until the engine step
     that runs it is over, so a step can batch only as many requests as there are threads waiting.
@@ -38,6 +44,7 @@ class PrimaryConfig:
     max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS  # rows per engine step (primary_svc.scheduler)
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # prompt rows of one request per step
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # KV rows of prompt prefixes kept for reuse; 0: none
+    batch_wait_ms: float = DEFAULT_BATCH_WAIT_MS  # a step waits this long at most for requests coming back
     is_shared_weights: bool = True  # weights in /dev/shm, exportable to the draft pool
     measure_verify_costs: bool = True
     device: str = "cpu"  # cuda: weights, KV cache and compute on the GPU (CUDA IPC export)
@@ -61,6 +68,8 @@ class PrimaryConfig:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
         if self.max_kv_bytes <= 0:
             raise ValueError("max_kv_bytes must be positive")
+        if not 0 <= self.batch_wait_ms <= MAX_BATCH_WAIT_MS:
+            raise ValueError(f"batch_wait_ms must be in [0, {MAX_BATCH_WAIT_MS:.0f}], got {self.batch_wait_ms}")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be >= 0 (0: no prefix cache), got {self.prefix_cache_bytes}")
         if self.max_batch < 1:
@@ -122,6 +131,12 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         "reuse them instead of prefilling them (least recently used evicted; apart from "
         "--max_kv_bytes); 0: no prefix cache",
     )
+    flags.add(
+        "--batch_wait_ms",
+        DEFAULT_BATCH_WAIT_MS,
+        help="before a step with verify work, wait at most this long for the running requests whose "
+        "results just went out to come back, so that they share the step (0: never wait)",
+    )
     # Switched off by --no_* flags; their variables say what is on (SPECDEC_PRIMARY_SHARED_WEIGHTS=0).
     flags.add("--no_shared_weights", True, env="SHARED_WEIGHTS", dest="shared_weights", action="store_false")
     flags.add(
@@ -167,6 +182,7 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         max_step_tokens=a.max_step_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens,
         prefix_cache_bytes=a.prefix_cache_bytes,
+        batch_wait_ms=a.batch_wait_ms,
         is_shared_weights=a.shared_weights,
         measure_verify_costs=a.measure_verify_costs,
         device=a.device,

@@ -66,6 +66,9 @@ from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, Specde
 from specdec.metrics import ServiceMetrics
 
 STEP_HISTORY = 4096  # steps whose composition `step_history` keeps
+# A request whose last result went out longer ago than this is no longer expected back soon: a step
+# does not wait for it (its client streams slowly, its gateway drafts a long tree, or it is done).
+RETURN_WINDOW_S = 0.25
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -137,8 +140,13 @@ class EngineWorker:
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         metrics: ServiceMetrics | None = None,
+        batch_wait_s: float = 0.0,
+        return_window_s: float = RETURN_WINDOW_S,
     ) -> None:
+        if batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {batch_wait_s}")
         self.max_batch = max_batch
+        self.batch_wait_s, self.return_window_s = batch_wait_s, return_window_s
         self.max_step_tokens, self.prefill_chunk_tokens = max_step_tokens, prefill_chunk_tokens
         SchedulerPolicy(max_step_tokens, prefill_chunk_tokens)  # the settings' check, before the thread
         self._policy: SchedulerPolicy | None = None
@@ -155,6 +163,7 @@ class EngineWorker:
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._deferred: list[_VerifyItem] = []  # a second verify of a request already queued
         self._admitted_seq: dict[str, int] = {}
+        self._returning: dict[str, float] = {}  # request -> when its last verify result went out
         self._prefix_stats_seen = PrefixCacheStats()  # what the metrics counted so far
         self._seq = itertools.count()
         self._stopped = threading.Event()
@@ -275,6 +284,10 @@ class EngineWorker:
             if self._stopped.is_set():
                 break
             self._expire_waiting()
+            if self._verifies and self.batch_wait_s > 0:
+                self._gather()
+                if self._stopped.is_set():
+                    break
             if self._verifies or self._waiting:
                 try:
                     self._step()
@@ -285,6 +298,33 @@ class EngineWorker:
                     self._intake_or_fail(item)
             self._observe()
         self._fail_pending()
+
+    def _gather(self) -> None:
+        """Before a step with verify work, wait up to `batch_wait_s` for the running requests whose
+        results just went out to come back with their next verify, so that they share this step.
+
+        On a CPU the engine's threads take every core for a step: a step started with the first
+        request back leaves the gateway no core to turn the others around, and they miss it. At a
+        few requests a verify row costs a fraction of a step (4 rows ~1.7x one), so one step of all
+        of them beats a step each; the wait ends as soon as every expected request is back."""
+        engine, _ = self._built()
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(self._verifies) < self.max_batch:
+            now = time.monotonic()
+            self._returning = {rid: t for rid, t in self._returning.items() if now - t < self.return_window_s}
+            queued = {v.request_id for v in self._verifies}
+            if not any(rid not in queued and engine.has_request(rid) for rid in self._returning):
+                return
+            if now >= deadline:
+                return
+            try:
+                item = self._inbox.get(timeout=deadline - now)
+            except queue.Empty:
+                return
+            if item is None:
+                self._stopped.set()
+                return
+            self._intake_or_fail(item)
 
     def _next_items(self) -> list:
         """What arrived; blocks when there is nothing to run (until the next waiting deadline)."""
@@ -504,6 +544,9 @@ class EngineWorker:
                 item.future.set_result((item.finish(logits), forward_ms))
             except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
                 item.future.set_exception(e)
+        if self.batch_wait_s > 0:
+            now = time.monotonic()
+            self._returning.update((item.request_id, now) for item in verify_items)
 
     def _preempt(self, plan: StepPlan, growth: dict[str, int]) -> None:
         """Release running requests, newest first, until the step's verify rows fit the KV budget."""

@@ -71,3 +71,11 @@ def test_rpc_threads_leave_room_for_a_full_batch_of_verifies_and_as_many_prefill
     config = parse_config([])
     assert config.max_batch == 64 and config.server.max_workers >= 2 * config.max_batch
     assert parse_config(["--max_batch", "4"]).server.max_workers >= 8
+
+
+def test_batch_wait_flag_and_its_bounds(monkeypatch):
+    assert parse_config(["--batch_wait_ms", "4"]).batch_wait_ms == 4.0
+    monkeypatch.setenv("SPECDEC_PRIMARY_BATCH_WAIT_MS", "2.5")
+    assert parse_config([]).batch_wait_ms == 2.5
+    with pytest.raises(ValueError, match="batch_wait_ms"):
+        parse_config(["--batch_wait_ms", "-1"])

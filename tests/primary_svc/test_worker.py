@@ -400,3 +400,30 @@ def test_a_request_preempted_during_its_prefill_is_readmitted_and_finishes_it_in
         assert worker.engine.kv_bytes == 0
     finally:
         worker.stop()
+
+
+def test_a_step_waits_for_the_requests_coming_back_and_not_for_the_others(fp32_model):
+    """With a batch wait, a step holds for the running requests whose results just went out, so one
+    coming back a little later shares the step; a request released meanwhile holds nothing."""
+    engine = new_engine(fp32_model)
+    # waits and windows far longer than the test: only a request's return (or release) ends a wait
+    worker = EngineWorker(engine, batch_wait_s=60.0, return_window_s=600.0)
+    try:
+        for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+            worker.call(lambda e, rid=rid, prompt=prompt: e.open(rid, prompt))
+        with ThreadPoolExecutor(2) as pool:
+            first = [pool.submit(worker.verify, rid, (), (), (), ()) for rid in ("a", "b")]
+            logits = {rid: f.result(timeout=120)[0] for rid, f in zip(("a", "b"), first)}
+            # both results went out: a's next verify waits for b's, which comes 0.2 s later
+            a = pool.submit(worker.verify, "a", (), [int(torch.argmax(logits["a"][0]))], (), ())
+            time.sleep(0.2)
+            b = pool.submit(worker.verify, "b", (), [int(torch.argmax(logits["b"][0]))], (), ())
+            a.result(timeout=30), b.result(timeout=30)
+        last = worker.step_history[-1]
+        assert (last.num_verify_items, last.num_verify_rows) == (2, 2)
+        # b is released: a's next verify does not wait for it (the 60 s wait would time this out)
+        worker.call(lambda e: e.release("b"))
+        worker.verify("a", (), [1], (), ())
+        assert worker.step_history[-1].num_verify_items == 1
+    finally:
+        worker.stop()
