@@ -69,6 +69,8 @@ STEP_HISTORY = 4096  # steps whose composition `step_history` keeps
 # A request whose last result went out longer ago than this is no longer expected back soon: a step
 # does not wait for it (its client streams slowly, its gateway drafts a long tree, or it is done).
 RETURN_WINDOW_S = 0.25
+RETURN_MARGIN = 1.5  # a step waits for a request until 1.5x its usual time to come back
+RETURN_GAP_SMOOTHING = 0.5  # weight of the newest gap in a request's smoothed time to come back
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -164,6 +166,7 @@ class EngineWorker:
         self._deferred: list[_VerifyItem] = []  # a second verify of a request already queued
         self._admitted_seq: dict[str, int] = {}
         self._returning: dict[str, float] = {}  # request -> when its last verify result went out
+        self._return_gap: dict[str, float] = {}  # request -> how long it takes to come back (smoothed), s
         self._prefix_stats_seen = PrefixCacheStats()  # what the metrics counted so far
         self._seq = itertools.count()
         self._stopped = threading.Event()
@@ -300,25 +303,32 @@ class EngineWorker:
         self._fail_pending()
 
     def _gather(self) -> None:
-        """Before a step with verify work, wait up to `batch_wait_s` for the running requests whose
-        results just went out to come back with their next verify, so that they share this step.
+        """Before a step with verify work, wait for the running requests whose results just went out
+        and that usually come back within `batch_wait_s`, so that they share this step.
 
         On a CPU the engine's threads take every core for a step: a step started with the first
         request back leaves the gateway no core to turn the others around, and they miss it. At a
         few requests a verify row costs a fraction of a step (4 rows ~1.7x one), so one step of all
-        of them beats a step each; the wait ends as soon as every expected request is back."""
+        of them beats a step each. A request is waited for until its usual return time (1.5x its
+        smoothed gap, or the whole bound before it has one); one that usually takes longer than
+        the bound (a long draft, a slow client) is not waited for at all."""
         engine, _ = self._built()
-        deadline = time.monotonic() + self.batch_wait_s
+        start = time.monotonic()
         while len(self._verifies) < self.max_batch:
             now = time.monotonic()
             self._returning = {rid: t for rid, t in self._returning.items() if now - t < self.return_window_s}
             queued = {v.request_id for v in self._verifies}
-            if not any(rid not in queued and engine.has_request(rid) for rid in self._returning):
-                return
-            if now >= deadline:
+            until = start
+            for rid, out_at in self._returning.items():
+                gap = self._return_gap.get(rid)
+                if rid in queued or not engine.has_request(rid) or (gap is not None and gap > self.batch_wait_s):
+                    continue
+                until = max(until, start + self.batch_wait_s if gap is None else out_at + RETURN_MARGIN * gap)
+            until = min(until, start + self.batch_wait_s)
+            if now >= until:
                 return
             try:
-                item = self._inbox.get(timeout=deadline - now)
+                item = self._inbox.get(timeout=until - now)
             except queue.Empty:
                 return
             if item is None:
@@ -381,6 +391,9 @@ class EngineWorker:
 
     def _intake_verify(self, item: _VerifyItem) -> None:
         rid = item.request_id
+        if (out_at := self._returning.pop(rid, None)) is not None:  # how long it took to come back
+            gap, before = time.monotonic() - out_at, self._return_gap.get(rid)
+            self._return_gap[rid] = gap if before is None else before + RETURN_GAP_SMOOTHING * (gap - before)
         if any(v.request_id == rid for v in self._verifies) or any(
             w.verify is not None and w.verify.request_id == rid for w in self._waiting
         ):
@@ -547,6 +560,8 @@ class EngineWorker:
         if self.batch_wait_s > 0:
             now = time.monotonic()
             self._returning.update((item.request_id, now) for item in verify_items)
+            if len(self._return_gap) > 4 * self.max_batch:  # forget requests that are gone
+                self._return_gap = {r: g for r, g in self._return_gap.items() if engine.has_request(r)}
 
     def _preempt(self, plan: StepPlan, growth: dict[str, int]) -> None:
         """Release running requests, newest first, until the step's verify rows fit the KV budget."""
