@@ -19,7 +19,7 @@ from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 # A step's wait for requests coming back (EngineWorker._gather). Measured with `python -m bench load
 # --stream --max-new-tokens 32` on the 2-vCPU machine: see the README, "Many users at once".
-DEFAULT_BATCH_WAIT_MS = 0.0
+DEFAULT_BATCH_WAIT_MS = 8.0
 MAX_BATCH_WAIT_MS = 1000.0
 
 
