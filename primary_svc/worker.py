@@ -9,8 +9,10 @@ The engine thread keeps two queues (policy: primary_svc.scheduler):
 
 Each step the policy fills a budget of `max_step_tokens` rows with the verify rows first, then with
 prefill chunks of at most `prefill_chunk_tokens` rows per waiting request, so a long prompt is
-prefilled over several steps while the others keep decoding. The loop never waits for a batch to
-fill: whatever arrived while a step ran joins the next one (continuous batching).
+prefilled over several steps while the others keep decoding. Whatever arrived while a step ran
+joins the next one (continuous batching); before a step with verify work the loop waits a few
+milliseconds at most (`batch_wait_s`) for the running requests that usually come back that soon
+(`_gather`), since on a CPU a step holds every core and the others would otherwise miss it.
 
 Where the model is batch invariant (packed int4/int8 kernels: a row gets the same bits whatever the
 batch) the verify rows and every prefill chunk run as ONE forward; elsewhere (fp32/bf16, whose GEMMs
