@@ -174,9 +174,10 @@ class Backends:
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
         self.validator = validator_pb2_grpc.ValidatorServiceStub(self._channels[2])
         self.timeout_s = timeout_s
-        # Rows of the primary's engine step as its latest Verify/Decode reported them: a new request's
-        # controller starts from this load instead of from an idle primary.
-        self.num_step_rows = 0
+        # Other requests' rows in the primary's engine step, as its latest Verify/Decode reported them
+        # (the step's rows less the calling request's own): a new request's controller starts from
+        # this load instead of from an idle primary.
+        self.other_step_rows = 0
         # request id -> the primary's lease on its KV slot (PrefillResponse.kv_lease): only the
         # gateway instance that prefilled a request can step or release it.
         self._kv_leases: dict[str, str] = {}
@@ -239,7 +240,8 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        self.num_step_rows = r.num_step_rows
+        own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)
+        self.other_step_rows = max(0, r.num_step_rows - own)
         return Verified(
             r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), r.num_step_rows
         )
@@ -266,7 +268,7 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        self.num_step_rows = r.num_step_rows
+        self.other_step_rows = max(0, r.num_step_rows - 1)
         return Decoded(r.token_id, r.forward_ms, r.num_step_rows)
 
     def release_primary(self, request_id: str) -> None:

@@ -231,8 +231,8 @@ class RequestLoop:
             or infer_task_type(self.params.prompt_text(self.tokenizer), self.params.has_schema),
             decoders,
         )
-        # starts from the primary's load as other requests last saw it, less this request's own row
-        state.other_rows = max(0.0, self.backends.num_step_rows - 1.0)
+        # starts from the primary's load as the last request to hear from it saw it
+        state.other_rows = float(self.backends.other_step_rows)
         return state
 
     def _requested_task_type(self) -> TaskType | None:

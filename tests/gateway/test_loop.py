@@ -110,9 +110,9 @@ class FakeBackends:
         return rows
 
     @property
-    def num_step_rows(self) -> int:
-        """Backends.num_step_rows: what the last report said (a step of this request's one row)."""
-        return self.other_rows + 1
+    def other_step_rows(self) -> int:
+        """Backends.other_step_rows: other requests' rows in the last step the primary reported."""
+        return self.other_rows
 
     def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
         assert allowed is None, "no grammar in these requests"

@@ -62,7 +62,7 @@ class TargetBackends:
     context: list[int] = dataclasses.field(default_factory=list)  # prompt + committed, as the primary has it
     num_drafted_context: int = 0  # prompt + committed, as the draft service has heard it
     committed: list[list[int]] = dataclasses.field(default_factory=list)  # per Verify/Decode call
-    num_step_rows: int = 0  # the primary's load as Backends keeps it (an idle primary)
+    other_step_rows: int = 0  # the primary's load as Backends keeps it (an idle primary)
 
     def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
         self.context = list(token_ids)
