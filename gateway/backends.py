@@ -96,14 +96,14 @@ class Verified:
     argmax_token_ids: tuple[int, ...]
     forward_ms: float
     lookahead_argmax_token_ids: tuple[int, ...] = ()
-    num_step_rows: int = 0  # rows of the primary's engine step that ran it, its own included (0: not reported)
+    other_step_rows: int = 0  # other requests' rows in the primary's engine step that ran it (the load)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decoded:
     token_id: int
     forward_ms: float
-    num_step_rows: int = 0  # as Verified.num_step_rows
+    other_step_rows: int = 0  # as Verified.other_step_rows
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -240,10 +240,10 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
             ),
         )
-        own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)
+        own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's
         self.other_step_rows = max(0, r.num_step_rows - own)
         return Verified(
-            r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), r.num_step_rows
+            r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), self.other_step_rows
         )
 
     def decode(
@@ -269,7 +269,7 @@ class Backends:
             ),
         )
         self.other_step_rows = max(0, r.num_step_rows - 1)
-        return Decoded(r.token_id, r.forward_ms, r.num_step_rows)
+        return Decoded(r.token_id, r.forward_ms, self.other_step_rows)
 
     def release_primary(self, request_id: str) -> None:
         release = primary_pb2.PrimaryServiceReleaseRequest(

@@ -29,7 +29,8 @@ observation, so the prior fades like any old evidence and a probe after a long p
 
 Load: the primary batches every running request's rows into one engine step, so under load a draft
 row is not nearly free: it lengthens a step that R other rows share. With R the rows the primary's
-steps carry besides this request's (VerifyResponse.num_step_rows less its own, smoothed), the plan
+steps carry besides this request's (VerifyResponse.num_step_rows less its own: Verified.other_step_rows,
+smoothed), the plan
 maximises the throughput of the whole step, counting the others' rows as a token each:
     speedup     = (R + E[accepted length]) / (R + 1) * (verify(R + 1) + plain overhead)
                   / (speculative overhead + drafts + verify(R + 1 + nodes + extra rows))
@@ -491,13 +492,12 @@ class AdaptiveController:
             is_probe=True,
         )
 
-    def observe_load(self, state: ControllerState, num_step_rows: float, own_rows: int) -> None:
-        """The rows of the primary's step that ran this request's last pass (0: not reported, nothing
-        changes) and its own rows in it: the rest, smoothed, is the load the next plans weigh."""
-        if not num_step_rows > 0:  # also NaN
-            return
-        others = max(0.0, float(num_step_rows) - own_rows)
-        state.other_rows += self._config.load_smoothing * (others - state.other_rows)
+    def observe_load(self, state: ControllerState, other_rows: float) -> None:
+        """Other requests' rows in the primary's step that ran this request's last pass: smoothed,
+        the load the next plans weigh."""
+        if not other_rows >= 0.0:  # negative or NaN: not a row count
+            raise ValueError(f"other_rows must be >= 0, got {other_rows}")
+        state.other_rows += self._config.load_smoothing * (float(other_rows) - state.other_rows)
 
     def _is_cheap_probe(self, decoder: str, draft_length: int) -> bool:
         m, rows = self._cost_model, 1 + draft_length

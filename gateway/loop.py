@@ -328,11 +328,11 @@ class RequestLoop:
                 self._controller_state(), plan if outcomes is not None else SpeculationPlan(), outcomes or ()
             )
 
-    def _observe_load(self, num_step_rows: int, own_rows: int) -> None:
-        """Tell the controller how many rows the primary's steps carry besides this request's: under
+    def _observe_load(self, other_rows: int) -> None:
+        """Tell the controller how many rows the primary's step carried besides this request's: under
         load a draft row costs another request's token (AdaptiveController.observe_load)."""
         if self.controller is not None:
-            self.controller.observe_load(self._controller_state(), num_step_rows, own_rows)
+            self.controller.observe_load(self._controller_state(), other_rows)
 
     def _stop_signal(self) -> str | None:
         if self.cancel.is_set():
@@ -371,7 +371,7 @@ class RequestLoop:
             self._with_primary(lambda: None, is_fresh=True)
             return [], None
         self.stats.forward_ms += verified.forward_ms
-        self._observe_load(verified.num_step_rows, 1 + len(tree.token_ids) + len(tree.lookahead_token_ids))
+        self._observe_load(verified.other_step_rows)
         self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
@@ -422,7 +422,7 @@ class RequestLoop:
         )
         token = decoded.token_id
         self.stats.forward_ms += decoded.forward_ms
-        self._observe_load(decoded.num_step_rows, 1)
+        self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
         self.pending_accepted, self.pending_committed = (), [token]
         return [token]

@@ -553,7 +553,6 @@ class EngineWorker:
                         w.prefill.future.set_exception(e)
                 if w.verify is not None:
                     self._verifies.appendleft(w.verify)
-        self.step_rows = (plan.num_verify_rows if verify_items else 0) + sum(c.num_tokens for c in chunks)
         for item, logits in zip(verify_items, results):
             try:
                 item.future.set_result((item.finish(logits), forward_ms))
@@ -620,6 +619,7 @@ class EngineWorker:
     def _record(self, verify_items: list, plan: StepPlan, chunks: list[PrefillChunk], num_forwards: int) -> None:
         verify_rows = plan.num_verify_rows if verify_items else 0
         prefill_rows = sum(c.num_tokens for c in chunks)
+        self.step_rows = verify_rows + prefill_rows  # what the items' `finish` read next
         self.stats.num_steps += 1
         self.stats.num_prefill_chunks += len(chunks)
         if verify_items:

@@ -416,17 +416,17 @@ def test_load_shrinks_drafts_and_turns_speculation_off():
     assert plan_under_load(0.95, 7).is_speculative and not plan_under_load(0.5, 1).is_speculative
 
 
-def test_the_load_is_the_primarys_rows_less_the_requests_own_smoothed():
+def test_the_load_is_the_other_requests_rows_smoothed():
     controller = AdaptiveController(CPU_INT8, ControllerConfig(load_smoothing=0.5))
     state = controller.new_state("code", {LOOKUP: 1})
-    controller.observe_load(state, 0.0, 5)  # not reported: nothing changes
-    assert state.other_rows == 0.0
-    controller.observe_load(state, 37.0, 5)
+    controller.observe_load(state, 32)
     assert state.other_rows == pytest.approx(16.0)
-    controller.observe_load(state, 37.0, 5)
+    controller.observe_load(state, 32)
     assert state.other_rows == pytest.approx(24.0)
-    controller.observe_load(state, 3.0, 5)  # fewer rows than its own: no load, never negative
+    controller.observe_load(state, 0)  # alone again: the load fades
     assert state.other_rows == pytest.approx(12.0)
+    with pytest.raises(ValueError, match="other_rows"):
+        controller.observe_load(state, -1)
     data = json.loads(json.dumps(state.to_dict()))
     assert ControllerState.from_dict(data).other_rows == pytest.approx(12.0)
     del data["other_rows"]  # a state stored before the load was kept

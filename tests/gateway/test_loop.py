@@ -131,8 +131,7 @@ class FakeBackends:
         self.last_tree = tree
         num_verifies = sum(1 for name, _ in self.calls if name == "verify")
         lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
-        own = 1 + tree.num_nodes + len(tree.lookahead_token_ids)
-        return Verified(None, tuple(self._rows(tree)), 0.0, lookahead, self.other_rows + own)
+        return Verified(None, tuple(self._rows(tree)), 0.0, lookahead, self.other_rows)
 
     def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
         assert allowed is None, "no grammar in these requests"
@@ -141,7 +140,7 @@ class FakeBackends:
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         token = primary_next(self.primary_context)
         self.truth.append(token)
-        return Decoded(token, 0.0, self.other_rows + 1)
+        return Decoded(token, 0.0, self.other_rows)
 
     def validate(
         self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
