@@ -236,9 +236,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             with self._told_as_client(request_id, client_id):
                 queue_s = await self._await_turn(request_id, ticket, is_queued, deadline, cancel)
             loop = await _in_thread(self.make_loop, request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
-        except BaseException:
+        except BaseException as e:
             ticket.release()
             self._forget(request_id)
+            # Stored, and no loop will ever end it: end it here (a no-op if the queue already did).
+            if isinstance(e, asyncio.CancelledError):  # the client went away
+                self._in_background(
+                    self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
+                )
+            elif not isinstance(e, (Cancelled, DeadlineExceeded)):
+                self._in_background(self.store.set_status, request_id, RequestStatus.FAILED, error=str(e))
             raise
         loop.stats.queue_ms = queue_s * 1000
         return client_id, loop, ticket
@@ -289,9 +296,6 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 RequestStatus.CANCELLED,
                 finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline",
             )
-            raise
-        except asyncio.CancelledError:
-            self._in_background(self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
             raise
         if not await _in_thread(self.store.set_status, request_id, RequestStatus.RUNNING):  # ended meanwhile
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
