@@ -127,13 +127,17 @@ static inline int dot_q8_portable(const int8_t *w, const int8_t *y) {
 }
 
 #if QGEMM_AVX2
-/* TILE rows of activations against one 4-bit weight row, unrolled so the accumulators stay in
- * registers: the same per-row operations, in the same order, as q4_row (same bits). */
-static void q4_row_tile(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
-                        int64_t K, float *out, int64_t N) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* nt (a compile-time constant at every call: see the switches below) rows of activations against
+ * one 4-bit weight row. With nt known the loops over rows unroll and the accumulators stay in
+ * registers; a run-time nt kept them in memory, and every block waited on a store and a load. */
+ALWAYS_INLINE void q4_rows_avx2(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
+                                int64_t K, const int nt, float *out, int64_t N) {
+    __m256 acc[TILE];
+    float summ[TILE];
     const __m256i low = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) { acc[t] = _mm256_setzero_ps(); summ[t] = 0.f; }
     for (int64_t g = 0; g < G; ++g) {
         const uint8_t *b = row + g * Q4_BLOCK;
         uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
@@ -141,14 +145,34 @@ static void q4_row_tile(const uint8_t *row, int64_t G, const int8_t *xq, const f
         const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
         const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), low);
         const int8_t *y = xq + g * QK;
-#define Q4_STEP(t, acc, summ) \
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]), \
-                              dot_lanes(q, _mm256_loadu_si256((const __m256i *)(y + t * K))), acc); \
-        summ += m * sx[t * G + g];
-        Q4_STEP(0, a0, m0) Q4_STEP(1, a1, m1) Q4_STEP(2, a2, m2) Q4_STEP(3, a3, m3)
-#undef Q4_STEP
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]),
+                                     dot_lanes(q, _mm256_loadu_si256((const __m256i *)(y + t * K))), acc[t]);
+            summ[t] += m * sx[t * G + g];
+        }
     }
-    out[0] = hsum8(a0) + m0; out[N] = hsum8(a1) + m1; out[2 * N] = hsum8(a2) + m2; out[3 * N] = hsum8(a3) + m3;
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) out[t * N] = hsum8(acc[t]) + summ[t];
+}
+
+/* nt rows of activations against one 8-bit weight row (nt a compile-time constant, as above) */
+ALWAYS_INLINE void q8_rows_avx2(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
+                                int64_t K, const int nt, float *out, int64_t N) {
+    __m256 acc[TILE];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);            /* |w| as unsigned bytes (w in -127..127) */
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx[t * G + g]), dot_lanes(wabs, _mm256_sign_epi8(y, wv)), acc[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) out[t * N] = scale * hsum8(acc[t]);
 }
 #endif
 
@@ -156,22 +180,12 @@ static void q4_row_tile(const uint8_t *row, int64_t G, const int8_t *xq, const f
 static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
                    int64_t K, int nt, float *out, int64_t N) {
 #if QGEMM_AVX2
-    __m256 acc[TILE];
-    float summ[TILE];
-    for (int t = 0; t < nt; ++t) { acc[t] = _mm256_setzero_ps(); summ[t] = 0.f; }
-    for (int64_t g = 0; g < G; ++g) {
-        const uint8_t *b = row + g * Q4_BLOCK;
-        uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
-        const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
-        const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), _mm256_set1_epi8(0x0F));
-        for (int t = 0; t < nt; ++t) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]), dot_lanes(q, y), acc[t]);
-            summ[t] += m * sx[t * G + g];
-        }
+    switch (nt) {
+        case 1: q4_rows_avx2(row, G, xq, dx, sx, K, 1, out, N); break;
+        case 2: q4_rows_avx2(row, G, xq, dx, sx, K, 2, out, N); break;
+        case 3: q4_rows_avx2(row, G, xq, dx, sx, K, 3, out, N); break;
+        default: q4_rows_avx2(row, G, xq, dx, sx, K, TILE, out, N); break;
     }
-    for (int t = 0; t < nt; ++t) out[t * N] = hsum8(acc[t]) + summ[t];
 #else
     for (int t = 0; t < nt; ++t) {
         float s = 0.f;
@@ -190,17 +204,12 @@ static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float 
 static void q8_row(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
                    int64_t K, int nt, float *out, int64_t N) {
 #if QGEMM_AVX2
-    __m256 acc[TILE];
-    for (int t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
-        const __m256i wabs = _mm256_sign_epi8(wv, wv);            /* |w| as unsigned bytes (w in -127..127) */
-        for (int t = 0; t < nt; ++t) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx[t * G + g]), dot_lanes(wabs, _mm256_sign_epi8(y, wv)), acc[t]);
-        }
+    switch (nt) {
+        case 1: q8_rows_avx2(w, scale, G, xq, dx, K, 1, out, N); break;
+        case 2: q8_rows_avx2(w, scale, G, xq, dx, K, 2, out, N); break;
+        case 3: q8_rows_avx2(w, scale, G, xq, dx, K, 3, out, N); break;
+        default: q8_rows_avx2(w, scale, G, xq, dx, K, TILE, out, N); break;
     }
-    for (int t = 0; t < nt; ++t) out[t * N] = scale * hsum8(acc[t]);
 #else
     for (int t = 0; t < nt; ++t) {
         float s = 0.f;
@@ -217,9 +226,6 @@ static inline void q4_column(const int8_t *xq, const float *dx, const float *sx,
     const uint8_t *row = w + n * G * Q4_BLOCK;
     for (int64_t t = 0; t < T; t += TILE) {
         const int nt = T - t < TILE ? (int)(T - t) : TILE;
-#if QGEMM_AVX2
-        if (nt == TILE) { q4_row_tile(row, G, xq + t * K, dx + t * G, sx + t * G, K, out + t * N + n, N); continue; }
-#endif
         q4_row(row, G, xq + t * K, dx + t * G, sx + t * G, K, nt, out + t * N + n, N);
     }
 }
