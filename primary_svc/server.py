@@ -20,6 +20,7 @@ from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.engine.tree import with_lookahead
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
+from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
 from specdec.metrics import ServiceMetrics
 from specdec.sampling import logits_to_probs, make_generator, sample
@@ -122,10 +123,10 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         allowed = self._allowed_tokens(request, num_rows)
 
         def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int, list[int], int]:  # engine thread
-            lookahead_argmax = torch.argmax(logits[num_rows:], dim=-1).tolist()  # [L], unmasked
+            lookahead_argmax = row_argmax(logits[num_rows:])  # [L], unmasked
             logits = logits[:num_rows]  # [N+1, V]
             # from fp32 logits whatever the wire format; among the grammar's tokens when masked.
-            argmax = (torch.argmax(logits, dim=-1) if allowed is None else allowed.argmax(logits)).tolist()
+            argmax = row_argmax(logits) if allowed is None else allowed.argmax(logits).tolist()
             num_cached = self.worker.built_engine().num_cached(request_id)  # read here: this pass's, not a later one's
             step_rows = self.worker.step_rows  # likewise
             if request.return_handle:  # co-located validator: bytes through /dev/shm
@@ -160,7 +161,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
         def next_token(logits: torch.Tensor) -> int:
             if sampling.is_greedy:  # the masked argmax constrained speculation validates against
-                return int(torch.argmax(logits[0]) if allowed is None else allowed.argmax(logits)[0])
+                return row_argmax(logits[:1])[0] if allowed is None else int(allowed.argmax(logits)[0])
             if allowed is not None:
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.step))[0])

@@ -67,6 +67,7 @@ from specdec.engine import tree as tree_geometry
 from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specdec.logits_codec import row_argmax
 from specdec.model.llama import SequenceSpan, Transformer
 from specdec.request_id import tenant_of
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
@@ -463,7 +464,7 @@ class Engine:
         """One plain step: the next token after the committed context, committed at once."""
         logits = self.verify(request_id, (), ())  # [1, V]
         if sampling.is_greedy:
-            token = int(torch.argmax(logits[0]))
+            token = row_argmax(logits[:1])[0]
         else:
             token = int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, step))[0])
         self.commit(request_id, (), (token,))

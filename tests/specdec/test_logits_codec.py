@@ -15,8 +15,10 @@ from specdec.logits_codec import (
     decode_logits,
     encode_logits,
     fp8_row_scales,
+    row_argmax,
     saturating_e4m3_codes,
 )
+from specdec.model import native
 
 E4M3_MAX_CODE, E4M3_MIN_CODE = 0x7E, 0xFE  # +448 and -448
 
@@ -144,3 +146,59 @@ def test_argmax_flips_under_lossy_formats_sit_at_near_ties(fmt, relative_error):
     top2 = logits.topk(2, dim=-1).values  # [R, 2]
     median_gap = float((top2[:, 0] - top2[:, 1]).median())
     print(f"\n{fmt}: {len(flips)}/64 greedy flips; median fp32 top-2 gap {median_gap:.3f}")
+
+
+needs_native = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
+
+
+def every_e4m3_boundary() -> torch.Tensor:
+    """Non-positive fp32 values at and around every rounding boundary of e4m3fn down to -448 (each
+    code's value and the midpoints to its neighbours, one fp32 ulp either side of each): a row
+    with max 0 and min -448 has scale exactly 1, so the encoder rounds exactly these."""
+    values = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    values = np.sort(values[np.isfinite(values)])  # 0 .. 448
+    mids = (values[:-1] + values[1:]) / 2  # exact in fp32
+    points = np.concatenate([values, mids, np.linspace(0, 2**-6, 1001, dtype=np.float32)])
+    around = np.concatenate([points, np.nextafter(points, np.float32(0)), np.nextafter(points, np.float32(np.inf))])
+    row = -np.unique(np.clip(around, 0, 448))
+    return torch.from_numpy(row[None, :].copy())
+
+
+@needs_native
+def test_native_fp8_encoding_has_torchs_bytes_at_every_rounding_boundary():
+    row = every_e4m3_boundary()
+    assert float(row.max()) == 0.0 and float(row.min()) == -448.0
+    native_encoded = encode_logits(row, "fp8_e4m3")
+    with native.disabled():
+        reference = encode_logits(row, "fp8_e4m3")
+    assert native_encoded.row_scales == reference.row_scales == (1.0,)
+    assert native_encoded.data == reference.data
+
+
+@needs_native
+@pytest.mark.parametrize("vocab_size", [1, 7, 8, 300, 49152 + 5])
+def test_native_fp8_encoding_and_argmax_equal_torchs(vocab_size):
+    logits = random_logits(6, vocab_size, seed=vocab_size)
+    logits[1] *= 1e-3
+    logits[2] = 0.0  # an all-zero row: scale 1
+    logits[3, : vocab_size // 2] = logits[3].max()  # ties: the first maximum wins
+    logits[4] *= 1e-30  # scales near the bottom of fp32
+    native_encoded = encode_logits(logits, "fp8_e4m3")
+    with native.disabled():
+        reference = encode_logits(logits, "fp8_e4m3")
+        reference_argmax = row_argmax(logits)
+    assert native_encoded.data == reference.data and native_encoded.row_scales == reference.row_scales
+    assert row_argmax(logits) == reference_argmax == torch.argmax(logits, dim=-1).tolist()
+
+
+@needs_native
+def test_native_paths_refuse_or_defer_non_finite_rows_as_torch_does():
+    logits = random_logits(3, 100)
+    logits[1, 40] = math.nan
+    logits[2, 7] = math.inf
+    assert row_argmax(logits) == torch.argmax(logits, dim=-1).tolist()  # the NaN row: torch's choice
+    with pytest.raises(ValueError, match="finite"):
+        encode_logits(logits, "fp8_e4m3")
+    with pytest.raises(ValueError, match="finite"):
+        encode_logits(logits[1:2], "fp8_e4m3")
+    assert row_argmax(logits[:, ::2]) == torch.argmax(logits[:, ::2], dim=-1).tolist()  # a strided view
