@@ -433,3 +433,39 @@ def test_the_load_is_the_other_requests_rows_smoothed():
     assert ControllerState.from_dict(data).other_rows == 0.0
     with pytest.raises(ValueError, match="load_smoothing"):
         ControllerConfig(load_smoothing=0.0)
+
+
+def test_remembered_choices_give_the_plans_of_a_fresh_optimisation(monkeypatch):
+    import gateway.controller as controller_module
+
+    calls = []
+    real = controller_module._best_choice
+    monkeypatch.setattr(
+        controller_module, "_best_choice", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs)
+    )
+    config = ControllerConfig(probe_interval=10)
+    remembering = AdaptiveController(COST, config)
+    state = remembering.new_state("code", {LOOKUP: 1, SUFFIX: 1})
+    rng = random.Random(3)
+    plans = simulate(remembering, state, lambda step: HIGH if step < 20 else ZERO, 80, rng)
+    # Each plan equals what an optimisation of that step's state from scratch plans.
+    monkeypatch.setattr(controller_module, "MAX_REMEMBERED_CHOICES", 0)  # remembers nothing
+    replay, replay_state = AdaptiveController(COST, config), remembering.new_state("code", {LOOKUP: 1, SUFFIX: 1})
+    rng = random.Random(3)
+    assert simulate(replay, replay_state, lambda step: HIGH if step < 20 else ZERO, 80, rng) == plans
+    monkeypatch.setattr(controller_module, "MAX_REMEMBERED_CHOICES", 4096)
+    # Plain steps change nothing the optimisation reads: they are not optimised again.
+    assert not state.is_speculating
+    before = len(calls)
+    for _ in range(5):
+        plan = remembering.plan(state)
+        remembering.observe(state, plan, [])
+    assert len(calls) - before <= 1  # at most a probe's outcome to take in
+    # Another request in the same state shares the choice; a different load is optimised afresh.
+    other = ControllerState.from_dict(state.to_dict())
+    before = len(calls)
+    remembering.plan(other)
+    assert len(calls) == before
+    other.other_rows = 7.0
+    remembering.plan(other)
+    assert len(calls) == before + 1
