@@ -1,6 +1,8 @@
 """The two ways this service runs the acceptance rule, behind one interface, chosen once at start-up.
 
   torch  the reference (acceptance.py) on logits decoded to fp32 on the host: every mode, any machine.
+         fp8 logits without a grammar mask in the modes row statistics decide are not decoded:
+         their statistics come from each row's byte counts (fp8_stats.py), then the host walk.
   cuda   the row_stats RawKernel (kernel.py) straight on the wire's fp32 / bf16 / fp8_e4m3 bytes,
          grammar mask applied from its packed words in the kernel, then the host walk over the
          per-row results (at most N integer comparisons). No decoded [N+1, V] tensor on the host.
@@ -21,10 +23,11 @@ from typing import Callable, Protocol, Sequence
 
 
 from specdec.grammar.bitmask import TokenBitmask
-from specdec.logits_codec import EncodedLogits, decode_logits
+from specdec.logits_codec import FORMAT_FP8_E4M3, EncodedLogits, decode_logits
 from specdec.sampling import SamplingParams
 from specdec.acceptance_mode import AcceptanceMode
 from validator_svc.acceptance import ValidationResult, validate_tree
+from validator_svc.fp8_stats import fp8_row_stats
 from validator_svc.kernel import CudaRowStats, RowStatsFn, cuda_device_count, validate_from_stats
 
 PATH_TORCH = "torch"
@@ -66,6 +69,19 @@ class TorchPath:
         pass
 
     def validate(self, inputs: ValidationInputs) -> ValidationResult:
+        if (
+            is_decided_by_row_stats(inputs)
+            and inputs.target_logits.format == FORMAT_FP8_E4M3
+            and inputs.allowed is None
+        ):
+            stats = fp8_row_stats(inputs.target_logits, inputs.token_ids, inputs.parents, inputs.argmax_ids)
+            return validate_from_stats(
+                stats,
+                inputs.token_ids,
+                inputs.parents,
+                argmax_ids=inputs.argmax_ids,
+                acceptance_threshold=inputs.acceptance_threshold,
+            )
         return validate_tree(
             inputs.token_ids,
             inputs.parents,

@@ -953,3 +953,20 @@ int qgemm_encode_e4m3(const float *x, int64_t R, int64_t V, float zero_scale, ui
     }
     return 0;
 }
+
+/* counts [R, 256]: how often each byte occurs in each row of codes [R, V] (the validator's row
+ * statistics of fp8 logits: a row's 256 distinct values and their counts decide its max, its
+ * log-sum-exp and its entropy). Four partial histograms so repeated bytes do not serialise. */
+void qgemm_byte_histograms(const uint8_t *codes, int64_t R, int64_t V, uint32_t *counts) {
+    for (int64_t r = 0; r < R; ++r) {
+        const uint8_t *row = codes + r * V;
+        uint32_t h[4][256];
+        memset(h, 0, sizeof h);
+        int64_t i = 0;
+        for (; i + 4 <= V; i += 4) {
+            ++h[0][row[i]]; ++h[1][row[i + 1]]; ++h[2][row[i + 2]]; ++h[3][row[i + 3]];
+        }
+        for (; i < V; ++i) ++h[0][row[i]];
+        for (int c = 0; c < 256; ++c) counts[r * 256 + c] = h[0][c] + h[1][c] + h[2][c] + h[3][c];
+    }
+}
