@@ -1,8 +1,9 @@
 """The two ways this service runs the acceptance rule, behind one interface, chosen once at start-up.
 
   torch  the reference (acceptance.py) on logits decoded to fp32 on the host: every mode, any machine.
-         fp8 logits without a grammar mask in the modes row statistics decide are not decoded:
-         their statistics come from each row's byte counts (fp8_stats.py), then the host walk.
+         fp8 logits in the modes row statistics decide are not decoded: their statistics come from
+         each row's byte counts (fp8_stats.py; the grammar mask's allowed positions only), then
+         the host walk.
   cuda   the row_stats RawKernel (kernel.py) straight on the wire's fp32 / bf16 / fp8_e4m3 bytes,
          grammar mask applied from its packed words in the kernel, then the host walk over the
          per-row results (at most N integer comparisons). No decoded [N+1, V] tensor on the host.
@@ -69,12 +70,10 @@ class TorchPath:
         pass
 
     def validate(self, inputs: ValidationInputs) -> ValidationResult:
-        if (
-            is_decided_by_row_stats(inputs)
-            and inputs.target_logits.format == FORMAT_FP8_E4M3
-            and inputs.allowed is None
-        ):
-            stats = fp8_row_stats(inputs.target_logits, inputs.token_ids, inputs.parents, inputs.argmax_ids)
+        if inputs.target_logits.format == FORMAT_FP8_E4M3 and is_decided_by_row_stats(inputs):
+            stats = fp8_row_stats(
+                inputs.target_logits, inputs.token_ids, inputs.parents, inputs.argmax_ids, inputs.allowed
+            )
             return validate_from_stats(
                 stats,
                 inputs.token_ids,

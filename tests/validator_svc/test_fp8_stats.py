@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import decode_logits, encode_logits
 from specdec.model import native
 from validator_svc import paths
@@ -18,9 +19,18 @@ from specdec.acceptance_mode import AcceptanceMode
 from specdec.sampling import SamplingParams
 
 
-def assert_stats_match_the_decoded_reference(encoded, token_ids, parents) -> None:
-    got = fp8_row_stats(encoded, token_ids, parents)
-    expected = row_stats_reference(decode_logits(encoded), token_ids, parents)
+def random_mask(token_ids, parents, vocab_size: int, seed: int) -> TokenBitmask:
+    """About 30 % of each row forbidden (token 0 always allowed), and node 1 off the grammar."""
+    generator = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(len(token_ids) + 1, vocab_size, generator=generator) < 0.7  # [N+1, V]
+    allowed[:, 0] = True
+    allowed[parents[1] + 1, token_ids[1]] = False
+    return TokenBitmask.from_bool(allowed)
+
+
+def assert_stats_match_the_decoded_reference(encoded, token_ids, parents, allowed=None) -> None:
+    got = fp8_row_stats(encoded, token_ids, parents, allowed=allowed)
+    expected = row_stats_reference(decode_logits(encoded), token_ids, parents, allowed)
     assert torch.equal(got.row_max, expected.row_max)  # exact: a decoded value
     assert torch.equal(got.argmax_ids, expected.argmax_ids)  # the first maximum, ties included
     assert torch.equal(got.child_logits, expected.child_logits)  # exact: a decoded value
@@ -37,16 +47,27 @@ def test_byte_count_statistics_equal_the_decoded_references(random_tree_logits, 
         logits[5, 1] = logits[5].max() - 1e-7  # rounds to -0.0 once shifted: ties 0.0, position 1 first
         encoded = encode_logits(logits, "fp8_e4m3")
         assert_stats_match_the_decoded_reference(encoded, token_ids, parents)
+        assert_stats_match_the_decoded_reference(
+            encoded, token_ids, parents, random_mask(token_ids, parents, vocab_size, seed)
+        )
         given = fp8_row_stats(encoded, token_ids, parents, argmax_ids=list(range(9)))
         assert given.argmax_ids.tolist() == list(range(9))
 
 
 def test_byte_counts_natively_and_in_numpy_agree():
     codes = np.random.default_rng(0).integers(0, 256, size=(5, 1001), dtype=np.uint8)
-    counts = byte_counts(codes)
+    allowed = torch.rand(5, 1001, generator=torch.Generator().manual_seed(0)) < 0.5
+    allowed[1] = True  # whole words, and a partial last word (1001 = 31 * 32 + 9)
+    allowed[2, :64] = False
+    mask = TokenBitmask.from_bool(allowed)
+    counts, masked = byte_counts(codes), byte_counts(codes, mask)
     with native.disabled():
         assert np.array_equal(byte_counts(codes), counts)
+        assert np.array_equal(byte_counts(codes, mask), masked)
     assert counts.sum(axis=1).tolist() == [1001] * 5 and counts[2, codes[2, 7]] >= 1
+    assert masked.sum(axis=1).tolist() == allowed.sum(dim=1).tolist()
+    expected = [np.bincount(codes[r][allowed[r].numpy()], minlength=256) for r in range(5)]
+    assert np.array_equal(masked, np.stack(expected))
 
 
 def test_a_nan_byte_makes_the_row_statistics_invalid(random_tree_logits):
@@ -79,13 +100,25 @@ def test_the_torch_path_validates_fp8_from_byte_counts_as_the_decoded_reference_
         token_ids, parents, logits = random_tree_logits(8, vocab_size, seed)
         encoded = encode_logits(logits, "fp8_e4m3")
         decoded = decode_logits(encoded)
-        for mode, threshold, argmax in (
-            (AcceptanceMode.GREEDY, 0.0, None),
-            (AcceptanceMode.GREEDY, 0.0, decoded.argmax(dim=-1).tolist()),
-            (AcceptanceMode.THRESHOLD, 0.3, None),
+        mask = random_mask(token_ids, parents, vocab_size, seed)
+        masked_argmax = mask.argmax(decoded).tolist()
+        for mode, threshold, argmax, allowed in (
+            (AcceptanceMode.GREEDY, 0.0, None, None),
+            (AcceptanceMode.GREEDY, 0.0, decoded.argmax(dim=-1).tolist(), None),
+            (AcceptanceMode.THRESHOLD, 0.3, None, None),
+            (AcceptanceMode.GREEDY, 0.0, masked_argmax, mask),
+            (AcceptanceMode.GREEDY, 0.0, None, mask),
+            (AcceptanceMode.THRESHOLD, 0.3, None, mask),
         ):
             inputs = ValidationInputs(
-                token_ids, parents, encoded, SamplingParams(), mode, acceptance_threshold=threshold, argmax_ids=argmax
+                token_ids,
+                parents,
+                encoded,
+                SamplingParams(),
+                mode,
+                acceptance_threshold=threshold,
+                argmax_ids=argmax,
+                allowed=allowed,
             )
             got = TorchPath().validate(inputs)
             expected = validate_tree(
@@ -96,6 +129,7 @@ def test_the_torch_path_validates_fp8_from_byte_counts_as_the_decoded_reference_
                 mode,
                 acceptance_threshold=threshold,
                 argmax_ids=argmax,
+                allowed=allowed,
             )
             assert (got.accepted_nodes, got.bonus_token) == (expected.accepted_nodes, expected.bonus_token)
             assert got.accepted_entropies == pytest.approx(expected.accepted_entropies, rel=2e-5, abs=2e-5)

@@ -176,6 +176,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_forward.restype = i32
     lib.qgemm_argmax_rows.argtypes, lib.qgemm_argmax_rows.restype = [p, i64, i64, p], None
     lib.qgemm_byte_histograms.argtypes, lib.qgemm_byte_histograms.restype = [p, i64, i64, p], None
+    lib.qgemm_byte_histograms_masked.argtypes = [p, i64, i64, p, i64, p]
+    lib.qgemm_byte_histograms_masked.restype = None
     lib.qgemm_encode_e4m3.argtypes, lib.qgemm_encode_e4m3.restype = [p, i64, i64, f32, p, p], i32
 
 

@@ -970,3 +970,31 @@ void qgemm_byte_histograms(const uint8_t *codes, int64_t R, int64_t V, uint32_t 
         for (int c = 0; c < 256; ++c) counts[r * 256 + c] = h[0][c] + h[1][c] + h[2][c] + h[3][c];
     }
 }
+
+/* The same counts over the allowed positions only: row r allows position j when bit j % 32 of
+ * words[r * W + j / 32] is set (the grammar mask's wire layout, int32 words, bit 0 first). */
+void qgemm_byte_histograms_masked(const uint8_t *codes, int64_t R, int64_t V, const uint32_t *words, int64_t W,
+                                  uint32_t *counts) {
+    for (int64_t r = 0; r < R; ++r) {
+        const uint8_t *row = codes + r * V;
+        const uint32_t *mask = words + r * W;
+        uint32_t h[4][256];
+        memset(h, 0, sizeof h);
+        for (int64_t w = 0; w < W && w * 32 < V; ++w) {
+            uint32_t bits = mask[w];
+            const int64_t base = w * 32;
+            if (base + 32 > V) bits &= (UINT32_C(1) << (V - base)) - 1u;  /* a partial last word */
+            if (bits == 0xFFFFFFFFu) {
+                for (int k = 0; k < 32; k += 4) {
+                    ++h[0][row[base + k]]; ++h[1][row[base + k + 1]]; ++h[2][row[base + k + 2]]; ++h[3][row[base + k + 3]];
+                }
+            } else {
+                while (bits) {
+                    ++h[0][row[base + __builtin_ctz(bits)]];
+                    bits &= bits - 1u;
+                }
+            }
+        }
+        for (int c = 0; c < 256; ++c) counts[r * 256 + c] = h[0][c] + h[1][c] + h[2][c] + h[3][c];
+    }
+}
