@@ -26,6 +26,7 @@ from specdec.model.tokenizer import Tokenizer
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.sampling import SamplingParams
 from validator_svc.acceptance import validate_tree
+from validator_svc.paths import TorchPath, ValidationInputs
 
 CHAIN = 8
 
@@ -103,6 +104,27 @@ def main() -> None:
             validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, params, select_mode(params, 0.0), step=1)
             times.append((time.perf_counter() - t) * 1000)
         print(f"validation {mode:24s} median {statistics.median(times):.2f} ms per step ({CHAIN} nodes)")
+    # What the service runs on the wire's fp8 bytes: decode + the reference, or the row statistics
+    # from byte counts that greedy steps take (validator_svc/fp8_stats.py); the primary's fp32
+    # argmax comes with every step.
+    parents = [-1] + list(range(CHAIN - 1))
+    decoded_ms, counted_ms = [], []
+    for chain, rows in steps:
+        enc8, argmax = encode_logits(rows, "fp8_e4m3"), rows.argmax(dim=-1).tolist()
+        t = time.perf_counter()
+        reference = validate_tree(
+            chain, parents, decode_logits(enc8), SamplingParams(), AcceptanceMode.GREEDY, argmax_ids=argmax
+        )
+        decoded_ms.append((time.perf_counter() - t) * 1000)
+        inputs = ValidationInputs(chain, parents, enc8, SamplingParams(), AcceptanceMode.GREEDY, argmax_ids=argmax)
+        t = time.perf_counter()
+        counted = TorchPath().validate(inputs)
+        counted_ms.append((time.perf_counter() - t) * 1000)
+        assert (counted.accepted_nodes, counted.bonus_token) == (reference.accepted_nodes, reference.bonus_token)
+    print(
+        f"validation greedy on fp8 bytes: decoded + reference median {statistics.median(decoded_ms):.2f} ms, "
+        f"from byte counts (the service's path) {statistics.median(counted_ms):.2f} ms per step ({CHAIN} nodes)"
+    )
 
 
 if __name__ == "__main__":

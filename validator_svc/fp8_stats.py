@@ -95,11 +95,13 @@ def fp8_row_stats(
     if argmax_ids is not None:
         argmax = torch.tensor(list(argmax_ids), dtype=torch.int64)
     else:
-        is_max = present & (values32 == row_max32[:, None])  # [R, 256]
-        at_max = is_max[np.arange(num_rows)[:, None], codes]  # [R, V]
-        if allowed is not None:
-            at_max &= allowed.to_bool().numpy()  # the primary sends its argmax: this is the rare path
-        argmax = torch.from_numpy(at_max.argmax(axis=1).astype(np.int64))
+        is_max = present & (values32 == row_max32[:, None])  # [R, 256]: one byte, or both zeros
+        keep = None if allowed is None else allowed.to_bool().numpy()  # the primary sends its argmax: rare
+        first = []
+        for r in range(num_rows):
+            at_max = np.isin(codes[r], np.flatnonzero(is_max[r]))  # [V]
+            first.append(int(np.argmax(at_max if keep is None else at_max & keep[r])))
+        argmax = torch.tensor(first, dtype=torch.int64)
     lse32 = torch.from_numpy(lse.astype(np.float32))
     child = torch.from_numpy(np.asarray(child_logits, dtype=np.float32))
     return RowStats(
