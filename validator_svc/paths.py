@@ -29,7 +29,7 @@ from specdec.sampling import SamplingParams
 from specdec.acceptance_mode import AcceptanceMode
 from validator_svc.acceptance import ValidationResult, validate_tree
 from validator_svc.fp8_stats import fp8_row_stats
-from validator_svc.kernel import CudaRowStats, RowStatsFn, cuda_device_count, validate_from_stats
+from validator_svc.kernel import CudaRowStats, RowStats, RowStatsFn, cuda_device_count, validate_from_stats
 
 PATH_TORCH = "torch"
 PATH_CUDA = "cuda"
@@ -74,13 +74,7 @@ class TorchPath:
             stats = fp8_row_stats(
                 inputs.target_logits, inputs.token_ids, inputs.parents, inputs.argmax_ids, inputs.allowed
             )
-            return validate_from_stats(
-                stats,
-                inputs.token_ids,
-                inputs.parents,
-                argmax_ids=inputs.argmax_ids,
-                acceptance_threshold=inputs.acceptance_threshold,
-            )
+            return walk_row_stats(stats, inputs)
         return validate_tree(
             inputs.token_ids,
             inputs.parents,
@@ -113,13 +107,18 @@ class CudaPath:
         if not is_decided_by_row_stats(inputs):
             return self.host.validate(inputs)
         stats = self.row_stats(inputs.target_logits, inputs.token_ids, inputs.parents, inputs.allowed)
-        return validate_from_stats(
-            stats,
-            inputs.token_ids,
-            inputs.parents,
-            argmax_ids=inputs.argmax_ids,
-            acceptance_threshold=inputs.acceptance_threshold,
-        )
+        return walk_row_stats(stats, inputs)
+
+
+def walk_row_stats(stats: RowStats, inputs: ValidationInputs) -> ValidationResult:
+    """The host walk of a step whose rows' statistics are known (either path)."""
+    return validate_from_stats(
+        stats,
+        inputs.token_ids,
+        inputs.parents,
+        argmax_ids=inputs.argmax_ids,
+        acceptance_threshold=inputs.acceptance_threshold,
+    )
 
 
 def is_decided_by_row_stats(inputs: ValidationInputs) -> bool:
