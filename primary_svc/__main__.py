@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
     loaded, engine, costs, precision_choice = worker.run(lambda: load_engine(config, model_dir, instance_id))
     worker.engine = engine
+    native.library()  # every precision's argmax and fp8 encoding use it: built (once a machine) now, not mid-request
     tokenizer = Tokenizer.from_dir(model_dir)
     is_native = any(block.native is not None for block in loaded.model.layers)
     log.info(

@@ -24,6 +24,7 @@ from typing import Callable, Protocol, Sequence
 
 
 from specdec.grammar.bitmask import TokenBitmask
+from specdec.model import native
 from specdec.logits_codec import FORMAT_FP8_E4M3, EncodedLogits, decode_logits
 from specdec.sampling import SamplingParams
 from specdec.acceptance_mode import AcceptanceMode
@@ -67,7 +68,7 @@ class TorchPath:
     name = PATH_TORCH
 
     def warm_up(self) -> None:
-        pass
+        native.library()  # the fp8 byte counts: built (once a machine) at start-up, not on the first request
 
     def validate(self, inputs: ValidationInputs) -> ValidationResult:
         if inputs.target_logits.format == FORMAT_FP8_E4M3 and is_decided_by_row_stats(inputs):
