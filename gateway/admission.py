@@ -103,8 +103,8 @@ class Ticket:
         self._granted = threading.Event()
         if is_granted:
             self._granted.set()
-        self.granted_at: float | None = admission.clock() if is_granted else None
         self.queued_at = admission.clock()
+        self.granted_at: float | None = self.queued_at if is_granted else None  # let in at once: waited 0
         self.is_released = False
         self._waker: Callable[[], object] | None = None  # wait_async's: called (lock held) when granted
 

@@ -185,3 +185,12 @@ def test_a_resumed_request_is_never_refused_but_waits_for_a_slot():
     for t in resumed:
         t.release()
     assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+def test_a_request_let_in_at_once_waited_exactly_zero():
+    admission = Admission(max_active=1, max_queued=1)
+    ticket = admission.enter("")
+    assert ticket.is_granted and ticket.wait(None, threading.Event(), "r") == 0.0  # never a tiny negative
+    ticket.release()
+    again = admission.enter("")
+    assert asyncio.run(again.wait_async(None, threading.Event(), "r2")) == 0.0
