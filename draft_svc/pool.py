@@ -247,6 +247,14 @@ class DraftPool:
 
     def _request_for(self, args: ProposeArgs) -> tuple[_Request, bool]:
         """The request's state, and whether this call created it (from prompt + new tokens)."""
+        c = self.config
+        grammar = None
+        if args.prompt_token_ids:
+            if len(args.prompt_token_ids) + len(args.new_token_ids) > c.max_context_tokens:
+                raise InvalidArgument("prompt_token_ids", f"context exceeds {c.max_context_tokens} tokens")
+            # Outside the pool's lock: a schema's first compile takes tens of ms, and every other
+            # request's Propose would wait for it.
+            grammar = self._grammar_state(args)
         now = time.monotonic()
         with self._lock:
             self._drop_idle(now)
@@ -254,9 +262,6 @@ class DraftPool:
             if args.prompt_token_ids:
                 # A prompt (re)opens the request: on a known id it is a gateway that recovered the
                 # request, whose view of the committed tokens wins.
-                c = self.config
-                if len(args.prompt_token_ids) + len(args.new_token_ids) > c.max_context_tokens:
-                    raise InvalidArgument("prompt_token_ids", f"context exceeds {c.max_context_tokens} tokens")
                 if request is None and len(self._requests) >= c.max_requests:
                     raise ResourceExhausted("request_id", f"the draft pool holds {c.max_requests} requests")
                 request = _Request(
@@ -264,7 +269,7 @@ class DraftPool:
                     len(args.prompt_token_ids),
                     last_used=now,
                     response_format=args.response_format,
-                    grammar=self._grammar_state(args),
+                    grammar=grammar,
                 )
                 self._requests[args.request_id] = request
                 self._requests.move_to_end(args.request_id)

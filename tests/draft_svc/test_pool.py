@@ -190,3 +190,48 @@ def test_finished_output_joins_the_suffix_index_for_later_requests():
     proposal = pool.propose(ProposeArgs("second", prompt_token_ids=(9, 20, 21), draft_length=3))
     assert proposal.tree.token_ids == (22, 23, 24)
     assert pool.propose(ProposeArgs("third", prompt_token_ids=(9, 30, 31))).tree.token_ids == ()
+
+
+def test_a_schema_compiles_outside_the_pools_lock():
+    """A new request's first compile (tens of ms for a real schema) must not stall other requests."""
+    from specdec.grammar.compiler import ResponseFormat
+
+    compiling, release = threading.Event(), threading.Event()
+
+    class SlowGrammars:
+        def compile(self, response_format):
+            compiling.set()
+            release.wait(10)
+            raise InvalidArgument("response_format", "not a schema this test compiles")
+
+    pool = make_pool({"p": ((A, B),)}, [])
+    pool._grammars = SlowGrammars()
+    pool.propose(ProposeArgs("other", prompt_token_ids=(1, 2)))
+    failures: list[BaseException] = []
+
+    def open_with_schema() -> None:
+        schema = ResponseFormat("json_schema", "{}")
+        try:
+            pool.propose(ProposeArgs("json", prompt_token_ids=(1,), response_format=schema))
+        except InvalidArgument as e:
+            failures.append(e)
+
+    def others() -> None:  # another request proposes and a third opens
+        trees.append(pool.propose(ProposeArgs("other", new_token_ids=(3,))).tree.token_ids)
+        pool.propose(ProposeArgs("third", prompt_token_ids=(4,)))
+
+    trees: list[tuple[int, ...]] = []
+    thread = threading.Thread(target=open_with_schema)
+    thread.start()
+    try:
+        assert compiling.wait(5)
+        other = threading.Thread(target=others)
+        other.start()
+        other.join(3)
+        assert not other.is_alive() and trees == [(A, B)]  # done while the compile still runs
+    finally:
+        release.set()
+        thread.join(10)
+    assert len(failures) == 1 and failures[0].field == "response_format"
+    with pytest.raises(NotFound):  # a refused schema leaves no state behind
+        pool.propose(ProposeArgs("json", new_token_ids=(5,)))
