@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from specdec.grammar.mask import BITS_PER_WORD, MASKED_LOGIT, bitmask_to_bool
+from specdec.logits_codec import row_argmax
 
 _BIT_OFFSETS = np.arange(8, dtype=np.int64)  # bit k of a byte = token 8*byte + k
 
@@ -91,7 +92,7 @@ class TokenBitmask:
         assert logits.dim() == 2 and logits.shape == (self.num_rows, self.vocab_size), (
             f"logits {tuple(logits.shape)} do not fit the mask [{self.num_rows}, {self.vocab_size}]"
         )
-        argmax = torch.argmax(logits, dim=-1)  # [R]
+        argmax = torch.tensor(row_argmax(logits), dtype=torch.int64)  # [R]; torch.argmax's choice, natively
         is_allowed = self.is_allowed(np.arange(self.num_rows), argmax.numpy())  # [R]
         for row in np.flatnonzero(~is_allowed).tolist():
             ids = self.allowed_ids(row)
