@@ -32,9 +32,10 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
+import redis.asyncio
 
 from specdec.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from specdec.state_store.types import (
@@ -57,7 +58,7 @@ _TERMINAL_LUA = " or ".join(f"s == '{s}'" for s in sorted(TERMINAL_STATUSES))
 
 # KEYS: meta, tokens, prompt, owner.
 # ARGV: params JSON, status, packed prompt, ttl_ms, now_ms.
-_CREATE_LUA = """
+CREATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('SPECDEC_EXISTS') end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[1], 'params', ARGV[1], 'status', ARGV[2], 'stats', '{}', 'controller', '{}',
@@ -72,7 +73,7 @@ return 1
 # KEYS: meta, tokens, prompt, owner.
 # ARGV: packed tokens, expected count (-1: no check), ttl_ms, now_ms, owner ('' : none),
 #       lease_ms, then field/value pairs for the meta hash.
-_STEP_LUA = f"""
+STEP_LUA = f"""
 local function is_terminal(s) return {_TERMINAL_LUA} end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return redis.error_reply('SPECDEC_NOT_FOUND') end
@@ -97,7 +98,7 @@ return n
 """
 
 # KEYS: meta, owner. ARGV: owner, lease_ms.
-_CLAIM_LUA = f"""
+CLAIM_LUA = f"""
 local function is_terminal(s) return {_TERMINAL_LUA} end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return redis.error_reply('SPECDEC_NOT_FOUND') end
@@ -109,7 +110,140 @@ return 1
 """
 
 
-class RedisStateStore:
+_PipelineT = TypeVar("_PipelineT", redis.client.Pipeline, redis.asyncio.client.Pipeline)
+
+
+def client_options(timeout_s: float) -> dict[str, Any]:
+    """from_url's options of both clients: a stalled server fails a call after timeout_s."""
+    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "health_check_interval": 30}
+
+
+class RedisStoreBase:
+    """What RedisStateStore and AsyncRedisStateStore share: the key layout, the scripts'
+    arguments and the parsing of replies (with redis_errors, their mapping to domain errors).
+    No I/O here, so the two stores differ only in how they wait for Redis."""
+
+    def __init__(self, config: StateStoreConfig | None, wall_clock_ms: Callable[[], int] | None) -> None:
+        self.config = StateStoreConfig() if config is None else config
+        self._wall_clock_ms = wall_clock_ms or (lambda: int(time.time() * 1000))
+        self._ttl_ms = max(1, round(self.config.ttl_s * 1000))
+        self._lease_ms = max(1, round(self.config.lease_s * 1000))
+        self._active_key = f"{self.config.namespace}:active"
+
+    def keys(self, request_id: str) -> tuple[str, str, str, str]:
+        """meta, tokens, prompt, owner keys of request_id."""
+        base = f"{self.config.namespace}:req:{{{request_id}}}"
+        return f"{base}:meta", f"{base}:tokens", f"{base}:prompt", f"{base}:owner"
+
+    def _create_args(
+        self, request_id: str, params: Mapping[str, Any], prompt_token_ids: Sequence[int], status: RequestStatus
+    ) -> tuple[list[bytes | str | int], int]:
+        """The create script's ARGV, and the creation time that scores the request in the index."""
+        check_request_id(request_id)
+        check_step(status, None)
+        now_ms = self._wall_clock_ms()
+        args = [encode_json("params", params), status.value, encode_token_ids(prompt_token_ids), self._ttl_ms, now_ms]
+        return args, now_ms
+
+    def _step_args(
+        self,
+        token_ids: Sequence[int],
+        expected_num_tokens: int | None,
+        status: RequestStatus | None,
+        stats: Mapping[str, Any] | None,
+        controller_state: Mapping[str, Any] | None,
+        finish_reason: str | None,
+        error: str | None,
+        owner: str | None,
+    ) -> list[bytes | str | int]:
+        """The step script's ARGV (append_step's arguments, checked and encoded)."""
+        check_step(status, expected_num_tokens)
+        fields: list[str] = []
+        for name, value in (
+            ("status", None if status is None else status.value),
+            ("stats", None if stats is None else encode_json("stats", stats)),
+            ("controller", None if controller_state is None else encode_json("controller_state", controller_state)),
+            ("finish_reason", finish_reason),
+            ("error", error),
+        ):
+            if value is not None:
+                fields += [name, value]
+        return [
+            encode_token_ids(token_ids),
+            -1 if expected_num_tokens is None else expected_num_tokens,
+            self._ttl_ms,
+            self._wall_clock_ms(),
+            owner or "",
+            self._lease_ms,
+            *fields,
+        ]
+
+    def _claim_keys_args(self, request_id: str, owner: str) -> tuple[list[str], list[str | int]]:
+        """The claim script's KEYS and ARGV."""
+        if not owner:
+            raise ValueError("owner must not be empty")
+        meta, _, _, owner_key = self.keys(request_id)
+        return [meta, owner_key], [owner, self._lease_ms]
+
+    def _queue_load(self, pipe: _PipelineT, request_id: str) -> _PipelineT:
+        """Queue load's reads on a MULTI/EXEC pipeline: one consistent snapshot."""
+        meta_key, tokens_key, prompt_key, owner_key = self.keys(request_id)
+        pipe.hgetall(meta_key)
+        for key in (tokens_key, prompt_key, owner_key):
+            pipe.get(key)
+        return pipe
+
+    @staticmethod
+    def _state(request_id: str, replies: list[Any]) -> RequestState | None:
+        """The RequestState from _queue_load's replies; None when the meta hash is gone."""
+        meta, tokens, prompt, owner = replies
+        if not meta:
+            return None
+        text = {k.decode(): v.decode() for k, v in meta.items()}
+        return RequestState(
+            request_id=request_id,
+            params=json.loads(text["params"]),
+            status=RequestStatus(text["status"]),
+            prompt_token_ids=decode_token_ids(prompt),
+            token_ids=decode_token_ids(tokens),
+            stats=json.loads(text["stats"]),
+            controller_state=json.loads(text["controller"]),
+            finish_reason=text["finish_reason"],
+            error=text["error"],
+            owner=(owner or b"").decode(),
+            created_ms=int(text["created_ms"]),
+            updated_ms=int(text["updated_ms"]),
+        )
+
+    def _queue_statuses(self, pipe: _PipelineT, members: list[bytes]) -> tuple[list[str], _PipelineT]:
+        """The ids of the index's members, with their statuses queued on pipe. Clients are made
+        without decode_responses (from_url): members come back as bytes."""
+        ids = [rid.decode() for rid in members]
+        for rid in ids:
+            pipe.hget(self.keys(rid)[0], "status")
+        return ids, pipe
+
+    @staticmethod
+    def _split_stale(ids: list[str], statuses: list[bytes | None]) -> tuple[list[str], list[str]]:
+        """(active, stale) ids: stale ones have ended or expired and leave the index."""
+        stale = [
+            rid
+            for rid, status in zip(ids, statuses, strict=True)
+            if status is None or RequestStatus(status.decode()).is_terminal
+        ]
+        stale_set = set(stale)
+        return [rid for rid in ids if rid not in stale_set], stale
+
+    def _queue_delete(self, pipe: _PipelineT, request_id: str) -> _PipelineT:
+        """Queue delete's writes on a MULTI/EXEC pipeline; its first reply counts the meta hash."""
+        meta, *others = self.keys(request_id)
+        pipe.delete(meta)
+        pipe.delete(*others)
+        pipe.zrem(self._active_key, request_id)
+        return pipe
+
+
+class RedisStateStore(RedisStoreBase):
     """StateStore on a Redis server; the client comes in through the constructor."""
 
     def __init__(
@@ -119,28 +253,16 @@ class RedisStateStore:
         *,
         wall_clock_ms: Callable[[], int] | None = None,
     ) -> None:
-        self.config = StateStoreConfig() if config is None else config
+        super().__init__(config, wall_clock_ms)
         self._client = client
-        self._wall_clock_ms = wall_clock_ms or (lambda: int(time.time() * 1000))
-        self._ttl_ms = max(1, round(self.config.ttl_s * 1000))
-        self._lease_ms = max(1, round(self.config.lease_s * 1000))
-        self._active_key = f"{self.config.namespace}:active"
-        self._create = client.register_script(_CREATE_LUA)
-        self._step = client.register_script(_STEP_LUA)
-        self._claim = client.register_script(_CLAIM_LUA)
+        self._create = client.register_script(CREATE_LUA)
+        self._step = client.register_script(STEP_LUA)
+        self._claim = client.register_script(CLAIM_LUA)
 
     @classmethod
     def from_url(cls, url: str, config: StateStoreConfig | None = None, *, timeout_s: float = 5.0) -> RedisStateStore:
         """url: redis://host:port/db or unix:///path/to.sock."""
-        client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=30
-        )
-        return cls(client, config)
-
-    def keys(self, request_id: str) -> tuple[str, str, str, str]:
-        """meta, tokens, prompt, owner keys of request_id."""
-        base = f"{self.config.namespace}:req:{{{request_id}}}"
-        return f"{base}:meta", f"{base}:tokens", f"{base}:prompt", f"{base}:owner"
+        return cls(redis.Redis.from_url(url, **client_options(timeout_s)), config)
 
     def create(
         self,
@@ -150,11 +272,8 @@ class RedisStateStore:
         prompt_token_ids: Sequence[int] = (),
         status: RequestStatus = RequestStatus.QUEUED,
     ) -> None:
-        check_request_id(request_id)
-        check_step(status, None)
-        now_ms = self._wall_clock_ms()
-        args = [encode_json("params", params), status.value, encode_token_ids(prompt_token_ids), self._ttl_ms, now_ms]
-        with _redis_errors(request_id):
+        args, now_ms = self._create_args(request_id, params, prompt_token_ids, status)
+        with redis_errors(request_id):
             # Two round trips, not one pipeline: a refused create (an id that exists) must not reach
             # the index of active requests. The index key is in another cluster slot than the
             # request's, so one script cannot write both.
@@ -174,27 +293,10 @@ class RedisStateStore:
         error: str | None = None,
         owner: str | None = None,
     ) -> int:
-        check_step(status, expected_num_tokens)
-        fields: list[str] = []
-        for name, value in (
-            ("status", None if status is None else status.value),
-            ("stats", None if stats is None else encode_json("stats", stats)),
-            ("controller", None if controller_state is None else encode_json("controller_state", controller_state)),
-            ("finish_reason", finish_reason),
-            ("error", error),
-        ):
-            if value is not None:
-                fields += [name, value]
-        args: list[bytes | str | int] = [
-            encode_token_ids(token_ids),
-            -1 if expected_num_tokens is None else expected_num_tokens,
-            self._ttl_ms,
-            self._wall_clock_ms(),
-            owner or "",
-            self._lease_ms,
-            *fields,
-        ]
-        with _redis_errors(request_id, expected_num_tokens, owner):
+        args = self._step_args(
+            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner
+        )
+        with redis_errors(request_id, expected_num_tokens, owner):
             num_tokens = int(self._step(self.keys(request_id), args))
             if status is not None and status.is_terminal:
                 # The index only after the write succeeded (a second round trip,
@@ -206,66 +308,29 @@ class RedisStateStore:
         return set_status_by_step(self, request_id, status, finish_reason=finish_reason, error=error)
 
     def claim(self, request_id: str, owner: str) -> bool:
-        if not owner:
-            raise ValueError("owner must not be empty")
-        meta, _, _, owner_key = self.keys(request_id)
-        with _redis_errors(request_id):
-            return bool(self._claim([meta, owner_key], [owner, self._lease_ms]))
+        keys, args = self._claim_keys_args(request_id, owner)
+        with redis_errors(request_id):
+            return bool(self._claim(keys, args))
 
     def load(self, request_id: str) -> RequestState | None:
-        meta_key, tokens_key, prompt_key, owner_key = self.keys(request_id)
-        with _redis_errors(request_id):
-            pipe = self._client.pipeline(transaction=True)  # MULTI/EXEC: one consistent snapshot
-            pipe.hgetall(meta_key)
-            for key in (tokens_key, prompt_key, owner_key):
-                pipe.get(key)
-            meta, tokens, prompt, owner = pipe.execute()
-        if not meta:
-            return None
-        text = {k.decode(): v.decode() for k, v in meta.items()}
-        return RequestState(
-            request_id=request_id,
-            params=json.loads(text["params"]),
-            status=RequestStatus(text["status"]),
-            prompt_token_ids=decode_token_ids(prompt),
-            token_ids=decode_token_ids(tokens),
-            stats=json.loads(text["stats"]),
-            controller_state=json.loads(text["controller"]),
-            finish_reason=text["finish_reason"],
-            error=text["error"],
-            owner=(owner or b"").decode(),
-            created_ms=int(text["created_ms"]),
-            updated_ms=int(text["updated_ms"]),
-        )
+        with redis_errors(request_id):
+            replies = self._queue_load(self._client.pipeline(transaction=True), request_id).execute()
+        return self._state(request_id, replies)
 
     def list_active(self) -> list[str]:
-        with _redis_errors("*"):
-            # Clients are made without decode_responses (from_url): members come back as bytes.
-            ids = [rid.decode() for rid in cast("list[bytes]", self._client.zrange(self._active_key, 0, -1))]
-            if not ids:
+        with redis_errors("*"):
+            members = cast("list[bytes]", self._client.zrange(self._active_key, 0, -1))
+            if not members:
                 return []
-            pipe = self._client.pipeline(transaction=False)
-            for rid in ids:
-                pipe.hget(self.keys(rid)[0], "status")
-            statuses = pipe.execute()
-            stale = [
-                rid
-                for rid, status in zip(ids, statuses, strict=True)
-                if status is None or RequestStatus(status.decode()).is_terminal
-            ]
+            ids, pipe = self._queue_statuses(self._client.pipeline(transaction=False), members)
+            active, stale = self._split_stale(ids, pipe.execute())
             if stale:
                 self._client.zrem(self._active_key, *stale)
-        stale_set = set(stale)
-        return [rid for rid in ids if rid not in stale_set]
+        return active
 
     def delete(self, request_id: str) -> bool:
-        meta, *others = self.keys(request_id)
-        with _redis_errors(request_id):
-            pipe = self._client.pipeline(transaction=True)
-            pipe.delete(meta)
-            pipe.delete(*others)
-            pipe.zrem(self._active_key, request_id)
-            num_meta, _, _ = pipe.execute()
+        with redis_errors(request_id):
+            num_meta, _, _ = self._queue_delete(self._client.pipeline(transaction=True), request_id).execute()
         return num_meta == 1
 
     def close(self) -> None:
@@ -273,7 +338,7 @@ class RedisStateStore:
 
 
 @contextmanager
-def _redis_errors(request_id: str, expected_num_tokens: int | None = None, owner: str | None = None) -> Iterator[None]:
+def redis_errors(request_id: str, expected_num_tokens: int | None = None, owner: str | None = None) -> Iterator[None]:
     """Turn Redis errors into the domain errors the in-memory store raises."""
     try:
         yield

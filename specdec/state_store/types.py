@@ -1,5 +1,6 @@
 """The request state store's contract: what is stored per request, and the
-interface both stores (Redis, in-memory) implement identically.
+interface both stores (Redis, in-memory) implement identically: StateStore,
+and AsyncStateStore, the same in coroutines for callers on an event loop.
 
 Per request the store holds the parameters (a JSON object: the GenerateRequest
 through protobuf json_format, or any plain dict), the status, the prompt's
@@ -156,6 +157,48 @@ class StateStore(Protocol):
         ...
 
 
+class AsyncStateStore(Protocol):
+    """StateStore for asyncio callers (AsyncRedisStateStore, AsyncInMemoryStateStore): the same
+    methods, arguments, results and errors, each a coroutine, close too."""
+
+    async def create(
+        self,
+        request_id: str,
+        params: Mapping[str, Any],
+        *,
+        prompt_token_ids: Sequence[int] = (),
+        status: RequestStatus = RequestStatus.QUEUED,
+    ) -> None: ...
+
+    async def append_step(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] = (),
+        *,
+        expected_num_tokens: int | None = None,
+        status: RequestStatus | None = None,
+        stats: Mapping[str, Any] | None = None,
+        controller_state: Mapping[str, Any] | None = None,
+        finish_reason: str | None = None,
+        error: str | None = None,
+        owner: str | None = None,
+    ) -> int: ...
+
+    async def set_status(
+        self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
+    ) -> bool: ...
+
+    async def claim(self, request_id: str, owner: str) -> bool: ...
+
+    async def load(self, request_id: str) -> RequestState | None: ...
+
+    async def list_active(self) -> list[str]: ...
+
+    async def delete(self, request_id: str) -> bool: ...
+
+    async def close(self) -> None: ...
+
+
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     """[5, 258] -> b'\\x05\\x00\\x00\\x00\\x02\\x01\\x00\\x00' (int32 little-endian)."""
     packed = array("i")
@@ -220,6 +263,17 @@ def set_status_by_step(
     """set_status for any store: a step that appends nothing; False when the request already ended."""
     try:
         store.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
+    except FailedPrecondition:
+        return False
+    return True
+
+
+async def set_status_by_async_step(
+    store: AsyncStateStore, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
+) -> bool:
+    """set_status_by_step for an AsyncStateStore."""
+    try:
+        await store.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
     except FailedPrecondition:
         return False
     return True

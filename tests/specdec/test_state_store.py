@@ -1,20 +1,28 @@
-"""The request state store: one suite against both stores (a real Redis on a
-unix socket, and the in-memory store), plus Redis-only checks of key layout,
-round trips and recovery through a fresh client."""
+"""The request state store: one suite against the four stores (Redis on a real
+server on a unix socket, and in memory; each sync and async), plus Redis-only
+checks of key layout, round trips and recovery through a fresh client. The
+async stores run the sync tests through SyncFacade."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from specdec.state_store import (
+    DEFAULT_NAMESPACE,
+    AsyncInMemoryStateStore,
+    AsyncRedisStateStore,
+    AsyncStateStore,
     InMemoryStateStore,
     RedisStateStore,
     RequestStatus,
@@ -22,6 +30,7 @@ from specdec.state_store import (
     StateStoreConfig,
     decode_token_ids,
     encode_token_ids,
+    open_async_state_store,
     open_state_store,
 )
 
@@ -29,6 +38,7 @@ PARAMS = {"requestId": "r1", "prompt": "Hello", "maxNewTokens": 8, "sampling": {
 # Short enough to wait out on the real server.
 SHORT_TTL_S = 0.3
 SHORT_LEASE_S = 0.3
+KINDS = ["memory", "redis", "memory-async", "redis-async"]
 
 
 @dataclass
@@ -41,6 +51,25 @@ class FakeClock:
         return self.now
 
 
+class SyncFacade:
+    """An AsyncStateStore seen as a StateStore: each call runs to completion on one private
+    event loop (redis.asyncio connections belong to the loop that opened them)."""
+
+    def __init__(self, store: AsyncStateStore) -> None:
+        self.store = store
+        self._runner = asyncio.Runner()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.store, name)
+        return lambda *args, **kwargs: self._runner.run(method(*args, **kwargs))
+
+    def close(self) -> None:
+        try:
+            self._runner.run(self.store.close())
+        finally:
+            self._runner.close()
+
+
 @dataclass
 class Harness:
     """A store plus a way to let time pass: the fake clock for memory, real
@@ -49,30 +78,48 @@ class Harness:
     store: StateStore
     clock: FakeClock
     kind: str
+    backend: StateStore | AsyncStateStore  # store itself, or the async store behind its facade
+    redis_client: redis.Redis | None = None  # on the Redis store's server, to look at its keys
 
     def advance(self, seconds: float) -> None:
         self.clock.now += seconds
-        if self.kind == "redis":
+        if self.redis_client is not None:
             time.sleep(seconds)
 
 
 def make_harness(kind: str, request: pytest.FixtureRequest, config: StateStoreConfig) -> Harness:
     clock = FakeClock()
     wall_ms = lambda: clock.wall_ms  # noqa: E731 - a one-line clock
-    if kind == "memory":
-        return Harness(InMemoryStateStore(config, clock=clock, wall_clock_ms=wall_ms), clock, kind)
+    if kind.startswith("memory"):
+        memory = InMemoryStateStore(config, clock=clock, wall_clock_ms=wall_ms)
+        if kind == "memory":
+            return Harness(memory, clock, kind, memory)
+        backend = AsyncInMemoryStateStore(memory)
+        return Harness(SyncFacade(backend), clock, kind, backend)
     client = request.getfixturevalue("redis_client")
-    return Harness(RedisStateStore(client, config, wall_clock_ms=wall_ms), clock, kind)
+    if kind == "redis":
+        store = RedisStateStore(client, config, wall_clock_ms=wall_ms)
+        return Harness(store, clock, kind, store, client)
+    socket_path = request.getfixturevalue("redis_server").socket_path
+    backend = AsyncRedisStateStore(redis.asyncio.Redis(unix_socket_path=socket_path), config, wall_clock_ms=wall_ms)
+    return Harness(SyncFacade(backend), clock, kind, backend, client)
 
 
-@pytest.fixture(params=["memory", "redis"])
+def open_redis(kind: str, url: str, config: StateStoreConfig, **options: float) -> StateStore:
+    """RedisStateStore.from_url, or the async one's (behind a SyncFacade) for kind redis-async."""
+    if kind == "redis":
+        return RedisStateStore.from_url(url, config, **options)
+    return SyncFacade(AsyncRedisStateStore.from_url(url, config, **options))
+
+
+@pytest.fixture(params=KINDS)
 def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
     h = make_harness(request.param, request, StateStoreConfig(ttl_s=60.0, lease_s=SHORT_LEASE_S))
     yield h
     h.store.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=KINDS)
 def short_ttl(request: pytest.FixtureRequest) -> Iterator[Harness]:
     h = make_harness(request.param, request, StateStoreConfig(ttl_s=SHORT_TTL_S, lease_s=60.0))
     yield h
@@ -151,8 +198,8 @@ def test_a_duplicate_id_of_a_finished_request_stays_out_of_the_active_list(harne
     harness.store.append_step("done", [9], status=RequestStatus.FINISHED, finish_reason="length")
     with pytest.raises(AlreadyExists, match="request_id"):
         harness.store.create("done", PARAMS)
-    if harness.kind == "redis":  # the index itself, before list_active() would prune it
-        assert harness.store._client.zscore(harness.store._active_key, "done") is None  # noqa: SLF001
+    if harness.redis_client is not None:  # the index itself, before list_active() would prune it
+        assert harness.redis_client.zscore(f"{DEFAULT_NAMESPACE}:active", "done") is None
     assert harness.store.list_active() == []
     assert harness.store.load("done").status == RequestStatus.FINISHED
 
@@ -252,17 +299,45 @@ def test_requests_expire_ttl_after_their_last_write(short_ttl: Harness) -> None:
     assert store.list_active() == []
 
 
-def test_open_state_store_picks_the_backend(redis_server) -> None:
-    memory = open_state_store("")
-    assert isinstance(memory, InMemoryStateStore)
-    store = open_state_store(redis_server.url, StateStoreConfig(namespace="pick"))
+@pytest.mark.parametrize(
+    ("open_store", "memory_class", "redis_class"),
+    [
+        (open_state_store, InMemoryStateStore, RedisStateStore),
+        (open_async_state_store, AsyncInMemoryStateStore, AsyncRedisStateStore),
+    ],
+)
+def test_open_state_store_picks_the_backend(redis_server, open_store, memory_class: type, redis_class: type) -> None:
+    assert isinstance(open_store(""), memory_class)
+    opened = open_store(redis_server.url, StateStoreConfig(namespace="pick"))
+    assert isinstance(opened, redis_class)
+    store = opened if redis_class is RedisStateStore else SyncFacade(opened)
     try:
-        assert isinstance(store, RedisStateStore)
         store.create("r1", PARAMS)
         assert store.load("r1").params == PARAMS
     finally:
         store.delete("r1")
         store.close()
+
+
+def test_async_memory_store_runs_the_wrapped_stores_overrides() -> None:
+    """Tests inject faults by subclassing InMemoryStateStore and wrapping it: the wrapper calls the
+    subclass's methods, and set_status is a step like any other."""
+
+    class Down(InMemoryStateStore):
+        def append_step(self, request_id, token_ids=(), **kwargs):  # noqa: ANN001, ANN003
+            raise Unavailable("state_store", "down", dependency="state_store")
+
+    sync = Down()
+    store = SyncFacade(AsyncInMemoryStateStore(sync))
+    store.create("r1", PARAMS)
+    with pytest.raises(Unavailable):
+        store.append_step("r1", [1])
+    with pytest.raises(Unavailable):
+        store.set_status("r1", RequestStatus.CANCELLED)
+    assert sync.load("r1").status == RequestStatus.QUEUED
+    store.close()
+    with pytest.raises(ValueError, match="not both"):
+        AsyncInMemoryStateStore(sync, config=StateStoreConfig())
 
 
 # ---- Redis only --------------------------------------------------------------------------------
@@ -290,22 +365,24 @@ def test_redis_keys_are_namespaced_and_expiring(redis_client: redis.Redis) -> No
     assert other.list_active() == []
 
 
-def test_redis_per_step_write_is_one_round_trip(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    store = RedisStateStore(redis_client, StateStoreConfig())
+@pytest.mark.parametrize("kind", ["redis", "redis-async"])
+def test_redis_per_step_write_is_one_round_trip(
+    kind: str, request: pytest.FixtureRequest, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make_harness(kind, request, StateStoreConfig())
+    store = h.store
     store.create("r1", PARAMS)
     store.append_step("r1", [0])  # loads the script (EVALSHA miss -> SCRIPT LOAD) once
     evalsha_before = redis_client.info("commandstats")["cmdstat_evalsha"]["calls"]
     # Every round trip goes through one send_packed_command (a pipeline too).
-    connection = redis_client.connection_pool.get_connection()
-    redis_client.connection_pool.release(connection)
-    connection_type = type(connection)
+    connection_type = h.backend._client.connection_pool.connection_class  # noqa: SLF001
     owner = next(c for c in connection_type.__mro__ if "send_packed_command" in vars(c))
     sends = []
     original = owner.send_packed_command
 
     def counting_send(self, command, check_health=True):  # noqa: ANN001 - redis-py's signature
         sends.append(command)
-        return original(self, command, check_health)
+        return original(self, command, check_health)  # a coroutine from the async connection
 
     monkeypatch.setattr(owner, "send_packed_command", counting_send)
     for i in range(10):
@@ -313,11 +390,13 @@ def test_redis_per_step_write_is_one_round_trip(redis_client: redis.Redis, monke
             "r1", [i], expected_num_tokens=1 + i, stats={"step": i}, controller_state={"k": 4}, owner="gw-1"
         )
     monkeypatch.undo()
+    h.store.close()
     assert len(sends) == 10
     assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] - evalsha_before == 10
 
 
-def test_redis_recovery_through_a_fresh_client(redis_server, redis_client: redis.Redis) -> None:
+@pytest.mark.parametrize("restarted_kind", ["redis", "redis-async"])
+def test_redis_recovery_through_a_fresh_client(restarted_kind: str, redis_server, redis_client: redis.Redis) -> None:
     config = StateStoreConfig(namespace="recover")
     first = RedisStateStore(redis_client, config)
     first.create("done", PARAMS, prompt_token_ids=[1])
@@ -332,8 +411,8 @@ def test_redis_recovery_through_a_fresh_client(redis_server, redis_client: redis
         controller_state={"draft_length": 5},
         owner="gw-old",
     )
-    # The gateway dies; a new one connects with its own client.
-    restarted = RedisStateStore.from_url(redis_server.url, config)
+    # The gateway dies; a new one connects with its own client (sync or async: the same keys).
+    restarted = open_redis(restarted_kind, redis_server.url, config)
     try:
         assert restarted.list_active() == ["live"]
         assert not restarted.claim("live", "gw-new")  # the old lease is still live
@@ -345,11 +424,18 @@ def test_redis_recovery_through_a_fresh_client(redis_server, redis_client: redis
         restarted.close()
 
 
-def test_a_stalled_redis_is_unavailable_and_named_as_the_dependency(redis_server) -> None:
-    """A Redis that does not answer (stopped) times out: Unavailable, marked as the state store's
-    failure (clients are told without its name or details)."""
-    store = RedisStateStore.from_url(redis_server.url, StateStoreConfig(namespace="stall"), timeout_s=0.2)
-    os.kill(redis_server.pid, signal.SIGSTOP)
+@pytest.mark.parametrize("kind", ["redis", "redis-async"])
+@pytest.mark.parametrize("is_stalled", [True, False], ids=["stalled", "absent"])
+def test_a_stalled_or_absent_redis_is_unavailable_and_named_as_the_dependency(
+    kind: str, is_stalled: bool, redis_server, tmp_path
+) -> None:
+    """A Redis that does not answer (stopped) times out, one that is not there refuses the
+    connection: Unavailable, marked as the state store's failure (clients are told without its
+    name or details)."""
+    url = redis_server.url if is_stalled else f"unix://{tmp_path / 'absent.sock'}"
+    store = open_redis(kind, url, StateStoreConfig(namespace="stall"), timeout_s=0.2)
+    if is_stalled:
+        os.kill(redis_server.pid, signal.SIGSTOP)
     try:
         with pytest.raises(Unavailable) as e:
             store.load("r1")
@@ -357,3 +443,25 @@ def test_a_stalled_redis_is_unavailable_and_named_as_the_dependency(redis_server
         os.kill(redis_server.pid, signal.SIGCONT)
         store.close()
     assert e.value.dependency == "state_store" and e.value.field == "state_store"
+
+
+def test_hundreds_of_concurrent_async_writes_share_a_bounded_pool(redis_server) -> None:
+    """400 requests created and stepped at once (the gateway's coroutines) through 4 connections:
+    calls wait for a free connection instead of failing, and every write lands."""
+    config = StateStoreConfig(namespace="burst")
+
+    async def burst() -> list:
+        store = AsyncRedisStateStore.from_url(redis_server.url, config, max_connections=4)
+        try:
+
+            async def one(i: int) -> None:
+                await store.create(f"b{i}", PARAMS, prompt_token_ids=[1, 2], status=RequestStatus.RUNNING)
+                await store.append_step(f"b{i}", [i], expected_num_tokens=0)
+
+            await asyncio.gather(*(one(i) for i in range(400)))
+            return [await store.load(f"b{i}") for i in range(400)]
+        finally:
+            await store.close()
+
+    states = asyncio.run(burst())
+    assert [s.token_ids for s in states] == [(i,) for i in range(400)]
