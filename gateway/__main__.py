@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
-import threading
 import time
 
 import structlog
@@ -14,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec.service.api_keys import ApiKeys
 from gateway.backends import Backends
-from gateway.config import parse_config
+from gateway.config import GatewayConfig, parse_config
 from gateway.server import GenerationServicer
 from specdec.errors import Unavailable
 from specdec.logging import configure_logging
@@ -23,7 +22,7 @@ from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit
 from specdec.service.aio import AioErrorInterceptor, serve_aio
-from specdec.state_store import StateStoreConfig, open_state_store
+from specdec.state_store import StateStoreConfig, open_async_state_store
 from specdec.v1 import gateway_pb2_grpc
 
 MODEL_INFO_TIMEOUT_S = 600.0
@@ -32,7 +31,6 @@ MODEL_INFO_TIMEOUT_S = 600.0
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("gateway", level=config.log_level)
-    log = structlog.get_logger("gateway")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     try:
         api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
@@ -43,6 +41,15 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer.from_dir(
         resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     )
+    asyncio.run(serve(config, tokenizer, service_token, api_keys))
+
+
+async def serve(
+    config: GatewayConfig, tokenizer: Tokenizer, service_token: str | None, api_keys: ApiKeys | None
+) -> None:
+    """Connect to the services and the state store (inside the event loop that uses them: gRPC aio
+    channels and redis.asyncio connections belong to one loop), then serve until SIGTERM/SIGINT."""
+    log = structlog.get_logger("gateway")
     backends = Backends(
         config.primary_address,
         config.draft_address,
@@ -52,47 +59,51 @@ def main(argv: list[str] | None = None) -> None:
         config.is_logits_via_handle,
         service_token=service_token,
     )
-    give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
-    while True:
-        try:
-            model = backends.model_info()
-            break
-        except Unavailable:
-            if time.monotonic() > give_up:
-                raise
-            time.sleep(0.5)
-    store = open_state_store(config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s))
-    owner = f"gateway@{socket.gethostname()}:{config.server.port}"
-    registry = CollectorRegistry()
-    metrics = ServiceMetrics(registry)
-    servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
-    log.info(
-        "gateway ready",
-        primary=config.primary_address,
-        draft=config.draft_address,
-        validator=config.validator_address,
-        tls=config.server.is_tls,
-        tenants=None if api_keys is None else sorted(api_keys.tenants),
-        state_store="redis" if config.redis_url else "in-process",
-        max_context=model.max_context,
-    )
-    if config.redis_url:
-        threading.Thread(target=servicer.resume_active, name="resume", daemon=True).start()
+    store = open_async_state_store(config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s))
+    servicer = None
     try:
-        # An asyncio server: open streams and queued requests hold no thread (gateway.server).
-        asyncio.run(
-            serve_aio(
-                config.server,
-                [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
-                interceptors=[AioErrorInterceptor(metrics)],
-                registry=registry,
-            )
+        give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
+        while True:
+            try:
+                model = await backends.model_info()
+                break
+            except Unavailable:
+                if time.monotonic() > give_up:
+                    raise
+                await asyncio.sleep(0.5)
+        owner = f"gateway@{socket.gethostname()}:{config.server.port}"
+        registry = CollectorRegistry()
+        metrics = ServiceMetrics(registry)
+        servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
+        log.info(
+            "gateway ready",
+            primary=config.primary_address,
+            draft=config.draft_address,
+            validator=config.validator_address,
+            tls=config.server.is_tls,
+            tenants=None if api_keys is None else sorted(api_keys.tenants),
+            state_store="redis" if config.redis_url else "in-process",
+            max_context=model.max_context,
+        )
+
+        async def resume(_port: int) -> None:
+            if config.redis_url:
+                await servicer.resume_active()
+
+        # An asyncio server: open streams and requests hold no thread (gateway.server).
+        await serve_aio(
+            config.server,
+            [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
+            interceptors=[AioErrorInterceptor(metrics)],
+            registry=registry,
+            on_started=resume,
         )
     finally:
-        servicer.close()
-        servicer.grammars.close()
-        backends.close()
-        store.close()
+        if servicer is not None:
+            servicer.close()
+            servicer.grammars.close()
+        await backends.close()
+        await store.close()
 
 
 if __name__ == "__main__":

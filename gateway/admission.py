@@ -10,13 +10,13 @@ queue without ever reaching the primary.
 
     ticket = admission.enter(tenant)          # granted now, queued, or QueueFull
     try:
-        waited_s = ticket.wait(deadline, cancel)   # DeadlineExceeded / Cancelled: left the queue
+        waited_s = await ticket.wait_async(deadline, cancel, request_id)
+        # DeadlineExceeded / Cancelled: it left the queue
         ... generate ...
     finally:
         ticket.release()                      # the slot goes to the next waiter
 
-The asyncio gateway waits with `await ticket.wait_async(deadline, cancel, request_id)` instead:
-a queued request then holds no thread, only a future that the grant resolves.
+A queued request holds no thread, only a future that the grant resolves.
 """
 
 from __future__ import annotations
@@ -112,22 +112,11 @@ class Ticket:
     def is_granted(self) -> bool:
         return self._granted.is_set()
 
-    def wait(self, deadline: float | None, cancel: threading.Event, request_id: str) -> float:
-        """Block until the ticket holds a slot; the seconds it waited. A deadline (time.monotonic)
-        that passes first -> DeadlineExceeded, a cancel first -> Cancelled: either way it left the
-        queue (and a slot granted at that same moment went on to the next waiter)."""
-        a = self._admission
-        while not self._granted.is_set():
-            now = a.clock()
-            timeout = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S, max(0.0, deadline - now))
-            if self._granted.wait(timeout):
-                break
-            self._leave_if_ended(deadline, cancel, request_id)
-        return self._admitted()
-
     async def wait_async(self, deadline: float | None, cancel: threading.Event, request_id: str) -> float:
-        """wait() for a coroutine: no thread is held while it waits. The coroutine cancelled (its
-        client went away) leaves the queue as a cancel does (asyncio.CancelledError goes on)."""
+        """Wait until the ticket holds a slot, holding no thread; the seconds it waited. A deadline
+        (time.monotonic) that passes first -> DeadlineExceeded, a cancel first -> Cancelled, the
+        coroutine cancelled (its client went away) -> asyncio.CancelledError: either way it left the
+        queue (and a slot granted at that same moment went on to the next waiter)."""
         a = self._admission
         if not self._granted.is_set():
             loop = asyncio.get_running_loop()

@@ -1,6 +1,8 @@
 """The gateway's view of the three internal services: typed calls, domain errors.
 
-Protobuf stays here; the request loop sees plain values. A failed call becomes the domain
+Every call is a coroutine on grpc.aio stubs: a request's loop waits for the primary without
+holding a thread (gateway.server). Make Backends inside the event loop that will use it (grpc.aio
+channels belong to one loop). Protobuf stays here; the request loop sees plain values. A failed call becomes the domain
 error of its status (NotFound, Unavailable, ...), so the loop can recover from a restarted
 primary (NOT_FOUND after a re-prefill is needed, UNAVAILABLE while it is down).
 """
@@ -29,7 +31,7 @@ from specdec.errors import (
     Unavailable,
 )
 from specdec.sampling import SamplingParams
-from specdec.service.auth import authenticated_channel
+from specdec.service.auth import token_metadata
 from specdec.v1 import (
     common_pb2,
     draft_pb2,
@@ -166,9 +168,9 @@ class Backends:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         # service_token: sent on every call (specdec.service.auth); None when the services run without one.
+        self._metadata = token_metadata(service_token)
         self._channels = [
-            authenticated_channel(grpc.insecure_channel(a, options=options), service_token)
-            for a in (primary_address, draft_address, validator_address)
+            grpc.aio.insecure_channel(a, options=options) for a in (primary_address, draft_address, validator_address)
         ]
         self.primary = primary_pb2_grpc.PrimaryServiceStub(self._channels[0])
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
@@ -182,20 +184,20 @@ class Backends:
         # gateway instance that prefilled a request can step or release it.
         self._kv_leases: dict[str, str] = {}
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for c in self._channels:
-            c.close()
+            await c.close()
 
-    def _call(self, service: str, method, request):
+    async def _call(self, service: str, method, request):
         try:
-            return method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise _domain_error(e, service) from None
 
     # --- primary ---------------------------------------------------------------------------
 
-    def model_info(self) -> ModelInfo:
-        r = self._call("primary", self.primary.GetModelInfo, primary_pb2.GetModelInfoRequest())
+    async def model_info(self) -> ModelInfo:
+        r = await self._call("primary", self.primary.GetModelInfo, primary_pb2.GetModelInfoRequest())
         return ModelInfo(
             r.vocab_size,
             tuple(r.eos_token_ids),
@@ -204,10 +206,10 @@ class Backends:
             {c.num_nodes: c.time_ms for c in r.verify_costs},
         )
 
-    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
         """`num_prompt_tokens`: how many of `token_ids` are the prompt (a recovery sends the generated
         tokens after it)."""
-        r = self._call(
+        r = await self._call(
             "primary",
             self.primary.Prefill,
             primary_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens),
@@ -215,7 +217,7 @@ class Backends:
         self._kv_leases[request_id] = r.kv_lease
         return Prefilled(r.time_ms, r.num_cached_prompt_tokens)
 
-    def verify(
+    async def verify(
         self,
         request_id: str,
         accepted_nodes: Sequence[int],
@@ -225,7 +227,7 @@ class Backends:
         allowed: TokenBitmask | None = None,
     ) -> Verified:
         """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None."""
-        r = self._call(
+        r = await self._call(
             "primary",
             self.primary.Verify,
             primary_pb2.VerifyRequest(
@@ -246,7 +248,7 @@ class Backends:
             r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), self.other_step_rows
         )
 
-    def decode(
+    async def decode(
         self,
         request_id: str,
         accepted_nodes: Sequence[int],
@@ -255,7 +257,7 @@ class Backends:
         step: int,
         allowed: TokenBitmask | None = None,
     ) -> Decoded:
-        r = self._call(
+        r = await self._call(
             "primary",
             self.primary.Decode,
             primary_pb2.DecodeRequest(
@@ -271,15 +273,15 @@ class Backends:
         self.other_step_rows = max(0, r.num_step_rows - 1)
         return Decoded(r.token_id, r.forward_ms, self.other_step_rows)
 
-    def release_primary(self, request_id: str) -> None:
+    async def release_primary(self, request_id: str) -> None:
         release = primary_pb2.PrimaryServiceReleaseRequest(
             request_id=request_id, kv_lease=self._kv_leases.pop(request_id, "")
         )
-        self._call("primary", self.primary.Release, release)
+        await self._call("primary", self.primary.Release, release)
 
     # --- draft -------------------------------------------------------------------------------
 
-    def propose(
+    async def propose(
         self,
         request_id: str,
         prompt_token_ids: Sequence[int],
@@ -293,7 +295,7 @@ class Backends:
     ) -> DraftTree:
         """`response_format` goes with the first call of a request (the one carrying the prompt);
         `lookahead_argmax_token_ids` are the primary's argmaxes at the previous proposal's lookahead rows."""
-        r = self._call(
+        r = await self._call(
             "draft",
             self.draft.Propose,
             draft_pb2.ProposeRequest(
@@ -319,12 +321,13 @@ class Backends:
             tuple(r.lookahead.parents),
         )
 
-    def draft_strategies(self) -> tuple[str, ...]:
+    async def draft_strategies(self) -> tuple[str, ...]:
         """The strategies the draft pool offers."""
-        return tuple(self._call("draft", self.draft.GetPoolInfo, draft_pb2.GetPoolInfoRequest()).strategies)
+        r = await self._call("draft", self.draft.GetPoolInfo, draft_pb2.GetPoolInfoRequest())
+        return tuple(r.strategies)
 
-    def release_draft(self, request_id: str, is_finished: bool) -> None:
-        self._call(
+    async def release_draft(self, request_id: str, is_finished: bool) -> None:
+        await self._call(
             "draft",
             self.draft.Release,
             draft_pb2.DraftServiceReleaseRequest(request_id=request_id, is_finished=is_finished),
@@ -332,7 +335,7 @@ class Backends:
 
     # --- validator ---------------------------------------------------------------------------
 
-    def validate(
+    async def validate(
         self,
         request_id: str,
         mode: AcceptanceMode,
@@ -343,7 +346,7 @@ class Backends:
         verified: Verified,
         allowed: TokenBitmask | None = None,
     ) -> Validation:
-        r = self._call(
+        r = await self._call(
             "validator",
             self.validator.Validate,
             validator_pb2.ValidateRequest(

@@ -194,8 +194,6 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
             max_message_bytes=a.max_message_bytes,
             tls_cert_file=a.tls_cert,
             tls_key_file=a.tls_key,
-            # The threads that run admitted requests' loops (the server itself is asyncio).
-            max_workers=max(1, a.max_active_requests),
         ),
         primary_address=a.primary_address,
         draft_address=a.draft_address,

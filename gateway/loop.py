@@ -27,12 +27,13 @@ Cancellation and deadlines are checked once per step, so they stop a request wit
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import threading
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import structlog
 
@@ -48,7 +49,7 @@ from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_fo
 from specdec.errors import FailedPrecondition, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
-from specdec.state_store import RequestStatus, StateStore
+from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import GRAMMAR_STRATEGY
 from specdec.task_type import TaskType
 
@@ -63,6 +64,10 @@ DEFAULT_MAX_STATE_RETRY_S = 10.0
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
+
+
+async def _nothing() -> None:
+    """A primary call that does nothing: _with_primary(_nothing, is_fresh=True) only prefills."""
 
 
 def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
@@ -153,7 +158,7 @@ class RequestLoop:
         params: GenerationParams,
         prompt_ids: Sequence[int],
         backends: Backends,
-        store: StateStore,
+        store: AsyncStateStore,
         tokenizer: Tokenizer,
         model: ModelInfo,
         logits_formats: tuple[str, str],
@@ -241,12 +246,12 @@ class RequestLoop:
 
     # --- the loop ----------------------------------------------------------------------------
 
-    def run(self) -> Iterator[StepOutput]:
+    async def run(self) -> AsyncIterator[StepOutput]:
         """Yield each step's committed tokens and final text; the outcome is in `self.outcome` at the end."""
         start = time.perf_counter()
         finish = None
         try:
-            self._prefill()
+            await self._prefill()
             while finish is None:
                 finish = self._stop_signal()
                 if finish is not None:
@@ -254,16 +259,16 @@ class RequestLoop:
                 step_start = time.perf_counter()
                 plan = self._plan()
                 if plan.is_speculative:
-                    new_tokens, outcomes = self._speculative_step(plan)
+                    new_tokens, outcomes = await self._speculative_step(plan)
                 else:
-                    new_tokens, outcomes = self._plain_step(), None
+                    new_tokens, outcomes = await self._plain_step(), None
                 num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
                 new_tokens += self._forced_after(new_tokens)
                 self._observe(plan, outcomes)
                 kept, finish = self._truncate(new_tokens)
                 self.stats.num_steps += 1
                 self.stats.num_generated_tokens += len(kept)
-                delta, is_stopped, is_stored = self._commit(
+                delta, is_stopped, is_stored = await self._commit(
                     kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen)
                 )
                 self.stats.total_ms += (time.perf_counter() - step_start) * 1000
@@ -276,15 +281,15 @@ class RequestLoop:
                     yield StepOutput(kept, delta)
         except GeneratorExit:
             # The consumer closed the stream: its client cancelled, went away or ran out of time.
-            self._finish(self._stop_signal() or FINISH_CANCELLED)
+            await self._finish(self._stop_signal() or FINISH_CANCELLED)
             raise
         except BaseException as e:
-            self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
+            await self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
             raise
         if finish != FINISH_STOP:
             self.text = self._cut_at_stop(self.text + self.detok.finish())[0]
         tail = self.text[self.emitted_chars :]
-        self._finish(finish)
+        await self._finish(finish)
         self.outcome = RequestOutcome(self.generated, self.text, finish, self.stats)
         if tail:
             yield StepOutput([], tail)
@@ -343,32 +348,32 @@ class RequestLoop:
 
     # --- steps ---------------------------------------------------------------------------------
 
-    def _prefill(self) -> None:
+    async def _prefill(self) -> None:
         t = time.perf_counter()
-        self._with_primary(lambda: None, is_fresh=True)
+        await self._with_primary(_nothing, is_fresh=True)
         ms = (time.perf_counter() - t) * 1000
         self.stats.stage_ms["verify"] += ms
         self.stats.total_ms += ms
 
-    def _speculative_step(self, plan: SpeculationPlan) -> tuple[list[int], list[CandidateOutcome] | None]:
+    async def _speculative_step(self, plan: SpeculationPlan) -> tuple[list[int], list[CandidateOutcome] | None]:
         """One propose -> verify -> validate; the candidates' outcomes (None when the draft service failed)."""
         t0 = time.perf_counter()
-        tree = self._propose(plan)
+        tree = await self._propose(plan)
         if len(self.prompt_ids) + len(self.generated) + tree.lookahead_depth > self.model.max_context:
             tree = dataclasses.replace(tree, lookahead_token_ids=(), lookahead_parents=())  # no room: not this step
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
         t1 = time.perf_counter()
         fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
-        verified = self._with_primary(
+        verified = await self._with_primary(
             lambda: self.backends.verify(
                 self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed
             )
         )
         t2 = time.perf_counter()
-        v = self._validate(tree, verified, allowed)
+        v = await self._validate(tree, verified, allowed)
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
-            self._with_primary(lambda: None, is_fresh=True)
+            await self._with_primary(_nothing, is_fresh=True)
             return [], None
         self.stats.forward_ms += verified.forward_ms
         self._observe_load(verified.other_step_rows)
@@ -381,12 +386,12 @@ class RequestLoop:
             self.stats.stage_ms[stage] += ms * 1000
         return list(self.pending_committed), (outcomes if tree.decoders else None)
 
-    def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
+    async def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
         """The validator's decision; while it cannot be reached, the same greedy rule here from the
         primary's argmaxes, or None (sampling and threshold modes need the validator)."""
         if self.validator_state.should_call():
             try:
-                v = self.backends.validate(
+                v = await self.backends.validate(
                     self.request_id,
                     self.acceptance_mode,
                     self.params.sampling,
@@ -407,10 +412,10 @@ class RequestLoop:
             else None
         )
 
-    def _plain_step(self) -> list[int]:
+    async def _plain_step(self) -> list[int]:
         t = time.perf_counter()
         allowed = None if self.grammar is None else self.grammar.allowed_mask()  # 1 row
-        decoded = self._with_primary(
+        decoded = await self._with_primary(
             lambda: self.backends.decode(
                 self.request_id,
                 self.pending_accepted,
@@ -448,7 +453,7 @@ class RequestLoop:
         self.pending_committed.extend(forced)
         return forced
 
-    def _propose(self, plan: SpeculationPlan) -> DraftTree:
+    async def _propose(self, plan: SpeculationPlan) -> DraftTree:
         """The plan's candidates as a tree. The draft service first hears the tokens committed since
         its previous call (all of them when it opens the request: first call, or after it lost it)."""
         strategies = decoders_for(plan.sources)
@@ -461,7 +466,7 @@ class RequestLoop:
         # the argmaxes belong to the rows of the service's previous proposal: none for a reopened request
         lookahead_argmax, self.pending_lookahead_argmax = self.pending_lookahead_argmax, ()
         try:
-            tree = self.backends.propose(
+            tree = await self.backends.propose(
                 self.request_id,
                 prompt,
                 new,
@@ -474,7 +479,7 @@ class RequestLoop:
             )
         except NotFound:  # the draft service restarted: resend the context
             self.is_draft_open = False
-            return self._propose(plan) if not prompt else EMPTY_TREE
+            return await self._propose(plan) if not prompt else EMPTY_TREE
         except Unavailable as e:  # logged once by the state, not at every step
             self.draft_state.failed(str(e))
             self.is_draft_open = False
@@ -513,7 +518,7 @@ class RequestLoop:
         cut = find_stop_string(text, self.params.stop)
         return (text, False) if cut is None else (text[:cut], True)
 
-    def _commit(self, kept: list[int], is_final: bool, num_forced: int = 0) -> tuple[str, bool, bool]:
+    async def _commit(self, kept: list[int], is_final: bool, num_forced: int = 0) -> tuple[str, bool, bool]:
         """Record the step's tokens, the last `num_forced` of them forced by the grammar; returns (text
         delta ready to emit, hit a stop string, stored). Detokenizing, stop strings and the grammar are
         booked as commit time, the store's write as state."""
@@ -540,10 +545,10 @@ class RequestLoop:
         t_state = time.perf_counter()
         self.stats.stage_ms["commit"] += (t_state - t) * 1000
 
-        def append() -> None:
+        async def append() -> None:
             nonlocal num_attempts
             num_attempts += 1
-            self.store.append_step(
+            await self.store.append_step(
                 self.request_id,
                 kept,
                 expected_num_tokens=len(self.generated),
@@ -553,9 +558,9 @@ class RequestLoop:
             )
 
         try:
-            self._with_state_store(append)
+            await self._with_state_store(append)
         except FailedPrecondition:
-            if num_attempts == 1 or not self._is_stored(len(self.generated) + len(kept)):
+            if num_attempts == 1 or not await self._is_stored(len(self.generated) + len(kept)):
                 return "", False, False
             # A retried write whose first attempt had been applied (its reply was lost): it is stored.
         finally:
@@ -576,14 +581,14 @@ class RequestLoop:
         self.stats.stage_ms["commit"] += (time.perf_counter() - t) * 1000
         return delta, is_stopped, True
 
-    def _finish(self, finish: str, error: str = "") -> None:
+    async def _finish(self, finish: str, error: str = "") -> None:
         status = {
             FINISH_CANCELLED: RequestStatus.CANCELLED,
             FINISH_ERROR: RequestStatus.FAILED,
             FINISH_DEADLINE: RequestStatus.CANCELLED,
         }.get(finish, RequestStatus.FINISHED)
         try:
-            self._with_state_store(
+            await self._with_state_store(
                 lambda: self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
             )
         except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
@@ -593,13 +598,13 @@ class RequestLoop:
             lambda: self.backends.release_draft(self.request_id, finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)),
         ):
             try:
-                release()
+                await release()
             except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
                 pass
 
     # --- state store retries ---------------------------------------------------------------------
 
-    def _with_state_store(self, write: Callable[[], Any]) -> Any:
+    async def _with_state_store(self, write: Callable[[], Awaitable[Any]]) -> Any:
         """write(), retried with bounded backoff while the state store is unavailable; Unavailable once
         max_state_retry_s (or the request's deadline) would pass."""
         give_up = time.monotonic() + self.max_state_retry_s
@@ -607,7 +612,7 @@ class RequestLoop:
             give_up = min(give_up, self.deadline)
         for attempt in itertools.count():
             try:
-                return write()
+                return await write()
             except Unavailable as e:
                 wait = STATE_RETRY_WAITS_S[attempt] if attempt < len(STATE_RETRY_WAITS_S) else STATE_RETRY_MAX_WAIT_S
                 if time.monotonic() + wait > give_up or self.cancel.is_set():
@@ -615,22 +620,22 @@ class RequestLoop:
                 (self.log.warning if attempt == 0 else self.log.debug)(
                     "state store unavailable; retrying", attempt=attempt + 1, error=str(e)
                 )
-                time.sleep(wait)
+                await asyncio.sleep(wait)
 
-    def _is_stored(self, num_tokens: int) -> bool:
-        state = self._with_state_store(lambda: self.store.load(self.request_id))
+    async def _is_stored(self, num_tokens: int) -> bool:
+        state = await self._with_state_store(lambda: self.store.load(self.request_id))
         return state is not None and len(state.token_ids) == num_tokens and not state.status.is_terminal
 
     # --- primary recovery ----------------------------------------------------------------------
 
-    def _with_primary(self, call: Callable, is_fresh: bool = False):
+    async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
         """Run a primary call; if the primary lost the request (restart), re-prefill and retry."""
         give_up = time.monotonic() + self.recovery_timeout_s
         needs_prefill = is_fresh
         while True:
             try:
                 if needs_prefill:
-                    prefilled = self.backends.prefill(
+                    prefilled = await self.backends.prefill(
                         self.request_id, self.prompt_ids + self.generated, len(self.prompt_ids)
                     )
                     self.stats.forward_ms += prefilled.time_ms
@@ -638,7 +643,7 @@ class RequestLoop:
                         self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
                     self.pending_accepted, self.pending_committed = (), []
                     needs_prefill = False
-                return call()
+                return await call()
             except NotFound:
                 if is_fresh:
                     raise
@@ -648,5 +653,5 @@ class RequestLoop:
                 if time.monotonic() > give_up or self.cancel.is_set():
                     raise
                 self.log.warning("primary unavailable; waiting", error=str(e))
-                time.sleep(RECOVERY_POLL_S)
+                await asyncio.sleep(RECOVERY_POLL_S)
                 needs_prefill = True

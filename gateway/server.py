@@ -8,24 +8,25 @@ and GetRequest/Cancel of an id the caller's tenant does not hold is NOT_FOUND.
 A generation starts when admission control (gateway.admission) gives it a slot; until then it is
 stored as QUEUED, and a full queue refuses it before anything is stored.
 
-The servicer runs on a grpc.aio server: its RPCs are coroutines, so an open stream or a queued
-request holds no thread, only memory. An admitted request's loop (gateway.loop, synchronous: it
-calls the internal services and the state store) runs in a pool of max_active_requests threads
-and hands each step's output to its coroutine through an asyncio queue; state-store calls made
-outside the loop run in asyncio's default thread pool. A client that goes away (its coroutine
+The servicer runs on a grpc.aio server and everything behind it is asynchronous too: the
+internal services through grpc.aio stubs (gateway.backends), the state store through an async
+client (redis.asyncio), and each admitted request's loop (gateway.loop) is a coroutine in a task
+of its own. So a request, open stream or queued one holds no thread, only memory, and the
+gateway's one event loop interleaves every request's steps. The loop's task hands each step's
+output to the call's coroutine through an asyncio queue; a client that goes away (its coroutine
 cancelled) sets the loop's cancel event: the loop stops within a step and stores CANCELLED.
+Only CPU work that can take long (a schema's first compile, in _prepare) runs in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import functools
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 
 import structlog
 
@@ -47,7 +48,7 @@ from specdec.metrics import ServiceMetrics
 from specdec.request_id import TENANT_SEPARATOR, tenant_of
 from specdec.service.api_keys import ApiKeys
 from specdec.model.tokenizer import Tokenizer
-from specdec.state_store import RequestStatus, StateStore
+from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 FINISH_REASONS = {
@@ -58,7 +59,7 @@ FINISH_REASONS = {
     "deadline": gateway_pb2.FINISH_REASON_DEADLINE,
     "error": gateway_pb2.FINISH_REASON_ERROR,
 }
-_STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop thread hands its coroutine
+_STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop's task hands its call's coroutine
 STATUSES = {
     RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
     RequestStatus.RUNNING: gateway_pb2.REQUEST_STATUS_RUNNING,
@@ -69,8 +70,8 @@ STATUSES = {
 
 
 async def _in_thread(fn, *args, **kwargs):
-    """fn(*args, **kwargs) in asyncio's default thread pool (blocking I/O: the state store, a
-    compile), with the caller's logging context."""
+    """fn(*args, **kwargs) in asyncio's default thread pool (CPU work that can take long: a
+    schema's first compile), with the caller's logging context."""
     return await asyncio.to_thread(functools.partial(fn, *args, **kwargs))
 
 
@@ -79,7 +80,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self,
         config: GatewayConfig,
         backends: Backends,
-        store: StateStore,
+        store: AsyncStateStore,
         tokenizer: Tokenizer,
         model: ModelInfo,
         owner: str,
@@ -107,8 +108,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self._active: dict[str, threading.Event] = {}
         self.admission = Admission(config.max_active_requests, config.max_queued_requests, metrics)
         self._lock = threading.Lock()
-        # Admitted requests' loops, one thread each: admission lets at most max_active_requests run.
-        self._loop_threads = ThreadPoolExecutor(config.max_active_requests, thread_name_prefix="request-loop")
+        # Running loops' and not-awaited writes' tasks (the event loop keeps only weak references).
         self._background: set[asyncio.Task] = set()
         self.log = structlog.get_logger("gateway")
 
@@ -144,24 +144,20 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             event = self._active.get(request_id)
         if event is not None:
             event.set()
-        return await _in_thread(self._cancel_stored, request_id, request.request_id, event is not None)
-
-    def _cancel_stored(self, request_id: str, client_id: str, is_running_here: bool) -> gateway_pb2.CancelResponse:
-        with self._told_as_client(request_id, client_id):
-            state = self.store.load(request_id)
+        is_running_here = event is not None
+        with self._told_as_client(request_id, request.request_id):
+            state = await self.store.load(request_id)
             if state is None and not is_running_here:
-                raise NotFound("request_id", f"no request {client_id!r}")
+                raise NotFound("request_id", f"no request {request.request_id!r}")
             # Another gateway running it sees the status at its next per-step write and stops.
-            was_active = self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+            was_active = await self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
         return gateway_pb2.CancelResponse(was_active=was_active or is_running_here)
 
     async def GetRequest(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
-        return await _in_thread(self._stored_request, request_id, request.request_id)
-
-    def _stored_request(self, request_id: str, client_id: str) -> gateway_pb2.GetRequestResponse:
+        client_id = request.request_id
         with self._told_as_client(request_id, client_id):
-            state = self.store.load(request_id)
+            state = await self.store.load(request_id)
         if state is None:
             raise NotFound("request_id", f"no request {client_id!r} (unknown or expired)")
         from gateway.params import params_pb_from_json
@@ -203,7 +199,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         tenant = self._tenant(context)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        params, prompt_ids, grammar, stored = await _in_thread(self._prepare, request, client_id, deadline)
+        # the pool's strategies (asked once) before the checks, which run in a thread (a first compile)
+        offered = await self._offered_by_pool() if request.speculation.strategies else None
+        params, prompt_ids, grammar, stored = await _in_thread(self._prepare, request, client_id, deadline, offered)
         try:  # a slot now, a place in the queue, or refused before anything is stored
             ticket = self.admission.enter(tenant)
         except QueueFull as e:
@@ -211,7 +209,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             raise
         is_queued = not ticket.is_granted
         status = RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING
-        creating = asyncio.ensure_future(_in_thread(self._create, request_id, client_id, stored, prompt_ids, status))
+        creating = asyncio.ensure_future(self._create(request_id, client_id, stored, prompt_ids, status))
         try:
             await asyncio.shield(creating)
         except asyncio.CancelledError:  # the client went away: once stored, it is stored as cancelled
@@ -220,7 +218,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             def mark_cancelled(f: asyncio.Future) -> None:
                 if not f.cancelled() and f.exception() is None:
                     self._in_background(
-                        self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
+                        self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
                     )
 
             creating.add_done_callback(mark_cancelled)
@@ -235,29 +233,28 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         try:
             with self._told_as_client(request_id, client_id):
                 queue_s = await self._await_turn(request_id, ticket, is_queued, deadline, cancel)
-            loop = await _in_thread(self.make_loop, request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+            loop = self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
         except BaseException as e:
             ticket.release()
             self._forget(request_id)
             # Stored, and no loop will ever end it: end it here (a no-op if the queue already did).
             if isinstance(e, asyncio.CancelledError):  # the client went away
                 self._in_background(
-                    self.store.set_status, request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
+                    self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
                 )
             elif not isinstance(e, (Cancelled, DeadlineExceeded)):
-                self._in_background(self.store.set_status, request_id, RequestStatus.FAILED, error=str(e))
+                self._in_background(self.store.set_status(request_id, RequestStatus.FAILED, error=str(e)))
             raise
         loop.stats.queue_ms = queue_s * 1000
         return client_id, loop, ticket
 
-    def _prepare(self, request, client_id: str, deadline: float | None):
+    def _prepare(self, request, client_id: str, deadline: float | None, offered: frozenset[str] | None):
         """(params, prompt token ids, grammar state or None, the request as stored): every check that
-        can refuse the request, before anything is stored."""
+        can refuse the request, before anything is stored. `offered`: the draft pool's strategies
+        (None: not asked, or the pool is down, and the request runs without drafts anyway)."""
         params = params_from_pb(request, self.config.limits, self.config.speculation)
-        if params.speculation.is_enabled and request.speculation.strategies:
-            offered = self._offered_by_pool()
-            if offered is not None:  # None: the pool is down, and the request runs without drafts anyway
-                check_offered(request.speculation.strategies, offered)
+        if params.speculation.is_enabled and offered is not None:
+            check_offered(request.speculation.strategies, offered)
         prompt_ids = self.prompt_encoder.encode(params)
         field = "prompt" if params.messages is None else "chat.messages"
         if not prompt_ids:
@@ -273,9 +270,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         stored.request_id = client_id
         return params, prompt_ids, grammar, stored
 
-    def _create(self, request_id: str, client_id: str, stored, prompt_ids, status: RequestStatus) -> None:
+    async def _create(self, request_id: str, client_id: str, stored, prompt_ids, status: RequestStatus) -> None:
         with self._told_as_client(request_id, client_id):
-            self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids, status=status)
+            await self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids, status=status)
 
     async def _await_turn(
         self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None, cancel: threading.Event
@@ -290,38 +287,35 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             if cancel.is_set():  # at the very moment it was let in
                 raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         except (Cancelled, DeadlineExceeded) as e:
-            await _in_thread(
-                self.store.set_status,
+            await self.store.set_status(
                 request_id,
                 RequestStatus.CANCELLED,
                 finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline",
             )
             raise
-        if not await _in_thread(self.store.set_status, request_id, RequestStatus.RUNNING):  # ended meanwhile
+        if not await self.store.set_status(request_id, RequestStatus.RUNNING):  # ended meanwhile
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         return queue_s
 
     async def _run(self, loop: RequestLoop, client_id: str, ticket: Ticket):
-        """Each step's output of loop.run(), run in the loop threads (see _observed). The loop's
-        admission slot is given back when the loop ends; when this generator is closed before
-        (the client went away), the loop is cancelled and stops within a step."""
-        events = asyncio.get_running_loop()
+        """Each step's output of loop.run(), which runs in a task of its own (see _observed): a
+        client that goes away cancels this coroutine, never the loop in the middle of a step. The
+        loop's admission slot is given back when the loop ends; when this generator is closed
+        before (the client went away), the loop is cancelled and stops within a step."""
         steps: asyncio.Queue = asyncio.Queue()
 
-        def put(item) -> None:
-            with contextlib.suppress(RuntimeError):  # the event loop is gone (shutdown)
-                events.call_soon_threadsafe(steps.put_nowait, item)
-
-        def drive() -> None:
+        async def drive() -> None:
             try:
-                for out in self._observed(loop, client_id):
-                    put((_STEP, out))
+                async for out in self._observed(loop, client_id):
+                    steps.put_nowait((_STEP, out))
             except BaseException as e:  # noqa: BLE001 - handed to the coroutine, raised there
-                put((_FAILED, e))
+                steps.put_nowait((_FAILED, e))
+                if isinstance(e, asyncio.CancelledError):  # shutdown: the task itself ends cancelled
+                    raise
             else:
-                put((_DONE, None))
+                steps.put_nowait((_DONE, None))
 
-        worker = events.run_in_executor(self._loop_threads, contextvars.copy_context().run, drive)
+        worker = self._in_background(drive(), name=f"request-loop {loop.request_id}", is_logged=False)
         worker.add_done_callback(lambda _: self._end(loop.request_id, ticket))  # the slot goes on
         try:
             while True:
@@ -340,27 +334,31 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         ticket.release()
         self._forget(request_id)
 
-    def _in_background(self, fn, *args, **kwargs) -> None:
-        """fn(*args, **kwargs) in a thread, not awaited (a cancelled call's last write); failures are logged."""
-        task = asyncio.ensure_future(_in_thread(fn, *args, **kwargs))
+    def _in_background(self, coro, name: str | None = None, *, is_logged: bool = True) -> asyncio.Task:
+        """coro in a task, not awaited (a request's loop, a cancelled call's last write), kept until
+        it ends; an exception it ends with is logged when is_logged (a loop hands its own to its call)."""
+        task = asyncio.create_task(coro, name=name)
         self._background.add(task)
 
         def done(t: asyncio.Task) -> None:
             self._background.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                self.log.warning("background state-store write failed", error=str(t.exception()))
+            if is_logged and not t.cancelled() and t.exception() is not None:
+                self.log.warning("background task failed", task=t.get_name(), error=str(t.exception()))
 
         task.add_done_callback(done)
+        return task
 
     def close(self) -> None:
-        """Stop taking loops; running ones were cancelled with their calls."""
-        self._loop_threads.shutdown(wait=False, cancel_futures=True)
+        """Cancel every running loop (each stops within a step and stores CANCELLED)."""
+        with self._lock:
+            for cancel in self._active.values():
+                cancel.set()
 
-    def _offered_by_pool(self) -> frozenset[str] | None:
+    async def _offered_by_pool(self) -> frozenset[str] | None:
         """The strategies the draft pool was started with (asked once), None while it cannot be reached."""
         if self._offered_strategies is None:
             try:
-                self._offered_strategies = frozenset(self.backends.draft_strategies())
+                self._offered_strategies = frozenset(await self.backends.draft_strategies())
             except Unavailable:
                 return None
         return self._offered_strategies
@@ -426,22 +424,24 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 raise told from None
             raise
 
-    def _observed(self, loop: RequestLoop, client_id: str):
+    async def _observed(self, loop: RequestLoop, client_id: str) -> AsyncIterator:
         """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics; an
         internal service's failure reaches the client as client_error says (the details are logged)."""
         with self._told_as_client(loop.request_id, client_id):
-            yield from self._measured(loop)
+            async for out in self._measured(loop):
+                yield out
 
-    def _measured(self, loop: RequestLoop):
+    async def _measured(self, loop: RequestLoop) -> AsyncIterator:
         if self.metrics is None:
-            yield from loop.run()
+            async for out in loop.run():
+                yield out
             return
         self.metrics.active_requests.inc()
         self.metrics.tokens.labels("prompt").inc(len(loop.prompt_ids))
         stats = loop.stats
         last = (stats.num_steps, stats.num_proposed, stats.num_accepted, dict(stats.stage_ms))
         try:
-            for out in loop.run():
+            async for out in loop.run():
                 if stats.num_steps > last[0]:
                     self.metrics.observe_step(
                         num_proposed=stats.num_proposed - last[1],
@@ -457,15 +457,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         with self._lock:
             self._active.pop(request_id, None)
 
-    def resume_active(self) -> list[str]:
-        """Finish requests that a previous gateway left running (state from the store)."""
+    async def resume_active(self) -> list[str]:
+        """Finish requests that a previous gateway left running (state from the store): each one's
+        loop runs in a task, like an admitted request's."""
         from gateway.params import params_pb_from_json
 
         resumed = []
-        for request_id in self.store.list_active():
-            if not self.store.claim(request_id, self.owner):
+        for request_id in await self.store.list_active():
+            if not await self.store.claim(request_id, self.owner):
                 continue
-            state = self.store.load(request_id)
+            state = await self.store.load(request_id)
             if state is None:
                 continue
             params = params_from_pb(params_pb_from_json(state.params), self.config.limits, self.config.speculation)
@@ -484,27 +485,25 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 state.controller_state,
                 grammar,
             )
-
             # A slot like any request's: a restart with many requests in flight must not run more
             # than max_active_requests at once.
             ticket = self.admission.enter(self._tenant_of(request_id), is_accepted=True)
-
-            def run(loop=loop, ticket=ticket) -> None:
-                try:
-                    try:
-                        ticket.wait(None, loop.cancel, loop.request_id)
-                    except Cancelled:  # while it waited for a slot
-                        self.store.set_status(loop.request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
-                        return
-                    for _ in loop.run():
-                        pass
-                except Exception as e:  # noqa: BLE001 - recorded as FAILED in the store by the loop
-                    self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))
-                finally:
-                    self._end(loop.request_id, ticket)
-
-            threading.Thread(target=run, name=f"resume-{request_id}", daemon=True).start()
+            self._in_background(self._resumed(loop, ticket), name=f"resume {request_id}")
             resumed.append(request_id)
         if resumed:
             self.log.info("resumed requests", request_ids=resumed)
         return resumed
+
+    async def _resumed(self, loop: RequestLoop, ticket: Ticket) -> None:
+        try:
+            try:
+                await ticket.wait_async(None, loop.cancel, loop.request_id)
+            except Cancelled:  # while it waited for a slot
+                await self.store.set_status(loop.request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+                return
+            async for _ in loop.run():
+                pass
+        except Exception as e:  # noqa: BLE001 - recorded as FAILED in the store by the loop
+            self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))
+        finally:
+            self._end(loop.request_id, ticket)

@@ -147,7 +147,7 @@ class _TokenClientInterceptor(
     """Adds the service token to the metadata of every call."""
 
     def __init__(self, token: str) -> None:
-        self._entry = (AUTHORIZATION, BEARER + token)
+        (self._entry,) = token_metadata(token)
 
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         return _CallDetails(
@@ -184,6 +184,12 @@ class _CallDetails(grpc.ClientCallDetails):
     ) -> None:
         self.method, self.timeout, self.metadata = method, timeout, metadata
         self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries the service token (none when token is None: auth is off);
+    an asyncio caller (the gateway's grpc.aio stubs) passes it with every call."""
+    return () if token is None else ((AUTHORIZATION, BEARER + token),)
 
 
 def authenticated_channel(channel: grpc.Channel, token: str | None) -> grpc.Channel:

@@ -68,7 +68,7 @@ def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_counted():
     running[0].release()
     running[0].release()  # idempotent: the slot is handed on once
     assert queued.is_granted and admission.num_active == 2 and admission.num_queued == 0
-    assert queued.wait(None, threading.Event(), "r") >= 0
+    assert asyncio.run(queued.wait_async(None, threading.Event(), "r")) >= 0
     assert registry.get_sample_value("specdec_admission_wait_seconds_count") == 1
     for t in (running[1], queued):
         t.release()
@@ -81,7 +81,7 @@ def test_a_queued_request_past_its_deadline_leaves_the_queue():
     holder = admission.enter("")
     late = admission.enter("")
     with pytest.raises(DeadlineExceeded, match="request_id: request 'r1' waited"):
-        late.wait(time.monotonic() + 0.05, threading.Event(), "r1")
+        asyncio.run(late.wait_async(time.monotonic() + 0.05, threading.Event(), "r1"))
     assert admission.num_queued == 0 and registry.get_sample_value("specdec_queue_depth") == 0
     assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "deadline"}) == 1
     holder.release()
@@ -96,7 +96,7 @@ def test_a_cancelled_queued_request_leaves_the_queue_and_the_next_one_keeps_its_
     cancel = threading.Event()
     threading.Timer(0.05, cancel.set).start()
     with pytest.raises(Cancelled):
-        cancelled.wait(None, cancel, "r1")
+        asyncio.run(cancelled.wait_async(None, cancel, "r1"))
     assert admission.num_queued == 1
     holder.release()
     assert after.is_granted and not cancelled.is_granted
@@ -110,7 +110,7 @@ def test_a_slot_granted_as_the_deadline_passes_goes_on_to_the_next_waiter():
     late, after = admission.enter(""), admission.enter("")
     holder.release()  # late is granted, but its deadline has passed
     assert late.is_granted
-    assert late.wait(time.monotonic() - 1, threading.Event(), "r") >= 0  # granted first: it runs
+    assert asyncio.run(late.wait_async(time.monotonic() - 1, threading.Event(), "r")) >= 0  # granted first: it runs
     late.release()
     assert after.is_granted
     after.release()
@@ -190,7 +190,7 @@ def test_a_resumed_request_is_never_refused_but_waits_for_a_slot():
 def test_a_request_let_in_at_once_waited_exactly_zero():
     admission = Admission(max_active=1, max_queued=1)
     ticket = admission.enter("")
-    assert ticket.is_granted and ticket.wait(None, threading.Event(), "r") == 0.0  # never a tiny negative
+    assert ticket.is_granted and asyncio.run(ticket.wait_async(None, threading.Event(), "r")) == 0.0  # never < 0
     ticket.release()
     again = admission.enter("")
     assert asyncio.run(again.wait_async(None, threading.Event(), "r2")) == 0.0

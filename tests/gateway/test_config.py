@@ -30,13 +30,12 @@ def test_adaptive_bounds_and_cost_settings_come_from_flags():
         parse_config(["--max_adaptive_degree", "0"])
 
 
-def test_admission_limits_come_from_flags_or_the_environment_and_size_the_loop_threads(monkeypatch):
+def test_admission_limits_come_from_flags_or_the_environment(monkeypatch):
     for name in ("MAX_ACTIVE_REQUESTS", "MAX_QUEUED_REQUESTS"):
         monkeypatch.delenv(f"SPECDEC_GATEWAY_{name}", raising=False)
         monkeypatch.delenv(f"SPECDEC_{name}", raising=False)
     config = parse_config(["--max_active_requests", "4", "--max_queued_requests", "10"])
     assert (config.max_active_requests, config.max_queued_requests) == (4, 10)
-    assert config.server.max_workers == 4  # a thread per running request; queued ones hold none
     monkeypatch.setenv("SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS", "0")
     assert parse_config([]).max_queued_requests == 0
     with pytest.raises(ValueError, match="max_active_requests"):

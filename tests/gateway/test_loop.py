@@ -11,6 +11,7 @@ The fakes check the protocol on every call and fail the request when it is broke
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from specdec.candidates import ranked_sources
 from specdec.errors import NotFound, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
+from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.task_type import TaskType
 
@@ -80,7 +82,7 @@ class FakeBackends:
     other_rows: int = 0  # rows of other requests in each of the primary's steps (the load)
 
     # --- primary ---
-    def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
         self.calls.append(("prefill", {"num_tokens": len(token_ids), "num_prompt_tokens": num_prompt_tokens}))
         self.primary_context, self.last_tree = list(token_ids), None
         if not self.truth:
@@ -114,7 +116,9 @@ class FakeBackends:
         """Backends.other_step_rows: other requests' rows in the last step the primary reported."""
         return self.other_rows
 
-    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
+    async def verify(
+        self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None
+    ) -> Verified:
         assert allowed is None, "no grammar in these requests"
         self.calls.append(
             (
@@ -133,7 +137,7 @@ class FakeBackends:
         lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
         return Verified(None, tuple(self._rows(tree)), 0.0, lookahead, self.other_rows)
 
-    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
+    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
         assert allowed is None, "no grammar in these requests"
         self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes), "committed": list(committed_token_ids)}))
         self._commit(accepted_nodes, committed_token_ids)
@@ -142,7 +146,7 @@ class FakeBackends:
         self.truth.append(token)
         return Decoded(token, 0.0, self.other_rows)
 
-    def validate(
+    async def validate(
         self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
     ) -> Validation:
         assert allowed is None, "no grammar in these requests"
@@ -161,7 +165,7 @@ class FakeBackends:
         return Validation(tuple(accepted), bonus, (), ())
 
     # --- draft ---
-    def propose(
+    async def propose(
         self,
         request_id,
         prompt_token_ids,
@@ -213,10 +217,10 @@ class FakeBackends:
             context.append(primary_next(context) if len(context) - len(self.truth) < rank or rank == 0 else WRONG)
         return context[len(self.truth) :]
 
-    def release_primary(self, request_id: str) -> None:
+    async def release_primary(self, request_id: str) -> None:
         self.calls.append(("release_primary", {}))
 
-    def release_draft(self, request_id: str, is_finished: bool) -> None:
+    async def release_draft(self, request_id: str, is_finished: bool) -> None:
         self.calls.append(("release_draft", {}))
 
     def steps(self) -> list[str]:
@@ -258,9 +262,13 @@ def make_params(
 def run(params: GenerationParams, backends: FakeBackends, store=None, **kwargs) -> RequestLoop:
     """make_loop(...) run to its end."""
     loop = make_loop(params, backends, store, **kwargs)
-    for _ in loop.run():
-        pass
+    asyncio.run(drain(loop))
     return loop
+
+
+async def drain(loop: RequestLoop) -> None:
+    async for _ in loop.run():
+        pass
 
 
 def make_loop(
@@ -275,7 +283,8 @@ def make_loop(
     owner="test",
     **kwargs,
 ) -> RequestLoop:
-    """A loop over PROMPT, its request stored as RUNNING (in `store`, else a fresh in-memory one)."""
+    """A loop over PROMPT, its request stored as RUNNING (in `store`, else a fresh in-memory one;
+    the test reads it directly, the loop through its async face)."""
     store = InMemoryStateStore() if store is None else store
     if store.load(request_id) is None:
         store.create(request_id, {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
@@ -284,7 +293,7 @@ def make_loop(
         params,
         PROMPT,
         backends,
-        store,
+        AsyncInMemoryStateStore(store),
         FakeTokenizer(),
         model,
         ("fp32", "fp32"),
@@ -455,10 +464,11 @@ def test_controller_state_is_stored_every_step_and_restored_on_resume():
     # controller state, and produces the same output.
     dead_store = InMemoryStateStore()
     dead = make_loop(params, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store, owner="gw-1")
-    steps = dead.run()
-    for _ in range(6):
-        next(steps)
-    state = dead_store.load("r1")
+    with asyncio.Runner() as runner:
+        steps = dead.run()
+        for _ in range(6):
+            runner.run(anext(steps))
+        state = dead_store.load("r1")
     assert state.controller_state["num_steps"] == 6 and state.controller_state == dead.controller_state.to_dict()
     store = InMemoryStateStore()  # what the successor finds in Redis
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
@@ -493,12 +503,14 @@ class BoundedPrimary(FakeBackends):
 
     max_context: int = MODEL.max_context
 
-    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
+    async def verify(
+        self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None
+    ) -> Verified:
         context = len(self.primary_context) + len(committed_token_ids)
         depth = max((len(tree_path(tree, i)) for i in range(tree.num_nodes)), default=0)
         assert context + depth <= self.max_context, f"context {context} + tree depth {depth} > {self.max_context}"
         assert context + tree.lookahead_depth <= self.max_context, "the lookahead rows reach past the context"
-        return super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
+        return await super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
 
 
 def tree_path(tree: DraftTree, node: int) -> list[int]:
@@ -542,8 +554,9 @@ def test_a_stream_closed_by_its_consumer_is_cancelled_and_released():
     CANCELLED, not FAILED, and its KV slot and draft state are released."""
     backends, store = FakeBackends(), InMemoryStateStore()
     steps = make_loop(make_params(max_new_tokens=60), backends, store).run()
-    assert next(steps).token_ids
-    steps.close()
+    with asyncio.Runner() as runner:
+        assert runner.run(anext(steps)).token_ids
+        runner.run(steps.aclose())
     state = store.load("r1")
     assert (state.status, state.finish_reason, state.error) == (RequestStatus.CANCELLED, "cancelled", "")
     assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
@@ -556,7 +569,7 @@ class FlakyValidator(FakeBackends):
     is_down: Callable[[int], bool] = lambda num_call: False
     num_validate_calls: int = 0
 
-    def validate(
+    async def validate(
         self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
     ) -> Validation:
         self.num_validate_calls += 1
@@ -565,7 +578,7 @@ class FlakyValidator(FakeBackends):
                 v = greedy_validation(tree, verified.argmax_token_ids)
                 self.truth += [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
             raise Unavailable("validator", "UNAVAILABLE: connection refused")
-        return super().validate(request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed)
+        return await super().validate(request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed)
 
 
 def run_with_validator(params: GenerationParams, backends: FakeBackends, retry_s: float) -> RequestLoop:
@@ -657,6 +670,5 @@ def test_a_state_store_that_stays_down_fails_the_request_after_the_bounded_retri
     store = BlippingStore(failing=set(range(3, 10_000)))
     loop = make_loop(make_params(max_new_tokens=40), FakeBackends(), store, max_state_retry_s=0.5)
     with pytest.raises(Unavailable, match="state_store"):
-        for _ in loop.run():
-            pass
+        asyncio.run(drain(loop))
     assert 3 < store.num_writes < 12, "retried, with backoff, then gave up"

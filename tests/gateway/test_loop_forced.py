@@ -9,6 +9,7 @@ grammar allows there (tests/specdec/grammar/test_state.py), every other token on
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import threading
@@ -21,6 +22,7 @@ from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
+from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.task_type import TaskType
 
@@ -64,7 +66,7 @@ class TargetBackends:
     committed: list[list[int]] = dataclasses.field(default_factory=list)  # per Verify/Decode call
     other_step_rows: int = 0  # the primary's load as Backends keeps it (an idle primary)
 
-    def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
+    async def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
         self.context = list(token_ids)
         return Prefilled(0.0, 0)
 
@@ -76,24 +78,28 @@ class TargetBackends:
     def _next(self, path=()) -> int:
         return self.target[len(self.context) - len(PROMPT) + len(path)]
 
-    def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None) -> Verified:
+    async def verify(
+        self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None
+    ) -> Verified:
         self._commit(committed_token_ids)
         rows = [self._next(tree.token_ids[: i + 1]) for i in range(-1, tree.num_nodes)]  # a chain tree
         assert allowed.is_allowed(list(range(len(rows))), rows).all(), "a row's token is off the grammar"
         return Verified(None, tuple(rows), 0.0)
 
-    def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None):
+    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None):
         self._commit(committed_token_ids)
         assert allowed.is_allowed([0], [self._next()]).all()
         return Decoded(self._next(), 0.0)
 
-    def validate(self, request_id, mode, sampling, threshold, step, tree, verified, allowed=None) -> Validation:
+    async def validate(self, request_id, mode, sampling, threshold, step, tree, verified, allowed=None) -> Validation:
         num_accepted = next(
             (i for i in range(tree.num_nodes) if tree.token_ids[i] != verified.argmax_token_ids[i]), tree.num_nodes
         )
         return Validation(tuple(range(num_accepted)), verified.argmax_token_ids[num_accepted], (), ())
 
-    def propose(self, request_id, prompt_token_ids, new_token_ids, strategies, degree, draft_length, max_nodes, *_):
+    async def propose(
+        self, request_id, prompt_token_ids, new_token_ids, strategies, degree, draft_length, max_nodes, *_
+    ):
         self.num_drafted_context += len(prompt_token_ids) + len(new_token_ids)
         start = self.num_drafted_context - len(PROMPT)  # the tree continues everything committed
         chain = tuple(self.target[start : start + self.draft_length][: len(self.target) - 1 - start])
@@ -101,10 +107,10 @@ class TargetBackends:
             return EMPTY_TREE
         return DraftTree(chain, tuple(range(-1, len(chain) - 1)), (1,) * len(chain), ("prompt_lookup",), {}, 0.0)
 
-    def release_primary(self, request_id) -> None:
+    async def release_primary(self, request_id) -> None:
         pass
 
-    def release_draft(self, request_id, is_finished) -> None:
+    async def release_draft(self, request_id, is_finished) -> None:
         pass
 
 
@@ -120,7 +126,7 @@ def run_loop(grammar_cache, tokenizer, backends: TargetBackends, is_enabled: boo
         params,
         PROMPT,
         backends,
-        store,
+        AsyncInMemoryStateStore(store),
         tokenizer,
         model,
         ("fp32", "fp32"),
@@ -130,9 +136,13 @@ def run_loop(grammar_cache, tokenizer, backends: TargetBackends, is_enabled: boo
         owner="test",
         grammar=grammar_cache.compile(response_format).new_state(),
     )
-    for _ in loop.run():
-        pass
+    asyncio.run(drain(loop))
     return loop
+
+
+async def drain(loop: RequestLoop) -> None:
+    async for _ in loop.run():
+        pass
 
 
 @pytest.mark.parametrize("draft_length", [0, 2])

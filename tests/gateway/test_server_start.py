@@ -11,6 +11,7 @@ import structlog
 
 from gateway.admission import Admission
 from gateway.server import GenerationServicer
+from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.state_store.types import RequestStatus
 from specdec.v1 import gateway_pb2
@@ -24,13 +25,35 @@ class Context:
         pass
 
 
-def servicer(store: InMemoryStateStore, admission: Admission, make_loop) -> GenerationServicer:
+class GatedStore(AsyncInMemoryStateStore):
+    """Holds the write `gated` ("create", or "running": the queue's move to RUNNING) open until
+    `opened` is set; `entered` says it is held."""
+
+    def __init__(self, gated: str) -> None:
+        super().__init__(InMemoryStateStore())
+        self.gated, self.entered, self.opened = gated, asyncio.Event(), asyncio.Event()
+
+    async def _gate(self, name: str) -> None:
+        if name == self.gated:
+            self.entered.set()
+            await self.opened.wait()
+
+    async def create(self, *args, **kwargs):
+        await self._gate("create")
+        return await super().create(*args, **kwargs)
+
+    async def set_status(self, request_id, status, **kwargs):
+        await self._gate("running" if status == RequestStatus.RUNNING else "")
+        return await super().set_status(request_id, status, **kwargs)
+
+
+def servicer(store: AsyncInMemoryStateStore, admission: Admission, make_loop) -> GenerationServicer:
     """A servicer with only what _start touches: the store, admission, and a make_loop under test."""
     s = GenerationServicer.__new__(GenerationServicer)
     s.store, s.admission, s.api_keys, s.metrics = store, admission, None, None
     s._active, s._lock, s._background = {}, threading.Lock(), set()
     s.log = structlog.get_logger("test")
-    s._prepare = lambda request, client_id, deadline: (None, [1, 2, 3], None, request)
+    s._prepare = lambda request, client_id, deadline, offered: (None, [1, 2, 3], None, request)
     s.make_loop = make_loop
     return s
 
@@ -40,39 +63,41 @@ async def settle(s: GenerationServicer) -> None:
         await asyncio.gather(*list(s._background), return_exceptions=True)
 
 
-@pytest.mark.parametrize("is_queued", [False, True])
-def test_a_client_gone_while_its_loop_is_made_is_stored_cancelled(is_queued: bool) -> None:
-    store, admission = InMemoryStateStore(), Admission(max_active=1, max_queued=4)
-    holder = admission.enter("") if is_queued else None
-    making, unblock = threading.Event(), threading.Event()
+@pytest.mark.parametrize("gated", ["create", "running"])
+def test_a_client_gone_before_its_loop_exists_is_stored_cancelled(gated: str) -> None:
+    """The client leaves while the request is being stored (let in at once), or while the queue's
+    move to RUNNING is in flight (queued, then let in)."""
+    admission = Admission(max_active=1, max_queued=4)
+    holder = admission.enter("") if gated == "running" else None
 
     def make_loop(*_args, **_kwargs):
-        making.set()
-        unblock.wait(10)
-        raise AssertionError("the loop is not used: its client went away")
+        raise AssertionError("the loop is not made: its client went away")
 
-    s = servicer(store, admission, make_loop)
-
-    async def main() -> None:
+    async def main() -> GatedStore:
+        store = GatedStore(gated)
+        s = servicer(store, admission, make_loop)
         task = asyncio.ensure_future(s._start(gateway_pb2.GenerateRequest(request_id="r1"), Context()))
         if holder is not None:  # queued behind holder; let in when holder leaves
-            while store.load("r1") is None:
+            while await store.load("r1") is None:
                 await asyncio.sleep(0.01)
-            assert store.load("r1").status == RequestStatus.QUEUED
+            assert (await store.load("r1")).status == RequestStatus.QUEUED
             holder.release()
-        while not making.is_set():
-            await asyncio.sleep(0.01)
-        assert store.load("r1").status == RequestStatus.RUNNING
-        task.cancel()  # the client goes away while the loop is being made
+        await store.entered.wait()
+        task.cancel()  # the client goes away
         with pytest.raises(asyncio.CancelledError):
             await task
-        unblock.set()
-        await settle(s)
+        store.opened.set()
+        for _ in range(500):  # the held write goes on, then the cancel is written behind it
+            state = store.sync.load("r1")
+            if state is not None and state.status.is_terminal and not s._background:
+                break
+            await asyncio.sleep(0.01)
+        assert s._active == {}
+        return store
 
-    asyncio.run(main())
-    assert store.load("r1").status == RequestStatus.CANCELLED
+    store = asyncio.run(main())
+    assert store.sync.load("r1").status == RequestStatus.CANCELLED
     assert (admission.num_active, admission.num_queued) == (0, 0)
-    assert s._active == {}
 
 
 def test_a_loop_that_cannot_be_made_leaves_the_request_failed() -> None:
@@ -81,7 +106,7 @@ def test_a_loop_that_cannot_be_made_leaves_the_request_failed() -> None:
     def make_loop(*_args, **_kwargs):
         raise RuntimeError("no loop today")
 
-    s = servicer(store, admission, make_loop)
+    s = servicer(AsyncInMemoryStateStore(store), admission, make_loop)
 
     async def main() -> None:
         with pytest.raises(RuntimeError):
