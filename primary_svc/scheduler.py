@@ -26,6 +26,12 @@ even past the budget. Admission is FIFO with head-of-line blocking: a request is
 allocated) only when its whole prompt fits the free KV bytes, and no later request is admitted before
 it, so small prompts cannot starve a large one.
 
+Shared prefixes: a new prompt that begins like a prompt being prefilled in this step (whole blocks
+of the prefix cache, the same tenant) sits the step out (`held`, chosen by the engine thread), and
+at its admission a step later the prefix cache hands it those rows: a burst of requests with one
+system prompt computes it once, not once per request (SGLang's cache-aware scheduling). A request
+is held at most a few steps in all, so a leader that does not get its chunk cannot starve it.
+
 Preemption: when the running requests' verify rows need more KV than is free, `choose_victims` picks
 requests to release, newest admitted first (as vLLM): they lose their KV and re-prefill later from
 their committed tokens.
@@ -34,7 +40,7 @@ their committed tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Collection, Sequence
 
 DEFAULT_MAX_STEP_TOKENS = 1024
 DEFAULT_PREFILL_CHUNK_TOKENS = 512  # = Engine.prefill's chunk: fp32 caches keep the bits they had before
@@ -100,9 +106,15 @@ class SchedulerPolicy:
         self.max_verify_items = max_verify_items
 
     def plan(
-        self, verifies: Sequence[VerifyEntry], waiting: Sequence[WaitingEntry], kv_free_bytes: int | None
+        self,
+        verifies: Sequence[VerifyEntry],
+        waiting: Sequence[WaitingEntry],
+        kv_free_bytes: int | None,
+        held: Collection[str] = frozenset(),
     ) -> StepPlan:
-        """The next step. `kv_free_bytes` None: no KV budget. Updates waiting entries' num_skipped_steps."""
+        """The next step. `kv_free_bytes` None: no KV budget. Updates waiting entries' num_skipped_steps.
+        `held`: waiting requests not yet admitted that sit this step out (see "Shared prefixes"): they
+        are neither admitted nor counted as skipped, and they hold up no one behind them."""
         verify_ids: list[str] = []
         rows, growth, seen = 0, 0, set()
         for v in verifies:
@@ -123,6 +135,8 @@ class SchedulerPolicy:
         budget = self.max_step_tokens - rows
         is_admitting = True
         for w in waiting:
+            if not w.is_admitted and w.request_id in held:
+                continue
             if not w.is_admitted:
                 if not is_admitting or (free is not None and w.kv_bytes_to_admit > free):
                     is_admitting = False  # head-of-line: nobody behind it is admitted first

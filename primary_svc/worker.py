@@ -65,9 +65,13 @@ from primary_svc.scheduler import (
 from specdec.engine.engine import Engine, PrefillChunk, VerifyWork
 from specdec.engine.prefix_cache import PrefixCacheStats
 from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
+from specdec.request_id import tenant_of
 from specdec.metrics import ServiceMetrics
 
 STEP_HISTORY = 4096  # steps whose composition `step_history` keeps
+# Steps a new prompt sits out at most, in all, waiting for a prefix another prefill computes
+# (scheduler, "Shared prefixes"): one is the usual (the leader's chunk runs in the very step).
+MAX_PREFIX_HOLDS = 2
 # A request whose last result went out longer ago than this is no longer expected back soon: a step
 # does not wait for it (its client streams slowly, its gateway drafts a long tree, or it is done).
 RETURN_WINDOW_S = 0.25
@@ -112,6 +116,7 @@ class _Waiting:
     entry: WaitingEntry
     prefill: _PrefillItem | None = None  # a new request's Prefill
     verify: _VerifyItem | None = None  # a preempted request's verify, run once it is re-prefilled
+    num_holds: int = 0  # steps it sat out for a prefix another prefill was computing
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -489,7 +494,9 @@ class EngineWorker:
             work = v.work()
             rows = len(engine.token_ids(v.request_id)) - engine.num_cached(v.request_id) + len(v.tree_token_ids)
             entries.append(VerifyEntry(v.request_id, rows, engine.kv_growth_bytes(work)))
-        plan = policy.plan(entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes)
+        plan = policy.plan(
+            entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes, self._held_for_shared_prefix(engine)
+        )
         if plan.kv_shortfall_bytes > 0:
             self._preempt(plan, {e.request_id: e.kv_growth_bytes for e in entries})
         waiting = {w.entry.request_id: w for w in self._waiting}
@@ -563,6 +570,31 @@ class EngineWorker:
             self._returning.update((item.request_id, now) for item in verify_items)
             if len(self._return_gap) > 4 * self.max_batch:  # forget requests that are gone
                 self._return_gap = {r: g for r, g in self._return_gap.items() if engine.has_request(r)}
+
+    def _held_for_shared_prefix(self, engine: Engine) -> set[str]:
+        """New prompts that would compute prefix-cache blocks a prompt ahead of them is computing now:
+        held this step (scheduler, "Shared prefixes"), they reuse those rows a step later. A prompt is
+        held only for at least a whole block more than the cache holds for it already, at most
+        MAX_PREFIX_HOLDS steps. Prompts ahead: admitted ones still prefilling, and new ones not held."""
+        cache = engine.prefix_cache
+        if cache is None or all(w.entry.is_admitted or w.prefill is None for w in self._waiting):
+            return set()
+        b = cache.block_tokens
+        ahead: dict[tuple[str, tuple[int, ...]], list[Sequence[int]]] = {}  # by tenant and first block
+        held = set()
+        for w in self._waiting:
+            if w.prefill is None or len(w.prefill.token_ids) <= b:
+                continue
+            rid, prompt = w.entry.request_id, w.prefill.token_ids
+            key = (tenant_of(rid), tuple(prompt[:b]))
+            if not w.entry.is_admitted and w.num_holds < MAX_PREFIX_HOLDS and key in ahead:
+                shared = max(engine.reusable_prompt_rows(rid, prompt, other) for other in ahead[key])
+                if shared - engine.reusable_prompt_rows(rid, prompt) >= b:
+                    w.num_holds += 1
+                    held.add(rid)
+                    continue
+            ahead.setdefault(key, []).append(prompt)
+        return held
 
     def _preempt(self, plan: StepPlan, growth: dict[str, int]) -> None:
         """Release running requests, newest first, until the step's verify rows fit the KV budget."""

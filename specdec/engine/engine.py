@@ -169,6 +169,24 @@ class Engine:
     def is_evicted(self, request_id: str) -> bool:
         return self._get(request_id).kv is None
 
+    def reusable_prompt_rows(self, request_id: str, prompt: Sequence[int], other: Sequence[int] | None = None) -> int:
+        """Rows of a new request's prompt prefill that its slot would take from the prefix cache: as
+        the cache holds it now, or (other given) once the prompt `other` (same scope) has been
+        prefilled and shared. Whole blocks on the reuse grid, as `_reuse_prefix` copies them."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        num_rows = len(prompt) - 1
+        if other is None:
+            num_shared = len(cache.match(prompt[:num_rows], tenant_of(request_id))) * cache.block_tokens
+        else:
+            num_shared = 0
+            limit = min(num_rows, len(other) - 1)
+            while num_shared < limit and prompt[num_shared] == other[num_shared]:
+                num_shared += 1
+            num_shared = num_shared // cache.block_tokens * cache.block_tokens
+        return num_shared // self.prefix_grid_tokens * self.prefix_grid_tokens
+
     def num_to_prefill(self, request_id: str) -> int:
         """Committed tokens not yet in the cache, the pending one excepted."""
         return len(self._get(request_id).token_ids) - 1 - self.num_cached(request_id)

@@ -99,6 +99,24 @@ def test_admission_is_fifo_with_head_of_line_blocking():
     assert plan.admit_ids == ["big", "small"]
 
 
+def test_a_held_prefill_sits_the_step_out_without_holding_up_those_behind_it():
+    policy = SchedulerPolicy(max_step_tokens=1000, prefill_chunk_tokens=100, max_skipped_steps=1)
+    queue = [
+        waiting("leader", 120, kv=100, is_admitted=False),
+        waiting("follower", 120, kv=100, is_admitted=False),
+        waiting("other", 50, kv=100, is_admitted=False),
+    ]
+    for _ in range(3):  # held steps are not skipped steps: no starvation override kicks in
+        plan = policy.plan([], queue, kv_free_bytes=250, held={"follower"})
+        assert plan.admit_ids == ["leader", "other"] and [r for r, _ in plan.prefill_chunks] == ["leader", "other"]
+        assert queue[1].num_skipped_steps == 0
+    plan = policy.plan([], queue, kv_free_bytes=250)
+    assert plan.admit_ids == ["leader", "follower"]  # let go: FIFO again (other does not fit behind it)
+    queue[0].is_admitted = True
+    plan = policy.plan([], queue, kv_free_bytes=250, held={"leader"})
+    assert ("leader", 100) in plan.prefill_chunks  # an admitted prefill is never held
+
+
 def test_verify_growth_is_served_before_admission_and_a_shortfall_is_reported():
     policy = SchedulerPolicy(max_step_tokens=100, prefill_chunk_tokens=10)
     queue = [waiting("new", 10, kv=100, is_admitted=False)]

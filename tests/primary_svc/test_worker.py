@@ -357,6 +357,35 @@ def test_a_prefill_continues_from_the_prefix_cache_between_other_steps_int4(int4
         worker.stop()
 
 
+def test_a_burst_sharing_a_system_prompt_computes_it_once_int4(int4_model):
+    """Three prompts arrive together, two with the same 64-token start (a system prompt), one not:
+    the second sits out one step, then takes those rows from the prefix cache instead of computing
+    them again; the unrelated one is not held. Every request decodes as an uninterrupted prefill."""
+    system = LONG_PROMPT[:64]
+    prompts = {
+        "first": system + [(i * 31) % 40000 + 100 for i in range(20)],
+        "second": system + [(i * 37) % 40000 + 100 for i in range(25)],
+        "unrelated": [1] + [(i * 41) % 40000 + 100 for i in range(40)],
+    }
+    want = {rid: reference(int4_model, p, 2, chunk_tokens=512) for rid, p in prompts.items()}
+    engine = Engine(int4_model.model, KVCache(int4_model.config, int4_model.model.kv_dtype), MAX_CONTEXT, PrefixCache())
+    worker = EngineWorker(engine)
+    try:
+        paused = Paused(worker)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = {rid: pool.submit(worker.prefill, rid, p) for rid, p in prompts.items()}
+            paused.release_when_queued(len(prompts))
+            assert all(f.result() == len(prompts[rid]) - 1 for rid, f in futures.items())
+        reused = {rid: worker.call(lambda e, rid=rid: e.num_reused_tokens(rid)) for rid in prompts}
+        assert reused == {"first": 0, "second": 64, "unrelated": 0}
+        prefilled = sum(s.num_prefill_rows for s in worker.step_history)
+        assert prefilled == sum(len(p) - 1 for p in prompts.values()) - 64  # the system prompt once
+        for rid in prompts:
+            assert all(torch.equal(a, b) for a, b in zip(decode_steps(worker, rid, 2), want[rid])), rid
+    finally:
+        worker.stop()
+
+
 def test_a_float_engines_prefix_cache_must_share_the_schedulers_chunk_grid(fp32_model):
     """Without batch invariance cached rows are reused on the prefill-chunk grid: a scheduler cutting
     prompts elsewhere would make them differ from a fresh prefill, so the pairing is refused."""
