@@ -197,6 +197,7 @@ class RequestLoop:
         self.draft_synced = 0  # generated tokens the draft service has seen
         self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
         self.is_draft_open = False
+        self.is_refused = False  # the store refused a step: the output ends before it
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         # Shared by the gateway's requests: whether the validator and the draft service answer.
         self.validator_state = validator_state or DependencyState("validator")
@@ -286,7 +287,7 @@ class RequestLoop:
         except BaseException as e:
             await self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
             raise
-        if finish != FINISH_STOP:
+        if finish != FINISH_STOP and not self.is_refused:
             self.text = self._cut_at_stop(self.text + self.detok.finish())[0]
         tail = self.text[self.emitted_chars :]
         await self._finish(finish)
@@ -523,6 +524,7 @@ class RequestLoop:
         delta ready to emit, hit a stop string, stored). Detokenizing, stop strings and the grammar are
         booked as commit time, the store's write as state."""
         t = time.perf_counter()
+        num_chars = len(self.text)
         self.text += self.detok.add(kept)
         self.text, is_stopped = self._cut_at_stop(self.text)
         if is_stopped and len(kept) > 1:
@@ -561,6 +563,8 @@ class RequestLoop:
             await self._with_state_store(append)
         except FailedPrecondition:
             if num_attempts == 1 or not await self._is_stored(len(self.generated) + len(kept)):
+                # refused (the request ended elsewhere): the step's text leaves the output with its tokens
+                self.text, self.is_refused = self.text[:num_chars], True
                 return "", False, False
             # A retried write whose first attempt had been applied (its reply was lost): it is stored.
         finally:

@@ -21,7 +21,7 @@ import pytest
 from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState
-from gateway.loop import RequestLoop, bounded_config, cycled_strategies, fixed_plan, greedy_validation
+from gateway.loop import RequestLoop, StepOutput, bounded_config, cycled_strategies, fixed_plan, greedy_validation
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
@@ -672,3 +672,35 @@ def test_a_state_store_that_stays_down_fails_the_request_after_the_bounded_retri
     with pytest.raises(Unavailable, match="state_store"):
         asyncio.run(drain(loop))
     assert 3 < store.num_writes < 12, "retried, with backoff, then gave up"
+
+
+class RefusingStore(InMemoryStateStore):
+    """Another gateway cancels the request just before the loop's write number `at` lands."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.num_writes = at, 0
+
+    def append_step(self, request_id, token_ids=(), **kwargs):
+        self.num_writes += 1
+        if self.num_writes == self.at:
+            self.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+        return super().append_step(request_id, token_ids, **kwargs)
+
+
+def test_a_step_the_store_refuses_never_reaches_the_output():
+    """The write of step 5 is refused (cancelled elsewhere): the request ends CANCELLED with exactly
+    the stored tokens, in its outcome's token ids and text alike, and its resources are released."""
+    store, backends = RefusingStore(at=5), FakeBackends()
+    loop = make_loop(make_params(is_enabled=False, max_new_tokens=40), backends, store)
+
+    async def collect() -> list[StepOutput]:
+        return [out async for out in loop.run()]
+
+    outputs = asyncio.run(collect())
+    stored = store.load("r1")
+    assert stored.status == RequestStatus.CANCELLED and len(stored.token_ids) == 4
+    assert loop.outcome.finish_reason == "cancelled" and loop.outcome.token_ids == list(stored.token_ids)
+    assert [t for out in outputs for t in out.token_ids] == list(stored.token_ids)
+    assert loop.outcome.text == "".join(f"<{t}>" for t in stored.token_ids)
+    assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
