@@ -26,6 +26,7 @@ from specdec.state_store import StateStoreConfig, open_async_state_store
 from specdec.v1 import gateway_pb2_grpc
 
 MODEL_INFO_TIMEOUT_S = 600.0
+LOOP_STOP_TIMEOUT_S = 10.0  # at shutdown, for running loops to stop within a step and store their end
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,7 +101,7 @@ async def serve(
         )
     finally:
         if servicer is not None:
-            servicer.close()
+            await servicer.stop_loops(max(config.server.grace_s, LOOP_STOP_TIMEOUT_S))
             servicer.grammars.close()
         await backends.close()
         await store.close()

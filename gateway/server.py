@@ -354,6 +354,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             for cancel in self._active.values():
                 cancel.set()
 
+    async def stop_loops(self, timeout_s: float) -> None:
+        """close(), then wait (at most timeout_s) until every loop and pending write has ended: a
+        gateway that shuts down leaves each of its requests stored as ended, not RUNNING, before its
+        connections to the services and the store close under them."""
+        self.close()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=timeout_s)
+
     async def _offered_by_pool(self) -> frozenset[str] | None:
         """The strategies the draft pool was started with (asked once), None while it cannot be reached."""
         if self._offered_strategies is None:

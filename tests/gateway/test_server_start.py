@@ -1,5 +1,6 @@
-"""The gateway's way in (GenerationServicer._start): a request stored before its loop exists is
-never left RUNNING or QUEUED when its client goes away, or the loop cannot be made, in between."""
+"""The gateway's way in and out: a request stored before its loop exists is never left RUNNING or
+QUEUED when its client goes away, or the loop cannot be made, in between (GenerationServicer._start);
+a gateway that shuts down stores its running requests as ended (stop_loops)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import pytest
 import structlog
 
 from gateway.admission import Admission
+from gateway.backends import Decoded, ModelInfo, Prefilled
+from gateway.loop import RequestLoop
+from gateway.params import GenerationParams, SpeculationParams
 from gateway.server import GenerationServicer
+from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.state_store.types import RequestStatus
@@ -117,3 +122,64 @@ def test_a_loop_that_cannot_be_made_leaves_the_request_failed() -> None:
     state = store.load("r2")
     assert state.status == RequestStatus.FAILED and "no loop today" in state.error
     assert admission.num_active == 0
+
+
+class SlowPrimary:
+    """A primary whose every Decode takes 20 ms and never ends the request (plain steps only)."""
+
+    num_decodes = 0
+
+    async def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
+        return Prefilled(0.0, 0)
+
+    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
+        self.num_decodes += 1
+        await asyncio.sleep(0.02)
+        return Decoded(7, 20.0)
+
+    async def release_primary(self, request_id) -> None:
+        pass
+
+    async def release_draft(self, request_id, is_finished) -> None:
+        pass
+
+
+class Tokens:
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        return "x" * len(token_ids)
+
+
+def test_stopping_the_gateway_stores_each_running_request_cancelled() -> None:
+    """At shutdown stop_loops cancels the running loops and waits until each stored its end: no
+    request is left RUNNING when the gateway's connections close."""
+    store = InMemoryStateStore()
+    admission = Admission(max_active=4, max_queued=4)
+    s = servicer(AsyncInMemoryStateStore(store), admission, None)
+    spec = SpeculationParams(False, 1, 1, 0.0, (), None, False)
+    params = GenerationParams("p", None, 100_000, (), SamplingParams(), spec)
+    model = ModelInfo(50, (49,), 1_000_000, "fake", verify_costs_ms={})
+    primary = SlowPrimary()
+
+    async def main() -> None:
+        consumers = []
+        for rid in ("a", "b"):
+            store.create(rid, {}, prompt_token_ids=[1, 2, 3], status=RequestStatus.RUNNING)
+            cancel = s._active[rid] = threading.Event()
+            loop = RequestLoop(
+                rid, params, [1, 2, 3], primary, s.store, Tokens(), model, ("fp32", "fp32"), 1.0, 8, cancel, "gw"
+            )
+
+            async def consume(loop=loop) -> None:  # the call's coroutine: still streaming at shutdown
+                async for _ in s._run(loop, loop.request_id, admission.enter("")):
+                    pass
+
+            consumers.append(asyncio.ensure_future(consume()))
+        while primary.num_decodes < 6:
+            await asyncio.sleep(0.01)
+        await s.stop_loops(timeout_s=5.0)
+        assert not s._background and s._active == {}
+        await asyncio.gather(*consumers)
+
+    asyncio.run(main())
+    assert [store.load(r).status for r in ("a", "b")] == [RequestStatus.CANCELLED] * 2
+    assert (admission.num_active, admission.num_queued) == (0, 0)
