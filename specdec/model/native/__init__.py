@@ -148,6 +148,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     w = ctypes.POINTER(QWeight)
     lib.qgemm_has_avx2.argtypes, lib.qgemm_has_avx2.restype = [], i32
+    lib.qgemm_isa.argtypes, lib.qgemm_isa.restype = [], ctypes.c_char_p
     lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
     lib.qgemm_quantize_rows.argtypes, lib.qgemm_quantize_rows.restype = [p, i64, i64, p, p, p], None
     lib.qgemm_rmsnorm.argtypes, lib.qgemm_rmsnorm.restype = [p, i64, i64, p, f32, p], None
@@ -216,16 +217,16 @@ def library() -> ctypes.CDLL | None:
             log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)
             return None
         _library = lib
-        log.info("native kernels loaded (%s path)", "AVX2" if lib.qgemm_has_avx2() else "portable")
+        log.info("native kernels loaded (%s path)", lib.qgemm_isa().decode())
         return lib
 
 
 def status() -> str:
-    """'available (AVX2|portable)' or why not."""
+    """'available (AVX2+VNNI|AVX2|portable)' or why not."""
     lib = library()
     if lib is None:
         return f"unavailable: {'disabled here' if _disabled else _status}"
-    return f"available ({'AVX2' if lib.qgemm_has_avx2() else 'portable'})"
+    return f"available ({lib.qgemm_isa().decode()})"
 
 
 def identity() -> str:

@@ -30,11 +30,37 @@
 #define QGEMM_AVX2 0
 #endif
 
+/* 512-bit products where the CPU has AVX-512 with VNNI: two blocks per instruction */
+#if QGEMM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define QGEMM_AVX512 1
+#else
+#define QGEMM_AVX512 0
+#endif
+
 #define QK 32            /* weights per block */
 #define Q4_BLOCK 20      /* bytes per 4-bit block */
-#define TILE 4           /* activation rows per pass over a weight row */
+/* activation rows per pass over a weight row: their accumulators stay in registers (16 vector
+ * registers with AVX2, 32 with AVX-512) */
+#if QGEMM_AVX512
+#define TILE 8
+#else
+#define TILE 4
+#endif
 
 int qgemm_has_avx2(void) { return QGEMM_AVX2; }
+
+/* the instruction path the products run on, for logs and benchmark headers */
+const char *qgemm_isa(void) {
+#if QGEMM_AVX512
+    return "AVX512+VNNI";
+#elif QGEMM_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+    return "AVX2+VNNI";
+#elif QGEMM_AVX2
+    return "AVX2";
+#else
+    return "portable";
+#endif
+}
 
 static inline float fp16_to_fp32(uint16_t h) {
 #if QGEMM_AVX2
@@ -107,10 +133,19 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-/* unsigned bytes u (0..255 fits; here 0..15 or |w|) times signed bytes s -> 8 int32 lane sums as floats */
+/* unsigned bytes u (here 0..15 or |w| <= 127) times signed bytes s (-127..127) -> 8 int32 lane
+ * sums (lane i: bytes 4i..4i+3) as floats. With VNNI one vpdpbusd computes them; without, maddubs
+ * (pairs to int16: at most 2 * 127 * 127, never saturating here) and madd (pairs of pairs to int32)
+ * do. Both sums are exact integers, so the two paths give the same bits. */
 static inline __m256 dot_lanes(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+#else
     const __m256i pairs = _mm256_maddubs_epi16(u, s);
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 #endif
 
@@ -176,15 +211,113 @@ ALWAYS_INLINE void q8_rows_avx2(const int8_t *w, float scale, int64_t G, const i
 }
 #endif
 
+#if QGEMM_AVX512
+/* As q4_rows_avx2, two blocks per step: lanes 0-7 of an accumulator sum the even blocks, lanes 8-15
+ * the odd ones (an odd last block goes to lanes 0-7), then all 16 are added in a fixed order. A
+ * different order of additions than the 256-bit path, so other bits on this build, but the same
+ * order for every row count: batch invariance holds as before. */
+ALWAYS_INLINE void q4_rows_avx512(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
+                                  int64_t K, const int nt, float *out, int64_t N) {
+    __m512 acc[TILE];
+    float summ[TILE];
+    const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) { acc[t] = _mm512_setzero_ps(); summ[t] = 0.f; }
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+        const uint8_t *b0 = row + g * Q4_BLOCK, *b1 = b0 + Q4_BLOCK;
+        uint16_t h[4]; memcpy(h, b0, 2); memcpy(h + 1, b0 + 2, 2); memcpy(h + 2, b1, 2); memcpy(h + 3, b1 + 2, 2);
+        const float d0 = fp16_to_fp32(h[0]), m0 = fp16_to_fp32(h[1]), d1 = fp16_to_fp32(h[2]), m1 = fp16_to_fp32(h[3]);
+        const __m128i n0 = _mm_loadu_si128((const __m128i *)(b0 + 4)), n1 = _mm_loadu_si128((const __m128i *)(b1 + 4));
+        const __m512i q = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(n0, 4), n0)),
+                               _mm256_set_m128i(_mm_srli_epi16(n1, 4), n1), 1), low);
+        const int8_t *y = xq + g * QK;
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[t * G + g]), _mm256_set1_ps(d1 * dx[t * G + g + 1]), 1);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512((const void *)(y + t * K)));
+            acc[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[t]);
+            summ[t] += m0 * sx[t * G + g];
+            summ[t] += m1 * sx[t * G + g + 1];
+        }
+    }
+    if (g < G) {
+        const uint8_t *b = row + g * Q4_BLOCK;
+        uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
+        const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
+        const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
+        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), _mm256_set1_epi8(0x0F));
+        const int8_t *y = xq + g * QK;
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]),
+                                              dot_lanes(q, _mm256_loadu_si256((const __m256i *)(y + t * K))),
+                                              _mm512_castps512_ps256(acc[t]));
+            acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
+            summ[t] += m * sx[t * G + g];
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) out[t * N] = _mm512_reduce_add_ps(acc[t]) + summ[t];
+}
+
+/* As q8_rows_avx2, two blocks per step (lanes as in q4_rows_avx512) */
+ALWAYS_INLINE void q8_rows_avx512(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
+                                  int64_t K, const int nt, float *out, int64_t N) {
+    __m512 acc[TILE];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) acc[t] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + g * QK));
+        const __m512i wabs = _mm512_abs_epi8(wv);                 /* |w| as unsigned bytes (w in -127..127) */
+        const __mmask64 neg = _mm512_movepi8_mask(wv);            /* the bytes where w < 0 */
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            const __m512i yv = _mm512_loadu_si512((const void *)(xq + t * K + g * QK));
+            /* sign(y, w): y where w > 0, -y where w < 0 (w == 0 leaves |w| = 0, so y's value is moot) */
+            const __m512i ys = _mm512_mask_sub_epi8(yv, neg, _mm512_setzero_si512(), yv);
+            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(dx[t * G + g]), _mm256_set1_ps(dx[t * G + g + 1]), 1);
+            acc[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, ys)), acc[t]);
+        }
+    }
+    if (g < G) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
+        const __m256i wabs = _mm256_sign_epi8(wv, wv);
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; ++t) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
+            const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(dx[t * G + g]), dot_lanes(wabs, _mm256_sign_epi8(y, wv)),
+                                              _mm512_castps512_ps256(acc[t]));
+            acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; ++t) out[t * N] = scale * _mm512_reduce_add_ps(acc[t]);
+}
+#define Q4_ROWS q4_rows_avx512
+#define Q8_ROWS q8_rows_avx512
+#elif QGEMM_AVX2
+#define Q4_ROWS q4_rows_avx2
+#define Q8_ROWS q8_rows_avx2
+#endif
+
 /* rows t0..t0+nt (nt <= TILE) of one 4-bit weight row */
 static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
                    int64_t K, int nt, float *out, int64_t N) {
 #if QGEMM_AVX2
     switch (nt) {
-        case 1: q4_rows_avx2(row, G, xq, dx, sx, K, 1, out, N); break;
-        case 2: q4_rows_avx2(row, G, xq, dx, sx, K, 2, out, N); break;
-        case 3: q4_rows_avx2(row, G, xq, dx, sx, K, 3, out, N); break;
-        default: q4_rows_avx2(row, G, xq, dx, sx, K, TILE, out, N); break;
+        case 1: Q4_ROWS(row, G, xq, dx, sx, K, 1, out, N); break;
+        case 2: Q4_ROWS(row, G, xq, dx, sx, K, 2, out, N); break;
+        case 3: Q4_ROWS(row, G, xq, dx, sx, K, 3, out, N); break;
+#if TILE > 4
+        case 4: Q4_ROWS(row, G, xq, dx, sx, K, 4, out, N); break;
+        case 5: Q4_ROWS(row, G, xq, dx, sx, K, 5, out, N); break;
+        case 6: Q4_ROWS(row, G, xq, dx, sx, K, 6, out, N); break;
+        case 7: Q4_ROWS(row, G, xq, dx, sx, K, 7, out, N); break;
+#endif
+        default: Q4_ROWS(row, G, xq, dx, sx, K, TILE, out, N); break;
     }
 #else
     for (int t = 0; t < nt; ++t) {
@@ -205,10 +338,16 @@ static void q8_row(const int8_t *w, float scale, int64_t G, const int8_t *xq, co
                    int64_t K, int nt, float *out, int64_t N) {
 #if QGEMM_AVX2
     switch (nt) {
-        case 1: q8_rows_avx2(w, scale, G, xq, dx, K, 1, out, N); break;
-        case 2: q8_rows_avx2(w, scale, G, xq, dx, K, 2, out, N); break;
-        case 3: q8_rows_avx2(w, scale, G, xq, dx, K, 3, out, N); break;
-        default: q8_rows_avx2(w, scale, G, xq, dx, K, TILE, out, N); break;
+        case 1: Q8_ROWS(w, scale, G, xq, dx, K, 1, out, N); break;
+        case 2: Q8_ROWS(w, scale, G, xq, dx, K, 2, out, N); break;
+        case 3: Q8_ROWS(w, scale, G, xq, dx, K, 3, out, N); break;
+#if TILE > 4
+        case 4: Q8_ROWS(w, scale, G, xq, dx, K, 4, out, N); break;
+        case 5: Q8_ROWS(w, scale, G, xq, dx, K, 5, out, N); break;
+        case 6: Q8_ROWS(w, scale, G, xq, dx, K, 6, out, N); break;
+        case 7: Q8_ROWS(w, scale, G, xq, dx, K, 7, out, N); break;
+#endif
+        default: Q8_ROWS(w, scale, G, xq, dx, K, TILE, out, N); break;
     }
 #else
     for (int t = 0; t < nt; ++t) {
