@@ -39,6 +39,7 @@
 
 #define QK 32            /* weights per block */
 #define Q4_BLOCK 20      /* bytes per 4-bit block */
+#define DXV_STRIDE(G) ((((G) + 1) / 2) * 32)   /* floats per row of qact.dxv (below) for G blocks */
 /* activation rows per pass over a weight row: their accumulators stay in registers (16 vector
  * registers with AVX2, 32 with AVX-512) */
 #if QGEMM_AVX512
@@ -216,13 +217,13 @@ ALWAYS_INLINE void q8_rows_avx2(const int8_t *w, float scale, int64_t G, const i
  * the odd ones (an odd last block goes to lanes 0-7), then all 16 are added in a fixed order. A
  * different order of additions than the 256-bit path, so other bits on this build, but the same
  * order for every row count: batch invariance holds as before. */
-ALWAYS_INLINE void q4_rows_avx512(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
-                                  int64_t K, const int nt, float *out, int64_t N) {
-    __m512 acc[TILE];
-    float summ[TILE];
+ALWAYS_INLINE void q4_rows_avx512(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx,
+                                  const float *dxv, const float *sx, int64_t K, const int nt, float *out, int64_t N) {
+    const int64_t V = DXV_STRIDE(G);
+    __m512 acc[TILE], macc[TILE];     /* d dx (q . xq) lane sums; m sx in lanes 0 and 8 */
     const __m512i low = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) { acc[t] = _mm512_setzero_ps(); summ[t] = 0.f; }
+    for (int t = 0; t < nt; ++t) { acc[t] = _mm512_setzero_ps(); macc[t] = _mm512_setzero_ps(); }
     int64_t g = 0;
     for (; g + 2 <= G; g += 2) {
         const uint8_t *b0 = row + g * Q4_BLOCK, *b1 = b0 + Q4_BLOCK;
@@ -232,14 +233,16 @@ ALWAYS_INLINE void q4_rows_avx512(const uint8_t *row, int64_t G, const int8_t *x
         const __m512i q = _mm512_and_si512(
             _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(n0, 4), n0)),
                                _mm256_set_m128i(_mm_srli_epi16(n1, 4), n1), 1), low);
+        const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
+        const __m512 mm = _mm512_insertf32x8(_mm512_set1_ps(m0), _mm256_set1_ps(m1), 1);
         const int8_t *y = xq + g * QK;
+        const float *sv = dxv + g * 16;
 #pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
-            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[t * G + g]), _mm256_set1_ps(d1 * dx[t * G + g + 1]), 1);
+            const __m512 sc = _mm512_mul_ps(dd, _mm512_load_ps(sv + t * V));   /* d * dx, as the scalar product */
             const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512((const void *)(y + t * K)));
             acc[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[t]);
-            summ[t] += m0 * sx[t * G + g];
-            summ[t] += m1 * sx[t * G + g + 1];
+            macc[t] = _mm512_fmadd_ps(mm, _mm512_load_ps(sv + t * V + 16), macc[t]);
         }
     }
     if (g < G) {
@@ -249,22 +252,24 @@ ALWAYS_INLINE void q4_rows_avx512(const uint8_t *row, int64_t G, const int8_t *x
         const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
         const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), _mm256_set1_epi8(0x0F));
         const int8_t *y = xq + g * QK;
+        const __m512 mm = _mm512_set1_ps(m);
 #pragma GCC unroll 8
         for (int t = 0; t < nt; ++t) {
             const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]),
                                               dot_lanes(q, _mm256_loadu_si256((const __m256i *)(y + t * K))),
                                               _mm512_castps512_ps256(acc[t]));
             acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
-            summ[t] += m * sx[t * G + g];
+            macc[t] = _mm512_fmadd_ps(mm, _mm512_load_ps(dxv + g * 16 + t * V + 16), macc[t]);
         }
     }
 #pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) out[t * N] = _mm512_reduce_add_ps(acc[t]) + summ[t];
+    for (int t = 0; t < nt; ++t) out[t * N] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(macc[t]);
 }
 
 /* As q8_rows_avx2, two blocks per step (lanes as in q4_rows_avx512) */
 ALWAYS_INLINE void q8_rows_avx512(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
-                                  int64_t K, const int nt, float *out, int64_t N) {
+                                  const float *dxv, int64_t K, const int nt, float *out, int64_t N) {
+    const int64_t V = DXV_STRIDE(G);
     __m512 acc[TILE];
 #pragma GCC unroll 8
     for (int t = 0; t < nt; ++t) acc[t] = _mm512_setzero_ps();
@@ -278,7 +283,7 @@ ALWAYS_INLINE void q8_rows_avx512(const int8_t *w, float scale, int64_t G, const
             const __m512i yv = _mm512_loadu_si512((const void *)(xq + t * K + g * QK));
             /* sign(y, w): y where w > 0, -y where w < 0 (w == 0 leaves |w| = 0, so y's value is moot) */
             const __m512i ys = _mm512_mask_sub_epi8(yv, neg, _mm512_setzero_si512(), yv);
-            const __m512 sc = _mm512_insertf32x8(_mm512_set1_ps(dx[t * G + g]), _mm256_set1_ps(dx[t * G + g + 1]), 1);
+            const __m512 sc = _mm512_load_ps(dxv + g * 16 + t * V);
             acc[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, ys)), acc[t]);
         }
     }
@@ -296,28 +301,29 @@ ALWAYS_INLINE void q8_rows_avx512(const int8_t *w, float scale, int64_t G, const
 #pragma GCC unroll 8
     for (int t = 0; t < nt; ++t) out[t * N] = scale * _mm512_reduce_add_ps(acc[t]);
 }
-#define Q4_ROWS q4_rows_avx512
-#define Q8_ROWS q8_rows_avx512
+#define Q4_ROWS(nt) q4_rows_avx512(row, G, xq, dx, dxv, sx, K, nt, out, N)
+#define Q8_ROWS(nt) q8_rows_avx512(w, scale, G, xq, dx, dxv, K, nt, out, N)
 #elif QGEMM_AVX2
-#define Q4_ROWS q4_rows_avx2
-#define Q8_ROWS q8_rows_avx2
+#define Q4_ROWS(nt) q4_rows_avx2(row, G, xq, dx, sx, K, nt, out, N)
+#define Q8_ROWS(nt) q8_rows_avx2(w, scale, G, xq, dx, K, nt, out, N)
 #endif
 
 /* rows t0..t0+nt (nt <= TILE) of one 4-bit weight row */
-static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
-                   int64_t K, int nt, float *out, int64_t N) {
+static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *dxv,
+                   const float *sx, int64_t K, int nt, float *out, int64_t N) {
+    (void)dxv;
 #if QGEMM_AVX2
     switch (nt) {
-        case 1: Q4_ROWS(row, G, xq, dx, sx, K, 1, out, N); break;
-        case 2: Q4_ROWS(row, G, xq, dx, sx, K, 2, out, N); break;
-        case 3: Q4_ROWS(row, G, xq, dx, sx, K, 3, out, N); break;
+        case 1: Q4_ROWS(1); break;
+        case 2: Q4_ROWS(2); break;
+        case 3: Q4_ROWS(3); break;
 #if TILE > 4
-        case 4: Q4_ROWS(row, G, xq, dx, sx, K, 4, out, N); break;
-        case 5: Q4_ROWS(row, G, xq, dx, sx, K, 5, out, N); break;
-        case 6: Q4_ROWS(row, G, xq, dx, sx, K, 6, out, N); break;
-        case 7: Q4_ROWS(row, G, xq, dx, sx, K, 7, out, N); break;
+        case 4: Q4_ROWS(4); break;
+        case 5: Q4_ROWS(5); break;
+        case 6: Q4_ROWS(6); break;
+        case 7: Q4_ROWS(7); break;
 #endif
-        default: Q4_ROWS(row, G, xq, dx, sx, K, TILE, out, N); break;
+        default: Q4_ROWS(TILE); break;
     }
 #else
     for (int t = 0; t < nt; ++t) {
@@ -335,19 +341,20 @@ static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float 
 
 /* rows t0..t0+nt of one 8-bit weight row */
 static void q8_row(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
-                   int64_t K, int nt, float *out, int64_t N) {
+                   const float *dxv, int64_t K, int nt, float *out, int64_t N) {
+    (void)dxv;
 #if QGEMM_AVX2
     switch (nt) {
-        case 1: Q8_ROWS(w, scale, G, xq, dx, K, 1, out, N); break;
-        case 2: Q8_ROWS(w, scale, G, xq, dx, K, 2, out, N); break;
-        case 3: Q8_ROWS(w, scale, G, xq, dx, K, 3, out, N); break;
+        case 1: Q8_ROWS(1); break;
+        case 2: Q8_ROWS(2); break;
+        case 3: Q8_ROWS(3); break;
 #if TILE > 4
-        case 4: Q8_ROWS(w, scale, G, xq, dx, K, 4, out, N); break;
-        case 5: Q8_ROWS(w, scale, G, xq, dx, K, 5, out, N); break;
-        case 6: Q8_ROWS(w, scale, G, xq, dx, K, 6, out, N); break;
-        case 7: Q8_ROWS(w, scale, G, xq, dx, K, 7, out, N); break;
+        case 4: Q8_ROWS(4); break;
+        case 5: Q8_ROWS(5); break;
+        case 6: Q8_ROWS(6); break;
+        case 7: Q8_ROWS(7); break;
 #endif
-        default: Q8_ROWS(w, scale, G, xq, dx, K, TILE, out, N); break;
+        default: Q8_ROWS(TILE); break;
     }
 #else
     for (int t = 0; t < nt; ++t) {
@@ -358,44 +365,64 @@ static void q8_row(const int8_t *w, float scale, int64_t G, const int8_t *xq, co
 #endif
 }
 
-/* output column n of out [T, N] = x [T, K] @ W^T, W given as 4-bit blocks [N, K/32 * 20] */
-static inline void q4_column(const int8_t *xq, const float *dx, const float *sx, int64_t T, int64_t K,
-                             const uint8_t *w, int64_t n, int64_t N, float *out) {
+#include <stdlib.h>
+
+typedef struct {             /* an activation [T, k] quantized once for every product that reads it */
+    int8_t *xq; float *dx, *sx;
+    float *dxv;              /* AVX-512 only (else NULL), 64-byte aligned: per row, per pair of blocks, 32
+                              * floats: dx of the even block in 8 lanes and of the odd one in 8 more, then sx of
+                              * the even block in lane 0 and of the odd one in lane 8, zeros elsewhere (and in
+                              * the odd block's lanes past the last block) */
+} qact;
+
+
+static int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
+    const int64_t G = K / QK;
+    a->xq = malloc((size_t)(T * K)); a->dx = malloc(sizeof(float) * (size_t)(T * G));
+    a->sx = malloc(sizeof(float) * (size_t)(T * G)); a->dxv = NULL;
+    if (!a->xq || !a->dx || !a->sx) return -1;
+    qgemm_quantize_rows(x, T, K, a->xq, a->dx, a->sx);
+#if QGEMM_AVX512
+    const int64_t V = DXV_STRIDE(G);
+    a->dxv = aligned_alloc(64, sizeof(float) * (size_t)(T * V));   /* V floats: a multiple of 64 bytes */
+    if (!a->dxv) return -1;
+    memset(a->dxv, 0, sizeof(float) * (size_t)(T * V));
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t g = 0; g < G; ++g) {
+            float *pair = a->dxv + t * V + (g / 2) * 32;
+            for (int j = 0; j < 8; ++j) pair[(g % 2) * 8 + j] = a->dx[t * G + g];
+            pair[16 + (g % 2) * 8] = a->sx[t * G + g];
+        }
+#endif
+    return 0;
+}
+
+static void qact_free(qact *a) { free(a->xq); free(a->dx); free(a->sx); free(a->dxv); }
+
+/* output column n of out [T, N] = a [T, K] @ W^T, W given as 4-bit blocks [N, K/32 * 20] */
+static inline void q4_column(const qact *a, int64_t T, int64_t K, const uint8_t *w, int64_t n, int64_t N,
+                             float *out) {
     const int64_t G = K / QK;
     const uint8_t *row = w + n * G * Q4_BLOCK;
     for (int64_t t = 0; t < T; t += TILE) {
         const int nt = T - t < TILE ? (int)(T - t) : TILE;
-        q4_row(row, G, xq + t * K, dx + t * G, sx + t * G, K, nt, out + t * N + n, N);
+        q4_row(row, G, a->xq + t * K, a->dx + t * G, a->dxv ? a->dxv + t * DXV_STRIDE(G) : NULL, a->sx + t * G, K,
+               nt, out + t * N + n, N);
     }
 }
 
-/* output column n of out [T, N] = x [T, K] @ (W * scale[:, None])^T, W int8 [N, K] */
-static inline void q8_column(const int8_t *xq, const float *dx, int64_t T, int64_t K, const int8_t *w,
-                             const float *scale, int64_t n, int64_t N, float *out) {
+/* output column n of out [T, N] = a [T, K] @ (W * scale[:, None])^T, W int8 [N, K] */
+static inline void q8_column(const qact *a, int64_t T, int64_t K, const int8_t *w, const float *scale, int64_t n,
+                             int64_t N, float *out) {
     const int64_t G = K / QK;
     for (int64_t t = 0; t < T; t += TILE) {
         const int nt = T - t < TILE ? (int)(T - t) : TILE;
-        q8_row(w + n * K, scale[n], G, xq + t * K, dx + t * G, K, nt, out + t * N + n, N);
+        q8_row(w + n * K, scale[n], G, a->xq + t * K, a->dx + t * G, a->dxv ? a->dxv + t * DXV_STRIDE(G) : NULL, K,
+               nt, out + t * N + n, N);
     }
 }
 
-/* out [T, N] = x [T, K] @ W^T, W given as 4-bit blocks [N, K/32 * 20] */
-void qgemm_q4(const int8_t *xq, const float *dx, const float *sx, int64_t T, int64_t K,
-              const uint8_t *w, int64_t N, float *out, int num_threads) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) q4_column(xq, dx, sx, T, K, w, n, N, out);
-}
-
-/* out [T, N] = x [T, K] @ (W * scale[:, None])^T, W int8 [N, K] */
-void qgemm_q8(const int8_t *xq, const float *dx, int64_t T, int64_t K,
-              const int8_t *w, const float *scale, int64_t N, float *out, int num_threads) {
-    #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n = 0; n < N; ++n) q8_column(xq, dx, T, K, w, scale, n, N, out);
-}
-
 /* ---- a layer's dense parts around attention, row by row in fp32 (see specdec/model/native/__init__.py) ---- */
-
-#include <stdlib.h>
 
 enum { QW_Q4 = 4, QW_Q8 = 8 };
 
@@ -407,20 +434,6 @@ typedef struct {
     const float *bias;       /* [n] or NULL */
     int64_t n, k;
 } qweight;
-
-typedef struct {             /* an activation [T, k] quantized once for every product that reads it */
-    int8_t *xq; float *dx, *sx;
-} qact;
-
-static int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
-    a->xq = malloc((size_t)(T * K)); a->dx = malloc(sizeof(float) * (size_t)(T * K / QK));
-    a->sx = malloc(sizeof(float) * (size_t)(T * K / QK));
-    if (!a->xq || !a->dx || !a->sx) return -1;
-    qgemm_quantize_rows(x, T, K, a->xq, a->dx, a->sx);
-    return 0;
-}
-
-static void qact_free(qact *a) { free(a->xq); free(a->dx); free(a->sx); }
 
 /* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in ONE
  * parallel loop over all their output columns (one fork/join instead of `count`); every element
@@ -435,8 +448,8 @@ static void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, flo
         int64_t n = c;
         while (n >= ws[i]->n) n -= ws[i++]->n;
         const qweight *w = ws[i];
-        if (w->kind == QW_Q4) q4_column(a->xq, a->dx, a->sx, T, w->k, (const uint8_t *)w->w, n, w->n, outs[i]);
-        else q8_column(a->xq, a->dx, T, w->k, (const int8_t *)w->w, w->scale, n, w->n, outs[i]);
+        if (w->kind == QW_Q4) q4_column(a, T, w->k, (const uint8_t *)w->w, n, w->n, outs[i]);
+        else q8_column(a, T, w->k, (const int8_t *)w->w, w->scale, n, w->n, outs[i]);
     }
     for (int i = 0; i < count; ++i)
         if (ws[i]->bias)

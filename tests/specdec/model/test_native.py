@@ -63,22 +63,31 @@ def test_q4_product_is_the_blocks_times_the_quantized_activations(rows):
     torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_q8_product_is_the_rows_times_the_quantized_activations():
-    t = quant.quantize_int8("w", torch.randn(40, 64, generator=torch.Generator().manual_seed(4)))
+def q8_layer(n: int, k: int, seed: int, bias: torch.Tensor | None = None) -> tuple[native.QuantLinear, torch.Tensor]:
+    t = quant.quantize_int8("w", torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
     w, scale = t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE]
-    layer = native.QuantLinear(native.library(), weight=w, scale=scale, bias=torch.ones(40))
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    return native.QuantLinear(native.library(), weight=w, scale=scale, bias=bias), w.double() * scale.double()[:, None]
+
+
+# an even and an odd number of blocks (the AVX-512 path takes blocks in pairs), up to and past a pass of rows
+@pytest.mark.parametrize("rows,k", [(5, 64), (11, 96)])
+def test_q8_product_is_the_rows_times_the_quantized_activations(rows, k):
+    layer, dense = q8_layer(40, k, seed=4, bias=torch.ones(40))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
     xq, dx = q8_activations(x)
-    expected = (xq.view(5, 2, 32) * dx[..., None]).view(5, 64) @ (w.double() * scale.double()[:, None]).t() + 1
+    expected = (xq.view(rows, k // 32, 32) * dx[..., None]).view(rows, k) @ dense.t() + 1
     torch.testing.assert_close(layer(x).double(), expected, atol=1e-4, rtol=1e-5)
 
 
-def test_a_row_gets_the_same_bits_whatever_the_row_count():
-    layer, _ = q4_layer(64, 64, seed=6)
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(7))
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("k", [64, 96])
+def test_a_row_gets_the_same_bits_whatever_the_row_count(kind, k):
+    layer, _ = q4_layer(64, k, seed=6) if kind == "q4" else q8_layer(64, k, seed=6)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(7))
     full = layer(x)
-    assert all(torch.equal(layer(x[i : i + 1]), full[i : i + 1]) for i in range(16))
-    assert all(torch.equal(layer(x[i : i + 5]), full[i : i + 5]) for i in range(11))
+    assert all(torch.equal(layer(x[i : i + 1]), full[i : i + 1]) for i in range(19))
+    assert all(torch.equal(layer(x[i : i + 5]), full[i : i + 5]) for i in range(15))
+    assert all(torch.equal(layer(x[i : i + 9]), full[i : i + 9]) for i in range(11))
     assert layer(x[:0]).shape == (0, 64)
 
 
