@@ -42,12 +42,14 @@ Hysteresis and probing: speculation turns off when the best plan's expected spee
 again only at >= on_above. While off, every probe_interval steps a short draft re-measures acceptance;
 while on, a decoder left out for probe_interval steps rides along for one step. Only decoders cheap
 enough that probing costs < max_probe_overhead of throughput are probed: a model-based drafter that
-the cost model dropped stays dropped for the request.
+the cost model dropped stays dropped for the request. Under load the probe interval stretches
+(probe_interval()): every request probes, and a probe's rows lengthen the step the others share.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import dataclasses
 import re
 import threading
@@ -108,6 +110,10 @@ class ControllerConfig:
     # Probing may cost at most this share of throughput: a decoder is probed only when its draft cost,
     # paid once per probe_interval steps, stays below it (prompt lookup yes, early exit at 0.6 a token no).
     max_probe_overhead: float = 0.02
+    # Under load a probe's rows go into a step the other requests share, and every request probes:
+    # the interval stretches so that the others' waiting on probe rows stays under this share of the
+    # time (AdaptiveController.probe_interval; unloaded it stays probe_interval).
+    max_shared_probe_overhead: float = 0.05
     load_smoothing: float = 0.5  # weight of the newest load report in ControllerState.other_rows
 
     def __post_init__(self) -> None:
@@ -125,6 +131,8 @@ class ControllerConfig:
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.max_shared_probe_overhead <= 1.0:
+            raise ValueError(f"max_shared_probe_overhead must lie in (0, 1], got {self.max_shared_probe_overhead}")
         if self.prior_strength <= 0 or self.half_life_steps <= 0:
             raise ValueError("prior_strength and half_life_steps must be positive")
         if self.max_evidence_tokens < self.prior_strength:
@@ -501,7 +509,7 @@ class AdaptiveController:
             if extra and len(kept) < len(choice.sources):
                 choice = dataclasses.replace(choice, sources=kept)
             return _plan_from(choice, estimates, config, extra)
-        if state.num_steps - state.last_probe_step < config.probe_interval or not estimates:
+        if state.num_steps - state.last_probe_step < self.probe_interval(state.other_rows) or not estimates:
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
         state.last_probe_step = state.num_steps
         gamma = config.probe_draft_length
@@ -519,6 +527,23 @@ class AdaptiveController:
             expected_speedup=choice.expected_speedup,
             is_probe=True,
         )
+
+    def probe_interval(self, other_rows: float) -> int:
+        """Steps between probes while speculation is off, with `other_rows` of other requests in the
+        primary's steps (R). A probe's gamma rows lengthen the step that R other requests share by
+        d = verify(R + 1 + gamma) - verify(R + 1); with every request probing once every n steps a
+        step carries (R + 1) / n probes on average, which make the others wait R d / (n verify(R + 1))
+        of the time. n is the smallest interval that keeps this under max_shared_probe_overhead,
+        never below probe_interval (what a probe costs its own request is _is_cheap_probe's bound):
+        unloaded nothing changes; once every row costs another request's token, probes grow rare."""
+        config, m = self._config, self._cost_model
+        load = max(0.0, other_rows)
+        step = float(m.verify(load + 1.0))
+        extra = float(m.verify(load + 1.0 + config.probe_draft_length)) - step
+        if load <= 0.0 or step <= 0.0 or extra <= 0.0:
+            return config.probe_interval
+        needed = load * extra / (config.max_shared_probe_overhead * step)
+        return max(config.probe_interval, math.ceil(needed))
 
     def observe_load(self, state: ControllerState, other_rows: float) -> None:
         """Other requests' rows in the primary's step that ran this request's last pass: smoothed,

@@ -394,6 +394,27 @@ def plan_under_load(alpha: float, other_rows: float) -> SpeculationPlan:
     return controller.plan(state)
 
 
+def test_under_load_probes_grow_rare_so_others_rarely_wait_on_their_rows():
+    controller = AdaptiveController(CPU_INT8, ControllerConfig(probe_interval=16, max_shared_probe_overhead=0.05))
+    # unloaded (or nearly: the curve is flat over the first rows) the interval is probe_interval
+    assert controller.probe_interval(0.0) == 16
+    # 3 others: a probe's 4 rows lengthen their 4-row step by verify(8) - verify(4) = 12.9 ms, which
+    # 3 requests wait on; 3 * 12.9 / (0.05 * 19.9) = 38.9 -> every 39 steps
+    assert controller.probe_interval(3.0) == 39
+    intervals = [controller.probe_interval(r) for r in (1.0, 3.0, 7.0, 15.0, 31.0)]
+    assert intervals == sorted(intervals) and intervals[-1] > 4 * 16
+    # and the loop follows it: a request that is off probes at that interval under load
+    state = controller.new_state("creative", {LOOKUP: 1})
+    state.is_speculating, state.other_rows = False, 3.0
+    state.estimates[0].accepted = 0.0  # nothing accepted: speculation stays off between probes
+    probes = []
+    for step in range(120):
+        state.num_steps = step
+        if controller.plan(state).is_probe:
+            probes.append(step)
+    assert len(probes) >= 2 and all(b - a == 39 for a, b in zip(probes, probes[1:]))
+
+
 def test_without_load_the_plan_is_the_single_request_plan():
     alone = adjust_speculative_degree("code", 0.8, decoders={LOOKUP: 1}, cost_model=CPU_INT8, config=FULL_COVERAGE)
     plan = plan_under_load(0.8, 0.0)
