@@ -396,7 +396,7 @@ def plan_under_load(alpha: float, other_rows: float) -> SpeculationPlan:
 
 def test_under_load_probes_grow_rare_so_others_rarely_wait_on_their_rows():
     controller = AdaptiveController(CPU_INT8, ControllerConfig(probe_interval=16, max_shared_probe_overhead=0.05))
-    # unloaded (or nearly: the curve is flat over the first rows) the interval is probe_interval
+    # unloaded the interval is probe_interval
     assert controller.probe_interval(0.0) == 16
     # 3 others: a probe's 4 rows lengthen their 4-row step by verify(8) - verify(4) = 12.9 ms, which
     # 3 requests wait on; 3 * 12.9 / (0.05 * 19.9) = 38.9 -> every 39 steps

@@ -147,7 +147,6 @@ def _build(cc: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     w = ctypes.POINTER(QWeight)
-    lib.qgemm_has_avx2.argtypes, lib.qgemm_has_avx2.restype = [], i32
     lib.qgemm_isa.argtypes, lib.qgemm_isa.restype = [], ctypes.c_char_p
     lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
     lib.qgemm_quantize_rows.argtypes, lib.qgemm_quantize_rows.restype = [p, i64, i64, p, p, p], None

@@ -13,7 +13,8 @@
  * Every output element is computed alone, in the same order whatever the number of rows T in the
  * call, so a row's result does not depend on the batch it came in (batch invariance: a k-row verify
  * and 1-row decoding agree bit for bit). The AVX2 path keeps 8 lane sums per output as llama.cpp
- * does; the portable path sums each block's integer dot first; each is deterministic on its own.
+ * does, the AVX-512 path 16 (two blocks per step) plus the Q4_1 minimum terms in a vector of their
+ * own; the portable path sums each block's integer dot first; each is deterministic on its own.
  * Threads: OpenMP, sharing the process's runtime (torch's libgomp is loaded first and has the
  * same soname), over output rows in chunks handed out dynamically: the service's other processes
  * share these cores, and with a static split every parallel region waits for the thread that lost
@@ -47,8 +48,6 @@
 #else
 #define TILE 4
 #endif
-
-int qgemm_has_avx2(void) { return QGEMM_AVX2; }
 
 /* the instruction path the products run on, for logs and benchmark headers */
 const char *qgemm_isa(void) {
@@ -218,7 +217,7 @@ ALWAYS_INLINE void q8_rows_avx2(const int8_t *w, float scale, int64_t G, const i
  * different order of additions than the 256-bit path, so other bits on this build, but the same
  * order for every row count: batch invariance holds as before. */
 ALWAYS_INLINE void q4_rows_avx512(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx,
-                                  const float *dxv, const float *sx, int64_t K, const int nt, float *out, int64_t N) {
+                                  const float *dxv, int64_t K, const int nt, float *out, int64_t N) {
     const int64_t V = DXV_STRIDE(G);
     __m512 acc[TILE], macc[TILE];     /* d dx (q . xq) lane sums; m sx in lanes 0 and 8 */
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -301,7 +300,7 @@ ALWAYS_INLINE void q8_rows_avx512(const int8_t *w, float scale, int64_t G, const
 #pragma GCC unroll 8
     for (int t = 0; t < nt; ++t) out[t * N] = scale * _mm512_reduce_add_ps(acc[t]);
 }
-#define Q4_ROWS(nt) q4_rows_avx512(row, G, xq, dx, dxv, sx, K, nt, out, N)
+#define Q4_ROWS(nt) q4_rows_avx512(row, G, xq, dx, dxv, K, nt, out, N)
 #define Q8_ROWS(nt) q8_rows_avx512(w, scale, G, xq, dx, dxv, K, nt, out, N)
 #elif QGEMM_AVX2
 #define Q4_ROWS(nt) q4_rows_avx2(row, G, xq, dx, sx, K, nt, out, N)
