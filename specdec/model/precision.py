@@ -5,7 +5,7 @@ fp32 scale per output channel, scale = max|row| / 448, saturating at ±448. Embe
 norms and the lm_head stay in bf16, the compute dtype: they are a small share of the
 bytes read per token at this size, and the lm_head decides every argmax.
 
-int4 and int8 (`quant.py`) keep the block matrices packed for torch's CPU kernels: int4 in groups
+int4 and int8 (`quant.py`) keep the block matrices packed for the native kernels (or torch's): int4 in groups
 of 32 (a Q4_0/Q4_1 GGUF's own blocks when the model directory holds them, `gguf_blocks.py`,
 else round-to-nearest), int8 per output channel. The embedding matrix is int8 per channel in
 both: one copy serves the lookup and the tied lm_head (the head is 28M of SmolLM2-135M's 135M
@@ -89,10 +89,10 @@ def convert_weights(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the lm_head is the embedding matrix, never a second copy
         module = name.removesuffix(".weight")
-        if precision in quant.QUANTIZED_PRECISIONS and name in _EMBEDDING_NAMES:
-            out.update(quant.quantize_int8(module, tensor))
-        elif precision == "int8" and name.endswith(_MATRIX_SUFFIXES):
-            out.update(quant.quantize_int8(module, tensor))
+        if (precision in quant.QUANTIZED_PRECISIONS and name in _EMBEDDING_NAMES) or (
+            precision == "int8" and name.endswith(_MATRIX_SUFFIXES)
+        ):
+            out.update(_int8_weights(module, tensor))
         elif precision == "int4" and name.endswith(_MATRIX_SUFFIXES):
             out.update(_int4_weights(name, tensor, (q4_blocks or {}).get(name)))
         elif precision == "fp8_e4m3" and name.endswith(_MATRIX_SUFFIXES):
@@ -102,9 +102,16 @@ def convert_weights(
     return out
 
 
+def _int8_weights(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    rows = quant.quantize_int8(module, weight)
+    if native.library() is None or not native.fits(*weight.shape):
+        return rows  # torch's kernels
+    return quant.pack_int8(module, rows[module + quant.INT8_WEIGHT], rows[module + quant.INT8_SCALE])
+
+
 def _int4_weights(name: str, weight: torch.Tensor, blocks: tuple[torch.Tensor, ...] | None) -> dict[str, torch.Tensor]:
     quant.check_int4_shape(name, weight, _INT4_FALLBACKS)
-    if native.library() is not None:  # the file's blocks byte for byte, for the native kernels
+    if native.library() is not None and native.fits(*weight.shape):  # the file's values, for the native kernels
         q, d, m = quant.quantize_q4_1(weight) if blocks is None else blocks
         assert q.shape == weight.shape, (name, q.shape, weight.shape)
         return quant.pack_q4_1(name.removesuffix(".weight"), q, d, m)

@@ -1,8 +1,9 @@
 """Weight-only int4 and int8: the quantized matrices, and the layers over torch's packed CPU kernels.
 
 Memory holds only the quantized form; no layer ever widens its weights into a float copy. Where
-the native kernels build (`specdec.model.native`, the default), int4 is stored as GGUF Q4_1 blocks
-(`pack_q4_1`) and int8 rows run there too; what follows is the torch-kernel form, used otherwise.
+the native kernels build (`specdec.model.native`, the default), int4 is stored as the GGUF's Q4_1
+values and int8 as its rows, both interleaved by 16 output columns (`pack_q4_1`, `pack_int8`);
+what follows is the torch-kernel form, used otherwise.
 
 int4, group-32 asymmetric (the form of llama.cpp's Q4_1). For output row n, input k, group g = k // 32:
 
@@ -50,7 +51,10 @@ INT8_MAX = 127
 KERNEL_DTYPE = torch.bfloat16  # activation dtype into both kernels (see the module docstring)
 INT4_WEIGHT, INT4_SCALES_ZEROS = ".weight_int4", ".weight_int4_scales_zeros"
 INT8_WEIGHT, INT8_SCALE = ".weight_int8", ".weight_int8_scale"
-Q4_1_BLOCKS = ".weight_q4_1"  # GGUF Q4_1 blocks [N, K/32 * 20] for the native kernels (`native/`)
+# the native kernels' layouts (`native.pack_q4_1`, `native.pack_int8`): GGUF Q4_1 values and int8
+# rows, interleaved by 16 output columns
+Q4_1_NIBBLES, Q4_1_D, Q4_1_M = ".weight_q4_1", ".weight_q4_1_d", ".weight_q4_1_m"
+INT8_COLUMNS = ".weight_int8_columns"
 QUANTIZED_PRECISIONS = ("int8", "int4")
 # int4 serves the embedding/lm_head in int8 too (see `precision.py`)
 _KERNELS = {
@@ -116,13 +120,15 @@ def quantize_q4_1(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def pack_q4_1(name: str, q: Tensor, d: Tensor, m: Tensor) -> dict[str, Tensor]:
-    """q uint8 [N, K] in 0..15, d/m fp16 [N, K/32] -> `<name>.weight_q4_1`: the 20-byte GGUF blocks
-    (fp16 d, fp16 m, byte j = q[j] | q[j + 16] << 4) the native kernels read, [N, K/32 * 20] uint8."""
-    n, k = q.shape
-    g = q.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    nibbles = g[..., : GROUP_SIZE // 2] | (g[..., GROUP_SIZE // 2 :] << 4)  # [N, G, 16]
-    header = torch.stack((d.to(torch.float16), m.to(torch.float16)), dim=-1).view(torch.uint8)  # [N, G, 4]
-    return {name + Q4_1_BLOCKS: torch.cat((header, nibbles), dim=-1).reshape(n, -1).contiguous()}
+    """q uint8 [N, K] in 0..15, d/m fp16 [N, K/32] -> `<name>.weight_q4_1{,_d,_m}`: the native
+    kernels' layout of the same values (`native.pack_q4_1`; N a multiple of 16)."""
+    nibbles, dp, mp = native.pack_q4_1(q, d, m)
+    return {name + Q4_1_NIBBLES: nibbles, name + Q4_1_D: dp, name + Q4_1_M: mp}
+
+
+def pack_int8(name: str, q: Tensor, scale: Tensor) -> dict[str, Tensor]:
+    """int8 rows [N, K] and their scale [N] -> the native kernels' layout (`native.pack_int8`)."""
+    return {name + INT8_COLUMNS: native.pack_int8(q), name + INT8_SCALE: scale}
 
 
 def check_int4_shape(name: str, weight: Tensor, other_precisions: tuple[str, ...]) -> None:
@@ -175,31 +181,34 @@ class Int8Linear:
 
 
 class Int8Embedding:
-    """Rows of a per-channel int8 matrix [V, C], widened only for the tokens looked up."""
+    """Rows of a per-channel int8 matrix [V, C] (plain rows, or the native layout `native.pack_int8`
+    when the matrix is also the native lm_head), widened only for the tokens looked up."""
 
-    def __init__(self, weight: Tensor, scale: Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight: Tensor, scale: Tensor, dtype: torch.dtype, is_native_layout: bool = False) -> None:
         self.weight, self.scale, self.dtype = weight, scale, dtype
+        self.is_native_layout = is_native_layout
 
     def __call__(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, C]
-        return (self.weight[input_ids].float() * self.scale[input_ids].float()[:, None]).to(self.dtype)
+        rows = native.int8_rows(self.weight, input_ids) if self.is_native_layout else self.weight[input_ids]
+        return (rows.float() * self.scale[input_ids].float()[:, None]).to(self.dtype)
 
 
 def quantized_linear(weights: Mapping[str, Tensor], prefix: str) -> Int4Linear | Int8Linear | native.QuantLinear | None:
     """The quantized layer `prefix` names in `weights` (recognised by tensor names), or None.
 
-    int8 rows run on the native kernels where they are built, else on torch's; Q4_1 blocks only
-    exist when the native kernels were there to convert for (`precision.convert_weights`)."""
+    The native layouts exist only where the native kernels were there to convert for
+    (`precision.convert_weights`); otherwise int4/int8 run on torch's packed kernels."""
     bias = weights.get(prefix + ".bias")
-    lib = native.library()
-    if prefix + Q4_1_BLOCKS in weights:
+    if prefix + Q4_1_NIBBLES in weights or prefix + INT8_COLUMNS in weights:
+        lib = native.library()
         if lib is None:
-            raise ValueError(f"{prefix}{Q4_1_BLOCKS} needs the native kernels: {native.status()}")
-        return native.QuantLinear(lib, blocks=weights[prefix + Q4_1_BLOCKS], bias=bias)
-    if prefix + INT8_WEIGHT in weights and lib is not None:
-        return native.QuantLinear(
-            lib, weight=weights[prefix + INT8_WEIGHT], scale=weights[prefix + INT8_SCALE], bias=bias
-        )
+            raise ValueError(f"{prefix}: the native layout needs the native kernels: {native.status()}")
+        if prefix + Q4_1_NIBBLES in weights:
+            q4 = (weights[prefix + Q4_1_NIBBLES], weights[prefix + Q4_1_D], weights[prefix + Q4_1_M])
+            return native.QuantLinear(lib, q4=q4, bias=bias)
+        int8 = (weights[prefix + INT8_COLUMNS], weights[prefix + INT8_SCALE])
+        return native.QuantLinear(lib, int8=int8, bias=bias)
     if prefix + INT4_WEIGHT in weights:
         return Int4Linear(weights[prefix + INT4_WEIGHT], weights[prefix + INT4_SCALES_ZEROS], bias)
     if prefix + INT8_WEIGHT in weights:

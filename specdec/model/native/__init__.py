@@ -2,8 +2,9 @@
 
 Why: on a 2-core AVX2 CPU an int4 step through torch's packed kernels cost ~30 ms, of which ~10 ms
 were the matmuls and the rest ~500 small tensor ops and their dispatch. `qgemm.c` multiplies the
-GGUF's own Q4_1 blocks (and per-channel int8 rows) against activations quantized per block of 32,
-as llama.cpp does, and runs everything of a layer except attention in two calls:
+GGUF's own Q4_1 values (and per-channel int8 rows), stored interleaved by 16 output columns
+(`pack_q4_1`, `pack_int8`), against activations quantized per block of 32 as llama.cpp does, and
+runs everything of a layer except attention in two calls:
 
     pre:   RMSNorm -> q/k/v products -> RoPE                    (one call)
     attn:  KV-cache write + SDPA over the span(s)               (torch, as for every precision)
@@ -46,7 +47,7 @@ SOURCE = Path(__file__).with_name("qgemm.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"  # "0": never build or use the native kernels
 QK = 32  # weights per block
-Q4_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+COLUMNS = 16  # output columns interleaved per group in the packed layouts (qgemm.c, "the products")
 KIND_Q4, KIND_Q8 = 4, 8
 # What the native attention reads from the KV cache. fp16 (rounded to nearest even on write, as
 # torch's .half()) halves the bytes a step's attention streams, which bound it on the CPU: models
@@ -70,6 +71,8 @@ class QWeight(ctypes.Structure):
         ("bias", ctypes.c_void_p),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
     ]
 
 
@@ -119,10 +122,11 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    flags = CFLAGS + extra_flags
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), cc, version, " ".join(CFLAGS), _cpu_flags(), platform.machine())).encode()
+        "\0".join((SOURCE.read_text(), cc, version, " ".join(flags), _cpu_flags(), platform.machine())).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"qgemm-{key}.so"
     if target.is_file():
@@ -132,7 +136,7 @@ def _build(cc: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+            [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
         )
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
@@ -179,6 +183,17 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_byte_histograms_masked.argtypes = [p, i64, i64, p, i64, p]
     lib.qgemm_byte_histograms_masked.restype = None
     lib.qgemm_encode_e4m3.argtypes, lib.qgemm_encode_e4m3.restype = [p, i64, i64, f32, p, p], i32
+
+
+def variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernels built with `extra_flags` after the usual ones (say `-mno-avx512f` for the AVX2
+    path on an AVX-512 machine), loaded beside `library()`: for comparing instruction paths."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    lib = ctypes.CDLL(str(_build(cc, extra_flags)))
+    _declare(lib)
+    return lib
 
 
 @contextlib.contextmanager
@@ -240,44 +255,99 @@ def _ptr(t: Tensor | None) -> int | None:
 # --- layers ------------------------------------------------------------------------------------
 
 
-class QuantLinear:
-    """A 4-bit (GGUF Q4_1 blocks) or 8-bit (int8 rows, fp32 scale) matrix run by the native kernels.
+def fits(n: int, k: int) -> bool:
+    """Whether an [n, k] matrix has the packed layouts' shape: whole groups of columns and blocks."""
+    return n % COLUMNS == 0 and k % QK == 0
 
-    `blocks` [N, K/32 * 20] uint8 are the file's blocks byte for byte; `weight` int8 [N, K] with
-    `scale` [N]. The float activations are quantized per block of 32 inside the call.
+
+def pack_q4_1(q: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_1 values (q uint8 [N, K] in 0..15, d/m fp16 [N, K/32]) -> the kernels' layout (qgemm.c):
+    nibbles uint8 [N/16, G, 256] and d, m fp16 [N/16, G, 16]: the same values, columns interleaved."""
+    n, k = q.shape
+    g = k // QK
+    v = q.reshape(n // COLUMNS, COLUMNS, g, 8, 4)  # [group, column, block, 4-weight step, byte]
+    nibbles = v[:, :, :, :4] | (v[:, :, :, 4:] << 4)  # step j low, step j + 4 high
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(n // COLUMNS, g, 4 * COLUMNS * 4).contiguous()
+
+    def per_group(t: Tensor) -> Tensor:
+        return t.to(torch.float16).reshape(n // COLUMNS, COLUMNS, g).transpose(1, 2).contiguous()
+
+    return nibbles, per_group(d), per_group(m)
+
+
+def unpack_q4_1(nibbles: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The inverse of `pack_q4_1`: (q [N, K], d [N, K/32], m [N, K/32])."""
+    nv, g, _ = nibbles.shape
+    b = nibbles.view(nv, g, 4, COLUMNS, 4).permute(0, 3, 1, 2, 4)  # [group, column, block, step, byte]
+    q = torch.cat((b & 0x0F, b >> 4), dim=3).reshape(nv * COLUMNS, g * QK)
+    return q, d.transpose(1, 2).reshape(nv * COLUMNS, g), m.transpose(1, 2).reshape(nv * COLUMNS, g)
+
+
+def pack_int8(w: Tensor) -> Tensor:
+    """int8 rows [N, K] -> the kernels' layout: uint8 [N/16, K/4, 16, 4] holding w + 128 (see qgemm.c)."""
+    n, k = w.shape
+    biased = (w.view(torch.uint8) ^ 0x80).reshape(n // COLUMNS, COLUMNS, k // 4, 4)
+    return biased.transpose(1, 2).contiguous()
+
+
+def int8_rows(cols: Tensor, rows: Tensor) -> Tensor:
+    """Rows `rows` [T] of a matrix in `pack_int8`'s layout, as int8 [T, K] (a gather, no full copy)."""
+    nv, k4, _, _ = cols.shape
+    return (cols[rows // COLUMNS, :, rows % COLUMNS, :].reshape(rows.shape[0], k4 * 4) ^ 0x80).view(torch.int8)
+
+
+class QuantLinear:
+    """A 4-bit (GGUF Q4_1 values) or 8-bit (int8 rows, fp32 scale) matrix run by the native kernels,
+    over tensors in the kernels' layout (`pack_q4_1`, `pack_int8`), which the model's weights hold
+    (so the draft pool maps them as they are). `from_q4_1` and `from_int8` pack plain tensors.
+    The float activations are quantized per block of 32 inside the call.
     """
 
     def __init__(
         self,
         lib: ctypes.CDLL,
         *,
-        blocks: Tensor | None = None,
-        weight: Tensor | None = None,
-        scale: Tensor | None = None,
+        q4: tuple[Tensor, Tensor, Tensor] | None = None,
+        int8: tuple[Tensor, Tensor] | None = None,
         bias: Tensor | None = None,
     ) -> None:
         self.lib = lib
-        self.blocks: Tensor | None  # Q4 blocks, or None for int8 rows (self.weight)
-        if blocks is not None:
-            assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.shape[1] % Q4_BLOCK_BYTES == 0
-            self.blocks, self.out_features = blocks.contiguous(), blocks.shape[0]
-            self.in_features = blocks.shape[1] // Q4_BLOCK_BYTES * QK
-            self.scale, kind, data = None, KIND_Q4, self.blocks
+        self.q4, self.int8 = q4, int8
+        if q4 is not None:
+            nibbles, d, m = (t.contiguous() for t in q4)
+            assert nibbles.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16
+            self.out_features, self.in_features = nibbles.shape[0] * COLUMNS, nibbles.shape[1] * QK
+            self._keep: tuple[Tensor, ...] = (nibbles, d, m)
+            self.scale = None
+            self.qweight = QWeight(KIND_Q4, 0, nibbles.data_ptr(), None, None, self.out_features, self.in_features)
+            self.qweight.d, self.qweight.m = d.data_ptr(), m.data_ptr()
         else:
-            assert weight is not None and weight.dtype == torch.int8 and scale is not None
-            self.blocks, self.weight = None, weight.contiguous()
-            self.out_features, self.in_features = weight.shape
+            assert int8 is not None
+            cols, scale = int8
+            cols = cols.contiguous()
+            assert cols.dtype == torch.uint8 and cols.dim() == 4
+            self.out_features, self.in_features = cols.shape[0] * COLUMNS, cols.shape[1] * 4
             self.scale = scale.float().contiguous()  # [N]: a private fp32 copy (N floats)
-            kind, data = KIND_Q8, self.weight
+            assert self.scale.shape == (self.out_features,)
+            self._keep = (cols,)
+            self.qweight = QWeight(
+                KIND_Q8, 0, cols.data_ptr(), self.scale.data_ptr(), None, self.out_features, self.in_features
+            )
         if self.in_features % QK:
             raise ValueError(
                 f"native kernels need an input dimension that is a multiple of {QK}, got {self.in_features}"
             )
         self.bias = None if bias is None else bias.float().contiguous()
-        self.qweight = QWeight(
-            kind, 0, data.data_ptr(), _ptr(self.scale), _ptr(self.bias), self.out_features, self.in_features
-        )
+        self.qweight.bias = _ptr(self.bias)
         self.ref = ctypes.byref(self.qweight)
+
+    @classmethod
+    def from_q4_1(cls, lib: ctypes.CDLL, q: Tensor, d: Tensor, m: Tensor, bias: Tensor | None = None) -> QuantLinear:
+        return cls(lib, q4=pack_q4_1(q, d, m), bias=bias)
+
+    @classmethod
+    def from_int8(cls, lib: ctypes.CDLL, w: Tensor, scale: Tensor, bias: Tensor | None = None) -> QuantLinear:
+        return cls(lib, int8=(pack_int8(w), scale), bias=bias)
 
     def __call__(self, x: Tensor) -> Tensor:
         # x: [T, K] -> [T, N] in x's dtype

@@ -4,19 +4,19 @@
  * and sx = dx * sum x[j] for the 4-bit minimum term); then every block's product is an exact
  * integer dot product, scaled once:
  *
- *   4-bit rows (the GGUF Q4_1 block, 20 bytes: fp16 d, fp16 m, 16 bytes of nibbles, byte j holding
- *   element j low and j + 16 high; w = q * d + m):
+ *   4-bit (a GGUF Q4_1 block's values: fp16 d, fp16 m, 32 nibbles; w = q * d + m):
  *       y[t, n] = sum_g  d[n,g] dx[t,g] * (q . xq)  +  m[n,g] * sx[t,g]
  *   8-bit rows (int8 w[n, k] with one fp32 scale per row):
  *       y[t, n] = scale[n] * sum_g dx[t,g] * (w . xq)
  *
- * Every output element is computed alone, in the same order whatever the number of rows T in the
- * call, so a row's result does not depend on the batch it came in (batch invariance: a k-row verify
- * and 1-row decoding agree bit for bit). The AVX2 path keeps 8 lane sums per output as llama.cpp
- * does, the AVX-512 path 16 (two blocks per step) plus the Q4_1 minimum terms in a vector of their
- * own; the portable path sums each block's integer dot first; each is deterministic on its own.
+ * The weights are stored interleaved by 16 output columns (see "the products" below) so that one
+ * vector lane is one output: every path sums each block's whole integer dot product, then scales
+ * and accumulates blocks in order in fp32. Every output element is therefore computed alone, in the
+ * same order whatever the number of rows T in the call (batch invariance: a k-row verify and 1-row
+ * decoding agree bit for bit) and whatever the instruction set (AVX-512, AVX2 with or without VNNI,
+ * portable: the products give the same bits on every machine).
  * Threads: OpenMP, sharing the process's runtime (torch's libgomp is loaded first and has the
- * same soname), over output rows in chunks handed out dynamically: the service's other processes
+ * same soname), over units of output columns handed out dynamically: the service's other processes
  * share these cores, and with a static split every parallel region waits for the thread that lost
  * its core; dynamically the thread that runs takes the rest. The split never changes an element's
  * arithmetic.
@@ -39,15 +39,6 @@
 #endif
 
 #define QK 32            /* weights per block */
-#define Q4_BLOCK 20      /* bytes per 4-bit block */
-#define DXV_STRIDE(G) ((((G) + 1) / 2) * 32)   /* floats per row of qact.dxv (below) for G blocks */
-/* activation rows per pass over a weight row: their accumulators stay in registers (16 vector
- * registers with AVX2, 32 with AVX-512) */
-#if QGEMM_AVX512
-#define TILE 8
-#else
-#define TILE 4
-#endif
 
 /* the instruction path the products run on, for logs and benchmark headers */
 const char *qgemm_isa(void) {
@@ -126,329 +117,358 @@ void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float
     }
 }
 
-#if QGEMM_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-/* unsigned bytes u (here 0..15 or |w| <= 127) times signed bytes s (-127..127) -> 8 int32 lane
- * sums (lane i: bytes 4i..4i+3) as floats. With VNNI one vpdpbusd computes them; without, maddubs
- * (pairs to int16: at most 2 * 127 * 127, never saturating here) and madd (pairs of pairs to int32)
- * do. Both sums are exact integers, so the two paths give the same bits. */
-static inline __m256 dot_lanes(__m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
-#else
-    const __m256i pairs = _mm256_maddubs_epi16(u, s);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-#endif
-
-static inline int dot_q4_portable(const uint8_t *qs, const int8_t *y) {
-    int s = 0;
-    for (int j = 0; j < QK / 2; ++j) s += (qs[j] & 0x0F) * y[j] + (qs[j] >> 4) * y[j + QK / 2];
-    return s;
-}
-
-static inline int dot_q8_portable(const int8_t *w, const int8_t *y) {
-    int s = 0;
-    for (int j = 0; j < QK; ++j) s += w[j] * y[j];
-    return s;
-}
-
-#if QGEMM_AVX2
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-/* nt (a compile-time constant at every call: see the switches below) rows of activations against
- * one 4-bit weight row. With nt known the loops over rows unroll and the accumulators stay in
- * registers; a run-time nt kept them in memory, and every block waited on a store and a load. */
-ALWAYS_INLINE void q4_rows_avx2(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *sx,
-                                int64_t K, const int nt, float *out, int64_t N) {
-    __m256 acc[TILE];
-    float summ[TILE];
-    const __m256i low = _mm256_set1_epi8(0x0F);
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) { acc[t] = _mm256_setzero_ps(); summ[t] = 0.f; }
-    for (int64_t g = 0; g < G; ++g) {
-        const uint8_t *b = row + g * Q4_BLOCK;
-        uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
-        const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
-        const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), low);
-        const int8_t *y = xq + g * QK;
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; ++t) {
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]),
-                                     dot_lanes(q, _mm256_loadu_si256((const __m256i *)(y + t * K))), acc[t]);
-            summ[t] += m * sx[t * G + g];
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) out[t * N] = hsum8(acc[t]) + summ[t];
-}
-
-/* nt rows of activations against one 8-bit weight row (nt a compile-time constant, as above) */
-ALWAYS_INLINE void q8_rows_avx2(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
-                                int64_t K, const int nt, float *out, int64_t N) {
-    __m256 acc[TILE];
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g) {
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
-        const __m256i wabs = _mm256_sign_epi8(wv, wv);            /* |w| as unsigned bytes (w in -127..127) */
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; ++t) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
-            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx[t * G + g]), dot_lanes(wabs, _mm256_sign_epi8(y, wv)), acc[t]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) out[t * N] = scale * hsum8(acc[t]);
-}
-#endif
-
-#if QGEMM_AVX512
-/* As q4_rows_avx2, two blocks per step: lanes 0-7 of an accumulator sum the even blocks, lanes 8-15
- * the odd ones (an odd last block goes to lanes 0-7), then all 16 are added in a fixed order. A
- * different order of additions than the 256-bit path, so other bits on this build, but the same
- * order for every row count: batch invariance holds as before. */
-ALWAYS_INLINE void q4_rows_avx512(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx,
-                                  const float *dxv, int64_t K, const int nt, float *out, int64_t N) {
-    const int64_t V = DXV_STRIDE(G);
-    __m512 acc[TILE], macc[TILE];     /* d dx (q . xq) lane sums; m sx in lanes 0 and 8 */
-    const __m512i low = _mm512_set1_epi8(0x0F);
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) { acc[t] = _mm512_setzero_ps(); macc[t] = _mm512_setzero_ps(); }
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-        const uint8_t *b0 = row + g * Q4_BLOCK, *b1 = b0 + Q4_BLOCK;
-        uint16_t h[4]; memcpy(h, b0, 2); memcpy(h + 1, b0 + 2, 2); memcpy(h + 2, b1, 2); memcpy(h + 3, b1 + 2, 2);
-        const float d0 = fp16_to_fp32(h[0]), m0 = fp16_to_fp32(h[1]), d1 = fp16_to_fp32(h[2]), m1 = fp16_to_fp32(h[3]);
-        const __m128i n0 = _mm_loadu_si128((const __m128i *)(b0 + 4)), n1 = _mm_loadu_si128((const __m128i *)(b1 + 4));
-        const __m512i q = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_srli_epi16(n0, 4), n0)),
-                               _mm256_set_m128i(_mm_srli_epi16(n1, 4), n1), 1), low);
-        const __m512 dd = _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1);
-        const __m512 mm = _mm512_insertf32x8(_mm512_set1_ps(m0), _mm256_set1_ps(m1), 1);
-        const int8_t *y = xq + g * QK;
-        const float *sv = dxv + g * 16;
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; ++t) {
-            const __m512 sc = _mm512_mul_ps(dd, _mm512_load_ps(sv + t * V));   /* d * dx, as the scalar product */
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512((const void *)(y + t * K)));
-            acc[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(p), acc[t]);
-            macc[t] = _mm512_fmadd_ps(mm, _mm512_load_ps(sv + t * V + 16), macc[t]);
-        }
-    }
-    if (g < G) {
-        const uint8_t *b = row + g * Q4_BLOCK;
-        uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
-        const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
-        const __m128i t16 = _mm_loadu_si128((const __m128i *)(b + 4));
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t16, 4), t16), _mm256_set1_epi8(0x0F));
-        const int8_t *y = xq + g * QK;
-        const __m512 mm = _mm512_set1_ps(m);
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; ++t) {
-            const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[t * G + g]),
-                                              dot_lanes(q, _mm256_loadu_si256((const __m256i *)(y + t * K))),
-                                              _mm512_castps512_ps256(acc[t]));
-            acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
-            macc[t] = _mm512_fmadd_ps(mm, _mm512_load_ps(dxv + g * 16 + t * V + 16), macc[t]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) out[t * N] = _mm512_reduce_add_ps(acc[t]) + _mm512_reduce_add_ps(macc[t]);
-}
-
-/* As q8_rows_avx2, two blocks per step (lanes as in q4_rows_avx512) */
-ALWAYS_INLINE void q8_rows_avx512(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
-                                  const float *dxv, int64_t K, const int nt, float *out, int64_t N) {
-    const int64_t V = DXV_STRIDE(G);
-    __m512 acc[TILE];
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) acc[t] = _mm512_setzero_ps();
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) {
-        const __m512i wv = _mm512_loadu_si512((const void *)(w + g * QK));
-        const __m512i wabs = _mm512_abs_epi8(wv);                 /* |w| as unsigned bytes (w in -127..127) */
-        const __mmask64 neg = _mm512_movepi8_mask(wv);            /* the bytes where w < 0 */
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; ++t) {
-            const __m512i yv = _mm512_loadu_si512((const void *)(xq + t * K + g * QK));
-            /* sign(y, w): y where w > 0, -y where w < 0 (w == 0 leaves |w| = 0, so y's value is moot) */
-            const __m512i ys = _mm512_mask_sub_epi8(yv, neg, _mm512_setzero_si512(), yv);
-            const __m512 sc = _mm512_load_ps(dxv + g * 16 + t * V);
-            acc[t] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, ys)), acc[t]);
-        }
-    }
-    if (g < G) {
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + g * QK));
-        const __m256i wabs = _mm256_sign_epi8(wv, wv);
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; ++t) {
-            const __m256i y = _mm256_loadu_si256((const __m256i *)(xq + t * K + g * QK));
-            const __m256 lo = _mm256_fmadd_ps(_mm256_set1_ps(dx[t * G + g]), dot_lanes(wabs, _mm256_sign_epi8(y, wv)),
-                                              _mm512_castps512_ps256(acc[t]));
-            acc[t] = _mm512_insertf32x8(acc[t], lo, 0);
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; ++t) out[t * N] = scale * _mm512_reduce_add_ps(acc[t]);
-}
-#define Q4_ROWS(nt) q4_rows_avx512(row, G, xq, dx, dxv, K, nt, out, N)
-#define Q8_ROWS(nt) q8_rows_avx512(w, scale, G, xq, dx, dxv, K, nt, out, N)
-#elif QGEMM_AVX2
-#define Q4_ROWS(nt) q4_rows_avx2(row, G, xq, dx, sx, K, nt, out, N)
-#define Q8_ROWS(nt) q8_rows_avx2(w, scale, G, xq, dx, K, nt, out, N)
-#endif
-
-/* rows t0..t0+nt (nt <= TILE) of one 4-bit weight row */
-static void q4_row(const uint8_t *row, int64_t G, const int8_t *xq, const float *dx, const float *dxv,
-                   const float *sx, int64_t K, int nt, float *out, int64_t N) {
-    (void)dxv;
-#if QGEMM_AVX2
-    switch (nt) {
-        case 1: Q4_ROWS(1); break;
-        case 2: Q4_ROWS(2); break;
-        case 3: Q4_ROWS(3); break;
-#if TILE > 4
-        case 4: Q4_ROWS(4); break;
-        case 5: Q4_ROWS(5); break;
-        case 6: Q4_ROWS(6); break;
-        case 7: Q4_ROWS(7); break;
-#endif
-        default: Q4_ROWS(TILE); break;
-    }
-#else
-    for (int t = 0; t < nt; ++t) {
-        float s = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-            const uint8_t *b = row + g * Q4_BLOCK;
-            uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
-            const float d = fp16_to_fp32(dh), m = fp16_to_fp32(mh);
-            s += d * dx[t * G + g] * (float)dot_q4_portable(b + 4, xq + t * K + g * QK) + m * sx[t * G + g];
-        }
-        out[t * N] = s;
-    }
-#endif
-}
-
-/* rows t0..t0+nt of one 8-bit weight row */
-static void q8_row(const int8_t *w, float scale, int64_t G, const int8_t *xq, const float *dx,
-                   const float *dxv, int64_t K, int nt, float *out, int64_t N) {
-    (void)dxv;
-#if QGEMM_AVX2
-    switch (nt) {
-        case 1: Q8_ROWS(1); break;
-        case 2: Q8_ROWS(2); break;
-        case 3: Q8_ROWS(3); break;
-#if TILE > 4
-        case 4: Q8_ROWS(4); break;
-        case 5: Q8_ROWS(5); break;
-        case 6: Q8_ROWS(6); break;
-        case 7: Q8_ROWS(7); break;
-#endif
-        default: Q8_ROWS(TILE); break;
-    }
-#else
-    for (int t = 0; t < nt; ++t) {
-        float s = 0.f;
-        for (int64_t g = 0; g < G; ++g) s += dx[t * G + g] * (float)dot_q8_portable(w + g * QK, xq + t * K + g * QK);
-        out[t * N] = scale * s;
-    }
-#endif
-}
-
 #include <stdlib.h>
 
-typedef struct {             /* an activation [T, k] quantized once for every product that reads it */
-    int8_t *xq; float *dx, *sx;
-    float *dxv;              /* AVX-512 only (else NULL), 64-byte aligned: per row, per pair of blocks, 32
-                              * floats: dx of the even block in 8 lanes and of the odd one in 8 more, then sx of
-                              * the even block in lane 0 and of the odd one in lane 8, zeros elsewhere (and in
-                              * the odd block's lanes past the last block) */
-} qact;
-
-
-static int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
-    const int64_t G = K / QK;
-    a->xq = malloc((size_t)(T * K)); a->dx = malloc(sizeof(float) * (size_t)(T * G));
-    a->sx = malloc(sizeof(float) * (size_t)(T * G)); a->dxv = NULL;
-    if (!a->xq || !a->dx || !a->sx) return -1;
-    qgemm_quantize_rows(x, T, K, a->xq, a->dx, a->sx);
+/* ---- the products: weights interleaved by 16 output columns ----
+ *
+ * Layouts (packed once at load, `specdec/model/native/__init__.py`; nv = ceil(n / 16) groups of 16
+ * output columns, the last one padded with zero weights; G = k / 32 blocks):
+ *   4-bit: nibbles [nv][G][4][64]: vector j of block g holds, for each column c of the group, the
+ *          4 weights 4j..4j+3 of the block in the low nibbles of bytes 4c..4c+3 and the weights
+ *          4j+16..4j+19 in their high nibbles; d, m fp16 [nv][G][16] (the file's own, unrounded).
+ *   8-bit: uint8 [nv][k/4][16][4]: for each 4 inputs, the 16 columns' 4 weights side by side,
+ *          each stored as w + 128 (w ^ 0x80); scale fp32 [nv * 16].
+ * One 32-bit lane of a vector is one output column, so a dot-product instruction (vpdpbusd, or
+ * maddubs + madd) adds 4 products to each of 16 (8) columns' integer sums, against 4 activation
+ * bytes broadcast. After a block's 8 steps the lane holds the block's whole integer dot product S,
+ * and every path, whatever its width, then does per output element, blocks in order:
+ *     4-bit: acc = fma(d * dx, (float)S, acc); acc = fma(m, sx, acc)      out = acc
+ *     8-bit: acc = fma(dx, (float)S, acc)                                  out = scale * acc
+ * So AVX-512, AVX2 (with or without VNNI) and the portable loops give the same bits, and a row's
+ * result does not depend on the other rows of the call. The 8-bit AVX-512 path multiplies the
+ * stored w + 128 (vpdpbusd's unsigned operand) by x and starts each block's sum at -128 * sum(x),
+ * which takes the 128 * sum(x) back out exactly; the AVX2 path multiplies |w| by x with w's sign
+ * (maddubs pairs stay below 2 * 127 * 127, no saturation).
+ * Registers hold a tile of R rows x C vectors of columns; a thread takes a unit of columns (UNIT
+ * groups of 16) and walks all rows through it, so the unit's weights stay in L1/L2.
+ */
+#define NV 16
 #if QGEMM_AVX512
-    const int64_t V = DXV_STRIDE(G);
-    a->dxv = aligned_alloc(64, sizeof(float) * (size_t)(T * V));   /* V floats: a multiple of 64 bytes */
-    if (!a->dxv) return -1;
-    memset(a->dxv, 0, sizeof(float) * (size_t)(T * V));
-    for (int64_t t = 0; t < T; ++t)
-        for (int64_t g = 0; g < G; ++g) {
-            float *pair = a->dxv + t * V + (g / 2) * 32;
-            for (int j = 0; j < 8; ++j) pair[(g % 2) * 8 + j] = a->dx[t * G + g];
-            pair[16 + (g % 2) * 8] = a->sx[t * G + g];
-        }
+#define UNIT 4
+#elif QGEMM_AVX2
+#define UNIT 1
+#else
+#define UNIT 4
 #endif
-    return 0;
-}
-
-static void qact_free(qact *a) { free(a->xq); free(a->dx); free(a->sx); free(a->dxv); }
-
-/* output column n of out [T, N] = a [T, K] @ W^T, W given as 4-bit blocks [N, K/32 * 20] */
-static inline void q4_column(const qact *a, int64_t T, int64_t K, const uint8_t *w, int64_t n, int64_t N,
-                             float *out) {
-    const int64_t G = K / QK;
-    const uint8_t *row = w + n * G * Q4_BLOCK;
-    for (int64_t t = 0; t < T; t += TILE) {
-        const int nt = T - t < TILE ? (int)(T - t) : TILE;
-        q4_row(row, G, a->xq + t * K, a->dx + t * G, a->dxv ? a->dxv + t * DXV_STRIDE(G) : NULL, a->sx + t * G, K,
-               nt, out + t * N + n, N);
-    }
-}
-
-/* output column n of out [T, N] = a [T, K] @ (W * scale[:, None])^T, W int8 [N, K] */
-static inline void q8_column(const qact *a, int64_t T, int64_t K, const int8_t *w, const float *scale, int64_t n,
-                             int64_t N, float *out) {
-    const int64_t G = K / QK;
-    for (int64_t t = 0; t < T; t += TILE) {
-        const int nt = T - t < TILE ? (int)(T - t) : TILE;
-        q8_row(w + n * K, scale[n], G, a->xq + t * K, a->dx + t * G, a->dxv ? a->dxv + t * DXV_STRIDE(G) : NULL, K,
-               nt, out + t * N + n, N);
-    }
-}
-
-/* ---- a layer's dense parts around attention, row by row in fp32 (see specdec/model/native/__init__.py) ---- */
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 enum { QW_Q4 = 4, QW_Q8 = 8 };
 
 typedef struct {
-    int32_t kind;            /* QW_Q4: `w` = 4-bit blocks [n, k/32 * 20]; QW_Q8: int8 [n, k] with `scale` [n] */
+    int32_t kind;            /* QW_Q4 or QW_Q8, layouts above */
     int32_t pad;
-    const void *w;
-    const float *scale;      /* QW_Q8 only */
+    const void *w;           /* QW_Q4: nibbles [nv][G][256]; QW_Q8: w + 128 [nv][k/4][16][4] */
+    const float *scale;      /* QW_Q8: [nv * 16] */
     const float *bias;       /* [n] or NULL */
     int64_t n, k;
+    const uint16_t *d, *m;   /* QW_Q4: fp16 [nv][G][16] */
 } qweight;
 
+typedef struct {             /* an activation [T, k] quantized once for every product that reads it */
+    int8_t *xq;              /* [T, k] */
+    int32_t *xs;             /* [T, k/32] sum of each block's xq */
+    float *dx, *sx;          /* [T, k/32] */
+} qact;
+
+static int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
+    const int64_t G = K / QK;
+    a->xq = malloc((size_t)(T * K) + 64); a->dx = malloc(sizeof(float) * (size_t)(T * G) + 64);
+    a->sx = malloc(sizeof(float) * (size_t)(T * G) + 64); a->xs = malloc(sizeof(int32_t) * (size_t)(T * G) + 64);
+    if (!a->xq || !a->dx || !a->sx || !a->xs) return -1;
+    qgemm_quantize_rows(x, T, K, a->xq, a->dx, a->sx);
+    for (int64_t i = 0; i < T * G; ++i) {
+        int32_t s = 0;
+        for (int j = 0; j < QK; ++j) s += a->xq[i * QK + j];
+        a->xs[i] = s;
+    }
+    return 0;
+}
+
+static void qact_free(qact *a) { free(a->xq); free(a->xs); free(a->dx); free(a->sx); }
+
+static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* columns [16 v, 16 v + 16) of out, the first `cols` of them (16 but in the last group) */
+#if QGEMM_AVX512
+ALWAYS_INLINE void store16(float *out, __m512 v, int cols) {
+    if (cols >= NV) _mm512_storeu_ps(out, v);
+    else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
+}
+
+/* rows [0, R) of xq x groups v0..v0+C-1 of a 4-bit matrix */
+ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                           float *out, int64_t N) {
+    const int64_t K = w->k, G = K / QK;
+    const uint8_t *nib = (const uint8_t *)w->w;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 facc[2][4];
+    for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) facc[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m512i iacc[2][4];
+        for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) iacc[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            __m512i lo[4], hi[4];
+            for (int c = 0; c < C; ++c) {
+                const __m512i v = _mm512_loadu_si512((const void *)(nib + ((v0 + c) * G + g) * 256 + j * 64));
+                lo[c] = _mm512_and_si512(v, low);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t *x = a->xq + (t0 + r) * K + g * QK + 4 * j;
+                const __m512i xl = _mm512_set1_epi32(ld4(x)), xh = _mm512_set1_epi32(ld4(x + 16));
+                for (int c = 0; c < C; ++c) {
+                    iacc[r][c] = _mm512_dpbusd_epi32(iacc[r][c], lo[c], xl);
+                    iacc[r][c] = _mm512_dpbusd_epi32(iacc[r][c], hi[c], xh);
+                }
+            }
+        }
+        for (int c = 0; c < C; ++c) {
+            const int64_t s = ((v0 + c) * G + g) * NV;
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + s)));
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + s)));
+            for (int r = 0; r < R; ++r) {
+                const int64_t tg = (t0 + r) * G + g;
+                const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(a->dx[tg]));
+                facc[r][c] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(iacc[r][c]), facc[r][c]);
+                facc[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->sx[tg]), facc[r][c]);
+            }
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r)
+            store16(out + (t0 + r) * N + (v0 + c) * NV, facc[r][c], (int)(N - (v0 + c) * NV));
+}
+
+ALWAYS_INLINE void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                           float *out, int64_t N) {
+    const int64_t K = w->k, G = K / QK;
+    const uint8_t *wp = (const uint8_t *)w->w;
+    __m512 facc[2][4];
+    for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) facc[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m512i iacc[2][4];
+        for (int r = 0; r < R; ++r) {
+            const __m512i init = _mm512_set1_epi32(-128 * a->xs[(t0 + r) * G + g]);
+            for (int c = 0; c < C; ++c) iacc[r][c] = init;
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            __m512i wv[4];
+            for (int c = 0; c < C; ++c)
+                wv[c] = _mm512_loadu_si512((const void *)(wp + (((v0 + c) * (K / 4) + g * 8 + j) * NV) * 4));
+            for (int r = 0; r < R; ++r) {
+                const __m512i xb = _mm512_set1_epi32(ld4(a->xq + (t0 + r) * K + g * QK + 4 * j));
+                for (int c = 0; c < C; ++c) iacc[r][c] = _mm512_dpbusd_epi32(iacc[r][c], wv[c], xb);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 s = _mm512_set1_ps(a->dx[(t0 + r) * G + g]);
+            for (int c = 0; c < C; ++c) facc[r][c] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(iacc[r][c]), facc[r][c]);
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        const __m512 sc = _mm512_loadu_ps(w->scale + (v0 + c) * NV);
+        for (int r = 0; r < R; ++r)
+            store16(out + (t0 + r) * N + (v0 + c) * NV, _mm512_mul_ps(sc, facc[r][c]), (int)(N - (v0 + c) * NV));
+    }
+}
+#define TILE_ROWS 2
+
+#elif QGEMM_AVX2
+/* 8 columns per ymm: a group of 16 is two vectors (h = 0, 1), bytes 32h.. of each 64-byte line */
+static inline __m256i dp8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+ALWAYS_INLINE void store8(float *out, __m256 v, int cols) {
+    if (cols >= 8) { _mm256_storeu_ps(out, v); return; }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    for (int i = 0; i < cols; ++i) out[i] = tmp[i];
+}
+
+/* C is the number of 16-column groups (1 here: UNIT) */
+ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                           float *out, int64_t N) {
+    (void)C;
+    const int64_t K = w->k, G = K / QK;
+    const uint8_t *nib = (const uint8_t *)w->w;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 facc[2][2];
+    for (int r = 0; r < R; ++r) for (int h = 0; h < 2; ++h) facc[r][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i iacc[2][2];
+        for (int r = 0; r < R; ++r) for (int h = 0; h < 2; ++h) iacc[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            __m256i lo[2], hi[2];
+            for (int h = 0; h < 2; ++h) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + (v0 * G + g) * 256 + j * 64 + h * 32));
+                lo[h] = _mm256_and_si256(v, low);
+                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t *x = a->xq + (t0 + r) * K + g * QK + 4 * j;
+                const __m256i xl = _mm256_set1_epi32(ld4(x)), xh = _mm256_set1_epi32(ld4(x + 16));
+                for (int h = 0; h < 2; ++h) iacc[r][h] = dp8(dp8(iacc[r][h], lo[h], xl), hi[h], xh);
+            }
+        }
+        for (int h = 0; h < 2; ++h) {
+            const int64_t s = (v0 * G + g) * NV + h * 8;
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + s)));
+            const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + s)));
+            for (int r = 0; r < R; ++r) {
+                const int64_t tg = (t0 + r) * G + g;
+                const __m256 sc = _mm256_mul_ps(dv, _mm256_set1_ps(a->dx[tg]));
+                facc[r][h] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(iacc[r][h]), facc[r][h]);
+                facc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a->sx[tg]), facc[r][h]);
+            }
+        }
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) store8(out + (t0 + r) * N + v0 * NV + h * 8, facc[r][h], (int)(N - v0 * NV - h * 8));
+}
+
+ALWAYS_INLINE void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                           float *out, int64_t N) {
+    (void)C;
+    const int64_t K = w->k, G = K / QK;
+    const int8_t *wp = (const int8_t *)w->w;
+    __m256 facc[2][2];
+    for (int r = 0; r < R; ++r) for (int h = 0; h < 2; ++h) facc[r][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m256i iacc[2][2];
+        for (int r = 0; r < R; ++r) for (int h = 0; h < 2; ++h) iacc[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            __m256i wv[2], wabs[2];
+            for (int h = 0; h < 2; ++h) {
+                wv[h] = _mm256_xor_si256(   /* stored w + 128 -> w */
+                    _mm256_loadu_si256((const __m256i *)(wp + ((v0 * (K / 4) + g * 8 + j) * NV) * 4 + h * 32)),
+                    _mm256_set1_epi8((char)0x80));
+                wabs[h] = _mm256_sign_epi8(wv[h], wv[h]);
+            }
+            for (int r = 0; r < R; ++r) {
+                const __m256i xb = _mm256_set1_epi32(ld4(a->xq + (t0 + r) * K + g * QK + 4 * j));
+                for (int h = 0; h < 2; ++h) iacc[r][h] = dp8(iacc[r][h], wabs[h], _mm256_sign_epi8(xb, wv[h]));
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m256 s = _mm256_set1_ps(a->dx[(t0 + r) * G + g]);
+            for (int h = 0; h < 2; ++h) facc[r][h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(iacc[r][h]), facc[r][h]);
+        }
+    }
+    for (int h = 0; h < 2; ++h) {
+        const __m256 sc = _mm256_loadu_ps(w->scale + v0 * NV + h * 8);
+        for (int r = 0; r < R; ++r)
+            store8(out + (t0 + r) * N + v0 * NV + h * 8, _mm256_mul_ps(sc, facc[r][h]), (int)(N - v0 * NV - h * 8));
+    }
+}
+#define TILE_ROWS 2
+
+#else
+/* portable: the same arithmetic element by element */
+static void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C, float *out,
+                    int64_t N) {
+    const int64_t K = w->k, G = K / QK;
+    const uint8_t *nib = (const uint8_t *)w->w;
+    for (int r = 0; r < R; ++r)
+        for (int64_t n = v0 * NV; n < (v0 + C) * NV && n < N; ++n) {
+            const int64_t v = n / NV, c = n % NV;
+            float acc = 0.f;
+            for (int64_t g = 0; g < G; ++g) {
+                const uint8_t *blk = nib + (v * G + g) * 256;
+                const int8_t *x = a->xq + (t0 + r) * K + g * QK;
+                int32_t s = 0;
+                for (int j = 0; j < 4; ++j)
+                    for (int b = 0; b < 4; ++b) {
+                        const uint8_t byte = blk[j * 64 + c * 4 + b];
+                        s += (byte & 0x0F) * x[4 * j + b] + (byte >> 4) * x[4 * j + 16 + b];
+                    }
+                const int64_t tg = (t0 + r) * G + g;
+                acc = fmaf(fp16_to_fp32(w->d[(v * G + g) * NV + c]) * a->dx[tg], (float)s, acc);
+                acc = fmaf(fp16_to_fp32(w->m[(v * G + g) * NV + c]), a->sx[tg], acc);
+            }
+            out[(t0 + r) * N + n] = acc;
+        }
+}
+
+static void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C, float *out,
+                    int64_t N) {
+    const int64_t K = w->k, G = K / QK;
+    const uint8_t *wp = (const uint8_t *)w->w;
+    for (int r = 0; r < R; ++r)
+        for (int64_t n = v0 * NV; n < (v0 + C) * NV && n < N; ++n) {
+            const int64_t v = n / NV, c = n % NV;
+            float acc = 0.f;
+            for (int64_t g = 0; g < G; ++g) {
+                const int8_t *x = a->xq + (t0 + r) * K + g * QK;
+                int32_t s = 0;
+                for (int j = 0; j < 8; ++j)
+                    for (int b = 0; b < 4; ++b)
+                        s += (int8_t)(wp[((v * (K / 4) + g * 8 + j) * NV + c) * 4 + b] ^ 0x80) * x[4 * j + b];
+                acc = fmaf(a->dx[(t0 + r) * G + g], (float)s, acc);
+            }
+            out[(t0 + r) * N + n] = w->scale[n] * acc;
+        }
+}
+#define TILE_ROWS 1
+#endif
+
+/* groups [v0, v0 + C) of `w` for all T rows, R rows at a time (C and R compile-time at each call) */
+#define TILES(fn, C)                                                                         \
+    do {                                                                                     \
+        int64_t t = 0;                                                                       \
+        for (; t + TILE_ROWS <= T; t += TILE_ROWS) fn(w, a, t, v0, TILE_ROWS, C, out, w->n); \
+        for (; t < T; ++t) fn(w, a, t, v0, 1, C, out, w->n);                                  \
+    } while (0)
+
+static void product_unit(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
+    if (w->kind == QW_Q4) {
+        switch (C) {
+            case 1: TILES(q4_tile, 1); break;
+#if UNIT > 1
+            case 2: TILES(q4_tile, 2); break;
+            case 3: TILES(q4_tile, 3); break;
+            default: TILES(q4_tile, UNIT); break;
+#endif
+        }
+    } else {
+        switch (C) {
+            case 1: TILES(q8_tile, 1); break;
+#if UNIT > 1
+            case 2: TILES(q8_tile, 2); break;
+            case 3: TILES(q8_tile, 3); break;
+            default: TILES(q8_tile, UNIT); break;
+#endif
+        }
+    }
+}
+
+static inline int64_t units_of(const qweight *w) { return ((w->n + NV - 1) / NV + UNIT - 1) / UNIT; }
+
 /* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in ONE
- * parallel loop over all their output columns (one fork/join instead of `count`); every element
+ * parallel loop over all their units of columns (one fork/join instead of `count`); every element
  * is computed as by the single product. */
 static void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
                          int num_threads) {
     int64_t total = 0;
-    for (int i = 0; i < count; ++i) total += ws[i]->n;
-    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 32)
-    for (int64_t c = 0; c < total; ++c) {
+    for (int i = 0; i < count; ++i) total += units_of(ws[i]);
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t u = 0; u < total; ++u) {
         int i = 0;
-        int64_t n = c;
-        while (n >= ws[i]->n) n -= ws[i++]->n;
+        int64_t k = u;
+        while (k >= units_of(ws[i])) k -= units_of(ws[i++]);
         const qweight *w = ws[i];
-        if (w->kind == QW_Q4) q4_column(a, T, w->k, (const uint8_t *)w->w, n, w->n, outs[i]);
-        else q8_column(a, T, w->k, (const int8_t *)w->w, w->scale, n, w->n, outs[i]);
+        const int64_t nv = (w->n + NV - 1) / NV, v0 = k * UNIT;
+        product_unit(w, a, T, v0, (int)(nv - v0 < UNIT ? nv - v0 : UNIT), outs[i]);
     }
     for (int i = 0; i < count; ++i)
         if (ws[i]->bias)

@@ -71,8 +71,9 @@ def test_served_int4_weights_are_the_files_blocks_byte_for_byte(default_model_di
     module = "self_attn" if matrix in MATRICES[:4] else "mlp"
     q, d, m = load_q4_blocks(default_model_dir)[f"model.layers.{layer}.{module}.{matrix}.weight"]
     linear = getattr(getattr(int4_model.model.layers[layer], module), matrix)
-    assert isinstance(linear, native.QuantLinear)
-    assert torch.equal(linear.blocks, file_blocks(q, d, m))
+    assert isinstance(linear, native.QuantLinear) and linear.q4 is not None
+    # the kernels' layout interleaves 16 output columns (`native.pack_q4_1`); undone, the file's blocks
+    assert torch.equal(file_blocks(*native.unpack_q4_1(*linear.q4)), file_blocks(q, d, m))
 
 
 @pytest.mark.parametrize("layer, matrix", [(0, "q_proj"), (29, "down_proj")])
@@ -96,4 +97,7 @@ def test_torch_served_int4_weights_are_the_files_blocks(default_model_dir, torch
 
 def test_int4_memory_is_within_1_2x_the_gguf_file(default_gguf_path, int4_model):
     assert int4_model.weight_bytes <= 1.2 * default_gguf_path.stat().st_size
-    assert int4_model.model.embed_tokens.dtype == torch.int8  # one int8 copy: lookup and lm_head
+    model = int4_model.model  # one 8-bit copy serves the lookup and the lm_head
+    assert model.embed_tokens.element_size() == 1
+    if isinstance(model.lm_head, native.QuantLinear):
+        assert model.lm_head.int8 is not None and model.lm_head.int8[0].data_ptr() == model.embed_tokens.data_ptr()

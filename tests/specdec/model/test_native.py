@@ -28,34 +28,37 @@ def q4_layer(n: int, k: int, seed: int) -> tuple[native.QuantLinear, torch.Tenso
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
     q, d, m = quant.quantize_q4_1(w)
-    blocks = quant.pack_q4_1("w", q, d, m)["w" + quant.Q4_1_BLOCKS]
     dense = (q.double().view(n, k // 32, 32) * d.double()[..., None] + m.double()[..., None]).view(n, k)
-    return native.QuantLinear(native.library(), blocks=blocks), dense
+    return native.QuantLinear.from_q4_1(native.library(), q, d, m), dense
 
 
-def test_pack_q4_1_lays_out_the_gguf_block():
-    q = torch.arange(32, dtype=torch.uint8).remainder(16).view(1, 32)
-    d, m = torch.tensor([[0.5]], dtype=torch.float16), torch.tensor([[-1.25]], dtype=torch.float16)
-    block = quant.pack_q4_1("w", q, d, m)["w" + quant.Q4_1_BLOCKS]
-    assert block.shape == (1, 20)
-    assert torch.equal(block[0, :2].view(torch.float16), d[0]) and torch.equal(block[0, 2:4].view(torch.float16), m[0])
-    # byte j: element j low, element j + 16 high
-    assert block[0, 4:].tolist() == [(j % 16) | (((j + 16) % 16) << 4) for j in range(16)]
+def test_pack_q4_1_interleaves_16_columns_and_unpacks_to_the_same_values():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (32, 64), generator=g, dtype=torch.uint8)
+    d, m = torch.rand(32, 2, generator=g).half(), -torch.rand(32, 2, generator=g).half()
+    nibbles, dp, mp = native.pack_q4_1(q, d, m)
+    assert nibbles.shape == (2, 2, 256) and dp.shape == mp.shape == (2, 2, 16)
+    # group 1 (columns 16..31), block 1 (inputs 32..63), vector j = 2, column c = 5, byte b = 3:
+    # low nibble = input 32 + 4j + b, high nibble = input 32 + 4j + 16 + b, of output column 21
+    byte = int(nibbles[1, 1, 2 * 64 + 5 * 4 + 3])
+    assert byte & 0x0F == q[21, 32 + 8 + 3] and byte >> 4 == q[21, 32 + 8 + 16 + 3]
+    assert dp[1, 1, 5] == d[21, 1] and mp[1, 1, 5] == m[21, 1]
+    back = native.unpack_q4_1(nibbles, dp, mp)
+    assert all(torch.equal(a, b) for a, b in zip(back, (q, d, m)))
 
 
-def test_quantize_q4_1_is_within_half_a_step():
-    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(1))
-    q, d, m = quant.quantize_q4_1(w)
-    assert q.max() <= 15 and d.dtype == m.dtype == torch.float16
-    w_hat = q.float().view(16, 3, 32) * d.float()[..., None] + m.float()[..., None]
-    # half a step, plus the group's range lost to fp16 rounding of d and m
-    bound = d.float()[..., None] * 0.5 + 2**-10 * (15 * d.float() + m.float().abs())[..., None] + 1e-6
-    assert ((w_hat - w.view(16, 3, 32)).abs() <= bound).all()
+def test_pack_int8_interleaves_16_columns_biased_by_128():
+    w = torch.randint(-127, 128, (32, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    cols = native.pack_int8(w)
+    assert cols.shape == (2, 16, 16, 4) and cols.dtype == torch.uint8
+    assert cols[1, 9, 5].tolist() == [int(v) + 128 for v in w[21, 36:40]]  # group 1, inputs 36..39, row 21
+    rows = torch.tensor([21, 0, 31, 21])
+    assert torch.equal(native.int8_rows(cols, rows), w[rows])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_q4_product_is_the_blocks_times_the_quantized_activations(rows):
-    layer, dense = q4_layer(72, 96, seed=2)
+    layer, dense = q4_layer(80, 96, seed=2)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(3))
     xq, dx = q8_activations(x)
     # sum_g d dx (q . xq) + m dx sum(xq)  ==  (xq * dx) @ W^T, in float64; only fp32 summation order differs
@@ -66,13 +69,13 @@ def test_q4_product_is_the_blocks_times_the_quantized_activations(rows):
 def q8_layer(n: int, k: int, seed: int, bias: torch.Tensor | None = None) -> tuple[native.QuantLinear, torch.Tensor]:
     t = quant.quantize_int8("w", torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
     w, scale = t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE]
-    return native.QuantLinear(native.library(), weight=w, scale=scale, bias=bias), w.double() * scale.double()[:, None]
+    return native.QuantLinear.from_int8(native.library(), w, scale, bias), w.double() * scale.double()[:, None]
 
 
 # an even and an odd number of blocks (the AVX-512 path takes blocks in pairs), up to and past a pass of rows
 @pytest.mark.parametrize("rows,k", [(5, 64), (11, 96)])
 def test_q8_product_is_the_rows_times_the_quantized_activations(rows, k):
-    layer, dense = q8_layer(40, k, seed=4, bias=torch.ones(40))
+    layer, dense = q8_layer(48, k, seed=4, bias=torch.ones(48))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(5))
     xq, dx = q8_activations(x)
     expected = (xq.view(rows, k // 32, 32) * dx[..., None]).view(rows, k) @ dense.t() + 1
@@ -253,3 +256,34 @@ def test_an_fp16_cache_gives_the_attention_of_its_values_in_fp32():
     assert torch.equal(
         native.attend(lib, q, k16, v16, 48, mask), native.attend(lib, q, k16.float(), v16.float(), 48, mask)
     )
+
+
+def _cpu_has(flag: str) -> bool:
+    return flag in native._cpu_flags().split()
+
+
+# each instruction path this CPU can run, built from the same source beside the default build
+_PATHS = [("portable", ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f", "-mno-avxvnni"))]
+if _cpu_has("avx2"):
+    _PATHS.append(("AVX2", ("-mno-avx512f", "-mno-avxvnni")))
+if _cpu_has("avx_vnni"):
+    _PATHS.append(("AVX2+VNNI", ("-mno-avx512f",)))
+
+
+@pytest.mark.parametrize("path, flags", _PATHS, ids=[p for p, _ in _PATHS])
+def test_every_instruction_path_gives_the_same_bits(path, flags):
+    """The products sum each block's integer dot product whole and accumulate blocks in one fp32
+    order on every path, so the portable, AVX2 and AVX-512 builds agree bit for bit."""
+    other = native.variant(flags)
+    assert other.qgemm_isa().decode() == path
+    g = torch.Generator().manual_seed(11)
+    q, d, m = quant.quantize_q4_1(torch.randn(96, 160, generator=g))
+    t = quant.quantize_int8("w", torch.randn(96, 160, generator=g))
+    w, scale = t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE]
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 160, generator=g)
+        here, there = (
+            (native.QuantLinear.from_q4_1(lib, q, d, m), native.QuantLinear.from_int8(lib, w, scale))
+            for lib in (native.library(), other)
+        )
+        assert all(torch.equal(a(x), b(x)) for a, b in zip(here, there)), (path, rows)
