@@ -293,6 +293,19 @@ def expected_accepted_length(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+LOAD_STEP_BELOW, LOAD_GRID_FROM, LOAD_GRID = 0.5, 20.0, 1.05  # the load a plan is made for, see load_bucket
+
+
+def load_bucket(other_rows: float) -> float:
+    """`other_rows` as the plan takes it: to the nearest half row below 20 rows, in 5 % steps above
+    (0 stays 0, a whole count stays itself below 20)."""
+    if not other_rows > 0.0:
+        return 0.0
+    if other_rows < LOAD_GRID_FROM:
+        return round(other_rows / LOAD_STEP_BELOW) * LOAD_STEP_BELOW
+    return LOAD_GRID_FROM * LOAD_GRID ** round(math.log(other_rows / LOAD_GRID_FROM) / math.log(LOAD_GRID))
+
+
 def _best_choice(
     estimates: list[DecoderEstimate],
     cost_model: CostModel,
@@ -456,18 +469,21 @@ class AdaptiveController:
         self._choices_lock = threading.Lock()
 
     def _choice(self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float]) -> _Choice:
-        """_best_choice for the state, remembered for the MAX_REMEMBERED_CHOICES latest inputs."""
+        """_best_choice for the state, remembered for the MAX_REMEMBERED_CHOICES latest inputs. The
+        load is taken on a grid (`load_bucket`): the smoothed row count moves every step under load,
+        and keyed exactly, no step there found its choice remembered."""
+        load = load_bucket(state.other_rows)
         key = (
             tuple((e.decoder, e.rank, e.acceptance, e.coverage, e.fill) for e in state.estimates),
             tuple(sorted(known_coverage.items())),
-            state.other_rows,
+            load,
         )
         with self._choices_lock:
             choice = self._choices.get(key)
             if choice is not None:
                 self._choices.move_to_end(key)
                 return choice
-        choice = _best_choice(state.estimates, self._cost_model, self._config, known_coverage, state.other_rows)
+        choice = _best_choice(state.estimates, self._cost_model, self._config, known_coverage, load)
         with self._choices_lock:
             self._choices[key] = choice
             while len(self._choices) > MAX_REMEMBERED_CHOICES:

@@ -490,3 +490,23 @@ def test_remembered_choices_give_the_plans_of_a_fresh_optimisation(monkeypatch):
     other.other_rows = 7.0
     remembering.plan(other)
     assert len(calls) == before + 1
+
+
+def test_the_plan_takes_the_load_on_a_grid_so_loaded_requests_share_choices(monkeypatch):
+    import gateway.controller as controller_module
+
+    bucket = controller_module.load_bucket
+    assert bucket(0.0) == 0.0 and bucket(-1.0) == 0.0 and bucket(3.0) == 3.0 and bucket(3.3) == 3.5
+    for rows in (20.0, 31.0, 63.0, 200.0):
+        assert abs(bucket(rows) - rows) <= 0.025 * rows  # half a 5 % step
+    loads = []
+    real = controller_module._best_choice
+    monkeypatch.setattr(
+        controller_module, "_best_choice", lambda *args, **kwargs: loads.append(args[4]) or real(*args, **kwargs)
+    )
+    controller = AdaptiveController(CPU_INT8, FULL_COVERAGE)
+    state = controller.new_state("code", {LOOKUP: 1})
+    for rows in (29.0, 29.4, 29.8, 30.2):  # the smoothed load drifting within one 5 % step
+        state.other_rows = rows
+        controller.plan(state)
+    assert loads == [bucket(30.0)]
