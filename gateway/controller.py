@@ -229,7 +229,7 @@ class ControllerState:
             "is_speculating": self.is_speculating,
             "last_probe_step": self.last_probe_step,
             "other_rows": self.other_rows,
-            "estimates": [dataclasses.asdict(e) for e in self.estimates],
+            "estimates": [{f.name: getattr(e, f.name) for f, _ in _ESTIMATE_FIELDS} for e in self.estimates],
         }
 
     @classmethod
@@ -293,12 +293,12 @@ def expected_accepted_length(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-LOAD_STEP_BELOW, LOAD_GRID_FROM, LOAD_GRID = 0.5, 20.0, 1.05  # the load a plan is made for, see load_bucket
+LOAD_STEP_BELOW, LOAD_GRID_FROM, LOAD_GRID = 0.5, 8.0, 1.1  # the load a plan is made for, see load_bucket
 
 
 def load_bucket(other_rows: float) -> float:
-    """`other_rows` as the plan takes it: to the nearest half row below 20 rows, in 5 % steps above
-    (0 stays 0, a whole count stays itself below 20)."""
+    """`other_rows` as the plan takes it: to the nearest half row below 8 rows, in 10 % steps above
+    (0 stays 0, a whole count stays itself below 8)."""
     if not other_rows > 0.0:
         return 0.0
     if other_rows < LOAD_GRID_FROM:

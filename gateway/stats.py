@@ -74,7 +74,13 @@ class RequestStats:
                 self.entropy_accepted[b] += is_accepted
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # what dataclasses.asdict gives, built directly: this runs every step of every request (the
+        # state store's write), and asdict's generic deep copy was ~4 % of the gateway's loop at 32 clients
+        d = {name: getattr(self, name) for name in _STATS_FIELDS}
+        d["stage_ms"], d["decoders"] = dict(self.stage_ms), {k: list(v) for k, v in self.decoders.items()}
+        for name in _STATS_LISTS:
+            d[name] = list(d[name])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RequestStats":
@@ -125,3 +131,7 @@ class RequestStats:
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             num_forced_tokens=self.num_forced_tokens,
         )
+
+
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RequestStats))
+_STATS_LISTS = ("entropy_proposed", "entropy_accepted", "num_steps_by_draft_length", "num_steps_by_degree")
