@@ -315,7 +315,7 @@ def _embedding(weights: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Calla
         embedding = Int8Embedding(weights[name + INT8_WEIGHT], weights[name + INT8_SCALE], dtype)
         return embedding, embedding.weight
     if name + INT8_COLUMNS in weights:
-        embedding = Int8Embedding(weights[name + INT8_COLUMNS], weights[name + INT8_SCALE], dtype, True)
+        embedding = Int8Embedding(weights[name + INT8_COLUMNS], weights[name + INT8_SCALE], dtype)
         return embedding, embedding.weight
     matrix = weights[name + ".weight"]
     return matrix.__getitem__, matrix

@@ -181,16 +181,16 @@ class Int8Linear:
 
 
 class Int8Embedding:
-    """Rows of a per-channel int8 matrix [V, C] (plain rows, or the native layout `native.pack_int8`
-    when the matrix is also the native lm_head), widened only for the tokens looked up."""
+    """Rows of a per-channel int8 matrix: plain rows [V, C], or the native layout [V/16, C/4, 16, 4]
+    (`native.pack_int8`) when the matrix is also the native lm_head; widened only for the tokens
+    looked up."""
 
-    def __init__(self, weight: Tensor, scale: Tensor, dtype: torch.dtype, is_native_layout: bool = False) -> None:
+    def __init__(self, weight: Tensor, scale: Tensor, dtype: torch.dtype) -> None:
         self.weight, self.scale, self.dtype = weight, scale, dtype
-        self.is_native_layout = is_native_layout
 
     def __call__(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, C]
-        rows = native.int8_rows(self.weight, input_ids) if self.is_native_layout else self.weight[input_ids]
+        rows = native.int8_rows(self.weight, input_ids) if self.weight.dim() == 4 else self.weight[input_ids]
         return (rows.float() * self.scale[input_ids].float()[:, None]).to(self.dtype)
 
 

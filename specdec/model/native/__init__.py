@@ -312,12 +312,13 @@ class QuantLinear:
         bias: Tensor | None = None,
     ) -> None:
         self.lib = lib
-        self.q4, self.int8 = q4, int8
+        # the tensors the C struct points into (kept alive here)
+        self.q4: tuple[Tensor, Tensor, Tensor] | None = None
+        self.int8: tuple[Tensor, Tensor] | None = None
         if q4 is not None:
-            nibbles, d, m = (t.contiguous() for t in q4)
+            nibbles, d, m = self.q4 = tuple(t.contiguous() for t in q4)  # type: ignore[assignment]
             assert nibbles.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16
             self.out_features, self.in_features = nibbles.shape[0] * COLUMNS, nibbles.shape[1] * QK
-            self._keep: tuple[Tensor, ...] = (nibbles, d, m)
             self.scale = None
             self.qweight = QWeight(KIND_Q4, 0, nibbles.data_ptr(), None, None, self.out_features, self.in_features)
             self.qweight.d, self.qweight.m = d.data_ptr(), m.data_ptr()
@@ -325,11 +326,11 @@ class QuantLinear:
             assert int8 is not None
             cols, scale = int8
             cols = cols.contiguous()
+            self.int8 = (cols, scale)
             assert cols.dtype == torch.uint8 and cols.dim() == 4
             self.out_features, self.in_features = cols.shape[0] * COLUMNS, cols.shape[1] * 4
             self.scale = scale.float().contiguous()  # [N]: a private fp32 copy (N floats)
             assert self.scale.shape == (self.out_features,)
-            self._keep = (cols,)
             self.qweight = QWeight(
                 KIND_Q8, 0, cols.data_ptr(), self.scale.data_ptr(), None, self.out_features, self.in_features
             )

@@ -72,9 +72,10 @@ static inline float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
-/* x [T, K] fp32 -> xq int8 [T, K], dx [T, K/32], sx [T, K/32]. The AVX2 path computes the same
- * values (max is exact in any order; cvtps rounds to nearest even as lrintf does by default). */
-void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float *dx, float *sx) {
+/* x [T, K] fp32 -> xq int8 [T, K], dx [T, K/32], sx [T, K/32], and (unless NULL) xs [T, K/32], each
+ * block's integer sum. The AVX2 path computes the same values (max is exact in any order; cvtps
+ * rounds to nearest even as lrintf does by default). */
+static void quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *xs) {
     const int64_t G = K / QK;
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t g = 0; g < G; ++g) {
@@ -113,8 +114,13 @@ void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float
 #endif
             dx[t * G + g] = d;
             sx[t * G + g] = d * (float)sum;
+            if (xs) xs[t * G + g] = sum;
         }
     }
+}
+
+void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float *dx, float *sx) {
+    quantize_rows(x, T, K, xq, dx, sx, NULL);
 }
 
 #include <stdlib.h>
@@ -166,21 +172,20 @@ typedef struct {
 
 typedef struct {             /* an activation [T, k] quantized once for every product that reads it */
     int8_t *xq;              /* [T, k] */
-    int32_t *xs;             /* [T, k/32] sum of each block's xq */
+    int32_t *xs;             /* [T, k/32] sum of each block's xq (the 8-bit AVX-512 path's, else NULL) */
     float *dx, *sx;          /* [T, k/32] */
 } qact;
 
 static int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
     const int64_t G = K / QK;
     a->xq = malloc((size_t)(T * K) + 64); a->dx = malloc(sizeof(float) * (size_t)(T * G) + 64);
-    a->sx = malloc(sizeof(float) * (size_t)(T * G) + 64); a->xs = malloc(sizeof(int32_t) * (size_t)(T * G) + 64);
-    if (!a->xq || !a->dx || !a->sx || !a->xs) return -1;
-    qgemm_quantize_rows(x, T, K, a->xq, a->dx, a->sx);
-    for (int64_t i = 0; i < T * G; ++i) {
-        int32_t s = 0;
-        for (int j = 0; j < QK; ++j) s += a->xq[i * QK + j];
-        a->xs[i] = s;
-    }
+    a->sx = malloc(sizeof(float) * (size_t)(T * G) + 64); a->xs = NULL;
+    if (!a->xq || !a->dx || !a->sx) return -1;
+#if QGEMM_AVX512
+    a->xs = malloc(sizeof(int32_t) * (size_t)(T * G) + 64);
+    if (!a->xs) return -1;
+#endif
+    quantize_rows(x, T, K, a->xq, a->dx, a->sx, a->xs);
     return 0;
 }
 
