@@ -725,8 +725,10 @@ static void silu_mul(float *g, const float *u, int64_t n) {
  *
  * The queries that read one KV head (every row of the call times the heads of its group) are taken
  * in chunks; a chunk's scores against a block of key rows are computed while those rows sit in L1,
- * two queries by four keys at a time, and its softmax-weighted value sums likewise, so a key or value
- * row is read from memory once per chunk instead of once per (row, head).
+ * two queries by four keys at a time (four by four with AVX-512's 32 registers), and its
+ * softmax-weighted value sums likewise (four queries by 64 columns with AVX-512), so a key or value
+ * row is read from memory once per chunk instead of once per (row, head). The softmax reads the mask
+ * only past a row's all-visible prefix and sums with sixteen partial sums (softmax_row, sum16).
  *
  * Exactness: every (query, key) score is the same arithmetic as a lone dot of the two (eight lane
  * sums over D in order, then hsum_v8), whatever the tile it falls in. A key the row may not see gets
@@ -773,6 +775,9 @@ static inline void hsum_8x(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b
 #endif
 }
 
+static inline void finish_2x4(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b3, int64_t j, int64_t jn,
+                              float scale, float *s0, float *s1);
+
 /* s[i][j] for queries i0, i1 (i1 may repeat i0) and keys j .. j + 3 (repeating the last one past jn) */
 static inline void scores_2x4(const float *q0, const float *q1, const void *K, int half, int64_t D, int64_t j,
                               int64_t jn, float scale, float *s0, float *s1) {
@@ -786,6 +791,29 @@ static inline void scores_2x4(const float *q0, const float *q1, const void *K, i
         a0 = FMA8(a0, u, x0); a1 = FMA8(a1, u, x1); a2 = FMA8(a2, u, x2); a3 = FMA8(a3, u, x3);
         b0 = FMA8(b0, w, x0); b1 = FMA8(b1, w, x1); b2 = FMA8(b2, w, x2); b3 = FMA8(b3, w, x3);
     }
+    finish_2x4(a0, a1, a2, a3, b0, b1, b2, b3, j, jn, scale, s0, s1);
+}
+
+/* s0/s1[j .. j + 3] = scale * the hsum_v8 of a_t / b_t (keys past jn dropped) */
+static inline void finish_2x4(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b3, int64_t j, int64_t jn,
+                              float scale, float *s0, float *s1) {
+#if QGEMM_AVX2
+    if (j + 4 <= jn) {                       /* hsum_8x's sums, scaled and stored as two vectors */
+        __m256 x[8];
+        const v8 in[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
+        memcpy(x, in, sizeof x);
+        const __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
+        const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(x[2], x[3], 0x20), _mm256_permute2f128_ps(x[2], x[3], 0x31));
+        const __m256 t2 = _mm256_add_ps(_mm256_permute2f128_ps(x[4], x[5], 0x20), _mm256_permute2f128_ps(x[4], x[5], 0x31));
+        const __m256 t3 = _mm256_add_ps(_mm256_permute2f128_ps(x[6], x[7], 0x20), _mm256_permute2f128_ps(x[6], x[7], 0x31));
+        const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));  /* a0 a2 b0 b2 a1 a3 b1 b3 */
+        const __m256 g = _mm256_mul_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+                                       _mm256_set1_ps(scale));
+        _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(g));
+        _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(g, 1));
+        return;
+    }
+#endif
     float ga[4], gb[4];
     hsum_8x(a0, a1, a2, a3, b0, b1, b2, b3, ga, gb);
     for (int t = 0; t < 4 && j + t < jn; ++t) { s0[j + t] = ga[t] * scale; s1[j + t] = gb[t] * scale; }
@@ -805,6 +833,26 @@ static inline void scores_1x4(const float *q0, const void *K, int half, int64_t 
     const float ga[4] = {hsum_v8(a0), hsum_v8(a1), hsum_v8(a2), hsum_v8(a3)};
     for (int t = 0; t < 4 && j + t < jn; ++t) s0[j + t] = ga[t] * scale;
 }
+
+#if QGEMM_AVX512
+/* scores_2x4 for four queries sharing each key load (sixteen accumulators: AVX-512's 32 registers) */
+static inline void scores_4x4(const float *const *qs, const void *K, int half, int64_t D, int64_t j, int64_t jn,
+                              float scale, float *const *ss) {
+    const int64_t k0 = j * D, k1 = (j + 1 < jn ? j + 1 : jn - 1) * D;
+    const int64_t k2 = (j + 2 < jn ? j + 2 : jn - 1) * D, k3 = (j + 3 < jn ? j + 3 : jn - 1) * D;
+    v8 a[4][4];
+    for (int r = 0; r < 4; ++r) for (int t = 0; t < 4; ++t) a[r][t] = (v8){0};
+    for (int64_t e = 0; e < D; e += 8) {
+        const v8 x[4] = {ldkv8(K, k0 + e, half), ldkv8(K, k1 + e, half), ldkv8(K, k2 + e, half), ldkv8(K, k3 + e, half)};
+        for (int r = 0; r < 4; ++r) {
+            const v8 u = ld8(qs[r] + e);
+            for (int t = 0; t < 4; ++t) a[r][t] = FMA8(a[r][t], u, x[t]);
+        }
+    }
+    finish_2x4(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3], j, jn, scale, ss[0], ss[1]);
+    finish_2x4(a[2][0], a[2][1], a[2][2], a[2][3], a[3][0], a[3][1], a[3][2], a[3][3], j, jn, scale, ss[2], ss[3]);
+}
+#endif
 
 /* o[c .. c + 8 * NV) += sum_{j in [j0, j1)} p[j] * V[j][c ..], j ascending (one query) */
 #define VSUM_1xN(NV)                                                                                  \
@@ -844,6 +892,92 @@ VSUM_2xN(4)
 VSUM_2xN(1)
 #undef VSUM_2xN
 
+/* The sum of x[0 .. m) as sixteen partial sums (element t into partial t % 16, in order, the tail
+ * padded with exact zeros), then partials l and l + 8 added and the eight reduced as hsum_v8: the
+ * same bits on every path, a vector's work instead of a chain of m dependent additions. */
+static float sum16(const float *x, int64_t m) {
+    int64_t t = 0;
+#if QGEMM_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; t + 16 <= m; t += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + t));
+    if (t < m) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps((__mmask16)((1u << (m - t)) - 1), x + t));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+    v8 r; memcpy(&r, &h, sizeof r);
+    return hsum_v8(r);
+#else
+    v8 a = {0}, b = {0};
+    for (; t + 16 <= m; t += 16) { a += ld8(x + t); b += ld8(x + t + 8); }
+    if (t < m) {
+        float pad[16] = {0};
+        memcpy(pad, x + t, sizeof(float) * (size_t)(m - t));
+        a += ld8(pad); b += ld8(pad + 8);
+    }
+    return hsum_v8(a + b);
+#endif
+}
+
+/* Softmax of one query's scores s[0 .. jn) over the keys its mask row shows (NULL: all), in place:
+ * invisible keys get exactly 0, visible ones exp(s - max), and the return is 1 / the sum over the
+ * visible keys in cache order (sum16). The visible keys' sequence decides every bit, not where they
+ * sit: a tree row gets its committed row's probabilities. The mask is read per key only past its
+ * all-visible prefix (the cached context): the tree rows. keys, tmp: jn each. */
+static float softmax_row(float *s, const uint8_t *mr, int64_t jn, int64_t *keys, float *tmp) {
+    int64_t z = jn;
+    if (mr) {
+        const uint8_t *hole = memchr(mr, 0, (size_t)jn);
+        if (hole) z = hole - mr;
+    }
+    float mx = -INFINITY;
+    int64_t j = 0;
+#if QGEMM_AVX512
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= z; j += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + j));
+    mx = _mm512_reduce_max_ps(mv);
+#endif
+    for (; j < z; ++j) mx = s[j] > mx ? s[j] : mx;
+    int64_t m = 0;                           /* the visible keys past the prefix, compacted */
+    for (j = z; j < jn; ++j)
+        if (mr[j]) { keys[m] = j; tmp[z + m] = s[j]; mx = s[j] > mx ? s[j] : mx; ++m; }
+    if (z + m == 0) {                        /* no key to see: all 0 */
+        for (j = 0; j < jn; ++j) s[j] = 0.f;
+        return 0.f;
+    }
+    exp_shifted(s, z, mx);
+    exp_shifted(tmp + z, m, mx);
+    for (j = z; j < jn; ++j) s[j] = 0.f;
+    for (int64_t t = 0; t < m; ++t) s[keys[t]] = tmp[z + t];
+    float sum;
+    if (m == 0) sum = sum16(s, z);
+    else {
+        memcpy(tmp, s, sizeof(float) * (size_t)z);
+        sum = sum16(tmp, z + m);
+    }
+    return sum > 0.f ? 1.f / sum : 0.f;
+}
+
+#if QGEMM_AVX512
+/* o[r][c .. c + 64) += sum_{j in [j0, j1)} p[r][j] * V[j][c ..], j ascending, for R queries sharing
+ * each value row: per element the FMA chain of vsum_1xN (same bits), sixteen lanes at a time */
+ALWAYS_INLINE void vsum_z(const float *const *p, const void *V, const int half, int64_t D, int64_t j0, int64_t j1,
+                          int64_t c, float *const *o, const int R) {
+    __m512 a[4][4];
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < 4; ++u) a[r][u] = _mm512_loadu_ps(o[r] + c + 16 * u);
+    for (int64_t j = j0; j < j1; ++j) {
+        __m512 vv[4];
+        for (int u = 0; u < 4; ++u)
+            vv[u] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)V + j * D + c + 16 * u)))
+                         : _mm512_loadu_ps((const float *)V + j * D + c + 16 * u);
+        for (int r = 0; r < R; ++r) {
+            const __m512 px = _mm512_set1_ps(p[r][j]);
+            for (int u = 0; u < 4; ++u) a[r][u] = _mm512_fmadd_ps(px, vv[u], a[r][u]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int u = 0; u < 4; ++u) _mm512_storeu_ps(o[r] + c + 16 * u, a[r][u]);
+}
+#endif
+
 /* One chunk: queries qs[0 .. nq) (rows rs[i] of the call) over the KV head's rows K, V, keys j < L
  * under mask rows (NULL: all visible); outputs os[i]. s: nq * L floats; keys, tmp: L each. */
 static void attend_chunk(const float *const *qs, const int64_t *rs, float *const *os, int nq, int64_t D,
@@ -859,7 +993,15 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
     const int is_vector = D % 8 == 0;
     for (int64_t j0 = 0; j0 < jn; j0 += ATT_KEY_BLOCK) {
         const int64_t j1 = j0 + ATT_KEY_BLOCK < jn ? j0 + ATT_KEY_BLOCK : jn;
-        for (int i = 0; i < nq; i += 2) {
+        int i = 0;
+#if QGEMM_AVX512
+        for (; is_vector && i + 4 <= nq; i += 4) {
+            float *const ss[4] = {s + (int64_t)i * L, s + (int64_t)(i + 1) * L, s + (int64_t)(i + 2) * L,
+                                  s + (int64_t)(i + 3) * L};
+            for (int64_t j = j0; j < j1; j += 4) scores_4x4(qs + i, K, half, D, j, j1, scale, ss);
+        }
+#endif
+        for (; i < nq; i += 2) {
             const int i1 = i + 1 < nq ? i + 1 : i;
             float *s0 = s + (int64_t)i * L, *s1 = s + (int64_t)i1 * L;
             if (is_vector && i1 == i)
@@ -874,24 +1016,22 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
         }
     }
     float inv[ATT_MAX_CHUNK];
-    for (int i = 0; i < nq; ++i) {                 /* softmax over the row's visible keys, in place */
-        float *si = s + (int64_t)i * L;
-        const uint8_t *mr = mask ? mask + rs[i] * L : NULL;
-        int64_t m = 0;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < jn; ++j)
-            if (!mr || mr[j]) { keys[m] = j; tmp[m++] = si[j]; if (si[j] > mx) mx = si[j]; }
-        exp_shifted(tmp, m, mx);
-        float sum = 0.f;
-        for (int64_t t = 0; t < m; ++t) sum += tmp[t];
-        inv[i] = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t j = 0; j < jn; ++j) si[j] = 0.f;
-        for (int64_t t = 0; t < m; ++t) si[keys[t]] = tmp[t];
+    for (int i = 0; i < nq; ++i) inv[i] = softmax_row(s + (int64_t)i * L, mask ? mask + rs[i] * L : NULL, jn, keys, tmp);
+    for (int i = 0; i < nq; ++i)
         for (int64_t e = 0; e < D; ++e) os[i][e] = 0.f;
-    }
     for (int64_t j0 = 0; j0 < jn; j0 += ATT_KEY_BLOCK) {
         const int64_t j1 = j0 + ATT_KEY_BLOCK < jn ? j0 + ATT_KEY_BLOCK : jn;
-        for (int i = 0; i < nq; i += 2) {
+        int i = 0;
+#if QGEMM_AVX512
+        for (; i + 4 <= nq && D % 64 == 0; i += 4) {     /* four queries share each value row */
+            const float *ps[4] = {s + (int64_t)i * L, s + (int64_t)(i + 1) * L, s + (int64_t)(i + 2) * L,
+                                  s + (int64_t)(i + 3) * L};
+            for (int64_t c = 0; c < D; c += 64)
+                if (half) vsum_z(ps, V, 1, D, j0, j1, c, os + i, 4);
+                else vsum_z(ps, V, 0, D, j0, j1, c, os + i, 4);
+        }
+#endif
+        for (; i < nq; i += 2) {
             const int i1 = i + 1 < nq ? i + 1 : i;
             const float *p0 = s + (int64_t)i * L, *p1 = s + (int64_t)i1 * L;
             int64_t c = 0;

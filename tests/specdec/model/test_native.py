@@ -287,3 +287,24 @@ def test_every_instruction_path_gives_the_same_bits(path, flags):
             for lib in (native.library(), other)
         )
         assert all(torch.equal(a(x), b(x)) for a, b in zip(here, there)), (path, rows)
+
+
+@pytest.mark.parametrize("path, flags", [p for p in _PATHS if p[0] != "portable"], ids=lambda p: str(p))
+def test_attention_gives_the_same_bits_on_every_vector_path(path, flags):
+    """Attention's vector paths share one arithmetic: each score is eight lane sums over D then hsum_v8,
+    the softmax sum sixteen partial sums, each output element one FMA chain over the keys; AVX-512
+    only widens the tiles (four queries per key load, sixteen columns per value FMA). The portable
+    build is excluded: it takes expf where the vector paths take their own exp polynomial."""
+    other = native.variant(flags)
+    g = torch.Generator().manual_seed(14)
+    for kv_dtype in native.KV_DTYPES:
+        k_cache = torch.randn(3, 300, 64, generator=g).to(kv_dtype)
+        v_cache = torch.randn(3, 300, 64, generator=g).to(kv_dtype)
+        for rows, end in ((1, 157), (5, 260), (21, 299)):
+            q = torch.randn(rows, 9, 64, generator=g)
+            mask = torch.rand(rows, end, generator=g) < 0.8
+            mask[:, :100] = True
+            for m in (None, mask):
+                here = native.attend(native.library(), q, k_cache, v_cache, end, m)
+                there = native.attend(other, q, k_cache, v_cache, end, m)
+                assert torch.equal(here, there), (path, kv_dtype, rows, m is None)
