@@ -5,7 +5,7 @@ One step, speculative:
     logits    = primary.Verify(commit of the last step, tree)      # ONE forward over the tree
     accepted  = validator.Validate(tree, logits)                   # path + bonus token
     committed = [tree tokens on the accepted path] + [bonus]
-    state store: append committed tokens, stats                    # one round trip
+    state store: append committed tokens, stats                    # one round trip, beside the next step
 The primary learns the commit at the start of the next Verify (no extra RPC). With
 speculation off a step is one primary.Decode (the baseline the speedup is measured against).
 A lookahead decoder's rows (Propose's `lookahead`) ride in the Verify beside the tree; the
@@ -28,6 +28,7 @@ Cancellation and deadlines are checked once per step, so they stop a request wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -151,6 +152,26 @@ class RequestOutcome:
     stats: RequestStats
 
 
+@dataclasses.dataclass(slots=True)
+class _PendingStep:
+    """A committed step whose state store write is in flight (RequestLoop._commit)."""
+
+    write: asyncio.Future  # -> bool: stored (False: refused, the request ended elsewhere)
+    output: StepOutput | None  # what the client gets once it is stored
+    num_chars: int  # len(text) before the step
+    num_stored: int  # len(generated) before the step
+    is_stopped: bool  # the step completed a stop string
+
+
+async def _cancelled(task: asyncio.Future | None) -> None:
+    """Cancel a task and wait until it is over, whatever it raised."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+
+
 class RequestLoop:
     def __init__(
         self,
@@ -248,45 +269,65 @@ class RequestLoop:
     # --- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> AsyncIterator[StepOutput]:
-        """Yield each step's committed tokens and final text; the outcome is in `self.outcome` at the end."""
+        """Yield each step's committed tokens and final text; the outcome is in `self.outcome` at the end.
+
+        A step's tokens reach the client only once the state store holds them, but the loop does not
+        wait for the write before it computes the next step: the store's round trip runs beside the
+        next step's draft and forward (_PendingStep), and the step's output is yielded when the write
+        is in, usually long before that next step ends."""
         start = time.perf_counter()
-        finish = None
+        finish: str | None = None
+        pending: _PendingStep | None = None
+        step: asyncio.Future | None = None
+        step_start, step_end = 0.0, [0.0]
+
+        def mark_end(_: asyncio.Future) -> None:
+            step_end[0] = time.perf_counter()
+
         try:
             await self._prefill()
-            while finish is None:
-                finish = self._stop_signal()
-                if finish is not None:
+            while True:
+                if finish is None:
+                    finish = self._stop_signal()
+                if finish is None:
+                    step_start = time.perf_counter()
+                    step = asyncio.ensure_future(self._compute())
+                    step.add_done_callback(mark_end)
+                if pending is not None:
+                    t = time.perf_counter()
+                    is_stored = await pending.write
+                    self._book_state_wait(t, step, step_end[0])
+                    if not is_stored:  # refused: cancelled from elsewhere; the step leaves the output
+                        self._unstore(pending)
+                        await _cancelled(step)
+                        step, finish = None, FINISH_CANCELLED
+                    elif pending.output is not None:
+                        yield pending.output
+                    pending = None
+                if step is None:
                     break
-                step_start = time.perf_counter()
-                plan = self._plan()
-                if plan.is_speculative:
-                    new_tokens, outcomes = await self._speculative_step(plan)
-                else:
-                    new_tokens, outcomes = await self._plain_step(), None
+                plan, new_tokens, outcomes = await step
+                step = None
                 num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
                 new_tokens += self._forced_after(new_tokens)
                 self._observe(plan, outcomes)
                 kept, finish = self._truncate(new_tokens)
                 self.stats.num_steps += 1
                 self.stats.num_generated_tokens += len(kept)
-                delta, is_stopped, is_stored = await self._commit(
-                    kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen)
-                )
-                self.stats.total_ms += (time.perf_counter() - step_start) * 1000
-                if not is_stored:  # the store refused: cancelled from elsewhere
-                    finish = FINISH_CANCELLED
-                    break
-                if is_stopped:
+                pending = self._commit(kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen))
+                if pending.is_stopped:
                     finish = FINISH_STOP
-                if kept or delta:
-                    yield StepOutput(kept, delta)
+                self.stats.total_ms += (time.perf_counter() - step_start) * 1000
         except GeneratorExit:
             # The consumer closed the stream: its client cancelled, went away or ran out of time.
+            await self._settle(step, pending)
             await self._finish(self._stop_signal() or FINISH_CANCELLED)
             raise
         except BaseException as e:
+            await self._settle(step, pending)
             await self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
             raise
+        assert finish is not None  # the loop ends only with one
         if finish != FINISH_STOP and not self.is_refused:
             self.text = self._cut_at_stop(self.text + self.detok.finish())[0]
         tail = self.text[self.emitted_chars :]
@@ -301,6 +342,34 @@ class RequestLoop:
             steps=self.stats.num_steps,
             wall_ms=round((time.perf_counter() - start) * 1000, 1),
         )
+
+    async def _compute(self) -> tuple[SpeculationPlan, list[int], list[CandidateOutcome] | None]:
+        """A step up to its new tokens: the plan, then propose -> verify -> validate, or one decode."""
+        plan = self._plan()
+        if plan.is_speculative:
+            new_tokens, outcomes = await self._speculative_step(plan)
+            return plan, new_tokens, outcomes
+        return plan, await self._plain_step(), None
+
+    async def _settle(self, step: asyncio.Future | None, pending: _PendingStep | None) -> None:
+        """On the way out: stop a step being computed, and let a write in flight land before the
+        request's end is written (a write is one round trip; its outcome no longer matters)."""
+        await _cancelled(step)
+        if pending is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(pending.write)
+
+    def _book_state_wait(self, wait_start: float, step: asyncio.Future | None, step_end: float) -> None:
+        """Book as state the time the loop was held up by a step's write: the part of the store's round
+        trip that the next step's work did not cover (from when that step was done, or all of it when no
+        step follows; the latter also counts in the total, the former is inside the next step's)."""
+        now = time.perf_counter()
+        if step is None:
+            held = now - wait_start
+            self.stats.total_ms += held * 1000
+        else:
+            held = now - max(wait_start, step_end) if step.done() else 0.0
+        self.stats.stage_ms["state"] += held * 1000
 
     def _plan(self) -> SpeculationPlan:
         plan = (
@@ -519,10 +588,11 @@ class RequestLoop:
         cut = find_stop_string(text, self.params.stop)
         return (text, False) if cut is None else (text[:cut], True)
 
-    async def _commit(self, kept: list[int], is_final: bool, num_forced: int = 0) -> tuple[str, bool, bool]:
-        """Record the step's tokens, the last `num_forced` of them forced by the grammar; returns (text
-        delta ready to emit, hit a stop string, stored). Detokenizing, stop strings and the grammar are
-        booked as commit time, the store's write as state."""
+    def _commit(self, kept: list[int], is_final: bool, num_forced: int = 0) -> _PendingStep:
+        """Commit the step's tokens, the last `num_forced` of them forced by the grammar: its text and
+        stop strings, the grammar, `generated`; then start the state store's write, which the caller
+        awaits before the step's output goes out (_PendingStep). Detokenizing, stop strings and the
+        grammar are booked as commit time, the wait for the write as state."""
         t = time.perf_counter()
         num_chars = len(self.text)
         self.text += self.detok.add(kept)
@@ -542,38 +612,11 @@ class RequestLoop:
             num_forced = max(0, num_forced - (len(kept) - k))  # the forced tokens are the last ones
             del kept[k:]  # the caller yields this same list
         self.stats.num_forced_tokens += num_forced
-        controller = None if self.controller_state is None else self.controller_state.to_dict()
-        num_attempts = 0
-        t_state = time.perf_counter()
-        self.stats.stage_ms["commit"] += (t_state - t) * 1000
-
-        async def append() -> None:
-            nonlocal num_attempts
-            num_attempts += 1
-            await self.store.append_step(
-                self.request_id,
-                kept,
-                expected_num_tokens=len(self.generated),
-                stats=self.stats.to_dict(),
-                controller_state=controller,
-                owner=self.owner,
-            )
-
-        try:
-            await self._with_state_store(append)
-        except FailedPrecondition:
-            if num_attempts == 1 or not await self._is_stored(len(self.generated) + len(kept)):
-                # refused (the request ended elsewhere): the step's text leaves the output with its tokens
-                self.text, self.is_refused = self.text[:num_chars], True
-                return "", False, False
-            # A retried write whose first attempt had been applied (its reply was lost): it is stored.
-        finally:
-            self.stats.stage_ms["state"] += (time.perf_counter() - t_state) * 1000
-        t = time.perf_counter()
-        self.generated.extend(kept)
         if self.grammar is not None and not self.grammar.accept_tokens(kept):
             # Cannot happen while primary and validator apply the masks: fail loudly, not silently off-grammar.
             raise FailedPrecondition("response_format", f"committed tokens {kept} leave the request's grammar")
+        num_stored = len(self.generated)
+        self.generated.extend(kept)
         # Hold back a tail that could still become a stop string, unless this is the end.
         ready = (
             len(self.text)
@@ -582,8 +625,48 @@ class RequestLoop:
         )
         delta = self.text[self.emitted_chars : ready]
         self.emitted_chars = max(self.emitted_chars, ready)
+        write = asyncio.ensure_future(
+            self._store_step(
+                kept,
+                num_stored,
+                self.stats.to_dict(),
+                None if self.controller_state is None else self.controller_state.to_dict(),
+            )
+        )
         self.stats.stage_ms["commit"] += (time.perf_counter() - t) * 1000
-        return delta, is_stopped, True
+        output = StepOutput(kept, delta) if kept or delta else None
+        return _PendingStep(write, output, num_chars, num_stored, is_stopped)
+
+    async def _store_step(
+        self, kept: list[int], num_stored: int, stats: dict[str, Any], controller: dict[str, Any] | None
+    ) -> bool:
+        """Append the step to the request's stored state; False when the store refuses it (the
+        request ended elsewhere)."""
+        num_attempts = 0
+
+        async def append() -> None:
+            nonlocal num_attempts
+            num_attempts += 1
+            await self.store.append_step(
+                self.request_id,
+                kept,
+                expected_num_tokens=num_stored,
+                stats=stats,
+                controller_state=controller,
+                owner=self.owner,
+            )
+
+        try:
+            await self._with_state_store(append)
+        except FailedPrecondition:
+            # A retried write whose first attempt had been applied (its reply was lost) is stored.
+            return num_attempts > 1 and await self._is_stored(num_stored + len(kept))
+        return True
+
+    def _unstore(self, pending: _PendingStep) -> None:
+        """A step the store refused leaves the output: its tokens and text."""
+        del self.generated[pending.num_stored :]
+        self.text, self.is_refused = self.text[: pending.num_chars], True
 
     async def _finish(self, finish: str, error: str = "") -> None:
         status = {

@@ -704,3 +704,73 @@ def test_a_step_the_store_refuses_never_reaches_the_output():
     assert [t for out in outputs for t in out.token_ids] == list(stored.token_ids)
     assert loop.outcome.text == "".join(f"<{t}>" for t in stored.token_ids)
     assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
+
+
+class SlowStore(AsyncInMemoryStateStore):
+    """Each step's write takes `write_s` and says in `events` when it starts and lands."""
+
+    def __init__(self, events: list[str], write_s: float) -> None:
+        super().__init__(InMemoryStateStore())
+        self.events, self.write_s = events, write_s
+
+    async def append_step(self, request_id, token_ids=(), **kwargs):
+        self.events.append("write")
+        await asyncio.sleep(self.write_s)
+        result = self.sync.append_step(request_id, token_ids, **kwargs)
+        self.events.append("stored")
+        return result
+
+
+@dataclasses.dataclass
+class TimedBackends(FakeBackends):
+    """FakeBackends whose Decode takes `decode_s` and says in `events` when it starts."""
+
+    events: list[str] = dataclasses.field(default_factory=list)
+    decode_s: float = 0.0
+
+    async def decode(self, *args, **kwargs) -> Decoded:
+        self.events.append("decode")
+        await asyncio.sleep(self.decode_s)
+        return await super().decode(*args, **kwargs)
+
+
+def test_the_next_step_runs_while_the_last_one_is_written_and_only_stored_tokens_go_out():
+    """The store's round trip is off the step's path: step k+1's Decode starts before step k's write
+    lands, yet every output reaches the consumer only once the store holds its tokens; the output
+    and the stored tokens are plain decoding's."""
+    events: list[str] = []
+    backends = TimedBackends(events=events, decode_s=0.01)
+    store = SlowStore(events, write_s=0.005)
+    store.sync.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    loop = RequestLoop(
+        "r1",
+        make_params(is_enabled=False, max_new_tokens=12),
+        PROMPT,
+        backends,
+        store,
+        FakeTokenizer(),
+        MODEL,
+        ("fp32", "fp32"),
+        recovery_timeout_s=1.0,
+        max_tree_nodes=64,
+        cancel=threading.Event(),
+        owner="test",
+    )
+    seen: list[int] = []
+
+    async def consume() -> None:
+        async for out in loop.run():
+            seen.extend(out.token_ids)
+            assert list(store.sync.load("r1").token_ids) == seen, "an output went out before it was stored"
+
+    asyncio.run(consume())
+    assert seen == plain_decoding(PROMPT, 12) == loop.outcome.token_ids
+    assert list(store.sync.load("r1").token_ids) == seen
+    # 12 steps' writes, then the final status's; every step but the last has the next step's Decode
+    # start before its write lands
+    writes = [i for i, e in enumerate(events) if e == "write"]
+    assert len(writes) == 13
+    for w in writes[:11]:
+        landed = events.index("stored", w)
+        assert "decode" in events[w:landed], events
+    assert loop.stats.stage_ms["state"] < 12 * 5.0, "the writes were waited for in full"
