@@ -8,6 +8,10 @@ One step, speculative:
     state store: append committed tokens, stats                    # one round trip, beside the next step
 The primary learns the commit at the start of the next Verify (no extra RPC). With
 speculation off a step is one primary.Decode (the baseline the speedup is measured against).
+Off the step's path: the state store's write, and in greedy mode the validator's Validate (its rule
+walks the primary's argmaxes, which the loop has: it goes on with that decision and the validator
+confirms it). Both run beside the next step, whose RPC goes out first; the step's tokens reach the
+client only once confirmed and stored (RequestLoop.run).
 A lookahead decoder's rows (Propose's `lookahead`) ride in the Verify beside the tree; the
 primary's argmaxes there go back to the draft service with the next Propose. They are never
 validated: the acceptance rule sees the tree alone.
@@ -34,7 +38,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 
 import structlog
 
@@ -47,7 +51,7 @@ from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
-from specdec.errors import FailedPrecondition, NotFound, Unavailable
+from specdec.errors import FailedPrecondition, Internal, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
@@ -154,13 +158,28 @@ class RequestOutcome:
 
 @dataclasses.dataclass(slots=True)
 class _PendingStep:
-    """A committed step whose state store write is in flight (RequestLoop._commit)."""
+    """A committed step whose validator check (greedy steps) and state store write are still to come
+    (RequestLoop._commit). They are started (start()) only after the next step's task: that step's
+    RPC goes out first, and their own Python work runs while the primary computes."""
 
-    write: asyncio.Future  # -> bool: stored (False: refused, the request ended elsewhere)
+    check_call: Coroutine[Any, Any, None] | None  # the validator confirming a greedy step (_confirm)
+    write_call: Callable[[asyncio.Future | None], Coroutine[Any, Any, bool]]  # the write, after the check
     output: StepOutput | None  # what the client gets once it is stored
     num_chars: int  # len(text) before the step
     num_stored: int  # len(generated) before the step
     is_stopped: bool  # the step completed a stop string
+    check: asyncio.Future | None = None
+    write: asyncio.Future | None = None  # -> bool: stored (False: refused, the request ended elsewhere)
+
+    def start(self) -> None:
+        if self.write is None:
+            self.check = None if self.check_call is None else asyncio.ensure_future(self.check_call)
+            self.write = asyncio.ensure_future(self.write_call(self.check))
+
+    def discard(self) -> None:
+        """Never started (the loop is leaving): close the check's coroutine unrun."""
+        if self.write is None and self.check_call is not None:
+            self.check_call.close()
 
 
 async def _cancelled(task: asyncio.Future | None) -> None:
@@ -217,6 +236,7 @@ class RequestLoop:
         self.pending_committed: list[int] = []
         self.draft_synced = 0  # generated tokens the draft service has seen
         self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
+        self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
         self.is_refused = False  # the store refused a step: the output ends before it
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
@@ -294,12 +314,19 @@ class RequestLoop:
                     step = asyncio.ensure_future(self._compute())
                     step.add_done_callback(mark_end)
                 if pending is not None:
+                    pending.start()
+                    assert pending.write is not None
+                    if pending.check is not None:
+                        t = time.perf_counter()
+                        await pending.check
+                        self._book_wait("validate", t, step, step_end[0])
                     t = time.perf_counter()
                     is_stored = await pending.write
-                    self._book_state_wait(t, step, step_end[0])
+                    self._book_wait("state", t, step, step_end[0])
                     if not is_stored:  # refused: cancelled from elsewhere; the step leaves the output
                         self._unstore(pending)
                         await _cancelled(step)
+                        self._drop_check()
                         step, finish = None, FINISH_CANCELLED
                     elif pending.output is not None:
                         yield pending.output
@@ -355,21 +382,31 @@ class RequestLoop:
         """On the way out: stop a step being computed, and let a write in flight land before the
         request's end is written (a write is one round trip; its outcome no longer matters)."""
         await _cancelled(step)
-        if pending is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(pending.write)
+        self._drop_check()  # made by a step that never reached its commit
+        if pending is None:
+            return
+        if pending.write is None:
+            pending.discard()
+            return
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(pending.write)
 
-    def _book_state_wait(self, wait_start: float, step: asyncio.Future | None, step_end: float) -> None:
-        """Book as state the time the loop was held up by a step's write: the part of the store's round
-        trip that the next step's work did not cover (from when that step was done, or all of it when no
-        step follows; the latter also counts in the total, the former is inside the next step's)."""
+    def _drop_check(self) -> None:
+        if self.pending_check is not None:
+            self.pending_check.close()
+            self.pending_check = None
+
+    def _book_wait(self, stage: str, wait_start: float, step: asyncio.Future | None, step_end: float) -> None:
+        """Book as `stage` the time the loop was held up by a step's validation or write: the part the
+        next step's work did not cover (from when that step was done, or all of it when no step
+        follows; the latter also counts in the total, the former is inside the next step's)."""
         now = time.perf_counter()
         if step is None:
             held = now - wait_start
             self.stats.total_ms += held * 1000
         else:
             held = now - max(wait_start, step_end) if step.done() else 0.0
-        self.stats.stage_ms["state"] += held * 1000
+        self.stats.stage_ms[stage] += held * 1000
 
     def _plan(self) -> SpeculationPlan:
         plan = (
@@ -440,7 +477,14 @@ class RequestLoop:
             )
         )
         t2 = time.perf_counter()
-        v = await self._validate(tree, verified, allowed)
+        v: Validation | None
+        if self.acceptance_mode == AcceptanceMode.GREEDY:
+            # The validator's greedy rule walks the primary's argmaxes, which are here: the loop goes on
+            # with that decision and has the validator confirm it beside the next step (_confirm).
+            v = greedy_validation(tree, verified.argmax_token_ids)
+            self.pending_check = self._confirm(tree, verified, allowed, v, self.stats.num_steps)
+        else:
+            v = await self._validate(tree, verified, allowed)
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
             await self._with_primary(_nothing, is_fresh=True)
@@ -481,6 +525,39 @@ class RequestLoop:
             if self.acceptance_mode == AcceptanceMode.GREEDY
             else None
         )
+
+    async def _confirm(self, tree: DraftTree, verified, allowed, decided: Validation, step: int) -> None:
+        """The validator's decision on a greedy step the loop already went on with: the same rule on the
+        same argmaxes, so it agrees by construction; it adds the rows' entropies to the stats. A
+        disagreement fails the request before the step is stored or streamed. While the validator
+        cannot be reached the step stands as decided (what _validate falls back to)."""
+        if not self.validator_state.should_call():
+            self.stats.num_validator_fallback_steps += 1
+            return
+        try:
+            v = await self.backends.validate(
+                self.request_id,
+                self.acceptance_mode,
+                self.params.sampling,
+                self.params.speculation.acceptance_threshold,
+                step,
+                tree,
+                verified,
+                allowed,
+            )
+        except Unavailable as e:
+            self.validator_state.failed(str(e))
+            self.stats.num_validator_fallback_steps += 1
+            return
+        self.validator_state.succeeded()
+        if (v.accepted_nodes, v.bonus_token) != (decided.accepted_nodes, decided.bonus_token):
+            raise Internal(
+                "validator",
+                f"the validator's greedy decision {list(v.accepted_nodes)} + {v.bonus_token} differs from the "
+                f"primary's argmaxes' {list(decided.accepted_nodes)} + {decided.bonus_token} at step {step}",
+                dependency="validator",
+            )
+        self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     async def _plain_step(self) -> list[int]:
         t = time.perf_counter()
@@ -625,23 +702,29 @@ class RequestLoop:
         )
         delta = self.text[self.emitted_chars : ready]
         self.emitted_chars = max(self.emitted_chars, ready)
-        write = asyncio.ensure_future(
-            self._store_step(
-                kept,
-                num_stored,
-                self.stats.to_dict(),
-                None if self.controller_state is None else self.controller_state.to_dict(),
-            )
-        )
+        check, self.pending_check = self.pending_check, None
+        stats = self.stats.to_dict()
+        controller = None if self.controller_state is None else self.controller_state.to_dict()
+
+        def write(check: asyncio.Future | None) -> Coroutine[Any, Any, bool]:
+            return self._store_step(kept, num_stored, stats, controller, check)
+
         self.stats.stage_ms["commit"] += (time.perf_counter() - t) * 1000
         output = StepOutput(kept, delta) if kept or delta else None
-        return _PendingStep(write, output, num_chars, num_stored, is_stopped)
+        return _PendingStep(check, write, output, num_chars, num_stored, is_stopped)
 
     async def _store_step(
-        self, kept: list[int], num_stored: int, stats: dict[str, Any], controller: dict[str, Any] | None
+        self,
+        kept: list[int],
+        num_stored: int,
+        stats: dict[str, Any],
+        controller: dict[str, Any] | None,
+        check: asyncio.Future | None,
     ) -> bool:
-        """Append the step to the request's stored state; False when the store refuses it (the
-        request ended elsewhere)."""
+        """Append the step to the request's stored state once the validator confirmed it (check);
+        False when the store refuses it (the request ended elsewhere)."""
+        if check is not None:
+            await check
         num_attempts = 0
 
         async def append() -> None:

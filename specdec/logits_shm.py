@@ -1,11 +1,12 @@
 """Verify logits through POSIX shared memory, for a validator on the same machine as the primary.
 
-The primary keeps one segment per active request, `/dev/shm/specdec-logits-<pid>-<128 random
-bits>`, and rewrites it at every verify; the handle it returns (segment name, byte count, format,
-shape, fp8 row scales) travels in the protobuf instead of the bytes. One slot per request is
-enough: a request's loop is sequential (verify -> validate -> next verify), so the validator
-always reads a slot before its next overwrite. Slots are removed when the request is released;
-the slots of a primary that died without cleaning up are swept when the next one starts.
+The primary keeps two segments per active request, `/dev/shm/specdec-logits-<pid>-<128 random
+bits>`, and writes them in turn, one verify each; the handle it returns (segment name, byte count,
+format, shape, fp8 row scales) travels in the protobuf instead of the bytes. Two slots are enough:
+a greedy request's loop validates a step beside the next step's verify (gateway/loop.py), never
+further behind, so the validator always reads a slot before its next overwrite. Slots are removed
+when the request is released; the slots of a primary that died without cleaning up are swept when
+the next one starts.
 
 A slot is a capability: its name cannot be guessed (a caller that was not handed it cannot make
 the validator read another request's logits) and its file is 0600 (other users of the machine
@@ -35,21 +36,28 @@ _SLOT_NAME = re.compile(rf"^{SLOT_PREFIX}-[0-9]+-[0-9a-f]{{{2 * SLOT_NAME_BYTES}
 _SLOT_OWNER_PID = re.compile(rf"^{SLOT_PREFIX}-([0-9]+)-")  # any slot name, older formats too
 
 
+SLOTS_PER_REQUEST = 2  # written in turn: a step's logits stay readable while the next verify writes
+
+
 class LogitsSlots:
-    """The primary's side: one shared-memory slot per request."""
+    """The primary's side: SLOTS_PER_REQUEST shared-memory slots per request, written in turn."""
 
     def __init__(self, instance_id: str) -> None:
         self.instance_id = instance_id
-        self._names: dict[str, str] = {}
+        self._names: dict[str, list[str]] = {}
+        self._writes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def write(self, request_id: str, logits, fmt: str) -> tuple[str, EncodedLogits]:
-        """Encode logits [R, V] into the request's slot; returns (segment name, encoded metadata)."""
+        """Encode logits [R, V] into the request's next slot; returns (segment name, encoded metadata)."""
         encoded = encode_logits(logits, fmt)
         with self._lock:
-            name = self._names.get(request_id)
-            if name is None:
-                name = self._names[request_id] = f"{SLOT_PREFIX}-{os.getpid()}-{secrets.token_hex(SLOT_NAME_BYTES)}"
+            names = self._names.get(request_id)
+            if names is None:
+                names = self._names[request_id] = [_new_slot_name() for _ in range(SLOTS_PER_REQUEST)]
+            count = self._writes.get(request_id, 0)
+            self._writes[request_id] = count + 1
+            name = names[count % SLOTS_PER_REQUEST]
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, SLOT_MODE)
         try:
             os.fchmod(fd, SLOT_MODE)  # whatever the umask or an earlier file left
@@ -61,13 +69,18 @@ class LogitsSlots:
 
     def release(self, request_id: str) -> None:
         with self._lock:
-            name = self._names.pop(request_id, None)
-        if name is not None:
+            names = self._names.pop(request_id, [])
+            self._writes.pop(request_id, None)
+        for name in names:
             (SHM_DIR / name).unlink(missing_ok=True)
 
     def release_all(self) -> None:
         for request_id in list(self._names):
             self.release(request_id)
+
+
+def _new_slot_name() -> str:
+    return f"{SLOT_PREFIX}-{os.getpid()}-{secrets.token_hex(SLOT_NAME_BYTES)}"
 
 
 def cleanup_stale_slots() -> list[str]:

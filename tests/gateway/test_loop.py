@@ -25,7 +25,7 @@ from gateway.loop import RequestLoop, StepOutput, bounded_config, cycled_strateg
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
-from specdec.errors import NotFound, Unavailable
+from specdec.errors import Internal, NotFound, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
@@ -75,6 +75,7 @@ class FakeBackends:
     lose_draft_at_call: int = -1  # the draft service "restarts" before this Propose
     calls: list[tuple[str, dict]] = dataclasses.field(default_factory=list)
     truth: list[int] = dataclasses.field(default_factory=list)  # prompt + committed, per the fakes
+    decided: list[int] = dataclasses.field(default_factory=list)  # the last verify's greedy commit, not yet in truth
     primary_context: list[int] = dataclasses.field(default_factory=list)
     last_tree: DraftTree | None = None  # None: nothing to commit yet (just prefilled)
     draft_context: list[int] | None = None
@@ -85,6 +86,7 @@ class FakeBackends:
     async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
         self.calls.append(("prefill", {"num_tokens": len(token_ids), "num_prompt_tokens": num_prompt_tokens}))
         self.primary_context, self.last_tree = list(token_ids), None
+        self.decided = []  # a dropped step (re-prefill): its tree is never committed
         if not self.truth:
             self.truth = list(token_ids)
         return Prefilled(time_ms=0.0, num_cached_prompt_tokens=0)
@@ -131,15 +133,20 @@ class FakeBackends:
                 },
             )
         )
+        self._settle()
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = tree
+        rows = self._rows(tree)
+        accepted, bonus = self._greedy_path(tree, rows)
+        self.decided = [tree.token_ids[i] for i in accepted] + [bonus]
         num_verifies = sum(1 for name, _ in self.calls if name == "verify")
         lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
-        return Verified(None, tuple(self._rows(tree)), 0.0, lookahead, self.other_rows)
+        return Verified(None, tuple(rows), 0.0, lookahead, self.other_rows)
 
     async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
         assert allowed is None, "no grammar in these requests"
         self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes), "committed": list(committed_token_ids)}))
+        self._settle()
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         token = primary_next(self.primary_context)
@@ -150,7 +157,14 @@ class FakeBackends:
         self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
     ) -> Validation:
         assert allowed is None, "no grammar in these requests"
-        rows, accepted, node = verified.argmax_token_ids, [], -1
+        self.calls.append(("validate", {"step": step}))
+        accepted, bonus = self._greedy_path(tree, verified.argmax_token_ids)
+        return Validation(tuple(accepted), bonus, (), ())
+
+    @staticmethod
+    def _greedy_path(tree: DraftTree, rows: Sequence[int]) -> tuple[list[int], int]:
+        """The fake validator's rule: follow the children that match each row's argmax."""
+        accepted, node = [], -1
         while True:
             child = next(
                 (i for i in range(tree.num_nodes) if tree.parents[i] == node and tree.token_ids[i] == rows[node + 1]),
@@ -160,9 +174,12 @@ class FakeBackends:
                 break
             accepted.append(child)
             node = child
-        bonus = rows[node + 1]
-        self.truth += [tree.token_ids[i] for i in accepted] + [bonus]
-        return Validation(tuple(accepted), bonus, (), ())
+        return accepted, rows[node + 1]
+
+    def _settle(self) -> None:
+        """The last verified step is committed by now (the loop moved on): into the truth."""
+        self.truth += self.decided
+        self.decided = []
 
     # --- draft ---
     async def propose(
@@ -178,6 +195,7 @@ class FakeBackends:
         lookahead_argmax_token_ids=(),
     ) -> DraftTree:
         assert response_format is None, "no grammar in these requests"
+        self._settle()
         num_call = sum(1 for name, _ in self.calls if name == "propose")
         self.calls.append(
             (
@@ -437,7 +455,8 @@ def test_a_busy_primary_turns_speculation_off_and_an_idle_one_back_on():
 def test_lookahead_rows_ride_in_the_verify_and_their_argmaxes_go_back_with_the_next_propose():
     backends = FakeBackends(is_lookup_right=lambda n: n % 3 != 0, lookahead_rows=(7, 8, 9))
     loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=20), backends)
-    assert loop.outcome.token_ids == backends.truth[len(PROMPT) :][: len(loop.outcome.token_ids)]
+    committed = backends.truth + backends.decided  # the last step: decided, no later call settled it
+    assert loop.outcome.token_ids == committed[len(PROMPT) :][: len(loop.outcome.token_ids)]
     proposes = [args for name, args in backends.calls if name == "propose"]
     assert proposes[0]["lookahead_argmax"] == ()  # the first proposal: no rows verified yet
     for k, args in enumerate(proposes[1:], start=1):  # verify k's argmaxes: 1000 + j + k
@@ -574,9 +593,6 @@ class FlakyValidator(FakeBackends):
     ) -> Validation:
         self.num_validate_calls += 1
         if self.is_down(self.num_validate_calls):
-            if sampling.is_greedy:  # the gateway commits the greedy path itself: the draft fake must know
-                v = greedy_validation(tree, verified.argmax_token_ids)
-                self.truth += [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
             raise Unavailable("validator", "UNAVAILABLE: connection refused")
         return await super().validate(request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed)
 
@@ -767,10 +783,56 @@ def test_the_next_step_runs_while_the_last_one_is_written_and_only_stored_tokens
     assert seen == plain_decoding(PROMPT, 12) == loop.outcome.token_ids
     assert list(store.sync.load("r1").token_ids) == seen
     # 12 steps' writes, then the final status's; every step but the last has the next step's Decode
-    # start before its write lands
-    writes = [i for i, e in enumerate(events) if e == "write"]
-    assert len(writes) == 13
-    for w in writes[:11]:
-        landed = events.index("stored", w)
-        assert "decode" in events[w:landed], events
+    # start before its write lands (the write itself starts after that Decode: its RPC goes out first)
+    stored = [i for i, e in enumerate(events) if e == "stored"]
+    assert len(stored) == 13 and events.count("decode") == 12
+    for k, landed in enumerate(stored[:11], start=1):
+        assert events[:landed].count("decode") >= k + 1, events
     assert loop.stats.stage_ms["state"] < 12 * 5.0, "the writes were waited for in full"
+
+
+def test_a_greedy_step_is_confirmed_by_the_validator_beside_the_next_step():
+    """Greedy: the loop goes on with the decision the primary's argmaxes give (the validator's own
+    rule) and the next step's Propose goes out before this step's Validate; every speculative step is
+    still validated, and the output is plain decoding's."""
+    backends = FlakyValidator()
+    loop = run_with_validator(
+        make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=60), backends, retry_s=0.0
+    )
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    names = [name for name, _ in backends.calls if name in ("propose", "verify", "validate")]
+    assert backends.num_validate_calls == names.count("verify") == loop.stats.num_steps
+    # propose(1) verify(1) propose(2) validate(1) verify(2) propose(3) validate(2) ...
+    for k in range(1, loop.stats.num_steps):
+        nth_validate = [i for i, n in enumerate(names) if n == "validate"][k - 1]
+        assert names[:nth_validate].count("propose") == k + 1, names[:12]
+    assert loop.stats.num_validator_fallback_steps == 0
+
+
+@dataclasses.dataclass
+class DisagreeingValidator(FlakyValidator):
+    """A validator whose call number `at` answers another path than the argmaxes' (a broken one)."""
+
+    at: int = 3
+
+    async def validate(self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None):
+        v = await super().validate(request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed)
+        return dataclasses.replace(v, bonus_token=WRONG) if self.num_validate_calls == self.at else v
+
+
+def test_a_validator_that_disagrees_fails_the_request_before_the_step_is_stored_or_streamed():
+    backends, store = DisagreeingValidator(at=3), InMemoryStateStore()
+    loop = make_loop(make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=60), backends, store)
+    seen: list[int] = []
+
+    async def consume() -> None:
+        async for out in loop.run():
+            seen.extend(out.token_ids)
+
+    with pytest.raises(Internal, match="validator"):
+        asyncio.run(consume())
+    state = store.load("r1")
+    assert state.status == RequestStatus.FAILED and "validator" in state.error
+    assert list(state.token_ids) == seen == plain_decoding(PROMPT, len(seen)), "steps 1 and 2 only"
+    assert loop.stats.num_steps >= 3 and len(seen) < loop.stats.num_generated_tokens
+    assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]

@@ -32,10 +32,17 @@ def test_a_handle_reads_back_what_inline_bytes_carry(slots, fmt):
     via_handle = pb.logits_from_pb(pb.logits_handle_to_pb(name, enc, "test-instance"), "target_logits")
     inline = pb.logits_from_pb(pb.logits_to_pb(logits, fmt), "target_logits")
     assert torch.equal(via_handle, inline)
-    # The next step of the same request rewrites the same slot (smaller or larger).
+    # The next step of the same request writes the other slot: this step's stays readable meanwhile
+    # (its validation runs beside that verify); the one after rewrites the first (smaller or larger).
     name2, enc2 = slots.write("req", logits[:1], fmt)
-    assert name2 == name
+    assert name2 != name
+    assert torch.equal(pb.logits_from_pb(pb.logits_handle_to_pb(name, enc, "x"), "t"), inline)
     assert pb.logits_from_pb(pb.logits_handle_to_pb(name2, enc2, "x"), "t").shape == (1, 1000)
+    name3, enc3 = slots.write("req", logits[:2], fmt)
+    assert name3 == name
+    assert pb.logits_from_pb(pb.logits_handle_to_pb(name3, enc3, "x"), "t").shape == (2, 1000)
+    slots.release("req")
+    assert not (SHM_DIR / name).exists() and not (SHM_DIR / name2).exists()
 
 
 def test_bad_handles_name_the_field(slots):
