@@ -503,6 +503,17 @@ class RequestLoop:
     async def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
         """The validator's decision; while it cannot be reached, the same greedy rule here from the
         primary's argmaxes, or None (sampling and threshold modes need the validator)."""
+        v = await self._call_validator(tree, verified, allowed, self.stats.num_steps)
+        if v is not None:
+            return v
+        return (
+            greedy_validation(tree, verified.argmax_token_ids)
+            if self.acceptance_mode == AcceptanceMode.GREEDY
+            else None
+        )
+
+    async def _call_validator(self, tree: DraftTree, verified, allowed, step: int) -> Validation | None:
+        """Validate on the validator, or None while it cannot be reached (a fallback step, counted)."""
         if self.validator_state.should_call():
             try:
                 v = await self.backends.validate(
@@ -510,7 +521,7 @@ class RequestLoop:
                     self.acceptance_mode,
                     self.params.sampling,
                     self.params.speculation.acceptance_threshold,
-                    self.stats.num_steps,
+                    step,
                     tree,
                     verified,
                     allowed,
@@ -520,36 +531,16 @@ class RequestLoop:
             except Unavailable as e:
                 self.validator_state.failed(str(e))
         self.stats.num_validator_fallback_steps += 1
-        return (
-            greedy_validation(tree, verified.argmax_token_ids)
-            if self.acceptance_mode == AcceptanceMode.GREEDY
-            else None
-        )
+        return None
 
     async def _confirm(self, tree: DraftTree, verified, allowed, decided: Validation, step: int) -> None:
         """The validator's decision on a greedy step the loop already went on with: the same rule on the
         same argmaxes, so it agrees by construction; it adds the rows' entropies to the stats. A
         disagreement fails the request before the step is stored or streamed. While the validator
         cannot be reached the step stands as decided (what _validate falls back to)."""
-        if not self.validator_state.should_call():
-            self.stats.num_validator_fallback_steps += 1
+        v = await self._call_validator(tree, verified, allowed, step)
+        if v is None:
             return
-        try:
-            v = await self.backends.validate(
-                self.request_id,
-                self.acceptance_mode,
-                self.params.sampling,
-                self.params.speculation.acceptance_threshold,
-                step,
-                tree,
-                verified,
-                allowed,
-            )
-        except Unavailable as e:
-            self.validator_state.failed(str(e))
-            self.stats.num_validator_fallback_steps += 1
-            return
-        self.validator_state.succeeded()
         if (v.accepted_nodes, v.bonus_token) != (decided.accepted_nodes, decided.bonus_token):
             raise Internal(
                 "validator",

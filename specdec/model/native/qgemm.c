@@ -751,10 +751,10 @@ static inline v8 fma8(v8 acc, v8 x, v8 y) {
 #define ATT_KEY_BLOCK 64     /* key rows per block: 16 KB of fp32 keys at D = 64, within L1 */
 #define ATT_MAX_CHUNK 48     /* queries per work item */
 
-/* hsum_v8 of eight vectors at once, each with hsum_v8's own order of additions (same bits):
- * ga[t] = hsum_v8(a_t), gb[t] = hsum_v8(b_t) */
-static inline void hsum_8x(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b3, float *ga, float *gb) {
 #if QGEMM_AVX2
+/* hsum_v8 of eight vectors at once in one register, each with hsum_v8's own order of additions:
+ * lanes (a0 a2 b0 b2 a1 a3 b1 b3) */
+static inline __m256 hsum_8x_vec(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b3) {
     __m256 x[8];
     const v8 in[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
     memcpy(x, in, sizeof x);
@@ -763,8 +763,16 @@ static inline void hsum_8x(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b
     const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(x[2], x[3], 0x20), _mm256_permute2f128_ps(x[2], x[3], 0x31));
     const __m256 t2 = _mm256_add_ps(_mm256_permute2f128_ps(x[4], x[5], 0x20), _mm256_permute2f128_ps(x[4], x[5], 0x31));
     const __m256 t3 = _mm256_add_ps(_mm256_permute2f128_ps(x[6], x[7], 0x20), _mm256_permute2f128_ps(x[6], x[7], 0x31));
-    /* then (e0+e4)+(e1+e5) and (e2+e6)+(e3+e7), then their sum: low half a0 a2 b0 b2, high a1 a3 b1 b3 */
-    const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+    /* then (e0+e4)+(e1+e5) and (e2+e6)+(e3+e7), then their sum */
+    return _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+}
+#endif
+
+/* hsum_v8 of eight vectors at once, each with hsum_v8's own order of additions (same bits):
+ * ga[t] = hsum_v8(a_t), gb[t] = hsum_v8(b_t) */
+static inline void hsum_8x(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v8 b3, float *ga, float *gb) {
+#if QGEMM_AVX2
+    const __m256 r = hsum_8x_vec(a0, a1, a2, a3, b0, b1, b2, b3);
     float f[8];
     _mm256_storeu_ps(f, r);
     ga[0] = f[0]; ga[2] = f[1]; gb[0] = f[2]; gb[2] = f[3];
@@ -799,14 +807,7 @@ static inline void finish_2x4(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v
                               float scale, float *s0, float *s1) {
 #if QGEMM_AVX2
     if (j + 4 <= jn) {                       /* hsum_8x's sums, scaled and stored as two vectors */
-        __m256 x[8];
-        const v8 in[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
-        memcpy(x, in, sizeof x);
-        const __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(x[0], x[1], 0x20), _mm256_permute2f128_ps(x[0], x[1], 0x31));
-        const __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(x[2], x[3], 0x20), _mm256_permute2f128_ps(x[2], x[3], 0x31));
-        const __m256 t2 = _mm256_add_ps(_mm256_permute2f128_ps(x[4], x[5], 0x20), _mm256_permute2f128_ps(x[4], x[5], 0x31));
-        const __m256 t3 = _mm256_add_ps(_mm256_permute2f128_ps(x[6], x[7], 0x20), _mm256_permute2f128_ps(x[6], x[7], 0x31));
-        const __m256 r = _mm256_hadd_ps(_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));  /* a0 a2 b0 b2 a1 a3 b1 b3 */
+        const __m256 r = hsum_8x_vec(a0, a1, a2, a3, b0, b1, b2, b3);  /* a0 a2 b0 b2 a1 a3 b1 b3 */
         const __m256 g = _mm256_mul_ps(_mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
                                        _mm256_set1_ps(scale));
         _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(g));
