@@ -76,8 +76,12 @@ def await_status(stub, request_id: str, is_done, timeout_s: float = 120) -> gate
 
 
 def start_holder(stub, request_id: str):
-    """A long streamed request that holds the one slot: its stream, once its first tokens came."""
-    stream = stub.GenerateStream(request(request_id), timeout=600)
+    """A long streamed request that holds the one slot: its stream, once its first tokens came.
+
+    It may run to the context's end (the prompt repeats itself at hundreds of tokens a second), so
+    it is still running whenever a test ends it with Cancel.
+    """
+    stream = stub.GenerateStream(request(request_id, max_new_tokens=8000), timeout=600)
     assert next(stream).token_ids
     return stream
 

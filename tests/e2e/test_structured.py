@@ -61,18 +61,30 @@ def request(
 
 
 def test_constrained_speculation_equals_constrained_plain_decoding_and_validates(gateway_stub, json_prompts):
+    """Adaptive speculation (whatever the controller picks on this machine) and a fixed plan that always
+    drafts with the grammar give the plain tokens; the fixed plan's grammar drafts are accepted."""
     num_forced_accepted = num_forced_tokens = 0
+    fixed = {
+        "is_adaptive": False,
+        "speculative_degree": 2,
+        "draft_length": 6,
+        "strategies": ["grammar", "prompt_lookup"],
+    }
     for row in json_prompts:
         plain = gateway_stub.Generate(request(row, is_speculative=False), timeout=300)
-        spec = gateway_stub.Generate(request(row, is_speculative=True), timeout=300)
-        assert list(spec.token_ids) == list(plain.token_ids), row["id"]
-        assert spec.text == plain.text
         assert plain.finish_reason == gateway_pb2.FINISH_REASON_EOS, (row["id"], plain.text)
-        jsonschema.validate(json.loads(spec.text), row["schema"])
-        assert spec.stats.task_type == "structured"
-        num_forced_accepted += sum(d.num_accepted for d in spec.stats.decoders if d.name == "grammar")
         assert plain.stats.num_forced_tokens == 0  # speculation off: one Decode a token, the baseline
-        num_forced_tokens += spec.stats.num_forced_tokens
+        adaptive = gateway_stub.Generate(request(row, is_speculative=True), timeout=300)
+        assert adaptive.stats.task_type == "structured"  # the controller's task class (a fixed plan has none)
+        for spec in (
+            adaptive,
+            gateway_stub.Generate(request(row, is_speculative=True, **fixed), timeout=300),
+        ):
+            assert list(spec.token_ids) == list(plain.token_ids), row["id"]
+            assert spec.text == plain.text
+            jsonschema.validate(json.loads(spec.text), row["schema"])
+            num_forced_tokens += spec.stats.num_forced_tokens
+        num_forced_accepted += sum(d.num_accepted for d in spec.stats.decoders if d.name == "grammar")
     assert num_forced_accepted > 0, "the grammar-forced decoder never contributed"
     # e.g. the `_` after `faq` in a key the model spells `f` `a` `q` `_` ...: committed without a draft
     assert num_forced_tokens > 0, "no token the grammar allows alone was committed undrafted"
