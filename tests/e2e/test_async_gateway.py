@@ -67,8 +67,9 @@ def await_metrics(stack: Stack, expected: dict[str, float], timeout_s: float) ->
 
 
 def request(i: int) -> gateway_pb2.GenerateRequest:
+    """Long enough that none of the eight running streams ends before the test cancels them all."""
     return gateway_pb2.GenerateRequest(
-        request_id=f"open-{i}", prompt=f"Count slowly from {i} to one thousand:", max_new_tokens=1000
+        request_id=f"open-{i}", prompt=f"Count slowly from {i} to one thousand:", max_new_tokens=4000
     )
 
 

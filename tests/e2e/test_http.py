@@ -468,11 +468,13 @@ def test_a_gateway_that_cannot_be_reached_is_a_503(fronts: dict[str, str]):
 
 
 def test_a_deadline_is_a_504(fronts: dict[str, str]):
+    """The front's 1 s deadline passes mid-generation. The essay runs to the context's end (4,058
+    tokens here, about 30 s); 400 tokens could be done within the second on a fast CPU."""
     client = openai.OpenAI(base_url=fronts["http-deadline"], api_key="unused", max_retries=0)
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(
             model=MODEL,
-            max_tokens=400,
+            max_tokens=8000,
             temperature=0,
             messages=[{"role": "user", "content": "Write a long essay about bridges."}],
         )
@@ -506,7 +508,8 @@ def test_a_full_admission_queue_is_a_429_with_retry_after(fronts: dict[str, str]
     Retry-After; once the stream is closed the slot is free again."""
     client = _tls_client(fronts, certificate, API_KEY)
     messages = [{"role": "user", "content": "Write a long essay about bridges."}]
-    holder = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=400, temperature=0, stream=True)
+    # Up to the context's end: the holder must still be running when the next request comes.
+    holder = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8000, temperature=0, stream=True)
     try:
         next(iter(holder))  # admitted and generating
         with pytest.raises(openai.RateLimitError) as e:

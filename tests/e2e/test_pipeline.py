@@ -120,14 +120,15 @@ def test_stop_strings_and_cancel(gateway_stub):
     plain = generate(gateway_stub, messages, stop=["7"], is_enabled=False)
     assert list(out.token_ids) == list(plain.token_ids) and out.text == plain.text  # cut at the same token
 
-    req = gateway_pb2.GenerateRequest(request_id="to-cancel", max_new_tokens=200)
+    # Up to the context's end, so the request is still running when Cancel comes on any CPU.
+    req = gateway_pb2.GenerateRequest(request_id="to-cancel", max_new_tokens=4000)
     req.chat.messages.add(role="user", content="Write a long story about a lighthouse keeper.")
     stream = gateway_stub.GenerateStream(req, timeout=300)
     next(stream)
     assert gateway_stub.Cancel(gateway_pb2.CancelRequest(request_id="to-cancel")).was_active
     rest = list(stream)
     assert rest[-1].finish_reason == gateway_pb2.FINISH_REASON_CANCELLED
-    assert rest[-1].stats.num_generated_tokens < 200
+    assert rest[-1].stats.num_generated_tokens < 4000
 
 
 def test_killed_primary_is_recovered_with_the_same_text(gateway_stub, stack):
