@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api_key",
         metavar="KEY",
         default=os.environ.get("SPECDEC_API_KEY"),
-        help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY)",
+        help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY;"
+        " a key that starts with '-' goes as --api_key=KEY)",
     )
     return p
 

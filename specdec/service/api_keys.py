@@ -5,7 +5,7 @@ The keys file holds one tenant per line, the key itself never, only its SHA-256:
     # tenant  sha256 of the key (hex)
     alice     2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
 
-A key is 256 random bits (new_key), so a plain hash is enough: nothing to guess from it, and
+A key is 256 random bits behind a fixed prefix (new_key), so a plain hash is enough: nothing to guess from it, and
 a stolen file grants nothing. `python -m specdec.service.api_keys add NAME FILE` appends a new
 tenant and prints its key once. A request belongs to the tenant whose key created it; the
 gateway scopes request ids by tenant, so another tenant's GetRequest/Cancel finds nothing
@@ -28,12 +28,16 @@ from specdec.service.server import is_loopback
 AUTHORIZATION = "authorization"
 BEARER = "Bearer "
 KEY_BYTES = 32
+KEY_PREFIX = "specdec-"
 _TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
 def new_key() -> str:
-    return secrets.token_urlsafe(KEY_BYTES)
+    """KEY_PREFIX and 256 random bits, URL-safe base64. The prefix keeps a key from starting with
+    '-' (one in 64 bare keys did: `inference.py --api_key KEY` then read it as an option) and lets
+    secret scanners recognise one; only the hash is stored, so earlier keys stay valid."""
+    return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
 
 
 def key_hash(key: str) -> str:

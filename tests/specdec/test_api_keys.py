@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.service.api_keys import ApiKeys, key_hash, main
+from specdec.service.api_keys import KEY_PREFIX, ApiKeys, key_hash, main, new_key
 from gateway.config import parse_config
 from specdec.service.server import is_loopback
 from specdec.errors import Unauthenticated
@@ -28,6 +28,15 @@ def test_add_appends_a_hash_and_prints_the_key_once(tmp_path: Path, capsys: pyte
     assert keys.tenant([("authorization", f"Bearer {alice}")]) == "alice"
     assert keys.tenant([("user-agent", "x"), ("authorization", f"Bearer {bob}".encode())]) == "bob"
     assert main(["add", "no spaces", str(path)]) == 2
+
+
+def test_a_new_key_never_reads_as_a_command_line_option() -> None:
+    """Bare URL-safe base64 starts with '-' one time in 64, and argparse then takes
+    `--api_key KEY` for two options (the CLI's usage error, seen once in CI)."""
+    keys = {new_key() for _ in range(2000)}
+    assert len(keys) == 2000
+    for key in keys:
+        assert key.startswith(KEY_PREFIX) and len(key) == len(KEY_PREFIX) + 43 and " " not in key
 
 
 @pytest.mark.parametrize(
