@@ -280,13 +280,30 @@ def test_every_instruction_path_gives_the_same_bits(path, flags):
     q, d, m = quant.quantize_q4_1(torch.randn(96, 160, generator=g))
     t = quant.quantize_int8("w", torch.randn(96, 160, generator=g))
     w, scale = t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE]
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 6, 8, 11):
         x = torch.randn(rows, 160, generator=g)
         here, there = (
             (native.QuantLinear.from_q4_1(lib, q, d, m), native.QuantLinear.from_int8(lib, w, scale))
             for lib in (native.library(), other)
         )
         assert all(torch.equal(a(x), b(x)) for a, b in zip(here, there)), (path, rows)
+
+
+@pytest.mark.parametrize("path, flags", [p for p in _PATHS if p[0] != "portable"], ids=lambda p: str(p))
+def test_4bit_blocks_at_their_extremes_sum_exactly_on_every_vector_path(path, flags):
+    """Without VNNI a 4-bit block's products add up in 16-bit lanes: all weights 15 against
+    activations that all quantize to +127 (or -127) is the largest sum a lane can reach (30480), and
+    must come out as the portable build's 32-bit sums; every row count a tile splits into (4, 2, 1)."""
+    other, portable = native.variant(flags), native.variant(_PATHS[0][1])
+    q = torch.full((48, 96), 15, dtype=torch.uint8)
+    q[1::2] = 14  # odd columns one below, so a lane's halves differ
+    d = torch.full((48, 3), 0.01, dtype=torch.float16)
+    m = torch.full((48, 3), -0.02, dtype=torch.float16)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 9):
+        x = torch.ones(rows, 96)
+        x[1::2] = -1.0
+        here, there = (native.QuantLinear.from_q4_1(lib, q, d, m)(x) for lib in (other, portable))
+        assert torch.equal(here, there), (path, rows)
 
 
 @pytest.mark.parametrize("path, flags", [p for p in _PATHS if p[0] != "portable"], ids=lambda p: str(p))
