@@ -145,8 +145,8 @@ void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float
  * stored w + 128 (vpdpbusd's unsigned operand) by x and starts each block's sum at -128 * sum(x),
  * which takes the 128 * sum(x) back out exactly; the AVX2 path multiplies |w| by x with w's sign
  * (maddubs pairs stay below 2 * 127 * 127, no saturation).
- * Registers hold a tile of R rows x C vectors of columns; a thread takes a unit of columns (UNIT
- * groups of 16) and walks all rows through it, so the unit's weights stay in L1/L2.
+ * Registers hold a tile of R rows x C vectors of columns; a thread takes a unit of columns (groups
+ * of 16, unit_groups) and walks all rows through it, so the unit's weights stay in L1/L2.
  */
 #define NV 16
 #if QGEMM_AVX512
@@ -314,7 +314,7 @@ ALWAYS_INLINE void store8(float *out, __m256 v, int cols) {
     for (int i = 0; i < cols; ++i) out[i] = tmp[i];
 }
 
-/* C is the number of 16-column groups (1 here: UNIT) */
+/* C is the number of 16-column groups (1 here: product_unit walks a unit group by group) */
 ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
                            float *out, int64_t N) {
     (void)C;
@@ -483,6 +483,13 @@ static void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, con
     } while (0)
 
 static void product_unit(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
+#if QGEMM_AVX2 && !QGEMM_AVX512
+    for (const int64_t end = v0 + C; v0 < end; ++v0) {  /* the AVX2 tiles hold one group: one after another */
+        if (w->kind == QW_Q4) TILES(q4_tile, 1, Q4_TILE_ROWS);
+        else TILES(q8_tile, 1, TILE_ROWS);
+    }
+    return;
+#endif
     if (w->kind == QW_Q4) {
         switch (C) {
             case 1: TILES(q4_tile, 1, Q4_TILE_ROWS); break;
@@ -504,23 +511,43 @@ static void product_unit(const qweight *w, const qact *a, int64_t T, int64_t v0,
     }
 }
 
-static inline int64_t units_of(const qweight *w) { return ((w->n + NV - 1) / NV + UNIT - 1) / UNIT; }
+static inline int64_t groups_of(const qweight *w) { return (w->n + NV - 1) / NV; }
+
+/* Groups of 16 columns a thread takes at a time. The AVX-512 and portable tiles hold UNIT groups at
+ * once. The AVX2 tiles hold one, so there a unit is a run of consecutive groups, whose weights are
+ * contiguous: long runs let the hardware prefetcher stream them (a product of one row is bound by
+ * memory bandwidth), and about four runs per thread still balance the threads. Measured on a Zen 3
+ * EPYC (AVX2 only, 2 threads, 40 MB of 4-bit layer weights, one row): 5.74 ms a pass with one group
+ * a unit, 4.67 ms with four; two rows 7.24 -> 5.22 ms; 32 rows unchanged. Which thread computes a
+ * group never changes its bits. */
+#define MAX_RUN 8
+static int64_t unit_groups(int64_t num_groups, int num_threads) {
+#if QGEMM_AVX2 && !QGEMM_AVX512
+    const int64_t run = num_groups / (4 * (int64_t)(num_threads > 1 ? num_threads : 1));
+    return run < 1 ? 1 : run > MAX_RUN ? MAX_RUN : run;
+#else
+    (void)num_groups, (void)num_threads;
+    return UNIT;
+#endif
+}
 
 /* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in ONE
  * parallel loop over all their units of columns (one fork/join instead of `count`); every element
  * is computed as by the single product. */
 static void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
                          int num_threads) {
-    int64_t total = 0;
-    for (int i = 0; i < count; ++i) total += units_of(ws[i]);
+    int64_t num_groups = 0, total = 0;
+    for (int i = 0; i < count; ++i) num_groups += groups_of(ws[i]);
+    const int64_t unit = unit_groups(num_groups, num_threads);
+    for (int i = 0; i < count; ++i) total += (groups_of(ws[i]) + unit - 1) / unit;
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t u = 0; u < total; ++u) {
         int i = 0;
         int64_t k = u;
-        while (k >= units_of(ws[i])) k -= units_of(ws[i++]);
+        while (k >= (groups_of(ws[i]) + unit - 1) / unit) k -= (groups_of(ws[i++]) + unit - 1) / unit;
         const qweight *w = ws[i];
-        const int64_t nv = (w->n + NV - 1) / NV, v0 = k * UNIT;
-        product_unit(w, a, T, v0, (int)(nv - v0 < UNIT ? nv - v0 : UNIT), outs[i]);
+        const int64_t nv = groups_of(w), v0 = k * unit;
+        product_unit(w, a, T, v0, (int)(nv - v0 < unit ? nv - v0 : unit), outs[i]);
     }
     for (int i = 0; i < count; ++i)
         if (ws[i]->bias)
