@@ -3,6 +3,9 @@ quantization, batch invariance, the fused layer against the layer's own code, an
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -262,6 +265,16 @@ def _cpu_has(flag: str) -> bool:
     return flag in native._cpu_flags().split()
 
 
+@contextlib.contextmanager
+def _num_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 # each instruction path this CPU can run, built from the same source beside the default build
 _PATHS = [("portable", ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f", "-mno-avxvnni"))]
 if _cpu_has("avx2"):
@@ -287,6 +300,18 @@ def test_every_instruction_path_gives_the_same_bits(path, flags):
             for lib in (native.library(), other)
         )
         assert all(torch.equal(a(x), b(x)) for a, b in zip(here, there)), (path, rows)
+    # 63 groups of 16 columns: the AVX2 build walks them in runs of several, the last run shorter
+    q, d, m = quant.quantize_q4_1(torch.randn(1008, 64, generator=g))
+    t = quant.quantize_int8("w", torch.randn(1008, 64, generator=g))
+    w, scale = t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE]
+    for threads in (1, 2, 3):
+        with _num_threads(threads):
+            x = torch.randn(5, 64, generator=g)
+            here, there = (
+                (native.QuantLinear.from_q4_1(lib, q, d, m), native.QuantLinear.from_int8(lib, w, scale))
+                for lib in (native.library(), other)
+            )
+            assert all(torch.equal(a(x), b(x)) for a, b in zip(here, there)), (path, threads)
 
 
 @pytest.mark.parametrize("path, flags", [p for p in _PATHS if p[0] != "portable"], ids=lambda p: str(p))
