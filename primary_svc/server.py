@@ -27,6 +27,10 @@ from specdec.sampling import logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
 
+# The most tokens one Decode may ask for (DecodeRequest.max_tokens): a call holds its caller at most
+# this many engine steps, so a cancel or deadline is seen within them.
+MAX_DECODE_TOKENS = 64
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelIdentity:
@@ -166,13 +170,42 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.step))[0])
 
+        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None)
+        tokens: list[int] = []
+
         def finish(logits: torch.Tensor) -> tuple[int, int]:  # on the engine thread
-            return next_token(logits), self.worker.step_rows
+            tokens.append(next_token(logits))
+            return tokens[-1], self.worker.step_rows
+
+        def repeat(result: tuple[int, int]) -> tuple[int] | None:  # on the engine thread, after finish
+            return None if len(tokens) >= max_tokens or result[0] in stop else (result[0],)
 
         (token, step_rows), forward_ms = self.worker.verify(
-            request_id, list(request.accepted_nodes), list(request.committed_token_ids), (), (), finish
+            request_id,
+            list(request.accepted_nodes),
+            list(request.committed_token_ids),
+            (),
+            (),
+            finish,
+            repeat=repeat if max_tokens > 1 else None,
         )
-        return primary_pb2.DecodeResponse(token_id=token, forward_ms=forward_ms, num_step_rows=step_rows)
+        return primary_pb2.DecodeResponse(
+            token_id=token, forward_ms=forward_ms, num_step_rows=step_rows, token_ids=tokens
+        )
+
+    def _decode_run(self, request, is_greedy_unmasked: bool) -> tuple[int, frozenset[int]]:
+        """A Decode's max_tokens (at least 1) and stop token ids, checked."""
+        max_tokens = max(1, request.max_tokens)
+        if max_tokens > MAX_DECODE_TOKENS:
+            raise InvalidArgument("max_tokens", f"must be at most {MAX_DECODE_TOKENS}, got {request.max_tokens}")
+        if max_tokens > 1 and not is_greedy_unmasked:
+            raise InvalidArgument(
+                "max_tokens", "more than one token a call needs greedy sampling and no allowed_tokens"
+            )
+        stop = frozenset(request.stop_token_ids)
+        if any(not 0 <= t < self.vocab_size for t in stop):
+            raise InvalidArgument("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
+        return max_tokens, stop
 
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)

@@ -89,6 +89,10 @@ class _VerifyItem:
     num_lookahead: int  # the tree's last nodes that are lookahead rows (VerifyWork.num_lookahead)
     finish: Callable[[torch.Tensor], Any]
     future: Future
+    # After each step, repeat(finish's result) -> the tokens to commit before one more plain step of
+    # this request, or None: its result goes back (a run of plain steps in one call, EngineWorker.verify)
+    repeat: Callable[[Any], Sequence[int] | None] | None = None
+    forward_ms: float = 0.0  # the forwards of the steps so far
 
     def work(self) -> VerifyWork:
         return VerifyWork(self.request_id, self.tree_token_ids, self.tree_parents, self.num_lookahead)
@@ -257,11 +261,17 @@ class EngineWorker:
         tree_parents: Sequence[int],
         finish: Callable[[torch.Tensor], Any] = lambda logits: logits,
         num_lookahead: int = 0,
+        repeat: Callable[[Any], Sequence[int] | None] | None = None,
     ) -> tuple[Any, float]:
         """Commit the previous step, verify the tree (its last `num_lookahead` nodes lookahead rows);
         returns (finish(logits [N+1+L, V], the L lookahead rows last), forward ms).
 
-        `finish` runs on the engine thread; an exception it raises fails this item alone."""
+        `finish` runs on the engine thread; an exception it raises fails this item alone. With
+        `repeat` (an empty tree: plain decoding), the request stays in the queue for more steps: after
+        each, repeat(finish's result) gives the tokens to commit before the next (its decoded token),
+        or None to return that result; a step that would not fit the context is not taken. The
+        returned forward ms are every step's. One call then decodes several tokens, each in an engine
+        step beside the other requests', without a round trip between them."""
         future: Future = Future()
         self._inbox.put(
             _VerifyItem(
@@ -273,6 +283,7 @@ class EngineWorker:
                 num_lookahead,
                 finish,
                 future,
+                repeat,
             )
         )
         return future.result()
@@ -560,16 +571,29 @@ class EngineWorker:
                         w.prefill.future.set_exception(e)
                 if w.verify is not None:
                     self._verifies.appendleft(w.verify)
+        repeated = set()  # requests that stay for one more step of their call: not out, not timed back
         for item, logits in zip(verify_items, results):
             try:
-                item.future.set_result((item.finish(logits), forward_ms))
+                result = item.finish(logits)
+                item.forward_ms += forward_ms
+                again = None if item.repeat is None else item.repeat(result)
+                if again is not None and self._fits(engine, item.request_id, len(again)):
+                    repeated.add(item.request_id)
+                    self._intake_verify(dataclasses.replace(item, accepted_nodes=(), committed_token_ids=again))
+                else:
+                    item.future.set_result((result, item.forward_ms))
             except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
                 item.future.set_exception(e)
         if self.batch_wait_s > 0:
             now = time.monotonic()
-            self._returning.update((item.request_id, now) for item in verify_items)
+            self._returning.update((item.request_id, now) for item in verify_items if item.request_id not in repeated)
             if len(self._return_gap) > 4 * self.max_batch:  # forget requests that are gone
                 self._return_gap = {r: g for r, g in self._return_gap.items() if engine.has_request(r)}
+
+    @staticmethod
+    def _fits(engine: Engine, request_id: str, num_new_tokens: int) -> bool:
+        """Whether the request's context has room for num_new_tokens more (a repeated plain step)."""
+        return engine.has_request(request_id) and engine.num_tokens(request_id) + num_new_tokens <= engine.max_context
 
     def _held_for_shared_prefix(self, engine: Engine) -> set[str]:
         """New prompts that would compute prefix-cache blocks a prompt ahead of them is computing now:

@@ -154,6 +154,10 @@ class Engine:
     def token_ids(self, request_id: str) -> list[int]:
         return list(self._get(request_id).token_ids)
 
+    def num_tokens(self, request_id: str) -> int:
+        """The request's committed tokens, its prompt included."""
+        return len(self._get(request_id).token_ids)
+
     def num_cached(self, request_id: str) -> int:
         kv = self._get(request_id).kv
         return 0 if kv is None else kv.num_cached

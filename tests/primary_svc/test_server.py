@@ -149,6 +149,23 @@ def test_prefill_verify_commit_decode_release(primary):
             "logits_format",
         ),
         (
+            primary_pb2.DecodeRequest(request_id="r", max_tokens=65),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "max_tokens",
+        ),
+        (
+            primary_pb2.DecodeRequest(
+                request_id="r", max_tokens=2, sampling=common_pb2.SamplingParams(temperature=0.8, seed=1)
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "max_tokens",
+        ),
+        (
+            primary_pb2.DecodeRequest(request_id="r", max_tokens=4, stop_token_ids=[-1]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stop_token_ids",
+        ),
+        (
             primary_pb2.PrefillRequest(request_id="big", token_ids=[1] * 600),
             grpc.StatusCode.INVALID_ARGUMENT,
             "token_ids",
@@ -163,7 +180,11 @@ def test_prefill_verify_commit_decode_release(primary):
 def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, field):
     stub, engine, *_ = primary
     lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT)).kv_lease
-    method = stub.Prefill if isinstance(request_, primary_pb2.PrefillRequest) else stub.Verify
+    method = {
+        primary_pb2.PrefillRequest: stub.Prefill,
+        primary_pb2.VerifyRequest: stub.Verify,
+        primary_pb2.DecodeRequest: stub.Decode,
+    }[type(request_)]
     if request_.request_id == "r":  # the caller that holds the lease, with a bad field
         request_ = type(request_).FromString(request_.SerializeToString())
         request_.kv_lease = lease
@@ -171,6 +192,47 @@ def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, fie
         method(request_)
     assert e.value.code() == code and field in e.value.details()
     stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="r", kv_lease=lease))
+    assert engine.kv_bytes == 0
+
+
+def test_a_decode_of_several_tokens_is_as_many_one_token_decodes(primary):
+    """max_tokens: the primary steps the request itself, committing each token but the last; the
+    tokens are those of one-token calls, a stop token ends the run, and so does the context's end."""
+    stub, engine, *_ = primary
+
+    def prefill(rid: str) -> str:
+        return stub.Prefill(primary_pb2.PrefillRequest(request_id=rid, token_ids=PROMPT)).kv_lease
+
+    def decode(rid: str, lease: str, pending: list[int], max_tokens: int = 0, stop=()) -> primary_pb2.DecodeResponse:
+        return stub.Decode(
+            primary_pb2.DecodeRequest(
+                request_id=rid, committed_token_ids=pending, kv_lease=lease, max_tokens=max_tokens, stop_token_ids=stop
+            )
+        )
+
+    leases = {rid: prefill(rid) for rid in ("one", "run", "stop")}
+    single, pending = [], []
+    for _ in range(9):
+        d = decode("one", leases["one"], pending)
+        assert list(d.token_ids) == [d.token_id]
+        single.append(d.token_id)
+        pending = [d.token_id]
+    run = decode("run", leases["run"], [], max_tokens=6)
+    assert list(run.token_ids) == single[:6] and run.token_id == single[5]
+    assert engine.token_ids("run") == PROMPT + single[:5]  # the last one is pending, as after one step
+    assert run.forward_ms > 0 and run.num_step_rows == 1
+    more = decode("run", leases["run"], [run.token_id], max_tokens=3)
+    assert list(more.token_ids) == single[6:9]
+    stop_at = single.index(single[3])  # the run ends at the first occurrence of a stop token
+    stopped = decode("stop", leases["stop"], [], max_tokens=8, stop=[single[3]])
+    assert list(stopped.token_ids) == single[: stop_at + 1]
+    for rid, lease in leases.items():
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=rid, kv_lease=lease))
+    # at the context's end (512) the run stops with the last token pending, as a one-token call would
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="end", token_ids=[5] * 508)).kv_lease
+    end = decode("end", lease, [], max_tokens=10)
+    assert len(end.token_ids) == 5 and engine.num_tokens("end") == 512
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="end", kv_lease=lease))
     assert engine.kv_bytes == 0
 
 
