@@ -103,9 +103,10 @@ class Verified:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decoded:
-    token_id: int
+    token_id: int  # the last token decoded: pending, as after one step
     forward_ms: float
     other_step_rows: int = 0  # as Verified.other_step_rows
+    token_ids: tuple[int, ...] = ()  # every token of the call, in order (DecodeRequest.max_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -256,7 +257,12 @@ class Backends:
         sampling: SamplingParams,
         step: int,
         allowed: TokenBitmask | None = None,
+        *,
+        max_tokens: int = 1,
+        stop_token_ids: Sequence[int] = (),
     ) -> Decoded:
+        """`max_tokens` > 1 (greedy, no `allowed`): a run of plain steps in one call, ending early after
+        a token of `stop_token_ids`; the primary commits every token of it but the last."""
         r = await self._call(
             "primary",
             self.primary.Decode,
@@ -268,10 +274,12 @@ class Backends:
                 step=step,
                 allowed_tokens=_mask(allowed),
                 kv_lease=self._kv_leases.get(request_id, ""),
+                max_tokens=max_tokens,
+                stop_token_ids=stop_token_ids,
             ),
         )
         self.other_step_rows = max(0, r.num_step_rows - 1)
-        return Decoded(r.token_id, r.forward_ms, self.other_step_rows)
+        return Decoded(r.token_id, r.forward_ms, self.other_step_rows, tuple(r.token_ids))
 
     async def release_primary(self, request_id: str) -> None:
         release = primary_pb2.PrimaryServiceReleaseRequest(

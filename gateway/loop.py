@@ -69,6 +69,15 @@ DEFAULT_MAX_STATE_RETRY_S = 10.0
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
+# A plain step of a greedy request without a grammar asks the primary for a run of tokens in one
+# Decode (DecodeRequest.max_tokens): the primary steps the request itself, in every engine step
+# beside the other requests', and the round trip between two tokens (a gRPC call each way, the
+# gateway's own step work) is paid once a run. With speculation off a run is DECODE_RUN_MAX tokens;
+# with it on, the controller plans again after each run, so a run grows by one token for every
+# DECODE_RUN_AFTER tokens decoded plainly in a row (a speculative step starts it over): text the
+# drafts keep missing decodes in runs, and a draft that starts to match is tried within a few tokens.
+DECODE_RUN_MAX = 8
+DECODE_RUN_AFTER = 4
 
 
 async def _nothing() -> None:
@@ -217,6 +226,7 @@ class RequestLoop:
         validator_state: DependencyState | None = None,
         draft_state: DependencyState | None = None,
         max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
+        decode_run_max: int = DECODE_RUN_MAX,
     ) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
@@ -238,6 +248,8 @@ class RequestLoop:
         self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
         self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
+        self.num_plain_in_row = 0  # tokens decoded without speculation since the last speculative step
+        self.decode_run_max = decode_run_max
         self.is_refused = False  # the store refused a step: the output ends before it
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         # Shared by the gateway's requests: whether the validator and the draft service answer.
@@ -336,10 +348,14 @@ class RequestLoop:
                 plan, new_tokens, outcomes = await step
                 step = None
                 num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
+                # a plain run of tokens counts as that many plain steps (the controller's and the stats')
+                num_steps = 1 if plan.is_speculative else max(1, num_chosen)
+                self.num_plain_in_row = 0 if plan.is_speculative else self.num_plain_in_row + num_steps
                 new_tokens += self._forced_after(new_tokens)
-                self._observe(plan, outcomes)
+                for _ in range(num_steps):
+                    self._observe(plan, outcomes)
                 kept, finish = self._truncate(new_tokens)
-                self.stats.num_steps += 1
+                self.stats.num_steps += num_steps
                 self.stats.num_generated_tokens += len(kept)
                 pending = self._commit(kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen))
                 if pending.is_stopped:
@@ -553,6 +569,7 @@ class RequestLoop:
     async def _plain_step(self) -> list[int]:
         t = time.perf_counter()
         allowed = None if self.grammar is None else self.grammar.allowed_mask()  # 1 row
+        max_tokens = self._decode_run_length()
         decoded = await self._with_primary(
             lambda: self.backends.decode(
                 self.request_id,
@@ -561,14 +578,29 @@ class RequestLoop:
                 self.params.sampling,
                 self.stats.num_steps,
                 allowed,
+                max_tokens=max_tokens,
+                stop_token_ids=sorted(self.eos) if max_tokens > 1 else (),
             )
         )
-        token = decoded.token_id
+        tokens = list(decoded.token_ids) or [decoded.token_id]
         self.stats.forward_ms += decoded.forward_ms
         self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
-        self.pending_accepted, self.pending_committed = (), [token]
-        return [token]
+        self.pending_accepted, self.pending_committed = (), [tokens[-1]]  # the primary committed the others
+        return tokens
+
+    def _decode_run_length(self) -> int:
+        """How many tokens this plain step asks the primary for (DECODE_RUN_MAX, at most
+        decode_run_max): one unless the request is greedy without a grammar; never past
+        max_new_tokens or the context."""
+        if self.grammar is not None or not self.params.sampling.is_greedy:
+            return 1
+        room = min(
+            self.params.max_new_tokens - len(self.generated),
+            self.model.max_context - 1 - len(self.prompt_ids) - len(self.generated),
+        )
+        run = 1 + self.num_plain_in_row // DECODE_RUN_AFTER if self.params.speculation.is_enabled else DECODE_RUN_MAX
+        return max(1, min(run, self.decode_run_max, room))
 
     def _forced_after(self, new_tokens: list[int]) -> list[int]:
         """The tokens the grammar allows alone after this step's (GrammarState.forced_token_ids): any

@@ -21,7 +21,16 @@ import pytest
 from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState
-from gateway.loop import RequestLoop, StepOutput, bounded_config, cycled_strategies, fixed_plan, greedy_validation
+from gateway.loop import (
+    DECODE_RUN_AFTER,
+    DECODE_RUN_MAX,
+    RequestLoop,
+    StepOutput,
+    bounded_config,
+    cycled_strategies,
+    fixed_plan,
+    greedy_validation,
+)
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
@@ -143,15 +152,41 @@ class FakeBackends:
         lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
         return Verified(None, tuple(rows), 0.0, lookahead, self.other_rows)
 
-    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
+    async def decode(
+        self,
+        request_id,
+        accepted_nodes,
+        committed_token_ids,
+        sampling,
+        step,
+        allowed=None,
+        *,
+        max_tokens=1,
+        stop_token_ids=(),
+    ) -> Decoded:
         assert allowed is None, "no grammar in these requests"
-        self.calls.append(("decode", {"accepted_nodes": tuple(accepted_nodes), "committed": list(committed_token_ids)}))
+        self.calls.append(
+            (
+                "decode",
+                {
+                    "accepted_nodes": tuple(accepted_nodes),
+                    "committed": list(committed_token_ids),
+                    "max_tokens": max_tokens,
+                },
+            )
+        )
         self._settle()
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
-        token = primary_next(self.primary_context)
-        self.truth.append(token)
-        return Decoded(token, 0.0, self.other_rows)
+        tokens: list[int] = []
+        while True:  # a run: the primary commits every token but the last
+            tokens.append(primary_next(self.primary_context))
+            self.truth.append(tokens[-1])
+            if len(tokens) >= max(1, max_tokens) or tokens[-1] in stop_token_ids:
+                break
+            self.primary_context.append(tokens[-1])
+        self.calls[-1][1]["num_tokens"] = len(tokens)
+        return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
 
     async def validate(
         self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
@@ -243,6 +278,10 @@ class FakeBackends:
 
     def steps(self) -> list[str]:
         return [name for name, _ in self.calls if name in ("verify", "decode")]
+
+    def num_steps(self) -> int:
+        """Engine steps of this request: one a verify, one a token of a decode (a run is several)."""
+        return sum(call.get("num_tokens", 1) for name, call in self.calls if name in ("verify", "decode"))
 
 
 def merge(candidates: list[list[int]], strategies: tuple[str, ...], max_nodes: int) -> DraftTree:
@@ -382,7 +421,7 @@ def test_greedy_output_equals_plain_decoding(is_enabled, is_adaptive):
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
     assert loop.outcome.finish_reason == "length"
     assert loop.outcome.text == "".join(f"<{t}>" for t in plain_decoding(PROMPT, 60))
-    assert sum(loop.stats.num_steps_by_draft_length) == loop.stats.num_steps == len(backends.steps())
+    assert sum(loop.stats.num_steps_by_draft_length) == loop.stats.num_steps == backends.num_steps()
     # Committing (detokenizing, stop strings) and the store's writes are booked apart, both measured.
     times = loop.stats.to_pb().stage_times
     assert times.commit_ms == loop.stats.stage_ms["commit"] > 0 and times.state_ms > 0
@@ -704,6 +743,51 @@ class RefusingStore(InMemoryStateStore):
         return super().append_step(request_id, token_ids, **kwargs)
 
 
+def test_plain_steps_decode_runs_of_tokens_in_one_call():
+    """Greedy without a grammar, a plain step asks the primary for a run (DecodeRequest.max_tokens):
+    DECODE_RUN_MAX tokens with speculation off, never past max_new_tokens; the output is plain
+    decoding's and every token counts as a step."""
+    backends = FakeBackends()
+    loop = run(make_params(is_enabled=False, max_new_tokens=60), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60) and loop.outcome.finish_reason == "length"
+    decodes = [call for name, call in backends.calls if name == "decode"]
+    assert [c["max_tokens"] for c in decodes] == [DECODE_RUN_MAX] * 7 + [4]
+    assert loop.stats.num_steps == 60 == sum(loop.stats.num_steps_by_draft_length)
+    # each call commits the previous run's last token, the one the primary left pending
+    truth = plain_decoding(PROMPT, 60)
+    assert [c["committed"] for c in decodes[1:]] == [[truth[8 * k - 1]] for k in range(1, 8)]
+
+
+def test_a_run_ends_at_an_end_of_sequence_token():
+    truth = plain_decoding(PROMPT, 60)
+    model = dataclasses.replace(MODEL, eos_token_ids=(truth[10],))
+    backends = FakeBackends()
+    loop = run(make_params(is_enabled=False, max_new_tokens=60), backends, model=model)
+    assert loop.outcome.token_ids == truth[: truth.index(truth[10])] and loop.outcome.finish_reason == "eos"
+    decodes = [call for name, call in backends.calls if name == "decode"]
+    assert decodes[-1]["num_tokens"] < DECODE_RUN_MAX  # the primary stopped the run at it
+
+
+def test_with_speculation_a_run_grows_with_plain_tokens_and_starts_over_after_a_draft():
+    """The controller plans again after every run: a run is one token longer per DECODE_RUN_AFTER
+    tokens decoded plainly in a row, and one token again after a speculative step."""
+    backends = FakeBackends(is_lookup_right=lambda n: 30 <= n < 45)
+    loop = run(make_params(is_enabled=True, is_adaptive=True, degree=2, draft_length=6, max_new_tokens=120), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 120)
+    steps = [(name, call) for name, call in backends.calls if name in ("verify", "decode")]
+    plain_in_row, runs = 0, []
+    for name, call in steps[:-1]:  # the last call may be cut short by max_new_tokens
+        if name == "verify":
+            plain_in_row = 0
+            continue
+        assert call["max_tokens"] == min(1 + plain_in_row // DECODE_RUN_AFTER, DECODE_RUN_MAX)
+        runs.append(call["max_tokens"])
+        plain_in_row += call["num_tokens"]
+    assert max(runs) > 1 and runs[0] == 1
+    assert any(name == "verify" for name, _ in steps), "the drafts were never tried: nothing started over"
+    assert loop.stats.num_steps == backends.num_steps()
+
+
 def test_a_step_the_store_refuses_never_reaches_the_output():
     """The write of step 5 is refused (cancelled elsewhere): the request ends CANCELLED with exactly
     the stored tokens, in its outcome's token ids and text alike, and its resources are released."""
@@ -715,7 +799,10 @@ def test_a_step_the_store_refuses_never_reaches_the_output():
 
     outputs = asyncio.run(collect())
     stored = store.load("r1")
-    assert stored.status == RequestStatus.CANCELLED and len(stored.token_ids) == 4
+    decodes = [call for name, call in backends.calls if name == "decode"]
+    assert stored.status == RequestStatus.CANCELLED and len(stored.token_ids) == sum(
+        c["num_tokens"] for c in decodes[:4]
+    )
     assert loop.outcome.finish_reason == "cancelled" and loop.outcome.token_ids == list(stored.token_ids)
     assert [t for out in outputs for t in out.token_ids] == list(stored.token_ids)
     assert loop.outcome.text == "".join(f"<{t}>" for t in stored.token_ids)
@@ -771,6 +858,7 @@ def test_the_next_step_runs_while_the_last_one_is_written_and_only_stored_tokens
         max_tree_nodes=64,
         cancel=threading.Event(),
         owner="test",
+        decode_run_max=1,  # a token a step: 12 steps, 12 writes
     )
     seen: list[int] = []
 

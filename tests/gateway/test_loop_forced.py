@@ -86,7 +86,7 @@ class TargetBackends:
         assert allowed.is_allowed(list(range(len(rows))), rows).all(), "a row's token is off the grammar"
         return Verified(None, tuple(rows), 0.0)
 
-    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None):
+    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None, **_):
         self._commit(committed_token_ids)
         assert allowed.is_allowed([0], [self._next()]).all()
         return Decoded(self._next(), 0.0)

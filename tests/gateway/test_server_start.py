@@ -132,7 +132,9 @@ class SlowPrimary:
     async def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
         return Prefilled(0.0, 0)
 
-    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None) -> Decoded:
+    async def decode(
+        self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None, **_
+    ) -> Decoded:
         self.num_decodes += 1
         await asyncio.sleep(0.02)
         return Decoded(7, 20.0)
