@@ -326,29 +326,18 @@ ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t 
     for (int64_t g = 0; g < G; ++g) {
         __m256i iacc[Q4_TILE_ROWS][2];
         for (int r = 0; r < R; ++r) for (int h = 0; h < 2; ++h) iacc[r][h] = _mm256_setzero_si256();
-#if QGEMM_DP8_VNNI
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            __m256i lo[2], hi[2];
-            for (int h = 0; h < 2; ++h) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + (v0 * G + g) * 256 + j * 64 + h * 32));
-                lo[h] = _mm256_and_si256(v, low);
-                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            }
-            for (int r = 0; r < R; ++r) {
-                const int8_t *x = a->xq + (t0 + r) * K + g * QK + 4 * j;
-                const __m256i xl = _mm256_set1_epi32(ld4(x)), xh = _mm256_set1_epi32(ld4(x + 16));
-                for (int h = 0; h < 2; ++h) iacc[r][h] = dp8(dp8(iacc[r][h], lo[h], xl), hi[h], xh);
-            }
-        }
-#else
         /* Without VNNI a dot product is maddubs + madd + add. A 4-bit weight times an activation
          * (|x| <= 127) pairs to at most 2 * 15 * 127 = 3810, and a block adds 8 such pairs per
          * 16-bit slot (4 steps, low and high nibbles): <= 30480, inside int16. So the block's pairs
-         * add up in 16 bits and widen once (madd) at its end: half the multiplies, the same sums. */
+         * add up in 16 bits (sacc) and widen once (madd) at its end: half the multiplies, the same
+         * sums. The loop stays rolled there: unrolled, the 4-row tile's accumulators spill. */
+#if !QGEMM_DP8_VNNI
         __m256i sacc[Q4_TILE_ROWS][2];
         for (int r = 0; r < R; ++r) for (int h = 0; h < 2; ++h) sacc[r][h] = _mm256_setzero_si256();
 #pragma GCC unroll 1
+#else
+#pragma GCC unroll 4
+#endif
         for (int j = 0; j < 4; ++j) {
             __m256i lo[2], hi[2];
             for (int h = 0; h < 2; ++h) {
@@ -360,10 +349,15 @@ ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t 
                 const int8_t *x = a->xq + (t0 + r) * K + g * QK + 4 * j;
                 const __m256i xl = _mm256_set1_epi32(ld4(x)), xh = _mm256_set1_epi32(ld4(x + 16));
                 for (int h = 0; h < 2; ++h)
+#if QGEMM_DP8_VNNI
+                    iacc[r][h] = dp8(dp8(iacc[r][h], lo[h], xl), hi[h], xh);
+#else
                     sacc[r][h] = _mm256_add_epi16(sacc[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
                                                                                _mm256_maddubs_epi16(hi[h], xh)));
+#endif
             }
         }
+#if !QGEMM_DP8_VNNI
         for (int r = 0; r < R; ++r)
             for (int h = 0; h < 2; ++h) iacc[r][h] = _mm256_madd_epi16(sacc[r][h], _mm256_set1_epi16(1));
 #endif
