@@ -202,10 +202,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             raise InvalidArgument(
                 "max_tokens", "more than one token a call needs greedy sampling and no allowed_tokens"
             )
-        stop = frozenset(request.stop_token_ids)
-        if any(not 0 <= t < self.vocab_size for t in stop):
-            raise InvalidArgument("stop_token_ids", f"token ids must be in [0, {self.vocab_size})")
-        return max_tokens, stop
+        self.worker.built_engine().check_token_ids("stop_token_ids", request.stop_token_ids)
+        return max_tokens, frozenset(request.stop_token_ids)
 
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)

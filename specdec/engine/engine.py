@@ -216,7 +216,7 @@ class Engine:
         except KeyError:
             raise NotFound("request_id", f"no active request {request_id!r} on this primary") from None
 
-    def _check_token_ids(self, field: str, token_ids: Iterable[int]) -> None:
+    def check_token_ids(self, field: str, token_ids: Iterable[int]) -> None:
         for t in token_ids:
             if not 0 <= t < self.vocab_size:
                 raise InvalidArgument(field, f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
@@ -250,7 +250,7 @@ class Engine:
                 "token_ids",
                 f"{len(token_ids)} tokens do not fit the context of {self.max_context} with room to generate",
             )
-        self._check_token_ids("token_ids", token_ids)
+        self.check_token_ids("token_ids", token_ids)
 
     def release(self, request_id: str) -> int:
         """Forget the request and free its KV slot; returns the bytes freed."""
@@ -474,7 +474,7 @@ class Engine:
                 raise InvalidArgument("committed_token_ids", "must start with the accepted nodes' tokens")
         if len(req.token_ids) + len(new_token_ids) > self.max_context:
             raise InvalidArgument("committed_token_ids", f"the request would exceed max_context {self.max_context}")
-        self._check_token_ids("committed_token_ids", new_token_ids)
+        self.check_token_ids("committed_token_ids", new_token_ids)
         if req.kv is not None:  # an evicted request re-prefills these tokens
             self.kv_cache.commit(req.kv, req.tree_chain, accepted_nodes)
         req.token_ids.extend(new_token_ids)
