@@ -74,7 +74,7 @@ def _primary_decode_steps(stack: Stack, prompt_ids: list[int], num_steps: int) -
                 start = time.perf_counter()
                 resp = stub.Decode(
                     primary_pb2.DecodeRequest(
-                        request_id=PROBE_REQUEST_ID, committed_token_ids=committed, step=step, kv_lease=lease
+                        request_id=PROBE_REQUEST_ID, committed_token_ids=committed, position=step, kv_lease=lease
                     )
                 )
                 wall.append((time.perf_counter() - start) * 1000)

@@ -83,9 +83,9 @@ def main() -> None:
         flips = int((dec.argmax(-1) != argmax32).sum())
         same_sample = 0
         for (chain, rows), e in zip(steps, enc):
-            a = validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, sampling, AcceptanceMode.SAMPLE, step=1)
+            a = validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, sampling, AcceptanceMode.SAMPLE, position=1)
             b = validate_tree(
-                chain, [-1] + list(range(CHAIN - 1)), decode_logits(e), sampling, AcceptanceMode.SAMPLE, step=1
+                chain, [-1] + list(range(CHAIN - 1)), decode_logits(e), sampling, AcceptanceMode.SAMPLE, position=1
             )
             same_sample += (a.accepted_nodes, a.bonus_token) == (b.accepted_nodes, b.bonus_token)
         print(
@@ -101,7 +101,7 @@ def main() -> None:
         times = []
         for chain, rows in steps:
             t = time.perf_counter()
-            validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, params, select_mode(params, 0.0), step=1)
+            validate_tree(chain, [-1] + list(range(CHAIN - 1)), rows, params, select_mode(params, 0.0), position=1)
             times.append((time.perf_counter() - t) * 1000)
         print(f"validation {mode:24s} median {statistics.median(times):.2f} ms per step ({CHAIN} nodes)")
     # What the service runs on the wire's fp8 bytes: decode + the reference, or the row statistics

@@ -498,7 +498,7 @@ class RequestLoop:
             # The validator's greedy rule walks the primary's argmaxes, which are here: the loop goes on
             # with that decision and has the validator confirm it beside the next step (_confirm).
             v = greedy_validation(tree, verified.argmax_token_ids)
-            self.pending_check = self._confirm(tree, verified, allowed, v, self.stats.num_steps)
+            self.pending_check = self._confirm(tree, verified, allowed, v, len(self.generated))
         else:
             v = await self._validate(tree, verified, allowed)
         t3 = time.perf_counter()
@@ -519,7 +519,7 @@ class RequestLoop:
     async def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
         """The validator's decision; while it cannot be reached, the same greedy rule here from the
         primary's argmaxes, or None (sampling and threshold modes need the validator)."""
-        v = await self._call_validator(tree, verified, allowed, self.stats.num_steps)
+        v = await self._call_validator(tree, verified, allowed, len(self.generated))
         if v is not None:
             return v
         return (
@@ -528,8 +528,9 @@ class RequestLoop:
             else None
         )
 
-    async def _call_validator(self, tree: DraftTree, verified, allowed, step: int) -> Validation | None:
-        """Validate on the validator, or None while it cannot be reached (a fallback step, counted)."""
+    async def _call_validator(self, tree: DraftTree, verified, allowed, position: int) -> Validation | None:
+        """Validate on the validator, or None while it cannot be reached (a fallback step, counted).
+        `position`: the index among the generated tokens of the step's first drawn token."""
         if self.validator_state.should_call():
             try:
                 v = await self.backends.validate(
@@ -537,7 +538,7 @@ class RequestLoop:
                     self.acceptance_mode,
                     self.params.sampling,
                     self.params.speculation.acceptance_threshold,
-                    step,
+                    position,
                     tree,
                     verified,
                     allowed,
@@ -549,19 +550,19 @@ class RequestLoop:
         self.stats.num_validator_fallback_steps += 1
         return None
 
-    async def _confirm(self, tree: DraftTree, verified, allowed, decided: Validation, step: int) -> None:
+    async def _confirm(self, tree: DraftTree, verified, allowed, decided: Validation, position: int) -> None:
         """The validator's decision on a greedy step the loop already went on with: the same rule on the
         same argmaxes, so it agrees by construction; it adds the rows' entropies to the stats. A
         disagreement fails the request before the step is stored or streamed. While the validator
         cannot be reached the step stands as decided (what _validate falls back to)."""
-        v = await self._call_validator(tree, verified, allowed, step)
+        v = await self._call_validator(tree, verified, allowed, position)
         if v is None:
             return
         if (v.accepted_nodes, v.bonus_token) != (decided.accepted_nodes, decided.bonus_token):
             raise Internal(
                 "validator",
                 f"the validator's greedy decision {list(v.accepted_nodes)} + {v.bonus_token} differs from the "
-                f"primary's argmaxes' {list(decided.accepted_nodes)} + {decided.bonus_token} at step {step}",
+                f"primary's argmaxes' {list(decided.accepted_nodes)} + {decided.bonus_token} at position {position}",
                 dependency="validator",
             )
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
@@ -576,7 +577,7 @@ class RequestLoop:
                 self.pending_accepted,
                 self.pending_committed,
                 self.params.sampling,
-                self.stats.num_steps,
+                len(self.generated),
                 allowed,
                 max_tokens=max_tokens,
                 stop_token_ids=sorted(self.eos) if max_tokens > 1 else (),

@@ -168,7 +168,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 return row_argmax(logits[:1])[0] if allowed is None else int(allowed.argmax(logits)[0])
             if allowed is not None:
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
-            return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.step))[0])
+            return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.position))[0])
 
         max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None)
         tokens: list[int] = []

@@ -145,20 +145,26 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return token_ids  # [R]
 
 
-def make_generator(seed: int | None, step: int) -> torch.Generator:
-    """A CPU generator, deterministic per (seed, step); seed None draws fresh OS entropy."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step!r}")
+def make_generator(seed: int | None, position: int) -> torch.Generator:
+    """A CPU generator, deterministic per (seed, position); seed None draws fresh OS entropy.
+
+    `position` is the index of the drawn token among the request's generated tokens, not a step
+    count: every service keys the draw of the token at position p by (seed, p), so the token is the
+    same whether a plain step, a run or any level of a speculative step drew it (the acceptance
+    rule's per-position walk, validator_svc.acceptance), and a seed gives the same text with any
+    drafts, any plan and with speculation off."""
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position!r}")
     generator = torch.Generator(device="cpu")
     if seed is None:
         generator.seed()
         return generator
-    generator.manual_seed(_splitmix64(_splitmix64(seed) ^ step))
+    generator.manual_seed(_splitmix64(_splitmix64(seed) ^ position))
     return generator
 
 
 def _splitmix64(value: int) -> int:
-    """SplitMix64 finaliser: nearby (seed, step) pairs give unrelated generator seeds."""
+    """SplitMix64 finaliser: nearby (seed, position) pairs give unrelated generator seeds."""
     z = (value + 0x9E3779B97F4A7C15) & _MASK_64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64

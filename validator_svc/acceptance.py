@@ -12,7 +12,20 @@ Terms (one speculative step, tree of N draft nodes, target logits [N+1, V], row 
 
 Modes (specdec.acceptance_mode; the caller decides which, this module applies it):
   greedy     Accept the child whose token is the primary's argmax (lossless for temperature 0).
-  sample     Recursive rejection sampling (Leviathan et al. 2023, "Fast Inference from
+  sample     Two exact rules, chosen by what the drafts are.
+             Deterministic drafts (prompt lookup, suffix index, grammar, lookahead: no draft
+             probabilities, which is every tree the services send): the per-position walk. The
+             token at position p of the request's generated tokens (the root row's is the step's
+             `position`; a node's row is one past its parent's) is drawn from the target at that
+             row with the uniform of stream (seed, p), exactly the draw a plain decode makes there
+             (specdec.sampling.make_generator), and the child holding that token is accepted; the
+             walk ends at the first row without such a child, and that row's draw is the bonus.
+             The step commits what sequential sampling commits, so it is lossless, and a seed gives
+             the same text with any drafts, any plan, or speculation off. A child x is accepted
+             with probability p(x) (siblings: the sum of theirs), as rejection sampling accepts a
+             point mass: nothing is lost in accepted length.
+             Drafts drawn from distributions (draft_probs given; the library's, not the services'):
+             recursive rejection sampling (Leviathan et al. 2023, "Fast Inference from
              Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating LLM
              Decoding with Speculative Sampling"), extended to trees as in SpecInfer (Miao et al.
              2024), SpecTr (Sun et al. 2023) and RSD (Jeon et al. 2024). At a node with target p
@@ -83,18 +96,21 @@ def validate_tree(
     draft_probs: torch.Tensor | None = None,
     argmax_ids: Sequence[int] | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
-    step: int = 0,
+    position: int = 0,
     allowed: TokenBitmask | None = None,
 ) -> ValidationResult:
-    """Apply `mode` (decided by the caller: specdec.acceptance_mode); the random stream is
-    make_generator(params.seed, step) unless given."""
+    """Apply `mode` (decided by the caller: specdec.acceptance_mode). The token drawn d levels below
+    the root comes from make_generator(params.seed, position + d), or from `generator` when given
+    (then every draw of the step does)."""
     check_mode(mode, params, acceptance_threshold)
     if mode == AcceptanceMode.GREEDY:
         return greedy_accept(token_ids, parents, target_logits, argmax_ids=argmax_ids, allowed=allowed)
-    generator = generator if generator is not None else make_generator(params.seed, step)
+    draws = positional_draws(params.seed, position) if generator is None else generator
     if mode == AcceptanceMode.SAMPLE:
+        if draft_probs is None:
+            return positional_sample_accept(token_ids, parents, target_logits, params, draws, allowed=allowed)
         return rejection_sample_accept(
-            token_ids, parents, target_logits, params, generator, draft_probs=draft_probs, allowed=allowed
+            token_ids, parents, target_logits, params, _draw(draws, 0), draft_probs=draft_probs, allowed=allowed
         )
     return threshold_accept(
         token_ids,
@@ -102,10 +118,49 @@ def validate_tree(
         target_logits,
         params,
         acceptance_threshold,
-        generator,
+        draws,
         argmax_ids=argmax_ids,
         allowed=allowed,
     )
+
+
+# The random stream of each draw of a step: a function of the draw's depth below the root, or one
+# generator for every draw (a caller's own stream).
+Draws = Callable[[int], torch.Generator] | torch.Generator | None
+
+
+def positional_draws(seed: int | None, position: int) -> Callable[[int], torch.Generator]:
+    """The stream of the token `depth` levels below a step's root: that of its position."""
+    return lambda depth: make_generator(seed, position + depth)
+
+
+def _draw(draws: Draws, depth: int) -> torch.Generator | None:
+    return draws(depth) if callable(draws) else draws
+
+
+def positional_sample_accept(
+    token_ids,
+    parents,
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    draws: Draws,
+    *,
+    allowed: TokenBitmask | None = None,
+) -> ValidationResult:
+    """The per-position walk over a tree of deterministic drafts (module doc): at each row one draw
+    from the target (one uniform, specdec.sampling.sample) on the stream of its depth; the child
+    holding the drawn token is accepted, else the draw is the bonus token."""
+    ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
+    row_probs = _RowProbs(target_logits, params, allowed)
+    accepted: list[int] = []
+    row = ROOT_ROW
+    while True:
+        token = int(sample(row_probs[row][None], _draw(draws, len(accepted)))[0])
+        node = next((j for j in children[row] if ids[j] == token), None)
+        if node is None:
+            return walk_result(children, tuple(accepted), row, token, entropies)
+        accepted.append(node)
+        row = node + 1
 
 
 def greedy_accept(
@@ -169,11 +224,12 @@ def threshold_accept(
     target_logits: torch.Tensor,
     params: SamplingParams,
     acceptance_threshold: float,
-    generator: torch.Generator | None,
+    draws: Draws,
     *,
     argmax_ids=None,
     allowed: TokenBitmask | None = None,
 ) -> ValidationResult:
+    """At temperature > 0 the bonus token is drawn on the stream of its depth (`draws`)."""
     check_mode(AcceptanceMode.THRESHOLD, params, acceptance_threshold)
     ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
     argmax = check_argmax_ids(argmax_ids, *target_logits.shape)
@@ -203,7 +259,7 @@ def threshold_accept(
         return children[row][best] if child_probs[best] >= floor else None
 
     accepted, stop_row = _walk(children, choose)
-    bonus = int(sample(row_probs[stop_row][None], generator)[0])
+    bonus = int(sample(row_probs[stop_row][None], _draw(draws, len(accepted)))[0])
     return walk_result(children, accepted, stop_row, bonus, entropies)
 
 

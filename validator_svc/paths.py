@@ -48,7 +48,7 @@ class ValidationInputs:
     mode: AcceptanceMode  # as sent, checked (specdec.acceptance_mode.check_mode)
     acceptance_threshold: float = 0.0  # in (0, 1] in threshold mode, else 0
     argmax_ids: Sequence[int] | None = None  # [N+1], the primary's fp32 argmax, when sent
-    step: int = 0  # with sampling.seed, selects the random stream
+    position: int = 0  # with sampling.seed, selects the random streams (acceptance.validate_tree)
     allowed: TokenBitmask | None = None  # [N+1] rows of packed grammar mask
 
 
@@ -84,7 +84,7 @@ class TorchPath:
             inputs.mode,
             acceptance_threshold=inputs.acceptance_threshold,
             argmax_ids=inputs.argmax_ids,
-            step=inputs.step,
+            position=inputs.position,
             allowed=inputs.allowed,
         )
 

@@ -61,7 +61,7 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
                     mode,
                     acceptance_threshold=threshold,
                     argmax_ids=argmax,
-                    step=request.step,
+                    position=request.position,
                     allowed=allowed,
                 )
             )

@@ -482,13 +482,14 @@ class Engine:
 
     # --- plain autoregressive decoding (the baseline) -------------------------------------------
 
-    def decode(self, request_id: str, sampling: SamplingParams, step: int) -> int:
-        """One plain step: the next token after the committed context, committed at once."""
+    def decode(self, request_id: str, sampling: SamplingParams, position: int) -> int:
+        """One plain step: the next token after the committed context, committed at once; `position`
+        (its index among the generated tokens) selects a seeded draw's stream (make_generator)."""
         logits = self.verify(request_id, (), ())  # [1, V]
         if sampling.is_greedy:
             token = row_argmax(logits[:1])[0]
         else:
-            token = int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, step))[0])
+            token = int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, position))[0])
         self.commit(request_id, (), (token,))
         return token
 
@@ -506,8 +507,8 @@ class Engine:
         try:
             self.prefill(request_id)
             out: list[int] = []
-            for step in range(max_new_tokens):
-                out.append(self.decode(request_id, sampling, step))
+            for position in range(max_new_tokens):
+                out.append(self.decode(request_id, sampling, position))
                 if out[-1] in stop or len(prompt_ids) + len(out) >= self.max_context:
                     break
             return out

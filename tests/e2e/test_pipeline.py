@@ -84,6 +84,27 @@ def test_greedy_output_is_identical_with_and_without_speculation(gateway_stub, p
     assert primary_stats(stack).kv_bytes == 0
 
 
+def test_a_seeded_sampled_answer_is_the_same_with_and_without_speculation(gateway_stub):
+    """The token at each position is drawn from the seed's stream for that position, by the primary's
+    Decode or the validator's walk alike: with a seed, a sampled answer does not depend on
+    speculation, degree or draft length (nor on an adaptive plan), and the drafts still get accepted."""
+    messages = [
+        ("user", "Copy this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa.")
+    ]
+    num_drafted = 0
+    for seed in (1, 2):
+        sampling = common_pb2.SamplingParams(temperature=0.7, top_p=0.9, seed=seed)
+        outputs = {
+            s: generate(gateway_stub, messages, is_enabled=s[0], degree=s[1], draft_length=s[2], sampling=sampling)
+            for s in SETTINGS
+        }
+        baseline = outputs[SETTINGS[0]]
+        for setting, out in outputs.items():
+            assert list(out.token_ids) == list(baseline.token_ids), (seed, setting, out.text, baseline.text)
+            num_drafted += out.stats.num_generated_tokens - out.stats.num_steps if setting[0] else 0
+    assert num_drafted > 0, "no speculative step accepted a draft token: the test shows nothing"
+
+
 def test_stream_delivers_the_same_text_and_final_stats(gateway_stub):
     messages = [("user", "List the planets of the solar system, one per line.")]
     unary = generate(gateway_stub, messages)

@@ -189,10 +189,10 @@ class FakeBackends:
         return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
 
     async def validate(
-        self, request_id, mode, sampling, acceptance_threshold, step, tree, verified, allowed=None
+        self, request_id, mode, sampling, acceptance_threshold, position, tree, verified, allowed=None
     ) -> Validation:
         assert allowed is None, "no grammar in these requests"
-        self.calls.append(("validate", {"step": step}))
+        self.calls.append(("validate", {"position": position}))
         accepted, bonus = self._greedy_path(tree, verified.argmax_token_ids)
         return Validation(tuple(accepted), bonus, (), ())
 

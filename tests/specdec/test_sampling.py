@@ -82,7 +82,7 @@ def test_masked_logits_get_zero_probability():
     )
 
 
-def test_sample_is_deterministic_per_seed_and_step():
+def test_sample_is_deterministic_per_seed_and_position():
     probs = torch.full((64, 6), 1 / 6)
     first = sample(probs, make_generator(7, 3))
     assert torch.equal(first, sample(probs, make_generator(7, 3)))
@@ -91,8 +91,8 @@ def test_sample_is_deterministic_per_seed_and_step():
     assert sample(probs, make_generator(None, 0)).shape == (64,)
 
 
-def test_make_generator_rejects_negative_step():
-    with pytest.raises(ValueError, match="step"):
+def test_make_generator_rejects_negative_position():
+    with pytest.raises(ValueError, match="position"):
         make_generator(1, -1)
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
 
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.logits_codec import decode_logits, encode_logits
-from specdec.sampling import SamplingParams, make_generator
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from validator_svc.acceptance import (
     ValidationResult,
     build_children,
@@ -96,7 +97,7 @@ def test_invalid_logits_and_side_inputs_raise():
 def test_the_mode_given_is_the_mode_applied():
     # Sample mode at temperature 0 is rejection sampling against one-hot rows: greedy's answer, by sampling.
     logits = torch.cat([probs_logits(ROW_532), one_hot_logits(3, 0, vocab_size=4)])
-    sampled = validate_tree([1, 2], [-1, -1], logits, GREEDY, AcceptanceMode.SAMPLE, step=1)
+    sampled = validate_tree([1, 2], [-1, -1], logits, GREEDY, AcceptanceMode.SAMPLE, position=1)
     assert sampled == greedy_accept([1, 2], [-1, -1], logits)
     with pytest.raises(ValueError, match="mode greedy needs sampling.temperature = 0"):
         validate_tree([1, 2], [-1, -1], logits, SAMPLED, AcceptanceMode.GREEDY)
@@ -268,12 +269,59 @@ def test_deterministic_when_seeded():
     draft_probs = torch.softmax(torch.randn(6, 5, generator=generator), dim=-1)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     results = [
-        validate_tree(token_ids, parents, logits, params, AcceptanceMode.SAMPLE, draft_probs=draft_probs, step=s)
+        validate_tree(token_ids, parents, logits, params, AcceptanceMode.SAMPLE, draft_probs=draft_probs, position=s)
         for s in range(30)
     ]
     again = [
-        validate_tree(token_ids, parents, logits, params, AcceptanceMode.SAMPLE, draft_probs=draft_probs, step=s)
+        validate_tree(token_ids, parents, logits, params, AcceptanceMode.SAMPLE, draft_probs=draft_probs, position=s)
         for s in range(30)
     ]
     assert results == again
     assert len({(r.accepted_nodes, r.bonus_token) for r in results}) > 1  # the step does change the stream
+
+
+# ---- a seed's draws follow the token's position ------------------------------------------------
+
+
+def test_sample_walk_commits_what_plain_seeded_sampling_draws():
+    """Steps over trees of deterministic drafts, some right and some wrong, commit exactly the tokens a
+    plain decode draws with the same seed (the token at position p from stream (seed, p)), however
+    the steps are cut: what makes a seed reproduce an answer with or without speculation."""
+    rng = torch.Generator().manual_seed(3)
+    vocab_size = 6
+    table = torch.randn(vocab_size, vocab_size, generator=rng) * 1.5  # [V, V]: next-token logits of the last token
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=0)
+    for seed in range(20):
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
+        plain, last = [], 0
+        for position in range(24):
+            last = int(sample(logits_to_probs(table[last][None], params), make_generator(seed, position))[0])
+            plain.append(last)
+        drafted, last, shapes = [], 0, random.Random(seed)
+        while len(drafted) < len(plain):
+            truth = plain[len(drafted) : len(drafted) + 4]
+            wrong = [(t + 1 + shapes.randrange(vocab_size - 1)) % vocab_size for t in truth]
+            cut = shapes.randrange(len(truth) + 1)  # the first `cut` right, then a wrong one
+            chain = (truth[:cut] + wrong[cut : cut + 1])[:4]
+            token_ids, parents = list(chain), [-1] + list(range(len(chain) - 1))
+            if shapes.random() < 0.5 and chain:  # a wrong sibling at the root beside the chain
+                sibling = next(t for t in range(vocab_size) if t != chain[0])
+                token_ids, parents = token_ids + [sibling], parents + [-1]
+            rows = [last] + token_ids  # each node's row: the bigram row of its token
+            result = validate_tree(
+                token_ids, parents, table[rows], params, AcceptanceMode.SAMPLE, position=len(drafted)
+            )
+            assert len(result.accepted_nodes) >= min(cut, len(truth))
+            drafted += [token_ids[j] for j in result.accepted_nodes] + [result.bonus_token]
+            last = drafted[-1]
+        assert drafted[: len(plain)] == plain, f"seed {seed}"
+
+
+def test_threshold_bonus_is_drawn_on_its_positions_stream():
+    """Threshold mode at temperature > 0 draws its bonus token from the stream of the bonus's position."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    logits = torch.zeros(2, 6)  # a flat row: the draw decides
+    result = validate_tree([3], [-1], logits, params, AcceptanceMode.THRESHOLD, acceptance_threshold=0.9, position=7)
+    expected = int(sample(logits_to_probs(logits[1:], params), make_generator(5, 8))[0])
+    assert result.accepted_nodes == (0,)
+    assert result.bonus_token == expected

@@ -15,6 +15,7 @@ stay empty. `test_a_biased_rule_is_detected` shows the test has the power to fai
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -23,10 +24,11 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
+from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import ROOT
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from validator_svc import acceptance
-from validator_svc.acceptance import rejection_sample_accept
+from validator_svc.acceptance import rejection_sample_accept, validate_tree
 
 VOCAB_SIZE = 5
 ROOT_TOKEN = 0
@@ -93,20 +95,33 @@ def merge(candidates: list[Candidate]) -> tuple[list[int], list[int], torch.Tens
     return token_ids, parents, torch.stack(rows) if rows else torch.zeros(0, VOCAB_SIZE)
 
 
-def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool) -> tuple[int, int]:
+def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool, rule: str = "service") -> tuple[int, int]:
+    """rule "service": validate_tree in sample mode as the validator runs it (the per-position walk
+    for deterministic drafts, seeded by the trial); "rejection": rejection sampling for every tree."""
     draft_rng = random.Random(1_000_003 + trial)  # independent of the validator's stream
     emitted, last, step = [], ROOT_TOKEN, 0
     while len(emitted) < 2:
         token_ids, parents, draft_probs = merge(propose(last, draft_rng))
         target_logits = TARGET_LOGITS[[last] + token_ids]  # [N+1, V]: the bigram row of each node's token
-        result = rejection_sample_accept(
-            token_ids,
-            parents,
-            target_logits,
-            PARAMS,
-            make_generator(trial, step),
-            draft_probs=None if is_deterministic else draft_probs,
-        )
+        if rule == "service":
+            result = validate_tree(
+                token_ids,
+                parents,
+                target_logits,
+                dataclasses.replace(PARAMS, seed=trial),
+                AcceptanceMode.SAMPLE,
+                draft_probs=None if is_deterministic else draft_probs,
+                position=len(emitted),
+            )
+        else:
+            result = rejection_sample_accept(
+                token_ids,
+                parents,
+                target_logits,
+                PARAMS,
+                make_generator(trial, step),
+                draft_probs=None if is_deterministic else draft_probs,
+            )
         emitted += [token_ids[j] for j in result.accepted_nodes] + [result.bonus_token]
         last, step = emitted[-1], step + 1
     return emitted[0], emitted[1]
@@ -127,11 +142,11 @@ def chi_square_check(counts: torch.Tensor, expected_probs: torch.Tensor) -> tupl
 
 
 def run_trials(
-    propose: Proposer, is_deterministic: bool, num_trials: int = NUM_TRIALS
+    propose: Proposer, is_deterministic: bool, num_trials: int = NUM_TRIALS, rule: str = "service"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     joint_counts = torch.zeros(VOCAB_SIZE, VOCAB_SIZE)
     for trial in range(num_trials):
-        first, second = first_two_tokens(propose, trial, is_deterministic)
+        first, second = first_two_tokens(propose, trial, is_deterministic, rule)
         joint_counts[first, second] += 1
     joint_target = TARGET_PROBS[ROOT_TOKEN][:, None] * TARGET_PROBS  # [V, V]
     return joint_counts, joint_target
@@ -168,10 +183,16 @@ PROPOSERS: dict[str, tuple[Proposer, bool]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(PROPOSERS))
-def test_sample_mode_matches_the_target_distribution(name):
+@pytest.mark.parametrize(
+    "name, rule",
+    [(name, "service") for name in PROPOSERS]
+    + [(name, "rejection") for name, (_, is_deterministic) in PROPOSERS.items() if is_deterministic],
+)
+def test_sample_mode_matches_the_target_distribution(name, rule):
+    """Both rules for deterministic drafts (the service's per-position walk, and rejection sampling
+    with point masses, which the library keeps for trees that mix in drawn drafts)."""
     propose, is_deterministic = PROPOSERS[name]
-    joint_counts, joint_target = run_trials(propose, is_deterministic)
+    joint_counts, joint_target = run_trials(propose, is_deterministic, rule=rule)
     first_stat, first_critical = chi_square_check(joint_counts.sum(dim=1), TARGET_PROBS[ROOT_TOKEN])
     joint_stat, joint_critical = chi_square_check(joint_counts, joint_target)
     assert first_stat < first_critical, f"first token: chi2 {first_stat:.1f} >= {first_critical:.1f}"

@@ -154,7 +154,7 @@ def request(
         request_id="r",
         mode=mode,
         sampling=pb.sampling_to_pb(sampling),
-        step=0,
+        position=0,
         tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents),
         target_logits=pb.logits_to_pb(logits, fmt),
         target_argmax_token_ids=argmax or (),
