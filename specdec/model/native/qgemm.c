@@ -1123,45 +1123,81 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
         for (int64_t e = 0; e < D; ++e) os[i][e] *= inv[i];
 }
 
-/* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
- * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32; see attend_chunk. The caches
- * are fp32, or fp16 with `half`. */
-int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const void *k_cache,
-                    const void *v_cache, int half, int64_t capacity, int64_t L, const uint8_t *mask,
-                    float *out, int num_threads) {
-    const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
-    const int64_t group = H / Hkv, per_kv = n * group;      /* queries per KV head */
+/* One batch of attention: `num_spans` sequences, each of n rows (queries [n, H, D] at q, outputs at
+ * out) over its own cache (kv head h at + h * capacity * D elements) of L rows under its mask. */
+typedef struct {
+    const float *q;
+    float *out;
+    int64_t n, L, capacity;
+    const void *k, *v;
+    const uint8_t *mask;     /* [n, L] (1 = attend) or NULL: all */
+} att_seq;
+
+/* Every sequence's queries, split into work items of at most `chunk` queries of one KV head (KV head
+ * major within a sequence: L2 reuse), in ONE parallel loop over all sequences' items: a step of many
+ * one-row decodes pays one fork/join a layer, not one per sequence. A query's bits do not depend on
+ * the chunk it falls in (attend_chunk's paired and lone paths compute each query alike). */
+static int attend_seqs(const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv, int64_t D, int half,
+                       int num_threads) {
+    const int64_t group = H / Hkv;
+    int64_t total = 0, max_L = 1;
+    for (int64_t i = 0; i < num_seqs; ++i) {
+        total += seqs[i].n * H;
+        if (seqs[i].L > max_L) max_L = seqs[i].L;
+    }
     /* chunks small enough for two per thread, at most ATT_MAX_CHUNK queries */
-    int64_t chunk = (per_kv * Hkv + 4 * num_threads - 1) / (4 * (int64_t)num_threads);
+    int64_t chunk = (total + 4 * num_threads - 1) / (4 * (int64_t)num_threads);
     chunk = chunk < 1 ? 1 : chunk > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : chunk;
-    const int64_t chunks_per_kv = (per_kv + chunk - 1) / chunk;
+    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!first_item) return -1;
+    first_item[0] = 0;
+    for (int64_t i = 0; i < num_seqs; ++i)
+        first_item[i + 1] = first_item[i] + Hkv * ((seqs[i].n * group + chunk - 1) / chunk);
+    const int64_t num_items = first_item[num_seqs];
     const float scale = 1.f / sqrtf((float)D);
-    const int64_t Lb = L ? L : 1;
+    const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads) reduction(|:failed)
     {
-        float *s = malloc(sizeof(float) * (size_t)(chunk * (L ? L : 1)));
-        int64_t *keys = malloc(sizeof(int64_t) * (size_t)(Lb));
-        float *tmp = malloc(sizeof(float) * (size_t)(Lb));
+        float *s = malloc(sizeof(float) * (size_t)(chunk * max_L));
+        int64_t *keys = malloc(sizeof(int64_t) * (size_t)max_L);
+        float *tmp = malloc(sizeof(float) * (size_t)max_L);
         failed = !s || !keys || !tmp;
+        int64_t si = 0;   /* items come in ascending order per thread: the sequence search moves forward */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < Hkv * chunks_per_kv; ++item) {   /* KV head major: L2 reuse */
+        for (int64_t item = 0; item < num_items; ++item) {
             if (!s || !keys || !tmp) continue;
-            const int64_t kvh = item / chunks_per_kv, first = item % chunks_per_kv * chunk;
+            if (item < first_item[si]) si = 0;
+            while (item >= first_item[si + 1]) ++si;
+            const att_seq *a = seqs + si;
+            const int64_t per_kv = a->n * group, chunks_per_kv = (per_kv + chunk - 1) / chunk;
+            const int64_t local = item - first_item[si], kvh = local / chunks_per_kv;
+            const int64_t first = local % chunks_per_kv * chunk;
             const int nq = (int)(first + chunk <= per_kv ? chunk : per_kv - first);
             const float *qs[ATT_MAX_CHUNK];
             float *os[ATT_MAX_CHUNK];
             int64_t rs[ATT_MAX_CHUNK];
             for (int i = 0; i < nq; ++i) {
                 const int64_t r = (first + i) / group, h = kvh * group + (first + i) % group;
-                rs[i] = r; qs[i] = q + (r * H + h) * D; os[i] = out + (r * H + h) * D;
+                rs[i] = r; qs[i] = a->q + (r * H + h) * D; os[i] = a->out + (r * H + h) * D;
             }
-            attend_chunk(qs, rs, os, nq, D, (const char *)k_cache + kvh * capacity * D * elem,
-                         (const char *)v_cache + kvh * capacity * D * elem, half, L, mask, scale, s, keys, tmp);
+            attend_chunk(qs, rs, os, nq, D, (const char *)a->k + kvh * a->capacity * D * elem,
+                         (const char *)a->v + kvh * a->capacity * D * elem, half, a->L, a->mask, scale, s, keys, tmp);
         }
         free(s); free(keys); free(tmp);
     }
+    free(first_item);
     return failed ? -1 : 0;
+}
+
+/* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
+ * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32; see attend_chunk. The caches
+ * are fp32, or fp16 with `half`. */
+int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D, const void *k_cache,
+                    const void *v_cache, int half, int64_t capacity, int64_t L, const uint8_t *mask,
+                    float *out, int num_threads) {
+    const att_seq seq = {q, out, n, L, capacity, k_cache, v_cache, mask};
+    return attend_seqs(&seq, 1, H, Hkv, D, half, num_threads);
 }
 
 /* ---- a whole forward's decoder layers in one call ---- */
@@ -1189,31 +1225,38 @@ int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t 
     float *v = malloc(sizeof(float) * (size_t)(T * Hkv * D));
     float *attn = calloc((size_t)(T * H * D), sizeof(float));   /* rows outside every span stay 0 */
     float *out = malloc(sizeof(float) * (size_t)(T * C));
-    int rc = (q && k && v && attn && out) ? 0 : -1;
+    att_seq *seqs = malloc(sizeof(att_seq) * (size_t)(num_spans ? num_spans : 1));
+    int rc = (q && k && v && attn && out && seqs) ? 0 : -1;
     for (int64_t l = 0; l < num_layers && !rc; ++l) {
         const qlayer *ly = layers + l;
         rc = qgemm_layer_pre(x, T, C, ly->norm1, ly->eps1, ly->q, ly->k, ly->v, H, Hkv, D, cos_t, sin_t,
                              positions, q, k, v, num_threads);
-        for (int64_t si = 0; si < num_spans && !rc; ++si) {
-            const qspan *s = spans + si;
-            const int half = (int)s->half;
-            const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
-            char *kc = (char *)s->k_cache + l * s->layer_stride * elem, *vc = (char *)s->v_cache + l * s->layer_stride * elem;
-            for (int64_t r = 0; r < s->n; ++r)
-                for (int64_t h = 0; h < Hkv; ++h) {
-                    const int64_t src = ((s->start + r) * Hkv + h) * D, dst = (h * s->capacity + s->num_cached + r) * D;
-                    store_kv(kc + dst * elem, k + src, D, half);
-                    store_kv(vc + dst * elem, v + src, D, half);
-                }
-            rc = qgemm_attention(q + s->start * H * D, s->n, H, Hkv, D, kc, vc, half, s->capacity,
-                                 s->num_cached + s->n, s->mask, attn + s->start * H * D, num_threads);
+        /* each span's new rows into its cache, then every span's attention in one parallel loop
+         * (spans of fp32 and of fp16 caches, should a batch mix them, in one loop each) */
+        for (int half = 0; half < 2 && !rc; ++half) {
+            int64_t num_seqs = 0;
+            for (int64_t si = 0; si < num_spans; ++si) {
+                const qspan *s = spans + si;
+                if ((int)s->half != half) continue;
+                const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
+                char *kc = (char *)s->k_cache + l * s->layer_stride * elem, *vc = (char *)s->v_cache + l * s->layer_stride * elem;
+                for (int64_t r = 0; r < s->n; ++r)
+                    for (int64_t h = 0; h < Hkv; ++h) {
+                        const int64_t src = ((s->start + r) * Hkv + h) * D, dst = (h * s->capacity + s->num_cached + r) * D;
+                        store_kv(kc + dst * elem, k + src, D, half);
+                        store_kv(vc + dst * elem, v + src, D, half);
+                    }
+                seqs[num_seqs++] = (att_seq){q + s->start * H * D, attn + s->start * H * D, s->n, s->num_cached + s->n,
+                                             s->capacity, kc, vc, s->mask};
+            }
+            if (num_seqs) rc = attend_seqs(seqs, num_seqs, H, Hkv, D, half, num_threads);
         }
         if (!rc)
             rc = qgemm_layer_post(x, attn, T, C, ly->o, ly->norm2, ly->eps2, ly->gate, ly->up, ly->down, out,
                                   num_threads);
         if (!rc) memcpy(x, out, sizeof(float) * (size_t)(T * C));
     }
-    free(q); free(k); free(v); free(attn); free(out);
+    free(q); free(k); free(v); free(attn); free(out); free(seqs);
     return rc;
 }
 

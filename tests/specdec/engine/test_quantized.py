@@ -163,3 +163,31 @@ def test_the_one_call_native_stack_equals_the_layer_by_layer_path(quantized_engi
     (one_call, one_call_kv), (per_layer, per_layer_kv) = run(model.native_stack), run(None)
     assert all(torch.equal(x, y) for x, y in zip(one_call, per_layer))
     assert all(torch.equal(x, y) for x, y in zip(one_call_kv, per_layer_kv))
+
+
+def test_a_request_gets_the_same_bits_batched_with_others_as_alone(quantized_engine):
+    """One forward over many requests' rows (one-row decodes, trees, a chain; the native stack runs
+    every request's attention in one parallel loop a layer) gives each request the logits it gets
+    in a forward of its own, bit for bit."""
+    engine = quantized_engine
+    prompts = [PROMPT[: 4 + 3 * i] for i in range(6)] + [PROMPT] * 3
+    works = [
+        VerifyWork(f"r{i}", *(([700 + i, 701, 702], [-1, 0, 0]) if i % 3 == 1 else ((), ())))
+        for i in range(len(prompts))
+    ]
+
+    def forward(batch: list[VerifyWork]) -> list[torch.Tensor]:
+        for w in batch:
+            engine.open(w.request_id, prompts[int(w.request_id[1:])])
+            engine.prefill(w.request_id)
+            if w.request_id == "r8":
+                engine.commit(w.request_id, (), (55, 56))  # this one runs a chain of 3 rows
+        try:
+            return engine.verify_batch(batch)
+        finally:
+            for w in batch:
+                engine.release(w.request_id)
+
+    together = forward(works)
+    alone = [forward([w])[0] for w in works]
+    assert all(torch.equal(t, a) for t, a in zip(together, alone))
