@@ -39,8 +39,11 @@ a draft row costs about as much as another request's whole token, so speculation
 under load and back on when the load goes.
 
 Hysteresis and probing: speculation turns off when the best plan's expected speedup < off_below, and on
-again only at >= on_above. While off, every probe_interval steps a short draft re-measures acceptance;
-while on, a decoder left out for probe_interval steps rides along for one step. Only decoders cheap
+again only at >= on_above. While off, every probe_interval steps a short draft re-measures acceptance,
+and each probe that leaves it off doubles the wait for the next (up to max_probe_backoff times the
+interval; text the drafts keep missing, JSON without a schema, stops paying for probes that fail);
+while on, a decoder left out for probe_interval steps rides along for one step. Until the next probe
+every plan is plain, so the gateway decodes that stretch in runs of tokens (plain_steps_ahead). Only decoders cheap
 enough that probing costs < max_probe_overhead of throughput are probed: a model-based drafter that
 the cost model dropped stays dropped for the request. Under load the probe interval stretches
 (probe_interval()): every request probes, and a probe's rows lengthen the step the others share.
@@ -72,6 +75,7 @@ STATE_VERSION = 1
 _TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
 # Optimisation results an AdaptiveController remembers (inputs -> choice), least recently used out.
 MAX_REMEMBERED_CHOICES = 4096
+NEVER_DRAFTS = 1 << 30  # plain_steps_ahead when speculation is off for good (no decoder cheap enough to probe)
 
 
 # Code fences, a line that starts like code in common languages, or a line that ends like a C statement.
@@ -107,6 +111,9 @@ class ControllerConfig:
     on_above: float = 1.05
     probe_interval: int = 16
     probe_draft_length: int = 4
+    # A probe that leaves speculation off doubles the wait for the next one, up to this many times
+    # probe_interval(); turning on starts over.
+    max_probe_backoff: int = 4
     # Probing may cost at most this share of throughput: a decoder is probed only when its draft cost,
     # paid once per probe_interval steps, stays below it (prompt lookup yes, early exit at 0.6 a token no).
     max_probe_overhead: float = 0.02
@@ -119,7 +126,13 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not self.draft_length_choices or min(self.draft_length_choices) < 1:
             raise ValueError(f"draft_length_choices must be positive, got {self.draft_length_choices}")
-        for name in ("max_speculative_degree", "max_tree_nodes", "probe_interval", "probe_draft_length"):
+        for name in (
+            "max_speculative_degree",
+            "max_tree_nodes",
+            "probe_interval",
+            "probe_draft_length",
+            "max_probe_backoff",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (
@@ -220,6 +233,7 @@ class ControllerState:
     is_speculating: bool = True
     last_probe_step: int = 0
     other_rows: float = 0.0  # rows the primary's steps carry besides this request's, smoothed
+    num_failed_probes: int = 0  # probes since speculation was last on (each doubles the next wait)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -229,6 +243,7 @@ class ControllerState:
             "is_speculating": self.is_speculating,
             "last_probe_step": self.last_probe_step,
             "other_rows": self.other_rows,
+            "num_failed_probes": self.num_failed_probes,
             "estimates": [{f.name: getattr(e, f.name) for f, _ in _ESTIMATE_FIELDS} for e in self.estimates],
         }
 
@@ -248,6 +263,7 @@ class ControllerState:
                 is_speculating=bool(data["is_speculating"]),
                 last_probe_step=int(data["last_probe_step"]),
                 other_rows=max(0.0, float(data.get("other_rows", 0.0))),  # absent: stored before it was kept
+                num_failed_probes=max(0, int(data.get("num_failed_probes", 0))),  # likewise
             )
         except KeyError as e:
             raise ValueError(f"controller state lacks field {e.args[0]!r}") from None
@@ -516,6 +532,7 @@ class AdaptiveController:
             state.last_probe_step = state.num_steps
         elif not state.is_speculating and choice.sources and choice.expected_speedup >= config.on_above:
             state.is_speculating = True
+            state.num_failed_probes = 0
         if state.is_speculating:
             # At the degree bound a ride-along takes the weakest source's place for that step.
             kept = choice.sources[: config.max_speculative_degree - 1]
@@ -525,17 +542,14 @@ class AdaptiveController:
             if extra and len(kept) < len(choice.sources):
                 choice = dataclasses.replace(choice, sources=kept)
             return _plan_from(choice, estimates, config, extra)
-        if state.num_steps - state.last_probe_step < self.probe_interval(state.other_rows) or not estimates:
+        if state.num_steps - state.last_probe_step < self._probe_wait(state):
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
-        state.last_probe_step = state.num_steps
-        gamma = config.probe_draft_length
-        sources = tuple(
-            (e.decoder, 0)
-            for e in estimates
-            if e.rank == 0 and (e.decoder, 0) not in silent and self._is_cheap_probe(e.decoder, gamma)
-        )[: config.max_speculative_degree]
+        sources = self._probe_sources(state, silent)
         if not sources:  # only expensive decoders: staying off is what the cost model chose
             return SpeculationPlan(expected_speedup=choice.expected_speedup)
+        state.last_probe_step = state.num_steps
+        state.num_failed_probes += 1  # until a plan turns speculation on
+        gamma = config.probe_draft_length
         return SpeculationPlan(
             draft_length=gamma,
             sources=sources,
@@ -543,6 +557,34 @@ class AdaptiveController:
             expected_speedup=choice.expected_speedup,
             is_probe=True,
         )
+
+    def plain_steps_ahead(
+        self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float] | None = None
+    ) -> int:
+        """Plain steps that plan() will return from now on, this one included, if nothing new is
+        observed meanwhile (the plans change with observations only): 0 while speculating, else the
+        steps left before the next probe, at least 1; NEVER_DRAFTS when no probe will come. The
+        gateway decodes that many tokens in one run without delaying a draft the controller wants."""
+        if state.is_speculating:
+            return 0
+        silent = {key for key, coverage in (known_coverage or {}).items() if coverage <= 0.0}
+        if not self._probe_sources(state, silent):
+            return NEVER_DRAFTS
+        return max(1, state.last_probe_step + self._probe_wait(state) - state.num_steps)
+
+    def _probe_wait(self, state: ControllerState) -> int:
+        """Steps from one probe to the next while off: probe_interval() doubled per failed probe."""
+        backoff = min(2 ** min(state.num_failed_probes, 30), self._config.max_probe_backoff)
+        return self.probe_interval(state.other_rows) * backoff
+
+    def _probe_sources(self, state: ControllerState, silent: set[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+        """What a probe drafts: every cheap decoder's first rank not known silent."""
+        gamma = self._config.probe_draft_length
+        return tuple(
+            (e.decoder, 0)
+            for e in state.estimates
+            if e.rank == 0 and (e.decoder, 0) not in silent and self._is_cheap_probe(e.decoder, gamma)
+        )[: self._config.max_speculative_degree]
 
     def probe_interval(self, other_rows: float) -> int:
         """Steps between probes while speculation is off, with `other_rows` of other requests in the

@@ -72,12 +72,10 @@ MAX_FORCED_TOKENS = 32
 # A plain step of a greedy request without a grammar asks the primary for a run of tokens in one
 # Decode (DecodeRequest.max_tokens): the primary steps the request itself, in every engine step
 # beside the other requests', and the round trip between two tokens (a gRPC call each way, the
-# gateway's own step work) is paid once a run. With speculation off a run is DECODE_RUN_MAX tokens;
-# with it on, the controller plans again after each run, so a run grows by one token for every
-# DECODE_RUN_AFTER tokens decoded plainly in a row (a speculative step starts it over): text the
-# drafts keep missing decodes in runs, and a draft that starts to match is tried within a few tokens.
+# gateway's own step work) is paid once a run. A run is DECODE_RUN_MAX tokens, and with adaptive
+# speculation never longer than the stretch the controller would plan plain anyway (until its next
+# probe: AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
 DECODE_RUN_MAX = 8
-DECODE_RUN_AFTER = 4
 
 
 async def _nothing() -> None:
@@ -248,7 +246,6 @@ class RequestLoop:
         self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
         self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
-        self.num_plain_in_row = 0  # tokens decoded without speculation since the last speculative step
         self.decode_run_max = decode_run_max
         self.is_refused = False  # the store refused a step: the output ends before it
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
@@ -350,7 +347,6 @@ class RequestLoop:
                 num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
                 # a plain run of tokens counts as that many plain steps (the controller's and the stats')
                 num_steps = 1 if plan.is_speculative else max(1, num_chosen)
-                self.num_plain_in_row = 0 if plan.is_speculative else self.num_plain_in_row + num_steps
                 new_tokens += self._forced_after(new_tokens)
                 for _ in range(num_steps):
                     self._observe(plan, outcomes)
@@ -592,15 +588,18 @@ class RequestLoop:
 
     def _decode_run_length(self) -> int:
         """How many tokens this plain step asks the primary for (DECODE_RUN_MAX, at most
-        decode_run_max): one unless the request is greedy without a grammar; never past
-        max_new_tokens or the context."""
+        decode_run_max): one unless the request is greedy without a grammar; with adaptive
+        speculation no more than the controller's plain steps ahead; never past max_new_tokens or
+        the context."""
         if self.grammar is not None or not self.params.sampling.is_greedy:
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),
             self.model.max_context - 1 - len(self.prompt_ids) - len(self.generated),
         )
-        run = 1 + self.num_plain_in_row // DECODE_RUN_AFTER if self.params.speculation.is_enabled else DECODE_RUN_MAX
+        run = DECODE_RUN_MAX
+        if self.controller is not None:
+            run = min(run, self.controller.plain_steps_ahead(self._controller_state()))
         return max(1, min(run, self.decode_run_max, room))
 
     def _forced_after(self, new_tokens: list[int]) -> list[int]:

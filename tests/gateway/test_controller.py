@@ -224,14 +224,17 @@ def test_consistently_losing_turns_speculation_off_then_probes_bring_it_back():
     # speculating with 1-2 tokens costs only a few percent in bf16, so turning off needs alpha near 0
     first_off = next(i for i, p in enumerate(losing) if not p.is_speculative)
     assert first_off < 30
-    # while off, the only drafts are short probes, one every probe_interval steps
+    # while off, the only drafts are short probes: the first probe_interval steps after turning off,
+    # then each failed probe doubles the wait, up to max_probe_backoff times the interval
     probes = [i for i, p in enumerate(losing[first_off:]) if p.is_speculative]
     assert probes and all(losing[first_off + i].is_probe for i in probes)
     assert all(losing[first_off + i].draft_length == config.probe_draft_length for i in probes)
-    assert all(b - a == config.probe_interval for a, b in zip(probes, probes[1:]))
-    recovered = simulate(controller, state, lambda _: HIGH, 40, rng)
+    assert probes[0] == config.probe_interval
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == [config.probe_interval * min(2 ** (k + 1), config.max_probe_backoff) for k in range(len(gaps))]
+    recovered = simulate(controller, state, lambda _: HIGH, 80, rng)
     back_on = next(i for i, p in enumerate(recovered) if p.is_speculative and not p.is_probe)
-    assert back_on <= config.probe_interval + 5
+    assert back_on <= config.probe_interval * config.max_probe_backoff + 5
     assert state.is_speculating and _settled(recovered)[0] >= 8
 
 
@@ -302,6 +305,52 @@ def test_a_planned_decoder_without_an_outcome_proposed_nothing():
         controller.observe(state, plan, [])
     assert state.estimates[0].coverage < before / 2
     assert state.num_steps == 5
+
+
+def test_plain_steps_ahead_count_down_to_the_next_probe_and_failed_probes_back_off():
+    """While off, the plans up to the next probe are plain whatever happens meanwhile (no evidence
+    arrives): plain_steps_ahead says how many, so the gateway can decode them in one run. Each probe
+    that leaves speculation off doubles the wait; turning on starts over."""
+    config = ControllerConfig(probe_interval=10, max_probe_backoff=4)
+    controller = AdaptiveController(COST, config)
+    state = controller.new_state("code", {LOOKUP: 1})
+    rng = random.Random(5)
+    simulate(controller, state, lambda _: HIGH, 10, rng)
+    assert state.is_speculating and controller.plain_steps_ahead(state) == 0
+    for _ in range(40):  # losing until speculation turns off, not a step more
+        simulate(controller, state, lambda _: ZERO, 1, rng)
+        if not state.is_speculating:
+            break
+    assert not state.is_speculating and state.num_failed_probes == 0
+    waits = []
+    for _ in range(4):  # walk through four probes, checking every plain plan's count on the way
+        ahead = controller.plain_steps_ahead(state)
+        waits.append(ahead)
+        for k in range(ahead):
+            assert controller.plain_steps_ahead(state) == ahead - k
+            plan = controller.plan(state)
+            assert not plan.is_speculative
+            controller.observe(state, plan, [])
+        probe = controller.plan(state)
+        assert probe.is_probe
+        controller.observe(state, probe, [CandidateOutcome(LOOKUP, 0, probe.draft_length, 0)])
+        waits[-1] += 1  # the probe's own step
+    assert waits == [10, 20, 40, 40]  # the interval, then 2x, 4x, and capped at 4x
+    simulate(controller, state, lambda _: HIGH, 60, rng)  # a probe finds acceptance again
+    assert state.is_speculating and state.num_failed_probes == 0
+    data = json.loads(json.dumps(state.to_dict()))
+    del data["num_failed_probes"]  # a state stored before probes backed off
+    assert ControllerState.from_dict(data).num_failed_probes == 0
+
+
+def test_no_probe_to_come_means_plain_steps_without_end():
+    """A request whose only decoders are too dear to probe stays plain: nothing bounds its runs."""
+    from gateway.controller import NEVER_DRAFTS
+
+    controller = AdaptiveController(COST)
+    state = controller.new_state("code", {})
+    assert not controller.plan(state).is_speculative
+    assert controller.plain_steps_ahead(state) == NEVER_DRAFTS
 
 
 def test_state_round_trips_through_a_plain_dict():
@@ -403,16 +452,17 @@ def test_under_load_probes_grow_rare_so_others_rarely_wait_on_their_rows():
     assert controller.probe_interval(3.0) == 39
     intervals = [controller.probe_interval(r) for r in (1.0, 3.0, 7.0, 15.0, 31.0)]
     assert intervals == sorted(intervals) and intervals[-1] > 4 * 16
-    # and the loop follows it: a request that is off probes at that interval under load
+    # and the loop follows it: a request that is off probes at that interval under load (times the
+    # failed probes' backoff)
     state = controller.new_state("creative", {LOOKUP: 1})
     state.is_speculating, state.other_rows = False, 3.0
     state.estimates[0].accepted = 0.0  # nothing accepted: speculation stays off between probes
     probes = []
-    for step in range(120):
+    for step in range(300):
         state.num_steps = step
         if controller.plan(state).is_probe:
             probes.append(step)
-    assert len(probes) >= 2 and all(b - a == 39 for a, b in zip(probes, probes[1:]))
+    assert probes[0] == 39 and [b - a for a, b in zip(probes, probes[1:])] == [78, 156]
 
 
 def test_without_load_the_plan_is_the_single_request_plan():

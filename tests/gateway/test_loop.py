@@ -22,7 +22,6 @@ from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validatio
 from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState
 from gateway.loop import (
-    DECODE_RUN_AFTER,
     DECODE_RUN_MAX,
     RequestLoop,
     StepOutput,
@@ -139,6 +138,7 @@ class FakeBackends:
                     "committed": list(committed_token_ids),
                     "num_nodes": tree.num_nodes,
                     "num_lookahead": len(tree.lookahead_token_ids),
+                    "position": len(self.truth) - len(PROMPT),  # tokens generated before this step's
                 },
             )
         )
@@ -768,24 +768,23 @@ def test_a_run_ends_at_an_end_of_sequence_token():
     assert decodes[-1]["num_tokens"] < DECODE_RUN_MAX  # the primary stopped the run at it
 
 
-def test_with_speculation_a_run_grows_with_plain_tokens_and_starts_over_after_a_draft():
-    """The controller plans again after every run: a run is one token longer per DECODE_RUN_AFTER
-    tokens decoded plainly in a row, and one token again after a speculative step."""
-    backends = FakeBackends(is_lookup_right=lambda n: 30 <= n < 45)
-    loop = run(make_params(is_enabled=True, is_adaptive=True, degree=2, draft_length=6, max_new_tokens=120), backends)
-    assert loop.outcome.token_ids == plain_decoding(PROMPT, 120)
-    steps = [(name, call) for name, call in backends.calls if name in ("verify", "decode")]
-    plain_in_row, runs = 0, []
-    for name, call in steps[:-1]:  # the last call may be cut short by max_new_tokens
-        if name == "verify":
-            plain_in_row = 0
-            continue
-        assert call["max_tokens"] == min(1 + plain_in_row // DECODE_RUN_AFTER, DECODE_RUN_MAX)
-        runs.append(call["max_tokens"])
-        plain_in_row += call["num_tokens"]
-    assert max(runs) > 1 and runs[0] == 1
-    assert any(name == "verify" for name, _ in steps), "the drafts were never tried: nothing started over"
-    assert loop.stats.num_steps == backends.num_steps()
+def test_with_adaptive_speculation_a_run_never_moves_a_draft():
+    """A plain step decodes the controller's plain steps ahead (until its next probe, at most
+    DECODE_RUN_MAX) in one run: every speculative step comes at the same token as when each plain
+    token is a step of its own, the output is plain decoding's, and the runs take far fewer calls."""
+    seen = {}
+    for run_max in (1, DECODE_RUN_MAX):
+        backends = FakeBackends(is_lookup_right=lambda n: 30 <= n < 45 or n >= 150)
+        params = make_params(is_enabled=True, is_adaptive=True, degree=2, draft_length=6, max_new_tokens=240)
+        loop = run(params, backends, decode_run_max=run_max)
+        assert loop.outcome.token_ids == plain_decoding(PROMPT, 240)
+        assert loop.stats.num_steps == backends.num_steps()
+        decodes = [call for name, call in backends.calls if name == "decode"]
+        verified_at = [call["position"] for name, call in backends.calls if name == "verify"]
+        seen[run_max] = verified_at, len(decodes), max(call["max_tokens"] for call in decodes)
+    (at_one, calls_one, _), (at_runs, calls_runs, longest) = seen[1], seen[DECODE_RUN_MAX]
+    assert at_runs == at_one and sum(p >= 150 for p in at_one) > 5  # speculating again once drafts match
+    assert calls_runs < calls_one / 2 and longest == DECODE_RUN_MAX
 
 
 def test_a_step_the_store_refuses_never_reaches_the_output():
