@@ -74,7 +74,10 @@ MAX_FORCED_TOKENS = 32
 # beside the other requests', and the round trip between two tokens (a gRPC call each way, the
 # gateway's own step work) is paid once a run. A run is DECODE_RUN_MAX tokens, and with adaptive
 # speculation never longer than the stretch the controller would plan plain anyway (until its next
-# probe: AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
+# probe: AdaptiveController.plain_steps_ahead), so no draft it wants is delayed. A run's tokens reach
+# the client together once it ends, so a request's first token is decoded alone: under load a run's
+# engine steps are long (32 streams: ~130 ms each), and the time to the first token is what a
+# streaming user waits on.
 DECODE_RUN_MAX = 8
 
 
@@ -588,10 +591,11 @@ class RequestLoop:
 
     def _decode_run_length(self) -> int:
         """How many tokens this plain step asks the primary for (DECODE_RUN_MAX, at most
-        decode_run_max): one unless the request is greedy without a grammar; with adaptive
+        decode_run_max): one for the first token, and unless the request is greedy without a
+        grammar; with adaptive
         speculation no more than the controller's plain steps ahead; never past max_new_tokens or
         the context."""
-        if self.grammar is not None or not self.params.sampling.is_greedy:
+        if self.grammar is not None or not self.params.sampling.is_greedy or not self.generated:
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),

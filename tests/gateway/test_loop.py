@@ -745,17 +745,18 @@ class RefusingStore(InMemoryStateStore):
 
 def test_plain_steps_decode_runs_of_tokens_in_one_call():
     """Greedy without a grammar, a plain step asks the primary for a run (DecodeRequest.max_tokens):
-    DECODE_RUN_MAX tokens with speculation off, never past max_new_tokens; the output is plain
-    decoding's and every token counts as a step."""
+    the first token alone (it goes to the client at once), then DECODE_RUN_MAX tokens with
+    speculation off, never past max_new_tokens; the output is plain decoding's and every token
+    counts as a step."""
     backends = FakeBackends()
     loop = run(make_params(is_enabled=False, max_new_tokens=60), backends)
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 60) and loop.outcome.finish_reason == "length"
     decodes = [call for name, call in backends.calls if name == "decode"]
-    assert [c["max_tokens"] for c in decodes] == [DECODE_RUN_MAX] * 7 + [4]
+    assert [c["max_tokens"] for c in decodes] == [1] + [DECODE_RUN_MAX] * 7 + [3]
     assert loop.stats.num_steps == 60 == sum(loop.stats.num_steps_by_draft_length)
     # each call commits the previous run's last token, the one the primary left pending
     truth = plain_decoding(PROMPT, 60)
-    assert [c["committed"] for c in decodes[1:]] == [[truth[8 * k - 1]] for k in range(1, 8)]
+    assert [c["committed"] for c in decodes[1:]] == [[truth[0]]] + [[truth[8 * k]] for k in range(1, 8)]
 
 
 def test_a_run_ends_at_an_end_of_sequence_token():
