@@ -47,7 +47,7 @@ from draft_svc.strategies.lookahead import LookaheadSource
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
 from specdec.candidates import ranked_sources
-from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
+from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, ROOT, check_speculation_bounds
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
@@ -117,6 +117,18 @@ class ProposeArgs:
     max_nodes: int = 0  # 0 = speculative_degree * draft_length (capped)
     response_format: ResponseFormat | None = None  # first call: the output's grammar (None: free text)
     lookahead_argmax_token_ids: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
+    continuation_length: int = 0  # tokens a model-free rank-0 candidate may add past draft_length
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Continuation:
+    """What a rank-0 candidate proposed past draft_length, after `leaf`, the tree node where its draft
+    ends: a caller whose step accepts the path to `leaf` with the bonus token token_ids[0] can draft
+    its next step from token_ids[1:] without asking (continuations_of)."""
+
+    leaf: int
+    token_ids: tuple[int, ...]
+    decoder: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,6 +144,7 @@ class Proposal:
     decoder_steps: tuple[DecoderStep, ...]  # one per distinct decoder, in first-use order
     time_ms: float
     lookahead: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())  # rows (token_ids, parents) to verify beside
+    continuations: tuple[Continuation, ...] = ()  # best candidate first, one per leaf
 
 
 @dataclasses.dataclass(slots=True)
@@ -201,14 +214,17 @@ class DraftPool:
             self._observe_lookahead(request, args.lookahead_argmax_token_ids)
             if not is_new:
                 self._extend(request, args.new_token_ids)
-            candidates, steps = self._run_decoders(request, entries, draft_length)
+            extra = args.continuation_length if request.grammar is None else 0
+            candidates, steps = self._run_decoders(request, entries, draft_length, extra)
             if request.grammar is not None:
                 candidates = [within_grammar(request.grammar, c) for c in candidates]
             lookahead = self._lookahead_rows(request, entries)
             request.last_used = time.monotonic()
-        tree = build_token_tree(candidates, max_nodes)
+        drafts = [dataclasses.replace(c, token_ids=c.token_ids[:draft_length]) for c in candidates]
+        tree = build_token_tree(drafts, max_nodes)
         counted = tuple(dataclasses.replace(s, num_proposed=_num_nodes_from(tree, s.name)) for s in steps)
-        return Proposal(tree, counted, (time.perf_counter() - started) * 1e3, lookahead)
+        continuations = continuations_of(tree, candidates, draft_length)
+        return Proposal(tree, counted, (time.perf_counter() - started) * 1e3, lookahead, continuations)
 
     def _resolve(self, args: ProposeArgs) -> tuple[list[tuple[str, int]], int, int]:
         """Validate the step's parameters -> ([(decoder, rank)] best first, draft_length, max_nodes)."""
@@ -230,6 +246,10 @@ class DraftPool:
             raise InvalidArgument("draft_length", f"must be in [0, {c.max_draft_length}], got {args.draft_length}")
         if not 0 <= args.max_nodes <= c.max_tree_nodes:
             raise InvalidArgument("max_nodes", f"must be in [0, {c.max_tree_nodes}], got {args.max_nodes}")
+        if not 0 <= args.continuation_length <= c.max_draft_length:
+            raise InvalidArgument(
+                "continuation_length", f"must be in [0, {c.max_draft_length}], got {args.continuation_length}"
+            )
         max_nodes = args.max_nodes or min(degree * draft_length, c.max_tree_nodes)
         self._check_token_ids("prompt_token_ids", args.prompt_token_ids)
         self._check_token_ids("new_token_ids", args.new_token_ids)
@@ -341,8 +361,11 @@ class DraftPool:
         return (), ()
 
     def _run_decoders(
-        self, request: _Request, entries: list[tuple[str, int]], draft_length: int
+        self, request: _Request, entries: list[tuple[str, int]], draft_length: int, extra: int = 0
     ) -> tuple[list[Candidate], list[DecoderStep]]:
+        """Each entry's candidate; a model-free decoder asked for one answer runs `extra` tokens past
+        draft_length (free for it; a model-based decoder pays per token, and a decoder ranking
+        several answers would rank them by tokens past the draft)."""
         num_ranks: dict[str, int] = {}
         for name, rank in entries:
             num_ranks[name] = max(num_ranks.get(name, 0), rank + 1)
@@ -356,7 +379,11 @@ class DraftPool:
         }
         try:
             results = {
-                name: _timed_propose(runnable[name], draft_length, num_ranks[name])
+                name: _timed_propose(
+                    runnable[name],
+                    draft_length + (extra if num_ranks[name] == 1 and name not in self._model_based else 0),
+                    num_ranks[name],
+                )
                 for name in runnable
                 if name not in futures
             }
@@ -423,6 +450,29 @@ def _timed_propose(decoder: DraftDecoder, max_tokens: int, max_candidates: int) 
     started = time.perf_counter()
     candidates = decoder.propose(max_tokens, max_candidates)
     return candidates, (time.perf_counter() - started) * 1e3
+
+
+def continuations_of(tree: TokenTree, candidates: Sequence[Candidate], draft_length: int) -> tuple[Continuation, ...]:
+    """For each rank-0 candidate longer than draft_length whose whole draft made it into `tree` (the
+    node budget may cut it), the tokens past its draft, after the node where the draft ends; best
+    candidate first, one per node.
+
+    # E.g. draft_length 2, candidates [a b c d] (prompt_lookup), [a e f] (suffix_index); tree
+    #   0:a 1:b 2:e -> (Continuation(1, (c, d), prompt_lookup), Continuation(2, (f,), suffix_index))
+    """
+    child = {(parent, token): node for node, (parent, token) in enumerate(zip(tree.parents, tree.token_ids))}
+    found: dict[int, Continuation] = {}
+    for candidate in candidates:
+        if candidate.rank != 0 or len(candidate.token_ids) <= draft_length:
+            continue
+        node = ROOT
+        for token in candidate.token_ids[:draft_length]:
+            node = child.get((node, token), ROOT)
+            if node == ROOT:  # cut by the node budget
+                break
+        if node != ROOT and node not in found:
+            found[node] = Continuation(node, candidate.token_ids[draft_length:], candidate.decoder)
+    return tuple(found.values())
 
 
 def within_grammar(grammar: GrammarState, candidate: Candidate) -> Candidate:

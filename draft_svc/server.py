@@ -40,6 +40,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 if request.prompt_token_ids
                 else None,
                 lookahead_argmax_token_ids=tuple(request.lookahead_argmax_token_ids),
+                continuation_length=request.continuation_length,
             )
         )
         self._record(proposal)
@@ -79,4 +80,8 @@ def proposal_to_pb(proposal: Proposal) -> draft_pb2.ProposeResponse:
         ],
         time_ms=proposal.time_ms,
         lookahead=common_pb2.TokenTree(token_ids=proposal.lookahead[0], parents=proposal.lookahead[1]),
+        continuations=[
+            draft_pb2.Continuation(leaf=c.leaf, token_ids=c.token_ids, decoder=c.decoder)
+            for c in proposal.continuations
+        ],
     )

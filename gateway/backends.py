@@ -73,6 +73,9 @@ class DraftTree:
     # lookahead rows to verify beside the tree (never accepted), and how deep they reach
     lookahead_token_ids: tuple[int, ...] = ()
     lookahead_parents: tuple[int, ...] = ()
+    # (leaf node, decoder, tokens): what a rank-0 candidate proposed past its draft, which ends at
+    # that node (ProposeResponse.continuations)
+    continuations: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
 
     @property
     def num_nodes(self) -> int:
@@ -300,6 +303,7 @@ class Backends:
         max_nodes: int,
         response_format: ResponseFormat | None = None,
         lookahead_argmax_token_ids: Sequence[int] = (),
+        continuation_length: int = 0,
     ) -> DraftTree:
         """`response_format` goes with the first call of a request (the one carrying the prompt);
         `lookahead_argmax_token_ids` are the primary's argmaxes at the previous proposal's lookahead rows."""
@@ -316,6 +320,7 @@ class Backends:
                 max_nodes=max_nodes,
                 response_format=None if response_format is None else pb.response_format_to_pb(response_format),
                 lookahead_argmax_token_ids=lookahead_argmax_token_ids,
+                continuation_length=continuation_length,
             ),
         )
         return DraftTree(
@@ -327,6 +332,7 @@ class Backends:
             r.time_ms,
             tuple(r.lookahead.token_ids),
             tuple(r.lookahead.parents),
+            tuple((c.leaf, c.decoder, tuple(c.token_ids)) for c in r.continuations),
         )
 
     async def draft_strategies(self) -> tuple[str, ...]:

@@ -79,6 +79,12 @@ MAX_FORCED_TOKENS = 32
 # engine steps are long (32 streams: ~130 ms each), and the time to the first token is what a
 # streaming user waits on.
 DECODE_RUN_MAX = 8
+# Tokens a Propose asks each model-free decoder for past the step's draft (ProposeRequest.
+# continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
+# first of them, the next step drafts the rest without asking the draft service (the round trip
+# costs as much as the pool's work many times over on a CPU); the service hears those tokens at its
+# next Propose.
+CONTINUATION_TOKENS = 16
 
 
 async def _nothing() -> None:
@@ -116,6 +122,18 @@ def within_context(plan: SpeculationPlan, room: int) -> SpeculationPlan:
     if not plan.is_speculative or plan.draft_length <= room:
         return plan
     return dataclasses.replace(plan, draft_length=room) if room >= 1 else SpeculationPlan()
+
+
+def continuation_after(tree: DraftTree, v: Validation) -> tuple[str, tuple[int, ...]] | None:
+    """(decoder, tokens) the next step can draft without a Propose: the continuation of the node
+    where the accepted path ends, past the bonus token, when the bonus token is its first."""
+    if not v.accepted_nodes:
+        return None
+    leaf = v.accepted_nodes[-1]
+    for node, decoder, tokens in tree.continuations:
+        if node == leaf and len(tokens) > 1 and tokens[0] == v.bonus_token:
+            return decoder, tokens[1:]
+    return None
 
 
 def greedy_validation(tree: DraftTree, argmax_token_ids: Sequence[int]) -> Validation:
@@ -247,6 +265,8 @@ class RequestLoop:
         self.pending_committed: list[int] = []
         self.draft_synced = 0  # generated tokens the draft service has seen
         self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
+        # (decoder, tokens): what the last step's accepted candidate proposed past its draft and bonus
+        self.carry: tuple[str, tuple[int, ...]] | None = None
         self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
         self.decode_run_max = decode_run_max
@@ -389,7 +409,7 @@ class RequestLoop:
         """A step up to its new tokens: the plan, then propose -> verify -> validate, or one decode."""
         plan = self._plan()
         if plan.is_speculative:
-            new_tokens, outcomes = await self._speculative_step(plan)
+            plan, new_tokens, outcomes = await self._speculative_step(plan)
             return plan, new_tokens, outcomes
         return plan, await self._plain_step(), None
 
@@ -477,10 +497,14 @@ class RequestLoop:
         self.stats.stage_ms["verify"] += ms
         self.stats.total_ms += ms
 
-    async def _speculative_step(self, plan: SpeculationPlan) -> tuple[list[int], list[CandidateOutcome] | None]:
-        """One propose -> verify -> validate; the candidates' outcomes (None when the draft service failed)."""
+    async def _speculative_step(
+        self, plan: SpeculationPlan
+    ) -> tuple[SpeculationPlan, list[int], list[CandidateOutcome] | None]:
+        """One propose -> verify -> validate: the plan that ran (_carried_draft may narrow it), the
+        step's tokens, the candidates' outcomes (None when the draft service failed)."""
         t0 = time.perf_counter()
-        tree = await self._propose(plan)
+        carried = self._carried_draft(plan)
+        plan, tree = carried if carried is not None else (plan, await self._propose(plan))
         if len(self.prompt_ids) + len(self.generated) + tree.lookahead_depth > self.model.max_context:
             tree = dataclasses.replace(tree, lookahead_token_ids=(), lookahead_parents=())  # no room: not this step
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
@@ -503,17 +527,40 @@ class RequestLoop:
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
             await self._with_primary(_nothing, is_fresh=True)
-            return [], None
+            return plan, [], None
         self.stats.forward_ms += verified.forward_ms
         self._observe_load(verified.other_step_rows)
         self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
+        self.carry = continuation_after(tree, v)
         outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents)
         self._account(tree, outcomes, v)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
             self.stats.stage_ms[stage] += ms * 1000
-        return list(self.pending_committed), (outcomes if tree.decoders else None)
+        return plan, list(self.pending_committed), (outcomes if tree.decoders else None)
+
+    def _carried_draft(self, plan: SpeculationPlan) -> tuple[SpeculationPlan, DraftTree] | None:
+        """The step's draft from the last step's continuation, when there is one and the plan still
+        drafts with its decoder: a chain of at most draft_length of its tokens, proposed by that
+        decoder alone (the plan narrows to it, so the controller hears of it only), and the rest
+        kept as the chain's own continuation. Used once either way."""
+        carry, self.carry = self.carry, None
+        if carry is None or self.grammar is not None or (carry[0], 0) not in plan.sources:
+            return None
+        decoder, tokens = carry
+        chain, rest = tokens[: plan.draft_length], tokens[plan.draft_length :]
+        n = len(chain)
+        tree = DraftTree(
+            chain,
+            tuple(range(-1, n - 1)),
+            (1,) * n,
+            (decoder,),
+            {},
+            0.0,
+            continuations=((n - 1, decoder, rest),) if rest else (),
+        )
+        return dataclasses.replace(plan, draft_length=n, sources=((decoder, 0),), max_tree_nodes=n), tree
 
     async def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
         """The validator's decision; while it cannot be reached, the same greedy rule here from the
@@ -583,6 +630,7 @@ class RequestLoop:
             )
         )
         tokens = list(decoded.token_ids) or [decoded.token_id]
+        self.carry = None  # what follows a plain step is not what the last draft continued with
         self.stats.forward_ms += decoded.forward_ms
         self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
@@ -650,6 +698,7 @@ class RequestLoop:
                 min(plan.max_tree_nodes, self.max_tree_nodes),
                 self.params.response_format if prompt else None,
                 () if prompt else lookahead_argmax,
+                continuation_length=CONTINUATION_TOKENS if self.grammar is None else 0,
             )
         except NotFound:  # the draft service restarted: resend the context
             self.is_draft_open = False

@@ -137,6 +137,29 @@ def test_model_based_decoders_wait_for_weights_and_follow_a_new_instance():
     assert [d.name for d in log] == ["p", "m", "m"]
 
 
+def test_a_rank_zero_model_free_candidate_returns_its_continuation_past_the_draft():
+    """continuation_length: a model-free decoder asked for one answer runs that many tokens past the
+    draft; they come back after the node where its draft ends, best candidate first, one per node.
+    Not from a decoder ranking several answers, or a draft the budget cut."""
+    log: list[Scripted] = []
+    answers = {"p": ((A, B, C, D, E),), "s": ((A, B, E, D),), "q": ((C, D, E),)}
+    pool = make_pool(answers, log)
+    args = ProposeArgs("r", prompt_token_ids=(1,), strategies=("p", "s", "q"), draft_length=2, continuation_length=3)
+    proposal = pool.propose(args)
+    assert proposal.tree.token_ids == (A, B, C, D)  # drafts of 2: p, s share a b; q adds c d
+    assert [(c.leaf, c.token_ids, c.decoder) for c in proposal.continuations] == [(1, (C, D, E), "p"), (3, (E,), "q")]
+    # none without continuation_length; a decoder asked for two answers gives none
+    assert pool.propose(dataclasses.replace(args, prompt_token_ids=(), continuation_length=0)).continuations == ()
+    ranked = pool.propose(dataclasses.replace(args, prompt_token_ids=(), strategies=("p", "p")))
+    assert ranked.continuations == ()
+    # a candidate the node budget cut has no leaf to continue from
+    cut = pool.propose(dataclasses.replace(args, prompt_token_ids=(), strategies=("q", "p"), max_nodes=3))
+    assert cut.tree.token_ids == (C, D, A) and [c.decoder for c in cut.continuations] == ["q"]
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(dataclasses.replace(args, continuation_length=65))
+    assert e.value.field == "continuation_length"
+
+
 @pytest.mark.parametrize(
     "args, field",
     [

@@ -131,6 +131,21 @@ def test_propose_and_release_over_grpc_before_and_after_attaching(draft, primary
     assert list(r.tree.token_ids) == [282, 260] and list(r.tree.parents) == [-1, 0]
     assert list(r.node_sources) == [0b01, 0b01]
     assert [(s.name, s.num_proposed) for s in r.decoder_stats] == [("prompt_lookup", 2), ("early_exit", 0)]
+    assert not r.continuations  # none asked for
+    # the same step with continuation_length: prompt lookup's tokens past the draft, after its leaf
+    r = stub.Propose(
+        draft_pb2.ProposeRequest(
+            request_id="r2",
+            prompt_token_ids=PROMPT,
+            draft_length=2,
+            strategies=["prompt_lookup"],
+            continuation_length=3,
+        )
+    )
+    assert list(r.tree.token_ids) == [282, 260] and len(r.continuations) == 1
+    c = r.continuations[0]
+    assert c.leaf == 1 and c.decoder == "prompt_lookup" and 1 <= len(c.token_ids) <= 3
+    stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r2"))
 
     assert attacher.refresh().instance_id == primary[0].instance_id
     r = stub.Propose(

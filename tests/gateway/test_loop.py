@@ -20,8 +20,9 @@ import pytest
 
 from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.dependencies import DependencyState
-from gateway.controller import ControllerConfig, ControllerState
+from gateway.controller import ControllerConfig, ControllerState, SpeculationPlan
 from gateway.loop import (
+    CONTINUATION_TOKENS,
     DECODE_RUN_MAX,
     RequestLoop,
     StepOutput,
@@ -89,6 +90,7 @@ class FakeBackends:
     draft_context: list[int] | None = None
     lookahead_rows: tuple[int, ...] = ()
     other_rows: int = 0  # rows of other requests in each of the primary's steps (the load)
+    is_continuing: bool = False  # prompt_lookup's rank 0 also returns its continuation past the draft
 
     # --- primary ---
     async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
@@ -137,6 +139,7 @@ class FakeBackends:
                     "accepted_nodes": tuple(accepted_nodes),
                     "committed": list(committed_token_ids),
                     "num_nodes": tree.num_nodes,
+                    "is_chain": tree.parents == tuple(range(-1, tree.num_nodes - 1)),
                     "num_lookahead": len(tree.lookahead_token_ids),
                     "position": len(self.truth) - len(PROMPT),  # tokens generated before this step's
                 },
@@ -228,6 +231,7 @@ class FakeBackends:
         max_nodes,
         response_format=None,
         lookahead_argmax_token_ids=(),
+        continuation_length=0,
     ) -> DraftTree:
         assert response_format is None, "no grammar in these requests"
         self._settle()
@@ -242,6 +246,7 @@ class FakeBackends:
                     "draft_length": draft_length,
                     "max_nodes": max_nodes,
                     "lookahead_argmax": tuple(lookahead_argmax_token_ids),
+                    "continuation_length": continuation_length,
                 },
             )
         )
@@ -255,11 +260,22 @@ class FakeBackends:
             self.draft_context += list(new_token_ids)
         assert self.draft_context == self.truth, "the draft service missed committed tokens"
         assert speculative_degree == len(strategies)
-        candidates = [self._candidate(name, rank, draft_length) for name, rank in ranked_sources(strategies)]
+        extra = continuation_length if self.is_continuing else 0
+        candidates = [self._candidate(name, rank, draft_length + extra) for name, rank in ranked_sources(strategies)]
         rows = self.lookahead_rows
         parents = tuple(range(-1, len(rows) - 1))
+        tree = merge([c[:draft_length] for c in candidates], tuple(strategies), max_nodes)
+        continuations = []
+        for (name, rank), candidate in zip(ranked_sources(strategies), candidates):
+            if name == LOOKUP and rank == 0 and len(candidate) > draft_length:
+                node = -1
+                for token in candidate[:draft_length]:
+                    node = next(
+                        n for n in range(tree.num_nodes) if tree.parents[n] == node and tree.token_ids[n] == token
+                    )
+                continuations.append((node, name, tuple(candidate[draft_length:])))
         return dataclasses.replace(
-            merge(candidates, tuple(strategies), max_nodes), lookahead_token_ids=rows, lookahead_parents=parents
+            tree, lookahead_token_ids=rows, lookahead_parents=parents, continuations=tuple(continuations)
         )
 
     def _candidate(self, name: str, rank: int, draft_length: int) -> list[int]:
@@ -446,6 +462,49 @@ def test_fixed_settings_are_honoured_every_step():
     assert loop.stats.decoders[f"{LOOKUP}#1"][2] == 0.0
     lookup, suffix = loop.stats.decoders[LOOKUP], loop.stats.decoders[SUFFIX]
     assert lookup[1] > 0 and suffix[1] == 0 and lookup[1] <= lookup[0]
+
+
+@pytest.mark.parametrize("is_adaptive", [False, True])
+def test_a_step_drafts_from_the_last_accepted_candidates_continuation_without_a_propose(is_adaptive):
+    """When a step accepts prompt lookup's whole draft and the bonus token begins what it proposed
+    past the draft, the next step drafts the rest without asking the draft service: far fewer
+    Proposes than verifies, the draft service still hears every committed token (the fake checks),
+    and the output is plain decoding's. The carried steps draft with prompt lookup alone."""
+    backends = FakeBackends(is_continuing=True, is_lookup_right=lambda n: not 40 <= n < 60)
+    loop = run(make_params(is_adaptive=is_adaptive, degree=2, draft_length=4, max_new_tokens=120), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 120)
+    proposes = [c for name, c in backends.calls if name == "propose"]
+    verifies = [c for name, c in backends.calls if name == "verify"]
+    assert all(c["continuation_length"] == CONTINUATION_TOKENS for c in proposes)
+    assert len(proposes) < 0.7 * len(verifies)
+    assert loop.stats.decoders[LOOKUP][1] > 60
+    assert loop.stats.num_steps == backends.num_steps()
+    # a plain step drops the continuation (what it decoded is not what the draft continued with):
+    # the speculative step after it asks the draft service
+    names = [name for name, _ in backends.calls if name in ("propose", "verify", "decode")]
+    after_plain = [names[i + 1 : i + 3] for i, name in enumerate(names[:-2]) if name == "decode"]
+    assert all(nxt[0] != "verify" for nxt in after_plain)
+    assert any(nxt[0] == "propose" for nxt in after_plain) == is_adaptive
+    # without continuations every speculative step asks
+    backends = FakeBackends(is_lookup_right=lambda n: not 40 <= n < 60)
+    loop = run(make_params(is_adaptive=is_adaptive, degree=2, draft_length=4, max_new_tokens=120), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 120)
+    assert len([n for n, _ in backends.calls if n == "propose"]) == len([n for n, _ in backends.calls if n == "verify"])
+
+
+def test_a_continuation_drafts_a_chain_of_its_decoder_once():
+    """The carried draft: at most draft_length tokens as a chain proposed by the continuation's
+    decoder alone (the plan narrowed to it), the rest kept as the chain's own continuation; a plan
+    without that decoder asks the draft service; either way the continuation is used once."""
+    loop = make_loop(make_params(is_adaptive=True, degree=1, draft_length=4), FakeBackends(is_continuing=True))
+    loop.carry = (LOOKUP, (1, 2, 3))
+    plan = SpeculationPlan(draft_length=2, sources=((LOOKUP, 0),), max_tree_nodes=2)
+    narrowed, tree = loop._carried_draft(plan)
+    assert tree.token_ids == (1, 2) and tree.parents == (-1, 0) and tree.continuations == ((1, LOOKUP, (3,)),)
+    assert narrowed.sources == ((LOOKUP, 0),) and narrowed.draft_length == 2 and loop.carry is None
+    loop.carry = (LOOKUP, (1, 2, 3))
+    assert loop._carried_draft(SpeculationPlan(draft_length=2, sources=((SUFFIX, 0),))) is None  # not its decoder
+    assert loop.carry is None  # used once either way
 
 
 def test_adaptive_switches_between_plain_and_speculative_steps_without_losing_sync():

@@ -98,7 +98,7 @@ class TargetBackends:
         return Validation(tuple(range(num_accepted)), verified.argmax_token_ids[num_accepted], (), ())
 
     async def propose(
-        self, request_id, prompt_token_ids, new_token_ids, strategies, degree, draft_length, max_nodes, *_
+        self, request_id, prompt_token_ids, new_token_ids, strategies, degree, draft_length, max_nodes, *_, **__
     ):
         self.num_drafted_context += len(prompt_token_ids) + len(new_token_ids)
         start = self.num_drafted_context - len(PROMPT)  # the tree continues everything committed
