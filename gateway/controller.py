@@ -43,10 +43,11 @@ again only at >= on_above. While off, every probe_interval steps a short draft r
 and each probe that leaves it off doubles the wait for the next (up to max_probe_backoff times the
 interval; text the drafts keep missing, JSON without a schema, stops paying for probes that fail);
 while on, a decoder left out for probe_interval steps rides along for one step. Until the next probe
-every plan is plain, so the gateway decodes that stretch in runs of tokens (plain_steps_ahead). Only decoders cheap
-enough that probing costs < max_probe_overhead of throughput are probed: a model-based drafter that
-the cost model dropped stays dropped for the request. Under load the probe interval stretches
-(probe_interval()): every request probes, and a probe's rows lengthen the step the others share.
+every plan is plain, so the gateway decodes that stretch in runs of tokens (plain_steps_ahead). Only
+decoders cheap enough that probing costs < max_probe_overhead of throughput are probed: a
+model-based drafter that the cost model dropped stays dropped for the request. Under load the probe
+interval stretches (probe_interval()): every request probes, and a probe's rows lengthen the step
+the others share.
 """
 
 from __future__ import annotations

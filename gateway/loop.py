@@ -638,11 +638,10 @@ class RequestLoop:
         return tokens
 
     def _decode_run_length(self) -> int:
-        """How many tokens this plain step asks the primary for (DECODE_RUN_MAX, at most
-        decode_run_max): one for the first token, and unless the request is greedy without a
-        grammar; with adaptive
-        speculation no more than the controller's plain steps ahead; never past max_new_tokens or
-        the context."""
+        """How many tokens this plain step asks the primary for: one for a request's first token, and
+        unless the request is greedy without a grammar; else DECODE_RUN_MAX (at most
+        decode_run_max), with adaptive speculation no more than the controller's plain steps ahead;
+        never past max_new_tokens or the context."""
         if self.grammar is not None or not self.params.sampling.is_greedy or not self.generated:
             return 1
         room = min(
