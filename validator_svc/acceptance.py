@@ -152,15 +152,14 @@ def positional_sample_accept(
     holding the drawn token is accepted, else the draw is the bonus token."""
     ids, children, entropies = _check_inputs(token_ids, parents, target_logits, allowed)
     row_probs = _RowProbs(target_logits, params, allowed)
-    accepted: list[int] = []
-    row = ROOT_ROW
-    while True:
-        token = int(sample(row_probs[row][None], _draw(draws, len(accepted)))[0])
-        node = next((j for j in children[row] if ids[j] == token), None)
-        if node is None:
-            return walk_result(children, tuple(accepted), row, token, entropies)
-        accepted.append(node)
-        row = node + 1
+    drawn: list[int] = []  # drawn[d]: the token drawn d levels below the root
+
+    def choose(row: int) -> int | None:
+        drawn.append(int(sample(row_probs[row][None], _draw(draws, len(drawn)))[0]))
+        return next((j for j in children[row] if ids[j] == drawn[-1]), None)
+
+    accepted, stop_row = _walk(children, choose)
+    return walk_result(children, accepted, stop_row, drawn[-1], entropies)
 
 
 def greedy_accept(
