@@ -263,9 +263,12 @@ class Backends:
         *,
         max_tokens: int = 1,
         stop_token_ids: Sequence[int] = (),
+        response_format: ResponseFormat | None = None,
     ) -> Decoded:
         """`max_tokens` > 1 (greedy, no `allowed`): a run of plain steps in one call, ending early after
-        a token of `stop_token_ids`; the primary commits every token of it but the last."""
+        a token of `stop_token_ids`; the primary commits every token of it but the last. With
+        `response_format` (instead of `allowed`) the primary masks every token by its own state of the
+        request's grammar."""
         r = await self._call(
             "primary",
             self.primary.Decode,
@@ -279,6 +282,7 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
                 max_tokens=max_tokens,
                 stop_token_ids=stop_token_ids,
+                response_format=None if response_format is None else pb.response_format_to_pb(response_format),
             ),
         )
         self.other_step_rows = max(0, r.num_step_rows - 1)

@@ -69,15 +69,17 @@ DEFAULT_MAX_STATE_RETRY_S = 10.0
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
-# A plain step of a greedy request without a grammar asks the primary for a run of tokens in one
-# Decode (DecodeRequest.max_tokens): the primary steps the request itself, in every engine step
-# beside the other requests', and the round trip between two tokens (a gRPC call each way, the
-# gateway's own step work) is paid once a run. A run is DECODE_RUN_MAX tokens, and with adaptive
-# speculation never longer than the stretch the controller would plan plain anyway (until its next
-# probe: AdaptiveController.plain_steps_ahead), so no draft it wants is delayed. A run's tokens reach
-# the client together once it ends, so a request's first token is decoded alone: under load a run's
-# engine steps are long (32 streams: ~130 ms each), and the time to the first token is what a
-# streaming user waits on.
+# A plain step of a greedy request asks the primary for a run of tokens in one Decode
+# (DecodeRequest.max_tokens): the primary steps the request itself, in every engine step beside the
+# other requests', and the round trip between two tokens (a gRPC call each way, the gateway's own
+# step work) is paid once a run. Under a grammar the Decode carries the response format and the
+# primary masks each token by its own state of the grammar (primary_svc.run_grammars): under load a
+# round trip per token cost a constrained request about an engine step per token. A run is
+# DECODE_RUN_MAX tokens, and with adaptive speculation never longer than the stretch the controller
+# would plan plain anyway (until its next probe: AdaptiveController.plain_steps_ahead), so no draft
+# it wants is delayed. A run's tokens reach the client together once it ends, so a request's first
+# token is decoded alone: under load a run's engine steps are long (32 streams: ~130 ms each), and
+# the time to the first token is what a streaming user waits on.
 DECODE_RUN_MAX = 8
 # Tokens a Propose asks each model-free decoder for past the step's draft (ProposeRequest.
 # continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
@@ -615,8 +617,10 @@ class RequestLoop:
 
     async def _plain_step(self) -> list[int]:
         t = time.perf_counter()
-        allowed = None if self.grammar is None else self.grammar.allowed_mask()  # 1 row
         max_tokens = self._decode_run_length()
+        # A run under a grammar: the primary masks each token by its own state of the grammar.
+        is_grammar_run = self.grammar is not None and max_tokens > 1
+        allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
         decoded = await self._with_primary(
             lambda: self.backends.decode(
                 self.request_id,
@@ -627,6 +631,7 @@ class RequestLoop:
                 allowed,
                 max_tokens=max_tokens,
                 stop_token_ids=sorted(self.eos) if max_tokens > 1 else (),
+                response_format=self.params.response_format if is_grammar_run else None,
             )
         )
         tokens = list(decoded.token_ids) or [decoded.token_id]
@@ -639,10 +644,10 @@ class RequestLoop:
 
     def _decode_run_length(self) -> int:
         """How many tokens this plain step asks the primary for: one for a request's first token, and
-        unless the request is greedy without a grammar; else DECODE_RUN_MAX (at most
-        decode_run_max), with adaptive speculation no more than the controller's plain steps ahead;
-        never past max_new_tokens or the context."""
-        if self.grammar is not None or not self.params.sampling.is_greedy or not self.generated:
+        unless the request is greedy; else DECODE_RUN_MAX (at most decode_run_max), with adaptive
+        speculation no more than the controller's plain steps ahead; never past max_new_tokens or the
+        context."""
+        if not self.params.sampling.is_greedy or not self.generated:
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),

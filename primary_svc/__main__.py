@@ -15,6 +15,7 @@ from primary_svc.autotune import CANDIDATES, FLOAT_CANDIDATES, choose_precision_
 from primary_svc.config import PrimaryConfig, parse_config
 from primary_svc.costs import measure_verify_costs
 from primary_svc.leases import KVLeases
+from primary_svc.run_grammars import RunGrammars
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.background_compile import BackgroundCompiler
@@ -32,6 +33,7 @@ from specdec.model.loader import load_config, resolve_model_dir
 from specdec.model import native
 from specdec.model.precision import AUTO
 from specdec.model.quant import QUANTIZED_PRECISIONS
+from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
@@ -82,7 +84,15 @@ def main(argv: list[str] | None = None) -> None:
     compiler = start_step_compiler(config, loaded.model, metrics) if is_compiled else None
     if swept := cleanup_stale_slots():
         log.info("removed the logits slots of primaries that exited without cleaning up", num_slots=len(swept))
-    servicer = PrimaryServicer(loaded, worker, identity, config.max_kv_bytes, metrics, KVLeases(config.kv_lease_s))
+    # Greedy runs under a response format mask by the primary's own grammar states; the tokenizer's
+    # tables (~1 s) are built in the background, so the first constrained run need not wait for them.
+    run_grammars = RunGrammars(
+        lambda: GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, loaded.config.vocab_size))
+    )
+    threading.Thread(target=warm_grammars, args=(run_grammars,), name="grammar-tables", daemon=True).start()
+    servicer = PrimaryServicer(
+        loaded, worker, identity, config.max_kv_bytes, metrics, KVLeases(config.kv_lease_s), run_grammars
+    )
     stop_expiry = threading.Event()
     threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()
 
@@ -106,6 +116,13 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def warm_grammars(run_grammars: RunGrammars) -> None:
+    try:
+        run_grammars.warm()
+    except Exception:  # noqa: BLE001 - the first constrained run builds them again, and reports why not
+        structlog.get_logger("primary_svc").exception("grammar tables not built")
 
 
 def expire_leases(servicer: PrimaryServicer, stop: threading.Event) -> None:

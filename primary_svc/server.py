@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
 from primary_svc.leases import KVLeases
+from primary_svc.run_grammars import RunGrammars, check_run_grammar
 from primary_svc.worker import EngineWorker
 from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.engine.tree import with_lookahead
-from specdec.errors import InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.grammar import GrammarState
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
@@ -51,8 +54,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         max_kv_bytes: int,
         metrics: ServiceMetrics | None = None,
         leases: KVLeases | None = None,
+        run_grammars: RunGrammars | None = None,
     ) -> None:
+        """`run_grammars`: the grammar states of Decode calls with a response_format (None: such
+        calls are refused)."""
         self.loaded, self.worker, self.identity = loaded, worker, identity
+        self.run_grammars = run_grammars
         self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
         self.vocab_size = loaded.config.vocab_size
         self.logits_slots = LogitsSlots(identity.instance_id)
@@ -102,7 +109,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             token_ids,
             request.num_prompt_tokens,
             timeout_s=context.time_remaining(),
-            on_replace=lambda: self.leases.drop(request_id),
+            on_replace=lambda: self._forget(request_id),
             finish=lambda num_cached: (
                 num_cached,
                 self.worker.built_engine().num_reused_tokens(request_id),
@@ -162,8 +169,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         self.leases.check(request_id, request.kv_lease)
         sampling = pb.sampling_from_pb(request.sampling)
         allowed = self._allowed_tokens(request, 1)
+        grammar = self._run_grammar(request, request_id, allowed is not None, sampling.is_greedy)
 
         def next_token(logits: torch.Tensor) -> int:
+            if grammar is not None:  # on the engine thread, past every token committed so far
+                allowed_now = grammar(self.worker.built_engine().output_token_ids(request_id)).allowed_mask()
+                return int(allowed_now.argmax(logits)[0])
             if sampling.is_greedy:  # the masked argmax constrained speculation validates against
                 return row_argmax(logits[:1])[0] if allowed is None else int(allowed.argmax(logits)[0])
             if allowed is not None:
@@ -200,15 +211,36 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             raise InvalidArgument("max_tokens", f"must be at most {MAX_DECODE_TOKENS}, got {request.max_tokens}")
         if max_tokens > 1 and not is_greedy_unmasked:
             raise InvalidArgument(
-                "max_tokens", "more than one token a call needs greedy sampling and no allowed_tokens"
+                "max_tokens",
+                "more than one token a call needs greedy sampling and no allowed_tokens (send response_format)",
             )
         self.worker.built_engine().check_token_ids("stop_token_ids", request.stop_token_ids)
         return max_tokens, frozenset(request.stop_token_ids)
 
+    def _run_grammar(
+        self, request, request_id: str, has_allowed_tokens: bool, is_greedy: bool
+    ) -> Callable[[Sequence[int]], GrammarState] | None:
+        """For a Decode with a response_format: output token ids -> the request's grammar state past
+        them (primary_svc.run_grammars); compiled here, on the RPC thread. None without one."""
+        response_format = pb.response_format_from_pb(request.response_format)
+        check_run_grammar(response_format, has_allowed_tokens, is_greedy)
+        if response_format is None:
+            return None
+        if self.run_grammars is None:
+            raise FailedPrecondition("response_format", "this primary serves no grammars")
+        grammars, compiled = self.run_grammars, self.run_grammars.compile(response_format)
+        return lambda output: grammars.state(request_id, compiled, output)
+
+    def _forget(self, request_id: str) -> None:
+        """What the service keeps of a request beside the engine: its lease and grammar state."""
+        self.leases.drop(request_id)
+        if self.run_grammars is not None:
+            self.run_grammars.drop(request_id)
+
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
-        self.leases.drop(request_id)
+        self._forget(request_id)
         self.logits_slots.release(request_id)
         freed = self.worker.call(lambda engine: engine.release(request_id))
         self._observe_kv()
@@ -221,6 +253,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             expired = self.leases.take_expired()
             for request_id in expired:
                 self.logits_slots.release(request_id)
+                if self.run_grammars is not None:
+                    self.run_grammars.drop(request_id)
                 if engine.has_request(request_id):
                     engine.release(request_id)
             return expired

@@ -154,6 +154,11 @@ class Engine:
     def token_ids(self, request_id: str) -> list[int]:
         return list(self._get(request_id).token_ids)
 
+    def output_token_ids(self, request_id: str) -> list[int]:
+        """The request's committed tokens after its prompt: its output so far, the pending token last."""
+        req = self._get(request_id)
+        return req.token_ids[req.num_prompt_tokens :]
+
     def num_tokens(self, request_id: str) -> int:
         """The request's committed tokens, its prompt included."""
         return len(self._get(request_id).token_ids)

@@ -73,7 +73,7 @@ def test_constrained_speculation_equals_constrained_plain_decoding_and_validates
     for row in json_prompts:
         plain = gateway_stub.Generate(request(row, is_speculative=False), timeout=300)
         assert plain.finish_reason == gateway_pb2.FINISH_REASON_EOS, (row["id"], plain.text)
-        assert plain.stats.num_forced_tokens == 0  # speculation off: one Decode a token, the baseline
+        assert plain.stats.num_forced_tokens == 0  # speculation off: plain runs, the baseline
         adaptive = gateway_stub.Generate(request(row, is_speculative=True), timeout=300)
         assert adaptive.stats.task_type == "structured"  # the controller's task class (a fixed plan has none)
         for spec in (

@@ -166,8 +166,9 @@ class FakeBackends:
         *,
         max_tokens=1,
         stop_token_ids=(),
+        response_format=None,
     ) -> Decoded:
-        assert allowed is None, "no grammar in these requests"
+        assert allowed is None and response_format is None, "no grammar in these requests"
         self.calls.append(
             (
                 "decode",

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from gateway.backends import EMPTY_TREE, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
-from gateway.loop import RequestLoop
+from gateway.loop import DECODE_RUN_MAX, RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
 from specdec.sampling import SamplingParams
@@ -65,6 +65,8 @@ class TargetBackends:
     num_drafted_context: int = 0  # prompt + committed, as the draft service has heard it
     committed: list[list[int]] = dataclasses.field(default_factory=list)  # per Verify/Decode call
     other_step_rows: int = 0  # the primary's load as Backends keeps it (an idle primary)
+    num_decodes: int = 0
+    num_grammar_runs: int = 0  # of which carried the response format (a run)
 
     async def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
         self.context = list(token_ids)
@@ -86,10 +88,32 @@ class TargetBackends:
         assert allowed.is_allowed(list(range(len(rows))), rows).all(), "a row's token is off the grammar"
         return Verified(None, tuple(rows), 0.0)
 
-    async def decode(self, request_id, accepted_nodes, committed_token_ids, sampling, step, allowed=None, **_):
+    async def decode(
+        self,
+        request_id,
+        accepted_nodes,
+        committed_token_ids,
+        sampling,
+        step,
+        allowed=None,
+        *,
+        max_tokens=1,
+        stop_token_ids=(),
+        response_format=None,
+    ):
         self._commit(committed_token_ids)
-        assert allowed.is_allowed([0], [self._next()]).all()
-        return Decoded(self._next(), 0.0)
+        self.num_decodes += 1
+        if response_format is None:  # one token under the gateway's mask
+            assert max_tokens == 1 and allowed.is_allowed([0], [self._next()]).all()
+            return Decoded(self._next(), 0.0)
+        # a run: the primary masks by its own grammar state, committing every token but the last
+        assert allowed is None and response_format.schema_text == PERSON_SCHEMA
+        self.num_grammar_runs += 1
+        tokens = [self._next()]
+        while len(tokens) < max_tokens and tokens[-1] not in stop_token_ids:
+            self._commit(tokens[-1:])
+            tokens.append(self._next())
+        return Decoded(tokens[-1], 0.0, 0, tuple(tokens))
 
     async def validate(self, request_id, mode, sampling, threshold, step, tree, verified, allowed=None) -> Validation:
         num_accepted = next(
@@ -114,7 +138,10 @@ class TargetBackends:
         pass
 
 
-def run_loop(grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool) -> RequestLoop:
+def run_loop(
+    grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool, decode_run_max: int = 1
+) -> RequestLoop:
+    """The request under PERSON_SCHEMA; decode_run_max 1: every plain step decodes one token."""
     spec = SpeculationParams(is_enabled, 1, 4, 0.0, ("prompt_lookup",), TaskType.STRUCTURED, False)
     response_format = ResponseFormat("json_schema", PERSON_SCHEMA)
     params = GenerationParams("p", None, 64, (), SamplingParams(), spec, response_format=response_format)
@@ -135,6 +162,7 @@ def run_loop(grammar_cache, tokenizer, backends: TargetBackends, is_enabled: boo
         cancel=threading.Event(),
         owner="test",
         grammar=grammar_cache.compile(response_format).new_state(),
+        decode_run_max=decode_run_max,
     )
     asyncio.run(drain(loop))
     return loop
@@ -149,7 +177,7 @@ async def drain(loop: RequestLoop) -> None:
 def test_forced_tokens_join_the_commit_and_the_output_equals_plain_decoding(
     grammar_cache, tokenizer, target, draft_length
 ):
-    plain = run_loop(grammar_cache, tokenizer, TargetBackends(target), is_enabled=False)
+    plain = run_loop(grammar_cache, tokenizer, TargetBackends(target), is_enabled=False)  # a token a step
     assert plain.outcome.token_ids == target[:-1] and plain.outcome.finish_reason == "eos"
     assert plain.stats.num_forced_tokens == 0 and plain.stats.num_steps == len(target)  # one token a step
 
@@ -169,3 +197,13 @@ def test_forced_tokens_join_the_commit_and_the_output_equals_plain_decoding(
         assert loop.stats.num_forced_tokens <= sum(FORCED.values()) and loop.stats.num_accepted > 0
         num_gained = loop.stats.num_accepted + loop.stats.num_forced_tokens  # beyond a token a step
         assert loop.stats.num_steps <= plain.stats.num_steps - num_gained
+
+
+def test_plain_steps_under_a_grammar_decode_runs_that_the_primary_masks(grammar_cache, tokenizer, target):
+    """With runs (the default), a plain step under a grammar sends the response format instead of a
+    mask, and the primary decodes up to DECODE_RUN_MAX tokens in the call; the output is the same."""
+    backends = TargetBackends(target)
+    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=False, decode_run_max=DECODE_RUN_MAX)
+    assert loop.outcome.token_ids == target[:-1] and loop.outcome.finish_reason == "eos"
+    assert backends.num_grammar_runs > 0 and backends.num_decodes < len(target) // 2  # far fewer calls than tokens
+    assert json.loads(tokenizer.decode(loop.outcome.token_ids))["unit"] == "celsius"

@@ -8,17 +8,26 @@ import pytest
 import torch
 
 from primary_svc.leases import KVLeases
+from primary_svc.run_grammars import RunGrammars
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
+from specdec import pb
+from specdec.grammar import ResponseFormat
 from specdec.pb import logits_from_pb
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import create_server
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
+SCHEMA = (
+    '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, '
+    '"required": ["name", "age"]}'
+)
+RESPONSE_FORMAT = pb.response_format_to_pb(ResponseFormat("json_schema", SCHEMA))
+ALL_ALLOWED = common_pb2.TokenMask(num_rows=1, bits=b"\xff" * (49152 // 8))  # every token of the vocabulary
 LEASE_S = 30.0
 
 
@@ -31,13 +40,20 @@ class FakeClock:
 
 
 @pytest.fixture(scope="module")
-def primary(default_model_dir):
+def primary(default_model_dir, grammar_cache):
     loaded = load_model(default_model_dir, "fp32", max_positions=512, is_shared=True)
     engine = Engine(loaded.model, KVCache(loaded.config, torch.float32, max_bytes=64 << 20), 512)
     worker = EngineWorker(engine)
     identity = ModelIdentity("test-model", "instance-1", 512, (2,), {1: 10.0, 8: 15.0})
     clock = FakeClock()
-    servicer = PrimaryServicer(loaded, worker, identity, 64 << 20, leases=KVLeases(LEASE_S, clock))
+    servicer = PrimaryServicer(
+        loaded,
+        worker,
+        identity,
+        64 << 20,
+        leases=KVLeases(LEASE_S, clock),
+        run_grammars=RunGrammars(lambda: grammar_cache),
+    )
     server, port = create_server(
         "127.0.0.1:0",
         [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
@@ -166,6 +182,41 @@ def test_prefill_verify_commit_decode_release(primary):
             "stop_token_ids",
         ),
         (
+            primary_pb2.DecodeRequest(
+                request_id="r", max_tokens=4, response_format=RESPONSE_FORMAT, allowed_tokens=ALL_ALLOWED
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "response_format",
+        ),
+        (
+            primary_pb2.DecodeRequest(
+                request_id="r",
+                max_tokens=1,
+                response_format=RESPONSE_FORMAT,
+                sampling=common_pb2.SamplingParams(temperature=0.8, seed=1),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "response_format",
+        ),
+        (
+            primary_pb2.DecodeRequest(
+                request_id="r",
+                max_tokens=4,
+                response_format=common_pb2.ResponseFormat(
+                    type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema="{not json"
+                ),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "response_format.json_schema",
+        ),
+        (
+            primary_pb2.DecodeRequest(
+                request_id="r", max_tokens=4, committed_token_ids=[42], response_format=RESPONSE_FORMAT
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "response_format",
+        ),
+        (
             primary_pb2.PrefillRequest(request_id="big", token_ids=[1] * 600),
             grpc.StatusCode.INVALID_ARGUMENT,
             "token_ids",
@@ -234,6 +285,46 @@ def test_a_decode_of_several_tokens_is_as_many_one_token_decodes(primary):
     assert len(end.token_ids) == 5 and engine.num_tokens("end") == 512
     stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="end", kv_lease=lease))
     assert engine.kv_bytes == 0
+
+
+def test_a_run_under_a_response_format_is_as_many_one_token_decodes_under_its_masks(primary, grammar_cache):
+    """response_format: the primary masks every token of a run by its own grammar state, following
+    the request's committed output across calls, so the tokens are those of one-token Decodes under
+    the masks a gateway's grammar state sends; the state is dropped with the request."""
+    stub, engine, servicer, _ = primary
+    grammar = grammar_cache.compile(ResponseFormat("json_schema", SCHEMA))
+
+    def decode(rid, lease, pending, **fields) -> primary_pb2.DecodeResponse:
+        return stub.Decode(
+            primary_pb2.DecodeRequest(request_id=rid, committed_token_ids=pending, kv_lease=lease, **fields)
+        )
+
+    leases = {rid: stub.Prefill(primary_pb2.PrefillRequest(request_id=rid, token_ids=PROMPT)).kv_lease for rid in "ogf"}
+    state, masked, pending = grammar.new_state(), [], []
+    for _ in range(14):  # as a gateway decodes under a grammar without runs: its mask with each call
+        d = decode("o", leases["o"], pending, allowed_tokens=pb.token_mask_to_pb(state.allowed_mask()))
+        assert state.accept_tokens([d.token_id])
+        masked.append(d.token_id)
+        pending = [d.token_id]
+    free = decode("f", leases["f"], [], max_tokens=14)
+    assert list(free.token_ids) != masked  # the grammar changes the output: the run is really masked
+    run = decode("g", leases["g"], [], max_tokens=6, response_format=RESPONSE_FORMAT)
+    assert list(run.token_ids) == masked[:6] and engine.output_token_ids("g") == masked[:5]  # the 6th pending
+    one = decode("g", leases["g"], [run.token_id], allowed_tokens=pb.token_mask_to_pb(_past(grammar, masked[:6])))
+    assert one.token_id == masked[6]  # a one-token step in between (the gateway's mask) ...
+    more = decode("g", leases["g"], [one.token_id], max_tokens=7, response_format=RESPONSE_FORMAT)
+    assert list(more.token_ids) == masked[7:14]  # ... and the primary's state catches up with it
+    assert servicer.run_grammars.num_states == 1
+    for rid, lease in leases.items():
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=rid, kv_lease=lease))
+    assert servicer.run_grammars.num_states == 0 and engine.kv_bytes == 0
+
+
+def _past(grammar, output):
+    """The mask a fresh state of `grammar` gives after `output`."""
+    state = grammar.new_state()
+    assert state.accept_tokens(output)
+    return state.allowed_mask()
 
 
 def test_a_full_kv_cache_makes_a_prefill_wait_until_its_deadline(primary):

@@ -1,0 +1,106 @@
+"""Grammar states for Decode runs under a response format.
+
+A greedy request without a grammar decodes runs of tokens in one Decode (DecodeRequest.max_tokens):
+the primary steps it itself, beside the other requests, and the round trip to the gateway is paid
+once a run. Under a grammar each token needs the mask of the state after the one before, which the
+gateway holds; so a constrained request used to pay a round trip per token, and under load (an
+engine step of 30 rows takes ~100 ms on a 2-core CPU) each trip costs it about a step. With
+DecodeRequest.response_format the primary masks every token of the call by its own state of the
+request's grammar instead, exactly as the gateway's one-token Decodes would (same grammar engine,
+same compiled grammar, same committed output), so the output is unchanged token for token.
+
+The state of a request follows its committed output (the engine's token ids after the prompt):
+before each token the state accepts whatever was committed since it last looked (the previous
+token of the run, or a whole step of another kind: a verify's accepted tokens, forced tokens), so it
+stays in step with any mix of calls. When the output is not a continuation of what it accepted (a
+request replaced under the same id, another response format) it starts over from the output.
+
+Compiles run on the calling RPC thread (GrammarCache: cached, ~25 ms a new schema); only accepting
+tokens and filling masks run on the engine thread, a few tens of microseconds a token.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, ResponseFormat
+
+# States kept at most: one per active request using a grammar run, dropped at Release and expiry;
+# the bound only guards against callers that never release (least recently used dropped first).
+MAX_STATES = 4096
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    response_format: ResponseFormat
+    state: GrammarState
+    token_ids: list[int]  # the output the state accepted, in order
+
+
+class RunGrammars:
+    """Thread-safe: compiles on any thread, states on the engine thread, drops on any thread."""
+
+    def __init__(self, make_cache: Callable[[], GrammarCache], max_states: int = MAX_STATES) -> None:
+        """`make_cache` builds the grammar cache (its tokenizer tables take ~1 s): on first use or `warm`."""
+        self._make_cache, self.max_states = make_cache, max_states
+        self._cache: GrammarCache | None = None
+        self._cache_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._states: collections.OrderedDict[str, _Entry] = collections.OrderedDict()
+
+    def warm(self) -> None:
+        """Build the grammar cache now (a start-up thread), so the first constrained run does not wait."""
+        self._grammar_cache()
+
+    def _grammar_cache(self) -> GrammarCache:
+        with self._cache_lock:
+            if self._cache is None:
+                self._cache = self._make_cache()
+            return self._cache
+
+    @property
+    def num_states(self) -> int:
+        return len(self._states)
+
+    def compile(self, response_format: ResponseFormat) -> CompiledGrammar:
+        """The compiled grammar (InvalidArgument naming response_format.json_schema when it cannot be)."""
+        return self._grammar_cache().compile(response_format)
+
+    def state(self, request_id: str, grammar: CompiledGrammar, output: Sequence[int]) -> GrammarState:
+        """The request's grammar state past `output` (its committed output tokens), kept between calls."""
+        with self._lock:
+            entry = self._states.get(request_id)
+            if entry is not None:
+                self._states.move_to_end(request_id)
+        n = 0 if entry is None else len(entry.token_ids)
+        if entry is None or entry.response_format != grammar.response_format or list(output[:n]) != entry.token_ids:
+            entry = _Entry(grammar.response_format, grammar.new_state(), [])
+            with self._lock:
+                self._states[request_id] = entry
+                while len(self._states) > self.max_states:
+                    self._states.popitem(last=False)
+        new = output[len(entry.token_ids) :]
+        if new:
+            if not entry.state.accept_tokens(new):
+                self.drop(request_id)
+                raise FailedPrecondition("response_format", "the request's committed output does not follow it")
+            entry.token_ids.extend(new)
+        return entry.state
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            self._states.pop(request_id, None)
+
+
+def check_run_grammar(response_format: ResponseFormat | None, has_allowed_tokens: bool, is_greedy: bool) -> None:
+    """A Decode's response_format with its other fields (InvalidArgument naming response_format)."""
+    if response_format is None:
+        return
+    if has_allowed_tokens:
+        raise InvalidArgument("response_format", "cannot come with allowed_tokens: it masks every token itself")
+    if not is_greedy:
+        raise InvalidArgument("response_format", "needs greedy sampling (temperature 0)")
