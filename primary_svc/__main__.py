@@ -177,8 +177,8 @@ def log_prefix_cache(engine: Engine) -> None:
         "prefix cache on",
         max_bytes=engine.prefix_cache.max_bytes,
         block_tokens=engine.prefix_cache.block_tokens,
-        # any whole block where a prefill may be cut anywhere; else whole prefill chunks only
-        reuse_multiple_of_tokens=max(engine.prefix_grid_tokens, engine.prefix_cache.block_tokens),
+        # any number of rows where a prefill may be cut anywhere; else whole prefill chunks only
+        reuse_multiple_of_tokens=engine.prefix_grid_tokens,
         reason="batch-invariant kernels" if engine.is_cut_anywhere else "not batch invariant: the prefill chunk grid",
     )
 

@@ -42,7 +42,9 @@ tenant (the prefix of the request id, specdec.request_id.tenant_of: a hit is vis
   the verify, so a prompt identical to a cached one still prefills nothing and verifies its last token;
 - where a prefill chunk may be cut anywhere (batch-invariant linears and row-exact attention, the
   native int4/int8 kernels: `is_cut_anywhere`), a row's bits depend on its tokens and position only,
-  so any whole block is reused;
+  so any number of rows is reused, token for token (a finished prompt prefill also stores its last,
+  partial block: an identical prompt then prefills nothing, one diverging at token 100 reuses 100
+  rows);
 - elsewhere (fp32/bf16 GEMMs round by row count; SDPA by query count) a row's bits also depend on
   the chunk it ran in, so rows are shared and reused only up to a multiple of `prefill_chunk_tokens`
   (the prefill grid every prefill cuts at, see primary_svc.scheduler): a prompt continuing from
@@ -187,13 +189,12 @@ class Engine:
             return 0
         num_rows = len(prompt) - 1
         if other is None:
-            num_shared = len(cache.match(prompt[:num_rows], tenant_of(request_id))) * cache.block_tokens
-        else:
+            num_shared = cache.match_tokens(prompt[:num_rows], tenant_of(request_id))[1]
+        else:  # `other`'s prompt rows are all cached once it is prefilled (whole blocks and its tail)
             num_shared = 0
             limit = min(num_rows, len(other) - 1)
             while num_shared < limit and prompt[num_shared] == other[num_shared]:
                 num_shared += 1
-            num_shared = num_shared // cache.block_tokens * cache.block_tokens
         return num_shared // self.prefix_grid_tokens * self.prefix_grid_tokens
 
     def num_to_prefill(self, request_id: str) -> int:
@@ -322,19 +323,21 @@ class Engine:
         if self.prefix_cache is None:
             return
         num_rows, grid = self._prompt_rows(req), self.prefix_grid_tokens
-        blocks = self.prefix_cache.match(req.token_ids[:num_rows], req.scope)
-        num_reused = len(blocks) * self.prefix_cache.block_tokens // grid * grid
+        blocks, num_matched = self.prefix_cache.match_tokens(req.token_ids[:num_rows], req.scope)
+        num_reused = num_matched // grid * grid
         self.prefix_cache.copy_prefix(blocks, num_reused, req.slot.k, req.slot.v)
         req.slot.num_cached = req.num_reused = num_reused
         self.prefix_cache.record_query(num_rows, num_reused)
 
     def _share_prefix(self, req: _Request) -> None:
-        """Offer the prompt rows computed so far to the prefix cache (whole blocks, on the grid)."""
+        """Offer the prompt rows computed so far to the prefix cache (whole blocks, on the grid; the
+        last, partial block too once the prompt is done, where rows are reused at any count)."""
         if self.prefix_cache is None:
             return
-        grid = self.prefix_grid_tokens
-        num_rows = min(req.slot.num_cached, self._prompt_rows(req)) // grid * grid
-        self.prefix_cache.insert(req.token_ids[:num_rows], req.slot.k, req.slot.v, req.scope)
+        grid, num_prompt_rows = self.prefix_grid_tokens, self._prompt_rows(req)
+        num_rows = min(req.slot.num_cached, num_prompt_rows) // grid * grid
+        is_done = grid == 1 and num_rows == num_prompt_rows
+        self.prefix_cache.insert(req.token_ids[:num_rows], req.slot.k, req.slot.v, req.scope, with_tail=is_done)
 
     def _reserve(self, req: _Request, num_rows: int) -> None:
         try:

@@ -12,7 +12,14 @@ only when their scopes and all their tokens up to its end are equal. No hash can
 compares the token tuples), so the cache never hands a prompt rows of other tokens.
 
     prompt  [a b c d | e f g h | i j]     block_tokens 4, scope "acme"
-    entries ("acme", (a,b,c,d)) -> id 1,  (1, (e,f,g,h)) -> id 2; [i j] is not a full block
+    entries ("acme", (a,b,c,d)) -> id 1,  (1, (e,f,g,h)) -> id 2,  and with `with_tail` (2, (i,j)) -> id 3
+
+Token granularity: the rows of a prefix depend on its tokens only, so a lookup takes, after the
+whole blocks it matches, the first rows of the cached entry after them that begin like the rest of
+the prompt: a block the prompt diverges inside, or a tail (the last, partial block of a prompt,
+stored with `with_tail`). A prompt sent again reuses every row of it, not its whole blocks only; a
+prompt that diverges at token 100 reuses 100 rows, not 96 (SGLang's radix cache is token-grained
+too; vLLM's blocks are not). Whether a caller may reuse rows at any count is the engine's rule.
 
 Scope: the engine passes the request's tenant (specdec.request_id.tenant_of). A hit is visible to
 its client (fewer prompt tokens computed, `num_cached_prompt_tokens`, a shorter time to first
@@ -49,7 +56,7 @@ class CachedBlock:
     block_id: int
     key: BlockKey
     parent: BlockKey | None  # None: a first block
-    k: torch.Tensor  # [num_layers, num_kv_heads, block_tokens, head_dim], the slot's dtype and device
+    k: torch.Tensor  # [num_layers, num_kv_heads, tokens, head_dim] (block_tokens but a tail), the slot's dtype
     v: torch.Tensor
     num_children: int = 0  # entries whose parent this is (eviction takes leaves only)
 
@@ -79,6 +86,8 @@ class PrefixCache:
         self.num_bytes = 0
         self.stats = PrefixCacheStats()
         self._blocks: collections.OrderedDict[BlockKey, CachedBlock] = collections.OrderedDict()  # LRU first
+        # entries by parent (entry id, or scope for first blocks) and first token: a lookup's candidates
+        self._children: dict[int | str, dict[int, set[BlockKey]]] = {}
         self._ids = itertools.count(1)
 
     @property
@@ -93,6 +102,31 @@ class PrefixCache:
 
     def match(self, token_ids: Sequence[int], scope: str = "") -> list[CachedBlock]:
         """The blocks of the longest prefix of token_ids cached in `scope` (whole blocks), touched as used."""
+        found, _ = self._match_blocks(token_ids, scope)
+        self._touch(found)
+        return found
+
+    def match_tokens(self, token_ids: Sequence[int], scope: str = "") -> tuple[list[CachedBlock], int]:
+        """(entries, n): the longest prefix of token_ids cached in `scope`, token for token: n tokens,
+        whose rows are the first n of the entries' rows in order (whole blocks, then the first rows of
+        one more entry: a block or tail beginning like the rest). Touched as used."""
+        found, parent_id = self._match_blocks(token_ids, scope)
+        start = len(found) * self.block_tokens
+        best, num_best = None, 0
+        if start < len(token_ids):
+            for key in self._children.get(parent_id, {}).get(token_ids[start], ()):
+                tokens, n = key[1], 1
+                while n < len(tokens) and start + n < len(token_ids) and tokens[n] == token_ids[start + n]:
+                    n += 1
+                if n > num_best:
+                    best, num_best = self._blocks[key], n
+        if best is not None:
+            found.append(best)
+        self._touch(found)
+        return found, start + num_best
+
+    def _match_blocks(self, token_ids: Sequence[int], scope: str) -> tuple[list[CachedBlock], int | str]:
+        """The whole blocks of the longest cached prefix, and the id their next entry would hang off."""
         found: list[CachedBlock] = []
         parent_id: int | str = scope
         for tokens in self._keys(token_ids):
@@ -101,8 +135,7 @@ class PrefixCache:
                 break
             found.append(block)
             parent_id = block.block_id
-        self._touch(found)
-        return found
+        return found, parent_id
 
     def copy_prefix(self, blocks: Sequence[CachedBlock], num_tokens: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the first num_tokens rows the blocks hold into k/v (a slot's, rows in position order)."""
@@ -120,22 +153,31 @@ class PrefixCache:
         self.stats.num_query_tokens += num_query_tokens
         self.stats.num_reused_tokens += num_reused_tokens
 
-    def insert(self, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, scope: str = "") -> int:
+    def insert(
+        self, token_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor, scope: str = "", with_tail: bool = False
+    ) -> int:
         """Store, in `scope`, the full blocks of token_ids whose rows are k/v[:, :, :len(token_ids)] (a slot's
-        [num_layers, num_kv_heads, capacity, head_dim]); blocks already cached are only touched.
-        Stops at the first block that does not fit the budget. Returns the blocks now cached."""
+        [num_layers, num_kv_heads, capacity, head_dim]), and with `with_tail` the partial block after
+        them as a tail entry; entries already cached are only touched. Stops at the first entry that
+        does not fit the budget. Returns the entries now cached."""
+        b = self.block_tokens
+        pieces = list(self._keys(token_ids))
+        if with_tail and len(token_ids) % b:
+            pieces.append(tuple(token_ids[len(pieces) * b :]))
         chain: list[CachedBlock] = []
-        for i, tokens in enumerate(self._keys(token_ids)):
+        for i, tokens in enumerate(pieces):
             parent = chain[-1].key if chain else None
-            key: BlockKey = (chain[-1].block_id if chain else scope, tokens)
+            parent_id = chain[-1].block_id if chain else scope
+            key: BlockKey = (parent_id, tokens)
             block = self._blocks.get(key)
             if block is None:
-                rows = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
+                rows = slice(i * b, i * b + len(tokens))
                 num_bytes = 2 * k[:, :, rows].numel() * k.element_size()
                 if not self._make_room(num_bytes, protected=len(chain)):
                     break
                 block = CachedBlock(next(self._ids), key, parent, k[:, :, rows].clone(), v[:, :, rows].clone())
                 self._blocks[key] = block
+                self._children.setdefault(parent_id, {}).setdefault(tokens[0], set()).add(key)
                 self.num_bytes += num_bytes
                 if parent is not None:
                     self._blocks[parent].num_children += 1
@@ -153,6 +195,12 @@ class PrefixCache:
                 return False
             key, block = self._blocks.popitem(last=False)
             assert block.num_children == 0, "the least recently used block is a leaf"
+            by_token = self._children[key[0]]
+            by_token[key[1][0]].discard(key)
+            if not by_token[key[1][0]]:
+                del by_token[key[1][0]]
+                if not by_token:
+                    del self._children[key[0]]
             if block.parent is not None:
                 self._blocks[block.parent].num_children -= 1
             self.num_bytes -= block.num_bytes

@@ -1,7 +1,7 @@
-"""The prefix cache: chained block keys, longest-prefix lookup and LRU eviction on hand-built tensors;
-then on the real model, that a prompt continuing from cached rows gets exactly (torch.equal) the
-logits of a prefill without the cache, with native int4 (reuse at any block) and fp32 (reuse on the
-prefill-chunk grid only)."""
+"""The prefix cache: chained block keys, longest-prefix lookup (whole blocks, and token for token
+into a block or tail) and LRU eviction on hand-built tensors; then on the real model, that a prompt
+continuing from cached rows gets exactly (torch.equal) the logits of a prefill without the cache,
+with native int4 (reuse at any row count) and fp32 (reuse on the prefill-chunk grid only)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,40 @@ def test_longest_prefix_stops_at_the_first_block_that_differs():
     assert len(cache.match([0, 1, 2, 3, 4, 5, 99, 7, 8, 9, 10, 11])) == 1  # diverges inside block 1
     assert len(cache.match([99] + list(range(1, 12)))) == 0
     assert cache.insert(list(range(8)), *rows(8)) == 2 and cache.num_blocks == 3  # cached ones are reused
+
+
+def test_a_lookup_goes_token_for_token_into_a_block_or_a_tail():
+    """After the whole blocks, the first rows of the entry that begins like the rest of the prompt:
+    a block it diverges inside, or a tail (a prompt's partial last block, stored with with_tail)."""
+    cache = PrefixCache(max_bytes=1 << 20, block_tokens=B)
+    assert cache.insert([1, 2, 3, 4, 5, 6, 7, 8], *rows(8)) == 2
+    assert cache.insert([1, 2, 3, 4, 9, 9, 7], *rows(7, first=50.0), with_tail=True) == 2  # block 0 shared
+    assert cache.num_blocks == 3 and cache.num_bytes == 2 * BLOCK_BYTES + BLOCK_BYTES * 3 // 4  # a 3-row tail
+    blocks, n = cache.match_tokens([1, 2, 3, 4, 5, 6, 0, 0])  # diverges inside block 1
+    assert n == 6 and len(blocks) == 2
+    k, v = torch.zeros(2, 1, 8, 2), torch.zeros(2, 1, 8, 2)
+    cache.copy_prefix(blocks, n, k, v)
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    blocks, n = cache.match_tokens([1, 2, 3, 4, 9, 9, 7])  # the tail's prompt again: every row
+    assert n == 7
+    cache.copy_prefix(blocks, n, k, v)
+    assert k[0, 0, :7, 0].tolist() == [0, 1, 2, 3, 54, 55, 56] and torch.equal(v[:, :, :7], -k[:, :, :7])
+    assert cache.match_tokens([1, 2, 3, 4, 9, 8])[1] == 5  # into the tail, then it differs
+    assert cache.match_tokens([1, 2, 3])[1] == 3  # a prompt shorter than a block: into block 0
+    assert cache.match_tokens([7, 2, 3, 4])[1] == 0 and cache.match_tokens([])[1] == 0
+    assert cache.match_tokens([1, 2, 3, 4, 5], scope="acme")[1] == 0  # scopes still never share
+    assert len(cache.match([1, 2, 3, 4, 9, 9, 7])) == 1  # whole blocks only
+    assert cache.insert([1, 2, 3, 4, 9, 9, 7], *rows(7), with_tail=True) == 2 and cache.num_blocks == 3
+
+
+def test_evicting_a_tail_forgets_it_for_lookups():
+    cache = PrefixCache(max_bytes=2 * BLOCK_BYTES, block_tokens=B)
+    cache.insert([1, 2, 3, 4, 5, 6], *rows(6), with_tail=True)  # a block and a 2-row tail
+    cache.insert([8, 8, 8, 8], *rows(4))  # room is made: the tail, least recently used, goes
+    assert cache.stats.num_evicted_blocks == 1 and cache.num_bytes == 2 * BLOCK_BYTES
+    assert cache.match_tokens([1, 2, 3, 4, 5, 6])[1] == 4
+    cache.insert([1, 2, 3, 4, 5, 6], *rows(6), with_tail=True)  # stored again (evicting [8 8 8 8])
+    assert cache.match_tokens([1, 2, 3, 4, 5, 6])[1] == 6 and cache.match_tokens([8, 8, 8, 8])[1] == 0
 
 
 def test_lru_eviction_keeps_the_byte_budget_and_takes_leaves_first():
@@ -142,7 +176,7 @@ def test_a_prompt_sharing_a_prefix_reuses_it_bit_for_bit_int4(int4_model):
     engine.release("a")  # releasing A leaves its blocks in the cache
     assert engine.kv_bytes == 0 and engine.prefix_cache.num_bytes > 0
     got = run(engine, "b", PROMPT_B)
-    assert engine.num_reused_tokens("b") == 128  # 141 shared tokens: eight whole blocks of 16
+    assert engine.num_reused_tokens("b") == 142  # every shared token (SHARED and both continue with 100)
     assert_equal(got, want)
     assert engine.kv_bytes_of("b") == reference.kv_bytes_of("b")  # the slot is the same size
     engine.release("b")
@@ -160,29 +194,31 @@ def test_the_engine_shares_prefixes_within_a_tenant_only_int4(int4_model):
     assert engine.num_reused_tokens("acme/b") > 0
 
 
-def test_an_identical_prompt_prefills_nothing_but_its_partial_block_int4(int4_model):
-    prompt = PROMPT_A[:161]  # 160 rows to prefill: ten whole blocks
+@pytest.mark.parametrize("num_tokens", [161, 150])
+def test_an_identical_prompt_prefills_nothing_int4(int4_model, num_tokens):
+    """161 tokens: 160 rows to prefill, ten whole blocks; 150: nine blocks and a 5-row tail."""
+    prompt = PROMPT_A[:num_tokens]
     want = run(new_engine(int4_model), "x", prompt)
     engine = new_engine(int4_model, PrefixCache())
     run(engine, "first", prompt)
     engine.open("again", prompt)
-    assert engine.num_reused_tokens("again") == 160 and engine.num_to_prefill("again") == 0
+    assert engine.num_reused_tokens("again") == num_tokens - 1 and engine.num_to_prefill("again") == 0
     assert_equal(run_opened(engine, "again"), want)
     engine.release("first")
     engine.release("again")
     assert engine.kv_bytes == 0
 
 
-def test_a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it_int4(int4_model):
+def test_a_prompt_diverging_inside_a_block_reuses_every_row_before_it_int4(int4_model):
     prompt = PROMPT_A[:100] + [7] + PROMPT_A[101:]  # differs at position 100, inside block 6 (96..111)
     want = run(new_engine(int4_model), "x", prompt)
     engine = new_engine(int4_model, PrefixCache())
     run(engine, "a", PROMPT_A)
     got = run(engine, "diverged", prompt)
-    assert engine.num_reused_tokens("diverged") == 96
+    assert engine.num_reused_tokens("diverged") == 100
     assert_equal(got, want)
     stats = engine.prefix_cache.stats
-    assert (stats.num_queries, stats.num_hits, stats.num_reused_tokens) == (2, 1, 96)
+    assert (stats.num_queries, stats.num_hits, stats.num_reused_tokens) == (2, 1, 100)
 
 
 def test_generated_tokens_are_never_shared_and_a_recovery_reuses_its_prompt_int4(int4_model):
@@ -191,7 +227,7 @@ def test_generated_tokens_are_never_shared_and_a_recovery_reuses_its_prompt_int4
     engine = new_engine(int4_model, PrefixCache())
     live = run(engine, "live", PROMPT_A[:97], num_steps=40)  # 96 prompt rows, 40 decoded
     blocks = engine.prefix_cache.num_blocks
-    assert blocks == 96 // 16
+    assert blocks == 96 // 16  # whole blocks, no tail
     generated = engine.token_ids("live")[97:]
     engine.open("recovered", PROMPT_A[:97] + generated[:-1], num_prompt_tokens=97)
     assert engine.num_reused_tokens("recovered") == 96  # the prompt only
@@ -231,6 +267,6 @@ def test_a_preempted_request_re_prefills_from_its_cached_prompt_int4(int4_model)
     want = engine.verify("r", (), ())  # uncommitted: the same verify again after the re-prefill
     engine.evict("r")
     engine.readmit("r")
-    assert engine.num_reused_tokens("r") == 192  # 200 prompt rows: twelve whole blocks of 16, no generated ones
+    assert engine.num_reused_tokens("r") == 200  # every prompt row (12 blocks and an 8-row tail), no generated one
     engine.prefill("r")
     assert torch.equal(engine.verify("r", (), ()), want)
