@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, ResponseFormat
@@ -70,14 +70,14 @@ class RunGrammars:
         """The compiled grammar (InvalidArgument naming response_format.json_schema when it cannot be)."""
         return self._grammar_cache().compile(response_format)
 
-    def state(self, request_id: str, grammar: CompiledGrammar, output: Sequence[int]) -> GrammarState:
+    def state(self, request_id: str, grammar: CompiledGrammar, output: list[int]) -> GrammarState:
         """The request's grammar state past `output` (its committed output tokens), kept between calls."""
         with self._lock:
             entry = self._states.get(request_id)
             if entry is not None:
                 self._states.move_to_end(request_id)
         n = 0 if entry is None else len(entry.token_ids)
-        if entry is None or entry.response_format != grammar.response_format or list(output[:n]) != entry.token_ids:
+        if entry is None or entry.response_format != grammar.response_format or output[:n] != entry.token_ids:
             entry = _Entry(grammar.response_format, grammar.new_state(), [])
             with self._lock:
                 self._states[request_id] = entry

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -219,7 +219,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def _run_grammar(
         self, request, request_id: str, has_allowed_tokens: bool, is_greedy: bool
-    ) -> Callable[[Sequence[int]], GrammarState] | None:
+    ) -> Callable[[list[int]], GrammarState] | None:
         """For a Decode with a response_format: output token ids -> the request's grammar state past
         them (primary_svc.run_grammars); compiled here, on the RPC thread. None without one."""
         response_format = pb.response_format_from_pb(request.response_format)

@@ -189,7 +189,7 @@ class Engine:
             return 0
         num_rows = len(prompt) - 1
         if other is None:
-            num_shared = cache.match_tokens(prompt[:num_rows], tenant_of(request_id))[1]
+            num_shared = cache.match(prompt[:num_rows], tenant_of(request_id))[1]
         else:  # `other`'s prompt rows are all cached once it is prefilled (whole blocks and its tail)
             num_shared = 0
             limit = min(num_rows, len(other) - 1)
@@ -323,7 +323,7 @@ class Engine:
         if self.prefix_cache is None:
             return
         num_rows, grid = self._prompt_rows(req), self.prefix_grid_tokens
-        blocks, num_matched = self.prefix_cache.match_tokens(req.token_ids[:num_rows], req.scope)
+        blocks, num_matched = self.prefix_cache.match(req.token_ids[:num_rows], req.scope)
         num_reused = num_matched // grid * grid
         self.prefix_cache.copy_prefix(blocks, num_reused, req.slot.k, req.slot.v)
         req.slot.num_cached = req.num_reused = num_reused

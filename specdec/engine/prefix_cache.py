@@ -100,13 +100,7 @@ class PrefixCache:
         for start in range(0, len(token_ids) - b + 1, b):
             yield tuple(token_ids[start : start + b])
 
-    def match(self, token_ids: Sequence[int], scope: str = "") -> list[CachedBlock]:
-        """The blocks of the longest prefix of token_ids cached in `scope` (whole blocks), touched as used."""
-        found, _ = self._match_blocks(token_ids, scope)
-        self._touch(found)
-        return found
-
-    def match_tokens(self, token_ids: Sequence[int], scope: str = "") -> tuple[list[CachedBlock], int]:
+    def match(self, token_ids: Sequence[int], scope: str = "") -> tuple[list[CachedBlock], int]:
         """(entries, n): the longest prefix of token_ids cached in `scope`, token for token: n tokens,
         whose rows are the first n of the entries' rows in order (whole blocks, then the first rows of
         one more entry: a block or tail beginning like the rest). Touched as used."""

@@ -30,11 +30,11 @@ def test_blocks_chain_so_that_equal_blocks_after_different_prefixes_are_differen
     cache = PrefixCache(max_bytes=1 << 20, block_tokens=B)
     assert cache.insert([1, 2, 3, 4, 5, 6, 7, 8, 9], *rows(9)) == 2  # the ninth token is no full block
     assert cache.num_blocks == 2 and cache.num_bytes == 2 * BLOCK_BYTES
-    assert len(cache.match([9, 9, 9, 9, 5, 6, 7, 8])) == 0  # block [5..8] only after [1..4]
+    assert cache.match([9, 9, 9, 9, 5, 6, 7, 8])[1] == 0  # block [5..8] only after [1..4]
     cache.insert([9, 9, 9, 9, 5, 6, 7, 8], *rows(8, first=100.0))
     assert cache.num_blocks == 4
-    found = cache.match([1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
-    assert len(found) == 2
+    found, n = cache.match([1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    assert len(found) == 2 and n == 8
     k, v = torch.zeros(2, 1, 16, 2), torch.zeros(2, 1, 16, 2)
     cache.copy_prefix(found, 6, k, v)  # not a whole number of blocks: the first 6 rows
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5] + [0] * 10
@@ -46,18 +46,19 @@ def test_scopes_never_share_blocks():
     which prompts another sent."""
     cache = PrefixCache(max_bytes=1 << 20, block_tokens=B)
     cache.insert(list(range(8)), *rows(8), scope="acme")
-    assert len(cache.match(list(range(8)), scope="acme")) == 2
-    assert len(cache.match(list(range(8)), scope="globex")) == 0 and len(cache.match(list(range(8)))) == 0
+    assert cache.match(list(range(8)), scope="acme")[1] == 8
+    assert cache.match(list(range(8)), scope="globex")[1] == 0 and cache.match(list(range(8)))[1] == 0
     assert cache.insert(list(range(8)), *rows(8), scope="globex") == 2 and cache.num_blocks == 4
 
 
 def test_longest_prefix_stops_at_the_first_block_that_differs():
     cache = PrefixCache(max_bytes=1 << 20, block_tokens=B)
     cache.insert(list(range(12)), *rows(12))
-    assert len(cache.match(list(range(12)))) == 3
-    assert len(cache.match(list(range(11)))) == 2  # the third block is not whole
-    assert len(cache.match([0, 1, 2, 3, 4, 5, 99, 7, 8, 9, 10, 11])) == 1  # diverges inside block 1
-    assert len(cache.match([99] + list(range(1, 12)))) == 0
+    blocks, n = cache.match(list(range(12)))
+    assert len(blocks) == 3 and n == 12
+    assert cache.match(list(range(11)))[1] == 11  # into the third block
+    assert cache.match([0, 1, 2, 3, 4, 5, 99, 7, 8, 9, 10, 11])[1] == 6  # diverges inside block 1
+    assert cache.match([99] + list(range(1, 12)))[1] == 0
     assert cache.insert(list(range(8)), *rows(8)) == 2 and cache.num_blocks == 3  # cached ones are reused
 
 
@@ -68,20 +69,19 @@ def test_a_lookup_goes_token_for_token_into_a_block_or_a_tail():
     assert cache.insert([1, 2, 3, 4, 5, 6, 7, 8], *rows(8)) == 2
     assert cache.insert([1, 2, 3, 4, 9, 9, 7], *rows(7, first=50.0), with_tail=True) == 2  # block 0 shared
     assert cache.num_blocks == 3 and cache.num_bytes == 2 * BLOCK_BYTES + BLOCK_BYTES * 3 // 4  # a 3-row tail
-    blocks, n = cache.match_tokens([1, 2, 3, 4, 5, 6, 0, 0])  # diverges inside block 1
+    blocks, n = cache.match([1, 2, 3, 4, 5, 6, 0, 0])  # diverges inside block 1
     assert n == 6 and len(blocks) == 2
     k, v = torch.zeros(2, 1, 8, 2), torch.zeros(2, 1, 8, 2)
     cache.copy_prefix(blocks, n, k, v)
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
-    blocks, n = cache.match_tokens([1, 2, 3, 4, 9, 9, 7])  # the tail's prompt again: every row
+    blocks, n = cache.match([1, 2, 3, 4, 9, 9, 7])  # the tail's prompt again: every row
     assert n == 7
     cache.copy_prefix(blocks, n, k, v)
     assert k[0, 0, :7, 0].tolist() == [0, 1, 2, 3, 54, 55, 56] and torch.equal(v[:, :, :7], -k[:, :, :7])
-    assert cache.match_tokens([1, 2, 3, 4, 9, 8])[1] == 5  # into the tail, then it differs
-    assert cache.match_tokens([1, 2, 3])[1] == 3  # a prompt shorter than a block: into block 0
-    assert cache.match_tokens([7, 2, 3, 4])[1] == 0 and cache.match_tokens([])[1] == 0
-    assert cache.match_tokens([1, 2, 3, 4, 5], scope="acme")[1] == 0  # scopes still never share
-    assert len(cache.match([1, 2, 3, 4, 9, 9, 7])) == 1  # whole blocks only
+    assert cache.match([1, 2, 3, 4, 9, 8])[1] == 5  # into the tail, then it differs
+    assert cache.match([1, 2, 3])[1] == 3  # a prompt shorter than a block: into block 0
+    assert cache.match([7, 2, 3, 4])[1] == 0 and cache.match([])[1] == 0
+    assert cache.match([1, 2, 3, 4, 5], scope="acme")[1] == 0  # scopes still never share
     assert cache.insert([1, 2, 3, 4, 9, 9, 7], *rows(7), with_tail=True) == 2 and cache.num_blocks == 3
 
 
@@ -90,9 +90,9 @@ def test_evicting_a_tail_forgets_it_for_lookups():
     cache.insert([1, 2, 3, 4, 5, 6], *rows(6), with_tail=True)  # a block and a 2-row tail
     cache.insert([8, 8, 8, 8], *rows(4))  # room is made: the tail, least recently used, goes
     assert cache.stats.num_evicted_blocks == 1 and cache.num_bytes == 2 * BLOCK_BYTES
-    assert cache.match_tokens([1, 2, 3, 4, 5, 6])[1] == 4
+    assert cache.match([1, 2, 3, 4, 5, 6])[1] == 4
     cache.insert([1, 2, 3, 4, 5, 6], *rows(6), with_tail=True)  # stored again (evicting [8 8 8 8])
-    assert cache.match_tokens([1, 2, 3, 4, 5, 6])[1] == 6 and cache.match_tokens([8, 8, 8, 8])[1] == 0
+    assert cache.match([1, 2, 3, 4, 5, 6])[1] == 6 and cache.match([8, 8, 8, 8])[1] == 0
 
 
 def test_lru_eviction_keeps_the_byte_budget_and_takes_leaves_first():
@@ -102,18 +102,18 @@ def test_lru_eviction_keeps_the_byte_budget_and_takes_leaves_first():
     cache.match(list(range(8)))  # a is the most recent now
     cache.insert([60, 61, 62, 63], *rows(4))  # c evicts b, the least recently used
     assert cache.num_bytes == 3 * BLOCK_BYTES and cache.stats.num_evicted_blocks == 1
-    assert len(cache.match([50, 51, 52, 53])) == 0 and len(cache.match(list(range(8)))) == 2
+    assert cache.match([50, 51, 52, 53])[1] == 0 and cache.match(list(range(8)))[1] == 8
     cache.insert([70, 71, 72, 73], *rows(4))  # evicts c (a was just used): a's chain stays whole
     cache.insert([80, 81, 82, 83], *rows(4))  # now a is the least recent: its leaf goes first
     assert cache.stats.num_evicted_blocks == 3
-    assert len(cache.match(list(range(8)))) == 1
+    assert cache.match(list(range(8)))[1] == 4  # its first block
     assert cache.num_bytes <= cache.max_bytes
 
 
 def test_a_chain_longer_than_the_budget_keeps_its_first_blocks():
     cache = PrefixCache(max_bytes=2 * BLOCK_BYTES, block_tokens=B)
     assert cache.insert(list(range(16)), *rows(16)) == 2
-    assert len(cache.match(list(range(16)))) == 2 and cache.stats.num_evicted_blocks == 0
+    assert cache.match(list(range(16)))[1] == 8 and cache.stats.num_evicted_blocks == 0
 
 
 def test_lookups_are_counted():
