@@ -19,7 +19,9 @@ channel, send requests back to back (the prompts of the mix in turn) until the d
 a RESOURCE_EXHAUSTED client waits the gateway's retry-after-ms hint (at most what is left of the
 run) before its next request. summarize_load: requests/s and generated tokens/s over the run,
 TTFT and inter-token latency as above (streamed requests; a unary request's TTFT is its whole
-latency), and errors by status code.
+latency), and errors by status code. With reference_ttft_ms (each of the load's requests once,
+alone and cold, `reference_ttft_ms`), every request's TTFT is also given relative to its own
+prompt's: the load's TTFT "against the same prompt alone", as a ratio per request, p50 and p99.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,6 +57,12 @@ class StreamTrace:
     arrivals: tuple[tuple[float, int], ...]  # (receive time, tokens in the message), messages with tokens
     error: str = ""
     controller: dict[str, Any] | None = None  # bench.stack.controller_choices of the final message's stats
+    request_index: int = -1  # which of run_load's `requests` it was (-1: not from run_load)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        """Time to the first message with tokens, ms; None without one."""
+        return (self.arrivals[0][0] - self.sent_at) * 1000 if self.arrivals else None
 
     @property
     def num_tokens(self) -> int:
@@ -90,7 +99,7 @@ def summarize_wave(traces: Sequence[StreamTrace]) -> dict[str, Any]:
     wall_s = max((t.ended_at for t in ok), default=start) - start
     num_tokens = sum(t.num_tokens for t in ok)
     latencies = [ms for t in ok for ms in token_latencies_ms(t)]
-    ttft = [(t.arrivals[0][0] - t.sent_at) * 1000 for t in ok if t.arrivals]
+    ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None]
     return {
         "num_requests": len(traces),
         "num_errors": len(traces) - len(ok),
@@ -241,7 +250,7 @@ def request_once(
 
 def _load_client(
     address: str,
-    requests: Iterator[gateway_pb2.GenerateRequest],
+    requests: Iterator[tuple[int, gateway_pb2.GenerateRequest]],
     lock: threading.Lock,
     stop_at: float,
     is_stream: bool,
@@ -255,10 +264,10 @@ def _load_client(
             stub = gateway_pb2_grpc.GenerationServiceStub(channel)
             while time.perf_counter() < stop_at:
                 with lock:
-                    request = next(requests)
+                    index, request = next(requests)
                 trace, wait = request_once(stub, request, is_stream, timeout_s)
                 with lock:
-                    out.append(trace)
+                    out.append(dataclasses.replace(trace, request_index=index))
                 time.sleep(max(0.0, min(wait, stop_at - time.perf_counter())))
     except Exception as e:  # noqa: BLE001 - a thread's exception would otherwise only be printed
         with lock:
@@ -278,7 +287,7 @@ def run_load(
     """num_clients threads send `requests` in turn (shared, round-robin) for duration_s; requests in flight
     at the end finish (within timeout_s). on_tick(elapsed_s) runs every tick_s meanwhile (resource samples).
     Returns the traces and the wall time, seconds, from the start to the last client's end."""
-    cycle, lock = itertools.cycle(requests), threading.Lock()
+    cycle, lock = itertools.cycle(enumerate(requests)), threading.Lock()
     traces: list[StreamTrace] = []
     start = time.perf_counter()
     stop_at = start + duration_s
@@ -303,22 +312,25 @@ def run_load(
 
 
 def summarize_load(
-    traces: Sequence[StreamTrace], wall_s: float, is_stream: bool, num_clients: int = 0
+    traces: Sequence[StreamTrace],
+    wall_s: float,
+    is_stream: bool,
+    num_clients: int = 0,
+    reference_ttft_ms: Sequence[float | None] | None = None,
 ) -> dict[str, Any]:
-    """Throughput over the run, latency percentiles of the requests that succeeded, errors by code."""
+    """Throughput over the run, latency percentiles of the requests that succeeded, errors by code;
+    with reference_ttft_ms (per request of the load, see reference_ttft_ms), each request's TTFT
+    over its prompt's alone."""
     ok = [t for t in traces if not t.error]
     num_tokens = sum(t.num_tokens for t in ok)
-    ttft = [(t.arrivals[0][0] - t.sent_at) * 1000 for t in ok if t.arrivals]
+    ttft = [t.ttft_ms for t in ok if t.ttft_ms is not None]
     # Every client's first request arrives with all the others at the start, each prompt cold: without
     # that first wave the figure is the steady state's (one request arriving among running ones).
     first_wave = set(sorted(range(len(traces)), key=lambda i: traces[i].sent_at)[:num_clients])
-    steady = [
-        (t.arrivals[0][0] - t.sent_at) * 1000
-        for i, t in enumerate(traces)
-        if not t.error and t.arrivals and i not in first_wave
-    ]
+    steady = [t.ttft_ms for i, t in enumerate(traces) if not t.error and t.ttft_ms is not None and i not in first_wave]
     latencies = [ms for t in ok for ms in token_latencies_ms(t)] if is_stream else []
     codes = collections.Counter(error_code(t) for t in traces)
+    vs_alone = {} if reference_ttft_ms is None else ttft_against_alone(traces, first_wave, reference_ttft_ms)
     return {
         "num_requests": len(traces),
         "num_ok": len(ok),
@@ -332,7 +344,60 @@ def summarize_load(
         "errors_by_code": {c: n for c, n in sorted(codes.items()) if c != "OK"},
         "error_examples": sorted({t.error for t in traces if t.error})[:5],
         "steps": step_choices(ok),
+        **vs_alone,
     }
+
+
+def ttft_against_alone(
+    traces: Sequence[StreamTrace], first_wave: set[int], reference_ttft_ms: Sequence[float | None]
+) -> dict[str, Any]:
+    """Each successful request's TTFT over the TTFT of the same request sent alone (reference_ttft_ms
+    by request_index; requests whose reference is missing are left out): p50/p99 of the ratios, over
+    all requests and over the first wave, and the references' own p50/p99.
+
+    E.g. references [100, 200] ms; traces of request 0 at 300 ms and request 1 at 200 ms -> ratios
+    [3.0, 1.0]."""
+    ratios, first = [], []
+    for i, t in enumerate(traces):
+        ttft = t.ttft_ms
+        if t.error or ttft is None or not 0 <= t.request_index < len(reference_ttft_ms):
+            continue
+        alone = reference_ttft_ms[t.request_index]
+        if alone is None or alone <= 0:
+            continue
+        ratios.append(ttft / alone)
+        if i in first_wave:
+            first.append(ttft / alone)
+    return {
+        "reference_ttft_ms": percentiles([r for r in reference_ttft_ms if r is not None]),
+        "ttft_vs_alone": percentiles(ratios),
+        "ttft_vs_alone_first_wave": percentiles(first),
+    }
+
+
+def reference_ttft_ms(
+    address: str, requests: Sequence[gateway_pb2.GenerateRequest], timeout_s: float
+) -> list[float | None]:
+    """Each request streamed alone, one after another, cold: under a prefix-cache scope of its own
+    (the request id `<scope>/<n>`; without API keys the gateway keeps a client's "/" and the primary
+    shares cached prompt rows only within a scope, specdec.request_id.tenant_of), so no earlier
+    request's rows are reused and no other scope's are left behind. One unmeasured request first
+    warms the stack. Per request: its TTFT in ms, None if it failed."""
+    run = uuid.uuid4().hex[:12]
+    with grpc.insecure_channel(address) as channel:
+        grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+
+        def alone(i: int | str, request: gateway_pb2.GenerateRequest) -> float | None:
+            scoped = gateway_pb2.GenerateRequest()
+            scoped.CopyFrom(request)
+            scoped.request_id = f"ttft-reference-{run}-{i}/{i}"
+            trace, _ = request_once(stub, scoped, True, timeout_s)
+            return None if trace.error else trace.ttft_ms
+
+        if requests:
+            alone("warm-up", requests[0])
+        return [alone(i, r) for i, r in enumerate(requests)]
 
 
 def step_choices(traces: Sequence[StreamTrace]) -> dict[str, Any]:

@@ -12,6 +12,10 @@ Reported: requests/s, generated tokens/s, TTFT p50/p99, inter-token latency p50/
 errors by status code; for a stack it started, each service's RSS and open file descriptors at the
 start, every --sample-s, and at the end, the primary's KV bytes and active requests afterwards, and
 how many of the prompt tokens it prefilled during the run came from its prefix cache.
+With --stream, after the load each of the mix's requests is sent once more, alone and cold (a
+prefix-cache scope of its own: bench/concurrency.py reference_ttft_ms), and every request's TTFT
+under load is reported over its own prompt's TTFT alone (p50/p99 of the ratios, overall and in the
+first wave): the "TTFT against a single client for the same prompt" (--no-reference skips it).
 Loopback only: the gateway's address must be a loopback one.
 """
 
@@ -25,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.concurrency import run_load, summarize_load
+from bench.concurrency import reference_ttft_ms, run_load, summarize_load
 from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.stack import build_request, system_under_test
 from primary_svc import step_report
@@ -106,8 +110,10 @@ def run(
     pids: Mapping[str, int] | None = None,
     sample_s: float = 10.0,
     stack: Stack | None = None,
+    is_reference: bool = False,
 ) -> dict[str, Any]:
-    """The load against address; resources of `pids` sampled at the start, every sample_s and at the end."""
+    """The load against address; resources of `pids` sampled at the start, every sample_s and at the end;
+    with is_reference (streamed), then each request alone (reference_ttft_ms) to compare TTFTs with."""
     samples: list[dict[str, Any]] = []
     before = None if stack is None else primary_stats(stack)
     steps_before = None if stack is None else step_composition(stack)
@@ -121,18 +127,21 @@ def run(
         address, requests, clients, duration_s, is_stream, timeout_s, on_tick=sample, tick_s=sample_s
     )
     sample(wall_s)
+    # the load's own figures first: the reference requests below add steps and cold prefills
+    after = None if stack is None else primary_stats(stack)
+    steps_after = None if stack is None or steps_before is None else step_composition(stack)
+    references = reference_ttft_ms(address, requests, timeout_s) if is_reference and is_stream else None
     result: dict[str, Any] = {
         "clients": clients,
         "duration_s": duration_s,
         "stream": is_stream,
-        **summarize_load(traces, wall_s, is_stream, clients),
+        **summarize_load(traces, wall_s, is_stream, clients, references),
         "resources": samples,
     }
-    if stack is not None and before is not None:
-        after = primary_stats(stack)
-        result["primary_after"] = primary_occupancy(after)
+    if stack is not None and before is not None and after is not None:
+        result["primary_after"] = primary_occupancy(primary_stats(stack))  # after the references too
         result["prefix_cache"] = prefix_cache_share(before, after)
-    if stack is not None and steps_before is not None and (steps_after := step_composition(stack)) is not None:
+    if steps_before is not None and steps_after is not None:
         result["engine_steps"] = steps_after.minus(steps_before).summary() | {
             "steps_per_s": round((steps_after.num_steps - steps_before.num_steps) / wall_s, 2) if wall_s > 0 else None
         }
@@ -152,14 +161,22 @@ def format_result(r: dict[str, Any]) -> str:
     def ms(p: dict[str, float | None]) -> str:
         return "n/a" if p["p50"] is None else f"p50 {p['p50']:.0f} ms, p99 {p['p99']:.0f} ms"
 
+    def ratio(p: dict[str, float | None]) -> str:
+        return "n/a" if p["p50"] is None else f"p50 {p['p50']:.1f}x, p99 {p['p99']:.1f}x"
+
     lines = [
         f"{r['clients']} clients, {r['wall_s']:.1f} s, {'stream' if r['stream'] else 'unary'}: "
         f"{r['num_ok']}/{r['num_requests']} requests ok",
         f"  requests/s {r['requests_per_s'] or 0:.2f} | generated tokens/s {r['tokens_per_s'] or 0:.1f}",
         f"  TTFT {ms(r['ttft_ms'])} (after the first wave: {ms(r['ttft_after_first_wave_ms'])}) | "
         f"inter-token {ms(r['inter_token_ms'])}",
-        f"  errors by code: {r['errors_by_code'] or 'none'}",
     ]
+    if "ttft_vs_alone" in r:
+        lines.append(
+            f"  TTFT over the same prompt's alone (cold, {ms(r['reference_ttft_ms'])}): {ratio(r['ttft_vs_alone'])} "
+            f"(first wave: {ratio(r['ttft_vs_alone_first_wave'])})"
+        )
+    lines.append(f"  errors by code: {r['errors_by_code'] or 'none'}")
     lines += [f"    e.g. {e}" for e in r["error_examples"]]
     if r["resources"]:
         first, last = r["resources"][0]["services"], r["resources"][-1]["services"]
@@ -209,6 +226,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream", action="store_true", help="GenerateStream (TTFT and inter-token latency)")
     p.add_argument("--no-speculation", action="store_true", help="speculation off (the baseline)")
     p.add_argument("--no-schema", action="store_true", help="json prompts without their response_format")
+    p.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip sending each request alone after the load (--stream: TTFT against the same prompt alone)",
+    )
     p.add_argument("--address", default="", help="a running gateway on this machine; default: start a stack")
     p.add_argument("--precision", default="auto")
     p.add_argument("--threads", type=int, default=0, help="the primary's threads when a stack is started")
@@ -238,12 +260,30 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     requests = build_requests(a.mix, a.max_new_tokens, not a.no_speculation, not a.no_schema)
     if a.address:
-        result = run(a.address, a.clients, a.duration, requests, a.stream, a.timeout_s, sample_s=a.sample_s)
+        result = run(
+            a.address,
+            a.clients,
+            a.duration,
+            requests,
+            a.stream,
+            a.timeout_s,
+            sample_s=a.sample_s,
+            is_reference=not a.no_reference,
+        )
     else:
         with system_under_test(a.precision, a.threads, max_context=4096, is_serving_metrics=True) as sut:
             pids = {name: sut.stack.pid(name) for name in SERVICE_NAMES}
             result = run(
-                sut.address, a.clients, a.duration, requests, a.stream, a.timeout_s, pids, a.sample_s, sut.stack
+                sut.address,
+                a.clients,
+                a.duration,
+                requests,
+                a.stream,
+                a.timeout_s,
+                pids,
+                a.sample_s,
+                sut.stack,
+                is_reference=not a.no_reference,
             )
     print(format_result(result), flush=True)
     if a.out is not None:

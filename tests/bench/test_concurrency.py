@@ -81,3 +81,23 @@ def test_the_load_generator_stays_on_loopback_and_within_its_bounds():
     for bad in (["--clients", "0"], ["--duration", "100000"], ["--mix", "poems"], ["--address", "10.1.1.1:5"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_summarize_load_gives_each_ttft_over_the_same_request_alone():
+    from bench.concurrency import summarize_load
+
+    # requests 0 and 1 alone took 100 and 200 ms; request 2 has no reference (it failed alone)
+    references = [100.0, 200.0, None]
+    traces = [
+        StreamTrace("a", 0.0, ((0.3, 1),), request_index=0),  # 300 ms: 3x, first wave
+        StreamTrace("b", 0.0, ((0.2, 1),), request_index=1),  # 200 ms: 1x, first wave
+        StreamTrace("c", 1.0, ((1.5, 1),), request_index=0),  # 500 ms: 5x
+        StreamTrace("d", 1.0, ((1.1, 1),), request_index=2),  # no reference: left out
+        StreamTrace("e", 1.0, (), error="RESOURCE_EXHAUSTED: at capacity", request_index=1),
+    ]
+    out = summarize_load(traces, wall_s=2.0, is_stream=True, num_clients=2, reference_ttft_ms=references)
+    assert out["ttft_vs_alone"]["p50"] == pytest.approx(3.0)
+    assert out["ttft_vs_alone"]["p99"] == pytest.approx(3.0 + 0.98 * 2.0)  # between 3x and 5x
+    assert out["ttft_vs_alone_first_wave"] == {"p50": pytest.approx(2.0), "p99": pytest.approx(1.0 + 0.99 * 2.0)}
+    assert out["reference_ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert "ttft_vs_alone" not in summarize_load(traces, wall_s=2.0, is_stream=True, num_clients=2)

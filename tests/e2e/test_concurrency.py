@@ -62,7 +62,16 @@ def test_the_load_generator_runs_two_clients_for_a_few_seconds(stack):
     )
     pids = {name: stack.pid(name) for name in SERVICE_NAMES}
     result = load.run(
-        stack.gateway_address, 2, 3.0, requests, is_stream=True, timeout_s=300, pids=pids, sample_s=1.0, stack=stack
+        stack.gateway_address,
+        2,
+        3.0,
+        requests[:4],
+        is_stream=True,
+        timeout_s=300,
+        pids=pids,
+        sample_s=1.0,
+        stack=stack,
+        is_reference=True,
     )
     assert result["num_requests"] >= 2 and result["num_ok"] == result["num_requests"], result["error_examples"]
     assert result["errors_by_code"] == {} and result["num_tokens"] > 0
@@ -76,3 +85,8 @@ def test_the_load_generator_runs_two_clients_for_a_few_seconds(stack):
     assert cache["prompt_tokens"] > 0 and 0 <= cache["reused_tokens"] <= cache["prompt_tokens"]
     assert cache["bytes"] <= cache["max_bytes"]
     assert "requests/s" in load.format_result(result) and "prefix cache" in load.format_result(result)
+    # then each of the 4 requests alone, cold (a prefix-cache scope of its own): every request's TTFT
+    # under the load over its own prompt's (the KV check above already ran after them)
+    assert result["reference_ttft_ms"]["p50"] > 0 and result["ttft_vs_alone"]["p50"] > 0
+    assert result["ttft_vs_alone_first_wave"]["p99"] > 0
+    assert "same prompt's alone" in load.format_result(result)
