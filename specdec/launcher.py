@@ -551,17 +551,18 @@ class Stack:
         return service_env(self.config.extra_env)
 
     def _await_serving(self, running: _Running, may_retry_port: bool = True) -> None:
-        """Wait for SERVING; relaunch on a new port when another process took ours."""
+        """Wait for SERVING; relaunch on new ports when another process took one of ours (the gRPC
+        port unless fixed by the spec, or the /metrics port: free_port only said they were free)."""
         for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
             exit_code = _wait_serving(running, self._address(running.port))
             if exit_code is None:
                 return
-            is_race = (
-                may_retry_port
-                and not running.spec.port
-                and attempt < MAX_BIND_ATTEMPTS
-                and is_port_taken(self._host, running.port)
-            )
+            taken = [
+                port
+                for port, is_ours_to_move in ((running.port, not running.spec.port), (running.metrics_port, True))
+                if port > 0 and is_ours_to_move and is_port_taken(self._host, port)
+            ]
+            is_race = may_retry_port and attempt < MAX_BIND_ATTEMPTS and bool(taken)
             if not is_race:
                 raise ServiceError(
                     running.spec.name,
@@ -570,7 +571,7 @@ class Stack:
                     log_tail(running.log_path),
                 )
             with open(running.log_path, "ab") as log:
-                log.write(f"\n---- port {running.port} was taken: retrying on another port ----\n".encode())
+                log.write(f"\n---- port {taken[0]} was taken: retrying on another port ----\n".encode())
             running = self._launch(running.spec, port=None)
 
     def _terminate_all(self) -> None:

@@ -24,7 +24,7 @@ from specdec.launcher import ServiceError, ServiceSpec, Stack, StackConfig, log_
 from specdec.service.health import check_health
 
 # A fake service: serves only grpc.health.v1 ("" SERVING) through the real
-# serve(), after printing its argv. --mode changes what it does:
+# serve() (and an empty /metrics with --metrics_port), after printing its argv. --mode changes what it does:
 #   serve (default), die (stderr line, exit 3), hang (never serves),
 #   stubborn (ignores SIGTERM, spawns a grandchild whose pid goes to --pid_file).
 FAKE_SERVICE = """
@@ -34,6 +34,7 @@ p.add_argument("--mode", default="serve")
 p.add_argument("--pid_file", default="")
 p.add_argument("--host")
 p.add_argument("--port", type=int)
+p.add_argument("--metrics_port", type=int, default=0)
 a, _ = p.parse_known_args()
 print("argv:", " ".join(sys.argv[1:]), flush=True)
 if a.mode == "die":
@@ -50,7 +51,9 @@ if a.mode == "stubborn":
     server, _ = create_server(f"{a.host}:{a.port}", [])
     server.start()
     time.sleep(300)
-serve(ServerConfig(host=a.host, port=a.port, grace_s=0.0), [])
+from prometheus_client import CollectorRegistry
+registry = CollectorRegistry() if a.metrics_port else None
+serve(ServerConfig(host=a.host, port=a.port, grace_s=0.0, metrics_port=a.metrics_port), [], registry=registry)
 """
 
 
@@ -329,3 +332,19 @@ def test_services_die_with_a_launcher_killed_by_sigkill(tmp_path: Path) -> None:
         launcher_process.wait()
         if service_pid is not None and is_alive(service_pid):
             os.kill(service_pid, signal.SIGKILL)  # leave no orphan behind a failure
+
+
+def test_a_metrics_port_lost_to_a_race_is_retried_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the second free port asked for is the service's /metrics port: another process holds it by then
+    config = StackConfig(stop_grace_s=2.0, is_serving_metrics=True)
+    with socket.socket() as squatter:
+        squatter.bind((launcher.LOOPBACK, 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        real_free_port = launcher.free_port
+        answers = iter([None, taken])
+        monkeypatch.setattr(launcher, "free_port", lambda host: next(answers, None) or real_free_port(host))
+        with Stack(config, specs=[fake("a")]) as stack:
+            assert is_serving(stack.addresses["a"])
+            assert stack.metrics_url("a") and f":{taken}/" not in stack.metrics_url("a")
+            assert f"port {taken} was taken" in stack.log_path("a").read_text()
