@@ -41,6 +41,7 @@ import numpy as np
 from bench.prompts import BenchPrompt
 from bench.report import sum_counts
 from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, controller_choices, rpc_error
+from specdec.request_id import TENANT_SEPARATOR
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 CONNECT_TIMEOUT_S = 30.0
@@ -379,7 +380,7 @@ def reference_ttft_ms(
     address: str, requests: Sequence[gateway_pb2.GenerateRequest], timeout_s: float
 ) -> list[float | None]:
     """Each request streamed alone, one after another, cold: under a prefix-cache scope of its own
-    (the request id `<scope>/<n>`; without API keys the gateway keeps a client's "/" and the primary
+    (the request id `<scope>/<n>`; without API keys the gateway keeps a client's TENANT_SEPARATOR and the primary
     shares cached prompt rows only within a scope, specdec.request_id.tenant_of), so no earlier
     request's rows are reused and no other scope's are left behind. One unmeasured request first
     warms the stack. Per request: its TTFT in ms, None if it failed."""
@@ -391,7 +392,7 @@ def reference_ttft_ms(
         def alone(i: int | str, request: gateway_pb2.GenerateRequest) -> float | None:
             scoped = gateway_pb2.GenerateRequest()
             scoped.CopyFrom(request)
-            scoped.request_id = f"ttft-reference-{run}-{i}/{i}"
+            scoped.request_id = f"ttft-reference-{run}-{i}{TENANT_SEPARATOR}{i}"
             trace, _ = request_once(stub, scoped, True, timeout_s)
             return None if trace.error else trace.ttft_ms
 
