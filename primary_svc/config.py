@@ -17,8 +17,9 @@ from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 
 
-# A step's wait for requests coming back (EngineWorker._gather). Measured with `python -m bench load
-# --stream --max-new-tokens 32` on the 2-vCPU machine: see the README, "Many users at once".
+# A step's wait for requests coming back (EngineWorker._gather): on two cores the gateway cannot turn
+# the others' results around before the next step starts, so without a wait they miss it. Measured
+# with `python -m bench load --stream --max-new-tokens 32`: docs/benchmarks.md, "Load and concurrency".
 DEFAULT_BATCH_WAIT_MS = 8.0
 MAX_BATCH_WAIT_MS = 1000.0
 
