@@ -18,15 +18,17 @@ function and struct; `impl.h` is internal (ISA detection, constants, fp16 helper
 quantizes activations; `gemm.c` runs the products' parallel loop and picks one product path
 (`gemm_avx512.c`, `gemm_avx2.c`, or the portable `gemm_generic.c`; each compiles to nothing when
 its instruction set is off, and `gemm.h` says how to add one); `ops.c` holds the fused layer parts,
-`attention.c` the attention and `logits.c` the logits helpers.
+`attention.c` the attention, `logits.c` the logits helpers, `abi.c` the structs' layout.
 
 The library is compiled on first use for the machine at hand (`cc -O3 -march=native -fopenmp`,
 every `csrc/*.c` in one invocation, a few seconds) into `~/.cache/specdec/native/`, keyed by every
 source and header, the compiler and the CPU's flags, and loaded with ctypes (no Python objects cross
-the boundary, only tensor data pointers; ctypes releases the GIL during the call). Its OpenMP calls
-share torch's runtime: torch loads its libgomp first and the library's dependency resolves to it by
-soname. Without a C compiler, or with SPECDEC_NATIVE_KERNELS=0, `library()` is None and int4/int8
-run on torch's packed kernels.
+the boundary, only tensor data pointers; ctypes releases the GIL during the call). At load the
+ctypes mirrors of the structs (`QWeight`, `QLayer`, `QSpan`) are checked field by field against the
+layout the C compiler chose (`qgemm_abi`); a mismatch refuses the library, naming the field. Its
+OpenMP calls share torch's runtime: torch loads its libgomp first and the library's dependency
+resolves to it by soname. Without a C compiler, or with SPECDEC_NATIVE_KERNELS=0, `library()` is
+None and int4/int8 run on torch's packed kernels.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status: str | None = None  # why `library()` is None, once tried
 _disabled = False  # see `disabled()`
+
+
+class AbiMismatch(RuntimeError):
+    """The library's structs are not laid out as their ctypes mirrors say (`abi_mismatch`)."""
 
 
 class QWeight(ctypes.Structure):
@@ -176,6 +182,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     w = ctypes.POINTER(QWeight)
     lib.qgemm_isa.argtypes, lib.qgemm_isa.restype = [], ctypes.c_char_p
+    lib.qgemm_abi.argtypes, lib.qgemm_abi.restype = [ctypes.POINTER(i64), i64], i64
+    lib.qgemm_abi_names.argtypes, lib.qgemm_abi_names.restype = [], ctypes.c_char_p
     lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
     lib.qgemm_quantize_rows.argtypes, lib.qgemm_quantize_rows.restype = [p, i64, i64, p, p, p], None
     lib.qgemm_rmsnorm.argtypes, lib.qgemm_rmsnorm.restype = [p, i64, i64, p, f32, p], None
@@ -209,10 +217,45 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_encode_e4m3.argtypes, lib.qgemm_encode_e4m3.restype = [p, i64, i64, f32, p, p], i32
 
 
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Where the ctypes mirrors (`QWeight`, `QLayer`, `QSpan`) differ from the structs as the C
+    compiler laid them out (`qgemm_abi`: each struct's size, each field's offset and size, by name),
+    naming the struct or field; None where they agree."""
+    names = lib.qgemm_abi_names().decode().split()
+    count = lib.qgemm_abi(None, 0)
+    values = (ctypes.c_int64 * count)()
+    lib.qgemm_abi(values, count)
+    assert count == 2 * len(names), (count, names)
+    in_c = {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
+    for c_name, mirror in (("qweight", QWeight), ("qlayer", QLayer), ("qspan", QSpan)):
+        mine = {c_name: (0, ctypes.sizeof(mirror))}
+        for field in mirror._fields_:
+            desc = getattr(mirror, field[0])
+            mine[f"{c_name}.{field[0]}"] = (desc.offset, desc.size)
+        theirs = {n: v for n, v in in_c.items() if n == c_name or n.startswith(c_name + ".")}
+        for name in [*mine, *(n for n in theirs if n not in mine)]:
+            if name not in theirs:
+                return f"{name} is in {mirror.__name__}, not in C"
+            if name not in mine:
+                return f"{name} is in C, not in {mirror.__name__}"
+            if mine[name] != theirs[name]:
+                (c_offset, c_size), (offset, size) = theirs[name], mine[name]
+                if name == c_name:
+                    return f"sizeof({c_name}) is {c_size} in C, {size} in {mirror.__name__}"
+                return (
+                    f"{name} is at offset {c_offset} size {c_size} in C, "
+                    f"offset {offset} size {size} in {mirror.__name__}"
+                )
+    return None
+
+
 def _load(cc: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """Build (or find) and load the library and declare its functions."""
+    """Build (or find) and load the library, declare its functions and check the struct mirrors."""
     lib = ctypes.CDLL(str(_build(cc, extra_flags)))
     _declare(lib)
+    mismatch = abi_mismatch(lib)
+    if mismatch is not None:
+        raise AbiMismatch(f"ctypes mirror differs from csrc/qgemm.h: {mismatch}")
     return lib
 
 
@@ -254,6 +297,10 @@ def library() -> ctypes.CDLL | None:
             return None
         try:
             lib = _load(cc)
+        except AbiMismatch as e:
+            _status = str(e)
+            log.error("native kernels refused: %s; int4/int8 use torch's packed kernels", _status)
+            return None
         except (OSError, RuntimeError) as e:
             _status = f"build or load failed: {e}"
             log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)

@@ -27,13 +27,14 @@
  *   ops.c            rmsnorm, rope, silu_mul, layer_pre, layer_post, forward
  *   attention.c      attention of a span's new rows over its KV cache
  *   logits.c         argmax rows, e4m3 encoding, byte histograms
+ *   abi.c            qgemm_abi: the structs' layout, checked against the ctypes mirror at load
  */
 #ifndef QGEMM_H
 #define QGEMM_H
 
 #include <stdint.h>
 
-/* ---- structs (mirrored field for field by ctypes: QWeight, QLayer, QSpan) ---- */
+/* ---- structs (mirrored field for field by ctypes: QWeight, QLayer, QSpan; see qgemm_abi) ---- */
 
 enum { QW_Q4 = 4, QW_Q8 = 8 };
 
@@ -61,6 +62,15 @@ typedef struct {             /* rows [start, start + n) of the batch: one sequen
     const uint8_t *mask;         /* [n, num_cached + n] (1 = attend) or NULL: all */
     int64_t half;                /* the caches hold fp16 (else fp32) */
 } qspan;
+
+/* ---- abi.c ---- */
+
+/* The layout of qweight, qlayer and qspan as this compiler laid them out: qgemm_abi_names() is a
+ * space-separated list of names ("qweight", "qweight.kind", ..., "qspan.half"), and qgemm_abi
+ * writes, for each name in turn, two values: (0, sizeof) for a struct, (offsetof, sizeof) for a
+ * field. It writes the first `cap` values to out and returns how many there are. */
+const char *qgemm_abi_names(void);
+int64_t qgemm_abi(int64_t *out, int64_t cap);
 
 /* ---- quants.c ---- */
 
