@@ -3,8 +3,8 @@
  *
  * Instruction sets are chosen at compile time (the library is built with -march=native for the
  * machine at hand; variants with -mno-... build the narrower paths): QGEMM_AVX512 and QGEMM_AVX2
- * say which x86 paths this build enables. Everything declared here is hidden from the shared
- * library's exports: only qgemm.h's functions are the interface.
+ * say which x86 paths this build enables. The functions declared here for other files are
+ * QGEMM_HIDDEN, left out of the shared library's exports: only qgemm.h's are the interface.
  */
 #ifndef QGEMM_IMPL_H
 #define QGEMM_IMPL_H
@@ -43,6 +43,7 @@
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define QGEMM_HIDDEN __attribute__((visibility("hidden")))   /* shared between files, not exported */
 
+/* IEEE half -> fp32, exact (F16C where the build has AVX2) */
 static inline float fp16_to_fp32(uint16_t h) {
 #if QGEMM_AVX2
     return _cvtsh_ss(h);
