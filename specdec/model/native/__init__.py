@@ -1,7 +1,7 @@
-"""Native 4-bit/8-bit kernels (`qgemm.c`): the quantized matmuls and each layer's dense parts in C.
+"""Native 4-bit/8-bit kernels (`csrc/`): the quantized matmuls and each layer's dense parts in C.
 
 Why: on a 2-core AVX2 CPU an int4 step through torch's packed kernels cost ~30 ms, of which ~10 ms
-were the matmuls and the rest ~500 small tensor ops and their dispatch. `qgemm.c` multiplies the
+were the matmuls and the rest ~500 small tensor ops and their dispatch. The library multiplies the
 GGUF's own Q4_1 values (and per-channel int8 rows), stored interleaved by 16 output columns
 (`pack_q4_1`, `pack_int8`), against activations quantized per block of 32 as llama.cpp does, and
 runs everything of a layer except attention in two calls:
@@ -13,12 +13,22 @@ runs everything of a layer except attention in two calls:
 Every output is computed row by row in a fixed order, so a row's result does not depend on how many
 rows share the step: the engine's k-row verify equals 1-row decoding bit for bit.
 
+The C sources are laid out by concern, as llama.cpp's ggml-cpu: `qgemm.h` declares every exported
+function and struct; `impl.h` is internal (ISA detection, constants, fp16 helpers); `quants.c`
+quantizes activations; `gemm.c` runs the products' parallel loop and picks one product path
+(`gemm_avx512.c`, `gemm_avx2.c`, or the portable `gemm_generic.c`; each compiles to nothing when
+its instruction set is off, and `gemm.h` says how to add one); `ops.c` holds the fused layer parts,
+`attention.c` the attention, `logits.c` the logits helpers, `abi.c` the structs' layout.
+
 The library is compiled on first use for the machine at hand (`cc -O3 -march=native -fopenmp`,
-about a second) into `~/.cache/specdec/native/`, keyed by the source, the compiler and the CPU's
-flags, and loaded with ctypes (no Python objects cross the boundary, only tensor data pointers;
-ctypes releases the GIL during the call). Its OpenMP calls share torch's runtime: torch loads its
-libgomp first and the library's dependency resolves to it by soname. Without a C compiler, or with
-SPECDEC_NATIVE_KERNELS=0, `library()` is None and int4/int8 run on torch's packed kernels.
+every `csrc/*.c` in one invocation, a few seconds) into `~/.cache/specdec/native/`, keyed by every
+source and header, the compiler and the CPU's flags, and loaded with ctypes (no Python objects cross
+the boundary, only tensor data pointers; ctypes releases the GIL during the call). At load the
+ctypes mirrors of the structs (`QWeight`, `QLayer`, `QSpan`) are checked field by field against the
+layout the C compiler chose (`qgemm_abi`); a mismatch refuses the library, naming the field. Its
+OpenMP calls share torch's runtime: torch loads its libgomp first and the library's dependency
+resolves to it by soname. Without a C compiler, or with SPECDEC_NATIVE_KERNELS=0, `library()` is
+None and int4/int8 run on torch's packed kernels.
 """
 
 from __future__ import annotations
@@ -43,11 +53,11 @@ log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
-SOURCE = Path(__file__).with_name("qgemm.c")
+SOURCE_DIR = Path(__file__).with_name("csrc")  # every .c here is compiled into the one library
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"  # "0": never build or use the native kernels
 QK = 32  # weights per block
-COLUMNS = 16  # output columns interleaved per group in the packed layouts (qgemm.c, "the products")
+COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)
 KIND_Q4, KIND_Q8 = 4, 8
 # What the native attention reads from the KV cache. fp16 (rounded to nearest even on write, as
 # torch's .half()) halves the bytes a step's attention streams, which bound it on the CPU: models
@@ -60,8 +70,12 @@ _status: str | None = None  # why `library()` is None, once tried
 _disabled = False  # see `disabled()`
 
 
+class AbiMismatch(RuntimeError):
+    """The library's structs are not laid out as their ctypes mirrors say (`abi_mismatch`)."""
+
+
 class QWeight(ctypes.Structure):
-    """The C struct `qweight` (qgemm.c): one quantized matrix by pointer, valid while its tensors live."""
+    """The C struct `qweight` (csrc/qgemm.h): one quantized matrix by pointer, valid while its tensors live."""
 
     _fields_ = [
         ("kind", ctypes.c_int32),
@@ -122,11 +136,24 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
 
 
+def sources() -> list[Path]:
+    """The library's C sources and headers, in a fixed order."""
+    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
+
+
+def _source_hash() -> str:
+    """Every source and header, by name and content: any change rebuilds."""
+    h = hashlib.sha256()
+    for p in sources():
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = CFLAGS + extra_flags
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(
-        "\0".join((SOURCE.read_text(), cc, version, " ".join(flags), _cpu_flags(), platform.machine())).encode()
+        "\0".join((_source_hash(), cc, version, " ".join(flags), _cpu_flags(), platform.machine())).encode()
     ).hexdigest()[:16]
     target = cache_dir() / f"qgemm-{key}.so"
     if target.is_file():
@@ -136,7 +163,10 @@ def _build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, check=False
+            [cc, *flags, "-o", tmp, *(str(p) for p in sources() if p.suffix == ".c"), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if result.returncode != 0:
             raise RuntimeError(f"{cc} failed: {result.stderr.strip()[-2000:]}")
@@ -152,6 +182,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     w = ctypes.POINTER(QWeight)
     lib.qgemm_isa.argtypes, lib.qgemm_isa.restype = [], ctypes.c_char_p
+    lib.qgemm_abi.argtypes, lib.qgemm_abi.restype = [ctypes.POINTER(i64), i64], i64
+    lib.qgemm_abi_names.argtypes, lib.qgemm_abi_names.restype = [], ctypes.c_char_p
     lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
     lib.qgemm_quantize_rows.argtypes, lib.qgemm_quantize_rows.restype = [p, i64, i64, p, p, p], None
     lib.qgemm_rmsnorm.argtypes, lib.qgemm_rmsnorm.restype = [p, i64, i64, p, f32, p], None
@@ -185,15 +217,55 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_encode_e4m3.argtypes, lib.qgemm_encode_e4m3.restype = [p, i64, i64, f32, p, p], i32
 
 
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Where the ctypes mirrors (`QWeight`, `QLayer`, `QSpan`) differ from the structs as the C
+    compiler laid them out (`qgemm_abi`: each struct's size, each field's offset and size, by name),
+    naming the struct or field; None where they agree."""
+    names = lib.qgemm_abi_names().decode().split()
+    count = lib.qgemm_abi(None, 0)
+    values = (ctypes.c_int64 * count)()
+    lib.qgemm_abi(values, count)
+    assert count == 2 * len(names), (count, names)
+    in_c = {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
+    for c_name, mirror in (("qweight", QWeight), ("qlayer", QLayer), ("qspan", QSpan)):
+        mine = {c_name: (0, ctypes.sizeof(mirror))}
+        for field in mirror._fields_:
+            desc = getattr(mirror, field[0])
+            mine[f"{c_name}.{field[0]}"] = (desc.offset, desc.size)
+        theirs = {n: v for n, v in in_c.items() if n == c_name or n.startswith(c_name + ".")}
+        for name in [*mine, *(n for n in theirs if n not in mine)]:
+            if name not in theirs:
+                return f"{name} is in {mirror.__name__}, not in C"
+            if name not in mine:
+                return f"{name} is in C, not in {mirror.__name__}"
+            if mine[name] != theirs[name]:
+                (c_offset, c_size), (offset, size) = theirs[name], mine[name]
+                if name == c_name:
+                    return f"sizeof({c_name}) is {c_size} in C, {size} in {mirror.__name__}"
+                return (
+                    f"{name} is at offset {c_offset} size {c_size} in C, "
+                    f"offset {offset} size {size} in {mirror.__name__}"
+                )
+    return None
+
+
+def _load(cc: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build (or find) and load the library, declare its functions and check the struct mirrors."""
+    lib = ctypes.CDLL(str(_build(cc, extra_flags)))
+    _declare(lib)
+    mismatch = abi_mismatch(lib)
+    if mismatch is not None:
+        raise AbiMismatch(f"ctypes mirror differs from csrc/qgemm.h: {mismatch}")
+    return lib
+
+
 def variant(extra_flags: tuple[str, ...]) -> ctypes.CDLL:
     """The kernels built with `extra_flags` after the usual ones (say `-mno-avx512f` for the AVX2
     path on an AVX-512 machine), loaded beside `library()`: for comparing instruction paths."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    lib = ctypes.CDLL(str(_build(cc, extra_flags)))
-    _declare(lib)
-    return lib
+    return _load(cc, extra_flags)
 
 
 @contextlib.contextmanager
@@ -224,8 +296,11 @@ def library() -> ctypes.CDLL | None:
             log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)
             return None
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
-            _declare(lib)
+            lib = _load(cc)
+        except AbiMismatch as e:
+            _status = str(e)
+            log.error("native kernels refused: %s; int4/int8 use torch's packed kernels", _status)
+            return None
         except (OSError, RuntimeError) as e:
             _status = f"build or load failed: {e}"
             log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)
@@ -244,8 +319,8 @@ def status() -> str:
 
 
 def identity() -> str:
-    """What a measurement of the int4/int8 step depends on here: the kernels' source and whether they run."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16] + " " + status()
+    """What a measurement of the int4/int8 step depends on here: the kernels' sources and whether they run."""
+    return _source_hash()[:16] + " " + status()
 
 
 def _ptr(t: Tensor | None) -> int | None:
@@ -261,7 +336,7 @@ def fits(n: int, k: int) -> bool:
 
 
 def pack_q4_1(q: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Q4_1 values (q uint8 [N, K] in 0..15, d/m fp16 [N, K/32]) -> the kernels' layout (qgemm.c):
+    """Q4_1 values (q uint8 [N, K] in 0..15, d/m fp16 [N, K/32]) -> the kernels' layout (csrc/gemm.h):
     nibbles uint8 [N/16, G, 256] and d, m fp16 [N/16, G, 16]: the same values, columns interleaved."""
     n, k = q.shape
     g = k // QK
@@ -284,7 +359,7 @@ def unpack_q4_1(nibbles: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor, 
 
 
 def pack_int8(w: Tensor) -> Tensor:
-    """int8 rows [N, K] -> the kernels' layout: uint8 [N/16, K/4, 16, 4] holding w + 128 (see qgemm.c)."""
+    """int8 rows [N, K] -> the kernels' layout: uint8 [N/16, K/4, 16, 4] holding w + 128 (see csrc/gemm.h)."""
     n, k = w.shape
     biased = (w.view(torch.uint8) ^ 0x80).reshape(n // COLUMNS, COLUMNS, k // 4, 4)
     return biased.transpose(1, 2).contiguous()

@@ -4,6 +4,8 @@ quantization, batch invariance, the fused layer against the layer's own code, an
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -167,6 +169,48 @@ def test_without_the_library_int4_falls_back_to_torchs_kernels(monkeypatch):
         "model.layers.0.mlp.up_proj" + quant.INT4_SCALES_ZEROS,
     }
     assert native.status() == "unavailable: disabled by the test"
+
+
+def test_the_ctypes_mirrors_match_the_structs_as_compiled():
+    assert native.abi_mismatch(native.library()) is None
+
+
+class _QSpanWithInt32Half(ctypes.Structure):
+    """QSpan with its last field 4 bytes instead of 8: the struct's size stays 72 (padding)."""
+
+    _fields_ = [(name, ctypes.c_int32 if name == "half" else kind) for name, kind in native.QSpan._fields_]
+
+
+class _QWeightWithBiasAndScaleSwapped(ctypes.Structure):
+    """QWeight with two fields of one type in each other's place: every size and offset as in C."""
+
+    _fields_ = [
+        (("scale" if name == "bias" else "bias" if name == "scale" else name), kind)
+        for name, kind in native.QWeight._fields_
+    ]
+
+
+@pytest.mark.parametrize(
+    "attr, mirror, what",
+    [
+        ("QSpan", _QSpanWithInt32Half, "qspan.half is at offset 64 size 8 in C, offset 64 size 4"),
+        ("QWeight", _QWeightWithBiasAndScaleSwapped, "qweight.bias is at offset 24 size 8 in C, offset 16 size 8"),
+    ],
+)
+def test_a_ctypes_mirror_that_differs_from_the_c_struct_refuses_the_library(monkeypatch, caplog, attr, mirror, what):
+    """The mirrors are checked field by field at load (`qgemm_abi`): a wrong field is named, the
+    library is not used and int4/int8 fall back to torch's kernels."""
+    assert ctypes.sizeof(mirror) == ctypes.sizeof(getattr(native, attr))
+    monkeypatch.setattr(native, attr, mirror)
+    assert what in (native.abi_mismatch(native.library()) or "")
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_status", None)
+    with caplog.at_level(logging.ERROR, logger=native.__name__):
+        assert native.library() is None
+    assert native.status().startswith("unavailable: ctypes mirror differs from csrc/qgemm.h")
+    assert what in native.status() and what in caplog.text
+    with pytest.raises(native.AbiMismatch, match=what):
+        native.variant(())
 
 
 @pytest.mark.parametrize("kv_dtype", native.KV_DTYPES)

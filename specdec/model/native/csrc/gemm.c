@@ -1,0 +1,77 @@
+/* The quantized products: one parallel loop over units of output columns, each unit computed by
+ * the one product path this build runs on (gemm.h describes the paths' contract).
+ *
+ * Threads: OpenMP, sharing the process's runtime (torch's libgomp is loaded first and has the
+ * same soname), over units of output columns handed out dynamically: the service's other processes
+ * share these cores, and with a static split every parallel region waits for the thread that lost
+ * its core; dynamically the thread that runs takes the rest. The split never changes an element's
+ * arithmetic.
+ */
+#include "gemm.h"
+
+/* ---- the fallback map: the widest path this build enables ----
+ *
+ *   AVX-512 F/BW/DQ + VNNI (with AVX2, FMA, F16C)    gemm_avx512.c    "AVX512+VNNI"
+ *   AVX2 + FMA + F16C, and AVX-VNNI or AVX-512 VL    gemm_avx2.c      "AVX2+VNNI"
+ *   AVX2 + FMA + F16C                                gemm_avx2.c      "AVX2"
+ *   anything else                                    gemm_generic.c   "portable"
+ *
+ * A new path (see gemm.h) takes its line here, above the paths it supersedes.
+ */
+#if QGEMM_AVX512
+#define product_unit qgemm_product_unit_avx512
+#define unit_groups qgemm_unit_groups_avx512
+#define QGEMM_PATH "AVX512+VNNI"
+#elif QGEMM_AVX2
+#define product_unit qgemm_product_unit_avx2
+#define unit_groups qgemm_unit_groups_avx2
+#define QGEMM_PATH (QGEMM_DP8_VNNI ? "AVX2+VNNI" : "AVX2")
+#else
+#define product_unit qgemm_product_unit_generic
+#define unit_groups qgemm_unit_groups_generic
+#define QGEMM_PATH "portable"
+#endif
+
+/* the instruction path the products run on, for logs and benchmark headers */
+const char *qgemm_isa(void) { return QGEMM_PATH; }
+
+static inline int64_t groups_of(const qweight *w) { return (w->n + NV - 1) / NV; }
+
+
+/* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in ONE
+ * parallel loop over all their units of columns (one fork/join instead of `count`); every element
+ * is computed as by the single product. */
+void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                  int num_threads) {
+    int64_t num_groups = 0, total = 0;
+    for (int i = 0; i < count; ++i) num_groups += groups_of(ws[i]);
+    const int64_t unit = unit_groups(num_groups, num_threads);
+    for (int i = 0; i < count; ++i) total += (groups_of(ws[i]) + unit - 1) / unit;
+    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t u = 0; u < total; ++u) {
+        int i = 0;
+        int64_t k = u;
+        while (k >= (groups_of(ws[i]) + unit - 1) / unit) k -= (groups_of(ws[i++]) + unit - 1) / unit;
+        const qweight *w = ws[i];
+        const int64_t nv = groups_of(w), v0 = k * unit;
+        product_unit(w, a, T, v0, (int)(nv - v0 < unit ? nv - v0 : unit), outs[i]);
+    }
+    for (int i = 0; i < count; ++i)
+        if (ws[i]->bias)
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < ws[i]->n; ++j) outs[i][t * ws[i]->n + j] += ws[i]->bias[j];
+}
+
+/* out [T, w.n] = a @ w^T (+ bias) */
+void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_threads) {
+    qmatmul_many(a, T, &w, &out, 1, num_threads);
+}
+
+/* out [T, w.n] = x [T, w.k] @ w^T (+ bias) */
+int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads) {
+    qact a;
+    if (qact_init(&a, x, T, w->k)) { qact_free(&a); return -1; }
+    qmatmul(&a, T, w, out, num_threads);
+    qact_free(&a);
+    return 0;
+}

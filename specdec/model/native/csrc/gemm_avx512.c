@@ -1,0 +1,120 @@
+/* The products on AVX-512 with VNNI: one zmm is a group of 16 output columns, vpdpbusd adds two
+ * blocks' 4-weight steps per instruction; a tile is up to 2 rows x 4 groups (TILE_ROWS x UNIT).
+ * Compiled to nothing unless this build enables AVX-512 F/BW/DQ + VNNI (impl.h: QGEMM_AVX512). */
+#include "gemm.h"
+
+#if QGEMM_AVX512
+
+#define UNIT 4           /* groups of 16 columns a tile holds, and a thread takes at a time */
+#define TILE_ROWS 2
+
+/* columns [16 v, 16 v + 16) of out, the first `cols` of them (16 but in the last group) */
+ALWAYS_INLINE void store16(float *out, __m512 v, int cols) {
+    if (cols >= NV) _mm512_storeu_ps(out, v);
+    else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
+}
+
+/* rows [0, R) of xq x groups v0..v0+C-1 of a 4-bit matrix */
+ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                           float *out, int64_t N) {
+    const int64_t K = w->k, G = K / QK;
+    const uint8_t *nib = (const uint8_t *)w->w;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 facc[2][4];
+    for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) facc[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m512i iacc[2][4];
+        for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) iacc[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+            __m512i lo[4], hi[4];
+            for (int c = 0; c < C; ++c) {
+                const __m512i v = _mm512_loadu_si512((const void *)(nib + ((v0 + c) * G + g) * 256 + j * 64));
+                lo[c] = _mm512_and_si512(v, low);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t *x = a->xq + (t0 + r) * K + g * QK + 4 * j;
+                const __m512i xl = _mm512_set1_epi32(ld4(x)), xh = _mm512_set1_epi32(ld4(x + 16));
+                for (int c = 0; c < C; ++c) {
+                    iacc[r][c] = _mm512_dpbusd_epi32(iacc[r][c], lo[c], xl);
+                    iacc[r][c] = _mm512_dpbusd_epi32(iacc[r][c], hi[c], xh);
+                }
+            }
+        }
+        for (int c = 0; c < C; ++c) {
+            const int64_t s = ((v0 + c) * G + g) * NV;
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + s)));
+            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + s)));
+            for (int r = 0; r < R; ++r) {
+                const int64_t tg = (t0 + r) * G + g;
+                const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(a->dx[tg]));
+                facc[r][c] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(iacc[r][c]), facc[r][c]);
+                facc[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->sx[tg]), facc[r][c]);
+            }
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int r = 0; r < R; ++r)
+            store16(out + (t0 + r) * N + (v0 + c) * NV, facc[r][c], (int)(N - (v0 + c) * NV));
+}
+
+ALWAYS_INLINE void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                           float *out, int64_t N) {
+    const int64_t K = w->k, G = K / QK;
+    const uint8_t *wp = (const uint8_t *)w->w;
+    __m512 facc[2][4];
+    for (int r = 0; r < R; ++r) for (int c = 0; c < C; ++c) facc[r][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+        __m512i iacc[2][4];
+        for (int r = 0; r < R; ++r) {
+            const __m512i init = _mm512_set1_epi32(-128 * a->xs[(t0 + r) * G + g]);
+            for (int c = 0; c < C; ++c) iacc[r][c] = init;
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+            __m512i wv[4];
+            for (int c = 0; c < C; ++c)
+                wv[c] = _mm512_loadu_si512((const void *)(wp + (((v0 + c) * (K / 4) + g * 8 + j) * NV) * 4));
+            for (int r = 0; r < R; ++r) {
+                const __m512i xb = _mm512_set1_epi32(ld4(a->xq + (t0 + r) * K + g * QK + 4 * j));
+                for (int c = 0; c < C; ++c) iacc[r][c] = _mm512_dpbusd_epi32(iacc[r][c], wv[c], xb);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 s = _mm512_set1_ps(a->dx[(t0 + r) * G + g]);
+            for (int c = 0; c < C; ++c) facc[r][c] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(iacc[r][c]), facc[r][c]);
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        const __m512 sc = _mm512_loadu_ps(w->scale + (v0 + c) * NV);
+        for (int r = 0; r < R; ++r)
+            store16(out + (t0 + r) * N + (v0 + c) * NV, _mm512_mul_ps(sc, facc[r][c]), (int)(N - (v0 + c) * NV));
+    }
+}
+
+void qgemm_product_unit_avx512(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
+    if (w->kind == QW_Q4) {
+        switch (C) {
+            case 1: TILES(q4_tile, 1, TILE_ROWS); break;
+            case 2: TILES(q4_tile, 2, TILE_ROWS); break;
+            case 3: TILES(q4_tile, 3, TILE_ROWS); break;
+            default: TILES(q4_tile, UNIT, TILE_ROWS); break;
+        }
+    } else {
+        switch (C) {
+            case 1: TILES(q8_tile, 1, TILE_ROWS); break;
+            case 2: TILES(q8_tile, 2, TILE_ROWS); break;
+            case 3: TILES(q8_tile, 3, TILE_ROWS); break;
+            default: TILES(q8_tile, UNIT, TILE_ROWS); break;
+        }
+    }
+}
+
+/* the tiles hold UNIT groups at once: a thread's unit is one tile's columns */
+int64_t qgemm_unit_groups_avx512(int64_t num_groups, int num_threads) {
+    (void)num_groups, (void)num_threads;
+    return UNIT;
+}
+
+#endif

@@ -1,0 +1,149 @@
+/* Internal to the library (not part of qgemm.h): instruction-set detection, the layout constants,
+ * scalar helpers every file shares, the quantized activation, and the calls between files.
+ *
+ * Instruction sets are chosen at compile time (the library is built with -march=native for the
+ * machine at hand; variants with -mno-... build the narrower paths): QGEMM_AVX512 and QGEMM_AVX2
+ * say which x86 paths this build enables. The functions declared here for other files are
+ * QGEMM_HIDDEN, left out of the shared library's exports: only qgemm.h's are the interface.
+ */
+#ifndef QGEMM_IMPL_H
+#define QGEMM_IMPL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qgemm.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QGEMM_AVX2 1
+#else
+#define QGEMM_AVX2 0
+#endif
+
+/* 512-bit products where the CPU has AVX-512 with VNNI: two blocks per instruction */
+#if QGEMM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define QGEMM_AVX512 1
+#else
+#define QGEMM_AVX512 0
+#endif
+
+/* AVX2 tiles with a 256-bit VNNI dot product (AVX-VNNI, or AVX-512 VNNI's VL forms) */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define QGEMM_DP8_VNNI 1
+#else
+#define QGEMM_DP8_VNNI 0
+#endif
+
+#define QK 32            /* weights per block */
+#define NV 16            /* output columns interleaved per group in the packed layouts (gemm.h) */
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define QGEMM_HIDDEN __attribute__((visibility("hidden")))   /* shared between files, not exported */
+
+/* IEEE half -> fp32, exact (F16C where the build has AVX2) */
+static inline float fp16_to_fp32(uint16_t h) {
+#if QGEMM_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (mant == 0) { bits = sign; }
+        else {                                   /* subnormal: normalise */
+            exp = 1;
+            while (!(mant & 0x400)) { mant <<= 1; exp--; }
+            mant &= 0x3FF;
+            bits = sign | ((exp + 112) << 23) | (mant << 13);
+        }
+    } else if (exp == 31) { bits = sign | 0x7F800000 | (mant << 13); }
+    else { bits = sign | ((exp + 112) << 23) | (mant << 13); }
+    float f; memcpy(&f, &bits, 4); return f;
+#endif
+}
+
+/* round to nearest even, as torch's .half() */
+static inline uint16_t fp32_to_fp16(float f) {
+#if QGEMM_AVX2
+    return _cvtss_sh(f, 0);
+#else
+    uint32_t x; memcpy(&x, &f, 4);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t a = x & 0x7FFFFFFFu;
+    if (a >= 0x7F800000u) return sign | 0x7C00u | (a > 0x7F800000u ? 0x200u : 0u);   /* inf, nan */
+    if (a >= 0x477FF000u) return sign | 0x7C00u;                                      /* >= 65520: inf */
+    if (a < 0x38800000u) {                                   /* below 2^-14: a subnormal half or 0 */
+        float v; memcpy(&v, &a, 4);
+        return sign | (uint16_t)lrintf(v * 16777216.f);      /* exact scaling by 2^24, then RNE */
+    }
+    uint32_t h = (a >> 13) - (112u << 10);                   /* rebias 127 -> 15, keep 10 bits */
+    const uint32_t rem = a & 0x1FFFu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  /* a carry rounds into the exponent */
+    return sign | (uint16_t)h;
+#endif
+}
+
+/* exp on eight lanes, the same operations in every lane: attention's softmax and silu_mul */
+#if QGEMM_AVX2
+static inline __m256 exp8(__m256 x) {        /* Cephes' expf polynomial: |error| <= 2 ulp on [-87, 88] */
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(.5f)));
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* ---- quants.c: an activation [T, k] quantized once for every product that reads it ---- */
+
+/* The 8-bit AVX-512 product reads each block's integer sum (xs); the other paths do not. */
+#define QGEMM_ACT_SUMS QGEMM_AVX512
+
+typedef struct {
+    int8_t *xq;              /* [T, k] */
+    int32_t *xs;             /* [T, k/32] sum of each block's xq (with QGEMM_ACT_SUMS, else NULL) */
+    float *dx, *sx;          /* [T, k/32] */
+} qact;
+
+/* a = x [T, K] quantized; -1 when out of memory (qact_free then releases what was allocated) */
+QGEMM_HIDDEN int qact_init(qact *a, const float *x, int64_t T, int64_t K);
+QGEMM_HIDDEN void qact_free(qact *a);
+
+/* ---- gemm.c ---- */
+
+/* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in one
+ * parallel loop; every element is computed as by the single product. */
+QGEMM_HIDDEN void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                               int num_threads);
+
+/* out [T, w.n] = a @ w^T (+ bias) */
+QGEMM_HIDDEN void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_threads);
+
+/* ---- attention.c ---- */
+
+/* One batch of attention: `num_spans` sequences, each of n rows (queries [n, H, D] at q, outputs at
+ * out) over its own cache (kv head h at + h * capacity * D elements) of L rows under its mask. */
+typedef struct {
+    const float *q;
+    float *out;
+    int64_t n, L, capacity;
+    const void *k, *v;
+    const uint8_t *mask;     /* [n, L] (1 = attend) or NULL: all */
+} att_seq;
+
+/* Every sequence's attention in one parallel loop; -1 when out of memory. */
+QGEMM_HIDDEN int attend_seqs(const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv, int64_t D, int half,
+                             int num_threads);
+
+#endif
