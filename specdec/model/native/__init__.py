@@ -56,6 +56,11 @@ Tensor = torch.Tensor
 SOURCE_DIR = Path(__file__).with_name("csrc")  # every .c here is compiled into the one library
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"  # "0": never build or use the native kernels
+AMX_SWITCH = "SPECDEC_NATIVE_AMX"  # "0": never use the AMX tiles, even where the CPU has them
+# 4-bit products of at least this many rows run on AMX tiles where the library has the path
+# (csrc/gemm_amx.c); fewer rows stay on AVX-512, where a tile's 16 rows cost more than the rows they
+# carry. Either path gives the same bits, so this moves only time (docs/benchmarks.md, "AMX products").
+AMX_MIN_ROWS = 16
 QK = 32  # weights per block
 COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)
 KIND_Q4, KIND_Q8 = 4, 8
@@ -68,6 +73,7 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _status: str | None = None  # why `library()` is None, once tried
 _disabled = False  # see `disabled()`
+_amx_status = ""  # why the AMX tiles are off, once the library is loaded ("" while on or not built)
 
 
 class AbiMismatch(RuntimeError):
@@ -182,6 +188,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     w = ctypes.POINTER(QWeight)
     lib.qgemm_isa.argtypes, lib.qgemm_isa.restype = [], ctypes.c_char_p
+    lib.qgemm_amx_built.argtypes, lib.qgemm_amx_built.restype = [], i32
+    lib.qgemm_set_amx.argtypes, lib.qgemm_set_amx.restype = [i64], i64
+    lib.qgemm_amx_min_rows.argtypes, lib.qgemm_amx_min_rows.restype = [], i64
     lib.qgemm_abi.argtypes, lib.qgemm_abi.restype = [ctypes.POINTER(i64), i64], i64
     lib.qgemm_abi_names.argtypes, lib.qgemm_abi_names.restype = [], ctypes.c_char_p
     lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
@@ -281,7 +290,7 @@ def disabled() -> Iterator[None]:
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first call; None (and `status()` says why) if unavailable."""
-    global _library, _status
+    global _library, _status, _amx_status
     if _disabled:
         return None
     with _lock:
@@ -306,16 +315,65 @@ def library() -> ctypes.CDLL | None:
             log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)
             return None
         _library = lib
-        log.info("native kernels loaded (%s path)", lib.qgemm_isa().decode())
+        _amx_status = enable_amx(lib)
+        log.info("native kernels loaded (%s)", path(lib))
         return lib
 
 
+# x86-64 Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) asks the kernel for the AMX tile
+# data state (8 KB a thread, saved on context switches); without it the first tile instruction is SIGILL.
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def request_tile_data() -> str | None:
+    """Ask the OS for the AMX tile data state for this process; None when granted, else why not."""
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return (
+            f"tile data is requested through Linux x86-64's arch_prctl, not on {platform.system()} {platform.machine()}"
+        )
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+        return f"the kernel refused the tile data state (arch_prctl: {os.strerror(ctypes.get_errno())})"
+    return None
+
+
+def enable_amx(lib: ctypes.CDLL, min_rows: int = AMX_MIN_ROWS) -> str:
+    """Turn the AMX products on for calls of at least `min_rows` rows where the library has them and the
+    OS grants the tiles; returns why they stay off ("" when on, or when this build has no AMX path)."""
+    if not lib.qgemm_amx_built():
+        lib.qgemm_set_amx(0)
+        return ""
+    if os.environ.get(AMX_SWITCH, "1") == "0":
+        lib.qgemm_set_amx(0)
+        return f"AMX off by {AMX_SWITCH}=0"
+    refused = request_tile_data()
+    if refused is not None:
+        lib.qgemm_set_amx(0)
+        log.warning(
+            "native kernels: AMX tiles unavailable (%s); the products stay on %s", refused, lib.qgemm_isa().decode()
+        )
+        return f"AMX unavailable: {refused}"
+    if lib.qgemm_set_amx(min_rows) != min_rows:  # the library checks the grant itself
+        return "AMX unavailable: the tile data state was not granted"
+    return ""
+
+
+def path(lib: ctypes.CDLL) -> str:
+    """The products' instruction path(s), for logs and benchmark headers: 'AVX512+VNNI', or
+    'AMX-INT8 from 16 rows, else AVX512+VNNI', with why AMX is off where the CPU has it."""
+    isa = lib.qgemm_isa().decode()
+    rows = lib.qgemm_amx_min_rows()
+    if rows:
+        return f"{isa}, AMX-INT8 tiles for 4-bit products of {rows}+ rows"
+    return f"{isa}; {_amx_status}" if _amx_status and lib is _library else isa
+
+
 def status() -> str:
-    """'available (AVX2+VNNI|AVX2|portable)' or why not."""
+    """'available (PATH)', `path`'s words, or why not."""
     lib = library()
     if lib is None:
         return f"unavailable: {'disabled here' if _disabled else _status}"
-    return f"available ({lib.qgemm_isa().decode()})"
+    return f"available ({path(lib)})"
 
 
 def identity() -> str:

@@ -394,3 +394,101 @@ def test_attention_gives_the_same_bits_on_every_vector_path(path, flags):
                 here = native.attend(native.library(), q, k_cache, v_cache, end, m)
                 there = native.attend(other, q, k_cache, v_cache, end, m)
                 assert torch.equal(here, there), (path, kv_dtype, rows, m is None)
+
+
+def _amx_unavailable() -> str | None:
+    """Why this machine cannot test the AMX products, or None."""
+    lib = native.library()
+    if not lib.qgemm_amx_built():
+        return "this build has no AMX path (the CPU lacks amx_tile/amx_int8, or the compiler does)"
+    if lib.qgemm_amx_min_rows() == 0:
+        return f"AMX tiles are off here: {native.status()}"
+    return None
+
+
+needs_amx = pytest.mark.skipif(_amx_unavailable() is not None, reason=str(_amx_unavailable()))
+
+
+@contextlib.contextmanager
+def _amx_from(rows: int) -> Iterator[None]:
+    lib = native.library()
+    before = lib.qgemm_amx_min_rows()
+    lib.qgemm_set_amx(rows)
+    try:
+        yield
+    finally:
+        lib.qgemm_set_amx(before)
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [160, 576, 1536])
+def test_amx_products_give_the_bits_of_the_avx512_path(k):
+    """The tiles compute each block's integer sums, exact in any order, and the rescale is the
+    AVX-512 path's: every row count, odd ones, tails and 16-row boundaries included, gives the same
+    bits with the tiles as without (an odd block count exercises the alternating tile sets)."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(21)
+    q, d, m = quant.quantize_q4_1(torch.randn(96, k, generator=g))
+    layer = native.QuantLinear.from_q4_1(lib, q, d, m, bias=torch.randn(96, generator=g))
+    for threads in (1, 2, 3):
+        with _num_threads(threads):
+            for rows in (1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 47, 63, 64):
+                x = torch.randn(rows, k, generator=g) * 4
+                with _amx_from(1):
+                    tiles = layer(x)
+                with _amx_from(0):
+                    vectors = layer(x)
+                assert torch.equal(tiles, vectors), (k, threads, rows)
+
+
+@needs_amx
+def test_8bit_rows_stay_on_avx512_and_a_whole_forward_is_unchanged_by_the_tiles():
+    """8-bit products are refused by the tile loop (they ran slower there) and take the AVX-512 path;
+    a 4-bit decoder layer over 40 rows gives the same bits with the tiles on as off."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(22)
+    t = quant.quantize_int8("w", torch.randn(64, 128, generator=g))
+    rows8 = native.QuantLinear.from_int8(lib, t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE])
+    x = torch.randn(40, 128, generator=g)
+    with _amx_from(1):
+        tiles = rows8(x)
+    assert torch.equal(tiles, rows8(x))
+    config = tiny_config()
+    block, rope = Block(config, block_weights(config), 0), RotaryEmbedding(config, 64, torch.float32)
+    assert block.native is not None
+    h = torch.randn(40, 64, generator=g)
+    outs = []
+    for rows in (1, 0):
+        kc = torch.zeros(1, 2, 48, 16)
+        spans = [SequenceSpan(0, 40, 0, kc, torch.zeros_like(kc), None)]
+        with _amx_from(rows):
+            outs.append(block(h, torch.arange(40), rope, spans))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_refused_tile_permission_leaves_the_products_on_avx512(monkeypatch, caplog):
+    """Where the OS refuses the tile data state (or SPECDEC_NATIVE_AMX=0), AMX stays off, the status
+    and the log say why, and the products are those of the vector path, bit for bit."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(23)
+    q, d, m = quant.quantize_q4_1(torch.randn(64, 96, generator=g))
+    layer = native.QuantLinear.from_q4_1(lib, q, d, m)
+    x = torch.randn(33, 96, generator=g)
+    before = lib.qgemm_amx_min_rows()
+    with _amx_from(0):
+        expected = layer(x)
+    try:
+        monkeypatch.setattr(native, "request_tile_data", lambda: "refused by the test")
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            why = native.enable_amx(lib)
+        assert lib.qgemm_amx_min_rows() == 0
+        assert torch.equal(layer(x), expected)
+        if lib.qgemm_amx_built():
+            assert why == "AMX unavailable: refused by the test" and "refused by the test" in caplog.text
+        else:
+            assert why == ""  # nothing to refuse: the build has no tiles
+        monkeypatch.setenv(native.AMX_SWITCH, "0")
+        assert native.enable_amx(lib) == ("AMX off by SPECDEC_NATIVE_AMX=0" if lib.qgemm_amx_built() else "")
+        assert lib.qgemm_amx_min_rows() == 0
+    finally:
+        lib.qgemm_set_amx(before)

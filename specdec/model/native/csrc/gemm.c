@@ -11,6 +11,10 @@
 
 /* ---- the fallback map: the widest path this build enables ----
  *
+ *   AMX-TILE + AMX-INT8 (with AVX-512 + VNNI)        gemm_amx.c       4-bit products from
+ *                                                                     qgemm_set_amx's row count, once
+ *                                                                     the OS grants the tiles; the
+ *                                                                     rest: the AVX-512 path
  *   AVX-512 F/BW/DQ + VNNI (with AVX2, FMA, F16C)    gemm_avx512.c    "AVX512+VNNI"
  *   AVX2 + FMA + F16C, and AVX-VNNI or AVX-512 VL    gemm_avx2.c      "AVX2+VNNI"
  *   AVX2 + FMA + F16C                                gemm_avx2.c      "AVX2"
@@ -35,7 +39,24 @@
 /* the instruction path the products run on, for logs and benchmark headers */
 const char *qgemm_isa(void) { return QGEMM_PATH; }
 
-static inline int64_t groups_of(const qweight *w) { return (w->n + NV - 1) / NV; }
+#define groups_of qgemm_groups_of
+
+/* Calls of at least this many rows run on AMX tiles; 0: never (not built, not granted, or off).
+ * Process-wide, as the tile permission is; set once at load (qgemm_set_amx). */
+static int64_t amx_min_rows;
+
+int64_t qgemm_set_amx(int64_t min_rows) {
+#if QGEMM_AMX
+    amx_min_rows = min_rows > 0 && qgemm_amx_granted() ? min_rows : 0;
+#else
+    (void)min_rows;
+#endif
+    return amx_min_rows;
+}
+
+int64_t qgemm_amx_min_rows(void) { return amx_min_rows; }
+
+int qgemm_amx_built(void) { return QGEMM_AMX; }
 
 
 /* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in ONE
@@ -43,6 +64,10 @@ static inline int64_t groups_of(const qweight *w) { return (w->n + NV - 1) / NV;
  * is computed as by the single product. */
 void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
                   int num_threads) {
+#if QGEMM_AMX
+    if (amx_min_rows && T >= amx_min_rows && qgemm_matmul_many_amx(a, T, ws, outs, count, num_threads) == 0)
+        goto bias;
+#endif
     int64_t num_groups = 0, total = 0;
     for (int i = 0; i < count; ++i) num_groups += groups_of(ws[i]);
     const int64_t unit = unit_groups(num_groups, num_threads);
@@ -56,6 +81,9 @@ void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *con
         const int64_t nv = groups_of(w), v0 = k * unit;
         product_unit(w, a, T, v0, (int)(nv - v0 < unit ? nv - v0 : unit), outs[i]);
     }
+#if QGEMM_AMX
+bias:
+#endif
     for (int i = 0; i < count; ++i)
         if (ws[i]->bias)
             for (int64_t t = 0; t < T; ++t)

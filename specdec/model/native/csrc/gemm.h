@@ -56,6 +56,16 @@
         for (; t < T; ++t) fn(w, a, t, v0, 1, C, out, w->n);                        \
     } while (0)
 
+static inline int64_t qgemm_groups_of(const qweight *w) { return (w->n + NV - 1) / NV; }
+
+#if QGEMM_AVX512
+/* columns [16 v, 16 v + 16) of out, the first `cols` of them (16 but in the last group) */
+ALWAYS_INLINE void store16(float *out, __m512 v, int cols) {
+    if (cols >= NV) _mm512_storeu_ps(out, v);
+    else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
+}
+#endif
+
 /* gemm_generic.c: the portable reference, compiled on every build */
 QGEMM_HIDDEN void qgemm_product_unit_generic(const qweight *w, const qact *a, int64_t T, int64_t v0, int C,
                                              float *out);
@@ -65,6 +75,14 @@ QGEMM_HIDDEN int64_t qgemm_unit_groups_generic(int64_t num_groups, int num_threa
 QGEMM_HIDDEN void qgemm_product_unit_avx512(const qweight *w, const qact *a, int64_t T, int64_t v0, int C,
                                             float *out);
 QGEMM_HIDDEN int64_t qgemm_unit_groups_avx512(int64_t num_groups, int num_threads);
+#endif
+
+#if QGEMM_AMX   /* gemm_amx.c: not a product_unit, a whole parallel loop (tile config per thread) */
+/* qmatmul_many on AMX tiles; -1 (nothing written) for 8-bit weights or when out of memory */
+QGEMM_HIDDEN int qgemm_matmul_many_amx(const qact *a, int64_t T, const qweight *const *ws, float *const *outs,
+                                       int count, int num_threads);
+/* whether this process was granted the tile data state (ARCH_REQ_XCOMP_PERM) */
+QGEMM_HIDDEN int qgemm_amx_granted(void);
 #endif
 
 #if QGEMM_AVX2 && !QGEMM_AVX512   /* gemm_avx2.c */

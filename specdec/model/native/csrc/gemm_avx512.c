@@ -8,12 +8,6 @@
 #define UNIT 4           /* groups of 16 columns a tile holds, and a thread takes at a time */
 #define TILE_ROWS 2
 
-/* columns [16 v, 16 v + 16) of out, the first `cols` of them (16 but in the last group) */
-ALWAYS_INLINE void store16(float *out, __m512 v, int cols) {
-    if (cols >= NV) _mm512_storeu_ps(out, v);
-    else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
-}
-
 /* rows [0, R) of xq x groups v0..v0+C-1 of a 4-bit matrix */
 ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
                            float *out, int64_t N) {

@@ -30,6 +30,14 @@
 #define QGEMM_AVX512 0
 #endif
 
+/* AMX int8 tiles beside the AVX-512 path (gemm_amx.c), where the compiler targets them */
+#if QGEMM_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define QGEMM_AMX 1
+#else
+#define QGEMM_AMX 0
+#endif
+#define QGEMM_SLAB 16    /* activation rows per AMX tile: qact pads xq to whole slabs (zero rows) */
+
 /* AVX2 tiles with a 256-bit VNNI dot product (AVX-VNNI, or AVX-512 VNNI's VL forms) */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define QGEMM_DP8_VNNI 1
@@ -111,7 +119,7 @@ static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v
 #define QGEMM_ACT_SUMS QGEMM_AVX512
 
 typedef struct {
-    int8_t *xq;              /* [T, k] */
+    int8_t *xq;              /* [T, k], then zero rows up to a whole QGEMM_SLAB (an AMX tile load reads 16) */
     int32_t *xs;             /* [T, k/32] sum of each block's xq (with QGEMM_ACT_SUMS, else NULL) */
     float *dx, *sx;          /* [T, k/32] */
 } qact;

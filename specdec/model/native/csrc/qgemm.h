@@ -24,6 +24,7 @@
  *   gemm_generic.c   the portable reference products
  *   gemm_avx512.c    AVX-512 + VNNI products (empty unless that ISA is enabled)
  *   gemm_avx2.c      AVX2 products, with or without VNNI (empty unless AVX2 is the path)
+ *   gemm_amx.c       AMX int8 tile products beside the AVX-512 ones (empty unless AMX is enabled)
  *   ops.c            rmsnorm, rope, silu_mul, layer_pre, layer_post, forward
  *   attention.c      attention of a span's new rows over its KV cache
  *   logits.c         argmax rows, e4m3 encoding, byte histograms
@@ -82,6 +83,18 @@ void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float
 
 /* The instruction path the products run on: "AVX512+VNNI", "AVX2+VNNI", "AVX2" or "portable". */
 const char *qgemm_isa(void);
+
+/* Whether this build has the AMX path (gemm_amx.c): the compiler targets AMX-TILE and AMX-INT8. */
+int qgemm_amx_built(void);
+
+/* Products of at least min_rows rows run on AMX tiles (the same bits), fewer on qgemm_isa()'s path;
+ * min_rows <= 0 turns AMX off. The process must have been granted the tile data state first
+ * (arch_prctl ARCH_REQ_XCOMP_PERM): without it, or without the path, AMX stays off. Returns the
+ * row count now in effect, 0 for off. Process-wide: call it before any product runs. */
+int64_t qgemm_set_amx(int64_t min_rows);
+
+/* The row count from which products run on AMX tiles; 0: they never do. */
+int64_t qgemm_amx_min_rows(void);
 
 /* out [T, w.n] = x [T, w.k] @ w^T (+ bias). Returns -1 when out of memory, else 0. */
 int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads);

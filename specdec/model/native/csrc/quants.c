@@ -56,13 +56,15 @@ void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float
 
 int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
     const int64_t G = K / QK;
-    a->xq = malloc((size_t)(T * K) + 64); a->dx = malloc(sizeof(float) * (size_t)(T * G) + 64);
+    const int64_t padded = (T + QGEMM_SLAB - 1) / QGEMM_SLAB * QGEMM_SLAB;
+    a->xq = malloc((size_t)(padded * K) + 64); a->dx = malloc(sizeof(float) * (size_t)(T * G) + 64);
     a->sx = malloc(sizeof(float) * (size_t)(T * G) + 64); a->xs = NULL;
     if (!a->xq || !a->dx || !a->sx) return -1;
 #if QGEMM_ACT_SUMS
     a->xs = malloc(sizeof(int32_t) * (size_t)(T * G) + 64);
     if (!a->xs) return -1;
 #endif
+    memset(a->xq + T * K, 0, (size_t)((padded - T) * K));
     quantize_rows(x, T, K, a->xq, a->dx, a->sx, a->xs);
     return 0;
 }

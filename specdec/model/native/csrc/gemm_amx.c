@@ -1,0 +1,145 @@
+/* The 4-bit products on AMX int8 tiles (Intel Sapphire Rapids and later), beside the AVX-512 path.
+ *
+ * Same arithmetic, same bits (gemm.h): the tile multiply only computes each block's integer dot
+ * products S, which are exact in any order; the rescale of every block is the AVX-512 path's, in
+ * the same order. What changes is who computes S: TDPBSUD multiplies a tile of 16 activation rows
+ * x one block (16 x 32 signed bytes, read straight from the quantized activation: xq's rows are the
+ * A tile's rows) by the block's weights for 16 output columns (8 rows of 16 columns x 4 unsigned
+ * bytes: the nibbles q in 0..15, unpacked once per call and group), giving S for 16 rows x 16
+ * columns in one instruction where vpdpbusd needs 8 per row. Each block's 16 x 16 sums go through a
+ * small ring of buffers (tile store, then vector loads two blocks later, so the loads never wait
+ * on the store) into the rescale, while the next blocks' tiles multiply on alternating tile
+ * registers (tiles are not renamed).
+ *
+ * What it gains is bounded: the rescale (a multiply and two FMAs per row, block and 16 columns) is
+ * the AVX-512 path's own work, and a block's tile store costs about what 16 rows' vpdpbusd do. So
+ * it pays only from a tile's worth of rows (gemm.c takes it from qgemm_set_amx's row count) and
+ * only for the 4-bit layout: the 8-bit rows, whose AVX-512 step is one vpdpbusd per 4 inputs, ran
+ * slower on tiles at every row count measured (docs/benchmarks.md, "AMX products"), so they stay
+ * on AVX-512 and this loop refuses them.
+ *
+ * Tile state is per thread and torch's oneDNN may use tiles on the same OpenMP threads: each
+ * parallel region loads this configuration first and releases the tiles at its end. The process
+ * must have been granted the tile data state (ARCH_REQ_XCOMP_PERM, by the Python loader) before
+ * any of this runs: qgemm_set_amx refuses to turn the path on otherwise.
+ */
+#include "gemm.h"
+
+#if QGEMM_AMX
+#include <sys/syscall.h>
+#include <immintrin.h>
+#include <unistd.h>
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define XFEATURE_XTILEDATA 18
+#define RING 4                 /* blocks' sums in flight */
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette_id, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0, tmm1: sums C [16 rows x 16 int32]; tmm2, tmm3: activations A [16 rows x 32 bytes];
+ * tmm4, tmm5: weights B [8 rows x 64 bytes]. Static: the whole 64 bytes are read by ldtilecfg. */
+static const tile_config CONFIG = {
+    .palette_id = 1,
+    .colsb = {64, 64, QK, QK, 64, 64},
+    .rows = {QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QK / 4, QK / 4},
+};
+
+int qgemm_amx_granted(void) {
+    unsigned long bits = 0;
+    return syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) == 0 && (bits & (1ul << XFEATURE_XTILEDATA));
+}
+
+/* Block g's sums of slab rows [t0, t0 + 16) into ring slot g % RING: zero C, load A and B,
+ * multiply, store; even blocks on tiles 0/2/4, odd ones on 1/3/5 (indices must be constants). */
+#define TILE_BLOCK(ct, at, bt)                                     \
+    do {                                                           \
+        _tile_zero(ct);                                            \
+        _tile_loadd(at, a->xq + t0 * K + g * QK, K);               \
+        _tile_loadd(bt, b + g * 512, 64);                          \
+        _tile_dpbsud(ct, at, bt);                                  \
+        _tile_stored(ct, ring + (g % RING) * 256, 64);             \
+    } while (0)
+
+/* b: block g's B tile at b + g * 512 (4-bit: unpacked nibbles) */
+ALWAYS_INLINE void tile_block(const qact *a, int64_t t0, int64_t K, const uint8_t *b, int32_t *ring, int64_t g) {
+    if (g & 1) TILE_BLOCK(1, 3, 5);
+    else TILE_BLOCK(0, 2, 4);
+}
+
+/* the nibbles of one group's block (256 bytes) -> its B tile [8][64]: vector j's low nibbles are
+ * weights 4j..4j+3 of each column (row j), its high nibbles weights 4j+16..4j+19 (row j + 4) */
+ALWAYS_INLINE void unpack_q4_block(const uint8_t *nib, uint8_t *b) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512((const void *)(nib + j * 64));
+        _mm512_storeu_si512((void *)(b + j * 64), _mm512_and_si512(v, low));
+        _mm512_storeu_si512((void *)(b + (j + 4) * 64), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    }
+}
+
+/* rows [t0, t0 + R) of group v (R <= 16); b: the group's B tiles, block g at b + g * 512 */
+ALWAYS_INLINE void q4_slab(const qweight *w, const qact *a, int64_t t0, int64_t v, const int R, const uint8_t *b,
+                           int32_t *ring, float *out) {
+    const int64_t K = w->k, G = K / QK, N = w->n;
+    __m512 facc[QGEMM_SLAB];
+    for (int r = 0; r < R; ++r) facc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G && g < 2; ++g) tile_block(a, t0, K, b, ring, g);
+    for (int64_t g = 0; g < G; ++g) {
+        if (g + 2 < G) tile_block(a, t0, K, b, ring, g + 2);
+        const int32_t *S = ring + (g % RING) * 256;
+        const int64_t s = (v * G + g) * NV;
+        const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + s)));
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + s)));
+        for (int r = 0; r < R; ++r) {
+            const int64_t tg = (t0 + r) * G + g;
+            const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(a->dx[tg]));
+            facc[r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(_mm512_load_si512(S + r * 16)), facc[r]);
+            facc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->sx[tg]), facc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) store16(out + (t0 + r) * N + v * NV, facc[r], (int)(N - v * NV));
+}
+
+/* group v of a 4-bit w for all T rows: its B tiles once, then whole slabs of 16 and the rest */
+static void group_unit(const qweight *w, const qact *a, int64_t T, int64_t v, uint8_t *b, int32_t *ring, float *out) {
+    const int64_t G = w->k / QK;
+    for (int64_t g = 0; g < G; ++g) unpack_q4_block((const uint8_t *)w->w + (v * G + g) * 256, b + g * 512);
+    int64_t t0 = 0;
+    for (; t0 + QGEMM_SLAB <= T; t0 += QGEMM_SLAB) q4_slab(w, a, t0, v, QGEMM_SLAB, b, ring, out);
+    if (t0 < T) q4_slab(w, a, t0, v, (int)(T - t0), b, ring, out);
+}
+
+int qgemm_matmul_many_amx(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                          int num_threads) {
+    int64_t total = 0, max_blocks = 1;
+    for (int i = 0; i < count; ++i) {
+        if (ws[i]->kind != QW_Q4) return -1;
+        total += qgemm_groups_of(ws[i]);
+        if (ws[i]->k / QK > max_blocks) max_blocks = ws[i]->k / QK;
+    }
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        uint8_t *b = aligned_alloc(64, (size_t)max_blocks * 512);             /* a 4-bit group's B tiles */
+        int32_t *ring = aligned_alloc(64, RING * 256 * sizeof(int32_t));
+        failed = !b || !ring;
+        if (!failed) _tile_loadconfig(&CONFIG);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < total; ++u) {
+            if (!b || !ring) continue;
+            int i = 0;
+            int64_t v = u;
+            while (v >= qgemm_groups_of(ws[i])) v -= qgemm_groups_of(ws[i++]);
+            group_unit(ws[i], a, T, v, b, ring, outs[i]);
+        }
+        if (b && ring) _tile_release();
+        free(b); free(ring);
+    }
+    return failed ? -1 : 0;
+}
+#endif
