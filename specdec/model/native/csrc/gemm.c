@@ -98,7 +98,7 @@ void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_thr
 /* out [T, w.n] = x [T, w.k] @ w^T (+ bias) */
 int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads) {
     qact a;
-    if (qact_init(&a, x, T, w->k)) { qact_free(&a); return -1; }
+    if (qact_init(&a, x, T, w->k, num_threads)) { qact_free(&a); return -1; }
     qmatmul(&a, T, w, out, num_threads);
     qact_free(&a);
     return 0;

@@ -124,8 +124,13 @@ typedef struct {
     float *dx, *sx;          /* [T, k/32] */
 } qact;
 
-/* a = x [T, K] quantized; -1 when out of memory (qact_free then releases what was allocated) */
-QGEMM_HIDDEN int qact_init(qact *a, const float *x, int64_t T, int64_t K);
+/* a's buffers for T rows of K (xq's slab padding zeroed); -1 when out of memory (qact_free then
+ * releases what was allocated) */
+QGEMM_HIDDEN int qact_alloc(qact *a, int64_t T, int64_t K);
+/* row t of a = x [K] quantized: each row alone, so rows can be quantized in any order or thread */
+QGEMM_HIDDEN void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K);
+/* a = x [T, K] quantized, rows in parallel; -1 when out of memory (then as qact_alloc) */
+QGEMM_HIDDEN int qact_init(qact *a, const float *x, int64_t T, int64_t K, int num_threads);
 QGEMM_HIDDEN void qact_free(qact *a);
 
 /* ---- gemm.c ---- */

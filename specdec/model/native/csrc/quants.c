@@ -54,9 +54,8 @@ void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float
     quantize_rows(x, T, K, xq, dx, sx, NULL);
 }
 
-int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
-    const int64_t G = K / QK;
-    const int64_t padded = (T + QGEMM_SLAB - 1) / QGEMM_SLAB * QGEMM_SLAB;
+int qact_alloc(qact *a, int64_t T, int64_t K) {
+    const int64_t G = K / QK, padded = (T + QGEMM_SLAB - 1) / QGEMM_SLAB * QGEMM_SLAB;
     a->xq = malloc((size_t)(padded * K) + 64); a->dx = malloc(sizeof(float) * (size_t)(T * G) + 64);
     a->sx = malloc(sizeof(float) * (size_t)(T * G) + 64); a->xs = NULL;
     if (!a->xq || !a->dx || !a->sx) return -1;
@@ -65,7 +64,18 @@ int qact_init(qact *a, const float *x, int64_t T, int64_t K) {
     if (!a->xs) return -1;
 #endif
     memset(a->xq + T * K, 0, (size_t)((padded - T) * K));
-    quantize_rows(x, T, K, a->xq, a->dx, a->sx, a->xs);
+    return 0;
+}
+
+void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K) {
+    const int64_t G = K / QK;
+    quantize_rows(x, 1, K, a->xq + t * K, a->dx + t * G, a->sx + t * G, a->xs ? a->xs + t * G : NULL);
+}
+
+int qact_init(qact *a, const float *x, int64_t T, int64_t K, int num_threads) {
+    if (qact_alloc(a, T, K)) return -1;
+    #pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    for (int64_t t = 0; t < T; ++t) qact_quantize_row(a, x + t * K, t, K);
     return 0;
 }
 
