@@ -67,13 +67,53 @@ class ParsedRequest:
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
+    """The body's JSON object. Refused with a 400: bytes that are not JSON, JSON nested deeper than
+    the parser recurses, a number past int()'s digit limit, and a lone surrogate in any string
+    (JSON's "\\ud800" escape decodes to one; it is not a character, and neither the protobuf nor the
+    answer's UTF-8 can carry it)."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(None, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request(None, "the body is nested too deeply to parse") from None
+    except ValueError as e:  # an integer of more digits than sys.get_int_max_str_digits()
+        raise bad_request(None, f"the body is not acceptable JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request(None, "the body must be a JSON object")
+    param = _lone_surrogate_at(data)
+    if param is not None:
+        raise bad_request(param, "must be valid Unicode: a lone surrogate (e.g. \\ud800) is not a character")
     return data
+
+
+def _lone_surrogate_at(data: dict[str, Any]) -> str | None:
+    """The parameter path of a string (value or key) with a lone surrogate, e.g.
+    "messages[0].content"; None when there is none. Iterative: the body may nest as deep as the
+    parser allowed."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if not _is_encodable(value):
+                return path
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_encodable(key):  # named escaped, so that the error can name it
+                    key = key.encode("utf-8", "backslashreplace").decode()
+                    return f"{path}.{key}" if path else key
+                pending.append((f"{path}.{key}" if path else key, item))
+    return None
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
