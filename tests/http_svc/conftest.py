@@ -31,7 +31,8 @@ HOLD_S = 30.0
 
 class FakeGateway(gateway_pb2_grpc.GenerationServiceServicer):
     """Answers "ok" (one token); a stream sends its first message and, while `is_holding`, waits
-    for the caller to cancel before its last."""
+    for the caller to cancel before its last. `cancelled` is set when a stream ends, which a held
+    one does only when cancelled."""
 
     def __init__(self) -> None:
         self.is_holding = False
@@ -55,9 +56,9 @@ class FakeGateway(gateway_pb2_grpc.GenerationServiceServicer):
 
     def GenerateStream(self, request, context):  # noqa: ANN001, N802
         self._check(request, context)
+        context.add_callback(self.cancelled.set)  # before the first message: the caller may cancel at once
         yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id, text="o", token_ids=[1])
         if self.is_holding:
-            context.add_callback(self.cancelled.set)
             self.cancelled.wait(HOLD_S)
         yield gateway_pb2.GenerateStreamResponse(
             request_id=request.request_id,
