@@ -69,6 +69,13 @@ def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(client: TestClient) -> 
     assert response.status_code == 400 and _error(response)["param"] == "prompt"
 
 
+def test_a_surrogate_encoded_as_utf_8_bytes_is_a_400_naming_it(client: TestClient) -> None:
+    """json.loads decodes bytes with surrogatepass: 0xED 0xA0 0x80 arrives as "\ud800" too."""
+    body = b'{"model": "test-model", "prompt": "a\xed\xa0\x80"}'
+    response = _post(client, body, COMPLETION_PATH)
+    assert response.status_code == 400 and _error(response)["param"] == "prompt"
+
+
 @pytest.mark.parametrize(
     "body",
     [b"[" * 100_000, b'{"a":' * 100_000, b'{"model": "m", "messages": ' + b"[" * 100_000],
