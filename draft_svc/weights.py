@@ -38,6 +38,9 @@ from specdec.weights.shared import KIND_SHARED_MEMORY, SHM_DIR, HandleError, Wei
 from specdec.weights.wire import wire_field
 
 SMOKE_TOKEN_ID = 0  # the one token of the attach-time smoke forward
+# Ends the message of a refusal whose cause is an exception's own text (a JSON decoder's, torch's):
+# the caller learns the field, the log the details.
+SEE_LOG = "; the draft service's log has the details"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,9 +156,7 @@ class WeightAttacher:
             try:
                 self._check_model(model)
             except ValueError as e:
-                raise InvalidArgument(
-                    "manifest.model_config_json", f"the draft strategies do not fit this model: {e}"
-                ) from None
+                raise _refusal("manifest.model_config_json", "the draft strategies do not fit this model", e) from None
         attached = AttachedModel(instance_id or m.owner_instance_id, model, m, exported.precision, exported.model_id)
         self._attached = attached  # one reference swap: Propose threads see the old or the new model
         self._log.info(
@@ -226,7 +227,11 @@ def _parse_config(text: str) -> ModelConfig:
             return ModelConfig(**fields)
         return ModelConfig.from_hf_dict(fields)
     except (ValueError, TypeError, KeyError) as e:
-        raise InvalidArgument("manifest.model_config_json", f"not a usable model config: {e}") from None
+        raise _refusal(
+            "manifest.model_config_json",
+            "not a usable model config (Hugging Face config.json or ModelConfig fields)",
+            e,
+        ) from None
 
 
 def _smoke_forward(model: Transformer) -> None:
@@ -242,9 +247,19 @@ def _smoke_forward(model: Transformer) -> None:
             [SequenceSpan(0, 1, 0, slot.k, slot.v, None)],
         )
     except (RuntimeError, IndexError) as e:
-        raise InvalidArgument("manifest.tensors", f"the tensors do not fit the config: {e}") from None
+        raise _refusal(
+            "manifest.tensors", "the tensors do not fit the config (a one-token forward failed)", e
+        ) from None
     if tuple(logits.shape) != (1, model.config.vocab_size):
         raise InvalidArgument(
             "manifest.tensors",
             f"logits of shape {tuple(logits.shape)} do not match vocab_size {model.config.vocab_size}",
         )
+
+
+def _refusal(field: str, message: str, cause: Exception) -> InvalidArgument:
+    """InvalidArgument naming the field; the cause's own text goes to the log, not to the caller."""
+    structlog.get_logger("draft_svc.weights").warning(
+        "attach_refused", field=field, error_type=type(cause).__name__, error=str(cause)
+    )
+    return InvalidArgument(field, message + SEE_LOG)

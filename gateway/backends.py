@@ -93,6 +93,7 @@ EMPTY_TREE = DraftTree((), (), (), (), {}, 0.0)
 class Prefilled:
     time_ms: float  # the primary's time for the prefill
     num_cached_prompt_tokens: int  # prompt tokens whose KV rows came from the primary's prefix cache
+    kv_lease: str = ""  # the primary's new lease on the slot: stored, so that a successor gateway holds it too
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,14 +213,25 @@ class Backends:
 
     async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
         """`num_prompt_tokens`: how many of `token_ids` are the prompt (a recovery sends the generated
-        tokens after it)."""
+        tokens after it). The lease this gateway holds on the request, if any, goes with it: the
+        primary lets only its holder replace a live slot (else ALREADY_EXISTS)."""
         r = await self._call(
             "primary",
             self.primary.Prefill,
-            primary_pb2.PrefillRequest(request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens),
+            primary_pb2.PrefillRequest(
+                request_id=request_id,
+                token_ids=token_ids,
+                num_prompt_tokens=num_prompt_tokens,
+                kv_lease=self._kv_leases.get(request_id, ""),
+            ),
         )
         self._kv_leases[request_id] = r.kv_lease
-        return Prefilled(r.time_ms, r.num_cached_prompt_tokens)
+        return Prefilled(r.time_ms, r.num_cached_prompt_tokens, r.kv_lease)
+
+    def adopt_kv_lease(self, request_id: str, kv_lease: str) -> None:
+        """Hold a lease another gateway stored (a resumed request): its slot may still be live."""
+        if kv_lease:
+            self._kv_leases[request_id] = kv_lease
 
     async def verify(
         self,

@@ -256,6 +256,9 @@ class RequestLoop:
         self.acceptance_mode = select_mode(params.sampling, params.speculation.acceptance_threshold)
         self.recovery_timeout_s, self.max_tree_nodes = recovery_timeout_s, max_tree_nodes
         self.cancel, self.deadline, self.owner = cancel, deadline, owner
+        # The primary's lease from the latest prefill, until a step's write has stored it (a
+        # successor gateway re-prefills the live slot with it).
+        self.unstored_kv_lease: str | None = None
         self.generated: list[int] = list(generated)
         self.stats = stats or RequestStats(num_prompt_tokens=len(prompt_ids))
         self.eos = set(model.eos_token_ids)
@@ -807,6 +810,8 @@ class RequestLoop:
             await check
         num_attempts = 0
 
+        kv_lease = self.unstored_kv_lease
+
         async def append() -> None:
             nonlocal num_attempts
             num_attempts += 1
@@ -817,6 +822,7 @@ class RequestLoop:
                 stats=stats,
                 controller_state=controller,
                 owner=self.owner,
+                kv_lease=kv_lease,
             )
 
         try:
@@ -824,6 +830,8 @@ class RequestLoop:
         except FailedPrecondition:
             # A retried write whose first attempt had been applied (its reply was lost) is stored.
             return num_attempts > 1 and await self._is_stored(num_stored + len(kept))
+        if self.unstored_kv_lease == kv_lease:  # not renewed by a re-prefill meanwhile
+            self.unstored_kv_lease = None
         return True
 
     def _unstore(self, pending: _PendingStep) -> None:
@@ -879,7 +887,12 @@ class RequestLoop:
     # --- primary recovery ----------------------------------------------------------------------
 
     async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
-        """Run a primary call; if the primary lost the request (restart), re-prefill and retry."""
+        """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
+
+        A re-prefill carries the lease the backends hold. A live slot leased to someone else (a
+        predecessor gateway that died before its step stored the lease) answers ALREADY_EXISTS,
+        which the backends report as Unavailable: retried here until the primary expires that slot
+        (--kv_lease_s) or recovery_timeout_s passes."""
         give_up = time.monotonic() + self.recovery_timeout_s
         needs_prefill = is_fresh
         while True:
@@ -889,6 +902,7 @@ class RequestLoop:
                         self.request_id, self.prompt_ids + self.generated, len(self.prompt_ids)
                     )
                     self.stats.forward_ms += prefilled.time_ms
+                    self.unstored_kv_lease = prefilled.kv_lease or None
                     if is_fresh:  # the request's own prefill, not a recovery's
                         self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
                     self.pending_accepted, self.pending_committed = (), []

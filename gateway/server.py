@@ -482,6 +482,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             with self._lock:
                 self._active[request_id] = cancel
             grammar = None if params.response_format is None else self.grammars.new_state(params.response_format)
+            # The previous gateway's lease: the primary may still hold the request's slot, and lets
+            # only the lease's holder re-prefill it.
+            self.backends.adopt_kv_lease(request_id, state.kv_lease)
             loop = self.make_loop(
                 request_id,
                 params,

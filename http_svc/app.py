@@ -7,7 +7,8 @@ leaves FastAPI nothing to do but add a layer per request.
 A client that goes away cancels its gRPC call, at any point: while the gateway prefills or
 generates a non-streamed answer (a task watches the connection), or mid-stream (the response
 cancels the call when it ends, however it ends). The gateway stops the request within a step
-and the primary frees its KV cache.
+and the primary frees its KV cache. Each such client, and one that leaves before its body has
+arrived, counts in specdec_http_client_disconnects_total.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -25,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -183,7 +184,7 @@ class HttpFront:
                     code=e.code().name if hasattr(e, "code") else "UNKNOWN",
                 )
             raise error from None
-        except ClientGone:
+        except (ClientGone, ClientDisconnect):  # ClientDisconnect: gone while its body was read
             status = 499  # nginx's "client closed request": nobody reads the answer
             self.metrics.disconnects.inc()
             return Response(status_code=499)
@@ -212,6 +213,7 @@ class HttpFront:
         return _CallStreamingResponse(
             self._events(call, first, writer, parsed, endpoint, started),
             call,
+            self.metrics.disconnects.inc,
             media_type="text/event-stream",
             headers={REQUEST_ID_HEADER: response_id, "cache-control": "no-cache"},
         )
@@ -309,15 +311,26 @@ class HttpFront:
 
 class _CallStreamingResponse(StreamingResponse):
     """A streamed answer that cancels its gRPC call when it ends, however it ends (a finished
-    call ignores the cancel): a client that disconnects mid-stream stops its request."""
+    call ignores the cancel): a client that disconnects mid-stream stops its request, and
+    on_disconnect() counts it."""
 
-    def __init__(self, content: AsyncIterator[bytes], call: grpc.aio.Call, **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], call: grpc.aio.Call, on_disconnect: Callable[[], None], **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
-        self._call = call
+        self._call, self._on_disconnect = call, on_disconnect
+
+    async def listen_for_disconnect(self, receive) -> None:
+        # ASGI servers before spec 2.4 (uvicorn's HTTP/1.1): this returns only when the client went
+        # away; a stream that ends first cancels it.
+        await super().listen_for_disconnect(receive)
+        self._on_disconnect()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # spec 2.4 servers: a send to a closed connection; nobody to answer
+            self._on_disconnect()
         finally:
             self._call.cancel()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 from http_svc.errors import bad_request
@@ -47,6 +48,9 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "prediction": (None,),
     "parallel_tool_calls": (None, False, True),
 }
+# What a surrogate in the body looks like: an escape of one (\ud800-\udfff), or one encoded as
+# UTF-8 (0xED 0xA0-0xBF ..., which json.loads lets through). A body without either holds none.
+_SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 _RESPONSE_FORMATS = {
     "text": common_pb2.ResponseFormat.TYPE_TEXT,
     "json_object": common_pb2.ResponseFormat.TYPE_JSON_OBJECT,
@@ -67,13 +71,64 @@ class ParsedRequest:
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
+    """The body's JSON object. Refused with a 400: bytes that are not JSON, JSON nested deeper than
+    the parser recurses, a number past int()'s digit limit, and a lone surrogate in any string
+    (JSON's "\\ud800" escape decodes to one; it is not a character, and neither the protobuf nor the
+    answer's UTF-8 can carry it)."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(None, f"the body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request(None, "the body is nested too deeply to parse") from None
+    except ValueError as e:  # an integer of more digits than sys.get_int_max_str_digits()
+        raise bad_request(None, f"the body is not acceptable JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request(None, "the body must be a JSON object")
+    param = _lone_surrogate_at(data) if _may_hold_lone_surrogate(body, data) else None
+    if param is not None:
+        raise bad_request(param, "must be valid Unicode: a lone surrogate (e.g. \\ud800) is not a character")
     return data
+
+
+def _may_hold_lone_surrogate(body: bytes, data: dict[str, Any]) -> bool:
+    """Checks at C speed before _lone_surrogate_at walks every value in Python (a 4 MiB body of
+    small numbers takes it ~0.5 s): no surrogate in the bytes, or none left unpaired once decoded."""
+    if not _SURROGATE_BYTES.search(body):
+        return False
+    try:
+        return not _is_encodable(json.dumps(data, ensure_ascii=False))
+    except RecursionError:  # nested about as deep as the parser allows: the walk is iterative
+        return True
+
+
+def _lone_surrogate_at(data: dict[str, Any]) -> str | None:
+    """The parameter path of a string (value or key) with a lone surrogate, e.g.
+    "messages[0].content"; None when there is none. Iterative: the body may nest as deep as the
+    parser allowed."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if not _is_encodable(value):
+                return path
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_encodable(key):  # named escaped, so that the error can name it
+                    key = key.encode("utf-8", "backslashreplace").decode()
+                    return f"{path}.{key}" if path else key
+                pending.append((f"{path}.{key}" if path else key, item))
+    return None
+
+
+def _is_encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:

@@ -1,7 +1,9 @@
 """KV slots as capabilities: each request's slot is leased to the caller that prefilled it.
 
 Prefill grants a lease, an unguessable token only that caller (one gateway
-instance) learns; Verify, Decode and Release must present it. A wrong or
+instance) learns; Verify, Decode and Release must present it, and so must a
+Prefill of the request while it is live (a recovery that replaces the slot):
+without it, ALREADY_EXISTS, and the running request goes on untouched. A wrong or
 missing lease gets the same NOT_FOUND as an unknown request id, so nobody
 else can step, read or free the request, or learn that it exists. Every
 accepted call renews the lease; a slot with no call for lease_s is expired
@@ -53,6 +55,12 @@ class KVLeases:
             if lease is None or not hmac.compare_digest(lease.token.encode(), token.encode()):
                 raise NotFound("request_id", f"no active request {request_id!r} on this primary")
             lease.renewed_at = self._clock()
+
+    def is_held(self, request_id: str, token: str) -> bool:
+        """token is request_id's current lease (no renewal: the caller is about to replace it)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            return lease is not None and hmac.compare_digest(lease.token.encode(), token.encode())
 
     def drop(self, request_id: str) -> None:
         with self._lock:

@@ -1,8 +1,9 @@
 """PrimaryService servicer: protobuf -> engine work -> protobuf. Translation only.
 
 Every request's KV slot is leased to the caller that prefilled it (primary_svc.leases):
-Verify, Decode and Release check the lease first; expire_idle_requests() frees the slots
-nobody called for --kv_lease_s.
+Verify, Decode and Release check the lease first, and a Prefill that would replace a live
+request needs it too (else ALREADY_EXISTS); expire_idle_requests() frees the slots nobody
+called for --kv_lease_s.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.engine.tree import with_lookahead
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from specdec.grammar import GrammarState
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import row_argmax
@@ -102,14 +103,15 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             )
         start = time.perf_counter()
         # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
-        # then runs in chunks between other requests' steps. A re-prefill (recovery) replaces the old
-        # state; the lease is granted on the engine thread, like expiry, so never to a slot being expired.
+        # then runs in chunks between other requests' steps. A re-prefill (recovery) with the request's
+        # lease replaces the old state; the lease is checked and granted on the engine thread, like
+        # expiry, so never for a slot being expired.
         num_cached, num_reused, lease = self.worker.prefill(
             request_id,
             token_ids,
             request.num_prompt_tokens,
             timeout_s=context.time_remaining(),
-            on_replace=lambda: self._forget(request_id),
+            on_replace=lambda: self._take_over(request_id, request.kv_lease),
             finish=lambda num_cached: (
                 num_cached,
                 self.worker.built_engine().num_reused_tokens(request_id),
@@ -230,6 +232,17 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             raise FailedPrecondition("response_format", "this primary serves no grammars")
         grammars, compiled = self.run_grammars, self.run_grammars.compile(response_format)
         return lambda output: grammars.state(request_id, compiled, output)
+
+    def _take_over(self, request_id: str, kv_lease: str) -> None:
+        """A Prefill of a live request: allowed to its lease's holder alone (the request is then
+        forgotten here, to be replaced), else ALREADY_EXISTS and the request runs on untouched. A
+        request whose own Prefill is still queued has no lease yet, so nobody can replace it."""
+        if not self.leases.is_held(request_id, kv_lease):
+            raise AlreadyExists(
+                "request_id",
+                f"request {request_id!r} is active on this primary; only its kv_lease's holder may prefill it again",
+            )
+        self._forget(request_id)
 
     def _forget(self, request_id: str) -> None:
         """What the service keeps of a request beside the engine: its lease and grammar state."""

@@ -104,7 +104,9 @@ class _PrefillItem:
     token_ids: Sequence[int]
     num_prompt_tokens: int
     deadline: float | None  # time.monotonic() past which it fails (while it waits)
-    on_replace: Callable[[], None]  # the request was open: called before its state is dropped
+    # The request is live (open, or its Prefill queued): called before its state is dropped; what it
+    # raises refuses this Prefill and leaves the live request as it was.
+    on_replace: Callable[[], None]
     finish: Callable[[int], Any]  # finish(num_cached) on the engine thread once prefilled
     future: Future
 
@@ -440,8 +442,10 @@ class EngineWorker:
     def _intake_prefill(self, item: _PrefillItem) -> None:
         (engine, _), rid = self._built(), item.request_id
         try:
-            if engine.has_request(rid):  # a re-prefill (recovery) replaces the old state
+            is_queued = any(w.prefill is not None and w.entry.request_id == rid for w in self._waiting)
+            if engine.has_request(rid) or is_queued:  # a re-prefill (recovery) replaces the old state
                 item.on_replace()
+            if engine.has_request(rid):
                 self._drop(rid, NotFound("request_id", f"request {rid!r} was replaced by a new prefill"))
                 engine.release(rid)
             self._drop(rid, NotFound("request_id", f"request {rid!r} was replaced by a new prefill"))

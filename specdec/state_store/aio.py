@@ -97,9 +97,10 @@ class AsyncRedisStateStore(RedisStoreBase):
         finish_reason: str | None = None,
         error: str | None = None,
         owner: str | None = None,
+        kv_lease: str | None = None,
     ) -> int:
         args = self._step_args(
-            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner
+            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner, kv_lease
         )
         with redis_errors(request_id, expected_num_tokens, owner):
             num_tokens = int(await self._step(self.keys(request_id), args))

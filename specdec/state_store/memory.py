@@ -45,6 +45,7 @@ class _Entry:
     error: str = ""
     owner: str = ""
     owner_expires_at: float = 0.0
+    kv_lease: str = ""
 
 
 class InMemoryStateStore:
@@ -96,6 +97,7 @@ class InMemoryStateStore:
         finish_reason: str | None = None,
         error: str | None = None,
         owner: str | None = None,
+        kv_lease: str | None = None,
     ) -> int:
         check_step(status, expected_num_tokens)
         packed = encode_token_ids(token_ids)
@@ -121,6 +123,8 @@ class InMemoryStateStore:
                 entry.finish_reason = finish_reason
             if error is not None:
                 entry.error = error
+            if kv_lease is not None:
+                entry.kv_lease = kv_lease
             if status is not None:
                 entry.status = status
                 if status.is_terminal:
@@ -164,6 +168,7 @@ class InMemoryStateStore:
                 owner=entry.owner if is_owned else "",
                 created_ms=entry.created_ms,
                 updated_ms=entry.updated_ms,
+                kv_lease=entry.kv_lease,
             )
 
     def list_active(self) -> list[str]:

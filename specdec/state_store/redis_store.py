@@ -2,7 +2,8 @@
 
 Keys of request R, all expiring ttl_s after the request's last write:
     {ns}:req:{R}:meta    hash: params, status, stats, controller (JSON text),
-                         finish_reason, error, created_ms, updated_ms
+                         finish_reason, error, created_ms, updated_ms,
+                         kv_lease (once the gateway wrote one)
     {ns}:req:{R}:tokens  string: committed token ids, int32 little-endian,
                          grown with APPEND (4 bytes per token, one value)
     {ns}:req:{R}:prompt  string: prompt token ids, same packing
@@ -155,6 +156,7 @@ class RedisStoreBase:
         finish_reason: str | None,
         error: str | None,
         owner: str | None,
+        kv_lease: str | None = None,
     ) -> list[bytes | str | int]:
         """The step script's ARGV (append_step's arguments, checked and encoded)."""
         check_step(status, expected_num_tokens)
@@ -165,6 +167,7 @@ class RedisStoreBase:
             ("controller", None if controller_state is None else encode_json("controller_state", controller_state)),
             ("finish_reason", finish_reason),
             ("error", error),
+            ("kv_lease", kv_lease),
         ):
             if value is not None:
                 fields += [name, value]
@@ -213,6 +216,7 @@ class RedisStoreBase:
             owner=(owner or b"").decode(),
             created_ms=int(text["created_ms"]),
             updated_ms=int(text["updated_ms"]),
+            kv_lease=text.get("kv_lease", ""),
         )
 
     def _queue_statuses(self, pipe: _PipelineT, members: list[bytes]) -> tuple[list[str], _PipelineT]:
@@ -292,9 +296,10 @@ class RedisStateStore(RedisStoreBase):
         finish_reason: str | None = None,
         error: str | None = None,
         owner: str | None = None,
+        kv_lease: str | None = None,
     ) -> int:
         args = self._step_args(
-            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner
+            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner, kv_lease
         )
         with redis_errors(request_id, expected_num_tokens, owner):
             num_tokens = int(self._step(self.keys(request_id), args))

@@ -89,6 +89,9 @@ class RequestState:
     owner: str  # "" when unclaimed or the lease expired
     created_ms: int
     updated_ms: int
+    # The primary's lease on the request's KV slot (PrefillResponse.kv_lease), as the gateway
+    # last wrote it: a successor gateway re-prefills the live slot with it. "" when none.
+    kv_lease: str = ""
 
 
 class StateStore(Protocol):
@@ -123,10 +126,11 @@ class StateStore(Protocol):
         finish_reason: str | None = None,
         error: str | None = None,
         owner: str | None = None,
+        kv_lease: str | None = None,
     ) -> int:
         """The per-step write, atomic and one round trip: append committed
         tokens and replace whichever of status/stats/controller_state/
-        finish_reason/error are given. expected_num_tokens (the count before
+        finish_reason/error/kv_lease are given. expected_num_tokens (the count before
         this step) makes a retried write fail instead of appending twice.
         Returns the number of committed tokens after the write."""
         ...
@@ -182,6 +186,7 @@ class AsyncStateStore(Protocol):
         finish_reason: str | None = None,
         error: str | None = None,
         owner: str | None = None,
+        kv_lease: str | None = None,
     ) -> int: ...
 
     async def set_status(

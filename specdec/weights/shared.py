@@ -3,7 +3,9 @@
 The owner (the primary) packs every weight tensor into ONE segment, 64-byte aligned, and
 then runs on views into that segment, so there is a single copy on the machine:
 
-* CPU: a POSIX shared-memory file `/dev/shm/<segment_name>`, mapped MAP_SHARED;
+* CPU: a POSIX shared-memory file `/dev/shm/<segment_name>`, mapped MAP_SHARED; readable by
+  its owner's user alone (0600: the draft pool runs as the same user), its name unguessable
+  (128 random bits after the owner's pid);
 * GPU: one `cudaMalloc` block exported with `cudaIpcGetMemHandle` (64 opaque bytes).
 
 A `WeightManifest` (segment name or IPC handle, and per tensor: name, dtype, shape, byte
@@ -17,6 +19,7 @@ import dataclasses
 import math
 import os
 import re
+import secrets
 import uuid
 from pathlib import Path
 from typing import Mapping, cast
@@ -30,6 +33,8 @@ KIND_SHARED_MEMORY = "shared_memory"
 KIND_CUDA_IPC = "cuda_ipc"
 CUDA_IPC_HANDLE_BYTES = 64
 _SEGMENT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+SEGMENT_NAME_RANDOM_BYTES = 16  # 128 bits
+SEGMENT_MODE = 0o600  # owner only: the weights are nobody else's to read or write
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -113,9 +118,12 @@ class SharedWeights:
             )
         else:
             cleanup_stale_segments()
-            name = f"{SEGMENT_PREFIX}-{os.getpid()}-{instance_id}"
+            name = f"{SEGMENT_PREFIX}-{os.getpid()}-{secrets.token_hex(SEGMENT_NAME_RANDOM_BYTES)}"
             path = SHM_DIR / name
-            with open(path, "wb") as f:
+            # O_EXCL: a file someone placed at the name beforehand is never taken over; the mode is
+            # set at creation (a umask can only narrow it), so the segment is never readable by others.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
+            with os.fdopen(fd, "wb") as f:
                 f.truncate(total)
             storage = _mapped_storage(path, total)
             base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (total,), (1,))

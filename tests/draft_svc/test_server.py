@@ -209,6 +209,39 @@ def test_attach_refuses_bad_manifests_naming_the_field(draft, primary, change, f
     assert attacher.attached is None
 
 
+def _transposed_projection(m: common_pb2.WeightManifest) -> None:
+    """A projection's shape reversed: the same bytes (the manifest checks pass), a failing forward."""
+    t = next(t for t in m.tensors if "k_proj" in t.name and len(t.shape) == 2 and t.shape[0] != t.shape[1])
+    t.shape[:] = list(reversed(t.shape))
+
+
+@pytest.mark.parametrize(
+    "change, field, message",
+    [
+        (
+            lambda m: setattr(m, "model_config_json", "{not json"),
+            "manifest.model_config_json",
+            "not a usable model config (Hugging Face config.json or ModelConfig fields)",
+        ),
+        (
+            lambda m: setattr(m, "model_config_json", json.dumps({"hidden_size": 1})),
+            "manifest.model_config_json",
+            "not a usable model config (Hugging Face config.json or ModelConfig fields)",
+        ),
+        (_transposed_projection, "manifest.tensors", "the tensors do not fit the config (a one-token forward failed)"),
+    ],
+)
+def test_attach_errors_name_the_field_not_python_s_exception_text(draft, primary, change, field, message):
+    """What went wrong inside (a JSON decoder's, a constructor's, torch's own words) is the log's."""
+    stub, _, attacher = draft
+    manifest = primary[0].manifest_pb()
+    change(manifest)
+    code, details = _code_and_details(lambda: stub.Attach(draft_pb2.AttachRequest(manifest=manifest)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details == f"{field}: {message}; the draft service's log has the details"
+    assert attacher.attached is None
+
+
 def test_attach_maps_only_the_segment_the_primary_exports(draft, primary, owner):
     """Another process's valid weight segment (same layout, same size) is refused before it is mapped."""
     stub, _, attacher = draft

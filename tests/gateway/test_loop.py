@@ -984,3 +984,40 @@ def test_a_validator_that_disagrees_fails_the_request_before_the_step_is_stored_
     assert list(state.token_ids) == seen == plain_decoding(PROMPT, len(seen)), "steps 1 and 2 only"
     assert loop.stats.num_steps >= 3 and len(seen) < loop.stats.num_generated_tokens
     assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
+
+
+@dataclasses.dataclass
+class LeasingPrimary(FakeBackends):
+    """Grants "lease-1", "lease-2", ... on each prefill; loses the request once, at verify `lose_at`."""
+
+    lose_at: int = -1
+    num_verifies: int = 0
+    num_prefills: int = 0
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        await super().prefill(request_id, token_ids, num_prompt_tokens)
+        self.num_prefills += 1
+        return Prefilled(time_ms=0.0, num_cached_prompt_tokens=0, kv_lease=f"lease-{self.num_prefills}")
+
+    async def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None):  # noqa: ANN001
+        self.num_verifies += 1
+        if self.num_verifies == self.lose_at:
+            raise NotFound("request_id", "no active request")
+        return await super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
+
+
+def test_the_primary_s_lease_is_stored_with_the_next_step_for_a_successor_gateway():
+    """A successor gateway re-prefills the live slot with the stored lease: the first prefill's,
+    then a recovery's new one."""
+    store = InMemoryStateStore()
+    params = make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40)
+    dead = make_loop(params, LeasingPrimary(), store, owner="gw-1")
+    with asyncio.Runner() as runner:
+        steps = dead.run()
+        runner.run(anext(steps))
+        assert store.load("r1").kv_lease == "lease-1"
+    store = InMemoryStateStore()
+    backends = LeasingPrimary(lose_at=3)
+    loop = run(params, backends, store)
+    assert backends.num_prefills == 2 and store.load("r1").kv_lease == "lease-2"
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)

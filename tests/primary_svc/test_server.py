@@ -3,6 +3,8 @@ leases (only the caller that prefilled a request can step or release it; idle sl
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -352,7 +354,9 @@ def test_only_the_lease_holder_can_step_or_release_a_request(primary):
     """Another caller (no lease, a made-up one, an old one) gets NOT_FOUND, as for an unknown id."""
     stub, engine, *_ = primary
     old = stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT)).kv_lease
-    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT)).kv_lease  # a recovery
+    lease = stub.Prefill(  # a recovery, by the lease's holder
+        primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT, kv_lease=old)
+    ).kv_lease
     kv_bytes = engine.kv_bytes
     for wrong in ("", "0" * 32, old):
         for call in (
@@ -368,6 +372,54 @@ def test_only_the_lease_holder_can_step_or_release_a_request(primary):
             assert e.value.details() == "request_id: no active request 'victim' on this primary"
     assert engine.token_ids("victim") == PROMPT and engine.kv_bytes == kv_bytes, "nothing was stepped or freed"
     stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="victim", kv_lease=lease))
+    assert engine.kv_bytes == 0
+
+
+def test_a_prefill_of_a_live_request_without_its_lease_is_refused_and_leaves_it_running(primary):
+    """Another caller cannot end a running request by re-prefilling its id (no lease, a made-up
+    one, an old one): ALREADY_EXISTS, and the request steps on with its lease; its holder can."""
+    stub, engine, *_ = primary
+    old = stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT)).kv_lease
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=PROMPT, kv_lease=old)).kv_lease
+    kv_bytes = engine.kv_bytes
+    for wrong in ("", "0" * 32, old):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(primary_pb2.PrefillRequest(request_id="victim", token_ids=[7, 8, 9], kv_lease=wrong))
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert e.value.details().startswith("request_id: request 'victim' is active on this primary")
+    assert engine.token_ids("victim") == PROMPT and engine.kv_bytes == kv_bytes
+    stub.Decode(primary_pb2.DecodeRequest(request_id="victim", kv_lease=lease))  # the victim steps on
+    renewed = stub.Prefill(
+        primary_pb2.PrefillRequest(request_id="victim", token_ids=[7, 8, 9], kv_lease=lease)
+    ).kv_lease  # its holder replaces it
+    assert engine.token_ids("victim") == [7, 8, 9] and renewed != lease
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="victim", kv_lease=renewed))
+    assert engine.kv_bytes == 0
+
+
+def test_a_prefill_of_a_request_whose_prefill_is_queued_is_refused(primary):
+    """A queued Prefill (waiting for KV room) has granted no lease yet: nobody can replace it."""
+    stub, engine, servicer, _ = primary
+    per_request = engine.kv_bytes_to_open(500)
+    leases = [
+        stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
+        for i in range(engine.kv_cache.max_bytes // per_request)
+    ]
+    queued = stub.Prefill.future(primary_pb2.PrefillRequest(request_id="queued", token_ids=[5] * 500), timeout=120)
+    give_up = time.monotonic() + 60
+    while servicer.worker.num_waiting == 0 and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert servicer.worker.num_waiting == 1
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(primary_pb2.PrefillRequest(request_id="queued", token_ids=[6] * 10), timeout=60)
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="fill0", kv_lease=leases[0]))
+    leases[0] = queued.result().kv_lease  # the queued one was admitted, untouched
+    assert engine.token_ids("queued") == [5] * 500
+    for i, lease in enumerate(leases):
+        stub.Release(
+            primary_pb2.PrimaryServiceReleaseRequest(request_id="queued" if i == 0 else f"fill{i}", kv_lease=lease)
+        )
     assert engine.kv_bytes == 0
 
 

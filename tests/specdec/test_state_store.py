@@ -169,6 +169,17 @@ def test_stats_and_controller_are_replaced_only_when_given(harness: Harness) -> 
     assert state.controller_state == {"draft_length": 4}
 
 
+def test_the_kv_lease_is_kept_for_a_successor_gateway(harness: Harness) -> None:
+    """The primary's lease on the request's slot, written with a step, loads back until replaced."""
+    harness.store.create("r1", PARAMS)
+    assert harness.store.load("r1").kv_lease == ""
+    harness.store.append_step("r1", [1], kv_lease="a" * 32)
+    harness.store.append_step("r1", [2])
+    assert harness.store.load("r1").kv_lease == "a" * 32
+    harness.store.append_step("r1", [3], kv_lease="b" * 32)
+    assert harness.store.load("r1").kv_lease == "b" * 32
+
+
 def test_token_count_mismatch_rejects_the_whole_write(harness: Harness) -> None:
     harness.store.create("r1", PARAMS)
     harness.store.append_step("r1", [1, 2], expected_num_tokens=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -121,5 +122,21 @@ def test_a_segment_of_mixed_dtypes_round_trips():
         for name, t in weights.items():
             assert views[name].dtype == t.dtype and torch.equal(views[name].float(), t.float())
         assert all(d.offset % 64 == 0 for d in shared.manifest.tensors)
+    finally:
+        shared.unlink()
+
+
+def test_a_segment_is_its_owner_s_alone_under_an_unguessable_name():
+    """0600 whatever the umask, and 128 random bits in the name (after "specdec-weights-<pid>-")."""
+    old_umask = os.umask(0o022)
+    try:
+        shared = SharedWeights.create({"a": torch.arange(4, dtype=torch.float32)})
+    finally:
+        os.umask(old_umask)
+    try:
+        name = shared.manifest.segment_name
+        assert stat.S_IMODE((SHM_DIR / name).stat().st_mode) == 0o600
+        random_part = name.removeprefix(f"specdec-weights-{os.getpid()}-")
+        assert len(random_part) == 32 and int(random_part, 16) >= 0  # 16 bytes, hex
     finally:
         shared.unlink()

@@ -1,0 +1,41 @@
+"""A client that goes away is counted (specdec_http_client_disconnects_total) and its gateway call
+cancelled, whenever it goes: mid-stream, or before its body has arrived."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from http_svc.app import HttpFront
+
+MODEL = "test-model"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def _disconnects(front: HttpFront) -> float:
+    return front.metrics.registry.get_sample_value("specdec_http_client_disconnects_total")
+
+
+def _requests(front: HttpFront, status: str) -> float | None:
+    return front.metrics.registry.get_sample_value(
+        "specdec_http_requests_total", {"endpoint": "/v1/chat/completions", "status": status}
+    )
+
+
+def test_a_client_that_disconnects_mid_stream_is_counted_and_its_call_cancelled(
+    front, fake_gateway, post_then_disconnect
+) -> None:  # noqa: ANN001
+    gateway, _ = fake_gateway
+    gateway.is_holding = True  # the stream's last message waits for a cancel
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    sent = asyncio.run(post_then_disconnect("/v1/chat/completions", body, after_body_chunks=1))
+    assert sent[0]["status"] == 200 and b"data: " in sent[1]["body"]
+    assert gateway.cancelled.wait(10), "the gateway call was not cancelled"
+    assert _disconnects(front) == 1
+
+
+def test_a_client_that_disconnects_before_its_body_arrives_is_counted_not_a_500(front, post_then_disconnect) -> None:  # noqa: ANN001
+    sent = asyncio.run(post_then_disconnect("/v1/chat/completions", b'{"model": ', after_body_chunks=0))
+    assert not [m for m in sent if m["type"] == "http.response.start" and m["status"] >= 500]
+    assert _disconnects(front) == 1
+    assert _requests(front, "499") == 1 and _requests(front, "500") is None

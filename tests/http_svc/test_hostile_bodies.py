@@ -1,0 +1,201 @@
+"""Bodies a hostile or careless client sends get a 4xx OpenAI error object, never a 5xx: walked
+by hand (each naming its parameter), then fuzzed over the request schema with Hypothesis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+MODEL = "test-model"
+CHAT_PATH, COMPLETION_PATH = "/v1/chat/completions", "/v1/completions"
+LONE_SURROGATE = "\ud800"  # valid in a JSON string (escaped), not a character: UTF-8 cannot encode it
+
+
+def chat(**fields: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **fields}
+
+
+def _post(client: TestClient, body: bytes | dict, path: str = CHAT_PATH):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()  # ensure_ascii: "\ud800" escaped
+    return client.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def _error(response) -> dict:  # noqa: ANN001
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(messages=[{"role": "user", "content": LONE_SURROGATE}]), "messages[0].content"),
+        (
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a\udfffb"}]}]),
+            "messages[0].content[0].text",
+        ),
+        (chat(messages=[{"role": LONE_SURROGATE, "content": "Hi"}]), "messages[0].role"),
+        (chat(stop=LONE_SURROGATE), "stop"),
+        (chat(stop=["ok", "x" + LONE_SURROGATE]), "stop[1]"),
+        (chat(model=LONE_SURROGATE), "model"),
+        (chat(user=LONE_SURROGATE), "user"),
+        (chat(strategies=[LONE_SURROGATE]), "strategies[0]"),
+        (
+            chat(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"title": LONE_SURROGATE}},
+                }
+            ),
+            "response_format.json_schema.schema.title",
+        ),
+        (chat(**{LONE_SURROGATE: 1}), "\\ud800"),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_naming_the_parameter(client: TestClient, body: dict, param: str) -> None:
+    response = _post(client, body)
+    assert response.status_code == 400, response.text
+    error = _error(response)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert "surrogate" in error["message"]
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(client: TestClient) -> None:
+    response = _post(client, {"model": MODEL, "prompt": "a" + LONE_SURROGATE}, COMPLETION_PATH)
+    assert response.status_code == 400 and _error(response)["param"] == "prompt"
+
+
+def test_a_surrogate_encoded_as_utf_8_bytes_is_a_400_naming_it(client: TestClient) -> None:
+    """json.loads decodes bytes with surrogatepass: 0xED 0xA0 0x80 arrives as "\ud800" too."""
+    body = b'{"model": "test-model", "prompt": "a\xed\xa0\x80"}'
+    response = _post(client, body, COMPLETION_PATH)
+    assert response.status_code == 400 and _error(response)["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000, b'{"a":' * 100_000, b'{"model": "m", "messages": ' + b"[" * 100_000],
+    ids=["arrays", "objects", "inside-a-field"],
+)
+def test_a_body_nested_past_the_parser_s_depth_is_a_400(client: TestClient, body: bytes) -> None:
+    response = _post(client, body)
+    assert response.status_code == 400, response.text
+    error = _error(response)
+    assert error["param"] is None and "deep" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "test-model", "max_tokens": ' + b"9" * 5000 + b"}", None),  # past int()'s digit limit
+        (b"\xff\xfe", None),
+        (b"null", None),
+        (b'["a"]', None),
+        (
+            b'{"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
+            "temperature",
+        ),
+        (
+            b'{"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1e999}',
+            "max_tokens",
+        ),
+        (json.dumps(chat(messages=[[[[]]]])).encode(), "messages[0]"),
+        (json.dumps(chat(seed=-1)).encode(), "seed"),
+        (json.dumps(chat(top_k=1 << 40)).encode(), "top_k"),
+    ],
+)
+def test_other_hostile_bodies_are_400s(client: TestClient, body: bytes, param: str | None) -> None:
+    response = _post(client, body)
+    assert response.status_code == 400, response.text
+    assert _error(response)["param"] == param
+
+
+# ---- fuzz ---------------------------------------------------------------------------------------------
+# Text of any code point, lone surrogates (which JSON escapes can carry) included: st.text leaves
+# them out, whatever its alphabet.
+_TEXT = st.lists(st.characters() | st.characters(categories=["Cs"]), min_size=1, max_size=8).map("".join)
+_JSON_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 70), max_value=1 << 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | _TEXT
+)
+_JSON = st.recursive(
+    _JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TEXT, inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def mostly(typed: st.SearchStrategy) -> st.SearchStrategy:
+    """`typed` three times in four, any JSON value the fourth."""
+    return st.integers(0, 3).flatmap(lambda i: typed if i < 3 else _JSON)
+
+
+_MESSAGE = st.fixed_dictionaries(
+    {"role": mostly(st.sampled_from(["user", "system", "assistant", "developer", "tool", "robot"]))},
+    optional={"content": mostly(_TEXT)},
+)
+# Each field of the request schema: mostly values of its own type (so that requests get past the
+# front to the gateway's checks), sometimes any JSON at all.
+_FIELDS = {
+    "max_tokens": mostly(st.integers(min_value=-1, max_value=1 << 33)),
+    "max_completion_tokens": mostly(st.integers(min_value=-1, max_value=10_000)),
+    "temperature": mostly(st.floats(allow_nan=True)),
+    "top_p": mostly(st.floats()),
+    "top_k": mostly(st.integers(min_value=-1, max_value=1 << 40)),
+    "seed": mostly(st.integers(min_value=-1, max_value=1 << 65)),
+    "stop": mostly(_TEXT | st.lists(_TEXT, max_size=20)),
+    "stream": mostly(st.booleans()),
+    "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": mostly(st.booleans())})),
+    "n": mostly(st.integers(min_value=0, max_value=3)),
+    "user": mostly(_TEXT),
+    "response_format": mostly(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+            optional={"json_schema": st.fixed_dictionaries({"name": _TEXT}, optional={"schema": _JSON})},
+        )
+    ),
+    "speculative_decoding": mostly(st.booleans()),
+    "adaptive": mostly(st.booleans()),
+    "speculative_degree": mostly(st.integers(min_value=-1, max_value=100)),
+    "draft_length": mostly(st.integers(min_value=-1, max_value=100)),
+    "acceptance_threshold": mostly(st.floats()),
+    "strategies": mostly(st.lists(st.sampled_from(["prompt_lookup", "suffix", "nope"]), max_size=3) | _TEXT),
+    "return_token_ids": mostly(st.booleans()),
+    "logprobs": mostly(st.booleans()),
+}
+# A request: the model, messages and a prompt (each endpoint reads its own), and up to 3 other fields.
+_REQUESTS = st.tuples(
+    st.fixed_dictionaries(
+        {
+            "model": st.just(MODEL),
+            "messages": mostly(st.lists(_MESSAGE, min_size=1, max_size=3)),
+            "prompt": mostly(_TEXT | st.lists(_TEXT, max_size=2)),
+        }
+    ),
+    st.lists(st.sampled_from(sorted(_FIELDS)), max_size=3, unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({name: _FIELDS[name] for name in names})
+    ),
+).map(lambda parts: {**parts[0], **parts[1]})
+_BODIES = mostly(_REQUESTS)
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(body=_BODIES, path=st.sampled_from([CHAT_PATH, COMPLETION_PATH]))
+def test_no_request_body_gets_a_5xx(client: TestClient, body: object, path: str) -> None:
+    response = client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        _error(response)
