@@ -48,6 +48,10 @@ static void exp_shifted(float *s, int64_t m, float shift) {
     int64_t i = 0;
 #if QGEMM_AVX2
     const __m256 sh = _mm256_set1_ps(shift);
+#if QGEMM_AVX512
+    const __m512 sh16 = _mm512_set1_ps(shift);
+    for (; i + 16 <= m; i += 16) _mm512_storeu_ps(s + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh16)));
+#endif
     for (; i + 8 <= m; i += 8) _mm256_storeu_ps(s + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh)));
     if (i < m) {                             /* the tail through the same lanes */
         float t[8];

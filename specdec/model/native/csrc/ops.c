@@ -42,6 +42,13 @@ static void silu_mul(float *g, const float *u, int64_t n) {
     int64_t j = 0;
 #if QGEMM_AVX2
     const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+#if QGEMM_AVX512
+    for (; j + 16 <= n; j += 16) {     /* the same lane operations on sixteen lanes (exp16) */
+        const __m512 x = _mm512_loadu_ps(g + j);
+        const __m512 e = exp16(_mm512_xor_ps(x, _mm512_set1_ps(-0.f)));
+        _mm512_storeu_ps(g + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(u + j)));
+    }
+#endif
     for (; j + 8 <= n; j += 8) {
         const __m256 x = _mm256_loadu_ps(g + j);
         const __m256 e = exp8(_mm256_xor_ps(x, sign));
