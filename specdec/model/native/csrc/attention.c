@@ -68,7 +68,8 @@ static void exp_shifted(float *s, int64_t m, float shift) {
  *
  * The queries that read one KV head (every row of the call times the heads of its group) are taken
  * in chunks; a chunk's scores against a block of key rows are computed while those rows sit in L1,
- * two queries by four keys at a time (four by four with AVX-512's 32 registers), and its
+ * two queries by four keys at a time (four by four with AVX-512's 32 registers; with AVX-512 and a
+ * wide chunk, sixteen keys in the lanes of a zmm: scores_block_lanes), and its
  * softmax-weighted value sums likewise (four queries by 64 columns with AVX-512), so a key or value
  * row is read from memory once per chunk instead of once per (row, head). The softmax reads the mask
  * only past a row's all-visible prefix and sums with sixteen partial sums (softmax_row, sum16).
@@ -322,6 +323,96 @@ ALWAYS_INLINE void vsum_z(const float *const *p, const void *V, const int half, 
 }
 #endif
 
+#if QGEMM_AVX512
+/* Keys in lanes: a wide chunk's scores sixteen keys per zmm. A key block is transposed once (kt[e]
+ * holds dimension e of sixteen keys), then each query's score of the sixteen keys is eight FMA
+ * chains over D, one per lane l of the lone dot (dimensions l, l + 8, ...), added in hsum_v8's order
+ * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) and scaled: the operations of the lone dot for
+ * every key, so the same bits, without a horizontal sum per key. Worth its transposes from a few
+ * queries a chunk; D a multiple of 16, at most ATT_LANES_MAX_D. */
+#define ATT_LANES_MIN_QUERIES 6
+#define ATT_LANES_MAX_D 256
+
+/* r[i][e] -> r[e][i] for a 16 x 16 block of floats */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* kt [D][16] = keys [j, j + n) of K as fp32, transposed (n <= 16; lanes past n repeat key j) */
+static void transpose_keys(const void *K, int half, int64_t D, int64_t j, int n, float *kt) {
+    for (int64_t e0 = 0; e0 < D; e0 += 16) {
+        __m512 r[16];
+        for (int t = 0; t < 16; ++t) {
+            const int64_t at = (j + (t < n ? t : 0)) * D + e0;
+            r[t] = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)K + at)))
+                        : _mm512_loadu_ps((const float *)K + at);
+        }
+        transpose16(r);
+        for (int e = 0; e < 16; ++e) _mm512_store_ps(kt + (e0 + e) * 16, r[e]);
+    }
+}
+
+/* s_r[j .. j + 16) (the lanes of `valid`) for R queries q_r against kt */
+ALWAYS_INLINE void scores_lanes(const float *const *q, const float *kt, int64_t D, float scale, float *const *s,
+                                int64_t j, __mmask16 valid, const int R) {
+    __m512 p[2][8];
+    for (int r = 0; r < R; ++r)
+        for (int l = 0; l < 8; ++l) p[r][l] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < D; e += 8)
+        for (int l = 0; l < 8; ++l) {
+            const __m512 k = _mm512_load_ps(kt + (e + l) * 16);
+            for (int r = 0; r < R; ++r) p[r][l] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][e + l]), k, p[r][l]);
+        }
+    for (int r = 0; r < R; ++r) {
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(p[r][0], p[r][4]), _mm512_add_ps(p[r][1], p[r][5])),
+                                         _mm512_add_ps(_mm512_add_ps(p[r][2], p[r][6]), _mm512_add_ps(p[r][3], p[r][7])));
+        _mm512_mask_storeu_ps(s[r] + j, valid, _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+    }
+}
+
+/* every query's scores against keys [j0, j1), sixteen keys at a time */
+static void scores_block_lanes(const float *const *qs, int nq, const void *K, int half, int64_t D, int64_t j0,
+                               int64_t j1, float scale, float *s, int64_t L) {
+    float kt[ATT_LANES_MAX_D * 16] __attribute__((aligned(64)));
+    for (int64_t j = j0; j < j1; j += 16) {
+        const int n = (int)(j1 - j < 16 ? j1 - j : 16);
+        transpose_keys(K, half, D, j, n, kt);
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        int i = 0;
+        for (; i + 2 <= nq; i += 2) {
+            float *const ss[2] = {s + (int64_t)i * L, s + (int64_t)(i + 1) * L};
+            scores_lanes(qs + i, kt, D, scale, ss, j, valid, 2);
+        }
+        if (i < nq) {
+            float *const ss[1] = {s + (int64_t)i * L};
+            scores_lanes(qs + i, kt, D, scale, ss, j, valid, 1);
+        }
+    }
+}
+#endif
+
 /* One chunk: queries qs[0 .. nq) (rows rs[i] of the call) over the KV head's rows K, V, keys j < L
  * under mask rows (NULL: all visible); outputs os[i]. s: nq * L floats; keys, tmp: L each. */
 static void attend_chunk(const float *const *qs, const int64_t *rs, float *const *os, int nq, int64_t D,
@@ -339,6 +430,10 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
         const int64_t j1 = j0 + ATT_KEY_BLOCK < jn ? j0 + ATT_KEY_BLOCK : jn;
         int i = 0;
 #if QGEMM_AVX512
+        if (D % 16 == 0 && D <= ATT_LANES_MAX_D && nq >= ATT_LANES_MIN_QUERIES) {
+            scores_block_lanes(qs, nq, K, half, D, j0, j1, scale, s, L);
+            continue;
+        }
         for (; is_vector && i + 4 <= nq; i += 4) {
             float *const ss[4] = {s + (int64_t)i * L, s + (int64_t)(i + 1) * L, s + (int64_t)(i + 2) * L,
                                   s + (int64_t)(i + 3) * L};
