@@ -417,7 +417,7 @@ static void scores_block_lanes(const float *const *qs, int nq, const void *K, in
  * under mask rows (NULL: all visible); outputs os[i]. s: nq * L floats; keys, tmp: L each. */
 static void attend_chunk(const float *const *qs, const int64_t *rs, float *const *os, int nq, int64_t D,
                          const void *K, const void *V, int half, int64_t L, const uint8_t *mask, float scale,
-                         float *s, int64_t *keys, float *tmp) {
+                         float *s, int64_t *keys, float *tmp, float *vf) {
     /* keys past every row's last visible one are never read (a causal prefill's upper triangle) */
     int64_t jn = 0;
     for (int i = 0; i < nq; ++i) {
@@ -462,12 +462,23 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
         const int64_t j1 = j0 + ATT_KEY_BLOCK < jn ? j0 + ATT_KEY_BLOCK : jn;
         int i = 0;
 #if QGEMM_AVX512
+        /* fp16 values for many queries: the block's rows widened once (exactly) into vf, not once per
+         * four queries; then every group of four reads them as fp32 (the same values, the same bits) */
+        const int is_widened = half && D % 64 == 0 && nq >= 8;
+        if (is_widened)
+            for (int64_t e = 0; e < (j1 - j0) * D; e += 16)
+                _mm512_storeu_ps(vf + e, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)V + j0 * D + e))));
         for (; i + 4 <= nq && D % 64 == 0; i += 4) {     /* four queries share each value row */
             const float *ps[4] = {s + (int64_t)i * L, s + (int64_t)(i + 1) * L, s + (int64_t)(i + 2) * L,
                                   s + (int64_t)(i + 3) * L};
-            for (int64_t c = 0; c < D; c += 64)
-                if (half) vsum_z(ps, V, 1, D, j0, j1, c, os + i, 4);
-                else vsum_z(ps, V, 0, D, j0, j1, c, os + i, 4);
+            if (is_widened) {
+                const float *pw[4] = {ps[0] + j0, ps[1] + j0, ps[2] + j0, ps[3] + j0};
+                for (int64_t c = 0; c < D; c += 64) vsum_z(pw, vf, 0, D, 0, j1 - j0, c, os + i, 4);
+            } else {
+                for (int64_t c = 0; c < D; c += 64)
+                    if (half) vsum_z(ps, V, 1, D, j0, j1, c, os + i, 4);
+                    else vsum_z(ps, V, 0, D, j0, j1, c, os + i, 4);
+            }
         }
 #endif
         for (; i < nq; i += 2) {
@@ -522,11 +533,12 @@ int attend_seqs(const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv, i
         float *s = malloc(sizeof(float) * (size_t)(chunk * max_L));
         int64_t *keys = malloc(sizeof(int64_t) * (size_t)max_L);
         float *tmp = malloc(sizeof(float) * (size_t)max_L);
-        failed = !s || !keys || !tmp;
+        float *vf = malloc(sizeof(float) * (size_t)(ATT_KEY_BLOCK * D));   /* a value block widened to fp32 */
+        failed = !s || !keys || !tmp || !vf;
         int64_t si = 0;   /* items come in ascending order per thread: the sequence search moves forward */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
-            if (!s || !keys || !tmp) continue;
+            if (!s || !keys || !tmp || !vf) continue;
             if (item < first_item[si]) si = 0;
             while (item >= first_item[si + 1]) ++si;
             const att_seq *a = seqs + si;
@@ -542,9 +554,9 @@ int attend_seqs(const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv, i
                 rs[i] = r; qs[i] = a->q + (r * H + h) * D; os[i] = a->out + (r * H + h) * D;
             }
             attend_chunk(qs, rs, os, nq, D, (const char *)a->k + kvh * a->capacity * D * elem,
-                         (const char *)a->v + kvh * a->capacity * D * elem, half, a->L, a->mask, scale, s, keys, tmp);
+                         (const char *)a->v + kvh * a->capacity * D * elem, half, a->L, a->mask, scale, s, keys, tmp, vf);
         }
-        free(s); free(keys); free(tmp);
+        free(s); free(keys); free(tmp); free(vf);
     }
     free(first_item);
     return failed ? -1 : 0;
