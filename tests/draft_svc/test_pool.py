@@ -7,10 +7,12 @@ import dataclasses
 import functools
 import threading
 import time
+import types
 from typing import ClassVar
 
 import pytest
 
+from draft_svc import pool as pool_module
 from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
 from draft_svc.strategies import model_free_registry
 from draft_svc.strategies.base import Candidate, DecoderRegistry
@@ -180,14 +182,18 @@ def test_bad_arguments_name_their_field(args, field):
     assert pool.num_requests == 0
 
 
-def test_unknown_requests_limits_and_idle_expiry():
-    pool = make_pool({"p": ((A,),)}, [], max_requests=1, request_ttl_s=0.05)
+def test_unknown_requests_limits_and_idle_expiry(monkeypatch):
+    clock = [1000.0]  # the pool's clock, moved by hand: expiry follows the ttl, not the test's pace
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(pool_module, "time", fake_time)
+    pool = make_pool({"p": ((A,),)}, [], max_requests=1, request_ttl_s=60.0)
     with pytest.raises(NotFound):
         pool.propose(ProposeArgs("r", new_token_ids=(1,)))
     pool.propose(ProposeArgs("r", prompt_token_ids=(1,)))
+    clock[0] += 59.0  # within its ttl: "r" still holds the one place
     with pytest.raises(ResourceExhausted):
         pool.propose(ProposeArgs("other", prompt_token_ids=(1,)))
-    time.sleep(0.06)  # "r" idles past its ttl: dropped when the next request arrives
+    clock[0] += 2.0  # "r" idles past its ttl: dropped when the next request arrives
     pool.propose(ProposeArgs("other", prompt_token_ids=(1,)))
     with pytest.raises(NotFound):
         pool.propose(ProposeArgs("r", new_token_ids=(2,)))

@@ -936,7 +936,6 @@ def test_the_next_step_runs_while_the_last_one_is_written_and_only_stored_tokens
     assert len(stored) == 13 and events.count("decode") == 12
     for k, landed in enumerate(stored[:11], start=1):
         assert events[:landed].count("decode") >= k + 1, events
-    assert loop.stats.stage_ms["state"] < 12 * 5.0, "the writes were waited for in full"
 
 
 def test_a_greedy_step_is_confirmed_by_the_validator_beside_the_next_step():

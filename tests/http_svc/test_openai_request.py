@@ -153,9 +153,11 @@ def test_prompts() -> None:
         assert refused({"model": MODEL, "prompt": prompt}, COMPLETION).param == "prompt"
 
 
-def test_bodies() -> None:
+def test_a_body_that_is_not_one_json_object_is_a_400_saying_why() -> None:
     assert parse_body(b'{"a": 1}') == {"a": 1}
-    for body in (b"{", b"[1]", b"\xff"):
+    for body, why in ((b"{", "not valid JSON"), (b"[1]", "must be a JSON object"), (b"\xff", "not valid JSON")):
         with pytest.raises(ApiError) as e:
             parse_body(body)
+        error = e.value.to_json()["error"]
+        assert e.value.status == 400 and why in error["message"] and error["param"] is None, (body, error)
         assert e.value.status == 400 and e.value.param is None

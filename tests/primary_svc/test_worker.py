@@ -231,8 +231,10 @@ def test_a_prefill_waits_for_kv_room_instead_of_failing(fp32_model):
         assert worker.engine.kv_bytes == one and not worker.engine.has_request("b")
         with ThreadPoolExecutor(1) as pool:
             waiting: Future = pool.submit(worker.prefill, "b", LONG_PROMPT)
-            time.sleep(0.3)
-            assert not waiting.done() and worker.num_waiting == 1
+            deadline = time.monotonic() + 60  # until the worker has taken "b" into its queue
+            while worker.num_waiting == 0 and not waiting.done() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert worker.num_waiting == 1 and not waiting.done()
             worker.call(lambda e: e.release("a"))
             assert waiting.result(timeout=120) == len(LONG_PROMPT) - 1
         with pytest.raises(ResourceExhausted):  # never fits, even alone: at once
