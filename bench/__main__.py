@@ -1,9 +1,13 @@
 """python -m bench [ARGS...]: the headline suite (bench/suite.py; `python -m bench --help`).
+`--scenarios long` is the reference article's setting, batch 1 at sequence length ~2,048: prompts of
+1,500-1,900 tokens from specbench/prose/code, 256 new tokens (bench/scenarios.py), e.g.
+`python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
 python -m bench {engine,validator,drafts,quality,masks,auth,http,load} [ARGS...]: one component benchmark
 (each prints its figures).
 
-    engine     plain decoding vs transformers, verify cost per tree size     (bench/engine.py)
+    engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
+               context, prefill tok/s of a 512- and a 2,048-token prompt        (bench/engine.py)
     validator  wire bytes, validation time, fp8/bf16 vs fp32 on real logits (bench/validator.py)
     drafts     acceptance per decoder and scenario through the whole pipeline (bench/drafts.py)
     quality    perplexity and greedy agreement with fp32 per weight format     (bench/quality.py)

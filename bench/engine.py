@@ -1,6 +1,7 @@
 """Primary-engine benchmark, per precision: weight bytes, start-up time, plain greedy decoding
-against transformers, the verify-cost curve, the same step inside the running service, and
-llama.cpp's own step on the same GGUF.
+against transformers, the verify-cost curve after 256 and after 2,048 tokens of context, prefill
+tokens/s of one 512- and one 2,048-token prompt, the same step inside the running service, and
+llama.cpp's own step on the same GGUF (after 256 tokens).
 
     python -m bench.engine [--model_path PATH] [--precisions int4,int4:torch,fp32] [--num-prompts 3]
                            [--max-new-tokens 64] [--threads 2] [--service-steps 64] [--compiled default]
@@ -11,6 +12,11 @@ machine hits both alike. `service` (bench/service_step.py) starts the whole stac
 the primary's forward per plain step with `Engine.decode` in-process: a gap is overhead of the
 service around the engine. `llamacpp` (when llama-cpp-python is installed: `make bench-deps`)
 runs in a child process. Prints a table and writes JSON. Figures, not assertions.
+
+Each verify-curve point is one wall time: it is not split into the linear layers' products and the
+rest (attention, norms, RoPE, the KV write), because the native kernels run a whole layer in one
+call (specdec/model/native) with no timer inside, and timing the parts from Python would time a
+different, unfused path.
 """
 
 from __future__ import annotations
@@ -42,6 +48,20 @@ from specdec.sampling import SamplingParams
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_TOKENS = 256
+LONG_CONTEXT_TOKENS = 2048  # the reference article's sequence length
+PREFILL_TOKENS = (512, 2048)
+_PREFILL_ID = "__prefill_probe__"
+
+
+def engine_max_context(
+    repeats: int, context_tokens: int = LONG_CONTEXT_TOKENS, sizes: tuple[int, ...] = VERIFY_SIZES
+) -> int:
+    """Context the benchmark's engines hold: the long curve's context, the one token each of its
+    verifies commits (measure_verify_costs: a warm-up + repeats + 1 per size), and the largest tree.
+
+    E.g. repeats 5: 2048 + 1 + 7 * 6 + 64 = 2155.
+    """
+    return context_tokens + 1 + len(sizes) * (repeats + 1) + max(sizes)
 
 
 def plain_decoding(engine: Engine, hf_model, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -65,10 +85,38 @@ def plain_decoding(engine: Engine, hf_model, prompts: list[list[int]], max_new_t
     }
 
 
-def verify_curve(engine: Engine, repeats: int) -> dict:
-    """Fastest ms of one verify of k nodes (root + k-1 chained drafts) after CONTEXT_TOKENS of context."""
-    out = measure_verify_costs(engine, repeats, VERIFY_SIZES, CONTEXT_TOKENS)
-    return {"ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
+def verify_curve(engine: Engine, repeats: int, context_tokens: int = CONTEXT_TOKENS) -> dict:
+    """Fastest ms of one verify of k nodes (root + k-1 chained drafts) after context_tokens of context."""
+    out = measure_verify_costs(engine, repeats, VERIFY_SIZES, context_tokens)
+    return {"context_tokens": context_tokens, "ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
+
+
+def prefill_rate(engine: Engine, num_tokens: int, repeats: int) -> dict:
+    """Fastest of `repeats` prefills of one num_tokens prompt, alone, through the engine's own open /
+    prefill / release (chunks of engine.prefill_chunk_tokens, as the service runs them).
+
+    The prefill runs every token but the pending last one (num_cached = num_tokens - 1: that one
+    enters with the first verify), so tokens/s = num_cached / seconds. Each run has tokens of its
+    own, so no run finds another's rows in a prefix cache.
+    """
+    vocab, times, num_cached = engine.vocab_size, [], 0
+    for r in range(repeats + 1):  # the first run warms the chunk shapes up
+        engine.open(_PREFILL_ID, [(1000 + 131 * r + i) % vocab for i in range(num_tokens)])
+        try:
+            assert engine.num_reused_tokens(_PREFILL_ID) == 0
+            start = time.perf_counter()
+            num_cached = engine.prefill(_PREFILL_ID)
+            if r:
+                times.append(time.perf_counter() - start)
+        finally:
+            engine.release(_PREFILL_ID)
+    return {
+        "num_tokens": num_tokens,
+        "num_prefilled": num_cached,
+        "chunk_tokens": engine.prefill_chunk_tokens,
+        "ms": min(times) * 1000,
+        "tokens_per_s": num_cached / min(times),
+    }
 
 
 def compiled_curve(engine: Engine, repeats: int, mode: str) -> dict:
@@ -119,7 +167,8 @@ def main() -> None:
     )
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="runs per verify-curve point (the fastest counts)")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="runs per prefill length (the fastest counts)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
         "--compiled",
@@ -155,13 +204,14 @@ def main() -> None:
         )
     else:
         print(f"[llama.cpp] {results['llamacpp']}")
+    max_context = engine_max_context(args.repeats)
     for name in args.precisions.split(","):
         # "int4:torch": int4 on torch's packed kernels instead of the native ones, for comparison
         precision, _, kernels = name.partition(":")
         start = time.perf_counter()
         with native.disabled() if kernels == "torch" else contextlib.nullcontext():
-            loaded = load_model(model_dir, precision, max_positions=2048, is_shared=False)
-        engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 2048)
+            loaded = load_model(model_dir, precision, max_positions=max_context, is_shared=False)
+        engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), max_context)
         load_s = time.perf_counter() - start
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
         results[name] = {
@@ -170,6 +220,8 @@ def main() -> None:
             "kernels": "torch" if kernels == "torch" or precision not in QUANTIZED_PRECISIONS else native.status(),
             "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
             "verify": verify_curve(engine, args.repeats),
+            "verify_long": verify_curve(engine, args.repeats, LONG_CONTEXT_TOKENS),
+            "prefill": [prefill_rate(engine, n, args.prefill_repeats) for n in PREFILL_TOKENS],
         }
         if args.compiled and not any(block.native is not None for block in loaded.model.layers):
             results[name]["compiled"] = compiled_curve(engine, args.repeats, args.compiled)
@@ -186,8 +238,16 @@ def main() -> None:
             f"transformers {r['plain']['transformers_tokens_per_s']:.1f} tok/s ({r['plain']['ratio']:.2f}x), "
             f"same tokens {r['plain']['same_tokens']}"
         )
-        print(f"[{name}] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in r["verify"]["ms"].items()))
-        print(f"[{name}] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in r["verify"]["relative_to_1"].items()))
+        for curve in (r["verify"], r["verify_long"]):
+            head = f"[{name}] context {curve['context_tokens']}:"
+            print(f"{head} verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in curve["ms"].items()))
+            print(f"{head} vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in curve["relative_to_1"].items()))
+        print(
+            f"[{name}] prefill, one prompt alone (chunks of {r['prefill'][0]['chunk_tokens']}): "
+            + ", ".join(
+                f"{f['num_tokens']} tokens {f['tokens_per_s']:.0f} tok/s ({f['ms']:.0f} ms)" for f in r["prefill"]
+            )
+        )
         if "compiled" in r:
             c = r["compiled"]
             print(

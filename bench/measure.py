@@ -66,7 +66,11 @@ def print_record(precision: str, r: Record) -> None:
 
 
 def measure_stack(
-    sut: SystemUnderTest, selections: Mapping[str, Selection], max_new_tokens: int, tokenizer: Any, precision: str
+    sut: SystemUnderTest,
+    selections: Mapping[str, Selection],
+    new_tokens: Mapping[str, int],  # scenario -> max_new_tokens of its requests
+    tokenizer: Any,
+    precision: str,
 ) -> list[Record]:
     for system in (BASELINE, SPECULATIVE):
         run_request(sut, WARMUP_PROMPT, WARMUP_PROMPT.scenario, system, NUM_WARMUP_TOKENS, False, tokenizer)
@@ -85,7 +89,7 @@ def measure_stack(
             run_request(sut, prompt, scenario, BASELINE, 1, is_constrained(scenario, prompt), tokenizer)
             for system in (SPECULATIVE, BASELINE):
                 record = run_request(
-                    sut, prompt, scenario, system, max_new_tokens, is_constrained(scenario, prompt), tokenizer
+                    sut, prompt, scenario, system, new_tokens[scenario], is_constrained(scenario, prompt), tokenizer
                 )
                 print_record(precision, record)
                 records.append(record)
@@ -117,7 +121,7 @@ def peer_record(
 
 
 def measure_peer(
-    peer: Any, selections: Mapping[str, Selection], max_new_tokens: int, tokenizer: Any, precision: str
+    peer: Any, selections: Mapping[str, Selection], new_tokens: Mapping[str, int], tokenizer: Any, precision: str
 ) -> list[Record]:
     warmup_ids = tokenizer.encode(WARMUP_PROMPT.text(tokenizer))
     for system in peer.systems:
@@ -133,7 +137,7 @@ def measure_peer(
                     records.append(dataclasses.replace(done[key], scenario=scenario))
                     continue
                 try:
-                    token_ids, seconds = peer.run(system, prompt_ids, max_new_tokens)
+                    token_ids, seconds = peer.run(system, prompt_ids, new_tokens[scenario])
                     record = peer_record(system, scenario, prompt, prompt_ids, token_ids, seconds, tokenizer)
                 except Exception as e:  # a peer's failure is a figure of this run, not the end of it
                     record = Record(
@@ -182,11 +186,12 @@ def measure_precision(
     cache: dict[str, list[Record]],
 ) -> tuple[dict[str, Any], list[Record]]:
     """Every system at one precision: (the run's summary for results.json, its records)."""
-    max_context = config.sequence_length + MAX_TREE_NODES
+    max_context = config.max_context_tokens + MAX_TREE_NODES
+    new_tokens = {name: config.new_tokens(name) for name in selections}
     with system_under_test(precision, config.threads, max_context) as sut:
         served = served_precision(sut)
         print(f"[{precision}] the primary serves {served['precision']} ({served['precision_choice']})", flush=True)
-        records = measure_stack(sut, selections, config.max_new_tokens, tokenizer, precision)
+        records = measure_stack(sut, selections, new_tokens, tokenizer, precision)
         sweep = (
             run_sweep(sut, sweep_prompts, config.concurrency, config.max_new_tokens, config.is_schema)
             if config.concurrency
@@ -211,6 +216,9 @@ def measure_precision(
         name: {
             "num_prompts": len(s.prompts),
             "num_skipped": s.num_skipped,
+            "max_new_tokens": new_tokens[name],
+            "num_considered": s.num_considered,  # long only (null otherwise): its token window's filter
+            "num_in_window": s.num_in_window,
             "prompt_file": prompt_file(name),
             "prompt_ids": [p.id for p in s.prompts],
             "is_constrained": any(is_constrained(name, p) for p in s.prompts),
@@ -248,9 +256,11 @@ def _measure_new_peer(
     model_dir: Path,
     cache: dict[str, list[Record]],
 ) -> list[Record]:
-    peer = make_peer(name, precision, config.threads, config.sequence_length, tokenizer, model_dir)
+    peer = make_peer(name, precision, config.threads, config.max_context_tokens, tokenizer, model_dir)
     try:
-        records = measure_peer(peer, selections, config.max_new_tokens, tokenizer, precision)
+        records = measure_peer(
+            peer, selections, {name: config.new_tokens(name) for name in selections}, tokenizer, precision
+        )
     finally:
         peer.close()  # one model at a time on the machine
     if name in MEASURED_ONCE:

@@ -1,7 +1,7 @@
 """python -m bench: the headline benchmark. One run, one machine, one model (the default
 SmolLM2-135M-Instruct), the same prompts for every system, greedy everywhere.
 
-    python -m bench [--scenarios json,code,prose[,specbench]] [--num-prompts 3] [--max-new-tokens 128]
+    python -m bench [--scenarios json,code,prose[,specbench,long]] [--num-prompts 3] [--max-new-tokens 128]
                     [--sequence-length 2048] [--precision auto[,int4,fp32,...]] [--peers transformers,llamacpp]
                     [--no-schema] [--concurrency 1,4,16,32] [--threads N] [--data-dir DIR]
                     [--out results/results.json]
@@ -28,7 +28,11 @@ that system and scenario, not raised. Every output of a json row is checked: par
 validates against the row's schema (jsonschema, Draft 7).
 
 Prompts: the first --num-prompts rows of each scenario file, in file order, whose prompt tokens +
---max-new-tokens fit --sequence-length; the rows skipped on the way are counted.
+--max-new-tokens fit --sequence-length; the rows skipped on the way are counted. The long scenario
+(bench/scenarios.py; not in the default set, not in the concurrency sweep) takes, round robin over
+specbench, prose and code (the files present), the rows with 1,500-1,900 prompt tokens, and prints how
+many rows it considered and how many fit; it asks for 256 new tokens (--max-new-tokens overrides),
+and the stack and llama.cpp are started with room for 1,900 + 256 tokens (+ the tree).
 
 Figures (bench/report.py), per scenario and system:
     tokens/s        generated tokens / client wall time of the call, prefill included; median and
@@ -71,7 +75,16 @@ from typing import Any
 from bench.peers import PEERS
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.report import finite, machine_info
-from bench.scenarios import PROMPT_FILES, prompt_file, run_scenarios
+from bench.scenarios import (
+    LONG,
+    LONG_MAX_NEW_TOKENS,
+    LONG_MAX_PROMPT_TOKENS,
+    LONG_MIN_PROMPT_TOKENS,
+    LONG_SOURCES,
+    SCENARIOS,
+    prompt_file,
+    run_scenarios,
+)
 from specdec.model.precision import AUTO
 from specdec.model.precision import PRECISIONS as WEIGHT_PRECISIONS
 
@@ -92,10 +105,11 @@ class SuiteConfig:
     concurrency: tuple[int, ...] = ()  # client counts of the sweep; (): no sweep
     num_threads: int = 0  # 0: the CPUs this process may use
     out: Path = DEFAULT_OUT
+    long_max_new_tokens: int = LONG_MAX_NEW_TOKENS  # the long scenario's requests
 
     def __post_init__(self) -> None:
         for name, values, known in (
-            ("scenarios", self.scenarios, PROMPT_FILES),
+            ("scenarios", self.scenarios, SCENARIOS),
             ("precision", self.precisions, PRECISIONS),
             ("peers", self.peers, tuple(PEERS)),
         ):
@@ -104,7 +118,7 @@ class SuiteConfig:
                 raise ValueError(f"--{name}: unknown {sorted(unknown)}; known: {', '.join(known)}")
         if not self.scenarios or not self.precisions:
             raise ValueError("--scenarios and --precision must name at least one")
-        if self.num_prompts < 1 or self.max_new_tokens < 1:
+        if self.num_prompts < 1 or self.max_new_tokens < 1 or self.long_max_new_tokens < 1:
             raise ValueError("--num-prompts and --max-new-tokens must be >= 1")
         if self.sequence_length <= self.max_new_tokens:
             raise ValueError(f"--sequence-length ({self.sequence_length}) must exceed --max-new-tokens")
@@ -122,6 +136,17 @@ class SuiteConfig:
         """The scenarios measured on the stack, e.g. ("json", "json_noschema", "code")."""
         return run_scenarios(self.scenarios, self.is_schema)
 
+    def new_tokens(self, scenario: str) -> int:
+        """max_new_tokens of a scenario's requests."""
+        return self.long_max_new_tokens if scenario == LONG else self.max_new_tokens
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Prompt + output tokens the stack and llama.cpp must hold: --sequence-length, or more for
+        the long scenario's longest prompt and its new tokens."""
+        long = LONG_MAX_PROMPT_TOKENS + self.long_max_new_tokens if LONG in self.scenarios else 0
+        return max(self.sequence_length, long)
+
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
@@ -134,7 +159,12 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR)
     p.add_argument("--scenarios", default="json,code,prose")
     p.add_argument("--num-prompts", type=int, default=3, help="prompts per scenario")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"new tokens per request (default 128; {LONG}: {LONG_MAX_NEW_TOKENS}); given, it holds for every scenario",
+    )
     p.add_argument("--sequence-length", type=int, default=2048, help="prompt + output budget")
     p.add_argument(
         "--precision",
@@ -156,7 +186,7 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
             a.data_dir,
             _names(a.scenarios),
             a.num_prompts,
-            a.max_new_tokens,
+            128 if a.max_new_tokens is None else a.max_new_tokens,
             a.sequence_length,
             _names(a.precision),
             _names(a.peers),
@@ -164,6 +194,7 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
             tuple(int(n) for n in _names(a.concurrency)),
             a.threads,
             a.out,
+            LONG_MAX_NEW_TOKENS if a.max_new_tokens is None else a.max_new_tokens,
         )
     except ValueError as e:
         p.error(str(e))
@@ -173,6 +204,9 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
 class Selection:
     prompts: tuple[BenchPrompt, ...]
     num_skipped: int  # rows passed over before the selection was complete: too long for the budget
+    # the long scenario's filter (select_long): rows of its source files, and those inside its window
+    num_considered: int | None = None
+    num_in_window: int | None = None
 
 
 def select_prompts(
@@ -199,6 +233,27 @@ def select_prompts(
     return Selection(tuple(chosen), num_skipped)
 
 
+def select_long(
+    groups: Sequence[Sequence[BenchPrompt]], count_tokens: Callable[[BenchPrompt], int], num_prompts: int
+) -> Selection:
+    """The long scenario's prompts: of each group (a source file's rows, in file order), the rows whose
+    tokens fall in [LONG_MIN_PROMPT_TOKENS, LONG_MAX_PROMPT_TOKENS]; then round robin over the groups,
+    the first num_prompts. Every row is counted, so the output can say how many were considered and how
+    many fit; num_skipped is the rows outside the window.
+
+    E.g. groups [[a: 1600, b: 300], [c: 2500, d: 1900]], num_prompts 3 -> a, d; 4 considered, 2 fit.
+    """
+    fits = [[p for p in g if LONG_MIN_PROMPT_TOKENS <= count_tokens(p) <= LONG_MAX_PROMPT_TOKENS] for g in groups]
+    num_considered, num_in_window = sum(map(len, groups)), sum(map(len, fits))
+    chosen = interleave(fits)[:num_prompts]
+    return Selection(tuple(chosen), num_considered - num_in_window, num_considered, num_in_window)
+
+
+def long_sources(data_dir: Path) -> tuple[str, ...]:
+    """The long scenario's source files present in data_dir (specbench is not shipped)."""
+    return tuple(name for name in LONG_SOURCES if (data_dir / f"{name}.jsonl").is_file())
+
+
 def interleave(groups: Sequence[Sequence[BenchPrompt]]) -> list[BenchPrompt]:
     """Round robin over groups: [[a1, a2], [b1]] -> [a1, b1, a2]."""
     out: list[BenchPrompt] = []
@@ -210,13 +265,17 @@ def interleave(groups: Sequence[Sequence[BenchPrompt]]) -> list[BenchPrompt]:
 def choose_prompts(config: SuiteConfig, tokenizer: Any) -> tuple[dict[str, Selection], list[BenchPrompt]]:
     """Per measured scenario, its prompts (the json variants share theirs); and the concurrency sweep's own
     prompts (the rows after the measured ones, the files mixed)."""
-    num_sweep = math.ceil(sum(config.concurrency) / len(config.scenarios))
+    files = [name for name in config.scenarios if name != LONG]  # the sweep's: short prompts
+    num_sweep = math.ceil(sum(config.concurrency) / len(files)) if files else 0
 
     def count_tokens(p: BenchPrompt) -> int:
         return len(tokenizer.encode(p.text(tokenizer)))
 
     by_file, sweep_groups = {}, []
-    for name in config.scenarios:
+    if LONG in config.scenarios:
+        groups = [load_prompts(config.data_dir, [name], num_prompts=1 << 30) for name in long_sources(config.data_dir)]
+        by_file[LONG] = select_long(groups, count_tokens, config.num_prompts)
+    for name in files:
         rows = load_prompts(config.data_dir, [name], num_prompts=1 << 30)
         main = select_prompts(rows, count_tokens, config.num_prompts, config.max_new_tokens, config.sequence_length)
         by_file[name] = main
@@ -229,6 +288,17 @@ def choose_prompts(config: SuiteConfig, tokenizer: Any) -> tuple[dict[str, Selec
     return selections, interleave(sweep_groups)[: sum(config.concurrency)]
 
 
+def describe_selection(s: Selection, data_dir: Path) -> str:
+    """E.g. "2 prompts (a, b), 1 skipped as too long", or the long scenario's filter."""
+    head = f"{len(s.prompts)} prompts ({', '.join(p.id for p in s.prompts)})"
+    if s.num_considered is None:
+        return f"{head}, {s.num_skipped} skipped as too long"
+    return (
+        f"{head}: of {s.num_considered} rows of {', '.join(long_sources(data_dir))}, {s.num_in_window} have "
+        f"{LONG_MIN_PROMPT_TOKENS}-{LONG_MAX_PROMPT_TOKENS} prompt tokens (chat template included)"
+    )
+
+
 def config_dict(config: SuiteConfig) -> dict[str, Any]:
     out = dataclasses.asdict(config)
     out.update(
@@ -236,7 +306,14 @@ def config_dict(config: SuiteConfig) -> dict[str, Any]:
         out=str(config.out),
         num_threads=config.threads,
         measured_scenarios=list(config.measured_scenarios),
+        max_context_tokens=config.max_context_tokens,
     )
+    if LONG in config.scenarios:
+        out["long_filter"] = {
+            "sources": list(long_sources(config.data_dir)),
+            "min_prompt_tokens": LONG_MIN_PROMPT_TOKENS,
+            "max_prompt_tokens": LONG_MAX_PROMPT_TOKENS,
+        }
     return out
 
 
@@ -269,11 +346,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"length beyond the measured ones; the data has {len(sweep_prompts)}"
         )
     for scenario, s in selections.items():
-        print(
-            f"[{scenario}] {len(s.prompts)} prompts ({', '.join(p.id for p in s.prompts)}), "
-            f"{s.num_skipped} skipped as too long",
-            flush=True,
-        )
+        print(f"[{scenario}] {describe_selection(s, config.data_dir)}", flush=True)
     skipped = peers_skipped(config.peers)
     for name, reason in skipped.items():
         print(f"peer {name} skipped: {reason}", flush=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.report import BASELINE, SPECULATIVE, STACK_SYSTEMS
-from bench.scenarios import CONSTRAINED, UNCONSTRAINED
+from bench.scenarios import CONSTRAINED, LONG, LONG_MAX_PROMPT_TOKENS, LONG_MIN_PROMPT_TOKENS, UNCONSTRAINED
 
 SYSTEM_LABELS = {
     BASELINE: "baseline (speculation off)",
@@ -282,18 +282,30 @@ def concurrency_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _long_setting(config: dict[str, Any]) -> str:
+    """The long scenario's own request length and context, when it ran."""
+    if LONG not in config.get("scenarios", ()):
+        return ""
+    return (
+        f"; long: {LONG_MIN_PROMPT_TOKENS}-{LONG_MAX_PROMPT_TOKENS} prompt tokens, at most "
+        f"{config['long_max_new_tokens']} new tokens, context {config['max_context_tokens']}"
+    )
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     config, machine = results["config"], results["machine"]
     parts = [
         f"Machine: {machine['cpu_model']}, {machine['num_cpus']} CPUs, AVX512 "
         f"{'yes' if machine['avx512'] else 'no'}, torch {machine['versions']['torch']}, {machine['date']}. "
         f"Greedy, batch 1, at most {config['max_new_tokens']} new tokens, sequence length "
-        f"{config['sequence_length']}. json: the row's schema as response_format; json_noschema: the same "
-        f"prompts without (peers: always without)."
+        f"{config['sequence_length']}{_long_setting(config)}. json: the row's schema as response_format; "
+        "json_noschema: the same prompts without (peers: always without)."
     ]
     parts += [f"Peer {name} skipped: {reason}" for name, reason in results["peers_skipped"].items()]
     for precision, run in results["runs"].items():
-        by_file = {v.get("prompt_file", k): v["num_skipped"] for k, v in run["scenarios"].items()}  # json: once
+        by_file = {  # json: once; long has a filter of its own
+            v.get("prompt_file", k): v["num_skipped"] for k, v in run["scenarios"].items() if k != LONG
+        }
         skipped = ", ".join(f"{name} {n}" for name, n in by_file.items() if n)
         served = run.get("served_precision", precision)
         title = precision if served == precision else f"{precision}: the primary chose {served}"
@@ -310,6 +322,12 @@ def render_markdown(results: dict[str, Any]) -> str:
         parts += [f"Peer {name} failed: {error}" for name, error in run.get("peers_failed", {}).items()]
         if skipped:
             parts.append(f"Prompts skipped (prompt + max new tokens > sequence length): {skipped}.")
+        if (long := run["scenarios"].get(LONG)) is not None and long.get("num_considered") is not None:
+            parts.append(
+                f"long: {long['num_in_window']} of the {long['num_considered']} rows considered have "
+                f"{LONG_MIN_PROMPT_TOKENS}-{LONG_MAX_PROMPT_TOKENS} prompt tokens; the first {long['num_prompts']} "
+                "(round robin over the files) ran."
+            )
         if run.get("concurrency"):
             parts += [
                 "Concurrency sweep (per-token latency: inter-token time at the client):",

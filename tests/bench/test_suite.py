@@ -9,7 +9,15 @@ import pytest
 
 from bench.peers import cut_at_eos
 from bench.prompts import BenchPrompt
-from bench.suite import SuiteConfig, choose_prompts, interleave, parse_config, select_prompts
+from bench.suite import (
+    SuiteConfig,
+    choose_prompts,
+    describe_selection,
+    interleave,
+    parse_config,
+    select_long,
+    select_prompts,
+)
 
 
 def prompts(n: int, scenario: str = "code") -> list[BenchPrompt]:
@@ -104,3 +112,37 @@ def test_choose_prompts_gives_both_json_variants_the_same_rows(tmp_path):
     assert selections["json"] is selections["json_noschema"]
     assert [p.id for p in selections["json"].prompts] == ["j0", "j2"] and selections["json"].num_skipped == 1
     assert sweep == []
+
+
+def test_select_long_keeps_the_window_round_robin_and_counts_every_row():
+    a, b = prompts(3, "prose"), prompts(2, "code")
+    counts = {"prose0": 1499, "prose1": 1500, "prose2": 1700, "code0": 1900, "code1": 1901}
+    s = select_long([a, b], lambda p: counts[p.id], num_prompts=2)
+    assert [p.id for p in s.prompts] == ["prose1", "code0"]  # bounds inclusive; one file, then the next
+    assert (s.num_considered, s.num_in_window, s.num_skipped) == (5, 3, 2)
+
+
+def test_long_reads_the_source_files_present_and_stays_out_of_the_sweep(tmp_path):
+    def write(name: str, lengths: tuple[int, ...]) -> None:
+        rows = [{"id": f"{name}{i}", "prompt": "w " * n} for i, n in enumerate(lengths)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+    write("prose", (10, 1600, 1800))
+    write("code", (2000, 12, 1550, 20))  # no specbench.jsonl: long draws on what is there
+    config = SuiteConfig(data_dir=tmp_path, scenarios=("code", "long"), num_prompts=2, concurrency=(1,))
+    selections, sweep = choose_prompts(config, WordTokenizer())
+    long = selections["long"]
+    assert [p.id for p in long.prompts] == ["prose1", "code2"]
+    assert (long.num_considered, long.num_in_window) == (7, 3)
+    assert selections["code"].num_considered is None
+    assert [p.id for p in sweep] == ["code3"]  # the sweep takes code's rows after its own, never long's
+    assert "of 7 rows of prose, code, 3 have 1500-1900 prompt tokens" in describe_selection(long, tmp_path)
+
+
+def test_long_asks_for_256_tokens_and_a_context_that_holds_them_unless_told():
+    c = parse_config(["--scenarios", "code,long"])
+    assert (c.new_tokens("code"), c.new_tokens("long")) == (128, 256)
+    assert c.max_context_tokens == 1900 + 256  # beyond --sequence-length 2048
+    c = parse_config(["--scenarios", "long", "--max-new-tokens", "8"])
+    assert (c.new_tokens("long"), c.max_context_tokens) == (8, 2048)
+    assert parse_config(["--scenarios", "code"]).max_context_tokens == 2048
