@@ -56,6 +56,10 @@ int64_t qgemm_set_amx(int64_t min_rows) {
 
 int64_t qgemm_amx_min_rows(void) { return amx_min_rows; }
 
+int64_t qgemm_act_rows(int64_t T) {
+    return amx_min_rows && T >= amx_min_rows ? (T + QGEMM_SLAB - 1) / QGEMM_SLAB * QGEMM_SLAB : T;
+}
+
 int qgemm_amx_built(void) { return QGEMM_AMX; }
 
 

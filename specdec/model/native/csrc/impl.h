@@ -38,6 +38,10 @@
 #endif
 #define QGEMM_SLAB 16    /* activation rows per AMX tile: qact pads xq to whole slabs (zero rows) */
 
+/* The row-wise work between products (norms, quantization, RoPE, SiLU, residuals) runs on every
+ * thread from this many rows; below it a fork/join costs more than the rows' work. */
+#define QGEMM_PARALLEL_ROWS 8
+
 /* AVX2 tiles with a 256-bit VNNI dot product (AVX-VNNI, or AVX-512 VNNI's VL forms) */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define QGEMM_DP8_VNNI 1
@@ -140,13 +144,16 @@ static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v
 #define QGEMM_ACT_SUMS QGEMM_AVX512
 
 typedef struct {
-    int8_t *xq;              /* [T, k], then zero rows up to a whole QGEMM_SLAB (an AMX tile load reads 16) */
+    int8_t *xq;              /* [T, k], then zero rows to qgemm_act_rows(T) (an AMX tile load reads 16) */
     int32_t *xs;             /* [T, k/32] sum of each block's xq (with QGEMM_ACT_SUMS, else NULL) */
     float *dx, *sx;          /* [T, k/32] */
 } qact;
 
-/* a's buffers for T rows of K (xq's slab padding zeroed); -1 when out of memory (qact_free then
- * releases what was allocated) */
+/* gemm.c: the rows a qact of T rows holds, T or (when its products run on AMX tiles) T rounded up to
+ * whole slabs */
+QGEMM_HIDDEN int64_t qgemm_act_rows(int64_t T);
+/* a's buffers for T rows of K (xq's slab padding, if any, zeroed); -1 when out of memory (qact_free
+ * then releases what was allocated) */
 QGEMM_HIDDEN int qact_alloc(qact *a, int64_t T, int64_t K);
 /* row t of a = x [K] quantized: each row alone, so rows can be quantized in any order or thread */
 QGEMM_HIDDEN void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K);

@@ -78,7 +78,7 @@ int qgemm_layer_pre(const float *x, int64_t T, int64_t C, const float *norm_w, f
     int rc = -1;
     if (!h || qact_alloc(&a, T, C)) goto done;
     /* row by row (each row's arithmetic alone, whatever thread runs it): norm, then quantize */
-    #pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
         qgemm_rmsnorm(x + t * C, 1, C, norm_w, eps, h + t * C);
         qact_quantize_row(&a, h + t * C, t, C);
@@ -86,7 +86,7 @@ int qgemm_layer_pre(const float *x, int64_t T, int64_t C, const float *norm_w, f
     const qweight *const qkv[3] = {wq, wk, wv};
     float *const qkv_out[3] = {q, k, v};
     qmatmul_many(&a, T, qkv, qkv_out, 3, num_threads);
-    #pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
         rope(q + t * heads * D, 1, heads, D, cos_t, sin_t, positions + t);
         rope(k + t * kv_heads * D, 1, kv_heads, D, cos_t, sin_t, positions + t);
@@ -112,7 +112,7 @@ int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, co
         goto done;
     qmatmul(&a, T, wo, o, num_threads);
     /* the parts between the products row by row, rows in parallel (each row's arithmetic alone) */
-    #pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = t * C; j < (t + 1) * C; ++j) o[j] += x[j];                   /* h */
         qgemm_rmsnorm(o + t * C, 1, C, norm_w, eps, n + t * C);
@@ -121,13 +121,13 @@ int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, co
     const qweight *const gate_up[2] = {wgate, wup};
     float *const gate_up_out[2] = {g, u};
     qmatmul_many(&b, T, gate_up, gate_up_out, 2, num_threads);
-    #pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; ++t) {
         silu_mul(g + t * I, u + t * I, I);
         qact_quantize_row(&c, g + t * I, t, I);
     }
     qmatmul(&c, T, wdown, out, num_threads);
-    #pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
     for (int64_t j = 0; j < T * C; ++j) out[j] += o[j];
     rc = 0;
 done:
@@ -172,7 +172,7 @@ int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t 
                 if ((int)s->half != half) continue;
                 const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
                 char *kc = (char *)s->k_cache + l * s->layer_stride * elem, *vc = (char *)s->v_cache + l * s->layer_stride * elem;
-                #pragma omp parallel for num_threads(num_threads) if (s->n > 1) schedule(static)
+                #pragma omp parallel for num_threads(num_threads) if (s->n >= QGEMM_PARALLEL_ROWS) schedule(static)
                 for (int64_t r = 0; r < s->n; ++r)
                     for (int64_t h = 0; h < Hkv; ++h) {
                         const int64_t src = ((s->start + r) * Hkv + h) * D, dst = (h * s->capacity + s->num_cached + r) * D;

@@ -55,7 +55,7 @@ void qgemm_quantize_rows(const float *x, int64_t T, int64_t K, int8_t *xq, float
 }
 
 int qact_alloc(qact *a, int64_t T, int64_t K) {
-    const int64_t G = K / QK, padded = (T + QGEMM_SLAB - 1) / QGEMM_SLAB * QGEMM_SLAB;
+    const int64_t G = K / QK, padded = qgemm_act_rows(T);
     a->xq = malloc((size_t)(padded * K) + 64); a->dx = malloc(sizeof(float) * (size_t)(T * G) + 64);
     a->sx = malloc(sizeof(float) * (size_t)(T * G) + 64); a->xs = NULL;
     if (!a->xq || !a->dx || !a->sx) return -1;
@@ -74,7 +74,7 @@ void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K) {
 
 int qact_init(qact *a, const float *x, int64_t T, int64_t K, int num_threads) {
     if (qact_alloc(a, T, K)) return -1;
-    #pragma omp parallel for num_threads(num_threads) if (T > 1) schedule(static)
+    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
     for (int64_t t = 0; t < T; ++t) qact_quantize_row(a, x + t * K, t, K);
     return 0;
 }
