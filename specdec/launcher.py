@@ -14,6 +14,13 @@ fails the start at once with the tail of its log; the log dir is kept then.
 stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
 Linux the kernel also SIGTERMs the services if the launcher itself is killed.
 
+restart() starts a service again on the port it had (the others hold its
+address) and waits for SERVING as at start-up; it counts restarts per service
+(num_restarts, and restarts_file in the log dir, which the HTTP front serves as
+specdec_service_restarts_total). Deciding when to restart a service that exited
+(backoff, giving up) is specdec.supervisor's job, which `inference.py --serve`
+runs.
+
 The internal services accept only callers that present the stack's service
 token (specdec.service.auth): start() writes a fresh one into a private
 directory (0700, the file 0600), passes its path to every service with
