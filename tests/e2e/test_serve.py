@@ -7,6 +7,7 @@ Last, a draft pool whose port is taken keeps failing to start: the launcher give
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -87,9 +88,9 @@ def read_lines(process: subprocess.Popen, num_lines: int, timeout_s: float) -> l
         raise AssertionError(f"the services did not start in time (launcher exit status {process.poll()})") from None
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    tmp = tmp_path_factory.mktemp("serve")
+@contextlib.contextmanager
+def serving(tmp: Path) -> Iterator[Served]:
+    """`inference.py --serve` until it prints its addresses; SIGTERM (then SIGKILL) on the way out."""
     stderr_path = tmp / "launcher.stderr"
     argv = [
         sys.executable,
@@ -115,6 +116,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serving(tmp_path_factory.mktemp("serve")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +235,28 @@ def is_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def test_sigterm_while_a_service_awaits_its_restart_stops_everything_cleanly(tmp_path: Path) -> None:
+    """A stack of its own (the module's is given up above): no restart once the stop has begun."""
+    with serving(tmp_path) as served:
+        modules = ("primary_svc", "validator_svc", "draft_svc", "gateway", "http_svc")
+        pids = [service_process(served.process.pid, m)[0] for m in modules]
+        validator_pid, validator_port = service_process(served.process.pid, "validator_svc")
+        os.kill(validator_pid, signal.SIGKILL)
+        served.wait_for_log(r"service 'validator' was killed by SIGKILL; restarting it in 0\.5 s")
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(timeout=120) == 0, served.stderr()[-3000:]
+    stderr = served.stderr()
+    assert "stopping the services..." in stderr and "serving again" not in stderr and "error" not in stderr
+    assert not any(is_alive(pid) for pid in pids)
+    assert not any(
+        "validator_svc" in argv and f"{validator_port}" in argv for argv in map(cmdline, Path("/proc").iterdir())
+    ), "a validator restarted during the stop was left behind"
+
+
+def cmdline(proc: Path) -> list[str]:
+    try:
+        return (proc / "cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
