@@ -16,8 +16,8 @@ HTTP API's /metrics counts it (specdec_service_restarts_total). --gateway_addres
 talks to a gateway already running.
 
 Exit codes: 0 success, 1 the gateway refused or failed the request (its gRPC
-status and message are printed), 2 bad flags, 3 the services did not start,
-130 interrupted.
+status and message are printed), 2 bad flags, 3 the services did not start (or,
+under --serve, one kept exiting and was given up), 130 interrupted.
 """
 
 from __future__ import annotations
