@@ -10,12 +10,14 @@ it serves the default model (SmolLM2-135M-Instruct). The text goes to stdout
 and a short stats line to stderr; --json prints one JSON object instead, and
 --stream prints the text as it is accepted. --serve keeps the services up with
 the OpenAI-compatible HTTP API in front (http_svc, on --http_port) and prints
-the gateway's address and the HTTP API's URL; --gateway_address talks to a
-gateway already running.
+the gateway's address and the HTTP API's URL; a service that exits meanwhile is
+restarted on its address (specdec.supervisor, --max_service_restarts), and the
+HTTP API's /metrics counts it (specdec_service_restarts_total). --gateway_address
+talks to a gateway already running.
 
 Exit codes: 0 success, 1 the gateway refused or failed the request (its gRPC
-status and message are printed), 2 bad flags, 3 the services did not start,
-130 interrupted.
+status and message are printed), 2 bad flags, 3 the services did not start (or,
+under --serve, one kept exiting and was given up), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
+from specdec.supervisor import DEFAULT_MAX_RAPID_RESTARTS, RestartPolicy, Supervisor
 from specdec.task_type import TaskType
 from specdec.task_type import to_pb as task_type_to_pb
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
@@ -192,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=8000,
         metavar="PORT",
         help="--serve: the HTTP API's port on 127.0.0.1 (default 8000; 0: a free one)",
+    )
+    stack.add_argument(
+        "--max_service_restarts",
+        type=ranged(int, 0),
+        default=DEFAULT_MAX_RAPID_RESTARTS,
+        metavar="N",
+        help="--serve: a service that exits is restarted on its address, after 0.5 s doubling to 30 s; "
+        "after N restarts in a row (none lasting a minute) the services stop (default %(default)s; 0: at once)",
     )
     stack.add_argument(
         "--gateway_address", metavar="HOST:PORT", help="use a running gateway instead of starting the services"
@@ -462,14 +473,14 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
     )
 
 
-def serve_until_stopped(stack: Stack) -> int:
-    """Wait for Ctrl-C / SIGTERM (KeyboardInterrupt); fail if a service dies meanwhile."""
-    while True:
-        for name in stack.addresses:
-            if not stack.is_running(name):
-                print(f"error: service {name!r} exited; its log: {stack.log_path(name)}", file=sys.stderr)
-                return EXIT_STACK_FAILED
-        time.sleep(_SERVE_POLL_S)
+def serve_until_stopped(stack: Stack, policy: RestartPolicy, say: Callable[[str], None]) -> int:
+    """Wait for Ctrl-C / SIGTERM (KeyboardInterrupt), restarting a service that exits meanwhile;
+    fail once one keeps exiting (specdec.supervisor)."""
+    try:
+        Supervisor(stack, policy, say=say).run(_SERVE_POLL_S)
+    except ServiceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_STACK_FAILED
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -506,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "at the second (base URL + /v1); Ctrl-C stops"
             )
             try:
-                return serve_until_stopped(stack)
+                return serve_until_stopped(stack, RestartPolicy(max_rapid_restarts=args.max_service_restarts), say)
             except KeyboardInterrupt:  # the normal end of --serve
                 say("stopping the services...")
                 return 0

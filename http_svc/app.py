@@ -63,7 +63,9 @@ class HttpFront:
         self, config: HttpConfig, api_keys: ApiKeys | None = None, registry: CollectorRegistry | None = None
     ) -> None:
         self.config, self.api_keys = config, api_keys
-        self.metrics = HttpMetrics(CollectorRegistry() if registry is None else registry)
+        self.metrics = HttpMetrics(
+            CollectorRegistry() if registry is None else registry, service_restarts_file=config.service_restarts_file
+        )
         self.created = int(time.time())
         self.log = structlog.get_logger("http")
         self._channel: grpc.aio.Channel | None = None

@@ -38,6 +38,7 @@ class HttpConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     default_retry_after_s: int = DEFAULT_RETRY_AFTER_S
+    service_restarts_file: str = ""  # the launcher's restart counts (specdec.launcher), served on /metrics
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -113,6 +114,11 @@ def parse_config(argv: list[str] | None = None) -> HttpConfig:
         DEFAULT_RETRY_AFTER_S,
         help="Retry-After of a 429 when the gateway gives no retry hint",
     )
+    flags.add(
+        "--service_restarts_file",
+        "",
+        help="the launcher's JSON of restarts per service, served as specdec_service_restarts_total (empty: none)",
+    )
     flags.add("--log_level", "INFO")
     a = p.parse_args(argv)
     try:
@@ -128,6 +134,7 @@ def parse_config(argv: list[str] | None = None) -> HttpConfig:
             tls_cert_file=a.tls_cert,
             tls_key_file=a.tls_key,
             max_body_bytes=a.max_body_bytes,
+            service_restarts_file=a.service_restarts_file,
             request_timeout_s=a.request_timeout_s,
             default_retry_after_s=a.default_retry_after_s,
             log_level=a.log_level,

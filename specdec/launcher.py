@@ -14,6 +14,13 @@ fails the start at once with the tail of its log; the log dir is kept then.
 stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
 Linux the kernel also SIGTERMs the services if the launcher itself is killed.
 
+restart() starts a service again on the port it had (the others hold its
+address) and waits for SERVING as at start-up; it counts restarts per service
+(num_restarts, and restarts_file in the log dir, which the HTTP front serves as
+specdec_service_restarts_total). Deciding when to restart a service that exited
+(backoff, giving up) is specdec.supervisor's job, which `inference.py --serve`
+runs.
+
 The internal services accept only callers that present the stack's service
 token (specdec.service.auth): start() writes a fresh one into a private
 directory (0700, the file 0600), passes its path to every service with
@@ -26,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import shutil
 import signal
@@ -72,6 +80,8 @@ OPENMP_SPIN_COUNT = "1000"
 # arenas (100 s runs of `python -m bench load --clients 16`, 103 and 91 generated tok/s). An operator's
 # own MALLOC_ARENA_MAX wins.
 MALLOC_ARENAS = "2"
+# Where the launcher keeps every service's restart count, in the log dir (JSON: name -> count).
+RESTARTS_FILE_NAME = "service_restarts.json"
 # How often a starting service is polled (exit status, then health).
 _POLL_S = 0.05
 # Picking a free port is bind(0)-then-release, so another process can take the
@@ -122,6 +132,7 @@ class ServiceSpec:
     health_http_path: str = ""  # an HTTP server: SERVING once GET path answers 200
     port: int = 0  # 0: a free port; else this one (no retry elsewhere)
     health_ca_file: str = ""  # it serves TLS: health checks trust these PEM roots
+    is_reporting_restarts: bool = False  # gets --service_restarts_file (Stack.num_restarts, for its /metrics)
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -197,6 +208,7 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
                 startup_timeout_s=config.startup_timeout_s,
                 health_http_path=HTTP_HEALTH_PATH,
                 port=config.http_port,
+                is_reporting_restarts=True,
             ),
         )
         if config.is_serving_http
@@ -366,6 +378,7 @@ class Stack:
         # exits without stop(); holds the dict, not self.
         self._finalizer = weakref.finalize(self, _kill_all, self._running)
         self._secrets_finalizer: weakref.finalize | None = None
+        self._num_restarts: dict[str, int] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -375,6 +388,8 @@ class Stack:
         self._running.clear()  # in place: the finalizer holds this dict
         self._open_log_dir()
         self._write_service_token()
+        self._num_restarts = {spec.name: 0 for spec in self._specs}
+        self._write_restarts_file()
         try:
             for wave in self._waves:
                 launched = [self._launch(spec, port=None) for spec in wave]
@@ -430,16 +445,23 @@ class Stack:
         running.process.wait()
         _sweep(running)
 
-    def restart(self, name: str, *, is_killing: bool = True) -> None:
+    def restart(self, name: str, *, is_killing: bool = True, reason: str = "") -> None:
         """kill -9 the service (unless is_killing=False: it is already down), then
-        start it again on the SAME port and wait for SERVING."""
+        start it again on the SAME port (the others hold its address) and wait for SERVING.
+
+        Counts the restart (num_restarts, the restarts file) before the launch, so a restart that
+        fails to come up counts too; reason goes into the marker line in the service's log."""
         running = self._get(name)
         if is_killing:
             self.kill(name)
         if running.process.poll() is None:
             raise RuntimeError(f"service {name!r} is still running")
+        _sweep(running)
+        self._num_restarts[name] = self._num_restarts.get(name, 0) + 1
+        self._write_restarts_file()
+        note = f" ({reason})" if reason else ""
         with open(running.log_path, "ab") as log:
-            log.write(f"\n---- restarted by the launcher at {time.strftime('%H:%M:%S')} ----\n".encode())
+            log.write(f"\n---- restarted by the launcher at {time.strftime('%H:%M:%S')}{note} ----\n".encode())
         relaunched = self._launch(running.spec, port=running.port)
         self._await_serving(relaunched, may_retry_port=False)
 
@@ -494,6 +516,25 @@ class Stack:
     def is_running(self, name: str) -> bool:
         return self._get(name).process.poll() is None
 
+    def exit_code(self, name: str) -> int | None:
+        """None while the service runs; else its exit status (-N: killed by signal N), after what
+        is left of its process group has been killed."""
+        running = self._get(name)
+        code = running.process.poll()
+        if code is not None:
+            _sweep(running)
+        return code
+
+    def num_restarts(self, name: str) -> int:
+        """How often restart() relaunched the service since start()."""
+        self._get(name)
+        return self._num_restarts.get(name, 0)
+
+    @property
+    def restarts_file(self) -> Path:
+        """JSON {service name: restarts}, rewritten on every restart (for the HTTP front's /metrics)."""
+        return self.log_dir / RESTARTS_FILE_NAME
+
     # ---- internals ---------------------------------------------------------------------------------
 
     def _get(self, name: str) -> _Running:
@@ -524,6 +565,12 @@ class Stack:
             self._secrets_finalizer()  # removes the directory, once
         self._secrets_dir, self._secrets_finalizer = None, None
 
+    def _write_restarts_file(self) -> None:
+        # Replaced, not rewritten in place: a reader sees the old counts or the new, never half.
+        partial = self.restarts_file.with_suffix(".partial")
+        partial.write_text(json.dumps(self._num_restarts, sort_keys=True))
+        os.replace(partial, self.restarts_file)
+
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
         port = (spec.port or free_port(self._host)) if port is None else port
         metrics_port = free_port(self._host) if self.config.is_serving_metrics else int(NO_METRICS_PORT)
@@ -542,6 +589,8 @@ class Stack:
             argv += [flag, self._address(self._get(dep).port)]
         if spec.is_taking_service_token and self._secrets_dir is not None:
             argv += ["--service_token_file", str(self._secrets_dir / TOKEN_FILE_NAME)]
+        if spec.is_reporting_restarts:
+            argv += ["--service_restarts_file", str(self.restarts_file)]
         log_path = self.log_dir / f"{spec.name}.log"
         running = _Running(spec, port, argv, log_path, _start_process(argv, log_path, self._env()), metrics_port)
         self._running[spec.name] = running

@@ -1,10 +1,13 @@
 """The process launcher with tiny fake services (a health-only gRPC server in
 `python -c`): dependency order, fail-fast with the log tail, timeouts, no
 orphans after stop or after the launcher's own death, restart on the same
-port, a lost port race."""
+port, a lost port race; supervision (specdec.supervisor): a killed service
+restarted with backoff and counted, one that keeps dying given up."""
 
 from __future__ import annotations
 
+import _thread
+import json
 import os
 import shutil
 import signal
@@ -12,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec import launcher
 from specdec.launcher import ServiceError, ServiceSpec, Stack, StackConfig, log_tail, service_specs, waves
 from specdec.service.health import check_health
+from specdec.supervisor import RestartPolicy, Supervisor
 
 # A fake service: serves only grpc.health.v1 ("" SERVING) through the real
 # serve() (and an empty /metrics with --metrics_port), after printing its argv. --mode changes what it does:
@@ -348,3 +353,86 @@ def test_a_metrics_port_lost_to_a_race_is_retried_on_another(monkeypatch: pytest
             assert is_serving(stack.addresses["a"])
             assert stack.metrics_url("a") and f":{taken}/" not in stack.metrics_url("a")
             assert f"port {taken} was taken" in stack.log_path("a").read_text()
+
+
+# ---- supervision -----------------------------------------------------------------------------------
+
+# Short waits, so a test sees a few restarts in a row within a second.
+FAST_RESTARTS = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.2, stable_after_s=2.0, max_rapid_restarts=2)
+
+
+def poll_until_restarted(supervisor: Supervisor, name: str, num_restarts: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while supervisor.stack.num_restarts(name) < num_restarts or not supervisor.stack.is_running(name):
+        assert time.monotonic() < deadline, f"{name} was not restarted {num_restarts} times"
+        supervisor.poll()  # a restart returns once the service is SERVING
+        time.sleep(0.01)
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    assert [RestartPolicy().backoff_s(n) for n in range(8)] == [0.5, 1, 2, 4, 8, 16, 30, 30]
+    with pytest.raises(ValueError, match="initial_backoff_s"):
+        RestartPolicy(initial_backoff_s=0.0)
+
+
+def test_a_killed_service_is_restarted_on_its_port_with_backoff_and_counted(config: StackConfig) -> None:
+    messages: list[str] = []
+    with Stack(config, specs=[fake("a"), fake("b")]) as stack:
+        supervisor = Supervisor(stack, FAST_RESTARTS, say=messages.append)
+        address, pid = stack.addresses["a"], stack.pid("a")
+        os.kill(pid, signal.SIGKILL)
+        poll_until_restarted(supervisor, "a", 1)
+        assert stack.addresses["a"] == address and stack.pid("a") != pid and is_serving(address)
+        assert (stack.num_restarts("a"), stack.num_restarts("b")) == (1, 0)
+        assert json.loads(stack.restarts_file.read_text()) == {"a": 1, "b": 0}
+        assert messages[0].startswith("service 'a' was killed by SIGKILL; restarting it in 0.05 s (restart 1; log: ")
+        assert messages[1].startswith(f"service 'a' is serving again at {address} (restart 1, up in ")
+        assert "restarted by the launcher at" in stack.log_path("a").read_text()
+        # Killed again at once: the wait doubles. Then up past stable_after_s: it starts afresh.
+        stack.kill("a")
+        poll_until_restarted(supervisor, "a", 2)
+        assert "restarting it in 0.1 s (restart 2;" in messages[2]
+        time.sleep(FAST_RESTARTS.stable_after_s)
+        stack.kill("a")
+        poll_until_restarted(supervisor, "a", 3)
+        assert "restarting it in 0.05 s (restart 3;" in messages[4]
+        assert stack.is_running("b") and stack.num_restarts("b") == 0
+
+
+def test_a_service_that_keeps_dying_is_given_up_naming_it(config: StackConfig) -> None:
+    messages: list[str] = []
+    with Stack(config, specs=[fake("a")]) as stack, socket.socket() as squatter:
+        supervisor = Supervisor(stack, FAST_RESTARTS, say=messages.append)
+        port = int(stack.addresses["a"].rsplit(":", 1)[1])
+        stack.kill("a")
+        # Every restart now fails to bind: the fake's serve() raises, it exits with code 1.
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((launcher.LOOPBACK, port))
+        squatter.listen()
+        deadline = time.monotonic() + 60
+        with pytest.raises(ServiceError) as info:
+            while time.monotonic() < deadline:
+                supervisor.poll()
+                time.sleep(0.01)
+        assert info.value.name == "a"
+        assert info.value.reason == "exited with code 1; gave up after 2 restarts in a row"
+        assert info.value.log_path == stack.log_path("a") and "bind to address" in info.value.log_tail
+        assert stack.num_restarts("a") == FAST_RESTARTS.max_rapid_restarts
+        assert [m.split(";")[0] for m in messages] == [
+            "service 'a' was killed by SIGKILL",
+            "service 'a' failed to restart: exited with code 1 while starting",
+            "service 'a' exited with code 1",
+            "service 'a' failed to restart: exited with code 1 while starting",
+        ]
+
+
+def test_no_restart_once_the_supervisor_is_interrupted(config: StackConfig) -> None:
+    # Ctrl-C (SIGTERM in inference.py) unwinds run() during the backoff: the stack stops, nothing restarts.
+    policy = RestartPolicy(initial_backoff_s=5.0)
+    with pytest.raises(KeyboardInterrupt), Stack(config, specs=[fake("a")]) as stack:
+        supervisor = Supervisor(stack, policy)
+        pid = stack.pid("a")
+        stack.kill("a")
+        threading.Timer(0.5, _thread.interrupt_main).start()
+        supervisor.run(poll_s=0.01)
+    assert stack.num_restarts("a") == 0 and stack.pid("a") == pid and not stack.is_running("a")

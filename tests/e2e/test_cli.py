@@ -103,6 +103,7 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--precision", "int3"], "--precision"),
         (["--json_mode", "--json_schema", "s.json"], "--json_schema"),
         (["--http_port", "70000"], "--http_port"),
+        (["--max_service_restarts", "-1"], "--max_service_restarts"),
     ],
 )
 def test_bad_flags_are_refused_locally_naming_the_flag(
