@@ -43,6 +43,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, 
 import structlog
 
 from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation
+from gateway.call_deadlines import CallDeadlines
 from gateway.controller import AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, infer_task_type
 from gateway.config import GRAMMAR_MAX_SPELLINGS
 from gateway.cost_model import CostModel, CostSettings, cost_model_for
@@ -51,7 +52,7 @@ from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
-from specdec.errors import FailedPrecondition, Internal, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
@@ -246,6 +247,7 @@ class RequestLoop:
         grammar: GrammarState | None = None,
         validator_state: DependencyState | None = None,
         draft_state: DependencyState | None = None,
+        call_deadlines: CallDeadlines | None = None,
         max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
         decode_run_max: int = DECODE_RUN_MAX,
     ) -> None:
@@ -280,6 +282,9 @@ class RequestLoop:
         # Shared by the gateway's requests: whether the validator and the draft service answer.
         self.validator_state = validator_state or DependencyState("validator")
         self.draft_state = draft_state or DependencyState("draft")
+        # The validator's and the draft pool's calls end at a deadline from their recent latency: a
+        # hung one fails like a dead one (gateway.call_deadlines).
+        self.call_deadlines = call_deadlines or CallDeadlines()
         self.max_state_retry_s = max_state_retry_s
         # The response format's grammar, at the end of the committed output (replayed on a resume).
         self.grammar = grammar
@@ -486,6 +491,9 @@ class RequestLoop:
         if self.controller is not None:
             self.controller.observe_load(self._controller_state(), other_rows)
 
+    def _remaining_s(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
     def _stop_signal(self) -> str | None:
         if self.cancel.is_set():
             return FINISH_CANCELLED
@@ -584,19 +592,23 @@ class RequestLoop:
         `position`: the index among the generated tokens of the step's first drawn token."""
         if self.validator_state.should_call():
             try:
-                v = await self.backends.validate(
-                    self.request_id,
-                    self.acceptance_mode,
-                    self.params.sampling,
-                    self.params.speculation.acceptance_threshold,
-                    position,
-                    tree,
-                    verified,
-                    allowed,
+                v = await self.call_deadlines.call(
+                    "validator.Validate",
+                    self.backends.validate(
+                        self.request_id,
+                        self.acceptance_mode,
+                        self.params.sampling,
+                        self.params.speculation.acceptance_threshold,
+                        position,
+                        tree,
+                        verified,
+                        allowed,
+                    ),
+                    self._remaining_s(),
                 )
                 self.validator_state.succeeded()
                 return v
-            except Unavailable as e:
+            except (Unavailable, DeadlineExceeded) as e:  # down or hung: the same for the request
                 self.validator_state.failed(str(e))
         self.stats.num_validator_fallback_steps += 1
         return None
@@ -695,22 +707,26 @@ class RequestLoop:
         # the argmaxes belong to the rows of the service's previous proposal: none for a reopened request
         lookahead_argmax, self.pending_lookahead_argmax = self.pending_lookahead_argmax, ()
         try:
-            tree = await self.backends.propose(
-                self.request_id,
-                prompt,
-                new,
-                strategies,
-                len(strategies),
-                plan.draft_length,
-                min(plan.max_tree_nodes, self.max_tree_nodes),
-                self.params.response_format if prompt else None,
-                () if prompt else lookahead_argmax,
-                continuation_length=CONTINUATION_TOKENS if self.grammar is None else 0,
+            tree = await self.call_deadlines.call(
+                "draft.Propose",
+                self.backends.propose(
+                    self.request_id,
+                    prompt,
+                    new,
+                    strategies,
+                    len(strategies),
+                    plan.draft_length,
+                    min(plan.max_tree_nodes, self.max_tree_nodes),
+                    self.params.response_format if prompt else None,
+                    () if prompt else lookahead_argmax,
+                    continuation_length=CONTINUATION_TOKENS if self.grammar is None else 0,
+                ),
+                self._remaining_s(),
             )
         except NotFound:  # the draft service restarted: resend the context
             self.is_draft_open = False
             return await self._propose(plan) if not prompt else EMPTY_TREE
-        except Unavailable as e:  # logged once by the state, not at every step
+        except (Unavailable, DeadlineExceeded) as e:  # down or hung; logged once by the state, not at every step
             self.draft_state.failed(str(e))
             self.is_draft_open = False
             return EMPTY_TREE
@@ -851,14 +867,19 @@ class RequestLoop:
             )
         except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
             self.log.warning("could not record the final status", error=str(e))
-        for release in (
-            lambda: self.backends.release_primary(self.request_id),
-            lambda: self.backends.release_draft(self.request_id, finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)),
-        ):
-            try:
-                await release()
-            except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
-                pass
+        with contextlib.suppress(Exception):  # already gone (restarted) or never opened
+            await self.backends.release_primary(self.request_id)
+        if not self.draft_state.is_up:  # down or hung: the pool drops the request after its TTL
+            return
+        try:
+            await self.call_deadlines.call(
+                "draft.Release",
+                self.backends.release_draft(self.request_id, finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)),
+            )
+        except DeadlineExceeded as e:
+            self.draft_state.failed(str(e))
+        except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
+            pass
 
     # --- state store retries ---------------------------------------------------------------------
 
@@ -886,6 +907,19 @@ class RequestLoop:
 
     # --- primary recovery ----------------------------------------------------------------------
 
+    async def _within_request_deadline(self, call: Awaitable[Any]) -> Any:
+        """A primary call, ended at the request's deadline: a hung primary (nothing replaces it) fails the
+        request DEADLINE_EXCEEDED then, not at --rpc_timeout_s; one that answers in time goes on."""
+        remaining_s = self._remaining_s()
+        if remaining_s is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, max(0.0, remaining_s))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                "primary", "the primary did not answer within the request's deadline", dependency="primary"
+            ) from None
+
     async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
         """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
 
@@ -898,8 +932,8 @@ class RequestLoop:
         while True:
             try:
                 if needs_prefill:
-                    prefilled = await self.backends.prefill(
-                        self.request_id, self.prompt_ids + self.generated, len(self.prompt_ids)
+                    prefilled = await self._within_request_deadline(
+                        self.backends.prefill(self.request_id, self.prompt_ids + self.generated, len(self.prompt_ids))
                     )
                     self.stats.forward_ms += prefilled.time_ms
                     self.unstored_kv_lease = prefilled.kv_lease or None
@@ -907,7 +941,7 @@ class RequestLoop:
                         self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
                     self.pending_accepted, self.pending_committed = (), []
                     needs_prefill = False
-                return await call()
+                return await self._within_request_deadline(call())
             except NotFound:
                 if is_fresh:
                     raise

@@ -33,6 +33,7 @@ import structlog
 from gateway.admission import RETRY_AFTER_KEY, Admission, QueueFull, Ticket
 from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
+from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
 from gateway.config import GatewayConfig
 from gateway.cost_model import cost_model_for
@@ -94,6 +95,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         # Whether the validator and the draft service answer, for all requests (gateway.dependencies).
         self.validator_state, self.draft_state = (
             DependencyState(name, on_change=self._availability_recorder(name)) for name in ("validator", "draft")
+        )
+        # Their calls' deadlines, from the latency of their recent calls (gateway.call_deadlines).
+        self.call_deadlines = CallDeadlines(
+            DeadlineRule(floor_s=min(DEFAULT_FLOOR_S, config.rpc_timeout_s), max_s=config.rpc_timeout_s)
         )
         self.grammars = grammars or Grammars(
             GrammarCache(
@@ -366,8 +371,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         """The strategies the draft pool was started with (asked once), None while it cannot be reached."""
         if self._offered_strategies is None:
             try:
-                self._offered_strategies = frozenset(await self.backends.draft_strategies())
-            except Unavailable:
+                offered = await self.call_deadlines.call("draft.GetPoolInfo", self.backends.draft_strategies())
+                self._offered_strategies = frozenset(offered)
+            except (Unavailable, DeadlineExceeded):
                 return None
         return self._offered_strategies
 
@@ -405,6 +411,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             grammar=grammar,
             validator_state=self.validator_state,
             draft_state=self.draft_state,
+            call_deadlines=self.call_deadlines,
         )
 
     def _availability_recorder(self, name: str):
