@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
+from gateway.call_deadlines import CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState, SpeculationPlan
 from gateway.loop import (
@@ -714,6 +715,67 @@ def test_greedy_requests_stay_exact_and_speculative_while_the_validator_is_down(
     assert loop.stats.num_validator_fallback_steps == 7
     assert set(backends.steps()) == {"verify"} and backends.num_validate_calls > 9, "back to the validator"
     assert loop.stats.to_pb().num_validator_fallback_steps == 7
+
+
+@dataclasses.dataclass
+class HungDependencies(FakeBackends):
+    """A validator and a draft pool whose calls never answer while is_*_hung(number of the call)
+    holds: a stopped process holds its connections, so nothing is refused."""
+
+    is_validator_hung: Callable[[int], bool] = lambda num_call: False
+    is_draft_hung: Callable[[int], bool] = lambda num_call: False
+    num_validate_calls: int = 0
+    num_propose_calls: int = 0
+
+    async def validate(self, *args, **kwargs) -> Validation:
+        self.num_validate_calls += 1
+        if self.is_validator_hung(self.num_validate_calls):
+            await asyncio.Event().wait()
+        return await super().validate(*args, **kwargs)
+
+    async def propose(self, *args, **kwargs) -> DraftTree:
+        self.num_propose_calls += 1
+        if self.is_draft_hung(self.num_propose_calls):
+            await asyncio.Event().wait()
+        return await super().propose(*args, **kwargs)
+
+
+def run_with_hangs(params: GenerationParams, backends: HungDependencies) -> RequestLoop:
+    """Deadlines of 0.05 s (the fakes answer at once), each step a probe (retry_s 0); a loop that
+    waits on a hung call fails the test in 10 s instead of hanging it."""
+    store = InMemoryStateStore()
+    loop = make_loop(
+        params,
+        backends,
+        store,
+        validator_state=DependencyState("validator", retry_s=0.0),
+        draft_state=DependencyState("draft", retry_s=0.0),
+        call_deadlines=CallDeadlines(DeadlineRule(floor_s=0.05, min_samples=1, max_s=60.0)),
+    )
+    asyncio.run(asyncio.wait_for(drain(loop), 10.0))
+    assert store.load("r1").status == RequestStatus.FINISHED
+    return loop
+
+
+def test_a_hung_validator_is_treated_as_a_down_one():
+    """Its calls 3..9 never answer: each fails at its 0.05 s deadline (before: at --rpc_timeout_s,
+    failing the request), the step stands as the primary's argmaxes decided; output unchanged."""
+    backends = HungDependencies(is_validator_hung=lambda n: 3 <= n <= 9)
+    params = make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=80)
+    loop = run_with_hangs(params, backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
+    assert loop.stats.num_validator_fallback_steps == 7
+    assert backends.num_validate_calls > 9, "back to the validator"
+
+
+def test_a_hung_draft_pool_leaves_the_primarys_own_steps():
+    """Its Proposes 2..5 never answer: those steps verify the root alone; output unchanged, drafts
+    come back."""
+    backends = HungDependencies(is_draft_hung=lambda n: 2 <= n <= 5)
+    params = make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=80)
+    loop = run_with_hangs(params, backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
+    assert backends.num_propose_calls > 5 and loop.stats.num_accepted > 0
 
 
 def test_sampling_requests_run_plain_steps_while_the_validator_is_down():
