@@ -397,7 +397,10 @@ class RequestLoop:
             raise
         except BaseException as e:
             await self._settle(step, pending)
-            await self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
+            if isinstance(e, DeadlineExceeded) and self._stop_signal() == FINISH_DEADLINE:
+                await self._finish(FINISH_DEADLINE)  # its own deadline passed in a call (a hung primary)
+            else:
+                await self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
             raise
         assert finish is not None  # the loop ends only with one
         if finish != FINISH_STOP and not self.is_refused:

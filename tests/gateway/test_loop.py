@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -35,7 +36,7 @@ from gateway.loop import (
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
-from specdec.errors import Internal, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, Internal, NotFound, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
@@ -724,8 +725,16 @@ class HungDependencies(FakeBackends):
 
     is_validator_hung: Callable[[int], bool] = lambda num_call: False
     is_draft_hung: Callable[[int], bool] = lambda num_call: False
+    is_primary_hung: Callable[[int], bool] = lambda num_call: False
     num_validate_calls: int = 0
     num_propose_calls: int = 0
+    num_verify_calls: int = 0
+
+    async def verify(self, *args, **kwargs) -> Verified:
+        self.num_verify_calls += 1
+        if self.is_primary_hung(self.num_verify_calls):
+            await asyncio.Event().wait()
+        return await super().verify(*args, **kwargs)
 
     async def validate(self, *args, **kwargs) -> Validation:
         self.num_validate_calls += 1
@@ -776,6 +785,27 @@ def test_a_hung_draft_pool_leaves_the_primarys_own_steps():
     loop = run_with_hangs(params, backends)
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
     assert backends.num_propose_calls > 5 and loop.stats.num_accepted > 0
+
+
+def test_a_hung_primary_ends_the_request_at_its_deadline():
+    """Nothing replaces the primary: its call is not cut short by the latency rule, but it ends at the
+    request's deadline (before: at --rpc_timeout_s, long past it), DEADLINE_EXCEEDED naming the
+    primary (for the log; the client is told of its request), recorded as the deadline's end."""
+    backends = HungDependencies(is_primary_hung=lambda n: n >= 3)
+    store = InMemoryStateStore()
+    loop = make_loop(
+        make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=80),
+        backends,
+        store,
+        deadline=time.monotonic() + 0.5,
+    )
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as e:
+        asyncio.run(asyncio.wait_for(drain(loop), 10.0))
+    assert time.monotonic() - start < 2.0
+    assert e.value.dependency == "primary"
+    state = store.load("r1")
+    assert state.status == RequestStatus.CANCELLED and state.finish_reason == "deadline"
 
 
 def test_sampling_requests_run_plain_steps_while_the_validator_is_down():
