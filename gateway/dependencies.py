@@ -5,7 +5,8 @@ validator a greedy step accepts the path the primary's own argmaxes agree with (
 validator's greedy rule computes), and other requests run plain steps. A DependencyState tracks
 one dependency for the whole gateway: the first failure marks it down (logged once, the metric
 set to 0), calls are skipped until retry_s has passed, then one call probes it again; the first
-success marks it up (logged once).
+success marks it up (logged once). A call past its deadline (gateway.call_deadlines: a hung
+service) is a failure like a refused connection.
 """
 
 from __future__ import annotations
