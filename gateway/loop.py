@@ -397,8 +397,10 @@ class RequestLoop:
             raise
         except BaseException as e:
             await self._settle(step, pending)
-            if isinstance(e, DeadlineExceeded) and self._stop_signal() == FINISH_DEADLINE:
-                await self._finish(FINISH_DEADLINE)  # its own deadline passed in a call (a hung primary)
+            stop = self._stop_signal()
+            if isinstance(e, DeadlineExceeded) and stop is not None:
+                # its own deadline passed in a call (a hung primary), or its client went away then
+                await self._finish(stop)
             else:
                 await self._finish(FINISH_ERROR, error=f"{type(e).__name__}: {e}")
             raise
@@ -919,6 +921,10 @@ class RequestLoop:
         try:
             return await asyncio.wait_for(call, max(0.0, remaining_s))
         except asyncio.TimeoutError:
+            # the event loop's timers may fire a clock tick early: wait out the rest, so the request is
+            # seen as ended by its deadline (_stop_signal), not as failed
+            if self.deadline is not None:
+                await asyncio.sleep(max(0.0, self.deadline - time.monotonic()) + 0.001)
             raise DeadlineExceeded(
                 "primary", "the primary did not answer within the request's deadline", dependency="primary"
             ) from None
