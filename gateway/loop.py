@@ -55,7 +55,7 @@ from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
-from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
@@ -935,7 +935,7 @@ class RequestLoop:
         FailedPrecondition), yet this gateway runs it: write the whole state back from memory, the
         parameters, prompt, first num_tokens generated tokens, stats, controller state and the
         primary's lease, with status when given (a final one). Unavailable, naming the lost state,
-        when the store refuses: never NotFound about the client's own live request."""
+        when the store refuses (StateLost): never NotFound about the client's own live request."""
         self.log.warning(
             "the state store lost the request's record; writing it back from the gateway's memory",
             error=str(lost),
@@ -967,7 +967,7 @@ class RequestLoop:
             await self._with_state_store(create)
             await self._with_state_store(refill)
         except Exception as e:  # noqa: BLE001 - whatever the store answers, the client hears UNAVAILABLE
-            raise Unavailable(
+            raise StateLost(
                 "state_store",
                 f"the stored state of request {self.request_id!r} was lost (the state store no longer holds it) "
                 f"and writing it back failed: {type(e).__name__}: {e}",

@@ -38,7 +38,7 @@ from gateway.loop import (
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
-from specdec.errors import DeadlineExceeded, Internal, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, Internal, NotFound, StateLost, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
@@ -1199,7 +1199,7 @@ def test_a_store_that_lost_the_record_and_refuses_it_back_ends_the_request_unava
     params = make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40)
     backends = FlushingPrimary(redis_client=redis_client, flush_at=4, is_refusing=True)
     try:
-        with pytest.raises(Unavailable, match="stored state of request 'r1' was lost") as failed:
+        with pytest.raises(StateLost, match="stored state of request 'r1' was lost") as failed:
             run_on_redis(redis_server.socket_path, params, backends)
     finally:
         redis_client.config_set("maxmemory", 0)
