@@ -1130,10 +1130,15 @@ class FlushingPrimary(LeasingPrimary):
     redis_client: redis.Redis | None = None
     flush_at: int = -1
     is_refusing: bool = False
+    cancel_at: int = -1  # instead: another gateway cancels the request (its record stays, ended)
 
     async def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None):  # noqa: ANN001
+        assert self.redis_client is not None
+        if self.num_verifies + 1 == self.cancel_at:
+            RedisStateStore(self.redis_client).set_status(
+                request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
+            )
         if self.num_verifies + 1 == self.flush_at:
-            assert self.redis_client is not None
             self.redis_client.flushall()
             if self.is_refusing:
                 self.redis_client.config_set("maxmemory", 1)
@@ -1205,3 +1210,14 @@ def test_a_store_that_lost_the_record_and_refuses_it_back_ends_the_request_unava
         redis_client.config_set("maxmemory", 0)
     assert failed.value.status_name == "UNAVAILABLE" and "maxmemory" in str(failed.value)
     assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
+
+
+def test_a_request_ended_elsewhere_still_stops_and_is_not_written_back(redis_server, redis_client):
+    """The record is there but ended (cancelled by another gateway): the step is refused and the
+    request stops cancelled with the stored tokens, as before; nothing is re-created."""
+    params = make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40)
+    loop = run_on_redis(redis_server.socket_path, params, FlushingPrimary(redis_client=redis_client, cancel_at=4))
+    state = RedisStateStore(redis_client).load("r1")
+    assert loop.outcome.finish_reason == "cancelled" and state is not None
+    assert state.status == RequestStatus.CANCELLED and list(state.token_ids) == loop.outcome.token_ids
+    assert 0 < len(loop.outcome.token_ids) < 40
