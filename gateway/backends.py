@@ -28,6 +28,7 @@ from specdec.errors import (
     NotFound,
     ResourceExhausted,
     SpecdecError,
+    StateLost,
     Unavailable,
 )
 from specdec.sampling import SamplingParams
@@ -146,6 +147,10 @@ def client_error(error: SpecdecError, request_id: str) -> SpecdecError:
     (or the like) when retrying may help, else INTERNAL. Both name the request."""
     if getattr(error, "dependency", None) is None:
         return error
+    if isinstance(error, StateLost):
+        return Unavailable(
+            "request_id", f"the stored state of request {request_id!r} was lost (the state store no longer holds it)"
+        )
     if isinstance(error, _RETRYABLE):
         return type(error)("request_id", f"request {request_id!r} could not be completed now; retry later")
     return Internal("request_id", f"request {request_id!r} failed inside the service; the gateway log has the details")

@@ -27,6 +27,9 @@ Recovery: the committed tokens are in the state store after every step. If the p
 restarts, its Verify answers NOT_FOUND (or UNAVAILABLE while it is down): the loop waits for
 it, re-prefills prompt + committed tokens, and goes on; greedy output is unchanged.
 Cancellation and deadlines are checked once per step, so they stop a request within a step.
+If the state store loses the request's record (a Redis restarted without persistence) while the loop
+runs, the loop writes the whole state back from its memory (RequestLoop._restore) and goes on; a
+store that refuses that too ends the request UNAVAILABLE, naming the lost state.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
-from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
@@ -250,8 +253,12 @@ class RequestLoop:
         call_deadlines: CallDeadlines | None = None,
         max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
         decode_run_max: int = DECODE_RUN_MAX,
+        stored_params: Mapping[str, Any] | None = None,
     ) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
+        # The request's parameters as stored (params_to_json): what _restore writes back should the
+        # store lose the record. None: not known here, so a lost record cannot be written back.
+        self.stored_params = None if stored_params is None else dict(stored_params)
         self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
         self.greedy_format, self.sample_format = logits_formats
         # The acceptance rule, decided here once for the request and sent on every Validate.
@@ -261,6 +268,7 @@ class RequestLoop:
         # The primary's lease from the latest prefill, until a step's write has stored it (a
         # successor gateway re-prefills the live slot with it).
         self.unstored_kv_lease: str | None = None
+        self.kv_lease = ""  # the latest prefill's lease, stored or not (_restore writes it back)
         self.generated: list[int] = list(generated)
         self.stats = stats or RequestStats(num_prompt_tokens=len(prompt_ids))
         self.eos = set(model.eos_token_ids)
@@ -851,6 +859,8 @@ class RequestLoop:
         except FailedPrecondition:
             # A retried write whose first attempt had been applied (its reply was lost) is stored.
             return num_attempts > 1 and await self._is_stored(num_stored + len(kept))
+        except NotFound as e:  # the record is gone (not ended): this step goes back with the rest
+            await self._restore(e, num_stored + len(kept), stats, controller)
         if self.unstored_kv_lease == kv_lease:  # not renewed by a re-prefill meanwhile
             self.unstored_kv_lease = None
         return True
@@ -867,9 +877,15 @@ class RequestLoop:
             FINISH_DEADLINE: RequestStatus.CANCELLED,
         }.get(finish, RequestStatus.FINISHED)
         try:
-            await self._with_state_store(
-                lambda: self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
-            )
+            try:
+                await self._with_state_store(
+                    lambda: self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
+                )
+            except NotFound as e:
+                controller = None if self.controller_state is None else self.controller_state.to_dict()
+                await self._restore(
+                    e, len(self.generated), self.stats.to_dict(), controller, status, finish_reason=finish, error=error
+                )
         except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
             self.log.warning("could not record the final status", error=str(e))
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
@@ -905,6 +921,61 @@ class RequestLoop:
                     "state store unavailable; retrying", attempt=attempt + 1, error=str(e)
                 )
                 await asyncio.sleep(wait)
+
+    async def _restore(
+        self,
+        lost: NotFound,
+        num_tokens: int,
+        stats: Mapping[str, Any],
+        controller: Mapping[str, Any] | None,
+        status: RequestStatus | None = None,
+        *,
+        finish_reason: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """The store no longer holds the request (lost, not ended: an ended one refuses writes with
+        FailedPrecondition), yet this gateway runs it: write the whole state back from memory, the
+        parameters, prompt, first num_tokens generated tokens, stats, controller state and the
+        primary's lease, with status when given (a final one). Unavailable, naming the lost state,
+        when the store refuses (StateLost): never NotFound about the client's own live request."""
+        self.log.warning(
+            "the state store lost the request's record; writing it back from the gateway's memory",
+            error=str(lost),
+            num_tokens=num_tokens,
+        )
+
+        async def create() -> None:
+            if self.stored_params is None:
+                raise Internal("params", "the request's stored parameters are not known to its loop")
+            await self.store.create(
+                self.request_id, self.stored_params, prompt_token_ids=self.prompt_ids, status=RequestStatus.RUNNING
+            )
+
+        async def refill() -> None:
+            await self.store.append_step(
+                self.request_id,
+                self.generated[:num_tokens],
+                expected_num_tokens=0,
+                status=status,
+                stats=stats,
+                controller_state=controller,
+                finish_reason=finish_reason,
+                error=error,
+                owner=self.owner,
+                kv_lease=self.kv_lease or None,
+            )
+
+        try:
+            await self._with_state_store(create)
+            await self._with_state_store(refill)
+        except Exception as e:  # noqa: BLE001 - whatever the store answers, the client hears UNAVAILABLE
+            raise StateLost(
+                "state_store",
+                f"the stored state of request {self.request_id!r} was lost (the state store no longer holds it) "
+                f"and writing it back failed: {type(e).__name__}: {e}",
+                dependency="state_store",
+            ) from e
+        self.log.warning("request's stored state written back", num_tokens=num_tokens)
 
     async def _is_stored(self, num_tokens: int) -> bool:
         state = await self._with_state_store(lambda: self.store.load(self.request_id))
@@ -946,6 +1017,7 @@ class RequestLoop:
                     )
                     self.stats.forward_ms += prefilled.time_ms
                     self.unstored_kv_lease = prefilled.kv_lease or None
+                    self.kv_lease = prefilled.kv_lease
                     if is_fresh:  # the request's own prefill, not a recovery's
                         self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
                     self.pending_accepted, self.pending_committed = (), []

@@ -155,7 +155,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             if state is None and not is_running_here:
                 raise NotFound("request_id", f"no request {request.request_id!r}")
             # Another gateway running it sees the status at its next per-step write and stops.
-            was_active = await self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+            try:
+                was_active = await self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+            except NotFound:  # the store lost the record: the loop here stops and writes it back cancelled
+                if not is_running_here:
+                    raise
+                was_active = False
         return gateway_pb2.CancelResponse(was_active=was_active or is_running_here)
 
     async def GetRequest(self, request, context):
@@ -238,7 +243,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         try:
             with self._told_as_client(request_id, client_id):
                 queue_s = await self._await_turn(request_id, ticket, is_queued, deadline, cancel)
-            loop = self.make_loop(request_id, params, prompt_ids, cancel, deadline, grammar=grammar)
+            loop = self.make_loop(
+                request_id, params, prompt_ids, cancel, deadline, grammar=grammar, stored_params=params_to_json(stored)
+            )
         except BaseException as e:
             ticket.release()
             self._forget(request_id)
@@ -298,7 +305,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 finish_reason="cancelled" if isinstance(e, Cancelled) else "deadline",
             )
             raise
-        if not await self.store.set_status(request_id, RequestStatus.RUNNING):  # ended meanwhile
+        try:
+            is_running = await self.store.set_status(request_id, RequestStatus.RUNNING)
+        except NotFound:  # the store lost the record (not ended): the loop's first write stores it again
+            self.log.warning("the state store lost a queued request's record", request_id=request_id)
+            is_running = True
+        if not is_running:  # ended meanwhile
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         return queue_s
 
@@ -388,6 +400,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         stats=None,
         controller_state=None,
         grammar=None,
+        stored_params=None,
     ) -> RequestLoop:
         spec = self.config.speculation
         return RequestLoop(
@@ -412,6 +425,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             validator_state=self.validator_state,
             draft_state=self.draft_state,
             call_deadlines=self.call_deadlines,
+            stored_params=stored_params,
         )
 
     def _availability_recorder(self, name: str):
@@ -502,6 +516,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 RequestStats.from_dict(state.stats),
                 state.controller_state,
                 grammar,
+                stored_params=state.params,
             )
             # A slot like any request's: a restart with many requests in flight must not run more
             # than max_active_requests at once.

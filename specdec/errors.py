@@ -66,6 +66,11 @@ class Unavailable(SpecdecError):
     status_name = "UNAVAILABLE"
 
 
+class StateLost(Unavailable):
+    """The state store no longer holds a live request's record (lost, not ended: a Redis restarted
+    without persistence) and refused it back. A client is told its request's stored state was lost."""
+
+
 class DeadlineExceeded(SpecdecError):
     """The request's deadline passed before it completed."""
 

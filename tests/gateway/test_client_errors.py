@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from gateway.backends import _domain_error, client_error
-from specdec.errors import Internal, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from specdec.errors import Internal, InvalidArgument, NotFound, ResourceExhausted, StateLost, Unavailable
 
 
 class FakeRpcError(grpc.RpcError, grpc.Call):
@@ -57,3 +57,16 @@ def test_a_state_store_outage_names_the_request_not_the_store():
     error = client_error(outage, "order-1")
     assert type(error) is Unavailable and error.field == "request_id" and "'order-1'" in error.message
     assert "state_store" not in str(error) and "Redis" not in str(error)
+
+
+def test_a_lost_stored_state_is_named_to_the_client_without_the_stores_details():
+    lost = StateLost(
+        "state_store",
+        "the stored state of request 't/order-1' was lost (the state store no longer holds it) and writing it "
+        "back failed: OutOfMemoryError: command not allowed when used memory > 'maxmemory'.",
+        dependency="state_store",
+    )
+    error = client_error(lost, "order-1")
+    assert type(error) is Unavailable and error.status_name == "UNAVAILABLE" and error.field == "request_id"
+    assert "stored state of request 'order-1' was lost" in error.message
+    assert "maxmemory" not in str(error) and "t/order-1" not in str(error)

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import pytest
+import redis
+import redis.asyncio
 
 from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.call_deadlines import CallDeadlines, DeadlineRule
@@ -36,10 +38,12 @@ from gateway.loop import (
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
-from specdec.errors import DeadlineExceeded, Internal, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, Internal, NotFound, StateLost, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
+from specdec.state_store.aio import AsyncRedisStateStore
+from specdec.state_store.redis_store import RedisStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.task_type import TaskType
 
@@ -1112,3 +1116,108 @@ def test_the_primary_s_lease_is_stored_with_the_next_step_for_a_successor_gatewa
     loop = run(params, backends, store)
     assert backends.num_prefills == 2 and store.load("r1").kv_lease == "lease-2"
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)
+
+
+# --- a state store that lost its data (a Redis restarted without persistence) --------------------
+
+
+@dataclasses.dataclass
+class FlushingPrimary(LeasingPrimary):
+    """A LeasingPrimary whose Verify number `flush_at` first empties the Redis behind the store
+    (FLUSHALL, as a restart without persistence leaves it); with is_refusing the server then refuses
+    every write (maxmemory 1: OOM)."""
+
+    redis_client: redis.Redis | None = None
+    flush_at: int = -1
+    is_refusing: bool = False
+    cancel_at: int = -1  # instead: another gateway cancels the request (its record stays, ended)
+
+    async def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None):  # noqa: ANN001
+        assert self.redis_client is not None
+        if self.num_verifies + 1 == self.cancel_at:
+            RedisStateStore(self.redis_client).set_status(
+                request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
+            )
+        if self.num_verifies + 1 == self.flush_at:
+            self.redis_client.flushall()
+            if self.is_refusing:
+                self.redis_client.config_set("maxmemory", 1)
+        return await super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
+
+
+STORED_PARAMS = {"prompt": " ".join(map(str, PROMPT)), "max_new_tokens": 40}
+
+
+def run_on_redis(socket_path: str, params: GenerationParams, backends: FakeBackends) -> RequestLoop:
+    """A loop over PROMPT on a real Redis (stored as RUNNING first, with STORED_PARAMS), run to its end."""
+    sync_store = RedisStateStore(redis.Redis(unix_socket_path=socket_path))
+    sync_store.create("r1", STORED_PARAMS, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    sync_store.close()
+
+    async def go() -> RequestLoop:
+        store = AsyncRedisStateStore(redis.asyncio.Redis(unix_socket_path=socket_path))
+        loop = RequestLoop(
+            "r1",
+            params,
+            PROMPT,
+            backends,
+            store,
+            FakeTokenizer(),
+            MODEL,
+            ("fp32", "fp32"),
+            recovery_timeout_s=1.0,
+            max_tree_nodes=64,
+            cancel=threading.Event(),
+            owner="gw-1",
+            stored_params=STORED_PARAMS,
+            max_state_retry_s=0.5,
+        )
+        try:
+            await drain(loop)
+        finally:
+            await store.close()
+        return loop
+
+    return asyncio.run(go())
+
+
+def test_a_store_that_lost_the_record_mid_request_gets_it_back_whole(redis_server, redis_client):
+    """FLUSHALL in the middle of a greedy request: the gateway writes the whole state back from its
+    memory, the request finishes with the tokens of an undisturbed run, and the stored record is
+    complete (before: the request ended NOT_FOUND "no stored request" about its own id)."""
+    params = make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40)
+    undisturbed = run_on_redis(redis_server.socket_path, params, LeasingPrimary())
+    redis_client.flushall()
+    loop = run_on_redis(redis_server.socket_path, params, FlushingPrimary(redis_client=redis_client, flush_at=4))
+    assert loop.outcome.token_ids == undisturbed.outcome.token_ids == plain_decoding(PROMPT, 40)
+    assert loop.outcome.finish_reason == "length"
+    state = RedisStateStore(redis_client).load("r1")
+    assert state is not None and state.status == RequestStatus.FINISHED and state.finish_reason == "length"
+    assert list(state.token_ids) == loop.outcome.token_ids and list(state.prompt_token_ids) == PROMPT
+    assert state.params == STORED_PARAMS and state.kv_lease == "lease-1"
+    assert state.stats["num_generated_tokens"] == 40 and state.stats["num_steps"] == loop.stats.num_steps
+
+
+def test_a_store_that_lost_the_record_and_refuses_it_back_ends_the_request_unavailable(redis_server, redis_client):
+    """The store lost the record and refuses to store it again: UNAVAILABLE naming the lost state,
+    never NOT_FOUND about the client's own live request."""
+    params = make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40)
+    backends = FlushingPrimary(redis_client=redis_client, flush_at=4, is_refusing=True)
+    try:
+        with pytest.raises(StateLost, match="stored state of request 'r1' was lost") as failed:
+            run_on_redis(redis_server.socket_path, params, backends)
+    finally:
+        redis_client.config_set("maxmemory", 0)
+    assert failed.value.status_name == "UNAVAILABLE" and "maxmemory" in str(failed.value)
+    assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
+
+
+def test_a_request_ended_elsewhere_still_stops_and_is_not_written_back(redis_server, redis_client):
+    """The record is there but ended (cancelled by another gateway): the step is refused and the
+    request stops cancelled with the stored tokens, as before; nothing is re-created."""
+    params = make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40)
+    loop = run_on_redis(redis_server.socket_path, params, FlushingPrimary(redis_client=redis_client, cancel_at=4))
+    state = RedisStateStore(redis_client).load("r1")
+    assert loop.outcome.finish_reason == "cancelled" and state is not None
+    assert state.status == RequestStatus.CANCELLED and list(state.token_ids) == loop.outcome.token_ids
+    assert 0 < len(loop.outcome.token_ids) < 40

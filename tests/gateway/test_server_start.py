@@ -1,11 +1,13 @@
 """The gateway's way in and out: a request stored before its loop exists is never left RUNNING or
 QUEUED when its client goes away, or the loop cannot be made, in between (GenerationServicer._start);
-a gateway that shuts down stores its running requests as ended (stop_loops)."""
+a gateway that shuts down stores its running requests as ended (stop_loops); a record the store
+lost (a Redis restarted without persistence) never tells the client NOT_FOUND about its own request."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import types
 
 import pytest
 import structlog
@@ -13,8 +15,9 @@ import structlog
 from gateway.admission import Admission
 from gateway.backends import Decoded, ModelInfo, Prefilled
 from gateway.loop import RequestLoop
-from gateway.params import GenerationParams, SpeculationParams
+from gateway.params import GenerationParams, SpeculationParams, params_to_json
 from gateway.server import GenerationServicer
+from gateway.stats import RequestStats
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
@@ -185,3 +188,54 @@ def test_stopping_the_gateway_stores_each_running_request_cancelled() -> None:
     asyncio.run(main())
     assert [store.load(r).status for r in ("a", "b")] == [RequestStatus.CANCELLED] * 2
     assert (admission.num_active, admission.num_queued) == (0, 0)
+
+
+class LosingStore(AsyncInMemoryStateStore):
+    """Loses the request's record (a Redis restarted without persistence) just before the queue's
+    move to RUNNING."""
+
+    def __init__(self) -> None:
+        super().__init__(InMemoryStateStore())
+
+    async def set_status(self, request_id, status, **kwargs):
+        if status == RequestStatus.RUNNING:
+            self.sync.delete(request_id)
+        return await super().set_status(request_id, status, **kwargs)
+
+
+def test_a_queued_request_whose_record_the_store_lost_still_runs() -> None:
+    """Its loop is made with the parameters as stored, which its first write stores again (before:
+    the client was told NOT_FOUND "no stored request" about its own request)."""
+    admission = Admission(max_active=1, max_queued=4)
+    holder = admission.enter("")
+    made = {}
+    made_loop = types.SimpleNamespace(stats=RequestStats())
+
+    def make_loop(request_id, *_args, **kwargs):
+        made[request_id] = kwargs["stored_params"]
+        return made_loop
+
+    async def main() -> None:
+        store = LosingStore()
+        s = servicer(store, admission, make_loop)
+        request = gateway_pb2.GenerateRequest(request_id="r3", prompt="hi")
+        task = asyncio.ensure_future(s._start(request, Context()))
+        while await store.load("r3") is None:
+            await asyncio.sleep(0.01)
+        holder.release()
+        client_id, loop, ticket = await task
+        assert client_id == "r3" and loop is made_loop and await store.load("r3") is None
+        assert made == {"r3": params_to_json(request)}
+        ticket.release()
+
+    asyncio.run(main())
+
+
+def test_cancelling_a_request_running_here_whose_record_the_store_lost_stops_it() -> None:
+    s = servicer(AsyncInMemoryStateStore(InMemoryStateStore()), Admission(max_active=1, max_queued=4), None)
+    cancel = s._active["r4"] = threading.Event()
+
+    async def main() -> gateway_pb2.CancelResponse:
+        return await s.Cancel(gateway_pb2.CancelRequest(request_id="r4"), Context())
+
+    assert asyncio.run(main()).was_active and cancel.is_set()
