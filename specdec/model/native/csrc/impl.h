@@ -42,6 +42,19 @@
  * thread from this many rows; below it a fork/join costs more than the rows' work. */
 #define QGEMM_PARALLEL_ROWS 8
 
+/* for (int64_t t = 0; t < T; ++t) body, on every thread (num_threads, in scope) from
+ * QGEMM_PARALLEL_ROWS rows, else a plain loop: an OpenMP region even with a false `if` costs a team
+ * set-up per call, which a one-row step would pay a few hundred times */
+#define QGEMM_FOR_ROWS(t, T, body)                                                        \
+    do {                                                                                  \
+        if ((T) >= QGEMM_PARALLEL_ROWS) {                                                 \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static)")         \
+            for (int64_t t = 0; t < (T); ++t) { body }                                    \
+        } else {                                                                          \
+            for (int64_t t = 0; t < (T); ++t) { body }                                    \
+        }                                                                                 \
+    } while (0)
+
 /* AVX2 tiles with a 256-bit VNNI dot product (AVX-VNNI, or AVX-512 VNNI's VL forms) */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define QGEMM_DP8_VNNI 1

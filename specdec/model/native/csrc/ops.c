@@ -78,19 +78,17 @@ int qgemm_layer_pre(const float *x, int64_t T, int64_t C, const float *norm_w, f
     int rc = -1;
     if (!h || qact_alloc(&a, T, C)) goto done;
     /* row by row (each row's arithmetic alone, whatever thread runs it): norm, then quantize */
-    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
+    QGEMM_FOR_ROWS(t, T, {
         qgemm_rmsnorm(x + t * C, 1, C, norm_w, eps, h + t * C);
         qact_quantize_row(&a, h + t * C, t, C);
-    }
+    });
     const qweight *const qkv[3] = {wq, wk, wv};
     float *const qkv_out[3] = {q, k, v};
     qmatmul_many(&a, T, qkv, qkv_out, 3, num_threads);
-    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
+    QGEMM_FOR_ROWS(t, T, {
         rope(q + t * heads * D, 1, heads, D, cos_t, sin_t, positions + t);
         rope(k + t * kv_heads * D, 1, kv_heads, D, cos_t, sin_t, positions + t);
-    }
+    });
     rc = 0;
 done:
     qact_free(&a); free(h);
@@ -112,23 +110,22 @@ int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, co
         goto done;
     qmatmul(&a, T, wo, o, num_threads);
     /* the parts between the products row by row, rows in parallel (each row's arithmetic alone) */
-    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
+    QGEMM_FOR_ROWS(t, T, {
         for (int64_t j = t * C; j < (t + 1) * C; ++j) o[j] += x[j];                   /* h */
         qgemm_rmsnorm(o + t * C, 1, C, norm_w, eps, n + t * C);
         qact_quantize_row(&b, n + t * C, t, C);
-    }
+    });
     const qweight *const gate_up[2] = {wgate, wup};
     float *const gate_up_out[2] = {g, u};
     qmatmul_many(&b, T, gate_up, gate_up_out, 2, num_threads);
-    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
+    QGEMM_FOR_ROWS(t, T, {
         silu_mul(g + t * I, u + t * I, I);
         qact_quantize_row(&c, g + t * I, t, I);
-    }
+    });
     qmatmul(&c, T, wdown, out, num_threads);
-    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
-    for (int64_t j = 0; j < T * C; ++j) out[j] += o[j];
+    QGEMM_FOR_ROWS(t, T, {
+        for (int64_t j = t * C; j < (t + 1) * C; ++j) out[j] += o[j];
+    });
     rc = 0;
 done:
     qact_free(&a); qact_free(&b); qact_free(&c);
@@ -172,13 +169,14 @@ int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t 
                 if ((int)s->half != half) continue;
                 const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
                 char *kc = (char *)s->k_cache + l * s->layer_stride * elem, *vc = (char *)s->v_cache + l * s->layer_stride * elem;
-                #pragma omp parallel for num_threads(num_threads) if (s->n >= QGEMM_PARALLEL_ROWS) schedule(static)
-                for (int64_t r = 0; r < s->n; ++r)
+                QGEMM_FOR_ROWS(r, s->n, {
                     for (int64_t h = 0; h < Hkv; ++h) {
-                        const int64_t src = ((s->start + r) * Hkv + h) * D, dst = (h * s->capacity + s->num_cached + r) * D;
+                        const int64_t src = ((s->start + r) * Hkv + h) * D;
+                        const int64_t dst = (h * s->capacity + s->num_cached + r) * D;
                         store_kv(kc + dst * elem, k + src, D, half);
                         store_kv(vc + dst * elem, v + src, D, half);
                     }
+                });
                 seqs[num_seqs++] = (att_seq){q + s->start * H * D, attn + s->start * H * D, s->n, s->num_cached + s->n,
                                              s->capacity, kc, vc, s->mask};
             }

@@ -74,8 +74,7 @@ void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K) {
 
 int qact_init(qact *a, const float *x, int64_t T, int64_t K, int num_threads) {
     if (qact_alloc(a, T, K)) return -1;
-    #pragma omp parallel for num_threads(num_threads) if (T >= QGEMM_PARALLEL_ROWS) schedule(static)
-    for (int64_t t = 0; t < T; ++t) qact_quantize_row(a, x + t * K, t, K);
+    QGEMM_FOR_ROWS(t, T, qact_quantize_row(a, x + t * K, t, K););
     return 0;
 }
 
