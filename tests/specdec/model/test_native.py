@@ -442,9 +442,9 @@ def test_amx_products_give_the_bits_of_the_avx512_path(k):
 
 
 @needs_amx
-def test_8bit_rows_stay_on_avx512_and_a_whole_forward_is_unchanged_by_the_tiles():
-    """8-bit products are refused by the tile loop (they ran slower there) and take the AVX-512 path;
-    a 4-bit decoder layer over 40 rows gives the same bits with the tiles on as off."""
+def test_8bit_products_and_a_whole_4bit_layer_give_the_same_bits_with_the_tiles_on():
+    """With the tiles on from one row, 8-bit products (which the tile loop hands back to AVX-512) and a
+    4-bit decoder layer over 40 rows (tiles for its products) give the bits they give with the tiles off."""
     lib = native.library()
     g = torch.Generator().manual_seed(22)
     t = quant.quantize_int8("w", torch.randn(64, 128, generator=g))
