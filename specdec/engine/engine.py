@@ -357,12 +357,20 @@ class Engine:
         """Verify several requests' trees in one forward (linear layers run once over all rows)."""
         return self.step(works, [])
 
-    def step(self, works: Sequence[VerifyWork], chunks: Sequence[PrefillChunk]) -> list[torch.Tensor]:
+    def step(
+        self,
+        works: Sequence[VerifyWork],
+        chunks: Sequence[PrefillChunk],
+        features_out: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """One forward over several requests' verify rows and prefill chunks; the verifies' logits.
 
         A prefill chunk's rows are computed as `prefill` computes them, so mixing them into a forward
         with other rows changes no bit where the model is batch invariant (`model.is_batch_invariant`);
         elsewhere the scheduler runs each chunk in a forward of its own.
+
+        `features_out`, when given, receives per verify (in `works` order) the features of its logits
+        rows [N+L+1, C] (`Transformer.forward`'s features_out: the final norm's output).
         """
         ids = [w.request_id for w in works] + [c.request_id for c in chunks]
         if len(set(ids)) != len(ids):
@@ -412,8 +420,9 @@ class Engine:
         if not spans:
             return []
         rows = torch.cat(logits_rows) if logits_rows else torch.empty(0, dtype=torch.int64)
+        features: list[torch.Tensor] | None = [] if features_out is not None else None
         logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), spans, rows
+            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), spans, rows, features_out=features
         ).cpu()  # [sum(N+1), V] fp32
         for req, end in prefilled:
             req.slot.num_cached = end
@@ -426,6 +435,8 @@ class Engine:
             # only the draft tree's paths can be committed; the lookahead rows after it are dropped
             req.tree_parents, req.tree_token_ids = tuple(w.parents[: w.num_draft]), tuple(w.token_ids[: w.num_draft])
             out.append(logits[row : row + len(w.token_ids) + 1])
+            if features_out is not None and features:
+                features_out.append(features[0][row : row + len(w.token_ids) + 1].cpu())
             row += len(w.token_ids) + 1
         return out
 

@@ -280,19 +280,25 @@ class Transformer:
         logits_rows: Tensor | None = None,
         num_layers: int | None = None,
         layer_ids: Sequence[int] | None = None,
+        features_out: list[Tensor] | None = None,
     ) -> Tensor:
         """Run the new tokens of every span; return fp32 logits [R, V] at `logits_rows` (all rows if None).
 
         `num_layers` (early exit) or `layer_ids` (layer skipping) run a subset of the layers over
         the same weights: the draft pool's self-drafting strategies. The caches of skipped layers
         are left untouched.
+
+        `features_out`, when given, receives the same rows' features: the last layer's hidden
+        states after the final norm [R, C] (the lm_head's input, in the activations' dtype), what
+        the feature drafter (draft_svc/heads) reads. The compiled fast path does not expose them,
+        so a forward that asks for features runs eagerly.
         """
         if input_ids.device != self.device:  # host-built index tensors -> the weights' device
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
             logits_rows = None if logits_rows is None else logits_rows.to(self.device)
             for s in spans:
                 s.mask = None if s.mask is None else s.mask.to(self.device)
-        if self.fast_path is not None and num_layers is None and layer_ids is None:
+        if self.fast_path is not None and num_layers is None and layer_ids is None and features_out is None:
             logits = self.fast_path(input_ids, positions, spans, logits_rows)
             if logits is not None:
                 return logits
@@ -305,7 +311,10 @@ class Transformer:
                 x = self.layers[i](x, positions, self.rope, spans)
         if logits_rows is not None:
             x = x[logits_rows]  # [R, C]: only rows whose logits are needed
-        return self.lm_head(self.norm(x)).float()  # [R, V]
+        features = self.norm(x)
+        if features_out is not None:
+            features_out.append(features)
+        return self.lm_head(features).float()  # [R, V]
 
 
 def _embedding(weights: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Tensor]:
