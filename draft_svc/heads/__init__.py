@@ -1,0 +1,1 @@
+"""Learned draft heads over the primary's features: the feature drafter's model, file and training."""

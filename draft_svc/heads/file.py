@@ -1,0 +1,107 @@
+"""A trained drafter on disk: one safetensors file (no pickle), bound to the model it was trained on.
+
+Tensors: the drafter's own weights (`FeatureDrafter.state_dict()`, fp16) and `vocab` (int32 [N], the
+primary token id of each head row). Metadata (strings): `format` (FORMAT), `config` (DrafterConfig
+JSON), `model_fingerprint` (`model.model_fingerprint` of the primary it was trained on), and
+`training` (JSON: command, data sources and licences, data size, seed, accuracy). A file that is
+truncated, of another format version or of another model is refused with `DrafterFileError`,
+naming the file and what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from draft_svc.heads.model import DrafterConfig, FeatureDrafter
+
+FORMAT = "specdec-feature-drafter-1"
+MAX_FILE_BYTES = 64 << 20  # a drafter is a few MB; anything this large is not one
+
+
+class DrafterFileError(ValueError):
+    """A drafter file that cannot serve this model (unreadable, another format, another model)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DrafterFile:
+    config: DrafterConfig
+    state: dict[str, torch.Tensor]  # FeatureDrafter's state dict, fp32
+    vocab: torch.Tensor  # [N] int64
+    model_fingerprint: str
+    training: dict[str, Any]
+
+    def drafter(self) -> FeatureDrafter:
+        drafter = FeatureDrafter(self.config)
+        drafter.load_state_dict(self.state)
+        return drafter.eval().requires_grad_(False)
+
+
+def save(path: Path, drafter: FeatureDrafter, vocab: torch.Tensor, fingerprint: str, training: dict[str, Any]) -> int:
+    """Write the file (atomically: a temporary beside it, then a rename); returns its size in bytes."""
+    tensors = {f"drafter.{k}": v.detach().to(torch.float16).contiguous() for k, v in drafter.state_dict().items()}
+    tensors["vocab"] = vocab.to(torch.int32).contiguous()
+    metadata = {
+        "format": FORMAT,
+        "config": drafter.config.to_json(),
+        "model_fingerprint": fingerprint,
+        "training": json.dumps(training, sort_keys=True),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(path)
+    return path.stat().st_size
+
+
+def load(path: Path, expected_fingerprint: str | None = None) -> DrafterFile:
+    """Read and check a drafter file; `expected_fingerprint` (the serving model's) must match."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DrafterFileError(f"drafter file {path}: {e.strerror or e}") from None
+    if size > MAX_FILE_BYTES:
+        raise DrafterFileError(f"drafter file {path} is {size} bytes, more than a drafter's {MAX_FILE_BYTES}")
+    try:
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len)) if 0 < header_len <= size - 8 else None
+        if not isinstance(header, dict):
+            raise DrafterFileError(f"drafter file {path} is not a safetensors file (truncated or another kind)")
+        metadata = header.get("__metadata__") or {}
+        if metadata.get("format") != FORMAT:
+            raise DrafterFileError(
+                f"drafter file {path} has format {metadata.get('format')!r}; this version reads {FORMAT!r}"
+            )
+        fingerprint = str(metadata.get("model_fingerprint", ""))
+        if expected_fingerprint is not None and fingerprint != expected_fingerprint:
+            raise DrafterFileError(
+                f"drafter file {path} was trained for model {fingerprint or '(none)'}, "
+                f"but the primary serves model {expected_fingerprint}"
+            )
+        config = DrafterConfig.from_json(metadata["config"])
+        training = json.loads(metadata.get("training", "{}"))
+        tensors = load_file(str(path))
+    except DrafterFileError:
+        raise
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        raise DrafterFileError(f"drafter file {path} cannot be read: {e}") from None
+    vocab = tensors.pop("vocab", None)
+    if vocab is None or vocab.ndim != 1 or vocab.shape[0] != config.draft_vocab_size:
+        raise DrafterFileError(f"drafter file {path}: vocab must hold {config.draft_vocab_size} token ids")
+    vocab = vocab.to(torch.int64)
+    if int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size:
+        raise DrafterFileError(f"drafter file {path}: vocab ids must lie in [0, {config.vocab_size})")
+    state = {k.removeprefix("drafter."): v.float() for k, v in tensors.items() if k.startswith("drafter.")}
+    expected = FeatureDrafter(config).state_dict()
+    if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
+        raise DrafterFileError(f"drafter file {path}: its tensors do not match its config")
+    return DrafterFile(config, state, vocab, fingerprint, training)

@@ -1,0 +1,242 @@
+"""The feature drafter: one decoder layer over the primary's own features (EAGLE, Li et al. 2024).
+
+At a committed token x_{t+1} the primary's last row before it left a feature f_t (its final norm's
+output, the lm_head's input). The drafter reads the pair and predicts the primary's NEXT feature:
+
+    u_t      = fc([f_t ; embed(x_{t+1})])                      2C -> C, the drafter's own
+    h_t      = layer(u_t | u_<t)                               one decoder layer of the primary's shape
+                                                               (its attention over the request's
+                                                               draft-side KV of earlier u)
+    f^_{t+1} = final_norm(h_t)                                 the primary's final norm (shared)
+    logits   = f^_{t+1} @ head[vocab].T                        the primary's lm_head rows of the
+                                                               drafter's vocabulary (its N most frequent
+                                                               tokens, FR-Spec): N x C, not V x C
+
+Drafting deeper feeds the drafter its own prediction: u = fc([f^_{t+1} ; embed(d_1)]) -> f^_{t+2} -> d_2 ...
+
+The embedding, final norm and lm_head rows are the primary's (`SharedParts`, read from the attached
+model); only fc and the layer are the drafter's (`FeatureDrafter`), a few MB. Training
+(draft_svc/heads/train.py) and the pool's strategy (draft_svc/strategies/feature.py) run the same
+code: `FeatureDrafter.layer` over rows with an explicit boolean mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from specdec.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DrafterConfig:
+    """The drafter's shape: the primary's layer shape, its vocabulary size and its KV window."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the primary's
+    draft_vocab_size: int  # N: rows of the drafter's head
+    max_window: int = 512  # features the drafter attends to (older ones slide out)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in (0, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.max_window < 2:
+            raise ValueError(f"max_window must be >= 2, got {self.max_window}")
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, draft_vocab_size: int, max_window: int = 512) -> DrafterConfig:
+        return cls(
+            hidden_size=config.hidden_size,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=config.rope_theta,
+            vocab_size=config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            max_window=max_window,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DrafterConfig:
+        fields = json.loads(text)
+        if not isinstance(fields, dict):
+            raise ValueError("the drafter config must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(fields) - known):
+            raise ValueError(f"unknown drafter config fields {unknown}")
+        return cls(**fields)
+
+
+def model_fingerprint(config: ModelConfig, final_norm_weight: Tensor) -> str:
+    """What a drafter file is bound to: the primary's shape and its final norm's weights (rounded to
+    bf16, so every serving precision of the same checkpoint gives the same fingerprint)."""
+    shape = {
+        k: getattr(config, k)
+        for k in (
+            "model_type",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        )
+    }
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
+    digest.update(final_norm_weight.detach().float().cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    x32 = x.float()
+    return weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class Rotary:
+    """RoPE (rotate-half layout, as the primary's) for absolute positions, tables grown on demand."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self._cos = self._sin = torch.empty(0, head_dim)
+
+    def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._cos.shape[0]:
+            size = 1 << max(10, math.ceil(math.log2(need)))
+            freqs = torch.outer(torch.arange(size, dtype=torch.float32), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos(), emb.sin()
+        return self._cos[positions], self._sin[positions]
+
+    def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [..., T, H, D], positions [..., T]."""
+        cos, sin = self.tables(positions)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class FeatureDrafter(nn.Module):
+    """fc + one decoder layer: the drafter's own weights (trained; everything else is the primary's)."""
+
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        c, h, kv, d, i = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            config.intermediate_size,
+        )
+        self.config = config
+        self.fc = nn.Linear(2 * c, c, bias=True)
+        self.input_norm = nn.Parameter(torch.ones(c))
+        self.q_proj = nn.Linear(c, h * d, bias=False)
+        self.k_proj = nn.Linear(c, kv * d, bias=False)
+        self.v_proj = nn.Linear(c, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, c, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(c))
+        self.gate_proj = nn.Linear(c, i, bias=False)
+        self.up_proj = nn.Linear(c, i, bias=False)
+        self.down_proj = nn.Linear(i, c, bias=False)
+        self.rotary = Rotary(d, config.rope_theta)
+
+    def inputs(self, features: Tensor, token_embeddings: Tensor) -> Tensor:
+        """u = fc([f ; embed(x)]) for rows [..., C] of each."""
+        return self.fc(torch.cat((features, token_embeddings), dim=-1))
+
+    def keys_values(self, u: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(q [..., T, H, D] rotated, k [..., T, Hkv, D] rotated, v [..., T, Hkv, D]) of inputs u [..., T, C]."""
+        cfg = self.config
+        x = rms_norm(u, self.input_norm, cfg.rms_norm_eps).to(u.dtype)
+        shape = u.shape[:-1]
+        q = self.q_proj(x).view(*shape, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(*shape, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(*shape, cfg.num_key_value_heads, cfg.head_dim)
+        return self.rotary(q, positions), self.rotary(k, positions), v
+
+    def finish(self, u: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+        """The layer's output h [..., T, C] for inputs u [..., T, C] and their queries q, over `keys` /
+        `values` [..., S, Hkv, D] with mask [..., T, S] (True = attend)."""
+        cfg = self.config
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        qh = q.transpose(-3, -2)  # [..., H, T, D]
+        kh = keys.transpose(-3, -2).repeat_interleave(group, dim=-3)  # [..., H, S, D]
+        vh = values.transpose(-3, -2).repeat_interleave(group, dim=-3)
+        attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(-3))
+        attn = attn.transpose(-3, -2).reshape(*u.shape[:-1], cfg.num_attention_heads * cfg.head_dim)
+        h = u + self.o_proj(attn)
+        x = rms_norm(h, self.post_norm, cfg.rms_norm_eps).to(h.dtype)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclasses.dataclass(slots=True)
+class SharedParts:
+    """What the drafter reads of the primary: its embedding lookup, final norm and head rows."""
+
+    embed: Any  # token ids [T] -> rows [T, C] (the primary's `Transformer.embed`)
+    final_norm: Tensor  # [C]
+    head: Tensor  # [N, C] fp32: the primary's lm_head rows of the drafter's vocabulary
+    vocab: Tensor  # [N] int64: primary token id of each head row
+    eps: float
+
+    def features(self, h: Tensor) -> Tensor:
+        """The predicted feature f^ = final_norm(h)."""
+        return rms_norm(h, self.final_norm, self.eps)
+
+    def logits(self, features: Tensor) -> Tensor:
+        """[..., N] logits over the drafter's vocabulary."""
+        return features.float() @ self.head.T
+
+
+def shared_parts(model: Any, vocab: Tensor, eps: float) -> SharedParts:
+    """SharedParts of a primary `Transformer` (tied or untied lm_head: the head rows are the
+    lm_head's, dequantized once: N x C fp32, e.g. 8k x 576 = 18 MB)."""
+    vocab = vocab.to(torch.int64)
+    with torch.inference_mode():
+        if model.config.tie_word_embeddings:
+            head = model.embed(vocab).float()
+        else:
+            head = _head_rows(model, vocab)
+    return SharedParts(model.embed, model.norm.weight.detach().float(), head.clone(), vocab, eps)
+
+
+def _head_rows(model: Any, vocab: Tensor) -> Tensor:
+    """Rows of an untied lm_head: its product with the identity, a chunk of columns at a time."""
+    c = model.config.hidden_size
+    rows = []
+    for start in range(0, c, 64):
+        eye = torch.zeros(min(64, c - start), c, dtype=model.dtype)
+        eye[torch.arange(eye.shape[0]), torch.arange(start, start + eye.shape[0])] = 1
+        rows.append(model.lm_head(eye).float()[:, vocab])  # [64, N]
+    return torch.cat(rows).T.contiguous()
+
+
+def state_of(drafter: FeatureDrafter) -> Mapping[str, Tensor]:
+    return {k: v.detach() for k, v in drafter.state_dict().items()}
