@@ -196,6 +196,50 @@ class FeatureDrafter(nn.Module):
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def unrolled(
+    drafter: FeatureDrafter,
+    shared: SharedParts,
+    features: Tensor,
+    token_embeddings: Tensor,
+    positions: Tensor,
+    valid: Tensor,
+    depth: int,
+) -> list[Tensor]:
+    """The drafter over whole sequences, `depth` draft steps deep (training; also the reference the
+    incremental strategy is tested against). Returns per pass d = 1..depth the predicted features
+    f^ [B, T, C]: pass d at index t is the drafter's d-th draft step from the committed context that
+    ends at token t: its input is the primary's feature f_t (d = 1) or pass d-1's prediction at
+    t-1 (d > 1), beside embed(x_{t+1}); it attends to the true inputs u_j of j <= t-d+1 and to its own
+    chain's inputs of passes 2..d (at t-d+2 .. t), as drafting a chain of depth d sees them.
+
+    features, token_embeddings [B, T, C]: row t holds f_t and embed(x_{t+1}); positions [B, T]
+    x_{t+1}'s position; valid [B, T] bool (padding False). Pass d's rows t < d-1 have no input.
+    """
+    B, T, _ = features.shape
+    idx = torch.arange(T)
+    base = idx[None, :] <= idx[:, None]  # [T(query), T(key)]: causal
+    pad = valid[:, None, :]  # [B, 1, T] keys that exist
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    out: list[Tensor] = []
+    prev: Tensor | None = None
+    for d in range(1, depth + 1):
+        f_in = features if prev is None else torch.cat((torch.zeros_like(prev[:, :1]), prev[:, :-1]), dim=1)
+        u = drafter.inputs(f_in, token_embeddings)
+        q, k, v = drafter.keys_values(u, positions)
+        keys.append(k)
+        values.append(v)
+        # pass-1 keys j <= t-d+1; pass-e keys (e = 2..d) at exactly t-(d-e)
+        masks = [(idx[None, :] <= idx[:, None] - (d - 1)) if d > 1 else base]
+        masks += [idx[None, :] == idx[:, None] - (d - e) for e in range(2, d + 1)]
+        mask = torch.cat(masks, dim=1)[None] & torch.cat([pad] * d, dim=2)  # [B, T, d*T]
+        mask = mask | ~mask.any(-1, keepdim=True)  # rows with nothing to attend (no input): any finite output
+        h = drafter.finish(u, q, torch.cat(keys, dim=1), torch.cat(values, dim=1), mask)
+        prev = shared.features(h)
+        out.append(prev)
+    return out
+
+
 @dataclasses.dataclass(slots=True)
 class SharedParts:
     """What the drafter reads of the primary: its embedding lookup, final norm and head rows."""
