@@ -256,7 +256,7 @@ class SharedParts:
 
     def logits(self, features: Tensor) -> Tensor:
         """[..., N] logits over the drafter's vocabulary."""
-        return features.float() @ self.head.T
+        return features @ self.head.T
 
 
 def shared_parts(model: Any, vocab: Tensor, eps: float) -> SharedParts:

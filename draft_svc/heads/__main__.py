@@ -1,0 +1,159 @@
+"""python -m draft_svc.heads train --model MODEL --out FILE: train the feature drafter for a model.
+
+1. The primary (in process, the serving precision) answers training prompts (draft_svc/heads/data.py:
+   sources that ship with Python, no benchmark set), greedy and sampled, keeping every row's feature.
+2. The drafter's vocabulary: the N tokens the primary chose most often (coverage of 2k..16k printed).
+3. The drafter trains on those answers (draft_svc/heads/train.py) and is checked on a validation split
+   (top-1 / top-4 agreement with the primary's greedy token, per draft depth).
+4. The file (draft_svc/heads/file.py) records the config, vocabulary, the model's fingerprint, the
+   data's sources and licences and size, the accuracy and this command.
+
+Seeds are fixed: the same command on the same machine gives the same data and the same drafter
+up to the floating-point order of its threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from draft_svc.heads import data, file, generate, train
+from draft_svc.heads.model import DrafterConfig, model_fingerprint, shared_parts
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model, set_num_threads
+from specdec.grammar.compiler import GrammarCache
+from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
+from specdec.model import native
+from specdec.model.loader import default_cache_dir, resolve_model_dir
+from specdec.model.tokenizer import Tokenizer
+
+COVERAGE_SIZES = (2048, 4096, 8192, 16384)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m draft_svc.heads", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a feature drafter on the primary's own answers")
+    t.add_argument("--model", default=None, help="model directory or GGUF (default: the default model)")
+    t.add_argument("--out", type=Path, required=True, help="the drafter file to write (.safetensors)")
+    t.add_argument("--precision", default="int4", help="the primary's precision while it answers (serve it so)")
+    t.add_argument("--tokens", type=int, default=600_000, help="answer tokens to generate")
+    t.add_argument("--prompts", type=int, default=12000, help="training prompts to draw from")
+    t.add_argument("--batch", type=int, default=48, help="sequences per forward while generating")
+    t.add_argument("--max_new_tokens", type=int, default=192)
+    t.add_argument("--vocab", type=int, default=8192, help="N: the drafter's vocabulary")
+    t.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training")
+    t.add_argument("--epochs", type=int, default=3)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--num_threads", type=int, default=0, help="0: every core")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = "python -m draft_svc.heads " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    started = time.monotonic()
+    if args.num_threads:
+        set_num_threads(args.num_threads)
+    if native.request_tile_data():
+        native.enable_amx()
+    model_dir = resolve_model_dir(args.model, default_cache_dir())
+    loaded = load_model(model_dir, args.precision, max_positions=2048, is_shared=False)
+    model, config = loaded.model, loaded.config
+    fingerprint = model_fingerprint(config, model.norm.weight)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, config.vocab_size))
+    engine = Engine(model, KVCache(config, model.kv_dtype), 2048)
+
+    def encode(prompt: data.TrainingPrompt) -> list[int]:
+        text = (
+            prompt.text
+            if prompt.is_completion
+            else tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
+        )
+        return tokenizer.encode(text)
+
+    prompts = data.training_prompts(args.seed, num_prompts=args.prompts)
+    settings = generate.GenerateSettings(max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed)
+    print(f"model {model_dir} ({args.precision}), fingerprint {fingerprint}; {native.status()}")
+    print(f"1/3 the primary answers up to {len(prompts)} prompts ({', '.join(data.SOURCES)}), {args.tokens} tokens")
+    with tqdm(total=args.tokens, unit="tok", smoothing=0.05) as bar:
+        sequences = generate.generate(
+            engine, encode, grammars, prompts, settings, config.eos_token_ids, args.tokens, bar.update
+        )
+    generated_s = time.monotonic() - started
+    by_source = collections.Counter()
+    for s in sequences:
+        by_source[s.source] += len(s.tokens) - 2
+    num_tokens = sum(by_source.values())
+    print(
+        f"   {len(sequences)} answers, {num_tokens} tokens in {generated_s:.0f} s "
+        f"({num_tokens / generated_s:.0f} tok/s); by source {dict(by_source)}"
+    )
+    train_settings = train.TrainSettings(
+        draft_vocab_size=args.vocab, depth=args.depth, epochs=args.epochs, seed=args.seed
+    )
+    train_idx, val_idx = train.split(sequences, train_settings.validation_share, args.seed)
+    coverage = train.vocab_coverage(sequences, train_idx, val_idx, COVERAGE_SIZES)
+    print(
+        "2/3 vocabulary: validation targets covered by the top N: "
+        + ", ".join(f"{n}: {c:.3f}" for n, c in coverage.items())
+    )
+    vocab = train.choose_vocab(sequences, train_idx, args.vocab)
+    shared = shared_parts(model, vocab, config.rms_norm_eps)
+    drafter_config = DrafterConfig.for_model(config, args.vocab)
+    steps = len(
+        train.batches(train.pieces(sequences, train_idx, train_settings.window), train_settings.batch_tokens, None)
+    )
+    print(
+        f"3/3 training: {len(train_idx)} answers ({len(val_idx)} for validation), {steps} steps x {args.epochs} epochs"
+    )
+    train_started = time.monotonic()
+    with tqdm(total=steps * args.epochs, unit="step") as bar:
+
+        def progress(n: int, loss: float) -> None:
+            bar.update(n)
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+        drafter, accuracy = train.train(
+            sequences, drafter_config, shared, train_settings, train_idx, val_idx, progress, log=tqdm.write
+        )
+    trained_s = time.monotonic() - train_started
+    total_s = time.monotonic() - started
+    training = {
+        "command": command,
+        "sources": data.SOURCES,
+        "answers": len(sequences),
+        "tokens": num_tokens,
+        "tokens_by_source": dict(by_source),
+        "sampled_share": round(sum(s.is_sampled for s in sequences) / max(1, len(sequences)), 3),
+        "vocab_coverage": {str(n): round(c, 4) for n, c in coverage.items()},
+        "validation": accuracy.as_dict(),
+        "settings": {"generate": vars_of(settings), "train": vars_of(train_settings)},
+        "seconds": {"generate": round(generated_s), "train": round(trained_s), "total": round(total_s)},
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {native.status()}",
+        "precision": args.precision,
+    }
+    size = file.save(args.out, drafter, vocab, fingerprint, training)
+    print(
+        f"wrote {args.out} ({size / 1e6:.1f} MB) in {total_s / 60:.1f} min; validation top-1 by depth "
+        f"{accuracy.as_dict()['top1_by_depth']}, top-{train.TOP_K} {accuracy.as_dict()[f'top{train.TOP_K}_by_depth']}"
+    )
+
+
+def vars_of(settings: object) -> dict[str, object]:
+    return {k: getattr(settings, k) for k in settings.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()
