@@ -221,6 +221,8 @@ class DraftPool:
     def propose(self, args: ProposeArgs) -> Proposal:
         started = time.perf_counter()
         entries, draft_length, max_nodes = self._resolve(args)
+        if args.prompt_token_ids:  # the call (re)opens the request: refused before it exists
+            self._checked_features(args, len(args.prompt_token_ids) + len(args.new_token_ids))
         request, is_new = self._request_for(args)
         with request.lock:
             self._observe_lookahead(request, args.lookahead_argmax_token_ids)
