@@ -21,6 +21,10 @@ text), and the pool follows the output with its own grammar state: every candida
 its first token the grammar forbids, so no draft leaves the grammar (the primary and validator
 mask the rest).
 
+A decoder that reads the primary's features (FeatureConsumer, draft_svc/strategies/base.py) gets
+those a Propose carries (the latest verify's rows of committed tokens, or the prefill's last row)
+after it heard the committed tokens, and one created during the call right after its catch-up.
+
 A lookahead decoder (draft_svc/strategies/lookahead.py) also has the primary run rows of its own
 beside the tree: the pool returns them with the proposal (Proposal.lookahead) and hands the
 primary's argmaxes there, which the next Propose carries, back to the decoder that asked, before
@@ -36,13 +40,14 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol
 
+import numpy as np
 import structlog
 
-from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder
+from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder, FeatureConsumer
 from draft_svc.strategies.lookahead import LookaheadSource
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
@@ -118,6 +123,10 @@ class ProposeArgs:
     response_format: ResponseFormat | None = None  # first call: the output's grammar (None: free text)
     lookahead_argmax_token_ids: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
     continuation_length: int = 0  # tokens a model-free rank-0 candidate may add past draft_length
+    # The primary's features of committed tokens, float32 [n, C]: row i predicts the token at
+    # feature_position + i (FeatureConsumer); None: none this call.
+    features: np.ndarray | None = None
+    feature_position: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,6 +167,9 @@ class _Request:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     last_used: float = 0.0
     lookahead_source: str | None = None  # the decoder whose lookahead rows the last proposal carried
+    # This call's features (position, rows), for decoders created during it: what `extend` hands the
+    # existing ones (FeatureConsumer). Cleared when the call ends.
+    features: tuple[int, np.ndarray] | None = None
 
 
 class DraftPool:
@@ -209,13 +221,23 @@ class DraftPool:
     def propose(self, args: ProposeArgs) -> Proposal:
         started = time.perf_counter()
         entries, draft_length, max_nodes = self._resolve(args)
+        if args.prompt_token_ids:  # the call (re)opens the request: refused before it exists
+            self._checked_features(args, len(args.prompt_token_ids) + len(args.new_token_ids))
         request, is_new = self._request_for(args)
         with request.lock:
             self._observe_lookahead(request, args.lookahead_argmax_token_ids)
+            # checked before the context grows: a refused call leaves the request as it was
+            num_tokens = len(request.token_ids) + (0 if is_new else len(args.new_token_ids))
+            features = self._checked_features(args, num_tokens)
             if not is_new:
                 self._extend(request, args.new_token_ids)
-            extra = args.continuation_length if request.grammar is None else 0
-            candidates, steps = self._run_decoders(request, entries, draft_length, extra)
+            request.features = features
+            try:
+                self._observe_features(request.features, request.decoders.values())
+                extra = args.continuation_length if request.grammar is None else 0
+                candidates, steps = self._run_decoders(request, entries, draft_length, extra)
+            finally:
+                request.features = None
             if request.grammar is not None:
                 candidates = [within_grammar(request.grammar, c) for c in candidates]
             lookahead = self._lookahead_rows(request, entries)
@@ -335,6 +357,31 @@ class DraftPool:
         for decoder in request.decoders.values():
             decoder.extend(token_ids)
 
+    @staticmethod
+    def _checked_features(args: ProposeArgs, num_tokens: int) -> tuple[int, np.ndarray] | None:
+        """(feature_position, features) of the call, checked against the committed context's num_tokens."""
+        if args.features is None:
+            return None
+        features, position = args.features, args.feature_position
+        if features.ndim != 2 or features.dtype != np.float32 or not len(features):
+            raise InvalidArgument("features", f"must be float32 rows [n, C], got {features.dtype} {features.shape}")
+        if position < 1 or position + len(features) > num_tokens:
+            raise InvalidArgument(
+                "feature_position",
+                f"{len(features)} rows predicting tokens from position {position} must predict committed tokens "
+                f"(positions 1 to {num_tokens - 1})",
+            )
+        return position, features
+
+    @staticmethod
+    def _observe_features(features: tuple[int, np.ndarray] | None, decoders: Iterable[DraftDecoder]) -> None:
+        """The call's features to every decoder that reads them, after it heard the committed tokens."""
+        if features is None:
+            return
+        for decoder in decoders:
+            if isinstance(decoder, FeatureConsumer):
+                decoder.observe_features(*features)
+
     def _observe_lookahead(self, request: _Request, argmax_token_ids: Sequence[int]) -> None:
         """The primary's argmaxes at the last proposal's lookahead rows, to the decoder that gave them
         (none: they were not verified, and the decoder's window stays)."""
@@ -413,6 +460,7 @@ class DraftPool:
                 request.decoders[name] = self._model_based.create(name, model=model)
                 request.decoders[name].extend(request.token_ids)
                 request.model_instance[name] = instance_id
+                self._observe_features(request.features, [request.decoders[name]])
         elif name in self._grammar_based:
             if request.response_format is None:
                 return None
@@ -421,9 +469,11 @@ class DraftPool:
                     name, response_format=request.response_format, num_prompt_tokens=request.num_prompt_tokens
                 )
                 request.decoders[name].extend(request.token_ids)
+                self._observe_features(request.features, [request.decoders[name]])
         elif name not in request.decoders:
             request.decoders[name] = self._model_free.create(name)
             request.decoders[name].extend(request.token_ids)
+            self._observe_features(request.features, [request.decoders[name]])
         return request.decoders[name]
 
     # --- Release -----------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 else None,
                 lookahead_argmax_token_ids=tuple(request.lookahead_argmax_token_ids),
                 continuation_length=request.continuation_length,
+                features=pb.features_from_pb(request.features, "features") if request.HasField("features") else None,
+                feature_position=request.feature_position,
             )
         )
         self._record(proposal)

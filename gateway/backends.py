@@ -95,6 +95,7 @@ class Prefilled:
     time_ms: float  # the primary's time for the prefill
     num_cached_prompt_tokens: int  # prompt tokens whose KV rows came from the primary's prefix cache
     kv_lease: str = ""  # the primary's new lease on the slot: stored, so that a successor gateway holds it too
+    features: Any = None  # common_pb2.Features of the last prefilled row (return_features), or None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,6 +105,7 @@ class Verified:
     forward_ms: float
     lookahead_argmax_token_ids: tuple[int, ...] = ()
     other_step_rows: int = 0  # other requests' rows in the primary's engine step that ran it (the load)
+    features: Any = None  # common_pb2.Features of the N+1 logits rows (return_features), or None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,6 +122,12 @@ class Validation:
     bonus_token: int
     accepted_entropies: tuple[float, ...]
     rejected_entropies: tuple[float, ...]
+
+
+def features_of_rows(features: Any, rows: Sequence[int]) -> Any:
+    """Rows `rows` of a Verified's or Prefilled's features, for a Propose: inline rows are sliced (only
+    they travel on), a shared-memory handle goes on naming them (Features.rows)."""
+    return pb.select_feature_rows(features, rows)
 
 
 def _mask(allowed: TokenBitmask | None) -> common_pb2.TokenMask | None:
@@ -216,10 +224,13 @@ class Backends:
             {c.num_nodes: c.time_ms for c in r.verify_costs},
         )
 
-    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+    async def prefill(
+        self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0, *, return_features: bool = False
+    ) -> Prefilled:
         """`num_prompt_tokens`: how many of `token_ids` are the prompt (a recovery sends the generated
         tokens after it). The lease this gateway holds on the request, if any, goes with it: the
-        primary lets only its holder replace a live slot (else ALREADY_EXISTS)."""
+        primary lets only its holder replace a live slot (else ALREADY_EXISTS). `return_features`: the
+        last prefilled row's features come back (Prefilled.features)."""
         r = await self._call(
             "primary",
             self.primary.Prefill,
@@ -228,10 +239,13 @@ class Backends:
                 token_ids=token_ids,
                 num_prompt_tokens=num_prompt_tokens,
                 kv_lease=self._kv_leases.get(request_id, ""),
+                return_features=return_features,
             ),
         )
         self._kv_leases[request_id] = r.kv_lease
-        return Prefilled(r.time_ms, r.num_cached_prompt_tokens, r.kv_lease)
+        return Prefilled(
+            r.time_ms, r.num_cached_prompt_tokens, r.kv_lease, r.features if r.HasField("features") else None
+        )
 
     def adopt_kv_lease(self, request_id: str, kv_lease: str) -> None:
         """Hold a lease another gateway stored (a resumed request): its slot may still be live."""
@@ -246,8 +260,11 @@ class Backends:
         tree: DraftTree,
         logits_format: str,
         allowed: TokenBitmask | None = None,
+        *,
+        return_features: bool = False,
     ) -> Verified:
-        """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None."""
+        """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None. `return_features`: the
+        rows' features come back (Verified.features), beside the logits in shared memory when those are."""
         r = await self._call(
             "primary",
             self.primary.Verify,
@@ -261,12 +278,18 @@ class Backends:
                 return_handle=self.is_logits_via_handle,
                 allowed_tokens=_mask(allowed),
                 kv_lease=self._kv_leases.get(request_id, ""),
+                return_features=return_features,
             ),
         )
         own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's
         self.other_step_rows = max(0, r.num_step_rows - own)
         return Verified(
-            r.logits, tuple(r.argmax_token_ids), r.forward_ms, tuple(r.lookahead_argmax_token_ids), self.other_step_rows
+            r.logits,
+            tuple(r.argmax_token_ids),
+            r.forward_ms,
+            tuple(r.lookahead_argmax_token_ids),
+            self.other_step_rows,
+            r.features if r.HasField("features") else None,
         )
 
     async def decode(
@@ -325,9 +348,14 @@ class Backends:
         response_format: ResponseFormat | None = None,
         lookahead_argmax_token_ids: Sequence[int] = (),
         continuation_length: int = 0,
+        *,
+        features: Any = None,
+        feature_position: int = 0,
     ) -> DraftTree:
         """`response_format` goes with the first call of a request (the one carrying the prompt);
-        `lookahead_argmax_token_ids` are the primary's argmaxes at the previous proposal's lookahead rows."""
+        `lookahead_argmax_token_ids` are the primary's argmaxes at the previous proposal's lookahead rows;
+        `features` (features_of_rows) the primary's features of committed tokens, row i predicting the
+        token at `feature_position` + i (ProposeRequest.features)."""
         r = await self._call(
             "draft",
             self.draft.Propose,
@@ -342,6 +370,8 @@ class Backends:
                 response_format=None if response_format is None else pb.response_format_to_pb(response_format),
                 lookahead_argmax_token_ids=lookahead_argmax_token_ids,
                 continuation_length=continuation_length,
+                features=features,
+                feature_position=feature_position,
             ),
         )
         return DraftTree(

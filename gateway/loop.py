@@ -45,7 +45,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, 
 
 import structlog
 
-from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation
+from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation, features_of_rows
 from gateway.call_deadlines import CallDeadlines
 from gateway.controller import AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, infer_task_type
 from gateway.config import GRAMMAR_MAX_SPELLINGS
@@ -59,7 +59,7 @@ from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFo
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
-from specdec.strategies import GRAMMAR_STRATEGY
+from specdec.strategies import GRAMMAR_STRATEGY, consumes_features
 from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
@@ -280,6 +280,11 @@ class RequestLoop:
         self.pending_committed: list[int] = []
         self.draft_synced = 0  # generated tokens the draft service has seen
         self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
+        # With a strategy that reads them, the primary returns its features on every Prefill and Verify;
+        # the latest step's rows of committed tokens go to the next Propose: (features, the position of
+        # the token row 0 predicts). Steps between (continuations, plain decodes) leave a gap there.
+        self.is_feature_consumer = consumes_features(params.speculation.strategies)
+        self.pending_features: tuple[Any, int] | None = None
         # (decoder, tokens): what the last step's accepted candidate proposed past its draft and bonus
         self.carry: tuple[str, tuple[int, ...]] | None = None
         self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
@@ -538,7 +543,13 @@ class RequestLoop:
         fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
         verified = await self._with_primary(
             lambda: self.backends.verify(
-                self.request_id, self.pending_accepted, self.pending_committed, tree, fmt, allowed
+                self.request_id,
+                self.pending_accepted,
+                self.pending_committed,
+                tree,
+                fmt,
+                allowed,
+                **self._feature_request(),
             )
         )
         t2 = time.perf_counter()
@@ -557,6 +568,12 @@ class RequestLoop:
         self.stats.forward_ms += verified.forward_ms
         self._observe_load(verified.other_step_rows)
         self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
+        if verified.features is not None:
+            # Root row and the accepted nodes' rows: they predict the accepted tokens and the bonus, the
+            # first of which lands at the context's end. E.g. accepted nodes (2, 5): rows [0, 3, 6].
+            rows = [0, *(node + 1 for node in v.accepted_nodes)]
+            position = len(self.prompt_ids) + len(self.generated)
+            self.pending_features = (features_of_rows(verified.features, rows), position)
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
         self.carry = continuation_after(tree, v)
@@ -664,6 +681,7 @@ class RequestLoop:
         )
         tokens = list(decoded.token_ids) or [decoded.token_id]
         self.carry = None  # what follows a plain step is not what the last draft continued with
+        self.pending_features = None  # the latest step has none
         self.stats.forward_ms += decoded.forward_ms
         self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
@@ -719,6 +737,7 @@ class RequestLoop:
             return EMPTY_TREE
         # the argmaxes belong to the rows of the service's previous proposal: none for a reopened request
         lookahead_argmax, self.pending_lookahead_argmax = self.pending_lookahead_argmax, ()
+        features, self.pending_features = self.pending_features, None
         try:
             tree = await self.call_deadlines.call(
                 "draft.Propose",
@@ -733,11 +752,13 @@ class RequestLoop:
                     self.params.response_format if prompt else None,
                     () if prompt else lookahead_argmax,
                     continuation_length=CONTINUATION_TOKENS if self.grammar is None else 0,
+                    **({} if features is None else {"features": features[0], "feature_position": features[1]}),
                 ),
                 self._remaining_s(),
             )
         except NotFound:  # the draft service restarted: resend the context
             self.is_draft_open = False
+            self.pending_features = features  # they describe committed tokens, which the reopened request has
             return await self._propose(plan) if not prompt else EMPTY_TREE
         except (Unavailable, DeadlineExceeded) as e:  # down or hung; logged once by the state, not at every step
             self.draft_state.failed(str(e))
@@ -1000,6 +1021,11 @@ class RequestLoop:
                 "primary", "the primary did not answer within the request's deadline", dependency="primary"
             ) from None
 
+    def _feature_request(self) -> dict[str, bool]:
+        """The primary calls' argument asking for features, only where a strategy reads them (calls of
+        requests without stay as they were)."""
+        return {"return_features": True} if self.is_feature_consumer else {}
+
     async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
         """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
 
@@ -1012,9 +1038,13 @@ class RequestLoop:
         while True:
             try:
                 if needs_prefill:
+                    context = self.prompt_ids + self.generated
                     prefilled = await self._within_request_deadline(
-                        self.backends.prefill(self.request_id, self.prompt_ids + self.generated, len(self.prompt_ids))
+                        self.backends.prefill(self.request_id, context, len(self.prompt_ids), **self._feature_request())
                     )
+                    # its one row predicts the pending (last) token; none when the prefill computed no row
+                    has_features = prefilled.features is not None
+                    self.pending_features = (prefilled.features, len(context) - 1) if has_features else None
                     self.stats.forward_ms += prefilled.time_ms
                     self.unstored_kv_lease = prefilled.kv_lease or None
                     self.kv_lease = prefilled.kv_lease

@@ -22,6 +22,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.engine.tree import with_lookahead
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from specdec.features import encode_features
 from specdec.grammar import GrammarState
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import row_argmax
@@ -30,6 +31,10 @@ from specdec.metrics import ServiceMetrics
 from specdec.sampling import logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
+
+# What a Verify's finish hands back from the engine thread: argmaxes, logits, num_cached, lookahead
+# argmaxes, the step's rows, features (None unless asked for).
+_Verified = tuple[list[int], common_pb2.Logits, int, list[int], int, common_pb2.Features | None]
 
 # The most tokens one Decode may ask for (DecodeRequest.max_tokens): a call holds its caller at most
 # this many engine steps, so a cancel or deadline is seen within them.
@@ -102,6 +107,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 "num_prompt_tokens", f"is {request.num_prompt_tokens}, more than the {len(token_ids)} token_ids"
             )
         start = time.perf_counter()
+        features: list[torch.Tensor] | None = [] if request.return_features else None
         # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
         # then runs in chunks between other requests' steps. A re-prefill (recovery) with the request's
         # lease replaces the old state; the lease is checked and granted on the engine thread, like
@@ -117,6 +123,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 self.worker.built_engine().num_reused_tokens(request_id),
                 self.leases.grant(request_id),
             ),
+            features_out=features,
         )
         self._observe_kv()
         return primary_pb2.PrefillResponse(
@@ -124,6 +131,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             num_cached_prompt_tokens=num_reused,
             kv_lease=lease,
             time_ms=(time.perf_counter() - start) * 1000,
+            features=pb.features_to_pb(encode_features(features[0])) if features else None,
         )
 
     def Verify(self, request, context):
@@ -134,27 +142,37 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         fmt = pb.logits_format_from_pb(request.logits_format)
         num_rows = len(token_ids) + 1
         allowed = self._allowed_tokens(request, num_rows)
+        features_out: list[torch.Tensor] | None = [] if request.return_features else None
 
-        def finish(logits: torch.Tensor) -> tuple[list[int], common_pb2.Logits, int, list[int], int]:  # engine thread
+        def finish(logits: torch.Tensor) -> _Verified:  # engine thread
             lookahead_argmax = row_argmax(logits[num_rows:])  # [L], unmasked
             logits = logits[:num_rows]  # [N+1, V]
             # from fp32 logits whatever the wire format; among the grammar's tokens when masked.
             argmax = row_argmax(logits) if allowed is None else allowed.argmax(logits).tolist()
             num_cached = self.worker.built_engine().num_cached(request_id)  # read here: this pass's, not a later one's
             step_rows = self.worker.step_rows  # likewise
-            if request.return_handle:  # co-located validator: bytes through /dev/shm
-                name, encoded = self.logits_slots.write(request_id, logits, fmt)
+            # the logits rows' features, [N+1, C] (the lookahead rows' are not returned)
+            features = encode_features(features_out[0][:num_rows]) if features_out else None
+            if request.return_handle:  # co-located validator and draft pool: bytes through /dev/shm
+                name, encoded = self.logits_slots.write(request_id, logits, fmt, features)
                 payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
-                return argmax, payload, num_cached, lookahead_argmax, step_rows
-            return argmax, pb.logits_to_pb(logits, fmt), num_cached, lookahead_argmax, step_rows
+                features_pb = (
+                    None
+                    if features is None
+                    else pb.features_handle_to_pb(name, features, len(encoded.data), self.identity.instance_id)
+                )
+                return argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb
+            features_pb = None if features is None else pb.features_to_pb(features)
+            return argmax, pb.logits_to_pb(logits, fmt), num_cached, lookahead_argmax, step_rows, features_pb
 
-        (argmax, payload, num_cached, lookahead_argmax, step_rows), forward_ms = self.worker.verify(
+        (argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb), forward_ms = self.worker.verify(
             request_id,
             list(request.accepted_nodes),
             list(request.committed_token_ids),
             *with_lookahead(token_ids, parents, lookahead_ids, lookahead_parents),
             finish,
             num_lookahead=len(lookahead_ids),
+            features_out=features_out,
         )
         return primary_pb2.VerifyResponse(
             logits=payload,
@@ -164,6 +182,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             forward_ms=forward_ms,
             kv_bytes=self.worker.built_engine().kv_bytes,
             num_step_rows=step_rows,
+            features=features_pb,
         )
 
     def Decode(self, request, context):

@@ -93,6 +93,8 @@ class _VerifyItem:
     # this request, or None: its result goes back (a run of plain steps in one call, EngineWorker.verify)
     repeat: Callable[[Any], Sequence[int] | None] | None = None
     forward_ms: float = 0.0  # the forwards of the steps so far
+    # Given: receives the features of the verify's logits rows [N+L+1, C] before `finish` runs.
+    features_out: list[torch.Tensor] | None = None
 
     def work(self) -> VerifyWork:
         return VerifyWork(self.request_id, self.tree_token_ids, self.tree_parents, self.num_lookahead)
@@ -109,6 +111,9 @@ class _PrefillItem:
     on_replace: Callable[[], None]
     finish: Callable[[int], Any]  # finish(num_cached) on the engine thread once prefilled
     future: Future
+    # Given: receives the features [1, C] of the last prefilled row before `finish` runs, when the
+    # prefill computed that row (not when the prefix cache held it).
+    features_out: list[torch.Tensor] | None = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -242,6 +247,7 @@ class EngineWorker:
         timeout_s: float | None = None,
         on_replace: Callable[[], None] = lambda: None,
         finish: Callable[[int], Any] = lambda num_cached: num_cached,
+        features_out: list[torch.Tensor] | None = None,
     ) -> Any:
         """Open the request (replacing an open one of that id) and prefill it; returns finish(num_cached).
 
@@ -250,7 +256,9 @@ class EngineWorker:
         future: Future = Future()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._inbox.put(
-            _PrefillItem(request_id, list(token_ids), num_prompt_tokens, deadline, on_replace, finish, future)
+            _PrefillItem(
+                request_id, list(token_ids), num_prompt_tokens, deadline, on_replace, finish, future, features_out
+            )
         )
         return future.result()
 
@@ -264,6 +272,7 @@ class EngineWorker:
         finish: Callable[[torch.Tensor], Any] = lambda logits: logits,
         num_lookahead: int = 0,
         repeat: Callable[[Any], Sequence[int] | None] | None = None,
+        features_out: list[torch.Tensor] | None = None,
     ) -> tuple[Any, float]:
         """Commit the previous step, verify the tree (its last `num_lookahead` nodes lookahead rows);
         returns (finish(logits [N+1+L, V], the L lookahead rows last), forward ms).
@@ -273,7 +282,8 @@ class EngineWorker:
         each, repeat(finish's result) gives the tokens to commit before the next (its decoded token),
         or None to return that result; a step that would not fit the context is not taken. The
         returned forward ms are every step's. One call then decodes several tokens, each in an engine
-        step beside the other requests', without a round trip between them."""
+        step beside the other requests', without a round trip between them. `features_out` receives
+        the features of the logits rows [N+1+L, C] before `finish` runs (the step then runs eagerly)."""
         future: Future = Future()
         self._inbox.put(
             _VerifyItem(
@@ -286,6 +296,7 @@ class EngineWorker:
                 finish,
                 future,
                 repeat,
+                features_out=features_out,
             )
         )
         return future.result()
@@ -541,18 +552,28 @@ class EngineWorker:
             return
         num_forwards, forward_ms = 0, 0.0
         results: list[torch.Tensor] = []
+        # Features only where a call asked: a step with them runs eagerly (Transformer.forward).
+        verify_features: list[torch.Tensor] | None = (
+            [] if any(i.features_out is not None for i in verify_items) else None
+        )
+        feature_ids = {
+            c.request_id for c in chunks if (p := waiting[c.request_id].prefill) and p.features_out is not None
+        }
+        prefill_features: dict[str, torch.Tensor] = {}
         start = time.perf_counter()
         try:
             if engine.model.is_batch_invariant:  # one forward: every row's bits are its own
-                results = engine.step(works, chunks)
+                results = engine.step(works, chunks, verify_features, prefill_features if feature_ids else None)
                 num_forwards = int(bool(works) or any(c.num_tokens for c in chunks))  # 0: all from the prefix cache
             else:
                 if works:
-                    results = engine.step(works, [])
+                    results = engine.step(works, [], verify_features)
                     num_forwards += 1
                 forward_ms = (time.perf_counter() - start) * 1000
                 for chunk in chunks:
-                    engine.step([], [chunk])
+                    engine.step(
+                        [], [chunk], prefill_features_out=prefill_features if chunk.request_id in feature_ids else None
+                    )
                     num_forwards += chunk.num_tokens > 0
         except BaseException as e:
             for item in verify_items:
@@ -569,6 +590,8 @@ class EngineWorker:
             if w.entry.num_remaining == 0:
                 self._waiting.remove(w)
                 if w.prefill is not None:
+                    if w.prefill.features_out is not None and chunk.request_id in prefill_features:
+                        w.prefill.features_out.append(prefill_features[chunk.request_id])
                     try:
                         w.prefill.future.set_result(w.prefill.finish(engine.num_cached(chunk.request_id)))
                     except BaseException as e:  # handed to the waiting RPC thread
@@ -576,8 +599,10 @@ class EngineWorker:
                 if w.verify is not None:
                     self._verifies.appendleft(w.verify)
         repeated = set()  # requests that stay for one more step of their call: not out, not timed back
-        for item, logits in zip(verify_items, results):
+        for i, (item, logits) in enumerate(zip(verify_items, results)):
             try:
+                if item.features_out is not None and verify_features is not None:
+                    item.features_out.append(verify_features[i])
                 result = item.finish(logits)
                 item.forward_ms += forward_ms
                 again = None if item.repeat is None else item.repeat(result)

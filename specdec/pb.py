@@ -6,13 +6,17 @@ protobuf field, so every service refuses bad input the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from specdec.engine.tree import TreeError, check_tree
 from specdec.errors import InvalidArgument
+from specdec.features import DTYPES as FEATURE_DTYPES
+from specdec.features import EncodedFeatures, decode_features
 from specdec.logits_codec import FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits, encode_logits
-from specdec.logits_shm import read_slot
+from specdec.logits_shm import features_offset, read_features_slot, read_slot
 from specdec.request_id import MAX_REQUEST_ID_CHARS as MAX_REQUEST_ID_CHARS  # the gateway reads it here
 from specdec.request_id import check_request_id
 from specdec.sampling import SamplingParams
@@ -131,6 +135,69 @@ def encoded_logits_from_pb(pb: common_pb2.Logits, field: str) -> EncodedLogits:
         )
     except ValueError as e:
         raise InvalidArgument(f"{field}.inline_logits", str(e)) from None
+
+
+def features_to_pb(enc: EncodedFeatures) -> common_pb2.Features:
+    """Features inline (every row)."""
+    return common_pb2.Features(dtype=enc.dtype, num_rows=enc.num_rows, hidden_size=enc.hidden_size, data=enc.data)
+
+
+def features_handle_to_pb(
+    segment_name: str, enc: EncodedFeatures, num_logits_bytes: int, instance_id: str
+) -> common_pb2.Features:
+    """Features a verify wrote after its logits (num_logits_bytes) in a slot (specdec.logits_shm)."""
+    memory = common_pb2.MemoryHandle(
+        kind=common_pb2.HANDLE_KIND_SHARED_MEMORY,
+        segment_name=segment_name,
+        device_index=-1,
+        offset=features_offset(num_logits_bytes),
+        num_bytes=enc.num_bytes,
+        owner_instance_id=instance_id,
+    )
+    return common_pb2.Features(dtype=enc.dtype, num_rows=enc.num_rows, hidden_size=enc.hidden_size, memory=memory)
+
+
+def select_feature_rows(pb: common_pb2.Features, rows: Sequence[int]) -> common_pb2.Features:
+    """The rows `rows` (of the rows `pb` names) of features: inline ones sliced, a handle forwarded
+    with its rows field naming them (the reader takes them from shared memory)."""
+    meant = list(pb.rows) or range(pb.num_rows)
+    chosen = [meant[r] for r in rows]
+    if pb.HasField("memory"):
+        out = common_pb2.Features()
+        out.CopyFrom(pb)
+        out.ClearField("rows")
+        out.rows.extend(chosen)
+        return out
+    return features_to_pb(encoded_features_from_pb(pb, "features").rows(chosen))
+
+
+def encoded_features_from_pb(pb: common_pb2.Features, field: str) -> EncodedFeatures:
+    """Features inline, or a handle into a logits slot on this machine -> every payload row, checked."""
+    if pb.dtype not in FEATURE_DTYPES:
+        raise InvalidArgument(f"{field}.dtype", f"must be one of {FEATURE_DTYPES}, got {pb.dtype!r}")
+    if pb.num_rows < 1 or pb.hidden_size < 1:
+        raise InvalidArgument(field, f"num_rows and hidden_size must be >= 1, got [{pb.num_rows}, {pb.hidden_size}]")
+    if pb.HasField("memory"):
+        m = pb.memory
+        if m.kind != common_pb2.HANDLE_KIND_SHARED_MEMORY:
+            raise InvalidArgument(f"{field}.memory.kind", "only shared-memory features handles are served here")
+        return read_features_slot(m.segment_name, m.offset, m.num_bytes, pb.dtype, pb.num_rows, pb.hidden_size, field)
+    if not pb.HasField("data"):
+        raise InvalidArgument(field, "expected inline data or a memory handle")
+    try:
+        return EncodedFeatures(pb.dtype, pb.num_rows, pb.hidden_size, pb.data)
+    except ValueError as e:
+        raise InvalidArgument(f"{field}.data", str(e)) from None
+
+
+def features_from_pb(pb: common_pb2.Features, field: str = "features") -> np.ndarray:
+    """Features (inline or a handle) -> float32 [n, C] of the rows pb.rows names (all when empty)."""
+    enc = encoded_features_from_pb(pb, field)
+    rows = list(pb.rows)
+    if any(r >= enc.num_rows for r in rows):
+        raise InvalidArgument(f"{field}.rows", f"rows {rows} must be below num_rows {enc.num_rows}")
+    values = decode_features(enc)  # [R, C]
+    return values[rows] if rows else values
 
 
 def token_mask_row_bytes(vocab_size: int) -> int:

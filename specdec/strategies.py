@@ -81,6 +81,18 @@ DEFAULT_STRATEGIES = ("prompt_lookup", "suffix_index")
 # Offered by the pool beside those without being a default: lookahead costs nothing until a request
 # (or the gateway's default set) names it.
 LOOKAHEAD_STRATEGY = "lookahead"
+# The feature drafter (EAGLE-style: a learned decoder layer over the primary's own last hidden
+# states, draft_svc/heads/): a request naming it has the primary return its features with each
+# Prefill and Verify, and the gateway forwards them to the pool with the next Propose
+# (specdec/features.py). Not in STRATEGIES until the pool registers its decoder: its entry is then
+# Strategy(FEATURE_STRATEGY, MODEL, DraftCost(per_token=0.05)) (a decoder layer, not the 30 layers).
+FEATURE_STRATEGY = "feature"
+FEATURE_STRATEGIES = frozenset({FEATURE_STRATEGY})  # the strategies that read the primary's features
+
+
+def consumes_features(names: Iterable[str]) -> bool:
+    """Whether any of `names` reads the primary's features (the primary then computes them)."""
+    return not FEATURE_STRATEGIES.isdisjoint(names)
 
 
 def names_of(kind: str) -> tuple[str, ...]:

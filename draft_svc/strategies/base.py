@@ -23,6 +23,8 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import numpy as np
+
 # Context tokens live in array('i'): 4 bytes a token, appended in place, no per-step list copies.
 TOKEN_TYPECODE = "i"
 
@@ -59,6 +61,28 @@ class DraftDecoder(Protocol):
     def propose(self, max_tokens: int, max_candidates: int = 1) -> tuple[Candidate, ...]:
         """Up to `max_candidates` continuations of the current context, best first, each at most
         `max_tokens` long; candidates are distinct, ranks are 0, 1, ...; may be empty."""
+        ...
+
+
+@runtime_checkable
+class FeatureConsumer(Protocol):
+    """A decoder that also reads the primary's features (its last hidden states after the final norm,
+    the lm_head's input; specdec/features.py), e.g. an EAGLE-style feature drafter.
+
+    Alignment: `features[i]` [C] is the primary's hidden state at the row whose next token is the
+    token at absolute position `position + i` of the request's context (prompt included, position 0
+    = the first prompt token); so it was computed over the tokens before that position. Every
+    predicted token is committed already: the pool calls `observe_features` after `extend` has
+    given the decoder those tokens, with `position >= 1` and `position + len(features) <=` the
+    context's length. E.g. a prompt of 5 tokens: after the Prefill, (4, [1, C]): the row of token 3,
+    predicting token 4. After a step that accepted 2 drafts and a bonus at positions 5-7:
+    (5, [3, C]). Calls may leave gaps (tokens committed without a verify, or by a pool call that had
+    no features) and may come while the decoder is not asked to propose; a decoder created later
+    sees only the features from then on.
+    """
+
+    def observe_features(self, position: int, features: np.ndarray) -> None:
+        """Rows `features` float32 [n, C]: row i predicts the token at `position + i` (see above)."""
         ...
 
 

@@ -287,7 +287,9 @@ class Engine:
             raise ResourceExhausted("kv_cache", str(e)) from None
         self._reuse_prefix(req)
 
-    def prefill(self, request_id: str, chunk_tokens: int | None = None) -> int:
+    def prefill(
+        self, request_id: str, chunk_tokens: int | None = None, features_out: list[torch.Tensor] | None = None
+    ) -> int:
         """Run every committed token but the pending one into the cache; returns num_cached.
 
         The prompt runs in chunks of `chunk_tokens` (default `prefill_chunk_tokens`). With row-by-row
@@ -295,14 +297,18 @@ class Engine:
         recovered request's generated tokens) run row by row, each exactly as the step that decoded
         it did, so the cache and every later step are bit for bit those of the uninterrupted request.
         The scheduler (primary_svc.worker) runs the same chunks one `step` at a time, interleaved
-        with other requests' work.
+        with other requests' work. `features_out`, when given, receives the features [1, C] of the last
+        prefilled row (step's `prefill_features_out`), when this call computed that row.
         """
         req = self._get(request_id)
         chunk_tokens = chunk_tokens or self.prefill_chunk_tokens
         if self.prefix_cache is not None and not self.is_cut_anywhere and chunk_tokens != self.prefill_chunk_tokens:
             raise ValueError(f"with a prefix cache this engine's prefills cut every {self.prefill_chunk_tokens} tokens")
+        last: dict[str, torch.Tensor] | None = {} if features_out is not None else None
         while self.num_to_prefill(request_id) > 0:
-            self.step([], [PrefillChunk(request_id, chunk_tokens)])
+            self.step([], [PrefillChunk(request_id, chunk_tokens)], prefill_features_out=last)
+        if features_out is not None and last:
+            features_out.append(last[request_id])
         return req.slot.num_cached
 
     def _chunk_end(self, req: _Request, max_tokens: int) -> tuple[int, int, bool]:
@@ -362,6 +368,7 @@ class Engine:
         works: Sequence[VerifyWork],
         chunks: Sequence[PrefillChunk],
         features_out: list[torch.Tensor] | None = None,
+        prefill_features_out: dict[str, torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """One forward over several requests' verify rows and prefill chunks; the verifies' logits.
 
@@ -371,6 +378,10 @@ class Engine:
 
         `features_out`, when given, receives per verify (in `works` order) the features of its logits
         rows [N+L+1, C] (`Transformer.forward`'s features_out: the final norm's output).
+        `prefill_features_out`, when given, receives for each chunk that ends its request's prefill the
+        features [1, C] of its last row (position num_cached - 1, whose next token is the pending
+        one), keyed by request id: that row joins the forward's logits rows (its logits are dropped;
+        a row's bits do not depend on the other rows there, `Transformer.forward`).
         """
         ids = [w.request_id for w in works] + [c.request_id for c in chunks]
         if len(set(ids)) != len(ids):
@@ -403,7 +414,7 @@ class Engine:
             logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
             num_rows += c + n
             reqs.append((req, c, w))
-        prefilled = []
+        prefilled, feature_chunks = [], []
         for chunk in chunks:
             req = self._requests[chunk.request_id]
             start, end, is_row_by_row = self._chunk_end(req, chunk.num_tokens)
@@ -417,10 +428,14 @@ class Engine:
             positions.append(torch.arange(start, end))
             num_rows += end - start
             prefilled.append((req, end))
+            if prefill_features_out is not None and end == len(req.token_ids) - 1:
+                feature_chunks.append(chunk.request_id)
+                logits_rows.append(torch.tensor([num_rows - 1]))  # the chunk's last row
         if not spans:
             return []
         rows = torch.cat(logits_rows) if logits_rows else torch.empty(0, dtype=torch.int64)
-        features: list[torch.Tensor] | None = [] if features_out is not None else None
+        is_features = features_out is not None or bool(feature_chunks)
+        features: list[torch.Tensor] | None = [] if is_features else None
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), spans, rows, features_out=features
         ).cpu()  # [sum(N+1), V] fp32
@@ -438,6 +453,9 @@ class Engine:
             if features_out is not None and features:
                 features_out.append(features[0][row : row + len(w.token_ids) + 1].cpu())
             row += len(w.token_ids) + 1
+        if prefill_features_out is not None and features:
+            for i, request_id in enumerate(feature_chunks):  # their rows follow every verify's
+                prefill_features_out[request_id] = features[0][row + i : row + i + 1].cpu()
         return out
 
     def check_verify(self, w: VerifyWork, is_evicted_ok: bool = False) -> None:

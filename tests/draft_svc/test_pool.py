@@ -10,12 +10,13 @@ import time
 import types
 from typing import ClassVar
 
+import numpy as np
 import pytest
 
 from draft_svc import pool as pool_module
 from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
 from draft_svc.strategies import model_free_registry
-from draft_svc.strategies.base import Candidate, DecoderRegistry
+from draft_svc.strategies.base import Candidate, DecoderRegistry, FeatureConsumer
 from draft_svc.strategies.suffix_index import SuffixIndex, SuffixIndexConfig
 from specdec.engine.tree import ROOT
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
@@ -264,3 +265,69 @@ def test_a_schema_compiles_outside_the_pools_lock():
     assert len(failures) == 1 and failures[0].field == "response_format"
     with pytest.raises(NotFound):  # a refused schema leaves no state behind
         pool.propose(ProposeArgs("json", new_token_ids=(5,)))
+
+
+class FeatureReader(Scripted):
+    """A Scripted decoder that also reads the primary's features (FeatureConsumer), logging each
+    extend and observe_features in order."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple] = []
+
+    def extend(self, token_ids) -> None:
+        super().extend(token_ids)
+        self.events.append(("extend", tuple(token_ids)))
+
+    def observe_features(self, position: int, features) -> None:
+        self.events.append(("features", position, features.copy()))
+
+
+def make_feature_pool(log: list) -> DraftPool:
+    free = DecoderRegistry()
+    free.register("p", functools.partial(Scripted, "p", ((A,),), log))
+    free.register("f", functools.partial(FeatureReader, "f", ((B,),), log))
+    return DraftPool(PoolConfig(strategies=("p", "f"), default_strategies=("p",)), free, DecoderRegistry(), Models())
+
+
+def test_feature_readers_get_the_features_after_the_committed_tokens_they_predict():
+    log: list = []
+    pool = make_feature_pool(log)
+    prompt = (1, 2, 3, 4, 5)
+    prefill_row = np.full((1, 4), 0.5, dtype=np.float32)  # predicts the last prompt token, position 4
+    pool.propose(
+        ProposeArgs("r", prompt_token_ids=prompt, strategies=("p", "f"), features=prefill_row, feature_position=4)
+    )
+    reader = next(d for d in log if isinstance(d, FeatureConsumer))
+    assert not any(isinstance(d, FeatureConsumer) for d in log if d is not reader)
+    assert reader.events[0] == ("extend", prompt)  # created in the call: caught up first
+    assert reader.events[1][:2] == ("features", 4) and np.array_equal(reader.events[1][2], prefill_row)
+    # A step accepted 2 drafts + a bonus (positions 5-7): 3 rows, after the tokens.
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    pool.propose(ProposeArgs("r", new_token_ids=(6, 7, 8), strategies=("p",), features=rows, feature_position=5))
+    assert reader.events[2] == ("extend", (6, 7, 8))  # not proposing this step, still hears both
+    assert reader.events[3][:2] == ("features", 5) and np.array_equal(reader.events[3][2], rows)
+    pool.propose(ProposeArgs("r", new_token_ids=(9,), strategies=("f",)))  # no features: a gap
+    assert reader.events[4:] == [("extend", (9,))]
+
+
+@pytest.mark.parametrize(
+    "position, rows, field",
+    [
+        (0, 1, "feature_position"),  # nothing predicts the first token
+        (7, 2, "feature_position"),  # position 8 is not committed (context: 8 tokens after the call)
+        (5, 0, "features"),
+    ],
+)
+def test_features_of_uncommitted_tokens_or_bad_rows_are_refused_and_change_nothing(position, rows, field):
+    log: list = []
+    pool = make_feature_pool(log)
+    pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 3, 4, 5), strategies=("f",)))
+    features = np.zeros((rows, 4), dtype=np.float32)
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", new_token_ids=(6, 7, 8), features=features, feature_position=position))
+    assert e.value.field == field
+    assert log[-1].context == [1, 2, 3, 4, 5]  # the refused call's tokens were not taken
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", new_token_ids=(6,), features=features.astype(np.float16), feature_position=5))
+    assert e.value.field == "features"

@@ -14,13 +14,18 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from draft_svc.__main__ import build
 from draft_svc.config import from_args
+from draft_svc.pool import ProposeArgs
 from draft_svc.primary_client import GrpcPrimaryClient
+from specdec import pb
 from specdec.engine.loading import config_to_json, load_model
+from specdec.features import encode_features
+from specdec.logits_shm import LogitsSlots
 from specdec.service.health import wait_for_serving
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import create_server
@@ -31,6 +36,7 @@ from specdec.weights.wire import manifest_to_pb
 REPO = Path(__file__).parents[2]
 MAX_CONTEXT = 256
 PROMPT = [1, 504, 3458, 282, 260, 2114, 30, 365, 504, 3458]
+FEATURES = common_pb2.Features(dtype="float16", num_rows=1, hidden_size=4, data=bytes(8))  # one row of zeros
 
 
 class FakePrimary(primary_pb2_grpc.PrimaryServiceServicer):
@@ -281,6 +287,32 @@ def test_attach_maps_a_good_manifest(draft, primary, owner):
         ({"max_nodes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "max_nodes"),
         ({"prompt_token_ids": [1, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
         ({"request_id": "x" * 129}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),  # the limit of every service
+        ({"features": FEATURES, "feature_position": 0}, grpc.StatusCode.INVALID_ARGUMENT, "feature_position"),
+        ({"features": FEATURES, "feature_position": len(PROMPT)}, grpc.StatusCode.INVALID_ARGUMENT, "feature_position"),
+        (
+            {"features": common_pb2.Features(dtype="float32", num_rows=1, hidden_size=4, data=bytes(16))},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "features.dtype",
+        ),
+        (
+            {"features": common_pb2.Features(dtype="float16", num_rows=1, hidden_size=4, data=bytes(6))},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "features.data",
+        ),
+        (
+            {
+                "features": common_pb2.Features(
+                    dtype="float16",
+                    num_rows=1,
+                    hidden_size=4,
+                    memory=common_pb2.MemoryHandle(
+                        kind=common_pb2.HANDLE_KIND_SHARED_MEMORY, segment_name="specdec-weights", num_bytes=8
+                    ),
+                )
+            },
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "features.memory.segment_name",
+        ),
     ],
 )
 def test_propose_errors_name_the_field(draft, fields, code, field):
@@ -424,3 +456,28 @@ def test_pool_info_lists_the_strategies_it_was_started_with(draft):
     stub, _, _ = draft
     info = stub.GetPoolInfo(draft_pb2.GetPoolInfoRequest(), timeout=10)
     assert list(info.strategies) == ["prompt_lookup", "early_exit", "layer_skip"]
+
+
+def test_propose_hands_features_inline_or_from_a_logits_slot_to_the_pool(draft, monkeypatch):
+    stub, pool, attacher = draft
+    seen: list[ProposeArgs] = []
+    propose = pool.propose
+    monkeypatch.setattr(pool, "propose", lambda args: seen.append(args) or propose(args))
+    rows = torch.randn(3, 8)  # a verify's root + 2 nodes
+    slots = LogitsSlots("primary-1")
+    try:
+        name, logits = slots.write("r", torch.randn(3, 50), "fp32", encode_features(rows))
+        handle = pb.features_handle_to_pb(name, encode_features(rows), len(logits.data), "primary-1")
+        accepted = pb.select_feature_rows(handle, [0, 2])  # root and node 1: the accepted path
+        stub.Propose(draft_pb2.ProposeRequest(request_id="r", prompt_token_ids=PROMPT))
+        stub.Propose(
+            draft_pb2.ProposeRequest(request_id="r", new_token_ids=[30, 31], features=accepted, feature_position=10)
+        )
+        inline = pb.features_to_pb(encode_features(rows[:1]))
+        stub.Propose(draft_pb2.ProposeRequest(request_id="r", new_token_ids=[32], features=inline, feature_position=12))
+    finally:
+        slots.release_all()
+    assert seen[0].features is None
+    assert seen[1].feature_position == 10 and np.array_equal(seen[1].features, rows.half().float().numpy()[[0, 2]])
+    assert seen[2].feature_position == 12 and np.array_equal(seen[2].features, rows.half().float().numpy()[:1])
+    stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r"))

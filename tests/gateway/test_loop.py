@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import pytest
 import redis
 import redis.asyncio
+import torch
 
 from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.call_deadlines import CallDeadlines, DeadlineRule
@@ -38,6 +39,7 @@ from gateway.loop import (
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
+from specdec import pb
 from specdec.errors import DeadlineExceeded, Internal, NotFound, StateLost, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
@@ -45,7 +47,10 @@ from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.aio import AsyncRedisStateStore
 from specdec.state_store.redis_store import RedisStateStore
 from specdec.state_store.memory import InMemoryStateStore
+from specdec.features import encode_features
+from specdec.strategies import FEATURE_STRATEGY
 from specdec.task_type import TaskType
+from specdec.v1 import common_pb2
 
 LOOKUP, SUFFIX = "prompt_lookup", "suffix_index"
 EOS, WRONG = 49, 45  # the fake primary never emits either
@@ -1221,3 +1226,83 @@ def test_a_request_ended_elsewhere_still_stops_and_is_not_written_back(redis_ser
     assert loop.outcome.finish_reason == "cancelled" and state is not None
     assert state.status == RequestStatus.CANCELLED and list(state.token_ids) == loop.outcome.token_ids
     assert 0 < len(loop.outcome.token_ids) < 40
+
+
+@dataclasses.dataclass
+class FeatureBackends(FakeBackends):
+    """FakeBackends whose primary returns features when asked: row r of a step is (the position of the
+    token it predicts, r), so a Propose shows which rows the loop forwarded and how it aligned them."""
+
+    num_feature_calls: int = 0
+    last_accepted: tuple[int, ...] = ()  # the last verify's greedy path
+
+    @staticmethod
+    def _features(rows: list[tuple[int, int]]) -> common_pb2.Features:
+        return pb.features_to_pb(encode_features(torch.tensor(rows, dtype=torch.float32)))
+
+    async def prefill(self, request_id, token_ids, num_prompt_tokens=0, *, return_features=False) -> Prefilled:
+        prefilled = await super().prefill(request_id, token_ids, num_prompt_tokens)
+        self.num_feature_calls += return_features
+        # its one row: the last prefilled token's, predicting the pending one (the last)
+        features = self._features([(len(token_ids) - 1, 0)]) if return_features else None
+        return dataclasses.replace(prefilled, features=features)
+
+    async def verify(
+        self,
+        request_id,
+        accepted_nodes,
+        committed_token_ids,
+        tree,
+        logits_format,
+        allowed=None,
+        *,
+        return_features=False,
+    ) -> Verified:
+        verified = await super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
+        self.num_feature_calls += return_features
+        self.last_accepted = tuple(self._greedy_path(tree, verified.argmax_token_ids)[0])
+        pending = len(self.primary_context)  # the root row predicts the token after the committed ones
+        depths = [0]
+        for parent in tree.parents:
+            depths.append(depths[parent + 1] + 1)
+        features = self._features([(pending + depths[r], r) for r in range(tree.num_nodes + 1)])
+        return dataclasses.replace(verified, features=features if return_features else None)
+
+    async def propose(self, *args, features=None, feature_position=0, **kwargs) -> DraftTree:
+        tree = await super().propose(*args, **kwargs)
+        rows = None if features is None else pb.features_from_pb(features).astype(int).tolist()
+        self.calls[-1][1].update(features=rows, feature_position=feature_position, accepted=self.last_accepted)
+        return tree
+
+
+@pytest.mark.parametrize("is_continuing", [False, True])
+def test_a_feature_strategy_gets_the_latest_steps_rows_of_its_committed_tokens_with_their_position(is_continuing):
+    backends = FeatureBackends(is_lookup_right=lambda n: n % 4 != 0, is_continuing=is_continuing)
+    params = make_params(is_adaptive=False, degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY))
+    loop = run(params, backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)  # greedy output unchanged
+    proposes = [args for name, args in backends.calls if name == "propose"]
+    verifies = [args for name, args in backends.calls if name == "verify"]
+    assert backends.num_feature_calls == 1 + len(verifies)  # the prefill and every verify asked
+    first = proposes[0]
+    assert first["features"] == [[len(PROMPT) - 1, 0]] and first["feature_position"] == len(PROMPT) - 1
+    num_carried = 0
+    for p in proposes[1:]:
+        # The root row and the accepted nodes' rows, in path order; row i predicts position + i.
+        assert [row for _, row in p["features"]] == [0, *(n + 1 for n in p["accepted"])]
+        assert [pos for pos, _ in p["features"]] == list(
+            range(p["feature_position"], p["feature_position"] + len(p["features"]))
+        )
+        # the rows predict the newest committed tokens; a step drafted from a continuation leaves a gap before them
+        num_carried += len(p["new"]) > len(p["features"])
+        assert p["feature_position"] + len(p["features"]) == len(PROMPT) + sum(
+            len(q["new"]) for q in proposes[1 : proposes.index(p) + 1]
+        )
+    assert (num_carried > 0) == is_continuing
+
+
+def test_without_a_feature_strategy_no_call_asks_for_features():
+    backends = FeatureBackends()
+    run(make_params(is_adaptive=False, degree=2, draft_length=4), backends)
+    assert backends.num_feature_calls == 0
+    assert all(args["features"] is None for name, args in backends.calls if name == "propose")

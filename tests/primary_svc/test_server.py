@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from primary_svc.leases import KVLeases
 from primary_svc.run_grammars import RunGrammars
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
-from specdec.engine.engine import Engine
+from specdec.engine.engine import Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec import pb
@@ -130,6 +131,57 @@ def test_prefill_verify_commit_decode_release(primary):
     assert stub.ExportWeights(primary_pb2.ExportWeightsRequest()).manifest.memory.segment_name
     freed = stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="r", kv_lease=lease)).freed_kv_bytes
     assert freed > 0 and stub.GetStats(primary_pb2.GetStatsRequest()).kv_bytes == 0
+
+
+def fp16(features: torch.Tensor) -> np.ndarray:
+    """Features as the wire rounds them (float32 activations travel as float16)."""
+    return features.half().float().numpy()
+
+
+def test_features_come_back_as_the_engine_computes_them_and_leave_the_logits_as_they_were(primary):
+    stub, engine, servicer, _ = primary
+    hidden_size = servicer.loaded.config.hidden_size
+    # Prefill: one row, the last prefilled token's (position len - 2), which predicts the pending token.
+    p = stub.Prefill(primary_pb2.PrefillRequest(request_id="f", token_ids=PROMPT, return_features=True))
+    assert (p.features.dtype, p.features.num_rows, p.features.hidden_size) == ("float16", 1, hidden_size)
+    g = stub.Prefill(primary_pb2.PrefillRequest(request_id="g", token_ids=PROMPT))
+    assert not g.HasField("features")
+
+    def references(e: Engine) -> tuple[list, list]:
+        prefilled: list[torch.Tensor] = []
+        e.open("ref", PROMPT)
+        e.prefill("ref", features_out=prefilled)
+        e.release("ref")
+        e.open("ref", PROMPT[:-1])  # its pending token is the row above: a verify's root row there
+        e.prefill("ref")
+        root: list[torch.Tensor] = []
+        e.step([VerifyWork("ref", [], [])], [], features_out=root)
+        e.release("ref")
+        return prefilled, root
+
+    prefilled, root = servicer.worker.call(references)
+    assert np.array_equal(pb.features_from_pb(p.features), fp16(prefilled[0]))
+    np.testing.assert_allclose(pb.features_from_pb(p.features), root[0].numpy(), rtol=2e-3, atol=2e-3)
+    # Verify: every logits row's (root, 3 nodes; not the lookahead's), inline or after the logits in the slot.
+    tree = common_pb2.TokenTree(token_ids=[700, 701, 702], parents=[-1, 0, -1])
+    lookahead = common_pb2.TokenTree(token_ids=[900, 901], parents=[-1, 0])
+    ask = dict(request_id="f", tree=tree, kv_lease=p.kv_lease, logits_format=common_pb2.LOGITS_FORMAT_FP32)
+    plain = stub.Verify(primary_pb2.VerifyRequest(**ask))
+    inline = stub.Verify(primary_pb2.VerifyRequest(**ask, return_features=True, lookahead=lookahead))
+    shm = stub.Verify(primary_pb2.VerifyRequest(**ask, return_features=True, return_handle=True))
+    rows: list[torch.Tensor] = []
+    servicer.worker.call(lambda e: e.step([VerifyWork("f", [700, 701, 702], [-1, 0, -1])], [], features_out=rows))
+    assert not plain.HasField("features")
+    assert inline.features.num_rows == 4 and not inline.features.HasField("memory")
+    assert np.array_equal(pb.features_from_pb(inline.features), fp16(rows[0]))
+    assert shm.features.memory.segment_name == shm.logits.handle.memory.segment_name  # one slot, one lifecycle
+    assert np.array_equal(pb.features_from_pb(shm.features), fp16(rows[0]))
+    expected = logits_from_pb(plain.logits, "logits")
+    for v in (inline, shm):
+        assert torch.equal(logits_from_pb(v.logits, "logits"), expected)
+        assert list(v.argmax_token_ids) == list(plain.argmax_token_ids)
+    for request_id, lease in (("f", p.kv_lease), ("g", g.kv_lease)):
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id, kv_lease=lease))
 
 
 @pytest.mark.parametrize(

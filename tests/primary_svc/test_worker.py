@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from primary_svc import step_report
 from primary_svc.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
 from primary_svc.worker import EngineWorker
-from specdec.engine.engine import PREFILL_CHUNK_TOKENS, Engine
+from specdec.engine.engine import PREFILL_CHUNK_TOKENS, Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import load_model
@@ -458,5 +458,48 @@ def test_a_step_waits_for_the_requests_coming_back_and_not_for_the_others(fp32_m
         worker.call(lambda e: e.release("b"))
         worker.verify("a", (), [1], (), ())
         assert worker.step_history[-1].num_verify_items == 1
+    finally:
+        worker.stop()
+
+
+def test_features_asked_in_a_shared_step_are_each_requests_own_and_change_no_logits_int4(int4_model):
+    """int4 (batch invariant, one forward for every item): the features a prefill or verify asks for
+    equal those of the request run alone, beside items that ask for none, whose results keep their bits."""
+    prompts = {f"p{i}": LONG_PROMPT[: 100 + i] for i in range(3)}  # one chunk each: one step for all
+    tree = ([700, 701], [-1, 0])
+    probe = new_engine(int4_model)
+    want_prefill, want_rows, want_logits = {}, {}, {}
+    for rid, prompt in prompts.items():
+        probe.open(rid, prompt)
+        out: list[torch.Tensor] = []
+        probe.prefill(rid, features_out=out)
+        want_prefill[rid] = out[0]
+    for rid in ("p0", "p1"):
+        rows: list[torch.Tensor] = []
+        want_logits[rid] = probe.step([VerifyWork(rid, *tree)], [], features_out=rows)[0]
+        want_rows[rid] = rows[0]
+    worker = EngineWorker(new_engine(int4_model), max_step_tokens=512, prefill_chunk_tokens=128)
+    try:
+        paused = Paused(worker)
+        features: dict[str, list[torch.Tensor]] = {"p0": [], "p2": []}
+        with ThreadPoolExecutor(3) as pool:
+            futures = [
+                pool.submit(worker.prefill, rid, p, features_out=features.get(rid)) for rid, p in prompts.items()
+            ]
+            paused.release_when_queued(3)
+            assert [f.result() for f in futures] == [99, 100, 101]
+        assert worker.step_history[-1].num_prefill_chunks == 3 and worker.step_history[-1].num_forwards == 1
+        for rid in ("p0", "p2"):
+            assert len(features[rid]) == 1 and torch.equal(features[rid][0], want_prefill[rid])
+        paused = Paused(worker)
+        rows = []
+        with ThreadPoolExecutor(2) as pool:
+            asked = pool.submit(worker.verify, "p0", [], [], *tree, features_out=rows)
+            other = pool.submit(worker.verify, "p1", [], [], *tree)
+            paused.release_when_queued(2)
+            (logits0, _), (logits1, _) = asked.result(), other.result()
+        assert worker.step_history[-1].num_verify_items == 2
+        assert torch.equal(rows[0], want_rows["p0"]) and rows[0].shape[0] == 3  # root + 2 nodes
+        assert torch.equal(logits0, want_logits["p0"]) and torch.equal(logits1, want_logits["p1"])
     finally:
         worker.stop()
