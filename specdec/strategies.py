@@ -72,10 +72,14 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy("grammar", GRAMMAR, DraftCost(fixed=0.005)),
     Strategy("early_exit", MODEL, DraftCost(per_token=0.75)),
     Strategy("layer_skip", MODEL, DraftCost(per_token=0.85)),
+    # EAGLE-2 trees from a trained feature drafter (draft_svc/strategies/feature.py): one small layer
+    # and the N-row head per depth; offered only where its file loads for the attached model
+    Strategy("feature", MODEL, DraftCost(per_token=0.05)),
 )
 NAMES = tuple(s.name for s in STRATEGIES)
 GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; the gateway adds them to constrained requests
 CORPUS_STRATEGY = "corpus"
+FEATURE_STRATEGY = "feature"
 # A request that names no strategy: the cheap model-free ones that need no index built.
 DEFAULT_STRATEGIES = ("prompt_lookup", "suffix_index")
 # Offered by the pool beside those without being a default: lookahead costs nothing until a request

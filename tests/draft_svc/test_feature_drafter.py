@@ -339,3 +339,22 @@ def test_a_drafter_of_another_model_is_refused_when_the_weights_attach(tmp_path)
     assert "'feature'" in str(e.value) and str(tmp_path / "d.safetensors") in str(e.value)
     proposal = pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 1), strategies=("prompt_lookup",)))
     assert proposal.tree.decoders == ("prompt_lookup",)
+
+
+def test_tree_attention_gives_each_beam_row_what_its_chain_alone_gives():
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, 20)
+    decoder = started(drafter, shared, token_ids, features, FeatureTreeConfig(top_k=3, beam=3))
+    with torch.inference_mode():
+        head_ids, parents, cum_probs = decoder._grow(4)
+    assert len(head_ids) == 3 + 3 * 9  # depth 1: top 3; depths 2..4: 3 beam rows x 3 children
+    vocab = shared.vocab.tolist()
+    for node in range(len(head_ids)):
+        path = []
+        n = node
+        while n >= 0:
+            path.append(vocab[head_ids[n]])
+            n = parents[n]
+        path.reverse()
+        want = torch.tensor([prob_of(decoder, shared, tuple(path[:i]), path[i]) for i in range(len(path))]).prod()
+        torch.testing.assert_close(cum_probs[node], want, atol=1e-5, rtol=1e-4)
