@@ -127,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     servicer, pool, attacher = build(config, client, metrics, grammars, corpus)
     log.info(
         "draft_pool_configured",
-        strategies=list(config.pool.strategies),
-        default_strategies=list(config.pool.default_strategies),
+        strategies=list(pool.config.strategies),  # less a feature drafter whose file did not load
+        default_strategies=list(pool.config.default_strategies),
         primary_address=config.primary_address,
     )
 

@@ -414,14 +414,15 @@ class DraftPool:
         model-based strategy has no attached weights."""
         if name in self._model_based:
             attached = self._models.current_model()
-            if attached is None or self._refusal(name) is not None:
+            if attached is None:
+                return None
+            if self._refusal(name) is not None:  # e.g. new weights its drafter file was not trained for
+                _release_decoder(request, name)
                 return None
             instance_id, model = attached
             if request.model_instance.get(name) != instance_id:
                 # New weights (the primary restarted): the old decoder's cache belongs to the old ones.
-                old = request.decoders.pop(name, None)
-                if old is not None and hasattr(old, "release"):
-                    old.release()
+                _release_decoder(request, name)
                 request.decoders[name] = self._model_based.create(name, model=model)
                 request.decoders[name].extend(request.token_ids)
                 request.model_instance[name] = instance_id
@@ -513,6 +514,13 @@ def within_grammar(grammar: GrammarState, candidate: Candidate) -> Candidate:
 def _num_nodes_from(tree: TokenTree, decoder: str) -> int:
     bits = sum(1 << i for i, name in enumerate(tree.decoders) if name == decoder)
     return sum(1 for sources in tree.node_sources if sources & bits)
+
+
+def _release_decoder(request: _Request, name: str) -> None:
+    old = request.decoders.pop(name, None)
+    request.model_instance.pop(name, None)
+    if old is not None and hasattr(old, "release"):
+        old.release()
 
 
 def _release_decoders(request: _Request) -> None:

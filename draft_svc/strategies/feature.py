@@ -338,6 +338,9 @@ class FeatureDrafterSource:
             self._log.warning("feature_drafter_refused", path=str(self.path), reason=self._model_error)
             return None
         drafter = self._file.drafter()
+        # Rotary tables for every position now: requests share the drafter, and a table grown while
+        # another thread reads it could hand that thread a mismatched pair
+        drafter.rotary.tables(torch.tensor([max(1, getattr(model, "max_positions", 1)) - 1]))
         self._parts = drafter, shared_parts(model, self._file.vocab, drafter.config.rms_norm_eps)
         self._log.info("feature_drafter_bound", path=str(self.path), draft_vocab_size=drafter.config.draft_vocab_size)
         return self._parts

@@ -358,3 +358,43 @@ def test_tree_attention_gives_each_beam_row_what_its_chain_alone_gives():
         path.reverse()
         want = torch.tensor([prob_of(decoder, shared, tuple(path[:i]), path[i]) for i in range(len(path))]).prod()
         torch.testing.assert_close(cum_probs[node], want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_pool_hands_a_tree_decoder_the_node_budget_and_refuses_requests_naming_it_when_refused():
+    seen: list[int] = []
+    released: list[bool] = []
+    reason: list[str] = []
+
+    def refusal(name: str) -> str | None:
+        return reason[0] if reason and name == "feature" else None
+
+    class Budgeted:
+        name = "feature"
+        takes_max_nodes = True
+
+        def __init__(self, model) -> None:
+            pass
+
+        def extend(self, token_ids) -> None:
+            pass
+
+        def propose(self, max_tokens: int, max_candidates: int = 1, *, max_nodes: int = 0):
+            seen.append(max_nodes)
+            return ()
+
+        def release(self) -> None:
+            released.append(True)
+
+    based = DecoderRegistry()
+    based.register("feature", Budgeted)
+    config = PoolConfig(strategies=("prompt_lookup", "feature"), default_strategies=("prompt_lookup",))
+    pool = DraftPool(config, model_free_registry(), based, Models(object()), refusal=refusal)
+    pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=("feature", "feature"), draft_length=4))
+    pool.propose(ProposeArgs("r", strategies=("feature",), draft_length=4, max_nodes=3))
+    assert seen == [8, 3]  # degree x draft_length by default, else the request's max_nodes
+    reason.append("drafter file x was trained for model a, but the primary serves model b")
+    with pytest.raises(InvalidArgument, match="'feature' is not served by this pool: drafter file x"):
+        pool.propose(ProposeArgs("r", strategies=("feature",)))
+    assert pool.propose(ProposeArgs("r", strategies=("prompt_lookup",))).tree.decoders == ("prompt_lookup",)
+    pool.release("r", is_finished=False)
+    assert released == [True]
