@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -18,6 +19,7 @@ from draft_svc.primary_client import GrpcPrimaryClient
 from draft_svc.server import DraftServicer
 from draft_svc.strategies import DecoderRegistry, model_free_registry
 from draft_svc.strategies.corpus import PendingCorpusIndex
+from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource
 from draft_svc.strategies.grammar_forced import register_grammar_decoder
 from draft_svc.strategies.self_draft import self_draft_registry
 from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixIndex
@@ -43,11 +45,14 @@ def build(
     """The servicer and what it runs on; the attacher's monitor is not started yet. `grammars` is
     needed when the pool offers grammar-forced drafts, `corpus` (the index) when it offers corpus drafts."""
     model_based = self_draft_registry(config.self_draft)
+    config, feature = _feature_drafter(config, model_based)
 
     def check_model(model) -> None:
         # Resolve the configured layers against the model now, not in a request.
         for name in config.pool.strategies:
-            if name in model_based:
+            if name == FeatureDecoder.name and feature is not None:
+                feature.bind(model)  # a drafter of another model is refused (logged), not the weights
+            elif name in model_based:
                 model_based.create(name, model=model)
 
     # Without model-based strategies the primary is still asked for its vocabulary (to validate
@@ -75,8 +80,27 @@ def build(
         suffix_index=index,
         grammar_based=grammar_based,
         grammars=grammars,
+        refusal=None if feature is None else feature.refusal_of,
     )
     return DraftServicer(pool, attacher, metrics), pool, attacher
+
+
+def _feature_drafter(
+    config: DraftConfig, model_based: DecoderRegistry
+) -> tuple[DraftConfig, FeatureDrafterSource | None]:
+    """Read the feature drafter's file once and register its decoder; a file that is missing or
+    unreadable takes the strategy off the pool's list (logged; requests naming it are told why)."""
+    if not config.has_feature_strategy:
+        return config, None
+    feature = FeatureDrafterSource(config.feature_drafter)
+    if feature.is_loaded:
+        model_based.register(FeatureDecoder.name, feature.create)
+        return config, feature
+    structlog.get_logger("draft_svc").warning("feature_drafter_unavailable", reason=feature.refusal())
+    kept = tuple(n for n in config.pool.strategies if n != FeatureDecoder.name)
+    defaults = tuple(n for n in config.pool.default_strategies if n != FeatureDecoder.name) or kept[:1]
+    pool = dataclasses.replace(config.pool, strategies=kept, default_strategies=defaults)
+    return dataclasses.replace(config, pool=pool), feature
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -103,8 +127,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     servicer, pool, attacher = build(config, client, metrics, grammars, corpus)
     log.info(
         "draft_pool_configured",
-        strategies=list(config.pool.strategies),
-        default_strategies=list(config.pool.default_strategies),
+        strategies=list(pool.config.strategies),  # less a feature drafter whose file did not load
+        default_strategies=list(pool.config.default_strategies),
         primary_address=config.primary_address,
     )
 

@@ -13,7 +13,7 @@ Environment (compose.yaml sets the first five for every service):
     SPECDEC_DRAFT_LENGTH, SPECDEC_DRAFT_THREADS, SPECDEC_DRAFT_EARLY_EXIT_LAYERS,
     SPECDEC_DRAFT_SKIPPED_LAYERS, SPECDEC_DRAFT_MAX_CONTEXT, SPECDEC_DRAFT_ATTACH_POLL_S,
     SPECDEC_DRAFT_CORPUS_SOURCES, SPECDEC_DRAFT_CORPUS_PATHS, SPECDEC_DRAFT_CORPUS_MAX_TOKENS,
-    SPECDEC_DRAFT_CORPUS_CACHE_DIR,
+    SPECDEC_DRAFT_CORPUS_CACHE_DIR, SPECDEC_DRAFT_FEATURE_DRAFTER,
     SPECDEC_MODEL_PATH, SPECDEC_CACHE_DIR, SPECDEC_SERVICE_TOKEN_FILE, SPECDEC_ALLOW_UNAUTHENTICATED
 """
 
@@ -39,8 +39,16 @@ MODEL_FREE_STRATEGIES = strategies.names_of(strategies.MODEL_FREE)
 GRAMMAR_STRATEGIES = strategies.names_of(strategies.GRAMMAR)
 MODEL_STRATEGIES = strategies.names_of(strategies.MODEL)
 # Offered by default: the requests' defaults, lookahead (it costs nothing until a request or the
-# gateway's default set names it), and grammar-forced drafts for constrained requests.
-OFFERED_STRATEGIES = strategies.DEFAULT_STRATEGIES + (strategies.LOOKAHEAD_STRATEGY,) + GRAMMAR_STRATEGIES
+# gateway's default set names it), grammar-forced drafts for constrained requests, and the feature
+# drafter (dropped, with a log line, when its file does not load: draft_svc/__main__.py).
+OFFERED_STRATEGIES = (
+    strategies.DEFAULT_STRATEGIES
+    + (strategies.LOOKAHEAD_STRATEGY,)
+    + GRAMMAR_STRATEGIES
+    + (strategies.FEATURE_STRATEGY,)
+)
+# The shipped drafter of the default model (trained by draft_svc/heads/train.py)
+DEFAULT_FEATURE_DRAFTER = Path(__file__).parent / "heads" / "trained" / "smollm2-135m-instruct.safetensors"
 DEFAULT_PORT = 50052
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
@@ -52,6 +60,7 @@ class DraftConfig:
     self_draft: SelfDraftConfig = SelfDraftConfig()
     suffix_index: SuffixIndexConfig = SuffixIndexConfig()
     corpus: CorpusConfig = CorpusConfig()  # the corpus decoder's index, when the pool offers it
+    feature_drafter: Path = DEFAULT_FEATURE_DRAFTER  # the feature decoder's drafter file
     primary_address: str = NO_PRIMARY
     attach_poll_s: float = 5.0  # how often the primary's instance id is checked
     max_context: int = 0  # rotary table length of the draft model; 0 = the primary's context
@@ -80,6 +89,10 @@ class DraftConfig:
     @property
     def has_corpus_strategy(self) -> bool:
         return strategies.CORPUS_STRATEGY in self.pool.strategies
+
+    @property
+    def has_feature_strategy(self) -> bool:
+        return strategies.FEATURE_STRATEGY in self.pool.strategies
 
     @property
     def has_model_strategies(self) -> bool:
@@ -180,6 +193,13 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
         shared=False,
         help="comma-separated layers the layer-skip decoder skips (default: every other one from L/4 to 2L/3)",
     )
+    flags.add(
+        "--feature_drafter",
+        str(DEFAULT_FEATURE_DRAFTER),
+        shared=False,
+        help="the feature decoder's drafter file (draft_svc/heads/file.py); when it is missing or was trained "
+        "for another model the pool serves without the feature strategy",
+    )
     flags.add("--max_context", 0, shared=False)
     flags.add("--attach_poll_s", 5.0, shared=False)
     add_service_token_arguments(flags)
@@ -204,6 +224,7 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
             model_path=a.model_path or None,
             cache_dir=Path(a.cache_dir),
             corpus=corpus_config(a),
+            feature_drafter=Path(a.feature_drafter),
             service_token_file=a.service_token_file,
             is_unauthenticated_allowed=a.allow_unauthenticated,
         )

@@ -40,7 +40,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Protocol
 
@@ -183,10 +183,13 @@ class DraftPool:
         *,
         grammar_based: DecoderRegistry | None = None,
         grammars: GrammarCache | None = None,
+        refusal: Callable[[str], str | None] | None = None,
     ) -> None:
         """`grammar_based` decoders are created with the request's response_format (requests without
         one get no candidate from them); `grammars` compiles those formats for the pool's own check
-        that every proposed token is one the grammar allows."""
+        that every proposed token is one the grammar allows. `refusal(name)` says why a strategy
+        cannot serve (a feature drafter whose file is missing or was trained for another model), or
+        None: a request naming a refused strategy gets INVALID_ARGUMENT with that reason."""
         grammar_based = grammar_based or DecoderRegistry()
         if grammar_based.names() and grammars is None:
             raise ValueError("grammar-based strategies need a GrammarCache")
@@ -197,6 +200,7 @@ class DraftPool:
         self._model_free, self._model_based, self._models = model_free, model_based, models
         self._grammar_based, self._grammars = grammar_based, grammars
         self._suffix_index = suffix_index
+        self._refusal = refusal or _never_refused
         self._requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()  # LRU order
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(config.num_threads, thread_name_prefix="draft")
@@ -235,7 +239,7 @@ class DraftPool:
             try:
                 self._observe_features(request.features, request.decoders.values())
                 extra = args.continuation_length if request.grammar is None else 0
-                candidates, steps = self._run_decoders(request, entries, draft_length, extra)
+                candidates, steps = self._run_decoders(request, entries, draft_length, extra, max_nodes)
             finally:
                 request.features = None
             if request.grammar is not None:
@@ -254,6 +258,8 @@ class DraftPool:
         check_request_id(args.request_id)
         names = args.strategies or c.default_strategies
         for name in names:
+            if (reason := self._refusal(name)) is not None:
+                raise InvalidArgument("strategies", f"{name!r} is not served by this pool: {reason}")
             if name not in c.strategies:
                 raise InvalidArgument("strategies", f"{name!r} is not one of this pool's {list(c.strategies)}")
         degree = args.speculative_degree or len(names)
@@ -408,7 +414,12 @@ class DraftPool:
         return (), ()
 
     def _run_decoders(
-        self, request: _Request, entries: list[tuple[str, int]], draft_length: int, extra: int = 0
+        self,
+        request: _Request,
+        entries: list[tuple[str, int]],
+        draft_length: int,
+        extra: int = 0,
+        max_nodes: int = 0,
     ) -> tuple[list[Candidate], list[DecoderStep]]:
         """Each entry's candidate; a model-free decoder asked for one answer runs `extra` tokens past
         draft_length (free for it; a model-based decoder pays per token, and a decoder ranking
@@ -421,7 +432,7 @@ class DraftPool:
         # microseconds, less than handing them to another thread.
         heavy = [name for name in runnable if name in self._model_based]
         futures = {
-            name: self._executor.submit(_timed_propose, runnable[name], draft_length, num_ranks[name])
+            name: self._executor.submit(_timed_propose, runnable[name], draft_length, num_ranks[name], max_nodes)
             for name in heavy[1:]
         }
         try:
@@ -430,6 +441,7 @@ class DraftPool:
                     runnable[name],
                     draft_length + (extra if num_ranks[name] == 1 and name not in self._model_based else 0),
                     num_ranks[name],
+                    max_nodes,
                 )
                 for name in runnable
                 if name not in futures
@@ -451,12 +463,13 @@ class DraftPool:
             attached = self._models.current_model()
             if attached is None:
                 return None
+            if self._refusal(name) is not None:  # e.g. new weights its drafter file was not trained for
+                _release_decoder(request, name)
+                return None
             instance_id, model = attached
             if request.model_instance.get(name) != instance_id:
                 # New weights (the primary restarted): the old decoder's cache belongs to the old ones.
-                old = request.decoders.pop(name, None)
-                if old is not None and hasattr(old, "release"):
-                    old.release()
+                _release_decoder(request, name)
                 request.decoders[name] = self._model_based.create(name, model=model)
                 request.decoders[name].extend(request.token_ids)
                 request.model_instance[name] = instance_id
@@ -496,9 +509,18 @@ class DraftPool:
         return 0
 
 
-def _timed_propose(decoder: DraftDecoder, max_tokens: int, max_candidates: int) -> tuple[tuple[Candidate, ...], float]:
+def _never_refused(name: str) -> None:
+    return None
+
+
+def _timed_propose(
+    decoder: DraftDecoder, max_tokens: int, max_candidates: int, max_nodes: int = 0
+) -> tuple[tuple[Candidate, ...], float]:
     started = time.perf_counter()
-    candidates = decoder.propose(max_tokens, max_candidates)
+    if getattr(decoder, "takes_max_nodes", False):  # a tree decoder sizes its tree to the step's node budget
+        candidates = decoder.propose(max_tokens, max_candidates, max_nodes=max_nodes)  # type: ignore[call-arg]
+    else:
+        candidates = decoder.propose(max_tokens, max_candidates)
     return candidates, (time.perf_counter() - started) * 1e3
 
 
@@ -542,6 +564,13 @@ def within_grammar(grammar: GrammarState, candidate: Candidate) -> Candidate:
 def _num_nodes_from(tree: TokenTree, decoder: str) -> int:
     bits = sum(1 << i for i, name in enumerate(tree.decoders) if name == decoder)
     return sum(1 for sources in tree.node_sources if sources & bits)
+
+
+def _release_decoder(request: _Request, name: str) -> None:
+    old = request.decoders.pop(name, None)
+    request.model_instance.pop(name, None)
+    if old is not None and hasattr(old, "release"):
+        old.release()
 
 
 def _release_decoders(request: _Request) -> None:

@@ -63,6 +63,11 @@ class Strategy:
 # self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without
 # fine-tuning (docs/architecture.md, Measurements); lookahead's n-gram pool lookup costs
 # microseconds, its Jacobi window LOOKAHEAD_ROWS verify rows (draft_svc/strategies/lookahead.py).
+# The feature drafter (EAGLE-style: a learned decoder layer over the primary's own last hidden
+# states, draft_svc/heads/): a request naming it has the primary return its features with each
+# Prefill and Verify, and the gateway forwards them to the pool with the next Propose
+# (specdec/features.py).
+FEATURE_STRATEGY = "feature"
 STRATEGIES: tuple[Strategy, ...] = (
     Strategy("prompt_lookup", MODEL_FREE, DraftCost(fixed=0.002)),
     Strategy("suffix_index", MODEL_FREE, DraftCost(fixed=0.004)),
@@ -72,6 +77,9 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy("grammar", GRAMMAR, DraftCost(fixed=0.005)),
     Strategy("early_exit", MODEL, DraftCost(per_token=0.75)),
     Strategy("layer_skip", MODEL, DraftCost(per_token=0.85)),
+    # EAGLE-2 trees from a trained feature drafter (draft_svc/strategies/feature.py): one small layer
+    # and the N-row head per depth; offered only where its file loads for the attached model
+    Strategy(FEATURE_STRATEGY, MODEL, DraftCost(per_token=0.05)),
 )
 NAMES = tuple(s.name for s in STRATEGIES)
 GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; the gateway adds them to constrained requests
@@ -81,12 +89,6 @@ DEFAULT_STRATEGIES = ("prompt_lookup", "suffix_index")
 # Offered by the pool beside those without being a default: lookahead costs nothing until a request
 # (or the gateway's default set) names it.
 LOOKAHEAD_STRATEGY = "lookahead"
-# The feature drafter (EAGLE-style: a learned decoder layer over the primary's own last hidden
-# states, draft_svc/heads/): a request naming it has the primary return its features with each
-# Prefill and Verify, and the gateway forwards them to the pool with the next Propose
-# (specdec/features.py). Not in STRATEGIES until the pool registers its decoder: its entry is then
-# Strategy(FEATURE_STRATEGY, MODEL, DraftCost(per_token=0.05)) (a decoder layer, not the 30 layers).
-FEATURE_STRATEGY = "feature"
 FEATURE_STRATEGIES = frozenset({FEATURE_STRATEGY})  # the strategies that read the primary's features
 
 

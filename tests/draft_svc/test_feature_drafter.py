@@ -1,0 +1,400 @@
+"""The feature decoder (EAGLE-2 trees over the primary's features): incremental drafting equals the
+whole-sequence reference (`unrolled`), the tree's shape, the features' bookkeeping (gaps, overlaps,
+window), and the pool's handling of its file (refused files, requests naming it without one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+import structlog
+import structlog.testing
+import torch
+
+from draft_svc.heads import file as drafter_file
+from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts, model_fingerprint, unrolled
+from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
+from draft_svc.strategies import DecoderRegistry, model_free_registry
+from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource, FeatureTreeConfig
+from specdec.errors import InvalidArgument
+
+TINY = DrafterConfig(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    vocab_size=50,
+    draft_vocab_size=20,
+    max_window=512,
+)
+
+
+def tiny_parts(config: DrafterConfig = TINY, seed: int = 0) -> tuple[FeatureDrafter, SharedParts]:
+    torch.manual_seed(seed)
+    drafter = FeatureDrafter(config).eval().requires_grad_(False)
+    table = torch.randn(config.vocab_size, config.hidden_size)
+    vocab = torch.randperm(config.vocab_size)[: config.draft_vocab_size]
+    shared = SharedParts(
+        embed=lambda ids: table[ids],
+        final_norm=1 + 0.1 * torch.randn(config.hidden_size),
+        head=4 * torch.randn(config.draft_vocab_size, config.hidden_size),  # peaked enough for distinct argmaxes
+        vocab=vocab,
+        eps=config.rms_norm_eps,
+    )
+    return drafter, shared
+
+
+def model_parts(model, num_draft_vocab: int = 2048, seed: int = 0) -> tuple[FeatureDrafter, SharedParts]:
+    from draft_svc.heads.model import shared_parts
+
+    torch.manual_seed(seed)
+    config = DrafterConfig.for_model(model.config, num_draft_vocab)
+    drafter = FeatureDrafter(config).eval().requires_grad_(False)
+    return drafter, shared_parts(model, torch.arange(num_draft_vocab), config.rms_norm_eps)
+
+
+def context(config: DrafterConfig, num_tokens: int, seed: int = 1) -> tuple[list[int], torch.Tensor]:
+    """Token ids x_0..x_{T-1} and features F [T-1, C]: row i predicts the token at position 1 + i."""
+    g = torch.Generator().manual_seed(seed)
+    token_ids = torch.randint(0, config.vocab_size, (num_tokens,), generator=g).tolist()
+    return token_ids, torch.randn(num_tokens - 1, config.hidden_size, generator=g)
+
+
+def reference(drafter, shared, token_ids, features, draft_ids) -> list[torch.Tensor]:
+    """unrolled's f^ of a chain: after the context, then after each draft token (rows past the
+    context pair a dummy feature with the draft token; pass d at the context's last index + d - 1)."""
+    num_ctx = len(token_ids)
+    ids = torch.tensor(token_ids[1:] + list(draft_ids))
+    rows = torch.cat((features, torch.zeros(len(draft_ids), features.shape[1])))
+    positions = torch.arange(1, num_ctx + len(draft_ids))
+    out = unrolled(
+        drafter,
+        shared,
+        rows[None],
+        shared.embed(ids).float()[None],
+        positions[None],
+        torch.ones(1, len(ids), dtype=torch.bool),
+        len(draft_ids) + 1,
+    )
+    return [out[d][0, num_ctx - 2 + d] for d in range(len(draft_ids) + 1)]
+
+
+def started(drafter, shared, token_ids, features, tree=None) -> FeatureDecoder:
+    decoder = FeatureDecoder(drafter, shared, tree or FeatureTreeConfig())
+    decoder.extend(token_ids)
+    decoder.observe_features(1, features.numpy())
+    return decoder
+
+
+def greedy_chain(decoder: FeatureDecoder, shared, depth: int) -> list[int]:
+    chain: list[int] = []
+    for _ in range(depth):
+        f = decoder.features_along(chain)[-1]
+        chain.append(int(shared.vocab[shared.logits(f).argmax()]))
+    return chain
+
+
+@pytest.mark.parametrize("num_tokens", [2, 9])
+def test_incremental_chain_equals_unrolled_tiny(num_tokens):
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, num_tokens)
+    decoder = started(drafter, shared, token_ids, features)
+    chain = greedy_chain(decoder, shared, 3)
+    got = decoder.features_along(chain)
+    for d, want in enumerate(reference(drafter, shared, token_ids, features, chain)):
+        torch.testing.assert_close(got[d], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(shared.logits(got[d]), shared.logits(want), atol=1e-4, rtol=1e-4)
+    # The tree search with one child per node and a beam of one is that greedy chain
+    chain_decoder = started(drafter, shared, token_ids, features, FeatureTreeConfig(top_k=1, beam=1))
+    assert chain_decoder.propose(3, 1)[0].token_ids == tuple(chain)
+
+
+def test_incremental_chain_equals_unrolled_on_the_model(fp32_model):
+    drafter, shared = model_parts(fp32_model.model)
+    token_ids, features = context(drafter.config, 40)
+    decoder = started(drafter, shared, token_ids, features)
+    chain = greedy_chain(decoder, shared, 3)
+    got = decoder.features_along(chain)
+    for d, want in enumerate(reference(drafter, shared, token_ids, features, chain)):
+        torch.testing.assert_close(got[d], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(shared.logits(got[d]), shared.logits(want), atol=1e-3, rtol=1e-3)
+
+
+def test_steps_fed_one_verify_at_a_time_equal_one_feed():
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, 12)
+    whole = started(drafter, shared, token_ids, features)
+    stepped = FeatureDecoder(drafter, shared)
+    stepped.extend(token_ids[:5])
+    stepped.observe_features(4, features[3:4].numpy())  # after the prefill: the row of the last prompt token
+    stepped.observe_features(1, features[:3].numpy())  # older rows: already past them, skipped
+    assert stepped.is_current
+    stepped.extend(token_ids[5:8])
+    assert not stepped.is_current and stepped.propose(4, 2) == ()  # no features for the new tokens yet
+    stepped.observe_features(5, features[4:7].numpy())
+    stepped.extend(token_ids[8:])
+    stepped.observe_features(6, features[5:].numpy())  # overlaps the last step's rows
+    # the first feed started at position 4: its window lacks rows 1..3, so compare with a decoder fed the same
+    same_rows = FeatureDecoder(drafter, shared)
+    same_rows.extend(token_ids)
+    same_rows.observe_features(4, features[3:].numpy())
+    torch.testing.assert_close(stepped.features_along([]), same_rows.features_along([]))
+    assert stepped.propose(4, 3) == same_rows.propose(4, 3)
+    assert whole.is_current
+
+
+def test_a_gap_restarts_the_window_from_the_new_rows():
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, 12)
+    decoder = started(drafter, shared, token_ids[:6], features[:5])
+    decoder.extend(token_ids[6:])
+    decoder.observe_features(8, features[7:].numpy())  # rows for positions 6, 7 never came
+    fresh = FeatureDecoder(drafter, shared)
+    fresh.extend(token_ids)
+    fresh.observe_features(8, features[7:].numpy())
+    torch.testing.assert_close(decoder.features_along([3]), fresh.features_along([3]))
+
+
+def test_the_window_slides():
+    config = dataclasses.replace(TINY, max_window=4)
+    drafter, shared = tiny_parts(config)
+    token_ids, features = context(config, 300)
+    decoder = FeatureDecoder(drafter, shared)
+    decoder.extend(token_ids[:2])
+    decoder.observe_features(1, features[:1].numpy())
+    for start in range(2, 300, 3):  # verify steps of three tokens: the buffer compacts many times over
+        end = min(start + 3, 300)
+        decoder.extend(token_ids[start:end])
+        decoder.observe_features(start, features[start - 1 : end - 1].numpy())
+    assert decoder.num_tokens == 300 and decoder.is_current
+    # the last f^ sees exactly the newest four inputs: unrolled over those rows alone
+    ids = torch.tensor(token_ids[-4:])
+    out = unrolled(
+        drafter,
+        shared,
+        features[None, -4:],
+        shared.embed(ids).float()[None],
+        torch.arange(296, 300)[None],
+        torch.ones(1, 4, dtype=torch.bool),
+        1,
+    )
+    torch.testing.assert_close(decoder.features_along([])[0], out[0][0, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("depth", "num_candidates", "max_nodes"), [(1, 4, 0), (4, 4, 10), (6, 8, 0), (5, 16, 32)])
+def test_tree_is_closed_within_budget_and_ranked(depth, num_candidates, max_nodes):
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, 20)
+    decoder = started(drafter, shared, token_ids, features)
+    candidates = decoder.propose(depth, num_candidates, max_nodes=max_nodes)
+    budget = min(num_candidates * depth, max_nodes or num_candidates * depth)
+    assert 1 <= len(candidates) <= num_candidates
+    assert [c.rank for c in candidates] == list(range(len(candidates)))
+    assert len({c.token_ids for c in candidates}) == len(candidates)
+    assert all(1 <= c.num_tokens <= depth and c.decoder == "feature" for c in candidates)
+    nodes = {c.token_ids[:i] for c in candidates for i in range(1, c.num_tokens + 1)}  # prefixes shared
+    assert len(nodes) <= budget
+    for c in candidates:  # every path ends at a leaf of the tree
+        assert not any(other.token_ids[: c.num_tokens] == c.token_ids and other != c for other in candidates)
+
+    def cum(path: tuple[int, ...]) -> float:
+        return float(torch.tensor([prob_of(decoder, shared, path[:i], path[i]) for i in range(len(path))]).prod())
+
+    leaf_probs = [cum(c.token_ids) for c in candidates]
+    assert leaf_probs == sorted(leaf_probs, reverse=True) or np.allclose(leaf_probs, sorted(leaf_probs, reverse=True))
+
+
+def prob_of(decoder, shared, prefix: tuple[int, ...], token_id: int) -> float:
+    probs = torch.softmax(shared.logits(decoder.features_along(list(prefix))[-1]), dim=-1)
+    return float(probs[(shared.vocab == token_id).nonzero()[0, 0]])
+
+
+def test_propose_leaves_the_committed_state_and_release_frees_it():
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, 20)
+    decoder = started(drafter, shared, token_ids, features)
+    before = decoder.features_along([])
+    first = decoder.propose(6, 8, max_nodes=32)
+    assert decoder.propose(6, 8, max_nodes=32) == first
+    torch.testing.assert_close(decoder.features_along([]), before, atol=0, rtol=0)
+    assert decoder.num_kv_bytes > 0
+    decoder.release()
+    assert decoder.num_kv_bytes == 0 and decoder.propose(4, 1) == ()
+
+
+# --- the file and the pool --------------------------------------------------------------------
+
+
+class FakeModel:
+    """What the source reads of a primary: config, embed, final norm (tied head)."""
+
+    def __init__(self, config: DrafterConfig, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.config = types.SimpleNamespace(
+            model_type="llama",
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=2,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            tie_word_embeddings=True,
+        )
+        self.table = torch.randn(config.vocab_size, config.hidden_size, generator=g)
+        self.norm = types.SimpleNamespace(weight=1 + 0.1 * torch.randn(config.hidden_size, generator=g))
+
+    def embed(self, ids):
+        return self.table[ids]
+
+
+class Models:
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def current_model(self):
+        return ("instance-1", self.model)
+
+    def vocab_size(self) -> int:
+        return TINY.vocab_size
+
+
+def write_drafter(path, model: FakeModel) -> None:
+    drafter, _ = tiny_parts()
+    fingerprint = model_fingerprint(model.config, model.norm.weight)
+    drafter_file.save(path, drafter, torch.arange(TINY.draft_vocab_size), fingerprint, {"seed": 0})
+
+
+def pool_with(source: FeatureDrafterSource, model) -> DraftPool:
+    based = DecoderRegistry()
+    based.register(FeatureDecoder.name, source.create)
+    config = PoolConfig(strategies=("prompt_lookup", "feature"), default_strategies=("prompt_lookup",))
+    return DraftPool(config, model_free_registry(), based, Models(model), refusal=source.refusal_of)
+
+
+def test_a_bound_drafter_proposes_through_the_pool_once_it_has_features(tmp_path):
+    model = FakeModel(TINY)
+    write_drafter(tmp_path / "d.safetensors", model)
+    source = FeatureDrafterSource(tmp_path / "d.safetensors")
+    assert source.is_loaded and source.bind(model) is not None and source.refusal() is None
+    pool = pool_with(source, model)
+    args = ProposeArgs("r", prompt_token_ids=(1, 2, 3, 4), strategies=("feature", "feature"), draft_length=4)
+    assert pool.propose(args).tree.token_ids == ()  # no features yet: nothing, no error
+    decoder = pool._requests["r"].decoders["feature"]
+    assert isinstance(decoder, FeatureDecoder)
+    decoder.observe_features(3, np.random.default_rng(0).standard_normal((1, TINY.hidden_size), dtype=np.float32))
+    proposal = pool.propose(ProposeArgs("r", strategies=("feature", "feature"), draft_length=4, max_nodes=5))
+    assert 1 <= len(proposal.tree.token_ids) <= 5
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _other_format(path):
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+
+
+@pytest.mark.parametrize("spoil", [None, _truncate, _other_format])
+def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, spoil):
+    from draft_svc.__main__ import build
+    from draft_svc.config import from_args
+
+    path = tmp_path / "d.safetensors"
+    if spoil is not None:
+        write_drafter(path, FakeModel(TINY))
+        spoil(path)
+    config = from_args(["--strategies", "prompt_lookup,feature", "--feature_drafter", str(path)], {})
+    assert "feature" in config.pool.strategies
+    with structlog.testing.capture_logs() as logs:
+        _, pool, _ = build(config, client=None)
+    assert [log["reason"] for log in logs if log["event"] == "feature_drafter_unavailable"] == [
+        pool._refusal("feature")
+    ]
+    assert "feature" not in pool.config.strategies and "prompt_lookup" in pool.config.strategies
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=("feature",)))
+    assert e.value.field == "strategies" and "'feature'" in str(e.value) and str(path) in str(e.value)
+    # the others still serve
+    assert pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 1), strategies=("prompt_lookup",))) is not None
+
+
+def test_a_drafter_of_another_model_is_refused_when_the_weights_attach(tmp_path):
+    write_drafter(tmp_path / "d.safetensors", FakeModel(TINY, seed=0))
+    source = FeatureDrafterSource(tmp_path / "d.safetensors")
+    other = FakeModel(TINY, seed=1)
+    with structlog.testing.capture_logs() as logs:
+        assert source.is_loaded and source.bind(other) is None
+    assert [log["event"] for log in logs] == ["feature_drafter_refused"]
+    assert "trained for model" in (source.refusal() or "")
+    pool = pool_with(source, other)
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=("feature",)))
+    assert "'feature'" in str(e.value) and str(tmp_path / "d.safetensors") in str(e.value)
+    proposal = pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 1), strategies=("prompt_lookup",)))
+    assert proposal.tree.decoders == ("prompt_lookup",)
+
+
+def test_tree_attention_gives_each_beam_row_what_its_chain_alone_gives():
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, 20)
+    decoder = started(drafter, shared, token_ids, features, FeatureTreeConfig(top_k=3, beam=3))
+    with torch.inference_mode():
+        head_ids, parents, cum_probs = decoder._grow(4)
+    assert len(head_ids) == 3 + 3 * 9  # depth 1: top 3; depths 2..4: 3 beam rows x 3 children
+    vocab = shared.vocab.tolist()
+    for node in range(len(head_ids)):
+        path = []
+        n = node
+        while n >= 0:
+            path.append(vocab[head_ids[n]])
+            n = parents[n]
+        path.reverse()
+        want = torch.tensor([prob_of(decoder, shared, tuple(path[:i]), path[i]) for i in range(len(path))]).prod()
+        torch.testing.assert_close(cum_probs[node], want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_pool_hands_a_tree_decoder_the_node_budget_and_refuses_requests_naming_it_when_refused():
+    seen: list[int] = []
+    released: list[bool] = []
+    reason: list[str] = []
+
+    def refusal(name: str) -> str | None:
+        return reason[0] if reason and name == "feature" else None
+
+    class Budgeted:
+        name = "feature"
+        takes_max_nodes = True
+
+        def __init__(self, model) -> None:
+            pass
+
+        def extend(self, token_ids) -> None:
+            pass
+
+        def propose(self, max_tokens: int, max_candidates: int = 1, *, max_nodes: int = 0):
+            seen.append(max_nodes)
+            return ()
+
+        def release(self) -> None:
+            released.append(True)
+
+    based = DecoderRegistry()
+    based.register("feature", Budgeted)
+    config = PoolConfig(strategies=("prompt_lookup", "feature"), default_strategies=("prompt_lookup",))
+    pool = DraftPool(config, model_free_registry(), based, Models(object()), refusal=refusal)
+    pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=("feature", "feature"), draft_length=4))
+    pool.propose(ProposeArgs("r", strategies=("feature",), draft_length=4, max_nodes=3))
+    assert seen == [8, 3]  # degree x draft_length by default, else the request's max_nodes
+    reason.append("drafter file x was trained for model a, but the primary serves model b")
+    with pytest.raises(InvalidArgument, match="'feature' is not served by this pool: drafter file x"):
+        pool.propose(ProposeArgs("r", strategies=("feature",)))
+    assert pool.propose(ProposeArgs("r", strategies=("prompt_lookup",))).tree.decoders == ("prompt_lookup",)
+    pool.release("r", is_finished=False)
+    assert released == [True]
