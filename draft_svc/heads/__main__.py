@@ -55,6 +55,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training")
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--data", type=Path, default=None, help="keep the generated answers here (.npz) and reuse them when it exists"
+    )
     t.add_argument("--num_threads", type=int, default=0, help="0: every core")
     return parser.parse_args(argv)
 
@@ -65,8 +68,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.monotonic()
     if args.num_threads:
         set_num_threads(args.num_threads)
-    if native.request_tile_data():
-        native.enable_amx()
     model_dir = resolve_model_dir(args.model, default_cache_dir())
     loaded = load_model(model_dir, args.precision, max_positions=2048, is_shared=False)
     model, config = loaded.model, loaded.config
@@ -86,13 +87,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompts = data.training_prompts(args.seed, num_prompts=args.prompts)
     settings = generate.GenerateSettings(max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed)
     print(f"model {model_dir} ({args.precision}), fingerprint {fingerprint}; {native.status()}")
-    print(f"1/3 the primary answers up to {len(prompts)} prompts ({', '.join(data.SOURCES)}), {args.tokens} tokens")
-    with tqdm(total=args.tokens, unit="tok", smoothing=0.05) as bar:
-        sequences = generate.generate(
-            engine, encode, grammars, prompts, settings, config.eos_token_ids, args.tokens, bar.update
-        )
+    if args.data is not None and args.data.exists():
+        print(f"1/3 the primary's answers from {args.data} (written by an earlier run of this command)")
+        sequences = generate.load_sequences(args.data)
+    else:
+        print(f"1/3 the primary answers up to {len(prompts)} prompts ({', '.join(data.SOURCES)}), {args.tokens} tokens")
+        with tqdm(total=args.tokens, unit="tok", smoothing=0.05) as bar:
+
+            def advanced(n: int) -> None:
+                bar.update(n)
+
+            sequences = generate.generate(
+                engine, encode, grammars, prompts, settings, config.eos_token_ids, args.tokens, advanced
+            )
+        if args.data is not None:
+            generate.save_sequences(args.data, sequences)
     generated_s = time.monotonic() - started
-    by_source = collections.Counter()
+    by_source: collections.Counter[str] = collections.Counter()
     for s in sequences:
         by_source[s.source] += len(s.tokens) - 2
     num_tokens = sum(by_source.values())
@@ -141,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "validation": accuracy.as_dict(),
         "settings": {"generate": vars_of(settings), "train": vars_of(train_settings)},
         "seconds": {"generate": round(generated_s), "train": round(trained_s), "total": round(total_s)},
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {native.status()}",
+        "machine": f"{_cpu_name()}, {torch.get_num_threads()} threads, {native.status()}",
         "precision": args.precision,
     }
     size = file.save(args.out, drafter, vocab, fingerprint, training)
@@ -149,6 +160,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"wrote {args.out} ({size / 1e6:.1f} MB) in {total_s / 60:.1f} min; validation top-1 by depth "
         f"{accuracy.as_dict()['top1_by_depth']}, top-{train.TOP_K} {accuracy.as_dict()[f'top{train.TOP_K}_by_depth']}"
     )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def vars_of(settings: object) -> dict[str, object]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -201,3 +202,41 @@ def _finish(s: _Live) -> Sequence_:
         np.stack(s.features),
         np.asarray(s.argmax, dtype=np.int32),
     )
+
+
+def save_sequences(path: Path, sequences: Sequence[Sequence_]) -> None:
+    """The generated answers as one .npz (no pickle): concatenated arrays and their offsets."""
+    token_counts = np.array([len(s.tokens) for s in sequences], dtype=np.int64)
+    row_counts = np.array([len(s.features) for s in sequences], dtype=np.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(
+        path,
+        tokens=np.concatenate([s.tokens for s in sequences]),
+        features=np.concatenate([s.features for s in sequences]),
+        argmax=np.concatenate([s.argmax for s in sequences]),
+        token_counts=token_counts,
+        row_counts=row_counts,
+        sources=np.array([s.source for s in sequences]),
+        is_sampled=np.array([s.is_sampled for s in sequences]),
+    )
+
+
+def load_sequences(path: Path) -> list[Sequence_]:
+    with np.load(path, allow_pickle=False) as f:
+        tokens, features, argmax = f["tokens"], f["features"], f["argmax"]
+        token_ends, row_ends = np.cumsum(f["token_counts"]), np.cumsum(f["row_counts"])
+        sources, sampled = f["sources"], f["is_sampled"]
+    out = []
+    for i in range(len(token_ends)):
+        t0 = token_ends[i - 1] if i else 0
+        r0 = row_ends[i - 1] if i else 0
+        out.append(
+            Sequence_(
+                str(sources[i]),
+                bool(sampled[i]),
+                tokens[t0 : token_ends[i]],
+                features[r0 : row_ends[i]],
+                argmax[r0 : row_ends[i]],
+            )
+        )
+    return out

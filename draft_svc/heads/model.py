@@ -186,10 +186,13 @@ class FeatureDrafter(nn.Module):
         `values` [..., S, Hkv, D] with mask [..., T, S] (True = attend)."""
         cfg = self.config
         group = cfg.num_attention_heads // cfg.num_key_value_heads
-        qh = q.transpose(-3, -2)  # [..., H, T, D]
-        kh = keys.transpose(-3, -2).repeat_interleave(group, dim=-3)  # [..., H, S, D]
-        vh = values.transpose(-3, -2).repeat_interleave(group, dim=-3)
-        attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(-3))
+        if q.dim() == 3:  # drafting: a few rows, each against the window; no copies of the keys
+            attn = _attend_rows(q, keys, values, mask, group)
+        else:
+            qh = q.transpose(-3, -2)  # [..., H, T, D]
+            kh = keys.transpose(-3, -2).repeat_interleave(group, dim=-3)  # [..., H, S, D]
+            vh = values.transpose(-3, -2).repeat_interleave(group, dim=-3)
+            attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(-3))
         attn = attn.transpose(-3, -2).reshape(*u.shape[:-1], cfg.num_attention_heads * cfg.head_dim)
         h = u + self.o_proj(attn)
         x = rms_norm(h, self.post_norm, cfg.rms_norm_eps).to(h.dtype)
@@ -240,6 +243,18 @@ def unrolled(
     return out
 
 
+def _attend_rows(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, group: int) -> Tensor:
+    """Attention of rows q [T, H, D] over keys/values [S, Hkv, D] under mask [T, S] -> [H, T, D]:
+    each key head's `group` query heads in one product (query head h reads key head h // group)."""
+    t, h, d = q.shape
+    kv = keys.shape[1]
+    qg = q.view(t, kv, group, d).permute(1, 0, 2, 3).reshape(kv, t * group, d)  # rows t*group + j
+    scores = torch.bmm(qg, keys.permute(1, 2, 0)) * d**-0.5  # [Hkv, T*group, S]
+    scores.masked_fill_(~mask.repeat_interleave(group, dim=0), float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1), values.permute(1, 0, 2))  # [Hkv, T*group, D]
+    return out.view(kv, t, group, d).permute(0, 2, 1, 3).reshape(h, t, d)
+
+
 @dataclasses.dataclass(slots=True)
 class SharedParts:
     """What the drafter reads of the primary: its embedding lookup, final norm and head rows."""
@@ -249,6 +264,7 @@ class SharedParts:
     head: Tensor  # [N, C] fp32: the primary's lm_head rows of the drafter's vocabulary
     vocab: Tensor  # [N] int64: primary token id of each head row
     eps: float
+    head_product: Any = None  # serving: rows [R, C] -> [R, N] by the native kernels (`for_serving`)
 
     def features(self, h: Tensor) -> Tensor:
         """The predicted feature f^ = final_norm(h)."""
@@ -256,6 +272,8 @@ class SharedParts:
 
     def logits(self, features: Tensor) -> Tensor:
         """[..., N] logits over the drafter's vocabulary."""
+        if self.head_product is not None:
+            return self.head_product(features.reshape(-1, features.shape[-1])).view(*features.shape[:-1], -1)
         return features @ self.head.T
 
 
@@ -280,6 +298,41 @@ def _head_rows(model: Any, vocab: Tensor) -> Tensor:
         eye[torch.arange(eye.shape[0]), torch.arange(start, start + eye.shape[0])] = 1
         rows.append(model.lm_head(eye).float()[:, vocab])  # [64, N]
     return torch.cat(rows).T.contiguous()
+
+
+class _NativeProduct(nn.Module):
+    """A drafter product by the native int8 kernels (specdec/model/native): int8 rows, one fp32 scale
+    a row, the activations quantized per block of 32 inside the call."""
+
+    def __init__(self, lib: Any, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        from specdec.model import native
+
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.product = native.QuantLinear.from_int8(lib, q, scale, None if bias is None else bias.detach())
+        self.out_features = w.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+
+
+PRODUCTS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple[FeatureDrafter, SharedParts]:
+    """The drafter with its products (and the head's) on the native int8 kernels where the CPU has
+    them (`lib`: `specdec.model.native.library()`): a draft step reads ~9 MB of weights instead of
+    ~36 MB of fp32 (4.2M parameters + an 8k x 576 head), which is what bounds it on a CPU. Drafts
+    need not be exact (the primary verifies them); a test bounds how far they move."""
+    if lib is None:
+        return drafter, shared
+    for name in PRODUCTS:
+        linear = getattr(drafter, name)
+        setattr(drafter, name, _NativeProduct(lib, linear.weight, linear.bias))
+    head = _NativeProduct(lib, shared.head, None)
+    return drafter, dataclasses.replace(shared, head_product=head)
 
 
 def state_of(drafter: FeatureDrafter) -> Mapping[str, Tensor]:

@@ -39,7 +39,7 @@ class TrainSettings:
     draft_vocab_size: int = 8192
     depth: int = 3  # draft steps unrolled in training
     epochs: int = 2
-    batch_tokens: int = 4096
+    batch_tokens: int = 2048
     window: int = 256  # training rows per sequence piece (longer answers are cut into pieces)
     lr: float = 1e-3
     weight_decay: float = 0.01
@@ -105,7 +105,7 @@ def vocab_coverage(
 
 
 def pieces(sequences: Sequence[Sequence_], indices: Sequence[int], window: int) -> list[Piece]:
-    out = []
+    out: list[Piece] = []
     for i in indices:
         num_pairs = len(sequences[i].features) - 1  # pair t needs f_{t+1}
         out.extend(Piece(i, s, min(s + window, num_pairs)) for s in range(0, num_pairs, window))

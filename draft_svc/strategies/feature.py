@@ -42,9 +42,10 @@ import torch
 from torch import Tensor
 
 from draft_svc.heads.file import DrafterFile, DrafterFileError, load
-from draft_svc.heads.model import FeatureDrafter, SharedParts, model_fingerprint, shared_parts
+from draft_svc.heads.model import FeatureDrafter, SharedParts, for_serving, model_fingerprint, shared_parts
 from draft_svc.strategies.base import Candidate, validate_propose_args
 from specdec.engine.tree import MAX_DRAFT_LENGTH
+from specdec.model import native
 
 COMPACT_SLACK = 128  # committed rows appended past the window before the window moves back to row 0
 NO_POSITION = -1  # next_position before the first features
@@ -295,9 +296,10 @@ class FeatureDrafterSource:
     primary's weights attach, refused (logged, the pool serves without the strategy) when the file
     was trained for another model."""
 
-    def __init__(self, path: Path, tree: FeatureTreeConfig | None = None) -> None:
+    def __init__(self, path: Path, tree: FeatureTreeConfig | None = None, is_native: bool = True) -> None:
         self.path = Path(path)
         self.tree = tree or FeatureTreeConfig()
+        self.is_native = is_native  # int8 products by the native kernels where the CPU has them
         self._log = structlog.get_logger("draft_svc.feature")
         self._file: DrafterFile | None = None
         self._file_error: str | None = None
@@ -341,7 +343,9 @@ class FeatureDrafterSource:
         # Rotary tables for every position now: requests share the drafter, and a table grown while
         # another thread reads it could hand that thread a mismatched pair
         drafter.rotary.tables(torch.tensor([max(1, getattr(model, "max_positions", 1)) - 1]))
-        self._parts = drafter, shared_parts(model, self._file.vocab, drafter.config.rms_norm_eps)
+        shared = shared_parts(model, self._file.vocab, drafter.config.rms_norm_eps)
+        lib = native.library() if self.is_native and shared.head.device.type == "cpu" else None
+        self._parts = for_serving(drafter, shared, lib)
         self._log.info("feature_drafter_bound", path=str(self.path), draft_vocab_size=drafter.config.draft_vocab_size)
         return self._parts
 

@@ -398,3 +398,28 @@ def test_the_pool_hands_a_tree_decoder_the_node_budget_and_refuses_requests_nami
     assert pool.propose(ProposeArgs("r", strategies=("prompt_lookup",))).tree.decoders == ("prompt_lookup",)
     pool.release("r", is_finished=False)
     assert released == [True]
+
+
+def test_native_int8_products_draft_what_fp32_drafts(fp32_model):
+    """Serving runs the drafter's products (and its head) on the native int8 kernels: the f^ it predicts
+    stays within a few percent of fp32's, and the chosen draft tokens are mostly the same."""
+    from draft_svc.heads.model import for_serving
+    from specdec.model import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the native kernels are not built on this machine")
+    drafter, shared = model_parts(fp32_model.model)
+    fast_drafter, fast_shared = for_serving(*model_parts(fp32_model.model), lib)
+    token_ids, features = context(drafter.config, 64)
+    features = features * 3  # about the primary's feature scale
+    slow = FeatureDecoder(drafter, shared)
+    fast = FeatureDecoder(fast_drafter, fast_shared)
+    for decoder in (slow, fast):
+        decoder.extend(token_ids)
+        decoder.observe_features(1, features)
+    draft = [int(t) for t in torch.randint(0, 2048, (4,), generator=torch.Generator().manual_seed(3))]
+    want, got = slow.features_along(draft), fast.features_along(draft)
+    assert torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want) < 0.05
+    agree = (shared.logits(want).argmax(-1) == fast_shared.logits(got).argmax(-1)).float().mean()
+    assert agree >= 0.8
