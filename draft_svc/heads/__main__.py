@@ -53,7 +53,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--max_new_tokens", type=int, default=192)
     t.add_argument("--vocab", type=int, default=8192, help="N: the drafter's vocabulary")
     t.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training")
-    t.add_argument("--epochs", type=int, default=3)
+    t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--cls_weight", type=float, default=0.2, help="the cross-entropy's weight beside the features'")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--data", type=Path, default=None, help="keep the generated answers here (.npz) and reuse them when it exists"
@@ -112,7 +114,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"({num_tokens / generated_s:.0f} tok/s); by source {dict(by_source)}"
     )
     train_settings = train.TrainSettings(
-        draft_vocab_size=args.vocab, depth=args.depth, epochs=args.epochs, seed=args.seed
+        draft_vocab_size=args.vocab,
+        depth=args.depth,
+        epochs=args.epochs,
+        seed=args.seed,
+        lr=args.lr,
+        cls_weight=args.cls_weight,
     )
     train_idx, val_idx = train.split(sequences, train_settings.validation_share, args.seed)
     coverage = train.vocab_coverage(sequences, train_idx, val_idx, COVERAGE_SIZES)

@@ -6,7 +6,8 @@ so a prompt only has to ask for the kinds of answers users ask for (code, JSON u
 prose); its answer is the primary's. Sources (every one is read from the running interpreter's own
 files; nothing is downloaded):
 
-    stdlib-code   Functions of the standard library (`ast`, not imported): a chat request to write a
+    stdlib-code   Public functions and methods of the standard library (its .py files read with `ast`,
+                  not imported; tests, demos and GUI toolkits skipped): a chat request to write the
                   function from its signature and docstring summary, or the signature and docstring
                   fed raw for completion. PSF License 2.0.
     stdlib-json   The same functions as tool calls: a request in words, answered under a JSON Schema
@@ -14,8 +15,8 @@ files; nothing is downloaded):
                   service would). PSF License 2.0.
     python-docs   The Language Reference topics that `help()` shows (`pydoc_data/topics.py`):
                   explain or summarise a passage. PSF License 2.0.
-    writing       Writing requests composed here from FORMS x SUBJECTS (this project's own lists,
-                  under the project's licence).
+    writing       Writing requests composed here from FORMS x SUBJECTS x TONES, a third of them asking
+                  for the answer in one of LANGUAGES (this project's own lists, under its licence).
 
 None of BFCL, JSONSchemaBench, HumanEval, MBPP, Arena-Hard, EQ-Bench, MT-bench, Spec-Bench or
 bench/data/ is read.
@@ -38,19 +39,11 @@ SOURCES: dict[str, str] = {
     "writing": "writing requests composed from this project's own lists (the project's licence)",
 }
 
-# Standard library modules whose public functions make the code and JSON prompts (pure-Python files).
-MODULES = (
-    "argparse", "base64", "bisect", "calendar", "colorsys", "csv", "dataclasses", "datetime", "difflib",
-    "email/utils", "fnmatch", "fractions", "ftplib", "functools", "getopt", "gettext", "glob", "gzip",
-    "heapq", "hmac", "html/__init__", "http/cookies", "imaplib", "inspect", "ipaddress", "json/__init__",
-    "keyword", "locale", "logging/__init__", "mailbox", "mimetypes", "ntpath", "numbers", "operator",
-    "optparse", "os", "pathlib", "pickletools", "pkgutil", "platform", "plistlib", "posixpath", "pprint",
-    "quopri", "random", "re/__init__", "reprlib", "sched", "secrets", "selectors", "shlex", "shutil",
-    "smtplib", "socket", "sre_parse", "statistics", "string", "subprocess", "tarfile", "tempfile",
-    "textwrap", "threading", "timeit", "tokenize", "traceback", "turtle", "typing", "urllib/parse",
-    "urllib/request", "uuid", "warnings", "wave", "weakref", "webbrowser", "xml/dom/minidom", "zipfile",
-    "zipimport",
-)  # fmt: skip
+# Standard-library folders whose files are tests, demos or GUI toolkits, not code users write.
+SKIPPED_DIRS = frozenset(
+    {"test", "tests", "idle_test", "idlelib", "turtledemo", "ensurepip", "tkinter", "lib2to3", "site-packages"}
+)
+MAX_FILE_BYTES = 1 << 20
 
 FORMS = (
     "a short story", "a poem", "a letter to a friend", "a dialogue between two characters",
@@ -93,7 +86,14 @@ DOCS_TEMPLATES = (
     "Summarize the following text in a few sentences:\n\n{text}",
     "What does this mean for a Python programmer?\n\n{text}",
 )
-WRITING_TEMPLATE = "Write {form} about {subject}."
+# Answers in other languages: users write in them (the prompts ask in English; the answer is the model's)
+LANGUAGES = (
+    "Spanish", "French", "German", "Italian", "Portuguese", "Dutch", "Polish", "Czech", "Russian",
+    "Ukrainian", "Turkish", "Vietnamese", "Indonesian", "Chinese", "Japanese", "Korean", "Arabic", "Hindi",
+)  # fmt: skip
+LANGUAGE_SHARE = 0.3  # of writing prompts
+TONES = ("", " Keep it light and funny.", " Make it moving.", " Use simple words.", " Make it formal.")
+WRITING_TEMPLATE = "Write {form} about {subject}.{tone}"
 MAX_PROMPT_CHARS = 1500
 
 
@@ -142,22 +142,35 @@ def _stdlib() -> Path:
 
 
 def _functions() -> list[_Function]:
+    """Public functions and methods with a docstring of every standard-library module (read, not imported)."""
     out: list[_Function] = []
-    for module in MODULES:
-        path = _stdlib() / f"{module}.py"
-        if not path.is_file():
+    root = _stdlib()
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if SKIPPED_DIRS.intersection(relative.parts) or path.stat().st_size > MAX_FILE_BYTES:
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError):
+            continue
+        module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
         for node in _public_functions(tree):
             doc = ast.get_docstring(node)
             if not doc or len(doc) < 20:
                 continue
+            params = _params(node.args)
             args = node.args
             if args.args and args.args[0].arg in ("self", "cls"):
-                continue
-            params = _params(args)
-            signature = f"{node.name}({ast.unparse(args)})"
-            out.append(_Function(module.removesuffix("/__init__").replace("/", "."), node.name, signature, doc, params))
+                args = ast.arguments(
+                    posonlyargs=args.posonlyargs,
+                    args=args.args[1:],
+                    vararg=args.vararg,
+                    kwonlyargs=args.kwonlyargs,
+                    kw_defaults=args.kw_defaults,
+                    kwarg=args.kwarg,
+                    defaults=args.defaults[-len(args.args) + 1 :] if len(args.args) > 1 else [],
+                )
+            out.append(_Function(module, node.name, f"{node.name}({ast.unparse(args)})", doc, params))
     return out
 
 
@@ -237,15 +250,19 @@ def _docs_prompts(rng: random.Random) -> list[TrainingPrompt]:
     out = []
     for name in sorted(topics):
         paragraphs = [p.strip() for p in topics[name].split("\n\n") if len(p.strip()) > 200]
-        for paragraph in paragraphs[:6]:
+        for paragraph in paragraphs:
             template = rng.choice(DOCS_TEMPLATES)
             out.append(TrainingPrompt("python-docs", template.format(text=paragraph[: MAX_PROMPT_CHARS - 100])))
     return out
 
 
 def _writing_prompts(rng: random.Random) -> list[TrainingPrompt]:
-    return [
-        TrainingPrompt("writing", WRITING_TEMPLATE.format(form=form, subject=subject))
-        for form in FORMS
-        for subject in SUBJECTS
-    ]
+    out = []
+    for form in FORMS:
+        for subject in SUBJECTS:
+            for tone in TONES:
+                text = WRITING_TEMPLATE.format(form=form, subject=subject, tone=tone)
+                if rng.random() < LANGUAGE_SHARE:
+                    text += f" Write it in {rng.choice(LANGUAGES)}."
+                out.append(TrainingPrompt("writing", text))
+    return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import zlib
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,7 @@ class Sequence_:
     tokens: np.ndarray  # int32 [L+1]
     features: np.ndarray  # float16 [L, C]
     argmax: np.ndarray  # int32 [L]
+    prompt_key: int = 0  # the same for every answer to one prompt (the validation split keeps them together)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,6 +203,7 @@ def _finish(s: _Live) -> Sequence_:
         np.asarray(s.tokens[: n + 1], dtype=np.int32),
         np.stack(s.features),
         np.asarray(s.argmax, dtype=np.int32),
+        zlib.crc32(s.prompt.text.encode()),
     )
 
 
@@ -218,6 +221,7 @@ def save_sequences(path: Path, sequences: Sequence[Sequence_]) -> None:
         row_counts=row_counts,
         sources=np.array([s.source for s in sequences]),
         is_sampled=np.array([s.is_sampled for s in sequences]),
+        prompt_keys=np.array([s.prompt_key for s in sequences], dtype=np.int64),
     )
 
 
@@ -226,6 +230,7 @@ def load_sequences(path: Path) -> list[Sequence_]:
         tokens, features, argmax = f["tokens"], f["features"], f["argmax"]
         token_ends, row_ends = np.cumsum(f["token_counts"]), np.cumsum(f["row_counts"])
         sources, sampled = f["sources"], f["is_sampled"]
+        keys = f["prompt_keys"] if "prompt_keys" in f.files else np.arange(len(sources))
     out = []
     for i in range(len(token_ends)):
         t0 = token_ends[i - 1] if i else 0
@@ -237,6 +242,7 @@ def load_sequences(path: Path) -> list[Sequence_]:
                 tokens[t0 : token_ends[i]],
                 features[r0 : row_ends[i]],
                 argmax[r0 : row_ends[i]],
+                int(keys[i]),
             )
         )
     return out

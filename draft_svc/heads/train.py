@@ -4,7 +4,7 @@ Per sequence (draft_svc/heads/generate.py) the pair at row t is (f_t, x_{t+1}); 
 pass-d prediction at t (model.unrolled) is compared with the primary's next feature f_{t+1}
 (smooth L1) and its greedy token a_{t+1} (cross-entropy over the drafter's vocabulary):
 
-    loss = sum_d  DEPTH_DECAY^(d-1) * (smooth_l1(f^_d, f_{t+1}) + CLS_WEIGHT * CE(head(f^_d), a_{t+1}))
+    loss = sum_d  DEPTH_DECAY^(d-1) * (smooth_l1(f^_d, f_{t+1}) + cls_weight * CE(head(f^_d), a_{t+1}))
 
 Unrolling (pass d feeds pass d-1's predictions) trains the drafter on the inputs it meets when it
 drafts d tokens deep, not only on the primary's true features (EAGLE-3's training-time test).
@@ -29,7 +29,6 @@ from torch.nn import functional as F
 from draft_svc.heads.generate import Sequence_
 from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts, unrolled
 
-CLS_WEIGHT = 0.2
 DEPTH_DECAY = 0.8
 TOP_K = 4  # the validation reports top-1 and top-TOP_K accuracy
 
@@ -38,6 +37,7 @@ TOP_K = 4  # the validation reports top-1 and top-TOP_K accuracy
 class TrainSettings:
     draft_vocab_size: int = 8192
     depth: int = 3  # draft steps unrolled in training
+    cls_weight: float = 0.2  # the cross-entropy's weight beside the features' smooth L1
     epochs: int = 2
     batch_tokens: int = 2048
     window: int = 256  # training rows per sequence piece (longer answers are cut into pieces)
@@ -72,10 +72,14 @@ class Accuracy:
 
 
 def split(sequences: Sequence[Sequence_], share: float, seed: int) -> tuple[list[int], list[int]]:
-    order = list(range(len(sequences)))
-    random.Random(seed).shuffle(order)
-    n_val = max(1, round(share * len(order)))
-    return sorted(order[n_val:]), sorted(order[:n_val])
+    """(training, validation) sequence indices; every answer to one prompt lands on the same side, so
+    the validation measures prompts the drafter never saw."""
+    keys = sorted({s.prompt_key for s in sequences})
+    random.Random(seed).shuffle(keys)
+    held_out = set(keys[: max(1, round(share * len(keys)))])
+    train_idx = [i for i, s in enumerate(sequences) if s.prompt_key not in held_out]
+    val_idx = [i for i, s in enumerate(sequences) if s.prompt_key in held_out]
+    return train_idx, val_idx
 
 
 def choose_vocab(sequences: Sequence[Sequence_], indices: Sequence[int], size: int) -> torch.Tensor:
@@ -165,18 +169,23 @@ def make_batch(
 
 
 def losses(
-    drafter: FeatureDrafter, shared: SharedParts, batch: Batch, depth: int, keep_logits: bool = False
+    drafter: FeatureDrafter,
+    shared: SharedParts,
+    batch: Batch,
+    depth: int,
+    keep_logits: bool = False,
+    cls_weight: float = 0.2,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(the training loss, per depth the drafter's logits [B, T, N] when keep_logits).
 
     Products run in bf16 (AMX / AVX512-BF16 where the CPU has them: 4-7x fp32's rate on this work),
     norms, softmax and the loss in fp32; the weights stay fp32."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return _losses(drafter, shared, batch, depth, keep_logits)
+        return _losses(drafter, shared, batch, depth, keep_logits, cls_weight)
 
 
 def _losses(
-    drafter: FeatureDrafter, shared: SharedParts, batch: Batch, depth: int, keep_logits: bool
+    drafter: FeatureDrafter, shared: SharedParts, batch: Batch, depth: int, keep_logits: bool, cls_weight: float
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     predicted = unrolled(drafter, shared, batch.features, batch.embeddings, batch.positions, batch.valid, depth)
     total = torch.zeros(())
@@ -188,7 +197,7 @@ def _losses(
         logits = shared.logits(f_hat)
         labels = batch.labels.masked_fill(~rows, -100)
         cls = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
-        total = total + DEPTH_DECAY ** (d - 1) * (reg + CLS_WEIGHT * cls)
+        total = total + DEPTH_DECAY ** (d - 1) * (reg + cls_weight * cls)
         if keep_logits:
             all_logits.append(logits.float())
     return total, all_logits
@@ -264,7 +273,7 @@ def train(
         started = time.monotonic()
         for group in batches(train_pieces, settings.batch_tokens, rng):
             batch = make_batch(sequences, group, shared, row_of)
-            loss, _ = losses(drafter, shared, batch, settings.depth)
+            loss, _ = losses(drafter, shared, batch, settings.depth, cls_weight=settings.cls_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
