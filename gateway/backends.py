@@ -64,6 +64,15 @@ class ModelInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """What the draft pool offers (GetPoolInfo) and what its model-based strategies' Propose costs
+    on its machine: strategy -> (fixed_ms, per_token_ms), for those measured so far."""
+
+    strategies: tuple[str, ...]
+    draft_costs_ms: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class DraftTree:
     token_ids: tuple[int, ...]
     parents: tuple[int, ...]
@@ -386,10 +395,10 @@ class Backends:
             tuple((c.leaf, c.decoder, tuple(c.token_ids)) for c in r.continuations),
         )
 
-    async def draft_strategies(self) -> tuple[str, ...]:
-        """The strategies the draft pool offers."""
+    async def draft_pool_info(self) -> PoolInfo:
+        """The strategies the draft pool offers, and the costs it measured."""
         r = await self._call("draft", self.draft.GetPoolInfo, draft_pb2.GetPoolInfoRequest())
-        return tuple(r.strategies)
+        return PoolInfo(tuple(r.strategies), {c.strategy: (c.fixed_ms, c.per_token_ms) for c in r.draft_costs})
 
     async def release_draft(self, request_id: str, is_finished: bool) -> None:
         await self._call(
