@@ -21,6 +21,22 @@ For each gamma on a grid, decoders are added greedily while the speedup grows, s
 not pay for its draft and verify cost is left out; the best gamma wins. Ranks of one decoder share its
 draft cost and the verify rows it adds beside its candidates (lookahead's window, `extra_rows`).
 
+A tree decoder (specdec.strategies.TREE_STRATEGIES: the feature drafter, EAGLE-2) grows one token tree
+per Propose and returns its root-to-leaf paths, best leaf first, as its ranks 0, 1, ...; the request's
+controller tracks up to speculative_degree of them (gateway/loop.py). It enters this model unchanged:
+    draft cost  its measured Propose, fixed + per_token * gamma (per depth: one batched drafter call
+                each; GetPoolInfo.draft_costs -> gateway/cost_model.py), paid once however many ranks
+    nodes       sum over its planned ranks of c_r * f_r * gamma: the node budget the pool hands it is
+                (ranks planned) * gamma (SpeculationPlan.max_tree_nodes bounds the whole tree), and a
+                rank's path shares its prefix with better ranks, so this bounds its verify rows from above
+    acceptance  per rank, from the rank's own outcome (its path's nodes and accepted prefix), as for
+                any decoder; acceptance by depth is alpha_r^j, whose estimate is the geometric
+                model's maximum likelihood over the depths each step tested
+A rank r > 0 adds the depths its leaf reaches beyond the better paths' shared prefix; independence
+counts its shared depths twice and its sibling of the accepted node not at all, the two errors of
+the tree formula above. So the cost model, not a default, decides per step whether the drafter runs
+and how many leaves it gets: a rank joins while its gain pays for its rows.
+
 Estimates per request and per (decoder, rank), as discounted Beta counts: a step that accepted a of p
 proposed tokens adds a successes and one failure when a < p (the geometric model's maximum likelihood:
 tokens after the first rejection were never tested). Counts start at a task-type prior worth

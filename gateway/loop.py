@@ -59,7 +59,7 @@ from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFo
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
-from specdec.strategies import GRAMMAR_STRATEGY, consumes_features
+from specdec.strategies import GRAMMAR_STRATEGY, TREE_STRATEGIES, consumes_features
 from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
@@ -319,6 +319,9 @@ class RequestLoop:
         """The stored state of a resumed request, or a fresh one (task type given or inferred)."""
         spec = self.params.speculation
         decoders = Counter(cycled_strategies(spec))  # name -> ranks it may offer
+        for name in TREE_STRATEGIES.intersection(spec.strategies):
+            # a tree decoder's ranks are the leaves of one tree it grows per step: as many as the degree
+            decoders[name] = max(decoders[name], spec.speculative_degree)
         if stored:
             try:
                 state = ControllerState.from_dict(stored)

@@ -12,6 +12,7 @@ The fakes check the protocol on every call and fail the request when it is broke
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 import time
@@ -1306,3 +1307,12 @@ def test_without_a_feature_strategy_no_call_asks_for_features():
     run(make_params(is_adaptive=False, degree=2, draft_length=4), backends)
     assert backends.num_feature_calls == 0
     assert all(args["features"] is None for name, args in backends.calls if name == "propose")
+
+
+def test_an_adaptive_request_tracks_a_tree_decoder_at_every_rank_up_to_its_degree():
+    params = make_params(degree=4, strategies=(LOOKUP, SUFFIX, FEATURE_STRATEGY))
+    loop = make_loop(params, FakeBackends())
+    assert loop.controller_state is not None
+    ranks = collections.Counter(e.decoder for e in loop.controller_state.estimates)
+    assert ranks == {LOOKUP: 2, SUFFIX: 1, FEATURE_STRATEGY: 4}  # cycled, and the tree's leaves
+    assert loop.fixed_plan.sources == ((LOOKUP, 0), (SUFFIX, 0), (FEATURE_STRATEGY, 0), (LOOKUP, 1))
