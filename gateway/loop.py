@@ -54,7 +54,14 @@ from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.acceptance_mode import AcceptanceMode, select_mode
-from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
+from specdec.candidates import (
+    CandidateOutcome,
+    candidate_outcomes,
+    decoders_for,
+    depth_outcomes,
+    ranked_sources,
+    stats_name,
+)
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
@@ -780,6 +787,8 @@ class RequestLoop:
         for o in outcomes:
             ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
             self.stats.add_decoder(stats_name(o.decoder, o.rank), o.num_proposed, o.num_accepted, ms)
+        for d in depth_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents):
+            self.stats.add_depths(d.decoder, d.num_tested, d.num_accepted)
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     # --- stop conditions, commit ---------------------------------------------------------------
