@@ -400,7 +400,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             self._pool_info_at = now
             try:
                 info = await self.call_deadlines.call("draft.GetPoolInfo", self.backends.draft_pool_info())
-            except (Unavailable, DeadlineExceeded):
+            except (Unavailable, DeadlineExceeded) as e:
+                self.draft_state.failed(str(e))  # down or hung: not asked again before its retry is due
                 return self._offered_strategies
             self._offered_strategies = frozenset(info.strategies)
             self._is_cost_pending = bool(MEASURED_STRATEGIES & self._offered_strategies - set(info.draft_costs_ms))

@@ -34,10 +34,11 @@ class Pool:
         return answer
 
 
-def servicer(pool: Pool) -> GenerationServicer:
+def servicer(pool: Pool, retry_s: float = 0.0) -> GenerationServicer:
     """A servicer with only what _offered_by_pool touches."""
     s = GenerationServicer.__new__(GenerationServicer)
-    s.backends, s.call_deadlines, s.draft_state = pool, CallDeadlines(), DependencyState("draft")
+    s.backends, s.call_deadlines = pool, CallDeadlines()
+    s.draft_state = DependencyState("draft", retry_s=retry_s)
     s.model = ModelInfo(50, (49,), 4096, "fake", verify_costs_ms=VERIFY_MS)
     s.config = types.SimpleNamespace(costs=CostSettings())
     s.cost_model = cost_model_for(VERIFY_MS, CostSettings())
@@ -83,3 +84,11 @@ def test_a_pool_without_the_feature_drafter_is_asked_once():
     for _ in range(3):
         assert asyncio.run(s._offered_by_pool()) == frozenset({"prompt_lookup", "suffix_index"})
     assert pool.num_calls == 1
+
+
+def test_a_pool_that_does_not_answer_is_not_asked_again_before_its_retry_is_due():
+    pool = Pool([Unavailable("draft", "down"), PoolInfo(("prompt_lookup",))])
+    s = servicer(pool, retry_s=3600.0)
+    for _ in range(3):
+        assert asyncio.run(s._offered_by_pool()) is None
+    assert pool.num_calls == 1 and not s.draft_state.is_up  # every request's drafts skip it meanwhile
