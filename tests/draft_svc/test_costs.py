@@ -139,3 +139,55 @@ def test_pool_info_carries_the_measured_costs_of_the_strategies_it_offers_now():
     assert [(c.strategy, c.fixed_ms, c.per_token_ms) for c in info.draft_costs] == [("feature", 0.5, 1.25)]
     refused = pool_info({"feature"}, costs)  # e.g. new weights its file was not trained for
     assert list(refused.strategies) == ["prompt_lookup"] and list(refused.draft_costs) == []
+
+
+class FakeModel:
+    """What the feature drafter's source reads of an attached primary: config, embed, final norm."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.config = types.SimpleNamespace(
+            model_type="llama",
+            vocab_size=TINY.vocab_size,
+            hidden_size=TINY.hidden_size,
+            intermediate_size=TINY.intermediate_size,
+            num_hidden_layers=2,
+            num_attention_heads=TINY.num_attention_heads,
+            num_key_value_heads=TINY.num_key_value_heads,
+            head_dim=TINY.head_dim,
+            tie_word_embeddings=True,
+        )
+        self.table = torch.randn(TINY.vocab_size, TINY.hidden_size, generator=g)
+        self.norm = types.SimpleNamespace(weight=torch.ones(TINY.hidden_size))
+
+    def embed(self, ids):
+        return self.table[ids]
+
+
+def test_the_service_measures_the_feature_drafter_when_weights_attach_and_reports_it(tmp_path):
+    from draft_svc.__main__ import build
+    from draft_svc.config import DraftConfig
+    from draft_svc.heads import file as drafter_file
+    from draft_svc.heads.model import model_fingerprint
+    from specdec.service.server import ServerConfig
+
+    model = FakeModel()
+    path = tmp_path / "drafter.safetensors"
+    drafter, _ = tiny_parts()
+    drafter_file.save(
+        path, drafter, torch.arange(TINY.draft_vocab_size), model_fingerprint(model.config, model.norm.weight), {}
+    )
+    config = DraftConfig(
+        server=ServerConfig(),
+        pool=PoolConfig(strategies=("prompt_lookup", "feature"), default_strategies=("prompt_lookup",)),
+        feature_drafter=path,
+    )
+    servicer, pool, attacher = build(config, client=None)
+    assert list(servicer.GetPoolInfo(draft_pb2.GetPoolInfoRequest(), None).draft_costs) == []
+    attacher._check_model(model)  # what attach() runs before the new weights serve
+    info = servicer.GetPoolInfo(draft_pb2.GetPoolInfoRequest(), None)
+    assert list(info.strategies) == ["prompt_lookup", "feature"]
+    (cost,) = info.draft_costs
+    assert cost.strategy == "feature" and cost.fixed_ms >= 0 and cost.per_token_ms >= 0
+    assert cost.fixed_ms + cost.per_token_ms > 0
+    pool.close()
