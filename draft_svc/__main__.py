@@ -17,6 +17,7 @@ from draft_svc.config import DraftConfig, from_args
 from draft_svc.costs import DraftCosts, fit_cost, measure_propose_ms
 from draft_svc.corpus.store import open_index
 from draft_svc.pool import DraftPool
+from draft_svc.priors import drafter_file_acceptance
 from draft_svc.primary_client import GrpcPrimaryClient
 from draft_svc.server import DraftServicer
 from draft_svc.strategies import DecoderRegistry, model_free_registry
@@ -90,7 +91,11 @@ def build(
         grammars=grammars,
         refusal=None if feature is None else feature.refusal_of,
     )
-    return DraftServicer(pool, attacher, metrics, costs), pool, attacher
+    priors = {}
+    if feature is not None and feature.is_loaded:
+        if by_depth := drafter_file_acceptance(feature.path):
+            priors[FeatureDecoder.name] = by_depth
+    return DraftServicer(pool, attacher, metrics, costs, priors), pool, attacher
 
 
 def _measure_cost(costs: DraftCosts, name: str, create: Callable[[], DraftDecoder], model_config: Any) -> None:

@@ -26,7 +26,7 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import structlog
 
@@ -36,6 +36,7 @@ from gateway.chat import PromptEncoder
 from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
 from gateway.config import GatewayConfig
+from gateway.controller import ControllerConfig
 from gateway.cost_model import cost_model_for
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
@@ -72,6 +73,21 @@ STATUSES = {
     RequestStatus.CANCELLED: gateway_pb2.REQUEST_STATUS_CANCELLED,
     RequestStatus.FAILED: gateway_pb2.REQUEST_STATUS_FAILED,
 }
+
+
+def controller_config_for(acceptance_priors: Mapping[str, Sequence[float]]) -> ControllerConfig:
+    """The controller's settings with each drafter's validation acceptance (by depth, GetPoolInfo)
+    as its prior alpha: their mean, the per-token acceptance of the geometric model that the
+    controller fits (values outside [0, 1] or none: that drafter keeps the task type's prior).
+
+    # E.g. {"feature": (0.7, 0.6, 0.5)} -> decoder_prior_acceptance (("feature", 0.6),)
+    """
+    priors = tuple(
+        (name, sum(by_depth) / len(by_depth))
+        for name, by_depth in sorted(acceptance_priors.items())
+        if by_depth and all(0.0 <= a <= 1.0 for a in by_depth)
+    )
+    return ControllerConfig(decoder_prior_acceptance=priors)
 
 
 async def _in_thread(fn, *args, **kwargs):
@@ -114,6 +130,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
         self._offered_strategies: frozenset[str] | None = None  # the draft pool's, once it answered
+        # The adaptive controller's settings: the defaults, with the pool's trained drafters' own
+        # acceptance as their priors once it reported them (controller_config_for).
+        self.controller_config: ControllerConfig | None = None
         self._is_cost_pending = False  # the pool offers a strategy it has not measured yet (asked again)
         self._pool_info_at = 0.0  # monotonic time of the last GetPoolInfo
         self._active: dict[str, threading.Event] = {}
@@ -405,6 +424,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 return self._offered_strategies
             self._offered_strategies = frozenset(info.strategies)
             self._is_cost_pending = bool(MEASURED_STRATEGIES & self._offered_strategies - set(info.draft_costs_ms))
+            if info.acceptance_priors:
+                self.controller_config = controller_config_for(info.acceptance_priors)
             if info.draft_costs_ms:
                 self.cost_model = cost_model_for(self.model.verify_costs_ms, self.config.costs, info.draft_costs_ms)
                 self.log.info(
@@ -444,6 +465,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             generated,
             stats,
             cost_model=self.cost_model,
+            controller_config=self.controller_config,
             controller_state=controller_state,
             grammar=grammar,
             validator_state=self.validator_state,

@@ -14,6 +14,7 @@ import torch
 from draft_svc.__main__ import _measure_cost
 from draft_svc.costs import DraftCosts, MeasuredCost, fit_cost, measure_propose_ms
 from draft_svc.pool import DraftPool, PoolConfig
+from draft_svc.priors import validation_acceptance
 from draft_svc.server import DraftServicer
 from draft_svc.strategies import DecoderRegistry, model_free_registry
 from draft_svc.strategies.feature import FeatureDecoder, FeatureTreeConfig
@@ -174,9 +175,9 @@ def test_the_service_measures_the_feature_drafter_when_weights_attach_and_report
     model = FakeModel()
     path = tmp_path / "drafter.safetensors"
     drafter, _ = tiny_parts()
-    drafter_file.save(
-        path, drafter, torch.arange(TINY.draft_vocab_size), model_fingerprint(model.config, model.norm.weight), {}
-    )
+    fingerprint = model_fingerprint(model.config, model.norm.weight)
+    training = {"validation": {"top1_by_depth": [0.7, 0.55, 0.4], "rows": 100}}
+    drafter_file.save(path, drafter, torch.arange(TINY.draft_vocab_size), fingerprint, training)
     config = DraftConfig(
         server=ServerConfig(),
         pool=PoolConfig(strategies=("prompt_lookup", "feature"), default_strategies=("prompt_lookup",)),
@@ -190,4 +191,18 @@ def test_the_service_measures_the_feature_drafter_when_weights_attach_and_report
     (cost,) = info.draft_costs
     assert cost.strategy == "feature" and cost.fixed_ms >= 0 and cost.per_token_ms >= 0
     assert cost.fixed_ms + cost.per_token_ms > 0
+    (prior,) = info.acceptance_priors  # what the file's validation measured, from the start
+    assert prior.strategy == "feature" and list(prior.acceptance_by_depth) == pytest.approx([0.7, 0.55, 0.4])
     pool.close()
+
+
+def test_a_files_validation_acceptance_is_read_when_well_formed():
+    assert validation_acceptance({"validation": {"top1_by_depth": [0.8, 0.6]}}) == (0.8, 0.6)
+    malformed = (
+        {},
+        {"validation": {}},
+        {"validation": {"top1_by_depth": [1.2]}},
+        {"validation": {"top1_by_depth": ["x"]}},
+    )
+    for training in malformed:
+        assert validation_acceptance(training) == ()

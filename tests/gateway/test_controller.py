@@ -579,3 +579,19 @@ def test_a_tree_decoder_is_priced_by_its_measured_cost_and_gets_leaves_while_the
     dear = cost_model_for(verify_ms, CostSettings(), {"feature": (5.0, 40.0)})
     plan = adjust_speculative_degree("code", alpha, decoders=decoders, cost_model=dear, config=config)
     assert plan.num_candidates("feature") == 0
+
+
+def test_a_trained_drafters_own_prior_puts_it_in_the_first_plans_where_it_pays():
+    """With the task type's prior (creative 0.3) a drafter costing 0.1 of a forward per depth loses to
+    the free model-free drafts and is too dear to probe, so it would never be tried; its validation
+    acceptance (0.65) as its prior plans it from the first step, and its own steps take over."""
+    from gateway.cost_model import CostSettings, cost_model_for
+
+    cost = cost_model_for(dict(SMOLLM2_BF16_VERIFY_MS), CostSettings(), {"feature": (0.0, 2.7)})
+    decoders = {LOOKUP: 2, SUFFIX: 1, "feature": 4}
+    plain = AdaptiveController(cost)
+    assert "feature" not in {d for d, _ in plain.plan(plain.new_state(TaskType.CREATIVE, decoders)).sources}
+    assert not plain._is_cheap_probe("feature", 4)
+    primed = AdaptiveController(cost, ControllerConfig(decoder_prior_acceptance=(("feature", 0.65),)))
+    plan = primed.plan(primed.new_state(TaskType.CREATIVE, decoders))
+    assert plan.sources[0] == ("feature", 0) and plan.expected_speedup > 1.0

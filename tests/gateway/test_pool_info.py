@@ -16,8 +16,9 @@ from gateway.backends import ModelInfo, PoolInfo
 from gateway.call_deadlines import CallDeadlines
 from gateway.cost_model import CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
-from gateway.server import GenerationServicer
+from gateway.server import GenerationServicer, controller_config_for
 from specdec.errors import Unavailable
+from specdec.task_type import TaskType
 
 VERIFY_MS = {1: 20.0, 2: 21.0, 4: 22.0, 8: 24.0}
 
@@ -43,6 +44,7 @@ def servicer(pool: Pool, retry_s: float = 0.0) -> GenerationServicer:
     s.config = types.SimpleNamespace(costs=CostSettings())
     s.cost_model = cost_model_for(VERIFY_MS, CostSettings())
     s._offered_strategies, s._is_cost_pending, s._pool_info_at = None, False, 0.0
+    s.controller_config = None
     s.log = structlog.get_logger("test")
     return s
 
@@ -92,3 +94,14 @@ def test_a_pool_that_does_not_answer_is_not_asked_again_before_its_retry_is_due(
     for _ in range(3):
         assert asyncio.run(s._offered_by_pool()) is None
     assert pool.num_calls == 1 and not s.draft_state.is_up  # every request's drafts skip it meanwhile
+
+
+def test_a_trained_drafters_validation_acceptance_is_its_controller_prior():
+    pool = Pool([PoolInfo(("prompt_lookup", "feature"), {"feature": (0.0, 2.0)}, {"feature": (0.7, 0.6, 0.5)})])
+    s = servicer(pool)
+    asyncio.run(s._offered_by_pool())
+    assert s.controller_config is not None
+    assert s.controller_config.decoder_prior_acceptance == (("feature", pytest.approx(0.6)),)
+    assert s.controller_config.prior_acceptance(TaskType.CREATIVE, 1, "feature") == pytest.approx(0.3)
+    assert s.controller_config.prior_acceptance(TaskType.CREATIVE, 0, "prompt_lookup") == 0.3  # the task type's
+    assert controller_config_for({"feature": (), "x": (1.5,)}).decoder_prior_acceptance == ()
