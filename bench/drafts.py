@@ -8,14 +8,16 @@ primary's entropy; and the draft process's memory.
                            [--adaptive] [--tree-leaves 4] [--feature-drafter PATH]
 
 Each mix (";"-separated, each a ","-separated list of strategies; --strategies A,B is one mix) runs
-on the same prompts. Starts the four services (specdec.launcher.Stack, fp32, the default model)
-offering every mix's strategies, waits until the draft pool has attached the primary's weights when
-a model-based decoder is named (the feature drafter: until the pool reports its measured cost in
-GetPoolInfo, as it does once the drafter binds), then sends every prompt with speculation off, then
-with each mix, greedy, and checks the outputs are identical. A mix naming a strategy the pool does
-not offer (the feature drafter without its file) is skipped with a note. Without --adaptive every
-decoder gives one candidate every step, except a mix of tree decoders alone, which gives
---tree-leaves (the leaves of its tree); with it the gateway's controller chooses. Figures, not tests.
+on the same prompts, each on a stack of its own (the suffix index learns every finished answer, so a
+shared pool would let a later mix draft from an earlier mix's answers): the four services
+(specdec.launcher.Stack, the default model) offering the mix's strategies, once the draft pool has
+attached the primary's weights when a model-based decoder is named (the feature drafter: once the
+pool reports its measured cost in GetPoolInfo, as it does when the drafter binds). Every prompt runs
+with speculation off, then with the mix, greedy, and the outputs are compared. A mix naming a
+strategy the pool does not offer (the feature drafter without its file) is skipped with a note.
+Without --adaptive every decoder gives one candidate every step, except a mix of tree decoders
+alone, which gives --tree-leaves (the leaves of its tree); with it the gateway's controller chooses.
+Figures, not tests.
 """
 
 from __future__ import annotations
@@ -195,12 +197,13 @@ def mix_figures(stats: list[dict[str, Any]], tps: list[float], plain_tps: float,
 
 
 def print_scenario(scenario: str, r: dict) -> None:
-    print(f"[{scenario}] {r['prompts']} prompts, plain {r['plain_tokens_per_s']:.1f} tok/s")
+    print(f"[{scenario}] {r['prompts']} prompts")
     for mix, m in r["mixes"].items():
         speedup = "—" if m["speedup"] is None else f"{m['speedup']:.2f}x"
         print(
             f"  {mix}: identical {m['identical_outputs']}/{r['prompts']} | {m['speculative_tokens_per_s']:.1f} tok/s "
-            f"({speedup}) | mean accepted length {m['mean_accepted_length']:.2f}, pool acceptance "
+            f"against plain {m['plain_tokens_per_s']:.1f} ({speedup}) | mean accepted length "
+            f"{m['mean_accepted_length']:.2f}, pool acceptance "
             f"{m['pool_acceptance_rate']:.1%} | draft {m['draft_ms_per_step']:.1f} ms per speculative step"
         )
         for name, d in m["decoders"].items():
@@ -255,6 +258,52 @@ def wait_for_measured_costs(stack: Stack, strategies: Sequence[str], timeout_s: 
             time.sleep(PROBE_INTERVAL_S)
 
 
+def run_mix(
+    name: str,
+    mix: list[str],
+    args: argparse.Namespace,
+    prompts: list[BenchPrompt],
+    scenarios: list[str],
+    extra_env: dict,
+) -> dict[str, dict[str, Any]] | None:
+    """One mix on a stack of its own (the suffix index learns every finished output: mixes sharing a
+    pool would draft later prompts from earlier mixes' answers), every scenario's prompts plain then
+    speculative: {scenario: its figures, with this stack's plain tokens/s}; None when the pool does not
+    offer the mix (the feature drafter without its file)."""
+    with (
+        Stack(StackConfig(strategies=tuple(mix), extra_env=extra_env)) as stack,
+        grpc.insecure_channel(stack.gateway_address) as channel,
+    ):
+        offered, waited_s = wait_for_measured_costs(stack, mix, args.attach_timeout_s)
+        if not set(mix) <= offered:
+            missing = sorted(set(mix) - offered)
+            print(f"skipping mix {name}: the draft pool does not offer {missing} (see {stack.log_path(DRAFT)})")
+            return None
+        # The corpus decoder joins once its index is open: at once when `python -m draft_svc.corpus
+        # build` built it beforehand; the default probe's ids are in no corpus, so it is not awaited.
+        proposing = [s for s in mix if s in MODEL_DECODERS and s not in FEATURE_DECODERS]
+        waited_s += wait_for_model_decoders(stack, proposing, args.attach_timeout_s)
+        if waited_s:
+            print(f"[{name}] draft pool ready after {waited_s:.1f} s")
+        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+        out = {}
+        for scenario in scenarios:
+            chosen = [x for x in prompts if x.scenario == scenario]
+            r = measure_scenario(stub, chosen, {name: mix}, args.max_new_tokens, args.adaptive, args.tree_leaves)
+            out[scenario] = {"prompts": r["prompts"], "plain_tokens_per_s": r["plain_tokens_per_s"], **r["mixes"][name]}
+        with stack.channel(PRIMARY) as ch:
+            weight_bytes = primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest()).weight_bytes
+        mem = smaps_rollup(stack.pid(DRAFT))
+        private_kb = mem.get("Private_Clean", 0) + mem.get("Private_Dirty", 0)
+        print(
+            f"[{name}] draft process: Rss {mem['Rss'] / 1024:.0f} MiB, Pss {mem['Pss'] / 1024:.0f} MiB, private "
+            f"(USS) {private_kb / 1024:.0f} MiB; primary weights {weight_bytes / 2**20:.0f} MiB"
+        )
+        for figure in out.values():
+            figure.update(draft_memory_kb=mem, weight_bytes=weight_bytes)
+        return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenarios", default="json,code,prose")
@@ -279,7 +328,6 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     mixes = parse_mixes(args.mixes, args.strategies)
-    strategies = list(dict.fromkeys(n for mix in mixes.values() for n in mix))
     scenarios = args.scenarios.split(",")
     prompts = load_prompts(args.data_dir, scenarios, args.num_prompts, max_chars=1500)
     extra_env = {} if args.feature_drafter is None else {"SPECDEC_DRAFT_FEATURE_DRAFTER": args.feature_drafter}
@@ -290,39 +338,17 @@ def main() -> None:
         "tree_leaves": args.tree_leaves,
         "scenarios": {},
     }
-    with (
-        Stack(StackConfig(strategies=tuple(strategies), extra_env=extra_env)) as stack,
-        grpc.insecure_channel(stack.gateway_address) as channel,
-    ):
-        offered, waited_s = wait_for_measured_costs(stack, strategies, args.attach_timeout_s)
-        skipped = {name: sorted(set(mix) - offered) for name, mix in mixes.items() if not set(mix) <= offered}
-        for name, missing in skipped.items():
-            print(f"skipping mix {name}: the draft pool does not offer {missing} (see {stack.log_path(DRAFT)})")
-        mixes = {name: mix for name, mix in mixes.items() if name not in skipped}
-        results["skipped_mixes"] = skipped
-        # The corpus decoder joins once its index is open: at once when `python -m draft_svc.corpus
-        # build` built it beforehand; the default probe's ids are in no corpus, so it is not awaited.
-        proposing = [s for s in strategies if s in MODEL_DECODERS and s in offered and s not in FEATURE_DECODERS]
-        waited_s += wait_for_model_decoders(stack, proposing, args.attach_timeout_s)
-        if waited_s:
-            print(f"draft pool ready after {waited_s:.1f} s")
-        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-        for scenario in scenarios:
-            chosen = [x for x in prompts if x.scenario == scenario]
-            results["scenarios"][scenario] = measure_scenario(
-                stub, chosen, mixes, args.max_new_tokens, args.adaptive, args.tree_leaves
-            )
-            print_scenario(scenario, results["scenarios"][scenario])
-        with stack.channel(PRIMARY) as ch:
-            weight_bytes = primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest()).weight_bytes
-        mem = smaps_rollup(stack.pid(DRAFT))
-        private_kb = mem.get("Private_Clean", 0) + mem.get("Private_Dirty", 0)
-        results["draft_memory_kb"] = mem
-        results["weight_bytes"] = weight_bytes
-        print(
-            f"draft process: Rss {mem['Rss'] / 1024:.0f} MiB, Pss {mem['Pss'] / 1024:.0f} MiB, private (USS) "
-            f"{private_kb / 1024:.0f} MiB; primary weights {weight_bytes / 2**20:.0f} MiB"
-        )
+    results["skipped_mixes"] = {}
+    for name, mix in mixes.items():
+        figures = run_mix(name, mix, args, prompts, scenarios, extra_env)
+        if figures is None:
+            results["skipped_mixes"][name] = mix
+            continue
+        for scenario, figure in figures.items():
+            results["scenarios"].setdefault(scenario, {"prompts": figure["prompts"], "mixes": {}})
+            results["scenarios"][scenario]["mixes"][name] = figure
+    for scenario, r in results["scenarios"].items():
+        print_scenario(scenario, r)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
