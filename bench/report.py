@@ -142,18 +142,52 @@ def sum_counts(count_lists: Iterable[Sequence[int]]) -> list[int]:
     return out
 
 
-def sum_decoders(stats: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+def sum_decoders(stats: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Decoder name -> proposed, accepted, time_ms summed over requests, and its acceptance rate
-    (None for a decoder that proposed nothing)."""
-    sums: dict[str, dict[str, float]] = {}
+    (None for a decoder that proposed nothing); on a decoder's rank-0 row also what its whole
+    subtree did (decoder_figures)."""
+    sums: dict[str, dict[str, Any]] = {}
     for s in stats:
         for name, d in s["decoders"].items():
-            row = sums.setdefault(name, {"num_proposed": 0, "num_accepted": 0, "time_ms": 0.0})
-            for key in row:
+            row = sums.setdefault(
+                name,
+                {
+                    "num_proposed": 0,
+                    "num_accepted": 0,
+                    "time_ms": 0.0,
+                    "num_steps": 0,
+                    "num_tested_by_depth": [],
+                    "num_accepted_by_depth": [],
+                },
+            )
+            for key in ("num_proposed", "num_accepted", "time_ms"):
                 row[key] += d[key]
+            row["num_steps"] += d.get("num_steps", 0)  # absent in results written before it was counted
+            for key in ("num_tested_by_depth", "num_accepted_by_depth"):
+                row[key] = sum_counts((row[key], d.get(key, [])))
     return {
-        name: {**row, "acceptance_rate": row["num_accepted"] / row["num_proposed"] if row["num_proposed"] else None}
+        name: {
+            **row,
+            "acceptance_rate": row["num_accepted"] / row["num_proposed"] if row["num_proposed"] else None,
+            **decoder_figures(row),
+        }
         for name, row in sorted(sums.items())
+    }
+
+
+def decoder_figures(row: dict[str, Any]) -> dict[str, Any]:
+    """A decoder's subtree per step it ran: acceptance at each tree depth d (the walk went on through
+    its depth-d node / the walk tested it there), its mean accepted length (its accepted draft tokens
+    per step + the bonus token) and its draft ms per step. None where it never ran.
+
+    # E.g. 4 steps, tested by depth [4, 3, 1], accepted by depth [3, 1], 10 ms
+    #   -> acceptance by depth [0.75, 0.33, 0.0], mean accepted length 2.0, 2.5 ms a step
+    """
+    steps, tested, accepted = row["num_steps"], row["num_tested_by_depth"], row["num_accepted_by_depth"]
+    return {
+        "acceptance_by_depth": [a / t if t else None for t, a in zip(tested, [*accepted, *[0] * len(tested)])],
+        "mean_accepted_length": 1.0 + sum(accepted) / steps if steps else None,
+        "draft_ms_per_step": row["time_ms"] / steps if steps else None,
     }
 
 

@@ -112,7 +112,15 @@ def stats_dict(stats: gateway_pb2.GenerationStats) -> dict[str, Any]:
             "total": st.total_ms,
         },
         "decoders": {
-            d.name: {"num_proposed": d.num_proposed, "num_accepted": d.num_accepted, "time_ms": d.time_ms}
+            d.name: {
+                "num_proposed": d.num_proposed,
+                "num_accepted": d.num_accepted,
+                "time_ms": d.time_ms,
+                # the decoder's whole subtree, on its rank-0 row (empty / 0 on rank r > 0 rows)
+                "num_steps": d.num_steps,
+                "num_tested_by_depth": list(d.num_tested_by_depth),
+                "num_accepted_by_depth": list(d.num_accepted_by_depth),
+            }
             for d in stats.decoders
         },
         "entropy_bins": [

@@ -6,18 +6,22 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
 from draft_svc.config import DraftConfig, from_args
+from draft_svc.costs import DraftCosts, fit_cost, measure_propose_ms
 from draft_svc.corpus.store import open_index
 from draft_svc.pool import DraftPool
+from draft_svc.priors import drafter_file_acceptance
 from draft_svc.primary_client import GrpcPrimaryClient
 from draft_svc.server import DraftServicer
 from draft_svc.strategies import DecoderRegistry, model_free_registry
+from draft_svc.strategies.base import DraftDecoder
 from draft_svc.strategies.corpus import PendingCorpusIndex
 from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource
 from draft_svc.strategies.grammar_forced import register_grammar_decoder
@@ -46,12 +50,17 @@ def build(
     needed when the pool offers grammar-forced drafts, `corpus` (the index) when it offers corpus drafts."""
     model_based = self_draft_registry(config.self_draft)
     config, feature = _feature_drafter(config, model_based)
+    costs = DraftCosts()
 
     def check_model(model) -> None:
         # Resolve the configured layers against the model now, not in a request.
         for name in config.pool.strategies:
             if name == FeatureDecoder.name and feature is not None:
-                feature.bind(model)  # a drafter of another model is refused (logged), not the weights
+                # a drafter of another model is refused (logged), not the weights
+                if feature.bind(model) is None:
+                    costs.discard(name)
+                else:
+                    _measure_cost(costs, name, functools.partial(feature.create, model=model), model.config)
             elif name in model_based:
                 model_based.create(name, model=model)
 
@@ -82,7 +91,31 @@ def build(
         grammars=grammars,
         refusal=None if feature is None else feature.refusal_of,
     )
-    return DraftServicer(pool, attacher, metrics), pool, attacher
+    priors = {}
+    if feature is not None and feature.is_loaded:
+        if by_depth := drafter_file_acceptance(feature.path):
+            priors[FeatureDecoder.name] = by_depth
+    return DraftServicer(pool, attacher, metrics, costs, priors), pool, attacher
+
+
+def _measure_cost(costs: DraftCosts, name: str, create: Callable[[], DraftDecoder], model_config: Any) -> None:
+    """Measure a bound decoder's Propose on this machine (GetPoolInfo reports it; draft_svc/costs.py).
+    A failure is logged and leaves the strategy priced by the gateway's default: never the attach."""
+    log = structlog.get_logger("draft_svc")
+    try:
+        cost = fit_cost(measure_propose_ms(create(), model_config.vocab_size, model_config.hidden_size))
+    except Exception:  # noqa: BLE001 - a measure must not refuse weights the strategies fit
+        log.exception("draft_cost_not_measured", strategy=name)
+        costs.discard(name)
+        return
+    costs.set(name, cost)
+    log.info(
+        "draft_cost_measured",
+        strategy=name,
+        fixed_ms=round(cost.fixed_ms, 3),
+        per_token_ms=round(cost.per_token_ms, 3),
+        depth_ms={d: round(ms, 3) for d, ms in cost.depth_ms},
+    )
 
 
 def _feature_drafter(

@@ -42,7 +42,7 @@ MODEL_STRATEGIES = strategies.names_of(strategies.MODEL)
 # gateway's default set names it), grammar-forced drafts for constrained requests, and the feature
 # drafter (dropped, with a log line, when its file does not load: draft_svc/__main__.py).
 OFFERED_STRATEGIES = (
-    strategies.DEFAULT_STRATEGIES
+    strategies.MODEL_FREE_DEFAULTS
     + (strategies.LOOKAHEAD_STRATEGY,)
     + GRAMMAR_STRATEGIES
     + (strategies.FEATURE_STRATEGY,)

@@ -57,13 +57,13 @@ from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
 from specdec.request_id import check_request_id
-from specdec.strategies import DEFAULT_STRATEGIES
+from specdec.strategies import MODEL_FREE_DEFAULTS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolConfig:
-    strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # what this pool offers
-    default_strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # when a request names none
+    strategies: tuple[str, ...] = MODEL_FREE_DEFAULTS  # what this pool offers
+    default_strategies: tuple[str, ...] = MODEL_FREE_DEFAULTS  # when a request names none
     default_draft_length: int = 8
     max_draft_length: int = MAX_DRAFT_LENGTH  # the project's bounds (specdec.engine.tree) are the pool's
     max_speculative_degree: int = 16
@@ -219,6 +219,11 @@ class DraftPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def offered_strategies(self) -> tuple[str, ...]:
+        """The strategies a request may name now: the configured ones less those refused (a feature
+        drafter trained for another model than the attached one)."""
+        return tuple(name for name in self.config.strategies if self._refusal(name) is None)
 
     # --- Propose -----------------------------------------------------------------------------
 

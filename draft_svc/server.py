@@ -5,8 +5,11 @@ Domain errors (specdec.errors) raised below become their gRPC status in the inte
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import grpc
 
+from draft_svc.costs import DraftCosts
 from draft_svc.pool import DraftPool, Proposal, ProposeArgs
 from draft_svc.primary_client import exported_from_pb
 from draft_svc.weights import WeightAttacher
@@ -17,8 +20,18 @@ from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, pool: DraftPool, attacher: WeightAttacher, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(
+        self,
+        pool: DraftPool,
+        attacher: WeightAttacher,
+        metrics: ServiceMetrics | None = None,
+        costs: DraftCosts | None = None,
+        priors: Mapping[str, Sequence[float]] | None = None,
+    ) -> None:
         self._pool, self._attacher, self._metrics = pool, attacher, metrics
+        self._costs = costs or DraftCosts()  # measured when the weights attach (draft_svc/costs.py)
+        # strategy -> its drafter's validation acceptance by depth (draft_svc/priors.py)
+        self._priors = {name: tuple(by_depth) for name, by_depth in (priors or {}).items()}
 
     def Attach(self, request: draft_pb2.AttachRequest, context: grpc.ServicerContext) -> draft_pb2.AttachResponse:
         if not request.HasField("manifest"):
@@ -59,7 +72,20 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def GetPoolInfo(
         self, request: draft_pb2.GetPoolInfoRequest, context: grpc.ServicerContext
     ) -> draft_pb2.GetPoolInfoResponse:
-        return draft_pb2.GetPoolInfoResponse(strategies=self._pool.config.strategies)
+        offered = self._pool.offered_strategies()
+        return draft_pb2.GetPoolInfoResponse(
+            strategies=offered,
+            draft_costs=[
+                draft_pb2.MeasuredDraftCost(strategy=name, fixed_ms=c.fixed_ms, per_token_ms=c.per_token_ms)
+                for name, c in self._costs.items()
+                if name in offered
+            ],
+            acceptance_priors=[
+                draft_pb2.AcceptancePrior(strategy=name, acceptance_by_depth=by_depth)
+                for name, by_depth in sorted(self._priors.items())
+                if name in offered
+            ],
+        )
 
     def _record(self, proposal: Proposal) -> None:
         if self._metrics is None:

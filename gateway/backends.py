@@ -64,6 +64,18 @@ class ModelInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """What the draft pool offers (GetPoolInfo), what its model-based strategies' Propose costs on
+    its machine (strategy -> (fixed_ms, per_token_ms), for those measured so far) and what its trained
+    drafters' validation says of their acceptance."""
+
+    strategies: tuple[str, ...]
+    draft_costs_ms: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    # strategy -> its drafter's validation acceptance by depth (a trained drafter's file)
+    acceptance_priors: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class DraftTree:
     token_ids: tuple[int, ...]
     parents: tuple[int, ...]
@@ -386,10 +398,14 @@ class Backends:
             tuple((c.leaf, c.decoder, tuple(c.token_ids)) for c in r.continuations),
         )
 
-    async def draft_strategies(self) -> tuple[str, ...]:
-        """The strategies the draft pool offers."""
+    async def draft_pool_info(self) -> PoolInfo:
+        """The strategies the draft pool offers, and the costs it measured."""
         r = await self._call("draft", self.draft.GetPoolInfo, draft_pb2.GetPoolInfoRequest())
-        return tuple(r.strategies)
+        return PoolInfo(
+            tuple(r.strategies),
+            {c.strategy: (c.fixed_ms, c.per_token_ms) for c in r.draft_costs},
+            {p.strategy: tuple(p.acceptance_by_depth) for p in r.acceptance_priors},
+        )
 
     async def release_draft(self, request_id: str, is_finished: bool) -> None:
         await self._call(

@@ -21,9 +21,31 @@ For each gamma on a grid, decoders are added greedily while the speedup grows, s
 not pay for its draft and verify cost is left out; the best gamma wins. Ranks of one decoder share its
 draft cost and the verify rows it adds beside its candidates (lookahead's window, `extra_rows`).
 
+A tree decoder (specdec.strategies.TREE_STRATEGIES: the feature drafter, EAGLE-2) grows one token tree
+per Propose and returns its root-to-leaf paths, best leaf first, as its ranks 0, 1, ...; the request's
+controller tracks up to speculative_degree of them (gateway/loop.py). It enters this model unchanged:
+    draft cost  its measured Propose, fixed + per_token * gamma (per depth: one batched drafter call
+                each; GetPoolInfo.draft_costs -> gateway/cost_model.py), paid once however many ranks
+    nodes       sum over its planned ranks of c_r * f_r * gamma: the node budget the pool hands it is
+                (ranks planned) * gamma (SpeculationPlan.max_tree_nodes bounds the whole tree), and a
+                rank's path shares its prefix with better ranks, so this bounds its verify rows from above
+    acceptance  per rank, from the rank's own outcome (its path's nodes and accepted prefix), as for
+                any decoder; acceptance by depth is alpha_r^j, whose estimate is the geometric
+                model's maximum likelihood over the depths each step tested
+    prior       the drafter's own validation acceptance (its file's top-1 agreement by depth, averaged;
+                GetPoolInfo.acceptance_priors -> ControllerConfig.decoder_prior_acceptance) instead of
+                the task type's: with the task prior a drafter that costs a tenth of a forward per
+                depth loses to the free model-free drafts and is too dear to probe, so it would never
+                be tried
+A rank r > 0 adds the depths its leaf reaches beyond the better paths' shared prefix; independence
+counts its shared depths twice and its sibling of the accepted node not at all, the two errors of
+the tree formula above. So the cost model, not a default, decides per step whether the drafter runs
+and how many leaves it gets: a rank joins while its gain pays for its rows.
+
 Estimates per request and per (decoder, rank), as discounted Beta counts: a step that accepted a of p
 proposed tokens adds a successes and one failure when a < p (the geometric model's maximum likelihood:
-tokens after the first rejection were never tested). Counts start at a task-type prior worth
+tokens after the first rejection were never tested). Counts start at a task-type prior (a trained
+drafter's own validation acceptance instead where the draft pool reports one) worth
 `prior_strength` trials and are discounted by decay^(steps since the last observation) before each new
 observation, so the prior fades like any old evidence and a probe after a long pause dominates.
 
@@ -104,6 +126,9 @@ class ControllerConfig:
     prior_acceptance_code: float = PRIOR_ACCEPTANCE_CODE
     prior_acceptance_creative: float = PRIOR_ACCEPTANCE_CREATIVE
     rank_prior_decay: float = 0.5
+    # (decoder, alpha) replacing the task type's prior for that decoder: a trained drafter's own
+    # validation acceptance (GetPoolInfo.acceptance_priors), a better first guess than drafts in general.
+    decoder_prior_acceptance: tuple[tuple[str, float], ...] = ()
     prior_coverage: float = 0.5
     prior_strength: float = 2.0  # trials the prior is worth
     half_life_steps: float = 4.0  # evidence weight halves every this many steps
@@ -145,6 +170,9 @@ class ControllerConfig:
         ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        for decoder, alpha in self.decoder_prior_acceptance:
+            if not 0.0 <= alpha <= 1.0:
+                raise ValueError(f"decoder_prior_acceptance of {decoder!r} must lie in [0, 1], got {alpha}")
         if not 0.0 < self.max_shared_probe_overhead <= 1.0:
             raise ValueError(f"max_shared_probe_overhead must lie in (0, 1], got {self.max_shared_probe_overhead}")
         if self.prior_strength <= 0 or self.half_life_steps <= 0:
@@ -162,12 +190,14 @@ class ControllerConfig:
     def decay_per_step(self) -> float:
         return 0.5 ** (1.0 / self.half_life_steps)
 
-    def prior_acceptance(self, task_type: TaskType, rank: int) -> float:
-        base = {
-            TaskType.STRUCTURED: self.prior_acceptance_structured,
-            TaskType.CODE: self.prior_acceptance_code,
-            TaskType.CREATIVE: self.prior_acceptance_creative,
-        }[task_type]
+    def prior_acceptance(self, task_type: TaskType, rank: int, decoder: str = "") -> float:
+        base = dict(self.decoder_prior_acceptance).get(decoder)
+        if base is None:
+            base = {
+                TaskType.STRUCTURED: self.prior_acceptance_structured,
+                TaskType.CODE: self.prior_acceptance_code,
+                TaskType.CREATIVE: self.prior_acceptance_creative,
+            }[task_type]
         return base * self.rank_prior_decay**rank
 
 
@@ -409,7 +439,7 @@ def _initial_estimates(
         if num_ranks < 1:
             raise ValueError(f"decoders[{decoder!r}] must be >= 1 candidates, got {num_ranks}")
         for rank in range(num_ranks):
-            prior = config.prior_acceptance(task_type, rank)
+            prior = config.prior_acceptance(task_type, rank, decoder)
             proposed = config.prior_strength * config.prior_coverage
             estimates.append(
                 DecoderEstimate(

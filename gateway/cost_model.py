@@ -9,6 +9,9 @@ pending root plus k - 1 draft nodes). On a CPU without AVX512, fp32 rows 2..16 c
 so a tree must gain ~0.8 tokens a step before it pays; in bf16 (docs/architecture.md, Measurements) 8 rows cost 1.18x.
 The overheads are given in ms (RPCs, logits transfer, Redis) and divided by the measured 1-row
 forward, so the same settings mean little on a slow CPU forward and a lot on a fast GPU one.
+Draft costs default to specdec.strategies' estimates; a model-based decoder the draft pool measured
+when the primary's weights attached (GetPoolInfo.draft_costs, draft_svc/costs.py: fixed + per-token
+ms, per depth for a tree decoder) is priced by that, divided by the same 1-row forward.
 """
 
 from __future__ import annotations
@@ -131,16 +134,34 @@ class CostSettings:
             raise ValueError(f"draft_costs names a decoder twice: {names}")
 
 
-def cost_model_for(verify_costs_ms: Mapping[int, float], settings: CostSettings) -> CostModel:
+def cost_model_for(
+    verify_costs_ms: Mapping[int, float],
+    settings: CostSettings,
+    draft_costs_ms: Mapping[str, tuple[float, float]] | None = None,
+) -> CostModel:
     """The cost model of a primary that measured `verify_costs_ms` ({rows: ms}); a primary that
-    measured nothing (or not 1 row) gets the bf16 reference curve's shape."""
+    measured nothing (or not 1 row) gets the bf16 reference curve's shape. `draft_costs_ms`: what
+    the draft pool measured of its decoders' Propose (GetPoolInfo.draft_costs), decoder ->
+    (fixed_ms, per_token_ms); each replaces that decoder's default cost, divided by the 1-row
+    forward like the overheads (its extra_rows stay).
+
+    # E.g. a 1-row forward of 25 ms, feature measured at (1.0, 2.5) ms -> DraftCost(0.04, 0.1)
+    """
     points = sorted((int(k), float(ms)) for k, ms in verify_costs_ms.items() if ms > 0)
     if not points or points[0][0] != 1:
         points = list(SMOLLM2_BF16_VERIFY_MS)
     one_row_ms = points[0][1]
+    draft_costs = dict(settings.draft_costs)
+    for name, (fixed_ms, per_token_ms) in (draft_costs_ms or {}).items():
+        default = draft_costs.get(name, DraftCost())
+        draft_costs[name] = DraftCost(
+            fixed=max(0.0, fixed_ms) / one_row_ms,
+            per_token=max(0.0, per_token_ms) / one_row_ms,
+            extra_rows=default.extra_rows,
+        )
     return CostModel.from_verify_ms(
         points,
-        dict(settings.draft_costs),
+        draft_costs,
         plain_overhead=settings.plain_overhead_ms / one_row_ms,
         speculative_overhead=settings.speculative_overhead_ms / one_row_ms,
     )

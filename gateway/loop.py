@@ -54,12 +54,19 @@ from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.stats import RequestStats
 from specdec.acceptance_mode import AcceptanceMode, select_mode
-from specdec.candidates import CandidateOutcome, candidate_outcomes, decoders_for, ranked_sources, stats_name
+from specdec.candidates import (
+    CandidateOutcome,
+    candidate_outcomes,
+    decoders_for,
+    depth_outcomes,
+    ranked_sources,
+    stats_name,
+)
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
-from specdec.strategies import GRAMMAR_STRATEGY, consumes_features
+from specdec.strategies import GRAMMAR_STRATEGY, TREE_STRATEGIES, consumes_features
 from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
@@ -319,6 +326,9 @@ class RequestLoop:
         """The stored state of a resumed request, or a fresh one (task type given or inferred)."""
         spec = self.params.speculation
         decoders = Counter(cycled_strategies(spec))  # name -> ranks it may offer
+        for name in TREE_STRATEGIES.intersection(spec.strategies):
+            # a tree decoder's ranks are the leaves of one tree it grows per step: as many as the degree
+            decoders[name] = max(decoders[name], spec.speculative_degree)
         if stored:
             try:
                 state = ControllerState.from_dict(stored)
@@ -777,6 +787,8 @@ class RequestLoop:
         for o in outcomes:
             ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
             self.stats.add_decoder(stats_name(o.decoder, o.rank), o.num_proposed, o.num_accepted, ms)
+        for d in depth_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents):
+            self.stats.add_depths(d.decoder, d.num_tested, d.num_accepted)
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     # --- stop conditions, commit ---------------------------------------------------------------

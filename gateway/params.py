@@ -17,7 +17,7 @@ from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
-from specdec.strategies import GRAMMAR_STRATEGY
+from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
 from specdec.task_type import TaskType
 from specdec.task_type import from_pb as task_type_from_pb
@@ -59,7 +59,14 @@ class GenerationParams:
         return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in self.messages])
 
 
-def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits, defaults: SpeculationDefaults) -> GenerationParams:
+def params_from_pb(
+    req: gateway_pb2.GenerateRequest,
+    limits: Limits,
+    defaults: SpeculationDefaults,
+    offered: frozenset[str] | None = None,
+) -> GenerationParams:
+    """The request's checked parameters; `offered`: the draft pool's strategies (None: unknown), which
+    decide the defaults of a request that names none (default_strategies)."""
     prompt, messages = _input_from_pb(req, limits)
     if req.HasField("max_new_tokens"):
         max_new_tokens = req.max_new_tokens
@@ -74,7 +81,9 @@ def params_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits, defaults: S
             raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
     sampling = pb.sampling_from_pb(req.sampling)
     response_format = response_format_from_pb(req.response_format, limits.max_schema_depth)
-    speculation = _speculation_from_pb(req.speculation, limits, defaults, is_structured=response_format is not None)
+    speculation = _speculation_from_pb(
+        req.speculation, limits, defaults, is_structured=response_format is not None, offered=offered
+    )
     return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation, response_format)
 
 
@@ -153,8 +162,25 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
     return None, tuple((m.role, m.content) for m in messages)
 
 
+def default_strategies(configured: Sequence[str], offered: frozenset[str] | None) -> tuple[str, ...]:
+    """The strategies of a request that names none: the configured defaults, less those a draft pool
+    offers only where it can (specdec.strategies.DEFAULTS_WHEN_OFFERED: a feature drafter whose file
+    loads for the attached model) unless the pool lists them. While the pool's offer is unknown
+    (`offered` None: not reached yet) they are left out. The cost model then decides, step by step,
+    whether a default that is offered runs.
+
+    # E.g. configured (prompt_lookup, suffix_index, feature): offered {prompt_lookup, suffix_index}
+    #   -> (prompt_lookup, suffix_index); offered {..., feature} -> all three; None -> the first two
+    """
+    return tuple(s for s in configured if s not in DEFAULTS_WHEN_OFFERED or (offered is not None and s in offered))
+
+
 def _speculation_from_pb(
-    spec: gateway_pb2.SpeculationConfig, limits: Limits, defaults: SpeculationDefaults, is_structured: bool = False
+    spec: gateway_pb2.SpeculationConfig,
+    limits: Limits,
+    defaults: SpeculationDefaults,
+    is_structured: bool = False,
+    offered: frozenset[str] | None = None,
 ) -> SpeculationParams:
     is_enabled = spec.is_enabled if spec.HasField("is_enabled") else defaults.is_enabled
     is_adaptive = spec.is_adaptive if spec.HasField("is_adaptive") else defaults.is_adaptive
@@ -178,10 +204,9 @@ def _speculation_from_pb(
     except ValueError as e:
         raise InvalidArgument("speculation.acceptance_threshold", str(e)) from None
     # A constrained output also drafts what the grammar forces, first: it is free and exact.
+    configured = default_strategies(defaults.strategies, offered)
     strategies = tuple(spec.strategies) or (
-        (GRAMMAR_STRATEGY, *defaults.strategies)
-        if is_structured and GRAMMAR_STRATEGY not in defaults.strategies
-        else defaults.strategies
+        (GRAMMAR_STRATEGY, *configured) if is_structured and GRAMMAR_STRATEGY not in configured else configured
     )
     for s in strategies:
         if s not in STRATEGY_NAMES:

@@ -26,7 +26,7 @@ import functools
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 import structlog
 
@@ -36,6 +36,7 @@ from gateway.chat import PromptEncoder
 from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
 from gateway.config import GatewayConfig
+from gateway.controller import ControllerConfig
 from gateway.cost_model import cost_model_for
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
@@ -50,6 +51,7 @@ from specdec.request_id import TENANT_SEPARATOR, tenant_of
 from specdec.service.api_keys import ApiKeys
 from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import AsyncStateStore, RequestStatus
+from specdec.strategies import MEASURED_STRATEGIES
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 FINISH_REASONS = {
@@ -60,6 +62,9 @@ FINISH_REASONS = {
     "deadline": gateway_pb2.FINISH_REASON_DEADLINE,
     "error": gateway_pb2.FINISH_REASON_ERROR,
 }
+# While the draft pool offers a strategy it has not measured yet (its weights not attached), its
+# GetPoolInfo is asked again at a request's start at most this often.
+POOL_INFO_RETRY_S = 5.0
 _STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop's task hands its call's coroutine
 STATUSES = {
     RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
@@ -68,6 +73,21 @@ STATUSES = {
     RequestStatus.CANCELLED: gateway_pb2.REQUEST_STATUS_CANCELLED,
     RequestStatus.FAILED: gateway_pb2.REQUEST_STATUS_FAILED,
 }
+
+
+def controller_config_for(acceptance_priors: Mapping[str, Sequence[float]]) -> ControllerConfig:
+    """The controller's settings with each drafter's validation acceptance (by depth, GetPoolInfo)
+    as its prior alpha: their mean, the per-token acceptance of the geometric model that the
+    controller fits (values outside [0, 1] or none: that drafter keeps the task type's prior).
+
+    # E.g. {"feature": (0.7, 0.6, 0.5)} -> decoder_prior_acceptance (("feature", 0.6),)
+    """
+    priors = tuple(
+        (name, sum(by_depth) / len(by_depth))
+        for name, by_depth in sorted(acceptance_priors.items())
+        if by_depth and all(0.0 <= a <= 1.0 for a in by_depth)
+    )
+    return ControllerConfig(decoder_prior_acceptance=priors)
 
 
 async def _in_thread(fn, *args, **kwargs):
@@ -110,6 +130,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
         self._offered_strategies: frozenset[str] | None = None  # the draft pool's, once it answered
+        # The adaptive controller's settings: the defaults, with the pool's trained drafters' own
+        # acceptance as their priors once it reported them (controller_config_for).
+        self.controller_config: ControllerConfig | None = None
+        self._is_cost_pending = False  # the pool offers a strategy it has not measured yet (asked again)
+        self._pool_info_at = 0.0  # monotonic time of the last GetPoolInfo
         self._active: dict[str, threading.Event] = {}
         self.admission = Admission(config.max_active_requests, config.max_queued_requests, metrics)
         self._lock = threading.Lock()
@@ -209,8 +234,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         tenant = self._tenant(context)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        # the pool's strategies (asked once) before the checks, which run in a thread (a first compile)
-        offered = await self._offered_by_pool() if request.speculation.strategies else None
+        # the pool's strategies before the checks, which run in a thread (a first compile): a request's
+        # own are checked against them, and the defaults of one that names none are those offered
+        offered = await self._offered_by_pool()
         params, prompt_ids, grammar, stored = await _in_thread(self._prepare, request, client_id, deadline, offered)
         try:  # a slot now, a place in the queue, or refused before anything is stored
             ticket = self.admission.enter(tenant)
@@ -264,7 +290,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         """(params, prompt token ids, grammar state or None, the request as stored): every check that
         can refuse the request, before anything is stored. `offered`: the draft pool's strategies
         (None: not asked, or the pool is down, and the request runs without drafts anyway)."""
-        params = params_from_pb(request, self.config.limits, self.config.speculation)
+        params = params_from_pb(request, self.config.limits, self.config.speculation, offered)
         if params.speculation.is_enabled and offered is not None:
             check_offered(request.speculation.strategies, offered)
         prompt_ids = self.prompt_encoder.encode(params)
@@ -380,13 +406,32 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
     async def _offered_by_pool(self) -> frozenset[str] | None:
-        """The strategies the draft pool was started with (asked once), None while it cannot be reached."""
-        if self._offered_strategies is None:
+        """The strategies the draft pool offers, None while it cannot be reached. Asked once, and
+        again (at most every POOL_INFO_RETRY_S, at a request's start) while a strategy it offers has
+        no measured cost yet: the pool measures its model-based drafters once the primary's weights
+        attach, after it starts serving. Its measured costs replace the defaults in the cost model
+        that the requests started from then on use."""
+        now = time.monotonic()
+        is_due = self._offered_strategies is None or (
+            self._is_cost_pending and now - self._pool_info_at >= POOL_INFO_RETRY_S
+        )
+        if is_due and self.draft_state.is_retry_due():
+            self._pool_info_at = now
             try:
-                offered = await self.call_deadlines.call("draft.GetPoolInfo", self.backends.draft_strategies())
-                self._offered_strategies = frozenset(offered)
-            except (Unavailable, DeadlineExceeded):
-                return None
+                info = await self.call_deadlines.call("draft.GetPoolInfo", self.backends.draft_pool_info())
+            except (Unavailable, DeadlineExceeded) as e:
+                self.draft_state.failed(str(e))  # down or hung: not asked again before its retry is due
+                return self._offered_strategies
+            self._offered_strategies = frozenset(info.strategies)
+            self._is_cost_pending = bool(MEASURED_STRATEGIES & self._offered_strategies - set(info.draft_costs_ms))
+            if info.acceptance_priors:
+                self.controller_config = controller_config_for(info.acceptance_priors)
+            if info.draft_costs_ms:
+                self.cost_model = cost_model_for(self.model.verify_costs_ms, self.config.costs, info.draft_costs_ms)
+                self.log.info(
+                    "draft costs measured by the pool",
+                    draft_costs_ms={k: [round(v, 3) for v in c] for k, c in info.draft_costs_ms.items()},
+                )
         return self._offered_strategies
 
     def make_loop(
@@ -420,6 +465,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             generated,
             stats,
             cost_model=self.cost_model,
+            controller_config=self.controller_config,
             controller_state=controller_state,
             grammar=grammar,
             validator_state=self.validator_state,
@@ -498,7 +544,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             state = await self.store.load(request_id)
             if state is None:
                 continue
-            params = params_from_pb(params_pb_from_json(state.params), self.config.limits, self.config.speculation)
+            params = params_from_pb(
+                params_pb_from_json(state.params), self.config.limits, self.config.speculation, self._offered_strategies
+            )
             cancel = threading.Event()
             with self._lock:
                 self._active[request_id] = cancel

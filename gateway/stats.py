@@ -27,6 +27,9 @@ class RequestStats:
     total_ms: float = 0.0
     forward_ms: float = 0.0  # of stage "verify": the primary's forward passes themselves
     decoders: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # name -> [proposed, accepted, ms]
+    # decoder (all its ranks) -> [speculative steps it ran, [tested by depth], [accepted by depth]]
+    # (specdec.candidates.DepthOutcome; on its rank-0 row of GenerationStats.decoders)
+    decoder_depths: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     entropy_proposed: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
     entropy_accepted: list[int] = dataclasses.field(default_factory=lambda: [0] * (len(DEFAULT_ENTROPY_BIN_EDGES) - 1))
     # What each step ran (the adaptive controller's choices, or the fixed settings): index = draft_length
@@ -52,6 +55,16 @@ class RequestStats:
         row[0] += num_proposed
         row[1] += num_accepted
         row[2] += ms
+
+    def add_depths(self, decoder: str, num_tested: int, num_accepted: int) -> None:
+        """One step of a decoder that ran: the walk tested it at depths 1..num_tested and went on
+        through its nodes at depths 1..num_accepted."""
+        row = self.decoder_depths.setdefault(decoder, [0, [], []])
+        row[0] += 1
+        for counts, n in ((row[1], num_tested), (row[2], num_accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for d in range(n):
+                counts[d] += 1
 
     def add_plan(self, draft_length: int, speculative_degree: int, is_probe: bool) -> None:
         """Count one step's choice; draft_length 0 (or degree 0) is a step without speculation."""
@@ -106,7 +119,15 @@ class RequestStats:
             ),
             tokens_per_second=self.num_generated_tokens / (self.total_ms / 1000) if self.total_ms else 0.0,
             decoders=[
-                common_pb2.DecoderStats(name=n, num_proposed=int(r[0]), num_accepted=int(r[1]), time_ms=r[2])
+                common_pb2.DecoderStats(
+                    name=n,
+                    num_proposed=int(r[0]),
+                    num_accepted=int(r[1]),
+                    time_ms=r[2],
+                    num_steps=self.decoder_depths.get(n, _NO_DEPTHS)[0],
+                    num_tested_by_depth=self.decoder_depths.get(n, _NO_DEPTHS)[1],
+                    num_accepted_by_depth=self.decoder_depths.get(n, _NO_DEPTHS)[2],
+                )
                 for n, r in sorted(self.decoders.items())
             ],
             entropy_bins=[
@@ -130,6 +151,7 @@ class RequestStats:
 
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RequestStats))
+_NO_DEPTHS: list[Any] = [0, [], []]  # a rank r > 0 row, or stats stored before depths were counted
 
 
 def _copied(value: Any) -> Any:

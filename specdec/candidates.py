@@ -80,6 +80,46 @@ def candidate_outcomes(
     return outcomes
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class DepthOutcome:
+    """What one decoder's subtree (all its ranks) achieved in one step. Its nodes are closed under
+    ancestors (each candidate is a root path), so the walk tests it at depths 1..num_tested and
+    goes on through its nodes at depths 1..num_accepted, num_accepted = num_tested or num_tested - 1:
+    acceptance at depth d is (steps with num_accepted >= d) / (steps with num_tested >= d)."""
+
+    decoder: str
+    num_tested: int  # depths at which the accepted path reached a node where the decoder had a child
+    num_accepted: int  # of those, the depths whose path node is the decoder's
+
+
+def depth_outcomes(
+    decoders: Sequence[str], node_sources: Sequence[int], accepted_nodes: Sequence[int], parents: Sequence[int]
+) -> list[DepthOutcome]:
+    """Per distinct decoder (first-use order), how deep the accepted path tested it and went on
+    through its nodes.
+
+    # E.g. decoders (a, b), tree 0:x(a,b) 1:y(a) 2:z(b) with parents (-1, 0, 0), accepted [0, 2]
+    #   -> a: tested 2, accepted 1 (y rejected at depth 2); b: tested 2, accepted 2 (z a leaf)
+    #   accepted [0] (y and z rejected) -> a: tested 2, accepted 1; b: tested 2, accepted 1
+    #   accepted [] (x rejected) -> a: 1, 0; b: 1, 0
+    """
+    has_child: dict[int, int] = {}  # node (ROOT too) -> OR of its children's sources
+    for node, parent in enumerate(parents):
+        has_child[parent] = has_child.get(parent, 0) | node_sources[node]
+    masks: dict[str, int] = {}
+    for i, name in enumerate(decoders):
+        masks[name] = masks.get(name, 0) | (1 << i)
+    out = []
+    for name, mask in masks.items():
+        num_accepted = 0
+        while num_accepted < len(accepted_nodes) and node_sources[accepted_nodes[num_accepted]] & mask:
+            num_accepted += 1
+        # the walk left its nodes (or stopped) after depth num_accepted: tested there if it had a child
+        at = accepted_nodes[num_accepted - 1] if num_accepted else ROOT
+        out.append(DepthOutcome(name, num_accepted + int(bool(has_child.get(at, 0) & mask)), num_accepted))
+    return out
+
+
 def stats_name(decoder: str, rank: int) -> str:
     """The name a candidate's figures are kept under: "prompt_lookup", "prompt_lookup#1", ..."""
     return decoder if rank == 0 else f"{decoder}{RANK_SEPARATOR}{rank}"

@@ -84,12 +84,26 @@ STRATEGIES: tuple[Strategy, ...] = (
 NAMES = tuple(s.name for s in STRATEGIES)
 GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; the gateway adds them to constrained requests
 CORPUS_STRATEGY = "corpus"
-# A request that names no strategy: the cheap model-free ones that need no index built.
-DEFAULT_STRATEGIES = ("prompt_lookup", "suffix_index")
+# The cheap model-free strategies that need no index built: what every pool offers by default, and
+# its defaults for a Propose that names none.
+MODEL_FREE_DEFAULTS = ("prompt_lookup", "suffix_index")
+# A request that names no strategy (the gateway's --strategies): those, and the feature drafter where
+# the pool offers it (its file loaded for the attached model: the gateway keeps the strategies of
+# DEFAULTS_WHEN_OFFERED only when GetPoolInfo lists them, gateway/params.py default_strategies). The
+# cost model, priced with the drafter's measured cost, decides per request and step whether it runs.
+DEFAULT_STRATEGIES = MODEL_FREE_DEFAULTS + (FEATURE_STRATEGY,)
 # Offered by the pool beside those without being a default: lookahead costs nothing until a request
 # (or the gateway's default set) names it.
 LOOKAHEAD_STRATEGY = "lookahead"
 FEATURE_STRATEGIES = frozenset({FEATURE_STRATEGY})  # the strategies that read the primary's features
+# Decoders that grow one token tree per Propose and return its root-to-leaf paths as ranks 0, 1, ...:
+# any number of ranks for the price of one propose (the node budget grows, the drafter calls do not);
+# the adaptive controller may plan up to the request's degree of them (gateway/loop.py).
+TREE_STRATEGIES = FEATURE_STRATEGIES
+DEFAULTS_WHEN_OFFERED = FEATURE_STRATEGIES  # defaults only where a pool offers them (see DEFAULT_STRATEGIES)
+# Strategies whose Propose the pool measures once the primary's weights attach (draft_svc/costs.py,
+# GetPoolInfo.draft_costs); the gateway's cost model prices them by that.
+MEASURED_STRATEGIES = FEATURE_STRATEGIES
 
 
 def consumes_features(names: Iterable[str]) -> bool:

@@ -11,6 +11,7 @@ from bench.report import (
     SPECULATIVE,
     Record,
     check_json,
+    decoder_figures,
     finite,
     grammar_forced_share,
     json_figures,
@@ -141,6 +142,13 @@ def test_speculation_figures_sum_over_requests():
         "num_accepted": 4,
         "time_ms": 1.5,
         "acceptance_rate": 0.4,
+        # results without depths (written before they were counted): none
+        "num_steps": 0,
+        "num_tested_by_depth": [],
+        "num_accepted_by_depth": [],
+        "acceptance_by_depth": [],
+        "mean_accepted_length": None,
+        "draft_ms_per_step": None,
     }
     assert f["decoders"]["suffix_index"]["acceptance_rate"] is None
     assert f["num_steps_by_degree"] == [2, 10]
@@ -256,3 +264,23 @@ def test_record_to_dict_and_finite():
     d = Record("baseline", "code", "a", 5, (1, 2), "x", 0.5).to_dict()
     assert "token_ids" not in d and d["num_tokens"] == 2 and d["tokens_per_s"] == 4.0
     assert finite({"a": [1.0, math.inf], "b": (math.inf,)}) == {"a": [1.0, None], "b": [None]}
+
+
+def test_a_decoders_subtree_figures_by_depth_sum_over_requests():
+    """4 steps, tested by depth [4, 3, 1], accepted by depth [3, 1], 10 ms."""
+    d1 = {"feature": {"num_proposed": 9, "num_accepted": 3, "time_ms": 6.0, "num_steps": 3,
+                      "num_tested_by_depth": [3, 2], "num_accepted_by_depth": [2, 1]}}  # fmt: skip
+    d2 = {"feature": {"num_proposed": 4, "num_accepted": 1, "time_ms": 4.0, "num_steps": 1,
+                      "num_tested_by_depth": [1, 1, 1], "num_accepted_by_depth": [1]}}  # fmt: skip
+    f = speculation_figures([stats(decoders=d1, proposed=9, accepted=3), stats(decoders=d2, proposed=4, accepted=1)])
+    row = f["decoders"]["feature"]
+    assert (row["num_tested_by_depth"], row["num_accepted_by_depth"]) == ([4, 3, 1], [3, 1])
+    assert row["acceptance_by_depth"] == [pytest.approx(0.75), pytest.approx(1 / 3), 0.0]
+    assert row["mean_accepted_length"] == pytest.approx(2.0) and row["draft_ms_per_step"] == pytest.approx(2.5)
+    assert decoder_figures(
+        {"num_steps": 0, "num_tested_by_depth": [], "num_accepted_by_depth": [], "time_ms": 0.0}
+    ) == {
+        "acceptance_by_depth": [],
+        "mean_accepted_length": None,
+        "draft_ms_per_step": None,
+    }

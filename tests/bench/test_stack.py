@@ -13,7 +13,17 @@ def test_stats_dict_carries_forward_time_decoders_and_the_controller_choices():
         num_proposed_tokens=12,
         num_accepted_tokens=5,
         stage_times=gateway_pb2.StageTimes(draft_ms=2.0, verify_ms=40.0, forward_ms=31.5, total_ms=50.0),
-        decoders=[common_pb2.DecoderStats(name="grammar", num_proposed=6, num_accepted=4, time_ms=0.5)],
+        decoders=[
+            common_pb2.DecoderStats(
+                name="grammar",
+                num_proposed=6,
+                num_accepted=4,
+                time_ms=0.5,
+                num_steps=3,
+                num_tested_by_depth=[3, 2],
+                num_accepted_by_depth=[2, 1],
+            )
+        ],
         num_steps_by_degree=[1, 0, 3],
         num_steps_by_draft_length=[1, 0, 0, 0, 3],
         num_probe_steps=1,
@@ -22,6 +32,15 @@ def test_stats_dict_carries_forward_time_decoders_and_the_controller_choices():
     d = stats_dict(pb)
     assert (d["num_steps"], d["num_proposed"], d["num_accepted"]) == (4, 12, 5)
     assert (d["stage_ms"]["verify"], d["stage_ms"]["forward"], d["stage_ms"]["total"]) == (40.0, 31.5, 50.0)
-    assert d["decoders"] == {"grammar": {"num_proposed": 6, "num_accepted": 4, "time_ms": 0.5}}
+    assert d["decoders"] == {
+        "grammar": {
+            "num_proposed": 6,
+            "num_accepted": 4,
+            "time_ms": 0.5,
+            "num_steps": 3,
+            "num_tested_by_depth": [3, 2],
+            "num_accepted_by_depth": [2, 1],
+        }
+    }
     assert d["num_steps_by_degree"] == [1, 0, 3] and d["num_steps_by_draft_length"] == [1, 0, 0, 0, 3]
     assert (d["num_probe_steps"], d["task_type"]) == (1, "structured")

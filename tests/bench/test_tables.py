@@ -5,6 +5,7 @@ from __future__ import annotations
 from bench.chart import entropy_series, speedup_series, write_chart
 from bench.tables import (
     concurrency_table,
+    decoder_cell,
     headline_table,
     peer_systems,
     render_markdown,
@@ -231,3 +232,15 @@ def test_render_markdown_has_the_structured_output_table_only_with_json():
     assert "Structured output:" not in render_markdown(
         {**results(), "runs": {"fp32": {"scenarios": {"code": run()["scenarios"]["code"]}, "concurrency": []}}}
     )
+
+
+def test_a_decoders_cell_shows_its_accepted_length_draft_time_and_acceptance_by_depth():
+    row = {
+        "num_proposed": 13,
+        "num_accepted": 4,
+        "mean_accepted_length": 2.0,
+        "draft_ms_per_step": 2.5,
+        "acceptance_by_depth": [0.75, 0.5, None],
+    }
+    assert decoder_cell("feature", row) == "feature 4/13, L 2.00, 2.5 ms, by depth 75.0 % / 50.0 % / —"
+    assert decoder_cell("feature#1", {"num_proposed": 5, "num_accepted": 1}) == "feature#1 1/5"

@@ -560,3 +560,38 @@ def test_the_plan_takes_the_load_on_a_grid_so_loaded_requests_share_choices(monk
         state.other_rows = rows
         controller.plan(state)
     assert loads == [bucket(30.0)]
+
+
+def test_a_tree_decoder_is_priced_by_its_measured_cost_and_gets_leaves_while_they_pay():
+    """The feature drafter's ranks are the leaves of one tree: one measured propose (fixed + per depth,
+    in ms over the primary's 1-row forward), nodes from every planned rank. Cheap, it runs with
+    several leaves; at more than a forward per depth the cost model leaves it out."""
+    from gateway.cost_model import CostSettings, cost_model_for
+
+    verify_ms = dict(SMOLLM2_BF16_VERIFY_MS)
+    decoders = {"feature": 4, LOOKUP: 1}
+    alpha = {("feature", 0): 0.8, ("feature", 1): 0.7, ("feature", 2): 0.1, ("feature", 3): 0.05, (LOOKUP, 0): 0.05}
+    config = ControllerConfig(prior_coverage=1.0)
+    cheap = cost_model_for(verify_ms, CostSettings(), {"feature": (0.5, 1.5)})
+    plan = adjust_speculative_degree("code", alpha, decoders=decoders, cost_model=cheap, config=config)
+    assert plan.sources[:2] == (("feature", 0), ("feature", 1)) and plan.num_candidates("feature") == 2
+    assert plan.max_tree_nodes == len(plan.sources) * plan.draft_length  # the budget the pool hands it
+    dear = cost_model_for(verify_ms, CostSettings(), {"feature": (5.0, 40.0)})
+    plan = adjust_speculative_degree("code", alpha, decoders=decoders, cost_model=dear, config=config)
+    assert plan.num_candidates("feature") == 0
+
+
+def test_a_trained_drafters_own_prior_puts_it_in_the_first_plans_where_it_pays():
+    """With the task type's prior (creative 0.3) a drafter costing 0.1 of a forward per depth loses to
+    the free model-free drafts and is too dear to probe, so it would never be tried; its validation
+    acceptance (0.65) as its prior plans it from the first step, and its own steps take over."""
+    from gateway.cost_model import CostSettings, cost_model_for
+
+    cost = cost_model_for(dict(SMOLLM2_BF16_VERIFY_MS), CostSettings(), {"feature": (0.0, 2.7)})
+    decoders = {LOOKUP: 2, SUFFIX: 1, "feature": 4}
+    plain = AdaptiveController(cost)
+    assert "feature" not in {d for d, _ in plain.plan(plain.new_state(TaskType.CREATIVE, decoders)).sources}
+    assert not plain._is_cheap_probe("feature", 4)
+    primed = AdaptiveController(cost, ControllerConfig(decoder_prior_acceptance=(("feature", 0.65),)))
+    plan = primed.plan(primed.new_state(TaskType.CREATIVE, decoders))
+    assert plan.sources[0] == ("feature", 0) and plan.expected_speedup > 1.0

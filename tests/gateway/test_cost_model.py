@@ -42,3 +42,15 @@ def test_every_strategy_has_a_default_draft_cost():
     for name in NAMES:
         assert model.draft(name, 8) >= 0
     assert model.draft("corpus", 8) < 0.02  # a query, not a forward: cheap enough to probe
+
+
+def test_draft_costs_the_pool_measured_replace_the_defaults_in_one_row_forwards():
+    """GetPoolInfo.draft_costs (ms) over the primary's 1-row forward (40 ms here); the rest stay."""
+    model = cost_model_for(FP32_CPU_MS, CostSettings(), {"feature": (2.0, 4.0), "lookahead": (0.4, 0.0)})
+    assert model.draft("feature", 1) == pytest.approx(0.15)
+    assert model.draft("feature", 6) == pytest.approx(0.05 + 6 * 0.1)
+    assert model.draft("lookahead", 4) == pytest.approx(0.01)
+    assert model.extra_rows("lookahead") > 0  # a measured time keeps the rows the decoder adds
+    assert model.draft("early_exit", 4) == pytest.approx(3.0)  # not measured: the default
+    defaults = cost_model_for(FP32_CPU_MS, CostSettings())
+    assert defaults.draft("feature", 6) == pytest.approx(6 * dict(CostSettings().draft_costs)["feature"].per_token)

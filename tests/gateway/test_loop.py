@@ -12,6 +12,7 @@ The fakes check the protocol on every call and fail the request when it is broke
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import threading
 import time
@@ -437,6 +438,30 @@ def test_stats_count_the_steps_choices():
     assert stats.num_steps_by_degree == [1, 1, 2]
     assert stats.num_probe_steps == 1
     assert RequestStats.from_dict(stats.to_dict()) == stats
+
+
+def test_stats_count_acceptance_by_depth_on_the_decoders_rank_0_row():
+    stats = RequestStats()
+    stats.add_decoder("feature", 5, 2, 3.0)
+    stats.add_decoder("feature#1", 3, 1, 0.0)
+    stats.add_depths("feature", 3, 2)  # tested at depths 1..3, went on through 1..2
+    stats.add_depths("feature", 1, 0)
+    assert stats.decoder_depths == {"feature": [2, [2, 1, 1], [1, 1]]}
+    assert RequestStats.from_dict(stats.to_dict()) == stats
+    rows = {d.name: d for d in stats.to_pb().decoders}
+    assert list(rows["feature"].num_tested_by_depth) == [2, 1, 1] and rows["feature"].num_steps == 2
+    assert list(rows["feature"].num_accepted_by_depth) == [1, 1]
+    assert list(rows["feature#1"].num_tested_by_depth) == [] and rows["feature#1"].num_steps == 0
+
+
+def test_a_loops_acceptance_by_depth_adds_up_to_its_accepted_drafts():
+    loop = run(make_params(is_adaptive=False, degree=2, draft_length=6), FakeBackends(is_lookup_right=lambda n: n % 3))
+    depths = loop.stats.decoder_depths
+    assert set(depths) == {LOOKUP, SUFFIX}
+    accepted_by_rank = sum(r[1] for name, r in loop.stats.decoders.items() if name.startswith(LOOKUP))
+    assert sum(depths[LOOKUP][2]) <= accepted_by_rank  # ranks share accepted prefixes, the subtree counts once
+    assert sum(depths[LOOKUP][2]) + sum(depths[SUFFIX][2]) >= loop.stats.num_accepted
+    assert all(t >= a for t, a in zip(depths[LOOKUP][1], depths[LOOKUP][2]))
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -1306,3 +1331,12 @@ def test_without_a_feature_strategy_no_call_asks_for_features():
     run(make_params(is_adaptive=False, degree=2, draft_length=4), backends)
     assert backends.num_feature_calls == 0
     assert all(args["features"] is None for name, args in backends.calls if name == "propose")
+
+
+def test_an_adaptive_request_tracks_a_tree_decoder_at_every_rank_up_to_its_degree():
+    params = make_params(degree=4, strategies=(LOOKUP, SUFFIX, FEATURE_STRATEGY))
+    loop = make_loop(params, FakeBackends())
+    assert loop.controller_state is not None
+    ranks = collections.Counter(e.decoder for e in loop.controller_state.estimates)
+    assert ranks == {LOOKUP: 2, SUFFIX: 1, FEATURE_STRATEGY: 4}  # cycled, and the tree's leaves
+    assert loop.fixed_plan.sources == ((LOOKUP, 0), (SUFFIX, 0), (FEATURE_STRATEGY, 0), (LOOKUP, 1))

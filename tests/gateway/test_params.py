@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import Limits, SpeculationDefaults
-from gateway.params import params_from_pb, response_format_from_pb
+from gateway.params import default_strategies, params_from_pb, response_format_from_pb
 from specdec.errors import InvalidArgument
 from specdec.task_type import TaskType
 from specdec.v1 import common_pb2, gateway_pb2
@@ -138,3 +138,32 @@ def test_response_format_from_pb_defaults_to_the_limits_depth():
     deep = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema=nested_schema(150))
     with pytest.raises(InvalidArgument, match="more than the limit of 64"):
         response_format_from_pb(deep)
+
+
+def test_defaults_include_the_feature_drafter_only_when_the_pool_offers_it():
+    def defaults(offered):
+        req = gateway_pb2.GenerateRequest(prompt="hi")
+        return params_from_pb(req, Limits(), SpeculationDefaults(), offered).speculation.strategies
+
+    assert SpeculationDefaults().strategies == ("prompt_lookup", "suffix_index", "feature")
+    assert defaults(frozenset({"prompt_lookup", "suffix_index", "feature"})) == (
+        "prompt_lookup",
+        "suffix_index",
+        "feature",
+    )
+    assert defaults(frozenset({"prompt_lookup", "suffix_index", "lookahead"})) == ("prompt_lookup", "suffix_index")
+    assert defaults(None) == ("prompt_lookup", "suffix_index")  # the pool not reached yet
+    assert default_strategies(("prompt_lookup", "corpus"), frozenset({"prompt_lookup"})) == ("prompt_lookup", "corpus")
+
+
+def test_a_request_naming_its_strategies_keeps_them_and_a_structured_one_drafts_the_grammar_first():
+    offered = frozenset({"prompt_lookup", "suffix_index", "feature", "grammar"})
+    req = gateway_pb2.GenerateRequest(
+        prompt="hi", speculation=gateway_pb2.SpeculationConfig(strategies=["suffix_index"])
+    )
+    assert params_from_pb(req, Limits(), SpeculationDefaults(), offered).speculation.strategies == ("suffix_index",)
+    structured = gateway_pb2.GenerateRequest(
+        prompt="hi", response_format=common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT)
+    )
+    spec = params_from_pb(structured, Limits(), SpeculationDefaults(), offered).speculation
+    assert spec.strategies == ("grammar", "prompt_lookup", "suffix_index", "feature")

@@ -62,6 +62,11 @@ def servicer(store: AsyncInMemoryStateStore, admission: Admission, make_loop) ->
     s._active, s._lock, s._background = {}, threading.Lock(), set()
     s.log = structlog.get_logger("test")
     s._prepare = lambda request, client_id, deadline, offered: (None, [1, 2, 3], None, request)
+
+    async def no_pool() -> None:  # the draft pool not reached: its offer unknown
+        return None
+
+    s._offered_by_pool = no_pool
     s.make_loop = make_loop
     return s
 

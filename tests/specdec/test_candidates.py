@@ -9,6 +9,7 @@ from specdec.candidates import (
     candidate_outcomes,
     decoder_of,
     decoders_for,
+    depth_outcomes,
     ranked_sources,
     stats_name,
 )
@@ -46,3 +47,24 @@ def test_outcomes_count_each_candidates_nodes_on_the_accepted_path():
 def test_stats_names_carry_the_rank_after_the_first():
     assert [stats_name(LOOKUP, r) for r in range(3)] == [LOOKUP, f"{LOOKUP}#1", f"{LOOKUP}#2"]
     assert decoder_of(f"{LOOKUP}#2") == decoder_of(LOOKUP) == LOOKUP
+
+
+@pytest.mark.parametrize(
+    "accepted, expected",
+    [
+        ([0, 2], {"a": (2, 1), "b": (2, 2)}),  # y rejected at depth 2; z a leaf, all of b accepted
+        ([0], {"a": (2, 1), "b": (2, 1)}),  # y and z rejected
+        ([], {"a": (1, 0), "b": (1, 0)}),  # x rejected
+    ],
+)
+def test_depth_outcomes_follow_the_accepted_path_through_each_decoders_subtree(accepted, expected):
+    # tree 0:x(a,b) 1:y(a) 2:z(b)
+    outcomes = depth_outcomes(("a", "b"), (0b11, 0b01, 0b10), accepted, (-1, 0, 0))
+    assert {o.decoder: (o.num_tested, o.num_accepted) for o in outcomes} == expected
+
+
+def test_a_tree_decoders_ranks_are_one_subtree_and_a_decoder_off_the_path_is_tested_once():
+    # ranks f#0, f#1 (bits 0, 1) share x; p (bit 2) proposes w. Tree 0:x(f,f1) 1:y(f) 2:v(f1) 3:w(p)
+    decoders, sources, parents = ("f", "f", "p"), (0b011, 0b001, 0b010, 0b100), (-1, 0, 0, -1)
+    outcomes = {o.decoder: (o.num_tested, o.num_accepted) for o in depth_outcomes(decoders, sources, [0, 2], parents)}
+    assert outcomes == {"f": (2, 2), "p": (1, 0)}

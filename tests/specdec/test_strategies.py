@@ -9,7 +9,11 @@ from specdec import strategies
 
 def test_the_named_strategies_are_in_the_list_with_their_kinds():
     assert len(set(strategies.NAMES)) == len(strategies.NAMES)
-    assert set(strategies.DEFAULT_STRATEGIES) <= set(strategies.names_of(strategies.MODEL_FREE))
+    assert set(strategies.MODEL_FREE_DEFAULTS) <= set(strategies.names_of(strategies.MODEL_FREE))
+    # a request's defaults: those, and what a pool offers only where it can (the feature drafter)
+    assert set(strategies.DEFAULT_STRATEGIES) - set(strategies.MODEL_FREE_DEFAULTS) <= strategies.DEFAULTS_WHEN_OFFERED
+    assert strategies.FEATURE_STRATEGY in strategies.DEFAULT_STRATEGIES
+    assert strategies.MEASURED_STRATEGIES <= set(strategies.names_of(strategies.MODEL))
     assert strategies.names_of(strategies.GRAMMAR) == (strategies.GRAMMAR_STRATEGY,)
     assert strategies.CORPUS_STRATEGY in strategies.names_of(strategies.MODEL_FREE)
     # model-free drafts cost a query; model-based ones a fraction of a forward per token

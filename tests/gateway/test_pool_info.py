@@ -1,0 +1,107 @@
+"""The gateway asks the draft pool what it offers and what its drafters cost (GetPoolInfo): the
+measured costs replace the defaults in the cost model of the requests started after; while the pool
+offers a strategy it has not measured yet (its weights not attached), it is asked again, at most
+every POOL_INFO_RETRY_S."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+import structlog
+
+from gateway import server as gateway_server
+from gateway.backends import ModelInfo, PoolInfo
+from gateway.call_deadlines import CallDeadlines
+from gateway.cost_model import CostSettings, cost_model_for
+from gateway.dependencies import DependencyState
+from gateway.server import GenerationServicer, controller_config_for
+from specdec.errors import Unavailable
+from specdec.task_type import TaskType
+
+VERIFY_MS = {1: 20.0, 2: 21.0, 4: 22.0, 8: 24.0}
+
+
+class Pool:
+    def __init__(self, answers: list[PoolInfo | Exception]) -> None:
+        self.answers, self.num_calls = answers, 0
+
+    async def draft_pool_info(self) -> PoolInfo:
+        answer = self.answers[min(self.num_calls, len(self.answers) - 1)]
+        self.num_calls += 1
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def servicer(pool: Pool, retry_s: float = 0.0) -> GenerationServicer:
+    """A servicer with only what _offered_by_pool touches."""
+    s = GenerationServicer.__new__(GenerationServicer)
+    s.backends, s.call_deadlines = pool, CallDeadlines()
+    s.draft_state = DependencyState("draft", retry_s=retry_s)
+    s.model = ModelInfo(50, (49,), 4096, "fake", verify_costs_ms=VERIFY_MS)
+    s.config = types.SimpleNamespace(costs=CostSettings())
+    s.cost_model = cost_model_for(VERIFY_MS, CostSettings())
+    s._offered_strategies, s._is_cost_pending, s._pool_info_at = None, False, 0.0
+    s.controller_config = None
+    s.log = structlog.get_logger("test")
+    return s
+
+
+def test_the_pools_measured_cost_prices_the_feature_drafter_once_it_is_measured(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(gateway_server.time, "monotonic", lambda: clock[0])
+    offered = ("prompt_lookup", "suffix_index", "feature")
+    pool = Pool(
+        [
+            Unavailable("draft", "down"),
+            PoolInfo(offered),  # up, the weights not attached yet: nothing measured
+            PoolInfo(offered, {"feature": (1.0, 2.0)}),
+        ]
+    )
+    s = servicer(pool)
+    default = s.cost_model.draft("feature", 4)
+
+    async def offered_now():
+        return await s._offered_by_pool()
+
+    assert asyncio.run(offered_now()) is None  # the pool down: unknown, the defaults leave feature out
+    assert asyncio.run(offered_now()) == frozenset(offered) and s.cost_model.draft("feature", 4) == default
+    clock[0] += 1.0
+    asyncio.run(offered_now())
+    assert pool.num_calls == 2  # pending, but asked again only after POOL_INFO_RETRY_S
+    clock[0] += gateway_server.POOL_INFO_RETRY_S
+    asyncio.run(offered_now())
+    assert pool.num_calls == 3
+    assert s.cost_model.draft("feature", 4) == pytest.approx((1.0 + 4 * 2.0) / VERIFY_MS[1])
+    clock[0] += 10 * gateway_server.POOL_INFO_RETRY_S
+    asyncio.run(offered_now())
+    assert pool.num_calls == 3  # measured: not asked again
+
+
+def test_a_pool_without_the_feature_drafter_is_asked_once():
+    pool = Pool([PoolInfo(("prompt_lookup", "suffix_index"))])
+    s = servicer(pool)
+    for _ in range(3):
+        assert asyncio.run(s._offered_by_pool()) == frozenset({"prompt_lookup", "suffix_index"})
+    assert pool.num_calls == 1
+
+
+def test_a_pool_that_does_not_answer_is_not_asked_again_before_its_retry_is_due():
+    pool = Pool([Unavailable("draft", "down"), PoolInfo(("prompt_lookup",))])
+    s = servicer(pool, retry_s=3600.0)
+    for _ in range(3):
+        assert asyncio.run(s._offered_by_pool()) is None
+    assert pool.num_calls == 1 and not s.draft_state.is_up  # every request's drafts skip it meanwhile
+
+
+def test_a_trained_drafters_validation_acceptance_is_its_controller_prior():
+    pool = Pool([PoolInfo(("prompt_lookup", "feature"), {"feature": (0.0, 2.0)}, {"feature": (0.7, 0.6, 0.5)})])
+    s = servicer(pool)
+    asyncio.run(s._offered_by_pool())
+    assert s.controller_config is not None
+    assert s.controller_config.decoder_prior_acceptance == (("feature", pytest.approx(0.6)),)
+    assert s.controller_config.prior_acceptance(TaskType.CREATIVE, 1, "feature") == pytest.approx(0.3)
+    assert s.controller_config.prior_acceptance(TaskType.CREATIVE, 0, "prompt_lookup") == 0.3  # the task type's
+    assert controller_config_for({"feature": (), "x": (1.5,)}).decoder_prior_acceptance == ()
