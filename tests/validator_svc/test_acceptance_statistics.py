@@ -133,7 +133,9 @@ def feature_tree(context: tuple[int, ...]) -> list[Candidate]:
 
 def merge(candidates: list[Candidate]) -> tuple[list[int], list[int], torch.Tensor]:
     """Merge by common prefix, siblings deduped in candidate order; a deterministic node's row is one-hot."""
-    token_ids, parents, rows = [], [], []
+    token_ids: list[int] = []
+    parents: list[int] = []
+    rows: list[torch.Tensor] = []
     for tokens, drawn_from in candidates:
         parent = ROOT
         for depth, token in enumerate(tokens):
@@ -155,7 +157,8 @@ def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool, rule
     """rule "service": validate_tree in sample mode as the validator runs it (the per-position walk
     for deterministic drafts, seeded by the trial); "rejection": rejection sampling for every tree."""
     draft_rng = random.Random(1_000_003 + trial)  # independent of the validator's stream
-    emitted, last, step = [], ROOT_TOKEN, 0
+    emitted: list[int] = []
+    last, step = ROOT_TOKEN, 0
     while len(emitted) < 2:
         token_ids, parents, draft_probs = merge(propose((ROOT_TOKEN, *emitted), draft_rng))
         target_logits = TARGET_LOGITS[[last] + token_ids]  # [N+1, V]: the bigram row of each node's token
@@ -286,7 +289,8 @@ def root_output_distribution(children: list[tuple[int, torch.Tensor]], is_exclud
     """Exact distribution [V] of the first token for fixed root children, by the module's own
     _proposal / _residual and the min(1, p/q) acceptance probability."""
     p = TARGET_PROBS[ROOT_TOKEN].double()  # [V]
-    output, mass_left, offered = torch.zeros(VOCAB_SIZE, dtype=torch.float64), 1.0, []
+    output, mass_left = torch.zeros(VOCAB_SIZE, dtype=torch.float64), 1.0
+    offered: list[int] = []
     for token, draft_row in children:
         q = acceptance._proposal(draft_row, offered if is_excluding else [])
         q_x = 1.0 if q is None else float(q[token])
