@@ -185,7 +185,8 @@ def test_a_strategy_whose_drafter_file_is_missing_is_refused_naming_the_strategy
     gateway_stub, stack, missing_drafter
 ):
     """A request naming "feature" gets INVALID_ARGUMENT naming the field and the strategy before anything
-    runs (the gateway asks the pool what it serves); the pool's own refusal, and its start-up log,
+    runs (the gateway asks the pool what it serves: GetPoolInfo lists what it serves, not why the rest
+    is missing, so the client is not told of the file); the pool's own refusal, and its start-up log,
     name the missing file for the operator."""
     req = gateway_pb2.GenerateRequest(request_id="no-drafter", max_new_tokens=8)
     req.speculation.strategies.extend(["prompt_lookup", "feature"])
