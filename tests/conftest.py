@@ -37,6 +37,49 @@ def fp32_model(default_model_dir):
     return load_model(default_model_dir, "fp32", max_positions=1024, is_shared=False)
 
 
+# The default model's final norm in its converted checkpoint (what a drafter file is bound to, with its shape).
+FINAL_NORM_WEIGHT = "model.norm.weight"
+# Rows of the test drafter's head: the model's first token ids (BPE's earliest, most frequent merges).
+TEST_DRAFT_VOCAB_SIZE = 2048
+
+
+@pytest.fixture(scope="session")
+def default_model_fingerprint(default_model_dir) -> str:
+    """The default model's `draft_svc.heads.model.model_fingerprint` (what a drafter file for it must
+    carry), from its config and final norm read out of the checkpoint: no model is loaded."""
+    from safetensors import safe_open
+
+    from draft_svc.heads.model import model_fingerprint
+
+    for path in sorted(default_model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if FINAL_NORM_WEIGHT in f.keys():
+                return model_fingerprint(loader.load_config(default_model_dir), f.get_tensor(FINAL_NORM_WEIGHT))
+    raise AssertionError(f"no {FINAL_NORM_WEIGHT} in {default_model_dir}/*.safetensors")
+
+
+@pytest.fixture(scope="session")
+def feature_drafter_path(
+    tmp_path_factory: pytest.TempPathFactory, default_model_dir, default_model_fingerprint
+) -> Path:
+    """A feature drafter file (draft_svc/heads/file.py) for the default model: a seeded RANDOM
+    FeatureDrafter over its first TEST_DRAFT_VOCAB_SIZE token ids. It drafts garbage, which is what
+    exactness tests want (whatever it proposes, the output must not change). ~8 MB, under a second."""
+    import torch
+
+    from draft_svc.heads import file as drafter_file
+    from draft_svc.heads.model import DrafterConfig, FeatureDrafter
+
+    config = DrafterConfig.for_model(loader.load_config(default_model_dir), TEST_DRAFT_VOCAB_SIZE)
+    with torch.random.fork_rng(devices=[]):  # seeded without moving other tests' global RNG
+        torch.manual_seed(0)
+        drafter = FeatureDrafter(config)
+    path = tmp_path_factory.mktemp("feature-drafter") / "random.safetensors"
+    training = {"seed": 0, "note": "untrained (random weights), for the test suite's exactness tests"}
+    drafter_file.save(path, drafter, torch.arange(TEST_DRAFT_VOCAB_SIZE), default_model_fingerprint, training)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
     from specdec.model.tokenizer import Tokenizer

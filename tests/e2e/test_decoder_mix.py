@@ -1,41 +1,61 @@
 """End to end with every mix of draft decoders: greedy output (at the default precision) equals speculation off
 whichever decoders propose, the model-based ones (early exit, layer skip over the primary's weights, mapped
-by the draft pool), the corpus decoder and lookahead (whose Jacobi window rides in the primary's verify)
-included, alone, beside a model-free one, all six at once, and all six under the adaptive controller.
+by the draft pool; the feature decoder's EAGLE-2 trees over the primary's features, which the gateway
+forwards), the corpus decoder and lookahead (whose Jacobi window rides in the primary's verify)
+included, alone, beside a model-free one, all seven at once, and all seven under the adaptive controller;
+and under a JSON schema, the feature decoder beside grammar-forced drafts.
 
-One stack for the module, offering all six strategies, the corpus decoder over a tiny corpus
-(TINY_CORPUS, indexed in a second at start-up); it is used only once the draft pool has attached
-the primary's weights and opened the corpus index (before that those decoders propose nothing,
-and a test could pass without them). The fixed mixes check that the model-based decoders did propose,
-and the corpus and lookahead decoders in some mix (they propose where their corpus or n-gram pool
-matches the output).
+One stack for the module, offering all seven strategies, the corpus decoder over a tiny corpus
+(TINY_CORPUS, indexed in a second at start-up) and the feature decoder with a RANDOM drafter
+(tests/conftest.py's feature_drafter_path): it drafts garbage, and the output must not change. The
+stack is used only once the draft pool has attached the primary's weights and opened the corpus index
+(before that those decoders propose nothing, and a test could pass without them). The fixed mixes check
+that the model-based decoders did propose, and the corpus and lookahead decoders in some mix (they
+propose where their corpus or n-gram pool matches the output).
 
     .venv/bin/pytest -q tests/e2e/test_decoder_mix.py
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from bench.drafts import BACKGROUND_DECODERS, MODEL_DECODERS, wait_for_model_decoders
-from specdec.launcher import Stack, StackConfig
-from specdec.v1 import gateway_pb2
+from specdec.launcher import DRAFT, Stack, StackConfig, service_specs
+from specdec.strategies import FEATURE_STRATEGIES
+from specdec.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.e2e
 
-STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "lookahead", "early_exit", "layer_skip")
+STRATEGIES = ("prompt_lookup", "suffix_index", "corpus", "lookahead", "early_exit", "layer_skip", "feature")
 MIXES = (
     ("early_exit",),
     ("layer_skip",),
+    ("feature",),
     ("corpus",),
     ("lookahead",),
     ("prompt_lookup", "early_exit"),
     ("suffix_index", "layer_skip"),
     ("prompt_lookup", "lookahead"),
+    # the feature decoder hears the rows of whichever candidate's path was accepted, beside lookahead's window rows
+    ("prompt_lookup", "feature"),
+    ("lookahead", "feature"),
     STRATEGIES,
 )
+# A constrained request: grammar-forced drafts (the gateway's masks) with the feature decoder's.
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"type": "string"}, "thing": {"type": "string"}},
+    "required": ["color", "thing"],
+    "additionalProperties": False,
+}
+SCHEMA_PROMPT = "Name one primary color and one thing that has that color, as JSON."
+SCHEMA_MIXES = (("grammar", "feature"), ("grammar", "prompt_lookup", "feature"))
 # The corpus decoder's corpus: a little Python and prose, so that it matches, and is both
 # accepted and rejected, on both prompts.
 TINY_CORPUS = {
@@ -65,8 +85,10 @@ def stack(
     redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
     tmp_path_factory: pytest.TempPathFactory,
     tokenizer,
+    feature_drafter_path: Path,
 ) -> Iterator[Stack]:
-    """tests/e2e/conftest.py's stack, offering the model-based and corpus strategies too, once they propose."""
+    """tests/e2e/conftest.py's stack, offering the model-based, feature and corpus strategies too, once they
+    propose."""
     log_dir = tmp_path_factory.mktemp("stack-test_decoder_mix")
     corpus_dir = tmp_path_factory.mktemp("corpus")
     for name, text in TINY_CORPUS.items():
@@ -81,10 +103,18 @@ def stack(
             "SPECDEC_DRAFT_CORPUS_CACHE_DIR": str(tmp_path_factory.mktemp("corpus-index")),
         },
     )
-    with Stack(config) as started:
+    specs = tuple(
+        dataclasses.replace(s, command=(*s.command, "--feature_drafter", str(feature_drafter_path)))
+        if s.name == DRAFT
+        else s
+        for s in service_specs(config)
+    )
+    with Stack(config, specs=specs) as started:
+        # A probe sends no features, so a feature decoder never proposes to one; it is bound with the
+        # others when the weights attach (or refused: then a mix naming it fails with the reason).
         wait_for_model_decoders(
             started,
-            BACKGROUND_DECODERS,
+            [s for s in BACKGROUND_DECODERS if s not in FEATURE_STRATEGIES],
             timeout_s=ATTACH_TIMEOUT_S,
             probe_token_ids=tokenizer.encode("def reverse(text"),
         )
@@ -143,3 +173,24 @@ def test_greedy_output_is_the_primarys_with_every_decoder_mix(gateway_stub, prom
     )
     assert list(adaptive.token_ids) == list(baseline.token_ids), (prompt, "adaptive", adaptive.text, baseline.text)
     assert adaptive.text == baseline.text
+
+
+def test_greedy_constrained_output_is_the_primarys_with_feature_drafts(gateway_stub):
+    """Under a JSON schema the verify is masked and the grammar forces tokens; the feature decoder's
+    drafts (cut where the grammar refuses them) change nothing."""
+
+    def constrained(speculation: gateway_pb2.SpeculationConfig) -> gateway_pb2.GenerateResponse:
+        req = gateway_pb2.GenerateRequest(max_new_tokens=MAX_NEW_TOKENS, speculation=speculation)
+        req.chat.messages.add(role="user", content=SCHEMA_PROMPT)
+        req.response_format.type = common_pb2.ResponseFormat.TYPE_JSON_SCHEMA
+        req.response_format.json_schema = json.dumps(SCHEMA)
+        return gateway_stub.Generate(req, timeout=300)
+
+    baseline = constrained(gateway_pb2.SpeculationConfig(is_enabled=False))
+    assert len(baseline.token_ids) > 0 and baseline.stats.num_proposed_tokens == 0
+    for mix in SCHEMA_MIXES:
+        out = constrained(fixed(mix))
+        assert list(out.token_ids) == list(baseline.token_ids), (mix, out.text, baseline.text)
+        assert out.text == baseline.text
+        proposed = {d.name: d.num_proposed for d in out.stats.decoders}
+        assert set(proposed) <= set(mix) and proposed.get("grammar", 0) > 0, (mix, proposed)

@@ -10,7 +10,8 @@ so a restarted one would have lost every request. A stopped Redis is what a clie
 or overloaded one sees: commands time out (the gateway's socket timeout is 5 s). A blip lasts until
 the gateway has seen a write time out (its log says it retries), however slow the machine. This module's
 gateway also offers a strategy the draft pool does not load (a deployment fault), and waits only 3 s
-for a primary that went away.
+for a primary that went away; its draft pool is pointed at a feature drafter file that is not there
+(another deployment fault: the pool serves without the feature strategy).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
-from specdec.launcher import GATEWAY, PRIMARY, Stack, StackConfig, service_specs
-from specdec.v1 import gateway_pb2
+from specdec.launcher import DRAFT, GATEWAY, PRIMARY, Stack, StackConfig, service_specs
+from specdec.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -36,15 +38,24 @@ INTERNAL_NAMES = ("primary", "draft", "validator", "state_store", "redis", "earl
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
+def missing_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The draft pool's --feature_drafter: a file that is not there."""
+    return tmp_path_factory.mktemp("no-drafter") / "missing.safetensors"
+
+
+@pytest.fixture(scope="module")
+def stack(
+    redis_server,  # noqa: ANN001 - RedisServer from tests/conftest.py
+    tmp_path_factory: pytest.TempPathFactory,
+    missing_drafter: Path,
+) -> Iterator[Stack]:
     config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-faults"))
+    extra_args = {
+        GATEWAY: ("--strategies", "prompt_lookup,early_exit", "--recovery_timeout_s", "3"),
+        DRAFT: ("--feature_drafter", str(missing_drafter)),  # its default strategies name "feature"
+    }
     specs = tuple(
-        dataclasses.replace(
-            s, command=(*s.command, "--strategies", "prompt_lookup,early_exit", "--recovery_timeout_s", "3")
-        )
-        if s.name == GATEWAY
-        else s
-        for s in service_specs(config)
+        dataclasses.replace(s, command=(*s.command, *extra_args.get(s.name, ()))) for s in service_specs(config)
     )
     with Stack(config, specs=specs) as started:
         yield started
@@ -168,6 +179,36 @@ def test_an_internal_services_refusal_reaches_the_client_as_internal(gateway_stu
     assert "early_exit" in stack.log_path(GATEWAY).read_text()
     state = gateway_stub.GetRequest(gateway_pb2.GetRequestRequest(request_id="misconfigured"), timeout=30)
     assert state.status == gateway_pb2.REQUEST_STATUS_FAILED
+
+
+def test_a_strategy_whose_drafter_file_is_missing_is_refused_naming_the_strategy_and_the_file(
+    gateway_stub, stack, missing_drafter
+):
+    """A request naming "feature" gets INVALID_ARGUMENT naming the field and the strategy before anything
+    runs (the gateway asks the pool what it serves: GetPoolInfo lists what it serves, not why the rest
+    is missing, so the client is not told of the file); the pool's own refusal, and its start-up log,
+    name the missing file for the operator."""
+    req = gateway_pb2.GenerateRequest(request_id="no-drafter", max_new_tokens=8)
+    req.speculation.strategies.extend(["prompt_lookup", "feature"])
+    req.chat.messages.add(role="user", content=PROMPT)
+    with pytest.raises(grpc.RpcError) as e:
+        gateway_stub.Generate(req, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert "speculation.strategies" in e.value.details() and "'feature'" in e.value.details(), e.value.details()
+    with stack.channel(DRAFT) as channel:
+        with pytest.raises(grpc.RpcError) as e:
+            draft_pb2_grpc.DraftServiceStub(channel).Propose(
+                draft_pb2.ProposeRequest(
+                    request_id="no-drafter-probe", prompt_token_ids=[1, 2, 3], strategies=["feature"]
+                ),
+                timeout=60,
+            )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert "'feature'" in e.value.details() and str(missing_drafter) in e.value.details(), e.value.details()
+    log = stack.log_path(DRAFT).read_text()
+    assert "feature_drafter_unavailable" in log and str(missing_drafter) in log
+    # the others still serve
+    assert gateway_stub.Generate(_request("with-drafter-missing", max_new_tokens=8), timeout=300).token_ids
 
 
 def test_a_primary_that_stays_away_reaches_the_client_as_unavailable(gateway_stub, stack):

@@ -7,6 +7,11 @@ Each trial runs whole speculative steps (propose -> validate -> commit) until tw
 then counts (t1, t2). A step that emits one token (rejection at the root) is followed by another step
 from the new context, so the joint covers the accepted, bonus and correction paths alike.
 
+The feature decoder (EAGLE-2 trees, draft_svc/strategies/feature.py) proposes here too, as the pool
+runs it: a small seeded drafter over V, a head over 4 of the 5 tokens (FR-Spec: one token is never
+drafted), and toy "primary features" (the feature predicting position p is a fixed random row of the
+token at p - 1), so its point-mass trees of several candidates depend on the whole context.
+
 Test: Pearson chi-square over the 25 cells (cells with expected count < 5 pooled), rejecting at the
 1e-4 upper quantile (Wilson-Hilferty), so a correct rule fails with probability 1e-4 per test for a
 random seed; the seeds here are fixed, so the outcome is deterministic. Cells of probability 0 must
@@ -15,7 +20,9 @@ stay empty. `test_a_biased_rule_is_detected` shows the test has the power to fai
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -24,6 +31,8 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
+from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts
+from draft_svc.strategies.feature import FeatureDecoder, FeatureTreeConfig
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import ROOT
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
@@ -46,7 +55,21 @@ DRAFT_PROBS_1 = logits_to_probs(DRAFT_LOGITS_1, PARAMS)
 DRAFT_PROBS_2 = logits_to_probs(DRAFT_LOGITS_2, PARAMS)
 
 Candidate = tuple[list[int], list[torch.Tensor] | None]  # tokens, and the rows they were drawn from
-Proposer = Callable[[int, random.Random], list[Candidate]]
+Proposer = Callable[[tuple[int, ...], random.Random], list[Candidate]]  # (context: root token .. last, rng)
+
+FEATURE_DRAFTER = DrafterConfig(
+    hidden_size=16,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    intermediate_size=32,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    vocab_size=VOCAB_SIZE,
+    draft_vocab_size=VOCAB_SIZE - 1,
+)
+FEATURE_TREE = FeatureTreeConfig(top_k=3, beam=2)
+FEATURE_DEPTH, FEATURE_CANDIDATES, FEATURE_NODES = 3, 4, 7
 
 
 @pytest.fixture(autouse=True)
@@ -75,9 +98,44 @@ def greedy_chain(draft_logits: torch.Tensor, first: int, length: int) -> Candida
     return tokens, None
 
 
+@functools.cache
+def feature_parts() -> tuple[FeatureDrafter, SharedParts, torch.Tensor]:
+    """The feature decoder's drafter and shared parts, and the toy primary's features [V + 1, C]: row x is
+    the feature after token x, the last row the one before the root token."""
+    g = torch.Generator().manual_seed(5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        drafter = FeatureDrafter(FEATURE_DRAFTER).eval().requires_grad_(False)
+    c = FEATURE_DRAFTER
+    table = torch.randn(c.vocab_size, c.hidden_size, generator=g)
+    shared = SharedParts(
+        embed=lambda ids: table[ids],
+        final_norm=1 + 0.1 * torch.randn(c.hidden_size, generator=g),
+        head=torch.randn(c.draft_vocab_size, c.hidden_size, generator=g),
+        vocab=torch.randperm(c.vocab_size, generator=g)[: c.draft_vocab_size],
+        eps=c.rms_norm_eps,
+    )
+    return drafter, shared, torch.randn(c.vocab_size + 1, c.hidden_size, generator=g)
+
+
+@functools.cache
+def feature_tree(context: tuple[int, ...]) -> list[Candidate]:
+    """The feature decoder's candidates after `context` (deterministic: a function of the context, so
+    cached), fed every position's feature as the gateway forwards them: row i predicts position i."""
+    drafter, shared, features = feature_parts()
+    decoder = FeatureDecoder(drafter, shared, FEATURE_TREE)
+    decoder.extend(context)
+    decoder.observe_features(0, features[[VOCAB_SIZE, *context[:-1]]])
+    candidates = decoder.propose(FEATURE_DEPTH, FEATURE_CANDIDATES, max_nodes=FEATURE_NODES)
+    assert candidates, context
+    return [(list(c.token_ids), None) for c in candidates]
+
+
 def merge(candidates: list[Candidate]) -> tuple[list[int], list[int], torch.Tensor]:
     """Merge by common prefix, siblings deduped in candidate order; a deterministic node's row is one-hot."""
-    token_ids, parents, rows = [], [], []
+    token_ids: list[int] = []
+    parents: list[int] = []
+    rows: list[torch.Tensor] = []
     for tokens, drawn_from in candidates:
         parent = ROOT
         for depth, token in enumerate(tokens):
@@ -99,9 +157,10 @@ def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool, rule
     """rule "service": validate_tree in sample mode as the validator runs it (the per-position walk
     for deterministic drafts, seeded by the trial); "rejection": rejection sampling for every tree."""
     draft_rng = random.Random(1_000_003 + trial)  # independent of the validator's stream
-    emitted, last, step = [], ROOT_TOKEN, 0
+    emitted: list[int] = []
+    last, step = ROOT_TOKEN, 0
     while len(emitted) < 2:
-        token_ids, parents, draft_probs = merge(propose(last, draft_rng))
+        token_ids, parents, draft_probs = merge(propose((ROOT_TOKEN, *emitted), draft_rng))
         target_logits = TARGET_LOGITS[[last] + token_ids]  # [N+1, V]: the bigram row of each node's token
         if rule == "service":
             result = validate_tree(
@@ -153,33 +212,35 @@ def run_trials(
 
 
 PROPOSERS: dict[str, tuple[Proposer, bool]] = {
-    "chain, stochastic draft": (lambda last, g: [stochastic_chain(DRAFT_PROBS_1, last, 3, g)], False),
+    "chain, stochastic draft": (lambda ctx, g: [stochastic_chain(DRAFT_PROBS_1, ctx[-1], 3, g)], False),
     # Two i.i.d. drafters (SpecInfer-style): frequent collisions exercise dedup + sibling exclusion.
     "tree, stochastic drafts": (
-        lambda last, g: [
-            stochastic_chain(DRAFT_PROBS_1, last, 2, g),
-            stochastic_chain(DRAFT_PROBS_1, last, 2, g),
-            stochastic_chain(DRAFT_PROBS_2, last, 2, g),
+        lambda ctx, g: [
+            stochastic_chain(DRAFT_PROBS_1, ctx[-1], 2, g),
+            stochastic_chain(DRAFT_PROBS_1, ctx[-1], 2, g),
+            stochastic_chain(DRAFT_PROBS_2, ctx[-1], 2, g),
         ],
         False,
     ),
     "chain, deterministic draft": (
-        lambda last, g: [greedy_chain(DRAFT_LOGITS_1, int(DRAFT_LOGITS_1[last].argmax()), 3)],
+        lambda ctx, g: [greedy_chain(DRAFT_LOGITS_1, int(DRAFT_LOGITS_1[ctx[-1]].argmax()), 3)],
         True,
     ),
     "tree, deterministic drafts": (
-        lambda last, g: [
-            greedy_chain(DRAFT_LOGITS_1, int(r), 2) for r in DRAFT_LOGITS_1[last].argsort(descending=True)[:3]
+        lambda ctx, g: [
+            greedy_chain(DRAFT_LOGITS_1, int(r), 2) for r in DRAFT_LOGITS_1[ctx[-1]].argsort(descending=True)[:3]
         ],
         True,
     ),
     "tree, mixed drafts": (
-        lambda last, g: [
-            greedy_chain(DRAFT_LOGITS_2, int(DRAFT_LOGITS_2[last].argmax()), 2),
-            stochastic_chain(DRAFT_PROBS_1, last, 2, g),
+        lambda ctx, g: [
+            greedy_chain(DRAFT_LOGITS_2, int(DRAFT_LOGITS_2[ctx[-1]].argmax()), 2),
+            stochastic_chain(DRAFT_PROBS_1, ctx[-1], 2, g),
         ],
         False,
     ),
+    # EAGLE-2 trees (top 3 children, beam 2, up to 7 nodes over 3 depths), point masses as the services send
+    "tree, feature decoder": (lambda ctx, g: feature_tree(ctx), True),
 }
 
 
@@ -199,6 +260,22 @@ def test_sample_mode_matches_the_target_distribution(name, rule):
     assert joint_stat < joint_critical, f"first two tokens: chi2 {joint_stat:.1f} >= {joint_critical:.1f}"
 
 
+def test_the_feature_decoders_trees_are_accepted_in_part():
+    """Its drafts are used, not just offered: from the root, some steps accept nothing, some 2+ tokens."""
+    token_ids, parents, _ = merge(feature_tree((ROOT_TOKEN,)))
+    assert len(token_ids) == FEATURE_NODES and parents.count(ROOT) > 1  # a tree, not a chain
+    target_logits = TARGET_LOGITS[[ROOT_TOKEN] + token_ids]
+    num_accepted = collections.Counter(
+        len(
+            validate_tree(
+                token_ids, parents, target_logits, dataclasses.replace(PARAMS, seed=seed), AcceptanceMode.SAMPLE
+            ).accepted_nodes
+        )
+        for seed in range(200)
+    )
+    assert num_accepted[0] > 0 and sum(n for a, n in num_accepted.items() if a >= 2) > 0, num_accepted
+
+
 def test_a_biased_rule_is_detected(monkeypatch):
     """Resampling the correction from p instead of the residual max(p - q, 0) must fail the test."""
     monkeypatch.setattr(acceptance, "_residual", lambda p, q, x: p)
@@ -212,7 +289,8 @@ def root_output_distribution(children: list[tuple[int, torch.Tensor]], is_exclud
     """Exact distribution [V] of the first token for fixed root children, by the module's own
     _proposal / _residual and the min(1, p/q) acceptance probability."""
     p = TARGET_PROBS[ROOT_TOKEN].double()  # [V]
-    output, mass_left, offered = torch.zeros(VOCAB_SIZE, dtype=torch.float64), 1.0, []
+    output, mass_left = torch.zeros(VOCAB_SIZE, dtype=torch.float64), 1.0
+    offered: list[int] = []
     for token, draft_row in children:
         q = acceptance._proposal(draft_row, offered if is_excluding else [])
         q_x = 1.0 if q is None else float(q[token])
