@@ -330,9 +330,19 @@ def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple
         return drafter, shared
     for name in PRODUCTS:
         linear = getattr(drafter, name)
-        setattr(drafter, name, _NativeProduct(lib, linear.weight, linear.bias))
-    head = _NativeProduct(lib, shared.head, None)
-    return drafter, dataclasses.replace(shared, head_product=head)
+        if _fits_native(linear.weight):
+            setattr(drafter, name, _NativeProduct(lib, linear.weight, linear.bias))
+    if not _fits_native(shared.head):
+        return drafter, shared
+    return drafter, dataclasses.replace(shared, head_product=_NativeProduct(lib, shared.head, None))
+
+
+def _fits_native(weight: Tensor) -> bool:
+    """The native int8 layout takes outputs in groups of 16 and inputs in blocks of 32 (other shapes,
+    e.g. a test's tiny drafter, stay in torch)."""
+    from specdec.model import native
+
+    return weight.shape[0] % native.COLUMNS == 0 and weight.shape[1] % native.QK == 0
 
 
 def state_of(drafter: FeatureDrafter) -> Mapping[str, Tensor]:
