@@ -80,7 +80,7 @@ import dataclasses
 import re
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -93,6 +93,9 @@ from specdec.controller_defaults import (
     PRIOR_ACCEPTANCE_CREATIVE,
     PRIOR_ACCEPTANCE_STRUCTURED,
 )
+
+if TYPE_CHECKING:  # the memory builds on this module's DecoderEstimate
+    from gateway.acceptance_memory import AcceptanceMemory
 
 STATE_VERSION = 1
 _TINY = 1e-9  # discounted counts below this carry no evidence: fall back to the prior
@@ -432,15 +435,23 @@ def _best_choice(
 
 
 def _initial_estimates(
-    task_type: TaskType, decoders: Mapping[str, int], config: ControllerConfig
+    task_type: TaskType,
+    decoders: Mapping[str, int],
+    config: ControllerConfig,
+    memory: AcceptanceMemory | None = None,
 ) -> list[DecoderEstimate]:
+    """Each (decoder, rank) at its prior, worth prior_strength trials: what the gateway's requests
+    measured of it on this task type (gateway.acceptance_memory) where they have, else the fixed one."""
     estimates = []
     for decoder, num_ranks in decoders.items():
         if num_ranks < 1:
             raise ValueError(f"decoders[{decoder!r}] must be >= 1 candidates, got {num_ranks}")
         for rank in range(num_ranks):
-            prior = config.prior_acceptance(task_type, rank, decoder)
-            proposed = config.prior_strength * config.prior_coverage
+            learned = None if memory is None else memory.prior(task_type, decoder, rank)
+            prior = config.prior_acceptance(task_type, rank, decoder) if learned is None else learned.acceptance
+            coverage = config.prior_coverage if learned is None else learned.coverage
+            fill = 1.0 if learned is None else learned.fill
+            proposed = config.prior_strength * coverage
             estimates.append(
                 DecoderEstimate(
                     decoder=decoder,
@@ -450,7 +461,7 @@ def _initial_estimates(
                     tested=config.prior_strength,
                     proposed_steps=proposed,
                     asked_steps=config.prior_strength,
-                    filled=proposed,
+                    filled=proposed * fill,
                 )
             )
     return estimates
@@ -506,9 +517,16 @@ def adjust_speculative_degree(
 class AdaptiveController:
     """The per-request loop: plan() before each step, observe() after it; state lives in the caller."""
 
-    def __init__(self, cost_model: CostModel, config: ControllerConfig | None = None) -> None:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        config: ControllerConfig | None = None,
+        memory: AcceptanceMemory | None = None,
+    ) -> None:
         self._cost_model = cost_model
         self._config = config or ControllerConfig()
+        # The gateway's requests' evidence: new requests' priors, and where this one's steps go too.
+        self._memory = memory
         # The last choices, by everything _best_choice reads (one controller serves every request of
         # a gateway): a plain step changes none of it, so a request that is not speculating, and
         # requests alike, do not pay the optimisation (~0.3-0.7 ms of numpy) every step.
@@ -530,8 +548,11 @@ class AdaptiveController:
             if choice is not None:
                 self._choices.move_to_end(key)
                 return choice
-        choice = _best_choice(state.estimates, self._cost_model, self._config, known_coverage, load)
+        model = self._cost_model
+        choice = _best_choice(state.estimates, model, self._config, known_coverage, load)
         with self._choices_lock:
+            if model is not self._cost_model:  # replaced meanwhile: this choice is of the old model
+                return choice
             self._choices[key] = choice
             while len(self._choices) > MAX_REMEMBERED_CHOICES:
                 self._choices.popitem(last=False)
@@ -541,9 +562,21 @@ class AdaptiveController:
         """decoders: name -> how many ranked candidates it can give per step (1 for most strategies)."""
         for decoder in decoders:
             self._cost_model.draft(decoder, 1)  # fail now, naming the decoder, not mid-request
-        return ControllerState(
-            task_type=_task_type(task_type), estimates=_initial_estimates(_task_type(task_type), decoders, self._config)
-        )
+        task = _task_type(task_type)
+        return ControllerState(task_type=task, estimates=_initial_estimates(task, decoders, self._config, self._memory))
+
+    @property
+    def cost_model(self) -> CostModel:
+        return self._cost_model
+
+    def set_cost_model(self, cost_model: CostModel) -> None:
+        """Plan with `cost_model` from now on (the gateway's measured overheads, gateway.step_costs);
+        the remembered choices were made with the old one and are dropped."""
+        if cost_model == self._cost_model:
+            return
+        with self._choices_lock:
+            self._cost_model = cost_model
+            self._choices.clear()
 
     def plan(
         self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float] | None = None
@@ -604,9 +637,31 @@ class AdaptiveController:
         return max(1, state.last_probe_step + self._probe_wait(state) - state.num_steps)
 
     def _probe_wait(self, state: ControllerState) -> int:
-        """Steps from one probe to the next while off: probe_interval() doubled per failed probe."""
+        """Steps from one probe to the next while off: probe_interval() doubled per failed probe, and
+        never fewer than a probe's own cost asks for (_probe_spread)."""
         backoff = min(2 ** min(state.num_failed_probes, 30), self._config.max_probe_backoff)
-        return self.probe_interval(state.other_rows) * backoff
+        return max(self.probe_interval(state.other_rows) * backoff, self._probe_spread(state))
+
+    def _probe_spread(self, state: ControllerState) -> int:
+        """Steps a probe must be spread over so that a failed one costs its request at most
+        max_probe_overhead of its time. A probe step costs speculative_overhead + its drafts + a
+        verify over the root and its expected nodes (coverage x fill x gamma per decoder), where the
+        plain step it replaces costs verify(1) + plain_overhead and gives the one token a failed
+        probe gives too. E.g. speculative overhead 1.0 forward, 5 rows at 1.3, plain step 1.05:
+        a probe loses 1.25 steps, at 2 % spread over 60 steps."""
+        config, m = self._config, self._cost_model
+        gamma = config.probe_draft_length
+        probed = [e for e in state.estimates if e.rank == 0 and self._is_cheap_probe(e.decoder, gamma)]
+        probed = probed[: config.max_speculative_degree]
+        if not probed:
+            return 0
+        nodes = sum(e.coverage * e.fill * gamma for e in probed)
+        rows = 1.0 + nodes + sum(m.extra_rows(e.decoder) for e in probed)
+        drafts = sum(m.draft(e.decoder, gamma) for e in probed)
+        loss = m.speculative_overhead + drafts + float(m.verify(rows)) - m.plain_step
+        if loss <= 0.0:
+            return 0
+        return math.ceil(loss / (config.max_probe_overhead * m.plain_step))
 
     def _probe_sources(self, state: ControllerState, silent: set[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
         """What a probe drafts: every cheap decoder's first rank not known silent."""
@@ -701,3 +756,7 @@ class AdaptiveController:
                 self._config.max_evidence_tokens,
             )
             estimate.last_observed_step = state.num_steps
+            if self._memory is not None:
+                self._memory.record(
+                    state.task_type, estimate.decoder, estimate.rank, num_proposed, num_accepted, plan.draft_length
+                )

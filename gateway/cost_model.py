@@ -134,6 +134,17 @@ class CostSettings:
             raise ValueError(f"draft_costs names a decoder twice: {names}")
 
 
+def _verify_points(verify_costs_ms: Mapping[int, float]) -> list[tuple[int, float]]:
+    """(rows, ms) ascending; the bf16 reference curve when the primary measured nothing (or not 1 row)."""
+    points = sorted((int(k), float(ms)) for k, ms in verify_costs_ms.items() if ms > 0)
+    return points if points and points[0][0] == 1 else list(SMOLLM2_BF16_VERIFY_MS)
+
+
+def one_row_ms(verify_costs_ms: Mapping[int, float]) -> float:
+    """The 1-row forward in ms that a cost model from these measurements counts in (cost_model_for)."""
+    return _verify_points(verify_costs_ms)[0][1]
+
+
 def cost_model_for(
     verify_costs_ms: Mapping[int, float],
     settings: CostSettings,
@@ -147,9 +158,7 @@ def cost_model_for(
 
     # E.g. a 1-row forward of 25 ms, feature measured at (1.0, 2.5) ms -> DraftCost(0.04, 0.1)
     """
-    points = sorted((int(k), float(ms)) for k, ms in verify_costs_ms.items() if ms > 0)
-    if not points or points[0][0] != 1:
-        points = list(SMOLLM2_BF16_VERIFY_MS)
+    points = _verify_points(verify_costs_ms)
     one_row_ms = points[0][1]
     draft_costs = dict(settings.draft_costs)
     for name, (fixed_ms, per_token_ms) in (draft_costs_ms or {}).items():

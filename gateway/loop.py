@@ -49,10 +49,13 @@ from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validat
 from gateway.call_deadlines import CallDeadlines
 from gateway.controller import AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, infer_task_type
 from gateway.config import GRAMMAR_MAX_SPELLINGS
-from gateway.cost_model import CostModel, CostSettings, cost_model_for
+from gateway.acceptance_memory import AcceptanceMemory
+from gateway.cost_model import CostModel, CostSettings, cost_model_for, one_row_ms
 from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
+from gateway.repeats import MIN_REPEAT_TOKENS, RepeatIndex
 from gateway.stats import RequestStats
+from gateway.step_costs import StepCosts
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import (
     CandidateOutcome,
@@ -66,7 +69,15 @@ from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFo
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
-from specdec.strategies import GRAMMAR_STRATEGY, TREE_STRATEGIES, consumes_features
+from specdec.strategies import (
+    FEATURE_STRATEGIES,
+    GRAMMAR_STRATEGY,
+    MODEL,
+    PROMPT_LOOKUP_STRATEGY,
+    TREE_STRATEGIES,
+    consumes_features,
+    names_of,
+)
 from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
@@ -183,6 +194,19 @@ def bounded_config(config: ControllerConfig, spec: SpeculationParams, max_tree_n
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What a step ran, for the gateway's cost measurements (gateway.step_costs)."""
+
+    is_speculative: bool
+    forward_ms: float  # the primary's forward passes of the step
+    num_rows: int  # speculative: the verify's rows; plain: the tokens of the run
+    model_draft_ms: float = 0.0  # model-based decoders' own time (priced apart)
+
+
+MODEL_DECODERS = frozenset(names_of(MODEL))
+
+
 @dataclasses.dataclass(slots=True)
 class StepOutput:
     token_ids: list[int]  # tokens committed by this step (after stop handling)
@@ -261,6 +285,9 @@ class RequestLoop:
         max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
         decode_run_max: int = DECODE_RUN_MAX,
         stored_params: Mapping[str, Any] | None = None,
+        step_costs: StepCosts | None = None,
+        acceptance_memory: AcceptanceMemory | None = None,
+        min_repeat_tokens: int = MIN_REPEAT_TOKENS,
     ) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         # The request's parameters as stored (params_to_json): what _restore writes back should the
@@ -298,6 +325,7 @@ class RequestLoop:
         self.is_draft_open = False
         self.decode_run_max = decode_run_max
         self.is_refused = False  # the store refused a step: the output ends before it
+        self.is_step_disturbed = False  # the step being computed waited on a recovery
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         # Shared by the gateway's requests: whether the validator and the draft service answer.
         self.validator_state = validator_state or DependencyState("validator")
@@ -314,13 +342,27 @@ class RequestLoop:
         self.fixed_plan = fixed_plan(spec, max_tree_nodes)
         self.controller: AdaptiveController | None = None
         self.controller_state: ControllerState | None = None
+        # The gateway's measurements of what its steps cost (shared by its requests): each step of
+        # this request adds to them, and an adaptive one plans with them (_plan).
+        self.step_costs = step_costs
+        self.step_record: StepRecord | None = None  # the step being computed, once it ran undisturbed
+        self.base_cost_model = cost_model or cost_model_for(model.verify_costs_ms, CostSettings())
+        self.one_row_ms = one_row_ms(model.verify_costs_ms)
         if spec.is_enabled and spec.is_adaptive:
             self.controller = AdaptiveController(
-                cost_model or cost_model_for(model.verify_costs_ms, CostSettings()),
+                self.base_cost_model,
                 bounded_config(controller_config or ControllerConfig(), spec, max_tree_nodes),
+                acceptance_memory,
             )
             self.controller_state = self._restore_controller(controller_state)
             self.stats.task_type = self.controller_state.task_type.value
+        # Whether the context's tail repeats earlier text: where prompt lookup can pay (gateway.repeats);
+        # min_repeat_tokens 0: prompt lookup is planned like any decoder, from its estimate alone.
+        self.repeats = (
+            RepeatIndex(self.prompt_ids, min_repeat_tokens)
+            if self.controller is not None and min_repeat_tokens > 0 and PROMPT_LOOKUP_STRATEGY in spec.strategies
+            else None
+        )
 
     def _restore_controller(self, stored: Mapping[str, Any] | None) -> ControllerState:
         """The stored state of a resumed request, or a fresh one (task type given or inferred)."""
@@ -412,7 +454,9 @@ class RequestLoop:
                 pending = self._commit(kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen))
                 if pending.is_stopped:
                     finish = FINISH_STOP
-                self.stats.total_ms += (time.perf_counter() - step_start) * 1000
+                wall_ms = (time.perf_counter() - step_start) * 1000
+                self.stats.total_ms += wall_ms
+                self._measure_step(wall_ms)
         except GeneratorExit:
             # The consumer closed the stream: its client cancelled, went away or ran out of time.
             await self._settle(step, pending)
@@ -481,7 +525,22 @@ class RequestLoop:
             held = now - max(wait_start, step_end) if step.done() else 0.0
         self.stats.stage_ms[stage] += held * 1000
 
+    def _measure_step(self, wall_ms: float) -> None:
+        """Add the step that just ended to the gateway's cost measurements (gateway.step_costs):
+        its wall time from its start to the next one's, the previous step's write and check included."""
+        record, self.step_record = self.step_record, None
+        if record is None or self.step_costs is None:
+            return  # nothing undisturbed ran: a recovery, a dependency down, a dropped tree
+        if record.is_speculative:
+            self.step_costs.observe_speculative(
+                wall_ms, record.forward_ms, record.model_draft_ms, record.num_rows, self.base_cost_model
+            )
+        else:
+            self.step_costs.observe_plain(wall_ms, record.forward_ms, record.num_rows, self.base_cost_model)
+
     def _plan(self) -> SpeculationPlan:
+        if self.controller is not None and self.step_costs is not None:
+            self.controller.set_cost_model(self.step_costs.cost_model(self.base_cost_model, self.one_row_ms))
         plan = (
             self.fixed_plan
             if self.controller is None
@@ -494,12 +553,20 @@ class RequestLoop:
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
     def _known_coverage(self) -> dict[tuple[str, int], float]:
-        """Grammar-forced drafts propose nothing where the grammar forces no text next (free text, a
-        choice between values): the controller hears so before it plans (AdaptiveController.plan)."""
-        if self.grammar is None or self.grammar.forced_text():
-            return {}
+        """What the gateway knows before the plan of decoders that will propose nothing this step
+        (AdaptiveController.plan): grammar-forced drafts where the grammar forces no text next (free
+        text, a choice between values); prompt lookup where the context's tail does not repeat
+        earlier text (gateway.repeats: its 1- and 2-token matches are not worth a step)."""
         estimates = self._controller_state().estimates
-        return {(e.decoder, e.rank): 0.0 for e in estimates if e.decoder == GRAMMAR_STRATEGY}
+        silent: set[str] = set()
+        if self.grammar is not None and not self.grammar.forced_text():
+            silent.add(GRAMMAR_STRATEGY)
+        if self.repeats is not None:
+            done = len(self.repeats) - len(self.prompt_ids)
+            self.repeats.extend(self.generated[done:])
+            if not self.repeats.tail_repeats():
+                silent.add(PROMPT_LOOKUP_STRATEGY)
+        return {(e.decoder, e.rank): 0.0 for e in estimates if e.decoder in silent}
 
     def _controller_state(self) -> ControllerState:
         assert self.controller_state is not None  # set with the controller
@@ -544,6 +611,8 @@ class RequestLoop:
         """One propose -> verify -> validate: the plan that ran (_carried_draft may narrow it), the
         step's tokens, the candidates' outcomes (None when the draft service failed)."""
         t0 = time.perf_counter()
+        self.is_step_disturbed = False
+        planned = plan  # before a carried draft narrows it: whether the features are wanted next
         carried = self._carried_draft(plan)
         plan, tree = carried if carried is not None else (plan, await self._propose(plan))
         if len(self.prompt_ids) + len(self.generated) + tree.lookahead_depth > self.model.max_context:
@@ -559,7 +628,7 @@ class RequestLoop:
                 tree,
                 fmt,
                 allowed,
-                **self._feature_request(),
+                **self._feature_request(planned),
             )
         )
         t2 = time.perf_counter()
@@ -589,6 +658,11 @@ class RequestLoop:
         self.carry = continuation_after(tree, v)
         outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents)
         self._account(tree, outcomes, v)
+        if tree.decoders and not self.is_step_disturbed:  # drafts ran and nothing was recovered
+            model_draft_ms = sum(ms for name, ms in tree.decoder_ms.items() if name in MODEL_DECODERS)
+            # root + tree + lookahead rows
+            num_rows = len(verified.argmax_token_ids) + len(verified.lookahead_argmax_token_ids)
+            self.step_record = StepRecord(True, verified.forward_ms, num_rows, model_draft_ms)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
             self.stats.stage_ms[stage] += ms * 1000
         return plan, list(self.pending_committed), (outcomes if tree.decoders else None)
@@ -672,6 +746,7 @@ class RequestLoop:
 
     async def _plain_step(self) -> list[int]:
         t = time.perf_counter()
+        self.is_step_disturbed = False
         max_tokens = self._decode_run_length()
         # A run under a grammar: the primary masks each token by its own state of the grammar.
         is_grammar_run = self.grammar is not None and max_tokens > 1
@@ -693,6 +768,8 @@ class RequestLoop:
         self.carry = None  # what follows a plain step is not what the last draft continued with
         self.pending_features = None  # the latest step has none
         self.stats.forward_ms += decoded.forward_ms
+        if not self.is_step_disturbed:
+            self.step_record = StepRecord(False, decoded.forward_ms, len(tokens))
         self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
         self.pending_accepted, self.pending_committed = (), [tokens[-1]]  # the primary committed the others
@@ -711,7 +788,7 @@ class RequestLoop:
         )
         run = DECODE_RUN_MAX
         if self.controller is not None:
-            run = min(run, self.controller.plain_steps_ahead(self._controller_state()))
+            run = min(run, self.controller.plain_steps_ahead(self._controller_state(), self._known_coverage()))
         return max(1, min(run, self.decode_run_max, room))
 
     def _forced_after(self, new_tokens: list[int]) -> list[int]:
@@ -1033,10 +1110,17 @@ class RequestLoop:
                 "primary", "the primary did not answer within the request's deadline", dependency="primary"
             ) from None
 
-    def _feature_request(self) -> dict[str, bool]:
+    def _feature_request(self, plan: SpeculationPlan | None = None) -> dict[str, bool]:
         """The primary calls' argument asking for features, only where a strategy reads them (calls of
-        requests without stay as they were)."""
-        return {"return_features": True} if self.is_feature_consumer else {}
+        requests without stay as they were). A Verify asks only when its step drafts with a feature
+        reader: a forward with features runs eagerly, off the primary's compiled fast path, and the
+        adaptive controller leaves the drafter out wherever it does not pay; the drafter takes the
+        gap in its features as it takes a plain step's (its own KV goes on from the rows it has)."""
+        if not self.is_feature_consumer:
+            return {}
+        if plan is not None and FEATURE_STRATEGIES.isdisjoint(decoder for decoder, _ in plan.sources):
+            return {}
+        return {"return_features": True}
 
     async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
         """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
@@ -1070,7 +1154,9 @@ class RequestLoop:
                     raise
                 self.log.warning("primary lost the request; re-prefilling from the committed tokens")
                 needs_prefill = True
+                self.is_step_disturbed = True  # the step's time is the recovery's: not a step cost
             except Unavailable as e:
+                self.is_step_disturbed = True
                 if time.monotonic() > give_up or self.cancel.is_set():
                     raise
                 self.log.warning("primary unavailable; waiting", error=str(e))

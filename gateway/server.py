@@ -37,7 +37,9 @@ from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
 from gateway.config import GatewayConfig
 from gateway.controller import ControllerConfig
+from gateway.acceptance_memory import AcceptanceMemory
 from gateway.cost_model import cost_model_for
+from gateway.step_costs import StepCosts
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
 from gateway.params import check_offered, params_from_pb, params_to_json
@@ -129,6 +131,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         )
         # The adaptive controller's cost model: this primary's measured verify curve + the gateway's settings.
         self.cost_model = cost_model_for(model.verify_costs_ms, config.costs)
+        # What its requests' steps cost and what their drafts earned, measured across requests: the
+        # controller's overheads (gateway.step_costs) and each new request's priors (gateway.acceptance_memory).
+        self.step_costs = StepCosts()
+        self.acceptance_memory = AcceptanceMemory()
         self._offered_strategies: frozenset[str] | None = None  # the draft pool's, once it answered
         # The adaptive controller's settings: the defaults, with the pool's trained drafters' own
         # acceptance as their priors once it reported them (controller_config_for).
@@ -472,6 +478,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             draft_state=self.draft_state,
             call_deadlines=self.call_deadlines,
             stored_params=stored_params,
+            step_costs=self.step_costs,
+            acceptance_memory=self.acceptance_memory,
         )
 
     def _availability_recorder(self, name: str):

@@ -68,8 +68,9 @@ class Strategy:
 # Prefill and Verify, and the gateway forwards them to the pool with the next Propose
 # (specdec/features.py).
 FEATURE_STRATEGY = "feature"
+PROMPT_LOOKUP_STRATEGY = "prompt_lookup"
 STRATEGIES: tuple[Strategy, ...] = (
-    Strategy("prompt_lookup", MODEL_FREE, DraftCost(fixed=0.002)),
+    Strategy(PROMPT_LOOKUP_STRATEGY, MODEL_FREE, DraftCost(fixed=0.002)),
     Strategy("suffix_index", MODEL_FREE, DraftCost(fixed=0.004)),
     # needs the model's tokenizer and a corpus index (built on first use, draft_svc/corpus/)
     Strategy("corpus", MODEL_FREE, DraftCost(fixed=0.01)),

@@ -20,7 +20,7 @@ from gateway.controller import (
     expected_accepted_length,
     infer_task_type,
 )
-from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, DraftCost
+from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, CostSettings, DraftCost, cost_model_for
 from specdec.candidates import CandidateOutcome
 
 LOOKUP, SUFFIX, EARLY_EXIT = "prompt_lookup", "suffix_index", "early_exit"
@@ -212,7 +212,8 @@ def test_falling_acceptance_shrinks_drafts_and_rising_acceptance_grows_them():
 
 
 def test_consistently_losing_turns_speculation_off_then_probes_bring_it_back():
-    config = ControllerConfig(probe_interval=10)
+    # a probe's own cost never stretches the schedule here (test_a_dear_probe_waits_until_its_cost_is_spread)
+    config = ControllerConfig(probe_interval=10, max_probe_overhead=1.0)
     controller = AdaptiveController(COST, config)
     state = controller.new_state("code", {LOOKUP: 1, SUFFIX: 1})
     rng = random.Random(1)
@@ -236,6 +237,24 @@ def test_consistently_losing_turns_speculation_off_then_probes_bring_it_back():
     back_on = next(i for i, p in enumerate(recovered) if p.is_speculative and not p.is_probe)
     assert back_on <= config.probe_interval * config.max_probe_backoff + 5
     assert state.is_speculating and _settled(recovered)[0] >= 8
+
+
+def test_a_dear_probe_waits_until_its_cost_is_spread():
+    """With a speculative step's overhead at two forwards, a failed probe loses about two steps'
+    time: probes come no more often than every loss / max_probe_overhead steps."""
+    dear = cost_model_for({1: 4.0, 8: 8.0}, CostSettings(plain_overhead_ms=0.2, speculative_overhead_ms=8.0))
+    config = ControllerConfig(probe_interval=10, max_probe_overhead=0.02)
+    controller = AdaptiveController(dear, config)
+    state = controller.new_state("code", {LOOKUP: 1})
+    plans = simulate(controller, state, lambda _: ZERO, 400, random.Random(3))
+    probes = [i for i, p in enumerate(plans) if p.is_probe]
+    assert len(probes) >= 2
+    plain_step = dear.plain_step
+    for a, b in zip(probes, probes[1:]):
+        rows = 1.0 + state.estimates[0].coverage * state.estimates[0].fill * config.probe_draft_length
+        loss = dear.speculative_overhead + float(dear.verify(rows)) - plain_step
+        assert (b - a) * config.max_probe_overhead * plain_step >= loss * 0.9  # the spread (estimates move)
+        assert b - a > config.probe_interval * config.max_probe_backoff  # longer than the schedule alone
 
 
 def test_a_collapsing_decoder_is_dropped_and_a_probe_readmits_it():

@@ -37,7 +37,10 @@ from gateway.loop import (
     fixed_plan,
     greedy_validation,
 )
+from gateway.cost_model import CostSettings, cost_model_for
 from gateway.params import GenerationParams, SpeculationParams
+from gateway.repeats import RepeatIndex
+from gateway.step_costs import StepCostConfig, StepCosts
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
 from specdec import pb
@@ -370,7 +373,9 @@ def make_loop(
     **kwargs,
 ) -> RequestLoop:
     """A loop over PROMPT, its request stored as RUNNING (in `store`, else a fresh in-memory one;
-    the test reads it directly, the loop through its async face)."""
+    the test reads it directly, the loop through its async face). The fake's prompt lookup is right
+    or wrong by fiat, not by repeats of the text: the gateway's repeat gate is off unless asked."""
+    kwargs.setdefault("min_repeat_tokens", 0)
     store = InMemoryStateStore() if store is None else store
     if store.load(request_id) is None:
         store.create(request_id, {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
@@ -514,7 +519,8 @@ def test_a_step_drafts_from_the_last_accepted_candidates_continuation_without_a_
     verifies = [c for name, c in backends.calls if name == "verify"]
     assert all(c["continuation_length"] == CONTINUATION_TOKENS for c in proposes)
     assert len(proposes) < 0.7 * len(verifies)
-    assert loop.stats.decoders[LOOKUP][1] > 60
+    # 100 of the 120 tokens are lookup's to take; adaptive, it is off for a while after the wrong stretch
+    assert loop.stats.decoders[LOOKUP][1] > 50
     assert loop.stats.num_steps == backends.num_steps()
     # a plain step drops the continuation (what it decoded is not what the draft continued with):
     # the speculative step after it asks the draft service
@@ -1340,3 +1346,49 @@ def test_an_adaptive_request_tracks_a_tree_decoder_at_every_rank_up_to_its_degre
     ranks = collections.Counter(e.decoder for e in loop.controller_state.estimates)
     assert ranks == {LOOKUP: 2, SUFFIX: 1, FEATURE_STRATEGY: 4}  # cycled, and the tree's leaves
     assert loop.fixed_plan.sources == ((LOOKUP, 0), (SUFFIX, 0), (FEATURE_STRATEGY, 0), (LOOKUP, 1))
+
+
+def test_prompt_lookup_is_asked_only_where_the_contexts_tail_repeats():
+    """With the repeat gate on, an adaptive request plans prompt lookup only at positions whose last
+    3 tokens occurred earlier (gateway.repeats); the fake's output rarely repeats, so it drafts far
+    less often than without the gate, and the output is plain decoding's either way."""
+    expected = plain_decoding(PROMPT, 60)
+    context = RepeatIndex(PROMPT)
+    num_repeats = 0
+    for token in expected:
+        num_repeats += context.tail_repeats()
+        context.extend([token])
+    gated, ungated = FakeBackends(), FakeBackends()
+    for backends, min_repeat in ((gated, 3), (ungated, 0)):
+        params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,))
+        loop = run(params, backends, min_repeat_tokens=min_repeat)
+        assert loop.outcome.token_ids == expected
+    num_gated = sum(name == "propose" for name, _ in gated.calls)
+    num_ungated = sum(name == "propose" for name, _ in ungated.calls)
+    assert num_gated <= num_repeats < num_ungated
+
+
+def test_the_gateways_step_costs_hear_every_undisturbed_step():
+    """Speculative steps of one request and plain runs of another (the fake's forwards take no time,
+    so the 1-row forward stays unmeasured)."""
+    costs = StepCosts(StepCostConfig(min_steps=1))
+    run(make_params(degree=2, draft_length=4, max_new_tokens=40), FakeBackends(), step_costs=costs)
+    assert costs.overheads().speculative_ms is not None and costs.overheads().plain_ms is None
+    run(make_params(is_enabled=False, max_new_tokens=40), FakeBackends(), step_costs=costs)
+    assert costs.overheads().plain_ms is not None and costs.overheads().one_row_ms is None
+
+
+def test_an_adaptive_request_asks_for_features_only_on_steps_that_draft_with_them():
+    """The controller leaves the feature drafter out of steps where it does not pay (here: priced at
+    five forwards a token); those verifies run without features, off the eager path."""
+    backends = FeatureBackends(is_lookup_right=lambda n: True)
+    dear = cost_model_for(
+        FP32_VERIFY_MS,
+        CostSettings(),
+        {FEATURE_STRATEGY: (0.0, 200.0)},
+    )
+    params = make_params(degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY))
+    loop = run(params, backends, cost_model=dear)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    verifies = [args for name, args in backends.calls if name == "verify"]
+    assert verifies and backends.num_feature_calls == 1  # the prefill's, then none
