@@ -173,3 +173,24 @@ def test_resources_table_marks_a_restarted_process():
     assert lines[0] == "| service (RSS MiB / fds) | 0 s | 60 s | 120 s | 180 s |"
     assert lines[2] == "| primary | 600/40 | 610/41 | - | 590/40* |"
     assert chaos.format_resources([]) == []
+
+
+def test_the_chaos_options():
+    from bench.load import parse_args
+
+    a = parse_args(["--chaos"])
+    assert (a.clients, a.duration, a.sample_s) == (16, 600.0, 60.0)
+    assert [f.label for f in a.chaos_schedule] == [f.label for f in chaos.fault_schedule(600.0)]
+    short = parse_args(["--chaos", "--duration", "120", "--chaos-faults", "stop:redis", "--chaos-stop-s", "10"])
+    assert [(f.start_s, f.label, f.stop_s) for f in short.chaos_schedule] == [
+        (30, "stop:redis", 10),
+        (90, "stop:redis", 10),
+    ]
+    assert parse_args(["--duration", "5"]).sample_s == 10.0  # without --chaos as before
+    for bad in (
+        ["--chaos", "--address", "127.0.0.1:50050"],  # it must own the processes it signals
+        ["--chaos", "--chaos-faults", "stop:gateway"],
+        ["--chaos", "--chaos-stop-s", "60"],  # not shorter than the period
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
