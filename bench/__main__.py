@@ -14,7 +14,8 @@ python -m bench {engine,validator,drafts,quality,masks,auth,http,load} [ARGS...]
     masks      the grammar mask's work per constrained step, packed vs bool rows (bench/masks.py)
     auth       cost of the service token per internal RPC                       (bench/auth.py)
     http       the HTTP front's overhead per request and per streamed token     (bench/http.py)
-    load       N clients for a bounded time: req/s, tok/s, TTFT, ITL, errors, RSS (bench/load.py)
+    load       N clients for a bounded time: req/s, tok/s, TTFT, ITL, errors, RSS (bench/load.py);
+               --chaos: the soak with a dependency stopped or killed every minute (bench/chaos_run.py)
 """
 
 from __future__ import annotations

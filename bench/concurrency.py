@@ -59,6 +59,8 @@ class StreamTrace:
     error: str = ""
     controller: dict[str, Any] | None = None  # bench.stack.controller_choices of the final message's stats
     request_index: int = -1  # which of run_load's `requests` it was (-1: not from run_load)
+    token_ids: tuple[int, ...] = ()  # the generated tokens as received (request_once)
+    finished_at: float | None = None  # when the call returned or failed (request_once), perf_counter seconds
 
     @property
     def ttft_ms(self) -> float | None:
@@ -228,13 +230,14 @@ def request_once(
 ) -> tuple[StreamTrace, float]:
     """One request as the client saw it, and how long to wait before the next (a retry hint, else 0)."""
     sent_at = time.perf_counter()
-    request_id, arrivals, controller = "", [], None
+    request_id, arrivals, controller, token_ids = "", [], None, []
     try:
         if is_stream:
             for message in stub.GenerateStream(request, timeout=timeout_s):
                 request_id = message.request_id or request_id
                 if message.token_ids:
                     arrivals.append((time.perf_counter(), len(message.token_ids)))
+                    token_ids.extend(message.token_ids)
                 if message.is_final:
                     controller = controller_choices(message.stats)
         else:
@@ -242,11 +245,28 @@ def request_once(
             request_id = response.request_id
             if response.token_ids:
                 arrivals.append((time.perf_counter(), len(response.token_ids)))
+                token_ids.extend(response.token_ids)
             controller = controller_choices(response.stats)
     except grpc.RpcError as e:
         wait = retry_after_s(e) if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else 0.0
-        return StreamTrace(request_id, sent_at, tuple(arrivals), error=rpc_error(e)), wait
-    return StreamTrace(request_id, sent_at, tuple(arrivals), controller=controller), 0.0
+        failed = StreamTrace(
+            request_id,
+            sent_at,
+            tuple(arrivals),
+            rpc_error(e),
+            token_ids=tuple(token_ids),
+            finished_at=time.perf_counter(),
+        )
+        return failed, wait
+    done = StreamTrace(
+        request_id,
+        sent_at,
+        tuple(arrivals),
+        controller=controller,
+        token_ids=tuple(token_ids),
+        finished_at=time.perf_counter(),
+    )
+    return done, 0.0
 
 
 def _load_client(

@@ -3,6 +3,7 @@
     python -m bench load --clients 16 --duration 60 --max-new-tokens 64 --mix json,code,prose [--stream]
     python -m bench load --soak                     # 16 clients for 10 minutes
     python -m bench load --address 127.0.0.1:50050  # a stack already running on this machine
+    python -m bench load --chaos                    # the soak with a dependency hurt every minute
 
 Without --address it starts its own stack (a redis-server and the four services, bench/stack.py;
 SPECDEC_GATEWAY_* variables such as SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS reach the gateway). Each
@@ -17,11 +18,16 @@ prefix-cache scope of its own: bench/concurrency.py reference_ttft_ms), and ever
 under load is reported over its own prompt's TTFT alone (p50/p99 of the ratios, overall and in the
 first wave): the "TTFT against a single client for the same prompt" (--no-reference skips it).
 Loopback only: the gateway's address must be a loopback one.
+With --chaos (bench/chaos_run.py): 16 clients for 10 minutes, streamed, on a stack of its own under
+the launcher's supervisor, while every --chaos-period seconds one dependency is stopped (SIGSTOP)
+for --chaos-stop-s and continued, or a service is killed (SIGKILL) and restarted, in turn
+(--chaos-faults); every greedy output is checked against the same request decoded before the faults.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bench.chaos import FAULT_ROTATION, fault_schedule, parse_rotation
 from bench.concurrency import reference_ttft_ms, run_load, summarize_load
 from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.stack import build_request, system_under_test
@@ -235,11 +242,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", default="auto")
     p.add_argument("--threads", type=int, default=0, help="the primary's threads when a stack is started")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
-    p.add_argument("--sample-s", type=float, default=10.0, help="resource samples every this many seconds")
+    p.add_argument(
+        "--sample-s", type=float, default=None, help="resource samples every this many seconds (10; 60 with --chaos)"
+    )
+    p.add_argument("--chaos", action="store_true", help="the soak with faults (bench/chaos_run.py)")
+    p.add_argument(
+        "--chaos-faults",
+        default=",".join(FAULT_ROTATION),
+        help="the faults in turn: stop:<validator|draft|primary|redis>, kill:<primary|draft|validator|*>",
+    )
+    p.add_argument("--chaos-period", type=float, default=60.0, help="seconds between faults (first at half)")
+    p.add_argument("--chaos-stop-s", type=float, default=15.0, help="how long a stopped dependency stays stopped")
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the started stack's service logs here")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
-    a.clients = a.clients if a.clients is not None else (SOAK_CLIENTS if a.soak else 4)
-    a.duration = a.duration if a.duration is not None else (SOAK_DURATION_S if a.soak else 30.0)
+    is_soak = a.soak or a.chaos
+    a.clients = a.clients if a.clients is not None else (SOAK_CLIENTS if is_soak else 4)
+    a.duration = a.duration if a.duration is not None else (SOAK_DURATION_S if is_soak else 30.0)
+    a.sample_s = a.sample_s if a.sample_s is not None else (60.0 if a.chaos else 10.0)
     a.mix = [m for m in a.mix.split(",") if m]
     if not 1 <= a.clients <= MAX_CLIENTS:
         p.error(f"--clients must be in [1, {MAX_CLIENTS}], got {a.clients}")
@@ -253,12 +273,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--address must be a loopback address (the load stays on this machine), got {a.address!r}")
     if not 0 < a.timeout_s <= MAX_DURATION_S or a.sample_s <= 0:
         p.error("--timeout-s must be in (0, 3600] and --sample-s > 0")
+    if a.chaos:
+        if a.address:
+            p.error("--chaos starts a stack of its own (it signals the processes): leave out --address")
+        try:
+            a.chaos_schedule = fault_schedule(
+                a.duration, a.chaos_period, a.chaos_stop_s, a.chaos_period / 2, parse_rotation(a.chaos_faults)
+            )
+        except ValueError as e:
+            p.error(f"--chaos-faults/--chaos-period/--chaos-stop-s: {e}")
     return a
+
+
+def run_chaos_main(a: argparse.Namespace, requests: list) -> None:
+    from bench.chaos_run import format_chaos, run_chaos
+
+    with system_under_test(a.precision, a.threads, 4096, is_serving_metrics=True, log_dir=a.log_dir) as sut:
+        result = run_chaos(sut, requests, a.clients, a.duration, a.chaos_schedule, a.timeout_s, a.sample_s)
+    print(format_chaos(result), flush=True)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=1, default=_plain))
+
+
+def _plain(value: Any) -> Any:
+    """JSON for the chaos result's dataclasses."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     requests = build_requests(a.mix, a.max_new_tokens, not a.no_speculation, not a.no_schema)
+    if a.chaos:
+        run_chaos_main(a, requests)
+        return
     if a.address:
         result = run(
             a.address,
@@ -271,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             is_reference=not a.no_reference,
         )
     else:
-        with system_under_test(a.precision, a.threads, max_context=4096, is_serving_metrics=True) as sut:
+        with system_under_test(a.precision, a.threads, 4096, is_serving_metrics=True, log_dir=a.log_dir) as sut:
             pids = {name: sut.stack.pid(name) for name in SERVICE_NAMES}
             result = run(
                 sut.address,

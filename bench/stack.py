@@ -16,6 +16,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,6 +34,7 @@ REQUEST_TIMEOUT_S = 1800.0  # one request, prefill to the last token, on a slow 
 class SystemUnderTest:
     stack: Stack
     stub: gateway_pb2_grpc.GenerationServiceStub
+    redis_pid: int  # the state store's redis-server (the chaos soak stops and continues it)
 
     @property
     def address(self) -> str:
@@ -41,10 +43,15 @@ class SystemUnderTest:
 
 @contextlib.contextmanager
 def system_under_test(
-    precision: str, num_threads: int, max_context: int, is_serving_metrics: bool = False
+    precision: str,
+    num_threads: int,
+    max_context: int,
+    is_serving_metrics: bool = False,
+    log_dir: Path | None = None,
 ) -> Iterator[SystemUnderTest]:
     """Redis, then the four services (default model, product defaults), and a gateway stub; with
-    is_serving_metrics each service serves /metrics (Stack.metrics_url)."""
+    is_serving_metrics each service serves /metrics (Stack.metrics_url); the services' logs go to
+    log_dir and stay there (None: a temporary dir, removed after a clean stop)."""
     with contextlib.ExitStack() as cleanup:
         try:
             server = cleanup.enter_context(redis_server(prefix="specdec-bench-redis-"))
@@ -56,9 +63,10 @@ def system_under_test(
             num_threads=num_threads,
             max_context=max_context,
             is_serving_metrics=is_serving_metrics,
+            log_dir=log_dir,
         )
         with Stack(config) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
-            yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel))
+            yield SystemUnderTest(stack, gateway_pb2_grpc.GenerationServiceStub(channel), server.pid)
 
 
 def build_request(

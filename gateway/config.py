@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
+from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
 from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.logits_codec import FORMATS
@@ -90,6 +91,7 @@ class GatewayConfig:
     is_logits_via_handle: bool = False  # validator co-located with the primary: logits through /dev/shm
     rpc_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0  # how long a request waits for a restarted primary
+    max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S  # ... and for a state store that does not answer
     state_ttl_s: float = 24 * 3600.0
     log_level: str = "INFO"
     # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
@@ -111,6 +113,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.max_active_requests < 1:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
+        if self.max_state_retry_s <= 0:
+            raise ValueError(f"max_state_retry_s must be > 0, got {self.max_state_retry_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
@@ -160,6 +164,12 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     flags.add("--max_message_bytes", 4 << 20)
     flags.add("--rpc_timeout_s", 60.0)
     flags.add("--recovery_timeout_s", 120.0)
+    flags.add(
+        "--max_state_retry_s",
+        DEFAULT_MAX_STATE_RETRY_S,
+        help="how long a request waits for a state store that does not answer (a Redis failover) "
+        "before it fails UNAVAILABLE; never past the request's deadline",
+    )
     flags.add(
         "--max_grammar_compile_s",
         10.0,
@@ -215,6 +225,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         is_logits_via_handle=a.logits_via_handle,
         rpc_timeout_s=a.rpc_timeout_s,
         recovery_timeout_s=a.recovery_timeout_s,
+        max_state_retry_s=a.max_state_retry_s,
         log_level=a.log_level,
         num_threads=a.num_threads,
         service_token_file=a.service_token_file,

@@ -54,6 +54,7 @@ from gateway.cost_model import CostModel, CostSettings, cost_model_for, one_row_
 from gateway.dependencies import DependencyState
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.repeats import MIN_REPEAT_TOKENS, RepeatIndex
+from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S, give_up_at, with_state_retries
 from gateway.stats import RequestStats
 from gateway.step_costs import StepCosts
 from specdec.acceptance_mode import AcceptanceMode, select_mode
@@ -83,11 +84,6 @@ from specdec.task_type import TaskType
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
 RECOVERY_POLL_S = 0.5
-# A state store that does not answer (a Redis failover, a blip) is retried after these waits, then
-# every STATE_RETRY_MAX_WAIT_S, for at most max_state_retry_s and never past the request's deadline.
-STATE_RETRY_WAITS_S = (0.05, 0.1, 0.2, 0.4, 0.8)
-STATE_RETRY_MAX_WAIT_S = 1.0
-DEFAULT_MAX_STATE_RETRY_S = 10.0
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
@@ -1017,20 +1013,7 @@ class RequestLoop:
     async def _with_state_store(self, write: Callable[[], Awaitable[Any]]) -> Any:
         """write(), retried with bounded backoff while the state store is unavailable; Unavailable once
         max_state_retry_s (or the request's deadline) would pass."""
-        give_up = time.monotonic() + self.max_state_retry_s
-        if self.deadline is not None:
-            give_up = min(give_up, self.deadline)
-        for attempt in itertools.count():
-            try:
-                return await write()
-            except Unavailable as e:
-                wait = STATE_RETRY_WAITS_S[attempt] if attempt < len(STATE_RETRY_WAITS_S) else STATE_RETRY_MAX_WAIT_S
-                if time.monotonic() + wait > give_up or self.cancel.is_set():
-                    raise
-                (self.log.warning if attempt == 0 else self.log.debug)(
-                    "state store unavailable; retrying", attempt=attempt + 1, error=str(e)
-                )
-                await asyncio.sleep(wait)
+        return await with_state_retries(write, give_up_at(self.max_state_retry_s, self.deadline), self.cancel, self.log)
 
     async def _restore(
         self,

@@ -43,9 +43,18 @@ from gateway.step_costs import StepCosts
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
 from gateway.params import check_offered, params_from_pb, params_to_json
+from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import Cancelled, DeadlineExceeded, InvalidArgument, NotFound, SpecdecError, Unavailable
+from specdec.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    SpecdecError,
+    Unavailable,
+)
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.metrics import ServiceMetrics
@@ -112,6 +121,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         api_keys: ApiKeys | None = None,
     ) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
+        self.max_state_retry_s = config.max_state_retry_s  # a write waits this long for the store to answer
         self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
         self.prompt_encoder = PromptEncoder(tokenizer)
         # Whether the validator and the draft service answer, for all requests (gateway.dependencies).
@@ -251,7 +261,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             raise
         is_queued = not ticket.is_granted
         status = RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING
-        creating = asyncio.ensure_future(self._create(request_id, client_id, stored, prompt_ids, status))
+        creating = asyncio.ensure_future(self._create(request_id, client_id, stored, prompt_ids, status, deadline))
         try:
             await asyncio.shield(creating)
         except asyncio.CancelledError:  # the client went away: once stored, it is stored as cancelled
@@ -314,9 +324,30 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         stored.request_id = client_id
         return params, prompt_ids, grammar, stored
 
-    async def _create(self, request_id: str, client_id: str, stored, prompt_ids, status: RequestStatus) -> None:
+    async def _create(
+        self, request_id: str, client_id: str, stored, prompt_ids, status: RequestStatus, deadline: float | None
+    ) -> None:
+        """Store the new request, retried while the store does not answer (gateway.state_retry). An
+        attempt that timed out may still have landed (a stalled Redis runs it once it resumes): a retry
+        that then finds the same parameters and prompt stored counts as done, not ALREADY_EXISTS."""
+        params = params_to_json(stored)
+        is_retry = False
+
+        async def create() -> None:
+            nonlocal is_retry
+            try:
+                await self.store.create(request_id, params, prompt_token_ids=prompt_ids, status=status)
+            except Unavailable:
+                is_retry = True
+                raise
+            except AlreadyExists:
+                state = await self.store.load(request_id) if is_retry else None
+                if state is None or state.params != params or list(state.prompt_token_ids) != list(prompt_ids):
+                    raise
+
         with self._told_as_client(request_id, client_id):
-            await self.store.create(request_id, params_to_json(stored), prompt_token_ids=prompt_ids, status=status)
+            give_up = give_up_at(self.max_state_retry_s, deadline)
+            await with_state_retries(create, give_up, log=self.log.bind(request_id=request_id))
 
     async def _await_turn(
         self, request_id: str, ticket: Ticket, is_queued: bool, deadline: float | None, cancel: threading.Event
@@ -338,7 +369,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             )
             raise
         try:
-            is_running = await self.store.set_status(request_id, RequestStatus.RUNNING)
+            is_running = await with_state_retries(
+                lambda: self.store.set_status(request_id, RequestStatus.RUNNING),
+                give_up_at(self.max_state_retry_s, deadline),
+                cancel,
+                self.log.bind(request_id=request_id),
+            )
         except NotFound:  # the store lost the record (not ended): the loop's first write stores it again
             self.log.warning("the state store lost a queued request's record", request_id=request_id)
             is_running = True
@@ -480,6 +516,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             stored_params=stored_params,
             step_costs=self.step_costs,
             acceptance_memory=self.acceptance_memory,
+            max_state_retry_s=self.max_state_retry_s,
         )
 
     def _availability_recorder(self, name: str):

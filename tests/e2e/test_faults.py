@@ -95,8 +95,8 @@ def _assert_names_only_the_request(error: grpc.RpcError, request_id: str) -> Non
 
 def test_a_redis_blip_mid_request_changes_nothing_in_the_output(gateway_stub, redis_server, stack):
     """Redis stalls mid-stream until a write has timed out (5 s), then comes back within the retry
-    budget (10 s from the write's start): the write is retried and succeeds (before, the request
-    failed at that step with UNAVAILABLE, which also ends the stall here)."""
+    budget (--max_state_retry_s from the write's start): the write is retried and succeeds (before,
+    the request failed at that step with UNAVAILABLE, which also ends the stall here)."""
     reference = gateway_stub.Generate(_request("undisturbed"), timeout=300)
     gateway_log = stack.log_path(GATEWAY)
     num_retries_before = gateway_log.read_text().count(RETRYING)

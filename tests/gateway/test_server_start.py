@@ -17,7 +17,9 @@ from gateway.backends import Decoded, ModelInfo, Prefilled
 from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams, params_to_json
 from gateway.server import GenerationServicer
+from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
+from specdec.errors import AlreadyExists, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
@@ -59,6 +61,7 @@ def servicer(store: AsyncInMemoryStateStore, admission: Admission, make_loop) ->
     """A servicer with only what _start touches: the store, admission, and a make_loop under test."""
     s = GenerationServicer.__new__(GenerationServicer)
     s.store, s.admission, s.api_keys, s.metrics = store, admission, None, None
+    s.max_state_retry_s = DEFAULT_MAX_STATE_RETRY_S
     s._active, s._lock, s._background = {}, threading.Lock(), set()
     s.log = structlog.get_logger("test")
     s._prepare = lambda request, client_id, deadline, offered: (None, [1, 2, 3], None, request)
@@ -244,3 +247,84 @@ def test_cancelling_a_request_running_here_whose_record_the_store_lost_stops_it(
         return await s.Cancel(gateway_pb2.CancelRequest(request_id="r4"), Context())
 
     assert asyncio.run(main()).was_active and cancel.is_set()
+
+
+class StallingStore(AsyncInMemoryStateStore):
+    """A Redis that stalled: the first `num_timeouts` calls of `stalled` ("create" or "running")
+    time out (Unavailable), each after the command reached the server when `is_landing` (a stalled
+    Redis runs it once it resumes)."""
+
+    def __init__(self, stalled: str, num_timeouts: int = 1, is_landing: bool = False) -> None:
+        super().__init__(InMemoryStateStore())
+        self.stalled, self.num_timeouts, self.is_landing, self.num_calls = stalled, num_timeouts, is_landing, 0
+
+    async def _stall(self, name: str, write) -> object:
+        if name != self.stalled:
+            return await write()
+        self.num_calls += 1
+        if self.num_calls > self.num_timeouts:
+            return await write()
+        if self.is_landing:
+            await write()
+        raise Unavailable("state_store", "Redis unreachable: Timeout reading from socket", dependency="state_store")
+
+    async def create(self, *args, **kwargs):
+        return await self._stall("create", lambda: super(StallingStore, self).create(*args, **kwargs))
+
+    async def set_status(self, request_id, status, **kwargs):
+        name = "running" if status == RequestStatus.RUNNING else ""
+        return await self._stall(name, lambda: super(StallingStore, self).set_status(request_id, status, **kwargs))
+
+
+def start_one(store: AsyncInMemoryStateStore, admission: Admission, request_id: str = "r5") -> str:
+    """_start a request against store; its client id once its loop is made (the loop is not run)."""
+    made_loop = types.SimpleNamespace(stats=RequestStats())
+
+    async def main() -> str:
+        s = servicer(store, admission, lambda *_args, **_kwargs: made_loop)
+        client_id, loop, ticket = await s._start(gateway_pb2.GenerateRequest(request_id=request_id), Context())
+        assert loop is made_loop
+        ticket.release()
+        return client_id
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("is_landing", [False, True])
+def test_a_request_arriving_while_the_store_stalls_is_stored_once_it_answers(is_landing: bool) -> None:
+    """The store times out on the request's create (twice), then answers: the request starts (before:
+    UNAVAILABLE at the first timeout). A create that landed although it timed out is not refused as
+    ALREADY_EXISTS on the retry."""
+    store = StallingStore("create", num_timeouts=2, is_landing=is_landing)
+    assert start_one(store, Admission(max_active=1, max_queued=4)) == "r5"
+    # landed: the second attempt finds the first's record, the request's own, and stops there
+    assert store.num_calls == (2 if is_landing else 3)
+    assert store.sync.load("r5").status == RequestStatus.RUNNING
+
+
+def test_a_retried_create_still_refuses_another_request_with_the_same_id() -> None:
+    store = StallingStore("create", num_timeouts=1)
+    store.sync.create("r5", {"prompt": "someone else's"}, prompt_token_ids=[9], status=RequestStatus.RUNNING)
+    with pytest.raises(AlreadyExists):
+        start_one(store, Admission(max_active=1, max_queued=4))
+
+
+def test_a_queued_request_let_in_while_the_store_stalls_runs_once_it_answers() -> None:
+    """The queue's move to RUNNING times out once (before: the request failed UNAVAILABLE)."""
+    admission = Admission(max_active=1, max_queued=4)
+    holder = admission.enter("")
+    store = StallingStore("running", num_timeouts=1)
+    made_loop = types.SimpleNamespace(stats=RequestStats())
+
+    async def main() -> None:
+        s = servicer(store, admission, lambda *_args, **_kwargs: made_loop)
+        task = asyncio.ensure_future(s._start(gateway_pb2.GenerateRequest(request_id="r6"), Context()))
+        while await store.load("r6") is None:
+            await asyncio.sleep(0.01)
+        holder.release()
+        _client_id, loop, ticket = await task
+        assert loop is made_loop
+        ticket.release()
+
+    asyncio.run(main())
+    assert store.num_calls == 2 and store.sync.load("r6").status == RequestStatus.RUNNING
