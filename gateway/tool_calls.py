@@ -200,7 +200,7 @@ class AutoCallReader:
         self.is_in_block = False
         self.is_bare = False  # the answer began with JSON: held to the end
         self.has_content = False  # non-blank content went out
-        self.blank = ""  # whitespace content held: dropped when the answer is only calls
+        self.blank = ""  # trailing whitespace of the content, held: dropped when the answer has calls
 
     def add(self, text: str) -> Piece:
         self.pending += text
@@ -268,10 +268,13 @@ class AutoCallReader:
             call.name, call.arguments = name, arguments
 
     def _content(self, text: str, piece: Piece) -> None:
+        """Content goes out up to its last non-blank character; trailing whitespace waits for more
+        (dropped at the end of an answer with calls: "Let me check.\n<tool_call>..." -> "Let me check.")."""
         self.blank += text
-        if self.blank.strip():
-            piece.content += self.blank
-            self.blank, self.has_content = "", True
+        kept = self.blank.rstrip()
+        if kept:
+            piece.content += kept
+            self.blank, self.has_content = self.blank[len(kept) :], True
 
 
 def _num_prefix_chars(text: str, tag: str) -> int:
