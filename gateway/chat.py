@@ -16,12 +16,14 @@ before (token boundaries unchanged).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import secrets
-from collections.abc import Sequence
 
 from tokenizers import Tokenizer as BackendTokenizer
 
 from gateway.params import GenerationParams
+from gateway.tool_prompt import render
 from specdec.errors import InvalidArgument
 from specdec.model.tokenizer import Tokenizer
 
@@ -47,18 +49,36 @@ class PromptEncoder:
     def encode(self, params: GenerationParams) -> list[int]:
         if params.messages is None:
             return self.tokenizer.encode(params.prompt_text(self.tokenizer))
-        if not any(s in content for _, content in params.messages for s in self._special_texts):
+        self._check_tool_texts(params)
+        if not any(s in turn.content for turn in params.messages for s in self._special_texts):
             return self.tokenizer.encode(params.prompt_text(self.tokenizer))
-        return self._encode_chat_split(params.messages)
+        return self._encode_chat_split(params)
 
-    def _encode_chat_split(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+    def _check_tool_texts(self, params: GenerationParams) -> None:
+        """Tools and calls are rendered as JSON inside the template's markup, where a control
+        token's text cannot be kept plain: refused, naming the field."""
+        tools = params.tools.tools
+        texts = [(f"tools[{i}]", f"{t.name} {t.description} {json.dumps(t.parameters)}") for i, t in enumerate(tools)]
+        for i, turn in enumerate(params.messages or ()):
+            field = f"chat.messages[{i}]"
+            texts += [(f"{field}.tool_calls[{j}].arguments", c.arguments) for j, c in enumerate(turn.tool_calls)]
+            texts += [(f"{field}.tool_call_id", turn.tool_call_id), (f"{field}.name", turn.name)]
+        for field, text in texts:
+            if any(s in text for s in self._special_texts):
+                raise InvalidArgument(field, "contains control-token text, which the prompt cannot carry as plain text")
+
+    def _encode_chat_split(self, params: GenerationParams) -> list[int]:
+        assert params.messages is not None
+        messages = params.messages
         markers = [f"{_MARKER_OPEN}{secrets.token_hex(8)}{_MARKER_CLOSE}" for _ in messages]
-        rendered = self.tokenizer.apply_chat_template(
-            [{"role": r, "content": m} for (r, _), m in zip(messages, markers)]
+        rendered = render(
+            self.tokenizer,
+            [dataclasses.replace(turn, content=marker) for turn, marker in zip(messages, markers)],
+            params.tools.tools,
         )
         ids: list[int] = []
         start = 0
-        for i, ((_, content), marker) in enumerate(zip(messages, markers)):
+        for i, (turn, marker) in enumerate(zip(messages, markers)):
             at = rendered.find(marker, start)
             if at < 0 or rendered.count(marker) != 1:
                 # The template rewrites or repeats the content: there is no safe place to cut.
@@ -67,6 +87,6 @@ class PromptEncoder:
                     "contains control-token text, which this "
                     "model's chat template cannot keep apart from its own markup",
                 )
-            ids += self.tokenizer.encode(rendered[start:at]) + self.encode_plain(content)
+            ids += self.tokenizer.encode(rendered[start:at]) + self.encode_plain(turn.content)
             start = at + len(marker)
         return ids + self.tokenizer.encode(rendered[start:])

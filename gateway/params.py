@@ -12,10 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.config import Limits, SpeculationDefaults
+from gateway.json_depth import json_nesting_depth
+from gateway.tool_prompt import ChatTurn, render
+from gateway.tools import ToolSpec, tool_calls_from_pb, tool_spec_from_pb
 from specdec import pb
 from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
-from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_text
+from specdec.grammar.compiler import JSON_SCHEMA, SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
 from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
@@ -40,12 +43,13 @@ class SpeculationParams:
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenerationParams:
     prompt: str | None
-    messages: tuple[tuple[str, str], ...] | None  # (role, content) pairs
+    messages: tuple[ChatTurn, ...] | None
     max_new_tokens: int
     stop: tuple[str, ...]
     sampling: SamplingParams
     speculation: SpeculationParams
-    response_format: ResponseFormat | None = None  # None: free text
+    response_format: ResponseFormat | None = None  # None: free text (or a forced tool call's schema)
+    tools: ToolSpec = ToolSpec()
 
     @property
     def has_schema(self) -> bool:
@@ -56,7 +60,7 @@ class GenerationParams:
         if self.messages is None:
             assert self.prompt is not None  # a request has a prompt or messages (_input_from_pb)
             return self.prompt
-        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in self.messages])
+        return render(tokenizer, self.messages, self.tools.tools)
 
 
 def params_from_pb(
@@ -80,11 +84,16 @@ def params_from_pb(
         if not s or len(s) > limits.max_stop_chars:
             raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
     sampling = pb.sampling_from_pb(req.sampling)
+    tools = tool_spec_from_pb(req, limits.max_schema_depth)
     response_format = response_format_from_pb(req.response_format, limits.max_schema_depth)
+    if tools.is_forced:  # the calls are generated under their schema, like a json_schema response format
+        response_format = ResponseFormat(JSON_SCHEMA, tools.call_schema())
     speculation = _speculation_from_pb(
         req.speculation, limits, defaults, is_structured=response_format is not None, offered=offered
     )
-    return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation, response_format)
+    return GenerationParams(
+        prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation, response_format, tools
+    )
 
 
 def response_format_from_pb(
@@ -102,29 +111,6 @@ def response_format_from_pb(
             )
         check_schema_text(response_format.schema_text)
     return response_format
-
-
-def json_nesting_depth(text: str) -> int:
-    """How deep the objects and arrays of JSON text nest, by one scan without parsing (and without
-    recursion). Brackets inside strings do not count. E.g. '{"a": [{"b": "[["}]}' -> 3."""
-    depth = max_depth = 0
-    is_in_string = is_escaped = False
-    for c in text:
-        if is_in_string:
-            if is_escaped:
-                is_escaped = False
-            elif c == "\\":
-                is_escaped = True
-            elif c == '"':
-                is_in_string = False
-        elif c == '"':
-            is_in_string = True
-        elif c in "{[":
-            depth += 1
-            max_depth = max(max_depth, depth)
-        elif c in "}]":
-            depth -= 1
-    return max_depth
 
 
 def check_offered(requested: Sequence[str], offered: frozenset[str]) -> None:
@@ -152,14 +138,28 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
         raise InvalidArgument("chat.messages", "must not be empty")
     if len(messages) > limits.max_chat_messages:
         raise InvalidArgument("chat.messages", f"at most {limits.max_chat_messages} messages")
-    if sum(len(m.content) for m in messages) > limits.max_prompt_chars:
+    num_chars = sum(len(m.content) + sum(len(c.arguments) for c in m.tool_calls) for m in messages)
+    if num_chars > limits.max_prompt_chars:
         raise InvalidArgument("chat.messages", f"longer than {limits.max_prompt_chars} characters in all")
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise InvalidArgument(f"chat.messages[{i}].role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
-    if not any(m.content.strip() for m in messages):
+    turns = tuple(_turn_from_pb(m, f"chat.messages[{i}]") for i, m in enumerate(messages))
+    if not any(t.content.strip() or t.tool_calls for t in turns):
         raise InvalidArgument("chat.messages", "every message is empty")
-    return None, tuple((m.role, m.content) for m in messages)
+    return None, turns
+
+
+def _turn_from_pb(m: gateway_pb2.ChatMessage, field: str) -> ChatTurn:
+    if m.role not in CHAT_ROLES:
+        raise InvalidArgument(f"{field}.role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+    if m.tool_calls and m.role != "assistant":
+        raise InvalidArgument(f"{field}.tool_calls", f"only assistant turns call tools, this one is {m.role!r}")
+    if m.role == "tool" and not m.tool_call_id:
+        raise InvalidArgument(f"{field}.tool_call_id", "is required in a tool turn: the id of the call it answers")
+    if m.role != "tool" and (m.tool_call_id or m.name):
+        raise InvalidArgument(
+            f"{field}.tool_call_id" if m.tool_call_id else f"{field}.name", "is only allowed in a tool turn"
+        )
+    calls = tool_calls_from_pb(m.tool_calls, f"{field}.tool_calls")
+    return ChatTurn(m.role, m.content, calls, m.tool_call_id, m.name)
 
 
 def default_strategies(configured: Sequence[str], offered: frozenset[str] | None) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ from gateway.loop import RequestLoop
 from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
+from gateway.tool_calls import Piece, read_answer, reader_for
 from specdec import pb
 from specdec.errors import (
     AlreadyExists,
@@ -99,6 +100,21 @@ def controller_config_for(acceptance_priors: Mapping[str, Sequence[float]]) -> C
         if by_depth and all(0.0 <= a <= 1.0 for a in by_depth)
     )
     return ControllerConfig(decoder_prior_acceptance=priors)
+
+
+def _with_tool_calls(finish_reason: gateway_pb2.FinishReason, has_calls: bool) -> gateway_pb2.FinishReason:
+    """TOOL_CALLS for an answer that ended by itself (end of sequence, stop string) with calls."""
+    is_ended = finish_reason in (gateway_pb2.FINISH_REASON_EOS, gateway_pb2.FINISH_REASON_STOP)
+    return gateway_pb2.FINISH_REASON_TOOL_CALLS if has_calls and is_ended else finish_reason
+
+
+def _add_piece(message: gateway_pb2.GenerateStreamResponse, piece: Piece) -> int:
+    """Puts a reader's piece on a stream message; the number of calls it starts."""
+    message.content = piece.content
+    message.tool_calls.extend(
+        gateway_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in piece.deltas
+    )
+    return sum(1 for d in piece.deltas if d.id)
 
 
 async def _in_thread(fn, *args, **kwargs):
@@ -166,23 +182,40 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             async for _ in steps:
                 pass
         o = loop.outcome
-        return gateway_pb2.GenerateResponse(
+        response = gateway_pb2.GenerateResponse(
             request_id=client_id,
             text=o.text,
             token_ids=o.token_ids,
             finish_reason=FINISH_REASONS[o.finish_reason],
             stats=o.stats.to_pb(),
         )
+        if loop.params.tools.is_parsed:
+            content, calls = read_answer(loop.params.tools, o.text)
+            response.content = content
+            response.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+            response.finish_reason = _with_tool_calls(response.finish_reason, bool(calls))
+        return response
 
     async def GenerateStream(self, request, context):
         client_id, loop, ticket = await self._start(request, context)
+        reader = reader_for(loop.params.tools) if loop.params.tools.is_parsed else None
+        num_calls = 0
         async with contextlib.aclosing(self._run(loop, client_id, ticket)) as steps:
             async for out in steps:
-                yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=out.text, token_ids=out.token_ids)
+                message = gateway_pb2.GenerateStreamResponse(
+                    request_id=client_id, text=out.text, token_ids=out.token_ids
+                )
+                if reader is not None:
+                    num_calls += _add_piece(message, reader.add(out.text))
+                yield message
         o = loop.outcome
-        yield gateway_pb2.GenerateStreamResponse(
+        final = gateway_pb2.GenerateStreamResponse(
             request_id=client_id, is_final=True, finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb()
         )
+        if reader is not None:
+            num_calls += _add_piece(final, reader.finish())
+            final.finish_reason = _with_tool_calls(final.finish_reason, num_calls > 0)
+        yield final
 
     async def Cancel(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
@@ -318,7 +351,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 field, f"{len(prompt_ids)} prompt tokens do not fit the context of {self.model.max_context} tokens"
             )
         # Compiled before anything is stored: a schema refused here leaves no trace.
-        grammar = None if params.response_format is None else self.grammars.new_state(params.response_format, deadline)
+        try:
+            grammar = (
+                None if params.response_format is None else self.grammars.new_state(params.response_format, deadline)
+            )
+        except InvalidArgument as e:
+            if not params.tools.is_forced:
+                raise
+            raise InvalidArgument("tools", f"the calls' schema (from the tools' parameters) {e.message}") from None
         stored = request.__class__()
         stored.CopyFrom(request)
         stored.request_id = client_id

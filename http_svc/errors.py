@@ -61,7 +61,16 @@ _PARAM_BY_FIELD = {
     "speculation.acceptance_threshold": "acceptance_threshold",
     "speculation.strategies": "strategies",
     "speculation.is_adaptive": "adaptive",
+    "tools": "tools",
+    "tool_choice.mode": "tool_choice",
+    "tool_choice.function_name": "tool_choice.function.name",
+    "tool_choice": "tool_choice",
+    "parallel_tool_calls": "parallel_tool_calls",
+    "response_format": "response_format",
 }
+# A tool's and a call's fields sit under "function" in OpenAI's shape:
+# "tools[0].name" -> "tools[0].function.name", "...tool_calls[1].arguments" -> "...tool_calls[1].function.arguments".
+_FUNCTION_FIELD = re.compile(r"(tools\[\d+\]|tool_calls\[\d+\])\.(name|description|parameters|arguments)\b")
 
 
 class ApiError(Exception):
@@ -102,6 +111,7 @@ def param_for(field: str, aliases: dict[str, str]) -> str:
     "max_completion_tokens" when that is what the client sent)."""
     if field in aliases:
         return aliases[field]
+    field = _FUNCTION_FIELD.sub(r"\1.function.\2", field)
     for prefix in sorted(_PARAM_BY_FIELD, key=len, reverse=True):
         if field == prefix or field.startswith((f"{prefix}.", f"{prefix}[")):
             return _PARAM_BY_FIELD[prefix] + field[len(prefix) :]

@@ -2,9 +2,10 @@
 
 Only the HTTP shape is checked here: types, the OpenAI spellings, what the protobuf can hold
 (a negative seed cannot be a uint64), and OpenAI features this service does not have (n > 1,
-tools, logprobs, penalties), each a 400 naming the parameter. Whether a value is in range (a
-temperature, a stop list, a schema, a strategy) is the gateway's to say, once for every
-client: its INVALID_ARGUMENT comes back as a 400 naming the same parameter (http_svc.errors).
+the legacy `functions`, logprobs, penalties), each a 400 naming the parameter; tools' shapes in
+http_svc.openai_tools. Whether a value is in range (a temperature, a stop list, a schema, a
+strategy, a tool's name) is the gateway's to say, once for every client: its INVALID_ARGUMENT
+comes back as a 400 naming the same parameter (http_svc.errors).
 
 Speculation settings ride as extra body fields (the OpenAI SDKs send them with `extra_body`):
 
@@ -21,6 +22,7 @@ import re
 from typing import Any
 
 from http_svc.errors import bad_request
+from http_svc.openai_tools import set_tool_calls, set_tools
 from specdec.v1 import common_pb2, gateway_pb2
 
 CHAT, COMPLETION = "chat", "completion"
@@ -31,8 +33,6 @@ MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
 _ROLE_ALIASES = {"developer": "system"}
 # OpenAI parameters this service does not implement: refused unless given their neutral value.
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logprobs": (None, False, 0),
@@ -46,7 +46,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "parallel_tool_calls": (None, False, True),
 }
 # What a surrogate in the body looks like: an escape of one (\ud800-\udfff), or one encoded as
 # UTF-8 (0xED 0xA0-0xBF ..., which json.loads lets through). A body without either holds none.
@@ -156,6 +155,7 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     request.stop.extend(_stop(data.get("stop")))
     _set_sampling(request.sampling, data)
     _set_response_format(request.response_format, data.get("response_format"))
+    set_tools(request, data)
     _set_speculation(request.speculation, data)
     if data.get("user") is not None and not isinstance(data["user"], str):
         raise bad_request("user", "must be a string")
@@ -186,11 +186,14 @@ def _set_messages(request: gateway_pb2.GenerateRequest, messages: Any) -> None:
         role = message.get("role")
         if not isinstance(role, str):
             raise bad_request(f"messages[{i}].role", "must be a string")
-        if message.get("tool_calls") or message.get("function_call"):
-            raise bad_request(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
-        request.chat.messages.add(
+        if message.get("function_call") is not None:
+            raise bad_request(
+                f"messages[{i}].function_call", "the legacy function_call is not supported: use tool_calls"
+            )
+        turn = request.chat.messages.add(
             role=_ROLE_ALIASES.get(role, role), content=_content(message.get("content"), f"messages[{i}].content")
         )
+        set_tool_calls(turn, message, f"messages[{i}]")
 
 
 def _content(content: Any, param: str) -> str:

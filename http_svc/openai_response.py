@@ -15,11 +15,12 @@ import json
 from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest
 from specdec.v1 import gateway_pb2
 
-# OpenAI's finish reasons: "stop" (a stop string or the end of the text), "length".
+# OpenAI's finish reasons: "stop" (a stop string or the end of the text), "length", "tool_calls".
 FINISH_REASONS: dict[int, str] = {
     gateway_pb2.FINISH_REASON_LENGTH: "length",
     gateway_pb2.FINISH_REASON_STOP: "stop",
     gateway_pb2.FINISH_REASON_EOS: "stop",
+    gateway_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 SSE_DONE = b"data: [DONE]\n\n"
 # The `object` of a whole answer and of a chunk, per endpoint.
@@ -53,7 +54,7 @@ def completion(
     if parsed.kind == CHAT:
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": response.text, "refusal": None},
+            "message": _message(response),
             "logprobs": None,
             "finish_reason": finish_reason(response.finish_reason),
         }
@@ -76,6 +77,36 @@ def completion(
     }
 
 
+def _message(response: gateway_pb2.GenerateResponse) -> dict:
+    """The assistant message: with tools, the content outside the calls (null when there is only
+    calls) and the calls, their arguments as JSON text."""
+    if not response.HasField("content"):
+        return {"role": "assistant", "content": response.text, "refusal": None}
+    message: dict = {
+        "role": "assistant",
+        "content": response.content if response.content or not response.tool_calls else None,
+        "refusal": None,
+    }
+    if response.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in response.tool_calls
+        ]
+    return message
+
+
+def _tool_call_delta(delta: gateway_pb2.ToolCallDelta) -> dict:
+    """OpenAI's delta.tool_calls[0]: id, type and name on a call's first piece, then arguments."""
+    if delta.id:
+        return {
+            "index": delta.index,
+            "id": delta.id,
+            "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments},
+        }
+    return {"index": delta.index, "function": {"arguments": delta.arguments}}
+
+
 class ChunkWriter:
     """SSE events of one streamed answer, as the OpenAI clients parse them: `data: <chunk>` per
     step, the finish reason on the last choice chunk, with stream_options.include_usage a chunk
@@ -94,7 +125,9 @@ class ChunkWriter:
         if self.parsed.kind == CHAT and not self._is_role_sent:
             events.append(self._chunk({"role": "assistant", "content": ""}, None, ()))
             self._is_role_sent = True
-        if message.text or message.token_ids:
+        if message.HasField("content"):  # a request with tools: content and calls apart
+            events += self._tool_events(message)
+        elif message.text or message.token_ids:
             events.append(self._chunk(self._delta(message.text), None, message.token_ids))
         if message.is_final:
             events.append(
@@ -106,6 +139,15 @@ class ChunkWriter:
                 events.append(self._event({**self.head, "choices": [], "usage": usage(message.stats)}))
             events.append(SSE_DONE)
         return b"".join(events)
+
+    def _tool_events(self, message: gateway_pb2.GenerateStreamResponse) -> list[bytes]:
+        """A chunk per piece: the content, then one per tool-call piece (OpenAI sends one call's
+        piece per chunk); the message's token ids ride on its first chunk. A step inside a call
+        that completes no piece yet (its name still open) sends nothing, unless token ids are asked for."""
+        deltas: list[dict] = [{"tool_calls": [_tool_call_delta(d)]} for d in message.tool_calls]
+        if message.content or (self.parsed.is_returning_token_ids and message.token_ids and not deltas):
+            deltas.insert(0, {"content": message.content})
+        return [self._chunk(delta, None, message.token_ids if i == 0 else ()) for i, delta in enumerate(deltas)]
 
     def _delta(self, text: str) -> dict:
         return {"content": text} if self.parsed.kind == CHAT else {"text": text}

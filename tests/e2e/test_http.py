@@ -263,7 +263,7 @@ def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, g
         ({"draft_length": 1000}, "draft_length"),
         ({"acceptance_threshold": 2}, "acceptance_threshold"),
         ({"strategies": ["telepathy"]}, "strategies"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, extra: dict, param: str):

@@ -112,7 +112,10 @@ def test_speculation_settings_are_extra_fields() -> None:
         ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+            "messages[0].tool_calls[0].function",
+        ),
         ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 1.5}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
