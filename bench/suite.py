@@ -27,8 +27,9 @@ unconstrained, once; their records are listed under both json scenarios. An RPC 
 that system and scenario, not raised. Every output of a json row is checked: parses as JSON,
 validates against the row's schema (jsonschema, Draft 7).
 
-Prompts: the first --num-prompts rows of each scenario file, in file order, whose prompt tokens +
---max-new-tokens fit --sequence-length; the rows skipped on the way are counted. The long scenario
+Prompts: the first --num-prompts rows of each scenario file (after --first-prompt rows), in file
+order, whose prompt tokens + --max-new-tokens fit --sequence-length; the rows skipped on the way are
+counted. The long scenario
 (bench/scenarios.py; not in the default set, not in the concurrency sweep) takes, round robin over
 specbench, prose and code (the files present), the rows with 1,500-1,900 prompt tokens, and prints how
 many rows it considered and how many fit; it asks for 256 new tokens (--max-new-tokens overrides),
@@ -106,6 +107,7 @@ class SuiteConfig:
     num_threads: int = 0  # 0: the CPUs this process may use
     out: Path = DEFAULT_OUT
     long_max_new_tokens: int = LONG_MAX_NEW_TOKENS  # the long scenario's requests
+    first_prompt: int = 0  # rows of each file passed over first: other prompts than the usual ones
 
     def __post_init__(self) -> None:
         for name, values, known in (
@@ -126,6 +128,8 @@ class SuiteConfig:
             raise ValueError(f"--concurrency levels must be >= 1, got {self.concurrency}")
         if self.num_threads < 0:
             raise ValueError(f"--threads must be >= 0, got {self.num_threads}")
+        if self.first_prompt < 0:
+            raise ValueError(f"--first-prompt must be >= 0, got {self.first_prompt}")
 
     @property
     def threads(self) -> int:
@@ -180,6 +184,12 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
     p.add_argument("--concurrency", default="", help="client counts of the sweep, e.g. 1,4,16,32")
     p.add_argument("--threads", type=int, default=0, help="threads of the primary and the peers; 0: all CPUs")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results.json path (.md and .png beside it)")
+    p.add_argument(
+        "--first-prompt",
+        type=int,
+        default=0,
+        help="rows of each scenario file to pass over (e.g. 3: rows the default run does not use)",
+    )
     a = p.parse_args(argv)
     try:
         return SuiteConfig(
@@ -195,6 +205,7 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
             a.threads,
             a.out,
             LONG_MAX_NEW_TOKENS if a.max_new_tokens is None else a.max_new_tokens,
+            a.first_prompt,
         )
     except ValueError as e:
         p.error(str(e))
@@ -276,7 +287,7 @@ def choose_prompts(config: SuiteConfig, tokenizer: Any) -> tuple[dict[str, Selec
         groups = [load_prompts(config.data_dir, [name], num_prompts=1 << 30) for name in long_sources(config.data_dir)]
         by_file[LONG] = select_long(groups, count_tokens, config.num_prompts)
     for name in files:
-        rows = load_prompts(config.data_dir, [name], num_prompts=1 << 30)
+        rows = load_prompts(config.data_dir, [name], num_prompts=1 << 30)[config.first_prompt :]
         main = select_prompts(rows, count_tokens, config.num_prompts, config.max_new_tokens, config.sequence_length)
         by_file[name] = main
         if num_sweep:

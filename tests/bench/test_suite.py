@@ -114,6 +114,16 @@ def test_choose_prompts_gives_both_json_variants_the_same_rows(tmp_path):
     assert sweep == []
 
 
+def test_first_prompt_passes_over_the_first_rows_of_each_file(tmp_path):
+    rows = [{"id": f"c{i}", "prompt": "w " * 3} for i in range(5)]
+    (tmp_path / "code.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    config = SuiteConfig(data_dir=tmp_path, scenarios=("code",), num_prompts=2, first_prompt=3)
+    selections, _ = choose_prompts(config, WordTokenizer())
+    assert [p.id for p in selections["code"].prompts] == ["c3", "c4"]
+    with pytest.raises(ValueError, match="first-prompt"):
+        SuiteConfig(first_prompt=-1)
+
+
 def test_select_long_keeps_the_window_round_robin_and_counts_every_row():
     a, b = prompts(3, "prose"), prompts(2, "code")
     counts = {"prose0": 1499, "prose1": 1500, "prose2": 1700, "code0": 1900, "code1": 1901}
