@@ -47,7 +47,9 @@ class Tokenization:
     def check_ids(self, field: str, token_ids: Sequence[int]) -> None:
         for i, t in enumerate(token_ids):
             if not 0 <= t < self.vocab_size:
-                raise InvalidArgument(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidArgument(
+                    field, f"token id {t} at index {i} is outside the vocabulary [0, {self.vocab_size})"
+                )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         self.check_ids("token_ids", token_ids)
