@@ -208,6 +208,16 @@ def test_completions_echo_logprobs_over_token_prompts_and_prompt_lists(client: o
     )
     assert answer.choices[1].text.startswith("Hello") and answer.usage is not None
     assert answer.usage.prompt_tokens == len(prompt_ids) + 1  # "Hello" is one token
+    # streamed: the prompt's text and tokens come first, offsets run on across chunks
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt_ids, max_tokens=3, temperature=0, logprobs=2, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text == PROMPT
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens or []] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset or []] == lp.text_offset
 
 
 def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI):
