@@ -140,6 +140,7 @@ class Validation:
     bonus_token: int
     accepted_entropies: tuple[float, ...]
     rejected_entropies: tuple[float, ...]
+    bonus_logprob: float | None = None  # asked of the validator (is_bonus_scored): the bonus token's raw logprob
 
 
 def features_of_rows(features: Any, rows: Sequence[int]) -> Any:
@@ -457,6 +458,7 @@ class Backends:
         tree: DraftTree,
         verified: Verified,
         allowed: TokenBitmask | None = None,
+        is_bonus_scored: bool = False,
     ) -> Validation:
         r = await self._call(
             "validator",
@@ -471,8 +473,13 @@ class Backends:
                 target_logits=verified.logits,
                 target_argmax_token_ids=verified.argmax_token_ids,
                 allowed_tokens=_mask(allowed),
+                return_bonus_logprob=is_bonus_scored,
             ),
         )
         return Validation(
-            tuple(r.accepted_nodes), r.bonus_token, tuple(r.accepted_entropies), tuple(r.rejected_entropies)
+            tuple(r.accepted_nodes),
+            r.bonus_token,
+            tuple(r.accepted_entropies),
+            tuple(r.rejected_entropies),
+            r.bonus_logprob if is_bonus_scored else None,
         )

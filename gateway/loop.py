@@ -65,6 +65,7 @@ from specdec.candidates import (
 )
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
 from specdec.grammar import GrammarState
+from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.state_store import AsyncStateStore, RequestStatus
@@ -173,12 +174,17 @@ def greedy_validation(tree: DraftTree, argmax_token_ids: Sequence[int]) -> Valid
 
 
 def _path_logprobs(verified: Verified, v: Validation) -> list[TokenLogprob]:
-    """The log probabilities of a greedy step's tokens, from the primary's rows: each accepted node's
-    token at its parent's row, then the bonus token, the argmax of the row where the path ends.
-    E.g. accepted nodes (0, 2): [node 0, node 2, row 3's argmax]."""
+    """The log probabilities of a step's tokens: each accepted node's token at its parent's row (the
+    primary's), then the bonus token at the row where the path ends: the primary's value when it is
+    that row's argmax (greedy), else the validator's (Validation.bonus_logprob, from the same fp32
+    row), with the row's alternatives. E.g. accepted nodes (0, 2): [node 0, node 2, bonus at row 3]."""
     last_row = v.accepted_nodes[-1] + 1 if v.accepted_nodes else 0
-    bonus = verified.row_logprobs[last_row]
-    assert bonus.token_id == v.bonus_token, (bonus.token_id, v.bonus_token)  # greedy: the row's argmax
+    row = verified.row_logprobs[last_row]
+    if row.token_id == v.bonus_token:
+        bonus = row
+    else:
+        assert v.bonus_logprob is not None  # a drawn bonus token: the validator scored it
+        bonus = TokenLogprob(v.bonus_token, v.bonus_logprob, row.top)
     return [verified.node_logprobs[i] for i in v.accepted_nodes] + [bonus]
 
 
@@ -517,11 +523,6 @@ class RequestLoop:
             else self.controller.plan(self._controller_state(), self._known_coverage())
         )
         is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
-        if plan.is_speculative and not is_greedy and self.params.logprobs is not None:
-            # The primary scores the tokens of a step on its own rows: a tree's nodes and the argmax of
-            # each row. A token the validator draws (sampling, lossy threshold) may be neither, so such
-            # a request decodes plainly and the primary scores the token it samples.
-            return SpeculationPlan()
         if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
@@ -585,6 +586,8 @@ class RequestLoop:
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
         t1 = time.perf_counter()
         fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
+        if self._is_bonus_scored():
+            fmt = FORMAT_FP32  # the validator scores the token it draws: from the primary's own fp32 rows
         verified = await self._with_primary(
             lambda: self.backends.verify(
                 self.request_id,
@@ -679,6 +682,7 @@ class RequestLoop:
                         tree,
                         verified,
                         allowed,
+                        **({"is_bonus_scored": True} if self._is_bonus_scored() else {}),
                     ),
                     self._remaining_s(),
                 )
@@ -1086,6 +1090,11 @@ class RequestLoop:
         prefill (not a recovery's), when it asks."""
         scoring = self.params.logprobs
         return {"prompt_logprobs": scoring} if is_fresh and scoring is not None and scoring.is_prompt_included else {}
+
+    def _is_bonus_scored(self) -> bool:
+        """The validator draws a step's last token (sampling, lossy threshold) and the request asks for
+        log probabilities: it returns that token's, which the primary's rows may not name."""
+        return self.params.logprobs is not None and self.acceptance_mode != AcceptanceMode.GREEDY
 
     def _logprobs_request(self) -> dict[str, Any]:
         """The primary calls' argument asking for the tokens' log probabilities, only when the request

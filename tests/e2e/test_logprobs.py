@@ -22,7 +22,7 @@ import torch
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.launcher import Stack, StackConfig
-from specdec.v1 import gateway_pb2, gateway_pb2_grpc, logprobs_pb2
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, logprobs_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -115,6 +115,27 @@ def test_logprobs_equal_a_direct_in_process_computation(stub, fp32_model):
         top = torch.topk(row, NUM_TOP)
         assert [t.logprob for t in value.top_logprobs] == pytest.approx(top.values.tolist(), abs=TOLERANCE)
     assert len(scored) == len(prompt_ids) - 1 + len(output)
+
+
+def test_sampled_tokens_with_speculation_get_their_raw_distributions_logprobs(stub, fp32_model):
+    """The validator draws a sampled step's last token; its value (from the same fp32 row) and the
+    primary's of the accepted drafts are those of the raw distribution, not the tempered one."""
+    request = gateway_pb2.GenerateRequest(
+        prompt=PROMPT,
+        max_new_tokens=24,
+        sampling=common_pb2.SamplingParams(temperature=0.7, seed=11),
+        logprobs=logprobs_pb2.LogprobsOptions(num_top_logprobs=NUM_TOP),
+        speculation=gateway_pb2.SpeculationConfig(is_enabled=True, is_adaptive=False),
+    )
+    answer = stub.Generate(request, timeout=600)
+    assert answer.stats.num_proposed_tokens > 0 and answer.stats.num_steps < len(answer.token_ids)
+    prompt_ids = list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
+    output = list(answer.token_ids)
+    reference = _reference_log_probs(fp32_model.model, prompt_ids + output)[len(prompt_ids) - 1 :]
+    assert [x.token_id for x in answer.logprobs] == output
+    for row, value in zip(reference, answer.logprobs):
+        assert value.logprob == pytest.approx(float(row[value.token_id]), abs=TOLERANCE)
+        assert [t.token_id for t in value.top_logprobs][:1] == [int(row.argmax())]
 
 
 def test_a_streams_logprobs_are_the_whole_answers(stub):
