@@ -3,7 +3,7 @@
 1,500-1,900 tokens from specbench/prose/code, 256 new tokens (bench/scenarios.py), e.g.
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
-python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools} [ARGS...]: one component benchmark
+python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs} [ARGS...]: one component benchmark
 (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
@@ -17,6 +17,7 @@ python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools} [AR
     load       N clients for a bounded time: req/s, tok/s, TTFT, ITL, errors, RSS (bench/load.py);
                --chaos: the soak with a dependency stopped or killed every minute (bench/chaos_run.py)
     tools      forced tool calls with speculation on and off: tok/s, steps, forced tokens (bench/tools.py)
+    logprobs   tok/s with and without logprobs, speculation on/off; prompt scoring (bench/logprobs.py)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "http", "load", "tools")
+BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "http", "load", "tools", "logprobs")
 
 
 def main() -> None:

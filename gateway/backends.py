@@ -19,6 +19,7 @@ from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import node_depths
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.compiler import ResponseFormat
+from specdec.logprobs import LogprobsRequest, TokenLogprob
 from specdec.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -108,6 +109,7 @@ class Prefilled:
     num_cached_prompt_tokens: int  # prompt tokens whose KV rows came from the primary's prefix cache
     kv_lease: str = ""  # the primary's new lease on the slot: stored, so that a successor gateway holds it too
     features: Any = None  # common_pb2.Features of the last prefilled row (return_features), or None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (prefill's prompt_logprobs)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +120,9 @@ class Verified:
     lookahead_argmax_token_ids: tuple[int, ...] = ()
     other_step_rows: int = 0  # other requests' rows in the primary's engine step that ran it (the load)
     features: Any = None  # common_pb2.Features of the N+1 logits rows (return_features), or None
+    # With logprobs asked: node i's token at its parent's row [N]; row r's argmax (a greedy bonus) [N+1]
+    node_logprobs: tuple[TokenLogprob, ...] = ()
+    row_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,6 +131,7 @@ class Decoded:
     forward_ms: float
     other_step_rows: int = 0  # as Verified.other_step_rows
     token_ids: tuple[int, ...] = ()  # every token of the call, in order (DecodeRequest.max_tokens)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of the call, when asked
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,12 +140,21 @@ class Validation:
     bonus_token: int
     accepted_entropies: tuple[float, ...]
     rejected_entropies: tuple[float, ...]
+    bonus_logprob: float | None = None  # asked of the validator (is_bonus_scored): the bonus token's raw logprob
 
 
 def features_of_rows(features: Any, rows: Sequence[int]) -> Any:
     """Rows `rows` of a Verified's or Prefilled's features, for a Propose: inline rows are sliced (only
     they travel on), a shared-memory handle goes on naming them (Features.rows)."""
     return pb.select_feature_rows(features, rows)
+
+
+def _logprobs_pb(request: LogprobsRequest | None) -> Any:
+    return None if request is None else pb.logprobs_request_to_pb(request)
+
+
+def _logprobs(values: Sequence[Any]) -> tuple[TokenLogprob, ...]:
+    return tuple(pb.token_logprob_from_pb(v) for v in values)
 
 
 def _mask(allowed: TokenBitmask | None) -> common_pb2.TokenMask | None:
@@ -237,7 +252,13 @@ class Backends:
         )
 
     async def prefill(
-        self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0, *, return_features: bool = False
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_prompt_tokens: int = 0,
+        *,
+        return_features: bool = False,
+        prompt_logprobs: LogprobsRequest | None = None,
     ) -> Prefilled:
         """`num_prompt_tokens`: how many of `token_ids` are the prompt (a recovery sends the generated
         tokens after it). The lease this gateway holds on the request, if any, goes with it: the
@@ -252,11 +273,16 @@ class Backends:
                 num_prompt_tokens=num_prompt_tokens,
                 kv_lease=self._kv_leases.get(request_id, ""),
                 return_features=return_features,
+                prompt_logprobs=_logprobs_pb(prompt_logprobs),
             ),
         )
         self._kv_leases[request_id] = r.kv_lease
         return Prefilled(
-            r.time_ms, r.num_cached_prompt_tokens, r.kv_lease, r.features if r.HasField("features") else None
+            r.time_ms,
+            r.num_cached_prompt_tokens,
+            r.kv_lease,
+            r.features if r.HasField("features") else None,
+            _logprobs(r.prompt_logprobs),
         )
 
     def adopt_kv_lease(self, request_id: str, kv_lease: str) -> None:
@@ -274,6 +300,7 @@ class Backends:
         allowed: TokenBitmask | None = None,
         *,
         return_features: bool = False,
+        logprobs: LogprobsRequest | None = None,
     ) -> Verified:
         """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None. `return_features`: the
         rows' features come back (Verified.features), beside the logits in shared memory when those are."""
@@ -291,6 +318,7 @@ class Backends:
                 allowed_tokens=_mask(allowed),
                 kv_lease=self._kv_leases.get(request_id, ""),
                 return_features=return_features,
+                logprobs=_logprobs_pb(logprobs),
             ),
         )
         own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's
@@ -302,6 +330,8 @@ class Backends:
             tuple(r.lookahead_argmax_token_ids),
             self.other_step_rows,
             r.features if r.HasField("features") else None,
+            _logprobs(r.node_logprobs),
+            _logprobs(r.row_logprobs),
         )
 
     async def decode(
@@ -316,6 +346,7 @@ class Backends:
         max_tokens: int = 1,
         stop_token_ids: Sequence[int] = (),
         response_format: ResponseFormat | None = None,
+        logprobs: LogprobsRequest | None = None,
     ) -> Decoded:
         """`max_tokens` > 1 (greedy, no `allowed`): a run of plain steps in one call, ending early after
         a token of `stop_token_ids`; the primary commits every token of it but the last. With
@@ -335,10 +366,11 @@ class Backends:
                 max_tokens=max_tokens,
                 stop_token_ids=stop_token_ids,
                 response_format=None if response_format is None else pb.response_format_to_pb(response_format),
+                logprobs=_logprobs_pb(logprobs),
             ),
         )
         self.other_step_rows = max(0, r.num_step_rows - 1)
-        return Decoded(r.token_id, r.forward_ms, self.other_step_rows, tuple(r.token_ids))
+        return Decoded(r.token_id, r.forward_ms, self.other_step_rows, tuple(r.token_ids), _logprobs(r.logprobs))
 
     async def release_primary(self, request_id: str) -> None:
         release = primary_pb2.PrimaryServiceReleaseRequest(
@@ -426,6 +458,7 @@ class Backends:
         tree: DraftTree,
         verified: Verified,
         allowed: TokenBitmask | None = None,
+        is_bonus_scored: bool = False,
     ) -> Validation:
         r = await self._call(
             "validator",
@@ -440,8 +473,13 @@ class Backends:
                 target_logits=verified.logits,
                 target_argmax_token_ids=verified.argmax_token_ids,
                 allowed_tokens=_mask(allowed),
+                return_bonus_logprob=is_bonus_scored,
             ),
         )
         return Validation(
-            tuple(r.accepted_nodes), r.bonus_token, tuple(r.accepted_entropies), tuple(r.rejected_entropies)
+            tuple(r.accepted_nodes),
+            r.bonus_token,
+            tuple(r.accepted_entropies),
+            tuple(r.rejected_entropies),
+            r.bonus_logprob if is_bonus_scored else None,
         )

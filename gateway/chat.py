@@ -47,6 +47,8 @@ class PromptEncoder:
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def encode(self, params: GenerationParams) -> list[int]:
+        if params.prompt_token_ids is not None:  # tokenized by the caller: used as is
+            return list(params.prompt_token_ids)
         if params.messages is None:
             return self.tokenizer.encode(params.prompt_text(self.tokenizer))
         self._check_tool_texts(params)

@@ -19,6 +19,7 @@ from specdec import pb
 from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import JSON_SCHEMA, SCHEMA_FIELD, ResponseFormat, check_schema_text
+from specdec.logprobs import LogprobsRequest
 from specdec.sampling import SamplingParams
 from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
@@ -50,6 +51,8 @@ class GenerationParams:
     speculation: SpeculationParams
     response_format: ResponseFormat | None = None  # None: free text (or a forced tool call's schema)
     tools: ToolSpec = ToolSpec()
+    prompt_token_ids: tuple[int, ...] | None = None  # a tokenized prompt (then prompt and messages are None)
+    logprobs: LogprobsRequest | None = None  # None: no log probabilities
 
     @property
     def has_schema(self) -> bool:
@@ -57,6 +60,8 @@ class GenerationParams:
         return self.response_format is not None
 
     def prompt_text(self, tokenizer: Any) -> str:
+        if self.prompt_token_ids is not None:
+            return tokenizer.decode(self.prompt_token_ids)
         if self.messages is None:
             assert self.prompt is not None  # a request has a prompt or messages (_input_from_pb)
             return self.prompt
@@ -71,7 +76,7 @@ def params_from_pb(
 ) -> GenerationParams:
     """The request's checked parameters; `offered`: the draft pool's strategies (None: unknown), which
     decide the defaults of a request that names none (default_strategies)."""
-    prompt, messages = _input_from_pb(req, limits)
+    prompt, messages, prompt_token_ids = _input_from_pb(req, limits)
     if req.HasField("max_new_tokens"):
         max_new_tokens = req.max_new_tokens
         if not 1 <= max_new_tokens <= limits.max_new_tokens:
@@ -91,8 +96,18 @@ def params_from_pb(
     speculation = _speculation_from_pb(
         req.speculation, limits, defaults, is_structured=response_format is not None, offered=offered
     )
+    logprobs = pb.logprobs_request_from_pb(req.logprobs) if req.HasField("logprobs") else None
     return GenerationParams(
-        prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation, response_format, tools
+        prompt,
+        messages,
+        max_new_tokens,
+        tuple(req.stop),
+        sampling,
+        speculation,
+        response_format,
+        tools=tools,
+        prompt_token_ids=prompt_token_ids,
+        logprobs=logprobs,
     )
 
 
@@ -132,7 +147,12 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
             raise InvalidArgument("prompt", "must not be empty")
         if len(req.prompt) > limits.max_prompt_chars:
             raise InvalidArgument("prompt", f"longer than {limits.max_prompt_chars} characters")
-        return req.prompt, None
+        return req.prompt, None, None
+    if which == "token_ids":
+        # the ids' range is the vocabulary's, which the server checks (GenerationServicer._prepare)
+        if not req.token_ids.ids:
+            raise InvalidArgument("token_ids.ids", "must not be empty")
+        return None, None, tuple(req.token_ids.ids)
     messages = req.chat.messages
     if not messages:
         raise InvalidArgument("chat.messages", "must not be empty")
@@ -144,7 +164,7 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
     turns = tuple(_turn_from_pb(m, f"chat.messages[{i}]") for i, m in enumerate(messages))
     if not any(t.content.strip() or t.tool_calls for t in turns):
         raise InvalidArgument("chat.messages", "every message is empty")
-    return None, turns
+    return None, turns, None
 
 
 def _turn_from_pb(m: gateway_pb2.ChatMessage, field: str) -> ChatTurn:

@@ -46,6 +46,7 @@ from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
 from gateway.tool_calls import Piece, read_answer, reader_for
+from gateway.tokenization import Tokenization
 from specdec import pb
 from specdec.errors import (
     AlreadyExists,
@@ -58,6 +59,7 @@ from specdec.errors import (
 )
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
+from specdec.logprobs import TokenLogprob
 from specdec.metrics import ServiceMetrics
 from specdec.request_id import TENANT_SEPARATOR, tenant_of
 from specdec.service.api_keys import ApiKeys
@@ -140,6 +142,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         self.max_state_retry_s = config.max_state_retry_s  # a write waits this long for the store to answer
         self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
         self.prompt_encoder = PromptEncoder(tokenizer)
+        self.tokenization = Tokenization(tokenizer, self.prompt_encoder, model.vocab_size)
         # Whether the validator and the draft service answer, for all requests (gateway.dependencies).
         self.validator_state, self.draft_state = (
             DependencyState(name, on_change=self._availability_recorder(name)) for name in ("validator", "draft")
@@ -188,6 +191,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             token_ids=o.token_ids,
             finish_reason=FINISH_REASONS[o.finish_reason],
             stats=o.stats.to_pb(),
+            logprobs=self._logprobs_pb(o.logprobs),
+            prompt_logprobs=self._logprobs_pb(o.prompt_logprobs),
         )
         if loop.params.tools.is_parsed:
             content, calls = read_answer(loop.params.tools, o.text)
@@ -200,22 +205,63 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         client_id, loop, ticket = await self._start(request, context)
         reader = reader_for(loop.params.tools) if loop.params.tools.is_parsed else None
         num_calls = 0
+        is_prompt_sent = False  # the prompt's log probabilities ride on the first message
         async with contextlib.aclosing(self._run(loop, client_id, ticket)) as steps:
             async for out in steps:
                 message = gateway_pb2.GenerateStreamResponse(
-                    request_id=client_id, text=out.text, token_ids=out.token_ids
+                    request_id=client_id,
+                    text=out.text,
+                    token_ids=out.token_ids,
+                    logprobs=self._logprobs_pb(out.logprobs),
+                    prompt_logprobs=[] if is_prompt_sent else self._logprobs_pb(loop.prompt_logprobs),
                 )
+                is_prompt_sent = True
                 if reader is not None:
                     num_calls += _add_piece(message, reader.add(out.text))
                 yield message
         o = loop.outcome
         final = gateway_pb2.GenerateStreamResponse(
-            request_id=client_id, is_final=True, finish_reason=FINISH_REASONS[o.finish_reason], stats=o.stats.to_pb()
+            request_id=client_id,
+            is_final=True,
+            finish_reason=FINISH_REASONS[o.finish_reason],
+            stats=o.stats.to_pb(),
+            prompt_logprobs=[] if is_prompt_sent else self._logprobs_pb(o.prompt_logprobs),
         )
         if reader is not None:
             num_calls += _add_piece(final, reader.finish())
             final.finish_reason = _with_tool_calls(final.finish_reason, num_calls > 0)
         yield final
+
+    async def Tokenize(self, request, context):
+        self._tenant(context)  # a valid key, as Generate asks
+        which = request.WhichOneof("input")
+        as_generate = gateway_pb2.GenerateRequest()
+        if which == "prompt":
+            as_generate.prompt = request.prompt
+        elif which == "chat":
+            as_generate.chat.CopyFrom(request.chat)
+        params = params_from_pb(as_generate, self.config.limits, self.config.speculation)
+        ids, texts = await _in_thread(self.tokenization.encode, params)
+        return gateway_pb2.TokenizeResponse(token_ids=ids, token_texts=texts, max_model_len=self.model.max_context)
+
+    async def Detokenize(self, request, context):
+        self._tenant(context)
+        text = await _in_thread(self.tokenization.decode, list(request.token_ids))
+        return gateway_pb2.DetokenizeResponse(text=text)
+
+    async def DescribeModel(self, request, context):
+        self._tenant(context)
+        d = self.tokenization.describe(self.model.max_context, self.model.eos_token_ids)
+        return gateway_pb2.DescribeModelResponse(
+            max_model_len=d.max_model_len,
+            vocab_size=d.vocab_size,
+            eos_token_ids=d.eos_token_ids,
+            special_tokens=d.special_tokens,
+            chat_template=d.chat_template,
+        )
+
+    def _logprobs_pb(self, values: Sequence[TokenLogprob]) -> list:
+        return [pb.token_logprob_to_pb(v, self.tokenization.token_text) for v in values]
 
     async def Cancel(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))
@@ -343,7 +389,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         if params.speculation.is_enabled and offered is not None:
             check_offered(request.speculation.strategies, offered)
         prompt_ids = self.prompt_encoder.encode(params)
-        field = "prompt" if params.messages is None else "chat.messages"
+        field = request.WhichOneof("input")
+        field = {"chat": "chat.messages", "token_ids": "token_ids.ids"}.get(field, field)
+        if params.prompt_token_ids is not None:
+            self.tokenization.check_ids("token_ids.ids", prompt_ids)
         if not prompt_ids:
             raise InvalidArgument(field, "the prompt encodes to no tokens")
         if len(prompt_ids) >= self.model.max_context - 1:

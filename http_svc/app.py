@@ -18,7 +18,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -35,6 +35,7 @@ from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, from_rpc_error
 from http_svc.metrics import HttpMetrics
 from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest, parse_body, parse_request
+from http_svc.tokenizer_request import parse_detokenize, parse_tokenize
 from http_svc.openai_response import ChunkWriter, completion, error_event
 from specdec.errors import Unauthenticated
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -50,6 +51,10 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+
+class _Cancellable(Protocol):
+    def cancel(self) -> bool: ...
 
 
 class ClientGone(Exception):
@@ -71,6 +76,7 @@ class HttpFront:
         self._channel: grpc.aio.Channel | None = None
         self.stub: gateway_pb2_grpc.GenerationServiceStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
+        self._model_info: gateway_pb2.DescribeModelResponse | None = None
 
     # --- the application ------------------------------------------------------------------------
 
@@ -80,6 +86,9 @@ class HttpFront:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
@@ -120,12 +129,74 @@ class HttpFront:
 
     async def models(self, request: Request) -> Response:
         self._check_key(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [await self._model_card(request)]})
 
     async def model(self, request: Request) -> Response:
         self._check_key(request)
         self._check_model(request.path_params["model"])
-        return JSONResponse(self._model_card())
+        return JSONResponse(await self._model_card(request))
+
+    # --- the tokenizer (vLLM's shapes) --------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        """{"prompt": str} or {"messages": [...]} -> {"count", "max_model_len", "tokens", "token_strs"}."""
+        self._check_key(request)
+        body = parse_body(await self._body(request))
+        tokenize, is_returning_strs = parse_tokenize(body)
+        if body.get("model") is not None:
+            self._check_model(body["model"])
+        answer = await self._gateway_call(request, "Tokenize", tokenize, {"chat.messages": "messages"})
+        return JSONResponse(
+            {
+                "count": len(answer.token_ids),
+                "max_model_len": answer.max_model_len,
+                "tokens": list(answer.token_ids),
+                "token_strs": list(answer.token_texts) if is_returning_strs else None,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """{"tokens": [ids]} -> {"prompt": str}."""
+        self._check_key(request)
+        body = parse_body(await self._body(request))
+        detokenize = parse_detokenize(body)
+        if body.get("model") is not None:
+            self._check_model(body["model"])
+        answer = await self._gateway_call(request, "Detokenize", detokenize, {"token_ids": "tokens"})
+        return JSONResponse({"prompt": answer.text})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        """The tokenizer's special tokens, chat template and context length (what lm-eval-harness's
+        remote tokenizer reads)."""
+        self._check_key(request)
+        info = await self._describe_model(request)
+        return JSONResponse(
+            {
+                **dict(info.special_tokens),
+                "chat_template": info.chat_template or None,
+                "model_max_length": info.max_model_len,
+                "vocab_size": info.vocab_size,
+                "eos_token_ids": list(info.eos_token_ids),
+            }
+        )
+
+    async def _gateway_call(self, request: Request, method: str, message: Any, aliases: dict[str, str]) -> Any:
+        assert self.stub is not None  # the lifespan connects before any request is served
+        call = getattr(self.stub, method)(
+            message, metadata=self._metadata(request), timeout=self.config.request_timeout_s
+        )
+        try:
+            return await call
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, aliases, self.config.default_retry_after_s) from None
+
+    async def _describe_model(self, request: Request) -> gateway_pb2.DescribeModelResponse:
+        """The served model's description, asked of the gateway once (it does not change)."""
+        if self._model_info is None:
+            self._model_info = await self._gateway_call(
+                request, "DescribeModel", gateway_pb2.DescribeModelRequest(), {}
+            )
+        return self._model_info
 
     async def health(self, _request: Request) -> Response:
         """200 when the gateway reports SERVING (grpc.health.v1), else 503: what a probe needs."""
@@ -159,15 +230,15 @@ class HttpFront:
             response_id = f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
             parsed.request.request_id = response_id
             call_args = {"metadata": self._metadata(request), "timeout": self.config.request_timeout_s}
+            echo_texts = await self._echo_texts(request, parsed)
             if parsed.is_stream:
-                response = await self._stream(request, parsed, response_id, call_args, started)
+                response = await self._stream(request, parsed, response_id, call_args, started, echo_texts[0])
             else:
-                assert self.stub is not None  # the lifespan connects before any request is served
-                call = self.stub.Generate(parsed.request, **call_args)
-                answer = await self._unless_gone(request, call, call)
-                self._count_tokens(answer.stats)
+                answers = await self._answers(request, parsed, response_id, call_args)
+                for answer in answers:
+                    self._count_tokens(answer.stats)
                 response = JSONResponse(
-                    completion(parsed, response_id, int(time.time()), self.config.model_name, answer),
+                    completion(parsed, response_id, int(time.time()), self.config.model_name, answers, echo_texts),
                     headers={REQUEST_ID_HEADER: response_id},
                 )
             status = response.status_code
@@ -195,8 +266,42 @@ class HttpFront:
             if not (status == 200 and is_stream):  # a stream's time is observed at its end
                 self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
+    async def _answers(
+        self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict
+    ) -> list[gateway_pb2.GenerateResponse]:
+        """Every prompt's answer, its requests run side by side (ids `<response id>-<index>` when
+        there are several); one that fails fails the whole (the others are cancelled)."""
+        assert self.stub is not None  # the lifespan connects before any request is served
+        if len(parsed.requests) > 1:
+            for i, r in enumerate(parsed.requests):
+                r.request_id = f"{response_id}-{i}"
+        calls = [self.stub.Generate(r, **call_args) for r in parsed.requests]
+        everything = asyncio.gather(*calls)
+        try:
+            return await self._unless_gone(request, everything, _Calls(calls))
+        except BaseException:
+            for call in calls:
+                call.cancel()
+            raise
+
+    async def _echo_texts(self, request: Request, parsed: ParsedRequest) -> list[str]:
+        """With `echo`, each prompt's text (token ids decoded by the gateway); else empty strings."""
+        if not parsed.is_echo:
+            return [""] * len(parsed.requests)
+        texts = []
+        for i, r in enumerate(parsed.requests):
+            if r.WhichOneof("input") == "prompt":
+                texts.append(r.prompt)
+                continue
+            param = "prompt" if len(parsed.requests) == 1 else f"prompt[{i}]"
+            answer = await self._gateway_call(
+                request, "Detokenize", gateway_pb2.DetokenizeRequest(token_ids=r.token_ids.ids), {"token_ids": param}
+            )
+            texts.append(answer.text)
+        return texts
+
     async def _stream(
-        self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict, started: float
+        self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict, started: float, echo_text: str
     ) -> Response:
         """The first message is awaited before the status line, so that a refused request (bad
         parameter, no capacity) still gets its HTTP status; later failures become an error event."""
@@ -209,7 +314,7 @@ class HttpFront:
             raise
         if first is grpc.aio.EOF:
             raise ApiError(502, "the gateway ended the stream without an answer", "server_error")
-        writer = ChunkWriter(parsed, response_id, int(time.time()), self.config.model_name)
+        writer = ChunkWriter(parsed, response_id, int(time.time()), self.config.model_name, echo_text)
         endpoint = ENDPOINTS[parsed.kind]
         self.metrics.first_event.labels(endpoint).observe(time.perf_counter() - started)
         return _CallStreamingResponse(
@@ -246,7 +351,7 @@ class HttpFront:
             self.metrics.active.dec()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
-    async def _unless_gone(self, request: Request, awaitable: Awaitable[Any], call: grpc.aio.Call) -> Any:
+    async def _unless_gone(self, request: Request, awaitable: Awaitable[Any], call: _Cancellable) -> Any:
         """awaitable's result; ClientGone (and the call cancelled) if the client disconnects first."""
         answer = asyncio.ensure_future(awaitable)
         gone = asyncio.ensure_future(_disconnected(request))
@@ -283,8 +388,16 @@ class HttpFront:
                 code="model_not_found",
             )
 
-    def _model_card(self) -> dict:
-        return {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}
+    async def _model_card(self, request: Request) -> dict:
+        """The model's card; `max_model_len` from the gateway, left out while it cannot be reached (the
+        list still answers: a front's probe may read it before its gateway is up)."""
+        card = {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}
+        try:
+            card["max_model_len"] = (await self._describe_model(request)).max_model_len
+        except ApiError as e:
+            if e.status < 500:  # the caller's own fault (a key the gateway refuses): theirs to hear
+                raise
+        return card
 
     @staticmethod
     def _metadata(request: Request) -> tuple[tuple[str, str], ...]:
@@ -309,6 +422,16 @@ class HttpFront:
     def _count_tokens(self, stats: gateway_pb2.GenerationStats) -> None:
         self.metrics.tokens.labels("prompt").inc(stats.num_prompt_tokens)
         self.metrics.tokens.labels("completion").inc(stats.num_generated_tokens)
+
+
+class _Calls:
+    """Several calls cancelled as one (what _unless_gone cancels when the client goes away)."""
+
+    def __init__(self, calls: list[grpc.aio.UnaryUnaryCall]) -> None:
+        self.calls = calls
+
+    def cancel(self) -> bool:
+        return all([call.cancel() for call in self.calls])
 
 
 class _CallStreamingResponse(StreamingResponse):

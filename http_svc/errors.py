@@ -52,6 +52,7 @@ _PARAM_BY_FIELD = {
     "sampling.seed": "seed",
     "stop": "stop",
     "prompt": "prompt",
+    "token_ids.ids": "prompt",
     "chat.messages": "messages",
     "response_format.type": "response_format.type",
     "response_format.json_schema": "response_format.json_schema.schema",

@@ -2,10 +2,16 @@
 
 Only the HTTP shape is checked here: types, the OpenAI spellings, what the protobuf can hold
 (a negative seed cannot be a uint64), and OpenAI features this service does not have (n > 1,
-the legacy `functions`, logprobs, penalties), each a 400 naming the parameter; tools' shapes in
+the legacy `functions`, penalties), each a 400 naming the parameter; tools' shapes in
 http_svc.openai_tools. Whether a value is in range (a temperature, a stop list, a schema, a
 strategy, a tool's name) is the gateway's to say, once for every client: its INVALID_ARGUMENT
 comes back as a 400 naming the same parameter (http_svc.errors).
+
+Log probabilities: chat's `logprobs: bool` + `top_logprobs: 0..20`; completions' `logprobs:
+0..5` (the legacy shape) and `echo: true` (the prompt's text and, with logprobs, its tokens' log
+probabilities before the completion's; its first token has none). A completion's `prompt` may be a
+string, token ids, or a list of either (up to MAX_PROMPTS): each prompt is a request of its own,
+its answer the choice of that index (not with `stream`).
 
 Speculation settings ride as extra body fields (the OpenAI SDKs send them with `extra_body`):
 
@@ -29,19 +35,20 @@ CHAT, COMPLETION = "chat", "completion"
 # OpenAI's default temperature when a request gives none (the gRPC API's default is greedy).
 DEFAULT_TEMPERATURE = 1.0
 MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
+MAX_INT32 = (1 << 31) - 1
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
+MAX_PROMPTS = 64  # prompts one completions request may batch (each runs as a request of its own)
 # "developer" is OpenAI's newer name for the system turn.
 _ROLE_ALIASES = {"developer": "system"}
 # OpenAI parameters this service does not implement: refused unless given their neutral value.
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -61,12 +68,20 @@ _RESPONSE_FORMATS = {
 class ParsedRequest:
     kind: str  # CHAT or COMPLETION
     model: str
-    request: gateway_pb2.GenerateRequest
+    requests: tuple[gateway_pb2.GenerateRequest, ...]  # one per prompt: choice i answers requests[i]
     is_stream: bool
     is_usage_streamed: bool  # stream_options.include_usage: a last chunk with the usage
     is_returning_token_ids: bool  # extra field return_token_ids: each choice carries its token ids
     # Gateway fields whose OpenAI name depends on the request: {"max_new_tokens": "max_tokens"}.
     param_aliases: dict[str, str]
+    is_logprobs: bool = False  # the answer carries log probabilities (chat: content; completions: legacy)
+    num_top_logprobs: int = 0  # alternatives per token
+    is_echo: bool = False  # completions: the prompt comes first in the text (and in the logprobs)
+
+    @property
+    def request(self) -> gateway_pb2.GenerateRequest:
+        """The first (for chat, the only) request."""
+        return self.requests[0]
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -144,8 +159,6 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     request = gateway_pb2.GenerateRequest()
     if kind == CHAT:
         _set_messages(request, data.get("messages"))
-    else:
-        request.prompt = _prompt(data.get("prompt"))
     aliases = {}
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are given
         if data.get(name) is not None:
@@ -166,15 +179,46 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     include_usage = _boolean((options or {}).get("include_usage"), "stream_options.include_usage", False)
     if options is not None and not is_stream:
         raise bad_request("stream_options", "is only allowed when stream is true")
+    is_logprobs, num_top = _logprobs(data, kind)
+    is_echo = kind == COMPLETION and _boolean(data.get("echo"), "echo", False)
+    if is_logprobs:
+        aliases["logprobs.num_top_logprobs"] = "top_logprobs" if kind == CHAT else "logprobs"
+        request.logprobs.num_top_logprobs = num_top
+        request.logprobs.include_prompt = is_echo
+    requests = (request,) if kind == CHAT else _prompt_requests(request, data.get("prompt"))
+    if len(requests) > 1 and is_stream:
+        raise bad_request("prompt", "several prompts cannot be streamed: send one request per prompt")
     return ParsedRequest(
         kind,
         model,
-        request,
+        requests,
         is_stream,
         include_usage,
         _boolean(data.get("return_token_ids"), "return_token_ids", False),
         aliases,
+        is_logprobs,
+        num_top,
+        is_echo,
     )
+
+
+def _logprobs(data: dict[str, Any], kind: str) -> tuple[bool, int]:
+    """(log probabilities asked, alternatives per token). Chat: `logprobs` true/false and
+    `top_logprobs` 0..20, which needs `logprobs` true; completions: `logprobs` 0..5 or null."""
+    if kind == COMPLETION:
+        if data.get("top_logprobs") is not None:
+            raise bad_request("top_logprobs", "is a chat completions parameter; completions take logprobs: 0..5")
+        value = data.get("logprobs")
+        if value is None:
+            return False, 0
+        return True, _integer(value, "logprobs", MAX_COMPLETION_LOGPROBS)
+    is_logprobs = _boolean(data.get("logprobs"), "logprobs", False)
+    if data.get("top_logprobs") is None:
+        return is_logprobs, 0
+    num_top = _integer(data["top_logprobs"], "top_logprobs", MAX_TOP_LOGPROBS)
+    if not is_logprobs:
+        raise bad_request("top_logprobs", "needs logprobs: true")
+    return True, num_top
 
 
 def _set_messages(request: gateway_pb2.GenerateRequest, messages: Any) -> None:
@@ -216,14 +260,43 @@ def _content(content: Any, param: str) -> str:
     return "".join(texts)
 
 
-def _prompt(prompt: Any) -> str:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0]
-    if isinstance(prompt, list):
-        raise bad_request("prompt", "must be one string (several prompts or token ids are not supported)")
-    if not isinstance(prompt, str):
-        raise bad_request("prompt", "is required: a string")
-    return prompt
+def _prompt_requests(template: gateway_pb2.GenerateRequest, prompt: Any) -> tuple[gateway_pb2.GenerateRequest, ...]:
+    """One request per prompt: a string, token ids, or a non-empty list of strings or of token id
+    lists. E.g. "a" -> 1; [1, 2] -> 1 (ids); ["a", "b"] -> 2; [[1, 2], [3]] -> 2."""
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise bad_request("prompt", "is required: a string, token ids, or a non-empty array of either")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    requests = []
+    for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        request = gateway_pb2.GenerateRequest()
+        request.CopyFrom(template)
+        if isinstance(p, str):
+            request.prompt = p
+        else:
+            request.token_ids.ids.extend(_token_ids(p, param))
+        requests.append(request)
+    return tuple(requests)
+
+
+def _token_ids(value: Any, param: str) -> list[int]:
+    """A non-empty list of token ids (their range is the vocabulary's, which the gateway checks)."""
+    if not isinstance(value, list) or not value:
+        raise bad_request(param, "must be a string or a non-empty array of token ids")
+    for j, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise bad_request(f"{param}[{j}]", f"must be a token id (an integer), got {json.dumps(t)}")
+        if not 0 <= t <= MAX_INT32:
+            raise bad_request(f"{param}[{j}]", f"must be a token id in [0, {MAX_INT32}], got {t}")
+    return value
 
 
 def _stop(stop: Any) -> list[str]:

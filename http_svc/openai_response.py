@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
+from http_svc.openai_logprobs import CompletionLogprobs, chat_logprobs
 from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest
 from specdec.v1 import gateway_pb2
 
@@ -43,37 +45,65 @@ def usage(stats: gateway_pb2.GenerationStats) -> dict:
     }
 
 
+def summed_stats(stats: Sequence[gateway_pb2.GenerationStats]) -> gateway_pb2.GenerationStats:
+    """The counts of several requests (a completions request with several prompts), added up."""
+    if len(stats) == 1:
+        return stats[0]
+    total = gateway_pb2.GenerationStats()
+    for s in stats:
+        total.num_prompt_tokens += s.num_prompt_tokens
+        total.num_generated_tokens += s.num_generated_tokens
+        total.num_cached_prompt_tokens += s.num_cached_prompt_tokens
+        total.num_proposed_tokens += s.num_proposed_tokens
+        total.num_accepted_tokens += s.num_accepted_tokens
+        total.num_steps += s.num_steps
+    total.acceptance_rate = total.num_accepted_tokens / total.num_proposed_tokens if total.num_proposed_tokens else 0.0
+    total.mean_accepted_length = total.num_generated_tokens / total.num_steps if total.num_steps else 0.0
+    return total
+
+
 def finish_reason(value: int) -> str | None:
     return FINISH_REASONS.get(value)
 
 
 def completion(
-    parsed: ParsedRequest, response_id: str, created: int, model: str, response: gateway_pb2.GenerateResponse
+    parsed: ParsedRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    responses: Sequence[gateway_pb2.GenerateResponse],
+    echo_texts: Sequence[str] = (),
 ) -> dict:
-    """The whole answer of a request without `stream`."""
-    if parsed.kind == CHAT:
-        choice = {
-            "index": 0,
-            "message": _message(response),
-            "logprobs": None,
-            "finish_reason": finish_reason(response.finish_reason),
-        }
-    else:
-        choice = {
-            "index": 0,
-            "text": response.text,
-            "logprobs": None,
-            "finish_reason": finish_reason(response.finish_reason),
-        }
-    if parsed.is_returning_token_ids:
-        choice["token_ids"] = list(response.token_ids)
+    """The whole answer of a request without `stream`: choice i answers parsed.requests[i];
+    `echo_texts`: with `echo`, each prompt's text."""
+    choices = []
+    for i, response in enumerate(responses):
+        if parsed.kind == CHAT:
+            choice = {
+                "index": i,
+                "message": _message(response),
+                "logprobs": chat_logprobs(response.logprobs) if parsed.is_logprobs else None,
+                "finish_reason": finish_reason(response.finish_reason),
+            }
+        else:
+            echo = echo_texts[i] if parsed.is_echo else ""
+            logprobs = [*response.prompt_logprobs, *response.logprobs]
+            choice = {
+                "index": i,
+                "text": echo + response.text,
+                "logprobs": CompletionLogprobs().add(logprobs) if parsed.is_logprobs else None,
+                "finish_reason": finish_reason(response.finish_reason),
+            }
+        if parsed.is_returning_token_ids:
+            choice["token_ids"] = list(response.token_ids)
+        choices.append(choice)
     return {
         "id": response_id,
         "object": OBJECTS[parsed.kind][0],
         "created": created,
         "model": model,
-        "choices": [choice],
-        "usage": usage(response.stats),
+        "choices": choices,
+        "usage": usage(summed_stats([r.stats for r in responses])),
     }
 
 
@@ -112,27 +142,33 @@ class ChunkWriter:
     step, the finish reason on the last choice chunk, with stream_options.include_usage a chunk
     with no choices and the usage (every chunk before it has "usage": null), then `data: [DONE]`."""
 
-    def __init__(self, parsed: ParsedRequest, response_id: str, created: int, model: str) -> None:
+    def __init__(self, parsed: ParsedRequest, response_id: str, created: int, model: str, echo_text: str = "") -> None:
+        """`echo_text`: with `echo`, the prompt's text, the first chunk's."""
         self.parsed, self.head = (
             parsed,
             {"id": response_id, "object": OBJECTS[parsed.kind][1], "created": created, "model": model},
         )
         self._is_role_sent = False
+        self._echo_text: str | None = echo_text if parsed.is_echo else None  # None once sent
+        self._completion_logprobs = CompletionLogprobs()
 
     def step(self, message: gateway_pb2.GenerateStreamResponse) -> bytes:
         """The events of one GenerateStream message (the final one: finish reason, usage, [DONE])."""
         events = []
         if self.parsed.kind == CHAT and not self._is_role_sent:
-            events.append(self._chunk({"role": "assistant", "content": ""}, None, ()))
+            events.append(self._chunk({"role": "assistant", "content": ""}, None, (), ()))
             self._is_role_sent = True
+        if self._echo_text is not None:
+            events.append(self._chunk(self._delta(self._echo_text), None, (), message.prompt_logprobs))
+            self._echo_text = None
         if message.HasField("content"):  # a request with tools: content and calls apart
             events += self._tool_events(message)
         elif message.text or message.token_ids:
-            events.append(self._chunk(self._delta(message.text), None, message.token_ids))
+            events.append(self._chunk(self._delta(message.text), None, message.token_ids, message.logprobs))
         if message.is_final:
             events.append(
                 self._chunk(
-                    {} if self.parsed.kind == CHAT else self._delta(""), finish_reason(message.finish_reason), ()
+                    {} if self.parsed.kind == CHAT else self._delta(""), finish_reason(message.finish_reason), (), ()
                 )
             )
             if self.parsed.is_usage_streamed:
@@ -147,16 +183,25 @@ class ChunkWriter:
         deltas: list[dict] = [{"tool_calls": [_tool_call_delta(d)]} for d in message.tool_calls]
         if message.content or (self.parsed.is_returning_token_ids and message.token_ids and not deltas):
             deltas.insert(0, {"content": message.content})
-        return [self._chunk(delta, None, message.token_ids if i == 0 else ()) for i, delta in enumerate(deltas)]
+        return [
+            self._chunk(delta, None, message.token_ids if i == 0 else (), message.logprobs if i == 0 else ())
+            for i, delta in enumerate(deltas)
+        ]
 
     def _delta(self, text: str) -> dict:
         return {"content": text} if self.parsed.kind == CHAT else {"text": text}
 
-    def _chunk(self, delta: dict, reason: str | None, token_ids) -> bytes:
+    def _logprobs(self, values) -> dict | None:
+        """A chunk's log probabilities: of its tokens (none on a chunk without tokens)."""
+        if not self.parsed.is_logprobs or not values:
+            return None
+        return chat_logprobs(values) if self.parsed.kind == CHAT else self._completion_logprobs.add(values)
+
+    def _chunk(self, delta: dict, reason: str | None, token_ids, logprobs) -> bytes:
         if self.parsed.kind == CHAT:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
         else:
-            choice = {"index": 0, **delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, **delta, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
         if self.parsed.is_returning_token_ids:
             choice["token_ids"] = list(token_ids)
         chunk = {**self.head, "choices": [choice]}

@@ -27,6 +27,7 @@ from specdec.grammar import GrammarState
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
+from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.metrics import ServiceMetrics
 from specdec.sampling import logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
@@ -106,8 +107,19 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             raise InvalidArgument(
                 "num_prompt_tokens", f"is {request.num_prompt_tokens}, more than the {len(token_ids)} token_ids"
             )
+        prompt_logprobs = (
+            pb.logprobs_request_from_pb(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None
+        )
         start = time.perf_counter()
         features: list[torch.Tensor] | None = [] if request.return_features else None
+        # The prompt's log probabilities first, in a forward of their own on the engine thread: one that
+        # fails (no KV room) leaves nothing opened.
+        prompt = token_ids[: request.num_prompt_tokens or len(token_ids)]
+        scored: list[TokenLogprob] = (
+            []
+            if prompt_logprobs is None
+            else self.worker.call(lambda engine: engine.prompt_logprobs(prompt, prompt_logprobs.num_top))
+        )
         # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
         # then runs in chunks between other requests' steps. A re-prefill (recovery) with the request's
         # lease replaces the old state; the lease is checked and granted on the engine thread, like
@@ -132,6 +144,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             kv_lease=lease,
             time_ms=(time.perf_counter() - start) * 1000,
             features=pb.features_to_pb(encode_features(features[0])) if features else None,
+            prompt_logprobs=[pb.token_logprob_to_pb(v) for v in scored],
         )
 
     def Verify(self, request, context):
@@ -143,12 +156,18 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         num_rows = len(token_ids) + 1
         allowed = self._allowed_tokens(request, num_rows)
         features_out: list[torch.Tensor] | None = [] if request.return_features else None
+        logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
+        node_logprobs: list[TokenLogprob] = []
+        row_logprobs: list[TokenLogprob] = []
 
         def finish(logits: torch.Tensor) -> _Verified:  # engine thread
             lookahead_argmax = row_argmax(logits[num_rows:])  # [L], unmasked
             logits = logits[:num_rows]  # [N+1, V]
             # from fp32 logits whatever the wire format; among the grammar's tokens when masked.
             argmax = row_argmax(logits) if allowed is None else allowed.argmax(logits).tolist()
+            if logprobs is not None:  # node i's token at its parent's row (row parent + 1)
+                node_logprobs.extend(token_logprobs(logits[[p + 1 for p in parents]], token_ids, logprobs.num_top))
+                row_logprobs.extend(token_logprobs(logits, argmax, logprobs.num_top))
             num_cached = self.worker.built_engine().num_cached(request_id)  # read here: this pass's, not a later one's
             step_rows = self.worker.step_rows  # likewise
             # the logits rows' features, [N+1, C] (the lookahead rows' are not returned)
@@ -183,6 +202,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             kv_bytes=self.worker.built_engine().kv_bytes,
             num_step_rows=step_rows,
             features=features_pb,
+            node_logprobs=[pb.token_logprob_to_pb(v) for v in node_logprobs],
+            row_logprobs=[pb.token_logprob_to_pb(v) for v in row_logprobs],
         )
 
     def Decode(self, request, context):
@@ -204,9 +225,13 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
         max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None)
         tokens: list[int] = []
+        logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
+        decoded_logprobs: list[TokenLogprob] = []
 
         def finish(logits: torch.Tensor) -> tuple[int, int]:  # on the engine thread
             tokens.append(next_token(logits))
+            if logprobs is not None:  # of the raw row the token was chosen from
+                decoded_logprobs.extend(token_logprobs(logits[:1], tokens[-1:], logprobs.num_top))
             return tokens[-1], self.worker.step_rows
 
         def repeat(result: tuple[int, int]) -> tuple[int] | None:  # on the engine thread, after finish
@@ -222,7 +247,11 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             repeat=repeat if max_tokens > 1 else None,
         )
         return primary_pb2.DecodeResponse(
-            token_id=token, forward_ms=forward_ms, num_step_rows=step_rows, token_ids=tokens
+            token_id=token,
+            forward_ms=forward_ms,
+            num_step_rows=step_rows,
+            token_ids=tokens,
+            logprobs=[pb.token_logprob_to_pb(v) for v in decoded_logprobs],
         )
 
     def _decode_run(self, request, is_greedy_unmasked: bool) -> tuple[int, frozenset[int]]:

@@ -6,7 +6,7 @@ protobuf field, so every service refuses bad input the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -15,12 +15,13 @@ from specdec.engine.tree import TreeError, check_tree
 from specdec.errors import InvalidArgument
 from specdec.features import DTYPES as FEATURE_DTYPES
 from specdec.features import EncodedFeatures, decode_features
+from specdec.logprobs import LogprobsRequest, TokenLogprob
 from specdec.logits_codec import FORMAT_BF16, FORMAT_FP8_E4M3, FORMAT_FP32, EncodedLogits, decode_logits, encode_logits
 from specdec.logits_shm import features_offset, read_features_slot, read_slot
 from specdec.request_id import MAX_REQUEST_ID_CHARS as MAX_REQUEST_ID_CHARS  # the gateway reads it here
 from specdec.request_id import check_request_id
 from specdec.sampling import SamplingParams
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, logprobs_pb2
 
 LOGITS_FORMATS = {
     common_pb2.LOGITS_FORMAT_FP32: FORMAT_FP32,
@@ -258,3 +259,29 @@ def response_format_from_pb(pb: common_pb2.ResponseFormat):
     if pb.type not in kinds:
         raise InvalidArgument("response_format.type", f"unknown response format type {pb.type}")
     return ResponseFormat(kinds[pb.type], pb.json_schema or None)
+
+
+def logprobs_request_from_pb(options: logprobs_pb2.LogprobsOptions) -> LogprobsRequest:
+    """The checked request (InvalidArgument naming the field when out of range)."""
+    return LogprobsRequest(options.num_top_logprobs, options.include_prompt)
+
+
+def logprobs_request_to_pb(request: LogprobsRequest) -> logprobs_pb2.LogprobsOptions:
+    return logprobs_pb2.LogprobsOptions(num_top_logprobs=request.num_top, include_prompt=request.is_prompt_included)
+
+
+def token_logprob_to_pb(value: TokenLogprob, decode: Callable[[int], str] | None = None) -> logprobs_pb2.TokenLogprob:
+    """`decode`: token id -> its text (the gateway's answers carry it), or None."""
+    return logprobs_pb2.TokenLogprob(
+        token_id=value.token_id,
+        logprob=value.logprob,
+        top_logprobs=[
+            logprobs_pb2.TopLogprob(token_id=t, logprob=p, text="" if decode is None else decode(t))
+            for t, p in value.top
+        ],
+        text="" if decode is None else decode(value.token_id),
+    )
+
+
+def token_logprob_from_pb(value: logprobs_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(value.token_id, value.logprob, tuple((t.token_id, t.logprob) for t in value.top_logprobs))

@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from specdec.logits_codec import decode_logits
+from specdec.logprobs import token_logprobs
 from specdec import acceptance_mode, pb
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
@@ -67,12 +69,18 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
             )
         except ValueError as e:
             raise InvalidArgument(str(e).split(" ", 1)[0].rstrip(":"), str(e)) from None
+        bonus_logprob = 0.0
+        if request.return_bonus_logprob:  # the row where the accepted path ends, raw
+            row = result.accepted_nodes[-1] + 1 if len(result.accepted_nodes) else 0
+            rows = decode_logits(logits)[row : row + 1]  # [1, V]
+            bonus_logprob = token_logprobs(rows, [result.bonus_token], 0)[0].logprob
         return validator_pb2.ValidateResponse(
             accepted_nodes=result.accepted_nodes,
             bonus_token=result.bonus_token,
             accepted_entropies=result.accepted_entropies,
             rejected_entropies=result.rejected_entropies,
             time_ms=(time.perf_counter() - start) * 1000,
+            bonus_logprob=bonus_logprob,
         )
 
 

@@ -70,6 +70,7 @@ from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.logits_codec import row_argmax
+from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.model.llama import SequenceSpan, Transformer
 from specdec.request_id import tenant_of
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
@@ -516,6 +517,41 @@ class Engine:
             self.kv_cache.commit(req.kv, req.tree_chain, accepted_nodes)
         req.token_ids.extend(new_token_ids)
         req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
+
+    # --- prompt scoring ----------------------------------------------------------------------
+
+    def prompt_logprobs(self, token_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:
+        """The log probability of tokens 1 .. n-1 of `token_ids`, each given the tokens before it, with
+        `num_top` alternatives (specdec.logprobs): forwards over tokens 0 .. n-2 in chunks of
+        `prefill_chunk_tokens`, in a scratch KV slot released at once, apart from every request's
+        state and the prefix cache. Row i of a chunk's logits predicts the token after its input i.
+
+        E.g. [a, b, c], chunks of 2: one forward over [a, b] -> logits rows predicting b and c."""
+        self.check_token_ids("token_ids", token_ids)
+        n = len(token_ids)
+        if n < 2:
+            return []
+        try:
+            slot = self.kv_cache.allocate(n)
+        except KVBudgetExceeded as e:
+            raise ResourceExhausted("kv_cache", str(e)) from None
+        out: list[TokenLogprob] = []
+        try:
+            for start in range(0, n - 1, self.prefill_chunk_tokens):
+                end = min(n - 1, start + self.prefill_chunk_tokens)
+                rows = end - start
+                mask = tree_geometry.verify_mask(start, rows, ())
+                span = SequenceSpan(0, rows, start, slot.k, slot.v, mask)
+                logits = self.model.forward(
+                    torch.tensor(token_ids[start:end], dtype=torch.int64),
+                    torch.arange(start, end),
+                    [span],
+                    torch.arange(rows),
+                ).cpu()  # [rows, V] fp32
+                out += token_logprobs(logits, token_ids[start + 1 : end + 1], num_top)
+        finally:
+            self.kv_cache.release(slot)
+        return out
 
     # --- plain autoregressive decoding (the baseline) -------------------------------------------
 

@@ -136,7 +136,9 @@ def test_speculation_settings_are_extra_fields() -> None:
         ({"stream": "yes"}, "stream"),
         ({"speculative_decoding": 1}, "speculative_decoding"),
         ({"strategies": [1]}, "strategies"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"user": 5}, "user"),
     ],
@@ -152,8 +154,35 @@ def test_neutral_values_of_unsupported_parameters_pass() -> None:
 
 
 def test_prompts() -> None:
-    for prompt in (None, 5, ["a", "b"], [1, 2]):
-        assert refused({"model": MODEL, "prompt": prompt}, COMPLETION).param == "prompt"
+    for prompt in (None, 5, [], [[]], [True], {"a": 1}):
+        assert refused({"model": MODEL, "prompt": prompt}, COMPLETION).param.startswith("prompt")
+    assert refused({"model": MODEL, "prompt": [1, -2]}, COMPLETION).param == "prompt[1]"
+    assert refused({"model": MODEL, "prompt": ["a", [1, "b"]]}, COMPLETION).param == "prompt[1][1]"
+    assert refused({"model": MODEL, "prompt": ["a"] * 65}, COMPLETION).param == "prompt"
+    assert refused({"model": MODEL, "prompt": ["a", "b"], "stream": True}, COMPLETION).param == "prompt"
+
+
+def test_token_id_prompts_and_lists_of_prompts_are_one_request_each() -> None:
+    (ids,) = parse_request({"model": MODEL, "prompt": [1, 2, 3]}, COMPLETION).requests
+    assert list(ids.token_ids.ids) == [1, 2, 3] and ids.WhichOneof("input") == "token_ids"
+    many = parse_request({"model": MODEL, "prompt": ["a", [7, 8]], "max_tokens": 3}, COMPLETION).requests
+    assert [r.WhichOneof("input") for r in many] == ["prompt", "token_ids"]
+    assert many[0].prompt == "a" and list(many[1].token_ids.ids) == [7, 8]
+    assert all(r.max_new_tokens == 3 for r in many)  # every prompt gets the request's parameters
+
+
+def test_logprobs_parameters() -> None:
+    chat_request = parse_request(chat(logprobs=True, top_logprobs=20), CHAT)
+    assert chat_request.is_logprobs and chat_request.request.logprobs.num_top_logprobs == 20
+    assert not chat_request.request.logprobs.include_prompt
+    assert not parse_request(chat(logprobs=False), CHAT).request.HasField("logprobs")
+    legacy = parse_request({"model": MODEL, "prompt": "a", "logprobs": 5, "echo": True}, COMPLETION)
+    assert legacy.is_echo and legacy.request.logprobs.num_top_logprobs == 5 and legacy.request.logprobs.include_prompt
+    assert refused({"model": MODEL, "prompt": "a", "logprobs": 6}, COMPLETION).param == "logprobs"
+    assert refused({"model": MODEL, "prompt": "a", "logprobs": True}, COMPLETION).param == "logprobs"
+    assert refused({"model": MODEL, "prompt": "a", "echo": 1}, COMPLETION).param == "echo"
+    echo_only = parse_request({"model": MODEL, "prompt": "a", "echo": True}, COMPLETION)
+    assert echo_only.is_echo and not echo_only.request.HasField("logprobs")
 
 
 def test_a_body_that_is_not_one_json_object_is_a_400_saying_why() -> None:

@@ -109,7 +109,7 @@ def test_calls_in_a_whole_answer() -> None:
         tool_calls=[gateway_pb2.ToolCall(id="call_a", name="get_weather", arguments="{}")],
         finish_reason=gateway_pb2.FINISH_REASON_TOOL_CALLS,
     )
-    choice = completion(parsed, "chatcmpl-1", 0, MODEL, response)["choices"][0]
+    choice = completion(parsed, "chatcmpl-1", 0, MODEL, [response])["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"] == {
         "role": "assistant",
@@ -119,7 +119,7 @@ def test_calls_in_a_whole_answer() -> None:
     }
     response.content, response.finish_reason = "no call", gateway_pb2.FINISH_REASON_EOS
     del response.tool_calls[:]
-    message = completion(parsed, "chatcmpl-1", 0, MODEL, response)["choices"][0]["message"]
+    message = completion(parsed, "chatcmpl-1", 0, MODEL, [response])["choices"][0]["message"]
     assert message["content"] == "no call" and "tool_calls" not in message
 
 
