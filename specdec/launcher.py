@@ -10,7 +10,10 @@ launcher, which then stops the services in order), on a free loopback port,
 with stdout and stderr appended to `<log_dir>/<name>.log`. Services start in
 dependency waves (primary; then validator and draft; then gateway), each
 wave waiting for grpc.health.v1 SERVING (the HTTP front: GET /health answering 200). A service that exits while starting
-fails the start at once with the tail of its log; the log dir is kept then.
+fails the start at once with the tail of its log; the log dir is kept then. A port the caller
+fixed (ServiceSpec.port, e.g. the HTTP front's) that another process holds is a PortInUseError
+before anything starts; and a service counts as SERVING only once its own process holds the
+listener (specdec.port_owner), so another server on its port never passes for it.
 stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
 Linux the kernel also SIGTERMs the services if the launcher itself is killed.
 
@@ -52,6 +55,7 @@ from types import TracebackType
 
 import grpc
 
+from specdec import port_owner
 from specdec.service.auth import TOKEN_FILE_NAME, authenticated_channel, write_service_token
 from specdec.service.health import check_health
 from specdec.strategies import GRAMMAR_STRATEGY
@@ -115,6 +119,19 @@ class ServiceError(RuntimeError):
         self.reason = reason
         self.log_path = log_path
         self.log_tail = log_tail
+
+
+class PortInUseError(ServiceError):
+    """A port the caller fixed (ServiceSpec.port) is held by another process: raised before the
+    stack starts, or when the service cannot bind it, never retried elsewhere (the caller chose it)."""
+
+    def __init__(self, name: str, host: str, port: int, log_path: Path, log_tail: str = "") -> None:
+        RuntimeError.__init__(
+            self, f"port {port} on {host}, where service {name!r} was to listen, is in use by another process"
+        )
+        self.name, self.host, self.port = name, host, port
+        self.reason = f"port {port} is in use"
+        self.log_path, self.log_tail = log_path, log_tail
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -391,6 +408,7 @@ class Stack:
         self._num_restarts = {spec.name: 0 for spec in self._specs}
         self._write_restarts_file()
         try:
+            self._check_fixed_ports()
             for wave in self._waves:
                 launched = [self._launch(spec, port=None) for spec in wave]
                 for running in launched:
@@ -571,6 +589,13 @@ class Stack:
         partial.write_text(json.dumps(self._num_restarts, sort_keys=True))
         os.replace(partial, self.restarts_file)
 
+    def _check_fixed_ports(self) -> None:
+        """Fail before launching anything when a port the caller chose is taken: the primary's start
+        takes seconds, and a server already on the port would answer the readiness check."""
+        for spec in self._specs:
+            if spec.port and is_port_taken(self._host, spec.port):
+                raise PortInUseError(spec.name, self._host, spec.port, self.log_dir / f"{spec.name}.log")
+
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
         port = (spec.port or free_port(self._host)) if port is None else port
         metrics_port = free_port(self._host) if self.config.is_serving_metrics else int(NO_METRICS_PORT)
@@ -611,6 +636,10 @@ class Stack:
                 for port, is_ours_to_move in ((running.port, not running.spec.port), (running.metrics_port, True))
                 if port > 0 and is_ours_to_move and is_port_taken(self._host, port)
             ]
+            if running.spec.port and is_port_taken(self._host, running.spec.port):
+                raise PortInUseError(
+                    running.spec.name, self._host, running.spec.port, running.log_path, log_tail(running.log_path)
+                )
             is_race = may_retry_port and attempt < MAX_BIND_ATTEMPTS and bool(taken)
             if not is_race:
                 raise ServiceError(
@@ -655,8 +684,9 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                 if spec.health_http_path
                 else check_health(channel, spec.health_service, timeout_s=1.0)
             )
-            if is_serving:
-                # Guards against another server on a port we lost to a race.
+            # Another server on a port we lost to a race answers too: SERVING counts only once the
+            # service itself listens on the port (until then it binds, or exits on EADDRINUSE).
+            if is_serving and is_listening_itself(running):
                 if (code := running.process.poll()) is not None:
                     _sweep(running)
                     return code
@@ -670,6 +700,14 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                     log_tail(running.log_path),
                 )
             time.sleep(_POLL_S)
+
+
+def is_listening_itself(running: _Running) -> bool:
+    """Whether the service's own process group holds the listener on its port (Linux's /proc);
+    True where that cannot be read."""
+    if not port_owner.is_supported():
+        return True
+    return port_owner.is_listening_in_group(running.process.pid, running.port)
 
 
 def is_http_healthy(url: str, timeout_s: float = 1.0, ca_file: str = "") -> bool:
