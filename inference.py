@@ -29,14 +29,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
 
-from specdec.launcher import PRIMARY, ServiceError, Stack, StackConfig
+from specdec.launcher import PRIMARY, PortInUseError, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import authenticated_channel
@@ -45,6 +45,7 @@ from specdec.supervisor import DEFAULT_MAX_RAPID_RESTARTS, RestartPolicy, Superv
 from specdec.task_type import TaskType
 from specdec.task_type import to_pb as task_type_to_pb
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
+from specdec.flag_spellings import add_spellings
 
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 FINISH_REASON_PREFIX = "FINISH_REASON_"
@@ -58,6 +59,8 @@ CLIENT_ERROR_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
 DEFAULT_TIMEOUT_S = 600.0
+# The API key's variable, read when no --api-key-file is given.
+API_KEY_VARIABLE = "SPECDEC_API_KEY"
 # How often --serve checks that every service is still alive.
 _SERVE_POLL_S = 0.5
 
@@ -207,19 +210,26 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument(
         "--gateway_address", metavar="HOST:PORT", help="use a running gateway instead of starting the services"
     )
-    stack.add_argument(
+    keys = stack.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api_key_file",
+        type=Path,
+        metavar="FILE",
+        help=f"a file whose first line is the API key a --gateway-address with --api-keys-file expects "
+        f"(default: ${API_KEY_VARIABLE})",
+    )
+    keys.add_argument(
         "--api_key",
         metavar="KEY",
-        default=os.environ.get("SPECDEC_API_KEY"),
-        help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY;"
-        " a key that starts with '-' goes as --api_key=KEY)",
+        help="deprecated: the key on the command line, where other processes see it; use --api-key-file or "
+        f"${API_KEY_VARIABLE}",
     )
     return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = add_spellings(parser).parse_args(argv)
     if args.prompt is None and not args.serve:
         parser.error("--prompt is required (or --serve)")
     if args.gateway_address is not None:
@@ -240,7 +250,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.prompt = sys.stdin.read()
     if args.json_schema is not None:
         args.json_schema_text = read_json_schema(parser, args.json_schema)
+    args.api_key = read_api_key(parser, args, os.environ)
     return args
+
+
+def read_api_key(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The API key from --api-key-file, else $SPECDEC_API_KEY, else the deprecated --api-key (with a
+    warning: a command line is readable by every process of the machine)."""
+    if args.api_key is not None:
+        print(
+            f"warning: --api-key puts the key where other processes can read it; use --api-key-file or "
+            f"${API_KEY_VARIABLE}",
+            file=sys.stderr,
+        )
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as e:
+            parser.error(f"--api-key-file: cannot read {str(args.api_key_file)!r}: {e.strerror}")
+        key = lines[0].strip() if lines else ""
+        if not key:
+            parser.error(f"--api-key-file: {str(args.api_key_file)!r} has no key on its first line")
+        return key
+    return environ.get(API_KEY_VARIABLE) or None
 
 
 def read_json_schema(parser: argparse.ArgumentParser, path: Path) -> str:
@@ -521,6 +554,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except KeyboardInterrupt:  # the normal end of --serve
                 say("stopping the services...")
                 return 0
+    except PortInUseError as e:
+        print(f"error: {e}: choose another with --http-port PORT (0: a free one)", file=sys.stderr)
+        return EXIT_STACK_FAILED
     except ServiceError as e:
         print(f"error: the services did not start: {e}", file=sys.stderr)
         return EXIT_STACK_FAILED

@@ -36,6 +36,7 @@ from primary_svc import step_report
 from specdec.launcher import PRIMARY, SERVICE_NAMES, Stack
 from specdec.service.server import is_loopback
 from specdec.v1 import primary_pb2, primary_pb2_grpc
+from specdec.flag_spellings import add_spellings
 
 MAX_CLIENTS = 1024
 MAX_DURATION_S = 3600.0
@@ -237,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
     p.add_argument("--sample-s", type=float, default=10.0, help="resource samples every this many seconds")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     a.clients = a.clients if a.clients is not None else (SOAK_CLIENTS if a.soak else 4)
     a.duration = a.duration if a.duration is not None else (SOAK_DURATION_S if a.soak else 30.0)
     a.mix = [m for m in a.mix.split(",") if m]

@@ -87,6 +87,7 @@ from bench.scenarios import (
 )
 from specdec.model.precision import AUTO
 from specdec.model.precision import PRECISIONS as WEIGHT_PRECISIONS
+from specdec.flag_spellings import add_spellings
 
 PRECISIONS = (AUTO, *WEIGHT_PRECISIONS)
 DEFAULT_OUT = Path("results") / "results.json"
@@ -180,7 +181,7 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
     p.add_argument("--concurrency", default="", help="client counts of the sweep, e.g. 1,4,16,32")
     p.add_argument("--threads", type=int, default=0, help="threads of the primary and the peers; 0: all CPUs")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results.json path (.md and .png beside it)")
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     try:
         return SuiteConfig(
             a.data_dir,

@@ -15,6 +15,7 @@ from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.flag_spellings import add_spellings
 
 
 # A step's wait for requests coming back (EngineWorker._gather): on two cores the gateway cannot turn
@@ -164,7 +165,7 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         "(its gateway died, or never came back after Prefill)",
     )
     add_service_token_arguments(flags)
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     return PrimaryConfig(
         server=ServerConfig(
             host=a.host,
