@@ -47,6 +47,7 @@ from specdec.task_type import to_pb as task_type_to_pb
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 from specdec.flag_spellings import add_spellings
 
+PROG = "python inference.py"
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 FINISH_REASON_PREFIX = "FINISH_REASON_"
 MAX_SEED = 2**64 - 1
@@ -98,8 +99,8 @@ def strategy_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python inference.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     io = p.add_argument_group("input and output")
     io.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin (required unless --serve)")
     io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (chat mode only)")
@@ -227,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
+def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.Namespace:
+    parser = build_parser(prog)
     args = add_spellings(parser).parse_args(argv)
     if args.prompt is None and not args.serve:
         parser.error("--prompt is required (or --serve)")
@@ -522,8 +523,9 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """The command line; `prog` names it in help and errors (`specdec generate` when run as the package's command)."""
+    args = parse_args(argv, prog)
     # SIGTERM unwinds like Ctrl-C, so the services are stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
