@@ -39,6 +39,7 @@ import grpc
 from specdec.launcher import PRIMARY, PortInUseError, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
+from specdec.progress import ProgressPrinter
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
 from specdec.supervisor import DEFAULT_MAX_RAPID_RESTARTS, RestartPolicy, Supervisor
@@ -534,7 +535,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             return request_or_report(args.gateway_address, args, stack=None)
         say(f"starting the services (primary, validator, draft, gateway{', http' if args.serve else ''})...")
         started = time.perf_counter()
-        with Stack(stack_config(args)) as stack:
+        # The primary's first start converts the model and times the weight formats: its progress
+        # events are relayed here, since the services log to files.
+        with Stack(stack_config(args), on_progress=None if args.quiet else ProgressPrinter(say)) as stack:
             stack_start_s = time.perf_counter() - started
             primary = primary_info(stack)
             say(

@@ -49,13 +49,14 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import grpc
 
 from specdec import port_owner
+from specdec.progress import ProgressEvent, ProgressReader
 from specdec.service.auth import TOKEN_FILE_NAME, authenticated_channel, write_service_token
 from specdec.service.health import check_health
 from specdec.strategies import GRAMMAR_STRATEGY
@@ -150,6 +151,7 @@ class ServiceSpec:
     port: int = 0  # 0: a free port; else this one (no retry elsewhere)
     health_ca_file: str = ""  # it serves TLS: health checks trust these PEM roots
     is_reporting_restarts: bool = False  # gets --service_restarts_file (Stack.num_restarts, for its /metrics)
+    is_reporting_progress: bool = False  # gets --progress_file; Stack's on_progress hears its start-up events
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -250,6 +252,7 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
             health_service="specdec.v1.PrimaryService",
             startup_timeout_s=config.primary_startup_timeout_s,
             is_taking_service_token=True,
+            is_reporting_progress=True,
         ),
         # After the primary, although it needs nothing from it: the primary
         # times its verify passes at startup, best done on an otherwise idle CPU.
@@ -367,6 +370,7 @@ class _Running:
     log_path: Path
     process: subprocess.Popen
     metrics_port: int = 0  # 0: no /metrics endpoint
+    progress: ProgressReader | None = None  # its --progress_file (ServiceSpec.is_reporting_progress)
     is_swept: bool = False  # its process group got the final SIGKILL after it exited
 
 
@@ -379,8 +383,15 @@ class Stack:
     """
 
     def __init__(
-        self, config: StackConfig | None = None, *, specs: Sequence[ServiceSpec] | None = None, host: str = LOOPBACK
+        self,
+        config: StackConfig | None = None,
+        *,
+        specs: Sequence[ServiceSpec] | None = None,
+        host: str = LOOPBACK,
+        on_progress: Callable[[str, ProgressEvent], None] | None = None,
     ) -> None:
+        """on_progress(service name, event): the start-up progress of services that report it
+        (specdec.progress), heard while the launcher waits for them to serve."""
         self.config = StackConfig() if config is None else config
         self._specs = tuple(service_specs(self.config) if specs is None else specs)
         self._waves = waves(self._specs)
@@ -396,6 +407,7 @@ class Stack:
         self._finalizer = weakref.finalize(self, _kill_all, self._running)
         self._secrets_finalizer: weakref.finalize | None = None
         self._num_restarts: dict[str, int] = {}
+        self._on_progress = on_progress
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -616,8 +628,15 @@ class Stack:
             argv += ["--service_token_file", str(self._secrets_dir / TOKEN_FILE_NAME)]
         if spec.is_reporting_restarts:
             argv += ["--service_restarts_file", str(self.restarts_file)]
+        progress = None
+        if spec.is_reporting_progress:
+            progress_path = self.log_dir / f"{spec.name}.progress"
+            progress_path.unlink(missing_ok=True)  # a restart's events start afresh
+            argv += ["--progress_file", str(progress_path)]
+            progress = ProgressReader(progress_path)
         log_path = self.log_dir / f"{spec.name}.log"
-        running = _Running(spec, port, argv, log_path, _start_process(argv, log_path, self._env()), metrics_port)
+        process = _start_process(argv, log_path, self._env())
+        running = _Running(spec, port, argv, log_path, process, metrics_port, progress)
         self._running[spec.name] = running
         return running
 
@@ -628,7 +647,7 @@ class Stack:
         """Wait for SERVING; relaunch on new ports when another process took one of ours (the gRPC
         port unless fixed by the spec, or the /metrics port: free_port only said they were free)."""
         for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
-            exit_code = _wait_serving(running, self._address(running.port))
+            exit_code = _wait_serving(running, self._address(running.port), self._on_progress)
             if exit_code is None:
                 return
             taken = [
@@ -662,9 +681,12 @@ class Stack:
         _terminate(order, self.config.stop_grace_s)
 
 
-def _wait_serving(running: _Running, address: str) -> int | None:
+def _wait_serving(
+    running: _Running, address: str, on_progress: Callable[[str, ProgressEvent], None] | None = None
+) -> int | None:
     """None once SERVING; the exit code if the process exits first. Raises
-    ServiceError (after killing it) when startup_timeout_s passes."""
+    ServiceError (after killing it) when startup_timeout_s passes. Relays the service's progress
+    events to on_progress meanwhile."""
     spec = running.spec
     deadline = time.monotonic() + spec.startup_timeout_s
     if spec.health_ca_file:
@@ -676,6 +698,7 @@ def _wait_serving(running: _Running, address: str) -> int | None:
     scheme = "https" if spec.health_ca_file else "http"
     with channel:
         while True:
+            _relay_progress(running, on_progress)
             if (code := running.process.poll()) is not None:
                 _sweep(running)
                 return code
@@ -690,6 +713,7 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                 if (code := running.process.poll()) is not None:
                     _sweep(running)
                     return code
+                _relay_progress(running, on_progress)  # what it wrote since the last look
                 return None
             if time.monotonic() > deadline:
                 _terminate([running], grace_s=0.0)
@@ -700,6 +724,12 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                     log_tail(running.log_path),
                 )
             time.sleep(_POLL_S)
+
+
+def _relay_progress(running: _Running, on_progress: Callable[[str, ProgressEvent], None] | None) -> None:
+    if running.progress is not None and on_progress is not None:
+        for event in running.progress.read_new():
+            on_progress(running.spec.name, event)
 
 
 def is_listening_itself(running: _Running) -> bool:

@@ -27,6 +27,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import launcher, port_owner
+from specdec.progress import ProgressEvent
 from specdec.launcher import ServiceError, ServiceSpec, Stack, StackConfig, log_tail, service_specs, waves
 from specdec.service.health import check_health
 from specdec.supervisor import RestartPolicy, Supervisor
@@ -43,7 +44,14 @@ p.add_argument("--pid_file", default="")
 p.add_argument("--host")
 p.add_argument("--port", type=int)
 p.add_argument("--metrics_port", type=int, default=0)
+p.add_argument("--progress_file", default="")
 a, _ = p.parse_known_args()
+if a.progress_file:
+    from specdec.progress import ProgressWriter
+    report = ProgressWriter(a.progress_file)
+    for done in range(5):
+        report("warming up", done, 4)
+    report("choosing", 0, 2, "timing x")
 print("argv:", " ".join(sys.argv[1:]), flush=True)
 if a.mode == "die":
     print("fatal: the fake cannot start", file=sys.stderr, flush=True)
@@ -495,3 +503,19 @@ def test_port_owner_finds_the_listener_of_a_process_group() -> None:
                 assert not port_owner.is_listening_in_group(other.pid, port)
             finally:
                 other.kill()
+
+
+def test_start_up_progress_is_relayed_while_the_launcher_waits(config: StackConfig) -> None:
+    heard: list[tuple[str, ProgressEvent]] = []
+    spec = dataclasses.replace(fake("a"), is_reporting_progress=True)
+    with Stack(config, specs=[spec, fake("b")], on_progress=lambda name, event: heard.append((name, event))) as stack:
+        assert "--progress_file" in stack._get("a").argv and "--progress_file" not in stack._get("b").argv
+    assert heard == [
+        *(("a", ProgressEvent("warming up", done, 4)) for done in range(5)),
+        ("a", ProgressEvent("choosing", 0, 2, "timing x")),
+    ]
+
+
+def test_service_specs_ask_the_primary_for_its_progress() -> None:
+    reporting = [s.name for s in service_specs(StackConfig(is_serving_http=True)) if s.is_reporting_progress]
+    assert reporting == ["primary"]

@@ -158,7 +158,8 @@ def read_lines(process: subprocess.Popen, num_lines: int, timeout_s: float) -> l
 
 
 @pytest.fixture
-def served(clean_venv: Path, tmp_path: Path) -> Iterator[str]:
+def served(clean_venv: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """(the HTTP API's URL, the file that holds the command's stderr)."""
     argv = [str(clean_venv / "bin" / "specdec"), "serve", "--http-port", "0", "--log-dir", str(tmp_path / "logs")]
     with open(tmp_path / "stderr", "w") as stderr:
         process = subprocess.Popen(
@@ -166,7 +167,7 @@ def served(clean_venv: Path, tmp_path: Path) -> Iterator[str]:
         )
     try:
         _gateway, http_url = read_lines(process, 2, START_TIMEOUT_S)
-        yield http_url
+        yield http_url, tmp_path / "stderr"
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -176,16 +177,19 @@ def served(clean_venv: Path, tmp_path: Path) -> Iterator[str]:
             process.wait()
 
 
-def test_specdec_serve_from_the_clean_venv_answers_a_chat_request(served: str) -> None:
+def test_specdec_serve_from_the_clean_venv_answers_a_chat_request(served: tuple[str, Path]) -> None:
+    url, stderr = served
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"{served}/v1/models", timeout=60) as response:
+    with opener.open(f"{url}/v1/models", timeout=60) as response:
         model = json.loads(response.read())["data"][0]["id"]
     body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
     request = urllib.request.Request(
-        f"{served}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     with opener.open(request, timeout=600) as response:
         answer = json.loads(response.read())
     assert response.status == 200
     assert answer["choices"][0]["message"]["content"]
     assert answer["usage"]["completion_tokens"] > 0
+    # The primary's start-up steps, relayed from its progress file to the command's terminal.
+    assert "  primary: loading the " in stderr.read_text()
