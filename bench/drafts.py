@@ -40,6 +40,7 @@ from bench.stack import stats_dict
 from specdec import strategies as strategies_module
 from specdec.launcher import DRAFT, PRIMARY, Stack, StackConfig
 from specdec.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
+from specdec.flag_spellings import add_spellings
 
 # The draft decoders that run over the primary's weights, attached by the draft pool in the background
 # after it starts serving (draft_svc/weights.py): until then they propose nothing.
@@ -326,7 +327,7 @@ def main() -> None:
     )
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
     mixes = parse_mixes(args.mixes, args.strategies)
     scenarios = args.scenarios.split(",")
     prompts = load_prompts(args.data_dir, scenarios, args.num_prompts, max_chars=1500)

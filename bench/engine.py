@@ -45,6 +45,7 @@ from specdec.model.precision import compute_dtype
 from specdec.model.quant import QUANTIZED_PRECISIONS
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
+from specdec.flag_spellings import add_spellings
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_TOKENS = 256
@@ -179,7 +180,7 @@ def main() -> None:
     p.add_argument("--service-steps", type=int, default=64, help="plain steps in the service vs in-process; 0: skip")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 

@@ -29,6 +29,7 @@ import grpc
 
 from specdec.launcher import ServiceSpec, Stack, StackConfig
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+from specdec.flag_spellings import add_spellings
 
 TRIVIAL, FRONT = "trivial-gateway", "http"
 MODEL = "bench"
@@ -74,7 +75,7 @@ def serve_trivial(argv: list[str]) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--num_tokens", type=int, default=32)
-    a, _ = p.parse_known_args(argv)
+    a, _ = add_spellings(p).parse_known_args(argv)
     serve(
         ServerConfig(host=a.host, port=a.port, max_workers=32, grace_s=0.0),
         [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, TrivialGateway(a.num_tokens))],
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num_requests", type=int, default=600, help="requests per path and concurrency")
     p.add_argument("--num_rounds", type=int, default=3)
     p.add_argument("--num_tokens", type=int, default=32, help="messages (one token each) per stream")
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     py = sys.executable
     specs = [
         ServiceSpec(TRIVIAL, (py, "-m", "bench", "http", "serve-trivial", "--num_tokens", str(a.num_tokens))),

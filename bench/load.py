@@ -43,6 +43,7 @@ from primary_svc import step_report
 from specdec.launcher import PRIMARY, SERVICE_NAMES, Stack
 from specdec.service.server import is_loopback
 from specdec.v1 import primary_pb2, primary_pb2_grpc
+from specdec.flag_spellings import add_spellings
 
 MAX_CLIENTS = 1024
 MAX_DURATION_S = 3600.0
@@ -255,7 +256,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chaos-stop-s", type=float, default=15.0, help="how long a stopped dependency stays stopped")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the started stack's service logs here")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     is_soak = a.soak or a.chaos
     a.clients = a.clients if a.clients is not None else (SOAK_CLIENTS if is_soak else 4)
     a.duration = a.duration if a.duration is not None else (SOAK_DURATION_S if is_soak else 30.0)

@@ -20,6 +20,7 @@ import time
 import grpc
 
 from specdec.launcher import Stack, StackConfig
+from specdec.flag_spellings import add_spellings
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, logprobs_pb2
 
 PROMPT = "Copy the list exactly.\n" + "red, green, blue, " * 12
@@ -93,4 +94,4 @@ def main() -> None:
     p.add_argument("--top_logprobs", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--score_tokens", type=int, default=256)
-    run(p.parse_args())
+    run(add_spellings(p).parse_args())

@@ -32,6 +32,7 @@ from specdec.grammar import GrammarCache, GrammarTokenizerInfo, ResponseFormat, 
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from validator_svc.entropy import row_entropy
+from specdec.flag_spellings import add_spellings
 
 SCHEMA = {
     "type": "object",
@@ -87,7 +88,7 @@ def main() -> None:
     p.add_argument("--tree-rows", default="9,33", help="comma list of rows R per tree (draft nodes + 1)")
     p.add_argument("--reported-rows", type=int, default=3, help="rows whose entropy the validator reports")
     p.add_argument("--repeats", type=int, default=5)
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
     torch.set_num_threads(1)  # as the validator and the gateway run
     model_dir = resolve_model_dir(None, default_cache_dir())
     tokenizer = Tokenizer.from_dir(model_dir)

@@ -50,6 +50,7 @@ from specdec.model import loader
 from specdec.model.llama import Transformer
 from specdec.v1 import common_pb2
 from specdec.weights.wire import manifest_from_pb, manifest_to_pb
+from specdec.flag_spellings import add_spellings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("early_exit", "layer_skip")  # cycled over a step's decoders
@@ -333,7 +334,7 @@ def main() -> None:
     p.add_argument("--num-steps", type=int, default=8, help="timed steps per setting (after one untimed)")
     p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(MODES))
     p.add_argument("--out", default=None, help="write the figures as JSON here")
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
     if unknown := set(args.modes) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}; known: {MODES}")
     if args.context_tokens + args.num_steps + args.draft_length + 1 > MAX_POSITIONS:

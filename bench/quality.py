@@ -29,6 +29,7 @@ from specdec.engine.loading import load_model
 from specdec.model.llama import SequenceSpan
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
+from specdec.flag_spellings import add_spellings
 
 CHUNK_TOKENS = 256
 
@@ -62,7 +63,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
     token_ids = fixed_text_ids(Path(args.data_dir), Tokenizer.from_dir(model_dir), args.num_tokens)

@@ -88,6 +88,7 @@ from bench.scenarios import (
 )
 from specdec.model.precision import AUTO
 from specdec.model.precision import PRECISIONS as WEIGHT_PRECISIONS
+from specdec.flag_spellings import add_spellings
 
 PRECISIONS = (AUTO, *WEIGHT_PRECISIONS)
 DEFAULT_OUT = Path("results") / "results.json"
@@ -190,7 +191,7 @@ def parse_config(argv: Sequence[str] | None = None) -> SuiteConfig:
         default=0,
         help="rows of each scenario file to pass over (e.g. 3: rows the default run does not use)",
     )
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     try:
         return SuiteConfig(
             a.data_dir,

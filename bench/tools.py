@@ -20,6 +20,7 @@ import time
 import grpc
 
 from specdec.launcher import Stack, StackConfig
+from specdec.flag_spellings import add_spellings
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 WEATHER = {
@@ -75,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench tools", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = add_spellings(parser).parse_args()
     results: dict[bool, list[tuple[int, int, float, float, int]]] = {True: [], False: []}
     with Stack(StackConfig()) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
         stub = gateway_pb2_grpc.GenerationServiceStub(channel)

@@ -27,6 +27,7 @@ from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.sampling import SamplingParams
 from validator_svc.acceptance import validate_tree
 from validator_svc.paths import TorchPath, ValidationInputs
+from specdec.flag_spellings import add_spellings
 
 CHAIN = 8
 
@@ -54,7 +55,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
     tokenizer = Tokenizer.from_dir(model_dir)

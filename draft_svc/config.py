@@ -34,6 +34,7 @@ from specdec.logging import LOG_LEVELS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.flag_spellings import add_spellings
 
 MODEL_FREE_STRATEGIES = strategies.names_of(strategies.MODEL_FREE)
 GRAMMAR_STRATEGIES = strategies.names_of(strategies.GRAMMAR)
@@ -203,7 +204,7 @@ def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftCo
     flags.add("--max_context", 0, shared=False)
     flags.add("--attach_poll_s", 5.0, shared=False)
     add_service_token_arguments(flags)
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     offered = _names(a.strategies)
     defaults = _names(a.default_strategies) or tuple(n for n in offered if n in MODEL_FREE_STRATEGIES) or offered
     try:

@@ -19,6 +19,7 @@ from specdec.service.api_keys import add_public_access_arguments, check_public_e
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
+from specdec.flag_spellings import add_spellings
 
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens, or for a text not written before the canonical tokens and the shortest other
@@ -195,7 +196,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
         "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata",
     )
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     return GatewayConfig(
         server=ServerConfig(
             host=a.host,

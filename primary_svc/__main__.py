@@ -37,6 +37,7 @@ from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
+from specdec.progress import ProgressCallback, no_progress, progress_callback
 from specdec.service.server import serve
 from specdec.v1 import primary_pb2_grpc
 
@@ -48,7 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging("primary_svc", level=config.log_level)
     log = structlog.get_logger("primary_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
-    model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
+    on_progress = progress_callback(config.progress_file)
+    model_dir = resolve_model_dir(
+        config.model_path, config.cache_dir, show_progress=sys.stderr.isatty(), on_progress=on_progress
+    )
     instance_id = uuid.uuid4().hex[:12]
     registry = CollectorRegistry()
     metrics = ServiceMetrics(registry)
@@ -61,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         batch_wait_s=config.batch_wait_ms / 1000,
     )
     # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
-    loaded, engine, costs, precision_choice = worker.run(lambda: load_engine(config, model_dir, instance_id))
+    loaded, engine, costs, precision_choice = worker.run(
+        lambda: load_engine(config, model_dir, instance_id, on_progress)
+    )
     worker.engine = engine
     native.library()  # every precision's argmax and fp8 encoding use it: built (once a machine) now, not mid-request
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -137,14 +143,15 @@ def expire_leases(servicer: PrimaryServicer, stop: threading.Event) -> None:
 
 
 def load_engine(
-    config: PrimaryConfig, model_dir: Path, instance_id: str
+    config: PrimaryConfig, model_dir: Path, instance_id: str, on_progress: ProgressCallback = no_progress
 ) -> tuple[LoadedModel, Engine, dict[int, float], str]:
     """(the model, its engine, the measured verify costs, how the precision was chosen)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     min_gemm_rows = config.min_gemm_rows or calibrate_min_gemm_rows(load_config(model_dir))
     structlog.get_logger("primary_svc").info("fp32 GEMM padding", min_gemm_rows=min_gemm_rows)
-    precision, precision_choice = served_precision(config, model_dir)
+    precision, precision_choice = served_precision(config, model_dir, on_progress)
+    on_progress(f"loading the {precision} weights", 0, 0)
     loaded = load_model(
         model_dir,
         precision,
@@ -160,6 +167,8 @@ def load_engine(
         config.max_context,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
+    if config.measure_verify_costs:
+        on_progress("timing the verify passes", 0, 0)
     costs = measure_verify_costs(engine) if config.measure_verify_costs else {}
     # Attached after the measurement, so that its probe prompt is neither cached nor counted.
     engine.prefix_cache = PrefixCache(config.prefix_cache_bytes) if config.prefix_cache_bytes else None
@@ -183,7 +192,9 @@ def log_prefix_cache(engine: Engine) -> None:
     )
 
 
-def served_precision(config: PrimaryConfig, model_dir) -> tuple[str, str]:
+def served_precision(
+    config: PrimaryConfig, model_dir: Path, on_progress: ProgressCallback = no_progress
+) -> tuple[str, str]:
     """(the weight format to serve, how it was chosen): --precision as given, or auto's measured pick."""
     if config.precision != AUTO:
         return config.precision, "requested"
@@ -191,7 +202,7 @@ def served_precision(config: PrimaryConfig, model_dir) -> tuple[str, str]:
     # is served in a float format unless a quantized precision is asked for.
     is_gguf = config.model_path is None or str(config.model_path).lower().endswith(".gguf")
     choice = choose_precision_or_fallback(
-        model_dir, config.cache_dir, config.num_threads, CANDIDATES if is_gguf else FLOAT_CANDIDATES
+        model_dir, config.cache_dir, config.num_threads, CANDIDATES if is_gguf else FLOAT_CANDIDATES, on_progress
     )
     structlog.get_logger("primary_svc").info(
         "precision chosen",

@@ -38,6 +38,7 @@ import structlog
 import torch
 
 from primary_svc.costs import measure_verify_costs
+from specdec.progress import ProgressCallback, no_progress
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
@@ -63,6 +64,7 @@ MAX_DRAFT_LENGTH = max(DRAFT_LENGTH_CHOICES)
 PRIOR_ACCEPTANCES = (PRIOR_ACCEPTANCE_STRUCTURED, PRIOR_ACCEPTANCE_CODE, PRIOR_ACCEPTANCE_CREATIVE)
 CACHE_FILE = "precision_autotune.json"
 MAX_MEASURE_S = 20.0  # a start-up budget: candidates not reached by then are not measured
+AUTOTUNE_STAGE = "choosing the weight format"  # its progress events' stage (specdec.progress)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -128,11 +130,15 @@ def measure_candidate(model_dir: Path, precision: str) -> dict[int, float]:
 
 
 def choose_precision_or_fallback(
-    model_dir: Path, cache_dir: Path, num_threads: int, candidates: Sequence[str] = CANDIDATES
+    model_dir: Path,
+    cache_dir: Path,
+    num_threads: int,
+    candidates: Sequence[str] = CANDIDATES,
+    on_progress: ProgressCallback = no_progress,
 ) -> PrecisionChoice:
     """`choose_precision`, but any error becomes fp32 with the error as the reason."""
     try:
-        return choose_precision(model_dir, cache_dir, num_threads, candidates)
+        return choose_precision(model_dir, cache_dir, num_threads, candidates, on_progress=on_progress)
     except Exception as e:
         return PrecisionChoice(
             FALLBACK_PRECISION, f"auto fell back to {FALLBACK_PRECISION}: {type(e).__name__}: {e}", {}, {}
@@ -146,8 +152,10 @@ def choose_precision(
     candidates: Sequence[str] = CANDIDATES,
     measure: Callable[[Path, str], dict[int, float]] = measure_candidate,
     max_measure_s: float = MAX_MEASURE_S,
+    on_progress: ProgressCallback = no_progress,
 ) -> PrecisionChoice:
-    """The candidate with the best score on this machine (cached), or fp32 with the reason why."""
+    """The candidate with the best score on this machine (cached), or fp32 with the reason why.
+    on_progress: an event before each candidate's measurement and one with the choice."""
     log = structlog.get_logger("primary_svc")
     candidates = tuple(p for p in candidates if p in PRECISIONS)
     key = f"{machine_key(num_threads)}/{Path(model_dir).name}"
@@ -164,7 +172,8 @@ def choose_precision(
     start = time.perf_counter()
     curves: dict[str, dict[int, float]] = {}
     failures = []
-    for precision in candidates:
+    for num_done, precision in enumerate(candidates):
+        on_progress(AUTOTUNE_STAGE, num_done, len(candidates), f"timing {precision}")
         if curves and time.perf_counter() - start > max_measure_s:  # a loaded or slow machine
             failures.append(f"{precision}: not measured, the {max_measure_s:.0f} s budget ran out")
             continue
@@ -189,6 +198,7 @@ def choose_precision(
         + ")"
     )
     choice = PrecisionChoice(best, reason, scores, curves)
+    on_progress(AUTOTUNE_STAGE, len(candidates), len(candidates), f"chose {best}")
     if not any("budget ran out" in f for f in failures):
         _write_cache(cache_path, key, choice)  # a complete measurement only: a busy start re-measures
     return choice

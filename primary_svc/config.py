@@ -15,6 +15,7 @@ from specdec.model.precision import AUTO, PRECISIONS
 from specdec.service.auth import add_service_token_arguments
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.flag_spellings import add_spellings
 
 
 # A step's wait for requests coming back (EngineWorker._gather): on two cores the gateway cannot turn
@@ -56,6 +57,7 @@ class PrimaryConfig:
     kv_lease_s: float = 300.0  # a KV slot with no Verify/Decode for this long is released
     service_token_file: str = ""  # the shared secret callers must send (specdec.service.auth)
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
+    progress_file: str = ""  # start-up progress events for the launcher (specdec.progress); "": none
 
     @property
     def compile_cache_dir(self) -> Path:
@@ -163,8 +165,14 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         help="release a request's KV slot after this many seconds without a Verify or Decode "
         "(its gateway died, or never came back after Prefill)",
     )
+    flags.add(
+        "--progress_file",
+        "",
+        shared=False,
+        help="append the start-up's progress events here (JSON lines, specdec.progress; the launcher relays them)",
+    )
     add_service_token_arguments(flags)
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     return PrimaryConfig(
         server=ServerConfig(
             host=a.host,
@@ -194,4 +202,5 @@ def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
         kv_lease_s=a.kv_lease_s,
         service_token_file=a.service_token_file,
         is_unauthenticated_allowed=a.allow_unauthenticated,
+        progress_file=a.progress_file,
     )

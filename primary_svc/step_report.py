@@ -19,6 +19,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.metrics import STEP_ROW_KINDS
+from specdec.flag_spellings import add_spellings
 
 FETCH_TIMEOUT_S = 10.0
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m primary_svc.step_report", description=__doc__.split("\n\n")[0])
     p.add_argument("metrics_url", help="the primary's metrics endpoint, e.g. http://127.0.0.1:9100/metrics")
     p.add_argument("--interval_s", type=float, default=0.0, help="report the steps of this interval only")
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     first = scrape(a.metrics_url)
     if a.interval_s > 0:
         time.sleep(a.interval_s)

@@ -25,6 +25,7 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specdec.state_store import RedisStateStore, StateStoreConfig, encode_token_ids  # noqa: E402
+from specdec.flag_spellings import add_spellings
 
 STATS = {
     "num_steps": 100,
@@ -56,7 +57,7 @@ def main() -> int:
     parser.add_argument("--url", required=True)
     parser.add_argument("--num-steps", type=int, default=2000)
     parser.add_argument("--tokens-per-step", type=int, default=4)
-    args = parser.parse_args()
+    args = add_spellings(parser).parse_args()
     client = redis.Redis.from_url(args.url)
     store = RedisStateStore(client, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
     n, k = args.num_steps, args.tokens_per_step

@@ -13,6 +13,7 @@ import sys
 import grpc
 
 from specdec.service.health import check_health
+from specdec.flag_spellings import add_spellings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--service", default="", help="service name to check; empty means the whole server")
     parser.add_argument("--http_path", default="", help="an HTTP server: GET this path must answer 200")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
-    args = parser.parse_args(argv)
+    args = add_spellings(parser).parse_args(argv)
     if args.http_path:
         from specdec.launcher import is_http_healthy
 

@@ -10,7 +10,10 @@ launcher, which then stops the services in order), on a free loopback port,
 with stdout and stderr appended to `<log_dir>/<name>.log`. Services start in
 dependency waves (primary; then validator and draft; then gateway), each
 wave waiting for grpc.health.v1 SERVING (the HTTP front: GET /health answering 200). A service that exits while starting
-fails the start at once with the tail of its log; the log dir is kept then.
+fails the start at once with the tail of its log; the log dir is kept then. A port the caller
+fixed (ServiceSpec.port, e.g. the HTTP front's) that another process holds is a PortInUseError
+before anything starts; and a service counts as SERVING only once its own process holds the
+listener (specdec.port_owner), so another server on its port never passes for it.
 stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
 Linux the kernel also SIGTERMs the services if the launcher itself is killed.
 
@@ -46,12 +49,14 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import grpc
 
+from specdec import port_owner
+from specdec.progress import ProgressEvent, ProgressReader
 from specdec.service.auth import TOKEN_FILE_NAME, authenticated_channel, write_service_token
 from specdec.service.health import check_health
 from specdec.strategies import GRAMMAR_STRATEGY
@@ -117,6 +122,19 @@ class ServiceError(RuntimeError):
         self.log_tail = log_tail
 
 
+class PortInUseError(ServiceError):
+    """A port the caller fixed (ServiceSpec.port) is held by another process: raised before the
+    stack starts, or when the service cannot bind it, never retried elsewhere (the caller chose it)."""
+
+    def __init__(self, name: str, host: str, port: int, log_path: Path, log_tail: str = "") -> None:
+        RuntimeError.__init__(
+            self, f"port {port} on {host}, where service {name!r} was to listen, is in use by another process"
+        )
+        self.name, self.host, self.port = name, host, port
+        self.reason = f"port {port} is in use"
+        self.log_path, self.log_tail = log_path, log_tail
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServiceSpec:
     """How to run one service. The launcher appends --host, --port,
@@ -133,6 +151,7 @@ class ServiceSpec:
     port: int = 0  # 0: a free port; else this one (no retry elsewhere)
     health_ca_file: str = ""  # it serves TLS: health checks trust these PEM roots
     is_reporting_restarts: bool = False  # gets --service_restarts_file (Stack.num_restarts, for its /metrics)
+    is_reporting_progress: bool = False  # gets --progress_file; Stack's on_progress hears its start-up events
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
@@ -233,6 +252,7 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
             health_service="specdec.v1.PrimaryService",
             startup_timeout_s=config.primary_startup_timeout_s,
             is_taking_service_token=True,
+            is_reporting_progress=True,
         ),
         # After the primary, although it needs nothing from it: the primary
         # times its verify passes at startup, best done on an otherwise idle CPU.
@@ -350,6 +370,7 @@ class _Running:
     log_path: Path
     process: subprocess.Popen
     metrics_port: int = 0  # 0: no /metrics endpoint
+    progress: ProgressReader | None = None  # its --progress_file (ServiceSpec.is_reporting_progress)
     is_swept: bool = False  # its process group got the final SIGKILL after it exited
 
 
@@ -362,8 +383,15 @@ class Stack:
     """
 
     def __init__(
-        self, config: StackConfig | None = None, *, specs: Sequence[ServiceSpec] | None = None, host: str = LOOPBACK
+        self,
+        config: StackConfig | None = None,
+        *,
+        specs: Sequence[ServiceSpec] | None = None,
+        host: str = LOOPBACK,
+        on_progress: Callable[[str, ProgressEvent], None] | None = None,
     ) -> None:
+        """on_progress(service name, event): the start-up progress of services that report it
+        (specdec.progress), heard while the launcher waits for them to serve."""
         self.config = StackConfig() if config is None else config
         self._specs = tuple(service_specs(self.config) if specs is None else specs)
         self._waves = waves(self._specs)
@@ -379,6 +407,7 @@ class Stack:
         self._finalizer = weakref.finalize(self, _kill_all, self._running)
         self._secrets_finalizer: weakref.finalize | None = None
         self._num_restarts: dict[str, int] = {}
+        self._on_progress = on_progress
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 
@@ -391,6 +420,7 @@ class Stack:
         self._num_restarts = {spec.name: 0 for spec in self._specs}
         self._write_restarts_file()
         try:
+            self._check_fixed_ports()
             for wave in self._waves:
                 launched = [self._launch(spec, port=None) for spec in wave]
                 for running in launched:
@@ -571,6 +601,13 @@ class Stack:
         partial.write_text(json.dumps(self._num_restarts, sort_keys=True))
         os.replace(partial, self.restarts_file)
 
+    def _check_fixed_ports(self) -> None:
+        """Fail before launching anything when a port the caller chose is taken: the primary's start
+        takes seconds, and a server already on the port would answer the readiness check."""
+        for spec in self._specs:
+            if spec.port and is_port_taken(self._host, spec.port):
+                raise PortInUseError(spec.name, self._host, spec.port, self.log_dir / f"{spec.name}.log")
+
     def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
         port = (spec.port or free_port(self._host)) if port is None else port
         metrics_port = free_port(self._host) if self.config.is_serving_metrics else int(NO_METRICS_PORT)
@@ -591,8 +628,15 @@ class Stack:
             argv += ["--service_token_file", str(self._secrets_dir / TOKEN_FILE_NAME)]
         if spec.is_reporting_restarts:
             argv += ["--service_restarts_file", str(self.restarts_file)]
+        progress = None
+        if spec.is_reporting_progress:
+            progress_path = self.log_dir / f"{spec.name}.progress"
+            progress_path.unlink(missing_ok=True)  # a restart's events start afresh
+            argv += ["--progress_file", str(progress_path)]
+            progress = ProgressReader(progress_path)
         log_path = self.log_dir / f"{spec.name}.log"
-        running = _Running(spec, port, argv, log_path, _start_process(argv, log_path, self._env()), metrics_port)
+        process = _start_process(argv, log_path, self._env())
+        running = _Running(spec, port, argv, log_path, process, metrics_port, progress)
         self._running[spec.name] = running
         return running
 
@@ -603,7 +647,7 @@ class Stack:
         """Wait for SERVING; relaunch on new ports when another process took one of ours (the gRPC
         port unless fixed by the spec, or the /metrics port: free_port only said they were free)."""
         for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
-            exit_code = _wait_serving(running, self._address(running.port))
+            exit_code = _wait_serving(running, self._address(running.port), self._on_progress)
             if exit_code is None:
                 return
             taken = [
@@ -611,6 +655,10 @@ class Stack:
                 for port, is_ours_to_move in ((running.port, not running.spec.port), (running.metrics_port, True))
                 if port > 0 and is_ours_to_move and is_port_taken(self._host, port)
             ]
+            if running.spec.port and is_port_taken(self._host, running.spec.port):
+                raise PortInUseError(
+                    running.spec.name, self._host, running.spec.port, running.log_path, log_tail(running.log_path)
+                )
             is_race = may_retry_port and attempt < MAX_BIND_ATTEMPTS and bool(taken)
             if not is_race:
                 raise ServiceError(
@@ -633,9 +681,12 @@ class Stack:
         _terminate(order, self.config.stop_grace_s)
 
 
-def _wait_serving(running: _Running, address: str) -> int | None:
+def _wait_serving(
+    running: _Running, address: str, on_progress: Callable[[str, ProgressEvent], None] | None = None
+) -> int | None:
     """None once SERVING; the exit code if the process exits first. Raises
-    ServiceError (after killing it) when startup_timeout_s passes."""
+    ServiceError (after killing it) when startup_timeout_s passes. Relays the service's progress
+    events to on_progress meanwhile."""
     spec = running.spec
     deadline = time.monotonic() + spec.startup_timeout_s
     if spec.health_ca_file:
@@ -647,6 +698,7 @@ def _wait_serving(running: _Running, address: str) -> int | None:
     scheme = "https" if spec.health_ca_file else "http"
     with channel:
         while True:
+            _relay_progress(running, on_progress)
             if (code := running.process.poll()) is not None:
                 _sweep(running)
                 return code
@@ -655,11 +707,13 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                 if spec.health_http_path
                 else check_health(channel, spec.health_service, timeout_s=1.0)
             )
-            if is_serving:
-                # Guards against another server on a port we lost to a race.
+            # Another server on a port we lost to a race answers too: SERVING counts only once the
+            # service itself listens on the port (until then it binds, or exits on EADDRINUSE).
+            if is_serving and is_listening_itself(running):
                 if (code := running.process.poll()) is not None:
                     _sweep(running)
                     return code
+                _relay_progress(running, on_progress)  # what it wrote since the last look
                 return None
             if time.monotonic() > deadline:
                 _terminate([running], grace_s=0.0)
@@ -670,6 +724,20 @@ def _wait_serving(running: _Running, address: str) -> int | None:
                     log_tail(running.log_path),
                 )
             time.sleep(_POLL_S)
+
+
+def _relay_progress(running: _Running, on_progress: Callable[[str, ProgressEvent], None] | None) -> None:
+    if running.progress is not None and on_progress is not None:
+        for event in running.progress.read_new():
+            on_progress(running.spec.name, event)
+
+
+def is_listening_itself(running: _Running) -> bool:
+    """Whether the service's own process group holds the listener on its port (Linux's /proc);
+    True where that cannot be read."""
+    if not port_owner.is_supported():
+        return True
+    return port_owner.is_listening_in_group(running.process.pid, running.port)
 
 
 def is_http_healthy(url: str, timeout_s: float = 1.0, ca_file: str = "") -> bool:

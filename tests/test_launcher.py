@@ -7,6 +7,7 @@ restarted with backoff and counted, one that keeps dying given up."""
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import json
 import os
 import shutil
@@ -17,13 +18,16 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec import launcher
+from specdec import launcher, port_owner
+from specdec.progress import ProgressEvent
 from specdec.launcher import ServiceError, ServiceSpec, Stack, StackConfig, log_tail, service_specs, waves
 from specdec.service.health import check_health
 from specdec.supervisor import RestartPolicy, Supervisor
@@ -40,7 +44,14 @@ p.add_argument("--pid_file", default="")
 p.add_argument("--host")
 p.add_argument("--port", type=int)
 p.add_argument("--metrics_port", type=int, default=0)
+p.add_argument("--progress_file", default="")
 a, _ = p.parse_known_args()
+if a.progress_file:
+    from specdec.progress import ProgressWriter
+    report = ProgressWriter(a.progress_file)
+    for done in range(5):
+        report("warming up", done, 4)
+    report("choosing", 0, 2, "timing x")
 print("argv:", " ".join(sys.argv[1:]), flush=True)
 if a.mode == "die":
     print("fatal: the fake cannot start", file=sys.stderr, flush=True)
@@ -436,3 +447,75 @@ def test_no_restart_once_the_supervisor_is_interrupted(config: StackConfig) -> N
         threading.Timer(0.5, _thread.interrupt_main).start()
         supervisor.run(poll_s=0.01)
     assert stack.num_restarts("a") == 0 and stack.pid("a") == pid and not stack.is_running("a")
+
+
+# ---- ports that tell the truth ---------------------------------------------------------------------
+
+
+def test_a_fixed_port_held_by_another_process_fails_before_anything_starts(config: StackConfig) -> None:
+    with socket.socket() as squatter:
+        squatter.bind((launcher.LOOPBACK, 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        stack = Stack(config, specs=[fake("a"), dataclasses.replace(fake("b", depends_on=("a",)), port=taken)])
+        with pytest.raises(launcher.PortInUseError) as raised:
+            stack.start()
+    assert raised.value.port == taken and raised.value.name == "b"
+    assert f"port {taken} on {launcher.LOOPBACK}" in str(raised.value) and "in use" in str(raised.value)
+    assert not stack.log_dir.joinpath("a.log").exists()  # the check comes before the first launch
+    stack.stop()
+
+
+def test_another_health_server_on_our_port_does_not_pass_for_the_service(
+    config: StackConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The port is lost to a race with a server that answers grpc.health.v1 SERVING itself: the
+    launcher waits for its own process to hold the listener, so the service fails to bind and is
+    relaunched elsewhere, instead of the stranger being taken for it."""
+    health = grpc_health.HealthServicer()
+    squatter = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health, squatter)
+    taken = squatter.add_insecure_port(f"{launcher.LOOPBACK}:0")
+    squatter.start()
+    try:
+        ports = iter([taken])
+        real_free_port = launcher.free_port
+        monkeypatch.setattr(launcher, "free_port", lambda host: next(ports, None) or real_free_port(host))
+        with Stack(config, specs=[fake("a")]) as stack:
+            port = int(stack.addresses["a"].rsplit(":", 1)[1])
+            assert port != taken
+            assert launcher.is_listening_itself(stack._get("a"))
+            assert f"port {taken} was taken" in stack.log_path("a").read_text()
+    finally:
+        squatter.stop(0)
+
+
+def test_port_owner_finds_the_listener_of_a_process_group() -> None:
+    with socket.socket() as listener, socket.socket() as bound_only:
+        listener.bind((launcher.LOOPBACK, 0))
+        listener.listen()
+        bound_only.bind((launcher.LOOPBACK, 0))
+        port, idle_port = listener.getsockname()[1], bound_only.getsockname()[1]
+        assert port_owner.is_listening_in_group(os.getpgid(0), port)
+        assert not port_owner.is_listening_in_group(os.getpgid(0), idle_port)  # bound, not listening
+        with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True) as other:
+            try:
+                assert not port_owner.is_listening_in_group(other.pid, port)
+            finally:
+                other.kill()
+
+
+def test_start_up_progress_is_relayed_while_the_launcher_waits(config: StackConfig) -> None:
+    heard: list[tuple[str, ProgressEvent]] = []
+    spec = dataclasses.replace(fake("a"), is_reporting_progress=True)
+    with Stack(config, specs=[spec, fake("b")], on_progress=lambda name, event: heard.append((name, event))) as stack:
+        assert "--progress_file" in stack._get("a").argv and "--progress_file" not in stack._get("b").argv
+    assert heard == [
+        *(("a", ProgressEvent("warming up", done, 4)) for done in range(5)),
+        ("a", ProgressEvent("choosing", 0, 2, "timing x")),
+    ]
+
+
+def test_service_specs_ask_the_primary_for_its_progress() -> None:
+    reporting = [s.name for s in service_specs(StackConfig(is_serving_http=True)) if s.is_reporting_progress]
+    assert reporting == ["primary"]

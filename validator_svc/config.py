@@ -11,6 +11,7 @@ from specdec.service.auth import add_service_token_arguments
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
 from validator_svc.paths import DEVICES
+from specdec.flag_spellings import add_spellings
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,7 +43,7 @@ def parse_config(argv: list[str] | None = None) -> ValidatorConfig:
     flags.add("--log_level", "INFO")
     flags.add("--num_threads", 1, shared=False, help="torch intra-op threads (default 1; 0: torch's default)")
     add_service_token_arguments(flags)
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     return ValidatorConfig(
         ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port, max_message_bytes=a.max_message_bytes),
         a.device,

@@ -25,6 +25,7 @@ from specdec.logging import configure_logging
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.flags import Flags
+from specdec.flag_spellings import add_spellings
 
 
 def main(argv: Sequence[str] | None, environ: Mapping[str, str]) -> int:
@@ -34,7 +35,7 @@ def main(argv: Sequence[str] | None, environ: Mapping[str, str]) -> int:
     p.add_argument("--text", default="", help="query: the context whose drafts are printed")
     p.add_argument("--max_tokens", type=int, default=8, help="query: tokens per draft")
     p.add_argument("--max_candidates", type=int, default=3, help="query: drafts")
-    a = p.parse_args(argv)
+    a = add_spellings(p).parse_args(argv)
     try:
         config = corpus_config(a)
     except ValueError as e:

@@ -36,6 +36,7 @@ from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 from specdec.model import native
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
+from specdec.flag_spellings import add_spellings
 
 COVERAGE_SIZES = (2048, 4096, 8192, 16384)
 
@@ -61,7 +62,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--data", type=Path, default=None, help="keep the generated answers here (.npz) and reuse them when it exists"
     )
     t.add_argument("--num_threads", type=int, default=0, help="0: every core")
-    return parser.parse_args(argv)
+    return add_spellings(parser).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

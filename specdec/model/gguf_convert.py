@@ -37,6 +37,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specdec.model import gguf_blocks, gguf_tokenizer
+from specdec.progress import ProgressCallback, no_progress
+
+# The stage name of the conversion's progress events (specdec.progress).
+CONVERSION_STAGE = "converting GGUF tensors"
 
 # Bump when the files this module writes change: it is part of the cache key in `loader.py`.
 CONVERTER_VERSION = 2  # 2: the raw Q4_0/Q4_1 blocks file
@@ -198,9 +202,15 @@ def output_dtype(reader: GGUFReader) -> torch.dtype:
 
 
 def convert_gguf(
-    gguf_path: Path, out_dir: Path, *, show_progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    show_progress: bool = True,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    on_progress: ProgressCallback = no_progress,
 ) -> Path:
-    """Write the HF-style directory of `gguf_path` to `out_dir` (which must not exist) atomically."""
+    """Write the HF-style directory of `gguf_path` to `out_dir` (which must not exist) atomically.
+    show_progress: a bar on stderr; on_progress: one event per tensor (specdec.progress)."""
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"conversion output {out_dir} already exists")
@@ -211,7 +221,7 @@ def convert_gguf(
     shutil.rmtree(partial_dir, ignore_errors=True)
     partial_dir.mkdir(parents=True)
     try:
-        _write_weights(reader, config, partial_dir, show_progress, max_shard_bytes)
+        _write_weights(reader, config, partial_dir, show_progress, max_shard_bytes, on_progress)
         _write_json(partial_dir / "config.json", config)
         tokenizer_json, tokenizer_config = gguf_tokenizer.build_tokenizer_files(metadata, gguf_path)
         (partial_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
@@ -243,7 +253,12 @@ def convert_gguf(
 
 
 def _write_weights(
-    reader: GGUFReader, config: dict[str, Any], out_dir: Path, show_progress: bool, max_shard_bytes: int
+    reader: GGUFReader,
+    config: dict[str, Any],
+    out_dir: Path,
+    show_progress: bool,
+    max_shard_bytes: int,
+    on_progress: ProgressCallback = no_progress,
 ) -> None:
     arch = reader.fields["general.architecture"].contents()
     is_qk_permuted = SUPPORTED_ARCHITECTURES[arch][2]
@@ -254,7 +269,8 @@ def _write_weights(
     shards = _plan_shards([t.n_elements * dtype.itemsize for t, _ in named], max_shard_bytes)
     index: dict[str, str] = {}
     blocks: dict[str, torch.Tensor] = {}
-    progress = tqdm(total=len(named), desc="converting GGUF tensors", unit="tensor", disable=not show_progress)
+    progress = tqdm(total=len(named), desc=CONVERSION_STAGE, unit="tensor", disable=not show_progress)
+    num_converted = 0
     for shard_num, tensor_indices in enumerate(shards, start=1):
         file_name = (
             "model.safetensors" if len(shards) == 1 else f"model-{shard_num:05d}-of-{len(shards):05d}.safetensors"
@@ -271,6 +287,8 @@ def _write_weights(
             state[hf_name] = torch.from_numpy(np.require(weight, requirements=("C", "W"))).to(dtype)
             index[hf_name] = file_name
             progress.update(1)
+            num_converted += 1  # not progress.n: a disabled bar does not count
+            on_progress(CONVERSION_STAGE, num_converted, len(named))
         save_file(state, str(out_dir / file_name), metadata={"format": "pt"})
         del state
     progress.close()

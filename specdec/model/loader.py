@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from specdec.progress import ProgressCallback, no_progress
 from specdec.model.config import ModelConfig
 from specdec.model.gguf_blocks import Q4_BLOCKS_FILE
 from specdec.model.gguf_convert import CONVERTER_VERSION, convert_gguf
@@ -58,8 +59,15 @@ def converted_dir_name(gguf_path: Path) -> str:
     return f"{gguf_path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:_SHORT_HASH_CHARS]}"
 
 
-def resolve_model_dir(model_path: str | Path | None, cache_dir: Path, *, show_progress: bool = True) -> Path:
-    """The HF-style directory to load `model_path` from, converting a GGUF file on first use."""
+def resolve_model_dir(
+    model_path: str | Path | None,
+    cache_dir: Path,
+    *,
+    show_progress: bool = True,
+    on_progress: ProgressCallback = no_progress,
+) -> Path:
+    """The HF-style directory to load `model_path` from, converting a GGUF file on first use
+    (a bar on stderr with show_progress; events to on_progress, specdec.progress)."""
     path = default_gguf_path() if model_path is None else Path(model_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist")
@@ -68,7 +76,7 @@ def resolve_model_dir(model_path: str | Path | None, cache_dir: Path, *, show_pr
         return path
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"model path {str(path)!r} is neither a model directory nor a .gguf file")
-    return _converted_gguf_dir(path, Path(cache_dir), show_progress)
+    return _converted_gguf_dir(path, Path(cache_dir), show_progress, on_progress)
 
 
 def validate_model_dir(model_dir: Path) -> None:
@@ -104,7 +112,9 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _converted_gguf_dir(gguf_path: Path, cache_dir: Path, show_progress: bool) -> Path:
+def _converted_gguf_dir(
+    gguf_path: Path, cache_dir: Path, show_progress: bool, on_progress: ProgressCallback = no_progress
+) -> Path:
     out_dir = cache_dir / converted_dir_name(gguf_path)
     if out_dir.is_dir():  # the rename that publishes a conversion is atomic: present means complete
         return out_dir
@@ -117,5 +127,5 @@ def _converted_gguf_dir(gguf_path: Path, cache_dir: Path, show_progress: bool) -
             return out_dir
         for stale in cache_dir.glob(f".{out_dir.name}.partial-*"):  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
-        convert_gguf(gguf_path, out_dir, show_progress=show_progress)
+        convert_gguf(gguf_path, out_dir, show_progress=show_progress, on_progress=on_progress)
     return out_dir

@@ -6,6 +6,7 @@ with speculation on and off, streaming, errors with their gRPC status."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -171,6 +172,60 @@ def test_serve_adds_the_http_front_on_its_port() -> None:
     assert config.is_serving_http and config.http_port == 8000
     assert inference.stack_config(inference.parse_args(["--serve", "--http_port", "0"])).http_port == 0
     assert not inference.stack_config(inference.parse_args(["--prompt", "x"])).is_serving_http
+
+
+def test_serve_on_a_taken_port_is_a_clear_error_before_services_ready(tmp_path: Path) -> None:
+    """Another server holds the HTTP port: --serve names the port and the flag and never says ready."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        done = run_cli("--serve", "--http-port", str(port), "--log-dir", str(tmp_path), timeout_s=120)
+    assert done.returncode == inference.EXIT_STACK_FAILED
+    assert f"port {port} on 127.0.0.1" in done.stderr and "in use" in done.stderr
+    assert "--http-port" in done.stderr
+    assert "services ready" not in done.stderr and done.stdout == ""
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-file\n")
+    monkeypatch.setenv(inference.API_KEY_VARIABLE, "sk-from-env")
+    assert inference.parse_args(["--prompt", "x", "--api-key-file", str(key_file)]).api_key == "sk-from-file"
+    assert inference.parse_args(["--prompt", "x"]).api_key == "sk-from-env"
+    assert capsys.readouterr().err == ""
+    monkeypatch.delenv(inference.API_KEY_VARIABLE)
+    assert inference.parse_args(["--prompt", "x"]).api_key is None
+
+
+def test_a_key_on_the_command_line_still_works_with_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    assert inference.parse_args(["--prompt", "x", "--api_key", "sk-visible"]).api_key == "sk-visible"
+    err = capsys.readouterr().err
+    assert "warning" in err and "--api-key-file" in err and "sk-visible" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "message"), [(None, "cannot read"), ("", "no key on its first line"), ("\nkey", "no key")]
+)
+def test_a_bad_api_key_file_is_refused_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, message: str
+) -> None:
+    key_file = tmp_path / "key"
+    if content is not None:
+        key_file.write_text(content)
+    with pytest.raises(SystemExit):
+        inference.parse_args(["--prompt", "x", "--api-key-file", str(key_file)])
+    err = capsys.readouterr().err
+    assert "--api-key-file" in err and message in err
+
+
+def test_kebab_and_snake_flags_are_the_same_flag() -> None:
+    kebab = inference.parse_args(["--prompt", "x", "--max-new-tokens", "5", "--speculative-degree", "2"])
+    snake = inference.parse_args(["--prompt", "x", "--max_new_tokens", "5", "--speculative_degree", "2"])
+    assert inference.build_request(kebab) == inference.build_request(snake)
+    assert kebab.max_new_tokens == 5 and kebab.speculative_degree == 2
 
 
 def test_defaults_send_a_raw_prompt_only_with_no_chat() -> None:

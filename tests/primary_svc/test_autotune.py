@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from primary_svc import autotune
-from primary_svc.autotune import choose_precision, choose_precision_or_fallback, expected_tokens_per_s
+from primary_svc.autotune import AUTOTUNE_STAGE, choose_precision, choose_precision_or_fallback, expected_tokens_per_s
 
 FLAT = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}  # verifying 16 costs what 1 does
 STEEP = {1: 5.0, 2: 10.0, 4: 20.0, 8: 40.0, 16: 80.0}  # cost linear in rows
@@ -96,3 +96,24 @@ def test_the_budget_stops_measuring_and_an_incomplete_choice_is_not_cached(tmp_p
     assert measured == ["bf16"] and choice.precision == "bf16" and "budget" in choice.reason
     again = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), slow, max_measure_s=0.0)
     assert not again.is_cached and measured == ["bf16", "bf16"]
+
+
+def test_the_measurement_reports_its_progress_and_the_cached_choice_does_not(tmp_path):
+    events = []
+
+    def on_progress(stage, done, total, detail=""):
+        events.append((stage, done, total, detail))
+
+    fast = {k: v / 2 for k, v in FLAT.items()}
+    measure = curves(bf16=FLAT, fp32=fast)
+    choice = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), measure, on_progress=on_progress)
+    assert events == [
+        (AUTOTUNE_STAGE, 0, 2, "timing bf16"),
+        (AUTOTUNE_STAGE, 1, 2, "timing fp32"),
+        (AUTOTUNE_STAGE, 2, 2, f"chose {choice.precision}"),
+    ]
+    events.clear()
+    choose_precision(
+        tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), curves(bf16=FLAT, fp32=fast), on_progress=on_progress
+    )
+    assert events == []  # cached: nothing to wait for

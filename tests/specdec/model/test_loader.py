@@ -316,3 +316,13 @@ def test_missing_required_metadata_is_named(tmp_path: Path):
     del metadata["llama.embedding_length"]
     with pytest.raises(ValueError, match="llama.embedding_length"):
         gguf_convert.build_hf_config(metadata, reader)
+
+
+def test_the_conversion_reports_one_event_per_tensor_without_a_bar(tiny_gguf, tmp_path: Path):
+    """Services convert with no terminal (show_progress False): the events still count every tensor."""
+    gguf_path, hf = tiny_gguf
+    events = []
+    gguf_convert.convert_gguf(
+        gguf_path, tmp_path / "out", show_progress=False, on_progress=lambda *event: events.append(event)
+    )
+    assert events == [(gguf_convert.CONVERSION_STAGE, done, len(hf)) for done in range(1, len(hf) + 1)]
