@@ -274,9 +274,12 @@ class Backends:
         allowed: TokenBitmask | None = None,
         *,
         return_features: bool = False,
+        sampling: SamplingParams | None = None,
     ) -> Verified:
         """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None. `return_features`: the
-        rows' features come back (Verified.features), beside the logits in shared memory when those are."""
+        rows' features come back (Verified.features), beside the logits in shared memory when those are.
+        `sampling`: the request's, when it has penalties or a logit_bias; the primary then returns every
+        row processed from its node's history (VerifyRequest.sampling)."""
         r = await self._call(
             "primary",
             self.primary.Verify,
@@ -291,6 +294,7 @@ class Backends:
                 allowed_tokens=_mask(allowed),
                 kv_lease=self._kv_leases.get(request_id, ""),
                 return_features=return_features,
+                sampling=None if sampling is None else pb.sampling_to_pb(sampling),
             ),
         )
         own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's

@@ -65,6 +65,7 @@ from specdec.candidates import (
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import GRAMMAR_STRATEGY, TREE_STRATEGIES, consumes_features
 from specdec.task_type import TaskType
@@ -560,6 +561,7 @@ class RequestLoop:
                 fmt,
                 allowed,
                 **self._feature_request(),
+                **self._penalties_request(),
             )
         )
         t2 = time.perf_counter()
@@ -1033,7 +1035,14 @@ class RequestLoop:
                 "primary", "the primary did not answer within the request's deadline", dependency="primary"
             ) from None
 
-    def _feature_request(self) -> dict[str, bool]:
+    def _penalties_request(self) -> dict[str, Any]:
+        """The Verify argument carrying the request's penalties and logit_bias, which the primary
+        applies to every tree row as Decode does to its row (calls of requests without stay as they
+        were)."""
+        sampling: SamplingParams = self.params.sampling
+        return {"sampling": sampling} if sampling.has_penalties else {}
+
+    def _feature_request(self) -> dict[str, Any]:
         """The primary calls' argument asking for features, only where a strategy reads them (calls of
         requests without stay as they were)."""
         return {"return_features": True} if self.is_feature_consumer else {}
