@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -340,7 +341,7 @@ def test_a_client_deadline_stops_the_request_within_a_step_and_frees_its_kv(gate
 # laughter, ..."): what the penalties are for.
 LOOP_MESSAGES = [("user", "Write a short poem about joy.")]
 LOOP_NEW_TOKENS = 48
-PENALTIES = {  # each control alone, in the gRPC API's SamplingParams
+PENALTIES: dict[str, dict[str, Any]] = {  # each control alone, in the gRPC API's SamplingParams
     "frequency_penalty": {"frequency_penalty": 1.0},
     "presence_penalty": {"presence_penalty": 1.0},
     "repetition_penalty": {"repetition_penalty": 1.3},
@@ -365,7 +366,7 @@ def test_greedy_output_with_a_penalty_is_identical_with_and_without_speculation(
     """The primary processes each tree node's row from that node's own history, as Decode processes the
     same position, so speculation (any degree, any draft length) changes nothing; and the control does
     change the answer (else the test would show nothing)."""
-    fields = dict(PENALTIES[name])
+    fields: dict[str, Any] = dict(PENALTIES[name])
     if name == "logit_bias":
         fields["logit_bias"] = {max(set(loop_answer.token_ids), key=list(loop_answer.token_ids).count): -100.0}
     sampling = common_pb2.SamplingParams(**fields)
@@ -393,7 +394,8 @@ def test_greedy_output_with_a_penalty_is_identical_with_and_without_speculation(
 def test_a_repetition_or_frequency_penalty_breaks_the_default_models_loop(gateway_stub):
     plain = generate(gateway_stub, LOOP_MESSAGES, max_new_tokens=2 * LOOP_NEW_TOKENS)
     assert max_repeats(plain.text) >= 3, plain.text  # the loop, greedy
-    for fields in ({"repetition_penalty": 1.3}, {"frequency_penalty": 1.0}):
+    controls: tuple[dict[str, Any], ...] = ({"repetition_penalty": 1.3}, {"frequency_penalty": 1.0})
+    for fields in controls:
         out = generate(
             gateway_stub,
             LOOP_MESSAGES,
