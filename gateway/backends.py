@@ -301,9 +301,12 @@ class Backends:
         *,
         return_features: bool = False,
         logprobs: LogprobsRequest | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Verified:
         """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None. `return_features`: the
-        rows' features come back (Verified.features), beside the logits in shared memory when those are."""
+        rows' features come back (Verified.features), beside the logits in shared memory when those are.
+        `sampling`: the request's, when it has penalties or a logit_bias; the primary then returns every
+        row processed from its node's history (VerifyRequest.sampling)."""
         r = await self._call(
             "primary",
             self.primary.Verify,
@@ -319,6 +322,7 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
                 return_features=return_features,
                 logprobs=_logprobs_pb(logprobs),
+                sampling=None if sampling is None else pb.sampling_to_pb(sampling),
             ),
         )
         own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's

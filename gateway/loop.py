@@ -72,6 +72,7 @@ from specdec.grammar import GrammarState
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import (
     FEATURE_STRATEGIES,
@@ -663,6 +664,7 @@ class RequestLoop:
                 allowed,
                 **self._feature_request(planned),
                 **self._logprobs_request(),
+                **self._penalties_request(),
             )
         )
         t2 = time.perf_counter()
@@ -1139,6 +1141,13 @@ class RequestLoop:
             raise DeadlineExceeded(
                 "primary", "the primary did not answer within the request's deadline", dependency="primary"
             ) from None
+
+    def _penalties_request(self) -> dict[str, Any]:
+        """The Verify argument carrying the request's penalties and logit_bias, which the primary
+        applies to every tree row as Decode does to its row (calls of requests without stay as they
+        were)."""
+        sampling: SamplingParams = self.params.sampling
+        return {"sampling": sampling} if sampling.has_penalties else {}
 
     def _feature_request(self, plan: SpeculationPlan | None = None) -> dict[str, Any]:
         """The primary calls' argument asking for features, only where a strategy reads them (calls of

@@ -34,7 +34,15 @@ from specdec.service.api_keys import AUTHORIZATION, ApiKeys
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, from_rpc_error
 from http_svc.metrics import HttpMetrics
-from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest, parse_body, parse_request
+from http_svc.openai_request import (
+    CHAT,
+    COMPLETION,
+    IGNORED_FIELDS_HEADER,
+    ParsedRequest,
+    ignored_fields_header,
+    parse_body,
+    parse_request,
+)
 from http_svc.tokenizer_request import parse_detokenize, parse_tokenize
 from http_svc.openai_response import ChunkWriter, completion, error_event
 from specdec.errors import Unauthenticated
@@ -226,6 +234,10 @@ class HttpFront:
             self._check_key(request)
             parsed = parse_request(parse_body(await self._body(request)), kind)
             is_stream, aliases = parsed.is_stream, parsed.param_aliases
+            if parsed.unknown_fields:  # accepted, as vLLM accepts them, but never silently
+                self.log.warning(
+                    "request fields ignored", endpoint=endpoint, fields=ignored_fields_header(parsed.unknown_fields)
+                )
             self._check_model(parsed.model)
             response_id = f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
             parsed.request.request_id = response_id
@@ -239,7 +251,7 @@ class HttpFront:
                     self._count_tokens(answer.stats)
                 response = JSONResponse(
                     completion(parsed, response_id, int(time.time()), self.config.model_name, answers, echo_texts),
-                    headers={REQUEST_ID_HEADER: response_id},
+                    headers=_headers(parsed, response_id),
                 )
             status = response.status_code
             return response
@@ -322,7 +334,7 @@ class HttpFront:
             call,
             self.metrics.disconnects.inc,
             media_type="text/event-stream",
-            headers={REQUEST_ID_HEADER: response_id, "cache-control": "no-cache"},
+            headers={**_headers(parsed, response_id), "cache-control": "no-cache"},
         )
 
     async def _events(
@@ -458,6 +470,14 @@ class _CallStreamingResponse(StreamingResponse):
             self._on_disconnect()
         finally:
             self._call.cancel()
+
+
+def _headers(parsed: ParsedRequest, response_id: str) -> dict[str, str]:
+    """An answer's headers: its id, and the body's fields that had no effect (when any)."""
+    headers = {REQUEST_ID_HEADER: response_id}
+    if parsed.ignored_fields:
+        headers[IGNORED_FIELDS_HEADER] = ignored_fields_header(parsed.ignored_fields)
+    return headers
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,17 +1,26 @@
 """An OpenAI request body -> GenerateRequest (protobuf).
 
 Only the HTTP shape is checked here: types, the OpenAI spellings, what the protobuf can hold
-(a negative seed cannot be a uint64), and OpenAI features this service does not have (n > 1,
-the legacy `functions`, penalties), each a 400 naming the parameter; tools' shapes in
-http_svc.openai_tools. Whether a value is in range (a temperature, a stop list, a schema, a
-strategy, a tool's name) is the gateway's to say, once for every client: its INVALID_ARGUMENT
-comes back as a 400 naming the same parameter (http_svc.errors).
+(a negative seed cannot be a uint64), OpenAI's own ranges where they are narrower than the gRPC
+API's (temperature in [0, 2]), and OpenAI features this service does not have (n > 1, the legacy
+`functions`), each a 400 naming the parameter; tools' shapes in http_svc.openai_tools. Whether a
+value is in range (a top_p, a penalty, a stop list, a schema, a strategy, a tool's name) is the
+gateway's to say, once for every client: its INVALID_ARGUMENT comes back as a 400 naming the same
+parameter (http_svc.errors).
 
 Log probabilities: chat's `logprobs: bool` + `top_logprobs: 0..20`; completions' `logprobs:
 0..5` (the legacy shape) and `echo: true` (the prompt's text and, with logprobs, its tokens' log
 probabilities before the completion's; its first token has none). A completion's `prompt` may be a
 string, token ids, or a list of either (up to MAX_PROMPTS): each prompt is a request of its own,
 its answer the choice of that index (not with `stream`).
+
+Sampling controls (specdec.penalties, specdec.sampling): temperature, top_p, seed, and
+frequency_penalty, presence_penalty, logit_bias (OpenAI), with vLLM's extras top_k, min_p and
+repetition_penalty. Penalties count output tokens only; repetition_penalty counts the prompt too.
+
+Fields that change nothing are accepted, as vLLM accepts them, and named in the response header
+IGNORED_FIELDS_HEADER: OpenAI's that do not apply here (_IGNORED: user, store, metadata, ...) and
+any field neither API knows (also logged as a warning).
 
 Speculation settings ride as extra body fields (the OpenAI SDKs send them with `extra_body`):
 
@@ -45,15 +54,45 @@ _ROLE_ALIASES = {"developer": "system"}
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "logit_bias": (None, {}),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    "web_search_options": (None,),
 }
+# OpenAI parameters accepted and without effect here (named in IGNORED_FIELDS_HEADER when given):
+# identifiers and storage of the caller's (user, metadata, store, safety_identifier,
+# prompt_cache_key), a processing tier (service_tier: one tier here), and options of reasoning
+# models (reasoning_effort, verbosity), which the served model is not.
+_IGNORED = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "reasoning_effort",
+    "verbosity",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+# The parameters this service reads, by endpoint; what a body holds beyond these, _UNSUPPORTED and
+# _IGNORED is unknown: accepted, ignored and named in IGNORED_FIELDS_HEADER.
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "n", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
+        "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias", "response_format",
+        "return_token_ids", "speculative_decoding", "adaptive", "speculative_degree", "draft_length",
+        "acceptance_threshold", "strategies",
+    }
+)  # fmt: skip
+_FIELDS = {
+    CHAT: _COMMON_FIELDS | {"messages", "max_completion_tokens"},
+    COMPLETION: _COMMON_FIELDS | {"prompt"},
+}
+IGNORED_FIELDS_HEADER = "x-specdec-ignored-fields"
+MAX_IGNORED_NAMED = 32  # fields the header names at most (a body may hold thousands)
+MAX_TEMPERATURE = 2.0  # OpenAI's range of temperature is [0, 2]
+MAX_ABS_PENALTY = 2.0  # OpenAI's range of frequency_penalty and presence_penalty is [-2, 2]
 # What a surrogate in the body looks like: an escape of one (\ud800-\udfff), or one encoded as
 # UTF-8 (0xED 0xA0-0xBF ..., which json.loads lets through). A body without either holds none.
 _SURROGATE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
@@ -77,6 +116,9 @@ class ParsedRequest:
     is_logprobs: bool = False  # the answer carries log probabilities (chat: content; completions: legacy)
     num_top_logprobs: int = 0  # alternatives per token
     is_echo: bool = False  # completions: the prompt comes first in the text (and in the logprobs)
+    # The body's fields that had no effect, in body order: OpenAI's ignored ones, then unknown ones.
+    ignored_fields: tuple[str, ...] = ()
+    unknown_fields: tuple[str, ...] = ()  # of those, the ones no API defines
 
     @property
     def request(self) -> gateway_pb2.GenerateRequest:
@@ -188,6 +230,7 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     requests = (request,) if kind == CHAT else _prompt_requests(request, data.get("prompt"))
     if len(requests) > 1 and is_stream:
         raise bad_request("prompt", "several prompts cannot be streamed: send one request per prompt")
+    unknown = tuple(k for k in data if k not in _FIELDS[kind] and k not in _UNSUPPORTED and k not in _IGNORED)
     return ParsedRequest(
         kind,
         model,
@@ -199,6 +242,8 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
         is_logprobs,
         num_top,
         is_echo,
+        tuple(k for k in data if k in _IGNORED and data[k] is not None) + unknown,
+        unknown,
     )
 
 
@@ -219,6 +264,16 @@ def _logprobs(data: dict[str, Any], kind: str) -> tuple[bool, int]:
     if not is_logprobs:
         raise bad_request("top_logprobs", "needs logprobs: true")
     return True, num_top
+
+
+def ignored_fields_header(fields: tuple[str, ...]) -> str:
+    """The IGNORED_FIELDS_HEADER value: the names comma-separated, each escaped to printable ASCII
+    (a body's key may hold anything, a header may not), at most MAX_IGNORED_NAMED of them.
+    E.g. ("foo", "a\nb") -> 'foo, a\\nb'."""
+    named = [json.dumps(f)[1:-1] for f in fields[:MAX_IGNORED_NAMED]]
+    if len(fields) > MAX_IGNORED_NAMED:
+        named.append(f"... {len(fields) - MAX_IGNORED_NAMED} more")
+    return ", ".join(named)
 
 
 def _set_messages(request: gateway_pb2.GenerateRequest, messages: Any) -> None:
@@ -312,6 +367,8 @@ def _stop(stop: Any) -> list[str]:
 def _set_sampling(sampling: common_pb2.SamplingParams, data: dict[str, Any]) -> None:
     temperature = data.get("temperature")
     sampling.temperature = DEFAULT_TEMPERATURE if temperature is None else _number(temperature, "temperature")
+    if not 0.0 <= sampling.temperature <= MAX_TEMPERATURE:
+        raise bad_request("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
     if data.get("top_p") is not None:
         sampling.top_p = _number(data["top_p"], "top_p")
     if data.get("top_k") is not None:
@@ -321,6 +378,32 @@ def _set_sampling(sampling: common_pb2.SamplingParams, data: dict[str, Any]) -> 
         sampling.top_k = top_k
     if data.get("seed") is not None:
         sampling.seed = _integer(data["seed"], "seed", MAX_UINT64)
+    _set_penalties(sampling, data)
+
+
+def _set_penalties(sampling: common_pb2.SamplingParams, data: dict[str, Any]) -> None:
+    """frequency_penalty, presence_penalty (OpenAI), repetition_penalty, min_p (vLLM) and logit_bias;
+    their ranges are the gateway's to check (SamplingParams), but for OpenAI's [-2, 2], checked here
+    on the exact number before the protobuf's float32 rounds it."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if data.get(name) is not None:
+            value = _number(data[name], name)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise bad_request(name, f"must be in [-2, 2], got {data[name]}")
+            setattr(sampling, name, value)
+    if data.get("repetition_penalty") is not None:
+        sampling.repetition_penalty = _number(data["repetition_penalty"], "repetition_penalty")
+    if data.get("min_p") is not None:
+        sampling.min_p = _number(data["min_p"], "min_p")
+    bias = data.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias", 'must be an object of token id -> bias, e.g. {"1234": -100}')
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or int(key) > (1 << 31) - 1:
+            raise bad_request("logit_bias", f"keys must be token ids (decimal integers >= 0), got {key!r}")
+        sampling.logit_bias[int(key)] = _number(value, "logit_bias")
 
 
 def _set_response_format(response_format: common_pb2.ResponseFormat, value: Any) -> None:

@@ -29,7 +29,8 @@ from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.metrics import ServiceMetrics
-from specdec.sampling import logits_to_probs, make_generator, sample
+from specdec.penalties import penalize
+from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
 
@@ -159,15 +160,18 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         node_logprobs: list[TokenLogprob] = []
         row_logprobs: list[TokenLogprob] = []
+        sampling = self._sampling(request) if request.HasField("sampling") else SamplingParams()
 
         def finish(logits: torch.Tensor) -> _Verified:  # engine thread
             lookahead_argmax = row_argmax(logits[num_rows:])  # [L], unmasked
-            logits = logits[:num_rows]  # [N+1, V]
+            # [N+1, V], each row processed from its node's history when the request has penalties
+            raw = logits[:num_rows]  # [N+1, V]: log probabilities are the model's own, as Decode's
+            logits = self._penalized(request_id, raw, sampling, token_ids, parents)
             # from fp32 logits whatever the wire format; among the grammar's tokens when masked.
             argmax = row_argmax(logits) if allowed is None else allowed.argmax(logits).tolist()
             if logprobs is not None:  # node i's token at its parent's row (row parent + 1)
-                node_logprobs.extend(token_logprobs(logits[[p + 1 for p in parents]], token_ids, logprobs.num_top))
-                row_logprobs.extend(token_logprobs(logits, argmax, logprobs.num_top))
+                node_logprobs.extend(token_logprobs(raw[[p + 1 for p in parents]], token_ids, logprobs.num_top))
+                row_logprobs.extend(token_logprobs(raw, argmax, logprobs.num_top))
             num_cached = self.worker.built_engine().num_cached(request_id)  # read here: this pass's, not a later one's
             step_rows = self.worker.step_rows  # likewise
             # the logits rows' features, [N+1, C] (the lookahead rows' are not returned)
@@ -209,11 +213,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
-        sampling = pb.sampling_from_pb(request.sampling)
+        sampling = self._sampling(request)
         allowed = self._allowed_tokens(request, 1)
         grammar = self._run_grammar(request, request_id, allowed is not None, sampling.is_greedy)
 
         def next_token(logits: torch.Tensor) -> int:
+            logits = self._penalized(request_id, logits[:1], sampling)  # [1, V]
             if grammar is not None:  # on the engine thread, past every token committed so far
                 allowed_now = grammar(self.worker.built_engine().output_token_ids(request_id)).allowed_mask()
                 return int(allowed_now.argmax(logits)[0])
@@ -253,6 +258,31 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             token_ids=tokens,
             logprobs=[pb.token_logprob_to_pb(v) for v in decoded_logprobs],
         )
+
+    def _sampling(self, request) -> SamplingParams:
+        """The request's sampling parameters, checked (logit_bias ids against the vocabulary too)."""
+        sampling = pb.sampling_from_pb(request.sampling)
+        pb.check_logit_bias_ids(sampling, self.vocab_size)
+        return sampling
+
+    def _penalized(
+        self,
+        request_id: str,
+        logits: torch.Tensor,
+        sampling: SamplingParams,
+        tree_token_ids: list[int] | tuple[()] = (),
+        tree_parents: list[int] | tuple[()] = (),
+    ) -> torch.Tensor:
+        """Logits [N+1, V] processed by the request's penalties and logit_bias from each row's history
+        (specdec.penalties); as they are when it has none. On the engine thread, after this step's
+        commit: the engine's tokens are the context up to the pending (root) token."""
+        if not sampling.has_penalties:
+            return logits
+        engine = self.worker.built_engine()
+        output_ids = engine.output_token_ids(request_id)
+        context = engine.token_ids(request_id)
+        prompt_ids = context[: len(context) - len(output_ids)]
+        return penalize(logits, sampling, prompt_ids, output_ids, tree_token_ids, tree_parents)
 
     def _decode_run(self, request, is_greedy_unmasked: bool) -> tuple[int, frozenset[int]]:
         """A Decode's max_tokens (at least 1) and stop token ids, checked."""

@@ -42,16 +42,48 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, field: str = "sampling") -> 
             top_k=int(pb.top_k),
             top_p=float(pb.top_p) if pb.HasField("top_p") else 1.0,
             seed=int(pb.seed) if pb.HasField("seed") else None,
+            frequency_penalty=float(pb.frequency_penalty),
+            presence_penalty=float(pb.presence_penalty),
+            repetition_penalty=float(pb.repetition_penalty) if pb.HasField("repetition_penalty") else 1.0,
+            min_p=float(pb.min_p),
+            logit_bias=_logit_bias_from_pb(pb, field),
         )
     except ValueError as e:  # "top_p must be ...": the field's name, then what is wrong with it
         name, _, problem = str(e).partition(" ")
+        name = name.split("[", 1)[0]  # "logit_bias[7]" names the field logit_bias
         raise InvalidArgument(f"{field}.{name}", problem) from None
 
 
+def _logit_bias_from_pb(pb: common_pb2.SamplingParams, field: str) -> tuple[tuple[int, float], ...]:
+    """The map, sorted by token id (a map's order on the wire is not defined); negative ids refused."""
+    for token_id in pb.logit_bias:
+        if token_id < 0:
+            raise InvalidArgument(f"{field}.logit_bias", f"token ids must be >= 0, got {token_id}")
+    return tuple(sorted((int(t), float(b)) for t, b in pb.logit_bias.items()))
+
+
+def check_logit_bias_ids(params: SamplingParams, vocab_size: int, field: str = "sampling") -> None:
+    """The logit_bias token ids are below vocab_size (SamplingParams cannot know the vocabulary)."""
+    if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:
+        raise InvalidArgument(
+            f"{field}.logit_bias", f"token id {params.logit_bias[-1][0]} is not below the vocab_size {vocab_size}"
+        )
+
+
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    pb = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
+    )
     if params.seed is not None:
         pb.seed = params.seed
+    if params.repetition_penalty != 1.0:
+        pb.repetition_penalty = params.repetition_penalty
     return pb
 
 

@@ -6,7 +6,10 @@ lossless when target and draft distributions are shaped by the same rule, so the
 one implementation and everybody imports it.
 
 Order of operations (the Hugging Face order): divide by temperature, keep the top-k logits,
-softmax, keep the smallest top-p nucleus, renormalise. Ties are broken by the lowest token id
+softmax, keep the smallest top-p nucleus, drop the tokens below min_p times the most likely
+token's probability, renormalise. The penalties and logit_bias (specdec.penalties) are not
+applied here: they depend on each row's token history, so the primary applies them to the logits
+it returns, and every stage sees the processed logits. Ties are broken by the lowest token id
 everywhere (argmax, the k-th place, the nucleus boundary), so the result does not depend on the
 sort implementation.
 """
@@ -22,6 +25,11 @@ TOP_K_OFF = 0  # top_k == 0 keeps the whole vocabulary
 TOP_P_OFF = 1.0  # top_p == 1.0 keeps the whole vocabulary
 GREEDY_TEMPERATURE = 0.0  # temperature == 0 means argmax decoding
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts unsigned 64-bit seeds
+MIN_P_OFF = 0.0  # min_p == 0 keeps the whole vocabulary
+REPETITION_PENALTY_OFF = 1.0
+MAX_ABS_PENALTY = 2.0  # OpenAI's range of frequency_penalty and presence_penalty: [-2, 2]
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on the tokens one logit_bias names
 
 _MASK_64 = 2**64 - 1
 _TOP_P_FIRST_PREFIX = 256  # typical nuclei are far smaller; the prefix grows x8 when not
@@ -33,6 +41,12 @@ class SamplingParams:
     top_k: int = TOP_K_OFF
     top_p: float = TOP_P_OFF
     seed: int | None = None
+    # The history-dependent logits processing (specdec.penalties), applied by the primary:
+    frequency_penalty: float = 0.0  # [-2, 2], minus this times a token's count in the output
+    presence_penalty: float = 0.0  # [-2, 2], minus this once for a token present in the output
+    repetition_penalty: float = REPETITION_PENALTY_OFF  # > 0, divides (or multiplies) seen tokens' logits
+    min_p: float = MIN_P_OFF  # [0, 1], applied here after top-p (logits_to_probs)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) sorted by id
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -50,10 +64,46 @@ class SamplingParams:
                 raise ValueError(f"seed must be an int or None, got {self.seed!r}")
             if not (0 <= self.seed <= MAX_SEED):
                 raise ValueError(f"seed must be in [0, 2**64), got {self.seed!r}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not (0.0 < rp and math.isfinite(rp)):
+            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {rp!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}")
+        previous = -1
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id <= previous:
+                raise ValueError(f"logit_bias token ids must be ints >= 0, sorted, each once, got {token_id!r}")
+            if not _is_number(bias) or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
+            previous = token_id
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the primary processes this request's logits (specdec.penalties): only those rows pay."""
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != REPETITION_PENALTY_OFF
+            or self.logit_bias
+        )
+
+
+def _is_number(value: object) -> bool:
+    """A finite int or float (NaN fails every range comparison, so it is refused by the callers too)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -75,6 +125,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     probs = torch.softmax(scaled, dim=-1)  # [R, V]
     if params.top_p < TOP_P_OFF:
         probs = probs * _top_p_mask(probs, params.top_p)
+    if params.min_p > MIN_P_OFF:
+        # Keep p >= min_p * max p: a ratio to the most likely token, so the same set whether taken
+        # before or after top-p's renormalisation; the most likely token is always kept.
+        probs = probs * (probs >= params.min_p * probs.amax(dim=-1, keepdim=True)).to(probs.dtype)
+    if params.top_p < TOP_P_OFF or params.min_p > MIN_P_OFF:
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 

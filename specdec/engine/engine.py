@@ -72,6 +72,7 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from specdec.logits_codec import row_argmax
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.model.llama import SequenceSpan, Transformer
+from specdec.penalties import penalize
 from specdec.request_id import tenant_of
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 
@@ -559,6 +560,9 @@ class Engine:
         """One plain step: the next token after the committed context, committed at once; `position`
         (its index among the generated tokens) selects a seeded draw's stream (make_generator)."""
         logits = self.verify(request_id, (), ())  # [1, V]
+        if sampling.has_penalties:  # processed from the context, as the primary's Decode does
+            context, output_ids = self.token_ids(request_id), self.output_token_ids(request_id)
+            logits = penalize(logits[:1], sampling, context[: len(context) - len(output_ids)], output_ids)
         if sampling.is_greedy:
             token = row_argmax(logits[:1])[0]
         else:

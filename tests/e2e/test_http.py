@@ -264,6 +264,11 @@ def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, g
         ({"acceptance_threshold": 2}, "acceptance_threshold"),
         ({"strategies": ["telepathy"]}, "strategies"),
         ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"temperature": 3}, "temperature"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 2}, "min_p"),
+        ({"logit_bias": {"1000000": 5}}, "logit_bias"),  # past the vocabulary: the gateway's check
     ],
 )
 def test_a_bad_parameter_is_a_400_naming_it(client: openai.OpenAI, extra: dict, param: str):
@@ -622,3 +627,28 @@ def _metric(stack: Stack, name: str) -> float:
 def _kv_bytes(stack: Stack) -> int:
     with stack.channel(PRIMARY) as channel:
         return primary_pb2_grpc.PrimaryServiceStub(channel).GetStats(primary_pb2.GetStatsRequest(), timeout=30).kv_bytes
+
+
+def test_penalties_and_unknown_fields_over_http(client: openai.OpenAI, gateway_stub):
+    """The OpenAI penalties reach the primary (greedy: the gRPC answer with the same controls, token for
+    token); a field nobody defines is accepted and named in the response header."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"return_token_ids": True, "repetition_penalty": 1.2, "foo_bar": 1},
+        frequency_penalty=1.0,
+        presence_penalty=0.5,
+        logit_bias={"28": -100},
+    )
+    assert raw.headers["x-specdec-ignored-fields"] == "foo_bar"
+    answer = raw.parse()
+    req = gateway_pb2.GenerateRequest(max_new_tokens=24)
+    req.chat.messages.add(role="user", content=PROMPT)
+    req.sampling.frequency_penalty, req.sampling.presence_penalty = 1.0, 0.5
+    req.sampling.repetition_penalty = 1.2
+    req.sampling.logit_bias[28] = -100
+    expected = gateway_stub.Generate(req, timeout=600)
+    assert answer.choices[0].model_extra["token_ids"] == list(expected.token_ids)
+    assert 28 not in expected.token_ids

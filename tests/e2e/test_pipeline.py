@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -92,8 +93,15 @@ def test_a_seeded_sampled_answer_is_the_same_with_and_without_speculation(gatewa
         ("user", "Copy this list exactly, twice: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa.")
     ]
     num_drafted = 0
-    for seed in (1, 2):
-        sampling = common_pb2.SamplingParams(temperature=0.7, top_p=0.9, seed=seed)
+    for sampling in (
+        common_pb2.SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+        common_pb2.SamplingParams(temperature=0.7, top_p=0.9, seed=2),
+        # the primary's per-node penalties, and min_p where temperature is applied (validator, Decode)
+        common_pb2.SamplingParams(
+            temperature=0.7, seed=3, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.2, logit_bias={13: 1.0}
+        ),
+    ):
+        seed = sampling.seed
         outputs = {
             s: generate(gateway_stub, messages, is_enabled=s[0], degree=s[1], draft_length=s[2], sampling=sampling)
             for s in SETTINGS
@@ -327,3 +335,78 @@ def test_a_client_deadline_stops_the_request_within_a_step_and_frees_its_kv(gate
     assert state.status == gateway_pb2.REQUEST_STATUS_CANCELLED
     assert state.finish_reason in (gateway_pb2.FINISH_REASON_DEADLINE, gateway_pb2.FINISH_REASON_CANCELLED)
     assert len(state.token_ids) < 3000 and primary_stats(stack).kv_bytes == 0
+
+
+# The default model loops on this prompt when greedy ("A joy that brings laughter, a joy that brings
+# laughter, ..."): what the penalties are for.
+LOOP_MESSAGES = [("user", "Write a short poem about joy.")]
+LOOP_NEW_TOKENS = 48
+PENALTIES: dict[str, dict[str, Any]] = {  # each control alone, in the gRPC API's SamplingParams
+    "frequency_penalty": {"frequency_penalty": 1.0},
+    "presence_penalty": {"presence_penalty": 1.0},
+    "repetition_penalty": {"repetition_penalty": 1.3},
+    "logit_bias": {},  # filled from the plain answer: its most frequent token banned, see below
+}
+
+
+def max_repeats(text: str) -> int:
+    """How often the answer's most repeated word trigram occurs (1: no trigram repeats)."""
+    words = text.lower().replace(",", " ").split()
+    trigrams = [tuple(words[i : i + 3]) for i in range(len(words) - 2)]
+    return max((trigrams.count(t) for t in trigrams), default=0)
+
+
+@pytest.fixture(scope="module")
+def loop_answer(gateway_stub) -> gateway_pb2.GenerateResponse:
+    return generate(gateway_stub, LOOP_MESSAGES, is_enabled=False, max_new_tokens=LOOP_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", list(PENALTIES))
+def test_greedy_output_with_a_penalty_is_identical_with_and_without_speculation(gateway_stub, loop_answer, name):
+    """The primary processes each tree node's row from that node's own history, as Decode processes the
+    same position, so speculation (any degree, any draft length) changes nothing; and the control does
+    change the answer (else the test would show nothing)."""
+    fields: dict[str, Any] = dict(PENALTIES[name])
+    if name == "logit_bias":
+        fields["logit_bias"] = {max(set(loop_answer.token_ids), key=list(loop_answer.token_ids).count): -100.0}
+    sampling = common_pb2.SamplingParams(**fields)
+    outputs = {
+        s: generate(
+            gateway_stub,
+            LOOP_MESSAGES,
+            is_enabled=s[0],
+            degree=s[1],
+            draft_length=s[2],
+            max_new_tokens=LOOP_NEW_TOKENS,
+            sampling=sampling,
+        )
+        for s in SETTINGS
+    }
+    baseline = outputs[SETTINGS[0]]
+    assert list(baseline.token_ids) != list(loop_answer.token_ids), f"{name} changed nothing"
+    num_drafted = 0
+    for setting, out in outputs.items():
+        assert list(out.token_ids) == list(baseline.token_ids), (name, setting, out.text, baseline.text)
+        num_drafted += out.stats.num_generated_tokens - out.stats.num_steps if setting[0] else 0
+    assert num_drafted > 0, "no speculative step accepted a draft token: the test shows nothing"
+
+
+def test_a_repetition_or_frequency_penalty_breaks_the_default_models_loop(gateway_stub):
+    plain = generate(gateway_stub, LOOP_MESSAGES, max_new_tokens=2 * LOOP_NEW_TOKENS)
+    assert max_repeats(plain.text) >= 3, plain.text  # the loop, greedy
+    controls: tuple[dict[str, Any], ...] = ({"repetition_penalty": 1.3}, {"frequency_penalty": 1.0})
+    for fields in controls:
+        out = generate(
+            gateway_stub,
+            LOOP_MESSAGES,
+            max_new_tokens=2 * LOOP_NEW_TOKENS,
+            sampling=common_pb2.SamplingParams(**fields),
+        )
+        assert max_repeats(out.text) < max_repeats(plain.text), (fields, out.text, plain.text)
+
+
+def test_a_logit_bias_beyond_the_vocabulary_is_invalid_argument(gateway_stub):
+    with pytest.raises(grpc.RpcError) as e:
+        generate(gateway_stub, [("user", "Hi")], sampling=common_pb2.SamplingParams(logit_bias={1 << 30: 1.0}))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("sampling.logit_bias: token id 1073741824 is not below the vocab_size")

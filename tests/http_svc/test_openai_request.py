@@ -7,7 +7,14 @@ import json
 import pytest
 
 from http_svc.errors import ApiError
-from http_svc.openai_request import CHAT, COMPLETION, DEFAULT_TEMPERATURE, parse_body, parse_request
+from http_svc.openai_request import (
+    CHAT,
+    COMPLETION,
+    DEFAULT_TEMPERATURE,
+    ignored_fields_header,
+    parse_body,
+    parse_request,
+)
 from specdec.v1 import common_pb2
 
 MODEL = "m"
@@ -139,7 +146,18 @@ def test_speculation_settings_are_extra_fields() -> None:
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"presence_penalty": "1"}, "presence_penalty"),
+        ({"repetition_penalty": None, "min_p": "x"}, "min_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": "x"}}, "logit_bias"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"web_search_options": {}}, "web_search_options"),
         ({"user": 5}, "user"),
     ],
 )
@@ -150,7 +168,40 @@ def test_a_body_not_of_the_openai_shape_is_a_400_naming_the_parameter(fields: di
 
 
 def test_neutral_values_of_unsupported_parameters_pass() -> None:
-    parse_request(chat(n=1, logprobs=False, frequency_penalty=0, presence_penalty=0.0, tools=[], logit_bias={}), CHAT)
+    parse_request(chat(n=1, logprobs=False, tools=[]), CHAT)
+
+
+@pytest.mark.parametrize("kind", [CHAT, COMPLETION])
+def test_sampling_controls_reach_the_generate_request(kind: str) -> None:
+    body = chat() if kind == CHAT else {"model": MODEL, "prompt": "Once"}
+    body.update(
+        temperature=2,
+        frequency_penalty=-2,
+        presence_penalty=1.5,
+        repetition_penalty=1.2,
+        min_p=0.05,
+        logit_bias={"42": -100, "7": 2.5},
+    )
+    s = parse_request(body, kind).request.sampling
+    assert s.temperature == 2 and s.frequency_penalty == -2 and s.presence_penalty == 1.5
+    assert s.HasField("repetition_penalty") and s.repetition_penalty == pytest.approx(1.2)
+    assert s.min_p == pytest.approx(0.05) and dict(s.logit_bias) == {42: -100.0, 7: 2.5}
+    assert not parse_request(chat(), CHAT).request.sampling.HasField("repetition_penalty")  # unset: off
+
+
+def test_fields_without_effect_are_accepted_and_named() -> None:
+    parsed = parse_request(chat(foo_bar=1, user="u", reasoning_effort="low", store=None, temperature=1), CHAT)
+    assert parsed.ignored_fields == ("user", "reasoning_effort", "foo_bar")  # store=None: not given
+    assert parsed.unknown_fields == ("foo_bar",)
+    assert parse_request(chat(), CHAT).ignored_fields == ()
+    completion = parse_request({"model": MODEL, "prompt": "Once", "messages": [], "best_of": 1}, COMPLETION)
+    assert completion.unknown_fields == ("messages",)  # a chat field in a completion body has no effect
+
+
+def test_the_ignored_fields_header_is_printable_ascii_and_bounded() -> None:
+    assert ignored_fields_header(("foo", "a\r\nb", "\u00e9")) == "foo, a\\r\\nb, \\u00e9"
+    value = ignored_fields_header(tuple(f"f{i}" for i in range(100)))
+    assert value.endswith(", ... 68 more") and value.count(",") == 32
 
 
 def test_prompts() -> None:

@@ -20,6 +20,8 @@ from specdec.engine.loading import load_model
 from specdec import pb
 from specdec.grammar import ResponseFormat
 from specdec.pb import logits_from_pb
+from specdec.penalties import penalize
+from specdec.sampling import SamplingParams
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import create_server
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
@@ -491,3 +493,36 @@ def test_slots_without_a_call_for_the_lease_period_are_released(primary):
     with pytest.raises(grpc.RpcError) as e:  # its gateway re-prefills when it sees this
         stub.Decode(primary_pb2.DecodeRequest(request_id="busy", kv_lease=lease))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_penalties_process_every_tree_row_from_its_own_history(primary):
+    """VerifyRequest.sampling: each returned row (and its argmax) is the raw row processed from the
+    context plus the node's path (specdec.penalties), as Decode processes the same position."""
+    stub, engine, *_ = primary
+    lease = stub.Prefill(
+        primary_pb2.PrefillRequest(request_id="pen", token_ids=PROMPT + [700], num_prompt_tokens=len(PROMPT))
+    ).kv_lease
+    tree = common_pb2.TokenTree(token_ids=[700, 701, 700], parents=[-1, 0, 1])
+    fp32 = common_pb2.LOGITS_FORMAT_FP32
+
+    def verify(sampling: common_pb2.SamplingParams | None) -> primary_pb2.VerifyResponse:
+        request = primary_pb2.VerifyRequest(request_id="pen", tree=tree, kv_lease=lease, logits_format=fp32)
+        if sampling is not None:
+            request.sampling.CopyFrom(sampling)
+        return stub.Verify(request)
+
+    raw = logits_from_pb(verify(None).logits, "logits")  # [4, V]
+    banned = int(raw[0].argmax())
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, logit_bias=((banned, -100.0),))
+    v = verify(pb.sampling_to_pb(params))
+    processed = logits_from_pb(v.logits, "logits")
+    expected = penalize(raw, params, PROMPT, [700], [700, 701, 700], [-1, 0, 1])
+    assert torch.equal(processed, expected) and not torch.equal(processed, raw)
+    assert list(v.argmax_token_ids) == expected.argmax(-1).tolist() and v.argmax_token_ids[0] != banned
+    # Decode of the root's token: row 0 as Verify processed it
+    d = stub.Decode(primary_pb2.DecodeRequest(request_id="pen", kv_lease=lease, sampling=pb.sampling_to_pb(params)))
+    assert d.token_id == v.argmax_token_ids[0]
+    with pytest.raises(grpc.RpcError) as e:
+        verify(common_pb2.SamplingParams(logit_bias={engine.vocab_size: 1.0}))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("sampling.logit_bias")
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="pen", kv_lease=lease))

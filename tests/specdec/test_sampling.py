@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.pb import sampling_from_pb
+from specdec.pb import check_logit_bias_ids, sampling_from_pb, sampling_to_pb
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2
 
@@ -27,6 +27,16 @@ LOG_1234 = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # softmax at tempera
         ({"seed": -1}, "seed"),
         ({"seed": 2**64}, "seed"),
         ({"seed": True}, "seed"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
+        ({"logit_bias": ((3, 1.0), (2, 1.0))}, "logit_bias"),
+        ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
     ],
 )
 def test_params_reject_bad_values_naming_the_field(kwargs, field):
@@ -137,3 +147,51 @@ def test_bad_sampling_on_the_wire_names_the_field_once():
     with pytest.raises(InvalidArgument) as e:
         sampling_from_pb(common_pb2.SamplingParams(temperature=-1))
     assert str(e.value) == "sampling.temperature: must be finite and >= 0, got -1.0"
+
+
+def test_min_p_keeps_tokens_at_least_min_p_times_the_most_likely():
+    # probs [.1, .2, .3, .4]; min_p 0.5 -> keep p >= 0.2 -> [0, .2, .3, .4] / .9
+    probs = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, min_p=0.5))
+    assert torch.allclose(probs, torch.tensor([[0.0, 2 / 9, 3 / 9, 4 / 9]]))
+
+
+def test_min_p_applies_after_temperature_and_top_p():
+    # temperature 0.5 squares the ratios: [1, 4, 9, 16] / 30; min_p 0.25 keeps >= 4/30 -> ids 1..3
+    probs = logits_to_probs(LOG_1234, SamplingParams(temperature=0.5, min_p=0.25))
+    assert torch.allclose(probs, torch.tensor([[0.0, 4 / 29, 9 / 29, 16 / 29]]))
+    # top_p 0.65 keeps {.4, .3}; min_p 0.8 of .4 / .7 keeps only id 3
+    probs = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, top_p=0.65, min_p=0.8))
+    assert torch.equal(probs, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
+
+
+def test_min_p_one_keeps_the_most_likely_and_greedy_ignores_it():
+    probs = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, min_p=1.0))
+    assert torch.equal(probs, torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
+    assert torch.equal(logits_to_probs(LOG_1234, SamplingParams(min_p=0.9)), torch.tensor([[0.0, 0.0, 0.0, 1.0]]))
+
+
+def test_penalties_on_the_wire_round_trip_and_name_the_field():
+    params = SamplingParams(
+        temperature=0.5,
+        frequency_penalty=0.5,
+        presence_penalty=-1.0,
+        repetition_penalty=1.25,
+        min_p=0.125,
+        logit_bias=((2, -100.0), (7, 3.5)),
+    )
+    assert sampling_from_pb(sampling_to_pb(params)) == params
+    assert sampling_from_pb(common_pb2.SamplingParams()).repetition_penalty == 1.0  # unset: off
+    with pytest.raises(InvalidArgument, match="sampling.logit_bias"):
+        sampling_from_pb(common_pb2.SamplingParams(logit_bias={-1: 1.0}))
+    with pytest.raises(InvalidArgument, match="sampling.logit_bias"):
+        sampling_from_pb(common_pb2.SamplingParams(logit_bias={5: 200.0}))
+    with pytest.raises(InvalidArgument, match="sampling.repetition_penalty"):
+        sampling_from_pb(common_pb2.SamplingParams(repetition_penalty=0.0))
+    with pytest.raises(InvalidArgument, match="sampling.logit_bias: token id 10 is not below the vocab_size 10"):
+        check_logit_bias_ids(SamplingParams(logit_bias=((10, 1.0),)), 10)
+
+
+def test_has_penalties_is_false_for_min_p_and_the_defaults():
+    assert not SamplingParams(temperature=1.0, min_p=0.5, top_k=3).has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(logit_bias=((0, 0.0),)).has_penalties

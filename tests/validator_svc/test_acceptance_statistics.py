@@ -16,6 +16,10 @@ Test: Pearson chi-square over the 25 cells (cells with expected count < 5 pooled
 1e-4 upper quantile (Wilson-Hilferty), so a correct rule fails with probability 1e-4 per test for a
 random seed; the seeds here are fixed, so the outcome is deterministic. Cells of probability 0 must
 stay empty. `test_a_biased_rule_is_detected` shows the test has the power to fail.
+
+With penalties and min_p the target depends on the whole history, as the primary processes it
+(specdec.penalties: each tree row from the context plus its path; the root token is the prompt):
+    P(t1 = a, t2 = b) = p(a | prompt, output []) * p(b | prompt, output [a]).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts
 from draft_svc.strategies.feature import FeatureDecoder, FeatureTreeConfig
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import ROOT
+from specdec.penalties import penalize
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from validator_svc import acceptance
 from validator_svc.acceptance import rejection_sample_accept, validate_tree
@@ -45,6 +50,16 @@ NUM_TRIALS = 800
 NUM_TRIALS_BIASED = 400  # the biased rule below scores chi2 ~ 100 against a critical ~ 45
 Z_1E4 = 3.719  # standard normal upper 1e-4 quantile
 PARAMS = SamplingParams(temperature=1.0, top_k=4, top_p=0.97)  # each row keeps 3-4 tokens
+# Every history-dependent control, and min_p (it empties 6 more of the 25 (t1, t2) cells than top-k 4 alone)
+PENALIZED_PARAMS = SamplingParams(
+    temperature=1.0,
+    top_k=4,
+    min_p=0.4,
+    repetition_penalty=1.6,
+    frequency_penalty=0.5,
+    presence_penalty=0.3,
+    logit_bias=((2, 0.4),),
+)
 
 _tables = torch.Generator().manual_seed(11)
 TARGET_LOGITS = torch.randn(VOCAB_SIZE, VOCAB_SIZE, generator=_tables) * 0.8  # [V, V]: row = last token
@@ -153,7 +168,9 @@ def merge(candidates: list[Candidate]) -> tuple[list[int], list[int], torch.Tens
     return token_ids, parents, torch.stack(rows) if rows else torch.zeros(0, VOCAB_SIZE)
 
 
-def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool, rule: str = "service") -> tuple[int, int]:
+def first_two_tokens(
+    propose: Proposer, trial: int, is_deterministic: bool, rule: str = "service", params: SamplingParams = PARAMS
+) -> tuple[int, int]:
     """rule "service": validate_tree in sample mode as the validator runs it (the per-position walk
     for deterministic drafts, seeded by the trial); "rejection": rejection sampling for every tree."""
     draft_rng = random.Random(1_000_003 + trial)  # independent of the validator's stream
@@ -162,12 +179,14 @@ def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool, rule
     while len(emitted) < 2:
         token_ids, parents, draft_probs = merge(propose((ROOT_TOKEN, *emitted), draft_rng))
         target_logits = TARGET_LOGITS[[last] + token_ids]  # [N+1, V]: the bigram row of each node's token
+        # as the primary returns them: each row processed from its own history (none without penalties)
+        target_logits = penalize(target_logits, params, [ROOT_TOKEN], emitted, token_ids, parents)
         if rule == "service":
             result = validate_tree(
                 token_ids,
                 parents,
                 target_logits,
-                dataclasses.replace(PARAMS, seed=trial),
+                dataclasses.replace(params, seed=trial),
                 AcceptanceMode.SAMPLE,
                 draft_probs=None if is_deterministic else draft_probs,
                 position=len(emitted),
@@ -177,7 +196,7 @@ def first_two_tokens(propose: Proposer, trial: int, is_deterministic: bool, rule
                 token_ids,
                 parents,
                 target_logits,
-                PARAMS,
+                params,
                 make_generator(trial, step),
                 draft_probs=None if is_deterministic else draft_probs,
             )
@@ -201,14 +220,26 @@ def chi_square_check(counts: torch.Tensor, expected_probs: torch.Tensor) -> tupl
 
 
 def run_trials(
-    propose: Proposer, is_deterministic: bool, num_trials: int = NUM_TRIALS, rule: str = "service"
+    propose: Proposer,
+    is_deterministic: bool,
+    num_trials: int = NUM_TRIALS,
+    rule: str = "service",
+    params: SamplingParams = PARAMS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     joint_counts = torch.zeros(VOCAB_SIZE, VOCAB_SIZE)
     for trial in range(num_trials):
-        first, second = first_two_tokens(propose, trial, is_deterministic, rule)
+        first, second = first_two_tokens(propose, trial, is_deterministic, rule, params)
         joint_counts[first, second] += 1
-    joint_target = TARGET_PROBS[ROOT_TOKEN][:, None] * TARGET_PROBS  # [V, V]
-    return joint_counts, joint_target
+    return joint_counts, joint_target_probs(params)
+
+
+def joint_target_probs(params: SamplingParams) -> torch.Tensor:
+    """P(t1 = a, t2 = b) [V, V] of sequential sampling from the primary's processed distributions."""
+    first = logits_to_probs(penalize(TARGET_LOGITS[[ROOT_TOKEN]], params, [ROOT_TOKEN], []), params)[0]  # [V]
+    second = torch.cat(
+        [logits_to_probs(penalize(TARGET_LOGITS[[a]], params, [ROOT_TOKEN], [a]), params) for a in range(VOCAB_SIZE)]
+    )  # [V, V]: row a = p(. | output [a])
+    return first[:, None] * second
 
 
 PROPOSERS: dict[str, tuple[Proposer, bool]] = {
@@ -319,3 +350,16 @@ def test_independent_drafts_merged_with_dedup_need_sibling_exclusion(is_excludin
         total += weight * root_output_distribution(list(children.items()), is_excluding)
     total_variation = float((total - TARGET_PROBS[ROOT_TOKEN].double()).abs().sum()) / 2
     assert (total_variation < 1e-6) == is_exact, total_variation
+
+
+@pytest.mark.parametrize("name", ["tree, mixed drafts", "tree, deterministic drafts"])
+def test_sample_mode_with_penalties_and_min_p_matches_the_processed_target(name):
+    """Drafts from the unprocessed tables (any draft distribution is lossless); the primary's rows
+    processed per node from its own path, min_p applied by the validator after top-k."""
+    propose, is_deterministic = PROPOSERS[name]
+    joint_counts, joint_target = run_trials(propose, is_deterministic, params=PENALIZED_PARAMS)
+    without_min_p = joint_target_probs(dataclasses.replace(PENALIZED_PARAMS, min_p=0.0))
+    assert not torch.allclose(joint_target, joint_target_probs(PARAMS)), "the controls change nothing"
+    assert int((joint_target == 0).sum()) > int((without_min_p == 0).sum()), "min_p drops nothing"
+    joint_stat, joint_critical = chi_square_check(joint_counts, joint_target)
+    assert joint_stat < joint_critical, f"first two tokens: chi2 {joint_stat:.1f} >= {joint_critical:.1f}"

@@ -91,12 +91,14 @@ def test_sampled_modes_go_to_the_host_path():
     logits = torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0]])
     cuda = ValidatorServicer(CudaPath(row_stats=no_kernel))
     for mode, threshold in ((SAMPLE, 0.0), (THRESHOLD, 0.5)):
-        req = request(logits, [2], [-1], "fp32", mode=mode, sampling=SamplingParams(temperature=0.7, seed=3))
-        req.acceptance_threshold = threshold
-        got, expected = cuda.Validate(req, None), ValidatorServicer(TorchPath()).Validate(req, None)
-        got.ClearField("time_ms")
-        expected.ClearField("time_ms")
-        assert got == expected
+        # min_p, like top-k / top-p, shapes whole rows after temperature: the host reference's work
+        for sampling in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.7, seed=3, min_p=0.3)):
+            req = request(logits, [2], [-1], "fp32", mode=mode, sampling=sampling)
+            req.acceptance_threshold = threshold
+            got, expected = cuda.Validate(req, None), ValidatorServicer(TorchPath()).Validate(req, None)
+            got.ClearField("time_ms")
+            expected.ClearField("time_ms")
+            assert got == expected
 
 
 class RecordingPath(TorchPath):
@@ -165,7 +167,9 @@ def request(
 
 
 def parity_requests(random_tree_logits, fmt: str, vocab_size: int):
-    """Greedy and temperature-0 threshold steps, with and without a grammar mask and the primary's argmax."""
+    """Greedy and temperature-0 threshold steps, with and without a grammar mask and the primary's argmax,
+    and with a min_p (the kernel's greedy statistics ignore it, as the reference does: the most likely
+    token always passes min_p, and greedy decoding keeps only that one)."""
     for seed in range(3):
         token_ids, parents, logits = random_tree_logits(8, vocab_size, seed)
         generator = torch.Generator().manual_seed(seed)
@@ -184,6 +188,7 @@ def parity_requests(random_tree_logits, fmt: str, vocab_size: int):
             req = request(logits, token_ids, parents, fmt, mode=THRESHOLD, allowed=mask)
             req.acceptance_threshold = 0.3
             yield req
+            yield request(logits, token_ids, parents, fmt, sampling=SamplingParams(min_p=0.9), allowed=mask)
 
 
 def assert_paths_agree(cuda_path, random_tree_logits, fmt: str, vocab_size: int) -> None:
