@@ -47,9 +47,12 @@ class GrpcPrimaryClient:
         return exported_from_pb(self._call("ExportWeights", primary_pb2.ExportWeightsRequest()).manifest)
 
     def _call(self, method: str, request):
-        """The primary's RPC `method`; any failure is Unavailable("primary_address") naming it."""
+        """The primary's RPC `method`; any failure is Unavailable("primary_address") naming it. The
+        call waits for the channel to connect (within its timeout): right after a primary restart
+        the channel may still be in its reconnect backoff, and failing fast then would refuse an
+        Attach that the primary, serving again, would answer."""
         try:
-            return getattr(self._stub, method)(request, timeout=self._timeout_s)
+            return getattr(self._stub, method)(request, timeout=self._timeout_s, wait_for_ready=True)
         except grpc.RpcError as e:
             raise Unavailable(
                 "primary_address", f"{method} on {self.address} failed: {e.code().name} {e.details()}"
