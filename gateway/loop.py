@@ -65,8 +65,9 @@ from specdec.candidates import (
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+from specdec.prediction import LOST, PredictionAlignment
 from specdec.state_store import AsyncStateStore, RequestStatus
-from specdec.strategies import GRAMMAR_STRATEGY, TREE_STRATEGIES, consumes_features
+from specdec.strategies import GRAMMAR_STRATEGY, PREDICTION_STRATEGY, TREE_STRATEGIES, consumes_features
 from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
@@ -310,6 +311,12 @@ class RequestLoop:
         self.grammar = grammar
         if grammar is not None and not grammar.accept_tokens(self.generated):
             raise FailedPrecondition("response_format", "the stored output does not follow the request's grammar")
+        # The prediction's tokens go to the draft service when it opens the request; the loop aligns the
+        # output to them too: to tell the controller when the prediction decoder has nothing to propose
+        # (_known_coverage), and to count the prediction's tokens the output has not used.
+        self.prediction_ids: tuple[int, ...] = tuple(tokenizer.encode(params.prediction)) if params.prediction else ()
+        self.prediction = PredictionAlignment(self.prediction_ids) if self.prediction_ids else None
+        self._align_prediction(self.generated)
         spec = params.speculation
         self.fixed_plan = fixed_plan(spec, max_tree_nodes)
         self.controller: AdaptiveController | None = None
@@ -494,12 +501,34 @@ class RequestLoop:
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
     def _known_coverage(self) -> dict[tuple[str, int], float]:
-        """Grammar-forced drafts propose nothing where the grammar forces no text next (free text, a
-        choice between values): the controller hears so before it plans (AdaptiveController.plan)."""
-        if self.grammar is None or self.grammar.forced_text():
-            return {}
+        """What the loop knows a decoder will propose this step, before the controller plans
+        (AdaptiveController.plan): grammar-forced drafts nothing where the grammar forces no text next
+        (free text, a choice between values); the prediction decoder, which follows the same alignment
+        as the loop's, nothing while the output does not follow the prediction (or it is used up), and
+        surely while it does."""
+        known: dict[tuple[str, int], float] = {}
         estimates = self._controller_state().estimates
-        return {(e.decoder, e.rank): 0.0 for e in estimates if e.decoder == GRAMMAR_STRATEGY}
+        if self.grammar is not None and not self.grammar.forced_text():
+            known.update({(e.decoder, e.rank): 0.0 for e in estimates if e.decoder == GRAMMAR_STRATEGY})
+        if self.prediction is not None:
+            position = self.prediction.next_position
+            is_proposing = position != LOST and position < len(self.prediction_ids)
+            known.update(
+                {
+                    (e.decoder, e.rank): 1.0 if is_proposing and e.rank == 0 else 0.0  # one candidate at most
+                    for e in estimates
+                    if e.decoder == PREDICTION_STRATEGY
+                }
+            )
+        return known
+
+    def _align_prediction(self, new_tokens: Sequence[int]) -> None:
+        """The committed tokens to the prediction's alignment; the prediction's tokens the output has
+        not used so far (OpenAI's rejected_prediction_tokens, counted by specdec.prediction)."""
+        if self.prediction is None:
+            return
+        self.prediction.add(new_tokens)
+        self.stats.num_rejected_prediction_tokens = len(self.prediction_ids) - self.prediction.num_matched
 
     def _controller_state(self) -> ControllerState:
         assert self.controller_state is not None  # set with the controller
@@ -762,7 +791,7 @@ class RequestLoop:
                     self.params.response_format if prompt else None,
                     () if prompt else lookahead_argmax,
                     continuation_length=CONTINUATION_TOKENS if self.grammar is None else 0,
-                    **({} if features is None else {"features": features[0], "feature_position": features[1]}),
+                    **self._propose_extras(features, is_opening=bool(prompt)),
                 ),
                 self._remaining_s(),
             )
@@ -779,6 +808,16 @@ class RequestLoop:
         self.draft_synced = len(self.generated)
         return tree
 
+    def _propose_extras(self, features: tuple[Any, int] | None, is_opening: bool) -> dict[str, Any]:
+        """The Propose's optional arguments: the features of committed tokens, and the prediction
+        when the call opens the request (only those given: a draft service hears nothing else)."""
+        extras: dict[str, Any] = {}
+        if features is not None:
+            extras.update(features=features[0], feature_position=features[1])
+        if is_opening and self.prediction_ids:
+            extras["prediction_token_ids"] = self.prediction_ids
+        return extras
+
     def _account(self, tree: DraftTree, outcomes: list[CandidateOutcome], v: Validation) -> None:
         """Per decoder and rank ("prompt_lookup", "prompt_lookup#1", ...); a decoder's time is its
         one run for all its ranks, so it goes to rank 0."""
@@ -787,6 +826,8 @@ class RequestLoop:
         for o in outcomes:
             ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
             self.stats.add_decoder(stats_name(o.decoder, o.rank), o.num_proposed, o.num_accepted, ms)
+            if o.decoder == PREDICTION_STRATEGY:
+                self.stats.num_accepted_prediction_tokens += o.num_accepted
         for d in depth_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents):
             self.stats.add_depths(d.decoder, d.num_tested, d.num_accepted)
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
@@ -839,6 +880,7 @@ class RequestLoop:
             raise FailedPrecondition("response_format", f"committed tokens {kept} leave the request's grammar")
         num_stored = len(self.generated)
         self.generated.extend(kept)
+        self._align_prediction(kept)
         # Hold back a tail that could still become a stop string, unless this is the end.
         ready = (
             len(self.text)

@@ -17,7 +17,7 @@ from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.sampling import SamplingParams
-from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY
+from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY, PREDICTION_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
 from specdec.task_type import TaskType
 from specdec.task_type import from_pb as task_type_from_pb
@@ -46,6 +46,7 @@ class GenerationParams:
     sampling: SamplingParams
     speculation: SpeculationParams
     response_format: ResponseFormat | None = None  # None: free text
+    prediction: str | None = None  # the predicted output (Predicted Outputs); None: none
 
     @property
     def has_schema(self) -> bool:
@@ -81,10 +82,30 @@ def params_from_pb(
             raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
     sampling = pb.sampling_from_pb(req.sampling)
     response_format = response_format_from_pb(req.response_format, limits.max_schema_depth)
+    prediction = _prediction_from_pb(req, limits)
     speculation = _speculation_from_pb(
-        req.speculation, limits, defaults, is_structured=response_format is not None, offered=offered
+        req.speculation,
+        limits,
+        defaults,
+        is_structured=response_format is not None,
+        offered=offered,
+        has_prediction=prediction is not None,
     )
-    return GenerationParams(prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation, response_format)
+    return GenerationParams(
+        prompt, messages, max_new_tokens, tuple(req.stop), sampling, speculation, response_format, prediction
+    )
+
+
+def _prediction_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits) -> str | None:
+    """The predicted output's text, or None; an empty one or one past the limit is refused."""
+    if not req.HasField("prediction"):
+        return None
+    content = req.prediction.content
+    if not content:
+        raise InvalidArgument("prediction.content", "must not be empty (leave prediction unset for none)")
+    if len(content) > limits.max_prediction_chars:
+        raise InvalidArgument("prediction.content", f"longer than {limits.max_prediction_chars} characters")
+    return content
 
 
 def response_format_from_pb(
@@ -181,6 +202,7 @@ def _speculation_from_pb(
     defaults: SpeculationDefaults,
     is_structured: bool = False,
     offered: frozenset[str] | None = None,
+    has_prediction: bool = False,
 ) -> SpeculationParams:
     is_enabled = spec.is_enabled if spec.HasField("is_enabled") else defaults.is_enabled
     is_adaptive = spec.is_adaptive if spec.HasField("is_adaptive") else defaults.is_adaptive
@@ -191,8 +213,13 @@ def _speculation_from_pb(
         raise InvalidArgument(
             "speculation.speculative_degree", f"must be in [1, {limits.max_speculative_degree}], got {degree}"
         )
+    # A prediction is mostly right and drafts long: up to the limit, unless the request says otherwise.
     draft_length = spec.draft_length or (
-        min(defaults.max_adaptive_draft_length, limits.max_draft_length) if is_adaptive else defaults.draft_length
+        limits.max_draft_length
+        if has_prediction
+        else min(defaults.max_adaptive_draft_length, limits.max_draft_length)
+        if is_adaptive
+        else defaults.draft_length
     )
     if not 1 <= draft_length <= limits.max_draft_length:
         raise InvalidArgument(
@@ -216,6 +243,12 @@ def _speculation_from_pb(
             "speculation.strategies",
             f"{GRAMMAR_STRATEGY!r} drafts need a response_format (TYPE_JSON_OBJECT or TYPE_JSON_SCHEMA)",
         )
+    if PREDICTION_STRATEGY in strategies and not has_prediction:
+        raise InvalidArgument("speculation.strategies", f"{PREDICTION_STRATEGY!r} drafts need a prediction")
+    if has_prediction and PREDICTION_STRATEGY not in strategies and (offered is None or PREDICTION_STRATEGY in offered):
+        # A prediction drafts first, beside the other decoders (the controller weighs them all);
+        # a draft pool that does not offer it leaves the request as it was.
+        strategies = (PREDICTION_STRATEGY, *strategies)
     try:
         task_type = task_type_from_pb(spec.task_type)
     except ValueError as e:
