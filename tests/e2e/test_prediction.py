@@ -144,4 +144,5 @@ def test_openai_bad_predictions_are_a_400_naming_the_parameter(client, predictio
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, prediction=prediction
         )
-    assert e.value.status_code == 400 and e.value.body["param"] == param
+    body = e.value.body
+    assert e.value.status_code == 400 and isinstance(body, dict) and body["param"] == param
