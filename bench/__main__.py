@@ -3,7 +3,7 @@
 1,500-1,900 tokens from specbench/prose/code, 256 new tokens (bench/scenarios.py), e.g.
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
-python -m bench {engine,validator,drafts,quality,masks,auth,http,load} [ARGS...]: one component benchmark
+python -m bench {engine,validator,drafts,quality,masks,auth,http,load,prediction} [ARGS...]: one component benchmark
 (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
@@ -15,6 +15,8 @@ python -m bench {engine,validator,drafts,quality,masks,auth,http,load} [ARGS...]
     auth       cost of the service token per internal RPC                       (bench/auth.py)
     http       the HTTP front's overhead per request and per streamed token     (bench/http.py)
     load       N clients for a bounded time: req/s, tok/s, TTFT, ITL, errors, RSS (bench/load.py)
+    prediction Predicted Outputs on editing tasks: tok/s with and without the file as prediction
+               (bench/prediction.py)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "http", "load")
+BENCHMARKS = ("engine", "validator", "drafts", "quality", "masks", "auth", "http", "load", "prediction")
 
 
 def main() -> None:
