@@ -97,7 +97,8 @@ DECODE_RUN_MAX = 8
 # continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
 # first of them, the next step drafts the rest without asking the draft service (the round trip
 # costs as much as the pool's work many times over on a CPU); the service hears those tokens at its
-# next Propose.
+# next Propose. At least the step's draft length, so that a carried step drafts as long as a proposed
+# one: a prediction's 32-token drafts, accepted whole, would otherwise alternate with 16-token ones.
 CONTINUATION_TOKENS = 16
 
 
@@ -790,7 +791,7 @@ class RequestLoop:
                     min(plan.max_tree_nodes, self.max_tree_nodes),
                     self.params.response_format if prompt else None,
                     () if prompt else lookahead_argmax,
-                    continuation_length=CONTINUATION_TOKENS if self.grammar is None else 0,
+                    continuation_length=max(CONTINUATION_TOKENS, plan.draft_length) if self.grammar is None else 0,
                     **self._propose_extras(features, is_opening=bool(prompt)),
                 ),
                 self._remaining_s(),
