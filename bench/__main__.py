@@ -3,8 +3,8 @@
 1,500-1,900 tokens from specbench/prose/code, 256 new tokens (bench/scenarios.py), e.g.
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
-python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties} [ARGS...]:
-one component benchmark (each prints its figures).
+python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction}
+[ARGS...]: one component benchmark (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
                context, prefill tok/s of a 512- and a 2,048-token prompt        (bench/engine.py)
@@ -19,6 +19,8 @@ one component benchmark (each prints its figures).
     tools      forced tool calls with speculation on and off: tok/s, steps, forced tokens (bench/tools.py)
     logprobs   tok/s with and without logprobs, speculation on/off; prompt scoring (bench/logprobs.py)
     penalties  the primary's cost of penalties and logit_bias per Verify         (bench/penalties.py)
+    prediction Predicted Outputs on editing tasks: tok/s with and without the file as prediction
+               (bench/prediction.py)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ BENCHMARKS = (
     "tools",
     "logprobs",
     "penalties",
+    "prediction",
 )
 
 

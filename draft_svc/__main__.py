@@ -20,7 +20,7 @@ from draft_svc.pool import DraftPool
 from draft_svc.priors import drafter_file_acceptance
 from draft_svc.primary_client import GrpcPrimaryClient
 from draft_svc.server import DraftServicer
-from draft_svc.strategies import DecoderRegistry, model_free_registry
+from draft_svc.strategies import DecoderRegistry, model_free_registry, prediction_registry
 from draft_svc.strategies.base import DraftDecoder
 from draft_svc.strategies.corpus import PendingCorpusIndex
 from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource
@@ -90,6 +90,7 @@ def build(
         grammar_based=grammar_based,
         grammars=grammars,
         refusal=None if feature is None else feature.refusal_of,
+        prediction_based=prediction_registry(),
     )
     priors = {}
     if feature is not None and feature.is_loaded:

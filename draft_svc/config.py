@@ -39,14 +39,17 @@ from specdec.flag_spellings import add_spellings
 MODEL_FREE_STRATEGIES = strategies.names_of(strategies.MODEL_FREE)
 GRAMMAR_STRATEGIES = strategies.names_of(strategies.GRAMMAR)
 MODEL_STRATEGIES = strategies.names_of(strategies.MODEL)
+PREDICTION_STRATEGIES = strategies.names_of(strategies.PREDICTION)
 # Offered by default: the requests' defaults, lookahead (it costs nothing until a request or the
-# gateway's default set names it), grammar-forced drafts for constrained requests, and the feature
-# drafter (dropped, with a log line, when its file does not load: draft_svc/__main__.py).
+# gateway's default set names it), grammar-forced drafts for constrained requests, the feature
+# drafter (dropped, with a log line, when its file does not load: draft_svc/__main__.py), and the
+# prediction decoder for requests that carry a prediction.
 OFFERED_STRATEGIES = (
     strategies.MODEL_FREE_DEFAULTS
     + (strategies.LOOKAHEAD_STRATEGY,)
     + GRAMMAR_STRATEGIES
     + (strategies.FEATURE_STRATEGY,)
+    + PREDICTION_STRATEGIES
 )
 # The shipped drafter of the default model (trained by draft_svc/heads/train.py)
 DEFAULT_FEATURE_DRAFTER = Path(__file__).parent / "heads" / "trained" / "smollm2-135m-instruct.safetensors"

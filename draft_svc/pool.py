@@ -25,6 +25,10 @@ A decoder that reads the primary's features (FeatureConsumer, draft_svc/strategi
 those a Propose carries (the latest verify's rows of committed tokens, or the prefill's last row)
 after it heard the committed tokens, and one created during the call right after its catch-up.
 
+A request opened with a prediction (its predicted output's tokens) also gets the prediction-based
+decoders (draft_svc/strategies/prediction.py), created with those tokens; requests without one get
+no candidate from them.
+
 A lookahead decoder (draft_svc/strategies/lookahead.py) also has the primary run rows of its own
 beside the tree: the pool returns them with the proposal (Proposal.lookahead) and hands the
 primary's argmaxes there, which the next Propose carries, back to the decoder that asked, before
@@ -127,6 +131,7 @@ class ProposeArgs:
     # feature_position + i (FeatureConsumer); None: none this call.
     features: np.ndarray | None = None
     feature_position: int = 0
+    prediction_token_ids: tuple[int, ...] = ()  # first call: the request's predicted output (() = none)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,6 +175,7 @@ class _Request:
     # This call's features (position, rows), for decoders created during it: what `extend` hands the
     # existing ones (FeatureConsumer). Cleared when the call ends.
     features: tuple[int, np.ndarray] | None = None
+    prediction_token_ids: tuple[int, ...] = ()  # the request's predicted output, for prediction-based decoders
 
 
 class DraftPool:
@@ -184,21 +190,31 @@ class DraftPool:
         grammar_based: DecoderRegistry | None = None,
         grammars: GrammarCache | None = None,
         refusal: Callable[[str], str | None] | None = None,
+        prediction_based: DecoderRegistry | None = None,
     ) -> None:
         """`grammar_based` decoders are created with the request's response_format (requests without
         one get no candidate from them); `grammars` compiles those formats for the pool's own check
         that every proposed token is one the grammar allows. `refusal(name)` says why a strategy
         cannot serve (a feature drafter whose file is missing or was trained for another model), or
-        None: a request naming a refused strategy gets INVALID_ARGUMENT with that reason."""
+        None: a request naming a refused strategy gets INVALID_ARGUMENT with that reason.
+        `prediction_based` decoders are created with the request's prediction_token_ids (requests
+        without a prediction get no candidate from them)."""
         grammar_based = grammar_based or DecoderRegistry()
+        prediction_based = prediction_based or DecoderRegistry()
         if grammar_based.names() and grammars is None:
             raise ValueError("grammar-based strategies need a GrammarCache")
-        offered = set(model_free.names()) | set(model_based.names()) | set(grammar_based.names())
+        offered = (
+            set(model_free.names())
+            | set(model_based.names())
+            | set(grammar_based.names())
+            | set(prediction_based.names())
+        )
         if missing := set(config.strategies) - offered:
             raise ValueError(f"strategies {sorted(missing)} have no registered decoder (have {sorted(offered)})")
         self.config = config
         self._model_free, self._model_based, self._models = model_free, model_based, models
         self._grammar_based, self._grammars = grammar_based, grammars
+        self._prediction_based = prediction_based
         self._suffix_index = suffix_index
         self._refusal = refusal or _never_refused
         self._requests: collections.OrderedDict[str, _Request] = collections.OrderedDict()  # LRU order
@@ -287,6 +303,11 @@ class DraftPool:
         self._check_token_ids("prompt_token_ids", args.prompt_token_ids)
         self._check_token_ids("new_token_ids", args.new_token_ids)
         self._check_token_ids("lookahead_argmax_token_ids", args.lookahead_argmax_token_ids)
+        self._check_token_ids("prediction_token_ids", args.prediction_token_ids)
+        if len(args.prediction_token_ids) > c.max_context_tokens:
+            raise InvalidArgument("prediction_token_ids", f"longer than {c.max_context_tokens} tokens")
+        if args.prediction_token_ids and not args.prompt_token_ids:
+            raise InvalidArgument("prediction_token_ids", "goes with the request's first Propose (prompt_token_ids)")
         return list(ranked_sources(names[:degree])), draft_length, max_nodes
 
     def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
@@ -323,6 +344,7 @@ class DraftPool:
                     last_used=now,
                     response_format=args.response_format,
                     grammar=grammar,
+                    prediction_token_ids=args.prediction_token_ids,
                 )
                 self._requests[args.request_id] = request
                 self._requests.move_to_end(args.request_id)
@@ -488,6 +510,14 @@ class DraftPool:
                 )
                 request.decoders[name].extend(request.token_ids)
                 self._observe_features(request.features, [request.decoders[name]])
+        elif name in self._prediction_based:
+            if not request.prediction_token_ids:
+                return None
+            if name not in request.decoders:
+                request.decoders[name] = self._prediction_based.create(
+                    name, prediction_token_ids=request.prediction_token_ids, num_prompt_tokens=request.num_prompt_tokens
+                )
+                request.decoders[name].extend(request.token_ids)
         elif name not in request.decoders:
             request.decoders[name] = self._model_free.create(name)
             request.decoders[name].extend(request.token_ids)

@@ -56,6 +56,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 continuation_length=request.continuation_length,
                 features=pb.features_from_pb(request.features, "features") if request.HasField("features") else None,
                 feature_position=request.feature_position,
+                prediction_token_ids=tuple(request.prediction_token_ids),
             )
         )
         self._record(proposal)

@@ -399,11 +399,13 @@ class Backends:
         *,
         features: Any = None,
         feature_position: int = 0,
+        prediction_token_ids: Sequence[int] = (),
     ) -> DraftTree:
         """`response_format` goes with the first call of a request (the one carrying the prompt);
         `lookahead_argmax_token_ids` are the primary's argmaxes at the previous proposal's lookahead rows;
         `features` (features_of_rows) the primary's features of committed tokens, row i predicting the
-        token at `feature_position` + i (ProposeRequest.features)."""
+        token at `feature_position` + i (ProposeRequest.features); `prediction_token_ids` the request's
+        predicted output, with the first call."""
         r = await self._call(
             "draft",
             self.draft.Propose,
@@ -420,6 +422,7 @@ class Backends:
                 continuation_length=continuation_length,
                 features=features,
                 feature_position=feature_position,
+                prediction_token_ids=prediction_token_ids,
             ),
         )
         return DraftTree(

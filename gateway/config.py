@@ -47,6 +47,8 @@ class Limits:
     # JSON nesting of a response_format schema: deeper ones exhaust the recursion of schema checking
     # and compiling (RecursionError after seconds of CPU), so they are refused before either runs.
     max_schema_depth: int = 64
+    # A request's prediction (Predicted Outputs): more than a context of text drafts nothing more.
+    max_prediction_chars: int = 1 << 16
 
     def __post_init__(self) -> None:
         check_speculation_bounds(self.max_speculative_degree, self.max_draft_length, self.max_tree_nodes)

@@ -91,8 +91,10 @@ from specdec.controller_defaults import (
     DRAFT_LENGTH_CHOICES,
     PRIOR_ACCEPTANCE_CODE,
     PRIOR_ACCEPTANCE_CREATIVE,
+    PRIOR_ACCEPTANCE_PREDICTION,
     PRIOR_ACCEPTANCE_STRUCTURED,
 )
+from specdec.strategies import PREDICTION_STRATEGY
 
 if TYPE_CHECKING:  # the memory builds on this module's DecoderEstimate
     from gateway.acceptance_memory import AcceptanceMemory
@@ -131,7 +133,8 @@ class ControllerConfig:
     rank_prior_decay: float = 0.5
     # (decoder, alpha) replacing the task type's prior for that decoder: a trained drafter's own
     # validation acceptance (GetPoolInfo.acceptance_priors), a better first guess than drafts in general.
-    decoder_prior_acceptance: tuple[tuple[str, float], ...] = ()
+    # The prediction decoder's by default: a request's prediction is mostly right where it is aligned.
+    decoder_prior_acceptance: tuple[tuple[str, float], ...] = ((PREDICTION_STRATEGY, PRIOR_ACCEPTANCE_PREDICTION),)
     prior_coverage: float = 0.5
     prior_strength: float = 2.0  # trials the prior is worth
     half_life_steps: float = 4.0  # evidence weight halves every this many steps

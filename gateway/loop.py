@@ -72,12 +72,14 @@ from specdec.grammar import GrammarState
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+from specdec.prediction import LOST, PredictionAlignment
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import (
     FEATURE_STRATEGIES,
     GRAMMAR_STRATEGY,
     MODEL,
+    PREDICTION_STRATEGY,
     PROMPT_LOOKUP_STRATEGY,
     TREE_STRATEGIES,
     consumes_features,
@@ -107,7 +109,8 @@ DECODE_RUN_MAX = 8
 # continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
 # first of them, the next step drafts the rest without asking the draft service (the round trip
 # costs as much as the pool's work many times over on a CPU); the service hears those tokens at its
-# next Propose.
+# next Propose. At least the step's draft length, so that a carried step drafts as long as a proposed
+# one: a prediction's 32-token drafts, accepted whole, would otherwise alternate with 16-token ones.
 CONTINUATION_TOKENS = 16
 
 
@@ -363,6 +366,12 @@ class RequestLoop:
         self.grammar = grammar
         if grammar is not None and not grammar.accept_tokens(self.generated):
             raise FailedPrecondition("response_format", "the stored output does not follow the request's grammar")
+        # The prediction's tokens go to the draft service when it opens the request; the loop aligns the
+        # output to them too: to tell the controller when the prediction decoder has nothing to propose
+        # (_known_coverage), and to count the prediction's tokens the output has not used.
+        self.prediction_ids: tuple[int, ...] = tuple(tokenizer.encode(params.prediction)) if params.prediction else ()
+        self.prediction = PredictionAlignment(self.prediction_ids) if self.prediction_ids else None
+        self._align_prediction(self.generated)
         spec = params.speculation
         self.fixed_plan = fixed_plan(spec, max_tree_nodes)
         self.controller: AdaptiveController | None = None
@@ -585,10 +594,13 @@ class RequestLoop:
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
     def _known_coverage(self) -> dict[tuple[str, int], float]:
-        """What the gateway knows before the plan of decoders that will propose nothing this step
-        (AdaptiveController.plan): grammar-forced drafts where the grammar forces no text next (free
-        text, a choice between values); prompt lookup where the context's tail does not repeat
-        earlier text (gateway.repeats: its 1- and 2-token matches are not worth a step)."""
+        """What the loop knows a decoder will propose this step, before the controller plans
+        (AdaptiveController.plan): grammar-forced drafts nothing where the grammar forces no text next
+        (free text, a choice between values); prompt lookup nothing worth a step where the context's
+        tail does not repeat earlier text (gateway.repeats: its 1- and 2-token matches); the
+        prediction decoder, which follows the same alignment as the loop's, nothing while the output
+        does not follow the prediction (or it is used up), and surely while it does."""
+        known: dict[tuple[str, int], float] = {}
         estimates = self._controller_state().estimates
         silent: set[str] = set()
         if self.grammar is not None and not self.grammar.forced_text():
@@ -598,7 +610,26 @@ class RequestLoop:
             self.repeats.extend(self.generated[done:])
             if not self.repeats.tail_repeats():
                 silent.add(PROMPT_LOOKUP_STRATEGY)
-        return {(e.decoder, e.rank): 0.0 for e in estimates if e.decoder in silent}
+        known.update({(e.decoder, e.rank): 0.0 for e in estimates if e.decoder in silent})
+        if self.prediction is not None:
+            position = self.prediction.next_position
+            is_proposing = position != LOST and position < len(self.prediction_ids)
+            known.update(
+                {
+                    (e.decoder, e.rank): 1.0 if is_proposing and e.rank == 0 else 0.0  # one candidate at most
+                    for e in estimates
+                    if e.decoder == PREDICTION_STRATEGY
+                }
+            )
+        return known
+
+    def _align_prediction(self, new_tokens: Sequence[int]) -> None:
+        """The committed tokens to the prediction's alignment; the prediction's tokens the output has
+        not used so far (OpenAI's rejected_prediction_tokens, counted by specdec.prediction)."""
+        if self.prediction is None:
+            return
+        self.prediction.add(new_tokens)
+        self.stats.num_rejected_prediction_tokens = len(self.prediction_ids) - self.prediction.num_matched
 
     def _controller_state(self) -> ControllerState:
         assert self.controller_state is not None  # set with the controller
@@ -878,8 +909,8 @@ class RequestLoop:
                     min(plan.max_tree_nodes, self.max_tree_nodes),
                     self.params.response_format if prompt else None,
                     () if prompt else lookahead_argmax,
-                    continuation_length=CONTINUATION_TOKENS if self.grammar is None else 0,
-                    **({} if features is None else {"features": features[0], "feature_position": features[1]}),
+                    continuation_length=max(CONTINUATION_TOKENS, plan.draft_length) if self.grammar is None else 0,
+                    **self._propose_extras(features, is_opening=bool(prompt)),
                 ),
                 self._remaining_s(),
             )
@@ -896,6 +927,16 @@ class RequestLoop:
         self.draft_synced = len(self.generated)
         return tree
 
+    def _propose_extras(self, features: tuple[Any, int] | None, is_opening: bool) -> dict[str, Any]:
+        """The Propose's optional arguments: the features of committed tokens, and the prediction
+        when the call opens the request (only those given: a draft service hears nothing else)."""
+        extras: dict[str, Any] = {}
+        if features is not None:
+            extras.update(features=features[0], feature_position=features[1])
+        if is_opening and self.prediction_ids:
+            extras["prediction_token_ids"] = self.prediction_ids
+        return extras
+
     def _account(self, tree: DraftTree, outcomes: list[CandidateOutcome], v: Validation) -> None:
         """Per decoder and rank ("prompt_lookup", "prompt_lookup#1", ...); a decoder's time is its
         one run for all its ranks, so it goes to rank 0."""
@@ -904,6 +945,8 @@ class RequestLoop:
         for o in outcomes:
             ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
             self.stats.add_decoder(stats_name(o.decoder, o.rank), o.num_proposed, o.num_accepted, ms)
+            if o.decoder == PREDICTION_STRATEGY:
+                self.stats.num_accepted_prediction_tokens += o.num_accepted
         for d in depth_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents):
             self.stats.add_depths(d.decoder, d.num_tested, d.num_accepted)
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
@@ -958,6 +1001,7 @@ class RequestLoop:
             raise FailedPrecondition("response_format", f"committed tokens {kept} leave the request's grammar")
         num_stored = len(self.generated)
         self.generated.extend(kept)
+        self._align_prediction(kept)
         # Hold back a tail that could still become a stop string, unless this is the end.
         ready = (
             len(self.text)

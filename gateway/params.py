@@ -21,7 +21,7 @@ from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import JSON_SCHEMA, SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.logprobs import LogprobsRequest
 from specdec.sampling import SamplingParams
-from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY
+from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY, PREDICTION_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
 from specdec.task_type import TaskType
 from specdec.task_type import from_pb as task_type_from_pb
@@ -53,6 +53,7 @@ class GenerationParams:
     tools: ToolSpec = ToolSpec()
     prompt_token_ids: tuple[int, ...] | None = None  # a tokenized prompt (then prompt and messages are None)
     logprobs: LogprobsRequest | None = None  # None: no log probabilities
+    prediction: str | None = None  # the predicted output (Predicted Outputs); None: none
 
     @property
     def has_schema(self) -> bool:
@@ -93,8 +94,14 @@ def params_from_pb(
     response_format = response_format_from_pb(req.response_format, limits.max_schema_depth)
     if tools.is_forced:  # the calls are generated under their schema, like a json_schema response format
         response_format = ResponseFormat(JSON_SCHEMA, tools.call_schema())
+    prediction = _prediction_from_pb(req, limits)
     speculation = _speculation_from_pb(
-        req.speculation, limits, defaults, is_structured=response_format is not None, offered=offered
+        req.speculation,
+        limits,
+        defaults,
+        is_structured=response_format is not None,
+        offered=offered,
+        has_prediction=prediction is not None,
     )
     logprobs = pb.logprobs_request_from_pb(req.logprobs) if req.HasField("logprobs") else None
     return GenerationParams(
@@ -108,7 +115,20 @@ def params_from_pb(
         tools=tools,
         prompt_token_ids=prompt_token_ids,
         logprobs=logprobs,
+        prediction=prediction,
     )
+
+
+def _prediction_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits) -> str | None:
+    """The predicted output's text, or None; an empty one or one past the limit is refused."""
+    if not req.HasField("prediction"):
+        return None
+    content = req.prediction.content
+    if not content:
+        raise InvalidArgument("prediction.content", "must not be empty (leave prediction unset for none)")
+    if len(content) > limits.max_prediction_chars:
+        raise InvalidArgument("prediction.content", f"longer than {limits.max_prediction_chars} characters")
+    return content
 
 
 def response_format_from_pb(
@@ -201,6 +221,7 @@ def _speculation_from_pb(
     defaults: SpeculationDefaults,
     is_structured: bool = False,
     offered: frozenset[str] | None = None,
+    has_prediction: bool = False,
 ) -> SpeculationParams:
     is_enabled = spec.is_enabled if spec.HasField("is_enabled") else defaults.is_enabled
     is_adaptive = spec.is_adaptive if spec.HasField("is_adaptive") else defaults.is_adaptive
@@ -211,8 +232,13 @@ def _speculation_from_pb(
         raise InvalidArgument(
             "speculation.speculative_degree", f"must be in [1, {limits.max_speculative_degree}], got {degree}"
         )
+    # A prediction is mostly right and drafts long: up to the limit, unless the request says otherwise.
     draft_length = spec.draft_length or (
-        min(defaults.max_adaptive_draft_length, limits.max_draft_length) if is_adaptive else defaults.draft_length
+        limits.max_draft_length
+        if has_prediction
+        else min(defaults.max_adaptive_draft_length, limits.max_draft_length)
+        if is_adaptive
+        else defaults.draft_length
     )
     if not 1 <= draft_length <= limits.max_draft_length:
         raise InvalidArgument(
@@ -236,6 +262,12 @@ def _speculation_from_pb(
             "speculation.strategies",
             f"{GRAMMAR_STRATEGY!r} drafts need a response_format (TYPE_JSON_OBJECT or TYPE_JSON_SCHEMA)",
         )
+    if PREDICTION_STRATEGY in strategies and not has_prediction:
+        raise InvalidArgument("speculation.strategies", f"{PREDICTION_STRATEGY!r} drafts need a prediction")
+    if has_prediction and PREDICTION_STRATEGY not in strategies and (offered is None or PREDICTION_STRATEGY in offered):
+        # A prediction drafts first, beside the other decoders (the controller weighs them all);
+        # a draft pool that does not offer it leaves the request as it was.
+        strategies = (PREDICTION_STRATEGY, *strategies)
     try:
         task_type = task_type_from_pb(spec.task_type)
     except ValueError as e:

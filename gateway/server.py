@@ -94,14 +94,16 @@ def controller_config_for(acceptance_priors: Mapping[str, Sequence[float]]) -> C
     as its prior alpha: their mean, the per-token acceptance of the geometric model that the
     controller fits (values outside [0, 1] or none: that drafter keeps the task type's prior).
 
-    # E.g. {"feature": (0.7, 0.6, 0.5)} -> decoder_prior_acceptance (("feature", 0.6),)
+    # E.g. {"feature": (0.7, 0.6, 0.5)} -> decoder_prior_acceptance (("feature", 0.6), ("prediction", 0.9)),
+    #   the second the default prior of the prediction decoder
     """
     priors = tuple(
         (name, sum(by_depth) / len(by_depth))
         for name, by_depth in sorted(acceptance_priors.items())
         if by_depth and all(0.0 <= a <= 1.0 for a in by_depth)
     )
-    return ControllerConfig(decoder_prior_acceptance=priors)
+    defaults = tuple(p for p in ControllerConfig().decoder_prior_acceptance if p[0] not in acceptance_priors)
+    return ControllerConfig(decoder_prior_acceptance=priors + defaults)
 
 
 def _with_tool_calls(finish_reason: gateway_pb2.FinishReason, has_calls: bool) -> gateway_pb2.FinishReason:

@@ -41,6 +41,8 @@ class RequestStats:
     num_validator_fallback_steps: int = 0  # steps run while the validator could not be reached
     queue_ms: float = 0.0  # waited in the gateway's admission queue before it started (not in total_ms)
     num_cached_prompt_tokens: int = 0  # prompt tokens the primary took from its prefix cache
+    num_accepted_prediction_tokens: int = 0  # the prediction decoder's draft tokens the primary accepted
+    num_rejected_prediction_tokens: int = 0  # the prediction's tokens the output has not used (so far)
 
     @property
     def acceptance_rate(self) -> float:
@@ -147,6 +149,8 @@ class RequestStats:
             queue_ms=self.queue_ms,
             num_cached_prompt_tokens=self.num_cached_prompt_tokens,
             num_forced_tokens=self.num_forced_tokens,
+            num_accepted_prediction_tokens=self.num_accepted_prediction_tokens,
+            num_rejected_prediction_tokens=self.num_rejected_prediction_tokens,
         )
 
 

@@ -22,6 +22,9 @@ Fields that change nothing are accepted, as vLLM accepts them, and named in the 
 IGNORED_FIELDS_HEADER: OpenAI's that do not apply here (_IGNORED: user, store, metadata, ...) and
 any field neither API knows (also logged as a warning).
 
+Predicted Outputs (`prediction: {"type": "content", "content": str | text parts}`) become
+GenerateRequest.prediction: the prediction decoder drafts from it, the output is unchanged.
+
 Speculation settings ride as extra body fields (the OpenAI SDKs send them with `extra_body`):
 
     {"model": "...", "messages": [...], "speculative_decoding": true, "speculative_degree": 4,
@@ -58,7 +61,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "suffix": (None, ""),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "prediction": (None,),
     "web_search_options": (None,),
 }
 # OpenAI parameters accepted and without effect here (named in IGNORED_FIELDS_HEADER when given):
@@ -211,6 +213,7 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     _set_sampling(request.sampling, data)
     _set_response_format(request.response_format, data.get("response_format"))
     set_tools(request, data)
+    _set_prediction(request, data.get("prediction"))
     _set_speculation(request.speculation, data)
     if data.get("user") is not None and not isinstance(data["user"], str):
         raise bad_request("user", "must be a string")
@@ -424,6 +427,20 @@ def _set_response_format(response_format: common_pb2.ResponseFormat, value: Any)
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema", "is required: a JSON Schema object")
     response_format.json_schema = json.dumps(schema)
+
+
+def _set_prediction(request: gateway_pb2.GenerateRequest, value: Any) -> None:
+    """OpenAI's `prediction`: {"type": "content", "content": a string or text parts}. Its size limit
+    and an empty content are the gateway's to refuse (prediction.content)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_request("prediction", 'must be an object {"type": "content", "content": ...}')
+    if value.get("type") != "content":
+        raise bad_request("prediction.type", f'must be "content", got {json.dumps(value.get("type"))}')
+    if "content" not in value or value["content"] is None:
+        raise bad_request("prediction.content", "is required: a string or an array of text parts")
+    request.prediction.content = _content(value["content"], "prediction.content")
 
 
 def _set_speculation(speculation: gateway_pb2.SpeculationConfig, data: dict[str, Any]) -> None:

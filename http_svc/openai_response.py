@@ -4,8 +4,17 @@
 
     "usage": {"prompt_tokens": 31, "completion_tokens": 40, "total_tokens": 71,
               "prompt_tokens_details": {"cached_tokens": 0},
+              "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
               "speculation": {"proposed_tokens": 52, "accepted_tokens": 29, "acceptance_rate": 0.56,
                               "mean_accepted_length": 3.9, "num_steps": 10}}
+
+OpenAI's Predicted Outputs counts (completion_tokens_details), exactly as counted here:
+accepted_prediction_tokens, the prediction decoder's draft tokens the primary accepted (the
+output's tokens that a verify took from the prediction; a bonus token that happens to equal the
+prediction's next token is not one); rejected_prediction_tokens, the prediction's tokens the output
+did not use: its token count less the prediction positions that output tokens followed by the
+alignment the decoder drafts from (specdec.prediction), so an unreached tail counts as rejected,
+as OpenAI bills it. Both 0 without a prediction.
 """
 
 from __future__ import annotations
@@ -35,6 +44,10 @@ def usage(stats: gateway_pb2.GenerationStats) -> dict:
         "completion_tokens": stats.num_generated_tokens,
         "total_tokens": stats.num_prompt_tokens + stats.num_generated_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.num_cached_prompt_tokens},  # the primary's prefix cache
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": stats.num_accepted_prediction_tokens,
+            "rejected_prediction_tokens": stats.num_rejected_prediction_tokens,
+        },
         "speculation": {
             "proposed_tokens": stats.num_proposed_tokens,
             "accepted_tokens": stats.num_accepted_tokens,

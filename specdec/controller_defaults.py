@@ -10,6 +10,9 @@ DRAFT_LENGTH_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 PRIOR_ACCEPTANCE_STRUCTURED = 0.8
 PRIOR_ACCEPTANCE_CODE = 0.6
 PRIOR_ACCEPTANCE_CREATIVE = 0.3
+# A request's own prediction of its output (Predicted Outputs) is mostly right where it is aligned:
+# an edit changes a few lines of a file. The prediction decoder's prior, whatever the task type.
+PRIOR_ACCEPTANCE_PREDICTION = 0.9
 PLAIN_OVERHEAD_MS = 1.0  # Decode RPC + state write + Python, per plain step
 SPECULATIVE_OVERHEAD_MS = 4.0  # Propose, Verify, Validate RPCs, logits transfer, state write
 # Lookahead decoding's Jacobi window (draft_svc/strategies/lookahead.py): W positions x (N - 1)

@@ -59,7 +59,7 @@ from specdec import port_owner
 from specdec.progress import ProgressEvent, ProgressReader
 from specdec.service.auth import TOKEN_FILE_NAME, authenticated_channel, write_service_token
 from specdec.service.health import check_health
-from specdec.strategies import GRAMMAR_STRATEGY
+from specdec.strategies import GRAMMAR_STRATEGY, PREDICTION_STRATEGY
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"
@@ -210,10 +210,12 @@ def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     py = config.python
     model = () if config.model_path is None else ("--model_path", str(config.model_path))
     cache = () if config.cache_dir is None else ("--cache_dir", str(config.cache_dir))
-    # The pool also offers grammar-forced drafts, which the gateway adds to constrained requests only.
-    offered = config.strategies + (() if GRAMMAR_STRATEGY in config.strategies else (GRAMMAR_STRATEGY,))
+    # The pool also offers grammar-forced and prediction drafts, which the gateway adds to the
+    # requests that can use them only (constrained ones, those with a prediction).
+    per_request = (GRAMMAR_STRATEGY, PREDICTION_STRATEGY)
+    offered = config.strategies + tuple(s for s in per_request if s not in config.strategies)
     draft_strategies = ("--strategies", ",".join(offered)) if config.strategies else ()
-    gateway_strategies = tuple(s for s in config.strategies if s != GRAMMAR_STRATEGY)
+    gateway_strategies = tuple(s for s in config.strategies if s not in per_request)
     gateway_strategies = ("--strategies", ",".join(gateway_strategies)) if gateway_strategies else ()
     api_keys = () if config.api_keys_file is None else ("--api_keys_file", str(config.api_keys_file))
     # A client of the gateway's public API: it takes the same keys and no service token.

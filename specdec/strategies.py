@@ -18,7 +18,8 @@ from specdec.controller_defaults import LOOKAHEAD_ROWS
 MODEL_FREE = "model_free"  # the request's own tokens or a shared index: nothing from the primary
 GRAMMAR = "grammar"  # the model's tokenizer and a compiled response_format: constrained requests only
 MODEL = "model"  # the primary's weights, attached zero-copy
-KINDS = (MODEL_FREE, GRAMMAR, MODEL)
+PREDICTION = "prediction"  # the request's predicted output (GenerateRequest.prediction): such requests only
+KINDS = (MODEL_FREE, GRAMMAR, MODEL, PREDICTION)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,9 +82,14 @@ STRATEGIES: tuple[Strategy, ...] = (
     # EAGLE-2 trees from a trained feature drafter (draft_svc/strategies/feature.py): one small layer
     # and the N-row head per depth; offered only where its file loads for the attached model
     Strategy(FEATURE_STRATEGY, MODEL, DraftCost(per_token=0.05)),
+    # Predicted Outputs: the request's own prediction aligned to the output (draft_svc/strategies/
+    # prediction.py), a dict lookup per committed token; the gateway adds it to every request that
+    # carries a prediction
+    Strategy("prediction", PREDICTION, DraftCost(fixed=0.002)),
 )
 NAMES = tuple(s.name for s in STRATEGIES)
 GRAMMAR_STRATEGY = "grammar"  # grammar-forced drafts; the gateway adds them to constrained requests
+PREDICTION_STRATEGY = "prediction"  # drafts from the request's prediction; the gateway adds it to such requests
 CORPUS_STRATEGY = "corpus"
 # The cheap model-free strategies that need no index built: what every pool offers by default, and
 # its defaults for a Propose that names none.

@@ -161,7 +161,8 @@ def test_service_specs_pass_the_fixed_flags() -> None:
         "--num_threads",
         "1",
     )
-    assert specs["draft"].command[-2:] == ("--strategies", "prompt_lookup,grammar")  # + grammar-forced drafts
+    # + grammar-forced and prediction drafts
+    assert specs["draft"].command[-2:] == ("--strategies", "prompt_lookup,grammar,prediction")
     assert dict(specs["draft"].address_flags) == {"--primary_address": "primary"}
     assert dict(specs["gateway"].address_flags) == {
         "--primary_address": "primary",

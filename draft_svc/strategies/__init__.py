@@ -7,8 +7,10 @@ import functools
 from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder, UnknownDecoderError
 from draft_svc.strategies.corpus import CorpusDecoder
 from draft_svc.strategies.lookahead import LookaheadConfig, LookaheadDecoder
+from draft_svc.strategies.prediction import PredictionDecoder
 from draft_svc.strategies.prompt_lookup import PromptLookupConfig, PromptLookupDecoder
 from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixDecoder, SuffixIndex, SuffixIndexConfig
+from specdec.prediction import PredictionConfig
 
 __all__ = [
     "Candidate",
@@ -17,6 +19,8 @@ __all__ = [
     "DraftDecoder",
     "LookaheadConfig",
     "LookaheadDecoder",
+    "PredictionConfig",
+    "PredictionDecoder",
     "PromptLookupConfig",
     "PromptLookupDecoder",
     "SuffixDecoder",
@@ -24,6 +28,7 @@ __all__ = [
     "SuffixIndexConfig",
     "UnknownDecoderError",
     "model_free_registry",
+    "prediction_registry",
 ]
 
 
@@ -43,4 +48,12 @@ def model_free_registry(
         registry.register(SuffixDecoder.name, functools.partial(SuffixDecoder, suffix_index))
     if corpus is not None:
         registry.register(CorpusDecoder.name, functools.partial(CorpusDecoder, corpus))
+    return registry
+
+
+def prediction_registry(config: PredictionConfig | None = None) -> DecoderRegistry:
+    """The strategies that draft from a request's own prediction of its output; the pool creates
+    one per request with `create(name, prediction_token_ids=..., num_prompt_tokens=...)`."""
+    registry = DecoderRegistry()
+    registry.register(PredictionDecoder.name, functools.partial(PredictionDecoder, config))
     return registry

@@ -17,6 +17,7 @@ from gateway.call_deadlines import CallDeadlines
 from gateway.cost_model import CostSettings, cost_model_for
 from gateway.dependencies import DependencyState
 from gateway.server import GenerationServicer, controller_config_for
+from specdec.controller_defaults import PRIOR_ACCEPTANCE_PREDICTION
 from specdec.errors import Unavailable
 from specdec.task_type import TaskType
 
@@ -101,7 +102,12 @@ def test_a_trained_drafters_validation_acceptance_is_its_controller_prior():
     s = servicer(pool)
     asyncio.run(s._offered_by_pool())
     assert s.controller_config is not None
-    assert s.controller_config.decoder_prior_acceptance == (("feature", pytest.approx(0.6)),)
+    assert s.controller_config.decoder_prior_acceptance == (
+        ("feature", pytest.approx(0.6)),
+        ("prediction", PRIOR_ACCEPTANCE_PREDICTION),  # the prediction decoder's default prior stays
+    )
     assert s.controller_config.prior_acceptance(TaskType.CREATIVE, 1, "feature") == pytest.approx(0.3)
     assert s.controller_config.prior_acceptance(TaskType.CREATIVE, 0, "prompt_lookup") == 0.3  # the task type's
-    assert controller_config_for({"feature": (), "x": (1.5,)}).decoder_prior_acceptance == ()
+    assert controller_config_for({"feature": (), "x": (1.5,)}).decoder_prior_acceptance == (
+        ("prediction", PRIOR_ACCEPTANCE_PREDICTION),
+    )
