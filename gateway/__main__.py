@@ -17,7 +17,7 @@ from gateway.config import GatewayConfig, parse_config
 from gateway.server import GenerationServicer
 from specdec.errors import Unavailable
 from specdec.logging import configure_logging
-from specdec.metrics import ServiceMetrics
+from gateway.metrics import GatewayMetrics
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit
@@ -74,7 +74,7 @@ async def serve(
                 await asyncio.sleep(0.5)
         owner = f"gateway@{socket.gethostname()}:{config.server.port}"
         registry = CollectorRegistry()
-        metrics = ServiceMetrics(registry)
+        metrics = GatewayMetrics(registry)
         servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
         log.info(
             "gateway ready",
@@ -95,7 +95,7 @@ async def serve(
         await serve_aio(
             config.server,
             [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
-            interceptors=[AioErrorInterceptor(metrics)],
+            interceptors=[AioErrorInterceptor(metrics.rpc)],
             registry=registry,
             on_started=resume,
         )

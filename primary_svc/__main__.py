@@ -25,7 +25,7 @@ from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_logging
 from specdec.logits_shm import cleanup_stale_slots
-from specdec.metrics import ServiceMetrics
+from primary_svc.metrics import PrimaryMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.llama import Transformer
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     instance_id = uuid.uuid4().hex[:12]
     registry = CollectorRegistry()
-    metrics = ServiceMetrics(registry)
+    metrics = PrimaryMetrics(registry)
     worker = EngineWorker(
         None,
         config.max_batch,
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(
             config.server,
             [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-            interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)],
+            interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics.rpc)],
             registry=registry,
             on_stopped=on_stopped,
         )
@@ -202,7 +202,7 @@ def served_precision(config: PrimaryConfig, model_dir) -> tuple[str, str]:
     return choice.precision, choice.reason
 
 
-def start_step_compiler(config: PrimaryConfig, model: Transformer, metrics: ServiceMetrics) -> BackgroundCompiler:
+def start_step_compiler(config: PrimaryConfig, model: Transformer, metrics: PrimaryMetrics) -> BackgroundCompiler:
     """Install a compiled step on `model` and compile its buckets in the background; serving starts eager."""
     step = CompiledStep(model, CompileSettings(mode=config.compile_mode))
     model.fast_path = step

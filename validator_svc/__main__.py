@@ -9,7 +9,7 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge
 
 from specdec.logging import configure_logging
-from specdec.metrics import NAMESPACE, ServiceMetrics
+from specdec.metrics import NAMESPACE, RpcMetrics
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     serve(
         config.server,
         [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, servicer)],
-        interceptors=[*token_interceptors(service_token), ErrorInterceptor(ServiceMetrics(registry))],
+        interceptors=[*token_interceptors(service_token), ErrorInterceptor(RpcMetrics(registry))],
         registry=registry,
     )
 

@@ -32,7 +32,7 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
     -> INTERNAL (traceback to the log), request_id bound into the log context, per-method metrics.
     A call whose client went away (its handler cancelled) is recorded as CANCELLED."""
 
-    def __init__(self, metrics=None) -> None:  # noqa: ANN001 - ServiceMetrics | None
+    def __init__(self, metrics=None) -> None:  # noqa: ANN001 - RpcMetrics | None
         self._sync = ErrorInterceptor(metrics)  # the status mapping and the metrics, shared
 
     async def intercept_service(

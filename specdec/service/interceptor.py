@@ -19,7 +19,7 @@ import structlog
 
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.logging import bind_request
-from specdec.metrics import ServiceMetrics
+from specdec.metrics import RpcMetrics
 
 # Codes of a failed call to another service that are passed through as they
 # are: they say something true about this call too (the dependency is down,
@@ -43,7 +43,7 @@ def method_name(full_method: str) -> str:
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Maps exceptions to status codes, binds request_id, records metrics."""
 
-    def __init__(self, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(self, metrics: RpcMetrics | None = None) -> None:
         self._metrics = metrics
         self._log = structlog.get_logger("specdec.rpc")
 
