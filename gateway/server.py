@@ -534,6 +534,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             finish_reason = "deadline"
             raise
         finally:
+            if stats.num_steps > seen.num_steps:  # a last step that committed nothing to send (an EOS)
+                seen.observe_into(metrics, stats)
             metrics.generation_tokens.inc(stats.num_generated_tokens - seen.num_generated_tokens_at_start)
             timer.on_end(finish_reason, time.perf_counter())
 

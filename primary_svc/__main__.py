@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import uuid
@@ -24,6 +25,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_logging
+from specdec.tracing import configure_tracing
 from specdec.logits_shm import cleanup_stale_slots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
@@ -46,6 +48,7 @@ LEASE_CHECK_MAX_S = 5.0
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("primary_svc", level=config.log_level)
+    configure_tracing("primary", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     log = structlog.get_logger("primary_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     model_dir = resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
