@@ -8,6 +8,8 @@ One stack (real processes, real Redis, the default model) with the HTTP front, e
 from __future__ import annotations
 
 import json
+import socket
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -220,3 +222,34 @@ def test_a_malformed_request_id_is_refused_naming_it(stack: Stack, gateway_stub)
         stack, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}, {"X-Request-Id": "y" * 200}
     )
     assert status == 400 and answer["error"]["param"] == "X-Request-Id"
+
+
+def _http_metric(stack: Stack, sample: str) -> float:
+    text = urllib.request.urlopen(f"{stack.http_url}/metrics", timeout=10).read().decode()
+    return next((float(line.split()[1]) for line in text.splitlines() if line.split(" ")[0] == sample), 0.0)
+
+
+def test_a_client_that_disconnects_mid_stream_is_counted(stack: Stack) -> None:
+    disconnects = "specdec_http_client_disconnects_total"
+    before = _http_metric(stack, disconnects)
+    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=300) as s:
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        received = b""
+        while b"data: " not in received:
+            received += s.recv(65536)
+    give_up = time.monotonic() + 120
+    while _http_metric(stack, disconnects) == before and time.monotonic() < give_up:
+        time.sleep(0.1)
+    assert _http_metric(stack, disconnects) == before + 1
