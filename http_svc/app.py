@@ -40,7 +40,7 @@ from http_svc.request_context import RequestContextMiddleware, client_request_id
 from http_svc.openai_request import CHAT, COMPLETION, ParsedRequest, parse_body, parse_request
 from http_svc.openai_response import ChunkWriter, completion, error_event
 from specdec.errors import InvalidArgument, Unauthenticated
-from specdec.tracing import aio_channel_interceptors, check_client_request_id, outgoing_metadata
+from specdec.tracing import aio_channel_interceptors, check_client_request_id, is_tracing_on, outgoing_metadata
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 GATEWAY_HEALTH_SERVICE = "specdec.v1.GenerationService"
@@ -92,10 +92,7 @@ class HttpFront:
             lifespan=self._lifespan,
             # Outermost first: a span per request (W3C traceparent in, read by the gateway's call),
             # then the client's X-Request-Id bound for the request's log lines.
-            middleware=[
-                Middleware(OpenTelemetryMiddleware, excluded_urls="health,metrics", exclude_spans=["receive", "send"]),
-                Middleware(RequestContextMiddleware),
-            ],
+            middleware=[*self._tracing_middleware(), Middleware(RequestContextMiddleware)],
             # Starlette calls each handler with instances of its key's class; its type says any
             # Exception, so the narrower handlers need the ignore.
             exception_handlers={
@@ -104,6 +101,13 @@ class HttpFront:
                 Exception: _internal,
             },
         )
+
+    @staticmethod
+    def _tracing_middleware() -> list[Middleware]:
+        """A span per request (W3C traceparent in and on to the gateway) while tracing is on."""
+        if not is_tracing_on():
+            return []
+        return [Middleware(OpenTelemetryMiddleware, excluded_urls="health,metrics", exclude_spans=["receive", "send"])]
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:

@@ -9,9 +9,10 @@ Two things travel with every call that serves a request, in its gRPC metadata:
   one trace (HTTP front -> gateway -> draft/primary/validator). Log lines carry its trace_id and
   span_id.
 
-Spans are recorded only when exported: with OTEL_EXPORTER_OTLP_ENDPOINT set (OpenTelemetry's
-standard variable; the OTLP exporter reads it and its siblings itself) or an exporter a test adds;
-otherwise the tracer provider samples nothing and a span costs a context lookup.
+Tracing is on only when spans are exported: with OTEL_EXPORTER_OTLP_ENDPOINT set (OpenTelemetry's
+standard variable; the OTLP exporter reads it and its siblings itself), SPECDEC_TRACES_DIR, or an
+exporter a test adds; otherwise no OpenTelemetry interceptor is installed at all (configure_tracing
+says why).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from opentelemetry.instrumentation.grpc.filters import health_check, negate
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased, TraceIdRatioBased
 
 from specdec.errors import InvalidArgument
 from specdec.request_id import MAX_REQUEST_ID_CHARS
@@ -90,10 +90,13 @@ def add_trace_ids(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str
 
 def configure_tracing(
     service: str, environ: Mapping[str, str], processors: Iterable[SpanProcessor] = ()
-) -> TracerProvider:
-    """Install the process's tracer provider: spans of `service` go to an OTLP exporter when
-    environ names an endpoint, and to `processors` (tests: an in-memory exporter's); with neither,
-    nothing is sampled. A sampled parent's decision is followed, so a trace is whole or absent."""
+) -> TracerProvider | None:
+    """Install the process's tracer provider when spans go somewhere: to an OTLP exporter when
+    environ names an endpoint, to a file when it names a directory (TRACES_DIR_ENV), to
+    `processors` (tests: an in-memory exporter's). With none of them tracing stays off (None):
+    no provider, and no OpenTelemetry interceptor on the channels and servers made afterwards
+    (is_tracing_on), because even unsampled spans cost a grpc.aio call a few hundred µs here
+    (bench/tracing_overhead.py). The client's request id travels either way."""
     processors = list(processors)
     if environ.get(TRACES_DIR_ENV):
         processors.append(_file_processor(Path(environ[TRACES_DIR_ENV]) / f"{service}.jsonl"))
@@ -101,12 +104,18 @@ def configure_tracing(
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         processors.append(BatchSpanProcessor(OTLPSpanExporter()))
-    sampler = ParentBased(TraceIdRatioBased(1.0) if processors else ALWAYS_OFF)
-    provider = TracerProvider(resource=Resource.create({"service.name": service}), sampler=sampler)
+    if not processors:
+        return None
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
     for processor in processors:
         provider.add_span_processor(processor)
     trace.set_tracer_provider(provider)
     return provider
+
+
+def is_tracing_on() -> bool:
+    """Whether configure_tracing installed a provider (spans are recorded and exported)."""
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
 def _file_processor(path: Path) -> SpanProcessor:
@@ -116,14 +125,16 @@ def _file_processor(path: Path) -> SpanProcessor:
 
 
 def server_interceptors() -> list[Any]:
-    """A span per call served (health checks aside), child of the caller's trace context."""
-    return [server_interceptor(filter_=negate(health_check()))]
+    """A span per call served (health checks aside), child of the caller's trace context; none
+    while tracing is off."""
+    return [server_interceptor(filter_=negate(health_check()))] if is_tracing_on() else []
 
 
 def aio_server_interceptors() -> list[Any]:
-    return [aio_server_interceptor(filter_=negate(health_check()))]
+    return [aio_server_interceptor(filter_=negate(health_check()))] if is_tracing_on() else []
 
 
 def aio_channel_interceptors() -> list[Any]:
-    """For a grpc.aio channel: a span per call made, its trace context sent in the metadata."""
-    return list(aio_client_interceptors(filter_=negate(health_check())))
+    """For a grpc.aio channel: a span per call made, its trace context sent in the metadata; none
+    while tracing is off."""
+    return list(aio_client_interceptors(filter_=negate(health_check()))) if is_tracing_on() else []
