@@ -5,6 +5,11 @@ service as the services run (specdec.service.server: the OpenTelemetry server in
 ErrorInterceptor binding the request's ids into the log context).
 
     python -m bench.tracing_overhead --num_calls 2000 --num_rounds 3
+    python -m bench.tracing_overhead --stack --num_requests 6 --num_rounds 2
+
+--stack times whole steps instead: the services as real processes (default model), the same
+greedy speculative requests with tracing off and on (spans written to files), the mean step time
+(GenerationStats total_ms / num_steps) of each, the stacks alternating.
 
 A step makes three such calls (Propose, Verify, Validate), so a step's tracing cost is about three
 times the per-call difference. Each mode runs in a process of its own (a process has one tracer
@@ -83,12 +88,57 @@ def run_mode(mode: str, num_calls: int) -> float:
         server.stop(0)
 
 
+STACK_PROMPT = "Repeat this list twice: red, green, blue, red, green, blue."
+
+
+def _stack_step_ms(is_traced: bool, num_requests: int, max_new_tokens: int) -> float:
+    """Mean ms per step over num_requests on a fresh stack, tracing on or off."""
+    import tempfile
+
+    from specdec.launcher import Stack, StackConfig
+    from specdec.tracing import TRACES_DIR_ENV
+    from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+
+    with tempfile.TemporaryDirectory() as traces_dir:
+        config = StackConfig(extra_env={TRACES_DIR_ENV: traces_dir} if is_traced else {})
+        with Stack(config) as stack, grpc.insecure_channel(stack.gateway_address) as channel:
+            stub = gateway_pb2_grpc.GenerationServiceStub(channel)
+            total_ms, num_steps = 0.0, 0
+            for i in range(num_requests + 1):  # the first warms up
+                request = gateway_pb2.GenerateRequest(max_new_tokens=max_new_tokens)
+                request.speculation.is_enabled, request.speculation.is_adaptive = True, False
+                request.speculation.speculative_degree, request.speculation.draft_length = 2, 3
+                request.chat.messages.add(role="user", content=f"{STACK_PROMPT} ({i})")
+                stats = stub.Generate(request, timeout=600).stats
+                if i:
+                    total_ms, num_steps = total_ms + stats.stage_times.total_ms, num_steps + stats.num_steps
+    return total_ms / num_steps
+
+
+def _stack_main(num_requests: int, num_rounds: int, max_new_tokens: int) -> None:
+    ms: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(num_rounds):
+        for is_traced in (False, True):
+            ms[is_traced].append(_stack_step_ms(is_traced, num_requests, max_new_tokens))
+    off, on = (statistics.median(ms[is_traced]) for is_traced in (False, True))
+    print(f"mean step time, median of {num_rounds} stacks x {num_requests} requests x {max_new_tokens} tokens:")
+    print(f"  tracing off: {off:.2f} ms  (stacks: {', '.join(f'{v:.2f}' for v in ms[False])})")
+    print(f"  tracing on:  {on:.2f} ms  (stacks: {', '.join(f'{v:.2f}' for v in ms[True])})")
+    print(f"  difference:  {on - off:+.2f} ms per step ({(on - off) / off:+.1%})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num_calls", type=int, default=2000)
     parser.add_argument("--num_rounds", type=int, default=3)
     parser.add_argument("--mode", choices=MODES, help="(internal) time one mode in this process")
+    parser.add_argument("--stack", action="store_true", help="time whole steps on real stacks instead")
+    parser.add_argument("--num_requests", type=int, default=6)
+    parser.add_argument("--max_new_tokens", type=int, default=32)
     args = parser.parse_args(argv)
+    if args.stack:
+        _stack_main(args.num_requests, args.num_rounds, args.max_new_tokens)
+        return
     if args.mode is not None:
         print(f"{run_mode(args.mode, args.num_calls):.2f}")
         return
