@@ -343,12 +343,13 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         return queue_s
 
-    async def _run(self, loop: RequestLoop, client_id: str, ticket: Ticket, arrived_s: float):
+    async def _run(self, loop: RequestLoop, client_id: str, ticket: Ticket, arrived_s: float | None = None):
         """Each step's output of loop.run(), which runs in a task of its own (see _observed): a
         client that goes away cancels this coroutine, never the loop in the middle of a step. The
         loop's admission slot is given back when the loop ends; when this generator is closed
         before (the client went away), the loop is cancelled and stops within a step."""
         steps: asyncio.Queue = asyncio.Queue()
+        arrived_s = time.perf_counter() if arrived_s is None else arrived_s  # the request's arrival, for its latencies
 
         async def drive() -> None:
             try:
