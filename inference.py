@@ -36,7 +36,7 @@ from typing import Any, TextIO
 
 import grpc
 
-from specdec.launcher import PRIMARY, PortInUseError, ServiceError, Stack, StackConfig
+from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.progress import ProgressPrinter
@@ -505,6 +505,14 @@ def stack_config(args: argparse.Namespace) -> StackConfig:
         log_dir=args.log_dir,
         is_serving_http=args.serve,
         http_port=args.http_port,
+        is_serving_metrics=args.serve,  # each service's own /metrics (docs/metrics.md), printed at start
+    )
+
+
+def metrics_lines(stack: Stack) -> str:
+    """Where Prometheus scrapes each service: each one exports the families it owns (docs/metrics.md)."""
+    return "metrics (Prometheus scrape targets):\n" + "\n".join(
+        f"  {name}: {stack.metrics_url(name)}" for name in (*SERVICE_NAMES, HTTP)
     )
 
 
@@ -554,6 +562,7 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
                 "serving GenerationService (gRPC) at the first address above, the OpenAI-compatible HTTP API "
                 "at the second (base URL + /v1); Ctrl-C stops"
             )
+            say(metrics_lines(stack))
             try:
                 return serve_until_stopped(stack, RestartPolicy(max_rapid_restarts=args.max_service_restarts), say)
             except KeyboardInterrupt:  # the normal end of --serve

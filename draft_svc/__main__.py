@@ -30,9 +30,10 @@ from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixIndex
 from draft_svc.weights import PrimaryClient, WeightAttacher
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.logging import configure_logging
+from specdec.tracing import configure_tracing
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
-from specdec.metrics import ServiceMetrics
+from draft_svc.metrics import DraftMetrics
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
@@ -42,7 +43,7 @@ from specdec.v1 import draft_pb2_grpc
 def build(
     config: DraftConfig,
     client: PrimaryClient | None,
-    metrics: ServiceMetrics | None = None,
+    metrics: DraftMetrics | None = None,
     grammars: GrammarCache | None = None,
     corpus: ContinuationIndex | None = None,
 ) -> tuple[DraftServicer, DraftPool, WeightAttacher]:
@@ -140,13 +141,14 @@ def _feature_drafter(
 def main(argv: Sequence[str] | None = None) -> None:
     config = from_args(argv, os.environ)
     configure_logging("draft", level=config.log_level)
+    configure_tracing("draft", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     log = structlog.get_logger("draft_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     if config.num_torch_threads:
         torch.set_num_threads(config.num_torch_threads)
     client = GrpcPrimaryClient(config.primary_address, service_token=service_token) if config.primary_address else None
     registry = CollectorRegistry()
-    metrics = ServiceMetrics(registry)
+    metrics = DraftMetrics(registry)
     grammars = corpus = None
     # the tokenizer only: weights come from the primary
     if config.has_grammar_strategies or config.has_corpus_strategy:
@@ -178,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve(
         config.server,
         [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-        interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)],
+        interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics.rpc)],
         registry=registry,
         on_stopped=on_stopped,
     )

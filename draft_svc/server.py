@@ -15,7 +15,7 @@ from draft_svc.primary_client import exported_from_pb
 from draft_svc.weights import WeightAttacher
 from specdec import pb
 from specdec.errors import InvalidArgument
-from specdec.metrics import ServiceMetrics
+from draft_svc.metrics import DraftMetrics
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 
@@ -24,7 +24,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self,
         pool: DraftPool,
         attacher: WeightAttacher,
-        metrics: ServiceMetrics | None = None,
+        metrics: DraftMetrics | None = None,
         costs: DraftCosts | None = None,
         priors: Mapping[str, Sequence[float]] | None = None,
     ) -> None:
@@ -67,7 +67,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     ) -> draft_pb2.DraftServiceReleaseResponse:
         self._pool.release(pb.request_id_from_pb(request.request_id), request.is_finished)
         if self._metrics is not None:
-            self._metrics.active_requests.set(self._pool.num_requests)
+            self._metrics.requests.set(self._pool.num_requests)
         return draft_pb2.DraftServiceReleaseResponse()
 
     def GetPoolInfo(
@@ -91,10 +91,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def _record(self, proposal: Proposal) -> None:
         if self._metrics is None:
             return
-        self._metrics.tokens.labels("proposed").inc(proposal.tree.num_nodes)
-        self._metrics.stage_latency.labels("draft").observe(proposal.time_ms / 1e3)
-        self._metrics.active_requests.set(self._pool.num_requests)
-        self._metrics.kv_bytes.set(self._pool.num_kv_bytes)
+        self._metrics.proposed_tokens.inc(proposal.tree.num_nodes)
+        self._metrics.propose_seconds.observe(proposal.time_ms / 1e3)
+        self._metrics.requests.set(self._pool.num_requests)
+        self._metrics.state_bytes.set(self._pool.num_kv_bytes)
 
 
 def proposal_to_pb(proposal: Proposal) -> draft_pb2.ProposeResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import asyncio
 import socket
 import sys
@@ -17,7 +18,8 @@ from gateway.config import GatewayConfig, parse_config
 from gateway.server import GenerationServicer
 from specdec.errors import Unavailable
 from specdec.logging import configure_logging
-from specdec.metrics import ServiceMetrics
+from specdec.tracing import configure_tracing
+from gateway.metrics import GatewayMetrics
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit
@@ -32,6 +34,7 @@ LOOP_STOP_TIMEOUT_S = 10.0  # at shutdown, for running loops to stop within a st
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("gateway", level=config.log_level)
+    configure_tracing("gateway", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     try:
         api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
@@ -74,7 +77,7 @@ async def serve(
                 await asyncio.sleep(0.5)
         owner = f"gateway@{socket.gethostname()}:{config.server.port}"
         registry = CollectorRegistry()
-        metrics = ServiceMetrics(registry)
+        metrics = GatewayMetrics(registry)
         servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
         log.info(
             "gateway ready",
@@ -95,7 +98,7 @@ async def serve(
         await serve_aio(
             config.server,
             [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
-            interceptors=[AioErrorInterceptor(metrics)],
+            interceptors=[AioErrorInterceptor(metrics.rpc)],
             registry=registry,
             on_started=resume,
         )

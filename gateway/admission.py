@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from specdec.errors import Cancelled, DeadlineExceeded, ResourceExhausted
-from specdec.metrics import ServiceMetrics
+from gateway.metrics import GatewayMetrics
 
 # Trailing metadata of a RESOURCE_EXHAUSTED from a full queue: when a retry may find room,
 # integer milliseconds (HTTP fronts turn it into Retry-After).
@@ -176,7 +176,7 @@ class Admission:
         self,
         max_active: int,
         max_queued: int,
-        metrics: ServiceMetrics | None = None,
+        metrics: GatewayMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_active < 1:
@@ -204,6 +204,7 @@ class Admission:
         with self._lock:
             if self._num_active < self.max_active and not self._queue:
                 self._num_active += 1
+                self._record_depth()
                 return Ticket(self, key, is_granted=True)
             if len(self._queue) >= self.max_queued and not is_accepted:
                 retry_ms = self._retry_after_ms()
@@ -250,6 +251,7 @@ class Admission:
                 self._record_depth()
             else:
                 self._num_active -= 1
+                self._record_depth()
 
     def _retry_after_ms(self) -> int:
         """About when the queue next has room: one of max_active running requests ends every
@@ -259,4 +261,5 @@ class Admission:
 
     def _record_depth(self) -> None:
         if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._queue))
+            self.metrics.num_requests_waiting.set(len(self._queue))
+            self.metrics.num_requests_running.set(self._num_active)

@@ -34,6 +34,7 @@ from specdec.errors import (
 )
 from specdec.sampling import SamplingParams
 from specdec.service.auth import token_metadata
+from specdec.tracing import aio_channel_interceptors, outgoing_metadata
 from specdec.v1 import (
     common_pb2,
     draft_pb2,
@@ -215,7 +216,8 @@ class Backends:
         # service_token: sent on every call (specdec.service.auth); None when the services run without one.
         self._metadata = token_metadata(service_token)
         self._channels = [
-            grpc.aio.insecure_channel(a, options=options) for a in (primary_address, draft_address, validator_address)
+            grpc.aio.insecure_channel(a, options=options, interceptors=aio_channel_interceptors())
+            for a in (primary_address, draft_address, validator_address)
         ]
         self.primary = primary_pb2_grpc.PrimaryServiceStub(self._channels[0])
         self.draft = draft_pb2_grpc.DraftServiceStub(self._channels[1])
@@ -235,7 +237,7 @@ class Backends:
 
     async def _call(self, service: str, method, request):
         try:
-            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
+            return await method(request, timeout=self.timeout_s, metadata=outgoing_metadata(self._metadata))
         except grpc.RpcError as e:
             raise _domain_error(e, service) from None
 

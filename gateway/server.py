@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import threading
 import time
@@ -42,6 +43,7 @@ from gateway.cost_model import cost_model_for
 from gateway.step_costs import StepCosts
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
+from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
@@ -60,7 +62,6 @@ from specdec.errors import (
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.logprobs import TokenLogprob
-from specdec.metrics import ServiceMetrics
 from specdec.request_id import TENANT_SEPARATOR, tenant_of
 from specdec.service.api_keys import ApiKeys
 from specdec.model.tokenizer import Tokenizer
@@ -136,7 +137,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         tokenizer: Tokenizer,
         model: ModelInfo,
         owner: str,
-        metrics: ServiceMetrics | None = None,
+        metrics: GatewayMetrics | None = None,
         grammars: Grammars | None = None,
         api_keys: ApiKeys | None = None,
     ) -> None:
@@ -182,8 +183,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     # --- RPCs -------------------------------------------------------------------------------
 
     async def Generate(self, request, context):
+        arrived_s = time.perf_counter()
         client_id, loop, ticket = await self._start(request, context)
-        async with contextlib.aclosing(self._run(loop, client_id, ticket)) as steps:
+        async with contextlib.aclosing(self._run(loop, client_id, ticket, arrived_s)) as steps:
             async for _ in steps:
                 pass
         o = loop.outcome
@@ -204,11 +206,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         return response
 
     async def GenerateStream(self, request, context):
+        arrived_s = time.perf_counter()
         client_id, loop, ticket = await self._start(request, context)
         reader = reader_for(loop.params.tools) if loop.params.tools.is_parsed else None
         num_calls = 0
         is_prompt_sent = False  # the prompt's log probabilities ride on the first message
-        async with contextlib.aclosing(self._run(loop, client_id, ticket)) as steps:
+        async with contextlib.aclosing(self._run(loop, client_id, ticket, arrived_s)) as steps:
             async for out in steps:
                 message = gateway_pb2.GenerateStreamResponse(
                     request_id=client_id,
@@ -474,16 +477,17 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             raise Cancelled("request_id", f"request {request_id!r} was cancelled while queued")
         return queue_s
 
-    async def _run(self, loop: RequestLoop, client_id: str, ticket: Ticket):
+    async def _run(self, loop: RequestLoop, client_id: str, ticket: Ticket, arrived_s: float | None = None):
         """Each step's output of loop.run(), which runs in a task of its own (see _observed): a
         client that goes away cancels this coroutine, never the loop in the middle of a step. The
         loop's admission slot is given back when the loop ends; when this generator is closed
         before (the client went away), the loop is cancelled and stops within a step."""
         steps: asyncio.Queue = asyncio.Queue()
+        arrived_s = time.perf_counter() if arrived_s is None else arrived_s  # the request's arrival, for its latencies
 
         async def drive() -> None:
             try:
-                async for out in self._observed(loop, client_id):
+                async for out in self._observed(loop, client_id, arrived_s):
                     steps.put_nowait((_STEP, out))
             except BaseException as e:  # noqa: BLE001 - handed to the coroutine, raised there
                 steps.put_nowait((_FAILED, e))
@@ -636,34 +640,42 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 raise told from None
             raise
 
-    async def _observed(self, loop: RequestLoop, client_id: str) -> AsyncIterator:
-        """loop.run(), recording each step's proposed/accepted tokens and stage times as metrics; an
-        internal service's failure reaches the client as client_error says (the details are logged)."""
+    async def _observed(self, loop: RequestLoop, client_id: str, arrived_s: float) -> AsyncIterator:
+        """loop.run(), recording its latencies, tokens and steps as metrics; an internal service's
+        failure reaches the client as client_error says (the details are logged)."""
         with self._told_as_client(loop.request_id, client_id):
-            async for out in self._measured(loop):
+            async for out in self._measured(loop, arrived_s):
                 yield out
 
-    async def _measured(self, loop: RequestLoop) -> AsyncIterator:
+    async def _measured(self, loop: RequestLoop, arrived_s: float) -> AsyncIterator:
         if self.metrics is None:
             async for out in loop.run():
                 yield out
             return
-        self.metrics.active_requests.inc()
-        self.metrics.tokens.labels("prompt").inc(len(loop.prompt_ids))
-        stats = loop.stats
-        last = (stats.num_steps, stats.num_proposed, stats.num_accepted, dict(stats.stage_ms))
+        metrics, stats = self.metrics, loop.stats
+        metrics.prompt_tokens.inc(len(loop.prompt_ids))
+        metrics.queue_time.observe(stats.queue_ms / 1000)
+        timer = RequestTimer(metrics, arrived_s)
+        seen = _StepCounts.of(stats)
+        finish_reason = "error"
         try:
             async for out in loop.run():
-                if stats.num_steps > last[0]:
-                    self.metrics.observe_step(
-                        num_proposed=stats.num_proposed - last[1],
-                        num_accepted=stats.num_accepted - last[2],
-                        stage_seconds={k: (v - last[3].get(k, 0.0)) / 1000 for k, v in stats.stage_ms.items()},
-                    )
-                    last = (stats.num_steps, stats.num_proposed, stats.num_accepted, dict(stats.stage_ms))
+                timer.on_tokens(len(out.token_ids), time.perf_counter())
+                if stats.num_steps > seen.num_steps:
+                    seen = seen.observe_into(metrics, stats)
                 yield out
+            finish_reason = loop.outcome.finish_reason
+        except (asyncio.CancelledError, GeneratorExit, Cancelled):
+            finish_reason = "cancelled"
+            raise
+        except DeadlineExceeded:
+            finish_reason = "deadline"
+            raise
         finally:
-            self.metrics.active_requests.dec()
+            if stats.num_steps > seen.num_steps:  # a last step that committed nothing to send (an EOS)
+                seen.observe_into(metrics, stats)
+            metrics.generation_tokens.inc(stats.num_generated_tokens - seen.num_generated_tokens_at_start)
+            timer.on_end(finish_reason, time.perf_counter())
 
     def _forget(self, request_id: str) -> None:
         with self._lock:
@@ -725,3 +737,42 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))
         finally:
             self._end(loop.request_id, ticket)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StepCounts:
+    """A request's step counters as the metrics last saw them (RequestStats only grows)."""
+
+    num_steps: int
+    num_proposed: int
+    num_accepted: int
+    stage_ms: dict[str, float]
+    decoders: dict[str, tuple[int, int]]
+    num_generated_tokens_at_start: int
+
+    @staticmethod
+    def of(stats: RequestStats, num_generated_tokens_at_start: int | None = None) -> _StepCounts:
+        return _StepCounts(
+            stats.num_steps,
+            stats.num_proposed,
+            stats.num_accepted,
+            dict(stats.stage_ms),
+            {name: (int(row[0]), int(row[1])) for name, row in stats.decoders.items()},
+            stats.num_generated_tokens if num_generated_tokens_at_start is None else num_generated_tokens_at_start,
+        )
+
+    def observe_into(self, metrics: GatewayMetrics, stats: RequestStats) -> _StepCounts:
+        """Record the steps since these counts; the counts now."""
+        now = _StepCounts.of(stats, self.num_generated_tokens_at_start)
+        metrics.observe_step(
+            num_steps=now.num_steps - self.num_steps,
+            num_proposed=now.num_proposed - self.num_proposed,
+            num_accepted=now.num_accepted - self.num_accepted,
+            stage_seconds={k: (v - self.stage_ms.get(k, 0.0)) / 1000 for k, v in now.stage_ms.items()},
+            by_decoder={
+                name: (p - self.decoders.get(name, (0, 0))[0], a - self.decoders.get(name, (0, 0))[1])
+                for name, (p, a) in now.decoders.items()
+                if (p, a) != self.decoders.get(name, (0, 0))
+            },
+        )
+        return now

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import structlog
 import uvicorn
 from prometheus_client import CollectorRegistry
@@ -10,6 +11,7 @@ from specdec.service.api_keys import ApiKeys
 from http_svc.app import HttpFront
 from http_svc.config import parse_config
 from specdec.logging import configure_logging
+from specdec.tracing import configure_tracing
 from specdec.metrics import start_metrics_server
 
 # In-flight answers get this long to finish after SIGTERM (the gRPC services drain for 5 s too).
@@ -19,6 +21,7 @@ GRACEFUL_STOP_S = 5
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("http", level=config.log_level)
+    configure_tracing("http", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     log = structlog.get_logger("http")
     try:
         api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         ssl_certfile=config.tls_cert_file or None,
         ssl_keyfile=config.tls_key_file or None,
         log_config=None,
-        access_log=False,
+        access_log=True,  # through the root handler: JSON, with the request's client_request_id
         timeout_graceful_shutdown=GRACEFUL_STOP_S,
         lifespan="on",
     )

@@ -23,9 +23,11 @@ from typing import Any, Protocol
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -34,6 +36,7 @@ from specdec.service.api_keys import AUTHORIZATION, ApiKeys
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, from_rpc_error
 from http_svc.metrics import HttpMetrics
+from http_svc.request_context import RequestContextMiddleware, client_request_id_header
 from http_svc.openai_request import (
     CHAT,
     COMPLETION,
@@ -45,7 +48,8 @@ from http_svc.openai_request import (
 )
 from http_svc.tokenizer_request import parse_detokenize, parse_tokenize
 from http_svc.openai_response import ChunkWriter, completion, error_event
-from specdec.errors import Unauthenticated
+from specdec.errors import InvalidArgument, Unauthenticated
+from specdec.tracing import aio_channel_interceptors, check_client_request_id, is_tracing_on, outgoing_metadata
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 GATEWAY_HEALTH_SERVICE = "specdec.v1.GenerationService"
@@ -103,6 +107,9 @@ class HttpFront:
         return Starlette(
             routes=routes,
             lifespan=self._lifespan,
+            # Outermost first: a span per request (W3C traceparent in, read by the gateway's call),
+            # then the client's X-Request-Id bound for the request's log lines.
+            middleware=[*self._tracing_middleware(), Middleware(RequestContextMiddleware)],
             # Starlette calls each handler with instances of its key's class; its type says any
             # Exception, so the narrower handlers need the ignore.
             exception_handlers={
@@ -112,14 +119,25 @@ class HttpFront:
             },
         )
 
+    @staticmethod
+    def _tracing_middleware() -> list[Middleware]:
+        """A span per request (W3C traceparent in and on to the gateway) while tracing is on."""
+        if not is_tracing_on():
+            return []
+        return [Middleware(OpenTelemetryMiddleware, excluded_urls="health,metrics", exclude_spans=["receive", "send"])]
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         if self.config.gateway_ca_file:
             with open(self.config.gateway_ca_file, "rb") as f:
                 credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self._channel = grpc.aio.secure_channel(self.config.gateway_address, credentials, CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(
+                self.config.gateway_address, credentials, CHANNEL_OPTIONS, interceptors=aio_channel_interceptors()
+            )
         else:
-            self._channel = grpc.aio.insecure_channel(self.config.gateway_address, CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(
+                self.config.gateway_address, CHANNEL_OPTIONS, interceptors=aio_channel_interceptors()
+            )
         self.stub = gateway_pb2_grpc.GenerationServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         try:
@@ -241,17 +259,21 @@ class HttpFront:
             self._check_model(parsed.model)
             response_id = f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
             parsed.request.request_id = response_id
-            call_args = {"metadata": self._metadata(request), "timeout": self.config.request_timeout_s}
+            echoed_id = self._client_request_id(request) or response_id
+            metadata = outgoing_metadata(self._metadata(request))
+            call_args = {"metadata": metadata, "timeout": self.config.request_timeout_s}
             echo_texts = await self._echo_texts(request, parsed)
             if parsed.is_stream:
-                response = await self._stream(request, parsed, response_id, call_args, started, echo_texts[0])
+                response = await self._stream(
+                    request, parsed, response_id, call_args, started, echo_texts[0], echoed_id
+                )
             else:
                 answers = await self._answers(request, parsed, response_id, call_args)
                 for answer in answers:
                     self._count_tokens(answer.stats)
                 response = JSONResponse(
                     completion(parsed, response_id, int(time.time()), self.config.model_name, answers, echo_texts),
-                    headers=_headers(parsed, response_id),
+                    headers=_headers(parsed, echoed_id),
                 )
             status = response.status_code
             return response
@@ -313,7 +335,14 @@ class HttpFront:
         return texts
 
     async def _stream(
-        self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict, started: float, echo_text: str
+        self,
+        request: Request,
+        parsed: ParsedRequest,
+        response_id: str,
+        call_args: dict,
+        started: float,
+        echo_text: str,
+        echoed_id: str,
     ) -> Response:
         """The first message is awaited before the status line, so that a refused request (bad
         parameter, no capacity) still gets its HTTP status; later failures become an error event."""
@@ -334,7 +363,7 @@ class HttpFront:
             call,
             self.metrics.disconnects.inc,
             media_type="text/event-stream",
-            headers={**_headers(parsed, response_id), "cache-control": "no-cache"},
+            headers={**_headers(parsed, echoed_id), "cache-control": "no-cache"},
         )
 
     async def _events(
@@ -410,6 +439,18 @@ class HttpFront:
             if e.status < 500:  # the caller's own fault (a key the gateway refuses): theirs to hear
                 raise
         return card
+
+    @staticmethod
+    def _client_request_id(request: Request) -> str:
+        """The client's X-Request-Id ("" without one): echoed in the response, sent to the gateway
+        (RequestContextMiddleware binds it); a malformed one is a 400 naming the header."""
+        value = client_request_id_header(request.scope)
+        if value is None:
+            return ""
+        try:
+            return check_client_request_id(value, "X-Request-Id")
+        except InvalidArgument as e:
+            raise ApiError(400, str(e), "invalid_request_error", param="X-Request-Id") from None
 
     @staticmethod
     def _metadata(request: Request) -> tuple[tuple[str, str], ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import uuid
@@ -24,8 +25,9 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_logging
+from specdec.tracing import configure_tracing
 from specdec.logits_shm import cleanup_stale_slots
-from specdec.metrics import ServiceMetrics
+from primary_svc.metrics import PrimaryMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.llama import Transformer
@@ -47,6 +49,7 @@ LEASE_CHECK_MAX_S = 5.0
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("primary_svc", level=config.log_level)
+    configure_tracing("primary", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     log = structlog.get_logger("primary_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     on_progress = progress_callback(config.progress_file)
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     instance_id = uuid.uuid4().hex[:12]
     registry = CollectorRegistry()
-    metrics = ServiceMetrics(registry)
+    metrics = PrimaryMetrics(registry)
     worker = EngineWorker(
         None,
         config.max_batch,
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(
             config.server,
             [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-            interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics)],
+            interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics.rpc)],
             registry=registry,
             on_stopped=on_stopped,
         )
@@ -213,7 +216,7 @@ def served_precision(
     return choice.precision, choice.reason
 
 
-def start_step_compiler(config: PrimaryConfig, model: Transformer, metrics: ServiceMetrics) -> BackgroundCompiler:
+def start_step_compiler(config: PrimaryConfig, model: Transformer, metrics: PrimaryMetrics) -> BackgroundCompiler:
     """Install a compiled step on `model` and compile its buckets in the background; serving starts eager."""
     step = CompiledStep(model, CompileSettings(mode=config.compile_mode))
     model.fast_path = step

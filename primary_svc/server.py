@@ -27,8 +27,8 @@ from specdec.grammar import GrammarState
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
+from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
-from specdec.metrics import ServiceMetrics
 from specdec.penalties import penalize
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
@@ -60,7 +60,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         worker: EngineWorker,
         identity: ModelIdentity,
         max_kv_bytes: int,
-        metrics: ServiceMetrics | None = None,
+        metrics: PrimaryMetrics | None = None,
         leases: KVLeases | None = None,
         run_grammars: RunGrammars | None = None,
     ) -> None:
@@ -378,7 +378,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def _observe_kv(self) -> None:
         if self.metrics is not None:
-            self.metrics.kv_bytes.set(self.worker.built_engine().kv_bytes)
+            self.metrics.observe_kv(self.worker.built_engine().kv_bytes, self.max_kv_bytes)
             self.metrics.active_requests.set(self.worker.built_engine().num_active_requests)
             self.metrics.queue_depth.set(self.worker.queue_depth)
             self.metrics.scheduler_waiting.set(self.worker.num_waiting)

@@ -18,7 +18,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.metrics import STEP_ROW_KINDS
+from primary_svc.metrics import STEP_ROW_KINDS
 from specdec.flag_spellings import add_spellings
 
 FETCH_TIMEOUT_S = 10.0

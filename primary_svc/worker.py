@@ -66,7 +66,7 @@ from specdec.engine.engine import Engine, PrefillChunk, VerifyWork
 from specdec.engine.prefix_cache import PrefixCacheStats
 from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
 from specdec.request_id import tenant_of
-from specdec.metrics import ServiceMetrics
+from primary_svc.metrics import PrimaryMetrics
 
 STEP_HISTORY = 4096  # steps whose composition `step_history` keeps
 # Steps a new prompt sits out at most, in all, waiting for a prefix another prefill computes
@@ -159,7 +159,7 @@ class EngineWorker:
         max_batch: int = 32,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-        metrics: ServiceMetrics | None = None,
+        metrics: PrimaryMetrics | None = None,
         batch_wait_s: float = 0.0,
         return_window_s: float = RETURN_WINDOW_S,
     ) -> None:

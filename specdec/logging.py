@@ -3,7 +3,10 @@
 Each service's __main__ calls configure_logging() once; everything else just
 does `log = structlog.get_logger()` and logs key/value events. Lines are JSON
 when stderr is not a terminal (containers, CI, log shippers) and coloured
-console lines otherwise. The RPC interceptor (specdec/service.py) binds
+console lines otherwise, and the libraries' stdlib records (grpc, redis, uvicorn's access
+log) go through the same processors (structlog's stdlib ProcessorFormatter). Lines logged while
+a traced call is served carry its trace_id and span_id, and the client's own request id
+(client_request_id, specdec.tracing). The RPC interceptor (specdec/service.py) binds
 `request_id` and `rpc` through contextvars for the duration of every call that
 carries a request_id, so every event logged under it is tagged without
 threading the id through the code.
@@ -22,6 +25,8 @@ from contextlib import contextmanager
 from typing import Any, TextIO
 
 import structlog
+
+from specdec.tracing import add_trace_ids
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_TRACEBACK_FRAMES = 20
@@ -49,7 +54,9 @@ def configure_logging(
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         add_service,
+        structlog.stdlib.add_logger_name,
         structlog.processors.add_log_level,
+        add_trace_ids,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]
@@ -58,17 +65,24 @@ def configure_logging(
         renderer: list[Any] = [structlog.processors.ExceptionRenderer(tracebacks), structlog.processors.JSONRenderer()]
     else:
         renderer = [structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)]
+    # One way out for every line: structlog's events and the libraries' stdlib records (grpc, redis,
+    # uvicorn's access log) both end in the root handler's ProcessorFormatter, which renders them
+    # the same way (JSON, with the request's context bound through contextvars).
     structlog.configure(
-        processors=[*shared, *renderer],
+        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
     )
-    # Libraries (grpc, redis) log through the stdlib: send them to the same
-    # stream, one line each, at the same threshold.
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
+        )
+    )
     root = logging.getLogger()
-    root.handlers[:] = [logging.StreamHandler(stream)]
-    root.handlers[0].setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+    root.handlers[:] = [handler]
     root.setLevel(level_no)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import structlog
@@ -9,7 +10,8 @@ import torch
 from prometheus_client import CollectorRegistry, Gauge
 
 from specdec.logging import configure_logging
-from specdec.metrics import NAMESPACE, ServiceMetrics
+from specdec.tracing import configure_tracing
+from specdec.metrics import NAMESPACE, RpcMetrics
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
@@ -42,6 +44,7 @@ def build_servicer(
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     configure_logging("validator_svc", level=config.log_level)
+    configure_tracing("validator", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     serve(
         config.server,
         [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, servicer)],
-        interceptors=[*token_interceptors(service_token), ErrorInterceptor(ServiceMetrics(registry))],
+        interceptors=[*token_interceptors(service_token), ErrorInterceptor(RpcMetrics(registry))],
         registry=registry,
     )
 

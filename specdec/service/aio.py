@@ -23,7 +23,15 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from specdec.metrics import start_metrics_server
-from specdec.service.interceptor import ErrorInterceptor, _check_decoded, _lenient, _request_scope, method_name
+from specdec.tracing import aio_server_interceptors
+from specdec.service.interceptor import (
+    ErrorInterceptor,
+    _check_decoded,
+    _lenient,
+    _request_scope,
+    client_request_scope,
+    method_name,
+)
 from specdec.service.server import DEFAULT_MAX_MESSAGE_BYTES, OVERALL_HEALTH, AddServicerFn, ServerConfig, _NameRecorder
 
 
@@ -32,7 +40,7 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
     -> INTERNAL (traceback to the log), request_id bound into the log context, per-method metrics.
     A call whose client went away (its handler cancelled) is recorded as CANCELLED."""
 
-    def __init__(self, metrics=None) -> None:  # noqa: ANN001 - ServiceMetrics | None
+    def __init__(self, metrics=None) -> None:  # noqa: ANN001 - RpcMetrics | None
         self._sync = ErrorInterceptor(metrics)  # the status mapping and the metrics, shared
 
     async def intercept_service(
@@ -56,9 +64,9 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
-            with _request_scope(request, method):
+            with _request_scope(request, method), client_request_scope(context) as malformed:
                 try:
-                    _check_decoded(request)
+                    _check_decoded(request, malformed)
                     return await behavior(request, context)
                 except asyncio.CancelledError:
                     code = grpc.StatusCode.CANCELLED
@@ -77,9 +85,9 @@ class AioErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
-            with _request_scope(request, method):
+            with _request_scope(request, method), client_request_scope(context) as malformed:
                 try:
-                    _check_decoded(request)
+                    _check_decoded(request, malformed)
                     async for response in behavior(request, context):
                         yield response
                 except asyncio.CancelledError:
@@ -120,7 +128,7 @@ async def create_aio_server(
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=list(interceptors), options=options)
+    server = grpc.aio.server(interceptors=[*aio_server_interceptors(), *interceptors], options=options)
     recorder = _NameRecorder(server)
     for add_to_server, servicer in services:
         add_to_server(servicer, recorder)

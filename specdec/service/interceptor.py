@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import grpc
@@ -19,7 +19,8 @@ import structlog
 
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.logging import bind_request
-from specdec.metrics import ServiceMetrics
+from specdec.tracing import LOG_FIELD, client_request_id_bound, client_request_id_of
+from specdec.metrics import RpcMetrics
 
 # Codes of a failed call to another service that are passed through as they
 # are: they say something true about this call too (the dependency is down,
@@ -43,7 +44,7 @@ def method_name(full_method: str) -> str:
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Maps exceptions to status codes, binds request_id, records metrics."""
 
-    def __init__(self, metrics: ServiceMetrics | None = None) -> None:
+    def __init__(self, metrics: RpcMetrics | None = None) -> None:
         self._metrics = metrics
         self._log = structlog.get_logger("specdec.rpc")
 
@@ -74,9 +75,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
-            with _request_scope(request, method):
+            with _request_scope(request, method), client_request_scope(context) as malformed:
                 try:
-                    _check_decoded(request)
+                    _check_decoded(request, malformed)
                     return behavior(request, context)
                 except Exception as exc:  # noqa: BLE001 - every failure gets a status
                     code, message = self._status_for(exc, context, method)
@@ -94,9 +95,9 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         def wrapped(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             started = time.perf_counter()
             code = grpc.StatusCode.OK
-            with _request_scope(request, method):
+            with _request_scope(request, method), client_request_scope(context) as malformed:
                 try:
-                    _check_decoded(request)
+                    _check_decoded(request, malformed)
                     yield from behavior(request, context)
                 except Exception as exc:  # noqa: BLE001 - every failure gets a status
                     code, message = self._status_for(exc, context, method)
@@ -130,10 +131,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}); see the service log"
 
     def _record(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        elapsed_s = time.perf_counter() - started
+        # The gRPC access log: one line per call at DEBUG (several calls per step at INFO would
+        # drown the rest), tagged with the request's ids like every line logged under the call.
+        self._log.debug("rpc", method=method, code=code.name, duration_ms=round(elapsed_s * 1000, 3))
         if self._metrics is None:
             return
         self._metrics.requests.labels(method, code.name).inc()
-        self._metrics.rpc_latency.labels(method).observe(time.perf_counter() - started)
+        self._metrics.rpc_latency.labels(method).observe(elapsed_s)
 
 
 class _UndecodableRequest:
@@ -157,11 +162,34 @@ def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], A
     return deserialize
 
 
-def _check_decoded(request: Any) -> None:
+def _check_decoded(request: Any, malformed: InvalidArgument | None = None) -> None:
+    """Refuse a call whose request did not parse, or whose metadata carries a malformed field."""
+    if malformed is not None:
+        raise malformed
     if isinstance(request, _UndecodableRequest):
         raise InvalidArgument(
             "request", f"the message does not parse (text fields must be valid UTF-8): {type(request.error).__name__}"
         )
+
+
+@contextmanager
+def client_request_scope(context: Any) -> Iterator[InvalidArgument | None]:
+    """Within: the caller's x-request-id (metadata) tags every log line and goes on with every
+    internal call made (specdec.tracing). Yields the InvalidArgument naming it when it is
+    malformed (the call is refused with it, inside the status mapping), else None."""
+    try:
+        client_request_id = client_request_id_of(context.invocation_metadata())
+    except InvalidArgument as e:
+        yield e
+        return
+    if not client_request_id:
+        yield None
+        return
+    with (
+        client_request_id_bound(client_request_id),
+        structlog.contextvars.bound_contextvars(**{LOG_FIELD: client_request_id}),
+    ):
+        yield None
 
 
 def _request_scope(request: Any, method: str) -> AbstractContextManager[None]:

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from specdec.metrics import start_metrics_server
+from specdec.tracing import server_interceptors
 
 # Loopback unless configured: a service is reachable from other hosts only
 # when its deployment says so (compose sets 0.0.0.0 inside the containers).
@@ -140,7 +141,7 @@ def create_server(
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        interceptors=list(interceptors),
+        interceptors=[*server_interceptors(), *interceptors],
         options=options,
     )
     recorder = _NameRecorder(server)

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.admission import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS, Admission, FairQueue, QueueFull
 from specdec.errors import Cancelled, DeadlineExceeded
-from specdec.metrics import ServiceMetrics
+from gateway.metrics import GatewayMetrics
 
 
 def test_fair_queue_is_fifo_per_key_and_round_robin_across_keys():
@@ -56,7 +56,7 @@ def test_slots_pass_to_waiters_in_fair_order():
 
 def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_counted():
     registry = CollectorRegistry()
-    admission = Admission(max_active=2, max_queued=1, metrics=ServiceMetrics(registry))
+    admission = Admission(max_active=2, max_queued=1, metrics=GatewayMetrics(registry))
     running = [admission.enter(""), admission.enter("")]
     queued = admission.enter("")
     with pytest.raises(QueueFull) as refused:
@@ -64,7 +64,7 @@ def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_counted():
     assert MIN_RETRY_AFTER_MS <= refused.value.retry_after_ms <= MAX_RETRY_AFTER_MS
     assert refused.value.status_name == "RESOURCE_EXHAUSTED"
     assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "queue_full"}) == 1
-    assert registry.get_sample_value("specdec_queue_depth") == 1
+    assert registry.get_sample_value("specdec_num_requests_waiting") == 1
     running[0].release()
     running[0].release()  # idempotent: the slot is handed on once
     assert queued.is_granted and admission.num_active == 2 and admission.num_queued == 0
@@ -77,12 +77,12 @@ def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_counted():
 
 def test_a_queued_request_past_its_deadline_leaves_the_queue():
     registry = CollectorRegistry()
-    admission = Admission(max_active=1, max_queued=4, metrics=ServiceMetrics(registry))
+    admission = Admission(max_active=1, max_queued=4, metrics=GatewayMetrics(registry))
     holder = admission.enter("")
     late = admission.enter("")
     with pytest.raises(DeadlineExceeded, match="request_id: request 'r1' waited"):
         asyncio.run(late.wait_async(time.monotonic() + 0.05, threading.Event(), "r1"))
-    assert admission.num_queued == 0 and registry.get_sample_value("specdec_queue_depth") == 0
+    assert admission.num_queued == 0 and registry.get_sample_value("specdec_num_requests_waiting") == 0
     assert registry.get_sample_value("specdec_admission_rejections_total", {"reason": "deadline"}) == 1
     holder.release()
     late.release()
@@ -138,7 +138,7 @@ def test_an_async_waiter_is_woken_by_the_grant_and_holds_no_thread():
 
 def test_an_async_waiter_leaves_the_queue_on_its_deadline_a_cancel_or_its_coroutine_cancelled():
     async def scenario(registry: CollectorRegistry) -> None:
-        admission = Admission(max_active=1, max_queued=4, metrics=ServiceMetrics(registry))
+        admission = Admission(max_active=1, max_queued=4, metrics=GatewayMetrics(registry))
         holder = admission.enter("")
         late, cancelled, gone, after = (admission.enter("") for _ in range(4))
         with pytest.raises(DeadlineExceeded, match="request 'r1' waited"):

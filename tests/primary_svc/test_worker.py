@@ -20,7 +20,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import load_model
 from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
-from specdec.metrics import ServiceMetrics
+from primary_svc.metrics import PrimaryMetrics
 
 PROMPTS = [[1, 504, 3458, 282], [1, 9690, 198, 2683, 253], [1, 30760, 563], [1, 260, 1945, 28, 837]]
 TREES = [([700, 701], [-1, 0]), ([5], [-1]), ([], []), ([11, 12, 13], [-1, -1, 0])]
@@ -190,7 +190,7 @@ def test_chunked_prefill_mixed_with_verify_rows_equals_one_prefill_int4(int4_mod
 
 
 def test_prefills_of_several_requests_share_a_step(int4_model):
-    metrics = ServiceMetrics(CollectorRegistry())
+    metrics = PrimaryMetrics(CollectorRegistry())
     worker = EngineWorker(new_engine(int4_model), max_step_tokens=512, prefill_chunk_tokens=128, metrics=metrics)
     try:
         paused = Paused(worker)
@@ -324,7 +324,7 @@ def test_a_prefill_continues_from_the_prefix_cache_between_other_steps_int4(int4
     uninterrupted prefill without the cache would. The metrics count the lookup and the reuse."""
     prompt_b = LONG_PROMPT[:257] + [(i * 104729) % 40000 + 100 for i in range(30)]
     want = reference(int4_model, prompt_b, 3, chunk_tokens=512)
-    metrics = ServiceMetrics(CollectorRegistry())
+    metrics = PrimaryMetrics(CollectorRegistry())
     engine = Engine(int4_model.model, KVCache(int4_model.config, int4_model.model.kv_dtype), MAX_CONTEXT, PrefixCache())
     worker = EngineWorker(engine, max_step_tokens=48, prefill_chunk_tokens=48, metrics=metrics)
     try:

@@ -1,4 +1,4 @@
-"""ServiceMetrics on a registry of the test's own, and the /metrics endpoint."""
+"""The per-service metric classes on registries of the test's own, and the /metrics endpoint."""
 
 from __future__ import annotations
 
@@ -8,46 +8,88 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from specdec.metrics import ServiceMetrics, start_metrics_server
+from draft_svc.metrics import DraftMetrics
+from gateway.metrics import GatewayMetrics, RequestTimer
+from primary_svc.metrics import PrimaryMetrics
+from specdec.metrics import RpcMetrics, start_metrics_server
 
 
-def test_observe_step_counts_tokens_and_stages() -> None:
+def _names(registry: CollectorRegistry) -> set[str]:
+    return {m.name for m in registry.collect()}
+
+
+def test_observe_step_counts_drafts_by_decoder_and_stages() -> None:
     registry = CollectorRegistry()
-    metrics = ServiceMetrics(registry)
-    # Two steps: 5 proposed / 3 accepted (+1 bonus), then 4 proposed / 0 accepted (+1 bonus).
-    metrics.observe_step(num_proposed=5, num_accepted=3, stage_seconds={"draft": 0.002, "verify": 0.04})
-    metrics.observe_step(num_proposed=4, num_accepted=0, stage_seconds={"verify": 0.03})
+    metrics = GatewayMetrics(registry)
+    # A speculative step: 5 proposed (3 by ngram, 2 by suffix) / 3 accepted (+1 bonus); a plain
+    # run of 2 steps without drafts.
+    metrics.observe_step(
+        num_steps=1,
+        num_proposed=5,
+        num_accepted=3,
+        stage_seconds={"draft": 0.002, "verify": 0.04},
+        by_decoder={"ngram": (3, 3), "suffix": (2, 0)},
+    )
+    metrics.observe_step(num_steps=2, num_proposed=0, num_accepted=0, stage_seconds={"verify": 0.03}, by_decoder={})
     value = registry.get_sample_value
-    assert value("specdec_steps_total") == 2
-    assert value("specdec_tokens_total", {"kind": "proposed"}) == 9
-    assert value("specdec_tokens_total", {"kind": "accepted"}) == 3
-    assert value("specdec_tokens_total", {"kind": "generated"}) == 5
-    assert value("specdec_accepted_length_sum") == 4 + 1
-    assert value("specdec_accepted_length_bucket", {"le": "1.0"}) == 1
-    assert value("specdec_stage_latency_seconds_count", {"stage": "verify"}) == 2
-    assert value("specdec_stage_latency_seconds_count", {"stage": "draft"}) == 1
+    assert value("specdec_steps_total") == 3
+    assert value("specdec_spec_decode_num_drafts_total") == 1
+    assert value("specdec_spec_decode_num_draft_tokens_total", {"decoder": "ngram"}) == 3
+    assert value("specdec_spec_decode_num_accepted_tokens_total", {"decoder": "suffix"}) == 0
+    assert value("specdec_spec_decode_accepted_length_sum") == 4
+    assert value("specdec_spec_decode_accepted_length_count") == 1
+    assert value("specdec_step_stage_seconds_count", {"stage": "verify"}) == 2
+    assert value("specdec_step_stage_seconds_count", {"stage": "draft"}) == 1
 
 
 def test_observe_step_rejects_inconsistent_input() -> None:
-    metrics = ServiceMetrics(CollectorRegistry())
+    metrics = GatewayMetrics(CollectorRegistry())
     with pytest.raises(ValueError, match="num_accepted"):
-        metrics.observe_step(num_proposed=1, num_accepted=2, stage_seconds={})
+        metrics.observe_step(num_steps=1, num_proposed=1, num_accepted=2, stage_seconds={}, by_decoder={})
     with pytest.raises(ValueError, match="unknown stages"):
-        metrics.observe_step(num_proposed=1, num_accepted=1, stage_seconds={"warmup": 1.0})
+        metrics.observe_step(num_steps=1, num_proposed=1, num_accepted=1, stage_seconds={"warmup": 1.0}, by_decoder={})
 
 
-def test_registries_are_independent() -> None:
-    a, b = CollectorRegistry(), CollectorRegistry()
-    ServiceMetrics(a).kv_bytes.set(123)
-    ServiceMetrics(b)
-    assert a.get_sample_value("specdec_kv_bytes") == 123
-    assert b.get_sample_value("specdec_kv_bytes") == 0
+def test_request_timer_spreads_a_step_over_its_tokens() -> None:
+    registry = CollectorRegistry()
+    timer = RequestTimer(GatewayMetrics(registry), arrived_s=10.0)
+    timer.on_tokens(1, 10.5)  # TTFT 0.5
+    timer.on_tokens(3, 10.8)  # 3 tokens 0.3 s later: 3 samples of 0.1
+    timer.on_tokens(0, 10.9)  # a step that committed nothing: no sample
+    timer.on_tokens(1, 11.0)
+    timer.on_end("length", 11.1)
+    value = registry.get_sample_value
+    assert value("specdec_time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert value("specdec_inter_token_latency_seconds_count") == 4  # every token after the first
+    assert value("specdec_inter_token_latency_seconds_sum") == pytest.approx(0.5)
+    assert value("specdec_request_time_per_output_token_seconds_sum") == pytest.approx(0.5 / 4)
+    assert value("specdec_e2e_request_latency_seconds_sum") == pytest.approx(1.1)
+    assert value("specdec_request_success_total", {"finished_reason": "length"}) == 1
+
+
+def test_each_service_exports_only_its_own_families() -> None:
+    gateway, primary, draft, validator = (CollectorRegistry() for _ in range(4))
+    GatewayMetrics(gateway), PrimaryMetrics(primary), DraftMetrics(draft), RpcMetrics(validator)
+    rpc = {"specdec_rpc_requests", "specdec_rpc_latency_seconds"}
+    assert _names(validator) == rpc
+    assert rpc < _names(gateway) and rpc < _names(primary) and rpc < _names(draft)
+    assert "specdec_kv_cache_usage_perc" in _names(primary) - _names(gateway) - _names(draft)
+    assert "specdec_time_to_first_token_seconds" in _names(gateway) - _names(primary) - _names(draft)
+    assert "specdec_draft_proposed_tokens" in _names(draft) - _names(gateway) - _names(primary)
+    assert not (_names(gateway) - rpc) & (_names(primary) - rpc)
+
+
+def test_kv_use_is_a_fraction_of_the_budget() -> None:
+    registry = CollectorRegistry()
+    PrimaryMetrics(registry).observe_kv(kv_bytes=256, max_kv_bytes=1024)
+    assert registry.get_sample_value("specdec_kv_cache_usage_perc") == 0.25
+    assert registry.get_sample_value("specdec_kv_bytes") == 256
 
 
 def test_metrics_endpoint_serves_the_registry() -> None:
     assert start_metrics_server(0, CollectorRegistry()) is None  # port 0 disables it
     registry = CollectorRegistry()
-    ServiceMetrics(registry).queue_depth.set(4)
+    PrimaryMetrics(registry).queue_depth.set(4)
     with socket.socket() as s:  # a free port (the endpoint itself cannot bind port 0: 0 means off)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

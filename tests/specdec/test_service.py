@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec import errors, healthcheck
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from specdec.metrics import ServiceMetrics
+from specdec.metrics import RpcMetrics
 from specdec.service import ErrorInterceptor, ServerConfig, create_server, method_name, serve, wait_for_serving
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, validator_pb2, validator_pb2_grpc
 
@@ -92,7 +92,7 @@ def server(registry: CollectorRegistry) -> Iterator[tuple[int, FakeValidator]]:
             (validator_pb2_grpc.add_ValidatorServiceServicer_to_server, validator),
             (gateway_pb2_grpc.add_GenerationServiceServicer_to_server, FakeGateway()),
         ],
-        interceptors=[ErrorInterceptor(ServiceMetrics(registry))],
+        interceptors=[ErrorInterceptor(RpcMetrics(registry))],
     )
     server.start()
     yield port, validator
@@ -264,7 +264,7 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
     started: list[int] = []
     stopped = threading.Event()
     registry = CollectorRegistry()
-    ServiceMetrics(registry).queue_depth.set(3)
+    RpcMetrics(registry).requests.labels("Validator/Validate", "OK").inc(3)
     metrics_port = _free_port()
     thread = threading.Thread(
         target=serve,
@@ -282,7 +282,7 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
         address = f"127.0.0.1:{_wait_for(lambda: started)[0]}"
         wait_for_serving(address, timeout_s=5)
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-        assert "specdec_queue_depth 3.0" in body
+        assert 'specdec_rpc_requests_total{code="OK",method="Validator/Validate"} 3.0' in body
     finally:
         stop.set()
         thread.join(timeout=10)

@@ -1,0 +1,133 @@
+"""Prometheus metrics the primary owns: its KV cache, its scheduler and engine steps, its prefix
+cache (plus the RPC families of specdec.metrics.RpcMetrics)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specdec.metrics import NAMESPACE, RpcMetrics
+
+if TYPE_CHECKING:
+    from specdec.engine.prefix_cache import PrefixCache, PrefixCacheStats
+
+# Rows of one primary engine step by kind: 0 (none of that kind) to a few thousand (the step budget).
+_STEP_ROWS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Row kinds of a primary engine step: verify/decode rows of running requests, prefill chunk rows.
+STEP_ROW_KINDS = ("verify", "prefill")
+# Prompt tokens of the primary's prefix-cache lookups: those that could have come from the cache
+# (every prompt row of the batched prefill) and those that did (hit share = reused / queried).
+PREFIX_CACHE_TOKEN_KINDS = ("queried", "reused")
+
+
+class PrimaryMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.rpc = RpcMetrics(registry)
+        self.queue_depth = Gauge(
+            "queue_depth", "Calls waiting for the engine thread.", namespace=NAMESPACE, registry=registry
+        )
+        self.active_requests = Gauge(
+            "kv_requests", "Requests holding a KV slot.", namespace=NAMESPACE, registry=registry
+        )
+        self.kv_bytes = Gauge("kv_bytes", "KV-cache bytes in use.", namespace=NAMESPACE, registry=registry)
+        # vLLM: vllm:kv_cache_usage_perc (a fraction too, despite its name).
+        self.kv_usage = Gauge(
+            "kv_cache_usage_perc",
+            "KV-cache use as a fraction of --max_kv_bytes (0..1).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.scheduler_waiting = Gauge(
+            "scheduler_waiting_requests",
+            "Prefills waiting (for KV room or to finish their chunks).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.scheduler_running = Gauge(
+            "scheduler_running_requests", "Prefilled requests holding KV.", namespace=NAMESPACE, registry=registry
+        )
+        self.engine_steps = Counter(
+            "engine_steps",
+            "Engine steps (one budgeted batch of verify rows and prefill chunks).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.step_rows = Histogram(
+            "engine_step_rows",
+            f"Rows of one engine step, by kind: {', '.join(STEP_ROW_KINDS)}.",
+            ["kind"],
+            namespace=NAMESPACE,
+            registry=registry,
+            buckets=_STEP_ROWS_BUCKETS,
+        )
+        self.preemptions = Counter(
+            "preemptions",
+            "Requests whose KV was released to let others grow (they re-prefill).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.compiled_buckets = Gauge(
+            "compiled_buckets",
+            "Row buckets of the compiled engine step that are ready (0: eager only).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self._add_prefix_cache(registry)
+
+    def _add_prefix_cache(self, registry: CollectorRegistry) -> None:
+        self.prefix_cache_queries = Counter(
+            "prefix_cache_queries",
+            "Prompts looked up in the prefix cache (when a request gets its KV slot).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_hits = Counter(
+            "prefix_cache_hits",
+            "Prefix-cache lookups that reused at least one token.",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_tokens = Counter(
+            "prefix_cache_tokens",
+            f"Prompt tokens of prefix-cache lookups, by kind: {', '.join(PREFIX_CACHE_TOKEN_KINDS)}.",
+            ["kind"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        for kind in PREFIX_CACHE_TOKEN_KINDS:
+            self.prefix_cache_tokens.labels(kind)
+        self.prefix_cache_evictions = Counter(
+            "prefix_cache_evictions",
+            "Prefix-cache blocks evicted to make room (least recently used first).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "prefix_cache_bytes",
+            "Bytes of KV rows held by the prefix cache (apart from kv_bytes).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.prefix_cache_blocks = Gauge(
+            "prefix_cache_blocks", "Blocks held by the prefix cache.", namespace=NAMESPACE, registry=registry
+        )
+
+    def observe_kv(self, kv_bytes: int, max_kv_bytes: int) -> None:
+        self.kv_bytes.set(kv_bytes)
+        self.kv_usage.set(kv_bytes / max_kv_bytes if max_kv_bytes > 0 else 0.0)
+
+    def observe_prefix_cache(self, cache: PrefixCache, seen: PrefixCacheStats) -> PrefixCacheStats:
+        """Bring the prefix-cache metrics up to the cache's counts; `seen`: the counts of the last
+        call. Returns the counts now seen (the cache counts on the engine thread, the counters follow)."""
+        now = dataclasses.replace(cache.stats)
+        self.prefix_cache_queries.inc(now.num_queries - seen.num_queries)
+        self.prefix_cache_hits.inc(now.num_hits - seen.num_hits)
+        self.prefix_cache_tokens.labels("queried").inc(now.num_query_tokens - seen.num_query_tokens)
+        self.prefix_cache_tokens.labels("reused").inc(now.num_reused_tokens - seen.num_reused_tokens)
+        self.prefix_cache_evictions.inc(now.num_evicted_blocks - seen.num_evicted_blocks)
+        self.prefix_cache_bytes.set(cache.num_bytes)
+        self.prefix_cache_blocks.set(cache.num_blocks)
+        return now
