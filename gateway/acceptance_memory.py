@@ -24,7 +24,13 @@ import math
 import threading
 
 from gateway.controller import DecoderEstimate
+from specdec.strategies import PREDICTION_STRATEGY
 from specdec.task_type import TaskType
+
+# Decoders whose acceptance belongs to the request, not to the decoder: the prediction decoder drafts
+# the request's own predicted output, right for one request and wrong for the next. The memory
+# neither learns from them nor gives them a prior.
+REQUEST_SPECIFIC_DECODERS = frozenset({PREDICTION_STRATEGY})
 
 # (task type, decoder, rank): one estimate the memory keeps
 MemoryKey = tuple[TaskType, str, int]
@@ -70,6 +76,8 @@ class AcceptanceMemory:
         tokens (0 proposed: it was asked and had nothing), num_requested the step's draft_length."""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
+        if decoder in REQUEST_SPECIFIC_DECODERS:
+            return
         key = (task_type, decoder, rank)
         with self._lock:
             counts = self._counts.get(key)
@@ -82,7 +90,9 @@ class AcceptanceMemory:
 
     def prior(self, task_type: TaskType, decoder: str, rank: int) -> LearnedPrior | None:
         """What the requests measured of (decoder, rank) on this task type, or None before min_tested
-        tested tokens."""
+        tested tokens (always None for REQUEST_SPECIFIC_DECODERS)."""
+        if decoder in REQUEST_SPECIFIC_DECODERS:
+            return None
         with self._lock:
             c = self._counts.get((task_type, decoder, rank))
             if c is None or c.tested < self.config.min_tested:

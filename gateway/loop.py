@@ -585,13 +585,28 @@ class RequestLoop:
         plan = (
             self.fixed_plan
             if self.controller is None
-            else self.controller.plan(self._controller_state(), self._known_coverage())
+            else self._with_prediction(self.controller.plan(self._controller_state(), self._known_coverage()))
         )
         is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
         if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
+
+    def _with_prediction(self, plan: SpeculationPlan) -> SpeculationPlan:
+        """A speculative plan with the request's prediction in it, first, whenever the output follows
+        the prediction: the user supplied it and it costs nothing to draft, while the controller,
+        pricing each decoder's nodes apart, may leave it out for another decoder that drafts the same
+        tokens (the suffix index after a repeated request). At the degree bound it takes the last
+        source's place."""
+        key = (PREDICTION_STRATEGY, 0)
+        if self.prediction is None or not plan.is_speculative or key in plan.sources:
+            return plan
+        position = self.prediction.next_position
+        if position == LOST or position >= len(self.prediction_ids):
+            return plan
+        degree = max(1, plan.speculative_degree)
+        return dataclasses.replace(plan, sources=(key, *plan.sources)[:degree])
 
     def _known_coverage(self) -> dict[tuple[str, int], float]:
         """What the loop knows a decoder will propose this step, before the controller plans

@@ -93,8 +93,8 @@ def await_idle(stub, stack: Stack, timeout_s: float = 60) -> None:
         if (
             stats.kv_bytes == 0
             and stats.num_active_requests == 0
-            and metric(stack, GATEWAY, "specdec_active_requests") == 0
-            and metric(stack, GATEWAY, "specdec_queue_depth") == 0
+            and metric(stack, GATEWAY, "specdec_num_requests_running") == 0
+            and metric(stack, GATEWAY, "specdec_num_requests_waiting") == 0
         ):
             return
         time.sleep(0.1)

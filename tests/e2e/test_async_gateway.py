@@ -80,7 +80,7 @@ def test_200_open_streams_against_8_slots_hold_no_thread_each(gateway_stub, stac
     try:
         await_metrics(
             stack,
-            {"specdec_active_requests": MAX_ACTIVE, "specdec_queue_depth": NUM_STREAMS - MAX_ACTIVE},
+            {"specdec_num_requests_running": MAX_ACTIVE, "specdec_num_requests_waiting": NUM_STREAMS - MAX_ACTIVE},
             timeout_s=300,
         )
         open_threads = num_threads(pid)
@@ -88,7 +88,7 @@ def test_200_open_streams_against_8_slots_hold_no_thread_each(gateway_stub, stac
     finally:
         for call in calls:
             call.cancel()  # the clients go away
-    await_metrics(stack, {"specdec_active_requests": 0, "specdec_queue_depth": 0}, timeout_s=120)
+    await_metrics(stack, {"specdec_num_requests_running": 0, "specdec_num_requests_waiting": 0}, timeout_s=120)
     give_up = time.monotonic() + 60
     pending = set(range(NUM_STREAMS))
     while pending:

@@ -126,7 +126,11 @@ def test_a_redis_outage_ends_the_request_unavailable_within_its_deadline(gateway
     """Redis stays stopped until the client has its answer: UNAVAILABLE naming the request after the
     bounded retries (endless retries would end in DEADLINE_EXCEEDED at the client's 300 s), not the
     store's details; once Redis is back the stack serves again."""
-    received, errors, reader = _stream_in_background(gateway_stub, _request("outage", max_new_tokens=200))
+    # Plain decoding: a speculative stream of a prompt the suffix index has seen in this module can
+    # finish its 200 tokens between the first message and the stop.
+    outage = _request("outage", max_new_tokens=200)
+    outage.speculation.is_enabled = False
+    received, errors, reader = _stream_in_background(gateway_stub, outage)
     os.kill(redis_server.pid, signal.SIGSTOP)
     try:
         reader.join(timeout=300)

@@ -126,9 +126,12 @@ def _primary_stats(stack) -> primary_pb2.GetStatsResponse:
         return primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest(), timeout=30)
 
 
-def _generate(stub, content: str, max_new_tokens: int, is_speculative: bool = True) -> gateway_pb2.GenerateResponse:
+def _generate(
+    stub, content: str, max_new_tokens: int, is_speculative: bool = True, is_adaptive: bool = True
+) -> gateway_pb2.GenerateResponse:
     req = gateway_pb2.GenerateRequest(
-        max_new_tokens=max_new_tokens, speculation=gateway_pb2.SpeculationConfig(is_enabled=is_speculative)
+        max_new_tokens=max_new_tokens,
+        speculation=gateway_pb2.SpeculationConfig(is_enabled=is_speculative, is_adaptive=is_adaptive),
     )
     req.chat.messages.add(role="user", content=content)
     return stub.Generate(req, timeout=600, metadata=as_tenant("alice"))
@@ -192,12 +195,13 @@ def test_a_killed_validator_changes_nothing_in_the_output(gateway_stub, stack):
     reader.join(timeout=300)
     assert received[-1].is_final and received[-1].finish_reason == plain.finish_reason
     assert [t for r in received for t in r.token_ids] == list(plain.token_ids)
-    during = _generate(gateway_stub, PROMPT, max_new_tokens=40)
+    # speculating every step (the adaptive controller may find plain decoding faster and never ask it)
+    during = _generate(gateway_stub, PROMPT, max_new_tokens=40, is_adaptive=False)
     assert list(during.token_ids) == list(plain.token_ids)
     assert during.stats.num_validator_fallback_steps > 0
     stack.restart(VALIDATOR, is_killing=False)
     give_up = time.monotonic() + 60
-    while (after := _generate(gateway_stub, PROMPT, max_new_tokens=40)).stats.num_validator_fallback_steps:
+    while (after := _generate(gateway_stub, PROMPT, 40, is_adaptive=False)).stats.num_validator_fallback_steps:
         assert time.monotonic() < give_up, "the gateway did not return to the validator"
     assert list(after.token_ids) == list(plain.token_ids)
 

@@ -62,3 +62,10 @@ def test_a_new_request_starts_from_what_earlier_requests_measured():
     later = controller.new_state(CREATIVE, {"prompt_lookup": 1})
     assert later.estimates[0].acceptance == 0.0
     assert not controller.plan(later).is_speculative
+
+
+def test_the_prediction_decoder_is_the_requests_own_and_never_remembered():
+    memory = AcceptanceMemory(AcceptanceMemoryConfig(min_tested=1.0))
+    for _ in range(10):  # a wrong prediction in one request says nothing of the next request's
+        memory.record(CODE, "prediction", 0, 8, 0, 8)
+    assert memory.prior(CODE, "prediction", 0) is None
