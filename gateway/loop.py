@@ -57,7 +57,7 @@ from gateway.params import GenerationParams, SpeculationParams
 from gateway.repeats import MIN_REPEAT_TOKENS, RepeatIndex
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S, give_up_at, with_state_retries
 from gateway.stats import RequestStats
-from gateway.step_costs import StepCosts
+from gateway.step_costs import MeasuredOverheads, StepCosts
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import (
     CandidateOutcome,
@@ -380,6 +380,7 @@ class RequestLoop:
         # this request adds to them, and an adaptive one plans with them (_plan).
         self.step_costs = step_costs
         self.step_record: StepRecord | None = None  # the step being computed, once it ran undisturbed
+        self.measured_overheads: MeasuredOverheads | None = None  # what the controller's cost model holds
         self.base_cost_model = cost_model or cost_model_for(model.verify_costs_ms, CostSettings())
         self.one_row_ms = one_row_ms(model.verify_costs_ms)
         if spec.is_enabled and spec.is_adaptive:
@@ -581,7 +582,13 @@ class RequestLoop:
 
     def _plan(self) -> SpeculationPlan:
         if self.controller is not None and self.step_costs is not None:
-            self.controller.set_cost_model(self.step_costs.cost_model(self.base_cost_model, self.one_row_ms))
+            # a new cost model (and the controller's remembered choices dropped) only when a cost moved
+            measured = self.step_costs.overheads()
+            if measured != self.measured_overheads:
+                self.measured_overheads = measured
+                self.controller.set_cost_model(
+                    self.step_costs.cost_model(self.base_cost_model, self.one_row_ms, measured)
+                )
         plan = (
             self.fixed_plan
             if self.controller is None

@@ -137,15 +137,15 @@ class StepCosts:
             )
         return measured
 
-    def cost_model(self, base: CostModel, one_row_ms: float) -> CostModel:
-        """`base` with its overheads replaced by the measured ones where there are enough samples.
-        `one_row_ms`: the 1-row forward the base model's units stand for (the primary's start-up
-        measurement), used until the running one is measured.
+    def cost_model(self, base: CostModel, one_row_ms: float, measured: MeasuredOverheads | None = None) -> CostModel:
+        """`base` with its overheads replaced by the measured ones (`measured`, else overheads() now)
+        where there are enough samples. `one_row_ms`: the 1-row forward the base model's units stand
+        for (the primary's start-up measurement), used until the running one is measured.
 
         # E.g. plain 0.12 ms a token, speculative 2.1 ms a step, forward unit now 4.2 ms:
         #   plain_overhead 0.029, speculative_overhead 0.5 (units of one forward)
         """
-        measured = self.overheads()
+        measured = measured or self.overheads()
         unit = measured.one_row_ms or one_row_ms
         if unit <= 0.0:
             return base
