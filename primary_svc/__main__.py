@@ -12,7 +12,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from primary_svc.autotune import CANDIDATES, FLOAT_CANDIDATES, choose_precision_or_fallback
+from primary_svc.autotune import FLOAT_CANDIDATES, choose_precision_or_fallback, quantized_candidates
 from primary_svc.config import PrimaryConfig, parse_config
 from primary_svc.costs import measure_verify_costs
 from primary_svc.leases import KVLeases
@@ -204,9 +204,8 @@ def served_precision(
     # A GGUF's own format is quantized, so int4/int8 serve the file as it is; a float checkpoint
     # is served in a float format unless a quantized precision is asked for.
     is_gguf = config.model_path is None or str(config.model_path).lower().endswith(".gguf")
-    choice = choose_precision_or_fallback(
-        model_dir, config.cache_dir, config.num_threads, CANDIDATES if is_gguf else FLOAT_CANDIDATES, on_progress
-    )
+    candidates = quantized_candidates() if is_gguf else FLOAT_CANDIDATES
+    choice = choose_precision_or_fallback(model_dir, config.cache_dir, config.num_threads, candidates, on_progress)
     structlog.get_logger("primary_svc").info(
         "precision chosen",
         precision=choice.precision,

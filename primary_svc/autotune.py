@@ -54,7 +54,7 @@ from specdec.model import native
 from specdec.model.precision import PRECISIONS
 
 FALLBACK_PRECISION = "fp32"
-CANDIDATES = ("int4", "int8", "bf16", "fp32")  # in order of preference on a tie
+CANDIDATES = ("int4", "int8_token", "int8", "bf16", "fp32")  # in order of preference on a tie
 FLOAT_CANDIDATES = ("bf16", "fp32")
 PROBE_SIZES = (1, 2, 4, 8, 16)
 PROBE_CONTEXT_TOKENS = 64
@@ -121,6 +121,15 @@ def machine_key(num_threads: int) -> str:
         ]
     )
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
+
+
+def quantized_candidates() -> tuple[str, ...]:
+    """CANDIDATES for a quantized source on this machine: int8_token only where its products have a
+    vector or tile path (the native kernels' AVX-512 build); elsewhere they run the portable loops,
+    which would only cost start-up time to measure."""
+    lib = native.library()
+    is_vector = lib is not None and lib.qgemm_isa().decode().startswith("AVX512")
+    return tuple(p for p in CANDIDATES if p != "int8_token" or is_vector)
 
 
 def measure_candidate(model_dir: Path, precision: str) -> dict[int, float]:

@@ -28,7 +28,15 @@ import torch.nn.functional as F
 from specdec.model import native
 from specdec.model.config import ModelConfig
 from specdec.model.linear import NO_PADDING, Linear
-from specdec.model.quant import INT8_COLUMNS, INT8_SCALE, INT8_WEIGHT, Int4Linear, Int8Embedding, Int8Linear
+from specdec.model.quant import (
+    INT8_COLUMNS,
+    INT8_SCALE,
+    INT8_TOKEN_COLUMNS,
+    INT8_WEIGHT,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+)
 
 Tensor = torch.Tensor
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -244,7 +252,8 @@ class Transformer:
         self.embed, self.embed_tokens = _embedding(weights, self.dtype)  # embed_tokens: [V, C], float or int8
         self.layers = [Block(config, weights, i, min_gemm_rows) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
-        is_untied = any("lm_head" + suffix in weights for suffix in (".weight", INT8_WEIGHT, INT8_COLUMNS))
+        head_suffixes = (".weight", INT8_WEIGHT, INT8_COLUMNS, INT8_TOKEN_COLUMNS)
+        is_untied = any("lm_head" + suffix in weights for suffix in head_suffixes)
         head = "lm_head" if is_untied else "model.embed_tokens"
         self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
@@ -323,8 +332,9 @@ def _embedding(weights: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Calla
     if name + INT8_WEIGHT in weights:
         embedding = Int8Embedding(weights[name + INT8_WEIGHT], weights[name + INT8_SCALE], dtype)
         return embedding, embedding.weight
-    if name + INT8_COLUMNS in weights:
-        embedding = Int8Embedding(weights[name + INT8_COLUMNS], weights[name + INT8_SCALE], dtype)
-        return embedding, embedding.weight
+    for columns in (INT8_COLUMNS, INT8_TOKEN_COLUMNS):
+        if name + columns in weights:
+            embedding = Int8Embedding(weights[name + columns], weights[name + INT8_SCALE], dtype)
+            return embedding, embedding.weight
     matrix = weights[name + ".weight"]
     return matrix.__getitem__, matrix

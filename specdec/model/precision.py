@@ -42,6 +42,7 @@ _COMPUTE_DTYPES = {
     "fp8_e4m3": torch.bfloat16,
     "int8": torch.float32,
     "int4": torch.float32,
+    quant.INT8_TOKEN: torch.float32,
 }
 _EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 _MATRIX_SUFFIXES = (
@@ -89,7 +90,9 @@ def convert_weights(
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the lm_head is the embedding matrix, never a second copy
         module = name.removesuffix(".weight")
-        if (precision in quant.QUANTIZED_PRECISIONS and name in _EMBEDDING_NAMES) or (
+        if precision == quant.INT8_TOKEN and (name in _EMBEDDING_NAMES or name.endswith(_MATRIX_SUFFIXES)):
+            out.update(_int8_token_weights(module, tensor))
+        elif (precision in quant.QUANTIZED_PRECISIONS and name in _EMBEDDING_NAMES) or (
             precision == "int8" and name.endswith(_MATRIX_SUFFIXES)
         ):
             out.update(_int8_weights(module, tensor))
@@ -107,6 +110,16 @@ def _int8_weights(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
     if native.library() is None or not native.fits(*weight.shape):
         return rows  # torch's kernels
     return quant.pack_int8(module, rows[module + quant.INT8_WEIGHT], rows[module + quant.INT8_SCALE])
+
+
+def _int8_token_weights(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not native.fits(*weight.shape):
+        raise ValueError(
+            f"--precision {quant.INT8_TOKEN} cannot pack {module} {tuple(weight.shape)}: the native layout needs "
+            f"whole groups of {native.COLUMNS} outputs and blocks of {native.QK} inputs"
+        )
+    rows = quant.quantize_int8(module, weight)
+    return quant.pack_int8(module, rows[module + quant.INT8_WEIGHT], rows[module + quant.INT8_SCALE], per_token=True)
 
 
 def _int4_weights(name: str, weight: torch.Tensor, blocks: tuple[torch.Tensor, ...] | None) -> dict[str, torch.Tensor]:

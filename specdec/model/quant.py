@@ -55,12 +55,18 @@ INT8_WEIGHT, INT8_SCALE = ".weight_int8", ".weight_int8_scale"
 # rows, interleaved by 16 output columns
 Q4_1_NIBBLES, Q4_1_D, Q4_1_M = ".weight_q4_1", ".weight_q4_1_d", ".weight_q4_1_m"
 INT8_COLUMNS = ".weight_int8_columns"
-QUANTIZED_PRECISIONS = ("int8", "int4")
+# int8_token: the same int8 rows and layout, their activations quantized per token (a row of 15-bit
+# integers in two int8 halves, `native.QuantLinear(per_token=True)`): the name carries the kind, so
+# the draft pool, mapping the primary's weights, runs the same arithmetic
+INT8_TOKEN_COLUMNS = ".weight_int8_token_columns"
+INT8_TOKEN = "int8_token"
+QUANTIZED_PRECISIONS = ("int8", "int4", INT8_TOKEN)
 # int4 serves the embedding/lm_head in int8 too (see `precision.py`)
 _KERNELS = {
     "int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"),
     "int8": ("_weight_int8pack_mm",),
 }
+NATIVE_ONLY = (INT8_TOKEN,)  # precisions with no torch-kernel form
 
 
 def check_kernels(precision: str, device: torch.device | str, other_precisions: tuple[str, ...]) -> None:
@@ -72,6 +78,11 @@ def check_kernels(precision: str, device: torch.device | str, other_precisions: 
         )
     if native.library() is not None:
         return
+    if precision in NATIVE_ONLY:
+        raise ValueError(
+            f"--precision {precision} runs on the native kernels only, which are {native.status()}; "
+            f"use one of {other_precisions}"
+        )
     for op in _KERNELS[precision]:
         if not hasattr(torch.ops.aten, op):
             raise ValueError(
@@ -126,9 +137,10 @@ def pack_q4_1(name: str, q: Tensor, d: Tensor, m: Tensor) -> dict[str, Tensor]:
     return {name + Q4_1_NIBBLES: nibbles, name + Q4_1_D: dp, name + Q4_1_M: mp}
 
 
-def pack_int8(name: str, q: Tensor, scale: Tensor) -> dict[str, Tensor]:
-    """int8 rows [N, K] and their scale [N] -> the native kernels' layout (`native.pack_int8`)."""
-    return {name + INT8_COLUMNS: native.pack_int8(q), name + INT8_SCALE: scale}
+def pack_int8(name: str, q: Tensor, scale: Tensor, per_token: bool = False) -> dict[str, Tensor]:
+    """int8 rows [N, K] and their scale [N] -> the native kernels' layout (`native.pack_int8`), named
+    for per-token activations with `per_token`."""
+    return {name + (INT8_TOKEN_COLUMNS if per_token else INT8_COLUMNS): native.pack_int8(q), name + INT8_SCALE: scale}
 
 
 def check_int4_shape(name: str, weight: Tensor, other_precisions: tuple[str, ...]) -> None:
@@ -200,15 +212,17 @@ def quantized_linear(weights: Mapping[str, Tensor], prefix: str) -> Int4Linear |
     The native layouts exist only where the native kernels were there to convert for
     (`precision.convert_weights`); otherwise int4/int8 run on torch's packed kernels."""
     bias = weights.get(prefix + ".bias")
-    if prefix + Q4_1_NIBBLES in weights or prefix + INT8_COLUMNS in weights:
+    columns = next((c for c in (INT8_COLUMNS, INT8_TOKEN_COLUMNS) if prefix + c in weights), None)
+    if prefix + Q4_1_NIBBLES in weights or columns is not None:
         lib = native.library()
         if lib is None:
             raise ValueError(f"{prefix}: the native layout needs the native kernels: {native.status()}")
         if prefix + Q4_1_NIBBLES in weights:
             q4 = (weights[prefix + Q4_1_NIBBLES], weights[prefix + Q4_1_D], weights[prefix + Q4_1_M])
             return native.QuantLinear(lib, q4=q4, bias=bias)
-        int8 = (weights[prefix + INT8_COLUMNS], weights[prefix + INT8_SCALE])
-        return native.QuantLinear(lib, int8=int8, bias=bias)
+        assert columns is not None
+        int8 = (weights[prefix + columns], weights[prefix + INT8_SCALE])
+        return native.QuantLinear(lib, int8=int8, bias=bias, per_token=columns == INT8_TOKEN_COLUMNS)
     if prefix + INT4_WEIGHT in weights:
         return Int4Linear(weights[prefix + INT4_WEIGHT], weights[prefix + INT4_SCALES_ZEROS], bias)
     if prefix + INT8_WEIGHT in weights:

@@ -117,3 +117,14 @@ def test_the_measurement_reports_its_progress_and_the_cached_choice_does_not(tmp
         tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), curves(bf16=FLAT, fp32=fast), on_progress=on_progress
     )
     assert events == []  # cached: nothing to wait for
+
+
+def test_int8_token_is_a_candidate_only_where_its_products_have_a_vector_path(monkeypatch):
+    from specdec.model import native
+
+    assert "int8_token" in autotune.CANDIDATES
+    lib = native.library()
+    is_vector = lib is not None and lib.qgemm_isa().decode().startswith("AVX512")
+    assert ("int8_token" in autotune.quantized_candidates()) == is_vector
+    monkeypatch.setattr(native, "library", lambda: None)
+    assert autotune.quantized_candidates() == tuple(p for p in autotune.CANDIDATES if p != "int8_token")

@@ -63,7 +63,7 @@ AMX_SWITCH = "SPECDEC_NATIVE_AMX"  # "0": never use the AMX tiles, even where th
 AMX_MIN_ROWS = 16
 QK = 32  # weights per block
 COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)
-KIND_Q4, KIND_Q8 = 4, 8
+KIND_Q4, KIND_Q8, KIND_Q8T = 4, 8, 9  # csrc/qgemm.h: QW_Q4, QW_Q8, QW_Q8T (QW_Q8's weights, activations per token)
 # What the native attention reads from the KV cache. fp16 (rounded to nearest even on write, as
 # torch's .half()) halves the bytes a step's attention streams, which bound it on the CPU: models
 # whose attention runs natively keep their cache in fp16 (`Transformer.kv_dtype`).
@@ -433,7 +433,8 @@ class QuantLinear:
     """A 4-bit (GGUF Q4_1 values) or 8-bit (int8 rows, fp32 scale) matrix run by the native kernels,
     over tensors in the kernels' layout (`pack_q4_1`, `pack_int8`), which the model's weights hold
     (so the draft pool maps them as they are). `from_q4_1` and `from_int8` pack plain tensors.
-    The float activations are quantized per block of 32 inside the call.
+    The float activations are quantized inside the call: per block of 32, or with `per_token` (8-bit
+    rows only) per row, each value a 15-bit integer in two int8 halves (csrc/qgemm.h, QW_Q8T).
     """
 
     def __init__(
@@ -443,6 +444,7 @@ class QuantLinear:
         q4: tuple[Tensor, Tensor, Tensor] | None = None,
         int8: tuple[Tensor, Tensor] | None = None,
         bias: Tensor | None = None,
+        per_token: bool = False,
     ) -> None:
         self.lib = lib
         # the tensors the C struct points into (kept alive here)
@@ -464,8 +466,9 @@ class QuantLinear:
             self.out_features, self.in_features = cols.shape[0] * COLUMNS, cols.shape[1] * 4
             self.scale = scale.float().contiguous()  # [N]: a private fp32 copy (N floats)
             assert self.scale.shape == (self.out_features,)
+            kind = KIND_Q8T if per_token else KIND_Q8
             self.qweight = QWeight(
-                KIND_Q8, 0, cols.data_ptr(), self.scale.data_ptr(), None, self.out_features, self.in_features
+                kind, 0, cols.data_ptr(), self.scale.data_ptr(), None, self.out_features, self.in_features
             )
         if self.in_features % QK:
             raise ValueError(
@@ -480,8 +483,10 @@ class QuantLinear:
         return cls(lib, q4=pack_q4_1(q, d, m), bias=bias)
 
     @classmethod
-    def from_int8(cls, lib: ctypes.CDLL, w: Tensor, scale: Tensor, bias: Tensor | None = None) -> QuantLinear:
-        return cls(lib, int8=(pack_int8(w), scale), bias=bias)
+    def from_int8(
+        cls, lib: ctypes.CDLL, w: Tensor, scale: Tensor, bias: Tensor | None = None, per_token: bool = False
+    ) -> QuantLinear:
+        return cls(lib, int8=(pack_int8(w), scale), bias=bias, per_token=per_token)
 
     def __call__(self, x: Tensor) -> Tensor:
         # x: [T, K] -> [T, N] in x's dtype

@@ -492,3 +492,120 @@ def test_a_refused_tile_permission_leaves_the_products_on_avx512(monkeypatch, ca
         assert lib.qgemm_amx_min_rows() == 0
     finally:
         lib.qgemm_set_amx(before)
+
+
+# ---- 8-bit rows with activations per token (QW_Q8T, the int8_token precision) ----
+
+
+def token_layer(lib, n: int, k: int, seed: int, bias: torch.Tensor | None = None) -> tuple[native.QuantLinear, ...]:
+    """The same int8 rows as a per-token and as a per-block layer on `lib`, and the rows [N, K] in float64."""
+    t = quant.quantize_int8("w", torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    w, scale = t["w" + quant.INT8_WEIGHT], t["w" + quant.INT8_SCALE]
+    return (
+        native.QuantLinear.from_int8(lib, w, scale, bias, per_token=True),
+        native.QuantLinear.from_int8(lib, w, scale, bias),
+        w.double() * scale.float().double()[:, None],
+    )
+
+
+def token_activations(x: torch.Tensor) -> torch.Tensor:
+    """What a per-token product multiplies by, in float64: each row's integers q = rint(x * 16383 / max|x|)
+    (as the kernels round: fp32 product, nearest even) times max|x| / 16383."""
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 16383) / amax, torch.zeros_like(amax))  # fp32 division
+    q = torch.round(x * inv).clamp(-16383, 16383)
+    return q.double() * (amax / 16383).double()
+
+
+@pytest.mark.parametrize("rows,k", [(1, 64), (5, 96), (19, 576)])
+def test_a_per_token_product_is_the_rows_times_each_rows_15_bit_integers(rows, k):
+    layer, _, dense = token_layer(native.library(), 48, k, seed=31, bias=torch.ones(48))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(32)) * 3
+    x[0, 5] = 40.0  # an outlier sets its row's scale, not its block's
+    expected = token_activations(x) @ dense.t() + 1
+    torch.testing.assert_close(layer(x).double(), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(layer(torch.zeros(2, k)), torch.ones(2, 48))  # an all-zero row: scale 0, no NaN
+
+
+def test_per_token_activations_keep_a_row_with_an_outlier_closer_than_blocks_of_32_do():
+    """The reason for the precision: one 15-bit scale per row against one 8-bit scale per 32 values."""
+    token, block, dense = token_layer(native.library(), 64, 576, seed=33)
+    g = torch.Generator().manual_seed(34)
+    x = torch.randn(8, 576, generator=g)
+    x[:, ::97] *= 30  # activation outliers, as some channels of a real model carry
+    exact = x.double() @ dense.t()
+    assert (token(x).double() - exact).abs().mean() < (block(x).double() - exact).abs().mean()
+
+
+@pytest.mark.parametrize("k", [64, 96, 576])
+def test_a_per_token_row_gets_the_same_bits_whatever_the_row_count(k):
+    layer, _, _ = token_layer(native.library(), 64, k, seed=35)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(36))
+    full = layer(x)
+    for width in (1, 5, 9, 16, 17, 33):
+        assert all(torch.equal(layer(x[i : i + width]), full[i : i + width]) for i in range(0, 40 - width, 3)), width
+
+
+@pytest.mark.parametrize("path, flags", _PATHS, ids=[p for p, _ in _PATHS])
+def test_per_token_products_give_the_same_bits_on_every_instruction_path(path, flags):
+    """Two exact integer sums per element and one rescale in a fixed order: the portable loops, the AVX2
+    build (which runs the portable loops for this kind) and AVX-512 agree bit for bit."""
+    other = native.variant(flags)
+    g = torch.Generator().manual_seed(37)
+    for n, k in ((96, 160), (1008, 64)):
+        here, there = (token_layer(lib, n, k, seed=38)[0] for lib in (native.library(), other))
+        for threads in (1, 2, 3):
+            with _num_threads(threads):
+                for rows in (1, 2, 3, 6, 11):
+                    x = torch.randn(rows, k, generator=g) * 2
+                    assert torch.equal(here(x), there(x)), (path, n, k, threads, rows)
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [160, 576, 1536])
+def test_per_token_products_on_amx_tiles_give_the_bits_of_the_avx512_path(k):
+    """The tiles keep a whole row's two integer sums (k = 160 is no multiple of the tiles' 64 inputs
+    and stays on AVX-512); every row count, odd ones, tails and 16-row boundaries, with an odd number of
+    column groups (the last tile unit holds one)."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(39)
+    layer = token_layer(lib, 112, k, seed=40, bias=torch.randn(112, generator=g))[0]
+    for threads in (1, 2, 3):
+        with _num_threads(threads):
+            for rows in (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 63, 64):
+                x = torch.randn(rows, k, generator=g) * 4
+                with _amx_from(1):
+                    tiles = layer(x)
+                with _amx_from(0):
+                    vectors = layer(x)
+                assert torch.equal(tiles, vectors), (k, threads, rows)
+
+
+def token_block_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`block_weights`'s layer as int8 rows per token (the int8_token precision's tensors)."""
+    g, out = torch.Generator().manual_seed(41), {}
+    for name, tensor in block_weights(config).items():
+        if name.endswith(quant.Q4_1_NIBBLES):
+            module = name.removesuffix(quant.Q4_1_NIBBLES)
+            n, k = tensor.shape[0] * native.COLUMNS, tensor.shape[1] * native.QK
+            rows = quant.quantize_int8(module, torch.randn(n, k, generator=g) / 4)
+            out.update(quant.pack_int8(module, rows[module + quant.INT8_WEIGHT], rows[module + quant.INT8_SCALE], True))
+        elif not name.endswith((quant.Q4_1_D, quant.Q4_1_M)):
+            out[name] = tensor
+    return out
+
+
+def test_a_per_token_layer_runs_fused_and_gives_the_same_bits_with_the_tiles_on_or_off():
+    """A decoder layer of per-token products runs as one native call, and 40 rows (tiles for its
+    products where the CPU has them) give the bits of the vector path; row 3 alone gets its own bits."""
+    config = tiny_config()
+    block, rope = Block(config, token_block_weights(config), 0), RotaryEmbedding(config, 64, torch.float32)
+    assert block.native is not None and block.self_attn.q_proj.qweight.kind == native.KIND_Q8T
+    h = torch.randn(40, 64, generator=torch.Generator().manual_seed(42))
+    outs = []
+    for rows in (1, 0):
+        kc = torch.zeros(1, 2, 48, 16)
+        spans = [SequenceSpan(0, 40, 0, kc, torch.zeros_like(kc), None)]
+        with _amx_from(rows):
+            outs.append(block(h, torch.arange(40), rope, spans))
+    assert torch.equal(outs[0], outs[1])

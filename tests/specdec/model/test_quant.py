@@ -104,3 +104,37 @@ def test_missing_kernel_and_cuda_are_refused_at_start_up(monkeypatch):
     monkeypatch.setitem(quant._KERNELS, "int8", ("_weight_int8pack_mm_not_in_this_build",))
     with pytest.raises(ValueError, match="_weight_int8pack_mm_not_in_this_build.*'bf16'"):
         convert_weights({}, tiny_config(32), "int8")
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
+def test_int8_token_packs_every_matrix_and_the_embedding_as_per_token_rows():
+    """int8_token: the int8 rows of the int8 precision under a name of their own, so every layer built
+    from the tensors (the primary's, or the draft pool's over the mapped segment) multiplies per token."""
+    g = torch.Generator().manual_seed(5)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(64, 32, generator=g),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(32, 64, generator=g),
+        "model.norm.weight": torch.ones(32),
+    }
+    out = convert_weights(weights, tiny_config(32), quant.INT8_TOKEN)
+    assert set(out) == {
+        "model.embed_tokens" + quant.INT8_TOKEN_COLUMNS,
+        "model.embed_tokens" + quant.INT8_SCALE,
+        "model.layers.0.mlp.down_proj" + quant.INT8_TOKEN_COLUMNS,
+        "model.layers.0.mlp.down_proj" + quant.INT8_SCALE,
+        "model.norm.weight",
+    }
+    layer = quant.quantized_linear(out, "model.layers.0.mlp.down_proj")
+    assert isinstance(layer, native.QuantLinear) and layer.qweight.kind == native.KIND_Q8T
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(layer(x), x @ weights["model.layers.0.mlp.down_proj.weight"].t(), rtol=0.02, atol=0.2)
+
+
+def test_int8_token_needs_the_native_kernels_and_a_packable_shape(monkeypatch):
+    if native.library() is not None:
+        with pytest.raises(ValueError, match=r"int8_token cannot pack model.layers.0.mlp.down_proj \(40, 64\)"):
+            convert_weights({"model.layers.0.mlp.down_proj.weight": torch.randn(40, 64)}, tiny_config(32), "int8_token")
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_status", "disabled by the test")
+    with pytest.raises(ValueError, match="int8_token runs on the native kernels only.*disabled by the test.*'fp32'"):
+        convert_weights({}, tiny_config(32), "int8_token")

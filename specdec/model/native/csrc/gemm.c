@@ -45,19 +45,32 @@ const char *qgemm_isa(void) { return QGEMM_PATH; }
  * Process-wide, as the tile permission is; set once at load (qgemm_set_amx). */
 static int64_t amx_min_rows;
 
+/* Per-token 8-bit products (QW_Q8T) keep their sums in the tiles, so they pay on tiles from fewer
+ * rows than the 4-bit ones: from min(qgemm_set_amx's count, this) rows (docs/benchmarks.md, "AMX
+ * products"). */
+#define AMX_TOKEN_MIN_ROWS 8
+static int64_t amx_token_min_rows;
+
 int64_t qgemm_set_amx(int64_t min_rows) {
 #if QGEMM_AMX
     amx_min_rows = min_rows > 0 && qgemm_amx_granted() ? min_rows : 0;
 #else
     (void)min_rows;
 #endif
+    amx_token_min_rows = amx_min_rows < AMX_TOKEN_MIN_ROWS ? amx_min_rows : AMX_TOKEN_MIN_ROWS;
     return amx_min_rows;
 }
 
 int64_t qgemm_amx_min_rows(void) { return amx_min_rows; }
 
-int64_t qgemm_act_rows(int64_t T) {
-    return amx_min_rows && T >= amx_min_rows ? (T + QGEMM_SLAB - 1) / QGEMM_SLAB * QGEMM_SLAB : T;
+/* whether a call of T rows of this kind of activation runs on AMX tiles */
+static int on_amx(int64_t T, int per_token) {
+    const int64_t from = per_token ? amx_token_min_rows : amx_min_rows;
+    return from && T >= from;
+}
+
+int64_t qgemm_act_rows(int64_t T, int per_token) {
+    return on_amx(T, per_token) ? (T + QGEMM_SLAB - 1) / QGEMM_SLAB * QGEMM_SLAB : T;
 }
 
 int qgemm_amx_built(void) { return QGEMM_AMX; }
@@ -69,7 +82,7 @@ int qgemm_amx_built(void) { return QGEMM_AMX; }
 void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
                   int num_threads) {
 #if QGEMM_AMX
-    if (amx_min_rows && T >= amx_min_rows && qgemm_matmul_many_amx(a, T, ws, outs, count, num_threads) == 0)
+    if (on_amx(T, a->per_token) && qgemm_matmul_many_amx(a, T, ws, outs, count, num_threads) == 0)
         goto bias;
 #endif
     int64_t num_groups = 0, total = 0;
@@ -102,7 +115,7 @@ void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_thr
 /* out [T, w.n] = x [T, w.k] @ w^T (+ bias) */
 int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads) {
     qact a;
-    if (qact_init(&a, x, T, w->k, num_threads)) { qact_free(&a); return -1; }
+    if (qact_init(&a, x, T, w->k, w->kind == QW_Q8T, num_threads)) { qact_free(&a); return -1; }
     qmatmul(&a, T, w, out, num_threads);
     qact_free(&a);
     return 0;

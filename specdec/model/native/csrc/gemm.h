@@ -14,6 +14,8 @@
  * and every path, whatever its width, then does per output element, blocks in order:
  *     4-bit: acc = fma(d * dx, (float)S, acc); acc = fma(m, sx, acc)      out = acc
  *     8-bit: acc = fma(dx, (float)S, acc)                                  out = scale * acc
+ * The 8-bit rows per token (QW_Q8T) have no blocks: the integer sums H = w . h and L = w . l run over
+ * the whole row (|H|, |L| < 2^25: no overflow), then out = scale * (dx * fma(128, (float)H, (float)L)).
  * So AVX-512, AVX2 (with or without VNNI) and the portable loops give the same bits, and a row's
  * result does not depend on the other rows of the call. The 8-bit AVX-512 path multiplies the
  * stored w + 128 (vpdpbusd's unsigned operand) by x and starts each block's sum at -128 * sum(x),

@@ -114,8 +114,105 @@ static void group_unit(const qweight *w, const qact *a, int64_t T, int64_t v, ui
     if (t0 < T) q4_slab(w, a, t0, v, (int)(T - t0), b, ring, out);
 }
 
+/* ---- 8-bit rows per token: sums that stay in the tiles ----
+ *
+ * With one activation scale per row (qgemm.h, QW_Q8T) nothing is rescaled between blocks, so the
+ * tiles accumulate a whole row's products: per 64 inputs, TDPBSUD multiplies the 16 x 64 halves h
+ * (then l) of a slab of 16 rows by the B tile of a group's 16 columns x 64 inputs, which is the
+ * 8-bit layout as stored (16 rows of 16 columns x 4 bytes, w + 128); two groups share each A tile.
+ * At the end the four sums tiles are stored once and rescaled as the vector path does. */
+static const tile_config CONFIG_TOKEN = {
+    .palette_id = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, 16, 16},
+};
+#define TOKEN_CHUNK 64         /* inputs per tile multiply */
+#ifndef TOKEN_AHEAD
+#define TOKEN_AHEAD 4
+#endif
+
+/* rows [t0, t0 + R) of groups v, v + 1 (two: `pair`) of a QW_Q8T w; sums: 4 x 256 int32. The two
+ * groups share each chunk's A tiles (tiles 4, 5), each has its B tile (6, 7) and two sums (0-3). */
+ALWAYS_INLINE void q8t_slab(const qweight *w, const qact *a, int64_t t0, int64_t v, const int pair, const int R,
+                            int32_t *sums, float *out) {
+    const int64_t K = w->k, N = w->n;
+    const uint8_t *b0 = (const uint8_t *)w->w + v * (K / 4) * 64, *b1 = b0 + (K / 4) * 64;
+    _tile_zero(0); _tile_zero(1);
+    if (pair) { _tile_zero(2); _tile_zero(3); }
+    for (int64_t i = 0; i < K; i += TOKEN_CHUNK) {
+        for (int j = 0; j < 16; ++j) {   /* B tiles TOKEN_AHEAD chunks ahead: tile loads train no prefetcher */
+            _mm_prefetch((const char *)(b0 + (i + TOKEN_AHEAD * TOKEN_CHUNK) * 16 + j * 64), _MM_HINT_T0);
+            if (pair) _mm_prefetch((const char *)(b1 + (i + TOKEN_AHEAD * TOKEN_CHUNK) * 16 + j * 64), _MM_HINT_T0);
+        }
+        _tile_loadd(4, a->xq + t0 * K + i, K);
+        _tile_loadd(5, a->xl + t0 * K + i, K);
+        _tile_loadd(6, b0 + i * 16, 64);
+        _tile_dpbsud(0, 4, 6);
+        _tile_dpbsud(1, 5, 6);
+        if (pair) {
+            _tile_loadd(7, b1 + i * 16, 64);
+            _tile_dpbsud(2, 4, 7);
+            _tile_dpbsud(3, 5, 7);
+        }
+    }
+    _tile_stored(0, sums, 64); _tile_stored(1, sums + 256, 64);
+    if (pair) { _tile_stored(2, sums + 512, 64); _tile_stored(3, sums + 768, 64); }
+    const __m512 k128 = _mm512_set1_ps(128.f);
+    for (int c = 0; c <= pair; ++c) {
+        const __m512 sc = _mm512_loadu_ps(w->scale + (v + c) * NV);
+        const int32_t *H = sums + c * 512, *L = H + 256;
+        for (int r = 0; r < R; ++r) {
+            const int64_t t = t0 + r;
+            const __m512i h = _mm512_sub_epi32(_mm512_load_si512(H + r * 16), _mm512_set1_epi32(128 * a->xs[2 * t]));
+            const __m512i l = _mm512_sub_epi32(_mm512_load_si512(L + r * 16), _mm512_set1_epi32(128 * a->xs[2 * t + 1]));
+            const __m512 q = _mm512_fmadd_ps(k128, _mm512_cvtepi32_ps(h), _mm512_cvtepi32_ps(l));
+            const __m512 y = _mm512_mul_ps(sc, _mm512_mul_ps(_mm512_set1_ps(a->dx[t]), q));
+            store16(out + t * N + (v + c) * NV, y, (int)(N - (v + c) * NV));
+        }
+    }
+}
+
+/* groups v (and v + 1 with `pair`) of a QW_Q8T w for all T rows, a slab of 16 at a time */
+static void q8t_unit(const qweight *w, const qact *a, int64_t T, int64_t v, int pair, int32_t *sums, float *out) {
+    for (int64_t t0 = 0; t0 < T; t0 += QGEMM_SLAB) {
+        const int R = (int)(T - t0 < QGEMM_SLAB ? T - t0 : QGEMM_SLAB);
+        if (pair) q8t_slab(w, a, t0, v, 1, R, sums, out);
+        else q8t_slab(w, a, t0, v, 0, R, sums, out);
+    }
+}
+
+/* qmatmul_many of QW_Q8T weights on tiles: units of two groups (the last of a product may be one) */
+static int matmul_many_token(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                             int num_threads) {
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) {
+        if (ws[i]->kind != QW_Q8T || ws[i]->k % TOKEN_CHUNK) return -1;
+        total += (qgemm_groups_of(ws[i]) + 1) / 2;
+    }
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
+    {
+        int32_t *sums = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
+        failed = !sums;
+        if (sums) _tile_loadconfig(&CONFIG_TOKEN);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < total; ++u) {
+            if (!sums) continue;
+            int i = 0;
+            int64_t p = u;
+            while (p >= (qgemm_groups_of(ws[i]) + 1) / 2) p -= (qgemm_groups_of(ws[i++]) + 1) / 2;
+            const int64_t v = 2 * p;
+            q8t_unit(ws[i], a, T, v, v + 1 < qgemm_groups_of(ws[i]), sums, outs[i]);
+        }
+        if (sums) _tile_release();
+        free(sums);
+    }
+    return failed ? -1 : 0;
+}
+
 int qgemm_matmul_many_amx(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
                           int num_threads) {
+    if (count && ws[0]->kind == QW_Q8T) return matmul_many_token(a, T, ws, outs, count, num_threads);
     int64_t total = 0, max_blocks = 1;
     for (int i = 0; i < count; ++i) {
         if (ws[i]->kind != QW_Q4) return -1;

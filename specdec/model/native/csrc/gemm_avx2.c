@@ -137,6 +137,10 @@ ALWAYS_INLINE void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t 
 }
 
 void qgemm_product_unit_avx2(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
+    if (w->kind == QW_Q8T) {  /* per token: the portable loops, a group at a time (this unit is a run) */
+        for (int64_t v = v0; v < v0 + C; ++v) qgemm_product_unit_generic(w, a, T, v, 1, out);
+        return;
+    }
     for (const int64_t end = v0 + C; v0 < end; ++v0) {  /* the tiles hold one group: one after another */
         if (w->kind == QW_Q4) TILES(q4_tile, 1, Q4_TILE_ROWS);
         else TILES(q8_tile, 1, TILE_ROWS);

@@ -87,6 +87,42 @@ ALWAYS_INLINE void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t 
     }
 }
 
+/* per token: two vpdpbusd per 4 inputs (the halves h and l against w + 128), each sum started at
+ * -128 * the half's row sum, so it ends at the exact w . h (w . l); one rescale at the end */
+ALWAYS_INLINE void q8t_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                            float *out, int64_t N) {
+    const int64_t K = w->k;
+    const uint8_t *wp = (const uint8_t *)w->w;
+    __m512i hacc[2][4], lacc[2][4];
+    for (int r = 0; r < R; ++r) {
+        const __m512i hi = _mm512_set1_epi32(-128 * a->xs[2 * (t0 + r)]);
+        const __m512i lo = _mm512_set1_epi32(-128 * a->xs[2 * (t0 + r) + 1]);
+        for (int c = 0; c < C; ++c) hacc[r][c] = hi, lacc[r][c] = lo;
+    }
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < K / 4; ++j) {
+        __m512i wv[4];
+        for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512((const void *)(wp + (((v0 + c) * (K / 4) + j) * NV) * 4));
+        for (int r = 0; r < R; ++r) {
+            const __m512i hb = _mm512_set1_epi32(ld4(a->xq + (t0 + r) * K + 4 * j));
+            const __m512i lb = _mm512_set1_epi32(ld4(a->xl + (t0 + r) * K + 4 * j));
+            for (int c = 0; c < C; ++c) {
+                hacc[r][c] = _mm512_dpbusd_epi32(hacc[r][c], wv[c], hb);
+                lacc[r][c] = _mm512_dpbusd_epi32(lacc[r][c], wv[c], lb);
+            }
+        }
+    }
+    const __m512 k128 = _mm512_set1_ps(128.f);
+    for (int c = 0; c < C; ++c) {
+        const __m512 sc = _mm512_loadu_ps(w->scale + (v0 + c) * NV);
+        for (int r = 0; r < R; ++r) {
+            const __m512 q = _mm512_fmadd_ps(k128, _mm512_cvtepi32_ps(hacc[r][c]), _mm512_cvtepi32_ps(lacc[r][c]));
+            const __m512 y = _mm512_mul_ps(sc, _mm512_mul_ps(_mm512_set1_ps(a->dx[t0 + r]), q));
+            store16(out + (t0 + r) * N + (v0 + c) * NV, y, (int)(N - (v0 + c) * NV));
+        }
+    }
+}
+
 void qgemm_product_unit_avx512(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
     if (w->kind == QW_Q4) {
         switch (C) {
@@ -94,6 +130,13 @@ void qgemm_product_unit_avx512(const qweight *w, const qact *a, int64_t T, int64
             case 2: TILES(q4_tile, 2, TILE_ROWS); break;
             case 3: TILES(q4_tile, 3, TILE_ROWS); break;
             default: TILES(q4_tile, UNIT, TILE_ROWS); break;
+        }
+    } else if (w->kind == QW_Q8T) {
+        switch (C) {
+            case 1: TILES(q8t_tile, 1, TILE_ROWS); break;
+            case 2: TILES(q8t_tile, 2, TILE_ROWS); break;
+            case 3: TILES(q8t_tile, 3, TILE_ROWS); break;
+            default: TILES(q8t_tile, UNIT, TILE_ROWS); break;
         }
     } else {
         switch (C) {

@@ -51,6 +51,25 @@ static void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, con
         }
 }
 
+/* per token: the two halves' integer dot products over the whole row, one rescale (qgemm.h) */
+static void q8t_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C, float *out,
+                     int64_t N) {
+    const int64_t K = w->k;
+    const uint8_t *wp = (const uint8_t *)w->w;
+    for (int r = 0; r < R; ++r)
+        for (int64_t n = v0 * NV; n < (v0 + C) * NV && n < N; ++n) {
+            const int64_t v = n / NV, c = n % NV;
+            const int8_t *h = a->xq + (t0 + r) * K, *l = a->xl + (t0 + r) * K;
+            int32_t H = 0, L = 0;
+            for (int64_t i = 0; i < K; ++i) {
+                const int32_t wi = (int8_t)(wp[((v * (K / 4) + i / 4) * NV + c) * 4 + i % 4] ^ 0x80);
+                H += wi * h[i];
+                L += wi * l[i];
+            }
+            out[(t0 + r) * N + n] = w->scale[n] * (a->dx[t0 + r] * fmaf(128.f, (float)H, (float)L));
+        }
+}
+
 void qgemm_product_unit_generic(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
     if (w->kind == QW_Q4) {
         switch (C) {
@@ -58,6 +77,13 @@ void qgemm_product_unit_generic(const qweight *w, const qact *a, int64_t T, int6
             case 2: TILES(q4_tile, 2, TILE_ROWS); break;
             case 3: TILES(q4_tile, 3, TILE_ROWS); break;
             default: TILES(q4_tile, UNIT, TILE_ROWS); break;
+        }
+    } else if (w->kind == QW_Q8T) {
+        switch (C) {
+            case 1: TILES(q8t_tile, 1, TILE_ROWS); break;
+            case 2: TILES(q8t_tile, 2, TILE_ROWS); break;
+            case 3: TILES(q8t_tile, 3, TILE_ROWS); break;
+            default: TILES(q8t_tile, UNIT, TILE_ROWS); break;
         }
     } else {
         switch (C) {

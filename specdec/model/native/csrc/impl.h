@@ -156,22 +156,31 @@ static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v
 /* The 8-bit AVX-512 product reads each block's integer sum (xs); the other paths do not. */
 #define QGEMM_ACT_SUMS QGEMM_AVX512
 
+/* Per token (QW_Q8T, qgemm.h): a row's values as integers q = rint(x / dx) in [-QT_MAX, QT_MAX], one
+ * scale dx per row, each q held as two int8 halves: h = q >> 7 in [-128, 127] and l = q - 128 h in
+ * [0, 127], so that q = 128 h + l and every product is two exact int8 dot products. */
+#define QT_MAX 16383
+
 typedef struct {
-    int8_t *xq;              /* [T, k], then zero rows to qgemm_act_rows(T) (an AMX tile load reads 16) */
-    int32_t *xs;             /* [T, k/32] sum of each block's xq (with QGEMM_ACT_SUMS, else NULL) */
-    float *dx, *sx;          /* [T, k/32] */
+    int8_t *xq;              /* [T, k], then zero rows to qgemm_act_rows (an AMX tile load reads 16);
+                                per token: the high halves h */
+    int8_t *xl;              /* per token: the low halves l, [T, k] padded as xq; else NULL */
+    int32_t *xs;             /* [T, k/32] sum of each block's xq (with QGEMM_ACT_SUMS, else NULL);
+                                per token: [T][2] the sums of h and of l over the row */
+    float *dx, *sx;          /* [T, k/32]; per token: dx [T], sx NULL */
+    int per_token;
 } qact;
 
 /* gemm.c: the rows a qact of T rows holds, T or (when its products run on AMX tiles) T rounded up to
  * whole slabs */
-QGEMM_HIDDEN int64_t qgemm_act_rows(int64_t T);
-/* a's buffers for T rows of K (xq's slab padding, if any, zeroed); -1 when out of memory (qact_free
- * then releases what was allocated) */
-QGEMM_HIDDEN int qact_alloc(qact *a, int64_t T, int64_t K);
+QGEMM_HIDDEN int64_t qgemm_act_rows(int64_t T, int per_token);
+/* a's buffers for T rows of K, quantized per block of 32 or (per_token) per row (xq's slab padding, if
+ * any, zeroed); -1 when out of memory (qact_free then releases what was allocated) */
+QGEMM_HIDDEN int qact_alloc(qact *a, int64_t T, int64_t K, int per_token);
 /* row t of a = x [K] quantized: each row alone, so rows can be quantized in any order or thread */
 QGEMM_HIDDEN void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K);
 /* a = x [T, K] quantized, rows in parallel; -1 when out of memory (then as qact_alloc) */
-QGEMM_HIDDEN int qact_init(qact *a, const float *x, int64_t T, int64_t K, int num_threads);
+QGEMM_HIDDEN int qact_init(qact *a, const float *x, int64_t T, int64_t K, int per_token, int num_threads);
 QGEMM_HIDDEN void qact_free(qact *a);
 
 /* ---- gemm.c ---- */

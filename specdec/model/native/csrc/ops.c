@@ -76,7 +76,7 @@ int qgemm_layer_pre(const float *x, int64_t T, int64_t C, const float *norm_w, f
     float *h = malloc(sizeof(float) * (size_t)(T * C));
     qact a = {0};
     int rc = -1;
-    if (!h || qact_alloc(&a, T, C)) goto done;
+    if (!h || qact_alloc(&a, T, C, wq->kind == QW_Q8T)) goto done;
     /* row by row (each row's arithmetic alone, whatever thread runs it): norm, then quantize */
     QGEMM_FOR_ROWS(t, T, {
         qgemm_rmsnorm(x + t * C, 1, C, norm_w, eps, h + t * C);
@@ -105,8 +105,8 @@ int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, co
     float *g = malloc(sizeof(float) * (size_t)(T * I)), *u = malloc(sizeof(float) * (size_t)(T * I));
     qact a = {0}, b = {0}, c = {0};
     int rc = -1;
-    if (!o || !n || !g || !u || qact_init(&a, attn, T, wo->k, num_threads) || qact_alloc(&b, T, C) ||
-        qact_alloc(&c, T, I))
+    if (!o || !n || !g || !u || qact_init(&a, attn, T, wo->k, wo->kind == QW_Q8T, num_threads) ||
+        qact_alloc(&b, T, C, wgate->kind == QW_Q8T) || qact_alloc(&c, T, I, wdown->kind == QW_Q8T))
         goto done;
     qmatmul(&a, T, wo, o, num_threads);
     /* the parts between the products row by row, rows in parallel (each row's arithmetic alone) */

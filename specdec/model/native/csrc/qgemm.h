@@ -10,6 +10,11 @@
  *       y[t, n] = sum_g  d[n,g] dx[t,g] * (q . xq)  +  m[n,g] * sx[t,g]
  *   8-bit rows (int8 w[n, k] with one fp32 scale per row):
  *       y[t, n] = scale[n] * sum_g dx[t,g] * (w . xq)
+ *   8-bit rows per token (QW_Q8T: the same weights; the activation row t quantized whole, one scale
+ *   dx[t], each value an integer q in [-16383, 16383] held as q = 128 h + l, h and l int8):
+ *       y[t, n] = scale[n] * (dx[t] * fma(128, (float)(w . h), (float)(w . l)))
+ *   Its dot products run over the whole row with no rescale between blocks, so a tile multiply
+ *   (AMX) keeps its sums in the tile from the first input to the last.
  *
  * Every output element is computed alone, blocks in order in fp32, so it is the same whatever the
  * number of rows T in the call (batch invariance: a k-row verify and 1-row decoding agree bit for
@@ -37,14 +42,14 @@
 
 /* ---- structs (mirrored field for field by ctypes: QWeight, QLayer, QSpan; see qgemm_abi) ---- */
 
-enum { QW_Q4 = 4, QW_Q8 = 8 };
+enum { QW_Q4 = 4, QW_Q8 = 8, QW_Q8T = 9 };   /* QW_Q8T: QW_Q8's weights, activations per token */
 
 /* One quantized matrix [n, k] in the packed layouts (gemm.h), by pointer. */
 typedef struct {
-    int32_t kind;            /* QW_Q4 or QW_Q8 */
+    int32_t kind;            /* QW_Q4, QW_Q8 or QW_Q8T */
     int32_t pad;
-    const void *w;           /* QW_Q4: nibbles [nv][G][256]; QW_Q8: w + 128 [nv][k/4][16][4] */
-    const float *scale;      /* QW_Q8: [nv * 16] */
+    const void *w;           /* QW_Q4: nibbles [nv][G][256]; QW_Q8(T): w + 128 [nv][k/4][16][4] */
+    const float *scale;      /* QW_Q8(T): [nv * 16] */
     const float *bias;       /* [n] or NULL */
     int64_t n, k;
     const uint16_t *d, *m;   /* QW_Q4: fp16 [nv][G][16] */
