@@ -191,6 +191,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qgemm_amx_built.argtypes, lib.qgemm_amx_built.restype = [], i32
     lib.qgemm_set_amx.argtypes, lib.qgemm_set_amx.restype = [i64], i64
     lib.qgemm_amx_min_rows.argtypes, lib.qgemm_amx_min_rows.restype = [], i64
+    lib.qgemm_amx_token_min_rows.argtypes, lib.qgemm_amx_token_min_rows.restype = [], i64
     lib.qgemm_abi.argtypes, lib.qgemm_abi.restype = [ctypes.POINTER(i64), i64], i64
     lib.qgemm_abi_names.argtypes, lib.qgemm_abi_names.restype = [], ctypes.c_char_p
     lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
@@ -364,7 +365,8 @@ def path(lib: ctypes.CDLL) -> str:
     isa = lib.qgemm_isa().decode()
     rows = lib.qgemm_amx_min_rows()
     if rows:
-        return f"{isa}, AMX-INT8 tiles for 4-bit products of {rows}+ rows"
+        token_rows = lib.qgemm_amx_token_min_rows()
+        return f"{isa}, AMX-INT8 tiles for 4-bit products of {rows}+ rows and per-token 8-bit ones of {token_rows}+"
     return f"{isa}; {_amx_status}" if _amx_status and lib is _library else isa
 
 

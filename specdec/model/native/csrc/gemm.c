@@ -63,6 +63,8 @@ int64_t qgemm_set_amx(int64_t min_rows) {
 
 int64_t qgemm_amx_min_rows(void) { return amx_min_rows; }
 
+int64_t qgemm_amx_token_min_rows(void) { return amx_token_min_rows; }
+
 /* whether a call of T rows of this kind of activation runs on AMX tiles */
 static int on_amx(int64_t T, int per_token) {
     const int64_t from = per_token ? amx_token_min_rows : amx_min_rows;

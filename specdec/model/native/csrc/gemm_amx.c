@@ -11,6 +11,8 @@
  * on the store) into the rescale, while the next blocks' tiles multiply on alternating tile
  * registers (tiles are not renamed).
  *
+ * (The 8-bit rows per token, QW_Q8T, are the exception: below.)
+ *
  * What it gains is bounded: the rescale (a multiply and two FMAs per row, block and 16 columns) is
  * the AVX-512 path's own work, and a block's tile store costs about what 16 rows' vpdpbusd do. So
  * it pays only from a tile's worth of rows (gemm.c takes it from qgemm_set_amx's row count) and
@@ -120,16 +122,17 @@ static void group_unit(const qweight *w, const qact *a, int64_t T, int64_t v, ui
  * tiles accumulate a whole row's products: per 64 inputs, TDPBSUD multiplies the 16 x 64 halves h
  * (then l) of a slab of 16 rows by the B tile of a group's 16 columns x 64 inputs, which is the
  * 8-bit layout as stored (16 rows of 16 columns x 4 bytes, w + 128); two groups share each A tile.
- * At the end the four sums tiles are stored once and rescaled as the vector path does. */
+ * At the end the four sums tiles are stored once and rescaled as the vector path does.
+ *
+ * Measured (docs/benchmarks.md, "AMX products"): a tile multiply alone runs at its 16 cycles, but in
+ * the model a product's first slab costs several times that per multiply: software prefetch of the B
+ * tiles (0-16 chunks ahead) and staging a unit's weights with vector loads changed nothing. */
 static const tile_config CONFIG_TOKEN = {
     .palette_id = 1,
     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
     .rows = {QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, QGEMM_SLAB, 16, 16},
 };
 #define TOKEN_CHUNK 64         /* inputs per tile multiply */
-#ifndef TOKEN_AHEAD
-#define TOKEN_AHEAD 4
-#endif
 
 /* rows [t0, t0 + R) of groups v, v + 1 (two: `pair`) of a QW_Q8T w; sums: 4 x 256 int32. The two
  * groups share each chunk's A tiles (tiles 4, 5), each has its B tile (6, 7) and two sums (0-3). */
@@ -140,10 +143,6 @@ ALWAYS_INLINE void q8t_slab(const qweight *w, const qact *a, int64_t t0, int64_t
     _tile_zero(0); _tile_zero(1);
     if (pair) { _tile_zero(2); _tile_zero(3); }
     for (int64_t i = 0; i < K; i += TOKEN_CHUNK) {
-        for (int j = 0; j < 16; ++j) {   /* B tiles TOKEN_AHEAD chunks ahead: tile loads train no prefetcher */
-            _mm_prefetch((const char *)(b0 + (i + TOKEN_AHEAD * TOKEN_CHUNK) * 16 + j * 64), _MM_HINT_T0);
-            if (pair) _mm_prefetch((const char *)(b1 + (i + TOKEN_AHEAD * TOKEN_CHUNK) * 16 + j * 64), _MM_HINT_T0);
-        }
         _tile_loadd(4, a->xq + t0 * K + i, K);
         _tile_loadd(5, a->xl + t0 * K + i, K);
         _tile_loadd(6, b0 + i * 16, 64);

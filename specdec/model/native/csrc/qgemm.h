@@ -101,6 +101,9 @@ int64_t qgemm_set_amx(int64_t min_rows);
 /* The row count from which products run on AMX tiles; 0: they never do. */
 int64_t qgemm_amx_min_rows(void);
 
+/* The same for per-token 8-bit products (QW_Q8T), whose tiles pay from fewer rows. */
+int64_t qgemm_amx_token_min_rows(void);
+
 /* out [T, w.n] = x [T, w.k] @ w^T (+ bias). Returns -1 when out of memory, else 0. */
 int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads);
 
