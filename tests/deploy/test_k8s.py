@@ -446,9 +446,12 @@ def test_disruption_budgets_select_pods(rendered: dict, overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_workload_selectors_match_their_templates(rendered: dict, overlay: str) -> None:
+def test_workload_and_spread_selectors_match_their_templates(rendered: dict, overlay: str) -> None:
     for workload, template in workloads(rendered[overlay]):
-        assert matches(match_labels(workload["spec"]["selector"]), template["metadata"]["labels"])
+        labels = template["metadata"]["labels"]
+        assert matches(match_labels(workload["spec"]["selector"]), labels)
+        for constraint in template["spec"].get("topologySpreadConstraints", []):
+            assert matches(match_labels(constraint["labelSelector"]), labels), workload["metadata"]["name"]
 
 
 # --- the user's inputs ---------------------------------------------------------------------------
