@@ -190,6 +190,8 @@ def load_or_measure(args: argparse.Namespace) -> NodeProfile:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.measure_out is not None and not args.measure:
+        raise SystemExit("python -m bench simulate: error: --measure-out needs --measure")
     if args.measure_repeats < 1:
         raise SystemExit(f"python -m bench simulate: error: --measure-repeats must be >= 1, got {args.measure_repeats}")
     try:

@@ -272,6 +272,8 @@ def test_the_command_prints_a_row_per_node_count_and_the_saturation_points(capsy
         (["--gateways", "0"], "num_gateways must be >= 1"),
         (["--load", "-1"], "rate_per_s must be > 0"),
         (["--node-profile", "/nonexistent.json"], "--node-profile /nonexistent.json"),
+        (["--measure-out", "/tmp/profile.json"], "--measure-out needs --measure"),
+        (["--measure", "--measure-repeats", "0"], "--measure-repeats must be >= 1"),
     ],
 )
 def test_the_command_refuses_bad_input_naming_the_field(args, message, capsys):
