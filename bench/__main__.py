@@ -3,7 +3,8 @@
 1,500-1,900 tokens from specbench/prose/code, 256 new tokens (bench/scenarios.py), e.g.
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
-python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction}
+python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction,
+simulate}
 [ARGS...]: one component benchmark (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
@@ -21,6 +22,8 @@ python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logp
     penalties  the primary's cost of penalties and logit_bias per Verify         (bench/penalties.py)
     prediction Predicted Outputs on editing tasks: tok/s with and without the file as prediction
                (bench/prediction.py)
+    simulate   N = 1..64 nodes behind G gateways and Redis under a Poisson load, by discrete-event
+               simulation from measured per-node figures (bench/simulate.py)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ BENCHMARKS = (
     "logprobs",
     "penalties",
     "prediction",
+    "simulate",
 )
 
 
