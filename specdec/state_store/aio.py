@@ -16,7 +16,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import redis
 
-from specdec.state_store.clients import AsyncClient, open_async_client
+from specdec.state_store.clients import AsyncClient, close_async_client, open_async_client
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.state_store.redis_store import (
     CLAIM_LUA,
@@ -150,7 +150,7 @@ class AsyncRedisStateStore(RedisStoreBase):
         return int(num_meta) == 1
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await close_async_client(self._client)
 
 
 def _inline(

@@ -81,3 +81,19 @@ def open_async_client(target: RedisTarget, timeout_s: float, max_connections: in
         return redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, require_full_coverage=False, **options)
     sentinel = redis.asyncio.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, timeout_s))
     return sentinel.master_for(target.service_name, redis_class=redis.asyncio.Redis, db=target.db, **options)
+
+
+def close_sync_client(client: SyncClient) -> None:
+    """Close client, and the connections to the sentinels of a Sentinel-managed one."""
+    client.close()
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        sentinel.close()
+
+
+async def close_async_client(client: AsyncClient) -> None:
+    """Close client, and the connections to the sentinels of a Sentinel-managed one."""
+    await client.aclose()
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        await sentinel.aclose()

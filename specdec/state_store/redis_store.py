@@ -39,7 +39,7 @@ import redis
 import redis.exceptions
 
 from specdec.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
-from specdec.state_store.clients import SyncClient, open_sync_client
+from specdec.state_store.clients import SyncClient, close_sync_client, open_sync_client
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.state_store.types import (
     set_status_by_step,
@@ -377,7 +377,7 @@ class RedisStateStore(RedisStoreBase):
         return int(num_meta) == 1
 
     def close(self) -> None:
-        self._client.close()
+        close_sync_client(self._client)
 
 
 @contextmanager
