@@ -81,6 +81,46 @@ async def run_with_a_master_killed(cluster: LocalRedisCluster, request_ids: list
         await backend.close()
 
 
+class LostReplyStore:
+    """Applies the step writes numbered in lost_writes, then answers Unavailable, as a client
+    whose reply was lost in a failover does."""
+
+    def __init__(self, store: AsyncRedisStateStore, lost_writes: set[int]) -> None:
+        self.store, self.lost_writes, self.num_writes = store, lost_writes, 0
+
+    async def append_step(self, request_id: str, token_ids: list[int], **kwargs: object) -> int:
+        self.num_writes += 1
+        num_tokens = await self.store.append_step(request_id, token_ids, **kwargs)  # type: ignore[arg-type]
+        if self.num_writes in self.lost_writes:
+            raise Unavailable("state_store", "Redis unreachable: the reply was lost")
+        return num_tokens
+
+
+def test_a_step_whose_reply_was_lost_is_retried_and_stored_once(redis_cluster: LocalRedisCluster) -> None:
+    """The gateway's retry (gateway.state_retry) of an applied write is a replay keyed by the step's
+    position: it answers the count and appends nothing."""
+
+    async def run() -> tuple[int, ...]:
+        backend = AsyncRedisStateStore.from_url(redis_cluster.url)
+        store = LostReplyStore(backend, lost_writes={2, 3, 6})
+        try:
+            await backend.create("lost-reply", {}, status=RequestStatus.RUNNING)
+            for step in range(5):
+
+                async def write(step: int = step) -> int:
+                    tokens = step_tokens(0, step)
+                    return await store.append_step("lost-reply", tokens, expected_num_tokens=step * 3)
+
+                assert await with_state_retries(write, give_up_at(5.0, None)) == (step + 1) * NUM_TOKENS_PER_STEP
+            state = await backend.load("lost-reply")
+            assert state is not None and await backend.delete("lost-reply")  # the cluster is the module's
+            return state.token_ids
+        finally:
+            await backend.close()
+
+    assert list(asyncio.run(run())) == [t for step in range(5) for t in step_tokens(0, step)]
+
+
 def test_a_killed_master_loses_no_step_and_duplicates_none(redis_cluster: LocalRedisCluster) -> None:
     request_ids = [f"failover-{i}" for i in range(NUM_REQUESTS)]
     victim, num_unavailable = asyncio.run(run_with_a_master_killed(redis_cluster, request_ids))
