@@ -23,6 +23,7 @@ under --serve, one kept exiting and was given up), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -40,8 +41,11 @@ from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, Servi
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
 from specdec.progress import ProgressPrinter
+from specdec.redis_cluster import redis_cluster
+from specdec.redis_server import RedisServerError
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
+from specdec.state_store.redis_url import parse_redis_url
 from specdec.supervisor import DEFAULT_MAX_RAPID_RESTARTS, RestartPolicy, Supervisor
 from specdec.task_type import TaskType
 from specdec.task_type import to_pb as task_type_to_pb
@@ -179,8 +183,18 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"where converted models are kept (default: {default_cache_dir()})",
     )
-    stack.add_argument(
-        "--redis_url", metavar="URL", help="state store, e.g. redis://127.0.0.1:6379/0; default: in memory"
+    redis = stack.add_mutually_exclusive_group()
+    redis.add_argument(
+        "--redis_url",
+        metavar="URL",
+        help="state store: redis://host:port/db, redis+cluster://host:port,... or "
+        "redis+sentinel://host:port,.../service_name[/db]; default: in memory",
+    )
+    redis.add_argument(
+        "--redis_cluster",
+        action="store_true",
+        help="start a local Redis Cluster (3 masters, one replica each, on loopback) for the state "
+        "store and stop it on exit (needs redis-server and redis-cli)",
     )
     stack.add_argument(
         "--num_threads", type=ranged(int, 0), default=0, metavar="N", help="the primary's threads; 0: torch's"
@@ -241,9 +255,14 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
             f"--{n}"
             for n in ("model_path", "precision", "cache_dir", "redis_url", "log_dir")
             if getattr(args, n) is not None
-        ]
+        ] + (["--redis_cluster"] if args.redis_cluster else [])
         if given:
             parser.error(f"{', '.join(given)} configure the services, which --gateway_address does not start")
+    if args.redis_url:
+        try:
+            parse_redis_url(args.redis_url)
+        except ValueError as e:
+            parser.error(str(e))
     if args.model_path is not None and not Path(args.model_path).expanduser().exists():
         parser.error(f"--model_path: {args.model_path!r} does not exist")
     if args.system is not None and not args.chat:
@@ -538,9 +557,14 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     # SIGTERM unwinds like Ctrl-C, so the services are stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    local_redis = contextlib.ExitStack()  # the --redis_cluster nodes, stopped after the services
     try:
         if args.gateway_address is not None:
             return request_or_report(args.gateway_address, args, stack=None)
+        if args.redis_cluster:
+            say("starting a local Redis Cluster (3 masters, 3 replicas)...")
+            args.redis_url = local_redis.enter_context(redis_cluster()).url  # what stack_config passes on
+            say(f"state store: --redis_url {args.redis_url}")
         say(f"starting the services (primary, validator, draft, gateway{', http' if args.serve else ''})...")
         started = time.perf_counter()
         # The primary's first start converts the model and times the weight formats: its progress
@@ -577,6 +601,11 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     except KeyboardInterrupt:
         say("interrupted; services stopped")
         return EXIT_INTERRUPTED
+    except RedisServerError as e:
+        print(f"error: --redis_cluster: {e}", file=sys.stderr)
+        return EXIT_STACK_FAILED
+    finally:
+        local_redis.close()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit
 from specdec.service.aio import AioErrorInterceptor, serve_aio
 from specdec.state_store import StateStoreConfig, open_async_state_store
+from specdec.state_store.redis_url import parse_redis_url
 from specdec.v1 import gateway_pb2_grpc
 
 MODEL_INFO_TIMEOUT_S = 600.0
@@ -86,7 +87,7 @@ async def serve(
             validator=config.validator_address,
             tls=config.server.is_tls,
             tenants=None if api_keys is None else sorted(api_keys.tenants),
-            state_store="redis" if config.redis_url else "in-process",
+            state_store=f"redis ({parse_redis_url(config.redis_url).kind})" if config.redis_url else "in-process",
             max_context=model.max_context,
         )
 

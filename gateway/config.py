@@ -18,6 +18,7 @@ from specdec.service.auth import add_service_token_arguments
 from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
 from specdec.service.flags import Flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.state_store.redis_url import parse_redis_url
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
 from specdec.flag_spellings import add_spellings
 
@@ -84,7 +85,9 @@ class GatewayConfig:
     primary_address: str
     draft_address: str
     validator_address: str
-    redis_url: str  # "" -> the in-process store (single machine, no recovery across restarts)
+    # "" -> the in-process store (single machine, no recovery across restarts); else one Redis
+    # server, a Redis Cluster or a Sentinel group (specdec.state_store.redis_url).
+    redis_url: str
     model_path: str | None
     cache_dir: Path
     limits: Limits = Limits()
@@ -121,6 +124,8 @@ class GatewayConfig:
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
+        if self.redis_url:
+            parse_redis_url(self.redis_url)  # a malformed URL fails at start, naming --redis_url
 
 
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:

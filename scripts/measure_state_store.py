@@ -1,6 +1,8 @@
 """Measure the per-step write of the Redis state store (and the token-log layout).
 
     .venv/bin/python scripts/measure_state_store.py --url unix:///tmp/redis.sock
+    .venv/bin/python scripts/measure_state_store.py --url redis+cluster://127.0.0.1:7000
+    .venv/bin/python scripts/measure_state_store.py --local_cluster   # a throwaway 3-master cluster
 
 Compares, on the same server: a PING round trip; the store's append_step (one
 EVALSHA of the step script: checks + APPEND + HSET + PEXPIRE); a bare MULTI
@@ -13,6 +15,7 @@ whole log back. Prints a Markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -20,11 +23,12 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-import redis
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specdec.redis_cluster import redis_cluster  # noqa: E402
 from specdec.state_store import RedisStateStore, StateStoreConfig, encode_token_ids  # noqa: E402
+from specdec.state_store.clients import open_sync_client  # noqa: E402
+from specdec.state_store.redis_url import parse_redis_url  # noqa: E402
 from specdec.flag_spellings import add_spellings
 
 STATS = {
@@ -34,6 +38,8 @@ STATS = {
     "acceptance_rate": 0.375,
     "stage_times": {"draft_ms": 12.5, "verify_ms": 3100.2, "validate_ms": 8.1, "state_ms": 9.9},
 }
+# The layouts' keys share one hash tag: on a cluster a MULTI runs on one slot only.
+TOKENS_KEY, LIST_KEY, META_KEY = "m:{layout}:tokens", "m:{layout}:list", "m:{layout}:meta"
 CONTROLLER = {"speculative_degree": 3, "draft_length": 6, "ewma_acceptance": 0.41}
 
 
@@ -54,16 +60,26 @@ def row(name: str, samples: list[float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", required=True)
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="any --redis_url: one server, redis+cluster://..., redis+sentinel://...")
+    where.add_argument(
+        "--local_cluster", action="store_true", help="start a throwaway 3-master + 3-replica cluster on loopback"
+    )
     parser.add_argument("--num-steps", type=int, default=2000)
     parser.add_argument("--tokens-per-step", type=int, default=4)
     args = add_spellings(parser).parse_args()
-    client = redis.Redis.from_url(args.url)
+    with contextlib.ExitStack() as resources:
+        url = resources.enter_context(redis_cluster()).url if args.local_cluster else args.url
+        return measure(url, args.num_steps, args.tokens_per_step)
+
+
+def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
+    client = open_sync_client(parse_redis_url(url), timeout_s=5.0)
     store = RedisStateStore(client, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
-    n, k = args.num_steps, args.tokens_per_step
+    n, k = num_steps, tokens_per_step
     step_tokens = [[(i * k + j) % 49152 for j in range(k)] for i in range(n)]
 
-    print(f"{n} steps of {k} tokens, stats ~{len(str(STATS))} B JSON, url {args.url}\n")
+    print(f"{n} steps of {k} tokens, stats ~{len(str(STATS))} B JSON, url {url}\n")
     print("| per-step operation | median µs | mean µs | p99 µs |\n|---|---|---|---|")
     print(row("PING (round-trip floor)", time_us(lambda i: client.ping(), n)))
 
@@ -98,29 +114,29 @@ def main() -> int:
 
     def multi_append(i: int) -> None:
         pipe = client.pipeline(transaction=True)
-        pipe.append("m:tokens", encode_token_ids(step_tokens[i])).hset("m:meta", mapping={"stats": stats_json})
-        pipe.pexpire("m:tokens", 86_400_000).pexpire("m:meta", 86_400_000).execute()
+        pipe.append(TOKENS_KEY, encode_token_ids(step_tokens[i])).hset(META_KEY, mapping={"stats": stats_json})
+        pipe.pexpire(TOKENS_KEY, 86_400_000).pexpire(META_KEY, 86_400_000).execute()
 
     def multi_rpush(i: int) -> None:
         pipe = client.pipeline(transaction=True)
-        pipe.rpush("m:list", encode_token_ids(step_tokens[i])).hset("m:meta", mapping={"stats": stats_json})
-        pipe.pexpire("m:list", 86_400_000).pexpire("m:meta", 86_400_000).execute()
+        pipe.rpush(LIST_KEY, encode_token_ids(step_tokens[i])).hset(META_KEY, mapping={"stats": stats_json})
+        pipe.pexpire(LIST_KEY, 86_400_000).pexpire(META_KEY, 86_400_000).execute()
 
-    client.delete("m:tokens", "m:list", "m:meta")
+    client.delete(TOKENS_KEY, LIST_KEY, META_KEY)
     print(row("MULTI: APPEND + HSET stats + 2 PEXPIRE (no checks)", time_us(multi_append, n)))
     print(row("MULTI: RPUSH + HSET stats + 2 PEXPIRE (no checks)", time_us(multi_rpush, n)))
 
     num_tokens = n * k
     print(f"\n| token log of {num_tokens} tokens | bytes (MEMORY USAGE) | load median µs |\n|---|---|---|")
-    load_str = time_us(lambda i: client.get("m:tokens"), 200)
-    load_list = time_us(lambda i: b"".join(client.lrange("m:list", 0, -1)), 200)
-    print(f"| APPEND string | {client.memory_usage('m:tokens')} | {statistics.median(load_str):.1f} |")
-    print(f"| RPUSH list ({n} items) | {client.memory_usage('m:list')} | {statistics.median(load_list):.1f} |")
+    load_str = time_us(lambda i: client.get(TOKENS_KEY), 200)
+    load_list = time_us(lambda i: b"".join(client.lrange(LIST_KEY, 0, -1)), 200)
+    print(f"| APPEND string | {client.memory_usage(TOKENS_KEY)} | {statistics.median(load_str):.1f} |")
+    print(f"| RPUSH list ({n} items) | {client.memory_usage(LIST_KEY)} | {statistics.median(load_list):.1f} |")
     print(f"| store.load (whole state) | - | {statistics.median(time_us(lambda i: store.load('r2'), 200)):.1f} |")
 
     for rid in ("r1", "r2"):
         store.delete(rid)
-    client.delete("m:tokens", "m:list", "m:meta")
+    client.delete(TOKENS_KEY, LIST_KEY, META_KEY)
     return 0
 
 

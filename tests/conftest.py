@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 import redis as _redis
+from redis.cluster import RedisCluster as _RedisCluster
 
 from specdec.model import loader
+from specdec.redis_cluster import LocalRedisCluster
+from specdec.redis_cluster import redis_cluster as _redis_cluster
 from specdec.redis_server import RedisServer, RedisServerError
 from specdec.redis_server import redis_server as _redis_server
 
@@ -127,6 +130,40 @@ def redis_server() -> _Iterator[RedisServer]:
 @pytest.fixture
 def redis_client(redis_server: RedisServer) -> _Iterator[_redis.Redis]:
     client = _redis.Redis(unix_socket_path=redis_server.socket_path)
+    client.flushall()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+# A REAL Redis Cluster on loopback (specdec.redis_cluster): 3 masters, one replica each, one per
+# test module (a test may kill a master). Fixtures: redis_cluster (module: LocalRedisCluster with
+# .url, .nodes), redis_cluster_client (function: a RedisCluster on it, every master flushed first).
+
+
+def _require_redis_binaries() -> None:
+    if _shutil.which("redis-server") is None or _shutil.which("redis-cli") is None:
+        message = "redis-server and redis-cli are not installed (`make test` installs them)"
+        if _os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster() -> _Iterator[LocalRedisCluster]:
+    _require_redis_binaries()
+    try:
+        with _redis_cluster() as cluster:
+            yield cluster
+    except RedisServerError as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture
+def redis_cluster_client(redis_cluster: LocalRedisCluster) -> _Iterator[_RedisCluster]:
+    host, port = redis_cluster.url.removeprefix("redis+cluster://").split(",")[0].split(":")
+    client = _RedisCluster(host=host, port=int(port))
     client.flushall()
     try:
         yield client

@@ -14,17 +14,20 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
-import redis.asyncio
+import redis
 
+from specdec.state_store.clients import AsyncClient, close_async_client, open_async_client
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.state_store.redis_store import (
     CLAIM_LUA,
     CREATE_LUA,
+    DELETE_LUA,
+    LOAD_LUA,
     STEP_LUA,
     RedisStoreBase,
-    client_options,
     redis_errors,
 )
+from specdec.state_store.redis_url import parse_redis_url
 from specdec.state_store.types import RequestState, RequestStatus, StateStoreConfig, set_status_by_async_step
 
 # Connections of one async store: a Redis call takes ~0.2 ms, so a few dozen serve thousands of steps/s.
@@ -42,7 +45,7 @@ class AsyncRedisStateStore(RedisStoreBase):
 
     def __init__(
         self,
-        client: redis.asyncio.Redis,
+        client: AsyncClient,
         config: StateStoreConfig | None = None,
         *,
         wall_clock_ms: Callable[[], int] | None = None,
@@ -52,6 +55,8 @@ class AsyncRedisStateStore(RedisStoreBase):
         self._create = client.register_script(CREATE_LUA)
         self._step = client.register_script(STEP_LUA)
         self._claim = client.register_script(CLAIM_LUA)
+        self._load = client.register_script(LOAD_LUA)
+        self._delete = client.register_script(DELETE_LUA)
 
     @classmethod
     def from_url(
@@ -62,15 +67,14 @@ class AsyncRedisStateStore(RedisStoreBase):
         timeout_s: float = 5.0,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> AsyncRedisStateStore:
-        """url: redis://host:port/db or unix:///path/to.sock. Connects lazily, on the first call's loop.
+        """url: any --redis_url (specdec.state_store.redis_url): one server, a cluster or sentinels.
+        Connects lazily, on the first call's loop.
 
-        At most max_connections connections: coroutines are cheap, and hundreds of requests
-        starting at once would otherwise each open one (redis-py's plain pool then refuses past
-        100). Beyond it a call waits for a free connection, up to timeout_s (then Unavailable)."""
-        pool = redis.asyncio.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=timeout_s, **client_options(timeout_s)
-        )
-        return cls(redis.asyncio.Redis(connection_pool=pool), config)
+        One server: at most max_connections connections: coroutines are cheap, and hundreds of
+        requests starting at once would otherwise each open one (redis-py's plain pool then
+        refuses past 100). Beyond it a call waits for a free connection, up to timeout_s (then
+        Unavailable)."""
+        return cls(open_async_client(parse_redis_url(url), timeout_s, max_connections), config)
 
     async def create(
         self,
@@ -82,7 +86,12 @@ class AsyncRedisStateStore(RedisStoreBase):
     ) -> None:
         args, now_ms = self._create_args(request_id, params, prompt_token_ids, status)
         with redis_errors(request_id):
-            await self._create(self.keys(request_id), args)
+            try:
+                await self._create(self.keys(request_id), args)
+            except redis.ResponseError as e:
+                if (created_ms := self._live_duplicate_created_ms(e)) is not None:
+                    await self._client.zadd(self._active_key, {request_id: created_ms}, nx=True)
+                raise
             await self._client.zadd(self._active_key, {request_id: now_ms}, nx=True)
 
     async def append_step(
@@ -120,7 +129,7 @@ class AsyncRedisStateStore(RedisStoreBase):
 
     async def load(self, request_id: str) -> RequestState | None:
         with redis_errors(request_id):
-            replies = await self._queue_load(self._client.pipeline(transaction=True), request_id).execute()
+            replies = await self._load(self.keys(request_id))
         return self._state(request_id, replies)
 
     async def list_active(self) -> list[str]:
@@ -136,11 +145,12 @@ class AsyncRedisStateStore(RedisStoreBase):
 
     async def delete(self, request_id: str) -> bool:
         with redis_errors(request_id):
-            num_meta, _, _ = await self._queue_delete(self._client.pipeline(transaction=True), request_id).execute()
-        return num_meta == 1
+            num_meta = await self._delete(self.keys(request_id))
+            await self._client.zrem(self._active_key, request_id)
+        return int(num_meta) == 1
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await close_async_client(self._client)
 
 
 def _inline(

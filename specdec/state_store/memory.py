@@ -105,9 +105,11 @@ class InMemoryStateStore:
         controller_json = None if controller_state is None else encode_json("controller_state", controller_state)
         with self._lock:
             entry = self._require(request_id)
+            num_stored = len(entry.tokens) // TOKEN_BYTES
+            if _is_replay(entry.tokens, packed, expected_num_tokens):
+                return num_stored
             if entry.status.is_terminal:
                 raise FailedPrecondition("request_id", f"request {request_id!r} has ended ({entry.status})")
-            num_stored = len(entry.tokens) // TOKEN_BYTES
             if expected_num_tokens is not None and num_stored != expected_num_tokens:
                 raise token_count_mismatch(num_stored, expected_num_tokens)
             now = self._clock()
@@ -202,3 +204,13 @@ class InMemoryStateStore:
         if entry.owner != owner and entry.owner_expires_at > now:
             raise FailedPrecondition("owner", f"the lease of {request_id!r} is held by {entry.owner!r}, not {owner!r}")
         entry.owner = owner
+
+
+def _is_replay(tokens: bytearray, packed: bytes, expected_num_tokens: int | None) -> bool:
+    """Whether a step write repeats one already applied: the log ends with exactly its tokens at
+    its position (expected_num_tokens), so its first attempt landed and the reply was lost. The
+    store answers it with the count and writes nothing (the Redis step script's same check)."""
+    if expected_num_tokens is None or not packed:
+        return False
+    start = expected_num_tokens * TOKEN_BYTES
+    return len(tokens) == start + len(packed) and tokens[start:] == packed

@@ -33,12 +33,14 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import redis
-import redis.asyncio
+import redis.exceptions
 
 from specdec.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from specdec.state_store.clients import SyncClient, close_sync_client, open_sync_client
+from specdec.state_store.redis_url import parse_redis_url
 from specdec.state_store.types import (
     set_status_by_step,
     TERMINAL_STATUSES,
@@ -60,7 +62,10 @@ _TERMINAL_LUA = " or ".join(f"s == '{s}'" for s in sorted(TERMINAL_STATUSES))
 # KEYS: meta, tokens, prompt, owner.
 # ARGV: params JSON, status, packed prompt, ttl_ms, now_ms.
 CREATE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return redis.error_reply('SPECDEC_EXISTS') end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local m = redis.call('HMGET', KEYS[1], 'status', 'created_ms')
+  return redis.error_reply('SPECDEC_EXISTS ' .. m[1] .. ' ' .. m[2])
+end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[1], 'params', ARGV[1], 'status', ARGV[2], 'stats', '{}', 'controller', '{}',
            'finish_reason', '', 'error', '', 'created_ms', ARGV[5], 'updated_ms', ARGV[5])
@@ -69,8 +74,12 @@ if string.len(ARGV[3]) > 0 then redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4
 return 1
 """
 
-# The per-step write. Checks in the in-memory store's order: exists, not
-# ended, token count, lease; then appends, sets fields, re-arms expiry.
+# The per-step write. Checks in the in-memory store's order: exists, a replay, not ended, token
+# count, lease; then appends, sets fields, re-arms expiry.
+# A replay is idempotent, keyed by the step's position (expected count): when the log already ends
+# with exactly this step's tokens at that position, the step was applied and its reply lost (a
+# timeout, a failover): it succeeds with the count, writing nothing. E.g. log [a b c d],
+# expected 2, tokens [c d] -> 4, unchanged; tokens [c e] or expected 1 -> MISMATCH.
 # KEYS: meta, tokens, prompt, owner.
 # ARGV: packed tokens, expected count (-1: no check), ttl_ms, now_ms, owner ('' : none),
 #       lease_ms, then field/value pairs for the meta hash.
@@ -78,9 +87,14 @@ STEP_LUA = f"""
 local function is_terminal(s) return {_TERMINAL_LUA} end
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return redis.error_reply('SPECDEC_NOT_FOUND') end
-if is_terminal(status) then return redis.error_reply('SPECDEC_ENDED ' .. status) end
 local n = redis.call('STRLEN', KEYS[2]) / 4
 local expected = tonumber(ARGV[2])
+local size = string.len(ARGV[1])
+if expected >= 0 and size > 0 and n * 4 == expected * 4 + size
+   and redis.call('GETRANGE', KEYS[2], expected * 4, -1) == ARGV[1] then
+  return n
+end
+if is_terminal(status) then return redis.error_reply('SPECDEC_ENDED ' .. status) end
 if expected >= 0 and n ~= expected then return redis.error_reply('SPECDEC_MISMATCH ' .. n) end
 if ARGV[5] ~= '' then
   local holder = redis.call('GET', KEYS[4])
@@ -110,13 +124,33 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# KEYS: meta, tokens, prompt, owner. Returns {meta as field/value list, tokens, prompt, owner}
+# (false for a missing key): one consistent snapshot, one round trip, one cluster slot.
+LOAD_LUA = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('GET', KEYS[2]), redis.call('GET', KEYS[3]),
+        redis.call('GET', KEYS[4])}
+"""
 
-_PipelineT = TypeVar("_PipelineT", redis.client.Pipeline, redis.asyncio.client.Pipeline)
+# KEYS: meta, tokens, prompt, owner. Returns 1 when the meta hash existed.
+DELETE_LUA = """
+local existed = redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+return existed
+"""
 
-
-def client_options(timeout_s: float) -> dict[str, Any]:
-    """from_url's options of both clients: a stalled server fails a call after timeout_s."""
-    return {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s, "health_check_interval": 30}
+# Errors of a Redis that is away for now (down, failing over, resharding): the store reports them
+# as Unavailable, which its callers retry (gateway.state_retry). ReadOnlyError: a write reached a
+# master just demoted to a replica; AskError (and MovedError): redirects that outlived the
+# client's own retries while the slot map changed.
+UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.AskError,
+)
 
 
 class RedisStoreBase:
@@ -188,21 +222,13 @@ class RedisStoreBase:
         meta, _, _, owner_key = self.keys(request_id)
         return [meta, owner_key], [owner, self._lease_ms]
 
-    def _queue_load(self, pipe: _PipelineT, request_id: str) -> _PipelineT:
-        """Queue load's reads on a MULTI/EXEC pipeline: one consistent snapshot."""
-        meta_key, tokens_key, prompt_key, owner_key = self.keys(request_id)
-        pipe.hgetall(meta_key)
-        for key in (tokens_key, prompt_key, owner_key):
-            pipe.get(key)
-        return pipe
-
     @staticmethod
     def _state(request_id: str, replies: list[Any]) -> RequestState | None:
-        """The RequestState from _queue_load's replies; None when the meta hash is gone."""
-        meta, tokens, prompt, owner = replies
+        """The RequestState from the load script's reply; None when the meta hash is gone."""
+        meta, tokens, prompt, owner = (reply or None for reply in replies)  # Lua's false -> None
         if not meta:
             return None
-        text = {k.decode(): v.decode() for k, v in meta.items()}
+        text = {meta[i].decode(): meta[i + 1].decode() for i in range(0, len(meta), 2)}
         return RequestState(
             request_id=request_id,
             params=json.loads(text["params"]),
@@ -219,8 +245,9 @@ class RedisStoreBase:
             kv_lease=text.get("kv_lease", ""),
         )
 
-    def _queue_statuses(self, pipe: _PipelineT, members: list[bytes]) -> tuple[list[str], _PipelineT]:
-        """The ids of the index's members, with their statuses queued on pipe. Clients are made
+    def _queue_statuses(self, pipe: Any, members: list[bytes]) -> tuple[list[str], Any]:
+        """The ids of the index's members, with their statuses queued on pipe (a non-transactional
+        pipeline of any client: a cluster's spans slots). Clients are made
         without decode_responses (from_url): members come back as bytes."""
         ids = [rid.decode() for rid in members]
         for rid in ids:
@@ -238,13 +265,16 @@ class RedisStoreBase:
         stale_set = set(stale)
         return [rid for rid in ids if rid not in stale_set], stale
 
-    def _queue_delete(self, pipe: _PipelineT, request_id: str) -> _PipelineT:
-        """Queue delete's writes on a MULTI/EXEC pipeline; its first reply counts the meta hash."""
-        meta, *others = self.keys(request_id)
-        pipe.delete(meta)
-        pipe.delete(*others)
-        pipe.zrem(self._active_key, request_id)
-        return pipe
+    @staticmethod
+    def _live_duplicate_created_ms(e: redis.ResponseError) -> int | None:
+        """The creation time of the existing request a create was refused for, when that request
+        is still live (not ended); None otherwise. A create retried after its first attempt
+        landed (its reply lost) must still leave the request in the index of active ones."""
+        match = _SCRIPT_ERROR.search(str(e))
+        if match is None or match.group(1) != "SPECDEC_EXISTS" or not match.group(2):
+            return None
+        status, _, created_ms = match.group(2).partition(" ")
+        return None if RequestStatus(status).is_terminal else int(created_ms)
 
 
 class RedisStateStore(RedisStoreBase):
@@ -252,7 +282,7 @@ class RedisStateStore(RedisStoreBase):
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: SyncClient,
         config: StateStoreConfig | None = None,
         *,
         wall_clock_ms: Callable[[], int] | None = None,
@@ -262,11 +292,13 @@ class RedisStateStore(RedisStoreBase):
         self._create = client.register_script(CREATE_LUA)
         self._step = client.register_script(STEP_LUA)
         self._claim = client.register_script(CLAIM_LUA)
+        self._load = client.register_script(LOAD_LUA)
+        self._delete = client.register_script(DELETE_LUA)
 
     @classmethod
     def from_url(cls, url: str, config: StateStoreConfig | None = None, *, timeout_s: float = 5.0) -> RedisStateStore:
-        """url: redis://host:port/db or unix:///path/to.sock."""
-        return cls(redis.Redis.from_url(url, **client_options(timeout_s)), config)
+        """url: any --redis_url (specdec.state_store.redis_url): one server, a cluster or sentinels."""
+        return cls(open_sync_client(parse_redis_url(url), timeout_s), config)
 
     def create(
         self,
@@ -281,7 +313,12 @@ class RedisStateStore(RedisStoreBase):
             # Two round trips, not one pipeline: a refused create (an id that exists) must not reach
             # the index of active requests. The index key is in another cluster slot than the
             # request's, so one script cannot write both.
-            self._create(self.keys(request_id), args)
+            try:
+                self._create(self.keys(request_id), args)
+            except redis.ResponseError as e:
+                if (created_ms := self._live_duplicate_created_ms(e)) is not None:
+                    self._client.zadd(self._active_key, {request_id: created_ms}, nx=True)
+                raise
             self._client.zadd(self._active_key, {request_id: now_ms}, nx=True)
 
     def append_step(
@@ -319,7 +356,7 @@ class RedisStateStore(RedisStoreBase):
 
     def load(self, request_id: str) -> RequestState | None:
         with redis_errors(request_id):
-            replies = self._queue_load(self._client.pipeline(transaction=True), request_id).execute()
+            replies = self._load(self.keys(request_id))
         return self._state(request_id, replies)
 
     def list_active(self) -> list[str]:
@@ -335,11 +372,12 @@ class RedisStateStore(RedisStoreBase):
 
     def delete(self, request_id: str) -> bool:
         with redis_errors(request_id):
-            num_meta, _, _ = self._queue_delete(self._client.pipeline(transaction=True), request_id).execute()
-        return num_meta == 1
+            num_meta = self._delete(self.keys(request_id))
+            self._client.zrem(self._active_key, request_id)
+        return int(num_meta) == 1
 
     def close(self) -> None:
-        self._client.close()
+        close_sync_client(self._client)
 
 
 @contextmanager
@@ -347,7 +385,7 @@ def redis_errors(request_id: str, expected_num_tokens: int | None = None, owner:
     """Turn Redis errors into the domain errors the in-memory store raises."""
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError) as e:
+    except UNAVAILABLE_ERRORS as e:
         raise Unavailable("state_store", f"Redis unreachable: {e}", dependency="state_store") from e
     except redis.ResponseError as e:
         # The script's reply (prefixed with the command when raised from a pipeline).

@@ -131,8 +131,10 @@ class StateStore(Protocol):
         """The per-step write, atomic and one round trip: append committed
         tokens and replace whichever of status/stats/controller_state/
         finish_reason/error/kv_lease are given. expected_num_tokens (the count before
-        this step) makes a retried write fail instead of appending twice.
-        Returns the number of committed tokens after the write."""
+        this step) keys the step: a replay of a step already applied (the log ends
+        with exactly its tokens at that position; its reply was lost) succeeds with
+        the count and writes nothing; any other write at a count that does not match
+        fails (FailedPrecondition). Returns the number of committed tokens after the write."""
         ...
 
     def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = "") -> bool:

@@ -105,6 +105,10 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--json_mode", "--json_schema", "s.json"], "--json_schema"),
         (["--http_port", "70000"], "--http_port"),
         (["--max_service_restarts", "-1"], "--max_service_restarts"),
+        (["--redis_url", "redis+cluster://127.0.0.1"], "--redis_url"),
+        (["--redis_url", "redis+sentinel://127.0.0.1:26379"], "--redis_url"),
+        (["--redis_url", "redis://127.0.0.1:6379", "--redis_cluster"], "--redis_cluster"),
+        (["--gateway_address", "127.0.0.1:1", "--redis_cluster"], "--redis_cluster"),
     ],
 )
 def test_bad_flags_are_refused_locally_naming_the_flag(

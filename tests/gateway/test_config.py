@@ -40,3 +40,14 @@ def test_admission_limits_come_from_flags_or_the_environment(monkeypatch):
     assert parse_config([]).max_queued_requests == 0
     with pytest.raises(ValueError, match="max_active_requests"):
         parse_config(["--max_active_requests", "0"])
+
+
+def test_a_malformed_redis_url_fails_at_start_naming_the_flag(monkeypatch):
+    monkeypatch.delenv("SPECDEC_GATEWAY_REDIS_URL", raising=False)
+    monkeypatch.delenv("SPECDEC_REDIS_URL", raising=False)
+    url = "redis+cluster://127.0.0.1:7000,127.0.0.1:7001"
+    assert parse_config(["--redis_url", url]).redis_url == url
+    with pytest.raises(ValueError, match="--redis_url .* is not host:port"):
+        parse_config(["--redis_url", "redis+cluster://127.0.0.1"])
+    with pytest.raises(ValueError, match="--redis_url .* names no service"):
+        parse_config(["--redis_url", "redis+sentinel://127.0.0.1:26379"])

@@ -1,5 +1,6 @@
-"""The request state store: one suite against the four stores (Redis on a real
-server on a unix socket, and in memory; each sync and async), plus Redis-only
+"""The request state store: one suite against the six stores (Redis on a real
+server on a unix socket, on a real 3-master Redis Cluster on loopback, and in memory;
+each sync and async), plus Redis-only
 checks of key layout, round trips and recovery through a fresh client. The
 async stores run the sync tests through SyncFacade."""
 
@@ -17,6 +18,8 @@ import pytest
 import redis
 import redis.asyncio
 
+from specdec.state_store.clients import open_async_client, open_sync_client
+from specdec.state_store.redis_url import parse_redis_url
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from specdec.state_store import (
     DEFAULT_NAMESPACE,
@@ -38,7 +41,7 @@ PARAMS = {"requestId": "r1", "prompt": "Hello", "maxNewTokens": 8, "sampling": {
 # Short enough to wait out on the real server.
 SHORT_TTL_S = 0.3
 SHORT_LEASE_S = 0.3
-KINDS = ["memory", "redis", "memory-async", "redis-async"]
+KINDS = ["memory", "redis", "memory-async", "redis-async", "cluster", "cluster-async"]
 
 
 @dataclass
@@ -96,6 +99,14 @@ def make_harness(kind: str, request: pytest.FixtureRequest, config: StateStoreCo
             return Harness(memory, clock, kind, memory)
         backend = AsyncInMemoryStateStore(memory)
         return Harness(SyncFacade(backend), clock, kind, backend)
+    if kind.startswith("cluster"):
+        client = request.getfixturevalue("redis_cluster_client")
+        target = parse_redis_url(request.getfixturevalue("redis_cluster").url)
+        if kind == "cluster":
+            store = RedisStateStore(open_sync_client(target, 5.0), config, wall_clock_ms=wall_ms)
+            return Harness(store, clock, kind, store, client)
+        backend = AsyncRedisStateStore(open_async_client(target, 5.0, 8), config, wall_clock_ms=wall_ms)
+        return Harness(SyncFacade(backend), clock, kind, backend, client)
     client = request.getfixturevalue("redis_client")
     if kind == "redis":
         store = RedisStateStore(client, config, wall_clock_ms=wall_ms)
@@ -183,12 +194,45 @@ def test_the_kv_lease_is_kept_for_a_successor_gateway(harness: Harness) -> None:
 def test_token_count_mismatch_rejects_the_whole_write(harness: Harness) -> None:
     harness.store.create("r1", PARAMS)
     harness.store.append_step("r1", [1, 2], expected_num_tokens=0)
-    # A retry of the same step (the writer did not see the first reply).
+    # Another write at the same position (a concurrent writer's other tokens).
     with pytest.raises(FailedPrecondition, match="expected_num_tokens: the store holds 2 .* expected 0"):
-        harness.store.append_step("r1", [1, 2], expected_num_tokens=0, stats={"x": 1})
+        harness.store.append_step("r1", [1, 3], expected_num_tokens=0, stats={"x": 1})
+    with pytest.raises(FailedPrecondition, match="expected_num_tokens: the store holds 2 .* expected 1"):
+        harness.store.append_step("r1", [3], expected_num_tokens=1, stats={"x": 1})
     state = harness.store.load("r1")
     assert state.token_ids == (1, 2)
     assert state.stats == {}
+
+
+def test_a_replayed_step_succeeds_without_appending_twice(harness: Harness) -> None:
+    """The writer did not see the reply of an applied step (a timeout, a failover) and sends it
+    again: keyed by its position, the replay answers the same count and changes nothing."""
+    harness.store.create("r1", PARAMS)
+    assert harness.store.append_step("r1", [1, 2], expected_num_tokens=0, stats={"step": 0}) == 2
+    assert harness.store.append_step("r1", [3, 4], expected_num_tokens=2, stats={"step": 1}) == 4
+    assert harness.store.append_step("r1", [3, 4], expected_num_tokens=2, stats={"step": 1}) == 4
+    state = harness.store.load("r1")
+    assert state.token_ids == (1, 2, 3, 4) and state.stats == {"step": 1}
+    # Only the last step can be replayed: an older one is a mismatch, as is a step that ended it.
+    with pytest.raises(FailedPrecondition, match="the store holds 4"):
+        harness.store.append_step("r1", [1, 2], expected_num_tokens=0)
+    assert harness.store.append_step("r1", [5], expected_num_tokens=4, status=RequestStatus.FINISHED) == 5
+    assert harness.store.append_step("r1", [5], expected_num_tokens=4, status=RequestStatus.FINISHED) == 5
+    assert harness.store.load("r1").token_ids == (1, 2, 3, 4, 5)
+    with pytest.raises(FailedPrecondition, match="ended"):
+        harness.store.append_step("r1", [6], expected_num_tokens=5)
+
+
+def test_a_retried_create_of_a_live_request_puts_it_in_the_index(harness: Harness) -> None:
+    """A create whose script landed but whose index write was lost (the index lives in another
+    cluster slot, maybe on a master failing over) is retried: refused as a duplicate, it still
+    lists the live request, so a successor gateway finds it."""
+    harness.store.create("r1", PARAMS)
+    if harness.redis_client is not None:
+        harness.redis_client.zrem(f"{DEFAULT_NAMESPACE}:active", "r1")
+    with pytest.raises(AlreadyExists, match="request_id"):
+        harness.store.create("r1", PARAMS)
+    assert harness.store.list_active() == ["r1"]
 
 
 def test_unknown_and_duplicate_ids(harness: Harness) -> None:
