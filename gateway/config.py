@@ -11,12 +11,21 @@ from pathlib import Path
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
-from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.logits_codec import FORMATS
 from specdec.flags import Flag, names, optional, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.api_keys import check_public_exposure, public_access_flags
 from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.speculation_bounds import (
+    DEFAULT_DRAFT_LENGTH,
+    DEFAULT_SPECULATIVE_DEGREE,
+    MAX_ADAPTIVE_DRAFT_LENGTH,
+    MAX_ADAPTIVE_SPECULATIVE_DEGREE,
+    MAX_REQUEST_DRAFT_LENGTH,
+    MAX_REQUEST_SPECULATIVE_DEGREE,
+    MAX_REQUEST_TREE_NODES,
+    check_speculation_bounds,
+)
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
 
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
@@ -37,12 +46,10 @@ class Limits:
     max_stop_chars: int = 256
     max_prompt_chars: int = 1 << 20
     max_chat_messages: int = 256
-    # A request's speculation, derived from what every service accepts (specdec.engine.tree's bounds,
-    # also the draft pool's): half the draft length and a quarter of the tree keep a step within the
-    # measured verify curve (64 rows, gateway/cost_model.py).
-    max_speculative_degree: int = 8
-    max_draft_length: int = MAX_DRAFT_LENGTH // 2
-    max_tree_nodes: int = MAX_TREE_NODES // 4
+    # A request's speculation (specdec.speculation_bounds: within what every service accepts).
+    max_speculative_degree: int = MAX_REQUEST_SPECULATIVE_DEGREE
+    max_draft_length: int = MAX_REQUEST_DRAFT_LENGTH
+    max_tree_nodes: int = MAX_REQUEST_TREE_NODES
     # JSON nesting of a response_format schema: deeper ones exhaust the recursion of schema checking
     # and compiling (RecursionError after seconds of CPU), so they are refused before either runs.
     max_schema_depth: int = 64
@@ -56,14 +63,14 @@ class Limits:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpeculationDefaults:
     is_enabled: bool = True
-    speculative_degree: int = 1
-    draft_length: int = 8
+    speculative_degree: int = DEFAULT_SPECULATIVE_DEGREE
+    draft_length: int = DEFAULT_DRAFT_LENGTH
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     # The adaptive controller picks degree and draft length per step; a request's own values bound
     # them, and these bound them when the request leaves them unset.
     is_adaptive: bool = True
-    max_adaptive_degree: int = 4
-    max_adaptive_draft_length: int = 16
+    max_adaptive_degree: int = MAX_ADAPTIVE_SPECULATIVE_DEGREE
+    max_adaptive_draft_length: int = MAX_ADAPTIVE_DRAFT_LENGTH
     greedy_logits_format: str = "fp8_e4m3"  # greedy decisions use the primary's fp32 argmax
     sample_logits_format: str = "fp32"  # lossless sampling needs the exact distribution
 

@@ -88,11 +88,16 @@ from gateway.cost_model import CostModel
 from specdec.candidates import CandidateOutcome
 from specdec.task_type import TaskType
 from specdec.controller_defaults import (
-    DRAFT_LENGTH_CHOICES,
     PRIOR_ACCEPTANCE_CODE,
     PRIOR_ACCEPTANCE_CREATIVE,
     PRIOR_ACCEPTANCE_PREDICTION,
     PRIOR_ACCEPTANCE_STRUCTURED,
+)
+from specdec.speculation_bounds import (
+    DRAFT_LENGTH_CHOICES,
+    MAX_ADAPTIVE_SPECULATIVE_DEGREE,
+    MAX_REQUEST_TREE_NODES,
+    check_speculation_bounds,
 )
 from specdec.strategies import PREDICTION_STRATEGY
 
@@ -124,8 +129,8 @@ def infer_task_type(prompt_text: str, has_schema: bool) -> TaskType:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ControllerConfig:
     draft_length_choices: tuple[int, ...] = DRAFT_LENGTH_CHOICES
-    max_speculative_degree: int = 4
-    max_tree_nodes: int = 64
+    max_speculative_degree: int = MAX_ADAPTIVE_SPECULATIVE_DEGREE
+    max_tree_nodes: int = MAX_REQUEST_TREE_NODES
     # Task-type priors for alpha (specdec.controller_defaults); rank r gets decay^r of it.
     prior_acceptance_structured: float = PRIOR_ACCEPTANCE_STRUCTURED
     prior_acceptance_code: float = PRIOR_ACCEPTANCE_CODE
@@ -158,6 +163,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not self.draft_length_choices or min(self.draft_length_choices) < 1:
             raise ValueError(f"draft_length_choices must be positive, got {self.draft_length_choices}")
+        check_speculation_bounds(self.max_speculative_degree, max(self.draft_length_choices), self.max_tree_nodes)
         for name in (
             "max_speculative_degree",
             "max_tree_nodes",

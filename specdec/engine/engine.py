@@ -66,6 +66,7 @@ from typing import Iterable, Sequence
 import torch
 
 from specdec.engine import tree as tree_geometry
+from specdec.speculation_bounds import MAX_LOOKAHEAD_NODES, MAX_TREE_NODES
 from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -475,14 +476,12 @@ class Engine:
                 "commit the last step's bonus token before verifying again",
             )
         assert 0 <= w.num_lookahead <= len(w.token_ids), "num_lookahead counts the tree's last nodes"
-        if w.num_draft > tree_geometry.MAX_TREE_NODES:
-            raise InvalidArgument(
-                "tree.token_ids", f"{w.num_draft} nodes exceed the limit of {tree_geometry.MAX_TREE_NODES}"
-            )
-        if w.num_lookahead > tree_geometry.MAX_LOOKAHEAD_NODES:
+        if w.num_draft > MAX_TREE_NODES:
+            raise InvalidArgument("tree.token_ids", f"{w.num_draft} nodes exceed the limit of {MAX_TREE_NODES}")
+        if w.num_lookahead > MAX_LOOKAHEAD_NODES:
             raise InvalidArgument(
                 "lookahead.token_ids",
-                f"{w.num_lookahead} nodes exceed the limit of {tree_geometry.MAX_LOOKAHEAD_NODES}",
+                f"{w.num_lookahead} nodes exceed the limit of {MAX_LOOKAHEAD_NODES}",
             )
         try:
             tree_geometry.check_tree(w.token_ids, w.parents, self.vocab_size)

@@ -143,6 +143,8 @@ def test_speculation_settings_are_extra_fields() -> None:
         ({"stream": "yes"}, "stream"),
         ({"speculative_decoding": 1}, "speculative_decoding"),
         ({"strategies": [1]}, "strategies"),
+        ({"draft_length": 33}, "draft_length"),
+        ({"speculative_degree": 9}, "speculative_degree"),
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
