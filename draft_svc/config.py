@@ -31,9 +31,9 @@ from draft_svc.strategies.self_draft import SelfDraftConfig
 from draft_svc.strategies.suffix_index import SuffixIndexConfig
 from specdec import strategies
 from specdec.logging import LOG_LEVELS
-from specdec.flags import NO_FIELD, Flag, names, optional, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, listen_flags, names, optional, parse_flags, values
 from specdec.service.auth import service_token_flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.service.server import ServerConfig
 
 MODEL_FREE_STRATEGIES = strategies.names_of(strategies.MODEL_FREE)
 GRAMMAR_STRATEGIES = strategies.names_of(strategies.GRAMMAR)
@@ -157,9 +157,7 @@ CORPUS_FLAGS = (
     ),
 )
 FLAGS = (
-    Flag("--host", DEFAULT_HOST, group="server"),
-    Flag("--port", DEFAULT_PORT, group="server"),
-    Flag("--metrics_port", 0, group="server"),
+    *listen_flags(DEFAULT_PORT),
     Flag("--log_level", convert=str.upper),
     Flag("--primary_address", help="host:port of the primary whose weights the model-based strategies run on"),
     Flag(

@@ -12,10 +12,10 @@ from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.logits_codec import FORMATS
-from specdec.flags import Flag, names, optional, parse_flags, values
+from specdec.flags import Flag, listen_flags, names, optional, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.api_keys import check_public_exposure, public_access_flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.service.server import ServerConfig
 from specdec.speculation_bounds import (
     DEFAULT_DRAFT_LENGTH,
     DEFAULT_SPECULATIVE_DEGREE,
@@ -130,9 +130,7 @@ class GatewayConfig:
 
 
 FLAGS = (
-    Flag("--host", DEFAULT_HOST, group="server"),
-    Flag("--port", 50050, group="server"),
-    Flag("--metrics_port", 0, group="server"),
+    *listen_flags(50050),
     Flag("--primary_address", "127.0.0.1:50051"),
     Flag("--draft_address", "127.0.0.1:50052"),
     Flag("--validator_address", "127.0.0.1:50053"),

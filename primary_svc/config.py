@@ -12,9 +12,9 @@ from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK
 from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
-from specdec.flags import Flag, optional, parse_flags, values
+from specdec.flags import Flag, listen_flags, optional, parse_flags, values
 from specdec.service.auth import service_token_flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.service.server import ServerConfig
 
 
 # A step's wait for requests coming back (EngineWorker._gather): on two cores the gateway cannot turn
@@ -91,9 +91,7 @@ class PrimaryConfig:
 
 
 FLAGS = (
-    Flag("--host", DEFAULT_HOST, group="server"),
-    Flag("--port", 50051, group="server"),
-    Flag("--metrics_port", 0, group="server"),
+    *listen_flags(50051),
     Flag("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str, convert=optional),
     Flag("--device", choices=("cpu", "cuda")),
     Flag(

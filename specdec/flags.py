@@ -114,6 +114,16 @@ def values(args: argparse.Namespace, declared: Sequence[Flag], group: str = "") 
     return out
 
 
+def listen_flags(port: int) -> tuple[Flag, ...]:
+    """--host, --port (this service's default) and --metrics_port: the fields of a service's
+    ServerConfig (specdec.service.server), in the config group "server"."""
+    return (
+        Flag("--host", group="server"),
+        Flag("--port", port, group="server"),
+        Flag("--metrics_port", group="server"),
+    )
+
+
 def names(text: str) -> tuple[str, ...]:
     """A comma-separated list flag's value: `a, b,,c` -> ("a", "b", "c")."""
     return tuple(name.strip() for name in text.split(",") if name.strip())

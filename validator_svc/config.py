@@ -7,9 +7,9 @@ import argparse
 import dataclasses
 import os
 
-from specdec.flags import Flag, parse_flags, values
+from specdec.flags import Flag, listen_flags, parse_flags, values
 from specdec.service.auth import service_token_flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.service.server import ServerConfig
 from validator_svc.paths import DEVICES
 
 
@@ -32,9 +32,7 @@ class ValidatorConfig:
 
 
 FLAGS = (
-    Flag("--host", DEFAULT_HOST, group="server"),
-    Flag("--port", 50053, group="server"),
-    Flag("--metrics_port", 0, group="server"),
+    *listen_flags(50053),
     Flag("--device", choices=DEVICES),
     Flag("--max_message_bytes", 128 << 20, group="server"),
     Flag("--log_level"),
