@@ -26,13 +26,14 @@ import contextlib
 import json
 import statistics
 import time
+from typing import Any
 from pathlib import Path
 
 import torch
 
 from bench.peer_process import PeerProcess
 from bench.peers import default_gguf_path, llama_cpp_missing
-from bench.prompts import DEFAULT_DATA_DIR, load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.service_step import service_vs_engine
 from bench.report import machine_info
 from primary_svc.costs import measure_verify_costs
@@ -158,7 +159,7 @@ def llama_cpp_curve(context_tokens: int, repeats: int, num_threads: int) -> dict
     return {"ms": ms, "relative_to_1": {k: v / ms[1] for k, v in ms.items()}}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=None)
     p.add_argument(
@@ -180,90 +181,107 @@ def main() -> None:
     p.add_argument("--service-steps", type=int, default=64, help="plain steps in the service vs in-process; 0: skip")
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
-    args = add_spellings(p).parse_args()
-    torch.set_num_threads(args.threads)
+    return add_spellings(p).parse_args()
+
+
+def print_llama_cpp(result: dict[str, Any]) -> None:
+    if "ms" not in result:
+        print(f"[llama.cpp] {result}")
+        return
+    print("[llama.cpp] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in result["ms"].items()))
+    print("[llama.cpp] vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in result["relative_to_1"].items()))
+
+
+def measure_precision(
+    name: str,
+    args: argparse.Namespace,
+    model_dir: Path,
+    bench_prompts: list[BenchPrompt],
+    tokenizer: Tokenizer,
+    max_context: int,
+) -> dict[str, Any]:
+    """One weight format's figures. `name`: a precision, or "int4:torch" for int4 on torch's packed
+    kernels instead of the native ones, for comparison."""
     from transformers import AutoModelForCausalLM
 
+    precision, _, kernels = name.partition(":")
+    prompts = [tokenizer.encode(p.text(tokenizer)) for p in bench_prompts]
+    start = time.perf_counter()
+    with native.disabled() if kernels == "torch" else contextlib.nullcontext():
+        loaded = load_model(model_dir, precision, max_positions=max_context, is_shared=False)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), max_context)
+    load_s = time.perf_counter() - start
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
+    result = {
+        "weight_bytes": loaded.weight_bytes,
+        "load_s": load_s,
+        "kernels": "torch" if kernels == "torch" or precision not in QUANTIZED_PRECISIONS else native.status(),
+        "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
+        "verify": verify_curve(engine, args.repeats),
+        "verify_long": verify_curve(engine, args.repeats, LONG_CONTEXT_TOKENS),
+        "prefill": [prefill_rate(engine, n, args.prefill_repeats) for n in PREFILL_TOKENS],
+    }
+    if args.compiled and not any(block.native is not None for block in loaded.model.layers):
+        result["compiled"] = compiled_curve(engine, args.repeats, args.compiled)
+    del hf, engine, loaded
+    if args.service_steps and not kernels:
+        result["service"] = service_vs_engine(precision, args.threads, bench_prompts[0], tokenizer, args.service_steps)
+    return result
+
+
+def print_precision(name: str, r: dict[str, Any]) -> None:
+    print(f"[{name}] kernels {r['kernels']}")
+    print(
+        f"[{name}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {r['load_s']:.2f} s | plain greedy: specdec "
+        f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, "
+        f"transformers {r['plain']['transformers_tokens_per_s']:.1f} tok/s ({r['plain']['ratio']:.2f}x), "
+        f"same tokens {r['plain']['same_tokens']}"
+    )
+    for curve in (r["verify"], r["verify_long"]):
+        head = f"[{name}] context {curve['context_tokens']}:"
+        print(f"{head} verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in curve["ms"].items()))
+        print(f"{head} vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in curve["relative_to_1"].items()))
+    print(
+        f"[{name}] prefill, one prompt alone (chunks of {r['prefill'][0]['chunk_tokens']}): "
+        + ", ".join(f"{f['num_tokens']} tokens {f['tokens_per_s']:.0f} tok/s ({f['ms']:.0f} ms)" for f in r["prefill"])
+    )
+    if "compiled" in r:
+        c = r["compiled"]
+        print(
+            f"[{name}] compiled ({c['mode']}; compile s "
+            + ", ".join(f"k={k}: {v:.0f}" for k, v in c["compile_s"].items())
+            + ")"
+        )
+        print(f"[{name}] compiled verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in c["ms"].items()))
+    if "service" in r:
+        sv = r["service"]
+        print(
+            f"[{name}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
+            f"({sv['service_rpc_ms']:.1f} ms per Decode RPC, {sv['gateway_forward_ms']:.1f} ms through the "
+            f"gateway), in-process {sv['engine_ms']:.1f} ms: {sv['service_over_engine']:.2f}x"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
     tokenizer = Tokenizer.from_dir(model_dir)
     bench_prompts = load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=2000)
-    prompts = [tokenizer.encode(p.text(tokenizer)) for p in bench_prompts]
-    results = {
+    results: dict[str, Any] = {
         "model_dir": str(model_dir),
-        "num_prompts": len(prompts),
+        "num_prompts": len(bench_prompts),
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
         "torch": torch.__version__,
         "machine": machine_info(),
     }
     results["llamacpp"] = llama_cpp_curve(CONTEXT_TOKENS, args.repeats, args.threads)
-    if "ms" in results["llamacpp"]:
-        print("[llama.cpp] verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in results["llamacpp"]["ms"].items()))
-        print(
-            "[llama.cpp] vs k=1     "
-            + "  ".join(f"k={k}: {v:.2f}x" for k, v in results["llamacpp"]["relative_to_1"].items())
-        )
-    else:
-        print(f"[llama.cpp] {results['llamacpp']}")
+    print_llama_cpp(results["llamacpp"])
     max_context = engine_max_context(args.repeats)
     for name in args.precisions.split(","):
-        # "int4:torch": int4 on torch's packed kernels instead of the native ones, for comparison
-        precision, _, kernels = name.partition(":")
-        start = time.perf_counter()
-        with native.disabled() if kernels == "torch" else contextlib.nullcontext():
-            loaded = load_model(model_dir, precision, max_positions=max_context, is_shared=False)
-        engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), max_context)
-        load_s = time.perf_counter() - start
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(precision)).eval()
-        results[name] = {
-            "weight_bytes": loaded.weight_bytes,
-            "load_s": load_s,
-            "kernels": "torch" if kernels == "torch" or precision not in QUANTIZED_PRECISIONS else native.status(),
-            "plain": plain_decoding(engine, hf, prompts, args.max_new_tokens),
-            "verify": verify_curve(engine, args.repeats),
-            "verify_long": verify_curve(engine, args.repeats, LONG_CONTEXT_TOKENS),
-            "prefill": [prefill_rate(engine, n, args.prefill_repeats) for n in PREFILL_TOKENS],
-        }
-        if args.compiled and not any(block.native is not None for block in loaded.model.layers):
-            results[name]["compiled"] = compiled_curve(engine, args.repeats, args.compiled)
-        del hf, engine, loaded
-        if args.service_steps and not kernels:
-            results[name]["service"] = service_vs_engine(
-                precision, args.threads, bench_prompts[0], tokenizer, args.service_steps
-            )
-        r = results[name]
-        print(f"[{name}] kernels {r['kernels']}")
-        print(
-            f"[{name}] weights {r['weight_bytes'] / 1e6:.0f} MB, loaded in {load_s:.2f} s | plain greedy: specdec "
-            f"{r['plain']['specdec_tokens_per_s']:.1f} tok/s, "
-            f"transformers {r['plain']['transformers_tokens_per_s']:.1f} tok/s ({r['plain']['ratio']:.2f}x), "
-            f"same tokens {r['plain']['same_tokens']}"
-        )
-        for curve in (r["verify"], r["verify_long"]):
-            head = f"[{name}] context {curve['context_tokens']}:"
-            print(f"{head} verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in curve["ms"].items()))
-            print(f"{head} vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in curve["relative_to_1"].items()))
-        print(
-            f"[{name}] prefill, one prompt alone (chunks of {r['prefill'][0]['chunk_tokens']}): "
-            + ", ".join(
-                f"{f['num_tokens']} tokens {f['tokens_per_s']:.0f} tok/s ({f['ms']:.0f} ms)" for f in r["prefill"]
-            )
-        )
-        if "compiled" in r:
-            c = r["compiled"]
-            print(
-                f"[{name}] compiled ({c['mode']}; compile s "
-                + ", ".join(f"k={k}: {v:.0f}" for k, v in c["compile_s"].items())
-                + ")"
-            )
-            print(f"[{name}] compiled verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in c["ms"].items()))
-        if "service" in r:
-            sv = r["service"]
-            print(
-                f"[{name}] plain step: in the service {sv['service_forward_ms']:.1f} ms forward "
-                f"({sv['service_rpc_ms']:.1f} ms per Decode RPC, {sv['gateway_forward_ms']:.1f} ms through the "
-                f"gateway), in-process {sv['engine_ms']:.1f} ms: {sv['service_over_engine']:.2f}x"
-            )
+        results[name] = measure_precision(name, args, model_dir, bench_prompts, tokenizer, max_context)
+        print_precision(name, results[name])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

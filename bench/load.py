@@ -217,7 +217,7 @@ def format_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench load", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -256,7 +256,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chaos-stop-s", type=float, default=15.0, help="how long a stopped dependency stays stopped")
     p.add_argument("--log-dir", type=Path, default=None, help="keep the started stack's service logs here")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
-    a = add_spellings(p).parse_args(argv)
+    return add_spellings(p)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, their defaults resolved (a soak or chaos run changes them) and checked."""
+    p = build_parser()
+    a = p.parse_args(argv)
     is_soak = a.soak or a.chaos
     a.clients = a.clients if a.clients is not None else (SOAK_CLIENTS if is_soak else 4)
     a.duration = a.duration if a.duration is not None else (SOAK_DURATION_S if is_soak else 30.0)

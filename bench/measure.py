@@ -200,30 +200,10 @@ def measure_precision(
     mismatches = prompt_token_mismatches(records, tokenizer, selections)
     for line in mismatches:
         print(f"warning: prompt token count differs, {line}", flush=True)
-    failed = {}
     peer_precision = served["precision"] if served["precision"] in FLOAT_PRECISIONS else "fp32"
-    for name in peers:
-        try:
-            records.extend(
-                cache[name]
-                if name in cache
-                else _measure_new_peer(name, peer_precision, config, selections, tokenizer, model_dir, cache)
-            )
-        except Exception as e:  # e.g. a model that does not load: the other systems' figures still count
-            failed[name] = f"{type(e).__name__}: {e}"
-            print(f"peer {name} failed: {failed[name]}", flush=True)
+    failed = _measure_peers(peers, peer_precision, config, selections, tokenizer, model_dir, cache, records)
     scenarios = {
-        name: {
-            "num_prompts": len(s.prompts),
-            "num_skipped": s.num_skipped,
-            "max_new_tokens": new_tokens[name],
-            "num_considered": s.num_considered,  # long only (null otherwise): its token window's filter
-            "num_in_window": s.num_in_window,
-            "prompt_file": prompt_file(name),
-            "prompt_ids": [p.id for p in s.prompts],
-            "is_constrained": any(is_constrained(name, p) for p in s.prompts),
-            "systems": summarize_scenario([r for r in records if r.scenario == name]),
-        }
+        name: _scenario_summary(name, s, new_tokens[name], [r for r in records if r.scenario == name])
         for name, s in selections.items()
     }
     return (
@@ -238,6 +218,46 @@ def measure_precision(
         },
         records,
     )
+
+
+def _measure_peers(
+    peers: Sequence[str],
+    precision: str,
+    config: SuiteConfig,
+    selections: Mapping[str, Selection],
+    tokenizer: Any,
+    model_dir: Path,
+    cache: dict[str, list[Record]],
+    records: list[Record],
+) -> dict[str, str]:
+    """Each peer's records (cached across precisions) appended to `records`; {peer: why} of those that failed."""
+    failed = {}
+    for name in peers:
+        try:
+            records.extend(
+                cache[name]
+                if name in cache
+                else _measure_new_peer(name, precision, config, selections, tokenizer, model_dir, cache)
+            )
+        except Exception as e:  # e.g. a model that does not load: the other systems' figures still count
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"peer {name} failed: {failed[name]}", flush=True)
+    return failed
+
+
+def _scenario_summary(name: str, s: Selection, max_new_tokens: int, records: list[Record]) -> dict[str, Any]:
+    """One scenario's entry of results.json: its prompts and every system's summary over `records`."""
+    return {
+        "num_prompts": len(s.prompts),
+        "num_skipped": s.num_skipped,
+        "max_new_tokens": max_new_tokens,
+        "num_considered": s.num_considered,  # long only (null otherwise): its token window's filter
+        "num_in_window": s.num_in_window,
+        "prompt_file": prompt_file(name),
+        "prompt_ids": [p.id for p in s.prompts],
+        "is_constrained": any(is_constrained(name, p) for p in s.prompts),
+        "systems": summarize_scenario(records),
+    }
 
 
 def served_precision(sut: SystemUnderTest) -> dict[str, str]:

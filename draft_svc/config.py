@@ -25,16 +25,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from draft_svc.corpus.sources import SOURCES
-from draft_svc.corpus.store import DEFAULT_MAX_TOKENS, CorpusConfig
+from draft_svc.corpus.store import CorpusConfig
 from draft_svc.pool import PoolConfig
 from draft_svc.strategies.self_draft import SelfDraftConfig
 from draft_svc.strategies.suffix_index import SuffixIndexConfig
 from specdec import strategies
 from specdec.logging import LOG_LEVELS
-from specdec.service.auth import add_service_token_arguments
-from specdec.service.flags import Flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
-from specdec.flag_spellings import add_spellings
+from specdec.flags import NO_FIELD, Flag, listen_flags, names, optional, parse_flags, values
+from specdec.service.auth import service_token_flags
+from specdec.service.server import ServerConfig
 
 MODEL_FREE_STRATEGIES = strategies.names_of(strategies.MODEL_FREE)
 GRAMMAR_STRATEGIES = strategies.names_of(strategies.GRAMMAR)
@@ -54,6 +53,7 @@ OFFERED_STRATEGIES = (
 # The shipped drafter of the default model (trained by draft_svc/heads/train.py)
 DEFAULT_FEATURE_DRAFTER = Path(__file__).parent / "heads" / "trained" / "smollm2-135m-instruct.safetensors"
 DEFAULT_PORT = 50052
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specdec" / "models"
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
 
@@ -73,7 +73,7 @@ class DraftConfig:
     num_torch_threads: int = 1
     log_level: str = "INFO"
     model_path: str | None = None  # the model's tokenizer for grammar-forced drafts (None: the default model)
-    cache_dir: Path = Path.home() / ".cache" / "specdec" / "models"
+    cache_dir: Path = DEFAULT_CACHE_DIR
     service_token_file: str = ""  # the shared secret callers must send, and this pool sends the primary
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
 
@@ -103,134 +103,145 @@ class DraftConfig:
         return any(name in MODEL_STRATEGIES for name in self.pool.strategies)
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in _names(text))
+    return tuple(int(x) for x in names(text))
 
 
-def add_corpus_arguments(flags: Flags) -> None:
-    """The corpus index's flags, shared with `python -m draft_svc.corpus` (which builds the same index)."""
-    flags.add(
+def _paths(text: str) -> tuple[Path, ...]:
+    return tuple(Path(p) for p in names(text))
+
+
+# The corpus index's flags, shared with `python -m draft_svc.corpus` (which builds the same index).
+CORPUS_FLAGS = (
+    Flag(
         "--model_path",
         None,
         env=("MODEL_PATH", "MODEL"),
         type=str,
         help="the model whose tokenizer grammar-forced and corpus drafts use (default: the default model)",
-    )
-    flags.add("--cache_dir", str(Path.home() / ".cache" / "specdec" / "models"))
-    flags.add(
+        convert=optional,
+    ),
+    Flag("--cache_dir", str(DEFAULT_CACHE_DIR), convert=Path),
+    Flag(
         "--corpus_sources",
         ",".join(SOURCES),
-        shared=False,
+        is_shared=False,
         help=f"comma-separated corpus sources of the corpus decoder, of {','.join(SOURCES)} "
         "(draft_svc/corpus/sources.py); may be empty when --corpus_paths names files",
-    )
-    flags.add(
+        group="corpus",
+        field="sources",
+        convert=names,
+    ),
+    Flag(
         "--corpus_paths",
         "",
-        shared=False,
+        is_shared=False,
         help="comma-separated extra files or folders (.py .txt .md .rst .json) read after the sources",
-    )
-    flags.add(
+        group="corpus",
+        field="paths",
+        convert=_paths,
+    ),
+    Flag(
         "--corpus_max_tokens",
-        DEFAULT_MAX_TOKENS,
-        shared=False,
+        is_shared=False,
         help="the corpus budget in tokens: bounds the build time and the index size (~10 bytes a token)",
-    )
-    flags.add(
+        group="corpus",
+        field="max_tokens",
+    ),
+    Flag(
         "--corpus_cache_dir",
         "",
-        shared=False,
+        is_shared=False,
         help="where corpus indexes are kept (default: --cache_dir)",
-    )
+        group=NO_FIELD,
+    ),
+)
+FLAGS = (
+    *listen_flags(DEFAULT_PORT),
+    Flag("--log_level", convert=str.upper),
+    Flag("--primary_address", help="host:port of the primary whose weights the model-based strategies run on"),
+    Flag(
+        "--num_threads",
+        is_shared=False,
+        help="torch intra-op threads (default 1; 0: torch's default)",
+        field="num_torch_threads",
+    ),
+    *CORPUS_FLAGS,
+    Flag(
+        "--strategies",
+        ",".join(OFFERED_STRATEGIES),
+        is_shared=False,
+        help=f"comma-separated strategies this pool offers, of {','.join(strategies.NAMES)}",
+        group=NO_FIELD,
+    ),
+    Flag(
+        "--default_strategies",
+        "",
+        is_shared=False,
+        help="strategies of a request that names none (default: the model-free ones offered)",
+        group=NO_FIELD,
+    ),
+    # SPECDEC_DRAFT_LENGTH: the gateway's variable too
+    Flag("--draft_length", group="pool", field="default_draft_length"),
+    # SPECDEC_DRAFT_THREADS
+    Flag("--draft_threads", help="threads running one step's decoders in parallel", group="pool", field="num_threads"),
+    Flag(
+        "--early_exit_layers",
+        is_shared=False,
+        help="layers the early-exit decoder runs (0: 3/4 of the model's)",
+        group="self_draft",
+    ),
+    Flag(
+        "--skipped_layers",
+        "",
+        is_shared=False,
+        help="comma-separated layers the layer-skip decoder skips (default: every other one from L/4 to 2L/3)",
+        group="self_draft",
+        convert=_ints,
+    ),
+    Flag(
+        "--feature_drafter",
+        str(DEFAULT_FEATURE_DRAFTER),
+        is_shared=False,
+        help="the feature decoder's drafter file (draft_svc/heads/file.py); when it is missing or was trained "
+        "for another model the pool serves without the feature strategy",
+        convert=Path,
+    ),
+    Flag("--max_context", is_shared=False),
+    Flag("--attach_poll_s", is_shared=False),
+    *service_token_flags(),
+)
+CONFIGS = {
+    "": DraftConfig,
+    "server": ServerConfig,
+    "pool": PoolConfig,
+    "self_draft": SelfDraftConfig,
+    "corpus": CorpusConfig,
+}
 
 
 def corpus_config(a: argparse.Namespace) -> CorpusConfig:
-    return CorpusConfig(
-        sources=_names(a.corpus_sources),
-        paths=tuple(Path(p) for p in _names(a.corpus_paths)),
-        max_tokens=a.corpus_max_tokens,
-        cache_dir=Path(a.corpus_cache_dir or a.cache_dir),
-    )
+    return CorpusConfig(cache_dir=Path(a.corpus_cache_dir or a.cache_dir), **values(a, CORPUS_FLAGS, "corpus"))
+
+
+def pool_config(a: argparse.Namespace) -> PoolConfig:
+    """The pool's strategies: those offered, and those of a request that names none (the model-free
+    ones offered, else all offered)."""
+    offered = names(a.strategies)
+    defaults = names(a.default_strategies) or tuple(n for n in offered if n in MODEL_FREE_STRATEGIES) or offered
+    return PoolConfig(strategies=offered, default_strategies=defaults, **values(a, FLAGS, "pool"))
 
 
 def from_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> DraftConfig:
     p = argparse.ArgumentParser(prog="python -m draft_svc", description="The draft pool service.")
-    flags = Flags(p, "DRAFT", environ)
-    flags.add("--host", DEFAULT_HOST)
-    flags.add("--port", DEFAULT_PORT)
-    flags.add("--metrics_port", 0)
-    flags.add("--log_level", "INFO")
-    flags.add(
-        "--primary_address",
-        NO_PRIMARY,
-        help="host:port of the primary whose weights the model-based strategies run on",
-    )
-    flags.add("--num_threads", 1, shared=False, help="torch intra-op threads (default 1; 0: torch's default)")
-    add_corpus_arguments(flags)
-    flags.add(
-        "--strategies",
-        ",".join(OFFERED_STRATEGIES),
-        shared=False,
-        help=f"comma-separated strategies this pool offers, of {','.join(strategies.NAMES)}",
-    )
-    flags.add(
-        "--default_strategies",
-        "",
-        shared=False,
-        help="strategies of a request that names none (default: the model-free ones offered)",
-    )
-    flags.add("--draft_length", 8)  # SPECDEC_DRAFT_LENGTH, the gateway's variable too
-    flags.add("--draft_threads", 4, help="threads running one step's decoders in parallel")  # SPECDEC_DRAFT_THREADS
-    flags.add(
-        "--early_exit_layers",
-        0,
-        shared=False,
-        help="layers the early-exit decoder runs (0: 3/4 of the model's)",
-    )
-    flags.add(
-        "--skipped_layers",
-        "",
-        shared=False,
-        help="comma-separated layers the layer-skip decoder skips (default: every other one from L/4 to 2L/3)",
-    )
-    flags.add(
-        "--feature_drafter",
-        str(DEFAULT_FEATURE_DRAFTER),
-        shared=False,
-        help="the feature decoder's drafter file (draft_svc/heads/file.py); when it is missing or was trained "
-        "for another model the pool serves without the feature strategy",
-    )
-    flags.add("--max_context", 0, shared=False)
-    flags.add("--attach_poll_s", 5.0, shared=False)
-    add_service_token_arguments(flags)
-    a = add_spellings(p).parse_args(argv)
-    offered = _names(a.strategies)
-    defaults = _names(a.default_strategies) or tuple(n for n in offered if n in MODEL_FREE_STRATEGIES) or offered
+    a = parse_flags("DRAFT", environ, FLAGS, CONFIGS, p, argv)
     try:
         return DraftConfig(
-            server=ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port),
-            pool=PoolConfig(
-                strategies=offered,
-                default_strategies=defaults,
-                default_draft_length=a.draft_length,
-                num_threads=a.draft_threads,
-            ),
-            self_draft=SelfDraftConfig(early_exit_layers=a.early_exit_layers, skipped_layers=_ints(a.skipped_layers)),
-            primary_address=a.primary_address,
-            attach_poll_s=a.attach_poll_s,
-            max_context=a.max_context,
-            num_torch_threads=a.num_threads,
-            log_level=a.log_level.upper(),
-            model_path=a.model_path or None,
-            cache_dir=Path(a.cache_dir),
+            server=ServerConfig(**values(a, FLAGS, "server")),
+            pool=pool_config(a),
+            self_draft=SelfDraftConfig(**values(a, FLAGS, "self_draft")),
             corpus=corpus_config(a),
-            feature_drafter=Path(a.feature_drafter),
-            service_token_file=a.service_token_file,
-            is_unauthenticated_allowed=a.allow_unauthenticated,
+            **values(a, FLAGS),
         )
     except ValueError as e:
         p.error(str(e))  # exits with status 2 and the message: a configuration error is not a crash

@@ -1,6 +1,6 @@
 """What a model-based draft decoder's Propose costs on this machine, measured once its weights attach.
 
-The gateway's cost model prices a decoder per step as fixed + per_token * draft_length, in units of
+The gateway's cost model prices a decoder per step as fixed + per_token * (tokens drafted), in units of
 one 1-token primary forward (gateway/cost_model.py). A model-free decoder takes microseconds and a
 default serves; a learned drafter's cost depends on the model's shape, the drafter's and the machine,
 so the pool measures it when the primary's weights attach and the drafter binds, and GetPoolInfo
@@ -40,18 +40,19 @@ _FIRST_TOKEN_ID = 1000  # synthetic ids from here, modulo the vocabulary (as pri
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MeasuredCost:
-    """A Propose's measured time, fixed_ms + per_token_ms * draft_length, and the points it was fit to."""
+    """A Propose's measured time, fixed_ms + per_token_ms * num_tokens (tokens drafted per
+    candidate), and the points it was fit to."""
 
     fixed_ms: float
     per_token_ms: float
-    depth_ms: tuple[tuple[int, float], ...] = ()  # (draft_length, fastest ms)
+    depth_ms: tuple[tuple[int, float], ...] = ()  # (tokens drafted, fastest ms)
 
     def __post_init__(self) -> None:
         if not (self.fixed_ms >= 0 and self.per_token_ms >= 0):
             raise ValueError(f"costs must be >= 0, got fixed_ms={self.fixed_ms}, per_token_ms={self.per_token_ms}")
 
-    def at(self, draft_length: int) -> float:
-        return self.fixed_ms + self.per_token_ms * draft_length
+    def at(self, num_tokens: int) -> float:
+        return self.fixed_ms + self.per_token_ms * num_tokens
 
 
 def fit_cost(depth_ms: Mapping[int, float]) -> MeasuredCost:

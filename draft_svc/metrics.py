@@ -4,34 +4,22 @@ gateway's to count (gateway.metrics): only it sees what the primary accepted."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from specdec.metrics import NAMESPACE, STAGE_BUCKETS_S, RpcMetrics
+from specdec.metrics import STAGE_BUCKETS_S, RpcMetrics, counter, gauge, histogram
 
 
 class DraftMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.rpc = RpcMetrics(registry)
-        self.proposed_tokens = Counter(
-            "draft_proposed_tokens",
-            "Draft tokens proposed (nodes of the token trees sent back).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.proposed_tokens = counter(
+            registry, "draft_proposed_tokens", "Draft tokens proposed (nodes of the token trees sent back)."
         )
-        self.propose_seconds = Histogram(
-            "draft_propose_seconds",
-            "Time the pool took to build one step's token tree.",
-            namespace=NAMESPACE,
-            registry=registry,
-            buckets=STAGE_BUCKETS_S,
+        self.propose_seconds = histogram(
+            registry, "draft_propose_seconds", "Time the pool took to build one step's token tree.", STAGE_BUCKETS_S
         )
-        self.requests = Gauge(
-            "draft_requests", "Requests whose draft state the pool holds.", namespace=NAMESPACE, registry=registry
-        )
-        self.state_bytes = Gauge(
-            "draft_state_bytes",
-            "Bytes of per-request draft state (model-based decoders' KV).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.requests = gauge(registry, "draft_requests", "Requests whose draft state the pool holds.")
+        self.state_bytes = gauge(
+            registry, "draft_state_bytes", "Bytes of per-request draft state (model-based decoders' KV)."
         )

@@ -56,7 +56,14 @@ from draft_svc.strategies.lookahead import LookaheadSource
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
 from specdec.candidates import ranked_sources
-from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, ROOT, check_speculation_bounds
+from specdec.engine.tree import ROOT
+from specdec.speculation_bounds import (
+    DEFAULT_DRAFT_LENGTH,
+    MAX_CANDIDATES,
+    MAX_DRAFT_LENGTH,
+    MAX_TREE_NODES,
+    check_speculation_bounds,
+)
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
@@ -68,9 +75,11 @@ from specdec.strategies import MODEL_FREE_DEFAULTS
 class PoolConfig:
     strategies: tuple[str, ...] = MODEL_FREE_DEFAULTS  # what this pool offers
     default_strategies: tuple[str, ...] = MODEL_FREE_DEFAULTS  # when a request names none
-    default_draft_length: int = 8
-    max_draft_length: int = MAX_DRAFT_LENGTH  # the project's bounds (specdec.engine.tree) are the pool's
-    max_speculative_degree: int = 16
+    default_draft_length: int = DEFAULT_DRAFT_LENGTH
+    # The pool accepts any step within the structural bounds (specdec.speculation_bounds); what one
+    # request may ask for is the gateway's to limit.
+    max_draft_length: int = MAX_DRAFT_LENGTH
+    max_speculative_degree: int = MAX_CANDIDATES
     max_tree_nodes: int = MAX_TREE_NODES
     max_context_tokens: int = 1 << 20
     max_requests: int = 4096

@@ -73,7 +73,8 @@ class AcceptanceMemory:
         self, task_type: TaskType, decoder: str, rank: int, num_proposed: int, num_accepted: int, num_requested: int
     ) -> None:
         """One speculative step's outcome for (decoder, rank): num_accepted of num_proposed draft
-        tokens (0 proposed: it was asked and had nothing), num_requested the step's draft_length."""
+        tokens (0 proposed: it was asked and had nothing), num_requested the tokens the step
+        asked of each candidate."""
         if not 0 <= num_accepted <= num_proposed:
             raise ValueError(f"need 0 <= num_accepted <= num_proposed, got {num_accepted}, {num_proposed}")
         if decoder in REQUEST_SPECIFIC_DECODERS:

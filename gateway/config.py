@@ -11,22 +11,30 @@ from pathlib import Path
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
-from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
-from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.logits_codec import FORMATS
-from specdec.service.auth import add_service_token_arguments
-from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
-from specdec.service.flags import Flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.flags import Flag, listen_flags, names, optional, parse_flags, values
+from specdec.service.auth import service_token_flags
+from specdec.service.api_keys import check_public_exposure, public_access_flags
+from specdec.service.server import ServerConfig
+from specdec.speculation_bounds import (
+    DEFAULT_DRAFT_LENGTH,
+    DEFAULT_SPECULATIVE_DEGREE,
+    MAX_ADAPTIVE_DRAFT_LENGTH,
+    MAX_ADAPTIVE_SPECULATIVE_DEGREE,
+    MAX_REQUEST_DRAFT_LENGTH,
+    MAX_REQUEST_SPECULATIVE_DEGREE,
+    MAX_REQUEST_TREE_NODES,
+    check_speculation_bounds,
+)
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
-from specdec.flag_spellings import add_spellings
 
 # Ranked spellings a grammar-forced draft offers per step: the model's own (learned per request) and
 # the canonical tokens, or for a text not written before the canonical tokens and the shortest other
 # first piece (draft_svc/strategies/grammar_forced.py). More rarely pay: a forced text seldom has
 # more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specdec" / "models"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,12 +47,10 @@ class Limits:
     max_stop_chars: int = 256
     max_prompt_chars: int = 1 << 20
     max_chat_messages: int = 256
-    # A request's speculation, derived from what every service accepts (specdec.engine.tree's bounds,
-    # also the draft pool's): half the draft length and a quarter of the tree keep a step within the
-    # measured verify curve (64 rows, gateway/cost_model.py).
-    max_speculative_degree: int = 8
-    max_draft_length: int = MAX_DRAFT_LENGTH // 2
-    max_tree_nodes: int = MAX_TREE_NODES // 4
+    # A request's speculation (specdec.speculation_bounds: within what every service accepts).
+    max_speculative_degree: int = MAX_REQUEST_SPECULATIVE_DEGREE
+    max_draft_length: int = MAX_REQUEST_DRAFT_LENGTH
+    max_tree_nodes: int = MAX_REQUEST_TREE_NODES
     # JSON nesting of a response_format schema: deeper ones exhaust the recursion of schema checking
     # and compiling (RecursionError after seconds of CPU), so they are refused before either runs.
     max_schema_depth: int = 64
@@ -58,14 +64,14 @@ class Limits:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpeculationDefaults:
     is_enabled: bool = True
-    speculative_degree: int = 1
-    draft_length: int = 8
+    speculative_degree: int = DEFAULT_SPECULATIVE_DEGREE
+    draft_length: int = DEFAULT_DRAFT_LENGTH
     strategies: tuple[str, ...] = DEFAULT_STRATEGIES
     # The adaptive controller picks degree and draft length per step; a request's own values bound
     # them, and these bound them when the request leaves them unset.
     is_adaptive: bool = True
-    max_adaptive_degree: int = 4
-    max_adaptive_draft_length: int = 16
+    max_adaptive_degree: int = MAX_ADAPTIVE_SPECULATIVE_DEGREE
+    max_adaptive_draft_length: int = MAX_ADAPTIVE_DRAFT_LENGTH
     greedy_logits_format: str = "fp8_e4m3"  # greedy decisions use the primary's fp32 argmax
     sample_logits_format: str = "fp32"  # lossless sampling needs the exact distribution
 
@@ -128,118 +134,84 @@ class GatewayConfig:
             parse_redis_url(self.redis_url)  # a malformed URL fails at start, naming --redis_url
 
 
-def parse_config(argv: list[str] | None = None) -> GatewayConfig:
-    p = argparse.ArgumentParser(prog="python -m gateway", description="The public gRPC API and the per-request loop.")
-    flags = Flags(p, "GATEWAY", os.environ)
-    speculation = SpeculationDefaults()
-    flags.add("--host", DEFAULT_HOST)
-    flags.add("--port", 50050)
-    flags.add("--metrics_port", 0)
-    flags.add("--primary_address", "127.0.0.1:50051")
-    flags.add("--draft_address", "127.0.0.1:50052")
-    flags.add("--validator_address", "127.0.0.1:50053")
-    flags.add("--redis_url", "")
-    flags.add("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str)
-    flags.add("--cache_dir", str(Path.home() / ".cache" / "specdec" / "models"))
-    flags.add("--strategies", ",".join(speculation.strategies))
-    flags.add("--draft_length", speculation.draft_length)
-    flags.add("--speculative_degree", speculation.speculative_degree)
-    flags.add(
+FLAGS = (
+    *listen_flags(50050),
+    Flag("--primary_address", "127.0.0.1:50051"),
+    Flag("--draft_address", "127.0.0.1:50052"),
+    Flag("--validator_address", "127.0.0.1:50053"),
+    Flag("--redis_url", ""),
+    Flag("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str, convert=optional),
+    Flag("--cache_dir", str(DEFAULT_CACHE_DIR), convert=Path),
+    Flag("--strategies", ",".join(DEFAULT_STRATEGIES), group="speculation", convert=names),
+    Flag("--draft_length", group="speculation"),
+    Flag("--speculative_degree", group="speculation"),
+    Flag(
         "--adaptive",
-        True,
         help="let the adaptive controller choose degree and draft length per step (requests may "
         "override with speculation.is_adaptive)",
-    )
-    flags.add("--max_adaptive_degree", speculation.max_adaptive_degree)
-    flags.add("--max_adaptive_draft_length", speculation.max_adaptive_draft_length)
-    flags.add(
-        "--plain_overhead_ms",
-        PLAIN_OVERHEAD_MS,
-        help="cost model: time per plain step outside the primary's forward",
-    )
-    flags.add(
+        group="speculation",
+        field="is_adaptive",
+    ),
+    Flag("--max_adaptive_degree", group="speculation"),
+    Flag("--max_adaptive_draft_length", group="speculation"),
+    Flag("--plain_overhead_ms", help="cost model: time per plain step outside the primary's forward", group="costs"),
+    Flag(
         "--speculative_overhead_ms",
-        SPECULATIVE_OVERHEAD_MS,
         help="cost model: time per speculative step outside the forward and the drafts",
-    )
-    flags.add("--greedy_logits_format", speculation.greedy_logits_format, choices=FORMATS)
-    flags.add(
+        group="costs",
+    ),
+    Flag("--greedy_logits_format", choices=FORMATS, group="speculation"),
+    Flag(
         "--logits_via_handle",
-        False,
-        action="store_true",
         help="the validator runs on the primary's machine: pass verify logits through /dev/shm",
-    )
-    flags.add("--max_message_bytes", 4 << 20)
-    flags.add("--rpc_timeout_s", 60.0)
-    flags.add("--recovery_timeout_s", 120.0)
-    flags.add(
+        field="is_logits_via_handle",
+        options={"action": "store_true"},
+    ),
+    Flag("--max_message_bytes", 4 << 20, group="server"),
+    Flag("--rpc_timeout_s"),
+    Flag("--recovery_timeout_s"),
+    Flag(
         "--max_state_retry_s",
-        DEFAULT_MAX_STATE_RETRY_S,
         help="how long a request waits for a state store that does not answer (a Redis failover) "
         "before it fails UNAVAILABLE; never past the request's deadline",
-    )
-    flags.add(
+    ),
+    Flag(
         "--max_grammar_compile_s",
-        10.0,
         help="longest a request waits for its response_format to compile (RESOURCE_EXHAUSTED after)",
-    )
-    flags.add("--log_level", "INFO")
-    flags.add("--num_threads", 1, shared=False, help="torch intra-op threads (default 1; 0: torch's default)")
-    add_service_token_arguments(flags, is_server=False)
-    add_public_access_arguments(
-        flags,
+        group="grammar",
+        field="max_compile_s",
+    ),
+    Flag("--log_level"),
+    Flag("--num_threads", is_shared=False, help="torch intra-op threads (default 1; 0: torch's default)"),
+    *service_token_flags(is_server=False),
+    *public_access_flags(
         keys_help="tenants and the SHA-256 of their API keys (python -m specdec.service.api_keys add); "
         "every call must carry one of the keys, and a request belongs to the tenant that made it",
         tls_what="TLS",
-    )
-    flags.add(
-        "--max_active_requests",
-        64,
-        help="requests generating at once; more wait in the admission queue",
-    )
-    flags.add(
+    ),
+    Flag("--max_active_requests", help="requests generating at once; more wait in the admission queue"),
+    Flag(
         "--max_queued_requests",
-        128,
         help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
         "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata",
-    )
-    a = add_spellings(p).parse_args(argv)
+    ),
+)
+CONFIGS = {
+    "": GatewayConfig,
+    "server": ServerConfig,
+    "speculation": SpeculationDefaults,
+    "costs": CostSettings,
+    "grammar": GrammarSettings,
+}
+
+
+def parse_config(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="The public gRPC API and the per-request loop.")
+    a = parse_flags("GATEWAY", os.environ, FLAGS, CONFIGS, p, argv)
     return GatewayConfig(
-        server=ServerConfig(
-            host=a.host,
-            port=a.port,
-            metrics_port=a.metrics_port,
-            max_message_bytes=a.max_message_bytes,
-            tls_cert_file=a.tls_cert,
-            tls_key_file=a.tls_key,
-        ),
-        primary_address=a.primary_address,
-        draft_address=a.draft_address,
-        validator_address=a.validator_address,
-        redis_url=a.redis_url,
-        model_path=a.model_path or None,
-        cache_dir=Path(a.cache_dir),
-        speculation=SpeculationDefaults(
-            speculative_degree=a.speculative_degree,
-            draft_length=a.draft_length,
-            strategies=tuple(s for s in a.strategies.split(",") if s),
-            greedy_logits_format=a.greedy_logits_format,
-            is_adaptive=a.adaptive,
-            max_adaptive_degree=a.max_adaptive_degree,
-            max_adaptive_draft_length=a.max_adaptive_draft_length,
-        ),
-        costs=CostSettings(plain_overhead_ms=a.plain_overhead_ms, speculative_overhead_ms=a.speculative_overhead_ms),
-        grammar=GrammarSettings(max_compile_s=a.max_grammar_compile_s),
-        is_logits_via_handle=a.logits_via_handle,
-        rpc_timeout_s=a.rpc_timeout_s,
-        recovery_timeout_s=a.recovery_timeout_s,
-        max_state_retry_s=a.max_state_retry_s,
-        log_level=a.log_level,
-        num_threads=a.num_threads,
-        service_token_file=a.service_token_file,
-        is_unauthenticated_allowed=a.allow_unauthenticated,
-        api_keys_file=a.api_keys_file,
-        is_insecure_public_allowed=a.allow_insecure_public,
-        max_active_requests=a.max_active_requests,
-        max_queued_requests=a.max_queued_requests,
+        server=ServerConfig(**values(a, FLAGS, "server")),
+        speculation=SpeculationDefaults(**values(a, FLAGS, "speculation")),
+        costs=CostSettings(**values(a, FLAGS, "costs")),
+        grammar=GrammarSettings(**values(a, FLAGS, "grammar")),
+        **values(a, FLAGS),
     )

@@ -88,11 +88,16 @@ from gateway.cost_model import CostModel
 from specdec.candidates import CandidateOutcome
 from specdec.task_type import TaskType
 from specdec.controller_defaults import (
-    DRAFT_LENGTH_CHOICES,
     PRIOR_ACCEPTANCE_CODE,
     PRIOR_ACCEPTANCE_CREATIVE,
     PRIOR_ACCEPTANCE_PREDICTION,
     PRIOR_ACCEPTANCE_STRUCTURED,
+)
+from specdec.speculation_bounds import (
+    DRAFT_LENGTH_CHOICES,
+    MAX_ADAPTIVE_SPECULATIVE_DEGREE,
+    MAX_REQUEST_TREE_NODES,
+    check_speculation_bounds,
 )
 from specdec.strategies import PREDICTION_STRATEGY
 
@@ -124,8 +129,8 @@ def infer_task_type(prompt_text: str, has_schema: bool) -> TaskType:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ControllerConfig:
     draft_length_choices: tuple[int, ...] = DRAFT_LENGTH_CHOICES
-    max_speculative_degree: int = 4
-    max_tree_nodes: int = 64
+    max_speculative_degree: int = MAX_ADAPTIVE_SPECULATIVE_DEGREE
+    max_tree_nodes: int = MAX_REQUEST_TREE_NODES
     # Task-type priors for alpha (specdec.controller_defaults); rank r gets decay^r of it.
     prior_acceptance_structured: float = PRIOR_ACCEPTANCE_STRUCTURED
     prior_acceptance_code: float = PRIOR_ACCEPTANCE_CODE
@@ -158,6 +163,7 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not self.draft_length_choices or min(self.draft_length_choices) < 1:
             raise ValueError(f"draft_length_choices must be positive, got {self.draft_length_choices}")
+        check_speculation_bounds(self.max_speculative_degree, max(self.draft_length_choices), self.max_tree_nodes)
         for name in (
             "max_speculative_degree",
             "max_tree_nodes",
@@ -359,6 +365,46 @@ def load_bucket(other_rows: float) -> float:
     return LOAD_GRID_FROM * LOAD_GRID ** round(math.log(other_rows / LOAD_GRID_FROM) / math.log(LOAD_GRID))
 
 
+@dataclasses.dataclass(frozen=True)
+class _CandidateArrays:
+    """What each estimate s would add to a step at each draft length g (see _best_choice)."""
+
+    reach: np.ndarray  # [G, S, J] chance that s's candidate reaches depth j + 1 and is accepted there
+    nodes: np.ndarray  # [G, S] expected nodes s's candidate adds
+    draft: np.ndarray  # [G, S] its decoder's draft cost
+    extra_rows: np.ndarray  # [S] its decoder's extra verify rows (lookahead's window)
+    decoder_of: np.ndarray  # [S] index of its decoder among num_decoders
+    prev_rank: np.ndarray  # [S] index of the same decoder's rank r - 1; -1 for rank 0
+    num_decoders: int
+
+
+def _candidate_arrays(
+    estimates: list[DecoderEstimate],
+    cost_model: CostModel,
+    gammas: np.ndarray,
+    known_coverage: Mapping[tuple[str, int], float],
+) -> _CandidateArrays:
+    depth = np.arange(int(gammas.max()), dtype=np.float64)  # [J], depth j + 1
+    alpha = np.array([e.acceptance for e in estimates])  # [S]
+    coverage = np.array([known_coverage.get((e.decoder, e.rank), e.coverage) for e in estimates])  # [S]
+    lengths = np.array([e.fill for e in estimates]) * gammas[:, None]  # [G, S] expected candidate lengths
+    # reach[g, s, j] = c_s * alpha_s^(j+1) * [j + 1 <= f_s * gamma_g], the last partial token pro rata
+    reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] * np.clip(
+        lengths[:, :, None] - depth, 0.0, 1.0
+    )  # [G, S, J]
+    decoder_names = sorted({e.decoder for e in estimates})
+    key_index = {(e.decoder, e.rank): s for s, e in enumerate(estimates)}
+    return _CandidateArrays(
+        reach=reach,
+        nodes=coverage * lengths,
+        draft=np.array([[cost_model.draft(e.decoder, int(g)) for e in estimates] for g in gammas]),
+        extra_rows=np.array([float(cost_model.extra_rows(e.decoder)) for e in estimates]),
+        decoder_of=np.array([decoder_names.index(e.decoder) for e in estimates]),
+        prev_rank=np.array([key_index.get((e.decoder, e.rank - 1), -1) for e in estimates]),
+        num_decoders=len(decoder_names),
+    )
+
+
 def _best_choice(
     estimates: list[DecoderEstimate],
     cost_model: CostModel,
@@ -366,7 +412,7 @@ def _best_choice(
     known_coverage: Mapping[tuple[str, int], float] | None = None,
     other_rows: float = 0.0,
 ) -> _Choice:
-    """Greedy selection for every draft length at once (G lengths, S estimates, J = max length depths).
+    """Greedy selection for every c.draft length at once (G lengths, S estimates, J = max length depths).
 
     For each length, add the estimate that raises the speedup most while it does (rank r of a decoder
     only after rank r - 1); then keep the best length. A length stops growing at the first round
@@ -378,39 +424,23 @@ def _best_choice(
     if num_sources == 0:
         return _Choice((), 0, 1.0, 1.0)
     gammas = np.array(config.draft_length_choices, dtype=np.float64)  # [G]
-    depth = np.arange(int(gammas.max()), dtype=np.float64)  # [J], depth j + 1
-    alpha = np.array([e.acceptance for e in estimates])  # [S]
-    known_coverage = known_coverage or {}
-    coverage = np.array([known_coverage.get((e.decoder, e.rank), e.coverage) for e in estimates])  # [S]
-    lengths = np.array([e.fill for e in estimates]) * gammas[:, None]  # [G, S] expected candidate lengths
-    # reach[g, s, j] = c_s * alpha_s^(j+1) * [j + 1 <= f_s * gamma_g], the last partial token pro rata
-    reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] * np.clip(
-        lengths[:, :, None] - depth, 0.0, 1.0
-    )  # [G, S, J]
-    nodes = coverage * lengths  # [G, S] expected nodes each candidate adds
-    decoder_names = sorted({e.decoder for e in estimates})
-    decoder_of = np.array([decoder_names.index(e.decoder) for e in estimates])  # [S]
-    draft = np.array([[cost_model.draft(e.decoder, int(g)) for e in estimates] for g in gammas])  # [G, S]
-    extra_rows = np.array([float(cost_model.extra_rows(e.decoder)) for e in estimates])  # [S]
-    key_index = {(e.decoder, e.rank): s for s, e in enumerate(estimates)}
-    prev_rank = np.array([key_index.get((e.decoder, e.rank - 1), -1) for e in estimates])  # [S], -1: rank 0
-
+    c = _candidate_arrays(estimates, cost_model, gammas, known_coverage or {})
     load = max(0.0, other_rows)
     plain_step = float(cost_model.verify(load + 1.0)) + cost_model.plain_overhead
     grid = np.arange(len(gammas))
-    miss = np.ones((len(gammas), depth.size))  # [G, J] chance that no chosen candidate reaches depth j + 1
+    miss = np.ones((len(gammas), c.reach.shape[2]))  # [G, J] chance that no chosen candidate reaches depth j + 1
     chosen = np.zeros((len(gammas), num_sources), dtype=bool)  # [G, S]
-    is_used = np.zeros((len(gammas), len(decoder_names)), dtype=bool)  # [G, D] decoders already paid for
+    is_used = np.zeros((len(gammas), c.num_decoders), dtype=bool)  # [G, D] decoders already paid for
     num_nodes, draft_cost, num_extra = np.zeros(len(gammas)), np.zeros(len(gammas)), np.zeros(len(gammas))  # [G]
     speedup, accepted_length = np.zeros(len(gammas)), np.ones(len(gammas))  # [G]
     order: list[list[int]] = [[] for _ in gammas]
     for _ in range(min(config.max_speculative_degree, num_sources)):
-        is_eligible = ~chosen & ((prev_rank < 0) | chosen[:, np.maximum(prev_rank, 0)])  # [G, S]
-        new_miss = miss[:, None, :] * (1.0 - reach)  # [G, S, J]
+        is_eligible = ~chosen & ((c.prev_rank < 0) | chosen[:, np.maximum(c.prev_rank, 0)])  # [G, S]
+        new_miss = miss[:, None, :] * (1.0 - c.reach)  # [G, S, J]
         new_length = 1.0 + (1.0 - new_miss).sum(axis=2)  # [G, S], bonus token included
-        new_nodes = num_nodes[:, None] + nodes  # [G, S]
-        new_draft = draft_cost[:, None] + np.where(is_used[:, decoder_of], 0.0, draft)  # [G, S]
-        new_extra = num_extra[:, None] + np.where(is_used[:, decoder_of], 0.0, extra_rows)  # [G, S]
+        new_nodes = num_nodes[:, None] + c.nodes  # [G, S]
+        new_draft = draft_cost[:, None] + np.where(is_used[:, c.decoder_of], 0.0, c.draft)  # [G, S]
+        new_extra = num_extra[:, None] + np.where(is_used[:, c.decoder_of], 0.0, c.extra_rows)  # [G, S]
         step = (
             cost_model.speculative_overhead
             + new_draft
@@ -424,7 +454,7 @@ def _best_choice(
             break
         rows, cols = grid[is_better], pick[is_better]
         chosen[rows, cols] = True
-        is_used[rows, decoder_of[cols]] = True
+        is_used[rows, c.decoder_of[cols]] = True
         miss[rows] = new_miss[rows, cols]
         num_nodes[rows], draft_cost[rows] = new_nodes[rows, cols], new_draft[rows, cols]
         num_extra[rows] = new_extra[rows, cols]

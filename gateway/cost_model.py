@@ -104,8 +104,9 @@ class CostModel:
         slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
         return np.where(num_tokens > sizes[-1], costs[-1] + slope * (num_tokens - sizes[-1]), inside)
 
-    def draft(self, decoder: str, draft_length: int) -> float:
-        return self._draft_cost(decoder).at(draft_length)
+    def draft(self, decoder: str, num_tokens: int) -> float:
+        """One decoder's Propose drafting num_tokens tokens per candidate."""
+        return self._draft_cost(decoder).at(num_tokens)
 
     def extra_rows(self, decoder: str) -> int:
         """Verify rows the decoder adds to a step it takes part in, beyond its candidates' nodes."""

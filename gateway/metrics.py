@@ -10,11 +10,11 @@ and generation tokens, spec_decode_* (docs/metrics.md maps each one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from specdec.metrics import NAMESPACE, STAGE_BUCKETS_S, RpcMetrics
+from specdec.metrics import STAGE_BUCKETS_S, RpcMetrics, counter, gauge, histogram
 
 # Pipeline stages timed per step (gateway.stats.STAGES).
 STAGES = ("draft", "verify", "validate", "commit", "state", "other")
@@ -32,10 +32,6 @@ _QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 _ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 
 
-def _histogram(registry: CollectorRegistry, name: str, doc: str, buckets: Sequence[float], labels=()) -> Histogram:
-    return Histogram(name, doc, list(labels), namespace=NAMESPACE, registry=registry, buckets=buckets)
-
-
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -45,7 +41,7 @@ class GatewayMetrics:
         self._add_speculation(registry)
 
     def _add_requests(self, registry: CollectorRegistry) -> None:
-        h = _histogram
+        h = histogram
         self.ttft = h(registry, "time_to_first_token_seconds", "Arrival to the first token.", _TTFT_BUCKETS_S)
         self.itl = h(
             registry,
@@ -63,78 +59,55 @@ class GatewayMetrics:
         self.queue_time = h(
             registry, "request_queue_time_seconds", "Admitted requests: time in the admission queue.", _QUEUE_BUCKETS_S
         )
-        self.prompt_tokens = Counter(
-            "prompt_tokens", "Prompt tokens of requests started.", namespace=NAMESPACE, registry=registry
-        )
-        self.generation_tokens = Counter(
-            "generation_tokens", "Tokens generated.", namespace=NAMESPACE, registry=registry
-        )
-        self.request_success = Counter(
+        self.prompt_tokens = counter(registry, "prompt_tokens", "Prompt tokens of requests started.")
+        self.generation_tokens = counter(registry, "generation_tokens", "Tokens generated.")
+        self.request_success = counter(
+            registry,
             "request_success",
             f"Requests ended, by finished_reason: {', '.join(FINISH_REASONS)}.",
             ["finished_reason"],
-            namespace=NAMESPACE,
-            registry=registry,
         )
-        self.dependency_available = Gauge(
+        self.dependency_available = gauge(
+            registry,
             "dependency_available",
             "1 while a dependency answers; 0 while the gateway serves without it.",
             ["dependency"],
-            namespace=NAMESPACE,
-            registry=registry,
         )
 
     def _add_admission(self, registry: CollectorRegistry) -> None:
-        self.num_requests_running = Gauge(
-            "num_requests_running", "Requests holding an admission slot.", namespace=NAMESPACE, registry=registry
-        )
-        self.num_requests_waiting = Gauge(
-            "num_requests_waiting", "Requests in the admission queue.", namespace=NAMESPACE, registry=registry
-        )
-        self.admission_wait = _histogram(
+        self.num_requests_running = gauge(registry, "num_requests_running", "Requests holding an admission slot.")
+        self.num_requests_waiting = gauge(registry, "num_requests_waiting", "Requests in the admission queue.")
+        self.admission_wait = histogram(
             registry,
             "admission_wait_seconds",
             "Time a request waited in the admission queue (admitted or not).",
             _QUEUE_BUCKETS_S,
         )
-        self.admission_rejections = Counter(
+        self.admission_rejections = counter(
+            registry,
             "admission_rejections",
             f"Requests admission control turned away, by reason: {', '.join(ADMISSION_REJECTIONS)}.",
             ["reason"],
-            namespace=NAMESPACE,
-            registry=registry,
         )
         for reason in ADMISSION_REJECTIONS:  # exported as 0 before the first one
             self.admission_rejections.labels(reason)
 
     def _add_speculation(self, registry: CollectorRegistry) -> None:
-        self.num_steps = Counter(
-            "steps", "Pipeline steps (one primary forward each).", namespace=NAMESPACE, registry=registry
+        self.num_steps = counter(registry, "steps", "Pipeline steps (one primary forward each).")
+        self.num_drafts = counter(registry, "spec_decode_num_drafts", "Steps that verified drafts.")
+        self.draft_tokens = counter(
+            registry, "spec_decode_num_draft_tokens", "Draft tokens verified, by decoder.", ["decoder"]
         )
-        self.num_drafts = Counter(
-            "spec_decode_num_drafts", "Steps that verified drafts.", namespace=NAMESPACE, registry=registry
+        self.accepted_tokens = counter(
+            registry, "spec_decode_num_accepted_tokens", "Draft tokens accepted, by decoder.", ["decoder"]
         )
-        self.draft_tokens = Counter(
-            "spec_decode_num_draft_tokens",
-            "Draft tokens verified, by decoder.",
-            ["decoder"],
-            namespace=NAMESPACE,
-            registry=registry,
-        )
-        self.accepted_tokens = Counter(
-            "spec_decode_num_accepted_tokens",
-            "Draft tokens accepted, by decoder.",
-            ["decoder"],
-            namespace=NAMESPACE,
-            registry=registry,
-        )
-        self.accepted_length = _histogram(
+        self.accepted_length = histogram(
             registry,
             "spec_decode_accepted_length",
             "Tokens gained per step that verified drafts (accepted draft tokens + 1).",
             _ACCEPTED_LENGTH_BUCKETS,
         )
-        self.stage_seconds = _histogram(
+        self.stage_seconds = histogram(
             registry,
             "step_stage_seconds",
             f"Time per pipeline stage of one step: {', '.join(STAGES)}.",

@@ -21,6 +21,7 @@ from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import JSON_SCHEMA, SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.logprobs import LogprobsRequest
 from specdec.sampling import SamplingParams
+from specdec.speculation_bounds import range_error
 from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY, PREDICTION_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
 from specdec.task_type import TaskType
@@ -228,10 +229,8 @@ def _speculation_from_pb(
     degree = spec.speculative_degree or (
         min(defaults.max_adaptive_degree, limits.max_speculative_degree) if is_adaptive else defaults.speculative_degree
     )
-    if not 1 <= degree <= limits.max_speculative_degree:
-        raise InvalidArgument(
-            "speculation.speculative_degree", f"must be in [1, {limits.max_speculative_degree}], got {degree}"
-        )
+    if error := range_error(degree, 1, limits.max_speculative_degree):
+        raise InvalidArgument("speculation.speculative_degree", error)
     # A prediction is mostly right and drafts long: up to the limit, unless the request says otherwise.
     draft_length = spec.draft_length or (
         limits.max_draft_length
@@ -240,10 +239,8 @@ def _speculation_from_pb(
         if is_adaptive
         else defaults.draft_length
     )
-    if not 1 <= draft_length <= limits.max_draft_length:
-        raise InvalidArgument(
-            "speculation.draft_length", f"must be in [1, {limits.max_draft_length}], got {draft_length}"
-        )
+    if error := range_error(draft_length, 1, limits.max_draft_length):
+        raise InvalidArgument("speculation.draft_length", error)
     threshold = float(spec.acceptance_threshold)
     try:
         check_threshold(threshold)

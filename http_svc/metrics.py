@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
+
+from specdec.metrics import counter, gauge, histogram
 
 NAMESPACE = "specdec_http"
 # A request's time: a few ms (an error, /v1/models) to minutes (a long generation).
@@ -20,44 +22,41 @@ class HttpMetrics:
         self.registry = registry
         if service_restarts_file:
             registry.register(ServiceRestarts(service_restarts_file))
-        self.requests = Counter(
+        self.requests = counter(
+            registry,
             "requests",
             "HTTP requests answered, by endpoint and status code.",
             ["endpoint", "status"],
             namespace=NAMESPACE,
-            registry=registry,
         )
-        self.latency = Histogram(
+        self.latency = histogram(
+            registry,
             "request_duration_seconds",
             "Time to the whole answer (a stream's last event), by endpoint.",
+            _LATENCY_BUCKETS_S,
             ["endpoint"],
             namespace=NAMESPACE,
-            registry=registry,
-            buckets=_LATENCY_BUCKETS_S,
         )
-        self.first_event = Histogram(
+        self.first_event = histogram(
+            registry,
             "time_to_first_event_seconds",
             "Streams: time to the first event with text.",
+            _LATENCY_BUCKETS_S,
             ["endpoint"],
             namespace=NAMESPACE,
-            registry=registry,
-            buckets=_LATENCY_BUCKETS_S,
         )
-        self.active = Gauge(
-            "active_requests", "Generations in flight (streams included).", namespace=NAMESPACE, registry=registry
+        self.active = gauge(
+            registry, "active_requests", "Generations in flight (streams included).", namespace=NAMESPACE
         )
-        self.tokens = Counter(
+        self.tokens = counter(
+            registry,
             "tokens",
             "Tokens of answered generations, by kind (prompt, completion).",
             ["kind"],
             namespace=NAMESPACE,
-            registry=registry,
         )
-        self.disconnects = Counter(
-            "client_disconnects",
-            "Generations cancelled because the client went away.",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.disconnects = counter(
+            registry, "client_disconnects", "Generations cancelled because the client went away.", namespace=NAMESPACE
         )
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from http_svc.errors import bad_request
 from http_svc.openai_tools import set_tool_calls, set_tools
+from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.v1 import common_pb2, gateway_pb2
 
 CHAT, COMPLETION = "chat", "completion"
@@ -448,9 +449,14 @@ def _set_speculation(speculation: gateway_pb2.SpeculationConfig, data: dict[str,
         speculation.is_enabled = _boolean(data["speculative_decoding"], "speculative_decoding", True)
     if data.get("adaptive") is not None:
         speculation.is_adaptive = _boolean(data["adaptive"], "adaptive", True)
-    for name in ("speculative_degree", "draft_length"):
+    # The gateway's request bounds, checked here already so that a 400 names the field before any
+    # RPC; 0 leaves the gateway's default.
+    for name, maximum in (
+        ("speculative_degree", MAX_REQUEST_SPECULATIVE_DEGREE),
+        ("draft_length", MAX_REQUEST_DRAFT_LENGTH),
+    ):
         if data.get(name) is not None:
-            setattr(speculation, name, _integer(data[name], name, MAX_UINT32))
+            setattr(speculation, name, _integer(data[name], name, maximum))
     if data.get("acceptance_threshold") is not None:
         speculation.acceptance_threshold = _number(data["acceptance_threshold"], "acceptance_threshold")
     strategies = data.get("strategies")

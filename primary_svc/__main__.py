@@ -59,48 +59,23 @@ def main(argv: list[str] | None = None) -> None:
     instance_id = uuid.uuid4().hex[:12]
     registry = CollectorRegistry()
     metrics = PrimaryMetrics(registry)
-    worker = EngineWorker(
-        None,
-        config.max_batch,
-        config.max_step_tokens,
-        config.prefill_chunk_tokens,
-        metrics,
-        batch_wait_s=config.batch_wait_ms / 1000,
-    )
-    # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
-    loaded, engine, costs, precision_choice = worker.run(
-        lambda: load_engine(config, model_dir, instance_id, on_progress)
-    )
-    worker.engine = engine
-    native.library()  # every precision's argmax and fp8 encoding use it: built (once a machine) now, not mid-request
+    worker, loaded, costs, precision_choice = start_worker(config, model_dir, instance_id, metrics, on_progress)
     tokenizer = Tokenizer.from_dir(model_dir)
-    is_native = any(block.native is not None for block in loaded.model.layers)
-    log.info(
-        "model loaded",
-        model_dir=str(model_dir),
-        precision=loaded.precision,
-        weight_bytes=loaded.weight_bytes,
-        verify_costs_ms={k: round(v, 2) for k, v in costs.items()},
-        native_kernels=native.status() if loaded.precision in QUANTIZED_PRECISIONS else "not used",
-    )
-    if config.tensormt_optimizer and is_native:
-        log.warning(
-            "--tensormt_optimizer not applied: the layers already run as native calls", precision=loaded.precision
-        )
+    is_native = log_loaded(config, model_dir, loaded, costs)
     eos = tuple(dict.fromkeys(tokenizer.eos_token_ids + loaded.config.eos_token_ids))
     identity = ModelIdentity(model_dir.name, instance_id, config.max_context, eos, costs, precision_choice)
     is_compiled = config.tensormt_optimizer and not is_native
     compiler = start_step_compiler(config, loaded.model, metrics) if is_compiled else None
     if swept := cleanup_stale_slots():
         log.info("removed the logits slots of primaries that exited without cleaning up", num_slots=len(swept))
-    # Greedy runs under a response format mask by the primary's own grammar states; the tokenizer's
-    # tables (~1 s) are built in the background, so the first constrained run need not wait for them.
-    run_grammars = RunGrammars(
-        lambda: GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, loaded.config.vocab_size))
-    )
-    threading.Thread(target=warm_grammars, args=(run_grammars,), name="grammar-tables", daemon=True).start()
     servicer = PrimaryServicer(
-        loaded, worker, identity, config.max_kv_bytes, metrics, KVLeases(config.kv_lease_s), run_grammars
+        loaded,
+        worker,
+        identity,
+        config.max_kv_bytes,
+        metrics,
+        KVLeases(config.kv_lease_s),
+        start_grammars(tokenizer, loaded),
     )
     stop_expiry = threading.Event()
     threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()
@@ -125,6 +100,57 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def start_worker(
+    config: PrimaryConfig, model_dir: Path, instance_id: str, metrics: PrimaryMetrics, on_progress: ProgressCallback
+) -> tuple[EngineWorker, LoadedModel, dict[int, float], str]:
+    """The engine thread, with the model loaded on it: (worker, loaded, verify costs, how the precision
+    was chosen)."""
+    worker = EngineWorker(
+        None,
+        config.max_batch,
+        config.max_step_tokens,
+        config.prefill_chunk_tokens,
+        metrics,
+        batch_wait_s=config.batch_wait_ms / 1000,
+    )
+    # Every tensor op of the process on the engine thread, loading included (see primary_svc.worker).
+    loaded, engine, costs, precision_choice = worker.run(
+        lambda: load_engine(config, model_dir, instance_id, on_progress)
+    )
+    worker.engine = engine
+    native.library()  # every precision's argmax and fp8 encoding use it: built (once a machine) now, not mid-request
+    return worker, loaded, costs, precision_choice
+
+
+def log_loaded(config: PrimaryConfig, model_dir: Path, loaded: LoadedModel, costs: dict[int, float]) -> bool:
+    """Log what was loaded; whether its layers run as native calls."""
+    log = structlog.get_logger("primary_svc")
+    is_native = any(block.native is not None for block in loaded.model.layers)
+    log.info(
+        "model loaded",
+        model_dir=str(model_dir),
+        precision=loaded.precision,
+        weight_bytes=loaded.weight_bytes,
+        verify_costs_ms={k: round(v, 2) for k, v in costs.items()},
+        native_kernels=native.status() if loaded.precision in QUANTIZED_PRECISIONS else "not used",
+    )
+    if config.tensormt_optimizer and is_native:
+        log.warning(
+            "--tensormt_optimizer not applied: the layers already run as native calls", precision=loaded.precision
+        )
+    return is_native
+
+
+def start_grammars(tokenizer: Tokenizer, loaded: LoadedModel) -> RunGrammars:
+    """Greedy runs under a response format mask by the primary's own grammar states; the tokenizer's
+    tables (~1 s) are built in the background, so the first constrained run need not wait for them."""
+    run_grammars = RunGrammars(
+        lambda: GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, loaded.config.vocab_size))
+    )
+    threading.Thread(target=warm_grammars, args=(run_grammars,), name="grammar-tables", daemon=True).start()
+    return run_grammars
 
 
 def warm_grammars(run_grammars: RunGrammars) -> None:

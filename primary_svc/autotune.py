@@ -6,12 +6,13 @@ rows of a verify far faster than fp32's, and speculation lives on multi-row veri
 candidate is loaded and its verify curve measured (a short context, a few repeats: about a
 second per candidate), then scored by what the gateway's controller would get from it:
 
-    tokens/s(alpha) = max over draft length g in 0..MAX_DRAFT_LENGTH of
+    tokens/s(alpha) = max over draft length g in 0..MAX_ADAPTIVE_DRAFT_LENGTH of
                       E[tokens per step | g] / (verify_ms(g + 1) + overhead_ms(g)) * 1000
     E[tokens per step | g] = (1 - alpha^(g+1)) / (1 - alpha)     (a chain of g drafts, each accepted
                                                                   with probability alpha, + the bonus)
     overhead_ms(0) = plain step overhead, overhead_ms(g > 0) = speculative step overhead
 
+with MAX_ADAPTIVE_DRAFT_LENGTH the controller's longest choice (specdec.speculation_bounds),
 averaged over the controller's task-type priors for alpha (structured, code, creative). g = 0
 is plain decoding, so a format whose verify curve is steep still scores its plain speed.
 
@@ -43,7 +44,6 @@ from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.controller_defaults import (
-    DRAFT_LENGTH_CHOICES,
     PLAIN_OVERHEAD_MS,
     PRIOR_ACCEPTANCE_CODE,
     PRIOR_ACCEPTANCE_CREATIVE,
@@ -51,6 +51,7 @@ from specdec.controller_defaults import (
     SPECULATIVE_OVERHEAD_MS,
 )
 from specdec.model import native
+from specdec.speculation_bounds import MAX_ADAPTIVE_DRAFT_LENGTH
 from specdec.model.precision import PRECISIONS
 
 FALLBACK_PRECISION = "fp32"
@@ -59,8 +60,6 @@ FLOAT_CANDIDATES = ("bf16", "fp32")
 PROBE_SIZES = (1, 2, 4, 8, 16)
 PROBE_CONTEXT_TOKENS = 64
 PROBE_REPEATS = 2
-# What the gateway's adaptive controller assumes by default (one definition, in specdec).
-MAX_DRAFT_LENGTH = max(DRAFT_LENGTH_CHOICES)
 PRIOR_ACCEPTANCES = (PRIOR_ACCEPTANCE_STRUCTURED, PRIOR_ACCEPTANCE_CODE, PRIOR_ACCEPTANCE_CREATIVE)
 CACHE_FILE = "precision_autotune.json"
 MAX_MEASURE_S = 20.0  # a start-up budget: candidates not reached by then are not measured
@@ -82,11 +81,11 @@ def expected_tokens_per_s(
     plain_overhead_ms: float = PLAIN_OVERHEAD_MS,
     speculative_overhead_ms: float = SPECULATIVE_OVERHEAD_MS,
 ) -> float:
-    """The best tokens/s over draft lengths 0..MAX_DRAFT_LENGTH (see the module docstring)."""
+    """The best tokens/s over draft lengths 0..MAX_ADAPTIVE_DRAFT_LENGTH (see the module docstring)."""
     sizes = sorted(verify_ms)
     costs = [verify_ms[k] for k in sizes]
     best = 0.0
-    for g in range(MAX_DRAFT_LENGTH + 1):
+    for g in range(MAX_ADAPTIVE_DRAFT_LENGTH + 1):
         rows = g + 1
         if rows > sizes[-1]:  # past the last point: the last segment's slope
             slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0

@@ -12,10 +12,9 @@ from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK
 from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
-from specdec.service.auth import add_service_token_arguments
-from specdec.service.flags import Flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
-from specdec.flag_spellings import add_spellings
+from specdec.flags import Flag, listen_flags, optional, parse_flags, values
+from specdec.service.auth import service_token_flags
+from specdec.service.server import ServerConfig
 
 
 # A step's wait for requests coming back (EngineWorker._gather): on two cores the gateway cannot turn
@@ -23,6 +22,7 @@ from specdec.flag_spellings import add_spellings
 # with `python -m bench load --stream --max-new-tokens 32`: docs/benchmarks.md, "Load and concurrency".
 DEFAULT_BATCH_WAIT_MS = 8.0
 MAX_BATCH_WAIT_MS = 1000.0
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specdec" / "models"
 
 
 def rpc_threads(max_batch: int) -> int:
@@ -90,117 +90,87 @@ class PrimaryConfig:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
 
-def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
-    p = argparse.ArgumentParser(prog="python -m primary_svc", description="The primary (target) decoder.")
-    flags = Flags(p, "PRIMARY", os.environ)
-    flags.add("--host", DEFAULT_HOST)
-    flags.add("--port", 50051)
-    flags.add("--metrics_port", 0)
-    flags.add("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str)
-    flags.add("--device", "cpu", choices=("cpu", "cuda"))
-    flags.add(
+FLAGS = (
+    *listen_flags(50051),
+    Flag("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str, convert=optional),
+    Flag("--device", choices=("cpu", "cuda")),
+    Flag(
         "--min_gemm_rows",
-        0,
         choices=(0, 1, 4),
         help="pad fp32 CPU GEMMs of 2..n-1 rows to n rows (0: measure which is faster here)",
-    )
-    flags.add("--cache_dir", str(Path.home() / ".cache" / "specdec" / "models"))
-    flags.add(
+    ),
+    Flag("--cache_dir", str(DEFAULT_CACHE_DIR), convert=Path),
+    Flag(
         "--precision",
-        AUTO,
         choices=(AUTO, *PRECISIONS),
         help="weight format; auto (default): measure the candidates on this machine and serve the one "
         "with the best expected speculative tokens/s (cached per machine and model)",
-    )
-    flags.add("--max_context", 4096)
-    flags.add("--max_kv_bytes", 2 << 30)
-    flags.add("--num_threads", 0)
-    flags.add("--max_batch", 64, help="verify items of different requests in one engine step, at most")
-    flags.add(
+    ),
+    Flag("--max_context"),
+    Flag("--max_kv_bytes"),
+    Flag("--num_threads"),
+    Flag("--max_batch", help="verify items of different requests in one engine step, at most"),
+    Flag(
         "--max_step_tokens",
-        DEFAULT_MAX_STEP_TOKENS,
         help="rows per engine step: the running requests' verify rows first, then prefill chunks",
-    )
-    flags.add(
+    ),
+    Flag(
         "--prefill_chunk_tokens",
-        DEFAULT_PREFILL_CHUNK_TOKENS,
         help="prompt rows of one request per engine step (a long prompt is prefilled over several "
         "steps while the others keep decoding)",
-    )
-    flags.add(
+    ),
+    Flag(
         "--prefix_cache_bytes",
-        DEFAULT_PREFIX_CACHE_BYTES,
         help="bytes of KV rows of earlier prompts kept so that prompts beginning with the same tokens "
         "reuse them instead of prefilling them (least recently used evicted; apart from "
         "--max_kv_bytes); 0: no prefix cache",
-    )
-    flags.add(
+    ),
+    Flag(
         "--batch_wait_ms",
-        DEFAULT_BATCH_WAIT_MS,
         help="before a step with verify work, wait at most this long for the running requests whose "
         "results just went out to come back, so that they share the step (0: never wait)",
-    )
+    ),
     # Switched off by --no_* flags; their variables say what is on (SPECDEC_PRIMARY_SHARED_WEIGHTS=0).
-    flags.add("--no_shared_weights", True, env="SHARED_WEIGHTS", dest="shared_weights", action="store_false")
-    flags.add(
-        "--no_measure_verify_costs", True, env="MEASURE_VERIFY_COSTS", dest="measure_verify_costs", action="store_false"
-    )
-    flags.add("--max_message_bytes", 128 << 20)
-    flags.add("--log_level", "INFO")
-    flags.add(
+    Flag(
+        "--no_shared_weights",
+        True,
+        env="SHARED_WEIGHTS",
+        field="is_shared_weights",
+        options={"dest": "shared_weights", "action": "store_false"},
+    ),
+    Flag(
+        "--no_measure_verify_costs",
+        True,
+        env="MEASURE_VERIFY_COSTS",
+        options={"dest": "measure_verify_costs", "action": "store_false"},
+    ),
+    Flag("--max_message_bytes", 128 << 20, group="server"),
+    Flag("--log_level"),
+    Flag(
         "--tensormt_optimizer",
-        False,
-        "--compile",
-        dest="tensormt_optimizer",
-        nargs="?",
-        const=True,
-        metavar="true|false",
+        aliases=("--compile",),
         help="compile the decode/verify step with torch.compile per row bucket, in a background "
         "thread; the service serves eagerly until each bucket is ready",
-    )
-    flags.add("--compile_mode", "default", choices=COMPILE_MODES)
-    flags.add(
+        options={"dest": "tensormt_optimizer", "nargs": "?", "const": True, "metavar": "true|false"},
+    ),
+    Flag("--compile_mode", choices=COMPILE_MODES),
+    Flag(
         "--kv_lease_s",
-        300.0,
         help="release a request's KV slot after this many seconds without a Verify or Decode "
         "(its gateway died, or never came back after Prefill)",
-    )
-    flags.add(
+    ),
+    Flag(
         "--progress_file",
-        "",
-        shared=False,
+        is_shared=False,
         help="append the start-up's progress events here (JSON lines, specdec.progress; the launcher relays them)",
-    )
-    add_service_token_arguments(flags)
-    a = add_spellings(p).parse_args(argv)
-    return PrimaryConfig(
-        server=ServerConfig(
-            host=a.host,
-            port=a.port,
-            metrics_port=a.metrics_port,
-            max_message_bytes=a.max_message_bytes,
-            max_workers=rpc_threads(a.max_batch),
-        ),
-        model_path=a.model_path or None,
-        cache_dir=Path(a.cache_dir),
-        precision=a.precision,
-        max_context=a.max_context,
-        max_kv_bytes=a.max_kv_bytes,
-        num_threads=a.num_threads,
-        max_batch=a.max_batch,
-        max_step_tokens=a.max_step_tokens,
-        prefill_chunk_tokens=a.prefill_chunk_tokens,
-        prefix_cache_bytes=a.prefix_cache_bytes,
-        batch_wait_ms=a.batch_wait_ms,
-        is_shared_weights=a.shared_weights,
-        measure_verify_costs=a.measure_verify_costs,
-        device=a.device,
-        min_gemm_rows=a.min_gemm_rows,
-        log_level=a.log_level,
-        tensormt_optimizer=a.tensormt_optimizer,
-        compile_mode=a.compile_mode,
-        kv_lease_s=a.kv_lease_s,
-        service_token_file=a.service_token_file,
-        is_unauthenticated_allowed=a.allow_unauthenticated,
-        progress_file=a.progress_file,
-    )
+    ),
+    *service_token_flags(),
+)
+CONFIGS = {"": PrimaryConfig, "server": ServerConfig}
+
+
+def parse_config(argv: list[str] | None = None) -> PrimaryConfig:
+    p = argparse.ArgumentParser(prog="python -m primary_svc", description="The primary (target) decoder.")
+    a = parse_flags("PRIMARY", os.environ, FLAGS, CONFIGS, p, argv)
+    server = ServerConfig(**values(a, FLAGS, "server"), max_workers=rpc_threads(a.max_batch))
+    return PrimaryConfig(server=server, **values(a, FLAGS))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from specdec.metrics import NAMESPACE, RpcMetrics
+from specdec.metrics import RpcMetrics, counter, gauge, histogram
 
 if TYPE_CHECKING:
     from specdec.engine.prefix_cache import PrefixCache, PrefixCacheStats
@@ -26,94 +26,55 @@ class PrimaryMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self.rpc = RpcMetrics(registry)
-        self.queue_depth = Gauge(
-            "queue_depth", "Calls waiting for the engine thread.", namespace=NAMESPACE, registry=registry
-        )
-        self.active_requests = Gauge(
-            "kv_requests", "Requests holding a KV slot.", namespace=NAMESPACE, registry=registry
-        )
-        self.kv_bytes = Gauge("kv_bytes", "KV-cache bytes in use.", namespace=NAMESPACE, registry=registry)
+        self.queue_depth = gauge(registry, "queue_depth", "Calls waiting for the engine thread.")
+        self.active_requests = gauge(registry, "kv_requests", "Requests holding a KV slot.")
+        self.kv_bytes = gauge(registry, "kv_bytes", "KV-cache bytes in use.")
         # vLLM: vllm:kv_cache_usage_perc (a fraction too, despite its name).
-        self.kv_usage = Gauge(
-            "kv_cache_usage_perc",
-            "KV-cache use as a fraction of --max_kv_bytes (0..1).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.kv_usage = gauge(registry, "kv_cache_usage_perc", "KV-cache use as a fraction of --max_kv_bytes (0..1).")
+        self.scheduler_waiting = gauge(
+            registry, "scheduler_waiting_requests", "Prefills waiting (for KV room or to finish their chunks)."
         )
-        self.scheduler_waiting = Gauge(
-            "scheduler_waiting_requests",
-            "Prefills waiting (for KV room or to finish their chunks).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.scheduler_running = gauge(registry, "scheduler_running_requests", "Prefilled requests holding KV.")
+        self.engine_steps = counter(
+            registry, "engine_steps", "Engine steps (one budgeted batch of verify rows and prefill chunks)."
         )
-        self.scheduler_running = Gauge(
-            "scheduler_running_requests", "Prefilled requests holding KV.", namespace=NAMESPACE, registry=registry
-        )
-        self.engine_steps = Counter(
-            "engine_steps",
-            "Engine steps (one budgeted batch of verify rows and prefill chunks).",
-            namespace=NAMESPACE,
-            registry=registry,
-        )
-        self.step_rows = Histogram(
+        self.step_rows = histogram(
+            registry,
             "engine_step_rows",
             f"Rows of one engine step, by kind: {', '.join(STEP_ROW_KINDS)}.",
+            _STEP_ROWS_BUCKETS,
             ["kind"],
-            namespace=NAMESPACE,
-            registry=registry,
-            buckets=_STEP_ROWS_BUCKETS,
         )
-        self.preemptions = Counter(
-            "preemptions",
-            "Requests whose KV was released to let others grow (they re-prefill).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.preemptions = counter(
+            registry, "preemptions", "Requests whose KV was released to let others grow (they re-prefill)."
         )
-        self.compiled_buckets = Gauge(
-            "compiled_buckets",
-            "Row buckets of the compiled engine step that are ready (0: eager only).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.compiled_buckets = gauge(
+            registry, "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only)."
         )
         self._add_prefix_cache(registry)
 
     def _add_prefix_cache(self, registry: CollectorRegistry) -> None:
-        self.prefix_cache_queries = Counter(
-            "prefix_cache_queries",
-            "Prompts looked up in the prefix cache (when a request gets its KV slot).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.prefix_cache_queries = counter(
+            registry, "prefix_cache_queries", "Prompts looked up in the prefix cache (when a request gets its KV slot)."
         )
-        self.prefix_cache_hits = Counter(
-            "prefix_cache_hits",
-            "Prefix-cache lookups that reused at least one token.",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.prefix_cache_hits = counter(
+            registry, "prefix_cache_hits", "Prefix-cache lookups that reused at least one token."
         )
-        self.prefix_cache_tokens = Counter(
+        self.prefix_cache_tokens = counter(
+            registry,
             "prefix_cache_tokens",
             f"Prompt tokens of prefix-cache lookups, by kind: {', '.join(PREFIX_CACHE_TOKEN_KINDS)}.",
             ["kind"],
-            namespace=NAMESPACE,
-            registry=registry,
         )
         for kind in PREFIX_CACHE_TOKEN_KINDS:
             self.prefix_cache_tokens.labels(kind)
-        self.prefix_cache_evictions = Counter(
-            "prefix_cache_evictions",
-            "Prefix-cache blocks evicted to make room (least recently used first).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.prefix_cache_evictions = counter(
+            registry, "prefix_cache_evictions", "Prefix-cache blocks evicted to make room (least recently used first)."
         )
-        self.prefix_cache_bytes = Gauge(
-            "prefix_cache_bytes",
-            "Bytes of KV rows held by the prefix cache (apart from kv_bytes).",
-            namespace=NAMESPACE,
-            registry=registry,
+        self.prefix_cache_bytes = gauge(
+            registry, "prefix_cache_bytes", "Bytes of KV rows held by the prefix cache (apart from kv_bytes)."
         )
-        self.prefix_cache_blocks = Gauge(
-            "prefix_cache_blocks", "Blocks held by the prefix cache.", namespace=NAMESPACE, registry=registry
-        )
+        self.prefix_cache_blocks = gauge(registry, "prefix_cache_blocks", "Blocks held by the prefix cache.")
 
     def observe_kv(self, kv_bytes: int, max_kv_bytes: int) -> None:
         self.kv_bytes.set(kv_bytes)

@@ -5,7 +5,6 @@ both read one definition (the gateway's flags may override them for the gateway 
 
 from __future__ import annotations
 
-DRAFT_LENGTH_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 # Task-type priors for the acceptance rate alpha (the article: JSON 89 %, prose 18 %).
 PRIOR_ACCEPTANCE_STRUCTURED = 0.8
 PRIOR_ACCEPTANCE_CODE = 0.6

@@ -4,8 +4,8 @@ Domain modules raise these (they never import grpc); the one interceptor in
 specdec/service.py maps each to its gRPC status code. Every error names the
 field (or resource) it is about, so a client can tell what to fix:
 
-    raise InvalidArgument("speculation.draft_length", "must be <= 64, got 100")
-    # -> INVALID_ARGUMENT "speculation.draft_length: must be <= 64, got 100"
+    raise InvalidArgument("max_new_tokens", "must be in [1, 8192], got 100000")
+    # -> INVALID_ARGUMENT "max_new_tokens: must be in [1, 8192], got 100000"
 """
 
 from __future__ import annotations

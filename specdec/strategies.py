@@ -39,8 +39,9 @@ class DraftCost:
                 f"extra_rows={self.extra_rows}"
             )
 
-    def at(self, draft_length: int) -> float:
-        return self.fixed + self.per_token * draft_length
+    def at(self, num_tokens: int) -> float:
+        """The cost of a Propose drafting num_tokens tokens per candidate."""
+        return self.fixed + self.per_token * num_tokens
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -7,11 +7,11 @@ from typing import Callable
 
 import structlog
 import torch
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry
 
 from specdec.logging import configure_logging
 from specdec.tracing import configure_tracing
-from specdec.metrics import NAMESPACE, RpcMetrics
+from specdec.metrics import RpcMetrics, gauge
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.service.server import serve
@@ -30,12 +30,8 @@ def build_servicer(
     back to the host rule."""
     path = make_path(config.device, device_count=device_count)
     path.warm_up()
-    Gauge(
-        "validation_path",
-        "The validation path this validator runs (1 on the chosen one's label).",
-        ["path"],
-        namespace=NAMESPACE,
-        registry=registry,
+    gauge(
+        registry, "validation_path", "The validation path this validator runs (1 on the chosen one's label).", ["path"]
     ).labels(path.name).set(1)
     structlog.get_logger("validator_svc").info("validation path", device=config.device, path=path.name)
     return ValidatorServicer(path)

@@ -7,11 +7,10 @@ import argparse
 import dataclasses
 import os
 
-from specdec.service.auth import add_service_token_arguments
-from specdec.service.flags import Flags
-from specdec.service.server import DEFAULT_HOST, ServerConfig
+from specdec.flags import Flag, listen_flags, parse_flags, values
+from specdec.service.auth import service_token_flags
+from specdec.service.server import ServerConfig
 from validator_svc.paths import DEVICES
-from specdec.flag_spellings import add_spellings
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,23 +31,17 @@ class ValidatorConfig:
             raise ValueError(f"num_threads must be >= 0 (0: torch's default), got {self.num_threads}")
 
 
+FLAGS = (
+    *listen_flags(50053),
+    Flag("--device", choices=DEVICES),
+    Flag("--max_message_bytes", 128 << 20, group="server"),
+    Flag("--log_level"),
+    Flag("--num_threads", is_shared=False, help="torch intra-op threads (default 1; 0: torch's default)"),
+    *service_token_flags(),
+)
+
+
 def parse_config(argv: list[str] | None = None) -> ValidatorConfig:
     p = argparse.ArgumentParser(prog="python -m validator_svc", description="The acceptance rule over gRPC.")
-    flags = Flags(p, "VALIDATOR", os.environ)
-    flags.add("--host", DEFAULT_HOST)
-    flags.add("--port", 50053)
-    flags.add("--metrics_port", 0)
-    flags.add("--device", "auto", choices=DEVICES)
-    flags.add("--max_message_bytes", 128 << 20)
-    flags.add("--log_level", "INFO")
-    flags.add("--num_threads", 1, shared=False, help="torch intra-op threads (default 1; 0: torch's default)")
-    add_service_token_arguments(flags)
-    a = add_spellings(p).parse_args(argv)
-    return ValidatorConfig(
-        ServerConfig(host=a.host, port=a.port, metrics_port=a.metrics_port, max_message_bytes=a.max_message_bytes),
-        a.device,
-        a.log_level,
-        a.num_threads,
-        a.service_token_file,
-        a.allow_unauthenticated,
-    )
+    a = parse_flags("VALIDATOR", os.environ, FLAGS, {"": ValidatorConfig, "server": ServerConfig}, p, argv)
+    return ValidatorConfig(server=ServerConfig(**values(a, FLAGS, "server")), **values(a, FLAGS))

@@ -290,19 +290,10 @@ class CudaRowStats:
 
         assert data.dtype == cupy.uint8 and data.size == num_rows * vocab_size * ITEMSIZE[fmt], "encoded rows"
         assert allowed is None or (allowed.num_rows, allowed.vocab_size) == (num_rows, vocab_size), "mask shape"
-        _, children = build_children(token_ids, parents, vocab_size)
-        offsets, nodes, tokens = _csr(children, token_ids)
-        num_nodes = len(nodes)
+        num_nodes, device_offsets, device_nodes, device_tokens = _device_tree(token_ids, parents, vocab_size)
         scales = row_scales if row_scales is not None else (1.0,) * num_rows
         device_scales = cupy.asarray(np.asarray(scales, dtype=np.float32))  # [R]
-        # One padding slot keeps the node arrays non-empty when N == 0.
-        device_offsets, device_nodes, device_tokens = (
-            cupy.asarray(np.asarray(a, dtype=np.int32)) for a in (offsets, nodes + [0], tokens + [0])
-        )
-        # The words' bits as they are (int32 -> uint32 is a view); one unread word stands in for no mask.
-        words = np.zeros((1, 1), dtype=np.uint32) if allowed is None else allowed.words.view(np.uint32)
-        device_words = cupy.asarray(np.ascontiguousarray(words))  # [R, W] or [1, 1]
-        num_words = 0 if allowed is None else words.shape[1]
+        device_words, num_words = _device_mask(allowed)
         out_max, out_lse, out_entropy = (cupy.empty(num_rows, dtype=cupy.float32) for _ in range(3))
         out_argmax = cupy.empty(num_rows, dtype=cupy.int32)
         out_child_logits, out_child_probs = (cupy.empty(num_nodes + 1, dtype=cupy.float32) for _ in range(2))
@@ -341,6 +332,28 @@ class CudaRowStats:
             host(out_child_logits, num_nodes),
             host(out_child_probs, num_nodes),
         )
+
+
+def _device_tree(token_ids: Sequence[int], parents: Sequence[int], vocab_size: int) -> tuple[int, Any, Any, Any]:
+    """The tree's children in CSR form on the device: (N, offsets [N+2], nodes [N+1], tokens [N+1]).
+    One padding slot keeps the node arrays non-empty when N == 0."""
+    import cupy
+
+    _, children = build_children(token_ids, parents, vocab_size)
+    offsets, nodes, tokens = _csr(children, token_ids)
+    device_offsets, device_nodes, device_tokens = (
+        cupy.asarray(np.asarray(a, dtype=np.int32)) for a in (offsets, nodes + [0], tokens + [0])
+    )
+    return len(nodes), device_offsets, device_nodes, device_tokens
+
+
+def _device_mask(allowed: TokenBitmask | None) -> tuple[Any, int]:
+    """The grammar mask's words on the device [R, W] and W; one unread word stands in for no mask.
+    The words' bits as they are (int32 -> uint32 is a view)."""
+    import cupy
+
+    words = np.zeros((1, 1), dtype=np.uint32) if allowed is None else allowed.words.view(np.uint32)
+    return cupy.asarray(np.ascontiguousarray(words)), 0 if allowed is None else words.shape[1]
 
 
 def _csr(children: Children, token_ids: Sequence[int]) -> tuple[list[int], list[int], list[int]]:

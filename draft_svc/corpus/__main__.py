@@ -19,11 +19,12 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
-from draft_svc.config import add_corpus_arguments, corpus_config
+from draft_svc.config import CONFIGS, CORPUS_FLAGS, corpus_config
 from draft_svc.corpus.store import index_dir, open_index
 from specdec.logging import configure_logging
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
+from specdec.flags import add_flags
 from specdec.service.flags import Flags
 from specdec.flag_spellings import add_spellings
 
@@ -31,7 +32,7 @@ from specdec.flag_spellings import add_spellings
 def main(argv: Sequence[str] | None, environ: Mapping[str, str]) -> int:
     p = argparse.ArgumentParser(prog="python -m draft_svc.corpus", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=("build", "query"))
-    add_corpus_arguments(Flags(p, "DRAFT", environ))
+    add_flags(Flags(p, "DRAFT", environ), CORPUS_FLAGS, CONFIGS)
     p.add_argument("--text", default="", help="query: the context whose drafts are printed")
     p.add_argument("--max_tokens", type=int, default=8, help="query: tokens per draft")
     p.add_argument("--max_candidates", type=int, default=3, help="query: drafts")

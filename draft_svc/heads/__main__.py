@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import platform
 import shlex
 import sys
@@ -27,10 +28,10 @@ import torch
 from tqdm import tqdm
 
 from draft_svc.heads import data, file, generate, train
-from draft_svc.heads.model import DrafterConfig, model_fingerprint, shared_parts
+from draft_svc.heads.model import DrafterConfig, FeatureDrafter, model_fingerprint, shared_parts
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.engine.loading import load_model, set_num_threads
+from specdec.engine.loading import LoadedModel, load_model, set_num_threads
 from specdec.grammar.compiler import GrammarCache
 from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 from specdec.model import native
@@ -39,6 +40,7 @@ from specdec.model.tokenizer import Tokenizer
 from specdec.flag_spellings import add_spellings
 
 COVERAGE_SIZES = (2048, 4096, 8192, 16384)
+MAX_POSITIONS = 2048  # the primary's context while it answers the training prompts
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -65,6 +67,78 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return add_spellings(parser).parse_args(argv)
 
 
+def primary_answers(
+    args: argparse.Namespace, settings: generate.GenerateSettings, loaded: LoadedModel, tokenizer: Tokenizer
+) -> list[generate.Sequence_]:
+    """Step 1: the primary's answers to the training prompts (or those an earlier run kept in --data)."""
+    model, config = loaded.model, loaded.config
+    if args.data is not None and args.data.exists():
+        print(f"1/3 the primary's answers from {args.data} (written by an earlier run of this command)")
+        return generate.load_sequences(args.data)
+    grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, config.vocab_size))
+    engine = Engine(model, KVCache(config, model.kv_dtype), MAX_POSITIONS)
+
+    def encode(prompt: data.TrainingPrompt) -> list[int]:
+        is_raw = prompt.is_completion
+        text = prompt.text if is_raw else tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
+        return tokenizer.encode(text)
+
+    prompts = data.training_prompts(args.seed, num_prompts=args.prompts)
+    print(f"1/3 the primary answers up to {len(prompts)} prompts ({', '.join(data.SOURCES)}), {args.tokens} tokens")
+    with tqdm(total=args.tokens, unit="tok", smoothing=0.05) as bar:
+
+        def advanced(n: int) -> None:
+            bar.update(n)
+
+        sequences = generate.generate(
+            engine, encode, grammars, prompts, settings, config.eos_token_ids, args.tokens, advanced
+        )
+    if args.data is not None:
+        generate.save_sequences(args.data, sequences)
+    return sequences
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    drafter: FeatureDrafter
+    vocab: torch.Tensor  # [draft_vocab_size] the primary's token ids the drafter predicts
+    accuracy: train.Accuracy  # on the validation answers
+    coverage: dict[int, float]  # top-N vocabulary -> share of validation targets it covers
+    settings: train.TrainSettings
+
+
+def train_drafter(args: argparse.Namespace, sequences: list[generate.Sequence_], loaded: LoadedModel) -> Trained:
+    """Steps 2 and 3: the draft vocabulary, then the drafter."""
+    model, config = loaded.model, loaded.config
+    settings = train.TrainSettings(
+        draft_vocab_size=args.vocab, depth=args.depth, epochs=args.epochs, seed=args.seed, lr=args.lr,
+        cls_weight=args.cls_weight,
+    )  # fmt: skip
+    train_idx, val_idx = train.split(sequences, settings.validation_share, args.seed)
+    coverage = train.vocab_coverage(sequences, train_idx, val_idx, COVERAGE_SIZES)
+    print(
+        "2/3 vocabulary: validation targets covered by the top N: "
+        + ", ".join(f"{n}: {c:.3f}" for n, c in coverage.items())
+    )
+    vocab = train.choose_vocab(sequences, train_idx, args.vocab)
+    shared = shared_parts(model, vocab, config.rms_norm_eps)
+    drafter_config = DrafterConfig.for_model(config, args.vocab)
+    steps = len(train.batches(train.pieces(sequences, train_idx, settings.window), settings.batch_tokens, None))
+    print(
+        f"3/3 training: {len(train_idx)} answers ({len(val_idx)} for validation), {steps} steps x {args.epochs} epochs"
+    )
+    with tqdm(total=steps * args.epochs, unit="step") as bar:
+
+        def progress(n: int, loss: float) -> None:
+            bar.update(n)
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+        drafter, accuracy = train.train(
+            sequences, drafter_config, shared, settings, train_idx, val_idx, progress, log=tqdm.write
+        )
+    return Trained(drafter, vocab, accuracy, dict(coverage), settings)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     command = "python -m draft_svc.heads " + shlex.join(sys.argv[1:] if argv is None else list(argv))
@@ -72,39 +146,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.num_threads:
         set_num_threads(args.num_threads)
     model_dir = resolve_model_dir(args.model, default_cache_dir())
-    loaded = load_model(model_dir, args.precision, max_positions=2048, is_shared=False)
-    model, config = loaded.model, loaded.config
-    fingerprint = model_fingerprint(config, model.norm.weight)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, config.vocab_size))
-    engine = Engine(model, KVCache(config, model.kv_dtype), 2048)
-
-    def encode(prompt: data.TrainingPrompt) -> list[int]:
-        text = (
-            prompt.text
-            if prompt.is_completion
-            else tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
-        )
-        return tokenizer.encode(text)
-
-    prompts = data.training_prompts(args.seed, num_prompts=args.prompts)
+    loaded = load_model(model_dir, args.precision, max_positions=MAX_POSITIONS, is_shared=False)
+    fingerprint = model_fingerprint(loaded.config, loaded.model.norm.weight)
     settings = generate.GenerateSettings(max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed)
     print(f"model {model_dir} ({args.precision}), fingerprint {fingerprint}; {native.status()}")
-    if args.data is not None and args.data.exists():
-        print(f"1/3 the primary's answers from {args.data} (written by an earlier run of this command)")
-        sequences = generate.load_sequences(args.data)
-    else:
-        print(f"1/3 the primary answers up to {len(prompts)} prompts ({', '.join(data.SOURCES)}), {args.tokens} tokens")
-        with tqdm(total=args.tokens, unit="tok", smoothing=0.05) as bar:
-
-            def advanced(n: int) -> None:
-                bar.update(n)
-
-            sequences = generate.generate(
-                engine, encode, grammars, prompts, settings, config.eos_token_ids, args.tokens, advanced
-            )
-        if args.data is not None:
-            generate.save_sequences(args.data, sequences)
+    sequences = primary_answers(args, settings, loaded, Tokenizer.from_dir(model_dir))
     generated_s = time.monotonic() - started
     by_source: collections.Counter[str] = collections.Counter()
     for s in sequences:
@@ -114,41 +160,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"   {len(sequences)} answers, {num_tokens} tokens in {generated_s:.0f} s "
         f"({num_tokens / generated_s:.0f} tok/s); by source {dict(by_source)}"
     )
-    train_settings = train.TrainSettings(
-        draft_vocab_size=args.vocab,
-        depth=args.depth,
-        epochs=args.epochs,
-        seed=args.seed,
-        lr=args.lr,
-        cls_weight=args.cls_weight,
-    )
-    train_idx, val_idx = train.split(sequences, train_settings.validation_share, args.seed)
-    coverage = train.vocab_coverage(sequences, train_idx, val_idx, COVERAGE_SIZES)
-    print(
-        "2/3 vocabulary: validation targets covered by the top N: "
-        + ", ".join(f"{n}: {c:.3f}" for n, c in coverage.items())
-    )
-    vocab = train.choose_vocab(sequences, train_idx, args.vocab)
-    shared = shared_parts(model, vocab, config.rms_norm_eps)
-    drafter_config = DrafterConfig.for_model(config, args.vocab)
-    steps = len(
-        train.batches(train.pieces(sequences, train_idx, train_settings.window), train_settings.batch_tokens, None)
-    )
-    print(
-        f"3/3 training: {len(train_idx)} answers ({len(val_idx)} for validation), {steps} steps x {args.epochs} epochs"
-    )
     train_started = time.monotonic()
-    with tqdm(total=steps * args.epochs, unit="step") as bar:
-
-        def progress(n: int, loss: float) -> None:
-            bar.update(n)
-            bar.set_postfix(loss=f"{loss:.3f}")
-
-        drafter, accuracy = train.train(
-            sequences, drafter_config, shared, train_settings, train_idx, val_idx, progress, log=tqdm.write
-        )
-    trained_s = time.monotonic() - train_started
-    total_s = time.monotonic() - started
+    trained = train_drafter(args, sequences, loaded)
+    trained_s, total_s = time.monotonic() - train_started, time.monotonic() - started
+    validation = trained.accuracy.as_dict()
     training = {
         "command": command,
         "sources": data.SOURCES,
@@ -156,17 +171,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         "tokens": num_tokens,
         "tokens_by_source": dict(by_source),
         "sampled_share": round(sum(s.is_sampled for s in sequences) / max(1, len(sequences)), 3),
-        "vocab_coverage": {str(n): round(c, 4) for n, c in coverage.items()},
-        "validation": accuracy.as_dict(),
-        "settings": {"generate": vars_of(settings), "train": vars_of(train_settings)},
+        "vocab_coverage": {str(n): round(c, 4) for n, c in trained.coverage.items()},
+        "validation": validation,
+        "settings": {"generate": vars_of(settings), "train": vars_of(trained.settings)},
         "seconds": {"generate": round(generated_s), "train": round(trained_s), "total": round(total_s)},
         "machine": f"{_cpu_name()}, {torch.get_num_threads()} threads, {native.status()}",
         "precision": args.precision,
     }
-    size = file.save(args.out, drafter, vocab, fingerprint, training)
+    size = file.save(args.out, trained.drafter, trained.vocab, fingerprint, training)
     print(
         f"wrote {args.out} ({size / 1e6:.1f} MB) in {total_s / 60:.1f} min; validation top-1 by depth "
-        f"{accuracy.as_dict()['top1_by_depth']}, top-{train.TOP_K} {accuracy.as_dict()[f'top{train.TOP_K}_by_depth']}"
+        f"{validation['top1_by_depth']}, top-{train.TOP_K} {validation[f'top{train.TOP_K}_by_depth']}"
     )
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from specdec.model.config import ModelConfig
+from specdec.model.config import SHAPE_FIELDS, ModelConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,19 +94,7 @@ class DrafterConfig:
 def model_fingerprint(config: ModelConfig, final_norm_weight: Tensor) -> str:
     """What a drafter file is bound to: the primary's shape and its final norm's weights (rounded to
     bf16, so every serving precision of the same checkpoint gives the same fingerprint)."""
-    shape = {
-        k: getattr(config, k)
-        for k in (
-            "model_type",
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-        )
-    }
+    shape = {k: getattr(config, k) for k in ("model_type", *SHAPE_FIELDS)}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     digest.update(final_norm_weight.detach().float().cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:32]

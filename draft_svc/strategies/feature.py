@@ -44,7 +44,7 @@ from torch import Tensor
 from draft_svc.heads.file import DrafterFile, DrafterFileError, load
 from draft_svc.heads.model import FeatureDrafter, SharedParts, for_serving, model_fingerprint, shared_parts
 from draft_svc.strategies.base import Candidate, validate_propose_args
-from specdec.engine.tree import MAX_DRAFT_LENGTH
+from specdec.speculation_bounds import MAX_DRAFT_LENGTH
 from specdec.model import native
 
 COMPACT_SLACK = 128  # committed rows appended past the window before the window moves back to row 0

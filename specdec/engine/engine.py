@@ -66,6 +66,7 @@ from typing import Iterable, Sequence
 import torch
 
 from specdec.engine import tree as tree_geometry
+from specdec.speculation_bounds import MAX_LOOKAHEAD_NODES, MAX_TREE_NODES
 from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -113,6 +114,18 @@ class VerifyWork:
 class PrefillChunk:
     request_id: str
     num_tokens: int  # at most this many; `step` runs up to the next row-by-row boundary
+
+
+@dataclasses.dataclass(slots=True)
+class _StepRows:
+    """The rows of one forward as a step gathers them: token ids, positions, each request's attention
+    span, and the rows whose logits come back."""
+
+    input_ids: list[int] = dataclasses.field(default_factory=list)
+    positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    spans: list[SequenceSpan] = dataclasses.field(default_factory=list)
+    logits_rows: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    num_rows: int = 0
 
 
 class Engine:
@@ -385,62 +398,23 @@ class Engine:
         one), keyed by request id: that row joins the forward's logits rows (its logits are dropped;
         a row's bits do not depend on the other rows there, `Transformer.forward`).
         """
-        ids = [w.request_id for w in works] + [c.request_id for c in chunks]
-        if len(set(ids)) != len(ids):
-            raise InvalidArgument("request_id", "a request appears twice in one batch")
-        input_ids, positions, spans, logits_rows, reqs = [], [], [], [], []
-        num_rows = 0
-        for w in works:
-            self.check_verify(w)
-        for chunk in chunks:
-            req = self._get(chunk.request_id)
-            if req.kv is None:
-                raise FailedPrecondition("request_id", f"request {chunk.request_id!r} holds no KV slot")
-        for w in works:
-            req = self._requests[w.request_id]
-            chain = req.token_ids[req.slot.num_cached :]
-            n, c = len(w.token_ids), len(chain)
-            self._reserve(req, req.slot.num_cached + c + n)
-            input_ids.extend(chain)
-            input_ids.extend(w.token_ids)
-            positions.append(tree_geometry.verify_positions(req.slot.num_cached, c, w.parents))
-            mask = tree_geometry.verify_mask(req.slot.num_cached, c, w.parents)
-            # the prompt's part of the chain attends together, as a prefill would; the output's part
-            # (tokens committed behind the last bonus token without a verify: a grammar's forced
-            # tokens), the root and the tree row by row, as the steps of plain decoding would run them
-            first_row_by_row = min(c - 1, max(0, req.num_prompt_tokens - 1 - req.slot.num_cached))
-            paths = (
-                tree_geometry.row_paths(c, w.parents)[first_row_by_row:] if self.is_row_by_row and c + n > 1 else None
-            )
-            spans.append(SequenceSpan(num_rows, c + n, req.slot.num_cached, req.slot.k, req.slot.v, mask, paths))
-            logits_rows.append(torch.arange(num_rows + c - 1, num_rows + c + n))
-            num_rows += c + n
-            reqs.append((req, c, w))
+        self._check_step(works, chunks)
+        rows = _StepRows()
+        reqs = [self._add_verify_rows(rows, w) for w in works]
         prefilled, feature_chunks = [], []
         for chunk in chunks:
             req = self._requests[chunk.request_id]
-            start, end, is_row_by_row = self._chunk_end(req, chunk.num_tokens)
-            if end <= start:
+            end = self._add_chunk_rows(rows, req, chunk.num_tokens)
+            if end is None:
                 continue
-            self._reserve(req, end)
-            mask = tree_geometry.verify_mask(start, end - start, ())
-            paths = tree_geometry.row_paths(end - start, ()) if is_row_by_row else None
-            spans.append(SequenceSpan(num_rows, end - start, start, req.slot.k, req.slot.v, mask, paths))
-            input_ids.extend(req.token_ids[start:end])
-            positions.append(torch.arange(start, end))
-            num_rows += end - start
             prefilled.append((req, end))
             if prefill_features_out is not None and end == len(req.token_ids) - 1:
                 feature_chunks.append(chunk.request_id)
-                logits_rows.append(torch.tensor([num_rows - 1]))  # the chunk's last row
-        if not spans:
+                rows.logits_rows.append(torch.tensor([rows.num_rows - 1]))  # the chunk's last row
+        if not rows.spans:
             return []
-        rows = torch.cat(logits_rows) if logits_rows else torch.empty(0, dtype=torch.int64)
-        is_features = features_out is not None or bool(feature_chunks)
-        features: list[torch.Tensor] | None = [] if is_features else None
-        logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64), torch.cat(positions), spans, rows, features_out=features
-        ).cpu()  # [sum(N+1), V] fp32
+        features: list[torch.Tensor] | None = [] if features_out is not None or feature_chunks else None
+        logits = self._forward(rows, features)  # [sum(N+1), V] fp32
         for req, end in prefilled:
             req.slot.num_cached = end
             req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
@@ -460,6 +434,62 @@ class Engine:
                 prefill_features_out[request_id] = features[0][row + i : row + i + 1].cpu()
         return out
 
+    def _forward(self, rows: _StepRows, features: list[torch.Tensor] | None) -> torch.Tensor:
+        """The model over a step's rows; the logits of its logits rows [R, V] fp32, on the CPU."""
+        logits_rows = torch.cat(rows.logits_rows) if rows.logits_rows else torch.empty(0, dtype=torch.int64)
+        input_ids = torch.tensor(rows.input_ids, dtype=torch.int64)
+        return self.model.forward(
+            input_ids, torch.cat(rows.positions), rows.spans, logits_rows, features_out=features
+        ).cpu()
+
+    def _check_step(self, works: Sequence[VerifyWork], chunks: Sequence[PrefillChunk]) -> None:
+        """Raise what a step of these items would raise, before any KV row is reserved."""
+        ids = [w.request_id for w in works] + [c.request_id for c in chunks]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("request_id", "a request appears twice in one batch")
+        for w in works:
+            self.check_verify(w)
+        for chunk in chunks:
+            req = self._get(chunk.request_id)
+            if req.kv is None:
+                raise FailedPrecondition("request_id", f"request {chunk.request_id!r} holds no KV slot")
+
+    def _add_verify_rows(self, rows: _StepRows, w: VerifyWork) -> tuple[_Request, int, VerifyWork]:
+        """A verify's rows: the uncached chain (c tokens), then the tree; its logits rows are the
+        chain's last and the tree's. Returns (request, c, w)."""
+        req = self._requests[w.request_id]
+        chain = req.token_ids[req.slot.num_cached :]
+        n, c = len(w.token_ids), len(chain)
+        self._reserve(req, req.slot.num_cached + c + n)
+        rows.input_ids.extend(chain)
+        rows.input_ids.extend(w.token_ids)
+        rows.positions.append(tree_geometry.verify_positions(req.slot.num_cached, c, w.parents))
+        mask = tree_geometry.verify_mask(req.slot.num_cached, c, w.parents)
+        # the prompt's part of the chain attends together, as a prefill would; the output's part
+        # (tokens committed behind the last bonus token without a verify: a grammar's forced
+        # tokens), the root and the tree row by row, as the steps of plain decoding would run them
+        first_row_by_row = min(c - 1, max(0, req.num_prompt_tokens - 1 - req.slot.num_cached))
+        paths = tree_geometry.row_paths(c, w.parents)[first_row_by_row:] if self.is_row_by_row and c + n > 1 else None
+        rows.spans.append(SequenceSpan(rows.num_rows, c + n, req.slot.num_cached, req.slot.k, req.slot.v, mask, paths))
+        rows.logits_rows.append(torch.arange(rows.num_rows + c - 1, rows.num_rows + c + n))
+        rows.num_rows += c + n
+        return req, c, w
+
+    def _add_chunk_rows(self, rows: _StepRows, req: _Request, num_tokens: int) -> int | None:
+        """A prefill chunk's rows, computed as `prefill` computes them; the end of the chunk, or None
+        when nothing is left to prefill."""
+        start, end, is_row_by_row = self._chunk_end(req, num_tokens)
+        if end <= start:
+            return None
+        self._reserve(req, end)
+        mask = tree_geometry.verify_mask(start, end - start, ())
+        paths = tree_geometry.row_paths(end - start, ()) if is_row_by_row else None
+        rows.spans.append(SequenceSpan(rows.num_rows, end - start, start, req.slot.k, req.slot.v, mask, paths))
+        rows.input_ids.extend(req.token_ids[start:end])
+        rows.positions.append(torch.arange(start, end))
+        rows.num_rows += end - start
+        return end
+
     def check_verify(self, w: VerifyWork, is_evicted_ok: bool = False) -> None:
         """Raise the error `verify_batch` would raise for this work item, without running anything
         (`is_evicted_ok`: but for an evicted request, which can verify once re-prefilled)."""
@@ -475,14 +505,12 @@ class Engine:
                 "commit the last step's bonus token before verifying again",
             )
         assert 0 <= w.num_lookahead <= len(w.token_ids), "num_lookahead counts the tree's last nodes"
-        if w.num_draft > tree_geometry.MAX_TREE_NODES:
-            raise InvalidArgument(
-                "tree.token_ids", f"{w.num_draft} nodes exceed the limit of {tree_geometry.MAX_TREE_NODES}"
-            )
-        if w.num_lookahead > tree_geometry.MAX_LOOKAHEAD_NODES:
+        if w.num_draft > MAX_TREE_NODES:
+            raise InvalidArgument("tree.token_ids", f"{w.num_draft} nodes exceed the limit of {MAX_TREE_NODES}")
+        if w.num_lookahead > MAX_LOOKAHEAD_NODES:
             raise InvalidArgument(
                 "lookahead.token_ids",
-                f"{w.num_lookahead} nodes exceed the limit of {tree_geometry.MAX_LOOKAHEAD_NODES}",
+                f"{w.num_lookahead} nodes exceed the limit of {MAX_LOOKAHEAD_NODES}",
             )
         try:
             tree_geometry.check_tree(w.token_ids, w.parents, self.vocab_size)

@@ -25,23 +25,6 @@ from typing import Sequence
 import torch
 
 ROOT = -1  # parents[i] of a node hanging off the root (the one definition of the project)
-# What any service accepts of one step's speculation; a gateway's request limits and a pool's
-# configuration lie within these (check_speculation_bounds).
-MAX_TREE_NODES = 256  # nodes of a verified tree: the primary's verify rows of one request, bounded
-MAX_DRAFT_LENGTH = 64  # tokens of one candidate: the depth of the tree
-MAX_CANDIDATES = 32  # candidates of one step: node_sources is a uint32 bitmask over them
-MAX_LOOKAHEAD_NODES = 64  # a Jacobi window of W positions x (N - 1) levels (draft_svc/strategies/lookahead.py)
-
-
-def check_speculation_bounds(max_speculative_degree: int, max_draft_length: int, max_tree_nodes: int) -> None:
-    """A service's limits on a step lie within the project's bounds (ValueError naming the limit)."""
-    for name, value, bound in (
-        ("max_speculative_degree", max_speculative_degree, MAX_CANDIDATES),
-        ("max_draft_length", max_draft_length, MAX_DRAFT_LENGTH),
-        ("max_tree_nodes", max_tree_nodes, MAX_TREE_NODES),
-    ):
-        if not 1 <= value <= bound:
-            raise ValueError(f"{name} must be in [1, {bound}], got {value}")
 
 
 class TreeError(ValueError):

@@ -14,6 +14,16 @@ from typing import Any
 
 # Architectures whose forward pass is exactly the one in `llama.py`.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# The sizes that fix a model's tensor shapes (with model_type, what a drafter file is bound to).
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,16 +49,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for name in (*SHAPE_FIELDS, "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:

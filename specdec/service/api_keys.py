@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from specdec.errors import Unauthenticated
-from specdec.service.flags import Flags
+from specdec.flags import Flag
 from specdec.service.server import is_loopback
 
 AUTHORIZATION = "authorization"
@@ -88,18 +88,22 @@ class ApiKeys:
         )
 
 
-def add_public_access_arguments(flags: Flags, *, keys_help: str, tls_what: str) -> None:
+def public_access_flags(*, keys_help: str, tls_what: str, tls_group: str = "server") -> tuple[Flag, ...]:
     """--api_keys_file, --allow_insecure_public, --tls_cert and --tls_key: a public front's access
-    flags (the gateway's and the HTTP front's), the same way for both."""
-    flags.add("--api_keys_file", "", help=keys_help)
-    flags.add(
-        "--allow_insecure_public",
-        False,
-        action="store_true",
-        help="without --api_keys_file, listen on a non-loopback --host anyway",
+    flags (the gateway's and the HTTP front's), the same way for both. The TLS files set
+    tls_cert_file / tls_key_file of the `tls_group` config."""
+    return (
+        Flag("--api_keys_file", "", help=keys_help),
+        Flag(
+            "--allow_insecure_public",
+            False,
+            help="without --api_keys_file, listen on a non-loopback --host anyway",
+            field="is_insecure_public_allowed",
+            options={"action": "store_true"},
+        ),
+        Flag("--tls_cert", "", help=f"PEM certificate chain: serve {tls_what}", group=tls_group, field="tls_cert_file"),
+        Flag("--tls_key", "", help="PEM private key of --tls_cert", group=tls_group, field="tls_key_file"),
     )
-    flags.add("--tls_cert", "", help=f"PEM certificate chain: serve {tls_what}")
-    flags.add("--tls_key", "", help="PEM private key of --tls_cert")
 
 
 def check_public_exposure(host: str, api_keys_file: str, is_insecure_public_allowed: bool) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 import structlog
 
+from specdec.flags import Flag, add_flags
 from specdec.service.flags import Flags
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
@@ -39,24 +40,33 @@ TOKEN_FILE_MODE = 0o600
 TOKEN_FILE_NAME = "service_token"
 
 
-def add_service_token_arguments(flags: Flags, *, is_server: bool = True) -> None:
-    """--service_token_file and --allow_unauthenticated, for every service the same way.
+def service_token_flags(*, is_server: bool = True) -> tuple[Flag, ...]:
+    """--service_token_file and --allow_unauthenticated, for every service the same way; they set
+    the config fields service_token_file and is_unauthenticated_allowed.
 
     `is_server`: the token guards this service's port; else it is only sent."""
     role = "every caller must send" if is_server else "the internal services expect"
-    flags.add(
-        "--service_token_file",
-        "",
-        help=f"file holding the shared secret {role} (required unless --allow_unauthenticated)",
+    return (
+        Flag(
+            "--service_token_file",
+            "",
+            help=f"file holding the shared secret {role} (required unless --allow_unauthenticated)",
+        ),
+        Flag(
+            "--allow_unauthenticated",
+            False,
+            help="accept calls without the service token (a trusted network only)"
+            if is_server
+            else "call the internal services without the service token",
+            field="is_unauthenticated_allowed",
+            options={"action": "store_true"},
+        ),
     )
-    flags.add(
-        "--allow_unauthenticated",
-        False,
-        action="store_true",
-        help="accept calls without the service token (a trusted network only)"
-        if is_server
-        else "call the internal services without the service token",
-    )
+
+
+def add_service_token_arguments(flags: Flags, *, is_server: bool = True) -> None:
+    """The service token's flags on a parser of their own (tools that build one by hand)."""
+    add_flags(flags, service_token_flags(is_server=is_server), {})
 
 
 class ServiceTokenError(ValueError):

@@ -158,6 +158,19 @@ def create_server(
     return server, port
 
 
+def _record_stop_signals() -> tuple[dict[int, Any], list[int]]:
+    """On the main thread, SIGTERM and SIGINT append to the returned list instead of their handlers;
+    returns (the previous handlers, to restore, and that list)."""
+    previous: dict[int, Any] = {}
+    received_signals: list[int] = []
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            # The handler only records the signal: Event.set() from a handler can deadlock on the
+            # Event's lock when the signal lands while this same thread is inside stop.wait().
+            previous[signum] = signal.signal(signum, lambda signum, _frame: received_signals.append(signum))
+    return previous, received_signals
+
+
 def serve(
     config: ServerConfig,
     services: Sequence[tuple[AddServicerFn, Any]],
@@ -187,25 +200,14 @@ def serve(
         credentials=config.server_credentials(),
     )
     stop = threading.Event() if stop_event is None else stop_event
-    previous = {}
-    received_signals: list[int] = []
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            # The handler only records the signal: Event.set() from a handler can deadlock on the
-            # Event's lock when the signal lands while this same thread is inside stop.wait().
-            previous[signum] = signal.signal(signum, lambda signum, _frame: received_signals.append(signum))
+    previous, received_signals = _record_stop_signals()
     metrics_server = None
     try:
         if registry is not None:
             metrics_server = start_metrics_server(config.metrics_port, registry, host=config.host)
         server.start()
-        log.info(
-            "serving",
-            host=config.host,
-            port=port,
-            tls=config.is_tls,
-            metrics_port=None if metrics_server is None else metrics_server.port,
-        )
+        metrics_port = None if metrics_server is None else metrics_server.port
+        log.info("serving", host=config.host, port=port, tls=config.is_tls, metrics_port=metrics_port)
         if on_started is not None:
             on_started(port)
         while not received_signals and not stop.wait(SIGNAL_POLL_S):

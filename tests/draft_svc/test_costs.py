@@ -142,37 +142,14 @@ def test_pool_info_carries_the_measured_costs_of_the_strategies_it_offers_now():
     assert list(refused.strategies) == ["prompt_lookup"] and list(refused.draft_costs) == []
 
 
-class FakeModel:
-    """What the feature drafter's source reads of an attached primary: config, embed, final norm."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.config = types.SimpleNamespace(
-            model_type="llama",
-            vocab_size=TINY.vocab_size,
-            hidden_size=TINY.hidden_size,
-            intermediate_size=TINY.intermediate_size,
-            num_hidden_layers=2,
-            num_attention_heads=TINY.num_attention_heads,
-            num_key_value_heads=TINY.num_key_value_heads,
-            head_dim=TINY.head_dim,
-            tie_word_embeddings=True,
-        )
-        self.table = torch.randn(TINY.vocab_size, TINY.hidden_size, generator=g)
-        self.norm = types.SimpleNamespace(weight=torch.ones(TINY.hidden_size))
-
-    def embed(self, ids):
-        return self.table[ids]
-
-
-def test_the_service_measures_the_feature_drafter_when_weights_attach_and_reports_it(tmp_path):
+def test_the_service_measures_the_feature_drafter_when_weights_attach_and_reports_it(tmp_path, fake_primary):
     from draft_svc.__main__ import build
     from draft_svc.config import DraftConfig
     from draft_svc.heads import file as drafter_file
     from draft_svc.heads.model import model_fingerprint
     from specdec.service.server import ServerConfig
 
-    model = FakeModel()
+    model = fake_primary(TINY)
     path = tmp_path / "drafter.safetensors"
     drafter, _ = tiny_parts()
     fingerprint = model_fingerprint(model.config, model.norm.weight)

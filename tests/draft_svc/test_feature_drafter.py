@@ -5,7 +5,6 @@ window), and the pool's handling of its file (refused files, requests naming it 
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import numpy as np
 import pytest
@@ -230,29 +229,6 @@ def test_propose_leaves_the_committed_state_and_release_frees_it():
 # --- the file and the pool --------------------------------------------------------------------
 
 
-class FakeModel:
-    """What the source reads of a primary: config, embed, final norm (tied head)."""
-
-    def __init__(self, config: DrafterConfig, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.config = types.SimpleNamespace(
-            model_type="llama",
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=2,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            tie_word_embeddings=True,
-        )
-        self.table = torch.randn(config.vocab_size, config.hidden_size, generator=g)
-        self.norm = types.SimpleNamespace(weight=1 + 0.1 * torch.randn(config.hidden_size, generator=g))
-
-    def embed(self, ids):
-        return self.table[ids]
-
-
 class Models:
     def __init__(self, model) -> None:
         self.model = model
@@ -264,7 +240,7 @@ class Models:
         return TINY.vocab_size
 
 
-def write_drafter(path, model: FakeModel) -> None:
+def write_drafter(path, model) -> None:
     drafter, _ = tiny_parts()
     fingerprint = model_fingerprint(model.config, model.norm.weight)
     drafter_file.save(path, drafter, torch.arange(TINY.draft_vocab_size), fingerprint, {"seed": 0})
@@ -277,8 +253,8 @@ def pool_with(source: FeatureDrafterSource, model) -> DraftPool:
     return DraftPool(config, model_free_registry(), based, Models(model), refusal=source.refusal_of)
 
 
-def test_a_bound_drafter_proposes_through_the_pool_once_it_has_features(tmp_path):
-    model = FakeModel(TINY)
+def test_a_bound_drafter_proposes_through_the_pool_once_it_has_features(tmp_path, fake_primary):
+    model = fake_primary(TINY)
     write_drafter(tmp_path / "d.safetensors", model)
     source = FeatureDrafterSource(tmp_path / "d.safetensors")
     assert source.is_loaded and source.bind(model) is not None and source.refusal() is None
@@ -302,13 +278,13 @@ def _other_format(path):
 
 
 @pytest.mark.parametrize("spoil", [None, _truncate, _other_format])
-def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, spoil):
+def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, spoil, fake_primary):
     from draft_svc.__main__ import build
     from draft_svc.config import from_args
 
     path = tmp_path / "d.safetensors"
     if spoil is not None:
-        write_drafter(path, FakeModel(TINY))
+        write_drafter(path, fake_primary(TINY))
         spoil(path)
     config = from_args(["--strategies", "prompt_lookup,feature", "--feature_drafter", str(path)], {})
     assert "feature" in config.pool.strategies
@@ -325,10 +301,10 @@ def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, 
     assert pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 1), strategies=("prompt_lookup",))) is not None
 
 
-def test_a_drafter_of_another_model_is_refused_when_the_weights_attach(tmp_path):
-    write_drafter(tmp_path / "d.safetensors", FakeModel(TINY, seed=0))
+def test_a_drafter_of_another_model_is_refused_when_the_weights_attach(tmp_path, fake_primary):
+    write_drafter(tmp_path / "d.safetensors", fake_primary(TINY, seed=0))
     source = FeatureDrafterSource(tmp_path / "d.safetensors")
-    other = FakeModel(TINY, seed=1)
+    other = fake_primary(TINY, seed=1)
     with structlog.testing.capture_logs() as logs:
         assert source.is_loaded and source.bind(other) is None
     assert [log["event"] for log in logs] == ["feature_drafter_refused"]

@@ -10,14 +10,13 @@ from __future__ import annotations
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admission import RETRY_AFTER_KEY
-from specdec.launcher import GATEWAY, PRIMARY, Stack, StackConfig
+from specdec.launcher import GATEWAY, PRIMARY, Stack
 from specdec.v1 import gateway_pb2, primary_pb2, primary_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -25,16 +24,11 @@ pytestmark = pytest.mark.e2e
 LONG_PROMPT = "Write a very long essay about the history of bridges, with many sections."
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(
-        redis_url=redis_server.url,
-        log_dir=tmp_path_factory.mktemp("stack-admission"),
-        is_serving_metrics=True,
-        extra_env={"SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": "1", "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": "1"},
-    )
-    with Stack(config) as started:
-        yield started
+# The module's stack (tests/e2e/conftest.py): metrics served, one request at a time and one waiting.
+STACK_OPTIONS = {
+    "is_serving_metrics": True,
+    "extra_env": {"SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": "1", "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": "1"},
+}
 
 
 def metric(stack: Stack, service: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec.launcher import GATEWAY, PRIMARY, Stack, StackConfig
+from specdec.launcher import GATEWAY, PRIMARY, Stack
 from specdec.v1 import gateway_pb2, primary_pb2, primary_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -28,19 +27,14 @@ NUM_STREAMS = 200
 MAX_EXTRA_THREADS = 16
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(
-        redis_url=redis_server.url,
-        log_dir=tmp_path_factory.mktemp("stack-async-gateway"),
-        is_serving_metrics=True,
-        extra_env={
-            "SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": str(MAX_ACTIVE),
-            "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": str(NUM_STREAMS),
-        },
-    )
-    with Stack(config) as started:
-        yield started
+# The module's stack (tests/e2e/conftest.py): metrics served, admission sized for the test.
+STACK_OPTIONS = {
+    "is_serving_metrics": True,
+    "extra_env": {
+        "SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS": str(MAX_ACTIVE),
+        "SPECDEC_GATEWAY_MAX_QUEUED_REQUESTS": str(NUM_STREAMS),
+    },
+}
 
 
 def num_threads(pid: int) -> int:

@@ -3,14 +3,13 @@ keeps, and the load generator (python -m bench load) runs against a stack and re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from bench import load
-from specdec.launcher import SERVICE_NAMES, Stack, StackConfig
+from specdec.launcher import SERVICE_NAMES
 from specdec.v1 import gateway_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -21,17 +20,10 @@ MAX_NEW_TOKENS = 16
 MAX_PROMPT_CHARS = 300
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    """The default stack, but the gateway waits up to 10 minutes for a primary call: 16 prefills queue
-    in the primary one after another, which on a small shared CPU passes the default 60 s."""
-    config = StackConfig(
-        redis_url=redis_server.url,
-        log_dir=tmp_path_factory.mktemp("stack-concurrency"),
-        extra_env={"SPECDEC_GATEWAY_RPC_TIMEOUT_S": "600"},
-    )
-    with Stack(config) as started:
-        yield started
+# The module's stack (tests/e2e/conftest.py), but the gateway waits up to 10 minutes for a primary
+# call: 16 prefills queue in the primary one after another, which on a small shared CPU passes the
+# default 60 s.
+STACK_OPTIONS = {"extra_env": {"SPECDEC_GATEWAY_RPC_TIMEOUT_S": "600"}}
 
 
 def test_greedy_outputs_under_16_concurrent_clients_match_each_request_alone(gateway_stub, stack):

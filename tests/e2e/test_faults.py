@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,23 +68,6 @@ def _request(request_id: str, max_new_tokens: int = 48) -> gateway_pb2.GenerateR
     return req
 
 
-def _stream_in_background(stub, request: gateway_pb2.GenerateRequest) -> tuple[list, list, threading.Thread]:
-    """Start a GenerateStream, wait for its first message, read the rest in a thread:
-    (messages, [the RpcError it ended with, if any], thread)."""
-    stream = stub.GenerateStream(request, timeout=300)
-    received, errors = [next(stream)], []
-
-    def read() -> None:
-        try:
-            received.extend(stream)
-        except grpc.RpcError as e:
-            errors.append(e)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    return received, errors, reader
-
-
 def _assert_names_only_the_request(error: grpc.RpcError, request_id: str) -> None:
     details = error.details()
     assert f"'{request_id}'" in details, details
@@ -93,14 +75,16 @@ def _assert_names_only_the_request(error: grpc.RpcError, request_id: str) -> Non
     assert not any(name in rest for name in INTERNAL_NAMES), details
 
 
-def test_a_redis_blip_mid_request_changes_nothing_in_the_output(gateway_stub, redis_server, stack):
+def test_a_redis_blip_mid_request_changes_nothing_in_the_output(
+    stream_in_background, gateway_stub, redis_server, stack
+):
     """Redis stalls mid-stream until a write has timed out (5 s), then comes back within the retry
     budget (--max_state_retry_s from the write's start): the write is retried and succeeds (before,
     the request failed at that step with UNAVAILABLE, which also ends the stall here)."""
     reference = gateway_stub.Generate(_request("undisturbed"), timeout=300)
     gateway_log = stack.log_path(GATEWAY)
     num_retries_before = gateway_log.read_text().count(RETRYING)
-    received, errors, reader = _stream_in_background(gateway_stub, _request("blip"))
+    received, errors, reader = stream_in_background(gateway_stub, _request("blip"))
     os.kill(redis_server.pid, signal.SIGSTOP)
     try:
         give_up = time.monotonic() + 120
@@ -122,7 +106,9 @@ def test_a_redis_blip_mid_request_changes_nothing_in_the_output(gateway_stub, re
     assert gateway_log.read_text().count(RETRYING) > num_retries_before, "the blip missed the request"
 
 
-def test_a_redis_outage_ends_the_request_unavailable_within_its_deadline(gateway_stub, redis_server):
+def test_a_redis_outage_ends_the_request_unavailable_within_its_deadline(
+    stream_in_background, gateway_stub, redis_server
+):
     """Redis stays stopped until the client has its answer: UNAVAILABLE naming the request after the
     bounded retries (endless retries would end in DEADLINE_EXCEEDED at the client's 300 s), not the
     store's details; once Redis is back the stack serves again."""
@@ -130,7 +116,7 @@ def test_a_redis_outage_ends_the_request_unavailable_within_its_deadline(gateway
     # finish its 200 tokens between the first message and the stop.
     outage = _request("outage", max_new_tokens=200)
     outage.speculation.is_enabled = False
-    received, errors, reader = _stream_in_background(gateway_stub, outage)
+    received, errors, reader = stream_in_background(gateway_stub, outage)
     os.kill(redis_server.pid, signal.SIGSTOP)
     try:
         reader.join(timeout=300)
@@ -215,11 +201,11 @@ def test_a_strategy_whose_drafter_file_is_missing_is_refused_naming_the_strategy
     assert gateway_stub.Generate(_request("with-drafter-missing", max_new_tokens=8), timeout=300).token_ids
 
 
-def test_a_primary_that_stays_away_reaches_the_client_as_unavailable(gateway_stub, stack):
+def test_a_primary_that_stays_away_reaches_the_client_as_unavailable(stream_in_background, gateway_stub, stack):
     """kill -9 the primary mid-stream and leave it down past the gateway's 3 s recovery wait:
     UNAVAILABLE naming the request (before: "primary: failed to connect to all addresses; ...").
     Last in the module: the primary stays down."""
-    received, errors, reader = _stream_in_background(gateway_stub, _request("primary-gone", max_new_tokens=200))
+    received, errors, reader = stream_in_background(gateway_stub, _request("primary-gone", max_new_tokens=200))
     stack.kill(PRIMARY)
     reader.join(timeout=300)
     assert not reader.is_alive() and len(errors) == 1, received[-1]

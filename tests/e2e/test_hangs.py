@@ -16,12 +16,10 @@ import contextlib
 import itertools
 import os
 import signal
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -77,22 +75,6 @@ def request(request_id: str, max_new_tokens: int) -> gateway_pb2.GenerateRequest
     return req
 
 
-def stream_in_background(stub, req: gateway_pb2.GenerateRequest) -> tuple[list, list, threading.Thread]:
-    """A GenerateStream past its first message, the rest read in a thread: (messages, errors, thread)."""
-    stream = stub.GenerateStream(req, timeout=300)
-    received, errors = [next(stream)], []
-
-    def read() -> None:
-        try:
-            received.extend(stream)
-        except grpc.RpcError as e:
-            errors.append(e)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    return received, errors, reader
-
-
 def wait_until(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
     give_up = time.monotonic() + timeout_s
     while not predicate():
@@ -100,7 +82,7 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:  # noqa: ANN001
         time.sleep(0.1)
 
 
-def test_a_hung_validator_is_served_around_and_taken_back(gateway_stub, stack):
+def test_a_hung_validator_is_served_around_and_taken_back(stream_in_background, gateway_stub, stack):
     """SIGSTOP the validator mid-stream: the greedy stream finishes with the undisturbed output within
     seconds (not after 60 s with DEADLINE_EXCEEDED), the gauge reads 0 meanwhile; after SIGCONT the
     breaker closes and a request is validated again."""

@@ -43,26 +43,7 @@ PERSON_SCHEMA = {
     "additionalProperties": False,
 }
 API_KEY = new_key()
-
-
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(
-        redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-http"), is_serving_http=True
-    )
-    with Stack(config) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
-
-
-@pytest.fixture(scope="module")
-def gateway_stub(stack: Stack) -> Iterator[gateway_pb2_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
+STACK_OPTIONS = {"is_serving_http": True}  # the module's stack (tests/e2e/conftest.py) serves HTTP too
 
 
 def _grpc_chat(stub, content: str, max_new_tokens: int) -> gateway_pb2.GenerateResponse:

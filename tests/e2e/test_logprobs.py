@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -21,13 +20,15 @@ import torch
 
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.launcher import Stack, StackConfig
-from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, logprobs_pb2
+from specdec.launcher import Stack
+from specdec.v1 import common_pb2, gateway_pb2, logprobs_pb2
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_CONTEXT = 1024  # the in-process reference model's positions (fp32_model)
+# The module's stack (tests/e2e/conftest.py): fp32, the reference's context, and the HTTP front.
+STACK_OPTIONS = {"precision": "fp32", "max_context": MAX_CONTEXT, "is_serving_http": True}
 TASKS_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 # Repetitive: prompt lookup drafts from it, so the speculative run accepts drafts.
 PROMPT = "Copy the list exactly.\nred, green, blue, red, green, blue, red, green, blue, red, green,"
@@ -35,31 +36,9 @@ NUM_TOP = 4
 TOLERANCE = 1e-3  # the same fp32 model in two processes, forwards of other shapes: float32 rounding
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(
-        redis_url=redis_server.url,
-        log_dir=tmp_path_factory.mktemp("stack-logprobs"),
-        precision="fp32",
-        max_context=MAX_CONTEXT,
-        is_serving_http=True,
-    )
-    with Stack(config) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def stub(stack: Stack) -> Iterator[gateway_pb2_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
-
-
-def _generate(stub, *, is_speculative: bool, include_prompt: bool = False, **fields) -> gateway_pb2.GenerateResponse:
+def _generate(
+    gateway_stub, *, is_speculative: bool, include_prompt: bool = False, **fields
+) -> gateway_pb2.GenerateResponse:
     request = gateway_pb2.GenerateRequest(
         max_new_tokens=24,
         logprobs=logprobs_pb2.LogprobsOptions(num_top_logprobs=NUM_TOP, include_prompt=include_prompt),
@@ -68,7 +47,7 @@ def _generate(stub, *, is_speculative: bool, include_prompt: bool = False, **fie
     )
     if "token_ids" not in fields:
         request.prompt = PROMPT
-    return stub.Generate(request, timeout=600)
+    return gateway_stub.Generate(request, timeout=600)
 
 
 def _reference_log_probs(model, token_ids: list[int]) -> torch.Tensor:
@@ -90,9 +69,9 @@ def _assert_same_values(a, b) -> None:
 # ---- gRPC ------------------------------------------------------------------------------------------
 
 
-def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(stub):
-    plain = _generate(stub, is_speculative=False)
-    speculative = _generate(stub, is_speculative=True)
+def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(gateway_stub):
+    plain = _generate(gateway_stub, is_speculative=False)
+    speculative = _generate(gateway_stub, is_speculative=True)
     assert speculative.stats.num_accepted_tokens > 0  # the tree's rows scored accepted drafts
     assert list(speculative.token_ids) == list(plain.token_ids) and speculative.text == plain.text
     assert len(plain.logprobs) == len(plain.token_ids)
@@ -102,9 +81,9 @@ def test_greedy_logprobs_are_the_same_with_speculation_on_and_off(stub):
         assert x.text and all(t.text for t in x.top_logprobs)
 
 
-def test_logprobs_equal_a_direct_in_process_computation(stub, fp32_model):
-    answer = _generate(stub, is_speculative=True, include_prompt=True)
-    prompt_ids = list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
+def test_logprobs_equal_a_direct_in_process_computation(gateway_stub, fp32_model):
+    answer = _generate(gateway_stub, is_speculative=True, include_prompt=True)
+    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
     assert [x.token_id for x in answer.prompt_logprobs] == prompt_ids
     assert math.isnan(answer.prompt_logprobs[0].logprob) and not answer.prompt_logprobs[0].top_logprobs
     output = list(answer.token_ids)
@@ -117,7 +96,7 @@ def test_logprobs_equal_a_direct_in_process_computation(stub, fp32_model):
     assert len(scored) == len(prompt_ids) - 1 + len(output)
 
 
-def test_sampled_tokens_with_speculation_get_their_raw_distributions_logprobs(stub, fp32_model):
+def test_sampled_tokens_with_speculation_get_their_raw_distributions_logprobs(gateway_stub, fp32_model):
     """The validator draws a sampled step's last token; its value (from the same fp32 row) and the
     primary's of the accepted drafts are those of the raw distribution, not the tempered one."""
     request = gateway_pb2.GenerateRequest(
@@ -127,9 +106,9 @@ def test_sampled_tokens_with_speculation_get_their_raw_distributions_logprobs(st
         logprobs=logprobs_pb2.LogprobsOptions(num_top_logprobs=NUM_TOP),
         speculation=gateway_pb2.SpeculationConfig(is_enabled=True, is_adaptive=False),
     )
-    answer = stub.Generate(request, timeout=600)
+    answer = gateway_stub.Generate(request, timeout=600)
     assert answer.stats.num_proposed_tokens > 0 and answer.stats.num_steps < len(answer.token_ids)
-    prompt_ids = list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
+    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
     output = list(answer.token_ids)
     reference = _reference_log_probs(fp32_model.model, prompt_ids + output)[len(prompt_ids) - 1 :]
     assert [x.token_id for x in answer.logprobs] == output
@@ -138,14 +117,14 @@ def test_sampled_tokens_with_speculation_get_their_raw_distributions_logprobs(st
         assert [t.token_id for t in value.top_logprobs][:1] == [int(row.argmax())]
 
 
-def test_a_streams_logprobs_are_the_whole_answers(stub):
-    whole = _generate(stub, is_speculative=True, include_prompt=True)
+def test_a_streams_logprobs_are_the_whole_answers(gateway_stub):
+    whole = _generate(gateway_stub, is_speculative=True, include_prompt=True)
     request = gateway_pb2.GenerateRequest(
         prompt=PROMPT,
         max_new_tokens=24,
         logprobs=logprobs_pb2.LogprobsOptions(num_top_logprobs=NUM_TOP, include_prompt=True),
     )
-    messages = list(stub.GenerateStream(request, timeout=600))
+    messages = list(gateway_stub.GenerateStream(request, timeout=600))
     streamed = [x for m in messages for x in m.logprobs]
     assert [len(m.logprobs) for m in messages] == [len(m.token_ids) for m in messages]
     _assert_same_values(streamed, whole.logprobs)
@@ -153,14 +132,14 @@ def test_a_streams_logprobs_are_the_whole_answers(stub):
     assert not any(m.prompt_logprobs for m in messages[1:])
 
 
-def test_a_token_id_prompt_is_the_text_prompts_tokens(stub):
-    prompt_ids = list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
-    by_ids = _generate(stub, is_speculative=True, token_ids=gateway_pb2.TokenIds(ids=prompt_ids))
-    by_text = _generate(stub, is_speculative=True)
+def test_a_token_id_prompt_is_the_text_prompts_tokens(gateway_stub):
+    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
+    by_ids = _generate(gateway_stub, is_speculative=True, token_ids=gateway_pb2.TokenIds(ids=prompt_ids))
+    by_text = _generate(gateway_stub, is_speculative=True)
     assert list(by_ids.token_ids) == list(by_text.token_ids) and by_ids.stats.num_prompt_tokens == len(prompt_ids)
-    text = stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=prompt_ids), timeout=60).text
+    text = gateway_stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=prompt_ids), timeout=60).text
     assert text == PROMPT
-    info = stub.DescribeModel(gateway_pb2.DescribeModelRequest(), timeout=60)
+    info = gateway_stub.DescribeModel(gateway_pb2.DescribeModelRequest(), timeout=60)
     assert info.max_model_len == MAX_CONTEXT and info.special_tokens["eos_token"] and info.chat_template
 
 
@@ -172,18 +151,18 @@ def test_a_token_id_prompt_is_the_text_prompts_tokens(stub):
         ({"token_ids": gateway_pb2.TokenIds(ids=[1, 10**9])}, "token_ids.ids"),
     ],
 )
-def test_bad_logprobs_or_token_prompts_are_refused_naming_the_field(stub, fields: dict, field: str):
+def test_bad_logprobs_or_token_prompts_are_refused_naming_the_field(gateway_stub, fields: dict, field: str):
     request = gateway_pb2.GenerateRequest(max_new_tokens=2, **fields)
     if "token_ids" not in fields:
         request.prompt = PROMPT
     with pytest.raises(grpc.RpcError) as e:
-        stub.Generate(request, timeout=60)
+        gateway_stub.Generate(request, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(f"{field}: ")
 
 
-def test_detokenizing_an_id_outside_the_vocabulary_is_refused(stub):
+def test_detokenizing_an_id_outside_the_vocabulary_is_refused(gateway_stub):
     with pytest.raises(grpc.RpcError) as e:
-        stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=[5, -1]), timeout=60)
+        gateway_stub.Detokenize(gateway_pb2.DetokenizeRequest(token_ids=[5, -1]), timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids: ")
 
 
@@ -206,8 +185,8 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def test_completions_echo_logprobs_over_token_prompts_and_prompt_lists(client: openai.OpenAI, stub):
-    prompt_ids = list(stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
+def test_completions_echo_logprobs_over_token_prompts_and_prompt_lists(client: openai.OpenAI, gateway_stub):
+    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
     answer = client.completions.create(
         model=MODEL, prompt=[prompt_ids, "Hello"], max_tokens=3, temperature=0, logprobs=2, echo=True
     )
@@ -223,7 +202,7 @@ def test_completions_echo_logprobs_over_token_prompts_and_prompt_lists(client: o
     for token, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
         assert value is not None and value <= 0 and top is not None and top[token] == value and len(top) <= 3
     # the generated tokens' values are the gRPC answer's
-    grpc_answer = _generate(stub, is_speculative=True, token_ids=gateway_pb2.TokenIds(ids=prompt_ids))
+    grpc_answer = _generate(gateway_stub, is_speculative=True, token_ids=gateway_pb2.TokenIds(ids=prompt_ids))
     assert lp.token_logprobs[len(prompt_ids) :] == pytest.approx(
         [x.logprob for x in grpc_answer.logprobs[:3]], abs=TOLERANCE
     )

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec.launcher import DRAFT, GATEWAY, HTTP, PRIMARY, VALIDATOR, Stack, StackConfig
 from specdec.tracing import CLIENT_REQUEST_ID_KEY, LOG_FIELD, TRACES_DIR_ENV
-from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+from specdec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -65,12 +65,6 @@ def stack(redis_server, tmp_path_factory: pytest.TempPathFactory, traces_dir: Pa
     )
     with Stack(config) as started:
         yield started
-
-
-@pytest.fixture(scope="module")
-def gateway_stub(stack: Stack) -> Iterator[gateway_pb2_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
 
 
 def _scrape(stack: Stack, service: str) -> dict[str, dict[tuple, float]]:

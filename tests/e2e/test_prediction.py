@@ -8,14 +8,12 @@ the field (INVALID_ARGUMENT, HTTP 400).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import grpc
 import openai
 import pytest
 
-from specdec.launcher import Stack, StackConfig
-from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+from specdec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -29,57 +27,38 @@ SOURCE = """def average(values):
 """
 EDIT = f"Rename the function average to mean. Reply with the whole file only.\n\n```python\n{SOURCE}```"
 WRONG_PREDICTION = "The quick brown fox jumps over the lazy dog. " * 4
+STACK_OPTIONS = {"is_serving_http": True}  # the module's stack (tests/e2e/conftest.py) serves HTTP too
 
 
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(
-        redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-prediction"), is_serving_http=True
-    )
-    with Stack(config) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def stub(stack: Stack) -> Iterator[gateway_pb2_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(stack.gateway_address) as channel:
-        yield gateway_pb2_grpc.GenerationServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
-
-
-def generate(stub, prediction: str | None = None, **speculation) -> gateway_pb2.GenerateResponse:
+def generate(gateway_stub, prediction: str | None = None, **speculation) -> gateway_pb2.GenerateResponse:
     req = gateway_pb2.GenerateRequest(
         max_new_tokens=MAX_NEW_TOKENS, speculation=gateway_pb2.SpeculationConfig(**speculation)
     )
     req.chat.messages.add(role="user", content=EDIT)
     if prediction is not None:
         req.prediction.content = prediction
-    return stub.Generate(req, timeout=600)
+    return gateway_stub.Generate(req, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def baseline(stub) -> gateway_pb2.GenerateResponse:
-    out = generate(stub, is_enabled=False)
+def baseline(gateway_stub) -> gateway_pb2.GenerateResponse:
+    out = generate(gateway_stub, is_enabled=False)
     assert len(out.token_ids) > 0 and out.stats.num_proposed_tokens == 0
     return out
 
 
-def test_greedy_output_with_a_prediction_right_or_wrong_is_the_primarys(stub, baseline):
+def test_greedy_output_with_a_prediction_right_or_wrong_is_the_primarys(gateway_stub, baseline):
     for prediction in (SOURCE, SOURCE.replace("average", "mean"), WRONG_PREDICTION, baseline.text):
         for speculation in ({}, {"is_adaptive": False}):
-            out = generate(stub, prediction, **speculation)
+            out = generate(gateway_stub, prediction, **speculation)
             assert list(out.token_ids) == list(baseline.token_ids), (prediction, speculation, out.text)
             assert out.text == baseline.text
             assert out.stats.num_accepted_prediction_tokens <= out.stats.num_accepted_tokens
 
 
-def test_a_right_prediction_is_accepted_and_reported(stub, baseline):
+def test_a_right_prediction_is_accepted_and_reported(gateway_stub, baseline):
     """The baseline's own text as the prediction: nearly every token comes from it, in few steps."""
-    out = generate(stub, baseline.text)
+    out = generate(gateway_stub, baseline.text)
     assert list(out.token_ids) == list(baseline.token_ids)
     accepted = out.stats.num_accepted_prediction_tokens
     assert accepted >= len(out.token_ids) // 2, (accepted, len(out.token_ids))
@@ -90,8 +69,8 @@ def test_a_right_prediction_is_accepted_and_reported(stub, baseline):
     assert out.stats.num_rejected_prediction_tokens <= 2
 
 
-def test_a_wrong_prediction_is_rejected_and_reported(stub, baseline):
-    out = generate(stub, WRONG_PREDICTION)
+def test_a_wrong_prediction_is_rejected_and_reported(gateway_stub, baseline):
+    out = generate(gateway_stub, WRONG_PREDICTION)
     assert list(out.token_ids) == list(baseline.token_ids)
     assert out.stats.num_accepted_prediction_tokens == 0
     assert out.stats.num_rejected_prediction_tokens > 0
@@ -105,9 +84,9 @@ def test_a_wrong_prediction_is_rejected_and_reported(stub, baseline):
         (None, {"strategies": ["prediction"]}, "speculation.strategies"),
     ],
 )
-def test_a_bad_prediction_is_invalid_argument_naming_the_field(stub, prediction, speculation, field):
+def test_a_bad_prediction_is_invalid_argument_naming_the_field(gateway_stub, prediction, speculation, field):
     with pytest.raises(grpc.RpcError) as e:
-        generate(stub, prediction, **speculation)
+        generate(gateway_stub, prediction, **speculation)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
 

@@ -10,7 +10,6 @@ accepted), plus that greedy forced calls with speculation on equal those of plai
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import grpc
 import jsonschema
@@ -21,7 +20,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from specdec.launcher import Stack, StackConfig
+from specdec.launcher import Stack
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -55,20 +54,7 @@ TOOLS = [
 SCHEMAS = {"get_weather": WEATHER_PARAMETERS, "get_time": TIME_PARAMETERS}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 MAX_TOKENS = 96
-
-
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(
-        redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-tools"), is_serving_http=True
-    )
-    with Stack(config) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=600)
+STACK_OPTIONS = {"is_serving_http": True}  # the module's stack (tests/e2e/conftest.py) serves HTTP too
 
 
 @pytest.fixture(scope="module")

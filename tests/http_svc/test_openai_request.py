@@ -143,6 +143,8 @@ def test_speculation_settings_are_extra_fields() -> None:
         ({"stream": "yes"}, "stream"),
         ({"speculative_decoding": 1}, "speculative_decoding"),
         ({"strategies": [1]}, "strategies"),
+        ({"draft_length": 33}, "draft_length"),
+        ({"speculative_degree": 9}, "speculative_degree"),
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -167,8 +169,21 @@ def test_a_body_not_of_the_openai_shape_is_a_400_naming_the_parameter(fields: di
     assert error.to_json()["error"]["type"] == "invalid_request_error"
 
 
-def test_neutral_values_of_unsupported_parameters_pass() -> None:
-    parse_request(chat(n=1, logprobs=False, tools=[]), CHAT)
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"n": 1, "logprobs": False, "tools": []},
+        {"functions": [], "function_call": "none"},
+        {"best_of": 1, "modalities": ["text"]},
+        {"audio": None, "web_search_options": None},
+    ],
+)
+def test_neutral_values_of_unsupported_parameters_change_nothing(fields: dict) -> None:
+    """Parameters this service does not support pass at their neutral values, and the request is
+    exactly the one without them."""
+    plain, parsed = parse_request(chat(), CHAT), parse_request(chat(**fields), CHAT)
+    assert parsed.requests == plain.requests
+    assert (parsed.is_logprobs, parsed.num_top_logprobs, parsed.is_stream) == (False, 0, False)
 
 
 @pytest.mark.parametrize("kind", [CHAT, COMPLETION])

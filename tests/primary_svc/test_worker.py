@@ -5,6 +5,7 @@ prefills wait for KV room instead of failing, and preempted requests re-prefill 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -26,6 +27,16 @@ PROMPTS = [[1, 504, 3458, 282], [1, 9690, 198, 2683, 253], [1, 30760, 563], [1, 
 TREES = [([700, 701], [-1, 0]), ([5], [-1]), ([], []), ([11, 12, 13], [-1, -1, 0])]
 LONG_PROMPT = [1] + [(i * 7919) % 40000 + 100 for i in range(300)]
 MAX_CONTEXT = 1024
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Whether predicate() held within timeout_s, polled: a state the engine thread reaches."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +63,7 @@ class Paused:
         assert entered.wait(60), "the engine thread is holding"
 
     def release_when_queued(self, num_items: int) -> None:
-        deadline = time.monotonic() + 60
-        while self.worker.queue_depth < num_items and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: self.worker.queue_depth >= num_items)
         self.event.set()
         self.done.join()
 
@@ -270,8 +279,9 @@ def test_preemption_releases_the_newest_and_it_continues_after_a_re_prefill(int4
             with ThreadPoolExecutor(1) as pool:
                 after = pool.submit(w.verify, "new", (), (nxt,), (5, 6), (-1, 0))
                 if w is worker:
-                    time.sleep(0.3)
-                    assert not after.done() and w.num_waiting == 1  # no room to re-prefill yet
+                    # Once it waits for room it cannot finish before "old" is released below.
+                    assert wait_until(lambda: w.num_waiting == 1), "the preempted request waits for room"
+                    assert not after.done()  # no room to re-prefill yet
                 w.call(lambda e: e.release("old"))
                 results[w is worker] = (first_new, big, after.result(timeout=120)[0])
         assert not worker.engine.is_evicted("new") and unlimited.stats.num_preemptions == 0

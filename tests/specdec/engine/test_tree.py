@@ -84,15 +84,3 @@ def test_row_paths_follow_the_chain_then_each_nodes_ancestors():
     assert paths == [[0], [0, 1], [0, 1, 2], [0, 1, 3], [0, 4]]
     assert [p.tolist() for p in row_paths(2, [-1])] == [[0], [0, 1], [0, 1, 2]]
     assert [p.tolist() for p in row_paths(1, [])] == [[0]]
-
-
-def test_service_limits_must_lie_within_the_projects_bounds():
-    tree.check_speculation_bounds(tree.MAX_CANDIDATES, tree.MAX_DRAFT_LENGTH, tree.MAX_TREE_NODES)
-    tree.check_speculation_bounds(1, 1, 1)
-    for limits, name in (
-        ((tree.MAX_CANDIDATES + 1, 1, 1), "max_speculative_degree"),
-        ((1, tree.MAX_DRAFT_LENGTH + 1, 1), "max_draft_length"),
-        ((1, 1, 0), "max_tree_nodes"),
-    ):
-        with pytest.raises(ValueError, match=name):
-            tree.check_speculation_bounds(*limits)

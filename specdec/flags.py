@@ -1,0 +1,134 @@
+"""Each command-line flag declared once: name, type, default, help, environment variable, choices,
+and the config field it sets. A service's config.py lists its flags; the argparse parser (through
+specdec.service.flags, which reads the environment) and the values of its frozen config dataclasses
+both come from that one list:
+
+    FLAGS = (
+        Flag("--port", 50051, group="server"),           # ServerConfig.port
+        Flag("--max_batch", help="verify items ..."),     # default: PrimaryConfig.max_batch
+        Flag("--no_shared_weights", env="SHARED_WEIGHTS", dest="shared_weights",
+             field="is_shared_weights", action="store_false"),
+    )
+    a = parse_flags("PRIMARY", os.environ, FLAGS, {"": PrimaryConfig, "server": ServerConfig}, parser, argv)
+    PrimaryConfig(server=ServerConfig(**values(a, FLAGS, "server")), **values(a, FLAGS))
+
+A flag without a default takes its config field's default, so a default is written in one place.
+Both spellings of every flag (--max_batch, --max-batch) parse (specdec.flag_spellings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from specdec.flag_spellings import add_spellings
+from specdec.service.flags import Flags
+
+
+class _FromConfig:
+    """The sentinel of a flag whose default is its config field's default."""
+
+    def __repr__(self) -> str:
+        return "FROM_CONFIG"
+
+
+FROM_CONFIG: Any = _FromConfig()
+# The group of a flag that sets no config field directly: its parse function reads it.
+NO_FIELD = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One flag. `group`: which config dataclass its field belongs to ("" the service's own, or a
+    nested one such as "server"; NO_FIELD: read by the parse function). `field`: that field's name
+    (default: the flag's destination). `convert`: parsed value -> field value (a comma list to a
+    tuple, a path to Path). `options`: further argparse keywords (action, dest, nargs, const...)."""
+
+    name: str
+    default: Any = FROM_CONFIG
+    help: str | None = None
+    env: str | tuple[str, ...] | None = None
+    is_shared: bool = True  # also read SPECDEC_<NAME>, which compose sets for every service
+    type: Callable[[str], Any] | None = None
+    choices: tuple[Any, ...] | None = None
+    group: str | None = ""
+    field: str | None = None
+    convert: Callable[[Any], Any] | None = None
+    aliases: tuple[str, ...] = ()
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return str(self.options.get("dest", self.name.lstrip("-")))
+
+    @property
+    def field_name(self) -> str:
+        return self.field or self.dest
+
+
+def default_of(declared: Flag, configs: Mapping[str, type]) -> Any:
+    """The flag's own default, else its config field's."""
+    if declared.default is not FROM_CONFIG:
+        return declared.default
+    assert declared.group is not NO_FIELD, f"{declared.name} sets no field: give its default"
+    fields = {f.name: f for f in dataclasses.fields(configs[declared.group])}
+    field = fields[declared.field_name]
+    assert field.default is not dataclasses.MISSING, f"{declared.name}: {declared.field_name} has no default"
+    return field.default
+
+
+def add_flags(flags: Flags, declared: Sequence[Flag], configs: Mapping[str, type]) -> None:
+    """Add every declared flag to `flags`' parser, in order, its default from the environment first."""
+    for f in declared:
+        kwargs = dict(f.options)
+        if f.help is not None:
+            kwargs["help"] = f.help
+        if f.choices is not None:
+            kwargs["choices"] = f.choices
+        flags.add(f.name, default_of(f, configs), *f.aliases, env=f.env, shared=f.is_shared, type=f.type, **kwargs)
+
+
+def parse_flags(
+    service: str,
+    environ: Mapping[str, str],
+    declared: Sequence[Flag],
+    configs: Mapping[str, type],
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+) -> argparse.Namespace:
+    """Parse argv against the declared flags (SPECDEC_<SERVICE>_* variables as defaults)."""
+    add_flags(Flags(parser, service, environ), declared, configs)
+    return add_spellings(parser).parse_args(argv)
+
+
+def values(args: argparse.Namespace, declared: Sequence[Flag], group: str = "") -> dict[str, Any]:
+    """The config fields of `group` that the parsed flags set, each value converted for its field."""
+    out: dict[str, Any] = {}
+    for f in declared:
+        if f.group != group or f.group is NO_FIELD:
+            continue
+        value = getattr(args, f.dest)
+        out[f.field_name] = f.convert(value) if f.convert is not None else value
+    return out
+
+
+def listen_flags(port: int) -> tuple[Flag, ...]:
+    """--host, --port (this service's default) and --metrics_port: the fields of a service's
+    ServerConfig (specdec.service.server), in the config group "server"."""
+    return (
+        Flag("--host", group="server"),
+        Flag("--port", port, group="server"),
+        Flag("--metrics_port", group="server"),
+    )
+
+
+def names(text: str) -> tuple[str, ...]:
+    """A comma-separated list flag's value: `a, b,,c` -> ("a", "b", "c")."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def optional(text: str | None) -> str | None:
+    """An optional text flag's value: "" means unset."""
+    return text or None

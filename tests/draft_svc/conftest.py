@@ -1,0 +1,40 @@
+"""Fixtures of the draft service's tests."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from draft_svc.heads.model import DrafterConfig
+
+
+class FakePrimary:
+    """What a feature drafter reads of an attached primary: config, embed, final norm (tied head),
+    shaped after a drafter's config."""
+
+    def __init__(self, config: DrafterConfig, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.config = types.SimpleNamespace(
+            model_type="llama",
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=2,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            tie_word_embeddings=True,
+        )
+        self.table = torch.randn(config.vocab_size, config.hidden_size, generator=g)
+        self.norm = types.SimpleNamespace(weight=1 + 0.1 * torch.randn(config.hidden_size, generator=g))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table[ids]
+
+
+@pytest.fixture
+def fake_primary() -> type[FakePrimary]:
+    """FakePrimary(drafter_config, seed=0): a primary a drafter of that config binds to."""
+    return FakePrimary
