@@ -10,7 +10,11 @@ from pathlib import Path
 
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
+from gateway.node_pool import NodePoolConfig
+from gateway.nodes import NodeSpec, parse_nodes, split_host_port
+from gateway.routing import LoadLimits
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
+from specdec.errors import InvalidArgument
 from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
 from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.logits_codec import FORMATS
@@ -112,6 +116,10 @@ class GatewayConfig:
     # (FIFO per tenant, round-robin across tenants); beyond both, RESOURCE_EXHAUSTED.
     max_active_requests: int = 64
     max_queued_requests: int = 128
+    # --nodes: the nodes to route requests to (gateway.nodes), None: the one node of the three
+    # addresses above, as a gateway without --nodes always had; their health checks and load limits.
+    nodes: NodeSpec | None = None
+    node_pool: NodePoolConfig = NodePoolConfig()
 
     def __post_init__(self) -> None:
         if self.max_active_requests < 1:
@@ -198,6 +206,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
         "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata",
     )
+    _add_node_flags(flags)
     a = add_spellings(p).parse_args(argv)
     return GatewayConfig(
         server=ServerConfig(
@@ -237,4 +246,49 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         is_insecure_public_allowed=a.allow_insecure_public,
         max_active_requests=a.max_active_requests,
         max_queued_requests=a.max_queued_requests,
+        nodes=_nodes(a.nodes, a.draft_address, a.validator_address),
+        node_pool=NodePoolConfig(
+            check_interval_s=a.node_check_interval_s,
+            resolve_interval_s=a.node_resolve_interval_s,
+            limits=LoadLimits(
+                max_kv_fraction=a.node_max_kv_fraction,
+                max_active_requests=a.node_max_active_requests,
+                max_queue_depth=a.node_max_queue_depth,
+            ),
+        ),
     )
+
+
+def _add_node_flags(flags: Flags) -> None:
+    flags.add(
+        "--nodes",
+        "",
+        help="the nodes (primary + draft pool + validator each) to route requests to: "
+        "host:primary_port[/draft_port/validator_port],... (draft and validator default to the ports of "
+        "--draft_address/--validator_address on each host), or dns:///name:primary_port[/draft/validator] "
+        "whose addresses are the nodes (a Kubernetes headless Service). Empty: the one node of the three "
+        "address flags",
+    )
+    flags.add("--node_check_interval_s", 1.0, help="health (grpc.health.v1) and load (GetStats) checks of each node")
+    flags.add("--node_resolve_interval_s", 10.0, help="how often a dns:/// --nodes name is resolved again")
+    flags.add(
+        "--node_max_kv_fraction",
+        0.9,
+        help="a node whose KV cache is this full sheds new requests to the next node on the ring",
+    )
+    flags.add("--node_max_active_requests", 0, help="... or that holds this many requests (0: no limit)")
+    flags.add("--node_max_queue_depth", 0, help="... or whose engine has this many calls waiting (0: no limit)")
+
+
+def _nodes(text: str, draft_address: str, validator_address: str) -> NodeSpec | None:
+    """--nodes parsed (None when empty); a ValueError naming --nodes when it does not parse."""
+    if not text:
+        return None
+    try:
+        ports = [
+            split_host_port(a, f"--{name}")
+            for name, a in (("draft_address", draft_address), ("validator_address", validator_address))
+        ]
+        return parse_nodes(text, ports[0][1], ports[1][1])
+    except InvalidArgument as e:
+        raise ValueError(str(e)) from None

@@ -44,6 +44,7 @@ from gateway.step_costs import StepCosts
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
 from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.node_pool import Node, NodePool
 from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
@@ -129,6 +130,8 @@ async def _in_thread(fn, *args, **kwargs):
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
+    nodes: NodePool | None = None  # see __init__
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -140,8 +143,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         metrics: GatewayMetrics | None = None,
         grammars: Grammars | None = None,
         api_keys: ApiKeys | None = None,
+        nodes: NodePool | None = None,
     ) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
+        # --nodes: the nodes new requests are routed to, and a request fails over between (None: the
+        # one node of `backends`). `backends` is then one of theirs, asked for the model and the pool.
+        self.nodes = nodes
         self.max_state_retry_s = config.max_state_retry_s  # a write waits this long for the store to answer
         self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
         self.prompt_encoder = PromptEncoder(tokenizer)
@@ -370,7 +377,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             with self._told_as_client(request_id, client_id):
                 queue_s = await self._await_turn(request_id, ticket, is_queued, deadline, cancel)
             loop = self.make_loop(
-                request_id, params, prompt_ids, cancel, deadline, grammar=grammar, stored_params=params_to_json(stored)
+                request_id,
+                params,
+                prompt_ids,
+                cancel,
+                deadline,
+                grammar=grammar,
+                stored_params=params_to_json(stored),
+                node=self._place(request_id, prompt_ids),
             )
         except BaseException as e:
             ticket.release()
@@ -584,13 +598,15 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         controller_state=None,
         grammar=None,
         stored_params=None,
+        node: Node | None = None,
     ) -> RequestLoop:
+        """The request's loop, on `node` (None: the gateway's one node)."""
         spec = self.config.speculation
         return RequestLoop(
             request_id,
             params,
             prompt_ids,
-            self.backends,
+            self.backends if node is None else node.backends,
             self.store,
             self.tokenizer,
             self.model,
@@ -606,14 +622,38 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             controller_config=self.controller_config,
             controller_state=controller_state,
             grammar=grammar,
-            validator_state=self.validator_state,
-            draft_state=self.draft_state,
+            validator_state=self.validator_state if node is None else node.validator_state,
+            draft_state=self.draft_state if node is None else node.draft_state,
             call_deadlines=self.call_deadlines,
             stored_params=stored_params,
             step_costs=self.step_costs,
             acceptance_memory=self.acceptance_memory,
             max_state_retry_s=self.max_state_retry_s,
+            node_id="" if node is None else node.node_id,
+            failover=None if node is None else self._failover_of(request_id, prompt_ids),
         )
+
+    def _place(self, request_id: str, prompt_ids, stored_node: str = "") -> Node | None:
+        """The node a request runs on (None without --nodes): its stored node while that one is
+        healthy (a resumed request, whose slot may live there), else the router's choice."""
+        if self.nodes is None:
+            return None
+        node = self.nodes.nodes.get(stored_node)
+        if node is not None and node.is_healthy and stored_node in self.nodes.listed:
+            return node
+        placed = self.nodes.place(prompt_ids, self._tenant_of(request_id))
+        if placed is None:
+            raise Unavailable("request_id", f"request {request_id!r}: no node is known yet; retry later")
+        return placed
+
+    def _failover_of(self, request_id: str, prompt_ids):
+        assert self.nodes is not None
+        nodes, scope = self.nodes, self._tenant_of(request_id)
+
+        async def failover(node_id: str, error: str) -> Node | None:
+            return await nodes.fail_over(node_id, prompt_ids, scope, error)
+
+        return failover
 
     def _availability_recorder(self, name: str):
         if self.metrics is None:
@@ -701,8 +741,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 self._active[request_id] = cancel
             grammar = None if params.response_format is None else self.grammars.new_state(params.response_format)
             # The previous gateway's lease: the primary may still hold the request's slot, and lets
-            # only the lease's holder re-prefill it.
-            self.backends.adopt_kv_lease(request_id, state.kv_lease)
+            # only the lease's holder re-prefill it (on its stored node; another node has no slot).
+            node = self._place(request_id, state.prompt_token_ids, state.node)
+            if node is None or node.node_id == state.node:
+                (self.backends if node is None else node.backends).adopt_kv_lease(request_id, state.kv_lease)
             loop = self.make_loop(
                 request_id,
                 params,
@@ -714,6 +756,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 state.controller_state,
                 grammar,
                 stored_params=state.params,
+                node=node,
             )
             # A slot like any request's: a restart with many requests in flight must not run more
             # than max_active_requests at once.
