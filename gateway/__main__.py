@@ -72,7 +72,9 @@ async def serve(
     backends = None
     if nodes is None:
         backends = make_backends(NodeAddress(config.primary_address, config.draft_address, config.validator_address))
-    store = open_async_state_store(config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s))
+    store = open_async_state_store(
+        config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s, lease_s=config.owner_lease_s)
+    )
     servicer = None
     try:
         if nodes is not None:
@@ -97,8 +99,9 @@ async def serve(
         )
 
         async def resume(_port: int) -> None:
-            if config.redis_url:
+            if config.redis_url:  # a shared store: requests of gateways that are gone go on here
                 await servicer.resume_active()
+                servicer.start_keeping_leases()
 
         # An asyncio server: open streams and requests hold no thread (gateway.server).
         await serve_aio(

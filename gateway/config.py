@@ -15,6 +15,7 @@ from gateway.nodes import NodeSpec, parse_nodes, split_host_port
 from gateway.routing import LoadLimits
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.errors import InvalidArgument
+from specdec.state_store import DEFAULT_LEASE_S
 from specdec.controller_defaults import PLAIN_OVERHEAD_MS, SPECULATIVE_OVERHEAD_MS
 from specdec.engine.tree import MAX_DRAFT_LENGTH, MAX_TREE_NODES, check_speculation_bounds
 from specdec.logits_codec import FORMATS
@@ -100,6 +101,9 @@ class GatewayConfig:
     recovery_timeout_s: float = 120.0  # how long a request waits for a restarted primary
     max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S  # ... and for a state store that does not answer
     state_ttl_s: float = 24 * 3600.0
+    # How long a gateway's claim on a request lasts without renewal (renewed every third of it): a
+    # request whose gateway died is adopted by another after this long (gateway.follow).
+    owner_lease_s: float = DEFAULT_LEASE_S
     log_level: str = "INFO"
     # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
     # OpenMP workers of each RPC thread would spin on the cores the primary's forward needs.
@@ -126,6 +130,8 @@ class GatewayConfig:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
         if self.max_state_retry_s <= 0:
             raise ValueError(f"max_state_retry_s must be > 0, got {self.max_state_retry_s}")
+        if self.owner_lease_s <= 0:
+            raise ValueError(f"owner_lease_s must be > 0, got {self.owner_lease_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
@@ -247,6 +253,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         max_active_requests=a.max_active_requests,
         max_queued_requests=a.max_queued_requests,
         nodes=_nodes(a.nodes, a.draft_address, a.validator_address),
+        owner_lease_s=a.owner_lease_s,
         node_pool=NodePoolConfig(
             check_interval_s=a.node_check_interval_s,
             resolve_interval_s=a.node_resolve_interval_s,
@@ -268,6 +275,12 @@ def _add_node_flags(flags: Flags) -> None:
         "--draft_address/--validator_address on each host), or dns:///name:primary_port[/draft/validator] "
         "whose addresses are the nodes (a Kubernetes headless Service). Empty: the one node of the three "
         "address flags",
+    )
+    flags.add(
+        "--owner_lease_s",
+        DEFAULT_LEASE_S,
+        help="a gateway's lease on its requests in the state store, renewed every third of it; another "
+        "gateway adopts a request whose gateway died once the lease lapsed",
     )
     flags.add("--node_check_interval_s", 1.0, help="health (grpc.health.v1) and load (GetStats) checks of each node")
     flags.add("--node_resolve_interval_s", 10.0, help="how often a dns:/// --nodes name is resolved again")
