@@ -13,10 +13,24 @@ The single-node stack (service_specs) is the same services without the suffixes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from specdec.launcher import DRAFT, GATEWAY, HTTP, PRIMARY, VALIDATOR, ServiceSpec, StackConfig, service_specs
+from specdec.launcher import (
+    DRAFT,
+    GATEWAY,
+    HTTP,
+    PRIMARY,
+    VALIDATOR,
+    ServiceError,
+    ServiceSpec,
+    Stack,
+    StackConfig,
+    service_specs,
+)
+from specdec.redis_server import redis_server
+from specdec.supervisor import RestartPolicy, Supervisor
 
 _NODE_SERVICES = (PRIMARY, DRAFT, VALIDATOR)
 _ADDRESS_FLAGS = ("--primary_address", "--draft_address", "--validator_address")
@@ -72,3 +86,36 @@ def cluster_specs(
         )
     assert HTTP not in {s.name for s in specs}
     return tuple(specs)
+
+
+def serve_cluster(
+    config: StackConfig,
+    num_nodes: int,
+    num_gateways: int,
+    policy: RestartPolicy,
+    say: Callable[[str], None],
+    print_line: Callable[[str], None] = print,
+) -> int:
+    """`inference.py --serve --nodes N --gateways M`: the cluster on loopback with one Redis (a
+    throwaway redis-server unless config.redis_url names one), every address printed (one
+    `name address` line each: the gateways' first), until Ctrl-C / SIGTERM (KeyboardInterrupt,
+    returned 0) or a service that keeps exiting (1). Services that exit are restarted on their
+    address (specdec.supervisor): a restarted primary's node gets requests again once healthy."""
+    with contextlib.ExitStack() as exits:
+        if not config.redis_url:
+            config = dataclasses.replace(config, redis_url=exits.enter_context(redis_server()).url)
+        config = dataclasses.replace(config, is_serving_http=False)
+        say(f"starting {num_nodes} nodes and {num_gateways} gateways on one Redis ({config.redis_url})...")
+        stack = exits.enter_context(Stack(config, specs=cluster_specs(config, num_nodes, num_gateways)))
+        names = sorted(stack.addresses, key=lambda n: (not n.startswith(GATEWAY), n))
+        for name in names:
+            print_line(f"{name} {stack.addresses[name]}")
+        say(f"serving GenerationService (gRPC) at every gateway above; logs: {stack.log_dir}; Ctrl-C stops")
+        try:
+            Supervisor(stack, policy, say=say).run()
+        except ServiceError as e:
+            say(f"error: {e}")
+            return 1
+        except KeyboardInterrupt:
+            say("stopping the cluster...")
+    return 0
