@@ -3,7 +3,7 @@
 1,500-1,900 tokens from specbench/prose/code, 256 new tokens (bench/scenarios.py), e.g.
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
-python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction}
+python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction,nodes}
 [ARGS...]: one component benchmark (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
@@ -21,6 +21,8 @@ python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logp
     penalties  the primary's cost of penalties and logit_bias per Verify         (bench/penalties.py)
     prediction Predicted Outputs on editing tasks: tok/s with and without the file as prediction
                (bench/prediction.py)
+    nodes      N nodes behind M gateways: prefix-cache hit rate vs one node, time to resume and tokens
+               re-prefilled after a node's primary is killed                    (bench/nodes.py)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ BENCHMARKS = (
     "logprobs",
     "penalties",
     "prediction",
+    "nodes",
 )
 
 
