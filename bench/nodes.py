@@ -220,6 +220,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--skip", choices=("affinity", "failover"), action="append", default=[])
     p.add_argument("--log_dir", type=Path, help="keep the clusters' logs here")
     args = add_spellings(p).parse_args(argv)
+    for name in ("nodes", "gateways", "streams", "max_new_tokens", "systems", "questions"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.nodes < 2 and "failover" not in args.skip:
+        p.error("--nodes must be >= 2 for the failover part (a node to kill and one to move to); or --skip failover")
     report: dict = {}
     if "affinity" not in args.skip:
         report["affinity"] = [measure_affinity(args, args.nodes), measure_affinity(args, 1)]
