@@ -1329,4 +1329,3 @@ class RequestLoop:
                     continue
                 self.log.warning("primary unavailable; waiting", error=str(e))
                 await asyncio.sleep(RECOVERY_POLL_S)
-                needs_prefill = True
