@@ -37,6 +37,7 @@ from typing import Any, TextIO
 
 import grpc
 
+from specdec.cluster import serve_cluster
 from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, ServiceError, Stack, StackConfig
 from specdec.model.loader import default_cache_dir
 from specdec.model.precision import AUTO, PRECISIONS
@@ -226,6 +227,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     stack.add_argument(
         "--gateway_address", metavar="HOST:PORT", help="use a running gateway instead of starting the services"
     )
+    for name, what in (("--nodes", "nodes (primary, draft pool, validator each)"), ("--gateways", "gateways")):
+        stack.add_argument(
+            name, type=ranged(int, 1), default=1, metavar="N", help=f"--serve: {what} on loopback (specdec.cluster)"
+        )
     keys = stack.add_mutually_exclusive_group()
     keys.add_argument(
         "--api_key_file",
@@ -248,6 +253,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     args = add_spellings(parser).parse_args(argv)
     if args.prompt is None and not args.serve:
         parser.error("--prompt is required (or --serve)")
+    if (args.nodes > 1 or args.gateways > 1) and (not args.serve or args.prompt is not None):
+        parser.error("--nodes / --gateways above 1 start a cluster: they go with --serve and no --prompt")
     if args.gateway_address is not None:
         if args.serve:
             parser.error("--serve starts the services: it does not take --gateway_address")
@@ -565,6 +572,9 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             say("starting a local Redis Cluster (3 masters, 3 replicas)...")
             args.redis_url = local_redis.enter_context(redis_cluster()).url  # what stack_config passes on
             say(f"state store: --redis_url {args.redis_url}")
+        if args.nodes > 1 or args.gateways > 1:
+            policy = RestartPolicy(max_rapid_restarts=args.max_service_restarts)
+            return serve_cluster(stack_config(args), args.nodes, args.gateways, policy, say)
         say(f"starting the services (primary, validator, draft, gateway{', http' if args.serve else ''})...")
         started = time.perf_counter()
         # The primary's first start converts the model and times the weight formats: its progress

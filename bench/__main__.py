@@ -4,7 +4,7 @@
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
 python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction,
-simulate}
+simulate,nodes}
 [ARGS...]: one component benchmark (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
@@ -24,6 +24,8 @@ simulate}
                (bench/prediction.py)
     simulate   N = 1..64 nodes behind G gateways and Redis under a Poisson load, by discrete-event
                simulation from measured per-node figures (bench/simulate.py)
+    nodes      N nodes behind M gateways: prefix-cache hit rate vs one node, time to resume and tokens
+               re-prefilled after a node's primary is killed                    (bench/nodes.py)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ BENCHMARKS = (
     "penalties",
     "prediction",
     "simulate",
+    "nodes",
 )
 
 

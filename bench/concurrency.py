@@ -296,7 +296,7 @@ def _load_client(
 
 
 def run_load(
-    address: str,
+    address: str | Sequence[str],
     requests: Sequence[gateway_pb2.GenerateRequest],
     num_clients: int,
     duration_s: float,
@@ -305,17 +305,19 @@ def run_load(
     on_tick: Any = None,
     tick_s: float = 10.0,
 ) -> tuple[list[StreamTrace], float]:
-    """num_clients threads send `requests` in turn (shared, round-robin) for duration_s; requests in flight
+    """num_clients threads send `requests` in turn (shared, round-robin) for duration_s, client i to
+    address[i % len] when several gateways are given (the load across them); requests in flight
     at the end finish (within timeout_s). on_tick(elapsed_s) runs every tick_s meanwhile (resource samples).
     Returns the traces and the wall time, seconds, from the start to the last client's end."""
     cycle, lock = itertools.cycle(enumerate(requests)), threading.Lock()
+    addresses = [address] if isinstance(address, str) else list(address)
     traces: list[StreamTrace] = []
     start = time.perf_counter()
     stop_at = start + duration_s
     threads = [
         threading.Thread(
             target=_load_client,
-            args=(address, cycle, lock, stop_at, is_stream, timeout_s, traces),
+            args=(addresses[i % len(addresses)], cycle, lock, stop_at, is_stream, timeout_s, traces),
             name=f"load-{i}",
             daemon=True,
         )

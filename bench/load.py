@@ -109,7 +109,7 @@ def build_requests(
 
 
 def run(
-    address: str,
+    address: str | list[str],
     clients: int,
     duration_s: float,
     requests: list,
@@ -138,7 +138,8 @@ def run(
     # the load's own figures first: the reference requests below add steps and cold prefills
     after = None if stack is None else primary_stats(stack)
     steps_after = None if stack is None or steps_before is None else step_composition(stack)
-    references = reference_ttft_ms(address, requests, timeout_s) if is_reference and is_stream else None
+    first = address if isinstance(address, str) else address[0]
+    references = reference_ttft_ms(first, requests, timeout_s) if is_reference and is_stream else None
     result: dict[str, Any] = {
         "clients": clients,
         "duration_s": duration_s,
@@ -239,7 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip sending each request alone after the load (--stream: TTFT against the same prompt alone)",
     )
-    p.add_argument("--address", default="", help="a running gateway on this machine; default: start a stack")
+    p.add_argument(
+        "--address",
+        default="",
+        help="a running gateway on this machine, or a comma list of gateways (python -m inference --serve "
+        "--nodes N --gateways M prints them): clients spread over them, figures across them; default: start a stack",
+    )
     p.add_argument("--precision", default="auto")
     p.add_argument("--threads", type=int, default=0, help="the primary's threads when a stack is started")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
@@ -276,8 +282,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if not a.mix or set(a.mix) - set(SCENARIOS):
         p.error(f"--mix must be a comma list of {', '.join(SCENARIOS)}, got {','.join(a.mix)!r}")
-    if a.address and not is_loopback_address(a.address):
-        p.error(f"--address must be a loopback address (the load stays on this machine), got {a.address!r}")
+    a.addresses = [x.strip() for x in a.address.split(",") if x.strip()]
+    if any(not is_loopback_address(x) for x in a.addresses):
+        p.error(f"--address must be loopback addresses (the load stays on this machine), got {a.address!r}")
     if not 0 < a.timeout_s <= MAX_DURATION_S or a.sample_s <= 0:
         p.error("--timeout-s must be in (0, 3600] and --sample-s > 0")
     if a.chaos:
@@ -318,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.address:
         result = run(
-            a.address,
+            a.addresses,
             a.clients,
             a.duration,
             requests,

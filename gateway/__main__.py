@@ -13,8 +13,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from specdec.service.api_keys import ApiKeys
-from gateway.backends import Backends
+from gateway.backends import Backends, ModelInfo
 from gateway.config import GatewayConfig, parse_config
+from gateway.node_pool import NodePool
+from gateway.nodes import NodeAddress
 from gateway.server import GenerationServicer
 from specdec.errors import Unavailable
 from specdec.logging import configure_logging
@@ -55,36 +57,42 @@ async def serve(
     """Connect to the services and the state store (inside the event loop that uses them: gRPC aio
     channels and redis.asyncio connections belong to one loop), then serve until SIGTERM/SIGINT."""
     log = structlog.get_logger("gateway")
-    backends = Backends(
-        config.primary_address,
-        config.draft_address,
-        config.validator_address,
-        config.rpc_timeout_s,
-        config.server.max_message_bytes * 32,
-        config.is_logits_via_handle,
-        service_token=service_token,
+
+    def make_backends(node: NodeAddress) -> Backends:
+        return Backends(
+            node.primary_address,
+            node.draft_address,
+            node.validator_address,
+            config.rpc_timeout_s,
+            config.server.max_message_bytes * 32,
+            config.is_logits_via_handle,
+            service_token=service_token,
+        )
+
+    nodes = None if config.nodes is None else NodePool(config.nodes, make_backends, config.node_pool)
+    backends = None
+    if nodes is None:
+        backends = make_backends(NodeAddress(config.primary_address, config.draft_address, config.validator_address))
+    store = open_async_state_store(
+        config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s, lease_s=config.owner_lease_s)
     )
-    store = open_async_state_store(config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s))
     servicer = None
     try:
-        give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
-        while True:
-            try:
-                model = await backends.model_info()
-                break
-            except Unavailable:
-                if time.monotonic() > give_up:
-                    raise
-                await asyncio.sleep(0.5)
+        if nodes is not None:
+            await nodes.start()
+        backends, model = await _model_info(backends, nodes)
         owner = f"gateway@{socket.gethostname()}:{config.server.port}"
         registry = CollectorRegistry()
         metrics = GatewayMetrics(registry)
-        servicer = GenerationServicer(config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys)
+        servicer = GenerationServicer(
+            config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys, nodes=nodes
+        )
         log.info(
             "gateway ready",
-            primary=config.primary_address,
-            draft=config.draft_address,
-            validator=config.validator_address,
+            primary=config.primary_address if nodes is None else None,
+            draft=config.draft_address if nodes is None else None,
+            validator=config.validator_address if nodes is None else None,
+            nodes=None if nodes is None else list(nodes.listed),
             tls=config.server.is_tls,
             tenants=None if api_keys is None else sorted(api_keys.tenants),
             state_store=f"redis ({parse_redis_url(config.redis_url).kind})" if config.redis_url else "in-process",
@@ -92,8 +100,9 @@ async def serve(
         )
 
         async def resume(_port: int) -> None:
-            if config.redis_url:
+            if config.redis_url:  # a shared store: requests of gateways that are gone go on here
                 await servicer.resume_active()
+                servicer.start_keeping_leases()
 
         # An asyncio server: open streams and requests hold no thread (gateway.server).
         await serve_aio(
@@ -107,8 +116,32 @@ async def serve(
         if servicer is not None:
             await servicer.stop_loops(max(config.server.grace_s, LOOP_STOP_TIMEOUT_S))
             servicer.grammars.close()
-        await backends.close()
+        if nodes is not None:
+            await nodes.close()
+        elif backends is not None:
+            await backends.close()
         await store.close()
+
+
+async def _model_info(backends: Backends | None, nodes: NodePool | None) -> tuple[Backends, ModelInfo]:
+    """The model (GetModelInfo) from the one node's primary, or from the first of --nodes' that
+    answers, and that node's backends (the servicer asks its draft pool for the strategies); waits
+    up to MODEL_INFO_TIMEOUT_S for one to answer (primaries load their model at start)."""
+    give_up = time.monotonic() + MODEL_INFO_TIMEOUT_S
+    while True:
+        node = None if nodes is None else nodes.first()
+        asked = backends if node is None else node.backends
+        try:
+            if asked is not None:
+                return asked, await asked.model_info()
+        except Unavailable:
+            pass
+        if time.monotonic() > give_up:
+            raise Unavailable("primary", f"no primary answered GetModelInfo within {MODEL_INFO_TIMEOUT_S:.0f} s")
+        await asyncio.sleep(0.5)
+        if nodes is not None:
+            await nodes.resolve()
+            await nodes.check()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec import acceptance_mode, pb
 from specdec.acceptance_mode import AcceptanceMode
@@ -63,6 +64,19 @@ class ModelInfo:
     max_context: int
     instance_id: str
     verify_costs_ms: dict[int, float]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrimaryStats:
+    """The primary's load and prefix cache (GetStats), what a gateway's router weighs."""
+
+    num_active_requests: int
+    kv_bytes: int
+    max_kv_bytes: int
+    queue_depth: int
+    prefix_block_tokens: int  # 0: no prefix cache
+    num_prefix_query_tokens: int
+    num_prefix_reused_tokens: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -251,6 +265,32 @@ class Backends:
             r.max_context_length,
             r.instance_id,
             {c.num_nodes: c.time_ms for c in r.verify_costs},
+        )
+
+    async def is_primary_serving(self, timeout_s: float) -> bool:
+        """One grpc.health.v1 Check of the primary's server: SERVING within timeout_s."""
+        stub = health_pb2_grpc.HealthStub(self._channels[0])
+        try:
+            r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def primary_stats(self, timeout_s: float) -> PrimaryStats:
+        try:
+            r = await self.primary.GetStats(
+                primary_pb2.GetStatsRequest(), timeout=timeout_s, metadata=outgoing_metadata(self._metadata)
+            )
+        except grpc.RpcError as e:
+            raise _domain_error(e, "primary") from None
+        return PrimaryStats(
+            r.num_active_requests,
+            r.kv_bytes,
+            r.max_kv_bytes,
+            r.queue_depth,
+            r.prefix_block_tokens,
+            r.num_prefix_query_tokens,
+            r.num_prefix_reused_tokens,
         )
 
     async def prefill(

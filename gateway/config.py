@@ -10,9 +10,14 @@ from pathlib import Path
 
 from gateway.cost_model import CostSettings
 from gateway.grammars import GrammarSettings
+from gateway.node_pool import NodePoolConfig
+from gateway.nodes import NodeSpec, parse_nodes, split_host_port
+from gateway.routing import LoadLimits
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
+from specdec.errors import InvalidArgument
+from specdec.state_store import DEFAULT_LEASE_S
 from specdec.logits_codec import FORMATS
-from specdec.flags import Flag, listen_flags, names, optional, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, listen_flags, names, optional, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.api_keys import check_public_exposure, public_access_flags
 from specdec.service.server import ServerConfig
@@ -105,6 +110,9 @@ class GatewayConfig:
     recovery_timeout_s: float = 120.0  # how long a request waits for a restarted primary
     max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S  # ... and for a state store that does not answer
     state_ttl_s: float = 24 * 3600.0
+    # How long a gateway's claim on a request lasts without renewal (renewed every third of it): a
+    # request whose gateway died is adopted by another after this long (gateway.follow).
+    owner_lease_s: float = DEFAULT_LEASE_S
     log_level: str = "INFO"
     # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
     # OpenMP workers of each RPC thread would spin on the cores the primary's forward needs.
@@ -121,12 +129,18 @@ class GatewayConfig:
     # (FIFO per tenant, round-robin across tenants); beyond both, RESOURCE_EXHAUSTED.
     max_active_requests: int = 64
     max_queued_requests: int = 128
+    # --nodes: the nodes to route requests to (gateway.nodes), None: the one node of the three
+    # addresses above, as a gateway without --nodes always had; their health checks and load limits.
+    nodes: NodeSpec | None = None
+    node_pool: NodePoolConfig = NodePoolConfig()
 
     def __post_init__(self) -> None:
         if self.max_active_requests < 1:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
         if self.max_state_retry_s <= 0:
             raise ValueError(f"max_state_retry_s must be > 0, got {self.max_state_retry_s}")
+        if self.owner_lease_s <= 0:
+            raise ValueError(f"owner_lease_s must be > 0, got {self.owner_lease_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
@@ -195,6 +209,51 @@ FLAGS = (
         help="requests waiting for a turn (FIFO per tenant, round-robin across tenants); beyond "
         "them RESOURCE_EXHAUSTED with a retry-after-ms hint in the trailing metadata",
     ),
+    Flag(
+        "--nodes",
+        "",
+        help="the nodes (primary + draft pool + validator each) to route requests to: "
+        "host:primary_port[/draft_port/validator_port],... (draft and validator default to the ports of "
+        "--draft_address/--validator_address on each host), or dns:///name:primary_port[/draft/validator] "
+        "whose addresses are the nodes (a Kubernetes headless Service). Empty: the one node of the three "
+        "address flags",
+        group=NO_FIELD,
+    ),
+    Flag(
+        "--owner_lease_s",
+        help="a gateway's lease on its requests in the state store, renewed every third of it; another "
+        "gateway adopts a request whose gateway died once the lease lapsed",
+    ),
+    Flag(
+        "--node_check_interval_s",
+        help="health (grpc.health.v1) and load (GetStats) checks of each node",
+        group="node_pool",
+        field="check_interval_s",
+    ),
+    Flag(
+        "--node_resolve_interval_s",
+        help="how often a dns:/// --nodes name is resolved again",
+        group="node_pool",
+        field="resolve_interval_s",
+    ),
+    Flag(
+        "--node_max_kv_fraction",
+        help="a node whose KV cache is this full sheds new requests to the next node on the ring",
+        group="node_limits",
+        field="max_kv_fraction",
+    ),
+    Flag(
+        "--node_max_active_requests",
+        help="... or that holds this many requests (0: no limit)",
+        group="node_limits",
+        field="max_active_requests",
+    ),
+    Flag(
+        "--node_max_queue_depth",
+        help="... or whose engine has this many calls waiting (0: no limit)",
+        group="node_limits",
+        field="max_queue_depth",
+    ),
 )
 CONFIGS = {
     "": GatewayConfig,
@@ -202,6 +261,8 @@ CONFIGS = {
     "speculation": SpeculationDefaults,
     "costs": CostSettings,
     "grammar": GrammarSettings,
+    "node_pool": NodePoolConfig,
+    "node_limits": LoadLimits,
 }
 
 
@@ -213,5 +274,21 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         speculation=SpeculationDefaults(**values(a, FLAGS, "speculation")),
         costs=CostSettings(**values(a, FLAGS, "costs")),
         grammar=GrammarSettings(**values(a, FLAGS, "grammar")),
+        nodes=_nodes(a.nodes, a.draft_address, a.validator_address),
+        node_pool=NodePoolConfig(**values(a, FLAGS, "node_pool"), limits=LoadLimits(**values(a, FLAGS, "node_limits"))),
         **values(a, FLAGS),
     )
+
+
+def _nodes(text: str, draft_address: str, validator_address: str) -> NodeSpec | None:
+    """--nodes parsed (None when empty); a ValueError naming --nodes when it does not parse."""
+    if not text:
+        return None
+    try:
+        ports = [
+            split_host_port(a, f"--{name}")
+            for name, a in (("draft_address", draft_address), ("validator_address", validator_address))
+        ]
+        return parse_nodes(text, ports[0][1], ports[1][1])
+    except InvalidArgument as e:
+        raise ValueError(str(e)) from None

@@ -53,6 +53,7 @@ from gateway.config import GRAMMAR_MAX_SPELLINGS
 from gateway.acceptance_memory import AcceptanceMemory
 from gateway.cost_model import CostModel, CostSettings, cost_model_for, one_row_ms
 from gateway.dependencies import DependencyState
+from gateway.node_pool import Node
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.repeats import MIN_REPEAT_TOKENS, RepeatIndex
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S, give_up_at, with_state_retries
@@ -311,6 +312,8 @@ class RequestLoop:
         step_costs: StepCosts | None = None,
         acceptance_memory: AcceptanceMemory | None = None,
         min_repeat_tokens: int = MIN_REPEAT_TOKENS,
+        node_id: str = "",
+        failover: Callable[[str, str], Awaitable[Node | None]] | None = None,
     ) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         # The request's parameters as stored (params_to_json): what _restore writes back should the
@@ -325,6 +328,11 @@ class RequestLoop:
         # The primary's lease from the latest prefill, until a step's write has stored it (a
         # successor gateway re-prefills the live slot with it).
         self.unstored_kv_lease: str | None = None
+        # The node the request runs on (gateway.nodes; "" with a single node) and the one a prefill
+        # moved it to, until a step's write has stored it. failover(node_id, error): another node
+        # for the request when its node's primary is unavailable (gateway.node_pool), or None.
+        self.node_id, self.failover = node_id, failover
+        self.unstored_node: str | None = None
         self.kv_lease = ""  # the latest prefill's lease, stored or not (_restore writes it back)
         self.generated: list[int] = list(generated)
         self.stats = stats or RequestStats(num_prompt_tokens=len(prompt_ids))
@@ -1059,7 +1067,7 @@ class RequestLoop:
             await check
         num_attempts = 0
 
-        kv_lease = self.unstored_kv_lease
+        kv_lease, node = self.unstored_kv_lease, self.unstored_node
 
         async def append() -> None:
             nonlocal num_attempts
@@ -1072,6 +1080,7 @@ class RequestLoop:
                 controller_state=controller,
                 owner=self.owner,
                 kv_lease=kv_lease,
+                node=node,
             )
 
         try:
@@ -1083,6 +1092,8 @@ class RequestLoop:
             await self._restore(e, num_stored + len(kept), stats, controller)
         if self.unstored_kv_lease == kv_lease:  # not renewed by a re-prefill meanwhile
             self.unstored_kv_lease = None
+        if self.unstored_node == node:
+            self.unstored_node = None
         return True
 
     def _unstore(self, pending: _PendingStep) -> None:
@@ -1171,6 +1182,7 @@ class RequestLoop:
                 error=error,
                 owner=self.owner,
                 kv_lease=self.kv_lease or None,
+                node=self.node_id or None,
             )
 
         try:
@@ -1243,6 +1255,28 @@ class RequestLoop:
         asks (calls of requests without stay as they were)."""
         return {} if self.params.logprobs is None else {"logprobs": self.params.logprobs}
 
+    async def _fail_over(self, error: str) -> bool:
+        """Move the request to another node (failover) after its primary was unavailable: True when it
+        moved; the caller then re-prefills the prompt and the committed tokens there, and the stream
+        goes on from the last committed token. The new node's draft pool hears the whole context with
+        the next Propose. The old node's slot, if its primary lives, expires with its lease."""
+        if self.failover is None:
+            return False
+        node = await self.failover(self.node_id, error)
+        if node is None:
+            return False
+        self.log.warning(
+            "request failing over to another node",
+            from_node=self.node_id,
+            to_node=node.node_id,
+            num_reprefill_tokens=len(self.prompt_ids) + len(self.generated),
+            error=error,
+        )
+        self.backends, self.node_id = node.backends, node.node_id
+        self.draft_state, self.validator_state = node.draft_state, node.validator_state
+        self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
+        return True
+
     async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
         """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
 
@@ -1273,6 +1307,7 @@ class RequestLoop:
                     self.pending_features = (prefilled.features, len(context) - 1) if has_features else None
                     self.stats.forward_ms += prefilled.time_ms
                     self.unstored_kv_lease = prefilled.kv_lease or None
+                    self.unstored_node = self.node_id or None
                     self.kv_lease = prefilled.kv_lease
                     if is_fresh:  # the request's own prefill, not a recovery's
                         self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
@@ -1289,6 +1324,8 @@ class RequestLoop:
                 self.is_step_disturbed = True
                 if time.monotonic() > give_up or self.cancel.is_set():
                     raise
+                needs_prefill = True
+                if await self._fail_over(str(e)):
+                    continue
                 self.log.warning("primary unavailable; waiting", error=str(e))
                 await asyncio.sleep(RECOVERY_POLL_S)
-                needs_prefill = True

@@ -36,6 +36,7 @@ from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
 from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
+from gateway.follow import follow, is_orphaned
 from gateway.config import GatewayConfig
 from gateway.controller import ControllerConfig
 from gateway.acceptance_memory import AcceptanceMemory
@@ -44,6 +45,7 @@ from gateway.step_costs import StepCosts
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
 from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.node_pool import Node, NodePool
 from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
@@ -64,7 +66,7 @@ from specdec.grammar.compiler import GrammarCacheConfig
 from specdec.logprobs import TokenLogprob
 from specdec.request_id import TENANT_SEPARATOR, tenant_of
 from specdec.service.api_keys import ApiKeys
-from specdec.model.tokenizer import Tokenizer
+from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import MEASURED_STRATEGIES
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -88,6 +90,11 @@ STATUSES = {
     RequestStatus.CANCELLED: gateway_pb2.REQUEST_STATUS_CANCELLED,
     RequestStatus.FAILED: gateway_pb2.REQUEST_STATUS_FAILED,
 }
+
+
+class _Retried(Exception):
+    """A request id stored already with the same parameters and prompt: the client retries it (its
+    gateway died, its connection dropped); the call follows the stored request (gateway.follow)."""
 
 
 def controller_config_for(acceptance_priors: Mapping[str, Sequence[float]]) -> ControllerConfig:
@@ -129,6 +136,9 @@ async def _in_thread(fn, *args, **kwargs):
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
+    nodes: NodePool | None = None  # see __init__
+    _lease_task: asyncio.Task | None = None  # keep_leases, with a shared store
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -140,8 +150,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         metrics: GatewayMetrics | None = None,
         grammars: Grammars | None = None,
         api_keys: ApiKeys | None = None,
+        nodes: NodePool | None = None,
     ) -> None:
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
+        # --nodes: the nodes new requests are routed to, and a request fails over between (None: the
+        # one node of `backends`). `backends` is then one of theirs, asked for the model and the pool.
+        self.nodes = nodes
         self.max_state_retry_s = config.max_state_retry_s  # a write waits this long for the store to answer
         self.owner, self.metrics, self.api_keys = owner, metrics, api_keys
         self.prompt_encoder = PromptEncoder(tokenizer)
@@ -184,7 +198,20 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context):
         arrived_s = time.perf_counter()
-        client_id, loop, ticket = await self._start(request, context)
+        try:
+            client_id, loop, ticket = await self._start(request, context)
+        except _Retried:
+            final = None
+            async for message in self._followed(request, context):
+                final = message
+            assert final is not None and final.is_final
+            return gateway_pb2.GenerateResponse(
+                request_id=final.request_id,
+                text=final.text,
+                token_ids=final.token_ids,
+                finish_reason=final.finish_reason,
+                stats=final.stats,
+            )
         async with contextlib.aclosing(self._run(loop, client_id, ticket, arrived_s)) as steps:
             async for _ in steps:
                 pass
@@ -207,7 +234,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
 
     async def GenerateStream(self, request, context):
         arrived_s = time.perf_counter()
-        client_id, loop, ticket = await self._start(request, context)
+        try:
+            client_id, loop, ticket = await self._start(request, context)
+        except _Retried:
+            async for message in self._followed(request, context, is_streamed=True):
+                yield message
+            return
         reader = reader_for(loop.params.tools) if loop.params.tools.is_parsed else None
         num_calls = 0
         is_prompt_sent = False  # the prompt's log probabilities ride on the first message
@@ -295,6 +327,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             state = await self.store.load(request_id)
         if state is None:
             raise NotFound("request_id", f"no request {client_id!r} (unknown or expired)")
+        if is_orphaned(state, self.config.owner_lease_s):  # its gateway is gone: it goes on here
+            self._in_background(self.adopt(request_id), name=f"adopt {request_id}")
         from gateway.params import params_pb_from_json
 
         return gateway_pb2.GetRequestResponse(
@@ -370,7 +404,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             with self._told_as_client(request_id, client_id):
                 queue_s = await self._await_turn(request_id, ticket, is_queued, deadline, cancel)
             loop = self.make_loop(
-                request_id, params, prompt_ids, cancel, deadline, grammar=grammar, stored_params=params_to_json(stored)
+                request_id,
+                params,
+                prompt_ids,
+                cancel,
+                deadline,
+                grammar=grammar,
+                stored_params=params_to_json(stored),
+                node=self._place(request_id, prompt_ids),
             )
         except BaseException as e:
             ticket.release()
@@ -436,8 +477,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 is_retry = True
                 raise
             except AlreadyExists:
-                state = await self.store.load(request_id) if is_retry else None
+                state = await self.store.load(request_id)
                 if state is None or state.params != params or list(state.prompt_token_ids) != list(prompt_ids):
+                    raise
+                # not this call's own write that landed: the client's retry of a request still running
+                # (an ended one's id stays refused: GetRequest has its output)
+                if not is_retry and not state.status.is_terminal:
+                    raise _Retried() from None
+                if not is_retry:
                     raise
 
         with self._told_as_client(request_id, client_id):
@@ -529,8 +576,14 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         task.add_done_callback(done)
         return task
 
+    def start_keeping_leases(self) -> None:
+        """keep_leases() in a task, until close()."""
+        self._lease_task = asyncio.create_task(self.keep_leases(), name="keep-leases")
+
     def close(self) -> None:
         """Cancel every running loop (each stops within a step and stores CANCELLED)."""
+        if self._lease_task is not None:
+            self._lease_task.cancel()
         with self._lock:
             for cancel in self._active.values():
                 cancel.set()
@@ -584,13 +637,15 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         controller_state=None,
         grammar=None,
         stored_params=None,
+        node: Node | None = None,
     ) -> RequestLoop:
+        """The request's loop, on `node` (None: the gateway's one node)."""
         spec = self.config.speculation
         return RequestLoop(
             request_id,
             params,
             prompt_ids,
-            self.backends,
+            self.backends if node is None else node.backends,
             self.store,
             self.tokenizer,
             self.model,
@@ -606,14 +661,38 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             controller_config=self.controller_config,
             controller_state=controller_state,
             grammar=grammar,
-            validator_state=self.validator_state,
-            draft_state=self.draft_state,
+            validator_state=self.validator_state if node is None else node.validator_state,
+            draft_state=self.draft_state if node is None else node.draft_state,
             call_deadlines=self.call_deadlines,
             stored_params=stored_params,
             step_costs=self.step_costs,
             acceptance_memory=self.acceptance_memory,
             max_state_retry_s=self.max_state_retry_s,
+            node_id="" if node is None else node.node_id,
+            failover=None if node is None else self._failover_of(request_id, prompt_ids),
         )
+
+    def _place(self, request_id: str, prompt_ids, stored_node: str = "") -> Node | None:
+        """The node a request runs on (None without --nodes): its stored node while that one is
+        healthy (a resumed request, whose slot may live there), else the router's choice."""
+        if self.nodes is None:
+            return None
+        node = self.nodes.nodes.get(stored_node)
+        if node is not None and node.is_healthy and stored_node in self.nodes.listed:
+            return node
+        placed = self.nodes.place(prompt_ids, self._tenant_of(request_id))
+        if placed is None:
+            raise Unavailable("request_id", f"request {request_id!r}: no node is known yet; retry later")
+        return placed
+
+    def _failover_of(self, request_id: str, prompt_ids):
+        assert self.nodes is not None
+        nodes, scope = self.nodes, self._tenant_of(request_id)
+
+        async def failover(node_id: str, error: str) -> Node | None:
+            return await nodes.fail_over(node_id, prompt_ids, scope, error)
+
+        return failover
 
     def _availability_recorder(self, name: str):
         if self.metrics is None:
@@ -684,45 +763,102 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     async def resume_active(self) -> list[str]:
         """Finish requests that a previous gateway left running (state from the store): each one's
         loop runs in a task, like an admitted request's."""
-        from gateway.params import params_pb_from_json
-
-        resumed = []
-        for request_id in await self.store.list_active():
-            if not await self.store.claim(request_id, self.owner):
-                continue
-            state = await self.store.load(request_id)
-            if state is None:
-                continue
-            params = params_from_pb(
-                params_pb_from_json(state.params), self.config.limits, self.config.speculation, self._offered_strategies
-            )
-            cancel = threading.Event()
-            with self._lock:
-                self._active[request_id] = cancel
-            grammar = None if params.response_format is None else self.grammars.new_state(params.response_format)
-            # The previous gateway's lease: the primary may still hold the request's slot, and lets
-            # only the lease's holder re-prefill it.
-            self.backends.adopt_kv_lease(request_id, state.kv_lease)
-            loop = self.make_loop(
-                request_id,
-                params,
-                state.prompt_token_ids,
-                cancel,
-                None,
-                state.token_ids,
-                RequestStats.from_dict(state.stats),
-                state.controller_state,
-                grammar,
-                stored_params=state.params,
-            )
-            # A slot like any request's: a restart with many requests in flight must not run more
-            # than max_active_requests at once.
-            ticket = self.admission.enter(self._tenant_of(request_id), is_accepted=True)
-            self._in_background(self._resumed(loop, ticket), name=f"resume {request_id}")
-            resumed.append(request_id)
+        resumed = [request_id for request_id in await self.store.list_active() if await self.adopt(request_id)]
         if resumed:
             self.log.info("resumed requests", request_ids=resumed)
         return resumed
+
+    async def adopt(self, request_id: str) -> bool:
+        """Run a stored request here from its stored tokens (its gateway is gone), if this gateway can
+        claim it (no other gateway holds its lease) and does not run it already."""
+        from gateway.params import params_pb_from_json
+
+        with self._lock:
+            if request_id in self._active:
+                return False
+        if not await self.store.claim(request_id, self.owner):
+            return False
+        state = await self.store.load(request_id)
+        if state is None:
+            return False
+        params = params_from_pb(
+            params_pb_from_json(state.params), self.config.limits, self.config.speculation, self._offered_strategies
+        )
+        cancel = threading.Event()
+        with self._lock:
+            if request_id in self._active:  # adopted meanwhile by another of this gateway's calls
+                return False
+            self._active[request_id] = cancel
+        grammar = None if params.response_format is None else self.grammars.new_state(params.response_format)
+        # The previous gateway's lease: the primary may still hold the request's slot, and lets
+        # only the lease's holder re-prefill it (on its stored node; another node has no slot).
+        node = self._place(request_id, state.prompt_token_ids, state.node)
+        if node is None or node.node_id == state.node:
+            (self.backends if node is None else node.backends).adopt_kv_lease(request_id, state.kv_lease)
+        loop = self.make_loop(
+            request_id,
+            params,
+            state.prompt_token_ids,
+            cancel,
+            None,
+            state.token_ids,
+            RequestStats.from_dict(state.stats),
+            state.controller_state,
+            grammar,
+            stored_params=state.params,
+            node=node,
+        )
+        # A slot like any request's: a restart with many requests in flight must not run more
+        # than max_active_requests at once.
+        ticket = self.admission.enter(self._tenant_of(request_id), is_accepted=True)
+        self._in_background(self._resumed(loop, ticket), name=f"resume {request_id}")
+        self.log.info("adopted request", request_id=request_id, num_tokens=len(state.token_ids), node=loop.node_id)
+        return True
+
+    async def keep_leases(self) -> None:
+        """Until cancelled: every lease_s / 3, renew the lease of each request this gateway runs or
+        queues (a step's write renews it too, but a queued or slow request writes none), and adopt
+        the requests whose gateway is gone (gateway.follow.is_orphaned)."""
+        lease_s = self.config.owner_lease_s
+        while True:
+            await asyncio.sleep(lease_s / 3)
+            try:
+                with self._lock:
+                    mine = list(self._active)
+                await asyncio.gather(*(self.store.claim(r, self.owner) for r in mine), return_exceptions=True)
+                for request_id in await self.store.list_active():
+                    state = None if request_id in mine else await self.store.load(request_id)
+                    if state is not None and is_orphaned(state, lease_s):
+                        await self.adopt(request_id)
+            except Exception as e:  # noqa: BLE001 - the store may be failing over: next round
+                self.log.warning("could not renew or adopt requests", error=str(e))
+
+    async def _followed(self, request, context, is_streamed: bool = False):
+        """The stream of a retried request (_Retried): its stored output so far, then each step
+        stored, then a final message; the request is adopted here if its gateway is gone."""
+        client_id = pb.request_id_from_pb(request.request_id)
+        request_id = self._scoped(context, client_id)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        num_sent, text, state = 0, "", None
+        with self._told_as_client(request_id, client_id):
+            async for state in follow(self.store, request_id, self.adopt, self.config.owner_lease_s):
+                new = list(state.token_ids[num_sent:])
+                num_sent, delta = len(state.token_ids), detok.add(new)
+                text += delta
+                if is_streamed and (new or delta):
+                    yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=delta, token_ids=new)
+        assert state is not None
+        if state.status == RequestStatus.FAILED:
+            raise Unavailable("request_id", f"request {client_id!r} failed: {state.error or 'see the gateway log'}")
+        tail = detok.finish()
+        yield gateway_pb2.GenerateStreamResponse(
+            request_id=client_id,
+            is_final=True,
+            text=tail if is_streamed else text + tail,
+            token_ids=[] if is_streamed else state.token_ids,
+            finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
+            stats=RequestStats.from_dict(state.stats).to_pb(),
+        )
 
     async def _resumed(self, loop: RequestLoop, ticket: Ticket) -> None:
         try:

@@ -362,12 +362,14 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             kv_bytes=engine.kv_bytes,
             max_kv_bytes=self.max_kv_bytes,
             weight_bytes=self.loaded.weight_bytes,
+            queue_depth=self.worker.queue_depth,
         )
         if (cache := engine.prefix_cache) is not None:  # plain ints the engine thread updates: read as they are
             response.prefix_cache_bytes = cache.num_bytes
             response.max_prefix_cache_bytes = cache.max_bytes
             response.num_prefix_query_tokens = cache.stats.num_query_tokens
             response.num_prefix_reused_tokens = cache.stats.num_reused_tokens
+            response.prefix_block_tokens = cache.block_tokens
         return response
 
     def _allowed_tokens(self, request, num_rows: int) -> TokenBitmask | None:

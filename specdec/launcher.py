@@ -152,13 +152,17 @@ class ServiceSpec:
     health_ca_file: str = ""  # it serves TLS: health checks trust these PEM roots
     is_reporting_restarts: bool = False  # gets --service_restarts_file (Stack.num_restarts, for its /metrics)
     is_reporting_progress: bool = False  # gets --progress_file; Stack's on_progress hears its start-up events
+    # (primary, draft, validator) service names per node: a gateway of several nodes gets
+    # --nodes host:primary_port/draft_port/validator_port,... (gateway.nodes)
+    node_services: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.command:
             raise ValueError("name and command must not be empty")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
-        missing = {dep for _, dep in self.address_flags} - set(self.depends_on)
+        missing = {dep for _, dep in self.address_flags} | {n for node in self.node_services for n in node}
+        missing -= set(self.depends_on)
         if missing:
             raise ValueError(f"{self.name}: address_flags name services not in depends_on: {sorted(missing)}")
 
@@ -626,6 +630,12 @@ class Stack:
         ]
         for flag, dep in spec.address_flags:
             argv += [flag, self._address(self._get(dep).port)]
+        if spec.node_services:
+            nodes = (
+                self._address(self._get(p).port) + f"/{self._get(d).port}/{self._get(v).port}"
+                for p, d, v in spec.node_services
+            )
+            argv += ["--nodes", ",".join(nodes)]
         if spec.is_taking_service_token and self._secrets_dir is not None:
             argv += ["--service_token_file", str(self._secrets_dir / TOKEN_FILE_NAME)]
         if spec.is_reporting_restarts:

@@ -107,9 +107,10 @@ class AsyncRedisStateStore(RedisStoreBase):
         error: str | None = None,
         owner: str | None = None,
         kv_lease: str | None = None,
+        node: str | None = None,
     ) -> int:
         args = self._step_args(
-            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner, kv_lease
+            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner, kv_lease, node
         )
         with redis_errors(request_id, expected_num_tokens, owner):
             num_tokens = int(await self._step(self.keys(request_id), args))

@@ -46,6 +46,7 @@ class _Entry:
     owner: str = ""
     owner_expires_at: float = 0.0
     kv_lease: str = ""
+    node: str = ""
 
 
 class InMemoryStateStore:
@@ -98,6 +99,7 @@ class InMemoryStateStore:
         error: str | None = None,
         owner: str | None = None,
         kv_lease: str | None = None,
+        node: str | None = None,
     ) -> int:
         check_step(status, expected_num_tokens)
         packed = encode_token_ids(token_ids)
@@ -127,6 +129,8 @@ class InMemoryStateStore:
                 entry.error = error
             if kv_lease is not None:
                 entry.kv_lease = kv_lease
+            if node is not None:
+                entry.node = node
             if status is not None:
                 entry.status = status
                 if status.is_terminal:
@@ -171,6 +175,7 @@ class InMemoryStateStore:
                 created_ms=entry.created_ms,
                 updated_ms=entry.updated_ms,
                 kv_lease=entry.kv_lease,
+                node=entry.node,
             )
 
     def list_active(self) -> list[str]:

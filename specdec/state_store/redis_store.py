@@ -3,7 +3,7 @@
 Keys of request R, all expiring ttl_s after the request's last write:
     {ns}:req:{R}:meta    hash: params, status, stats, controller (JSON text),
                          finish_reason, error, created_ms, updated_ms,
-                         kv_lease (once the gateway wrote one)
+                         kv_lease, node (once the gateway wrote them)
     {ns}:req:{R}:tokens  string: committed token ids, int32 little-endian,
                          grown with APPEND (4 bytes per token, one value)
     {ns}:req:{R}:prompt  string: prompt token ids, same packing
@@ -191,6 +191,7 @@ class RedisStoreBase:
         error: str | None,
         owner: str | None,
         kv_lease: str | None = None,
+        node: str | None = None,
     ) -> list[bytes | str | int]:
         """The step script's ARGV (append_step's arguments, checked and encoded)."""
         check_step(status, expected_num_tokens)
@@ -202,6 +203,7 @@ class RedisStoreBase:
             ("finish_reason", finish_reason),
             ("error", error),
             ("kv_lease", kv_lease),
+            ("node", node),
         ):
             if value is not None:
                 fields += [name, value]
@@ -243,6 +245,7 @@ class RedisStoreBase:
             created_ms=int(text["created_ms"]),
             updated_ms=int(text["updated_ms"]),
             kv_lease=text.get("kv_lease", ""),
+            node=text.get("node", ""),
         )
 
     def _queue_statuses(self, pipe: Any, members: list[bytes]) -> tuple[list[str], Any]:
@@ -334,9 +337,10 @@ class RedisStateStore(RedisStoreBase):
         error: str | None = None,
         owner: str | None = None,
         kv_lease: str | None = None,
+        node: str | None = None,
     ) -> int:
         args = self._step_args(
-            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner, kv_lease
+            token_ids, expected_num_tokens, status, stats, controller_state, finish_reason, error, owner, kv_lease, node
         )
         with redis_errors(request_id, expected_num_tokens, owner):
             num_tokens = int(self._step(self.keys(request_id), args))

@@ -92,6 +92,9 @@ class RequestState:
     # The primary's lease on the request's KV slot (PrefillResponse.kv_lease), as the gateway
     # last wrote it: a successor gateway re-prefills the live slot with it. "" when none.
     kv_lease: str = ""
+    # The node (gateway.nodes: its primary's address) whose primary holds that slot: the node the
+    # request runs on. "" when none was recorded (a single-node gateway, or not prefilled yet).
+    node: str = ""
 
 
 class StateStore(Protocol):
@@ -127,10 +130,11 @@ class StateStore(Protocol):
         error: str | None = None,
         owner: str | None = None,
         kv_lease: str | None = None,
+        node: str | None = None,
     ) -> int:
         """The per-step write, atomic and one round trip: append committed
         tokens and replace whichever of status/stats/controller_state/
-        finish_reason/error/kv_lease are given. expected_num_tokens (the count before
+        finish_reason/error/kv_lease/node are given. expected_num_tokens (the count before
         this step) keys the step: a replay of a step already applied (the log ends
         with exactly its tokens at that position; its reply was lost) succeeds with
         the count and writes nothing; any other write at a count that does not match
@@ -189,6 +193,7 @@ class AsyncStateStore(Protocol):
         error: str | None = None,
         owner: str | None = None,
         kv_lease: str | None = None,
+        node: str | None = None,
     ) -> int: ...
 
     async def set_status(

@@ -101,3 +101,12 @@ def test_summarize_load_gives_each_ttft_over_the_same_request_alone():
     assert out["ttft_vs_alone_first_wave"] == {"p50": pytest.approx(2.0), "p99": pytest.approx(1.0 + 0.99 * 2.0)}
     assert out["reference_ttft_ms"]["p50"] == pytest.approx(150.0)
     assert "ttft_vs_alone" not in summarize_load(traces, wall_s=2.0, is_stream=True, num_clients=2)
+
+
+def test_load_takes_several_gateways_on_loopback_only():
+    from bench.load import parse_args
+
+    a = parse_args(["--address", "127.0.0.1:5001, 127.0.0.1:5002"])
+    assert a.addresses == ["127.0.0.1:5001", "127.0.0.1:5002"]
+    with pytest.raises(SystemExit):
+        parse_args(["--address", "127.0.0.1:5001,10.0.0.2:5002"])

@@ -132,7 +132,8 @@ def test_prefill_verify_commit_decode_release(primary):
     assert info.vocab_size == engine.vocab_size and info.instance_id == "instance-1"
     assert stub.ExportWeights(primary_pb2.ExportWeightsRequest()).manifest.memory.segment_name
     freed = stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="r", kv_lease=lease)).freed_kv_bytes
-    assert freed > 0 and stub.GetStats(primary_pb2.GetStatsRequest()).kv_bytes == 0
+    stats = stub.GetStats(primary_pb2.GetStatsRequest())
+    assert freed > 0 and stats.kv_bytes == 0 and stats.queue_depth == 0
 
 
 def fp16(features: torch.Tensor) -> np.ndarray:

@@ -191,6 +191,18 @@ def test_the_kv_lease_is_kept_for_a_successor_gateway(harness: Harness) -> None:
     assert harness.store.load("r1").kv_lease == "b" * 32
 
 
+def test_the_node_is_recorded_for_the_request(harness: Harness) -> None:
+    """The node a request runs on, written with a step, loads back until a failover replaces it."""
+    harness.store.create("r1", PARAMS)
+    assert harness.store.load("r1").node == ""
+    harness.store.append_step("r1", [1], kv_lease="a" * 32, node="10.0.0.1:50051")
+    harness.store.append_step("r1", [2])
+    assert harness.store.load("r1").node == "10.0.0.1:50051"
+    harness.store.append_step("r1", [3], kv_lease="b" * 32, node="10.0.0.2:50051")
+    state = harness.store.load("r1")
+    assert (state.node, state.kv_lease) == ("10.0.0.2:50051", "b" * 32)
+
+
 def test_token_count_mismatch_rejects_the_whole_write(harness: Harness) -> None:
     harness.store.create("r1", PARAMS)
     harness.store.append_step("r1", [1, 2], expected_num_tokens=0)

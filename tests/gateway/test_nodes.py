@@ -1,0 +1,66 @@
+"""--nodes: static nodes with default or own ports, a DNS name, and every malformed value refused
+with an error naming --nodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.config import parse_config
+from gateway.nodes import NodeAddress, parse_nodes
+from specdec.errors import InvalidArgument
+
+
+def test_static_nodes_take_the_gateways_draft_and_validator_ports_unless_they_name_their_own():
+    spec = parse_nodes("10.0.0.5:50051, node-b:7051/7052/7053,[fd00::7]:9000", 50052, 50053)
+    assert spec.dns is None
+    assert spec.static == (
+        NodeAddress("10.0.0.5:50051", "10.0.0.5:50052", "10.0.0.5:50053"),
+        NodeAddress("node-b:7051", "node-b:7052", "node-b:7053"),
+        NodeAddress("[fd00::7]:9000", "[fd00::7]:50052", "[fd00::7]:50053"),
+    )
+    assert [n.node_id for n in spec.static] == ["10.0.0.5:50051", "node-b:7051", "[fd00::7]:9000"]
+
+
+def test_a_dns_name_stands_for_its_addresses_at_the_given_ports():
+    spec = parse_nodes("dns:///specdec-nodes.default.svc:50051", 50052, 50053)
+    assert spec.static == () and spec.dns is not None
+    assert spec.dns.name == "specdec-nodes.default.svc"
+    assert spec.dns.at("10.1.2.3") == NodeAddress("10.1.2.3:50051", "10.1.2.3:50052", "10.1.2.3:50053")
+    own = parse_nodes("dns:///nodes:1/2/3", 50052, 50053).dns
+    assert own is not None and own.at("fd00::1").validator_address == "[fd00::1]:3"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "empty entry"),
+        ("a:1,,b:1", "empty entry"),
+        ("a", "not host:port"),
+        ("a:0", "1..65535"),
+        ("a:70000", "1..65535"),
+        ("a:x", "1..65535"),
+        (":50051", "no valid host"),
+        ("a:1/2", "host:primary_port/draft_port/validator_port"),
+        ("a:1/2/3/4", "host:primary_port/draft_port/validator_port"),
+        ("a:1/1/2", "three different ports"),
+        ("a:1,a:1/5/6", "listed twice"),
+        ("dns:///n:1,a:1", "stands alone"),
+        ("fd00::1:50051", "not host:port"),
+        ("[fd00::1:50051", r"\[addr\]:port"),
+    ],
+)
+def test_malformed_nodes_are_refused_naming_the_flag(text, message):
+    with pytest.raises(InvalidArgument, match=message) as e:
+        parse_nodes(text, 50052, 50053)
+    assert e.value.field == "--nodes"
+
+
+def test_the_gateway_flag_parses_nodes_and_without_it_keeps_its_one_node(monkeypatch):
+    for name in ("SPECDEC_GATEWAY_NODES", "SPECDEC_NODES"):
+        monkeypatch.delenv(name, raising=False)
+    assert parse_config([]).nodes is None
+    config = parse_config(["--nodes", "a:1,b:1", "--draft_address", "x:7", "--node_max_active_requests", "3"])
+    assert config.nodes is not None and [n.draft_address for n in config.nodes.static] == ["a:7", "b:7"]
+    assert config.node_pool.limits.max_active_requests == 3
+    with pytest.raises(ValueError, match="--nodes"):
+        parse_config(["--nodes", "a:1,,b:2"])

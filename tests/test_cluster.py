@@ -1,0 +1,44 @@
+"""The local cluster's services: each node's three, every gateway wired to all nodes; and the
+command line that starts it."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference import parse_args
+from specdec.cluster import cluster_specs
+from specdec.launcher import StackConfig, waves
+
+
+def test_each_node_has_its_three_services_and_every_gateway_routes_to_all_nodes():
+    specs = cluster_specs(StackConfig(redis_url="redis://x"), 2, 3, ("--owner_lease_s", "5"))
+    by_name = {s.name: s for s in specs}
+    node_services = [f"{s}-{i}" for s in ("primary", "draft", "validator") for i in (0, 1)]
+    assert sorted(by_name) == sorted(node_services + ["gateway-0", "gateway-1", "gateway-2"])
+    assert by_name["draft-1"].address_flags == (("--primary_address", "primary-1"),)
+    assert by_name["primary-1"].depends_on == ("primary-0",)  # one primary calibrates at a time
+    for g in range(3):
+        gateway = by_name[f"gateway-{g}"]
+        assert gateway.node_services == (
+            ("primary-0", "draft-0", "validator-0"),
+            ("primary-1", "draft-1", "validator-1"),
+        )
+        assert gateway.address_flags == () and "--primary_address" not in gateway.command
+        assert gateway.command[-2:] == ("--owner_lease_s", "5")
+    assert [s.name for s in waves(specs)[-1]] == ["gateway-0", "gateway-1", "gateway-2"]
+
+
+def test_a_cluster_needs_redis_and_sane_counts():
+    with pytest.raises(ValueError, match="redis_url"):
+        cluster_specs(StackConfig(), 1, 2)
+    with pytest.raises(ValueError, match="num_nodes"):
+        cluster_specs(StackConfig(redis_url="redis://x"), 0, 1)
+
+
+def test_the_command_line_takes_nodes_and_gateways_only_to_serve(capsys):
+    args = parse_args(["--serve", "--nodes", "2", "--gateways", "2"])
+    assert (args.nodes, args.gateways) == (2, 2)
+    for argv in (["--prompt", "hi", "--nodes", "2"], ["--serve", "--prompt", "hi", "--gateways", "2"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "--serve and no --prompt" in capsys.readouterr().err
