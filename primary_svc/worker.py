@@ -581,9 +581,10 @@ class EngineWorker:
             for chunk in chunks:
                 self._fail_waiting(waiting[chunk.request_id], e)
             return
+        step_s = time.perf_counter() - start
         if engine.model.is_batch_invariant:
-            forward_ms = (time.perf_counter() - start) * 1000
-        self._record(verify_items, plan, chunks, num_forwards)
+            forward_ms = step_s * 1000
+        self._record(verify_items, plan, chunks, num_forwards, step_s)
         for chunk in chunks:
             w = waiting[chunk.request_id]
             w.entry.num_remaining = engine.num_to_prefill(chunk.request_id)
@@ -701,7 +702,9 @@ class EngineWorker:
             if i is not None:
                 i.future.set_exception(error)
 
-    def _record(self, verify_items: list, plan: StepPlan, chunks: list[PrefillChunk], num_forwards: int) -> None:
+    def _record(
+        self, verify_items: list, plan: StepPlan, chunks: list[PrefillChunk], num_forwards: int, step_s: float
+    ) -> None:
         verify_rows = plan.num_verify_rows if verify_items else 0
         prefill_rows = sum(c.num_tokens for c in chunks)
         self.step_rows = verify_rows + prefill_rows  # what the items' `finish` read next
@@ -716,6 +719,7 @@ class EngineWorker:
         )
         if self.metrics is not None:
             self.metrics.engine_steps.inc()
+            self.metrics.step_seconds.observe(step_s)
             self.metrics.step_rows.labels(kind="verify").observe(verify_rows)
             self.metrics.step_rows.labels(kind="prefill").observe(prefill_rows)
 
