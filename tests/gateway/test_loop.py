@@ -207,6 +207,14 @@ class FakeBackends:
         self.calls[-1][1]["num_tokens"] = len(tokens)
         return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
 
+    async def decode_stream(self, *args, num_context_tokens=0, **kwargs):
+        """decode's run as the primary streams it: a token a message, every one but the last committed
+        by the primary; the caller's context (before its commit) must be the primary's."""
+        assert num_context_tokens == len(self.primary_context), "the caller does not know the primary's context"
+        decoded = await self.decode(*args, **kwargs)
+        for i, token in enumerate(decoded.token_ids):
+            yield Decoded(token, 0.0, self.other_rows, (token,), is_run_end=i == len(decoded.token_ids) - 1)
+
     async def validate(
         self, request_id, mode, sampling, acceptance_threshold, position, tree, verified, allowed=None
     ) -> Validation:
@@ -991,10 +999,8 @@ def test_a_step_the_store_refuses_never_reaches_the_output():
 
     outputs = asyncio.run(collect())
     stored = store.load("r1")
-    decodes = [call for name, call in backends.calls if name == "decode"]
-    assert stored.status == RequestStatus.CANCELLED and len(stored.token_ids) == sum(
-        c["num_tokens"] for c in decodes[:4]
-    )
+    # a write per engine step of the streamed runs: the first four tokens, the refused fifth never out
+    assert stored.status == RequestStatus.CANCELLED and len(stored.token_ids) == 4
     assert loop.outcome.finish_reason == "cancelled" and loop.outcome.token_ids == list(stored.token_ids)
     assert [t for out in outputs for t in out.token_ids] == list(stored.token_ids)
     assert loop.outcome.text == "".join(f"<{t}>" for t in stored.token_ids)

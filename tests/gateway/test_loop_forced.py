@@ -115,6 +115,15 @@ class TargetBackends:
             tokens.append(self._next())
         return Decoded(tokens[-1], 0.0, 0, tuple(tokens))
 
+    async def decode_stream(self, *args, num_context_tokens=0, **kwargs):
+        """decode's run as the primary streams it: a token a message, every one but the last committed
+        by the primary; the caller's context (before its commit) must be the primary's."""
+        assert num_context_tokens == len(self.context), "the caller does not know the primary's context"
+        decoded = await self.decode(*args, **kwargs)
+        tokens = decoded.token_ids or (decoded.token_id,)
+        for i, token in enumerate(tokens):
+            yield Decoded(token, 0.0, 0, (token,), is_run_end=i == len(tokens) - 1)
+
     async def validate(self, request_id, mode, sampling, threshold, step, tree, verified, allowed=None) -> Validation:
         num_accepted = next(
             (i for i in range(tree.num_nodes) if tree.token_ids[i] != verified.argmax_token_ids[i]), tree.num_nodes
