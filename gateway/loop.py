@@ -103,19 +103,20 @@ RECOVERY_POLL_S = 0.5
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
-# A plain step of a greedy request asks the primary for a run of tokens in one Decode
+# A plain step of a greedy request asks the primary for a run of tokens in one call
 # (DecodeRequest.max_tokens): the primary steps the request itself, in every engine step beside the
 # other requests', and the round trip between two tokens (a gRPC call each way, the gateway's own
-# step work) is paid once a run. Under a grammar the Decode carries the response format and the
+# step work) is paid once a run. Under a grammar the call carries the response format and the
 # primary masks each token by its own state of the grammar (primary_svc.run_grammars): under load a
-# round trip per token cost a constrained request about an engine step per token. A run is
-# DECODE_RUN_MAX tokens, and with adaptive speculation never longer than the stretch the controller
-# would plan plain anyway (until its next probe: AdaptiveController.plain_steps_ahead), so no draft
-# it wants is delayed. The run streams (primary.DecodeStream): each engine step's token is a loop step
-# of its own, stored and sent to the client as it comes, so a client hears from a run once an engine
-# step (32 streams: ~130 ms each on a CPU), not once a run. A request's first token is decoded alone
-# (a run of one): the time to the first token is what a streaming user waits on.
-DECODE_RUN_MAX = 8
+# round trip per token cost a constrained request about an engine step per token. The run streams
+# (primary.DecodeStream): each engine step's token is a loop step of its own, stored and sent to the
+# client as it comes, so a client hears from a run every engine step, and a run's length delays
+# nothing: a request's first token comes after the run's first step, as it would alone. So a run is
+# as long as the primary allows (DECODE_RUN_MAX, its MAX_DECODE_TOKENS): each run's end costs its
+# request a round trip, in which the engine steps without it (under load, a gap of two steps), and
+# with adaptive speculation never longer than the stretch the controller would plan plain anyway
+# (until its next probe: AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
+DECODE_RUN_MAX = 64
 # Tokens a Propose asks each model-free decoder for past the step's draft (ProposeRequest.
 # continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
 # first of them, the next step drafts the rest without asking the draft service (the round trip
@@ -922,11 +923,10 @@ class RequestLoop:
             await run.aclose()
 
     def _decode_run_length(self) -> int:
-        """How many tokens this plain step asks the primary for: one for a request's first token, and
-        unless the request is greedy; else DECODE_RUN_MAX (at most decode_run_max), with adaptive
-        speculation no more than the controller's plain steps ahead; never past max_new_tokens or the
-        context."""
-        if not self.params.sampling.is_greedy or not self.generated:
+        """How many tokens this plain step asks the primary for: one unless the request is greedy; else
+        DECODE_RUN_MAX (at most decode_run_max), with adaptive speculation no more than the controller's
+        plain steps ahead; never past max_new_tokens or the context."""
+        if not self.params.sampling.is_greedy:
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),
