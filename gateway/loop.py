@@ -111,12 +111,13 @@ MAX_FORCED_TOKENS = 32
 # round trip per token cost a constrained request about an engine step per token. The run streams
 # (primary.DecodeStream): each engine step's token is a loop step of its own, stored and sent to the
 # client as it comes, so a client hears from a run every engine step, and a run's length delays
-# nothing: a request's first token comes after the run's first step, as it would alone. So a run is
-# as long as the primary allows (DECODE_RUN_MAX, its MAX_DECODE_TOKENS): each run's end costs its
-# request a round trip, in which the engine steps without it (under load, a gap of two steps), and
-# with adaptive speculation never longer than the stretch the controller would plan plain anyway
-# (until its next probe: AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
-DECODE_RUN_MAX = 64
+# nothing: a request's first token comes after the run's first step, as it would alone. So a run
+# goes to the request's end (max_new_tokens, the context) unless a decode_run_max bounds it: each
+# run's end costs its request a round trip, in which the engine steps on without it (under load a gap
+# of two steps or more); the primary stops it at an end-of-sequence token, the loop cancels it at a
+# stop string, a cancel or the deadline. With adaptive speculation a run is never longer than the
+# stretch the controller would plan plain anyway (until its next probe:
+# AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
 # Tokens a Propose asks each model-free decoder for past the step's draft (ProposeRequest.
 # continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
 # first of them, the next step drafts the rest without asking the draft service (the round trip
@@ -318,7 +319,7 @@ class RequestLoop:
         draft_state: DependencyState | None = None,
         call_deadlines: CallDeadlines | None = None,
         max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
-        decode_run_max: int = DECODE_RUN_MAX,
+        decode_run_max: int | None = None,
         stored_params: Mapping[str, Any] | None = None,
         step_costs: StepCosts | None = None,
         acceptance_memory: AcceptanceMemory | None = None,
@@ -924,18 +925,18 @@ class RequestLoop:
 
     def _decode_run_length(self) -> int:
         """How many tokens this plain step asks the primary for: one unless the request is greedy; else
-        DECODE_RUN_MAX (at most decode_run_max), with adaptive speculation no more than the controller's
-        plain steps ahead; never past max_new_tokens or the context."""
+        the rest of the request (max_new_tokens, the context; at most decode_run_max when given), with
+        adaptive speculation no more than the controller's plain steps ahead."""
         if not self.params.sampling.is_greedy:
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),
             self.model.max_context - 1 - len(self.prompt_ids) - len(self.generated),
         )
-        run = DECODE_RUN_MAX
+        run = room if self.decode_run_max is None else min(room, self.decode_run_max)
         if self.controller is not None:
             run = min(run, self.controller.plain_steps_ahead(self._controller_state(), self._known_coverage()))
-        return max(1, min(run, self.decode_run_max, room))
+        return max(1, run)
 
     def _forced_after(self, new_tokens: list[int]) -> list[int]:
         """The tokens the grammar allows alone after this step's (GrammarState.forced_token_ids): any

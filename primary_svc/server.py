@@ -41,7 +41,8 @@ from specdec.weights.wire import manifest_to_pb
 _Verified = tuple[list[int], common_pb2.Logits, int, list[int], int, common_pb2.Features | None]
 
 # The most tokens one Decode may ask for (DecodeRequest.max_tokens): a call holds its caller at most
-# this many engine steps, so a cancel or deadline is seen within them.
+# this many engine steps, so a cancel or deadline is seen within them. A DecodeStream may ask for up to
+# the context: its caller hears of every step and cancels whenever it likes.
 MAX_DECODE_TOKENS = 64
 
 
@@ -226,7 +227,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
-        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id)
+        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id, MAX_DECODE_TOKENS)
         (token, step_rows), forward_ms = self.worker.verify(
             request_id,
             list(request.accepted_nodes),
@@ -250,7 +251,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         stream_decode); the RPC's end (a cancelled caller) ends the run at the next step boundary."""
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
-        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id)
+        run_max = self.identity.max_context
+        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id, run_max)
         steps: queue.SimpleQueue[_StreamedStep | None] = queue.SimpleQueue()
         cancel = threading.Event()
         context.add_callback(cancel.set)
@@ -284,7 +286,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             cancel.set()  # a caller gone mid-run (the generator closed): no further step
 
     def _plain_run(
-        self, request, request_id: str
+        self, request, request_id: str, max_run_tokens: int
     ) -> tuple[
         Callable[[torch.Tensor], tuple[int, int]],
         Callable[[tuple[int, int]], tuple[int] | None] | None,
@@ -310,7 +312,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.position))[0])
 
-        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None)
+        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None, max_run_tokens)
         tokens: list[int] = []
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         decoded_logprobs: list[TokenLogprob] = []
@@ -351,11 +353,11 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         prompt_ids = context[: len(context) - len(output_ids)]
         return penalize(logits, sampling, prompt_ids, output_ids, tree_token_ids, tree_parents)
 
-    def _decode_run(self, request, is_greedy_unmasked: bool) -> tuple[int, frozenset[int]]:
-        """A Decode's max_tokens (at least 1) and stop token ids, checked."""
+    def _decode_run(self, request, is_greedy_unmasked: bool, max_run_tokens: int) -> tuple[int, frozenset[int]]:
+        """A Decode's max_tokens (at least 1, at most max_run_tokens) and stop token ids, checked."""
         max_tokens = max(1, request.max_tokens)
-        if max_tokens > MAX_DECODE_TOKENS:
-            raise InvalidArgument("max_tokens", f"must be at most {MAX_DECODE_TOKENS}, got {request.max_tokens}")
+        if max_tokens > max_run_tokens:
+            raise InvalidArgument("max_tokens", f"must be at most {max_run_tokens}, got {request.max_tokens}")
         if max_tokens > 1 and not is_greedy_unmasked:
             raise InvalidArgument(
                 "max_tokens",

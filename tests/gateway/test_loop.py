@@ -29,7 +29,6 @@ from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState, SpeculationPlan
 from gateway.loop import (
     CONTINUATION_TOKENS,
-    DECODE_RUN_MAX,
     RequestLoop,
     StepOutput,
     bounded_config,
@@ -944,20 +943,21 @@ class RefusingStore(InMemoryStateStore):
 
 
 def test_plain_steps_decode_runs_of_tokens_in_one_call():
-    """Greedy without a grammar, a plain step asks the primary for a run (DecodeRequest.max_tokens) of
-    DECODE_RUN_MAX tokens with speculation off, the first token included (the run streams: it reaches
-    the client after the run's first step), never past max_new_tokens; the output is plain decoding's
-    and every token counts as a step."""
-    backends = FakeBackends()
-    num_tokens = 2 * DECODE_RUN_MAX + 22
-    loop = run(make_params(is_enabled=False, max_new_tokens=num_tokens), backends)
-    assert loop.outcome.token_ids == plain_decoding(PROMPT, num_tokens) and loop.outcome.finish_reason == "length"
-    decodes = [call for name, call in backends.calls if name == "decode"]
-    assert [c["max_tokens"] for c in decodes] == [DECODE_RUN_MAX, DECODE_RUN_MAX, 22]
-    assert loop.stats.num_steps == num_tokens == sum(loop.stats.num_steps_by_draft_length)
-    # each call commits the previous run's last token, the one the primary left pending
+    """Greedy without a grammar, a plain step asks the primary for a run (DecodeRequest.max_tokens):
+    with speculation off the whole request, its first token included (the run streams: that token
+    reaches the client after the run's first step); with decode_run_max, runs of at most that many.
+    The output is plain decoding's and every token counts as a step."""
+    num_tokens = 60
     truth = plain_decoding(PROMPT, num_tokens)
-    assert [c["committed"] for c in decodes] == [[], [truth[DECODE_RUN_MAX - 1]], [truth[2 * DECODE_RUN_MAX - 1]]]
+    for run_max, runs in ((None, [60]), (25, [25, 25, 10])):
+        backends = FakeBackends()
+        loop = run(make_params(is_enabled=False, max_new_tokens=num_tokens), backends, decode_run_max=run_max)
+        assert loop.outcome.token_ids == truth and loop.outcome.finish_reason == "length"
+        decodes = [call for name, call in backends.calls if name == "decode"]
+        assert [c["max_tokens"] for c in decodes] == runs
+        assert loop.stats.num_steps == num_tokens == sum(loop.stats.num_steps_by_draft_length)
+    # each call commits the previous run's last token, the one the primary left pending
+    assert [c["committed"] for c in decodes] == [[], [truth[24]], [truth[49]]]
 
 
 def test_a_run_ends_at_an_end_of_sequence_token():
@@ -967,15 +967,16 @@ def test_a_run_ends_at_an_end_of_sequence_token():
     loop = run(make_params(is_enabled=False, max_new_tokens=60), backends, model=model)
     assert loop.outcome.token_ids == truth[: truth.index(truth[10])] and loop.outcome.finish_reason == "eos"
     decodes = [call for name, call in backends.calls if name == "decode"]
-    assert decodes[-1]["num_tokens"] < DECODE_RUN_MAX  # the primary stopped the run at it
+    # the primary stopped the run at it
+    assert decodes[-1]["num_tokens"] == truth.index(truth[10]) + 1 < decodes[-1]["max_tokens"]
 
 
 def test_with_adaptive_speculation_a_run_never_moves_a_draft():
-    """A plain step decodes the controller's plain steps ahead (until its next probe, at most
-    DECODE_RUN_MAX) in one run: every speculative step comes at the same token as when each plain
-    token is a step of its own, the output is plain decoding's, and the runs take far fewer calls."""
+    """A plain step decodes the controller's plain steps ahead (until its next probe) in one run:
+    every speculative step comes at the same token as when each plain token is a step of its own, the
+    output is plain decoding's, and the runs take far fewer calls."""
     seen = {}
-    for run_max in (1, DECODE_RUN_MAX):
+    for run_max in (1, None):
         backends = FakeBackends(is_lookup_right=lambda n: 30 <= n < 45 or n >= 150)
         params = make_params(is_enabled=True, is_adaptive=True, degree=2, draft_length=6, max_new_tokens=240)
         loop = run(params, backends, decode_run_max=run_max)
@@ -984,9 +985,9 @@ def test_with_adaptive_speculation_a_run_never_moves_a_draft():
         decodes = [call for name, call in backends.calls if name == "decode"]
         verified_at = [call["position"] for name, call in backends.calls if name == "verify"]
         seen[run_max] = verified_at, len(decodes), max(call["max_tokens"] for call in decodes)
-    (at_one, calls_one, _), (at_runs, calls_runs, longest) = seen[1], seen[DECODE_RUN_MAX]
+    (at_one, calls_one, _), (at_runs, calls_runs, longest) = seen[1], seen[None]
     assert at_runs == at_one and sum(p >= 150 for p in at_one) > 5  # speculating again once drafts match
-    assert calls_runs < calls_one / 2 and 1 < longest <= DECODE_RUN_MAX
+    assert calls_runs < calls_one / 2 and longest > 1
 
 
 def test_a_step_the_store_refuses_never_reaches_the_output():

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from gateway.backends import EMPTY_TREE, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
-from gateway.loop import DECODE_RUN_MAX, RequestLoop
+from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
 from specdec.sampling import SamplingParams
@@ -148,7 +148,7 @@ class TargetBackends:
 
 
 def run_loop(
-    grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool, decode_run_max: int = 1
+    grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool, decode_run_max: int | None = 1
 ) -> RequestLoop:
     """The request under PERSON_SCHEMA; decode_run_max 1: every plain step decodes one token."""
     spec = SpeculationParams(is_enabled, 1, 4, 0.0, ("prompt_lookup",), TaskType.STRUCTURED, False)
@@ -210,9 +210,9 @@ def test_forced_tokens_join_the_commit_and_the_output_equals_plain_decoding(
 
 def test_plain_steps_under_a_grammar_decode_runs_that_the_primary_masks(grammar_cache, tokenizer, target):
     """With runs (the default), a plain step under a grammar sends the response format instead of a
-    mask, and the primary decodes up to DECODE_RUN_MAX tokens in the call; the output is the same."""
+    mask, and the primary decodes the rest of the request in the call; the output is the same."""
     backends = TargetBackends(target)
-    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=False, decode_run_max=DECODE_RUN_MAX)
+    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=False, decode_run_max=None)
     assert loop.outcome.token_ids == target[:-1] and loop.outcome.finish_reason == "eos"
     assert backends.num_grammar_runs > 0 and backends.num_decodes < len(target) // 2  # far fewer calls than tokens
     assert json.loads(tokenizer.decode(loop.outcome.token_ids))["unit"] == "celsius"

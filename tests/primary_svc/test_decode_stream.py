@@ -22,7 +22,8 @@ from specdec.v1 import logprobs_pb2, primary_pb2, primary_pb2_grpc
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
 MAX_CONTEXT = 512
-RUN = 64  # the longest run a call may ask for (server.MAX_DECODE_TOKENS)
+RUN = 64  # a run's tokens: Decode's longest (server.MAX_DECODE_TOKENS); a stream may run to the context
+LONG = RUN + 6  # a streamed run longer than a Decode's
 
 
 @pytest.fixture(scope="module")
@@ -93,32 +94,33 @@ class EngineHold:
 
 
 def test_a_stream_sends_each_step_s_token_before_the_run_ends(primary, reference):
-    """A run of RUN steps: its first message is out while the engine still has steps of it to take,
-    every message carries one token (the engine step's), only the last ends the run and leaves its
-    token pending; the tokens are plain decoding's, each with its log probability."""
+    """A run of LONG steps (longer than a Decode may ask for): its first message is out while the
+    engine still has steps of it to take, every message carries one token (the engine step's), only
+    the last ends the run and leaves its token pending; the tokens are plain decoding's, each with
+    its log probability."""
     stub, engine, worker = primary
     lease = prefill(stub, "s")
-    call = stream(stub, "s", lease, [], RUN, logprobs=logprobs_pb2.LogprobsOptions(num_top_logprobs=2))
+    call = stream(stub, "s", lease, [], LONG, logprobs=logprobs_pb2.LogprobsOptions(num_top_logprobs=2))
     messages = [next(call)]
     hold = EngineHold(worker)
     try:
         num_committed = engine.num_tokens("s") - len(PROMPT)  # the engine is still: its steps so far
-        # the client holds a token of a run the engine has not finished: its last step leaves RUN - 1
-        assert 1 <= num_committed < RUN - 1
+        # the client holds a token of a run the engine has not finished: its last step leaves LONG - 1
+        assert 1 <= num_committed < LONG - 1
         messages += [next(call) for _ in range(num_committed - 1)]  # the steps taken so far, sent already
         assert not any(m.is_run_end for m in messages)
     finally:
         hold.release()
     messages += list(call)
-    assert [list(m.token_ids) for m in messages] == [[t] for t in reference[:RUN]]
-    assert [m.is_run_end for m in messages] == [False] * (RUN - 1) + [True]
+    assert [list(m.token_ids) for m in messages] == [[t] for t in reference[:LONG]]
+    assert [m.is_run_end for m in messages] == [False] * (LONG - 1) + [True]
     assert all(m.forward_ms > 0 and m.num_step_rows >= 1 for m in messages)
-    assert [len(m.logprobs) for m in messages] == [1] * RUN
+    assert [len(m.logprobs) for m in messages] == [1] * LONG
     assert all(m.logprobs[0].token_id == m.token_ids[0] and len(m.logprobs[0].top_logprobs) == 2 for m in messages)
     # the last token is pending, as after Decode's run: the next call commits it and goes on
-    assert engine.token_ids("s") == PROMPT + reference[: RUN - 1]
-    more = list(stream(stub, "s", lease, reference[RUN - 1 : RUN], 3))
-    assert [t for m in more for t in m.token_ids] == reference[RUN : RUN + 3]
+    assert engine.token_ids("s") == PROMPT + reference[: LONG - 1]
+    more = list(stream(stub, "s", lease, reference[LONG - 1 : LONG], 3))
+    assert [t for m in more for t in m.token_ids] == reference[LONG : LONG + 3]
     release(stub, "s", lease)
     assert engine.kv_bytes == 0
 
@@ -164,7 +166,7 @@ def test_a_cancelled_stream_keeps_the_request_and_goes_on_from_what_its_caller_r
 @pytest.mark.parametrize(
     ("fields", "code", "field"),
     [
-        ({"max_tokens": RUN + 1}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        ({"max_tokens": MAX_CONTEXT + 1}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
         ({"max_tokens": 4, "stop_token_ids": [-1]}, grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
         ({"num_context_tokens": len(PROMPT) + 1}, grpc.StatusCode.INVALID_ARGUMENT, "num_context_tokens"),
         ({"num_context_tokens": len(PROMPT) - 1}, grpc.StatusCode.INVALID_ARGUMENT, "num_context_tokens"),
