@@ -19,9 +19,11 @@ channel, send requests back to back (the prompts of the mix in turn) until the d
 a RESOURCE_EXHAUSTED client waits the gateway's retry-after-ms hint (at most what is left of the
 run) before its next request. summarize_load: requests/s and generated tokens/s over the run,
 TTFT and inter-token latency as above (streamed requests; a unary request's TTFT is its whole
-latency), and errors by status code. With reference_ttft_ms (each of the load's requests once,
-alone and cold, `reference_ttft_ms`), every request's TTFT is also given relative to its own
-prompt's: the load's TTFT "against the same prompt alone", as a ratio per request, p50 and p99.
+latency), the gap between a stream's messages (p50/p99 over messages, not spread over their tokens:
+message_gaps_ms) with the tokens per message, and errors by status code. With reference_ttft_ms
+(each of the load's requests once, alone and cold, `reference_ttft_ms`), every request's TTFT is
+also given relative to its own prompt's: the load's TTFT "against the same prompt alone", as a
+ratio per request, p50 and p99.
 """
 
 from __future__ import annotations
@@ -85,6 +87,15 @@ def token_latencies_ms(trace: StreamTrace) -> list[float]:
     for (t0, _), (t1, n) in zip(trace.arrivals, trace.arrivals[1:]):
         out.extend([(t1 - t0) * 1000 / n] * n)
     return out
+
+
+def message_gaps_ms(trace: StreamTrace) -> list[float]:
+    """The time between consecutive messages with tokens, ms, one value per message after the first
+    whatever its number of tokens: how long a reader of the stream waits for the next text.
+
+    E.g. arrivals at 1.0 s (3 tokens), 1.1 s (2 tokens), 1.4 s (1 token) -> [100, 300].
+    """
+    return [(t1 - t0) * 1000 for (t0, _), (t1, _) in zip(trace.arrivals, trace.arrivals[1:])]
 
 
 def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 99)) -> dict[str, float | None]:
@@ -352,6 +363,8 @@ def summarize_load(
     first_wave = set(sorted(range(len(traces)), key=lambda i: traces[i].sent_at)[:num_clients])
     steady = [t.ttft_ms for i, t in enumerate(traces) if not t.error and t.ttft_ms is not None and i not in first_wave]
     latencies = [ms for t in ok for ms in token_latencies_ms(t)] if is_stream else []
+    gaps = [ms for t in ok for ms in message_gaps_ms(t)] if is_stream else []
+    num_messages = sum(len(t.arrivals) for t in ok)
     codes = collections.Counter(error_code(t) for t in traces)
     vs_alone = {} if reference_ttft_ms is None else ttft_against_alone(traces, first_wave, reference_ttft_ms)
     return {
@@ -364,6 +377,8 @@ def summarize_load(
         "ttft_ms": percentiles(ttft),
         "ttft_after_first_wave_ms": percentiles(steady),
         "inter_token_ms": percentiles(latencies),
+        "message_gap_ms": percentiles(gaps),
+        "tokens_per_message": num_tokens / num_messages if is_stream and num_messages else None,
         "errors_by_code": {c: n for c, n in sorted(codes.items()) if c != "OK"},
         "error_examples": sorted({t.error for t in traces if t.error})[:5],
         "steps": step_choices(ok),

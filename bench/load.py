@@ -9,10 +9,12 @@ Without --address it starts its own stack (a redis-server and the four services,
 SPECDEC_GATEWAY_* variables such as SPECDEC_GATEWAY_MAX_ACTIVE_REQUESTS reach the gateway). Each
 client sends greedy requests back to back (bench/concurrency.py run_load), the prompts of the mix in
 turn (json rows with their schema as response_format unless --no-schema), until --duration is over.
-Reported: requests/s, generated tokens/s, TTFT p50/p99, inter-token latency p50/p99 (--stream),
-errors by status code; for a stack it started, each service's RSS and open file descriptors at the
-start, every --sample-s, and at the end, the primary's KV bytes and active requests afterwards, and
-how many of the prompt tokens it prefilled during the run came from its prefix cache.
+Reported: requests/s, generated tokens/s, TTFT p50/p99, inter-token latency p50/p99 and the gap
+between a stream's messages p50/p99 with tokens per message (--stream), errors by status code; for
+a stack it started, each service's RSS and open file descriptors at the start, every --sample-s, and
+at the end, the primary's engine steps (rows and mean time per step: the stream gap's yardstick),
+its KV bytes and active requests afterwards, and how many of the prompt tokens it prefilled during
+the run came from its prefix cache.
 With --stream, after the load each of the mix's requests is sent once more, alone and cold (a
 prefix-cache scope of its own: bench/concurrency.py reference_ttft_ms), and every request's TTFT
 under load is reported over its own prompt's TTFT alone (p50/p99 of the ratios, overall and in the
@@ -180,6 +182,10 @@ def format_result(r: dict[str, Any]) -> str:
         f"  TTFT {ms(r['ttft_ms'])} (after the first wave: {ms(r['ttft_after_first_wave_ms'])}) | "
         f"inter-token {ms(r['inter_token_ms'])}",
     ]
+    if r["stream"] and r["message_gap_ms"]["p50"] is not None:
+        lines.append(
+            f"  stream message gap {ms(r['message_gap_ms'])} | tokens per message {r['tokens_per_message']:.2f}"
+        )
     if "ttft_vs_alone" in r:
         lines.append(
             f"  TTFT over the same prompt's alone (cold, {ms(r['reference_ttft_ms'])}): {ratio(r['ttft_vs_alone'])} "
@@ -201,9 +207,13 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(f"  request steps: {steps['num_steps']}, speculative {share}, tokens per step {per_step}")
     if e := r.get("engine_steps"):
         lines.append(
-            f"  primary engine steps: {e['steps']} ({e['steps_per_s']}/s), rows per step: verify "
-            f"{e['verify_rows_per_step']}, prefill {e['prefill_rows_per_step']}; preemptions {e['preemptions']:.0f}"
+            f"  primary engine steps: {e['steps']} ({e['steps_per_s']}/s), mean {e['mean_step_ms']} ms, "
+            f"rows per step: verify {e['verify_rows_per_step']}, prefill {e['prefill_rows_per_step']}; "
+            f"preemptions {e['preemptions']:.0f}"
         )
+        gap_p99 = r["message_gap_ms"]["p99"]
+        if r["stream"] and gap_p99 is not None and e["mean_step_ms"]:
+            lines.append(f"  stream message gap p99 over the mean engine step: {gap_p99 / e['mean_step_ms']:.2f}x")
     if "primary_after" in r:
         lines.append(f"  primary afterwards: {r['primary_after']}")
     if "prefix_cache" in r and not r["prefix_cache"]["max_bytes"]:

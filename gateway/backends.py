@@ -10,7 +10,7 @@ primary (NOT_FOUND after a re-prefill is needed, UNAVAILABLE while it is down).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, AsyncGenerator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -147,6 +147,9 @@ class Decoded:
     other_step_rows: int = 0  # as Verified.other_step_rows
     token_ids: tuple[int, ...] = ()  # every token of the call, in order (DecodeRequest.max_tokens)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token of the call, when asked
+    # The run ended with it: token_id is pending (the next call commits it). A streamed step that is not
+    # the run's end (decode_stream) carries a token the primary committed itself.
+    is_run_end: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -417,6 +420,56 @@ class Backends:
         )
         self.other_step_rows = max(0, r.num_step_rows - 1)
         return Decoded(r.token_id, r.forward_ms, self.other_step_rows, tuple(r.token_ids), _logprobs(r.logprobs))
+
+    async def decode_stream(
+        self,
+        request_id: str,
+        accepted_nodes: Sequence[int],
+        committed_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        position: int,
+        allowed: TokenBitmask | None = None,
+        *,
+        max_tokens: int = 1,
+        stop_token_ids: Sequence[int] = (),
+        response_format: ResponseFormat | None = None,
+        logprobs: LogprobsRequest | None = None,
+        num_context_tokens: int = 0,
+    ) -> AsyncGenerator[Decoded, None]:
+        """decode's run as a stream (PrimaryService.DecodeStream): one Decoded per engine step as the
+        primary decides it, the last with is_run_end. `num_context_tokens`: the context the caller
+        knows before committed_token_ids (the primary drops tokens of a cancelled run past it).
+        Closing the iterator early (aclose, or cancelling the task that awaits it) cancels the call:
+        the primary stops the run at its next step and keeps the request open."""
+        call = self.primary.DecodeStream(
+            primary_pb2.DecodeRequest(
+                request_id=request_id,
+                accepted_nodes=accepted_nodes,
+                committed_token_ids=committed_token_ids,
+                sampling=pb.sampling_to_pb(sampling),
+                position=position,
+                allowed_tokens=_mask(allowed),
+                kv_lease=self._kv_leases.get(request_id, ""),
+                max_tokens=max_tokens,
+                stop_token_ids=stop_token_ids,
+                response_format=None if response_format is None else pb.response_format_to_pb(response_format),
+                num_context_tokens=num_context_tokens,
+                logprobs=_logprobs_pb(logprobs),
+            ),
+            timeout=self.timeout_s,
+            metadata=outgoing_metadata(self._metadata),
+        )
+        try:
+            async for r in call:
+                self.other_step_rows = max(0, r.num_step_rows - 1)
+                token_ids = tuple(r.token_ids)
+                yield Decoded(
+                    token_ids[-1], r.forward_ms, self.other_step_rows, token_ids, _logprobs(r.logprobs), r.is_run_end
+                )
+        except grpc.RpcError as e:
+            raise _domain_error(e, "primary") from None
+        finally:
+            call.cancel()  # a no-op once the call is over
 
     async def release_primary(self, request_id: str) -> None:
         release = primary_pb2.PrimaryServiceReleaseRequest(

@@ -7,7 +7,8 @@ One step, speculative:
     committed = [tree tokens on the accepted path] + [bonus]
     state store: append committed tokens, stats                    # one round trip, beside the next step
 The primary learns the commit at the start of the next Verify (no extra RPC). With
-speculation off a step is one primary.Decode (the baseline the speedup is measured against).
+speculation off a step is one engine step of a plain run the primary streams (primary.DecodeStream:
+a token per message as each engine step decides it), the baseline the speedup is measured against.
 Off the step's path: the state store's write, and in greedy mode the validator's Validate (its rule
 walks the primary's argmaxes, which the loop has: it goes on with that decision and the validator
 confirms it). Both run beside the next step, whose RPC goes out first; the step's tokens reach the
@@ -42,11 +43,20 @@ import math
 import threading
 import time
 from collections import Counter
-from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 
 import structlog
 
-from gateway.backends import EMPTY_TREE, Backends, DraftTree, ModelInfo, Validation, Verified, features_of_rows
+from gateway.backends import (
+    EMPTY_TREE,
+    Backends,
+    Decoded,
+    DraftTree,
+    ModelInfo,
+    Validation,
+    Verified,
+    features_of_rows,
+)
 from gateway.call_deadlines import CallDeadlines
 from gateway.controller import AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, infer_task_type
 from gateway.config import GRAMMAR_MAX_SPELLINGS
@@ -94,18 +104,21 @@ RECOVERY_POLL_S = 0.5
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
-# A plain step of a greedy request asks the primary for a run of tokens in one Decode
+# A plain step of a greedy request asks the primary for a run of tokens in one call
 # (DecodeRequest.max_tokens): the primary steps the request itself, in every engine step beside the
 # other requests', and the round trip between two tokens (a gRPC call each way, the gateway's own
-# step work) is paid once a run. Under a grammar the Decode carries the response format and the
+# step work) is paid once a run. Under a grammar the call carries the response format and the
 # primary masks each token by its own state of the grammar (primary_svc.run_grammars): under load a
-# round trip per token cost a constrained request about an engine step per token. A run is
-# DECODE_RUN_MAX tokens, and with adaptive speculation never longer than the stretch the controller
-# would plan plain anyway (until its next probe: AdaptiveController.plain_steps_ahead), so no draft
-# it wants is delayed. A run's tokens reach the client together once it ends, so a request's first
-# token is decoded alone: under load a run's engine steps are long (32 streams: ~130 ms each), and
-# the time to the first token is what a streaming user waits on.
-DECODE_RUN_MAX = 8
+# round trip per token cost a constrained request about an engine step per token. The run streams
+# (primary.DecodeStream): each engine step's token is a loop step of its own, stored and sent to the
+# client as it comes, so a client hears from a run every engine step, and a run's length delays
+# nothing: a request's first token comes after the run's first step, as it would alone. So a run
+# goes to the request's end (max_new_tokens, the context) unless a decode_run_max bounds it: each
+# run's end costs its request a round trip, in which the engine steps on without it (under load a gap
+# of two steps or more); the primary stops it at an end-of-sequence token, the loop cancels it at a
+# stop string, a cancel or the deadline. With adaptive speculation a run is never longer than the
+# stretch the controller would plan plain anyway (until its next probe:
+# AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
 # Tokens a Propose asks each model-free decoder for past the step's draft (ProposeRequest.
 # continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
 # first of them, the next step drafts the rest without asking the draft service (the round trip
@@ -307,7 +320,7 @@ class RequestLoop:
         draft_state: DependencyState | None = None,
         call_deadlines: CallDeadlines | None = None,
         max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
-        decode_run_max: int = DECODE_RUN_MAX,
+        decode_run_max: int | None = None,
         stored_params: Mapping[str, Any] | None = None,
         step_costs: StepCosts | None = None,
         acceptance_memory: AcceptanceMemory | None = None,
@@ -355,6 +368,10 @@ class RequestLoop:
         self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
         self.decode_run_max = decode_run_max
+        # The primary's streamed run of plain steps under way (Backends.decode_stream), one engine step
+        # per loop step, and the plan that opened it (each of its steps is a step of that plan).
+        self.run_stream: AsyncGenerator[Decoded, None] | None = None
+        self.run_plan = SpeculationPlan()
         self.is_refused = False  # the store refused a step: the output ends before it
         self.is_step_disturbed = False  # the step being computed waited on a recovery
         # Log probabilities (params.logprobs): output_logprobs[i] belongs to generated[num_unscored + i];
@@ -539,9 +556,13 @@ class RequestLoop:
     ) -> tuple[SpeculationPlan, list[int], list[CandidateOutcome] | None, list[TokenLogprob]]:
         """A step up to its new tokens: the plan, then propose -> verify -> validate, or one decode;
         with the tokens' log probabilities when the request asks for them (else [])."""
+        if self.run_stream is not None:  # a streamed run goes on: its next engine step, as planned
+            tokens, logprobs = await self._plain_step()
+            return self.run_plan, tokens, None, logprobs
         plan = self._plan()
         if plan.is_speculative:
             return await self._speculative_step(plan)
+        self.run_plan = plan
         tokens, logprobs = await self._plain_step()
         return plan, tokens, None, logprobs
 
@@ -844,26 +865,11 @@ class RequestLoop:
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     async def _plain_step(self) -> tuple[list[int], list[TokenLogprob]]:
+        """One engine step of a streamed run of plain steps (_next_streamed): its token, with its log
+        probability when asked."""
         t = time.perf_counter()
         self.is_step_disturbed = False
-        max_tokens = self._decode_run_length()
-        # A run under a grammar: the primary masks each token by its own state of the grammar.
-        is_grammar_run = self.grammar is not None and max_tokens > 1
-        allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
-        decoded = await self._with_primary(
-            lambda: self.backends.decode(
-                self.request_id,
-                self.pending_accepted,
-                self.pending_committed,
-                self.params.sampling,
-                len(self.generated),
-                allowed,
-                max_tokens=max_tokens,
-                stop_token_ids=sorted(self.eos) if max_tokens > 1 else (),
-                response_format=self.params.response_format if is_grammar_run else None,
-                **self._logprobs_request(),
-            )
-        )
+        decoded = await self._with_primary(self._next_streamed)
         tokens = list(decoded.token_ids) or [decoded.token_id]
         self.carry = None  # what follows a plain step is not what the last draft continued with
         self.pending_features = None  # the latest step has none
@@ -872,24 +878,73 @@ class RequestLoop:
             self.step_record = StepRecord(False, decoded.forward_ms, len(tokens))
         self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
-        self.pending_accepted, self.pending_committed = (), [tokens[-1]]  # the primary committed the others
+        # the primary committed every token of the run but its last, which the next call commits
+        self.pending_accepted, self.pending_committed = (), [tokens[-1]] if decoded.is_run_end else []
         return tokens, list(decoded.logprobs)
 
+    async def _next_streamed(self) -> Decoded:
+        """The next engine step of the request's streamed run, opening a run first when none is open:
+        the primary sends each step's token as it decides it (PrimaryService.DecodeStream), so the
+        client gets each token an engine step after the last, not a run's tokens at once. A run that
+        fails is closed; the retry (_with_primary) opens a new one from the committed tokens."""
+        if self.run_stream is None:
+            self.run_stream = self._open_run()
+        try:
+            decoded = await anext(self.run_stream)
+        except StopAsyncIteration:
+            await self._close_run()
+            raise Unavailable(
+                "primary", "the primary's decode stream ended before its run did", dependency="primary"
+            ) from None
+        except BaseException:
+            await self._close_run()
+            raise
+        if decoded.is_run_end:
+            await self._close_run()
+        return decoded
+
+    def _open_run(self) -> AsyncGenerator[Decoded, None]:
+        """A streamed run of plain steps from the request's committed tokens (_decode_run_length)."""
+        max_tokens = self._decode_run_length()
+        # A run under a grammar: the primary masks each token by its own state of the grammar.
+        is_grammar_run = self.grammar is not None and max_tokens > 1
+        allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
+        return self.backends.decode_stream(
+            self.request_id,
+            self.pending_accepted,
+            self.pending_committed,
+            self.params.sampling,
+            len(self.generated),
+            allowed,
+            max_tokens=max_tokens,
+            stop_token_ids=sorted(self.eos) if max_tokens > 1 else (),
+            response_format=self.params.response_format if is_grammar_run else None,
+            # what the primary holds before this call's commit: a cancelled run's extra tokens are dropped
+            num_context_tokens=len(self.prompt_ids) + len(self.generated) - len(self.pending_committed),
+            **self._logprobs_request(),
+        )
+
+    async def _close_run(self) -> None:
+        """End the streamed run, if one is open: cancelled mid-run (the request ends, or its call
+        failed), the primary stops it at its next step and keeps what it committed."""
+        run, self.run_stream = self.run_stream, None
+        if run is not None:
+            await run.aclose()
+
     def _decode_run_length(self) -> int:
-        """How many tokens this plain step asks the primary for: one for a request's first token, and
-        unless the request is greedy; else DECODE_RUN_MAX (at most decode_run_max), with adaptive
-        speculation no more than the controller's plain steps ahead; never past max_new_tokens or the
-        context."""
-        if not self.params.sampling.is_greedy or not self.generated:
+        """How many tokens this plain step asks the primary for: one unless the request is greedy; else
+        the rest of the request (max_new_tokens, the context; at most decode_run_max when given), with
+        adaptive speculation no more than the controller's plain steps ahead."""
+        if not self.params.sampling.is_greedy:
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),
             self.model.max_context - 1 - len(self.prompt_ids) - len(self.generated),
         )
-        run = DECODE_RUN_MAX
+        run = room if self.decode_run_max is None else min(room, self.decode_run_max)
         if self.controller is not None:
             run = min(run, self.controller.plain_steps_ahead(self._controller_state(), self._known_coverage()))
-        return max(1, min(run, self.decode_run_max, room))
+        return max(1, run)
 
     def _forced_after(self, new_tokens: list[int]) -> list[int]:
         """The tokens the grammar allows alone after this step's (GrammarState.forced_token_ids): any
@@ -899,6 +954,7 @@ class RequestLoop:
         with it off a step is one plain Decode, the baseline."""
         if (
             self.grammar is None
+            or self.run_stream is not None  # the primary's run goes on: it decodes the grammar's tokens itself
             or not self.params.speculation.is_enabled
             or self.params.logprobs is not None  # no forward scores a forced token: it is decoded instead
             or not new_tokens
@@ -1120,6 +1176,8 @@ class RequestLoop:
                 )
         except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
             self.log.warning("could not record the final status", error=str(e))
+        with contextlib.suppress(Exception):  # a run still streaming (a stop string, a cancel) ends first
+            await self._close_run()
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
             await self.backends.release_primary(self.request_id)
         if not self.draft_state.is_up:  # down or hung: the pool drops the request after its TTL

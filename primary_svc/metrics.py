@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 # Rows of one primary engine step by kind: 0 (none of that kind) to a few thousand (the step budget).
 _STEP_ROWS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# Wall time of one engine step's forwards, seconds: a few ms (one row, int4) to seconds (long prefills).
+_STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 # Row kinds of a primary engine step: verify/decode rows of running requests, prefill chunk rows.
 STEP_ROW_KINDS = ("verify", "prefill")
 # Prompt tokens of the primary's prefix-cache lookups: those that could have come from the cache
@@ -44,6 +46,12 @@ class PrimaryMetrics:
             f"Rows of one engine step, by kind: {', '.join(STEP_ROW_KINDS)}.",
             _STEP_ROWS_BUCKETS,
             ["kind"],
+        )
+        self.step_seconds = histogram(
+            registry,
+            "engine_step_seconds",
+            "Wall time of one engine step's forwards (verify rows and prefill chunks), seconds.",
+            _STEP_SECONDS_BUCKETS,
         )
         self.preemptions = counter(
             registry, "preemptions", "Requests whose KV was released to let others grow (they re-prefill)."

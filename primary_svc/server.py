@@ -9,6 +9,8 @@ called for --kv_lease_s.
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -39,8 +41,20 @@ from specdec.weights.wire import manifest_to_pb
 _Verified = tuple[list[int], common_pb2.Logits, int, list[int], int, common_pb2.Features | None]
 
 # The most tokens one Decode may ask for (DecodeRequest.max_tokens): a call holds its caller at most
-# this many engine steps, so a cancel or deadline is seen within them.
+# this many engine steps, so a cancel or deadline is seen within them. A DecodeStream may ask for up to
+# the context: its caller hears of every step and cancels whenever it likes.
 MAX_DECODE_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StreamedStep:
+    """One engine step of a DecodeStream run, as plain values from the engine thread."""
+
+    token_id: int
+    num_step_rows: int
+    forward_ms: float
+    is_last: bool  # the run ends with it: its token is pending (DecodeStreamResponse.is_run_end)
+    logprob: TokenLogprob | None  # asked by logprobs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -213,6 +227,76 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
+        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id, MAX_DECODE_TOKENS)
+        (token, step_rows), forward_ms = self.worker.verify(
+            request_id,
+            list(request.accepted_nodes),
+            list(request.committed_token_ids),
+            (),
+            (),
+            finish,
+            repeat=repeat,
+            num_context_tokens=request.num_context_tokens,
+        )
+        return primary_pb2.DecodeResponse(
+            token_id=token,
+            forward_ms=forward_ms,
+            num_step_rows=step_rows,
+            token_ids=tokens,
+            logprobs=[pb.token_logprob_to_pb(v) for v in decoded_logprobs],
+        )
+
+    def DecodeStream(self, request, context):
+        """Decode's run, one message per engine step as the engine thread decides it (primary_svc.worker
+        stream_decode); the RPC's end (a cancelled caller) ends the run at the next step boundary."""
+        request_id = pb.request_id_from_pb(request.request_id)
+        self.leases.check(request_id, request.kv_lease)
+        run_max = self.identity.max_context
+        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id, run_max)
+        steps: queue.SimpleQueue[_StreamedStep | None] = queue.SimpleQueue()
+        cancel = threading.Event()
+        context.add_callback(cancel.set)
+
+        def on_step(result: tuple[int, int], forward_ms: float, is_last: bool) -> None:  # on the engine thread
+            scored = decoded_logprobs[len(tokens) - 1] if decoded_logprobs else None
+            steps.put(_StreamedStep(result[0], result[1], forward_ms, is_last, scored))
+
+        run = self.worker.stream_decode(
+            request_id,
+            list(request.accepted_nodes),
+            list(request.committed_token_ids),
+            finish,
+            repeat,
+            on_step,
+            cancel,
+            request.num_context_tokens,
+        )
+        run.add_done_callback(lambda _: steps.put(None))
+        try:
+            while (step := steps.get()) is not None:
+                yield primary_pb2.DecodeStreamResponse(
+                    token_ids=[step.token_id],
+                    is_run_end=step.is_last,
+                    forward_ms=step.forward_ms,
+                    num_step_rows=step.num_step_rows,
+                    logprobs=[] if step.logprob is None else [pb.token_logprob_to_pb(step.logprob)],
+                )
+            run.result()  # the error that ended the run, if one did
+        finally:
+            cancel.set()  # a caller gone mid-run (the generator closed): no further step
+
+    def _plain_run(
+        self, request, request_id: str, max_run_tokens: int
+    ) -> tuple[
+        Callable[[torch.Tensor], tuple[int, int]],
+        Callable[[tuple[int, int]], tuple[int] | None] | None,
+        list[int],
+        list[TokenLogprob],
+    ]:
+        """A Decode call's steps, checked: finish(logits) -> (token, the step's rows) on the engine
+        thread, which appends the token to the returned list (and its log probability to the other,
+        when asked), and repeat (None for a single step) -> the token to commit before the next step,
+        or None where the run ends (max_tokens, a stop token)."""
         sampling = self._sampling(request)
         allowed = self._allowed_tokens(request, 1)
         grammar = self._run_grammar(request, request_id, allowed is not None, sampling.is_greedy)
@@ -228,7 +312,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.position))[0])
 
-        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None)
+        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None, max_run_tokens)
         tokens: list[int] = []
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         decoded_logprobs: list[TokenLogprob] = []
@@ -242,22 +326,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         def repeat(result: tuple[int, int]) -> tuple[int] | None:  # on the engine thread, after finish
             return None if len(tokens) >= max_tokens or result[0] in stop else (result[0],)
 
-        (token, step_rows), forward_ms = self.worker.verify(
-            request_id,
-            list(request.accepted_nodes),
-            list(request.committed_token_ids),
-            (),
-            (),
-            finish,
-            repeat=repeat if max_tokens > 1 else None,
-        )
-        return primary_pb2.DecodeResponse(
-            token_id=token,
-            forward_ms=forward_ms,
-            num_step_rows=step_rows,
-            token_ids=tokens,
-            logprobs=[pb.token_logprob_to_pb(v) for v in decoded_logprobs],
-        )
+        return finish, (repeat if max_tokens > 1 else None), tokens, decoded_logprobs
 
     def _sampling(self, request) -> SamplingParams:
         """The request's sampling parameters, checked (logit_bias ids against the vocabulary too)."""
@@ -284,11 +353,11 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         prompt_ids = context[: len(context) - len(output_ids)]
         return penalize(logits, sampling, prompt_ids, output_ids, tree_token_ids, tree_parents)
 
-    def _decode_run(self, request, is_greedy_unmasked: bool) -> tuple[int, frozenset[int]]:
-        """A Decode's max_tokens (at least 1) and stop token ids, checked."""
+    def _decode_run(self, request, is_greedy_unmasked: bool, max_run_tokens: int) -> tuple[int, frozenset[int]]:
+        """A Decode's max_tokens (at least 1, at most max_run_tokens) and stop token ids, checked."""
         max_tokens = max(1, request.max_tokens)
-        if max_tokens > MAX_DECODE_TOKENS:
-            raise InvalidArgument("max_tokens", f"must be at most {MAX_DECODE_TOKENS}, got {request.max_tokens}")
+        if max_tokens > max_run_tokens:
+            raise InvalidArgument("max_tokens", f"must be at most {max_run_tokens}, got {request.max_tokens}")
         if max_tokens > 1 and not is_greedy_unmasked:
             raise InvalidArgument(
                 "max_tokens",

@@ -5,7 +5,8 @@ per engine step, and preemptions.
     python -m primary_svc.step_report URL --interval_s 60                       # over the next minute
 
 Reads the `specdec_engine_step_rows` histograms (primary_svc.worker records one observation per
-step and kind) and `specdec_preemptions_total`; with --interval_s, the difference of two scrapes.
+step and kind), `specdec_engine_step_seconds` (the mean step time) and `specdec_preemptions_total`;
+with --interval_s, the difference of two scrapes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class StepComposition:
     rows: dict[str, float]  # kind -> rows over those steps
     steps_with: dict[str, float]  # kind -> steps that had rows of that kind
     num_preemptions: float
+    step_seconds: float = 0.0  # wall time of the steps' forwards, summed (specdec_engine_step_seconds)
 
     def minus(self, earlier: "StepComposition") -> "StepComposition":
         return StepComposition(
@@ -37,6 +39,7 @@ class StepComposition:
             {k: v - earlier.rows[k] for k, v in self.rows.items()},
             {k: v - earlier.steps_with[k] for k, v in self.steps_with.items()},
             self.num_preemptions - earlier.num_preemptions,
+            self.step_seconds - earlier.step_seconds,
         )
 
     def summary(self) -> dict:
@@ -44,6 +47,7 @@ class StepComposition:
         return {
             "steps": self.num_steps,
             "preemptions": self.num_preemptions,
+            "mean_step_ms": round(1000 * self.step_seconds / self.num_steps, 2) if self.num_steps else None,
             **{f"{k}_rows_per_step": round(self.rows[k] / n, 2) for k in STEP_ROW_KINDS},
             **{f"steps_with_{k}": self.steps_with[k] for k in STEP_ROW_KINDS},
         }
@@ -54,7 +58,7 @@ def parse(metrics_text: str) -> StepComposition:
     rows = {k: 0.0 for k in STEP_ROW_KINDS}
     zero = {k: 0.0 for k in STEP_ROW_KINDS}  # steps with no rows of the kind: the le="0.0" bucket
     count = {k: 0.0 for k in STEP_ROW_KINDS}
-    num_steps, preemptions = 0, 0.0
+    num_steps, preemptions, step_seconds = 0, 0.0, 0.0
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
             kind = s.labels.get("kind")
@@ -68,7 +72,10 @@ def parse(metrics_text: str) -> StepComposition:
                 num_steps = int(s.value)
             elif s.name == "specdec_preemptions_total":
                 preemptions = s.value
-    return StepComposition(num_steps, rows, {k: count[k] - zero[k] for k in STEP_ROW_KINDS}, preemptions)
+            elif s.name == "specdec_engine_step_seconds_sum":
+                step_seconds = s.value
+    steps_with = {k: count[k] - zero[k] for k in STEP_ROW_KINDS}
+    return StepComposition(num_steps, rows, steps_with, preemptions, step_seconds)
 
 
 def scrape(url: str) -> StepComposition:

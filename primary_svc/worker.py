@@ -64,7 +64,7 @@ from primary_svc.scheduler import (
 )
 from specdec.engine.engine import Engine, PrefillChunk, VerifyWork
 from specdec.engine.prefix_cache import PrefixCacheStats
-from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
+from specdec.errors import Cancelled, DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
 from specdec.request_id import tenant_of
 from primary_svc.metrics import PrimaryMetrics
 
@@ -95,6 +95,17 @@ class _VerifyItem:
     forward_ms: float = 0.0  # the forwards of the steps so far
     # Given: receives the features of the verify's logits rows [N+L+1, C] before `finish` runs.
     features_out: list[torch.Tensor] | None = None
+    # Given: on_step(finish's result, the step's forward ms, is_last) after each step of the call, once
+    # the request's next step (if any) has committed the step's token: a streamed run's messages.
+    on_step: Callable[[Any, float, bool], None] | None = None
+    # Set by the caller (its RPC ended): the run stops at the next step boundary, its tokens committed.
+    cancel: threading.Event | None = None
+    # > 0: the request's context is first cut back to this many tokens (DecodeRequest.num_context_tokens)
+    num_context_tokens: int = 0
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
 
     def work(self) -> VerifyWork:
         return VerifyWork(self.request_id, self.tree_token_ids, self.tree_parents, self.num_lookahead)
@@ -273,6 +284,7 @@ class EngineWorker:
         num_lookahead: int = 0,
         repeat: Callable[[Any], Sequence[int] | None] | None = None,
         features_out: list[torch.Tensor] | None = None,
+        num_context_tokens: int = 0,
     ) -> tuple[Any, float]:
         """Commit the previous step, verify the tree (its last `num_lookahead` nodes lookahead rows);
         returns (finish(logits [N+1+L, V], the L lookahead rows last), forward ms).
@@ -283,7 +295,9 @@ class EngineWorker:
         or None to return that result; a step that would not fit the context is not taken. The
         returned forward ms are every step's. One call then decodes several tokens, each in an engine
         step beside the other requests', without a round trip between them. `features_out` receives
-        the features of the logits rows [N+1+L, C] before `finish` runs (the step then runs eagerly)."""
+        the features of the logits rows [N+1+L, C] before `finish` runs (the step then runs eagerly).
+        `num_context_tokens` > 0: the request's context is cut back to that many tokens before the commit
+        (Engine.truncate)."""
         future: Future = Future()
         self._inbox.put(
             _VerifyItem(
@@ -297,9 +311,45 @@ class EngineWorker:
                 future,
                 repeat,
                 features_out=features_out,
+                num_context_tokens=num_context_tokens,
             )
         )
         return future.result()
+
+    def stream_decode(
+        self,
+        request_id: str,
+        accepted_nodes: Sequence[int],
+        committed_token_ids: Sequence[int],
+        finish: Callable[[torch.Tensor], Any],
+        repeat: Callable[[Any], Sequence[int] | None] | None,
+        on_step: Callable[[Any, float, bool], None],
+        cancel: threading.Event,
+        num_context_tokens: int = 0,
+    ) -> Future:
+        """A run of plain steps as `verify` with `repeat` runs it (one step without), without waiting: on_step(finish's
+        result, the step's forward ms, is_last) on the engine thread after each step, the step's token
+        committed by then unless is_last. Setting `cancel` ends the run at the next step boundary (no
+        further step is taken; a step already queued is dropped); what was committed stays, as the KV.
+        The returned future holds (the last result, forward ms) or the error that ended the run."""
+        future: Future = Future()
+        self._inbox.put(
+            _VerifyItem(
+                request_id,
+                accepted_nodes,
+                committed_token_ids,
+                (),
+                (),
+                0,
+                finish,
+                future,
+                repeat,
+                on_step=on_step,
+                cancel=cancel,
+                num_context_tokens=num_context_tokens,
+            )
+        )
+        return future
 
     def stop(self) -> None:
         self._stopped.set()
@@ -432,6 +482,8 @@ class EngineWorker:
             return
         engine, _ = self._built()
         try:
+            if item.num_context_tokens:  # tokens of a cancelled run the caller never received go first
+                engine.truncate(rid, item.num_context_tokens)
             if item.accepted_nodes or item.committed_token_ids:  # nothing to commit: a (re)verify only
                 engine.commit(rid, item.accepted_nodes, item.committed_token_ids)
             engine.check_verify(item.work(), is_evicted_ok=True)
@@ -512,7 +564,15 @@ class EngineWorker:
                 DeadlineExceeded("deadline", f"request {rid!r} waited past its deadline for KV room or its prefill")
             )
 
+    def _drop_cancelled(self) -> None:
+        """Queued steps of cancelled runs leave the queue: their callers are gone, and each token they
+        committed stays (the request and its KV stay open for the caller's next call)."""
+        for item in [v for v in self._verifies if v.is_cancelled]:
+            self._verifies.remove(item)
+            item.future.set_exception(Cancelled("request_id", f"the run of request {item.request_id!r} was cancelled"))
+
     def _step(self) -> None:
+        self._drop_cancelled()
         engine, policy = self._built()
         by_id = {v.request_id: v for v in self._verifies}
         entries = []
@@ -581,9 +641,10 @@ class EngineWorker:
             for chunk in chunks:
                 self._fail_waiting(waiting[chunk.request_id], e)
             return
+        step_s = time.perf_counter() - start
         if engine.model.is_batch_invariant:
-            forward_ms = (time.perf_counter() - start) * 1000
-        self._record(verify_items, plan, chunks, num_forwards)
+            forward_ms = step_s * 1000
+        self._record(verify_items, plan, chunks, num_forwards, step_s)
         for chunk in chunks:
             w = waiting[chunk.request_id]
             w.entry.num_remaining = engine.num_to_prefill(chunk.request_id)
@@ -605,11 +666,17 @@ class EngineWorker:
                     item.features_out.append(verify_features[i])
                 result = item.finish(logits)
                 item.forward_ms += forward_ms
-                again = None if item.repeat is None else item.repeat(result)
+                again = None if item.repeat is None or item.is_cancelled else item.repeat(result)
                 if again is not None and self._fits(engine, item.request_id, len(again)):
                     repeated.add(item.request_id)
-                    self._intake_verify(dataclasses.replace(item, accepted_nodes=(), committed_token_ids=again))
+                    self._intake_verify(
+                        dataclasses.replace(item, accepted_nodes=(), committed_token_ids=again, num_context_tokens=0)
+                    )
+                    if item.on_step is not None and not item.future.done():  # committed: the run goes on
+                        item.on_step(result, forward_ms, False)
                 else:
+                    if item.on_step is not None:
+                        item.on_step(result, forward_ms, True)
                     item.future.set_result((result, item.forward_ms))
             except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
                 item.future.set_exception(e)
@@ -701,7 +768,9 @@ class EngineWorker:
             if i is not None:
                 i.future.set_exception(error)
 
-    def _record(self, verify_items: list, plan: StepPlan, chunks: list[PrefillChunk], num_forwards: int) -> None:
+    def _record(
+        self, verify_items: list, plan: StepPlan, chunks: list[PrefillChunk], num_forwards: int, step_s: float
+    ) -> None:
         verify_rows = plan.num_verify_rows if verify_items else 0
         prefill_rows = sum(c.num_tokens for c in chunks)
         self.step_rows = verify_rows + prefill_rows  # what the items' `finish` read next
@@ -716,6 +785,7 @@ class EngineWorker:
         )
         if self.metrics is not None:
             self.metrics.engine_steps.inc()
+            self.metrics.step_seconds.observe(step_s)
             self.metrics.step_rows.labels(kind="verify").observe(verify_rows)
             self.metrics.step_rows.labels(kind="prefill").observe(prefill_rows)
 

@@ -547,6 +547,27 @@ class Engine:
         req.token_ids.extend(new_token_ids)
         req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Cut the request's context back to its first `num_tokens` tokens, the last of them pending:
+        the tokens a cancelled run committed after what its caller received. Their KV rows are dropped
+        (rows past num_cached are rewritten by the next forward); the prompt cannot be cut into.
+
+        E.g. prompt [p0, p1], output [a, b, c] with a and b cached: truncate to 3 -> [p0, p1, a], a
+        pending (num_cached 2)."""
+        req = self._get(request_id)
+        if not req.num_prompt_tokens <= num_tokens <= len(req.token_ids):
+            raise InvalidArgument(
+                "num_context_tokens",
+                f"is {num_tokens}, but request {request_id!r} holds {len(req.token_ids)} tokens of which "
+                f"{req.num_prompt_tokens} are its prompt",
+            )
+        if num_tokens == len(req.token_ids):
+            return
+        del req.token_ids[num_tokens:]
+        if req.kv is not None:
+            req.kv.num_cached = min(req.kv.num_cached, num_tokens - 1)
+        req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()
+
     # --- prompt scoring ----------------------------------------------------------------------
 
     def prompt_logprobs(self, token_ids: Sequence[int], num_top: int) -> list[TokenLogprob]:

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from bench.concurrency import StreamTrace, format_row, percentiles, summarize_wave, token_latencies_ms
+from bench.concurrency import (
+    StreamTrace,
+    format_row,
+    message_gaps_ms,
+    percentiles,
+    summarize_wave,
+    token_latencies_ms,
+)
 
 
 def test_token_latencies_split_a_message_gap_over_its_tokens():
     trace = StreamTrace("r", 0.5, ((1.0, 3), (1.1, 2), (1.4, 1)))
     assert token_latencies_ms(trace) == pytest.approx([50.0, 50.0, 300.0])
     assert token_latencies_ms(StreamTrace("r", 0.5, ((1.0, 3),))) == []
+
+
+def test_message_gaps_count_each_message_once_whatever_its_tokens():
+    trace = StreamTrace("r", 0.5, ((1.0, 3), (1.1, 2), (1.4, 1)))
+    assert message_gaps_ms(trace) == pytest.approx([100.0, 300.0])
+    assert message_gaps_ms(StreamTrace("r", 0.5, ((1.0, 8),))) == []
 
 
 def test_percentiles_interpolate():
@@ -61,6 +74,8 @@ def test_summarize_load_counts_throughput_over_the_run_and_errors_by_code():
     assert out["ttft_ms"]["p50"] == pytest.approx(350.0)
     assert out["ttft_after_first_wave_ms"]["p50"] == pytest.approx(200.0)  # "a" was the first wave
     assert out["inter_token_ms"]["p50"] == pytest.approx(500 / 3)
+    assert out["message_gap_ms"] == {"p50": pytest.approx(500.0), "p99": pytest.approx(500.0)}  # "a"'s one gap
+    assert out["tokens_per_message"] == 2.0  # 6 tokens in 3 messages
     assert out["errors_by_code"] == {"RESOURCE_EXHAUSTED": 2}
     # 4 steps, one with a draft of 2 tokens: a quarter speculative, 6 tokens over 4 steps
     assert out["steps"] == {

@@ -126,6 +126,39 @@ def test_stream_delivers_the_same_text_and_final_stats(gateway_stub):
     assert state.status == gateway_pb2.REQUEST_STATUS_FINISHED and list(state.token_ids) == list(unary.token_ids)
 
 
+def test_a_plain_stream_carries_one_engine_step_per_message(gateway_stub, stack):
+    """Speculation off, the primary streams each run of plain steps (PrimaryService.DecodeStream) and
+    the gateway relays each engine step as its own message once stored: every message carries one
+    token, and the output is the one speculation gives (greedy exactness). A stop string ends the
+    request in the middle of a run: the primary's run is cancelled and nothing stays behind."""
+    messages = [("user", "Count from 1 to 30, separated by commas.")]
+    speculative = generate(gateway_stub, messages, degree=2, draft_length=8, max_new_tokens=40)
+    req = gateway_pb2.GenerateRequest(
+        max_new_tokens=40, speculation=gateway_pb2.SpeculationConfig(is_enabled=False, is_adaptive=False)
+    )
+    req.chat.messages.add(role="user", content=messages[0][1])
+    chunks = list(gateway_stub.GenerateStream(req, timeout=300))
+    with_tokens = [c for c in chunks if c.token_ids]
+    assert len(with_tokens) == len(speculative.token_ids) == chunks[-1].stats.num_generated_tokens
+    assert all(len(c.token_ids) == 1 for c in with_tokens)
+    assert [t for c in chunks for t in c.token_ids] == list(speculative.token_ids)
+    assert "".join(c.text for c in chunks) == speculative.text
+    # a stop string from the middle of that output: the request ends at its first occurrence, in a run
+    text = "".join(c.text for c in chunks)
+    at = len("".join(c.text for c in chunks[:20]))
+    stop = text[at : at + 4]
+    stopped = list(gateway_stub.GenerateStream(gateway_pb2.GenerateRequest(stop=[stop], **_fields(req)), timeout=300))
+    assert stopped[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP and stop not in "".join(c.text for c in stopped)
+    assert all(len(c.token_ids) <= 1 for c in stopped) and sum(len(c.token_ids) for c in stopped) < 40
+    stats = primary_stats(stack)
+    assert stats.num_active_requests == 0 and stats.kv_bytes == 0
+
+
+def _fields(req: gateway_pb2.GenerateRequest) -> dict[str, Any]:
+    """A request's set fields, to build a variant of it."""
+    return {f.name: v for f, v in req.ListFields()}
+
+
 def test_a_repeated_long_prompt_is_served_from_the_prefix_cache_with_the_same_output(gateway_stub, stack):
     """The primary keeps the KV rows of prompts it prefilled: the same prompt again reuses them
     (reported in the stats) and, the reuse being bit-exact, gives the same greedy output. Longer

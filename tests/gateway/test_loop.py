@@ -29,7 +29,6 @@ from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState, SpeculationPlan
 from gateway.loop import (
     CONTINUATION_TOKENS,
-    DECODE_RUN_MAX,
     RequestLoop,
     StepOutput,
     bounded_config,
@@ -206,6 +205,14 @@ class FakeBackends:
             self.primary_context.append(tokens[-1])
         self.calls[-1][1]["num_tokens"] = len(tokens)
         return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
+
+    async def decode_stream(self, *args, num_context_tokens=0, **kwargs):
+        """decode's run as the primary streams it: a token a message, every one but the last committed
+        by the primary; the caller's context (before its commit) must be the primary's."""
+        assert num_context_tokens == len(self.primary_context), "the caller does not know the primary's context"
+        decoded = await self.decode(*args, **kwargs)
+        for i, token in enumerate(decoded.token_ids):
+            yield Decoded(token, 0.0, self.other_rows, (token,), is_run_end=i == len(decoded.token_ids) - 1)
 
     async def validate(
         self, request_id, mode, sampling, acceptance_threshold, position, tree, verified, allowed=None
@@ -945,18 +952,20 @@ class RefusingStore(InMemoryStateStore):
 
 def test_plain_steps_decode_runs_of_tokens_in_one_call():
     """Greedy without a grammar, a plain step asks the primary for a run (DecodeRequest.max_tokens):
-    the first token alone (it goes to the client at once), then DECODE_RUN_MAX tokens with
-    speculation off, never past max_new_tokens; the output is plain decoding's and every token
-    counts as a step."""
-    backends = FakeBackends()
-    loop = run(make_params(is_enabled=False, max_new_tokens=60), backends)
-    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60) and loop.outcome.finish_reason == "length"
-    decodes = [call for name, call in backends.calls if name == "decode"]
-    assert [c["max_tokens"] for c in decodes] == [1] + [DECODE_RUN_MAX] * 7 + [3]
-    assert loop.stats.num_steps == 60 == sum(loop.stats.num_steps_by_draft_length)
+    with speculation off the whole request, its first token included (the run streams: that token
+    reaches the client after the run's first step); with decode_run_max, runs of at most that many.
+    The output is plain decoding's and every token counts as a step."""
+    num_tokens = 60
+    truth = plain_decoding(PROMPT, num_tokens)
+    for run_max, runs in ((None, [60]), (25, [25, 25, 10])):
+        backends = FakeBackends()
+        loop = run(make_params(is_enabled=False, max_new_tokens=num_tokens), backends, decode_run_max=run_max)
+        assert loop.outcome.token_ids == truth and loop.outcome.finish_reason == "length"
+        decodes = [call for name, call in backends.calls if name == "decode"]
+        assert [c["max_tokens"] for c in decodes] == runs
+        assert loop.stats.num_steps == num_tokens == sum(loop.stats.num_steps_by_draft_length)
     # each call commits the previous run's last token, the one the primary left pending
-    truth = plain_decoding(PROMPT, 60)
-    assert [c["committed"] for c in decodes[1:]] == [[truth[0]]] + [[truth[8 * k]] for k in range(1, 8)]
+    assert [c["committed"] for c in decodes] == [[], [truth[24]], [truth[49]]]
 
 
 def test_a_run_ends_at_an_end_of_sequence_token():
@@ -966,15 +975,16 @@ def test_a_run_ends_at_an_end_of_sequence_token():
     loop = run(make_params(is_enabled=False, max_new_tokens=60), backends, model=model)
     assert loop.outcome.token_ids == truth[: truth.index(truth[10])] and loop.outcome.finish_reason == "eos"
     decodes = [call for name, call in backends.calls if name == "decode"]
-    assert decodes[-1]["num_tokens"] < DECODE_RUN_MAX  # the primary stopped the run at it
+    # the primary stopped the run at it
+    assert decodes[-1]["num_tokens"] == truth.index(truth[10]) + 1 < decodes[-1]["max_tokens"]
 
 
 def test_with_adaptive_speculation_a_run_never_moves_a_draft():
-    """A plain step decodes the controller's plain steps ahead (until its next probe, at most
-    DECODE_RUN_MAX) in one run: every speculative step comes at the same token as when each plain
-    token is a step of its own, the output is plain decoding's, and the runs take far fewer calls."""
+    """A plain step decodes the controller's plain steps ahead (until its next probe) in one run:
+    every speculative step comes at the same token as when each plain token is a step of its own, the
+    output is plain decoding's, and the runs take far fewer calls."""
     seen = {}
-    for run_max in (1, DECODE_RUN_MAX):
+    for run_max in (1, None):
         backends = FakeBackends(is_lookup_right=lambda n: 30 <= n < 45 or n >= 150)
         params = make_params(is_enabled=True, is_adaptive=True, degree=2, draft_length=6, max_new_tokens=240)
         loop = run(params, backends, decode_run_max=run_max)
@@ -983,9 +993,9 @@ def test_with_adaptive_speculation_a_run_never_moves_a_draft():
         decodes = [call for name, call in backends.calls if name == "decode"]
         verified_at = [call["position"] for name, call in backends.calls if name == "verify"]
         seen[run_max] = verified_at, len(decodes), max(call["max_tokens"] for call in decodes)
-    (at_one, calls_one, _), (at_runs, calls_runs, longest) = seen[1], seen[DECODE_RUN_MAX]
+    (at_one, calls_one, _), (at_runs, calls_runs, longest) = seen[1], seen[None]
     assert at_runs == at_one and sum(p >= 150 for p in at_one) > 5  # speculating again once drafts match
-    assert calls_runs < calls_one / 2 and longest == DECODE_RUN_MAX
+    assert calls_runs < calls_one / 2 and longest > 1
 
 
 def test_a_step_the_store_refuses_never_reaches_the_output():
@@ -999,10 +1009,8 @@ def test_a_step_the_store_refuses_never_reaches_the_output():
 
     outputs = asyncio.run(collect())
     stored = store.load("r1")
-    decodes = [call for name, call in backends.calls if name == "decode"]
-    assert stored.status == RequestStatus.CANCELLED and len(stored.token_ids) == sum(
-        c["num_tokens"] for c in decodes[:4]
-    )
+    # a write per engine step of the streamed runs: the first four tokens, the refused fifth never out
+    assert stored.status == RequestStatus.CANCELLED and len(stored.token_ids) == 4
     assert loop.outcome.finish_reason == "cancelled" and loop.outcome.token_ids == list(stored.token_ids)
     assert [t for out in outputs for t in out.token_ids] == list(stored.token_ids)
     assert loop.outcome.text == "".join(f"<{t}>" for t in stored.token_ids)

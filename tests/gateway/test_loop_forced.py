@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from gateway.backends import EMPTY_TREE, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
-from gateway.loop import DECODE_RUN_MAX, RequestLoop
+from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
 from specdec.sampling import SamplingParams
@@ -115,6 +115,15 @@ class TargetBackends:
             tokens.append(self._next())
         return Decoded(tokens[-1], 0.0, 0, tuple(tokens))
 
+    async def decode_stream(self, *args, num_context_tokens=0, **kwargs):
+        """decode's run as the primary streams it: a token a message, every one but the last committed
+        by the primary; the caller's context (before its commit) must be the primary's."""
+        assert num_context_tokens == len(self.context), "the caller does not know the primary's context"
+        decoded = await self.decode(*args, **kwargs)
+        tokens = decoded.token_ids or (decoded.token_id,)
+        for i, token in enumerate(tokens):
+            yield Decoded(token, 0.0, 0, (token,), is_run_end=i == len(tokens) - 1)
+
     async def validate(self, request_id, mode, sampling, threshold, step, tree, verified, allowed=None) -> Validation:
         num_accepted = next(
             (i for i in range(tree.num_nodes) if tree.token_ids[i] != verified.argmax_token_ids[i]), tree.num_nodes
@@ -139,7 +148,7 @@ class TargetBackends:
 
 
 def run_loop(
-    grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool, decode_run_max: int = 1
+    grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool, decode_run_max: int | None = 1
 ) -> RequestLoop:
     """The request under PERSON_SCHEMA; decode_run_max 1: every plain step decodes one token."""
     spec = SpeculationParams(is_enabled, 1, 4, 0.0, ("prompt_lookup",), TaskType.STRUCTURED, False)
@@ -201,9 +210,9 @@ def test_forced_tokens_join_the_commit_and_the_output_equals_plain_decoding(
 
 def test_plain_steps_under_a_grammar_decode_runs_that_the_primary_masks(grammar_cache, tokenizer, target):
     """With runs (the default), a plain step under a grammar sends the response format instead of a
-    mask, and the primary decodes up to DECODE_RUN_MAX tokens in the call; the output is the same."""
+    mask, and the primary decodes the rest of the request in the call; the output is the same."""
     backends = TargetBackends(target)
-    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=False, decode_run_max=DECODE_RUN_MAX)
+    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=False, decode_run_max=None)
     assert loop.outcome.token_ids == target[:-1] and loop.outcome.finish_reason == "eos"
     assert backends.num_grammar_runs > 0 and backends.num_decodes < len(target) // 2  # far fewer calls than tokens
     assert json.loads(tokenizer.decode(loop.outcome.token_ids))["unit"] == "celsius"

@@ -150,6 +150,11 @@ class SlowPrimary:
         await asyncio.sleep(0.02)
         return Decoded(7, 20.0)
 
+    async def decode_stream(self, *args, **kwargs):
+        """decode's run as the primary streams it: one message per token, the last ending the run."""
+        decoded = await self.decode(*args, **kwargs)
+        yield decoded
+
     async def release_primary(self, request_id) -> None:
         pass
 
