@@ -1143,13 +1143,53 @@ class RequestLoop:
             await self._with_state_store(append)
         except FailedPrecondition:
             # A retried write whose first attempt had been applied (its reply was lost) is stored.
-            return num_attempts > 1 and await self._is_stored(num_stored + len(kept))
+            if num_attempts > 1 and await self._is_stored(num_stored + len(kept)):
+                return True
+            return await self._write_back_lost_steps(num_stored, kept, stats, controller, kv_lease, node)
         except NotFound as e:  # the record is gone (not ended): this step goes back with the rest
             await self._restore(e, num_stored + len(kept), stats, controller)
         if self.unstored_kv_lease == kv_lease:  # not renewed by a re-prefill meanwhile
             self.unstored_kv_lease = None
         if self.unstored_node == node:
             self.unstored_node = None
+        return True
+
+    async def _write_back_lost_steps(
+        self,
+        num_stored: int,
+        kept: list[int],
+        stats: dict[str, Any],
+        controller: dict[str, Any] | None,
+        kv_lease: str | None,
+        node: str | None,
+    ) -> bool:
+        """A store failover can lose the last writes it acknowledged (Redis replicates asynchronously:
+        a promoted replica may lack them), so the record holds fewer tokens than this gateway stored,
+        every one of them its own. Then the lost steps go back from memory with this one; False when the
+        record holds anything else (ended, another gateway's tokens, or this gateway no longer owns it)."""
+        state = await self._with_state_store(lambda: self.store.load(self.request_id))
+        if state is None or state.status.is_terminal:
+            return False
+        stored = list(state.token_ids)
+        if len(stored) >= num_stored or stored != self.generated[: len(stored)]:
+            return False
+        lost = self.generated[len(stored) : num_stored]
+        self.log.warning("the state store lost acknowledged steps; writing them back", num_tokens=len(lost))
+        try:
+            await self._with_state_store(
+                lambda: self.store.append_step(
+                    self.request_id,
+                    lost + list(kept),
+                    expected_num_tokens=len(stored),
+                    stats=stats,
+                    controller_state=controller,
+                    owner=self.owner,
+                    kv_lease=kv_lease,
+                    node=node,
+                )
+            )
+        except FailedPrecondition:
+            return False
         return True
 
     def _unstore(self, pending: _PendingStep) -> None:

@@ -1408,3 +1408,30 @@ def test_an_adaptive_request_asks_for_features_only_on_steps_that_draft_with_the
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
     verifies = [args for name, args in backends.calls if name == "verify"]
     assert verifies and backends.num_feature_calls == 1  # the prefill's, then none
+
+
+class ForgettingStore(InMemoryStateStore):
+    """Before the loop's write number `at` lands, the store loses the last `lost` tokens it had
+    acknowledged, as a Redis replica promoted after its master died can (replication is asynchronous)."""
+
+    def __init__(self, at: int, lost: int) -> None:
+        super().__init__()
+        self.at, self.lost, self.num_writes = at, lost, 0
+
+    def append_step(self, request_id, token_ids=(), **kwargs):
+        self.num_writes += 1
+        if self.num_writes == self.at:
+            entry = self._entries[request_id]
+            del entry.tokens[len(entry.tokens) - 4 * self.lost :]  # int32 per token
+        return super().append_step(request_id, token_ids, **kwargs)
+
+
+def test_steps_a_store_failover_lost_are_written_back_from_memory():
+    """The record loses its last acknowledged token before write 6: the loop's next write is refused
+    (the count moved back), the lost token goes back from memory with the step, and the request
+    finishes whole (before: it ended CANCELLED at the refused step)."""
+    store = ForgettingStore(at=6, lost=1)
+    loop = run(make_params(is_enabled=False, max_new_tokens=40), FakeBackends(), store)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 40) and loop.outcome.finish_reason == "length"
+    state = store.load("r1")
+    assert state.status == RequestStatus.FINISHED and list(state.token_ids) == loop.outcome.token_ids
