@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -78,38 +80,36 @@ def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
     store = RedisStateStore(client, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
     n, k = num_steps, tokens_per_step
     step_tokens = [[(i * k + j) % 49152 for j in range(k)] for i in range(n)]
-
     print(f"{n} steps of {k} tokens, stats ~{len(str(STATS))} B JSON, url {url}\n")
     print("| per-step operation | median µs | mean µs | p99 µs |\n|---|---|---|---|")
     print(row("PING (round-trip floor)", time_us(lambda i: client.ping(), n)))
+    store_appends(store, step_tokens)
+    raw_appends(client, step_tokens)
+    token_log_sizes(client, store, n, n * k)
+    for rid in ("r1", "r2"):
+        store.delete(rid)
+    client.delete(TOKENS_KEY, LIST_KEY, META_KEY)
+    return 0
 
+
+def store_appends(store: RedisStateStore, step_tokens: list[list[int]]) -> None:
+    """The store's step write: tokens alone, then with stats, controller state and the lease."""
+    n, k = len(step_tokens), len(step_tokens[0])
     store.create("r1", {"prompt": "x" * 200, "max_new_tokens": n * k}, prompt_token_ids=list(range(256)))
-    print(
-        row(
-            "append_step: tokens only",
-            time_us(lambda i: store.append_step("r1", step_tokens[i], expected_num_tokens=i * k), n),
-        )
-    )
+    tokens_only = time_us(lambda i: store.append_step("r1", step_tokens[i], expected_num_tokens=i * k), n)
+    print(row("append_step: tokens only", tokens_only))
     store.create("r2", {"prompt": "x" * 200}, prompt_token_ids=list(range(256)))
-    print(
-        row(
-            "append_step: tokens + stats + controller + lease",
-            time_us(
-                lambda i: store.append_step(
-                    "r2",
-                    step_tokens[i],
-                    expected_num_tokens=i * k,
-                    stats=STATS,
-                    controller_state=CONTROLLER,
-                    owner="gw-1",
-                ),
-                n,
-            ),
+
+    def whole_step(i: int) -> None:
+        store.append_step(
+            "r2", step_tokens[i], expected_num_tokens=i * k, stats=STATS, controller_state=CONTROLLER, owner="gw-1"
         )
-    )
 
-    import json
+    print(row("append_step: tokens + stats + controller + lease", time_us(whole_step, n)))
 
+
+def raw_appends(client: Any, step_tokens: list[list[int]]) -> None:
+    """Bare MULTI blocks of the two token-log layouts, without the store's checks."""
     stats_json = json.dumps(STATS)
 
     def multi_append(i: int) -> None:
@@ -123,21 +123,18 @@ def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
         pipe.pexpire(LIST_KEY, 86_400_000).pexpire(META_KEY, 86_400_000).execute()
 
     client.delete(TOKENS_KEY, LIST_KEY, META_KEY)
-    print(row("MULTI: APPEND + HSET stats + 2 PEXPIRE (no checks)", time_us(multi_append, n)))
-    print(row("MULTI: RPUSH + HSET stats + 2 PEXPIRE (no checks)", time_us(multi_rpush, n)))
+    print(row("MULTI: APPEND + HSET stats + 2 PEXPIRE (no checks)", time_us(multi_append, len(step_tokens))))
+    print(row("MULTI: RPUSH + HSET stats + 2 PEXPIRE (no checks)", time_us(multi_rpush, len(step_tokens))))
 
-    num_tokens = n * k
+
+def token_log_sizes(client: Any, store: RedisStateStore, num_steps: int, num_tokens: int) -> None:
+    """What each layout's log of num_tokens tokens takes, and how long loading it back takes."""
     print(f"\n| token log of {num_tokens} tokens | bytes (MEMORY USAGE) | load median µs |\n|---|---|---|")
     load_str = time_us(lambda i: client.get(TOKENS_KEY), 200)
     load_list = time_us(lambda i: b"".join(client.lrange(LIST_KEY, 0, -1)), 200)
     print(f"| APPEND string | {client.memory_usage(TOKENS_KEY)} | {statistics.median(load_str):.1f} |")
-    print(f"| RPUSH list ({n} items) | {client.memory_usage(LIST_KEY)} | {statistics.median(load_list):.1f} |")
+    print(f"| RPUSH list ({num_steps} items) | {client.memory_usage(LIST_KEY)} | {statistics.median(load_list):.1f} |")
     print(f"| store.load (whole state) | - | {statistics.median(time_us(lambda i: store.load('r2'), 200)):.1f} |")
-
-    for rid in ("r1", "r2"):
-        store.delete(rid)
-    client.delete(TOKENS_KEY, LIST_KEY, META_KEY)
-    return 0
 
 
 if __name__ == "__main__":
