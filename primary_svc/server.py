@@ -190,17 +190,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             step_rows = self.worker.step_rows  # likewise
             # the logits rows' features, [N+1, C] (the lookahead rows' are not returned)
             features = encode_features(features_out[0][:num_rows]) if features_out else None
-            if request.return_handle:  # co-located validator and draft pool: bytes through /dev/shm
-                name, encoded = self.logits_slots.write(request_id, logits, fmt, features)
-                payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
-                features_pb = (
-                    None
-                    if features is None
-                    else pb.features_handle_to_pb(name, features, len(encoded.data), self.identity.instance_id)
-                )
-                return argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb
-            features_pb = None if features is None else pb.features_to_pb(features)
-            return argmax, pb.logits_to_pb(logits, fmt), num_cached, lookahead_argmax, step_rows, features_pb
+            payload, features_pb = self._logits_payload(request_id, logits, fmt, features, request.return_handle)
+            return argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb
 
         (argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb), forward_ms = self.worker.verify(
             request_id,
@@ -223,6 +214,17 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             node_logprobs=[pb.token_logprob_to_pb(v) for v in node_logprobs],
             row_logprobs=[pb.token_logprob_to_pb(v) for v in row_logprobs],
         )
+
+    def _logits_payload(self, request_id: str, logits: torch.Tensor, fmt, features, is_handle: bool) -> tuple:
+        """A verify's logits (and features) for the wire: inline, or (`is_handle`: the validator and draft
+        pool run on this machine) written to the request's /dev/shm slot and sent as its handle."""
+        if not is_handle:
+            return pb.logits_to_pb(logits, fmt), None if features is None else pb.features_to_pb(features)
+        name, encoded = self.logits_slots.write(request_id, logits, fmt, features)
+        payload = pb.logits_handle_to_pb(name, encoded, self.identity.instance_id)
+        if features is None:
+            return payload, None
+        return payload, pb.features_handle_to_pb(name, features, len(encoded.data), self.identity.instance_id)
 
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
