@@ -51,6 +51,21 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(serve(config, tokenizer, service_token, api_keys))
 
 
+def _log_ready(log, config: GatewayConfig, nodes: NodePool | None, api_keys: ApiKeys | None, max_context: int) -> None:
+    """The gateway's ready line: where it sends requests, TLS, tenants and its state store."""
+    log.info(
+        "gateway ready",
+        primary=config.primary_address if nodes is None else None,
+        draft=config.draft_address if nodes is None else None,
+        validator=config.validator_address if nodes is None else None,
+        nodes=None if nodes is None else list(nodes.listed),
+        tls=config.server.is_tls,
+        tenants=None if api_keys is None else sorted(api_keys.tenants),
+        state_store=f"redis ({parse_redis_url(config.redis_url).kind})" if config.redis_url else "in-process",
+        max_context=max_context,
+    )
+
+
 async def serve(
     config: GatewayConfig, tokenizer: Tokenizer, service_token: str | None, api_keys: ApiKeys | None
 ) -> None:
@@ -87,17 +102,7 @@ async def serve(
         servicer = GenerationServicer(
             config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys, nodes=nodes
         )
-        log.info(
-            "gateway ready",
-            primary=config.primary_address if nodes is None else None,
-            draft=config.draft_address if nodes is None else None,
-            validator=config.validator_address if nodes is None else None,
-            nodes=None if nodes is None else list(nodes.listed),
-            tls=config.server.is_tls,
-            tenants=None if api_keys is None else sorted(api_keys.tenants),
-            state_store=f"redis ({parse_redis_url(config.redis_url).kind})" if config.redis_url else "in-process",
-            max_context=model.max_context,
-        )
+        _log_ready(log, config, nodes, api_keys, model.max_context)
 
         async def resume(_port: int) -> None:
             if config.redis_url:  # a shared store: requests of gateways that are gone go on here
