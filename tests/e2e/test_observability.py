@@ -172,7 +172,28 @@ def _log_lines(stack: Stack, service: str) -> list[dict]:
 
 
 def _spans(traces_dir: Path) -> list[dict]:
-    return [json.loads(line) for path in traces_dir.glob("*.jsonl") for line in path.read_text().splitlines()]
+    """Every whole line of the services' span files (one still being written ends without a newline)."""
+    return [
+        json.loads(line)
+        for path in traces_dir.glob("*.jsonl")
+        for line in path.read_text().split("\n")[:-1]
+        if line.strip()
+    ]
+
+
+def _whole_trace(traces_dir: Path, trace_id: str, timeout_s: float = 30.0) -> list[dict]:
+    """The trace's spans once its root and every span's parent are written: a service exports a span
+    when it ends, so the HTTP front's root, which ends after the response went out, can come last."""
+    give_up = time.monotonic() + timeout_s
+    while True:
+        spans = [s for s in _spans(traces_dir) if s["context"]["trace_id"] == trace_id]
+        ids = {s["context"]["span_id"] for s in spans}
+        has_root = any(s["parent_id"] is None for s in spans)
+        if (has_root and all(s["parent_id"] in ids for s in spans if s["parent_id"] is not None)) or (
+            time.monotonic() > give_up
+        ):
+            return spans
+        time.sleep(0.1)
 
 
 def test_one_http_request_is_one_trace_across_the_services(stack: Stack, traces_dir: Path) -> None:
@@ -189,7 +210,7 @@ def test_one_http_request_is_one_trace_across_the_services(stack: Stack, traces_
     trace_ids = {e["trace_id"] for events in by_service.values() for e in events if "trace_id" in e}
     assert len(trace_ids) == 1, trace_ids
     (trace_id,) = trace_ids
-    spans = [s for s in _spans(traces_dir) if s["context"]["trace_id"] == f"0x{trace_id}"]
+    spans = _whole_trace(traces_dir, f"0x{trace_id}")
     by_id = {s["context"]["span_id"]: s for s in spans}
     services = {s["resource"]["attributes"]["service.name"] for s in spans}
     assert services == {"http", "gateway", "primary", "draft", "validator"}, services
