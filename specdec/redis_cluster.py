@@ -79,15 +79,20 @@ def redis_cluster(
         nodes = tuple(ClusterNodeProcess(port, p.pid) for port, p in zip(ports, processes, strict=True))
         yield LocalRedisCluster(nodes, "redis+cluster://" + ",".join(f"{LOOPBACK}:{port}" for port in ports))
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(processes)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each, then wait STOP_TIMEOUT_S for each before SIGKILL."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def free_port_pairs(num_ports: int) -> list[int]:

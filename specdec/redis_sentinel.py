@@ -21,8 +21,8 @@ from pathlib import Path
 
 import redis
 
-from specdec.redis_cluster import LOOPBACK, free_port_pairs
-from specdec.redis_server import START_TIMEOUT_S, STOP_TIMEOUT_S, RedisServerError
+from specdec.redis_cluster import LOOPBACK, free_port_pairs, stop_processes
+from specdec.redis_server import START_TIMEOUT_S, RedisServerError
 
 SERVICE_NAME = "specdec"
 # How long the master may be silent before the sentinels call it down: short, for a local group.
@@ -60,14 +60,7 @@ def redis_sentinel(num_replicas: int = 1, num_sentinels: int = 3) -> Iterator[Lo
         url = "redis+sentinel://" + ",".join(f"{LOOPBACK}:{p}" for p in sentinels) + f"/{SERVICE_NAME}"
         yield LocalSentinelGroup(master, processes[0].pid, tuple(replicas), tuple(sentinels), url)
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_processes(processes)
         shutil.rmtree(directory, ignore_errors=True)
 
 
