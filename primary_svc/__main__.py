@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         identity,
         config.max_kv_bytes,
         metrics,
-        KVLeases(config.kv_lease_s),
+        KVLeases(config.kv_lease_s, takeover_s=config.kv_takeover_s),
         start_grammars(tokenizer, loaded),
     )
     stop_expiry = threading.Event()

@@ -8,6 +8,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from primary_svc.leases import DEFAULT_TAKEOVER_S
 from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
 from specdec.model.compiled import COMPILE_MODES
@@ -55,6 +56,7 @@ class PrimaryConfig:
     tensormt_optimizer: bool = False  # compile the decode/verify step in the background (eager until ready)
     compile_mode: str = "default"  # torch.compile mode of that step
     kv_lease_s: float = 300.0  # a KV slot with no Verify/Decode for this long is released
+    kv_takeover_s: float = DEFAULT_TAKEOVER_S  # ... and may be re-prefilled without its lease after this long
     service_token_file: str = ""  # the shared secret callers must send (specdec.service.auth)
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
     progress_file: str = ""  # start-up progress events for the launcher (specdec.progress); "": none
@@ -86,6 +88,8 @@ class PrimaryConfig:
             )
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        if not 0 < self.kv_takeover_s <= self.kv_lease_s:
+            raise ValueError(f"need 0 < kv_takeover_s <= kv_lease_s, got {self.kv_takeover_s}, {self.kv_lease_s}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
@@ -158,6 +162,12 @@ FLAGS = (
         "--kv_lease_s",
         help="release a request's KV slot after this many seconds without a Verify or Decode "
         "(its gateway died, or never came back after Prefill)",
+    ),
+    Flag(
+        "--kv_takeover_s",
+        help="a Prefill without a live request's kv_lease replaces it once its slot has had no call for this "
+        "long (its holder is presumed dead: gateways adopt a request only after its owner lapsed, their "
+        "--owner_lease_s; keep this below that)",
     ),
     Flag(
         "--progress_file",

@@ -10,6 +10,13 @@ accepted call renews the lease; a slot with no call for lease_s is expired
 (released by the primary), so a caller that died or a Prefill nobody follows
 up cannot hold KV memory forever. A gateway whose request was expired finds
 NOT_FOUND at its next step and re-prefills from the committed tokens.
+
+A Prefill without the lease may still replace a slot that has had no call for
+takeover_s (far shorter than lease_s): its holder is presumed dead. That is the
+case of a gateway that died after a failover's re-prefill but before its next
+step stored the new lease: the successor that adopts the request (only after
+the dead owner's lease in the state store lapsed, the gateways' owner_lease_s)
+holds the old lease, and without this would wait out lease_s.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from collections.abc import Callable
 from specdec.errors import NotFound
 
 DEFAULT_LEASE_S = 300.0
+DEFAULT_TAKEOVER_S = 10.0  # below the gateways' default owner lease (30 s), after which they adopt
 LEASE_BYTES = 16  # 128 bits
 
 
@@ -34,10 +42,17 @@ class _Lease:
 
 
 class KVLeases:
-    def __init__(self, lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+        takeover_s: float = DEFAULT_TAKEOVER_S,
+    ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
-        self.lease_s, self._clock = lease_s, clock
+        if takeover_s <= 0:
+            raise ValueError(f"takeover_s must be > 0, got {takeover_s}")
+        self.lease_s, self.takeover_s, self._clock = lease_s, takeover_s, clock
         self._leases: dict[str, _Lease] = {}
         self._lock = threading.Lock()
 
@@ -56,11 +71,15 @@ class KVLeases:
                 raise NotFound("request_id", f"no active request {request_id!r} on this primary")
             lease.renewed_at = self._clock()
 
-    def is_held(self, request_id: str, token: str) -> bool:
-        """token is request_id's current lease (no renewal: the caller is about to replace it)."""
+    def may_replace(self, request_id: str, token: str) -> bool:
+        """A Prefill may replace request_id's live slot: token is its lease, or the slot has had no
+        call for takeover_s (its holder presumed dead). No renewal: the caller is about to replace it."""
         with self._lock:
             lease = self._leases.get(request_id)
-            return lease is not None and hmac.compare_digest(lease.token.encode(), token.encode())
+            if lease is None:
+                return False
+            is_holder = hmac.compare_digest(lease.token.encode(), token.encode())
+            return is_holder or self._clock() - lease.renewed_at >= self.takeover_s
 
     def drop(self, request_id: str) -> None:
         with self._lock:

@@ -383,13 +383,15 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         return lambda output: grammars.state(request_id, compiled, output)
 
     def _take_over(self, request_id: str, kv_lease: str) -> None:
-        """A Prefill of a live request: allowed to its lease's holder alone (the request is then
-        forgotten here, to be replaced), else ALREADY_EXISTS and the request runs on untouched. A
-        request whose own Prefill is still queued has no lease yet, so nobody can replace it."""
-        if not self.leases.is_held(request_id, kv_lease):
+        """A Prefill of a live request: allowed to its lease's holder, or to anyone once the slot
+        has had no call for leases.takeover_s (the request is then forgotten here, to be replaced);
+        else ALREADY_EXISTS and the request runs on untouched. A request whose own Prefill is still
+        queued has no lease yet, so nobody can replace it."""
+        if not self.leases.may_replace(request_id, kv_lease):
             raise AlreadyExists(
                 "request_id",
-                f"request {request_id!r} is active on this primary; only its kv_lease's holder may prefill it again",
+                f"request {request_id!r} is active on this primary; only its kv_lease's holder may prefill it "
+                f"again (anyone, after {self.leases.takeover_s:g} s without a call)",
             )
         self._forget(request_id)
 

@@ -1,9 +1,11 @@
-"""Two nodes behind two gateways on loopback, one Redis: prefix-affinity routing, and failover of a
-node and of a gateway without a token lost or repeated.
+"""Two nodes behind two gateways on loopback: prefix-affinity routing, and failover of a node and of
+a gateway without a token lost or repeated, on one Redis server and on a 3-master Redis Cluster.
 
 The cluster is specdec.cluster's: each node a primary, draft pool and validator; each gateway routes
-to both nodes (--nodes). Greedy streams run once undisturbed, then again while one node's primary
-is killed (SIGKILL) and then one gateway: every stream must end with the undisturbed run's tokens.
+to both nodes (--nodes). Greedy streams run once undisturbed, then again while one whole node is
+killed (SIGKILL of its three processes), on Redis Cluster also the master that holds one of the
+streams' keys (its replica is promoted), and then one gateway: every stream must end with the
+undisturbed run's tokens.
 A stream whose node died goes on in the same call (its requests re-prefill on the other node); a
 stream whose gateway died is retried by its client on the other gateway with the same request id,
 which sends the stored output from the start and adopts the request once the dead gateway's lease
@@ -12,6 +14,7 @@ lapses (--owner_lease_s 3 here).
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -21,8 +24,9 @@ import grpc
 import pytest
 
 from specdec.cluster import cluster_specs, node_name
-from specdec.launcher import GATEWAY, PRIMARY, Stack, StackConfig
-from specdec.state_store import RedisStateStore
+from specdec.launcher import DRAFT, GATEWAY, PRIMARY, VALIDATOR, Stack, StackConfig
+from specdec.redis_cluster import LocalRedisCluster, master_port_of, wait_for_failover
+from specdec.state_store import DEFAULT_NAMESPACE, RedisStateStore
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
 pytestmark = pytest.mark.e2e
@@ -35,9 +39,11 @@ TOPICS = ("rivers", "volcanoes", "bridges", "owls", "comets", "glaciers", "deser
 SYSTEM = " ".join(f"Rule {i}: answer briefly, precisely and politely, citing manual section {i}." for i in range(20))
 
 
-@pytest.fixture(scope="module")
-def cluster(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # noqa: ANN001
-    config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-nodes"))
+@pytest.fixture(scope="module", params=["redis_server", "redis_cluster"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The nodes and gateways on a Redis server or on a Redis Cluster (request.param: the fixture)."""
+    redis = request.getfixturevalue(request.param)
+    config = StackConfig(redis_url=redis.url, log_dir=tmp_path_factory.mktemp(f"stack-nodes-{request.param}"))
     gateway_args = ("--owner_lease_s", str(OWNER_LEASE_S), "--node_check_interval_s", "0.5")
     with Stack(config, specs=cluster_specs(config, 2, 2, gateway_args)) as started:
         yield started
@@ -116,12 +122,20 @@ def test_requests_sharing_a_system_prompt_land_on_one_node(cluster: Stack):
     assert reused[home] / queried[home] > 0.6, (reused, queried)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known race: a gateway that dies after a failover's re-prefill but before its next step stored "
-    "the new KV lease leaves its adopter with the old lease, which the new node's primary refuses",
-)
-def test_streams_survive_a_node_kill_and_a_gateway_kill(cluster: Stack):
+def _kill_the_master_of(request: pytest.FixtureRequest, clients: dict[str, StreamClient]) -> int | None:
+    """On Redis Cluster: SIGKILL of the master that holds a running stream's keys; its port (None on
+    one Redis server)."""
+    if "redis_cluster" not in request.fixturenames:
+        return None
+    redis: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+    running = next(c for c in clients.values() if not c.is_final.is_set())
+    victim = master_port_of(redis, f"{DEFAULT_NAMESPACE}:req:{{{running.request.request_id}}}:meta")
+    assert victim is not None
+    os.kill(redis.pid_of(victim), signal.SIGKILL)
+    return victim
+
+
+def test_streams_survive_a_node_kill_and_a_gateway_kill(cluster: Stack, request: pytest.FixtureRequest):
     undisturbed = {
         topic: StreamClient(cluster, _request(f"ref-{topic}", topic), gateway=i % 2)
         for i, topic in enumerate(TOPICS[:NUM_STREAMS])
@@ -140,12 +154,14 @@ def test_streams_survive_a_node_kill_and_a_gateway_kill(cluster: Stack):
     victim = 0 if loads[0] >= loads[1] else 1
     survivor = 1 - victim
     num_read = {t: len(c.token_ids) for t, c in clients.items()}
-    cluster.kill(node_name(PRIMARY, victim), signal.SIGKILL)
+    for service in (PRIMARY, DRAFT, VALIDATOR):
+        cluster.kill(node_name(service, victim), signal.SIGKILL)
     # every stream moves on after the kill (the victim's by failing over) before a gateway dies too
     _until(
         lambda: all(len(c.token_ids) > num_read[t] or c.is_final.is_set() for t, c in clients.items()),
         what="streams went on after the node kill",
     )
+    redis_victim = _kill_the_master_of(request, clients)
     cluster.kill(node_name(GATEWAY, 0), signal.SIGKILL)
     for c in clients.values():
         c.thread.join(600)
@@ -156,6 +172,8 @@ def test_streams_survive_a_node_kill_and_a_gateway_kill(cluster: Stack):
             assert c.token_ids[: len(c.before_retry)] == c.before_retry
     retried = [t for t, c in clients.items() if c.before_retry is not None]
     assert retried, "no stream was still running on the killed gateway"
+    if redis_victim is not None:
+        wait_for_failover(request.getfixturevalue("redis_cluster"), redis_victim)
     store = RedisStateStore.from_url(cluster.config.redis_url)
     try:
         for topic in TOPICS[:NUM_STREAMS]:

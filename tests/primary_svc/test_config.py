@@ -79,3 +79,15 @@ def test_batch_wait_flag_and_its_bounds(monkeypatch):
     assert parse_config([]).batch_wait_ms == 2.5
     with pytest.raises(ValueError, match="batch_wait_ms"):
         parse_config(["--batch_wait_ms", "-1"])
+
+
+def test_kv_takeover_s_defaults_below_the_gateways_owner_lease_and_within_the_kv_lease():
+    from specdec.state_store import DEFAULT_LEASE_S as OWNER_LEASE_S
+
+    config = parse_config([])
+    assert 0 < config.kv_takeover_s < OWNER_LEASE_S and config.kv_takeover_s <= config.kv_lease_s
+    assert parse_config(["--kv_takeover_s", "2.5"]).kv_takeover_s == 2.5
+    with pytest.raises(ValueError, match="kv_takeover_s"):
+        parse_config(["--kv_takeover_s", "0"])
+    with pytest.raises(ValueError, match="kv_takeover_s"):
+        parse_config(["--kv_lease_s", "5", "--kv_takeover_s", "6"])

@@ -452,6 +452,29 @@ def test_a_prefill_of_a_live_request_without_its_lease_is_refused_and_leaves_it_
     assert engine.kv_bytes == 0
 
 
+def test_a_slot_idle_for_the_takeover_period_may_be_prefilled_without_its_lease(primary):
+    """A gateway that died after re-prefilling, before it stored the new lease, leaves its successor
+    the old one: once the slot has had no call for takeover_s its holder is presumed dead and the
+    successor's Prefill replaces it; a call within that period keeps the holder's claim."""
+    stub, engine, servicer, clock = primary
+    old = stub.Prefill(primary_pb2.PrefillRequest(request_id="orphan", token_ids=PROMPT)).kv_lease
+    lost = stub.Prefill(primary_pb2.PrefillRequest(request_id="orphan", token_ids=PROMPT, kv_lease=old)).kv_lease
+    clock.now += servicer.leases.takeover_s * 0.75
+    stub.Decode(primary_pb2.DecodeRequest(request_id="orphan", kv_lease=lost))  # its holder is alive: renewed
+    clock.now += servicer.leases.takeover_s * 0.75
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(primary_pb2.PrefillRequest(request_id="orphan", token_ids=[7, 8, 9], kv_lease=old))
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    clock.now += servicer.leases.takeover_s * 0.25
+    adopted = stub.Prefill(primary_pb2.PrefillRequest(request_id="orphan", token_ids=[7, 8, 9], kv_lease=old)).kv_lease
+    assert engine.token_ids("orphan") == [7, 8, 9] and adopted not in (old, lost)
+    with pytest.raises(grpc.RpcError) as e:  # the presumed-dead holder's lease is void
+        stub.Decode(primary_pb2.DecodeRequest(request_id="orphan", kv_lease=lost))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="orphan", kv_lease=adopted))
+    assert engine.kv_bytes == 0
+
+
 def test_a_prefill_of_a_request_whose_prefill_is_queued_is_refused(primary):
     """A queued Prefill (waiting for KV room) has granted no lease yet: nobody can replace it."""
     stub, engine, servicer, _ = primary
