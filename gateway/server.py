@@ -465,7 +465,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
     ) -> None:
         """Store the new request, retried while the store does not answer (gateway.state_retry). An
         attempt that timed out may still have landed (a stalled Redis runs it once it resumes): a retry
-        that then finds the same parameters and prompt stored counts as done, not ALREADY_EXISTS."""
+        that then finds the same parameters and prompt stored counts as done, not ALREADY_EXISTS. A
+        client's retry of a stored request (same id, parameters and prompt) follows it (_Retried), even
+        once it ended; another request under a stored id is ALREADY_EXISTS."""
         params = params_to_json(stored)
         is_retry = False
 
@@ -480,12 +482,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
                 state = await self.store.load(request_id)
                 if state is None or state.params != params or list(state.prompt_token_ids) != list(prompt_ids):
                     raise
-                # not this call's own write that landed: the client's retry of a request still running
-                # (an ended one's id stays refused: GetRequest has its output)
-                if not is_retry and not state.status.is_terminal:
-                    raise _Retried() from None
+                # not this call's own write that landed: the client's retry of the same request, running
+                # or ended (its gateway died before the client read the end): it follows the stored one
                 if not is_retry:
-                    raise
+                    raise _Retried() from None
 
         with self._told_as_client(request_id, client_id):
             give_up = give_up_at(self.max_state_retry_s, deadline)

@@ -234,10 +234,15 @@ def test_a_deeply_nested_schema_is_refused_naming_the_depth_limit(gateway_stub):
     assert e.value.details().startswith("response_format.json_schema: nests 301 levels deep, more than the limit of 64")
 
 
-def test_a_finished_requests_id_cannot_be_reused(gateway_stub):
+def test_a_finished_requests_id_replays_its_output_to_a_retry_and_refuses_another_request(gateway_stub):
+    """A client whose gateway died may not have read the end: its retry (same id, same request)
+    gets the stored output, not a second run; another request under that id is ALREADY_EXISTS."""
     first = gateway_stub.Generate(_request("once", max_new_tokens=4), timeout=300, metadata=as_tenant("alice"))
+    again = gateway_stub.Generate(_request("once", max_new_tokens=4), timeout=300, metadata=as_tenant("alice"))
+    assert list(again.token_ids) == list(first.token_ids) and again.text == first.text
+    assert again.finish_reason == first.finish_reason
     with pytest.raises(grpc.RpcError) as e:
-        gateway_stub.Generate(_request("once", max_new_tokens=4), timeout=300, metadata=as_tenant("alice"))
+        gateway_stub.Generate(_request("once", max_new_tokens=5), timeout=300, metadata=as_tenant("alice"))
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS and "request_id" in e.value.details()
     state = gateway_stub.GetRequest(
         gateway_pb2.GetRequestRequest(request_id="once"), timeout=30, metadata=as_tenant("alice")
