@@ -10,10 +10,15 @@ Two measurements, each on a cluster of its own with one redis-server:
    whose KV rows came from its cache, GetStats), the cluster's over the single node's, requests/s,
    generated tokens/s and TTFT p50/p99 across the gateways.
 2. Failover. --streams greedy streams spread over the gateways; once every stream has its first
-   tokens, the primary of the node holding most requests is killed (SIGKILL). Reported: each
-   moved stream's time to resume (its last token before the kill to its first after), the tokens
-   re-prefilled on the surviving node (the gateways' "failing over" log lines: prompt + committed
-   tokens), and whether every stream's tokens equal the same request's undisturbed run.
+   tokens, the node holding most requests is killed (SIGKILL of its primary, draft pool and
+   validator; --kill primary: its primary alone), and once every stream went on, one gateway
+   (--kill_gateway, the default): its clients retry the same request id on the next gateway, which
+   sends the stored output from the start and adopts the request when the dead gateway's lease
+   (--owner_lease_s) lapses. Reported: each moved stream's time to resume (its last token before
+   the node kill to its first after), the tokens re-prefilled (the gateways' "failing over" log
+   lines: prompt + committed tokens), each retried stream's wait (gateway kill to its first token
+   past what it had read), requests lost, and streams whose tokens differ from the same request's
+   undisturbed run (a token lost or repeated).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import statistics
 import threading
@@ -32,7 +38,7 @@ import grpc
 
 from specdec.cluster import cluster_specs, node_name
 from specdec.flag_spellings import add_spellings
-from specdec.launcher import GATEWAY, PRIMARY, Stack, StackConfig
+from specdec.launcher import DRAFT, GATEWAY, PRIMARY, VALIDATOR, Stack, StackConfig
 from specdec.redis_server import redis_server
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
@@ -54,10 +60,12 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 @contextlib.contextmanager
-def cluster(num_nodes: int, num_gateways: int, log_dir: Path | None) -> Iterator[Stack]:
+def cluster(
+    num_nodes: int, num_gateways: int, log_dir: Path | None, gateway_args: Sequence[str] = ()
+) -> Iterator[Stack]:
     with redis_server() as redis:
         config = StackConfig(redis_url=redis.url, log_dir=log_dir, is_keeping_logs=log_dir is not None)
-        with Stack(config, specs=cluster_specs(config, num_nodes, num_gateways)) as stack:
+        with Stack(config, specs=cluster_specs(config, num_nodes, num_gateways, gateway_args)) as stack:
             yield stack
 
 
@@ -67,25 +75,41 @@ def primary_stats(stack: Stack, node: int) -> primary_pb2.GetStatsResponse:
 
 
 class Stream:
-    """One GenerateStream read in a thread, with each message's arrival time."""
+    """One GenerateStream read in a thread, with each message's arrival time. When its gateway goes
+    away (UNAVAILABLE) and retry_gateways is given, the same request is sent to the next of them: its
+    stored output comes again from the start and replaces what was read."""
 
-    def __init__(self, stack: Stack, gateway: int, request: gateway_pb2.GenerateRequest) -> None:
+    def __init__(
+        self, stack: Stack, gateway: int, request: gateway_pb2.GenerateRequest, retry_gateways: Sequence[int] = ()
+    ) -> None:
+        self.stack, self.request, self.retry_gateways = stack, request, list(retry_gateways)
         self.token_ids: list[int] = []
         self.arrivals: list[tuple[float, int]] = []  # (perf_counter, num tokens so far)
         self.start_s, self.error = time.perf_counter(), ""
+        self.num_before_retry: int | None = None  # tokens read when the first gateway went away
+        self.retried_at = float("nan")
         self.has_first = threading.Event()
-        address = stack.addresses[node_name(GATEWAY, gateway)]
-        self.thread = threading.Thread(target=self._read, args=(address, request), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(gateway,), daemon=True)
         self.thread.start()
 
-    def _read(self, address: str, request: gateway_pb2.GenerateRequest) -> None:
+    def _read(self, gateway: int) -> None:
+        address = self.stack.addresses[node_name(GATEWAY, gateway)]
+        with grpc.insecure_channel(address) as channel:
+            for m in gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(self.request, timeout=1800):
+                if m.token_ids:
+                    self.token_ids.extend(m.token_ids)
+                    self.arrivals.append((time.perf_counter(), len(self.token_ids)))
+                    self.has_first.set()
+
+    def _run(self, gateway: int) -> None:
         try:
-            with grpc.insecure_channel(address) as channel:
-                for m in gateway_pb2_grpc.GenerationServiceStub(channel).GenerateStream(request, timeout=1800):
-                    if m.token_ids:
-                        self.token_ids.extend(m.token_ids)
-                        self.arrivals.append((time.perf_counter(), len(self.token_ids)))
-                        self.has_first.set()
+            try:
+                self._read(gateway)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or not self.retry_gateways:
+                    raise
+                self.num_before_retry, self.retried_at, self.token_ids = len(self.token_ids), time.perf_counter(), []
+                self._read(self.retry_gateways[0])
         except grpc.RpcError as e:
             self.error = f"{e.code().name}: {e.details()}"
         finally:
@@ -94,6 +118,10 @@ class Stream:
     @property
     def ttft_s(self) -> float:
         return self.arrivals[0][0] - self.start_s if self.arrivals else float("nan")
+
+    def first_new_after(self, t: float, num_known: int = 0) -> float:
+        """When the first token past num_known arrived after t (nan: none)."""
+        return next((at for at, n in self.arrivals if at > t and n > num_known), float("nan"))
 
 
 def run_streams(stack: Stack, requests: Sequence[gateway_pb2.GenerateRequest], num_gateways: int) -> list[Stream]:
@@ -171,11 +199,38 @@ def reprefilled_tokens(stack: Stack, num_gateways: int) -> list[int]:
     return counts
 
 
+def kill_node(stack: Stack, node: int, is_whole_node: bool) -> None:
+    for service in (PRIMARY, DRAFT, VALIDATOR) if is_whole_node else (PRIMARY,):
+        stack.kill(node_name(service, node), signal.SIGKILL)
+
+
+def kill_a_gateway(stack: Stack, streams: Sequence[Stream], node_killed_at: float) -> float:
+    """Once every running stream went on after the node kill, SIGKILL of gateway 0; when."""
+    while any(s.thread.is_alive() and math.isnan(s.first_new_after(node_killed_at)) for s in streams):
+        time.sleep(0.05)
+    killed_at = time.perf_counter()
+    stack.kill(node_name(GATEWAY, 0), signal.SIGKILL)
+    return killed_at
+
+
+def gateway_kill_figures(streams: Sequence[Stream], killed_at: float) -> dict:
+    """The retried streams' wait: the gateway kill to the first token past what each had read."""
+    retried = [s for s in streams if s.num_before_retry is not None]
+    waits_ms = [(s.first_new_after(killed_at, s.num_before_retry or 0) - killed_at) * 1000 for s in retried]
+    return {
+        "retried_streams": len(retried),
+        "retried_wait_ms_p50": percentile(waits_ms, 0.5),
+        "retried_wait_ms_max": max(waits_ms, default=float("nan")),
+    }
+
+
 def measure_failover(args: argparse.Namespace) -> dict:
-    with cluster(args.nodes, args.gateways, args.log_dir) as stack:
+    gateway_args = ("--owner_lease_s", str(args.owner_lease_s))
+    with cluster(args.nodes, args.gateways, args.log_dir, gateway_args) as stack:
         reference = run_streams(stack, failover_requests(args.streams, args.max_new_tokens, "ref"), args.gateways)
+        retry_to = [(g + 1) % args.gateways for g in range(args.gateways)]
         streams = [
-            Stream(stack, i % args.gateways, r)
+            Stream(stack, i % args.gateways, r, [retry_to[i % args.gateways]] if args.kill_gateway else ())
             for i, r in enumerate(failover_requests(args.streams, args.max_new_tokens, "run"))
         ]
         for s in streams:
@@ -183,20 +238,23 @@ def measure_failover(args: argparse.Namespace) -> dict:
         loads = [primary_stats(stack, n).num_active_requests for n in range(args.nodes)]
         victim = max(range(args.nodes), key=lambda n: loads[n])
         killed_at = time.perf_counter()
-        stack.kill(node_name(PRIMARY, victim), signal.SIGKILL)
+        kill_node(stack, victim, args.kill == "node")
+        gateway_killed_at = kill_a_gateway(stack, streams, killed_at) if args.kill_gateway else None
         for s in streams:
             s.thread.join()
+        gateway_figures = {} if gateway_killed_at is None else gateway_kill_figures(streams, gateway_killed_at)
         resume_ms = []
         for s in streams:
             before = [t for t, _ in s.arrivals if t <= killed_at]
             after = [t for t, _ in s.arrivals if t > killed_at]
-            if before and after:
+            if before and after and s.num_before_retry is None:
                 resume_ms.append((after[0] - before[-1]) * 1000)
         reprefilled = reprefilled_tokens(stack, args.gateways)
     return {
         "nodes": args.nodes,
         "gateways": args.gateways,
         "streams": args.streams,
+        "killed": args.kill,
         "active_per_node_at_kill": loads,
         "killed_node": victim,
         "moved_requests": len(reprefilled),
@@ -204,6 +262,8 @@ def measure_failover(args: argparse.Namespace) -> dict:
         "reprefilled_tokens_mean": statistics.mean(reprefilled) if reprefilled else 0,
         "gap_across_kill_ms_p50": percentile(resume_ms, 0.5),
         "gap_across_kill_ms_max": max(resume_ms, default=float("nan")),
+        **gateway_figures,
+        "lost_requests": sum(1 for s in streams if s.error),
         "errors": [s.error for s in streams if s.error],
         "identical_to_undisturbed": sum(s.token_ids == r.token_ids for s, r in zip(streams, reference)),
     }
@@ -218,11 +278,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--systems", type=int, default=4, help="shared system prompts in the affinity mix")
     p.add_argument("--questions", type=int, default=8, help="requests per system prompt")
     p.add_argument("--skip", choices=("affinity", "failover"), action="append", default=[])
+    p.add_argument("--kill", choices=("node", "primary"), default="node", help="what of a node the failover kills")
+    p.add_argument(
+        "--kill_gateway",
+        type=lambda v: v.lower() in ("1", "true", "yes"),
+        default=True,
+        metavar="true|false",
+        help="then kill a gateway (its clients retry on the next one)",
+    )
+    p.add_argument("--owner_lease_s", type=float, default=30.0, help="the gateways' --owner_lease_s")
     p.add_argument("--log_dir", type=Path, help="keep the clusters' logs here")
     args = add_spellings(p).parse_args(argv)
     for name in ("nodes", "gateways", "streams", "max_new_tokens", "systems", "questions"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.kill_gateway and args.gateways < 2 and "failover" not in args.skip:
+        p.error("--gateways must be >= 2 to kill one (a gateway to retry on); or --kill_gateway false")
     if args.nodes < 2 and "failover" not in args.skip:
         p.error("--nodes must be >= 2 for the failover part (a node to kill and one to move to); or --skip failover")
     report: dict = {}
