@@ -3,6 +3,7 @@
     python -m bench load --clients 16 --duration 60 --max-new-tokens 64 --mix json,code,prose [--stream]
     python -m bench load --soak                     # 16 clients for 10 minutes
     python -m bench load --address 127.0.0.1:50050  # a stack already running on this machine
+    python -m bench load --nodes 2 --gateways 2     # a local cluster of its own (specdec.cluster)
     python -m bench load --chaos                    # the soak with a dependency hurt every minute
 
 Without --address it starts its own stack (a redis-server and the four services, bench/stack.py;
@@ -20,6 +21,10 @@ prefix-cache scope of its own: bench/concurrency.py reference_ttft_ms), and ever
 under load is reported over its own prompt's TTFT alone (p50/p99 of the ratios, overall and in the
 first wave): the "TTFT against a single client for the same prompt" (--no-reference skips it).
 Loopback only: the gateway's address must be a loopback one.
+With --nodes N (and --gateways M, default N) it starts a local cluster instead (bench/nodes.py's:
+N nodes, M gateways routing to all of them, one redis-server) and spreads the clients over the
+gateways: aggregate requests/s, tokens/s and TTFT across them, with every primary's KV and active
+requests afterwards.
 With --chaos (bench/chaos_run.py): 16 clients for 10 minutes, streamed, on a stack of its own under
 the launcher's supervisor, while every --chaos-period seconds one dependency is stopped (SIGSTOP)
 for --chaos-stop-s and continued, or a service is killed (SIGKILL) and restarted, in turn
@@ -37,12 +42,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from bench import nodes
 from bench.chaos import FAULT_ROTATION, fault_schedule, parse_rotation
 from bench.concurrency import reference_ttft_ms, run_load, summarize_load
 from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.stack import build_request, system_under_test
 from primary_svc import step_report
-from specdec.launcher import PRIMARY, SERVICE_NAMES, Stack
+from specdec.cluster import node_name
+from specdec.launcher import GATEWAY, PRIMARY, SERVICE_NAMES, Stack
 from specdec.service.server import is_loopback
 from specdec.v1 import primary_pb2, primary_pb2_grpc
 from specdec.flag_spellings import add_spellings
@@ -225,6 +232,8 @@ def format_result(r: dict[str, Any]) -> str:
             f"  primary prefix cache: {c['reused_tokens']} of {c['prompt_tokens']} prefilled prompt tokens "
             f"reused ({share}); holds {c['bytes'] / 2**20:.0f} of {c['max_bytes'] / 2**20:.0f} MiB"
         )
+    for i, node in enumerate(r.get("nodes", [])):
+        lines.append(f"  node {i} afterwards: KV {node['kv_bytes']} bytes, {node['active_requests']} active requests")
     return "\n".join(lines)
 
 
@@ -256,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a running gateway on this machine, or a comma list of gateways (python -m inference --serve "
         "--nodes N --gateways M prints them): clients spread over them, figures across them; default: start a stack",
     )
+    p.add_argument("--nodes", type=int, default=0, help="start a local cluster of this many nodes (0: one stack)")
+    p.add_argument("--gateways", type=int, default=0, help="the local cluster's gateways (default: --nodes)")
     p.add_argument("--precision", default="auto")
     p.add_argument("--threads", type=int, default=0, help="the primary's threads when a stack is started")
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline of each request")
@@ -297,6 +308,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--address must be loopback addresses (the load stays on this machine), got {a.address!r}")
     if not 0 < a.timeout_s <= MAX_DURATION_S or a.sample_s <= 0:
         p.error("--timeout-s must be in (0, 3600] and --sample-s > 0")
+    if a.nodes < 0 or a.gateways < 0 or (a.gateways and not a.nodes):
+        p.error(f"--nodes must be >= 0 and --gateways needs --nodes, got {a.nodes}, {a.gateways}")
+    a.gateways = a.gateways or a.nodes
+    if a.nodes and (a.address or a.chaos):
+        p.error("--nodes starts a cluster of its own: leave out --address and --chaos")
     if a.chaos:
         if a.address:
             p.error("--chaos starts a stack of its own (it signals the processes): leave out --address")
@@ -327,13 +343,26 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
+def run_on_a_cluster(a: argparse.Namespace, requests: list) -> dict[str, Any]:
+    """The load spread over the gateways of a local cluster of a.nodes nodes; each primary's KV bytes
+    and active requests afterwards."""
+    with nodes.cluster(a.nodes, a.gateways, a.log_dir) as stack:
+        gateways = [stack.addresses[node_name(GATEWAY, g)] for g in range(a.gateways)]
+        result = run(gateways, a.clients, a.duration, requests, a.stream, a.timeout_s, is_reference=not a.no_reference)
+        after = [nodes.primary_stats(stack, n) for n in range(a.nodes)]
+    result["nodes"] = [{"kv_bytes": s.kv_bytes, "active_requests": s.num_active_requests} for s in after]
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(sys.argv[1:] if argv is None else argv)
     requests = build_requests(a.mix, a.max_new_tokens, not a.no_speculation, not a.no_schema)
     if a.chaos:
         run_chaos_main(a, requests)
         return
-    if a.address:
+    if a.nodes:
+        result = run_on_a_cluster(a, requests)
+    elif a.address:
         result = run(
             a.addresses,
             a.clients,

@@ -125,3 +125,14 @@ def test_load_takes_several_gateways_on_loopback_only():
     assert a.addresses == ["127.0.0.1:5001", "127.0.0.1:5002"]
     with pytest.raises(SystemExit):
         parse_args(["--address", "127.0.0.1:5001,10.0.0.2:5002"])
+
+
+def test_load_starts_a_local_cluster_with_nodes_and_gateways():
+    from bench.load import parse_args
+
+    a = parse_args(["--nodes", "2"])
+    assert (a.nodes, a.gateways) == (2, 2)
+    assert parse_args(["--nodes", "3", "--gateways", "1"]).gateways == 1
+    for bad in (["--gateways", "2"], ["--nodes", "-1"], ["--nodes", "2", "--address", "127.0.0.1:5001"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
