@@ -84,6 +84,7 @@ from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
 from specdec.prediction import LOST, PredictionAlignment
+from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import (
@@ -1068,17 +1069,19 @@ class RequestLoop:
             tree = await self.call_deadlines.call(
                 "draft.Propose",
                 self.backends.propose(
-                    self.request_id,
-                    prompt,
-                    new,
-                    strategies,
-                    len(strategies),
-                    plan.draft_length,
-                    min(plan.max_tree_nodes, self.max_tree_nodes),
-                    self.params.response_format if prompt else None,
-                    () if prompt else lookahead_argmax,
-                    continuation_length=max(CONTINUATION_TOKENS, plan.draft_length) if self.grammar is None else 0,
-                    **self._propose_extras(features, is_opening=bool(prompt)),
+                    ProposeArgs(
+                        self.request_id,
+                        tuple(prompt),
+                        tuple(new),
+                        strategies,
+                        len(strategies),
+                        plan.draft_length,
+                        min(plan.max_tree_nodes, self.max_tree_nodes),
+                        self.params.response_format if prompt else None,
+                        () if prompt else lookahead_argmax,
+                        continuation_length=max(CONTINUATION_TOKENS, plan.draft_length) if self.grammar is None else 0,
+                        **self._propose_extras(features, is_opening=bool(prompt)),
+                    )
                 ),
                 self._remaining_s(),
             )
