@@ -551,6 +551,9 @@ class RequestLoop:
         tail = await self._conclude(finish)
         if tail:
             yield StepOutput([], tail)
+        self._log_finished(finish, start)
+
+    def _log_finished(self, finish: str, start: float) -> None:
         self.log.info(
             "request finished",
             finish_reason=finish,
