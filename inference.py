@@ -107,7 +107,19 @@ def strategy_list(text: str) -> tuple[str, ...]:
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    io = p.add_argument_group("input and output")
+    _add_io_args(p.add_argument_group("input and output"))
+    _add_generation_args(p.add_argument_group("generation"))
+    _add_speculation_args(p.add_argument_group("speculation"))
+    stack = p.add_argument_group("services")
+    _add_model_args(stack)
+    _add_state_store_args(stack)
+    _add_serving_args(stack)
+    _add_remote_args(stack)
+    return p
+
+
+def _add_io_args(io: argparse._ArgumentGroup) -> None:
+    """The prompt, its output format and what is printed."""
     io.add_argument("--prompt", metavar="TEXT", help="the prompt; '-' reads it from stdin (required unless --serve)")
     io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (chat mode only)")
     io.add_argument(
@@ -123,7 +135,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     fmt.add_argument("--json_schema", type=Path, metavar="FILE", help="constrain the output to this JSON Schema")
     fmt.add_argument("--json_mode", action="store_true", help="constrain the output to a JSON object")
 
-    gen = p.add_argument_group("generation")
+
+def _add_generation_args(gen: argparse._ArgumentGroup) -> None:
+    """Sampling, stop strings, length and deadline of the request."""
     gen.add_argument("--max_new_tokens", type=ranged(int, 1), metavar="N", help="default: the gateway's")
     gen.add_argument("--temperature", type=ranged(float, 0.0), default=0.0, metavar="T", help="0 (default): greedy")
     gen.add_argument("--top_k", type=ranged(int, 0), default=0, metavar="K", help="0 (default): off")
@@ -140,7 +154,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help=f"deadline of the request, seconds (default {DEFAULT_TIMEOUT_S:g})",
     )
 
-    spec = p.add_argument_group("speculation")
+
+def _add_speculation_args(spec: argparse._ArgumentGroup) -> None:
+    """The request's speculation settings (the gateway's defaults when not given)."""
     spec.add_argument(
         "--speculative_decoding",
         type=parse_bool,
@@ -169,7 +185,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="let the controller tune degree and draft length per step",
     )
 
-    stack = p.add_argument_group("services")
+
+def _add_model_args(stack: argparse._ArgumentGroup) -> None:
+    """The primary's model, its weight format and the converted models' cache."""
     stack.add_argument(
         "--model_path", metavar="PATH", help="HF model dir or .gguf file; default: SmolLM2-135M-Instruct"
     )
@@ -184,6 +202,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         metavar="DIR",
         help=f"where converted models are kept (default: {default_cache_dir()})",
     )
+
+
+def _add_state_store_args(stack: argparse._ArgumentGroup) -> None:
+    """Where the requests' state is kept: a Redis URL or a local Redis Cluster."""
     redis = stack.add_mutually_exclusive_group()
     redis.add_argument(
         "--redis_url",
@@ -197,6 +219,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="start a local Redis Cluster (3 masters, one replica each, on loopback) for the state "
         "store and stop it on exit (needs redis-server and redis-cli)",
     )
+
+
+def _add_serving_args(stack: argparse._ArgumentGroup) -> None:
+    """How the local services run: threads, logs, and --serve with its HTTP port and restarts."""
     stack.add_argument(
         "--num_threads", type=ranged(int, 0), default=0, metavar="N", help="the primary's threads; 0: torch's"
     )
@@ -224,6 +250,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="--serve: a service that exits is restarted on its address, after 0.5 s doubling to 30 s; "
         "after N restarts in a row (none lasting a minute) the services stop (default %(default)s; 0: at once)",
     )
+
+
+def _add_remote_args(stack: argparse._ArgumentGroup) -> None:
+    """A running gateway instead of local services, the --serve topology, and the API key."""
     stack.add_argument(
         "--gateway_address", metavar="HOST:PORT", help="use a running gateway instead of starting the services"
     )
@@ -245,7 +275,6 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         help="deprecated: the key on the command line, where other processes see it; use --api-key-file or "
         f"${API_KEY_VARIABLE}",
     )
-    return p
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.Namespace:

@@ -67,6 +67,7 @@ from specdec.speculation_bounds import (
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
 from specdec.model.llama import Transformer
+from specdec.propose_args import ProposeArgs
 from specdec.request_id import check_request_id
 from specdec.strategies import MODEL_FREE_DEFAULTS
 
@@ -122,25 +123,6 @@ class ModelSource(Protocol):
     def vocab_size(self) -> int | None:
         """The primary's vocabulary size when known (attached or described by the primary)."""
         ...
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ProposeArgs:
-    request_id: str
-    prompt_token_ids: tuple[int, ...] = ()  # first call: creates the request's state
-    new_token_ids: tuple[int, ...] = ()  # committed since the previous call
-    strategies: tuple[str, ...] = ()  # () = the pool's default_strategies
-    speculative_degree: int = 0  # 0 = len(strategies)
-    draft_length: int = 0  # 0 = default_draft_length
-    max_nodes: int = 0  # 0 = speculative_degree * draft_length (capped)
-    response_format: ResponseFormat | None = None  # first call: the output's grammar (None: free text)
-    lookahead_argmax_token_ids: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
-    continuation_length: int = 0  # tokens a model-free rank-0 candidate may add past draft_length
-    # The primary's features of committed tokens, float32 [n, C]: row i predicts the token at
-    # feature_position + i (FeatureConsumer); None: none this call.
-    features: np.ndarray | None = None
-    feature_position: int = 0
-    prediction_token_ids: tuple[int, ...] = ()  # first call: the request's predicted output (() = none)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

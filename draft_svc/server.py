@@ -10,11 +10,12 @@ from collections.abc import Mapping, Sequence
 import grpc
 
 from draft_svc.costs import DraftCosts
-from draft_svc.pool import DraftPool, Proposal, ProposeArgs
+from draft_svc.pool import DraftPool, Proposal
 from draft_svc.primary_client import exported_from_pb
 from draft_svc.weights import WeightAttacher
 from specdec import pb
 from specdec.errors import InvalidArgument
+from specdec.propose_args import ProposeArgs
 from draft_svc.metrics import DraftMetrics
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -40,25 +41,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.AttachResponse(mapped_bytes=attached.mapped_bytes)
 
     def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
-        proposal = self._pool.propose(
-            ProposeArgs(
-                request_id=request.request_id,
-                prompt_token_ids=tuple(request.prompt_token_ids),
-                new_token_ids=tuple(request.new_token_ids),
-                strategies=tuple(request.strategies),
-                speculative_degree=request.speculative_degree,
-                draft_length=request.draft_length,
-                max_nodes=request.max_nodes,
-                response_format=pb.response_format_from_pb(request.response_format)
-                if request.prompt_token_ids
-                else None,
-                lookahead_argmax_token_ids=tuple(request.lookahead_argmax_token_ids),
-                continuation_length=request.continuation_length,
-                features=pb.features_from_pb(request.features, "features") if request.HasField("features") else None,
-                feature_position=request.feature_position,
-                prediction_token_ids=tuple(request.prediction_token_ids),
-            )
-        )
+        proposal = self._pool.propose(ProposeArgs.from_pb(request))
         self._record(proposal)
         return proposal_to_pb(proposal)
 

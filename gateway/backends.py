@@ -33,6 +33,7 @@ from specdec.errors import (
     StateLost,
     Unavailable,
 )
+from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.service.auth import token_metadata
 from specdec.tracing import aio_channel_interceptors, outgoing_metadata
@@ -507,47 +508,9 @@ class Backends:
 
     # --- draft -------------------------------------------------------------------------------
 
-    async def propose(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        new_token_ids: Sequence[int],
-        strategies: Sequence[str],
-        speculative_degree: int,
-        draft_length: int,
-        max_nodes: int,
-        response_format: ResponseFormat | None = None,
-        lookahead_argmax_token_ids: Sequence[int] = (),
-        continuation_length: int = 0,
-        *,
-        features: Any = None,
-        feature_position: int = 0,
-        prediction_token_ids: Sequence[int] = (),
-    ) -> DraftTree:
-        """`response_format` goes with the first call of a request (the one carrying the prompt);
-        `lookahead_argmax_token_ids` are the primary's argmaxes at the previous proposal's lookahead rows;
-        `features` (features_of_rows) the primary's features of committed tokens, row i predicting the
-        token at `feature_position` + i (ProposeRequest.features); `prediction_token_ids` the request's
-        predicted output, with the first call."""
-        r = await self._call(
-            "draft",
-            self.draft.Propose,
-            draft_pb2.ProposeRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_token_ids,
-                new_token_ids=new_token_ids,
-                strategies=strategies,
-                speculative_degree=speculative_degree,
-                draft_length=draft_length,
-                max_nodes=max_nodes,
-                response_format=None if response_format is None else pb.response_format_to_pb(response_format),
-                lookahead_argmax_token_ids=lookahead_argmax_token_ids,
-                continuation_length=continuation_length,
-                features=features,
-                feature_position=feature_position,
-                prediction_token_ids=prediction_token_ids,
-            ),
-        )
+    async def propose(self, args: ProposeArgs) -> DraftTree:
+        """The draft pool's proposal for one step, as a tree (ProposeArgs: what a call carries)."""
+        r = await self._call("draft", self.draft.Propose, args.to_pb())
         return DraftTree(
             tuple(r.tree.token_ids),
             tuple(r.tree.parents),

@@ -377,25 +377,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
         except QueueFull as e:
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             raise
-        is_queued = not ticket.is_granted
-        status = RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING
-        creating = asyncio.ensure_future(self._create(request_id, client_id, stored, prompt_ids, status, deadline))
-        try:
-            await asyncio.shield(creating)
-        except asyncio.CancelledError:  # the client went away: once stored, it is stored as cancelled
-            ticket.release()
-
-            def mark_cancelled(f: asyncio.Future) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    self._in_background(
-                        self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
-                    )
-
-            creating.add_done_callback(mark_cancelled)
-            raise
-        except BaseException:
-            ticket.release()
-            raise
+        is_queued = not ticket.is_granted  # as admission decided: a queued ticket may be granted meanwhile
+        await self._store_admitted(request_id, client_id, stored, prompt_ids, ticket, is_queued, deadline)
         cancel = threading.Event()
         with self._lock:
             self._active[request_id] = cancel
@@ -415,17 +398,50 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServiceServicer):
             )
         except BaseException as e:
             ticket.release()
-            self._forget(request_id)
-            # Stored, and no loop will ever end it: end it here (a no-op if the queue already did).
-            if isinstance(e, asyncio.CancelledError):  # the client went away
-                self._in_background(
-                    self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
-                )
-            elif not isinstance(e, (Cancelled, DeadlineExceeded)):
-                self._in_background(self.store.set_status(request_id, RequestStatus.FAILED, error=str(e)))
+            self._end_unlooped(request_id, e)
             raise
         loop.stats.queue_ms = queue_s * 1000
         return client_id, loop, ticket
+
+    async def _store_admitted(
+        self,
+        request_id: str,
+        client_id: str,
+        stored,
+        prompt_ids,
+        ticket: Ticket,
+        is_queued: bool,
+        deadline: float | None,
+    ) -> None:
+        """Store the new request (QUEUED, or RUNNING with a slot granted); the slot is given back
+        when that fails, and a client that goes away meanwhile finds its request stored as cancelled."""
+        status = RequestStatus.QUEUED if is_queued else RequestStatus.RUNNING
+        creating = asyncio.ensure_future(self._create(request_id, client_id, stored, prompt_ids, status, deadline))
+        try:
+            await asyncio.shield(creating)
+        except asyncio.CancelledError:  # the client went away: once stored, it is stored as cancelled
+            ticket.release()
+
+            def mark_cancelled(f: asyncio.Future) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self._in_background(
+                        self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+                    )
+
+            creating.add_done_callback(mark_cancelled)
+            raise
+        except BaseException:
+            ticket.release()
+            raise
+
+    def _end_unlooped(self, request_id: str, error: BaseException) -> None:
+        """A stored request that failed before its loop: no loop will ever end it, so end it here (a
+        no-op if the queue already did)."""
+        self._forget(request_id)
+        if isinstance(error, asyncio.CancelledError):  # the client went away
+            self._in_background(self.store.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled"))
+        elif not isinstance(error, (Cancelled, DeadlineExceeded)):
+            self._in_background(self.store.set_status(request_id, RequestStatus.FAILED, error=str(error)))
 
     def _prepare(self, request, client_id: str, deadline: float | None, offered: frozenset[str] | None):
         """(params, prompt token ids, grammar state or None, the request as stored): every check that

@@ -160,6 +160,18 @@ class BatchStats:
     num_preemptions: int = 0
 
 
+@dataclasses.dataclass(slots=True)
+class _Forwarded:
+    """What a step's forwards gave (EngineWorker._forward)."""
+
+    results: list[torch.Tensor]  # one logits tensor per verify item, in order
+    verify_features: list[torch.Tensor] | None  # one per verify item, when a call asked
+    prefill_features: dict[str, torch.Tensor]  # request id -> its last prefilled row's, when asked
+    num_forwards: int
+    forward_ms: float  # the verifies' forward (batch invariant: the whole step's)
+    step_s: float
+
+
 class EngineWorker:
     """The engine thread. `engine` may be None at first: build it with `run` (on this thread)
     and set it before serving."""
@@ -572,9 +584,35 @@ class EngineWorker:
             item.future.set_exception(Cancelled("request_id", f"the run of request {item.request_id!r} was cancelled"))
 
     def _step(self) -> None:
+        """One engine step: the scheduler's plan, admissions, then one forward over the verifies and
+        prefill chunks it holds, and each call's result handed back."""
         self._drop_cancelled()
         engine, policy = self._built()
-        by_id = {v.request_id: v for v in self._verifies}
+        by_id = {v.request_id: v for v in self._verifies}  # before a preemption takes any out
+        plan = self._plan_step(engine, policy)
+        waiting = {w.entry.request_id: w for w in self._waiting}
+        self._admit(engine, plan, waiting)
+        chunks = [
+            PrefillChunk(rid, min(n, waiting[rid].entry.num_remaining))
+            for rid, n in plan.prefill_chunks
+            if rid in waiting and waiting[rid].entry.is_admitted and waiting[rid] in self._waiting
+        ]
+        verify_items = [by_id[rid] for rid in plan.verify_ids if rid in by_id]
+        for item in verify_items:
+            self._verifies.remove(item)
+        if not verify_items and not chunks:
+            return
+        forwarded = self._forward(engine, verify_items, chunks, waiting)
+        if forwarded is None:  # failed: every call of the step was told
+            return
+        self._record(verify_items, plan, chunks, forwarded.num_forwards, forwarded.step_s)
+        self._finish_prefills(engine, chunks, waiting, forwarded.prefill_features)
+        repeated = self._finish_verifies(engine, verify_items, forwarded)
+        self._note_returns(engine, verify_items, repeated)
+
+    def _plan_step(self, engine: Engine, policy: SchedulerPolicy) -> StepPlan:
+        """The scheduler's plan for the queued verifies and the waiting prefills, with the KV room it
+        lacks made by preempting (EngineWorker._preempt)."""
         entries = []
         for v in self._verifies:
             work = v.work()
@@ -585,7 +623,10 @@ class EngineWorker:
         )
         if plan.kv_shortfall_bytes > 0:
             self._preempt(plan, {e.request_id: e.kv_growth_bytes for e in entries})
-        waiting = {w.entry.request_id: w for w in self._waiting}
+        return plan
+
+    def _admit(self, engine: Engine, plan: StepPlan, waiting: dict[str, _Waiting]) -> None:
+        """Open the requests the plan admits (or readmit preempted ones); one the engine refuses fails."""
         for rid in plan.admit_ids:
             w = waiting[rid]
             try:
@@ -599,17 +640,13 @@ class EngineWorker:
             w.entry.is_admitted = True
             w.entry.num_remaining = engine.num_to_prefill(rid)  # less what the prefix cache held
             self._admitted_seq[rid] = next(self._seq)
-        chunks = [
-            PrefillChunk(rid, min(n, waiting[rid].entry.num_remaining))
-            for rid, n in plan.prefill_chunks
-            if rid in waiting and waiting[rid].entry.is_admitted and waiting[rid] in self._waiting
-        ]
-        verify_items = [by_id[rid] for rid in plan.verify_ids if rid in by_id]
-        for item in verify_items:
-            self._verifies.remove(item)
+
+    def _forward(
+        self, engine: Engine, verify_items: list[_VerifyItem], chunks: list[PrefillChunk], waiting: dict[str, _Waiting]
+    ) -> _Forwarded | None:
+        """The step's forwards: one over everything when the model is batch invariant, else the
+        verifies together and each prefill chunk apart. None when they failed (the calls are told)."""
         works = [i.work() for i in verify_items]
-        if not works and not chunks:
-            return
         num_forwards, forward_ms = 0, 0.0
         results: list[torch.Tensor] = []
         # Features only where a call asked: a step with them runs eagerly (Transformer.forward).
@@ -640,11 +677,21 @@ class EngineWorker:
                 item.future.set_exception(e)
             for chunk in chunks:
                 self._fail_waiting(waiting[chunk.request_id], e)
-            return
+            return None
         step_s = time.perf_counter() - start
         if engine.model.is_batch_invariant:
             forward_ms = step_s * 1000
-        self._record(verify_items, plan, chunks, num_forwards, step_s)
+        return _Forwarded(results, verify_features, prefill_features, num_forwards, forward_ms, step_s)
+
+    def _finish_prefills(
+        self,
+        engine: Engine,
+        chunks: list[PrefillChunk],
+        waiting: dict[str, _Waiting],
+        prefill_features: dict[str, torch.Tensor],
+    ) -> None:
+        """Requests whose prefill is complete leave the waiting queue: a Prefill call gets its result,
+        a preempted request's verify goes back to the front of the queue."""
         for chunk in chunks:
             w = waiting[chunk.request_id]
             w.entry.num_remaining = engine.num_to_prefill(chunk.request_id)
@@ -659,11 +706,16 @@ class EngineWorker:
                         w.prefill.future.set_exception(e)
                 if w.verify is not None:
                     self._verifies.appendleft(w.verify)
-        repeated = set()  # requests that stay for one more step of their call: not out, not timed back
-        for i, (item, logits) in enumerate(zip(verify_items, results)):
+
+    def _finish_verifies(self, engine: Engine, verify_items: list[_VerifyItem], forwarded: _Forwarded) -> set[str]:
+        """Each verify's result to its call, or, for a run of plain steps that goes on, its next step
+        queued. Returns the requests that stay for one more step of their call."""
+        repeated = set()
+        forward_ms = forwarded.forward_ms
+        for i, (item, logits) in enumerate(zip(verify_items, forwarded.results)):
             try:
-                if item.features_out is not None and verify_features is not None:
-                    item.features_out.append(verify_features[i])
+                if item.features_out is not None and forwarded.verify_features is not None:
+                    item.features_out.append(forwarded.verify_features[i])
                 result = item.finish(logits)
                 item.forward_ms += forward_ms
                 again = None if item.repeat is None or item.is_cancelled else item.repeat(result)
@@ -680,6 +732,11 @@ class EngineWorker:
                     item.future.set_result((result, item.forward_ms))
             except BaseException as e:  # handed to the waiting RPC thread, which maps it to a status
                 item.future.set_exception(e)
+        return repeated
+
+    def _note_returns(self, engine: Engine, verify_items: list[_VerifyItem], repeated: set[str]) -> None:
+        """When the results went out, for the batch wait's guess of when each request comes back
+        (requests that stay for another step of their call are not timed)."""
         if self.batch_wait_s > 0:
             now = time.monotonic()
             self._returning.update((item.request_id, now) for item in verify_items if item.request_id not in repeated)

@@ -211,100 +211,118 @@ class StackConfig:
 
 def service_specs(config: StackConfig) -> tuple[ServiceSpec, ...]:
     """The four services, in start order (then the HTTP front, with is_serving_http)."""
-    py = config.python
-    model = () if config.model_path is None else ("--model_path", str(config.model_path))
+    http = (_http_spec(config),) if config.is_serving_http else ()
+    # The validator after the primary, although it needs nothing from it: the primary
+    # times its verify passes at startup, best done on an otherwise idle CPU.
+    return (_primary_spec(config), _validator_spec(config), _draft_spec(config), _gateway_spec(config), *http)
+
+
+def _model_path_flags(config: StackConfig) -> tuple[str, ...]:
+    return () if config.model_path is None else ("--model_path", str(config.model_path))
+
+
+def _model_flags(config: StackConfig) -> tuple[str, ...]:
+    """--model_path and --cache_dir, those that are set."""
     cache = () if config.cache_dir is None else ("--cache_dir", str(config.cache_dir))
+    return (*_model_path_flags(config), *cache)
+
+
+def _api_keys_flags(config: StackConfig) -> tuple[str, ...]:
+    return () if config.api_keys_file is None else ("--api_keys_file", str(config.api_keys_file))
+
+
+def _primary_spec(config: StackConfig) -> ServiceSpec:
+    return ServiceSpec(
+        PRIMARY,
+        (
+            config.python,
+            "-m",
+            "primary_svc",
+            *_model_flags(config),
+            "--precision",
+            config.precision,
+            "--max_context",
+            str(config.max_context),
+            "--num_threads",
+            str(config.num_threads),
+        ),
+        health_service="specdec.v1.PrimaryService",
+        startup_timeout_s=config.primary_startup_timeout_s,
+        is_taking_service_token=True,
+        is_reporting_progress=True,
+    )
+
+
+def _validator_spec(config: StackConfig) -> ServiceSpec:
+    return ServiceSpec(
+        VALIDATOR,
+        (config.python, "-m", "validator_svc"),
+        health_service="specdec.v1.ValidatorService",
+        depends_on=(PRIMARY,),
+        startup_timeout_s=config.startup_timeout_s,
+        is_taking_service_token=True,
+    )
+
+
+_PER_REQUEST_STRATEGIES = (GRAMMAR_STRATEGY, PREDICTION_STRATEGY)
+
+
+def _draft_spec(config: StackConfig) -> ServiceSpec:
     # The pool also offers grammar-forced and prediction drafts, which the gateway adds to the
     # requests that can use them only (constrained ones, those with a prediction).
-    per_request = (GRAMMAR_STRATEGY, PREDICTION_STRATEGY)
-    offered = config.strategies + tuple(s for s in per_request if s not in config.strategies)
-    draft_strategies = ("--strategies", ",".join(offered)) if config.strategies else ()
-    gateway_strategies = tuple(s for s in config.strategies if s not in per_request)
-    gateway_strategies = ("--strategies", ",".join(gateway_strategies)) if gateway_strategies else ()
-    api_keys = () if config.api_keys_file is None else ("--api_keys_file", str(config.api_keys_file))
-    # A client of the gateway's public API: it takes the same keys and no service token.
-    http = (
-        (
-            ServiceSpec(
-                HTTP,
-                (py, "-m", "http_svc", *model, *api_keys),
-                depends_on=(GATEWAY,),
-                address_flags=(("--gateway_address", GATEWAY),),
-                startup_timeout_s=config.startup_timeout_s,
-                health_http_path=HTTP_HEALTH_PATH,
-                port=config.http_port,
-                is_reporting_restarts=True,
-            ),
-        )
-        if config.is_serving_http
-        else ()
+    offered = config.strategies + tuple(s for s in _PER_REQUEST_STRATEGIES if s not in config.strategies)
+    strategies = ("--strategies", ",".join(offered)) if config.strategies else ()
+    return ServiceSpec(
+        DRAFT,
+        (config.python, "-m", "draft_svc", *_model_flags(config), *strategies),
+        health_service="specdec.v1.DraftService",
+        depends_on=(PRIMARY,),
+        address_flags=(("--primary_address", PRIMARY),),
+        startup_timeout_s=config.startup_timeout_s,
+        is_taking_service_token=True,
     )
-    return (
-        ServiceSpec(
-            PRIMARY,
-            (
-                py,
-                "-m",
-                "primary_svc",
-                *model,
-                *cache,
-                "--precision",
-                config.precision,
-                "--max_context",
-                str(config.max_context),
-                "--num_threads",
-                str(config.num_threads),
-            ),
-            health_service="specdec.v1.PrimaryService",
-            startup_timeout_s=config.primary_startup_timeout_s,
-            is_taking_service_token=True,
-            is_reporting_progress=True,
+
+
+def _gateway_spec(config: StackConfig) -> ServiceSpec:
+    named = tuple(s for s in config.strategies if s not in _PER_REQUEST_STRATEGIES)
+    strategies = ("--strategies", ",".join(named)) if named else ()
+    # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
+    # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
+    return ServiceSpec(
+        GATEWAY,
+        (
+            config.python,
+            "-m",
+            "gateway",
+            *_model_flags(config),
+            *strategies,
+            *_api_keys_flags(config),
+            f"--redis_url={config.redis_url}",
+            "--logits_via_handle",
         ),
-        # After the primary, although it needs nothing from it: the primary
-        # times its verify passes at startup, best done on an otherwise idle CPU.
-        ServiceSpec(
-            VALIDATOR,
-            (py, "-m", "validator_svc"),
-            health_service="specdec.v1.ValidatorService",
-            depends_on=(PRIMARY,),
-            startup_timeout_s=config.startup_timeout_s,
-            is_taking_service_token=True,
+        health_service="specdec.v1.GenerationService",
+        depends_on=(PRIMARY, DRAFT, VALIDATOR),
+        address_flags=(
+            ("--primary_address", PRIMARY),
+            ("--draft_address", DRAFT),
+            ("--validator_address", VALIDATOR),
         ),
-        ServiceSpec(
-            DRAFT,
-            (py, "-m", "draft_svc", *model, *cache, *draft_strategies),
-            health_service="specdec.v1.DraftService",
-            depends_on=(PRIMARY,),
-            address_flags=(("--primary_address", PRIMARY),),
-            startup_timeout_s=config.startup_timeout_s,
-            is_taking_service_token=True,
-        ),
-        # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
-        # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
-        ServiceSpec(
-            GATEWAY,
-            (
-                py,
-                "-m",
-                "gateway",
-                *model,
-                *cache,
-                *gateway_strategies,
-                *api_keys,
-                f"--redis_url={config.redis_url}",
-                "--logits_via_handle",
-            ),
-            health_service="specdec.v1.GenerationService",
-            depends_on=(PRIMARY, DRAFT, VALIDATOR),
-            address_flags=(
-                ("--primary_address", PRIMARY),
-                ("--draft_address", DRAFT),
-                ("--validator_address", VALIDATOR),
-            ),
-            startup_timeout_s=config.startup_timeout_s,
-            is_taking_service_token=True,
-        ),
-        *http,
+        startup_timeout_s=config.startup_timeout_s,
+        is_taking_service_token=True,
+    )
+
+
+def _http_spec(config: StackConfig) -> ServiceSpec:
+    # A client of the gateway's public API: it takes the same keys and no service token.
+    return ServiceSpec(
+        HTTP,
+        (config.python, "-m", "http_svc", *_model_path_flags(config), *_api_keys_flags(config)),
+        depends_on=(GATEWAY,),
+        address_flags=(("--gateway_address", GATEWAY),),
+        startup_timeout_s=config.startup_timeout_s,
+        health_http_path=HTTP_HEALTH_PATH,
+        port=config.http_port,
+        is_reporting_restarts=True,
     )
 
 

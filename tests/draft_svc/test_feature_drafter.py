@@ -14,7 +14,8 @@ import torch
 
 from draft_svc.heads import file as drafter_file
 from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts, model_fingerprint, unrolled
-from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
+from draft_svc.pool import DraftPool, PoolConfig
+from specdec.propose_args import ProposeArgs
 from draft_svc.strategies import DecoderRegistry, model_free_registry
 from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource, FeatureTreeConfig
 from specdec.errors import InvalidArgument

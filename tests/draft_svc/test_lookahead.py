@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
+from draft_svc.pool import DraftPool, PoolConfig
+from specdec.propose_args import ProposeArgs
 from draft_svc.strategies import DecoderRegistry, model_free_registry
 from draft_svc.strategies.lookahead import LookaheadConfig, LookaheadDecoder, window_tree
 from specdec.errors import InvalidArgument

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from draft_svc import pool as pool_module
-from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
+from draft_svc.pool import DraftPool, PoolConfig
+from specdec.propose_args import ProposeArgs
 from draft_svc.strategies import model_free_registry
 from draft_svc.strategies.base import Candidate, DecoderRegistry, FeatureConsumer
 from draft_svc.strategies.suffix_index import SuffixIndex, SuffixIndexConfig

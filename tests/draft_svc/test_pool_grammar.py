@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs, within_grammar
+from draft_svc.pool import DraftPool, PoolConfig, within_grammar
+from specdec.propose_args import ProposeArgs
 from draft_svc.strategies.base import Candidate, DecoderRegistry
 from draft_svc.strategies.grammar_forced import register_grammar_decoder
 from specdec.errors import InvalidArgument

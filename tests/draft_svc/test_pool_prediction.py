@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from draft_svc.pool import DraftPool, PoolConfig, ProposeArgs
+from draft_svc.pool import DraftPool, PoolConfig
+from specdec.propose_args import ProposeArgs
 from draft_svc.strategies import model_free_registry, prediction_registry
 from draft_svc.strategies.base import DecoderRegistry
 from specdec.errors import InvalidArgument

@@ -20,7 +20,7 @@ import torch
 
 from draft_svc.__main__ import build
 from draft_svc.config import from_args
-from draft_svc.pool import ProposeArgs
+from specdec.propose_args import ProposeArgs
 from draft_svc.primary_client import GrpcPrimaryClient
 from specdec import pb
 from specdec.engine.loading import config_to_json, load_model

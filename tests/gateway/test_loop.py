@@ -44,6 +44,7 @@ from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
 from specdec import pb
 from specdec.errors import DeadlineExceeded, Internal, NotFound, StateLost, Unavailable
+from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
@@ -243,19 +244,11 @@ class FakeBackends:
         self.decided = []
 
     # --- draft ---
-    async def propose(
-        self,
-        request_id,
-        prompt_token_ids,
-        new_token_ids,
-        strategies,
-        speculative_degree,
-        draft_length,
-        max_nodes,
-        response_format=None,
-        lookahead_argmax_token_ids=(),
-        continuation_length=0,
-    ) -> DraftTree:
+    async def propose(self, args: ProposeArgs) -> DraftTree:
+        prompt_token_ids, new_token_ids, strategies = args.prompt_token_ids, args.new_token_ids, args.strategies
+        speculative_degree, draft_length, max_nodes = args.speculative_degree, args.draft_length, args.max_nodes
+        response_format, continuation_length = args.response_format, args.continuation_length
+        lookahead_argmax_token_ids = args.lookahead_argmax_token_ids
         assert response_format is None, "no grammar in these requests"
         self._settle()
         num_call = sum(1 for name, _ in self.calls if name == "propose")
@@ -1315,10 +1308,10 @@ class FeatureBackends(FakeBackends):
         features = self._features([(pending + depths[r], r) for r in range(tree.num_nodes + 1)])
         return dataclasses.replace(verified, features=features if return_features else None)
 
-    async def propose(self, *args, features=None, feature_position=0, **kwargs) -> DraftTree:
-        tree = await super().propose(*args, **kwargs)
-        rows = None if features is None else pb.features_from_pb(features).astype(int).tolist()
-        self.calls[-1][1].update(features=rows, feature_position=feature_position, accepted=self.last_accepted)
+    async def propose(self, args: ProposeArgs) -> DraftTree:
+        tree = await super().propose(args)
+        rows = None if args.features is None else pb.features_from_pb(args.features).astype(int).tolist()
+        self.calls[-1][1].update(features=rows, feature_position=args.feature_position, accepted=self.last_accepted)
         return tree
 
 

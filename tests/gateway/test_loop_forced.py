@@ -20,6 +20,7 @@ from gateway.backends import EMPTY_TREE, Decoded, DraftTree, ModelInfo, Prefille
 from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
+from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
@@ -130,10 +131,8 @@ class TargetBackends:
         )
         return Validation(tuple(range(num_accepted)), verified.argmax_token_ids[num_accepted], (), ())
 
-    async def propose(
-        self, request_id, prompt_token_ids, new_token_ids, strategies, degree, draft_length, max_nodes, *_, **__
-    ):
-        self.num_drafted_context += len(prompt_token_ids) + len(new_token_ids)
+    async def propose(self, args: ProposeArgs) -> DraftTree:
+        self.num_drafted_context += len(args.prompt_token_ids) + len(args.new_token_ids)
         start = self.num_drafted_context - len(PROMPT)  # the tree continues everything committed
         chain = tuple(self.target[start : start + self.draft_length][: len(self.target) - 1 - start])
         if not chain:
