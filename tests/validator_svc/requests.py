@@ -16,7 +16,7 @@ def validate_request(
     parents,
     fmt: str = "fp32",
     *,
-    mode: int = validator_pb2.ACCEPTANCE_MODE_GREEDY,
+    mode: validator_pb2.AcceptanceMode = validator_pb2.ACCEPTANCE_MODE_GREEDY,
     sampling: SamplingParams = SamplingParams(),
     allowed: torch.Tensor | None = None,
     argmax=None,
