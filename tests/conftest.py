@@ -5,7 +5,10 @@ from __future__ import annotations
 import os as _os
 import shutil as _shutil
 import subprocess as _subprocess
+from collections.abc import Callable as _Callable
 from collections.abc import Iterator as _Iterator
+from contextlib import AbstractContextManager as _ContextManager
+from typing import TypeVar as _TypeVar
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,9 @@ from specdec.redis_cluster import LocalRedisCluster
 from specdec.redis_cluster import redis_cluster as _redis_cluster
 from specdec.redis_server import RedisServer, RedisServerError
 from specdec.redis_server import redis_server as _redis_server
+
+_T = _TypeVar("_T")
+_RedisClient = _TypeVar("_RedisClient", _redis.Redis, _RedisCluster)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +44,19 @@ def fp32_model(default_model_dir):
     from specdec.engine.loading import load_model
 
     return load_model(default_model_dir, "fp32", max_positions=1024, is_shared=False)
+
+
+@pytest.fixture
+def one_thread() -> _Iterator[None]:
+    """torch on one intra-op thread for the test. Batch-1 decoding of a 135M model, and thousands of
+    tiny-tensor calls, gain nothing from a second thread on this shared 2-vCPU machine: it mostly
+    waits for the first (measured: prefill 10x, steps 2-3x slower than with one)."""
+    import torch
+
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 # The default model's final norm in its converted checkpoint (what a drafter file is bound to, with its shape).
@@ -113,28 +132,44 @@ def grammar_cache(tokenizer_info):
 # (function: a redis.Redis on it, the database flushed first).
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> _Iterator[RedisServer]:
-    if _shutil.which("redis-server") is None:
-        message = "redis-server is not installed (`make test` installs it)"
+def _require_binaries(*names: str) -> None:
+    """Skip without the Redis binaries (fail on CI, which must have them)."""
+    missing = [name for name in names if _shutil.which(name) is None]
+    if missing:
+        message = f"{' and '.join(missing)} not installed (`make test` installs them)"
         if _os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+def _running(start: _Callable[[], _ContextManager[_T]]) -> _Iterator[_T]:
+    """What `start()` runs, for a fixture's lifetime; a process that will not start (or stop) fails
+    the test with its reason instead of erroring it."""
     try:
-        with _redis_server() as server:
-            yield server
+        with start() as running:
+            yield running
     except RedisServerError as e:
         pytest.fail(str(e))
 
 
-@pytest.fixture
-def redis_client(redis_server: RedisServer) -> _Iterator[_redis.Redis]:
-    client = _redis.Redis(unix_socket_path=redis_server.socket_path)
+def _flushed(client: _RedisClient) -> _Iterator[_RedisClient]:
+    """A client for one test: every key flushed before it, the connections closed after it."""
     client.flushall()
     try:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> _Iterator[RedisServer]:
+    _require_binaries("redis-server")
+    yield from _running(_redis_server)
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> _Iterator[_redis.Redis]:
+    yield from _flushed(_redis.Redis(unix_socket_path=redis_server.socket_path))
 
 
 # A REAL Redis Cluster on loopback (specdec.redis_cluster): 3 masters, one replica each, one per
@@ -142,33 +177,16 @@ def redis_client(redis_server: RedisServer) -> _Iterator[_redis.Redis]:
 # .url, .nodes), redis_cluster_client (function: a RedisCluster on it, every master flushed first).
 
 
-def _require_redis_binaries() -> None:
-    if _shutil.which("redis-server") is None or _shutil.which("redis-cli") is None:
-        message = "redis-server and redis-cli are not installed (`make test` installs them)"
-        if _os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def redis_cluster() -> _Iterator[LocalRedisCluster]:
-    _require_redis_binaries()
-    try:
-        with _redis_cluster() as cluster:
-            yield cluster
-    except RedisServerError as e:
-        pytest.fail(str(e))
+    _require_binaries("redis-server", "redis-cli")
+    yield from _running(_redis_cluster)
 
 
 @pytest.fixture
 def redis_cluster_client(redis_cluster: LocalRedisCluster) -> _Iterator[_RedisCluster]:
     host, port = redis_cluster.url.removeprefix("redis+cluster://").split(",")[0].split(":")
-    client = _RedisCluster(host=host, port=int(port))
-    client.flushall()
-    try:
-        yield client
-    finally:
-        client.close()
+    yield from _flushed(_RedisCluster(host=host, port=int(port)))
 
 
 # ---- end of Redis fixtures -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ restarted with backoff and counted, one that keeps dying given up."""
 from __future__ import annotations
 
 import _thread
+import contextlib
 import dataclasses
 import json
 import os
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -285,19 +287,26 @@ def test_restart_comes_back_on_the_same_port(config: StackConfig) -> None:
         assert "restarted by the launcher" in stack.log_path("a").read_text()
 
 
+@contextlib.contextmanager
+def started_past_a_lost_port(config: StackConfig, monkeypatch: pytest.MonkeyPatch, taken: int) -> Iterator[Stack]:
+    """A stack of fake "a" whose first free port, `taken`, is lost to a race before "a" binds it: the
+    stack once the launcher has moved "a" to another port and logged why."""
+    ports = iter([taken])
+    real_free_port = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda host: next(ports, None) or real_free_port(host))
+    with Stack(config, specs=[fake("a")]) as stack:
+        assert int(stack.addresses["a"].rsplit(":", 1)[1]) != taken
+        assert f"port {taken} was taken" in stack.log_path("a").read_text()
+        yield stack
+
+
 def test_a_port_lost_to_a_race_is_retried_on_another(config: StackConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as squatter:
         squatter.bind((launcher.LOOPBACK, 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        ports = iter([taken])
-        real_free_port = launcher.free_port
-        monkeypatch.setattr(launcher, "free_port", lambda host: next(ports, None) or real_free_port(host))
-        with Stack(config, specs=[fake("a")]) as stack:
-            port = int(stack.addresses["a"].rsplit(":", 1)[1])
-            assert port != taken
+        with started_past_a_lost_port(config, monkeypatch, taken) as stack:
             assert is_serving(stack.addresses["a"])
-            assert f"port {taken} was taken" in stack.log_path("a").read_text()
 
 
 def test_sigterm_stops_a_cooperative_service_within_the_grace(tmp_path: Path) -> None:
@@ -479,14 +488,8 @@ def test_another_health_server_on_our_port_does_not_pass_for_the_service(
     taken = squatter.add_insecure_port(f"{launcher.LOOPBACK}:0")
     squatter.start()
     try:
-        ports = iter([taken])
-        real_free_port = launcher.free_port
-        monkeypatch.setattr(launcher, "free_port", lambda host: next(ports, None) or real_free_port(host))
-        with Stack(config, specs=[fake("a")]) as stack:
-            port = int(stack.addresses["a"].rsplit(":", 1)[1])
-            assert port != taken
+        with started_past_a_lost_port(config, monkeypatch, taken) as stack:
             assert launcher.is_listening_itself(stack._get("a"))
-            assert f"port {taken} was taken" in stack.log_path("a").read_text()
     finally:
         squatter.stop(0)
 

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
-import threading
 import urllib.request
 import venv
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.processes import read_lines, stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -146,17 +145,6 @@ def test_the_specdec_command_dispatches_to_each_command_line(clean_venv: Path) -
     assert unknown.returncode == 2 and "unknown command 'nope'" in unknown.stderr
 
 
-def read_lines(process: subprocess.Popen, num_lines: int, timeout_s: float) -> list[str]:
-    lines: queue.Queue[str] = queue.Queue()
-    assert process.stdout is not None
-    stdout = process.stdout
-    threading.Thread(target=lambda: [lines.put(line.strip()) for line in stdout], daemon=True).start()
-    try:
-        return [lines.get(timeout=timeout_s) for _ in range(num_lines)]
-    except queue.Empty:
-        raise AssertionError(f"specdec serve did not start in time (exit status {process.poll()})") from None
-
-
 @pytest.fixture
 def served(clean_venv: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """(the HTTP API's URL, the file that holds the command's stderr)."""
@@ -169,12 +157,7 @@ def served(clean_venv: Path, tmp_path: Path) -> Iterator[tuple[str, Path]]:
         _gateway, http_url = read_lines(process, 2, START_TIMEOUT_S)
         yield http_url, tmp_path / "stderr"
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 def test_specdec_serve_from_the_clean_venv_answers_a_chat_request(served: tuple[str, Path]) -> None:

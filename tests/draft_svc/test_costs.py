@@ -19,34 +19,7 @@ from draft_svc.server import DraftServicer
 from draft_svc.strategies import DecoderRegistry, model_free_registry
 from draft_svc.strategies.feature import FeatureDecoder, FeatureTreeConfig
 from specdec.v1 import draft_pb2
-from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts
-
-TINY = DrafterConfig(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    vocab_size=50,
-    draft_vocab_size=20,
-    max_window=64,
-)
-
-
-def tiny_parts(seed: int = 0) -> tuple[FeatureDrafter, SharedParts]:
-    torch.manual_seed(seed)
-    drafter = FeatureDrafter(TINY).eval().requires_grad_(False)
-    table = torch.randn(TINY.vocab_size, TINY.hidden_size)
-    shared = SharedParts(
-        embed=lambda ids: table[ids],
-        final_norm=torch.ones(TINY.hidden_size),
-        head=torch.randn(TINY.draft_vocab_size, TINY.hidden_size),
-        vocab=torch.arange(TINY.draft_vocab_size),
-        eps=TINY.rms_norm_eps,
-    )
-    return drafter, shared
+from tests.draft_svc.tiny_drafter import TINY, tiny_parts
 
 
 def test_a_line_through_exact_points_is_found():

@@ -19,34 +19,7 @@ from specdec.propose_args import ProposeArgs
 from draft_svc.strategies import DecoderRegistry, model_free_registry
 from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource, FeatureTreeConfig
 from specdec.errors import InvalidArgument
-
-TINY = DrafterConfig(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    vocab_size=50,
-    draft_vocab_size=20,
-    max_window=512,
-)
-
-
-def tiny_parts(config: DrafterConfig = TINY, seed: int = 0) -> tuple[FeatureDrafter, SharedParts]:
-    torch.manual_seed(seed)
-    drafter = FeatureDrafter(config).eval().requires_grad_(False)
-    table = torch.randn(config.vocab_size, config.hidden_size)
-    vocab = torch.randperm(config.vocab_size)[: config.draft_vocab_size]
-    shared = SharedParts(
-        embed=lambda ids: table[ids],
-        final_norm=1 + 0.1 * torch.randn(config.hidden_size),
-        head=4 * torch.randn(config.draft_vocab_size, config.hidden_size),  # peaked enough for distinct argmaxes
-        vocab=vocab,
-        eps=config.rms_norm_eps,
-    )
-    return drafter, shared
+from tests.draft_svc.tiny_drafter import TINY, tiny_parts
 
 
 def model_parts(model, num_draft_vocab: int = 2048, seed: int = 0) -> tuple[FeatureDrafter, SharedParts]:
@@ -99,16 +72,26 @@ def greedy_chain(decoder: FeatureDecoder, shared, depth: int) -> list[int]:
     return chain
 
 
-@pytest.mark.parametrize("num_tokens", [2, 9])
-def test_incremental_chain_equals_unrolled_tiny(num_tokens):
-    drafter, shared = tiny_parts()
-    token_ids, features = context(TINY, num_tokens)
+def assert_greedy_chain_equals_unrolled(drafter, shared, token_ids, features, tolerance: float) -> list[int]:
+    """A greedy chain of 3 drafted incrementally after the context: its features equal the reference's
+    within `tolerance`, its logits within 10 x `tolerance`. Returns the chain."""
     decoder = started(drafter, shared, token_ids, features)
     chain = greedy_chain(decoder, shared, 3)
     got = decoder.features_along(chain)
     for d, want in enumerate(reference(drafter, shared, token_ids, features, chain)):
-        torch.testing.assert_close(got[d], want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(shared.logits(got[d]), shared.logits(want), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[d], want, atol=tolerance, rtol=tolerance)
+        logits_tolerance = 10 * tolerance
+        torch.testing.assert_close(
+            shared.logits(got[d]), shared.logits(want), atol=logits_tolerance, rtol=logits_tolerance
+        )
+    return chain
+
+
+@pytest.mark.parametrize("num_tokens", [2, 9])
+def test_incremental_chain_equals_unrolled_tiny(num_tokens):
+    drafter, shared = tiny_parts()
+    token_ids, features = context(TINY, num_tokens)
+    chain = assert_greedy_chain_equals_unrolled(drafter, shared, token_ids, features, tolerance=1e-5)
     # The tree search with one child per node and a beam of one is that greedy chain
     chain_decoder = started(drafter, shared, token_ids, features, FeatureTreeConfig(top_k=1, beam=1))
     assert chain_decoder.propose(3, 1)[0].token_ids == tuple(chain)
@@ -117,12 +100,7 @@ def test_incremental_chain_equals_unrolled_tiny(num_tokens):
 def test_incremental_chain_equals_unrolled_on_the_model(fp32_model):
     drafter, shared = model_parts(fp32_model.model)
     token_ids, features = context(drafter.config, 40)
-    decoder = started(drafter, shared, token_ids, features)
-    chain = greedy_chain(decoder, shared, 3)
-    got = decoder.features_along(chain)
-    for d, want in enumerate(reference(drafter, shared, token_ids, features, chain)):
-        torch.testing.assert_close(got[d], want, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(shared.logits(got[d]), shared.logits(want), atol=1e-3, rtol=1e-3)
+    assert_greedy_chain_equals_unrolled(drafter, shared, token_ids, features, tolerance=1e-4)
 
 
 def test_steps_fed_one_verify_at_a_time_equal_one_feed():

@@ -17,17 +17,9 @@ from specdec.engine.kv_cache import KVCache
 from specdec.errors import InvalidArgument
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo, ResponseFormat, apply_token_mask
 from specdec.model.tokenizer import Tokenizer
+from tests.schemas import NAME_AGE_SCHEMA
 
-PERSON = ResponseFormat(
-    "json_schema",
-    json.dumps(
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-            "required": ["name", "age"],
-        }
-    ),
-)
+PERSON = ResponseFormat("json_schema", NAME_AGE_SCHEMA)
 PROMPT_IDS = [1, 9690, 198]  # any prompt: the grammar starts after it
 EOS = 2
 
@@ -159,16 +151,6 @@ PROMPTS_FILE = Path(__file__).resolve().parents[2] / "bench" / "data" / "json.js
 SCHEMA_PROMPT_IDS = ("bfcl-live_simple_10-3-6", "bfcl-simple_python_149")  # short answers: a fast suite
 MAX_NEW_TOKENS = 40
 DRAFT_LENGTH = 8
-
-
-@pytest.fixture()
-def one_thread():
-    """Batch-1 decoding of a 135M model: on this shared 2-vCPU machine a second intra-op thread
-    mostly waits for the first (measured: prefill 10x, steps 2-3x slower than with one)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def _plain(engine, prompt_ids, grammar) -> list[int]:

@@ -4,7 +4,6 @@ token the grammar forbids (candidates are cut at the first one). Real tokenizer 
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 
@@ -14,17 +13,9 @@ from draft_svc.strategies.base import Candidate, DecoderRegistry
 from draft_svc.strategies.grammar_forced import register_grammar_decoder
 from specdec.errors import InvalidArgument
 from specdec.grammar import ResponseFormat
+from tests.schemas import NAME_AGE_SCHEMA
 
-PERSON = ResponseFormat(
-    "json_schema",
-    json.dumps(
-        {
-            "type": "object",
-            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-            "required": ["name", "age"],
-        }
-    ),
-)
+PERSON = ResponseFormat("json_schema", NAME_AGE_SCHEMA)
 PROMPT = (1, 9690, 198)
 
 

@@ -63,9 +63,9 @@ Streamed = tuple[list[gateway_pb2.GenerateResponse], list[grpc.RpcError], thread
 
 
 def _stream_in_background(
-    stub: gateway_pb2_grpc.GenerationServiceStub, request: gateway_pb2.GenerateRequest
+    stub: gateway_pb2_grpc.GenerationServiceStub, request: gateway_pb2.GenerateRequest, timeout_s: float = 300
 ) -> Streamed:
-    stream = stub.GenerateStream(request, timeout=300)
+    stream = stub.GenerateStream(request, timeout=timeout_s)
     received, errors = [next(stream)], []
 
     def read() -> None:
@@ -80,7 +80,7 @@ def _stream_in_background(
 
 
 @pytest.fixture
-def stream_in_background() -> Callable[[gateway_pb2_grpc.GenerationServiceStub, gateway_pb2.GenerateRequest], Streamed]:
-    """stream_in_background(stub, request): a GenerateStream past its first message, the rest read
-    in a thread: (messages, errors, thread)."""
+def stream_in_background() -> Callable[..., Streamed]:
+    """stream_in_background(stub, request, timeout_s=300): a GenerateStream past its first message,
+    the rest read in a thread: (messages, errors, thread)."""
     return _stream_in_background

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jsonschema
@@ -30,6 +31,7 @@ import pytest
 from specdec.service.api_keys import key_hash, new_key
 from specdec.launcher import DRAFT, PRIMARY, VALIDATOR, ServiceSpec, Stack, StackConfig, free_port
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
+from tests.e2e.disconnecting_client import first_chunk_then_disconnect
 
 pytestmark = pytest.mark.e2e
 
@@ -52,6 +54,11 @@ def _grpc_chat(stub, content: str, max_new_tokens: int) -> gateway_pb2.GenerateR
     return stub.Generate(req, timeout=600)
 
 
+def _ask(client: openai.OpenAI, content: str, **kwargs: Any) -> Any:
+    """One user message to MODEL over the OpenAI API; kwargs are create()'s."""
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kwargs)
+
+
 # ---- answers ---------------------------------------------------------------------------------------
 
 
@@ -68,13 +75,7 @@ def test_models_health_and_metrics(client: openai.OpenAI, stack: Stack):
 
 def test_greedy_chat_over_http_is_the_grpc_output_token_for_token(client: openai.OpenAI, gateway_stub):
     reference = _grpc_chat(gateway_stub, PROMPT, 24)
-    answer = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": PROMPT}],
-        max_completion_tokens=24,
-        temperature=0,
-        extra_body={"return_token_ids": True},
-    )
+    answer = _ask(client, PROMPT, max_completion_tokens=24, temperature=0, extra_body={"return_token_ids": True})
     choice = answer.choices[0]
     assert choice.token_ids == list(reference.token_ids)
     assert choice.message.content == reference.text and choice.message.role == "assistant"
@@ -96,9 +97,9 @@ def test_greedy_chat_over_http_is_the_grpc_output_token_for_token(client: openai
     assert speculation["mean_accepted_length"] >= 1.0
 
     chunks = list(
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": PROMPT}],
+        _ask(
+            client,
+            PROMPT,
             max_tokens=24,
             temperature=0,
             stream=True,
@@ -130,9 +131,9 @@ def test_completions_streamed_and_not(client: openai.OpenAI, gateway_stub):
 
 
 def test_json_schema_output_validates(client: openai.OpenAI):
-    answer = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+    answer = _ask(
+        client,
+        "Describe a person as JSON.",
         max_tokens=60,
         temperature=0,
         response_format={
@@ -170,15 +171,7 @@ def test_stop_strings(client: openai.OpenAI):
 def test_a_seed_reproduces_a_sampled_answer(client: openai.OpenAI):
     def sample(seed: int) -> str:
         return (
-            client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": "Name an animal."}],
-                max_tokens=16,
-                temperature=1.0,
-                top_p=0.95,
-                seed=seed,
-                user="tester",
-            )
+            _ask(client, "Name an animal.", max_tokens=16, temperature=1.0, top_p=0.95, seed=seed, user="tester")
             .choices[0]
             .message.content
         )
@@ -190,18 +183,12 @@ def test_a_seed_reproduces_a_sampled_answer(client: openai.OpenAI):
 
 def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, gateway_stub):
     reference = _grpc_chat(gateway_stub, PROMPT, 20)
-    answer = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": PROMPT}],
-        max_tokens=20,
-        temperature=0,
-        extra_body={"speculative_decoding": False},
-    )
+    answer = _ask(client, PROMPT, max_tokens=20, temperature=0, extra_body={"speculative_decoding": False})
     assert answer.choices[0].message.content == reference.text
     assert answer.usage.model_extra["speculation"]["proposed_tokens"] == 0
-    answer = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": PROMPT}],
+    answer = _ask(
+        client,
+        PROMPT,
         max_tokens=20,
         temperature=0,
         extra_body={
@@ -286,25 +273,14 @@ def test_an_oversize_body_is_a_413(client: openai.OpenAI):
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(stack: Stack, gateway_stub):
-    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Write a long story about a ship."}],
-            "max_tokens": 400,
-            "temperature": 0,
-            "stream": True,
-        }
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=300) as s:
-        s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
-        received = b""
-        while b"data: " not in received:
-            received += s.recv(65536)
-    request_id = json.loads(received.split(b"data: ", 1)[1].split(b"\n", 1)[0])["id"]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a long story about a ship."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    request_id = first_chunk_then_disconnect(stack.http_url, body)["id"]
     give_up = time.monotonic() + 120
     while True:
         state = gateway_stub.GetRequest(gateway_pb2.GetRequestRequest(request_id=request_id), timeout=10)
@@ -478,9 +454,9 @@ def test_no_capacity_is_a_429_with_retry_after(fronts: dict[str, str], certifica
         plaintext.models.list()
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 17}}, "required": ["city"]}
     with pytest.raises(openai.RateLimitError) as e:
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "A city?"}],
+        _ask(
+            client,
+            "A city?",
             max_tokens=8,
             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
         )

@@ -8,7 +8,6 @@ One stack (real processes, real Redis, the default model) with the HTTP front, e
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 import uuid
@@ -22,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec.launcher import DRAFT, GATEWAY, HTTP, PRIMARY, VALIDATOR, Stack, StackConfig
 from specdec.tracing import CLIENT_REQUEST_ID_KEY, LOG_FIELD, TRACES_DIR_ENV
 from specdec.v1 import gateway_pb2
+from tests.e2e.disconnecting_client import first_chunk_then_disconnect
 
 pytestmark = pytest.mark.e2e
 
@@ -247,23 +247,10 @@ def _http_metric(stack: Stack, sample: str) -> float:
 def test_a_client_that_disconnects_mid_stream_is_counted(stack: Stack) -> None:
     disconnects = "specdec_http_client_disconnects_total"
     before = _http_metric(stack, disconnects)
-    host, port = stack.http_url.removeprefix("http://").rsplit(":", 1)
-    body = json.dumps(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Write a long story."}],
-            "max_tokens": 400,
-            "stream": True,
-        }
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=300) as s:
-        s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-        )
-        received = b""
-        while b"data: " not in received:
-            received += s.recv(65536)
+    messages = [{"role": "user", "content": "Write a long story."}]
+    first_chunk_then_disconnect(
+        stack.http_url, {"model": MODEL, "messages": messages, "max_tokens": 400, "stream": True}
+    )
     give_up = time.monotonic() + 120
     while _http_metric(stack, disconnects) == before and time.monotonic() < give_up:
         time.sleep(0.1)

@@ -7,7 +7,6 @@ gets a specific status naming the field, and leaves no KV memory behind.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -193,27 +192,15 @@ def test_stop_strings_and_cancel(gateway_stub):
     assert rest[-1].stats.num_generated_tokens < 4000
 
 
-def test_killed_primary_is_recovered_with_the_same_text(gateway_stub, stack):
+def test_killed_primary_is_recovered_with_the_same_text(gateway_stub, stack, stream_in_background):
     messages = [("user", "Explain in a few sentences how a bicycle gear works.")]
     reference = generate(gateway_stub, messages, max_new_tokens=40)
     req = gateway_pb2.GenerateRequest(request_id="survives-primary-crash", max_new_tokens=40)
     req.chat.messages.add(role="user", content=messages[0][1])
     req.speculation.is_enabled = True
-    received: list[gateway_pb2.GenerateStreamResponse] = []
-    errors: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            received.extend(gateway_stub.GenerateStream(req, timeout=600))
-        except BaseException as e:  # surfaced by the assertion below
-            errors.append(e)
-
-    t = threading.Thread(target=consume)
-    t.start()
-    while not received and t.is_alive():
-        time.sleep(0.05)
+    received, errors, reader = stream_in_background(gateway_stub, req, timeout_s=600)
     stack.restart(PRIMARY)  # SIGKILL, then a fresh process on the same port
-    t.join(timeout=600)
+    reader.join(timeout=600)
     assert not errors, errors
     assert received[-1].is_final
     assert [tok for c in received for tok in c.token_ids] == list(reference.token_ids)

@@ -11,12 +11,10 @@ import contextlib
 import dataclasses
 import os
 import re
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ import pytest
 
 import inference
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.processes import read_lines, stop
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -77,17 +76,6 @@ def service_process(launcher_pid: int, module: str) -> tuple[int, int]:
     raise AssertionError(f"no {module} process under the launcher {launcher_pid}")
 
 
-def read_lines(process: subprocess.Popen, num_lines: int, timeout_s: float) -> list[str]:
-    """The first lines of its stdout (in a thread: a select() on a buffered pipe misses lines already read)."""
-    assert process.stdout is not None
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line.strip()) for line in process.stdout], daemon=True).start()
-    try:
-        return [lines.get(timeout=timeout_s) for _ in range(num_lines)]
-    except queue.Empty:
-        raise AssertionError(f"the services did not start in time (launcher exit status {process.poll()})") from None
-
-
 @contextlib.contextmanager
 def serving(tmp: Path) -> Iterator[Served]:
     """`inference.py --serve` until it prints its addresses; SIGTERM (then SIGKILL) on the way out."""
@@ -109,13 +97,7 @@ def serving(tmp: Path) -> Iterator[Served]:
         gateway_address, http_url = read_lines(process, 2, START_TIMEOUT_S)
         yield Served(process, gateway_address, http_url, tmp / "logs", stderr_path)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -171,24 +153,11 @@ def test_a_killed_validator_comes_back_on_its_port_and_the_text_is_the_same(
 
 
 def test_a_request_streams_through_a_killed_primary_with_the_same_text(
-    served: Served, gateway_stub: gateway_pb2_grpc.GenerationServiceStub
+    served: Served, gateway_stub: gateway_pb2_grpc.GenerationServiceStub, stream_in_background
 ) -> None:
     # Long enough to be mid-stream when the kill lands.
     reference = gateway_stub.Generate(request(max_new_tokens=LONG_NEW_TOKENS), timeout=600)
-    received: list[gateway_pb2.GenerateStreamResponse] = []
-    errors: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            stream = gateway_stub.GenerateStream(request(STREAM_ID, LONG_NEW_TOKENS), timeout=600)
-            received.extend(stream)
-        except BaseException as e:  # surfaced by the assertion below
-            errors.append(e)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    while not received and consumer.is_alive():
-        time.sleep(0.05)
+    received, errors, consumer = stream_in_background(gateway_stub, request(STREAM_ID, LONG_NEW_TOKENS), 600)
     kill_and_await_restart(served, "primary", "primary_svc")  # its KV caches are gone: the gateway re-prefills
     consumer.join(timeout=600)
     assert not errors, errors

@@ -9,9 +9,15 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS, Admission, FairQueue, QueueFull
+from gateway.admission import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS, Admission, FairQueue, QueueFull, Ticket
 from specdec.errors import Cancelled, DeadlineExceeded
 from gateway.metrics import GatewayMetrics
+
+
+def one_slot_taken(metrics: GatewayMetrics | None = None) -> tuple[Admission, Ticket]:
+    """Admission of one running request and up to 4 waiting ones, its slot held: (admission, holder)."""
+    admission = Admission(max_active=1, max_queued=4, metrics=metrics)
+    return admission, admission.enter("")
 
 
 def test_fair_queue_is_fifo_per_key_and_round_robin_across_keys():
@@ -77,8 +83,7 @@ def test_a_request_beyond_the_queue_is_refused_with_a_retry_hint_and_counted():
 
 def test_a_queued_request_past_its_deadline_leaves_the_queue():
     registry = CollectorRegistry()
-    admission = Admission(max_active=1, max_queued=4, metrics=GatewayMetrics(registry))
-    holder = admission.enter("")
+    admission, holder = one_slot_taken(GatewayMetrics(registry))
     late = admission.enter("")
     with pytest.raises(DeadlineExceeded, match="request_id: request 'r1' waited"):
         asyncio.run(late.wait_async(time.monotonic() + 0.05, threading.Event(), "r1"))
@@ -90,8 +95,7 @@ def test_a_queued_request_past_its_deadline_leaves_the_queue():
 
 
 def test_a_cancelled_queued_request_leaves_the_queue_and_the_next_one_keeps_its_turn():
-    admission = Admission(max_active=1, max_queued=4)
-    holder = admission.enter("")
+    admission, holder = one_slot_taken()
     cancelled, after = admission.enter(""), admission.enter("")
     cancel = threading.Event()
     threading.Timer(0.05, cancel.set).start()
@@ -105,8 +109,7 @@ def test_a_cancelled_queued_request_leaves_the_queue_and_the_next_one_keeps_its_
 
 
 def test_a_slot_granted_as_the_deadline_passes_goes_on_to_the_next_waiter():
-    admission = Admission(max_active=1, max_queued=4)
-    holder = admission.enter("")
+    admission, holder = one_slot_taken()
     late, after = admission.enter(""), admission.enter("")
     holder.release()  # late is granted, but its deadline has passed
     assert late.is_granted
@@ -119,8 +122,7 @@ def test_a_slot_granted_as_the_deadline_passes_goes_on_to_the_next_waiter():
 
 def test_an_async_waiter_is_woken_by_the_grant_and_holds_no_thread():
     async def scenario() -> float:
-        admission = Admission(max_active=1, max_queued=4)
-        holder = admission.enter("")
+        admission, holder = one_slot_taken()
         queued = admission.enter("")
         waiting = asyncio.ensure_future(queued.wait_async(None, threading.Event(), "r1"))
         await asyncio.sleep(0.01)
@@ -138,8 +140,7 @@ def test_an_async_waiter_is_woken_by_the_grant_and_holds_no_thread():
 
 def test_an_async_waiter_leaves_the_queue_on_its_deadline_a_cancel_or_its_coroutine_cancelled():
     async def scenario(registry: CollectorRegistry) -> None:
-        admission = Admission(max_active=1, max_queued=4, metrics=GatewayMetrics(registry))
-        holder = admission.enter("")
+        admission, holder = one_slot_taken(GatewayMetrics(registry))
         late, cancelled, gone, after = (admission.enter("") for _ in range(4))
         with pytest.raises(DeadlineExceeded, match="request 'r1' waited"):
             await late.wait_async(time.monotonic() + 0.05, threading.Event(), "r1")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from concurrent import futures
 
-import grpc
 import pytest
 
 from gateway.backends import Backends
 from specdec.v1 import primary_pb2, primary_pb2_grpc
+from tests.grpc_serving import serving
 
 
 class LeasingPrimary(primary_pb2_grpc.PrimaryServiceServicer):
@@ -26,15 +25,9 @@ class LeasingPrimary(primary_pb2_grpc.PrimaryServiceServicer):
 
 @pytest.fixture
 def primary() -> Iterator[tuple[LeasingPrimary, str]]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = LeasingPrimary()
-    primary_pb2_grpc.add_PrimaryServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        server.stop(None)
+    with serving(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer) as address:
+        yield servicer, address
 
 
 def test_a_re_prefill_carries_the_held_lease_and_a_resumed_request_the_adopted_one(primary) -> None:  # noqa: ANN001

@@ -360,31 +360,29 @@ async def drain(loop: RequestLoop) -> None:
         pass
 
 
-def make_loop(
-    params: GenerationParams,
-    backends: FakeBackends,
-    store=None,
-    request_id="r1",
-    generated=(),
-    stats=None,
-    controller_state=None,
-    model=MODEL,
-    owner="test",
-    **kwargs,
-) -> RequestLoop:
+def make_loop(params: GenerationParams, backends: FakeBackends, store=None, request_id="r1", **kwargs) -> RequestLoop:
     """A loop over PROMPT, its request stored as RUNNING (in `store`, else a fresh in-memory one;
-    the test reads it directly, the loop through its async face). The fake's prompt lookup is right
-    or wrong by fiat, not by repeats of the text: the gateway's repeat gate is off unless asked."""
+    the test reads it directly, the loop through its async face); kwargs as loop_over_prompt's. The
+    fake's prompt lookup is right or wrong by fiat, not by repeats of the text: the gateway's repeat
+    gate is off unless asked."""
     kwargs.setdefault("min_repeat_tokens", 0)
     store = InMemoryStateStore() if store is None else store
     if store.load(request_id) is None:
         store.create(request_id, {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    return loop_over_prompt(params, backends, AsyncInMemoryStateStore(store), request_id, **kwargs)
+
+
+def loop_over_prompt(
+    params: GenerationParams, backends, store, request_id="r1", model=MODEL, owner="test", **kwargs
+) -> RequestLoop:
+    """A RequestLoop over PROMPT on the async state store `store` (the request already stored), with
+    the fakes' tokenizer, fp32 wire formats, a 1 s recovery timeout and trees of up to 64 nodes."""
     return RequestLoop(
         request_id,
         params,
         PROMPT,
         backends,
-        AsyncInMemoryStateStore(store),
+        store,
         FakeTokenizer(),
         model,
         ("fp32", "fp32"),
@@ -392,9 +390,6 @@ def make_loop(
         max_tree_nodes=64,
         cancel=threading.Event(),
         owner=owner,
-        generated=generated,
-        stats=stats,
-        controller_state=controller_state,
         **kwargs,
     )
 
@@ -1046,21 +1041,8 @@ def test_the_next_step_runs_while_the_last_one_is_written_and_only_stored_tokens
     backends = TimedBackends(events=events, decode_s=0.01)
     store = SlowStore(events, write_s=0.005)
     store.sync.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
-    loop = RequestLoop(
-        "r1",
-        make_params(is_enabled=False, max_new_tokens=12),
-        PROMPT,
-        backends,
-        store,
-        FakeTokenizer(),
-        MODEL,
-        ("fp32", "fp32"),
-        recovery_timeout_s=1.0,
-        max_tree_nodes=64,
-        cancel=threading.Event(),
-        owner="test",
-        decode_run_max=1,  # a token a step: 12 steps, 12 writes
-    )
+    params = make_params(is_enabled=False, max_new_tokens=12)
+    loop = loop_over_prompt(params, backends, store, decode_run_max=1)  # a token a step: 12 steps, 12 writes
     seen: list[int] = []
 
     async def consume() -> None:
@@ -1201,21 +1183,8 @@ def run_on_redis(socket_path: str, params: GenerationParams, backends: FakeBacke
 
     async def go() -> RequestLoop:
         store = AsyncRedisStateStore(redis.asyncio.Redis(unix_socket_path=socket_path))
-        loop = RequestLoop(
-            "r1",
-            params,
-            PROMPT,
-            backends,
-            store,
-            FakeTokenizer(),
-            MODEL,
-            ("fp32", "fp32"),
-            recovery_timeout_s=1.0,
-            max_tree_nodes=64,
-            cancel=threading.Event(),
-            owner="gw-1",
-            stored_params=STORED_PARAMS,
-            max_state_retry_s=0.5,
+        loop = loop_over_prompt(
+            params, backends, store, owner="gw-1", stored_params=STORED_PARAMS, max_state_retry_s=0.5
         )
         try:
             await drain(loop)

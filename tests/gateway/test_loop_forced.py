@@ -26,19 +26,8 @@ from specdec.state_store import RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.task_type import TaskType
+from tests.schemas import PERSON_SCHEMA
 
-# tests/specdec/grammar/conftest.py's person: keys in declared order, all required
-PERSON_SCHEMA = json.dumps(
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["name", "age", "unit"],
-    }
-)
 EOS = 2  # SmolLM2's <|im_end|>
 PROMPT = [1, 9690, 198]
 PIECES = ["{", '"', "name", '":', ' "', "Bob", '"', ",", ' "', "age", '":', " ", "4", "2", ","]

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -23,6 +22,7 @@ from http_svc.app import HttpFront
 from http_svc.config import HttpConfig
 from specdec.errors import InvalidArgument
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.grpc_serving import serving
 
 MODEL = "test-model"
 # A held stream waits this long at most for its client to go away (a test that fails stops here).
@@ -72,15 +72,9 @@ class FakeGateway(gateway_pb2_grpc.GenerationServiceServicer):
 
 @pytest.fixture
 def fake_gateway() -> Iterator[tuple[FakeGateway, str]]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     servicer = FakeGateway()
-    gateway_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield servicer, f"127.0.0.1:{port}"
-    finally:
-        server.stop(None)
+    with serving(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer) as address:
+        yield servicer, address
 
 
 @pytest.fixture

@@ -16,9 +16,8 @@ from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.service.interceptor import ErrorInterceptor
-from specdec.service.server import create_server
-from specdec.v1 import logprobs_pb2, primary_pb2, primary_pb2_grpc
+from specdec.v1 import logprobs_pb2, primary_pb2
+from tests.grpc_serving import primary_stub
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
 MAX_CONTEXT = 512
@@ -32,15 +31,8 @@ def primary(fp32_model):
     worker = EngineWorker(engine)
     identity = ModelIdentity("test-model", "instance-1", MAX_CONTEXT, (2,), {1: 10.0})
     servicer = PrimaryServicer(fp32_model, worker, identity, 64 << 20, leases=KVLeases(30.0))
-    server, port = create_server(
-        "127.0.0.1:0",
-        [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-        interceptors=[ErrorInterceptor()],
-    )
-    server.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield primary_pb2_grpc.PrimaryServiceStub(channel), engine, worker
-    server.stop(0)
+    with primary_stub(servicer) as stub:
+        yield stub, engine, worker
     worker.stop()
 
 

@@ -15,9 +15,8 @@ from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.logprobs import token_logprobs
-from specdec.service.interceptor import ErrorInterceptor
-from specdec.service.server import create_server
-from specdec.v1 import common_pb2, logprobs_pb2, primary_pb2, primary_pb2_grpc
+from specdec.v1 import common_pb2, logprobs_pb2, primary_pb2
+from tests.grpc_serving import primary_stub
 
 PROMPT = [1, 504, 3458, 282, 260, 2114, 30, 1691, 314, 253]
 NUM_TOP = 5
@@ -34,15 +33,8 @@ def primary(default_model_dir):
     worker = EngineWorker(engine)
     identity = ModelIdentity("test-model", "instance-1", 512, (2,), {1: 10.0})
     servicer = PrimaryServicer(loaded, worker, identity, 64 << 20)
-    server, port = create_server(
-        "127.0.0.1:0",
-        [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-        interceptors=[ErrorInterceptor()],
-    )
-    server.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield primary_pb2_grpc.PrimaryServiceStub(channel), loaded.model
-    server.stop(0)
+    with primary_stub(servicer) as stub:
+        yield stub, loaded.model
     worker.stop()
 
 

@@ -22,16 +22,12 @@ from specdec.grammar import ResponseFormat
 from specdec.pb import logits_from_pb
 from specdec.penalties import penalize
 from specdec.sampling import SamplingParams
-from specdec.service.interceptor import ErrorInterceptor
-from specdec.service.server import create_server
-from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
+from specdec.v1 import common_pb2, primary_pb2
+from tests.grpc_serving import primary_stub
+from tests.schemas import NAME_AGE_SCHEMA
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
-SCHEMA = (
-    '{"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, '
-    '"required": ["name", "age"]}'
-)
-RESPONSE_FORMAT = pb.response_format_to_pb(ResponseFormat("json_schema", SCHEMA))
+RESPONSE_FORMAT = pb.response_format_to_pb(ResponseFormat("json_schema", NAME_AGE_SCHEMA))
 ALL_ALLOWED = common_pb2.TokenMask(num_rows=1, bits=b"\xff" * (49152 // 8))  # every token of the vocabulary
 LEASE_S = 30.0
 
@@ -59,15 +55,8 @@ def primary(default_model_dir, grammar_cache):
         leases=KVLeases(LEASE_S, clock),
         run_grammars=RunGrammars(lambda: grammar_cache),
     )
-    server, port = create_server(
-        "127.0.0.1:0",
-        [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-        interceptors=[ErrorInterceptor()],
-    )
-    server.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        yield primary_pb2_grpc.PrimaryServiceStub(channel), engine, servicer, clock
-    server.stop(0)
+    with primary_stub(servicer) as stub:
+        yield stub, engine, servicer, clock
     worker.stop()
     loaded.shared.unlink()
 
@@ -349,7 +338,7 @@ def test_a_run_under_a_response_format_is_as_many_one_token_decodes_under_its_ma
     the request's committed output across calls, so the tokens are those of one-token Decodes under
     the masks a gateway's grammar state sends; the state is dropped with the request."""
     stub, engine, servicer, _ = primary
-    grammar = grammar_cache.compile(ResponseFormat("json_schema", SCHEMA))
+    grammar = grammar_cache.compile(ResponseFormat("json_schema", NAME_AGE_SCHEMA))
 
     def decode(rid, lease, pending, **fields) -> primary_pb2.DecodeResponse:
         return stub.Decode(

@@ -30,7 +30,7 @@ import functools
 import itertools
 import math
 import random
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -43,6 +43,9 @@ from specdec.penalties import penalize
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from validator_svc import acceptance
 from validator_svc.acceptance import rejection_sample_accept, validate_tree
+
+# Thousands of tiny-tensor calls: extra intra-op threads only add contention
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB_SIZE = 5
 ROOT_TOKEN = 0
@@ -85,15 +88,6 @@ FEATURE_DRAFTER = DrafterConfig(
 )
 FEATURE_TREE = FeatureTreeConfig(top_k=3, beam=2)
 FEATURE_DEPTH, FEATURE_CANDIDATES, FEATURE_NODES = 3, 4, 7
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Thousands of tiny-tensor calls: extra intra-op threads only add contention."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
 
 
 def stochastic_chain(draft_probs: torch.Tensor, last: int, length: int, rng: random.Random) -> Candidate:

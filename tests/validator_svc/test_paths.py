@@ -7,14 +7,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec import pb
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import FORMATS, EncodedLogits
 from specdec.sampling import SamplingParams
 from specdec.service.server import ServerConfig
-from specdec.v1 import common_pb2, validator_pb2
+from specdec.v1 import validator_pb2
+from tests.validator_svc.requests import validate_request
 from validator_svc import paths
 from validator_svc.__main__ import build_servicer
 from validator_svc.config import ValidatorConfig
@@ -58,7 +58,7 @@ def test_the_servicer_runs_the_chosen_path_and_exports_it(fake_cupy, device, dev
     assert servicer.path.name == expected
     assert registry.get_sample_value("specdec_validation_path", {"path": expected}) == 1.0
     token_ids, parents, logits = [2, 0], [-1, 0], torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
-    response = servicer.Validate(request(logits, token_ids, parents, "bf16"), None)
+    response = servicer.Validate(validate_request(logits, token_ids, parents, "bf16"), None)
     assert list(response.accepted_nodes) == [0, 1] and response.bonus_token == 1
     assert fake_cupy.launches == (1 if expected == PATH_CUDA else 0)  # the kernel runs on the cuda path only
 
@@ -77,7 +77,7 @@ def test_the_cuda_path_reads_the_wire_bytes_and_never_decodes_on_the_host(monkey
     logits = torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0], [0.0, 3.0, 0.0]])
     allowed = torch.tensor([[True, True, False], [True, True, True], [True, True, True]])
     servicer = ValidatorServicer(CudaPath(row_stats=spy_row_stats))
-    response = servicer.Validate(request(logits, [2, 0], [-1, 0], "fp8_e4m3", allowed=allowed), None)
+    response = servicer.Validate(validate_request(logits, [2, 0], [-1, 0], "fp8_e4m3", allowed=allowed), None)
     ((encoded, mask),) = calls
     assert isinstance(encoded, EncodedLogits) and encoded.format == "fp8_e4m3"
     assert isinstance(mask, TokenBitmask)  # packed, as it came
@@ -93,7 +93,7 @@ def test_sampled_modes_go_to_the_host_path():
     for mode, threshold in ((SAMPLE, 0.0), (THRESHOLD, 0.5)):
         # min_p, like top-k / top-p, shapes whole rows after temperature: the host reference's work
         for sampling in (SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.7, seed=3, min_p=0.3)):
-            req = request(logits, [2], [-1], "fp32", mode=mode, sampling=sampling)
+            req = validate_request(logits, [2], [-1], "fp32", mode=mode, sampling=sampling)
             req.acceptance_threshold = threshold
             got, expected = cuda.Validate(req, None), ValidatorServicer(TorchPath()).Validate(req, None)
             got.ClearField("time_ms")
@@ -115,7 +115,7 @@ class RecordingPath(TorchPath):
 def test_the_mode_sent_is_the_mode_applied():
     logits = torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0]])
     path = RecordingPath()
-    ValidatorServicer(path).Validate(request(logits, [2], [-1], "fp32", mode=SAMPLE), None)  # at temperature 0
+    ValidatorServicer(path).Validate(validate_request(logits, [2], [-1], "fp32", mode=SAMPLE), None)  # at temperature 0
     assert path.inputs[-1].mode == AcceptanceMode.SAMPLE
 
 
@@ -131,7 +131,9 @@ def test_the_mode_sent_is_the_mode_applied():
     ],
 )
 def test_a_mode_that_does_not_fit_the_step_is_refused_naming_the_field(mode, temperature, threshold, field):
-    req = request(torch.zeros(2, 3), [2], [-1], "fp32", mode=mode, sampling=SamplingParams(temperature=temperature))
+    req = validate_request(
+        torch.zeros(2, 3), [2], [-1], "fp32", mode=mode, sampling=SamplingParams(temperature=temperature)
+    )
     req.acceptance_threshold = threshold
     with pytest.raises(InvalidArgument) as e:
         ValidatorServicer().Validate(req, None)
@@ -139,31 +141,6 @@ def test_a_mode_that_does_not_fit_the_step_is_refused_naming_the_field(mode, tem
 
 
 # ---- the two paths agree through the servicer: an emulated kernel here, the real one on a GPU -------
-
-
-def request(
-    logits: torch.Tensor,
-    token_ids,
-    parents,
-    fmt: str,
-    *,
-    mode=GREEDY,
-    sampling=SamplingParams(),
-    allowed: torch.Tensor | None = None,
-    argmax=None,
-) -> validator_pb2.ValidateRequest:
-    req = validator_pb2.ValidateRequest(
-        request_id="r",
-        mode=mode,
-        sampling=pb.sampling_to_pb(sampling),
-        position=0,
-        tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents),
-        target_logits=pb.logits_to_pb(logits, fmt),
-        target_argmax_token_ids=argmax or (),
-    )
-    if allowed is not None:
-        req.allowed_tokens.CopyFrom(pb.token_mask_to_pb(TokenBitmask.from_bool(allowed)))
-    return req
 
 
 def parity_requests(random_tree_logits, fmt: str, vocab_size: int):
@@ -184,11 +161,11 @@ def parity_requests(random_tree_logits, fmt: str, vocab_size: int):
             (allowed, None),
             (allowed, masked_argmax),
         ):
-            yield request(logits, token_ids, parents, fmt, allowed=mask, argmax=argmax)
-            req = request(logits, token_ids, parents, fmt, mode=THRESHOLD, allowed=mask)
+            yield validate_request(logits, token_ids, parents, fmt, allowed=mask, argmax=argmax)
+            req = validate_request(logits, token_ids, parents, fmt, mode=THRESHOLD, allowed=mask)
             req.acceptance_threshold = 0.3
             yield req
-            yield request(logits, token_ids, parents, fmt, sampling=SamplingParams(min_p=0.9), allowed=mask)
+            yield validate_request(logits, token_ids, parents, fmt, sampling=SamplingParams(min_p=0.9), allowed=mask)
 
 
 def assert_paths_agree(cuda_path, random_tree_logits, fmt: str, vocab_size: int) -> None:

@@ -6,39 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import pb
 from specdec.errors import InvalidArgument
-from specdec.grammar import TokenBitmask
 from specdec.sampling import SamplingParams
-from specdec.v1 import common_pb2, validator_pb2
+from specdec.v1 import validator_pb2
+from tests.validator_svc.requests import validate_request
 from validator_svc.server import ValidatorServicer
 
 V = 8
-
-
-def _request(
-    logits: torch.Tensor,
-    token_ids,
-    parents,
-    allowed: torch.Tensor | None,
-    *,
-    fmt="fp32",
-    argmax=None,
-    mode=validator_pb2.ACCEPTANCE_MODE_GREEDY,
-    sampling=SamplingParams(),
-):
-    req = validator_pb2.ValidateRequest(
-        request_id="r",
-        mode=mode,
-        sampling=pb.sampling_to_pb(sampling),
-        position=0,
-        tree=common_pb2.TokenTree(token_ids=token_ids, parents=parents),
-        target_logits=pb.logits_to_pb(logits, fmt),
-        target_argmax_token_ids=argmax or (),
-    )
-    if allowed is not None:
-        req.allowed_tokens.CopyFrom(pb.token_mask_to_pb(TokenBitmask.from_bool(allowed)))
-    return req
 
 
 def _tree_case():
@@ -56,9 +30,9 @@ def _tree_case():
 @pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3"])
 def test_greedy_never_accepts_a_token_the_grammar_forbids(fmt):
     logits, allowed = _tree_case()
-    unmasked = ValidatorServicer().Validate(_request(logits, [3], [-1], None, fmt=fmt), None)
+    unmasked = ValidatorServicer().Validate(validate_request(logits, [3], [-1], fmt=fmt), None)
     assert list(unmasked.accepted_nodes) == [0]  # without the grammar: accepted
-    masked = ValidatorServicer().Validate(_request(logits, [3], [-1], allowed, fmt=fmt), None)
+    masked = ValidatorServicer().Validate(validate_request(logits, [3], [-1], allowed=allowed, fmt=fmt), None)
     assert list(masked.accepted_nodes) == [] and masked.bonus_token == 1  # best allowed token instead
 
 
@@ -67,10 +41,13 @@ def test_sampling_and_threshold_give_forbidden_tokens_probability_zero():
     for seed in range(20):
         sampling = SamplingParams(temperature=1.0, seed=seed)
         r = ValidatorServicer().Validate(
-            _request(logits, [3], [-1], allowed, mode=validator_pb2.ACCEPTANCE_MODE_SAMPLE, sampling=sampling), None
+            validate_request(
+                logits, [3], [-1], allowed=allowed, mode=validator_pb2.ACCEPTANCE_MODE_SAMPLE, sampling=sampling
+            ),
+            None,
         )
         assert list(r.accepted_nodes) == [] and r.bonus_token in (1, 5)
-    req = _request(logits, [3], [-1], allowed, mode=validator_pb2.ACCEPTANCE_MODE_THRESHOLD)
+    req = validate_request(logits, [3], [-1], allowed=allowed, mode=validator_pb2.ACCEPTANCE_MODE_THRESHOLD)
     req.acceptance_threshold = 0.01
     r = ValidatorServicer().Validate(req, None)
     assert list(r.accepted_nodes) == [] and r.bonus_token == 1
@@ -79,14 +56,14 @@ def test_sampling_and_threshold_give_forbidden_tokens_probability_zero():
 def test_an_argmax_taken_without_the_mask_is_refused():
     logits, allowed = _tree_case()
     with pytest.raises(InvalidArgument) as e:
-        ValidatorServicer().Validate(_request(logits, [3], [-1], allowed, argmax=[3, 3]), None)
+        ValidatorServicer().Validate(validate_request(logits, [3], [-1], allowed=allowed, argmax=[3, 3]), None)
     assert e.value.field == "target_argmax_token_ids"
-    ok = ValidatorServicer().Validate(_request(logits, [3], [-1], allowed, argmax=[1, 3]), None)
+    ok = ValidatorServicer().Validate(validate_request(logits, [3], [-1], allowed=allowed, argmax=[1, 3]), None)
     assert list(ok.accepted_nodes) == [] and ok.bonus_token == 1
 
 
 def test_a_mask_of_the_wrong_height_is_refused():
     logits, allowed = _tree_case()
     with pytest.raises(InvalidArgument) as e:
-        ValidatorServicer().Validate(_request(logits, [3], [-1], allowed[:1]), None)
+        ValidatorServicer().Validate(validate_request(logits, [3], [-1], allowed=allowed[:1]), None)
     assert e.value.field == "allowed_tokens.num_rows"

@@ -20,6 +20,7 @@ from specdec.model.config import ModelConfig
 from specdec.model.linear import PADDED_GEMM_ROWS, Linear, calibrate_min_gemm_rows
 from specdec.model.loader import load_config
 from specdec.model.precision import quantize_fp8_per_channel
+from tests.specdec.engine.decoding import decode_one_token_at_a_time
 
 NEAR_TIE_TOLERANCE = 1.0  # logits
 NUM_TOKENS = 24
@@ -30,14 +31,7 @@ PROMPT = [1, 9690, 198, 2683, 253, 30760, 563, 260, 1945, 28, 837, 2456, 357, 30
 def test_tree_verify_disagrees_with_one_token_decoding_only_at_near_ties(default_model_dir, precision):
     loaded = load_model(default_model_dir, precision, max_positions=256, is_shared=False)
     engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 256)
-    engine.open("one", PROMPT)
-    engine.prefill("one")
-    tokens, rows = [], []
-    for _ in range(NUM_TOKENS):
-        rows.append(engine.verify("one", (), ())[0])
-        tokens.append(int(rows[-1].argmax()))
-        engine.commit("one", (), (tokens[-1],))
-    one_token = torch.stack(rows)  # [NUM_TOKENS, V]
+    tokens, one_token = decode_one_token_at_a_time(engine, "one", PROMPT, NUM_TOKENS)  # one_token: [NUM_TOKENS, V]
     engine.open("tree", PROMPT)
     tree = engine.verify("tree", tokens, [-1] + list(range(NUM_TOKENS - 1)))[:-1]  # same positions
 

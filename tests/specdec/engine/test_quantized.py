@@ -16,6 +16,7 @@ from specdec.engine.engine import Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.sampling import SamplingParams
+from tests.specdec.engine.decoding import decode_one_token_at_a_time
 
 PROMPT = [1, 9690, 198, 2683, 253, 30760, 563, 260, 1945, 28, 837, 2456, 357, 30, 2, 198, 1, 520, 9531, 198]
 NUM_TOKENS = 16
@@ -74,19 +75,13 @@ def test_greedy_tree_speculation_equals_plain_decoding(quantized_engine, seed):
 @pytest.mark.parametrize("k", [8])
 def test_chain_verify_logits_equal_one_token_decoding_bit_for_bit(quantized_engine, k):
     engine = quantized_engine
-    engine.open("one", PROMPT)
-    engine.prefill("one")
-    rows, tokens = [], []
-    for _ in range(k):
-        rows.append(engine.verify("one", (), ())[0])
-        tokens.append(int(rows[-1].argmax()))
-        engine.commit("one", (), (tokens[-1],))
+    tokens, one_token = decode_one_token_at_a_time(engine, "one", PROMPT, k)
     engine.release("one")
     engine.open("chain", PROMPT)
     engine.prefill("chain")  # the same prompt KV as "one"
     chain = engine.verify("chain", tokens[:-1], [-1] + list(range(k - 2)))  # [k, V], same positions
     engine.release("chain")
-    assert torch.equal(chain, torch.stack(rows))
+    assert torch.equal(chain, one_token)
 
 
 def test_a_recovered_request_continues_bit_for_bit(quantized_engine):

@@ -10,7 +10,7 @@ from specdec.errors import InvalidArgument
 from specdec.grammar import GrammarCache, ResponseFormat, compile_response_format
 from specdec.grammar.compiler import GrammarCacheConfig
 
-from .conftest import PERSON_SCHEMA
+from tests.schemas import PERSON_SCHEMA
 
 
 @pytest.mark.parametrize(

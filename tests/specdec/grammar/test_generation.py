@@ -25,16 +25,6 @@ MAX_NEW_TOKENS = 40
 INSTRUCTION = "Answer with JSON only. "
 
 
-@pytest.fixture()
-def one_thread():
-    """Batch-1 decoding of a 135M model: on this shared 2-vCPU machine a second intra-op thread
-    mostly waits for the first (measured: prefill 10x, steps 2-3x slower than with one)."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 MAX_CONTEXT = 1024
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from .conftest import PERSON_SCHEMA
+from tests.schemas import PERSON_SCHEMA
 
 EOS = 2  # SmolLM2's <|im_end|>
 

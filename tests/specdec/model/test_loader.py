@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdec.model import gguf_convert, loader
+from specdec.model.config import SHAPE_FIELDS
 from specdec.model.gguf_convert import hf_tensor_name, llama3_rope_factors, unpermute_qk_rows
 
 # A tiny llama: 4 query heads and 2 KV heads of head_dim 4, so Q and K are unpermuted with
@@ -184,18 +185,7 @@ def test_converted_weights_equal_transformers_gguf_load(default_model_dir: Path,
 def test_config_matches_transformers(default_model_dir: Path, transformers_default_model):
     _, expected = transformers_default_model
     config = loader.load_config(default_model_dir)
-    for field in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "max_position_embeddings",
-        "tie_word_embeddings",
-        "bos_token_id",
-    ):
+    for field in (*SHAPE_FIELDS, "max_position_embeddings", "tie_word_embeddings", "bos_token_id"):
         assert getattr(config, field) == getattr(expected, field), field
     assert np.float32(config.rms_norm_eps) == np.float32(expected.rms_norm_eps)
     assert config.rope_theta == expected.rope_parameters["rope_theta"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -310,13 +310,18 @@ def _cpu_has(flag: str) -> bool:
 
 
 @contextlib.contextmanager
-def _num_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
+def _set_within(get: Callable[[], int], set_: Callable[[int], object], value: int) -> Iterator[None]:
+    """set_(value) for the block, then back to what get() gave before it."""
+    before = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        set_(before)
+
+
+def _num_threads(n: int) -> contextlib.AbstractContextManager[None]:
+    return _set_within(torch.get_num_threads, torch.set_num_threads, n)
 
 
 # each instruction path this CPU can run, built from the same source beside the default build
@@ -409,15 +414,37 @@ def _amx_unavailable() -> str | None:
 needs_amx = pytest.mark.skipif(_amx_unavailable() is not None, reason=str(_amx_unavailable()))
 
 
-@contextlib.contextmanager
-def _amx_from(rows: int) -> Iterator[None]:
+def _amx_from(rows: int) -> contextlib.AbstractContextManager[None]:
+    """The tiles on for products of at least `rows` rows (0: off) within the block."""
     lib = native.library()
-    before = lib.qgemm_amx_min_rows()
-    lib.qgemm_set_amx(rows)
-    try:
-        yield
-    finally:
-        lib.qgemm_set_amx(before)
+    return _set_within(lib.qgemm_amx_min_rows, lib.qgemm_set_amx, rows)
+
+
+def _tiles_and_vectors(compute: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """compute() with the tiles on from one row, then with them off: (tiles, vectors)."""
+    with _amx_from(1):
+        tiles = compute()
+    with _amx_from(0):
+        vectors = compute()
+    return tiles, vectors
+
+
+def _assert_tiles_give_the_bits_of_vectors(layer, k: int, g: torch.Generator, row_counts: tuple[int, ...]) -> None:
+    """The layer's product of random rows [rows, k] on 1, 2 and 3 threads, for each row count: the
+    tiles give the bits of the vector path."""
+    for threads in (1, 2, 3):
+        with _num_threads(threads):
+            for rows in row_counts:
+                x = torch.randn(rows, k, generator=g) * 4
+                tiles, vectors = _tiles_and_vectors(lambda: layer(x))
+                assert torch.equal(tiles, vectors), (k, threads, rows)
+
+
+def _new_sequence(block: Block, rope: RotaryEmbedding, h: torch.Tensor) -> torch.Tensor:
+    """The decoder layer over h [T, C] (T <= 48) as a new sequence at position 0, in a KV cache of its own."""
+    kc = torch.zeros(1, 2, 48, 16)
+    spans = [SequenceSpan(0, len(h), 0, kc, torch.zeros_like(kc), None)]
+    return block(h, torch.arange(len(h)), rope, spans)
 
 
 @needs_amx
@@ -430,15 +457,7 @@ def test_amx_products_give_the_bits_of_the_avx512_path(k):
     g = torch.Generator().manual_seed(21)
     q, d, m = quant.quantize_q4_1(torch.randn(96, k, generator=g))
     layer = native.QuantLinear.from_q4_1(lib, q, d, m, bias=torch.randn(96, generator=g))
-    for threads in (1, 2, 3):
-        with _num_threads(threads):
-            for rows in (1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 47, 63, 64):
-                x = torch.randn(rows, k, generator=g) * 4
-                with _amx_from(1):
-                    tiles = layer(x)
-                with _amx_from(0):
-                    vectors = layer(x)
-                assert torch.equal(tiles, vectors), (k, threads, rows)
+    _assert_tiles_give_the_bits_of_vectors(layer, k, g, (1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 47, 63, 64))
 
 
 @needs_amx
@@ -457,13 +476,7 @@ def test_8bit_products_and_a_whole_4bit_layer_give_the_same_bits_with_the_tiles_
     block, rope = Block(config, block_weights(config), 0), RotaryEmbedding(config, 64, torch.float32)
     assert block.native is not None
     h = torch.randn(40, 64, generator=g)
-    outs = []
-    for rows in (1, 0):
-        kc = torch.zeros(1, 2, 48, 16)
-        spans = [SequenceSpan(0, 40, 0, kc, torch.zeros_like(kc), None)]
-        with _amx_from(rows):
-            outs.append(block(h, torch.arange(40), rope, spans))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(*_tiles_and_vectors(lambda: _new_sequence(block, rope, h)))
 
 
 def test_a_refused_tile_permission_leaves_the_products_on_avx512(monkeypatch, caplog):
@@ -570,15 +583,7 @@ def test_per_token_products_on_amx_tiles_give_the_bits_of_the_avx512_path(k):
     lib = native.library()
     g = torch.Generator().manual_seed(39)
     layer = token_layer(lib, 112, k, seed=40, bias=torch.randn(112, generator=g))[0]
-    for threads in (1, 2, 3):
-        with _num_threads(threads):
-            for rows in (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 63, 64):
-                x = torch.randn(rows, k, generator=g) * 4
-                with _amx_from(1):
-                    tiles = layer(x)
-                with _amx_from(0):
-                    vectors = layer(x)
-                assert torch.equal(tiles, vectors), (k, threads, rows)
+    _assert_tiles_give_the_bits_of_vectors(layer, k, g, (1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 47, 63, 64))
 
 
 def token_block_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -602,10 +607,4 @@ def test_a_per_token_layer_runs_fused_and_gives_the_same_bits_with_the_tiles_on_
     block, rope = Block(config, token_block_weights(config), 0), RotaryEmbedding(config, 64, torch.float32)
     assert block.native is not None and block.self_attn.q_proj.qweight.kind == native.KIND_Q8T
     h = torch.randn(40, 64, generator=torch.Generator().manual_seed(42))
-    outs = []
-    for rows in (1, 0):
-        kc = torch.zeros(1, 2, 48, 16)
-        spans = [SequenceSpan(0, 40, 0, kc, torch.zeros_like(kc), None)]
-        with _amx_from(rows):
-            outs.append(block(h, torch.arange(40), rope, spans))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(*_tiles_and_vectors(lambda: _new_sequence(block, rope, h)))
