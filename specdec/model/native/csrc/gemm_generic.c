@@ -7,7 +7,7 @@
 
 /* Each output element alone, as gemm.h's arithmetic states it: out[t, n] for row t and column n. */
 
-static float q4_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
+ALWAYS_INLINE float q4_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
     const int64_t K = w->k, G = K / QK, v = n / NV, c = n % NV;
     const uint8_t *nib = (const uint8_t *)w->w;
     float acc = 0.f;
@@ -26,7 +26,7 @@ static float q4_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
     return acc;
 }
 
-static float q8_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
+ALWAYS_INLINE float q8_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
     const int64_t K = w->k, G = K / QK, v = n / NV, c = n % NV;
     const uint8_t *wp = (const uint8_t *)w->w;
     float acc = 0.f;
@@ -42,7 +42,7 @@ static float q8_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
 }
 
 /* per token: the two halves' integer dot products over the whole row, one rescale (qgemm.h) */
-static float q8t_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
+ALWAYS_INLINE float q8t_element(const qweight *w, const qact *a, int64_t t, int64_t n) {
     const int64_t K = w->k, v = n / NV, c = n % NV;
     const uint8_t *wp = (const uint8_t *)w->w;
     const int8_t *h = a->xq + t * K, *l = a->xl + t * K;
