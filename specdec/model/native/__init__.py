@@ -366,6 +366,17 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _ok(status: int) -> None:
+    """A kernel's returned status: nonzero where it could not allocate its scratch memory."""
+    if status:
+        raise MemoryError("native kernel: out of memory")
+
+
+def _rope_pointers(rope, positions: Tensor) -> tuple[int, int, int]:
+    """The cos_t, sin_t and positions arguments of qgemm_layer_pre and qgemm_forward."""
+    return rope.cos.data_ptr(), rope.sin.data_ptr(), positions.data_ptr()
+
+
 # --- layers ------------------------------------------------------------------------------------
 
 
@@ -473,10 +484,8 @@ class QuantLinear:
         # x: [T, K] -> [T, N] in x's dtype
         x32 = x.float().contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if x.shape[0] and self.lib.qgemm_linear(
-            x32.data_ptr(), x.shape[0], self.ref, out.data_ptr(), torch.get_num_threads()
-        ):
-            raise MemoryError("native kernel: out of memory")
+        if x.shape[0]:
+            _ok(self.lib.qgemm_linear(x32.data_ptr(), x.shape[0], self.ref, out.data_ptr(), torch.get_num_threads()))
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -491,22 +500,23 @@ def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: i
     if mask is not None:
         mask = mask.contiguous().view(torch.uint8)
     out = torch.empty(n, heads, dim)
-    if lib.qgemm_attention(
-        q.data_ptr(),
-        n,
-        heads,
-        k_cache.shape[0],
-        dim,
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.dtype == torch.float16,
-        k_cache.shape[1],
-        end,
-        _ptr(mask),
-        out.data_ptr(),
-        torch.get_num_threads(),
-    ):
-        raise MemoryError("native kernel: out of memory")
+    _ok(
+        lib.qgemm_attention(
+            q.data_ptr(),
+            n,
+            heads,
+            k_cache.shape[0],
+            dim,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.dtype == torch.float16,
+            k_cache.shape[1],
+            end,
+            _ptr(mask),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
     return out
 
 
@@ -546,44 +556,44 @@ class NativeLayer:
         q = torch.empty(T, self.heads, self.head_dim)
         k = torch.empty(T, self.kv_heads, self.head_dim)
         v = torch.empty(T, self.kv_heads, self.head_dim)
-        if self.lib.qgemm_layer_pre(
-            x.data_ptr(),
-            T,
-            C,
-            self.norm1.data_ptr(),
-            self.eps1,
-            self.q.ref,
-            self.k.ref,
-            self.v.ref,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            rope.cos.data_ptr(),
-            rope.sin.data_ptr(),
-            positions.data_ptr(),
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            threads,
-        ):
-            raise MemoryError("native kernel: out of memory")
+        _ok(
+            self.lib.qgemm_layer_pre(
+                x.data_ptr(),
+                T,
+                C,
+                self.norm1.data_ptr(),
+                self.eps1,
+                self.q.ref,
+                self.k.ref,
+                self.v.ref,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                *_rope_pointers(rope, positions),
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                threads,
+            )
+        )
         attn = self.attn.attend(q, k, v, spans).reshape(T, self.heads * self.head_dim).contiguous()
         out = torch.empty(T, C)
-        if self.lib.qgemm_layer_post(
-            x.data_ptr(),
-            attn.data_ptr(),
-            T,
-            C,
-            self.o.ref,
-            self.norm2.data_ptr(),
-            self.eps2,
-            self.gate.ref,
-            self.up.ref,
-            self.down.ref,
-            out.data_ptr(),
-            threads,
-        ):
-            raise MemoryError("native kernel: out of memory")
+        _ok(
+            self.lib.qgemm_layer_post(
+                x.data_ptr(),
+                attn.data_ptr(),
+                T,
+                C,
+                self.o.ref,
+                self.norm2.data_ptr(),
+                self.eps2,
+                self.gate.ref,
+                self.up.ref,
+                self.down.ref,
+                out.data_ptr(),
+                threads,
+            )
+        )
         return out
 
 
@@ -637,21 +647,20 @@ class NativeStack:
             d.layer_stride, d.capacity = s.k_cache.stride(0), s.k_cache.shape[2]
             d.mask = _ptr(mask)
             d.half = s.k_cache.dtype == torch.float16
-        if self.lib.qgemm_forward(
-            x.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            self.layers,
-            self.num_layers,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            rope.cos.data_ptr(),
-            rope.sin.data_ptr(),
-            positions.data_ptr(),
-            descs,
-            len(spans),
-            torch.get_num_threads(),
-        ):
-            raise MemoryError("native kernel: out of memory")
+        _ok(
+            self.lib.qgemm_forward(
+                x.data_ptr(),
+                x.shape[0],
+                x.shape[1],
+                self.layers,
+                self.num_layers,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                *_rope_pointers(rope, positions),
+                descs,
+                len(spans),
+                torch.get_num_threads(),
+            )
+        )
         return x
