@@ -231,14 +231,22 @@ def _measure_peers(
     records: list[Record],
 ) -> dict[str, str]:
     """Each peer's records (cached across precisions) appended to `records`; {peer: why} of those that failed."""
+
+    def measure_new(name: str) -> list[Record]:
+        peer = make_peer(name, precision, config.threads, config.max_context_tokens, tokenizer, model_dir)
+        try:
+            new_tokens = {scenario: config.new_tokens(scenario) for scenario in selections}
+            measured = measure_peer(peer, selections, new_tokens, tokenizer, precision)
+        finally:
+            peer.close()  # one model at a time on the machine
+        if name in MEASURED_ONCE:
+            cache[name] = measured
+        return measured
+
     failed = {}
     for name in peers:
         try:
-            records.extend(
-                cache[name]
-                if name in cache
-                else _measure_new_peer(name, precision, config, selections, tokenizer, model_dir, cache)
-            )
+            records.extend(cache[name] if name in cache else measure_new(name))
         except Exception as e:  # e.g. a model that does not load: the other systems' figures still count
             failed[name] = f"{type(e).__name__}: {e}"
             print(f"peer {name} failed: {failed[name]}", flush=True)
@@ -265,24 +273,3 @@ def served_precision(sut: SystemUnderTest) -> dict[str, str]:
     with sut.stack.channel("primary") as channel:
         info = primary_pb2_grpc.PrimaryServiceStub(channel).GetModelInfo(primary_pb2.GetModelInfoRequest(), timeout=30)
     return {"precision": info.precision, "precision_choice": info.precision_choice}
-
-
-def _measure_new_peer(
-    name: str,
-    precision: str,
-    config: SuiteConfig,
-    selections: Mapping[str, Selection],
-    tokenizer: Any,
-    model_dir: Path,
-    cache: dict[str, list[Record]],
-) -> list[Record]:
-    peer = make_peer(name, precision, config.threads, config.max_context_tokens, tokenizer, model_dir)
-    try:
-        records = measure_peer(
-            peer, selections, {name: config.new_tokens(name) for name in selections}, tokenizer, precision
-        )
-    finally:
-        peer.close()  # one model at a time on the machine
-    if name in MEASURED_ONCE:
-        cache[name] = records
-    return records

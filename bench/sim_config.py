@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.field_checks import require_at_least_one
+
 ROUTINGS = ("affinity", "random")
 
 
@@ -54,9 +56,7 @@ class SimConfig:
             "max_step_tokens",
             "decode_run",
         )
-        for name in positive_ints:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(self, *positive_ints)
         for name in ("rate_per_s", "duration_s", "step_time_scale"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -32,7 +32,8 @@ from specdec.redis_server import redis_server
 from specdec.state_store import RedisStateStore, StateStoreConfig
 from specdec.state_store.redis_store import STEP_LUA
 
-# What a step writes besides its tokens (sizes like the gateway's; scripts/measure_state_store.py).
+# What a step writes besides its tokens, sizes like the gateway's (scripts/measure_state_store.py writes
+# the same).
 STEP_STATS = {
     "num_steps": 100,
     "num_proposed_tokens": 800,

@@ -31,7 +31,7 @@ from draft_svc.strategies.self_draft import SelfDraftConfig
 from draft_svc.strategies.suffix_index import SuffixIndexConfig
 from specdec import strategies
 from specdec.logging import LOG_LEVELS
-from specdec.flags import NO_FIELD, Flag, listen_flags, names, optional, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, listen_flags, model_path_flag, names, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 
@@ -113,14 +113,7 @@ def _paths(text: str) -> tuple[Path, ...]:
 
 # The corpus index's flags, shared with `python -m draft_svc.corpus` (which builds the same index).
 CORPUS_FLAGS = (
-    Flag(
-        "--model_path",
-        None,
-        env=("MODEL_PATH", "MODEL"),
-        type=str,
-        help="the model whose tokenizer grammar-forced and corpus drafts use (default: the default model)",
-        convert=optional,
-    ),
+    model_path_flag("the model whose tokenizer grammar-forced and corpus drafts use (default: the default model)"),
     Flag("--cache_dir", str(DEFAULT_CACHE_DIR), convert=Path),
     Flag(
         "--corpus_sources",

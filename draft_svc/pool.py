@@ -57,6 +57,7 @@ from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
 from specdec.candidates import ranked_sources
 from specdec.engine.tree import ROOT
+from specdec.field_checks import require_at_least_one
 from specdec.speculation_bounds import (
     DEFAULT_DRAFT_LENGTH,
     MAX_CANDIDATES,
@@ -97,14 +98,7 @@ class PoolConfig:
                 f"default_strategies must be a non-empty subset of strategies {self.strategies}, "
                 f"got {self.default_strategies}"
             )
-        for name in (
-            "default_draft_length",
-            "max_context_tokens",
-            "max_requests",
-            "num_threads",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(self, "default_draft_length", "max_context_tokens", "max_requests", "num_threads")
         if self.default_draft_length > self.max_draft_length:
             raise ValueError(
                 f"default_draft_length {self.default_draft_length} exceeds max_draft_length {self.max_draft_length}"

@@ -17,7 +17,7 @@ from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.errors import InvalidArgument
 from specdec.state_store import DEFAULT_LEASE_S
 from specdec.logits_codec import FORMATS
-from specdec.flags import NO_FIELD, Flag, listen_flags, names, optional, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, listen_flags, model_path_flag, names, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.api_keys import check_public_exposure, public_access_flags
 from specdec.service.server import ServerConfig
@@ -154,7 +154,7 @@ FLAGS = (
     Flag("--draft_address", "127.0.0.1:50052"),
     Flag("--validator_address", "127.0.0.1:50053"),
     Flag("--redis_url", ""),
-    Flag("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str, convert=optional),
+    model_path_flag(),
     Flag("--cache_dir", str(DEFAULT_CACHE_DIR), convert=Path),
     Flag("--strategies", ",".join(DEFAULT_STRATEGIES), group="speculation", convert=names),
     Flag("--draft_length", group="speculation"),

@@ -86,6 +86,7 @@ import numpy as np
 
 from gateway.cost_model import CostModel
 from specdec.candidates import CandidateOutcome
+from specdec.field_checks import require_at_least_one
 from specdec.task_type import TaskType
 from specdec.controller_defaults import (
     PRIOR_ACCEPTANCE_CODE,
@@ -164,15 +165,14 @@ class ControllerConfig:
         if not self.draft_length_choices or min(self.draft_length_choices) < 1:
             raise ValueError(f"draft_length_choices must be positive, got {self.draft_length_choices}")
         check_speculation_bounds(self.max_speculative_degree, max(self.draft_length_choices), self.max_tree_nodes)
-        for name in (
+        require_at_least_one(
+            self,
             "max_speculative_degree",
             "max_tree_nodes",
             "probe_interval",
             "probe_draft_length",
             "max_probe_backoff",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        )
         for name in (
             "prior_acceptance_structured",
             "prior_acceptance_code",

@@ -8,7 +8,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from specdec.flags import NO_FIELD, Flag, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, model_path_flag, parse_flags, values
 from specdec.service.api_keys import check_public_exposure, public_access_flags
 from specdec.service.server import DEFAULT_HOST
 
@@ -80,14 +80,7 @@ FLAGS = (
     Flag("--metrics_port", help="also serve /metrics on this port (0: only on --port)"),
     Flag("--gateway_address"),
     Flag("--gateway_ca_file", help="PEM root certificates of a gateway that serves TLS (empty: plaintext gRPC)"),
-    Flag(
-        "--model_path",
-        None,
-        env=("MODEL_PATH", "MODEL"),
-        type=str,
-        help="the gateway's model; only its name is used (--model_name's default)",
-        group=NO_FIELD,
-    ),
+    model_path_flag("the gateway's model; only its name is used (--model_name's default)", group=NO_FIELD),
     Flag(
         "--model_name",
         None,

@@ -11,9 +11,10 @@ from pathlib import Path
 from primary_svc.leases import DEFAULT_TAKEOVER_S
 from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
+from specdec.field_checks import require_at_least_one
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
-from specdec.flags import Flag, listen_flags, optional, parse_flags, values
+from specdec.flags import Flag, listen_flags, model_path_flag, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 
@@ -77,10 +78,7 @@ class PrimaryConfig:
             raise ValueError(f"batch_wait_ms must be in [0, {MAX_BATCH_WAIT_MS:.0f}], got {self.batch_wait_ms}")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes must be >= 0 (0: no prefix cache), got {self.prefix_cache_bytes}")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.max_step_tokens < 1:
-            raise ValueError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        require_at_least_one(self, "max_batch", "max_step_tokens")
         if not 1 <= self.prefill_chunk_tokens <= self.max_step_tokens:
             raise ValueError(
                 f"need 1 <= prefill_chunk_tokens <= max_step_tokens, got {self.prefill_chunk_tokens}, "
@@ -96,7 +94,7 @@ class PrimaryConfig:
 
 FLAGS = (
     *listen_flags(50051),
-    Flag("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str, convert=optional),
+    model_path_flag(),
     Flag("--device", choices=("cpu", "cuda")),
     Flag(
         "--min_gemm_rows",

@@ -27,22 +27,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.sim_redis import STEP_CONTROLLER, STEP_STATS  # noqa: E402
 from specdec.redis_cluster import redis_cluster  # noqa: E402
 from specdec.state_store import RedisStateStore, StateStoreConfig, encode_token_ids  # noqa: E402
 from specdec.state_store.clients import open_sync_client  # noqa: E402
 from specdec.state_store.redis_url import parse_redis_url  # noqa: E402
 from specdec.flag_spellings import add_spellings
 
-STATS = {
-    "num_steps": 100,
-    "num_proposed_tokens": 800,
-    "num_accepted_tokens": 300,
-    "acceptance_rate": 0.375,
-    "stage_times": {"draft_ms": 12.5, "verify_ms": 3100.2, "validate_ms": 8.1, "state_ms": 9.9},
-}
 # The layouts' keys share one hash tag: on a cluster a MULTI runs on one slot only.
 TOKENS_KEY, LIST_KEY, META_KEY = "m:{layout}:tokens", "m:{layout}:list", "m:{layout}:meta"
-CONTROLLER = {"speculative_degree": 3, "draft_length": 6, "ewma_acceptance": 0.41}
 
 
 def time_us(fn: Callable[[int], object], num_iters: int) -> list[float]:
@@ -80,7 +73,7 @@ def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
     store = RedisStateStore(client, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
     n, k = num_steps, tokens_per_step
     step_tokens = [[(i * k + j) % 49152 for j in range(k)] for i in range(n)]
-    print(f"{n} steps of {k} tokens, stats ~{len(str(STATS))} B JSON, url {url}\n")
+    print(f"{n} steps of {k} tokens, stats ~{len(str(STEP_STATS))} B JSON, url {url}\n")
     print("| per-step operation | median µs | mean µs | p99 µs |\n|---|---|---|---|")
     print(row("PING (round-trip floor)", time_us(lambda i: client.ping(), n)))
     store_appends(store, step_tokens)
@@ -102,7 +95,12 @@ def store_appends(store: RedisStateStore, step_tokens: list[list[int]]) -> None:
 
     def whole_step(i: int) -> None:
         store.append_step(
-            "r2", step_tokens[i], expected_num_tokens=i * k, stats=STATS, controller_state=CONTROLLER, owner="gw-1"
+            "r2",
+            step_tokens[i],
+            expected_num_tokens=i * k,
+            stats=STEP_STATS,
+            controller_state=STEP_CONTROLLER,
+            owner="gw-1",
         )
 
     print(row("append_step: tokens + stats + controller + lease", time_us(whole_step, n)))
@@ -110,7 +108,7 @@ def store_appends(store: RedisStateStore, step_tokens: list[list[int]]) -> None:
 
 def raw_appends(client: Any, step_tokens: list[list[int]]) -> None:
     """Bare MULTI blocks of the two token-log layouts, without the store's checks."""
-    stats_json = json.dumps(STATS)
+    stats_json = json.dumps(STEP_STATS)
 
     def multi_append(i: int) -> None:
         pipe = client.pipeline(transaction=True)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from specdec.field_checks import require_bytes, require_counts
+
 DTYPE_FP16 = "float16"
 DTYPE_BF16 = "bfloat16"
 DTYPES = (DTYPE_FP16, DTYPE_BF16)
@@ -36,12 +38,8 @@ class EncodedFeatures:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("num_rows", "hidden_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.data, bytes):
-            raise ValueError(f"data must be bytes, got {type(self.data).__name__}")
+        require_counts(self, "num_rows", "hidden_size")
+        require_bytes(self, "data")
         if len(self.data) != self.num_bytes:
             raise ValueError(
                 f"data has {len(self.data)} bytes, expected num_rows * hidden_size * {ITEMSIZE} = {self.num_bytes}"

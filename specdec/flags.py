@@ -124,6 +124,12 @@ def listen_flags(port: int) -> tuple[Flag, ...]:
     )
 
 
+def model_path_flag(help: str | None = None, group: str | None = "") -> Flag:
+    """--model_path, also read from MODEL_PATH or MODEL: an HF model directory or a .gguf file; unset
+    or "": the default model (SmolLM2-135M-Instruct)."""
+    return Flag("--model_path", None, env=("MODEL_PATH", "MODEL"), type=str, help=help, group=group, convert=optional)
+
+
 def names(text: str) -> tuple[str, ...]:
     """A comma-separated list flag's value: `a, b,,c` -> ("a", "b", "c")."""
     return tuple(name.strip() for name in text.split(",") if name.strip())

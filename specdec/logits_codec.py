@@ -31,6 +31,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from specdec.field_checks import require_bytes, require_counts
 from specdec.model import native
 
 FORMAT_FP32 = "fp32"
@@ -56,12 +57,8 @@ class EncodedLogits:
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
-        for name in ("num_rows", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.data, bytes):
-            raise ValueError(f"data must be bytes, got {type(self.data).__name__}")
+        require_counts(self, "num_rows", "vocab_size")
+        require_bytes(self, "data")
         expected = self.num_rows * self.vocab_size * ITEMSIZE[self.format]
         if len(self.data) != expected:
             raise ValueError(

@@ -30,6 +30,8 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
+from specdec.field_checks import require_at_least_one
+
 LOST = -1  # `next_position` while the output does not follow the prediction
 
 
@@ -48,9 +50,7 @@ class PredictionConfig:
             raise ValueError(
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
             )
-        for name in ("min_trusted_run", "min_backward_ngram"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(self, "min_trusted_run", "min_backward_ngram")
         if self.max_single_gap < 0:
             raise ValueError(f"max_single_gap must be >= 0, got {self.max_single_gap}")
 

@@ -16,24 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import shutil
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import redis
 
-from specdec.redis_server import START_TIMEOUT_S, STOP_TIMEOUT_S, RedisServerError
+from specdec.redis_server import RedisServerError, await_ping, poll_until, stop_processes
 
 LOOPBACK = "127.0.0.1"
 BUS_PORT_OFFSET = 10000
 # How long a master may be unreachable before its replica is promoted: short, for a local cluster.
 DEFAULT_NODE_TIMEOUT_MS = 1000
 FAILOVER_TIMEOUT_S = 30.0
-_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,7 +72,7 @@ def redis_cluster(
         for port in ports:
             processes.append(_start_node(binary, port, Path(directory), node_timeout_ms))
         for port, process in zip(ports, processes, strict=True):
-            _await_ping(process, port, Path(directory) / f"{port}.log")
+            await_ping(process, functools.partial(local_client, port), Path(directory) / f"{port}.log")
         _create(cli, ports, num_replicas)
         _await_all_slots(ports)
         nodes = tuple(ClusterNodeProcess(port, p.pid) for port, p in zip(ports, processes, strict=True))
@@ -81,18 +80,6 @@ def redis_cluster(
     finally:
         stop_processes(processes)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def stop_processes(processes: list[subprocess.Popen]) -> None:
-    """SIGTERM to each, then wait STOP_TIMEOUT_S for each before SIGKILL."""
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def free_port_pairs(num_ports: int) -> list[int]:
@@ -133,19 +120,9 @@ def _start_node(binary: str, port: int, directory: Path, node_timeout_ms: int) -
         )  # fmt: skip
 
 
-def _await_ping(process: subprocess.Popen, port: int, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RedisServerError(f"redis-server exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0) as probe:
-                probe.ping()
-            return
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise RedisServerError(f"redis-server on {port} did not answer within {START_TIMEOUT_S} s") from None
-            time.sleep(0.02)
+def local_client(port: int, *, decode_responses: bool = False) -> redis.Redis:
+    """A client of the local node on `port`, one that gives up on a silent node after a second."""
+    return redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0, decode_responses=decode_responses)
 
 
 def _create(cli: str, ports: list[int], num_replicas: int) -> None:
@@ -161,22 +138,24 @@ def _create(cli: str, ports: list[int], num_replicas: int) -> None:
 def _await_all_slots(ports: list[int], timeout_s: float = FAILOVER_TIMEOUT_S) -> None:
     """Until every node reports cluster_state:ok and knows every node (the gossip settled), and
     every replica finished its first sync (one that has not cannot be promoted)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        infos = [_cluster_info(port) for port in ports]
+
+    def is_settled() -> bool | None:
+        infos = _infos(ports)
         num_known = str(len(ports))
-        is_settled = all(i.get("cluster_state") == "ok" and i.get("cluster_known_nodes") == num_known for i in infos)
-        if is_settled and all(_is_in_sync(port) for port in ports):
-            return
-        if time.monotonic() > deadline:
-            raise RedisServerError(f"the cluster did not settle within {timeout_s} s: {infos}")
-        time.sleep(_POLL_S)
+        is_known = all(i.get("cluster_state") == "ok" and i.get("cluster_known_nodes") == num_known for i in infos)
+        return (is_known and all(_is_in_sync(port) for port in ports)) or None
+
+    poll_until(is_settled, timeout_s, lambda: f"the cluster did not settle within {timeout_s} s: {_infos(ports)}")
+
+
+def _infos(ports: list[int]) -> list[dict[str, str]]:
+    return [_cluster_info(port) for port in ports]
 
 
 def _is_in_sync(port: int) -> bool:
     """Whether the node on port is a master, or a replica whose link to its master is up."""
     try:
-        with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0) as client:
+        with local_client(port) as client:
             info = client.info("replication")
     except redis.ConnectionError:
         return False
@@ -185,7 +164,7 @@ def _is_in_sync(port: int) -> bool:
 
 def _cluster_info(port: int) -> dict[str, str]:
     try:
-        with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0) as client:
+        with local_client(port) as client:
             return {k: str(v) for k, v in client.cluster("INFO").items()}
     except redis.ConnectionError:
         return {}
@@ -198,7 +177,7 @@ def master_port_of(cluster: LocalRedisCluster, key: str, exclude: int | None = N
         if node.port == exclude:
             continue
         try:
-            with redis.Redis(host=LOOPBACK, port=node.port, socket_timeout=1.0, decode_responses=True) as client:
+            with local_client(node.port, decode_responses=True) as client:
                 slot = int(client.execute_command("CLUSTER", "KEYSLOT", key))
                 for line in client.execute_command("CLUSTER", "NODES").splitlines():
                     port = _serving_port(line, slot)
@@ -230,20 +209,20 @@ def wait_for_failover(cluster: LocalRedisCluster, dead_port: int, timeout_s: flo
     """Until a live node serves every slot the dead master served and all live nodes report
     cluster_state:ok (polling CLUSTER INFO/NODES); RedisServerError after timeout_s."""
     live = [node.port for node in cluster.nodes if node.port != dead_port]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        infos = [_cluster_info(port) for port in live]
-        if all(i.get("cluster_state") == "ok" for i in infos) and _is_dead_port_gone(live[0], dead_port):
-            return
-        if time.monotonic() > deadline:
-            raise RedisServerError(f"no replica took over from {dead_port} within {timeout_s} s: {infos}")
-        time.sleep(_POLL_S)
+
+    def is_taken_over() -> bool | None:
+        is_ok = all(i.get("cluster_state") == "ok" for i in _infos(live))
+        return (is_ok and _is_dead_port_gone(live[0], dead_port)) or None
+
+    poll_until(
+        is_taken_over, timeout_s, lambda: f"no replica took over from {dead_port} within {timeout_s} s: {_infos(live)}"
+    )
 
 
 def _is_dead_port_gone(port: int, dead_port: int) -> bool:
     """Whether the node on port no longer counts dead_port as a master serving slots."""
     try:
-        with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0, decode_responses=True) as client:
+        with local_client(port, decode_responses=True) as client:
             lines = client.execute_command("CLUSTER", "NODES").splitlines()
     except redis.ConnectionError:
         return False

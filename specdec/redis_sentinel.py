@@ -15,20 +15,18 @@ import dataclasses
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import redis
 
-from specdec.redis_cluster import LOOPBACK, free_port_pairs, stop_processes
-from specdec.redis_server import START_TIMEOUT_S, RedisServerError
+from specdec.redis_cluster import LOOPBACK, free_port_pairs, local_client
+from specdec.redis_server import START_TIMEOUT_S, RedisServerError, poll_until, stop_processes
 
 SERVICE_NAME = "specdec"
 # How long the master may be silent before the sentinels call it down: short, for a local group.
 DOWN_AFTER_MS = 1000
 PROMOTION_TIMEOUT_S = 30.0
-_POLL_S = 0.05
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,21 +88,22 @@ def _start_sentinel(binary: str, directory: Path, port: int, master: int, quorum
 
 
 def _await_ready(master: int, replicas: list[int], sentinels: list[int]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S * 3
-    while not _is_ready(master, replicas, sentinels):
-        if time.monotonic() > deadline:
-            raise RedisServerError("the sentinel group did not settle in time")
-        time.sleep(_POLL_S)
+    timeout_s = START_TIMEOUT_S * 3
+    poll_until(
+        lambda: _is_ready(master, replicas, sentinels) or None,
+        timeout_s,
+        lambda: f"the sentinel group did not settle within {timeout_s} s",
+    )
 
 
 def _is_ready(master: int, replicas: list[int], sentinels: list[int]) -> bool:
     try:
         for port in replicas:
-            with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0) as client:
+            with local_client(port) as client:
                 if client.info("replication").get("master_link_status") != "up":
                     return False
         for port in sentinels:
-            with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0) as client:
+            with local_client(port) as client:
                 if len(client.sentinel_slaves(SERVICE_NAME)) < len(replicas):
                     return False
                 if len(client.sentinel_sentinels(SERVICE_NAME)) < len(sentinels) - 1:
@@ -120,7 +119,7 @@ def current_master_port(group: LocalSentinelGroup) -> int | None:
     """The master's port as the first sentinel that answers names it; None when none answers."""
     for port in group.sentinel_ports:
         try:
-            with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0) as client:
+            with local_client(port) as client:
                 address = client.sentinel_get_master_addr_by_name(SERVICE_NAME)
             return None if address is None else int(address[1])
         except redis.ConnectionError:
@@ -131,19 +130,17 @@ def current_master_port(group: LocalSentinelGroup) -> int | None:
 def wait_for_promotion(group: LocalSentinelGroup, timeout_s: float = PROMOTION_TIMEOUT_S) -> int:
     """Until the sentinels name another master than group.master_port and it answers as a master;
     its port. RedisServerError after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def promoted() -> int | None:
         port = current_master_port(group)
-        if port is not None and port != group.master_port and _is_master(port):
-            return port
-        if time.monotonic() > deadline:
-            raise RedisServerError(f"no replica was promoted within {timeout_s} s")
-        time.sleep(_POLL_S)
+        return port if port is not None and port != group.master_port and _is_master(port) else None
+
+    return poll_until(promoted, timeout_s, lambda: f"no replica was promoted within {timeout_s} s")
 
 
 def _is_master(port: int) -> bool:
     try:
-        with redis.Redis(host=LOOPBACK, port=port, socket_timeout=1.0) as client:
+        with local_client(port) as client:
             return client.info("replication").get("role") == "master"
     except redis.ConnectionError:
         return False

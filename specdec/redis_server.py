@@ -13,13 +13,18 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
+POLL_S = 0.05  # between looks at a local server, cluster or group while waiting for a state
+_PING_POLL_S = 0.02
+
+T = TypeVar("T")
 
 
 class RedisServerError(RuntimeError):
@@ -65,30 +70,53 @@ def redis_server(prefix: str = "specdec-redis-") -> Iterator[RedisServer]:
             stderr=subprocess.STDOUT,
         )
     try:
-        _await(process, socket_path, log_path)
+        await_ping(process, lambda: redis.Redis(unix_socket_path=socket_path), log_path)
         yield RedisServer(socket_path=socket_path, url=f"unix://{socket_path}", pid=process.pid)
     finally:
+        stop_processes([process])
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    """SIGTERM to each, then wait STOP_TIMEOUT_S for each before SIGKILL."""
+    for process in processes:
         process.terminate()
+    for process in processes:
         try:
             process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
-def _await(process: subprocess.Popen, socket_path: str, log_path: Path) -> None:
+def await_ping(process: subprocess.Popen, connect: Callable[[], redis.Redis], log_path: Path) -> None:
+    """Until the redis-server `process` answers PING on a client from `connect`. RedisServerError, with
+    the end of its log, when it exits first or does not answer within START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if process.poll() is not None:
             raise RedisServerError(f"redis-server exited with {process.returncode}: {log_path.read_text()[-2000:]}")
         try:
-            with redis.Redis(unix_socket_path=socket_path) as probe:
+            with connect() as probe:
                 probe.ping()
             return
-        except (redis.ConnectionError, FileNotFoundError):
+        except (redis.ConnectionError, FileNotFoundError):  # FileNotFoundError: its socket is not there yet
             if time.monotonic() > deadline:
                 raise RedisServerError(
                     f"redis-server did not answer within {START_TIMEOUT_S} s: {log_path.read_text()[-2000:]}"
                 ) from None
-            time.sleep(0.02)
+            time.sleep(_PING_POLL_S)
+
+
+def poll_until(check: Callable[[], T | None], timeout_s: float, failure: Callable[[], str]) -> T:
+    """Call `check` every POLL_S until it returns something other than None, and return that;
+    RedisServerError(failure()) once timeout_s has passed (a wait for a local server, cluster or
+    sentinel group to reach a state)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            raise RedisServerError(failure())
+        time.sleep(POLL_S)

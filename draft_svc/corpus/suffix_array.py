@@ -32,6 +32,7 @@ import numpy as np
 
 from draft_svc.strategies.base import validate_propose_args
 from draft_svc.strategies.suffix_index import SEPARATOR, most_frequent_paths
+from specdec.field_checks import require_at_least_one
 
 GATHER_ROWS = 4096  # a range at most this wide is narrowed by one vectorised gather + searchsorted
 
@@ -51,8 +52,7 @@ class QueryConfig:
             raise ValueError(
                 f"need 1 <= min_match_len <= max_match_len, got {self.min_match_len}, {self.max_match_len}"
             )
-        if self.max_occurrences < 1:
-            raise ValueError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
+        require_at_least_one(self, "max_occurrences")
 
 
 def sort_positions(

@@ -44,6 +44,7 @@ from torch import Tensor
 from draft_svc.heads.file import DrafterFile, DrafterFileError, load
 from draft_svc.heads.model import FeatureDrafter, SharedParts, for_serving, model_fingerprint, shared_parts
 from draft_svc.strategies.base import Candidate, validate_propose_args
+from specdec.field_checks import require_at_least_one
 from specdec.speculation_bounds import MAX_DRAFT_LENGTH
 from specdec.model import native
 
@@ -58,9 +59,7 @@ class FeatureTreeConfig:
     max_depth: int = MAX_DRAFT_LENGTH  # sizes the scratch rows
 
     def __post_init__(self) -> None:
-        for name in ("top_k", "beam", "max_depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(self, "top_k", "beam", "max_depth")
 
 
 class FeatureDecoder:

@@ -36,6 +36,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 from draft_svc.strategies.base import Candidate, DraftDecoder, append_tokens, new_context, validate_propose_args
 from specdec.controller_defaults import LOOKAHEAD_LEVELS, LOOKAHEAD_WINDOW
 from specdec.engine.tree import ROOT
+from specdec.field_checks import require_at_least_one
 
 MAX_LOOKAHEAD_ROWS = 64  # the primary's limit on VerifyRequest.lookahead (specdec.engine.engine)
 
@@ -48,9 +49,9 @@ class LookaheadConfig:
     max_first_tokens: int = 4096  # first tokens the pool keys at most (per request)
 
     def __post_init__(self) -> None:
-        for name in ("window", "num_levels", "max_ngrams_per_token", "max_first_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"lookahead {name} must be >= 1, got {getattr(self, name)}")
+        require_at_least_one(
+            self, "window", "num_levels", "max_ngrams_per_token", "max_first_tokens", prefix="lookahead "
+        )
         if self.num_rows > MAX_LOOKAHEAD_ROWS:
             raise ValueError(f"lookahead window x num_levels = {self.num_rows} exceeds {MAX_LOOKAHEAD_ROWS} rows")
 

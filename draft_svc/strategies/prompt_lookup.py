@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from draft_svc.strategies.base import TOKEN_TYPECODE, Candidate, append_tokens, new_context, validate_propose_args
+from specdec.field_checks import require_at_least_one
 
 NO_POSITION = -1  # end of a hash chain: no earlier occurrence
 _TOKEN_BYTES = array(TOKEN_TYPECODE).itemsize  # n-gram keys are n * 4 bytes, so sizes never collide
@@ -50,8 +51,7 @@ class PromptLookupConfig:
             raise ValueError(
                 f"need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, max_ngram={self.max_ngram}"
             )
-        if self.max_chain_steps < 1:
-            raise ValueError(f"max_chain_steps must be >= 1, got {self.max_chain_steps}")
+        require_at_least_one(self, "max_chain_steps")
 
 
 class PromptLookupDecoder:

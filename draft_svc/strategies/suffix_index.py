@@ -36,6 +36,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 from draft_svc.strategies.base import Candidate, append_tokens, new_context, validate_propose_args
+from specdec.field_checks import require_at_least_one
 
 SEPARATOR = -1  # written after each document; never equals a token id, so matches stop at document ends
 NO_POSITION = -1  # end of a hash chain (below every window start)
@@ -61,8 +62,7 @@ class SuffixIndexConfig:
             raise ValueError(
                 f"max_match_len ({self.max_match_len}) must be >= the largest ngram size ({self.ngram_sizes[-1]})"
             )
-        if self.max_occurrences < 1:
-            raise ValueError(f"max_occurrences must be >= 1, got {self.max_occurrences}")
+        require_at_least_one(self, "max_occurrences")
 
 
 def _buckets(windows: np.ndarray, bucket_bits: int) -> np.ndarray:

@@ -80,48 +80,64 @@ class AbiMismatch(RuntimeError):
     """The library's structs are not laid out as their ctypes mirrors say (`abi_mismatch`)."""
 
 
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+def _c_fields(*declarations: tuple[type, str]) -> list[tuple[str, type]]:
+    """A struct's `_fields_` written as C declares it, a type then its names: (_I64, "n k") is
+    `int64_t n, k;`. Every pointer is `_P` except typed ones the Python side follows."""
+    return [(name, ctype) for ctype, names in declarations for name in names.split()]
+
+
 class QWeight(ctypes.Structure):
     """The C struct `qweight` (csrc/qgemm.h): one quantized matrix by pointer, valid while its tensors live."""
 
-    _fields_ = [
-        ("kind", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
-        ("w", ctypes.c_void_p),
-        ("scale", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("d", ctypes.c_void_p),
-        ("m", ctypes.c_void_p),
-    ]
+    _fields_ = _c_fields((_I32, "kind pad"), (_P, "w scale bias"), (_I64, "n k"), (_P, "d m"))
 
 
 class QLayer(ctypes.Structure):
     """The C struct `qlayer`: one decoder layer's norms and seven products."""
 
-    _fields_ = [
-        ("norm1", ctypes.c_void_p),
-        ("norm2", ctypes.c_void_p),
-        ("eps1", ctypes.c_float),
-        ("eps2", ctypes.c_float),
-    ] + [(n, ctypes.POINTER(QWeight)) for n in ("q", "k", "v", "o", "gate", "up", "down")]  # type: ignore[assignment]
-    # (mypy joins the two lists' field types to _CData, which typeshed's _fields_ does not list.)
+    _fields_ = _c_fields((_P, "norm1 norm2"), (_F32, "eps1 eps2"), (ctypes.POINTER(QWeight), "q k v o gate up down"))
 
 
 class QSpan(ctypes.Structure):
     """The C struct `qspan`: one sequence's rows of the batch and its KV cache."""
 
-    _fields_ = [
-        ("start", ctypes.c_int64),
-        ("n", ctypes.c_int64),
-        ("num_cached", ctypes.c_int64),
-        ("k_cache", ctypes.c_void_p),
-        ("v_cache", ctypes.c_void_p),
-        ("layer_stride", ctypes.c_int64),
-        ("capacity", ctypes.c_int64),
-        ("mask", ctypes.c_void_p),
-        ("half", ctypes.c_int64),
-    ]
+    _fields_ = _c_fields(
+        (_I64, "start n num_cached"),
+        (_P, "k_cache v_cache"),
+        (_I64, "layer_stride capacity"),
+        (_P, "mask"),
+        (_I64, "half"),
+    )
+
+
+_W, _LAYERS, _SPANS = ctypes.POINTER(QWeight), ctypes.POINTER(QLayer), ctypes.POINTER(QSpan)
+
+# Every function of csrc/qgemm.h, in its order: name -> (result type, argument types). Pointers to
+# tensor data are _P (a tensor's data_ptr()); `tests/specdec/model/test_native_abi.py` checks the
+# table against the header's prototypes.
+FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {
+    "qgemm_abi_names": (ctypes.c_char_p, []),
+    "qgemm_abi": (_I64, [ctypes.POINTER(_I64), _I64]),
+    "qgemm_quantize_rows": (None, [_P, _I64, _I64, _P, _P, _P]),
+    "qgemm_isa": (ctypes.c_char_p, []),
+    "qgemm_amx_built": (_I32, []),
+    "qgemm_set_amx": (_I64, [_I64]),
+    "qgemm_amx_min_rows": (_I64, []),
+    "qgemm_amx_token_min_rows": (_I64, []),
+    "qgemm_linear": (_I32, [_P, _I64, _W, _P, _I32]),
+    "qgemm_rmsnorm": (None, [_P, _I64, _I64, _P, _F32, _P]),
+    "qgemm_layer_pre": (_I32, [_P, _I64, _I64, _P, _F32, _W, _W, _W, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32]),
+    "qgemm_layer_post": (_I32, [_P, _P, _I64, _I64, _W, _P, _F32, _W, _W, _W, _P, _I32]),
+    "qgemm_forward": (_I32, [_P, _I64, _I64, _LAYERS, _I64, _I64, _I64, _I64, _P, _P, _P, _SPANS, _I64, _I32]),
+    "qgemm_attention": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _P, _I32, _I64, _I64, _P, _P, _I32]),
+    "qgemm_argmax_rows": (None, [_P, _I64, _I64, _P]),
+    "qgemm_encode_e4m3": (_I32, [_P, _I64, _I64, _F32, _P, _P]),
+    "qgemm_byte_histograms": (None, [_P, _I64, _I64, _P]),
+    "qgemm_byte_histograms_masked": (None, [_P, _I64, _I64, _P, _I64, _P]),
+}
 
 
 def cache_dir() -> Path:
@@ -185,46 +201,9 @@ def _build(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    w = ctypes.POINTER(QWeight)
-    lib.qgemm_isa.argtypes, lib.qgemm_isa.restype = [], ctypes.c_char_p
-    lib.qgemm_amx_built.argtypes, lib.qgemm_amx_built.restype = [], i32
-    lib.qgemm_set_amx.argtypes, lib.qgemm_set_amx.restype = [i64], i64
-    lib.qgemm_amx_min_rows.argtypes, lib.qgemm_amx_min_rows.restype = [], i64
-    lib.qgemm_amx_token_min_rows.argtypes, lib.qgemm_amx_token_min_rows.restype = [], i64
-    lib.qgemm_abi.argtypes, lib.qgemm_abi.restype = [ctypes.POINTER(i64), i64], i64
-    lib.qgemm_abi_names.argtypes, lib.qgemm_abi_names.restype = [], ctypes.c_char_p
-    lib.qgemm_linear.argtypes, lib.qgemm_linear.restype = [p, i64, w, p, i32], i32
-    lib.qgemm_quantize_rows.argtypes, lib.qgemm_quantize_rows.restype = [p, i64, i64, p, p, p], None
-    lib.qgemm_rmsnorm.argtypes, lib.qgemm_rmsnorm.restype = [p, i64, i64, p, f32, p], None
-    lib.qgemm_layer_pre.argtypes = [p, i64, i64, p, f32, w, w, w, i64, i64, i64, p, p, p, p, p, p, i32]
-    lib.qgemm_layer_pre.restype = i32
-    lib.qgemm_layer_post.argtypes = [p, p, i64, i64, w, p, f32, w, w, w, p, i32]
-    lib.qgemm_layer_post.restype = i32
-    lib.qgemm_attention.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, p, i32]
-    lib.qgemm_attention.restype = i32
-    lib.qgemm_forward.argtypes = [
-        p,
-        i64,
-        i64,
-        ctypes.POINTER(QLayer),
-        i64,
-        i64,
-        i64,
-        i64,
-        p,
-        p,
-        p,
-        ctypes.POINTER(QSpan),
-        i64,
-        i32,
-    ]
-    lib.qgemm_forward.restype = i32
-    lib.qgemm_argmax_rows.argtypes, lib.qgemm_argmax_rows.restype = [p, i64, i64, p], None
-    lib.qgemm_byte_histograms.argtypes, lib.qgemm_byte_histograms.restype = [p, i64, i64, p], None
-    lib.qgemm_byte_histograms_masked.argtypes = [p, i64, i64, p, i64, p]
-    lib.qgemm_byte_histograms_masked.restype = None
-    lib.qgemm_encode_e4m3.argtypes, lib.qgemm_encode_e4m3.restype = [p, i64, i64, f32, p, p], i32
+    for name, (restype, argtypes) in FUNCTIONS.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
 
 
 def abi_mismatch(lib: ctypes.CDLL) -> str | None:
@@ -387,6 +366,17 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _ok(status: int) -> None:
+    """A kernel's returned status: nonzero where it could not allocate its scratch memory."""
+    if status:
+        raise MemoryError("native kernel: out of memory")
+
+
+def _rope_pointers(rope, positions: Tensor) -> tuple[int, int, int]:
+    """The cos_t, sin_t and positions arguments of qgemm_layer_pre and qgemm_forward."""
+    return rope.cos.data_ptr(), rope.sin.data_ptr(), positions.data_ptr()
+
+
 # --- layers ------------------------------------------------------------------------------------
 
 
@@ -494,10 +484,8 @@ class QuantLinear:
         # x: [T, K] -> [T, N] in x's dtype
         x32 = x.float().contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if x.shape[0] and self.lib.qgemm_linear(
-            x32.data_ptr(), x.shape[0], self.ref, out.data_ptr(), torch.get_num_threads()
-        ):
-            raise MemoryError("native kernel: out of memory")
+        if x.shape[0]:
+            _ok(self.lib.qgemm_linear(x32.data_ptr(), x.shape[0], self.ref, out.data_ptr(), torch.get_num_threads()))
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
@@ -512,22 +500,23 @@ def attend(lib: ctypes.CDLL, q: Tensor, k_cache: Tensor, v_cache: Tensor, end: i
     if mask is not None:
         mask = mask.contiguous().view(torch.uint8)
     out = torch.empty(n, heads, dim)
-    if lib.qgemm_attention(
-        q.data_ptr(),
-        n,
-        heads,
-        k_cache.shape[0],
-        dim,
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.dtype == torch.float16,
-        k_cache.shape[1],
-        end,
-        _ptr(mask),
-        out.data_ptr(),
-        torch.get_num_threads(),
-    ):
-        raise MemoryError("native kernel: out of memory")
+    _ok(
+        lib.qgemm_attention(
+            q.data_ptr(),
+            n,
+            heads,
+            k_cache.shape[0],
+            dim,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.dtype == torch.float16,
+            k_cache.shape[1],
+            end,
+            _ptr(mask),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )
     return out
 
 
@@ -567,44 +556,44 @@ class NativeLayer:
         q = torch.empty(T, self.heads, self.head_dim)
         k = torch.empty(T, self.kv_heads, self.head_dim)
         v = torch.empty(T, self.kv_heads, self.head_dim)
-        if self.lib.qgemm_layer_pre(
-            x.data_ptr(),
-            T,
-            C,
-            self.norm1.data_ptr(),
-            self.eps1,
-            self.q.ref,
-            self.k.ref,
-            self.v.ref,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            rope.cos.data_ptr(),
-            rope.sin.data_ptr(),
-            positions.data_ptr(),
-            q.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            threads,
-        ):
-            raise MemoryError("native kernel: out of memory")
+        _ok(
+            self.lib.qgemm_layer_pre(
+                x.data_ptr(),
+                T,
+                C,
+                self.norm1.data_ptr(),
+                self.eps1,
+                self.q.ref,
+                self.k.ref,
+                self.v.ref,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                *_rope_pointers(rope, positions),
+                q.data_ptr(),
+                k.data_ptr(),
+                v.data_ptr(),
+                threads,
+            )
+        )
         attn = self.attn.attend(q, k, v, spans).reshape(T, self.heads * self.head_dim).contiguous()
         out = torch.empty(T, C)
-        if self.lib.qgemm_layer_post(
-            x.data_ptr(),
-            attn.data_ptr(),
-            T,
-            C,
-            self.o.ref,
-            self.norm2.data_ptr(),
-            self.eps2,
-            self.gate.ref,
-            self.up.ref,
-            self.down.ref,
-            out.data_ptr(),
-            threads,
-        ):
-            raise MemoryError("native kernel: out of memory")
+        _ok(
+            self.lib.qgemm_layer_post(
+                x.data_ptr(),
+                attn.data_ptr(),
+                T,
+                C,
+                self.o.ref,
+                self.norm2.data_ptr(),
+                self.eps2,
+                self.gate.ref,
+                self.up.ref,
+                self.down.ref,
+                out.data_ptr(),
+                threads,
+            )
+        )
         return out
 
 
@@ -658,21 +647,20 @@ class NativeStack:
             d.layer_stride, d.capacity = s.k_cache.stride(0), s.k_cache.shape[2]
             d.mask = _ptr(mask)
             d.half = s.k_cache.dtype == torch.float16
-        if self.lib.qgemm_forward(
-            x.data_ptr(),
-            x.shape[0],
-            x.shape[1],
-            self.layers,
-            self.num_layers,
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-            rope.cos.data_ptr(),
-            rope.sin.data_ptr(),
-            positions.data_ptr(),
-            descs,
-            len(spans),
-            torch.get_num_threads(),
-        ):
-            raise MemoryError("native kernel: out of memory")
+        _ok(
+            self.lib.qgemm_forward(
+                x.data_ptr(),
+                x.shape[0],
+                x.shape[1],
+                self.layers,
+                self.num_layers,
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                *_rope_pointers(rope, positions),
+                descs,
+                len(spans),
+                torch.get_num_threads(),
+            )
+        )
         return x

@@ -58,6 +58,24 @@
         for (; t < T; ++t) fn(w, a, t, v0, 1, C, out, w->n);                        \
     } while (0)
 
+/* A product unit's whole body for a path whose tiles hold up to UNIT (4) groups: the tile of w's
+ * kind, with C (1, 2, 3 or UNIT groups, in scope) a compile-time constant at each call */
+#define TILES_BY_KIND(q4_tile, q8_tile, q8t_tile, UNIT, ROWS)                       \
+    do {                                                                            \
+        if (w->kind == QW_Q4) TILES_UP_TO(q4_tile, UNIT, ROWS);                     \
+        else if (w->kind == QW_Q8T) TILES_UP_TO(q8t_tile, UNIT, ROWS);              \
+        else TILES_UP_TO(q8_tile, UNIT, ROWS);                                      \
+    } while (0)
+#define TILES_UP_TO(fn, UNIT, ROWS)                                                 \
+    do {                                                                            \
+        switch (C) {                                                                \
+            case 1: TILES(fn, 1, ROWS); break;                                      \
+            case 2: TILES(fn, 2, ROWS); break;                                      \
+            case 3: TILES(fn, 3, ROWS); break;                                      \
+            default: TILES(fn, UNIT, ROWS); break;                                  \
+        }                                                                           \
+    } while (0)
+
 static inline int64_t qgemm_groups_of(const qweight *w) { return (w->n + NV - 1) / NV; }
 
 #if QGEMM_AVX512

@@ -37,6 +37,13 @@ ALWAYS_INLINE void store8(float *out, __m256 v, int cols) {
     for (int i = 0; i < cols; ++i) out[i] = tmp[i];
 }
 
+/* gemm.h's 4-bit step for one block g of 8 columns, S their integer sums, tg = t * G + g for
+ * activation row t: acc = fma(d * dx[tg], S, acc), then acc = fma(m, sx[tg], acc) */
+ALWAYS_INLINE __m256 q4_block8(__m256 acc, __m256 d, __m256 m, __m256i S, const qact *a, int64_t tg) {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(a->dx[tg])), _mm256_cvtepi32_ps(S), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(a->sx[tg]), acc);
+}
+
 /* C is the number of 16-column groups (1 here: the unit's groups are walked one by one) */
 ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
                            float *out, int64_t N) {
@@ -88,12 +95,8 @@ ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t 
             const int64_t s = (v0 * G + g) * NV + h * 8;
             const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + s)));
             const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->m + s)));
-            for (int r = 0; r < R; ++r) {
-                const int64_t tg = (t0 + r) * G + g;
-                const __m256 sc = _mm256_mul_ps(dv, _mm256_set1_ps(a->dx[tg]));
-                facc[r][h] = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(iacc[r][h]), facc[r][h]);
-                facc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a->sx[tg]), facc[r][h]);
-            }
+            for (int r = 0; r < R; ++r)
+                facc[r][h] = q4_block8(facc[r][h], dv, mv, iacc[r][h], a, (t0 + r) * G + g);
         }
     }
     for (int h = 0; h < 2; ++h)

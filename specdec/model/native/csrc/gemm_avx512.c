@@ -8,6 +8,13 @@
 #define UNIT 4           /* groups of 16 columns a tile holds, and a thread takes at a time */
 #define TILE_ROWS 2
 
+/* gemm.h's 4-bit step for one block g of 16 columns, S their integer sums, tg = t * G + g for
+ * activation row t: acc = fma(d * dx[tg], S, acc), then acc = fma(m, sx[tg], acc) */
+ALWAYS_INLINE __m512 q4_block16(__m512 acc, __m512 d, __m512 m, __m512i S, const qact *a, int64_t tg) {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(a->dx[tg])), _mm512_cvtepi32_ps(S), acc);
+    return _mm512_fmadd_ps(m, _mm512_set1_ps(a->sx[tg]), acc);
+}
+
 /* rows [0, R) of xq x groups v0..v0+C-1 of a 4-bit matrix */
 ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
                            float *out, int64_t N) {
@@ -40,12 +47,8 @@ ALWAYS_INLINE void q4_tile(const qweight *w, const qact *a, int64_t t0, int64_t 
             const int64_t s = ((v0 + c) * G + g) * NV;
             const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->d + s)));
             const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->m + s)));
-            for (int r = 0; r < R; ++r) {
-                const int64_t tg = (t0 + r) * G + g;
-                const __m512 sc = _mm512_mul_ps(dv, _mm512_set1_ps(a->dx[tg]));
-                facc[r][c] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(iacc[r][c]), facc[r][c]);
-                facc[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->sx[tg]), facc[r][c]);
-            }
+            for (int r = 0; r < R; ++r)
+                facc[r][c] = q4_block16(facc[r][c], dv, mv, iacc[r][c], a, (t0 + r) * G + g);
         }
     }
     for (int c = 0; c < C; ++c)
@@ -124,28 +127,7 @@ ALWAYS_INLINE void q8t_tile(const qweight *w, const qact *a, int64_t t0, int64_t
 }
 
 void qgemm_product_unit_avx512(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
-    if (w->kind == QW_Q4) {
-        switch (C) {
-            case 1: TILES(q4_tile, 1, TILE_ROWS); break;
-            case 2: TILES(q4_tile, 2, TILE_ROWS); break;
-            case 3: TILES(q4_tile, 3, TILE_ROWS); break;
-            default: TILES(q4_tile, UNIT, TILE_ROWS); break;
-        }
-    } else if (w->kind == QW_Q8T) {
-        switch (C) {
-            case 1: TILES(q8t_tile, 1, TILE_ROWS); break;
-            case 2: TILES(q8t_tile, 2, TILE_ROWS); break;
-            case 3: TILES(q8t_tile, 3, TILE_ROWS); break;
-            default: TILES(q8t_tile, UNIT, TILE_ROWS); break;
-        }
-    } else {
-        switch (C) {
-            case 1: TILES(q8_tile, 1, TILE_ROWS); break;
-            case 2: TILES(q8_tile, 2, TILE_ROWS); break;
-            case 3: TILES(q8_tile, 3, TILE_ROWS); break;
-            default: TILES(q8_tile, UNIT, TILE_ROWS); break;
-        }
-    }
+    TILES_BY_KIND(q4_tile, q8_tile, q8t_tile, UNIT, TILE_ROWS);
 }
 
 /* the tiles hold UNIT groups at once: a thread's unit is one tile's columns */

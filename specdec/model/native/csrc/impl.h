@@ -109,44 +109,35 @@ static inline uint16_t fp32_to_fp16(float f) {
 #endif
 }
 
-/* exp on eight lanes, the same operations in every lane: attention's softmax and silu_mul */
+/* exp on a vector of fp32 lanes, the same IEEE operations in every lane, whatever the width (so
+ * attention's softmax and silu_mul give the same bits on 8 and 16 lanes): Cephes' expf polynomial,
+ * |error| <= 2 ulp on [-87, 88]. One definition per width: P is the intrinsics' prefix (_mm256,
+ * _mm512), V and VI the float and integer vectors, FLOOR rounds toward -inf, AS_FLOAT reinterprets
+ * an integer vector's bits. */
+#define QGEMM_DEFINE_EXP(name, P, V, VI, FLOOR, AS_FLOAT)                                          \
+    static inline V name(V x) {                                                                    \
+        x = P##_min_ps(P##_max_ps(x, P##_set1_ps(-87.33654f)), P##_set1_ps(88.37626f));            \
+        const V fx = FLOOR(P##_fmadd_ps(x, P##_set1_ps(1.44269504088896341f), P##_set1_ps(.5f)));   \
+        V r = P##_fnmadd_ps(fx, P##_set1_ps(0.693359375f), x);                                     \
+        r = P##_fnmadd_ps(fx, P##_set1_ps(-2.12194440e-4f), r);                                    \
+        V y = P##_set1_ps(1.9875691500e-4f);                                                       \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(1.3981999507e-3f));                                     \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(8.3334519073e-3f));                                     \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(4.1665795894e-2f));                                     \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(1.6666665459e-1f));                                     \
+        y = P##_fmadd_ps(y, r, P##_set1_ps(5.0000001201e-1f));                                     \
+        y = P##_add_ps(P##_fmadd_ps(y, P##_mul_ps(r, r), r), P##_set1_ps(1.f));                    \
+        const VI e = P##_slli_epi32(P##_add_epi32(P##_cvttps_epi32(fx), P##_set1_epi32(127)), 23); \
+        return P##_mul_ps(y, AS_FLOAT(e));                                                         \
+    }
+
 #if QGEMM_AVX2
-static inline __m256 exp8(__m256 x) {        /* Cephes' expf polynomial: |error| <= 2 ulp on [-87, 88] */
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
-    const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(.5f)));
-    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
+QGEMM_DEFINE_EXP(exp8, _mm256, __m256, __m256i, _mm256_floor_ps, _mm256_castsi256_ps)
 #endif
 
 #if QGEMM_AVX512
-/* exp8's operations on sixteen lanes: each lane gets exp8's bits (the same IEEE operations, floor
- * as a round toward -inf), twice the lanes per instruction */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
-    const __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(.5f)),
-                                           _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+static inline __m512 floor16(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+QGEMM_DEFINE_EXP(exp16, _mm512, __m512, __m512i, floor16, _mm512_castsi512_ps)
 #endif
 
 static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
