@@ -5,7 +5,8 @@
     .venv/bin/python scripts/measure_state_store.py --local_cluster   # a throwaway 3-master cluster
 
 Compares, on the same server: a PING round trip; the store's append_step (one
-EVALSHA of the step script: checks + APPEND + HSET + PEXPIRE); a bare MULTI
+EVALSHA of the step script: checks + APPEND + HSET + PEXPIRE; called through
+SyncStateStore, so each figure includes the hop to the store's event-loop thread); a bare MULTI
 pipeline doing the same writes without checks; and the token-log layouts
 APPEND (one string, 4 bytes per token) vs RPUSH (one list item of packed
 int32 per step): write time, memory (MEMORY USAGE) and the time to load the
@@ -76,8 +77,8 @@ def main() -> int:
 
 
 def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
-    client = open_sync_client(parse_redis_url(url), timeout_s=5.0)
-    store = RedisStateStore(client, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
+    client = open_sync_client(parse_redis_url(url), timeout_s=5.0)  # the raw commands' client
+    store = RedisStateStore.from_url(url, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
     n, k = num_steps, tokens_per_step
     step_tokens = [[(i * k + j) % 49152 for j in range(k)] for i in range(n)]
     print(f"{n} steps of {k} tokens, stats ~{len(str(STATS))} B JSON, url {url}\n")
@@ -89,6 +90,8 @@ def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
     for rid in ("r1", "r2"):
         store.delete(rid)
     client.delete(TOKENS_KEY, LIST_KEY, META_KEY)
+    store.close()
+    client.close()
     return 0
 
 
