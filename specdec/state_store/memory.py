@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack, cast
 
 from specdec.errors import AlreadyExists, FailedPrecondition, NotFound
-from specdec.state_store.record import create_meta, is_replay, state_from_record, step_meta
+from specdec.state_store.record import create_record, is_replay, state_from_record, step_meta
 from specdec.state_store.types import (
     TOKEN_BYTES,
+    CreateOptions,
     RequestState,
     RequestStatus,
     StateStoreConfig,
@@ -66,17 +67,9 @@ class InMemoryStateStore:
         # Insertion order = creation order, which list_active reports.
         self._entries: dict[str, _Entry] = {}
 
-    def create(
-        self,
-        request_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_token_ids: Sequence[int] = (),
-        status: RequestStatus = RequestStatus.QUEUED,
-    ) -> None:
+    def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
         check_request_id(request_id)
-        meta = create_meta(params, status, self._wall_clock_ms())
-        prompt = encode_token_ids(prompt_token_ids)
+        meta, prompt = create_record(params, options, self._wall_clock_ms())
         with self._lock:
             if self._live(request_id) is not None:
                 raise AlreadyExists("request_id", f"request {request_id!r} exists already")

@@ -19,19 +19,24 @@ from typing import Any
 
 from specdec.state_store.types import (
     TOKEN_BYTES,
+    CreateOptions,
     RequestState,
     RequestStatus,
     StepFields,
+    check_keywords,
     check_step,
     decode_token_ids,
     encode_json,
+    encode_token_ids,
 )
 
 
-def create_meta(params: Mapping[str, Any], status: RequestStatus, now_ms: int) -> dict[str, str]:
-    """The meta hash of a new request."""
+def create_record(params: Mapping[str, Any], options: CreateOptions, now_ms: int) -> tuple[dict[str, str], bytes]:
+    """The meta hash and the packed prompt of a new request (create's arguments, checked)."""
+    check_keywords("create", options, CreateOptions.__optional_keys__)
+    status = options.get("status", RequestStatus.QUEUED)
     check_step({"status": status})
-    return {
+    meta = {
         "params": encode_json("params", params),
         "status": status.value,
         "stats": "{}",
@@ -41,6 +46,7 @@ def create_meta(params: Mapping[str, Any], status: RequestStatus, now_ms: int) -
         "created_ms": str(now_ms),
         "updated_ms": str(now_ms),
     }
+    return meta, encode_token_ids(options.get("prompt_token_ids", ()))
 
 
 def step_meta(step: StepFields) -> dict[str, str]:

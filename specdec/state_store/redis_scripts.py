@@ -40,9 +40,10 @@ import redis
 import redis.exceptions
 
 from specdec.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
-from specdec.state_store.record import create_meta, flat, state_from_record, step_meta
+from specdec.state_store.record import create_record, flat, state_from_record, step_meta
 from specdec.state_store.types import (
     TERMINAL_STATUSES,
+    CreateOptions,
     RequestState,
     RequestStatus,
     StateStoreConfig,
@@ -165,13 +166,13 @@ class RedisLayout:
         return f"{base}:meta", f"{base}:tokens", f"{base}:prompt", f"{base}:owner"
 
     def create_args(
-        self, request_id: str, params: Mapping[str, Any], prompt_token_ids: Sequence[int], status: RequestStatus
+        self, request_id: str, params: Mapping[str, Any], options: CreateOptions
     ) -> tuple[list[bytes | str | int], int]:
         """The create script's ARGV, and the creation time that scores the request in the index."""
         check_request_id(request_id)
         now_ms = self._wall_clock_ms()
-        meta = create_meta(params, status, now_ms)
-        return [encode_token_ids(prompt_token_ids), self._ttl_ms, *flat(meta)], now_ms
+        meta, prompt = create_record(params, options, now_ms)
+        return [prompt, self._ttl_ms, *flat(meta)], now_ms
 
     def step_args(self, token_ids: Sequence[int], step: StepFields) -> list[bytes | str | int]:
         """The step script's ARGV (append_step's arguments, checked and encoded)."""

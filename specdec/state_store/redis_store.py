@@ -29,6 +29,7 @@ from specdec.state_store.redis_scripts import (
 )
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.state_store.types import (
+    CreateOptions,
     RequestState,
     RequestStatus,
     StateStoreConfig,
@@ -80,15 +81,8 @@ class AsyncRedisStateStore(RedisLayout):
         Unavailable)."""
         return cls(open_async_client(parse_redis_url(url), timeout_s, max_connections), config)
 
-    async def create(
-        self,
-        request_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_token_ids: Sequence[int] = (),
-        status: RequestStatus = RequestStatus.QUEUED,
-    ) -> None:
-        args, now_ms = self.create_args(request_id, params, prompt_token_ids, status)
+    async def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
+        args, now_ms = self.create_args(request_id, params, options)
         with redis_errors(request_id):
             # Two round trips, not one pipeline: a refused create (an id that exists) must not reach
             # the index of active requests. The index key is in another cluster slot than the

@@ -16,13 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
-from typing import Any, TypeVar, Unpack
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from specdec.state_store.redis_store import AsyncRedisStateStore
-from specdec.state_store.types import AsyncStateStore, RequestState, RequestStatus, StateStoreConfig, StepFields
+from specdec.state_store.types import AsyncStateStore, StateStoreConfig
 
+_P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+
+def _blocking(
+    method: Callable[Concatenate[AsyncStateStore, _P], Coroutine[Any, Any, _R]],
+) -> Callable[Concatenate[SyncStateStore, _P], _R]:
+    """The blocking twin of an AsyncStateStore method: it runs the method of that name of the
+    wrapped store on the facade's loop and returns its result (or raises its error)."""
+    name = method.__name__
+
+    def call(self: SyncStateStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return self.run(getattr(self.store, name)(*args, **kwargs))
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 class SyncStateStore:
@@ -35,46 +50,27 @@ class SyncStateStore:
         self._thread = threading.Thread(target=self._loop.run_forever, name="state-store-loop", daemon=True)
         self._thread.start()
 
-    def _run(self, call: Coroutine[Any, Any, _R]) -> _R:
+    def run(self, call: Coroutine[Any, Any, _R]) -> _R:
+        """Run a coroutine of the store on its loop, waiting for its result."""
         if self._loop.is_closed():
             call.close()
             raise RuntimeError("the state store is closed")
         return asyncio.run_coroutine_threadsafe(call, self._loop).result()
 
-    def create(
-        self,
-        request_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_token_ids: Sequence[int] = (),
-        status: RequestStatus = RequestStatus.QUEUED,
-    ) -> None:
-        self._run(self.store.create(request_id, params, prompt_token_ids=prompt_token_ids, status=status))
-
-    def append_step(self, request_id: str, token_ids: Sequence[int] = (), **step: Unpack[StepFields]) -> int:
-        return self._run(self.store.append_step(request_id, token_ids, **step))
-
-    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = "") -> bool:
-        return self._run(self.store.set_status(request_id, status, finish_reason=finish_reason, error=error))
-
-    def claim(self, request_id: str, owner: str) -> bool:
-        return self._run(self.store.claim(request_id, owner))
-
-    def load(self, request_id: str) -> RequestState | None:
-        return self._run(self.store.load(request_id))
-
-    def list_active(self) -> list[str]:
-        return self._run(self.store.list_active())
-
-    def delete(self, request_id: str) -> bool:
-        return self._run(self.store.delete(request_id))
+    create = _blocking(AsyncStateStore.create)
+    append_step = _blocking(AsyncStateStore.append_step)
+    set_status = _blocking(AsyncStateStore.set_status)
+    claim = _blocking(AsyncStateStore.claim)
+    load = _blocking(AsyncStateStore.load)
+    list_active = _blocking(AsyncStateStore.list_active)
+    delete = _blocking(AsyncStateStore.delete)
 
     def close(self) -> None:
         """Close the store on its loop, then stop the loop's thread. A second close does nothing."""
         if self._loop.is_closed():
             return
         try:
-            self._run(self.store.close())
+            self.run(self.store.close())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()

@@ -97,6 +97,13 @@ class RequestState:
     node: str = ""
 
 
+class CreateOptions(TypedDict, total=False):
+    """create's keyword arguments (absent: the default)."""
+
+    prompt_token_ids: Sequence[int]  # default ()
+    status: RequestStatus  # default QUEUED
+
+
 class StepFields(TypedDict, total=False):
     """append_step's keyword arguments: what one step writes besides its tokens (None or absent:
     leave the stored value as it is)."""
@@ -124,14 +131,7 @@ class AsyncStateStore(Protocol):
     the backend cannot be reached.
     """
 
-    async def create(
-        self,
-        request_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_token_ids: Sequence[int] = (),
-        status: RequestStatus = RequestStatus.QUEUED,
-    ) -> None:
+    async def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
         """Store a new request (active until a terminal status)."""
         ...
 
@@ -215,12 +215,16 @@ def check_request_id(request_id: str) -> None:
         raise InvalidArgument("request_id", f"must not contain braces, got {request_id!r}")
 
 
-def check_step(step: StepFields) -> None:
-    """Refuse keyword arguments that are not StepFields (a misspelled one would be dropped) and
-    out-of-range values."""
-    unknown = sorted(set(step) - StepFields.__optional_keys__)
+def check_keywords(function: str, given: Mapping[str, Any], declared: frozenset[str]) -> None:
+    """Refuse keyword arguments that are not declared (a misspelled one would be dropped)."""
+    unknown = sorted(set(given) - declared)
     if unknown:
-        raise TypeError(f"append_step() got unexpected keyword arguments {unknown}")
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
+
+
+def check_step(step: StepFields) -> None:
+    """Refuse keyword arguments that are not StepFields and out-of-range values."""
+    check_keywords("append_step", step, StepFields.__optional_keys__)
     status, expected_num_tokens = step.get("status"), step.get("expected_num_tokens")
     if status is not None and not isinstance(status, RequestStatus):
         raise InvalidArgument("status", f"must be a RequestStatus, got {status!r}")

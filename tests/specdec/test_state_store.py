@@ -137,6 +137,16 @@ def test_append_step_appends_in_order_and_counts(harness: Harness) -> None:
     assert state.updated_ms == state.created_ms + 7
 
 
+def test_a_misspelled_keyword_is_refused_not_dropped(harness: Harness) -> None:
+    store = harness.store
+    store.create("r1", PARAMS)
+    with pytest.raises(TypeError, match="expected_tokens"):
+        store.append_step("r1", [1], expected_tokens=0)
+    with pytest.raises(TypeError, match="prompt_ids"):
+        store.create("r2", PARAMS, prompt_ids=[1])
+    assert store.load("r1").token_ids == () and store.load("r2") is None
+
+
 def test_stats_and_controller_are_replaced_only_when_given(harness: Harness) -> None:
     harness.store.create("r1", PARAMS)
     harness.store.append_step("r1", [1], stats={"num_steps": 1}, controller_state={"draft_length": 4})
