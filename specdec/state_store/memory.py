@@ -24,7 +24,6 @@ from specdec.state_store.types import (
     RequestStatus,
     StateStoreConfig,
     StepFields,
-    check_request_id,
     encode_token_ids,
     set_status_by_step,
     token_count_mismatch,
@@ -68,8 +67,7 @@ class InMemoryStateStore:
         self._entries: dict[str, _Entry] = {}
 
     def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
-        check_request_id(request_id)
-        meta, prompt = create_record(params, options, self._wall_clock_ms())
+        meta, prompt = create_record(request_id, params, options, self._wall_clock_ms())
         with self._lock:
             if self._live(request_id) is not None:
                 raise AlreadyExists("request_id", f"request {request_id!r} exists already")

@@ -24,6 +24,7 @@ from specdec.state_store.types import (
     RequestStatus,
     StepFields,
     check_keywords,
+    check_request_id,
     check_step,
     decode_token_ids,
     encode_json,
@@ -31,8 +32,11 @@ from specdec.state_store.types import (
 )
 
 
-def create_record(params: Mapping[str, Any], options: CreateOptions, now_ms: int) -> tuple[dict[str, str], bytes]:
+def create_record(
+    request_id: str, params: Mapping[str, Any], options: CreateOptions, now_ms: int
+) -> tuple[dict[str, str], bytes]:
     """The meta hash and the packed prompt of a new request (create's arguments, checked)."""
+    check_request_id(request_id)
     check_keywords("create", options, CreateOptions.__optional_keys__)
     status = options.get("status", RequestStatus.QUEUED)
     check_step({"status": status})

@@ -48,7 +48,6 @@ from specdec.state_store.types import (
     RequestStatus,
     StateStoreConfig,
     StepFields,
-    check_request_id,
     encode_token_ids,
     token_count_mismatch,
 )
@@ -169,9 +168,8 @@ class RedisLayout:
         self, request_id: str, params: Mapping[str, Any], options: CreateOptions
     ) -> tuple[list[bytes | str | int], int]:
         """The create script's ARGV, and the creation time that scores the request in the index."""
-        check_request_id(request_id)
         now_ms = self._wall_clock_ms()
-        meta, prompt = create_record(params, options, now_ms)
+        meta, prompt = create_record(request_id, params, options, now_ms)
         return [prompt, self._ttl_ms, *flat(meta)], now_ms
 
     def step_args(self, token_ids: Sequence[int], step: StepFields) -> list[bytes | str | int]:
