@@ -30,7 +30,7 @@ from bench.report import machine_info
 from specdec.flag_spellings import add_spellings
 from specdec.redis_server import redis_server
 from specdec.state_store import RedisStateStore, StateStoreConfig
-from specdec.state_store.redis_store import STEP_LUA
+from specdec.state_store.redis_scripts import STEP_LUA
 
 # What a step writes besides its tokens, sizes like the gateway's (scripts/measure_state_store.py writes
 # the same).

@@ -384,73 +384,6 @@ class Backends:
             _logprobs(r.row_logprobs),
         )
 
-    async def decode(
-        self,
-        request_id: str,
-        accepted_nodes: Sequence[int],
-        committed_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        position: int,
-        allowed: TokenBitmask | None = None,
-        *,
-        max_tokens: int = 1,
-        stop_token_ids: Sequence[int] = (),
-        response_format: ResponseFormat | None = None,
-        logprobs: LogprobsRequest | None = None,
-    ) -> Decoded:
-        """`max_tokens` > 1 (greedy, no `allowed`): a run of plain steps in one call, ending early after
-        a token of `stop_token_ids`; the primary commits every token of it but the last. With
-        `response_format` (instead of `allowed`) the primary masks every token by its own state of the
-        request's grammar."""
-        r = await self._call(
-            "primary",
-            self.primary.Decode,
-            self._decode_request(
-                request_id,
-                accepted_nodes,
-                committed_token_ids,
-                sampling,
-                position,
-                allowed,
-                max_tokens,
-                stop_token_ids,
-                response_format,
-                logprobs,
-            ),
-        )
-        self.other_step_rows = max(0, r.num_step_rows - 1)
-        return Decoded(r.token_id, r.forward_ms, self.other_step_rows, tuple(r.token_ids), _logprobs(r.logprobs))
-
-    def _decode_request(
-        self,
-        request_id: str,
-        accepted_nodes: Sequence[int],
-        committed_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        position: int,
-        allowed: TokenBitmask | None,
-        max_tokens: int,
-        stop_token_ids: Sequence[int],
-        response_format: ResponseFormat | None,
-        logprobs: LogprobsRequest | None,
-        num_context_tokens: int = 0,
-    ) -> Any:
-        """The DecodeRequest of decode and decode_stream alike (with the request's KV lease)."""
-        return primary_pb2.DecodeRequest(
-            request_id=request_id,
-            accepted_nodes=accepted_nodes,
-            committed_token_ids=committed_token_ids,
-            sampling=pb.sampling_to_pb(sampling),
-            position=position,
-            allowed_tokens=_mask(allowed),
-            kv_lease=self._kv_leases.get(request_id, ""),
-            max_tokens=max_tokens,
-            stop_token_ids=stop_token_ids,
-            response_format=None if response_format is None else pb.response_format_to_pb(response_format),
-            num_context_tokens=num_context_tokens,
-            logprobs=_logprobs_pb(logprobs),
-        )
-
     async def decode_stream(
         self,
         request_id: str,
@@ -466,25 +399,31 @@ class Backends:
         logprobs: LogprobsRequest | None = None,
         num_context_tokens: int = 0,
     ) -> AsyncGenerator[Decoded, None]:
-        """decode's run as a stream (PrimaryService.DecodeStream): one Decoded per engine step as the
-        primary decides it, the last with is_run_end. `num_context_tokens`: the context the caller
-        knows before committed_token_ids (the primary drops tokens of a cancelled run past it).
-        Closing the iterator early (aclose, or cancelling the task that awaits it) cancels the call:
-        the primary stops the run at its next step and keeps the request open."""
+        """Plain steps from committed_token_ids (PrimaryService.DecodeStream): one Decoded per engine
+        step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (greedy, no
+        `allowed`): a run of that many steps in one call, ending early after a token of
+        `stop_token_ids`; the primary commits every token of it but the last. With `response_format`
+        (instead of `allowed`) the primary masks every token by its own state of the request's
+        grammar. `num_context_tokens`: the context the caller knows before committed_token_ids (the
+        primary drops tokens of a cancelled run past it). Closing the iterator early (aclose, or
+        cancelling the task that awaits it) cancels the call: the primary stops the run at its next
+        step and keeps the request open."""
+        request = primary_pb2.DecodeRequest(
+            request_id=request_id,
+            accepted_nodes=accepted_nodes,
+            committed_token_ids=committed_token_ids,
+            sampling=pb.sampling_to_pb(sampling),
+            position=position,
+            allowed_tokens=_mask(allowed),
+            kv_lease=self._kv_leases.get(request_id, ""),
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            response_format=None if response_format is None else pb.response_format_to_pb(response_format),
+            num_context_tokens=num_context_tokens,
+            logprobs=_logprobs_pb(logprobs),
+        )
         call = self.primary.DecodeStream(
-            self._decode_request(
-                request_id,
-                accepted_nodes,
-                committed_token_ids,
-                sampling,
-                position,
-                allowed,
-                max_tokens,
-                stop_token_ids,
-                response_format,
-                logprobs,
-                num_context_tokens,
-            ),
+            request,
             timeout=self.timeout_s,
             metadata=outgoing_metadata(self._metadata),
         )

@@ -154,33 +154,35 @@ class ForcedCallReader:
             self.is_arguments_next = self.key in _ARGUMENT_KEYS
 
     def _string_char(self, c: str) -> None:
+        if not self._is_string_end(c):
+            if self.captured is not None:
+                self.captured.append(c)  # escapes too: json.loads decodes them with the rest
+            return
+        if self.captured is not None:
+            value = json.loads('"' + "".join(self.captured) + '"')
+            self.captured = None
+            if self.is_key_next:
+                self.key = value
+            else:
+                self._calls.items[-1].name = value
+                self.key = None
+
+    def _is_string_end(self, c: str) -> bool:
+        """Advance the escape state over c, a character inside a JSON string; True when c (a quote
+        not escaped) closes the string."""
         if self.is_escaped:
             self.is_escaped = False
         elif c == "\\":
             self.is_escaped = True
         elif c == '"':
             self.is_in_string = False
-            if self.captured is not None:
-                value = json.loads('"' + "".join(self.captured) + '"')
-                self.captured = None
-                if self.is_key_next:
-                    self.key = value
-                else:
-                    self._calls.items[-1].name = value
-                    self.key = None
-                return
-        if self.captured is not None:
-            self.captured.append(c)
+            return True
+        return False
 
     def _track(self, c: str) -> None:
         """Nesting and strings inside an arguments value."""
         if self.is_in_string:
-            if self.is_escaped:
-                self.is_escaped = False
-            elif c == "\\":
-                self.is_escaped = True
-            elif c == '"':
-                self.is_in_string = False
+            self._is_string_end(c)
         elif c == '"':
             self.is_in_string = True
         elif c in "{[":

@@ -88,7 +88,6 @@ class _VerifyItem:
     tree_parents: Sequence[int]
     num_lookahead: int  # the tree's last nodes that are lookahead rows (VerifyWork.num_lookahead)
     finish: Callable[[torch.Tensor], Any]
-    future: Future
     # After each step, repeat(finish's result) -> the tokens to commit before one more plain step of
     # this request, or None: its result goes back (a run of plain steps in one call, EngineWorker.verify)
     repeat: Callable[[Any], Sequence[int] | None] | None = None
@@ -102,6 +101,8 @@ class _VerifyItem:
     cancel: threading.Event | None = None
     # > 0: the request's context is first cut back to this many tokens (DecodeRequest.num_context_tokens)
     num_context_tokens: int = 0
+    # (the last result, forward ms), or the error that ended the call
+    future: Future = dataclasses.field(default_factory=Future)
 
     @property
     def is_cancelled(self) -> bool:
@@ -310,23 +311,20 @@ class EngineWorker:
         the features of the logits rows [N+1+L, C] before `finish` runs (the step then runs eagerly).
         `num_context_tokens` > 0: the request's context is cut back to that many tokens before the commit
         (Engine.truncate)."""
-        future: Future = Future()
-        self._inbox.put(
-            _VerifyItem(
-                request_id,
-                accepted_nodes,
-                committed_token_ids,
-                tree_token_ids,
-                tree_parents,
-                num_lookahead,
-                finish,
-                future,
-                repeat,
-                features_out=features_out,
-                num_context_tokens=num_context_tokens,
-            )
+        item = _VerifyItem(
+            request_id,
+            accepted_nodes,
+            committed_token_ids,
+            tree_token_ids,
+            tree_parents,
+            num_lookahead,
+            finish,
+            repeat,
+            features_out=features_out,
+            num_context_tokens=num_context_tokens,
         )
-        return future.result()
+        self._inbox.put(item)
+        return item.future.result()
 
     def stream_decode(
         self,
@@ -344,24 +342,21 @@ class EngineWorker:
         committed by then unless is_last. Setting `cancel` ends the run at the next step boundary (no
         further step is taken; a step already queued is dropped); what was committed stays, as the KV.
         The returned future holds (the last result, forward ms) or the error that ended the run."""
-        future: Future = Future()
-        self._inbox.put(
-            _VerifyItem(
-                request_id,
-                accepted_nodes,
-                committed_token_ids,
-                (),
-                (),
-                0,
-                finish,
-                future,
-                repeat,
-                on_step=on_step,
-                cancel=cancel,
-                num_context_tokens=num_context_tokens,
-            )
+        item = _VerifyItem(
+            request_id,
+            accepted_nodes,
+            committed_token_ids,
+            tree_token_ids=(),
+            tree_parents=(),
+            num_lookahead=0,
+            finish=finish,
+            repeat=repeat,
+            on_step=on_step,
+            cancel=cancel,
+            num_context_tokens=num_context_tokens,
         )
-        return future
+        self._inbox.put(item)
+        return item.future
 
     def stop(self) -> None:
         self._stopped.set()

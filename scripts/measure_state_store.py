@@ -5,7 +5,8 @@
     .venv/bin/python scripts/measure_state_store.py --local_cluster   # a throwaway 3-master cluster
 
 Compares, on the same server: a PING round trip; the store's append_step (one
-EVALSHA of the step script: checks + APPEND + HSET + PEXPIRE); a bare MULTI
+EVALSHA of the step script: checks + APPEND + HSET + PEXPIRE), awaited on the store's
+event loop as the gateway does it, and once through the blocking SyncStateStore; a bare MULTI
 pipeline doing the same writes without checks; and the token-log layouts
 APPEND (one string, 4 bytes per token) vs RPUSH (one list item of packed
 int32 per step): write time, memory (MEMORY USAGE) and the time to load the
@@ -21,7 +22,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 from pathlib import Path
 
@@ -43,6 +44,16 @@ def time_us(fn: Callable[[int], object], num_iters: int) -> list[float]:
     for i in range(num_iters):
         start = time.perf_counter_ns()
         fn(i)
+        samples.append((time.perf_counter_ns() - start) / 1000)
+    return samples
+
+
+async def time_awaited_us(fn: Callable[[int], Awaitable[object]], num_iters: int) -> list[float]:
+    """time_us of a coroutine function, each call awaited on the running loop (the gateway's way)."""
+    samples = []
+    for i in range(num_iters):
+        start = time.perf_counter_ns()
+        await fn(i)
         samples.append((time.perf_counter_ns() - start) / 1000)
     return samples
 
@@ -69,8 +80,8 @@ def main() -> int:
 
 
 def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
-    client = open_sync_client(parse_redis_url(url), timeout_s=5.0)
-    store = RedisStateStore(client, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
+    client = open_sync_client(parse_redis_url(url), timeout_s=5.0)  # the raw commands' client
+    store = RedisStateStore.from_url(url, StateStoreConfig(namespace=f"measure{uuid.uuid4().hex[:8]}"))
     n, k = num_steps, tokens_per_step
     step_tokens = [[(i * k + j) % 49152 for j in range(k)] for i in range(n)]
     print(f"{n} steps of {k} tokens, stats ~{len(str(STEP_STATS))} B JSON, url {url}\n")
@@ -79,22 +90,28 @@ def measure(url: str, num_steps: int, tokens_per_step: int) -> int:
     store_appends(store, step_tokens)
     raw_appends(client, step_tokens)
     token_log_sizes(client, store, n, n * k)
-    for rid in ("r1", "r2"):
+    for rid in ("r1", "r2", "r3"):
         store.delete(rid)
     client.delete(TOKENS_KEY, LIST_KEY, META_KEY)
+    store.close()
+    client.close()
     return 0
 
 
 def store_appends(store: RedisStateStore, step_tokens: list[list[int]]) -> None:
-    """The store's step write: tokens alone, then with stats, controller state and the lease."""
-    n, k = len(step_tokens), len(step_tokens[0])
+    """The store's step write, awaited on the store's loop as the gateway does: tokens alone, then
+    with stats, controller state and the lease; then one call through the blocking facade (what
+    a synchronous tool pays: the same write plus the hop to the store's loop thread)."""
+    n, k, backend = len(step_tokens), len(step_tokens[0]), store.store
     store.create("r1", {"prompt": "x" * 200, "max_new_tokens": n * k}, prompt_token_ids=list(range(256)))
-    tokens_only = time_us(lambda i: store.append_step("r1", step_tokens[i], expected_num_tokens=i * k), n)
+    tokens_only = store.run(
+        time_awaited_us(lambda i: backend.append_step("r1", step_tokens[i], expected_num_tokens=i * k), n)
+    )
     print(row("append_step: tokens only", tokens_only))
     store.create("r2", {"prompt": "x" * 200}, prompt_token_ids=list(range(256)))
 
-    def whole_step(i: int) -> None:
-        store.append_step(
+    def whole_step(i: int) -> Awaitable[int]:
+        return backend.append_step(
             "r2",
             step_tokens[i],
             expected_num_tokens=i * k,
@@ -103,7 +120,10 @@ def store_appends(store: RedisStateStore, step_tokens: list[list[int]]) -> None:
             owner="gw-1",
         )
 
-    print(row("append_step: tokens + stats + controller + lease", time_us(whole_step, n)))
+    print(row("append_step: tokens + stats + controller + lease", store.run(time_awaited_us(whole_step, n))))
+    store.create("r3", {"prompt": "x" * 200}, prompt_token_ids=list(range(256)))
+    blocking = time_us(lambda i: store.append_step("r3", step_tokens[i], expected_num_tokens=i * k), n)
+    print(row("append_step: tokens only, through SyncStateStore", blocking))
 
 
 def raw_appends(client: Any, step_tokens: list[list[int]]) -> None:

@@ -1,7 +1,7 @@
 """Domain exceptions shared by every service.
 
-Domain modules raise these (they never import grpc); the one interceptor in
-specdec/service.py maps each to its gRPC status code. Every error names the
+Domain modules raise these (they never import grpc); the error interceptors
+(specdec/service/call_guard.py) map each to its gRPC status code. Every error names the
 field (or resource) it is about, so a client can tell what to fix:
 
     raise InvalidArgument("max_new_tokens", "must be in [1, 8192], got 100000")
@@ -12,11 +12,16 @@ from __future__ import annotations
 
 
 class SpecdecError(Exception):
-    """Base of the domain errors: `field` names what the error is about."""
+    """Base of the domain errors: `field` names what the error is about. A subclass names the
+    grpc.StatusCode member it maps to in its class line (a string, so this module needs no grpc
+    import): `class NotFound(SpecdecError, status_name="NOT_FOUND")`; a subclass of one inherits it."""
 
-    # Name of the grpc.StatusCode member this error maps to (a string, so this
-    # module needs no grpc import).
     status_name = "UNKNOWN"
+
+    def __init_subclass__(cls, status_name: str | None = None, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if status_name is not None:
+            cls.status_name = status_name
 
     def __init__(self, field: str, message: str, *, dependency: str | None = None) -> None:
         if not field:
@@ -29,41 +34,29 @@ class SpecdecError(Exception):
         self.dependency = dependency
 
 
-class InvalidArgument(SpecdecError):
+class InvalidArgument(SpecdecError, status_name="INVALID_ARGUMENT"):
     """A request field is malformed or out of range (fix the request)."""
 
-    status_name = "INVALID_ARGUMENT"
 
-
-class NotFound(SpecdecError):
+class NotFound(SpecdecError, status_name="NOT_FOUND"):
     """The named resource (usually a request_id) does not exist."""
 
-    status_name = "NOT_FOUND"
 
-
-class AlreadyExists(SpecdecError):
+class AlreadyExists(SpecdecError, status_name="ALREADY_EXISTS"):
     """The named resource exists already (e.g. a reused request_id)."""
 
-    status_name = "ALREADY_EXISTS"
 
-
-class ResourceExhausted(SpecdecError):
+class ResourceExhausted(SpecdecError, status_name="RESOURCE_EXHAUSTED"):
     """A capacity limit is reached (KV memory, queue length); retry later."""
 
-    status_name = "RESOURCE_EXHAUSTED"
 
-
-class FailedPrecondition(SpecdecError):
+class FailedPrecondition(SpecdecError, status_name="FAILED_PRECONDITION"):
     """The system is not in the state the call needs (e.g. Verify before Prefill,
     a stale memory handle from a restarted primary)."""
 
-    status_name = "FAILED_PRECONDITION"
 
-
-class Unavailable(SpecdecError):
+class Unavailable(SpecdecError, status_name="UNAVAILABLE"):
     """A dependency (another service, the state store) cannot be reached."""
-
-    status_name = "UNAVAILABLE"
 
 
 class StateLost(Unavailable):
@@ -71,31 +64,21 @@ class StateLost(Unavailable):
     without persistence) and refused it back. A client is told its request's stored state was lost."""
 
 
-class DeadlineExceeded(SpecdecError):
+class DeadlineExceeded(SpecdecError, status_name="DEADLINE_EXCEEDED"):
     """The request's deadline passed before it completed."""
 
-    status_name = "DEADLINE_EXCEEDED"
 
-
-class Cancelled(SpecdecError):
+class Cancelled(SpecdecError, status_name="CANCELLED"):
     """The request was cancelled."""
 
-    status_name = "CANCELLED"
 
-
-class Unimplemented(SpecdecError):
+class Unimplemented(SpecdecError, status_name="UNIMPLEMENTED"):
     """The request asks for a feature this deployment does not serve."""
 
-    status_name = "UNIMPLEMENTED"
 
-
-class Internal(SpecdecError):
+class Internal(SpecdecError, status_name="INTERNAL"):
     """Something failed inside the service that the caller cannot fix (the details are in the log)."""
 
-    status_name = "INTERNAL"
 
-
-class Unauthenticated(SpecdecError):
+class Unauthenticated(SpecdecError, status_name="UNAUTHENTICATED"):
     """The caller did not present valid credentials (an API key, the service token)."""
-
-    status_name = "UNAUTHENTICATED"

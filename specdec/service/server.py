@@ -133,29 +133,47 @@ def create_server(
     credentials: TLS (ServerConfig.server_credentials()); None serves plaintext.
     Returns the server and the bound port (the real one when address ends in :0).
     """
-    options = [
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        interceptors=[*server_interceptors(), *interceptors],
+        options=server_options(max_message_bytes),
+    )
+    health_servicer = health.HealthServicer() if health_servicer is None else health_servicer
+    names, port = add_services(server, services, health_servicer, address, credentials)
+    for name in names:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """The channel options of every server, threaded or asyncio."""
+    return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # Two servers on one port would split traffic silently; fail the bind instead.
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        interceptors=[*server_interceptors(), *interceptors],
-        options=options,
-    )
+
+
+def add_services(
+    server: Any,
+    services: Sequence[tuple[AddServicerFn, Any]],
+    health_servicer: Any,
+    address: str,
+    credentials: grpc.ServerCredentials | None,
+) -> tuple[list[str], int]:
+    """Add `services`, health and reflection to server (threaded or asyncio) and bind it to address.
+    Returns the health-check names to report SERVING (the whole server's and each service's) and
+    the bound port."""
     recorder = _NameRecorder(server)
     for add_to_server, servicer in services:
         add_to_server(servicer, recorder)
-    health_servicer = health.HealthServicer() if health_servicer is None else health_servicer
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in (OVERALL_HEALTH, *recorder.names):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection((*recorder.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {address}")
-    return server, port
+    return [OVERALL_HEALTH, *recorder.names], port
 
 
 def _record_stop_signals() -> tuple[dict[int, Any], list[int]]:

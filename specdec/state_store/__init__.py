@@ -1,20 +1,21 @@
 """The request state store: Redis when a URL is configured, else in memory.
 
-store = open_state_store(redis_url)          # "" -> InMemoryStateStore
-store.create(request_id, params, prompt_token_ids=prompt_ids)
-n = store.append_step(request_id, [t1, t2, bonus], expected_num_tokens=n, stats=...)
-state = store.load(request_id)               # recovery: re-prefill prompt + tokens
-
-On an event loop (the gateway's grpc.aio request loops), the same calls awaited:
+On the gateway's event loop (grpc.aio request loops), every call awaited:
 store = open_async_state_store(redis_url)    # "" -> AsyncInMemoryStateStore
-n = await store.append_step(request_id, [t1, t2, bonus], expected_num_tokens=n)
+await store.create(request_id, params, prompt_token_ids=prompt_ids)
+n = await store.append_step(request_id, [t1, t2, bonus], expected_num_tokens=n, stats=...)
+state = await store.load(request_id)         # recovery: re-prefill prompt + tokens
+
+Synchronous tools and tests get the same store as plain calls (SyncStateStore, specdec.state_store.sync):
+store = open_state_store(redis_url)
+n = store.append_step(request_id, [t1, t2, bonus], expected_num_tokens=n)
 """
 
 from __future__ import annotations
 
-from specdec.state_store.aio import AsyncInMemoryStateStore, AsyncRedisStateStore
-from specdec.state_store.memory import InMemoryStateStore
-from specdec.state_store.redis_store import RedisStateStore
+from specdec.state_store.memory import AsyncInMemoryStateStore, InMemoryStateStore
+from specdec.state_store.redis_store import AsyncRedisStateStore
+from specdec.state_store.sync import RedisStateStore, SyncStateStore
 from specdec.state_store.types import (
     DEFAULT_LEASE_S,
     DEFAULT_NAMESPACE,
@@ -23,18 +24,11 @@ from specdec.state_store.types import (
     AsyncStateStore,
     RequestState,
     RequestStatus,
-    StateStore,
     StateStoreConfig,
+    StepFields,
     decode_token_ids,
     encode_token_ids,
 )
-
-
-def open_state_store(redis_url: str, config: StateStoreConfig | None = None) -> StateStore:
-    """RedisStateStore on redis_url, or an InMemoryStateStore when it is empty."""
-    if not redis_url:
-        return InMemoryStateStore(config)
-    return RedisStateStore.from_url(redis_url, config)
 
 
 def open_async_state_store(redis_url: str, config: StateStoreConfig | None = None) -> AsyncStateStore:
@@ -42,6 +36,13 @@ def open_async_state_store(redis_url: str, config: StateStoreConfig | None = Non
     if not redis_url:
         return AsyncInMemoryStateStore(config=config)
     return AsyncRedisStateStore.from_url(redis_url, config)
+
+
+def open_state_store(redis_url: str, config: StateStoreConfig | None = None) -> SyncStateStore:
+    """open_async_state_store's store, for synchronous callers."""
+    if not redis_url:
+        return SyncStateStore(AsyncInMemoryStateStore(config=config))
+    return RedisStateStore.from_url(redis_url, config)
 
 
 __all__ = [
@@ -56,8 +57,9 @@ __all__ = [
     "RedisStateStore",
     "RequestState",
     "RequestStatus",
-    "StateStore",
     "StateStoreConfig",
+    "StepFields",
+    "SyncStateStore",
     "decode_token_ids",
     "encode_token_ids",
     "open_async_state_store",

@@ -1,5 +1,6 @@
 """Redis clients for a RedisTarget (specdec.state_store.redis_url): one server, a Redis Cluster or
-a Sentinel-watched master, sync (RedisStateStore) and asyncio (AsyncRedisStateStore).
+a Sentinel-watched master: asyncio for AsyncRedisStateStore, and a plain client for tools that send
+commands of their own (scripts/measure_state_store.py).
 
 What each client does across a failover, before the store's caller retries (gateway.state_retry):
 - cluster: redis-py's RedisCluster follows MOVED/ASK, and on a connection error or CLUSTERDOWN
@@ -81,14 +82,6 @@ def open_async_client(target: RedisTarget, timeout_s: float, max_connections: in
         return redis.asyncio.cluster.RedisCluster(startup_nodes=nodes, require_full_coverage=False, **options)
     sentinel = redis.asyncio.sentinel.Sentinel(list(target.nodes), sentinel_kwargs=_sentinel_options(target, timeout_s))
     return sentinel.master_for(target.service_name, redis_class=redis.asyncio.Redis, db=target.db, **options)
-
-
-def close_sync_client(client: SyncClient) -> None:
-    """Close client, and the connections to the sentinels of a Sentinel-managed one."""
-    client.close()
-    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
-    for sentinel in getattr(manager, "sentinels", ()):
-        sentinel.close()
 
 
 async def close_async_client(client: AsyncClient) -> None:

@@ -1,52 +1,52 @@
 """The in-process state store: the single-machine default when no Redis URL is
-configured. Same interface and semantics as RedisStateStore (one test suite
-runs against both), but the state dies with the process."""
+configured. Same semantics as AsyncRedisStateStore (one test suite runs against both), but the
+state dies with the process.
+
+InMemoryStateStore is a dict under a lock, called directly (no I/O, so nothing to await): tests
+inspect it and inject faults by subclassing it. AsyncInMemoryStateStore is the AsyncStateStore the
+gateway gets: it calls the wrapped store inline.
+"""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack, cast
 
 from specdec.errors import AlreadyExists, FailedPrecondition, NotFound
+from specdec.state_store.record import create_record, is_replay, state_from_record, step_meta
 from specdec.state_store.types import (
-    set_status_by_step,
     TOKEN_BYTES,
+    CreateOptions,
     RequestState,
     RequestStatus,
     StateStoreConfig,
-    check_request_id,
-    check_step,
-    decode_token_ids,
-    encode_json,
+    StepFields,
     encode_token_ids,
+    set_status_by_step,
     token_count_mismatch,
 )
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @dataclass(slots=True)
 class _Entry:
-    """One request, stored encoded as in Redis (JSON text, packed tokens), so
-    both stores accept and return exactly the same values."""
+    """One request's record, encoded as in Redis (specdec.state_store.record)."""
 
-    params_json: str
-    status: RequestStatus
+    meta: dict[str, str]
     prompt: bytes
-    created_ms: int
-    updated_ms: int
+    tokens: bytearray
     expires_at: float
-    tokens: bytearray = field(default_factory=bytearray)
-    stats_json: str = "{}"
-    controller_json: str = "{}"
-    finish_reason: str = ""
-    error: str = ""
     owner: str = ""
     owner_expires_at: float = 0.0
-    kv_lease: str = ""
-    node: str = ""
+
+    @property
+    def status(self) -> RequestStatus:
+        return RequestStatus(self.meta["status"])
 
 
 class InMemoryStateStore:
@@ -66,81 +66,44 @@ class InMemoryStateStore:
         # Insertion order = creation order, which list_active reports.
         self._entries: dict[str, _Entry] = {}
 
-    def create(
-        self,
-        request_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_token_ids: Sequence[int] = (),
-        status: RequestStatus = RequestStatus.QUEUED,
-    ) -> None:
-        check_request_id(request_id)
-        check_step(status, None)
-        params_json = encode_json("params", params)
-        prompt = encode_token_ids(prompt_token_ids)
+    def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
+        meta, prompt = create_record(request_id, params, options, self._wall_clock_ms())
         with self._lock:
             if self._live(request_id) is not None:
                 raise AlreadyExists("request_id", f"request {request_id!r} exists already")
-            now_ms = self._wall_clock_ms()
-            self._entries[request_id] = _Entry(
-                params_json, status, prompt, now_ms, now_ms, self._clock() + self.config.ttl_s
-            )
+            self._entries[request_id] = _Entry(meta, prompt, bytearray(), self._clock() + self.config.ttl_s)
 
-    def append_step(
-        self,
-        request_id: str,
-        token_ids: Sequence[int] = (),
-        *,
-        expected_num_tokens: int | None = None,
-        status: RequestStatus | None = None,
-        stats: Mapping[str, Any] | None = None,
-        controller_state: Mapping[str, Any] | None = None,
-        finish_reason: str | None = None,
-        error: str | None = None,
-        owner: str | None = None,
-        kv_lease: str | None = None,
-        node: str | None = None,
-    ) -> int:
-        check_step(status, expected_num_tokens)
+    def append_step(self, request_id: str, token_ids: Sequence[int] = (), **step: Unpack[StepFields]) -> int:
+        fields = step_meta(step)
         packed = encode_token_ids(token_ids)
-        stats_json = None if stats is None else encode_json("stats", stats)
-        controller_json = None if controller_state is None else encode_json("controller_state", controller_state)
+        expected_num_tokens, owner = step.get("expected_num_tokens"), step.get("owner")
         with self._lock:
             entry = self._require(request_id)
             num_stored = len(entry.tokens) // TOKEN_BYTES
-            if _is_replay(entry.tokens, packed, expected_num_tokens):
+            if is_replay(entry.tokens, packed, expected_num_tokens):
                 return num_stored
             if entry.status.is_terminal:
                 raise FailedPrecondition("request_id", f"request {request_id!r} has ended ({entry.status})")
             if expected_num_tokens is not None and num_stored != expected_num_tokens:
                 raise token_count_mismatch(num_stored, expected_num_tokens)
             now = self._clock()
-            if owner is not None:
+            if owner:
                 self._check_owner(request_id, entry, owner, now)  # before any change: the write is atomic
-                entry.owner_expires_at = now + self.config.lease_s
+                entry.owner, entry.owner_expires_at = owner, now + self.config.lease_s
             entry.tokens += packed
-            if stats_json is not None:
-                entry.stats_json = stats_json
-            if controller_json is not None:
-                entry.controller_json = controller_json
-            if finish_reason is not None:
-                entry.finish_reason = finish_reason
-            if error is not None:
-                entry.error = error
-            if kv_lease is not None:
-                entry.kv_lease = kv_lease
-            if node is not None:
-                entry.node = node
-            if status is not None:
-                entry.status = status
-                if status.is_terminal:
-                    entry.owner, entry.owner_expires_at = "", 0.0
-            entry.updated_ms = self._wall_clock_ms()
+            entry.meta.update(fields, updated_ms=str(self._wall_clock_ms()))
+            if entry.status.is_terminal:
+                entry.owner, entry.owner_expires_at = "", 0.0
             entry.expires_at = now + self.config.ttl_s
             return len(entry.tokens) // TOKEN_BYTES
 
     def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = "") -> bool:
-        return set_status_by_step(self, request_id, status, finish_reason=finish_reason, error=error)
+        """A step that appends nothing, through this store's append_step (so an override applies)."""
+        try:
+            self.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
+        except FailedPrecondition:
+            return False
+        return True
 
     def claim(self, request_id: str, owner: str) -> bool:
         if not owner:
@@ -161,22 +124,8 @@ class InMemoryStateStore:
             if entry is None:
                 return None
             is_owned = entry.owner and entry.owner_expires_at > self._clock()
-            return RequestState(
-                request_id=request_id,
-                params=json.loads(entry.params_json),
-                status=entry.status,
-                prompt_token_ids=decode_token_ids(entry.prompt),
-                token_ids=decode_token_ids(bytes(entry.tokens)),
-                stats=json.loads(entry.stats_json),
-                controller_state=json.loads(entry.controller_json),
-                finish_reason=entry.finish_reason,
-                error=entry.error,
-                owner=entry.owner if is_owned else "",
-                created_ms=entry.created_ms,
-                updated_ms=entry.updated_ms,
-                kv_lease=entry.kv_lease,
-                node=entry.node,
-            )
+            owner = entry.owner if is_owned else ""
+            return state_from_record(request_id, entry.meta, bytes(entry.tokens), entry.prompt, owner)
 
     def list_active(self) -> list[str]:
         with self._lock:
@@ -208,14 +157,49 @@ class InMemoryStateStore:
     def _check_owner(self, request_id: str, entry: _Entry, owner: str, now: float) -> None:
         if entry.owner != owner and entry.owner_expires_at > now:
             raise FailedPrecondition("owner", f"the lease of {request_id!r} is held by {entry.owner!r}, not {owner!r}")
-        entry.owner = owner
 
 
-def _is_replay(tokens: bytearray, packed: bytes, expected_num_tokens: int | None) -> bool:
-    """Whether a step write repeats one already applied: the log ends with exactly its tokens at
-    its position (expected_num_tokens), so its first attempt landed and the reply was lost. The
-    store answers it with the count and writes nothing (the Redis step script's same check)."""
-    if expected_num_tokens is None or not packed:
-        return False
-    start = expected_num_tokens * TOKEN_BYTES
-    return len(tokens) == start + len(packed) and tokens[start:] == packed
+def _inline(
+    method: Callable[Concatenate[InMemoryStateStore, _P], _R],
+) -> Callable[Concatenate[AsyncInMemoryStateStore, _P], Coroutine[Any, Any, _R]]:
+    """The coroutine twin of an InMemoryStateStore method: it calls the method of that name on the
+    wrapped store (so a subclass's override runs) and returns its result."""
+    name = method.__name__
+
+    async def call(self: AsyncInMemoryStateStore, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return cast(_R, getattr(self.sync, name)(*args, **kwargs))
+
+    return call
+
+
+class AsyncInMemoryStateStore:
+    """AsyncStateStore over an InMemoryStateStore (`sync`, for tests to inspect or subclass).
+    Each call runs the sync store inline: no I/O, its lock held for microseconds, so no thread."""
+
+    def __init__(
+        self,
+        sync: InMemoryStateStore | None = None,
+        *,
+        config: StateStoreConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock_ms: Callable[[], int] | None = None,
+    ) -> None:
+        """sync: the store to wrap (it has its own config and clocks); else one is made from the rest."""
+        if sync is not None and (config is not None or clock is not time.monotonic or wall_clock_ms is not None):
+            raise ValueError("pass either an InMemoryStateStore to wrap or the arguments to make one, not both")
+        self.sync = InMemoryStateStore(config, clock=clock, wall_clock_ms=wall_clock_ms) if sync is None else sync
+        self.config = self.sync.config
+
+    create = _inline(InMemoryStateStore.create)
+    append_step = _inline(InMemoryStateStore.append_step)
+    claim = _inline(InMemoryStateStore.claim)
+    load = _inline(InMemoryStateStore.load)
+    list_active = _inline(InMemoryStateStore.list_active)
+    delete = _inline(InMemoryStateStore.delete)
+    close = _inline(InMemoryStateStore.close)
+
+    async def set_status(
+        self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
+    ) -> bool:
+        # Through this store's append_step, as in the other stores, so an override of it applies.
+        return await set_status_by_step(self, request_id, status, finish_reason=finish_reason, error=error)

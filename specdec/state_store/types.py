@@ -1,6 +1,6 @@
 """The request state store's contract: what is stored per request, and the
-interface both stores (Redis, in-memory) implement identically: StateStore,
-and AsyncStateStore, the same in coroutines for callers on an event loop.
+interface both stores (Redis, in-memory) implement identically: AsyncStateStore, in coroutines
+for the gateway's event loop (synchronous tools and tests wrap a store in SyncStateStore).
 
 Per request the store holds the parameters (a JSON object: the GenerateRequest
 through protobuf json_format, or any plain dict), the status, the prompt's
@@ -26,7 +26,7 @@ import sys
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 from specdec.errors import FailedPrecondition, InvalidArgument
 
@@ -97,8 +97,33 @@ class RequestState:
     node: str = ""
 
 
-class StateStore(Protocol):
-    """The interface of RedisStateStore and InMemoryStateStore.
+class CreateOptions(TypedDict, total=False):
+    """create's keyword arguments (absent: the default)."""
+
+    prompt_token_ids: Sequence[int]  # default ()
+    status: RequestStatus  # default QUEUED
+
+
+class StepFields(TypedDict, total=False):
+    """append_step's keyword arguments: what one step writes besides its tokens (None or absent:
+    leave the stored value as it is)."""
+
+    # The count of committed tokens before this step; it keys the step (see append_step).
+    expected_num_tokens: int | None
+    status: RequestStatus | None
+    stats: Mapping[str, Any] | None
+    controller_state: Mapping[str, Any] | None
+    finish_reason: str | None
+    error: str | None
+    # The writing gateway: it takes or renews the lease in the same write (None: no ownership).
+    owner: str | None
+    kv_lease: str | None
+    node: str | None
+
+
+class AsyncStateStore(Protocol):
+    """The state store (AsyncRedisStateStore, AsyncInMemoryStateStore); synchronous callers wrap
+    one in specdec.state_store.sync.SyncStateStore.
 
     Errors (specdec.errors): NotFound for an unknown request_id, AlreadyExists
     for create() of an existing one, FailedPrecondition for a write to a
@@ -106,109 +131,45 @@ class StateStore(Protocol):
     the backend cannot be reached.
     """
 
-    def create(
-        self,
-        request_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_token_ids: Sequence[int] = (),
-        status: RequestStatus = RequestStatus.QUEUED,
-    ) -> None:
+    async def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
         """Store a new request (active until a terminal status)."""
         ...
 
-    def append_step(
-        self,
-        request_id: str,
-        token_ids: Sequence[int] = (),
-        *,
-        expected_num_tokens: int | None = None,
-        status: RequestStatus | None = None,
-        stats: Mapping[str, Any] | None = None,
-        controller_state: Mapping[str, Any] | None = None,
-        finish_reason: str | None = None,
-        error: str | None = None,
-        owner: str | None = None,
-        kv_lease: str | None = None,
-        node: str | None = None,
-    ) -> int:
+    async def append_step(self, request_id: str, token_ids: Sequence[int] = (), **step: Unpack[StepFields]) -> int:
         """The per-step write, atomic and one round trip: append committed
-        tokens and replace whichever of status/stats/controller_state/
-        finish_reason/error/kv_lease/node are given. expected_num_tokens (the count before
+        tokens and replace whichever fields of `step` are given. expected_num_tokens (the count before
         this step) keys the step: a replay of a step already applied (the log ends
         with exactly its tokens at that position; its reply was lost) succeeds with
         the count and writes nothing; any other write at a count that does not match
         fails (FailedPrecondition). Returns the number of committed tokens after the write."""
         ...
 
-    def set_status(self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = "") -> bool:
+    async def set_status(
+        self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
+    ) -> bool:
         """Move a request to status; False (no change) when it already ended."""
         ...
 
-    def claim(self, request_id: str, owner: str) -> bool:
+    async def claim(self, request_id: str, owner: str) -> bool:
         """Take (or renew) the request's lease for owner; False when another
         owner holds a live lease or the request has ended."""
         ...
 
-    def load(self, request_id: str) -> RequestState | None:
+    async def load(self, request_id: str) -> RequestState | None:
         """Everything stored about the request; None when unknown or expired."""
         ...
 
-    def list_active(self) -> list[str]:
+    async def list_active(self) -> list[str]:
         """Ids of requests not yet ended (queued or running), oldest first."""
         ...
 
-    def delete(self, request_id: str) -> bool:
+    async def delete(self, request_id: str) -> bool:
         """Forget the request now; False when it did not exist."""
         ...
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Release the backend connection."""
         ...
-
-
-class AsyncStateStore(Protocol):
-    """StateStore for asyncio callers (AsyncRedisStateStore, AsyncInMemoryStateStore): the same
-    methods, arguments, results and errors, each a coroutine, close too."""
-
-    async def create(
-        self,
-        request_id: str,
-        params: Mapping[str, Any],
-        *,
-        prompt_token_ids: Sequence[int] = (),
-        status: RequestStatus = RequestStatus.QUEUED,
-    ) -> None: ...
-
-    async def append_step(
-        self,
-        request_id: str,
-        token_ids: Sequence[int] = (),
-        *,
-        expected_num_tokens: int | None = None,
-        status: RequestStatus | None = None,
-        stats: Mapping[str, Any] | None = None,
-        controller_state: Mapping[str, Any] | None = None,
-        finish_reason: str | None = None,
-        error: str | None = None,
-        owner: str | None = None,
-        kv_lease: str | None = None,
-        node: str | None = None,
-    ) -> int: ...
-
-    async def set_status(
-        self, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
-    ) -> bool: ...
-
-    async def claim(self, request_id: str, owner: str) -> bool: ...
-
-    async def load(self, request_id: str) -> RequestState | None: ...
-
-    async def list_active(self) -> list[str]: ...
-
-    async def delete(self, request_id: str) -> bool: ...
-
-    async def close(self) -> None: ...
 
 
 def encode_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -254,7 +215,17 @@ def check_request_id(request_id: str) -> None:
         raise InvalidArgument("request_id", f"must not contain braces, got {request_id!r}")
 
 
-def check_step(status: RequestStatus | None, expected_num_tokens: int | None) -> None:
+def check_keywords(function: str, given: Mapping[str, Any], declared: frozenset[str]) -> None:
+    """Refuse keyword arguments that are not declared (a misspelled one would be dropped)."""
+    unknown = sorted(set(given) - declared)
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
+
+
+def check_step(step: StepFields) -> None:
+    """Refuse keyword arguments that are not StepFields and out-of-range values."""
+    check_keywords("append_step", step, StepFields.__optional_keys__)
+    status, expected_num_tokens = step.get("status"), step.get("expected_num_tokens")
     if status is not None and not isinstance(status, RequestStatus):
         raise InvalidArgument("status", f"must be a RequestStatus, got {status!r}")
     if expected_num_tokens is not None and expected_num_tokens < 0:
@@ -269,21 +240,10 @@ def token_count_mismatch(num_stored: int, expected_num_tokens: int) -> FailedPre
     )
 
 
-def set_status_by_step(
-    store: StateStore, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
-) -> bool:
-    """set_status for any store: a step that appends nothing; False when the request already ended."""
-    try:
-        store.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
-    except FailedPrecondition:
-        return False
-    return True
-
-
-async def set_status_by_async_step(
+async def set_status_by_step(
     store: AsyncStateStore, request_id: str, status: RequestStatus, *, finish_reason: str = "", error: str = ""
 ) -> bool:
-    """set_status_by_step for an AsyncStateStore."""
+    """set_status for any store: a step that appends nothing; False when the request already ended."""
     try:
         await store.append_step(request_id, status=status, finish_reason=finish_reason, error=error)
     except FailedPrecondition:

@@ -46,10 +46,9 @@ from specdec import pb
 from specdec.errors import DeadlineExceeded, Internal, NotFound, StateLost, Unavailable
 from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
-from specdec.state_store import RequestStatus
+from specdec.state_store import RequestState, RequestStatus
 from specdec.state_store import AsyncInMemoryStateStore
-from specdec.state_store.aio import AsyncRedisStateStore
-from specdec.state_store.redis_store import RedisStateStore
+from specdec.state_store import AsyncRedisStateStore, RedisStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.features import encode_features
 from specdec.strategies import FEATURE_STRATEGY
@@ -1162,9 +1161,9 @@ class FlushingPrimary(LeasingPrimary):
     async def verify(self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None):  # noqa: ANN001
         assert self.redis_client is not None
         if self.num_verifies + 1 == self.cancel_at:
-            RedisStateStore(self.redis_client).set_status(
-                request_id, RequestStatus.CANCELLED, finish_reason="cancelled"
-            )
+            other_gateway = RedisStateStore.from_url(redis_url(self.redis_client))
+            other_gateway.set_status(request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+            other_gateway.close()
         if self.num_verifies + 1 == self.flush_at:
             self.redis_client.flushall()
             if self.is_refusing:
@@ -1175,9 +1174,14 @@ class FlushingPrimary(LeasingPrimary):
 STORED_PARAMS = {"prompt": " ".join(map(str, PROMPT)), "max_new_tokens": 40}
 
 
+def redis_url(client: redis.Redis) -> str:
+    """The URL of the unix socket client talks to (the redis_client fixture's)."""
+    return f"unix://{client.connection_pool.connection_kwargs['path']}"
+
+
 def run_on_redis(socket_path: str, params: GenerationParams, backends: FakeBackends) -> RequestLoop:
     """A loop over PROMPT on a real Redis (stored as RUNNING first, with STORED_PARAMS), run to its end."""
-    sync_store = RedisStateStore(redis.Redis(unix_socket_path=socket_path))
+    sync_store = RedisStateStore.from_url(f"unix://{socket_path}")
     sync_store.create("r1", STORED_PARAMS, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
     sync_store.close()
 
@@ -1195,6 +1199,14 @@ def run_on_redis(socket_path: str, params: GenerationParams, backends: FakeBacke
     return asyncio.run(go())
 
 
+def load_from_redis(client: redis.Redis, request_id: str) -> RequestState | None:
+    store = RedisStateStore.from_url(redis_url(client))
+    try:
+        return store.load(request_id)
+    finally:
+        store.close()
+
+
 def test_a_store_that_lost_the_record_mid_request_gets_it_back_whole(redis_server, redis_client):
     """FLUSHALL in the middle of a greedy request: the gateway writes the whole state back from its
     memory, the request finishes with the tokens of an undisturbed run, and the stored record is
@@ -1205,7 +1217,7 @@ def test_a_store_that_lost_the_record_mid_request_gets_it_back_whole(redis_serve
     loop = run_on_redis(redis_server.socket_path, params, FlushingPrimary(redis_client=redis_client, flush_at=4))
     assert loop.outcome.token_ids == undisturbed.outcome.token_ids == plain_decoding(PROMPT, 40)
     assert loop.outcome.finish_reason == "length"
-    state = RedisStateStore(redis_client).load("r1")
+    state = load_from_redis(redis_client, "r1")
     assert state is not None and state.status == RequestStatus.FINISHED and state.finish_reason == "length"
     assert list(state.token_ids) == loop.outcome.token_ids and list(state.prompt_token_ids) == PROMPT
     assert state.params == STORED_PARAMS and state.kv_lease == "lease-1"
@@ -1231,7 +1243,7 @@ def test_a_request_ended_elsewhere_still_stops_and_is_not_written_back(redis_ser
     request stops cancelled with the stored tokens, as before; nothing is re-created."""
     params = make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=40)
     loop = run_on_redis(redis_server.socket_path, params, FlushingPrimary(redis_client=redis_client, cancel_at=4))
-    state = RedisStateStore(redis_client).load("r1")
+    state = load_from_redis(redis_client, "r1")
     assert loop.outcome.finish_reason == "cancelled" and state is not None
     assert state.status == RequestStatus.CANCELLED and list(state.token_ids) == loop.outcome.token_ids
     assert 0 < len(loop.outcome.token_ids) < 40

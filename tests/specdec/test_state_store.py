@@ -1,8 +1,7 @@
-"""The request state store: one suite against the six stores (Redis on a real
-server on a unix socket, on a real 3-master Redis Cluster on loopback, and in memory;
-each sync and async), plus Redis-only
-checks of key layout, round trips and recovery through a fresh client. The
-async stores run the sync tests through SyncFacade."""
+"""The request state store: one suite against the stores (Redis on a real server on a unix
+socket, on a real 3-master Redis Cluster on loopback, and in memory, directly and through its
+async face), plus Redis-only checks of key layout, round trips and recovery through a fresh
+client. The async stores run the tests through SyncStateStore, as synchronous tools use them."""
 
 from __future__ import annotations
 
@@ -10,15 +9,14 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import redis
 import redis.asyncio
 
-from specdec.state_store.clients import open_async_client, open_sync_client
+from specdec.state_store.clients import open_async_client
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from specdec.state_store import (
@@ -29,8 +27,8 @@ from specdec.state_store import (
     InMemoryStateStore,
     RedisStateStore,
     RequestStatus,
-    StateStore,
     StateStoreConfig,
+    SyncStateStore,
     decode_token_ids,
     encode_token_ids,
     open_async_state_store,
@@ -41,7 +39,7 @@ PARAMS = {"requestId": "r1", "prompt": "Hello", "maxNewTokens": 8, "sampling": {
 # Short enough to wait out on the real server.
 SHORT_TTL_S = 0.3
 SHORT_LEASE_S = 0.3
-KINDS = ["memory", "redis", "memory-async", "redis-async", "cluster", "cluster-async"]
+KINDS = ["memory", "memory-async", "redis", "cluster"]
 
 
 @dataclass
@@ -54,34 +52,15 @@ class FakeClock:
         return self.now
 
 
-class SyncFacade:
-    """An AsyncStateStore seen as a StateStore: each call runs to completion on one private
-    event loop (redis.asyncio connections belong to the loop that opened them)."""
-
-    def __init__(self, store: AsyncStateStore) -> None:
-        self.store = store
-        self._runner = asyncio.Runner()
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self.store, name)
-        return lambda *args, **kwargs: self._runner.run(method(*args, **kwargs))
-
-    def close(self) -> None:
-        try:
-            self._runner.run(self.store.close())
-        finally:
-            self._runner.close()
-
-
 @dataclass
 class Harness:
     """A store plus a way to let time pass: the fake clock for memory, real
     sleep for Redis (whose expiry runs on the server's clock)."""
 
-    store: StateStore
+    store: InMemoryStateStore | SyncStateStore
     clock: FakeClock
     kind: str
-    backend: StateStore | AsyncStateStore  # store itself, or the async store behind its facade
+    backend: InMemoryStateStore | AsyncStateStore  # store itself, or the async store behind its facade
     redis_client: redis.Redis | None = None  # on the Redis store's server, to look at its keys
 
     def advance(self, seconds: float) -> None:
@@ -97,30 +76,17 @@ def make_harness(kind: str, request: pytest.FixtureRequest, config: StateStoreCo
         memory = InMemoryStateStore(config, clock=clock, wall_clock_ms=wall_ms)
         if kind == "memory":
             return Harness(memory, clock, kind, memory)
-        backend = AsyncInMemoryStateStore(memory)
-        return Harness(SyncFacade(backend), clock, kind, backend)
-    if kind.startswith("cluster"):
+        backend: AsyncStateStore = AsyncInMemoryStateStore(memory)
+        return Harness(SyncStateStore(backend), clock, kind, backend)
+    if kind == "cluster":
         client = request.getfixturevalue("redis_cluster_client")
         target = parse_redis_url(request.getfixturevalue("redis_cluster").url)
-        if kind == "cluster":
-            store = RedisStateStore(open_sync_client(target, 5.0), config, wall_clock_ms=wall_ms)
-            return Harness(store, clock, kind, store, client)
         backend = AsyncRedisStateStore(open_async_client(target, 5.0, 8), config, wall_clock_ms=wall_ms)
-        return Harness(SyncFacade(backend), clock, kind, backend, client)
+        return Harness(SyncStateStore(backend), clock, kind, backend, client)
     client = request.getfixturevalue("redis_client")
-    if kind == "redis":
-        store = RedisStateStore(client, config, wall_clock_ms=wall_ms)
-        return Harness(store, clock, kind, store, client)
     socket_path = request.getfixturevalue("redis_server").socket_path
     backend = AsyncRedisStateStore(redis.asyncio.Redis(unix_socket_path=socket_path), config, wall_clock_ms=wall_ms)
-    return Harness(SyncFacade(backend), clock, kind, backend, client)
-
-
-def open_redis(kind: str, url: str, config: StateStoreConfig, **options: float) -> StateStore:
-    """RedisStateStore.from_url, or the async one's (behind a SyncFacade) for kind redis-async."""
-    if kind == "redis":
-        return RedisStateStore.from_url(url, config, **options)
-    return SyncFacade(AsyncRedisStateStore.from_url(url, config, **options))
+    return Harness(SyncStateStore(backend), clock, kind, backend, client)
 
 
 @pytest.fixture(params=KINDS)
@@ -169,6 +135,16 @@ def test_append_step_appends_in_order_and_counts(harness: Harness) -> None:
     assert state.token_ids == (5, 258, 0, 49151, 2**31 - 1)
     assert state.status == RequestStatus.RUNNING
     assert state.updated_ms == state.created_ms + 7
+
+
+def test_a_misspelled_keyword_is_refused_not_dropped(harness: Harness) -> None:
+    store = harness.store
+    store.create("r1", PARAMS)
+    with pytest.raises(TypeError, match="expected_tokens"):
+        store.append_step("r1", [1], expected_tokens=0)
+    with pytest.raises(TypeError, match="prompt_ids"):
+        store.create("r2", PARAMS, prompt_ids=[1])
+    assert store.load("r1").token_ids == () and store.load("r2") is None
 
 
 def test_stats_and_controller_are_replaced_only_when_given(harness: Harness) -> None:
@@ -366,24 +342,38 @@ def test_requests_expire_ttl_after_their_last_write(short_ttl: Harness) -> None:
     assert store.list_active() == []
 
 
-@pytest.mark.parametrize(
-    ("open_store", "memory_class", "redis_class"),
-    [
-        (open_state_store, InMemoryStateStore, RedisStateStore),
-        (open_async_state_store, AsyncInMemoryStateStore, AsyncRedisStateStore),
-    ],
-)
-def test_open_state_store_picks_the_backend(redis_server, open_store, memory_class: type, redis_class: type) -> None:
-    assert isinstance(open_store(""), memory_class)
-    opened = open_store(redis_server.url, StateStoreConfig(namespace="pick"))
-    assert isinstance(opened, redis_class)
-    store = opened if redis_class is RedisStateStore else SyncFacade(opened)
+def test_open_state_store_picks_the_backend(redis_server) -> None:
+    assert isinstance(open_async_state_store(""), AsyncInMemoryStateStore)
+    assert isinstance(open_async_state_store(redis_server.url), AsyncRedisStateStore)
+    memory = open_state_store("")
+    assert isinstance(memory, SyncStateStore) and isinstance(memory.store, AsyncInMemoryStateStore)
+    memory.close()
+    store = open_state_store(redis_server.url, StateStoreConfig(namespace="pick"))
+    assert isinstance(store, RedisStateStore) and isinstance(store.store, AsyncRedisStateStore)
     try:
         store.create("r1", PARAMS)
         assert store.load("r1").params == PARAMS
     finally:
         store.delete("r1")
         store.close()
+    store.close()  # a second close does nothing
+
+
+def test_the_sync_store_can_be_called_from_inside_an_event_loop() -> None:
+    """A synchronous tool called from a coroutine (its own loop running) still gets plain calls:
+    the store runs on the facade's loop, not the caller's."""
+    store = open_state_store("")
+
+    async def inside() -> RequestStatus:
+        store.create("r1", PARAMS)
+        return store.load("r1").status
+
+    try:
+        assert asyncio.run(inside()) == RequestStatus.QUEUED
+    finally:
+        store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.load("r1")
 
 
 def test_async_memory_store_runs_the_wrapped_stores_overrides() -> None:
@@ -395,7 +385,7 @@ def test_async_memory_store_runs_the_wrapped_stores_overrides() -> None:
             raise Unavailable("state_store", "down", dependency="state_store")
 
     sync = Down()
-    store = SyncFacade(AsyncInMemoryStateStore(sync))
+    store = SyncStateStore(AsyncInMemoryStateStore(sync))
     store.create("r1", PARAMS)
     with pytest.raises(Unavailable):
         store.append_step("r1", [1])
@@ -410,9 +400,9 @@ def test_async_memory_store_runs_the_wrapped_stores_overrides() -> None:
 # ---- Redis only --------------------------------------------------------------------------------
 
 
-def test_redis_keys_are_namespaced_and_expiring(redis_client: redis.Redis) -> None:
-    store = RedisStateStore(redis_client, StateStoreConfig(namespace="ns1", ttl_s=60.0))
-    other = RedisStateStore(redis_client, StateStoreConfig(namespace="ns2", ttl_s=60.0))
+def test_redis_keys_are_namespaced_and_expiring(redis_server, redis_client: redis.Redis) -> None:
+    store = RedisStateStore.from_url(redis_server.url, StateStoreConfig(namespace="ns1", ttl_s=60.0))
+    other = RedisStateStore.from_url(redis_server.url, StateStoreConfig(namespace="ns2", ttl_s=60.0))
     store.create("r1", PARAMS, prompt_token_ids=[1, 2])
     store.append_step("r1", [3, 4, 5], owner="gw-1")
     keys = sorted(k.decode() for k in redis_client.keys("*"))
@@ -430,13 +420,14 @@ def test_redis_keys_are_namespaced_and_expiring(redis_client: redis.Redis) -> No
     assert redis_client.strlen("ns1:req:{r1}:tokens") == 3 * 4
     assert other.load("r1") is None
     assert other.list_active() == []
+    store.close()
+    other.close()
 
 
-@pytest.mark.parametrize("kind", ["redis", "redis-async"])
 def test_redis_per_step_write_is_one_round_trip(
-    kind: str, request: pytest.FixtureRequest, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    request: pytest.FixtureRequest, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    h = make_harness(kind, request, StateStoreConfig())
+    h = make_harness("redis", request, StateStoreConfig())
     store = h.store
     store.create("r1", PARAMS)
     store.append_step("r1", [0])  # loads the script (EVALSHA miss -> SCRIPT LOAD) once
@@ -462,10 +453,9 @@ def test_redis_per_step_write_is_one_round_trip(
     assert redis_client.info("commandstats")["cmdstat_evalsha"]["calls"] - evalsha_before == 10
 
 
-@pytest.mark.parametrize("restarted_kind", ["redis", "redis-async"])
-def test_redis_recovery_through_a_fresh_client(restarted_kind: str, redis_server, redis_client: redis.Redis) -> None:
+def test_redis_recovery_through_a_fresh_client(redis_server) -> None:
     config = StateStoreConfig(namespace="recover")
-    first = RedisStateStore(redis_client, config)
+    first = RedisStateStore.from_url(redis_server.url, config)
     first.create("done", PARAMS, prompt_token_ids=[1])
     first.append_step("done", [2], status=RequestStatus.FINISHED, finish_reason="eos")
     first.create("live", PARAMS, prompt_token_ids=[10, 11, 12])
@@ -478,8 +468,8 @@ def test_redis_recovery_through_a_fresh_client(restarted_kind: str, redis_server
         controller_state={"draft_length": 5},
         owner="gw-old",
     )
-    # The gateway dies; a new one connects with its own client (sync or async: the same keys).
-    restarted = open_redis(restarted_kind, redis_server.url, config)
+    # The gateway dies; a new one connects with its own client.
+    restarted = RedisStateStore.from_url(redis_server.url, config)
     try:
         assert restarted.list_active() == ["live"]
         assert not restarted.claim("live", "gw-new")  # the old lease is still live
@@ -489,18 +479,18 @@ def test_redis_recovery_through_a_fresh_client(restarted_kind: str, redis_server
         assert (state.stats, state.controller_state) == ({"num_steps": 1}, {"draft_length": 5})
     finally:
         restarted.close()
+        first.close()
 
 
-@pytest.mark.parametrize("kind", ["redis", "redis-async"])
 @pytest.mark.parametrize("is_stalled", [True, False], ids=["stalled", "absent"])
 def test_a_stalled_or_absent_redis_is_unavailable_and_named_as_the_dependency(
-    kind: str, is_stalled: bool, redis_server, tmp_path
+    is_stalled: bool, redis_server, tmp_path
 ) -> None:
     """A Redis that does not answer (stopped) times out, one that is not there refuses the
     connection: Unavailable, marked as the state store's failure (clients are told without its
     name or details)."""
     url = redis_server.url if is_stalled else f"unix://{tmp_path / 'absent.sock'}"
-    store = open_redis(kind, url, StateStoreConfig(namespace="stall"), timeout_s=0.2)
+    store = RedisStateStore.from_url(url, StateStoreConfig(namespace="stall"), timeout_s=0.2)
     if is_stalled:
         os.kill(redis_server.pid, signal.SIGSTOP)
     try:

@@ -1,0 +1,108 @@
+"""A request's record as both stores keep it: the meta hash (field -> text), the token log and
+the prompt (packed int32, specdec.state_store.types.encode_token_ids) and the lease holder.
+
+Redis holds these in the keys of specdec.state_store.redis_scripts; the in-memory store holds the
+same values in a dict. Both build and read them here, so both accept and return exactly the same
+values. The meta hash's fields:
+    params, stats, controller   JSON text (controller: the adaptive controller's state)
+    status                      a RequestStatus value
+    finish_reason, error        text
+    created_ms, updated_ms      wall-clock milliseconds, decimal
+    kv_lease, node              once the gateway wrote them
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from specdec.state_store.types import (
+    TOKEN_BYTES,
+    CreateOptions,
+    RequestState,
+    RequestStatus,
+    StepFields,
+    check_keywords,
+    check_request_id,
+    check_step,
+    decode_token_ids,
+    encode_json,
+    encode_token_ids,
+)
+
+
+def create_record(
+    request_id: str, params: Mapping[str, Any], options: CreateOptions, now_ms: int
+) -> tuple[dict[str, str], bytes]:
+    """The meta hash and the packed prompt of a new request (create's arguments, checked)."""
+    check_request_id(request_id)
+    check_keywords("create", options, CreateOptions.__optional_keys__)
+    status = options.get("status", RequestStatus.QUEUED)
+    check_step({"status": status})
+    meta = {
+        "params": encode_json("params", params),
+        "status": status.value,
+        "stats": "{}",
+        "controller": "{}",
+        "finish_reason": "",
+        "error": "",
+        "created_ms": str(now_ms),
+        "updated_ms": str(now_ms),
+    }
+    return meta, encode_token_ids(options.get("prompt_token_ids", ()))
+
+
+def step_meta(step: StepFields) -> dict[str, str]:
+    """The meta fields a step replaces: those of `step` that are given, checked and encoded."""
+    check_step(step)
+    status, stats, controller_state = step.get("status"), step.get("stats"), step.get("controller_state")
+    fields = {
+        "status": None if status is None else status.value,
+        "stats": None if stats is None else encode_json("stats", stats),
+        "controller": None if controller_state is None else encode_json("controller_state", controller_state),
+        "finish_reason": step.get("finish_reason"),
+        "error": step.get("error"),
+        "kv_lease": step.get("kv_lease"),
+        "node": step.get("node"),
+    }
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def flat(meta: Mapping[str, str]) -> list[str]:
+    """{'a': '1', 'b': '2'} -> ['a', '1', 'b', '2'] (HSET's arguments)."""
+    return [item for pair in meta.items() for item in pair]
+
+
+def state_from_record(
+    request_id: str, meta: Mapping[str, str], tokens: bytes | None, prompt: bytes | None, owner: str
+) -> RequestState:
+    """The RequestState of a stored record (owner: "" when unclaimed or the lease expired)."""
+    return RequestState(
+        request_id=request_id,
+        params=json.loads(meta["params"]),
+        status=RequestStatus(meta["status"]),
+        prompt_token_ids=decode_token_ids(prompt),
+        token_ids=decode_token_ids(tokens),
+        stats=json.loads(meta["stats"]),
+        controller_state=json.loads(meta["controller"]),
+        finish_reason=meta["finish_reason"],
+        error=meta["error"],
+        owner=owner,
+        created_ms=int(meta["created_ms"]),
+        updated_ms=int(meta["updated_ms"]),
+        kv_lease=meta.get("kv_lease", ""),
+        node=meta.get("node", ""),
+    )
+
+
+def is_replay(tokens: bytes | bytearray, packed: bytes, expected_num_tokens: int | None) -> bool:
+    """Whether a step write repeats one already applied: the log ends with exactly its tokens at
+    its position (expected_num_tokens), so its first attempt landed and the reply was lost. The
+    store answers it with the count and writes nothing. E.g. log [a b c d], expected 2, tokens
+    [c d] -> a replay; tokens [c e] or expected 1 -> not one. (The Redis step script makes the
+    same check on the server.)"""
+    if expected_num_tokens is None or not packed:
+        return False
+    start = expected_num_tokens * TOKEN_BYTES
+    return len(tokens) == start + len(packed) and tokens[start:] == packed
