@@ -30,7 +30,7 @@ from specdec.model import native
 from specdec.model.config import ModelConfig
 from specdec.model.layout import INT8_ROW_LAYOUTS, MatrixLayout, ModelWeights, WeightLayout, model_weights
 from specdec.model.linear import NO_PADDING, Linear
-from specdec.model.quant import Int4Linear, Int8Embedding, Int8Linear
+from specdec.model.quant import Int8Embedding
 
 Tensor = torch.Tensor
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -224,9 +224,12 @@ class Block:
         self.self_attn = Attention(config, w, p + "self_attn.", layer_idx, min_gemm_rows)
         self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
         self.mlp = MLP(w, p + "mlp.", min_gemm_rows)
-        # All seven products native and an fp32 stream: the dense parts run as two native calls
-        is_native = native.NativeLayer.supports(self) and self.input_layernorm.weight.dtype == torch.float32
-        lib = native.library() if is_native else None  # built by then: the QuantLinear layers hold it
+        # All seven products in native layouts and an fp32 stream on the CPU: the dense parts run as
+        # two native calls
+        norm = self.input_layernorm.weight
+        is_native = all(_layout(w, m).is_native for m in product_modules(layer_idx)) and norm.dtype == torch.float32
+        lib = native.library() if is_native and norm.device.type == "cpu" else None  # built: the products hold it
+        assert lib is None or native.NativeLayer.supports(self)
         self.native = native.NativeLayer(lib, self) if lib is not None else None
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, spans: Sequence[SequenceSpan]) -> Tensor:
@@ -255,12 +258,8 @@ class Transformer:
         self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
         # Packed int4/int8 kernels give a row the same bits whatever the row count (measured, see quant.py)
-        linears = (
-            [self.lm_head]
-            + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN]
-            + [getattr(b.mlp, n) for b in self.layers for n in _MLP]
-        )
-        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear, native.QuantLinear)) for lin in linears)
+        products = [m for i in range(config.num_hidden_layers) for m in product_modules(i)]
+        self.is_batch_invariant = all(_layout(weights, m).is_packed for m in [head, *products])
         # Native attention computes each row alone over its keys in cache order, skipping masked ones:
         # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
         self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
@@ -321,6 +320,19 @@ class Transformer:
         if features_out is not None:
             features_out.append(features)
         return self.lm_head(features).float()  # [R, V]
+
+
+def product_modules(layer_idx: int) -> list[str]:
+    """The modules of a decoder layer's seven products: E.g. 0 -> ["model.layers.0.self_attn.q_proj", ...]."""
+    p = f"model.layers.{layer_idx}."
+    return [p + "self_attn." + n for n in _ATTN] + [p + "mlp." + n for n in _MLP]
+
+
+def _layout(weights: ModelWeights, module: str) -> WeightLayout:
+    matrix = weights.matrix(module)
+    if matrix is None:
+        raise KeyError(module + ".weight")
+    return matrix.layout
 
 
 def _embedding(weights: ModelWeights, dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Tensor]:
