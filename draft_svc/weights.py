@@ -33,6 +33,7 @@ import torch
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import FailedPrecondition, InvalidArgument, SpecdecError
 from specdec.model.config import ModelConfig
+from specdec.model.layout import count_layouts
 from specdec.model.llama import SequenceSpan, Transformer
 from specdec.weights.shared import KIND_SHARED_MEMORY, SHM_DIR, HandleError, WeightManifest, attach
 from specdec.weights.wire import wire_field
@@ -166,6 +167,9 @@ class WeightAttacher:
             precision=attached.precision,
             mapped_bytes=attached.mapped_bytes,
             kind=m.kind,
+            # as the primary recorded them; read from the tensor names when its manifest carries none
+            weight_layouts=count_layouts(model.matrices.values()),
+            is_layouts_recorded=bool(m.matrices),
         )
         return attached
 

@@ -29,12 +29,12 @@ from specdec.tracing import configure_tracing
 from specdec.logits_shm import cleanup_stale_slots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
+from specdec.model.layout import count_layouts
 from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.llama import Transformer
 from specdec.model.loader import load_config, resolve_model_dir
 from specdec.model import native
 from specdec.model.precision import AUTO
-from specdec.model.quant import QUANTIZED_PRECISIONS
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit, token_interceptors
@@ -128,13 +128,16 @@ def log_loaded(config: PrimaryConfig, model_dir: Path, loaded: LoadedModel, cost
     """Log what was loaded; whether its layers run as native calls."""
     log = structlog.get_logger("primary_svc")
     is_native = any(block.native is not None for block in loaded.model.layers)
+    matrices = loaded.model.matrices.values()
     log.info(
         "model loaded",
         model_dir=str(model_dir),
         precision=loaded.precision,
         weight_bytes=loaded.weight_bytes,
         verify_costs_ms={k: round(v, 2) for k, v in costs.items()},
-        native_kernels=native.status() if loaded.precision in QUANTIZED_PRECISIONS else "not used",
+        # decided at conversion (specdec.model.precision.choose_layout), which logs why native is not used
+        weight_layouts=count_layouts(matrices),
+        native_kernels=native.status() if any(m.layout.is_packed for m in matrices) else "not used",
     )
     if config.tensormt_optimizer and is_native:
         log.warning(

@@ -314,23 +314,19 @@ def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple
     them (`lib`: `specdec.model.native.library()`): a draft step reads ~9 MB of weights instead of
     ~36 MB of fp32 (4.2M parameters + an 8k x 576 head), which is what bounds it on a CPU. Drafts
     need not be exact (the primary verifies them); a test bounds how far they move."""
+    from specdec.model.layout import why_not_native
+
     if lib is None:
         return drafter, shared
+    # the native int8 layout takes whole groups of outputs and blocks of inputs; other shapes (e.g. a
+    # test's tiny drafter) stay in torch, by the rule every matrix of the primary follows
     for name in PRODUCTS:
         linear = getattr(drafter, name)
-        if _fits_native(linear.weight):
+        if not why_not_native(tuple(linear.weight.shape), lib):
             setattr(drafter, name, _NativeProduct(lib, linear.weight, linear.bias))
-    if not _fits_native(shared.head):
+    if why_not_native(tuple(shared.head.shape), lib):
         return drafter, shared
     return drafter, dataclasses.replace(shared, head_product=_NativeProduct(lib, shared.head, None))
-
-
-def _fits_native(weight: Tensor) -> bool:
-    """The native int8 layout takes outputs in groups of 16 and inputs in blocks of 32 (other shapes,
-    e.g. a test's tiny drafter, stay in torch)."""
-    from specdec.model import native
-
-    return weight.shape[0] % native.COLUMNS == 0 and weight.shape[1] % native.QK == 0
 
 
 def state_of(drafter: FeatureDrafter) -> Mapping[str, Tensor]:

@@ -9,6 +9,7 @@ import torch
 
 from specdec.model.config import ModelConfig
 from specdec.model.gguf_blocks import load_q4_blocks
+from specdec.model.layout import ModelWeights
 from specdec.model.llama import Transformer
 from specdec.model.loader import load_config, load_state_dict
 from specdec.model.precision import convert_weights, weight_bytes
@@ -44,17 +45,19 @@ def load_model(
     weights = convert_weights(load_state_dict(model_dir), config, precision, q4_blocks, device)
     shared = None
     if is_shared:
-        shared = SharedWeights.create(weights, device=device, instance_id=instance_id)
-        weights = shared.tensors
+        shared = SharedWeights.create(
+            weights, device=device, instance_id=instance_id, matrices=weights.matrices.values()
+        )
+        weights = shared.model_weights()
     elif device != "cpu":
-        weights = {k: v.to(device) for k, v in weights.items()}
+        weights = ModelWeights({k: v.to(device) for k, v in weights.items()}, weights.matrices.values())
     model = Transformer(config, weights, max_positions or config.max_position_embeddings, min_gemm_rows)
     return LoadedModel(config, model, precision, weight_bytes(weights), shared)
 
 
 def model_from_manifest(manifest: WeightManifest, config: ModelConfig, max_positions: int) -> Transformer:
     """The same model over a peer's weights, mapped without copying (see `specdec.weights.shared`);
-    packed int4/int8 layers are recognised by their tensor names (`Linear.from_weights`)."""
+    its layers are built as the manifest's matrix layouts say."""
     return Transformer(config, attach(manifest), max_positions)
 
 

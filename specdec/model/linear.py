@@ -1,8 +1,8 @@
 """One linear layer over borrowed weight tensors, in any of the engine's precisions.
 
-`Linear.from_weights` recognises the layout by tensor names: int4/int8 weights
-(`<name>.weight_int4*`, `<name>.weight_int8*`) give the packed-kernel layers of `quant.py`;
-everything else is this class. Two things here are not a plain `F.linear`:
+`Linear.from_weights` builds the layer its matrix's recorded layout names (`layout.MatrixLayout`):
+the packed int4/int8 layouts give the layers of `quant.py` (or `native.QuantLinear`); dense and
+fp8 matrices are this class. Two things here are not a plain `F.linear`:
 
 * fp8_e4m3 weights carry a per-output-channel scale (`<name>.weight_scale`, [out] fp32):
   W ≈ W8 * scale[:, None]. On CPU the fp8 weight is widened to the compute dtype inside the
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.model import native
+from specdec.model.layout import WEIGHT, WeightLayout, model_weights
 from specdec.model.quant import Int4Linear, Int8Linear, quantized_linear
 
 if TYPE_CHECKING:
@@ -56,14 +57,14 @@ class Linear:
     def from_weights(
         cls, weights: Mapping[str, Tensor], prefix: str, min_gemm_rows: int = NO_PADDING
     ) -> "Linear | Int4Linear | Int8Linear | native.QuantLinear":
+        weights = model_weights(weights)
+        matrix = weights.matrix(prefix)
+        if matrix is None:
+            raise KeyError(prefix + WEIGHT)
         if (quantized := quantized_linear(weights, prefix)) is not None:
             return quantized
-        return cls(
-            weights[prefix + ".weight"],
-            weights.get(prefix + ".weight_scale"),
-            weights.get(prefix + ".bias"),
-            min_gemm_rows,
-        )
+        scale = weights[matrix.tensors[1]] if matrix.layout is WeightLayout.FP8 else None
+        return cls(weights[matrix.tensors[0]], scale, weights.get(prefix + ".bias"), min_gemm_rows)
 
     @property
     def out_features(self) -> int:

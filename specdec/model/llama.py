@@ -11,9 +11,10 @@ attention is split per sequence, each against its own KV cache. A token tree is 
 sequence whose new tokens carry an explicit attention mask and positions by depth.
 
 Weights are plain tensors handed in by name (Hugging Face names), never copied: they may
-live in shared memory mapped from another process (`specdec.weights`). Quantized layouts are
-recognised by name (`quant.py`): an int8 embedding (`model.embed_tokens.weight_int8` + scale)
-serves both the lookup and the tied lm_head. The activation dtype is the final norm's dtype.
+live in shared memory mapped from another process (`specdec.weights`). Each matrix's layout comes
+with them (`layout.ModelWeights`, decided once at conversion): the layers are built from it, and
+an int8 embedding serves both the lookup and the tied lm_head. The activation dtype is the final
+norm's dtype.
 """
 
 from __future__ import annotations
@@ -27,16 +28,9 @@ import torch.nn.functional as F
 
 from specdec.model import native
 from specdec.model.config import ModelConfig
+from specdec.model.layout import INT8_ROW_LAYOUTS, MatrixLayout, ModelWeights, WeightLayout, model_weights
 from specdec.model.linear import NO_PADDING, Linear
-from specdec.model.quant import (
-    INT8_COLUMNS,
-    INT8_SCALE,
-    INT8_TOKEN_COLUMNS,
-    INT8_WEIGHT,
-    Int4Linear,
-    Int8Embedding,
-    Int8Linear,
-)
+from specdec.model.quant import Int8Embedding
 
 Tensor = torch.Tensor
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -225,13 +219,17 @@ class Block:
         self, config: ModelConfig, w: Mapping[str, Tensor], layer_idx: int, min_gemm_rows: int = NO_PADDING
     ) -> None:
         p = f"model.layers.{layer_idx}."
+        w = model_weights(w)
         self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], config.rms_norm_eps)
         self.self_attn = Attention(config, w, p + "self_attn.", layer_idx, min_gemm_rows)
         self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], config.rms_norm_eps)
         self.mlp = MLP(w, p + "mlp.", min_gemm_rows)
-        # All seven products native and an fp32 stream: the dense parts run as two native calls
-        is_native = native.NativeLayer.supports(self) and self.input_layernorm.weight.dtype == torch.float32
-        lib = native.library() if is_native else None  # built by then: the QuantLinear layers hold it
+        # All seven products in native layouts and an fp32 stream on the CPU: the dense parts run as
+        # two native calls
+        norm = self.input_layernorm.weight
+        is_native = all(_layout(w, m).is_native for m in product_modules(layer_idx)) and norm.dtype == torch.float32
+        lib = native.library() if is_native and norm.device.type == "cpu" else None  # built: the products hold it
+        assert lib is None or native.NativeLayer.supports(self)
         self.native = native.NativeLayer(lib, self) if lib is not None else None
 
     def __call__(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding, spans: Sequence[SequenceSpan]) -> Tensor:
@@ -242,28 +240,26 @@ class Block:
 
 
 class Transformer:
-    """The model over a dict of named weight tensors (HF names; see `specdec.weights.precision`)."""
+    """The model over named weight tensors (HF names) and their matrices' layouts
+    (`layout.ModelWeights`, from `precision.convert_weights` or a peer's manifest); a plain mapping
+    of tensors has its layouts read from the names."""
 
     def __init__(
         self, config: ModelConfig, weights: Mapping[str, Tensor], max_positions: int, min_gemm_rows: int = NO_PADDING
     ) -> None:
         self.config = config
+        weights = model_weights(weights)
+        self.matrices: Mapping[str, MatrixLayout] = weights.matrices  # module -> its layout, as the layers read it
         self.dtype = weights["model.norm.weight"].dtype  # activations (and the KV cache: see kv_dtype)
         self.embed, self.embed_tokens = _embedding(weights, self.dtype)  # embed_tokens: [V, C], float or int8
         self.layers = [Block(config, weights, i, min_gemm_rows) for i in range(config.num_hidden_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"], config.rms_norm_eps)
-        head_suffixes = (".weight", INT8_WEIGHT, INT8_COLUMNS, INT8_TOKEN_COLUMNS)
-        is_untied = any("lm_head" + suffix in weights for suffix in head_suffixes)
-        head = "lm_head" if is_untied else "model.embed_tokens"
+        head = "lm_head" if weights.matrix("lm_head") is not None else "model.embed_tokens"  # untied or tied
         self.lm_head = Linear.from_weights(weights, head, min_gemm_rows)
         self.device = self.embed_tokens.device
         # Packed int4/int8 kernels give a row the same bits whatever the row count (measured, see quant.py)
-        linears = (
-            [self.lm_head]
-            + [getattr(b.self_attn, n) for b in self.layers for n in _ATTN]
-            + [getattr(b.mlp, n) for b in self.layers for n in _MLP]
-        )
-        self.is_batch_invariant = all(isinstance(lin, (Int4Linear, Int8Linear, native.QuantLinear)) for lin in linears)
+        products = [m for i in range(config.num_hidden_layers) for m in product_modules(i)]
+        self.is_batch_invariant = all(_layout(weights, m).is_packed for m in [head, *products])
         # Native attention computes each row alone over its keys in cache order, skipping masked ones:
         # a masked multi-row call gives every row the bits of its 1-row call (`native.attend`).
         self.is_attention_row_exact = all(b.self_attn.native_attend is not None for b in self.layers)
@@ -326,15 +322,29 @@ class Transformer:
         return self.lm_head(features).float()  # [R, V]
 
 
-def _embedding(weights: Mapping[str, Tensor], dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+def product_modules(layer_idx: int) -> list[str]:
+    """The modules of a decoder layer's seven products: E.g. 0 -> ["model.layers.0.self_attn.q_proj", ...]."""
+    p = f"model.layers.{layer_idx}."
+    return [p + "self_attn." + n for n in _ATTN] + [p + "mlp." + n for n in _MLP]
+
+
+def _layout(weights: ModelWeights, module: str) -> WeightLayout:
+    matrix = weights.matrix(module)
+    if matrix is None:
+        raise KeyError(module + ".weight")
+    return matrix.layout
+
+
+def _embedding(weights: ModelWeights, dtype: torch.dtype) -> tuple[Callable[[Tensor], Tensor], Tensor]:
     """(lookup: token ids [T] -> rows [T, C] in `dtype`, the matrix [V, C] it reads)."""
-    name = "model.embed_tokens"
-    if name + INT8_WEIGHT in weights:
-        embedding = Int8Embedding(weights[name + INT8_WEIGHT], weights[name + INT8_SCALE], dtype)
+    matrix = weights.matrix("model.embed_tokens")
+    if matrix is None:
+        raise KeyError("model.embed_tokens.weight")
+    if matrix.layout in INT8_ROW_LAYOUTS:
+        rows, scale = (weights[name] for name in matrix.tensors)
+        embedding = Int8Embedding(rows, scale, dtype, matrix.layout)
         return embedding, embedding.weight
-    for columns in (INT8_COLUMNS, INT8_TOKEN_COLUMNS):
-        if name + columns in weights:
-            embedding = Int8Embedding(weights[name + columns], weights[name + INT8_SCALE], dtype)
-            return embedding, embedding.weight
-    matrix = weights[name + ".weight"]
-    return matrix.__getitem__, matrix
+    if matrix.layout is not WeightLayout.DENSE:
+        raise ValueError(f"model.embed_tokens: a {matrix.layout.value} matrix cannot serve a lookup")
+    table = weights[matrix.tensors[0]]
+    return table.__getitem__, table

@@ -21,13 +21,17 @@ run in `compute_dtype` (see `_COMPUTE_DTYPES`); only the packed matmuls see bf16
 
 from __future__ import annotations
 
-from typing import Mapping
+import logging
+from typing import Any, Mapping
 
 import torch
 
 from specdec.model import native, quant
 from specdec.model.config import ModelConfig
+from specdec.model.layout import FP8_SCALE, WEIGHT, MatrixLayout, ModelWeights, WeightLayout, why_not_native
 from specdec.model.linear import FP8_DTYPE, FP8_MAX
+
+log = logging.getLogger(__name__)
 
 _FLOAT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8_e4m3")
 PRECISIONS = _FLOAT_PRECISIONS + quant.QUANTIZED_PRECISIONS
@@ -76,69 +80,129 @@ def convert_weights(
     precision: str,
     q4_blocks: Mapping[str, tuple[torch.Tensor, ...]] | None = None,
     device: torch.device | str = "cpu",
-) -> dict[str, torch.Tensor]:
-    """HF-named fp32/bf16 tensors -> the tensors `Transformer` runs on, in `precision`.
+) -> ModelWeights:
+    """HF-named fp32/bf16 tensors -> the tensors `Transformer` runs on, in `precision`, with the layout
+    of every matrix recorded (`layout.MatrixLayout`, chosen here once by `choose_layout`).
 
     `q4_blocks` (weight name -> GGUF Q4 (q, d, m), see `gguf_blocks.load_q4_blocks`) are what int4
     serves for the matrices they cover; every other precision ignores them.
     """
     dtype = compute_dtype(precision)
-    if precision in quant.QUANTIZED_PRECISIONS:
-        quant.check_kernels(precision, device, _FLOAT_PRECISIONS)
-    out: dict[str, torch.Tensor] = {}
+    lib = packed_kernels(precision, device)
+    tensors: dict[str, torch.Tensor] = {}
+    matrices: list[MatrixLayout] = []
+    not_native: dict[str, list[str]] = {}  # reason -> matrices the native kernels do not hold
     for name, tensor in state_dict.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: the lm_head is the embedding matrix, never a second copy
-        module = name.removesuffix(".weight")
-        if precision == quant.INT8_TOKEN and (name in _EMBEDDING_NAMES or name.endswith(_MATRIX_SUFFIXES)):
-            out.update(_int8_token_weights(module, tensor))
-        elif (precision in quant.QUANTIZED_PRECISIONS and name in _EMBEDDING_NAMES) or (
-            precision == "int8" and name.endswith(_MATRIX_SUFFIXES)
-        ):
-            out.update(_int8_weights(module, tensor))
-        elif precision == "int4" and name.endswith(_MATRIX_SUFFIXES):
-            out.update(_int4_weights(name, tensor, (q4_blocks or {}).get(name)))
-        elif precision == "fp8_e4m3" and name.endswith(_MATRIX_SUFFIXES):
-            out[name], out[name + "_scale"] = quantize_fp8_per_channel(tensor)
-        else:
-            out[name] = tensor.to(dtype).contiguous()
-    return out
-
-
-def _int8_weights(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    rows = quant.quantize_int8(module, weight)
-    if native.library() is None or not native.fits(*weight.shape):
-        return rows  # torch's kernels
-    return quant.pack_int8(module, rows[module + quant.INT8_WEIGHT], rows[module + quant.INT8_SCALE])
-
-
-def _int8_token_weights(module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    if not native.fits(*weight.shape):
-        raise ValueError(
-            f"--precision {quant.INT8_TOKEN} cannot pack {module} {tuple(weight.shape)}: the native layout needs "
-            f"whole groups of {native.COLUMNS} outputs and blocks of {native.QK} inputs"
+        layout, reason = choose_layout(name, tuple(tensor.shape), precision, lib)
+        if layout is None:
+            tensors[name] = tensor.to(dtype).contiguous()  # norms, biases: not matrices
+            continue
+        if reason:
+            not_native.setdefault(reason, []).append(name)
+        blocks = (q4_blocks or {}).get(name)
+        matrix = MatrixLayout.of(name.removesuffix(WEIGHT), layout, tuple(tensor.shape))
+        converted = _convert(matrix, tensor, dtype, blocks)
+        assert tuple(converted) == matrix.tensors, (tuple(converted), matrix.tensors)
+        tensors.update(converted)
+        matrices.append(matrix)
+    for reason, names in not_native.items():
+        log.warning(
+            "%s: %d matrices use torch's packed kernels, not the native ones: %s (first: %s)",
+            precision,
+            len(names),
+            reason,
+            names[0],
         )
+    return ModelWeights(tensors, matrices)
+
+
+def packed_kernels(precision: str, device: torch.device | str) -> Any:
+    """The native library that serves `precision`'s packed matrices, or None: torch's packed kernels
+    (or no packed matrix at all, for the float precisions). ValueError when neither can serve it."""
+    if precision not in quant.QUANTIZED_PRECISIONS:
+        return None
+    if torch.device(device).type != "cpu":
+        raise ValueError(
+            f"--precision {precision} runs on the CPU kernels only, not on "
+            f"{torch.device(device).type}; serve that device with one of {_FLOAT_PRECISIONS}"
+        )
+    lib = native.library()
+    if lib is None:
+        quant.check_torch_kernels(precision, _FLOAT_PRECISIONS)
+    return lib
+
+
+def choose_layout(name: str, shape: tuple[int, ...], precision: str, lib: Any) -> tuple[WeightLayout | None, str]:
+    """The layout weight `name` [N, K] is served in under `precision` (None: not a matrix, kept as
+    a plain tensor), and why the native kernels do not hold it ("" when they do, or when no packed
+    layout applies). `lib`: `packed_kernels`' answer. The one place that decides native vs torch:
+
+    * int8_token: native only; a shape the native layout cannot hold is a ValueError.
+    * int4 projections: native Q4_1 where it fits, else torch's int4pack (K a multiple of 32).
+    * int8 projections, and the embedding/lm_head under any packed precision: native int8 rows
+      where they fit, else torch's int8pack.
+    """
+    is_embedding = name in _EMBEDDING_NAMES
+    if not (is_embedding or name.endswith(_MATRIX_SUFFIXES)):
+        return None, ""
+    if precision not in quant.QUANTIZED_PRECISIONS:
+        is_fp8 = precision == "fp8_e4m3" and not is_embedding
+        return (WeightLayout.FP8 if is_fp8 else WeightLayout.DENSE), ""
+    reason = why_not_native(shape, lib)
+    if precision == quant.INT8_TOKEN:
+        if reason:
+            raise ValueError(
+                f"--precision {quant.INT8_TOKEN} cannot pack {name.removesuffix(WEIGHT)} {tuple(shape)}: the "
+                f"native layout needs whole groups of {native.COLUMNS} outputs and blocks of {native.QK} inputs"
+            )
+        return WeightLayout.NATIVE_INT8_TOKEN, ""
+    if precision == "int4" and not is_embedding:
+        quant.check_int4_shape(name, shape, _INT4_FALLBACKS)
+        return (WeightLayout.TORCH_INT4 if reason else WeightLayout.NATIVE_INT4), reason
+    return (WeightLayout.TORCH_INT8 if reason else WeightLayout.NATIVE_INT8), reason
+
+
+def _convert(
+    matrix: MatrixLayout, weight: torch.Tensor, dtype: torch.dtype, blocks: tuple[torch.Tensor, ...] | None
+) -> dict[str, torch.Tensor]:
+    """weight [N, K] -> the tensors of `matrix`'s layout, named as its record names them."""
+    module, layout = matrix.module, matrix.layout
+    if layout is WeightLayout.DENSE:
+        return {module + WEIGHT: weight.to(dtype).contiguous()}
+    if layout is WeightLayout.FP8:
+        w8, scale = quantize_fp8_per_channel(weight)
+        return {module + WEIGHT: w8, module + FP8_SCALE: scale}
+    if layout in (WeightLayout.NATIVE_INT4, WeightLayout.TORCH_INT4):
+        return _int4_weights(matrix, weight, blocks)
     rows = quant.quantize_int8(module, weight)
-    return quant.pack_int8(module, rows[module + quant.INT8_WEIGHT], rows[module + quant.INT8_SCALE], per_token=True)
+    if layout is WeightLayout.TORCH_INT8:
+        return rows
+    is_per_token = layout is WeightLayout.NATIVE_INT8_TOKEN
+    return quant.pack_int8(module, rows[module + quant.INT8_WEIGHT], rows[module + quant.INT8_SCALE], is_per_token)
 
 
-def _int4_weights(name: str, weight: torch.Tensor, blocks: tuple[torch.Tensor, ...] | None) -> dict[str, torch.Tensor]:
-    quant.check_int4_shape(name, weight, _INT4_FALLBACKS)
-    if native.library() is not None and native.fits(*weight.shape):  # the file's values, for the native kernels
+def _int4_weights(
+    matrix: MatrixLayout, weight: torch.Tensor, blocks: tuple[torch.Tensor, ...] | None
+) -> dict[str, torch.Tensor]:
+    """A Q4 matrix: the file's own blocks (q, d, m) where given, else round-to-nearest."""
+    if matrix.layout is WeightLayout.NATIVE_INT4:  # the file's values, for the native kernels
         q, d, m = quant.quantize_q4_1(weight) if blocks is None else blocks
-        assert q.shape == weight.shape, (name, q.shape, weight.shape)
-        return quant.pack_q4_1(name.removesuffix(".weight"), q, d, m)
+        assert q.shape == weight.shape, (matrix.module, q.shape, weight.shape)
+        return quant.pack_q4_1(matrix.module, q, d, m)
     if blocks is None:
         q, scale, zero = quant.quantize_int4(weight)
     else:
         q, d, m = blocks  # the file's own blocks: [N, K], [N, K/32], [N, K/32]
-        assert q.shape == weight.shape, (name, q.shape, weight.shape)
+        assert q.shape == weight.shape, (matrix.module, q.shape, weight.shape)
         scale, zero = quant.q4_block_scales(d, m)
     try:
-        return quant.pack_int4(name.removesuffix(".weight"), q, scale, zero)
+        return quant.pack_int4(matrix.module, q, scale, zero)
     except RuntimeError as e:
         raise ValueError(
-            f"--precision int4 cannot pack {name} {tuple(weight.shape)} ({e}); use one of {_INT4_FALLBACKS}"
+            f"--precision int4 cannot pack {matrix.module}{WEIGHT} {tuple(weight.shape)} ({e}); "
+            f"use one of {_INT4_FALLBACKS}"
         ) from None
 
 

@@ -3,7 +3,8 @@
 Memory holds only the quantized form; no layer ever widens its weights into a float copy. Where
 the native kernels build (`specdec.model.native`, the default), int4 is stored as the GGUF's Q4_1
 values and int8 as its rows, both interleaved by 16 output columns (`pack_q4_1`, `pack_int8`);
-what follows is the torch-kernel form, used otherwise.
+what follows is the torch-kernel form, used otherwise. Which form a matrix takes is decided once,
+by `precision.choose_layout`, and recorded with the weights (`layout.py`).
 
 int4, group-32 asymmetric (the form of llama.cpp's Q4_1). For output row n, input k, group g = k // 32:
 
@@ -41,6 +42,19 @@ from typing import Mapping
 import torch
 
 from specdec.model import native
+from specdec.model.layout import (
+    INT4_SCALES_ZEROS,
+    INT4_WEIGHT,
+    INT8_COLUMNS,
+    INT8_SCALE,
+    INT8_TOKEN_COLUMNS,
+    INT8_WEIGHT,
+    Q4_1_D,
+    Q4_1_M,
+    Q4_1_NIBBLES,
+    WeightLayout,
+    model_weights,
+)
 
 Tensor = torch.Tensor
 
@@ -49,16 +63,10 @@ INT4_MAX = 15
 INT4_OFFSET = 8  # the kernel subtracts this from every nibble
 INT8_MAX = 127
 KERNEL_DTYPE = torch.bfloat16  # activation dtype into both kernels (see the module docstring)
-INT4_WEIGHT, INT4_SCALES_ZEROS = ".weight_int4", ".weight_int4_scales_zeros"
-INT8_WEIGHT, INT8_SCALE = ".weight_int8", ".weight_int8_scale"
-# the native kernels' layouts (`native.pack_q4_1`, `native.pack_int8`): GGUF Q4_1 values and int8
-# rows, interleaved by 16 output columns
-Q4_1_NIBBLES, Q4_1_D, Q4_1_M = ".weight_q4_1", ".weight_q4_1_d", ".weight_q4_1_m"
-INT8_COLUMNS = ".weight_int8_columns"
-# int8_token: the same int8 rows and layout, their activations quantized per token (a row of 15-bit
-# integers in two int8 halves, `native.QuantLinear(per_token=True)`): the name carries the kind, so
-# the draft pool, mapping the primary's weights, runs the same arithmetic
-INT8_TOKEN_COLUMNS = ".weight_int8_token_columns"
+# int8_token: the int8 rows and layout of int8, their activations quantized per token (a row of 15-bit
+# integers in two int8 halves, `native.QuantLinear(per_token=True)`); its matrices are recorded as
+# `layout.WeightLayout.NATIVE_INT8_TOKEN`, so the draft pool, mapping the primary's weights, runs the
+# same arithmetic
 INT8_TOKEN = "int8_token"
 QUANTIZED_PRECISIONS = ("int8", "int4", INT8_TOKEN)
 # int4 serves the embedding/lm_head in int8 too (see `precision.py`)
@@ -69,15 +77,8 @@ _KERNELS = {
 NATIVE_ONLY = (INT8_TOKEN,)  # precisions with no torch-kernel form
 
 
-def check_kernels(precision: str, device: torch.device | str, other_precisions: tuple[str, ...]) -> None:
-    """ValueError unless `precision`'s kernels exist (native, or in this torch build) for `device`."""
-    if torch.device(device).type != "cpu":
-        raise ValueError(
-            f"--precision {precision} runs on the CPU kernels only, not on "
-            f"{torch.device(device).type}; serve that device with one of {other_precisions}"
-        )
-    if native.library() is not None:
-        return
+def check_torch_kernels(precision: str, other_precisions: tuple[str, ...]) -> None:
+    """ValueError unless this torch build has the packed kernels `precision` needs."""
     if precision in NATIVE_ONLY:
         raise ValueError(
             f"--precision {precision} runs on the native kernels only, which are {native.status()}; "
@@ -143,10 +144,10 @@ def pack_int8(name: str, q: Tensor, scale: Tensor, per_token: bool = False) -> d
     return {name + (INT8_TOKEN_COLUMNS if per_token else INT8_COLUMNS): native.pack_int8(q), name + INT8_SCALE: scale}
 
 
-def check_int4_shape(name: str, weight: Tensor, other_precisions: tuple[str, ...]) -> None:
-    if weight.dim() != 2 or weight.shape[1] % GROUP_SIZE:
+def check_int4_shape(name: str, shape: tuple[int, ...], other_precisions: tuple[str, ...]) -> None:
+    if len(shape) != 2 or shape[1] % GROUP_SIZE:
         raise ValueError(
-            f"--precision int4 cannot pack {name} {tuple(weight.shape)}: its input dimension "
+            f"--precision int4 cannot pack {name} {tuple(shape)}: its input dimension "
             f"must be a multiple of {GROUP_SIZE}; use one of {other_precisions}"
         )
 
@@ -193,38 +194,41 @@ class Int8Linear:
 
 
 class Int8Embedding:
-    """Rows of a per-channel int8 matrix: plain rows [V, C], or the native layout [V/16, C/4, 16, 4]
-    (`native.pack_int8`) when the matrix is also the native lm_head; widened only for the tokens
-    looked up."""
+    """Rows of a per-channel int8 matrix: plain rows [V, C] (`WeightLayout.TORCH_INT8`), or the native
+    layout [V/16, C/4, 16, 4] (`native.pack_int8`) when the matrix is also the native lm_head; widened
+    only for the tokens looked up."""
 
-    def __init__(self, weight: Tensor, scale: Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self, weight: Tensor, scale: Tensor, dtype: torch.dtype, layout: WeightLayout = WeightLayout.TORCH_INT8
+    ) -> None:
         self.weight, self.scale, self.dtype = weight, scale, dtype
+        self.is_native_columns = layout.is_native
 
     def __call__(self, input_ids: Tensor) -> Tensor:
         # input_ids: [T] -> [T, C]
-        rows = native.int8_rows(self.weight, input_ids) if self.weight.dim() == 4 else self.weight[input_ids]
+        rows = native.int8_rows(self.weight, input_ids) if self.is_native_columns else self.weight[input_ids]
         return (rows.float() * self.scale[input_ids].float()[:, None]).to(self.dtype)
 
 
 def quantized_linear(weights: Mapping[str, Tensor], prefix: str) -> Int4Linear | Int8Linear | native.QuantLinear | None:
-    """The quantized layer `prefix` names in `weights` (recognised by tensor names), or None.
+    """The packed layer of matrix `prefix`, as its recorded layout says (`layout.MatrixLayout`), or
+    None for a dense/fp8 or absent matrix.
 
-    The native layouts exist only where the native kernels were there to convert for
-    (`precision.convert_weights`); otherwise int4/int8 run on torch's packed kernels."""
+    The native layouts are recorded only where the native kernels were there to convert for
+    (`precision.convert_weights`); a process that maps them without the kernels cannot run them."""
+    matrix = model_weights(weights).matrix(prefix)
+    if matrix is None or not matrix.layout.is_packed:
+        return None
+    tensors = [weights[name] for name in matrix.tensors]
     bias = weights.get(prefix + ".bias")
-    columns = next((c for c in (INT8_COLUMNS, INT8_TOKEN_COLUMNS) if prefix + c in weights), None)
-    if prefix + Q4_1_NIBBLES in weights or columns is not None:
-        lib = native.library()
-        if lib is None:
-            raise ValueError(f"{prefix}: the native layout needs the native kernels: {native.status()}")
-        if prefix + Q4_1_NIBBLES in weights:
-            q4 = (weights[prefix + Q4_1_NIBBLES], weights[prefix + Q4_1_D], weights[prefix + Q4_1_M])
-            return native.QuantLinear(lib, q4=q4, bias=bias)
-        assert columns is not None
-        int8 = (weights[prefix + columns], weights[prefix + INT8_SCALE])
-        return native.QuantLinear(lib, int8=int8, bias=bias, per_token=columns == INT8_TOKEN_COLUMNS)
-    if prefix + INT4_WEIGHT in weights:
-        return Int4Linear(weights[prefix + INT4_WEIGHT], weights[prefix + INT4_SCALES_ZEROS], bias)
-    if prefix + INT8_WEIGHT in weights:
-        return Int8Linear(weights[prefix + INT8_WEIGHT], weights[prefix + INT8_SCALE], bias)
-    return None
+    if matrix.layout is WeightLayout.TORCH_INT4:
+        return Int4Linear(tensors[0], tensors[1], bias)
+    if matrix.layout is WeightLayout.TORCH_INT8:
+        return Int8Linear(tensors[0], tensors[1], bias)
+    lib = native.library()
+    if lib is None:
+        raise ValueError(f"{prefix}: the {matrix.layout.value} layout needs the native kernels: {native.status()}")
+    if matrix.layout is WeightLayout.NATIVE_INT4:
+        return native.QuantLinear(lib, q4=(tensors[0], tensors[1], tensors[2]), bias=bias)
+    is_per_token = matrix.layout is WeightLayout.NATIVE_INT8_TOKEN
+    return native.QuantLinear(lib, int8=(tensors[0], tensors[1]), bias=bias, per_token=is_per_token)

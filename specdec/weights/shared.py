@@ -8,9 +8,10 @@ then runs on views into that segment, so there is a single copy on the machine:
   (128 random bits after the owner's pid);
 * GPU: one `cudaMalloc` block exported with `cudaIpcGetMemHandle` (64 opaque bytes).
 
-A `WeightManifest` (segment name or IPC handle, and per tensor: name, dtype, shape, byte
-offset, byte count) is all a peer needs to rebuild the same views; it travels as explicit
-protobuf fields, never pickled. `attach` checks every field before mapping anything.
+A `WeightManifest` (segment name or IPC handle, per tensor: name, dtype, shape, byte offset, byte
+count, and per matrix its layout, `specdec.model.layout.MatrixLayout`) is all a peer needs to
+rebuild the same views and the same layers; it travels as explicit protobuf fields, never pickled.
+`attach` checks every field before mapping anything.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import re
 import secrets
 import uuid
 from pathlib import Path
-from typing import Mapping, cast
+from typing import Iterable, Mapping, cast
 
 import torch
+
+from specdec.model.layout import SUFFIXES, MatrixLayout, ModelWeights, WeightLayout
 
 SHM_DIR = Path("/dev/shm")
 ALIGNMENT = 64
@@ -75,6 +78,9 @@ class WeightManifest:
     total_bytes: int
     owner_instance_id: str
     tensors: tuple[TensorDescriptor, ...]
+    # the layout of every matrix among the tensors, as the owner decided it; empty from an owner that
+    # predates the records (its layouts are then read from the tensor names)
+    matrices: tuple[MatrixLayout, ...] = ()
 
 
 def _layout(weights: Mapping[str, torch.Tensor]) -> tuple[list[TensorDescriptor], int]:
@@ -106,15 +112,21 @@ class SharedWeights:
 
     @classmethod
     def create(
-        cls, weights: Mapping[str, torch.Tensor], device: torch.device | str = "cpu", instance_id: str | None = None
+        cls,
+        weights: Mapping[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+        instance_id: str | None = None,
+        matrices: Iterable[MatrixLayout] = (),
     ) -> "SharedWeights":
+        """Copy `weights` into a new segment; `matrices` (their layouts) travel in the manifest."""
         device = torch.device(device)
+        layouts = tuple(matrices)
         instance_id = instance_id or uuid.uuid4().hex[:12]
         descriptors, total = _layout(weights)
         if device.type == "cuda":
             base, handle, keepalive = _cuda_alloc_exported(total, device)
             manifest = WeightManifest(
-                KIND_CUDA_IPC, "", handle, device.index or 0, total, instance_id, tuple(descriptors)
+                KIND_CUDA_IPC, "", handle, device.index or 0, total, instance_id, tuple(descriptors), layouts
             )
         else:
             cleanup_stale_segments()
@@ -128,7 +140,9 @@ class SharedWeights:
             storage = _mapped_storage(path, total)
             base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (total,), (1,))
             keepalive = None
-            manifest = WeightManifest(KIND_SHARED_MEMORY, name, b"", -1, total, instance_id, tuple(descriptors))
+            manifest = WeightManifest(
+                KIND_SHARED_MEMORY, name, b"", -1, total, instance_id, tuple(descriptors), layouts
+            )
         shared = cls(manifest, base, keepalive)
         for name, t in weights.items():
             shared.tensors[name].copy_(t)
@@ -138,14 +152,19 @@ class SharedWeights:
     def num_bytes(self) -> int:
         return self.manifest.total_bytes
 
+    def model_weights(self) -> ModelWeights:
+        """The views with their matrices' layouts, what `Transformer` runs on."""
+        return _model_weights(self.tensors, self.manifest.matrices)
+
     def unlink(self) -> None:
         """Remove the segment's name; mappings (ours and peers') stay valid until unmapped."""
         if self.manifest.kind == KIND_SHARED_MEMORY:
             (SHM_DIR / self.manifest.segment_name).unlink(missing_ok=True)
 
 
-def attach(manifest: WeightManifest, announced: WeightManifest | None = None) -> dict[str, torch.Tensor]:
-    """Map a peer's segment and return views of every tensor in it, without copying.
+def attach(manifest: WeightManifest, announced: WeightManifest | None = None) -> ModelWeights:
+    """Map a peer's segment and return views of every tensor in it, without copying, with the
+    layouts of its matrices as the manifest carries them.
 
     announced: the manifest the owner itself exports; when given, `manifest` must name the same
     memory (a caller cannot make this process map some other segment or IPC handle)."""
@@ -168,7 +187,12 @@ def attach(manifest: WeightManifest, announced: WeightManifest | None = None) ->
             raise HandleError("total_bytes", f"segment holds {size} bytes, manifest says {manifest.total_bytes}")
         storage = _mapped_storage(path, size)
         base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (size,), (1,))
-    return _views(base, manifest.tensors)
+    return _model_weights(_views(base, manifest.tensors), manifest.matrices)
+
+
+def _model_weights(tensors: Mapping[str, torch.Tensor], matrices: tuple[MatrixLayout, ...]) -> ModelWeights:
+    # an owner that predates the records: its tensor names still say the layouts
+    return ModelWeights(tensors, matrices) if matrices else ModelWeights.from_names(tensors)
 
 
 def _check_manifest(m: WeightManifest) -> None:
@@ -197,6 +221,23 @@ def _check_manifest(m: WeightManifest) -> None:
                 "tensors.offset",
                 f"{d.name}: [{d.offset}, +{d.num_bytes}) is outside the {m.total_bytes}-byte segment or misaligned",
             )
+    _check_matrices(m.matrices, {d.name for d in m.tensors})
+
+
+def _check_matrices(matrices: tuple[MatrixLayout, ...], names: set[str]) -> None:
+    """Every matrix record names as many listed tensors as its layout holds, and a 2-D shape."""
+    for matrix in matrices:
+        if not isinstance(matrix.layout, WeightLayout):
+            raise HandleError("matrices.layout", f"{matrix.module}: unknown layout {matrix.layout!r}")
+        expected = len(SUFFIXES[matrix.layout])
+        if len(matrix.tensors) != expected or not set(matrix.tensors) <= names:
+            raise HandleError(
+                "matrices.tensors",
+                f"{matrix.module}: a {matrix.layout.value} matrix is {expected} of the listed tensors, "
+                f"got {list(matrix.tensors)}",
+            )
+        if len(matrix.shape) != 2 or min(matrix.shape) <= 0:
+            raise HandleError("matrices.shape", f"{matrix.module}: must be [out_features, in_features] > 0")
 
 
 def cleanup_stale_segments() -> list[str]:
@@ -254,15 +295,20 @@ class _CudaFree:
 
 
 def manifest_to_dict(m: WeightManifest) -> dict:
-    """Plain data (JSON-safe; the IPC handle as hex) for logs, tests and config files."""
+    """Plain data (JSON-safe; the IPC handle as hex, layouts by value) for logs, tests and config files."""
     d = dataclasses.asdict(m)
     d["cuda_ipc_handle"] = m.cuda_ipc_handle.hex()
+    d["matrices"] = [dict(dataclasses.asdict(x), layout=x.layout.value) for x in m.matrices]
     return d
 
 
 def manifest_from_dict(d: dict) -> WeightManifest:
     tensors = tuple(
         TensorDescriptor(t["name"], t["dtype"], tuple(t["shape"]), t["offset"], t["num_bytes"]) for t in d["tensors"]
+    )
+    matrices = tuple(
+        MatrixLayout(x["module"], WeightLayout(x["layout"]), tuple(x["shape"]), tuple(x["tensors"]))
+        for x in d.get("matrices", ())
     )
     return WeightManifest(
         d["kind"],
@@ -272,4 +318,5 @@ def manifest_from_dict(d: dict) -> WeightManifest:
         d["total_bytes"],
         d["owner_instance_id"],
         tensors,
+        matrices,
     )

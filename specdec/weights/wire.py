@@ -1,7 +1,7 @@
 """A `WeightManifest` to and from its protobuf message (common.proto `WeightManifest`).
 
-The protobuf carries, besides the handle and the tensor table, the model's config.json text,
-its precision and its id, so one message is all a peer needs to rebuild the model:
+The protobuf carries, besides the handle, the tensor table and the matrices' layouts, the model's
+config.json text, its precision and its id, so one message is all a peer needs to rebuild the model:
 
     pb = manifest_to_pb(shared.manifest, config_json, "fp32", "smollm2-135m")      # primary
     manifest, config_json, precision, model_id = manifest_from_pb(pb)               # draft pool
@@ -15,11 +15,20 @@ names into those paths), so a servicer can answer INVALID_ARGUMENT naming the fi
 
 from __future__ import annotations
 
+from typing import cast
+
+from specdec.model.layout import MatrixLayout, WeightLayout
 from specdec.v1 import common_pb2
 from specdec.weights.shared import KIND_CUDA_IPC, KIND_SHARED_MEMORY, HandleError, TensorDescriptor, WeightManifest
 
 _KIND_TO_PB = {KIND_SHARED_MEMORY: common_pb2.HANDLE_KIND_SHARED_MEMORY, KIND_CUDA_IPC: common_pb2.HANDLE_KIND_CUDA_IPC}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+# WeightLayout.NATIVE_INT8 <-> WEIGHT_LAYOUT_NATIVE_INT8, and so on for every layout
+_LAYOUT_TO_PB = {
+    layout: cast(common_pb2.WeightLayout, common_pb2.WeightLayout.Value("WEIGHT_LAYOUT_" + layout.name))
+    for layout in WeightLayout
+}
+_LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}
 
 # attach()'s field names -> the field of the protobuf WeightManifest that carries them
 _WIRE_FIELDS = {
@@ -54,8 +63,19 @@ def manifest_to_pb(m: WeightManifest, config_json: str, precision: str, model_id
         )
         for d in m.tensors
     ]
+    matrices = [
+        common_pb2.MatrixLayout(
+            module=x.module, layout=_LAYOUT_TO_PB[x.layout], shape=list(x.shape), tensors=list(x.tensors)
+        )
+        for x in m.matrices
+    ]
     return common_pb2.WeightManifest(
-        memory=memory, tensors=tensors, model_config_json=config_json, precision=precision, model_id=model_id
+        memory=memory,
+        tensors=tensors,
+        model_config_json=config_json,
+        precision=precision,
+        model_id=model_id,
+        matrices=matrices,
     )
 
 
@@ -85,5 +105,17 @@ def manifest_from_pb(pb: common_pb2.WeightManifest) -> tuple[WeightManifest, str
         total_bytes=memory.num_bytes,
         owner_instance_id=memory.owner_instance_id,
         tensors=tensors,
+        matrices=tuple(_matrix_from_pb(x) for x in pb.matrices),
     )
     return manifest, pb.model_config_json, pb.precision, pb.model_id
+
+
+def _matrix_from_pb(pb: common_pb2.MatrixLayout) -> MatrixLayout:
+    """The record as sent; `attach` checks its tensors and shape against the manifest."""
+    layout = _LAYOUT_FROM_PB.get(pb.layout)
+    if layout is None:
+        known = ", ".join(common_pb2.WeightLayout.Name(v) for v in _LAYOUT_FROM_PB)
+        raise HandleError("matrices.layout", f"{pb.module}: must be one of {known}, got {pb.layout}")
+    if len(pb.shape) != 2:
+        raise HandleError("matrices.shape", f"{pb.module}: must be [out_features, in_features], got {list(pb.shape)}")
+    return MatrixLayout(pb.module, layout, (pb.shape[0], pb.shape[1]), tuple(pb.tensors))

@@ -215,6 +215,27 @@ def test_attach_refuses_bad_manifests_naming_the_field(draft, primary, change, f
     assert attacher.attached is None
 
 
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda m: setattr(m.matrices[0], "layout", 99), "manifest.matrices.layout"),  # a newer primary's layout
+        (lambda m: m.matrices[0].tensors.append("model.norm.weight"), "manifest.matrices.tensors"),
+        (lambda m: m.matrices[0].tensors.__setitem__(0, "no.such.tensor"), "manifest.matrices.tensors"),
+        (lambda m: m.matrices[0].shape.append(2), "manifest.matrices.shape"),
+    ],
+)
+def test_attach_refuses_bad_matrix_layouts_naming_the_field(draft, primary, change, field):
+    """The primary's layout records are checked before anything is mapped, as every other field."""
+    stub, _, attacher = draft
+    manifest = primary[0].manifest_pb()
+    assert len(manifest.matrices) == len(primary[0].loaded.model.matrices)
+    change(manifest)
+    code, details = _code_and_details(lambda: stub.Attach(draft_pb2.AttachRequest(manifest=manifest)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith(field + ":"), details
+    assert attacher.attached is None
+
+
 def _transposed_projection(m: common_pb2.WeightManifest) -> None:
     """A projection's shape reversed: the same bytes (the manifest checks pass), a failing forward."""
     t = next(t for t in m.tensors if "k_proj" in t.name and len(t.shape) == 2 and t.shape[0] != t.shape[1])
@@ -271,6 +292,19 @@ def test_attach_maps_a_good_manifest(draft, primary, owner):
     assert attacher.attached.instance_id == primary[0].instance_id
     code, details = _code_and_details(lambda: stub.Attach(draft_pb2.AttachRequest()))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("manifest:")
+
+
+def test_attach_builds_the_primary_s_layouts_with_or_without_their_records(draft, primary, owner):
+    """The pool's layers follow the layouts the primary recorded; a manifest without records (a
+    primary that predates them) has the same layouts read from its tensor names."""
+    stub, _, attacher = draft
+    for is_recorded in (True, False):
+        manifest = primary[0].manifest_pb()
+        if not is_recorded:
+            manifest.ClearField("matrices")
+        stub.Attach(draft_pb2.AttachRequest(manifest=manifest))
+        assert attacher.attached.manifest.matrices == (owner.shared.manifest.matrices if is_recorded else ())
+        assert attacher.attached.model.matrices == owner.model.matrices
 
 
 @pytest.mark.parametrize(

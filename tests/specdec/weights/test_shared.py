@@ -18,7 +18,15 @@ import torch
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import config_to_json, load_model
-from specdec.weights.shared import SHM_DIR, HandleError, SharedWeights, attach, cleanup_stale_segments, manifest_to_dict
+from specdec.weights.shared import (
+    SHM_DIR,
+    HandleError,
+    SharedWeights,
+    attach,
+    cleanup_stale_segments,
+    manifest_from_dict,
+    manifest_to_dict,
+)
 
 CHILD = Path(__file__).with_name("attach_child.py")
 REPO = Path(__file__).parents[3]
@@ -99,6 +107,31 @@ def test_bad_manifests_are_refused(shared_model):
         assert e.value.field == field
     with pytest.raises(HandleError, match="segment_name"):
         attach(dataclasses.replace(m, segment_name="../../etc/passwd"))
+
+
+def test_the_manifest_carries_the_layout_of_every_matrix(shared_int4_model):
+    """The peer builds its layers from the owner's records; a manifest without them (an owner that
+    predates them) has the same layouts read from its tensor names."""
+    m, owner = shared_int4_model.shared.manifest, shared_int4_model.model
+    assert {x.module: x for x in m.matrices} == owner.matrices
+    assert len(owner.matrices) == 1 + 7 * shared_int4_model.config.num_hidden_layers  # tied head: the embedding
+    assert attach(m).matrices == owner.matrices
+    assert attach(dataclasses.replace(m, matrices=())).matrices == owner.matrices
+    assert manifest_from_dict(json.loads(json.dumps(manifest_to_dict(m)))) == m
+
+
+def test_bad_matrix_records_are_refused(shared_int4_model):
+    m = shared_int4_model.shared.manifest
+    x = m.matrices[1]
+    cases = [
+        ("matrices.tensors", dataclasses.replace(x, tensors=x.tensors[:1])),
+        ("matrices.tensors", dataclasses.replace(x, tensors=tuple("not." + t for t in x.tensors))),
+        ("matrices.shape", dataclasses.replace(x, shape=(0, x.shape[1]))),
+    ]
+    for field, bad in cases:
+        with pytest.raises(HandleError) as e:
+            attach(dataclasses.replace(m, matrices=(bad,)))
+        assert e.value.field == field
 
 
 def test_stale_segments_of_dead_owners_are_cleaned(tmp_path):
