@@ -86,21 +86,21 @@ class CallGuard:
         is_gone: whether the client went away (a threaded stream's end), recorded as CANCELLED."""
         started = time.perf_counter()
         call = GuardedCall(request, None)
-        try:
-            with _request_scope(request, method), client_request_scope(context) as call.malformed:
-                try:
-                    yield call
-                except asyncio.CancelledError:
-                    call.code = grpc.StatusCode.CANCELLED  # the client went away
+        # the access log line is written inside the scopes too: it carries the request's ids
+        with _request_scope(request, method), client_request_scope(context) as call.malformed:
+            try:
+                yield call
+            except asyncio.CancelledError:
+                call.code = grpc.StatusCode.CANCELLED  # the client went away
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure gets a status
+                call.code, call.message = self._status_for(exc, context, method)
+                if call.message is None:
                     raise
-                except Exception as exc:  # noqa: BLE001 - every failure gets a status
-                    call.code, call.message = self._status_for(exc, context, method)
-                    if call.message is None:
-                        raise
-        finally:
-            if call.code == grpc.StatusCode.OK and is_gone is not None and is_gone():
-                call.code = grpc.StatusCode.CANCELLED  # the client went away mid-stream
-            self._record(method, call.code, started)
+            finally:
+                if call.code == grpc.StatusCode.OK and is_gone is not None and is_gone():
+                    call.code = grpc.StatusCode.CANCELLED  # the client went away mid-stream
+                self._record(method, call.code, started)
 
     def _status_for(self, exc: Exception, context: Any, method: str) -> tuple[grpc.StatusCode, str | None]:
         """The status for exc; message None when the servicer already set one."""
