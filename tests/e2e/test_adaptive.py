@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from specdec.state_store import open_state_store
+from specdec.strategies import DEFAULT_STRATEGIES
 from specdec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +52,9 @@ def test_adaptive_greedy_output_equals_speculation_off_and_reports_its_choices(g
             assert stats.num_steps <= off.stats.num_steps
             for d in stats.decoders:  # "prompt_lookup", "prompt_lookup#1", ... within the bounds
                 decoder, _, rank = d.name.partition("#")
-                assert decoder in ("prompt_lookup", "suffix_index") and int(rank or 0) < 4
+                # the default set (specdec.strategies.DEFAULT_STRATEGIES: the feature drafter as the
+                # pool offers it); which of them runs is the cost model's call on this machine's timings
+                assert decoder in DEFAULT_STRATEGIES and int(rank or 0) < 4
                 assert d.num_accepted <= d.num_proposed
 
             stored = store.load(f"{name}-adaptive")
