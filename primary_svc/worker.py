@@ -611,7 +611,7 @@ class EngineWorker:
         entries = []
         for v in self._verifies:
             work = v.work()
-            rows = len(engine.token_ids(v.request_id)) - engine.num_cached(v.request_id) + len(v.tree_token_ids)
+            rows = engine.num_tokens(v.request_id) - engine.num_cached(v.request_id) + len(v.tree_token_ids)
             entries.append(VerifyEntry(v.request_id, rows, engine.kv_growth_bytes(work)))
         plan = policy.plan(
             entries, [w.entry for w in self._waiting], engine.kv_cache.free_bytes, self._held_for_shared_prefix(engine)
