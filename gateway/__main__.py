@@ -26,6 +26,7 @@ from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit
 from specdec.service.aio import AioErrorInterceptor, serve_aio
+from specdec.service.gc_tuning import freeze_startup_heap
 from specdec.state_store import StateStoreConfig, open_async_state_store
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.v1 import gateway_pb2_grpc
@@ -109,6 +110,7 @@ async def serve(
                 await servicer.resume_active()
                 servicer.start_keeping_leases()
 
+        freeze_startup_heap()  # the tokenizer, grammars and clients stay out of every collection while serving
         # An asyncio server: open streams and requests hold no thread (gateway.server).
         await serve_aio(
             config.server,

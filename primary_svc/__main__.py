@@ -38,6 +38,7 @@ from specdec.model.precision import AUTO
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit, token_interceptors
+from specdec.service.gc_tuning import freeze_startup_heap
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.progress import ProgressCallback, no_progress, progress_callback
 from specdec.service.server import serve
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         if loaded.shared is not None:
             loaded.shared.unlink()
 
+    freeze_startup_heap()  # the model and tables stay out of every collection while serving
     try:
         serve(
             config.server,

@@ -89,12 +89,12 @@ def verify_mask(num_cached: int, num_chain: int, parents: Sequence[int]) -> torc
     return mask
 
 
-def verify_positions(num_cached: int, num_chain: int, parents: Sequence[int]) -> torch.Tensor:
-    """[num_chain + N] int64: chain tokens sit at consecutive positions, nodes at root + depth."""
-    chain = torch.arange(num_cached, num_cached + num_chain)
+def verify_position_ids(num_cached: int, num_chain: int, parents: Sequence[int]) -> list[int]:
+    """[num_chain + N] positions: chain tokens sit at consecutive positions, nodes at root + depth.
+    Python ints: a step joins every request's into one tensor. E.g. num_cached 5, chain of 1,
+    parents [-1, 0, 0, -1] -> [5, 6, 7, 7, 6]."""
     root_pos = num_cached + num_chain - 1
-    nodes = torch.tensor([root_pos + d for d in node_depths(parents)], dtype=torch.int64)
-    return torch.cat([chain, nodes])
+    return [*range(num_cached, num_cached + num_chain), *(root_pos + d for d in node_depths(parents))]
 
 
 def with_lookahead(

@@ -474,6 +474,39 @@ def test_a_step_waits_for_the_requests_coming_back_and_not_for_the_others(fp32_m
         worker.stop()
 
 
+def test_a_step_does_not_wait_for_a_request_whose_streamed_run_ended(fp32_model):
+    """The end of a streamed run (DecodeStream) is most often the end of its request: the next step
+    does not hold for it (the 60 s wait would time this out), though the request stays open."""
+    engine = new_engine(fp32_model)
+    worker = EngineWorker(engine, batch_wait_s=60.0, return_window_s=600.0)
+    try:
+        for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+            worker.call(lambda e, rid=rid, prompt=prompt: e.open(rid, prompt))
+        tokens: list[int] = []
+
+        def finish(logits: torch.Tensor) -> int:
+            tokens.append(int(torch.argmax(logits[0])))
+            return tokens[-1]
+
+        messages: list[bool] = []
+        run = worker.stream_decode(
+            "a",
+            (),
+            (),
+            finish,
+            lambda token: None if len(tokens) >= 3 else (token,),
+            lambda _token, _ms, is_last: messages.append(is_last),
+            threading.Event(),
+        )
+        assert run.result(timeout=120)[0] == tokens[-1] and messages == [False, False, True]
+        assert worker.call(lambda e: e.has_request("a"))
+        with ThreadPoolExecutor(1) as pool:
+            logits, _ = pool.submit(worker.verify, "b", (), (), (), ()).result(timeout=30)
+        assert logits.shape[0] == 1 and worker.step_history[-1].num_verify_items == 1
+    finally:
+        worker.stop()
+
+
 def test_features_asked_in_a_shared_step_are_each_requests_own_and_change_no_logits_int4(int4_model):
     """int4 (batch invariant, one forward for every item): the features a prefill or verify asks for
     equal those of the request run alone, beside items that ask for none, whose results keep their bits."""

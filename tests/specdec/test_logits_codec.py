@@ -192,6 +192,22 @@ def test_native_fp8_encoding_and_argmax_equal_torchs(vocab_size):
 
 
 @needs_native
+@pytest.mark.parametrize("vocab_size", [1, 5, 8, 9, 16, 49152 + 3])
+def test_native_argmax_picks_torchs_first_maximum_at_ties_signed_zeros_and_infinities(vocab_size):
+    """The native argmax's index is torch.argmax's wherever the ties sit: within one 8-wide block,
+    across blocks, in the tail past the last whole block; -0.0 and 0.0 are equal; infinities."""
+    logits = torch.full((6, vocab_size), -math.inf)  # row 0: all -inf -> index 0
+    logits[1] = 0.0
+    logits[1, ::2] = -0.0  # -0.0 == 0.0: the first of them
+    logits[2] = torch.arange(vocab_size, dtype=torch.float32) % 3  # many ties at 2.0 across lanes
+    logits[3, -1] = 1.0  # the maximum in the tail only
+    logits[4] = random_logits(1, vocab_size, seed=3)[0]
+    logits[4, vocab_size // 2 :] = logits[4].max()  # a tie whose first copy is in the middle
+    logits[5, : vocab_size // 3] = math.inf  # +inf from index 0 on
+    assert row_argmax(logits) == torch.argmax(logits, dim=-1).tolist()
+
+
+@needs_native
 def test_native_paths_refuse_or_defer_non_finite_rows_as_torch_does():
     logits = random_logits(3, 100)
     logits[1, 40] = math.nan

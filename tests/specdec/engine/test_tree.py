@@ -11,7 +11,7 @@ from specdec.engine import tree
 def test_depths_and_positions_of_the_docstring_example():
     parents = [-1, 0, 0, -1]  # r ── a ── b, a ── c, r ── d
     assert tree.node_depths(parents) == [1, 2, 2, 1]
-    assert tree.verify_positions(5, 1, parents).tolist() == [5, 6, 7, 7, 6]
+    assert tree.verify_position_ids(5, 1, parents) == [5, 6, 7, 7, 6]
 
 
 def test_mask_of_the_docstring_example():
@@ -36,7 +36,7 @@ def test_chain_of_uncached_tokens_is_causal_and_hidden_from_nothing():
     assert torch.equal(
         mask[:, 2:], torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool)
     )
-    assert tree.verify_positions(2, 3, [-1]).tolist() == [2, 3, 4, 5]
+    assert tree.verify_position_ids(2, 3, [-1]) == [2, 3, 4, 5]
 
 
 def test_single_token_needs_no_mask():
