@@ -496,8 +496,10 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
                 if state is None or state.params != params or list(state.prompt_token_ids) != list(prompt_ids):
                     raise
                 # not this call's own write that landed: the client's retry of the same request, running
-                # or ended (its gateway died before the client read the end): it follows the stored one
-                if not is_retry:
+                # or ended (its gateway died before the client read the end): it follows the stored one.
+                # A record that has tokens, an owner or an end is never a fresh create of this call, even
+                # after an attempt of it failed (a retry that reached this gateway while Redis failed over)
+                if not is_retry or state.token_ids or state.owner or state.status.is_terminal:
                     raise _Retried() from None
 
         with self._told_as_client(request_id, client_id):
