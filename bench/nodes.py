@@ -13,8 +13,9 @@ Two measurements, each on a cluster of its own with one redis-server:
    tokens, the node holding most requests is killed (SIGKILL of its primary, draft pool and
    validator; --kill primary: its primary alone), and once every stream went on, one gateway
    (--kill_gateway, the default): its clients retry the same request id on the next gateway, which
-   sends the stored output from the start and adopts the request when the dead gateway's lease
-   (--owner_lease_s) lapses. Reported: each moved stream's time to resume (its last token before
+   sends the stored output from the start and takes the request over once the dead gateway fails
+   its health checks (gateway.owner_probe; before that, only once its --owner_lease_s lapsed).
+   Reported: each moved stream's time to resume (its last token before
    the node kill to its first after), the tokens re-prefilled (the gateways' "failing over" log
    lines: prompt + committed tokens), each retried stream's wait (gateway kill to its first token
    past what it had read), requests lost, and streams whose tokens differ from the same request's

@@ -8,6 +8,7 @@ import socket
 import sys
 import time
 
+import grpc
 import structlog
 import torch
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,9 @@ from gateway.backends import Backends, ModelInfo
 from gateway.config import GatewayConfig, parse_config
 from gateway.node_pool import NodePool
 from gateway.nodes import NodeAddress
+from gateway.owner_health import health_check
+from gateway.owner_id import OwnerId, default_advertise_address
+from gateway.owner_probe import OwnerProbe
 from gateway.server import GenerationServicer
 from specdec.errors import Unavailable
 from specdec.logging import configure_logging
@@ -97,15 +101,28 @@ async def serve(
         if nodes is not None:
             await nodes.start()
         backends, model = await _model_info(backends, nodes)
-        owner = f"gateway@{socket.gethostname()}:{config.server.port}"
+        owner = OwnerId.new(_advertise_address(config, config.server.port))
         registry = CollectorRegistry()
         metrics = GatewayMetrics(registry)
         servicer = GenerationServicer(
-            config, backends, store, tokenizer, model, owner, metrics, api_keys=api_keys, nodes=nodes
+            config,
+            backends,
+            store,
+            tokenizer,
+            model,
+            str(owner),
+            metrics,
+            api_keys=api_keys,
+            nodes=nodes,
+            owner_probe=OwnerProbe(health_check(_peer_credentials(config))),
         )
         _log_ready(log, config, nodes, api_keys, model.max_context)
 
-        async def resume(_port: int) -> None:
+        async def resume(port: int) -> None:
+            # Bound to port 0 (tests): the address names the port the server got. Nothing ran yet:
+            # this runs on the server's event loop before its first call is served.
+            servicer.owner = str(OwnerId(_advertise_address(config, port), owner.nonce))
+            log.info("gateway owner id", owner=servicer.owner)
             if config.redis_url:  # a shared store: requests of gateways that are gone go on here
                 await servicer.resume_active()
                 servicer.start_keeping_leases()
@@ -118,6 +135,7 @@ async def serve(
             interceptors=[AioErrorInterceptor(metrics.rpc)],
             registry=registry,
             on_started=resume,
+            health_names=[owner.instance_health_name],
         )
     finally:
         if servicer is not None:
@@ -128,6 +146,21 @@ async def serve(
         elif backends is not None:
             await backends.close()
         await store.close()
+
+
+def _advertise_address(config: GatewayConfig, port: int) -> str:
+    """--advertise_address, else where the server listens (gateway.owner_id.default_advertise_address)."""
+    return config.advertise_address or default_advertise_address(config.server.host, port, socket.gethostname())
+
+
+def _peer_credentials(config: GatewayConfig) -> grpc.ChannelCredentials | None:
+    """How this gateway reaches the others' health services: plaintext, or TLS trusting the chain
+    it serves itself (gateways of one deployment share their certificate or its CA; the
+    certificate must name the advertised addresses)."""
+    if not config.server.is_tls:
+        return None
+    with open(config.server.tls_cert_file, "rb") as f:
+        return grpc.ssl_channel_credentials(root_certificates=f.read())
 
 
 async def _model_info(backends: Backends | None, nodes: NodePool | None) -> tuple[Backends, ModelInfo]:

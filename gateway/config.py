@@ -113,6 +113,10 @@ class GatewayConfig:
     # How long a gateway's claim on a request lasts without renewal (renewed every third of it): a
     # request whose gateway died is adopted by another after this long (gateway.follow).
     owner_lease_s: float = DEFAULT_LEASE_S
+    # host:port where the other gateways reach this one (its owner id names it, gateway.owner_id), so
+    # that one whose client retried a request here can ask this gateway whether it still runs it.
+    # "": the listening host and port when the host is one address, else the machine's name and port.
+    advertise_address: str = ""
     log_level: str = "INFO"
     # Torch intra-op threads: the gateway's tensor work (grammar masks) is small, and spare
     # OpenMP workers of each RPC thread would spin on the cores the primary's forward needs.
@@ -146,6 +150,8 @@ class GatewayConfig:
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
         if self.redis_url:
             parse_redis_url(self.redis_url)  # a malformed URL fails at start, naming --redis_url
+        if self.advertise_address:
+            _check_advertise_address(self.advertise_address)
 
 
 FLAGS = (
@@ -225,6 +231,13 @@ FLAGS = (
         "gateway adopts a request whose gateway died once the lease lapsed",
     ),
     Flag(
+        "--advertise_address",
+        is_shared=False,
+        help="host:port where other gateways reach this one, to ask whether it still runs its requests "
+        "(they adopt those of a gateway that does not answer); default: --host:--port when --host is one "
+        "address, else this machine's name and --port. On Kubernetes: the pod IP, from the downward API",
+    ),
+    Flag(
         "--node_check_interval_s",
         help="health (grpc.health.v1) and load (GetStats) checks of each node",
         group="node_pool",
@@ -278,6 +291,16 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         node_pool=NodePoolConfig(**values(a, FLAGS, "node_pool"), limits=LoadLimits(**values(a, FLAGS, "node_limits"))),
         **values(a, FLAGS),
     )
+
+
+def _check_advertise_address(address: str) -> None:
+    """A ValueError naming --advertise_address unless it is host:port (or [v6]:port) with a port."""
+    try:
+        split_host_port(address, "address")
+    except InvalidArgument as e:
+        raise ValueError(f"--advertise_address {address!r} must be host:port ({e.message})") from None
+    if "#" in address:
+        raise ValueError(f"--advertise_address {address!r} must not contain '#'")
 
 
 def _nodes(text: str, draft_address: str, validator_address: str) -> NodeSpec | None:

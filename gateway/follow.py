@@ -3,14 +3,16 @@
 Gateways hold no request state outside the store, so a client whose gateway died (or whose
 connection dropped) retries the same request id on any gateway. That gateway does not start the
 request again: it follows the stored request, sending what is stored (the whole output so far,
-then each step as it is appended) until the request ends. A request that nobody owns any more
-(its gateway died and its lease lapsed) is adopted on the way (`adopt`): its loop resumes on this
-gateway from the stored tokens, and the follower reads that loop's steps from the store too.
+then each step as it is appended) until the request ends. A request whose gateway is gone is
+adopted on the way (`adopt`, gateway.resume.Resumption.adopt_if_abandoned: unowned since its lease
+lapsed, or held by a gateway that no longer answers its health check, gateway.owner_probe): its loop
+resumes on this gateway from the stored tokens, and the follower reads that loop's steps from the
+store too.
 
 Ownership stays with the store's lease (specdec.state_store): a gateway renews the leases of its
 requests every `lease_s / 3` (heartbeat, GenerationServicer.keep_leases), each step's write renews and
-checks it, and only a claim of an unowned request succeeds, so exactly one gateway runs a request at a
-time.
+checks it, and only a claim of an unowned request or a takeover from the very owner found gone
+(a compare-and-set) succeeds, so exactly one gateway runs a request at a time.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ def is_orphaned(state: RequestState, lease_s: float, now_ms: int | None = None) 
 async def follow(
     store: AsyncStateStore,
     request_id: str,
-    adopt: Callable[[str], Awaitable[bool]],
-    lease_s: float,
+    adopt: Callable[[RequestState], Awaitable[bool]],
     poll_s: float = FOLLOW_POLL_S,
     cancel: asyncio.Event | None = None,
 ) -> AsyncIterator[RequestState]:
     """The stored request each time its output grew, and once more when it ended (the last state
-    yielded is terminal). adopt(request_id): take over an orphaned request (is_orphaned)."""
+    yielded is terminal). adopt(state): called with each active state read; it takes the request
+    over when its gateway is gone, and returns whether it did."""
     num_seen = -1
     while cancel is None or not cancel.is_set():
         state = await store.load(request_id)
@@ -52,6 +54,5 @@ async def follow(
             yield state
         if state.status.is_terminal:
             return
-        if is_orphaned(state, lease_s):
-            await adopt(request_id)
+        await adopt(state)
         await asyncio.sleep(poll_s)

@@ -2,14 +2,23 @@
 
 Gateways hold no request state outside the state store, so any of them can take over a request
 whose gateway died. `Resumption` is that part of the GenerationService servicer (gateway.server):
-- resume_active: at start-up, adopt every active request a previous gateway left behind;
-- adopt: claim a stored request (the store's owner lease) and run its loop here from its stored
-  tokens, on its stored node where it still serves, with the dead gateway's KV lease;
-- keep_leases: every owner_lease_s / 3, renew this gateway's leases and adopt the orphaned requests
-  (gateway.follow.is_orphaned);
+- resume_active: at start-up, adopt every active request a previous gateway left behind: unowned
+  ones, and those held by an earlier instance at this gateway's own address (gateway.owner_id: this
+  process holds the port now, so that instance is gone);
+- adopt: claim a stored request (the store's owner lease), or take it over from a gone owner (the
+  store's compare-and-set take_over), and run its loop here from its stored tokens, on its stored
+  node where it still serves, with the dead gateway's KV lease;
+- adopt_if_abandoned: the rule for one stored request: adopt it when unowned for a lease
+  (gateway.follow.is_orphaned) or held by a gateway that does not answer (gateway.owner_probe);
+- keep_leases: every owner_lease_s / 3, renew this gateway's leases and adopt abandoned requests;
 - followed: what a client's retry of a stored request receives: its stored output from the first
   token, each step as it is stored, and the final message (gateway.follow), adopting the request on
   the way if its gateway is gone.
+
+Safety: the probe only makes a takeover worth trying. take_over succeeds only while the gone owner
+still holds the lease, so of several gateways that found it gone one wins; an owner that was alive
+after all is refused at its next step write by the store's owner check, and its loop stops without
+writing its end over the adopter's (its status writes are fenced too: OwnerFencedStore).
 """
 
 from __future__ import annotations
@@ -23,15 +32,18 @@ from typing import TYPE_CHECKING, Any
 from gateway.admission import Admission, Ticket
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
+from gateway.fenced_store import OwnerFencedStore
 from gateway.follow import follow, is_orphaned
 from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
+from gateway.owner_id import OwnerId
+from gateway.owner_probe import OwnerProbe
 from gateway.params import params_from_pb
 from gateway.stats import RequestStats
 from specdec import pb
 from specdec.errors import Cancelled, Unavailable
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from specdec.state_store import AsyncStateStore, RequestStatus
+from specdec.state_store import AsyncStateStore, RequestState, RequestStatus
 from specdec.v1 import gateway_pb2
 
 if TYPE_CHECKING:
@@ -62,6 +74,9 @@ class Resumption:
     _lock: threading.Lock
     _offered_strategies: frozenset[str] | None
     _lease_task: asyncio.Task | None = None  # keep_leases, with a shared store
+    # Asks the owners of other gateways' requests whether they still answer (None: a request of a
+    # gone gateway is adopted only once its lease lapsed).
+    owner_probe: OwnerProbe | None = None
 
     if TYPE_CHECKING:  # the servicer's own (gateway.server.GenerationServicer)
 
@@ -80,20 +95,55 @@ class Resumption:
     async def resume_active(self) -> list[str]:
         """Finish requests that a previous gateway left running (state from the store): each one's
         loop runs in a task, like an admitted request's."""
-        resumed = [request_id for request_id in await self.store.list_active() if await self.adopt(request_id)]
+        resumed = []
+        for request_id in await self.store.list_active():
+            state = await self.store.load(request_id)
+            if state is not None and await self.adopt_if_abandoned(state, is_starting=True):
+                resumed.append(request_id)
         if resumed:
             self.log.info("resumed requests", request_ids=resumed)
         return resumed
 
-    async def adopt(self, request_id: str) -> bool:
+    async def adopt_if_abandoned(
+        self, state: RequestState, *, is_starting: bool = False, is_patient: bool = False
+    ) -> bool:
+        """Adopt a stored request whose gateway is gone: unowned for a lease (is_orphaned), held by a
+        gateway that failed its health checks (owner_probe), or, at start-up (is_starting), held by an
+        earlier instance at this gateway's own address. Whether this gateway adopted it.
+        is_patient: wait for the checks a verdict takes (a caller that asks once in a while: the
+        start-up, the heartbeat); else the cached verdict, checked again when stale (a follower asks
+        at every poll)."""
+        if state.status.is_terminal or state.owner == self.owner:
+            return False
+        if is_orphaned(state, self.config.owner_lease_s):
+            return await self.adopt(state.request_id)
+        if not state.owner:
+            return False
+        if is_starting and _is_predecessor(self.owner, state.owner):
+            return await self.adopt(state.request_id, dead_owner=state.owner)
+        if self.owner_probe is None:
+            return False
+        is_gone = self.owner_probe.is_gone_after_checks if is_patient or is_starting else self.owner_probe.is_gone
+        if not await is_gone(state.owner):
+            return False
+        return await self.adopt(state.request_id, dead_owner=state.owner)
+
+    async def adopt(self, request_id: str, dead_owner: str = "") -> bool:
         """Run a stored request here from its stored tokens (its gateway is gone), if this gateway can
-        claim it (no other gateway holds its lease) and does not run it already."""
+        claim it (no other gateway holds its lease) or take it over from dead_owner (still its holder),
+        and does not run it already."""
         from gateway.params import params_pb_from_json
 
         with self._lock:
             if request_id in self._active:
                 return False
-        if not await self.store.claim(request_id, self.owner):
+        if dead_owner:
+            if not await self.store.take_over(request_id, self.owner, dead_owner):
+                return False
+            self.log.warning(
+                "took over a request from a gateway that does not answer", request_id=request_id, dead_owner=dead_owner
+            )
+        elif not await self.store.claim(request_id, self.owner):
             return False
         state = await self.store.load(request_id)
         if state is None:
@@ -135,20 +185,34 @@ class Resumption:
     async def keep_leases(self) -> None:
         """Until cancelled: every lease_s / 3, renew the lease of each request this gateway runs or
         queues (a step's write renews it too, but a queued or slow request writes none), and adopt
-        the requests whose gateway is gone (gateway.follow.is_orphaned)."""
+        the requests whose gateway is gone (adopt_abandoned, in a task of its own: its health checks
+        of other gateways take up to seconds, and never hold up the renewals)."""
         lease_s = self.config.owner_lease_s
-        while True:
-            await asyncio.sleep(lease_s / 3)
-            try:
+        sweep: asyncio.Task | None = None
+        try:
+            while True:
+                await asyncio.sleep(lease_s / 3)
                 with self._lock:
                     mine = list(self._active)
                 await asyncio.gather(*(self.store.claim(r, self.owner) for r in mine), return_exceptions=True)
-                for request_id in await self.store.list_active():
-                    state = None if request_id in mine else await self.store.load(request_id)
-                    if state is not None and is_orphaned(state, lease_s):
-                        await self.adopt(request_id)
-            except Exception as e:  # noqa: BLE001 - the store may be failing over: next round
-                self.log.warning("could not renew or adopt requests", error=str(e))
+                if sweep is None or sweep.done():  # one sweep at a time
+                    sweep = asyncio.create_task(self.adopt_abandoned(frozenset(mine)), name="adopt-abandoned")
+        finally:
+            if sweep is not None:
+                sweep.cancel()
+
+    async def adopt_abandoned(self, mine: frozenset[str] = frozenset()) -> list[str]:
+        """Adopt every active request (but those in mine, which this gateway runs) whose gateway is
+        gone (adopt_if_abandoned, waiting for the health checks a verdict takes); their ids."""
+        adopted = []
+        try:
+            for request_id in await self.store.list_active():
+                state = None if request_id in mine else await self.store.load(request_id)
+                if state is not None and await self.adopt_if_abandoned(state, is_patient=True):
+                    adopted.append(request_id)
+        except Exception as e:  # noqa: BLE001 - the store may be failing over: next round
+            self.log.warning("could not adopt requests", error=str(e))
+        return adopted
 
     async def followed(self, request, context, is_streamed: bool = False):
         """The stream of a retried request (the same request under a stored id): its stored output
@@ -159,7 +223,7 @@ class Resumption:
         detok = IncrementalDetokenizer(self.tokenizer)
         num_sent, text, state = 0, "", None
         with self._told_as_client(request_id, client_id):
-            async for state in follow(self.store, request_id, self.adopt, self.config.owner_lease_s):
+            async for state in follow(self.store, request_id, self.adopt_if_abandoned):
                 new = list(state.token_ids[num_sent:])
                 num_sent, delta = len(state.token_ids), detok.add(new)
                 text += delta
@@ -183,7 +247,8 @@ class Resumption:
             try:
                 await ticket.wait_async(None, loop.cancel, loop.request_id)
             except Cancelled:  # while it waited for a slot
-                await self.store.set_status(loop.request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
+                fenced = OwnerFencedStore(self.store, self.owner)  # not over an adopter's writes
+                await fenced.set_status(loop.request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
                 return
             async for _ in loop.run():
                 pass
@@ -191,3 +256,9 @@ class Resumption:
             self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))
         finally:
             self._end(loop.request_id, ticket)
+
+
+def _is_predecessor(owner: str, holder: str) -> bool:
+    """Whether holder is another instance at owner's address (one that held this gateway's port)."""
+    own = OwnerId.parse(owner)
+    return own is not None and own.is_other_instance_at(OwnerId.parse(holder))

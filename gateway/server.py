@@ -36,7 +36,7 @@ from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
 from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
-from gateway.follow import is_orphaned
+from gateway.fenced_store import OwnerFencedStore
 from gateway.config import GatewayConfig
 from gateway.controller import ControllerConfig
 from gateway.acceptance_memory import AcceptanceMemory
@@ -46,6 +46,7 @@ from gateway.grammars import Grammars
 from gateway.loop import RequestLoop
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.node_pool import Node, NodePool
+from gateway.owner_probe import OwnerProbe
 from gateway.params import check_offered, params_from_pb, params_to_json
 from gateway.resume import FINISH_REASONS, Resumption
 from gateway.state_retry import give_up_at, with_state_retries
@@ -143,7 +144,11 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         grammars: Grammars | None = None,
         api_keys: ApiKeys | None = None,
         nodes: NodePool | None = None,
+        owner_probe: OwnerProbe | None = None,
     ) -> None:
+        """owner: this gateway's owner id in the store (gateway.owner_id); owner_probe: asks other
+        gateways whether they still answer, to adopt their requests when not (gateway.resume)."""
+        self.owner_probe = owner_probe
         self.config, self.backends, self.store, self.tokenizer, self.model = config, backends, store, tokenizer, model
         # --nodes: the nodes new requests are routed to, and a request fails over between (None: the
         # one node of `backends`). `backends` is then one of theirs, asked for the model and the pool.
@@ -319,8 +324,8 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             state = await self.store.load(request_id)
         if state is None:
             raise NotFound("request_id", f"no request {client_id!r} (unknown or expired)")
-        if is_orphaned(state, self.config.owner_lease_s):  # its gateway is gone: it goes on here
-            self._in_background(self.adopt(request_id), name=f"adopt {request_id}")
+        if not state.status.is_terminal and state.owner != self.owner:  # if its gateway is gone, it goes on here
+            self._in_background(self.adopt_if_abandoned(state), name=f"adopt {request_id}")
         from gateway.params import params_pb_from_json
 
         return gateway_pb2.GetRequestResponse(
@@ -491,8 +496,10 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
                 if state is None or state.params != params or list(state.prompt_token_ids) != list(prompt_ids):
                     raise
                 # not this call's own write that landed: the client's retry of the same request, running
-                # or ended (its gateway died before the client read the end): it follows the stored one
-                if not is_retry:
+                # or ended (its gateway died before the client read the end): it follows the stored one.
+                # A record that has tokens, an owner or an end is never a fresh create of this call, even
+                # after an attempt of it failed (a retry that reached this gateway while Redis failed over)
+                if not is_retry or state.token_ids or state.owner or state.status.is_terminal:
                     raise _Retried() from None
 
         with self._told_as_client(request_id, client_id):
@@ -650,7 +657,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             params,
             prompt_ids,
             self.backends if node is None else node.backends,
-            self.store,
+            OwnerFencedStore(self.store, self.owner),  # its end is not written over an adopter's run
             self.tokenizer,
             self.model,
             (spec.greedy_logits_format, spec.sample_logits_format),
@@ -729,6 +736,24 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         with self._told_as_client(loop.request_id, client_id):
             async for out in self._measured(loop, arrived_s):
                 yield out
+            await self._check_not_taken_over(loop, client_id)
+
+    async def _check_not_taken_over(self, loop: RequestLoop, client_id: str) -> None:
+        """UNAVAILABLE when the store refused the loop's step because another gateway took the request
+        over (this one was found not answering, gateway.owner_probe): the request goes on there, so its
+        client retries the same request id (on any gateway) and follows it, rather than hearing that it
+        was cancelled."""
+        if not loop.is_refused or loop.cancel.is_set() or loop.outcome.finish_reason != "cancelled":
+            return
+        state = await self.store.load(loop.request_id)
+        if state is None or state.status.is_terminal or state.owner in ("", self.owner):
+            return
+        self.log.warning("request taken over by another gateway", request_id=loop.request_id, owner=state.owner)
+        raise Unavailable(
+            "request_id",
+            f"request {client_id!r} is now run by another gateway (this one lost its lease); retry the same "
+            "request id to follow it",
+        )
 
     async def _measured(self, loop: RequestLoop, arrived_s: float) -> AsyncIterator:
         if self.metrics is None:

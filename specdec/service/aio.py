@@ -76,15 +76,18 @@ async def create_aio_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     health_servicer: health.aio.HealthServicer | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    health_names: Sequence[str] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """An asyncio server (not started) with `services` + health (SERVING) + reflection bound to address;
-    awaited in the event loop that will run the server. Returns the server and the bound port."""
+    awaited in the event loop that will run the server. Returns the server and the bound port.
+    health_names: more names reported SERVING beside the services' (e.g. an instance's own name, which
+    tells a peer that asks for it whether this very process still holds the address)."""
     server = grpc.aio.server(
         interceptors=[*aio_server_interceptors(), *interceptors], options=server_options(max_message_bytes)
     )
     health_servicer = health.aio.HealthServicer() if health_servicer is None else health_servicer
     names, port = add_services(server, services, health_servicer, address, credentials)
-    for name in names:
+    for name in (*names, *health_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port
 
@@ -97,10 +100,11 @@ async def serve_aio(
     registry: CollectorRegistry | None = None,
     stop_event: asyncio.Event | None = None,
     on_started: Callable[[int], Awaitable[None] | None] | None = None,
+    health_names: Sequence[str] = (),
 ) -> None:
     """Run an asyncio server until SIGTERM/SIGINT (or stop_event), then stop gracefully: health
     NOT_SERVING, in-flight calls get config.grace_s to finish. on_started(port) runs once it
-    serves (a coroutine function is awaited)."""
+    serves (a coroutine function is awaited). health_names: as create_aio_server's."""
     log = structlog.get_logger("specdec.service")
     health_servicer = health.aio.HealthServicer()
     server, port = await create_aio_server(
@@ -110,6 +114,7 @@ async def serve_aio(
         interceptors=interceptors,
         health_servicer=health_servicer,
         credentials=config.server_credentials(),
+        health_names=health_names,
     )
     stop = asyncio.Event() if stop_event is None else stop_event
     loop = asyncio.get_running_loop()

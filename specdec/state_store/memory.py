@@ -118,6 +118,17 @@ class InMemoryStateStore:
             entry.owner, entry.owner_expires_at = owner, now + self.config.lease_s
             return True
 
+    def take_over(self, request_id: str, owner: str, dead_owner: str) -> bool:
+        if not owner or not dead_owner:
+            raise ValueError("owner and dead_owner must not be empty")
+        with self._lock:
+            entry = self._require(request_id)
+            now = self._clock()
+            if entry.status.is_terminal or entry.owner != dead_owner or entry.owner_expires_at <= now:
+                return False
+            entry.owner, entry.owner_expires_at = owner, now + self.config.lease_s
+            return True
+
     def load(self, request_id: str) -> RequestState | None:
         with self._lock:
             entry = self._live(request_id)
@@ -193,6 +204,7 @@ class AsyncInMemoryStateStore:
     create = _inline(InMemoryStateStore.create)
     append_step = _inline(InMemoryStateStore.append_step)
     claim = _inline(InMemoryStateStore.claim)
+    take_over = _inline(InMemoryStateStore.take_over)
     load = _inline(InMemoryStateStore.load)
     list_active = _inline(InMemoryStateStore.list_active)
     delete = _inline(InMemoryStateStore.delete)

@@ -120,6 +120,19 @@ redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# The compare-and-set takeover: the lease moves to ARGV[1] only while ARGV[3] (a gateway found
+# gone) holds it. One slot: both keys carry the request's hash tag.
+# KEYS: meta, owner. ARGV: owner, lease_ms, dead owner.
+TAKE_OVER_LUA = f"""
+local function is_terminal(s) return {_TERMINAL_LUA} end
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return redis.error_reply('SPECDEC_NOT_FOUND') end
+if is_terminal(status) then return 0 end
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 # KEYS: meta, tokens, prompt, owner. Returns {meta as field/value list, tokens, prompt, owner}
 # (false for a missing key): one consistent snapshot, one round trip, one cluster slot.
 LOAD_LUA = """
@@ -192,6 +205,13 @@ class RedisLayout:
             raise ValueError("owner must not be empty")
         meta, _, _, owner_key = self.keys(request_id)
         return [meta, owner_key], [owner, self._lease_ms]
+
+    def take_over_keys_args(self, request_id: str, owner: str, dead_owner: str) -> tuple[list[str], list[str | int]]:
+        """The takeover script's KEYS and ARGV."""
+        if not dead_owner:
+            raise ValueError("dead_owner must not be empty")
+        keys, args = self.claim_keys_args(request_id, owner)
+        return keys, [*args, dead_owner]
 
     def status_keys(self, members: list[bytes]) -> tuple[list[str], list[str]]:
         """The ids of the index's members and their meta keys, whose statuses list_active reads

@@ -21,6 +21,7 @@ from specdec.state_store.redis_scripts import (
     DELETE_LUA,
     LOAD_LUA,
     STEP_LUA,
+    TAKE_OVER_LUA,
     RedisLayout,
     live_duplicate_created_ms,
     redis_errors,
@@ -60,6 +61,7 @@ class AsyncRedisStateStore(RedisLayout):
         self._create = client.register_script(CREATE_LUA)
         self._step = client.register_script(STEP_LUA)
         self._claim = client.register_script(CLAIM_LUA)
+        self._take_over = client.register_script(TAKE_OVER_LUA)
         self._load = client.register_script(LOAD_LUA)
         self._delete = client.register_script(DELETE_LUA)
 
@@ -115,6 +117,11 @@ class AsyncRedisStateStore(RedisLayout):
         keys, args = self.claim_keys_args(request_id, owner)
         with redis_errors(request_id):
             return bool(await self._claim(keys, args))
+
+    async def take_over(self, request_id: str, owner: str, dead_owner: str) -> bool:
+        keys, args = self.take_over_keys_args(request_id, owner, dead_owner)
+        with redis_errors(request_id):
+            return bool(await self._take_over(keys, args))
 
     async def load(self, request_id: str) -> RequestState | None:
         with redis_errors(request_id):

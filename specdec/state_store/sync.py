@@ -61,6 +61,7 @@ class SyncStateStore:
     append_step = _blocking(AsyncStateStore.append_step)
     set_status = _blocking(AsyncStateStore.set_status)
     claim = _blocking(AsyncStateStore.claim)
+    take_over = _blocking(AsyncStateStore.take_over)
     load = _blocking(AsyncStateStore.load)
     list_active = _blocking(AsyncStateStore.list_active)
     delete = _blocking(AsyncStateStore.delete)

@@ -10,7 +10,8 @@ adaptive controller's state. The gateway writes once per step
 requests, claims them and loads everything back to re-prefill (design property
 4: nothing lost).
 
-Ownership: a gateway that resumes requests claims them for lease_s seconds;
+Ownership: a gateway that resumes requests claims them for lease_s seconds
+(or takes them over from a holder known to be gone: take_over, a compare-and-set);
 an append_step that names its owner takes or renews the lease in the same
 atomic write and fails while another owner holds a live lease. Together with
 expected_num_tokens this fences a stalled gateway: it cannot write behind the
@@ -153,6 +154,13 @@ class AsyncStateStore(Protocol):
     async def claim(self, request_id: str, owner: str) -> bool:
         """Take (or renew) the request's lease for owner; False when another
         owner holds a live lease or the request has ended."""
+        ...
+
+    async def take_over(self, request_id: str, owner: str, dead_owner: str) -> bool:
+        """Compare-and-set of the lease: give it to owner only while its holder is exactly dead_owner
+        (a gateway found not answering), whatever time that lease has left; False when anyone else
+        holds it, nobody does (claim is for that), or the request has ended. Two gateways that both
+        found dead_owner gone race here, and one wins."""
         ...
 
     async def load(self, request_id: str) -> RequestState | None:

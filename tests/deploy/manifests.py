@@ -6,6 +6,7 @@ anything else fails an assertion rather than being half understood."""
 from __future__ import annotations
 
 import base64
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,12 +53,20 @@ def module_of(container: Obj) -> str:
     return command[2]
 
 
+# What the downward API gives a container for a fieldRef (a stand-in pod's values).
+DOWNWARD_API = {"status.podIP": "10.244.1.7", "metadata.name": "specdec-gateway-7d9f-abcde"}
+
+
 def env_of(container: Obj, objects: list[Obj]) -> dict[str, str]:
-    """The container's variables, secretKeyRef values read from the rendered Secrets."""
-    env = {}
+    """The container's variables as Kubernetes sets them: secretKeyRef values read from the rendered
+    Secrets, fieldRef values from the downward API (DOWNWARD_API), and $(NAME) in a value replaced
+    by an earlier variable's value."""
+    env: dict[str, str] = {}
     for var in container.get("env", []):
         if "value" in var:
-            env[var["name"]] = var["value"]
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
+        elif "fieldRef" in var["valueFrom"]:
+            env[var["name"]] = DOWNWARD_API[var["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             ref = var["valueFrom"]["secretKeyRef"]
             secret = one(objects, "Secret", ref["name"])

@@ -32,6 +32,7 @@ from tests.deploy.manifests import (
     container_ports,
     container_running,
     containers,
+    DOWNWARD_API,
     env_of,
     host_port,
     is_only_from,
@@ -328,7 +329,9 @@ def test_the_gpu_overlay_gives_the_primary_one_gpu_and_nothing_else_a_gpu(render
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_only_gateways_reach_the_nodes_and_only_http_fronts_reach_the_gateways(rendered: dict, overlay: str) -> None:
+def test_only_gateways_reach_the_nodes_and_only_http_fronts_and_gateways_reach_the_gateways(
+    rendered: dict, overlay: str
+) -> None:
     objects = rendered[overlay]
     for module in NODE_MODULES:
         _, container = container_running(objects, module)
@@ -337,7 +340,12 @@ def test_only_gateways_reach_the_nodes_and_only_http_fronts_reach_the_gateways(r
         assert is_only_from(objects, peers, "gateway"), f"{module}:{port} is reachable from {peers}"
     _, gateway = container_running(objects, "gateway")
     peers = sources_allowed(objects, labels_of(objects, "gateway"), int(env_of(gateway, objects)["SPECDEC_PORT"]))
-    assert is_only_from(objects, peers, "http_svc"), f"the gateway is reachable from {peers}"
+    assert peers is not None and len(peers) == 2, f"the gateway is reachable from {peers}"
+    # the HTTP fronts call it; the other gateways ask it whether it still runs its requests
+    assert {module for module in ("http_svc", "gateway") if any(is_only_from(objects, [p], module) for p in peers)} == {
+        "http_svc",
+        "gateway",
+    }, f"the gateway is reachable from {peers}"
     _, http = container_running(objects, "http_svc")
     assert sources_allowed(objects, labels_of(objects, "http_svc"), int(env_of(http, objects)["SPECDEC_PORT"]))
 
@@ -359,6 +367,18 @@ def test_network_policies_select_pods_and_allow_declared_ports(rendered: dict, o
 
 
 # --- addresses -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_gateway_advertises_its_pod_ip_at_its_own_port(rendered: dict, overlay: str) -> None:
+    """The address in a gateway's owner id (other gateways health-check it there before adopting
+    its requests) is the pod's IP from the downward API, at the port the gateway listens on."""
+    objects = rendered[overlay]
+    _, gateway = container_running(objects, "gateway")
+    env = env_of(gateway, objects)
+    host, port = host_port(env["SPECDEC_GATEWAY_ADVERTISE_ADDRESS"])
+    assert host == DOWNWARD_API["status.podIP"]
+    assert port == int(env["SPECDEC_PORT"]) and port in container_ports(gateway).values()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -8,8 +8,10 @@ streams' keys (its replica is promoted), and then one gateway: every stream must
 undisturbed run's tokens.
 A stream whose node died goes on in the same call (its requests re-prefill on the other node); a
 stream whose gateway died is retried by its client on the other gateway with the same request id,
-which sends the stored output from the start and adopts the request once the dead gateway's lease
-lapses (--owner_lease_s 3 here).
+which sends the stored output from the start and takes the request over once the dead gateway fails
+its health checks (gateway.owner_probe). The lease is 30 s here, longer than the whole kill-and-retry
+phase takes, and the surviving gateway's log must show the takeover: adoption comes from the probe,
+not from the lease lapsing.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.e2e
 
 NUM_STREAMS = 8
 MAX_NEW_TOKENS = 64
-OWNER_LEASE_S = 3.0
+OWNER_LEASE_S = 30.0
 TOPICS = ("rivers", "volcanoes", "bridges", "owls", "comets", "glaciers", "deserts", "lighthouses")
 # ~300 tokens shared by the routing test's prompts (several of the primary's 16-token cache blocks)
 SYSTEM = " ".join(f"Rule {i}: answer briefly, precisely and politely, citing manual section {i}." for i in range(20))
@@ -172,6 +174,13 @@ def test_streams_survive_a_node_kill_and_a_gateway_kill(cluster: Stack, request:
             assert c.token_ids[: len(c.before_retry)] == c.before_retry
     retried = [t for t, c in clients.items() if c.before_retry is not None]
     assert retried, "no stream was still running on the killed gateway"
+    takeovers = [
+        line
+        for line in (cluster.log_dir / f"{node_name(GATEWAY, 1)}.log").read_text().splitlines()
+        if "took over a request from a gateway that does not answer" in line
+    ]
+    for topic in retried:
+        assert any(f"run-{topic}" in line for line in takeovers), f"{topic}: not taken over from the dead gateway"
     if redis_victim is not None:
         wait_for_failover(request.getfixturevalue("redis_cluster"), redis_victim)
     store = RedisStateStore.from_url(cluster.config.redis_url)

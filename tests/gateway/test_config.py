@@ -51,3 +51,15 @@ def test_a_malformed_redis_url_fails_at_start_naming_the_flag(monkeypatch):
         parse_config(["--redis_url", "redis+cluster://127.0.0.1"])
     with pytest.raises(ValueError, match="--redis_url .* names no service"):
         parse_config(["--redis_url", "redis+sentinel://127.0.0.1:26379"])
+
+
+def test_the_advertised_address_comes_from_the_flag_or_the_gateway_environment(monkeypatch):
+    monkeypatch.delenv("SPECDEC_GATEWAY_ADVERTISE_ADDRESS", raising=False)
+    monkeypatch.setenv("SPECDEC_ADVERTISE_ADDRESS", "shared:1")  # not a shared flag: every service would read it
+    assert parse_config([]).advertise_address == ""
+    assert parse_config(["--advertise_address", "10.0.0.5:50050"]).advertise_address == "10.0.0.5:50050"
+    monkeypatch.setenv("SPECDEC_GATEWAY_ADVERTISE_ADDRESS", "[fd00::5]:50050")
+    assert parse_config([]).advertise_address == "[fd00::5]:50050"
+    for bad in ("10.0.0.5", "10.0.0.5:0", "host:port", "a#b:1"):
+        with pytest.raises(ValueError, match="--advertise_address"):
+            parse_config(["--advertise_address", bad])

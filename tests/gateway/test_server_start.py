@@ -16,7 +16,7 @@ from gateway.admission import Admission
 from gateway.backends import Decoded, ModelInfo, Prefilled
 from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams, params_to_json
-from gateway.server import GenerationServicer
+from gateway.server import GenerationServicer, _Retried
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
 from specdec.errors import AlreadyExists, Unavailable
@@ -333,3 +333,22 @@ def test_a_queued_request_let_in_while_the_store_stalls_runs_once_it_answers() -
 
     asyncio.run(main())
     assert store.num_calls == 2 and store.sync.load("r6").status == RequestStatus.RUNNING
+
+
+def test_a_retry_that_reaches_a_failing_over_store_follows_the_running_request_it_finds() -> None:
+    """The client's retry of a running request (its gateway died) meets a Redis failing over: the first
+    create fails, the second finds the request. It has tokens and an owner, so it is not this call's
+    own create that landed: the call follows it (before: a second loop started it again from no
+    tokens)."""
+    store = StallingStore("create", num_timeouts=1)
+    request = gateway_pb2.GenerateRequest(request_id="r7")
+    store.sync.create("r7", params_to_json(request), prompt_token_ids=[1, 2, 3], status=RequestStatus.RUNNING)
+    store.sync.append_step("r7", [4, 5], owner="gateway@10.0.0.2:50050#dead")
+
+    async def main() -> None:
+        s = servicer(store, Admission(max_active=1, max_queued=4), lambda *_args, **_kwargs: None)
+        with pytest.raises(_Retried):
+            await s._start(request, Context())
+
+    asyncio.run(main())
+    assert store.num_calls == 2 and store.sync.load("r7").token_ids == (4, 5)

@@ -306,6 +306,37 @@ def test_claim_lease_fences_a_stalled_owner(harness: Harness) -> None:
     assert not store.claim("r1", "gw-3")
 
 
+def test_take_over_moves_a_live_lease_only_from_the_named_dead_owner(harness: Harness) -> None:
+    store = harness.store
+    store.create("r1", PARAMS)
+    assert not store.take_over("r1", "gw-2", "gw-1")  # nobody holds it: that is claim's case
+    assert store.claim("r1", "gw-1")
+    assert not store.take_over("r1", "gw-3", "gw-9")  # gw-1 holds it, not gw-9
+    assert store.load("r1").owner == "gw-1"
+    assert store.take_over("r1", "gw-2", "gw-1")  # the lease had time left: a compare-and-set
+    assert store.load("r1").owner == "gw-2"
+    assert not store.take_over("r1", "gw-3", "gw-1")  # the race's loser
+    assert not store.claim("r1", "gw-1")
+    with pytest.raises(FailedPrecondition, match="owner: the lease of 'r1' is held by 'gw-2'"):
+        store.append_step("r1", [1], owner="gw-1")  # the old owner, alive after all, is fenced
+    assert store.append_step("r1", [1], owner="gw-2") == 1
+    store.append_step("r1", [2], status=RequestStatus.FINISHED, owner="gw-2")
+    assert not store.take_over("r1", "gw-3", "gw-2")  # an ended request has no lease to take
+
+
+def test_take_over_of_an_expired_lease_fails(harness: Harness) -> None:
+    harness.store.create("r1", PARAMS)
+    assert harness.store.claim("r1", "gw-1")
+    harness.advance(SHORT_LEASE_S + 0.1)
+    assert not harness.store.take_over("r1", "gw-2", "gw-1")  # unowned now: claim takes it
+    assert harness.store.claim("r1", "gw-2")
+
+
+def test_take_over_of_an_unknown_request_is_not_found(harness: Harness) -> None:
+    with pytest.raises(NotFound):
+        harness.store.take_over("nope", "gw-2", "gw-1")
+
+
 def test_append_step_with_owner_takes_a_free_lease(harness: Harness) -> None:
     harness.store.create("r1", PARAMS)
     harness.store.append_step("r1", [1], owner="gw-1")
