@@ -7,6 +7,8 @@ import asyncio
 import socket
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import structlog
@@ -77,18 +79,7 @@ async def serve(
     """Connect to the services and the state store (inside the event loop that uses them: gRPC aio
     channels and redis.asyncio connections belong to one loop), then serve until SIGTERM/SIGINT."""
     log = structlog.get_logger("gateway")
-
-    def make_backends(node: NodeAddress) -> Backends:
-        return Backends(
-            node.primary_address,
-            node.draft_address,
-            node.validator_address,
-            config.rpc_timeout_s,
-            config.server.max_message_bytes * 32,
-            config.is_logits_via_handle,
-            service_token=service_token,
-        )
-
+    make_backends = _backends_factory(config, service_token)
     nodes = None if config.nodes is None else NodePool(config.nodes, make_backends, config.node_pool)
     backends = None
     if nodes is None:
@@ -117,16 +108,6 @@ async def serve(
             owner_probe=OwnerProbe(health_check(_peer_credentials(config))),
         )
         _log_ready(log, config, nodes, api_keys, model.max_context)
-
-        async def resume(port: int) -> None:
-            # Bound to port 0 (tests): the address names the port the server got. Nothing ran yet:
-            # this runs on the server's event loop before its first call is served.
-            servicer.owner = str(OwnerId(_advertise_address(config, port), owner.nonce))
-            log.info("gateway owner id", owner=servicer.owner)
-            if config.redis_url:  # a shared store: requests of gateways that are gone go on here
-                await servicer.resume_active()
-                servicer.start_keeping_leases()
-
         freeze_startup_heap()  # the tokenizer, grammars and clients stay out of every collection while serving
         # An asyncio server: open streams and requests hold no thread (gateway.server).
         await serve_aio(
@@ -134,18 +115,64 @@ async def serve(
             [(gateway_pb2_grpc.add_GenerationServiceServicer_to_server, servicer)],
             interceptors=[AioErrorInterceptor(metrics.rpc)],
             registry=registry,
-            on_started=resume,
+            on_started=_resumer(config, servicer, owner, log),
             health_names=[owner.instance_health_name],
         )
     finally:
-        if servicer is not None:
-            await servicer.stop_loops(max(config.server.grace_s, LOOP_STOP_TIMEOUT_S))
-            servicer.grammars.close()
-        if nodes is not None:
-            await nodes.close()
-        elif backends is not None:
-            await backends.close()
-        await store.close()
+        await _close(config, servicer, nodes, backends, store)
+
+
+def _backends_factory(config: GatewayConfig, service_token: str | None) -> Callable[[NodeAddress], Backends]:
+    """A node's addresses -> the clients of its three services."""
+
+    def make_backends(node: NodeAddress) -> Backends:
+        return Backends(
+            node.primary_address,
+            node.draft_address,
+            node.validator_address,
+            config.rpc_timeout_s,
+            config.server.max_message_bytes * 32,
+            config.is_logits_via_handle,
+            service_token=service_token,
+        )
+
+    return make_backends
+
+
+def _resumer(
+    config: GatewayConfig, servicer: GenerationServicer, owner: OwnerId, log: Any
+) -> Callable[[int], Awaitable[None]]:
+    """What runs once the server listens on its port: the owner id names that port, then (with a
+    shared store) the requests of gateways that are gone go on here and the leases are kept."""
+
+    async def resume(port: int) -> None:
+        # Bound to port 0 (tests): the address names the port the server got. Nothing ran yet:
+        # this runs on the server's event loop before its first call is served.
+        servicer.owner = str(OwnerId(_advertise_address(config, port), owner.nonce))
+        log.info("gateway owner id", owner=servicer.owner)
+        if config.redis_url:
+            await servicer.resume_active()
+            servicer.start_keeping_leases()
+
+    return resume
+
+
+async def _close(
+    config: GatewayConfig,
+    servicer: GenerationServicer | None,
+    nodes: NodePool | None,
+    backends: Backends | None,
+    store: Any,
+) -> None:
+    """Stop every loop (each stores its end), then close the clients under them."""
+    if servicer is not None:
+        await servicer.stop_loops(max(config.server.grace_s, LOOP_STOP_TIMEOUT_S))
+        servicer.grammars.close()
+    if nodes is not None:
+        await nodes.close()
+    elif backends is not None:
+        await backends.close()
+    await store.close()
 
 
 def _advertise_address(config: GatewayConfig, port: int) -> str:
