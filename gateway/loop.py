@@ -29,8 +29,9 @@ restarts, its Verify answers NOT_FOUND (or UNAVAILABLE while it is down): the lo
 it, re-prefills prompt + committed tokens, and goes on; greedy output is unchanged.
 Cancellation and deadlines are checked once per step, so they stop a request within a step.
 If the state store loses the request's record (a Redis restarted without persistence) while the loop
-runs, the loop writes the whole state back from its memory (RequestLoop._restore) and goes on; a
-store that refuses that too ends the request UNAVAILABLE, naming the lost state.
+runs, the loop writes the whole state back from its memory and goes on; a store that refuses that too
+ends the request UNAVAILABLE, naming the lost state. What the loop writes to the store, with its
+retries and repairs, is its RequestRecord's (gateway.request_record).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ from gateway.dependencies import DependencyState
 from gateway.node_pool import Node
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.repeats import MIN_REPEAT_TOKENS, RepeatIndex
-from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S, give_up_at, with_state_retries
+from gateway.request_record import RequestRecord
+from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
 from gateway.step_costs import MeasuredOverheads, StepCosts
 from specdec.acceptance_mode import AcceptanceMode, select_mode
@@ -78,7 +80,7 @@ from specdec.candidates import (
     ranked_sources,
     stats_name,
 )
-from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, Unavailable
 from specdec.grammar import GrammarState
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
@@ -330,28 +332,25 @@ class RequestLoop:
         failover: Callable[[str, str], Awaitable[Node | None]] | None = None,
     ) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
-        # The request's parameters as stored (params_to_json): what _restore writes back should the
-        # store lose the record. None: not known here, so a lost record cannot be written back.
-        self.stored_params = None if stored_params is None else dict(stored_params)
-        self.backends, self.store, self.tokenizer, self.model = backends, store, tokenizer, model
+        self.backends, self.tokenizer, self.model = backends, tokenizer, model
         self.recovery_timeout_s, self.max_tree_nodes = recovery_timeout_s, max_tree_nodes
-        self.cancel, self.deadline, self.owner = cancel, deadline, owner
-        # The primary's lease from the latest prefill, until a step's write has stored it (a
-        # successor gateway re-prefills the live slot with it).
-        self.unstored_kv_lease: str | None = None
-        # The node the request runs on (gateway.nodes; "" with a single node) and the one a prefill
-        # moved it to, until a step's write has stored it. failover(node_id, error): another node
-        # for the request when its node's primary is unavailable (gateway.node_pool), or None.
-        self.node_id, self.failover = node_id, failover
-        self.unstored_node: str | None = None
-        self.kv_lease = ""  # the latest prefill's lease, stored or not (_restore writes it back)
+        self.cancel, self.deadline = cancel, deadline
+        # failover(node_id, error): another node for the request when its node's primary is
+        # unavailable (gateway.node_pool), or None.
+        self.failover = failover
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         self._init_output(generated, stats)
+        self._init_record(store, owner, stored_params, max_state_retry_s, node_id)
         self._init_step_state(decode_run_max)
-        self._init_calls(validator_state, draft_state, call_deadlines, max_state_retry_s)
+        self._init_calls(validator_state, draft_state, call_deadlines)
         self._init_constraints(grammar)
         self._init_planning(logits_formats, cost_model, step_costs)
         self._init_controller(controller_config, controller_state, acceptance_memory, min_repeat_tokens)
+
+    @property
+    def node_id(self) -> str:
+        """The node the request runs on (gateway.nodes; "" with a single node): its record's."""
+        return self.record.node_id
 
     def _init_output(self, generated: Sequence[int], stats: RequestStats | None) -> None:
         """The output so far (a resumed request's, else none), its text, stats and log probabilities."""
@@ -367,6 +366,30 @@ class RequestLoop:
         self.output_logprobs: list[TokenLogprob] = []
         self.num_unscored = len(self.generated)
         self.prompt_logprobs: list[TokenLogprob] = []
+
+    def _init_record(
+        self,
+        store: AsyncStateStore,
+        owner: str,
+        stored_params: Mapping[str, Any] | None,
+        max_state_retry_s: float,
+        node_id: str,
+    ) -> None:
+        """The request's record in the state store (gateway.request_record): each step's write, the
+        end, and the repairs of a record the store lost, written back from self.generated."""
+        self.record = RequestRecord(
+            store,
+            self.request_id,
+            owner,
+            self.prompt_ids,
+            self.generated,
+            self.cancel,
+            self.log,
+            deadline=self.deadline,
+            stored_params=stored_params,
+            max_retry_s=max_state_retry_s,
+            node_id=node_id,
+        )
 
     def _init_step_state(self, decode_run_max: int | None) -> None:
         """What passes from one step to the next: what the services still have to learn, a carried
@@ -397,7 +420,6 @@ class RequestLoop:
         validator_state: DependencyState | None,
         draft_state: DependencyState | None,
         call_deadlines: CallDeadlines | None,
-        max_state_retry_s: float,
     ) -> None:
         # Shared by the gateway's requests: whether the validator and the draft service answer.
         self.validator_state = validator_state or DependencyState("validator")
@@ -405,7 +427,6 @@ class RequestLoop:
         # The validator's and the draft pool's calls end at a deadline from their recent latency: a
         # hung one fails like a dead one (gateway.call_deadlines).
         self.call_deadlines = call_deadlines or CallDeadlines()
-        self.max_state_retry_s = max_state_retry_s
 
     def _init_constraints(self, grammar: GrammarState | None) -> None:
         # The response format's grammar, at the end of the committed output (replayed on a resume).
@@ -1188,97 +1209,18 @@ class RequestLoop:
         stats = self.stats.to_dict()
         controller = None if self.controller_state is None else self.controller_state.to_dict()
 
-        def write(check: asyncio.Future | None) -> Coroutine[Any, Any, bool]:
-            return self._store_step(kept, num_stored, stats, controller, check)
+        async def write(check: asyncio.Future | None) -> bool:
+            """The step appended to the request's record once the validator confirmed it (check);
+            False when the store refuses it (the request ended elsewhere)."""
+            if check is not None:
+                await check
+            return await self.record.append_step(kept, num_stored, stats, controller)
 
         self.stats.stage_ms["commit"] += (time.perf_counter() - t) * 1000
         kept_logprobs = list(logprobs[: len(kept)])  # the step's tokens past an end or a stop are not output
         self.output_logprobs.extend(kept_logprobs)
         output = StepOutput(kept, delta, kept_logprobs) if kept or delta else None
         return _PendingStep(check, write, output, num_chars, num_stored, is_stopped)
-
-    async def _store_step(
-        self,
-        kept: list[int],
-        num_stored: int,
-        stats: dict[str, Any],
-        controller: dict[str, Any] | None,
-        check: asyncio.Future | None,
-    ) -> bool:
-        """Append the step to the request's stored state once the validator confirmed it (check);
-        False when the store refuses it (the request ended elsewhere)."""
-        if check is not None:
-            await check
-        num_attempts = 0
-
-        kv_lease, node = self.unstored_kv_lease, self.unstored_node
-
-        async def append() -> None:
-            nonlocal num_attempts
-            num_attempts += 1
-            await self.store.append_step(
-                self.request_id,
-                kept,
-                expected_num_tokens=num_stored,
-                stats=stats,
-                controller_state=controller,
-                owner=self.owner,
-                kv_lease=kv_lease,
-                node=node,
-            )
-
-        try:
-            await self._with_state_store(append)
-        except FailedPrecondition:
-            # A retried write whose first attempt had been applied (its reply was lost) is stored.
-            if num_attempts > 1 and await self._is_stored(num_stored + len(kept)):
-                return True
-            return await self._write_back_lost_steps(num_stored, kept, stats, controller, kv_lease, node)
-        except NotFound as e:  # the record is gone (not ended): this step goes back with the rest
-            await self._restore(e, num_stored + len(kept), stats, controller)
-        if self.unstored_kv_lease == kv_lease:  # not renewed by a re-prefill meanwhile
-            self.unstored_kv_lease = None
-        if self.unstored_node == node:
-            self.unstored_node = None
-        return True
-
-    async def _write_back_lost_steps(
-        self,
-        num_stored: int,
-        kept: list[int],
-        stats: dict[str, Any],
-        controller: dict[str, Any] | None,
-        kv_lease: str | None,
-        node: str | None,
-    ) -> bool:
-        """A store failover can lose the last writes it acknowledged (Redis replicates asynchronously:
-        a promoted replica may lack them), so the record holds fewer tokens than this gateway stored,
-        every one of them its own. Then the lost steps go back from memory with this one; False when the
-        record holds anything else (ended, another gateway's tokens, or this gateway no longer owns it)."""
-        state = await self._with_state_store(lambda: self.store.load(self.request_id))
-        if state is None or state.status.is_terminal:
-            return False
-        stored = list(state.token_ids)
-        if len(stored) >= num_stored or stored != self.generated[: len(stored)]:
-            return False
-        lost = self.generated[len(stored) : num_stored]
-        self.log.warning("the state store lost acknowledged steps; writing them back", num_tokens=len(lost))
-        try:
-            await self._with_state_store(
-                lambda: self.store.append_step(
-                    self.request_id,
-                    lost + list(kept),
-                    expected_num_tokens=len(stored),
-                    stats=stats,
-                    controller_state=controller,
-                    owner=self.owner,
-                    kv_lease=kv_lease,
-                    node=node,
-                )
-            )
-        except FailedPrecondition:
-            return False
-        return True
 
     def _unstore(self, pending: _PendingStep) -> None:
         """A step the store refused leaves the output: its tokens and text."""
@@ -1287,23 +1229,14 @@ class RequestLoop:
         self.text, self.is_refused = self.text[: pending.num_chars], True
 
     async def _finish(self, finish: str, error: str = "") -> None:
+        """Record the request's end in the state store, then release what it holds in the services."""
         status = {
             FINISH_CANCELLED: RequestStatus.CANCELLED,
             FINISH_ERROR: RequestStatus.FAILED,
             FINISH_DEADLINE: RequestStatus.CANCELLED,
         }.get(finish, RequestStatus.FINISHED)
-        try:
-            try:
-                await self._with_state_store(
-                    lambda: self.store.set_status(self.request_id, status, finish_reason=finish, error=error)
-                )
-            except NotFound as e:
-                controller = None if self.controller_state is None else self.controller_state.to_dict()
-                await self._restore(
-                    e, len(self.generated), self.stats.to_dict(), controller, status, finish_reason=finish, error=error
-                )
-        except Exception as e:  # noqa: BLE001 - the request is over either way; say why it was not recorded
-            self.log.warning("could not record the final status", error=str(e))
+        controller = None if self.controller_state is None else self.controller_state.to_dict()
+        await self.record.finish(status, finish, error, self.stats.to_dict(), controller)
         with contextlib.suppress(Exception):  # a run still streaming (a stop string, a cancel) ends first
             await self._close_run()
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
@@ -1319,73 +1252,6 @@ class RequestLoop:
             self.draft_state.failed(str(e))
         except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
             pass
-
-    # --- state store retries ---------------------------------------------------------------------
-
-    async def _with_state_store(self, write: Callable[[], Awaitable[Any]]) -> Any:
-        """write(), retried with bounded backoff while the state store is unavailable; Unavailable once
-        max_state_retry_s (or the request's deadline) would pass."""
-        return await with_state_retries(write, give_up_at(self.max_state_retry_s, self.deadline), self.cancel, self.log)
-
-    async def _restore(
-        self,
-        lost: NotFound,
-        num_tokens: int,
-        stats: Mapping[str, Any],
-        controller: Mapping[str, Any] | None,
-        status: RequestStatus | None = None,
-        *,
-        finish_reason: str | None = None,
-        error: str | None = None,
-    ) -> None:
-        """The store no longer holds the request (lost, not ended: an ended one refuses writes with
-        FailedPrecondition), yet this gateway runs it: write the whole state back from memory, the
-        parameters, prompt, first num_tokens generated tokens, stats, controller state and the
-        primary's lease, with status when given (a final one). Unavailable, naming the lost state,
-        when the store refuses (StateLost): never NotFound about the client's own live request."""
-        self.log.warning(
-            "the state store lost the request's record; writing it back from the gateway's memory",
-            error=str(lost),
-            num_tokens=num_tokens,
-        )
-
-        async def create() -> None:
-            if self.stored_params is None:
-                raise Internal("params", "the request's stored parameters are not known to its loop")
-            await self.store.create(
-                self.request_id, self.stored_params, prompt_token_ids=self.prompt_ids, status=RequestStatus.RUNNING
-            )
-
-        async def refill() -> None:
-            await self.store.append_step(
-                self.request_id,
-                self.generated[:num_tokens],
-                expected_num_tokens=0,
-                status=status,
-                stats=stats,
-                controller_state=controller,
-                finish_reason=finish_reason,
-                error=error,
-                owner=self.owner,
-                kv_lease=self.kv_lease or None,
-                node=self.node_id or None,
-            )
-
-        try:
-            await self._with_state_store(create)
-            await self._with_state_store(refill)
-        except Exception as e:  # noqa: BLE001 - whatever the store answers, the client hears UNAVAILABLE
-            raise StateLost(
-                "state_store",
-                f"the stored state of request {self.request_id!r} was lost (the state store no longer holds it) "
-                f"and writing it back failed: {type(e).__name__}: {e}",
-                dependency="state_store",
-            ) from e
-        self.log.warning("request's stored state written back", num_tokens=num_tokens)
-
-    async def _is_stored(self, num_tokens: int) -> bool:
-        state = await self._with_state_store(lambda: self.store.load(self.request_id))
-        return state is not None and len(state.token_ids) == num_tokens and not state.status.is_terminal
 
     # --- primary recovery ----------------------------------------------------------------------
 
@@ -1458,7 +1324,7 @@ class RequestLoop:
             num_reprefill_tokens=len(self.prompt_ids) + len(self.generated),
             error=error,
         )
-        self.backends, self.node_id = node.backends, node.node_id
+        self.backends, self.record.node_id = node.backends, node.node_id
         self.draft_state, self.validator_state = node.draft_state, node.validator_state
         self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
         return True
@@ -1492,9 +1358,7 @@ class RequestLoop:
                     has_features = prefilled.features is not None
                     self.pending_features = (prefilled.features, len(context) - 1) if has_features else None
                     self.stats.forward_ms += prefilled.time_ms
-                    self.unstored_kv_lease = prefilled.kv_lease or None
-                    self.unstored_node = self.node_id or None
-                    self.kv_lease = prefilled.kv_lease
+                    self.record.prefilled(prefilled.kv_lease)
                     if is_fresh:  # the request's own prefill, not a recovery's
                         self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
                     self.pending_accepted, self.pending_committed = (), []

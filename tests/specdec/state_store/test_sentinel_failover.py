@@ -3,7 +3,7 @@ loopback (specdec.redis_sentinel), requests writing steps as the gateway does, a
 master mid-run: the sentinels promote the replica, the store follows them, and every request runs
 to its end with no step lost or duplicated. Redis replicates asynchronously, so the promoted replica
 may lack the last steps the old master acknowledged; the writer then writes them back, as the
-gateway's loop does (RequestLoop._write_back_lost_steps)."""
+gateway does (RequestRecord.write_back_lost, gateway/request_record.py)."""
 
 from __future__ import annotations
 
