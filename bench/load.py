@@ -311,8 +311,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.nodes < 0 or a.gateways < 0 or (a.gateways and not a.nodes):
         p.error(f"--nodes must be >= 0 and --gateways needs --nodes, got {a.nodes}, {a.gateways}")
     a.gateways = a.gateways or a.nodes
-    if a.nodes and (a.address or a.chaos):
-        p.error("--nodes starts a cluster of its own: leave out --address and --chaos")
+    if a.nodes and (a.address or a.chaos or a.precision != "auto" or a.threads):
+        p.error(
+            "--nodes starts a cluster of its own, with its services' defaults: leave out --address, --chaos, "
+            "--precision and --threads"
+        )
     if a.chaos:
         if a.address:
             p.error("--chaos starts a stack of its own (it signals the processes): leave out --address")

@@ -164,8 +164,8 @@ FLAGS = (
     Flag(
         "--kv_takeover_s",
         help="a Prefill without a live request's kv_lease replaces it once its slot has had no call for this "
-        "long (its holder is presumed dead: gateways adopt a request only after its owner lapsed, their "
-        "--owner_lease_s; keep this below that)",
+        "long (its holder is presumed dead: gateways adopt a request once its owner fails its health checks "
+        "or its --owner_lease_s lapses; keep this below that lease)",
     ),
     Flag(
         "--progress_file",

@@ -14,9 +14,10 @@ NOT_FOUND at its next step and re-prefills from the committed tokens.
 A Prefill without the lease may still replace a slot that has had no call for
 takeover_s (far shorter than lease_s): its holder is presumed dead. That is the
 case of a gateway that died after a failover's re-prefill but before its next
-step stored the new lease: the successor that adopts the request (only after
-the dead owner's lease in the state store lapsed, the gateways' owner_lease_s)
-holds the old lease, and without this would wait out lease_s.
+step stored the new lease: the successor that adopts the request (once the
+dead owner failed its health checks, or its lease in the state store lapsed)
+holds the old lease, and without this would wait out lease_s. A successor that
+adopts sooner than takeover_s retries its Prefill until then.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from specdec.errors import NotFound
 
 DEFAULT_LEASE_S = 300.0
-DEFAULT_TAKEOVER_S = 10.0  # below the gateways' default owner lease (30 s), after which they adopt
+DEFAULT_TAKEOVER_S = 10.0  # below the gateways' default owner lease (30 s): an adopter never waits it out
 LEASE_BYTES = 16  # 128 bits
 
 

@@ -133,6 +133,11 @@ def test_load_starts_a_local_cluster_with_nodes_and_gateways():
     a = parse_args(["--nodes", "2"])
     assert (a.nodes, a.gateways) == (2, 2)
     assert parse_args(["--nodes", "3", "--gateways", "1"]).gateways == 1
-    for bad in (["--gateways", "2"], ["--nodes", "-1"], ["--nodes", "2", "--address", "127.0.0.1:5001"]):
+    for bad in (
+        ["--gateways", "2"],
+        ["--nodes", "-1"],
+        ["--nodes", "2", "--address", "127.0.0.1:5001"],
+        ["--nodes", "2", "--precision", "fp32"],  # the cluster's services run their defaults
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
