@@ -348,11 +348,13 @@ class Backends:
         return_features: bool = False,
         logprobs: LogprobsRequest | None = None,
         sampling: SamplingParams | None = None,
+        num_context_tokens: int = 0,
     ) -> Verified:
         """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None. `return_features`: the
         rows' features come back (Verified.features), beside the logits in shared memory when those are.
         `sampling`: the request's, when it has penalties or a logit_bias; the primary then returns every
-        row processed from its node's history (VerifyRequest.sampling)."""
+        row processed from its node's history (VerifyRequest.sampling). `num_context_tokens`: the context
+        the caller knows before committed_token_ids, after a streamed run it cancelled (0: unchecked)."""
         r = await self._call(
             "primary",
             self.primary.Verify,
@@ -369,6 +371,7 @@ class Backends:
                 return_features=return_features,
                 logprobs=_logprobs_pb(logprobs),
                 sampling=None if sampling is None else pb.sampling_to_pb(sampling),
+                num_context_tokens=num_context_tokens,
             ),
         )
         own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's

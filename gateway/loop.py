@@ -413,6 +413,10 @@ class RequestLoop:
         # per loop step, and the plan that opened it (each of its steps is a step of that plan).
         self.run_stream: AsyncGenerator[Decoded, None] | None = None
         self.run_plan = SpeculationPlan()
+        # > 0: the context the loop holds, after it cancelled a run mid-way for a speculative step; the
+        # next Verify names it (VerifyRequest.num_context_tokens) and the primary drops the run's tokens
+        # the loop never received.
+        self.num_context_after_run = 0
         self.is_step_disturbed = False  # the step being computed waited on a recovery
 
     def _init_calls(
@@ -653,8 +657,13 @@ class RequestLoop:
         """A step up to its new tokens: the plan, then propose -> verify -> validate, or one decode;
         with the tokens' log probabilities when the request asks for them (else [])."""
         if self.run_stream is not None:  # a streamed run goes on: its next engine step, as planned
-            tokens, logprobs = await self._plain_step()
-            return self.run_plan, tokens, None, logprobs
+            at_repeat = self._plan_at_repeat()
+            if at_repeat is None:
+                tokens, logprobs = await self._plain_step()
+                return self.run_plan, tokens, None, logprobs
+            await self._close_run()
+            self.num_context_after_run = len(self.prompt_ids) + len(self.generated)
+            return await self._speculative_step(at_repeat)
         plan = self._plan()
         if plan.is_speculative:
             return await self._speculative_step(plan)
@@ -725,6 +734,26 @@ class RequestLoop:
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
+    def _plan_at_repeat(self) -> SpeculationPlan | None:
+        """Inside a streamed run: the speculative plan, when the context's tail has come to repeat
+        earlier text and the controller would draft there; else None and the run goes on. A run is
+        planned while prompt lookup has nothing to draft (known silent: plain_steps_ahead cannot see a
+        repeat coming), so a copy that starts mid-run would otherwise be decoded a token a step to the
+        run's end. Cutting the run costs the engine step the primary took past the loop's last token.
+        Not under a grammar: the primary's run keeps its own grammar state."""
+        if self.repeats is None or self.grammar is not None or not self._tail_repeats():
+            return None
+        plan = self._plan()
+        return plan if plan.is_speculative else None
+
+    def _tail_repeats(self) -> bool:
+        """Whether the context's last tokens occurred earlier (gateway.repeats), the index brought up to
+        the output so far."""
+        assert self.repeats is not None
+        done = len(self.repeats) - len(self.prompt_ids)
+        self.repeats.extend(self.generated[done:])
+        return self.repeats.tail_repeats()
+
     def _with_prediction(self, plan: SpeculationPlan) -> SpeculationPlan:
         """A speculative plan with the request's prediction in it, first, whenever the output follows
         the prediction: the user supplied it and it costs nothing to draft, while the controller,
@@ -752,11 +781,8 @@ class RequestLoop:
         silent: set[str] = set()
         if self.grammar is not None and not self.grammar.forced_text():
             silent.add(GRAMMAR_STRATEGY)
-        if self.repeats is not None:
-            done = len(self.repeats) - len(self.prompt_ids)
-            self.repeats.extend(self.generated[done:])
-            if not self.repeats.tail_repeats():
-                silent.add(PROMPT_LOOKUP_STRATEGY)
+        if self.repeats is not None and not self._tail_repeats():
+            silent.add(PROMPT_LOOKUP_STRATEGY)
         known.update({(e.decoder, e.rank): 0.0 for e in estimates if e.decoder in silent})
         if self.prediction is not None:
             position = self.prediction.next_position
@@ -855,7 +881,10 @@ class RequestLoop:
         fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
         if self._is_bonus_scored():
             fmt = FORMAT_FP32  # the validator scores the token it draws: from the primary's own fp32 rows
-        return await self._with_primary(
+        context: dict[str, Any] = (
+            {"num_context_tokens": self.num_context_after_run} if self.num_context_after_run else {}
+        )
+        verified = await self._with_primary(
             lambda: self.backends.verify(
                 self.request_id,
                 self.pending_accepted,
@@ -866,8 +895,11 @@ class RequestLoop:
                 **self._feature_request(planned),
                 **self._logprobs_request(),
                 **self._penalties_request(),
+                **context,
             )
         )
+        self.num_context_after_run = 0
+        return verified
 
     def _apply_decision(self, tree: DraftTree, verified: Verified, v: Validation) -> list[CandidateOutcome]:
         """The step's decision taken: what the primary and the draft service learn next, the carried

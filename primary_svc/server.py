@@ -201,6 +201,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             finish,
             num_lookahead=len(lookahead_ids),
             features_out=features_out,
+            num_context_tokens=request.num_context_tokens,
         )
         return primary_pb2.VerifyResponse(
             logits=payload,

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import redis
@@ -143,9 +144,14 @@ class FakeBackends:
         return self.other_rows
 
     async def verify(
-        self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None
+        self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None, num_context_tokens=0
     ) -> Verified:
         assert allowed is None, "no grammar in these requests"
+        if num_context_tokens:  # after a run the caller cut: what it never received is dropped
+            assert not accepted_nodes and not committed_token_ids and not self.decided, "a cut run commits nothing"
+            assert len(PROMPT) <= num_context_tokens <= len(self.truth), num_context_tokens
+            del self.truth[num_context_tokens:], self.primary_context[num_context_tokens:]
+            self.last_tree = None
         self.calls.append(
             (
                 "verify",
@@ -156,6 +162,7 @@ class FakeBackends:
                     "is_chain": tree.parents == tuple(range(-1, tree.num_nodes - 1)),
                     "num_lookahead": len(tree.lookahead_token_ids),
                     "position": len(self.truth) - len(PROMPT),  # tokens generated before this step's
+                    "num_context_tokens": num_context_tokens,
                 },
             )
         )
@@ -183,36 +190,53 @@ class FakeBackends:
         response_format=None,
     ) -> Decoded:
         assert allowed is None and response_format is None, "no grammar in these requests"
-        self.calls.append(
-            (
-                "decode",
-                {
-                    "accepted_nodes": tuple(accepted_nodes),
-                    "committed": list(committed_token_ids),
-                    "max_tokens": max_tokens,
-                },
-            )
-        )
+        tokens = [t for t, _ in self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids)]
+        return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
+
+    async def decode_stream(
+        self,
+        request_id,
+        accepted_nodes,
+        committed_token_ids,
+        sampling,
+        step,
+        allowed=None,
+        *,
+        max_tokens=1,
+        stop_token_ids=(),
+        response_format=None,
+        num_context_tokens=0,
+    ):
+        """decode's run as the primary streams it: a token a message as it decides it, every one but
+        the last committed by the primary; the caller's context (before its commit) must be the
+        primary's. A caller that stops reading leaves the run where it stopped."""
+        assert allowed is None and response_format is None, "no grammar in these requests"
+        assert num_context_tokens == len(self.primary_context), "the caller does not know the primary's context"
+        for token, is_last in self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids):
+            yield Decoded(token, 0.0, self.other_rows, (token,), is_run_end=is_last)
+
+    def _run(self, accepted_nodes, committed_token_ids, max_tokens, stop_token_ids) -> Iterator[tuple[int, bool]]:
+        """A run of plain steps, a (token, is_last) at a time: the primary commits every token but the last."""
+        call = {
+            "accepted_nodes": tuple(accepted_nodes),
+            "committed": list(committed_token_ids),
+            "max_tokens": max_tokens,
+        }
+        self.calls.append(("decode", call))
         self._settle()
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
-        tokens: list[int] = []
-        while True:  # a run: the primary commits every token but the last
-            tokens.append(primary_next(self.primary_context))
-            self.truth.append(tokens[-1])
-            if len(tokens) >= max(1, max_tokens) or tokens[-1] in stop_token_ids:
-                break
-            self.primary_context.append(tokens[-1])
-        self.calls[-1][1]["num_tokens"] = len(tokens)
-        return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
-
-    async def decode_stream(self, *args, num_context_tokens=0, **kwargs):
-        """decode's run as the primary streams it: a token a message, every one but the last committed
-        by the primary; the caller's context (before its commit) must be the primary's."""
-        assert num_context_tokens == len(self.primary_context), "the caller does not know the primary's context"
-        decoded = await self.decode(*args, **kwargs)
-        for i, token in enumerate(decoded.token_ids):
-            yield Decoded(token, 0.0, self.other_rows, (token,), is_run_end=i == len(decoded.token_ids) - 1)
+        call["num_tokens"] = 0
+        while True:
+            token = primary_next(self.primary_context)
+            self.truth.append(token)
+            call["num_tokens"] += 1
+            is_last = call["num_tokens"] >= max(1, max_tokens) or token in stop_token_ids
+            if not is_last:
+                self.primary_context.append(token)
+            yield token, is_last
+            if is_last:
+                return
 
     async def validate(
         self, request_id, mode, sampling, acceptance_threshold, position, tree, verified, allowed=None
@@ -1031,6 +1055,12 @@ class TimedBackends(FakeBackends):
         await asyncio.sleep(self.decode_s)
         return await super().decode(*args, **kwargs)
 
+    async def decode_stream(self, *args, **kwargs):
+        self.events.append("decode")
+        await asyncio.sleep(self.decode_s)
+        async for decoded in super().decode_stream(*args, **kwargs):
+            yield decoded
+
 
 def test_the_next_step_runs_while_the_last_one_is_written_and_only_stored_tokens_go_out():
     """The store's round trip is off the step's path: step k+1's Decode starts before step k's write
@@ -1356,6 +1386,29 @@ def test_prompt_lookup_is_asked_only_where_the_contexts_tail_repeats():
     num_gated = sum(name == "propose" for name, _ in gated.calls)
     num_ungated = sum(name == "propose" for name, _ in ungated.calls)
     assert num_gated <= num_repeats < num_ungated
+
+
+def test_a_run_is_cut_where_the_output_comes_to_repeat_earlier_text(monkeypatch):
+    """A streamed run is opened while prompt lookup has nothing to draft (the tail repeats nothing), so
+    with no other decoder to probe it would decode to the request's end; once the output comes to
+    repeat earlier text mid-run and the controller would draft there, the loop cuts the run and its
+    Verify names the context it received (the primary drops the run's tokens past it). Output is plain
+    decoding's; the copy is drafted instead of decoded a token a step."""
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", lambda context: context[-1] % 9 + 1)  # 7 8 9 1 ...
+    expected = plain_decoding(PROMPT, 60)
+    context, repeats_at = RepeatIndex(PROMPT), set()
+    for position, token in enumerate(expected):
+        if context.tail_repeats():
+            repeats_at.add(position)
+        context.extend([token])
+    backends = FakeBackends()
+    loop = run(make_params(degree=1, draft_length=4, strategies=(LOOKUP,)), backends, min_repeat_tokens=3)
+    assert loop.outcome.token_ids == expected
+    cuts = [c for name, c in backends.calls if name == "verify" and c["num_context_tokens"]]
+    assert cuts, "no run was cut"
+    for cut in cuts:
+        assert cut["position"] in repeats_at and cut["num_context_tokens"] == len(PROMPT) + cut["position"]
+    assert loop.stats.num_accepted >= 4  # drafted, not decoded a token a step to the end as one run
 
 
 def test_the_gateways_step_costs_hear_every_undisturbed_step():

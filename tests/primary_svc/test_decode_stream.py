@@ -16,7 +16,7 @@ from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.v1 import logprobs_pb2, primary_pb2
+from specdec.v1 import common_pb2, logprobs_pb2, primary_pb2
 from tests.grpc_serving import primary_stub
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
@@ -153,6 +153,30 @@ def test_a_cancelled_stream_keeps_the_request_and_goes_on_from_what_its_caller_r
     assert stats.num_active_requests == 1 and stats.kv_bytes > 0
     release(stub, "c", lease)
     assert engine.kv_bytes == 0
+
+
+def test_a_verify_after_a_cancelled_stream_goes_on_from_what_its_caller_received(primary, reference):
+    """A caller that cut its run to verify a tree (the gateway, where the output comes to repeat earlier
+    text) names its context in the Verify: the run's tokens past it are dropped, and the tree of the
+    next tokens is verified against plain decoding's; fewer tokens than the request holds' prompt, or
+    more than it holds, is INVALID_ARGUMENT naming the field."""
+    stub, engine, _ = primary
+    lease = prefill(stub, "cut")
+    call = stream(stub, "cut", lease, [], RUN)
+    received = [next(call).token_ids[0] for _ in range(4)]
+    call.cancel()
+    assert received == reference[:4]
+    for bad in (len(PROMPT) - 1, len(PROMPT) + 2 * RUN):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Verify(primary_pb2.VerifyRequest(request_id="cut", kv_lease=lease, num_context_tokens=bad))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_context_tokens" in e.value.details()
+    tree = common_pb2.TokenTree(token_ids=reference[4:8], parents=[-1, 0, 1, 2])
+    verified = stub.Verify(
+        primary_pb2.VerifyRequest(request_id="cut", kv_lease=lease, tree=tree, num_context_tokens=len(PROMPT) + 4)
+    )
+    assert list(verified.argmax_token_ids) == reference[4:9]
+    assert engine.token_ids("cut") == PROMPT + reference[:4]  # the tree is committed by the next call
+    release(stub, "cut", lease)
 
 
 @pytest.mark.parametrize(
