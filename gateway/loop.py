@@ -663,6 +663,7 @@ class RequestLoop:
                 return self.run_plan, tokens, None, logprobs
             await self._close_run()
             self.num_context_after_run = len(self.prompt_ids) + len(self.generated)
+            self.stats.num_runs_cut_at_repeat += 1
             return await self._speculative_step(at_repeat)
         plan = self._plan()
         if plan.is_speculative:
@@ -740,8 +741,9 @@ class RequestLoop:
         planned while prompt lookup has nothing to draft (known silent: plain_steps_ahead cannot see a
         repeat coming), so a copy that starts mid-run would otherwise be decoded a token a step to the
         run's end. Cutting the run costs the engine step the primary took past the loop's last token.
-        Not under a grammar: the primary's run keeps its own grammar state."""
-        if self.repeats is None or self.grammar is not None or not self._tail_repeats():
+        Under a grammar too: the loop's grammar has accepted every token it received, and the primary's
+        own state of it follows the request's committed output (primary_svc.run_grammars)."""
+        if self.repeats is None or not self._tail_repeats():
             return None
         plan = self._plan()
         return plan if plan.is_speculative else None

@@ -435,3 +435,32 @@ def test_a_logit_bias_beyond_the_vocabulary_is_invalid_argument(gateway_stub):
         generate(gateway_stub, [("user", "Hi")], sampling=common_pb2.SamplingParams(logit_bias={1 << 30: 1.0}))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("sampling.logit_bias: token id 1073741824 is not below the vocab_size")
+
+
+COPYING_MESSAGES = [
+    (
+        "user",
+        "Write a Python class Point with x and y, then write three functions that each create a Point and print "
+        "its x and y.",
+    )
+]
+COPYING_NEW_TOKENS = 192
+
+
+@pytest.mark.parametrize("is_json", [False, True])
+def test_plain_runs_are_cut_where_the_answer_repeats_itself_with_the_same_output(gateway_stub, is_json):
+    """The default model's answer to COPYING_MESSAGES comes to repeat its own lines (greedy). Under the
+    product's adaptive speculation the primary streams plain runs; where the answer comes to repeat
+    earlier text the loop cuts the run to draft the copy, and the primary drops what the run decided
+    past the cut (VerifyRequest.num_context_tokens): the output is plain decoding's, also under a
+    response format, whose grammar state the primary rebuilds from the committed output."""
+    fmt = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT) if is_json else None
+    plain = generate(
+        gateway_stub, COPYING_MESSAGES, is_enabled=False, max_new_tokens=COPYING_NEW_TOKENS, response_format=fmt
+    )
+    req = gateway_pb2.GenerateRequest(max_new_tokens=COPYING_NEW_TOKENS, response_format=fmt)  # product defaults
+    req.chat.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in COPYING_MESSAGES)
+    out = gateway_stub.Generate(req, timeout=300)
+    assert list(out.token_ids) == list(plain.token_ids), (out.text, plain.text)
+    assert out.stats.num_runs_cut_at_repeat >= 1, out.stats
+    assert out.stats.num_accepted_tokens > 0

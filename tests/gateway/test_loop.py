@@ -1409,6 +1409,7 @@ def test_a_run_is_cut_where_the_output_comes_to_repeat_earlier_text(monkeypatch)
     for cut in cuts:
         assert cut["position"] in repeats_at and cut["num_context_tokens"] == len(PROMPT) + cut["position"]
     assert loop.stats.num_accepted >= 4  # drafted, not decoded a token a step to the end as one run
+    assert loop.stats.num_runs_cut_at_repeat == len(cuts) and loop.stats.to_pb().num_runs_cut_at_repeat == len(cuts)
 
 
 def test_the_gateways_step_costs_hear_every_undisturbed_step():
