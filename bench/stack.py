@@ -108,7 +108,7 @@ def stats_dict(stats: gateway_pb2.GenerationStats) -> dict[str, Any]:
         "num_proposed": stats.num_proposed_tokens,
         "num_accepted": stats.num_accepted_tokens,
         "num_forced_tokens": stats.num_forced_tokens,
-        "num_runs_cut_at_repeat": stats.num_runs_cut_at_repeat,
+        "num_runs_ended_at_repeat": stats.num_runs_ended_at_repeat,
         "tokens_per_second": stats.tokens_per_second,
         "stage_ms": {
             "draft": st.draft_ms,

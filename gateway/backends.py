@@ -348,13 +348,11 @@ class Backends:
         return_features: bool = False,
         logprobs: LogprobsRequest | None = None,
         sampling: SamplingParams | None = None,
-        num_context_tokens: int = 0,
     ) -> Verified:
         """`allowed`: the grammar's packed mask of the tree's N + 1 rows, or None. `return_features`: the
         rows' features come back (Verified.features), beside the logits in shared memory when those are.
         `sampling`: the request's, when it has penalties or a logit_bias; the primary then returns every
-        row processed from its node's history (VerifyRequest.sampling). `num_context_tokens`: the context
-        the caller knows before committed_token_ids, after a streamed run it cancelled (0: unchecked)."""
+        row processed from its node's history (VerifyRequest.sampling)."""
         r = await self._call(
             "primary",
             self.primary.Verify,
@@ -371,7 +369,6 @@ class Backends:
                 return_features=return_features,
                 logprobs=_logprobs_pb(logprobs),
                 sampling=None if sampling is None else pb.sampling_to_pb(sampling),
-                num_context_tokens=num_context_tokens,
             ),
         )
         own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's
@@ -401,6 +398,7 @@ class Backends:
         response_format: ResponseFormat | None = None,
         logprobs: LogprobsRequest | None = None,
         num_context_tokens: int = 0,
+        stop_at_repeat_tokens: int = 0,
     ) -> AsyncGenerator[Decoded, None]:
         """Plain steps from committed_token_ids (PrimaryService.DecodeStream): one Decoded per engine
         step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (greedy, no
@@ -408,7 +406,8 @@ class Backends:
         `stop_token_ids`; the primary commits every token of it but the last. With `response_format`
         (instead of `allowed`) the primary masks every token by its own state of the request's
         grammar. `num_context_tokens`: the context the caller knows before committed_token_ids (the
-        primary drops tokens of a cancelled run past it). Closing the iterator early (aclose, or
+        primary drops tokens of a cancelled run past it). `stop_at_repeat_tokens` > 0: the run also ends
+        where the context's last that many tokens occurred earlier. Closing the iterator early (aclose, or
         cancelling the task that awaits it) cancels the call: the primary stops the run at its next
         step and keeps the request open."""
         request = primary_pb2.DecodeRequest(
@@ -423,6 +422,7 @@ class Backends:
             stop_token_ids=stop_token_ids,
             response_format=None if response_format is None else pb.response_format_to_pb(response_format),
             num_context_tokens=num_context_tokens,
+            stop_at_repeat_tokens=stop_at_repeat_tokens,
             logprobs=_logprobs_pb(logprobs),
         )
         call = self.primary.DecodeStream(

@@ -655,6 +655,16 @@ class AdaptiveController:
             is_probe=True,
         )
 
+    def would_draft(
+        self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float] | None = None
+    ) -> bool:
+        """Whether plan() would draft now with `known_coverage`, without planning (the state is left
+        as it is): speculation is on, or the best choice turns it on. A probe due is not counted."""
+        if state.is_speculating:
+            return True
+        choice = self._choice(state, known_coverage or {})
+        return bool(choice.sources) and choice.expected_speedup >= self._config.on_above
+
     def plain_steps_ahead(
         self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float] | None = None
     ) -> int:

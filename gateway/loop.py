@@ -59,14 +59,21 @@ from gateway.backends import (
     features_of_rows,
 )
 from gateway.call_deadlines import CallDeadlines
-from gateway.controller import AdaptiveController, ControllerConfig, ControllerState, SpeculationPlan, infer_task_type
+from gateway.controller import (
+    NEVER_DRAFTS,
+    AdaptiveController,
+    ControllerConfig,
+    ControllerState,
+    SpeculationPlan,
+    infer_task_type,
+)
 from gateway.config import GRAMMAR_MAX_SPELLINGS
 from gateway.acceptance_memory import AcceptanceMemory
 from gateway.cost_model import CostModel, CostSettings, cost_model_for, one_row_ms
 from gateway.dependencies import DependencyState
 from gateway.node_pool import Node
 from gateway.params import GenerationParams, SpeculationParams
-from gateway.repeats import MIN_REPEAT_TOKENS, RepeatIndex
+from specdec.repeats import MIN_REPEAT_TOKENS, RepeatIndex
 from gateway.request_record import RequestRecord
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
@@ -413,10 +420,8 @@ class RequestLoop:
         # per loop step, and the plan that opened it (each of its steps is a step of that plan).
         self.run_stream: AsyncGenerator[Decoded, None] | None = None
         self.run_plan = SpeculationPlan()
-        # > 0: the context the loop holds, after it cancelled a run mid-way for a speculative step; the
-        # next Verify names it (VerifyRequest.num_context_tokens) and the primary drops the run's tokens
-        # the loop never received.
-        self.num_context_after_run = 0
+        # The last run was opened to end where the output comes to repeat earlier text (_stop_at_repeat).
+        self.is_run_stopping_at_repeat = False
         self.is_step_disturbed = False  # the step being computed waited on a recovery
 
     def _init_calls(
@@ -484,7 +489,7 @@ class RequestLoop:
             )
             self.controller_state = self._restore_controller(controller_state)
             self.stats.task_type = self.controller_state.task_type.value
-        # Whether the context's tail repeats earlier text: where prompt lookup can pay (gateway.repeats);
+        # Whether the context's tail repeats earlier text: where prompt lookup can pay (specdec.repeats);
         # min_repeat_tokens 0: prompt lookup is planned like any decoder, from its estimate alone.
         self.repeats = (
             RepeatIndex(self.prompt_ids, min_repeat_tokens)
@@ -657,14 +662,11 @@ class RequestLoop:
         """A step up to its new tokens: the plan, then propose -> verify -> validate, or one decode;
         with the tokens' log probabilities when the request asks for them (else [])."""
         if self.run_stream is not None:  # a streamed run goes on: its next engine step, as planned
-            at_repeat = self._plan_at_repeat()
-            if at_repeat is None:
-                tokens, logprobs = await self._plain_step()
-                return self.run_plan, tokens, None, logprobs
-            await self._close_run()
-            self.num_context_after_run = len(self.prompt_ids) + len(self.generated)
-            self.stats.num_runs_cut_at_repeat += 1
-            return await self._speculative_step(at_repeat)
+            tokens, logprobs = await self._plain_step()
+            return self.run_plan, tokens, None, logprobs
+        if self.is_run_stopping_at_repeat:  # the last run ended: where a copy starts, or at its length
+            self.is_run_stopping_at_repeat = False
+            self.stats.num_runs_ended_at_repeat += self._tail_repeats()
         plan = self._plan()
         if plan.is_speculative:
             return await self._speculative_step(plan)
@@ -735,21 +737,8 @@ class RequestLoop:
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
-    def _plan_at_repeat(self) -> SpeculationPlan | None:
-        """Inside a streamed run: the speculative plan, when the context's tail has come to repeat
-        earlier text and the controller would draft there; else None and the run goes on. A run is
-        planned while prompt lookup has nothing to draft (known silent: plain_steps_ahead cannot see a
-        repeat coming), so a copy that starts mid-run would otherwise be decoded a token a step to the
-        run's end. Cutting the run costs the engine step the primary took past the loop's last token.
-        Under a grammar too: the loop's grammar has accepted every token it received, and the primary's
-        own state of it follows the request's committed output (primary_svc.run_grammars)."""
-        if self.repeats is None or not self._tail_repeats():
-            return None
-        plan = self._plan()
-        return plan if plan.is_speculative else None
-
     def _tail_repeats(self) -> bool:
-        """Whether the context's last tokens occurred earlier (gateway.repeats), the index brought up to
+        """Whether the context's last tokens occurred earlier (specdec.repeats), the index brought up to
         the output so far."""
         assert self.repeats is not None
         done = len(self.repeats) - len(self.prompt_ids)
@@ -775,7 +764,7 @@ class RequestLoop:
         """What the loop knows a decoder will propose this step, before the controller plans
         (AdaptiveController.plan): grammar-forced drafts nothing where the grammar forces no text next
         (free text, a choice between values); prompt lookup nothing worth a step where the context's
-        tail does not repeat earlier text (gateway.repeats: its 1- and 2-token matches); the
+        tail does not repeat earlier text (specdec.repeats: its 1- and 2-token matches); the
         prediction decoder, which follows the same alignment as the loop's, nothing while the output
         does not follow the prediction (or it is used up), and surely while it does."""
         known: dict[tuple[str, int], float] = {}
@@ -883,10 +872,7 @@ class RequestLoop:
         fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
         if self._is_bonus_scored():
             fmt = FORMAT_FP32  # the validator scores the token it draws: from the primary's own fp32 rows
-        context: dict[str, Any] = (
-            {"num_context_tokens": self.num_context_after_run} if self.num_context_after_run else {}
-        )
-        verified = await self._with_primary(
+        return await self._with_primary(
             lambda: self.backends.verify(
                 self.request_id,
                 self.pending_accepted,
@@ -897,11 +883,8 @@ class RequestLoop:
                 **self._feature_request(planned),
                 **self._logprobs_request(),
                 **self._penalties_request(),
-                **context,
             )
         )
-        self.num_context_after_run = 0
-        return verified
 
     def _apply_decision(self, tree: DraftTree, verified: Verified, v: Validation) -> list[CandidateOutcome]:
         """The step's decision taken: what the primary and the draft service learn next, the carried
@@ -1050,6 +1033,8 @@ class RequestLoop:
         # A run under a grammar: the primary masks each token by its own state of the grammar.
         is_grammar_run = self.grammar is not None and max_tokens > 1
         allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
+        stop_at_repeat, max_tokens = self._stop_at_repeat(max_tokens) if max_tokens > 1 else (0, max_tokens)
+        self.is_run_stopping_at_repeat = stop_at_repeat > 0
         return self.backends.decode_stream(
             self.request_id,
             self.pending_accepted,
@@ -1062,8 +1047,28 @@ class RequestLoop:
             response_format=self.params.response_format if is_grammar_run else None,
             # what the primary holds before this call's commit: a cancelled run's extra tokens are dropped
             num_context_tokens=len(self.prompt_ids) + len(self.generated) - len(self.pending_committed),
+            stop_at_repeat_tokens=stop_at_repeat,
             **self._logprobs_request(),
         )
+
+    def _stop_at_repeat(self, max_tokens: int) -> tuple[int, int]:
+        """(stop_at_repeat_tokens, max_tokens) for a run of up to `max_tokens` opened now. A run is
+        opened while prompt lookup has nothing worth a step (the tail repeats nothing), so the
+        controller cannot see a copy coming; the primary ends the run where one starts (the repeat
+        index's n) when the controller would draft at a repeat, or probe prompt lookup there: at once
+        if it would draft or a probe is due, else the run stops short when a probe comes due, and
+        the next run stops at a repeat. Plans change only with observations, which a run makes none
+        of, so what holds at the open holds for the run (AdaptiveController.plain_steps_ahead)."""
+        if self.repeats is None or self.controller is None:
+            return 0, max_tokens
+        known = {key: c for key, c in self._known_coverage().items() if key[0] != PROMPT_LOOKUP_STRATEGY}
+        state = self._controller_state()
+        if self.controller.would_draft(state, known):
+            return self.repeats.n, max_tokens
+        ahead = self.controller.plain_steps_ahead(state, known)  # plain steps before a probe, with a repeat
+        if ahead == NEVER_DRAFTS:
+            return 0, max_tokens
+        return (self.repeats.n, max_tokens) if ahead <= 1 else (0, min(max_tokens, ahead))
 
     async def _close_run(self) -> None:
         """End the streamed run, if one is open: cancelled mid-run (the request ends, or its call

@@ -43,7 +43,7 @@ class RequestStats:
     num_cached_prompt_tokens: int = 0  # prompt tokens the primary took from its prefix cache
     num_accepted_prediction_tokens: int = 0  # the prediction decoder's draft tokens the primary accepted
     num_rejected_prediction_tokens: int = 0  # the prediction's tokens the output has not used (so far)
-    num_runs_cut_at_repeat: int = 0  # streamed plain runs cut where the output came to repeat earlier text
+    num_runs_ended_at_repeat: int = 0  # streamed plain runs ended where the output came to repeat earlier text
 
     @property
     def acceptance_rate(self) -> float:
@@ -152,7 +152,7 @@ class RequestStats:
             num_forced_tokens=self.num_forced_tokens,
             num_accepted_prediction_tokens=self.num_accepted_prediction_tokens,
             num_rejected_prediction_tokens=self.num_rejected_prediction_tokens,
-            num_runs_cut_at_repeat=self.num_runs_cut_at_repeat,
+            num_runs_ended_at_repeat=self.num_runs_ended_at_repeat,
         )
 
 

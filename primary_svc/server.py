@@ -32,6 +32,7 @@ from specdec.logits_shm import LogitsSlots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.penalties import penalize
+from specdec.repeats import RepeatIndex
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
@@ -44,6 +45,7 @@ _Verified = tuple[list[int], common_pb2.Logits, int, list[int], int, common_pb2.
 # this many engine steps, so a cancel or deadline is seen within them. A DecodeStream may ask for up to
 # the context: its caller hears of every step and cancels whenever it likes.
 MAX_DECODE_TOKENS = 64
+MAX_STOP_AT_REPEAT_TOKENS = 16  # DecodeRequest.stop_at_repeat_tokens' bound: longer repeats are copies too
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,7 +203,6 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             finish,
             num_lookahead=len(lookahead_ids),
             features_out=features_out,
-            num_context_tokens=request.num_context_tokens,
         )
         return primary_pb2.VerifyResponse(
             logits=payload,
@@ -316,6 +317,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.position))[0])
 
         max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None, max_run_tokens)
+        repeats = self._run_repeats(request, request_id)
         tokens: list[int] = []
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         decoded_logprobs: list[TokenLogprob] = []
@@ -327,7 +329,9 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             return tokens[-1], self.worker.step_rows
 
         def repeat(result: tuple[int, int]) -> tuple[int] | None:  # on the engine thread, after finish
-            return None if len(tokens) >= max_tokens or result[0] in stop else (result[0],)
+            if len(tokens) >= max_tokens or result[0] in stop or (repeats is not None and repeats(result[0])):
+                return None
+            return (result[0],)
 
         return finish, (repeat if max_tokens > 1 else None), tokens, decoded_logprobs
 
@@ -368,6 +372,25 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             )
         self.worker.built_engine().check_token_ids("stop_token_ids", request.stop_token_ids)
         return max_tokens, frozenset(request.stop_token_ids)
+
+    def _run_repeats(self, request, request_id: str) -> Callable[[int], bool] | None:
+        """For a Decode with stop_at_repeat_tokens: decoded token -> whether the context's tail repeats
+        earlier text with it (specdec.repeats), the index built from the request's tokens at the run's
+        first step (on the engine thread); None without."""
+        n = request.stop_at_repeat_tokens
+        if n > MAX_STOP_AT_REPEAT_TOKENS:
+            raise InvalidArgument("stop_at_repeat_tokens", f"must be at most {MAX_STOP_AT_REPEAT_TOKENS}, got {n}")
+        if n == 0:
+            return None
+        index: list[RepeatIndex] = []
+
+        def repeats(token: int) -> bool:
+            if not index:
+                index.append(RepeatIndex(self.worker.built_engine().token_ids(request_id), n))
+            index[0].extend((token,))
+            return index[0].tail_repeats()
+
+        return repeats
 
     def _run_grammar(
         self, request, request_id: str, has_allowed_tokens: bool, is_greedy: bool

@@ -448,12 +448,11 @@ COPYING_NEW_TOKENS = 192
 
 
 @pytest.mark.parametrize("is_json", [False, True])
-def test_plain_runs_are_cut_where_the_answer_repeats_itself_with_the_same_output(gateway_stub, is_json):
+def test_plain_runs_end_where_the_answer_repeats_itself_with_the_same_output(gateway_stub, is_json):
     """The default model's answer to COPYING_MESSAGES comes to repeat its own lines (greedy). Under the
-    product's adaptive speculation the primary streams plain runs; where the answer comes to repeat
-    earlier text the loop cuts the run to draft the copy, and the primary drops what the run decided
-    past the cut (VerifyRequest.num_context_tokens): the output is plain decoding's, also under a
-    response format, whose grammar state the primary rebuilds from the committed output."""
+    product's adaptive speculation the primary streams plain runs, which end where the answer comes to
+    repeat earlier text (DecodeRequest.stop_at_repeat_tokens) for the next step to draft the copy: the
+    output is plain decoding's, also under a response format."""
     fmt = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT) if is_json else None
     plain = generate(
         gateway_stub, COPYING_MESSAGES, is_enabled=False, max_new_tokens=COPYING_NEW_TOKENS, response_format=fmt
@@ -462,5 +461,5 @@ def test_plain_runs_are_cut_where_the_answer_repeats_itself_with_the_same_output
     req.chat.messages.extend(gateway_pb2.ChatMessage(role=r, content=c) for r, c in COPYING_MESSAGES)
     out = gateway_stub.Generate(req, timeout=300)
     assert list(out.token_ids) == list(plain.token_ids), (out.text, plain.text)
-    assert out.stats.num_runs_cut_at_repeat >= 1, out.stats
+    assert out.stats.num_runs_ended_at_repeat >= 1, out.stats
     assert out.stats.num_accepted_tokens > 0

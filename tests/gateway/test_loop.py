@@ -39,7 +39,7 @@ from gateway.loop import (
 )
 from gateway.cost_model import CostSettings, cost_model_for
 from gateway.params import GenerationParams, SpeculationParams
-from gateway.repeats import RepeatIndex
+from specdec.repeats import RepeatIndex
 from gateway.step_costs import StepCostConfig, StepCosts
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
@@ -106,6 +106,7 @@ class FakeBackends:
     lookahead_rows: tuple[int, ...] = ()
     other_rows: int = 0  # rows of other requests in each of the primary's steps (the load)
     is_continuing: bool = False  # prompt_lookup's rank 0 also returns its continuation past the draft
+    stops_at_repeat: list[int] = dataclasses.field(default_factory=list)  # each run's stop_at_repeat_tokens
 
     # --- primary ---
     async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
@@ -144,14 +145,9 @@ class FakeBackends:
         return self.other_rows
 
     async def verify(
-        self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None, num_context_tokens=0
+        self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None
     ) -> Verified:
         assert allowed is None, "no grammar in these requests"
-        if num_context_tokens:  # after a run the caller cut: what it never received is dropped
-            assert not accepted_nodes and not committed_token_ids and not self.decided, "a cut run commits nothing"
-            assert len(PROMPT) <= num_context_tokens <= len(self.truth), num_context_tokens
-            del self.truth[num_context_tokens:], self.primary_context[num_context_tokens:]
-            self.last_tree = None
         self.calls.append(
             (
                 "verify",
@@ -162,7 +158,6 @@ class FakeBackends:
                     "is_chain": tree.parents == tuple(range(-1, tree.num_nodes - 1)),
                     "num_lookahead": len(tree.lookahead_token_ids),
                     "position": len(self.truth) - len(PROMPT),  # tokens generated before this step's
-                    "num_context_tokens": num_context_tokens,
                 },
             )
         )
@@ -206,16 +201,21 @@ class FakeBackends:
         stop_token_ids=(),
         response_format=None,
         num_context_tokens=0,
+        stop_at_repeat_tokens=0,
     ):
         """decode's run as the primary streams it: a token a message as it decides it, every one but
         the last committed by the primary; the caller's context (before its commit) must be the
-        primary's. A caller that stops reading leaves the run where it stopped."""
+        primary's. With stop_at_repeat_tokens the run also ends where the context's tail repeats."""
         assert allowed is None and response_format is None, "no grammar in these requests"
         assert num_context_tokens == len(self.primary_context), "the caller does not know the primary's context"
-        for token, is_last in self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids):
+        self.stops_at_repeat.append(stop_at_repeat_tokens)
+        runs = self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens)
+        for token, is_last in runs:
             yield Decoded(token, 0.0, self.other_rows, (token,), is_run_end=is_last)
 
-    def _run(self, accepted_nodes, committed_token_ids, max_tokens, stop_token_ids) -> Iterator[tuple[int, bool]]:
+    def _run(
+        self, accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens=0
+    ) -> Iterator[tuple[int, bool]]:
         """A run of plain steps, a (token, is_last) at a time: the primary commits every token but the last."""
         call = {
             "accepted_nodes": tuple(accepted_nodes),
@@ -227,11 +227,13 @@ class FakeBackends:
         self._commit(accepted_nodes, committed_token_ids)
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         call["num_tokens"] = 0
+        repeats = RepeatIndex(self.primary_context, stop_at_repeat_tokens) if stop_at_repeat_tokens else None
         while True:
             token = primary_next(self.primary_context)
             self.truth.append(token)
             call["num_tokens"] += 1
-            is_last = call["num_tokens"] >= max(1, max_tokens) or token in stop_token_ids
+            is_repeat = repeats is not None and (repeats.extend([token]) or repeats.tail_repeats())
+            is_last = call["num_tokens"] >= max(1, max_tokens) or token in stop_token_ids or is_repeat
             if not is_last:
                 self.primary_context.append(token)
             yield token, is_last
@@ -1370,7 +1372,7 @@ def test_an_adaptive_request_tracks_a_tree_decoder_at_every_rank_up_to_its_degre
 
 def test_prompt_lookup_is_asked_only_where_the_contexts_tail_repeats():
     """With the repeat gate on, an adaptive request plans prompt lookup only at positions whose last
-    3 tokens occurred earlier (gateway.repeats); the fake's output rarely repeats, so it drafts far
+    3 tokens occurred earlier (specdec.repeats); the fake's output rarely repeats, so it drafts far
     less often than without the gate, and the output is plain decoding's either way."""
     expected = plain_decoding(PROMPT, 60)
     context = RepeatIndex(PROMPT)
@@ -1388,28 +1390,36 @@ def test_prompt_lookup_is_asked_only_where_the_contexts_tail_repeats():
     assert num_gated <= num_repeats < num_ungated
 
 
-def test_a_run_is_cut_where_the_output_comes_to_repeat_earlier_text(monkeypatch):
+def test_a_run_ends_where_the_output_comes_to_repeat_earlier_text(monkeypatch):
     """A streamed run is opened while prompt lookup has nothing to draft (the tail repeats nothing), so
-    with no other decoder to probe it would decode to the request's end; once the output comes to
-    repeat earlier text mid-run and the controller would draft there, the loop cuts the run and its
-    Verify names the context it received (the primary drops the run's tokens past it). Output is plain
-    decoding's; the copy is drafted instead of decoded a token a step."""
-    monkeypatch.setattr(sys.modules[__name__], "primary_next", lambda context: context[-1] % 9 + 1)  # 7 8 9 1 ...
-    expected = plain_decoding(PROMPT, 60)
-    context, repeats_at = RepeatIndex(PROMPT), set()
-    for position, token in enumerate(expected):
-        if context.tail_repeats():
-            repeats_at.add(position)
-        context.extend([token])
+    the controller cannot see a copy coming. Where it would draft at a repeat, the run asks the primary
+    to end where the output comes to repeat earlier text (stop_at_repeat_tokens), and the next step
+    drafts the copy. Here the output cycles, breaks off into new text, and cycles again: after the
+    break the controller (which saw prompt lookup's drafts accepted) turns speculation off, and the
+    run it opens ends where the cycle resumes. Output is plain decoding's."""
+
+    def cycling(context: Sequence[int]) -> int:
+        is_break = 30 <= len(context) - len(PROMPT) < 45
+        return (3 * context[-1] + context[-2] + len(context)) % 40 + 1 if is_break else context[-1] % 9 + 1
+
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling)
+    expected = plain_decoding(PROMPT, 80)
     backends = FakeBackends()
-    loop = run(make_params(degree=1, draft_length=4, strategies=(LOOKUP,)), backends, min_repeat_tokens=3)
+    params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80)
+    loop = run(params, backends, min_repeat_tokens=3)
     assert loop.outcome.token_ids == expected
-    cuts = [c for name, c in backends.calls if name == "verify" and c["num_context_tokens"]]
-    assert cuts, "no run was cut"
-    for cut in cuts:
-        assert cut["position"] in repeats_at and cut["num_context_tokens"] == len(PROMPT) + cut["position"]
-    assert loop.stats.num_accepted >= 4  # drafted, not decoded a token a step to the end as one run
-    assert loop.stats.num_runs_cut_at_repeat == len(cuts) and loop.stats.to_pb().num_runs_cut_at_repeat == len(cuts)
+    assert 3 in backends.stops_at_repeat
+    assert 1 <= loop.stats.num_runs_ended_at_repeat == loop.stats.to_pb().num_runs_ended_at_repeat
+    assert loop.stats.num_accepted >= 20  # both cycles drafted, not decoded a token a step
+
+
+def test_a_run_does_not_end_at_a_repeat_where_the_controller_would_not_draft():
+    """Where prompt lookup's drafts have failed, the controller would not draft at a repeat: runs then
+    go on through repeats (stop_at_repeat_tokens 0), each end costing a round trip for nothing."""
+    backends = FakeBackends(is_lookup_right=lambda n: False)
+    loop = run(make_params(degree=1, draft_length=4, strategies=(LOOKUP,)), backends, min_repeat_tokens=0)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    assert loop.stats.num_runs_ended_at_repeat == 0
 
 
 def test_the_gateways_step_costs_hear_every_undisturbed_step():

@@ -105,9 +105,10 @@ class TargetBackends:
             tokens.append(self._next())
         return Decoded(tokens[-1], 0.0, 0, tuple(tokens))
 
-    async def decode_stream(self, *args, num_context_tokens=0, **kwargs):
+    async def decode_stream(self, *args, num_context_tokens=0, stop_at_repeat_tokens=0, **kwargs):
         """decode's run as the primary streams it: a token a message, every one but the last committed
-        by the primary; the caller's context (before its commit) must be the primary's."""
+        by the primary; the caller's context (before its commit) must be the primary's. Its runs do not
+        end at repeats (stop_at_repeat_tokens: test_loop's fake does)."""
         assert num_context_tokens == len(self.context), "the caller does not know the primary's context"
         decoded = await self.decode(*args, **kwargs)
         tokens = decoded.token_ids or (decoded.token_id,)

@@ -16,7 +16,8 @@ from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.v1 import common_pb2, logprobs_pb2, primary_pb2
+from specdec.repeats import RepeatIndex
+from specdec.v1 import logprobs_pb2, primary_pb2
 from tests.grpc_serving import primary_stub
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
@@ -155,28 +156,18 @@ def test_a_cancelled_stream_keeps_the_request_and_goes_on_from_what_its_caller_r
     assert engine.kv_bytes == 0
 
 
-def test_a_verify_after_a_cancelled_stream_goes_on_from_what_its_caller_received(primary, reference):
-    """A caller that cut its run to verify a tree (the gateway, where the output comes to repeat earlier
-    text) names its context in the Verify: the run's tokens past it are dropped, and the tree of the
-    next tokens is verified against plain decoding's; fewer tokens than the request holds' prompt, or
-    more than it holds, is INVALID_ARGUMENT naming the field."""
+def test_a_stream_asked_to_stop_at_a_repeat_ends_where_the_context_repeats_itself(primary, reference):
+    """stop_at_repeat_tokens n: the run ends after the first token with which the context's last n
+    tokens occurred earlier (prompt and output), that token pending, as at a stop token."""
     stub, engine, _ = primary
-    lease = prefill(stub, "cut")
-    call = stream(stub, "cut", lease, [], RUN)
-    received = [next(call).token_ids[0] for _ in range(4)]
-    call.cancel()
-    assert received == reference[:4]
-    for bad in (len(PROMPT) - 1, len(PROMPT) + 2 * RUN):
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Verify(primary_pb2.VerifyRequest(request_id="cut", kv_lease=lease, num_context_tokens=bad))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_context_tokens" in e.value.details()
-    tree = common_pb2.TokenTree(token_ids=reference[4:8], parents=[-1, 0, 1, 2])
-    verified = stub.Verify(
-        primary_pb2.VerifyRequest(request_id="cut", kv_lease=lease, tree=tree, num_context_tokens=len(PROMPT) + 4)
-    )
-    assert list(verified.argmax_token_ids) == reference[4:9]
-    assert engine.token_ids("cut") == PROMPT + reference[:4]  # the tree is committed by the next call
-    release(stub, "cut", lease)
+    n = 2
+    index = RepeatIndex(PROMPT, n)
+    stop_at = next(i for i, token in enumerate(reference) if index.extend([token]) or index.tail_repeats())
+    lease = prefill(stub, "rep")
+    messages = list(stream(stub, "rep", lease, [], 2 * RUN, stop_at_repeat_tokens=n))
+    assert [m.token_ids[0] for m in messages] == reference[: stop_at + 1] and messages[-1].is_run_end
+    assert engine.num_tokens("rep") == len(PROMPT) + stop_at
+    release(stub, "rep", lease)
 
 
 @pytest.mark.parametrize(
@@ -186,6 +177,7 @@ def test_a_verify_after_a_cancelled_stream_goes_on_from_what_its_caller_received
         ({"max_tokens": 4, "stop_token_ids": [-1]}, grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
         ({"num_context_tokens": len(PROMPT) + 1}, grpc.StatusCode.INVALID_ARGUMENT, "num_context_tokens"),
         ({"num_context_tokens": len(PROMPT) - 1}, grpc.StatusCode.INVALID_ARGUMENT, "num_context_tokens"),
+        ({"max_tokens": 4, "stop_at_repeat_tokens": 17}, grpc.StatusCode.INVALID_ARGUMENT, "stop_at_repeat_tokens"),
         ({"committed_token_ids": [10**8]}, grpc.StatusCode.INVALID_ARGUMENT, "committed_token_ids"),
         ({"kv_lease": "not-the-lease"}, grpc.StatusCode.NOT_FOUND, "request_id"),
     ],

@@ -1,10 +1,10 @@
-"""The gateway's repeat index (gateway.repeats): does the context's tail occur earlier?"""
+"""The repeat index (specdec.repeats): does the context's tail occur earlier?"""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.repeats import RepeatIndex
+from specdec.repeats import RepeatIndex
 
 
 def test_the_tail_repeats_only_when_an_earlier_occurrence_was_followed_by_a_token():
