@@ -78,6 +78,7 @@ CACHE_FILE = "precision_autotune.json"
 CACHE_LOCK_FILE = "precision_autotune.lock"  # held by a start from reading the cache to writing its choice
 MAX_MEASURE_S = 20.0  # a start-up budget: candidates not reached by then are not measured
 AUTOTUNE_STAGE = "choosing the weight format"  # its progress events' stage (specdec.progress)
+WAITING_DETAIL = "waiting for another start's choice"  # the progress event of a start that waits for the lock
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,7 +183,7 @@ def choose_precision(
     candidates = tuple(p for p in candidates if p in PRECISIONS)
     key = f"{machine_key(num_threads)}/{Path(model_dir).name}"
     cache_path = Path(cache_dir) / CACHE_FILE
-    with _cache_lock(Path(cache_dir)):
+    with _cache_lock(Path(cache_dir), lambda: on_progress(AUTOTUNE_STAGE, 0, len(candidates), WAITING_DETAIL)):
         cached = _cached_choice(cache_path, key, candidates)
         if cached is not None:
             return cached
@@ -235,10 +236,11 @@ def measure_candidates(
 
 
 @contextlib.contextmanager
-def _cache_lock(cache_dir: Path) -> Iterator[None]:
+def _cache_lock(cache_dir: Path, on_wait: Callable[[], None]) -> Iterator[None]:
     """The cache's lock (CACHE_LOCK_FILE), held within: another start waits here for this one's
-    choice. The kernel releases an flock with its process, so a start that dies frees it. A cache
-    directory that cannot be written goes unlocked (nothing is cached there either)."""
+    choice, after on_wait() (a start's progress says what it waits for). The kernel releases an
+    flock with its process, so a start that dies frees it. A cache directory that cannot be written
+    goes unlocked (nothing is cached there either)."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         lock = open(cache_dir / CACHE_LOCK_FILE, "a")
@@ -247,7 +249,11 @@ def _cache_lock(cache_dir: Path) -> Iterator[None]:
         yield
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another start is measuring
+            on_wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 

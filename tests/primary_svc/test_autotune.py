@@ -121,9 +121,14 @@ def test_starts_at_once_serve_one_choice(tmp_path):
 
         return measure
 
+    waits = []
+
     def start(name: str, precision: str, wait_for_other: bool) -> None:
         measure = favouring(precision, wait_for_other)
-        choices[name] = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), measure)
+        on_progress = (lambda *event: None) if wait_for_other else (lambda *event: waits.append(event))
+        choices[name] = choose_precision(
+            tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), measure, on_progress=on_progress
+        )
 
     first = threading.Thread(target=start, args=("first", "bf16", True))
     first.start()
@@ -134,6 +139,7 @@ def test_starts_at_once_serve_one_choice(tmp_path):
     second.join(timeout=30)
     assert choices["first"].precision == choices["second"].precision == "bf16"
     assert choices["second"].is_cached and not second_measured.is_set()
+    assert waits == [(AUTOTUNE_STAGE, 0, 2, autotune.WAITING_DETAIL)]  # the second start said why it waited
 
 
 def test_starts_of_other_models_at_once_keep_each_others_entries(tmp_path):
