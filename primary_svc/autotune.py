@@ -17,21 +17,34 @@ averaged over the controller's task-type priors for alpha (structured, code, cre
 is plain decoding, so a format whose verify curve is steep still scores its plain speed.
 
 Measuring stops after MAX_MEASURE_S (the candidates are tried in order of preference, so a
-slow start still measures the likeliest winners); such an incomplete choice is used but not
-cached. The choice is cached per machine (CPU model and flags, core count, torch version, threads)
-and model, in the primary's cache directory, so only the first start pays for measuring. Any
-failure falls back to fp32 with the reason: `auto` never stops the service from starting.
+slow start still measures the likeliest winners); its reason names the candidates not measured.
+The choice is cached per machine (CPU model and flags, core count, torch version, threads) and
+model, in the primary's cache directory, so only the first start pays for measuring. Any failure
+falls back to fp32 with the reason: `auto` never stops the service from starting.
+
+The choice is made once per machine and model, and every later start serves it. The formats'
+greedy outputs differ (for the default model and a short chat prompt, int4 and int8 part at the
+7th token), and their scores are within a few percent of each other, so two measurements can pick
+either: a primary restarted mid-request (the gateway re-prefills it and goes on) or another node of
+the cluster (a failover) that measured again could serve other weights, and the request's output
+would change. So a start holds the cache's lock (`CACHE_LOCK_FILE`, an flock, released with the
+process should it die) from reading the cache to writing its choice: starts at once (a cluster's
+nodes, a restart beside another start) wait for the first one's choice instead of measuring their
+own, no write loses another's entry (a read-modify-write of the one file), and an incomplete
+measurement is cached too. `--precision` pins a format; deleting the cache file measures anew.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +75,10 @@ PROBE_CONTEXT_TOKENS = 64
 PROBE_REPEATS = 2
 PRIOR_ACCEPTANCES = (PRIOR_ACCEPTANCE_STRUCTURED, PRIOR_ACCEPTANCE_CODE, PRIOR_ACCEPTANCE_CREATIVE)
 CACHE_FILE = "precision_autotune.json"
+CACHE_LOCK_FILE = "precision_autotune.lock"  # held by a start from reading the cache to writing its choice
 MAX_MEASURE_S = 20.0  # a start-up budget: candidates not reached by then are not measured
 AUTOTUNE_STAGE = "choosing the weight format"  # its progress events' stage (specdec.progress)
+WAITING_DETAIL = "waiting for another start's choice"  # the progress event of a start that waits for the lock
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,21 +177,32 @@ def choose_precision(
     max_measure_s: float = MAX_MEASURE_S,
     on_progress: ProgressCallback = no_progress,
 ) -> PrecisionChoice:
-    """The candidate with the best score on this machine (cached), or fp32 with the reason why.
+    """The candidate with the best score on this machine, or fp32 with the reason why: the cached
+    choice when there is one, else measured and cached (under the cache's lock: see the module doc).
     on_progress: an event before each candidate's measurement and one with the choice."""
-    log = structlog.get_logger("primary_svc")
     candidates = tuple(p for p in candidates if p in PRECISIONS)
     key = f"{machine_key(num_threads)}/{Path(model_dir).name}"
     cache_path = Path(cache_dir) / CACHE_FILE
-    cached = _read_cache(cache_path).get(key)
-    if cached is not None and cached.get("precision") in candidates:
-        return PrecisionChoice(
-            cached["precision"],
-            cached["reason"] + " (cached)",
-            cached["tokens_per_s"],
-            {p: {int(k): v for k, v in c.items()} for p, c in cached["verify_ms"].items()},
-            is_cached=True,
-        )
+    with _cache_lock(Path(cache_dir), lambda: on_progress(AUTOTUNE_STAGE, 0, len(candidates), WAITING_DETAIL)):
+        cached = _cached_choice(cache_path, key, candidates)
+        if cached is not None:
+            return cached
+        choice = measure_candidates(model_dir, candidates, measure, max_measure_s, on_progress)
+        if choice.tokens_per_s:  # measured (a fallback is an error's, which a later start may not meet)
+            _write_cache(cache_path, key, choice)
+        return choice
+
+
+def measure_candidates(
+    model_dir: Path,
+    candidates: Sequence[str],
+    measure: Callable[[Path, str], dict[int, float]] = measure_candidate,
+    max_measure_s: float = MAX_MEASURE_S,
+    on_progress: ProgressCallback = no_progress,
+) -> PrecisionChoice:
+    """Measure the candidates in order, until max_measure_s has passed; the best scored, or fp32 with
+    the reason when none could be measured."""
+    log = structlog.get_logger("primary_svc")
     start = time.perf_counter()
     curves: dict[str, dict[int, float]] = {}
     failures = []
@@ -205,11 +231,44 @@ def choose_precision(
         + (f"; unavailable: {'; '.join(failures)}" if failures else "")
         + ")"
     )
-    choice = PrecisionChoice(best, reason, scores, curves)
     on_progress(AUTOTUNE_STAGE, len(candidates), len(candidates), f"chose {best}")
-    if not any("budget ran out" in f for f in failures):
-        _write_cache(cache_path, key, choice)  # a complete measurement only: a busy start re-measures
-    return choice
+    return PrecisionChoice(best, reason, scores, curves)
+
+
+@contextlib.contextmanager
+def _cache_lock(cache_dir: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """The cache's lock (CACHE_LOCK_FILE), held within: another start waits here for this one's
+    choice, after on_wait() (a start's progress says what it waits for). The kernel releases an
+    flock with its process, so a start that dies frees it. A cache directory that cannot be written
+    goes unlocked (nothing is cached there either)."""
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(cache_dir / CACHE_LOCK_FILE, "a")
+    except OSError as e:
+        structlog.get_logger("primary_svc").warning("precision choice not locked", error=str(e))
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another start is measuring
+            on_wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _cached_choice(cache_path: Path, key: str, candidates: Sequence[str]) -> PrecisionChoice | None:
+    """The choice cached under key, if it is one of the candidates."""
+    cached = _read_cache(cache_path).get(key)
+    if cached is None or cached.get("precision") not in candidates:
+        return None
+    return PrecisionChoice(
+        cached["precision"],
+        cached["reason"] + " (cached)",
+        cached["tokens_per_s"],
+        {p: {int(k): v for k, v in c.items()} for p, c in cached["verify_ms"].items()},
+        is_cached=True,
+    )
 
 
 def _read_cache(path: Path) -> dict:

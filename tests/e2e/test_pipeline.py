@@ -192,14 +192,16 @@ def test_stop_strings_and_cancel(gateway_stub):
     assert rest[-1].stats.num_generated_tokens < 4000
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="intermittent: after a restarted primary re-prefills the request, its output has diverged from the "
-    "undisturbed run a few tokens after the kill (seen twice in about ten runs; cause not yet found)",
-)
+def primary_precision(stack) -> str:
+    with stack.channel(PRIMARY) as ch:
+        info = primary_pb2_grpc.PrimaryServiceStub(ch).GetModelInfo(primary_pb2.GetModelInfoRequest(), timeout=10)
+        return info.precision
+
+
 def test_killed_primary_is_recovered_with_the_same_text(gateway_stub, stack, stream_in_background):
     messages = [("user", "Explain in a few sentences how a bicycle gear works.")]
     reference = generate(gateway_stub, messages, max_new_tokens=40)
+    precision = primary_precision(stack)
     req = gateway_pb2.GenerateRequest(request_id="survives-primary-crash", max_new_tokens=40)
     req.chat.messages.add(role="user", content=messages[0][1])
     req.speculation.is_enabled = True
@@ -207,6 +209,9 @@ def test_killed_primary_is_recovered_with_the_same_text(gateway_stub, stack, str
     stack.restart(PRIMARY)  # SIGKILL, then a fresh process on the same port
     reader.join(timeout=600)
     assert not errors, errors
+    # The restart serves its predecessor's weights (--precision auto's cached choice): other weights'
+    # greedy output parts from this one at the 7th token (primary_svc.autotune)
+    assert primary_precision(stack) == precision
     assert received[-1].is_final
     assert [tok for c in received for tok in c.token_ids] == list(reference.token_ids)
     assert "".join(c.text for c in received) == reference.text

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import threading
+
 import pytest
 
 from primary_svc import autotune
@@ -85,17 +88,75 @@ def test_unknown_candidates_are_ignored(tmp_path):
     assert choice.precision == "fp32" and set(choice.tokens_per_s) == {"fp32"}
 
 
-def test_the_budget_stops_measuring_and_an_incomplete_choice_is_not_cached(tmp_path):
+def test_the_budget_stops_measuring_and_the_incomplete_choice_is_kept(tmp_path):
+    """A busy start measures only the first candidates; a later start (a restart of that primary,
+    which the gateway re-prefills mid-request) serves the same format, not a new measurement's."""
     measured = []
 
     def slow(model_dir, precision):
         measured.append(precision)
-        return FLAT
+        return {"bf16": FLAT, "fp32": {k: v / 2 for k, v in FLAT.items()}}[precision]
 
     choice = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), slow, max_measure_s=0.0)
-    assert measured == ["bf16"] and choice.precision == "bf16" and "budget" in choice.reason
-    again = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), slow, max_measure_s=0.0)
-    assert not again.is_cached and measured == ["bf16", "bf16"]
+    assert measured == ["bf16"] and choice.precision == "bf16" and "fp32: not measured" in choice.reason
+    again = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), slow)  # would pick fp32
+    assert again.is_cached and again.precision == "bf16" and measured == ["bf16"]
+
+
+def test_starts_at_once_serve_one_choice(tmp_path):
+    """Two primaries starting together (a cluster's nodes, a restart beside another start) whose own
+    measurements would pick different formats: the second waits for the first's choice and serves
+    it, so a request moved between them (failover, re-prefill) keeps its greedy output."""
+    first_measuring, second_measured = threading.Event(), threading.Event()
+    choices: dict[str, autotune.PrecisionChoice] = {}
+
+    def favouring(precision: str, wait_for_other: bool):
+        def measure(model_dir, candidate):
+            if wait_for_other:  # the first start measures; the second one would measure meanwhile
+                first_measuring.set()
+                second_measured.wait(timeout=2)
+            else:
+                second_measured.set()
+            return FLAT if candidate == precision else {k: 2 * v for k, v in FLAT.items()}
+
+        return measure
+
+    waits = []
+
+    def start(name: str, precision: str, wait_for_other: bool) -> None:
+        measure = favouring(precision, wait_for_other)
+        on_progress = (lambda *event: None) if wait_for_other else (lambda *event: waits.append(event))
+        choices[name] = choose_precision(
+            tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), measure, on_progress=on_progress
+        )
+
+    first = threading.Thread(target=start, args=("first", "bf16", True))
+    first.start()
+    assert first_measuring.wait(timeout=30)
+    second = threading.Thread(target=start, args=("second", "fp32", False))
+    second.start()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert choices["first"].precision == choices["second"].precision == "bf16"
+    assert choices["second"].is_cached and not second_measured.is_set()
+    assert waits == [(AUTOTUNE_STAGE, 0, 2, autotune.WAITING_DETAIL)]  # the second start said why it waited
+
+
+def test_starts_of_other_models_at_once_keep_each_others_entries(tmp_path):
+    """Each write is a read-modify-write of the one file: without the lock, starts at once lost each
+    other's entries, and a lost entry's next start (a restart) measured, and could choose, anew."""
+    measure = curves(bf16=FLAT, fp32={k: v / 2 for k, v in FLAT.items()})
+    models = [f"model-{i}" for i in range(8)]
+    starts = [
+        threading.Thread(target=choose_precision, args=(tmp_path / m, tmp_path, 2, ("bf16", "fp32"), measure))
+        for m in models
+    ]
+    for t in starts:
+        t.start()
+    for t in starts:
+        t.join(timeout=30)
+    entries = json.loads((tmp_path / autotune.CACHE_FILE).read_text())
+    assert sorted(key.rsplit("/", 1)[1] for key in entries) == models
 
 
 def test_the_measurement_reports_its_progress_and_the_cached_choice_does_not(tmp_path):
