@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -57,6 +58,8 @@ SOURCE_DIR = Path(__file__).with_name("csrc")  # every .c here is compiled into 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"  # "0": never build or use the native kernels
 AMX_SWITCH = "SPECDEC_NATIVE_AMX"  # "0": never use the AMX tiles, even where the CPU has them
+# "1": time every forward's products, attention and the rest (csrc/profile.c; `forward_profile`)
+PROFILE_SWITCH = "SPECDEC_NATIVE_PROFILE"
 # 4-bit products of at least this many rows run on AMX tiles where the library has the path
 # (csrc/gemm_amx.c); fewer rows stay on AVX-512, where a tile's 16 rows cost more than the rows they
 # carry. Either path gives the same bits, so this moves only time (docs/benchmarks.md, "AMX products").
@@ -137,6 +140,9 @@ FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {
     "qgemm_encode_e4m3": (_I32, [_P, _I64, _I64, _F32, _P, _P]),
     "qgemm_byte_histograms": (None, [_P, _I64, _I64, _P]),
     "qgemm_byte_histograms_masked": (None, [_P, _I64, _I64, _P, _I64, _P]),
+    "qgemm_set_profile": (None, [_I32]),
+    "qgemm_profile": (_I64, [_P]),
+    "qgemm_profile_reset": (None, []),
 }
 
 
@@ -296,6 +302,7 @@ def library() -> ctypes.CDLL | None:
             return None
         _library = lib
         _amx_status = enable_amx(lib)
+        lib.qgemm_set_profile(os.environ.get(PROFILE_SWITCH, "0") == "1")
         log.info("native kernels loaded (%s)", path(lib))
         return lib
 
@@ -360,6 +367,37 @@ def status() -> str:
 def identity() -> str:
     """What a measurement of the int4/int8 step depends on here: the kernels' sources and whether they run."""
     return _source_hash()[:16] + " " + status()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardProfile:
+    """Where the native forwards' time went (csrc/profile.c), summed since the last reset: the
+    products, attention, and the rest of `qgemm_forward` (norms, quantization, RoPE, the KV write,
+    SiLU, residuals, and each phase's wait for its slowest thread)."""
+
+    num_forwards: int
+    products_s: float
+    attention_s: float
+    rest_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.products_s + self.attention_s + self.rest_s
+
+
+def set_profile(lib: ctypes.CDLL, is_on: bool) -> None:
+    """Turn the forward's timer on or off (at load: on under SPECDEC_NATIVE_PROFILE=1), and reset it."""
+    lib.qgemm_set_profile(int(is_on))
+    lib.qgemm_profile_reset()
+
+
+def forward_profile(lib: ctypes.CDLL, reset: bool = False) -> ForwardProfile:
+    """The timer's sums since the last reset (all zero while it is off); `reset` starts new ones."""
+    seconds = (ctypes.c_double * 3)()
+    num_forwards = lib.qgemm_profile(seconds)
+    if reset:
+        lib.qgemm_profile_reset()
+    return ForwardProfile(num_forwards, seconds[0], seconds[1], seconds[2])
 
 
 def _ptr(t: Tensor | None) -> int | None:

@@ -83,6 +83,7 @@ int qgemm_amx_built(void) { return QGEMM_AMX; }
  * is computed as by the single product. */
 void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
                   int num_threads) {
+    if (qgemm_is_profiling) qgemm_profile_mark(QGEMM_PART_REST);
 #if QGEMM_AMX
     if (on_amx(T, a->per_token) && qgemm_matmul_many_amx(a, T, ws, outs, count, num_threads) == 0)
         goto bias;
@@ -107,6 +108,7 @@ bias:
         if (ws[i]->bias)
             for (int64_t t = 0; t < T; ++t)
                 for (int64_t j = 0; j < ws[i]->n; ++j) outs[i][t * ws[i]->n + j] += ws[i]->bias[j];
+    if (qgemm_is_profiling) qgemm_profile_mark(QGEMM_PART_PRODUCTS);
 }
 
 /* out [T, w.n] = a @ w^T (+ bias) */

@@ -142,6 +142,19 @@ QGEMM_DEFINE_EXP(exp16, _mm512, __m512, __m512i, floor16, _mm512_castsi512_ps)
 
 static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+/* ---- profile.c: the forward's timer (qgemm_set_profile) ---- */
+
+enum { QGEMM_PART_PRODUCTS, QGEMM_PART_ATTENTION, QGEMM_PART_REST, QGEMM_NUM_PARTS };
+
+/* whether the timer is on: read before every call below, so that off costs a branch */
+QGEMM_HIDDEN extern int qgemm_is_profiling;
+/* a forward starts: the clock from here */
+QGEMM_HIDDEN void qgemm_profile_begin(void);
+/* the time since the last mark (or the start) was spent in `part`; nothing outside a forward */
+QGEMM_HIDDEN void qgemm_profile_mark(int part);
+/* a forward ends: the time since the last mark is the rest's */
+QGEMM_HIDDEN void qgemm_profile_end(void);
+
 /* ---- quants.c: an activation [T, k] quantized once for every product that reads it ---- */
 
 /* The 8-bit AVX-512 product reads each block's integer sum (xs); the other paths do not. */

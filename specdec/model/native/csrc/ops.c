@@ -156,6 +156,7 @@ int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t 
     float *out = malloc(sizeof(float) * (size_t)(T * C));
     att_seq *seqs = malloc(sizeof(att_seq) * (size_t)(num_spans ? num_spans : 1));
     int rc = (q && k && v && attn && out && seqs) ? 0 : -1;
+    if (qgemm_is_profiling) qgemm_profile_begin();
     for (int64_t l = 0; l < num_layers && !rc; ++l) {
         const qlayer *ly = layers + l;
         rc = qgemm_layer_pre(x, T, C, ly->norm1, ly->eps1, ly->q, ly->k, ly->v, H, Hkv, D, cos_t, sin_t,
@@ -180,13 +181,16 @@ int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t 
                 seqs[num_seqs++] = (att_seq){q + s->start * H * D, attn + s->start * H * D, s->n, s->num_cached + s->n,
                                              s->capacity, kc, vc, s->mask};
             }
+            if (qgemm_is_profiling) qgemm_profile_mark(QGEMM_PART_REST);
             if (num_seqs) rc = attend_seqs(seqs, num_seqs, H, Hkv, D, half, num_threads);
+            if (qgemm_is_profiling) qgemm_profile_mark(QGEMM_PART_ATTENTION);
         }
         if (!rc)
             rc = qgemm_layer_post(x, attn, T, C, ly->o, ly->norm2, ly->eps2, ly->gate, ly->up, ly->down, out,
                                   num_threads);
         if (!rc) memcpy(x, out, sizeof(float) * (size_t)(T * C));
     }
+    if (qgemm_is_profiling) qgemm_profile_end();
     free(q); free(k); free(v); free(attn); free(out); free(seqs);
     return rc;
 }

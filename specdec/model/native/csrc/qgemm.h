@@ -33,6 +33,7 @@
  *   ops.c            rmsnorm, rope, silu_mul, layer_pre, layer_post, forward
  *   attention.c      attention of a span's new rows over its KV cache
  *   logits.c         argmax rows, e4m3 encoding, byte histograms
+ *   profile.c        the forward's timer: products, attention, the rest
  *   abi.c            qgemm_abi: the structs' layout, checked against the ctypes mirror at load
  */
 #ifndef QGEMM_H
@@ -157,5 +158,17 @@ void qgemm_byte_histograms(const uint8_t *codes, int64_t R, int64_t V, uint32_t 
 /* The same counts over the positions row r allows: bit j % 32 of words[r * W + j / 32]. */
 void qgemm_byte_histograms_masked(const uint8_t *codes, int64_t R, int64_t V, const uint32_t *words, int64_t W,
                                   uint32_t *counts);
+
+/* ---- profile.c ---- */
+
+/* The forward's timer on (1) or off (0, the default): seconds of every qgemm_forward spent in the
+ * products, in attention and in the rest, summed until qgemm_profile_reset. */
+void qgemm_set_profile(int on);
+
+/* out[0..3) = seconds in products, attention, the rest, summed over the forwards since the last
+ * reset; returns how many forwards that was. */
+int64_t qgemm_profile(double *out);
+
+void qgemm_profile_reset(void);
 
 #endif

@@ -1,0 +1,122 @@
+"""The verify curve split by the native forward's timer: of each k-row verify, the milliseconds in
+the products, in attention, in the rest of the fused forward (norms, quantization, RoPE, the KV
+write, SiLU, residuals, and each phase's wait for its slowest thread) and outside it (embedding,
+the head's product and the engine's own work).
+
+    python -m bench.engine_split [--model_path PATH] [--precisions int4,int8_token]
+                                 [--contexts 256,2048] [--repeats 5] [--threads 2]
+
+`python -m bench.engine` prints the same split beside its curves; this runs only the curves, for
+before/after comparisons of the kernels. Each point is the fastest of `repeats` verifies, with the
+split of that same verify (csrc/profile.c times it from inside the one native call). Figures, not
+assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.model import native
+from specdec.model.loader import default_cache_dir, resolve_model_dir
+
+VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
+_REQUEST_ID = "__split_probe__"
+
+
+def _timed_verify(engine: Engine, lib, k: int) -> dict[str, float]:
+    """One verify of k rows (root + k-1 chained drafts), then a commit of one token; its split in ms."""
+    vocab = engine.vocab_size
+    drafts = [(2000 + j) % vocab for j in range(k - 1)]
+    native.forward_profile(lib, reset=True)
+    start = time.perf_counter()
+    engine.verify(_REQUEST_ID, drafts, [-1] + list(range(k - 2)) if drafts else [])
+    wall_ms = (time.perf_counter() - start) * 1000
+    p = native.forward_profile(lib, reset=True)
+    engine.commit(_REQUEST_ID, (), (7,))
+    return {
+        "ms": wall_ms,
+        "products_ms": p.products_s * 1000,
+        "attention_ms": p.attention_s * 1000,
+        "forward_rest_ms": p.rest_s * 1000,
+        "outside_ms": wall_ms - p.total_s * 1000,
+        "num_forwards": p.num_forwards,
+    }
+
+
+def split_curve(
+    engine: Engine, repeats: int, context_tokens: int, sizes: tuple[int, ...] = VERIFY_SIZES
+) -> dict[int, dict[str, float]]:
+    """For each k: the fastest of `repeats` verifies after context_tokens of context, with its split.
+    Turns the native timer on for the measurement and back off after it."""
+    lib = native.library()
+    assert lib is not None, native.status()
+    vocab = engine.vocab_size
+    engine.open(_REQUEST_ID, [i % vocab for i in range(1000, 1000 + context_tokens)])
+    native.set_profile(lib, True)
+    try:
+        engine.prefill(_REQUEST_ID)
+        engine.verify(_REQUEST_ID, (), ())  # warm-up
+        engine.commit(_REQUEST_ID, (), (7,))
+        curve = {}
+        for k in sizes:
+            runs = [_timed_verify(engine, lib, k) for _ in range(repeats + 1)][1:]  # the first warms the shape
+            curve[k] = min(runs, key=lambda r: r["ms"])
+        return curve
+    finally:
+        native.set_profile(lib, False)
+        engine.release(_REQUEST_ID)
+
+
+def format_split(curve: dict[int, dict[str, float]]) -> list[str]:
+    """The curve as lines: ms per k, its parts, and each part relative to k = 1's."""
+    one = curve[min(curve)]
+    lines = []
+    for label, key in (
+        ("verify ms", "ms"),
+        ("products", "products_ms"),
+        ("attention", "attention_ms"),
+        ("forward rest", "forward_rest_ms"),
+        ("outside forward", "outside_ms"),
+    ):
+        lines.append(f"{label:>16}  " + "  ".join(f"k={k}: {r[key]:6.2f}" for k, r in curve.items()))
+    lines.append(f"{'vs k=1':>16}  " + "  ".join(f"k={k}: {r['ms'] / one['ms']:5.2f}x" for k, r in curve.items()))
+    rest = {k: r["ms"] - r["products_ms"] for k, r in curve.items()}
+    lines.append(f"{'non-products ms':>16}  " + "  ".join(f"k={k}: {v:6.2f}" for k, v in rest.items()))
+    return lines
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_path", default=None)
+    p.add_argument("--precisions", default="int4,int8_token", help="comma-separated native precisions")
+    p.add_argument("--contexts", default="256,2048", help="comma-separated tokens of context before each curve")
+    p.add_argument("--repeats", type=int, default=5, help="verifies per point (the fastest counts)")
+    p.add_argument("--threads", type=int, default=2)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model_path, default_cache_dir())
+    contexts = [int(c) for c in args.contexts.split(",")]
+    max_context = max(contexts) + 1 + len(VERIFY_SIZES) * (args.repeats + 2) + max(VERIFY_SIZES)
+    print(f"kernels {native.identity()}, threads {args.threads}")
+    for precision in args.precisions.split(","):
+        loaded = load_model(model_dir, precision, max_positions=max_context, is_shared=False)
+        engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), max_context)
+        for context_tokens in contexts:
+            print(f"[{precision}] context {context_tokens}:")
+            for line in format_split(split_curve(engine, args.repeats, context_tokens)):
+                print(f"  {line}")
+        del engine, loaded
+
+
+if __name__ == "__main__":
+    main()
