@@ -18,7 +18,9 @@ function and struct; `impl.h` is internal (ISA detection, constants, fp16 helper
 quantizes activations; `gemm.c` runs the products' parallel loop and picks one product path
 (`gemm_avx512.c`, `gemm_avx2.c`, or the portable `gemm_generic.c`; each compiles to nothing when
 its instruction set is off, and `gemm.h` says how to add one); `ops.c` holds the fused layer parts,
-`attention.c` the attention, `logits.c` the logits helpers, `abi.c` the structs' layout.
+`forward.c` a whole forward's layers in one parallel region (`NativeStack`), `scratch.c` each
+thread's scratch, `attention.c` the attention, `logits.c` the logits helpers, `profile.c` the
+forward's timer, `abi.c` the structs' layout.
 
 The library is compiled on first use for the machine at hand (`cc -O3 -march=native -fopenmp`,
 every `csrc/*.c` in one invocation, a few seconds) into `~/.cache/specdec/native/`, keyed by every
