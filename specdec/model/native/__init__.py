@@ -63,9 +63,11 @@ AMX_SWITCH = "SPECDEC_NATIVE_AMX"  # "0": never use the AMX tiles, even where th
 # "1": time every forward's products, attention and the rest (csrc/profile.c; `forward_profile`)
 PROFILE_SWITCH = "SPECDEC_NATIVE_PROFILE"
 # 4-bit products of at least this many rows run on AMX tiles where the library has the path
-# (csrc/gemm_amx.c); fewer rows stay on AVX-512, where a tile's 16 rows cost more than the rows they
-# carry. Either path gives the same bits, so this moves only time (docs/benchmarks.md, "AMX products").
-AMX_MIN_ROWS = 16
+# (csrc/gemm_amx.c); fewer rows stay on AVX-512: inside the whole forward the tiles' per-call
+# unpacking and per-block rescale cost more than they save below ~32 rows (at 16 rows a int4 verify's
+# products took 7.5 ms on tiles against 6.2 on vectors). Either path gives the same bits, so this
+# moves only time (docs/benchmarks.md, "AMX products" and "Flat forward").
+AMX_MIN_ROWS = 32
 QK = 32  # weights per block
 COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)
 KIND_Q4, KIND_Q8, KIND_Q8T = 4, 8, 9  # csrc/qgemm.h: QW_Q4, QW_Q8, QW_Q8T (QW_Q8's weights, activations per token)
@@ -349,7 +351,7 @@ def enable_amx(lib: ctypes.CDLL, min_rows: int = AMX_MIN_ROWS) -> str:
 
 def path(lib: ctypes.CDLL) -> str:
     """The products' instruction path(s), for logs and benchmark headers: 'AVX512+VNNI', or
-    'AMX-INT8 from 16 rows, else AVX512+VNNI', with why AMX is off where the CPU has it."""
+    'AMX-INT8 from 32 rows, else AVX512+VNNI', with why AMX is off where the CPU has it."""
     isa = lib.qgemm_isa().decode()
     rows = lib.qgemm_amx_min_rows()
     if rows:
