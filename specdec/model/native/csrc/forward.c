@@ -175,11 +175,11 @@ static void layer(forward_ws *ws, float *x, int64_t T, int64_t C, const qlayer *
     qmatmul_many_for(act_of(ws, ACT_G, ly), T, &ly->down, &ws->d, 1, ws->team);
     QGEMM_PHASE_END(QGEMM_PART_PRODUCTS);
     const qlayer *next = l + 1 < num_layers ? ly + 1 : NULL;
-    QGEMM_FOR_ROWS(t, T, {
-        for (int64_t j = t * C; j < (t + 1) * C; ++j) x[j] = ws->d[j] + ws->o[j];    /* out = h + Wdown(...) */
+    QGEMM_FOR_ROW_BLOCKS(t0, num_rows, T, {
+        for (int64_t j = t0 * C; j < (t0 + num_rows) * C; ++j) x[j] = ws->d[j] + ws->o[j];  /* h + Wdown(...) */
         if (next) {
-            qgemm_rmsnorm(x + t * C, 1, C, next->norm1, next->eps1, ws->h + t * C);
-            qact_quantize_row(act_of(ws, ACT_X, next), ws->h + t * C, t, C);
+            qgemm_rmsnorm(x + t0 * C, num_rows, C, next->norm1, next->eps1, ws->h + t0 * C);
+            for (int64_t t = t0; t < t0 + num_rows; ++t) qact_quantize_row(act_of(ws, ACT_X, next), ws->h + t * C, t, C);
         }
     });
     QGEMM_PHASE_END(QGEMM_PART_REST);

@@ -48,6 +48,19 @@
         for (int64_t t = 0; t < (T); ++t) { body }                                        \
     } while (0)
 
+/* The same over blocks of up to QGEMM_NORM_ROWS rows, rows [t0, t0 + n) per block: the rows'
+ * RMSNorm sums run side by side (qgemm_rmsnorm), and a few rows still spread over every thread. */
+#define QGEMM_NORM_ROWS 8
+#define QGEMM_FOR_ROW_BLOCKS(t0, n, T, body)                                              \
+    do {                                                                                  \
+        const int64_t block_ = qgemm_row_block(T);                                        \
+        _Pragma("omp for schedule(static)")                                               \
+        for (int64_t t0 = 0; t0 < (T); t0 += block_) {                                    \
+            const int64_t n = (T) - t0 < block_ ? (T) - t0 : block_;                      \
+            body                                                                          \
+        }                                                                                 \
+    } while (0)
+
 /* AVX2 tiles with a 256-bit VNNI dot product (AVX-VNNI, or AVX-512 VNNI's VL forms) */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define QGEMM_DP8_VNNI 1
@@ -256,6 +269,9 @@ QGEMM_HIDDEN void attend_seqs_for(const att_seq *seqs, int64_t num_seqs, const a
 
 /* ---- ops.c: the row-wise parts of a layer, each an orphaned loop over rows (QGEMM_FOR_ROWS) ---- */
 
+/* rows per block of QGEMM_FOR_ROW_BLOCKS in the enclosing region: T over its threads, at most
+ * QGEMM_NORM_ROWS */
+QGEMM_HIDDEN int64_t qgemm_row_block(int64_t T);
 /* h = RMSNorm(x), then quantized into a; x, h [T, C] */
 QGEMM_HIDDEN void rows_norm_quantize(const float *x, int64_t T, int64_t C, const float *norm_w, float eps, float *h,
                                      qact *a);

@@ -9,15 +9,54 @@
  * the step. */
 #include "impl.h"
 
-/* out = x * rsqrt(mean(x^2) + eps) * weight, per row */
+#include <omp.h>
+
+/* ss[i] = the sum over j = 0, 1, ... of x_i[j] * x_i[j], each square rounded before it is added (no
+ * FMA contraction, on any compiler: the arithmetic of the one-row loop this replaced, as compiled),
+ * for the QGEMM_NORM_ROWS rows of x [QGEMM_NORM_ROWS, C]. The rows' addition chains are independent,
+ * so they run side by side: a row's chain alone waits on each addition's latency. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void sum_squares_block(const float *x, int64_t C, float *ss) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    float s[QGEMM_NORM_ROWS] = {0};
+    for (int64_t j = 0; j < C; ++j)
+        for (int i = 0; i < QGEMM_NORM_ROWS; ++i) s[i] += x[i * C + j] * x[i * C + j];
+    for (int i = 0; i < QGEMM_NORM_ROWS; ++i) ss[i] = s[i];
+}
+
+/* the same sum for one row */
+static float sum_squares_row(const float *r, int64_t C) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    float ss = 0.f;
+    for (int64_t j = 0; j < C; ++j) ss += r[j] * r[j];
+    return ss;
+}
+#pragma GCC pop_options
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight, per row, whole blocks of rows side by side */
 void qgemm_rmsnorm(const float *x, int64_t T, int64_t C, const float *weight, float eps, float *out) {
-    for (int64_t t = 0; t < T; ++t) {
-        const float *r = x + t * C;
-        float ss = 0.f;
-        for (int64_t j = 0; j < C; ++j) ss += r[j] * r[j];
-        const float inv = 1.f / sqrtf(ss / (float)C + eps);
-        for (int64_t j = 0; j < C; ++j) out[t * C + j] = weight[j] * (r[j] * inv);
+    float ss[QGEMM_NORM_ROWS];
+    for (int64_t t0 = 0; t0 < T; t0 += QGEMM_NORM_ROWS) {
+        const int64_t n = T - t0 < QGEMM_NORM_ROWS ? T - t0 : QGEMM_NORM_ROWS;
+        if (n == QGEMM_NORM_ROWS) sum_squares_block(x + t0 * C, C, ss);
+        else for (int64_t i = 0; i < n; ++i) ss[i] = sum_squares_row(x + (t0 + i) * C, C);
+        for (int64_t i = 0; i < n; ++i) {
+            const float *r = x + (t0 + i) * C;
+            float *o = out + (t0 + i) * C;
+            const float inv = 1.f / sqrtf(ss[i] / (float)C + eps);
+            for (int64_t j = 0; j < C; ++j) o[j] = weight[j] * (r[j] * inv);
+        }
     }
+}
+
+int64_t qgemm_row_block(int64_t T) {
+    const int64_t threads = omp_get_num_threads(), per_thread = (T + threads - 1) / threads;
+    return per_thread < 1 ? 1 : per_thread > QGEMM_NORM_ROWS ? QGEMM_NORM_ROWS : per_thread;
 }
 
 /* rotate-half RoPE in place on x [T, heads, D] with tables cos/sin [P, D] */
@@ -75,18 +114,18 @@ void rope_row(float *q, float *k, int64_t t, int64_t H, int64_t Hkv, int64_t D, 
 }
 
 void rows_norm_quantize(const float *x, int64_t T, int64_t C, const float *norm_w, float eps, float *h, qact *a) {
-    QGEMM_FOR_ROWS(t, T, {
-        qgemm_rmsnorm(x + t * C, 1, C, norm_w, eps, h + t * C);
-        qact_quantize_row(a, h + t * C, t, C);
+    QGEMM_FOR_ROW_BLOCKS(t0, num_rows, T, {
+        qgemm_rmsnorm(x + t0 * C, num_rows, C, norm_w, eps, h + t0 * C);
+        for (int64_t t = t0; t < t0 + num_rows; ++t) qact_quantize_row(a, h + t * C, t, C);
     });
 }
 
 void rows_residual_norm_quantize(float *o, const float *x, int64_t T, int64_t C, const float *norm_w, float eps,
                                  float *n, qact *a) {
-    QGEMM_FOR_ROWS(t, T, {
-        for (int64_t j = t * C; j < (t + 1) * C; ++j) o[j] += x[j];
-        qgemm_rmsnorm(o + t * C, 1, C, norm_w, eps, n + t * C);
-        qact_quantize_row(a, n + t * C, t, C);
+    QGEMM_FOR_ROW_BLOCKS(t0, num_rows, T, {
+        for (int64_t j = t0 * C; j < (t0 + num_rows) * C; ++j) o[j] += x[j];
+        qgemm_rmsnorm(o + t0 * C, num_rows, C, norm_w, eps, n + t0 * C);
+        for (int64_t t = t0; t < t0 + num_rows; ++t) qact_quantize_row(a, n + t * C, t, C);
     });
 }
 
