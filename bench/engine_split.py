@@ -1,7 +1,8 @@
 """The verify curve split by the native forward's timer: of each k-row verify, the milliseconds in
-the products, in attention, in the rest of the fused forward (norms, quantization, RoPE, the KV
-write, SiLU, residuals, and each phase's wait for its slowest thread) and outside it (embedding,
-the head's product and the engine's own work).
+the layers' products, in attention, in the rest of the fused forward ("row work": norms,
+quantization, RoPE, the KV write, SiLU, residuals, and each phase's wait for its slowest thread)
+and outside it (almost all of it the head's product over the k rows; then the embedding, the final
+norm and the engine's Python). "non-matmul" is attention + row work.
 
     python -m bench.engine_split [--model_path PATH] [--precisions int4,int8_token]
                                  [--contexts 256,2048] [--repeats 5] [--threads 2]
@@ -15,7 +16,10 @@ assertions.
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,20 +78,20 @@ def split_curve(
 
 
 def format_split(curve: dict[int, dict[str, float]]) -> list[str]:
-    """The curve as lines: ms per k, its parts, and each part relative to k = 1's."""
+    """The curve as lines: ms per k, its parts, and the step relative to k = 1's."""
     one = curve[min(curve)]
     lines = []
     for label, key in (
         ("verify ms", "ms"),
-        ("products", "products_ms"),
-        ("attention", "attention_ms"),
-        ("forward rest", "forward_rest_ms"),
+        ("layer products", "products_ms"),
         ("outside forward", "outside_ms"),
+        ("attention", "attention_ms"),
+        ("row work", "forward_rest_ms"),
     ):
         lines.append(f"{label:>16}  " + "  ".join(f"k={k}: {r[key]:6.2f}" for k, r in curve.items()))
+    non_matmul = {k: r["attention_ms"] + r["forward_rest_ms"] for k, r in curve.items()}
+    lines.append(f"{'non-matmul':>16}  " + "  ".join(f"k={k}: {v:6.2f}" for k, v in non_matmul.items()))
     lines.append(f"{'vs k=1':>16}  " + "  ".join(f"k={k}: {r['ms'] / one['ms']:5.2f}x" for k, r in curve.items()))
-    rest = {k: r["ms"] - r["products_ms"] for k, r in curve.items()}
-    lines.append(f"{'non-products ms':>16}  " + "  ".join(f"k={k}: {v:6.2f}" for k, v in rest.items()))
     return lines
 
 
@@ -98,6 +102,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", default="256,2048", help="comma-separated tokens of context before each curve")
     p.add_argument("--repeats", type=int, default=5, help="verifies per point (the fastest counts)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None, help="write the curves as JSON here")
     return p.parse_args()
 
 
@@ -108,14 +113,19 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     max_context = max(contexts) + 1 + len(VERIFY_SIZES) * (args.repeats + 2) + max(VERIFY_SIZES)
     print(f"kernels {native.identity()}, threads {args.threads}")
+    results: dict[str, Any] = {"kernels": native.identity(), "threads": args.threads}
     for precision in args.precisions.split(","):
         loaded = load_model(model_dir, precision, max_positions=max_context, is_shared=False)
         engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), max_context)
         for context_tokens in contexts:
+            curve = split_curve(engine, args.repeats, context_tokens)
+            results[f"{precision}@{context_tokens}"] = curve
             print(f"[{precision}] context {context_tokens}:")
-            for line in format_split(split_curve(engine, args.repeats, context_tokens)):
+            for line in format_split(curve):
                 print(f"  {line}")
         del engine, loaded
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":
