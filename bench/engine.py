@@ -249,7 +249,7 @@ def print_precision(name: str, r: dict[str, Any]) -> None:
         head = f"[{name}] context {curve['context_tokens']}:"
         print(f"{head} verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in curve["ms"].items()))
         print(f"{head} vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in curve["relative_to_1"].items()))
-        for line in format_split(curve["split"])[1:] if "split" in curve else []:
+        for line in format_split(curve["split"])[1:-1] if "split" in curve else []:
             print(f"{head} {line.strip()}")
     print(
         f"[{name}] prefill, one prompt alone (chunks of {r['prefill'][0]['chunk_tokens']}): "

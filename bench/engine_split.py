@@ -5,7 +5,8 @@ and outside it (almost all of it the head's product over the k rows; then the em
 norm and the engine's Python). "non-matmul" is attention + row work.
 
     python -m bench.engine_split [--model_path PATH] [--precisions int4,int8_token]
-                                 [--contexts 256,2048] [--repeats 5] [--threads 2]
+                                 [--contexts 256,2048] [--repeats 5] [--threads 2] [--amx-rows 16,32,0]
+                                 [--out split.json]
 
 `python -m bench.engine` prints the same split beside its curves; this runs only the curves, for
 before/after comparisons of the kernels. Each point is the fastest of `repeats` verifies, with the
@@ -16,10 +17,11 @@ assertions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -95,6 +97,20 @@ def format_split(curve: dict[int, dict[str, float]]) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def _amx_from(min_rows: int | None) -> Iterator[None]:
+    """4-bit products on AMX tiles from `min_rows` rows (0: never) within; None: as the library has it."""
+    lib = native.library()
+    assert lib is not None
+    before = lib.qgemm_amx_min_rows()
+    if min_rows is not None:
+        lib.qgemm_set_amx(min_rows)
+    try:
+        yield
+    finally:
+        lib.qgemm_set_amx(before)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_path", default=None)
@@ -102,6 +118,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", default="256,2048", help="comma-separated tokens of context before each curve")
     p.add_argument("--repeats", type=int, default=5, help="verifies per point (the fastest counts)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--amx-rows",
+        default="",
+        help="comma-separated row counts from which 4-bit products run on AMX tiles (0: never), one curve "
+        "each, in turn (the same bits at every value); empty: the library's own",
+    )
     p.add_argument("--out", default=None, help="write the curves as JSON here")
     return p.parse_args()
 
@@ -118,11 +140,13 @@ def main() -> None:
         loaded = load_model(model_dir, precision, max_positions=max_context, is_shared=False)
         engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), max_context)
         for context_tokens in contexts:
-            curve = split_curve(engine, args.repeats, context_tokens)
-            results[f"{precision}@{context_tokens}"] = curve
-            print(f"[{precision}] context {context_tokens}:")
-            for line in format_split(curve):
-                print(f"  {line}")
+            for amx_rows in [int(r) for r in args.amx_rows.split(",")] if args.amx_rows else [None]:
+                label = f"{precision}@{context_tokens}" + ("" if amx_rows is None else f" tiles from {amx_rows}")
+                with _amx_from(amx_rows):
+                    results[label] = split_curve(engine, args.repeats, context_tokens)
+                print(f"[{label}]:")
+                for line in format_split(results[label]):
+                    print(f"  {line}")
         del engine, loaded
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
