@@ -13,10 +13,10 @@ the primary's forward per plain step with `Engine.decode` in-process: a gap is o
 service around the engine. `llamacpp` (when llama-cpp-python is installed: `make bench-deps`)
 runs in a child process. Prints a table and writes JSON. Figures, not assertions.
 
-Each verify-curve point is one wall time: it is not split into the linear layers' products and the
-rest (attention, norms, RoPE, the KV write), because the native kernels run a whole layer in one
-call (specdec/model/native) with no timer inside, and timing the parts from Python would time a
-different, unfused path.
+Each verify-curve point is one wall time; for the native kernels it is also split, by the timer
+inside the one native forward call (specdec/model/native/csrc/profile.c, SPECDEC_NATIVE_PROFILE),
+into the products, attention, the rest of the forward and what runs outside it (bench/engine_split.py;
+`python -m bench.engine_split` runs the split curves alone).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.engine_split import format_split, split_curve
 from bench.peer_process import PeerProcess
 from bench.peers import default_gguf_path, llama_cpp_missing
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
@@ -88,9 +89,16 @@ def plain_decoding(engine: Engine, hf_model, prompts: list[list[int]], max_new_t
 
 
 def verify_curve(engine: Engine, repeats: int, context_tokens: int = CONTEXT_TOKENS) -> dict:
-    """Fastest ms of one verify of k nodes (root + k-1 chained drafts) after context_tokens of context."""
-    out = measure_verify_costs(engine, repeats, VERIFY_SIZES, context_tokens)
-    return {"context_tokens": context_tokens, "ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
+    """Fastest ms of one verify of k nodes (root + k-1 chained drafts) after context_tokens of context;
+    on the native forward, with that verify's split into products, attention and the rest."""
+    if engine.model.native_stack is None:
+        out = measure_verify_costs(engine, repeats, VERIFY_SIZES, context_tokens)
+        split = None
+    else:
+        split = split_curve(engine, repeats, context_tokens, VERIFY_SIZES)
+        out = {k: r["ms"] for k, r in split.items()}
+    curve = {"context_tokens": context_tokens, "ms": out, "relative_to_1": {k: v / out[1] for k, v in out.items()}}
+    return curve | ({"split": split} if split else {})
 
 
 def prefill_rate(engine: Engine, num_tokens: int, repeats: int) -> dict:
@@ -241,6 +249,8 @@ def print_precision(name: str, r: dict[str, Any]) -> None:
         head = f"[{name}] context {curve['context_tokens']}:"
         print(f"{head} verify ms  " + "  ".join(f"k={k}: {v:.1f}" for k, v in curve["ms"].items()))
         print(f"{head} vs k=1     " + "  ".join(f"k={k}: {v:.2f}x" for k, v in curve["relative_to_1"].items()))
+        for line in format_split(curve["split"])[1:-1] if "split" in curve else []:
+            print(f"{head} {line.strip()}")
     print(
         f"[{name}] prefill, one prompt alone (chunks of {r['prefill'][0]['chunk_tokens']}): "
         + ", ".join(f"{f['num_tokens']} tokens {f['tokens_per_s']:.0f} tok/s ({f['ms']:.0f} ms)" for f in r["prefill"])

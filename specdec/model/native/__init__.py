@@ -18,7 +18,9 @@ function and struct; `impl.h` is internal (ISA detection, constants, fp16 helper
 quantizes activations; `gemm.c` runs the products' parallel loop and picks one product path
 (`gemm_avx512.c`, `gemm_avx2.c`, or the portable `gemm_generic.c`; each compiles to nothing when
 its instruction set is off, and `gemm.h` says how to add one); `ops.c` holds the fused layer parts,
-`attention.c` the attention, `logits.c` the logits helpers, `abi.c` the structs' layout.
+`forward.c` a whole forward's layers in one parallel region (`NativeStack`), `scratch.c` each
+thread's scratch, `attention.c` the attention, `logits.c` the logits helpers, `profile.c` the
+forward's timer, `abi.c` the structs' layout.
 
 The library is compiled on first use for the machine at hand (`cc -O3 -march=native -fopenmp`,
 every `csrc/*.c` in one invocation, a few seconds) into `~/.cache/specdec/native/`, keyed by every
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -57,10 +60,14 @@ SOURCE_DIR = Path(__file__).with_name("csrc")  # every .c here is compiled into 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 ENV_SWITCH = "SPECDEC_NATIVE_KERNELS"  # "0": never build or use the native kernels
 AMX_SWITCH = "SPECDEC_NATIVE_AMX"  # "0": never use the AMX tiles, even where the CPU has them
+# "1": time every forward's products, attention and the rest (csrc/profile.c; `forward_profile`)
+PROFILE_SWITCH = "SPECDEC_NATIVE_PROFILE"
 # 4-bit products of at least this many rows run on AMX tiles where the library has the path
-# (csrc/gemm_amx.c); fewer rows stay on AVX-512, where a tile's 16 rows cost more than the rows they
-# carry. Either path gives the same bits, so this moves only time (docs/benchmarks.md, "AMX products").
-AMX_MIN_ROWS = 16
+# (csrc/gemm_amx.c); fewer rows stay on AVX-512: inside the whole forward the tiles' per-call
+# unpacking and per-block rescale cost more than they save below ~32 rows (at 16 rows a int4 verify's
+# products took 7.5 ms on tiles against 6.2 on vectors). Either path gives the same bits, so this
+# moves only time (docs/benchmarks.md, "AMX products" and "Flat forward").
+AMX_MIN_ROWS = 32
 QK = 32  # weights per block
 COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)
 KIND_Q4, KIND_Q8, KIND_Q8T = 4, 8, 9  # csrc/qgemm.h: QW_Q4, QW_Q8, QW_Q8T (QW_Q8's weights, activations per token)
@@ -137,6 +144,9 @@ FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {
     "qgemm_encode_e4m3": (_I32, [_P, _I64, _I64, _F32, _P, _P]),
     "qgemm_byte_histograms": (None, [_P, _I64, _I64, _P]),
     "qgemm_byte_histograms_masked": (None, [_P, _I64, _I64, _P, _I64, _P]),
+    "qgemm_set_profile": (None, [_I32]),
+    "qgemm_profile": (_I64, [_P]),
+    "qgemm_profile_reset": (None, []),
 }
 
 
@@ -296,6 +306,7 @@ def library() -> ctypes.CDLL | None:
             return None
         _library = lib
         _amx_status = enable_amx(lib)
+        lib.qgemm_set_profile(os.environ.get(PROFILE_SWITCH, "0") == "1")
         log.info("native kernels loaded (%s)", path(lib))
         return lib
 
@@ -340,7 +351,7 @@ def enable_amx(lib: ctypes.CDLL, min_rows: int = AMX_MIN_ROWS) -> str:
 
 def path(lib: ctypes.CDLL) -> str:
     """The products' instruction path(s), for logs and benchmark headers: 'AVX512+VNNI', or
-    'AMX-INT8 from 16 rows, else AVX512+VNNI', with why AMX is off where the CPU has it."""
+    'AMX-INT8 from 32 rows, else AVX512+VNNI', with why AMX is off where the CPU has it."""
     isa = lib.qgemm_isa().decode()
     rows = lib.qgemm_amx_min_rows()
     if rows:
@@ -360,6 +371,37 @@ def status() -> str:
 def identity() -> str:
     """What a measurement of the int4/int8 step depends on here: the kernels' sources and whether they run."""
     return _source_hash()[:16] + " " + status()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardProfile:
+    """Where the native forwards' time went (csrc/profile.c), summed since the last reset: the
+    products, attention, and the rest of `qgemm_forward` (norms, quantization, RoPE, the KV write,
+    SiLU, residuals, and each phase's wait for its slowest thread)."""
+
+    num_forwards: int
+    products_s: float
+    attention_s: float
+    rest_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.products_s + self.attention_s + self.rest_s
+
+
+def set_profile(lib: ctypes.CDLL, is_on: bool) -> None:
+    """Turn the forward's timer on or off (at load: on under SPECDEC_NATIVE_PROFILE=1), and reset it."""
+    lib.qgemm_set_profile(int(is_on))
+    lib.qgemm_profile_reset()
+
+
+def forward_profile(lib: ctypes.CDLL, reset: bool = False) -> ForwardProfile:
+    """The timer's sums since the last reset (all zero while it is off); `reset` starts new ones."""
+    seconds = (ctypes.c_double * 3)()
+    num_forwards = lib.qgemm_profile(seconds)
+    if reset:
+        lib.qgemm_profile_reset()
+    return ForwardProfile(num_forwards, seconds[0], seconds[1], seconds[2])
 
 
 def _ptr(t: Tensor | None) -> int | None:

@@ -1,5 +1,5 @@
 /* Attention of a span's new rows over its KV cache: qgemm_attention for one sequence, and
- * attend_seqs, which qgemm_forward calls for every span of a step at once. */
+ * attend_seqs_for, which qgemm_forward runs for every span of a step at once inside its region. */
 #include "impl.h"
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -92,8 +92,6 @@ static inline v8 fma8(v8 acc, v8 x, v8 y) {
 #define FMA8(acc, x, y) fma8(acc, x, y)
 #endif
 
-#define ATT_KEY_BLOCK 64     /* key rows per block: 16 KB of fp32 keys at D = 64, within L1 */
-#define ATT_MAX_CHUNK 48     /* queries per work item */
 
 #if QGEMM_AVX2
 /* hsum_v8 of eight vectors at once in one register, each with hsum_v8's own order of additions:
@@ -505,61 +503,58 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
 }
 
 /* Every sequence's queries, split into work items of at most `chunk` queries of one KV head (KV head
- * major within a sequence: L2 reuse), in ONE parallel loop over all sequences' items: a step of many
- * one-row decodes pays one fork/join a layer, not one per sequence. A query's bits do not depend on
- * the chunk it falls in (attend_chunk's paired and lone paths compute each query alike). */
-int attend_seqs(const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv, int64_t D, int half,
-                int num_threads) {
+ * major within a sequence: L2 reuse), in ONE worksharing loop over all sequences' items: a step of
+ * many one-row decodes shares one loop a layer, not one per sequence. A query's bits do not depend
+ * on the chunk it falls in (attend_chunk's paired and lone paths compute each query alike). */
+int att_plan_init(att_plan *p, const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv, int num_threads) {
     const int64_t group = H / Hkv;
-    int64_t total = 0, max_L = 1;
+    int64_t total = 0;
+    p->max_L = 1;
     for (int64_t i = 0; i < num_seqs; ++i) {
         total += seqs[i].n * H;
-        if (seqs[i].L > max_L) max_L = seqs[i].L;
+        if (seqs[i].L > p->max_L) p->max_L = seqs[i].L;
     }
     /* chunks small enough for two per thread, at most ATT_MAX_CHUNK queries */
-    int64_t chunk = (total + 4 * num_threads - 1) / (4 * (int64_t)num_threads);
-    chunk = chunk < 1 ? 1 : chunk > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : chunk;
-    int64_t *first_item = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
-    if (!first_item) return -1;
-    first_item[0] = 0;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    int64_t chunk = (total + 4 * threads - 1) / (4 * threads);
+    p->chunk = chunk < 1 ? 1 : chunk > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : chunk;
+    p->first_item = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (!p->first_item) return -1;
+    p->first_item[0] = 0;
     for (int64_t i = 0; i < num_seqs; ++i)
-        first_item[i + 1] = first_item[i] + Hkv * ((seqs[i].n * group + chunk - 1) / chunk);
-    const int64_t num_items = first_item[num_seqs];
+        p->first_item[i + 1] = p->first_item[i] + Hkv * ((seqs[i].n * group + p->chunk - 1) / p->chunk);
+    return 0;
+}
+
+void att_plan_free(att_plan *p) { free(p->first_item); p->first_item = NULL; }
+
+void attend_seqs_for(const att_seq *seqs, int64_t num_seqs, const att_plan *p, int64_t H, int64_t Hkv, int64_t D,
+                     int half, qscratch *team) {
+    const int64_t group = H / Hkv, chunk = p->chunk, num_items = p->first_item[num_seqs];
     const float scale = 1.f / sqrtf((float)D);
     const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
-    {
-        float *s = malloc(sizeof(float) * (size_t)(chunk * max_L));
-        int64_t *keys = malloc(sizeof(int64_t) * (size_t)max_L);
-        float *tmp = malloc(sizeof(float) * (size_t)max_L);
-        float *vf = malloc(sizeof(float) * (size_t)(ATT_KEY_BLOCK * D));   /* a value block widened to fp32 */
-        failed = !s || !keys || !tmp || !vf;
-        int64_t si = 0;   /* items come in ascending order per thread: the sequence search moves forward */
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; ++item) {
-            if (!s || !keys || !tmp || !vf) continue;
-            if (item < first_item[si]) si = 0;
-            while (item >= first_item[si + 1]) ++si;
-            const att_seq *a = seqs + si;
-            const int64_t per_kv = a->n * group, chunks_per_kv = (per_kv + chunk - 1) / chunk;
-            const int64_t local = item - first_item[si], kvh = local / chunks_per_kv;
-            const int64_t first = local % chunks_per_kv * chunk;
-            const int nq = (int)(first + chunk <= per_kv ? chunk : per_kv - first);
-            const float *qs[ATT_MAX_CHUNK];
-            float *os[ATT_MAX_CHUNK];
-            int64_t rs[ATT_MAX_CHUNK];
-            for (int i = 0; i < nq; ++i) {
-                const int64_t r = (first + i) / group, h = kvh * group + (first + i) % group;
-                rs[i] = r; qs[i] = a->q + (r * H + h) * D; os[i] = a->out + (r * H + h) * D;
-            }
-            attend_chunk(qs, rs, os, nq, D, (const char *)a->k + kvh * a->capacity * D * elem,
-                         (const char *)a->v + kvh * a->capacity * D * elem, half, a->L, a->mask, scale, s, keys, tmp, vf);
+    qscratch *mine = qscratch_mine(team);
+    int64_t si = 0;   /* items come in ascending order per thread: the sequence search moves forward */
+    #pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t item = 0; item < num_items; ++item) {
+        if (item < p->first_item[si]) si = 0;
+        while (item >= p->first_item[si + 1]) ++si;
+        const att_seq *a = seqs + si;
+        const int64_t per_kv = a->n * group, chunks_per_kv = (per_kv + chunk - 1) / chunk;
+        const int64_t local = item - p->first_item[si], kvh = local / chunks_per_kv;
+        const int64_t first = local % chunks_per_kv * chunk;
+        const int nq = (int)(first + chunk <= per_kv ? chunk : per_kv - first);
+        const float *qs[ATT_MAX_CHUNK];
+        float *os[ATT_MAX_CHUNK];
+        int64_t rs[ATT_MAX_CHUNK];
+        for (int i = 0; i < nq; ++i) {
+            const int64_t r = (first + i) / group, h = kvh * group + (first + i) % group;
+            rs[i] = r; qs[i] = a->q + (r * H + h) * D; os[i] = a->out + (r * H + h) * D;
         }
-        free(s); free(keys); free(tmp); free(vf);
+        attend_chunk(qs, rs, os, nq, D, (const char *)a->k + kvh * a->capacity * D * elem,
+                     (const char *)a->v + kvh * a->capacity * D * elem, half, a->L, a->mask, scale, mine->att_s,
+                     mine->att_keys, mine->att_tmp, mine->att_vf);
     }
-    free(first_item);
-    return failed ? -1 : 0;
 }
 
 /* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
@@ -569,5 +564,14 @@ int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D
                     const void *v_cache, int half, int64_t capacity, int64_t L, const uint8_t *mask,
                     float *out, int num_threads) {
     const att_seq seq = {q, out, n, L, capacity, k_cache, v_cache, mask};
-    return attend_seqs(&seq, 1, H, Hkv, D, half, num_threads);
+    att_plan plan;
+    if (att_plan_init(&plan, &seq, 1, H, Hkv, num_threads)) return -1;
+    qscratch *team = qscratch_team(num_threads, (qscratch_size){0, plan.chunk, plan.max_L, D});
+    if (team) {
+        #pragma omp parallel num_threads(num_threads)
+        attend_seqs_for(&seq, 1, &plan, H, Hkv, D, half, team);
+    }
+    qscratch_team_free(team, num_threads);
+    att_plan_free(&plan);
+    return team ? 0 : -1;
 }

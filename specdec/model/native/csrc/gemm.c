@@ -1,5 +1,6 @@
-/* The quantized products: one parallel loop over units of output columns, each unit computed by
- * the one product path this build runs on (gemm.h describes the paths' contract).
+/* The quantized products: one worksharing loop over units of output columns, run by the threads of
+ * the caller's parallel region (qmatmul_many_for), each unit computed by the one product path this
+ * build runs on (gemm.h describes the paths' contract).
  *
  * Threads: OpenMP, sharing the process's runtime (torch's libgomp is loaded first and has the
  * same soname), over units of output columns handed out dynamically: the service's other processes
@@ -7,6 +8,8 @@
  * its core; dynamically the thread that runs takes the rest. The split never changes an element's
  * arithmetic.
  */
+#include <omp.h>
+
 #include "gemm.h"
 
 /* ---- the fallback map: the widest path this build enables ----
@@ -79,46 +82,50 @@ int qgemm_amx_built(void) { return QGEMM_AMX; }
 
 
 /* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in ONE
- * parallel loop over all their units of columns (one fork/join instead of `count`); every element
- * is computed as by the single product. */
-void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
-                  int num_threads) {
+ * worksharing loop over all their units of columns (one barrier instead of `count`); every
+ * element is computed as by the single product, and each unit adds its columns' bias. */
+void qmatmul_many_for(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                      qscratch *team) {
 #if QGEMM_AMX
-    if (on_amx(T, a->per_token) && qgemm_matmul_many_amx(a, T, ws, outs, count, num_threads) == 0)
-        goto bias;
+    if (on_amx(T, a->per_token) && qgemm_amx_takes(ws, count)) {
+        qgemm_matmul_many_amx_for(a, T, ws, outs, count, qscratch_mine(team));
+        return;
+    }
+#else
+    (void)team;
 #endif
     int64_t num_groups = 0, total = 0;
     for (int i = 0; i < count; ++i) num_groups += groups_of(ws[i]);
-    const int64_t unit = unit_groups(num_groups, num_threads);
+    const int64_t unit = unit_groups(num_groups, omp_get_num_threads());
     for (int i = 0; i < count; ++i) total += (groups_of(ws[i]) + unit - 1) / unit;
-    #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < total; ++u) {
         int i = 0;
         int64_t k = u;
         while (k >= (groups_of(ws[i]) + unit - 1) / unit) k -= (groups_of(ws[i++]) + unit - 1) / unit;
         const qweight *w = ws[i];
-        const int64_t nv = groups_of(w), v0 = k * unit;
-        product_unit(w, a, T, v0, (int)(nv - v0 < unit ? nv - v0 : unit), outs[i]);
+        const int64_t nv = groups_of(w), v0 = k * unit, c = nv - v0 < unit ? nv - v0 : unit;
+        product_unit(w, a, T, v0, (int)c, outs[i]);
+        qgemm_add_bias(w, T, v0, c, outs[i]);
     }
-#if QGEMM_AMX
-bias:
-#endif
-    for (int i = 0; i < count; ++i)
-        if (ws[i]->bias)
-            for (int64_t t = 0; t < T; ++t)
-                for (int64_t j = 0; j < ws[i]->n; ++j) outs[i][t * ws[i]->n + j] += ws[i]->bias[j];
 }
 
-/* out [T, w.n] = a @ w^T (+ bias) */
-void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_threads) {
-    qmatmul_many(a, T, &w, &out, 1, num_threads);
-}
-
-/* out [T, w.n] = x [T, w.k] @ w^T (+ bias) */
+/* out [T, w.n] = x [T, w.k] @ w^T (+ bias): the rows quantized, then the product, in one region */
 int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads) {
     qact a;
-    if (qact_init(&a, x, T, w->k, w->kind == QW_Q8T, num_threads)) { qact_free(&a); return -1; }
-    qmatmul(&a, T, w, out, num_threads);
+    qscratch *team = qscratch_team(num_threads, qscratch_for_products(w->k));
+    if (!team || qact_alloc(&a, T, w->k, w->kind == QW_Q8T)) {
+        if (team) qact_free(&a);
+        qscratch_team_free(team, num_threads);
+        return -1;
+    }
+    #pragma omp parallel num_threads(num_threads)
+    {
+        qact_quantize_rows_for(&a, x, T, w->k);
+        qmatmul_many_for(&a, T, &w, &out, 1, team);
+        qscratch_release(qscratch_mine(team));
+    }
     qact_free(&a);
+    qscratch_team_free(team, num_threads);
     return 0;
 }

@@ -78,6 +78,15 @@
 
 static inline int64_t qgemm_groups_of(const qweight *w) { return (w->n + NV - 1) / NV; }
 
+/* the bias of w over groups [v0, v0 + C) of every row of out [T, w.n], once those columns' products
+ * are done: the one addition per element the product ends with, whoever computed the unit */
+static inline void qgemm_add_bias(const qweight *w, int64_t T, int64_t v0, int64_t C, float *out) {
+    if (!w->bias) return;
+    const int64_t c1 = (v0 + C) * NV < w->n ? (v0 + C) * NV : w->n;
+    for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = v0 * NV; j < c1; ++j) out[t * w->n + j] += w->bias[j];
+}
+
 #if QGEMM_AVX512
 /* columns [16 v, 16 v + 16) of out, the first `cols` of them (16 but in the last group) */
 ALWAYS_INLINE void store16(float *out, __m512 v, int cols) {
@@ -97,10 +106,14 @@ QGEMM_HIDDEN void qgemm_product_unit_avx512(const qweight *w, const qact *a, int
 QGEMM_HIDDEN int64_t qgemm_unit_groups_avx512(int64_t num_groups, int num_threads);
 #endif
 
-#if QGEMM_AMX   /* gemm_amx.c: not a product_unit, a whole parallel loop (tile config per thread) */
-/* qmatmul_many on AMX tiles; -1 (nothing written) for 8-bit weights or when out of memory */
-QGEMM_HIDDEN int qgemm_matmul_many_amx(const qact *a, int64_t T, const qweight *const *ws, float *const *outs,
-                                       int count, int num_threads);
+#if QGEMM_AMX   /* gemm_amx.c: not a product_unit, a whole worksharing loop (tile config per thread) */
+/* whether the tile loop takes these products: all 4-bit, or all per-token 8-bit of whole 64-input
+ * chunks (the per-block 8-bit rows stay on AVX-512) */
+QGEMM_HIDDEN int qgemm_amx_takes(const qweight *const *ws, int count);
+/* qmatmul_many_for on AMX tiles, for products qgemm_amx_takes; `mine`: the calling thread's scratch,
+ * whose tile configuration it loads if another is loaded (qscratch_release at the region's end) */
+QGEMM_HIDDEN void qgemm_matmul_many_amx_for(const qact *a, int64_t T, const qweight *const *ws, float *const *outs,
+                                            int count, qscratch *mine);
 /* whether this process was granted the tile data state (ARCH_REQ_XCOMP_PERM) */
 QGEMM_HIDDEN int qgemm_amx_granted(void);
 #endif

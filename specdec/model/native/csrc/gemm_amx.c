@@ -20,8 +20,10 @@
  * slower on tiles at every row count measured (docs/benchmarks.md, "AMX products"), so they stay
  * on AVX-512 and this loop refuses them.
  *
- * Tile state is per thread and torch's oneDNN may use tiles on the same OpenMP threads: each
- * parallel region loads this configuration first and releases the tiles at its end. The process
+ * Tile state is per thread and torch's oneDNN may use tiles on the same OpenMP threads: each thread
+ * loads this configuration before its first tile product of a parallel region (again only when the
+ * other configuration, the per-token one, was loaded since) and releases the tiles at the region's
+ * end (qscratch_release). The process
  * must have been granted the tile data state (ARCH_REQ_XCOMP_PERM, by the Python loader) before
  * any of this runs: qgemm_set_amx refuses to turn the path on otherwise.
  */
@@ -35,6 +37,7 @@
 #define ARCH_GET_XCOMP_PERM 0x1022
 #define XFEATURE_XTILEDATA 18
 #define RING 4                 /* blocks' sums in flight */
+_Static_assert(RING * 256 <= QGEMM_TILE_SUMS, "the ring lives in a thread's tile_sums");
 
 typedef struct __attribute__((packed, aligned(64))) {
     uint8_t palette_id, start_row;
@@ -180,62 +183,57 @@ static void q8t_unit(const qweight *w, const qact *a, int64_t T, int64_t v, int 
     }
 }
 
-/* qmatmul_many of QW_Q8T weights on tiles: units of two groups (the last of a product may be one) */
-static int matmul_many_token(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
-                             int num_threads) {
-    int64_t total = 0;
-    for (int i = 0; i < count; ++i) {
-        if (ws[i]->kind != QW_Q8T || ws[i]->k % TOKEN_CHUNK) return -1;
-        total += (qgemm_groups_of(ws[i]) + 1) / 2;
-    }
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
-    {
-        int32_t *sums = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
-        failed = !sums;
-        if (sums) _tile_loadconfig(&CONFIG_TOKEN);
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < total; ++u) {
-            if (!sums) continue;
-            int i = 0;
-            int64_t p = u;
-            while (p >= (qgemm_groups_of(ws[i]) + 1) / 2) p -= (qgemm_groups_of(ws[i++]) + 1) / 2;
-            const int64_t v = 2 * p;
-            q8t_unit(ws[i], a, T, v, v + 1 < qgemm_groups_of(ws[i]), sums, outs[i]);
-        }
-        if (sums) _tile_release();
-        free(sums);
-    }
-    return failed ? -1 : 0;
+/* this thread's tiles configured as `config` (ldtilecfg zeroes the tiles, so only on a change) */
+static void use_config(qscratch *mine, const tile_config *config) {
+    if (mine->tile_config == config) return;
+    _tile_loadconfig(config);
+    mine->tile_config = config;
 }
 
-int qgemm_matmul_many_amx(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
-                          int num_threads) {
-    if (count && ws[0]->kind == QW_Q8T) return matmul_many_token(a, T, ws, outs, count, num_threads);
-    int64_t total = 0, max_blocks = 1;
+int qgemm_amx_takes(const qweight *const *ws, int count) {
+    if (!count) return 0;
+    const int kind = ws[0]->kind;
     for (int i = 0; i < count; ++i) {
-        if (ws[i]->kind != QW_Q4) return -1;
-        total += qgemm_groups_of(ws[i]);
-        if (ws[i]->k / QK > max_blocks) max_blocks = ws[i]->k / QK;
+        if (ws[i]->kind != kind || (kind != QW_Q4 && kind != QW_Q8T)) return 0;
+        if (kind == QW_Q8T && ws[i]->k % TOKEN_CHUNK) return 0;
     }
-    int failed = 0;
-    #pragma omp parallel num_threads(num_threads) reduction(|:failed)
-    {
-        uint8_t *b = aligned_alloc(64, (size_t)max_blocks * 512);             /* a 4-bit group's B tiles */
-        int32_t *ring = aligned_alloc(64, RING * 256 * sizeof(int32_t));
-        failed = !b || !ring;
-        if (!failed) _tile_loadconfig(&CONFIG);
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t u = 0; u < total; ++u) {
-            if (!b || !ring) continue;
-            int i = 0;
-            int64_t v = u;
-            while (v >= qgemm_groups_of(ws[i])) v -= qgemm_groups_of(ws[i++]);
-            group_unit(ws[i], a, T, v, b, ring, outs[i]);
-        }
-        if (b && ring) _tile_release();
-        free(b); free(ring);
+    return 1;
+}
+
+/* QW_Q8T products on tiles: units of two groups (the last of a product may be one) */
+static void matmul_many_token_for(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                                  qscratch *mine) {
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) total += (qgemm_groups_of(ws[i]) + 1) / 2;
+    use_config(mine, &CONFIG_TOKEN);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < total; ++u) {
+        int i = 0;
+        int64_t p = u;
+        while (p >= (qgemm_groups_of(ws[i]) + 1) / 2) p -= (qgemm_groups_of(ws[i++]) + 1) / 2;
+        const int64_t v = 2 * p;
+        const int pair = v + 1 < qgemm_groups_of(ws[i]);
+        q8t_unit(ws[i], a, T, v, pair, mine->tile_sums, outs[i]);
+        qgemm_add_bias(ws[i], T, v, 1 + pair, outs[i]);
     }
-    return failed ? -1 : 0;
+}
+
+void qgemm_matmul_many_amx_for(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
+                               qscratch *mine) {
+    if (ws[0]->kind == QW_Q8T) {
+        matmul_many_token_for(a, T, ws, outs, count, mine);
+        return;
+    }
+    int64_t total = 0;
+    for (int i = 0; i < count; ++i) total += qgemm_groups_of(ws[i]);
+    use_config(mine, &CONFIG);
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < total; ++u) {
+        int i = 0;
+        int64_t v = u;
+        while (v >= qgemm_groups_of(ws[i])) v -= qgemm_groups_of(ws[i++]);
+        group_unit(ws[i], a, T, v, mine->tile_b, mine->tile_sums, outs[i]);
+        qgemm_add_bias(ws[i], T, v, 1, outs[i]);
+    }
 }
 #endif

@@ -38,20 +38,26 @@
 #endif
 #define QGEMM_SLAB 16    /* activation rows per AMX tile: qact pads xq to whole slabs (zero rows) */
 
-/* The row-wise work between products (norms, quantization, RoPE, SiLU, residuals) runs on every
- * thread from this many rows; below it a fork/join costs more than the rows' work. */
-#define QGEMM_PARALLEL_ROWS 8
-
-/* for (int64_t t = 0; t < T; ++t) body, on every thread (num_threads, in scope) from
- * QGEMM_PARALLEL_ROWS rows, else a plain loop: an OpenMP region even with a false `if` costs a team
- * set-up per call, which a one-row step would pay a few hundred times */
+/* for (int64_t t = 0; t < T; ++t) body, the rows split over the threads of the enclosing parallel
+ * region (an orphaned worksharing loop: every thread of the team must reach it; outside a region
+ * the calling thread runs every row). Ends with a barrier: the rows are whole after it. Each row's
+ * arithmetic is its own, so the split never changes a bit. */
 #define QGEMM_FOR_ROWS(t, T, body)                                                        \
     do {                                                                                  \
-        if ((T) >= QGEMM_PARALLEL_ROWS) {                                                 \
-            _Pragma("omp parallel for num_threads(num_threads) schedule(static)")         \
-            for (int64_t t = 0; t < (T); ++t) { body }                                    \
-        } else {                                                                          \
-            for (int64_t t = 0; t < (T); ++t) { body }                                    \
+        _Pragma("omp for schedule(static)")                                               \
+        for (int64_t t = 0; t < (T); ++t) { body }                                        \
+    } while (0)
+
+/* The same over blocks of up to QGEMM_NORM_ROWS rows, rows [t0, t0 + n) per block: the rows'
+ * RMSNorm sums run side by side (qgemm_rmsnorm), and a few rows still spread over every thread. */
+#define QGEMM_NORM_ROWS 8
+#define QGEMM_FOR_ROW_BLOCKS(t0, n, T, body)                                              \
+    do {                                                                                  \
+        const int64_t block_ = qgemm_row_block(T);                                        \
+        _Pragma("omp for schedule(static)")                                               \
+        for (int64_t t0 = 0; t0 < (T); t0 += block_) {                                    \
+            const int64_t n = (T) - t0 < block_ ? (T) - t0 : block_;                      \
+            body                                                                          \
         }                                                                                 \
     } while (0)
 
@@ -142,6 +148,48 @@ QGEMM_DEFINE_EXP(exp16, _mm512, __m512, __m512i, floor16, _mm512_castsi512_ps)
 
 static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+/* ---- profile.c: the forward's timer (qgemm_set_profile) ---- */
+
+enum { QGEMM_PART_PRODUCTS, QGEMM_PART_ATTENTION, QGEMM_PART_REST, QGEMM_NUM_PARTS };
+
+/* whether the timer is on: read before every call below, so that off costs a branch */
+QGEMM_HIDDEN extern int qgemm_is_profiling;
+/* a forward starts: the clock from here */
+QGEMM_HIDDEN void qgemm_profile_begin(void);
+/* the time since the last mark (or the start) was spent in `part`; nothing outside a forward */
+QGEMM_HIDDEN void qgemm_profile_mark(int part);
+/* a forward ends: the time since the last mark is the rest's */
+QGEMM_HIDDEN void qgemm_profile_end(void);
+
+/* ---- scratch.c: each thread's scratch for one parallel region ----
+ *
+ * Allocated before the region, one per thread the region may run (so nothing inside a region
+ * allocates or can fail), and handed to the orphaned loops below by omp_get_thread_num(). */
+typedef struct {
+    uint8_t *tile_b;         /* AMX 4-bit: a column group's B tiles, max_k / 32 blocks of 512 bytes */
+    int32_t *tile_sums;      /* AMX: QGEMM_TILE_SUMS int32 (a ring of 16 x 16 sums, or a slab's sums) */
+    const void *tile_config; /* the AMX tile configuration this thread has loaded; NULL: none */
+    float *att_s;            /* attention: a chunk's scores [chunk, max_L] */
+    int64_t *att_keys;       /* [max_L] */
+    float *att_tmp;          /* [max_L] */
+    float *att_vf;           /* a value block widened to fp32 [ATT_KEY_BLOCK, D] */
+} qscratch;
+#define QGEMM_TILE_SUMS (4 * 256)
+
+/* What a region's scratch must hold: the widest product input (tile_b) and attention's chunk. */
+typedef struct {
+    int64_t max_k, att_chunk, att_max_L, D;
+} qscratch_size;
+
+/* num_threads scratches of `size` (att_chunk 0: none for attention); NULL when out of memory */
+QGEMM_HIDDEN qscratch *qscratch_team(int num_threads, qscratch_size size);
+/* after the region: frees every scratch (the threads released their tiles at the region's end) */
+QGEMM_HIDDEN void qscratch_team_free(qscratch *team, int num_threads);
+/* this thread's scratch in the region */
+QGEMM_HIDDEN qscratch *qscratch_mine(qscratch *team);
+/* at the end of a region, on every thread: releases the tiles if this thread loaded them */
+QGEMM_HIDDEN void qscratch_release(qscratch *s);
+
 /* ---- quants.c: an activation [T, k] quantized once for every product that reads it ---- */
 
 /* The 8-bit AVX-512 product reads each block's integer sum (xs); the other paths do not. */
@@ -170,21 +218,26 @@ QGEMM_HIDDEN int64_t qgemm_act_rows(int64_t T, int per_token);
 QGEMM_HIDDEN int qact_alloc(qact *a, int64_t T, int64_t K, int per_token);
 /* row t of a = x [K] quantized: each row alone, so rows can be quantized in any order or thread */
 QGEMM_HIDDEN void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K);
-/* a = x [T, K] quantized, rows in parallel; -1 when out of memory (then as qact_alloc) */
-QGEMM_HIDDEN int qact_init(qact *a, const float *x, int64_t T, int64_t K, int per_token, int num_threads);
+/* rows [0, T) of a = x [T, K] quantized, rows over the enclosing region's threads (QGEMM_FOR_ROWS) */
+QGEMM_HIDDEN void qact_quantize_rows_for(qact *a, const float *x, int64_t T, int64_t K);
 QGEMM_HIDDEN void qact_free(qact *a);
 
 /* ---- gemm.c ---- */
 
-/* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation, in one
- * parallel loop; every element is computed as by the single product. */
-QGEMM_HIDDEN void qmatmul_many(const qact *a, int64_t T, const qweight *const *ws, float *const *outs, int count,
-                               int num_threads);
+/* outs[i] [T, ws[i].n] = a @ ws[i]^T (+ bias) for `count` products of one activation: ONE
+ * worksharing loop over all their units of columns, orphaned (every thread of the enclosing region
+ * calls it, with its scratch), ending with a barrier. Every element is computed as by the single
+ * product, whatever thread computes it. */
+QGEMM_HIDDEN void qmatmul_many_for(const qact *a, int64_t T, const qweight *const *ws, float *const *outs,
+                                   int count, qscratch *team);
 
-/* out [T, w.n] = a @ w^T (+ bias) */
-QGEMM_HIDDEN void qmatmul(const qact *a, int64_t T, const qweight *w, float *out, int num_threads);
+/* the scratch qmatmul_many_for's products of inputs up to max_k need */
+static inline qscratch_size qscratch_for_products(int64_t max_k) { return (qscratch_size){max_k, 0, 0, 0}; }
 
 /* ---- attention.c ---- */
+
+#define ATT_KEY_BLOCK 64     /* key rows per block: 16 KB of fp32 keys at D = 64, within L1 */
+#define ATT_MAX_CHUNK 48     /* queries per work item */
 
 /* One batch of attention: `num_spans` sequences, each of n rows (queries [n, H, D] at q, outputs at
  * out) over its own cache (kv head h at + h * capacity * D elements) of L rows under its mask. */
@@ -196,8 +249,48 @@ typedef struct {
     const uint8_t *mask;     /* [n, L] (1 = attend) or NULL: all */
 } att_seq;
 
-/* Every sequence's attention in one parallel loop; -1 when out of memory. */
-QGEMM_HIDDEN int attend_seqs(const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv, int64_t D, int half,
-                             int num_threads);
+/* How a batch of sequences' queries split into work items: `chunk` queries of one KV head at most
+ * per item, first_item[i] the first item of sequence i (first_item[num_seqs]: their number). The
+ * split depends only on the sequences' row counts, never on a query's bits. */
+typedef struct {
+    int64_t chunk, max_L;
+    int64_t *first_item;     /* [num_seqs + 1] */
+} att_plan;
+
+/* the plan for `seqs`, chunks small enough for two per thread; -1 when out of memory */
+QGEMM_HIDDEN int att_plan_init(att_plan *p, const att_seq *seqs, int64_t num_seqs, int64_t H, int64_t Hkv,
+                               int num_threads);
+QGEMM_HIDDEN void att_plan_free(att_plan *p);
+
+/* Every sequence's attention: one orphaned worksharing loop over the plan's items, WITHOUT a barrier
+ * at its end (the caller's next barrier makes the outputs whole). */
+QGEMM_HIDDEN void attend_seqs_for(const att_seq *seqs, int64_t num_seqs, const att_plan *p, int64_t H, int64_t Hkv,
+                                  int64_t D, int half, qscratch *team);
+
+/* ---- ops.c: the row-wise parts of a layer, each an orphaned loop over rows (QGEMM_FOR_ROWS) ---- */
+
+/* rows per block of QGEMM_FOR_ROW_BLOCKS in the enclosing region: T over its threads, at most
+ * QGEMM_NORM_ROWS */
+QGEMM_HIDDEN int64_t qgemm_row_block(int64_t T);
+/* h = RMSNorm(x), then quantized into a; x, h [T, C] */
+QGEMM_HIDDEN void rows_norm_quantize(const float *x, int64_t T, int64_t C, const float *norm_w, float eps, float *h,
+                                     qact *a);
+/* rotate-half RoPE of every row's q [T, H, D] and k [T, Hkv, D] heads at their positions */
+QGEMM_HIDDEN void rope_row(float *q, float *k, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos_t,
+                           const float *sin_t, const int64_t *positions);
+/* h = x + o in place of o, n = RMSNorm(h), quantized into a; [T, C] */
+QGEMM_HIDDEN void rows_residual_norm_quantize(float *o, const float *x, int64_t T, int64_t C, const float *norm_w,
+                                              float eps, float *n, qact *a);
+/* g = silu(g) * u, quantized into a; [T, I] */
+QGEMM_HIDDEN void rows_silu_quantize(float *g, const float *u, int64_t T, int64_t I, qact *a);
+
+/* ---- forward-wide timing marks (profile.c), by the master thread after a barrier ---- */
+#define QGEMM_PHASE_END(part)                                     \
+    do {                                                          \
+        if (qgemm_is_profiling) {                                 \
+            _Pragma("omp master")                                 \
+            qgemm_profile_mark(part);                             \
+        }                                                         \
+    } while (0)
 
 #endif

@@ -1,6 +1,7 @@
-/* The dense parts of a decoder layer around its products, and a whole forward's layers in one
- * call: rmsnorm, rope, silu_mul; qgemm_layer_pre (before attention), qgemm_layer_post (after it),
- * qgemm_forward (every layer: pre, the KV-cache write, attention, post).
+/* The dense parts of a decoder layer around its products: rmsnorm, rope, silu_mul, the row-wise
+ * phases between products (orphaned loops over rows, run inside a caller's parallel region), and
+ * the single-layer calls qgemm_layer_pre (before attention) and qgemm_layer_post (after it), each
+ * one parallel region over those pieces. forward.c runs every layer on the same pieces.
  *
  * Why fused: on a 2-core AVX2 CPU an int4 step through torch's packed kernels cost ~30 ms, of which
  * ~10 ms were the matmuls and the rest ~500 small tensor ops and their dispatch. Every output is
@@ -8,15 +9,54 @@
  * the step. */
 #include "impl.h"
 
-/* out = x * rsqrt(mean(x^2) + eps) * weight, per row */
+#include <omp.h>
+
+/* ss[i] = the sum over j = 0, 1, ... of x_i[j] * x_i[j], each square rounded before it is added (no
+ * FMA contraction, on any compiler: the arithmetic of the one-row loop this replaced, as compiled),
+ * for the QGEMM_NORM_ROWS rows of x [QGEMM_NORM_ROWS, C]. The rows' addition chains are independent,
+ * so they run side by side: a row's chain alone waits on each addition's latency. */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static void sum_squares_block(const float *x, int64_t C, float *ss) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    float s[QGEMM_NORM_ROWS] = {0};
+    for (int64_t j = 0; j < C; ++j)
+        for (int i = 0; i < QGEMM_NORM_ROWS; ++i) s[i] += x[i * C + j] * x[i * C + j];
+    for (int i = 0; i < QGEMM_NORM_ROWS; ++i) ss[i] = s[i];
+}
+
+/* the same sum for one row */
+static float sum_squares_row(const float *r, int64_t C) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    float ss = 0.f;
+    for (int64_t j = 0; j < C; ++j) ss += r[j] * r[j];
+    return ss;
+}
+#pragma GCC pop_options
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight, per row, whole blocks of rows side by side */
 void qgemm_rmsnorm(const float *x, int64_t T, int64_t C, const float *weight, float eps, float *out) {
-    for (int64_t t = 0; t < T; ++t) {
-        const float *r = x + t * C;
-        float ss = 0.f;
-        for (int64_t j = 0; j < C; ++j) ss += r[j] * r[j];
-        const float inv = 1.f / sqrtf(ss / (float)C + eps);
-        for (int64_t j = 0; j < C; ++j) out[t * C + j] = weight[j] * (r[j] * inv);
+    float ss[QGEMM_NORM_ROWS];
+    for (int64_t t0 = 0; t0 < T; t0 += QGEMM_NORM_ROWS) {
+        const int64_t n = T - t0 < QGEMM_NORM_ROWS ? T - t0 : QGEMM_NORM_ROWS;
+        if (n == QGEMM_NORM_ROWS) sum_squares_block(x + t0 * C, C, ss);
+        else for (int64_t i = 0; i < n; ++i) ss[i] = sum_squares_row(x + (t0 + i) * C, C);
+        for (int64_t i = 0; i < n; ++i) {
+            const float *r = x + (t0 + i) * C;
+            float *o = out + (t0 + i) * C;
+            const float inv = 1.f / sqrtf(ss[i] / (float)C + eps);
+            for (int64_t j = 0; j < C; ++j) o[j] = weight[j] * (r[j] * inv);
+        }
     }
+}
+
+int64_t qgemm_row_block(int64_t T) {
+    const int64_t threads = omp_get_num_threads(), per_thread = (T + threads - 1) / threads;
+    return per_thread < 1 ? 1 : per_thread > QGEMM_NORM_ROWS ? QGEMM_NORM_ROWS : per_thread;
 }
 
 /* rotate-half RoPE in place on x [T, heads, D] with tables cos/sin [P, D] */
@@ -67,126 +107,96 @@ static void silu_mul(float *g, const float *u, int64_t n) {
 #endif
 }
 
-/* Before attention: h = RMSNorm(x); q = RoPE(h Wq), k = RoPE(h Wk), v = h Wv.
- * x [T, C]; q [T, H, D], k/v [T, Hkv, D]. */
+void rope_row(float *q, float *k, int64_t t, int64_t H, int64_t Hkv, int64_t D, const float *cos_t,
+              const float *sin_t, const int64_t *positions) {
+    rope(q + t * H * D, 1, H, D, cos_t, sin_t, positions + t);
+    rope(k + t * Hkv * D, 1, Hkv, D, cos_t, sin_t, positions + t);
+}
+
+void rows_norm_quantize(const float *x, int64_t T, int64_t C, const float *norm_w, float eps, float *h, qact *a) {
+    QGEMM_FOR_ROW_BLOCKS(t0, num_rows, T, {
+        qgemm_rmsnorm(x + t0 * C, num_rows, C, norm_w, eps, h + t0 * C);
+        for (int64_t t = t0; t < t0 + num_rows; ++t) qact_quantize_row(a, h + t * C, t, C);
+    });
+}
+
+void rows_residual_norm_quantize(float *o, const float *x, int64_t T, int64_t C, const float *norm_w, float eps,
+                                 float *n, qact *a) {
+    QGEMM_FOR_ROW_BLOCKS(t0, num_rows, T, {
+        for (int64_t j = t0 * C; j < (t0 + num_rows) * C; ++j) o[j] += x[j];
+        qgemm_rmsnorm(o + t0 * C, num_rows, C, norm_w, eps, n + t0 * C);
+        for (int64_t t = t0; t < t0 + num_rows; ++t) qact_quantize_row(a, n + t * C, t, C);
+    });
+}
+
+void rows_silu_quantize(float *g, const float *u, int64_t T, int64_t I, qact *a) {
+    QGEMM_FOR_ROWS(t, T, {
+        silu_mul(g + t * I, u + t * I, I);
+        qact_quantize_row(a, g + t * I, t, I);
+    });
+}
+
+/* Before attention: h = RMSNorm(x); q = RoPE(h Wq), k = RoPE(h Wk), v = h Wv, in one parallel region
+ * (qgemm_forward's pieces, one call). x [T, C]; q [T, H, D], k/v [T, Hkv, D]. */
 int qgemm_layer_pre(const float *x, int64_t T, int64_t C, const float *norm_w, float eps,
                     const qweight *wq, const qweight *wk, const qweight *wv, int64_t heads, int64_t kv_heads,
                     int64_t D, const float *cos_t, const float *sin_t, const int64_t *positions,
                     float *q, float *k, float *v, int num_threads) {
     float *h = malloc(sizeof(float) * (size_t)(T * C));
+    qscratch *team = qscratch_team(num_threads, qscratch_for_products(C));
     qact a = {0};
     int rc = -1;
-    if (!h || qact_alloc(&a, T, C, wq->kind == QW_Q8T)) goto done;
-    /* row by row (each row's arithmetic alone, whatever thread runs it): norm, then quantize */
-    QGEMM_FOR_ROWS(t, T, {
-        qgemm_rmsnorm(x + t * C, 1, C, norm_w, eps, h + t * C);
-        qact_quantize_row(&a, h + t * C, t, C);
-    });
+    if (!h || !team || qact_alloc(&a, T, C, wq->kind == QW_Q8T)) goto done;
     const qweight *const qkv[3] = {wq, wk, wv};
     float *const qkv_out[3] = {q, k, v};
-    qmatmul_many(&a, T, qkv, qkv_out, 3, num_threads);
-    QGEMM_FOR_ROWS(t, T, {
-        rope(q + t * heads * D, 1, heads, D, cos_t, sin_t, positions + t);
-        rope(k + t * kv_heads * D, 1, kv_heads, D, cos_t, sin_t, positions + t);
-    });
+    #pragma omp parallel num_threads(num_threads)
+    {
+        rows_norm_quantize(x, T, C, norm_w, eps, h, &a);
+        qmatmul_many_for(&a, T, qkv, qkv_out, 3, team);
+        QGEMM_FOR_ROWS(t, T, rope_row(q, k, t, heads, kv_heads, D, cos_t, sin_t, positions););
+        qscratch_release(qscratch_mine(team));
+    }
     rc = 0;
 done:
     qact_free(&a); free(h);
+    qscratch_team_free(team, num_threads);
     return rc;
 }
 
-/* After attention: h = x + attn Wo; out = h + Wdown(silu(Wgate n) * Wup n), n = RMSNorm(h).
- * x, out [T, C]; attn [T, H*D]. */
+/* After attention: h = x + attn Wo; out = h + Wdown(silu(Wgate n) * Wup n), n = RMSNorm(h), in one
+ * parallel region. x, out [T, C]; attn [T, H*D]. */
 int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, const qweight *wo,
                      const float *norm_w, float eps, const qweight *wgate, const qweight *wup,
                      const qweight *wdown, float *out, int num_threads) {
     const int64_t I = wgate->n;
     float *o = malloc(sizeof(float) * (size_t)(T * C)), *n = malloc(sizeof(float) * (size_t)(T * C));
     float *g = malloc(sizeof(float) * (size_t)(T * I)), *u = malloc(sizeof(float) * (size_t)(T * I));
+    const int64_t max_k = wo->k > I ? wo->k : I;
+    qscratch *team = qscratch_team(num_threads, qscratch_for_products(max_k > C ? max_k : C));
     qact a = {0}, b = {0}, c = {0};
     int rc = -1;
-    if (!o || !n || !g || !u || qact_init(&a, attn, T, wo->k, wo->kind == QW_Q8T, num_threads) ||
+    if (!o || !n || !g || !u || !team || qact_alloc(&a, T, wo->k, wo->kind == QW_Q8T) ||
         qact_alloc(&b, T, C, wgate->kind == QW_Q8T) || qact_alloc(&c, T, I, wdown->kind == QW_Q8T))
         goto done;
-    qmatmul(&a, T, wo, o, num_threads);
-    /* the parts between the products row by row, rows in parallel (each row's arithmetic alone) */
-    QGEMM_FOR_ROWS(t, T, {
-        for (int64_t j = t * C; j < (t + 1) * C; ++j) o[j] += x[j];                   /* h */
-        qgemm_rmsnorm(o + t * C, 1, C, norm_w, eps, n + t * C);
-        qact_quantize_row(&b, n + t * C, t, C);
-    });
     const qweight *const gate_up[2] = {wgate, wup};
     float *const gate_up_out[2] = {g, u};
-    qmatmul_many(&b, T, gate_up, gate_up_out, 2, num_threads);
-    QGEMM_FOR_ROWS(t, T, {
-        silu_mul(g + t * I, u + t * I, I);
-        qact_quantize_row(&c, g + t * I, t, I);
-    });
-    qmatmul(&c, T, wdown, out, num_threads);
-    QGEMM_FOR_ROWS(t, T, {
-        for (int64_t j = t * C; j < (t + 1) * C; ++j) out[j] += o[j];
-    });
+    #pragma omp parallel num_threads(num_threads)
+    {
+        qact_quantize_rows_for(&a, attn, T, wo->k);
+        qmatmul_many_for(&a, T, &wo, &o, 1, team);
+        rows_residual_norm_quantize(o, x, T, C, norm_w, eps, n, &b);               /* h = x + attn Wo */
+        qmatmul_many_for(&b, T, gate_up, gate_up_out, 2, team);
+        rows_silu_quantize(g, u, T, I, &c);
+        qmatmul_many_for(&c, T, &wdown, &out, 1, team);
+        QGEMM_FOR_ROWS(t, T, {
+            for (int64_t j = t * C; j < (t + 1) * C; ++j) out[j] += o[j];
+        });
+        qscratch_release(qscratch_mine(team));
+    }
     rc = 0;
 done:
     qact_free(&a); qact_free(&b); qact_free(&c);
     free(o); free(n); free(g); free(u);
-    return rc;
-}
-
-/* dst[0 .. D) = src as the cache's type (fp16: rounded to nearest even, as torch's .half()) */
-static inline void store_kv(void *dst, const float *src, int64_t D, int half) {
-    if (!half) { memcpy(dst, src, sizeof(float) * (size_t)D); return; }
-    uint16_t *h = dst;
-    int64_t i = 0;
-#if QGEMM_AVX2
-    for (; i + 8 <= D; i += 8)
-        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-#endif
-    for (; i < D; ++i) h[i] = fp32_to_fp16(src[i]);
-}
-
-/* x [T, C] in place: every layer of `layers` in turn, each exactly as qgemm_layer_pre, the cache
- * write, qgemm_attention per span and qgemm_layer_post do it one call at a time (same bits). */
-int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t num_layers, int64_t H,
-                  int64_t Hkv, int64_t D, const float *cos_t, const float *sin_t, const int64_t *positions,
-                  const qspan *spans, int64_t num_spans, int num_threads) {
-    float *q = malloc(sizeof(float) * (size_t)(T * H * D)), *k = malloc(sizeof(float) * (size_t)(T * Hkv * D));
-    float *v = malloc(sizeof(float) * (size_t)(T * Hkv * D));
-    float *attn = calloc((size_t)(T * H * D), sizeof(float));   /* rows outside every span stay 0 */
-    float *out = malloc(sizeof(float) * (size_t)(T * C));
-    att_seq *seqs = malloc(sizeof(att_seq) * (size_t)(num_spans ? num_spans : 1));
-    int rc = (q && k && v && attn && out && seqs) ? 0 : -1;
-    for (int64_t l = 0; l < num_layers && !rc; ++l) {
-        const qlayer *ly = layers + l;
-        rc = qgemm_layer_pre(x, T, C, ly->norm1, ly->eps1, ly->q, ly->k, ly->v, H, Hkv, D, cos_t, sin_t,
-                             positions, q, k, v, num_threads);
-        /* each span's new rows into its cache, then every span's attention in one parallel loop
-         * (spans of fp32 and of fp16 caches, should a batch mix them, in one loop each) */
-        for (int half = 0; half < 2 && !rc; ++half) {
-            int64_t num_seqs = 0;
-            for (int64_t si = 0; si < num_spans; ++si) {
-                const qspan *s = spans + si;
-                if ((int)s->half != half) continue;
-                const size_t elem = half ? sizeof(uint16_t) : sizeof(float);
-                char *kc = (char *)s->k_cache + l * s->layer_stride * elem, *vc = (char *)s->v_cache + l * s->layer_stride * elem;
-                QGEMM_FOR_ROWS(r, s->n, {
-                    for (int64_t h = 0; h < Hkv; ++h) {
-                        const int64_t src = ((s->start + r) * Hkv + h) * D;
-                        const int64_t dst = (h * s->capacity + s->num_cached + r) * D;
-                        store_kv(kc + dst * elem, k + src, D, half);
-                        store_kv(vc + dst * elem, v + src, D, half);
-                    }
-                });
-                seqs[num_seqs++] = (att_seq){q + s->start * H * D, attn + s->start * H * D, s->n, s->num_cached + s->n,
-                                             s->capacity, kc, vc, s->mask};
-            }
-            if (num_seqs) rc = attend_seqs(seqs, num_seqs, H, Hkv, D, half, num_threads);
-        }
-        if (!rc)
-            rc = qgemm_layer_post(x, attn, T, C, ly->o, ly->norm2, ly->eps2, ly->gate, ly->up, ly->down, out,
-                                  num_threads);
-        if (!rc) memcpy(x, out, sizeof(float) * (size_t)(T * C));
-    }
-    free(q); free(k); free(v); free(attn); free(out); free(seqs);
+    qscratch_team_free(team, num_threads);
     return rc;
 }

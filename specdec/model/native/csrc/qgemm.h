@@ -30,9 +30,12 @@
  *   gemm_avx512.c    AVX-512 + VNNI products (empty unless that ISA is enabled)
  *   gemm_avx2.c      AVX2 products, with or without VNNI (empty unless AVX2 is the path)
  *   gemm_amx.c       AMX int8 tile products beside the AVX-512 ones (empty unless AMX is enabled)
- *   ops.c            rmsnorm, rope, silu_mul, layer_pre, layer_post, forward
+ *   ops.c            rmsnorm, rope, silu_mul, the row-wise phases, layer_pre, layer_post
+ *   forward.c        qgemm_forward: every layer in one parallel region
+ *   scratch.c        each thread's scratch for a parallel region
  *   attention.c      attention of a span's new rows over its KV cache
  *   logits.c         argmax rows, e4m3 encoding, byte histograms
+ *   profile.c        the forward's timer: products, attention, the rest
  *   abi.c            qgemm_abi: the structs' layout, checked against the ctypes mirror at load
  */
 #ifndef QGEMM_H
@@ -107,7 +110,7 @@ int64_t qgemm_amx_token_min_rows(void);
 /* out [T, w.n] = x [T, w.k] @ w^T (+ bias). Returns -1 when out of memory, else 0. */
 int qgemm_linear(const float *x, int64_t T, const qweight *w, float *out, int num_threads);
 
-/* ---- ops.c ---- */
+/* ---- ops.c, forward.c ---- */
 
 /* out = x * rsqrt(mean(x^2) + eps) * weight, per row; x, out [T, C] */
 void qgemm_rmsnorm(const float *x, int64_t T, int64_t C, const float *weight, float eps, float *out);
@@ -126,8 +129,8 @@ int qgemm_layer_post(const float *x, const float *attn, int64_t T, int64_t C, co
                      const qweight *wdown, float *out, int num_threads);
 
 /* x [T, C] in place: every layer of `layers` in turn, each exactly as qgemm_layer_pre, the cache
- * write, qgemm_attention per span and qgemm_layer_post do it one call at a time (same bits).
- * Returns -1 when out of memory. */
+ * write, qgemm_attention per span and qgemm_layer_post do it one call at a time (same bits), in
+ * one parallel region (forward.c). Returns -1 when out of memory. */
 int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t num_layers, int64_t H,
                   int64_t Hkv, int64_t D, const float *cos_t, const float *sin_t, const int64_t *positions,
                   const qspan *spans, int64_t num_spans, int num_threads);
@@ -157,5 +160,17 @@ void qgemm_byte_histograms(const uint8_t *codes, int64_t R, int64_t V, uint32_t 
 /* The same counts over the positions row r allows: bit j % 32 of words[r * W + j / 32]. */
 void qgemm_byte_histograms_masked(const uint8_t *codes, int64_t R, int64_t V, const uint32_t *words, int64_t W,
                                   uint32_t *counts);
+
+/* ---- profile.c ---- */
+
+/* The forward's timer on (1) or off (0, the default): seconds of every qgemm_forward spent in the
+ * products, in attention and in the rest, summed until qgemm_profile_reset. */
+void qgemm_set_profile(int on);
+
+/* out[0..3) = seconds in products, attention, the rest, summed over the forwards since the last
+ * reset; returns how many forwards that was. */
+int64_t qgemm_profile(double *out);
+
+void qgemm_profile_reset(void);
 
 #endif

@@ -130,10 +130,8 @@ void qact_quantize_row(qact *a, const float *x, int64_t t, int64_t K) {
     quantize_rows(x, 1, K, a->xq + t * K, a->dx + t * G, a->sx + t * G, a->xs ? a->xs + t * G : NULL);
 }
 
-int qact_init(qact *a, const float *x, int64_t T, int64_t K, int per_token, int num_threads) {
-    if (qact_alloc(a, T, K, per_token)) return -1;
+void qact_quantize_rows_for(qact *a, const float *x, int64_t T, int64_t K) {
     QGEMM_FOR_ROWS(t, T, qact_quantize_row(a, x + t * K, t, K););
-    return 0;
 }
 
 void qact_free(qact *a) { free(a->xq); free(a->xl); free(a->xs); free(a->dx); free(a->sx); }
