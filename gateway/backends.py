@@ -126,6 +126,7 @@ class Prefilled:
     kv_lease: str = ""  # the primary's new lease on the slot: stored, so that a successor gateway holds it too
     features: Any = None  # common_pb2.Features of the last prefilled row (return_features), or None
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.. (prefill's prompt_logprobs)
+    precision: str = ""  # the weight format the primary serves ("": not reported)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -329,6 +330,7 @@ class Backends:
             r.kv_lease,
             r.features if r.HasField("features") else None,
             _logprobs(r.prompt_logprobs),
+            r.precision,
         )
 
     def adopt_kv_lease(self, request_id: str, kv_lease: str) -> None:

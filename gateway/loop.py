@@ -422,6 +422,7 @@ class RequestLoop:
         self.run_plan = SpeculationPlan()
         # The last run was opened to end where the output comes to repeat earlier text (_stop_at_repeat).
         self.is_run_stopping_at_repeat = False
+        self.weights_precision = ""  # the weight format of the loop's first prefill (_check_weights)
         self.is_step_disturbed = False  # the step being computed waited on a recovery
 
     def _init_calls(
@@ -1368,6 +1369,21 @@ class RequestLoop:
         self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
         return True
 
+    def _check_weights(self, precision: str) -> None:
+        """Keep the weight format of the loop's first prefill; a re-prefill on another one (a primary
+        restarted with another precision, a failover to a node that chose another) goes on with other
+        weights, whose greedy output parts from an undisturbed run's within a few tokens: logged as an
+        error, as it breaks the output's equality with plain decoding that the request otherwise has."""
+        if not precision:
+            return
+        if self.weights_precision and precision != self.weights_precision:
+            self.log.error(
+                "re-prefilled on other weights; the output may differ from an undisturbed run",
+                was=self.weights_precision,
+                now=precision,
+            )
+        self.weights_precision = precision
+
     async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
         """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
 
@@ -1398,6 +1414,7 @@ class RequestLoop:
                     self.pending_features = (prefilled.features, len(context) - 1) if has_features else None
                     self.stats.forward_ms += prefilled.time_ms
                     self.record.prefilled(prefilled.kv_lease)
+                    self._check_weights(prefilled.precision)
                     if is_fresh:  # the request's own prefill, not a recovery's
                         self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
                     self.pending_accepted, self.pending_committed = (), []

@@ -162,6 +162,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             time_ms=(time.perf_counter() - start) * 1000,
             features=pb.features_to_pb(encode_features(features[0])) if features else None,
             prompt_logprobs=[pb.token_logprob_to_pb(v) for v in scored],
+            precision=self.loaded.precision,
         )
 
     def Verify(self, request, context):

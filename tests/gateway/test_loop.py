@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import redis
 import redis.asyncio
+import structlog.testing
 import torch
 
 from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
@@ -1157,6 +1158,35 @@ class LeasingPrimary(FakeBackends):
         if self.num_verifies == self.lose_at:
             raise NotFound("request_id", "no active request")
         return await super().verify(request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed)
+
+
+@dataclasses.dataclass
+class RestartedOnOtherWeights(LeasingPrimary):
+    """A primary that loses the request at its lose_at-th Verify and comes back serving other weights."""
+
+    def __post_init__(self) -> None:
+        self.formats = ["int4", "int8"]
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        prefilled = await super().prefill(request_id, token_ids, num_prompt_tokens)
+        return dataclasses.replace(prefilled, precision=self.formats[min(self.num_prefills, 2) - 1])
+
+
+@pytest.mark.parametrize("formats", [("int4", "int8"), ("int4", "int4")])
+def test_a_re_prefill_on_other_weights_is_logged_as_an_error(formats):
+    """The primary reports the weight format it serves with each Prefill: a recovery that lands on
+    another one goes on (the output then parts from an undisturbed run's), logged as an error naming
+    both; one on the same weights logs nothing of the kind."""
+    backends = RestartedOnOtherWeights(lose_at=3)
+    backends.formats = list(formats)
+    with structlog.testing.capture_logs() as logs:
+        loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=20), backends)
+    assert backends.num_prefills == 2 and len(loop.outcome.token_ids) == 20
+    errors = [e for e in logs if e["log_level"] == "error" and "other weights" in e["event"]]
+    if formats[0] == formats[1]:
+        assert not errors
+    else:
+        assert len(errors) == 1 and (errors[0]["was"], errors[0]["now"]) == formats
 
 
 def test_the_primary_s_lease_is_stored_with_the_next_step_for_a_successor_gateway():

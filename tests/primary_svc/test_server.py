@@ -63,8 +63,10 @@ def primary(default_model_dir, grammar_cache):
 
 def test_prefill_verify_commit_decode_release(primary):
     stub, engine, *_ = primary
-    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT)).kv_lease
+    prefilled = stub.Prefill(primary_pb2.PrefillRequest(request_id="r", token_ids=PROMPT))
+    lease = prefilled.kv_lease
     assert len(lease) == 32
+    assert prefilled.precision == stub.GetModelInfo(primary_pb2.GetModelInfoRequest()).precision != ""
     tree = common_pb2.TokenTree(token_ids=[700, 701, 702], parents=[-1, 0, -1])
     v = stub.Verify(
         primary_pb2.VerifyRequest(
