@@ -32,7 +32,7 @@ from specdec.logits_shm import LogitsSlots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.penalties import penalize
-from specdec.repeats import RepeatIndex
+from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
@@ -45,7 +45,6 @@ _Verified = tuple[list[int], common_pb2.Logits, int, list[int], int, common_pb2.
 # this many engine steps, so a cancel or deadline is seen within them. A DecodeStream may ask for up to
 # the context: its caller hears of every step and cancels whenever it likes.
 MAX_DECODE_TOKENS = 64
-MAX_STOP_AT_REPEAT_TOKENS = 16  # DecodeRequest.stop_at_repeat_tokens' bound: longer repeats are copies too
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -379,8 +378,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         earlier text with it (specdec.repeats), the index built from the request's tokens at the run's
         first step (on the engine thread); None without."""
         n = request.stop_at_repeat_tokens
-        if n > MAX_STOP_AT_REPEAT_TOKENS:
-            raise InvalidArgument("stop_at_repeat_tokens", f"must be at most {MAX_STOP_AT_REPEAT_TOKENS}, got {n}")
+        if n > MAX_REPEAT_TOKENS:
+            raise InvalidArgument("stop_at_repeat_tokens", f"must be at most {MAX_REPEAT_TOKENS}, got {n}")
         if n == 0:
             return None
         index: list[RepeatIndex] = []

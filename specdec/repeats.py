@@ -1,4 +1,4 @@
-"""Whether the context's last n tokens occurred earlier: the gateway's view of when prompt lookup can pay.
+"""Whether the context's last n tokens occurred earlier: when prompt lookup can pay.
 
 Prompt lookup (draft_svc/strategies/prompt_lookup.py) proposes what followed an earlier occurrence of
 the context's last 1..4 tokens. A 1- or 2-token match is found almost everywhere in prose and is
@@ -13,6 +13,9 @@ estimate then describes the steps at a repeat, which is when it is asked.
 The index: the set of every n-gram of the context that some later token followed, so the tail
 matches an earlier occurrence, never itself. O(1) per token, one n-gram per token of memory.
 E.g. n = 3, context [a b c d a b c]: "a b c" was followed by d, so the tail repeats.
+
+The gateway keeps one per request to plan; the primary builds one for a run asked to end at a repeat
+(DecodeRequest.stop_at_repeat_tokens, at most MAX_REPEAT_TOKENS).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 MIN_REPEAT_TOKENS = 3  # a tail of this many tokens that occurred earlier is a repeat
+MAX_REPEAT_TOKENS = 16  # the longest tail a caller may ask a run to stop at (longer repeats are copies too)
 
 
 class RepeatIndex:

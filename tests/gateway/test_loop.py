@@ -1162,10 +1162,10 @@ class LeasingPrimary(FakeBackends):
 
 @dataclasses.dataclass
 class RestartedOnOtherWeights(LeasingPrimary):
-    """A primary that loses the request at its lose_at-th Verify and comes back serving other weights."""
+    """A primary that loses the request at its lose_at-th Verify; its first and later Prefills report
+    `formats` as the weights they served."""
 
-    def __post_init__(self) -> None:
-        self.formats = ["int4", "int8"]
+    formats: tuple[str, str] = ("int4", "int8")
 
     async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
         prefilled = await super().prefill(request_id, token_ids, num_prompt_tokens)
@@ -1177,8 +1177,7 @@ def test_a_re_prefill_on_other_weights_is_logged_as_an_error(formats):
     """The primary reports the weight format it serves with each Prefill: a recovery that lands on
     another one goes on (the output then parts from an undisturbed run's), logged as an error naming
     both; one on the same weights logs nothing of the kind."""
-    backends = RestartedOnOtherWeights(lose_at=3)
-    backends.formats = list(formats)
+    backends = RestartedOnOtherWeights(lose_at=3, formats=formats)
     with structlog.testing.capture_logs() as logs:
         loop = run(make_params(is_adaptive=False, degree=1, draft_length=4, max_new_tokens=20), backends)
     assert backends.num_prefills == 2 and len(loop.outcome.token_ids) == 20
@@ -1428,11 +1427,7 @@ def test_a_run_ends_where_the_output_comes_to_repeat_earlier_text(monkeypatch):
     break the controller (which saw prompt lookup's drafts accepted) turns speculation off, and the
     run it opens ends where the cycle resumes. Output is plain decoding's."""
 
-    def cycling(context: Sequence[int]) -> int:
-        is_break = 30 <= len(context) - len(PROMPT) < 45
-        return (3 * context[-1] + context[-2] + len(context)) % 40 + 1 if is_break else context[-1] % 9 + 1
-
-    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling)
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling_with_a_break)
     expected = plain_decoding(PROMPT, 80)
     backends = FakeBackends()
     params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80)
@@ -1443,13 +1438,25 @@ def test_a_run_ends_where_the_output_comes_to_repeat_earlier_text(monkeypatch):
     assert loop.stats.num_accepted >= 20  # both cycles drafted, not decoded a token a step
 
 
-def test_a_run_does_not_end_at_a_repeat_where_the_controller_would_not_draft():
-    """Where prompt lookup's drafts have failed, the controller would not draft at a repeat: runs then
-    go on through repeats (stop_at_repeat_tokens 0), each end costing a round trip for nothing."""
+def test_runs_go_on_through_repeats_once_prompt_lookup_failed_there(monkeypatch):
+    """The same cycling output, but prompt lookup's drafts are wrong: the run opened when a probe is due
+    ends at a repeat and its probe fails; then the controller would not draft there and the probes back
+    off, so the next run goes on through the repeats (each end would cost a round trip for nothing)."""
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling_with_a_break)
     backends = FakeBackends(is_lookup_right=lambda n: False)
-    loop = run(make_params(degree=1, draft_length=4, strategies=(LOOKUP,)), backends, min_repeat_tokens=0)
-    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
-    assert loop.stats.num_runs_ended_at_repeat == 0
+    params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80)
+    loop = run(params, backends, min_repeat_tokens=3)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
+    assert loop.stats.num_proposed > 0 and loop.stats.num_accepted == 0
+    assert backends.stops_at_repeat.count(3) == loop.stats.num_runs_ended_at_repeat == 1
+    assert backends.stops_at_repeat[-1] == 0
+
+
+def cycling_with_a_break(context: Sequence[int]) -> int:
+    """A fake primary whose output cycles 1..9, breaks off into other text at output positions 30-44,
+    and cycles again: its 3-token tails repeat earlier text everywhere but in and just after the break."""
+    is_break = 30 <= len(context) - len(PROMPT) < 45
+    return (3 * context[-1] + context[-2] + len(context)) % 40 + 1 if is_break else context[-1] % 9 + 1
 
 
 def test_the_gateways_step_costs_hear_every_undisturbed_step():

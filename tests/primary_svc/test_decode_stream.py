@@ -16,7 +16,7 @@ from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.repeats import RepeatIndex
+from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex
 from specdec.v1 import logprobs_pb2, primary_pb2
 from tests.grpc_serving import primary_stub
 
@@ -177,7 +177,11 @@ def test_a_stream_asked_to_stop_at_a_repeat_ends_where_the_context_repeats_itsel
         ({"max_tokens": 4, "stop_token_ids": [-1]}, grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
         ({"num_context_tokens": len(PROMPT) + 1}, grpc.StatusCode.INVALID_ARGUMENT, "num_context_tokens"),
         ({"num_context_tokens": len(PROMPT) - 1}, grpc.StatusCode.INVALID_ARGUMENT, "num_context_tokens"),
-        ({"max_tokens": 4, "stop_at_repeat_tokens": 17}, grpc.StatusCode.INVALID_ARGUMENT, "stop_at_repeat_tokens"),
+        (
+            {"max_tokens": 4, "stop_at_repeat_tokens": MAX_REPEAT_TOKENS + 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "stop_at_repeat_tokens",
+        ),
         ({"committed_token_ids": [10**8]}, grpc.StatusCode.INVALID_ARGUMENT, "committed_token_ids"),
         ({"kv_lease": "not-the-lease"}, grpc.StatusCode.NOT_FOUND, "request_id"),
     ],
