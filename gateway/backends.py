@@ -152,6 +152,8 @@ class Decoded:
     # The run ended with it: token_id is pending (the next call commits it). A streamed step that is not
     # the run's end (decode_stream) carries a token the primary committed itself.
     is_run_end: bool = True
+    num_drafted: int = 0  # tokens the primary drafted and verified for this step (lookup_draft_length)
+    num_draft_accepted: int = 0  # of them, those among token_ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -401,6 +403,7 @@ class Backends:
         logprobs: LogprobsRequest | None = None,
         num_context_tokens: int = 0,
         stop_at_repeat_tokens: int = 0,
+        lookup_draft_length: int = 0,
     ) -> AsyncGenerator[Decoded, None]:
         """Plain steps from committed_token_ids (PrimaryService.DecodeStream): one Decoded per engine
         step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (greedy, no
@@ -409,7 +412,9 @@ class Backends:
         (instead of `allowed`) the primary masks every token by its own state of the request's
         grammar. `num_context_tokens`: the context the caller knows before committed_token_ids (the
         primary drops tokens of a cancelled run past it). `stop_at_repeat_tokens` > 0: the run also ends
-        where the context's last that many tokens occurred earlier. Closing the iterator early (aclose, or
+        where the context's last that many tokens occurred earlier. `lookup_draft_length` > 0: the primary
+        drafts the run's copies itself, up to that many tokens a step, so a step may decide several
+        tokens (DecodeRequest.lookup_draft_length). Closing the iterator early (aclose, or
         cancelling the task that awaits it) cancels the call: the primary stops the run at its next
         step and keeps the request open."""
         request = primary_pb2.DecodeRequest(
@@ -425,6 +430,7 @@ class Backends:
             response_format=None if response_format is None else pb.response_format_to_pb(response_format),
             num_context_tokens=num_context_tokens,
             stop_at_repeat_tokens=stop_at_repeat_tokens,
+            lookup_draft_length=lookup_draft_length,
             logprobs=_logprobs_pb(logprobs),
         )
         call = self.primary.DecodeStream(
@@ -437,7 +443,14 @@ class Backends:
                 self.other_step_rows = max(0, r.num_step_rows - 1)
                 token_ids = tuple(r.token_ids)
                 yield Decoded(
-                    token_ids[-1], r.forward_ms, self.other_step_rows, token_ids, _logprobs(r.logprobs), r.is_run_end
+                    token_ids[-1],
+                    r.forward_ms,
+                    self.other_step_rows,
+                    token_ids,
+                    _logprobs(r.logprobs),
+                    r.is_run_end,
+                    r.num_drafted,
+                    r.num_draft_accepted,
                 )
         except grpc.RpcError as e:
             raise _domain_error(e, "primary") from None

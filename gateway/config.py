@@ -77,6 +77,9 @@ class SpeculationDefaults:
     is_adaptive: bool = True
     max_adaptive_degree: int = MAX_ADAPTIVE_SPECULATIVE_DEGREE
     max_adaptive_draft_length: int = MAX_ADAPTIVE_DRAFT_LENGTH
+    # A greedy run of plain steps drafts the copies it meets in the primary itself, with no round
+    # trip (DecodeRequest.lookup_draft_length), where prompt lookup is one of the request's strategies.
+    is_run_drafting: bool = True
     greedy_logits_format: str = "fp8_e4m3"  # greedy decisions use the primary's fp32 argmax
     sample_logits_format: str = "fp32"  # lossless sampling needs the exact distribution
 
@@ -179,6 +182,13 @@ FLAGS = (
         "--speculative_overhead_ms",
         help="cost model: time per speculative step outside the forward and the drafts",
         group="costs",
+    ),
+    Flag(
+        "--run_drafts",
+        help="greedy runs of plain steps draft the copies they meet in the primary, with no round trip "
+        "(where prompt lookup is a request's strategy); --no-run_drafts: only speculative steps draft",
+        group="speculation",
+        field="is_run_drafting",
     ),
     Flag("--greedy_logits_format", choices=FORMATS, group="speculation"),
     Flag(

@@ -247,6 +247,8 @@ class StepRecord:
 
 
 MODEL_DECODERS = frozenset(names_of(MODEL))
+# GenerationStats.decoders' row of the drafts the primary's runs make themselves (_run_lookup_length)
+RUN_LOOKUP_STATS = PROMPT_LOOKUP_STRATEGY + "@run"
 
 
 @dataclasses.dataclass(slots=True)
@@ -335,6 +337,7 @@ class RequestLoop:
         step_costs: StepCosts | None = None,
         acceptance_memory: AcceptanceMemory | None = None,
         min_repeat_tokens: int = MIN_REPEAT_TOKENS,
+        is_run_drafting: bool = True,
         node_id: str = "",
         failover: Callable[[str, str], Awaitable[Node | None]] | None = None,
     ) -> None:
@@ -349,6 +352,7 @@ class RequestLoop:
         self._init_output(generated, stats)
         self._init_record(store, owner, stored_params, max_state_retry_s, node_id)
         self._init_step_state(decode_run_max)
+        self.is_run_drafting = is_run_drafting  # runs draft their copies in the primary (_run_lookup_length)
         self._init_calls(validator_state, draft_state, call_deadlines)
         self._init_constraints(grammar)
         self._init_planning(logits_formats, cost_model, step_costs)
@@ -618,8 +622,8 @@ class RequestLoop:
         """A computed step's tokens, grammar-forced ones added and cut at a stop, committed (their
         write pending) and counted; the finish reason when the step ends the request."""
         num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
-        # a plain run of tokens counts as that many plain steps (the controller's and the stats')
-        num_steps = 1 if plan.is_speculative else max(1, num_chosen)
+        # one engine step, speculative or plain (a plain one's drafts, _run_lookup_length, are its own)
+        num_steps = 1
         new_tokens += self._forced_after(new_tokens)
         for _ in range(num_steps):
             self._observe(plan, outcomes)
@@ -999,7 +1003,11 @@ class RequestLoop:
         self.carry = None  # what follows a plain step is not what the last draft continued with
         self.pending_features = None  # the latest step has none
         self.stats.forward_ms += decoded.forward_ms
-        if not self.is_step_disturbed:
+        if decoded.num_drafted:  # the run drafted this step itself (_run_lookup_length)
+            self.stats.num_proposed += decoded.num_drafted
+            self.stats.num_accepted += decoded.num_draft_accepted
+            self.stats.add_decoder(RUN_LOOKUP_STATS, decoded.num_drafted, decoded.num_draft_accepted, 0.0)
+        elif not self.is_step_disturbed:  # a plain step's cost (a drafted one's forward is over more rows)
             self.step_record = StepRecord(False, decoded.forward_ms, len(tokens))
         self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
@@ -1034,7 +1042,10 @@ class RequestLoop:
         # A run under a grammar: the primary masks each token by its own state of the grammar.
         is_grammar_run = self.grammar is not None and max_tokens > 1
         allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
-        stop_at_repeat, max_tokens = self._stop_at_repeat(max_tokens) if max_tokens > 1 else (0, max_tokens)
+        lookup_draft_length = self._run_lookup_length(max_tokens, is_grammar_run or allowed is not None)
+        stop_at_repeat, max_tokens = (
+            self._stop_at_repeat(max_tokens) if max_tokens > 1 and not lookup_draft_length else (0, max_tokens)
+        )
         self.is_run_stopping_at_repeat = stop_at_repeat > 0
         return self.backends.decode_stream(
             self.request_id,
@@ -1049,8 +1060,28 @@ class RequestLoop:
             # what the primary holds before this call's commit: a cancelled run's extra tokens are dropped
             num_context_tokens=len(self.prompt_ids) + len(self.generated) - len(self.pending_committed),
             stop_at_repeat_tokens=stop_at_repeat,
+            lookup_draft_length=lookup_draft_length,
             **self._logprobs_request(),
         )
+
+    def _run_lookup_length(self, max_tokens: int, is_masked: bool) -> int:
+        """How many tokens a step of the run opened now may draft by prompt lookup in the primary itself
+        (DecodeRequest.lookup_draft_length): the request's draft_length where prompt lookup is one of
+        its adaptive strategies and the run is greedy, unmasked, without penalties or logprobs; else 0.
+        Such a run drafts a copy the step it starts, with no round trip to the draft service or the
+        validator, so it goes on through repeats instead of ending at them (_stop_at_repeat)."""
+        sampling = self.params.sampling
+        if (
+            not self.is_run_drafting
+            or self.repeats is None
+            or max_tokens <= 1
+            or is_masked
+            or not sampling.is_greedy
+            or sampling.has_penalties
+            or self.params.logprobs is not None
+        ):
+            return 0
+        return self.params.speculation.draft_length
 
     def _stop_at_repeat(self, max_tokens: int) -> tuple[int, int]:
         """(stop_at_repeat_tokens, max_tokens) for a run of up to `max_tokens` opened now. A run is

@@ -679,6 +679,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             step_costs=self.step_costs,
             acceptance_memory=self.acceptance_memory,
             max_state_retry_s=self.max_state_retry_s,
+            is_run_drafting=spec.is_run_drafting,
             node_id="" if node is None else node.node_id,
             failover=None if node is None else self._failover_of(request_id, prompt_ids),
         )

@@ -18,7 +18,7 @@ import torch
 
 from primary_svc.leases import KVLeases
 from primary_svc.run_grammars import RunGrammars, check_run_grammar
-from primary_svc.worker import EngineWorker
+from primary_svc.worker import EngineWorker, RunStep
 from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
@@ -32,7 +32,8 @@ from specdec.logits_shm import LogitsSlots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.penalties import penalize
-from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex
+from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
+from specdec.speculation_bounds import MAX_DRAFT_LENGTH
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
@@ -48,13 +49,38 @@ MAX_DECODE_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _Decided:
+    """What one engine step of a Decode run decided, on the engine thread."""
+
+    token_ids: tuple[int, ...]  # the drafts it accepted, then the token it decided (the last is pending at a run's end)
+    num_step_rows: int  # the engine step's rows, every request's (VerifyResponse.num_step_rows)
+    num_drafted: int  # tokens the run drafted for this step (DecodeRequest.lookup_draft_length)
+    num_draft_accepted: int  # of them, those among token_ids
+    is_last: bool  # the run ends with it: max_tokens, a stop token, a repeat (the full context ends it too)
+
+
+@dataclasses.dataclass(slots=True)
+class _Run:
+    """A Decode call's steps (PrimaryServicer._plain_run): finish(logits) -> the step's _Decided on the
+    engine thread, which appends its tokens to `tokens` (and their log probabilities to `logprobs`,
+    when asked), and repeat (None for a single step) -> its RunStep: what the next step commits and
+    drafts, or is_last where the run ends."""
+
+    finish: Callable[[torch.Tensor], _Decided]
+    repeat: Callable[[_Decided], RunStep] | None
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+    num_drafted: int = 0  # every step's (DecodeResponse.num_drafted)
+    num_draft_accepted: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _StreamedStep:
     """One engine step of a DecodeStream run, as plain values from the engine thread."""
 
-    token_id: int
-    num_step_rows: int
+    decided: _Decided
     forward_ms: float
-    is_last: bool  # the run ends with it: its token is pending (DecodeStreamResponse.is_run_end)
+    is_last: bool  # the run ends with it: its last token is pending (DecodeStreamResponse.is_run_end)
     logprob: TokenLogprob | None  # asked by logprobs
 
 
@@ -231,23 +257,25 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
-        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id, MAX_DECODE_TOKENS)
-        (token, step_rows), forward_ms = self.worker.verify(
+        run = self._plain_run(request, request_id, MAX_DECODE_TOKENS)
+        decided, forward_ms = self.worker.verify(
             request_id,
             list(request.accepted_nodes),
             list(request.committed_token_ids),
             (),
             (),
-            finish,
-            repeat=repeat,
+            run.finish,
+            repeat=run.repeat,
             num_context_tokens=request.num_context_tokens,
         )
         return primary_pb2.DecodeResponse(
-            token_id=token,
+            token_id=run.tokens[-1],
             forward_ms=forward_ms,
-            num_step_rows=step_rows,
-            token_ids=tokens,
-            logprobs=[pb.token_logprob_to_pb(v) for v in decoded_logprobs],
+            num_step_rows=decided.num_step_rows,
+            token_ids=run.tokens,
+            num_drafted=run.num_drafted,
+            num_draft_accepted=run.num_draft_accepted,
+            logprobs=[pb.token_logprob_to_pb(v) for v in run.logprobs],
         )
 
     def DecodeStream(self, request, context):
@@ -256,54 +284,95 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
         run_max = self.identity.max_context
-        finish, repeat, tokens, decoded_logprobs = self._plain_run(request, request_id, run_max)
+        run = self._plain_run(request, request_id, run_max)
         steps: queue.SimpleQueue[_StreamedStep | None] = queue.SimpleQueue()
         cancel = threading.Event()
         context.add_callback(cancel.set)
 
-        def on_step(result: tuple[int, int], forward_ms: float, is_last: bool) -> None:  # on the engine thread
-            scored = decoded_logprobs[len(tokens) - 1] if decoded_logprobs else None
-            steps.put(_StreamedStep(result[0], result[1], forward_ms, is_last, scored))
+        def on_step(result: _Decided, forward_ms: float, is_last: bool) -> None:  # on the engine thread
+            scored = run.logprobs[len(run.tokens) - 1] if run.logprobs else None  # logprobs: one token a step
+            steps.put(_StreamedStep(result, forward_ms, is_last, scored))
 
-        run = self.worker.stream_decode(
+        running = self.worker.stream_decode(
             request_id,
             list(request.accepted_nodes),
             list(request.committed_token_ids),
-            finish,
-            repeat,
+            run.finish,
+            run.repeat,
             on_step,
             cancel,
             request.num_context_tokens,
         )
-        run.add_done_callback(lambda _: steps.put(None))
+        running.add_done_callback(lambda _: steps.put(None))
         try:
             while (step := steps.get()) is not None:
                 yield primary_pb2.DecodeStreamResponse(
-                    token_ids=[step.token_id],
+                    token_ids=step.decided.token_ids,
                     is_run_end=step.is_last,
                     forward_ms=step.forward_ms,
-                    num_step_rows=step.num_step_rows,
+                    num_step_rows=step.decided.num_step_rows,
+                    num_drafted=step.decided.num_drafted,
+                    num_draft_accepted=step.decided.num_draft_accepted,
                     logprobs=[] if step.logprob is None else [pb.token_logprob_to_pb(step.logprob)],
                 )
-            run.result()  # the error that ended the run, if one did
+            running.result()  # the error that ended the run, if one did
         finally:
             cancel.set()  # a caller gone mid-run (the generator closed): no further step
 
-    def _plain_run(
-        self, request, request_id: str, max_run_tokens: int
-    ) -> tuple[
-        Callable[[torch.Tensor], tuple[int, int]],
-        Callable[[tuple[int, int]], tuple[int] | None] | None,
-        list[int],
-        list[TokenLogprob],
-    ]:
-        """A Decode call's steps, checked: finish(logits) -> (token, the step's rows) on the engine
-        thread, which appends the token to the returned list (and its log probability to the other,
-        when asked), and repeat (None for a single step) -> the token to commit before the next step,
-        or None where the run ends (max_tokens, a stop token)."""
+    def _plain_run(self, request, request_id: str, max_run_tokens: int) -> _Run:
+        """A Decode call's steps, checked (_Run)."""
         sampling = self._sampling(request)
         allowed = self._allowed_tokens(request, 1)
         grammar = self._run_grammar(request, request_id, allowed is not None, sampling.is_greedy)
+        next_token = self._next_token(request, request_id, sampling, allowed, grammar)
+        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None, max_run_tokens)
+        repeats = self._run_repeats(request, request_id)
+        tokens: list[int] = []
+        logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
+        decoded_logprobs: list[TokenLogprob] = []
+        make_drafts = self._run_drafts(request, request_id, sampling, grammar is not None, logprobs is not None)
+        drafts: list[RunDrafts] = []  # made after the first step
+        drafted: list[int] = []  # the step's drafts: a chain after its pending token
+
+        def finish(logits: torch.Tensor) -> _Decided:  # on the engine thread
+            if drafted:  # the drafts the argmaxes agree with, then the argmax after them: plain decoding's
+                argmax = row_argmax(logits)
+                num_accepted = next((i for i, t in enumerate(drafted) if argmax[i] != t), len(drafted))
+                new = [*drafted[:num_accepted], argmax[num_accepted]]
+                drafts[0].observe(len(drafted), num_accepted)
+            else:
+                new = [next_token(logits)]
+            if logprobs is not None:  # of the raw row the token was chosen from (no drafts with logprobs)
+                decoded_logprobs.extend(token_logprobs(logits[:1], new, logprobs.num_top))
+            kept, is_last = [], max_tokens <= 1
+            for token in new:
+                kept.append(token)
+                tokens.append(token)
+                if len(tokens) >= max_tokens or token in stop or (repeats is not None and repeats(token)):
+                    is_last = True
+                    break
+            accepted = min(len(kept), len(new) - 1)
+            run.num_drafted += len(drafted)
+            run.num_draft_accepted += accepted
+            return _Decided(tuple(kept), self.worker.step_rows, len(drafted), accepted, is_last)
+
+        def repeat(result: _Decided) -> RunStep:  # on the engine thread, after finish
+            drafted.clear()
+            if make_drafts is not None and not result.is_last:
+                if not drafts:  # the context up to this step's pending token
+                    drafts.append(make_drafts())
+                drafts[0].extend(result.token_ids)
+                drafted.extend(drafts[0].draft(max_tokens - len(tokens) - 1))
+            accepted = tuple(range(len(result.token_ids) - 1))  # every token but the last (pending) was drafted
+            return RunStep(result.token_ids, accepted, tuple(drafted), result.is_last)
+
+        run = _Run(finish, repeat if max_tokens > 1 else None, tokens, decoded_logprobs)
+        return run
+
+    def _next_token(
+        self, request, request_id: str, sampling: SamplingParams, allowed, grammar
+    ) -> Callable[[torch.Tensor], int]:
+        """logits [1, V] -> a plain step's token, as the request's sampling, mask and grammar choose it."""
 
         def next_token(logits: torch.Tensor) -> int:
             logits = self._penalized(request_id, logits[:1], sampling)  # [1, V]
@@ -316,24 +385,28 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.position))[0])
 
-        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None, max_run_tokens)
-        repeats = self._run_repeats(request, request_id)
-        tokens: list[int] = []
-        logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
-        decoded_logprobs: list[TokenLogprob] = []
+        return next_token
 
-        def finish(logits: torch.Tensor) -> tuple[int, int]:  # on the engine thread
-            tokens.append(next_token(logits))
-            if logprobs is not None:  # of the raw row the token was chosen from
-                decoded_logprobs.extend(token_logprobs(logits[:1], tokens[-1:], logprobs.num_top))
-            return tokens[-1], self.worker.step_rows
-
-        def repeat(result: tuple[int, int]) -> tuple[int] | None:  # on the engine thread, after finish
-            if len(tokens) >= max_tokens or result[0] in stop or (repeats is not None and repeats(result[0])):
-                return None
-            return (result[0],)
-
-        return finish, (repeat if max_tokens > 1 else None), tokens, decoded_logprobs
+    def _run_drafts(
+        self, request, request_id: str, sampling: SamplingParams, has_grammar: bool, has_logprobs: bool
+    ) -> Callable[[], RunDrafts] | None:
+        """For a Decode with lookup_draft_length: a maker of the run's own prompt-lookup drafts
+        (specdec.repeats), called on the engine thread after the run's first step (the index is built
+        from the request's tokens then); None without. Checked: greedy, unmasked, without a grammar,
+        penalties or logprobs."""
+        n = request.lookup_draft_length
+        if n > MAX_DRAFT_LENGTH:
+            raise InvalidArgument("lookup_draft_length", f"must be at most {MAX_DRAFT_LENGTH}, got {n}")
+        if n == 0:
+            return None
+        if not sampling.is_greedy or request.HasField("allowed_tokens") or has_grammar:
+            raise InvalidArgument(
+                "lookup_draft_length", "drafts a greedy run without allowed_tokens or response_format only"
+            )
+        if sampling.has_penalties or has_logprobs:
+            raise InvalidArgument("lookup_draft_length", "drafts a run without penalties, logit_bias or logprobs only")
+        costs, engine = self.identity.verify_costs_ms or None, self.worker.built_engine
+        return lambda: RunDrafts(engine().token_ids(request_id), n, costs)
 
     def _sampling(self, request) -> SamplingParams:
         """The request's sampling parameters, checked (logit_bias ids against the vocabulary too)."""

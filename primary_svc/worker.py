@@ -79,6 +79,19 @@ RETURN_MARGIN = 1.5  # a step waits for a request until 1.5x its usual time to c
 RETURN_GAP_SMOOTHING = 0.5  # weight of the newest gap in a request's smoothed time to come back
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunStep:
+    """What a run of plain steps does after a step (the `repeat` of EngineWorker.verify).
+
+    E.g. drafts [x, y, z] verified, x and y accepted, w decided after them: committed (x, y, w),
+    accepted_nodes (0, 1); the next step drafts `draft_token_ids` as a chain after w."""
+
+    committed_token_ids: Sequence[int]  # the step's tokens: its accepted drafts, then the token it decided
+    accepted_nodes: Sequence[int] = ()  # the drafts among them: the step's chain's first nodes
+    draft_token_ids: Sequence[int] = ()  # the next step's drafts, a chain after the decided token
+    is_last: bool = False  # the run ends with this step: its decided token stays pending
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _VerifyItem:
     request_id: str
@@ -88,9 +101,9 @@ class _VerifyItem:
     tree_parents: Sequence[int]
     num_lookahead: int  # the tree's last nodes that are lookahead rows (VerifyWork.num_lookahead)
     finish: Callable[[torch.Tensor], Any]
-    # After each step, repeat(finish's result) -> the tokens to commit before one more plain step of
-    # this request, or None: its result goes back (a run of plain steps in one call, EngineWorker.verify)
-    repeat: Callable[[Any], Sequence[int] | None] | None = None
+    # After each step, repeat(finish's result) -> what the step commits and whether one more plain
+    # step of this request follows (a run of plain steps in one call, EngineWorker.verify)
+    repeat: Callable[[Any], RunStep] | None = None
     forward_ms: float = 0.0  # the forwards of the steps so far
     # Given: receives the features of the verify's logits rows [N+L+1, C] before `finish` runs.
     features_out: list[torch.Tensor] | None = None
@@ -295,7 +308,7 @@ class EngineWorker:
         tree_parents: Sequence[int],
         finish: Callable[[torch.Tensor], Any] = lambda logits: logits,
         num_lookahead: int = 0,
-        repeat: Callable[[Any], Sequence[int] | None] | None = None,
+        repeat: Callable[[Any], RunStep] | None = None,
         features_out: list[torch.Tensor] | None = None,
         num_context_tokens: int = 0,
     ) -> tuple[Any, float]:
@@ -304,10 +317,12 @@ class EngineWorker:
 
         `finish` runs on the engine thread; an exception it raises fails this item alone. With
         `repeat` (an empty tree: plain decoding), the request stays in the queue for more steps: after
-        each, repeat(finish's result) gives the tokens to commit before the next (its decoded token),
-        or None to return that result; a step that would not fit the context is not taken. The
-        returned forward ms are every step's. One call then decodes several tokens, each in an engine
-        step beside the other requests', without a round trip between them. `features_out` receives
+        each, repeat(finish's result) gives the step's RunStep: the tokens to commit before the next
+        (its decided token, after the drafts it accepted) and the next step's drafts, or is_last to
+        return that result; a step that would not fit the context is not taken (drafts that would not
+        are not verified). A run that ends keeps its last step's accepted drafts committed, its decided
+        token pending. The returned forward ms are every step's. One call then decodes several tokens,
+        each step beside the other requests', without a round trip between them. `features_out` receives
         the features of the logits rows [N+1+L, C] before `finish` runs (the step then runs eagerly).
         `num_context_tokens` > 0: the request's context is cut back to that many tokens before the commit
         (Engine.truncate)."""
@@ -332,7 +347,7 @@ class EngineWorker:
         accepted_nodes: Sequence[int],
         committed_token_ids: Sequence[int],
         finish: Callable[[torch.Tensor], Any],
-        repeat: Callable[[Any], Sequence[int] | None] | None,
+        repeat: Callable[[Any], RunStep] | None,
         on_step: Callable[[Any, float, bool], None],
         cancel: threading.Event,
         num_context_tokens: int = 0,
@@ -713,15 +728,26 @@ class EngineWorker:
                     item.features_out.append(forwarded.verify_features[i])
                 result = item.finish(logits)
                 item.forward_ms += forward_ms
-                again = None if item.repeat is None or item.is_cancelled else item.repeat(result)
-                if again is not None and self._fits(engine, item.request_id, len(again)):
+                step = None if item.repeat is None else item.repeat(result)
+                room = self._room(engine, item.request_id) - (0 if step is None else len(step.committed_token_ids))
+                if step is not None and not step.is_last and not item.is_cancelled and room >= 0:
                     repeated.add(item.request_id)
+                    drafts = tuple(step.draft_token_ids[:room])
                     self._intake_verify(
-                        dataclasses.replace(item, accepted_nodes=(), committed_token_ids=again, num_context_tokens=0)
+                        dataclasses.replace(
+                            item,
+                            accepted_nodes=step.accepted_nodes,
+                            committed_token_ids=step.committed_token_ids,
+                            tree_token_ids=drafts,
+                            tree_parents=tuple(range(-1, len(drafts) - 1)),
+                            num_context_tokens=0,
+                        )
                     )
                     if item.on_step is not None and not item.future.done():  # committed: the run goes on
                         item.on_step(result, forward_ms, False)
                 else:
+                    if step is not None and step.accepted_nodes:  # its accepted drafts stay; its token is pending
+                        engine.commit(item.request_id, step.accepted_nodes, step.committed_token_ids[:-1])
                     if item.on_step is not None:
                         item.on_step(result, forward_ms, True)
                     item.future.set_result((result, item.forward_ms))
@@ -748,9 +774,10 @@ class EngineWorker:
                 self._return_gap = {r: g for r, g in self._return_gap.items() if engine.has_request(r)}
 
     @staticmethod
-    def _fits(engine: Engine, request_id: str, num_new_tokens: int) -> bool:
-        """Whether the request's context has room for num_new_tokens more (a repeated plain step)."""
-        return engine.has_request(request_id) and engine.num_tokens(request_id) + num_new_tokens <= engine.max_context
+    def _room(engine: Engine, request_id: str) -> int:
+        """Tokens the request's context has room for (a repeated plain step's, and its drafts); -1 when
+        the request is gone."""
+        return engine.max_context - engine.num_tokens(request_id) if engine.has_request(request_id) else -1
 
     def _held_for_shared_prefix(self, engine: Engine) -> set[str]:
         """New prompts that would compute prefix-cache blocks a prompt ahead of them is computing now:

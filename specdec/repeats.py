@@ -16,14 +16,30 @@ E.g. n = 3, context [a b c d a b c]: "a b c" was followed by d, so the tail repe
 
 The gateway keeps one per request to plan; the primary builds one for a run asked to end at a repeat
 (DecodeRequest.stop_at_repeat_tokens, at most MAX_REPEAT_TOKENS).
+
+A run's own drafts (RunDrafts, DecodeRequest.lookup_draft_length): inside a greedy run of plain
+steps the primary drafts the copy itself, from the same index, and verifies it in the step's own
+forward as a chain after the pending token. The step keeps the drafted tokens its argmaxes agree
+with and the argmax after them: the run's tokens are its plain decoding's, several a step where the
+answer copies, without the draft service's and validator's round trips (about 1.4 one-row forwards
+a speculative step on a 2-core CPU, docs/benchmarks.md). How many tokens to draft is chosen each
+step by expected tokens per forward cost: the chain's acceptance estimate against the measured cost
+of a verify of k rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 MIN_REPEAT_TOKENS = 3  # a tail of this many tokens that occurred earlier is a repeat
 MAX_REPEAT_TOKENS = 16  # the longest tail a caller may ask a run to stop at (longer repeats are copies too)
+# A verify of k rows against one row (k = root + drafts), where the primary measured none: int4 after
+# 256 tokens of context on a 2-core Xeon with AMX (docs/benchmarks.md, "Flat forward").
+DEFAULT_ROW_COSTS = {1: 1.0, 2: 1.14, 4: 1.47, 8: 2.22, 16: 3.64, 32: 6.44, 64: 10.6}
+# The chain acceptance estimate's prior (successes, trials) and how much each step's evidence fades:
+# a copy is accepted for a while and then stops, so recent steps say most.
+ACCEPTANCE_PRIOR = (1.0, 2.0)
+ACCEPTANCE_DECAY = 0.7
 
 
 class RepeatIndex:
@@ -34,7 +50,8 @@ class RepeatIndex:
             raise ValueError(f"n must be >= 1, got {n}")
         self.n = n
         self._tokens: list[int] = []
-        self._followed: set[tuple[int, ...]] = set()
+        # n-gram -> where the token after its latest earlier occurrence is
+        self._followed: dict[tuple[int, ...], int] = {}
         self.extend(token_ids)
 
     def __len__(self) -> int:
@@ -44,9 +61,87 @@ class RepeatIndex:
         n, tokens = self.n, self._tokens
         for token in token_ids:
             if len(tokens) >= n:
-                self._followed.add(tuple(tokens[-n:]))  # the n-gram before this token is followed now
+                self._followed[tuple(tokens[-n:])] = len(tokens)  # the n-gram before this token is followed now
             tokens.append(int(token))
 
     def tail_repeats(self) -> bool:
         """Whether the context's last n tokens occurred earlier (with a token after them)."""
         return len(self._tokens) >= self.n and tuple(self._tokens[-self.n :]) in self._followed
+
+    def continuation(self, max_tokens: int) -> list[int]:
+        """What followed the latest earlier occurrence of the context's last n tokens, at most
+        max_tokens of it (empty where the tail does not repeat). A match that ends less than max_tokens
+        before the context's end copies into its own output (LZ77), so a cycle continues: context
+        [x y z x y z] (n = 3) -> [x y z x ...]."""
+        tokens = self._tokens
+        if len(tokens) < self.n or max_tokens <= 0:
+            return []
+        start = self._followed.get(tuple(tokens[-self.n :]))
+        if start is None:
+            return []
+        out: list[int] = []
+        for i in range(start, start + max_tokens):
+            out.append(tokens[i] if i < len(tokens) else out[i - len(tokens)])
+        return out
+
+
+class RunDrafts:
+    """A run's own prompt-lookup drafts (see the module docstring): the index over the request's
+    context, the chain acceptance estimate, and each step's choice of how many tokens to draft.
+
+    `row_costs`: ms (or any unit) of a verify of k rows by k, as the primary measured them."""
+
+    def __init__(self, token_ids: Iterable[int], max_length: int, row_costs: Mapping[int, float] | None = None) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        self.index = RepeatIndex(token_ids)
+        self.max_length = max_length
+        costs = dict(row_costs or {})
+        if 1 not in costs or costs[1] <= 0 or len(costs) < 2:  # a curve needs one row and another size
+            costs = DEFAULT_ROW_COSTS
+        self._row_costs = sorted((k, c / costs[1]) for k, c in costs.items())
+        self._successes, self._trials = ACCEPTANCE_PRIOR
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a drafted token is accepted, given the one before it was."""
+        return self._successes / self._trials
+
+    def extend(self, token_ids: Iterable[int]) -> None:
+        self.index.extend(token_ids)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """A verified chain: its first num_accepted tokens were accepted (then one was not, unless all were)."""
+        if num_drafted <= 0:
+            return
+        trials = num_accepted + (num_accepted < num_drafted)
+        p_s, p_t = ACCEPTANCE_PRIOR
+        d = ACCEPTANCE_DECAY
+        # the evidence beyond the prior fades; the prior stays, so one step cannot make the estimate 0 or 1
+        self._successes = p_s + d * (self._successes - p_s) + num_accepted
+        self._trials = p_t + d * (self._trials - p_t) + trials
+
+    def relative_cost(self, num_rows: int) -> float:
+        """A verify of num_rows rows against one row, linear between the measured sizes."""
+        points = self._row_costs
+        if num_rows <= points[0][0]:
+            return points[0][1]
+        for (k0, c0), (k1, c1) in zip(points, points[1:]):
+            if num_rows <= k1:
+                return c0 + (c1 - c0) * (num_rows - k0) / (k1 - k0)
+        (k0, c0), (k1, c1) = points[-2], points[-1]
+        return c1 + (c1 - c0) * (num_rows - k1) / (k1 - k0)
+
+    def draft(self, max_tokens: int) -> list[int]:
+        """The next step's drafts, at most min(max_tokens, max_length): the copy's first d tokens, d
+        maximising expected tokens per cost, (1 + a + ... + a^d) / cost(d + 1 rows); none when the
+        tail repeats nothing or a plain step is worth more."""
+        copy = self.index.continuation(min(max_tokens, self.max_length))
+        best, best_value, expected, p = 0, 1.0, 1.0, 1.0
+        for d in range(1, len(copy) + 1):
+            p *= self.acceptance
+            expected += p
+            value = expected / self.relative_cost(d + 1)
+            if value > best_value:
+                best, best_value = d, value
+        return copy[:best]

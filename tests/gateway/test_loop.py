@@ -31,6 +31,7 @@ from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState, SpeculationPlan
 from gateway.loop import (
     CONTINUATION_TOKENS,
+    RUN_LOOKUP_STATS,
     RequestLoop,
     StepOutput,
     bounded_config,
@@ -40,7 +41,7 @@ from gateway.loop import (
 )
 from gateway.cost_model import CostSettings, cost_model_for
 from gateway.params import GenerationParams, SpeculationParams
-from specdec.repeats import RepeatIndex
+from specdec.repeats import RepeatIndex, RunDrafts
 from gateway.step_costs import StepCostConfig, StepCosts
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
@@ -108,6 +109,7 @@ class FakeBackends:
     other_rows: int = 0  # rows of other requests in each of the primary's steps (the load)
     is_continuing: bool = False  # prompt_lookup's rank 0 also returns its continuation past the draft
     stops_at_repeat: list[int] = dataclasses.field(default_factory=list)  # each run's stop_at_repeat_tokens
+    lookup_draft_lengths: list[int] = dataclasses.field(default_factory=list)  # each run's lookup_draft_length
 
     # --- primary ---
     async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
@@ -186,7 +188,9 @@ class FakeBackends:
         response_format=None,
     ) -> Decoded:
         assert allowed is None and response_format is None, "no grammar in these requests"
-        tokens = [t for t, _ in self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids)]
+        tokens = [
+            t for step, *_ in self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids) for t in step
+        ]
         return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
 
     async def decode_stream(
@@ -203,21 +207,33 @@ class FakeBackends:
         response_format=None,
         num_context_tokens=0,
         stop_at_repeat_tokens=0,
+        lookup_draft_length=0,
     ):
-        """decode's run as the primary streams it: a token a message as it decides it, every one but
-        the last committed by the primary; the caller's context (before its commit) must be the
-        primary's. With stop_at_repeat_tokens the run also ends where the context's tail repeats."""
+        """decode's run as the primary streams it: a step's tokens a message as it decides them, every
+        one but the run's last committed by the primary; the caller's context (before its commit) must
+        be the primary's. With stop_at_repeat_tokens the run also ends where the context's tail
+        repeats; with lookup_draft_length a step drafts the copy and keeps what plain decoding agrees with."""
         assert allowed is None and response_format is None, "no grammar in these requests"
         assert num_context_tokens == len(self.primary_context), "the caller does not know the primary's context"
         self.stops_at_repeat.append(stop_at_repeat_tokens)
-        runs = self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens)
-        for token, is_last in runs:
-            yield Decoded(token, 0.0, self.other_rows, (token,), is_run_end=is_last)
+        self.lookup_draft_lengths.append(lookup_draft_length)
+        runs = self._run(
+            accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens, lookup_draft_length
+        )
+        for tokens, is_last, num_drafted, num_accepted in runs:
+            yield Decoded(tokens[-1], 0.0, self.other_rows, tokens, (), is_last, num_drafted, num_accepted)
 
     def _run(
-        self, accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens=0
-    ) -> Iterator[tuple[int, bool]]:
-        """A run of plain steps, a (token, is_last) at a time: the primary commits every token but the last."""
+        self,
+        accepted_nodes,
+        committed_token_ids,
+        max_tokens,
+        stop_token_ids,
+        stop_at_repeat_tokens=0,
+        lookup_draft_length=0,
+    ) -> Iterator[tuple[tuple[int, ...], bool, int, int]]:
+        """A run of plain steps, a (tokens, is_last, drafted, accepted) a step: the primary commits every
+        token but the run's last; a step's drafts (RunDrafts) are kept while they are plain decoding's."""
         call = {
             "accepted_nodes": tuple(accepted_nodes),
             "committed": list(committed_token_ids),
@@ -229,17 +245,36 @@ class FakeBackends:
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         call["num_tokens"] = 0
         repeats = RepeatIndex(self.primary_context, stop_at_repeat_tokens) if stop_at_repeat_tokens else None
+        drafts = RunDrafts(self.primary_context, lookup_draft_length) if lookup_draft_length else None
+        drafted: list[int] = []
         while True:
-            token = primary_next(self.primary_context)
-            self.truth.append(token)
-            call["num_tokens"] += 1
-            is_repeat = repeats is not None and (repeats.extend([token]) or repeats.tail_repeats())
-            is_last = call["num_tokens"] >= max(1, max_tokens) or token in stop_token_ids or is_repeat
-            if not is_last:
-                self.primary_context.append(token)
-            yield token, is_last
+            decided: list[int] = []
+            for token in drafted:  # a draft is kept while it is what plain decoding decides
+                if primary_next(self.primary_context + decided) != token:
+                    break
+                decided.append(token)
+            num_accepted = len(decided)
+            decided.append(primary_next(self.primary_context + decided))
+            if drafts is not None and drafted:
+                drafts.observe(len(drafted), num_accepted)
+            kept: list[int] = []
+            is_last = False
+            for token in decided:
+                kept.append(token)
+                self.truth.append(token)
+                call["num_tokens"] += 1
+                is_repeat = repeats is not None and (repeats.extend([token]) or repeats.tail_repeats())
+                is_last = call["num_tokens"] >= max(1, max_tokens) or token in stop_token_ids or is_repeat
+                if is_last:
+                    break
+            self.primary_context += kept[:-1] if is_last else kept
+            yield tuple(kept), is_last, len(drafted), min(len(kept), num_accepted)
             if is_last:
                 return
+            drafted = []
+            if drafts is not None:
+                drafts.extend(kept)
+                drafted = drafts.draft(max(1, max_tokens) - call["num_tokens"] - 1)
 
     async def validate(
         self, request_id, mode, sampling, acceptance_threshold, position, tree, verified, allowed=None
@@ -1431,9 +1466,9 @@ def test_a_run_ends_where_the_output_comes_to_repeat_earlier_text(monkeypatch):
     expected = plain_decoding(PROMPT, 80)
     backends = FakeBackends()
     params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80)
-    loop = run(params, backends, min_repeat_tokens=3)
+    loop = run(params, backends, min_repeat_tokens=3, is_run_drafting=False)
     assert loop.outcome.token_ids == expected
-    assert 3 in backends.stops_at_repeat
+    assert 3 in backends.stops_at_repeat and set(backends.lookup_draft_lengths) == {0}
     assert 1 <= loop.stats.num_runs_ended_at_repeat == loop.stats.to_pb().num_runs_ended_at_repeat
     assert loop.stats.num_accepted >= 20  # both cycles drafted, not decoded a token a step
 
@@ -1445,11 +1480,46 @@ def test_runs_go_on_through_repeats_once_prompt_lookup_failed_there(monkeypatch)
     monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling_with_a_break)
     backends = FakeBackends(is_lookup_right=lambda n: False)
     params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80)
-    loop = run(params, backends, min_repeat_tokens=3)
+    loop = run(params, backends, min_repeat_tokens=3, is_run_drafting=False)
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
     assert loop.stats.num_proposed > 0 and loop.stats.num_accepted == 0
     assert backends.stops_at_repeat.count(3) == loop.stats.num_runs_ended_at_repeat == 1
     assert backends.stops_at_repeat[-1] == 0
+
+
+def test_runs_draft_the_copies_they_meet_in_the_primary(monkeypatch):
+    """With run drafting on (the default), a greedy run asks the primary to draft its copies itself
+    (lookup_draft_length = the request's draft_length) instead of ending at a repeat: the cycles are
+    drafted inside the runs, counted under prompt_lookup@run, and the output is plain decoding's."""
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling_with_a_break)
+    backends = FakeBackends()
+    params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80)
+    loop = run(params, backends, min_repeat_tokens=3)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
+    assert 4 in backends.lookup_draft_lengths and set(backends.stops_at_repeat) == {0}
+    proposed, accepted, _ = loop.stats.decoders[RUN_LOOKUP_STATS]
+    assert accepted >= 20 and proposed >= accepted
+    assert loop.stats.num_accepted >= accepted and loop.stats.num_steps < 80 - 20
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"sampling": SamplingParams(temperature=0.0, frequency_penalty=0.5)},
+        {"speculation": None},
+    ],
+)
+def test_runs_draft_nothing_with_penalties_or_without_prompt_lookup(monkeypatch, changes):
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling_with_a_break)
+    backends = FakeBackends()
+    params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=40)
+    if changes.get("speculation", 0) is None:
+        params = make_params(degree=1, draft_length=4, strategies=(SUFFIX,), max_new_tokens=40)
+    else:
+        params = dataclasses.replace(params, **changes)
+    loop = run(params, backends, min_repeat_tokens=3)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)
+    assert set(backends.lookup_draft_lengths) <= {0} and RUN_LOOKUP_STATS not in loop.stats.decoders
 
 
 def cycling_with_a_break(context: Sequence[int]) -> int:

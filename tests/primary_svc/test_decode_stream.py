@@ -17,7 +17,7 @@ from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex
-from specdec.v1 import logprobs_pb2, primary_pb2
+from specdec.v1 import common_pb2, logprobs_pb2, primary_pb2
 from tests.grpc_serving import primary_stub
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
@@ -202,3 +202,96 @@ def test_bad_stream_requests_get_a_status_naming_the_field_and_leave_the_request
     assert len(list(stream(stub, "bad", lease, [], 2))) == 2
     release(stub, "bad", lease)
     assert engine.kv_bytes == 0
+
+
+@pytest.fixture(scope="module")
+def copying(primary, reference) -> tuple[list[int], list[int]]:
+    """A prompt whose answer copies it: PROMPT, its first 40 reference tokens, PROMPT again; and the
+    first RUN tokens of plain greedy decoding after it, one token per Decode."""
+    stub, *_ = primary
+    prompt = PROMPT + reference[:40] + PROMPT
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="copy-ref", token_ids=prompt)).kv_lease
+    tokens: list[int] = []
+    while len(tokens) < RUN:
+        d = stub.Decode(
+            primary_pb2.DecodeRequest(request_id="copy-ref", committed_token_ids=tokens[-1:], kv_lease=lease)
+        )
+        tokens.append(d.token_id)
+    release(stub, "copy-ref", lease)
+    return prompt, tokens
+
+
+def test_a_run_that_drafts_its_copies_decodes_plain_decoding_s_tokens_several_a_step(primary, copying):
+    """lookup_draft_length: the run drafts what followed the tail's earlier occurrence and keeps the
+    drafts the argmaxes agree with: the tokens are plain decoding's, some messages carry several,
+    the counts add up; the run's last token is pending and the next call goes on from it."""
+    stub, engine, _ = primary
+    prompt, expected = copying
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="d", token_ids=prompt)).kv_lease
+    messages = list(stream(stub, "d", lease, [], RUN - 4, lookup_draft_length=8))
+    tokens = [t for m in messages for t in m.token_ids]
+    assert tokens == expected[: RUN - 4]
+    assert [m.is_run_end for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert sum(m.num_drafted for m in messages) > 0 and max(len(m.token_ids) for m in messages) > 2
+    assert all(m.num_draft_accepted == len(m.token_ids) - 1 for m in messages[:-1])
+    assert all(0 <= m.num_draft_accepted <= m.num_drafted for m in messages)
+    assert engine.token_ids("d") == prompt + expected[: RUN - 5]
+    more = list(stream(stub, "d", lease, expected[RUN - 5 : RUN - 4], 4, lookup_draft_length=8))
+    assert [t for m in more for t in m.token_ids] == expected[RUN - 4 : RUN]
+    release(stub, "d", lease)
+    assert engine.kv_bytes == 0
+
+
+@pytest.mark.parametrize("max_tokens", [2, 5, 9, 13])
+def test_a_drafted_run_that_ends_inside_a_step_s_drafts_keeps_them_committed_but_its_last(primary, copying, max_tokens):
+    """A run's end (max_tokens; a stop token likewise) can fall among a step's accepted drafts: the
+    tokens before it stay committed with their KV, the last is pending, and a unary Decode goes on."""
+    stub, engine, _ = primary
+    prompt, expected = copying
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="e", token_ids=prompt)).kv_lease
+    tokens = [t for m in stream(stub, "e", lease, [], max_tokens, lookup_draft_length=8) for t in m.token_ids]
+    assert tokens == expected[:max_tokens]
+    assert engine.token_ids("e") == prompt + expected[: max_tokens - 1]
+    assert engine.num_cached("e") == len(prompt) + max_tokens - 2  # all but the pending token
+    d = stub.Decode(
+        primary_pb2.DecodeRequest(
+            request_id="e",
+            committed_token_ids=expected[max_tokens - 1 : max_tokens],
+            kv_lease=lease,
+            max_tokens=3,
+            lookup_draft_length=4,
+        )
+    )
+    assert list(d.token_ids) == expected[max_tokens : max_tokens + 3] and d.num_draft_accepted <= d.num_drafted
+    release(stub, "e", lease)
+
+
+def test_a_drafted_run_ends_at_a_stop_token_among_its_drafts(primary, copying):
+    stub, engine, _ = primary
+    prompt, expected = copying
+    stop = expected[20]
+    stop_at = expected.index(stop)
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="f", token_ids=prompt)).kv_lease
+    messages = list(stream(stub, "f", lease, [], RUN, lookup_draft_length=8, stop_token_ids=[stop]))
+    assert [t for m in messages for t in m.token_ids] == expected[: stop_at + 1] and messages[-1].is_run_end
+    assert engine.token_ids("f") == prompt + expected[:stop_at]
+    release(stub, "f", lease)
+
+
+@pytest.mark.parametrize(
+    ("fields", "max_tokens"),
+    [
+        ({"lookup_draft_length": 65}, 4),
+        ({"lookup_draft_length": 4, "sampling": common_pb2.SamplingParams(temperature=0.7)}, 1),
+        ({"lookup_draft_length": 4, "logprobs": logprobs_pb2.LogprobsOptions(num_top_logprobs=1)}, 4),
+        ({"lookup_draft_length": 4, "sampling": common_pb2.SamplingParams(frequency_penalty=0.5)}, 4),
+    ],
+)
+def test_bad_drafted_runs_get_invalid_argument_naming_lookup_draft_length(primary, fields, max_tokens):
+    stub, engine, _ = primary
+    lease = prefill(stub, "bad-draft")
+    with pytest.raises(grpc.RpcError) as e:
+        list(stream(stub, "bad-draft", lease, [], max_tokens, **fields))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lookup_draft_length" in e.value.details()
+    assert engine.token_ids("bad-draft") == PROMPT
+    release(stub, "bad-draft", lease)

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from primary_svc import step_report
 from primary_svc.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
-from primary_svc.worker import EngineWorker
+from primary_svc.worker import EngineWorker, RunStep
 from specdec.engine.engine import PREFILL_CHUNK_TOKENS, Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
@@ -494,7 +494,7 @@ def test_a_step_does_not_wait_for_a_request_whose_streamed_run_ended(fp32_model)
             (),
             (),
             finish,
-            lambda token: None if len(tokens) >= 3 else (token,),
+            lambda token: RunStep((token,), is_last=len(tokens) >= 3),
             lambda _token, _ms, is_last: messages.append(is_last),
             threading.Event(),
         )

@@ -1,10 +1,11 @@
-"""The repeat index (specdec.repeats): does the context's tail occur earlier?"""
+"""The repeat index (specdec.repeats): does the context's tail occur earlier, what followed it, and
+how much of it a run drafts?"""
 
 from __future__ import annotations
 
 import pytest
 
-from specdec.repeats import RepeatIndex
+from specdec.repeats import DEFAULT_ROW_COSTS, RepeatIndex, RunDrafts
 
 
 def test_the_tail_repeats_only_when_an_earlier_occurrence_was_followed_by_a_token():
@@ -26,3 +27,53 @@ def test_the_context_never_matches_itself():
 def test_n_is_checked():
     with pytest.raises(ValueError, match="n must be"):
         RepeatIndex(n=0)
+
+
+def test_the_continuation_is_what_followed_the_latest_earlier_occurrence():
+    index = RepeatIndex([1, 2, 3, 7, 8, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3], n=3)
+    assert index.continuation(4) == [4, 5, 6, 1]  # the latest "1 2 3" (at 6) was followed by 4 5 6 ...
+    assert index.continuation(0) == []
+    index.extend([0])
+    assert index.continuation(4) == []  # "2 3 0" occurred nowhere before
+
+
+def test_a_continuation_that_reaches_the_context_s_end_copies_its_own_output():
+    index = RepeatIndex([7, 8, 9, 7, 8, 9], n=3)
+    assert index.continuation(7) == [7, 8, 9, 7, 8, 9, 7]
+
+
+def test_run_drafts_draft_nothing_where_the_tail_repeats_nothing():
+    drafts = RunDrafts([1, 2, 3, 4, 5], max_length=8)
+    assert drafts.draft(8) == []
+
+
+def test_run_drafts_draft_longer_chains_as_the_copy_is_accepted_and_shorter_after_misses():
+    """The draft length maximises expected tokens per cost: at the prior's estimate a short chain;
+    after whole chains accepted, a long one (bounded by max_length and the caller's room); after
+    misses, none."""
+    text = list(range(100, 140))
+    drafts = RunDrafts(text + text[:3], max_length=8)
+    first = drafts.draft(8)
+    assert first == text[3 : 3 + len(first)] and 1 <= len(first) <= 3
+    for _ in range(3):
+        drafts.observe(len(first), len(first))
+    second = drafts.draft(8)
+    assert len(first) < len(second) < 8 and second == text[3 : 3 + len(second)]
+    for _ in range(3):
+        drafts.observe(8, 8)
+    assert drafts.acceptance > 0.9
+    assert drafts.draft(8) == text[3:11]  # max_length
+    assert drafts.draft(5) == text[3:8]  # the caller's room
+    for _ in range(8):
+        drafts.observe(4, 0)
+    assert drafts.acceptance < 0.4 and len(drafts.draft(8)) <= 1
+
+
+def test_run_drafts_price_rows_by_the_measured_curve_and_fall_back_to_the_default_one():
+    drafts = RunDrafts([], max_length=4, row_costs={1: 4.0, 2: 4.4, 4: 6.0, 8: 10.0})
+    assert drafts.relative_cost(1) == 1.0 and drafts.relative_cost(2) == pytest.approx(1.1)
+    assert drafts.relative_cost(3) == pytest.approx(1.3) and drafts.relative_cost(16) == pytest.approx(4.5)
+    default = RunDrafts([], max_length=4, row_costs={1: 10.0})  # one size is no curve
+    assert default.relative_cost(2) == DEFAULT_ROW_COSTS[2]
+    with pytest.raises(ValueError, match="max_length"):
+        RunDrafts([], max_length=0)
