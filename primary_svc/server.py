@@ -72,6 +72,9 @@ class _Run:
     logprobs: list[TokenLogprob]
     num_drafted: int = 0  # every step's (DecodeResponse.num_drafted)
     num_draft_accepted: int = 0
+    # The last step's other work, which the next step's drafts are priced beside (RunDrafts.draft)
+    other_rows: int = 0
+    other_requests: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -354,6 +357,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             accepted = min(len(kept), len(new) - 1)
             run.num_drafted += len(drafted)
             run.num_draft_accepted += accepted
+            run.other_rows = max(0, self.worker.step_rows - 1 - len(drafted))  # the step's, beside this run's
+            run.other_requests = max(0, self.worker.step_requests - 1)
             return _Decided(tuple(kept), self.worker.step_rows, len(drafted), accepted, is_last)
 
         def repeat(result: _Decided) -> RunStep:  # on the engine thread, after finish
@@ -362,7 +367,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 if not drafts:  # the context up to this step's pending token
                     drafts.append(make_drafts())
                 drafts[0].extend(result.token_ids)
-                drafted.extend(drafts[0].draft(max_tokens - len(tokens) - 1))
+                drafted.extend(drafts[0].draft(max_tokens - len(tokens) - 1, run.other_rows, run.other_requests))
             accepted = tuple(range(len(result.token_ids) - 1))  # every token but the last (pending) was drafted
             return RunStep(result.token_ids, accepted, tuple(drafted), result.is_last)
 

@@ -215,6 +215,7 @@ class EngineWorker:
         # Rows (verify + prefill, every request's) of the step whose items are being finished: set by
         # the engine thread before it calls their `finish`, so a `finish` may read it (the load).
         self.step_rows = 0
+        self.step_requests = 0  # the verify items and prefill chunks of that step
         self._inbox: queue.Queue = queue.Queue()
         self._verifies: collections.deque[_VerifyItem] = collections.deque()
         self._waiting: collections.deque[_Waiting] = collections.deque()
@@ -862,6 +863,7 @@ class EngineWorker:
         verify_rows = plan.num_verify_rows if verify_items else 0
         prefill_rows = sum(c.num_tokens for c in chunks)
         self.step_rows = verify_rows + prefill_rows  # what the items' `finish` read next
+        self.step_requests = len(verify_items) + len(chunks)
         self.stats.num_steps += 1
         self.stats.num_prefill_chunks += len(chunks)
         if verify_items:

@@ -77,3 +77,15 @@ def test_run_drafts_price_rows_by_the_measured_curve_and_fall_back_to_the_defaul
     assert default.relative_cost(2) == DEFAULT_ROW_COSTS[2]
     with pytest.raises(ValueError, match="max_length"):
         RunDrafts([], max_length=0)
+
+
+def test_run_drafts_beside_other_requests_draft_only_what_pays_for_the_whole_step():
+    """Beside other requests a drafted row slows their tokens too: at an acceptance that pays alone
+    (0.5 after the prior) nothing is drafted beside 31 one-row requests; a copy accepted nine times in
+    ten still is."""
+    text = list(range(100, 140))
+    drafts = RunDrafts(text + text[:3], max_length=8)
+    assert drafts.draft(8) and not drafts.draft(8, other_rows=31, other_requests=31)
+    for _ in range(4):
+        drafts.observe(8, 8)
+    assert drafts.acceptance > 0.9 and drafts.draft(8, other_rows=31, other_requests=31)
