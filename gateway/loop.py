@@ -1042,7 +1042,7 @@ class RequestLoop:
         # A run under a grammar: the primary masks each token by its own state of the grammar.
         is_grammar_run = self.grammar is not None and max_tokens > 1
         allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
-        lookup_draft_length = self._run_lookup_length(max_tokens, is_grammar_run or allowed is not None)
+        lookup_draft_length = self._run_lookup_length(max_tokens, allowed is not None)
         stop_at_repeat, max_tokens = (
             self._stop_at_repeat(max_tokens) if max_tokens > 1 and not lookup_draft_length else (0, max_tokens)
         )
@@ -1067,7 +1067,8 @@ class RequestLoop:
     def _run_lookup_length(self, max_tokens: int, is_masked: bool) -> int:
         """How many tokens a step of the run opened now may draft by prompt lookup in the primary itself
         (DecodeRequest.lookup_draft_length): the request's draft_length where prompt lookup is one of
-        its adaptive strategies and the run is greedy, unmasked, without penalties or logprobs; else 0.
+        its adaptive strategies and the run is greedy, without a one-row mask, penalties or logprobs
+        (a grammar's run drafts too: the primary checks its drafts by its own grammar state); else 0.
         Such a run drafts a copy the step it starts, with no round trip to the draft service or the
         validator, so it goes on through repeats instead of ending at them (_stop_at_repeat)."""
         sampling = self.params.sampling

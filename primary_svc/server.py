@@ -333,13 +333,22 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         tokens: list[int] = []
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         decoded_logprobs: list[TokenLogprob] = []
-        make_drafts = self._run_drafts(request, request_id, sampling, grammar is not None, logprobs is not None)
+        make_drafts = self._run_drafts(request, request_id, sampling, logprobs is not None)
         drafts: list[RunDrafts] = []  # made after the first step
         drafted: list[int] = []  # the step's drafts: a chain after its pending token
 
+        def draft_argmax(logits: torch.Tensor) -> list[int]:
+            """Each row's token as a plain step there would choose it: under a grammar, among the tokens
+            its state allows after the committed output and the drafts before the row."""
+            if grammar is None:
+                return row_argmax(logits)
+            state = grammar(self.worker.built_engine().output_token_ids(request_id))
+            masks = state.tree_masks(drafted, list(range(-1, len(drafted) - 1))).allowed
+            return masks.argmax(logits).tolist()
+
         def finish(logits: torch.Tensor) -> _Decided:  # on the engine thread
             if drafted:  # the drafts the argmaxes agree with, then the argmax after them: plain decoding's
-                argmax = row_argmax(logits)
+                argmax = draft_argmax(logits)
                 num_accepted = next((i for i, t in enumerate(drafted) if argmax[i] != t), len(drafted))
                 new = [*drafted[:num_accepted], argmax[num_accepted]]
                 drafts[0].observe(len(drafted), num_accepted)
@@ -393,20 +402,20 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         return next_token
 
     def _run_drafts(
-        self, request, request_id: str, sampling: SamplingParams, has_grammar: bool, has_logprobs: bool
+        self, request, request_id: str, sampling: SamplingParams, has_logprobs: bool
     ) -> Callable[[], RunDrafts] | None:
         """For a Decode with lookup_draft_length: a maker of the run's own prompt-lookup drafts
         (specdec.repeats), called on the engine thread after the run's first step (the index is built
-        from the request's tokens then); None without. Checked: greedy, unmasked, without a grammar,
-        penalties or logprobs."""
+        from the request's tokens then); None without. Checked: greedy, without allowed_tokens (a
+        grammar comes as response_format), penalties or logprobs."""
         n = request.lookup_draft_length
         if n > MAX_DRAFT_LENGTH:
             raise InvalidArgument("lookup_draft_length", f"must be at most {MAX_DRAFT_LENGTH}, got {n}")
         if n == 0:
             return None
-        if not sampling.is_greedy or request.HasField("allowed_tokens") or has_grammar:
+        if not sampling.is_greedy or request.HasField("allowed_tokens"):
             raise InvalidArgument(
-                "lookup_draft_length", "drafts a greedy run without allowed_tokens or response_format only"
+                "lookup_draft_length", "drafts a greedy run without allowed_tokens only (send response_format)"
             )
         if sampling.has_penalties or has_logprobs:
             raise InvalidArgument("lookup_draft_length", "drafts a run without penalties, logit_bias or logprobs only")

@@ -455,11 +455,10 @@ COPYING_NEW_TOKENS = 192
 @pytest.mark.parametrize("is_json", [False, True])
 def test_plain_runs_draft_or_end_where_the_answer_repeats_itself_with_the_same_output(gateway_stub, is_json):
     """The default model's answer to COPYING_MESSAGES comes to repeat its own lines (greedy). Under the
-    product's adaptive speculation the primary streams plain runs. Free text: the runs draft the
-    copies in the primary (DecodeRequest.lookup_draft_length), counted under prompt_lookup@run. Under
-    a response format (a grammar's run, which does not draft): they end where the answer comes to
-    repeat earlier text (DecodeRequest.stop_at_repeat_tokens) for the next step to draft the copy.
-    The output is plain decoding's either way."""
+    product's adaptive speculation the primary streams plain runs, which draft the copies in the
+    primary (DecodeRequest.lookup_draft_length; under a response format checked by the primary's own
+    grammar state), counted under prompt_lookup@run. The output is plain decoding's, also under a
+    response format."""
     fmt = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT) if is_json else None
     plain = generate(
         gateway_stub, COPYING_MESSAGES, is_enabled=False, max_new_tokens=COPYING_NEW_TOKENS, response_format=fmt
@@ -469,9 +468,5 @@ def test_plain_runs_draft_or_end_where_the_answer_repeats_itself_with_the_same_o
     out = gateway_stub.Generate(req, timeout=300)
     assert list(out.token_ids) == list(plain.token_ids), (out.text, plain.text)
     in_runs = {d.name: d for d in out.stats.decoders}.get("prompt_lookup@run")
-    if is_json:
-        assert out.stats.num_runs_ended_at_repeat >= 1 and in_runs is None, out.stats
-    else:
-        assert in_runs is not None and in_runs.num_accepted > 0, out.stats
-        assert out.stats.num_steps < out.stats.num_generated_tokens
-    assert out.stats.num_accepted_tokens > 0
+    assert in_runs is not None and in_runs.num_accepted > 0, out.stats
+    assert out.stats.num_steps < out.stats.num_generated_tokens and out.stats.num_accepted_tokens > 0

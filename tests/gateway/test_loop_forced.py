@@ -110,10 +110,8 @@ class TargetBackends:
     ):
         """decode's run as the primary streams it: a token a message, every one but the last committed
         by the primary; the caller's context (before its commit) must be the primary's. Its runs do not
-        end at repeats nor draft (stop_at_repeat_tokens, lookup_draft_length: test_loop's fake does);
-        a grammar's runs are never asked to draft."""
+        end at repeats nor draft (stop_at_repeat_tokens, lookup_draft_length: test_loop's fake does)."""
         assert num_context_tokens == len(self.context), "the caller does not know the primary's context"
-        assert lookup_draft_length == 0 or kwargs.get("response_format") is None
         decoded = await self.decode(*args, **kwargs)
         tokens = decoded.token_ids or (decoded.token_id,)
         for i, token in enumerate(tokens):

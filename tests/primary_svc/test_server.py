@@ -368,6 +368,43 @@ def test_a_run_under_a_response_format_is_as_many_one_token_decodes_under_its_ma
     assert servicer.run_grammars.num_states == 0 and engine.kv_bytes == 0
 
 
+def test_a_drafted_run_under_a_response_format_keeps_only_what_its_masks_decide(primary, grammar_cache):
+    """lookup_draft_length under a response_format: each step's drafts are checked against the masked
+    argmaxes of the primary's grammar state after the drafts before them, so the run's tokens are
+    one-token masked Decodes'. The prompt holds the answer once already, so the run drafts its copy."""
+    stub, engine, servicer, _ = primary
+    grammar = grammar_cache.compile(ResponseFormat("json_schema", NAME_AGE_SCHEMA))
+
+    def masked_decodes(rid: str, prompt: list[int], n: int) -> list[int]:
+        lease = stub.Prefill(primary_pb2.PrefillRequest(request_id=rid, token_ids=prompt)).kv_lease
+        state, out = grammar.new_state(), []
+        for _ in range(n):
+            mask = pb.token_mask_to_pb(state.allowed_mask())
+            d = stub.Decode(
+                primary_pb2.DecodeRequest(
+                    request_id=rid, committed_token_ids=out[-1:], kv_lease=lease, allowed_tokens=mask
+                )
+            )
+            assert state.accept_tokens([d.token_id])
+            out.append(d.token_id)
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=rid, kv_lease=lease))
+        return out
+
+    answer = masked_decodes("ref0", PROMPT, 12)
+    prompt = PROMPT + answer + PROMPT
+    expected = masked_decodes("ref1", prompt, 12)
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="gd", token_ids=prompt)).kv_lease
+    run = stub.Decode(
+        primary_pb2.DecodeRequest(
+            request_id="gd", kv_lease=lease, max_tokens=12, response_format=RESPONSE_FORMAT, lookup_draft_length=8
+        )
+    )
+    assert list(run.token_ids) == expected and run.num_draft_accepted > 0
+    assert engine.output_token_ids("gd") == expected[:11]
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="gd", kv_lease=lease))
+    assert servicer.run_grammars.num_states == 0 and engine.kv_bytes == 0
+
+
 def _past(grammar, output):
     """The mask a fresh state of `grammar` gives after `output`."""
     state = grammar.new_state()
