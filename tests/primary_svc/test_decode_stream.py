@@ -295,3 +295,23 @@ def test_bad_drafted_runs_get_invalid_argument_naming_lookup_draft_length(primar
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lookup_draft_length" in e.value.details()
     assert engine.token_ids("bad-draft") == PROMPT
     release(stub, "bad-draft", lease)
+
+
+def test_a_cancelled_drafted_stream_goes_on_from_what_its_caller_received(primary, copying):
+    """A caller that cancels a drafted run mid-way: whatever step the engine was in, the request keeps
+    at least the tokens received (a step's accepted drafts are committed even when the run ends
+    there), and the next call, naming the context the caller knows, goes on with plain decoding's."""
+    stub, engine, _ = primary
+    prompt, expected = copying
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="dc", token_ids=prompt)).kv_lease
+    call = stream(stub, "dc", lease, [], RUN, lookup_draft_length=8)
+    received: list[int] = []
+    while len(received) < 12:
+        received += list(next(call).token_ids)
+    call.cancel()
+    assert received == expected[: len(received)]
+    assert engine.num_tokens("dc") >= len(prompt) + len(received)
+    more = stream(stub, "dc", lease, [], 6, num_context_tokens=len(prompt) + len(received), lookup_draft_length=8)
+    assert [t for m in more for t in m.token_ids] == expected[len(received) : len(received) + 6]
+    release(stub, "dc", lease)
+    assert engine.kv_bytes == 0
