@@ -1067,14 +1067,16 @@ class RequestLoop:
     def _run_lookup_length(self, max_tokens: int, is_masked: bool) -> int:
         """How many tokens a step of the run opened now may draft by prompt lookup in the primary itself
         (DecodeRequest.lookup_draft_length): the request's draft_length where prompt lookup is one of
-        its adaptive strategies and the run is greedy, without a one-row mask, penalties or logprobs
-        (a grammar's run drafts too: the primary checks its drafts by its own grammar state); else 0.
+        its adaptive strategies and the run is greedy, without a one-row mask, penalties, logprobs or a
+        prediction (a grammar's run drafts too: the primary checks its drafts by its own grammar state);
+        else 0.
         Such a run drafts a copy the step it starts, with no round trip to the draft service or the
         validator, so it goes on through repeats instead of ending at them (_stop_at_repeat)."""
         sampling = self.params.sampling
         if (
             not self.is_run_drafting
             or self.repeats is None
+            or self.params.prediction is not None  # its decoder drafts the predicted copy (Predicted Outputs)
             or max_tokens <= 1
             or is_masked
             or not sampling.is_greedy

@@ -337,6 +337,21 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         drafts: list[RunDrafts] = []  # made after the first step
         drafted: list[int] = []  # the step's drafts: a chain after its pending token
 
+        is_forced = False  # the step's drafts are the tokens the grammar allows alone
+
+        def forced_after(new: tuple[int, ...], room: int) -> tuple[int, ...]:
+            """The tokens the grammar allows alone after the committed output and `new` (at most `room`):
+            every decoding writes them, so as drafts they are always accepted (GrammarState.forced_token_ids)."""
+            if grammar is None or room <= 0:
+                return ()
+            state = grammar(self.worker.built_engine().output_token_ids(request_id))
+            if not state.accept_tokens(new):
+                return ()  # off the grammar: the next step's masks say so
+            try:
+                return state.forced_token_ids(room)
+            finally:
+                state.rollback(len(new))
+
         def draft_argmax(logits: torch.Tensor) -> list[int]:
             """Each row's token as a plain step there would choose it: under a grammar, among the tokens
             its state allows after the committed output and the drafts before the row."""
@@ -351,7 +366,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 argmax = draft_argmax(logits)
                 num_accepted = next((i for i, t in enumerate(drafted) if argmax[i] != t), len(drafted))
                 new = [*drafted[:num_accepted], argmax[num_accepted]]
-                drafts[0].observe(len(drafted), num_accepted)
+                if not is_forced:  # a grammar's forced tokens say nothing of the copies' acceptance
+                    drafts[0].observe(len(drafted), num_accepted)
             else:
                 new = [next_token(logits)]
             if logprobs is not None:  # of the raw row the token was chosen from (no drafts with logprobs)
@@ -371,12 +387,16 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             return _Decided(tuple(kept), self.worker.step_rows, len(drafted), accepted, is_last)
 
         def repeat(result: _Decided) -> RunStep:  # on the engine thread, after finish
+            nonlocal is_forced
             drafted.clear()
             if make_drafts is not None and not result.is_last:
                 if not drafts:  # the context up to this step's pending token
                     drafts.append(make_drafts())
                 drafts[0].extend(result.token_ids)
-                drafted.extend(drafts[0].draft(max_tokens - len(tokens) - 1, run.other_rows, run.other_requests))
+                room = max_tokens - len(tokens) - 1
+                forced = forced_after(result.token_ids, room)
+                is_forced = bool(forced)
+                drafted.extend(forced or drafts[0].draft(room, run.other_rows, run.other_requests))
             accepted = tuple(range(len(result.token_ids) - 1))  # every token but the last (pending) was drafted
             return RunStep(result.token_ids, accepted, tuple(drafted), result.is_last)
 
