@@ -440,7 +440,7 @@ class Backends:
         )
         try:
             async for r in call:
-                self.other_step_rows = max(0, r.num_step_rows - 1)
+                self.other_step_rows = max(0, r.num_step_rows - 1 - r.num_drafted)  # its own: root and drafts
                 token_ids = tuple(r.token_ids)
                 yield Decoded(
                     token_ids[-1],
