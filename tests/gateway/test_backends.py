@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.backends import Backends
+from specdec.sampling import SamplingParams
 from specdec.v1 import primary_pb2, primary_pb2_grpc
 from tests.grpc_serving import serving
 
@@ -50,3 +51,29 @@ def test_a_re_prefill_carries_the_held_lease_and_a_resumed_request_the_adopted_o
         return servicer.sent_leases
 
     assert asyncio.run(scenario()) == ["", "lease-1", "lease-2"]
+
+
+class DraftingPrimary(primary_pb2_grpc.PrimaryServiceServicer):
+    """A DecodeStream whose steps drafted: 3 tokens of 5 rows (the root and 4 drafts), then 1 of 7 rows."""
+
+    def DecodeStream(self, request, context):  # noqa: ANN001, N802
+        yield primary_pb2.DecodeStreamResponse(
+            token_ids=[5, 6, 7], num_step_rows=5, num_drafted=4, num_draft_accepted=2
+        )
+        yield primary_pb2.DecodeStreamResponse(token_ids=[8], num_step_rows=7, is_run_end=True)
+
+
+def test_a_drafted_step_s_own_rows_are_not_other_requests_load() -> None:
+    """num_step_rows counts the whole engine step: less the request's root and its drafts, the rows of
+    others (what the controller prices a plan beside)."""
+
+    async def scenario() -> list[tuple[tuple[int, ...], int, int, int]]:
+        with serving(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, DraftingPrimary()) as address:
+            backends = Backends(address, address, address, timeout_s=10)
+            try:
+                steps = backends.decode_stream("r", (), [4], SamplingParams(), 0, max_tokens=8, lookup_draft_length=4)
+                return [(d.token_ids, d.other_step_rows, d.num_drafted, d.num_draft_accepted) async for d in steps]
+            finally:
+                await backends.close()
+
+    assert asyncio.run(scenario()) == [((5, 6, 7), 0, 4, 2), ((8,), 6, 0, 0)]
