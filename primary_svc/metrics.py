@@ -56,6 +56,12 @@ class PrimaryMetrics:
         self.preemptions = counter(
             registry, "preemptions", "Requests whose KV was released to let others grow (they re-prefill)."
         )
+        self.run_drafted_tokens = counter(
+            registry, "run_drafted_tokens", "Tokens runs of plain steps drafted and verified (lookup_draft_length)."
+        )
+        self.run_draft_accepted_tokens = counter(
+            registry, "run_draft_accepted_tokens", "Of the runs' drafted tokens, those their steps kept."
+        )
         self.compiled_buckets = gauge(
             registry, "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only)."
         )

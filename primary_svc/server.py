@@ -382,6 +382,9 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             accepted = min(len(kept), len(new) - 1)
             run.num_drafted += len(drafted)
             run.num_draft_accepted += accepted
+            if drafted and self.metrics is not None:
+                self.metrics.run_drafted_tokens.inc(len(drafted))
+                self.metrics.run_draft_accepted_tokens.inc(accepted)
             run.other_rows = max(0, self.worker.step_rows - 1 - len(drafted))  # the step's, beside this run's
             run.other_requests = max(0, self.worker.step_requests - 1)
             return _Decided(tuple(kept), self.worker.step_rows, len(drafted), accepted, is_last)

@@ -11,7 +11,10 @@ import grpc
 import pytest
 import torch
 
+from prometheus_client import CollectorRegistry
+
 from primary_svc.leases import KVLeases
+from primary_svc.metrics import PrimaryMetrics
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
@@ -27,11 +30,16 @@ LONG = RUN + 6  # a streamed run longer than a Decode's
 
 
 @pytest.fixture(scope="module")
-def primary(fp32_model):
+def metrics() -> PrimaryMetrics:
+    return PrimaryMetrics(CollectorRegistry())
+
+
+@pytest.fixture(scope="module")
+def primary(fp32_model, metrics):
     engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32, max_bytes=64 << 20), MAX_CONTEXT)
     worker = EngineWorker(engine)
     identity = ModelIdentity("test-model", "instance-1", MAX_CONTEXT, (2,), {1: 10.0})
-    servicer = PrimaryServicer(fp32_model, worker, identity, 64 << 20, leases=KVLeases(30.0))
+    servicer = PrimaryServicer(fp32_model, worker, identity, 64 << 20, metrics=metrics, leases=KVLeases(30.0))
     with primary_stub(servicer) as stub:
         yield stub, engine, worker
     worker.stop()
@@ -221,7 +229,7 @@ def copying(primary, reference) -> tuple[list[int], list[int]]:
     return prompt, tokens
 
 
-def test_a_run_that_drafts_its_copies_decodes_plain_decoding_s_tokens_several_a_step(primary, copying):
+def test_a_run_that_drafts_its_copies_decodes_plain_decoding_s_tokens_several_a_step(primary, copying, metrics):
     """lookup_draft_length: the run drafts what followed the tail's earlier occurrence and keeps the
     drafts the argmaxes agree with: the tokens are plain decoding's, some messages carry several,
     the counts add up; the run's last token is pending and the next call goes on from it."""
@@ -236,6 +244,9 @@ def test_a_run_that_drafts_its_copies_decodes_plain_decoding_s_tokens_several_a_
     assert all(m.num_draft_accepted == len(m.token_ids) - 1 for m in messages[:-1])
     assert all(0 <= m.num_draft_accepted <= m.num_drafted for m in messages)
     assert engine.token_ids("d") == prompt + expected[: RUN - 5]
+    drafted = metrics.registry.get_sample_value("specdec_run_drafted_tokens_total")
+    kept = metrics.registry.get_sample_value("specdec_run_draft_accepted_tokens_total")
+    assert drafted >= sum(m.num_drafted for m in messages) and 0 < kept <= drafted
     more = list(stream(stub, "d", lease, expected[RUN - 5 : RUN - 4], 4, lookup_draft_length=8))
     assert [t for m in more for t in m.token_ids] == expected[RUN - 4 : RUN]
     release(stub, "d", lease)
