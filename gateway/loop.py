@@ -92,6 +92,7 @@ from specdec.grammar import GrammarState
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+from specdec.engine.tree import chain_parents
 from specdec.prediction import LOST, PredictionAlignment
 from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
@@ -928,7 +929,7 @@ class RequestLoop:
         n = len(chain)
         tree = DraftTree(
             chain,
-            tuple(range(-1, n - 1)),
+            chain_parents(n),
             (1,) * n,
             (decoder,),
             {},

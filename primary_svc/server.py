@@ -22,7 +22,7 @@ from primary_svc.worker import EngineWorker, RunStep
 from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
-from specdec.engine.tree import with_lookahead
+from specdec.engine.tree import chain_parents, with_lookahead
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from specdec.features import encode_features
 from specdec.grammar import GrammarState
@@ -358,7 +358,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             if grammar is None:
                 return row_argmax(logits)
             state = grammar(self.worker.built_engine().output_token_ids(request_id))
-            masks = state.tree_masks(drafted, list(range(-1, len(drafted) - 1))).allowed
+            masks = state.tree_masks(drafted, chain_parents(len(drafted))).allowed
             return masks.argmax(logits).tolist()
 
         def finish(logits: torch.Tensor) -> _Decided:  # on the engine thread

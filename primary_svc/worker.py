@@ -64,6 +64,7 @@ from primary_svc.scheduler import (
 )
 from specdec.engine.engine import Engine, PrefillChunk, VerifyWork
 from specdec.engine.prefix_cache import PrefixCacheStats
+from specdec.engine.tree import chain_parents
 from specdec.errors import Cancelled, DeadlineExceeded, NotFound, ResourceExhausted, SpecdecError
 from specdec.request_id import tenant_of
 from primary_svc.metrics import PrimaryMetrics
@@ -740,7 +741,7 @@ class EngineWorker:
                             accepted_nodes=step.accepted_nodes,
                             committed_token_ids=step.committed_token_ids,
                             tree_token_ids=drafts,
-                            tree_parents=tuple(range(-1, len(drafts) - 1)),
+                            tree_parents=chain_parents(len(drafts)),
                             num_context_tokens=0,
                         )
                     )

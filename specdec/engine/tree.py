@@ -27,6 +27,11 @@ import torch
 ROOT = -1  # parents[i] of a node hanging off the root (the one definition of the project)
 
 
+def chain_parents(num_nodes: int) -> tuple[int, ...]:
+    """The parents of a chain of num_nodes drafts after the root: (ROOT, 0, 1, ..., num_nodes - 2)."""
+    return tuple(range(ROOT, num_nodes - 1))
+
+
 class TreeError(ValueError):
     """A malformed token tree; `field` is "token_ids" or "parents" (callers put their own prefix)."""
 
