@@ -285,13 +285,14 @@ def _cuda_open_exported(m: WeightManifest) -> torch.Tensor:
 
 class _CudaFree:
     def __init__(self, ptr: int, device_index: int) -> None:
-        self.ptr, self.device_index = ptr, device_index
-
-    def __del__(self) -> None:
         import cupy
 
-        with cupy.cuda.Device(self.device_index):
-            cupy.cuda.runtime.free(self.ptr)
+        # the module is held, not imported in __del__: at interpreter exit imports no longer work
+        self._cupy, self.ptr, self.device_index = cupy, ptr, device_index
+
+    def __del__(self) -> None:
+        with self._cupy.cuda.Device(self.device_index):
+            self._cupy.cuda.runtime.free(self.ptr)
 
 
 def manifest_to_dict(m: WeightManifest) -> dict:
