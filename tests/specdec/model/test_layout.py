@@ -14,6 +14,7 @@ from specdec.model.layout import MatrixLayout, ModelWeights, WeightLayout, count
 from specdec.model.linear import Linear
 from specdec.model.llama import Transformer
 from specdec.model.precision import choose_layout, convert_weights
+from tests.specdec.model import tiny
 
 L = WeightLayout
 LIB = object()  # stands for a built native library: choose_layout only asks whether there is one
@@ -59,20 +60,7 @@ def test_int8_token_refuses_a_shape_the_native_layout_cannot_hold():
 
 
 def tiny_config() -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    return tiny.tiny_config(num_attention_heads=2, num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6)
 
 
 def tiny_state_dict(config: ModelConfig) -> dict[str, torch.Tensor]:

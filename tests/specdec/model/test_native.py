@@ -14,6 +14,7 @@ import torch
 from specdec.model import native, quant
 from specdec.model.config import ModelConfig
 from specdec.model.llama import Block, RotaryEmbedding, SequenceSpan
+from tests.specdec.model.tiny import tiny_config
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
 
@@ -97,23 +98,6 @@ def test_a_row_gets_the_same_bits_whatever_the_row_count(kind, k):
     assert all(torch.equal(layer(x[i : i + 5]), full[i : i + 5]) for i in range(15))
     assert all(torch.equal(layer(x[i : i + 9]), full[i : i + 9]) for i in range(11))
     assert layer(x[:0]).shape == (0, 64)
-
-
-def tiny_config() -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
 
 
 def block_weights(config: ModelConfig) -> dict[str, torch.Tensor]:

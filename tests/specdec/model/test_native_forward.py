@@ -15,6 +15,7 @@ import torch
 from specdec.model import native, quant
 from specdec.model.config import ModelConfig
 from specdec.model.llama import Block, RotaryEmbedding, SequenceSpan
+from tests.specdec.model.tiny import tiny_config
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native kernels: {native.status()}")
 
@@ -39,20 +40,7 @@ SHAPES = {  # module -> (n, k) for hidden 64, intermediate 96, 4 heads of 16 ove
 
 
 def config() -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
+    return tiny_config(num_hidden_layers=NUM_LAYERS, max_position_embeddings=128)
 
 
 def layer_weights(layer_idx: int, per_token: bool) -> dict[str, torch.Tensor]:

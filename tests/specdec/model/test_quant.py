@@ -8,6 +8,7 @@ import torch
 from specdec.model import native, quant
 from specdec.model.config import ModelConfig
 from specdec.model.precision import convert_weights
+from tests.specdec.model import tiny
 
 
 def int4_layer(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> quant.Int4Linear:
@@ -74,19 +75,14 @@ def test_a_row_gets_the_same_bits_whatever_the_row_count(make):
 
 
 def tiny_config(hidden_size: int) -> ModelConfig:
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=64,
+    """One head as wide as the model, so that `hidden_size` alone sets every matrix's K."""
+    return tiny.tiny_config(
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        num_hidden_layers=1,
         num_attention_heads=1,
         num_key_value_heads=1,
         head_dim=hidden_size,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
     )
 
 
