@@ -174,25 +174,6 @@ class FakeBackends:
         lookahead = tuple(1000 + j + num_verifies for j in range(len(tree.lookahead_token_ids)))
         return Verified(None, tuple(rows), 0.0, lookahead, self.other_rows)
 
-    async def decode(
-        self,
-        request_id,
-        accepted_nodes,
-        committed_token_ids,
-        sampling,
-        step,
-        allowed=None,
-        *,
-        max_tokens=1,
-        stop_token_ids=(),
-        response_format=None,
-    ) -> Decoded:
-        assert allowed is None and response_format is None, "no grammar in these requests"
-        tokens = [
-            t for step, *_ in self._run(accepted_nodes, committed_token_ids, max_tokens, stop_token_ids) for t in step
-        ]
-        return Decoded(tokens[-1], 0.0, self.other_rows, tuple(tokens))
-
     async def decode_stream(
         self,
         request_id,
@@ -209,7 +190,7 @@ class FakeBackends:
         stop_at_repeat_tokens=0,
         lookup_draft_length=0,
     ):
-        """decode's run as the primary streams it: a step's tokens a message as it decides them, every
+        """A run of plain steps as the primary streams it: a step's tokens a message as it decides them, every
         one but the run's last committed by the primary; the caller's context (before its commit) must
         be the primary's. With stop_at_repeat_tokens the run also ends where the context's tail
         repeats; with lookup_draft_length a step drafts the copy and keeps what plain decoding agrees with."""
@@ -1087,11 +1068,6 @@ class TimedBackends(FakeBackends):
 
     events: list[str] = dataclasses.field(default_factory=list)
     decode_s: float = 0.0
-
-    async def decode(self, *args, **kwargs) -> Decoded:
-        self.events.append("decode")
-        await asyncio.sleep(self.decode_s)
-        return await super().decode(*args, **kwargs)
 
     async def decode_stream(self, *args, **kwargs):
         self.events.append("decode")
