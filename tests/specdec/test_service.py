@@ -79,11 +79,6 @@ class FakeGateway(gateway_pb2_grpc.GenerationServiceServicer):
 
 
 @pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
 def server(registry: CollectorRegistry) -> Iterator[tuple[int, FakeValidator]]:
     validator = FakeValidator()
     server, port = create_server(
@@ -97,12 +92,6 @@ def server(registry: CollectorRegistry) -> Iterator[tuple[int, FakeValidator]]:
     server.start()
     yield port, validator
     server.stop(None)
-
-
-@pytest.fixture
-def channel(server: tuple[int, FakeValidator]) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(f"127.0.0.1:{server[0]}") as channel:
-        yield channel
 
 
 def test_method_name_drops_the_package() -> None:

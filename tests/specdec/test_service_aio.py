@@ -54,11 +54,6 @@ class AsyncGateway(gateway_pb2_grpc.GenerationServiceServicer):
 
 
 @pytest.fixture
-def registry() -> CollectorRegistry:
-    return CollectorRegistry()
-
-
-@pytest.fixture
 def server(registry: CollectorRegistry) -> Iterator[tuple[int, AsyncValidator]]:
     """The asyncio server on an event loop of its own thread."""
     loop = asyncio.new_event_loop()
@@ -84,12 +79,6 @@ def server(registry: CollectorRegistry) -> Iterator[tuple[int, AsyncValidator]]:
     loop.call_soon_threadsafe(loop.stop)
     thread.join()
     loop.close()
-
-
-@pytest.fixture
-def channel(server: tuple[int, AsyncValidator]) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(f"127.0.0.1:{server[0]}") as channel:
-        yield channel
 
 
 def count(registry: CollectorRegistry, method: str, code: str) -> float:
