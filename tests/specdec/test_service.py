@@ -27,6 +27,7 @@ from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, Resour
 from specdec.metrics import RpcMetrics
 from specdec.service import ErrorInterceptor, ServerConfig, create_server, method_name, serve, wait_for_serving
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, validator_pb2, validator_pb2_grpc
+from tests.specdec.service_checks import check_stream_errors_arrive_after_the_messages_sent
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # What Validate raises, chosen by the request_id the test sends.
@@ -179,15 +180,7 @@ def test_the_servicers_own_abort_is_kept(channel: grpc.Channel) -> None:
 
 
 def test_stream_errors_arrive_after_the_messages_sent(channel: grpc.Channel) -> None:
-    stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-    ok = list(stub.GenerateStream(gateway_pb2.GenerateRequest(request_id="s1", prompt="hi"), timeout=5))
-    assert [list(m.token_ids) for m in ok] == [[1], [2], []] and ok[-1].is_final
-    received = []
-    with pytest.raises(grpc.RpcError) as e:
-        for message in stub.GenerateStream(gateway_pb2.GenerateRequest(request_id="s2", prompt="fail"), timeout=5):
-            received.append(list(message.token_ids))
-    assert received == [[1], [2]]
-    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens: must be > 0")
+    check_stream_errors_arrive_after_the_messages_sent(channel)
 
 
 def test_metrics_count_calls_by_code(channel: grpc.Channel, registry: CollectorRegistry) -> None:

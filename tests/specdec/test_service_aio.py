@@ -18,6 +18,7 @@ from specdec.errors import InvalidArgument, NotFound
 from specdec.metrics import RpcMetrics
 from specdec.service.aio import AioErrorInterceptor, create_aio_server
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, validator_pb2, validator_pb2_grpc
+from tests.specdec.service_checks import check_stream_errors_arrive_after_the_messages_sent
 
 VALIDATE = "ValidatorService/Validate"
 STREAM = "GenerationService/GenerateStream"
@@ -111,15 +112,7 @@ def test_a_request_that_does_not_parse_is_invalid_argument(channel: grpc.Channel
 
 
 def test_stream_errors_arrive_after_the_messages_sent(channel: grpc.Channel) -> None:
-    stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-    ok = list(stub.GenerateStream(gateway_pb2.GenerateRequest(request_id="s1", prompt="hi"), timeout=5))
-    assert [list(m.token_ids) for m in ok] == [[1], [2], []] and ok[-1].is_final
-    received = []
-    with pytest.raises(grpc.RpcError) as e:
-        for message in stub.GenerateStream(gateway_pb2.GenerateRequest(request_id="s2", prompt="fail"), timeout=5):
-            received.append(list(message.token_ids))
-    assert received == [[1], [2]]
-    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens: must be > 0")
+    check_stream_errors_arrive_after_the_messages_sent(channel)
 
 
 def test_a_stream_whose_client_went_away_is_recorded_cancelled(
