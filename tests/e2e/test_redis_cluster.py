@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from specdec.launcher import GATEWAY, Stack, StackConfig
@@ -45,30 +43,13 @@ def _request(request_id: str, prompt: str, is_enabled: bool) -> gateway_pb2.Gene
     return req
 
 
-def _stream_in_background(stub, request: gateway_pb2.GenerateRequest) -> tuple[list, list, threading.Thread]:
-    """Start a GenerateStream, wait for its first message, read the rest in a thread:
-    (messages, [the RpcError it ended with, if any], thread)."""
-    stream = stub.GenerateStream(request, timeout=300)
-    received, errors = [next(stream)], []
-
-    def read() -> None:
-        try:
-            received.extend(stream)
-        except grpc.RpcError as e:
-            errors.append(e)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    return received, errors, reader
-
-
 def test_greedy_streams_stay_identical_to_plain_while_a_master_is_killed(
-    gateway_stub, redis_cluster: LocalRedisCluster, stack: Stack
+    gateway_stub, stream_in_background, redis_cluster: LocalRedisCluster, stack: Stack
 ) -> None:
     plain = [gateway_stub.Generate(_request(f"plain-{i}", p, False), timeout=300) for i, p in enumerate(PROMPTS)]
     gateway_log = stack.log_path(GATEWAY)
     num_retries_before = gateway_log.read_text().count(RETRYING)
-    streams = [_stream_in_background(gateway_stub, _request(f"spec-{i}", p, True)) for i, p in enumerate(PROMPTS)]
+    streams = [stream_in_background(gateway_stub, _request(f"spec-{i}", p, True)) for i, p in enumerate(PROMPTS)]
     last = f"spec-{len(PROMPTS) - 1}"
     victim = master_port_of(redis_cluster, f"{DEFAULT_NAMESPACE}:req:{{{last}}}:meta")
     assert victim is not None
