@@ -141,14 +141,19 @@ def test_stale_segments_of_dead_owners_are_cleaned(tmp_path):
     assert not dead.exists()
 
 
-def test_a_segment_of_mixed_dtypes_round_trips():
-    weights = {
-        "a": torch.arange(10, dtype=torch.float32),
+def mixed_dtype_weights(num_floats: int) -> dict[str, torch.Tensor]:
+    """A tensor of each weight dtype (`a`: `num_floats` float32 values, then bf16, fp8, int8), for a
+    segment's round trip; sizes that are no multiple of 64 bytes make the segment pad its offsets."""
+    return {
+        "a": torch.arange(num_floats, dtype=torch.float32),
         "b": torch.ones(3, 5, dtype=torch.bfloat16),
         "c": torch.full((7,), 0.5).to(torch.float8_e4m3fn),
         "d": torch.arange(-3, 3, dtype=torch.int8),
-        "e": torch.arange(6, dtype=torch.uint8).view(2, 3),
     }
+
+
+def test_a_segment_of_mixed_dtypes_round_trips():
+    weights = mixed_dtype_weights(10) | {"e": torch.arange(6, dtype=torch.uint8).view(2, 3)}
     shared = SharedWeights.create(weights)
     try:
         views = attach(shared.manifest)

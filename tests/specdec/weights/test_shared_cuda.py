@@ -19,6 +19,7 @@ from specdec.engine.loading import config_to_json
 from specdec.model.llama import Transformer
 from specdec.weights.shared import KIND_CUDA_IPC, SharedWeights, manifest_to_dict
 from tests.specdec.model.test_layout import tiny_config, tiny_state_dict
+from tests.specdec.weights.test_shared import mixed_dtype_weights
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,12 +43,7 @@ def child(script: str) -> subprocess.Popen:
 
 
 def test_a_peer_opens_the_same_device_memory_and_sees_the_owner_s_writes():
-    weights = {
-        "a": torch.arange(1000, dtype=torch.float32),
-        "b": torch.ones(3, 5, dtype=torch.bfloat16),
-        "c": torch.full((7,), 0.5).to(torch.float8_e4m3fn),
-        "d": torch.arange(-3, 3, dtype=torch.int8),
-    }
+    weights = mixed_dtype_weights(1000)
     shared = SharedWeights.create(weights, device="cuda")
     assert shared.manifest.kind == KIND_CUDA_IPC and len(shared.manifest.cuda_ipc_handle) == 64
     assert all(t.is_cuda for t in shared.tensors.values())
