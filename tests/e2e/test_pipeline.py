@@ -395,12 +395,24 @@ def loop_answer(gateway_stub) -> gateway_pb2.GenerateResponse:
 def test_greedy_output_with_a_penalty_is_identical_with_and_without_speculation(gateway_stub, loop_answer, name):
     """The primary processes each tree node's row from that node's own history, as Decode processes the
     same position, so speculation (any degree, any draft length) changes nothing; and the control does
-    change the answer (else the test would show nothing)."""
+    change the answer (else the test would show nothing).
+
+    Drafts are accepted by construction: each speculative run is given the answer without the control
+    (loop_answer) as its prediction, and a fixed plan drafts with the prediction decoder first (alone
+    at degree 1). The control leaves that answer's beginning as it is (a frequency or presence penalty
+    lowers only tokens already generated, the logit bias a token that comes later), so its drafts
+    there are accepted; past the token the control turns they are rejected and the primary's own
+    token follows: both under the control. The default decoders' drafts alone need not be accepted:
+    under a frequency penalty the answer stops repeating the text prompt lookup copies."""
     fields: dict[str, Any] = dict(PENALTIES[name])
     if name == "logit_bias":
         fields["logit_bias"] = {max(set(loop_answer.token_ids), key=list(loop_answer.token_ids).count): -100.0}
     sampling = common_pb2.SamplingParams(**fields)
-    outputs = {
+    baseline = generate(
+        gateway_stub, LOOP_MESSAGES, is_enabled=False, max_new_tokens=LOOP_NEW_TOKENS, sampling=sampling
+    )
+    prediction = gateway_pb2.Prediction(content=loop_answer.text)
+    outputs = {SETTINGS[0]: baseline} | {
         s: generate(
             gateway_stub,
             LOOP_MESSAGES,
@@ -409,10 +421,10 @@ def test_greedy_output_with_a_penalty_is_identical_with_and_without_speculation(
             draft_length=s[2],
             max_new_tokens=LOOP_NEW_TOKENS,
             sampling=sampling,
+            prediction=prediction,
         )
-        for s in SETTINGS
+        for s in SETTINGS[1:]
     }
-    baseline = outputs[SETTINGS[0]]
     assert list(baseline.token_ids) != list(loop_answer.token_ids), f"{name} changed nothing"
     num_drafted = 0
     for setting, out in outputs.items():
