@@ -16,6 +16,7 @@ import grpc
 import jsonschema
 import pytest
 
+from bench.masks import SCHEMA as ROOMS_SCHEMA
 from specdec.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.e2e
@@ -113,20 +114,7 @@ def test_fixed_grammar_and_lookup_drafts_give_the_same_tokens(gateway_stub, json
 ROOMS = {
     "id": "rooms",
     "prompt": "List three rooms of a house and say for each whether it is clean.",
-    "schema": {
-        "type": "object",
-        "required": ["rooms"],
-        "properties": {
-            "rooms": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["room", "clean"],
-                    "properties": {"room": {"type": "string"}, "clean": {"type": "boolean"}},
-                },
-            }
-        },
-    },
+    "schema": ROOMS_SCHEMA,  # the mask benchmark's: a JSON array of objects
 }
 
 
