@@ -30,6 +30,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.model import native
 from specdec.model.loader import default_cache_dir, resolve_model_dir
+from primary_svc.costs import fastest_per_size
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 _REQUEST_ID = "__split_probe__"
@@ -62,21 +63,19 @@ def split_curve(
     Turns the native timer on for the measurement and back off after it."""
     lib = native.library()
     assert lib is not None, native.status()
-    vocab = engine.vocab_size
-    engine.open(_REQUEST_ID, [i % vocab for i in range(1000, 1000 + context_tokens)])
     native.set_profile(lib, True)
     try:
-        engine.prefill(_REQUEST_ID)
-        engine.verify(_REQUEST_ID, (), ())  # warm-up
-        engine.commit(_REQUEST_ID, (), (7,))
-        curve = {}
-        for k in sizes:
-            runs = [_timed_verify(engine, lib, k) for _ in range(repeats + 1)][1:]  # the first warms the shape
-            curve[k] = min(runs, key=lambda r: r["ms"])
-        return curve
+        return fastest_per_size(
+            engine,
+            _REQUEST_ID,
+            sizes,
+            repeats,
+            context_tokens,
+            lambda k: _timed_verify(engine, lib, k),
+            lambda run: run["ms"],
+        )
     finally:
         native.set_profile(lib, False)
-        engine.release(_REQUEST_ID)
 
 
 def format_split(curve: dict[int, dict[str, float]]) -> list[str]:

@@ -3,12 +3,54 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from specdec.engine.engine import Engine
 
 COST_NODE_COUNTS = (1, 2, 4, 8, 16, 32)
 COST_CONTEXT_TOKENS = 128
 _REQUEST_ID = "__verify_cost_probe__"
+
+_T = TypeVar("_T")
+
+
+def verify_chain(engine: Engine, request_id: str, num_nodes: int) -> float:
+    """One verify of `num_nodes` rows (the pending row + a chain of num_nodes - 1 drafts), in ms; then
+    a token is committed, so that the next verify starts from the same pending row."""
+    drafts = [(2000 + j) % engine.vocab_size for j in range(num_nodes - 1)]
+    start = time.perf_counter()
+    engine.verify(request_id, drafts, [-1] + list(range(num_nodes - 2)) if drafts else [])
+    ms = (time.perf_counter() - start) * 1000
+    engine.commit(request_id, (), (7,))
+    return ms
+
+
+def fastest_per_size(
+    engine: Engine,
+    request_id: str,
+    node_counts: Sequence[int],
+    repeats: int,
+    context_tokens: int,
+    measure: Callable[[int], _T],
+    ms_of: Callable[[_T], float],
+) -> dict[int, _T]:
+    """For each k of node_counts the fastest (by ms_of) of `repeats` measure(k), run on a probe request
+    `request_id` of context_tokens tokens of context, prefilled and warmed up first, released after.
+
+    The minimum, not the median: on a shared machine noise only ever adds time, and the
+    controller needs the ratio between sizes, which a noisy sample distorts most.
+    """
+    vocab = engine.vocab_size
+    engine.open(request_id, [i % vocab for i in range(1000, 1000 + context_tokens)])
+    try:
+        engine.prefill(request_id)
+        engine.verify(request_id, (), ())  # warm-up
+        engine.commit(request_id, (), (7,))
+        # the first run of a shape warms its kernels up
+        return {k: min([measure(k) for _ in range(repeats + 1)][1:], key=ms_of) for k in node_counts}
+    finally:
+        engine.release(request_id)
 
 
 def measure_verify_costs(
@@ -17,28 +59,13 @@ def measure_verify_costs(
     node_counts: tuple[int, ...] = COST_NODE_COUNTS,
     context_tokens: int = COST_CONTEXT_TOKENS,
 ) -> dict[int, float]:
-    """Fastest of `repeats` verifies of k rows (root + k-1 chained drafts) after a short context, in ms.
-
-    The minimum, not the median: on a shared machine noise only ever adds time, and the
-    controller needs the ratio between sizes, which a noisy sample distorts most.
-    """
-    vocab = engine.vocab_size
-    engine.open(_REQUEST_ID, [i % vocab for i in range(1000, 1000 + context_tokens)])
-    try:
-        engine.prefill(_REQUEST_ID)
-        engine.verify(_REQUEST_ID, (), ())  # warm-up
-        engine.commit(_REQUEST_ID, (), (7,))
-        costs = {}
-        for k in node_counts:
-            times = []
-            for r in range(repeats + 1):  # the first run of a shape warms its kernels up
-                drafts = [(2000 + j) % vocab for j in range(k - 1)]
-                start = time.perf_counter()
-                engine.verify(_REQUEST_ID, drafts, [-1] + list(range(k - 2)) if drafts else [])
-                if r:
-                    times.append((time.perf_counter() - start) * 1000)
-                engine.commit(_REQUEST_ID, (), (7,))
-            costs[k] = min(times)
-        return costs
-    finally:
-        engine.release(_REQUEST_ID)
+    """Fastest of `repeats` verifies of k rows (root + k-1 chained drafts) after a short context, in ms."""
+    return fastest_per_size(
+        engine,
+        _REQUEST_ID,
+        node_counts,
+        repeats,
+        context_tokens,
+        lambda k: verify_chain(engine, _REQUEST_ID, k),
+        lambda ms: ms,
+    )
