@@ -8,20 +8,10 @@ from dataclasses import dataclass, field
 
 from gateway.owner_id import OwnerId
 from gateway.owner_probe import OwnerProbe, OwnerProbeConfig
+from tests.gateway.fake_clock import FakeClock
 
 OWNER = str(OwnerId("10.0.0.9:50050", "aa11"))
 OTHER = str(OwnerId("10.0.0.8:50050", "bb22"))
-
-
-@dataclass
-class FakeClock:
-    now: float = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass
@@ -46,7 +36,7 @@ def probe(check: FakeCheck, clock: FakeClock, max_failures: int = 2, cache_s: fl
 
 def test_an_owner_is_gone_after_two_failed_checks_in_a_row_and_back_after_an_answer() -> None:
     async def main() -> None:
-        clock, check = FakeClock(), FakeCheck({"10.0.0.9:50050": False})
+        clock, check = FakeClock(100.0), FakeCheck({"10.0.0.9:50050": False})
         p = probe(check, clock)
         assert not await p.is_gone(OWNER)  # one failure: suspect, not gone
         assert not await p.is_gone(OWNER)  # the verdict is cached: no second check yet
@@ -66,7 +56,7 @@ def test_an_owner_is_gone_after_two_failed_checks_in_a_row_and_back_after_an_ans
 
 def test_a_live_owner_is_never_gone_and_owners_are_judged_apart() -> None:
     async def main() -> None:
-        clock, check = FakeClock(), FakeCheck({"10.0.0.8:50050": False})
+        clock, check = FakeClock(100.0), FakeCheck({"10.0.0.8:50050": False})
         p = probe(check, clock)
         for _ in range(4):
             assert not await p.is_gone(OWNER)
@@ -80,7 +70,7 @@ def test_a_live_owner_is_never_gone_and_owners_are_judged_apart() -> None:
 
 def test_concurrent_askers_share_one_check() -> None:
     async def main() -> None:
-        clock, check = FakeClock(), FakeCheck({"10.0.0.9:50050": False}, gate=asyncio.Event())
+        clock, check = FakeClock(100.0), FakeCheck({"10.0.0.9:50050": False}, gate=asyncio.Event())
         p = probe(check, clock)
         askers = [asyncio.ensure_future(p.is_gone(OWNER)) for _ in range(32)]
         await asyncio.sleep(0)
@@ -93,7 +83,7 @@ def test_concurrent_askers_share_one_check() -> None:
 
 def test_a_cancelled_asker_does_not_cancel_the_shared_check() -> None:
     async def main() -> None:
-        clock, check = FakeClock(), FakeCheck({"10.0.0.9:50050": False}, gate=asyncio.Event())
+        clock, check = FakeClock(100.0), FakeCheck({"10.0.0.9:50050": False}, gate=asyncio.Event())
         p = probe(check, clock)
         first = asyncio.ensure_future(p.is_gone(OWNER))
         second = asyncio.ensure_future(p.is_gone(OWNER))
@@ -110,7 +100,7 @@ def test_a_cancelled_asker_does_not_cancel_the_shared_check() -> None:
 
 def test_an_owner_that_names_no_instance_is_never_checked() -> None:
     async def main() -> None:
-        clock, check = FakeClock(), FakeCheck()
+        clock, check = FakeClock(100.0), FakeCheck()
         p = probe(check, clock)
         assert not await p.is_gone("gw-1")
         assert not await p.is_gone("")
@@ -121,7 +111,7 @@ def test_an_owner_that_names_no_instance_is_never_checked() -> None:
 
 def test_a_patient_asker_waits_for_the_second_check() -> None:
     async def main() -> None:
-        clock, check = FakeClock(), FakeCheck({"10.0.0.9:50050": False})
+        clock, check = FakeClock(100.0), FakeCheck({"10.0.0.9:50050": False})
         p = probe(check, clock)
         assert await p.is_gone_after_checks(OWNER)
         assert len(check.checked) == 2 and clock.now == 100.5  # waited out one verdict's life
@@ -138,7 +128,7 @@ def test_a_check_that_raises_counts_as_an_answer() -> None:
         raise RuntimeError("no event loop for channels")
 
     async def main() -> None:
-        clock = FakeClock()
+        clock = FakeClock(100.0)
         p = OwnerProbe(broken, OwnerProbeConfig(max_failures=1, cache_s=0.0), clock=clock)
         assert not await p.is_gone(OWNER)
 

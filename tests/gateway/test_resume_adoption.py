@@ -18,23 +18,13 @@ from gateway.owner_probe import OwnerProbe, OwnerProbeConfig
 from gateway.resume import Resumption
 from specdec.errors import FailedPrecondition
 from specdec.state_store import AsyncInMemoryStateStore, InMemoryStateStore, RequestStatus, StateStoreConfig
+from tests.gateway.fake_clock import FakeClock
 
 LEASE_S = 30.0
 HERE = OwnerId("10.0.0.1:50050", "1111")
 EARLIER_HERE = OwnerId("10.0.0.1:50050", "0000")  # the process that held this address before
 DEAD = OwnerId("10.0.0.2:50050", "2222")
 ALIVE = OwnerId("10.0.0.3:50050", "3333")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class Adopter(Resumption):

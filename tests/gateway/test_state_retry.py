@@ -13,25 +13,15 @@ import pytest
 from gateway import state_retry
 from gateway.config import parse_config
 from specdec.errors import InvalidArgument, Unavailable
+from tests.gateway.fake_clock import FakeClock
 
 SOCKET_TIMEOUT_S = 5.0  # specdec.state_store's client timeout: what one attempt costs while Redis stalls
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(state_retry.time, "monotonic", fake.monotonic)
+    fake = FakeClock(1000.0)
+    monkeypatch.setattr(state_retry.time, "monotonic", fake)
     monkeypatch.setattr(state_retry.asyncio, "sleep", fake.sleep)
     return fake
 
