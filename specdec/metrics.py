@@ -15,9 +15,11 @@ bytes, fractions are 0..1; where a user would compare with vLLM, the name is vLL
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -34,27 +36,25 @@ RPC_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
-def counter(
+_Family = TypeVar("_Family", Counter, Gauge)
+
+
+def family(
+    kind: type[_Family],
     registry: CollectorRegistry,
     name: str,
     documentation: str,
     labels: Sequence[str] = (),
     *,
     namespace: str = NAMESPACE,
-) -> Counter:
-    """A counter family of `namespace` in `registry`: a declaration names only what differs."""
-    return Counter(name, documentation, list(labels), namespace=namespace, registry=registry)
+) -> _Family:
+    """A metric family of `kind` and `namespace` in `registry`: a declaration names only what differs."""
+    return kind(name, documentation, list(labels), namespace=namespace, registry=registry)
 
 
-def gauge(
-    registry: CollectorRegistry,
-    name: str,
-    documentation: str,
-    labels: Sequence[str] = (),
-    *,
-    namespace: str = NAMESPACE,
-) -> Gauge:
-    return Gauge(name, documentation, list(labels), namespace=namespace, registry=registry)
+# counter(registry, name, documentation, labels=(), *, namespace=NAMESPACE), and gauge(...) alike
+counter = functools.partial(family, Counter)
+gauge = functools.partial(family, Gauge)
 
 
 def histogram(
