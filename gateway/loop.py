@@ -904,6 +904,8 @@ class RequestLoop:
             rows = [0, *(node + 1 for node in v.accepted_nodes)]
             position = len(self.prompt_ids) + len(self.generated)
             self.pending_features = (features_of_rows(verified.features, rows), position)
+        else:  # the latest step has none; and older ones may name a logits slot since rewritten
+            self.pending_features = None
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
         self.carry = continuation_after(tree, v)

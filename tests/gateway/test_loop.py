@@ -1394,6 +1394,38 @@ def test_a_feature_strategy_gets_the_latest_steps_rows_of_its_committed_tokens_w
     assert (num_carried > 0) == is_continuing
 
 
+@dataclasses.dataclass
+class GappyFeatureBackends(FeatureBackends):
+    """FeatureBackends whose primary brings features from every third verify only."""
+
+    num_verifies: int = 0
+
+    async def verify(self, *args, **kwargs) -> Verified:
+        verified = await super().verify(*args, **kwargs)
+        self.num_verifies += 1
+        has_features = self.num_verifies % 3 == 1
+        self.calls[-1][1].update(has_features=has_features)
+        return verified if has_features else dataclasses.replace(verified, features=None)
+
+
+def test_a_propose_after_a_step_without_features_gets_none_rather_than_an_older_steps():
+    """Features describe the latest step's rows (on one machine: a logits slot, which the verifies after
+    the next one rewrite): after a verify that brought none, the next Propose carries none, even where
+    carried drafts ran verifies with no Propose between them."""
+    backends = GappyFeatureBackends(is_lookup_right=lambda n: n % 4 != 0, is_continuing=True)
+    params = make_params(is_adaptive=False, degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY))
+    loop = run(params, backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    last_verify, num_checked = None, 0
+    for name, args in backends.calls:
+        if name == "verify":
+            last_verify = args
+        elif name == "propose" and last_verify is not None:
+            assert (args["features"] is not None) == last_verify["has_features"]
+            num_checked += not last_verify["has_features"]
+    assert num_checked > 0
+
+
 def test_without_a_feature_strategy_no_call_asks_for_features():
     backends = FeatureBackends()
     run(make_params(is_adaptive=False, degree=2, draft_length=4), backends)
