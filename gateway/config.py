@@ -77,7 +77,7 @@ class SpeculationDefaults:
     is_adaptive: bool = True
     max_adaptive_degree: int = MAX_ADAPTIVE_SPECULATIVE_DEGREE
     max_adaptive_draft_length: int = MAX_ADAPTIVE_DRAFT_LENGTH
-    # A greedy run of plain steps drafts the copies it meets in the primary itself, with no round
+    # A run of plain steps drafts the copies it meets in the primary itself, with no round
     # trip (DecodeRequest.lookup_draft_length), where prompt lookup is one of the request's strategies.
     is_run_drafting: bool = True
     greedy_logits_format: str = "fp8_e4m3"  # greedy decisions use the primary's fp32 argmax
@@ -185,7 +185,7 @@ FLAGS = (
     ),
     Flag(
         "--run_drafts",
-        help="greedy runs of plain steps draft the copies they meet in the primary, with no round trip "
+        help="runs of plain steps draft the copies they meet in the primary, with no round trip "
         "(where prompt lookup is a request's strategy); --no-run_drafts: only speculative steps draft",
         group="speculation",
         field="is_run_drafting",

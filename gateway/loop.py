@@ -1070,9 +1070,9 @@ class RequestLoop:
     def _run_lookup_length(self, max_tokens: int, is_masked: bool) -> int:
         """How many tokens a step of the run opened now may draft by prompt lookup in the primary itself
         (DecodeRequest.lookup_draft_length): the request's draft_length where prompt lookup is one of
-        its adaptive strategies and the run is greedy, without a one-row mask, penalties, logprobs or a
-        prediction (a grammar's run drafts too: the primary checks its drafts by its own grammar state);
-        else 0.
+        its adaptive strategies and the run has no one-row mask, penalties, logprobs or prediction (a
+        grammar's run drafts too: the primary checks its drafts by its own grammar state; a sampled run
+        keeps a draft where its draw at that position equals it); else 0.
         Such a run drafts a copy the step it starts, with no round trip to the draft service or the
         validator, so it goes on through repeats instead of ending at them (_stop_at_repeat)."""
         sampling = self.params.sampling
@@ -1082,7 +1082,6 @@ class RequestLoop:
             or self.params.prediction is not None  # its decoder drafts the predicted copy (Predicted Outputs)
             or max_tokens <= 1
             or is_masked
-            or not sampling.is_greedy
             or sampling.has_penalties
             or self.params.logprobs is not None
         ):
@@ -1116,10 +1115,14 @@ class RequestLoop:
             await run.aclose()
 
     def _decode_run_length(self) -> int:
-        """How many tokens this plain step asks the primary for: one unless the request is greedy; else
-        the rest of the request (max_new_tokens, the context; at most decode_run_max when given), with
-        adaptive speculation no more than the controller's plain steps ahead."""
-        if not self.params.sampling.is_greedy:
+        """How many tokens this plain step asks the primary for: one for a sampled request under a grammar
+        (the primary's own grammar runs are greedy: the gateway masks a sampled token a call) or while
+        the validator is down (each step falls back from a speculative plan, and the next probe must
+        come on time); else the rest of the request (max_new_tokens, the context; at most
+        decode_run_max when given), with adaptive speculation no more than the controller's plain steps
+        ahead. A sampled run draws each token at its position, as a call a token would
+        (specdec.sampling.make_generator)."""
+        if not self.params.sampling.is_greedy and (self.grammar is not None or not self.validator_state.is_up):
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),

@@ -18,11 +18,12 @@ import torch
 
 from primary_svc.leases import KVLeases
 from primary_svc.run_grammars import RunGrammars, check_run_grammar
-from primary_svc.worker import EngineWorker, RunStep
+from primary_svc.run_steps import Decided, NextToken, Run, RunLimits
+from primary_svc.worker import EngineWorker
 from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
-from specdec.engine.tree import chain_parents, with_lookahead
+from specdec.engine.tree import with_lookahead
 from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from specdec.features import encode_features
 from specdec.grammar import GrammarState
@@ -49,39 +50,10 @@ MAX_DECODE_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Decided:
-    """What one engine step of a Decode run decided, on the engine thread."""
-
-    token_ids: tuple[int, ...]  # the drafts it accepted, then the token it decided (the last is pending at a run's end)
-    num_step_rows: int  # the engine step's rows, every request's (VerifyResponse.num_step_rows)
-    num_drafted: int  # tokens the run drafted for this step (DecodeRequest.lookup_draft_length)
-    num_draft_accepted: int  # of them, those among token_ids
-    is_last: bool  # the run ends with it: max_tokens, a stop token, a repeat (the full context ends it too)
-
-
-@dataclasses.dataclass(slots=True)
-class _Run:
-    """A Decode call's steps (PrimaryServicer._plain_run): finish(logits) -> the step's _Decided on the
-    engine thread, which appends its tokens to `tokens` (and their log probabilities to `logprobs`,
-    when asked), and repeat (None for a single step) -> its RunStep: what the next step commits and
-    drafts, or is_last where the run ends."""
-
-    finish: Callable[[torch.Tensor], _Decided]
-    repeat: Callable[[_Decided], RunStep] | None
-    tokens: list[int]
-    logprobs: list[TokenLogprob]
-    num_drafted: int = 0  # every step's (DecodeResponse.num_drafted)
-    num_draft_accepted: int = 0
-    # The last step's other work, which the next step's drafts are priced beside (RunDrafts.draft)
-    other_rows: int = 0
-    other_requests: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class _StreamedStep:
     """One engine step of a DecodeStream run, as plain values from the engine thread."""
 
-    decided: _Decided
+    decided: Decided
     forward_ms: float
     is_last: bool  # the run ends with it: its last token is pending (DecodeStreamResponse.is_run_end)
     logprob: TokenLogprob | None  # asked by logprobs
@@ -292,7 +264,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         cancel = threading.Event()
         context.add_callback(cancel.set)
 
-        def on_step(result: _Decided, forward_ms: float, is_last: bool) -> None:  # on the engine thread
+        def on_step(result: Decided, forward_ms: float, is_last: bool) -> None:  # on the engine thread
             scored = run.logprobs[len(run.tokens) - 1] if run.logprobs else None  # logprobs: one token a step
             steps.put(_StreamedStep(result, forward_ms, is_last, scored))
 
@@ -322,96 +294,33 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         finally:
             cancel.set()  # a caller gone mid-run (the generator closed): no further step
 
-    def _plain_run(self, request, request_id: str, max_run_tokens: int) -> _Run:
-        """A Decode call's steps, checked (_Run)."""
+    def _plain_run(self, request, request_id: str, max_run_tokens: int) -> Run:
+        """A Decode call's steps, checked (primary_svc.run_steps)."""
         sampling = self._sampling(request)
         allowed = self._allowed_tokens(request, 1)
         grammar = self._run_grammar(request, request_id, allowed is not None, sampling.is_greedy)
-        next_token = self._next_token(request, request_id, sampling, allowed, grammar)
-        max_tokens, stop = self._decode_run(request, sampling.is_greedy and allowed is None, max_run_tokens)
-        repeats = self._run_repeats(request, request_id)
-        tokens: list[int] = []
+        max_tokens, stop = self._decode_run(request, allowed is None, max_run_tokens)
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
-        decoded_logprobs: list[TokenLogprob] = []
-        make_drafts = self._run_drafts(request, request_id, sampling, logprobs is not None)
-        drafts: list[RunDrafts] = []  # made after the first step
-        drafted: list[int] = []  # the step's drafts: a chain after its pending token
+        engine, worker = self.worker.built_engine, self.worker
+        return Run(
+            request_id=request_id,
+            position=request.position,
+            sampling=sampling,
+            limits=RunLimits(max_tokens, stop, self._run_repeats(request, request_id)),
+            next_token=self._next_token(request_id, sampling, allowed, grammar),
+            grammar=grammar,
+            make_drafts=self._run_drafts(request, request_id, sampling, logprobs is not None),
+            logprobs_top=None if logprobs is None else logprobs.num_top,
+            output_token_ids=lambda rid: engine().output_token_ids(rid),
+            step_load=lambda: (worker.step_rows, worker.step_requests),
+            metrics=self.metrics,
+        )
 
-        is_forced = False  # the step's drafts are the tokens the grammar allows alone
+    def _next_token(self, request_id: str, sampling: SamplingParams, allowed, grammar) -> NextToken:
+        """(logits [1, V], position) -> a plain step's token, as the request's sampling, mask and grammar
+        choose it; a draw is keyed by the token's position among the request's generated tokens."""
 
-        def forced_after(new: tuple[int, ...], room: int) -> tuple[int, ...]:
-            """The tokens the grammar allows alone after the committed output and `new` (at most `room`):
-            every decoding writes them, so as drafts they are always accepted (GrammarState.forced_token_ids)."""
-            if grammar is None or room <= 0:
-                return ()
-            state = grammar(self.worker.built_engine().output_token_ids(request_id))
-            if not state.accept_tokens(new):
-                return ()  # off the grammar: the next step's masks say so
-            try:
-                return state.forced_token_ids(room)
-            finally:
-                state.rollback(len(new))
-
-        def draft_argmax(logits: torch.Tensor) -> list[int]:
-            """Each row's token as a plain step there would choose it: under a grammar, among the tokens
-            its state allows after the committed output and the drafts before the row."""
-            if grammar is None:
-                return row_argmax(logits)
-            state = grammar(self.worker.built_engine().output_token_ids(request_id))
-            masks = state.tree_masks(drafted, chain_parents(len(drafted))).allowed
-            return masks.argmax(logits).tolist()
-
-        def finish(logits: torch.Tensor) -> _Decided:  # on the engine thread
-            if drafted:  # the drafts the argmaxes agree with, then the argmax after them: plain decoding's
-                argmax = draft_argmax(logits)
-                num_accepted = next((i for i, t in enumerate(drafted) if argmax[i] != t), len(drafted))
-                new = [*drafted[:num_accepted], argmax[num_accepted]]
-                if not is_forced:  # a grammar's forced tokens say nothing of the copies' acceptance
-                    drafts[0].observe(len(drafted), num_accepted)
-            else:
-                new = [next_token(logits)]
-            if logprobs is not None:  # of the raw row the token was chosen from (no drafts with logprobs)
-                decoded_logprobs.extend(token_logprobs(logits[:1], new, logprobs.num_top))
-            kept, is_last = [], max_tokens <= 1
-            for token in new:
-                kept.append(token)
-                tokens.append(token)
-                if len(tokens) >= max_tokens or token in stop or (repeats is not None and repeats(token)):
-                    is_last = True
-                    break
-            accepted = min(len(kept), len(new) - 1)
-            run.num_drafted += len(drafted)
-            run.num_draft_accepted += accepted
-            if drafted and self.metrics is not None:
-                self.metrics.run_drafted_tokens.inc(len(drafted))
-                self.metrics.run_draft_accepted_tokens.inc(accepted)
-            run.other_rows = max(0, self.worker.step_rows - 1 - len(drafted))  # the step's, beside this run's
-            run.other_requests = max(0, self.worker.step_requests - 1)
-            return _Decided(tuple(kept), self.worker.step_rows, len(drafted), accepted, is_last)
-
-        def repeat(result: _Decided) -> RunStep:  # on the engine thread, after finish
-            nonlocal is_forced
-            drafted.clear()
-            if make_drafts is not None and not result.is_last:
-                if not drafts:  # the context up to this step's pending token
-                    drafts.append(make_drafts())
-                drafts[0].extend(result.token_ids)
-                room = max_tokens - len(tokens) - 1
-                forced = forced_after(result.token_ids, room)
-                is_forced = bool(forced)
-                drafted.extend(forced or drafts[0].draft(room, run.other_rows, run.other_requests))
-            accepted = tuple(range(len(result.token_ids) - 1))  # every token but the last (pending) was drafted
-            return RunStep(result.token_ids, accepted, tuple(drafted), result.is_last)
-
-        run = _Run(finish, repeat if max_tokens > 1 else None, tokens, decoded_logprobs)
-        return run
-
-    def _next_token(
-        self, request, request_id: str, sampling: SamplingParams, allowed, grammar
-    ) -> Callable[[torch.Tensor], int]:
-        """logits [1, V] -> a plain step's token, as the request's sampling, mask and grammar choose it."""
-
-        def next_token(logits: torch.Tensor) -> int:
+        def next_token(logits: torch.Tensor, position: int) -> int:
             logits = self._penalized(request_id, logits[:1], sampling)  # [1, V]
             if grammar is not None:  # on the engine thread, past every token committed so far
                 allowed_now = grammar(self.worker.built_engine().output_token_ids(request_id)).allowed_mask()
@@ -420,7 +329,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 return row_argmax(logits[:1])[0] if allowed is None else int(allowed.argmax(logits)[0])
             if allowed is not None:
                 logits = allowed.masked_rows(logits, [0])  # [1, V]
-            return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, request.position))[0])
+            return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, position))[0])
 
         return next_token
 
@@ -436,9 +345,9 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             raise InvalidArgument("lookup_draft_length", f"must be at most {MAX_DRAFT_LENGTH}, got {n}")
         if n == 0:
             return None
-        if not sampling.is_greedy or request.HasField("allowed_tokens"):
+        if request.HasField("allowed_tokens"):
             raise InvalidArgument(
-                "lookup_draft_length", "drafts a greedy run without allowed_tokens only (send response_format)"
+                "lookup_draft_length", "drafts a run without allowed_tokens only (send response_format)"
             )
         if sampling.has_penalties or has_logprobs:
             raise InvalidArgument("lookup_draft_length", "drafts a run without penalties, logit_bias or logprobs only")
@@ -470,15 +379,14 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         prompt_ids = context[: len(context) - len(output_ids)]
         return penalize(logits, sampling, prompt_ids, output_ids, tree_token_ids, tree_parents)
 
-    def _decode_run(self, request, is_greedy_unmasked: bool, max_run_tokens: int) -> tuple[int, frozenset[int]]:
+    def _decode_run(self, request, is_unmasked: bool, max_run_tokens: int) -> tuple[int, frozenset[int]]:
         """A Decode's max_tokens (at least 1, at most max_run_tokens) and stop token ids, checked."""
         max_tokens = max(1, request.max_tokens)
         if max_tokens > max_run_tokens:
             raise InvalidArgument("max_tokens", f"must be at most {max_run_tokens}, got {request.max_tokens}")
-        if max_tokens > 1 and not is_greedy_unmasked:
+        if max_tokens > 1 and not is_unmasked:
             raise InvalidArgument(
-                "max_tokens",
-                "more than one token a call needs greedy sampling and no allowed_tokens (send response_format)",
+                "max_tokens", "more than one token a call needs no allowed_tokens (send response_format)"
             )
         self.worker.built_engine().check_token_ids("stop_token_ids", request.stop_token_ids)
         return max_tokens, frozenset(request.stop_token_ids)

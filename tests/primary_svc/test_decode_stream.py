@@ -293,7 +293,7 @@ def test_a_drafted_run_ends_at_a_stop_token_among_its_drafts(primary, copying):
     ("fields", "max_tokens"),
     [
         ({"lookup_draft_length": 65}, 4),
-        ({"lookup_draft_length": 4, "sampling": common_pb2.SamplingParams(temperature=0.7)}, 1),
+        ({"lookup_draft_length": 4, "allowed_tokens": common_pb2.TokenMask(num_rows=1, bits=b"\xff" * (49152 // 8))}, 1),
         ({"lookup_draft_length": 4, "logprobs": logprobs_pb2.LogprobsOptions(num_top_logprobs=1)}, 4),
         ({"lookup_draft_length": 4, "sampling": common_pb2.SamplingParams(frequency_penalty=0.5)}, 4),
     ],
@@ -326,3 +326,75 @@ def test_a_cancelled_drafted_stream_goes_on_from_what_its_caller_received(primar
     assert [t for m in more for t in m.token_ids] == expected[len(received) : len(received) + 6]
     release(stub, "dc", lease)
     assert engine.kv_bytes == 0
+
+
+SAMPLED = common_pb2.SamplingParams(temperature=0.3, top_p=0.95, seed=11)
+
+
+@pytest.fixture(scope="module")
+def looping(reference) -> list[int]:
+    """A prompt that repeats one passage four times: its answer, sampled at a low temperature, goes on
+    repeating it, which a run's drafts copy."""
+    return PROMPT + reference[:24] * 4
+
+
+def sampled_calls(stub, request_id: str, prompt: list[int], sampling, num_tokens: int) -> list[int]:
+    """A seeded sampled answer one token per Decode call, each drawn at its position."""
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id=request_id, token_ids=prompt)).kv_lease
+    tokens: list[int] = []
+    while len(tokens) < num_tokens:
+        d = stub.Decode(
+            primary_pb2.DecodeRequest(
+                request_id=request_id,
+                committed_token_ids=tokens[-1:],
+                kv_lease=lease,
+                sampling=sampling,
+                position=len(tokens),
+            )
+        )
+        tokens.append(d.token_id)
+    release(stub, request_id, lease)
+    return tokens
+
+
+@pytest.mark.parametrize("lookup_draft_length", [0, 8])
+def test_a_seeded_sampled_run_writes_the_tokens_of_a_call_a_token(primary, looping, lookup_draft_length):
+    """A sampled run draws each token at its position (DecodeRequest.position + its index in the run),
+    so it writes what one Decode call a token writes; drafting its copies, it keeps a draft where the
+    draw at that row equals it, so the tokens are the same and several come a step."""
+    stub, engine, _ = primary
+    prompt = looping
+    expected = sampled_calls(stub, "s-ref", prompt, SAMPLED, 40)
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="s", token_ids=prompt)).kv_lease
+    first = list(stream(stub, "s", lease, [], 30, sampling=SAMPLED, lookup_draft_length=lookup_draft_length))
+    more = list(
+        stream(
+            stub,
+            "s",
+            lease,
+            [first[-1].token_ids[-1]],
+            10,
+            sampling=SAMPLED,
+            position=30,
+            lookup_draft_length=lookup_draft_length,
+        )
+    )
+    assert [t for m in first + more for t in m.token_ids] == expected
+    if lookup_draft_length:
+        assert sum(m.num_draft_accepted for m in first) > 0 and max(len(m.token_ids) for m in first) > 1
+    else:
+        assert all(len(m.token_ids) == 1 and m.num_drafted == 0 for m in first + more)
+    release(stub, "s", lease)
+    assert engine.kv_bytes == 0
+
+
+def test_an_unseeded_sampled_run_decodes_and_drafts(primary, looping):
+    """Without a seed each draw is fresh: the run still ends where asked, and drafts its copies."""
+    stub, engine, _ = primary
+    prompt = looping
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="u", token_ids=prompt)).kv_lease
+    sampling = common_pb2.SamplingParams(temperature=0.3, top_k=20)
+    messages = list(stream(stub, "u", lease, [], 24, sampling=sampling, lookup_draft_length=8))
+    assert sum(len(m.token_ids) for m in messages) == 24 and messages[-1].is_run_end
+    assert all(0 <= m.num_draft_accepted <= m.num_drafted for m in messages)
+    release(stub, "u", lease)

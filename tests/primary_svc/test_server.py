@@ -218,9 +218,7 @@ def test_features_come_back_as_the_engine_computes_them_and_leave_the_logits_as_
             "max_tokens",
         ),
         (
-            primary_pb2.DecodeRequest(
-                request_id="r", max_tokens=2, sampling=common_pb2.SamplingParams(temperature=0.8, seed=1)
-            ),
+            primary_pb2.DecodeRequest(request_id="r", max_tokens=2, allowed_tokens=ALL_ALLOWED),
             grpc.StatusCode.INVALID_ARGUMENT,
             "max_tokens",
         ),
