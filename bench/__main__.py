@@ -4,7 +4,7 @@
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
 python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction,
-simulate,nodes}
+sampled,simulate,nodes}
 [ARGS...]: one component benchmark (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
@@ -22,6 +22,7 @@ simulate,nodes}
     penalties  the primary's cost of penalties and logit_bias per Verify         (bench/penalties.py)
     prediction Predicted Outputs on editing tasks: tok/s with and without the file as prediction
                (bench/prediction.py)
+    sampled    seeded sampled answers, speculation off and on: tok/s, tok/step, same tokens (bench/sampled.py)
     simulate   N = 1..64 nodes behind G gateways and Redis under a Poisson load, by discrete-event
                simulation from measured per-node figures (bench/simulate.py)
     nodes      N nodes behind M gateways: prefix-cache hit rate vs one node, time to resume and tokens
@@ -46,6 +47,7 @@ BENCHMARKS = (
     "logprobs",
     "penalties",
     "prediction",
+    "sampled",
     "simulate",
     "nodes",
 )
