@@ -25,6 +25,7 @@ from tests.grpc_serving import primary_stub
 
 PROMPT = [1, 504, 3458, 282, 260, 2114]
 MAX_CONTEXT = 512
+ALL_ALLOWED = common_pb2.TokenMask(num_rows=1, bits=b"\xff" * (49152 // 8))  # every token of the vocabulary
 RUN = 64  # a run's tokens: Decode's longest (server.MAX_DECODE_TOKENS); a stream may run to the context
 LONG = RUN + 6  # a streamed run longer than a Decode's
 
@@ -293,7 +294,7 @@ def test_a_drafted_run_ends_at_a_stop_token_among_its_drafts(primary, copying):
     ("fields", "max_tokens"),
     [
         ({"lookup_draft_length": 65}, 4),
-        ({"lookup_draft_length": 4, "allowed_tokens": common_pb2.TokenMask(num_rows=1, bits=b"\xff" * (49152 // 8))}, 1),
+        ({"lookup_draft_length": 4, "allowed_tokens": ALL_ALLOWED}, 1),
         ({"lookup_draft_length": 4, "logprobs": logprobs_pb2.LogprobsOptions(num_top_logprobs=1)}, 4),
         ({"lookup_draft_length": 4, "sampling": common_pb2.SamplingParams(frequency_penalty=0.5)}, 4),
     ],
