@@ -29,8 +29,7 @@ from draft_svc.strategies.self_draft import self_draft_registry
 from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixIndex
 from draft_svc.weights import PrimaryClient, WeightAttacher
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
-from specdec.logging import configure_logging
-from specdec.tracing import configure_tracing
+from specdec.logging import configure_service_telemetry
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from draft_svc.metrics import DraftMetrics
@@ -140,8 +139,7 @@ def _feature_drafter(
 
 def main(argv: Sequence[str] | None = None) -> None:
     config = from_args(argv, os.environ)
-    configure_logging("draft", level=config.log_level)
-    configure_tracing("draft", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    configure_service_telemetry("draft", config.log_level, os.environ)
     log = structlog.get_logger("draft_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     if config.num_torch_threads:

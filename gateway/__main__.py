@@ -25,8 +25,7 @@ from gateway.owner_id import OwnerId, default_advertise_address
 from gateway.owner_probe import OwnerProbe
 from gateway.server import GenerationServicer
 from specdec.errors import Unavailable
-from specdec.logging import configure_logging
-from specdec.tracing import configure_tracing
+from specdec.logging import configure_service_telemetry
 from gateway.metrics import GatewayMetrics
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
@@ -43,8 +42,7 @@ LOOP_STOP_TIMEOUT_S = 10.0  # at shutdown, for running loops to stop within a st
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    configure_logging("gateway", level=config.log_level)
-    configure_tracing("gateway", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    configure_service_telemetry("gateway", config.log_level, os.environ)
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     try:
         api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None

@@ -10,8 +10,7 @@ from prometheus_client import CollectorRegistry
 from specdec.service.api_keys import ApiKeys
 from http_svc.app import HttpFront
 from http_svc.config import parse_config
-from specdec.logging import configure_logging
-from specdec.tracing import configure_tracing
+from specdec.logging import configure_service_telemetry
 from specdec.metrics import start_metrics_server
 
 # In-flight answers get this long to finish after SIGTERM (the gRPC services drain for 5 s too).
@@ -20,8 +19,7 @@ GRACEFUL_STOP_S = 5
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    configure_logging("http", level=config.log_level)
-    configure_tracing("http", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    configure_service_telemetry("http", config.log_level, os.environ)
     log = structlog.get_logger("http")
     try:
         api_keys = ApiKeys.from_file(config.api_keys_file) if config.api_keys_file else None

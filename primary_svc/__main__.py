@@ -24,8 +24,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import LoadedModel, load_model
-from specdec.logging import configure_logging
-from specdec.tracing import configure_tracing
+from specdec.logging import configure_service_telemetry
 from specdec.logits_shm import cleanup_stale_slots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.model.compiled import CompiledStep, CompileSettings
@@ -49,8 +48,7 @@ LEASE_CHECK_MAX_S = 5.0
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    configure_logging("primary_svc", level=config.log_level)
-    configure_tracing("primary", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    configure_service_telemetry("primary_svc", config.log_level, os.environ, "primary")
     log = structlog.get_logger("primary_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     on_progress = progress_callback(config.progress_file)

@@ -20,16 +20,24 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TextIO
 
 import structlog
 
-from specdec.tracing import add_trace_ids
+from specdec.tracing import add_trace_ids, configure_tracing
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_TRACEBACK_FRAMES = 20
+
+
+def configure_service_telemetry(service: str, level: str, environ: Mapping[str, str], span_service: str = "") -> None:
+    """A service process's logs (configure_logging) and traces (configure_tracing: OTLP export only
+    when environ names OTEL_EXPORTER_OTLP_ENDPOINT). span_service: the service its spans name, where
+    that differs from its logs' `service`."""
+    configure_logging(service, level=level)
+    configure_tracing(span_service or service, environ)
 
 
 def configure_logging(

@@ -9,8 +9,7 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from specdec.logging import configure_logging
-from specdec.tracing import configure_tracing
+from specdec.logging import configure_service_telemetry
 from specdec.metrics import RpcMetrics, gauge
 from specdec.service.auth import service_token_or_exit, token_interceptors
 from specdec.service.interceptor import ErrorInterceptor
@@ -39,8 +38,7 @@ def build_servicer(
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
-    configure_logging("validator_svc", level=config.log_level)
-    configure_tracing("validator", os.environ)  # OTLP export only when OTEL_EXPORTER_OTLP_ENDPOINT is set
+    configure_service_telemetry("validator_svc", config.log_level, os.environ, "validator")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
