@@ -175,6 +175,22 @@ def _logprobs_pb(request: LogprobsRequest | None) -> Any:
     return None if request is None else pb.logprobs_request_to_pb(request)
 
 
+def _decoded(r: primary_pb2.DecodeStreamResponse) -> Decoded:
+    """One streamed step of a run; the step's rows beside the request's own (its root and drafts)."""
+    token_ids = tuple(r.token_ids)
+    other_step_rows = max(0, r.num_step_rows - 1 - r.num_drafted)
+    return Decoded(
+        token_ids[-1],
+        r.forward_ms,
+        other_step_rows,
+        token_ids,
+        _logprobs(r.logprobs),
+        r.is_run_end,
+        r.num_drafted,
+        r.num_draft_accepted,
+    )
+
+
 def _logprobs(values: Sequence[Any]) -> tuple[TokenLogprob, ...]:
     return tuple(pb.token_logprob_from_pb(v) for v in values)
 
@@ -406,9 +422,9 @@ class Backends:
         lookup_draft_length: int = 0,
     ) -> AsyncGenerator[Decoded, None]:
         """Plain steps from committed_token_ids (PrimaryService.DecodeStream): one Decoded per engine
-        step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (greedy, no
-        `allowed`): a run of that many steps in one call, ending early after a token of
-        `stop_token_ids`; the primary commits every token of it but the last. With `response_format`
+        step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (no `allowed`): a
+        run of that many steps in one call, ending early after a token of `stop_token_ids`; the
+        primary commits every token of it but the last. With `response_format`
         (instead of `allowed`) the primary masks every token by its own state of the request's
         grammar. `num_context_tokens`: the context the caller knows before committed_token_ids (the
         primary drops tokens of a cancelled run past it). `stop_at_repeat_tokens` > 0: the run also ends
@@ -440,18 +456,9 @@ class Backends:
         )
         try:
             async for r in call:
-                self.other_step_rows = max(0, r.num_step_rows - 1 - r.num_drafted)  # its own: root and drafts
-                token_ids = tuple(r.token_ids)
-                yield Decoded(
-                    token_ids[-1],
-                    r.forward_ms,
-                    self.other_step_rows,
-                    token_ids,
-                    _logprobs(r.logprobs),
-                    r.is_run_end,
-                    r.num_drafted,
-                    r.num_draft_accepted,
-                )
+                decoded = _decoded(r)
+                self.other_step_rows = decoded.other_step_rows
+                yield decoded
         except grpc.RpcError as e:
             raise _domain_error(e, "primary") from None
         finally:
