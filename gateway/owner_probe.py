@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from gateway.owner_id import OwnerId
+from specdec.field_checks import require_at_least_one
 
 DEFAULT_MAX_FAILURES = 2
 DEFAULT_CACHE_S = 0.5  # a verdict's life: two failed checks of a dead owner take about this long
@@ -40,8 +41,7 @@ class OwnerProbeConfig:
     cache_s: float = DEFAULT_CACHE_S
 
     def __post_init__(self) -> None:
-        if self.max_failures < 1:
-            raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
+        require_at_least_one(self, "max_failures")
         if self.cache_s < 0:
             raise ValueError(f"cache_s must be >= 0, got {self.cache_s}")
 

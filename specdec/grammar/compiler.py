@@ -33,6 +33,7 @@ import jsonschema
 import xgrammar as xgr
 
 from specdec.errors import InvalidArgument
+from specdec.field_checks import require_at_least_one
 from specdec.grammar.state import GrammarState
 from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 
@@ -131,10 +132,7 @@ class GrammarCacheConfig:
     max_schema_chars: int = DEFAULT_MAX_SCHEMA_CHARS
 
     def __post_init__(self) -> None:
-        if self.max_cached_grammars < 1:
-            raise ValueError(f"max_cached_grammars must be >= 1, got {self.max_cached_grammars}")
-        if self.max_schema_chars < 1:
-            raise ValueError(f"max_schema_chars must be >= 1, got {self.max_schema_chars}")
+        require_at_least_one(self, "max_cached_grammars", "max_schema_chars")
 
 
 class GrammarCache:
