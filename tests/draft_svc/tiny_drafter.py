@@ -7,18 +7,11 @@ from __future__ import annotations
 import torch
 
 from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts
+from tests.specdec.model.tiny import tiny_config
 
-TINY = DrafterConfig(
-    hidden_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=64,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    vocab_size=50,
-    draft_vocab_size=20,
-    max_window=512,
+# The tiny model (tests/specdec/model/tiny.py) narrowed to 4 heads of 8 over a vocabulary of 50
+TINY = DrafterConfig.for_model(
+    tiny_config(hidden_size=32, head_dim=8, intermediate_size=64, vocab_size=50), draft_vocab_size=20, max_window=512
 )
 
 
