@@ -74,8 +74,10 @@ return 1
 # not ended, token count, lease; then appends, sets fields, re-arms expiry.
 # A replay is idempotent, keyed by the step's position (expected count): when the log already ends
 # with exactly this step's tokens at that position, the step was applied and its reply lost (a
-# timeout, a failover): it succeeds with the count, writing nothing. E.g. log [a b c d],
-# expected 2, tokens [c d] -> 4, unchanged; tokens [c e] or expected 1 -> MISMATCH.
+# timeout, a failover): it succeeds with the count, changing nothing stored but the expiry, which it
+# re-arms as any write does. E.g. log [a b c d], expected 2, tokens [c d] -> 4, unchanged; tokens
+# [c e] or expected 1 -> MISMATCH. (The expiry makes the replay a replicated write: on a replicated
+# Redis the WAIT that follows it on its connection then covers the step it replays, replica_ack.py.)
 # KEYS: meta, tokens, prompt, owner.
 # ARGV: packed tokens, expected count (-1: no check), ttl_ms, now_ms, owner ('' : none),
 #       lease_ms, then field/value pairs for the meta hash.
@@ -88,6 +90,7 @@ local expected = tonumber(ARGV[2])
 local size = string.len(ARGV[1])
 if expected >= 0 and size > 0 and n * 4 == expected * 4 + size
    and redis.call('GETRANGE', KEYS[2], expected * 4, -1) == ARGV[1] then
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
   return n
 end
 if is_terminal(status) then return redis.error_reply('SPECDEC_ENDED ' .. status) end

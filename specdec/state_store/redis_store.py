@@ -15,6 +15,7 @@ from typing import Any, Unpack, cast
 import redis
 
 from specdec.state_store.clients import AsyncClient, close_async_client, open_async_client
+from specdec.state_store.replica_ack import ReplicaAck
 from specdec.state_store.redis_scripts import (
     CLAIM_LUA,
     CREATE_LUA,
@@ -28,7 +29,7 @@ from specdec.state_store.redis_scripts import (
     split_stale,
     state_from_reply,
 )
-from specdec.state_store.redis_url import parse_redis_url
+from specdec.state_store.redis_url import RedisKind, parse_redis_url
 from specdec.state_store.types import (
     CreateOptions,
     RequestState,
@@ -47,6 +48,10 @@ class AsyncRedisStateStore(RedisLayout):
 
     redis.asyncio connections belong to the event loop that opened them: use an instance (and
     its client) from one event loop only, and close it there.
+
+    replica_ack: on a replicated Redis (a cluster, a Sentinel-watched master), a step is
+    acknowledged once a replica holds it, so that a failover keeps it (replica_ack.py); None (one
+    server): the step script alone.
     """
 
     def __init__(
@@ -55,9 +60,11 @@ class AsyncRedisStateStore(RedisLayout):
         config: StateStoreConfig | None = None,
         *,
         wall_clock_ms: Callable[[], int] | None = None,
+        replica_ack: ReplicaAck | None = None,
     ) -> None:
         super().__init__(config, wall_clock_ms)
         self._client = client
+        self._replica_ack = replica_ack
         self._create = client.register_script(CREATE_LUA)
         self._step = client.register_script(STEP_LUA)
         self._claim = client.register_script(CLAIM_LUA)
@@ -80,8 +87,10 @@ class AsyncRedisStateStore(RedisLayout):
         One server: at most max_connections connections: coroutines are cheap, and hundreds of
         requests starting at once would otherwise each open one (redis-py's plain pool then
         refuses past 100). Beyond it a call waits for a free connection, up to timeout_s (then
-        Unavailable)."""
-        return cls(open_async_client(parse_redis_url(url), timeout_s, max_connections), config)
+        Unavailable). A cluster or Sentinel URL: steps are acknowledged once a replica holds them."""
+        target = parse_redis_url(url)
+        client = open_async_client(target, timeout_s, max_connections)
+        return cls(client, config, replica_ack=None if target.kind is RedisKind.SINGLE else ReplicaAck(client))
 
     async def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
         args, now_ms = self.create_args(request_id, params, options)
@@ -100,7 +109,11 @@ class AsyncRedisStateStore(RedisLayout):
     async def append_step(self, request_id: str, token_ids: Sequence[int] = (), **step: Unpack[StepFields]) -> int:
         args = self.step_args(token_ids, step)
         with redis_errors(request_id, step.get("expected_num_tokens"), step.get("owner")):
-            num_tokens = int(await self._step(self.keys(request_id), args))
+            keys = self.keys(request_id)
+            if self._replica_ack is None:
+                num_tokens = int(await self._step(keys, args))
+            else:
+                num_tokens = int(await self._replica_ack.run(self._step, keys, args))
             status = step.get("status")
             if status is not None and status.is_terminal:
                 # The index only after the write succeeded (a second round trip,
