@@ -33,8 +33,7 @@ from specdec.logging import configure_service_telemetry
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from draft_svc.metrics import DraftMetrics
-from specdec.service.auth import service_token_or_exit, token_interceptors
-from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.auth import service_token_or_exit, internal_interceptors
 from specdec.service.server import serve
 from specdec.v1 import draft_pb2_grpc
 
@@ -178,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve(
         config.server,
         [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-        interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics.rpc)],
+        interceptors=internal_interceptors(service_token, metrics.rpc),
         registry=registry,
         on_stopped=on_stopped,
     )

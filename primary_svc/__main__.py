@@ -36,9 +36,8 @@ from specdec.model import native
 from specdec.model.precision import AUTO
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.model.tokenizer import Tokenizer
-from specdec.service.auth import service_token_or_exit, token_interceptors
+from specdec.service.auth import service_token_or_exit, internal_interceptors
 from specdec.service.gc_tuning import freeze_startup_heap
-from specdec.service.interceptor import ErrorInterceptor
 from specdec.progress import ProgressCallback, no_progress, progress_callback
 from specdec.service.server import serve
 from specdec.v1 import primary_pb2_grpc
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(
             config.server,
             [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-            interceptors=[*token_interceptors(service_token), ErrorInterceptor(metrics.rpc)],
+            interceptors=internal_interceptors(service_token, metrics.rpc),
             registry=registry,
             on_stopped=on_stopped,
         )

@@ -11,8 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec.logging import configure_service_telemetry
 from specdec.metrics import RpcMetrics, gauge
-from specdec.service.auth import service_token_or_exit, token_interceptors
-from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.auth import service_token_or_exit, internal_interceptors
 from specdec.service.server import serve
 from specdec.v1 import validator_pb2_grpc
 from validator_svc.config import ValidatorConfig, parse_config
@@ -48,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     serve(
         config.server,
         [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, servicer)],
-        interceptors=[*token_interceptors(service_token), ErrorInterceptor(RpcMetrics(registry))],
+        interceptors=internal_interceptors(service_token, RpcMetrics(registry)),
         registry=registry,
     )
 

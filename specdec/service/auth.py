@@ -29,7 +29,9 @@ import grpc
 import structlog
 
 from specdec.flags import Flag, add_flags
+from specdec.metrics import RpcMetrics
 from specdec.service.flags import Flags
+from specdec.service.interceptor import ErrorInterceptor
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "Bearer "
@@ -219,9 +221,10 @@ def load_service_token(token_file: str, is_unauthenticated_allowed: bool) -> str
     )
 
 
-def token_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
-    """The interceptors to put first on an internal service's server."""
-    return [] if token is None else [ServiceTokenInterceptor(token)]
+def internal_interceptors(token: str | None, rpc: RpcMetrics) -> list[grpc.ServerInterceptor]:
+    """An internal service's server interceptors: the service token's check first (none without a
+    token), then the error mapping, which records every call in `rpc` (ErrorInterceptor)."""
+    return [*([] if token is None else [ServiceTokenInterceptor(token)]), ErrorInterceptor(rpc)]
 
 
 def service_token_or_exit(token_file: str, is_unauthenticated_allowed: bool) -> str | None:
