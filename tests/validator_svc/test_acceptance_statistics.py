@@ -35,7 +35,7 @@ from typing import Callable
 import pytest
 import torch
 
-from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts
+from draft_svc.heads.model import FeatureDrafter, SharedParts
 from draft_svc.strategies.feature import FeatureDecoder, FeatureTreeConfig
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import ROOT
@@ -43,6 +43,7 @@ from specdec.penalties import penalize
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator
 from validator_svc import acceptance
 from validator_svc.acceptance import rejection_sample_accept, validate_tree
+from tests.draft_svc.tiny_drafter import TINY
 
 # Thousands of tiny-tensor calls: extra intra-op threads only add contention
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,14 +76,13 @@ DRAFT_PROBS_2 = logits_to_probs(DRAFT_LOGITS_2, PARAMS)
 Candidate = tuple[list[int], list[torch.Tensor] | None]  # tokens, and the rows they were drawn from
 Proposer = Callable[[tuple[int, ...], random.Random], list[Candidate]]  # (context: root token .. last, rng)
 
-FEATURE_DRAFTER = DrafterConfig(
+# The tiny drafter at half its width, over VOCAB_SIZE tokens
+FEATURE_DRAFTER = dataclasses.replace(
+    TINY,
     hidden_size=16,
     num_attention_heads=2,
     num_key_value_heads=1,
-    head_dim=8,
     intermediate_size=32,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
     vocab_size=VOCAB_SIZE,
     draft_vocab_size=VOCAB_SIZE - 1,
 )
