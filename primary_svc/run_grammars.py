@@ -96,11 +96,9 @@ class RunGrammars:
             self._states.pop(request_id, None)
 
 
-def check_run_grammar(response_format: ResponseFormat | None, has_allowed_tokens: bool, is_greedy: bool) -> None:
+def check_run_grammar(response_format: ResponseFormat | None, has_allowed_tokens: bool) -> None:
     """A Decode's response_format with its other fields (InvalidArgument naming response_format)."""
     if response_format is None:
         return
     if has_allowed_tokens:
         raise InvalidArgument("response_format", "cannot come with allowed_tokens: it masks every token itself")
-    if not is_greedy:
-        raise InvalidArgument("response_format", "needs greedy sampling (temperature 0)")

@@ -143,17 +143,17 @@ class Run:
         """Row by row, the token a plain step there would choose: under a grammar, among the tokens its
         state allows after the committed output and the drafts before the row; sampled rows are drawn
         only as far as the walk reads them (a draw a row)."""
+        masks = None
         if self.grammar is not None:
             state = self.grammar(self.output_token_ids(self.request_id))
             masks = state.tree_masks(self.drafted, chain_parents(len(self.drafted))).allowed
-            yield from masks.argmax(logits).tolist()
-        elif self.sampling.is_greedy:
-            yield from row_argmax(logits)
-        else:
-            first = self.position + len(self.tokens)  # the position of row 0's token
-            for i in range(logits.shape[0]):
-                probs = logits_to_probs(logits[i : i + 1], self.sampling)  # [1, V]
-                yield int(sample(probs, make_generator(self.sampling.seed, first + i))[0])
+        if self.sampling.is_greedy:
+            yield from (row_argmax(logits) if masks is None else masks.argmax(logits).tolist())
+            return
+        first = self.position + len(self.tokens)  # the position of row 0's token
+        for i in range(logits.shape[0]):
+            row = logits[i : i + 1] if masks is None else masks.masked_rows(logits, [i])  # [1, V]
+            yield int(sample(logits_to_probs(row, self.sampling), make_generator(self.sampling.seed, first + i))[0])
 
     def _forced_after(self, new: tuple[int, ...], room: int) -> tuple[int, ...]:
         """The tokens the grammar allows alone after the committed output and `new` (at most `room`):

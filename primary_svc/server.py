@@ -298,7 +298,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         """A Decode call's steps, checked (primary_svc.run_steps)."""
         sampling = self._sampling(request)
         allowed = self._allowed_tokens(request, 1)
-        grammar = self._run_grammar(request, request_id, allowed is not None, sampling.is_greedy)
+        grammar = self._run_grammar(request, request_id, allowed is not None)
         max_tokens, stop = self._decode_run(request, allowed is None, max_run_tokens)
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         engine, worker = self.worker.built_engine, self.worker
@@ -322,13 +322,13 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
         def next_token(logits: torch.Tensor, position: int) -> int:
             logits = self._penalized(request_id, logits[:1], sampling)  # [1, V]
+            mask = allowed
             if grammar is not None:  # on the engine thread, past every token committed so far
-                allowed_now = grammar(self.worker.built_engine().output_token_ids(request_id)).allowed_mask()
-                return int(allowed_now.argmax(logits)[0])
+                mask = grammar(self.worker.built_engine().output_token_ids(request_id)).allowed_mask()
             if sampling.is_greedy:  # the masked argmax constrained speculation validates against
-                return row_argmax(logits[:1])[0] if allowed is None else int(allowed.argmax(logits)[0])
-            if allowed is not None:
-                logits = allowed.masked_rows(logits, [0])  # [1, V]
+                return row_argmax(logits[:1])[0] if mask is None else int(mask.argmax(logits)[0])
+            if mask is not None:
+                logits = mask.masked_rows(logits, [0])  # [1, V]
             return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, position))[0])
 
         return next_token
@@ -411,12 +411,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         return repeats
 
     def _run_grammar(
-        self, request, request_id: str, has_allowed_tokens: bool, is_greedy: bool
+        self, request, request_id: str, has_allowed_tokens: bool
     ) -> Callable[[list[int]], GrammarState] | None:
         """For a Decode with a response_format: output token ids -> the request's grammar state past
         them (primary_svc.run_grammars); compiled here, on the RPC thread. None without one."""
         response_format = pb.response_format_from_pb(request.response_format)
-        check_run_grammar(response_format, has_allowed_tokens, is_greedy)
+        check_run_grammar(response_format, has_allowed_tokens)
         if response_format is None:
             return None
         if self.run_grammars is None:

@@ -74,11 +74,9 @@ def test_the_grammar_tables_are_built_once_on_first_use(grammar_cache):
     assert built == [1]
 
 
-def test_a_run_grammar_needs_greedy_sampling_and_no_mask_of_its_own():
+def test_a_run_grammar_needs_no_mask_of_its_own():
     response_format = ResponseFormat("json_object", None)
-    check_run_grammar(None, True, False)  # no response format: nothing to check
-    check_run_grammar(response_format, False, True)
+    check_run_grammar(None, True)  # no response format: nothing to check
+    check_run_grammar(response_format, False)
     with pytest.raises(InvalidArgument, match="allowed_tokens"):
-        check_run_grammar(response_format, True, True)
-    with pytest.raises(InvalidArgument, match="greedy"):
-        check_run_grammar(response_format, False, False)
+        check_run_grammar(response_format, True)

@@ -237,16 +237,6 @@ def test_features_come_back_as_the_engine_computes_them_and_leave_the_logits_as_
         (
             primary_pb2.DecodeRequest(
                 request_id="r",
-                max_tokens=1,
-                response_format=RESPONSE_FORMAT,
-                sampling=common_pb2.SamplingParams(temperature=0.8, seed=1),
-            ),
-            grpc.StatusCode.INVALID_ARGUMENT,
-            "response_format",
-        ),
-        (
-            primary_pb2.DecodeRequest(
-                request_id="r",
                 max_tokens=4,
                 response_format=common_pb2.ResponseFormat(
                     type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema="{not json"
@@ -400,6 +390,49 @@ def test_a_drafted_run_under_a_response_format_keeps_only_what_its_masks_decide(
     assert list(run.token_ids) == expected and run.num_draft_accepted > 0
     assert engine.output_token_ids("gd") == expected[:11]
     stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="gd", kv_lease=lease))
+    assert servicer.run_grammars.num_states == 0 and engine.kv_bytes == 0
+
+
+@pytest.mark.parametrize("lookup_draft_length", [0, 8])
+def test_a_seeded_sampled_run_under_a_response_format_draws_what_masked_one_token_decodes_draw(
+    primary, grammar_cache, lookup_draft_length
+):
+    """Sampled under a response_format: each token of the run is drawn at its position from its row
+    masked by the primary's grammar state (a draft is kept where that draw equals it), so a seeded run
+    writes what seeded one-token Decodes under a gateway's masks write."""
+    stub, engine, servicer, _ = primary
+    grammar = grammar_cache.compile(ResponseFormat("json_schema", NAME_AGE_SCHEMA))
+    sampling = common_pb2.SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="sref", token_ids=PROMPT)).kv_lease
+    state, expected = grammar.new_state(), []
+    for position in range(12):
+        d = stub.Decode(
+            primary_pb2.DecodeRequest(
+                request_id="sref",
+                committed_token_ids=expected[-1:],
+                kv_lease=lease,
+                allowed_tokens=pb.token_mask_to_pb(state.allowed_mask()),
+                sampling=sampling,
+                position=position,
+            )
+        )
+        assert state.accept_tokens([d.token_id])
+        expected.append(d.token_id)
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="sref", kv_lease=lease))
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="sg", token_ids=PROMPT)).kv_lease
+    run = stub.Decode(
+        primary_pb2.DecodeRequest(
+            request_id="sg",
+            kv_lease=lease,
+            max_tokens=12,
+            response_format=RESPONSE_FORMAT,
+            sampling=sampling,
+            lookup_draft_length=lookup_draft_length,
+        )
+    )
+    assert list(run.token_ids) == expected and engine.output_token_ids("sg") == expected[:11]
+    assert (run.num_drafted > 0) == (lookup_draft_length > 0)  # the grammar's forced tokens at least
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="sg", kv_lease=lease))
     assert servicer.run_grammars.num_states == 0 and engine.kv_bytes == 0
 
 
