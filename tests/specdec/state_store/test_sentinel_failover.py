@@ -1,9 +1,10 @@
 """The state store on Redis with Sentinel failover: a real master, one replica and 3 sentinels on
 loopback (specdec.redis_sentinel), requests writing steps as the gateway does, and kill -9 of the
 master mid-run: the sentinels promote the replica, the store follows them, and every request runs
-to its end with no step lost or duplicated. Redis replicates asynchronously, so the promoted replica
-may lack the last steps the old master acknowledged; the writer then writes them back, as the
-gateway does (RequestRecord.write_back_lost, gateway/request_record.py)."""
+to its end with no step lost or duplicated. Redis replicates asynchronously: the store acknowledges a
+step once a replica holds it (specdec/state_store/replica_ack.py), and where the promoted replica
+still lacks steps the writer holds (a write that failed over before its answer), the writer writes
+them back, as the gateway does (RequestRecord.write_back_lost, gateway/request_record.py)."""
 
 from __future__ import annotations
 
