@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import inspect
 import threading
+from typing import Any
 
 import pytest
 
-from gateway.backends import EMPTY_TREE, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
+from gateway.backends import EMPTY_TREE, Backends, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
@@ -27,6 +29,8 @@ from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
 from specdec.task_type import TaskType
 from tests.schemas import PERSON_SCHEMA
+
+DECODE_STREAM = inspect.signature(Backends.decode_stream)  # the fake reads its calls by it
 
 EOS = 2  # SmolLM2's <|im_end|>
 PROMPT = [1, 9690, 198]
@@ -78,42 +82,33 @@ class TargetBackends:
         assert allowed.is_allowed(list(range(len(rows))), rows).all(), "a row's token is off the grammar"
         return Verified(None, tuple(rows), 0.0)
 
-    async def decode(
-        self,
-        request_id,
-        accepted_nodes,
-        committed_token_ids,
-        sampling,
-        step,
-        allowed=None,
-        *,
-        max_tokens=1,
-        stop_token_ids=(),
-        response_format=None,
-    ):
-        self._commit(committed_token_ids)
+    def _run(self, call: dict[str, Any]) -> tuple[int, ...]:
+        """The tokens of one decode_stream call: one under the gateway's mask, or a run under the
+        response format that the primary masks by its own grammar state."""
+        self._commit(call["committed_token_ids"])
         self.num_decodes += 1
+        allowed, max_tokens, response_format = call["allowed"], call["max_tokens"], call["response_format"]
         if response_format is None:  # one token under the gateway's mask
             assert max_tokens == 1 and allowed.is_allowed([0], [self._next()]).all()
-            return Decoded(self._next(), 0.0)
+            return (self._next(),)
         # a run: the primary masks by its own grammar state, committing every token but the last
         assert allowed is None and response_format.schema_text == PERSON_SCHEMA
         self.num_grammar_runs += 1
         tokens = [self._next()]
-        while len(tokens) < max_tokens and tokens[-1] not in stop_token_ids:
+        while len(tokens) < max_tokens and tokens[-1] not in call["stop_token_ids"]:
             self._commit(tokens[-1:])
             tokens.append(self._next())
-        return Decoded(tokens[-1], 0.0, 0, tuple(tokens))
+        return tuple(tokens)
 
-    async def decode_stream(
-        self, *args, num_context_tokens=0, stop_at_repeat_tokens=0, lookup_draft_length=0, **kwargs
-    ):
-        """decode's run as the primary streams it: a token a message, every one but the last committed
-        by the primary; the caller's context (before its commit) must be the primary's. Its runs do not
-        end at repeats nor draft (stop_at_repeat_tokens, lookup_draft_length: test_loop's fake does)."""
-        assert num_context_tokens == len(self.context), "the caller does not know the primary's context"
-        decoded = await self.decode(*args, **kwargs)
-        tokens = decoded.token_ids or (decoded.token_id,)
+    async def decode_stream(self, *args, **kwargs):
+        """A run as the primary streams it: a token a message, every one but the last committed by the
+        primary; the caller's context (before its commit) must be the primary's. Its runs do not end
+        at repeats nor draft (stop_at_repeat_tokens, lookup_draft_length: test_loop's fake does)."""
+        bound = DECODE_STREAM.bind(None, *args, **kwargs)  # by the real method's names and defaults
+        bound.apply_defaults()
+        call = bound.arguments
+        assert call["num_context_tokens"] == len(self.context), "the caller does not know the primary's context"
+        tokens = self._run(call)
         for i, token in enumerate(tokens):
             yield Decoded(token, 0.0, 0, (token,), is_run_end=i == len(tokens) - 1)
 
