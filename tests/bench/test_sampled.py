@@ -1,0 +1,27 @@
+"""bench sampled's per-scenario row: medians, speedup, tokens per step, the share the runs drafted,
+and the count of seeded pairs whose tokens agree."""
+
+from __future__ import annotations
+
+from bench.sampled import RUN_DRAFTS, Answer, scenario_row
+from specdec.v1 import gateway_pb2
+
+
+def answer(num_tokens: int, seconds: float, num_steps: int, run_accepted: int = 0, first: int = 0) -> Answer:
+    stats = gateway_pb2.GenerationStats(num_steps=num_steps)
+    stats.decoders.add(name=RUN_DRAFTS, num_proposed=run_accepted + 1, num_accepted=run_accepted)
+    stats.decoders.add(name="suffix_index", num_proposed=5, num_accepted=3)  # not the runs'
+    return Answer(tuple(range(first, first + num_tokens)), seconds, stats)
+
+
+def test_a_scenario_row_takes_medians_and_counts_the_same_answers():
+    pairs = [
+        {"plain": answer(100, 1.0, 100), "speculative": answer(100, 0.5, 50, run_accepted=40)},
+        {"plain": answer(50, 1.0, 50), "speculative": answer(50, 0.5, 25, run_accepted=20, first=1)},
+        {"plain": answer(80, 1.0, 80), "speculative": answer(80, 1.0, 80)},
+    ]
+    row = scenario_row("prose", pairs)
+    assert row["plain_tok_s"] == 80.0 and row["speculative_tok_s"] == 100.0 and row["speedup"] == 1.25
+    assert row["tokens_per_step"] == round(230 / 155, 2)
+    assert row["run_drafted_share"] == round(60 / 230, 3)
+    assert row["same"] == "2/3"  # the second pair's tokens differ
