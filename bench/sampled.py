@@ -7,7 +7,8 @@ the model's template, json without its schema) is answered once per seed by two 
     plain        speculation off (GenerateRequest.speculation.is_enabled = False): the primary alone
     speculative  the product defaults (adaptive controller, default decoders, runs that draft)
 
-with the same sampling (--temperature, --top-p) and a fixed seed. A seeded token is drawn from the
+with the same sampling (--temperature, --top-p) and a fixed seed (--schema: json rows under their
+schema, as response_format). A seeded token is drawn from the
 seed's stream for its position whatever decided it (specdec.sampling.make_generator), so the two
 answers must be the same tokens: the `same` column counts the pairs that are.
 
@@ -16,8 +17,8 @@ included), the speedup (ratio of medians), tokens per step of the speculative sy
 of its tokens the primary's runs drafted and kept (`prompt_lookup@run` in GenerationStats.decoders).
 
     python -m bench sampled [--scenarios code,prose,json] [--num-prompts 3] [--seeds 1,2]
-                            [--temperature 0.7] [--top-p 0.9] [--max-new-tokens 128] [--precision auto]
-                            [--num-threads 0] [--out FILE]
+                            [--temperature 0.7] [--top-p 0.9] [--max-new-tokens 128] [--schema]
+                            [--precision auto] [--num-threads 0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -55,9 +56,16 @@ class Answer:
 
 
 def answer(
-    sut: SystemUnderTest, prompt: BenchPrompt, system: str, sampling: common_pb2.SamplingParams, max_new_tokens: int
+    sut: SystemUnderTest,
+    prompt: BenchPrompt,
+    system: str,
+    sampling: common_pb2.SamplingParams,
+    max_new_tokens: int,
+    is_schema: bool = False,
 ) -> Answer:
-    req = build_request(prompt, max_new_tokens, is_speculative=system == "speculative", is_constrained=False)
+    """One answer, timed by the client; is_schema: the row's JSON schema as its response_format."""
+    is_constrained = is_schema and prompt.schema is not None
+    req = build_request(prompt, max_new_tokens, is_speculative=system == "speculative", is_constrained=is_constrained)
     req.sampling.CopyFrom(sampling)
     started = time.perf_counter()
     response = sut.stub.Generate(req, timeout=REQUEST_TIMEOUT_S)
@@ -100,6 +108,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--schema", action="store_true", help="json rows with their schema as response_format")
     p.add_argument("--precision", default="auto")
     p.add_argument("--num-threads", type=int, default=0, help="the primary's torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="also write the rows and settings as JSON here")
@@ -116,7 +125,9 @@ def main() -> None:
             for prompt in load_prompts(args.data_dir, [scenario], args.num_prompts):
                 for seed in seeds:
                     sampling = common_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=seed)
-                    pairs.append({s: answer(sut, prompt, s, sampling, args.max_new_tokens) for s in SYSTEMS})
+                    pairs.append(
+                        {s: answer(sut, prompt, s, sampling, args.max_new_tokens, args.schema) for s in SYSTEMS}
+                    )
                     print(
                         json.dumps(
                             {
@@ -132,13 +143,17 @@ def main() -> None:
                     )
             rows.append(scenario_row(scenario, pairs))
     print()
-    print(f"# sampled: temperature {args.temperature}, top_p {args.top_p}, seeds {seeds}, precision {args.precision}")
+    print(
+        f"# sampled: temperature {args.temperature}, top_p {args.top_p}, seeds {seeds}, precision {args.precision}"
+        + (", json under its schema" if args.schema else "")
+    )
     print("| " + " | ".join(title for _, title in COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
     for row in rows:
         print("| " + " | ".join(str(row[key]) for key, _ in COLUMNS) + " |")
     if args.out:
-        settings = {k: getattr(args, k) for k in ("temperature", "top_p", "seeds", "precision", "max_new_tokens")}
+        keys = ("temperature", "top_p", "seeds", "precision", "max_new_tokens", "schema")
+        settings = {k: getattr(args, k) for k in keys}
         Path(args.out).write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
 
 
