@@ -1115,13 +1115,14 @@ class RequestLoop:
             await run.aclose()
 
     def _decode_run_length(self) -> int:
-        """How many tokens this plain step asks the primary for: one for a sampled request while the
-        validator is down (each step falls back from a speculative plan, and the next probe must come
-        on time); else the rest of the request (max_new_tokens, the context; at most
-        decode_run_max when given), with adaptive speculation no more than the controller's plain steps
-        ahead. A sampled run draws each token at its position, as a call a token would
-        (specdec.sampling.make_generator)."""
-        if not self.params.sampling.is_greedy and not self.validator_state.is_up:
+        """How many tokens this plain step asks the primary for: one for a sampled request under a grammar
+        (measured: its steps a token a call, each committing the grammar's forced tokens with it unverified,
+        _forced_after, beat its runs; docs/benchmarks.md, "sampled runs") or while the validator is down
+        (each step falls back from a speculative plan, and the next probe must come on time); else the
+        rest of the request (max_new_tokens, the context; at most decode_run_max when given), with
+        adaptive speculation no more than the controller's plain steps ahead. A sampled run draws each
+        token at its position, as a call a token would (specdec.sampling.make_generator)."""
+        if not self.params.sampling.is_greedy and (self.grammar is not None or not self.validator_state.is_up):
             return 1
         room = min(
             self.params.max_new_tokens - len(self.generated),
