@@ -29,7 +29,7 @@ from specdec.grammar import GrammarState
 from specdec.logits_codec import row_argmax
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.repeats import RunDrafts
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec.sampling import SamplingParams, draw_token
 
 NextToken = Callable[[torch.Tensor, int], int]  # (logits [1, V], position) -> a plain step's token
 
@@ -153,7 +153,7 @@ class Run:
         first = self.position + len(self.tokens)  # the position of row 0's token
         for i in range(logits.shape[0]):
             row = logits[i : i + 1] if masks is None else masks.masked_rows(logits, [i])  # [1, V]
-            yield int(sample(logits_to_probs(row, self.sampling), make_generator(self.sampling.seed, first + i))[0])
+            yield draw_token(row, self.sampling, first + i)
 
     def _forced_after(self, new: tuple[int, ...], room: int) -> tuple[int, ...]:
         """The tokens the grammar allows alone after the committed output and `new` (at most `room`):

@@ -35,7 +35,7 @@ from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.penalties import penalize
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
 from specdec.speculation_bounds import MAX_DRAFT_LENGTH
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec.sampling import SamplingParams, draw_token
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
 from specdec.weights.wire import manifest_to_pb
 
@@ -329,7 +329,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 return row_argmax(logits[:1])[0] if mask is None else int(mask.argmax(logits)[0])
             if mask is not None:
                 logits = mask.masked_rows(logits, [0])  # [1, V]
-            return int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, position))[0])
+            return draw_token(logits, sampling, position)
 
         return next_token
 

@@ -200,6 +200,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return token_ids  # [R]
 
 
+def draw_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The token a plain step draws from one row of logits [1, V] under `params` (not greedy), at
+    `position` among the request's generated tokens: the seed's stream for that position
+    (make_generator), so every service that draws it draws the same token."""
+    return int(sample(logits_to_probs(logits, params), make_generator(params.seed, position))[0])
+
+
 def make_generator(seed: int | None, position: int) -> torch.Generator:
     """A CPU generator, deterministic per (seed, position); seed None draws fresh OS entropy.
 

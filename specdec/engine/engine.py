@@ -75,7 +75,7 @@ from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.model.llama import SequenceSpan, Transformer
 from specdec.penalties import penalize
 from specdec.request_id import tenant_of
-from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
+from specdec.sampling import SamplingParams, draw_token
 
 PREFILL_CHUNK_TOKENS = 512  # bounds the [chunk, context] attention mask of long prompts
 
@@ -616,7 +616,7 @@ class Engine:
         if sampling.is_greedy:
             token = row_argmax(logits[:1])[0]
         else:
-            token = int(sample(logits_to_probs(logits, sampling), make_generator(sampling.seed, position))[0])
+            token = draw_token(logits[:1], sampling, position)
         self.commit(request_id, (), (token,))
         return token
 

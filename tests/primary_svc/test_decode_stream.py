@@ -389,8 +389,9 @@ def test_a_seeded_sampled_run_writes_the_tokens_of_a_call_a_token(primary, loopi
     assert engine.kv_bytes == 0
 
 
-def test_an_unseeded_sampled_run_decodes_and_drafts(primary, looping):
-    """Without a seed each draw is fresh: the run still ends where asked, and drafts its copies."""
+def test_an_unseeded_sampled_run_ends_where_asked_and_counts_its_drafts(primary, looping):
+    """Without a seed each draw is fresh: the run still ends where asked, and what it kept of its
+    drafts is within what it drafted."""
     stub, engine, _ = primary
     prompt = looping
     lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="u", token_ids=prompt)).kv_lease
