@@ -33,8 +33,7 @@ from specdec.logging import configure_service_telemetry
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from draft_svc.metrics import DraftMetrics
-from specdec.service.auth import service_token_or_exit, internal_interceptors
-from specdec.service.server import serve
+from specdec.service.auth import serve_internal, service_token_or_exit
 from specdec.v1 import draft_pb2_grpc
 
 
@@ -174,10 +173,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     attacher.start()  # attaches in the background: model-free strategies serve at once
     if corpus is not None:
         corpus.start()
-    serve(
+    serve_internal(
         config.server,
-        [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-        interceptors=internal_interceptors(service_token, metrics.rpc),
+        draft_pb2_grpc.add_DraftServiceServicer_to_server,
+        servicer,
+        service_token,
+        metrics.rpc,
         registry=registry,
         on_stopped=on_stopped,
     )

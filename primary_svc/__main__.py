@@ -36,10 +36,9 @@ from specdec.model import native
 from specdec.model.precision import AUTO
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.model.tokenizer import Tokenizer
-from specdec.service.auth import service_token_or_exit, internal_interceptors
+from specdec.service.auth import serve_internal, service_token_or_exit
 from specdec.service.gc_tuning import freeze_startup_heap
 from specdec.progress import ProgressCallback, no_progress, progress_callback
-from specdec.service.server import serve
 from specdec.v1 import primary_pb2_grpc
 
 LEASE_CHECK_MAX_S = 5.0
@@ -89,10 +88,12 @@ def main(argv: list[str] | None = None) -> None:
 
     freeze_startup_heap()  # the model and tables stay out of every collection while serving
     try:
-        serve(
+        serve_internal(
             config.server,
-            [(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, servicer)],
-            interceptors=internal_interceptors(service_token, metrics.rpc),
+            primary_pb2_grpc.add_PrimaryServiceServicer_to_server,
+            servicer,
+            service_token,
+            metrics.rpc,
             registry=registry,
             on_stopped=on_stopped,
         )

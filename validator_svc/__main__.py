@@ -11,8 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from specdec.logging import configure_service_telemetry
 from specdec.metrics import RpcMetrics, gauge
-from specdec.service.auth import service_token_or_exit, internal_interceptors
-from specdec.service.server import serve
+from specdec.service.auth import serve_internal, service_token_or_exit
 from specdec.v1 import validator_pb2_grpc
 from validator_svc.config import ValidatorConfig, parse_config
 from validator_svc.kernel import cuda_device_count
@@ -44,10 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     structlog.get_logger("validator_svc").info("starting", device=config.device, num_threads=config.num_threads)
     registry = CollectorRegistry()
     servicer = build_servicer(config, registry)
-    serve(
+    serve_internal(
         config.server,
-        [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, servicer)],
-        interceptors=internal_interceptors(service_token, RpcMetrics(registry)),
+        validator_pb2_grpc.add_ValidatorServiceServicer_to_server,
+        servicer,
+        service_token,
+        RpcMetrics(registry),
         registry=registry,
     )
 

@@ -27,11 +27,13 @@ from typing import Any
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from specdec.flags import Flag, add_flags
 from specdec.metrics import RpcMetrics
 from specdec.service.flags import Flags
 from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.server import AddServicerFn, ServerConfig, serve
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "Bearer "
@@ -225,6 +227,27 @@ def internal_interceptors(token: str | None, rpc: RpcMetrics) -> list[grpc.Serve
     """An internal service's server interceptors: the service token's check first (none without a
     token), then the error mapping, which records every call in `rpc` (ErrorInterceptor)."""
     return [*([] if token is None else [ServiceTokenInterceptor(token)]), ErrorInterceptor(rpc)]
+
+
+def serve_internal(
+    config: ServerConfig,
+    add_servicer: AddServicerFn,
+    servicer: Any,
+    service_token: str | None,
+    rpc: RpcMetrics,
+    *,
+    registry: CollectorRegistry,
+    on_stopped: Callable[[], None] | None = None,
+) -> None:
+    """serve() as an internal service (primary, draft, validator) runs it: its one servicer behind
+    the service token's check and the error mapping that records calls in `rpc` (internal_interceptors)."""
+    serve(
+        config,
+        [(add_servicer, servicer)],
+        interceptors=internal_interceptors(service_token, rpc),
+        registry=registry,
+        on_stopped=on_stopped,
+    )
 
 
 def service_token_or_exit(token_file: str, is_unauthenticated_allowed: bool) -> str | None:
