@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +18,19 @@ from validator_svc.entropy import row_entropy
 from validator_svc.kernel import KERNEL_NAME, ROW_STATS_SOURCE, THREADS_PER_BLOCK
 
 FORMAT_NAMES = {0: "fp32", 1: "bf16", 2: "fp8_e4m3"}  # the kernel's `fmt` codes
+
+
+def kernel_parameters(source: str, name: str) -> tuple[str, ...]:
+    """The parameter names of CUDA `source`'s function `name`, in order, read from its signature.
+    E.g. "void f(const int* offsets,  // [R + 1]\n float* out) {" -> ("offsets", "out")."""
+    code = re.sub(r"//[^\n]*", "", source)  # the shape comments hold parentheses and commas
+    signature = code.split(f"void {name}(", 1)[1].split(")", 1)[0]
+    return tuple(parameter.split()[-1].lstrip("*") for parameter in signature.split(","))
+
+
+# The fake kernel reads its arguments by these positions, as the GPU does: a host call that passes
+# them in another order, or another number of them, fails in the fake too.
+KERNEL_PARAMETERS = kernel_parameters(ROW_STATS_SOURCE, KERNEL_NAME)
 
 
 def make_random_tree_logits(num_nodes: int, vocab_size: int, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
@@ -69,47 +84,32 @@ class FakeCupy:
 
     @staticmethod
     def row_stats(grid, block, args):
-        (
-            data,
-            scales,
-            offsets,
-            nodes,
-            tokens,
-            words,
-            num_words,
-            fmt,
-            vocab_size,
-            itemsize,
-            out_max,
-            out_lse,
-            out_entropy,
-            out_argmax,
-            out_child_logits,
-            out_child_probs,
-        ) = args
+        k = types.SimpleNamespace(**dict(zip(KERNEL_PARAMETERS, args, strict=True)))
         FakeCupy.launches += 1
-        num_rows, fmt_name = grid[0], FORMAT_NAMES[int(fmt)]
-        assert len(data) == num_rows * int(vocab_size) * int(itemsize) and block == (THREADS_PER_BLOCK,)
-        assert words.dtype == np.uint32 and (int(num_words) == 0 or words.shape == (num_rows, int(num_words)))
+        num_rows, fmt_name = grid[0], FORMAT_NAMES[int(k.fmt)]
+        assert len(k.data) == num_rows * int(k.vocab_size) * int(k.itemsize) and block == (THREADS_PER_BLOCK,)
+        assert k.allowed_words.dtype == np.uint32
+        assert int(k.num_words) == 0 or k.allowed_words.shape == (num_rows, int(k.num_words))
         encoded = EncodedLogits(
             fmt_name,
             num_rows,
-            int(vocab_size),
-            data.tobytes(),
-            tuple(float(s) for s in scales) if fmt_name == "fp8_e4m3" else None,
+            int(k.vocab_size),
+            k.data.tobytes(),
+            tuple(float(s) for s in k.row_scales) if fmt_name == "fp8_e4m3" else None,
         )
         logits = decode_logits(encoded)  # [R, V]
-        if int(num_words):
-            allowed = TokenBitmask(np.ascontiguousarray(words).view("<i4"), int(vocab_size)).to_bool()  # [R, V]
-            logits = torch.where(allowed, logits, MASKED_LOGIT)
-        out_max[:] = logits.amax(dim=-1).numpy()
-        out_lse[:] = torch.logsumexp(logits, dim=-1).numpy()
-        out_entropy[:] = row_entropy(logits).numpy()
-        out_argmax[:] = logits.argmax(dim=-1).numpy()
+        if int(k.num_words):
+            allowed = TokenBitmask(np.ascontiguousarray(k.allowed_words).view("<i4"), int(k.vocab_size)).to_bool()
+            logits = torch.where(allowed, logits, MASKED_LOGIT)  # [R, V]
+        k.out_max[:] = logits.amax(dim=-1).numpy()
+        k.out_lse[:] = torch.logsumexp(logits, dim=-1).numpy()
+        k.out_entropy[:] = row_entropy(logits).numpy()
+        k.out_argmax[:] = logits.argmax(dim=-1).numpy()
         for row in range(num_rows):
-            for k in range(offsets[row], offsets[row + 1]):
-                out_child_logits[nodes[k]] = logits[row, tokens[k]]
-                out_child_probs[nodes[k]] = math.exp(float(logits[row, tokens[k]]) - float(out_lse[row]))
+            for i in range(k.child_offsets[row], k.child_offsets[row + 1]):
+                node, token = k.child_nodes[i], k.child_tokens[i]
+                k.out_child_logits[node] = logits[row, token]
+                k.out_child_probs[node] = math.exp(float(logits[row, token]) - float(k.out_lse[row]))
 
 
 @pytest.fixture
