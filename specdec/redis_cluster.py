@@ -21,7 +21,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import redis
@@ -65,14 +65,14 @@ def redis_cluster(
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if binary is None or cli is None:
         raise RedisServerError("redis-server and redis-cli are not installed (`make redis-server` installs them)")
-    directory = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     processes: list[subprocess.Popen] = []
     try:
         ports = free_port_pairs(num_masters * (1 + num_replicas))
         for port in ports:
-            processes.append(_start_node(binary, port, Path(directory), node_timeout_ms))
+            processes.append(start_node(binary, directory, port, _cluster_node_args(directory, port, node_timeout_ms)))
         for port, process in zip(ports, processes, strict=True):
-            await_ping(process, functools.partial(local_client, port), Path(directory) / f"{port}.log")
+            await_ping(process, functools.partial(local_client, port), directory / f"{port}.log")
         _create(cli, ports, num_replicas)
         _await_all_slots(ports)
         nodes = tuple(ClusterNodeProcess(port, p.pid) for port, p in zip(ports, processes, strict=True))
@@ -97,7 +97,9 @@ def free_port_pairs(num_ports: int) -> list[int]:
     return ports
 
 
-def _start_node(binary: str, port: int, directory: Path, node_timeout_ms: int) -> subprocess.Popen:
+def start_node(binary: str, directory: Path, port: int, role_args: Sequence[str] = ()) -> subprocess.Popen:
+    """A redis-server on LOOPBACK:port without persistence, working in directory/port (made here) and
+    logging to directory/port.log; role_args: what makes it a cluster node or a replica."""
     node_dir = directory / str(port)
     node_dir.mkdir()
     with open(directory / f"{port}.log", "wb") as log:
@@ -106,18 +108,25 @@ def _start_node(binary: str, port: int, directory: Path, node_timeout_ms: int) -
                 binary,
                 "--port", str(port),
                 "--bind", LOOPBACK,
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", str(node_dir / "nodes.conf"),
-                "--cluster-node-timeout", str(node_timeout_ms),
                 "--repl-diskless-sync-delay", "0",  # replicas sync at once, not after 5 s
                 "--save", "",
                 "--appendonly", "no",
                 "--dir", str(node_dir),
                 "--daemonize", "no",
+                *role_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
+
+
+def _cluster_node_args(directory: Path, port: int, node_timeout_ms: int) -> list[str]:
+    """What makes a start_node a cluster node: its cluster state file in its directory, its failover timeout."""
+    return [
+        "--cluster-enabled", "yes",
+        "--cluster-config-file", str(directory / str(port) / "nodes.conf"),
+        "--cluster-node-timeout", str(node_timeout_ms),
+    ]  # fmt: skip
 
 
 def local_client(port: int, *, decode_responses: bool = False) -> redis.Redis:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from specdec.redis_cluster import LOOPBACK, free_port_pairs, local_client
+from specdec.redis_cluster import LOOPBACK, free_port_pairs, local_client, start_node
 from specdec.redis_server import START_TIMEOUT_S, RedisServerError, poll_until, stop_processes
 
 SERVICE_NAME = "specdec"
@@ -50,8 +50,8 @@ def redis_sentinel(num_replicas: int = 1, num_sentinels: int = 3) -> Iterator[Lo
     try:
         master, *replicas = free_port_pairs(1 + num_replicas)
         sentinels = free_port_pairs(num_sentinels)
-        processes.append(_start(binary, directory, master, []))
-        processes += [_start(binary, directory, port, ["--replicaof", LOOPBACK, str(master)]) for port in replicas]
+        processes.append(start_node(binary, directory, master))
+        processes += [start_node(binary, directory, port, ["--replicaof", LOOPBACK, str(master)]) for port in replicas]
         quorum = num_sentinels // 2 + 1
         processes += [_start_sentinel(binary, directory, port, master, quorum) for port in sentinels]
         _await_ready(master, replicas, sentinels)
@@ -60,18 +60,6 @@ def redis_sentinel(num_replicas: int = 1, num_sentinels: int = 3) -> Iterator[Lo
     finally:
         stop_processes(processes)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _start(binary: str, directory: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    node_dir = directory / str(port)
-    node_dir.mkdir()
-    with open(directory / f"{port}.log", "wb") as log:
-        return subprocess.Popen(
-            [binary, "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
-             "--repl-diskless-sync-delay", "0", "--dir", str(node_dir), "--daemonize", "no", *extra],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
 
 
 def _start_sentinel(binary: str, directory: Path, port: int, master: int, quorum: int) -> subprocess.Popen:
