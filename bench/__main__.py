@@ -3,14 +3,16 @@
 1,500-1,900 tokens from specbench/prose/code, 256 new tokens (bench/scenarios.py), e.g.
 `python -m bench --scenarios long --num-prompts 3 --peers ""`.
 
-python -m bench {engine,validator,drafts,quality,masks,auth,http,load,tools,logprobs,penalties,prediction,
-sampled,simulate,nodes}
+python -m bench {engine,validator,drafts,drafter,quality,masks,auth,http,load,tools,logprobs,penalties,
+prediction,sampled,simulate,nodes}
 [ARGS...]: one component benchmark (each prints its figures).
 
     engine     plain decoding vs transformers, verify cost per tree size after 256 and 2,048 tokens of
                context, prefill tok/s of a 512- and a 2,048-token prompt        (bench/engine.py)
     validator  wire bytes, validation time, fp8/bf16 vs fp32 on real logits (bench/validator.py)
     drafts     acceptance per decoder and scenario through the whole pipeline (bench/drafts.py)
+    drafter    the feature drafter replayed in process on unseen prompts: agreement with the
+               primary's greedy tokens by depth, its ms per step                (bench/drafter.py)
     quality    perplexity and greedy agreement with fp32 per weight format     (bench/quality.py)
     masks      the grammar mask's work per constrained step, packed vs bool rows (bench/masks.py)
     auth       cost of the service token per internal RPC                       (bench/auth.py)
@@ -38,6 +40,7 @@ BENCHMARKS = (
     "engine",
     "validator",
     "drafts",
+    "drafter",
     "quality",
     "masks",
     "auth",

@@ -1,0 +1,165 @@
+"""python -m bench drafter: the feature drafter replayed in process on benchmark prompts it never saw.
+
+    python -m bench drafter [--drafter FILE] [--scenarios json,code,prose] [--num-prompts 3]
+                            [--first-prompt 0] [--max-new-tokens 96] [--depth 3] [--precision int4]
+                            [--out drafter.json]
+
+The primary (in process, `--precision`) decodes each prompt greedily, one token a step, handing the
+drafter (`draft_svc.strategies.feature.FeatureDecoder`, a chain: top 1, beam 1) its features after
+every step exactly as the pool's strategy receives them. Before each step the drafter proposes a
+chain of `--depth` tokens; the figures compare it with the tokens the primary then chose:
+
+    hit by depth    the share of steps whose chain matched the primary's next d tokens (depth d)
+    drafts/step     mean accepted drafts a step would gain from the chain (greedy, verified)
+    observe ms      the drafter's work on one step's features (its KV row and next feature)
+    propose ms      one chain of --depth tokens
+
+Greedy agreement on prompts outside its training data is what bounds the drafter in the service;
+`python -m bench drafts` measures it through the pipeline, with the controller's choices. The json
+prompts are decoded without their schema here (the drafter drafts the same either way; the mask
+changes the primary's tokens). Figures, not assertions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
+from draft_svc.config import DEFAULT_FEATURE_DRAFTER
+from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource, FeatureTreeConfig
+from specdec.engine.engine import Engine, VerifyWork
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.logits_codec import row_argmax
+from specdec.model.loader import default_cache_dir, resolve_model_dir
+from specdec.model.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(slots=True)
+class Replay:
+    """One prompt's steps: the chain proposed before each step and the token the primary chose."""
+
+    chains: list[list[int]] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    observe_s: list[float] = dataclasses.field(default_factory=list)
+    propose_s: list[float] = dataclasses.field(default_factory=list)
+
+    def accepted(self, step: int) -> int:
+        """How many drafts of the chain before `step` the primary's next tokens confirm, in a row."""
+        n = 0
+        for draft, token in zip(self.chains[step], self.tokens[step:]):
+            if draft != token:
+                break
+            n += 1
+        return n
+
+
+def replay(
+    engine: Engine, decoder: FeatureDecoder, prompt_ids: Sequence[int], max_new_tokens: int, depth: int
+) -> Replay:
+    """Greedy decoding of one prompt with a fresh decoder following it (module doc)."""
+    request_id = f"drafter-replay-{time.monotonic_ns()}"
+    out = Replay()
+    engine.open(request_id, prompt_ids)
+    try:
+        prefill_features: list[torch.Tensor] = []
+        engine.prefill(request_id, features_out=prefill_features)
+        decoder.extend(prompt_ids)
+        # the prefill's last row predicts the pending last prompt token (position len - 1)
+        decoder.observe_features(len(prompt_ids) - 1, prefill_features[0])
+        for _ in range(max_new_tokens):
+            start = time.perf_counter()
+            chain = decoder.propose(depth, 1)
+            out.propose_s.append(time.perf_counter() - start)
+            out.chains.append(list(chain[0].token_ids) if chain else [])
+            features: list[torch.Tensor] = []
+            logits = engine.step([VerifyWork(request_id, (), ())], [], features_out=features)[0]
+            token = row_argmax(logits[:1])[0]
+            engine.commit(request_id, (), (token,))
+            out.tokens.append(token)
+            decoder.extend([token])
+            start = time.perf_counter()
+            decoder.observe_features(len(prompt_ids) - 1 + len(out.tokens), features[0])
+            out.observe_s.append(time.perf_counter() - start)
+    finally:
+        engine.release(request_id)
+        decoder.release()
+    return out
+
+
+def summarize(replays: Sequence[Replay], depth: int) -> dict[str, Any]:
+    steps = [(r, i) for r in replays for i in range(len(r.tokens))]
+    accepted = [r.accepted(i) for r, i in steps]
+    n = max(1, len(steps))
+    return {
+        "steps": len(steps),
+        "hit_by_depth": [round(sum(a >= d for a in accepted) / n, 4) for d in range(1, depth + 1)],
+        "drafts_per_step": round(sum(accepted) / n, 3),
+        "observe_ms": round(1000 * statistics.median(s for r in replays for s in r.observe_s), 3),
+        "propose_ms": round(1000 * statistics.median(s for r in replays for s in r.propose_s), 3),
+    }
+
+
+def prompt_ids(prompt: BenchPrompt, tokenizer: Tokenizer) -> list[int]:
+    return tokenizer.encode(prompt.text(tokenizer))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_path", default=None)
+    p.add_argument("--drafter", type=Path, default=DEFAULT_FEATURE_DRAFTER, help="the drafter file")
+    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
+    p.add_argument("--scenarios", default="json,code,prose")
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--first-prompt", type=int, default=0, help="skip this many rows of each file first")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--depth", type=int, default=3, help="tokens of each proposed chain")
+    p.add_argument("--precision", default="int4")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_dir(args.model_path, default_cache_dir())
+    loaded = load_model(model_dir, args.precision, max_positions=4096, is_shared=False)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 4096)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    source = FeatureDrafterSource(args.drafter, FeatureTreeConfig(top_k=1, beam=1))
+    scenarios = args.scenarios.split(",")
+    prompts = load_prompts(args.data_dir, scenarios, args.first_prompt + args.num_prompts)
+    results: dict[str, Any] = {"drafter": str(args.drafter), "precision": args.precision, "scenarios": {}}
+    print(f"drafter {args.drafter}, primary {args.precision}, chains of {args.depth}, {args.max_new_tokens} tokens")
+    print("| scenario | steps | hit by depth | drafts/step | observe ms | propose ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for scenario in scenarios:
+        chosen = [p for p in prompts if p.scenario == scenario][args.first_prompt :]
+        replays = [
+            replay(engine, source.create(model=loaded.model), prompt_ids(p, tokenizer), args.max_new_tokens, args.depth)
+            for p in chosen
+        ]
+        row = summarize(replays, args.depth)
+        results["scenarios"][scenario] = row
+        hits = " / ".join(f"{h:.3f}" for h in row["hit_by_depth"])
+        print(
+            f"| {scenario} | {row['steps']} | {hits} | {row['drafts_per_step']:.2f} | "
+            f"{row['observe_ms']:.2f} | {row['propose_ms']:.2f} |",
+            flush=True,
+        )
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""bench.drafter: the shipped feature drafter replayed on one real prompt at int4, and how a chain's
+accepted drafts are counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.drafter import Replay, replay, summarize
+from draft_svc.config import DEFAULT_FEATURE_DRAFTER
+from draft_svc.strategies.feature import FeatureDrafterSource, FeatureTreeConfig
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.loading import load_model
+from specdec.model.tokenizer import Tokenizer
+from specdec.sampling import SamplingParams
+
+
+def test_a_chain_counts_the_drafts_the_next_tokens_confirm_in_a_row():
+    r = Replay(chains=[[5, 6, 9], [6, 7], [], [1]], tokens=[5, 6, 7, 8])
+    assert [r.accepted(i) for i in range(4)] == [2, 2, 0, 0]  # chain 0 stops at 9 != 7; step 3: 1 != 8
+    r.observe_s, r.propose_s = [0.001] * 4, [0.002] * 4
+    row = summarize([r], 3)
+    assert row["steps"] == 4 and row["hit_by_depth"] == [0.5, 0.5, 0.0] and row["drafts_per_step"] == 1.0
+    assert row["observe_ms"] == 1.0 and row["propose_ms"] == 2.0
+
+
+def test_the_shipped_drafter_follows_greedy_decoding_of_a_real_prompt(default_model_dir):
+    if not DEFAULT_FEATURE_DRAFTER.exists():
+        pytest.skip(f"no shipped drafter file at {DEFAULT_FEATURE_DRAFTER}")
+    loaded = load_model(default_model_dir, "int4", max_positions=256, is_shared=False)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 256)
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Count from 1 to 20."}]))
+    decoder = FeatureDrafterSource(DEFAULT_FEATURE_DRAFTER, FeatureTreeConfig(top_k=1, beam=1)).create(
+        model=loaded.model
+    )
+    r = replay(engine, decoder, ids, 12, 2)
+    assert len(r.tokens) == len(r.chains) == 12 and engine.num_active_requests == 0
+    assert all(len(chain) == 2 for chain in r.chains)  # current after every step: a full chain each time
+    assert r.tokens == engine.generate(ids, 12, SamplingParams())  # the replay is plain greedy decoding
+    row = summarize([r], 2)
+    assert row["hit_by_depth"][0] >= row["hit_by_depth"][1] and row["drafts_per_step"] > 0  # counting, not quality
