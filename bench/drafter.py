@@ -14,6 +14,12 @@ chain of `--depth` tokens; the figures compare it with the tokens the primary th
     observe ms      the drafter's work on one step's features (its KV row and next feature)
     propose ms      one chain of --depth tokens
 
+With `--speculate 1,2,3` it also decodes each prompt speculatively in process with the drafter's
+chains of each depth (verify the chain, keep its greedy prefix, hand the drafter the kept rows'
+features) and prints tok/s against the same loop without drafts (depth 0), tokens per step and
+whether the tokens equal plain decoding's: what the drafter could gain inside the primary, with no
+RPC, on this CPU's verify curve.
+
 Greedy agreement on prompts outside its training data is what bounds the drafter in the service;
 `python -m bench drafts` measures it through the pipeline, with the controller's choices. The json
 prompts are decoded without their schema here (the drafter drafts the same either way; the mask
@@ -38,6 +44,7 @@ from draft_svc.config import DEFAULT_FEATURE_DRAFTER
 from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource, FeatureTreeConfig
 from specdec.engine.engine import Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.tree import chain_parents
 from specdec.engine.loading import load_model
 from specdec.logits_codec import row_argmax
 from specdec.model.loader import default_cache_dir, resolve_model_dir
@@ -96,6 +103,52 @@ def replay(
     return out
 
 
+@dataclasses.dataclass(slots=True)
+class Speculated:
+    tokens: list[int]
+    steps: int
+    seconds: float
+
+
+def speculate(
+    engine: Engine, decoder: FeatureDecoder | None, prompt_ids: Sequence[int], max_new_tokens: int, depth: int
+) -> Speculated:
+    """Greedy speculative decoding of one prompt with the drafter's chains of `depth` tokens (None or
+    depth 0: plain decoding through the same loop), timed from the prefill's end."""
+    request_id = f"drafter-speculate-{time.monotonic_ns()}"
+    engine.open(request_id, prompt_ids)
+    try:
+        prefill_features: list[torch.Tensor] = []
+        engine.prefill(request_id, features_out=prefill_features)
+        if decoder is not None:
+            decoder.extend(prompt_ids)
+            decoder.observe_features(len(prompt_ids) - 1, prefill_features[0])
+        out: list[int] = []
+        steps, start = 0, time.perf_counter()
+        while len(out) < max_new_tokens:
+            room = max_new_tokens - len(out) - 1
+            chain = decoder.propose(min(depth, room), 1) if decoder is not None and depth and room else ()
+            drafts = list(chain[0].token_ids) if chain else []
+            features: list[torch.Tensor] | None = [] if decoder is not None else None
+            logits = engine.step([VerifyWork(request_id, drafts, chain_parents(len(drafts)))], [], features)[0]
+            argmax = row_argmax(logits)
+            n = 0
+            while n < len(drafts) and drafts[n] == argmax[n]:
+                n += 1
+            committed = [*drafts[:n], argmax[n]]
+            engine.commit(request_id, list(range(n)), committed)
+            if decoder is not None and features is not None:
+                decoder.extend(committed)
+                decoder.observe_features(len(prompt_ids) + len(out), features[0][: n + 1])
+            out.extend(committed)
+            steps += 1
+        return Speculated(out, steps, time.perf_counter() - start)
+    finally:
+        engine.release(request_id)
+        if decoder is not None:
+            decoder.release()
+
+
 def summarize(replays: Sequence[Replay], depth: int) -> dict[str, Any]:
     steps = [(r, i) for r in replays for i in range(len(r.tokens))]
     accepted = [r.accepted(i) for r, i in steps]
@@ -123,6 +176,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-prompt", type=int, default=0, help="skip this many rows of each file first")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--depth", type=int, default=3, help="tokens of each proposed chain")
+    p.add_argument(
+        "--speculate", default="", help="comma-separated chain depths to decode speculatively in process (see doc)"
+    )
     p.add_argument("--precision", default="int4")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -157,8 +213,44 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{row['observe_ms']:.2f} | {row['propose_ms']:.2f} |",
             flush=True,
         )
+    if args.speculate:
+        depths = [int(d) for d in args.speculate.split(",")]
+        results["speculate"] = speculate_table(args, engine, source, loaded.model, tokenizer, prompts, depths)
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1))
+
+
+def speculate_table(
+    args: argparse.Namespace,
+    engine: Engine,
+    source: FeatureDrafterSource,
+    model: Any,
+    tokenizer: Tokenizer,
+    prompts: Sequence[BenchPrompt],
+    depths: Sequence[int],
+) -> dict[str, Any]:
+    """Per scenario and depth: tok/s summed over the prompts, tokens a step, tokens equal to depth 0's."""
+    print("\n| scenario | depth | tok/s | vs plain | tokens/step | same tokens as plain |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    table: dict[str, Any] = {}
+    for scenario in args.scenarios.split(","):
+        chosen = [prompt_ids(p, tokenizer) for p in prompts if p.scenario == scenario][args.first_prompt :]
+        runs = {
+            d: [speculate(engine, source.create(model=model) if d else None, i, args.max_new_tokens, d) for i in chosen]
+            for d in (0, *depths)
+        }
+        plain_rate = sum(len(r.tokens) for r in runs[0]) / sum(r.seconds for r in runs[0])
+        table[scenario] = {}
+        for d, rs in runs.items():
+            rate = sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs)
+            same = sum(r.tokens == p.tokens for r, p in zip(rs, runs[0]))
+            per_step = sum(len(r.tokens) for r in rs) / sum(r.steps for r in rs)
+            table[scenario][d] = {"tok_s": round(rate, 1), "tokens_per_step": round(per_step, 3), "same": same}
+            print(
+                f"| {scenario} | {d} | {rate:.1f} | {rate / plain_rate:.2f}x | {per_step:.2f} | {same}/{len(rs)} |",
+                flush=True,
+            )
+    return table
 
 
 if __name__ == "__main__":

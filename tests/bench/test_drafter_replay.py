@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.drafter import Replay, replay, summarize
+from bench.drafter import Replay, replay, speculate, summarize
 from draft_svc.config import DEFAULT_FEATURE_DRAFTER
 from draft_svc.strategies.feature import FeatureDrafterSource, FeatureTreeConfig
 from specdec.engine.engine import Engine
@@ -24,19 +24,34 @@ def test_a_chain_counts_the_drafts_the_next_tokens_confirm_in_a_row():
     assert row["observe_ms"] == 1.0 and row["propose_ms"] == 2.0
 
 
-def test_the_shipped_drafter_follows_greedy_decoding_of_a_real_prompt(default_model_dir):
+@pytest.fixture(scope="module")
+def setup(default_model_dir):
     if not DEFAULT_FEATURE_DRAFTER.exists():
         pytest.skip(f"no shipped drafter file at {DEFAULT_FEATURE_DRAFTER}")
     loaded = load_model(default_model_dir, "int4", max_positions=256, is_shared=False)
     engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 256)
     tokenizer = Tokenizer.from_dir(default_model_dir)
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Count from 1 to 20."}]))
-    decoder = FeatureDrafterSource(DEFAULT_FEATURE_DRAFTER, FeatureTreeConfig(top_k=1, beam=1)).create(
-        model=loaded.model
-    )
-    r = replay(engine, decoder, ids, 12, 2)
+    source = FeatureDrafterSource(DEFAULT_FEATURE_DRAFTER, FeatureTreeConfig(top_k=1, beam=1))
+    return engine, (lambda: source.create(model=loaded.model)), ids
+
+
+def test_the_shipped_drafter_follows_greedy_decoding_of_a_real_prompt(setup):
+    engine, new_decoder, ids = setup
+    r = replay(engine, new_decoder(), ids, 12, 2)
     assert len(r.tokens) == len(r.chains) == 12 and engine.num_active_requests == 0
     assert all(len(chain) == 2 for chain in r.chains)  # current after every step: a full chain each time
     assert r.tokens == engine.generate(ids, 12, SamplingParams())  # the replay is plain greedy decoding
     row = summarize([r], 2)
     assert row["hit_by_depth"][0] >= row["hit_by_depth"][1] and row["drafts_per_step"] > 0  # counting, not quality
+
+
+def test_speculating_with_the_drafters_chains_keeps_plain_decodings_tokens_in_fewer_steps(setup):
+    engine, new_decoder, ids = setup
+    plain = speculate(engine, None, ids, 16, 0)
+    assert plain.steps == 16 and plain.tokens == engine.generate(ids, 16, SamplingParams())
+    for depth in (1, 3):
+        chained = speculate(engine, new_decoder(), ids, 16, depth)
+        assert chained.tokens == plain.tokens  # greedy: verified drafts change nothing
+        assert chained.steps < plain.steps  # counting to 20 is easy to draft
+    assert engine.num_active_requests == 0
