@@ -51,6 +51,9 @@ from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 
 
+MAX_CONTEXT = 4096  # prompt + answer (longer prompts are skipped)
+
+
 @dataclasses.dataclass(slots=True)
 class Replay:
     """One prompt's steps: the chain proposed before each step and the token the primary chose."""
@@ -162,8 +165,16 @@ def summarize(replays: Sequence[Replay], depth: int) -> dict[str, Any]:
     }
 
 
-def prompt_ids(prompt: BenchPrompt, tokenizer: Tokenizer) -> list[int]:
-    return tokenizer.encode(prompt.text(tokenizer))
+def scenario_ids(
+    args: argparse.Namespace, prompts: Sequence[BenchPrompt], scenario: str, tokenizer: Tokenizer
+) -> list[list[int]]:
+    """The token ids of the scenario's prompts after --first-prompt whose answer fits MAX_CONTEXT (the
+    rest skipped, and said so)."""
+    rows = [tokenizer.encode(p.text(tokenizer)) for p in prompts if p.scenario == scenario][args.first_prompt :]
+    fits = [ids for ids in rows if len(ids) + args.max_new_tokens + args.depth + 1 <= MAX_CONTEXT]
+    if len(fits) < len(rows):
+        print(f"({scenario}: {len(rows) - len(fits)} of {len(rows)} prompts skipped: longer than {MAX_CONTEXT} tokens)")
+    return fits
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -189,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
-    loaded = load_model(model_dir, args.precision, max_positions=4096, is_shared=False)
-    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), 4096)
+    loaded = load_model(model_dir, args.precision, max_positions=MAX_CONTEXT, is_shared=False)
+    engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), MAX_CONTEXT)
     tokenizer = Tokenizer.from_dir(model_dir)
     source = FeatureDrafterSource(args.drafter, FeatureTreeConfig(top_k=1, beam=1))
     scenarios = args.scenarios.split(",")
@@ -200,11 +211,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("| scenario | steps | hit by depth | drafts/step | observe ms | propose ms |")
     print("| --- | --- | --- | --- | --- | --- |")
     for scenario in scenarios:
-        chosen = [p for p in prompts if p.scenario == scenario][args.first_prompt :]
-        replays = [
-            replay(engine, source.create(model=loaded.model), prompt_ids(p, tokenizer), args.max_new_tokens, args.depth)
-            for p in chosen
-        ]
+        chosen = scenario_ids(args, prompts, scenario, tokenizer)
+        model = loaded.model
+        replays = [replay(engine, source.create(model=model), i, args.max_new_tokens, args.depth) for i in chosen]
         row = summarize(replays, args.depth)
         results["scenarios"][scenario] = row
         hits = " / ".join(f"{h:.3f}" for h in row["hit_by_depth"])
@@ -234,7 +243,7 @@ def speculate_table(
     print("| --- | --- | --- | --- | --- | --- |")
     table: dict[str, Any] = {}
     for scenario in args.scenarios.split(","):
-        chosen = [prompt_ids(p, tokenizer) for p in prompts if p.scenario == scenario][args.first_prompt :]
+        chosen = scenario_ids(args, prompts, scenario, tokenizer)
         runs = {
             d: [speculate(engine, source.create(model=model) if d else None, i, args.max_new_tokens, d) for i in chosen]
             for d in (0, *depths)
