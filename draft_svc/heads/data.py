@@ -26,18 +26,31 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from draft_svc.heads import composed
 
 SOURCES: dict[str, str] = {
     "stdlib-code": "Python standard library function signatures and docstrings (PSF License 2.0)",
     "stdlib-json": "Python standard library function parameters as JSON Schemas (PSF License 2.0)",
     "python-docs": "Python Language Reference topics, pydoc_data/topics.py (PSF License 2.0)",
     "writing": "writing requests composed from this project's own lists (the project's licence)",
+    "programming": "programming tasks in twenty languages, this project's own lists (the project's licence)",
+    "concepts": "requests to explain concepts, this project's own lists (the project's licence)",
+    "everyday": "emails, plans and advice, this project's own lists (the project's licence)",
+    "multilingual": "requests written in twelve other languages for this project (the project's licence)",
+    "tool-calls": "tool-call requests and argument schemas written for this project (the project's licence)",
 }
+# The default mix: Python's own text a third, the composed requests the rest.
+DEFAULT_SHARES = {
+    "stdlib-code": 0.12, "stdlib-json": 0.08, "python-docs": 0.06, "writing": 0.12, "programming": 0.2,
+    "concepts": 0.12, "everyday": 0.08, "multilingual": 0.1, "tool-calls": 0.12,
+}  # fmt: skip
 
 # Standard-library folders whose files are tests, demos or GUI toolkits, not code users write.
 SKIPPED_DIRS = frozenset(
@@ -117,16 +130,24 @@ class _Function:
 def training_prompts(
     seed: int, shares: dict[str, float] | None = None, num_prompts: int = 4000
 ) -> list[TrainingPrompt]:
-    """`num_prompts` prompts drawn from every source in `shares` (default: a third each to code, JSON
-    and prose), shuffled with `seed`: the same list for the same arguments on the same Python."""
-    shares = shares or {"stdlib-code": 0.33, "stdlib-json": 0.3, "python-docs": 0.17, "writing": 0.2}
+    """`num_prompts` prompts drawn from every source in `shares` (default: DEFAULT_SHARES), shuffled
+    with `seed`: the same list for the same arguments on the same Python."""
+    shares = shares or DEFAULT_SHARES
     rng = random.Random(seed)
+    functions = _functions()
     pools = {
-        "stdlib-code": _code_prompts(_functions(), rng),
-        "stdlib-json": _json_prompts(_functions(), rng),
+        "stdlib-code": _code_prompts(functions, rng),
+        "stdlib-json": _json_prompts(functions, rng),
         "python-docs": _docs_prompts(rng),
         "writing": _writing_prompts(rng),
+        "programming": [TrainingPrompt("programming", t) for t in composed.programming_requests(rng)],
+        "concepts": [TrainingPrompt("concepts", t) for t in composed.concept_requests(rng)],
+        "everyday": [TrainingPrompt("everyday", t) for t in composed.everyday_requests(rng)],
+        "multilingual": [TrainingPrompt("multilingual", t) for t in composed.multilingual_requests()],
+        "tool-calls": [TrainingPrompt("tool-calls", t, schema=s) for t, s in composed.tool_requests(rng)],
     }
+    if unknown := sorted(set(shares) - set(pools)):
+        raise ValueError(f"unknown training prompt sources {unknown}; known: {sorted(pools)}")
     out: list[TrainingPrompt] = []
     for source, share in shares.items():
         pool = pools[source]
@@ -141,8 +162,10 @@ def _stdlib() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _functions() -> list[_Function]:
-    """Public functions and methods with a docstring of every standard-library module (read, not imported)."""
+@functools.cache
+def _functions() -> tuple[_Function, ...]:
+    """Public functions and methods with a docstring of every standard-library module (read, not imported;
+    once a process)."""
     out: list[_Function] = []
     root = _stdlib()
     for path in sorted(root.rglob("*.py")):
@@ -171,7 +194,7 @@ def _functions() -> list[_Function]:
                     defaults=args.defaults[-len(args.args) + 1 :] if len(args.args) > 1 else [],
                 )
             out.append(_Function(module, node.name, f"{node.name}({ast.unparse(args)})", doc, params))
-    return out
+    return tuple(out)
 
 
 def _public_functions(tree: ast.Module) -> Iterator[ast.FunctionDef]:
@@ -211,7 +234,7 @@ def _summary(doc: str) -> str:
     return first if first.endswith(".") else first + "."
 
 
-def _code_prompts(functions: list[_Function], rng: random.Random) -> list[TrainingPrompt]:
+def _code_prompts(functions: Sequence[_Function], rng: random.Random) -> list[TrainingPrompt]:
     out = []
     for f in functions:
         if rng.random() < 0.3:  # completion style: the signature and docstring, fed raw
@@ -224,7 +247,7 @@ def _code_prompts(functions: list[_Function], rng: random.Random) -> list[Traini
     return out
 
 
-def _json_prompts(functions: list[_Function], rng: random.Random) -> list[TrainingPrompt]:
+def _json_prompts(functions: Sequence[_Function], rng: random.Random) -> list[TrainingPrompt]:
     out = []
     for f in functions:
         if not f.params:
