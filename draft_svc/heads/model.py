@@ -124,7 +124,11 @@ class Rotary:
     def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
         """x [..., T, H, D], positions [..., T]."""
         cos, sin = self.tables(positions)
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return self.apply(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+    @staticmethod
+    def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [..., T, H, D] rotated by tables [..., T, 1, D] (`tables`, unsqueezed): one lookup for q and k."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -154,6 +158,9 @@ class FeatureDrafter(nn.Module):
         self.up_proj = nn.Linear(c, i, bias=False)
         self.down_proj = nn.Linear(i, c, bias=False)
         self.rotary = Rotary(d, config.rope_theta)
+        # Serving (`for_serving`): q|k|v and gate|up as one product each, the same rows side by side
+        self.qkv: nn.Module | None = None
+        self.gate_up: nn.Module | None = None
 
     def inputs(self, features: Tensor, token_embeddings: Tensor) -> Tensor:
         """u = fc([f ; embed(x)]) for rows [..., C] of each."""
@@ -164,27 +171,39 @@ class FeatureDrafter(nn.Module):
         cfg = self.config
         x = rms_norm(u, self.input_norm, cfg.rms_norm_eps).to(u.dtype)
         shape = u.shape[:-1]
-        q = self.q_proj(x).view(*shape, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(*shape, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).view(*shape, cfg.num_key_value_heads, cfg.head_dim)
-        return self.rotary(q, positions), self.rotary(k, positions), v
+        if self.qkv is not None:
+            sizes = [cfg.num_attention_heads * cfg.head_dim, *[cfg.num_key_value_heads * cfg.head_dim] * 2]
+            q, k, v = self.qkv(x).split(sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(*shape, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(*shape, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(*shape, cfg.num_key_value_heads, cfg.head_dim)
+        cos, sin = self.rotary.tables(positions)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin), v
 
-    def finish(self, u: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    def finish(self, u: Tensor, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) -> Tensor:
         """The layer's output h [..., T, C] for inputs u [..., T, C] and their queries q, over `keys` /
-        `values` [..., S, Hkv, D] with mask [..., T, S] (True = attend)."""
+        `values` [..., S, Hkv, D] with mask [..., T, S] (True = attend; None: every key, drafting only)."""
         cfg = self.config
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         if q.dim() == 3:  # drafting: a few rows, each against the window; no copies of the keys
             attn = _attend_rows(q, keys, values, mask, group)
         else:
             qh = q.transpose(-3, -2)  # [..., H, T, D]
+            assert mask is not None, "a batch of sequences needs its mask"
             kh = keys.transpose(-3, -2).repeat_interleave(group, dim=-3)  # [..., H, S, D]
             vh = values.transpose(-3, -2).repeat_interleave(group, dim=-3)
             attn = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(-3))
         attn = attn.transpose(-3, -2).reshape(*u.shape[:-1], cfg.num_attention_heads * cfg.head_dim)
         h = u + self.o_proj(attn)
         x = rms_norm(h, self.post_norm, cfg.rms_norm_eps).to(h.dtype)
-        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).split(cfg.intermediate_size, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return h + self.down_proj(F.silu(gate) * up)
 
 
 def unrolled(
@@ -231,14 +250,15 @@ def unrolled(
     return out
 
 
-def _attend_rows(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, group: int) -> Tensor:
-    """Attention of rows q [T, H, D] over keys/values [S, Hkv, D] under mask [T, S] -> [H, T, D]:
-    each key head's `group` query heads in one product (query head h reads key head h // group)."""
+def _attend_rows(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, group: int) -> Tensor:
+    """Attention of rows q [T, H, D] over keys/values [S, Hkv, D] under mask [T, S] (None: all) ->
+    [H, T, D]: each key head's `group` query heads in one product (query head h reads key head h // group)."""
     t, h, d = q.shape
     kv = keys.shape[1]
     qg = q.view(t, kv, group, d).permute(1, 0, 2, 3).reshape(kv, t * group, d)  # rows t*group + j
     scores = torch.bmm(qg, keys.permute(1, 2, 0)) * d**-0.5  # [Hkv, T*group, S]
-    scores.masked_fill_(~mask.repeat_interleave(group, dim=0), float("-inf"))
+    if mask is not None:
+        scores.masked_fill_(~mask.repeat_interleave(group, dim=0), float("-inf"))
     out = torch.bmm(torch.softmax(scores, dim=-1), values.permute(1, 0, 2))  # [Hkv, T*group, D]
     return out.view(kv, t, group, d).permute(0, 2, 1, 3).reshape(h, t, d)
 
@@ -253,6 +273,7 @@ class SharedParts:
     vocab: Tensor  # [N] int64: primary token id of each head row
     eps: float
     head_product: Any = None  # serving: rows [R, C] -> [R, N] by the native kernels (`for_serving`)
+    vocab_ids: tuple[int, ...] = ()  # `vocab` as ints (serving: the paths' tokens, without a tolist a call)
 
     def features(self, h: Tensor) -> Tensor:
         """The predicted feature f^ = final_norm(h)."""
@@ -274,7 +295,9 @@ def shared_parts(model: Any, vocab: Tensor, eps: float) -> SharedParts:
             head = model.embed(vocab).float()
         else:
             head = _head_rows(model, vocab)
-    return SharedParts(model.embed, model.norm.weight.detach().float(), head.clone(), vocab, eps)
+    return SharedParts(
+        model.embed, model.norm.weight.detach().float(), head.clone(), vocab, eps, vocab_ids=tuple(vocab.tolist())
+    )
 
 
 def _head_rows(model: Any, vocab: Tensor) -> Tensor:
@@ -307,6 +330,7 @@ class _NativeProduct(nn.Module):
 
 
 PRODUCTS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_PRODUCTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
 def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple[FeatureDrafter, SharedParts]:
@@ -319,10 +343,18 @@ def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple
     if lib is None:
         return drafter, shared
     # the native int8 layout takes whole groups of outputs and blocks of inputs; other shapes (e.g. a
-    # test's tiny drafter) stay in torch, by the rule every matrix of the primary follows
+    # test's tiny drafter) stay in torch, by the rule every matrix of the primary follows.
+    # q|k|v and gate|up as one product each: the same int8 rows and per-row scales side by side (the
+    # same outputs), one call instead of three and two
+    fused: dict[str, None] = {}
+    for name, parts in FUSED_PRODUCTS.items():
+        weight = torch.cat([getattr(drafter, part).weight for part in parts])
+        if not why_not_native(tuple(weight.shape), lib):
+            setattr(drafter, name, _NativeProduct(lib, weight, None))
+            fused.update(dict.fromkeys(parts))
     for name in PRODUCTS:
         linear = getattr(drafter, name)
-        if not why_not_native(tuple(linear.weight.shape), lib):
+        if name not in fused and not why_not_native(tuple(linear.weight.shape), lib):
             setattr(drafter, name, _NativeProduct(lib, linear.weight, linear.bias))
     if why_not_native(tuple(shared.head.shape), lib):
         return drafter, shared

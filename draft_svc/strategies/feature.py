@@ -134,8 +134,8 @@ class FeatureDecoder:
         self._append(k, v)
         start = max(0, self._num_kv - self._window)
         keys, values = self._kv(start, self._num_kv)
-        mask = torch.ones(1, self._num_kv - start, dtype=torch.bool)
-        h = self._drafter.finish(u[-1:], q[-1:], keys, values, mask)  # [1, C]: only the last row's f^ is read
+        # [1, C]: only the last row's f^ is read, and that row sees the whole window (no mask)
+        h = self._drafter.finish(u[-1:], q[-1:], keys, values, None)
         self._next_features = self._shared.features(h)[0]
         self._next_position = end
 
@@ -252,7 +252,7 @@ class FeatureDecoder:
         order = torch.sort(cum_probs, descending=True, stable=True).indices[:budget].tolist()
         kept = set(order)
         has_child = {parents[i] for i in order}
-        vocab = self._shared.vocab.tolist()
+        vocab = self._shared.vocab_ids or self._shared.vocab.tolist()
         candidates: list[Candidate] = []
         for leaf in order:
             if leaf in has_child:

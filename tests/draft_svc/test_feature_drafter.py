@@ -378,3 +378,28 @@ def test_native_int8_products_draft_what_fp32_drafts(fp32_model):
     assert torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want) < 0.05
     agree = (shared.logits(want).argmax(-1) == fast_shared.logits(got).argmax(-1)).float().mean()
     assert agree >= 0.8
+
+
+def test_fused_serving_products_give_the_separate_products_outputs(fp32_model):
+    """for_serving runs q|k|v and gate|up as one native product each: the same int8 rows and scales
+    side by side, so the drafter's keys, values and layer output are those of the separate products."""
+    from draft_svc.heads.model import FUSED_PRODUCTS, _NativeProduct, for_serving
+    from specdec.model import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the native kernels are not built on this machine")
+    fused, _ = for_serving(*model_parts(fp32_model.model), lib)
+    separate, _ = for_serving(*model_parts(fp32_model.model), lib)
+    assert all(isinstance(getattr(fused, name), _NativeProduct) for name in FUSED_PRODUCTS)
+    for name, parts in FUSED_PRODUCTS.items():
+        for part in parts:  # the parts as for_serving would make them alone
+            setattr(separate, part, _NativeProduct(lib, getattr(separate, part).weight, None))
+        setattr(separate, name, None)
+    u = torch.randn(5, fused.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(10, 15)
+    with torch.inference_mode():
+        want, got = separate.keys_values(u, positions), fused.keys_values(u, positions)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+        q, k, v = got
+        assert torch.equal(separate.finish(u, q, k, v, None), fused.finish(u, q, k, v, None))
