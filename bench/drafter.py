@@ -73,19 +73,29 @@ class Replay:
         return n
 
 
+def open_prefilled(engine: Engine, decoder: FeatureDecoder | None, request_id: str, prompt_ids: Sequence[int]) -> None:
+    """Open and prefill the request; the decoder (if any) takes the prompt and the prefill's last row,
+    which predicts the pending last prompt token (position len - 1)."""
+    engine.open(request_id, prompt_ids)
+    try:
+        prefill_features: list[torch.Tensor] = []
+        engine.prefill(request_id, features_out=prefill_features)
+        if decoder is not None:
+            decoder.extend(prompt_ids)
+            decoder.observe_features(len(prompt_ids) - 1, prefill_features[0])
+    except BaseException:
+        engine.release(request_id)
+        raise
+
+
 def replay(
     engine: Engine, decoder: FeatureDecoder, prompt_ids: Sequence[int], max_new_tokens: int, depth: int
 ) -> Replay:
     """Greedy decoding of one prompt with a fresh decoder following it (module doc)."""
     request_id = f"drafter-replay-{time.monotonic_ns()}"
     out = Replay()
-    engine.open(request_id, prompt_ids)
+    open_prefilled(engine, decoder, request_id, prompt_ids)
     try:
-        prefill_features: list[torch.Tensor] = []
-        engine.prefill(request_id, features_out=prefill_features)
-        decoder.extend(prompt_ids)
-        # the prefill's last row predicts the pending last prompt token (position len - 1)
-        decoder.observe_features(len(prompt_ids) - 1, prefill_features[0])
         for _ in range(max_new_tokens):
             start = time.perf_counter()
             chain = decoder.propose(depth, 1)
@@ -119,13 +129,8 @@ def speculate(
     """Greedy speculative decoding of one prompt with the drafter's chains of `depth` tokens (None or
     depth 0: plain decoding through the same loop), timed from the prefill's end."""
     request_id = f"drafter-speculate-{time.monotonic_ns()}"
-    engine.open(request_id, prompt_ids)
+    open_prefilled(engine, decoder, request_id, prompt_ids)
     try:
-        prefill_features: list[torch.Tensor] = []
-        engine.prefill(request_id, features_out=prefill_features)
-        if decoder is not None:
-            decoder.extend(prompt_ids)
-            decoder.observe_features(len(prompt_ids) - 1, prefill_features[0])
         out: list[int] = []
         steps, start = 0, time.perf_counter()
         while len(out) < max_new_tokens:

@@ -121,11 +121,6 @@ class Rotary:
             self._cos, self._sin = emb.cos(), emb.sin()
         return self._cos[positions], self._sin[positions]
 
-    def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x [..., T, H, D], positions [..., T]."""
-        cos, sin = self.tables(positions)
-        return self.apply(x, cos.unsqueeze(-2), sin.unsqueeze(-2))
-
     @staticmethod
     def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [..., T, H, D] rotated by tables [..., T, 1, D] (`tables`, unsqueezed): one lookup for q and k."""
@@ -273,7 +268,10 @@ class SharedParts:
     vocab: Tensor  # [N] int64: primary token id of each head row
     eps: float
     head_product: Any = None  # serving: rows [R, C] -> [R, N] by the native kernels (`for_serving`)
-    vocab_ids: tuple[int, ...] = ()  # `vocab` as ints (serving: the paths' tokens, without a tolist a call)
+    vocab_ids: tuple[int, ...] = dataclasses.field(init=False)  # `vocab` as ints, for drafts' paths
+
+    def __post_init__(self) -> None:
+        self.vocab_ids = tuple(self.vocab.tolist())
 
     def features(self, h: Tensor) -> Tensor:
         """The predicted feature f^ = final_norm(h)."""
@@ -295,9 +293,7 @@ def shared_parts(model: Any, vocab: Tensor, eps: float) -> SharedParts:
             head = model.embed(vocab).float()
         else:
             head = _head_rows(model, vocab)
-    return SharedParts(
-        model.embed, model.norm.weight.detach().float(), head.clone(), vocab, eps, vocab_ids=tuple(vocab.tolist())
-    )
+    return SharedParts(model.embed, model.norm.weight.detach().float(), head.clone(), vocab, eps)
 
 
 def _head_rows(model: Any, vocab: Tensor) -> Tensor:
@@ -346,12 +342,12 @@ def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple
     # test's tiny drafter) stay in torch, by the rule every matrix of the primary follows.
     # q|k|v and gate|up as one product each: the same int8 rows and per-row scales side by side (the
     # same outputs), one call instead of three and two
-    fused: dict[str, None] = {}
+    fused: set[str] = set()
     for name, parts in FUSED_PRODUCTS.items():
         weight = torch.cat([getattr(drafter, part).weight for part in parts])
         if not why_not_native(tuple(weight.shape), lib):
             setattr(drafter, name, _NativeProduct(lib, weight, None))
-            fused.update(dict.fromkeys(parts))
+            fused.update(parts)
     for name in PRODUCTS:
         linear = getattr(drafter, name)
         if name not in fused and not why_not_native(tuple(linear.weight.shape), lib):

@@ -252,7 +252,7 @@ class FeatureDecoder:
         order = torch.sort(cum_probs, descending=True, stable=True).indices[:budget].tolist()
         kept = set(order)
         has_child = {parents[i] for i in order}
-        vocab = self._shared.vocab_ids or self._shared.vocab.tolist()
+        vocab = self._shared.vocab_ids
         candidates: list[Candidate] = []
         for leaf in order:
             if leaf in has_child:
