@@ -22,6 +22,7 @@ code: `FeatureDrafter.layer` over rows with an explicit boolean mask.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -113,13 +114,17 @@ class Rotary:
         self._cos = self._sin = torch.empty(0, head_dim)
 
     def tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        cos, sin = self.covering(int(positions.max()) + 1 if positions.numel() else 0)
+        return cos[positions], sin[positions]
+
+    def covering(self, need: int) -> tuple[Tensor, Tensor]:
+        """The whole tables [P, D] with P >= need (grown to a power of two when short)."""
         if need > self._cos.shape[0]:
             size = 1 << max(10, math.ceil(math.log2(need)))
             freqs = torch.outer(torch.arange(size, dtype=torch.float32), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos(), emb.sin()
-        return self._cos[positions], self._sin[positions]
+        return self._cos, self._sin
 
     @staticmethod
     def apply(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -156,6 +161,7 @@ class FeatureDrafter(nn.Module):
         # Serving (`for_serving`): q|k|v and gate|up as one product each, the same rows side by side
         self.qkv: nn.Module | None = None
         self.gate_up: nn.Module | None = None
+        self.native_layer: NativeLayer | None = None  # the whole layer in one native call (serving)
 
     def inputs(self, features: Tensor, token_embeddings: Tensor) -> Tensor:
         """u = fc([f ; embed(x)]) for rows [..., C] of each."""
@@ -307,22 +313,97 @@ def _head_rows(model: Any, vocab: Tensor) -> Tensor:
     return torch.cat(rows).T.contiguous()
 
 
+def _int8_rows(lib: Any, weight: Tensor, bias: Tensor | None) -> Any:
+    """weight [N, K] as the native kernels' int8 rows, one fp32 scale a row (`native.QuantLinear`)."""
+    from specdec.model import native
+
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return native.QuantLinear.from_int8(lib, q, scale, None if bias is None else bias.detach())
+
+
 class _NativeProduct(nn.Module):
     """A drafter product by the native int8 kernels (specdec/model/native): int8 rows, one fp32 scale
     a row, the activations quantized per block of 32 inside the call."""
 
     def __init__(self, lib: Any, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
-        from specdec.model import native
-
-        w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.product = native.QuantLinear.from_int8(lib, q, scale, None if bias is None else bias.detach())
-        self.out_features = w.shape[0]
+        self.product = _int8_rows(lib, weight, bias)
+        self.out_features = weight.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+
+
+class NativeLayer:
+    """The drafter's decoder layer in ONE native call (`qgemm_forward` over one layer, the call the
+    primary's forward makes for its 30): RMSNorm, q/k/v, RoPE, the new rows' keys and values written
+    to the request's cache, attention under a mask, o, RMSNorm, the MLP and both residuals. In torch
+    the same layer is ~40 small ops, whose overhead was most of a draft depth (0.64 ms a depth on a
+    Zen 4 core, its products 0.19 ms of it). Its products are int8 rows like `_NativeProduct`'s."""
+
+    def __init__(self, lib: Any, drafter: FeatureDrafter) -> None:
+        from specdec.model import native
+
+        self._native, self._lib, cfg = native, lib, drafter.config
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self._rotary = drafter.rotary
+        self._norm1 = drafter.input_norm.detach().float().contiguous()
+        self._norm2 = drafter.post_norm.detach().float().contiguous()
+        names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj"}
+        names["down"] = "down_proj"
+        self._products = {key: _int8_rows(lib, getattr(drafter, name).weight, None) for key, name in names.items()}
+        self._layer = native.QLayer()
+        self._layer.norm1, self._layer.norm2 = self._norm1.data_ptr(), self._norm2.data_ptr()
+        self._layer.eps1 = self._layer.eps2 = cfg.rms_norm_eps
+        for key, product in self._products.items():
+            setattr(self._layer, key, ctypes.pointer(product.qweight))
+
+    @staticmethod
+    def fits(drafter: FeatureDrafter, lib: Any) -> bool:
+        from specdec.model.layout import why_not_native
+
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        return all(not why_not_native(tuple(getattr(drafter, n).weight.shape), lib) for n in names)
+
+    def __call__(
+        self, u: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor, num_cached: int, mask: Tensor | None
+    ) -> Tensor:
+        """The layer's output h [T, C] for inputs u [T, C] at `positions` [T]. k_cache / v_cache
+        [Hkv, capacity, D] fp32 views whose rows 0.. are the attended ones: the T new rows' keys and
+        values are written at rows num_cached.. and row t attends rows [0, num_cached + T) under mask
+        [T, num_cached + T] (True = attend; None: all)."""
+        assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.stride() == v_cache.stride()
+        assert k_cache.stride(2) == 1 and k_cache.stride(1) == self.head_dim
+        x = u.float().contiguous().clone()
+        positions = positions.to(torch.int64).contiguous()
+        cos, sin = self._rotary.covering(int(positions.max()) + 1)
+        span = self._native.QSpan()
+        span.start, span.n, span.num_cached = 0, x.shape[0], num_cached
+        span.k_cache, span.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        span.layer_stride, span.capacity, span.half = 0, k_cache.stride(0) // self.head_dim, 0
+        mask_bytes = None if mask is None else mask.contiguous().view(torch.uint8)
+        span.mask = None if mask_bytes is None else mask_bytes.data_ptr()
+        status = self._lib.qgemm_forward(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            ctypes.byref(self._layer),
+            1,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            ctypes.byref(span),
+            1,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise MemoryError("native drafter layer: out of memory")
+        return x
 
 
 PRODUCTS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -338,6 +419,8 @@ def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple
 
     if lib is None:
         return drafter, shared
+    if NativeLayer.fits(drafter, lib):  # from the fp32 weights, before the products below replace them
+        drafter.native_layer = NativeLayer(lib, drafter)
     # the native int8 layout takes whole groups of outputs and blocks of inputs; other shapes (e.g. a
     # test's tiny drafter) stay in torch, by the rule every matrix of the primary follows.
     # q|k|v and gate|up as one product each: the same int8 rows and per-row scales side by side (the

@@ -49,6 +49,9 @@ from specdec.speculation_bounds import MAX_DRAFT_LENGTH
 from specdec.model import native
 
 COMPACT_SLACK = 128  # committed rows appended past the window before the window moves back to row 0
+# Feeds of at most this many rows run the whole layer natively on every row (only the last row's output
+# is read); a longer one (the prefill's) computes its keys and values alone and finishes its last row
+NATIVE_OBSERVE_ROWS = 8
 NO_POSITION = -1  # next_position before the first features
 
 
@@ -76,7 +79,7 @@ class FeatureDecoder:
         self._window = c.max_window
         self._max_scratch = self.config.beam * (self.config.max_depth - 1)
         self._kv_shape = (c.num_key_value_heads, c.head_dim)
-        self._k: Tensor | None = None  # [capacity, Hkv, D] rotated keys: committed rows, then draft scratch
+        self._k: Tensor | None = None  # [Hkv, capacity, D] rotated keys: committed rows, then draft scratch
         self._v: Tensor | None = None
         self._mask: Tensor | None = None  # [max_scratch, window + max_scratch] tree-attention rows
         self._num_kv = 0  # committed rows in the buffer; the newest min(_num_kv, window) are attended
@@ -130,36 +133,47 @@ class FeatureDecoder:
         rows = rows[first - position : end - position]
         token_ids = torch.tensor(self._token_ids[first:end], dtype=torch.int64)
         u = self._drafter.inputs(rows, self._shared.embed(token_ids).float())  # [n, C]
-        q, k, v = self._drafter.keys_values(u, torch.arange(first, end))
-        self._append(k, v)
-        start = max(0, self._num_kv - self._window)
-        keys, values = self._kv(start, self._num_kv)
-        # [1, C]: only the last row's f^ is read, and that row sees the whole window (no mask)
-        h = self._drafter.finish(u[-1:], q[-1:], keys, values, None)
+        n, layer = end - first, self._drafter.native_layer
+        k_buf, v_buf = self._reserve(n)
+        start = max(0, self._num_kv + n - self._window)  # the last row sees the newest `window` rows
+        if layer is not None and n <= NATIVE_OBSERVE_ROWS:
+            # no mask: only the last row's output is read, and it sees every row (keys and values are
+            # the rows' own, whatever their rows attend)
+            h = layer(u, torch.arange(first, end), k_buf[:, start:], v_buf[:, start:], self._num_kv - start, None)
+            self._num_kv += n
+            h = h[-1:]
+        else:
+            q, k, v = self._drafter.keys_values(u, torch.arange(first, end))
+            k_buf[:, self._num_kv : self._num_kv + n] = k.transpose(0, 1)
+            v_buf[:, self._num_kv : self._num_kv + n] = v.transpose(0, 1)
+            self._num_kv += n
+            keys, values = self._kv(start, self._num_kv)
+            # [1, C]: only the last row's f^ is read, and that row sees the whole window (no mask)
+            h = self._drafter.finish(u[-1:], q[-1:], keys, values, None)
         self._next_features = self._shared.features(h)[0]
         self._next_position = end
 
-    def _append(self, k: Tensor, v: Tensor) -> None:
-        """Append committed rows [n, Hkv, D], moving the window back to row 0 when the slack is used."""
+    def _reserve(self, n: int) -> tuple[Tensor, Tensor]:
+        """Room for n more committed rows at _num_kv, moving the window back to row 0 when the slack is
+        used; returns the key and value buffers, [Hkv, capacity, D] (the native kernels' cache layout)."""
         if self._k is None or self._v is None:
             capacity = self._window + COMPACT_SLACK + self._max_scratch
-            self._k = torch.empty(capacity, *self._kv_shape)
-            self._v = torch.empty(capacity, *self._kv_shape)
+            hkv, d = self._kv_shape
+            self._k = torch.empty(hkv, capacity, d)
+            self._v = torch.empty(hkv, capacity, d)
             self._mask = torch.zeros(self._max_scratch, self._window + self._max_scratch, dtype=torch.bool)
-        n = k.shape[0]
         if self._num_kv + n > self._window + COMPACT_SLACK:
             keep = max(0, min(self._num_kv, self._window - n))
             # clone: source and destination overlap when the window is longer than the slack
-            self._k[:keep] = self._k[self._num_kv - keep : self._num_kv].clone()
-            self._v[:keep] = self._v[self._num_kv - keep : self._num_kv].clone()
+            self._k[:, :keep] = self._k[:, self._num_kv - keep : self._num_kv].clone()
+            self._v[:, :keep] = self._v[:, self._num_kv - keep : self._num_kv].clone()
             self._num_kv = keep
-        self._k[self._num_kv : self._num_kv + n] = k
-        self._v[self._num_kv : self._num_kv + n] = v
-        self._num_kv += n
+        return self._k, self._v
 
     def _kv(self, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """Rows [start, end) of the buffer as [S, Hkv, D] views."""
         assert self._k is not None and self._v is not None
-        return self._k[start:end], self._v[start:end]
+        return self._k[:, start:end].transpose(0, 1), self._v[:, start:end].transpose(0, 1)
 
     # --- drafting --------------------------------------------------------------------------------
 
@@ -224,14 +238,10 @@ class FeatureDecoder:
         """One batched drafter call for b tree nodes: their inputs (f^ of the parent's prediction, the
         node's token) at `position`, written to scratch rows first_row.. of the buffer; each row attends
         to the committed window and its ancestors' rows. -> (f^ [b, C], probs [b, N])."""
-        assert self._mask is not None
+        assert self._mask is not None and self._k is not None and self._v is not None
         b = features.shape[0]
         u = self._drafter.inputs(features, self._shared.embed(token_ids).float())  # [b, C]
-        q, k, v = self._drafter.keys_values(u, torch.full((b,), position, dtype=torch.int64))
-        base = self._num_kv + first_row
-        keys, values = self._kv(self._num_kv - window, base + b)
-        keys[window + first_row :] = k  # scratch rows: views of the buffer past the committed ones
-        values[window + first_row :] = v
+        positions = torch.full((b,), position, dtype=torch.int64)
         # E.g. rows 0,1 expanded at depth 1, row 2 a child of row 1: mask row 2 = row 1's scratch bits + itself
         rows = self._mask[first_row : first_row + b]
         if first_row:
@@ -240,7 +250,17 @@ class FeatureDecoder:
             rows[~is_child, window : window + first_row] = False
         own = torch.arange(b)
         rows[own, window + first_row + own] = True
-        h = self._drafter.finish(u, q, keys, values, rows[:, : window + first_row + b])
+        mask = rows[:, : window + first_row + b]
+        start = self._num_kv - window  # the attended window, then the scratch rows of this propose
+        layer = self._drafter.native_layer
+        if layer is not None:  # writes the rows' keys and values to scratch rows window + first_row..
+            h = layer(u, positions, self._k[:, start:], self._v[:, start:], window + first_row, mask)
+        else:
+            q, k, v = self._drafter.keys_values(u, positions)
+            keys, values = self._kv(start, self._num_kv + first_row + b)
+            keys[window + first_row :] = k  # scratch rows: views of the buffer past the committed ones
+            values[window + first_row :] = v
+            h = self._drafter.finish(u, q, keys, values, mask)
         features = self._shared.features(h)
         return features, torch.softmax(self._shared.logits(features), dim=-1)
 

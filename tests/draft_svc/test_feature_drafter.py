@@ -403,3 +403,38 @@ def test_fused_serving_products_give_the_separate_products_outputs(fp32_model):
         assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
         q, k, v = got
         assert torch.equal(separate.finish(u, q, k, v, None), fused.finish(u, q, k, v, None))
+
+
+def test_the_native_layer_drafts_what_the_torch_layer_drafts(fp32_model):
+    """Serving runs the drafter's whole layer in one native call (NativeLayer: the cache write, tree
+    attention under the mask, the MLP): its features and tree are the torch layer's over the same
+    int8 products within float rounding, after a long feed (keys and values alone, then its last row)
+    and feeds of one row a step."""
+    from draft_svc.heads.model import NativeLayer, for_serving
+    from draft_svc.strategies.feature import NATIVE_OBSERVE_ROWS
+    from specdec.model import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the native kernels are not built on this machine")
+    drafter, shared = for_serving(*model_parts(fp32_model.model), lib)
+    native_layer = drafter.native_layer
+    assert isinstance(native_layer, NativeLayer)
+    token_ids, features = context(drafter.config, 48)
+    features = features * 3  # about the primary's feature scale
+    assert 29 > NATIVE_OBSERVE_ROWS
+    out = {}
+    for name, layer in (("native", native_layer), ("torch", None)):
+        drafter.native_layer = layer
+        decoder = FeatureDecoder(drafter, shared, FeatureTreeConfig(top_k=3, beam=3))
+        decoder.extend(token_ids[:30])
+        decoder.observe_features(1, features[:29])
+        for i in range(30, 48):
+            decoder.extend([token_ids[i]])
+            decoder.observe_features(i, features[i - 1 : i])
+        with torch.inference_mode():
+            out[name] = (decoder.features_along([5, 17, 230]), decoder._grow(4))
+    (got, (got_ids, got_parents, got_probs)), (want, (want_ids, want_parents, want_probs)) = out["native"], out["torch"]
+    assert torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want) < 1e-3
+    assert (got_ids, got_parents) == (want_ids, want_parents)
+    torch.testing.assert_close(got_probs, want_probs, atol=1e-4, rtol=1e-3)
