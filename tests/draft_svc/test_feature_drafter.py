@@ -438,3 +438,34 @@ def test_the_native_layer_drafts_what_the_torch_layer_drafts(fp32_model):
     assert torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want) < 1e-3
     assert (got_ids, got_parents) == (want_ids, want_parents)
     torch.testing.assert_close(got_probs, want_probs, atol=1e-4, rtol=1e-3)
+
+
+def test_requests_draft_through_the_shared_native_layer_at_once(fp32_model):
+    """The pool runs requests' decoders on its threads at once, all over one drafter: each call of the
+    native layer keeps its work to its own buffers, so concurrent proposals equal one-at-a-time ones."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from draft_svc.heads.model import for_serving
+    from specdec.model import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("the native kernels are not built on this machine")
+    drafter, shared = for_serving(*model_parts(fp32_model.model), lib)
+    assert drafter.native_layer is not None
+
+    def proposals(seed: int) -> list[tuple[int, ...]]:
+        token_ids, features = context(drafter.config, 40, seed=seed)
+        decoder = started(drafter, shared, token_ids, features * 3, FeatureTreeConfig(top_k=2, beam=2))
+        out = []
+        for i in range(8):  # a step: propose, then the committed token and its row's feature
+            out.extend(c.token_ids for c in decoder.propose(4, 2))
+            decoder.extend([token_ids[i]])
+            decoder.observe_features(len(token_ids) + i, features[i : i + 1] * 3)
+        assert len(out) == 16
+        return out
+
+    seeds = list(range(1, 7))
+    alone = [proposals(seed) for seed in seeds]
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(proposals, seeds)) == alone
