@@ -336,6 +336,18 @@ class _NativeProduct(nn.Module):
         return self.product(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
 
 
+# the C struct qlayer's product fields -> the drafter's linear layers
+_LAYER_PRODUCTS = {
+    "q": "q_proj",
+    "k": "k_proj",
+    "v": "v_proj",
+    "o": "o_proj",
+    "gate": "gate_proj",
+    "up": "up_proj",
+    "down": "down_proj",
+}
+
+
 class NativeLayer:
     """The drafter's decoder layer in ONE native call (`qgemm_forward` over one layer, the call the
     primary's forward makes for its 30): RMSNorm, q/k/v, RoPE, the new rows' keys and values written
@@ -351,9 +363,9 @@ class NativeLayer:
         self._rotary = drafter.rotary
         self._norm1 = drafter.input_norm.detach().float().contiguous()
         self._norm2 = drafter.post_norm.detach().float().contiguous()
-        names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj"}
-        names["down"] = "down_proj"
-        self._products = {key: _int8_rows(lib, getattr(drafter, name).weight, None) for key, name in names.items()}
+        self._products = {
+            key: _int8_rows(lib, getattr(drafter, name).weight, None) for key, name in _LAYER_PRODUCTS.items()
+        }
         self._layer = native.QLayer()
         self._layer.norm1, self._layer.norm2 = self._norm1.data_ptr(), self._norm2.data_ptr()
         self._layer.eps1 = self._layer.eps2 = cfg.rms_norm_eps
@@ -364,8 +376,7 @@ class NativeLayer:
     def fits(drafter: FeatureDrafter, lib: Any) -> bool:
         from specdec.model.layout import why_not_native
 
-        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-        return all(not why_not_native(tuple(getattr(drafter, n).weight.shape), lib) for n in names)
+        return all(not why_not_native(tuple(getattr(drafter, n).weight.shape), lib) for n in _LAYER_PRODUCTS.values())
 
     def __call__(
         self, u: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor, num_cached: int, mask: Tensor | None
@@ -413,8 +424,9 @@ FUSED_PRODUCTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj"
 def for_serving(drafter: FeatureDrafter, shared: SharedParts, lib: Any) -> tuple[FeatureDrafter, SharedParts]:
     """The drafter with its products (and the head's) on the native int8 kernels where the CPU has
     them (`lib`: `specdec.model.native.library()`): a draft step reads ~9 MB of weights instead of
-    ~36 MB of fp32 (4.2M parameters + an 8k x 576 head), which is what bounds it on a CPU. Drafts
-    need not be exact (the primary verifies them); a test bounds how far they move."""
+    ~36 MB of fp32 (4.2M parameters + an 8k x 576 head), and its layer is one native call
+    (`NativeLayer`; the products below still serve a long feed's keys and values and its last row).
+    Drafts need not be exact (the primary verifies them); a test bounds how far they move."""
     from specdec.model.layout import why_not_native
 
     if lib is None:
