@@ -240,14 +240,18 @@ def serve_internal(
     on_stopped: Callable[[], None] | None = None,
 ) -> None:
     """serve() as an internal service (primary, draft, validator) runs it: its one servicer behind
-    the service token's check and the error mapping that records calls in `rpc` (internal_interceptors)."""
-    serve(
-        config,
-        [(add_servicer, servicer)],
-        interceptors=internal_interceptors(service_token, rpc),
-        registry=registry,
-        on_stopped=on_stopped,
-    )
+    the service token's check and the error mapping that records calls in `rpc` (internal_interceptors).
+    A port that will not bind exits with its message (code 1), after on_stopped has run."""
+    try:
+        serve(
+            config,
+            [(add_servicer, servicer)],
+            interceptors=internal_interceptors(service_token, rpc),
+            registry=registry,
+            on_stopped=on_stopped,
+        )
+    except OSError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def service_token_or_exit(token_file: str, is_unauthenticated_allowed: bool) -> str | None:

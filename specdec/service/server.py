@@ -170,9 +170,15 @@ def add_services(
         add_to_server(servicer, recorder)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*recorder.names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpcio raises here where older releases returned 0
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind the gRPC server to {address}")
+        raise OSError(f"could not bind the gRPC server to {address} (in use, or not an address of this host)")
     return [OVERALL_HEALTH, *recorder.names], port
 
 
@@ -208,19 +214,21 @@ def serve(
     """
     log = structlog.get_logger("specdec.service")
     health_servicer = health.HealthServicer()
-    server, port = create_server(
-        config.address,
-        services,
-        max_message_bytes=config.max_message_bytes,
-        max_workers=config.max_workers,
-        interceptors=interceptors,
-        health_servicer=health_servicer,
-        credentials=config.server_credentials(),
-    )
     stop = threading.Event() if stop_event is None else stop_event
     previous, received_signals = _record_stop_signals()
     metrics_server = None
     try:
+        # Inside the try: a port that will not bind still runs on_stopped, which stops the service's
+        # background threads before the interpreter exits (one still in native code there aborts it).
+        server, port = create_server(
+            config.address,
+            services,
+            max_message_bytes=config.max_message_bytes,
+            max_workers=config.max_workers,
+            interceptors=interceptors,
+            health_servicer=health_servicer,
+            credentials=config.server_credentials(),
+        )
         if registry is not None:
             metrics_server = start_metrics_server(config.metrics_port, registry, host=config.host)
         server.start()

@@ -274,6 +274,24 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
         urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1)
 
 
+def test_a_port_that_will_not_bind_is_named_and_still_runs_on_stopped() -> None:
+    # on_stopped stops a service's background threads: left running past the failed start, one in
+    # native code when the interpreter exits aborts the process instead of exiting it with code 1.
+    stopped = threading.Event()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(OSError, match=f"could not bind the gRPC server to 127.0.0.1:{port}"):
+            serve(
+                ServerConfig(port=port),
+                [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
+                stop_event=threading.Event(),
+                on_stopped=stopped.set,
+            )
+    assert stopped.is_set()
+
+
 def test_sigterm_stops_a_serving_process_gracefully(tmp_path: Path) -> None:
     script = tmp_path / "serve_one.py"
     script.write_text(
