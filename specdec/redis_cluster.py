@@ -20,13 +20,12 @@ import functools
 import shutil
 import socket
 import subprocess
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import redis
 
-from specdec.redis_server import RedisServerError, await_ping, poll_until, stop_processes
+from specdec.redis_server import RedisServerError, await_ping, poll_until, scratch_processes
 
 LOOPBACK = "127.0.0.1"
 BUS_PORT_OFFSET = 10000
@@ -65,9 +64,7 @@ def redis_cluster(
     binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if binary is None or cli is None:
         raise RedisServerError("redis-server and redis-cli are not installed (`make redis-server` installs them)")
-    directory = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    processes: list[subprocess.Popen] = []
-    try:
+    with scratch_processes(prefix) as (directory, processes):
         ports = free_port_pairs(num_masters * (1 + num_replicas))
         for port in ports:
             processes.append(start_node(binary, directory, port, _cluster_node_args(directory, port, node_timeout_ms)))
@@ -77,9 +74,6 @@ def redis_cluster(
         _await_all_slots(ports)
         nodes = tuple(ClusterNodeProcess(port, p.pid) for port, p in zip(ports, processes, strict=True))
         yield LocalRedisCluster(nodes, "redis+cluster://" + ",".join(f"{LOOPBACK}:{port}" for port in ports))
-    finally:
-        stop_processes(processes)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def free_port_pairs(num_ports: int) -> list[int]:

@@ -14,14 +14,13 @@ import contextlib
 import dataclasses
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import redis
 
 from specdec.redis_cluster import LOOPBACK, free_port_pairs, local_client, start_node
-from specdec.redis_server import START_TIMEOUT_S, RedisServerError, poll_until, stop_processes
+from specdec.redis_server import START_TIMEOUT_S, RedisServerError, poll_until, scratch_processes
 
 SERVICE_NAME = "specdec"
 # How long the master may be silent before the sentinels call it down: short, for a local group.
@@ -45,9 +44,7 @@ def redis_sentinel(num_replicas: int = 1, num_sentinels: int = 3) -> Iterator[Lo
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisServerError("redis-server is not installed (`make redis-server` installs it)")
-    directory = Path(tempfile.mkdtemp(prefix="specdec-sentinel-", dir="/tmp"))
-    processes: list[subprocess.Popen] = []
-    try:
+    with scratch_processes("specdec-sentinel-") as (directory, processes):
         master, *replicas = free_port_pairs(1 + num_replicas)
         sentinels = free_port_pairs(num_sentinels)
         processes.append(start_node(binary, directory, master))
@@ -57,9 +54,6 @@ def redis_sentinel(num_replicas: int = 1, num_sentinels: int = 3) -> Iterator[Lo
         _await_ready(master, replicas, sentinels)
         url = "redis+sentinel://" + ",".join(f"{LOOPBACK}:{p}" for p in sentinels) + f"/{SERVICE_NAME}"
         yield LocalSentinelGroup(master, processes[0].pid, tuple(replicas), tuple(sentinels), url)
-    finally:
-        stop_processes(processes)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _start_sentinel(binary: str, directory: Path, port: int, master: int, quorum: int) -> subprocess.Popen:

@@ -44,36 +44,47 @@ def redis_server(prefix: str = "specdec-redis-") -> Iterator[RedisServer]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise RedisServerError("redis-server is not installed (`make redis-server` installs it)")
-    directory = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    socket_path = str(Path(directory) / "redis.sock")
-    log_path = Path(directory) / "redis.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                "0",
-                "--unixsocket",
-                socket_path,
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                directory,
-                "--daemonize",
-                "no",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
+    with scratch_processes(prefix) as (directory, processes):
+        socket_path = str(directory / "redis.sock")
+        log_path = directory / "redis.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [
+                    binary,
+                    "--port",
+                    "0",
+                    "--unixsocket",
+                    socket_path,
+                    "--unixsocketperm",
+                    "700",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(directory),
+                    "--daemonize",
+                    "no",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        processes.append(process)
         await_ping(process, lambda: redis.Redis(unix_socket_path=socket_path), log_path)
         yield RedisServer(socket_path=socket_path, url=f"unix://{socket_path}", pid=process.pid)
+
+
+@contextlib.contextmanager
+def scratch_processes(prefix: str) -> Iterator[tuple[Path, list[subprocess.Popen]]]:
+    """A fresh directory under /tmp named `prefix`..., and a list for the processes started in it;
+    on exit, however it comes, every process in the list is stopped (stop_processes) and the
+    directory removed. The one lifecycle of the local server, cluster and sentinel group."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    processes: list[subprocess.Popen] = []
+    try:
+        yield directory, processes
     finally:
-        stop_processes([process])
+        stop_processes(processes)
         shutil.rmtree(directory, ignore_errors=True)
 
 
