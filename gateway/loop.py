@@ -26,7 +26,9 @@ state store with each step's tokens and restored with them.
 
 Recovery: the committed tokens are in the state store after every step. If the primary
 restarts, its Verify answers NOT_FOUND (or UNAVAILABLE while it is down): the loop waits for
-it, re-prefills prompt + committed tokens, and goes on; greedy output is unchanged.
+it, re-prefills prompt + committed tokens, and goes on; greedy output is unchanged. The primary's
+calls, with those retries, the failover to another node and the request's deadline, are the
+loop's PrimaryCalls' (gateway.primary_calls); the loop supplies the prefill and the switch of node.
 Cancellation and deadlines are checked once per step, so they stop a request within a step.
 If the state store loses the request's record (a Redis restarted without persistence) while the loop
 runs, the loop writes the whole state back from its memory and goes on; a store that refuses that too
@@ -73,6 +75,7 @@ from gateway.cost_model import CostModel, CostSettings, cost_model_for, one_row_
 from gateway.dependencies import DependencyState
 from gateway.node_pool import Node
 from gateway.params import GenerationParams, SpeculationParams
+from gateway.primary_calls import PrimaryCalls
 from specdec.repeats import MIN_REPEAT_TOKENS, RepeatIndex
 from gateway.request_record import RequestRecord
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
@@ -111,7 +114,6 @@ from specdec.task_type import TaskType
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
-RECOVERY_POLL_S = 0.5
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
@@ -137,10 +139,6 @@ MAX_FORCED_TOKENS = 32
 # next Propose. At least the step's draft length, so that a carried step drafts as long as a proposed
 # one: a prediction's 32-token drafts, accepted whole, would otherwise alternate with 16-token ones.
 CONTINUATION_TOKENS = 16
-
-
-async def _nothing() -> None:
-    """A primary call that does nothing: _with_primary(_nothing, is_fresh=True) only prefills."""
 
 
 def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
@@ -344,14 +342,22 @@ class RequestLoop:
     ) -> None:
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.tokenizer, self.model = backends, tokenizer, model
-        self.recovery_timeout_s, self.max_tree_nodes = recovery_timeout_s, max_tree_nodes
+        self.max_tree_nodes = max_tree_nodes
         self.cancel, self.deadline = cancel, deadline
-        # failover(node_id, error): another node for the request when its node's primary is
-        # unavailable (gateway.node_pool), or None.
-        self.failover = failover
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         self._init_output(generated, stats)
         self._init_record(store, owner, stored_params, max_state_retry_s, node_id)
+        # The primary's calls, carried through its restarts and failovers (gateway.primary_calls).
+        self.primary_calls = PrimaryCalls(
+            self.record,
+            self._prefill_context,
+            self._move_to,
+            cancel=cancel,
+            log=self.log,
+            recovery_timeout_s=recovery_timeout_s,
+            deadline=deadline,
+            failover=failover,
+        )
         self._init_step_state(decode_run_max)
         self.is_run_drafting = is_run_drafting  # runs draft their copies in the primary (_run_lookup_length)
         self._init_calls(validator_state, draft_state, call_deadlines)
@@ -427,8 +433,6 @@ class RequestLoop:
         self.run_plan = SpeculationPlan()
         # The last run was opened to end where the output comes to repeat earlier text (_stop_at_repeat).
         self.is_run_stopping_at_repeat = False
-        self.weights_precision = ""  # the weight format of the loop's first prefill (_check_weights)
-        self.is_step_disturbed = False  # the step being computed waited on a recovery
 
     def _init_calls(
         self,
@@ -833,7 +837,7 @@ class RequestLoop:
 
     async def _prefill(self) -> None:
         t = time.perf_counter()
-        await self._with_primary(_nothing, is_fresh=True)
+        await self.primary_calls.prefill()
         ms = (time.perf_counter() - t) * 1000
         self.stats.stage_ms["verify"] += ms
         self.stats.total_ms += ms
@@ -844,7 +848,7 @@ class RequestLoop:
         """One propose -> verify -> validate: the plan that ran (_carried_draft may narrow it), the
         step's tokens, the candidates' outcomes (None when the draft service failed)."""
         t0 = time.perf_counter()
-        self.is_step_disturbed = False
+        self.primary_calls.start_step()
         planned = plan  # before a carried draft narrows it: whether the features are wanted next
         carried = self._carried_draft(plan)
         plan, tree = carried if carried is not None else (plan, await self._propose(plan))
@@ -864,7 +868,7 @@ class RequestLoop:
             v = await self._validate(tree, verified, allowed)
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
-            await self._with_primary(_nothing, is_fresh=True)
+            await self.primary_calls.prefill()
             return plan, [], None, []
         outcomes = self._apply_decision(tree, verified, v)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
@@ -878,7 +882,7 @@ class RequestLoop:
         fmt = self.greedy_format if self.acceptance_mode == AcceptanceMode.GREEDY else self.sample_format
         if self._is_bonus_scored():
             fmt = FORMAT_FP32  # the validator scores the token it draws: from the primary's own fp32 rows
-        return await self._with_primary(
+        return await self.primary_calls.call(
             lambda: self.backends.verify(
                 self.request_id,
                 self.pending_accepted,
@@ -911,7 +915,7 @@ class RequestLoop:
         self.carry = continuation_after(tree, v)
         outcomes = candidate_outcomes(tree.decoders, tree.node_sources, v.accepted_nodes, tree.parents)
         self._account(tree, outcomes, v)
-        if tree.decoders and not self.is_step_disturbed:  # drafts ran and nothing was recovered
+        if tree.decoders and not self.primary_calls.is_step_disturbed:  # drafts ran and nothing was recovered
             model_draft_ms = sum(ms for name, ms in tree.decoder_ms.items() if name in MODEL_DECODERS)
             # root + tree + lookahead rows
             num_rows = len(verified.argmax_token_ids) + len(verified.lookahead_argmax_token_ids)
@@ -1000,8 +1004,8 @@ class RequestLoop:
         """One engine step of a streamed run of plain steps (_next_streamed): its token, with its log
         probability when asked."""
         t = time.perf_counter()
-        self.is_step_disturbed = False
-        decoded = await self._with_primary(self._next_streamed)
+        self.primary_calls.start_step()
+        decoded = await self.primary_calls.call(self._next_streamed)
         tokens = list(decoded.token_ids) or [decoded.token_id]
         self.carry = None  # what follows a plain step is not what the last draft continued with
         self.pending_features = None  # the latest step has none
@@ -1010,7 +1014,8 @@ class RequestLoop:
             self.stats.num_proposed += decoded.num_drafted
             self.stats.num_accepted += decoded.num_draft_accepted
             self.stats.add_decoder(RUN_LOOKUP_STATS, decoded.num_drafted, decoded.num_draft_accepted, 0.0)
-        elif not self.is_step_disturbed:  # a plain step's cost (a drafted one's forward is over more rows)
+        elif not self.primary_calls.is_step_disturbed:
+            # a plain step's cost (a drafted one's forward is over more rows)
             self.step_record = StepRecord(False, decoded.forward_ms, len(tokens))
         self._observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
@@ -1022,7 +1027,7 @@ class RequestLoop:
         """The next engine step of the request's streamed run, opening a run first when none is open:
         the primary sends each step's token as it decides it (PrimaryService.DecodeStream), so the
         client gets each token an engine step after the last, not a run's tokens at once. A run that
-        fails is closed; the retry (_with_primary) opens a new one from the committed tokens."""
+        fails is closed; the retry (PrimaryCalls.call) opens a new one from the committed tokens."""
         if self.run_stream is None:
             self.run_stream = self._open_run()
         try:
@@ -1333,24 +1338,7 @@ class RequestLoop:
         except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
             pass
 
-    # --- primary recovery ----------------------------------------------------------------------
-
-    async def _within_request_deadline(self, call: Awaitable[Any]) -> Any:
-        """A primary call, ended at the request's deadline: a hung primary (nothing replaces it) fails the
-        request DEADLINE_EXCEEDED then, not at --rpc_timeout_s; one that answers in time goes on."""
-        remaining_s = self._remaining_s()
-        if remaining_s is None:
-            return await call
-        try:
-            return await asyncio.wait_for(call, max(0.0, remaining_s))
-        except asyncio.TimeoutError:
-            # the event loop's timers may fire a clock tick early: wait out the rest, so the request is
-            # seen as ended by its deadline (_stop_signal), not as failed
-            if self.deadline is not None:
-                await asyncio.sleep(max(0.0, self.deadline - time.monotonic()) + 0.001)
-            raise DeadlineExceeded(
-                "primary", "the primary did not answer within the request's deadline", dependency="primary"
-            ) from None
+    # --- primary calls ----------------------------------------------------------------------
 
     def _penalties_request(self) -> dict[str, Any]:
         """The Verify argument carrying the request's penalties and logit_bias, which the primary
@@ -1387,91 +1375,35 @@ class RequestLoop:
         asks (calls of requests without stay as they were)."""
         return {} if self.params.logprobs is None else {"logprobs": self.params.logprobs}
 
-    async def _fail_over(self, error: str) -> bool:
-        """Move the request to another node (failover) after its primary was unavailable: True when it
-        moved; the caller then re-prefills the prompt and the committed tokens there, and the stream
-        goes on from the last committed token. The new node's draft pool hears the whole context with
-        the next Propose. The old node's slot, if its primary lives, expires with its lease."""
-        if self.failover is None:
-            return False
-        node = await self.failover(self.node_id, error)
-        if node is None:
-            return False
-        self.log.warning(
-            "request failing over to another node",
-            from_node=self.node_id,
-            to_node=node.node_id,
-            num_reprefill_tokens=len(self.prompt_ids) + len(self.generated),
-            error=error,
-        )
+    def _move_to(self, node: Node) -> None:
+        """Go on with another node's services after a failover (PrimaryCalls): its backends and the
+        states of its validator and draft pool; the draft pool there opens the request afresh."""
         self.backends, self.record.node_id = node.backends, node.node_id
         self.draft_state, self.validator_state = node.draft_state, node.validator_state
         self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
-        return True
 
-    def _check_weights(self, precision: str) -> None:
-        """Keep the weight format of the loop's first prefill; a re-prefill on another one (a primary
-        restarted with another precision, a failover to a node that chose another) goes on with other
-        weights, whose greedy output parts from an undisturbed run's within a few tokens: logged as an
-        error, as it breaks the output's equality with plain decoding that the request otherwise has."""
-        if not precision:
-            return
-        if self.weights_precision and precision != self.weights_precision:
-            self.log.error(
-                "re-prefilled on other weights; the output may differ from an undisturbed run",
-                was=self.weights_precision,
-                now=precision,
+    async def _prefill_context(self, is_fresh: bool) -> str:
+        """Prefill the prompt and the committed tokens on the primary (PrimaryCalls: the request's own
+        prefill when is_fresh, else a recovery's); the weights' precision it answers with."""
+        context = self.prompt_ids + self.generated
+        is_scoring_prompt = bool(self._prompt_logprobs_request(is_fresh))
+        prefilled = await self.primary_calls.within_deadline(
+            self.backends.prefill(
+                self.request_id,
+                context,
+                len(self.prompt_ids),
+                **self._feature_request(),
+                **self._prompt_logprobs_request(is_fresh),
             )
-        self.weights_precision = precision
-
-    async def _with_primary(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
-        """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
-
-        A re-prefill carries the lease the backends hold. A live slot leased to someone else (a
-        predecessor gateway that died before its step stored the lease) answers ALREADY_EXISTS,
-        which the backends report as Unavailable: retried here until the primary expires that slot
-        (--kv_lease_s) or recovery_timeout_s passes."""
-        give_up = time.monotonic() + self.recovery_timeout_s
-        needs_prefill = is_fresh
-        while True:
-            try:
-                if needs_prefill:
-                    context = self.prompt_ids + self.generated
-                    is_scoring_prompt = bool(self._prompt_logprobs_request(is_fresh))
-                    prefilled = await self._within_request_deadline(
-                        self.backends.prefill(
-                            self.request_id,
-                            context,
-                            len(self.prompt_ids),
-                            **self._feature_request(),
-                            **self._prompt_logprobs_request(is_fresh),
-                        )
-                    )
-                    if is_scoring_prompt:  # the first token has no context: NaN, no alternatives
-                        self.prompt_logprobs = [TokenLogprob(self.prompt_ids[0], math.nan), *prefilled.prompt_logprobs]
-                    # its one row predicts the pending (last) token; none when the prefill computed no row
-                    has_features = prefilled.features is not None
-                    self.pending_features = (prefilled.features, len(context) - 1) if has_features else None
-                    self.stats.forward_ms += prefilled.time_ms
-                    self.record.prefilled(prefilled.kv_lease)
-                    self._check_weights(prefilled.precision)
-                    if is_fresh:  # the request's own prefill, not a recovery's
-                        self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
-                    self.pending_accepted, self.pending_committed = (), []
-                    needs_prefill = False
-                return await self._within_request_deadline(call())
-            except NotFound:
-                if is_fresh:
-                    raise
-                self.log.warning("primary lost the request; re-prefilling from the committed tokens")
-                needs_prefill = True
-                self.is_step_disturbed = True  # the step's time is the recovery's: not a step cost
-            except Unavailable as e:
-                self.is_step_disturbed = True
-                if time.monotonic() > give_up or self.cancel.is_set():
-                    raise
-                needs_prefill = True
-                if await self._fail_over(str(e)):
-                    continue
-                self.log.warning("primary unavailable; waiting", error=str(e))
-                await asyncio.sleep(RECOVERY_POLL_S)
+        )
+        if is_scoring_prompt:  # the first token has no context: NaN, no alternatives
+            self.prompt_logprobs = [TokenLogprob(self.prompt_ids[0], math.nan), *prefilled.prompt_logprobs]
+        # its one row predicts the pending (last) token; none when the prefill computed no row
+        has_features = prefilled.features is not None
+        self.pending_features = (prefilled.features, len(context) - 1) if has_features else None
+        self.stats.forward_ms += prefilled.time_ms
+        self.record.prefilled(prefilled.kv_lease)
+        if is_fresh:  # the request's own prefill, not a recovery's
+            self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
+        self.pending_accepted, self.pending_committed = (), []
+        return prefilled.precision
