@@ -437,7 +437,7 @@ def test_a_service_that_keeps_dying_is_given_up_naming_it(config: StackConfig) -
                 time.sleep(0.01)
         assert info.value.name == "a"
         assert info.value.reason == "exited with code 1; gave up after 2 restarts in a row"
-        assert info.value.log_path == stack.log_path("a") and "bind to address" in info.value.log_tail
+        assert info.value.log_path == stack.log_path("a") and "could not bind the gRPC server to" in info.value.log_tail
         assert stack.num_restarts("a") == FAST_RESTARTS.max_rapid_restarts
         assert [m.split(";")[0] for m in messages] == [
             "service 'a' was killed by SIGKILL",
