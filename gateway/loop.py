@@ -8,7 +8,8 @@ One step, speculative:
     state store: append committed tokens, stats                    # one round trip, beside the next step
 The primary learns the commit at the start of the next Verify (no extra RPC). With
 speculation off a step is one engine step of a plain run the primary streams (primary.DecodeStream:
-a token per message as each engine step decides it), the baseline the speedup is measured against.
+a token per message as each engine step decides it), the baseline the speedup is measured against;
+the runs, how long each is and where it stops, are the loop's DecodeRuns' (gateway.decode_run).
 Off the step's path: the state store's write, and in greedy mode the validator's Validate (its rule
 walks the primary's argmaxes, which the loop has: it goes on with that decision and the validator
 confirms it). Both run beside the next step, whose RPC goes out first; the step's tokens reach the
@@ -46,14 +47,13 @@ import math
 import threading
 import time
 from collections import Counter
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 
 import structlog
 
 from gateway.backends import (
     EMPTY_TREE,
     Backends,
-    Decoded,
     DraftTree,
     ModelInfo,
     Validation,
@@ -62,7 +62,6 @@ from gateway.backends import (
 )
 from gateway.call_deadlines import CallDeadlines
 from gateway.controller import (
-    NEVER_DRAFTS,
     AdaptiveController,
     ControllerConfig,
     ControllerState,
@@ -71,6 +70,7 @@ from gateway.controller import (
 )
 from gateway.config import GRAMMAR_MAX_SPELLINGS
 from gateway.acceptance_memory import AcceptanceMemory
+from gateway.decode_run import DecodeRuns, RunStart
 from gateway.cost_model import CostModel, CostSettings, cost_model_for, one_row_ms
 from gateway.dependencies import DependencyState
 from gateway.node_pool import Node
@@ -117,21 +117,6 @@ FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "erro
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
 # the chain the primary runs in front of the next tree (JSON's forced runs are a few tokens).
 MAX_FORCED_TOKENS = 32
-# A plain step of a greedy request asks the primary for a run of tokens in one call
-# (DecodeRequest.max_tokens): the primary steps the request itself, in every engine step beside the
-# other requests', and the round trip between two tokens (a gRPC call each way, the gateway's own
-# step work) is paid once a run. Under a grammar the call carries the response format and the
-# primary masks each token by its own state of the grammar (primary_svc.run_grammars): under load a
-# round trip per token cost a constrained request about an engine step per token. The run streams
-# (primary.DecodeStream): each engine step's token is a loop step of its own, stored and sent to the
-# client as it comes, so a client hears from a run every engine step, and a run's length delays
-# nothing: a request's first token comes after the run's first step, as it would alone. So a run
-# goes to the request's end (max_new_tokens, the context) unless a decode_run_max bounds it: each
-# run's end costs its request a round trip, in which the engine steps on without it (under load a gap
-# of two steps or more); the primary stops it at an end-of-sequence token, the loop cancels it at a
-# stop string, a cancel or the deadline. With adaptive speculation a run is never longer than the
-# stretch the controller would plan plain anyway (until its next probe:
-# AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
 # Tokens a Propose asks each model-free decoder for past the step's draft (ProposeRequest.
 # continuation_length): when a step accepts a candidate's whole draft and the bonus token is the
 # first of them, the next step drafts the rest without asking the draft service (the round trip
@@ -246,7 +231,7 @@ class StepRecord:
 
 
 MODEL_DECODERS = frozenset(names_of(MODEL))
-# GenerationStats.decoders' row of the drafts the primary's runs make themselves (_run_lookup_length)
+# GenerationStats.decoders' row of the drafts the primary's runs make themselves (gateway.decode_run)
 RUN_LOOKUP_STATS = PROMPT_LOOKUP_STRATEGY + "@run"
 
 
@@ -358,12 +343,12 @@ class RequestLoop:
             deadline=deadline,
             failover=failover,
         )
-        self._init_step_state(decode_run_max)
-        self.is_run_drafting = is_run_drafting  # runs draft their copies in the primary (_run_lookup_length)
+        self._init_step_state()
         self._init_calls(validator_state, draft_state, call_deadlines)
         self._init_constraints(grammar)
         self._init_planning(logits_formats, cost_model, step_costs)
         self._init_controller(controller_config, controller_state, acceptance_memory, min_repeat_tokens)
+        self._init_runs(decode_run_max, is_run_drafting)
 
     @property
     def node_id(self) -> str:
@@ -409,9 +394,9 @@ class RequestLoop:
             node_id=node_id,
         )
 
-    def _init_step_state(self, decode_run_max: int | None) -> None:
+    def _init_step_state(self) -> None:
         """What passes from one step to the next: what the services still have to learn, a carried
-        draft, a check to run, a streamed run of plain steps."""
+        draft, a check to run."""
         # What the primary / draft service still has to learn (piggybacked on the next call).
         self.pending_accepted: tuple[int, ...] = ()
         self.pending_committed: list[int] = []
@@ -426,13 +411,6 @@ class RequestLoop:
         self.carry: tuple[str, tuple[int, ...]] | None = None
         self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
-        self.decode_run_max = decode_run_max
-        # The primary's streamed run of plain steps under way (Backends.decode_stream), one engine step
-        # per loop step, and the plan that opened it (each of its steps is a step of that plan).
-        self.run_stream: AsyncGenerator[Decoded, None] | None = None
-        self.run_plan = SpeculationPlan()
-        # The last run was opened to end where the output comes to repeat earlier text (_stop_at_repeat).
-        self.is_run_stopping_at_repeat = False
 
     def _init_calls(
         self,
@@ -505,6 +483,36 @@ class RequestLoop:
             RepeatIndex(self.prompt_ids, min_repeat_tokens)
             if self.controller is not None and min_repeat_tokens > 0 and PROMPT_LOOKUP_STRATEGY in spec.strategies
             else None
+        )
+
+    def _init_runs(self, decode_run_max: int | None, is_run_drafting: bool) -> None:
+        """The primary's streamed runs of plain steps (gateway.decode_run): one open at a time, each
+        opened from the request's state then (_run_start)."""
+        self.runs = DecodeRuns(
+            self.request_id,
+            self.params,
+            self._run_start,
+            num_prompt_tokens=len(self.prompt_ids),
+            max_context=self.model.max_context,
+            eos=self.eos,
+            logprobs_request=self._logprobs_request(),
+            grammar=self.grammar,
+            controller=self.controller,
+            controller_state=self.controller_state,
+            known_coverage=self._known_coverage,
+            repeats=self.repeats,
+            decode_run_max=decode_run_max,
+            is_run_drafting=is_run_drafting,
+        )
+
+    def _run_start(self) -> RunStart:
+        """What a run opened now starts from: the last step's commit, which its call carries."""
+        return RunStart(
+            self.backends,
+            self.pending_accepted,
+            self.pending_committed,
+            len(self.generated),
+            self.validator_state.is_up,
         )
 
     def _restore_controller(self, stored: Mapping[str, Any] | None) -> ControllerState:
@@ -627,7 +635,7 @@ class RequestLoop:
         """A computed step's tokens, grammar-forced ones added and cut at a stop, committed (their
         write pending) and counted; the finish reason when the step ends the request."""
         num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
-        # one engine step, speculative or plain (a plain one's drafts, _run_lookup_length, are its own)
+        # one engine step, speculative or plain (a plain one's drafts, DecodeRuns._run_lookup_length, are its own)
         num_steps = 1
         new_tokens += self._forced_after(new_tokens)
         for _ in range(num_steps):
@@ -671,16 +679,15 @@ class RequestLoop:
     ) -> tuple[SpeculationPlan, list[int], list[CandidateOutcome] | None, list[TokenLogprob]]:
         """A step up to its new tokens: the plan, then propose -> verify -> validate, or one decode;
         with the tokens' log probabilities when the request asks for them (else [])."""
-        if self.run_stream is not None:  # a streamed run goes on: its next engine step, as planned
+        if self.runs.is_open:  # a streamed run goes on: its next engine step, as planned
             tokens, logprobs = await self._plain_step()
-            return self.run_plan, tokens, None, logprobs
-        if self.is_run_stopping_at_repeat:  # the last run ended: where a copy starts, or at its length
-            self.is_run_stopping_at_repeat = False
+            return self.runs.plan, tokens, None, logprobs
+        if self.runs.was_stopping_at_repeat():  # the last run ended: where a copy starts, or at its length
             self.stats.num_runs_ended_at_repeat += self._tail_repeats()
         plan = self._plan()
         if plan.is_speculative:
             return await self._speculative_step(plan)
-        self.run_plan = plan
+        self.runs.plan = plan
         tokens, logprobs = await self._plain_step()
         return plan, tokens, None, logprobs
 
@@ -1001,16 +1008,16 @@ class RequestLoop:
         self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     async def _plain_step(self) -> tuple[list[int], list[TokenLogprob]]:
-        """One engine step of a streamed run of plain steps (_next_streamed): its token, with its log
-        probability when asked."""
+        """One engine step of a streamed run of plain steps (DecodeRuns.next_step): its token, with its
+        log probability when asked."""
         t = time.perf_counter()
         self.primary_calls.start_step()
-        decoded = await self.primary_calls.call(self._next_streamed)
+        decoded = await self.primary_calls.call(self.runs.next_step)
         tokens = list(decoded.token_ids) or [decoded.token_id]
         self.carry = None  # what follows a plain step is not what the last draft continued with
         self.pending_features = None  # the latest step has none
         self.stats.forward_ms += decoded.forward_ms
-        if decoded.num_drafted:  # the run drafted this step itself (_run_lookup_length)
+        if decoded.num_drafted:  # the run drafted this step itself (DecodeRuns._run_lookup_length)
             self.stats.num_proposed += decoded.num_drafted
             self.stats.num_accepted += decoded.num_draft_accepted
             self.stats.add_decoder(RUN_LOOKUP_STATS, decoded.num_drafted, decoded.num_draft_accepted, 0.0)
@@ -1023,121 +1030,6 @@ class RequestLoop:
         self.pending_accepted, self.pending_committed = (), [tokens[-1]] if decoded.is_run_end else []
         return tokens, list(decoded.logprobs)
 
-    async def _next_streamed(self) -> Decoded:
-        """The next engine step of the request's streamed run, opening a run first when none is open:
-        the primary sends each step's token as it decides it (PrimaryService.DecodeStream), so the
-        client gets each token an engine step after the last, not a run's tokens at once. A run that
-        fails is closed; the retry (PrimaryCalls.call) opens a new one from the committed tokens."""
-        if self.run_stream is None:
-            self.run_stream = self._open_run()
-        try:
-            decoded = await anext(self.run_stream)
-        except StopAsyncIteration:
-            await self._close_run()
-            raise Unavailable(
-                "primary", "the primary's decode stream ended before its run did", dependency="primary"
-            ) from None
-        except BaseException:
-            await self._close_run()
-            raise
-        if decoded.is_run_end:
-            await self._close_run()
-        return decoded
-
-    def _open_run(self) -> AsyncGenerator[Decoded, None]:
-        """A streamed run of plain steps from the request's committed tokens (_decode_run_length)."""
-        max_tokens = self._decode_run_length()
-        # A run under a grammar: the primary masks each token by its own state of the grammar.
-        is_grammar_run = self.grammar is not None and max_tokens > 1
-        allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
-        lookup_draft_length = self._run_lookup_length(max_tokens, allowed is not None)
-        stop_at_repeat, max_tokens = (
-            self._stop_at_repeat(max_tokens) if max_tokens > 1 and not lookup_draft_length else (0, max_tokens)
-        )
-        self.is_run_stopping_at_repeat = stop_at_repeat > 0
-        return self.backends.decode_stream(
-            self.request_id,
-            self.pending_accepted,
-            self.pending_committed,
-            self.params.sampling,
-            len(self.generated),
-            allowed,
-            max_tokens=max_tokens,
-            stop_token_ids=sorted(self.eos) if max_tokens > 1 else (),
-            response_format=self.params.response_format if is_grammar_run else None,
-            # what the primary holds before this call's commit: a cancelled run's extra tokens are dropped
-            num_context_tokens=len(self.prompt_ids) + len(self.generated) - len(self.pending_committed),
-            stop_at_repeat_tokens=stop_at_repeat,
-            lookup_draft_length=lookup_draft_length,
-            **self._logprobs_request(),
-        )
-
-    def _run_lookup_length(self, max_tokens: int, is_masked: bool) -> int:
-        """How many tokens a step of the run opened now may draft by prompt lookup in the primary itself
-        (DecodeRequest.lookup_draft_length): the request's draft_length where prompt lookup is one of
-        its adaptive strategies and the run has no one-row mask, penalties, logprobs or prediction (a
-        grammar's run drafts too: the primary checks its drafts by its own grammar state; a sampled run
-        keeps a draft where its draw at that position equals it); else 0.
-        Such a run drafts a copy the step it starts, with no round trip to the draft service or the
-        validator, so it goes on through repeats instead of ending at them (_stop_at_repeat)."""
-        sampling = self.params.sampling
-        if (
-            not self.is_run_drafting
-            or self.repeats is None
-            or self.params.prediction is not None  # its decoder drafts the predicted copy (Predicted Outputs)
-            or max_tokens <= 1
-            or is_masked
-            or sampling.has_penalties
-            or self.params.logprobs is not None
-        ):
-            return 0
-        return self.params.speculation.draft_length
-
-    def _stop_at_repeat(self, max_tokens: int) -> tuple[int, int]:
-        """(stop_at_repeat_tokens, max_tokens) for a run of up to `max_tokens` opened now. A run is
-        opened while prompt lookup has nothing worth a step (the tail repeats nothing), so the
-        controller cannot see a copy coming; the primary ends the run where one starts (the repeat
-        index's n) when the controller would draft at a repeat, or probe prompt lookup there: at once
-        if it would draft or a probe is due, else the run stops short when a probe comes due, and
-        the next run stops at a repeat. Plans change only with observations, which a run makes none
-        of, so what holds at the open holds for the run (AdaptiveController.plain_steps_ahead)."""
-        if self.repeats is None or self.controller is None:
-            return 0, max_tokens
-        known = {key: c for key, c in self._known_coverage().items() if key[0] != PROMPT_LOOKUP_STRATEGY}
-        state = self._controller_state()
-        if self.controller.would_draft(state, known):
-            return self.repeats.n, max_tokens
-        ahead = self.controller.plain_steps_ahead(state, known)  # plain steps before a probe, with a repeat
-        if ahead == NEVER_DRAFTS:
-            return 0, max_tokens
-        return (self.repeats.n, max_tokens) if ahead <= 1 else (0, min(max_tokens, ahead))
-
-    async def _close_run(self) -> None:
-        """End the streamed run, if one is open: cancelled mid-run (the request ends, or its call
-        failed), the primary stops it at its next step and keeps what it committed."""
-        run, self.run_stream = self.run_stream, None
-        if run is not None:
-            await run.aclose()
-
-    def _decode_run_length(self) -> int:
-        """How many tokens this plain step asks the primary for: one for a sampled request under a grammar
-        (measured: its steps a token a call, each committing the grammar's forced tokens with it unverified,
-        _forced_after, beat its runs; docs/benchmarks.md, "sampled runs") or while the validator is down
-        (each step falls back from a speculative plan, and the next probe must come on time); else the
-        rest of the request (max_new_tokens, the context; at most decode_run_max when given), with
-        adaptive speculation no more than the controller's plain steps ahead. A sampled run draws each
-        token at its position, as a call a token would (specdec.sampling.make_generator)."""
-        if not self.params.sampling.is_greedy and (self.grammar is not None or not self.validator_state.is_up):
-            return 1
-        room = min(
-            self.params.max_new_tokens - len(self.generated),
-            self.model.max_context - 1 - len(self.prompt_ids) - len(self.generated),
-        )
-        run = room if self.decode_run_max is None else min(room, self.decode_run_max)
-        if self.controller is not None:
-            run = min(run, self.controller.plain_steps_ahead(self._controller_state(), self._known_coverage()))
-        return max(1, run)
-
     def _forced_after(self, new_tokens: list[int]) -> list[int]:
         """The tokens the grammar allows alone after this step's (GrammarState.forced_token_ids): any
         decoding must write them, so they join the step's commit undrafted and unverified, and the
@@ -1146,7 +1038,7 @@ class RequestLoop:
         with it off a step is one plain Decode, the baseline."""
         if (
             self.grammar is None
-            or self.run_stream is not None  # the primary's run goes on: it decodes the grammar's tokens itself
+            or self.runs.is_open  # the primary's run goes on: it decodes the grammar's tokens itself
             or not self.params.speculation.is_enabled
             or self.params.logprobs is not None  # no forward scores a forced token: it is decoded instead
             or not new_tokens
@@ -1323,7 +1215,7 @@ class RequestLoop:
         controller = None if self.controller_state is None else self.controller_state.to_dict()
         await self.record.finish(status, finish, error, self.stats.to_dict(), controller)
         with contextlib.suppress(Exception):  # a run still streaming (a stop string, a cancel) ends first
-            await self._close_run()
+            await self.runs.close()
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
             await self.backends.release_primary(self.request_id)
         if not self.draft_state.is_up:  # down or hung: the pool drops the request after its TTL
