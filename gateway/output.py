@@ -1,0 +1,94 @@
+"""A request's output as its steps commit tokens (Output): where the tokens end, and their text.
+
+The tokens end before an end-of-sequence token or at a length limit: max_new_tokens, or the
+context's room (truncate). Their text is detokenized as they commit and cut at the first of the
+request's stop strings; a step that completes one keeps only its tokens up to the one completing
+it (add). A step's text goes out without a tail that could still become a stop string, until the
+output ends (ready_text, end).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+
+from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+
+FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
+
+
+class Output:
+    """One request's output side: its end-of-sequence tokens and limits, its stop strings, and the
+    text of its committed tokens (`generated`: those a resumed request had before), of which the
+    first `emitted_chars` characters went out."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        generated: list[int],
+        *,
+        eos: Set[int],
+        stop: Sequence[str],
+        max_new_tokens: int,
+        num_prompt_tokens: int,
+        max_context: int,
+    ) -> None:
+        self.tokenizer, self.eos, self.stop = tokenizer, eos, stop
+        self.max_new_tokens, self.num_prompt_tokens, self.max_context = max_new_tokens, num_prompt_tokens, max_context
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.text = self.detok.add(generated) if generated else ""
+        self.emitted_chars = len(self.text)
+
+    def truncate(self, new_tokens: list[int], num_generated: int) -> tuple[list[int], str | None]:
+        """A step's new tokens up to the output's end, after `num_generated` committed ones, and the
+        finish reason when they reach it: before an end-of-sequence token (eos), or at max_new_tokens
+        or the context's room (length)."""
+        kept: list[int] = []
+        for t in new_tokens:
+            if t in self.eos:
+                return kept, FINISH_EOS
+            kept.append(t)
+            total = num_generated + len(kept)
+            if total >= self.max_new_tokens or self.num_prompt_tokens + total >= self.max_context - 1:
+                return kept, FINISH_LENGTH
+        return kept, None
+
+    def add(self, kept: list[int], generated: list[int]) -> tuple[int, bool]:
+        """The text of a step's tokens `kept`, committed after `generated`, cut at the first stop
+        string: (how many of `kept` the output keeps, whether a stop string completed)."""
+        self.text += self.detok.add(kept)
+        self.text, is_stopped = self._cut_at_stop(self.text)
+        if not is_stopped or len(kept) <= 1:
+            return len(kept), is_stopped
+        # A step can commit several tokens: keep only those up to the one completing the stop
+        # string, so token_ids match what plain decoding stops at. (Rare: decodes at most a step.)
+        num_kept = next(
+            (k for k in range(1, len(kept) + 1) if self._cut_at_stop(self.tokenizer.decode(generated + kept[:k]))[1]),
+            len(kept),
+        )
+        return num_kept, True
+
+    def ready_text(self, is_final: bool) -> str:
+        """The text that became final since the last call: all of it at the output's end (is_final),
+        else all but a tail that could still become a stop string."""
+        ready = len(self.text) if is_final else len(self.text) - num_held_back_chars(self.text, self.stop)
+        delta = self.text[self.emitted_chars : ready]
+        self.emitted_chars = max(self.emitted_chars, ready)
+        return delta
+
+    def cut_back(self, num_chars: int) -> None:
+        """A step the store refused leaves the text: its first `num_chars` characters stay."""
+        self.text = self.text[:num_chars]
+
+    def end(self, is_flushed: bool) -> str:
+        """The text that became final at the output's end and no step sent: when is_flushed (the
+        output did not end at a stop string or a refused step), first what the detokenizer held
+        back, cut at a stop string."""
+        if is_flushed:
+            self.text = self._cut_at_stop(self.text + self.detok.finish())[0]
+        return self.text[self.emitted_chars :]
+
+    def _cut_at_stop(self, text: str) -> tuple[str, bool]:
+        if not self.stop:
+            return text, False
+        cut = find_stop_string(text, self.stop)
+        return (text, False) if cut is None else (text[:cut], True)
