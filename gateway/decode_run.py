@@ -64,14 +64,14 @@ class DecodeRuns:
         num_prompt_tokens: int,
         max_context: int,
         eos: Set[int],
-        logprobs_request: Mapping[str, Any],
         grammar: GrammarState | None = None,
+        logprobs_request: Mapping[str, Any],
+        decode_run_max: int | None = None,
+        is_run_drafting: bool = True,
+        repeats: RepeatIndex | None = None,
         controller: AdaptiveController | None = None,
         controller_state: ControllerState | None = None,
         known_coverage: KnownCoverage | None = None,
-        repeats: RepeatIndex | None = None,
-        decode_run_max: int | None = None,
-        is_run_drafting: bool = True,
     ) -> None:
         self.request_id, self.params, self.start = request_id, params, start
         self.num_prompt_tokens, self.max_context, self.eos = num_prompt_tokens, max_context, eos

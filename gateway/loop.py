@@ -504,14 +504,14 @@ class RequestLoop:
             num_prompt_tokens=len(self.prompt_ids),
             max_context=self.model.max_context,
             eos=self.eos,
-            logprobs_request=self._logprobs_request(),
             grammar=self.grammar,
+            logprobs_request=self._logprobs_request(),
+            decode_run_max=decode_run_max,
+            is_run_drafting=is_run_drafting,
+            repeats=self.repeats,
             controller=self.controller,
             controller_state=self.controller_state,
             known_coverage=self._known_coverage,
-            repeats=self.repeats,
-            decode_run_max=decode_run_max,
-            is_run_drafting=is_run_drafting,
         )
 
     def _run_start(self) -> RunStart:
