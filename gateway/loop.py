@@ -644,13 +644,11 @@ class RequestLoop:
         """A computed step's tokens, grammar-forced ones added and cut at a stop, committed (their
         write pending) and counted; the finish reason when the step ends the request."""
         num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
-        # one engine step, speculative or plain (a plain one's drafts, DecodeRuns._run_lookup_length, are its own)
-        num_steps = 1
         new_tokens += self._forced_after(new_tokens)
-        for _ in range(num_steps):
-            self._observe(plan, outcomes)
+        # one engine step, speculative or plain (a plain one's drafts, DecodeRuns._run_lookup_length, are its own)
+        self._observe(plan, outcomes)
         kept, finish = self.output.truncate(new_tokens, len(self.generated))
-        self.stats.num_steps += num_steps
+        self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(kept)
         pending = self._commit(
             kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen), logprobs=step_logprobs
