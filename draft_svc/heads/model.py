@@ -387,7 +387,7 @@ class NativeLayer:
         [T, num_cached + T] (True = attend; None: all)."""
         assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.stride() == v_cache.stride()
         assert k_cache.stride(2) == 1 and k_cache.stride(1) == self.head_dim
-        x = u.float().contiguous().clone()
+        x = u.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # the call writes it in place
         positions = positions.to(torch.int64).contiguous()
         cos, sin = self._rotary.covering(int(positions.max()) + 1)
         span = self._native.QSpan()

@@ -33,7 +33,7 @@ from specdec.flags import Flag, add_flags
 from specdec.metrics import RpcMetrics
 from specdec.service.flags import Flags
 from specdec.service.interceptor import ErrorInterceptor
-from specdec.service.server import AddServicerFn, ServerConfig, serve
+from specdec.service.server import AddServicerFn, PortBindError, ServerConfig, serve
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "Bearer "
@@ -250,7 +250,7 @@ def serve_internal(
             registry=registry,
             on_stopped=on_stopped,
         )
-    except OSError as e:
+    except PortBindError as e:
         raise SystemExit(f"error: {e}") from None
 
 

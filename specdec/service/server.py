@@ -37,6 +37,11 @@ SIGNAL_POLL_S = 0.1  # how often serve() looks for a SIGTERM/SIGINT recorded by 
 # The health-check name that stands for the whole server.
 OVERALL_HEALTH = ""
 
+
+class PortBindError(OSError):
+    """The gRPC server's address would not bind: in use, or not an address of this host."""
+
+
 AddServicerFn = Callable[[Any, grpc.Server], None]
 
 
@@ -178,7 +183,7 @@ def add_services(
     except RuntimeError:  # grpcio raises here where older releases returned 0
         port = 0
     if port == 0:
-        raise OSError(f"could not bind the gRPC server to {address} (in use, or not an address of this host)")
+        raise PortBindError(f"could not bind the gRPC server to {address} (in use, or not an address of this host)")
     return [OVERALL_HEALTH, *recorder.names], port
 
 

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from specdec import errors, healthcheck
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.metrics import RpcMetrics
+from specdec.service.server import PortBindError
 from specdec.service import ErrorInterceptor, ServerConfig, create_server, method_name, serve, wait_for_serving
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, validator_pb2, validator_pb2_grpc
 from tests.specdec.service_checks import check_stream_errors_arrive_after_the_messages_sent
@@ -282,7 +283,7 @@ def test_a_port_that_will_not_bind_is_named_and_still_runs_on_stopped() -> None:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
-        with pytest.raises(OSError, match=f"could not bind the gRPC server to 127.0.0.1:{port}"):
+        with pytest.raises(PortBindError, match=f"could not bind the gRPC server to 127.0.0.1:{port}"):
             serve(
                 ServerConfig(port=port),
                 [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
