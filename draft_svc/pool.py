@@ -19,7 +19,8 @@ so bit i always means strategies[i]. Model-based decoders run in parallel in a t
 A request opened with a response_format also gets the grammar-based decoders (grammar-forced
 text), and the pool follows the output with its own grammar state: every candidate is cut before
 its first token the grammar forbids, so no draft leaves the grammar (the primary and validator
-mask the rest).
+mask the rest). The format compiles when the gateway asks (prepare_grammar, beside the request's
+prefill) or at the request's first Propose, whichever comes first, once per format at a time.
 
 A decoder that reads the primary's features (FeatureConsumer, draft_svc/strategies/base.py) gets
 those a Propose carries (the latest verify's rows of committed tokens, or the prefill's last row)
@@ -67,6 +68,7 @@ from specdec.speculation_bounds import (
 )
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
 from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
+from specdec.grammar.compiling import Grammars, GrammarSettings
 from specdec.model.llama import Transformer
 from specdec.propose_args import ProposeArgs
 from specdec.request_id import check_request_id
@@ -198,7 +200,9 @@ class DraftPool:
             raise ValueError(f"strategies {sorted(missing)} have no registered decoder (have {sorted(offered)})")
         self.config = config
         self._model_free, self._model_based, self._models = model_free, model_based, models
-        self._grammar_based, self._grammars = grammar_based, grammars
+        self._grammar_based = grammar_based
+        # One compile per format at a time, shared by PrepareGrammar and the request's first Propose.
+        self._grammars = None if grammars is None else Grammars(grammars, GrammarSettings(num_compile_threads=1))
         self._prediction_based = prediction_based
         self._suffix_index = suffix_index
         self._refusal = refusal or _never_refused
@@ -220,6 +224,16 @@ class DraftPool:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._grammars is not None:
+            self._grammars.close()
+
+    def prepare_grammar(self, response_format: ResponseFormat) -> None:
+        """Compile `response_format` into the grammar cache (or wait for its compile under way), so
+        that the first Propose of a request with it finds it ready. InvalidArgument for a bad schema
+        or a pool without grammars; ResourceExhausted past max_compile_s (it goes on compiling)."""
+        if self._grammars is None:
+            raise InvalidArgument("response_format", "this draft pool serves no grammars (no tokenizer configured)")
+        self._grammars.compile(response_format)
 
     def offered_strategies(self) -> tuple[str, ...]:
         """The strategies a request may name now: the configured ones less those refused (a feature

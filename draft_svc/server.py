@@ -53,6 +53,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self._metrics.requests.set(self._pool.num_requests)
         return draft_pb2.DraftServiceReleaseResponse()
 
+    def PrepareGrammar(
+        self, request: draft_pb2.PrepareGrammarRequest, context: grpc.ServicerContext
+    ) -> draft_pb2.PrepareGrammarResponse:
+        response_format = pb.response_format_from_pb(request.response_format)
+        if response_format is None:
+            raise InvalidArgument("response_format.type", "names no grammar (TYPE_JSON_SCHEMA or TYPE_JSON_OBJECT)")
+        self._pool.prepare_grammar(response_format)
+        return draft_pb2.PrepareGrammarResponse()
+
     def GetPoolInfo(
         self, request: draft_pb2.GetPoolInfoRequest, context: grpc.ServicerContext
     ) -> draft_pb2.GetPoolInfoResponse:

@@ -496,6 +496,11 @@ class Backends:
             {p.strategy: tuple(p.acceptance_by_depth) for p in r.acceptance_priors},
         )
 
+    async def prepare_grammar(self, response_format: ResponseFormat) -> None:
+        """Have the draft pool compile a request's response format before its first Propose."""
+        request = draft_pb2.PrepareGrammarRequest(response_format=pb.response_format_to_pb(response_format))
+        await self._call("draft", self.draft.PrepareGrammar, request)
+
     async def release_draft(self, request_id: str, is_finished: bool) -> None:
         await self._call(
             "draft",

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from gateway.cost_model import CostSettings
-from gateway.grammars import GrammarSettings
+from specdec.grammar.compiling import GrammarSettings
 from gateway.node_pool import NodePoolConfig
 from gateway.nodes import NodeSpec, parse_nodes, split_host_port
 from gateway.routing import LoadLimits

@@ -94,7 +94,7 @@ from specdec.candidates import (
     stats_name,
 )
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, Unavailable
-from specdec.grammar import GrammarState
+from specdec.grammar import GrammarState, ResponseFormat
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import Tokenizer
@@ -420,6 +420,7 @@ class RequestLoop:
         self.carry: tuple[str, tuple[int, ...]] | None = None
         self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
+        self.grammar_preparation: asyncio.Future | None = None  # the draft pool compiling the response format
 
     def _init_calls(
         self,
@@ -572,6 +573,7 @@ class RequestLoop:
             step_end[0] = time.perf_counter()
 
         try:
+            self.grammar_preparation = self._prepare_draft_grammar()
             await self._prefill()
             while True:
                 if finish is None:
@@ -846,6 +848,26 @@ class RequestLoop:
         return None
 
     # --- steps ---------------------------------------------------------------------------------
+
+    def _prepare_draft_grammar(self) -> asyncio.Future | None:
+        """The draft pool's compile of the request's response format, begun beside the prefill so that
+        the first speculative step's Propose finds it compiled instead of compiling on that step's path
+        (a new schema: docs/benchmarks.md, "Per-step overheads"). Best effort: a Propose compiles what
+        it does not find, and reports a bad schema itself."""
+        if (
+            self.params.response_format is None
+            or not self.params.speculation.is_enabled
+            or self.is_draft_open
+            or not self.draft_state.is_up
+        ):
+            return None
+        return asyncio.ensure_future(self._prepared_grammar(self.params.response_format))
+
+    async def _prepared_grammar(self, response_format: ResponseFormat) -> None:
+        with contextlib.suppress(Exception):  # down, hung or refusing: the first Propose will say
+            await self.call_deadlines.call(
+                "draft.PrepareGrammar", self.backends.prepare_grammar(response_format), self._remaining_s()
+            )
 
     async def _prefill(self) -> None:
         t = time.perf_counter()
@@ -1184,6 +1206,8 @@ class RequestLoop:
             FINISH_ERROR: RequestStatus.FAILED,
             FINISH_DEADLINE: RequestStatus.CANCELLED,
         }.get(finish, RequestStatus.FINISHED)
+        if self.grammar_preparation is not None:
+            self.grammar_preparation.cancel()
         controller = None if self.controller_state is None else self.controller_state.to_dict()
         await self.record.finish(status, finish, error, self.stats.to_dict(), controller)
         with contextlib.suppress(Exception):  # a run still streaming (a stop string, a cancel) ends first

@@ -34,7 +34,7 @@ from gateway.backends import Backends
 from gateway.config import GatewayConfig
 from gateway.fenced_store import OwnerFencedStore
 from gateway.follow import follow, is_orphaned
-from gateway.grammars import Grammars
+from specdec.grammar.compiling import Grammars
 from gateway.loop import RequestLoop
 from gateway.owner_id import OwnerId
 from gateway.owner_probe import OwnerProbe

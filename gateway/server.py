@@ -42,7 +42,7 @@ from gateway.controller import ControllerConfig
 from gateway.acceptance_memory import AcceptanceMemory
 from gateway.cost_model import cost_model_for
 from gateway.step_costs import StepCosts
-from gateway.grammars import Grammars
+from specdec.grammar.compiling import Grammars
 from gateway.loop import RequestLoop
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.node_pool import Node, NodePool

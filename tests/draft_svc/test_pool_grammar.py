@@ -12,7 +12,7 @@ from specdec.propose_args import ProposeArgs
 from draft_svc.strategies.base import Candidate, DecoderRegistry
 from draft_svc.strategies.grammar_forced import register_grammar_decoder
 from specdec.errors import InvalidArgument
-from specdec.grammar import ResponseFormat
+from specdec.grammar import GrammarCache, ResponseFormat
 from tests.schemas import NAME_AGE_SCHEMA
 
 PERSON = ResponseFormat("json_schema", NAME_AGE_SCHEMA)
@@ -91,3 +91,27 @@ def test_a_bad_schema_is_refused_naming_the_field(grammar_cache):
     with pytest.raises(InvalidArgument) as e:
         pool.propose(ProposeArgs("r", prompt_token_ids=PROMPT, response_format=ResponseFormat("json_schema", "{")))
     assert e.value.field == "response_format.json_schema"
+
+
+def test_a_prepared_format_is_compiled_once_and_the_first_propose_finds_it(grammar_cache):
+    """PrepareGrammar (beside the request's prefill) compiles the format; the request's first Propose
+    and its grammar decoder then find it compiled."""
+    cache = GrammarCache(grammar_cache.tokenizer_info)
+    pool = make_pool(cache, ())
+    pool.prepare_grammar(PERSON)
+    assert (cache.num_misses, cache.num_cached) == (1, 1)
+    pool.propose(ProposeArgs("r", prompt_token_ids=PROMPT, strategies=("grammar",), response_format=PERSON))
+    assert cache.num_misses == 1 and cache.num_hits >= 1
+    with pytest.raises(InvalidArgument) as e:
+        pool.prepare_grammar(ResponseFormat("json_schema", '{"type": "object", "properties": 3}'))
+    assert e.value.field == "response_format.json_schema"
+
+
+def test_a_pool_without_grammars_refuses_to_prepare_one():
+    config = PoolConfig(strategies=("lookup",), default_strategies=("lookup",))
+    free = DecoderRegistry()
+    free.register("lookup", functools.partial(Fixed, ()))
+    pool = DraftPool(config, free, DecoderRegistry(), Models())
+    with pytest.raises(InvalidArgument) as e:
+        pool.prepare_grammar(PERSON)
+    assert e.value.field == "response_format"

@@ -515,3 +515,26 @@ def test_propose_hands_features_inline_or_from_a_logits_slot_to_the_pool(draft, 
     assert seen[1].feature_position == 10 and np.array_equal(seen[1].features, rows.half().float().numpy()[[0, 2]])
     assert seen[2].feature_position == 12 and np.array_equal(seen[2].features, rows.half().float().numpy()[:1])
     stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r"))
+
+
+@pytest.mark.parametrize(
+    ("response_format", "field"),
+    [
+        (common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_TEXT), "response_format.type"),
+        (common_pb2.ResponseFormat(type=99), "response_format.type"),
+        (
+            common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_TEXT, json_schema="{}"),
+            "response_format.json_schema",
+        ),
+        # a pool started without grammar strategies has no tokenizer to compile with
+        (
+            common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema="{}"),
+            "response_format",
+        ),
+    ],
+)
+def test_prepare_grammar_errors_name_the_field(draft, response_format, field):
+    stub, pool, attacher = draft
+    request = draft_pb2.PrepareGrammarRequest(response_format=response_format)
+    code, details = _code_and_details(lambda: stub.PrepareGrammar(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field + ":"), details

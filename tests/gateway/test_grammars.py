@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gateway.grammars import Grammars, GrammarSettings
+from specdec.grammar.compiling import Grammars, GrammarSettings
 from specdec.errors import InvalidArgument, ResourceExhausted
 from specdec.grammar import ResponseFormat
 

@@ -61,6 +61,7 @@ class TargetBackends:
     other_step_rows: int = 0  # the primary's load as Backends keeps it (an idle primary)
     num_decodes: int = 0
     num_grammar_runs: int = 0  # of which carried the response format (a run)
+    prepared: list[ResponseFormat] = dataclasses.field(default_factory=list)  # PrepareGrammar calls
 
     async def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
         self.context = list(token_ids)
@@ -125,6 +126,10 @@ class TargetBackends:
         if not chain:
             return EMPTY_TREE
         return DraftTree(chain, tuple(range(-1, len(chain) - 1)), (1,) * len(chain), ("prompt_lookup",), {}, 0.0)
+
+    async def prepare_grammar(self, response_format) -> None:
+        assert self.num_drafted_context == 0, "asked after the request's first Propose"
+        self.prepared.append(response_format)
 
     async def release_primary(self, request_id) -> None:
         pass
@@ -192,6 +197,19 @@ def test_forced_tokens_join_the_commit_and_the_output_equals_plain_decoding(
         assert loop.stats.num_forced_tokens <= sum(FORCED.values()) and loop.stats.num_accepted > 0
         num_gained = loop.stats.num_accepted + loop.stats.num_forced_tokens  # beyond a token a step
         assert loop.stats.num_steps <= plain.stats.num_steps - num_gained
+
+
+@pytest.mark.parametrize("is_enabled", [False, True])
+def test_the_draft_pool_compiles_the_format_beside_the_prefill_when_speculation_may_draft(
+    grammar_cache, tokenizer, target, is_enabled
+):
+    """A speculative request with a response format asks the draft pool to compile it before its
+    first Propose (the compile is off the first speculative step's path); one with speculation off
+    never calls the pool."""
+    backends = TargetBackends(target, draft_length=2)
+    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=is_enabled)
+    assert loop.outcome.token_ids == target[:-1]
+    assert backends.prepared == ([ResponseFormat("json_schema", PERSON_SCHEMA)] if is_enabled else [])
 
 
 def test_plain_steps_under_a_grammar_decode_runs_that_the_primary_masks(grammar_cache, tokenizer, target):

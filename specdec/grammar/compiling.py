@@ -1,12 +1,14 @@
-"""Response formats compiled for the gateway's requests, within a deadline.
+"""Response formats compiled for requests, within a deadline, one compile per schema at a time.
 
-A schema compiles once (then the LRU in specdec.grammar.GrammarCache serves it), usually in tens
-of milliseconds, but xgrammar's worst case on this CPU was 66 s for one schema of the json
+A schema compiles once (then the LRU in specdec.grammar.GrammarCache serves it), usually in a few
+to tens of milliseconds, but xgrammar's worst case on this CPU was 66 s for one schema of the json
 prompts (long bounded repetitions). A request must not hang on that: the compile runs on a
 worker thread and the request waits at most `max_compile_s` (or its own deadline, if sooner),
 then gets RESOURCE_EXHAUSTED naming response_format.json_schema. The compile goes on in the
 background and lands in the cache, so a retry of the same schema is served at once; concurrent
-requests for one schema share one compile.
+callers for one schema share one compile. The gateway compiles each request's format here before
+anything is stored; the draft pool compiles its own copy here too, from the gateway's early
+PrepareGrammar call or at the request's first Propose, whichever comes first.
 """
 
 from __future__ import annotations
