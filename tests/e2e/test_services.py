@@ -96,3 +96,17 @@ def test_node_client_streams_a_generation(stack):
     generated = [t for m in messages for t in m.get("token_ids", [])]
     assert 0 < len(generated) <= 12
     assert int(messages[-1]["stats"]["num_generated_tokens"]) == len(generated)
+
+
+def test_a_gateway_whose_port_is_taken_exits_with_one_line_naming_it(stack, tmp_path):
+    """Started on the running gateway's own port: a one-line error naming the address, exit code 1,
+    no traceback (as the internal services do)."""
+    argv = list(stack._get("gateway").argv)
+    argv[argv.index("--metrics_port") + 1] = "0"
+    address = stack.gateway_address
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=stack._env())
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"error: could not bind the gRPC server to {address} (in use, or not an address of this host)"
+    )
+    assert "Traceback" not in done.stderr
