@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import math
 import threading
 import time
@@ -108,5 +109,10 @@ class CallDeadlines:
             raise DeadlineExceeded(
                 service, f"{rpc} did not answer within {timeout_s:.2f} s (hung?)", dependency=service
             ) from None
+        finally:
+            # A call that never ran (its event loop shutting down, e.g. a request ended at exit) is
+            # closed here, not left to the garbage collector's "never awaited" warning.
+            if inspect.iscoroutine(call) and inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
+                call.close()
         self.observe(rpc, self._clock() - start)
         return result
