@@ -202,7 +202,7 @@ class DraftPool:
         self._model_free, self._model_based, self._models = model_free, model_based, models
         self._grammar_based = grammar_based
         # One compile per format at a time, shared by PrepareGrammar and the request's first Propose.
-        self._grammars = None if grammars is None else Grammars(grammars, GrammarSettings(num_compile_threads=1))
+        self._grammars = None if grammars is None else Grammars(grammars, GrammarSettings())
         self._prediction_based = prediction_based
         self._suffix_index = suffix_index
         self._refusal = refusal or _never_refused
