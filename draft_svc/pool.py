@@ -20,7 +20,11 @@ A request opened with a response_format also gets the grammar-based decoders (gr
 text), and the pool follows the output with its own grammar state: every candidate is cut before
 its first token the grammar forbids, so no draft leaves the grammar (the primary and validator
 mask the rest). The format compiles when the gateway asks (prepare_grammar, beside the request's
-prefill) or at the request's first Propose, whichever comes first, once per format at a time.
+prefill) or at the request's first Propose, whichever comes first, once per format at a time. A
+first Propose waits for that compile at most OPEN_GRAMMAR_WAIT_S: a schema that takes longer (up to
+seconds) must not hold the call past the gateway's deadline for the pool, which would count as a
+hung pool for every request. The request then drafts without its grammar until a later Propose finds
+the compile done and catches the grammar up on the output so far.
 
 A decoder that reads the primary's features (FeatureConsumer, draft_svc/strategies/base.py) gets
 those a Propose carries (the latest verify's rows of committed tokens, or the prefill's last row)
@@ -46,7 +50,8 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
 import numpy as np
@@ -67,12 +72,16 @@ from specdec.speculation_bounds import (
     check_speculation_bounds,
 )
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
-from specdec.grammar import GrammarCache, GrammarState, ResponseFormat
+from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, ResponseFormat
 from specdec.grammar.compiling import Grammars, GrammarSettings
 from specdec.model.llama import Transformer
 from specdec.propose_args import ProposeArgs
 from specdec.request_id import check_request_id
 from specdec.strategies import MODEL_FREE_DEFAULTS
+
+# How long a Propose that opens a request waits for its schema's compile (module doc); a compile
+# takes 3-10 ms for most schemas, and the gateway's deadline for a Propose is 2 s or more.
+OPEN_GRAMMAR_WAIT_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,6 +165,7 @@ class _Request:
     model_instance: dict[str, str] = dataclasses.field(default_factory=dict)  # decoder -> its weights' instance
     response_format: ResponseFormat | None = None
     grammar: GrammarState | None = None  # at the end of the committed output: cuts candidates that leave it
+    compiling: Future[CompiledGrammar] | None = None  # the response format's compile, still under way at the open
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     last_used: float = 0.0
     lookahead_source: str | None = None  # the decoder whose lookahead rows the last proposal carried
@@ -255,6 +265,7 @@ class DraftPool:
             features = self._checked_features(args, num_tokens)
             if not is_new:
                 self._extend(request, args.new_token_ids)
+            self._attach_grammar(request)
             request.features = features
             try:
                 self._observe_features(request.features, request.decoders.values())
@@ -321,13 +332,13 @@ class DraftPool:
     def _request_for(self, args: ProposeArgs) -> tuple[_Request, bool]:
         """The request's state, and whether this call created it (from prompt + new tokens)."""
         c = self.config
-        grammar = None
+        grammar, compiling = None, None
         if args.prompt_token_ids:
             if len(args.prompt_token_ids) + len(args.new_token_ids) > c.max_context_tokens:
                 raise InvalidArgument("prompt_token_ids", f"context exceeds {c.max_context_tokens} tokens")
             # Outside the pool's lock: a schema's first compile takes tens of ms, and every other
             # request's Propose would wait for it.
-            grammar = self._grammar_state(args)
+            grammar, compiling = self._grammar_state(args)
         now = time.monotonic()
         with self._lock:
             self._drop_idle(now)
@@ -343,6 +354,7 @@ class DraftPool:
                     last_used=now,
                     response_format=args.response_format,
                     grammar=grammar,
+                    compiling=compiling,
                     prediction_token_ids=args.prediction_token_ids,
                 )
                 self._requests[args.request_id] = request
@@ -357,16 +369,41 @@ class DraftPool:
             request.last_used = now
         return request, False
 
-    def _grammar_state(self, args: ProposeArgs) -> GrammarState | None:
-        """The pool's grammar state of a new request, past the output tokens it was opened with."""
+    def _grammar_state(self, args: ProposeArgs) -> tuple[GrammarState | None, Future[CompiledGrammar] | None]:
+        """The pool's grammar state of a new request, past the output tokens it was opened with; or,
+        while its compile runs past OPEN_GRAMMAR_WAIT_S, that compile (_attach_grammar takes it up)."""
         if args.response_format is None:
-            return None
+            return None, None
         if self._grammars is None:
             raise InvalidArgument("response_format", "this draft pool serves no grammars (no tokenizer configured)")
-        state = self._grammars.compile(args.response_format).new_state()  # InvalidArgument for a bad schema
+        compiling = self._grammars.start(args.response_format)
+        try:
+            compiled = compiling.result(timeout=OPEN_GRAMMAR_WAIT_S)  # InvalidArgument for a bad schema
+        except FutureTimeout:
+            self._log.info("draft_grammar_compiling", wait_s=OPEN_GRAMMAR_WAIT_S)
+            return None, compiling
+        state = compiled.new_state()
         if not state.accept_tokens(args.new_token_ids):
             raise InvalidArgument("new_token_ids", "the committed output does not follow response_format")
-        return state
+        return state, None
+
+    def _attach_grammar(self, request: _Request) -> None:
+        """The grammar of a request opened while its schema compiled, once the compile is done, caught
+        up on the output so far; its grammar-based decoders join from then on (_decoder)."""
+        compiling = request.compiling
+        if compiling is None or not compiling.done():
+            return
+        request.compiling = None
+        try:
+            state = compiling.result().new_state()
+        except Exception as e:  # noqa: BLE001 - a schema the gateway took but this pool cannot compile
+            self._log.warning("draft_grammar_failed", error=str(e))
+            request.response_format = None  # no grammar-based decoders; the gateway masks as before
+            return
+        if state.accept_tokens(request.token_ids[request.num_prompt_tokens :]):
+            request.grammar = state
+        else:  # as in _extend: the committed output left the grammar, so nothing is filtered
+            self._log.warning("draft_output_left_grammar", num_tokens=len(request.token_ids))
 
     def _drop_idle(self, now: float) -> None:
         while self._requests:
@@ -501,7 +538,7 @@ class DraftPool:
                 request.model_instance[name] = instance_id
                 self._observe_features(request.features, [request.decoders[name]])
         elif name in self._grammar_based:
-            if request.response_format is None:
+            if request.response_format is None or request.compiling is not None:
                 return None
             if name not in request.decoders:
                 request.decoders[name] = self._grammar_based.create(

@@ -53,8 +53,9 @@ class Grammars:
         """A fresh grammar state for one request; `deadline` is a time.monotonic() bound (the call's)."""
         return self.compile(response_format, deadline).new_state()
 
-    def compile(self, response_format: ResponseFormat, deadline: float | None = None) -> CompiledGrammar:
-        """Raises InvalidArgument (bad schema) or ResourceExhausted (compile too slow)."""
+    def start(self, response_format: ResponseFormat) -> Future[CompiledGrammar]:
+        """The compile of `response_format`, begun now or the one under way (a cached format's is
+        done at once, or nearly). Its result raises InvalidArgument for a bad schema."""
         with self._lock:
             future = self._compiling.get(response_format)
             is_new = future is None
@@ -63,6 +64,11 @@ class Grammars:
                 self._compiling[response_format] = future
         if is_new:  # outside the lock: a future already done runs the callback right here
             future.add_done_callback(lambda _: self._done(response_format))
+        return future
+
+    def compile(self, response_format: ResponseFormat, deadline: float | None = None) -> CompiledGrammar:
+        """Raises InvalidArgument (bad schema) or ResourceExhausted (compile too slow)."""
+        future = self.start(response_format)
         wait_s = self.settings.max_compile_s
         if deadline is not None:
             wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))

@@ -4,6 +4,7 @@ token the grammar forbids (candidates are cut at the first one). Real tokenizer 
 from __future__ import annotations
 
 import functools
+import threading
 
 import pytest
 
@@ -115,3 +116,35 @@ def test_a_pool_without_grammars_refuses_to_prepare_one():
     with pytest.raises(InvalidArgument) as e:
         pool.prepare_grammar(PERSON)
     assert e.value.field == "response_format"
+
+
+def test_a_request_opened_while_its_schema_compiles_gets_the_grammar_once_compiled(grammar_cache, tokenizer):
+    """A compile longer than OPEN_GRAMMAR_WAIT_S: the opening Propose drafts without the grammar (the
+    lookup's off-grammar text uncut, no grammar drafts); a later one finds it compiled and catches the
+    grammar up on the output committed meanwhile."""
+    release = threading.Event()
+
+    class SlowCache(GrammarCache):
+        def compile(self, response_format):
+            release.wait(10)
+            return super().compile(response_format)
+
+    off_grammar = tuple(tokenizer.encode("Sure! Here"))
+    pool = make_pool(SlowCache(grammar_cache.tokenizer_info), off_grammar)
+    strategies = ("grammar", "lookup")
+    try:
+        first = pool.propose(
+            ProposeArgs("r", prompt_token_ids=PROMPT, strategies=strategies, draft_length=8, response_format=PERSON)
+        )
+        assert first.tree.token_ids == off_grammar and pool._requests["r"].grammar is None
+    finally:
+        release.set()
+    pool._requests["r"].compiling.result(timeout=10)
+    written = tuple(tokenizer.encode('{"name": "Al'))
+    pool.propose(ProposeArgs("r", new_token_ids=written, strategies=strategies, draft_length=8))
+    request = pool._requests["r"]
+    assert request.grammar is not None and request.grammar.num_tokens == len(written)
+    # after `ice", ` the grammar forces the next key, and refuses the lookup's text
+    step = pool.propose(ProposeArgs("r", new_token_ids=tuple(tokenizer.encode('ice", ')), strategies=strategies))
+    assert tokenizer.decode(step.tree.token_ids) == '"age":'  # the grammar's key; the lookup's text cut
+    assert {d.name: d.num_proposed for d in step.decoder_steps}["lookup"] == 0
