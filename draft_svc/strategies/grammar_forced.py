@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from draft_svc.strategies.base import Candidate, DecoderRegistry, validate_propose_args
-from draft_svc.strategies.spellings import Spelling, SpellingMemory
+from draft_svc.strategies.spellings import SharedSpellings, Spelling, SpellingMemory
 from specdec.grammar import GrammarCache, ResponseFormat
 
 
@@ -52,7 +52,12 @@ class GrammarForcedDecoder:
     name: ClassVar[str] = "grammar"
 
     def __init__(
-        self, grammars: GrammarCache, *, response_format: ResponseFormat, num_prompt_tokens: int | None = None
+        self,
+        grammars: GrammarCache,
+        *,
+        response_format: ResponseFormat,
+        num_prompt_tokens: int | None = None,
+        shared_spellings: SharedSpellings | None = None,
     ) -> None:
         if num_prompt_tokens is not None and num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
@@ -61,6 +66,7 @@ class GrammarForcedDecoder:
         tokenizer = grammars.tokenizer_info.tokenizer
         self._decode, self._encode = tokenizer.decode, tokenizer.encode
         self._spellings = SpellingMemory(tokenizer.encode, tokenizer.decode)
+        self._shared = shared_spellings  # the pool's requests' spellings, for texts this one has not spelled
         # The forced text where the current forced run began, and the tokens the model wrote since.
         self._run: tuple[str, list[int]] | None = None
         self._num_prompt_tokens = num_prompt_tokens
@@ -93,6 +99,8 @@ class GrammarForcedDecoder:
                 run_ids.append(token_id)
                 if len(self._decode(run_ids)) >= len(forced_text):
                     self._spellings.observe(forced_text, run_ids)
+                    if self._shared is not None:
+                        self._shared.observe(forced_text, run_ids)
                     self._run = None
         return True
 
@@ -104,7 +112,7 @@ class GrammarForcedDecoder:
         if not forced_text:
             return ()
         candidates: list[Candidate] = []
-        for spelling in self._spellings.spellings(forced_text, max_candidates):
+        for spelling in self._learned_spellings(forced_text, max_candidates):
             token_ids = self._draft(spelling, max_tokens)
             if token_ids and all(c.token_ids != token_ids for c in candidates):
                 candidates.append(Candidate(self.name, token_ids, rank=len(candidates)))
@@ -116,6 +124,14 @@ class GrammarForcedDecoder:
                     if len(candidates) == max_candidates:
                         break
         return tuple(candidates)
+
+    def _learned_spellings(self, forced_text: str, max_candidates: int) -> list[Spelling]:
+        """The request's own spellings of `forced_text`; where it has none but the canonical one, the
+        spellings other requests taught the pool (the canonical one among them as the memory puts it)."""
+        own = self._spellings.spellings(forced_text, max_candidates)
+        if self._shared is None or any(s.token_ids != tuple(self._encode(forced_text)) for s in own):
+            return own
+        return self._shared.spellings(forced_text, max_candidates)
 
     def _first_piece_spellings(self, forced_text: str) -> list[Spelling]:
         """Each token the grammar allows first that spells a proper prefix of `forced_text`, shortest
@@ -151,7 +167,14 @@ class GrammarForcedDecoder:
         return is_completed
 
 
-def register_grammar_decoder(registry: DecoderRegistry, grammars: GrammarCache) -> None:
+def register_grammar_decoder(
+    registry: DecoderRegistry, grammars: GrammarCache, is_sharing_spellings: bool = True
+) -> None:
     """Offer "grammar" in `registry`; the pool creates one per request with
-    `registry.create("grammar", response_format=..., num_prompt_tokens=...)`."""
-    registry.register(GrammarForcedDecoder.name, functools.partial(GrammarForcedDecoder, grammars))
+    `registry.create("grammar", response_format=..., num_prompt_tokens=...)`. With
+    `is_sharing_spellings` its requests learn spellings from one another (SharedSpellings)."""
+    tokenizer = grammars.tokenizer_info.tokenizer
+    shared = SharedSpellings(tokenizer.encode, tokenizer.decode) if is_sharing_spellings else None
+    registry.register(
+        GrammarForcedDecoder.name, functools.partial(GrammarForcedDecoder, grammars, shared_spellings=shared)
+    )

@@ -1,4 +1,4 @@
-"""How the model spells grammar-forced text, learned per request.
+"""How the model spells grammar-forced text, learned per request and across requests.
 
 Under a grammar mask the model does not always write forced text (keys, `": "`) with the canonical
 tokens of its tokenizer: it takes the allowed token it likes best, and when its favourite is forbidden
@@ -6,7 +6,10 @@ that is often a short piece, so `clean` comes out as `cl`, `e`, `a`, `n`. A draf
 tokens then fails at the first token. The model is consistent within a request, though: a key it
 wrote in pieces once, it writes in the same pieces the next time (the next object of an array, the
 next call of a function). So the pool remembers, per request, the tokens the model used for each
-forced text, and proposes those spellings beside the canonical one, most used first.
+forced text, and proposes those spellings beside the canonical one, most used first. Requests share
+much of their forced text too (the same tool's schema, `{"` at an output's start, `": "`), so the
+pool also keeps one memory of every request's spellings (SharedSpellings), which a request consults
+for a text it has not spelled itself.
 
     # E.g. the model wrote `{"` `cl` `e` `a` `n` `":` ` true` where `{"clean": ` was forced:
     #   observe('{"clean": ', those tokens) remembers '{"clean":' -> ({", cl, e, a, n, ":)
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 
 DEFAULT_MAX_TEXTS = 256  # remembered texts per request (least recently used dropped first)
 DEFAULT_MAX_SPELLINGS = 4  # remembered spellings per text
+DEFAULT_MAX_SHARED_TEXTS = 4096  # remembered texts across requests
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +84,9 @@ class SpellingMemory:
             suffix_text = texts[num_spelled][len(texts[start]) :]
             if suffix_text and self._decode(spelled[start:]) == suffix_text:  # whole characters only
                 self._remember(suffix_text, spelled[start:])
+        for end in range(2, num_spelled):  # and each prefix of two tokens or more
+            if self._decode(spelled[:end]) == texts[end]:
+                self._remember(texts[end], spelled[:end])
         return spelled
 
     def spellings(self, forced_text: str, max_spellings: int) -> list[Spelling]:
@@ -130,3 +138,29 @@ class SpellingMemory:
 def _add(result: list[Spelling], spelling: Spelling) -> None:
     if spelling.token_ids and all(s.token_ids != spelling.token_ids for s in result):
         result.append(spelling)
+
+
+class SharedSpellings:
+    """A SpellingMemory of every request's spellings, for the pool's requests at once (thread-safe)."""
+
+    def __init__(
+        self,
+        encode: Callable[[str], Sequence[int]],
+        decode: Callable[[Sequence[int]], str],
+        *,
+        max_texts: int = DEFAULT_MAX_SHARED_TEXTS,
+    ) -> None:
+        self._memory = SpellingMemory(encode, decode, max_texts=max_texts)
+        self._lock = threading.Lock()
+
+    @property
+    def num_texts(self) -> int:
+        return self._memory.num_texts
+
+    def observe(self, forced_text: str, token_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._memory.observe(forced_text, token_ids)
+
+    def spellings(self, forced_text: str, max_spellings: int) -> list[Spelling]:
+        with self._lock:
+            return self._memory.spellings(forced_text, max_spellings)

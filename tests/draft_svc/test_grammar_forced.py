@@ -132,6 +132,32 @@ def test_proposes_the_models_own_spelling_of_a_repeated_key_first(grammars, toke
     assert [tokenizer.decode(c.token_ids) for c in decoder.propose(3, max_candidates=2)] == [' {"cle', ' {"clean":']
 
 
+def test_a_request_drafts_the_spellings_other_requests_taught_the_pool(grammars, tokenizer):
+    """Two requests of one registry (one pool): the first wrote its output's opening `{"name": "` as
+    `{` `"` `name` `":` ` "`; the second, which has spelled nothing yet, drafts that spelling first
+    (the model's own last token too). Without sharing it drafts the canonical tokens, the last held
+    back."""
+    registry = DecoderRegistry()
+    register_grammar_decoder(registry, grammars)
+    first = registry.create("grammar", response_format=PERSON)
+    first.extend(PROMPT_IDS)
+    for piece in ["{", '"', "name", '":', ' "Al']:
+        first.extend(tokenizer.encode(piece))
+    second = registry.create("grammar", response_format=PERSON)
+    second.extend(PROMPT_IDS)
+    [best] = second.propose(16)
+    assert [tokenizer.decode([t]) for t in best.token_ids] == ["{", '"', "name", '":', ' "']
+    alone = DecoderRegistry()
+    register_grammar_decoder(alone, grammars, is_sharing_spellings=False)
+    taught = alone.create("grammar", response_format=PERSON)
+    taught.extend(PROMPT_IDS)
+    for piece in ["{", '"', "name", '":', ' "Al']:
+        taught.extend(tokenizer.encode(piece))
+    unshared = alone.create("grammar", response_format=PERSON)
+    unshared.extend(PROMPT_IDS)
+    assert _texts(tokenizer, unshared.propose(16)) == ['{"name":'] and len(unshared.propose(16)[0].token_ids) == 3
+
+
 def test_output_outside_the_grammar_silences_the_decoder(grammars, tokenizer):
     decoder = GrammarForcedDecoder(grammars, response_format=PERSON)
     decoder.extend(PROMPT_IDS)

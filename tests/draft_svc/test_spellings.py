@@ -8,7 +8,7 @@ import pytest
 from draft_svc.strategies.spellings import Spelling, SpellingMemory
 
 # A toy vocabulary: canonical encoding is greedy longest match, decoding concatenates.
-PIECES = ['{"', '"', "clean", "cl", "e", "a", "n", '":', ' "', " true", ', "', "dry", "d", "ry", " ", ":", "}"]
+PIECES = ['{"', "{", '"', "clean", "cl", "e", "a", "n", '":', ' "', " true", ', "', "dry", "d", "ry", " ", ":", "}"]
 IDS = {piece: i for i, piece in enumerate(PIECES)}
 
 
@@ -43,8 +43,9 @@ def test_observe_keeps_the_tokens_inside_the_forced_text_and_their_suffixes(memo
     # Forced `{"clean": `; the model wrote {" cl e a n ": then ` true` (reaching into free text).
     spelled = memory.observe('{"clean": ', ids('{"', "cl", "e", "a", "n", '":', " true"))
     assert spelled == ids('{"', "cl", "e", "a", "n", '":')
-    # the whole spelling and each suffix at a token boundary: 6 texts
-    assert memory.num_texts == 6
+    # the whole spelling and each suffix at a token boundary (6 texts), and each prefix of two tokens
+    # or more short of the whole (4: `{"cl` ... `{"clean`)
+    assert memory.num_texts == 10
     # Later `clean": ` is forced (the `{"` already written): the learned pieces first, then the
     # canonical rest ` ` after them; the canonical spelling last.
     assert memory.spellings('clean": ', 3) == [
@@ -60,6 +61,14 @@ def test_observe_keeps_the_tokens_inside_the_forced_text_and_their_suffixes(memo
     ]
     # The whole forced text spelled by the model: its last token is the model's, not canonical.
     assert memory.spellings('{"clean":', 1) == [Spelling(ids('{"', "cl", "e", "a", "n", '":'), False)]
+
+
+def test_how_the_model_began_one_forced_text_spells_the_start_of_another(memory):
+    """An output's opening `{"` the model wrote as `{` `"` before one key: the next output opening with
+    another key gets the model's two pieces, then the canonical rest (a prefix of the spelling)."""
+    memory.observe('{"dry": ', ids("{", '"', "dry", '":', " true"))
+    assert memory.spellings('{"clean": ', 1) == [Spelling(ids("{", '"', "clean", '":', " "), True)]
+    assert memory.spellings('{"clean": ', 2)[1] == Spelling(ids('{"', "clean", '":', " "), True)  # canonical
 
 
 def test_the_longest_remembered_prefix_and_the_most_used_spelling_come_first(memory):
