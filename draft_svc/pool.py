@@ -76,7 +76,7 @@ from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, Respons
 from specdec.grammar.compiling import Grammars, GrammarSettings
 from specdec.model.llama import Transformer
 from specdec.propose_args import ProposeArgs
-from specdec.request_id import check_request_id
+from specdec.request_id import check_request_id, tenant_of
 from specdec.strategies import MODEL_FREE_DEFAULTS
 
 # How long a Propose that opens a request waits for its schema's compile (module doc); a compile
@@ -166,6 +166,7 @@ class _Request:
     response_format: ResponseFormat | None = None
     grammar: GrammarState | None = None  # at the end of the committed output: cuts candidates that leave it
     compiling: Future[CompiledGrammar] | None = None  # the response format's compile, still under way at the open
+    tenant: str = ""  # of its id (specdec.request_id.tenant_of): what its decoders may learn from others
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     last_used: float = 0.0
     lookahead_source: str | None = None  # the decoder whose lookahead rows the last proposal carried
@@ -355,6 +356,7 @@ class DraftPool:
                     response_format=args.response_format,
                     grammar=grammar,
                     compiling=compiling,
+                    tenant=tenant_of(args.request_id),
                     prediction_token_ids=args.prediction_token_ids,
                 )
                 self._requests[args.request_id] = request
@@ -542,7 +544,10 @@ class DraftPool:
                 return None
             if name not in request.decoders:
                 request.decoders[name] = self._grammar_based.create(
-                    name, response_format=request.response_format, num_prompt_tokens=request.num_prompt_tokens
+                    name,
+                    response_format=request.response_format,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    tenant=request.tenant,
                 )
                 request.decoders[name].extend(request.token_ids)
                 self._observe_features(request.features, [request.decoders[name]])

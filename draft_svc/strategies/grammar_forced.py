@@ -58,6 +58,7 @@ class GrammarForcedDecoder:
         response_format: ResponseFormat,
         num_prompt_tokens: int | None = None,
         shared_spellings: SharedSpellings | None = None,
+        tenant: str = "",
     ) -> None:
         if num_prompt_tokens is not None and num_prompt_tokens < 0:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
@@ -66,7 +67,8 @@ class GrammarForcedDecoder:
         tokenizer = grammars.tokenizer_info.tokenizer
         self._decode, self._encode = tokenizer.decode, tokenizer.encode
         self._spellings = SpellingMemory(tokenizer.encode, tokenizer.decode)
-        self._shared = shared_spellings  # the pool's requests' spellings, for texts this one has not spelled
+        # the spellings of the pool's requests of the same tenant, for texts this one has not spelled
+        self._shared, self._tenant = shared_spellings, tenant
         # The forced text where the current forced run began, and the tokens the model wrote since.
         self._run: tuple[str, list[int]] | None = None
         self._num_prompt_tokens = num_prompt_tokens
@@ -100,7 +102,7 @@ class GrammarForcedDecoder:
                 if len(self._decode(run_ids)) >= len(forced_text):
                     self._spellings.observe(forced_text, run_ids)
                     if self._shared is not None:
-                        self._shared.observe(forced_text, run_ids)
+                        self._shared.observe(self._tenant, forced_text, run_ids)
                     self._run = None
         return True
 
@@ -131,7 +133,7 @@ class GrammarForcedDecoder:
         own = self._spellings.spellings(forced_text, max_candidates)
         if self._shared is None or any(s.token_ids != tuple(self._encode(forced_text)) for s in own):
             return own
-        return self._shared.spellings(forced_text, max_candidates)
+        return self._shared.spellings(self._tenant, forced_text, max_candidates)
 
     def _first_piece_spellings(self, forced_text: str) -> list[Spelling]:
         """Each token the grammar allows first that spells a proper prefix of `forced_text`, shortest
@@ -171,8 +173,8 @@ def register_grammar_decoder(
     registry: DecoderRegistry, grammars: GrammarCache, is_sharing_spellings: bool = True
 ) -> None:
     """Offer "grammar" in `registry`; the pool creates one per request with
-    `registry.create("grammar", response_format=..., num_prompt_tokens=...)`. With
-    `is_sharing_spellings` its requests learn spellings from one another (SharedSpellings)."""
+    `registry.create("grammar", response_format=..., num_prompt_tokens=..., tenant=...)`. With
+    `is_sharing_spellings` its requests learn spellings from the same tenant's others (SharedSpellings)."""
     tokenizer = grammars.tokenizer_info.tokenizer
     shared = SharedSpellings(tokenizer.encode, tokenizer.decode) if is_sharing_spellings else None
     registry.register(

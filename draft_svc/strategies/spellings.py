@@ -8,8 +8,9 @@ wrote in pieces once, it writes in the same pieces the next time (the next objec
 next call of a function). So the pool remembers, per request, the tokens the model used for each
 forced text, and proposes those spellings beside the canonical one, most used first. Requests share
 much of their forced text too (the same tool's schema, `{"` at an output's start, `": "`), so the
-pool also keeps one memory of every request's spellings (SharedSpellings), which a request consults
-for a text it has not spelled itself.
+pool also keeps one memory of its requests' spellings per tenant (SharedSpellings), which a request
+consults for a text it has not spelled itself. Per tenant, as the primary's prefix cache: how fast a
+request's drafts are accepted must not tell one tenant what another's outputs were.
 
     # E.g. the model wrote `{"` `cl` `e` `a` `n` `":` ` true` where `{"clean": ` was forced:
     #   observe('{"clean": ', those tokens) remembers '{"clean":' -> ({", cl, e, a, n, ":)
@@ -28,7 +29,8 @@ from collections.abc import Callable, Sequence
 
 DEFAULT_MAX_TEXTS = 256  # remembered texts per request (least recently used dropped first)
 DEFAULT_MAX_SPELLINGS = 4  # remembered spellings per text
-DEFAULT_MAX_SHARED_TEXTS = 4096  # remembered texts across requests
+DEFAULT_MAX_SHARED_TEXTS = 4096  # remembered texts across one tenant's requests
+DEFAULT_MAX_TENANTS = 64  # tenants with a shared memory (least recently used dropped first)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,7 +143,8 @@ def _add(result: list[Spelling], spelling: Spelling) -> None:
 
 
 class SharedSpellings:
-    """A SpellingMemory of every request's spellings, for the pool's requests at once (thread-safe)."""
+    """A SpellingMemory of each tenant's requests' spellings, for the pool's requests at once
+    (thread-safe). Tenant "" is the one of a gateway without API keys."""
 
     def __init__(
         self,
@@ -149,18 +152,32 @@ class SharedSpellings:
         decode: Callable[[Sequence[int]], str],
         *,
         max_texts: int = DEFAULT_MAX_SHARED_TEXTS,
+        max_tenants: int = DEFAULT_MAX_TENANTS,
     ) -> None:
-        self._memory = SpellingMemory(encode, decode, max_texts=max_texts)
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        self._encode, self._decode, self._max_texts, self._max_tenants = encode, decode, max_texts, max_tenants
+        self._memories: collections.OrderedDict[str, SpellingMemory] = collections.OrderedDict()  # LRU order
         self._lock = threading.Lock()
 
-    @property
-    def num_texts(self) -> int:
-        return self._memory.num_texts
-
-    def observe(self, forced_text: str, token_ids: Sequence[int]) -> None:
+    def num_texts(self, tenant: str) -> int:
         with self._lock:
-            self._memory.observe(forced_text, token_ids)
+            memory = self._memories.get(tenant)
+            return 0 if memory is None else memory.num_texts
 
-    def spellings(self, forced_text: str, max_spellings: int) -> list[Spelling]:
+    def observe(self, tenant: str, forced_text: str, token_ids: Sequence[int]) -> None:
         with self._lock:
-            return self._memory.spellings(forced_text, max_spellings)
+            self._memory(tenant).observe(forced_text, token_ids)
+
+    def spellings(self, tenant: str, forced_text: str, max_spellings: int) -> list[Spelling]:
+        with self._lock:
+            return self._memory(tenant).spellings(forced_text, max_spellings)
+
+    def _memory(self, tenant: str) -> SpellingMemory:
+        memory = self._memories.get(tenant)
+        if memory is None:
+            memory = self._memories[tenant] = SpellingMemory(self._encode, self._decode, max_texts=self._max_texts)
+            while len(self._memories) > self._max_tenants:
+                self._memories.popitem(last=False)
+        self._memories.move_to_end(tenant)
+        return memory

@@ -133,7 +133,7 @@ def test_proposes_the_models_own_spelling_of_a_repeated_key_first(grammars, toke
 
 
 def test_a_request_drafts_the_spellings_other_requests_taught_the_pool(grammars, tokenizer):
-    """Two requests of one registry (one pool): the first wrote its output's opening `{"name": "` as
+    """Two requests of one registry (one pool) and tenant: the first wrote its output's opening `{"name": "` as
     `{` `"` `name` `":` ` "`; the second, which has spelled nothing yet, drafts that spelling first
     (the model's own last token too). Without sharing it drafts the canonical tokens, the last held
     back."""
@@ -147,6 +147,12 @@ def test_a_request_drafts_the_spellings_other_requests_taught_the_pool(grammars,
     second.extend(PROMPT_IDS)
     [best] = second.propose(16)
     assert [tokenizer.decode([t]) for t in best.token_ids] == ["{", '"', "name", '":', ' "']
+    # another tenant's request learns nothing from these (its drafts must not reveal their outputs)
+    other_tenant = registry.create("grammar", response_format=PERSON, tenant="b")
+    other_tenant.extend(PROMPT_IDS)
+    assert (
+        _texts(tokenizer, other_tenant.propose(16)) == ['{"name":'] and len(other_tenant.propose(16)[0].token_ids) == 3
+    )
     alone = DecoderRegistry()
     register_grammar_decoder(alone, grammars, is_sharing_spellings=False)
     taught = alone.create("grammar", response_format=PERSON)

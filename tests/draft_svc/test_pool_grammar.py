@@ -148,3 +148,20 @@ def test_a_request_opened_while_its_schema_compiles_gets_the_grammar_once_compil
     step = pool.propose(ProposeArgs("r", new_token_ids=tuple(tokenizer.encode('ice", ')), strategies=strategies))
     assert tokenizer.decode(step.tree.token_ids) == '"age":'  # the grammar's key; the lookup's text cut
     assert {d.name: d.num_proposed for d in step.decoder_steps}["lookup"] == 0
+
+
+def test_a_tenant_s_requests_draft_what_it_taught_the_pool_and_no_other_tenant_does(grammar_cache, tokenizer):
+    """The pool's grammar decoders share the model's spellings among one tenant's requests (the
+    tenant of `tenant/id`), never across tenants."""
+    pool = make_pool(grammar_cache, ())
+    written = tuple(t for piece in ["{", '"', "name", '":', ' "', "Al"] for t in tokenizer.encode(piece))
+    opening = ProposeArgs("a/1", prompt_token_ids=PROMPT, strategies=("grammar",), response_format=PERSON)
+    pool.propose(opening)
+    pool.propose(ProposeArgs("a/1", new_token_ids=written, strategies=("grammar",)))
+
+    def first_draft(request_id: str) -> list[str]:
+        args = ProposeArgs(request_id, prompt_token_ids=PROMPT, strategies=("grammar",), response_format=PERSON)
+        return [tokenizer.decode([t]) for t in pool.propose(args).tree.token_ids]
+
+    assert first_draft("a/2") == ["{", '"', "name", '":', ' "']  # the model's own opening, learned
+    assert first_draft("b/1") == ['{"', "name", '":']  # canonical: tenant b learned nothing from a
