@@ -560,7 +560,8 @@ class DraftPool:
                 )
                 request.decoders[name].extend(request.token_ids)
         elif name not in request.decoders:
-            request.decoders[name] = self._model_free.create(name)
+            scoped = {"tenant": request.tenant} if self._model_free.is_tenant_scoped(name) else {}
+            request.decoders[name] = self._model_free.create(name, **scoped)
             request.decoders[name].extend(request.token_ids)
             self._observe_features(request.features, [request.decoders[name]])
         return request.decoders[name]
@@ -580,7 +581,7 @@ class DraftPool:
             _release_decoders(request)
             output = request.token_ids[request.num_prompt_tokens :]
         if is_finished and self._suffix_index is not None and output:
-            self._suffix_index.insert(output)
+            self._suffix_index.insert(output, tenant=request.tenant)
             return len(output)
         return 0
 

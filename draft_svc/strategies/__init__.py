@@ -45,7 +45,7 @@ def model_free_registry(
     registry.register(PromptLookupDecoder.name, functools.partial(PromptLookupDecoder, prompt_lookup))
     registry.register(LookaheadDecoder.name, functools.partial(LookaheadDecoder, lookahead))
     if suffix_index is not None:
-        registry.register(SuffixDecoder.name, functools.partial(SuffixDecoder, suffix_index))
+        registry.register(SuffixDecoder.name, functools.partial(SuffixDecoder, suffix_index), is_tenant_scoped=True)
     if corpus is not None:
         registry.register(CorpusDecoder.name, functools.partial(CorpusDecoder, corpus))
     return registry

@@ -98,20 +98,28 @@ class DecoderRegistry:
     the list the other services read), never a new `elif`.
 
     A factory carries the strategy's configuration and shared objects (a `functools.partial` over
-    the class); `create(name, **request_kwargs)` passes per-request arguments through.
+    the class); `create(name, **request_kwargs)` passes per-request arguments through. A strategy
+    that learns from other requests (a shared index) is registered `is_tenant_scoped`: the pool then
+    creates it with the request's `tenant=`, and it must learn from and draft for that tenant only.
     """
 
     def __init__(self, factories: Mapping[str, DecoderFactory] | None = None) -> None:
         self._factories: dict[str, DecoderFactory] = {}
+        self._tenant_scoped: set[str] = set()
         for name, factory in (factories or {}).items():
             self.register(name, factory)
 
-    def register(self, name: str, factory: DecoderFactory) -> None:
+    def register(self, name: str, factory: DecoderFactory, *, is_tenant_scoped: bool = False) -> None:
         if not name:
             raise ValueError("decoder name must be non-empty")
         if name in self._factories:
             raise ValueError(f"decoder {name!r} is already registered")
         self._factories[name] = factory
+        if is_tenant_scoped:
+            self._tenant_scoped.add(name)
+
+    def is_tenant_scoped(self, name: str) -> bool:
+        return name in self._tenant_scoped
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._factories)

@@ -1,4 +1,5 @@
-"""Suffix index: propose what followed the current context in earlier outputs, across requests.
+"""Suffix index: propose what followed the current context in earlier outputs, across requests of
+one tenant.
 
 SuffixDecoding (Oliaro et al. 2024) keeps earlier outputs in a suffix tree, finds the longest
 suffix of the current context that occurs there, and proposes the most frequent continuation
@@ -23,6 +24,11 @@ memory 4 B/token (ring) + 8 B * (capacity + num_buckets) per n-gram size, all nu
 O(m log m) vectorised for a document of m tokens; eviction O(1); query O(sum(ngram_sizes) +
 K * (max_match_len + max_tokens)) vectorised, K = max_occurrences, independent of index size.
 Thread-safe: one lock around insert and query (a query takes tens of microseconds).
+
+Documents belong to a tenant (the `tenant/` of the request ids behind a gateway with API keys, ""
+without), and a query matches its own tenant's only: how often a request's drafts are accepted must
+not tell one tenant what another's outputs were (the primary's prefix cache is per tenant for the
+same reason). One ring serves every tenant; each position records its document's tenant.
 """
 
 from __future__ import annotations
@@ -94,6 +100,8 @@ class SuffixIndex:
         self._heads = np.full((num_levels, 1 << self._bucket_bits), NO_POSITION, dtype=np.int64)
         self._prevs = np.full((num_levels, capacity), NO_POSITION, dtype=np.int64)
         self._doc_starts: collections.deque[int] = collections.deque()  # absolute starts, oldest first
+        self._owners = np.zeros(capacity, dtype=np.int32)  # the tenant code of each ring position's document
+        self._tenant_codes: dict[str, int] = {"": 0}
         self._write_pos = 0  # absolute position of the next write
         self._lock = threading.Lock()
 
@@ -118,8 +126,9 @@ class SuffixIndex:
     def _window_start(self) -> int:
         return self._doc_starts[0] if self._doc_starts else self._write_pos
 
-    def insert(self, doc_tokens: Sequence[int]) -> None:
-        """Add one document. One longer than the ring keeps its first max_total_tokens - 1 tokens."""
+    def insert(self, doc_tokens: Sequence[int], tenant: str = "") -> None:
+        """Add one document of `tenant`. One longer than the ring keeps its first max_total_tokens - 1
+        tokens."""
         tokens = np.asarray(doc_tokens, dtype=np.int64).reshape(-1)[: self._config.max_total_tokens - 1]
         if tokens.size == 0:
             return
@@ -132,7 +141,9 @@ class SuffixIndex:
             # Whole documents starting before end + 1 - capacity would be partly overwritten: evict them.
             while self._doc_starts and self._doc_starts[0] < end + 1 - capacity:
                 self._doc_starts.popleft()
-            self._ring[np.arange(start, end + 1) % capacity] = np.append(tokens, SEPARATOR)
+            written = np.arange(start, end + 1) % capacity
+            self._ring[written] = np.append(tokens, SEPARATOR)
+            self._owners[written] = self._tenant_codes.setdefault(tenant, len(self._tenant_codes))
             for level, n in enumerate(self._config.ngram_sizes):
                 if tokens.size > n:
                     self._link(level, n, tokens, start)
@@ -159,9 +170,10 @@ class SuffixIndex:
         self._heads[level, sorted_buckets[is_last]] = sorted_starts[is_last]
 
     def query(
-        self, context_ids: Sequence[int], max_tokens: int, max_candidates: int = 1
+        self, context_ids: Sequence[int], max_tokens: int, max_candidates: int = 1, tenant: str = ""
     ) -> tuple[tuple[int, ...], ...]:
-        """Continuations of the context's suffix, best first; () when nothing matches."""
+        """Continuations of the context's suffix in `tenant`'s documents, best first; () when nothing
+        matches."""
         validate_propose_args(max_tokens, max_candidates)
         match_len = self._config.max_match_len
         suffix = np.asarray(context_ids[-match_len:], dtype=np.int64)
@@ -170,7 +182,10 @@ class SuffixIndex:
         reversed_suffix = np.full(match_len, _NO_TOKEN, dtype=np.int64)  # [M], last context token first
         reversed_suffix[: suffix.size] = suffix[::-1]
         with self._lock:
-            starts = self._longest_matches(suffix, reversed_suffix)
+            code = self._tenant_codes.get(tenant)
+            if code is None:  # nothing of this tenant's yet
+                return ()
+            starts = self._longest_matches(suffix, reversed_suffix, code)
             if starts.size == 0:
                 return ()
             ahead = starts[:, None] + np.arange(max_tokens)  # [K, T] absolute positions
@@ -178,8 +193,9 @@ class SuffixIndex:
             continuations[ahead >= self._write_pos] = SEPARATOR
         return most_frequent_paths(continuations, max_candidates)
 
-    def _longest_matches(self, suffix: np.ndarray, reversed_suffix: np.ndarray) -> np.ndarray:
-        """Continuation starts [K] of the occurrences with the longest exact match, most recent first."""
+    def _longest_matches(self, suffix: np.ndarray, reversed_suffix: np.ndarray, tenant_code: int) -> np.ndarray:
+        """Continuation starts [K] of the occurrences with the longest exact match in the documents
+        of the tenant, most recent first."""
         capacity, window_start = self._config.max_total_tokens, self._window_start()
         for level in reversed(range(len(self._config.ngram_sizes))):
             n = self._config.ngram_sizes[level]
@@ -191,7 +207,8 @@ class SuffixIndex:
             for _ in range(4 * self._config.max_occurrences):
                 if pos < window_start or len(found) == self._config.max_occurrences:
                     break
-                found.append(pos)
+                if self._owners[pos % capacity] == tenant_code:
+                    found.append(pos)
                 pos = int(self._prevs[level, pos % capacity])
             if not found:
                 continue
@@ -258,12 +275,14 @@ class ContinuationIndex(Protocol):
 
 
 class SuffixDecoder:
-    """Per-request view of a shared index: keeps only the context tail that matching reads."""
+    """Per-request view of a shared index: keeps only the context tail that matching reads. With a
+    `tenant` (the pool gives one to the suffix index's decoders) it drafts from that tenant's
+    documents only; without, from all (the corpus: text every machine has)."""
 
     name: ClassVar[str] = "suffix_index"
 
-    def __init__(self, index: ContinuationIndex) -> None:
-        self._index = index
+    def __init__(self, index: ContinuationIndex, tenant: str | None = None) -> None:
+        self._index, self._tenant = index, tenant
         self._max_match_len = index.max_match_len
         self._tail = new_context()
 
@@ -273,5 +292,10 @@ class SuffixDecoder:
             del self._tail[: len(self._tail) - self._max_match_len]
 
     def propose(self, max_tokens: int, max_candidates: int = 1) -> tuple[Candidate, ...]:
-        continuations = self._index.query(self._tail[-self._max_match_len :], max_tokens, max_candidates)
+        tail = self._tail[-self._max_match_len :]
+        if self._tenant is None:
+            continuations = self._index.query(tail, max_tokens, max_candidates)
+        else:
+            assert isinstance(self._index, SuffixIndex), "only the suffix index keeps tenants apart"
+            continuations = self._index.query(tail, max_tokens, max_candidates, tenant=self._tenant)
         return tuple(Candidate(self.name, tokens, rank=rank) for rank, tokens in enumerate(continuations))

@@ -224,6 +224,25 @@ def test_finished_output_joins_the_suffix_index_for_later_requests():
     assert pool.propose(ProposeArgs("third", prompt_token_ids=(9, 30, 31))).tree.token_ids == ()
 
 
+def test_a_finished_output_joins_its_tenant_s_suffix_index_only():
+    """With API keys the ids behind the gateway are tenant/id: a later request of the same tenant
+    drafts from an earlier one's output, another tenant's does not."""
+    index = SuffixIndex(SuffixIndexConfig(max_total_tokens=256, ngram_sizes=(2,), max_match_len=8))
+    pool = DraftPool(
+        PoolConfig(strategies=("suffix_index",), default_strategies=("suffix_index",)),
+        model_free_registry(suffix_index=index),
+        DecoderRegistry(),
+        Models(),
+        suffix_index=index,
+    )
+    pool.propose(ProposeArgs("a/first", prompt_token_ids=(1, 2)))
+    pool.propose(ProposeArgs("a/first", new_token_ids=(20, 21, 22, 23, 24)))
+    assert pool.release("a/first", is_finished=True) == 5
+    same = pool.propose(ProposeArgs("a/second", prompt_token_ids=(9, 20, 21), draft_length=3))
+    other = pool.propose(ProposeArgs("b/second", prompt_token_ids=(9, 20, 21), draft_length=3))
+    assert same.tree.token_ids == (22, 23, 24) and other.tree.token_ids == ()
+
+
 def test_a_slow_schema_holds_neither_other_requests_nor_its_own_first_propose():
     """A new request's first compile (milliseconds; seconds for some schemas) must not stall other
     requests' calls, nor hold its own Propose past OPEN_GRAMMAR_WAIT_S, which the gateway would take

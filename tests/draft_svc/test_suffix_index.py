@@ -89,6 +89,24 @@ def test_continuations_stop_at_document_ends_and_nothing_matches_gives_nothing()
     assert _index([], max_total_tokens=8).query([1, 2], max_tokens=3) == ()
 
 
+def test_a_tenant_s_queries_match_its_own_documents_only():
+    """Tenants share the ring but not their outputs: tenant b's query of a context only tenant a wrote
+    finds nothing, and where both wrote it each finds its own continuation."""
+    index = SuffixIndex(SuffixIndexConfig(max_total_tokens=64, ngram_sizes=(2,), max_match_len=8))
+    index.insert([1, 2, 3, 4], tenant="a")
+    index.insert([5, 6, 7], tenant="a")
+    index.insert([5, 6, 9], tenant="b")
+    assert index.query([1, 2], max_tokens=2, tenant="a") == ((3, 4),)
+    assert index.query([1, 2], max_tokens=2, tenant="b") == ()
+    assert index.query([1, 2], max_tokens=2) == ()  # tenant "" (no API keys) is a tenant of its own
+    assert index.query([5, 6], max_tokens=2, tenant="a") == ((7,),)
+    assert index.query([5, 6], max_tokens=2, tenant="b") == ((9,),)
+    assert index.query([5, 6], max_tokens=2, tenant="c") == ()  # never inserted
+    decoder = SuffixDecoder(index, tenant="b")
+    decoder.extend([5, 6])
+    assert [c.token_ids for c in decoder.propose(2)] == [(9,)]
+
+
 def test_oldest_whole_documents_are_evicted_first():
     # Capacity 16 tokens, each document takes 5 + 1 separator: the third insert evicts the first whole.
     index = _index([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], max_total_tokens=16, ngram_sizes=(2,))
