@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from draft_svc.strategies.base import Candidate, DecoderRegistry, validate_propose_args
-from draft_svc.strategies.spellings import SharedSpellings, Spelling, SpellingMemory
+from draft_svc.strategies.spellings import DEFAULT_MAX_SHARED_TEXTS, SharedSpellings, Spelling, SpellingMemory
 from specdec.grammar import GrammarCache, ResponseFormat
 
 
@@ -176,7 +176,10 @@ def register_grammar_decoder(
     `registry.create("grammar", response_format=..., num_prompt_tokens=..., tenant=...)`. With
     `is_sharing_spellings` its requests learn spellings from the same tenant's others (SharedSpellings)."""
     tokenizer = grammars.tokenizer_info.tokenizer
-    shared = SharedSpellings(tokenizer.encode, tokenizer.decode) if is_sharing_spellings else None
+    new_memory = functools.partial(
+        SpellingMemory, tokenizer.encode, tokenizer.decode, max_texts=DEFAULT_MAX_SHARED_TEXTS
+    )
+    shared = SharedSpellings(new_memory) if is_sharing_spellings else None
     registry.register(
         GrammarForcedDecoder.name, functools.partial(GrammarForcedDecoder, grammars, shared_spellings=shared)
     )

@@ -146,17 +146,11 @@ class SharedSpellings:
     """A SpellingMemory of each tenant's requests' spellings, for the pool's requests at once
     (thread-safe). Tenant "" is the one of a gateway without API keys."""
 
-    def __init__(
-        self,
-        encode: Callable[[str], Sequence[int]],
-        decode: Callable[[Sequence[int]], str],
-        *,
-        max_texts: int = DEFAULT_MAX_SHARED_TEXTS,
-        max_tenants: int = DEFAULT_MAX_TENANTS,
-    ) -> None:
+    def __init__(self, new_memory: Callable[[], SpellingMemory], max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
+        """`new_memory()`: a tenant's memory, made on its first use."""
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
-        self._encode, self._decode, self._max_texts, self._max_tenants = encode, decode, max_texts, max_tenants
+        self._new_memory, self._max_tenants = new_memory, max_tenants
         self._memories: collections.OrderedDict[str, SpellingMemory] = collections.OrderedDict()  # LRU order
         self._lock = threading.Lock()
 
@@ -176,7 +170,7 @@ class SharedSpellings:
     def _memory(self, tenant: str) -> SpellingMemory:
         memory = self._memories.get(tenant)
         if memory is None:
-            memory = self._memories[tenant] = SpellingMemory(self._encode, self._decode, max_texts=self._max_texts)
+            memory = self._memories[tenant] = self._new_memory()
             while len(self._memories) > self._max_tenants:
                 self._memories.popitem(last=False)
         self._memories.move_to_end(tenant)

@@ -137,31 +137,27 @@ def test_a_request_drafts_the_spellings_other_requests_taught_the_pool(grammars,
     `{` `"` `name` `":` ` "`; the second, which has spelled nothing yet, drafts that spelling first
     (the model's own last token too). Without sharing it drafts the canonical tokens, the last held
     back."""
-    registry = DecoderRegistry()
-    register_grammar_decoder(registry, grammars)
-    first = registry.create("grammar", response_format=PERSON)
-    first.extend(PROMPT_IDS)
-    for piece in ["{", '"', "name", '":', ' "Al']:
-        first.extend(tokenizer.encode(piece))
-    second = registry.create("grammar", response_format=PERSON)
-    second.extend(PROMPT_IDS)
-    [best] = second.propose(16)
-    assert [tokenizer.decode([t]) for t in best.token_ids] == ["{", '"', "name", '":', ' "']
+
+    def taught_registry(is_sharing_spellings: bool) -> DecoderRegistry:
+        registry = DecoderRegistry()
+        register_grammar_decoder(registry, grammars, is_sharing_spellings)
+        first = registry.create("grammar", response_format=PERSON)
+        first.extend(PROMPT_IDS)
+        for piece in ["{", '"', "name", '":', ' "Al']:
+            first.extend(tokenizer.encode(piece))
+        return registry
+
+    def first_draft(registry: DecoderRegistry, tenant: str = "") -> list[str]:
+        decoder = registry.create("grammar", response_format=PERSON, tenant=tenant)
+        decoder.extend(PROMPT_IDS)
+        [best] = decoder.propose(16)
+        return [tokenizer.decode([t]) for t in best.token_ids]
+
+    shared = taught_registry(is_sharing_spellings=True)
+    assert first_draft(shared) == ["{", '"', "name", '":', ' "']
     # another tenant's request learns nothing from these (its drafts must not reveal their outputs)
-    other_tenant = registry.create("grammar", response_format=PERSON, tenant="b")
-    other_tenant.extend(PROMPT_IDS)
-    assert (
-        _texts(tokenizer, other_tenant.propose(16)) == ['{"name":'] and len(other_tenant.propose(16)[0].token_ids) == 3
-    )
-    alone = DecoderRegistry()
-    register_grammar_decoder(alone, grammars, is_sharing_spellings=False)
-    taught = alone.create("grammar", response_format=PERSON)
-    taught.extend(PROMPT_IDS)
-    for piece in ["{", '"', "name", '":', ' "Al']:
-        taught.extend(tokenizer.encode(piece))
-    unshared = alone.create("grammar", response_format=PERSON)
-    unshared.extend(PROMPT_IDS)
-    assert _texts(tokenizer, unshared.propose(16)) == ['{"name":'] and len(unshared.propose(16)[0].token_ids) == 3
+    assert first_draft(shared, tenant="b") == ['{"', "name", '":']
+    assert first_draft(taught_registry(is_sharing_spellings=False)) == ['{"', "name", '":']
 
 
 def test_output_outside_the_grammar_silences_the_decoder(grammars, tokenizer):

@@ -203,15 +203,20 @@ def test_unknown_requests_limits_and_idle_expiry(monkeypatch):
     assert pool.release("r", is_finished=False) == 0  # dropped already: releasing it again is a no-op
 
 
-def test_finished_output_joins_the_suffix_index_for_later_requests():
+def suffix_index_pool() -> DraftPool:
+    """A pool of the real suffix index's decoders over a small index of its own."""
     index = SuffixIndex(SuffixIndexConfig(max_total_tokens=256, ngram_sizes=(2,), max_match_len=8))
-    pool = DraftPool(
+    return DraftPool(
         PoolConfig(strategies=("suffix_index",), default_strategies=("suffix_index",)),
         model_free_registry(suffix_index=index),
         DecoderRegistry(),
         Models(),
         suffix_index=index,
     )
+
+
+def test_finished_output_joins_the_suffix_index_for_later_requests():
+    pool = suffix_index_pool()
     pool.propose(ProposeArgs("first", prompt_token_ids=(1, 2)))
     pool.propose(ProposeArgs("first", new_token_ids=(20, 21, 22, 23, 24)))
     assert pool.release("first", is_finished=True) == 5  # the output, not the prompt
@@ -227,14 +232,7 @@ def test_finished_output_joins_the_suffix_index_for_later_requests():
 def test_a_finished_output_joins_its_tenant_s_suffix_index_only():
     """With API keys the ids behind the gateway are tenant/id: a later request of the same tenant
     drafts from an earlier one's output, another tenant's does not."""
-    index = SuffixIndex(SuffixIndexConfig(max_total_tokens=256, ngram_sizes=(2,), max_match_len=8))
-    pool = DraftPool(
-        PoolConfig(strategies=("suffix_index",), default_strategies=("suffix_index",)),
-        model_free_registry(suffix_index=index),
-        DecoderRegistry(),
-        Models(),
-        suffix_index=index,
-    )
+    pool = suffix_index_pool()
     pool.propose(ProposeArgs("a/first", prompt_token_ids=(1, 2)))
     pool.propose(ProposeArgs("a/first", new_token_ids=(20, 21, 22, 23, 24)))
     assert pool.release("a/first", is_finished=True) == 5
