@@ -276,8 +276,10 @@ def test_json_output_of_a_self_launched_run(self_launched: dict) -> None:
     assert out["precision"] in PRECISIONS and out["precision_choice"]  # auto's pick, and why
     # every stage time the gateway reports, by its name in the proto
     assert set(out["stage_times"]) == {field.name for field in gateway_pb2.StageTimes.DESCRIPTOR.fields}
-    assert 0 < out["stage_times"]["forward_ms"] <= out["stage_times"]["verify_ms"]
-    assert out["stage_times"]["verify_ms"] > 0 and out["num_prompt_tokens"] > 0
+    # Both are positive, but neither bounds the other: in a streamed run the primary computes the next
+    # token while the gateway commits the last one, so the gateway waits less than the forward took.
+    assert out["stage_times"]["forward_ms"] > 0 and out["stage_times"]["verify_ms"] > 0
+    assert out["num_prompt_tokens"] > 0
     for decoder in out["decoders"]:
         assert decoder["num_accepted"] <= decoder["num_proposed"]
 
