@@ -79,8 +79,9 @@ from specdec.propose_args import ProposeArgs
 from specdec.request_id import check_request_id, tenant_of
 from specdec.strategies import MODEL_FREE_DEFAULTS
 
-# How long a Propose that opens a request waits for its schema's compile (module doc); a compile
-# takes 3-10 ms for most schemas, and the gateway's deadline for a Propose is 2 s or more.
+# How long a Propose that opens a request, or a PrepareGrammar, waits for a schema's compile (module
+# doc); the json rows' schemas compiled in 3-7 ms, and the gateway's deadline for a Propose is 2 s or
+# more. A PrepareGrammar held longer would keep one of the server's few threads from the Proposes.
 OPEN_GRAMMAR_WAIT_S = 0.25
 
 
@@ -239,12 +240,22 @@ class DraftPool:
             self._grammars.close()
 
     def prepare_grammar(self, response_format: ResponseFormat) -> None:
-        """Compile `response_format` into the grammar cache (or wait for its compile under way), so
-        that the first Propose of a request with it finds it ready. InvalidArgument for a bad schema
-        or a pool without grammars; ResourceExhausted past max_compile_s (it goes on compiling)."""
+        """Begin compiling `response_format` into the grammar cache (or join its compile under way), so
+        that the first Propose of a request with it finds it ready; returns once it is compiled or
+        after OPEN_GRAMMAR_WAIT_S, the compile going on. InvalidArgument for a bad schema found in that
+        time, or a pool without grammars."""
+        self._start_compile(response_format)
+
+    def _start_compile(self, response_format: ResponseFormat) -> tuple[Future[CompiledGrammar], CompiledGrammar | None]:
+        """The format's compile (begun now or under way) and its result if it ends within
+        OPEN_GRAMMAR_WAIT_S (InvalidArgument for a bad schema), else None: it runs on."""
         if self._grammars is None:
             raise InvalidArgument("response_format", "this draft pool serves no grammars (no tokenizer configured)")
-        self._grammars.compile(response_format)
+        compiling = self._grammars.start(response_format)
+        try:
+            return compiling, compiling.result(timeout=OPEN_GRAMMAR_WAIT_S)
+        except FutureTimeout:
+            return compiling, None
 
     def offered_strategies(self) -> tuple[str, ...]:
         """The strategies a request may name now: the configured ones less those refused (a feature
@@ -376,12 +387,8 @@ class DraftPool:
         while its compile runs past OPEN_GRAMMAR_WAIT_S, that compile (_attach_grammar takes it up)."""
         if args.response_format is None:
             return None, None
-        if self._grammars is None:
-            raise InvalidArgument("response_format", "this draft pool serves no grammars (no tokenizer configured)")
-        compiling = self._grammars.start(args.response_format)
-        try:
-            compiled = compiling.result(timeout=OPEN_GRAMMAR_WAIT_S)  # InvalidArgument for a bad schema
-        except FutureTimeout:
+        compiling, compiled = self._start_compile(args.response_format)
+        if compiled is None:
             self._log.info("draft_grammar_compiling", wait_s=OPEN_GRAMMAR_WAIT_S)
             return None, compiling
         state = compiled.new_state()

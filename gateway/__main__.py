@@ -31,7 +31,7 @@ from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import service_token_or_exit
 from specdec.service.aio import AioErrorInterceptor, serve_aio
-from specdec.service.server import PortBindError
+from specdec.service.server import exit_if_port_will_not_bind
 from specdec.service.gc_tuning import freeze_startup_heap
 from specdec.state_store import StateStoreConfig, open_async_state_store
 from specdec.state_store.redis_url import parse_redis_url
@@ -54,10 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer.from_dir(
         resolve_model_dir(config.model_path, config.cache_dir, show_progress=sys.stderr.isatty())
     )
-    try:
+    with exit_if_port_will_not_bind():  # its clients and the state store are closed by then
         asyncio.run(serve(config, tokenizer, service_token, api_keys))
-    except PortBindError as e:  # its clients and the state store are closed by then
-        raise SystemExit(f"error: {e}") from None
 
 
 def _log_ready(log, config: GatewayConfig, nodes: NodePool | None, api_keys: ApiKeys | None, max_context: int) -> None:

@@ -854,12 +854,7 @@ class RequestLoop:
         the first speculative step's Propose finds it compiled instead of compiling on that step's path
         (a new schema: docs/benchmarks.md, "Per-step overheads"). Best effort: a Propose compiles what
         it does not find, and reports a bad schema itself."""
-        if (
-            self.params.response_format is None
-            or not self.params.speculation.is_enabled
-            or self.is_draft_open
-            or not self.draft_state.is_up
-        ):
+        if self.params.response_format is None or not self.params.speculation.is_enabled or not self.draft_state.is_up:
             return None
         return asyncio.ensure_future(self._prepared_grammar(self.params.response_format))
 

@@ -131,7 +131,10 @@ class GrammarForcedDecoder:
         """The request's own spellings of `forced_text`; where it has none but the canonical one, the
         spellings other requests taught the pool (the canonical one among them as the memory puts it)."""
         own = self._spellings.spellings(forced_text, max_candidates)
-        if self._shared is None or any(s.token_ids != tuple(self._encode(forced_text)) for s in own):
+        if self._shared is None:
+            return own
+        canonical = tuple(self._encode(forced_text))
+        if any(s.token_ids != canonical for s in own):
             return own
         return self._shared.spellings(self._tenant, forced_text, max_candidates)
 

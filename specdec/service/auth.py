@@ -33,7 +33,7 @@ from specdec.flags import Flag, add_flags
 from specdec.metrics import RpcMetrics
 from specdec.service.flags import Flags
 from specdec.service.interceptor import ErrorInterceptor
-from specdec.service.server import AddServicerFn, PortBindError, ServerConfig, serve
+from specdec.service.server import AddServicerFn, ServerConfig, exit_if_port_will_not_bind, serve
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "Bearer "
@@ -242,7 +242,7 @@ def serve_internal(
     """serve() as an internal service (primary, draft, validator) runs it: its one servicer behind
     the service token's check and the error mapping that records calls in `rpc` (internal_interceptors).
     A port that will not bind exits with its message (code 1), after on_stopped has run."""
-    try:
+    with exit_if_port_will_not_bind():
         serve(
             config,
             [(add_servicer, servicer)],
@@ -250,8 +250,6 @@ def serve_internal(
             registry=registry,
             on_stopped=on_stopped,
         )
-    except PortBindError as e:
-        raise SystemExit(f"error: {e}") from None
 
 
 def service_token_or_exit(token_file: str, is_unauthenticated_allowed: bool) -> str | None:

@@ -9,10 +9,11 @@ for "") and server reflection (grpcurl, grpcui).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,16 @@ OVERALL_HEALTH = ""
 
 class PortBindError(OSError):
     """The gRPC server's address would not bind: in use, or not an address of this host."""
+
+
+@contextlib.contextmanager
+def exit_if_port_will_not_bind() -> Iterator[None]:
+    """Around a service's serve: a port that will not bind exits with its message (code 1), no
+    traceback; every other error keeps its own."""
+    try:
+        yield
+    except PortBindError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 AddServicerFn = Callable[[Any, grpc.Server], None]

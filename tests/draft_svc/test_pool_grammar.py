@@ -100,6 +100,7 @@ def test_a_prepared_format_is_compiled_once_and_the_first_propose_finds_it(gramm
     cache = GrammarCache(grammar_cache.tokenizer_info)
     pool = make_pool(cache, ())
     pool.prepare_grammar(PERSON)
+    pool._grammars.start(PERSON).result(timeout=10)  # a loaded machine may take past prepare's short wait
     assert (cache.num_misses, cache.num_cached) == (1, 1)
     pool.propose(ProposeArgs("r", prompt_token_ids=PROMPT, strategies=("grammar",), response_format=PERSON))
     assert cache.num_misses == 1 and cache.num_hits >= 1
