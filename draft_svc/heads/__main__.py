@@ -54,12 +54,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--prompts", type=int, default=12000, help="training prompts to draw from")
     t.add_argument("--batch", type=int, default=48, help="sequences per forward while generating")
     t.add_argument("--max_new_tokens", type=int, default=192)
-    t.add_argument("--vocab", type=int, default=8192, help="N: the drafter's vocabulary")
-    t.add_argument("--depth", type=int, default=3, help="draft steps unrolled in training")
-    t.add_argument("--epochs", type=int, default=4)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--cls_weight", type=float, default=0.2, help="the cross-entropy's weight beside the features'")
-    t.add_argument("--seed", type=int, default=0)
+    defaults = train.TrainSettings()
+    t.add_argument("--vocab", type=int, default=defaults.draft_vocab_size, help="N: the drafter's vocabulary")
+    t.add_argument("--depth", type=int, default=defaults.depth, help="draft steps unrolled in training")
+    t.add_argument("--epochs", type=int, default=defaults.epochs)
+    t.add_argument("--lr", type=float, default=defaults.lr, help="AdamW's peak learning rate (cosine decay)")
+    t.add_argument(
+        "--batch_tokens", type=int, default=defaults.batch_tokens, help="training rows (answer tokens) per step"
+    )
+    t.add_argument(
+        "--cls_weight", type=float, default=defaults.cls_weight, help="the cross-entropy's weight beside the features'"
+    )
+    t.add_argument("--seed", type=int, default=defaults.seed)
     t.add_argument(
         "--data", type=Path, default=None, help="keep the generated answers here (.npz) and reuse them when it exists"
     )
@@ -112,7 +118,7 @@ def train_drafter(args: argparse.Namespace, sequences: list[generate.Sequence_],
     model, config = loaded.model, loaded.config
     settings = train.TrainSettings(
         draft_vocab_size=args.vocab, depth=args.depth, epochs=args.epochs, seed=args.seed, lr=args.lr,
-        cls_weight=args.cls_weight,
+        cls_weight=args.cls_weight, batch_tokens=args.batch_tokens,
     )  # fmt: skip
     train_idx, val_idx = train.split(sequences, settings.validation_share, args.seed)
     coverage = train.vocab_coverage(sequences, train_idx, val_idx, COVERAGE_SIZES)

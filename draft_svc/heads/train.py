@@ -38,8 +38,8 @@ class TrainSettings:
     draft_vocab_size: int = 8192
     depth: int = 3  # draft steps unrolled in training
     cls_weight: float = 0.2  # the cross-entropy's weight beside the features' smooth L1
-    epochs: int = 2
-    batch_tokens: int = 2048
+    epochs: int = 4
+    batch_tokens: int = 512  # rows a step: short of steps, the drafter learns more an epoch from small batches
     window: int = 256  # training rows per sequence piece (longer answers are cut into pieces)
     lr: float = 1e-3
     weight_decay: float = 0.01
