@@ -70,7 +70,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--data", type=Path, default=None, help="keep the generated answers here (.npz) and reuse them when it exists"
     )
     t.add_argument("--num_threads", type=int, default=0, help="0: every core")
-    return add_spellings(parser).parse_args(argv)
+    args = add_spellings(parser).parse_args(argv)
+    try:  # before the answers are generated, not after
+        args.train_settings = train_settings(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def train_settings(args: argparse.Namespace) -> train.TrainSettings:
+    return train.TrainSettings(
+        draft_vocab_size=args.vocab, depth=args.depth, epochs=args.epochs, seed=args.seed, lr=args.lr,
+        cls_weight=args.cls_weight, batch_tokens=args.batch_tokens,
+    )  # fmt: skip
 
 
 def primary_answers(
@@ -116,10 +128,7 @@ class Trained:
 def train_drafter(args: argparse.Namespace, sequences: list[generate.Sequence_], loaded: LoadedModel) -> Trained:
     """Steps 2 and 3: the draft vocabulary, then the drafter."""
     model, config = loaded.model, loaded.config
-    settings = train.TrainSettings(
-        draft_vocab_size=args.vocab, depth=args.depth, epochs=args.epochs, seed=args.seed, lr=args.lr,
-        cls_weight=args.cls_weight, batch_tokens=args.batch_tokens,
-    )  # fmt: skip
+    settings: train.TrainSettings = args.train_settings
     train_idx, val_idx = train.split(sequences, settings.validation_share, args.seed)
     coverage = train.vocab_coverage(sequences, train_idx, val_idx, COVERAGE_SIZES)
     print(

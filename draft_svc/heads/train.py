@@ -47,6 +47,19 @@ class TrainSettings:
     validation_share: float = 0.05
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("draft_vocab_size", "depth", "epochs", "batch_tokens", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.cls_weight) and self.cls_weight >= 0):
+            raise ValueError(f"cls_weight must be >= 0, got {self.cls_weight}")
+        if not 0 < self.validation_share < 1:
+            raise ValueError(f"validation_share must lie in (0, 1), got {self.validation_share}")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError("warmup_steps and weight_decay must be >= 0")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Piece:

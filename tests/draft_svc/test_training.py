@@ -78,3 +78,16 @@ def test_batches_hold_about_batch_tokens_rows_and_every_piece_once(batch_tokens)
     for g in groups:
         rows = max(p.end - p.start for p in g) * len(g)
         assert rows <= batch_tokens or len(g) == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [("--epochs", "0", "epochs"), ("--batch_tokens", "0", "batch_tokens"), ("--lr", "0", "lr"),
+     ("--lr", "nan", "lr"), ("--depth", "-1", "depth"), ("--cls_weight", "-1", "cls_weight")],
+)  # fmt: skip
+def test_the_command_refuses_bad_settings_before_it_generates_anything(capsys, flag, value, named):
+    from draft_svc.heads.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["train", "--out", "x.safetensors", flag, value])
+    assert e.value.code == 2 and named in capsys.readouterr().err
