@@ -35,13 +35,16 @@ def counting_answers(num_prompts: int, answers_per_prompt: int = 2) -> tuple[lis
 
 
 def fit(answers: list[Sequence_], **settings: object) -> train.Accuracy:
+    return fit_drafter(answers, **settings)[1]
+
+
+def fit_drafter(answers: list[Sequence_], **settings: object) -> tuple[torch.nn.Module, train.Accuracy]:
     _, shared = tiny_parts()
     train_idx, val_idx = train.split(answers, 0.2, seed=0)
     options: dict[str, object] = {"epochs": 6, "batch_tokens": 64, "lr": 3e-3, "warmup_steps": 5, "depth": 2}
     options.update(settings, window=32)
     config = train.TrainSettings(draft_vocab_size=TINY.draft_vocab_size, **options)  # type: ignore[arg-type]
-    _, accuracy = train.train(answers, TINY, shared, config, train_idx, val_idx, log=lambda _: None)
-    return accuracy
+    return train.train(answers, TINY, shared, config, train_idx, val_idx, log=lambda _: None)
 
 
 def test_the_validation_split_keeps_a_prompts_answers_on_one_side():
@@ -64,9 +67,12 @@ def test_training_learns_a_rule_it_can_read_from_the_features():
 
 def test_the_same_seed_trains_the_same_drafter():
     answers, _ = counting_answers(6)
-    first = fit(answers, epochs=2)
-    second = fit(answers, epochs=2)
-    assert (first.top1, first.topk) == (second.top1, second.topk)
+    (first, first_accuracy), (second, second_accuracy) = fit_drafter(answers, epochs=2), fit_drafter(answers, epochs=2)
+    assert (first_accuracy.top1, first_accuracy.topk) == (second_accuracy.top1, second_accuracy.topk)
+    weights, again = first.state_dict(), second.state_dict()
+    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+    other, _ = fit_drafter(answers, epochs=2, seed=1)
+    assert not all(torch.equal(weights[k], v) for k, v in other.state_dict().items())
 
 
 @pytest.mark.parametrize("batch_tokens", [32, 256])
