@@ -13,6 +13,7 @@ from specdec.grammar.compiling import GrammarSettings
 from gateway.node_pool import NodePoolConfig
 from gateway.nodes import NodeSpec, parse_nodes, split_host_port
 from gateway.routing import LoadLimits
+from gateway.request_record import DEFAULT_STATS_INTERVAL_S
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.errors import InvalidArgument
 from specdec.state_store import DEFAULT_LEASE_S
@@ -112,6 +113,9 @@ class GatewayConfig:
     rpc_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0  # how long a request waits for a restarted primary
     max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S  # ... and for a state store that does not answer
+    # A running request's stats and controller state go to the store with one step this often (its
+    # tokens with every step; gateway.request_record); 0: with every step.
+    state_stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
     state_ttl_s: float = 24 * 3600.0
     # How long a gateway's claim on a request lasts without renewal (renewed every third of it): a
     # request whose gateway died is adopted by another after this long (gateway.follow).
@@ -146,6 +150,8 @@ class GatewayConfig:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
         if self.max_state_retry_s <= 0:
             raise ValueError(f"max_state_retry_s must be > 0, got {self.max_state_retry_s}")
+        if not 0 <= self.state_stats_interval_s < float("inf"):
+            raise ValueError(f"state_stats_interval_s must be >= 0 and finite, got {self.state_stats_interval_s}")
         if self.owner_lease_s <= 0:
             raise ValueError(f"owner_lease_s must be > 0, got {self.owner_lease_s}")
         if self.max_queued_requests < 0:
@@ -204,6 +210,12 @@ FLAGS = (
         "--max_state_retry_s",
         help="how long a request waits for a state store that does not answer (a Redis failover) "
         "before it fails UNAVAILABLE; never past the request's deadline",
+    ),
+    Flag(
+        "--state_stats_interval_s",
+        help="a running request's stats and controller state go to the state store with one step this "
+        "often (its tokens with every step); what GetRequest shows of a running request and what a "
+        "successor resumes from lag by at most this. 0: with every step",
     ),
     Flag(
         "--max_grammar_compile_s",

@@ -80,7 +80,7 @@ from gateway.output import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Output
 from gateway.params import GenerationParams, SpeculationParams
 from gateway.primary_calls import PrimaryCalls
 from specdec.repeats import MIN_REPEAT_TOKENS, RepeatIndex
-from gateway.request_record import RequestRecord
+from gateway.request_record import DEFAULT_STATS_INTERVAL_S, RequestRecord
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
 from gateway.step_costs import MeasuredOverheads, StepCosts
@@ -318,6 +318,7 @@ class RequestLoop:
         draft_state: DependencyState | None = None,
         call_deadlines: CallDeadlines | None = None,
         max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
+        stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
         decode_run_max: int | None = None,
         stored_params: Mapping[str, Any] | None = None,
         step_costs: StepCosts | None = None,
@@ -333,7 +334,7 @@ class RequestLoop:
         self.cancel, self.deadline = cancel, deadline
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         self._init_output(generated, stats)
-        self._init_record(store, owner, stored_params, max_state_retry_s, node_id)
+        self._init_record(store, owner, stored_params, max_state_retry_s, node_id, stats_interval_s)
         # The primary's calls, carried through its restarts and failovers (gateway.primary_calls).
         self.primary_calls = PrimaryCalls(
             self.record,
@@ -386,6 +387,7 @@ class RequestLoop:
         stored_params: Mapping[str, Any] | None,
         max_state_retry_s: float,
         node_id: str,
+        stats_interval_s: float,
     ) -> None:
         """The request's record in the state store (gateway.request_record): each step's write, the
         end, and the repairs of a record the store lost, written back from self.generated."""
@@ -401,7 +403,13 @@ class RequestLoop:
             stored_params=stored_params,
             max_retry_s=max_state_retry_s,
             node_id=node_id,
+            snapshot=self._stored_state,
+            stats_interval_s=stats_interval_s,
         )
+
+    def _stored_state(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The stats and controller state as the state store keeps them."""
+        return self.stats.to_dict(), None if self.controller_state is None else self.controller_state.to_dict()
 
     def _init_step_state(self) -> None:
         """What passes from one step to the next: what the services still have to learn, a carried
@@ -1171,8 +1179,7 @@ class RequestLoop:
         # Hold back a tail that could still become a stop string, unless this is the end.
         delta = self.output.ready_text(is_final or is_stopped)
         check, self.pending_check = self.pending_check, None
-        stats = self.stats.to_dict()
-        controller = None if self.controller_state is None else self.controller_state.to_dict()
+        stats, controller = self._stored_state() if self.record.is_stats_due(is_final or is_stopped) else (None, None)
 
         async def write(check: asyncio.Future | None) -> bool:
             """The step appended to the request's record once the validator confirmed it (check);
@@ -1203,8 +1210,7 @@ class RequestLoop:
         }.get(finish, RequestStatus.FINISHED)
         if self.grammar_preparation is not None:
             self.grammar_preparation.cancel()
-        controller = None if self.controller_state is None else self.controller_state.to_dict()
-        await self.record.finish(status, finish, error, self.stats.to_dict(), controller)
+        await self.record.finish(status, finish, error, *self._stored_state())
         with contextlib.suppress(Exception):  # a run still streaming (a stop string, a cancel) ends first
             await self.runs.close()
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened

@@ -16,11 +16,19 @@ and a record the store refuses or lost is repaired from the gateway's memory whe
 
 The primary's KV lease (and the node that granted it) goes to the store with the next step after a
 prefill, so that a successor gateway re-prefills the live slot with it (prefilled).
+
+Every step's tokens go to the store before the step's output goes out; the request's stats and
+controller state go with its first and last steps and with one step each stats_interval_s between
+(is_stats_due), and with its end. Encoding and storing them with every token cost a greedy request
+~0.5 ms a token on a 2-vCPU machine, where the plain step is ~5 ms (docs/benchmarks.md, "Per-step
+overheads"); they lag by at most the interval in what a successor resumes from (RequestStats.of_record
+makes its token counts whole again) and in what GetRequest shows of a running request.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -30,13 +38,20 @@ from specdec.state_store import AsyncStateStore, RequestStatus
 
 T = TypeVar("T")
 
+# How often a running request's stats and controller state go to the store with its steps (the
+# gateway's --state_stats_interval_s; 0: with every step).
+DEFAULT_STATS_INTERVAL_S = 0.1
+# The stats and controller state as the store keeps them (RequestStats.to_dict, ControllerState.to_dict).
+Snapshot = Callable[[], tuple[dict[str, Any], dict[str, Any] | None]]
+
 
 class RequestRecord:
     """One request's record, written by its loop: the store, the request's identity (id, owner,
     stored parameters, prompt), the retry budget, and the lease and node still to be stored.
 
     `generated` is the loop's own list of committed tokens (the same object: the loop extends it, and
-    cuts a refused step off it); lost steps and a lost record are written back from it."""
+    cuts a refused step off it); lost steps and a lost record are written back from it, with the
+    stats and controller state of `snapshot`."""
 
     def __init__(
         self,
@@ -52,8 +67,15 @@ class RequestRecord:
         stored_params: Mapping[str, Any] | None = None,
         max_retry_s: float = DEFAULT_MAX_STATE_RETRY_S,
         node_id: str = "",
+        snapshot: Snapshot = lambda: ({}, None),
+        stats_interval_s: float = DEFAULT_STATS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if stats_interval_s < 0:
+            raise ValueError(f"stats_interval_s must be >= 0, got {stats_interval_s}")
         self.store, self.request_id, self.owner = store, request_id, owner
+        self.snapshot, self.stats_interval_s, self.clock = snapshot, stats_interval_s, clock
+        self._stats_due_at: float | None = None  # None: the next step carries them (none stored yet)
         self.prompt_ids, self.generated = prompt_ids, generated
         # The request's parameters as stored (params_to_json): what restore writes back should the
         # store lose the record. None: not known here, so a lost record cannot be written back.
@@ -72,16 +94,27 @@ class RequestRecord:
         self.unstored_node = self.node_id or None
         self.kv_lease = kv_lease
 
+    def is_stats_due(self, is_final: bool) -> bool:
+        """Whether the step being committed writes the stats and controller state besides its tokens:
+        the request's first and last steps and one step each stats_interval_s (for the others the
+        store keeps those it has)."""
+        now = self.clock()
+        if not is_final and self._stats_due_at is not None and now < self._stats_due_at:
+            return False
+        self._stats_due_at = now + self.stats_interval_s
+        return True
+
     async def append_step(
         self,
         kept: list[int],
         num_stored: int,
-        stats: dict[str, Any],
+        stats: dict[str, Any] | None,
         controller: dict[str, Any] | None,
     ) -> bool:
-        """Append a step's tokens to the record holding num_stored tokens, with the stats, controller
-        state and a lease and node not yet stored; False when the store refuses it (the request ended
-        elsewhere, or its record holds tokens that are not this gateway's)."""
+        """Append a step's tokens to the record holding num_stored tokens, with the stats and controller
+        state when given (None: the stored ones stay) and a lease and node not yet stored; False when
+        the store refuses it (the request ended elsewhere, or its record holds tokens that are not
+        this gateway's)."""
         num_attempts = 0
         kv_lease, node = self.unstored_kv_lease, self.unstored_node
 
@@ -107,6 +140,8 @@ class RequestRecord:
                 return True
             return await self.write_back_lost(num_stored, kept, stats, controller, kv_lease, node)
         except NotFound as e:  # the record is gone (not ended): this step goes back with the rest
+            if stats is None:
+                stats, controller = self.snapshot()
             await self.restore(e, num_stored + len(kept), stats, controller)
         if self.unstored_kv_lease == kv_lease:  # not renewed by a re-prefill meanwhile
             self.unstored_kv_lease = None
@@ -118,7 +153,7 @@ class RequestRecord:
         self,
         num_stored: int,
         kept: list[int],
-        stats: dict[str, Any],
+        stats: dict[str, Any] | None,
         controller: dict[str, Any] | None,
         kv_lease: str | None,
         node: str | None,
@@ -160,13 +195,24 @@ class RequestRecord:
         stats: dict[str, Any],
         controller: dict[str, Any] | None,
     ) -> None:
-        """Record the request's end (a lost record is written back whole with it); never raises: the
-        request is over either way, and a store that would not take it is logged."""
+        """Record the request's end with its final stats and controller state, as its owner (a lost
+        record is written back whole with it; one that ended elsewhere keeps its end); never raises:
+        the request is over either way, and a store that would not take it is logged."""
         try:
             try:
                 await self.with_retries(
-                    lambda: self.store.set_status(self.request_id, status, finish_reason=finish_reason, error=error)
+                    lambda: self.store.append_step(
+                        self.request_id,
+                        status=status,
+                        finish_reason=finish_reason,
+                        error=error,
+                        stats=stats,
+                        controller_state=controller,
+                        owner=self.owner,
+                    )
                 )
+            except FailedPrecondition:  # ended elsewhere, or another gateway holds it: not over its writes
+                return
             except NotFound as e:
                 await self.restore(
                     e, len(self.generated), stats, controller, status, finish_reason=finish_reason, error=error

@@ -333,7 +333,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             params=params_pb_from_json(state.params),
             token_ids=state.token_ids,
             text=self.tokenizer.decode(state.token_ids),
-            stats=RequestStats.from_dict(state.stats).to_pb(),
+            stats=RequestStats.of_record(state.stats, len(state.prompt_token_ids), len(state.token_ids)).to_pb(),
             finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
             error=state.error,
         )
@@ -679,6 +679,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             step_costs=self.step_costs,
             acceptance_memory=self.acceptance_memory,
             max_state_retry_s=self.max_state_retry_s,
+            stats_interval_s=self.config.state_stats_interval_s,
             is_run_drafting=spec.is_run_drafting,
             node_id="" if node is None else node.node_id,
             failover=None if node is None else self._failover_of(request_id, prompt_ids),

@@ -1,7 +1,7 @@
 """Per-request statistics: tokens, steps, acceptance, time per stage, per decoder, by entropy bin.
 
-Kept as plain data so the gateway can write them to the state store at every step and any
-gateway can serve them (GetRequest) or resume from them.
+Kept as plain data so the gateway can write them to the state store (with one step in an interval,
+gateway.request_record) and any gateway can serve them (GetRequest) or resume from them.
 """
 
 from __future__ import annotations
@@ -98,6 +98,18 @@ class RequestStats:
     def from_dict(cls, d: dict[str, Any]) -> "RequestStats":
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known}) if d else cls()
+
+    @classmethod
+    def of_record(cls, d: dict[str, Any], num_prompt_tokens: int, num_tokens: int) -> "RequestStats":
+        """The stats a record holds, its token counts made whole: the store takes the stats with one
+        step in an interval (gateway.request_record), so the record's tokens may go on past them;
+        those are counted as generated in plain steps of one token."""
+        stats = cls.from_dict(d)
+        stats.num_prompt_tokens = stats.num_prompt_tokens or num_prompt_tokens
+        if (unstated := num_tokens - stats.num_generated_tokens) > 0:
+            stats.num_generated_tokens += unstated
+            stats.num_steps += unstated
+        return stats
 
     def to_pb(self) -> gateway_pb2.GenerationStats:
         edges = DEFAULT_ENTROPY_BIN_EDGES

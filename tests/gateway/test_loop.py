@@ -649,7 +649,7 @@ def test_the_draft_service_losing_the_request_gets_the_whole_context_again():
     assert len(opens) == 2 and len(opens[1]["new"]) > 0  # reopened with prompt + everything committed
 
 
-def test_controller_state_is_stored_every_step_and_restored_on_resume():
+def test_controller_state_is_stored_and_restored_on_resume():
     store = InMemoryStateStore()
     params = make_params(degree=2, draft_length=8, max_new_tokens=80)
     whole = run(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, request_id="whole")
@@ -660,7 +660,9 @@ def test_controller_state_is_stored_every_step_and_restored_on_resume():
     # A gateway that died after 6 steps: a successor resumes from the stored tokens, stats and
     # controller state, and produces the same output.
     dead_store = InMemoryStateStore()
-    dead = make_loop(params, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store, owner="gw-1")
+    dead = make_loop(
+        params, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store, owner="gw-1", stats_interval_s=0
+    )
     with asyncio.Runner() as runner:
         steps = dead.run()
         for _ in range(6):
@@ -681,6 +683,41 @@ def test_controller_state_is_stored_every_step_and_restored_on_resume():
     assert resumed.controller_state.num_steps == resumed.stats.num_steps > 6
     assert resumed.outcome.token_ids == plain_decoding(PROMPT, 80)
     assert resumed.controller_state.estimates != ControllerState.from_dict(state.controller_state).estimates
+
+
+def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_stored_token():
+    """Tokens are stored with every step, the stats and controller state with the first step, one
+    step an interval and the end: a successor of a gateway that died in between resumes from stats
+    that lag the tokens, counted whole again (RequestStats.of_record), and ends as a whole run does."""
+    params = make_params(degree=2, draft_length=8, max_new_tokens=80)
+    store = InMemoryStateStore()
+    whole = run(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, request_id="whole", stats_interval_s=3600)
+    stored = store.load("whole")  # the end carries the final stats, whatever the interval
+    assert stored.stats == whole.stats.to_dict() and stored.controller_state == whole.controller_state.to_dict()
+
+    dead_store = InMemoryStateStore()
+    dead = make_loop(
+        params, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store, owner="gw-1", stats_interval_s=3600
+    )
+    with asyncio.Runner() as runner:
+        steps = dead.run()
+        for _ in range(6):
+            runner.run(anext(steps))
+        state = dead_store.load("r1")
+    assert list(state.token_ids) == dead.generated  # every step's tokens
+    assert state.stats["num_steps"] == state.controller_state["num_steps"] == 1  # the first step's
+    assert state.stats["num_generated_tokens"] < len(state.token_ids)
+    stats = RequestStats.of_record(state.stats, len(PROMPT), len(state.token_ids))
+    assert stats.num_generated_tokens == len(state.token_ids) and stats.num_prompt_tokens == len(PROMPT)
+    resumed = run(
+        params,
+        FakeBackends(is_lookup_right=lambda n: n < 40),
+        generated=state.token_ids,
+        stats=stats,
+        controller_state=state.controller_state,
+    )
+    assert resumed.outcome.token_ids == plain_decoding(PROMPT, 80)
+    assert resumed.stats.num_generated_tokens == 80
 
 
 def test_an_unreadable_stored_controller_state_starts_afresh():

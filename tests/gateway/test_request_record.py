@@ -20,7 +20,13 @@ OWNER = "gateway-a"
 
 
 def new_record(
-    store: InMemoryStateStore, generated: list[int], *, stored_params=PARAMS, node_id: str = "", max_retry_s=30.0
+    store: InMemoryStateStore,
+    generated: list[int],
+    *,
+    stored_params=PARAMS,
+    node_id: str = "",
+    max_retry_s=30.0,
+    **kwargs,
 ) -> RequestRecord:
     """The record of request "r" (created in `store` with `generated` stored), as its loop makes it."""
     if store.load("r") is None:
@@ -37,6 +43,7 @@ def new_record(
         stored_params=stored_params,
         max_retry_s=max_retry_s,
         node_id=node_id,
+        **kwargs,
     )
 
 
@@ -154,6 +161,60 @@ def test_the_end_of_a_lost_record_writes_it_back_with_its_final_status():
     state = store.load("r")
     assert (state.status, state.finish_reason, state.token_ids) == (RequestStatus.FINISHED, "length", (10, 11))
     assert state.controller_state == {"task_type": "chat"}
+
+
+def test_stats_are_due_with_the_first_step_one_step_an_interval_and_the_last():
+    now = [100.0]
+    record = new_record(InMemoryStateStore(), [], stats_interval_s=0.1, clock=lambda: now[0])
+    due = []
+    for t, is_final in ((100.0, False), (100.05, False), (100.1, False), (100.15, False), (100.16, True)):
+        now[0] = t
+        due.append(record.is_stats_due(is_final))
+    assert due == [True, False, True, False, True]
+    every = new_record(InMemoryStateStore(), [], stats_interval_s=0, clock=lambda: 5.0)
+    assert all(every.is_stats_due(False) for _ in range(3))
+    with pytest.raises(ValueError, match="stats_interval_s must be >= 0"):
+        new_record(InMemoryStateStore(), [], stats_interval_s=-1)
+
+
+def test_a_step_without_stats_keeps_the_stored_ones_and_the_end_writes_the_final_ones():
+    store = InMemoryStateStore()
+    record = new_record(store, [10])
+    asyncio.run(commit(record, [11]))
+    record.generated.append(12)
+    assert asyncio.run(record.append_step([12], 2, None, None))
+    state = store.load("r")
+    assert state.token_ids == (10, 11, 12) and state.stats == STATS
+    asyncio.run(record.finish(RequestStatus.FINISHED, "eos", "", {"num_steps": 3}, {"num_steps": 3}))
+    state = store.load("r")
+    assert (state.status, state.finish_reason, state.stats, state.controller_state) == (
+        RequestStatus.FINISHED,
+        "eos",
+        {"num_steps": 3},
+        {"num_steps": 3},
+    )
+
+
+def test_the_end_of_a_record_ended_elsewhere_leaves_that_end():
+    store = InMemoryStateStore()
+    record = new_record(store, [10])
+    store.set_status("r", RequestStatus.CANCELLED, finish_reason="cancelled")
+    with structlog.testing.capture_logs() as logs:
+        asyncio.run(record.finish(RequestStatus.FINISHED, "eos", "", {"num_steps": 3}, None))
+    state = store.load("r")
+    assert (state.status, state.finish_reason, state.stats) == (RequestStatus.CANCELLED, "cancelled", {})
+    assert not logs
+
+
+def test_a_lost_record_is_written_back_with_the_loops_stats_when_the_step_carried_none():
+    store = InMemoryStateStore()
+    record = new_record(store, [10], snapshot=lambda: ({"num_steps": 2}, {"task_type": "code"}))
+    store.delete("r")
+    record.generated.append(11)
+    assert asyncio.run(record.append_step([11], 1, None, None))
+    state = store.load("r")
+    assert state.token_ids == (10, 11) and state.stats == {"num_steps": 2}
+    assert state.controller_state == {"task_type": "code"}
 
 
 class DownStore(InMemoryStateStore):
