@@ -691,7 +691,9 @@ def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_sto
     that lag the tokens, counted whole again (RequestStats.of_record), and ends as a whole run does."""
     params = make_params(degree=2, draft_length=8, max_new_tokens=80)
     store = InMemoryStateStore()
-    whole = run(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, request_id="whole", stats_interval_s=3600)
+    whole = run(
+        params, FakeBackends(is_lookup_right=lambda n: n < 40), store, request_id="whole", stats_interval_s=3600
+    )
     stored = store.load("whole")  # the end carries the final stats, whatever the interval
     assert stored.stats == whole.stats.to_dict() and stored.controller_state == whole.controller_state.to_dict()
 
