@@ -96,6 +96,8 @@ class CostModel:
     def verify(self, num_tokens: Any) -> Any:
         """Piecewise-linear in num_tokens (a number or an array); past the last point the last
         segment's slope continues."""
+        if isinstance(num_tokens, (int, float)):  # every step asks for one: spare numpy's per-call cost
+            return self._verify_one(float(num_tokens))
         sizes, costs = self._curve
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
         inside = np.interp(num_tokens, sizes, costs)
@@ -103,6 +105,18 @@ class CostModel:
             return inside
         slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
         return np.where(num_tokens > sizes[-1], costs[-1] + slope * (num_tokens - sizes[-1]), inside)
+
+    def _verify_one(self, x: float) -> float:
+        """verify() of one number, in np.interp's arithmetic (the same float, without numpy's per-call
+        cost: every step asks for one)."""
+        points = self.verify_curve
+        if x <= points[0][0] or len(points) == 1:
+            return float(points[0][1])
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if x < x1:
+                return (y1 - y0) / (x1 - x0) * (x - x0) + y0
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        return float(y1) if x == x1 else y1 + (y1 - y0) / (x1 - x0) * (x - x1)
 
     def draft(self, decoder: str, num_tokens: int) -> float:
         """One decoder's Propose drafting num_tokens tokens per candidate."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostSettings, DraftCost, cost_model_for
+from gateway.cost_model import SMOLLM2_BF16_VERIFY_MS, CostModel, CostSettings, DraftCost, cost_model_for
 from specdec.strategies import NAMES
 
 FP32_CPU_MS = {1: 40.0, 2: 68.0, 4: 66.0, 8: 70.0, 16: 76.0, 32: 108.0}
@@ -54,3 +55,13 @@ def test_draft_costs_the_pool_measured_replace_the_defaults_in_one_row_forwards(
     assert model.draft("early_exit", 4) == pytest.approx(3.0)  # not measured: the default
     defaults = cost_model_for(FP32_CPU_MS, CostSettings())
     assert defaults.draft("feature", 6) == pytest.approx(6 * dict(CostSettings().draft_costs)["feature"].per_token)
+
+
+@pytest.mark.parametrize("curve", [SMOLLM2_BF16_VERIFY_MS, ((1, 4.0),), ((1, 4.0), (3, 5.5))])
+def test_one_number_costs_what_an_array_of_it_costs(curve):
+    """verify() of a number takes a path without numpy (every step asks): the same float, inside the
+    curve, on its points, below it and past it."""
+    model = CostModel.from_verify_ms(curve)
+    xs = [0, 0.5, 1, 1.5, 2, 3, 7.9, 8, 16, 63, 64, 65, 100.25, 1000, *np.random.default_rng(0).uniform(0, 200, 500)]
+    assert [model.verify(float(x)) for x in xs] == model.verify(np.array(xs, dtype=np.float64)).tolist()
+    assert [model.verify(int(x)) for x in xs] == model.verify(np.array([int(x) for x in xs], dtype=np.float64)).tolist()
