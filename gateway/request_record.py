@@ -19,10 +19,10 @@ prefill, so that a successor gateway re-prefills the live slot with it (prefille
 
 Every step's tokens go to the store before the step's output goes out; the request's stats and
 controller state go with its first and last steps and with one step each stats_interval_s between
-(is_stats_due), and with its end. Encoding and storing them with every token cost a greedy request
-~0.5 ms a token on a 2-vCPU machine, where the plain step is ~5 ms (docs/benchmarks.md, "Per-step
-overheads"); they lag by at most the interval in what a successor resumes from (RequestStats.of_record
-makes its token counts whole again) and in what GetRequest shows of a running request.
+(is_stats_due), and with its end: encoding and storing them with every token took gateway CPU from
+every plain token (docs/benchmarks.md, "Per-step overheads"). They lag by at most the interval in
+what a successor resumes from (RequestStats.of_record makes its token counts whole again) and in
+what GetRequest shows of a running request.
 """
 
 from __future__ import annotations
