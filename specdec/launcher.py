@@ -74,16 +74,12 @@ NUM_TAIL_LINES = 25
 # How long a torch (libgomp) thread spins at a barrier before it sleeps. A forward meets hundreds
 # of barriers, and the default (300,000 spins) lets a waiting thread hold a core that the thread it
 # waits for needs whenever the cores are shared: by this stack's own services, or by anything else
-# on the host. One int4 decode step, 2 threads on 2 vCPUs (AMD EPYC), measured with other work
-# running (load 5-9): median 140-300 ms (p90 up to 2.5 s) by default, 59-78 ms at 1,000 spins;
-# on the quiet machine 13.0 and 13.5 ms. Never spinning (OMP_WAIT_POLICY=PASSIVE) was 22-27 ms
-# under load but 31-38 ms quiet. An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+# on the host. Never spinning costs the quiet machine instead (docs/benchmarks.md, "OpenMP spin and
+# malloc arenas"). An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
 OPENMP_SPIN_COUNT = "1000"
 # glibc's malloc arenas per process (default: 8 per core, one per thread that allocates). Each RPC
-# thread that decodes a step's logits grows an arena of its own and keeps it: under 16 clients the
-# validator's RSS rose from 301 to ~450 MiB within a minute with the default, to ~390 MiB with 2
-# arenas (100 s runs of `python -m bench load --clients 16`, 103 and 91 generated tok/s). An operator's
-# own MALLOC_ARENA_MAX wins.
+# thread that decodes a step's logits would grow an arena of its own and keep it, and a service's
+# memory with them (the same section). An operator's own MALLOC_ARENA_MAX wins.
 MALLOC_ARENAS = "2"
 # Where the launcher keeps every service's restart count, in the log dir (JSON: name -> count).
 RESTARTS_FILE_NAME = "service_restarts.json"

@@ -64,9 +64,8 @@ AMX_SWITCH = "SPECDEC_NATIVE_AMX"  # "0": never use the AMX tiles, even where th
 PROFILE_SWITCH = "SPECDEC_NATIVE_PROFILE"
 # 4-bit products of at least this many rows run on AMX tiles where the library has the path
 # (csrc/gemm_amx.c); fewer rows stay on AVX-512: inside the whole forward the tiles' per-call
-# unpacking and per-block rescale cost more than they save below ~32 rows (at 16 rows a int4 verify's
-# products took 7.5 ms on tiles against 6.2 on vectors). Either path gives the same bits, so this
-# moves only time (docs/benchmarks.md, "AMX products" and "Flat forward").
+# unpacking and per-block rescale cost more than they save below ~32 rows (measured: docs/benchmarks.md,
+# "The 4-bit AMX crossover"). Either path gives the same bits, so this moves only time.
 AMX_MIN_ROWS = 32
 QK = 32  # weights per block
 COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)

@@ -12,9 +12,8 @@
  *
  * Without VNNI the 4-bit tile sums a block in 16 bits (below) and takes 4 rows at a time: the
  * weights' unpacking (and, shift, and) is shared by twice the rows, and with the loop over the
- * block's 4 steps kept rolled the accumulators stay in registers. Measured on a Zen 3 EPYC (AVX2
- * only, one thread, [T, 576] x [1536, 576] and [T, 1536] x [576, 1536]): 0.82-0.85 ms against
- * 1.16-1.18 ms at T = 32, 0.26 against 0.28-0.34 ms at T = 8; the same bits. */
+ * block's 4 steps kept rolled the accumulators stay in registers; the same bits either way
+ * (measured: docs/benchmarks.md, "AVX2 without VNNI"). */
 #if QGEMM_DP8_VNNI
 #define Q4_TILE_ROWS 2
 #else
@@ -153,10 +152,8 @@ void qgemm_product_unit_avx2(const qweight *w, const qact *a, int64_t T, int64_t
 /* Groups of 16 columns a thread takes at a time. The AVX-512 and portable tiles hold several groups
  * at once, and a unit is one tile's. These tiles hold one, so here a unit is a run of consecutive
  * groups, whose weights are contiguous: long runs let the hardware prefetcher stream them (a product of one row is bound by
- * memory bandwidth), and about four runs per thread still balance the threads. Measured on a Zen 3
- * EPYC (AVX2 only, 2 threads, 40 MB of 4-bit layer weights, one row): 5.74 ms a pass with one group
- * a unit, 4.67 ms with four; two rows 7.24 -> 5.22 ms; 32 rows unchanged. Which thread computes a
- * group never changes its bits. */
+ * memory bandwidth), and about four runs per thread still balance the threads (measured: the same
+ * section). Which thread computes a group never changes its bits. */
 #define MAX_RUN 8
 int64_t qgemm_unit_groups_avx2(int64_t num_groups, int num_threads) {
     const int64_t run = num_groups / (4 * (int64_t)(num_threads > 1 ? num_threads : 1));
