@@ -649,6 +649,18 @@ def test_the_draft_service_losing_the_request_gets_the_whole_context_again():
     assert len(opens) == 2 and len(opens[1]["new"]) > 0  # reopened with prompt + everything committed
 
 
+def died_after_steps(params: GenerationParams, num_steps: int, **kwargs) -> tuple[RequestLoop, RequestState]:
+    """A loop (its prompt lookup right for the first 40 tokens) that ran num_steps steps and then
+    stopped, as its gateway died; the record it left."""
+    store = InMemoryStateStore()
+    loop = make_loop(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, owner="gw-1", **kwargs)
+    with asyncio.Runner() as runner:
+        steps = loop.run()
+        for _ in range(num_steps):
+            runner.run(anext(steps))
+        return loop, store.load("r1")
+
+
 def test_controller_state_is_stored_and_restored_on_resume():
     store = InMemoryStateStore()
     params = make_params(degree=2, draft_length=8, max_new_tokens=80)
@@ -659,15 +671,7 @@ def test_controller_state_is_stored_and_restored_on_resume():
 
     # A gateway that died after 6 steps: a successor resumes from the stored tokens, stats and
     # controller state, and produces the same output.
-    dead_store = InMemoryStateStore()
-    dead = make_loop(
-        params, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store, owner="gw-1", stats_interval_s=0
-    )
-    with asyncio.Runner() as runner:
-        steps = dead.run()
-        for _ in range(6):
-            runner.run(anext(steps))
-        state = dead_store.load("r1")
+    dead, state = died_after_steps(params, 6, stats_interval_s=0)
     assert state.controller_state["num_steps"] == 6 and state.controller_state == dead.controller_state.to_dict()
     store = InMemoryStateStore()  # what the successor finds in Redis
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
@@ -697,15 +701,7 @@ def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_sto
     stored = store.load("whole")  # the end carries the final stats, whatever the interval
     assert stored.stats == whole.stats.to_dict() and stored.controller_state == whole.controller_state.to_dict()
 
-    dead_store = InMemoryStateStore()
-    dead = make_loop(
-        params, FakeBackends(is_lookup_right=lambda n: n < 40), dead_store, owner="gw-1", stats_interval_s=3600
-    )
-    with asyncio.Runner() as runner:
-        steps = dead.run()
-        for _ in range(6):
-            runner.run(anext(steps))
-        state = dead_store.load("r1")
+    dead, state = died_after_steps(params, 6, stats_interval_s=3600)
     assert list(state.token_ids) == dead.generated  # every step's tokens
     assert state.stats["num_steps"] == state.controller_state["num_steps"] == 1  # the first step's
     assert state.stats["num_generated_tokens"] < len(state.token_ids)
