@@ -30,11 +30,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S, give_up_at, with_state_retries
 from specdec.errors import FailedPrecondition, Internal, NotFound, StateLost
-from specdec.state_store import AsyncStateStore, RequestStatus
+from specdec.state_store import AsyncStateStore, RequestStatus, StepFields
 
 T = TypeVar("T")
 
@@ -121,13 +121,11 @@ class RequestRecord:
         async def append() -> None:
             nonlocal num_attempts
             num_attempts += 1
-            await self.store.append_step(
-                self.request_id,
+            await self._write(
                 kept,
                 expected_num_tokens=num_stored,
                 stats=stats,
                 controller_state=controller,
-                owner=self.owner,
                 kv_lease=kv_lease,
                 node=node,
             )
@@ -172,13 +170,11 @@ class RequestRecord:
         self.log.warning("the state store lost acknowledged steps; writing them back", num_tokens=len(lost))
         try:
             await self.with_retries(
-                lambda: self.store.append_step(
-                    self.request_id,
+                lambda: self._write(
                     lost + list(kept),
                     expected_num_tokens=len(stored),
                     stats=stats,
                     controller_state=controller,
-                    owner=self.owner,
                     kv_lease=kv_lease,
                     node=node,
                 )
@@ -201,14 +197,12 @@ class RequestRecord:
         try:
             try:
                 await self.with_retries(
-                    lambda: self.store.append_step(
-                        self.request_id,
+                    lambda: self._write(
                         status=status,
                         finish_reason=finish_reason,
                         error=error,
                         stats=stats,
                         controller_state=controller,
-                        owner=self.owner,
                     )
                 )
             except FailedPrecondition:  # ended elsewhere, or another gateway holds it: not over its writes
@@ -250,8 +244,7 @@ class RequestRecord:
             )
 
         async def refill() -> None:
-            await self.store.append_step(
-                self.request_id,
+            await self._write(
                 self.generated[:num_tokens],
                 expected_num_tokens=0,
                 status=status,
@@ -259,7 +252,6 @@ class RequestRecord:
                 controller_state=controller,
                 finish_reason=finish_reason,
                 error=error,
-                owner=self.owner,
                 kv_lease=self.kv_lease or None,
                 node=self.node_id or None,
             )
@@ -280,6 +272,12 @@ class RequestRecord:
         """Whether the record is live and holds exactly num_tokens tokens."""
         state = await self.with_retries(lambda: self.store.load(self.request_id))
         return state is not None and len(state.token_ids) == num_tokens and not state.status.is_terminal
+
+    async def _write(self, token_ids: Sequence[int] = (), **step: Unpack[StepFields]) -> int:
+        """One step of the request's record, written as its owner (the store refuses it where another
+        gateway holds the lease or the request ended)."""
+        fields: StepFields = {**step, "owner": self.owner}
+        return await self.store.append_step(self.request_id, token_ids, **fields)
 
     async def with_retries(self, write: Callable[[], Awaitable[T]]) -> T:
         """write(), retried with bounded backoff while the state store is unavailable; Unavailable once
