@@ -169,7 +169,7 @@ class Resumption:
             cancel,
             None,
             state.token_ids,
-            RequestStats.of_record(state.stats, len(state.prompt_token_ids), len(state.token_ids)),
+            RequestStats.of_record(state),
             state.controller_state,
             grammar,
             stored_params=state.params,
@@ -239,7 +239,7 @@ class Resumption:
             text=tail if is_streamed else text + tail,
             token_ids=[] if is_streamed else state.token_ids,
             finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
-            stats=RequestStats.of_record(state.stats, len(state.prompt_token_ids), len(state.token_ids)).to_pb(),
+            stats=RequestStats.of_record(state).to_pb(),
         )
 
     async def _resumed(self, loop: RequestLoop, ticket: Ticket) -> None:

@@ -333,7 +333,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             params=params_pb_from_json(state.params),
             token_ids=state.token_ids,
             text=self.tokenizer.decode(state.token_ids),
-            stats=RequestStats.of_record(state.stats, len(state.prompt_token_ids), len(state.token_ids)).to_pb(),
+            stats=RequestStats.of_record(state).to_pb(),
             finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
             error=state.error,
         )

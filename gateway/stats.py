@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from specdec.entropy_bins import DEFAULT_ENTROPY_BIN_EDGES
+from specdec.state_store import RequestState
 from specdec.v1 import common_pb2, gateway_pb2
 
 STAGES = ("draft", "verify", "validate", "commit", "state", "other")
@@ -100,13 +101,13 @@ class RequestStats:
         return cls(**{k: v for k, v in d.items() if k in known}) if d else cls()
 
     @classmethod
-    def of_record(cls, d: dict[str, Any], num_prompt_tokens: int, num_tokens: int) -> "RequestStats":
-        """The stats a record holds, its token counts made whole: the store takes the stats with one
-        step in an interval (gateway.request_record), so the record's tokens may go on past them;
-        those are counted as generated in plain steps of one token."""
-        stats = cls.from_dict(d)
-        stats.num_prompt_tokens = stats.num_prompt_tokens or num_prompt_tokens
-        if (unstated := num_tokens - stats.num_generated_tokens) > 0:
+    def of_record(cls, state: RequestState) -> "RequestStats":
+        """The stats a stored request holds, its token counts made whole: the store takes the stats
+        with one step in an interval (gateway.request_record), so the record's tokens may go on past
+        them; those are counted as generated in plain steps of one token."""
+        stats = cls.from_dict(state.stats)
+        stats.num_prompt_tokens = stats.num_prompt_tokens or len(state.prompt_token_ids)
+        if (unstated := len(state.token_ids) - stats.num_generated_tokens) > 0:
             stats.num_generated_tokens += unstated
             stats.num_steps += unstated
         return stats

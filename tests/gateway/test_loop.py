@@ -705,7 +705,7 @@ def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_sto
     assert list(state.token_ids) == dead.generated  # every step's tokens
     assert state.stats["num_steps"] == state.controller_state["num_steps"] == 1  # the first step's
     assert state.stats["num_generated_tokens"] < len(state.token_ids)
-    stats = RequestStats.of_record(state.stats, len(PROMPT), len(state.token_ids))
+    stats = RequestStats.of_record(state)
     assert stats.num_generated_tokens == len(state.token_ids) and stats.num_prompt_tokens == len(PROMPT)
     resumed = run(
         params,
