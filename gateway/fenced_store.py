@@ -1,13 +1,13 @@
-"""The state store as one gateway's request loops see it: their status writes checked against the
-request's lease like their step writes.
+"""The state store with its status writes checked against the request's lease like step writes.
 
-A loop writes each step with its owner (append_step(owner=...)), so a gateway that lost a request
-to another (taken over while it was cut off, gateway.owner_probe) is refused at its next step and
-stops. Its loop then stores its end, a status write (set_status), which the store's contract does
-not check against the lease: unchecked, the stopped gateway would mark CANCELLED (or FAILED) the
-request its adopter is running. Here set_status is a step that appends nothing, written with the
-owner, so the store refuses it (False, as for a request that already ended) while another gateway
-holds the lease. Everything else goes to the store as it is.
+A loop writes each step and its end with its owner (gateway.request_record), so a gateway that lost
+a request to another (taken over while it was cut off, gateway.owner_probe) is refused and stops
+without touching the adopter's record. A status write (set_status) is not checked against the lease
+by the store's contract: unchecked, a stopped gateway would mark CANCELLED (or FAILED) the request
+its adopter is running. Here set_status is a step that appends nothing, written with the owner, so
+the store refuses it (False, as for a request that already ended) while another gateway holds the
+lease: for status writes outside a loop (an adopted request cancelled while it waited for a slot,
+gateway.resume). Everything else goes to the store as it is.
 
 The Cancel RPC keeps the plain store: a client may cancel its request on any gateway.
 """

@@ -18,7 +18,8 @@ whose gateway died. `Resumption` is that part of the GenerationService servicer 
 Safety: the probe only makes a takeover worth trying. take_over succeeds only while the gone owner
 still holds the lease, so of several gateways that found it gone one wins; an owner that was alive
 after all is refused at its next step write by the store's owner check, and its loop stops without
-writing its end over the adopter's (its status writes are fenced too: OwnerFencedStore).
+writing its end over the adopter's (its end is written as its owner too: RequestRecord.finish; a
+request cancelled while it waited for a slot, through OwnerFencedStore).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
 from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
-from gateway.fenced_store import OwnerFencedStore
 from gateway.config import GatewayConfig
 from gateway.controller import ControllerConfig
 from gateway.acceptance_memory import AcceptanceMemory
@@ -657,7 +656,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             params,
             prompt_ids,
             self.backends if node is None else node.backends,
-            OwnerFencedStore(self.store, self.owner),  # its end is not written over an adopter's run
+            self.store,  # its record writes every step and its end as this gateway (RequestRecord)
             self.tokenizer,
             self.model,
             (spec.greedy_logits_format, spec.sample_logits_format),

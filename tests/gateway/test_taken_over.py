@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.fenced_store import OwnerFencedStore
 from specdec.state_store import AsyncInMemoryStateStore, InMemoryStateStore, RequestStatus
 from tests.gateway.test_loop import PROMPT, FakeBackends, loop_over_prompt, make_params, plain_decoding
 
@@ -21,7 +20,7 @@ def test_the_old_owner_stops_cleanly_and_the_adopter_finishes_the_same_output() 
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
     params = make_params(degree=2, draft_length=4, max_new_tokens=MAX_NEW_TOKENS)
     backends = FakeBackends(is_lookup_right=lambda n: n % 3 == 0)
-    old = loop_over_prompt(params, backends, OwnerFencedStore(AsyncInMemoryStateStore(store), OLD), owner=OLD)
+    old = loop_over_prompt(params, backends, AsyncInMemoryStateStore(store), owner=OLD)
     sent: list[int] = []  # what the old gateway's client received
 
     async def run_old() -> None:
@@ -40,7 +39,7 @@ def test_the_old_owner_stops_cleanly_and_the_adopter_finishes_the_same_output() 
     new = loop_over_prompt(
         params,
         FakeBackends(is_lookup_right=lambda n: n % 3 == 0),
-        OwnerFencedStore(AsyncInMemoryStateStore(store), NEW),
+        AsyncInMemoryStateStore(store),
         owner=NEW,
         generated=state.token_ids,
     )
