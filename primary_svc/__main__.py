@@ -19,6 +19,7 @@ from primary_svc.leases import KVLeases
 from primary_svc.run_grammars import RunGrammars
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
+from specdec.answers import AnswerIndex, AnswersFileError, load_answers
 from specdec.engine.background_compile import BackgroundCompiler
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -27,6 +28,7 @@ from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_service_telemetry
 from specdec.logits_shm import cleanup_stale_slots
 from primary_svc.metrics import PrimaryMetrics
+from specdec.model.fingerprint import model_fingerprint
 from specdec.model.compiled import CompiledStep, CompileSettings
 from specdec.model.layout import count_layouts
 from specdec.model.linear import calibrate_min_gemm_rows
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         metrics,
         KVLeases(config.kv_lease_s, takeover_s=config.kv_takeover_s),
         start_grammars(tokenizer, loaded),
+        load_run_answers(config.run_answers, loaded, worker),
     )
     stop_expiry = threading.Event()
     threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()
@@ -100,6 +103,22 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if loaded.shared is not None:
             loaded.shared.unlink()
+
+
+def load_run_answers(path: str, loaded: LoadedModel, worker: EngineWorker) -> AnswerIndex | None:
+    """The model's own answers for run drafts (--run_answers); None, and the log says why, where
+    there are none or the file cannot serve this model."""
+    log = structlog.get_logger("primary_svc")
+    if not path:
+        return None
+    fingerprint = worker.run(lambda: model_fingerprint(loaded.config, loaded.model.norm.weight))
+    try:
+        answers = load_answers(Path(path), loaded.config.vocab_size, fingerprint)
+    except AnswersFileError as e:
+        log.warning("run_answers_left_out", reason=str(e))
+        return None
+    log.info("run_answers_loaded", path=path, num_tokens=answers.num_tokens)
+    return answers
 
 
 def start_worker(

@@ -11,6 +11,7 @@ from pathlib import Path
 from primary_svc.leases import DEFAULT_TAKEOVER_S
 from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
+from specdec.answers import DEFAULT_ANSWERS
 from specdec.field_checks import require_at_least_one
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.precision import AUTO, PRECISIONS
@@ -61,6 +62,7 @@ class PrimaryConfig:
     service_token_file: str = ""  # the shared secret callers must send (specdec.service.auth)
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
     progress_file: str = ""  # start-up progress events for the launcher (specdec.progress); "": none
+    run_answers: str = str(DEFAULT_ANSWERS)  # the model's own answers, drafted in runs (specdec.answers); "": none
 
     @property
     def compile_cache_dir(self) -> Path:
@@ -166,6 +168,12 @@ FLAGS = (
         help="a Prefill without a live request's kv_lease replaces it once its slot has had no call for this "
         "long (its holder is presumed dead: gateways adopt a request once its owner fails its health checks "
         "or its --owner_lease_s lapses; keep this below that lease)",
+    ),
+    Flag(
+        "--run_answers",
+        help="the model's own answers (specdec/answers.py), drafted in runs of plain steps where the context "
+        "repeats nothing; the default model's ship with the service. A file of another model, or one that "
+        "cannot be read, is logged and left out; empty: none",
     ),
     Flag(
         "--progress_file",

@@ -62,6 +62,14 @@ class PrimaryMetrics:
         self.run_draft_accepted_tokens = counter(
             registry, "run_draft_accepted_tokens", "Of the runs' drafted tokens, those their steps kept."
         )
+        self.run_answer_drafted_tokens = counter(
+            registry,
+            "run_answer_drafted_tokens",
+            "Of the runs' drafted tokens, those drafted from the model's own answers (--run_answers).",
+        )
+        self.run_answer_accepted_tokens = counter(
+            registry, "run_answer_accepted_tokens", "Of the tokens drafted from the answers, those their steps kept."
+        )
         self.compiled_buckets = gauge(
             registry, "compiled_buckets", "Row buckets of the compiled engine step that are ready (0: eager only)."
         )

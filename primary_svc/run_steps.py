@@ -110,6 +110,9 @@ class Run:
         if self.drafted and self.metrics is not None:
             self.metrics.run_drafted_tokens.inc(len(self.drafted))
             self.metrics.run_draft_accepted_tokens.inc(accepted)
+            if self.drafts is not None and self.drafts.is_answer_draft and not self.is_forced:
+                self.metrics.run_answer_drafted_tokens.inc(len(self.drafted))
+                self.metrics.run_answer_accepted_tokens.inc(accepted)
         step_rows, step_requests = self.step_load()
         self.other_rows = max(0, step_rows - 1 - len(self.drafted))  # the step's, beside this run's
         self.other_requests = max(0, step_requests - 1)

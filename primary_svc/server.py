@@ -33,6 +33,7 @@ from specdec.logits_shm import LogitsSlots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.penalties import penalize
+from specdec.answers import AnswerIndex
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
 from specdec.speculation_bounds import MAX_DRAFT_LENGTH
 from specdec.sampling import SamplingParams, draw_token
@@ -79,11 +80,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         metrics: PrimaryMetrics | None = None,
         leases: KVLeases | None = None,
         run_grammars: RunGrammars | None = None,
+        answers: AnswerIndex | None = None,
     ) -> None:
         """`run_grammars`: the grammar states of Decode calls with a response_format (None: such
-        calls are refused)."""
+        calls are refused); `answers`: the model's own answers, which runs draft from too."""
         self.loaded, self.worker, self.identity = loaded, worker, identity
-        self.run_grammars = run_grammars
+        self.run_grammars, self.answers = run_grammars, answers
         self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
         self.vocab_size = loaded.config.vocab_size
         self.logits_slots = LogitsSlots(identity.instance_id)
@@ -352,7 +354,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         if sampling.has_penalties or has_logprobs:
             raise InvalidArgument("lookup_draft_length", "drafts a run without penalties, logit_bias or logprobs only")
         costs, engine = self.identity.verify_costs_ms or None, self.worker.built_engine
-        return lambda: RunDrafts(engine().token_ids(request_id), n, costs)
+        answers = self.answers
+        return lambda: RunDrafts(engine().token_ids(request_id), n, costs, answers)
 
     def _sampling(self, request) -> SamplingParams:
         """The request's sampling parameters, checked (logit_bias ids against the vocabulary too)."""

@@ -24,12 +24,18 @@ with and the argmax after them: the run's tokens are its plain decoding's, sever
 answer copies, without the draft service's and validator's round trips (about 1.4 one-row forwards
 a speculative step on a 2-core CPU, docs/benchmarks.md). How many tokens to draft is chosen each
 step by expected tokens per forward cost: the chain's acceptance estimate against the measured cost
-of a verify of k rows.
+of a verify of k rows. Where the tail repeats nothing, a run given the model's own answers
+(specdec.answers) drafts what the model wrote after the same tokens there instead, priced by an
+acceptance estimate of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdec.answers import AnswerIndex
 
 MIN_REPEAT_TOKENS = 3  # a tail of this many tokens that occurred earlier is a repeat
 MAX_REPEAT_TOKENS = 16  # the longest tail a caller may ask a run to stop at (longer repeats are copies too)
@@ -40,6 +46,7 @@ DEFAULT_ROW_COSTS = {1: 1.0, 2: 1.14, 4: 1.47, 8: 2.22, 16: 3.64, 32: 6.44, 64: 
 # a copy is accepted for a while and then stops, so recent steps say most.
 ACCEPTANCE_PRIOR = (1.0, 2.0)
 ACCEPTANCE_DECAY = 0.7
+MAX_ANSWER_CONTEXT = 32  # the context tail matched against the model's answers (specdec.answers)
 
 
 class RepeatIndex:
@@ -64,6 +71,10 @@ class RepeatIndex:
                 self._followed[tuple(tokens[-n:])] = len(tokens)  # the n-gram before this token is followed now
             tokens.append(int(token))
 
+    def tail(self, n: int) -> list[int]:
+        """The context's last n tokens."""
+        return self._tokens[-n:]
+
     def tail_repeats(self) -> bool:
         """Whether the context's last n tokens occurred earlier (with a token after them)."""
         return len(self._tokens) >= self.n and tuple(self._tokens[-self.n :]) in self._followed
@@ -85,30 +96,16 @@ class RepeatIndex:
         return out
 
 
-class RunDrafts:
-    """A run's own prompt-lookup drafts (see the module docstring): the index over the request's
-    context, the chain acceptance estimate, and each step's choice of how many tokens to draft.
+class ChainAcceptance:
+    """The estimated chance that a drafted token is accepted given the one before it was: verified
+    chains' evidence, fading by ACCEPTANCE_DECAY a chain, over the prior ACCEPTANCE_PRIOR."""
 
-    `row_costs`: ms (or any unit) of a verify of k rows by k, as the primary measured them."""
-
-    def __init__(self, token_ids: Iterable[int], max_length: int, row_costs: Mapping[int, float] | None = None) -> None:
-        if max_length < 1:
-            raise ValueError(f"max_length must be >= 1, got {max_length}")
-        self.index = RepeatIndex(token_ids)
-        self.max_length = max_length
-        costs = dict(row_costs or {})
-        if 1 not in costs or costs[1] <= 0 or len(costs) < 2:  # a curve needs one row and another size
-            costs = DEFAULT_ROW_COSTS
-        self._row_costs = sorted((k, c / costs[1]) for k, c in costs.items())
+    def __init__(self) -> None:
         self._successes, self._trials = ACCEPTANCE_PRIOR
 
     @property
-    def acceptance(self) -> float:
-        """The estimated chance that a drafted token is accepted, given the one before it was."""
+    def value(self) -> float:
         return self._successes / self._trials
-
-    def extend(self, token_ids: Iterable[int]) -> None:
-        self.index.extend(token_ids)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """A verified chain: its first num_accepted tokens were accepted (then one was not, unless all were)."""
@@ -120,6 +117,51 @@ class RunDrafts:
         # the evidence beyond the prior fades; the prior stays, so one step cannot make the estimate 0 or 1
         self._successes = p_s + d * (self._successes - p_s) + num_accepted
         self._trials = p_t + d * (self._trials - p_t) + trials
+
+
+class RunDrafts:
+    """A run's own prompt-lookup drafts (see the module docstring): the index over the request's
+    context, the chain acceptance estimate, and each step's choice of how many tokens to draft.
+
+    `row_costs`: ms (or any unit) of a verify of k rows by k, as the primary measured them; `answers`:
+    the model's own answers, drafted from where the tail repeats nothing."""
+
+    def __init__(
+        self,
+        token_ids: Iterable[int],
+        max_length: int,
+        row_costs: Mapping[int, float] | None = None,
+        answers: AnswerIndex | None = None,
+    ) -> None:
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        self.index = RepeatIndex(token_ids)
+        self.max_length = max_length
+        costs = dict(row_costs or {})
+        if 1 not in costs or costs[1] <= 0 or len(costs) < 2:  # a curve needs one row and another size
+            costs = DEFAULT_ROW_COSTS
+        self._row_costs = sorted((k, c / costs[1]) for k, c in costs.items())
+        self.answers = answers
+        self._copies, self._answer_drafts = ChainAcceptance(), ChainAcceptance()
+        self._drafted_from = self._copies  # whose estimate the next observe() updates
+        self.is_answer_draft = False  # the last draft came from the answers
+
+    @property
+    def acceptance(self) -> float:
+        """The estimated chance that a copied token is accepted, given the one before it was."""
+        return self._copies.value
+
+    @property
+    def answer_acceptance(self) -> float:
+        """The same for a token drafted from the model's answers."""
+        return self._answer_drafts.value
+
+    def extend(self, token_ids: Iterable[int]) -> None:
+        self.index.extend(token_ids)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """The last draft verified: its first num_accepted tokens were accepted."""
+        self._drafted_from.observe(num_drafted, num_accepted)
 
     def relative_cost(self, num_rows: int) -> float:
         """A verify of num_rows rows against one row, linear between the measured sizes."""
@@ -136,17 +178,29 @@ class RunDrafts:
         """The next step's drafts, at most min(max_tokens, max_length): the copy's first d tokens, d
         maximising the step's expected tokens per cost, (others + 1 + a + ... + a^d) / cost(other_rows +
         1 + d rows), where the step also carries other_rows rows of other_requests requests (a token
-        each); none when the tail repeats nothing or a plain step is worth more. Alone, a drafted token
+        each); where the tail repeats nothing, the same over the model's answers' continuation (if
+        any); none where neither drafts or a plain step is worth more. Alone, a drafted token
         pays where it is accepted more often than its row costs against one row (about 14 % for the
         second row); beside 31 other requests, where it is accepted more often than not, for its row
         then slows theirs too."""
-        copy = self.index.continuation(min(max_tokens, self.max_length))
+        limit = min(max_tokens, self.max_length)
+        copy, estimate = self.index.continuation(limit), self._copies
+        if not copy and self.answers is not None and limit > 0:
+            copy = self.answers.draft(self.index.tail(MAX_ANSWER_CONTEXT), limit)
+            estimate = self._answer_drafts if copy else estimate
+        best = self._best_length(len(copy), estimate.value, other_rows, other_requests)
+        self._drafted_from = estimate
+        self.is_answer_draft = best > 0 and estimate is self._answer_drafts
+        return copy[:best]
+
+    def _best_length(self, num_tokens: int, acceptance: float, other_rows: int, other_requests: int) -> int:
+        """How many of num_tokens drafted tokens maximise the step's expected tokens per cost."""
         best, expected, p = 0, other_requests + 1.0, 1.0
         best_value = expected / self.relative_cost(other_rows + 1)
-        for d in range(1, len(copy) + 1):
-            p *= self.acceptance
+        for d in range(1, num_tokens + 1):
+            p *= acceptance
             expected += p
             value = expected / self.relative_cost(other_rows + 1 + d)
             if value > best_value:
                 best, best_value = d, value
-        return copy[:best]
+        return best

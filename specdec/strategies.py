@@ -59,7 +59,7 @@ class Strategy:
 
 # Costs: model-free decoders take microseconds (~0.1 ms of a ~40 ms CPU step); the corpus decoder's
 # longest-match search over a 2M-token memory-mapped suffix array ~0.3-0.4 ms (a few binary
-# searches and a vote; draft_svc/corpus/suffix_array.py); grammar-forced drafts a jump-forward
+# searches and a vote; specdec/suffix_array.py); grammar-forced drafts a jump-forward
 # query and a re-tokenization per spelling (its ranks), plus a packed mask row per tree node in the
 # gateway (~0.2 ms in all; a rank's extra nodes are priced by the verify curve like any candidate's);
 # self-drafting over the shared weights costs 0.6-0.9 of a full step per drafted token without

@@ -67,11 +67,11 @@ TEST_DRAFT_VOCAB_SIZE = 2048
 
 @pytest.fixture(scope="session")
 def default_model_fingerprint(default_model_dir) -> str:
-    """The default model's `draft_svc.heads.model.model_fingerprint` (what a drafter file for it must
-    carry), from its config and final norm read out of the checkpoint: no model is loaded."""
+    """The default model's `specdec.model.fingerprint.model_fingerprint` (what a drafter or answers file
+    for it must carry), from its config and final norm read out of the checkpoint: no model is loaded."""
     from safetensors import safe_open
 
-    from draft_svc.heads.model import model_fingerprint
+    from specdec.model.fingerprint import model_fingerprint
 
     for path in sorted(default_model_dir.glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:

@@ -2,7 +2,7 @@
 
     <cache_dir>/corpus-<key>/
         tokens.npy   [N] int32   the corpus, SEPARATOR after every document
-        order.npy    [R] int32   the backward suffix array (draft_svc/corpus/suffix_array.py)
+        order.npy    [R] int32   the backward suffix array (specdec/suffix_array.py)
         starts.npy   [V + 1] int64  rows of each last token
         meta.json    what was built from what, sizes and build time
 
@@ -33,8 +33,8 @@ import structlog
 from tqdm.auto import tqdm
 
 from draft_svc.corpus.sources import SOURCES, SourceFile, documents, source_files
-from draft_svc.corpus.suffix_array import QueryConfig, SuffixArray, block_starts, sort_positions
-from draft_svc.strategies.suffix_index import SEPARATOR
+from specdec.suffix_array import QueryConfig, SuffixArray, block_starts, sort_positions
+from specdec.suffix_array import SEPARATOR
 from specdec.model.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1

@@ -8,6 +8,10 @@
 4. The file (draft_svc/heads/file.py) records the config, vocabulary, the model's fingerprint, the
    data's sources and licences and size, the accuracy and this command.
 
+python -m draft_svc.heads answers --model MODEL --out FILE: step 1 alone, the answers kept as the
+model's own answers file (specdec/answers.py) that the primary drafts runs from; with the --data of
+a train run, the answers that drafter was trained on.
+
 Seeds are fixed: the same command on the same machine gives the same data and the same drafter
 up to the floating-point order of its threads.
 """
@@ -28,7 +32,9 @@ import torch
 from tqdm import tqdm
 
 from draft_svc.heads import data, file, generate, train
-from draft_svc.heads.model import DrafterConfig, FeatureDrafter, model_fingerprint, shared_parts
+from draft_svc.heads.model import DrafterConfig, FeatureDrafter, shared_parts
+from specdec.answers import save_answers
+from specdec.model.fingerprint import model_fingerprint
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import LoadedModel, load_model, set_num_threads
@@ -47,14 +53,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m draft_svc.heads", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a feature drafter on the primary's own answers")
-    t.add_argument("--model", default=None, help="model directory or GGUF (default: the default model)")
     t.add_argument("--out", type=Path, required=True, help="the drafter file to write (.safetensors)")
-    t.add_argument("--precision", default="int4", help="the primary's precision while it answers (serve it so)")
-    t.add_argument("--tokens", type=int, default=600_000, help="answer tokens to generate")
-    t.add_argument("--prompts", type=int, default=12000, help="training prompts to draw from")
-    t.add_argument("--batch", type=int, default=48, help="sequences per forward while generating")
-    t.add_argument("--max_new_tokens", type=int, default=192)
+    a = sub.add_parser("answers", help="write the primary's own answers as the file its runs draft from")
+    a.add_argument("--out", type=Path, required=True, help="the answers file to write (.safetensors)")
     defaults = train.TrainSettings()
+    for p in (t, a):
+        p.add_argument("--model", default=None, help="model directory or GGUF (default: the default model)")
+        p.add_argument("--precision", default="int4", help="the primary's precision while it answers (serve it so)")
+        p.add_argument("--tokens", type=int, default=600_000, help="answer tokens to generate")
+        p.add_argument("--prompts", type=int, default=12000, help="training prompts to draw from")
+        p.add_argument("--batch", type=int, default=48, help="sequences per forward while generating")
+        p.add_argument("--max_new_tokens", type=int, default=192)
+        p.add_argument("--seed", type=int, default=defaults.seed)
+        p.add_argument(
+            "--data", type=Path, default=None, help="keep the generated answers here (.npz), reused when it exists"
+        )
+        p.add_argument("--num_threads", type=int, default=0, help="0: every core")
     t.add_argument("--vocab", type=int, default=defaults.draft_vocab_size, help="N: the drafter's vocabulary")
     t.add_argument("--depth", type=int, default=defaults.depth, help="draft steps unrolled in training")
     t.add_argument("--epochs", type=int, default=defaults.epochs)
@@ -65,14 +79,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument(
         "--cls_weight", type=float, default=defaults.cls_weight, help="the cross-entropy's weight beside the features'"
     )
-    t.add_argument("--seed", type=int, default=defaults.seed)
-    t.add_argument(
-        "--data", type=Path, default=None, help="keep the generated answers here (.npz) and reuse them when it exists"
-    )
-    t.add_argument("--num_threads", type=int, default=0, help="0: every core")
     args = add_spellings(parser).parse_args(argv)
     try:  # before the answers are generated, not after
-        args.train_settings = train_settings(args)
+        args.train_settings = train_settings(args) if args.command == "train" else None
     except ValueError as e:
         parser.error(str(e))
     return args
@@ -175,6 +184,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"   {len(sequences)} answers, {num_tokens} tokens in {generated_s:.0f} s "
         f"({num_tokens / generated_s:.0f} tok/s); by source {dict(by_source)}"
     )
+    if args.command == "answers":
+        provenance = {
+            "command": command, "sources": data.SOURCES, "answers": len(sequences), "tokens": num_tokens,
+            "tokens_by_source": dict(by_source), "precision": args.precision,
+        }  # fmt: skip
+        size = save_answers(args.out, [s.tokens for s in sequences], fingerprint, provenance)
+        print(f"wrote {args.out} ({size / 1e6:.1f} MB): {len(sequences)} answers")
+        return
     train_started = time.monotonic()
     trained = train_drafter(args, sequences, loaded)
     trained_s, total_s = time.monotonic() - train_started, time.monotonic() - started

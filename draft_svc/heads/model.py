@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -34,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from specdec.model.config import SHAPE_FIELDS, ModelConfig
+from specdec.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,15 +89,6 @@ class DrafterConfig:
         if unknown := sorted(set(fields) - known):
             raise ValueError(f"unknown drafter config fields {unknown}")
         return cls(**fields)
-
-
-def model_fingerprint(config: ModelConfig, final_norm_weight: Tensor) -> str:
-    """What a drafter file is bound to: the primary's shape and its final norm's weights (rounded to
-    bf16, so every serving precision of the same checkpoint gives the same fingerprint)."""
-    shape = {k: getattr(config, k) for k in ("model_type", *SHAPE_FIELDS)}
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
-    digest.update(final_norm_weight.detach().float().cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:32]
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -6,7 +6,7 @@ corpus, and what most often followed it there, proposed as a few ranked candidat
 merges into the step's token tree. The corpus here is Python's standard library and installed
 packages' sources, Python's documentation and JSON meta-schemas, tokenized with the model's own
 tokenizer (draft_svc/corpus/sources.py); the index is a memory-mapped backward suffix array
-(draft_svc/corpus/suffix_array.py, store.py), shared read-only by every request and process.
+(specdec/suffix_array.py, store.py), shared read-only by every request and process.
 
 The index is opened (and built, the first time on a machine) on a background thread: until it is
 ready the decoder proposes nothing, as the model-based decoders before the primary's weights

@@ -42,7 +42,8 @@ import torch
 from torch import Tensor
 
 from draft_svc.heads.file import DrafterFile, DrafterFileError, load
-from draft_svc.heads.model import FeatureDrafter, SharedParts, for_serving, model_fingerprint, shared_parts
+from draft_svc.heads.model import FeatureDrafter, SharedParts, for_serving, shared_parts
+from specdec.model.fingerprint import model_fingerprint
 from draft_svc.strategies.base import Candidate, validate_propose_args
 from specdec.field_checks import require_at_least_one
 from specdec.speculation_bounds import MAX_DRAFT_LENGTH

@@ -43,8 +43,8 @@ import numpy as np
 
 from draft_svc.strategies.base import Candidate, append_tokens, new_context, validate_propose_args
 from specdec.field_checks import require_at_least_one
+from specdec.suffix_array import SEPARATOR, most_frequent_paths
 
-SEPARATOR = -1  # written after each document; never equals a token id, so matches stop at document ends
 NO_POSITION = -1  # end of a hash chain (below every window start)
 _NO_TOKEN = -2  # pads a context shorter than max_match_len; equals neither a token nor SEPARATOR
 _HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing (Knuth)
@@ -219,48 +219,6 @@ class SuffixIndex:
             if lengths.max() >= n:  # below n: only hash collisions
                 return starts[lengths == lengths.max()]
         return np.empty(0, dtype=np.int64)
-
-
-def most_frequent_paths(continuations: np.ndarray, max_candidates: int) -> tuple[tuple[int, ...], ...]:
-    """continuations [K, T], rows most recent first, SEPARATOR past a document's end.
-
-    Rank r follows the r-th most frequent first token, then at each depth the most frequent next
-    token among the rows that agree so far. E.g. rows [a b], [a c], [a c], [d e] -> ([a c], [d e]).
-    """
-    num_tokens = continuations.shape[1]
-    paths: list[tuple[int, ...]] = []
-    for first in _ranked_tokens(continuations[:, 0])[:max_candidates]:
-        rows = continuations[continuations[:, 0] == first]  # [R, T], R >= 1
-        path, depth = [int(first)], 1
-        while depth < num_tokens:
-            # Where all rows agree, the vote is unanimous: take that stretch in one step.
-            is_agreed = (rows[:, depth:] == rows[0, depth:]).all(axis=0)  # [T - depth]
-            stretch = rows[0, depth : depth + (is_agreed.size if is_agreed.all() else int(is_agreed.argmin()))]
-            is_end = stretch == SEPARATOR
-            if is_end.any():
-                path.extend(stretch[: int(is_end.argmax())].tolist())
-                break
-            path.extend(stretch.tolist())
-            depth += stretch.size
-            if depth == num_tokens:
-                break
-            ranked = _ranked_tokens(rows[:, depth])
-            if ranked.size == 0:
-                break
-            path.append(int(ranked[0]))
-            rows = rows[rows[:, depth] == ranked[0]]
-            depth += 1
-        paths.append(tuple(path))
-    return tuple(paths)
-
-
-def _ranked_tokens(column: np.ndarray) -> np.ndarray:
-    """Distinct tokens of a column (SEPARATOR excluded), most frequent first, ties to the earliest row."""
-    column = column[column != SEPARATOR]
-    if column.size == 0:
-        return column
-    values, first_rows, counts = np.unique(column, return_index=True, return_counts=True)
-    return values[np.lexsort((first_rows, -counts))]
 
 
 class ContinuationIndex(Protocol):

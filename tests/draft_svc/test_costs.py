@@ -119,7 +119,7 @@ def test_the_service_measures_the_feature_drafter_when_weights_attach_and_report
     from draft_svc.__main__ import build
     from draft_svc.config import DraftConfig
     from draft_svc.heads import file as drafter_file
-    from draft_svc.heads.model import model_fingerprint
+    from specdec.model.fingerprint import model_fingerprint
     from specdec.service.server import ServerConfig
 
     model = fake_primary(TINY)

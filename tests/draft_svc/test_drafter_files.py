@@ -8,7 +8,7 @@ import pytest
 
 from draft_svc.config import DEFAULT_FEATURE_DRAFTER
 from draft_svc.heads import file as drafter_file
-from draft_svc.heads.model import model_fingerprint
+from specdec.model.fingerprint import model_fingerprint
 from draft_svc.strategies.feature import FeatureDrafterSource
 from specdec.model import loader
 

@@ -13,7 +13,8 @@ import structlog.testing
 import torch
 
 from draft_svc.heads import file as drafter_file
-from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts, model_fingerprint, unrolled
+from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts, unrolled
+from specdec.model.fingerprint import model_fingerprint
 from draft_svc.pool import DraftPool, PoolConfig
 from specdec.propose_args import ProposeArgs
 from draft_svc.strategies import DecoderRegistry, model_free_registry

@@ -1,10 +1,18 @@
-"""The primary's flags: the compiled-step switch, its alias and its environment default."""
+"""The primary's flags: the compiled-step switch, its alias and its environment default; the run
+answers' file and how start-up takes it."""
 
 from __future__ import annotations
 
 import pytest
+import structlog
+import torch
 
+from primary_svc.__main__ import load_run_answers
 from primary_svc.config import parse_config
+from primary_svc.worker import EngineWorker
+from specdec.answers import DEFAULT_ANSWERS, save_answers
+from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVCache
 
 
 def test_compiled_step_is_off_by_default(monkeypatch):
@@ -91,3 +99,27 @@ def test_kv_takeover_s_defaults_below_the_gateways_owner_lease_and_within_the_kv
         parse_config(["--kv_takeover_s", "0"])
     with pytest.raises(ValueError, match="kv_takeover_s"):
         parse_config(["--kv_lease_s", "5", "--kv_takeover_s", "6"])
+
+
+def test_run_answers_default_to_the_shipped_file_and_empty_turns_them_off(monkeypatch):
+    assert parse_config([]).run_answers == str(DEFAULT_ANSWERS)
+    assert parse_config(["--run_answers", ""]).run_answers == ""
+    monkeypatch.setenv("SPECDEC_PRIMARY_RUN_ANSWERS", "/x/answers.safetensors")
+    assert parse_config([]).run_answers == "/x/answers.safetensors"
+
+
+def test_the_shipped_answers_load_for_the_default_model_and_another_model_s_are_left_out(fp32_model, tmp_path):
+    """The primary's start-up (primary_svc.__main__.load_run_answers): the default model's answers
+    load at any precision (fp32 here); a file of another model, or none, leaves runs without."""
+    worker = EngineWorker(Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32, max_bytes=1 << 20), 64))
+    try:
+        index = load_run_answers(str(DEFAULT_ANSWERS), fp32_model, worker)
+        assert index is not None and index.num_tokens > 100_000
+        other = tmp_path / "other.safetensors"
+        save_answers(other, [[1, 2, 3]], "0" * 32, {})
+        with structlog.testing.capture_logs() as logs:
+            assert load_run_answers(str(other), fp32_model, worker) is None
+        assert [e["event"] for e in logs] == ["run_answers_left_out"] and "0" * 32 in logs[0]["reason"]
+        assert load_run_answers("", fp32_model, worker) is None
+    finally:
+        worker.stop()

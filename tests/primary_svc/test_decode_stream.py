@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,9 @@ from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
+from specdec.answers import AnswerIndex
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex
+from specdec.suffix_array import SEPARATOR
 from specdec.v1 import common_pb2, logprobs_pb2, primary_pb2
 from tests.grpc_serving import primary_stub
 
@@ -400,3 +403,28 @@ def test_an_unseeded_sampled_run_ends_where_asked_and_counts_its_drafts(primary,
     assert sum(len(m.token_ids) for m in messages) == 24 and messages[-1].is_run_end
     assert all(0 <= m.num_draft_accepted <= m.num_drafted for m in messages)
     release(stub, "u", lease)
+
+
+def test_a_run_given_the_model_s_answers_drafts_from_them_and_decodes_plain_decoding_s_tokens(
+    fp32_model, primary, reference
+):
+    """--run_answers: where the run's tail repeats nothing earlier in its context, it drafts what the
+    model's answers continue with (here an answer holding plain decoding's own tokens): the tokens
+    are plain decoding's, several a step, and the answers' drafted and kept tokens are counted."""
+    _, engine, worker = primary
+    registry = CollectorRegistry()
+    answers = AnswerIndex(np.append(np.asarray(reference, dtype=np.int32), SEPARATOR).astype(np.int32), 49152)
+    identity = ModelIdentity("test-model", "instance-2", MAX_CONTEXT, (2,), {1: 10.0})
+    servicer = PrimaryServicer(
+        fp32_model, worker, identity, 64 << 20, PrimaryMetrics(registry), KVLeases(30.0), answers=answers
+    )
+    with primary_stub(servicer) as stub:
+        lease = prefill(stub, "answers")
+        messages = list(stream(stub, "answers", lease, [], RUN, lookup_draft_length=8))
+        release(stub, "answers", lease)
+    assert [t for m in messages for t in m.token_ids] == reference[:RUN]
+    assert max(len(m.token_ids) for m in messages) > 2
+    drafted = registry.get_sample_value("specdec_run_answer_drafted_tokens_total")
+    kept = registry.get_sample_value("specdec_run_answer_accepted_tokens_total")
+    assert 0 < kept <= drafted <= registry.get_sample_value("specdec_run_drafted_tokens_total")
+    assert engine.kv_bytes == 0

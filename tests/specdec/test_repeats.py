@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+import numpy as np
+
+from specdec.answers import AnswerIndex
 from specdec.repeats import DEFAULT_ROW_COSTS, RepeatIndex, RunDrafts
+from specdec.suffix_array import SEPARATOR
 
 
 def test_the_tail_repeats_only_when_an_earlier_occurrence_was_followed_by_a_token():
@@ -89,3 +93,32 @@ def test_run_drafts_beside_other_requests_draft_only_what_pays_for_the_whole_ste
     for _ in range(4):
         drafts.observe(8, 8)
     assert drafts.acceptance > 0.9 and drafts.draft(8, other_rows=31, other_requests=31)
+
+
+ANSWERS = [[50, 51, 52, 53, 54], [60, 51, 52, 53, 54], [70, 51, 52, 99]]  # 51 52 -> 53 twice, 99 once
+
+
+def test_run_drafts_draft_the_model_s_answers_where_the_tail_repeats_nothing():
+    """A context whose tail occurs nowhere earlier in it, but in the answers: the run drafts what the
+    answers continue with, priced by their own estimate; a copy still comes first where the tail repeats."""
+    answers = AnswerIndex(np.concatenate([np.append(a, SEPARATOR) for a in ANSWERS]).astype(np.int32), 128)
+    drafts = RunDrafts([1, 2, 51, 52], max_length=8, answers=answers)
+    first = drafts.draft(8)
+    assert first and first == [53, 54][: len(first)]
+    assert drafts.is_answer_draft
+    acceptance = drafts.acceptance
+    drafts.observe(len(first), 0)  # refused: the answers' estimate falls, the copies' stays
+    assert drafts.answer_acceptance < 0.5 and drafts.acceptance == acceptance
+    copying = RunDrafts([7, 51, 52, 9, 8, 7, 51, 52], max_length=8, answers=answers)
+    assert copying.draft(8)[:1] == [9] and not copying.is_answer_draft  # the context's own copy, not 53
+    assert RunDrafts([1, 2, 3], max_length=8, answers=answers).draft(8) == []  # in neither
+
+
+def test_run_drafts_stop_drafting_answers_that_keep_missing():
+    """Where a second row costs 30 % of a step, answers refused six times in a row are not worth it."""
+    answers = AnswerIndex(np.concatenate([np.append(a, SEPARATOR) for a in ANSWERS]).astype(np.int32), 128)
+    drafts = RunDrafts([1, 2, 51, 52], max_length=8, row_costs={1: 1.0, 2: 1.3, 4: 1.6}, answers=answers)
+    assert drafts.draft(8)
+    for _ in range(6):
+        drafts.observe(len(drafts.draft(8)), 0)
+    assert drafts.draft(8) == []

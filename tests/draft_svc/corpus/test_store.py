@@ -15,10 +15,10 @@ import pytest
 from draft_svc.corpus.__main__ import main as corpus_main
 from draft_svc.corpus.sources import source_files
 from draft_svc.corpus.store import CorpusConfig, index_dir, open_index
-from draft_svc.corpus.suffix_array import sort_positions
+from specdec.suffix_array import sort_positions
 from draft_svc.strategies import Candidate, model_free_registry
 from draft_svc.strategies.corpus import CorpusDecoder, PendingCorpusIndex
-from draft_svc.strategies.suffix_index import SEPARATOR
+from specdec.suffix_array import SEPARATOR
 
 DOCS = {
     "a.py": "def add(a, b):\n    return a + b\n",

@@ -30,10 +30,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from draft_svc.strategies.base import validate_propose_args
-from draft_svc.strategies.suffix_index import SEPARATOR, most_frequent_paths
 from specdec.field_checks import require_at_least_one
 
+SEPARATOR = -1  # written after each document; never equals a token id, so matches stop at document ends
 GATHER_ROWS = 4096  # a range at most this wide is narrowed by one vectorised gather + searchsorted
 
 
@@ -120,7 +119,8 @@ class SuffixArray:
 
         Rank r starts with the r-th most frequent next token after the longest match; when that match
         has fewer distinct next tokens than max_candidates, the next shorter match fills the rest."""
-        validate_propose_args(max_tokens, max_candidates)
+        if max_tokens < 0 or max_candidates < 1:
+            raise ValueError(f"need max_tokens >= 0 and max_candidates >= 1, got {max_tokens}, {max_candidates}")
         if max_tokens == 0:
             return ()
         paths: list[tuple[int, ...]] = []
@@ -202,3 +202,45 @@ class SuffixArray:
         behind = starts[:, None] - 1 - np.arange(reversed_suffix.size)  # [K, M]
         is_equal = (self.tokens[np.maximum(behind, 0)] == reversed_suffix) & (behind >= 0)
         return np.cumprod(is_equal, axis=1).sum(axis=1)
+
+
+def most_frequent_paths(continuations: np.ndarray, max_candidates: int) -> tuple[tuple[int, ...], ...]:
+    """continuations [K, T], rows most recent first, SEPARATOR past a document's end.
+
+    Rank r follows the r-th most frequent first token, then at each depth the most frequent next
+    token among the rows that agree so far. E.g. rows [a b], [a c], [a c], [d e] -> ([a c], [d e]).
+    """
+    num_tokens = continuations.shape[1]
+    paths: list[tuple[int, ...]] = []
+    for first in ranked_tokens(continuations[:, 0])[:max_candidates]:
+        rows = continuations[continuations[:, 0] == first]  # [R, T], R >= 1
+        path, depth = [int(first)], 1
+        while depth < num_tokens:
+            # Where all rows agree, the vote is unanimous: take that stretch in one step.
+            is_agreed = (rows[:, depth:] == rows[0, depth:]).all(axis=0)  # [T - depth]
+            stretch = rows[0, depth : depth + (is_agreed.size if is_agreed.all() else int(is_agreed.argmin()))]
+            is_end = stretch == SEPARATOR
+            if is_end.any():
+                path.extend(stretch[: int(is_end.argmax())].tolist())
+                break
+            path.extend(stretch.tolist())
+            depth += stretch.size
+            if depth == num_tokens:
+                break
+            ranked = ranked_tokens(rows[:, depth])
+            if ranked.size == 0:
+                break
+            path.append(int(ranked[0]))
+            rows = rows[rows[:, depth] == ranked[0]]
+            depth += 1
+        paths.append(tuple(path))
+    return tuple(paths)
+
+
+def ranked_tokens(column: np.ndarray) -> np.ndarray:
+    """Distinct tokens of a column (SEPARATOR excluded), most frequent first, ties to the earliest row."""
+    column = column[column != SEPARATOR]
+    if column.size == 0:
+        return column
+    values, first_rows, counts = np.unique(column, return_index=True, return_counts=True)
+    return values[np.lexsort((first_rows, -counts))]

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from draft_svc.corpus.suffix_array import QueryConfig, SuffixArray, block_starts, sort_positions
-from draft_svc.strategies.suffix_index import SEPARATOR
+from specdec.suffix_array import QueryConfig, SuffixArray, block_starts, sort_positions
+from specdec.suffix_array import SEPARATOR
 
 A, B, C, D, E = 1, 2, 3, 4, 5
 VOCAB = 8
@@ -130,7 +130,7 @@ def vars_of(config: QueryConfig) -> dict:
 
 @pytest.mark.parametrize("gather_rows", [16, 4096])  # narrowing by bisection, and by one gather
 def test_narrowing_finds_every_occurrence_of_the_longest_match(gather_rows, monkeypatch):
-    monkeypatch.setattr("draft_svc.corpus.suffix_array.GATHER_ROWS", gather_rows)
+    monkeypatch.setattr("specdec.suffix_array.GATHER_ROWS", gather_rows)
     rng = random.Random(7)
     docs = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(300)]
     tokens = corpus(*docs)
