@@ -31,6 +31,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from specdec.model.fingerprint import bound_metadata
 from specdec.suffix_array import SEPARATOR, QueryConfig, SuffixArray, block_starts, most_frequent_paths, sort_positions
 
 FORMAT = "specdec-answers-1"
@@ -71,26 +72,14 @@ def load_answers(path: Path, vocab_size: int, expected_fingerprint: str) -> Answ
     cannot serve it."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise AnswersFileError(f"answers file {path}: {e.strerror or e}") from e
-    if size > MAX_FILE_BYTES:
-        raise AnswersFileError(f"answers file {path}: {size} bytes, more than {MAX_FILE_BYTES}")
+        bound_metadata(path, "answers", FORMAT, MAX_FILE_BYTES, expected_fingerprint)
+    except ValueError as e:
+        raise AnswersFileError(str(e)) from None
     try:
         with safe_open(str(path), framework="numpy") as f:
-            metadata = f.metadata() or {}
-            if metadata.get("format") != FORMAT:
-                raise AnswersFileError(f"answers file {path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
-            if metadata.get("model_fingerprint") != expected_fingerprint:
-                raise AnswersFileError(
-                    f"answers file {path} was written by the model {metadata.get('model_fingerprint')!r}, "
-                    f"not the served model {expected_fingerprint!r}"
-                )
             tokens = f.get_tensor("tokens")
     except (SafetensorError, OSError, KeyError, ValueError) as e:
-        if isinstance(e, AnswersFileError):
-            raise
-        raise AnswersFileError(f"answers file {path}: unreadable ({e})") from e
+        raise AnswersFileError(f"answers file {path} cannot be read: {e}") from None
     if tokens.ndim != 1 or tokens.dtype != np.int32 or tokens.size == 0:
         raise AnswersFileError(f"answers file {path}: tokens must be a non-empty int32 vector")
     is_token = tokens != SEPARATOR

@@ -185,7 +185,13 @@ class RunDrafts:
         then slows theirs too."""
         limit = min(max_tokens, self.max_length)
         copy, estimate = self.index.continuation(limit), self._copies
-        if not copy and self.answers is not None and limit > 0:
+        # The answers are searched (tens of microseconds on the engine thread, per request and step)
+        # only where their estimate could pay for a row: beside many requests it seldom does.
+        if (
+            not copy
+            and self.answers is not None
+            and self._best_length(limit, self._answer_drafts.value, other_rows, other_requests) > 0
+        ):
             copy = self.answers.draft(self.index.tail(MAX_ANSWER_CONTEXT), limit)
             estimate = self._answer_drafts if copy else estimate
         best = self._best_length(len(copy), estimate.value, other_rows, other_requests)

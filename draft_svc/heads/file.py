@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draft_svc.heads.model import DrafterConfig, FeatureDrafter
+from specdec.model.fingerprint import bound_metadata
 
 FORMAT = "specdec-feature-drafter-1"
 MAX_FILE_BYTES = 64 << 20  # a drafter is a few MB; anything this large is not one
@@ -65,28 +66,11 @@ def load(path: Path, expected_fingerprint: str | None = None) -> DrafterFile:
     """Read and check a drafter file; `expected_fingerprint` (the serving model's) must match."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise DrafterFileError(f"drafter file {path}: {e.strerror or e}") from None
-    if size > MAX_FILE_BYTES:
-        raise DrafterFileError(f"drafter file {path} is {size} bytes, more than a drafter's {MAX_FILE_BYTES}")
+        metadata = bound_metadata(path, "drafter", FORMAT, MAX_FILE_BYTES, expected_fingerprint, verb="trained")
+    except ValueError as e:
+        raise DrafterFileError(str(e)) from None
+    fingerprint = str(metadata.get("model_fingerprint", ""))
     try:
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len)) if 0 < header_len <= size - 8 else None
-        if not isinstance(header, dict):
-            raise DrafterFileError(f"drafter file {path} is not a safetensors file (truncated or another kind)")
-        metadata = header.get("__metadata__") or {}
-        if metadata.get("format") != FORMAT:
-            raise DrafterFileError(
-                f"drafter file {path} has format {metadata.get('format')!r}; this version reads {FORMAT!r}"
-            )
-        fingerprint = str(metadata.get("model_fingerprint", ""))
-        if expected_fingerprint is not None and fingerprint != expected_fingerprint:
-            raise DrafterFileError(
-                f"drafter file {path} was trained for model {fingerprint or '(none)'}, "
-                f"but the primary serves model {expected_fingerprint}"
-            )
         config = DrafterConfig.from_json(metadata["config"])
         training = json.loads(metadata.get("training", "{}"))
         tensors = load_file(str(path))

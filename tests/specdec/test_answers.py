@@ -42,7 +42,9 @@ def test_a_continuation_few_answers_agree_on_is_not_drafted():
 
 
 def test_a_file_of_another_model_is_refused_naming_both(tmp_path):
-    with pytest.raises(AnswersFileError, match=f"{'a' * 32}.*{FINGERPRINT}"):
+    with pytest.raises(
+        AnswersFileError, match=f"written for model {'a' * 32}, but the primary serves model {FINGERPRINT}"
+    ):
         load_answers(written(tmp_path, fingerprint="a" * 32), 64, FINGERPRINT)
 
 
@@ -50,7 +52,7 @@ def test_a_truncated_file_of_another_format_or_with_foreign_ids_is_refused(tmp_p
     path = written(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(AnswersFileError, match="unreadable"):
+    with pytest.raises(AnswersFileError, match="not a safetensors file"):
         load_answers(path, 64, FINGERPRINT)
     with pytest.raises(AnswersFileError, match="No such file"):
         load_answers(tmp_path / "missing.safetensors", 64, FINGERPRINT)
@@ -58,7 +60,7 @@ def test_a_truncated_file_of_another_format_or_with_foreign_ids_is_refused(tmp_p
         load_answers(written(tmp_path), 32, FINGERPRINT)
     other = tmp_path / "other.safetensors"
     save_file({"tokens": np.arange(4, dtype=np.int32)}, str(other), metadata={"format": "something-else"})
-    with pytest.raises(AnswersFileError, match="format 'something-else'"):
+    with pytest.raises(AnswersFileError, match="format 'something-else'; this version reads 'specdec-answers-1'"):
         load_answers(other, 64, FINGERPRINT)
 
 

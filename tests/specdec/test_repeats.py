@@ -122,3 +122,19 @@ def test_run_drafts_stop_drafting_answers_that_keep_missing():
     for _ in range(6):
         drafts.observe(len(drafts.draft(8)), 0)
     assert drafts.draft(8) == []
+
+
+def test_run_drafts_search_the_answers_only_where_a_draft_could_pay():
+    """Beside 31 other requests a drafted row pays only at an acceptance above the answers' prior:
+    the run does not search them (the search costs the engine thread, request by request)."""
+    searches: list[list[int]] = []
+
+    class Counted(AnswerIndex):
+        def draft(self, context_ids, max_tokens):
+            searches.append(list(context_ids))
+            return super().draft(context_ids, max_tokens)
+
+    answers = Counted(np.concatenate([np.append(a, SEPARATOR) for a in ANSWERS]).astype(np.int32), 128)
+    drafts = RunDrafts([1, 2, 51, 52], max_length=8, answers=answers)
+    assert drafts.draft(8, other_rows=31, other_requests=31) == [] and searches == []
+    assert drafts.draft(8) and searches == [[1, 2, 51, 52]]
