@@ -19,7 +19,7 @@ from primary_svc.leases import KVLeases
 from primary_svc.run_grammars import RunGrammars
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
-from specdec.answers import AnswerIndex, AnswersFileError, load_answers
+from specdec.answers import DEFAULT_ANSWERS, AnswerIndex, AnswersFileError, load_answers
 from specdec.engine.background_compile import BackgroundCompiler
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def load_run_answers(path: str, loaded: LoadedModel, worker: EngineWorker) -> AnswerIndex | None:
     """The model's own answers for run drafts (--run_answers); None, and the log says why, where
-    there are none or the file cannot serve this model."""
+    there are none or the file cannot serve this model (a warning for a file named on the command
+    line; the shipped default's, another model's, is expected for any model but the default)."""
     log = structlog.get_logger("primary_svc")
     if not path:
         return None
@@ -115,7 +116,8 @@ def load_run_answers(path: str, loaded: LoadedModel, worker: EngineWorker) -> An
     try:
         answers = load_answers(Path(path), loaded.config.vocab_size, fingerprint)
     except AnswersFileError as e:
-        log.warning("run_answers_left_out", reason=str(e))
+        level = log.info if Path(path) == DEFAULT_ANSWERS else log.warning
+        level("run_answers_left_out", reason=str(e))
         return None
     log.info("run_answers_loaded", path=path, num_tokens=answers.num_tokens)
     return answers

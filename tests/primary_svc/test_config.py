@@ -119,7 +119,8 @@ def test_the_shipped_answers_load_for_the_default_model_and_another_model_s_are_
         save_answers(other, [[1, 2, 3]], "0" * 32, {})
         with structlog.testing.capture_logs() as logs:
             assert load_run_answers(str(other), fp32_model, worker) is None
-        assert [e["event"] for e in logs] == ["run_answers_left_out"] and "0" * 32 in logs[0]["reason"]
+        assert [(e["event"], e["log_level"]) for e in logs] == [("run_answers_left_out", "warning")]
+        assert "0" * 32 in logs[0]["reason"]
         assert load_run_answers("", fp32_model, worker) is None
     finally:
         worker.stop()
