@@ -14,7 +14,8 @@ answers must be the same tokens: the `same` column counts the pairs that are.
 
 Printed per scenario: median tokens/s of each system (output tokens / client wall time, prefill
 included), the speedup (ratio of medians), tokens per step of the speculative system and the share
-of its tokens the primary's runs drafted and kept (`prompt_lookup@run` in GenerationStats.decoders).
+of its tokens the primary's runs drafted and kept (`prompt_lookup@run` and `answers@run` in
+GenerationStats.decoders).
 
     python -m bench sampled [--scenarios code,prose,json] [--num-prompts 3] [--seeds 1,2]
                             [--temperature 0.7] [--top-p 0.9] [--max-new-tokens 128] [--schema]
@@ -36,7 +37,7 @@ from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, syste
 from specdec.v1 import common_pb2, gateway_pb2
 
 SYSTEMS = ("plain", "speculative")
-RUN_DRAFTS = "prompt_lookup@run"  # GenerationStats.decoders' row of the primary's own drafts
+RUN_DRAFTS = ("prompt_lookup@run", "answers@run")  # GenerationStats.decoders' rows of the primary's own drafts
 MAX_CONTEXT = 2048
 
 
@@ -52,7 +53,7 @@ class Answer:
 
     @property
     def run_drafted_accepted(self) -> int:
-        return sum(d.num_accepted for d in self.stats.decoders if d.name == RUN_DRAFTS)
+        return sum(d.num_accepted for d in self.stats.decoders if d.name in RUN_DRAFTS)
 
 
 def answer(

@@ -154,6 +154,8 @@ class Decoded:
     is_run_end: bool = True
     num_drafted: int = 0  # tokens the primary drafted and verified for this step (lookup_draft_length)
     num_draft_accepted: int = 0  # of them, those among token_ids
+    num_answer_drafted: int = 0  # of num_drafted, those from the model's own answers (--run_answers)
+    num_answer_accepted: int = 0  # of them, those among token_ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,6 +190,8 @@ def _decoded(r: primary_pb2.DecodeStreamResponse) -> Decoded:
         r.is_run_end,
         r.num_drafted,
         r.num_draft_accepted,
+        r.num_answer_drafted,
+        r.num_answer_accepted,
     )
 
 

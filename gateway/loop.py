@@ -235,6 +235,7 @@ class StepRecord:
 MODEL_DECODERS = frozenset(names_of(MODEL))
 # GenerationStats.decoders' row of the drafts the primary's runs make themselves (gateway.decode_run)
 RUN_LOOKUP_STATS = PROMPT_LOOKUP_STRATEGY + "@run"
+RUN_ANSWERS_STATS = "answers@run"  # a run's drafts from the model's own answers (the primary's --run_answers)
 
 
 @dataclasses.dataclass(slots=True)
@@ -1050,7 +1051,14 @@ class RequestLoop:
         if decoded.num_drafted:  # the run drafted this step itself (DecodeRuns._run_lookup_length)
             self.stats.num_proposed += decoded.num_drafted
             self.stats.num_accepted += decoded.num_draft_accepted
-            self.stats.add_decoder(RUN_LOOKUP_STATS, decoded.num_drafted, decoded.num_draft_accepted, 0.0)
+            copied, kept = (
+                decoded.num_drafted - decoded.num_answer_drafted,
+                decoded.num_draft_accepted - decoded.num_answer_accepted,
+            )
+            if copied:
+                self.stats.add_decoder(RUN_LOOKUP_STATS, copied, kept, 0.0)
+            if decoded.num_answer_drafted:
+                self.stats.add_decoder(RUN_ANSWERS_STATS, decoded.num_answer_drafted, decoded.num_answer_accepted, 0.0)
         elif not self.primary_calls.is_step_disturbed:
             # a plain step's cost (a drafted one's forward is over more rows)
             self.step_record = StepRecord(False, decoded.forward_ms, len(tokens))

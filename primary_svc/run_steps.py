@@ -43,6 +43,8 @@ class Decided:
     num_drafted: int  # tokens the run drafted for this step (DecodeRequest.lookup_draft_length)
     num_draft_accepted: int  # of them, those among token_ids
     is_last: bool  # the run ends with it: max_tokens, a stop token, a repeat (the full context ends it too)
+    num_answer_drafted: int = 0  # of num_drafted, those drafted from the model's answers (specdec.answers)
+    num_answer_accepted: int = 0  # of them, those among token_ids
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +87,8 @@ class Run:
         self.logprobs: list[TokenLogprob] = []
         self.num_drafted = 0  # every step's (DecodeResponse.num_drafted)
         self.num_draft_accepted = 0
+        self.num_answer_drafted = 0  # of num_drafted, every step's from the model's answers
+        self.num_answer_accepted = 0
         # The last step's other work, which the next step's drafts are priced beside (RunDrafts.draft)
         self.other_rows = 0
         self.other_requests = 0
@@ -110,14 +114,20 @@ class Run:
         if self.drafted and self.metrics is not None:
             self.metrics.run_drafted_tokens.inc(len(self.drafted))
             self.metrics.run_draft_accepted_tokens.inc(accepted)
-            if self.drafts is not None and self.drafts.is_answer_draft and not self.is_forced:
-                self.metrics.run_answer_drafted_tokens.inc(len(self.drafted))
-                self.metrics.run_answer_accepted_tokens.inc(accepted)
+        is_answer = (
+            bool(self.drafted) and self.drafts is not None and self.drafts.is_answer_draft and not self.is_forced
+        )
+        answer_drafted, answer_accepted = (len(self.drafted), accepted) if is_answer else (0, 0)
+        self.num_answer_drafted += answer_drafted
+        self.num_answer_accepted += answer_accepted
+        if is_answer and self.metrics is not None:
+            self.metrics.run_answer_drafted_tokens.inc(answer_drafted)
+            self.metrics.run_answer_accepted_tokens.inc(answer_accepted)
         step_rows, step_requests = self.step_load()
         self.other_rows = max(0, step_rows - 1 - len(self.drafted))  # the step's, beside this run's
         self.other_requests = max(0, step_requests - 1)
         is_last = is_end or self.limits.max_tokens <= 1
-        return Decided(tuple(kept), step_rows, len(self.drafted), accepted, is_last)
+        return Decided(tuple(kept), step_rows, len(self.drafted), accepted, is_last, answer_drafted, answer_accepted)
 
     def _keep(self, new: list[int]) -> tuple[list[int], bool]:
         """The step's tokens up to the first that ends the run (appended to `tokens`), and whether one did."""

@@ -252,6 +252,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             token_ids=run.tokens,
             num_drafted=run.num_drafted,
             num_draft_accepted=run.num_draft_accepted,
+            num_answer_drafted=run.num_answer_drafted,
+            num_answer_accepted=run.num_answer_accepted,
             logprobs=[pb.token_logprob_to_pb(v) for v in run.logprobs],
         )
 
@@ -290,6 +292,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                     num_step_rows=step.decided.num_step_rows,
                     num_drafted=step.decided.num_drafted,
                     num_draft_accepted=step.decided.num_draft_accepted,
+                    num_answer_drafted=step.decided.num_answer_drafted,
+                    num_answer_accepted=step.decided.num_answer_accepted,
                     logprobs=[] if step.logprob is None else [pb.token_logprob_to_pb(step.logprob)],
                 )
             running.result()  # the error that ended the run, if one did

@@ -9,7 +9,9 @@ from specdec.v1 import gateway_pb2
 
 def answer(num_tokens: int, seconds: float, num_steps: int, run_accepted: int = 0, first: int = 0) -> Answer:
     stats = gateway_pb2.GenerationStats(num_steps=num_steps)
-    stats.decoders.add(name=RUN_DRAFTS, num_proposed=run_accepted + 1, num_accepted=run_accepted)
+    copies, answers = RUN_DRAFTS  # the runs' drafts: their copies' and the model's answers' rows
+    stats.decoders.add(name=copies, num_proposed=run_accepted + 1, num_accepted=run_accepted - run_accepted // 4)
+    stats.decoders.add(name=answers, num_proposed=run_accepted + 1, num_accepted=run_accepted // 4)
     stats.decoders.add(name="suffix_index", num_proposed=5, num_accepted=3)  # not the runs'
     return Answer(tuple(range(first, first + num_tokens)), seconds, stats)
 

@@ -58,7 +58,12 @@ class DraftingPrimary(primary_pb2_grpc.PrimaryServiceServicer):
 
     def DecodeStream(self, request, context):  # noqa: ANN001, N802
         yield primary_pb2.DecodeStreamResponse(
-            token_ids=[5, 6, 7], num_step_rows=5, num_drafted=4, num_draft_accepted=2
+            token_ids=[5, 6, 7],
+            num_step_rows=5,
+            num_drafted=4,
+            num_draft_accepted=2,
+            num_answer_drafted=4,
+            num_answer_accepted=2,
         )
         yield primary_pb2.DecodeStreamResponse(token_ids=[8], num_step_rows=7, is_run_end=True)
 
@@ -67,13 +72,16 @@ def test_a_drafted_step_s_own_rows_are_not_other_requests_load() -> None:
     """num_step_rows counts the whole engine step: less the request's root and its drafts, the rows of
     others (what the controller prices a plan beside)."""
 
-    async def scenario() -> list[tuple[tuple[int, ...], int, int, int]]:
+    async def scenario() -> list[tuple[tuple[int, ...], int, int, int, int]]:
         with serving(primary_pb2_grpc.add_PrimaryServiceServicer_to_server, DraftingPrimary()) as address:
             backends = Backends(address, address, address, timeout_s=10)
             try:
                 steps = backends.decode_stream("r", (), [4], SamplingParams(), 0, max_tokens=8, lookup_draft_length=4)
-                return [(d.token_ids, d.other_step_rows, d.num_drafted, d.num_draft_accepted) async for d in steps]
+                return [
+                    (d.token_ids, d.other_step_rows, d.num_drafted, d.num_draft_accepted, d.num_answer_accepted)
+                    async for d in steps
+                ]
             finally:
                 await backends.close()
 
-    assert asyncio.run(scenario()) == [((5, 6, 7), 0, 4, 2), ((8,), 6, 0, 0)]
+    assert asyncio.run(scenario()) == [((5, 6, 7), 0, 4, 2, 2), ((8,), 6, 0, 0, 0)]

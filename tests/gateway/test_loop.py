@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import pytest
 import redis
 import redis.asyncio
@@ -31,6 +32,7 @@ from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState, SpeculationPlan
 from gateway.loop import (
     CONTINUATION_TOKENS,
+    RUN_ANSWERS_STATS,
     RUN_LOOKUP_STATS,
     RequestLoop,
     StepOutput,
@@ -41,7 +43,9 @@ from gateway.loop import (
 )
 from gateway.cost_model import CostSettings, cost_model_for
 from gateway.params import GenerationParams, SpeculationParams
+from specdec.answers import AnswerIndex
 from specdec.repeats import RepeatIndex, RunDrafts
+from specdec.suffix_array import SEPARATOR
 from gateway.step_costs import StepCostConfig, StepCosts
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
@@ -110,6 +114,7 @@ class FakeBackends:
     is_continuing: bool = False  # prompt_lookup's rank 0 also returns its continuation past the draft
     stops_at_repeat: list[int] = dataclasses.field(default_factory=list)  # each run's stop_at_repeat_tokens
     lookup_draft_lengths: list[int] = dataclasses.field(default_factory=list)  # each run's lookup_draft_length
+    answers: AnswerIndex | None = None  # the model's own answers, which the primary's runs draft from too
 
     # --- primary ---
     async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
@@ -201,8 +206,11 @@ class FakeBackends:
         runs = self._run(
             accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens, lookup_draft_length
         )
-        for tokens, is_last, num_drafted, num_accepted in runs:
-            yield Decoded(tokens[-1], 0.0, self.other_rows, tokens, (), is_last, num_drafted, num_accepted)
+        for tokens, is_last, num_drafted, num_accepted, is_answer in runs:
+            answer_counts = (num_drafted, num_accepted) if is_answer else (0, 0)
+            yield Decoded(
+                tokens[-1], 0.0, self.other_rows, tokens, (), is_last, num_drafted, num_accepted, *answer_counts
+            )
 
     def _run(
         self,
@@ -212,9 +220,10 @@ class FakeBackends:
         stop_token_ids,
         stop_at_repeat_tokens=0,
         lookup_draft_length=0,
-    ) -> Iterator[tuple[tuple[int, ...], bool, int, int]]:
-        """A run of plain steps, a (tokens, is_last, drafted, accepted) a step: the primary commits every
-        token but the run's last; a step's drafts (RunDrafts) are kept while they are plain decoding's."""
+    ) -> Iterator[tuple[tuple[int, ...], bool, int, int, bool]]:
+        """A run of plain steps, a (tokens, is_last, drafted, accepted, drafted from the answers) a step:
+        the primary commits every token but the run's last; a step's drafts (RunDrafts) are kept while
+        they are plain decoding's."""
         call = {
             "accepted_nodes": tuple(accepted_nodes),
             "committed": list(committed_token_ids),
@@ -226,7 +235,9 @@ class FakeBackends:
         self.last_tree = DraftTree((), (), (), (), {}, 0.0)
         call["num_tokens"] = 0
         repeats = RepeatIndex(self.primary_context, stop_at_repeat_tokens) if stop_at_repeat_tokens else None
-        drafts = RunDrafts(self.primary_context, lookup_draft_length) if lookup_draft_length else None
+        drafts = (
+            RunDrafts(self.primary_context, lookup_draft_length, answers=self.answers) if lookup_draft_length else None
+        )
         drafted: list[int] = []
         while True:
             decided: list[int] = []
@@ -249,7 +260,8 @@ class FakeBackends:
                 if is_last:
                     break
             self.primary_context += kept[:-1] if is_last else kept
-            yield tuple(kept), is_last, len(drafted), min(len(kept), num_accepted)
+            is_answer = bool(drafted) and drafts is not None and drafts.is_answer_draft
+            yield tuple(kept), is_last, len(drafted), min(len(kept), num_accepted), is_answer
             if is_last:
                 return
             drafted = []
@@ -1543,6 +1555,24 @@ def test_runs_draft_the_copies_they_meet_in_the_primary(monkeypatch):
     proposed, accepted, _ = loop.stats.decoders[RUN_LOOKUP_STATS]
     assert accepted >= 20 and proposed >= accepted
     assert loop.stats.num_accepted >= accepted and loop.stats.num_steps < 80 - 20
+
+
+def test_a_run_s_drafts_from_the_model_s_answers_count_apart_from_its_copies(monkeypatch):
+    """Where the run's tail repeats nothing (the break in the cycles), the primary drafts from the
+    model's answers (here: the break's own text): GenerationStats counts those under answers@run,
+    the copies under prompt_lookup@run, and the output is plain decoding's."""
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling_with_a_break)
+    plain = plain_decoding(PROMPT, 80)
+    break_text = np.array([*plain[26:50], SEPARATOR], dtype=np.int32)  # the break: output positions 30-44
+    backends = FakeBackends(answers=AnswerIndex(break_text, vocab_size=max(plain) + 1))
+    loop = run(
+        make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80), backends, min_repeat_tokens=3
+    )
+    assert loop.outcome.token_ids == plain
+    copied, copies_kept, _ = loop.stats.decoders[RUN_LOOKUP_STATS]
+    answered, answers_kept, _ = loop.stats.decoders[RUN_ANSWERS_STATS]
+    assert answers_kept > 0 and answered >= answers_kept and copies_kept > 0
+    assert loop.stats.num_proposed == copied + answered and loop.stats.num_accepted >= copies_kept + answers_kept
 
 
 @pytest.mark.parametrize(

@@ -247,6 +247,7 @@ def test_a_run_that_drafts_its_copies_decodes_plain_decoding_s_tokens_several_a_
     assert sum(m.num_drafted for m in messages) > 0 and max(len(m.token_ids) for m in messages) > 2
     assert all(m.num_draft_accepted == len(m.token_ids) - 1 for m in messages[:-1])
     assert all(0 <= m.num_draft_accepted <= m.num_drafted for m in messages)
+    assert all(m.num_answer_drafted == 0 for m in messages)  # copies only: this servicer has no answers
     assert engine.token_ids("d") == prompt + expected[: RUN - 5]
     drafted = metrics.registry.get_sample_value("specdec_run_drafted_tokens_total")
     kept = metrics.registry.get_sample_value("specdec_run_draft_accepted_tokens_total")
@@ -427,4 +428,6 @@ def test_a_run_given_the_model_s_answers_drafts_from_them_and_decodes_plain_deco
     drafted = registry.get_sample_value("specdec_run_answer_drafted_tokens_total")
     kept = registry.get_sample_value("specdec_run_answer_accepted_tokens_total")
     assert 0 < kept <= drafted <= registry.get_sample_value("specdec_run_drafted_tokens_total")
+    assert sum(m.num_answer_drafted for m in messages) == drafted  # each step says how many of its drafts
+    assert sum(m.num_answer_accepted for m in messages) == kept
     assert engine.kv_bytes == 0
