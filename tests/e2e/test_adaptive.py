@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.loop import RUN_ANSWERS_STATS
 from specdec.state_store import open_state_store
 from specdec.strategies import DEFAULT_STRATEGIES
 from specdec.v1 import gateway_pb2
@@ -51,6 +52,9 @@ def test_adaptive_greedy_output_equals_speculation_off_and_reports_its_choices(g
             assert stats.num_generated_tokens == len(adaptive.token_ids)
             assert stats.num_steps <= off.stats.num_steps
             for d in stats.decoders:  # "prompt_lookup", "prompt_lookup#1", "prompt_lookup@run" ... within the bounds
+                assert d.num_accepted <= d.num_proposed
+                if d.name == RUN_ANSWERS_STATS:  # the runs' drafts from the model's own answers (the primary's)
+                    continue
                 decoder, _, rank = d.name.removesuffix("@run").partition("#")
                 # the default set (specdec.strategies.DEFAULT_STRATEGIES: the feature drafter as the
                 # pool offers it); which of them runs is the cost model's call on this machine's timings
