@@ -116,11 +116,7 @@ class AnswerIndex:
         starts = next(self.array.occurrences(context_ids), None)
         if starts is None or starts.size == 0:
             return [], 0.0
-        tokens = self.array.tokens
-        ahead = starts[:, None] + np.arange(max_tokens)  # [K, T]
-        continuations = np.full(ahead.shape, SEPARATOR, dtype=np.int64)
-        is_inside = ahead < tokens.size
-        continuations[is_inside] = tokens[ahead[is_inside]]
+        continuations = self.array.continuations(starts, max_tokens)
         firsts = continuations[:, 0]
         paths = most_frequent_paths(continuations, 1)
         if not paths or not paths[0]:

@@ -125,15 +125,20 @@ class SuffixArray:
             return ()
         paths: list[tuple[int, ...]] = []
         for starts in self.occurrences(context_ids):
-            ahead = starts[:, None] + np.arange(max_tokens)  # [K, T]
-            continuations = np.full(ahead.shape, SEPARATOR, dtype=np.int64)
-            is_inside = ahead < self.tokens.size
-            continuations[is_inside] = self.tokens[ahead[is_inside]]
+            continuations = self.continuations(starts, max_tokens)
             firsts = {path[0] for path in paths}
             paths += [p for p in most_frequent_paths(continuations, max_candidates) if p[0] not in firsts]
             if len(paths) >= max_candidates:
                 break
         return tuple(paths[:max_candidates])
+
+    def continuations(self, starts: np.ndarray, max_tokens: int) -> np.ndarray:
+        """starts [K] -> [K, max_tokens] int64: the tokens from each start on, SEPARATOR past the corpus end."""
+        ahead = starts[:, None] + np.arange(max_tokens)  # [K, T]
+        continuations = np.full(ahead.shape, SEPARATOR, dtype=np.int64)
+        is_inside = ahead < self.tokens.size
+        continuations[is_inside] = self.tokens[ahead[is_inside]]
+        return continuations
 
     def occurrences(self, context_ids: Sequence[int]) -> Iterator[np.ndarray]:
         """Continuation starts [K] int64 per match length, longest first, down to min_match_len; each at
