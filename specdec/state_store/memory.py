@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar, Unpack, cast
 
-from specdec.errors import AlreadyExists, FailedPrecondition, NotFound
+from specdec.errors import FailedPrecondition
 from specdec.state_store.record import create_record, is_replay, state_from_record, step_meta
 from specdec.state_store.types import (
     TOKEN_BYTES,
@@ -25,6 +25,10 @@ from specdec.state_store.types import (
     StateStoreConfig,
     StepFields,
     encode_token_ids,
+    lease_held,
+    request_ended,
+    request_exists,
+    request_not_found,
     set_status_by_step,
     token_count_mismatch,
 )
@@ -70,7 +74,7 @@ class InMemoryStateStore:
         meta, prompt = create_record(request_id, params, options, self._wall_clock_ms())
         with self._lock:
             if self._live(request_id) is not None:
-                raise AlreadyExists("request_id", f"request {request_id!r} exists already")
+                raise request_exists(request_id)
             self._entries[request_id] = _Entry(meta, prompt, bytearray(), self._clock() + self.config.ttl_s)
 
     def append_step(self, request_id: str, token_ids: Sequence[int] = (), **step: Unpack[StepFields]) -> int:
@@ -83,7 +87,7 @@ class InMemoryStateStore:
             if is_replay(entry.tokens, packed, expected_num_tokens):
                 return num_stored
             if entry.status.is_terminal:
-                raise FailedPrecondition("request_id", f"request {request_id!r} has ended ({entry.status})")
+                raise request_ended(request_id, entry.status)
             if expected_num_tokens is not None and num_stored != expected_num_tokens:
                 raise token_count_mismatch(num_stored, expected_num_tokens)
             now = self._clock()
@@ -162,12 +166,12 @@ class InMemoryStateStore:
     def _require(self, request_id: str) -> _Entry:
         entry = self._live(request_id)
         if entry is None:
-            raise NotFound("request_id", f"no stored request {request_id!r}")
+            raise request_not_found(request_id)
         return entry
 
     def _check_owner(self, request_id: str, entry: _Entry, owner: str, now: float) -> None:
         if entry.owner != owner and entry.owner_expires_at > now:
-            raise FailedPrecondition("owner", f"the lease of {request_id!r} is held by {entry.owner!r}, not {owner!r}")
+            raise lease_held(request_id, entry.owner, owner)
 
 
 def _inline(

@@ -39,7 +39,7 @@ from typing import Any
 import redis
 import redis.exceptions
 
-from specdec.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
+from specdec.errors import Unavailable
 from specdec.state_store.record import create_record, flat, state_from_record, step_meta
 from specdec.state_store.types import (
     TERMINAL_STATUSES,
@@ -49,6 +49,10 @@ from specdec.state_store.types import (
     StateStoreConfig,
     StepFields,
     encode_token_ids,
+    lease_held,
+    request_ended,
+    request_exists,
+    request_not_found,
     token_count_mismatch,
 )
 
@@ -268,15 +272,13 @@ def redis_errors(request_id: str, expected_num_tokens: int | None = None, owner:
             raise
         code, detail = match.group(1), match.group(2) or ""
         if code == "SPECDEC_EXISTS":
-            raise AlreadyExists("request_id", f"request {request_id!r} exists already") from None
+            raise request_exists(request_id) from None
         if code == "SPECDEC_NOT_FOUND":
-            raise NotFound("request_id", f"no stored request {request_id!r}") from None
+            raise request_not_found(request_id) from None
         if code == "SPECDEC_ENDED":
-            raise FailedPrecondition("request_id", f"request {request_id!r} has ended ({detail})") from None
+            raise request_ended(request_id, detail) from None
         if code == "SPECDEC_MISMATCH":
             raise token_count_mismatch(int(float(detail)), expected_num_tokens or 0) from None
         if code == "SPECDEC_NOT_OWNER":
-            raise FailedPrecondition(
-                "owner", f"the lease of {request_id!r} is held by {detail!r}, not {owner!r}"
-            ) from None
+            raise lease_held(request_id, detail, owner) from None
         raise

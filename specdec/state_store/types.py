@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict, Unpack
 
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 DEFAULT_NAMESPACE = "specdec"
 DEFAULT_TTL_S = 24 * 3600.0
@@ -238,6 +238,24 @@ def check_step(step: StepFields) -> None:
         raise InvalidArgument("status", f"must be a RequestStatus, got {status!r}")
     if expected_num_tokens is not None and expected_num_tokens < 0:
         raise InvalidArgument("expected_num_tokens", f"must be >= 0, got {expected_num_tokens}")
+
+
+# The contract's errors, built here so that both stores word them alike.
+def request_exists(request_id: str) -> AlreadyExists:
+    return AlreadyExists("request_id", f"request {request_id!r} exists already")
+
+
+def request_not_found(request_id: str) -> NotFound:
+    return NotFound("request_id", f"no stored request {request_id!r}")
+
+
+def request_ended(request_id: str, status: str) -> FailedPrecondition:
+    return FailedPrecondition("request_id", f"request {request_id!r} has ended ({status})")
+
+
+def lease_held(request_id: str, holder: str, owner: str | None) -> FailedPrecondition:
+    """The write of owner refused: holder has a live lease on the request."""
+    return FailedPrecondition("owner", f"the lease of {request_id!r} is held by {holder!r}, not {owner!r}")
 
 
 def token_count_mismatch(num_stored: int, expected_num_tokens: int) -> FailedPrecondition:
