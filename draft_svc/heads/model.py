@@ -36,6 +36,19 @@ from torch.nn import functional as F
 from specdec.model.config import ModelConfig
 
 
+# The fields a drafter's config copies from its primary's ModelConfig (the rest are the drafter's own)
+PRIMARY_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "vocab_size",
+)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DrafterConfig:
     """The drafter's shape: the primary's layer shape, its vocabulary size and its KV window."""
@@ -64,18 +77,8 @@ class DrafterConfig:
 
     @classmethod
     def for_model(cls, config: ModelConfig, draft_vocab_size: int, max_window: int = 512) -> DrafterConfig:
-        return cls(
-            hidden_size=config.hidden_size,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            intermediate_size=config.intermediate_size,
-            rms_norm_eps=config.rms_norm_eps,
-            rope_theta=config.rope_theta,
-            vocab_size=config.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            max_window=max_window,
-        )
+        primary = {name: getattr(config, name) for name in PRIMARY_FIELDS}
+        return cls(**primary, draft_vocab_size=draft_vocab_size, max_window=max_window)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

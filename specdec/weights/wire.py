@@ -30,15 +30,17 @@ _LAYOUT_TO_PB = {
 }
 _LAYOUT_FROM_PB = {v: k for k, v in _LAYOUT_TO_PB.items()}
 
-# attach()'s field names -> the field of the protobuf WeightManifest that carries them
-_WIRE_FIELDS = {
-    "kind": "memory.kind",
-    "segment_name": "memory.segment_name",
-    "cuda_ipc_handle": "memory.cuda_ipc_handle",
-    "device_index": "memory.device_index",
-    "total_bytes": "memory.num_bytes",
-    "owner_instance_id": "memory.owner_instance_id",
+# WeightManifest's handle fields -> the MemoryHandle fields that carry them (kind goes through
+# _KIND_TO_PB; offset is 0 on the wire)
+_MEMORY_FIELDS = {
+    "segment_name": "segment_name",
+    "cuda_ipc_handle": "cuda_ipc_handle",
+    "device_index": "device_index",
+    "total_bytes": "num_bytes",
+    "owner_instance_id": "owner_instance_id",
 }
+# attach()'s field names -> the field of the protobuf WeightManifest that carries them
+_WIRE_FIELDS = {"kind": "memory.kind"} | {field: f"memory.{wire}" for field, wire in _MEMORY_FIELDS.items()}
 
 
 def wire_field(field: str) -> str:
@@ -49,13 +51,7 @@ def wire_field(field: str) -> str:
 
 def manifest_to_pb(m: WeightManifest, config_json: str, precision: str, model_id: str) -> common_pb2.WeightManifest:
     memory = common_pb2.MemoryHandle(
-        kind=_KIND_TO_PB[m.kind],
-        segment_name=m.segment_name,
-        cuda_ipc_handle=m.cuda_ipc_handle,
-        device_index=m.device_index,
-        offset=0,
-        num_bytes=m.total_bytes,
-        owner_instance_id=m.owner_instance_id,
+        kind=_KIND_TO_PB[m.kind], offset=0, **{wire: getattr(m, field) for field, wire in _MEMORY_FIELDS.items()}
     )
     tensors = [
         common_pb2.TensorDescriptor(
@@ -99,11 +95,7 @@ def manifest_from_pb(pb: common_pb2.WeightManifest) -> tuple[WeightManifest, str
     )
     manifest = WeightManifest(
         kind=kind,
-        segment_name=memory.segment_name,
-        cuda_ipc_handle=memory.cuda_ipc_handle,
-        device_index=memory.device_index,
-        total_bytes=memory.num_bytes,
-        owner_instance_id=memory.owner_instance_id,
+        **{field: getattr(memory, wire) for field, wire in _MEMORY_FIELDS.items()},
         tensors=tensors,
         matrices=tuple(_matrix_from_pb(x) for x in pb.matrices),
     )

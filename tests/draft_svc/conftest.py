@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from draft_svc.heads.model import DrafterConfig
+from draft_svc.heads.model import PRIMARY_FIELDS, DrafterConfig
+from tests.specdec.model.tiny import tiny_config
 
 
 class FakePrimary:
@@ -16,17 +17,8 @@ class FakePrimary:
 
     def __init__(self, config: DrafterConfig, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.config = types.SimpleNamespace(
-            model_type="llama",
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=2,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=config.num_key_value_heads,
-            head_dim=config.head_dim,
-            tie_word_embeddings=True,
-        )
+        # the tiny model (tied head) in the drafter's shape, two layers deep
+        self.config = tiny_config(num_hidden_layers=2, **{name: getattr(config, name) for name in PRIMARY_FIELDS})
         self.table = torch.randn(config.vocab_size, config.hidden_size, generator=g)
         self.norm = types.SimpleNamespace(weight=1 + 0.1 * torch.randn(config.hidden_size, generator=g))
 
