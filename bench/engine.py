@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine_split import format_split, split_curve
+from bench.engine_split import VERIFY_SIZES, format_split, split_curve
 from bench.peer_process import PeerProcess
 from bench.peers import default_gguf_path, llama_cpp_missing
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
@@ -49,7 +49,6 @@ from specdec.model.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 from specdec.flag_spellings import add_spellings
 
-VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXT_TOKENS = 256
 LONG_CONTEXT_TOKENS = 2048  # the reference article's sequence length
 PREFILL_TOKENS = (512, 2048)

@@ -64,6 +64,16 @@ def _tps_spread(system: dict[str, Any]) -> str:
     return f"{tps['median']:.1f} ({tps['min']:.1f}–{tps['max']:.1f})"
 
 
+def _speedup_cells(system: dict[str, Any]) -> list[str]:
+    """Speedup as the ratio of medians, then per prompt (the median of per-prompt ratios)."""
+    return [_times(system["speedup"]), _times(_median(system["speedup_per_prompt"]))]
+
+
+def _acceptance_cells(system: dict[str, Any]) -> list[str]:
+    """Acceptance rate, then mean accepted length."""
+    return [_pct(system.get("acceptance_rate")), _num(system.get("mean_accepted_length"), "{:.2f}")]
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -96,16 +106,17 @@ def headline_table(run: dict[str, Any]) -> str:
         systems = scenario["systems"]
         base, spec = systems.get(BASELINE), systems.get(SPECULATIVE)
         n = scenario["num_prompts"]
-        row = [
-            name,
-            str(n),
-            _tps(base) if base else NONE,
-            _tps(spec) if spec else NONE,
-            _times(spec["speedup"]) if spec else NONE,
-            _times(_median(spec["speedup_per_prompt"])) if spec else NONE,
-            _pct(spec.get("acceptance_rate")) if spec else NONE,
-            _ratio(spec["num_same_as_baseline"], n) if spec else NONE,
-        ]
+        spec_cells = (
+            [
+                _tps(spec),
+                *_speedup_cells(spec),
+                _pct(spec.get("acceptance_rate")),
+                _ratio(spec["num_same_as_baseline"], n),
+            ]
+            if spec
+            else [NONE] * 5
+        )
+        row = [name, str(n), _tps(base) if base else NONE, *spec_cells]
         for p in peers:
             peer = systems.get(p)
             row.append(NONE if peer is None else f"{_tps(peer)} ({_times(peer['speedup'])})")
@@ -138,8 +149,7 @@ def systems_table(run: dict[str, Any]) -> str:
                     _tps_spread(s),
                     _times(s["speedup"]),
                     _times(s.get("speedup_over_own_greedy")),
-                    _pct(s.get("acceptance_rate")),
-                    _num(s.get("mean_accepted_length"), "{:.2f}"),
+                    *_acceptance_cells(s),
                     _pct(s.get("outside_model_fraction")),
                     f"{_ratio(s['num_same_as_baseline'], n)} ({s['compared_by']})"
                     if s["num_same_as_baseline"] is not None
@@ -183,6 +193,7 @@ def structured_table(run: dict[str, Any]) -> str:
     (unconstrained either way) are listed once, under json_noschema."""
     base = run["scenarios"].get(UNCONSTRAINED, {}).get("systems", {}).get(BASELINE)
     base_tps = _median(base["tokens_per_s"]) if base else None
+    shares = ("grammar_forced_share", "forced_token_share", "json_parse_rate", "schema_validity_rate")
     header = [
         "scenario",
         "system",
@@ -208,15 +219,10 @@ def structured_table(run: dict[str, Any]) -> str:
                     name,
                     SYSTEM_LABELS.get(system, system),
                     _tps(s),
-                    _times(s["speedup"]),
-                    _times(_median(s["speedup_per_prompt"])),
+                    *_speedup_cells(s),
                     _times(tps / base_tps if tps is not None and base_tps else None),
-                    _pct(s.get("acceptance_rate")),
-                    _num(s.get("mean_accepted_length"), "{:.2f}"),
-                    _pct(s.get("grammar_forced_share")),
-                    _pct(s.get("forced_token_share")),
-                    _pct(s.get("json_parse_rate")),
-                    _pct(s.get("schema_validity_rate")),
+                    *_acceptance_cells(s),
+                    *(_pct(s.get(k)) for k in shares),
                 ]
             )
     return _table(header, rows)
