@@ -31,7 +31,7 @@ from specdec.grammar import GrammarState
 from specdec.repeats import RepeatIndex
 from specdec.strategies import PROMPT_LOOKUP_STRATEGY
 
-# What the loop knows a decoder will propose this step, by (decoder, rank) (RequestLoop._known_coverage)
+# What the loop's planner knows a decoder will propose this step, by (decoder, rank) (StepPlanner.known_coverage)
 KnownCoverage = Callable[[], dict[tuple[str, int], float]]
 
 
@@ -51,9 +51,10 @@ class DecodeRuns:
     """The primary's streamed runs of a request's plain steps, one engine step per loop step, and the
     plan that opened the run under way (each of its steps is a step of that plan).
 
-    `start()` is the request's state when a run opens (RunStart); `known_coverage()` what the loop
-    knows the decoders will propose (the controller's plans of plain steps read it). The grammar,
-    the controller with its state, and prompt lookup's repeat index are the loop's own objects."""
+    `start()` is the request's state when a run opens (RunStart); `known_coverage()` what the loop's
+    planner knows the decoders will propose (the controller's plans of plain steps read it). The
+    grammar is the loop's own object; the controller with its state, and prompt lookup's repeat
+    index, are its planner's (gateway.step_planner)."""
 
     def __init__(
         self,

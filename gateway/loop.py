@@ -25,7 +25,8 @@ speculative_degree, its draft_length), or, when adaptive, chosen before every st
 controller from the acceptance it observed (the request's degree and draft length are then upper
 bounds, and a plan may be a plain step). The draft service hears every committed token at its
 next Propose, however many plain steps came between; the controller's state is written to the
-state store with each step's tokens and restored with them.
+state store with each step's tokens and restored with them. The plans, the controller and what it
+learns from each step's outcome and cost are the loop's StepPlanner's (gateway.step_planner).
 
 Recovery: the committed tokens are in the state store after every step. If the primary
 restarts, its Verify answers NOT_FOUND (or UNAVAILABLE while it is down): the loop waits for
@@ -44,11 +45,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import math
 import threading
 import time
-from collections import Counter
 from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 
 import structlog
@@ -63,34 +62,27 @@ from gateway.backends import (
     features_of_rows,
 )
 from gateway.call_deadlines import CallDeadlines
-from gateway.controller import (
-    AdaptiveController,
-    ControllerConfig,
-    ControllerState,
-    SpeculationPlan,
-    infer_task_type,
-)
-from gateway.config import GRAMMAR_MAX_SPELLINGS
+from gateway.controller import ControllerConfig, SpeculationPlan
 from gateway.acceptance_memory import AcceptanceMemory
 from gateway.decode_run import DecodeRuns, RunStart
-from gateway.cost_model import CostModel, CostSettings, cost_model_for, one_row_ms
+from gateway.cost_model import CostModel
 from gateway.dependencies import DependencyState
 from gateway.node_pool import Node
 from gateway.output import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Output
-from gateway.params import GenerationParams, SpeculationParams
+from gateway.params import GenerationParams
 from gateway.primary_calls import PrimaryCalls
-from specdec.repeats import MIN_REPEAT_TOKENS, RepeatIndex
+from specdec.repeats import MIN_REPEAT_TOKENS
 from gateway.request_record import DEFAULT_STATS_INTERVAL_S, RequestRecord
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
-from gateway.step_costs import MeasuredOverheads, StepCosts
+from gateway.step_costs import StepCosts
+from gateway.step_planner import StepPlanner, StepRecord
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import (
     CandidateOutcome,
     candidate_outcomes,
     decoders_for,
     depth_outcomes,
-    ranked_sources,
     stats_name,
 )
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, Unavailable
@@ -99,21 +91,17 @@ from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import Tokenizer
 from specdec.engine.tree import chain_parents
-from specdec.prediction import LOST, PredictionAlignment
 from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import (
     FEATURE_STRATEGIES,
-    GRAMMAR_STRATEGY,
     MODEL,
     PREDICTION_STRATEGY,
     PROMPT_LOOKUP_STRATEGY,
-    TREE_STRATEGIES,
     consumes_features,
     names_of,
 )
-from specdec.task_type import TaskType
 
 FINISH_CANCELLED, FINISH_DEADLINE, FINISH_ERROR = "cancelled", "deadline", "error"
 # Grammar-forced tokens committed after one step at most: a bound on the mask queries per step and on
@@ -126,39 +114,6 @@ MAX_FORCED_TOKENS = 32
 # next Propose. At least the step's draft length, so that a carried step drafts as long as a proposed
 # one: a prediction's 32-token drafts, accepted whole, would otherwise alternate with 16-token ones.
 CONTINUATION_TOKENS = 16
-
-
-def cycled_strategies(spec: SpeculationParams) -> tuple[str, ...]:
-    """speculative_degree decoders cycling through the strategies; the r-th repeat of a strategy is
-    its rank-r candidate. E.g. [prompt_lookup, suffix_index], degree 3 ->
-    [prompt_lookup#0, suffix_index#0, prompt_lookup#1]. Grammar-forced drafts are spellings of the
-    one forced text, so they leave the cycle after GRAMMAR_MAX_SPELLINGS rounds: [grammar,
-    prompt_lookup], degree 5 -> [grammar#0, prompt_lookup#0, grammar#1, prompt_lookup#1,
-    prompt_lookup#2]; [grammar] alone, degree 4 -> [grammar#0, grammar#1]."""
-    repeatable = [s for s in spec.strategies if s != GRAMMAR_STRATEGY]
-    num_spellings = GRAMMAR_MAX_SPELLINGS if GRAMMAR_STRATEGY in spec.strategies else 0
-    if not repeatable:
-        return (GRAMMAR_STRATEGY,) * min(num_spellings, spec.speculative_degree)
-    rounds = (([GRAMMAR_STRATEGY] if r < num_spellings else []) + repeatable for r in itertools.count())
-    return tuple(itertools.islice(itertools.chain.from_iterable(rounds), spec.speculative_degree))
-
-
-def fixed_plan(spec: SpeculationParams, max_tree_nodes: int) -> SpeculationPlan:
-    """The request's own settings, every step (speculation off: a plain step)."""
-    if not spec.is_enabled:
-        return SpeculationPlan()
-    return SpeculationPlan(
-        draft_length=spec.draft_length, sources=ranked_sources(cycled_strategies(spec)), max_tree_nodes=max_tree_nodes
-    )
-
-
-def within_context(plan: SpeculationPlan, room: int) -> SpeculationPlan:
-    """plan with its tree no deeper than the context has room for: the primary verifies a tree only
-    when context + depth <= max_context. E.g. context 4089 of 4096, draft_length 16 -> 7; no room
-    left -> a plain step. Output is unchanged: the drafts only propose, the primary decides."""
-    if not plan.is_speculative or plan.draft_length <= room:
-        return plan
-    return dataclasses.replace(plan, draft_length=room) if room >= 1 else SpeculationPlan()
 
 
 def continuation_after(tree: DraftTree, v: Validation) -> tuple[str, tuple[int, ...]] | None:
@@ -207,29 +162,6 @@ def _path_logprobs(verified: Verified, v: Validation) -> list[TokenLogprob]:
         assert v.bonus_logprob is not None  # a drawn bonus token: the validator scored it
         bonus = TokenLogprob(v.bonus_token, v.bonus_logprob, row.top)
     return [verified.node_logprobs[i] for i in v.accepted_nodes] + [bonus]
-
-
-def bounded_config(config: ControllerConfig, spec: SpeculationParams, max_tree_nodes: int) -> ControllerConfig:
-    """The controller's settings within the request's bounds: at most speculative_degree candidates
-    and draft_length tokens (itself a choice), at most max_tree_nodes nodes."""
-    lengths = {g for g in config.draft_length_choices if g <= spec.draft_length} | {spec.draft_length}
-    return dataclasses.replace(
-        config,
-        draft_length_choices=tuple(sorted(lengths)),
-        max_speculative_degree=spec.speculative_degree,
-        max_tree_nodes=min(config.max_tree_nodes, max_tree_nodes),
-        probe_draft_length=min(config.probe_draft_length, spec.draft_length),
-    )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What a step ran, for the gateway's cost measurements (gateway.step_costs)."""
-
-    is_speculative: bool
-    forward_ms: float  # the primary's forward passes of the step
-    num_rows: int  # speculative: the verify's rows; plain: the tokens of the run
-    model_draft_ms: float = 0.0  # model-based decoders' own time (priced apart)
 
 
 MODEL_DECODERS = frozenset(names_of(MODEL))
@@ -336,22 +268,14 @@ class RequestLoop:
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         self._init_output(generated, stats)
         self._init_record(store, owner, stored_params, max_state_retry_s, node_id, stats_interval_s)
-        # The primary's calls, carried through its restarts and failovers (gateway.primary_calls).
-        self.primary_calls = PrimaryCalls(
-            self.record,
-            self._prefill_context,
-            self._move_to,
-            cancel=cancel,
-            log=self.log,
-            recovery_timeout_s=recovery_timeout_s,
-            deadline=deadline,
-            failover=failover,
-        )
+        self._init_primary_calls(recovery_timeout_s, failover)
         self._init_step_state()
         self._init_calls(validator_state, draft_state, call_deadlines)
         self._init_constraints(grammar)
-        self._init_planning(logits_formats, cost_model, step_costs)
-        self._init_controller(controller_config, controller_state, acceptance_memory, min_repeat_tokens)
+        self._init_planning(logits_formats)
+        self._init_planner(
+            cost_model, step_costs, controller_config, controller_state, acceptance_memory, min_repeat_tokens
+        )
         self._init_runs(decode_run_max, is_run_drafting)
 
     @property
@@ -408,9 +332,25 @@ class RequestLoop:
             stats_interval_s=stats_interval_s,
         )
 
+    def _init_primary_calls(
+        self, recovery_timeout_s: float, failover: Callable[[str, str], Awaitable[Node | None]] | None
+    ) -> None:
+        """The primary's calls, carried through its restarts and failovers (gateway.primary_calls)."""
+        self.primary_calls = PrimaryCalls(
+            self.record,
+            self._prefill_context,
+            self._move_to,
+            cancel=self.cancel,
+            log=self.log,
+            recovery_timeout_s=recovery_timeout_s,
+            deadline=self.deadline,
+            failover=failover,
+        )
+
     def _stored_state(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The stats and controller state as the state store keeps them."""
-        return self.stats.to_dict(), None if self.controller_state is None else self.controller_state.to_dict()
+        state = self.planner.controller_state
+        return self.stats.to_dict(), None if state is None else state.to_dict()
 
     def _init_step_state(self) -> None:
         """What passes from one step to the next: what the services still have to learn, a carried
@@ -449,59 +389,45 @@ class RequestLoop:
         self.grammar = grammar
         if grammar is not None and not grammar.accept_tokens(self.generated):
             raise FailedPrecondition("response_format", "the stored output does not follow the request's grammar")
-        # The prediction's tokens go to the draft service when it opens the request; the loop aligns the
-        # output to them too: to tell the controller when the prediction decoder has nothing to propose
-        # (_known_coverage), and to count the prediction's tokens the output has not used.
-        params = self.params
-        self.prediction_ids: tuple[int, ...] = (
-            tuple(self.tokenizer.encode(params.prediction)) if params.prediction else ()
-        )
-        self.prediction = PredictionAlignment(self.prediction_ids) if self.prediction_ids else None
-        self._align_prediction(self.generated)
 
-    def _init_planning(
-        self, logits_formats: tuple[str, str], cost_model: CostModel | None, step_costs: StepCosts | None
-    ) -> None:
-        """How steps are decided and priced: the acceptance rule and the logits' formats, the
-        request's fixed plan, and the gateway's cost measurements."""
+    def _init_planning(self, logits_formats: tuple[str, str]) -> None:
+        """How steps are decided: the acceptance rule and the logits' formats."""
         self.greedy_format, self.sample_format = logits_formats
         # The acceptance rule, decided here once for the request and sent on every Validate.
         self.acceptance_mode = select_mode(self.params.sampling, self.params.speculation.acceptance_threshold)
-        self.fixed_plan = fixed_plan(self.params.speculation, self.max_tree_nodes)
-        # The gateway's measurements of what its steps cost (shared by its requests): each step of
-        # this request adds to them, and an adaptive one plans with them (_plan).
-        self.step_costs = step_costs
         self.step_record: StepRecord | None = None  # the step being computed, once it ran undisturbed
-        self.measured_overheads: MeasuredOverheads | None = None  # what the controller's cost model holds
-        self.base_cost_model = cost_model or cost_model_for(self.model.verify_costs_ms, CostSettings())
-        self.one_row_ms = one_row_ms(self.model.verify_costs_ms)
 
-    def _init_controller(
+    def _init_planner(
         self,
+        cost_model: CostModel | None,
+        step_costs: StepCosts | None,
         controller_config: ControllerConfig | None,
         controller_state: Mapping[str, Any] | None,
         acceptance_memory: AcceptanceMemory | None,
         min_repeat_tokens: int,
     ) -> None:
-        """An adaptive request's controller, its state (restored on a resume) and prompt lookup's
-        repeat index; None for a request with a fixed plan."""
-        spec = self.params.speculation
-        self.controller: AdaptiveController | None = None
-        self.controller_state: ControllerState | None = None
-        if spec.is_enabled and spec.is_adaptive:
-            self.controller = AdaptiveController(
-                self.base_cost_model,
-                bounded_config(controller_config or ControllerConfig(), spec, self.max_tree_nodes),
-                acceptance_memory,
-            )
-            self.controller_state = self._restore_controller(controller_state)
-            self.stats.task_type = self.controller_state.task_type.value
-        # Whether the context's tail repeats earlier text: where prompt lookup can pay (specdec.repeats);
-        # min_repeat_tokens 0: prompt lookup is planned like any decoder, from its estimate alone.
-        self.repeats = (
-            RepeatIndex(self.prompt_ids, min_repeat_tokens)
-            if self.controller is not None and min_repeat_tokens > 0 and PROMPT_LOOKUP_STRATEGY in spec.strategies
-            else None
+        """What each step drafts (gateway.step_planner): the request's fixed plan, or an adaptive
+        request's controller, its state (restored on a resume) and prompt lookup's repeat index; and
+        the gateway's cost measurements, which each step adds to."""
+        self.planner = StepPlanner(
+            self.params,
+            self.prompt_ids,
+            self.generated,
+            self.tokenizer,
+            self.model,
+            self.stats,
+            self.log,
+            max_tree_nodes=self.max_tree_nodes,
+            acceptance_mode=self.acceptance_mode,
+            validator_state=self.validator_state,
+            backends=self.backends,
+            grammar=self.grammar,
+            cost_model=cost_model,
+            step_costs=step_costs,
+            controller_config=controller_config,
+            controller_state=controller_state,
+            acceptance_memory=acceptance_memory,
+            min_repeat_tokens=min_repeat_tokens,
         )
 
     def _init_runs(self, decode_run_max: int | None, is_run_drafting: bool) -> None:
@@ -518,10 +444,10 @@ class RequestLoop:
             logprobs_request=self._logprobs_request(),
             decode_run_max=decode_run_max,
             is_run_drafting=is_run_drafting,
-            repeats=self.repeats,
-            controller=self.controller,
-            controller_state=self.controller_state,
-            known_coverage=self._known_coverage,
+            repeats=self.planner.repeats,
+            controller=self.planner.controller,
+            controller_state=self.planner.controller_state,
+            known_coverage=self.planner.known_coverage,
         )
 
     def _run_start(self) -> RunStart:
@@ -533,35 +459,6 @@ class RequestLoop:
             len(self.generated),
             self.validator_state.is_up,
         )
-
-    def _restore_controller(self, stored: Mapping[str, Any] | None) -> ControllerState:
-        """The stored state of a resumed request, or a fresh one (task type given or inferred)."""
-        spec = self.params.speculation
-        decoders = Counter(cycled_strategies(spec))  # name -> ranks it may offer
-        for name in TREE_STRATEGIES.intersection(spec.strategies):
-            # a tree decoder's ranks are the leaves of one tree it grows per step: as many as the degree
-            decoders[name] = max(decoders[name], spec.speculative_degree)
-        if stored:
-            try:
-                state = ControllerState.from_dict(stored)
-                if Counter(e.decoder for e in state.estimates) == decoders:
-                    return state
-                self.log.warning("stored controller state tracks other decoders; starting afresh")
-            except ValueError as e:
-                self.log.warning("stored controller state unreadable; starting afresh", error=str(e))
-        assert self.controller is not None  # restored only for an adaptive request
-        state = self.controller.new_state(
-            self._requested_task_type()
-            or infer_task_type(self.params.prompt_text(self.tokenizer), self.params.has_schema),
-            decoders,
-        )
-        # starts from the primary's load as the last request to hear from it saw it
-        state.other_rows = float(self.backends.other_step_rows)
-        return state
-
-    def _requested_task_type(self) -> TaskType | None:
-        """A constrained output is a structured task whatever the request says; else its own, or None."""
-        return TaskType.STRUCTURED if self.params.has_schema else self.params.speculation.task_type
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -657,7 +554,7 @@ class RequestLoop:
         num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
         new_tokens += self._forced_after(new_tokens)
         # one engine step, speculative or plain (a plain one's drafts, DecodeRuns._run_lookup_length, are its own)
-        self._observe(plan, outcomes)
+        self.planner.observe(plan, outcomes)
         kept, finish = self.output.truncate(new_tokens, len(self.generated))
         self.stats.num_steps += 1
         self.stats.num_generated_tokens += len(kept)
@@ -668,7 +565,8 @@ class RequestLoop:
             finish = FINISH_STOP
         wall_ms = (time.perf_counter() - step_start) * 1000
         self.stats.total_ms += wall_ms
-        self._measure_step(wall_ms)
+        record, self.step_record = self.step_record, None
+        self.planner.measure_step(record, wall_ms)
         return pending, finish
 
     async def _end_on_error(self, error: BaseException) -> None:
@@ -699,8 +597,8 @@ class RequestLoop:
             tokens, logprobs = await self._plain_step()
             return self.runs.plan, tokens, None, logprobs
         if self.runs.was_stopping_at_repeat():  # the last run ended: where a copy starts, or at its length
-            self.stats.num_runs_ended_at_repeat += self._tail_repeats()
-        plan = self._plan()
+            self.stats.num_runs_ended_at_repeat += self.planner.tail_repeats()
+        plan = self.planner.plan()
         if plan.is_speculative:
             return await self._speculative_step(plan)
         self.runs.plan = plan
@@ -736,115 +634,6 @@ class RequestLoop:
         else:
             held = now - max(wait_start, step_end) if step.done() else 0.0
         self.stats.stage_ms[stage] += held * 1000
-
-    def _measure_step(self, wall_ms: float) -> None:
-        """Add the step that just ended to the gateway's cost measurements (gateway.step_costs):
-        its wall time from its start to the next one's, the previous step's write and check included."""
-        record, self.step_record = self.step_record, None
-        if record is None or self.step_costs is None:
-            return  # nothing undisturbed ran: a recovery, a dependency down, a dropped tree
-        if record.is_speculative:
-            self.step_costs.observe_speculative(
-                wall_ms, record.forward_ms, record.model_draft_ms, record.num_rows, self.base_cost_model
-            )
-        else:
-            self.step_costs.observe_plain(wall_ms, record.forward_ms, record.num_rows, self.base_cost_model)
-
-    def _plan(self) -> SpeculationPlan:
-        if self.controller is not None and self.step_costs is not None:
-            # a new cost model (and the controller's remembered choices dropped) only when a cost moved
-            measured = self.step_costs.overheads()
-            if measured != self.measured_overheads:
-                self.measured_overheads = measured
-                self.controller.set_cost_model(
-                    self.step_costs.cost_model(self.base_cost_model, self.one_row_ms, measured)
-                )
-        plan = (
-            self.fixed_plan
-            if self.controller is None
-            else self._with_prediction(self.controller.plan(self._controller_state(), self._known_coverage()))
-        )
-        is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
-        if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
-            self.stats.num_validator_fallback_steps += 1
-            return SpeculationPlan()  # no validator to sample against: the primary samples alone
-        return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
-
-    def _tail_repeats(self) -> bool:
-        """Whether the context's last tokens occurred earlier (specdec.repeats), the index brought up to
-        the output so far."""
-        assert self.repeats is not None
-        done = len(self.repeats) - len(self.prompt_ids)
-        self.repeats.extend(self.generated[done:])
-        return self.repeats.tail_repeats()
-
-    def _with_prediction(self, plan: SpeculationPlan) -> SpeculationPlan:
-        """A speculative plan with the request's prediction in it, first, whenever the output follows
-        the prediction: the user supplied it and it costs nothing to draft, while the controller,
-        pricing each decoder's nodes apart, may leave it out for another decoder that drafts the same
-        tokens (the suffix index after a repeated request). At the degree bound it takes the last
-        source's place."""
-        key = (PREDICTION_STRATEGY, 0)
-        if self.prediction is None or not plan.is_speculative or key in plan.sources:
-            return plan
-        position = self.prediction.next_position
-        if position == LOST or position >= len(self.prediction_ids):
-            return plan
-        degree = max(1, plan.speculative_degree)
-        return dataclasses.replace(plan, sources=(key, *plan.sources)[:degree])
-
-    def _known_coverage(self) -> dict[tuple[str, int], float]:
-        """What the loop knows a decoder will propose this step, before the controller plans
-        (AdaptiveController.plan): grammar-forced drafts nothing where the grammar forces no text next
-        (free text, a choice between values); prompt lookup nothing worth a step where the context's
-        tail does not repeat earlier text (specdec.repeats: its 1- and 2-token matches); the
-        prediction decoder, which follows the same alignment as the loop's, nothing while the output
-        does not follow the prediction (or it is used up), and surely while it does."""
-        known: dict[tuple[str, int], float] = {}
-        estimates = self._controller_state().estimates
-        silent: set[str] = set()
-        if self.grammar is not None and not self.grammar.forced_text():
-            silent.add(GRAMMAR_STRATEGY)
-        if self.repeats is not None and not self._tail_repeats():
-            silent.add(PROMPT_LOOKUP_STRATEGY)
-        known.update({(e.decoder, e.rank): 0.0 for e in estimates if e.decoder in silent})
-        if self.prediction is not None:
-            position = self.prediction.next_position
-            is_proposing = position != LOST and position < len(self.prediction_ids)
-            known.update(
-                {
-                    (e.decoder, e.rank): 1.0 if is_proposing and e.rank == 0 else 0.0  # one candidate at most
-                    for e in estimates
-                    if e.decoder == PREDICTION_STRATEGY
-                }
-            )
-        return known
-
-    def _align_prediction(self, new_tokens: Sequence[int]) -> None:
-        """The committed tokens to the prediction's alignment; the prediction's tokens the output has
-        not used so far (OpenAI's rejected_prediction_tokens, counted by specdec.prediction)."""
-        if self.prediction is None:
-            return
-        self.prediction.add(new_tokens)
-        self.stats.num_rejected_prediction_tokens = len(self.prediction_ids) - self.prediction.num_matched
-
-    def _controller_state(self) -> ControllerState:
-        assert self.controller_state is not None  # set with the controller
-        return self.controller_state
-
-    def _observe(self, plan: SpeculationPlan, outcomes: list[CandidateOutcome] | None) -> None:
-        """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran)."""
-        self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe)
-        if self.controller is not None:
-            self.controller.observe(
-                self._controller_state(), plan if outcomes is not None else SpeculationPlan(), outcomes or ()
-            )
-
-    def _observe_load(self, other_rows: int) -> None:
-        """Tell the controller how many rows the primary's step carried besides this request's: under
-        load a draft row costs another request's token (AdaptiveController.observe_load)."""
-        if self.controller is not None:
-            self.controller.observe_load(self._controller_state(), other_rows)
 
     def _remaining_s(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -938,7 +727,7 @@ class RequestLoop:
         """The step's decision taken: what the primary and the draft service learn next, the carried
         draft, the stats and the step's cost record; the candidates' outcomes."""
         self.stats.forward_ms += verified.forward_ms
-        self._observe_load(verified.other_step_rows)
+        self.planner.observe_load(verified.other_step_rows)
         self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
         if verified.features is not None:
             # Root row and the accepted nodes' rows: they predict the accepted tokens and the bonus, the
@@ -1062,7 +851,7 @@ class RequestLoop:
         elif not self.primary_calls.is_step_disturbed:
             # a plain step's cost (a drafted one's forward is over more rows)
             self.step_record = StepRecord(False, decoded.forward_ms, len(tokens))
-        self._observe_load(decoded.other_step_rows)
+        self.planner.observe_load(decoded.other_step_rows)
         self.stats.stage_ms["verify"] += (time.perf_counter() - t) * 1000
         # the primary committed every token of the run but its last, which the next call commits
         self.pending_accepted, self.pending_committed = (), [tokens[-1]] if decoded.is_run_end else []
@@ -1143,8 +932,8 @@ class RequestLoop:
         extras: dict[str, Any] = {}
         if features is not None:
             extras.update(features=features[0], feature_position=features[1])
-        if is_opening and self.prediction_ids:
-            extras["prediction_token_ids"] = self.prediction_ids
+        if is_opening and self.planner.prediction_ids:
+            extras["prediction_token_ids"] = self.planner.prediction_ids
         return extras
 
     def _account(self, tree: DraftTree, outcomes: list[CandidateOutcome], v: Validation) -> None:
@@ -1183,7 +972,7 @@ class RequestLoop:
             raise FailedPrecondition("response_format", f"committed tokens {kept} leave the request's grammar")
         num_stored = len(self.generated)
         self.generated.extend(kept)
-        self._align_prediction(kept)
+        self.planner.align_prediction(kept)
         # Hold back a tail that could still become a stop string, unless this is the end.
         delta = self.output.ready_text(is_final or is_stopped)
         check, self.pending_check = self.pending_check, None
@@ -1277,6 +1066,7 @@ class RequestLoop:
         states of its validator and draft pool; the draft pool there opens the request afresh."""
         self.backends, self.record.node_id = node.backends, node.node_id
         self.draft_state, self.validator_state = node.draft_state, node.validator_state
+        self.planner.validator_state = node.validator_state  # whether a plan may draft under sampling
         self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
 
     async def _prefill_context(self, is_fresh: bool) -> str:

@@ -36,11 +36,9 @@ from gateway.loop import (
     RUN_LOOKUP_STATS,
     RequestLoop,
     StepOutput,
-    bounded_config,
-    cycled_strategies,
-    fixed_plan,
     greedy_validation,
 )
+from gateway.step_planner import bounded_config, cycled_strategies, fixed_plan
 from gateway.cost_model import CostSettings, cost_model_for
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.answers import AnswerIndex
@@ -545,7 +543,7 @@ def test_fixed_settings_are_honoured_every_step():
         for c in proposes
     )
     assert set(backends.steps()) == {"verify"}
-    assert loop.controller is None and loop.stats.task_type == ""
+    assert loop.planner.controller is None and loop.stats.task_type == ""
     assert loop.stats.num_steps_by_draft_length[5] == loop.stats.num_steps
     # per decoder and rank; a decoder's time counted once (rank 0)
     assert set(loop.stats.decoders) == {LOOKUP, SUFFIX, f"{LOOKUP}#1"}
@@ -624,7 +622,7 @@ def test_adaptive_switches_between_plain_and_speculative_steps_without_losing_sy
     assert sum(stats.num_steps_by_draft_length[1:]) > 0
     assert stats.num_probe_steps > 0
     assert stats.num_steps < 160 and stats.task_type == "code"
-    assert loop.controller_state.num_steps == stats.num_steps
+    assert loop.planner.controller_state.num_steps == stats.num_steps
 
 
 def test_a_busy_primary_turns_speculation_off_and_an_idle_one_back_on():
@@ -634,7 +632,7 @@ def test_a_busy_primary_turns_speculation_off_and_an_idle_one_back_on():
     busy = FakeBackends(other_rows=60)
     loop = run(make_params(degree=1, draft_length=8, max_new_tokens=40), busy, model=linear)
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)
-    assert loop.controller_state.other_rows == pytest.approx(60.0)  # the reports less the request's own rows
+    assert loop.planner.controller_state.other_rows == pytest.approx(60.0)  # the reports less the request's own rows
     assert loop.stats.num_steps_by_draft_length[0] > 0.8 * loop.stats.num_steps  # probes aside, plain
     idle = FakeBackends()
     loop = run(make_params(degree=1, draft_length=8, max_new_tokens=40), idle, model=linear)
@@ -678,13 +676,15 @@ def test_controller_state_is_stored_and_restored_on_resume():
     params = make_params(degree=2, draft_length=8, max_new_tokens=80)
     whole = run(params, FakeBackends(is_lookup_right=lambda n: n < 40), store, request_id="whole")
     stored = store.load("whole")
-    assert stored.controller_state == whole.controller_state.to_dict()
+    assert stored.controller_state == whole.planner.controller_state.to_dict()
     assert stored.stats["num_steps_by_draft_length"] == whole.stats.num_steps_by_draft_length
 
     # A gateway that died after 6 steps: a successor resumes from the stored tokens, stats and
     # controller state, and produces the same output.
     dead, state = died_after_steps(params, 6, stats_interval_s=0)
-    assert state.controller_state["num_steps"] == 6 and state.controller_state == dead.controller_state.to_dict()
+    assert (
+        state.controller_state["num_steps"] == 6 and state.controller_state == dead.planner.controller_state.to_dict()
+    )
     store = InMemoryStateStore()  # what the successor finds in Redis
     store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
     store.append_step("r1", state.token_ids, stats=state.stats, controller_state=state.controller_state)
@@ -696,9 +696,9 @@ def test_controller_state_is_stored_and_restored_on_resume():
         stats=RequestStats.from_dict(state.stats),
         controller_state=state.controller_state,
     )
-    assert resumed.controller_state.num_steps == resumed.stats.num_steps > 6
+    assert resumed.planner.controller_state.num_steps == resumed.stats.num_steps > 6
     assert resumed.outcome.token_ids == plain_decoding(PROMPT, 80)
-    assert resumed.controller_state.estimates != ControllerState.from_dict(state.controller_state).estimates
+    assert resumed.planner.controller_state.estimates != ControllerState.from_dict(state.controller_state).estimates
 
 
 def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_stored_token():
@@ -711,7 +711,7 @@ def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_sto
         params, FakeBackends(is_lookup_right=lambda n: n < 40), store, request_id="whole", stats_interval_s=3600
     )
     stored = store.load("whole")  # the end carries the final stats, whatever the interval
-    assert stored.stats == whole.stats.to_dict() and stored.controller_state == whole.controller_state.to_dict()
+    assert stored.stats == whole.stats.to_dict() and stored.controller_state == whole.planner.controller_state.to_dict()
 
     dead, state = died_after_steps(params, 6, stats_interval_s=3600)
     assert list(state.token_ids) == dead.generated  # every step's tokens
@@ -733,7 +733,7 @@ def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_sto
 def test_an_unreadable_stored_controller_state_starts_afresh():
     loop = run(make_params(max_new_tokens=10), FakeBackends(), controller_state={"version": 99})
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 10)
-    assert isinstance(loop.controller_state, ControllerState)
+    assert isinstance(loop.planner.controller_state, ControllerState)
 
 
 def test_task_type_is_inferred_when_the_request_gives_none():
@@ -1483,10 +1483,10 @@ def test_without_a_feature_strategy_no_call_asks_for_features():
 def test_an_adaptive_request_tracks_a_tree_decoder_at_every_rank_up_to_its_degree():
     params = make_params(degree=4, strategies=(LOOKUP, SUFFIX, FEATURE_STRATEGY))
     loop = make_loop(params, FakeBackends())
-    assert loop.controller_state is not None
-    ranks = collections.Counter(e.decoder for e in loop.controller_state.estimates)
+    assert loop.planner.controller_state is not None
+    ranks = collections.Counter(e.decoder for e in loop.planner.controller_state.estimates)
     assert ranks == {LOOKUP: 2, SUFFIX: 1, FEATURE_STRATEGY: 4}  # cycled, and the tree's leaves
-    assert loop.fixed_plan.sources == ((LOOKUP, 0), (SUFFIX, 0), (FEATURE_STRATEGY, 0), (LOOKUP, 1))
+    assert loop.planner.fixed_plan.sources == ((LOOKUP, 0), (SUFFIX, 0), (FEATURE_STRATEGY, 0), (LOOKUP, 1))
 
 
 def test_prompt_lookup_is_asked_only_where_the_contexts_tail_repeats():
