@@ -34,6 +34,7 @@ from specdec.errors import (
     Unavailable,
 )
 from specdec.propose_args import ProposeArgs
+from specdec.verify_args import VerifyArgs
 from specdec.sampling import SamplingParams
 from specdec.service.auth import token_metadata
 from specdec.tracing import aio_channel_interceptors, outgoing_metadata
@@ -380,20 +381,22 @@ class Backends:
         r = await self._call(
             "primary",
             self.primary.Verify,
-            primary_pb2.VerifyRequest(
-                request_id=request_id,
-                accepted_nodes=accepted_nodes,
-                committed_token_ids=committed_token_ids,
-                tree=common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents),
-                lookahead=common_pb2.TokenTree(token_ids=tree.lookahead_token_ids, parents=tree.lookahead_parents),
-                logits_format=pb.LOGITS_FORMAT_ENUMS[logits_format],
+            VerifyArgs(
+                request_id,
+                committed_token_ids=tuple(committed_token_ids),
+                accepted_nodes=tuple(accepted_nodes),
+                tree_token_ids=tree.token_ids,
+                tree_parents=tree.parents,
+                lookahead_token_ids=tree.lookahead_token_ids,
+                lookahead_parents=tree.lookahead_parents,
+                logits_format=logits_format,
                 return_handle=self.is_logits_via_handle,
-                allowed_tokens=_mask(allowed),
+                allowed_tokens=allowed,
                 kv_lease=self._kv_leases.get(request_id, ""),
                 return_features=return_features,
-                logprobs=_logprobs_pb(logprobs),
-                sampling=None if sampling is None else pb.sampling_to_pb(sampling),
-            ),
+                logprobs=logprobs,
+                sampling=sampling,
+            ).to_pb(),
         )
         own = 1 + len(tree.token_ids) + len(tree.lookahead_token_ids)  # the pending row, the tree's, lookahead's
         self.other_step_rows = max(0, r.num_step_rows - own)

@@ -12,7 +12,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
 from specdec.speculation_bounds import MAX_DRAFT_LENGTH
 from specdec.sampling import SamplingParams, draw_token
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
+from specdec.verify_args import VerifyArgs
 from specdec.weights.wire import manifest_to_pb
 
 # What a Verify's finish hands back from the engine thread: argmaxes, logits, num_cached, lookahead
@@ -168,18 +169,14 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         )
 
     def Verify(self, request, context):
-        request_id = pb.request_id_from_pb(request.request_id)
-        self.leases.check(request_id, request.kv_lease)
-        token_ids, parents = pb.tree_from_pb(request.tree, self.vocab_size)
-        lookahead_ids, lookahead_parents = pb.tree_from_pb(request.lookahead, self.vocab_size, "lookahead")
-        fmt = pb.logits_format_from_pb(request.logits_format)
-        num_rows = len(token_ids) + 1
-        allowed = self._allowed_tokens(request, num_rows)
-        features_out: list[torch.Tensor] | None = [] if request.return_features else None
-        logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
+        args = VerifyArgs.from_pb(request, self.vocab_size, check_lease=self.leases.check)
+        request_id, num_rows = args.request_id, args.num_rows
+        token_ids, parents = args.tree_token_ids, args.tree_parents
+        allowed, logprobs = args.allowed_tokens, args.logprobs
+        features_out: list[torch.Tensor] | None = [] if args.return_features else None
         node_logprobs: list[TokenLogprob] = []
         row_logprobs: list[TokenLogprob] = []
-        sampling = self._sampling(request) if request.HasField("sampling") else SamplingParams()
+        sampling = SamplingParams() if args.sampling is None else args.sampling
 
         def finish(logits: torch.Tensor) -> _Verified:  # engine thread
             lookahead_argmax = row_argmax(logits[num_rows:])  # [L], unmasked
@@ -195,16 +192,18 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             step_rows = self.worker.step_rows  # likewise
             # the logits rows' features, [N+1, C] (the lookahead rows' are not returned)
             features = encode_features(features_out[0][:num_rows]) if features_out else None
-            payload, features_pb = self._logits_payload(request_id, logits, fmt, features, request.return_handle)
+            payload, features_pb = self._logits_payload(
+                request_id, logits, args.logits_format, features, args.return_handle
+            )
             return argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb
 
         (argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb), forward_ms = self.worker.verify(
             request_id,
-            list(request.accepted_nodes),
-            list(request.committed_token_ids),
-            *with_lookahead(token_ids, parents, lookahead_ids, lookahead_parents),
+            args.accepted_nodes,
+            args.committed_token_ids,
+            *with_lookahead(token_ids, parents, args.lookahead_token_ids, args.lookahead_parents),
             finish,
-            num_lookahead=len(lookahead_ids),
+            num_lookahead=len(args.lookahead_token_ids),
             features_out=features_out,
         )
         return primary_pb2.VerifyResponse(
@@ -372,8 +371,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id: str,
         logits: torch.Tensor,
         sampling: SamplingParams,
-        tree_token_ids: list[int] | tuple[()] = (),
-        tree_parents: list[int] | tuple[()] = (),
+        tree_token_ids: Sequence[int] = (),
+        tree_parents: Sequence[int] = (),
     ) -> torch.Tensor:
         """Logits [N+1, V] processed by the request's penalties and logit_bias from each row's history
         (specdec.penalties); as they are when it has none. On the engine thread, after this step's
