@@ -13,9 +13,11 @@ the runs, how long each is and where it stops, are the loop's DecodeRuns' (gatew
 Off the step's path: the state store's write, and in greedy mode the validator's Validate (its rule
 walks the primary's argmaxes, which the loop has: it goes on with that decision and the validator
 confirms it). Both run beside the next step, whose RPC goes out first; the step's tokens reach the
-client only once confirmed and stored (RequestLoop.run). Where the tokens end (an end-of-sequence
-token, a length limit, a stop string) and their text (detokenized, cut at the stop strings, a tail
-that may become one held back) are the loop's Output's (gateway.output).
+client only once confirmed and stored (RequestLoop.run). The step's acceptance (Validate, that
+greedy check, the fallback while the validator is away) is the loop's StepValidator's
+(gateway.step_validation). Where the tokens end (an end-of-sequence token, a length limit, a stop
+string) and their text (detokenized, cut at the stop strings, a tail that may become one held back)
+are the loop's Output's (gateway.output).
 A lookahead decoder's rows (Propose's `lookahead`) ride in the Verify beside the tree; the
 primary's argmaxes there go back to the draft service with the next Propose. They are never
 validated: the acceptance rule sees the tree alone.
@@ -77,6 +79,7 @@ from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
 from gateway.step_costs import StepCosts
 from gateway.step_planner import StepPlanner, StepRecord
+from gateway.step_validation import StepValidator, path_logprobs
 from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import (
     CandidateOutcome,
@@ -85,7 +88,7 @@ from specdec.candidates import (
     depth_outcomes,
     stats_name,
 )
-from specdec.errors import DeadlineExceeded, FailedPrecondition, Internal, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
 from specdec.grammar import GrammarState, ResponseFormat
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
@@ -128,42 +131,6 @@ def continuation_after(tree: DraftTree, v: Validation) -> tuple[str, tuple[int, 
     return None
 
 
-def greedy_validation(tree: DraftTree, argmax_token_ids: Sequence[int]) -> Validation:
-    """The greedy rule on the primary's argmaxes (row 0: the root, row i+1: node i): follow the
-    child whose token is its parent's argmax, then the bonus is the last row's argmax.
-    E.g. tree 0:a 1:b(parent 0) 2:c(parent 0), argmax rows [a, c, x, y] -> path [0, 2], bonus y."""
-    accepted: list[int] = []
-    node = -1
-    while True:
-        child = next(
-            (
-                i
-                for i in range(tree.num_nodes)
-                if tree.parents[i] == node and tree.token_ids[i] == argmax_token_ids[node + 1]
-            ),
-            None,
-        )
-        if child is None:
-            return Validation(tuple(accepted), argmax_token_ids[node + 1], (), ())
-        accepted.append(child)
-        node = child
-
-
-def _path_logprobs(verified: Verified, v: Validation) -> list[TokenLogprob]:
-    """The log probabilities of a step's tokens: each accepted node's token at its parent's row (the
-    primary's), then the bonus token at the row where the path ends: the primary's value when it is
-    that row's argmax (greedy), else the validator's (Validation.bonus_logprob, from the same fp32
-    row), with the row's alternatives. E.g. accepted nodes (0, 2): [node 0, node 2, bonus at row 3]."""
-    last_row = v.accepted_nodes[-1] + 1 if v.accepted_nodes else 0
-    row = verified.row_logprobs[last_row]
-    if row.token_id == v.bonus_token:
-        bonus = row
-    else:
-        assert v.bonus_logprob is not None  # a drawn bonus token: the validator scored it
-        bonus = TokenLogprob(v.bonus_token, v.bonus_logprob, row.top)
-    return [verified.node_logprobs[i] for i in v.accepted_nodes] + [bonus]
-
-
 MODEL_DECODERS = frozenset(names_of(MODEL))
 # GenerationStats.decoders' row of the drafts the primary's runs make themselves (gateway.decode_run)
 RUN_LOOKUP_STATS = PROMPT_LOOKUP_STRATEGY + "@run"
@@ -195,7 +162,7 @@ class _PendingStep:
     (RequestLoop._commit). They are started (start()) only after the next step's task: that step's
     RPC goes out first, and their own Python work runs while the primary computes."""
 
-    check_call: Coroutine[Any, Any, None] | None  # the validator confirming a greedy step (_confirm)
+    check_call: Coroutine[Any, Any, None] | None  # the validator confirming a greedy step (StepValidator)
     write_call: Callable[[asyncio.Future | None], Coroutine[Any, Any, bool]]  # the write, after the check
     output: StepOutput | None  # what the client gets once it is stored
     num_chars: int  # len(text) before the step
@@ -273,6 +240,7 @@ class RequestLoop:
         self._init_calls(validator_state, draft_state, call_deadlines)
         self._init_constraints(grammar)
         self._init_planning(logits_formats)
+        self._init_validation()
         self._init_planner(
             cost_model, step_costs, controller_config, controller_state, acceptance_memory, min_repeat_tokens
         )
@@ -354,7 +322,7 @@ class RequestLoop:
 
     def _init_step_state(self) -> None:
         """What passes from one step to the next: what the services still have to learn, a carried
-        draft, a check to run."""
+        draft."""
         # What the primary / draft service still has to learn (piggybacked on the next call).
         self.pending_accepted: tuple[int, ...] = ()
         self.pending_committed: list[int] = []
@@ -367,7 +335,6 @@ class RequestLoop:
         self.pending_features: tuple[Any, int] | None = None
         # (decoder, tokens): what the last step's accepted candidate proposed past its draft and bonus
         self.carry: tuple[str, tuple[int, ...]] | None = None
-        self.pending_check: Coroutine[Any, Any, None] | None = None  # the validator confirming the last greedy step
         self.is_draft_open = False
         self.grammar_preparation: asyncio.Future | None = None  # the draft pool compiling the response format
 
@@ -396,6 +363,20 @@ class RequestLoop:
         # The acceptance rule, decided here once for the request and sent on every Validate.
         self.acceptance_mode = select_mode(self.params.sampling, self.params.speculation.acceptance_threshold)
         self.step_record: StepRecord | None = None  # the step being computed, once it ran undisturbed
+
+    def _init_validation(self) -> None:
+        """The steps' acceptance on the validator, under the request's rule (gateway.step_validation)."""
+        self.validation = StepValidator(
+            self.request_id,
+            self.params,
+            self.backends,
+            self.validator_state,
+            self.call_deadlines,
+            self.stats,
+            acceptance_mode=self.acceptance_mode,
+            is_bonus_scored=self._is_bonus_scored(),
+            deadline=self.deadline,
+        )
 
     def _init_planner(
         self,
@@ -493,7 +474,7 @@ class RequestLoop:
                         # refused: cancelled from elsewhere; the step leaves the output
                         self._unstore(pending)
                         await _cancelled(step)
-                        self._drop_check()
+                        self.validation.drop_check()
                         step, finish = None, FINISH_CANCELLED
                     elif pending.output is not None:
                         yield pending.output
@@ -609,7 +590,7 @@ class RequestLoop:
         """On the way out: stop a step being computed, and let a write in flight land before the
         request's end is written (a write is one round trip; its outcome no longer matters)."""
         await _cancelled(step)
-        self._drop_check()  # made by a step that never reached its commit
+        self.validation.drop_check()  # made by a step that never reached its commit
         if pending is None:
             return
         if pending.write is None:
@@ -617,11 +598,6 @@ class RequestLoop:
             return
         with contextlib.suppress(BaseException):
             await asyncio.shield(pending.write)
-
-    def _drop_check(self) -> None:
-        if self.pending_check is not None:
-            self.pending_check.close()
-            self.pending_check = None
 
     def _book_wait(self, stage: str, wait_start: float, step: asyncio.Future | None, step_end: float) -> None:
         """Book as `stage` the time the loop was held up by a step's validation or write: the part the
@@ -685,14 +661,9 @@ class RequestLoop:
         t1 = time.perf_counter()
         verified = await self._verify(tree, allowed, planned)
         t2 = time.perf_counter()
-        v: Validation | None
-        if self.acceptance_mode == AcceptanceMode.GREEDY:
-            # The validator's greedy rule walks the primary's argmaxes, which are here: the loop goes on
-            # with that decision and has the validator confirm it beside the next step (_confirm).
-            v = greedy_validation(tree, verified.argmax_token_ids)
-            self.pending_check = self._confirm(tree, verified, allowed, v, len(self.generated))
-        else:
-            v = await self._validate(tree, verified, allowed)
+        # greedy: decided here from the primary's argmaxes, and confirmed by the validator beside the
+        # next step (the check the step's commit takes)
+        v = await self.validation.decide(tree, verified, allowed, len(self.generated))
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
             await self.primary_calls.prefill()
@@ -700,7 +671,7 @@ class RequestLoop:
         outcomes = self._apply_decision(tree, verified, v)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):
             self.stats.stage_ms[stage] += ms * 1000
-        logprobs = [] if self.params.logprobs is None else _path_logprobs(verified, v)
+        logprobs = [] if self.params.logprobs is None else path_logprobs(verified, v)
         return plan, list(self.pending_committed), (outcomes if tree.decoders else None), logprobs
 
     async def _verify(self, tree: DraftTree, allowed, planned: SpeculationPlan) -> Verified:
@@ -770,62 +741,6 @@ class RequestLoop:
             continuations=((n - 1, decoder, rest),) if rest else (),
         )
         return dataclasses.replace(plan, draft_length=n, sources=((decoder, 0),), max_tree_nodes=n), tree
-
-    async def _validate(self, tree: DraftTree, verified, allowed) -> Validation | None:
-        """The validator's decision; while it cannot be reached, the same greedy rule here from the
-        primary's argmaxes, or None (sampling and threshold modes need the validator)."""
-        v = await self._call_validator(tree, verified, allowed, len(self.generated))
-        if v is not None:
-            return v
-        return (
-            greedy_validation(tree, verified.argmax_token_ids)
-            if self.acceptance_mode == AcceptanceMode.GREEDY
-            else None
-        )
-
-    async def _call_validator(self, tree: DraftTree, verified, allowed, position: int) -> Validation | None:
-        """Validate on the validator, or None while it cannot be reached (a fallback step, counted).
-        `position`: the index among the generated tokens of the step's first drawn token."""
-        if self.validator_state.should_call():
-            try:
-                v = await self.call_deadlines.call(
-                    "validator.Validate",
-                    self.backends.validate(
-                        self.request_id,
-                        self.acceptance_mode,
-                        self.params.sampling,
-                        self.params.speculation.acceptance_threshold,
-                        position,
-                        tree,
-                        verified,
-                        allowed,
-                        **({"is_bonus_scored": True} if self._is_bonus_scored() else {}),
-                    ),
-                    self._remaining_s(),
-                )
-                self.validator_state.succeeded()
-                return v
-            except (Unavailable, DeadlineExceeded) as e:  # down or hung: the same for the request
-                self.validator_state.failed(str(e))
-        self.stats.num_validator_fallback_steps += 1
-        return None
-
-    async def _confirm(self, tree: DraftTree, verified, allowed, decided: Validation, position: int) -> None:
-        """The validator's decision on a greedy step the loop already went on with: the same rule on the
-        same argmaxes, so it agrees by construction; it adds the rows' entropies to the stats. A
-        disagreement fails the request before the step is stored or streamed. While the validator
-        cannot be reached the step stands as decided (what _validate falls back to)."""
-        v = await self._call_validator(tree, verified, allowed, position)
-        if v is None:
-            return
-        if (v.accepted_nodes, v.bonus_token) != (decided.accepted_nodes, decided.bonus_token):
-            raise Internal(
-                "validator",
-                f"the validator's greedy decision {list(v.accepted_nodes)} + {v.bonus_token} differs from the "
-                f"primary's argmaxes' {list(decided.accepted_nodes)} + {decided.bonus_token} at position {position}",
-                dependency="validator",
-            )
-        self.stats.add_entropies(list(v.accepted_entropies), list(v.rejected_entropies))
 
     async def _plain_step(self) -> tuple[list[int], list[TokenLogprob]]:
         """One engine step of a streamed run of plain steps (DecodeRuns.next_step): its token, with its
@@ -975,7 +890,7 @@ class RequestLoop:
         self.planner.align_prediction(kept)
         # Hold back a tail that could still become a stop string, unless this is the end.
         delta = self.output.ready_text(is_final or is_stopped)
-        check, self.pending_check = self.pending_check, None
+        check = self.validation.take_check()
         stats, controller = self._stored_state() if self.record.is_stats_due(is_final or is_stopped) else (None, None)
 
         async def write(check: asyncio.Future | None) -> bool:
@@ -1067,6 +982,7 @@ class RequestLoop:
         self.backends, self.record.node_id = node.backends, node.node_id
         self.draft_state, self.validator_state = node.draft_state, node.validator_state
         self.planner.validator_state = node.validator_state  # whether a plan may draft under sampling
+        self.validation.move_to(node.backends, node.validator_state)
         self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
 
     async def _prefill_context(self, is_fresh: bool) -> str:

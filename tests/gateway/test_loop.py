@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ import redis.asyncio
 import structlog.testing
 import torch
 
-from gateway.backends import Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
+from gateway.backends import Backends, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.call_deadlines import CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
 from gateway.controller import ControllerConfig, ControllerState, SpeculationPlan
@@ -36,10 +37,12 @@ from gateway.loop import (
     RUN_LOOKUP_STATS,
     RequestLoop,
     StepOutput,
-    greedy_validation,
 )
 from gateway.step_planner import bounded_config, cycled_strategies, fixed_plan
+from gateway.step_validation import greedy_validation
 from gateway.cost_model import CostSettings, cost_model_for
+from gateway.node_pool import Node
+from gateway.nodes import NodeAddress
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.answers import AnswerIndex
 from specdec.repeats import RepeatIndex, RunDrafts
@@ -977,6 +980,35 @@ def test_greedy_validation_follows_the_primarys_argmaxes():
     assert greedy_validation(tree, (a, c, x, y)) == Validation((0, 2), y, (), ())
     assert greedy_validation(tree, (b, c, x, y)) == Validation((), b, (), ())
     assert greedy_validation(DraftTree((), (), (), (), {}, 0.0), (x,)) == Validation((), x, (), ())
+
+
+@dataclasses.dataclass
+class DyingPrimary(FakeBackends):
+    """A node whose primary cannot be reached from its `dies_at_verify`-th Verify on."""
+
+    dies_at_verify: int = 2
+    num_verifies: int = 0
+
+    async def verify(self, *args, **kwargs) -> Verified:
+        self.num_verifies += 1
+        if self.num_verifies >= self.dies_at_verify:
+            raise Unavailable("primary", "UNAVAILABLE: connection refused")
+        return await super().verify(*args, **kwargs)
+
+
+def test_after_a_failover_steps_are_validated_by_the_new_nodes_validator():
+    dying, other = DyingPrimary(), FakeBackends()
+    backends = cast(Backends, other)  # the fake stands in for node b's services
+    node = Node(NodeAddress("b:1", "b:2", "b:3"), backends, DependencyState("draft"), DependencyState("validator"))
+
+    async def failover(node_id: str, error: str) -> Node | None:
+        return node
+
+    loop = run(make_params(is_adaptive=False, max_new_tokens=60), dying, failover=failover)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    assert loop.node_id == "b:1"
+    assert loop.validation.backends is other and loop.validation.validator_state is node.validator_state
+    assert any(name == "validate" for name, _ in other.calls)
 
 
 class BlippingStore(InMemoryStateStore):
