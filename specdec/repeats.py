@@ -24,11 +24,9 @@ with and the argmax after them: the run's tokens are its plain decoding's, sever
 answer copies, without the draft service's and validator's round trips (about 1.4 one-row forwards
 a speculative step on a 2-core CPU, docs/benchmarks.md). How many tokens to draft is chosen each
 step by expected tokens per forward cost: the chain's acceptance estimate against the measured cost
-of a verify of k rows. Where the tail repeats nothing, a run drafts the better paying (by its
-own acceptance estimate) of what followed the context's last SHORT_REPEAT_TOKENS tokens earlier,
-and, given the model's own answers (specdec.answers), what the model wrote after the same tokens
-there. Replayed on the model's greedy and sampled answers to benchmark rows, the short copies
-raised tokens per verify cost by 2-4 % beside the answers (docs/benchmarks.md, "Drafts").
+of a verify of k rows. Where the tail repeats nothing, a run given the model's own answers
+(specdec.answers) drafts what the model wrote after the same tokens there instead, priced by an
+acceptance estimate of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +38,6 @@ if TYPE_CHECKING:
     from specdec.answers import AnswerIndex
 
 MIN_REPEAT_TOKENS = 3  # a tail of this many tokens that occurred earlier is a repeat
-SHORT_REPEAT_TOKENS = 2  # a run's shorter match, drafted where the tail repeats nothing (RunDrafts)
 MAX_REPEAT_TOKENS = 16  # the longest tail a caller may ask a run to stop at (longer repeats are copies too)
 # A verify of k rows against one row (k = root + drafts), where the primary measured none: int4 after
 # 256 tokens of context on a 2-core Xeon with AMX (docs/benchmarks.md, "Flat forward").
@@ -138,16 +135,14 @@ class RunDrafts:
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
-        token_ids = list(token_ids)
         self.index = RepeatIndex(token_ids)
-        self.short_index = RepeatIndex(token_ids, SHORT_REPEAT_TOKENS)
         self.max_length = max_length
         costs = dict(row_costs or {})
         if 1 not in costs or costs[1] <= 0 or len(costs) < 2:  # a curve needs one row and another size
             costs = DEFAULT_ROW_COSTS
         self._row_costs = sorted((k, c / costs[1]) for k, c in costs.items())
         self.answers = answers
-        self._copies, self._short_copies, self._answer_drafts = ChainAcceptance(), ChainAcceptance(), ChainAcceptance()
+        self._copies, self._answer_drafts = ChainAcceptance(), ChainAcceptance()
         self._drafted_from = self._copies  # whose estimate the next observe() updates
         self.is_answer_draft = False  # the last draft came from the answers
 
@@ -162,9 +157,7 @@ class RunDrafts:
         return self._answer_drafts.value
 
     def extend(self, token_ids: Iterable[int]) -> None:
-        token_ids = list(token_ids)
         self.index.extend(token_ids)
-        self.short_index.extend(token_ids)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         """The last draft verified: its first num_accepted tokens were accepted."""
@@ -185,42 +178,29 @@ class RunDrafts:
         """The next step's drafts, at most min(max_tokens, max_length): the copy's first d tokens, d
         maximising the step's expected tokens per cost, (others + 1 + a + ... + a^d) / cost(other_rows +
         1 + d rows), where the step also carries other_rows rows of other_requests requests (a token
-        each); where the tail repeats nothing, the same over the shorter match's copy and the model's
-        answers' continuation (if any), whichever pays more; none where nothing drafts or a plain
-        step is worth more. Alone, a drafted token pays where it is accepted more often than its row
-        costs against one row (about 14 % for the second row); beside 31 other requests, where it is
-        accepted more often than not, for its row then slows theirs too."""
+        each); where the tail repeats nothing, the same over the model's answers' continuation (if
+        any); none where neither drafts or a plain step is worth more. Alone, a drafted token
+        pays where it is accepted more often than its row costs against one row (about 14 % for the
+        second row); beside 31 other requests, where it is accepted more often than not, for its row
+        then slows theirs too."""
         limit = min(max_tokens, self.max_length)
-        copy = self.index.continuation(limit)
-        found = [(copy, self._copies)] if copy else self._other_drafts(limit, other_rows, other_requests)
-        best, best_value, drafts, estimate = 0, 0.0, [], self._copies
-        for tokens, source in found:
-            length, value = self._best(len(tokens), source.value, other_rows, other_requests)
-            if length > 0 and value > best_value:
-                best, best_value, drafts, estimate = length, value, tokens, source
+        copy, estimate = self.index.continuation(limit), self._copies
+        # The answers are searched (tens of microseconds on the engine thread, per request and step)
+        # only where their estimate could pay for a row: beside many requests it seldom does.
+        if (
+            not copy
+            and self.answers is not None
+            and self._best_length(limit, self._answer_drafts.value, other_rows, other_requests) > 0
+        ):
+            copy = self.answers.draft(self.index.tail(MAX_ANSWER_CONTEXT), limit)
+            estimate = self._answer_drafts if copy else estimate
+        best = self._best_length(len(copy), estimate.value, other_rows, other_requests)
         self._drafted_from = estimate
         self.is_answer_draft = best > 0 and estimate is self._answer_drafts
-        return drafts[:best]
+        return copy[:best]
 
-    def _other_drafts(
-        self, limit: int, other_rows: int, other_requests: int
-    ) -> list[tuple[list[int], ChainAcceptance]]:
-        """Where the tail repeats nothing: the shorter match's copy and the answers' continuation, each
-        with its estimate. The answers are searched (tens of microseconds on the engine thread, per
-        request and step) only where their estimate could pay for a row: beside many requests it
-        seldom does."""
-        found = []
-        if short := self.short_index.continuation(limit):
-            found.append((short, self._short_copies))
-        answers = self.answers
-        if answers is not None and self._best(limit, self._answer_drafts.value, other_rows, other_requests)[0] > 0:
-            if continuation := answers.draft(self.index.tail(MAX_ANSWER_CONTEXT), limit):
-                found.append((continuation, self._answer_drafts))
-        return found
-
-    def _best(self, num_tokens: int, acceptance: float, other_rows: int, other_requests: int) -> tuple[int, float]:
-        """How many of num_tokens drafted tokens maximise the step's expected tokens per cost, and that
-        value (0 tokens: a plain step's)."""
+    def _best_length(self, num_tokens: int, acceptance: float, other_rows: int, other_requests: int) -> int:
+        """How many of num_tokens drafted tokens maximise the step's expected tokens per cost."""
         best, expected, p = 0, other_requests + 1.0, 1.0
         best_value = expected / self.relative_cost(other_rows + 1)
         for d in range(1, num_tokens + 1):
@@ -229,4 +209,4 @@ class RunDrafts:
             value = expected / self.relative_cost(other_rows + 1 + d)
             if value > best_value:
                 best, best_value = d, value
-        return best, best_value
+        return best

@@ -138,22 +138,3 @@ def test_run_drafts_search_the_answers_only_where_a_draft_could_pay():
     drafts = RunDrafts([1, 2, 51, 52], max_length=8, answers=answers)
     assert drafts.draft(8, other_rows=31, other_requests=31) == [] and searches == []
     assert drafts.draft(8) and searches == [[1, 2, 51, 52]]
-
-
-def test_run_drafts_draft_a_shorter_match_where_the_tail_repeats_nothing_and_price_it_apart():
-    """The tail's last 3 tokens occur nowhere earlier, its last 2 do: the run drafts what followed
-    them, and misses there (six, where a second row costs 30 % of a step) move their own estimate
-    until they are not worth a row, not the copies'. Given answers as well, the
-    source whose estimate pays more drafts."""
-    drafts = RunDrafts([5, 1, 2, 3, 4, 9, 1, 2], max_length=8, row_costs={1: 1.0, 2: 1.3, 4: 1.6})
-    first = drafts.draft(8)
-    assert first and first == [3, 4, 9, 1, 2, 3, 4, 9][: len(first)] and not drafts.is_answer_draft
-    copies = drafts.acceptance
-    for _ in range(6):
-        drafts.observe(len(drafts.draft(8)), 0)
-    assert drafts.draft(8) == [] and drafts.acceptance == copies
-    answers = AnswerIndex(np.concatenate([np.append(a, SEPARATOR) for a in ANSWERS]).astype(np.int32), 128)
-    both = RunDrafts([7, 51, 52, 8, 9, 51, 52], max_length=8, answers=answers)  # 2-token copy [8 9 51], answers [53 54]
-    for _ in range(4):
-        both._short_copies.observe(4, 0)  # the short copies keep missing: the answers pay more
-    assert both.draft(8)[:1] == [53] and both.is_answer_draft
