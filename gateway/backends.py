@@ -329,11 +329,13 @@ class Backends:
         *,
         return_features: bool = False,
         prompt_logprobs: LogprobsRequest | None = None,
+        response_format: ResponseFormat | None = None,
     ) -> Prefilled:
         """`num_prompt_tokens`: how many of `token_ids` are the prompt (a recovery sends the generated
         tokens after it). The lease this gateway holds on the request, if any, goes with it: the
         primary lets only its holder replace a live slot (else ALREADY_EXISTS). `return_features`: the
-        last prefilled row's features come back (Prefilled.features)."""
+        last prefilled row's features come back (Prefilled.features). `response_format`: the primary
+        begins compiling it for the request's runs beside the prefill."""
         r = await self._call(
             "primary",
             self.primary.Prefill,
@@ -344,6 +346,7 @@ class Backends:
                 kv_lease=self._kv_leases.get(request_id, ""),
                 return_features=return_features,
                 prompt_logprobs=_logprobs_pb(prompt_logprobs),
+                response_format=None if response_format is None else pb.response_format_to_pb(response_format),
             ),
         )
         self._kv_leases[request_id] = r.kv_lease

@@ -27,7 +27,7 @@ from gateway.backends import Backends, Decoded
 from gateway.controller import NEVER_DRAFTS, AdaptiveController, ControllerState, SpeculationPlan
 from gateway.params import GenerationParams
 from specdec.errors import Unavailable
-from specdec.grammar import GrammarState
+from specdec.grammar import GrammarState, ResponseFormat
 from specdec.repeats import RepeatIndex
 from specdec.strategies import PROMPT_LOOKUP_STRATEGY
 
@@ -91,6 +91,16 @@ class DecodeRuns:
     def is_open(self) -> bool:
         """A run is under way: the next plain step is its next engine step."""
         return self.stream is not None
+
+    @property
+    def run_format(self) -> ResponseFormat | None:
+        """The response format the primary masks this request's runs by, when its runs may be longer
+        than a token (greedy, _decode_run_length; _open_run sends it then): the loop's Prefill asks the
+        primary to compile it beside the prefill, so that the first run does not wait for it."""
+        may_run = self.params.max_new_tokens > 1 and (self.decode_run_max is None or self.decode_run_max > 1)
+        if self.grammar is None or not self.params.sampling.is_greedy or not may_run:
+            return None
+        return self.params.response_format
 
     def was_stopping_at_repeat(self) -> bool:
         """Whether the run that ended was opened to end at a repeat (_stop_at_repeat); asked once a run."""

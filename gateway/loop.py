@@ -966,6 +966,13 @@ class RequestLoop:
         scoring = self.params.logprobs
         return {"prompt_logprobs": scoring} if is_fresh and scoring is not None and scoring.is_prompt_included else {}
 
+    def _run_format_request(self) -> dict[str, Any]:
+        """The prefill's argument naming the response format the request's runs decode under
+        (DecodeRuns.run_format), for the primary to compile beside the prefill; calls of requests
+        without stay as they were."""
+        run_format = self.runs.run_format
+        return {} if run_format is None else {"response_format": run_format}
+
     def _is_bonus_scored(self) -> bool:
         """The validator draws a step's last token (sampling, lossy threshold) and the request asks for
         log probabilities: it returns that token's, which the primary's rows may not name."""
@@ -997,6 +1004,7 @@ class RequestLoop:
                 len(self.prompt_ids),
                 **self._feature_request(),
                 **self._prompt_logprobs_request(is_fresh),
+                **self._run_format_request(),
             )
         )
         if is_scoring_prompt:  # the first token has no context: NaN, no alternatives

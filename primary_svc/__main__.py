@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
             compiler.stop()
         worker.stop()
         servicer.logits_slots.release_all()
+        if servicer.run_grammars is not None:
+            servicer.run_grammars.close()
         if loaded.shared is not None:
             loaded.shared.unlink()
 

@@ -130,6 +130,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         prompt_logprobs = (
             pb.logprobs_request_from_pb(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None
         )
+        self._prepare_grammar(request)
         start = time.perf_counter()
         features: list[torch.Tensor] | None = [] if request.return_features else None
         # The prompt's log probabilities first, in a forward of their own on the engine thread: one that
@@ -233,7 +234,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Decode(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
-        run = self._plain_run(request, request_id, MAX_DECODE_TOKENS)
+        run = self._plain_run(request, request_id, MAX_DECODE_TOKENS, context.time_remaining())
         decided, forward_ms = self.worker.verify(
             request_id,
             list(request.accepted_nodes),
@@ -262,7 +263,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
         run_max = self.identity.max_context
-        run = self._plain_run(request, request_id, run_max)
+        run = self._plain_run(request, request_id, run_max, context.time_remaining())
         steps: queue.SimpleQueue[_StreamedStep | None] = queue.SimpleQueue()
         cancel = threading.Event()
         context.add_callback(cancel.set)
@@ -299,11 +300,11 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         finally:
             cancel.set()  # a caller gone mid-run (the generator closed): no further step
 
-    def _plain_run(self, request, request_id: str, max_run_tokens: int) -> Run:
-        """A Decode call's steps, checked (primary_svc.run_steps)."""
+    def _plain_run(self, request, request_id: str, max_run_tokens: int, remaining_s: float | None) -> Run:
+        """A Decode call's steps, checked (primary_svc.run_steps); `remaining_s`: the call's time left."""
         sampling = self._sampling(request)
         allowed = self._allowed_tokens(request, 1)
-        grammar = self._run_grammar(request, request_id, allowed is not None)
+        grammar = self._run_grammar(request, request_id, allowed is not None, remaining_s)
         max_tokens, stop = self._decode_run(request, allowed is None, max_run_tokens)
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         engine, worker = self.worker.built_engine, self.worker
@@ -417,18 +418,30 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         return repeats
 
     def _run_grammar(
-        self, request, request_id: str, has_allowed_tokens: bool
+        self, request, request_id: str, has_allowed_tokens: bool, remaining_s: float | None
     ) -> Callable[[list[int]], GrammarState] | None:
         """For a Decode with a response_format: output token ids -> the request's grammar state past
-        them (primary_svc.run_grammars); compiled here, on the RPC thread. None without one."""
+        them (primary_svc.run_grammars); compiled, or its compile under way (a Prefill's) waited for, at
+        most until the call's deadline. None without one."""
         response_format = pb.response_format_from_pb(request.response_format)
         check_run_grammar(response_format, has_allowed_tokens)
         if response_format is None:
             return None
         if self.run_grammars is None:
             raise FailedPrecondition("response_format", "this primary serves no grammars")
-        grammars, compiled = self.run_grammars, self.run_grammars.compile(response_format)
+        deadline = None if remaining_s is None else time.monotonic() + remaining_s
+        grammars, compiled = self.run_grammars, self.run_grammars.compile(response_format, deadline)
         return lambda output: grammars.state(request_id, compiled, output)
+
+    def _prepare_grammar(self, request) -> None:
+        """A Prefill's response_format, checked (InvalidArgument naming the field), its compile begun
+        for the request's runs (RunGrammars.prepare); a primary that serves no grammars ignores it
+        (the request's runs under it are refused, FAILED_PRECONDITION)."""
+        if not request.HasField("response_format"):
+            return
+        response_format = pb.response_format_from_pb(request.response_format)
+        if response_format is not None and self.run_grammars is not None:
+            self.run_grammars.prepare(response_format)
 
     def _take_over(self, request_id: str, kv_lease: str) -> None:
         """A Prefill of a live request: allowed to its lease's holder, or to anyone once the slot

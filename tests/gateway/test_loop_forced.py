@@ -63,8 +63,11 @@ class TargetBackends:
     num_grammar_runs: int = 0  # of which carried the response format (a run)
     prepared: list[ResponseFormat] = dataclasses.field(default_factory=list)  # PrepareGrammar calls
 
-    async def prefill(self, request_id, token_ids, num_prompt_tokens=0) -> Prefilled:
+    prefill_formats: list[ResponseFormat | None] = dataclasses.field(default_factory=list)  # per Prefill
+
+    async def prefill(self, request_id, token_ids, num_prompt_tokens=0, *, response_format=None) -> Prefilled:
         self.context = list(token_ids)
+        self.prefill_formats.append(response_format)
         return Prefilled(0.0, 0)
 
     def _commit(self, committed) -> None:
@@ -210,6 +213,20 @@ def test_the_draft_pool_compiles_the_format_beside_the_prefill_when_speculation_
     loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=is_enabled)
     assert loop.outcome.token_ids == target[:-1]
     assert backends.prepared == ([ResponseFormat("json_schema", PERSON_SCHEMA)] if is_enabled else [])
+
+
+@pytest.mark.parametrize("decode_run_max", [None, 1])
+def test_the_primary_compiles_the_format_beside_the_prefill_when_runs_may_use_it(
+    grammar_cache, tokenizer, target, decode_run_max
+):
+    """A greedy request whose plain steps may be runs under its response format names the format in
+    its Prefill, so that the primary compiles it beside the prefill instead of in the first run; one
+    whose plain steps are a token each (decode_run_max 1: the gateway masks them) does not."""
+    backends = TargetBackends(target)
+    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=False, decode_run_max=decode_run_max)
+    assert loop.outcome.token_ids == target[:-1]
+    runs_format = ResponseFormat("json_schema", PERSON_SCHEMA) if decode_run_max is None else None
+    assert backends.prefill_formats == [runs_format]
 
 
 def test_plain_steps_under_a_grammar_decode_runs_that_the_primary_masks(grammar_cache, tokenizer, target):

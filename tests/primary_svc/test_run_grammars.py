@@ -4,11 +4,13 @@ grammar, and is bounded and dropped with the request."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from primary_svc.run_grammars import RunGrammars, check_run_grammar
 from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec.grammar import ResponseFormat
+from specdec.grammar import GrammarCache, ResponseFormat
 
 SCHEMA = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
 
@@ -80,3 +82,20 @@ def test_a_run_grammar_needs_no_mask_of_its_own():
     check_run_grammar(response_format, False)
     with pytest.raises(InvalidArgument, match="allowed_tokens"):
         check_run_grammar(response_format, True)
+
+
+def test_a_prepared_format_compiles_once_and_serves_the_run(grammar_cache):
+    """prepare (a Prefill's) begins the compile; the run's compile waits for that one instead of
+    compiling again, and a bad schema is reported by the run, not by prepare."""
+    cache = GrammarCache(grammar_cache.tokenizer_info)  # its own counts
+    grammars = RunGrammars(lambda: cache)
+    response_format = ResponseFormat("json_schema", SCHEMA)
+    grammars.prepare(response_format)
+    grammar = grammars.compile(response_format, deadline=time.monotonic() + 30)
+    grammars.prepare(response_format)  # cached now: nothing more compiles
+    assert grammars.compile(response_format) is grammar and cache.num_misses == 1
+    bad = ResponseFormat("json_schema", '{"type": "no such type"}')
+    grammars.prepare(bad)
+    with pytest.raises(InvalidArgument, match="json_schema"):
+        grammars.compile(bad)
+    grammars.close()

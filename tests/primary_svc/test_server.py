@@ -356,6 +356,32 @@ def test_a_run_under_a_response_format_is_as_many_one_token_decodes_under_its_ma
     assert servicer.run_grammars.num_states == 0 and engine.kv_bytes == 0
 
 
+def test_a_prefill_with_a_response_format_compiles_it_for_the_request_s_runs(primary, grammar_cache, tokenizer):
+    """PrefillRequest.response_format: the compile begins beside the prefill, and the run under the
+    format finds it (one compile in all); a malformed one is INVALID_ARGUMENT naming its field."""
+    stub, engine, servicer, _ = primary
+    schema = '{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}'
+    response_format = pb.response_format_to_pb(ResponseFormat("json_schema", schema))
+    num_misses = grammar_cache.num_misses
+    lease = stub.Prefill(
+        primary_pb2.PrefillRequest(request_id="c", token_ids=PROMPT, response_format=response_format)
+    ).kv_lease
+    deadline = time.monotonic() + 30
+    while grammar_cache.num_misses == num_misses and time.monotonic() < deadline:  # begun on a compile thread
+        time.sleep(0.005)
+    assert grammar_cache.num_misses == num_misses + 1
+    run = stub.Decode(
+        primary_pb2.DecodeRequest(request_id="c", kv_lease=lease, max_tokens=4, response_format=response_format)
+    )
+    assert tokenizer.decode(list(run.token_ids)).startswith("{") and grammar_cache.num_misses == num_misses + 1
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="c", kv_lease=lease))
+    bad = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA)  # no schema
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(primary_pb2.PrefillRequest(request_id="d", token_ids=PROMPT, response_format=bad))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "response_format.json_schema" in e.value.details()
+    assert not engine.has_request("d")
+
+
 def test_a_drafted_run_under_a_response_format_keeps_only_what_its_masks_decide(primary, grammar_cache):
     """lookup_draft_length under a response_format: each step's drafts are checked against the masked
     argmaxes of the primary's grammar state after the drafts before them, so the run's tokens are
