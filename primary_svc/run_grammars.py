@@ -31,8 +31,11 @@ from collections.abc import Callable
 
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, ResponseFormat
-from specdec.grammar.compiling import Grammars
+from specdec.grammar.compiling import Grammars, GrammarSettings
 
+# A run waits for its schema's compile until its call's deadline only: the gateway has compiled the
+# schema within its own bound (--max_grammar_compile_s) before the request began.
+RUN_COMPILE_SETTINGS = GrammarSettings(max_compile_s=threading.TIMEOUT_MAX)
 # States kept at most: one per active request using a grammar run, dropped at Release and expiry;
 # the bound only guards against callers that never release (least recently used dropped first).
 MAX_STATES = 4096
@@ -63,7 +66,7 @@ class RunGrammars:
     def _grammar_cache(self) -> Grammars:
         with self._cache_lock:
             if self._grammars is None:
-                self._grammars = Grammars(self._make_cache())
+                self._grammars = Grammars(self._make_cache(), RUN_COMPILE_SETTINGS)
             return self._grammars
 
     def close(self) -> None:
@@ -83,7 +86,7 @@ class RunGrammars:
 
     def compile(self, response_format: ResponseFormat, deadline: float | None = None) -> CompiledGrammar:
         """The compiled grammar: InvalidArgument naming response_format.json_schema when it cannot be,
-        ResourceExhausted when its compile outlasts `deadline` (time.monotonic()) or the longest wait."""
+        ResourceExhausted when its compile outlasts `deadline` (time.monotonic(); None: no bound)."""
         return self._grammar_cache().compile(response_format, deadline)
 
     def state(self, request_id: str, grammar: CompiledGrammar, output: list[int]) -> GrammarState:

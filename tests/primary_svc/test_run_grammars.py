@@ -9,7 +9,7 @@ import time
 import pytest
 
 from primary_svc.run_grammars import RunGrammars, check_run_grammar
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.grammar import GrammarCache, ResponseFormat
 
 SCHEMA = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
@@ -98,4 +98,18 @@ def test_a_prepared_format_compiles_once_and_serves_the_run(grammar_cache):
     grammars.prepare(bad)
     with pytest.raises(InvalidArgument, match="json_schema"):
         grammars.compile(bad)
+    grammars.close()
+
+
+def test_a_run_waits_for_a_compile_until_its_deadline_only(grammar_cache):
+    """Past the call's deadline a compile still under way is RESOURCE_EXHAUSTED naming the schema; it
+    goes on and lands in the cache, so the request's next run finds it."""
+    cache = GrammarCache(grammar_cache.tokenizer_info)
+    grammars = RunGrammars(lambda: cache)
+    grammars.warm()
+    response_format = ResponseFormat("json_schema", SCHEMA)
+    with pytest.raises(ResourceExhausted, match="json_schema"):
+        grammars.compile(response_format, deadline=time.monotonic() - 1)  # no time left: not compiled yet
+    assert grammars.compile(response_format, deadline=None).new_state() is not None  # no deadline: waits
+    assert cache.num_misses == 1
     grammars.close()
