@@ -22,6 +22,7 @@ import socket
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -157,12 +158,17 @@ def _infos(ports: list[int]) -> list[dict[str, str]]:
 
 def _is_in_sync(port: int) -> bool:
     """Whether the node on port is a master, or a replica whose link to its master is up."""
+    info = replication_info(port)
+    return info.get("role") == "master" or info.get("master_link_status") == "up"
+
+
+def replication_info(port: int) -> dict[str, Any]:
+    """INFO replication of the node on port (its role, its master link); {} when it does not answer."""
     try:
         with local_client(port) as client:
-            info = client.info("replication")
+            return client.info("replication")
     except redis.ConnectionError:
-        return False
-    return info.get("role") == "master" or info.get("master_link_status") == "up"
+        return {}
 
 
 def _cluster_info(port: int) -> dict[str, str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import redis
 
-from specdec.redis_cluster import LOOPBACK, free_port_pairs, local_client, start_node
+from specdec.redis_cluster import LOOPBACK, free_port_pairs, local_client, replication_info, start_node
 from specdec.redis_server import START_TIMEOUT_S, RedisServerError, poll_until, scratch_processes
 
 SERVICE_NAME = "specdec"
@@ -121,8 +121,4 @@ def wait_for_promotion(group: LocalSentinelGroup, timeout_s: float = PROMOTION_T
 
 
 def _is_master(port: int) -> bool:
-    try:
-        with local_client(port) as client:
-            return client.info("replication").get("role") == "master"
-    except redis.ConnectionError:
-        return False
+    return replication_info(port).get("role") == "master"
