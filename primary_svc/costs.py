@@ -39,7 +39,9 @@ def fastest_per_size(
     `request_id` of context_tokens tokens of context, prefilled and warmed up first, released after.
 
     The minimum, not the median: on a shared machine noise only ever adds time, and the
-    controller needs the ratio between sizes, which a noisy sample distorts most.
+    controller needs the ratio between sizes, which a noisy sample distorts most. The sizes are
+    measured in turn, round after round, so that a noisy stretch slows every size alike instead of
+    the sizes measured during it (which would change the ratios the controller prices drafts by).
     """
     vocab = engine.vocab_size
     engine.open(request_id, [i % vocab for i in range(1000, 1000 + context_tokens)])
@@ -47,8 +49,13 @@ def fastest_per_size(
         engine.prefill(request_id)
         engine.verify(request_id, (), ())  # warm-up
         engine.commit(request_id, (), (7,))
-        # the first run of a shape warms its kernels up
-        return {k: min([measure(k) for _ in range(repeats + 1)][1:], key=ms_of) for k in node_counts}
+        for k in node_counts:  # the first run of a shape warms its kernels up
+            measure(k)
+        samples: dict[int, list[_T]] = {k: [] for k in node_counts}
+        for _ in range(repeats):
+            for k in node_counts:
+                samples[k].append(measure(k))
+        return {k: min(runs, key=ms_of) for k, runs in samples.items()}
     finally:
         engine.release(request_id)
 
