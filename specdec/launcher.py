@@ -454,9 +454,11 @@ class Stack:
                         log_tail(running.log_path),
                     )
         except BaseException:  # KeyboardInterrupt too: never leave children behind
-            self.keep_logs()
+            if self._running:  # a service's log may say why; none ran when a fixed port was taken
+                self.keep_logs()
             self._terminate_all()
             self._remove_service_token()
+            self._remove_temporary_log_dir()
             raise
         return self
 
@@ -470,8 +472,7 @@ class Stack:
             self._is_keeping_logs = True
         self._terminate_all()
         self._remove_service_token()
-        if self._is_temporary_log_dir and not self._is_keeping_logs and self._log_dir is not None:
-            shutil.rmtree(self._log_dir, ignore_errors=True)
+        self._remove_temporary_log_dir()
 
     def keep_logs(self) -> None:
         """Keep a temporary log dir after stop() (a failure worth reading about)."""
@@ -614,6 +615,10 @@ class Stack:
         if self._secrets_finalizer is not None:
             self._secrets_finalizer()  # removes the directory, once
         self._secrets_dir, self._secrets_finalizer = None, None
+
+    def _remove_temporary_log_dir(self) -> None:
+        if self._is_temporary_log_dir and not self._is_keeping_logs and self._log_dir is not None:
+            shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def _write_restarts_file(self) -> None:
         # Replaced, not rewritten in place: a reader sees the old counts or the new, never half.

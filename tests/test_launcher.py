@@ -344,7 +344,11 @@ def test_services_die_with_a_launcher_killed_by_sigkill(tmp_path: Path) -> None:
         "print(s.pid('a'), flush=True); time.sleep(300)"
     )
     launcher_process = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=launcher.REPO_ROOT
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=launcher.REPO_ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # its secrets dir, which a killed launcher cannot remove
     )
     service_pid = None
     try:
@@ -445,6 +449,7 @@ def test_a_service_that_keeps_dying_is_given_up_naming_it(config: StackConfig) -
             "service 'a' exited with code 1",
             "service 'a' failed to restart: exited with code 1 while starting",
         ]
+    shutil.rmtree(stack.log_dir)  # kept, as a failure's logs are
 
 
 def test_no_restart_once_the_supervisor_is_interrupted(config: StackConfig) -> None:
@@ -457,6 +462,7 @@ def test_no_restart_once_the_supervisor_is_interrupted(config: StackConfig) -> N
         threading.Timer(0.5, _thread.interrupt_main).start()
         supervisor.run(poll_s=0.01)
     assert stack.num_restarts("a") == 0 and stack.pid("a") == pid and not stack.is_running("a")
+    shutil.rmtree(stack.log_dir)  # kept, as an interrupted start's logs are
 
 
 # ---- ports that tell the truth ---------------------------------------------------------------------
@@ -472,7 +478,8 @@ def test_a_fixed_port_held_by_another_process_fails_before_anything_starts(confi
             stack.start()
     assert raised.value.port == taken and raised.value.name == "b"
     assert f"port {taken} on {launcher.LOOPBACK}" in str(raised.value) and "in use" in str(raised.value)
-    assert not stack.log_dir.joinpath("a.log").exists()  # the check comes before the first launch
+    # the check comes before the first launch, and leaves no log dir behind: no service wrote a log
+    assert not stack.log_dir.exists()
     stack.stop()
 
 
