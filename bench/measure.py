@@ -3,9 +3,10 @@
     run, records = measure_precision("fp32", config, selections, sweep_prompts, tokenizer, model_dir,
                                      peers=["transformers"], cache={})
 
-Order: the stack first (redis + four services; per scenario and prompt a one-token request that
-puts the prompt in the primary's prefix cache, then the speculative request, then the baseline, so
-drift on a noisy machine hits both alike and both find the prompt cached; then the concurrency sweep),
+Order: the stack first (redis + four services; per scenario and prompt a two-token request with
+speculation off that puts the prompt in the primary's prefix cache and its schema compiled, then the
+speculative request, then the baseline, so drift on a noisy machine hits both alike and both find the
+prompt cached; then the concurrency sweep),
 stopped before the peers run, so that idle services do not share the CPU with them. Each system
 answers one short warm-up request first (not recorded; the warm-up prompt is not a benchmark
 prompt, so the suffix index never learns a measured output from it). The peers run each prompt
@@ -34,6 +35,9 @@ if TYPE_CHECKING:  # bench.suite imports this module
 
 WARMUP_PROMPT = BenchPrompt("warmup", "warmup", "Say hello.", None, None, False)
 NUM_WARMUP_TOKENS = 8
+# A prompt's priming request: two tokens, so that the primary decodes a run under its schema and
+# compiles it beside the prefill (gateway.decode_run.DecodeRuns.run_format); one token would not.
+NUM_PRIMING_TOKENS = 2
 # KV room beyond the sequence length for the draft tokens of the last verify: the gateway's tree bound.
 MAX_TREE_NODES = Limits().max_tree_nodes
 MEASURED_ONCE = ("llamacpp",)  # peers whose weights do not depend on --precision
@@ -83,10 +87,13 @@ def measure_stack(
             # run, right after the baseline's, was within noise of a fresh one). It still learns from
             # earlier prompts, as a server does. json_noschema repeats json's prompts: its
             # speculative run may find json's outputs of the same prompt.
-            # Before either, one token with speculation off puts the prompt in the primary's prefix
-            # cache, so both find it there (otherwise the second would, and the first would not;
-            # a request with speculation off never reaches the suffix index).
-            run_request(sut, prompt, scenario, BASELINE, 1, is_constrained(scenario, prompt), tokenizer)
+            # Before either, a priming request with speculation off puts the prompt in the primary's
+            # prefix cache and has the gateway and the primary compile its schema, so both find them
+            # there (otherwise the second would, and the first would not; a request with speculation
+            # off never reaches the suffix index, nor the draft pool's own compile).
+            run_request(
+                sut, prompt, scenario, BASELINE, NUM_PRIMING_TOKENS, is_constrained(scenario, prompt), tokenizer
+            )
             for system in (SPECULATIVE, BASELINE):
                 record = run_request(
                     sut, prompt, scenario, system, new_tokens[scenario], is_constrained(scenario, prompt), tokenizer
