@@ -344,13 +344,17 @@ class DraftPool:
     def _request_for(self, args: ProposeArgs) -> tuple[_Request, bool]:
         """The request's state, and whether this call created it (from prompt + new tokens)."""
         c = self.config
-        grammar, compiling = None, None
+        grammar, compiling, response_format = None, None, args.response_format
         if args.prompt_token_ids:
             if len(args.prompt_token_ids) + len(args.new_token_ids) > c.max_context_tokens:
                 raise InvalidArgument("prompt_token_ids", f"context exceeds {c.max_context_tokens} tokens")
             # Outside the pool's lock: a schema's first compile takes tens of ms, and every other
             # request's Propose would wait for it.
-            grammar, compiling = self._grammar_state(args)
+            try:
+                grammar, compiling = self._grammar_state(args)
+            except ResourceExhausted as e:  # the compiles are full: it drafts without the grammar (the gateway masks)
+                self._log.warning("draft_grammar_refused", error=str(e))
+                response_format = None
         now = time.monotonic()
         with self._lock:
             self._drop_idle(now)
@@ -364,7 +368,7 @@ class DraftPool:
                     [*args.prompt_token_ids, *args.new_token_ids],
                     len(args.prompt_token_ids),
                     last_used=now,
-                    response_format=args.response_format,
+                    response_format=response_format,
                     grammar=grammar,
                     compiling=compiling,
                     tenant=tenant_of(args.request_id),

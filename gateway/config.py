@@ -223,6 +223,14 @@ FLAGS = (
         group="grammar",
         field="max_compile_s",
     ),
+    Flag(
+        "--max_grammar_compiles",
+        help="new response_format schemas compiling or queued at once; past it a request with another "
+        "new schema is RESOURCE_EXHAUSTED at once (a compile cannot be stopped, so a flood of slow "
+        "schemas would otherwise queue without bound)",
+        group="grammar",
+        field="max_pending_compiles",
+    ),
     Flag("--log_level"),
     Flag("--num_threads", is_shared=False, help="torch intra-op threads (default 1; 0: torch's default)"),
     *service_token_flags(is_server=False),

@@ -25,11 +25,12 @@ accepting tokens and filling masks run on the engine thread, a few tens of micro
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable
 
-from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, ResponseFormat
 from specdec.grammar.compiling import Grammars, GrammarSettings
 
@@ -81,8 +82,10 @@ class RunGrammars:
 
     def prepare(self, response_format: ResponseFormat) -> None:
         """Begin compiling `response_format` (a request's, at its Prefill), unless cached or under way;
-        a schema that does not compile is reported by the run that sends it (compile)."""
-        self._grammar_cache().start(response_format)
+        a schema that does not compile is reported by the run that sends it (compile), and so is one
+        refused while the compiles are full (GrammarSettings.max_pending_compiles)."""
+        with contextlib.suppress(ResourceExhausted):
+            self._grammar_cache().start(response_format)
 
     def compile(self, response_format: ResponseFormat, deadline: float | None = None) -> CompiledGrammar:
         """The compiled grammar: InvalidArgument naming response_format.json_schema when it cannot be,

@@ -158,13 +158,20 @@ class GrammarCache:
     def compile_response_format(self, kind: str, schema_text: str | None) -> CompiledGrammar:
         return self.compile(ResponseFormat(kind, schema_text))
 
-    def compile(self, response_format: ResponseFormat) -> CompiledGrammar:
+    def cached(self, response_format: ResponseFormat) -> CompiledGrammar | None:
+        """The format's compiled grammar when the cache holds it (a hit), else None (nothing counted)."""
         with self._lock:
             grammar = self._grammars.get(response_format)
             if grammar is not None:
                 self._grammars.move_to_end(response_format)
                 self.num_hits += 1
-                return grammar
+            return grammar
+
+    def compile(self, response_format: ResponseFormat) -> CompiledGrammar:
+        grammar = self.cached(response_format)
+        if grammar is not None:
+            return grammar
+        with self._lock:
             self.num_misses += 1
         grammar = compile_response_format(
             response_format.kind,

@@ -29,12 +29,14 @@ class GrammarSettings:
     max_compile_s: float = 10.0  # longest a request waits for its schema to compile
     num_compile_threads: int = 2
     max_cached_grammars: int = 64
+    # Schemas compiling or waiting for a compile thread at once; past it a new schema is refused at once.
+    max_pending_compiles: int = 64
 
     def __post_init__(self) -> None:
         if self.max_compile_s <= 0:
             raise ValueError(f"max_compile_s must be > 0, got {self.max_compile_s}")
-        if self.num_compile_threads < 1 or self.max_cached_grammars < 1:
-            raise ValueError("num_compile_threads and max_cached_grammars must be >= 1")
+        if min(self.num_compile_threads, self.max_cached_grammars, self.max_pending_compiles) < 1:
+            raise ValueError("num_compile_threads, max_cached_grammars and max_pending_compiles must be >= 1")
 
 
 class Grammars:
@@ -54,12 +56,27 @@ class Grammars:
         return self.compile(response_format, deadline).new_state()
 
     def start(self, response_format: ResponseFormat) -> Future[CompiledGrammar]:
-        """The compile of `response_format`, begun now or the one under way (a cached format's is
-        done at once, or nearly). Its result raises InvalidArgument for a bad schema."""
+        """The compile of `response_format`, begun now or the one under way; a cached format's, done
+        (it never queues behind other compiles). Its result raises InvalidArgument for a bad schema.
+        ResourceExhausted naming the schema when max_pending_compiles other schemas are compiling or
+        queued: a compile cannot be stopped once begun, so a flood of new (or slow) schemas gets a
+        refusal at once instead of a queue that grows without bound, each caller waiting out its
+        max_compile_s, while the compile threads work through schemas nobody waits for any more."""
+        cached = self.cache.cached(response_format)
+        if cached is not None:
+            done: Future[CompiledGrammar] = Future()
+            done.set_result(cached)
+            return done
         with self._lock:
             future = self._compiling.get(response_format)
             is_new = future is None
             if future is None:
+                if len(self._compiling) >= self.settings.max_pending_compiles:
+                    raise ResourceExhausted(
+                        SCHEMA_FIELD,
+                        f"cannot compile now: {len(self._compiling)} other schemas are compiling or queued "
+                        f"(at most {self.settings.max_pending_compiles}); retry later",
+                    )
                 future = self._executor.submit(self.cache.compile, response_format)
                 self._compiling[response_format] = future
         if is_new:  # outside the lock: a future already done runs the callback right here

@@ -22,6 +22,7 @@ from draft_svc.strategies.base import Candidate, DecoderRegistry, FeatureConsume
 from draft_svc.strategies.suffix_index import SuffixIndex, SuffixIndexConfig
 from specdec.engine.tree import ROOT
 from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
+from specdec.grammar.compiler import ResponseFormat
 
 A, B, C, D, E = 10, 11, 12, 13, 14
 VOCAB = 100
@@ -246,8 +247,6 @@ def test_a_slow_schema_holds_neither_other_requests_nor_its_own_first_propose():
     requests' calls, nor hold its own Propose past OPEN_GRAMMAR_WAIT_S, which the gateway would take
     for a hung pool: the request drafts without its grammar until a later Propose finds the compile
     done (here a failure, which leaves the request drafting without it)."""
-    from specdec.grammar.compiler import ResponseFormat
-
     compiling, release = threading.Event(), threading.Event()
     compiled: Future = Future()
 
@@ -277,6 +276,24 @@ def test_a_slow_schema_holds_neither_other_requests_nor_its_own_first_propose():
         release.set()
     assert compiled.exception(timeout=10) is not None
     assert pool.propose(ProposeArgs("json", new_token_ids=(5,))).tree.token_ids == (A, B)  # goes on without it
+    assert pool._requests["json"].response_format is None and pool._requests["json"].compiling is None
+
+
+def test_a_request_whose_compile_is_refused_drafts_without_its_grammar():
+    """The pool's compiles are full (GrammarSettings.max_pending_compiles): the request opens and
+    drafts, unfiltered (the gateway masks them), with no grammar-based decoders; nothing fails."""
+
+    class FullGrammars:
+        def start(self, response_format):
+            raise ResourceExhausted("response_format.json_schema", "cannot compile now")
+
+    pool = make_pool({"p": ((A, B),)}, [])
+    pool._grammars = FullGrammars()
+    schema = ResponseFormat("json_schema", "{}")
+    with pytest.raises(ResourceExhausted):  # PrepareGrammar says so (the gateway ignores it)
+        pool.prepare_grammar(schema)
+    opened = pool.propose(ProposeArgs("json", prompt_token_ids=(1,), response_format=schema))
+    assert opened.tree.token_ids == (A, B)
     assert pool._requests["json"].response_format is None and pool._requests["json"].compiling is None
 
 

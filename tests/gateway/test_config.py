@@ -63,3 +63,11 @@ def test_the_advertised_address_comes_from_the_flag_or_the_gateway_environment(m
     for bad in ("10.0.0.5", "10.0.0.5:0", "host:port", "a#b:1"):
         with pytest.raises(ValueError, match="--advertise_address"):
             parse_config(["--advertise_address", bad])
+
+
+def test_the_grammar_compile_bounds_come_from_flags():
+    config = parse_config(["--max_grammar_compile_s", "2.5", "--max_grammar_compiles", "8"])
+    assert (config.grammar.max_compile_s, config.grammar.max_pending_compiles) == (2.5, 8)
+    assert parse_config([]).grammar.max_pending_compiles == 64
+    with pytest.raises(ValueError, match="max_pending_compiles"):
+        parse_config(["--max_grammar_compiles", "0"])

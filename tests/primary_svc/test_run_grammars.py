@@ -4,6 +4,7 @@ grammar, and is bounded and dropped with the request."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from primary_svc.run_grammars import RunGrammars, check_run_grammar
 from specdec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.grammar import GrammarCache, ResponseFormat
+from specdec.grammar.compiling import Grammars, GrammarSettings
 
 SCHEMA = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
 
@@ -113,3 +115,24 @@ def test_a_run_waits_for_a_compile_until_its_deadline_only(grammar_cache):
     assert grammars.compile(response_format, deadline=None).new_state() is not None  # no deadline: waits
     assert cache.num_misses == 1
     grammars.close()
+
+
+def test_a_prepare_refused_while_the_compiles_are_full_is_left_to_the_run(grammar_cache, monkeypatch):
+    """prepare is best effort: a refusal (GrammarSettings.max_pending_compiles) raises nothing there;
+    the run's own compile asks again."""
+    cache = GrammarCache(grammar_cache.tokenizer_info)
+    grammars = RunGrammars(lambda: cache)
+    monkeypatch.setattr(grammars, "_grammars", Grammars(cache, GrammarSettings(max_pending_compiles=1)))
+    release = threading.Event()
+    monkeypatch.setattr(
+        cache, "compile", lambda response_format: release.wait(10) and grammar_cache.compile(response_format)
+    )
+    try:
+        grammars.prepare(ResponseFormat("json_schema", '{"type": "string"}'))  # takes the one place
+        response_format = ResponseFormat("json_schema", SCHEMA)
+        grammars.prepare(response_format)  # refused, quietly
+        with pytest.raises(ResourceExhausted, match="cannot compile now"):
+            grammars.compile(response_format, deadline=time.monotonic() + 5)
+    finally:
+        release.set()
+        grammars.close()
