@@ -9,9 +9,10 @@ The outages stop the module's redis-server (SIGSTOP) rather than kill it: it kee
 so a restarted one would have lost every request. A stopped Redis is what a client of a failing-over
 or overloaded one sees: commands time out (the gateway's socket timeout is 5 s). A blip lasts until
 the gateway has seen a write time out (its log says it retries), however slow the machine. This module's
-gateway also offers a strategy the draft pool does not load (a deployment fault), and waits only 3 s
-for a primary that went away; its draft pool is pointed at a feature drafter file that is not there
-(another deployment fault: the pool serves without the feature strategy).
+gateway also offers a strategy the draft pool does not load (a deployment fault), waits only 3 s
+for a primary that went away and 12 s for a state store that does not answer; its draft pool is
+pointed at a feature drafter file that is not there (another deployment fault: the pool serves
+without the feature strategy).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ pytestmark = pytest.mark.e2e
 PROMPT = "List the planets of the solar system, one per line, with one fact about each."
 RETRYING = "state store unavailable; retrying"  # the gateway's log line when a write timed out
 INTERNAL_NAMES = ("primary", "draft", "validator", "state_store", "redis", "early_exit")
+# The gateway's budget for a state store that does not answer (30 s by default): over two of its
+# 5 s socket timeouts, so a blip that ends after the first is ridden out; an outage ends sooner.
+MAX_STATE_RETRY_S = 12
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,10 @@ def stack(
 ) -> Iterator[Stack]:
     config = StackConfig(redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-faults"))
     extra_args = {
-        GATEWAY: ("--strategies", "prompt_lookup,early_exit", "--recovery_timeout_s", "3"),
+        GATEWAY: (
+            *("--strategies", "prompt_lookup,early_exit", "--recovery_timeout_s", "3"),
+            *("--max_state_retry_s", str(MAX_STATE_RETRY_S)),
+        ),
         DRAFT: ("--feature_drafter", str(missing_drafter)),  # its default strategies name "feature"
     }
     specs = tuple(

@@ -456,9 +456,15 @@ def test_a_step_waits_for_the_requests_coming_back_and_not_for_the_others(fp32_m
     try:
         for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
             worker.call(lambda e, rid=rid, prompt=prompt: e.open(rid, prompt))
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
+            # the engine thread busy meanwhile, both first verifies queue up and share a step (one
+            # run alone would send its result out, and the other's step would then hold for it)
+            busy = pool.submit(worker.call, lambda e: time.sleep(0.5))
+            time.sleep(0.05)
             first = [pool.submit(worker.verify, rid, (), (), (), ()) for rid in ("a", "b")]
-            logits = {rid: f.result(timeout=120)[0] for rid, f in zip(("a", "b"), first)}
+            busy.result(timeout=30)
+            logits = {rid: f.result(timeout=30)[0] for rid, f in zip(("a", "b"), first)}
+            assert (worker.step_history[-1].num_verify_items, worker.step_history[-1].num_verify_rows) == (2, 9)
             # both results went out: a's next verify waits for b's, which comes 0.2 s later
             a = pool.submit(worker.verify, "a", (), [int(torch.argmax(logits["a"][0]))], (), ())
             time.sleep(0.2)
