@@ -12,7 +12,12 @@ import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
-from primary_svc.autotune import FLOAT_CANDIDATES, choose_precision_or_fallback, quantized_candidates
+from primary_svc.autotune import (
+    FLOAT_CANDIDATES,
+    choose_precision_or_fallback,
+    quantized_candidates,
+    token_products_vectorized,
+)
 from primary_svc.config import PrimaryConfig, parse_config
 from primary_svc.costs import measure_verify_costs
 from primary_svc.leases import KVLeases
@@ -162,6 +167,11 @@ def log_loaded(config: PrimaryConfig, model_dir: Path, loaded: LoadedModel, cost
         weight_layouts=count_layouts(matrices),
         native_kernels=native.status() if any(m.layout.is_packed for m in matrices) else "not used",
     )
+    if loaded.precision == "int8_token" and not token_products_vectorized():
+        log.warning(
+            "int8_token runs the portable loops on this CPU: int4 or int8 serve many times faster here",
+            native_kernels=native.status(),
+        )
     if config.tensormt_optimizer and is_native:
         log.warning(
             "--tensormt_optimizer not applied: the layers already run as native calls", precision=loaded.precision

@@ -137,12 +137,18 @@ def machine_key(num_threads: int) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def quantized_candidates() -> tuple[str, ...]:
-    """CANDIDATES for a quantized source on this machine: int8_token only where its products have a
-    vector or tile path (the native kernels' AVX-512 build); elsewhere they run the portable loops,
-    which would only cost start-up time to measure."""
+def token_products_vectorized() -> bool:
+    """Whether int8_token's products have a vector or tile path here (the native kernels' AVX-512
+    build); elsewhere they run the portable loops (a one-row step 127 ms against int4's 5 ms on an
+    AVX2-only EPYC, docs/benchmarks.md)."""
     lib = native.library()
-    is_vector = lib is not None and lib.qgemm_isa().decode().startswith("AVX512")
+    return lib is not None and lib.qgemm_isa().decode().startswith("AVX512")
+
+
+def quantized_candidates() -> tuple[str, ...]:
+    """CANDIDATES for a quantized source on this machine: int8_token only where its products are
+    vectorized; elsewhere measuring it would only cost start-up time."""
+    is_vector = token_products_vectorized()
     return tuple(p for p in CANDIDATES if p != "int8_token" or is_vector)
 
 

@@ -3,10 +3,14 @@ answers' file and how start-up takes it."""
 
 from __future__ import annotations
 
+import types
+from pathlib import Path
+
 import pytest
 import structlog
 import torch
 
+import primary_svc.__main__ as primary_main
 from primary_svc.__main__ import load_run_answers
 from primary_svc.config import parse_config
 from primary_svc.worker import EngineWorker
@@ -124,3 +128,22 @@ def test_the_shipped_answers_load_for_the_default_model_and_another_model_s_are_
         assert load_run_answers("", fp32_model, worker) is None
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("is_vectorized", [False, True])
+def test_int8_token_on_the_portable_loops_is_logged_as_a_warning(monkeypatch, is_vectorized):
+    """A primary told to serve int8_token where its products have no vector path (AVX2 and older:
+    ~25x an int4 step) says so once it has loaded; other precisions and vectorized CPUs say nothing."""
+    monkeypatch.setattr(primary_main, "token_products_vectorized", lambda: is_vectorized)
+    model = types.SimpleNamespace(layers=[], matrices={})
+    for precision in ("int8_token", "int4"):
+        loaded = types.SimpleNamespace(precision=precision, model=model, weight_bytes=0)
+        with structlog.testing.capture_logs() as logs:
+            primary_main.log_loaded(types.SimpleNamespace(tensormt_optimizer=False), Path("m"), loaded, {})
+        warned = [e["event"] for e in logs if e["log_level"] == "warning"]
+        expected = precision == "int8_token" and not is_vectorized
+        assert warned == (
+            ["int8_token runs the portable loops on this CPU: int4 or int8 serve many times faster here"]
+            if expected
+            else []
+        )
