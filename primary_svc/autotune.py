@@ -138,11 +138,11 @@ def machine_key(num_threads: int) -> str:
 
 
 def token_products_vectorized() -> bool:
-    """Whether int8_token's products have a vector or tile path here (the native kernels' AVX-512
-    build); elsewhere they run the portable loops (a one-row step 127 ms against int4's 5 ms on an
-    AVX2-only EPYC, docs/benchmarks.md)."""
+    """Whether int8_token's products have a vector or tile path here (the native kernels' AVX2 or
+    AVX-512 build); the portable build runs them in plain loops (a one-row step of 127 ms against
+    int4's 5 ms, measured on an AVX2-only EPYC before its AVX2 path: docs/benchmarks.md)."""
     lib = native.library()
-    return lib is not None and lib.qgemm_isa().decode().startswith("AVX512")
+    return lib is not None and lib.qgemm_isa().decode() != "portable"
 
 
 def quantized_candidates() -> tuple[str, ...]:

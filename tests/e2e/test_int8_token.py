@@ -5,14 +5,13 @@ equals plain decoding."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bench.prompts import load_prompts
-from specdec.launcher import GATEWAY, PRIMARY, Stack, StackConfig, service_specs
+from specdec.launcher import GATEWAY, PRIMARY, Stack, StackConfig
 from specdec.model import native
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 
@@ -30,13 +29,7 @@ def stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
     config = StackConfig(
         precision="int8_token", redis_url=redis_server.url, log_dir=tmp_path_factory.mktemp("stack-int8-token")
     )
-    # The requests fix their speculation, so the primary's verify curve prices nothing here; without
-    # AMX or VNNI these products run the portable loops, and timing 1-32 rows took ~50 s of the start.
-    specs = tuple(
-        dataclasses.replace(s, command=(*s.command, "--no_measure_verify_costs")) if s.name == PRIMARY else s
-        for s in service_specs(config)
-    )
-    with Stack(config, specs=specs) as started:
+    with Stack(config) as started:
         yield started
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import types
 
 import pytest
 
@@ -185,7 +186,9 @@ def test_int8_token_is_a_candidate_only_where_its_products_have_a_vector_path(mo
 
     assert "int8_token" in autotune.CANDIDATES
     lib = native.library()
-    is_vector = lib is not None and lib.qgemm_isa().decode().startswith("AVX512")
+    is_vector = lib is not None and lib.qgemm_isa().decode() in ("AVX2", "AVX2+VNNI", "AVX512+VNNI")
     assert ("int8_token" in autotune.quantized_candidates()) == is_vector
-    monkeypatch.setattr(native, "library", lambda: None)
-    assert autotune.quantized_candidates() == tuple(p for p in autotune.CANDIDATES if p != "int8_token")
+    portable = types.SimpleNamespace(qgemm_isa=lambda: b"portable")
+    for unvectorized in (None, portable):
+        monkeypatch.setattr(native, "library", lambda lib=unvectorized: lib)
+        assert autotune.quantized_candidates() == tuple(p for p in autotune.CANDIDATES if p != "int8_token")

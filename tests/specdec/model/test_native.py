@@ -546,7 +546,7 @@ def test_a_per_token_row_gets_the_same_bits_whatever_the_row_count(k):
 @pytest.mark.parametrize("path, flags", _PATHS, ids=[p for p, _ in _PATHS])
 def test_per_token_products_give_the_same_bits_on_every_instruction_path(path, flags):
     """Two exact integer sums per element and one rescale in a fixed order: the portable loops, the AVX2
-    build (which runs the portable loops for this kind) and AVX-512 agree bit for bit."""
+    build and AVX-512 agree bit for bit."""
     other = native.variant(flags)
     g = torch.Generator().manual_seed(37)
     for n, k in ((96, 160), (1008, 64)):
@@ -556,6 +556,28 @@ def test_per_token_products_give_the_same_bits_on_every_instruction_path(path, f
                 for rows in (1, 2, 3, 6, 11):
                     x = torch.randn(rows, k, generator=g) * 2
                     assert torch.equal(here(x), there(x)), (path, n, k, threads, rows)
+
+
+@pytest.mark.parametrize("path, flags", _PATHS, ids=[p for p, _ in _PATHS])
+def test_per_token_products_at_the_byte_extremes_give_the_portable_bits(path, flags):
+    """Weights of -128, -127 and 127, and rows whose largest magnitude is negative (a high byte of
+    -128) or positive (127 / 127): the vector paths' byte products, where a sign trick on -128 or a
+    saturating pair would go wrong, keep the portable loops' exact sums."""
+    other, lib = native.variant(flags), native.library()
+    g = torch.Generator().manual_seed(43)
+    n, k = 48, 256
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16)
+    w[:, :32] = torch.tensor([-128, -127, 127, -128] * 8)  # every row's first 32 weights at the edges
+    w[:4] = torch.tensor([-128, 127])[torch.randint(0, 2, (4, k), generator=g)]  # whole rows of them
+    w = w.to(torch.int8)
+    scale = torch.rand(n, generator=g).to(torch.bfloat16) + 0.5
+    here, there = (native.QuantLinear.from_int8(m, w, scale, per_token=True) for m in (lib, other))
+    x = torch.randn(6, k, generator=g)
+    x[0] = -x[0].abs()  # all negative: many high bytes near -128
+    x[1, 7] = -100.0  # one negative outlier sets the row's scale: -16383 -> h = -128, l = 1
+    x[2, :32] = torch.tensor([-1.0, 1.0] * 16)  # the edges again on the activation side
+    x[3] = torch.where(torch.arange(k) % 2 == 0, -1.0, 1.0)  # every value at +-amax
+    assert torch.equal(here(x), there(x)), path
 
 
 @needs_amx

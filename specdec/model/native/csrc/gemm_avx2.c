@@ -138,13 +138,60 @@ ALWAYS_INLINE void q8_tile(const qweight *w, const qact *a, int64_t t0, int64_t 
     }
 }
 
-void qgemm_product_unit_avx2(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
-    if (w->kind == QW_Q8T) {  /* per token: the portable loops, a group at a time (this unit is a run) */
-        for (int64_t v = v0; v < v0 + C; ++v) qgemm_product_unit_generic(w, a, T, v, 1, out);
-        return;
+/* The 8-bit rows per token (gemm.h: H = w . h and L = w . l over the whole row, then one rescale).
+ * maddubs multiplies an unsigned byte by a signed one, so |w| (up to 128) takes the products and w's
+ * sign goes to the activation byte: l (0..127) as it is, and h (-128..127) as 2 (h >> 1) + (h & 1),
+ * whose parts negate without overflow (-128 would not). Every pair of products stays within
+ * 2 * 128 * 127, inside int16, and widens to 32 bits at once (madd): the sums are exact, and the
+ * rescale is the portable one's, so the bits are the same. Plain AVX2, with or without VNNI. */
+ALWAYS_INLINE void q8t_tile(const qweight *w, const qact *a, int64_t t0, int64_t v0, const int R, const int C,
+                            float *out, int64_t N) {
+    (void)C;
+    const int64_t K = w->k;
+    const int8_t *wp = (const int8_t *)w->w;
+    const __m256i ones = _mm256_set1_epi16(1), twos = _mm256_set1_epi16(2);
+    __m256i hacc[TILE_ROWS][2], lacc[TILE_ROWS][2];
+    for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) hacc[r][h] = lacc[r][h] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < K / 4; ++j) {
+        __m256i wv[2], wabs[2];
+        for (int h = 0; h < 2; ++h) {
+            wv[h] = _mm256_xor_si256(  /* stored w + 128 -> w */
+                _mm256_loadu_si256((const __m256i *)(wp + ((v0 * (K / 4) + j) * NV) * 4 + h * 32)),
+                _mm256_set1_epi8((char)0x80));
+            wabs[h] = _mm256_sign_epi8(wv[h], wv[h]);  /* |w|; -128 stays 0x80, read as 128 */
+        }
+        for (int r = 0; r < R; ++r) {
+            /* h's 4 bytes: arithmetic >> 1 of each (its sign bit kept), and the low bits */
+            const uint32_t hb = (uint32_t)ld4(a->xq + (t0 + r) * K + 4 * j);
+            const __m256i h1 = _mm256_set1_epi32((int32_t)(((hb >> 1) & 0x7F7F7F7Fu) | (hb & 0x80808080u)));
+            const __m256i h0 = _mm256_set1_epi32((int32_t)(hb & 0x01010101u));
+            const __m256i lb = _mm256_set1_epi32(ld4(a->xl + (t0 + r) * K + 4 * j));
+            for (int h = 0; h < 2; ++h) {
+                const __m256i p1 = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(h1, wv[h]));
+                const __m256i p0 = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(h0, wv[h]));
+                const __m256i pl = _mm256_maddubs_epi16(wabs[h], _mm256_sign_epi8(lb, wv[h]));
+                hacc[r][h] = _mm256_add_epi32(
+                    hacc[r][h], _mm256_add_epi32(_mm256_madd_epi16(p1, twos), _mm256_madd_epi16(p0, ones)));
+                lacc[r][h] = _mm256_add_epi32(lacc[r][h], _mm256_madd_epi16(pl, ones));
+            }
+        }
     }
+    const __m256 k128 = _mm256_set1_ps(128.f);
+    for (int h = 0; h < 2; ++h) {
+        const __m256 sc = _mm256_loadu_ps(w->scale + v0 * NV + h * 8);
+        for (int r = 0; r < R; ++r) {
+            const __m256 q = _mm256_fmadd_ps(k128, _mm256_cvtepi32_ps(hacc[r][h]), _mm256_cvtepi32_ps(lacc[r][h]));
+            const __m256 y = _mm256_mul_ps(sc, _mm256_mul_ps(_mm256_set1_ps(a->dx[t0 + r]), q));
+            store8(out + (t0 + r) * N + v0 * NV + h * 8, y, (int)(N - v0 * NV - h * 8));
+        }
+    }
+}
+
+void qgemm_product_unit_avx2(const qweight *w, const qact *a, int64_t T, int64_t v0, int C, float *out) {
     for (const int64_t end = v0 + C; v0 < end; ++v0) {  /* the tiles hold one group: one after another */
         if (w->kind == QW_Q4) TILES(q4_tile, 1, Q4_TILE_ROWS);
+        else if (w->kind == QW_Q8T) TILES(q8t_tile, 1, TILE_ROWS);
         else TILES(q8_tile, 1, TILE_ROWS);
     }
 }
