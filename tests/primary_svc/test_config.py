@@ -132,8 +132,8 @@ def test_the_shipped_answers_load_for_the_default_model_and_another_model_s_are_
 
 @pytest.mark.parametrize("is_vectorized", [False, True])
 def test_int8_token_on_the_portable_loops_is_logged_as_a_warning(monkeypatch, is_vectorized):
-    """A primary told to serve int8_token where its products have no vector path (AVX2 and older:
-    ~25x an int4 step) says so once it has loaded; other precisions and vectorized CPUs say nothing."""
+    """A primary told to serve int8_token where its products have no vector path (the portable build:
+    ~25x an int4 step) says so once it has loaded; other precisions and vectorized builds say nothing."""
     monkeypatch.setattr(primary_main, "token_products_vectorized", lambda: is_vectorized)
     model = types.SimpleNamespace(layers=[], matrices={})
     for precision in ("int8_token", "int4"):
