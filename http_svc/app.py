@@ -47,7 +47,7 @@ from http_svc.openai_request import (
     parse_request,
 )
 from http_svc.tokenizer_request import parse_detokenize, parse_tokenize
-from http_svc.openai_response import ChunkWriter, completion, error_event
+from http_svc.openai_response import ChunkWriter, completion, error_event, summed_stats
 from specdec.errors import InvalidArgument, Unauthenticated
 from specdec.tracing import aio_channel_interceptors, check_client_request_id, is_tracing_on, outgoing_metadata
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -258,7 +258,7 @@ class HttpFront:
                 )
             self._check_model(parsed.model)
             response_id = f"{ID_PREFIXES[kind]}-{uuid.uuid4().hex}"
-            parsed.request.request_id = response_id
+            _set_request_ids(parsed, response_id)
             echoed_id = self._client_request_id(request) or response_id
             metadata = outgoing_metadata(self._metadata(request))
             call_args = {"metadata": metadata, "timeout": self.config.request_timeout_s}
@@ -268,9 +268,8 @@ class HttpFront:
                     request, parsed, response_id, call_args, started, echo_texts[0], echoed_id
                 )
             else:
-                answers = await self._answers(request, parsed, response_id, call_args)
-                for answer in answers:
-                    self._count_tokens(answer.stats)
+                answers = await self._answers(request, parsed, call_args)
+                self._count_tokens(summed_stats([a.stats for a in answers], parsed.num_choices))
                 response = JSONResponse(
                     completion(parsed, response_id, int(time.time()), self.config.model_name, answers, echo_texts),
                     headers=_headers(parsed, echoed_id),
@@ -301,14 +300,11 @@ class HttpFront:
                 self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
     async def _answers(
-        self, request: Request, parsed: ParsedRequest, response_id: str, call_args: dict
+        self, request: Request, parsed: ParsedRequest, call_args: dict
     ) -> list[gateway_pb2.GenerateResponse]:
-        """Every prompt's answer, its requests run side by side (ids `<response id>-<index>` when
-        there are several); one that fails fails the whole (the others are cancelled)."""
+        """Every choice's answer, their requests run side by side; one that fails fails the whole
+        (the others are cancelled)."""
         assert self.stub is not None  # the lifespan connects before any request is served
-        if len(parsed.requests) > 1:
-            for i, r in enumerate(parsed.requests):
-                r.request_id = f"{response_id}-{i}"
         calls = [self.stub.Generate(r, **call_args) for r in parsed.requests]
         everything = asyncio.gather(*calls)
         try:
@@ -320,14 +316,15 @@ class HttpFront:
 
     async def _echo_texts(self, request: Request, parsed: ParsedRequest) -> list[str]:
         """With `echo`, each prompt's text (token ids decoded by the gateway); else empty strings."""
+        prompts = parsed.prompt_requests
         if not parsed.is_echo:
-            return [""] * len(parsed.requests)
+            return [""] * len(prompts)
         texts = []
-        for i, r in enumerate(parsed.requests):
+        for i, r in enumerate(prompts):
             if r.WhichOneof("input") == "prompt":
                 texts.append(r.prompt)
                 continue
-            param = "prompt" if len(parsed.requests) == 1 else f"prompt[{i}]"
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             answer = await self._gateway_call(
                 request, "Detokenize", gateway_pb2.DetokenizeRequest(token_ids=r.token_ids.ids), {"token_ids": param}
             )
@@ -344,53 +341,104 @@ class HttpFront:
         echo_text: str,
         echoed_id: str,
     ) -> Response:
-        """The first message is awaited before the status line, so that a refused request (bad
-        parameter, no capacity) still gets its HTTP status; later failures become an error event."""
+        """The first message of every choice is awaited before the status line, so that a refused
+        request (bad parameter, no capacity) still gets its HTTP status; later failures become an
+        error event."""
         assert self.stub is not None  # the lifespan connects before any request is served
-        call = self.stub.GenerateStream(parsed.request, **call_args)
+        calls = [self.stub.GenerateStream(r, **call_args) for r in parsed.requests]
         try:
-            first = await self._unless_gone(request, call.read(), call)
+            firsts = await self._unless_gone(request, asyncio.gather(*(c.read() for c in calls)), _Calls(calls))
         except BaseException:
-            call.cancel()
+            for call in calls:
+                call.cancel()
             raise
-        if first is grpc.aio.EOF:
+        if any(first is grpc.aio.EOF for first in firsts):
+            for call in calls:
+                call.cancel()
             raise ApiError(502, "the gateway ended the stream without an answer", "server_error")
-        writer = ChunkWriter(parsed, response_id, int(time.time()), self.config.model_name, echo_text)
+        created, model = int(time.time()), self.config.model_name
+        writers = [
+            ChunkWriter(parsed, response_id, created, model, echo_text, index=i, is_closing=len(calls) == 1)
+            for i in range(len(calls))
+        ]
         endpoint = ENDPOINTS[parsed.kind]
         self.metrics.first_event.labels(endpoint).observe(time.perf_counter() - started)
+        if len(calls) == 1:
+            events = self._events(calls[0], firsts[0], writers[0])
+        else:
+            events = self._choices_events(calls, firsts, writers)
         return _CallStreamingResponse(
-            self._events(call, first, writer, parsed, endpoint, started),
-            call,
+            self._observed(events, parsed, endpoint, started),
+            _Calls(calls),
             self.metrics.disconnects.inc,
             media_type="text/event-stream",
             headers={**_headers(parsed, echoed_id), "cache-control": "no-cache"},
         )
 
-    async def _events(
-        self,
-        call: grpc.aio.UnaryStreamCall,
-        first: gateway_pb2.GenerateStreamResponse,
-        writer: ChunkWriter,
-        parsed: ParsedRequest,
-        endpoint: str,
-        started: float,
+    async def _observed(
+        self, events: AsyncIterator[bytes], parsed: ParsedRequest, endpoint: str, started: float
     ) -> AsyncIterator[bytes]:
+        """A stream's events, counted as active while they last and timed to their end; a gateway
+        failure after the first events becomes an error event."""
         self.metrics.active.inc()
         try:
-            message = first
-            while True:
-                yield writer.step(message)
-                if message.is_final:
-                    self._count_tokens(message.stats)
-                    return
-                message = await call.read()
-                if message is grpc.aio.EOF:
-                    return
+            async for event in events:
+                yield event
         except grpc.RpcError as e:
             yield error_event(from_rpc_error(e, parsed.param_aliases, self.config.default_retry_after_s).to_json())
         finally:
             self.metrics.active.dec()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    async def _events(
+        self, call: grpc.aio.UnaryStreamCall, first: gateway_pb2.GenerateStreamResponse, writer: ChunkWriter
+    ) -> AsyncIterator[bytes]:
+        """One choice's stream."""
+        message = first
+        while True:
+            yield writer.step(message)
+            if message.is_final:
+                self._count_tokens(message.stats)
+                return
+            message = await call.read()
+            if message is grpc.aio.EOF:
+                return
+
+    async def _choices_events(
+        self,
+        calls: list[grpc.aio.UnaryStreamCall],
+        firsts: list[gateway_pb2.GenerateStreamResponse],
+        writers: list[ChunkWriter],
+    ) -> AsyncIterator[bytes]:
+        """Several choices' streams, their chunks interleaved as their messages arrive (each with its
+        choice's index); once every choice has ended, the usage of all of them (a prompt counted
+        once) and [DONE]."""
+        finals: dict[int, gateway_pb2.GenerationStats] = {}
+        reads: dict[asyncio.Future, int] = {}
+
+        def take(i: int, message: Any) -> bytes:
+            if message is grpc.aio.EOF:
+                finals.setdefault(i, gateway_pb2.GenerationStats())
+                return b""
+            if message.is_final:
+                finals[i] = message.stats
+            else:
+                reads[asyncio.ensure_future(calls[i].read())] = i
+            return writers[i].step(message)
+
+        try:
+            for i, first in enumerate(firsts):
+                yield take(i, first)
+            while reads:
+                done, _ = await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
+                for read in done:
+                    yield take(reads.pop(read), read.result())
+        finally:
+            for read in reads:
+                read.cancel()
+        stats = summed_stats([finals[i] for i in range(len(calls))], writers[0].parsed.num_choices)
+        self._count_tokens(stats)
+        yield writers[0].closing(stats)
 
     async def _unless_gone(self, request: Request, awaitable: Awaitable[Any], call: _Cancellable) -> Any:
         """awaitable's result; ClientGone (and the call cancelled) if the client disconnects first."""
@@ -480,7 +528,7 @@ class HttpFront:
 class _Calls:
     """Several calls cancelled as one (what _unless_gone cancels when the client goes away)."""
 
-    def __init__(self, calls: list[grpc.aio.UnaryUnaryCall]) -> None:
+    def __init__(self, calls: list[Any]) -> None:
         self.calls = calls
 
     def cancel(self) -> bool:
@@ -493,7 +541,7 @@ class _CallStreamingResponse(StreamingResponse):
     on_disconnect() counts it."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], call: grpc.aio.Call, on_disconnect: Callable[[], None], **kwargs: Any
+        self, content: AsyncIterator[bytes], call: _Cancellable, on_disconnect: Callable[[], None], **kwargs: Any
     ) -> None:
         super().__init__(content, **kwargs)
         self._call, self._on_disconnect = call, on_disconnect
@@ -511,6 +559,16 @@ class _CallStreamingResponse(StreamingResponse):
             self._on_disconnect()
         finally:
             self._call.cancel()
+
+
+def _set_request_ids(parsed: ParsedRequest, response_id: str) -> None:
+    """The gateway's request ids: the response id, or `<response id>-<choice index>` when there
+    are several choices (prompts or n)."""
+    if len(parsed.requests) == 1:
+        parsed.request.request_id = response_id
+        return
+    for i, r in enumerate(parsed.requests):
+        r.request_id = f"{response_id}-{i}"
 
 
 def _headers(parsed: ParsedRequest, response_id: str) -> dict[str, str]:

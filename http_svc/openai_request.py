@@ -2,8 +2,8 @@
 
 Only the HTTP shape is checked here: types, the OpenAI spellings, what the protobuf can hold
 (a negative seed cannot be a uint64), OpenAI's own ranges where they are narrower than the gRPC
-API's (temperature in [0, 2]), and OpenAI features this service does not have (n > 1, the legacy
-`functions`), each a 400 naming the parameter; tools' shapes in http_svc.openai_tools. Whether a
+API's (temperature in [0, 2]), and OpenAI features this service does not have (the legacy
+`functions`, `best_of`), each a 400 naming the parameter; tools' shapes in http_svc.openai_tools. Whether a
 value is in range (a top_p, a penalty, a stop list, a schema, a strategy, a tool's name) is the
 gateway's to say, once for every client: its INVALID_ARGUMENT comes back as a 400 naming the same
 parameter (http_svc.errors).
@@ -13,6 +13,12 @@ Log probabilities: chat's `logprobs: bool` + `top_logprobs: 0..20`; completions'
 probabilities before the completion's; its first token has none). A completion's `prompt` may be a
 string, token ids, or a list of either (up to MAX_PROMPTS): each prompt is a request of its own,
 its answer the choice of that index (not with `stream`).
+
+Several choices (`n`, 1..MAX_CHOICES, OpenAI's default 1): each choice is a request of its own,
+run side by side, prompt-major (a completion's prompt p has choices p * n .. p * n + n - 1, as
+OpenAI numbers them). With a `seed`, choice j samples with seed + j (mod 2^64): the choices differ
+and each is reproducible alone; without one, each draws its own. Greedy choices are the same text.
+Streamed, the choices' chunks interleave, each with its index; the usage counts a prompt once.
 
 Sampling controls (specdec.penalties, specdec.sampling): temperature, top_p, seed, and
 frequency_penalty, presence_penalty, logit_bias (OpenAI), with vLLM's extras top_k, min_p and
@@ -52,6 +58,7 @@ MAX_INT32 = (1 << 31) - 1
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 MAX_PROMPTS = 64  # prompts one completions request may batch (each runs as a request of its own)
+MAX_CHOICES = 64  # choices one request may ask for: n times its prompts (each choice a request of its own)
 # "developer" is OpenAI's newer name for the system turn.
 _ROLE_ALIASES = {"developer": "system"}
 # OpenAI parameters this service does not implement: refused unless given their neutral value.
@@ -110,7 +117,8 @@ _RESPONSE_FORMATS = {
 class ParsedRequest:
     kind: str  # CHAT or COMPLETION
     model: str
-    requests: tuple[gateway_pb2.GenerateRequest, ...]  # one per prompt: choice i answers requests[i]
+    # One per choice, prompt-major: choice i answers requests[i], of prompt i // num_choices.
+    requests: tuple[gateway_pb2.GenerateRequest, ...]
     is_stream: bool
     is_usage_streamed: bool  # stream_options.include_usage: a last chunk with the usage
     is_returning_token_ids: bool  # extra field return_token_ids: each choice carries its token ids
@@ -122,11 +130,17 @@ class ParsedRequest:
     # The body's fields that had no effect, in body order: OpenAI's ignored ones, then unknown ones.
     ignored_fields: tuple[str, ...] = ()
     unknown_fields: tuple[str, ...] = ()  # of those, the ones no API defines
+    num_choices: int = 1  # `n`: choices per prompt
 
     @property
     def request(self) -> gateway_pb2.GenerateRequest:
-        """The first (for chat, the only) request."""
+        """The first request (with one prompt and n = 1, the only one)."""
         return self.requests[0]
+
+    @property
+    def prompt_requests(self) -> tuple[gateway_pb2.GenerateRequest, ...]:
+        """The first choice's request of each prompt."""
+        return self.requests[:: self.num_choices]
 
 
 def parse_body(body: bytes) -> dict[str, Any]:
@@ -198,9 +212,9 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     for name, neutral in _UNSUPPORTED.items():
         if data.get(name) not in neutral:
             raise bad_request(name, "is not supported by this server")
-    n = data.get("n")
-    if n is not None and (_integer(n, "n") != 1):
-        raise bad_request("n", f"only n=1 is supported (one choice per request), got {n}")
+    num_choices = 1 if data.get("n") is None else _integer(data["n"], "n", MAX_CHOICES)
+    if num_choices < 1:
+        raise bad_request("n", f"must be at least 1, got {num_choices}")
     request = gateway_pb2.GenerateRequest()
     if kind == CHAT:
         _set_messages(request, data.get("messages"))
@@ -234,11 +248,15 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     requests = (request,) if kind == CHAT else _prompt_requests(request, data.get("prompt"))
     if len(requests) > 1 and is_stream:
         raise bad_request("prompt", "several prompts cannot be streamed: send one request per prompt")
+    if len(requests) * num_choices > MAX_CHOICES:
+        raise bad_request(
+            "n", f"n times the prompts must be at most {MAX_CHOICES}, got {num_choices} x {len(requests)}"
+        )
     unknown = tuple(k for k in data if k not in _FIELDS[kind] and k not in _UNSUPPORTED and k not in _IGNORED)
     return ParsedRequest(
         kind,
         model,
-        requests,
+        _choice_requests(requests, num_choices),
         is_stream,
         include_usage,
         _boolean(data.get("return_token_ids"), "return_token_ids", False),
@@ -248,7 +266,26 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
         is_echo,
         tuple(k for k in data if k in _IGNORED and data[k] is not None) + unknown,
         unknown,
+        num_choices,
     )
+
+
+def _choice_requests(
+    prompts: tuple[gateway_pb2.GenerateRequest, ...], num_choices: int
+) -> tuple[gateway_pb2.GenerateRequest, ...]:
+    """num_choices requests per prompt request, prompt-major; choice j of a seeded request samples
+    with seed + j (mod 2^64)."""
+    if num_choices == 1:
+        return prompts
+    requests = []
+    for prompt in prompts:
+        for j in range(num_choices):
+            request = gateway_pb2.GenerateRequest()
+            request.CopyFrom(prompt)
+            if prompt.sampling.HasField("seed"):
+                request.sampling.seed = (prompt.sampling.seed + j) % (MAX_UINT64 + 1)
+            requests.append(request)
+    return tuple(requests)
 
 
 def _logprobs(data: dict[str, Any], kind: str) -> tuple[bool, int]:

@@ -58,17 +58,21 @@ def usage(stats: gateway_pb2.GenerationStats) -> dict:
     }
 
 
-def summed_stats(stats: Sequence[gateway_pb2.GenerationStats]) -> gateway_pb2.GenerationStats:
-    """The counts of several requests (a completions request with several prompts), added up."""
+def summed_stats(stats: Sequence[gateway_pb2.GenerationStats], num_choices: int = 1) -> gateway_pb2.GenerationStats:
+    """The counts of several requests (a completions request's prompts, or a request's `n`
+    choices: stats prompt-major, num_choices a prompt), added up; each prompt's tokens count once."""
     if len(stats) == 1:
         return stats[0]
     total = gateway_pb2.GenerationStats()
-    for s in stats:
-        total.num_prompt_tokens += s.num_prompt_tokens
+    for i, s in enumerate(stats):
+        if i % num_choices == 0:  # the prompt's first choice: the prompt counts once
+            total.num_prompt_tokens += s.num_prompt_tokens
+            total.num_cached_prompt_tokens += s.num_cached_prompt_tokens
         total.num_generated_tokens += s.num_generated_tokens
-        total.num_cached_prompt_tokens += s.num_cached_prompt_tokens
         total.num_proposed_tokens += s.num_proposed_tokens
         total.num_accepted_tokens += s.num_accepted_tokens
+        total.num_accepted_prediction_tokens += s.num_accepted_prediction_tokens
+        total.num_rejected_prediction_tokens += s.num_rejected_prediction_tokens
         total.num_steps += s.num_steps
     total.acceptance_rate = total.num_accepted_tokens / total.num_proposed_tokens if total.num_proposed_tokens else 0.0
     total.mean_accepted_length = total.num_generated_tokens / total.num_steps if total.num_steps else 0.0
@@ -88,7 +92,7 @@ def completion(
     echo_texts: Sequence[str] = (),
 ) -> dict:
     """The whole answer of a request without `stream`: choice i answers parsed.requests[i];
-    `echo_texts`: with `echo`, each prompt's text."""
+    `echo_texts`: with `echo`, each prompt's text (choice i's is prompt i // n's)."""
     choices = []
     for i, response in enumerate(responses):
         if parsed.kind == CHAT:
@@ -99,7 +103,7 @@ def completion(
                 "finish_reason": finish_reason(response.finish_reason),
             }
         else:
-            echo = echo_texts[i] if parsed.is_echo else ""
+            echo = echo_texts[i // parsed.num_choices] if parsed.is_echo else ""
             logprobs = [*response.prompt_logprobs, *response.logprobs]
             choice = {
                 "index": i,
@@ -116,7 +120,7 @@ def completion(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(summed_stats([r.stats for r in responses])),
+        "usage": usage(summed_stats([r.stats for r in responses], parsed.num_choices)),
     }
 
 
@@ -151,16 +155,29 @@ def _tool_call_delta(delta: gateway_pb2.ToolCallDelta) -> dict:
 
 
 class ChunkWriter:
-    """SSE events of one streamed answer, as the OpenAI clients parse them: `data: <chunk>` per
-    step, the finish reason on the last choice chunk, with stream_options.include_usage a chunk
-    with no choices and the usage (every chunk before it has "usage": null), then `data: [DONE]`."""
+    """SSE events of one streamed choice, as the OpenAI clients parse them: `data: <chunk>` per
+    step, the finish reason on the choice's last chunk; then (`closing`) with
+    stream_options.include_usage a chunk with no choices and the usage (every chunk before it has
+    "usage": null), then `data: [DONE]`. With several choices (`n`) their writers' chunks
+    interleave, and the stream closes once, after the last choice's final step."""
 
-    def __init__(self, parsed: ParsedRequest, response_id: str, created: int, model: str, echo_text: str = "") -> None:
-        """`echo_text`: with `echo`, the prompt's text, the first chunk's."""
+    def __init__(
+        self,
+        parsed: ParsedRequest,
+        response_id: str,
+        created: int,
+        model: str,
+        echo_text: str = "",
+        index: int = 0,
+        is_closing: bool = True,
+    ) -> None:
+        """`echo_text`: with `echo`, the prompt's text, the first chunk's; `index`: the choice's;
+        `is_closing`: the final step closes the stream (the only choice's writer)."""
         self.parsed, self.head = (
             parsed,
             {"id": response_id, "object": OBJECTS[parsed.kind][1], "created": created, "model": model},
         )
+        self.index, self.is_closing = index, is_closing
         self._is_role_sent = False
         self._echo_text: str | None = echo_text if parsed.is_echo else None  # None once sent
         self._completion_logprobs = CompletionLogprobs()
@@ -184,10 +201,16 @@ class ChunkWriter:
                     {} if self.parsed.kind == CHAT else self._delta(""), finish_reason(message.finish_reason), (), ()
                 )
             )
-            if self.parsed.is_usage_streamed:
-                events.append(self._event({**self.head, "choices": [], "usage": usage(message.stats)}))
-            events.append(SSE_DONE)
+            if self.is_closing:
+                events.append(self.closing(message.stats))
         return b"".join(events)
+
+    def closing(self, stats: gateway_pb2.GenerationStats) -> bytes:
+        """The stream's end: the usage chunk (when asked for), then [DONE]."""
+        usage_event = b""
+        if self.parsed.is_usage_streamed:
+            usage_event = self._event({**self.head, "choices": [], "usage": usage(stats)})
+        return usage_event + SSE_DONE
 
     def _tool_events(self, message: gateway_pb2.GenerateStreamResponse) -> list[bytes]:
         """A chunk per piece: the content, then one per tool-call piece (OpenAI sends one call's
@@ -211,10 +234,8 @@ class ChunkWriter:
         return chat_logprobs(values) if self.parsed.kind == CHAT else self._completion_logprobs.add(values)
 
     def _chunk(self, delta: dict, reason: str | None, token_ids, logprobs) -> bytes:
-        if self.parsed.kind == CHAT:
-            choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
-        else:
-            choice = {"index": 0, **delta, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
+        body = {"delta": delta} if self.parsed.kind == CHAT else delta
+        choice = {"index": self.index, **body, "logprobs": self._logprobs(logprobs), "finish_reason": reason}
         if self.parsed.is_returning_token_ids:
             choice["token_ids"] = list(token_ids)
         chunk = {**self.head, "choices": [choice]}

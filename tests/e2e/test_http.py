@@ -181,6 +181,28 @@ def test_a_seed_reproduces_a_sampled_answer(client: openai.OpenAI):
     assert any(sample(seed) != first for seed in (8, 9, 10))
 
 
+def test_n_choices_are_each_the_answer_of_their_own_seed_streamed_or_not(client: openai.OpenAI):
+    sampling = {"max_tokens": 16, "temperature": 1.0, "seed": 21}
+    answer = _ask(client, "Name an animal.", n=3, **sampling)
+    texts = [c.message.content for c in sorted(answer.choices, key=lambda c: c.index)]
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    for j, text in enumerate(texts):  # choice j samples with seed + j
+        alone = _ask(client, "Name an animal.", **{**sampling, "seed": 21 + j})
+        assert alone.choices[0].message.content == text
+        if j == 0:
+            assert answer.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counts once
+    stream = _ask(client, "Name an animal.", n=3, stream=True, stream_options={"include_usage": True}, **sampling)
+    streamed, usage = ["", "", ""], None
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+        usage = chunk.usage or usage
+    assert streamed == texts
+    assert usage is not None and usage.completion_tokens == answer.usage.completion_tokens
+    greedy = _ask(client, "Name an animal.", n=2, max_tokens=12, temperature=0)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
 def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, gateway_stub):
     reference = _grpc_chat(gateway_stub, PROMPT, 20)
     answer = _ask(client, PROMPT, max_tokens=20, temperature=0, extra_body={"speculative_decoding": False})
@@ -212,7 +234,7 @@ def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, g
         ({"top_p": 1.5}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"stop": [""]}, "stop"),
         ({"stop": 5}, "stop"),
         ({"seed": -1}, "seed"),

@@ -32,13 +32,30 @@ HOLD_S = 30.0
 class FakeGateway(gateway_pb2_grpc.GenerationServiceServicer):
     """Answers "ok" (one token); a stream sends its first message and, while `is_holding`, waits
     for the caller to cancel before its last. `cancelled` is set when a stream ends, which a held
-    one does only when cancelled."""
+    one does only when cancelled; `num_ended` counts the streams that ended, and `requests` keeps
+    every request it was sent."""
 
     def __init__(self) -> None:
         self.is_holding = False
         self.cancelled = threading.Event()
+        self.num_ended = 0
+        self.requests: list[gateway_pb2.GenerateRequest] = []
+        self._lock = threading.Condition()
+
+    def _ended(self) -> None:
+        with self._lock:
+            self.num_ended += 1
+            self._lock.notify_all()
+        self.cancelled.set()
+
+    def wait_ended(self, count: int, timeout: float = HOLD_S) -> bool:
+        """Whether `count` streams have ended within `timeout` seconds."""
+        with self._lock:
+            return self._lock.wait_for(lambda: self.num_ended >= count, timeout)
 
     def _check(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            self.requests.append(request)
         try:
             params_from_pb(request, Limits(), SpeculationDefaults())
         except InvalidArgument as e:
@@ -56,7 +73,7 @@ class FakeGateway(gateway_pb2_grpc.GenerationServiceServicer):
 
     def GenerateStream(self, request, context):  # noqa: ANN001, N802
         self._check(request, context)
-        context.add_callback(self.cancelled.set)  # before the first message: the caller may cancel at once
+        context.add_callback(self._ended)  # before the first message: the caller may cancel at once
         yield gateway_pb2.GenerateStreamResponse(request_id=request.request_id, text="o", token_ids=[1])
         if self.is_holding:
             self.cancelled.wait(HOLD_S)

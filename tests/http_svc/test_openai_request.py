@@ -11,6 +11,7 @@ from http_svc.openai_request import (
     CHAT,
     COMPLETION,
     DEFAULT_TEMPERATURE,
+    MAX_CHOICES,
     ignored_fields_header,
     parse_body,
     parse_request,
@@ -113,8 +114,10 @@ def test_speculation_settings_are_extra_fields() -> None:
     ("fields", "param"),
     [
         ({"model": None}, "model"),
-        ({"n": 3}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
         ({"n": "1"}, "n"),
+        ({"n": 1.5}, "n"),
         ({"messages": "Hi"}, "messages"),
         ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
@@ -184,6 +187,27 @@ def test_neutral_values_of_unsupported_parameters_change_nothing(fields: dict) -
     plain, parsed = parse_request(chat(), CHAT), parse_request(chat(**fields), CHAT)
     assert parsed.requests == plain.requests
     assert (parsed.is_logprobs, parsed.num_top_logprobs, parsed.is_stream) == (False, 0, False)
+
+
+def test_n_choices_are_requests_of_their_own_each_seed_its_own() -> None:
+    parsed = parse_request(chat(n=3, seed=(1 << 64) - 2, temperature=0.7, max_tokens=5), CHAT)
+    assert parsed.num_choices == 3 and len(parsed.requests) == 3
+    assert [r.sampling.seed for r in parsed.requests] == [(1 << 64) - 2, (1 << 64) - 1, 0]  # mod 2^64
+    assert all(r.max_new_tokens == 5 and r.sampling.temperature == pytest.approx(0.7) for r in parsed.requests)
+    assert all(r.chat == parsed.request.chat for r in parsed.requests)
+    assert parsed.prompt_requests == (parsed.request,)
+    unseeded = parse_request(chat(n=2), CHAT).requests
+    assert not any(r.sampling.HasField("seed") for r in unseeded)  # each draws its own
+
+
+def test_n_choices_of_several_prompts_are_prompt_major() -> None:
+    parsed = parse_request({"model": MODEL, "prompt": ["a", "b"], "n": 2, "seed": 7}, COMPLETION)
+    assert [(r.prompt, r.sampling.seed) for r in parsed.requests] == [("a", 7), ("a", 8), ("b", 7), ("b", 8)]
+    assert [r.prompt for r in parsed.prompt_requests] == ["a", "b"]
+    streamed = parse_request(chat(n=4, stream=True), CHAT)
+    assert streamed.is_stream and len(streamed.requests) == 4
+    error = refused({"model": MODEL, "prompt": ["a", "b"], "n": MAX_CHOICES // 2 + 1}, COMPLETION)
+    assert error.param == "n" and f"at most {MAX_CHOICES}" in error.message
 
 
 @pytest.mark.parametrize("kind", [CHAT, COMPLETION])
