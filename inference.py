@@ -147,6 +147,11 @@ def _add_generation_args(gen: argparse._ArgumentGroup) -> None:
     gen.add_argument("--seed", type=ranged(int, 0, MAX_SEED), metavar="N", help="seed of the sampling stream")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument(
+        "--ignore_eos",
+        action="store_true",
+        help="the model's end-of-sequence tokens do not end the output: it runs to --max_new_tokens or a stop string",
+    )
+    gen.add_argument(
         "--timeout",
         type=ranged(float, 0.0, is_low_open=True),
         default=DEFAULT_TIMEOUT_S,
@@ -348,7 +353,7 @@ def read_json_schema(parser: argparse.ArgumentParser, path: Path) -> str:
 
 
 def build_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
-    req = gateway_pb2.GenerateRequest(stop=args.stop)
+    req = gateway_pb2.GenerateRequest(stop=args.stop, ignore_eos=args.ignore_eos)
     if args.chat:
         messages = [] if args.system is None else [gateway_pb2.ChatMessage(role="system", content=args.system)]
         messages.append(gateway_pb2.ChatMessage(role="user", content=args.prompt))

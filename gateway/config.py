@@ -51,6 +51,7 @@ class Limits:
     max_new_tokens: int = 8192
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_stop_token_ids: int = 64
     max_prompt_chars: int = 1 << 20
     max_chat_messages: int = 256
     # A request's speculation (specdec.speculation_bounds: within what every service accepts).

@@ -256,12 +256,15 @@ class RequestLoop:
         (gateway.output), stats and log probabilities."""
         self.generated: list[int] = list(generated)
         self.stats = stats or RequestStats(num_prompt_tokens=len(self.prompt_ids))
-        self.eos = set(self.model.eos_token_ids)
+        # the tokens that end the output (the model's end-of-sequence ones unless ignore_eos, and the
+        # request's stop_token_ids): the output stops before them, and so do the primary's runs
+        self.eos = set(self.params.end_token_ids(self.model.eos_token_ids))
         self.output = Output(
             self.tokenizer,
             self.generated,
             eos=self.eos,
             stop=self.params.stop,
+            stop_token_ids=frozenset(self.params.stop_token_ids),
             max_new_tokens=self.params.max_new_tokens,
             num_prompt_tokens=len(self.prompt_ids),
             max_context=self.model.max_context,

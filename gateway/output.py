@@ -31,8 +31,12 @@ class Output:
         max_new_tokens: int,
         num_prompt_tokens: int,
         max_context: int,
+        stop_token_ids: Set[int] = frozenset(),
     ) -> None:
+        """`eos`: every token that ends the output; of them, `stop_token_ids` the request's own,
+        which finish it as a stop string does."""
         self.tokenizer, self.eos, self.stop = tokenizer, eos, stop
+        self.stop_token_ids = stop_token_ids
         self.max_new_tokens, self.num_prompt_tokens, self.max_context = max_new_tokens, num_prompt_tokens, max_context
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = self.detok.add(generated) if generated else ""
@@ -41,11 +45,11 @@ class Output:
     def truncate(self, new_tokens: list[int], num_generated: int) -> tuple[list[int], str | None]:
         """A step's new tokens up to the output's end, after `num_generated` committed ones, and the
         finish reason when they reach it: before an end-of-sequence token (eos), or at max_new_tokens
-        or the context's room (length)."""
+        or the context's room (length); before one of the request's stop_token_ids (stop)."""
         kept: list[int] = []
         for t in new_tokens:
             if t in self.eos:
-                return kept, FINISH_EOS
+                return kept, FINISH_STOP if t in self.stop_token_ids else FINISH_EOS
             kept.append(t)
             total = num_generated + len(kept)
             if total >= self.max_new_tokens or self.num_prompt_tokens + total >= self.max_context - 1:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gateway.config import Limits, SpeculationDefaults
@@ -55,6 +55,13 @@ class GenerationParams:
     prompt_token_ids: tuple[int, ...] | None = None  # a tokenized prompt (then prompt and messages are None)
     logprobs: LogprobsRequest | None = None  # None: no log probabilities
     prediction: str | None = None  # the predicted output (Predicted Outputs); None: none
+    ignore_eos: bool = False  # the model's end-of-sequence tokens do not end the output
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (finish reason stop)
+
+    def end_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """The tokens that end the output: the model's end-of-sequence ones (unless ignore_eos) and
+        stop_token_ids."""
+        return frozenset(() if self.ignore_eos else eos_token_ids) | frozenset(self.stop_token_ids)
 
     @property
     def has_schema(self) -> bool:
@@ -105,6 +112,12 @@ def params_from_pb(
         has_prediction=prediction is not None,
     )
     logprobs = pb.logprobs_request_from_pb(req.logprobs) if req.HasField("logprobs") else None
+    if req.ignore_eos and response_format is not None:
+        field = "response_format" if req.HasField("response_format") else "tool_choice"
+        raise InvalidArgument(
+            "ignore_eos", f"cannot be combined with {field}: a finished grammar allows only the end of the sequence"
+        )
+    _check_stop_token_ids(req.stop_token_ids, limits)
     return GenerationParams(
         prompt,
         messages,
@@ -117,7 +130,19 @@ def params_from_pb(
         prompt_token_ids=prompt_token_ids,
         logprobs=logprobs,
         prediction=prediction,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=tuple(req.stop_token_ids),
     )
+
+
+def _check_stop_token_ids(ids: Sequence[int], limits: Limits) -> None:
+    """At most limits.max_stop_token_ids ids, none negative (their range's top is the vocabulary's,
+    which the server checks, as for a prompt's ids)."""
+    if len(ids) > limits.max_stop_token_ids:
+        raise InvalidArgument("stop_token_ids", f"at most {limits.max_stop_token_ids} token ids, got {len(ids)}")
+    for i, t in enumerate(ids):
+        if t < 0:
+            raise InvalidArgument(f"stop_token_ids[{i}]", f"must be a token id >= 0, got {t}")
 
 
 def _prediction_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits) -> str | None:

@@ -452,6 +452,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         field = {"chat": "chat.messages", "token_ids": "token_ids.ids"}.get(field, field)
         if params.prompt_token_ids is not None:
             self.tokenization.check_ids("token_ids.ids", prompt_ids)
+        self.tokenization.check_ids("stop_token_ids", params.stop_token_ids)
         if not prompt_ids:
             raise InvalidArgument(field, "the prompt encodes to no tokens")
         if len(prompt_ids) >= self.model.max_context - 1:

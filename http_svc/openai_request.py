@@ -23,6 +23,7 @@ Streamed, the choices' chunks interleave, each with its index; the usage counts 
 Sampling controls (specdec.penalties, specdec.sampling): temperature, top_p, seed, and
 frequency_penalty, presence_penalty, logit_bias (OpenAI), with vLLM's extras top_k, min_p and
 repetition_penalty. Penalties count output tokens only; repetition_penalty counts the prompt too.
+vLLM's ignore_eos (answers of a set length, as benchmarks ask) and stop_token_ids ride along too.
 
 Fields that change nothing are accepted, as vLLM accepts them, and named in the response header
 IGNORED_FIELDS_HEADER: OpenAI's that do not apply here (_IGNORED: user, store, metadata, ...) and
@@ -92,7 +93,7 @@ _COMMON_FIELDS = frozenset(
         "model", "n", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias", "response_format",
         "return_token_ids", "speculative_decoding", "adaptive", "speculative_degree", "draft_length",
-        "acceptance_threshold", "strategies",
+        "acceptance_threshold", "strategies", "ignore_eos", "stop_token_ids",
     }
 )  # fmt: skip
 _FIELDS = {
@@ -225,6 +226,9 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
             aliases["max_new_tokens"] = name
             break
     request.stop.extend(_stop(data.get("stop")))
+    request.ignore_eos = _boolean(data.get("ignore_eos"), "ignore_eos", False)
+    if data.get("stop_token_ids") is not None:
+        request.stop_token_ids.extend(_stop_token_ids(data["stop_token_ids"]))
     _set_sampling(request.sampling, data)
     _set_response_format(request.response_format, data.get("response_format"))
     set_tools(request, data)
@@ -392,6 +396,18 @@ def _token_ids(value: Any, param: str) -> list[int]:
             raise bad_request(f"{param}[{j}]", f"must be a token id (an integer), got {json.dumps(t)}")
         if not 0 <= t <= MAX_INT32:
             raise bad_request(f"{param}[{j}]", f"must be a token id in [0, {MAX_INT32}], got {t}")
+    return value
+
+
+def _stop_token_ids(value: Any) -> list[int]:
+    """vLLM's stop_token_ids: token ids (how many, and their range, are the gateway's to check)."""
+    if not isinstance(value, list):
+        raise bad_request("stop_token_ids", "must be an array of token ids")
+    for j, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise bad_request(f"stop_token_ids[{j}]", f"must be a token id (an integer), got {json.dumps(t)}")
+        if not 0 <= t <= MAX_INT32:
+            raise bad_request(f"stop_token_ids[{j}]", f"must be a token id in [0, {MAX_INT32}], got {t}")
     return value
 
 

@@ -143,6 +143,7 @@ def test_the_request_carries_every_flag(tmp_path: Path) -> None:
             "\n\n",
             "--stop",
             "END",
+            "--ignore_eos",
             "--speculative_degree",
             "4",
             "--draft_length",
@@ -160,7 +161,7 @@ def test_the_request_carries_every_flag(tmp_path: Path) -> None:
     )
     req = inference.build_request(args)
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
-    assert req.max_new_tokens == 7 and list(req.stop) == ["\n\n", "END"]
+    assert req.max_new_tokens == 7 and list(req.stop) == ["\n\n", "END"] and req.ignore_eos
     assert (req.sampling.temperature, req.sampling.top_k, req.sampling.seed) == (0.5, 3, 11)
     assert req.sampling.top_p == pytest.approx(0.9)
     s = req.speculation
@@ -236,6 +237,7 @@ def test_defaults_send_a_raw_prompt_only_with_no_chat() -> None:
     chat = inference.build_request(inference.parse_args(["--prompt", "Hi"]))
     assert chat.WhichOneof("input") == "chat" and not chat.HasField("response_format")
     assert chat.sampling.temperature == 0.0 and not chat.sampling.HasField("seed"), "greedy"
+    assert not chat.ignore_eos
     raw = inference.build_request(inference.parse_args(["--prompt", "Hi", "--no-chat", "--json_mode"]))
     assert raw.WhichOneof("input") == "prompt" and raw.prompt == "Hi"
     assert raw.response_format.type == common_pb2.ResponseFormat.TYPE_JSON_OBJECT

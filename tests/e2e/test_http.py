@@ -203,6 +203,32 @@ def test_n_choices_are_each_the_answer_of_their_own_seed_streamed_or_not(client:
     assert greedy.choices[0].message.content == greedy.choices[1].message.content
 
 
+def test_ignore_eos_runs_to_max_tokens_and_stop_token_ids_end_the_output(client: openai.OpenAI, gateway_stub):
+    def grpc_answer(**fields: Any) -> gateway_pb2.GenerateResponse:
+        req = gateway_pb2.GenerateRequest(max_new_tokens=40, **fields)
+        req.chat.messages.add(role="user", content="Say hi.")
+        return gateway_stub.Generate(req, timeout=600)
+
+    ended = grpc_answer()
+    assert ended.finish_reason == gateway_pb2.FINISH_REASON_EOS and len(ended.token_ids) < 40
+    eos = set(gateway_stub.DescribeModel(gateway_pb2.DescribeModelRequest(), timeout=60).eos_token_ids)
+    plain = grpc_answer(ignore_eos=True, speculation=gateway_pb2.SpeculationConfig(is_enabled=False))
+    assert plain.finish_reason == gateway_pb2.FINISH_REASON_LENGTH and len(plain.token_ids) == 40
+    assert list(plain.token_ids[: len(ended.token_ids)]) == list(ended.token_ids)
+    assert plain.token_ids[len(ended.token_ids)] in eos  # the end token is output like any other
+    speculated = grpc_answer(ignore_eos=True)  # speculation at the service's defaults
+    assert list(speculated.token_ids) == list(plain.token_ids)
+    stop_id = ended.token_ids[2]
+    stopped = grpc_answer(stop_token_ids=[stop_id])
+    assert stopped.finish_reason == gateway_pb2.FINISH_REASON_STOP
+    assert list(stopped.token_ids) == list(ended.token_ids[: list(ended.token_ids).index(stop_id)])
+    over_http = _ask(client, "Say hi.", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    assert over_http.usage.completion_tokens == 40 and over_http.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, "Say hi.", max_tokens=4, extra_body={"stop_token_ids": [10**8]})
+    assert e.value.body["param"] == "stop_token_ids"
+
+
 def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, gateway_stub):
     reference = _grpc_chat(gateway_stub, PROMPT, 20)
     answer = _ask(client, PROMPT, max_tokens=20, temperature=0, extra_body={"speculative_decoding": False})

@@ -11,6 +11,7 @@ from specdec.errors import InvalidArgument
 from specdec.task_type import TaskType
 from specdec.v1 import common_pb2, gateway_pb2
 
+JSON_MODE = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT)
 DEFAULTS = SpeculationDefaults(
     speculative_degree=1, draft_length=8, max_adaptive_degree=4, max_adaptive_draft_length=16
 )
@@ -167,3 +168,28 @@ def test_a_request_naming_its_strategies_keeps_them_and_a_structured_one_drafts_
     )
     spec = params_from_pb(structured, Limits(), SpeculationDefaults(), offered).speculation
     assert spec.strategies == ("grammar", "prompt_lookup", "suffix_index", "feature")
+
+
+def test_ignore_eos_and_stop_token_ids_decide_the_tokens_that_end_the_output():
+    def end(**fields):
+        params = params_from_pb(gateway_pb2.GenerateRequest(prompt="hi", **fields), Limits(), DEFAULTS)
+        return params.end_token_ids((2, 3))
+
+    assert end() == {2, 3}
+    assert end(ignore_eos=True) == set()
+    assert end(stop_token_ids=[7, 3]) == {2, 3, 7}
+    assert end(ignore_eos=True, stop_token_ids=[7]) == {7}
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "words"),
+    [
+        ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
+        ({"stop_token_ids": [5, -1]}, "stop_token_ids[1]", ">= 0"),
+        ({"ignore_eos": True, "response_format": JSON_MODE}, "ignore_eos", "response_format"),
+    ],
+)
+def test_bad_end_tokens_are_refused_naming_the_field(fields, field, words):
+    with pytest.raises(InvalidArgument) as e:
+        params_from_pb(gateway_pb2.GenerateRequest(prompt="hi", **fields), Limits(), DEFAULTS)
+    assert e.value.field == field and words in str(e.value)
