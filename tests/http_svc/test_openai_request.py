@@ -133,6 +133,10 @@ def test_speculation_settings_are_extra_fields() -> None:
         ({"top_p": float("nan")}, "top_p"),
         ({"seed": 1 << 64}, "seed"),
         ({"stop": ["a", 1]}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": [1, -2]}, "stop_token_ids[1]"),
+        ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
+        ({"ignore_eos": 1}, "ignore_eos"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
@@ -187,6 +191,13 @@ def test_neutral_values_of_unsupported_parameters_change_nothing(fields: dict) -
     plain, parsed = parse_request(chat(), CHAT), parse_request(chat(**fields), CHAT)
     assert parsed.requests == plain.requests
     assert (parsed.is_logprobs, parsed.num_top_logprobs, parsed.is_stream) == (False, 0, False)
+
+
+def test_ignore_eos_and_stop_token_ids_reach_the_generate_request() -> None:
+    r = parse_request(chat(ignore_eos=True, stop_token_ids=[3, 4]), CHAT).request
+    assert r.ignore_eos and list(r.stop_token_ids) == [3, 4]
+    r = parse_request(chat(stop_token_ids=[]), CHAT).request
+    assert not r.ignore_eos and not r.stop_token_ids
 
 
 def test_n_choices_are_requests_of_their_own_each_seed_its_own() -> None:
