@@ -39,10 +39,11 @@ from specdec.grammar.compiling import Grammars
 from gateway.loop import RequestLoop
 from gateway.owner_id import OwnerId
 from gateway.owner_probe import OwnerProbe
-from gateway.params import params_from_pb
+from gateway.params import GenerationParams, params_from_pb
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import Cancelled, Unavailable
+from specdec.errors import Cancelled, InvalidArgument, Unavailable
+from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.state_store import AsyncStateStore, RequestState, RequestStatus
 from specdec.v1 import gateway_pb2
@@ -149,15 +150,58 @@ class Resumption:
         state = await self.store.load(request_id)
         if state is None:
             return False
-        params = params_from_pb(
-            params_pb_from_json(state.params), self.config.limits, self.config.speculation, self._offered_strategies
-        )
+        try:
+            params = params_from_pb(
+                params_pb_from_json(state.params), self.config.limits, self.config.speculation, self._offered_strategies
+            )
+        except InvalidArgument as e:  # this gateway's limits refuse what an earlier one admitted
+            await self._fail_unresumable(request_id, e)
+            return False
         cancel = threading.Event()
         with self._lock:
             if request_id in self._active:  # adopted meanwhile by another of this gateway's calls
                 return False
             self._active[request_id] = cancel
-        grammar = None if params.response_format is None else self.grammars.new_state(params.response_format)
+        if params.response_format is None:
+            self._run_adopted(request_id, params, state, cancel, None)
+        else:  # a schema not in the cache compiles first, off the event loop (up to a minute)
+            self._in_background(
+                self._adopt_once_compiled(request_id, params, state, cancel), name=f"resume {request_id}"
+            )
+        return True
+
+    async def _adopt_once_compiled(
+        self, request_id: str, params: GenerationParams, state: RequestState, cancel: threading.Event
+    ) -> None:
+        """Run an adopted request once its schema has compiled; a schema this gateway now refuses
+        (its limits changed) fails the request."""
+        assert params.response_format is not None
+        try:
+            grammar = await self.grammars.new_state_when_compiled(params.response_format)
+        except InvalidArgument as e:
+            with self._lock:
+                self._active.pop(request_id, None)
+            await self._fail_unresumable(request_id, e)
+            return
+        self._run_adopted(request_id, params, state, cancel, grammar)
+
+    async def _fail_unresumable(self, request_id: str, error: InvalidArgument) -> None:
+        """An adopted request this gateway cannot run ends FAILED (its followers hear why), rather than
+        staying claimed by a gateway that never runs it."""
+        await OwnerFencedStore(self.store, self.owner).set_status(
+            request_id, RequestStatus.FAILED, error=f"cannot resume here: {error}"
+        )
+        self.log.warning("could not resume a request", request_id=request_id, error=str(error))
+
+    def _run_adopted(
+        self,
+        request_id: str,
+        params: GenerationParams,
+        state: RequestState,
+        cancel: threading.Event,
+        grammar: GrammarState | None,
+    ) -> None:
+        """The adopted request's loop, in a task, behind an admission slot."""
         # The previous gateway's lease: the primary may still hold the request's slot, and lets
         # only the lease's holder re-prefill it (on its stored node; another node has no slot).
         node = self._place(request_id, state.prompt_token_ids, state.node)
@@ -181,7 +225,6 @@ class Resumption:
         ticket = self.admission.enter(self._tenant_of(request_id), is_accepted=True)
         self._in_background(self._resumed(loop, ticket), name=f"resume {request_id}")
         self.log.info("adopted request", request_id=request_id, num_tokens=len(state.token_ids), node=loop.node_id)
-        return True
 
     async def keep_leases(self) -> None:
         """Until cancelled: every lease_s / 3, renew the lease of each request this gateway runs or

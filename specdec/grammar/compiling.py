@@ -13,6 +13,7 @@ PrepareGrammar call or at the request's first Propose, whichever comes first.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -97,6 +98,20 @@ class Grammars:
                 f"took longer than {wait_s:.1f} s to compile into a grammar; it "
                 "keeps compiling in the background, retry later or simplify the schema",
             ) from None
+
+    async def new_state_when_compiled(self, response_format: ResponseFormat, retry_s: float = 0.5) -> GrammarState:
+        """A fresh grammar state once the schema has compiled, awaited without blocking the event loop
+        and with no bound: for a request that was admitted with this schema (a resumed one), whose
+        compile can only be slow, never wrong, and which no caller's deadline bounds. A start refused
+        for the pending bound is tried again every retry_s. InvalidArgument passes through."""
+        while True:
+            try:
+                future = self.start(response_format)
+            except ResourceExhausted:
+                await asyncio.sleep(retry_s)
+                continue
+            compiled = await asyncio.wrap_future(future)
+            return compiled.new_state()
 
     def _done(self, response_format: ResponseFormat) -> None:
         with self._lock:
