@@ -152,6 +152,9 @@ def _add_generation_args(gen: argparse._ArgumentGroup) -> None:
         help="the model's end-of-sequence tokens do not end the output: it runs to --max_new_tokens or a stop string",
     )
     gen.add_argument(
+        "--min_tokens", type=ranged(int, 0), default=0, metavar="N", help="no end of the output before N tokens"
+    )
+    gen.add_argument(
         "--timeout",
         type=ranged(float, 0.0, is_low_open=True),
         default=DEFAULT_TIMEOUT_S,
@@ -363,6 +366,7 @@ def build_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
     if args.max_new_tokens is not None:
         req.max_new_tokens = args.max_new_tokens
     req.sampling.temperature, req.sampling.top_k, req.sampling.top_p = args.temperature, args.top_k, args.top_p
+    req.sampling.min_tokens = args.min_tokens
     if args.seed is not None:
         req.sampling.seed = args.seed
     s = req.speculation

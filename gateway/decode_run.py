@@ -29,6 +29,7 @@ from gateway.params import GenerationParams
 from specdec.errors import Unavailable
 from specdec.grammar import GrammarState, ResponseFormat
 from specdec.repeats import RepeatIndex
+from specdec.sampling import SamplingParams
 from specdec.strategies import PROMPT_LOOKUP_STRATEGY
 
 # What the loop's planner knows a decoder will propose this step, by (decoder, rank) (StepPlanner.known_coverage)
@@ -141,7 +142,9 @@ class DecodeRuns:
         # A run under a grammar: the primary masks each token by its own state of the grammar.
         is_grammar_run = self.grammar is not None and max_tokens > 1
         allowed = None if self.grammar is None or is_grammar_run else self.grammar.allowed_mask()  # 1 row
-        lookup_draft_length = self._run_lookup_length(max_tokens, allowed is not None)
+        # min_tokens still ahead: the primary holds back the end tokens at each step of the run before it
+        sampling = self.params.sampling.holding_back(self.eos, start.num_generated)
+        lookup_draft_length = self._run_lookup_length(max_tokens, allowed is not None, sampling)
         stop_at_repeat, max_tokens = (
             self._stop_at_repeat(max_tokens) if max_tokens > 1 and not lookup_draft_length else (0, max_tokens)
         )
@@ -150,7 +153,7 @@ class DecodeRuns:
             self.request_id,
             start.pending_accepted,
             start.pending_committed,
-            self.params.sampling,
+            sampling,
             start.num_generated,
             allowed,
             max_tokens=max_tokens,
@@ -163,7 +166,7 @@ class DecodeRuns:
             **self.logprobs_request,
         )
 
-    def _run_lookup_length(self, max_tokens: int, is_masked: bool) -> int:
+    def _run_lookup_length(self, max_tokens: int, is_masked: bool, sampling: SamplingParams) -> int:
         """How many tokens a step of the run opened now may draft by prompt lookup in the primary itself
         (DecodeRequest.lookup_draft_length): the request's draft_length where prompt lookup is one of
         its adaptive strategies and the run has no one-row mask, penalties, logprobs or prediction (a
@@ -171,7 +174,6 @@ class DecodeRuns:
         keeps a draft where its draw at that position equals it); else 0.
         Such a run drafts a copy the step it starts, with no round trip to the draft service or the
         validator, so it goes on through repeats instead of ending at them (_stop_at_repeat)."""
-        sampling = self.params.sampling
         if (
             not self.is_run_drafting
             or self.repeats is None

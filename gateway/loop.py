@@ -948,8 +948,13 @@ class RequestLoop:
         """The Verify argument carrying the request's penalties and logit_bias, which the primary
         applies to every tree row as Decode does to its row (calls of requests without stay as they
         were)."""
-        sampling: SamplingParams = self.params.sampling
+        sampling = self.primary_sampling()
         return {"sampling": sampling} if sampling.has_penalties else {}
+
+    def primary_sampling(self) -> SamplingParams:
+        """The sampling parameters the primary processes this step's rows by: with min_tokens still
+        ahead, holding back the request's end tokens; after it, as a request without it."""
+        return self.params.sampling.holding_back(self.eos, len(self.generated))
 
     def _feature_request(self, plan: SpeculationPlan | None = None) -> dict[str, Any]:
         """The primary calls' argument asking for features, only where a strategy reads them (calls of

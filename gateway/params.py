@@ -112,10 +112,15 @@ def params_from_pb(
         has_prediction=prediction is not None,
     )
     logprobs = pb.logprobs_request_from_pb(req.logprobs) if req.HasField("logprobs") else None
-    if req.ignore_eos and response_format is not None:
-        field = "response_format" if req.HasField("response_format") else "tool_choice"
+    for name, is_asked in (("ignore_eos", req.ignore_eos), ("sampling.min_tokens", sampling.min_tokens > 0)):
+        if is_asked and response_format is not None:
+            field = "response_format" if req.HasField("response_format") else "tool_choice"
+            raise InvalidArgument(
+                name, f"cannot be combined with {field}: a finished grammar allows only the end of the sequence"
+            )
+    if sampling.min_tokens > max_new_tokens:
         raise InvalidArgument(
-            "ignore_eos", f"cannot be combined with {field}: a finished grammar allows only the end of the sequence"
+            "sampling.min_tokens", f"must be at most max_new_tokens ({max_new_tokens}), got {sampling.min_tokens}"
         )
     _check_stop_token_ids(req.stop_token_ids, limits)
     return GenerationParams(

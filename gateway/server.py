@@ -444,7 +444,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         can refuse the request, before anything is stored. `offered`: the draft pool's strategies
         (None: not asked, or the pool is down, and the request runs without drafts anyway)."""
         params = params_from_pb(request, self.config.limits, self.config.speculation, offered)
-        pb.check_logit_bias_ids(params.sampling, self.model.vocab_size)
+        pb.check_sampling_token_ids(params.sampling, self.model.vocab_size)
         if params.speculation.is_enabled and offered is not None:
             check_offered(request.speculation.strategies, offered)
         prompt_ids = self.prompt_encoder.encode(params)

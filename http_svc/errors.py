@@ -55,6 +55,7 @@ _PARAM_BY_FIELD = {
     "sampling.repetition_penalty": "repetition_penalty",
     "sampling.min_p": "min_p",
     "sampling.logit_bias": "logit_bias",
+    "sampling.min_tokens": "min_tokens",
     "stop": "stop",
     "prompt": "prompt",
     "token_ids.ids": "prompt",

@@ -23,7 +23,8 @@ Streamed, the choices' chunks interleave, each with its index; the usage counts 
 Sampling controls (specdec.penalties, specdec.sampling): temperature, top_p, seed, and
 frequency_penalty, presence_penalty, logit_bias (OpenAI), with vLLM's extras top_k, min_p and
 repetition_penalty. Penalties count output tokens only; repetition_penalty counts the prompt too.
-vLLM's ignore_eos (answers of a set length, as benchmarks ask) and stop_token_ids ride along too.
+vLLM's ignore_eos (answers of a set length, as benchmarks ask), stop_token_ids and min_tokens ride
+along too.
 
 Fields that change nothing are accepted, as vLLM accepts them, and named in the response header
 IGNORED_FIELDS_HEADER: OpenAI's that do not apply here (_IGNORED: user, store, metadata, ...) and
@@ -93,7 +94,7 @@ _COMMON_FIELDS = frozenset(
         "model", "n", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias", "response_format",
         "return_token_ids", "speculative_decoding", "adaptive", "speculative_degree", "draft_length",
-        "acceptance_threshold", "strategies", "ignore_eos", "stop_token_ids",
+        "acceptance_threshold", "strategies", "ignore_eos", "stop_token_ids", "min_tokens",
     }
 )  # fmt: skip
 _FIELDS = {
@@ -431,6 +432,8 @@ def _set_sampling(sampling: common_pb2.SamplingParams, data: dict[str, Any]) -> 
         sampling.top_k = top_k
     if data.get("seed") is not None:
         sampling.seed = _integer(data["seed"], "seed", MAX_UINT64)
+    if data.get("min_tokens") is not None:  # vLLM's: its range against max_tokens is the gateway's
+        sampling.min_tokens = _integer(data["min_tokens"], "min_tokens", MAX_UINT32)
     _set_penalties(sampling, data)
 
 

@@ -364,7 +364,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def _sampling(self, request) -> SamplingParams:
         """The request's sampling parameters, checked (logit_bias ids against the vocabulary too)."""
         sampling = pb.sampling_from_pb(request.sampling)
-        pb.check_logit_bias_ids(sampling, self.vocab_size)
+        pb.check_sampling_token_ids(sampling, self.vocab_size)
         return sampling
 
     def _penalized(

@@ -47,6 +47,8 @@ def sampling_from_pb(pb: common_pb2.SamplingParams, field: str = "sampling") -> 
             repetition_penalty=float(pb.repetition_penalty) if pb.HasField("repetition_penalty") else 1.0,
             min_p=float(pb.min_p),
             logit_bias=_logit_bias_from_pb(pb, field),
+            min_tokens=int(pb.min_tokens),
+            min_tokens_ids=tuple(sorted(set(pb.min_tokens_ids))),
         )
     except ValueError as e:  # "top_p must be ...": the field's name, then what is wrong with it
         name, _, problem = str(e).partition(" ")
@@ -62,11 +64,16 @@ def _logit_bias_from_pb(pb: common_pb2.SamplingParams, field: str) -> tuple[tupl
     return tuple(sorted((int(t), float(b)) for t, b in pb.logit_bias.items()))
 
 
-def check_logit_bias_ids(params: SamplingParams, vocab_size: int, field: str = "sampling") -> None:
-    """The logit_bias token ids are below vocab_size (SamplingParams cannot know the vocabulary)."""
+def check_sampling_token_ids(params: SamplingParams, vocab_size: int, field: str = "sampling") -> None:
+    """The token ids of logit_bias and min_tokens_ids are below vocab_size (SamplingParams cannot know
+    the vocabulary)."""
     if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:
         raise InvalidArgument(
             f"{field}.logit_bias", f"token id {params.logit_bias[-1][0]} is not below the vocab_size {vocab_size}"
+        )
+    if params.min_tokens_ids and params.min_tokens_ids[-1] >= vocab_size:
+        raise InvalidArgument(
+            f"{field}.min_tokens_ids", f"token id {params.min_tokens_ids[-1]} is not below the vocab_size {vocab_size}"
         )
 
 
@@ -79,6 +86,8 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty,
         min_p=params.min_p,
         logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
+        min_tokens_ids=params.min_tokens_ids,
     )
     if params.seed is not None:
         pb.seed = params.seed

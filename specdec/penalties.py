@@ -17,6 +17,10 @@ Semantics (those of vLLM, whose OpenAI server defines the extras repetition_pena
 - frequency_penalty f and presence_penalty p (OpenAI): logit[t] -= f * count[t] + p * (count[t] > 0)
   where count[t] counts t in the OUTPUT only (the generated tokens, the tree path included), not
   the prompt, as vLLM counts them.
+- min_tokens m (vLLM): a row whose token would be output token k < m (k = the output's length so far
+  plus the row's depth in the tree) gets HELD_BACK_LOGIT at min_tokens_ids (the request's end
+  tokens), last. Finite, because fp8 logits carry no infinity; far below any logit, so no argmax
+  takes it and its softmax probability is exactly 0 in fp32.
 
 Cost: only the columns of tokens in the history (prompt, output, tree) and of logit_bias are read
 and written, O(R * U) for U distinct tokens, never a Python loop over the vocabulary.
@@ -29,6 +33,8 @@ from collections.abc import Sequence
 import torch
 
 from specdec.sampling import REPETITION_PENALTY_OFF, SamplingParams
+
+HELD_BACK_LOGIT = -1.0e4  # a token min_tokens holds back (see the module docstring)
 
 
 def penalize(
@@ -45,7 +51,8 @@ def penalize(
     extends row i + 1's output by its path. Returns `logits` itself when params have no processing.
 
     E.g. output [5], tree 7 <- 9 (parents [-1, 0]), frequency_penalty 1: counts of token 5 are
-    [1, 1, 1] on rows 0..2, of token 7 [0, 1, 1], of token 9 [0, 0, 1].
+    [1, 1, 1] on rows 0..2, of token 7 [0, 1, 1], of token 9 [0, 0, 1]; min_tokens 3: rows 0 and 1
+    (output tokens 1 and 2) hold back min_tokens_ids, row 2 (output token 3) does not.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(tree_token_ids) + 1, "one row per tree node and the root"
     if not params.has_penalties:
@@ -57,7 +64,23 @@ def penalize(
         out[:, bias_ids] += bias  # ids are distinct (SamplingParams), so no write is lost
     if params.frequency_penalty or params.presence_penalty or params.repetition_penalty != REPETITION_PENALTY_OFF:
         _penalize_history(out, params, prompt_ids, output_ids, tree_token_ids, tree_parents)
+    if params.min_tokens > len(output_ids) and params.min_tokens_ids:
+        _hold_back_end_tokens(out, params, len(output_ids), tree_parents)
     return out
+
+
+def _hold_back_end_tokens(
+    out: torch.Tensor, params: SamplingParams, num_output: int, tree_parents: Sequence[int]
+) -> None:
+    """min_tokens, in place: the rows whose token would be output token k < min_tokens (row 0: k =
+    num_output; node i's row: num_output + its depth) hold back min_tokens_ids."""
+    depths = [0]  # row 0, the root's
+    for parent in tree_parents:
+        depths.append(1 + (depths[parent + 1] if parent >= 0 else 0))
+    rows = [r for r, depth in enumerate(depths) if num_output + depth < params.min_tokens]
+    if rows:
+        ids = torch.tensor(params.min_tokens_ids, dtype=torch.int64)
+        out[torch.tensor(rows, dtype=torch.int64)[:, None], ids[None, :]] = HELD_BACK_LOGIT
 
 
 def _penalize_history(

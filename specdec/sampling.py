@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -30,6 +31,7 @@ REPETITION_PENALTY_OFF = 1.0
 MAX_ABS_PENALTY = 2.0  # OpenAI's range of frequency_penalty and presence_penalty: [-2, 2]
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on the tokens one logit_bias names
+MAX_MIN_TOKENS_IDS = 64  # the tokens min_tokens may hold back (a request's end tokens)
 
 _MASK_64 = 2**64 - 1
 _TOP_P_FIRST_PREFIX = 256  # typical nuclei are far smaller; the prefix grows x8 when not
@@ -47,6 +49,9 @@ class SamplingParams:
     repetition_penalty: float = REPETITION_PENALTY_OFF  # > 0, divides (or multiplies) seen tokens' logits
     min_p: float = MIN_P_OFF  # [0, 1], applied here after top-p (logits_to_probs)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) sorted by id
+    # vLLM's min_tokens: output token k < min_tokens cannot be one of min_tokens_ids (specdec.penalties)
+    min_tokens: int = 0
+    min_tokens_ids: tuple[int, ...] = ()  # sorted, each once
 
     def __post_init__(self) -> None:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
@@ -85,6 +90,13 @@ class SamplingParams:
             if not _is_number(bias) or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
                 raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias!r}")
             previous = token_id
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0 (0 = off), got {self.min_tokens!r}")
+        ids = self.min_tokens_ids
+        if len(ids) > MAX_MIN_TOKENS_IDS:
+            raise ValueError(f"min_tokens_ids may name at most {MAX_MIN_TOKENS_IDS} tokens, got {len(ids)}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids) or list(ids) != sorted(set(ids)):
+            raise ValueError(f"min_tokens_ids must be ints >= 0, sorted, each once, got {ids!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -98,7 +110,18 @@ class SamplingParams:
             or self.presence_penalty
             or self.repetition_penalty != REPETITION_PENALTY_OFF
             or self.logit_bias
+            or (self.min_tokens and self.min_tokens_ids)
         )
+
+    def holding_back(self, end_token_ids: Iterable[int], num_generated: int) -> SamplingParams:
+        """What the primary is sent after num_generated output tokens: with min_tokens still ahead,
+        min_tokens_ids the request's end tokens when it named none; once min_tokens is reached,
+        nothing of it (so the steps after it are as a request without min_tokens)."""
+        if num_generated >= self.min_tokens:
+            return self if not self.min_tokens else dataclasses.replace(self, min_tokens=0, min_tokens_ids=())
+        if self.min_tokens_ids:
+            return self
+        return dataclasses.replace(self, min_tokens_ids=tuple(sorted(set(end_token_ids))))
 
 
 def _is_number(value: object) -> bool:

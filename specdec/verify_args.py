@@ -89,7 +89,7 @@ class VerifyArgs:
         logprobs = pb.logprobs_request_from_pb(request.logprobs) if request.HasField("logprobs") else None
         sampling = pb.sampling_from_pb(request.sampling) if request.HasField("sampling") else None
         if sampling is not None:
-            pb.check_logit_bias_ids(sampling, vocab_size)
+            pb.check_sampling_token_ids(sampling, vocab_size)
         return cls(
             request_id=request_id,
             committed_token_ids=tuple(request.committed_token_ids),

@@ -144,6 +144,8 @@ def test_the_request_carries_every_flag(tmp_path: Path) -> None:
             "--stop",
             "END",
             "--ignore_eos",
+            "--min_tokens",
+            "3",
             "--speculative_degree",
             "4",
             "--draft_length",
@@ -162,7 +164,7 @@ def test_the_request_carries_every_flag(tmp_path: Path) -> None:
     req = inference.build_request(args)
     assert [(m.role, m.content) for m in req.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
     assert req.max_new_tokens == 7 and list(req.stop) == ["\n\n", "END"] and req.ignore_eos
-    assert (req.sampling.temperature, req.sampling.top_k, req.sampling.seed) == (0.5, 3, 11)
+    assert (req.sampling.temperature, req.sampling.top_k, req.sampling.seed, req.sampling.min_tokens) == (0.5, 3, 11, 3)
     assert req.sampling.top_p == pytest.approx(0.9)
     s = req.speculation
     assert (s.speculative_degree, s.draft_length, list(s.strategies)) == (4, 6, ["prompt_lookup", "suffix_index"])

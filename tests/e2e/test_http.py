@@ -30,7 +30,7 @@ import pytest
 
 from specdec.service.api_keys import key_hash, new_key
 from specdec.launcher import DRAFT, PRIMARY, VALIDATOR, ServiceSpec, Stack, StackConfig, free_port
-from specdec.v1 import gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, primary_pb2, primary_pb2_grpc
 from tests.e2e.disconnecting_client import first_chunk_then_disconnect
 
 pytestmark = pytest.mark.e2e
@@ -227,6 +227,29 @@ def test_ignore_eos_runs_to_max_tokens_and_stop_token_ids_end_the_output(client:
     with pytest.raises(openai.BadRequestError) as e:
         _ask(client, "Say hi.", max_tokens=4, extra_body={"stop_token_ids": [10**8]})
     assert e.value.body["param"] == "stop_token_ids"
+
+
+def test_min_tokens_holds_back_the_end_until_that_many_tokens_exactly(client: openai.OpenAI, gateway_stub):
+    def grpc_answer(min_tokens: int, is_speculative: bool = True) -> gateway_pb2.GenerateResponse:
+        req = gateway_pb2.GenerateRequest(max_new_tokens=40, sampling=common_pb2.SamplingParams(min_tokens=min_tokens))
+        req.chat.messages.add(role="user", content="Say hi.")
+        req.speculation.is_enabled = is_speculative
+        return gateway_stub.Generate(req, timeout=600)
+
+    ended = grpc_answer(0)
+    length = len(ended.token_ids)
+    assert ended.finish_reason == gateway_pb2.FINISH_REASON_EOS and length < 30
+    assert list(grpc_answer(length).token_ids) == list(ended.token_ids)  # its end comes at token `length`
+    held = grpc_answer(length + 1)  # that end is held back: the output goes on
+    assert len(held.token_ids) > length and list(held.token_ids[:length]) == list(ended.token_ids)
+    longer = grpc_answer(length + 8, is_speculative=False)
+    assert len(longer.token_ids) >= length + 8
+    assert list(grpc_answer(length + 8).token_ids) == list(longer.token_ids)  # speculation changes nothing
+    over_http = _ask(client, "Say hi.", max_tokens=40, temperature=0, extra_body={"min_tokens": length + 8})
+    assert over_http.usage.completion_tokens == len(longer.token_ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, "Say hi.", max_tokens=4, extra_body={"min_tokens": 5})
+    assert e.value.body["param"] == "min_tokens"
 
 
 def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, gateway_stub):

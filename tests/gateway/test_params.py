@@ -12,6 +12,7 @@ from specdec.task_type import TaskType
 from specdec.v1 import common_pb2, gateway_pb2
 
 JSON_MODE = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT)
+AT_LEAST_2, AT_LEAST_9 = common_pb2.SamplingParams(min_tokens=2), common_pb2.SamplingParams(min_tokens=9)
 DEFAULTS = SpeculationDefaults(
     speculative_degree=1, draft_length=8, max_adaptive_degree=4, max_adaptive_draft_length=16
 )
@@ -187,6 +188,8 @@ def test_ignore_eos_and_stop_token_ids_decide_the_tokens_that_end_the_output():
         ({"stop_token_ids": list(range(65))}, "stop_token_ids", "at most 64"),
         ({"stop_token_ids": [5, -1]}, "stop_token_ids[1]", ">= 0"),
         ({"ignore_eos": True, "response_format": JSON_MODE}, "ignore_eos", "response_format"),
+        ({"sampling": AT_LEAST_2, "response_format": JSON_MODE}, "sampling.min_tokens", "response_format"),
+        ({"sampling": AT_LEAST_9, "max_new_tokens": 8}, "sampling.min_tokens", "at most max_new_tokens (8)"),
     ],
 )
 def test_bad_end_tokens_are_refused_naming_the_field(fields, field, words):

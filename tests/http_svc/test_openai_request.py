@@ -137,6 +137,8 @@ def test_speculation_settings_are_extra_fields() -> None:
         ({"stop_token_ids": [1, -2]}, "stop_token_ids[1]"),
         ({"stop_token_ids": [True]}, "stop_token_ids[0]"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        ({"min_tokens": -3}, "min_tokens"),
+        ({"min_tokens": "4"}, "min_tokens"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
@@ -194,8 +196,8 @@ def test_neutral_values_of_unsupported_parameters_change_nothing(fields: dict) -
 
 
 def test_ignore_eos_and_stop_token_ids_reach_the_generate_request() -> None:
-    r = parse_request(chat(ignore_eos=True, stop_token_ids=[3, 4]), CHAT).request
-    assert r.ignore_eos and list(r.stop_token_ids) == [3, 4]
+    r = parse_request(chat(ignore_eos=True, stop_token_ids=[3, 4], min_tokens=6), CHAT).request
+    assert r.ignore_eos and list(r.stop_token_ids) == [3, 4] and r.sampling.min_tokens == 6
     r = parse_request(chat(stop_token_ids=[]), CHAT).request
     assert not r.ignore_eos and not r.stop_token_ids
 

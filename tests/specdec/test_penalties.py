@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.penalties import penalize, tree_path_pairs
+from specdec.penalties import HELD_BACK_LOGIT, penalize, tree_path_pairs
 from specdec.sampling import SamplingParams
 
 V = 6
@@ -86,6 +86,7 @@ def test_each_tree_row_counts_its_own_path():
         SamplingParams(presence_penalty=1.3),
         SamplingParams(repetition_penalty=1.3),
         SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4, logit_bias=((3, 2.0),)),
+        SamplingParams(min_tokens=5, min_tokens_ids=(2, 9)),  # rows at depth 1 hold back, deeper ones not
     ],
 )
 def test_a_tree_row_equals_a_plain_step_with_that_rows_history(params):
@@ -109,3 +110,17 @@ def test_only_history_columns_change():
     out = penalize(logits, SamplingParams(repetition_penalty=1.2), [10, 20], [30], [40], [-1])
     changed = (out != logits).any(dim=0).nonzero().flatten().tolist()
     assert set(changed) <= {10, 20, 30, 40}
+
+
+def test_min_tokens_holds_back_its_ids_on_the_rows_before_it():
+    """Output [5] so far: row 0 picks output token 1, node 0's row token 2, node 1's row token 3."""
+    logits = torch.randn(4, 20)
+    params = SamplingParams(min_tokens=3, min_tokens_ids=(2, 7))
+    out = penalize(logits, params, [1, 1], [5], [4, 6, 8], [-1, 0, -1])  # depths 1, 2, 1
+    held = (out == HELD_BACK_LOGIT).nonzero().tolist()
+    assert held == [[0, 2], [0, 7], [1, 2], [1, 7], [3, 2], [3, 7]]  # not row 2 (output token 3)
+    others = out != HELD_BACK_LOGIT
+    assert torch.equal(out[others], logits[others])
+    reached = penalize(logits[:1], params, [1], [5, 6, 7])  # 3 output tokens: min_tokens reached
+    assert torch.equal(reached, logits[:1])
+    assert not bool((torch.softmax(out[0], dim=-1)[[2, 7]] > 0).any())  # exactly 0, not merely small

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.pb import check_logit_bias_ids, sampling_from_pb, sampling_to_pb
+from specdec.pb import check_sampling_token_ids, sampling_from_pb, sampling_to_pb
 from specdec.sampling import SamplingParams, logits_to_probs, make_generator, sample
 from specdec.v1 import common_pb2
 
@@ -37,6 +37,11 @@ LOG_1234 = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # softmax at tempera
         ({"logit_bias": ((3, 101.0),)}, "logit_bias"),
         ({"logit_bias": ((3, 1.0), (2, 1.0))}, "logit_bias"),
         ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": True}, "min_tokens"),
+        ({"min_tokens_ids": (3, 2)}, "min_tokens_ids"),
+        ({"min_tokens_ids": (-1,)}, "min_tokens_ids"),
+        ({"min_tokens_ids": tuple(range(65))}, "min_tokens_ids"),
     ],
 )
 def test_params_reject_bad_values_naming_the_field(kwargs, field):
@@ -178,6 +183,8 @@ def test_penalties_on_the_wire_round_trip_and_name_the_field():
         repetition_penalty=1.25,
         min_p=0.125,
         logit_bias=((2, -100.0), (7, 3.5)),
+        min_tokens=9,
+        min_tokens_ids=(0, 4),
     )
     assert sampling_from_pb(sampling_to_pb(params)) == params
     assert sampling_from_pb(common_pb2.SamplingParams()).repetition_penalty == 1.0  # unset: off
@@ -188,7 +195,21 @@ def test_penalties_on_the_wire_round_trip_and_name_the_field():
     with pytest.raises(InvalidArgument, match="sampling.repetition_penalty"):
         sampling_from_pb(common_pb2.SamplingParams(repetition_penalty=0.0))
     with pytest.raises(InvalidArgument, match="sampling.logit_bias: token id 10 is not below the vocab_size 10"):
-        check_logit_bias_ids(SamplingParams(logit_bias=((10, 1.0),)), 10)
+        check_sampling_token_ids(SamplingParams(logit_bias=((10, 1.0),)), 10)
+    with pytest.raises(InvalidArgument, match="sampling.min_tokens_ids: token id 10 is not below"):
+        check_sampling_token_ids(SamplingParams(min_tokens=1, min_tokens_ids=(3, 10)), 10)
+    with pytest.raises(InvalidArgument, match="sampling.min_tokens_ids"):
+        sampling_from_pb(common_pb2.SamplingParams(min_tokens=2, min_tokens_ids=[-4]))
+
+
+def test_min_tokens_holds_back_the_requests_end_tokens_until_reached():
+    params = SamplingParams(min_tokens=3)
+    assert not params.has_penalties  # no ids yet: the gateway fills in the request's end tokens
+    ahead = params.holding_back({7, 2}, 2)
+    assert ahead.min_tokens_ids == (2, 7) and ahead.has_penalties
+    assert params.holding_back({7, 2}, 3) == SamplingParams()  # reached: as a request without it
+    named = SamplingParams(min_tokens=3, min_tokens_ids=(5,))
+    assert named.holding_back({7}, 0) is named
 
 
 def test_has_penalties_is_false_for_min_p_and_the_defaults():
