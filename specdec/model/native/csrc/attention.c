@@ -162,19 +162,24 @@ static inline void finish_2x4(v8 a0, v8 a1, v8 a2, v8 a3, v8 b0, v8 b1, v8 b2, v
     for (int t = 0; t < 4 && j + t < jn; ++t) { s0[j + t] = ga[t] * scale; s1[j + t] = gb[t] * scale; }
 }
 
-/* s[j .. j + 3] for one query (a chunk's odd one out): the same per-key arithmetic as scores_2x4 */
-static inline void scores_1x4(const float *q0, const void *K, int half, int64_t D, int64_t j, int64_t jn,
+/* s[j .. j + 7] for one query (a chunk's odd one out): the same per-key arithmetic as scores_2x4,
+ * eight keys at a time, since one query's four accumulators would each wait out the FMA latency per
+ * element where eight keep the FMA units busy (the third head of a group of three) */
+static inline void scores_1x8(const float *q0, const void *K, int half, int64_t D, int64_t j, int64_t jn,
                               float scale, float *s0) {
-    const int64_t k0 = j * D, k1 = (j + 1 < jn ? j + 1 : jn - 1) * D;
-    const int64_t k2 = (j + 2 < jn ? j + 2 : jn - 1) * D, k3 = (j + 3 < jn ? j + 3 : jn - 1) * D;
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t k[8];
+    for (int t = 0; t < 8; ++t) k[t] = (j + t < jn ? j + t : jn - 1) * D;  /* past jn: the last key again */
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
     for (int64_t e = 0; e < D; e += 8) {
         const v8 u = ld8(q0 + e);
-        a0 = FMA8(a0, u, ldkv8(K, k0 + e, half)); a1 = FMA8(a1, u, ldkv8(K, k1 + e, half));
-        a2 = FMA8(a2, u, ldkv8(K, k2 + e, half)); a3 = FMA8(a3, u, ldkv8(K, k3 + e, half));
+        a0 = FMA8(a0, u, ldkv8(K, k[0] + e, half)); a1 = FMA8(a1, u, ldkv8(K, k[1] + e, half));
+        a2 = FMA8(a2, u, ldkv8(K, k[2] + e, half)); a3 = FMA8(a3, u, ldkv8(K, k[3] + e, half));
+        a4 = FMA8(a4, u, ldkv8(K, k[4] + e, half)); a5 = FMA8(a5, u, ldkv8(K, k[5] + e, half));
+        a6 = FMA8(a6, u, ldkv8(K, k[6] + e, half)); a7 = FMA8(a7, u, ldkv8(K, k[7] + e, half));
     }
-    const float ga[4] = {hsum_v8(a0), hsum_v8(a1), hsum_v8(a2), hsum_v8(a3)};
-    for (int t = 0; t < 4 && j + t < jn; ++t) s0[j + t] = ga[t] * scale;
+    float g[8];
+    hsum_8x(a0, a1, a2, a3, a4, a5, a6, a7, g, g + 4);  /* hsum_v8 of each, its own order of additions */
+    for (int t = 0; t < 8 && j + t < jn; ++t) s0[j + t] = g[t] * scale;
 }
 
 #if QGEMM_AVX512
@@ -442,7 +447,7 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
             const int i1 = i + 1 < nq ? i + 1 : i;
             float *s0 = s + (int64_t)i * L, *s1 = s + (int64_t)i1 * L;
             if (is_vector && i1 == i)
-                for (int64_t j = j0; j < j1; j += 4) scores_1x4(qs[i], K, half, D, j, j1, scale, s0);
+                for (int64_t j = j0; j < j1; j += 8) scores_1x8(qs[i], K, half, D, j, j1, scale, s0);
             else if (is_vector)
                 for (int64_t j = j0; j < j1; j += 4) scores_2x4(qs[i], qs[i1], K, half, D, j, j1, scale, s0, s1);
             else
