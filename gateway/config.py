@@ -32,6 +32,7 @@ from specdec.speculation_bounds import (
     MAX_REQUEST_TREE_NODES,
     check_speculation_bounds,
 )
+from specdec.sampling import MAX_STOP_TOKEN_IDS
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
 
@@ -51,7 +52,7 @@ class Limits:
     max_new_tokens: int = 8192
     max_stop_strings: int = 16
     max_stop_chars: int = 256
-    max_stop_token_ids: int = 64
+    max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     max_prompt_chars: int = 1 << 20
     max_chat_messages: int = 256
     # A request's speculation (specdec.speculation_bounds: within what every service accepts).

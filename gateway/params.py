@@ -20,7 +20,7 @@ from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import JSON_SCHEMA, SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.logprobs import LogprobsRequest
-from specdec.sampling import SamplingParams
+from specdec.sampling import MAX_MIN_TOKENS_IDS, SamplingParams
 from specdec.speculation_bounds import range_error
 from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY, PREDICTION_STRATEGY
 from specdec.strategies import NAMES as STRATEGY_NAMES
@@ -138,6 +138,17 @@ def params_from_pb(
         ignore_eos=req.ignore_eos,
         stop_token_ids=tuple(req.stop_token_ids),
     )
+
+
+def check_end_tokens(params: GenerationParams, eos_token_ids: Iterable[int]) -> None:
+    """min_tokens can hold back all of the request's end tokens (its stop_token_ids and the model's
+    end-of-sequence ones): at most MAX_MIN_TOKENS_IDS of them."""
+    num_ids = len(params.end_token_ids(eos_token_ids))
+    if params.sampling.min_tokens and num_ids > MAX_MIN_TOKENS_IDS:
+        raise InvalidArgument(
+            "sampling.min_tokens",
+            f"holds back at most {MAX_MIN_TOKENS_IDS} end tokens; this request has {num_ids} (stop_token_ids and EOS)",
+        )
 
 
 def _check_stop_token_ids(ids: Sequence[int], limits: Limits) -> None:

@@ -46,7 +46,7 @@ from gateway.loop import RequestLoop
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.node_pool import Node, NodePool
 from gateway.owner_probe import OwnerProbe
-from gateway.params import check_offered, params_from_pb, params_to_json
+from gateway.params import check_end_tokens, check_offered, params_from_pb, params_to_json
 from gateway.resume import FINISH_REASONS, Resumption
 from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
@@ -453,6 +453,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         if params.prompt_token_ids is not None:
             self.tokenization.check_ids("token_ids.ids", prompt_ids)
         self.tokenization.check_ids("stop_token_ids", params.stop_token_ids)
+        check_end_tokens(params, self.model.eos_token_ids)
         if not prompt_ids:
             raise InvalidArgument(field, "the prompt encodes to no tokens")
         if len(prompt_ids) >= self.model.max_context - 1:

@@ -31,7 +31,9 @@ REPETITION_PENALTY_OFF = 1.0
 MAX_ABS_PENALTY = 2.0  # OpenAI's range of frequency_penalty and presence_penalty: [-2, 2]
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on the tokens one logit_bias names
-MAX_MIN_TOKENS_IDS = 64  # the tokens min_tokens may hold back (a request's end tokens)
+MAX_STOP_TOKEN_IDS = 64  # the stop_token_ids a request may name (gateway Limits.max_stop_token_ids)
+# The tokens min_tokens may hold back: a request's end tokens, its stop_token_ids and the model's own.
+MAX_MIN_TOKENS_IDS = 2 * MAX_STOP_TOKEN_IDS
 
 _MASK_64 = 2**64 - 1
 _TOP_P_FIRST_PREFIX = 256  # typical nuclei are far smaller; the prefix grows x8 when not

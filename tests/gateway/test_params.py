@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.config import Limits, SpeculationDefaults
-from gateway.params import default_strategies, params_from_pb, response_format_from_pb
+from gateway.params import check_end_tokens, default_strategies, params_from_pb, response_format_from_pb
 from specdec.errors import InvalidArgument
 from specdec.task_type import TaskType
 from specdec.v1 import common_pb2, gateway_pb2
@@ -196,3 +196,16 @@ def test_bad_end_tokens_are_refused_naming_the_field(fields, field, words):
     with pytest.raises(InvalidArgument) as e:
         params_from_pb(gateway_pb2.GenerateRequest(prompt="hi", **fields), Limits(), DEFAULTS)
     assert e.value.field == field and words in str(e.value)
+
+
+def test_min_tokens_holds_back_a_full_stop_list_and_the_models_end_tokens():
+    """64 stop ids (the request limit) and the model's own end tokens fit what min_tokens holds back;
+    more (a gateway whose operator raised the stop limit) are refused naming min_tokens."""
+    req = gateway_pb2.GenerateRequest(prompt="hi", stop_token_ids=range(100, 164), sampling=AT_LEAST_2)
+    params = params_from_pb(req, Limits(), DEFAULTS)
+    check_end_tokens(params, (2, 3))
+    assert len(params.sampling.holding_back(params.end_token_ids((2, 3)), 0).min_tokens_ids) == 66
+    wide = gateway_pb2.GenerateRequest(prompt="hi", stop_token_ids=range(100, 228), sampling=AT_LEAST_2)
+    with pytest.raises(InvalidArgument) as e:
+        check_end_tokens(params_from_pb(wide, Limits(max_stop_token_ids=200), DEFAULTS), (2, 3))
+    assert e.value.field == "sampling.min_tokens" and "at most 128" in str(e.value)

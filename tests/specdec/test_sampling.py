@@ -41,7 +41,7 @@ LOG_1234 = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))  # softmax at tempera
         ({"min_tokens": True}, "min_tokens"),
         ({"min_tokens_ids": (3, 2)}, "min_tokens_ids"),
         ({"min_tokens_ids": (-1,)}, "min_tokens_ids"),
-        ({"min_tokens_ids": tuple(range(65))}, "min_tokens_ids"),
+        ({"min_tokens_ids": tuple(range(129))}, "min_tokens_ids"),
     ],
 )
 def test_params_reject_bad_values_naming_the_field(kwargs, field):
