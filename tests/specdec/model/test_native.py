@@ -233,9 +233,9 @@ def test_attention_matches_sdpa_and_a_tree_row_equals_its_committed_decode(kv_dt
 @pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 2), (5, 5)])
 def test_queries_of_a_kv_head_get_the_bits_of_each_head_alone(heads, kv_heads, dim, kv_dtype):
-    """The kernel tiles the queries of a KV head (every row times the heads of its group) two by two
-    over blocks of keys; every head's output equals a call with that head alone, whatever its partner
-    in the tile (another head, another row with another mask, or none)."""
+    """The kernel tiles the queries of a KV head (every row times the heads of its group) two, three or
+    four at a time over blocks of keys; every head's output equals a call with that head alone,
+    whatever its partners in the tile (other heads, other rows with other masks, or none)."""
     g = torch.Generator().manual_seed(11)
     capacity, end, rows = 140, 137, 3
     k_cache = torch.randn(kv_heads, capacity, dim, generator=g).to(kv_dtype)

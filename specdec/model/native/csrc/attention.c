@@ -68,10 +68,11 @@ static void exp_shifted(float *s, int64_t m, float shift) {
  *
  * The queries that read one KV head (every row of the call times the heads of its group) are taken
  * in chunks; a chunk's scores against a block of key rows are computed while those rows sit in L1,
- * two queries by four keys at a time (four by four with AVX-512's 32 registers; with AVX-512 and a
- * wide chunk, sixteen keys in the lanes of a zmm: scores_block_lanes), and its
- * softmax-weighted value sums likewise (four queries by 64 columns with AVX-512), so a key or value
- * row is read from memory once per chunk instead of once per (row, head). The softmax reads the mask
+ * two queries by four keys at a time (three by four without AVX-512, a GQA group of three heads;
+ * four by four with AVX-512's 32 registers; with AVX-512 and a wide chunk, sixteen keys in the lanes
+ * of a zmm: scores_block_lanes), and its softmax-weighted value sums likewise (three queries by 32
+ * columns without AVX-512, four by 64 with it), so a key or value row is read from memory, and an
+ * fp16 one widened, once per chunk (and tile) instead of once per (row, head). The softmax reads the mask
  * only past a row's all-visible prefix and sums with sixteen partial sums (softmax_row, sum16).
  *
  * Exactness: every (query, key) score is the same arithmetic as a lone dot of the two (eight lane
@@ -182,6 +183,30 @@ static inline void scores_1x8(const float *q0, const void *K, int half, int64_t 
     for (int t = 0; t < 8 && j + t < jn; ++t) s0[j + t] = g[t] * scale;
 }
 
+#if !QGEMM_AVX512
+/* scores_2x4 for three queries sharing each key load (a KV head's group of three heads at one row):
+ * twelve accumulators, each key row converted once for three queries instead of twice (a pair and
+ * a lone query); the same per-key arithmetic, so the same bits */
+static inline void scores_3x4(const float *const *qs, const void *K, int half, int64_t D, int64_t j, int64_t jn,
+                              float scale, float *const *ss) {
+    const int64_t k0 = j * D, k1 = (j + 1 < jn ? j + 1 : jn - 1) * D;
+    const int64_t k2 = (j + 2 < jn ? j + 2 : jn - 1) * D, k3 = (j + 3 < jn ? j + 3 : jn - 1) * D;
+    const float *q0 = qs[0], *q1 = qs[1], *q2 = qs[2];
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
+    for (int64_t e = 0; e < D; e += 8) {
+        const v8 x0 = ldkv8(K, k0 + e, half), x1 = ldkv8(K, k1 + e, half);
+        const v8 x2 = ldkv8(K, k2 + e, half), x3 = ldkv8(K, k3 + e, half);
+        const v8 u = ld8(q0 + e), w = ld8(q1 + e), z = ld8(q2 + e);
+        a0 = FMA8(a0, u, x0); a1 = FMA8(a1, u, x1); a2 = FMA8(a2, u, x2); a3 = FMA8(a3, u, x3);
+        b0 = FMA8(b0, w, x0); b1 = FMA8(b1, w, x1); b2 = FMA8(b2, w, x2); b3 = FMA8(b3, w, x3);
+        c0 = FMA8(c0, z, x0); c1 = FMA8(c1, z, x1); c2 = FMA8(c2, z, x2); c3 = FMA8(c3, z, x3);
+    }
+    finish_2x4(a0, a1, a2, a3, b0, b1, b2, b3, j, jn, scale, ss[0], ss[1]);
+    finish_2x4(c0, c1, c2, c3, c0, c1, c2, c3, j, jn, scale, ss[2], ss[2]);  /* the third alone */
+}
+#endif
+
 #if QGEMM_AVX512
 /* scores_2x4 for four queries sharing each key load (sixteen accumulators: AVX-512's 32 registers) */
 static inline void scores_4x4(const float *const *qs, const void *K, int half, int64_t D, int64_t j, int64_t jn,
@@ -239,6 +264,29 @@ VSUM_1xN(1)
 VSUM_2xN(4)
 VSUM_2xN(1)
 #undef VSUM_2xN
+
+#if !QGEMM_AVX512
+/* vsum_2x4 for three queries sharing each value row: twelve accumulators, each value row converted
+ * once for three queries; per element the same FMA chain, so the same bits */
+static inline void vsum_3x4(const float *const *ps, const void *V, int half, int64_t D, int64_t j0, int64_t j1,
+                            int64_t c, float *const *os) {
+    v8 a[4], b[4], d[4];
+    for (int u = 0; u < 4; ++u) {
+        a[u] = ld8(os[0] + c + 8 * u); b[u] = ld8(os[1] + c + 8 * u); d[u] = ld8(os[2] + c + 8 * u);
+    }
+    for (int64_t j = j0; j < j1; ++j) {
+        const float x = ps[0][j], y = ps[1][j], z = ps[2][j];
+        const v8 px = {x, x, x, x, x, x, x, x}, py = {y, y, y, y, y, y, y, y}, pz = {z, z, z, z, z, z, z, z};
+        for (int u = 0; u < 4; ++u) {
+            const v8 vv = ldkv8(V, j * D + c + 8 * u, half);
+            a[u] = FMA8(a[u], px, vv); b[u] = FMA8(b[u], py, vv); d[u] = FMA8(d[u], pz, vv);
+        }
+    }
+    for (int u = 0; u < 4; ++u) {
+        st8(os[0] + c + 8 * u, a[u]); st8(os[1] + c + 8 * u, b[u]); st8(os[2] + c + 8 * u, d[u]);
+    }
+}
+#endif
 
 /* The sum of x[0 .. m) as sixteen partial sums (element t into partial t % 16, in order, the tail
  * padded with exact zeros), then partials l and l + 8 added and the eight reduced as hsum_v8: the
@@ -443,6 +491,12 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
             for (int64_t j = j0; j < j1; j += 4) scores_4x4(qs + i, K, half, D, j, j1, scale, ss);
         }
 #endif
+#if !QGEMM_AVX512
+        for (; is_vector && i + 3 <= nq; i += 3) {
+            float *const ss[3] = {s + (int64_t)i * L, s + (int64_t)(i + 1) * L, s + (int64_t)(i + 2) * L};
+            for (int64_t j = j0; j < j1; j += 4) scores_3x4(qs + i, K, half, D, j, j1, scale, ss);
+        }
+#endif
         for (; i < nq; i += 2) {
             const int i1 = i + 1 < nq ? i + 1 : i;
             float *s0 = s + (int64_t)i * L, *s1 = s + (int64_t)i1 * L;
@@ -484,6 +538,12 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
             }
         }
 #endif
+#if !QGEMM_AVX512
+        for (; i + 3 <= nq && D % 32 == 0; i += 3) {     /* three queries share each value row */
+            const float *const ps[3] = {s + (int64_t)i * L, s + (int64_t)(i + 1) * L, s + (int64_t)(i + 2) * L};
+            for (int64_t c = 0; c < D; c += 32) vsum_3x4(ps, V, half, D, j0, j1, c, os + i);
+        }
+#endif
         for (; i < nq; i += 2) {
             const int i1 = i + 1 < nq ? i + 1 : i;
             const float *p0 = s + (int64_t)i * L, *p1 = s + (int64_t)i1 * L;
@@ -523,6 +583,13 @@ int att_plan_init(att_plan *p, const att_seq *seqs, int64_t num_seqs, int64_t H,
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     int64_t chunk = (total + 4 * threads - 1) / (4 * threads);
     p->chunk = chunk < 1 ? 1 : chunk > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : chunk;
+#if !QGEMM_AVX512
+    /* Without AVX-512 a chunk takes a KV head's whole group at once (three queries share each key and
+     * value row's conversion), even where that leaves fewer items than two per thread: a one-row
+     * step's attention after 2,048 tokens of fp16 cache fell 11-18 % on the 2-core AVX2 EPYC. With
+     * AVX-512's wider tiles the smaller chunks measured faster (docs/benchmarks.md, "Attention"). */
+    if (p->chunk < group) p->chunk = group > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : group;
+#endif
     p->first_item = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (!p->first_item) return -1;
     p->first_item[0] = 0;
