@@ -157,6 +157,7 @@ class Decoded:
     num_draft_accepted: int = 0  # of them, those among token_ids
     num_answer_drafted: int = 0  # of num_drafted, those from the model's own answers (--run_answers)
     num_answer_accepted: int = 0  # of them, those among token_ids
+    num_steps: int = 1  # the engine steps of a streamed message (DecodeRequest.steps_per_message)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -179,9 +180,10 @@ def _logprobs_pb(request: LogprobsRequest | None) -> Any:
 
 
 def _decoded(r: primary_pb2.DecodeStreamResponse) -> Decoded:
-    """One streamed step of a run; the step's rows beside the request's own (its root and drafts)."""
+    """One streamed message of a run (one step, or several: DecodeRequest.steps_per_message), with the
+    rows of its last step beside the request's own (its root and drafts)."""
     token_ids = tuple(r.token_ids)
-    other_step_rows = max(0, r.num_step_rows - 1 - r.num_drafted)
+    other_step_rows = r.num_other_rows if r.num_steps > 1 else max(0, r.num_step_rows - 1 - r.num_drafted)
     return Decoded(
         token_ids[-1],
         r.forward_ms,
@@ -193,6 +195,7 @@ def _decoded(r: primary_pb2.DecodeStreamResponse) -> Decoded:
         r.num_draft_accepted,
         r.num_answer_drafted,
         r.num_answer_accepted,
+        max(1, r.num_steps),
     )
 
 
@@ -430,6 +433,7 @@ class Backends:
         num_context_tokens: int = 0,
         stop_at_repeat_tokens: int = 0,
         lookup_draft_length: int = 0,
+        steps_per_message: int = 1,
     ) -> AsyncGenerator[Decoded, None]:
         """Plain steps from committed_token_ids (PrimaryService.DecodeStream): one Decoded per engine
         step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (no `allowed`): a
@@ -440,7 +444,8 @@ class Backends:
         primary drops tokens of a cancelled run past it). `stop_at_repeat_tokens` > 0: the run also ends
         where the context's last that many tokens occurred earlier. `lookup_draft_length` > 0: the primary
         drafts the run's copies itself, up to that many tokens a step, so a step may decide several
-        tokens (DecodeRequest.lookup_draft_length). Closing the iterator early (aclose, or
+        tokens (DecodeRequest.lookup_draft_length). `steps_per_message` > 1: after the run's first step,
+        each Decoded carries up to that many steps (Decoded.num_steps). Closing the iterator early (aclose, or
         cancelling the task that awaits it) cancels the call: the primary stops the run at its next
         step and keeps the request open."""
         request = primary_pb2.DecodeRequest(
@@ -457,6 +462,7 @@ class Backends:
             num_context_tokens=num_context_tokens,
             stop_at_repeat_tokens=stop_at_repeat_tokens,
             lookup_draft_length=lookup_draft_length,
+            steps_per_message=steps_per_message,
             logprobs=_logprobs_pb(logprobs),
         )
         call = self.primary.DecodeStream(

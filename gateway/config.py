@@ -32,6 +32,7 @@ from specdec.speculation_bounds import (
     MAX_REQUEST_TREE_NODES,
     check_speculation_bounds,
 )
+from specdec.pb import MAX_STEPS_PER_MESSAGE
 from specdec.sampling import MAX_STOP_TOKEN_IDS
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
@@ -118,6 +119,12 @@ class GatewayConfig:
     # A running request's stats and controller state go to the store with one step this often (its
     # tokens with every step; gateway.request_record); 0: with every step.
     state_stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
+    # Engine steps of a primary's run sent in one message (DecodeRequest.steps_per_message), after the
+    # run's first: a client that streams (GenerateStream) hears of its tokens this often; one that waits
+    # for the whole answer (Generate) needs none before the end, and fewer messages cost the gateway
+    # less work per token on cores it shares with the primary (docs/benchmarks.md, "Per-step overheads").
+    stream_interval: int = 1
+    unary_stream_interval: int = 8
     state_ttl_s: float = 24 * 3600.0
     # How long a gateway's claim on a request lasts without renewal (renewed every third of it): a
     # request whose gateway died is adopted by another after this long (gateway.follow).
@@ -158,6 +165,9 @@ class GatewayConfig:
             raise ValueError(f"owner_lease_s must be > 0, got {self.owner_lease_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("stream_interval", "unary_stream_interval"):
+            if not 1 <= getattr(self, name) <= MAX_STEPS_PER_MESSAGE:
+                raise ValueError(f"{name} must be in [1, {MAX_STEPS_PER_MESSAGE}], got {getattr(self, name)}")
         check_public_exposure(self.server.host, self.api_keys_file, self.is_insecure_public_allowed)
         if self.redis_url:
             parse_redis_url(self.redis_url)  # a malformed URL fails at start, naming --redis_url
@@ -218,6 +228,16 @@ FLAGS = (
         help="a running request's stats and controller state go to the state store with one step this "
         "often (its tokens with every step); what GetRequest shows of a running request and what a "
         "successor resumes from lag by at most this. 0: with every step",
+    ),
+    Flag(
+        "--stream_interval",
+        help="a streaming client (GenerateStream) hears of a run's tokens every this many engine steps "
+        "(the first at once)",
+    ),
+    Flag(
+        "--unary_stream_interval",
+        help="the same for a client that waits for the whole answer (Generate): the primary sends a run's "
+        "tokens this many steps a message, which the gateway commits and stores as one step",
     ),
     Flag(
         "--max_grammar_compile_s",

@@ -15,6 +15,14 @@ of two steps or more); the primary stops it at an end-of-sequence token, the loo
 stop string, a cancel or the deadline. With adaptive speculation a run is never longer than the
 stretch the controller would plan plain anyway (until its next probe:
 AdaptiveController.plain_steps_ahead), so no draft it wants is delayed.
+
+A request whose client waits for the whole answer (Generate, not GenerateStream) needs no token
+before the others: its runs send, after their first step, several steps a message
+(DecodeRequest.steps_per_message, the gateway's --unary_stream_interval), and the loop reads,
+commits and stores a message's tokens as one loop step that counts its engine steps. On the 2-core
+machines the gateway's work per message (its read, the commit, the store's write) competes for the
+cores with the primary's forward. The tokens are the same; a stop string is found a message late,
+and the primary's extra steps are dropped by the next call (num_context_tokens).
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ class DecodeRuns:
         logprobs_request: Mapping[str, Any],
         decode_run_max: int | None = None,
         is_run_drafting: bool = True,
+        steps_per_message: int = 1,
         repeats: RepeatIndex | None = None,
         controller: AdaptiveController | None = None,
         controller_state: ControllerState | None = None,
@@ -82,6 +91,9 @@ class DecodeRuns:
         self.controller, self.controller_state, self.known_coverage = controller, controller_state, known_coverage
         self.decode_run_max = decode_run_max
         self.is_run_drafting = is_run_drafting  # runs draft their copies in the primary (_run_lookup_length)
+        # After a run's first step, the most engine steps the primary sends in one message: 1 when the
+        # client hears of every token, more when it waits for the whole answer (fewer messages to commit)
+        self.steps_per_message = steps_per_message
         # The run under way (Backends.decode_stream) and the plan that opened it, set by the loop.
         self.stream: AsyncGenerator[Decoded, None] | None = None
         self.plan = SpeculationPlan()
@@ -109,9 +121,10 @@ class DecodeRuns:
         return was
 
     async def next_step(self) -> Decoded:
-        """The next engine step of the request's streamed run, opening a run first when none is open:
-        the primary sends each step's token as it decides it (PrimaryService.DecodeStream), so the
-        client gets each token an engine step after the last, not a run's tokens at once. A run that
+        """The next engine step of the request's streamed run (or steps: Decoded.num_steps, with
+        steps_per_message > 1), opening a run first when none is open: the primary sends each step's
+        token as it decides it (PrimaryService.DecodeStream), so a streaming client gets each token an
+        engine step after the last, not a run's tokens at once. A run that
         fails is closed; the retry (PrimaryCalls.call) opens a new one from the committed tokens."""
         if self.stream is None:
             self.stream = self._open_run(self.start())
@@ -163,6 +176,7 @@ class DecodeRuns:
             num_context_tokens=self.num_prompt_tokens + start.num_generated - len(start.pending_committed),
             stop_at_repeat_tokens=stop_at_repeat,
             lookup_draft_length=lookup_draft_length,
+            steps_per_message=self.steps_per_message,
             **self.logprobs_request,
         )
 

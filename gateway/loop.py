@@ -225,6 +225,7 @@ class RequestLoop:
         acceptance_memory: AcceptanceMemory | None = None,
         min_repeat_tokens: int = MIN_REPEAT_TOKENS,
         is_run_drafting: bool = True,
+        steps_per_message: int = 1,
         node_id: str = "",
         failover: Callable[[str, str], Awaitable[Node | None]] | None = None,
     ) -> None:
@@ -244,7 +245,7 @@ class RequestLoop:
         self._init_planner(
             cost_model, step_costs, controller_config, controller_state, acceptance_memory, min_repeat_tokens
         )
-        self._init_runs(decode_run_max, is_run_drafting)
+        self._init_runs(decode_run_max, is_run_drafting, steps_per_message)
 
     @property
     def node_id(self) -> str:
@@ -339,6 +340,7 @@ class RequestLoop:
         # (decoder, tokens): what the last step's accepted candidate proposed past its draft and bonus
         self.carry: tuple[str, tuple[int, ...]] | None = None
         self.is_draft_open = False
+        self.step_engine_steps = 1  # the engine steps of the step being computed (a run's message may carry several)
         self.grammar_preparation: asyncio.Future | None = None  # the draft pool compiling the response format
 
     def _init_calls(
@@ -414,9 +416,10 @@ class RequestLoop:
             min_repeat_tokens=min_repeat_tokens,
         )
 
-    def _init_runs(self, decode_run_max: int | None, is_run_drafting: bool) -> None:
+    def _init_runs(self, decode_run_max: int | None, is_run_drafting: bool, steps_per_message: int) -> None:
         """The primary's streamed runs of plain steps (gateway.decode_run): one open at a time, each
-        opened from the request's state then (_run_start)."""
+        opened from the request's state then (_run_start), each message of up to `steps_per_message`
+        engine steps after a run's first."""
         self.runs = DecodeRuns(
             self.request_id,
             self.params,
@@ -428,6 +431,7 @@ class RequestLoop:
             logprobs_request=self._logprobs_request(),
             decode_run_max=decode_run_max,
             is_run_drafting=is_run_drafting,
+            steps_per_message=steps_per_message,
             repeats=self.planner.repeats,
             controller=self.planner.controller,
             controller_state=self.planner.controller_state,
@@ -537,10 +541,13 @@ class RequestLoop:
         write pending) and counted; the finish reason when the step ends the request."""
         num_chosen = len(new_tokens)  # drafted, verified or decoded; the grammar forces the rest
         new_tokens += self._forced_after(new_tokens)
-        # one engine step, speculative or plain (a plain one's drafts, DecodeRuns._run_lookup_length, are its own)
-        self.planner.observe(plan, outcomes)
+        # one engine step, speculative or plain (a plain one's drafts, DecodeRuns._run_lookup_length, are its
+        # own), or a run's message of several plain ones
+        num_engine_steps, self.step_engine_steps = self.step_engine_steps, 1
+        for _ in range(num_engine_steps):
+            self.planner.observe(plan, outcomes)
         kept, finish = self.output.truncate(new_tokens, len(self.generated))
-        self.stats.num_steps += 1
+        self.stats.num_steps += num_engine_steps
         self.stats.num_generated_tokens += len(kept)
         pending = self._commit(
             kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen), logprobs=step_logprobs
@@ -746,12 +753,13 @@ class RequestLoop:
         return dataclasses.replace(plan, draft_length=n, sources=((decoder, 0),), max_tree_nodes=n), tree
 
     async def _plain_step(self) -> tuple[list[int], list[TokenLogprob]]:
-        """One engine step of a streamed run of plain steps (DecodeRuns.next_step): its token, with its
-        log probability when asked."""
+        """One engine step of a streamed run of plain steps (DecodeRuns.next_step), or a message of several
+        (step_engine_steps): its tokens, with their log probabilities when asked."""
         t = time.perf_counter()
         self.primary_calls.start_step()
         decoded = await self.primary_calls.call(self.runs.next_step)
         tokens = list(decoded.token_ids) or [decoded.token_id]
+        self.step_engine_steps = decoded.num_steps
         self.carry = None  # what follows a plain step is not what the last draft continued with
         self.pending_features = None  # the latest step has none
         self.stats.forward_ms += decoded.forward_ms

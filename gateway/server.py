@@ -195,7 +195,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
     async def Generate(self, request, context):
         arrived_s = time.perf_counter()
         try:
-            client_id, loop, ticket = await self._start(request, context)
+            client_id, loop, ticket = await self._start(request, context, is_streamed=False)
         except _Retried:
             final = None
             async for message in self.followed(request, context):
@@ -231,7 +231,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
     async def GenerateStream(self, request, context):
         arrived_s = time.perf_counter()
         try:
-            client_id, loop, ticket = await self._start(request, context)
+            client_id, loop, ticket = await self._start(request, context, is_streamed=True)
         except _Retried:
             async for message in self.followed(request, context, is_streamed=True):
                 yield message
@@ -356,9 +356,10 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         """The tenant of a request id behind the gateway (the inverse of _scoped's prefix)."""
         return tenant_of(request_id) if self.api_keys is not None else ""
 
-    async def _start(self, request, context) -> tuple[str, RequestLoop, Ticket]:
+    async def _start(self, request, context, *, is_streamed: bool) -> tuple[str, RequestLoop, Ticket]:
         """(the id the client sees, the request's loop, its admission slot), once admission let it in;
-        _run() it next, which gives the slot back when the loop ends."""
+        _run() it next, which gives the slot back when the loop ends; `is_streamed`: a GenerateStream
+        (make_loop)."""
         client_id = pb.request_id_from_pb(request.request_id) if request.request_id else uuid.uuid4().hex
         request_id = self._scoped(context, client_id)
         tenant = self._tenant(context)
@@ -391,6 +392,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
                 grammar=grammar,
                 stored_params=params_to_json(stored),
                 node=self._place(request_id, prompt_ids),
+                is_streamed=is_streamed,
             )
         except BaseException as e:
             ticket.release()
@@ -650,8 +652,11 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         grammar=None,
         stored_params=None,
         node: Node | None = None,
+        is_streamed: bool = True,
     ) -> RequestLoop:
-        """The request's loop, on `node` (None: the gateway's one node)."""
+        """The request's loop, on `node` (None: the gateway's one node); its runs' messages carry a step
+        each --stream_interval for a client that `is_streamed` (and for an adopted request, whose
+        followers may stream), else each --unary_stream_interval."""
         spec = self.config.speculation
         return RequestLoop(
             request_id,
@@ -682,6 +687,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             max_state_retry_s=self.max_state_retry_s,
             stats_interval_s=self.config.state_stats_interval_s,
             is_run_drafting=spec.is_run_drafting,
+            steps_per_message=self.config.stream_interval if is_streamed else self.config.unary_stream_interval,
             node_id="" if node is None else node.node_id,
             failover=None if node is None else self._failover_of(request_id, prompt_ids),
         )

@@ -61,6 +61,24 @@ class _StreamedStep:
     logprob: TokenLogprob | None  # asked by logprobs
 
 
+def _stream_message(steps: Sequence[_StreamedStep]) -> primary_pb2.DecodeStreamResponse:
+    """One DecodeStream message carrying `steps` in order: their tokens, summed times and counts."""
+    last = steps[-1]
+    return primary_pb2.DecodeStreamResponse(
+        token_ids=[t for s in steps for t in s.decided.token_ids],
+        is_run_end=last.is_last,
+        forward_ms=sum(s.forward_ms for s in steps),
+        num_step_rows=last.decided.num_step_rows,
+        num_drafted=sum(s.decided.num_drafted for s in steps),
+        num_draft_accepted=sum(s.decided.num_draft_accepted for s in steps),
+        num_answer_drafted=sum(s.decided.num_answer_drafted for s in steps),
+        num_answer_accepted=sum(s.decided.num_answer_accepted for s in steps),
+        logprobs=[pb.token_logprob_to_pb(s.logprob) for s in steps if s.logprob is not None],
+        num_steps=len(steps),
+        num_other_rows=max(0, last.decided.num_step_rows - 1 - last.decided.num_drafted),
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelIdentity:
     model_id: str
@@ -258,10 +276,12 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         )
 
     def DecodeStream(self, request, context):
-        """Decode's run, one message per engine step as the engine thread decides it (primary_svc.worker
-        stream_decode); the RPC's end (a cancelled caller) ends the run at the next step boundary."""
+        """Decode's run, a message per engine step as the engine thread decides it (primary_svc.worker
+        stream_decode), or after the run's first step one per steps_per_message steps; the RPC's end
+        (a cancelled caller) ends the run at the next step boundary."""
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
+        per_message = pb.steps_per_message_from_pb(request.steps_per_message)
         run_max = self.identity.max_context
         run = self._plain_run(request, request_id, run_max, context.time_remaining())
         steps: queue.SimpleQueue[_StreamedStep | None] = queue.SimpleQueue()
@@ -283,20 +303,17 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             request.num_context_tokens,
         )
         running.add_done_callback(lambda _: steps.put(None))
+        held: list[_StreamedStep] = []  # decided steps not sent yet
+        is_first = True
         try:
             while (step := steps.get()) is not None:
-                yield primary_pb2.DecodeStreamResponse(
-                    token_ids=step.decided.token_ids,
-                    is_run_end=step.is_last,
-                    forward_ms=step.forward_ms,
-                    num_step_rows=step.decided.num_step_rows,
-                    num_drafted=step.decided.num_drafted,
-                    num_draft_accepted=step.decided.num_draft_accepted,
-                    num_answer_drafted=step.decided.num_answer_drafted,
-                    num_answer_accepted=step.decided.num_answer_accepted,
-                    logprobs=[] if step.logprob is None else [pb.token_logprob_to_pb(step.logprob)],
-                )
+                held.append(step)
+                if is_first or step.is_last or len(held) >= per_message:
+                    yield _stream_message(held)
+                    held, is_first = [], False
             running.result()  # the error that ended the run, if one did
+            if held:  # the run ended without a last step (cancelled on the engine's side): what it decided
+                yield _stream_message(held)
         finally:
             cancel.set()  # a caller gone mid-run (the generator closed): no further step
 

@@ -31,6 +31,17 @@ LOGITS_FORMATS = {
 LOGITS_FORMAT_ENUMS = {v: k for k, v in LOGITS_FORMATS.items()}
 
 
+# The most engine steps one DecodeStream message may carry (DecodeRequest.steps_per_message).
+MAX_STEPS_PER_MESSAGE = 256
+
+
+def steps_per_message_from_pb(value: int, field: str = "steps_per_message") -> int:
+    """DecodeRequest.steps_per_message as the steps a message carries at most (0 and 1: one)."""
+    if value > MAX_STEPS_PER_MESSAGE:
+        raise InvalidArgument(field, f"must be at most {MAX_STEPS_PER_MESSAGE}, got {value}")
+    return max(1, value)
+
+
 def request_id_from_pb(request_id: str, field: str = "request_id") -> str:
     return check_request_id(request_id, field)
 

@@ -153,6 +153,29 @@ def test_a_plain_stream_carries_one_engine_step_per_message(gateway_stub, stack)
     assert stats.num_active_requests == 0 and stats.kv_bytes == 0
 
 
+def test_a_unary_plain_request_takes_runs_several_steps_a_message_and_counts_every_step(gateway_stub, stack):
+    """A client that waits for the whole answer (Generate) gets the primary's runs several engine steps
+    a message (the gateway's --unary_stream_interval): the tokens and text of its stream, each engine
+    step counted in its stats (a token each, speculation off), and a stop string in the middle of a
+    message still ends the answer at its first occurrence, with nothing left behind."""
+    req = gateway_pb2.GenerateRequest(
+        max_new_tokens=40, speculation=gateway_pb2.SpeculationConfig(is_enabled=False, is_adaptive=False)
+    )
+    req.chat.messages.add(role="user", content="Count from 1 to 30, separated by commas.")
+    chunks = list(gateway_stub.GenerateStream(req, timeout=300))
+    unary = gateway_stub.Generate(req, timeout=300)
+    assert list(unary.token_ids) == [t for c in chunks for t in c.token_ids]
+    assert unary.text == "".join(c.text for c in chunks)
+    assert unary.stats.num_steps == unary.stats.num_generated_tokens == len(unary.token_ids) == 40
+    stop = unary.text[len(unary.text) // 2 : len(unary.text) // 2 + 3]
+    stopped = gateway_stub.Generate(gateway_pb2.GenerateRequest(stop=[stop], **_fields(req)), timeout=300)
+    streamed = list(gateway_stub.GenerateStream(gateway_pb2.GenerateRequest(stop=[stop], **_fields(req)), timeout=300))
+    assert stopped.finish_reason == streamed[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP
+    assert stopped.text == "".join(c.text for c in streamed) == unary.text[: unary.text.index(stop)]
+    stats = primary_stats(stack)
+    assert stats.num_active_requests == 0 and stats.kv_bytes == 0
+
+
 def _fields(req: gateway_pb2.GenerateRequest) -> dict[str, Any]:
     """A request's set fields, to build a variant of it."""
     return {f.name: v for f, v in req.ListFields()}

@@ -78,6 +78,20 @@ def primary_next(context: Sequence[int]) -> int:
     return (3 * context[-1] + context[-2] + len(context)) % 40 + 1
 
 
+def _one_message(steps: Sequence[Decoded]) -> Decoded:
+    """Streamed steps as the primary sends them in one message (primary_svc.server._stream_message)."""
+    last = steps[-1]
+    return dataclasses.replace(
+        last,
+        token_ids=tuple(t for s in steps for t in s.token_ids),
+        num_drafted=sum(s.num_drafted for s in steps),
+        num_draft_accepted=sum(s.num_draft_accepted for s in steps),
+        num_answer_drafted=sum(s.num_answer_drafted for s in steps),
+        num_answer_accepted=sum(s.num_answer_accepted for s in steps),
+        num_steps=len(steps),
+    )
+
+
 def plain_decoding(prompt: Sequence[int], num_tokens: int) -> list[int]:
     context = list(prompt)
     for _ in range(num_tokens):
@@ -115,6 +129,8 @@ class FakeBackends:
     is_continuing: bool = False  # prompt_lookup's rank 0 also returns its continuation past the draft
     stops_at_repeat: list[int] = dataclasses.field(default_factory=list)  # each run's stop_at_repeat_tokens
     lookup_draft_lengths: list[int] = dataclasses.field(default_factory=list)  # each run's lookup_draft_length
+    steps_per_message: list[int] = dataclasses.field(default_factory=list)  # each run's steps_per_message
+    run_messages: list[int] = dataclasses.field(default_factory=list)  # the engine steps of each message sent
     answers: AnswerIndex | None = None  # the model's own answers, which the primary's runs draft from too
 
     # --- primary ---
@@ -195,23 +211,31 @@ class FakeBackends:
         num_context_tokens=0,
         stop_at_repeat_tokens=0,
         lookup_draft_length=0,
+        steps_per_message=1,
     ):
-        """A run of plain steps as the primary streams it: a step's tokens a message as it decides them, every
-        one but the run's last committed by the primary; the caller's context (before its commit) must
-        be the primary's. With stop_at_repeat_tokens the run also ends where the context's tail
-        repeats; with lookup_draft_length a step drafts the copy and keeps what plain decoding agrees with."""
+        """A run of plain steps as the primary streams it: a step's tokens a message as it decides them (after
+        the run's first step, up to steps_per_message steps a message), every one but the run's last
+        committed by the primary; the caller's context (before its commit) must be the primary's. With
+        stop_at_repeat_tokens the run also ends where the context's tail repeats; with lookup_draft_length
+        a step drafts the copy and keeps what plain decoding agrees with."""
         assert allowed is None and response_format is None, "no grammar in these requests"
         assert num_context_tokens == len(self.primary_context), "the caller does not know the primary's context"
         self.stops_at_repeat.append(stop_at_repeat_tokens)
         self.lookup_draft_lengths.append(lookup_draft_length)
+        self.steps_per_message.append(steps_per_message)
         runs = self._run(
             accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens, lookup_draft_length
         )
+        held: list[Decoded] = []
+        is_first = True
         for tokens, is_last, num_drafted, num_accepted, is_answer in runs:
             answer_counts = (num_drafted, num_accepted) if is_answer else (0, 0)
-            yield Decoded(
-                tokens[-1], 0.0, self.other_rows, tokens, (), is_last, num_drafted, num_accepted, *answer_counts
-            )
+            counts = (num_drafted, num_accepted, *answer_counts)
+            held.append(Decoded(tokens[-1], 0.0, self.other_rows, tokens, (), is_last, *counts))
+            if is_first or is_last or len(held) >= steps_per_message:
+                self.run_messages.append(len(held))
+                yield _one_message(held)
+                held, is_first = [], False
 
     def _run(
         self,
@@ -535,6 +559,28 @@ def test_greedy_output_equals_plain_decoding(is_enabled, is_adaptive):
     assert times.commit_ms == loop.stats.stage_ms["commit"] > 0 and times.state_ms > 0
     if not is_enabled:
         assert set(backends.steps()) == {"decode"} and loop.stats.num_steps_by_draft_length == [60]
+
+
+@pytest.mark.parametrize("is_enabled", [False, True])
+def test_runs_sent_several_steps_a_message_give_the_same_output_and_count_every_engine_step(is_enabled):
+    """A client that waits for the whole answer takes a run's steps several a message (steps_per_message,
+    the gateway's --unary_stream_interval): the output, the plans and the stats are those of a message a
+    step (the stats count engine steps, not messages), with fewer loop steps to commit and store."""
+    seen = {}
+    for per_message in (1, 4):
+        backends = FakeBackends(is_lookup_right=lambda n: n % 20 < 12)
+        params = make_params(is_enabled=is_enabled, degree=2, draft_length=6, max_new_tokens=90)
+        loop = run(params, backends, steps_per_message=per_message)
+        assert loop.outcome.token_ids == plain_decoding(PROMPT, 90)
+        assert set(backends.steps_per_message) == {per_message}
+        assert loop.stats.num_steps == backends.num_steps() == sum(loop.stats.num_steps_by_draft_length)
+        # a step a token here (no run drafts): the messages carry every decoded token's step
+        decoded = sum(call["num_tokens"] for name, call in backends.calls if name == "decode")
+        assert sum(backends.run_messages) == decoded
+        stats = loop.stats
+        seen[per_message] = (stats.num_steps, stats.num_steps_by_draft_length, backends.steps(), backends.run_messages)
+    assert seen[1][:3] == seen[4][:3]
+    assert set(seen[1][3]) == {1} and max(seen[4][3]) == 4 and len(seen[4][3]) < len(seen[1][3])
 
 
 def test_fixed_settings_are_honoured_every_step():

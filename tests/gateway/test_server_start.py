@@ -92,7 +92,9 @@ def test_a_client_gone_before_its_loop_exists_is_stored_cancelled(gated: str) ->
     async def main() -> GatedStore:
         store = GatedStore(gated)
         s = servicer(store, admission, make_loop)
-        task = asyncio.ensure_future(s._start(gateway_pb2.GenerateRequest(request_id="r1"), Context()))
+        task = asyncio.ensure_future(
+            s._start(gateway_pb2.GenerateRequest(request_id="r1"), Context(), is_streamed=False)
+        )
         if holder is not None:  # queued behind holder; let in when holder leaves
             while await store.load("r1") is None:
                 await asyncio.sleep(0.01)
@@ -126,7 +128,7 @@ def test_a_loop_that_cannot_be_made_leaves_the_request_failed() -> None:
 
     async def main() -> None:
         with pytest.raises(RuntimeError):
-            await s._start(gateway_pb2.GenerateRequest(request_id="r2"), Context())
+            await s._start(gateway_pb2.GenerateRequest(request_id="r2"), Context(), is_streamed=False)
         await settle(s)
 
     asyncio.run(main())
@@ -232,7 +234,7 @@ def test_a_queued_request_whose_record_the_store_lost_still_runs() -> None:
         store = LosingStore()
         s = servicer(store, admission, make_loop)
         request = gateway_pb2.GenerateRequest(request_id="r3", prompt="hi")
-        task = asyncio.ensure_future(s._start(request, Context()))
+        task = asyncio.ensure_future(s._start(request, Context(), is_streamed=False))
         while await store.load("r3") is None:
             await asyncio.sleep(0.01)
         holder.release()
@@ -287,7 +289,9 @@ def start_one(store: AsyncInMemoryStateStore, admission: Admission, request_id: 
 
     async def main() -> str:
         s = servicer(store, admission, lambda *_args, **_kwargs: made_loop)
-        client_id, loop, ticket = await s._start(gateway_pb2.GenerateRequest(request_id=request_id), Context())
+        client_id, loop, ticket = await s._start(
+            gateway_pb2.GenerateRequest(request_id=request_id), Context(), is_streamed=False
+        )
         assert loop is made_loop
         ticket.release()
         return client_id
@@ -323,7 +327,9 @@ def test_a_queued_request_let_in_while_the_store_stalls_runs_once_it_answers() -
 
     async def main() -> None:
         s = servicer(store, admission, lambda *_args, **_kwargs: made_loop)
-        task = asyncio.ensure_future(s._start(gateway_pb2.GenerateRequest(request_id="r6"), Context()))
+        task = asyncio.ensure_future(
+            s._start(gateway_pb2.GenerateRequest(request_id="r6"), Context(), is_streamed=False)
+        )
         while await store.load("r6") is None:
             await asyncio.sleep(0.01)
         holder.release()
@@ -348,7 +354,7 @@ def test_a_retry_that_reaches_a_failing_over_store_follows_the_running_request_i
     async def main() -> None:
         s = servicer(store, Admission(max_active=1, max_queued=4), lambda *_args, **_kwargs: None)
         with pytest.raises(_Retried):
-            await s._start(request, Context())
+            await s._start(request, Context(), is_streamed=False)
 
     asyncio.run(main())
     assert store.num_calls == 2 and store.sync.load("r7").token_ids == (4, 5)

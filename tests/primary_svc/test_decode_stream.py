@@ -21,6 +21,7 @@ from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.answers import AnswerIndex
+from specdec.pb import MAX_STEPS_PER_MESSAGE
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex
 from specdec.suffix_array import SEPARATOR
 from specdec.v1 import common_pb2, logprobs_pb2, primary_pb2
@@ -130,6 +131,46 @@ def test_a_stream_sends_each_step_s_token_before_the_run_ends(primary, reference
     assert engine.kv_bytes == 0
 
 
+@pytest.mark.parametrize("per_message", [3, 8])
+def test_a_stream_asked_for_several_steps_a_message_sends_the_same_tokens_in_fewer_messages(
+    primary, reference, per_message
+):
+    """steps_per_message: the run's first step comes alone, then up to that many steps a message,
+    the last message however many are left; the tokens are those of a message a step, each message
+    counts its steps (num_steps) and sums their forward time; the last one ends the run."""
+    stub, engine, _ = primary
+    lease = prefill(stub, "batched")
+    messages = list(stream(stub, "batched", lease, [], LONG, steps_per_message=per_message))
+    assert [t for m in messages for t in m.token_ids] == reference[:LONG]
+    assert [m.num_steps for m in messages] == [1] + [per_message] * ((LONG - 1) // per_message) + (
+        [(LONG - 1) % per_message] if (LONG - 1) % per_message else []
+    )
+    assert all(len(m.token_ids) == m.num_steps and m.forward_ms > 0 for m in messages)
+    assert [m.is_run_end for m in messages] == [False] * (len(messages) - 1) + [True]
+    assert engine.token_ids("batched") == PROMPT + reference[: LONG - 1]  # the last token pending, as always
+    release(stub, "batched", lease)
+
+
+def test_a_drafted_run_sent_several_steps_a_message_counts_each_message_s_steps_and_drafts(primary, copying):
+    """A run that drafts its copies, its steps several a message: the tokens, the drafts and the kept
+    drafts add up to those of a message a step."""
+    stub, engine, _ = primary
+    prompt, expected = copying
+    runs = {}
+    for per_message in (1, 4):
+        request_id = f"db{per_message}"
+        lease = stub.Prefill(primary_pb2.PrefillRequest(request_id=request_id, token_ids=prompt)).kv_lease
+        runs[per_message] = list(
+            stream(stub, request_id, lease, [], RUN - 4, lookup_draft_length=8, steps_per_message=per_message)
+        )
+        release(stub, request_id, lease)
+    one, batched = runs[1], runs[4]
+    assert [t for m in batched for t in m.token_ids] == [t for m in one for t in m.token_ids] == expected[: RUN - 4]
+    assert sum(m.num_steps for m in batched) == len(one) > len(batched)
+    for name in ("num_drafted", "num_draft_accepted"):
+        assert sum(getattr(m, name) for m in batched) == sum(getattr(m, name) for m in one)
+
+
 def test_a_stream_ends_at_a_stop_token_with_it_pending(primary, reference):
     stub, engine, _ = primary
     lease = prefill(stub, "stop")
@@ -196,6 +237,11 @@ def test_a_stream_asked_to_stop_at_a_repeat_ends_where_the_context_repeats_itsel
         ),
         ({"committed_token_ids": [10**8]}, grpc.StatusCode.INVALID_ARGUMENT, "committed_token_ids"),
         ({"kv_lease": "not-the-lease"}, grpc.StatusCode.NOT_FOUND, "request_id"),
+        (
+            {"max_tokens": 4, "steps_per_message": MAX_STEPS_PER_MESSAGE + 1},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "steps_per_message",
+        ),
     ],
 )
 def test_bad_stream_requests_get_a_status_naming_the_field_and_leave_the_request(primary, fields, code, field):
