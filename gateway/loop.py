@@ -243,7 +243,13 @@ class RequestLoop:
         self._init_planning(logits_formats)
         self._init_validation()
         self._init_planner(
-            cost_model, step_costs, controller_config, controller_state, acceptance_memory, min_repeat_tokens
+            cost_model,
+            step_costs,
+            controller_config,
+            controller_state,
+            acceptance_memory,
+            min_repeat_tokens,
+            is_batched_plain=steps_per_message > 1,
         )
         self._init_runs(decode_run_max, is_run_drafting, steps_per_message)
 
@@ -391,10 +397,12 @@ class RequestLoop:
         controller_state: Mapping[str, Any] | None,
         acceptance_memory: AcceptanceMemory | None,
         min_repeat_tokens: int,
+        is_batched_plain: bool,
     ) -> None:
         """What each step drafts (gateway.step_planner): the request's fixed plan, or an adaptive
         request's controller, its state (restored on a resume) and prompt lookup's repeat index; and
-        the gateway's cost measurements, which each step adds to."""
+        the gateway's cost measurements, which each step adds to (`is_batched_plain`: its runs send
+        several steps a message)."""
         self.planner = StepPlanner(
             self.params,
             self.prompt_ids,
@@ -414,6 +422,7 @@ class RequestLoop:
             controller_state=controller_state,
             acceptance_memory=acceptance_memory,
             min_repeat_tokens=min_repeat_tokens,
+            is_batched_plain=is_batched_plain,
         )
 
     def _init_runs(self, decode_run_max: int | None, is_run_drafting: bool, steps_per_message: int) -> None:

@@ -18,6 +18,10 @@ previous step's write or check that it waited on), forward the primary's forward
 pool's measured draft costs). Each is an exponentially weighted mean over the gateway's recent steps
 (`half_life_steps`), used once it has `min_steps` samples; until then the settings stand.
 
+A request whose client waits for the whole answer takes its runs several engine steps a message
+(gateway.decode_run), so its plain tokens pay the loop's work a message, not a token: its plain
+overhead is measured apart from that of requests that stream (`is_batched`), each a sample per token.
+
 The controller reads them as a cost model through `cost_model()`, on a grid of about 5 % (`BUCKET`),
 so that a request's remembered choices are recomputed only when a cost moved, not at every step.
 """
@@ -62,6 +66,11 @@ class _Mean:
         rate = max(weight, 1.0 / self.num_samples)
         self.value += rate * (sample - self.value)
 
+    def add_each(self, sample: float, weight: float, count: int) -> None:
+        """`sample` as `count` samples (a message's tokens, each at the message's cost per token)."""
+        for _ in range(count):
+            self.add(sample, weight)
+
 
 def _on_grid(value_ms: float) -> float:
     """value_ms rounded to the nearest power of BUCKET, e.g. 1.0 -> 1.0, 1.03 -> 1.05, 0.0 -> 0.001."""
@@ -88,19 +97,24 @@ class StepCosts:
     def __init__(self, config: StepCostConfig | None = None) -> None:
         self.config = config or StepCostConfig()
         self._weight = 1.0 - 0.5 ** (1.0 / self.config.half_life_steps)
-        self._plain, self._speculative, self._one_row = _Mean(), _Mean(), _Mean()
-        self._logged: MeasuredOverheads | None = None
+        # plain overhead per kind of run: a message a step (False) or several (True, is_batched)
+        self._plain = {False: _Mean(), True: _Mean()}
+        self._speculative, self._one_row = _Mean(), _Mean()
+        self._logged: dict[bool, MeasuredOverheads] = {}
         self._lock = threading.Lock()
         self._log = structlog.get_logger("gateway.step_costs")
 
-    def observe_plain(self, wall_ms: float, forward_ms: float, num_tokens: int, curve: CostModel) -> None:
-        """A plain run of num_tokens tokens (one Decode) that took wall_ms, forward_ms of it in the primary."""
+    def observe_plain(
+        self, wall_ms: float, forward_ms: float, num_tokens: int, curve: CostModel, is_batched: bool = False
+    ) -> None:
+        """num_tokens plain tokens (a run's message of that many steps) that took wall_ms, forward_ms of
+        it in the primary, of a request whose runs send several steps a message when `is_batched`."""
         if num_tokens < 1 or not wall_ms >= 0.0 or not forward_ms >= 0.0:
             return  # nothing decoded (a failed call) or not a time: no evidence
         with self._lock:
-            self._plain.add(max(0.0, wall_ms - forward_ms) / num_tokens, self._weight)
+            self._plain[is_batched].add_each(max(0.0, wall_ms - forward_ms) / num_tokens, self._weight, num_tokens)
             if forward_ms > 0.0:
-                self._one_row.add(forward_ms / num_tokens / float(curve.verify(1)), self._weight)
+                self._one_row.add_each(forward_ms / num_tokens / float(curve.verify(1)), self._weight, num_tokens)
 
     def observe_speculative(
         self, wall_ms: float, forward_ms: float, model_draft_ms: float, num_rows: int, curve: CostModel
@@ -114,23 +128,26 @@ class StepCosts:
             if forward_ms > 0.0:
                 self._one_row.add(forward_ms / float(curve.verify(num_rows)), self._weight)
 
-    def overheads(self) -> MeasuredOverheads:
+    def overheads(self, is_batched: bool = False) -> MeasuredOverheads:
+        """The figures for a request whose runs send several steps a message (`is_batched`) or one."""
         with self._lock:
             measured = MeasuredOverheads(
                 *(
                     _on_grid(m.value) if m.num_samples >= self.config.min_steps else None
-                    for m in (self._plain, self._speculative, self._one_row)
+                    for m in (self._plain[is_batched], self._speculative, self._one_row)
                 )
             )
-            is_news = self._logged is None or any(
+            logged = self._logged.get(is_batched)
+            is_news = logged is None or any(
                 (new is None) != (old is None) or (new and old and max(new / old, old / new) >= LOG_CHANGE)
-                for new, old in zip(dataclasses.astuple(measured), dataclasses.astuple(self._logged))
+                for new, old in zip(dataclasses.astuple(measured), dataclasses.astuple(logged))
             )
             if is_news:
-                self._logged = measured
+                self._logged[is_batched] = measured
         if is_news and measured != MeasuredOverheads(None, None, None):
             self._log.info(
                 "step costs measured",
+                is_batched=is_batched,
                 plain_overhead_ms=_rounded(measured.plain_ms),
                 speculative_overhead_ms=_rounded(measured.speculative_ms),
                 one_row_forward_ms=_rounded(measured.one_row_ms),
@@ -145,7 +162,7 @@ class StepCosts:
         # E.g. plain 0.12 ms a token, speculative 2.1 ms a step, forward unit now 4.2 ms:
         #   plain_overhead 0.029, speculative_overhead 0.5 (units of one forward)
         """
-        measured = measured or self.overheads()
+        measured = measured or self.overheads()  # (a caller with batched runs passes its own)
         unit = measured.one_row_ms or one_row_ms
         if unit <= 0.0:
             return base

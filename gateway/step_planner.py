@@ -132,6 +132,7 @@ class StepPlanner:
         controller_state: Mapping[str, Any] | None = None,
         acceptance_memory: AcceptanceMemory | None = None,
         min_repeat_tokens: int = MIN_REPEAT_TOKENS,
+        is_batched_plain: bool = False,
     ) -> None:
         self.params, self.prompt_ids, self.generated = params, prompt_ids, generated
         self.tokenizer, self.model, self.stats, self.log = tokenizer, model, stats, log
@@ -142,6 +143,9 @@ class StepPlanner:
         # The gateway's measurements of what its steps cost (shared by its requests): each step of
         # this request adds to them (measure_step), and an adaptive one plans with them (plan).
         self.step_costs = step_costs
+        # its runs send several steps a message (a client that waits for the whole answer): its plain
+        # tokens cost less loop work than a streaming client's, measured apart (StepCosts)
+        self.is_batched_plain = is_batched_plain
         self.measured_overheads: MeasuredOverheads | None = None  # what the controller's cost model holds
         self.base_cost_model = cost_model or cost_model_for(model.verify_costs_ms, CostSettings())
         self.one_row_ms = one_row_ms(model.verify_costs_ms)
@@ -237,7 +241,7 @@ class StepPlanner:
         measured cost moved."""
         if self.controller is None or self.step_costs is None:
             return
-        measured = self.step_costs.overheads()
+        measured = self.step_costs.overheads(self.is_batched_plain)
         if measured != self.measured_overheads:
             self.measured_overheads = measured
             self.controller.set_cost_model(self.step_costs.cost_model(self.base_cost_model, self.one_row_ms, measured))
@@ -330,4 +334,6 @@ class StepPlanner:
                 wall_ms, record.forward_ms, record.model_draft_ms, record.num_rows, self.base_cost_model
             )
         else:
-            self.step_costs.observe_plain(wall_ms, record.forward_ms, record.num_rows, self.base_cost_model)
+            self.step_costs.observe_plain(
+                wall_ms, record.forward_ms, record.num_rows, self.base_cost_model, self.is_batched_plain
+            )

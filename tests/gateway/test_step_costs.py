@@ -17,14 +17,34 @@ def _base():
 def test_the_settings_stand_until_enough_steps_were_measured():
     costs, base = StepCosts(StepCostConfig(min_steps=3)), _base()
     for _ in range(2):
-        costs.observe_plain(wall_ms=34.0, forward_ms=32.0, num_tokens=8, curve=base)  # 0.25 ms a token outside
+        costs.observe_plain(wall_ms=4.25, forward_ms=4.0, num_tokens=1, curve=base)  # 0.25 ms a token outside
         costs.observe_speculative(wall_ms=16.0, forward_ms=10.0, model_draft_ms=0.0, num_rows=8, curve=base)
     assert costs.overheads().plain_ms is None
     assert costs.cost_model(base, one_row_ms=4.0) == base
-    costs.observe_plain(wall_ms=34.0, forward_ms=32.0, num_tokens=8, curve=base)
+    costs.observe_plain(wall_ms=4.25, forward_ms=4.0, num_tokens=1, curve=base)
     measured = costs.overheads()
     assert measured.plain_ms == pytest.approx(0.25, rel=BUCKET - 1)
     assert measured.speculative_ms is None  # two samples of its kind so far
+
+
+def test_runs_sent_several_steps_a_message_are_measured_apart_a_sample_a_token():
+    """A request whose runs send several steps a message (a client that waits for the whole answer)
+    pays the loop's work a message: its plain overhead is its own figure, not a streaming request's,
+    and a message of n tokens counts as n samples (so a run's lone first step weighs as one token)."""
+    costs, base = StepCosts(StepCostConfig(min_steps=8)), _base()
+    costs.observe_plain(wall_ms=34.0, forward_ms=32.0, num_tokens=8, curve=base, is_batched=True)
+    assert costs.overheads(is_batched=True).plain_ms == pytest.approx(0.25, rel=BUCKET - 1)  # 8 samples
+    assert costs.overheads().plain_ms is None  # a streaming request's: none yet
+    for _ in range(8):
+        costs.observe_plain(wall_ms=5.5, forward_ms=4.0, num_tokens=1, curve=base)
+    assert costs.overheads().plain_ms == pytest.approx(1.5, rel=BUCKET - 1)
+    assert costs.overheads(is_batched=True).plain_ms == pytest.approx(0.25, rel=BUCKET - 1)
+    # a run's first step comes alone (1.5 ms), then messages of 8 (0.25 ms a token): per token, the mean
+    # leans to the many cheap tokens
+    costs = StepCosts(StepCostConfig(min_steps=1, half_life_steps=1000.0))
+    costs.observe_plain(wall_ms=5.5, forward_ms=4.0, num_tokens=1, curve=base, is_batched=True)
+    costs.observe_plain(wall_ms=34.0, forward_ms=32.0, num_tokens=8, curve=base, is_batched=True)
+    assert costs.overheads(is_batched=True).plain_ms == pytest.approx((1.5 + 8 * 0.25) / 9, rel=BUCKET - 1)
 
 
 def test_overheads_are_what_the_steps_spent_outside_the_forward_in_one_row_forwards():
