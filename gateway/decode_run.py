@@ -21,8 +21,9 @@ before the others: its runs send, after their first step, several steps a messag
 (DecodeRequest.steps_per_message, the gateway's --unary_stream_interval), and the loop reads,
 commits and stores a message's tokens as one loop step that counts its engine steps. On the 2-core
 machines the gateway's work per message (its read, the commit, the store's write) competes for the
-cores with the primary's forward. The tokens are the same; a stop string is found a message late,
-and the primary's extra steps are dropped by the next call (num_context_tokens).
+cores with the primary's forward. The tokens are the same. A stop string, a cancel or the deadline
+is seen up to a message later; a run cancelled with steps it decided unsent leaves them to the
+next call to drop (num_context_tokens), as it does a cancelled run's last step.
 """
 
 from __future__ import annotations
