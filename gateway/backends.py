@@ -183,6 +183,8 @@ def _decoded(r: primary_pb2.DecodeStreamResponse) -> Decoded:
     """One streamed message of a run (one step, or several: DecodeRequest.steps_per_message), with the
     rows of its last step beside the request's own (its root and drafts)."""
     token_ids = tuple(r.token_ids)
+    # a message of one step: its rows less the request's root and drafts (also a primary that predates
+    # num_other_rows); of several: the primary's count for the last (num_drafted sums them all)
     other_step_rows = r.num_other_rows if r.num_steps > 1 else max(0, r.num_step_rows - 1 - r.num_drafted)
     return Decoded(
         token_ids[-1],

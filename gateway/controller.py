@@ -770,10 +770,13 @@ class AdaptiveController:
         oldest = min(stale, key=lambda e: e.last_observed_step)
         return ((oldest.decoder, oldest.rank),)
 
-    def observe(self, state: ControllerState, plan: SpeculationPlan, outcomes: Iterable[CandidateOutcome]) -> None:
-        """Record one finished step. Planned sources without an outcome proposed nothing."""
+    def observe(
+        self, state: ControllerState, plan: SpeculationPlan, outcomes: Iterable[CandidateOutcome], num_steps: int = 1
+    ) -> None:
+        """Record one finished step (or `num_steps` plain ones: a run's message). Planned sources
+        without an outcome proposed nothing."""
         if not plan.is_speculative:
-            state.num_steps += 1
+            state.num_steps += num_steps
             return
         by_key = {(e.decoder, e.rank): e for e in state.estimates}
         results = {key: (0, 0) for key in plan.sources}

@@ -553,8 +553,7 @@ class RequestLoop:
         # one engine step, speculative or plain (a plain one's drafts, DecodeRuns._run_lookup_length, are its
         # own), or a run's message of several plain ones
         num_engine_steps, self.step_engine_steps = self.step_engine_steps, 1
-        for _ in range(num_engine_steps):
-            self.planner.observe(plan, outcomes)
+        self.planner.observe(plan, outcomes, num_engine_steps)
         kept, finish = self.output.truncate(new_tokens, len(self.generated))
         self.stats.num_steps += num_engine_steps
         self.stats.num_generated_tokens += len(kept)

@@ -70,8 +70,8 @@ class RequestStats:
             for d in range(n):
                 counts[d] += 1
 
-    def add_plan(self, draft_length: int, speculative_degree: int, is_probe: bool) -> None:
-        """Count one step's choice; draft_length 0 (or degree 0) is a step without speculation."""
+    def add_plan(self, draft_length: int, speculative_degree: int, is_probe: bool, num_steps: int = 1) -> None:
+        """Count the choice of `num_steps` steps; draft_length 0 (or degree 0) is a step without speculation."""
         if draft_length == 0 or speculative_degree == 0:
             draft_length = speculative_degree = 0
         for counts, index in (
@@ -79,8 +79,8 @@ class RequestStats:
             (self.num_steps_by_degree, speculative_degree),
         ):
             counts.extend([0] * (index + 1 - len(counts)))
-            counts[index] += 1
-        self.num_probe_steps += is_probe
+            counts[index] += num_steps
+        self.num_probe_steps += is_probe * num_steps
 
     def add_entropies(self, accepted: list[float], rejected: list[float]) -> None:
         edges = DEFAULT_ENTROPY_BIN_EDGES

@@ -310,12 +310,17 @@ class StepPlanner:
         self.prediction.add(new_tokens)
         self.stats.num_rejected_prediction_tokens = len(self.prediction_ids) - self.prediction.num_matched
 
-    def observe(self, plan: SpeculationPlan, outcomes: list[CandidateOutcome] | None) -> None:
-        """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran)."""
-        self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe)
+    def observe(self, plan: SpeculationPlan, outcomes: list[CandidateOutcome] | None, num_steps: int = 1) -> None:
+        """Count the step's choice; tell the controller what its drafts earned (None: no drafts ran; then
+        `num_steps` plain steps, a run's message)."""
+        assert num_steps == 1 or outcomes is None, "several steps at once are plain ones"
+        self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe, num_steps)
         if self.controller is not None:
             self.controller.observe(
-                self._controller_state(), plan if outcomes is not None else SpeculationPlan(), outcomes or ()
+                self._controller_state(),
+                plan if outcomes is not None else SpeculationPlan(),
+                outcomes or (),
+                num_steps,
             )
 
     def observe_load(self, other_rows: int) -> None:

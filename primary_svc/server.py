@@ -311,9 +311,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 if is_first or step.is_last or len(held) >= per_message:
                     yield _stream_message(held)
                     held, is_first = [], False
-            running.result()  # the error that ended the run, if one did
-            if held:  # the run ended without a last step (cancelled on the engine's side): what it decided
-                yield _stream_message(held)
+            running.result()  # the error that ended the run, if one did (a run ends on is_last or a cancel)
         finally:
             cancel.set()  # a caller gone mid-run (the generator closed): no further step
 

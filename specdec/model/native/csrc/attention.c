@@ -585,9 +585,10 @@ int att_plan_init(att_plan *p, const att_seq *seqs, int64_t num_seqs, int64_t H,
     p->chunk = chunk < 1 ? 1 : chunk > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : chunk;
 #if !QGEMM_AVX512
     /* Without AVX-512 a chunk takes a KV head's whole group at once (three queries share each key and
-     * value row's conversion), even where that leaves fewer items than two per thread: a one-row
-     * step's attention after 2,048 tokens of fp16 cache fell 11-18 % on the 2-core AVX2 EPYC. With
-     * AVX-512's wider tiles the smaller chunks measured faster (docs/benchmarks.md, "Attention"). */
+     * value row's conversion), even where that leaves fewer items than two per thread: with the
+     * three-query tiles a one-row step's attention after 2,048 tokens of fp16 cache took a median
+     * 3.21 ms against 4.28 on the 2-core AVX2 EPYC. With AVX-512's wider tiles the smaller chunks
+     * measured faster (docs/benchmarks.md, "Engine step and verify curve"). */
     if (p->chunk < group) p->chunk = group > ATT_MAX_CHUNK ? ATT_MAX_CHUNK : group;
 #endif
     p->first_item = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
