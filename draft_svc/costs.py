@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from draft_svc.strategies.base import DraftDecoder, FeatureConsumer
+from draft_svc.strategies.base import DraftDecoder, reads_features
 
 MEASURED_DEPTHS = (1, 2, 3, 4, 5, 6)
 CONTEXT_TOKENS = 128  # the synthetic request's committed tokens (the primary's verify curve uses 128 too)
@@ -89,7 +89,7 @@ def measure_propose_ms(
         raise ValueError(f"need repeats >= 1 and context_tokens >= 2, got {repeats}, {context_tokens}")
     token_ids = [(_FIRST_TOKEN_ID + i) % vocab_size for i in range(context_tokens)]
     decoder.extend(token_ids)
-    if isinstance(decoder, FeatureConsumer):
+    if reads_features(decoder):
         rng = np.random.default_rng(0)
         # rows predicting tokens 1..T-1: the state a request has after its prefill and verifies
         decoder.observe_features(1, rng.standard_normal((context_tokens - 1, hidden_size), dtype=np.float32))

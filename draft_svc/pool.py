@@ -57,8 +57,8 @@ from typing import Protocol
 import numpy as np
 import structlog
 
-from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder, FeatureConsumer
-from draft_svc.strategies.lookahead import LookaheadSource
+from draft_svc.strategies.base import Candidate, DecoderRegistry, DraftDecoder, reads_features
+from draft_svc.strategies.lookahead import gives_lookahead
 from draft_svc.strategies.suffix_index import SuffixIndex
 from draft_svc.tree import TokenTree, build_token_tree
 from specdec.candidates import ranked_sources
@@ -461,7 +461,7 @@ class DraftPool:
         if features is None:
             return
         for decoder in decoders:
-            if isinstance(decoder, FeatureConsumer):
+            if reads_features(decoder):
                 decoder.observe_features(*features)
 
     def _observe_lookahead(self, request: _Request, argmax_token_ids: Sequence[int]) -> None:
@@ -469,7 +469,7 @@ class DraftPool:
         (none: they were not verified, and the decoder's window stays)."""
         source, request.lookahead_source = request.lookahead_source, None
         decoder = None if source is None else request.decoders.get(source)
-        if not isinstance(decoder, LookaheadSource):
+        if not gives_lookahead(decoder):
             if argmax_token_ids:
                 raise InvalidArgument("lookahead_argmax_token_ids", "the previous Propose proposed no lookahead rows")
             return
@@ -484,7 +484,7 @@ class DraftPool:
         """The rows of the step's first lookahead decoder, remembered for the argmaxes that come back."""
         for name in dict.fromkeys(name for name, _ in entries):
             decoder = request.decoders.get(name)
-            if isinstance(decoder, LookaheadSource):
+            if gives_lookahead(decoder):
                 request.lookahead_source = name
                 return decoder.lookahead_rows()
         return (), ()

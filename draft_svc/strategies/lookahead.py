@@ -31,9 +31,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, TypeGuard, runtime_checkable
 
-from draft_svc.strategies.base import Candidate, DraftDecoder, append_tokens, new_context, validate_propose_args
+from draft_svc.strategies.base import (
+    Candidate,
+    DraftDecoder,
+    append_tokens,
+    implements,
+    new_context,
+    validate_propose_args,
+)
 from specdec.controller_defaults import LOOKAHEAD_LEVELS, LOOKAHEAD_WINDOW
 from specdec.engine.tree import ROOT
 from specdec.field_checks import require_at_least_one
@@ -73,6 +80,11 @@ class LookaheadSource(DraftDecoder, Protocol):
         """The primary's argmax at each row that `lookahead_rows` last returned, in row order; empty
         when they were not verified."""
         ...
+
+
+def gives_lookahead(decoder: object) -> TypeGuard[LookaheadSource]:
+    """Whether the decoder runs lookahead rows of its own (LookaheadSource; base.implements)."""
+    return implements(decoder, LookaheadSource)
 
 
 def window_tree(levels: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:

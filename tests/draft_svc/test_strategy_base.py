@@ -19,7 +19,8 @@ from draft_svc.strategies import (
     UnknownDecoderError,
     model_free_registry,
 )
-from draft_svc.strategies.base import append_tokens, new_context
+from draft_svc.strategies.base import FeatureConsumer, append_tokens, implements, new_context, reads_features
+from draft_svc.strategies.lookahead import LookaheadSource, gives_lookahead
 
 
 def test_candidate_validates_its_fields():
@@ -42,6 +43,25 @@ def test_registry_creates_independent_decoders_per_request():
     decoders = registry.create_all(["prompt_lookup", "suffix_index"])
     assert all(isinstance(d, DraftDecoder) for d in decoders.values())
     assert isinstance(decoders["suffix_index"], SuffixDecoder)
+
+
+def test_capabilities_are_the_protocols_isinstance_decided_once_per_class():
+    index = SuffixIndex(SuffixIndexConfig(max_total_tokens=64))
+    decoders = model_free_registry(PromptLookupConfig(max_ngram=2), index).create_all(
+        ["prompt_lookup", "lookahead", "suffix_index"]
+    )
+
+    class Reader:
+        def observe_features(self, position: int, features: np.ndarray) -> None:
+            pass
+
+    for d in [*decoders.values(), Reader(), object(), None]:
+        for _ in range(2):  # the second answer comes from the cache
+            assert gives_lookahead(d) is isinstance(d, LookaheadSource)
+            assert reads_features(d) is isinstance(d, FeatureConsumer)
+    assert gives_lookahead(decoders["lookahead"]) and not gives_lookahead(decoders["prompt_lookup"])
+    assert reads_features(Reader()) and not reads_features(decoders["suffix_index"])
+    assert implements(Reader(), FeatureConsumer) and not implements(Reader(), LookaheadSource)
 
 
 def test_registry_rejects_unknown_and_duplicate_names():
