@@ -944,8 +944,15 @@ class RequestLoop:
         await self.record.finish(status, finish, error, *self._stored_state())
         with contextlib.suppress(Exception):  # a run still streaming (a stop string, a cancel) ends first
             await self.runs.close()
+        # The two services forget the request at once: their round trips overlap instead of adding up
+        # before the client hears of the end.
+        await asyncio.gather(self._release_primary(), self._release_draft(finish))
+
+    async def _release_primary(self) -> None:
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
             await self.backends.release_primary(self.request_id)
+
+    async def _release_draft(self, finish: str) -> None:
         if not self.draft_state.is_up:  # down or hung: the pool drops the request after its TTL
             return
         try:

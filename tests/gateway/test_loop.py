@@ -1172,6 +1172,36 @@ def test_a_step_the_store_refuses_never_reaches_the_output():
     assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
 
 
+@dataclasses.dataclass
+class MeetingReleases(FakeBackends):
+    """Each release waits (1 s at most) until the other one has begun: only releases made at once end."""
+
+    begun: set = dataclasses.field(default_factory=set)
+
+    async def _meet(self, name: str) -> None:
+        self.begun.add(name)
+        async with asyncio.timeout(1.0):
+            while len(self.begun) < 2:
+                await asyncio.sleep(0.001)
+        self.calls.append((name, {}))
+
+    async def release_primary(self, request_id: str) -> None:
+        await self._meet("release_primary")
+
+    async def release_draft(self, request_id: str, is_finished: bool) -> None:
+        await self._meet("release_draft")
+
+
+def test_the_services_release_a_finished_request_at_once():
+    """The primary's and the draft pool's releases overlap: neither waits for the other's round trip
+    before the client hears of the end (a release that waited would time out here)."""
+    backends = MeetingReleases()
+    loop = make_loop(make_params(max_new_tokens=8), backends, InMemoryStateStore())
+    asyncio.run(drain(loop))
+    assert loop.outcome.finish_reason == "length"
+    assert sorted(name for name, _ in backends.calls[-2:]) == ["release_draft", "release_primary"]
+
+
 class SlowStore(AsyncInMemoryStateStore):
     """Each step's write takes `write_s` and says in `events` when it starts and lands."""
 
