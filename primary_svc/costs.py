@@ -42,6 +42,11 @@ def fastest_per_size(
     controller needs the ratio between sizes, which a noisy sample distorts most. The sizes are
     measured in turn, round after round, so that a noisy stretch slows every size alike instead of
     the sizes measured during it (which would change the ratios the controller prices drafts by).
+    Within a round each size runs twice and its second run counts, after a run of its own size, as
+    decoding runs it: a one-row verify right after a 32-row one measured 6-10 % slower (the larger
+    step's rows and logits had displaced its working set), which made every extra row look about half
+    as dear as it is (2 rows 1.09x one instead of 1.17-1.20x, 8 rows 2.29x instead of 2.49-2.66x,
+    int4 on the 2-vCPU EPYC: docs/benchmarks.md, "The verify curve the controller prices by").
     """
     vocab = engine.vocab_size
     engine.open(request_id, [i % vocab for i in range(1000, 1000 + context_tokens)])
@@ -54,6 +59,7 @@ def fastest_per_size(
         samples: dict[int, list[_T]] = {k: [] for k in node_counts}
         for _ in range(repeats):
             for k in node_counts:
+                measure(k)  # the run before the counted one: the same size
                 samples[k].append(measure(k))
         return {k: min(runs, key=ms_of) for k, runs in samples.items()}
     finally:
