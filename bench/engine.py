@@ -37,7 +37,7 @@ from bench.peers import default_gguf_path, llama_cpp_missing
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.service_step import service_vs_engine
 from bench.report import machine_info
-from primary_svc.costs import measure_verify_costs
+from primary_svc.costs import measure_verify_costs, probe_context_tokens
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
@@ -58,12 +58,12 @@ _PREFILL_ID = "__prefill_probe__"
 def engine_max_context(
     repeats: int, context_tokens: int = LONG_CONTEXT_TOKENS, sizes: tuple[int, ...] = VERIFY_SIZES
 ) -> int:
-    """Context the benchmark's engines hold: the long curve's context, the one token each of its
-    verifies commits (measure_verify_costs: a warm-up + repeats + 1 per size), and the largest tree.
+    """Context the benchmark's engines hold: the long curve's measurement (primary_svc.costs.
+    probe_context_tokens: the context, the one token each verify commits, and the largest tree).
 
-    E.g. repeats 5: 2048 + 1 + 7 * 6 + 64 = 2155.
+    E.g. repeats 5: 2048 + 1 + 7 * 11 + 64 = 2190.
     """
-    return context_tokens + 1 + len(sizes) * (repeats + 1) + max(sizes)
+    return probe_context_tokens(sizes, repeats, context_tokens)
 
 
 def plain_decoding(engine: Engine, hf_model, prompts: list[list[int]], max_new_tokens: int) -> dict:

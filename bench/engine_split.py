@@ -30,7 +30,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import load_model
 from specdec.model import native
 from specdec.model.loader import default_cache_dir, resolve_model_dir
-from primary_svc.costs import fastest_per_size
+from primary_svc.costs import fastest_per_size, probe_context_tokens
 
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
 _REQUEST_ID = "__split_probe__"
@@ -132,7 +132,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
     contexts = [int(c) for c in args.contexts.split(",")]
-    max_context = max(contexts) + 1 + len(VERIFY_SIZES) * (args.repeats + 2) + max(VERIFY_SIZES)
+    max_context = probe_context_tokens(VERIFY_SIZES, args.repeats, max(contexts))
     print(f"kernels {native.identity()}, threads {args.threads}")
     results: dict[str, Any] = {"kernels": native.identity(), "threads": args.threads}
     for precision in args.precisions.split(","):

@@ -51,7 +51,7 @@ import numpy as np
 import structlog
 import torch
 
-from primary_svc.costs import measure_verify_costs
+from primary_svc.costs import measure_verify_costs, probe_context_tokens
 from specdec.progress import ProgressCallback, no_progress
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -153,7 +153,8 @@ def quantized_candidates() -> tuple[str, ...]:
 
 
 def measure_candidate(model_dir: Path, precision: str) -> dict[int, float]:
-    loaded = load_model(model_dir, precision, max_positions=PROBE_CONTEXT_TOKENS + 2 * PROBE_SIZES[-1], is_shared=False)
+    positions = probe_context_tokens(PROBE_SIZES, PROBE_REPEATS, PROBE_CONTEXT_TOKENS)
+    loaded = load_model(model_dir, precision, max_positions=positions, is_shared=False)
     engine = Engine(loaded.model, KVCache(loaded.config, loaded.model.kv_dtype), loaded.model.max_positions)
     return measure_verify_costs(engine, PROBE_REPEATS, PROBE_SIZES, PROBE_CONTEXT_TOKENS)
 

@@ -26,6 +26,13 @@ def verify_chain(engine: Engine, request_id: str, num_nodes: int) -> float:
     return ms
 
 
+def probe_context_tokens(node_counts: Sequence[int], repeats: int, context_tokens: int) -> int:
+    """The context an engine must hold for fastest_per_size: the probe's context, then the one token
+    each verify commits (a warm-up, one run per size, and two per size and round), and the largest
+    tree's rows. E.g. sizes (1, 2, 4, 8, 16), 2 repeats, 64 tokens: 64 + 1 + 5 + 20 + 16 = 106."""
+    return context_tokens + 1 + len(node_counts) * (1 + 2 * repeats) + max(node_counts)
+
+
 def fastest_per_size(
     engine: Engine,
     request_id: str,
@@ -48,6 +55,12 @@ def fastest_per_size(
     as dear as it is (2 rows 1.09x one instead of 1.17-1.20x, 8 rows 2.29x instead of 2.49-2.66x,
     int4 on the 2-vCPU EPYC: docs/benchmarks.md, "The verify curve the controller prices by").
     """
+    needed = probe_context_tokens(node_counts, repeats, context_tokens)
+    if needed > engine.max_context:
+        raise ValueError(
+            f"measuring {len(node_counts)} sizes x {repeats} repeats needs a max_context of {needed}, "
+            f"the engine holds {engine.max_context}"
+        )
     vocab = engine.vocab_size
     engine.open(request_id, [i % vocab for i in range(1000, 1000 + context_tokens)])
     try:

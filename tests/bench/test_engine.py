@@ -11,9 +11,9 @@ from specdec.engine.kv_cache import KVCache
 
 
 def test_engine_max_context_holds_the_long_curves_commits_and_largest_tree():
-    # 2048 of context, 1 warm-up commit, 7 sizes x (5 + 1) commits, a 64-node tree
-    assert engine_max_context(5) == 2048 + 1 + 42 + 64
-    assert engine_max_context(1) - LONG_CONTEXT_TOKENS == 1 + len(VERIFY_SIZES) * 2 + max(VERIFY_SIZES)
+    # 2048 of context, 1 warm-up commit, 7 sizes x (1 + 2 x 5) commits, a 64-node tree
+    assert engine_max_context(5) == 2048 + 1 + 77 + 64
+    assert engine_max_context(1) - LONG_CONTEXT_TOKENS == 1 + len(VERIFY_SIZES) * 3 + max(VERIFY_SIZES)
 
 
 def test_a_curve_fits_the_context_engine_max_context_gives_it(fp32_model):
@@ -22,6 +22,9 @@ def test_a_curve_fits_the_context_engine_max_context_gives_it(fp32_model):
     max_context = engine_max_context(1, 64, sizes)
     engine = Engine(fp32_model.model, KVCache(fp32_model.config, fp32_model.model.kv_dtype), max_context)
     assert set(measure_verify_costs(engine, 1, sizes, 64)) == set(sizes)
+    short = Engine(fp32_model.model, KVCache(fp32_model.config, fp32_model.model.kv_dtype), max_context - 1)
+    with pytest.raises(ValueError, match=f"needs a max_context of {max_context}, the engine holds {max_context - 1}"):
+        measure_verify_costs(short, 1, sizes, 64)  # said before it starts, not a tree error midway
 
 
 def test_prefill_rate_times_one_prompt_alone_and_leaves_the_engine_empty(fp32_model):

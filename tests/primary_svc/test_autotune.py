@@ -9,7 +9,14 @@ import types
 import pytest
 
 from primary_svc import autotune
-from primary_svc.autotune import AUTOTUNE_STAGE, choose_precision, choose_precision_or_fallback, expected_tokens_per_s
+from primary_svc.autotune import (
+    AUTOTUNE_STAGE,
+    PROBE_SIZES,
+    choose_precision,
+    choose_precision_or_fallback,
+    expected_tokens_per_s,
+    measure_candidate,
+)
 
 FLAT = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}  # verifying 16 costs what 1 does
 STEEP = {1: 5.0, 2: 10.0, 4: 20.0, 8: 40.0, 16: 80.0}  # cost linear in rows
@@ -192,3 +199,10 @@ def test_int8_token_is_a_candidate_only_where_its_products_have_a_vector_path(mo
     for unvectorized in (None, portable):
         monkeypatch.setattr(native, "library", lambda lib=unvectorized: lib)
         assert autotune.quantized_candidates() == tuple(p for p in autotune.CANDIDATES if p != "int8_token")
+
+
+def test_a_candidate_is_measured_on_the_real_model_within_its_probe_engine(default_model_dir):
+    """measure_candidate's engine holds its whole measurement (every verify commits a token): a curve
+    over every probe size, not an error that would leave auto with nothing but fp32."""
+    curve = measure_candidate(default_model_dir, "int4")
+    assert set(curve) == set(PROBE_SIZES) and all(ms > 0 for ms in curve.values())
