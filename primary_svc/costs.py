@@ -53,7 +53,7 @@ def fastest_per_size(
     decoding runs it: a one-row verify right after a 32-row one measured 6-10 % slower (the larger
     step's rows and logits had displaced its working set), which made every extra row look about half
     as dear as it is (2 rows 1.09x one instead of 1.17-1.20x, 8 rows 2.29x instead of 2.49-2.66x,
-    int4 on the 2-vCPU EPYC: docs/benchmarks.md, "The verify curve the controller prices by").
+    int4 on the 2-vCPU EPYC: docs/benchmarks.md, "Engine step and verify curve", EPYC, 2026-12-06).
     """
     needed = probe_context_tokens(node_counts, repeats, context_tokens)
     if needed > engine.max_context:
