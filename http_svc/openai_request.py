@@ -214,16 +214,14 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     for name, neutral in _UNSUPPORTED.items():
         if data.get(name) not in neutral:
             raise bad_request(name, "is not supported by this server")
-    num_choices = 1 if data.get("n") is None else _integer(data["n"], "n", MAX_CHOICES)
-    if num_choices < 1:
-        raise bad_request("n", f"must be at least 1, got {num_choices}")
+    num_choices = 1 if data.get("n") is None else _integer(data["n"], "n", MAX_CHOICES, minimum=1)
     request = gateway_pb2.GenerateRequest()
     if kind == CHAT:
         _set_messages(request, data.get("messages"))
     aliases = {}
     for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are given
         if data.get(name) is not None:
-            request.max_new_tokens = _integer(data[name], name, MAX_UINT32)
+            request.max_new_tokens = _integer(data[name], name, MAX_UINT32, minimum=1)
             aliases["max_new_tokens"] = name
             break
     request.stop.extend(_stop(data.get("stop")))
@@ -528,13 +526,17 @@ def _boolean(value: Any, param: str, default: bool) -> bool:
     return value
 
 
-def _integer(value: Any, param: str, maximum: int = MAX_UINT64) -> int:
+def _integer(value: Any, param: str, maximum: int = MAX_UINT64, minimum: int = 0) -> int:
+    """An integer field in [minimum, maximum]; the error names the bound it breaks, so that a value
+    the gateway would refuse by its own smaller range is not told a range it could never take."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(param, f"must be an integer, got {json.dumps(value)}")
-    if not 0 <= value <= maximum:
-        raise bad_request(param, f"must be in [0, {maximum}], got {value}")
+    if value < minimum:
+        raise bad_request(param, f"must be at least {minimum}, got {value}")
+    if value > maximum:
+        raise bad_request(param, f"must be at most {maximum}, got {value}")
     return value
 
 

@@ -223,6 +223,23 @@ def test_n_choices_of_several_prompts_are_prompt_major() -> None:
     assert error.param == "n" and f"at most {MAX_CHOICES}" in error.message
 
 
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"max_tokens": -3}, "max_tokens", "must be at least 1, got -3"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "must be at least 1, got 0"),
+        ({"max_tokens": 1 << 32}, "max_tokens", f"must be at most {(1 << 32) - 1}, got {1 << 32}"),
+        ({"n": 0}, "n", "must be at least 1, got 0"),
+        ({"min_tokens": -1}, "min_tokens", "must be at least 0, got -1"),
+    ],
+)
+def test_an_integer_out_of_range_is_told_the_bound_it_breaks(fields: dict, param: str, message: str) -> None:
+    # Not the wire's whole range: a negative max_tokens once heard "must be in [0, 4294967295]",
+    # a range whose lower end the gateway refuses too.
+    error = refused(chat(**fields))
+    assert error.param == param and error.message.endswith(message)
+
+
 @pytest.mark.parametrize("kind", [CHAT, COMPLETION])
 def test_sampling_controls_reach_the_generate_request(kind: str) -> None:
     body = chat() if kind == CHAT else {"model": MODEL, "prompt": "Once"}

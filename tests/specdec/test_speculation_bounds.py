@@ -52,4 +52,4 @@ def test_the_http_edge_accepts_up_to_the_request_bound_and_names_the_field_beyon
     with pytest.raises(ApiError) as e:
         parse_request({**body, name: maximum + 1}, CHAT)
     assert e.value.status == 400 and e.value.param == name
-    assert e.value.message == f"{name}: must be in [0, {maximum}], got {maximum + 1}"
+    assert e.value.message == f"{name}: must be at most {maximum}, got {maximum + 1}"
