@@ -439,17 +439,16 @@ class Backends:
     ) -> AsyncGenerator[Decoded, None]:
         """Plain steps from committed_token_ids (PrimaryService.DecodeStream): one Decoded per engine
         step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (no `allowed`): a
-        run of that many steps in one call, ending early after a token of `stop_token_ids`; the
-        primary commits every token of it but the last. With `response_format`
-        (instead of `allowed`) the primary masks every token by its own state of the request's
-        grammar. `num_context_tokens`: the context the caller knows before committed_token_ids (the
-        primary drops tokens of a cancelled run past it). `stop_at_repeat_tokens` > 0: the run also ends
-        where the context's last that many tokens occurred earlier. `lookup_draft_length` > 0: the primary
-        drafts the run's copies itself, up to that many tokens a step, so a step may decide several
-        tokens (DecodeRequest.lookup_draft_length). `steps_per_message` > 1: after the run's first step,
-        each Decoded carries up to that many steps (Decoded.num_steps). Closing the iterator early (aclose, or
-        cancelling the task that awaits it) cancels the call: the primary stops the run at its next
-        step and keeps the request open."""
+        run of that many steps in one call, ending early after a token of `stop_token_ids`; the primary
+        commits every token of it but the last. With `response_format` (instead of `allowed`) the
+        primary masks every token by its own state of the request's grammar. `num_context_tokens`: the
+        context the caller knows before committed_token_ids (the primary drops tokens of a cancelled run
+        past it). `stop_at_repeat_tokens` > 0: the run also ends where the context's last that many
+        tokens occurred earlier. `lookup_draft_length` > 0: the primary drafts the run's copies itself,
+        up to that many tokens a step (DecodeRequest.lookup_draft_length). `steps_per_message` > 1:
+        after the run's first step, each Decoded carries up to that many steps (Decoded.num_steps).
+        Closing the iterator early (aclose, or cancelling the awaiting task) cancels the call: the
+        primary stops the run at its next step and keeps the request open."""
         request = primary_pb2.DecodeRequest(
             request_id=request_id,
             accepted_nodes=accepted_nodes,

@@ -218,12 +218,7 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     request = gateway_pb2.GenerateRequest()
     if kind == CHAT:
         _set_messages(request, data.get("messages"))
-    aliases = {}
-    for name in ("max_completion_tokens", "max_tokens"):  # the newer name wins when both are given
-        if data.get(name) is not None:
-            request.max_new_tokens = _integer(data[name], name, MAX_UINT32, minimum=1)
-            aliases["max_new_tokens"] = name
-            break
+    aliases = _set_max_new_tokens(request, data)
     request.stop.extend(_stop(data.get("stop")))
     request.ignore_eos = _boolean(data.get("ignore_eos"), "ignore_eos", False)
     if data.get("stop_token_ids") is not None:
@@ -235,13 +230,7 @@ def parse_request(data: dict[str, Any], kind: str) -> ParsedRequest:
     _set_speculation(request.speculation, data)
     if data.get("user") is not None and not isinstance(data["user"], str):
         raise bad_request("user", "must be a string")
-    is_stream = _boolean(data.get("stream"), "stream", False)
-    options = data.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("stream_options", "must be an object")
-    include_usage = _boolean((options or {}).get("include_usage"), "stream_options.include_usage", False)
-    if options is not None and not is_stream:
-        raise bad_request("stream_options", "is only allowed when stream is true")
+    is_stream, include_usage = _stream(data)
     is_logprobs, num_top = _logprobs(data, kind)
     is_echo = kind == COMPLETION and _boolean(data.get("echo"), "echo", False)
     if is_logprobs:
@@ -524,6 +513,28 @@ def _boolean(value: Any, param: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise bad_request(param, f"must be true or false, got {json.dumps(value)}")
     return value
+
+
+def _set_max_new_tokens(request: gateway_pb2.GenerateRequest, data: dict[str, Any]) -> dict[str, str]:
+    """request.max_new_tokens from max_completion_tokens or max_tokens (the newer name wins when both
+    are given); the alias under which the gateway's errors name the field."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        if data.get(name) is not None:
+            request.max_new_tokens = _integer(data[name], name, MAX_UINT32, minimum=1)
+            return {"max_new_tokens": name}
+    return {}
+
+
+def _stream(data: dict[str, Any]) -> tuple[bool, bool]:
+    """stream, and stream_options.include_usage (only with stream)."""
+    is_stream = _boolean(data.get("stream"), "stream", False)
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options", "must be an object")
+    include_usage = _boolean((options or {}).get("include_usage"), "stream_options.include_usage", False)
+    if options is not None and not is_stream:
+        raise bad_request("stream_options", "is only allowed when stream is true")
+    return is_stream, include_usage
 
 
 def _integer(value: Any, param: str, maximum: int = MAX_UINT64, minimum: int = 0) -> int:
