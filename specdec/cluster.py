@@ -80,6 +80,7 @@ def cluster_specs(
                 name=node_name(GATEWAY, g),
                 command=command,
                 depends_on=tuple(n for node in nodes for n in node),
+                started_beside=(),
                 address_flags=(),
                 node_services=nodes,
             )

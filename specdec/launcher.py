@@ -8,8 +8,10 @@ Each service runs as `python -m <module>` in its own process group (so a stop
 reaches anything it spawned, and a Ctrl-C in the terminal reaches only the
 launcher, which then stops the services in order), on a free loopback port,
 with stdout and stderr appended to `<log_dir>/<name>.log`. Services start in
-dependency waves (primary; then validator and draft; then gateway), each
-wave waiting for grpc.health.v1 SERVING (the HTTP front: GET /health answering 200). A service that exits while starting
+dependency waves (primary; then validator, draft and gateway; then the HTTP front), each
+wave waiting for grpc.health.v1 SERVING (the HTTP front: GET /health answering 200). The gateway
+starts beside the validator and the draft pool rather than after them: it waits for its services
+itself, so its start-up (seconds of imports) overlaps theirs. A service that exits while starting
 fails the start at once with the tail of its log; the log dir is kept then. A port the caller
 fixed (ServiceSpec.port, e.g. the HTTP front's) that another process holds is a PortInUseError
 before anything starts; and a service counts as SERVING only once its own process holds the
@@ -140,6 +142,9 @@ class ServiceSpec:
     command: tuple[str, ...]  # e.g. (python, "-m", "primary_svc", "--precision", "fp32")
     health_service: str = ""  # grpc.health.v1 name; "" is the whole server
     depends_on: tuple[str, ...] = ()  # services that must be SERVING before this one starts
+    # Services launched just before it in its wave, not awaited: it takes their addresses and waits
+    # for them itself (it needs them only once requests come), so their start-ups overlap.
+    started_beside: tuple[str, ...] = ()
     address_flags: tuple[tuple[str, str], ...] = ()  # (flag, service name): flag gets that service's address
     startup_timeout_s: float = 120.0
     is_taking_service_token: bool = False  # gets --service_token_file (specdec.service.auth)
@@ -158,9 +163,11 @@ class ServiceSpec:
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
         missing = {dep for _, dep in self.address_flags} | {n for node in self.node_services for n in node}
-        missing -= set(self.depends_on)
+        missing -= set(self.depends_on) | set(self.started_beside)
         if missing:
-            raise ValueError(f"{self.name}: address_flags name services not in depends_on: {sorted(missing)}")
+            raise ValueError(
+                f"{self.name}: address_flags name services not in depends_on or started_beside: {sorted(missing)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -297,7 +304,10 @@ def _gateway_spec(config: StackConfig) -> ServiceSpec:
             "--logits_via_handle",
         ),
         health_service="specdec.v1.GenerationService",
-        depends_on=(PRIMARY, DRAFT, VALIDATOR),
+        # It asks the primary for the model before it serves, the pool and the validator only once
+        # requests come (gateway.server: GetPoolInfo again while the pool's costs are pending).
+        depends_on=(PRIMARY,),
+        started_beside=(VALIDATOR, DRAFT),
         address_flags=(
             ("--primary_address", PRIMARY),
             ("--draft_address", DRAFT),
@@ -356,22 +366,30 @@ def is_port_taken(host: str, port: int) -> bool:
 
 
 def waves(specs: Sequence[ServiceSpec]) -> list[list[ServiceSpec]]:
-    """Specs grouped into start waves: each wave depends only on earlier ones.
+    """Specs grouped into start waves: each wave depends only on earlier ones, and a spec started
+    beside others comes after them in theirs (ServiceSpec.started_beside).
 
     E.g. primary; validator, draft (on primary); gateway (on all) ->
-    [[primary], [validator, draft], [gateway]].
+    [[primary], [validator, draft], [gateway]]; with the gateway on the primary, started beside
+    validator and draft -> [[primary], [validator, draft, gateway]].
     """
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate service names in {names}")
-    unknown = {d for s in specs for d in s.depends_on} - set(names)
+    unknown = {d for s in specs for d in (*s.depends_on, *s.started_beside)} - set(names)
     if unknown:
         raise ValueError(f"unknown dependencies {sorted(unknown)}")
     done: set[str] = set()
     remaining = list(specs)
     result: list[list[ServiceSpec]] = []
     while remaining:
-        wave = [s for s in remaining if set(s.depends_on) <= done]
+        wave: list[ServiceSpec] = []
+        while joining := [
+            s
+            for s in remaining
+            if s not in wave and set(s.depends_on) <= done and set(s.started_beside) <= done | {w.name for w in wave}
+        ]:
+            wave += joining[:1]  # one at a time: a spec joins after those it starts beside
         if not wave:
             raise ValueError(f"dependency cycle among {[s.name for s in remaining]}")
         result.append(wave)
@@ -391,6 +409,7 @@ class _Running:
     process: subprocess.Popen
     metrics_port: int = 0  # 0: no /metrics endpoint
     progress: ProgressReader | None = None  # its --progress_file (ServiceSpec.is_reporting_progress)
+    dependency_ports: dict[str, int] = dataclasses.field(default_factory=dict)  # the addresses its argv names
     is_swept: bool = False  # its process group got the final SIGKILL after it exited
 
 
@@ -444,7 +463,7 @@ class Stack:
             for wave in self._waves:
                 launched = [self._launch(spec, port=None) for spec in wave]
                 for running in launched:
-                    self._await_serving(running)
+                    self._await_serving(self._with_current_addresses(running))
             for running in self._running.values():  # an early wave may have died meanwhile
                 if (code := running.process.poll()) is not None:
                     raise ServiceError(
@@ -649,6 +668,10 @@ class Stack:
         ]
         for flag, dep in spec.address_flags:
             argv += [flag, self._address(self._get(dep).port)]
+        dependency_ports = {
+            dep: self._get(dep).port
+            for dep in (*(d for _, d in spec.address_flags), *(n for node in spec.node_services for n in node))
+        }
         if spec.node_services:
             nodes = (
                 self._address(self._get(p).port) + f"/{self._get(d).port}/{self._get(v).port}"
@@ -667,12 +690,20 @@ class Stack:
             progress = ProgressReader(progress_path)
         log_path = self.log_dir / f"{spec.name}.log"
         process = _start_process(argv, log_path, self._env())
-        running = _Running(spec, port, argv, log_path, process, metrics_port, progress)
+        running = _Running(spec, port, argv, log_path, process, metrics_port, progress, dependency_ports)
         self._running[spec.name] = running
         return running
 
     def _env(self) -> dict[str, str]:
         return service_env(self.config.extra_env)
+
+    def _with_current_addresses(self, running: _Running) -> _Running:
+        """The service, relaunched if a service started beside it moved to another port since its
+        launch (a port lost to a race: _await_serving): its argv would name the old address."""
+        if all(self._get(dep).port == port for dep, port in running.dependency_ports.items()):
+            return running
+        _terminate([running], grace_s=0.0)
+        return self._launch(running.spec, port=None)
 
     def _await_serving(self, running: _Running, may_retry_port: bool = True) -> None:
         """Wait for SERVING; relaunch on new ports when another process took one of ours (the gRPC

@@ -82,11 +82,13 @@ def fake(
     address_flags: tuple[tuple[str, str], ...] = (),
     startup_timeout_s: float = 20.0,
     is_taking_service_token: bool = False,
+    started_beside: tuple[str, ...] = (),
 ) -> ServiceSpec:
     return ServiceSpec(
         name,
         (sys.executable, "-c", FAKE_SERVICE, *args),
         depends_on=depends_on,
+        started_beside=started_beside,
         address_flags=address_flags,
         startup_timeout_s=startup_timeout_s,
         is_taking_service_token=is_taking_service_token,
@@ -128,14 +130,27 @@ def config() -> StackConfig:
 
 def test_waves_follow_dependencies() -> None:
     specs = service_specs(StackConfig())
-    assert [[s.name for s in wave] for wave in waves(specs)] == [["primary"], ["validator", "draft"], ["gateway"]]
+    # the gateway starts beside the validator and the pool, after them in their wave
+    assert [[s.name for s in wave] for wave in waves(specs)] == [["primary"], ["validator", "draft", "gateway"]]
+    beside = [
+        fake("c", started_beside=("b",)),
+        fake("b", started_beside=("a",)),
+        fake("a"),
+        fake("d", depends_on=("c",)),
+    ]
+    assert [[s.name for s in wave] for wave in waves(beside)] == [["a", "b", "c"], ["d"]]
     a, b = fake("a", depends_on=("b",)), fake("b", depends_on=("a",))
     with pytest.raises(ValueError, match="cycle"):
         waves([a, b])
+    with pytest.raises(ValueError, match="cycle"):
+        waves([fake("a", started_beside=("b",)), fake("b", started_beside=("a",))])
     with pytest.raises(ValueError, match="unknown"):
         waves([fake("a", depends_on=("zz",))])
+    with pytest.raises(ValueError, match="unknown"):
+        waves([fake("a", started_beside=("zz",))])
     with pytest.raises(ValueError, match="depends_on"):
         fake("a", address_flags=(("--x", "b"),))
+    fake("a", address_flags=(("--x", "b"),), started_beside=("b",))  # an address of a service beside it
 
 
 def test_service_specs_pass_the_fixed_flags() -> None:
@@ -307,6 +322,29 @@ def test_a_port_lost_to_a_race_is_retried_on_another(config: StackConfig, monkey
         taken = squatter.getsockname()[1]
         with started_past_a_lost_port(config, monkeypatch, taken) as stack:
             assert is_serving(stack.addresses["a"])
+
+
+def test_a_service_started_beside_one_that_moved_port_is_relaunched_with_its_new_address(
+    config: StackConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """b is launched with a's address before a serves; a then loses its port to a race and moves:
+    b is launched again, naming a's new port, before the launcher waits for it."""
+    with socket.socket() as squatter:
+        squatter.bind((launcher.LOOPBACK, 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken])
+        real_free_port = launcher.free_port
+        monkeypatch.setattr(launcher, "free_port", lambda host: next(ports, None) or real_free_port(host))
+        specs = [fake("a"), fake("b", started_beside=("a",), address_flags=(("--upstream", "a"),))]
+        with Stack(config, specs=specs) as stack:
+            moved = stack.addresses["a"]
+            assert int(moved.rsplit(":", 1)[1]) != taken
+            # the first b may be stopped before it prints its argv; the one that serves names the new port
+            argv_lines = [line for line in stack.log_path("b").read_text().splitlines() if line.startswith("argv:")]
+            assert f"--upstream {moved}" in argv_lines[-1]
+            assert not any(f"--upstream {moved}" in line for line in argv_lines[:-1])
+            assert is_serving(stack.addresses["b"])
 
 
 def test_sigterm_stops_a_cooperative_service_within_the_grace(tmp_path: Path) -> None:
