@@ -4,6 +4,8 @@ service: every import statement of every module, nested ones included, is read f
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,23 @@ def test_the_walk_sees_nested_imports(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\n\ndef f():\n    from gateway.stats import RequestStats\n    import draft_svc.pool\n")
     assert imported_packages(module) == {"os", "gateway", "draft_svc"}
+
+
+def test_the_validator_starts_without_the_grammar_engine() -> None:
+    # It needs only the packed token masks (specdec.grammar.bitmask); xgrammar with what it pulls in
+    # (ml_dtypes, tvm_ffi, transformers) is 1.6-1.9 s of every start-up of a service that loads it.
+    code = (
+        "import sys, validator_svc.__main__; print(sorted(m for m in ('xgrammar', 'transformers') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_grammar_package_exports_its_names_when_read() -> None:
+    import specdec.grammar as grammar
+    from specdec.grammar.state import GrammarState
+
+    assert grammar.GrammarState is GrammarState and "GrammarState" in dir(grammar)
+    assert set(grammar.__all__) <= set(dir(grammar))
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        grammar.Nothing  # noqa: B018 - the read is the test
