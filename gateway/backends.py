@@ -466,11 +466,7 @@ class Backends:
             steps_per_message=steps_per_message,
             logprobs=_logprobs_pb(logprobs),
         )
-        call = self.primary.DecodeStream(
-            request,
-            timeout=self.timeout_s,
-            metadata=outgoing_metadata(self._metadata),
-        )
+        call = self.primary.DecodeStream(request, timeout=self.timeout_s, metadata=outgoing_metadata(self._metadata))
         try:
             async for r in call:
                 decoded = _decoded(r)
