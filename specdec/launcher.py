@@ -157,13 +157,17 @@ class ServiceSpec:
     # --nodes host:primary_port/draft_port/validator_port,... (gateway.nodes)
     node_services: tuple[tuple[str, str, str], ...] = ()
 
+    @property
+    def addressed(self) -> tuple[str, ...]:
+        """The services whose addresses its argv names (address_flags, then node_services)."""
+        return (*(dep for _, dep in self.address_flags), *(n for node in self.node_services for n in node))
+
     def __post_init__(self) -> None:
         if not self.name or not self.command:
             raise ValueError("name and command must not be empty")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
-        missing = {dep for _, dep in self.address_flags} | {n for node in self.node_services for n in node}
-        missing -= set(self.depends_on) | set(self.started_beside)
+        missing = set(self.addressed) - set(self.depends_on) - set(self.started_beside)
         if missing:
             raise ValueError(
                 f"{self.name}: address_flags name services not in depends_on or started_beside: {sorted(missing)}"
@@ -668,10 +672,7 @@ class Stack:
         ]
         for flag, dep in spec.address_flags:
             argv += [flag, self._address(self._get(dep).port)]
-        dependency_ports = {
-            dep: self._get(dep).port
-            for dep in (*(d for _, d in spec.address_flags), *(n for node in spec.node_services for n in node))
-        }
+        dependency_ports = {dep: self._get(dep).port for dep in spec.addressed}
         if spec.node_services:
             nodes = (
                 self._address(self._get(p).port) + f"/{self._get(d).port}/{self._get(v).port}"
