@@ -436,6 +436,7 @@ class Backends:
         stop_at_repeat_tokens: int = 0,
         lookup_draft_length: int = 0,
         steps_per_message: int = 1,
+        stop_strings: Sequence[str] = (),
     ) -> AsyncGenerator[Decoded, None]:
         """Plain steps from committed_token_ids (PrimaryService.DecodeStream): one Decoded per engine
         step as the primary decides it, the last with is_run_end. `max_tokens` > 1 (no `allowed`): a
@@ -446,7 +447,8 @@ class Backends:
         past it). `stop_at_repeat_tokens` > 0: the run also ends where the context's last that many
         tokens occurred earlier. `lookup_draft_length` > 0: the primary drafts the run's copies itself,
         up to that many tokens a step (DecodeRequest.lookup_draft_length). `steps_per_message` > 1:
-        after the run's first step, each Decoded carries up to that many steps (Decoded.num_steps).
+        after the run's first step, each Decoded carries up to that many steps (Decoded.num_steps), and
+        one ends early after a step that completes one of `stop_strings` (DecodeRequest.stop_strings).
         Closing the iterator early (aclose, or cancelling the awaiting task) cancels the call: the
         primary stops the run at its next step and keeps the request open."""
         request = primary_pb2.DecodeRequest(
@@ -464,6 +466,7 @@ class Backends:
             stop_at_repeat_tokens=stop_at_repeat_tokens,
             lookup_draft_length=lookup_draft_length,
             steps_per_message=steps_per_message,
+            stop_strings=stop_strings,
             logprobs=_logprobs_pb(logprobs),
         )
         call = self.primary.DecodeStream(request, timeout=self.timeout_s, metadata=outgoing_metadata(self._metadata))

@@ -33,6 +33,7 @@ from specdec.speculation_bounds import (
     check_speculation_bounds,
 )
 from specdec.pb import MAX_STEPS_PER_MESSAGE
+from specdec.model.tokenizer import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from specdec.sampling import MAX_STOP_TOKEN_IDS
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.strategies import DEFAULT_STRATEGIES, check_names
@@ -51,8 +52,8 @@ class Limits:
 
     default_max_new_tokens: int = 256
     max_new_tokens: int = 8192
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
     max_stop_token_ids: int = MAX_STOP_TOKEN_IDS
     max_prompt_chars: int = 1 << 20
     max_chat_messages: int = 256

@@ -21,9 +21,11 @@ before the others: its runs send, after their first step, several steps a messag
 (DecodeRequest.steps_per_message, the gateway's --unary_stream_interval), and the loop reads,
 commits and stores a message's tokens as one loop step that counts its engine steps. On the 2-core
 machines the gateway's work per message (its read, the commit, the store's write) competes for the
-cores with the primary's forward. The tokens are the same. A stop string, a cancel or the deadline
-is seen up to a message later; a run cancelled with steps it decided unsent leaves them to the
-next call to drop (num_context_tokens), as it does a cancelled run's last step.
+cores with the primary's forward. The tokens are the same. The primary sends a message at once after
+a step that completes one of the request's stop strings (DecodeRequest.stop_strings), so the output
+ends there, not up to a message later; a cancel or the deadline is seen up to a message later. A run
+cancelled with steps it decided unsent leaves them to the next call to drop (num_context_tokens), as
+it does a cancelled run's last step.
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ class DecodeRuns:
             stop_at_repeat_tokens=stop_at_repeat,
             lookup_draft_length=lookup_draft_length,
             steps_per_message=self.steps_per_message,
+            # the primary sends a message at once where a stop string completes, which the loop cuts at
+            stop_strings=self.params.stop if self.steps_per_message > 1 else (),
             **self.logprobs_request,
         )
 

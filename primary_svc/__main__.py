@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         KVLeases(config.kv_lease_s, takeover_s=config.kv_takeover_s),
         start_grammars(tokenizer, loaded),
         load_run_answers(config.run_answers, loaded, worker),
+        tokenizer,
     )
     stop_expiry = threading.Event()
     threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()

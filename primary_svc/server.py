@@ -32,6 +32,7 @@ from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
+from specdec.model.tokenizer import MAX_STOP_CHARS, MAX_STOP_STRINGS, NUM_CONTEXT_TOKENS, StopStringWatch, Tokenizer
 from specdec.penalties import penalize
 from specdec.answers import AnswerIndex
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
@@ -79,6 +80,39 @@ def _stream_message(steps: Sequence[_StreamedStep]) -> primary_pb2.DecodeStreamR
     )
 
 
+class _StopHints:
+    """A DecodeStream's stop_strings: whether a step's tokens complete one (StopStringWatch) after the
+    output's last tokens, which the engine thread reads before the run's first step decides (`before`
+    wraps the run's finish: a step's tokens are committed once it has decided); the handler's thread
+    decodes (`completes`, for every step in order)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str], output_token_ids: Callable[[], list[int]]):
+        self.tokenizer, self.stop_strings, self.output_token_ids = tokenizer, stop_strings, output_token_ids
+        self.context: list[int] | None = None
+        self.watch: StopStringWatch | None = None
+
+    def before(self, finish: Callable[[torch.Tensor], Decided]) -> Callable[[torch.Tensor], Decided]:
+        def reading_the_output_first(logits: torch.Tensor) -> Decided:
+            if self.context is None:
+                self.context = self.output_token_ids()[-(MAX_STOP_CHARS + NUM_CONTEXT_TOKENS) :]
+            return finish(logits)
+
+        return reading_the_output_first
+
+    def completes(self, token_ids: Sequence[int]) -> bool:
+        if self.watch is None:
+            self.watch = StopStringWatch(self.tokenizer, self.stop_strings, self.context or [])
+        return self.watch.add(token_ids)
+
+
+def _check_stop_strings(stop_strings: Sequence[str]) -> None:
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise InvalidArgument("stop_strings", f"at most {MAX_STOP_STRINGS} strings, got {len(stop_strings)}")
+    for i, s in enumerate(stop_strings):
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise InvalidArgument(f"stop_strings[{i}]", f"must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelIdentity:
     model_id: str
@@ -100,11 +134,13 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         leases: KVLeases | None = None,
         run_grammars: RunGrammars | None = None,
         answers: AnswerIndex | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """`run_grammars`: the grammar states of Decode calls with a response_format (None: such
-        calls are refused); `answers`: the model's own answers, which runs draft from too."""
+        calls are refused); `answers`: the model's own answers, which runs draft from too;
+        `tokenizer`: the model's, which DecodeStream's stop_strings are read by (None: ignored)."""
         self.loaded, self.worker, self.identity = loaded, worker, identity
-        self.run_grammars, self.answers = run_grammars, answers
+        self.run_grammars, self.answers, self.tokenizer = run_grammars, answers, tokenizer
         self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
         self.vocab_size = loaded.config.vocab_size
         self.logits_slots = LogitsSlots(identity.instance_id)
@@ -282,8 +318,13 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
         per_message = pb.steps_per_message_from_pb(request.steps_per_message)
+        _check_stop_strings(request.stop_strings)
         run_max = self.identity.max_context
         run = self._plain_run(request, request_id, run_max, context.time_remaining())
+        stops = None  # a message is sent at once after a step that completes a stop string
+        if request.stop_strings and per_message > 1 and self.tokenizer is not None:
+            engine = self.worker.built_engine()
+            stops = _StopHints(self.tokenizer, request.stop_strings, lambda: engine.output_token_ids(request_id))
         steps: queue.SimpleQueue[_StreamedStep | None] = queue.SimpleQueue()
         cancel = threading.Event()
         context.add_callback(cancel.set)
@@ -296,7 +337,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             request_id,
             list(request.accepted_nodes),
             list(request.committed_token_ids),
-            run.finish,
+            run.finish if stops is None else stops.before(run.finish),
             run.repeat,
             on_step,
             cancel,
@@ -308,7 +349,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         try:
             while (step := steps.get()) is not None:
                 held.append(step)
-                if is_first or step.is_last or len(held) >= per_message:
+                is_stop = stops is not None and stops.completes(step.decided.token_ids)
+                if is_first or step.is_last or is_stop or len(held) >= per_message:
                     yield _stream_message(held)
                     held, is_first = [], False
             running.result()  # the error that ended the run, if one did (a run ends on is_last or a cancel)

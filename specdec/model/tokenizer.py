@@ -25,6 +25,10 @@ REPLACEMENT_CHAR = "\ufffd"
 # Tokens of context decoded before the first new token, so that decoders that treat the start of
 # a text specially (a SentencePiece leading space) see a continuation, as vLLM does.
 NUM_CONTEXT_TOKENS = 5
+# A request's stop strings: how many, and their longest (the gateway's limits, and what the primary
+# takes as a run's stop hints: DecodeRequest.stop_strings)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -146,6 +150,37 @@ def find_stop_string(text: str, stop_strings: Sequence[str], start: int = 0) -> 
     """
     cuts = [text.find(stop, max(0, start - len(stop) + 1)) for stop in stop_strings if stop]
     return min((cut for cut in cuts if cut >= 0), default=None)
+
+
+class StopStringWatch:
+    """Whether each batch of tokens that follows an output completes one of its stop strings in the
+    output's text: for a producer that sends tokens several at a time to the consumer that cuts the
+    output at them, so that it sends at once where the output ends (PrimaryService.DecodeStream's
+    stop_strings). `context_ids`: the output's tokens so far (the last that a match can start in
+    are kept). The text is decoded as IncrementalDetokenizer decodes it, so a completion that only
+    differs by the context's first, partial character can be missed: a hint, not the cut itself."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str], context_ids: Sequence[int]) -> None:
+        self.stop_strings = [s for s in stop_strings if s]
+        self._tail_chars = max(map(len, self.stop_strings), default=1) - 1  # where a match can start
+        # a token decodes to a character or more, but for the pieces of one character
+        context = list(context_ids[-(self._tail_chars + NUM_CONTEXT_TOKENS) :]) if context_ids else []
+        self._detok = IncrementalDetokenizer(tokenizer, context_ids=context)
+        self.text = self._tail(tokenizer.decode(context)) if context else ""
+
+    def add(self, token_ids: Sequence[int]) -> bool:
+        """Whether `token_ids`, after the output and every earlier batch, complete a stop string."""
+        new_text = self._detok.add(token_ids)
+        if not new_text:
+            return False
+        checked = len(self.text)
+        self.text += new_text
+        is_complete = find_stop_string(self.text, self.stop_strings, checked) is not None
+        self.text = self._tail(self.text)
+        return is_complete
+
+    def _tail(self, text: str) -> str:
+        return text[max(0, len(text) - self._tail_chars) :] if self._tail_chars else ""
 
 
 def num_held_back_chars(text: str, stop_strings: Sequence[str]) -> int:

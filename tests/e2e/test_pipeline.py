@@ -157,7 +157,8 @@ def test_a_unary_plain_request_takes_runs_several_steps_a_message_and_counts_eve
     """A client that waits for the whole answer (Generate) gets the primary's runs several engine steps
     a message (the gateway's --unary_stream_interval): the tokens and text of its stream, each engine
     step counted in its stats (a token each, speculation off), and a stop string in the middle of a
-    message still ends the answer at its first occurrence, with nothing left behind."""
+    message ends the answer at its first occurrence, the message sent at once after the step that
+    completed it, with nothing left behind."""
     req = gateway_pb2.GenerateRequest(
         max_new_tokens=40, speculation=gateway_pb2.SpeculationConfig(is_enabled=False, is_adaptive=False)
     )
@@ -172,6 +173,9 @@ def test_a_unary_plain_request_takes_runs_several_steps_a_message_and_counts_eve
     streamed = list(gateway_stub.GenerateStream(gateway_pb2.GenerateRequest(stop=[stop], **_fields(req)), timeout=300))
     assert stopped.finish_reason == streamed[-1].finish_reason == gateway_pb2.FINISH_REASON_STOP
     assert stopped.text == "".join(c.text for c in streamed) == unary.text[: unary.text.index(stop)]
+    # the primary sent the step that completed it at once (DecodeRequest.stop_strings): no step past it ran
+    # for the answer, the step of the token that completed it and dropped the last one counted
+    assert stopped.stats.num_steps <= len(stopped.token_ids) + 1 < 40
     stats = primary_stats(stack)
     assert stats.num_active_requests == 0 and stats.kv_bytes == 0
 

@@ -130,6 +130,7 @@ class FakeBackends:
     stops_at_repeat: list[int] = dataclasses.field(default_factory=list)  # each run's stop_at_repeat_tokens
     lookup_draft_lengths: list[int] = dataclasses.field(default_factory=list)  # each run's lookup_draft_length
     steps_per_message: list[int] = dataclasses.field(default_factory=list)  # each run's steps_per_message
+    stop_strings: list[tuple[str, ...]] = dataclasses.field(default_factory=list)  # each run's stop_strings
     run_messages: list[int] = dataclasses.field(default_factory=list)  # the engine steps of each message sent
     answers: AnswerIndex | None = None  # the model's own answers, which the primary's runs draft from too
 
@@ -212,6 +213,7 @@ class FakeBackends:
         stop_at_repeat_tokens=0,
         lookup_draft_length=0,
         steps_per_message=1,
+        stop_strings=(),
     ):
         """A run of plain steps as the primary streams it: a step's tokens a message as it decides them (after
         the run's first step, up to steps_per_message steps a message), every one but the run's last
@@ -223,6 +225,7 @@ class FakeBackends:
         self.stops_at_repeat.append(stop_at_repeat_tokens)
         self.lookup_draft_lengths.append(lookup_draft_length)
         self.steps_per_message.append(steps_per_message)
+        self.stop_strings.append(tuple(stop_strings))
         runs = self._run(
             accepted_nodes, committed_token_ids, max_tokens, stop_token_ids, stop_at_repeat_tokens, lookup_draft_length
         )
@@ -570,9 +573,12 @@ def test_runs_sent_several_steps_a_message_give_the_same_output_and_count_every_
     for per_message in (1, 4):
         backends = FakeBackends(is_lookup_right=lambda n: n % 20 < 12)
         params = make_params(is_enabled=is_enabled, degree=2, draft_length=6, max_new_tokens=90)
+        params = dataclasses.replace(params, stop=("<never>",))
         loop = run(params, backends, steps_per_message=per_message)
         assert loop.outcome.token_ids == plain_decoding(PROMPT, 90)
         assert set(backends.steps_per_message) == {per_message}
+        # several steps a message: the primary sends one at once where a stop string completes
+        assert set(backends.stop_strings) == {("<never>",) if per_message > 1 else ()}
         assert loop.stats.num_steps == backends.num_steps() == sum(loop.stats.num_steps_by_draft_length)
         # a step a token here (no run drafts): the messages carry every decoded token's step
         decoded = sum(call["num_tokens"] for name, call in backends.calls if name == "decode")

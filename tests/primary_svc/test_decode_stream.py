@@ -5,6 +5,7 @@ received (num_context_tokens); bad requests get a status naming the field."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import grpc
@@ -40,11 +41,13 @@ def metrics() -> PrimaryMetrics:
 
 
 @pytest.fixture(scope="module")
-def primary(fp32_model, metrics):
+def primary(fp32_model, metrics, tokenizer):
     engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32, max_bytes=64 << 20), MAX_CONTEXT)
     worker = EngineWorker(engine)
     identity = ModelIdentity("test-model", "instance-1", MAX_CONTEXT, (2,), {1: 10.0})
-    servicer = PrimaryServicer(fp32_model, worker, identity, 64 << 20, metrics=metrics, leases=KVLeases(30.0))
+    servicer = PrimaryServicer(
+        fp32_model, worker, identity, 64 << 20, metrics=metrics, leases=KVLeases(30.0), tokenizer=tokenizer
+    )
     with primary_stub(servicer) as stub:
         yield stub, engine, worker
     worker.stop()
@@ -151,6 +154,36 @@ def test_a_stream_asked_for_several_steps_a_message_sends_the_same_tokens_in_few
     release(stub, "batched", lease)
 
 
+def test_a_message_of_several_steps_goes_out_at_once_after_a_step_that_completes_a_stop_string(
+    primary, reference, tokenizer
+):
+    """stop_strings, with steps_per_message: a message also ends after the step whose token completes
+    one of them in the output's text (the output's committed tokens, then the run's: a stop string
+    may start before the run), so that the caller, which cuts there, need not wait out the message;
+    the run goes on, its tokens plain decoding's."""
+    stub, *_ = primary
+    committed = tokenizer.decode(reference[:10])
+    # from the committed text's last 2 characters into the run's second token's; and one later on
+    spanning = tokenizer.decode(reference[:12])[len(committed) - 2 : len(tokenizer.decode(reference[:11])) + 1]
+    later = tokenizer.decode(reference[:30])[-3:]
+
+    def completed_at(stop: str) -> int:  # the run's step (from 1) whose token completes `stop`
+        assert stop not in committed
+        return next(i for i in range(1, 31) if stop in tokenizer.decode(reference[: 10 + i]))
+
+    stops = {completed_at(spanning), completed_at(later)}
+    assert stops == {2, 20}  # the reference's text
+    lease = prefill(stub, "hints")
+    assert [t for m in stream(stub, "hints", lease, [], 10) for t in m.token_ids] == reference[:10]
+    messages = list(
+        stream(stub, "hints", lease, reference[9:10], 31, steps_per_message=16, stop_strings=[later, spanning])
+    )
+    assert [t for m in messages for t in m.token_ids] == reference[10:41]
+    # the first step alone, then 16 steps a message, or fewer where a stop string completes, or the run ends
+    assert list(itertools.accumulate(m.num_steps for m in messages)) == [1, 2, 18, 20, 31]
+    release(stub, "hints", lease)
+
+
 def test_a_drafted_run_sent_several_steps_a_message_counts_each_message_s_steps_and_drafts(primary, copying):
     """A run that drafts its copies, its steps several a message: the tokens, the drafts and the kept
     drafts add up to those of a message a step."""
@@ -237,6 +270,8 @@ def test_a_stream_asked_to_stop_at_a_repeat_ends_where_the_context_repeats_itsel
         ),
         ({"committed_token_ids": [10**8]}, grpc.StatusCode.INVALID_ARGUMENT, "committed_token_ids"),
         ({"kv_lease": "not-the-lease"}, grpc.StatusCode.NOT_FOUND, "request_id"),
+        ({"max_tokens": 4, "stop_strings": ["x", ""]}, grpc.StatusCode.INVALID_ARGUMENT, "stop_strings[1]"),
+        ({"max_tokens": 4, "stop_strings": ["x"] * 17}, grpc.StatusCode.INVALID_ARGUMENT, "stop_strings"),
         (
             {"max_tokens": 4, "steps_per_message": MAX_STEPS_PER_MESSAGE + 1},
             grpc.StatusCode.INVALID_ARGUMENT,

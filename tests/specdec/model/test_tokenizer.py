@@ -13,6 +13,7 @@ import pytest
 from specdec.model.tokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
+    StopStringWatch,
     Tokenizer,
     find_stop_string,
     num_held_back_chars,
@@ -157,6 +158,47 @@ def test_find_stop_string():
     # a match straddling the already-checked part is still found
     assert find_stop_string("abc##", ["##"], start=4) == 3
     assert find_stop_string("##abc", ["##"], start=4) is None
+
+
+def _stops_around(text: str, at: int) -> list[str]:
+    """Substrings of `text` that end after `at`: one inside what follows, one that starts before it."""
+    stops = [text[at + 1 : at + 4], text[max(0, at - 3) : at + 2], text[-3:]]
+    return [s for s in stops if s.strip()]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_stop_string_watch_fires_at_the_tokens_that_complete_a_stop_string(
+    tokenizer: Tokenizer, text: str, step: int
+):
+    """After an output's tokens (the context), batches of tokens: the watch fires at the first batch
+    with which the output's text contains the stop string, as the gateway's cut finds it (a batch
+    that ends inside a character adds its text with the next)."""
+    ids = tokenizer.encode(text)
+    for split in (0, 1, len(ids) // 3, len(ids) // 2):
+        context, rest = ids[:split], ids[split:]
+        before = tokenizer.decode(context)
+        if before.endswith(REPLACEMENT_CHAR):
+            continue  # the output's text ends inside a character: the watch's text starts after it
+        for stop in _stops_around(tokenizer.decode(ids), len(before)):
+            if stop in before:
+                continue  # the output would have ended before these tokens
+            watch = StopStringWatch(tokenizer, ["never in it", stop], context)
+            batches = [rest[i : i + step] for i in range(0, len(rest), step)]
+            fired = [watch.add(batch) for batch in batches]
+            # the gateway's text of the output (gateway.output): the whole output's, detokenized as it grows
+            detokenizer = IncrementalDetokenizer(tokenizer)
+            texts = [detokenizer.add(context)] + [detokenizer.add(batch) for batch in batches]
+            first = next(k for k in range(len(batches)) if stop in "".join(texts[: k + 2]))
+            assert fired.index(True) == first, (text, split, stop)
+
+
+def test_a_stop_string_watch_ignores_the_context_s_own_stop_strings(tokenizer: Tokenizer):
+    ids = tokenizer.encode("one two three four")
+    watch = StopStringWatch(tokenizer, ["two"], ids[:3])  # "one two three"
+    assert [watch.add([t]) for t in ids[3:]] == [False] * len(ids[3:])
+    assert StopStringWatch(tokenizer, ["o t"], []).add(ids) is True  # no context: the batch alone
+    assert StopStringWatch(tokenizer, [], ids[:2]).add(ids[2:]) is False
 
 
 def test_num_held_back_chars():
