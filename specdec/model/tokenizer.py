@@ -157,8 +157,9 @@ class StopStringWatch:
     output's text: for a producer that sends tokens several at a time to the consumer that cuts the
     output at them, so that it sends at once where the output ends (PrimaryService.DecodeStream's
     stop_strings). `context_ids`: the output's tokens so far (the last that a match can start in
-    are kept). The text is decoded as IncrementalDetokenizer decodes it, so a completion that only
-    differs by the context's first, partial character can be missed: a hint, not the cut itself."""
+    are kept). The text is decoded as IncrementalDetokenizer decodes it, from a window of the
+    context: a stop string that starts in a character split by the window's first token, or by the
+    context's end, can be missed. A hint, not the cut itself."""
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: Sequence[str], context_ids: Sequence[int]) -> None:
         self.stop_strings = [s for s in stop_strings if s]
