@@ -20,6 +20,7 @@ from specdec.acceptance_mode import check_threshold
 from specdec.errors import InvalidArgument
 from specdec.grammar.compiler import JSON_SCHEMA, SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.logprobs import LogprobsRequest
+from specdec.model.tokenizer import check_stop_strings
 from specdec.sampling import MAX_MIN_TOKENS_IDS, SamplingParams
 from specdec.speculation_bounds import range_error
 from specdec.strategies import DEFAULTS_WHEN_OFFERED, GRAMMAR_STRATEGY, PREDICTION_STRATEGY
@@ -87,7 +88,7 @@ def params_from_pb(
     decide the defaults of a request that names none (default_strategies)."""
     prompt, messages, prompt_token_ids = _input_from_pb(req, limits)
     max_new_tokens = _max_new_tokens_from_pb(req, limits)
-    _check_stop(req, limits)
+    check_stop_strings(req.stop, "stop", limits.max_stop_strings, limits.max_stop_chars)
     sampling = pb.sampling_from_pb(req.sampling)
     tools = tool_spec_from_pb(req, limits.max_schema_depth)
     response_format = response_format_from_pb(req.response_format, limits.max_schema_depth)
@@ -139,15 +140,6 @@ def _max_new_tokens_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits) ->
         if not 1 <= max_new_tokens <= limits.max_new_tokens:
             raise InvalidArgument("max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new_tokens}")
     return max_new_tokens
-
-
-def _check_stop(req: gateway_pb2.GenerateRequest, limits: Limits) -> None:
-    """At most max_stop_strings stop strings, each of 1 to max_stop_chars characters."""
-    if len(req.stop) > limits.max_stop_strings:
-        raise InvalidArgument("stop", f"at most {limits.max_stop_strings} stop strings, got {len(req.stop)}")
-    for s in req.stop:
-        if not s or len(s) > limits.max_stop_chars:
-            raise InvalidArgument("stop", f"each stop string must have 1 to {limits.max_stop_chars} characters")
 
 
 def check_end_tokens(params: GenerationParams, eos_token_ids: Iterable[int]) -> None:

@@ -32,7 +32,7 @@ from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
-from specdec.model.tokenizer import MAX_STOP_CHARS, MAX_STOP_STRINGS, NUM_CONTEXT_TOKENS, StopStringWatch, Tokenizer
+from specdec.model.tokenizer import StopStringWatch, Tokenizer, check_stop_strings
 from specdec.penalties import penalize
 from specdec.answers import AnswerIndex
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
@@ -94,7 +94,7 @@ class _StopHints:
     def before(self, finish: Callable[[torch.Tensor], Decided]) -> Callable[[torch.Tensor], Decided]:
         def reading_the_output_first(logits: torch.Tensor) -> Decided:
             if self.context is None:
-                self.context = self.output_token_ids()[-(MAX_STOP_CHARS + NUM_CONTEXT_TOKENS) :]
+                self.context = self.output_token_ids()  # a copy; the watch keeps the tail it needs
             return finish(logits)
 
         return reading_the_output_first
@@ -103,14 +103,6 @@ class _StopHints:
         if self.watch is None:
             self.watch = StopStringWatch(self.tokenizer, self.stop_strings, self.context or [])
         return self.watch.add(token_ids)
-
-
-def _check_stop_strings(stop_strings: Sequence[str]) -> None:
-    if len(stop_strings) > MAX_STOP_STRINGS:
-        raise InvalidArgument("stop_strings", f"at most {MAX_STOP_STRINGS} strings, got {len(stop_strings)}")
-    for i, s in enumerate(stop_strings):
-        if not 1 <= len(s) <= MAX_STOP_CHARS:
-            raise InvalidArgument(f"stop_strings[{i}]", f"must have 1 to {MAX_STOP_CHARS} characters, got {len(s)}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -318,7 +310,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
         per_message = pb.steps_per_message_from_pb(request.steps_per_message)
-        _check_stop_strings(request.stop_strings)
+        check_stop_strings(request.stop_strings, "stop_strings")
         run_max = self.identity.max_context
         run = self._plain_run(request, request_id, run_max, context.time_remaining())
         stops = None  # a message is sent at once after a step that completes a stop string

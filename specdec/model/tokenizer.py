@@ -20,6 +20,8 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
 
+from specdec.errors import InvalidArgument
+
 # Decoding a token that ends inside a multi-byte character gives this replacement character.
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of context decoded before the first new token, so that decoders that treat the start of
@@ -182,6 +184,16 @@ class StopStringWatch:
 
     def _tail(self, text: str) -> str:
         return text[max(0, len(text) - self._tail_chars) :] if self._tail_chars else ""
+
+
+def check_stop_strings(
+    stop_strings: Sequence[str], field: str, max_strings: int = MAX_STOP_STRINGS, max_chars: int = MAX_STOP_CHARS
+) -> None:
+    """At most max_strings stop strings, each of 1 to max_chars characters (InvalidArgument naming `field`)."""
+    if len(stop_strings) > max_strings:
+        raise InvalidArgument(field, f"at most {max_strings} stop strings, got {len(stop_strings)}")
+    if any(not 1 <= len(s) <= max_chars for s in stop_strings):
+        raise InvalidArgument(field, f"each stop string must have 1 to {max_chars} characters")
 
 
 def num_held_back_chars(text: str, stop_strings: Sequence[str]) -> int:
