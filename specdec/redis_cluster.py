@@ -9,7 +9,7 @@ state store benchmark. No persistence; every node in a fresh directory under /tm
         wait_for_failover(cluster, port)                    # a replica now serves its slots
 
 A node's cluster bus listens on its port + 10000 (Redis' fixed offset), so ports are picked in
-pairs that are both free.
+pairs that are both free, below the kernel's ephemeral range (free_port_pairs).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import random
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,8 @@ from specdec.redis_server import RedisServerError, await_ping, poll_until, scrat
 
 LOOPBACK = "127.0.0.1"
 BUS_PORT_OFFSET = 10000
+FIRST_UNRESERVED_PORT = 1024
+DEFAULT_EPHEMERAL_PORTS = (32768, 60999)
 # How long a master may be unreachable before its replica is promoted: short, for a local cluster.
 DEFAULT_NODE_TIMEOUT_MS = 1000
 FAILOVER_TIMEOUT_S = 30.0
@@ -78,18 +81,37 @@ def redis_cluster(
 
 
 def free_port_pairs(num_ports: int) -> list[int]:
-    """num_ports distinct ports p with p and p + BUS_PORT_OFFSET both free now."""
+    """num_ports distinct ports p with p and p + BUS_PORT_OFFSET both free now, and both below the
+    kernel's ephemeral range where it has room: the kernel numbers every client connection and every
+    bind to port 0 from that range, so a port in it can be taken by any process between this check
+    and the node's own bind (a node then fails with "Address already in use"); one below it only by
+    a process that binds it by number."""
+    first, last = FIRST_UNRESERVED_PORT, ephemeral_ports()[0] - 1 - BUS_PORT_OFFSET
+    rng = random.Random()
     ports: list[int] = []
     while len(ports) < num_ports:
-        with socket.socket() as probe:
-            probe.bind((LOOPBACK, 0))
-            port = probe.getsockname()[1]
+        if last > first:
+            port = rng.randint(first, last)
+        else:  # no room below the range: the kernel's choice
+            with socket.socket() as probe:
+                probe.bind((LOOPBACK, 0))
+                port = probe.getsockname()[1]
         if port + BUS_PORT_OFFSET > 65535 or port in ports:
             continue
-        with socket.socket() as bus, contextlib.suppress(OSError):
+        with socket.socket() as node, socket.socket() as bus, contextlib.suppress(OSError):
+            node.bind((LOOPBACK, port))
             bus.bind((LOOPBACK, port + BUS_PORT_OFFSET))
             ports.append(port)
     return ports
+
+
+def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The kernel's range of ports for connections and binds to port 0 (Linux's default elsewhere)."""
+    try:
+        low, high = map(int, path.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL_PORTS
+    return low, high
 
 
 def start_node(binary: str, directory: Path, port: int, role_args: Sequence[str] = ()) -> subprocess.Popen:
