@@ -37,16 +37,11 @@ from typing import Any, TextIO
 
 import grpc
 
-from specdec.cluster import serve_cluster
 from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, ServiceError, Stack, StackConfig
-from specdec.model.loader import default_cache_dir
-from specdec.model.precision import AUTO, PRECISIONS
+from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
 from specdec.progress import ProgressPrinter
-from specdec.redis_cluster import redis_cluster
-from specdec.redis_server import RedisServerError
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
-from specdec.state_store.redis_url import parse_redis_url
 from specdec.supervisor import DEFAULT_MAX_RAPID_RESTARTS, RestartPolicy, Supervisor
 from specdec.task_type import TaskType
 from specdec.task_type import to_pb as task_type_to_pb
@@ -208,7 +203,7 @@ def _add_model_args(stack: argparse._ArgumentGroup) -> None:
         "--cache_dir",
         type=Path,
         metavar="DIR",
-        help=f"where converted models are kept (default: {default_cache_dir()})",
+        help=f"where converted models are kept (default: {DEFAULT_CACHE_DIR})",
     )
 
 
@@ -303,6 +298,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         if given:
             parser.error(f"{', '.join(given)} configure the services, which --gateway_address does not start")
     if args.redis_url:
+        from specdec.state_store.redis_url import parse_redis_url  # the redis client: only for a local stack
+
         try:
             parse_redis_url(args.redis_url)
         except ValueError as e:
@@ -602,10 +599,24 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     # SIGTERM unwinds like Ctrl-C, so the services are stopped on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if args.gateway_address is not None:
+        try:
+            return request_or_report(args.gateway_address, args, stack=None)
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+    return run_services(args, say)
+
+
+def run_services(args: argparse.Namespace, say: Callable[[str], None]) -> int:
+    """Start the services (a stack, or a cluster of them), then run the request or serve until stopped."""
+    # A client of a running gateway (main) needs none of these: the Redis client alone takes a tenth
+    # of a second to import.
+    from specdec.cluster import serve_cluster
+    from specdec.redis_cluster import redis_cluster
+    from specdec.redis_server import RedisServerError
+
     local_redis = contextlib.ExitStack()  # the --redis_cluster nodes, stopped after the services
     try:
-        if args.gateway_address is not None:
-            return request_or_report(args.gateway_address, args, stack=None)
         if args.redis_cluster:
             say("starting a local Redis Cluster (3 masters, 3 replicas)...")
             args.redis_url = local_redis.enter_context(redis_cluster()).url  # what stack_config passes on

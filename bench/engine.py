@@ -44,7 +44,7 @@ from specdec.engine.loading import load_model
 from specdec.model import native
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.precision import compute_dtype
-from specdec.model.quant import QUANTIZED_PRECISIONS
+from specdec.model.options import QUANTIZED_PRECISIONS
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling import SamplingParams
 from specdec.flag_spellings import add_spellings

@@ -86,8 +86,8 @@ from bench.scenarios import (
     prompt_file,
     run_scenarios,
 )
-from specdec.model.precision import AUTO
-from specdec.model.precision import PRECISIONS as WEIGHT_PRECISIONS
+from specdec.model.options import AUTO
+from specdec.model.options import PRECISIONS as WEIGHT_PRECISIONS
 from specdec.flag_spellings import add_spellings
 
 PRECISIONS = (AUTO, *WEIGHT_PRECISIONS)

@@ -31,6 +31,7 @@ from draft_svc.strategies.self_draft import SelfDraftConfig
 from draft_svc.strategies.suffix_index import SuffixIndexConfig
 from specdec import strategies
 from specdec.logging import LOG_LEVELS
+from specdec.model.options import DEFAULT_CACHE_DIR
 from specdec.flags import NO_FIELD, Flag, listen_flags, model_path_flag, names, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
@@ -53,7 +54,6 @@ OFFERED_STRATEGIES = (
 # The shipped drafter of the default model (trained by draft_svc/heads/train.py)
 DEFAULT_FEATURE_DRAFTER = Path(__file__).parent / "heads" / "trained" / "smollm2-135m-instruct.safetensors"
 DEFAULT_PORT = 50052
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specdec" / "models"
 NO_PRIMARY = ""  # primary_address: model-free strategies only, unless a manifest arrives through Attach
 
 

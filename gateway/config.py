@@ -33,6 +33,7 @@ from specdec.speculation_bounds import (
     check_speculation_bounds,
 )
 from specdec.pb import MAX_STEPS_PER_MESSAGE
+from specdec.model.options import DEFAULT_CACHE_DIR
 from specdec.model.tokenizer import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from specdec.sampling import MAX_STOP_TOKEN_IDS
 from specdec.state_store.redis_url import parse_redis_url
@@ -43,7 +44,6 @@ from specdec.strategies import DEFAULT_STRATEGIES, check_names
 # first piece (draft_svc/strategies/grammar_forced.py). More rarely pay: a forced text seldom has
 # more than two spellings in use.
 GRAMMAR_MAX_SPELLINGS = 2
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specdec" / "models"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from specdec.model.linear import calibrate_min_gemm_rows
 from specdec.model.llama import Transformer
 from specdec.model.loader import load_config, resolve_model_dir
 from specdec.model import native
-from specdec.model.precision import AUTO
+from specdec.model.options import AUTO
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.model.tokenizer import Tokenizer
 from specdec.service.auth import serve_internal, service_token_or_exit

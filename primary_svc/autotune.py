@@ -65,7 +65,7 @@ from specdec.controller_defaults import (
 )
 from specdec.model import native
 from specdec.speculation_bounds import MAX_ADAPTIVE_DRAFT_LENGTH
-from specdec.model.precision import PRECISIONS
+from specdec.model.options import PRECISIONS
 
 FALLBACK_PRECISION = "fp32"
 CANDIDATES = ("int4", "int8_token", "int8", "bf16", "fp32")  # in order of preference on a tie

@@ -14,7 +14,7 @@ from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACH
 from specdec.answers import DEFAULT_ANSWERS
 from specdec.field_checks import require_at_least_one
 from specdec.model.compiled import COMPILE_MODES
-from specdec.model.precision import AUTO, PRECISIONS
+from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
 from specdec.flags import Flag, listen_flags, model_path_flag, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
@@ -25,7 +25,6 @@ from specdec.service.server import ServerConfig
 # with `python -m bench load --stream --max-new-tokens 32`: docs/benchmarks.md, "Load and concurrency".
 DEFAULT_BATCH_WAIT_MS = 8.0
 MAX_BATCH_WAIT_MS = 1000.0
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "specdec" / "models"
 
 
 def rpc_threads(max_batch: int) -> int:

@@ -179,7 +179,7 @@ class StackConfig:
     """What the four real services run with."""
 
     model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
-    # "auto" or a weight format of specdec.model.precision.PRECISIONS; checked
+    # "auto" or a weight format of specdec.model.options.PRECISIONS; checked
     # by the primary, whose refusal fails the start at once with its message.
     # Not imported here: that module loads torch, which the launcher does not need.
     precision: str = "auto"

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from specdec.progress import ProgressCallback, no_progress
 from specdec.model.config import ModelConfig
+from specdec.model.options import DEFAULT_CACHE_DIR
 from specdec.model.gguf_blocks import Q4_BLOCKS_FILE
 from specdec.model.gguf_convert import CONVERTER_VERSION, convert_gguf
 
@@ -34,7 +35,7 @@ _SHORT_HASH_CHARS = 12
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "specdec" / "models"
+    return DEFAULT_CACHE_DIR
 
 
 def default_gguf_path() -> Path:

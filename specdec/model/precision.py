@@ -30,13 +30,12 @@ from specdec.model import native, quant
 from specdec.model.config import ModelConfig
 from specdec.model.layout import FP8_SCALE, WEIGHT, MatrixLayout, ModelWeights, WeightLayout, why_not_native
 from specdec.model.linear import FP8_DTYPE, FP8_MAX
+from specdec.model.options import FLOAT_PRECISIONS as _FLOAT_PRECISIONS
+from specdec.model.options import INT8_TOKEN, PRECISIONS, QUANTIZED_PRECISIONS
 
 log = logging.getLogger(__name__)
 
-_FLOAT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8_e4m3")
-PRECISIONS = _FLOAT_PRECISIONS + quant.QUANTIZED_PRECISIONS
 _INT4_FALLBACKS = _FLOAT_PRECISIONS + ("int8",)  # what serves a model int4 cannot pack
-AUTO = "auto"  # not a format: the primary measures candidates at start-up (primary_svc.autotune)
 # int4/int8: the dtype of everything but the packed matmuls (residual stream, norms, RoPE,
 # attention, KV cache), chosen by measurement; see the module docstring of `quant.py`.
 _COMPUTE_DTYPES = {
@@ -46,7 +45,7 @@ _COMPUTE_DTYPES = {
     "fp8_e4m3": torch.bfloat16,
     "int8": torch.float32,
     "int4": torch.float32,
-    quant.INT8_TOKEN: torch.float32,
+    INT8_TOKEN: torch.float32,
 }
 _EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 _MATRIX_SUFFIXES = (
@@ -121,7 +120,7 @@ def convert_weights(
 def packed_kernels(precision: str, device: torch.device | str) -> Any:
     """The native library that serves `precision`'s packed matrices, or None: torch's packed kernels
     (or no packed matrix at all, for the float precisions). ValueError when neither can serve it."""
-    if precision not in quant.QUANTIZED_PRECISIONS:
+    if precision not in QUANTIZED_PRECISIONS:
         return None
     if torch.device(device).type != "cpu":
         raise ValueError(
@@ -147,14 +146,14 @@ def choose_layout(name: str, shape: tuple[int, ...], precision: str, lib: Any) -
     is_embedding = name in _EMBEDDING_NAMES
     if not (is_embedding or name.endswith(_MATRIX_SUFFIXES)):
         return None, ""
-    if precision not in quant.QUANTIZED_PRECISIONS:
+    if precision not in QUANTIZED_PRECISIONS:
         is_fp8 = precision == "fp8_e4m3" and not is_embedding
         return (WeightLayout.FP8 if is_fp8 else WeightLayout.DENSE), ""
     reason = why_not_native(shape, lib)
-    if precision == quant.INT8_TOKEN:
+    if precision == INT8_TOKEN:
         if reason:
             raise ValueError(
-                f"--precision {quant.INT8_TOKEN} cannot pack {name.removesuffix(WEIGHT)} {tuple(shape)}: the "
+                f"--precision {INT8_TOKEN} cannot pack {name.removesuffix(WEIGHT)} {tuple(shape)}: the "
                 f"native layout needs whole groups of {native.COLUMNS} outputs and blocks of {native.QK} inputs"
             )
         return WeightLayout.NATIVE_INT8_TOKEN, ""

@@ -42,6 +42,7 @@ from typing import Mapping
 import torch
 
 from specdec.model import native
+from specdec.model.options import INT8_TOKEN
 from specdec.model.layout import (
     INT4_SCALES_ZEROS,
     INT4_WEIGHT,
@@ -63,12 +64,11 @@ INT4_MAX = 15
 INT4_OFFSET = 8  # the kernel subtracts this from every nibble
 INT8_MAX = 127
 KERNEL_DTYPE = torch.bfloat16  # activation dtype into both kernels (see the module docstring)
-# int8_token: the int8 rows and layout of int8, their activations quantized per token (a row of 15-bit
-# integers in two int8 halves, `native.QuantLinear(per_token=True)`); its matrices are recorded as
+# int8_token (INT8_TOKEN, named in specdec.model.options with the other formats): the int8 rows and
+# layout of int8, their activations quantized per token (a row of 15-bit integers in two int8 halves,
+# `native.QuantLinear(per_token=True)`); its matrices are recorded as
 # `layout.WeightLayout.NATIVE_INT8_TOKEN`, so the draft pool, mapping the primary's weights, runs the
 # same arithmetic
-INT8_TOKEN = "int8_token"
-QUANTIZED_PRECISIONS = ("int8", "int4", INT8_TOKEN)
 # int4 serves the embedding/lm_head in int8 too (see `precision.py`)
 _KERNELS = {
     "int4": ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"),

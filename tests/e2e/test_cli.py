@@ -16,7 +16,7 @@ import pytest
 
 import inference
 from specdec.launcher import Stack
-from specdec.model.precision import PRECISIONS
+from specdec.model.options import PRECISIONS
 from specdec.v1 import common_pb2, gateway_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -337,6 +337,22 @@ def test_a_request_the_gateway_refuses_exits_with_its_status(stack: Stack) -> No
     assert done.returncode == inference.EXIT_RPC_ERROR
     assert "INVALID_ARGUMENT" in done.stderr and "draft_length" in done.stderr
     assert done.stdout == ""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_client_of_a_running_gateway_loads_neither_torch_nor_redis(stack: Stack) -> None:
+    # They are the services' (seconds of import on this machine's kind), not a client's.
+    args = ["--prompt", PROMPT, "--max_new_tokens", "4", "--quiet", "--gateway_address", stack.gateway_address]
+    code = (
+        "import sys, inference\n"
+        f"exit_code = inference.main({args!r})\n"
+        "print(sorted(m for m in ('torch', 'redis') if m in sys.modules), file=sys.stderr)\n"
+        "sys.exit(exit_code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() and done.stderr.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.e2e

@@ -12,6 +12,7 @@ from specdec.model import native, quant
 from specdec.model.config import ModelConfig
 from specdec.model.layout import MatrixLayout, ModelWeights, WeightLayout, count_layouts, why_not_native
 from specdec.model.linear import Linear
+from specdec.model.options import QUANTIZED_PRECISIONS
 from specdec.model.llama import Transformer
 from specdec.model.precision import choose_layout, convert_weights
 from tests.specdec.model import tiny
@@ -44,7 +45,7 @@ NORM = "model.norm.weight"
 def test_choose_layout_picks_native_where_it_fits_and_says_why_not(name, shape, precision, lib, expected):
     layout, reason = choose_layout(name, shape, precision, lib)
     assert layout is expected
-    assert bool(reason) == (expected in (L.TORCH_INT4, L.TORCH_INT8) and precision in quant.QUANTIZED_PRECISIONS)
+    assert bool(reason) == (expected in (L.TORCH_INT4, L.TORCH_INT8) and precision in QUANTIZED_PRECISIONS)
 
 
 def test_why_not_native_names_the_library_or_the_shape():
@@ -101,7 +102,7 @@ def test_every_matrix_is_recorded_once_and_the_names_agree(precision, is_native)
     assert all(set(m.tensors) <= set(weights) for m in weights.matrices.values())
     assert ModelWeights.from_names(dict(weights)).matrices == weights.matrices
     assert all(
-        m.layout.is_native == (is_native and precision in quant.QUANTIZED_PRECISIONS) for m in weights.matrices.values()
+        m.layout.is_native == (is_native and precision in QUANTIZED_PRECISIONS) for m in weights.matrices.values()
     )
 
 
