@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
-from bench.report import sum_decoders
+from bench.report import step_tokens, sum_decoders
 from bench.stack import stats_dict
 from specdec import strategies as strategies_module
 from specdec.launcher import DRAFT, PRIMARY, Stack, StackConfig
@@ -185,7 +185,7 @@ def mix_figures(stats: list[dict[str, Any]], tps: list[float], plain_tps: float,
         "speculative_tokens_per_s": spec_tps,
         "speedup": spec_tps / plain_tps if plain_tps else None,
         "pool_acceptance_rate": accepted / max(proposed, 1),
-        "mean_accepted_length": sum(s["num_generated_tokens"] for s in stats) / max(steps, 1),
+        "mean_accepted_length": sum(step_tokens(s) for s in stats) / max(steps, 1),
         "speculative_steps": speculative_steps,
         "draft_ms_per_step": sum(s["stage_ms"]["draft"] for s in stats) / max(speculative_steps, 1),
         "decoders": sum_decoders(stats),

@@ -206,6 +206,12 @@ def forced_token_share(stats: Sequence[dict[str, Any]]) -> float | None:
     return sum(s["num_forced_tokens"] for s in stats) / generated if generated else None
 
 
+def step_tokens(stats: dict[str, Any]) -> float:
+    """The tokens a request's steps committed: its output's, and the stop token that ended it (absent
+    in results written before it was counted: the output's alone)."""
+    return stats.get("num_step_tokens", stats["num_generated_tokens"])
+
+
 def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Acceptance, accepted length, time per stage, per-decoder figures, entropy bins and the steps' plans."""
     proposed = sum(s["num_proposed"] for s in stats)
@@ -216,7 +222,7 @@ def speculation_figures(stats: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "acceptance_rate": accepted / proposed if proposed else None,
         "num_proposed": proposed,
         "num_accepted": accepted,
-        "mean_accepted_length": sum(s["num_generated_tokens"] for s in stats) / steps if steps else None,
+        "mean_accepted_length": sum(step_tokens(s) for s in stats) / steps if steps else None,
         "outside_model_fraction": outside_fraction(stats),
         "stage_ms_per_step": stage_ms_per_step(stats),
         "decoders": decoders,

@@ -105,6 +105,7 @@ def stats_dict(stats: gateway_pb2.GenerationStats) -> dict[str, Any]:
         "num_prompt_tokens": stats.num_prompt_tokens,
         "num_generated_tokens": stats.num_generated_tokens,
         "num_steps": stats.num_steps,
+        "num_step_tokens": stats.mean_accepted_length * stats.num_steps,  # the output's and its end token
         "num_proposed": stats.num_proposed_tokens,
         "num_accepted": stats.num_accepted_tokens,
         "num_forced_tokens": stats.num_forced_tokens,

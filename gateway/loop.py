@@ -557,6 +557,7 @@ class RequestLoop:
         kept, finish = self.output.truncate(new_tokens, len(self.generated))
         self.stats.num_steps += num_engine_steps
         self.stats.num_generated_tokens += len(kept)
+        self.stats.num_end_tokens += finish in (FINISH_EOS, FINISH_STOP)  # truncate's: a stop token ended it
         pending = self._commit(
             kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen), logprobs=step_logprobs
         )

@@ -24,6 +24,9 @@ class RequestStats:
     num_proposed: int = 0  # draft tokens sent to verify
     num_accepted: int = 0  # draft tokens accepted
     num_forced_tokens: int = 0  # tokens the grammar allowed alone, committed without a draft (in num_generated_tokens)
+    # 1 where a stop token (eos, a stop_token_id) ended the output: its step committed it, the output
+    # leaves it out; a step that decodes only the end still gained a token (mean_accepted_length)
+    num_end_tokens: int = 0
     stage_ms: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     total_ms: float = 0.0
     forward_ms: float = 0.0  # of stage "verify": the primary's forward passes themselves
@@ -52,7 +55,8 @@ class RequestStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return self.num_generated_tokens / self.num_steps if self.num_steps else 0.0
+        """Tokens the steps committed, the output's and its end token, per step."""
+        return (self.num_generated_tokens + self.num_end_tokens) / self.num_steps if self.num_steps else 0.0
 
     def add_decoder(self, name: str, num_proposed: int, num_accepted: int, ms: float) -> None:
         row = self.decoders.setdefault(name, [0, 0, 0.0])

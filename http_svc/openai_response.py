@@ -64,6 +64,7 @@ def summed_stats(stats: Sequence[gateway_pb2.GenerationStats], num_choices: int 
     if len(stats) == 1:
         return stats[0]
     total = gateway_pb2.GenerationStats()
+    num_step_tokens = 0.0
     for i, s in enumerate(stats):
         if i % num_choices == 0:  # the prompt's first choice: the prompt counts once
             total.num_prompt_tokens += s.num_prompt_tokens
@@ -74,8 +75,9 @@ def summed_stats(stats: Sequence[gateway_pb2.GenerationStats], num_choices: int 
         total.num_accepted_prediction_tokens += s.num_accepted_prediction_tokens
         total.num_rejected_prediction_tokens += s.num_rejected_prediction_tokens
         total.num_steps += s.num_steps
+        num_step_tokens += s.mean_accepted_length * s.num_steps  # an end token counts, as in each request's
     total.acceptance_rate = total.num_accepted_tokens / total.num_proposed_tokens if total.num_proposed_tokens else 0.0
-    total.mean_accepted_length = total.num_generated_tokens / total.num_steps if total.num_steps else 0.0
+    total.mean_accepted_length = num_step_tokens / total.num_steps if total.num_steps else 0.0
     return total
 
 

@@ -29,6 +29,7 @@ def stats(steps: int, plain_steps: int, generated: int, draft_ms: float) -> dict
         "num_steps": steps,
         "num_steps_by_draft_length": [plain_steps, 0, 0, 0, steps - plain_steps],
         "num_generated_tokens": generated,
+        "num_step_tokens": generated,
         "num_proposed": 8,
         "num_accepted": 4,
         "stage_ms": {"draft": draft_ms},

@@ -42,6 +42,7 @@ def stats(
     return {
         "num_prompt_tokens": 5,
         "num_generated_tokens": generated,
+        "num_step_tokens": generated,
         "num_steps": steps,
         "num_proposed": proposed,
         "num_accepted": accepted,

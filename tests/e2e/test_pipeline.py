@@ -84,6 +84,15 @@ def test_greedy_output_is_identical_with_and_without_speculation(gateway_stub, p
     assert primary_stats(stack).kv_bytes == 0
 
 
+def test_an_answer_that_ends_at_its_end_token_gains_a_token_a_plain_step(gateway_stub):
+    """The step that decodes the end-of-sequence token committed it, though the output leaves it out:
+    plain decoding's mean accepted length is 1, not (n - 1) / n."""
+    out = generate(gateway_stub, [("user", "Hi")], is_enabled=False)
+    assert out.finish_reason == gateway_pb2.FINISH_REASON_EOS
+    assert out.stats.num_steps == out.stats.num_generated_tokens + 1 == len(out.token_ids) + 1
+    assert out.stats.mean_accepted_length == 1.0
+
+
 def test_a_seeded_sampled_answer_is_the_same_with_and_without_speculation(gateway_stub):
     """The token at each position is drawn from the seed's stream for that position, by the primary's
     Decode or the validator's walk alike: with a seed, a sampled answer does not depend on

@@ -1140,6 +1140,9 @@ def test_a_run_ends_at_an_end_of_sequence_token():
     decodes = [call for name, call in backends.calls if name == "decode"]
     # the primary stopped the run at it
     assert decodes[-1]["num_tokens"] == truth.index(truth[10]) + 1 < decodes[-1]["max_tokens"]
+    # every step committed a token, the last one the end, which the output leaves out: a token a step
+    assert loop.stats.num_steps == len(loop.outcome.token_ids) + 1 and loop.stats.num_end_tokens == 1
+    assert loop.stats.mean_accepted_length == 1.0
 
 
 def test_with_adaptive_speculation_a_run_never_moves_a_draft():
