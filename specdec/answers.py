@@ -32,7 +32,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from specdec.model.fingerprint import bound_metadata
-from specdec.suffix_array import SEPARATOR, QueryConfig, SuffixArray, block_starts, most_frequent_paths, sort_positions
+from specdec.suffix_array import (
+    SEPARATOR,
+    QueryConfig,
+    SuffixArray,
+    block_starts,
+    most_frequent_paths,
+    ranked_tokens,
+    sort_positions,
+)
 
 FORMAT = "specdec-answers-1"
 # The shipped answers of the default model (python -m draft_svc.heads answers writes one)
@@ -105,20 +113,26 @@ class AnswerIndex:
         """What most occurrences of the context's longest matched suffix continue with, at most
         max_tokens; empty where no suffix of MIN_MATCH_TOKENS or more occurs, or where fewer than
         min_share of its occurrences begin with that continuation's first token."""
-        path, share = self.continuation(context_ids, max_tokens)
+        path, share = self.continuation(context_ids, max_tokens, self.min_share)
         return path if share >= self.min_share else []
 
-    def continuation(self, context_ids: Sequence[int], max_tokens: int) -> tuple[list[int], float]:
+    def continuation(
+        self, context_ids: Sequence[int], max_tokens: int, min_share: float = 0.0
+    ) -> tuple[list[int], float]:
         """(the most frequent continuation of the longest matched suffix, the share of its occurrences
-        that begin with its first token); ([], 0.0) where nothing matches."""
+        that begin with its first token); ([], 0.0) where nothing matches, ([], share) where the share
+        is under min_share (the continuation is not followed past its first token then)."""
         if max_tokens <= 0:
             return [], 0.0
         starts = next(self.array.occurrences(context_ids), None)
         if starts is None or starts.size == 0:
             return [], 0.0
-        continuations = self.array.continuations(starts, max_tokens)
-        firsts = continuations[:, 0]
-        paths = most_frequent_paths(continuations, 1)
-        if not paths or not paths[0]:
+        firsts = self.array.continuations(starts, 1)[:, 0]
+        ranked = ranked_tokens(firsts)  # the path's first token is the most frequent first (most_frequent_paths)
+        if ranked.size == 0:
             return [], 0.0
-        return list(paths[0]), float((firsts == paths[0][0]).sum() / firsts.size)
+        share = float((firsts == ranked[0]).sum() / firsts.size)
+        if share < min_share:
+            return [], share
+        paths = most_frequent_paths(self.array.continuations(starts, max_tokens), 1)
+        return list(paths[0]), share

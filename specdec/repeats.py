@@ -141,6 +141,9 @@ class RunDrafts:
         if 1 not in costs or costs[1] <= 0 or len(costs) < 2:  # a curve needs one row and another size
             costs = DEFAULT_ROW_COSTS
         self._row_costs = sorted((k, c / costs[1]) for k, c in costs.items())
+        # relative_cost by row count, filled as rows are asked for: every draft prices up to
+        # max_length + 1 lengths, on the engine thread, each step of every run
+        self._cost_by_rows: list[float] = []
         self.answers = answers
         self._copies, self._answer_drafts = ChainAcceptance(), ChainAcceptance()
         self._drafted_from = self._copies  # whose estimate the next observe() updates
@@ -165,6 +168,12 @@ class RunDrafts:
 
     def relative_cost(self, num_rows: int) -> float:
         """A verify of num_rows rows against one row, linear between the measured sizes."""
+        table = self._cost_by_rows
+        while len(table) <= num_rows:
+            table.append(self._interpolated_cost(len(table)))
+        return table[num_rows]
+
+    def _interpolated_cost(self, num_rows: int) -> float:
         points = self._row_costs
         if num_rows <= points[0][0]:
             return points[0][1]
@@ -185,15 +194,15 @@ class RunDrafts:
         requests, where it is accepted more often than not, for its row then slows theirs too."""
         limit = min(max_tokens, self.max_length)
         copy, estimate = self.index.continuation(limit), self._copies
-        # The answers are searched (tens of microseconds on the engine thread, per request and step)
-        # only where their estimate could pay for a row: beside many requests it seldom does.
-        if (
-            not copy
-            and self.answers is not None
-            and self._best_length(limit, self._answer_drafts.value, other_rows, other_requests) > 0
-        ):
-            copy = self.answers.draft(self.index.tail(MAX_ANSWER_CONTEXT), limit)
-            estimate = self._answer_drafts if copy else estimate
+        # The answers are searched (tens to hundreds of microseconds on the engine thread, per request
+        # and step) only where their estimate could pay for a row: beside many requests it seldom does.
+        # The search goes only as deep as their estimate could pay for: a longer continuation would be
+        # cut back to that length below, and its first tokens do not depend on how far it goes.
+        if not copy and self.answers is not None:
+            useful = self._best_length(limit, self._answer_drafts.value, other_rows, other_requests)
+            if useful > 0:
+                copy = self.answers.draft(self.index.tail(MAX_ANSWER_CONTEXT), useful)
+                estimate = self._answer_drafts if copy else estimate
         best = self._best_length(len(copy), estimate.value, other_rows, other_requests)
         self._drafted_from = estimate
         self.is_answer_draft = best > 0 and estimate is self._answer_drafts

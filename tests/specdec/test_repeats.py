@@ -138,3 +138,22 @@ def test_run_drafts_search_the_answers_only_where_a_draft_could_pay():
     drafts = RunDrafts([1, 2, 51, 52], max_length=8, answers=answers)
     assert drafts.draft(8, other_rows=31, other_requests=31) == [] and searches == []
     assert drafts.draft(8) and searches == [[1, 2, 51, 52]]
+
+
+def test_run_drafts_search_the_answers_only_as_deep_as_a_draft_could_pay():
+    """The search follows the answers only as far as their estimate could pay for rows: the draft is
+    the full-depth continuation cut back to what pays, found with less of the engine thread's time."""
+    depths: list[int] = []
+
+    class Recorded(AnswerIndex):
+        def draft(self, context_ids, max_tokens):
+            depths.append(max_tokens)
+            return super().draft(context_ids, max_tokens)
+
+    tokens = np.concatenate([np.append(a, SEPARATOR) for a in ANSWERS]).astype(np.int32)
+    answers, recorded = AnswerIndex(tokens, 128), Recorded(tokens, 128)
+    costs = {1: 1.0, 2: 1.25, 4: 1.7, 8: 2.7}  # at the prior's 1/2, a chain of one or two pays
+    drafts = RunDrafts([1, 2, 51, 52], max_length=8, row_costs=costs, answers=recorded)
+    chain = drafts.draft(8)
+    full = answers.draft([1, 2, 51, 52], 8)
+    assert 0 < depths[0] < len(full) and chain == full[: len(chain)] and len(chain) <= depths[0]
