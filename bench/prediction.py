@@ -119,8 +119,11 @@ def total_row(rows: list[dict[str, Any]], all_runs: list[dict[str, Run]]) -> dic
     """Tokens over seconds summed over the tasks (a long task weighs by its length)."""
     rates = {s: sum(len(r[s].token_ids) for r in all_runs) / sum(r[s].seconds for r in all_runs) for s in SYSTEMS}
     num_steps = sum(r["num_steps"] for r in rows)
-    num_exact_tokens = sum(len(r["exact"].token_ids) for r in all_runs)
     num_exact_steps = sum(r["exact"].stats.num_steps for r in all_runs)
+
+    def step_tokens(system: str) -> float:  # each answer's tokens and the end token its last step decoded
+        return sum(r[system].stats.mean_accepted_length * r[system].stats.num_steps for r in all_runs)
+
     return {
         "task": "all",
         "num_tokens": sum(r["num_tokens"] for r in rows),
@@ -130,10 +133,10 @@ def total_row(rows: list[dict[str, Any]], all_runs: list[dict[str, Run]]) -> dic
         "accepted_prediction": sum(r["accepted_prediction"] for r in rows),
         "rejected_prediction": sum(r["rejected_prediction"] for r in rows),
         "num_steps": num_steps,
-        "mean_accepted_length": round(sum(r["num_tokens"] for r in rows) / max(1, num_steps), 2),
+        "mean_accepted_length": round(step_tokens("prediction") / max(1, num_steps), 2),
         "exact_speedup_vs_plain": round(rates["exact"] / rates["plain"], 2),
         "exact_accepted_prediction": sum(r["exact_accepted_prediction"] for r in rows),
-        "exact_mean_accepted_length": round(num_exact_tokens / max(1, num_exact_steps), 2),
+        "exact_mean_accepted_length": round(step_tokens("exact") / max(1, num_exact_steps), 2),
         "is_exact": all(r["is_exact"] for r in rows),
     }
 
