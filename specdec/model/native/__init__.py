@@ -47,6 +47,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -67,6 +68,12 @@ PROFILE_SWITCH = "SPECDEC_NATIVE_PROFILE"
 # unpacking and per-block rescale cost more than they save below ~32 rows (measured: docs/benchmarks.md,
 # "The 4-bit AMX crossover"). Either path gives the same bits, so this moves only time.
 AMX_MIN_ROWS = 32
+ATT_LANES_SWITCH = "SPECDEC_NATIVE_ATT_LANES"  # "0": never keys in lanes; N: from chunks of N queries
+# Attention chunks of at least this many queries may take their scores with keys in lanes (the AVX-512
+# build's csrc/attention.c); whether they do is measured once per build and machine (choose_att_lanes):
+# on the 2-vCPU Zen 4 EPYC the lanes ran 5-13 % slower than the 4 x 4 tiles from 5 to 16 queries a
+# head group, where the Xeon had adopted them (docs/benchmarks.md, "Attention paths"). Same bits.
+ATT_LANES_MIN_QUERIES = 6
 QK = 32  # weights per block
 COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)
 KIND_Q4, KIND_Q8, KIND_Q8T = 4, 8, 9  # csrc/qgemm.h: QW_Q4, QW_Q8, QW_Q8T (QW_Q8's weights, activations per token)
@@ -80,6 +87,7 @@ _library: ctypes.CDLL | None = None
 _status: str | None = None  # why `library()` is None, once tried
 _disabled = False  # see `disabled()`
 _amx_status = ""  # why the AMX tiles are off, once the library is loaded ("" while on or not built)
+_att_lanes_status = ""  # choose_att_lanes's words, once the library is loaded ("" without the lanes)
 
 
 class AbiMismatch(RuntimeError):
@@ -138,6 +146,8 @@ FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {
     "qgemm_layer_pre": (_I32, [_P, _I64, _I64, _P, _F32, _W, _W, _W, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32]),
     "qgemm_layer_post": (_I32, [_P, _P, _I64, _I64, _W, _P, _F32, _W, _W, _W, _P, _I32]),
     "qgemm_forward": (_I32, [_P, _I64, _I64, _LAYERS, _I64, _I64, _I64, _I64, _P, _P, _P, _SPANS, _I64, _I32]),
+    "qgemm_set_att_lanes": (_I32, [_I32]),
+    "qgemm_att_lanes": (_I32, []),
     "qgemm_attention": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _P, _I32, _I64, _I64, _P, _P, _I32]),
     "qgemm_argmax_rows": (None, [_P, _I64, _I64, _P]),
     "qgemm_encode_e4m3": (_I32, [_P, _I64, _I64, _F32, _P, _P]),
@@ -279,7 +289,7 @@ def disabled() -> Iterator[None]:
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, building them on first call; None (and `status()` says why) if unavailable."""
-    global _library, _status, _amx_status
+    global _library, _status, _amx_status, _att_lanes_status
     if _disabled:
         return None
     with _lock:
@@ -305,6 +315,7 @@ def library() -> ctypes.CDLL | None:
             return None
         _library = lib
         _amx_status = enable_amx(lib)
+        _att_lanes_status = choose_att_lanes(lib)
         lib.qgemm_set_profile(os.environ.get(PROFILE_SWITCH, "0") == "1")
         log.info("native kernels loaded (%s)", path(lib))
         return lib
@@ -348,15 +359,82 @@ def enable_amx(lib: ctypes.CDLL, min_rows: int = AMX_MIN_ROWS) -> str:
     return ""
 
 
+def _time_att_paths(lib: ctypes.CDLL, rounds: int = 5, calls: int = 4) -> tuple[float, float]:
+    """The fastest of rounds x calls attention calls with keys in lanes and without, alternated round by
+    round, in seconds: 8 tree rows of a model with 12 heads of 64 over 4 KV heads after 1,024 tokens of
+    fp16 cache (chunks of 12 queries on 2 threads: the lanes' side of the threshold)."""
+    gen = torch.Generator().manual_seed(0)
+    n, heads, kv_heads, dim, context = 8, 12, 4, 64, 1024
+    q = torch.randn(n, heads, dim, generator=gen)
+    k = torch.randn(kv_heads, context + n, dim, generator=gen).half()
+    v = torch.randn(kv_heads, context + n, dim, generator=gen).half()
+    mask = torch.ones(n, context + n, dtype=torch.bool)
+    mask[:, context:] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    best = {ATT_LANES_MIN_QUERIES: float("inf"), 0: float("inf")}
+    try:
+        for _ in range(rounds):
+            for min_queries in best:
+                lib.qgemm_set_att_lanes(min_queries)
+                for _ in range(calls):
+                    start = time.perf_counter()
+                    attend(lib, q, k, v, context + n, mask)
+                    best[min_queries] = min(best[min_queries], time.perf_counter() - start)
+    finally:
+        lib.qgemm_set_att_lanes(0)
+    return best[ATT_LANES_MIN_QUERIES], best[0]
+
+
+def choose_att_lanes(lib: ctypes.CDLL) -> str:
+    """Set from how many queries a chunk's attention scores run with keys in lanes, and return it in
+    words: ATT_LANES_SWITCH's count where set; else the choice measured for this build on this machine
+    (cached beside the library; measured in ~10 ms when not): ATT_LANES_MIN_QUERIES where the lanes were
+    at least 3 % faster, else never. Builds without AVX-512 have no lanes: "". The bits are the same
+    either way, so the choice moves only time."""
+    if not lib.qgemm_set_att_lanes(ATT_LANES_MIN_QUERIES):
+        return ""
+    forced = os.environ.get(ATT_LANES_SWITCH)
+    if forced is not None:
+        try:
+            min_queries = int(forced)
+        except ValueError:
+            raise ValueError(f"{ATT_LANES_SWITCH} must be an integer (0: never), got {forced!r}") from None
+        lib.qgemm_set_att_lanes(min_queries)
+        return f"attention keys in lanes {_lanes_words(min_queries)} by {ATT_LANES_SWITCH}"
+    cached = Path(lib._name).with_suffix(".att-lanes")
+    try:
+        min_queries = int(cached.read_text())
+        how = "measured before"
+    except (OSError, ValueError):
+        lanes_s, tiles_s = _time_att_paths(lib)
+        min_queries = ATT_LANES_MIN_QUERIES if lanes_s < 0.97 * tiles_s else 0
+        how = f"measured {lanes_s * 1e6:.0f} against {tiles_s * 1e6:.0f} us"
+        try:  # atomic, as the library's own file: processes loading at once read a whole one
+            fd, tmp = tempfile.mkstemp(dir=cached.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(str(min_queries))
+            os.replace(tmp, cached)
+        except OSError as e:  # a read-only cache: measured again by the next process
+            log.warning("native kernels: the attention path's choice not cached (%s)", e)
+    lib.qgemm_set_att_lanes(min_queries)
+    return f"attention keys in lanes {_lanes_words(min_queries)} ({how})"
+
+
+def _lanes_words(min_queries: int) -> str:
+    return f"from {min_queries} queries" if min_queries > 0 else "never"
+
+
 def path(lib: ctypes.CDLL) -> str:
     """The products' instruction path(s), for logs and benchmark headers: 'AVX512+VNNI', or
-    'AMX-INT8 from 32 rows, else AVX512+VNNI', with why AMX is off where the CPU has it."""
+    'AMX-INT8 from 32 rows, else AVX512+VNNI', with why AMX is off where the CPU has it, and where
+    attention takes keys in lanes (choose_att_lanes)."""
     isa = lib.qgemm_isa().decode()
     rows = lib.qgemm_amx_min_rows()
     if rows:
         token_rows = lib.qgemm_amx_token_min_rows()
-        return f"{isa}, AMX-INT8 tiles for 4-bit products of {rows}+ rows and per-token 8-bit ones of {token_rows}+"
-    return f"{isa}; {_amx_status}" if _amx_status and lib is _library else isa
+        isa = f"{isa}, AMX-INT8 tiles for 4-bit products of {rows}+ rows and per-token 8-bit ones of {token_rows}+"
+    elif _amx_status and lib is _library:
+        isa = f"{isa}; {_amx_status}"
+    return f"{isa}; {_att_lanes_status}" if _att_lanes_status and lib is _library else isa
 
 
 def status() -> str:

@@ -380,9 +380,67 @@ def test_attention_gives_the_same_bits_on_every_vector_path(path, flags):
             mask = torch.rand(rows, end, generator=g) < 0.8
             mask[:, :100] = True
             for m in (None, mask):
-                here = native.attend(native.library(), q, k_cache, v_cache, end, m)
                 there = native.attend(other, q, k_cache, v_cache, end, m)
-                assert torch.equal(here, there), (path, kv_dtype, rows, m is None)
+                for lanes in (0, 1):  # the AVX-512 build's keys in lanes (from one query) or not
+                    with _att_lanes_from(lanes):
+                        here = native.attend(native.library(), q, k_cache, v_cache, end, m)
+                    assert torch.equal(here, there), (path, kv_dtype, rows, m is None, lanes)
+
+
+def _att_lanes_from(min_queries: int) -> contextlib.AbstractContextManager[None]:
+    """Attention's keys in lanes from chunks of `min_queries` queries (0: never) within the block."""
+    lib = native.library()
+    return _set_within(lib.qgemm_att_lanes, lib.qgemm_set_att_lanes, min_queries)
+
+
+@pytest.mark.skipif("AVX512" not in native.library().qgemm_isa().decode(), reason="keys in lanes: AVX-512 builds only")
+def test_keys_in_lanes_give_the_bits_of_the_tiles_at_every_chunk_size():
+    """Whether a chunk takes its scores with keys in lanes is chosen per machine (choose_att_lanes),
+    so both must give the same bits: every row count around the chunk sizes, 1-3 threads, tree masks."""
+    g = torch.Generator().manual_seed(15)
+    k_cache = torch.randn(3, 200, 64, generator=g).half()
+    v_cache = torch.randn(3, 200, 64, generator=g).half()
+    for threads in (1, 2, 3):
+        with _num_threads(threads):
+            for rows in (1, 2, 3, 5, 6, 7, 8, 13, 16, 33):
+                end = 120 + rows
+                q = torch.randn(rows, 9, 64, generator=g)
+                mask = torch.ones(rows, end, dtype=torch.bool)
+                mask[:, 120:] = torch.rand(rows, rows, generator=g) < 0.5
+                mask[:, 120:] |= torch.eye(rows, dtype=torch.bool)
+                outs = []
+                for lanes in (1, 6, 0):
+                    with _att_lanes_from(lanes):
+                        outs.append(native.attend(native.library(), q, k_cache, v_cache, end, mask))
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), (threads, rows)
+
+
+def test_the_attention_path_is_measured_once_and_cached(tmp_path, monkeypatch):
+    """choose_att_lanes measures on first load of a build, writes its choice beside the library and
+    reads it back after; the environment's count overrides both, and a count that does not parse is
+    an error naming the variable."""
+    lib = native.library()
+    if "AVX512" not in lib.qgemm_isa().decode():
+        with _att_lanes_from(0):
+            assert native.choose_att_lanes(lib) == "" and lib.qgemm_att_lanes() == 0
+        return
+    monkeypatch.delenv(native.ATT_LANES_SWITCH, raising=False)
+    fake = tmp_path / "qgemm-test.so"
+    monkeypatch.setattr(lib, "_name", str(fake))
+    with _att_lanes_from(lib.qgemm_att_lanes()):
+        monkeypatch.setattr(native, "_time_att_paths", lambda lib: (1.0, 2.0))  # lanes twice as fast
+        assert "from 6 queries (measured" in native.choose_att_lanes(lib)
+        assert lib.qgemm_att_lanes() == 6 and fake.with_suffix(".att-lanes").read_text() == "6"
+        monkeypatch.setattr(native, "_time_att_paths", lambda lib: (1.0, 1.0))  # not measured again
+        assert native.choose_att_lanes(lib).endswith("from 6 queries (measured before)")
+        fake.with_suffix(".att-lanes").unlink()
+        assert "never (measured" in native.choose_att_lanes(lib) and lib.qgemm_att_lanes() == 0
+        monkeypatch.setenv(native.ATT_LANES_SWITCH, "9")
+        assert native.choose_att_lanes(lib).endswith(f"from 9 queries by {native.ATT_LANES_SWITCH}")
+        assert lib.qgemm_att_lanes() == 9
+        monkeypatch.setenv(native.ATT_LANES_SWITCH, "many")
+        with pytest.raises(ValueError, match=native.ATT_LANES_SWITCH):
+            native.choose_att_lanes(lib)
 
 
 def _amx_unavailable() -> str | None:

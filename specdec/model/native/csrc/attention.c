@@ -374,14 +374,30 @@ ALWAYS_INLINE void vsum_z(const float *const *p, const void *V, const int half, 
 }
 #endif
 
+/* Chunks of at least this many queries take their scores with keys in lanes; 0: never (and always
+ * 0 without AVX-512). Process-wide, set at load; the bits are the same either way. */
+static int att_lanes_min_queries;
+
+int qgemm_set_att_lanes(int min_queries) {
+#if QGEMM_AVX512
+    att_lanes_min_queries = min_queries > 0 ? min_queries : 0;
+#else
+    (void)min_queries;
+#endif
+    return att_lanes_min_queries;
+}
+
+int qgemm_att_lanes(void) { return att_lanes_min_queries; }
+
 #if QGEMM_AVX512
 /* Keys in lanes: a wide chunk's scores sixteen keys per zmm. A key block is transposed once (kt[e]
  * holds dimension e of sixteen keys), then each query's score of the sixteen keys is eight FMA
  * chains over D, one per lane l of the lone dot (dimensions l, l + 8, ...), added in hsum_v8's order
  * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) and scaled: the operations of the lone dot for
  * every key, so the same bits, without a horizontal sum per key. Worth its transposes from a few
- * queries a chunk; D a multiple of 16, at most ATT_LANES_MAX_D. */
-#define ATT_LANES_MIN_QUERIES 6
+ * queries a chunk on some cores and at no chunk size on others (one key load per two queries' FMAs,
+ * a 512-bit shuffle network per block), so whether it runs is measured per machine and set at load
+ * (qgemm_set_att_lanes); D a multiple of 16, at most ATT_LANES_MAX_D. */
 #define ATT_LANES_MAX_D 256
 
 /* r[i][e] -> r[e][i] for a 16 x 16 block of floats */
@@ -481,7 +497,7 @@ static void attend_chunk(const float *const *qs, const int64_t *rs, float *const
         const int64_t j1 = j0 + ATT_KEY_BLOCK < jn ? j0 + ATT_KEY_BLOCK : jn;
         int i = 0;
 #if QGEMM_AVX512
-        if (D % 16 == 0 && D <= ATT_LANES_MAX_D && nq >= ATT_LANES_MIN_QUERIES) {
+        if (D % 16 == 0 && D <= ATT_LANES_MAX_D && att_lanes_min_queries && nq >= att_lanes_min_queries) {
             scores_block_lanes(qs, nq, K, half, D, j0, j1, scale, s, L);
             continue;
         }

@@ -137,6 +137,15 @@ int qgemm_forward(float *x, int64_t T, int64_t C, const qlayer *layers, int64_t 
 
 /* ---- attention.c ---- */
 
+/* Chunks of at least min_queries queries of one KV head take their scores with sixteen keys in a
+ * vector's lanes (the same bits as the other paths); min_queries <= 0: never. Only the AVX-512 build
+ * has that path: elsewhere it stays off. Returns the count now in effect, 0 for off. Process-wide:
+ * call it before any attention runs. */
+int qgemm_set_att_lanes(int min_queries);
+
+/* The query count from which chunks take keys in lanes; 0: they never do. */
+int qgemm_att_lanes(void);
+
 /* out [n, H, D]: row r, head h attends the cache rows j < L of kv head h / (H / Hkv) with mask[r, j]
  * (uint8 [n, L]; NULL: every row attends all of them), softmax in fp32. The caches [Hkv, capacity,
  * D] are fp32, or fp16 with `half`. Returns -1 when out of memory. */
