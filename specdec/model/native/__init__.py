@@ -390,7 +390,10 @@ def choose_att_lanes(lib: ctypes.CDLL) -> str:
     (cached beside the library; measured in ~10 ms when not): ATT_LANES_MIN_QUERIES where the lanes were
     at least 3 % faster, else never. Builds without AVX-512 have no lanes: "". The bits are the same
     either way, so the choice moves only time."""
-    if not lib.qgemm_set_att_lanes(ATT_LANES_MIN_QUERIES):
+    before = lib.qgemm_att_lanes()
+    has_lanes = lib.qgemm_set_att_lanes(ATT_LANES_MIN_QUERIES) > 0  # 0 where the build has no lanes
+    lib.qgemm_set_att_lanes(before)
+    if not has_lanes:
         return ""
     forced = os.environ.get(ATT_LANES_SWITCH)
     if forced is not None:

@@ -441,6 +441,7 @@ def test_the_attention_path_is_measured_once_and_cached(tmp_path, monkeypatch):
         monkeypatch.setenv(native.ATT_LANES_SWITCH, "many")
         with pytest.raises(ValueError, match=native.ATT_LANES_SWITCH):
             native.choose_att_lanes(lib)
+        assert lib.qgemm_att_lanes() == 9  # a refused value changes nothing
 
 
 def _amx_unavailable() -> str | None:
