@@ -71,8 +71,9 @@ AMX_MIN_ROWS = 32
 ATT_LANES_SWITCH = "SPECDEC_NATIVE_ATT_LANES"  # "0": never keys in lanes; N: from chunks of N queries
 # Attention chunks of at least this many queries may take their scores with keys in lanes (the AVX-512
 # build's csrc/attention.c); whether they do is measured once per build and machine (choose_att_lanes):
-# on the 2-vCPU Zen 4 EPYC the lanes ran 5-13 % slower than the 4 x 4 tiles from 5 to 16 queries a
-# head group, where the Xeon had adopted them (docs/benchmarks.md, "Attention paths"). Same bits.
+# on the 2-vCPU Zen 4 EPYC the lanes ran 5-13 % slower than the 4 x 4 tiles for 5 to 16 rows of a
+# 9-head model, where the Xeon had adopted them (docs/benchmarks.md, "EPYC-512: attention paths,
+# measured per machine"). Same bits.
 ATT_LANES_MIN_QUERIES = 6
 QK = 32  # weights per block
 COLUMNS = 16  # output columns interleaved per group in the packed layouts (csrc/gemm.h)
