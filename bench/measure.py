@@ -8,8 +8,9 @@ speculation off that puts the prompt in the primary's prefix cache and its schem
 speculative request, then the baseline, so drift on a noisy machine hits both alike and both find the
 prompt cached; then the concurrency sweep),
 stopped before the peers run, so that idle services do not share the CPU with them. Each system
-answers one short warm-up request first (not recorded; the warm-up prompt is not a benchmark
-prompt, so the suffix index never learns a measured output from it). The peers run each prompt
+answers one short warm-up request first, and one under a small schema where a scenario is
+constrained (not recorded; the warm-up prompts are not benchmark prompts, so the suffix index never
+learns a measured output from them). The peers run each prompt
 once: the json variants (bench/scenarios.py) differ only on the stack.
 """
 
@@ -34,6 +35,18 @@ if TYPE_CHECKING:  # bench.suite imports this module
     from bench.suite import Selection, SuiteConfig
 
 WARMUP_PROMPT = BenchPrompt("warmup", "warmup", "Say hello.", None, None, False)
+# Where a scenario is constrained, a warm-up under a schema as well: each service's first constrained
+# call (the draft pool's first compile and grammar-forced Propose, the gateway's first tree masks, a
+# masked Verify and Validate) costs its request ~20-30 ms once per stack (docs/benchmarks.md,
+# "First constrained request"), which would fall on whichever measured prompt came first.
+WARMUP_JSON_PROMPT = BenchPrompt(
+    "warmup-json",
+    "warmup",
+    "Greet me in JSON.",
+    None,
+    {"type": "object", "properties": {"greeting": {"type": "string"}}, "required": ["greeting"]},
+    False,
+)
 NUM_WARMUP_TOKENS = 8
 # A prompt's priming request: two tokens, so that the primary decodes a run under its schema and
 # compiles it beside the prefill (gateway.decode_run.DecodeRuns.run_format); one token would not.
@@ -76,8 +89,13 @@ def measure_stack(
     tokenizer: Any,
     precision: str,
 ) -> list[Record]:
+    is_any_constrained = any(
+        is_constrained(scenario, prompt) for scenario, selection in selections.items() for prompt in selection.prompts
+    )
     for system in (BASELINE, SPECULATIVE):
         run_request(sut, WARMUP_PROMPT, WARMUP_PROMPT.scenario, system, NUM_WARMUP_TOKENS, False, tokenizer)
+        if is_any_constrained:
+            run_request(sut, WARMUP_JSON_PROMPT, "warmup", system, NUM_WARMUP_TOKENS, True, tokenizer)
     records = []
     for scenario, selection in selections.items():
         for prompt in selection.prompts:
