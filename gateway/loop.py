@@ -598,6 +598,7 @@ class RequestLoop:
             return self.runs.plan, tokens, None, logprobs
         if self.runs.was_stopping_at_repeat():  # the last run ended: where a copy starts, or at its length
             self.stats.num_runs_ended_at_repeat += self.planner.tail_repeats()
+        self.planner.are_features_current = self.pending_features is not None
         plan = self.planner.plan()
         if plan.is_speculative:
             return await self._speculative_step(plan)

@@ -41,7 +41,13 @@ from specdec.grammar import GrammarState
 from specdec.model.tokenizer import Tokenizer
 from specdec.prediction import LOST, PredictionAlignment
 from specdec.repeats import MIN_REPEAT_TOKENS, RepeatIndex
-from specdec.strategies import GRAMMAR_STRATEGY, PREDICTION_STRATEGY, PROMPT_LOOKUP_STRATEGY, TREE_STRATEGIES
+from specdec.strategies import (
+    FEATURE_STRATEGIES,
+    GRAMMAR_STRATEGY,
+    PREDICTION_STRATEGY,
+    PROMPT_LOOKUP_STRATEGY,
+    TREE_STRATEGIES,
+)
 from specdec.task_type import TaskType
 
 
@@ -138,6 +144,14 @@ class StepPlanner:
         self.tokenizer, self.model, self.stats, self.log = tokenizer, model, stats, log
         self.max_tree_nodes, self.acceptance_mode = max_tree_nodes, acceptance_mode
         self.validator_state, self.grammar = validator_state, grammar
+        # Whether the draft service's feature readers follow the context: the last step (or the prefill)
+        # brought the primary's features of its committed rows (the loop sets it before each plan). A
+        # feature drafter drafts from the last committed token's features, so after a step without them
+        # (a plain step, a run, a verify that did not ask) it has nothing to propose; a step that plans it
+        # then asks for them (the loop's _feature_request) and is not counted against it
+        # (_observed_plan).
+        self.are_features_current = True
+        self._is_refreshing_features = False  # the planned step's feature readers have nothing yet
         self._init_prediction()
         self.fixed_plan = fixed_plan(params.speculation, max_tree_nodes)
         # The gateway's measurements of what its steps cost (shared by its requests): each step of
@@ -230,6 +244,9 @@ class StepPlanner:
             if self.controller is None
             else self._with_prediction(self.controller.plan(self._controller_state(), self.known_coverage()))
         )
+        self._is_refreshing_features = not self.are_features_current and not FEATURE_STRATEGIES.isdisjoint(
+            decoder for decoder, _ in plan.sources
+        )
         is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
         if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
@@ -316,12 +333,22 @@ class StepPlanner:
         assert num_steps == 1 or outcomes is None, "several steps at once are plain ones"
         self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe, num_steps)
         if self.controller is not None:
+            observed = self._observed_plan(plan) if outcomes is not None else SpeculationPlan()
             self.controller.observe(
                 self._controller_state(),
-                plan if outcomes is not None else SpeculationPlan(),
-                outcomes or (),
+                observed,
+                [o for o in outcomes or () if (o.decoder, o.rank) in observed.sources],
                 num_steps,
             )
+
+    def _observed_plan(self, plan: SpeculationPlan) -> SpeculationPlan:
+        """The step's plan as the controller learns from it: without the feature readers where their
+        features were not current (they could propose nothing: a miss that says nothing of their
+        drafts, and the step brings the features for the next); a plain step if nothing else drafted."""
+        if not self._is_refreshing_features:
+            return plan
+        sources = tuple(source for source in plan.sources if source[0] not in FEATURE_STRATEGIES)
+        return dataclasses.replace(plan, sources=sources) if sources else SpeculationPlan()
 
     def observe_load(self, other_rows: int) -> None:
         """Tell the controller how many rows the primary's step carried besides this request's: under

@@ -1593,6 +1593,48 @@ def test_a_propose_after_a_step_without_features_gets_none_rather_than_an_older_
     assert num_checked > 0
 
 
+@dataclasses.dataclass
+class CurrentFeatureBackends(GappyFeatureBackends):
+    """GappyFeatureBackends whose pool has a feature drafter as the real one: it drafts from the features
+    of the last committed token, so it proposes (here the primary's own tokens) only where the Propose
+    brings the features of the latest step (or the prefill's, opening the request), and nothing else."""
+
+    is_feature_current: bool = False
+
+    async def propose(self, args: ProposeArgs) -> DraftTree:
+        self.is_feature_current = args.features is not None
+        return await super().propose(args)
+
+    def _candidate(self, name: str, rank: int, draft_length: int) -> list[int]:
+        if name != FEATURE_STRATEGY:
+            return super()._candidate(name, rank, draft_length)
+        if not self.is_feature_current or rank > 0:
+            return []
+        context = list(self.truth)
+        for _ in range(draft_length):
+            context.append(primary_next(context))
+        return context[len(self.truth) :]
+
+
+def test_a_step_whose_feature_reader_had_no_features_is_not_counted_against_it():
+    """After a verify that brought no features the feature drafter has nothing to propose: a step
+    that plans it asks for them (for the next step) and is not a miss to the controller. Here the
+    drafter is right and cheap, and only every third verify brings features: the controller keeps
+    drafting with it, its coverage counted over the steps it could draft."""
+    backends = CurrentFeatureBackends(is_lookup_right=lambda n: False)
+    cheap = cost_model_for(FP32_VERIFY_MS, CostSettings(), {FEATURE_STRATEGY: (0.0, 0.01)})
+    params = make_params(degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY))
+    loop = run(params, backends, cost_model=cheap)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    with_feature = [
+        args for name, args in backends.calls if name == "propose" and FEATURE_STRATEGY in args["strategies"]
+    ]
+    assert len(with_feature) >= 8 and sum(p["features"] is None for p in with_feature) >= 3
+    assert loop.planner.controller_state is not None
+    (estimate,) = [e for e in loop.planner.controller_state.estimates if (e.decoder, e.rank) == (FEATURE_STRATEGY, 0)]
+    assert estimate.coverage > 0.9 and estimate.acceptance > 0.9
+
+
 def test_without_a_feature_strategy_no_call_asks_for_features():
     backends = FeatureBackends()
     run(make_params(is_adaptive=False, degree=2, draft_length=4), backends)
