@@ -333,11 +333,11 @@ class StepPlanner:
         assert num_steps == 1 or outcomes is None, "several steps at once are plain ones"
         self.stats.add_plan(plan.draft_length, plan.speculative_degree, plan.is_probe, num_steps)
         if self.controller is not None:
-            observed = self._observed_plan(plan) if outcomes is not None else SpeculationPlan()
+            refreshed = self._is_refreshing_features and outcomes is not None
             self.controller.observe(
                 self._controller_state(),
-                observed,
-                [o for o in outcomes or () if (o.decoder, o.rank) in observed.sources],
+                self._observed_plan(plan) if outcomes is not None else SpeculationPlan(),
+                [o for o in outcomes or () if not (refreshed and o.decoder in FEATURE_STRATEGIES)],
                 num_steps,
             )
 
