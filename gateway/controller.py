@@ -665,6 +665,24 @@ class AdaptiveController:
         choice = self._choice(state, known_coverage or {})
         return bool(choice.sources) and choice.expected_speedup >= self._config.on_above
 
+    def would_draft_with(
+        self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float], decoders: Iterable[str]
+    ) -> bool:
+        """Whether plan() under `known_coverage` would draft with one of `decoders`: in the best choice
+        while speculation is on (or the choice turns it on), or riding along; the state is left as it is."""
+        choice = self._choice(state, known_coverage)
+        if not choice.sources or not (state.is_speculating or choice.expected_speedup >= self._config.on_above):
+            return False
+        names = frozenset(decoders)
+        if any(state.estimates[s].decoder in names for s in choice.sources):
+            return True
+        silent = {key for key, coverage in known_coverage.items() if coverage <= 0.0}
+        kept = choice.sources[: self._config.max_speculative_degree - 1]
+        riding = self._stale_source(
+            state, kept if len(kept) < len(choice.sources) else choice.sources, choice.draft_length, silent
+        )
+        return any(decoder in names for decoder, _ in riding)
+
     def plain_steps_ahead(
         self, state: ControllerState, known_coverage: Mapping[tuple[str, int], float] | None = None
     ) -> int:

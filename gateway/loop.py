@@ -984,12 +984,18 @@ class RequestLoop:
     def _feature_request(self, plan: SpeculationPlan | None = None) -> dict[str, Any]:
         """The primary calls' argument asking for features, only where a strategy reads them (calls of
         requests without stay as they were). A Verify asks only when its step drafts with a feature
-        reader: a forward with features runs eagerly, off the primary's compiled fast path, and the
-        adaptive controller leaves the drafter out wherever it does not pay; the drafter takes the
-        gap in its features as it takes a plain step's (its own KV goes on from the rows it has)."""
+        reader, or the controller would draft with one whose features are not current
+        (StepPlanner.is_feature_wanted), so that the next step can: a forward with features runs
+        eagerly, off the primary's compiled fast path, and the adaptive controller leaves the drafter
+        out wherever it does not pay; the drafter takes the gap in its features as it takes a plain
+        step's (its own KV goes on from the rows it has)."""
         if not self.is_feature_consumer:
             return {}
-        if plan is not None and FEATURE_STRATEGIES.isdisjoint(decoder for decoder, _ in plan.sources):
+        if (
+            plan is not None
+            and FEATURE_STRATEGIES.isdisjoint(decoder for decoder, _ in plan.sources)
+            and not self.planner.is_feature_wanted
+        ):
             return {}
         return {"return_features": True}
 

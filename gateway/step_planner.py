@@ -147,11 +147,14 @@ class StepPlanner:
         # Whether the draft service's feature readers follow the context: the last step (or the prefill)
         # brought the primary's features of its committed rows (the loop sets it before each plan). A
         # feature drafter drafts from the last committed token's features, so after a step without them
-        # (a plain step, a run, a verify that did not ask) it has nothing to propose; a step that plans it
-        # then asks for them (the loop's _feature_request) and is not counted against it
-        # (_observed_plan).
+        # (a plain step, a run, a verify that did not ask) it has nothing to propose: it is known silent
+        # (known_coverage), and where the controller would draft with it, or have it ride along, were
+        # its features current, the step asks for them (is_feature_wanted, the loop's _feature_request)
+        # so that the next step can; if nothing else would draft, that step is one of its own that
+        # brings them (a refresh, not counted against it: _observed_plan).
         self.are_features_current = True
-        self._is_refreshing_features = False  # the planned step's feature readers have nothing yet
+        self.is_feature_wanted = False
+        self._is_refreshing_features = False
         self._init_prediction()
         self.fixed_plan = fixed_plan(params.speculation, max_tree_nodes)
         # The gateway's measurements of what its steps cost (shared by its requests): each step of
@@ -239,19 +242,33 @@ class StepPlanner:
         """What the next step drafts: the fixed plan or the controller's, a plain step while no
         validator can sample against a tree, no deeper than the context has room for."""
         self._refresh_cost_model()
-        plan = (
-            self.fixed_plan
-            if self.controller is None
-            else self._with_prediction(self.controller.plan(self._controller_state(), self.known_coverage()))
-        )
-        self._is_refreshing_features = not self.are_features_current and not FEATURE_STRATEGIES.isdisjoint(
-            decoder for decoder, _ in plan.sources
-        )
+        self.is_feature_wanted = self._is_refreshing_features = False
+        if self.controller is None:
+            plan = self.fixed_plan
+        else:
+            plan = self._with_prediction(self.controller.plan(self._controller_state(), self.known_coverage()))
+            plan = self._with_features_wanted(plan)
         is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
         if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
+
+    def _with_features_wanted(self, plan: SpeculationPlan) -> SpeculationPlan:
+        """Where the feature readers' features are not current but the controller would draft with one
+        (or have it ride along) were they: the plan asks for them (is_feature_wanted); a plain plan
+        becomes a step of the reader alone, which proposes nothing and brings them (a refresh)."""
+        state = self._controller_state()
+        readers = [e.decoder for e in state.estimates if e.decoder in FEATURE_STRATEGIES and e.rank == 0]
+        if self.are_features_current or not readers:
+            return plan
+        assert self.controller is not None
+        live = self.known_coverage(are_features_current=True)
+        self.is_feature_wanted = self.controller.would_draft_with(state, live, FEATURE_STRATEGIES)
+        if not self.is_feature_wanted or plan.is_speculative:
+            return plan
+        self._is_refreshing_features = True
+        return SpeculationPlan(draft_length=1, sources=((readers[0], 0),), max_tree_nodes=1)
 
     def _refresh_cost_model(self) -> None:
         """A new cost model for the controller (and its remembered choices dropped) only when a
@@ -286,16 +303,19 @@ class StepPlanner:
         degree = max(1, plan.speculative_degree)
         return dataclasses.replace(plan, sources=(key, *plan.sources)[:degree])
 
-    def known_coverage(self) -> dict[tuple[str, int], float]:
+    def known_coverage(self, are_features_current: bool | None = None) -> dict[tuple[str, int], float]:
         """What the planner knows a decoder will propose this step, before the controller plans
         (AdaptiveController.plan): grammar-forced drafts nothing where the grammar forces no text next
         (free text, a choice between values); prompt lookup nothing worth a step where the context's
-        tail does not repeat earlier text (specdec.repeats: its 1- and 2-token matches); the
-        prediction decoder, which follows the same alignment as the planner's, nothing while the output
-        does not follow the prediction (or it is used up), and surely while it does."""
+        tail does not repeat earlier text (specdec.repeats: its 1- and 2-token matches); a feature
+        reader nothing while its features are not current (`are_features_current`, by default the
+        planner's); the prediction decoder, which follows the same alignment as the planner's, nothing
+        while the output does not follow the prediction (or it is used up), and surely while it does."""
         known: dict[tuple[str, int], float] = {}
         estimates = self._controller_state().estimates
         silent: set[str] = set()
+        if not (self.are_features_current if are_features_current is None else are_features_current):
+            silent |= FEATURE_STRATEGIES
         if self.grammar is not None and not self.grammar.forced_text():
             silent.add(GRAMMAR_STRATEGY)
         if self.repeats is not None and not self.tail_repeats():
@@ -342,9 +362,8 @@ class StepPlanner:
             )
 
     def _observed_plan(self, plan: SpeculationPlan) -> SpeculationPlan:
-        """The step's plan as the controller learns from it: without the feature readers where their
-        features were not current (they could propose nothing: a miss that says nothing of their
-        drafts, and the step brings the features for the next); a plain step if nothing else drafted."""
+        """The step's plan as the controller learns from it: a refresh step (_with_features_wanted) as a
+        plain one, its reader having proposed nothing that says anything of its drafts."""
         if not self._is_refreshing_features:
             return plan
         sources = tuple(source for source in plan.sources if source[0] not in FEATURE_STRATEGIES)

@@ -1605,6 +1605,11 @@ class CurrentFeatureBackends(GappyFeatureBackends):
         self.is_feature_current = args.features is not None
         return await super().propose(args)
 
+    async def verify(self, *args, **kwargs) -> Verified:
+        verified = await super().verify(*args, **kwargs)
+        self.calls[-1][1].update(asked_features=kwargs.get("return_features", False))
+        return verified
+
     def _candidate(self, name: str, rank: int, draft_length: int) -> list[int]:
         if name != FEATURE_STRATEGY:
             return super()._candidate(name, rank, draft_length)
@@ -1630,9 +1635,40 @@ def test_a_step_whose_feature_reader_had_no_features_is_not_counted_against_it()
         args for name, args in backends.calls if name == "propose" and FEATURE_STRATEGY in args["strategies"]
     ]
     assert len(with_feature) >= 8 and sum(p["features"] is None for p in with_feature) >= 3
+    # without current features it drafts only alone: a step that brings them (a refresh)
+    assert all(p["features"] is not None or p["strategies"] == (FEATURE_STRATEGY,) for p in with_feature)
     assert loop.planner.controller_state is not None
     (estimate,) = [e for e in loop.planner.controller_state.estimates if (e.decoder, e.rank) == (FEATURE_STRATEGY, 0)]
     assert estimate.coverage > 0.9 and estimate.acceptance > 0.9
+
+
+def test_a_feature_reader_without_current_features_is_known_silent():
+    loop = make_loop(make_params(degree=2, strategies=(LOOKUP, FEATURE_STRATEGY)), FakeBackends())
+    readers = {(e.decoder, e.rank) for e in loop.planner.controller_state.estimates if e.decoder == FEATURE_STRATEGY}
+    loop.planner.are_features_current = False
+    assert readers and {key: 0.0 for key in readers}.items() <= loop.planner.known_coverage().items()
+    loop.planner.are_features_current = True
+    assert readers.isdisjoint(loop.planner.known_coverage())
+
+
+def test_a_step_that_drafts_without_the_feature_reader_asks_for_its_features_where_the_controller_wants_it():
+    """Prompt lookup right and drafting every step, the feature drafter right and cheap, features from
+    every third verify only: after a verify that brought none, the next step drafts with prompt lookup
+    alone and asks for features, so that the step after drafts with both."""
+    backends = CurrentFeatureBackends(is_lookup_right=lambda n: True)
+    cheap = cost_model_for(FP32_VERIFY_MS, CostSettings(), {FEATURE_STRATEGY: (0.0, 0.01)})
+    loop = run(make_params(degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY)), backends, cost_model=cheap)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    steps, propose = [], None
+    for name, args in backends.calls:
+        if name == "propose":
+            propose = args
+        elif name == "verify" and propose is not None:
+            steps.append((propose["strategies"], propose["features"] is not None, args["asked_features"]))
+            propose = None
+    assert all(has_features for strategies, has_features, _ in steps if FEATURE_STRATEGY in strategies)
+    assert any(asked and FEATURE_STRATEGY not in strategies for strategies, _, asked in steps)
+    assert sum(FEATURE_STRATEGY in strategies for strategies, _, _ in steps) >= 3
 
 
 def test_without_a_feature_strategy_no_call_asks_for_features():
