@@ -246,24 +246,27 @@ class StepPlanner:
         if self.controller is None:
             plan = self.fixed_plan
         else:
-            plan = self._with_prediction(self.controller.plan(self._controller_state(), self.known_coverage()))
-            plan = self._with_features_wanted(plan)
+            known = self.known_coverage()
+            plan = self._with_features_wanted(
+                self._with_prediction(self.controller.plan(self._controller_state(), known)), known
+            )
         is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
         if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
-    def _with_features_wanted(self, plan: SpeculationPlan) -> SpeculationPlan:
+    def _with_features_wanted(self, plan: SpeculationPlan, known: dict[tuple[str, int], float]) -> SpeculationPlan:
         """Where the feature readers' features are not current but the controller would draft with one
-        (or have it ride along) were they: the plan asks for them (is_feature_wanted); a plain plan
-        becomes a step of the reader alone, which proposes nothing and brings them (a refresh)."""
+        (or have it ride along) were they (`known`, the step's known coverage, without their silence):
+        the plan asks for them (is_feature_wanted); a plain plan becomes a step of the reader alone,
+        which proposes nothing and brings them (a refresh)."""
         state = self._controller_state()
         readers = [e.decoder for e in state.estimates if e.decoder in FEATURE_STRATEGIES and e.rank == 0]
         if self.are_features_current or not readers:
             return plan
         assert self.controller is not None
-        live = self.known_coverage(are_features_current=True)
+        live = {key: coverage for key, coverage in known.items() if key[0] not in FEATURE_STRATEGIES}
         self.is_feature_wanted = self.controller.would_draft_with(state, live, FEATURE_STRATEGIES)
         if not self.is_feature_wanted or plan.is_speculative:
             return plan
@@ -303,18 +306,18 @@ class StepPlanner:
         degree = max(1, plan.speculative_degree)
         return dataclasses.replace(plan, sources=(key, *plan.sources)[:degree])
 
-    def known_coverage(self, are_features_current: bool | None = None) -> dict[tuple[str, int], float]:
+    def known_coverage(self) -> dict[tuple[str, int], float]:
         """What the planner knows a decoder will propose this step, before the controller plans
         (AdaptiveController.plan): grammar-forced drafts nothing where the grammar forces no text next
         (free text, a choice between values); prompt lookup nothing worth a step where the context's
         tail does not repeat earlier text (specdec.repeats: its 1- and 2-token matches); a feature
-        reader nothing while its features are not current (`are_features_current`, by default the
-        planner's); the prediction decoder, which follows the same alignment as the planner's, nothing
-        while the output does not follow the prediction (or it is used up), and surely while it does."""
+        reader nothing while its features are not current (are_features_current); the prediction
+        decoder, which follows the same alignment as the planner's, nothing while the output does not
+        follow the prediction (or it is used up), and surely while it does."""
         known: dict[tuple[str, int], float] = {}
         estimates = self._controller_state().estimates
         silent: set[str] = set()
-        if not (self.are_features_current if are_features_current is None else are_features_current):
+        if not self.are_features_current:
             silent |= FEATURE_STRATEGIES
         if self.grammar is not None and not self.grammar.forced_text():
             silent.add(GRAMMAR_STRATEGY)

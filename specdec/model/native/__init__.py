@@ -314,9 +314,11 @@ def library() -> ctypes.CDLL | None:
             _status = f"build or load failed: {e}"
             log.warning("native kernels unavailable: %s; int4/int8 use torch's packed kernels", _status)
             return None
-        _library = lib
+        # Published only once set up: a refused SPECDEC_NATIVE_ATT_LANES fails every call alike, rather
+        # than the first while later ones get a library on the default path.
         _amx_status = enable_amx(lib)
         _att_lanes_status = choose_att_lanes(lib)
+        _library = lib
         lib.qgemm_set_profile(os.environ.get(PROFILE_SWITCH, "0") == "1")
         log.info("native kernels loaded (%s)", path(lib))
         return lib

@@ -444,6 +444,23 @@ def test_the_attention_path_is_measured_once_and_cached(tmp_path, monkeypatch):
         assert lib.qgemm_att_lanes() == 9  # a refused value changes nothing
 
 
+def test_a_refused_lanes_count_fails_every_load_alike(monkeypatch):
+    """A SPECDEC_NATIVE_ATT_LANES that does not parse refuses the library on every call, not on the
+    first alone (a later call must not get a library set up on the default path)."""
+    lib = native.library()
+    if "AVX512" not in lib.qgemm_isa().decode():
+        pytest.skip("keys in lanes: AVX-512 builds only")
+    with _att_lanes_from(lib.qgemm_att_lanes()):
+        monkeypatch.setenv(native.ATT_LANES_SWITCH, "many")
+        monkeypatch.setattr(native, "_library", None)
+        monkeypatch.setattr(native, "_status", None)
+        monkeypatch.setattr(native, "_load", lambda cc: lib)
+        for _ in range(2):
+            with pytest.raises(ValueError, match=native.ATT_LANES_SWITCH):
+                native.library()
+            assert native._library is None
+
+
 def _amx_unavailable() -> str | None:
     """Why this machine cannot test the AMX products, or None."""
     lib = native.library()
