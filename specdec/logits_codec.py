@@ -132,6 +132,22 @@ def row_argmax(logits: torch.Tensor) -> list[int]:
     return ids
 
 
+def row_argmax_allowed(logits: torch.Tensor, words: np.ndarray) -> list[int] | None:
+    """Each row's argmax of logits [R, V] float32 among the tokens it allows (words: int32 [R, W], the
+    grammar mask's wire layout), the lowest id on ties; a negative id for a row the caller must take
+    itself (an allowed NaN, or nothing allowed). None where the native kernels cannot read them in
+    place (then the caller computes every row)."""
+    lib = _native_for(logits)
+    if lib is None or words.dtype != np.dtype("<i4") or words.ndim != 2 or words.shape[0] != logits.shape[0]:
+        return None
+    words = np.ascontiguousarray(words)
+    out = np.empty(logits.shape[0], dtype=np.int64)
+    lib.qgemm_argmax_rows_masked(
+        logits.data_ptr(), logits.shape[0], logits.shape[1], words.ctypes.data, words.shape[1], out.ctypes.data
+    )
+    return out.tolist()
+
+
 def _native_for(logits: torch.Tensor) -> ctypes.CDLL | None:
     """The native kernels when they can read logits in place: a 2-D contiguous fp32 CPU tensor."""
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":

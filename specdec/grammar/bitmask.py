@@ -7,8 +7,9 @@ forward. Kept as the grammar engine fills it, int32 words [R, W] (W = ceil(V / 3
 w = token 32*w + k, the TokenMask wire layout), each use touches only what it needs:
 
     argmax       the raw argmax of a row is the masked argmax whenever its bit is set (one bit
-                 test a row); only a row whose favourite the grammar forbids gathers its allowed
-                 tokens from its non-zero bytes (such rows are mostly a few structural tokens)
+                 test a row); only a row whose favourite the grammar forbids walks its allowed
+                 tokens, natively (qgemm_argmax_rows_masked), or without the native kernels
+                 gathered from its non-zero bytes
     is_allowed   a bit test per (row, token): draft tokens, argmax ids
     masked_rows  whole masked rows, only for the rows a result needs whole: the rows a sampling
                  walk visits, the accepted path's rows whose entropies are reported
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from specdec.grammar.mask import BITS_PER_WORD, MASKED_LOGIT, bitmask_to_bool
-from specdec.logits_codec import row_argmax
+from specdec.logits_codec import row_argmax, row_argmax_allowed
 
 _BIT_OFFSETS = np.arange(8, dtype=np.int64)  # bit k of a byte = token 8*byte + k
 
@@ -92,9 +93,14 @@ class TokenBitmask:
         assert logits.dim() == 2 and logits.shape == (self.num_rows, self.vocab_size), (
             f"logits {tuple(logits.shape)} do not fit the mask [{self.num_rows}, {self.vocab_size}]"
         )
-        argmax = torch.tensor(row_argmax(logits), dtype=torch.int64)  # [R]; torch.argmax's choice, natively
-        is_allowed = self.is_allowed(np.arange(self.num_rows), argmax.numpy())  # [R]
-        for row in np.flatnonzero(~is_allowed).tolist():
+        native = row_argmax_allowed(logits, self.words)  # [R], natively: one pass a row, or None
+        if native is not None:
+            argmax = torch.tensor(native, dtype=torch.int64)
+            gathered = [row for row, i in enumerate(native) if i < 0]  # a NaN: torch's choice
+        else:
+            argmax = torch.tensor(row_argmax(logits), dtype=torch.int64)  # [R]; torch.argmax's choice
+            gathered = np.flatnonzero(~self.is_allowed(np.arange(self.num_rows), argmax.numpy())).tolist()
+        for row in gathered:
             ids = self.allowed_ids(row)
             argmax[row] = ids[torch.argmax(logits[row, ids])]
         return argmax

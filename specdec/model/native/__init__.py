@@ -151,6 +151,7 @@ FUNCTIONS: dict[str, tuple[type | None, list[type]]] = {
     "qgemm_att_lanes": (_I32, []),
     "qgemm_attention": (_I32, [_P, _I64, _I64, _I64, _I64, _P, _P, _I32, _I64, _I64, _P, _P, _I32]),
     "qgemm_argmax_rows": (None, [_P, _I64, _I64, _P]),
+    "qgemm_argmax_rows_masked": (None, [_P, _I64, _I64, _P, _I64, _P]),
     "qgemm_encode_e4m3": (_I32, [_P, _I64, _I64, _F32, _P, _P]),
     "qgemm_byte_histograms": (None, [_P, _I64, _I64, _P]),
     "qgemm_byte_histograms_masked": (None, [_P, _I64, _I64, _P, _I64, _P]),

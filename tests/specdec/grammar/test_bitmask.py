@@ -72,3 +72,36 @@ def test_every_operation_equals_the_bool_reference_on_random_masks(vocab_size):
     assert mask.is_allowed(rows, ids).tolist() == allowed[rows, ids].tolist()
     wire = TokenBitmask(np.frombuffer(mask.to_bytes(), dtype="<i4").reshape(num_rows, -1), vocab_size)
     assert torch.equal(wire.to_bool(), allowed)
+
+
+@pytest.mark.parametrize("vocab_size", [35, 1000, 49152])
+def test_argmax_natively_equals_the_gathered_path_and_the_reference(vocab_size, monkeypatch):
+    """The native masked argmax (qgemm_argmax_rows_masked) against the Python path it replaces and the
+    bool reference: whole words of allowed tokens holding ties, rows of -inf, NaNs at allowed and at
+    forbidden tokens, a favourite the grammar forbids, and bits set past the vocabulary in the last
+    word (the wire refuses them, specdec.pb.token_mask_from_pb; the native walk ignores them)."""
+    rng = np.random.default_rng(vocab_size + 7)
+    num_rows = 10
+    allowed = torch.from_numpy(rng.random((num_rows, vocab_size)) < np.linspace(0.002, 1.0, num_rows)[:, None])
+    allowed[:, 3] = True  # every row allows something
+    allowed[4, :32] = True  # a whole word, tied below
+    logits = torch.from_numpy(rng.integers(-8, 8, (num_rows, vocab_size)) / 2).float()
+    logits[:, 0] = 100.0  # every row's favourite; forbidden where the row forbids token 0
+    allowed[1, 0] = False
+    logits[4, 5:9] = 200.0  # a tie inside the allowed word: the lowest id, 5
+    logits[2] = float("-inf")  # all equal: the first allowed token
+    logits[3, 2] = float("nan")  # a NaN at a forbidden token: not picked
+    allowed[3, 2] = False
+    logits[5, 7] = float("nan")  # a NaN at an allowed token: torch's choice, the NaN
+    allowed[5, 7] = True
+    reference = apply_token_mask(logits, allowed).argmax(dim=-1)
+    mask = TokenBitmask.from_bool(allowed)
+    tail = mask.words.copy()
+    if vocab_size % 32:
+        tail[:, -1] |= np.int32(-(1 << (vocab_size % 32)))  # the bits past the vocabulary, all set
+        tail[5] = mask.words[5]  # but in the NaN's row, which Python gathers from the words
+    native = TokenBitmask(tail, vocab_size).argmax(logits)
+    assert native.tolist() == reference.tolist()
+    assert native[4] == 5 and native[5] == 7
+    monkeypatch.setattr("specdec.grammar.bitmask.row_argmax_allowed", lambda logits, words: None)
+    assert mask.argmax(logits).tolist() == reference.tolist()

@@ -1,6 +1,6 @@
 /* Logits post-processing on the primary's engine thread (specdec/logits_codec.py) and the
- * validator's fp8 row statistics (validator_svc/fp8_stats.py): argmax rows, e4m3 encoding, byte
- * histograms. */
+ * validator's fp8 row statistics (validator_svc/fp8_stats.py): argmax rows (over a grammar mask's
+ * allowed tokens too), e4m3 encoding, byte histograms. */
 #include "impl.h"
 
 /* Each row's maximum and minimum, and whether it holds a NaN (max/min comparisons skip NaNs). */
@@ -52,6 +52,54 @@ void qgemm_argmax_rows(const float *x, int64_t R, int64_t V, int64_t *argmax) {
         float mx, mn; int nan;
         row_max_min(x + r * V, V, &mx, &mn, &nan);
         argmax[r] = nan ? -1 : first_equal(x + r * V, V, mx);
+    }
+}
+
+/* The first maximum of row [V] over the positions mask [W] allows (bit j % 32 of mask[j / 32], bits
+ * at or past V ignored), ascending: the lowest id among equal maxima, as torch.argmax of the allowed
+ * tokens gathered in order picks it. -1 when an allowed position holds a NaN (torch would pick it:
+ * the caller asks torch), -2 when the row allows nothing. A whole word of allowed positions is read
+ * as a block: its maximum first, its first position of that maximum only when it beats the best. */
+static int64_t masked_first_max(const float *row, int64_t V, const uint32_t *mask, int64_t W) {
+    float best = -INFINITY;
+    int64_t best_id = -2;
+    for (int64_t w = 0; w < W && w * 32 < V; ++w) {
+        uint32_t bits = mask[w];
+        const int64_t base = w * 32;
+        if (base + 32 > V) bits &= (UINT32_C(1) << (V - base)) - 1u;  /* a partial last word */
+        if (bits == 0xFFFFFFFFu) {
+            float mx, mn; int nan;
+            row_max_min(row + base, 32, &mx, &mn, &nan);
+            if (nan) return -1;
+            if (best_id < 0 || mx > best) { best = mx; best_id = base + first_equal(row + base, 32, mx); }
+            continue;
+        }
+        for (; bits; bits &= bits - 1u) {
+            const int64_t i = base + __builtin_ctz(bits);
+            const float v = row[i];
+            if (v != v) return -1;
+            if (best_id < 0 || v > best) { best = v; best_id = i; }
+        }
+    }
+    return best_id;
+}
+
+/* argmax [R] of each row of x [R, V] among the positions row r allows (words [R, W], the grammar
+ * mask's wire layout): the row's own first maximum when allowed (one bit test), else the allowed
+ * positions' first maximum. -1 for a row whose allowed positions hold a NaN, -2 for a row that
+ * allows nothing: the caller takes those rows itself. */
+void qgemm_argmax_rows_masked(const float *x, int64_t R, int64_t V, const uint32_t *words, int64_t W,
+                              int64_t *argmax) {
+    for (int64_t r = 0; r < R; ++r) {
+        const float *row = x + r * V;
+        const uint32_t *mask = words + r * W;
+        float mx, mn; int nan;
+        row_max_min(row, V, &mx, &mn, &nan);
+        if (!nan) {
+            const int64_t a = first_equal(row, V, mx);
+            if (a / 32 < W && (mask[a / 32] >> (a % 32)) & 1u) { argmax[r] = a; continue; }
+        }
+        argmax[r] = masked_first_max(row, V, mask, W);
     }
 }
 

@@ -34,7 +34,7 @@
  *   forward.c        qgemm_forward: every layer in one parallel region
  *   scratch.c        each thread's scratch for a parallel region
  *   attention.c      attention of a span's new rows over its KV cache
- *   logits.c         argmax rows, e4m3 encoding, byte histograms
+ *   logits.c         argmax rows (masked too), e4m3 encoding, byte histograms
  *   profile.c        the forward's timer: products, attention, the rest
  *   abi.c            qgemm_abi: the structs' layout, checked against the ctypes mirror at load
  */
@@ -158,6 +158,11 @@ int qgemm_attention(const float *q, int64_t n, int64_t H, int64_t Hkv, int64_t D
 /* argmax [R]: the index of the first maximum of each row of x [R, V], as torch.argmax chooses it;
  * -1 for a row holding a NaN. */
 void qgemm_argmax_rows(const float *x, int64_t R, int64_t V, int64_t *argmax);
+
+/* argmax [R] of each row among the positions it allows (bit j % 32 of words[r * W + j / 32]), the
+ * lowest id on ties; -1 for a row whose allowed positions hold a NaN, -2 for a row allowing none. */
+void qgemm_argmax_rows_masked(const float *x, int64_t R, int64_t V, const uint32_t *words, int64_t W,
+                              int64_t *argmax);
 
 /* Logits x [R, V] -> e4m3fn codes [R, V] of (x - rowmax) / scale and scales [R]. Returns -1 at the
  * first row that is not finite, else 0. */
