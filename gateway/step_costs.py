@@ -22,6 +22,13 @@ A request whose client waits for the whole answer takes its runs several engine 
 (gateway.decode_run), so its plain tokens pay the loop's work a message, not a token: its plain
 overhead is measured apart from that of requests that stream (`is_batched`), each a sample per token.
 
+Likewise a speculative step of a request whose acceptance rule samples (or takes a threshold) waits
+for the validator's decision before it commits, where a greedy step goes on with the primary's
+argmaxes and has the validator confirm them beside the next step (gateway.step_validation): its
+overhead is measured apart (`waits_for_validator`). On a 2-vCPU EPYC the two were a median 10.9 ms
+(greedy) and 18.6 ms (sampled) a step beside each other (docs/benchmarks.md, "Per-step overheads");
+one mean of both priced a sampled request's steps, probes included, a forward too cheap.
+
 The controller reads them as a cost model through `cost_model()`, on a grid of about 5 % (`BUCKET`),
 so that a request's remembered choices are recomputed only when a cost moved, not at every step.
 """
@@ -99,8 +106,10 @@ class StepCosts:
         self._weight = 1.0 - 0.5 ** (1.0 / self.config.half_life_steps)
         # plain overhead per kind of run: a message a step (False) or several (True, is_batched)
         self._plain = {False: _Mean(), True: _Mean()}
-        self._speculative, self._one_row = _Mean(), _Mean()
-        self._logged: dict[bool, MeasuredOverheads] = {}
+        # speculative overhead per kind of step: greedy (False) or waiting for the validator (True)
+        self._speculative = {False: _Mean(), True: _Mean()}
+        self._one_row = _Mean()
+        self._logged: dict[tuple[bool, bool], MeasuredOverheads] = {}
         self._lock = threading.Lock()
         self._log = structlog.get_logger("gateway.step_costs")
 
@@ -117,37 +126,48 @@ class StepCosts:
                 self._one_row.add_each(forward_ms / num_tokens / float(curve.verify(1)), self._weight, num_tokens)
 
     def observe_speculative(
-        self, wall_ms: float, forward_ms: float, model_draft_ms: float, num_rows: int, curve: CostModel
+        self,
+        wall_ms: float,
+        forward_ms: float,
+        model_draft_ms: float,
+        num_rows: int,
+        curve: CostModel,
+        waits_for_validator: bool = False,
     ) -> None:
         """A speculative step: wall_ms in all, forward_ms of a forward over num_rows rows (root, tree,
-        lookahead and forced chain), model_draft_ms of model-based drafting."""
+        lookahead and forced chain), model_draft_ms of model-based drafting; of a request whose steps
+        wait for the validator's decision when `waits_for_validator` (a sampling or threshold rule)."""
         if num_rows < 1 or not wall_ms >= 0.0 or not forward_ms >= 0.0 or not model_draft_ms >= 0.0:
             return
         with self._lock:
-            self._speculative.add(max(0.0, wall_ms - forward_ms - model_draft_ms), self._weight)
+            overhead = max(0.0, wall_ms - forward_ms - model_draft_ms)
+            self._speculative[waits_for_validator].add(overhead, self._weight)
             if forward_ms > 0.0:
                 self._one_row.add(forward_ms / float(curve.verify(num_rows)), self._weight)
 
-    def overheads(self, is_batched: bool = False) -> MeasuredOverheads:
-        """The figures for a request whose runs send several steps a message (`is_batched`) or one."""
+    def overheads(self, is_batched: bool = False, waits_for_validator: bool = False) -> MeasuredOverheads:
+        """The figures for a request whose runs send several steps a message (`is_batched`) or one,
+        and whose speculative steps wait for the validator's decision (`waits_for_validator`) or not."""
+        kind = (is_batched, waits_for_validator)
         with self._lock:
             measured = MeasuredOverheads(
                 *(
                     _on_grid(m.value) if m.num_samples >= self.config.min_steps else None
-                    for m in (self._plain[is_batched], self._speculative, self._one_row)
+                    for m in (self._plain[is_batched], self._speculative[waits_for_validator], self._one_row)
                 )
             )
-            logged = self._logged.get(is_batched)
+            logged = self._logged.get(kind)
             is_news = logged is None or any(
                 (new is None) != (old is None) or (new and old and max(new / old, old / new) >= LOG_CHANGE)
                 for new, old in zip(dataclasses.astuple(measured), dataclasses.astuple(logged))
             )
             if is_news:
-                self._logged[is_batched] = measured
+                self._logged[kind] = measured
         if is_news and measured != MeasuredOverheads(None, None, None):
             self._log.info(
                 "step costs measured",
                 is_batched=is_batched,
+                waits_for_validator=waits_for_validator,
                 plain_overhead_ms=_rounded(measured.plain_ms),
                 speculative_overhead_ms=_rounded(measured.speculative_ms),
                 one_row_forward_ms=_rounded(measured.one_row_ms),

@@ -250,8 +250,7 @@ class StepPlanner:
             plan = self._with_features_wanted(
                 self._with_prediction(self.controller.plan(self._controller_state(), known)), known
             )
-        is_greedy = self.acceptance_mode == AcceptanceMode.GREEDY
-        if plan.is_speculative and not is_greedy and not self.validator_state.is_retry_due():
+        if plan.is_speculative and self.waits_for_validator and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
@@ -278,7 +277,7 @@ class StepPlanner:
         measured cost moved."""
         if self.controller is None or self.step_costs is None:
             return
-        measured = self.step_costs.overheads(self.is_batched_plain)
+        measured = self.step_costs.overheads(self.is_batched_plain, self.waits_for_validator)
         if measured != self.measured_overheads:
             self.measured_overheads = measured
             self.controller.set_cost_model(self.step_costs.cost_model(self.base_cost_model, self.one_row_ms, measured))
@@ -378,6 +377,13 @@ class StepPlanner:
         if self.controller is not None:
             self.controller.observe_load(self._controller_state(), other_rows)
 
+    @property
+    def waits_for_validator(self) -> bool:
+        """Whether this request's speculative steps wait for the validator's decision before they
+        commit (a sampling or threshold rule), where a greedy step has it confirmed beside the next
+        (gateway.step_validation): the kind of step whose overhead prices its plans (gateway.step_costs)."""
+        return self.acceptance_mode != AcceptanceMode.GREEDY
+
     def measure_step(self, record: StepRecord | None, wall_ms: float) -> None:
         """Add the step that just ended to the gateway's cost measurements (gateway.step_costs):
         its wall time from its start to the next one's, the previous step's write and check included."""
@@ -385,7 +391,12 @@ class StepPlanner:
             return  # nothing undisturbed ran: a recovery, a dependency down, a dropped tree
         if record.is_speculative:
             self.step_costs.observe_speculative(
-                wall_ms, record.forward_ms, record.model_draft_ms, record.num_rows, self.base_cost_model
+                wall_ms,
+                record.forward_ms,
+                record.model_draft_ms,
+                record.num_rows,
+                self.base_cost_model,
+                self.waits_for_validator,
             )
         else:
             self.step_costs.observe_plain(

@@ -1810,6 +1810,24 @@ def test_the_gateways_step_costs_hear_every_undisturbed_step():
     assert costs.overheads().plain_ms is not None and costs.overheads().one_row_ms is None
 
 
+def test_a_sampled_requests_speculative_steps_are_measured_apart_from_greedy_ones():
+    """A sampled step waits for the validator's decision before it commits, a greedy one does not: each
+    kind of request reads, and adds to, its own speculative overhead (gateway.step_costs)."""
+    costs = StepCosts(StepCostConfig(min_steps=1))
+    sampled = dataclasses.replace(
+        make_params(is_adaptive=False, degree=2, draft_length=4, max_new_tokens=30),
+        sampling=SamplingParams(temperature=0.7, seed=1),
+    )
+    loop = run(sampled, FakeBackends(), step_costs=costs)
+    assert loop.stats.num_proposed > 0 and loop.planner.waits_for_validator
+    assert costs.overheads(waits_for_validator=True).speculative_ms is not None
+    assert costs.overheads().speculative_ms is None  # no greedy step yet
+    loop = run(
+        make_params(is_adaptive=False, degree=2, draft_length=4, max_new_tokens=30), FakeBackends(), step_costs=costs
+    )
+    assert not loop.planner.waits_for_validator and costs.overheads().speculative_ms is not None
+
+
 def test_an_adaptive_request_asks_for_features_only_on_steps_that_draft_with_them():
     """The controller leaves the feature drafter out of steps where it does not pay (here: priced at
     five forwards a token); those verifies run without features, off the eager path."""

@@ -47,6 +47,25 @@ def test_runs_sent_several_steps_a_message_are_measured_apart_a_sample_a_token()
     assert costs.overheads(is_batched=True).plain_ms == pytest.approx((1.5 + 8 * 0.25) / 9, rel=BUCKET - 1)
 
 
+def test_steps_that_wait_for_the_validator_are_measured_apart():
+    """A sampled request's speculative step waits for the validator's decision (here 8 ms more outside
+    the forward than a greedy one's): each kind prices its own requests' plans; the 1-row forward
+    they measure is one."""
+    costs, base = StepCosts(StepCostConfig(min_steps=2)), _base()
+    for _ in range(2):
+        costs.observe_speculative(wall_ms=20.0, forward_ms=10.0, model_draft_ms=0.0, num_rows=8, curve=base)
+    assert costs.overheads(waits_for_validator=True).speculative_ms is None  # none of its kind yet
+    for _ in range(2):
+        costs.observe_speculative(
+            wall_ms=28.0, forward_ms=10.0, model_draft_ms=0.0, num_rows=8, curve=base, waits_for_validator=True
+        )
+    greedy, sampled = costs.overheads(), costs.overheads(waits_for_validator=True)
+    assert greedy.speculative_ms == pytest.approx(10.0, rel=BUCKET - 1)
+    assert sampled.speculative_ms == pytest.approx(18.0, rel=BUCKET - 1)
+    assert greedy.one_row_ms == sampled.one_row_ms == pytest.approx(5.0, rel=BUCKET - 1)
+    assert costs.cost_model(base, 4.0, sampled).speculative_overhead > costs.cost_model(base, 4.0).speculative_overhead
+
+
 def test_overheads_are_what_the_steps_spent_outside_the_forward_in_one_row_forwards():
     costs, base = StepCosts(StepCostConfig(min_steps=1)), _base()
     # a plain run: 8 tokens, 40 ms of which 32 ms forward -> 1 ms a token outside; 4 ms a 1-row forward
