@@ -96,7 +96,7 @@ class TokenBitmask:
         native = row_argmax_allowed(logits, self.words)  # [R], natively: one pass a row, or None
         if native is not None:
             argmax = torch.tensor(native, dtype=torch.int64)
-            gathered = [row for row, i in enumerate(native) if i < 0]  # a NaN: torch's choice
+            gathered = [row for row, i in enumerate(native) if i < 0]  # an allowed NaN: torch picks it
         else:
             argmax = torch.tensor(row_argmax(logits), dtype=torch.int64)  # [R]; torch.argmax's choice
             gathered = np.flatnonzero(~self.is_allowed(np.arange(self.num_rows), argmax.numpy())).tolist()
