@@ -348,6 +348,9 @@ class RequestLoop:
         self.is_draft_open = False
         self.step_engine_steps = 1  # the engine steps of the step being computed (a run's message may carry several)
         self.grammar_preparation: asyncio.Future | None = None  # the draft pool compiling the response format
+        # The first step's plan, made before the prefill answers, and its Propose begun beside the
+        # prefill where the plan drafts without the prefill's features (_open_first_step)
+        self.opening: tuple[SpeculationPlan, asyncio.Future | None] | None = None
 
     def _init_calls(
         self,
@@ -477,6 +480,7 @@ class RequestLoop:
 
         try:
             self.grammar_preparation = self._prepare_draft_grammar()
+            self.opening = self._open_first_step()
             await self._prefill()
             while True:
                 if finish is None:
@@ -598,10 +602,16 @@ class RequestLoop:
             return self.runs.plan, tokens, None, logprobs
         if self.runs.was_stopping_at_repeat():  # the last run ended: where a copy starts, or at its length
             self.stats.num_runs_ended_at_repeat += self.planner.tail_repeats()
-        self.planner.are_features_current = self.pending_features is not None
-        plan = self.planner.plan()
+        opening, self.opening = self.opening, None
+        if opening is None:
+            self.planner.are_features_current = self.pending_features is not None
+            plan, proposal = self.planner.plan(), None
+        else:
+            plan, proposal = opening
+            if self.pending_features is None and self.planner.are_features_current:
+                self.planner.features_missed()  # planned on features the prefill did not bring
         if plan.is_speculative:
-            return await self._speculative_step(plan)
+            return await self._speculative_step(plan, proposal)
         self.runs.plan = plan
         tokens, logprobs = await self._plain_step()
         return plan, tokens, None, logprobs
@@ -652,6 +662,21 @@ class RequestLoop:
             return None
         return asyncio.ensure_future(self._prepared_grammar(self.params.response_format))
 
+    def _open_first_step(self) -> tuple[SpeculationPlan, asyncio.Future | None]:
+        """The first step's plan, made while the prefill is under way (it reads the prompt, the
+        grammar and the controller's state, none of which the prefill changes), and, where it drafts
+        without the prefill's features, its Propose begun beside the prefill: the draft service needs
+        only the prompt, so the first speculative step waits for the prefill alone instead of the
+        prefill, then its plan, then the Propose (docs/benchmarks.md, "Per-step overheads"). A
+        request whose strategies read features is planned on the features its prefill brings (the
+        primary returns them to such a request); a plan with a feature reader proposes after the
+        prefill, with them."""
+        self.planner.are_features_current = self.is_feature_consumer
+        plan = self.planner.plan()
+        if not plan.is_speculative or not FEATURE_STRATEGIES.isdisjoint(decoder for decoder, _ in plan.sources):
+            return plan, None
+        return plan, asyncio.ensure_future(self._propose(plan))
+
     async def _prepared_grammar(self, response_format: ResponseFormat) -> None:
         with contextlib.suppress(Exception):  # down, hung or refusing: the first Propose will say
             await self.call_deadlines.call(
@@ -666,15 +691,19 @@ class RequestLoop:
         self.stats.total_ms += ms
 
     async def _speculative_step(
-        self, plan: SpeculationPlan
+        self, plan: SpeculationPlan, proposal: asyncio.Future | None = None
     ) -> tuple[SpeculationPlan, list[int], list[CandidateOutcome] | None, list[TokenLogprob]]:
         """One propose -> verify -> validate: the plan that ran (_carried_draft may narrow it), the
-        step's tokens, the candidates' outcomes (None when the draft service failed)."""
+        step's tokens, the candidates' outcomes (None when the draft service failed). `proposal`: the
+        plan's Propose, already under way (the first step's, _open_first_step)."""
         t0 = time.perf_counter()
         self.primary_calls.start_step()
         planned = plan  # before a carried draft narrows it: whether the features are wanted next
-        carried = self._carried_draft(plan)
-        plan, tree = carried if carried is not None else (plan, await self._propose(plan))
+        carried = None if proposal is not None else self._carried_draft(plan)
+        if carried is not None:
+            plan, tree = carried
+        else:
+            tree = await (proposal if proposal is not None else self._propose(plan))
         if len(self.prompt_ids) + len(self.generated) + tree.lookahead_depth > self.model.max_context:
             tree = dataclasses.replace(tree, lookahead_token_ids=(), lookahead_parents=())  # no room: not this step
         allowed = None if self.grammar is None else self.grammar.tree_masks(tree.token_ids, tree.parents).allowed
@@ -943,6 +972,9 @@ class RequestLoop:
         }.get(finish, RequestStatus.FINISHED)
         if self.grammar_preparation is not None:
             self.grammar_preparation.cancel()
+        if self.opening is not None:  # the request ended before its first step
+            await _cancelled(self.opening[1])
+            self.opening = None
         await self.record.finish(status, finish, error, *self._stored_state())
         with contextlib.suppress(Exception):  # a run still streaming (a stop string, a cancel) ends first
             await self.runs.close()

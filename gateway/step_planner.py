@@ -255,6 +255,13 @@ class StepPlanner:
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
         return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
 
+    def features_missed(self) -> None:
+        """The step was planned on features the last call did not bring (a prefill that computed no
+        row: the whole prompt was cached): its feature readers are silent this step, which is not
+        counted against them, as a refresh's (_observed_plan)."""
+        self.are_features_current = False
+        self._is_refreshing_features = True
+
     def _with_features_wanted(self, plan: SpeculationPlan, known: dict[tuple[str, int], float]) -> SpeculationPlan:
         """Where the feature readers' features are not current but the controller would draft with one
         (or have it ride along) were they (`known`, the step's known coverage, without their silence):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import sys
 import threading
@@ -1869,3 +1870,93 @@ def test_steps_a_store_failover_lost_are_written_back_from_memory():
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 40) and loop.outcome.finish_reason == "length"
     state = store.load("r1")
     assert state.status == RequestStatus.FINISHED and list(state.token_ids) == loop.outcome.token_ids
+
+
+@dataclasses.dataclass
+class SlowPrefill(FakeBackends):
+    """A prefill that answers only once the request's first Propose has arrived (or after 2 s), as a
+    prefill's round trip outlasts a Propose's; records which came first. `hung_propose`: the first
+    Propose never answers (until cancelled, which it records); `failing_prefill`: the prefill then
+    fails; `cancel`: the prefill cancels the request before it answers."""
+
+    hung_propose: bool = False
+    failing_prefill: bool = False
+    cancel: threading.Event | None = None
+    order: list[str] = dataclasses.field(default_factory=list)
+    proposed: asyncio.Event | None = None
+    was_propose_cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.truth = list(PROMPT)  # what the prefill would make it: the first Propose may arrive before
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        self.proposed = self.proposed or asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await self.proposed.wait()
+        self.order.append("prefill answered")
+        if self.cancel is not None:
+            self.cancel.set()
+        if self.failing_prefill:
+            raise Internal("primary", "the primary failed")
+        return await super().prefill(request_id, token_ids, num_prompt_tokens)
+
+    async def propose(self, args: ProposeArgs) -> DraftTree:
+        self.order.append("propose sent")
+        self.proposed = self.proposed or asyncio.Event()
+        self.proposed.set()
+        if self.hung_propose and args.prompt_token_ids:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.was_propose_cancelled = True
+                raise
+        return await super().propose(args)
+
+
+def test_the_first_steps_propose_goes_out_beside_the_prefill():
+    """A request whose first step drafts sends that step's Propose while its prefill is under way (the
+    draft service needs only the prompt), not after the prefill's answer; the output stays exact."""
+    backends = SlowPrefill()
+    loop = run(make_params(is_adaptive=False, degree=2, draft_length=4), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    assert backends.order[:2] == ["propose sent", "prefill answered"]
+    names = [name for name, _ in backends.calls]
+    assert names[:3] == ["propose", "prefill", "verify"]  # the step verifies the early proposal, no second Propose
+    assert loop.stats.num_steps_by_degree[2] > 0
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_a_request_that_ends_at_its_prefill_stops_its_first_propose(ending):
+    """Cancelled while its prefill is under way, or its prefill failing, the request's early Propose is
+    stopped, not left running, and both services are told to release the request."""
+    backends = SlowPrefill(hung_propose=True, failing_prefill=ending == "failed")
+    store = InMemoryStateStore()
+    loop = make_loop(make_params(is_adaptive=False, degree=2, draft_length=4), backends, store)
+    backends.cancel = loop.cancel if ending == "cancelled" else None
+    with contextlib.suppress(Internal):
+        asyncio.run(drain(loop))
+    assert backends.was_propose_cancelled
+    assert store.load("r1").status == (RequestStatus.CANCELLED if ending == "cancelled" else RequestStatus.FAILED)
+    assert {"release_primary", "release_draft"} <= {name for name, _ in backends.calls}
+
+
+@dataclasses.dataclass
+class CachedPromptFeatureBackends(FeatureBackends):
+    """FeatureBackends whose prefill computes no row (the whole prompt was cached): no features."""
+
+    async def prefill(self, request_id, token_ids, num_prompt_tokens=0, *, return_features=False) -> Prefilled:
+        prefilled = await super().prefill(request_id, token_ids, num_prompt_tokens, return_features=return_features)
+        return dataclasses.replace(prefilled, features=None)
+
+
+def test_a_first_step_planned_on_features_the_prefill_did_not_bring_goes_on_without_them():
+    """A feature reader's request is planned before its prefill answers, on the features a prefill
+    brings; one that computed no row brings none, and the first step drafts with the other decoders,
+    its Propose carrying no features (the reader silent there)."""
+    backends = CachedPromptFeatureBackends()
+    params = make_params(is_adaptive=False, degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY))
+    loop = run(params, backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    proposes = [args for name, args in backends.calls if name == "propose"]
+    assert proposes[0]["features"] is None and proposes[1]["features"] is not None
