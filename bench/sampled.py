@@ -1,8 +1,9 @@
 """python -m bench sampled: seeded sampled decoding through the stack, speculation off and on.
 
 The suite (`python -m bench`) is greedy everywhere; users of a chat API mostly sample. Each prompt
-of each scenario (the first --num-prompts rows of bench/data/<scenario>.jsonl, chat prompts through
-the model's template, json without its schema) is answered once per seed by two systems of one stack:
+of each scenario (the first --num-prompts rows of bench/data/<scenario>.jsonl whose prompt and answer
+fit 2,048 tokens, chat prompts through the model's template, json without its schema) is answered
+once per seed by two systems of one stack:
 
     plain        speculation off (GenerateRequest.speculation.is_enabled = False): the primary alone
     speculative  the product defaults (adaptive controller, default decoders, runs that draft)
@@ -29,11 +30,15 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, system_under_test
+from bench.suite import Selection, select_prompts
+from specdec.model.loader import default_cache_dir, resolve_model_dir
+from specdec.model.tokenizer import Tokenizer
 from specdec.v1 import common_pb2, gateway_pb2
 
 SYSTEMS = ("plain", "speculative")
@@ -71,6 +76,19 @@ def answer(
     started = time.perf_counter()
     response = sut.stub.Generate(req, timeout=REQUEST_TIMEOUT_S)
     return Answer(tuple(response.token_ids), time.perf_counter() - started, response.stats)
+
+
+def fitting_prompts(
+    data_dir: str | Path,
+    scenario: str,
+    num_prompts: int,
+    max_new_tokens: int,
+    count_tokens: Callable[[BenchPrompt], int],
+) -> Selection:
+    """The scenario's first num_prompts rows whose prompt (chat template applied) and max_new_tokens fit
+    MAX_CONTEXT, as the suite chooses them (bench.suite.select_prompts); the stack would refuse the others."""
+    rows = load_prompts(data_dir, [scenario], num_prompts=1 << 30)
+    return select_prompts(rows, count_tokens, num_prompts, max_new_tokens, MAX_CONTEXT)
 
 
 def scenario_row(scenario: str, pairs: list[dict[str, Answer]]) -> dict[str, Any]:
@@ -116,14 +134,25 @@ def main() -> None:
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(None, default_cache_dir()))
+
+    def count_tokens(prompt: BenchPrompt) -> int:
+        return len(tokenizer.encode(prompt.text(tokenizer)))
+
+    selections = {
+        s: fitting_prompts(args.data_dir, s, args.num_prompts, args.max_new_tokens, count_tokens) for s in scenarios
+    }
+    for scenario, selection in selections.items():
+        if selection.num_skipped:
+            print(f"# {scenario}: {selection.num_skipped} rows passed over (prompt + answer over {MAX_CONTEXT} tokens)")
     rows = []
     with system_under_test(args.precision, args.num_threads, MAX_CONTEXT) as sut:
-        warm_up = load_prompts(args.data_dir, scenarios[:1], 1)[0]
+        warm_up = selections[scenarios[0]].prompts[0]
         for system in SYSTEMS:
             answer(sut, warm_up, system, common_pb2.SamplingParams(temperature=args.temperature, seed=0), 8)
         for scenario in scenarios:
             pairs = []
-            for prompt in load_prompts(args.data_dir, [scenario], args.num_prompts):
+            for prompt in selections[scenario].prompts:
                 for seed in seeds:
                     sampling = common_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=seed)
                     pairs.append(

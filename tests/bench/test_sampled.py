@@ -3,7 +3,9 @@ and the count of seeded pairs whose tokens agree."""
 
 from __future__ import annotations
 
-from bench.sampled import RUN_DRAFTS, Answer, scenario_row
+import json
+
+from bench.sampled import RUN_DRAFTS, Answer, fitting_prompts, scenario_row
 from specdec.v1 import gateway_pb2
 
 
@@ -27,3 +29,12 @@ def test_a_scenario_row_takes_medians_and_counts_the_same_answers():
     assert row["tokens_per_step"] == round(230 / 155, 2)
     assert row["run_drafted_share"] == round(60 / 230, 3)
     assert row["same"] == "2/3"  # the second pair's tokens differ
+
+
+def test_rows_too_long_for_the_stacks_context_are_passed_over(tmp_path):
+    """A row whose prompt and answer do not fit the stack's context would be refused (INVALID_ARGUMENT)
+    and end the run: the bench chooses the first rows that fit, as the suite does, and counts the rest."""
+    rows = [{"id": f"r{i}", "prompt": "word " * n} for i, n in enumerate((10, 3000, 20, 30))]
+    (tmp_path / "prose.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    selection = fitting_prompts(tmp_path, "prose", 2, 128, lambda p: len(p.prompt.split()))
+    assert [p.id for p in selection.prompts] == ["r0", "r2"] and selection.num_skipped == 1
