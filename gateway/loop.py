@@ -1062,6 +1062,9 @@ class RequestLoop:
         self.planner.validator_state = node.validator_state  # whether a plan may draft under sampling
         self.validation.move_to(node.backends, node.validator_state)
         self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
+        if self.opening is not None and self.opening[1] is not None:  # asked of the old node's draft pool
+            self.opening[1].cancel()
+            self.opening = (self.opening[0], None)  # the first step proposes on this node's
 
     async def _prefill_context(self, is_fresh: bool) -> str:
         """Prefill the prompt and the committed tokens on the primary (PrimaryCalls: the request's own

@@ -1960,3 +1960,32 @@ def test_a_first_step_planned_on_features_the_prefill_did_not_bring_goes_on_with
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
     proposes = [args for name, args in backends.calls if name == "propose"]
     assert proposes[0]["features"] is None and proposes[1]["features"] is not None
+
+
+@dataclasses.dataclass
+class UnreachablePrefill(SlowPrefill):
+    """A node whose primary cannot be reached at the prefill, which comes after the first Propose."""
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        self.proposed = self.proposed or asyncio.Event()
+        async with asyncio.timeout(2.0):
+            await self.proposed.wait()
+        raise Unavailable("primary", "UNAVAILABLE: connection refused")
+
+
+def test_a_failover_at_the_prefill_proposes_the_first_step_on_the_new_node():
+    """The first Propose went to the first node's draft pool beside a prefill that failed over: it is
+    stopped, and the first step proposes on the new node's pool, which then follows the request."""
+    dying, other = UnreachablePrefill(hung_propose=True), FakeBackends()
+    node = Node(
+        NodeAddress("b:1", "b:2", "b:3"), cast(Backends, other), DependencyState("draft"), DependencyState("validator")
+    )
+
+    async def failover(node_id: str, error: str) -> Node | None:
+        return node
+
+    loop = run(make_params(is_adaptive=False, degree=2, draft_length=4), dying, failover=failover)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
+    assert dying.was_propose_cancelled and loop.node_id == "b:1"
+    proposes = [args for name, args in other.calls if name == "propose"]
+    assert proposes[0]["is_open"] and not any(p["is_open"] for p in proposes[1:])  # opened once, there
