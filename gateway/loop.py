@@ -479,8 +479,9 @@ class RequestLoop:
             step_end[0] = time.perf_counter()
 
         try:
-            self.grammar_preparation = self._prepare_draft_grammar()
             self.opening = self._open_first_step()
+            if self.opening[1] is None:  # an opening Propose compiles the format itself
+                self.grammar_preparation = self._prepare_draft_grammar()
             await self._prefill()
             while True:
                 if finish is None:
@@ -656,8 +657,9 @@ class RequestLoop:
     def _prepare_draft_grammar(self) -> asyncio.Future | None:
         """The draft pool's compile of the request's response format, begun beside the prefill so that
         the first speculative step's Propose finds it compiled instead of compiling on that step's path
-        (a new schema: docs/benchmarks.md, "Per-step overheads"). Best effort: a Propose compiles what
-        it does not find, and reports a bad schema itself."""
+        (a new schema: docs/benchmarks.md, "Per-step overheads"); not asked where the first step's
+        Propose goes out beside the prefill, which begins the same compile. Best effort: a Propose
+        compiles what it does not find, and reports a bad schema itself."""
         if self.params.response_format is None or not self.params.speculation.is_enabled or not self.draft_state.is_up:
             return None
         return asyncio.ensure_future(self._prepared_grammar(self.params.response_format))

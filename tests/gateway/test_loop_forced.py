@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from gateway.backends import EMPTY_TREE, Backends, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
+from gateway.controller import SpeculationPlan
 from gateway.loop import RequestLoop
 from gateway.params import GenerationParams, SpeculationParams
 from specdec.grammar import ResponseFormat
@@ -62,6 +63,7 @@ class TargetBackends:
     num_decodes: int = 0
     num_grammar_runs: int = 0  # of which carried the response format (a run)
     prepared: list[ResponseFormat] = dataclasses.field(default_factory=list)  # PrepareGrammar calls
+    opened_with: list[ResponseFormat | None] = dataclasses.field(default_factory=list)  # each opening Propose's format
 
     prefill_formats: list[ResponseFormat | None] = dataclasses.field(default_factory=list)  # per Prefill
 
@@ -123,6 +125,8 @@ class TargetBackends:
         return Validation(tuple(range(num_accepted)), verified.argmax_token_ids[num_accepted], (), ())
 
     async def propose(self, args: ProposeArgs) -> DraftTree:
+        if args.prompt_token_ids:  # the call that opens the request
+            self.opened_with.append(args.response_format)
         self.num_drafted_context += len(args.prompt_token_ids) + len(args.new_token_ids)
         start = self.num_drafted_context - len(PROMPT)  # the tree continues everything committed
         chain = tuple(self.target[start : start + self.draft_length][: len(self.target) - 1 - start])
@@ -142,9 +146,15 @@ class TargetBackends:
 
 
 def run_loop(
-    grammar_cache, tokenizer, backends: TargetBackends, is_enabled: bool, decode_run_max: int | None = 1
+    grammar_cache,
+    tokenizer,
+    backends: TargetBackends,
+    is_enabled: bool,
+    decode_run_max: int | None = 1,
+    is_first_step_plain: bool = False,
 ) -> RequestLoop:
-    """The request under PERSON_SCHEMA; decode_run_max 1: every plain step decodes one token."""
+    """The request under PERSON_SCHEMA; decode_run_max 1: every plain step decodes one token;
+    is_first_step_plain: the first plan is a plain step (the fixed plan's after it)."""
     spec = SpeculationParams(is_enabled, 1, 4, 0.0, ("prompt_lookup",), TaskType.STRUCTURED, False)
     response_format = ResponseFormat("json_schema", PERSON_SCHEMA)
     params = GenerationParams("p", None, 64, (), SamplingParams(), spec, response_format=response_format)
@@ -167,6 +177,9 @@ def run_loop(
         grammar=grammar_cache.compile(response_format).new_state(),
         decode_run_max=decode_run_max,
     )
+    if is_first_step_plain:
+        plan, plans = loop.planner.plan, iter([SpeculationPlan()])
+        loop.planner.plan = lambda: next(plans, None) or plan()  # type: ignore[method-assign]
     asyncio.run(drain(loop))
     return loop
 
@@ -206,13 +219,27 @@ def test_forced_tokens_join_the_commit_and_the_output_equals_plain_decoding(
 def test_the_draft_pool_compiles_the_format_beside_the_prefill_when_speculation_may_draft(
     grammar_cache, tokenizer, target, is_enabled
 ):
-    """A speculative request with a response format asks the draft pool to compile it before its
-    first Propose (the compile is off the first speculative step's path); one with speculation off
-    never calls the pool."""
+    """A speculative request with a response format has the draft pool compile it beside the prefill:
+    here its first step drafts, so that step's Propose goes out beside the prefill with the format and
+    begins the compile, without a PrepareGrammar of its own; one with speculation off never calls the
+    pool."""
     backends = TargetBackends(target, draft_length=2)
     loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=is_enabled)
     assert loop.outcome.token_ids == target[:-1]
-    assert backends.prepared == ([ResponseFormat("json_schema", PERSON_SCHEMA)] if is_enabled else [])
+    assert backends.prepared == []
+    assert backends.opened_with == ([ResponseFormat("json_schema", PERSON_SCHEMA)] if is_enabled else [])
+
+
+def test_a_request_whose_first_step_is_plain_has_the_draft_pool_compile_its_format_beside_the_prefill(
+    grammar_cache, tokenizer, target
+):
+    """Where the first step does not draft, the draft pool is asked to compile the format beside the
+    prefill (PrepareGrammar), before the Propose of the first step that drafts."""
+    backends = TargetBackends(target, draft_length=2)
+    loop = run_loop(grammar_cache, tokenizer, backends, is_enabled=True, is_first_step_plain=True)
+    assert loop.outcome.token_ids == target[:-1]
+    assert backends.prepared == [ResponseFormat("json_schema", PERSON_SCHEMA)]  # before any Propose (the fake checks)
+    assert backends.opened_with == [ResponseFormat("json_schema", PERSON_SCHEMA)]
 
 
 @pytest.mark.parametrize("decode_run_max", [None, 1])
