@@ -98,7 +98,6 @@ from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import (
-    FEATURE_STRATEGIES,
     MODEL,
     PREDICTION_STRATEGY,
     PROMPT_LOOKUP_STRATEGY,
@@ -675,7 +674,7 @@ class RequestLoop:
         prefill, with them."""
         self.planner.are_features_current = self.is_feature_consumer
         plan = self.planner.plan()
-        if not plan.is_speculative or not FEATURE_STRATEGIES.isdisjoint(decoder for decoder, _ in plan.sources):
+        if not plan.is_speculative or consumes_features(decoder for decoder, _ in plan.sources):
             return plan, None
         return plan, asyncio.ensure_future(self._propose(plan))
 
@@ -1027,7 +1026,7 @@ class RequestLoop:
             return {}
         if (
             plan is not None
-            and FEATURE_STRATEGIES.isdisjoint(decoder for decoder, _ in plan.sources)
+            and not consumes_features(decoder for decoder, _ in plan.sources)
             and not self.planner.is_feature_wanted
         ):
             return {}

@@ -25,9 +25,8 @@ overhead is measured apart from that of requests that stream (`is_batched`), eac
 Likewise a speculative step of a request whose acceptance rule samples (or takes a threshold) waits
 for the validator's decision before it commits, where a greedy step goes on with the primary's
 argmaxes and has the validator confirm them beside the next step (gateway.step_validation): its
-overhead is measured apart (`waits_for_validator`). On a 2-vCPU EPYC the two were a median 10.9 ms
-(greedy) and 18.6 ms (sampled) a step beside each other (docs/benchmarks.md, "Per-step overheads");
-one mean of both priced a sampled request's steps, probes included, a forward too cheap.
+overhead is measured apart (`waits_for_validator`): one mean of both priced a sampled request's steps,
+probes included, about a forward too cheap (docs/benchmarks.md, "Per-step overheads").
 
 The controller reads them as a cost model through `cost_model()`, on a grid of about 5 % (`BUCKET`),
 so that a request's remembered choices are recomputed only when a cost moved, not at every step.

@@ -1942,24 +1942,40 @@ def test_a_request_that_ends_at_its_prefill_stops_its_first_propose(ending):
 
 
 @dataclasses.dataclass
-class CachedPromptFeatureBackends(FeatureBackends):
-    """FeatureBackends whose prefill computes no row (the whole prompt was cached): no features."""
+class CachedPromptFeatureBackends(CurrentFeatureBackends):
+    """CurrentFeatureBackends whose prefill computes no row (the whole prompt was cached): no features."""
 
     async def prefill(self, request_id, token_ids, num_prompt_tokens=0, *, return_features=False) -> Prefilled:
         prefilled = await super().prefill(request_id, token_ids, num_prompt_tokens, return_features=return_features)
         return dataclasses.replace(prefilled, features=None)
 
 
-def test_a_first_step_planned_on_features_the_prefill_did_not_bring_goes_on_without_them():
+def test_a_first_step_planned_on_features_the_prefill_did_not_bring_is_not_a_miss_of_its_reader():
     """A feature reader's request is planned before its prefill answers, on the features a prefill
-    brings; one that computed no row brings none, and the first step drafts with the other decoders,
-    its Propose carrying no features (the reader silent there)."""
-    backends = CachedPromptFeatureBackends()
-    params = make_params(is_adaptive=False, degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY))
-    loop = run(params, backends)
+    brings. One that computed no row brings none: the first step's reader has nothing to draft from
+    (its Propose carries no features), and the controller hears of that step without the reader, as
+    of a refresh, instead of counting a miss; the drafter, right and cheap, drafts on after."""
+    backends = CachedPromptFeatureBackends(is_lookup_right=lambda n: False)
+    cheap = cost_model_for(FP32_VERIFY_MS, CostSettings(), {FEATURE_STRATEGY: (0.0, 0.01)})
+    loop = make_loop(
+        make_params(degree=2, draft_length=4, strategies=(LOOKUP, FEATURE_STRATEGY)), backends, cost_model=cheap
+    )
+    assert loop.planner.controller is not None
+    observed: list[tuple[SpeculationPlan, list[str]]] = []
+    observe = loop.planner.controller.observe
+
+    def spy(state, plan, outcomes, num_steps=1):  # noqa: ANN001
+        observed.append((plan, [o.decoder for o in outcomes]))
+        return observe(state, plan, outcomes, num_steps)
+
+    loop.planner.controller.observe = spy  # type: ignore[method-assign]
+    asyncio.run(drain(loop))
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 60)
     proposes = [args for name, args in backends.calls if name == "propose"]
-    assert proposes[0]["features"] is None and proposes[1]["features"] is not None
+    assert FEATURE_STRATEGY in proposes[0]["strategies"] and proposes[0]["features"] is None
+    first_plan, first_outcomes = observed[0]
+    assert FEATURE_STRATEGY not in {d for d, _ in first_plan.sources} and FEATURE_STRATEGY not in first_outcomes
+    assert any(FEATURE_STRATEGY in outcomes for _, outcomes in observed[1:])  # counted where it could draft
 
 
 @dataclasses.dataclass
