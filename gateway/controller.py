@@ -77,6 +77,7 @@ from __future__ import annotations
 import collections
 import math
 import dataclasses
+import functools
 import re
 import threading
 from collections.abc import Iterable, Mapping
@@ -365,44 +366,64 @@ def load_bucket(other_rows: float) -> float:
     return LOAD_GRID_FROM * LOAD_GRID ** round(math.log(other_rows / LOAD_GRID_FROM) / math.log(LOAD_GRID))
 
 
-@dataclasses.dataclass(frozen=True)
-class _CandidateArrays:
-    """What each estimate s would add to a step at each draft length g (see _best_choice)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _DecoderArrays:
+    """What each (decoder, rank) s of a request adds to a step's cost at each draft length g, and how
+    the ranks chain: fixed for a cost model and the request's decoders, so made once for both."""
 
-    reach: np.ndarray  # [G, S, J] chance that s's candidate reaches depth j + 1 and is accepted there
-    nodes: np.ndarray  # [G, S] expected nodes s's candidate adds
     draft: np.ndarray  # [G, S] its decoder's draft cost
     extra_rows: np.ndarray  # [S] its decoder's extra verify rows (lookahead's window)
     decoder_of: np.ndarray  # [S] index of its decoder among num_decoders
-    prev_rank: np.ndarray  # [S] index of the same decoder's rank r - 1; -1 for rank 0
+    prev_rank: np.ndarray  # [S] index of the same decoder's rank r - 1 (0 for rank 0: see is_first_rank)
+    is_first_rank: np.ndarray  # [S] rank 0 (nothing to follow)
     num_decoders: int
 
 
-def _candidate_arrays(
-    estimates: list[DecoderEstimate],
-    cost_model: CostModel,
-    gammas: np.ndarray,
-    known_coverage: Mapping[tuple[str, int], float],
-) -> _CandidateArrays:
-    depth = np.arange(int(gammas.max()), dtype=np.float64)  # [J], depth j + 1
+@functools.lru_cache(maxsize=256)
+def _decoder_arrays(
+    cost_model: CostModel, keys: tuple[tuple[str, int], ...], gammas: tuple[int, ...]
+) -> _DecoderArrays:
+    """_DecoderArrays of the (decoder, rank)s `keys` under `cost_model` at the draft lengths `gammas`.
+    Remembered: every plan of every request asks (the Python calls of the [G, S] costs were a
+    quarter of a plan's time), and the inputs change only with the cost model."""
+    decoder_names = sorted({decoder for decoder, _ in keys})
+    key_index = {key: s for s, key in enumerate(keys)}
+    prev_rank = np.array([key_index.get((decoder, rank - 1), -1) for decoder, rank in keys])
+    arrays = _DecoderArrays(
+        draft=np.array([[cost_model.draft(decoder, g) for decoder, _ in keys] for g in gammas], dtype=np.float64),
+        extra_rows=np.array([float(cost_model.extra_rows(decoder)) for decoder, _ in keys]),
+        decoder_of=np.array([decoder_names.index(decoder) for decoder, _ in keys]),
+        prev_rank=np.maximum(prev_rank, 0),
+        is_first_rank=prev_rank < 0,
+        num_decoders=len(decoder_names),
+    )
+    for a in (arrays.draft, arrays.extra_rows, arrays.decoder_of, arrays.prev_rank, arrays.is_first_rank):
+        a.flags.writeable = False  # shared by every caller
+    return arrays
+
+
+@functools.lru_cache(maxsize=8)
+def _depths(num_depths: int) -> np.ndarray:
+    depths = np.arange(num_depths, dtype=np.float64)
+    depths.flags.writeable = False
+    return depths
+
+
+def _reach(
+    estimates: list[DecoderEstimate], gammas: np.ndarray, known_coverage: Mapping[tuple[str, int], float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """(reach [G, S, J]: the chance that s's candidate reaches depth j + 1 and is accepted there,
+    nodes [G, S]: the nodes it is expected to add), at every draft length g (J = the longest)."""
+    depth = _depths(int(gammas.max()))  # [J], depth j + 1
     alpha = np.array([e.acceptance for e in estimates])  # [S]
     coverage = np.array([known_coverage.get((e.decoder, e.rank), e.coverage) for e in estimates])  # [S]
     lengths = np.array([e.fill for e in estimates]) * gammas[:, None]  # [G, S] expected candidate lengths
     # reach[g, s, j] = c_s * alpha_s^(j+1) * [j + 1 <= f_s * gamma_g], the last partial token pro rata
-    reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] * np.clip(
-        lengths[:, :, None] - depth, 0.0, 1.0
+    # (np.minimum(np.maximum(.)) is np.clip's arithmetic without its Python-level dispatch)
+    reach = (coverage[:, None] * alpha[:, None] ** (depth + 1))[None] * np.minimum(
+        np.maximum(lengths[:, :, None] - depth, 0.0), 1.0
     )  # [G, S, J]
-    decoder_names = sorted({e.decoder for e in estimates})
-    key_index = {(e.decoder, e.rank): s for s, e in enumerate(estimates)}
-    return _CandidateArrays(
-        reach=reach,
-        nodes=coverage * lengths,
-        draft=np.array([[cost_model.draft(e.decoder, int(g)) for e in estimates] for g in gammas]),
-        extra_rows=np.array([float(cost_model.extra_rows(e.decoder)) for e in estimates]),
-        decoder_of=np.array([decoder_names.index(e.decoder) for e in estimates]),
-        prev_rank=np.array([key_index.get((e.decoder, e.rank - 1), -1) for e in estimates]),
-        num_decoders=len(decoder_names),
-    )
+    return reach, coverage * lengths
 
 
 def _best_choice(
@@ -424,23 +445,26 @@ def _best_choice(
     if num_sources == 0:
         return _Choice((), 0, 1.0, 1.0)
     gammas = np.array(config.draft_length_choices, dtype=np.float64)  # [G]
-    c = _candidate_arrays(estimates, cost_model, gammas, known_coverage or {})
+    c = _decoder_arrays(cost_model, tuple((e.decoder, e.rank) for e in estimates), tuple(config.draft_length_choices))
+    reach, nodes = _reach(estimates, gammas, known_coverage or {})
+    unreached = 1.0 - reach  # [G, S, J]
     load = max(0.0, other_rows)
     plain_step = float(cost_model.verify(load + 1.0)) + cost_model.plain_overhead
     grid = np.arange(len(gammas))
-    miss = np.ones((len(gammas), c.reach.shape[2]))  # [G, J] chance that no chosen candidate reaches depth j + 1
+    miss = np.ones((len(gammas), reach.shape[2]))  # [G, J] chance that no chosen candidate reaches depth j + 1
     chosen = np.zeros((len(gammas), num_sources), dtype=bool)  # [G, S]
     is_used = np.zeros((len(gammas), c.num_decoders), dtype=bool)  # [G, D] decoders already paid for
     num_nodes, draft_cost, num_extra = np.zeros(len(gammas)), np.zeros(len(gammas)), np.zeros(len(gammas))  # [G]
     speedup, accepted_length = np.zeros(len(gammas)), np.ones(len(gammas))  # [G]
     order: list[list[int]] = [[] for _ in gammas]
     for _ in range(min(config.max_speculative_degree, num_sources)):
-        is_eligible = ~chosen & ((c.prev_rank < 0) | chosen[:, np.maximum(c.prev_rank, 0)])  # [G, S]
-        new_miss = miss[:, None, :] * (1.0 - c.reach)  # [G, S, J]
+        is_eligible = ~chosen & (c.is_first_rank | chosen[:, c.prev_rank])  # [G, S]
+        new_miss = miss[:, None, :] * unreached  # [G, S, J]
         new_length = 1.0 + (1.0 - new_miss).sum(axis=2)  # [G, S], bonus token included
-        new_nodes = num_nodes[:, None] + c.nodes  # [G, S]
-        new_draft = draft_cost[:, None] + np.where(is_used[:, c.decoder_of], 0.0, c.draft)  # [G, S]
-        new_extra = num_extra[:, None] + np.where(is_used[:, c.decoder_of], 0.0, c.extra_rows)  # [G, S]
+        new_nodes = num_nodes[:, None] + nodes  # [G, S]
+        is_paid = is_used[:, c.decoder_of]  # [G, S]
+        new_draft = draft_cost[:, None] + np.where(is_paid, 0.0, c.draft)  # [G, S]
+        new_extra = num_extra[:, None] + np.where(is_paid, 0.0, c.extra_rows)  # [G, S]
         step = (
             cost_model.speculative_overhead
             + new_draft

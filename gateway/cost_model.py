@@ -101,8 +101,8 @@ class CostModel:
         sizes, costs = self._curve
         num_tokens = np.asarray(num_tokens, dtype=np.float64)
         inside = np.interp(num_tokens, sizes, costs)
-        if sizes.size == 1:
-            return inside
+        if sizes.size == 1 or not num_tokens.max(initial=0.0) > sizes[-1]:
+            return inside  # (the planner's arrays seldom pass the curve's last point)
         slope = (costs[-1] - costs[-2]) / (sizes[-1] - sizes[-2])
         return np.where(num_tokens > sizes[-1], costs[-1] + slope * (num_tokens - sizes[-1]), inside)
 

@@ -614,3 +614,76 @@ def test_a_trained_drafters_own_prior_puts_it_in_the_first_plans_where_it_pays()
     primed = AdaptiveController(cost, ControllerConfig(decoder_prior_acceptance=(("feature", 0.65),)))
     plan = primed.plan(primed.new_state(TaskType.CREATIVE, decoders))
     assert plan.sources[0] == ("feature", 0) and plan.expected_speedup > 1.0
+
+
+def greedy_by_draft_length(estimates, cost_model, config, known_coverage, load):
+    """The optimiser of the module docstring, one draft length at a time in plain Python: add the
+    eligible (decoder, rank) that raises the step's speedup most while it does; keep the best length.
+    (sources, draft_length, speedup)."""
+    plain_step = cost_model.verify(load + 1.0) + cost_model.plain_overhead
+    best = (-math.inf, (), 0)
+    for gamma in config.draft_length_choices:
+        chosen, miss, nodes, draft, extra, speedup = [], [1.0] * gamma, 0.0, 0.0, 0.0, 0.0
+        for _ in range(min(config.max_speculative_degree, len(estimates))):
+            pick = None
+            for s, e in enumerate(estimates):
+                keys = [(estimates[t].decoder, estimates[t].rank) for t in chosen]
+                has_prev = any((x.decoder, x.rank) == (e.decoder, e.rank - 1) for x in estimates)
+                if s in chosen or (has_prev and (e.decoder, e.rank - 1) not in keys):
+                    continue
+                coverage = known_coverage.get((e.decoder, e.rank), e.coverage)
+                length = e.fill * gamma
+                reach = [coverage * e.acceptance ** (j + 1) * min(1.0, max(0.0, length - j)) for j in range(gamma)]
+                new_miss = [m * (1.0 - r) for m, r in zip(miss, reach)]
+                is_paid = any(estimates[t].decoder == e.decoder for t in chosen)
+                new_draft = draft + (0.0 if is_paid else cost_model.draft(e.decoder, gamma))
+                new_extra = extra + (0.0 if is_paid else cost_model.extra_rows(e.decoder))
+                new_nodes = nodes + coverage * length
+                rows = load + 1.0 + min(new_nodes, config.max_tree_nodes) + new_extra
+                step = cost_model.speculative_overhead + new_draft + cost_model.verify(rows)
+                value = (load + 1.0 + sum(1.0 - m for m in new_miss)) / (load + 1.0) * plain_step / step
+                if pick is None or value > pick[0]:
+                    pick = (value, s, new_miss, new_nodes, new_draft, new_extra)
+            if pick is None or pick[0] <= speedup:
+                break
+            speedup, s, miss, nodes, draft, extra = pick
+            chosen.append(s)
+        if chosen and speedup > best[0]:
+            best = (speedup, tuple(chosen), gamma)
+    return best[1], best[2], best[0]
+
+
+def test_the_optimiser_makes_the_choices_of_a_plain_greedy_search_per_draft_length():
+    """The vectorised optimiser (every draft length at once, each decoder's costs remembered per cost
+    model) chooses what the search it implements chooses, on varied states, decoders, cost models and
+    loads; a second cost model for the same decoders is priced by its own costs."""
+    from gateway.controller import _best_choice
+
+    cost_models = [
+        cost_model_for({1: 5.2, 2: 5.5, 4: 6.6, 8: 9.4, 16: 15.2, 32: 25.4}, CostSettings(), {"feature": (0.5, 0.45)}),
+        cost_model_for({1: 5.2, 2: 5.5, 4: 6.6, 8: 9.4, 16: 15.2, 32: 25.4}, CostSettings(), {"feature": (0.1, 0.05)}),
+        cost_model_for({1: 4.0, 8: 8.0}, CostSettings(plain_overhead_ms=0.2, speculative_overhead_ms=2.0)),
+        COST,
+    ]
+    mixes = [{LOOKUP: 1, SUFFIX: 1, "feature": 4}, {LOOKUP: 2, SUFFIX: 1}, {LOOKUP: 1, "lookahead": 1, "feature": 3}]
+    rng = random.Random(5)
+    num_paying = 0
+    for _ in range(300):
+        cost_model = rng.choice(cost_models)
+        decoders = {d: n for d, n in rng.choice(mixes).items() if d in dict(cost_model.draft_costs)}
+        controller = AdaptiveController(cost_model, ControllerConfig(max_speculative_degree=rng.choice([2, 4])))
+        state = controller.new_state(rng.choice(["creative", "code", "structured"]), decoders)
+        for e in state.estimates:
+            for _ in range(rng.randrange(14)):
+                proposed = rng.randrange(17)
+                e.record(rng.uniform(0.8, 1.0), proposed, rng.randrange(proposed + 1), rng.choice([4, 8, 16]), 64.0)
+        known = {} if rng.random() < 0.5 else {(rng.choice(list(decoders)), 0): rng.choice([0.0, 0.5, 1.0])}
+        load = rng.choice([0.0, 1.5, 9.7])
+        choice = _best_choice(state.estimates, cost_model, controller._config, known, load)
+        sources, draft_length, speedup = greedy_by_draft_length(
+            state.estimates, cost_model, controller._config, known, load
+        )
+        assert (choice.sources, choice.draft_length) == (sources, draft_length)
+        assert choice.expected_speedup == pytest.approx(speedup, rel=1e-9)
+        num_paying += speedup > 1.0
+    assert 30 < num_paying < 270  # plans that pay and plans that lose to plain decoding were both tested
