@@ -75,10 +75,12 @@ def fixed_plan(spec: SpeculationParams, max_tree_nodes: int) -> SpeculationPlan:
     )
 
 
-def within_context(plan: SpeculationPlan, room: int) -> SpeculationPlan:
-    """plan with its tree no deeper than the context has room for: the primary verifies a tree only
-    when context + depth <= max_context. E.g. context 4089 of 4096, draft_length 16 -> 7; no room
-    left -> a plain step. Output is unchanged: the drafts only propose, the primary decides."""
+def within_room(plan: SpeculationPlan, room: int) -> SpeculationPlan:
+    """plan with its tree no deeper than `room`: what the context has room for (the primary verifies
+    a tree only when context + depth <= max_context) and what the request can still use (a step
+    of d drafts gives up to d + 1 tokens). E.g. context 4089 of 4096, draft_length 16 -> 7; 3 tokens
+    left to max_new_tokens -> 2; no room -> a plain step. Output is unchanged: the drafts only
+    propose, the primary decides."""
     if not plan.is_speculative or plan.draft_length <= room:
         return plan
     return dataclasses.replace(plan, draft_length=room) if room >= 1 else SpeculationPlan()
@@ -240,9 +242,12 @@ class StepPlanner:
 
     def plan(self) -> SpeculationPlan:
         """What the next step drafts: the fixed plan or the controller's, a plain step while no
-        validator can sample against a tree, no deeper than the context has room for."""
+        validator can sample against a tree, no deeper than the step can use (draft_room)."""
         self._refresh_cost_model()
         self.is_feature_wanted = self._is_refreshing_features = False
+        room = self.draft_room()
+        if room < 1:  # the step's own token is the request's last (or the context's): nothing to draft
+            return SpeculationPlan()
         if self.controller is None:
             plan = self.fixed_plan
         else:
@@ -253,7 +258,15 @@ class StepPlanner:
         if plan.is_speculative and self.waits_for_validator and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
-        return within_context(plan, self.model.max_context - len(self.prompt_ids) - len(self.generated))
+        return within_room(plan, room)
+
+    def draft_room(self) -> int:
+        """The most draft tokens the next step can use: the context's room for its tree, and the
+        tokens the request may still generate less the step's own."""
+        return min(
+            self.model.max_context - len(self.prompt_ids) - len(self.generated),
+            self.params.max_new_tokens - len(self.generated) - 1,
+        )
 
     def features_missed(self) -> None:
         """The step was planned on features the last call did not bring (a prefill that computed no

@@ -839,6 +839,22 @@ def test_the_end_of_the_context_clamps_the_tree_and_stops_like_plain_decoding(is
     assert any(c["draft_length"] < 16 for name, c in backends.calls if name == "propose"), "the tree was clamped"
 
 
+@pytest.mark.parametrize("is_adaptive", [False, True])
+def test_a_step_drafts_no_more_than_the_request_can_still_use(is_adaptive):
+    """A step of d drafts gives up to d + 1 tokens: with r tokens left to max_new_tokens it drafts at
+    most r - 1, and a request with one token left takes it in a plain step (a one-token request asks
+    the draft service nothing). The output is plain decoding's either way."""
+    for max_new_tokens, expected in [(1, []), (2, [1]), (5, [4]), (20, [16, 2] if not is_adaptive else None)]:
+        backends = FakeBackends()
+        params = make_params(is_adaptive=is_adaptive, degree=1, draft_length=16, max_new_tokens=max_new_tokens)
+        loop = run(params, backends)
+        assert loop.outcome.token_ids == plain_decoding(PROMPT, max_new_tokens)
+        if expected is not None:
+            assert [c["draft_length"] for name, c in backends.calls if name == "propose"] == expected
+        verifies = [c for name, c in backends.calls if name == "verify"]
+        assert all(c["num_nodes"] <= max_new_tokens - c["position"] - 1 for c in verifies)
+
+
 def test_lookahead_rows_are_left_out_where_the_context_has_no_room_for_them():
     max_context = len(PROMPT) + 12
     backends = BoundedPrimary(
@@ -1010,7 +1026,8 @@ def test_sampling_requests_run_plain_steps_while_the_validator_is_down():
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 30)  # the fake primary ignores temperature
     assert backends.num_validate_calls == 1 and [n for n, _ in backends.calls].count("prefill") == 2
     assert backends.steps()[0] == "verify" and set(backends.steps()[1:]) == {"decode"}
-    assert loop.stats.num_validator_fallback_steps == loop.stats.num_steps
+    # every step that would have drafted: all but the last, whose own token ends the request
+    assert loop.stats.num_validator_fallback_steps == loop.stats.num_steps - 1
 
 
 def test_a_dependency_is_probed_once_per_retry_period_and_each_transition_logged_once():
