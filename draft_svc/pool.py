@@ -579,18 +579,22 @@ class DraftPool:
 
     # --- Release -----------------------------------------------------------------------------
 
-    def release(self, request_id: str, is_finished: bool) -> int:
-        """Drop the request's state; a finished request's output joins the suffix index. Returns
-        the number of output tokens indexed. Idempotent: a request the pool does not hold (it never
-        proposed, as with speculation off, or it was released already, or the pool restarted) is
-        released already (0)."""
+    def release(self, request_id: str, is_finished: bool, new_token_ids: Sequence[int] = ()) -> int:
+        """Drop the request's state; a finished request's output joins the suffix index: what its
+        Proposes brought, then `new_token_ids` (committed since its last Propose). Returns the number
+        of output tokens indexed. Idempotent: a request the pool does not hold (it never proposed, as
+        with speculation off, or it was released already, or the pool restarted) is released
+        already (0)."""
+        self._check_token_ids("new_token_ids", new_token_ids)
         with self._lock:
             request = self._requests.pop(request_id, None)
         if request is None:
             return 0
         with request.lock:  # wait for an in-flight Propose of the request
             _release_decoders(request)
-            output = request.token_ids[request.num_prompt_tokens :]
+            output = [*request.token_ids[request.num_prompt_tokens :], *new_token_ids]
+        if len(request.token_ids) + len(new_token_ids) > self.config.max_context_tokens:
+            raise InvalidArgument("new_token_ids", f"context exceeds {self.config.max_context_tokens} tokens")
         if is_finished and self._suffix_index is not None and output:
             self._suffix_index.insert(output, tenant=request.tenant)
             return len(output)

@@ -48,7 +48,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Release(
         self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.ServicerContext
     ) -> draft_pb2.DraftServiceReleaseResponse:
-        self._pool.release(pb.request_id_from_pb(request.request_id), request.is_finished)
+        self._pool.release(pb.request_id_from_pb(request.request_id), request.is_finished, request.new_token_ids)
         if self._metrics is not None:
             self._metrics.requests.set(self._pool.num_requests)
         return draft_pb2.DraftServiceReleaseResponse()

@@ -517,11 +517,15 @@ class Backends:
         request = draft_pb2.PrepareGrammarRequest(response_format=pb.response_format_to_pb(response_format))
         await self._call("draft", self.draft.PrepareGrammar, request)
 
-    async def release_draft(self, request_id: str, is_finished: bool) -> None:
+    async def release_draft(self, request_id: str, is_finished: bool, new_token_ids: Sequence[int] = ()) -> None:
+        """The pool forgets the request; a finished one's output joins its suffix index, the tokens
+        since its last Propose (`new_token_ids`) included."""
         await self._call(
             "draft",
             self.draft.Release,
-            draft_pb2.DraftServiceReleaseRequest(request_id=request_id, is_finished=is_finished),
+            draft_pb2.DraftServiceReleaseRequest(
+                request_id=request_id, is_finished=is_finished, new_token_ids=new_token_ids
+            ),
         )
 
     # --- validator ---------------------------------------------------------------------------

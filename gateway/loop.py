@@ -990,10 +990,12 @@ class RequestLoop:
     async def _release_draft(self, finish: str) -> None:
         if not self.draft_state.is_up:  # down or hung: the pool drops the request after its TTL
             return
+        is_finished = finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)
+        # the output the pool has not seen: its last steps were often the primary's own
+        unseen = self.generated[self.draft_synced :] if is_finished and self.is_draft_open else []
         try:
             await self.call_deadlines.call(
-                "draft.Release",
-                self.backends.release_draft(self.request_id, finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)),
+                "draft.Release", self.backends.release_draft(self.request_id, is_finished, tuple(unseen))
             )
         except DeadlineExceeded as e:
             self.draft_state.failed(str(e))

@@ -230,6 +230,21 @@ def test_finished_output_joins_the_suffix_index_for_later_requests():
     assert pool.propose(ProposeArgs("third", prompt_token_ids=(9, 30, 31))).tree.token_ids == ()
 
 
+def test_a_finished_output_joins_the_index_with_the_tokens_committed_after_its_last_propose():
+    """A request's last steps are often the primary's own: the Release brings the output's tokens
+    the pool has not seen, and the whole output is indexed; ids outside the vocabulary are refused."""
+    pool = suffix_index_pool()
+    pool.propose(ProposeArgs("first", prompt_token_ids=(1, 2)))
+    pool.propose(ProposeArgs("first", new_token_ids=(20, 21)))
+    assert pool.release("first", is_finished=True, new_token_ids=(22, 23, 24)) == 5
+    proposal = pool.propose(ProposeArgs("second", prompt_token_ids=(9, 21, 22), draft_length=2))
+    assert proposal.tree.token_ids == (23, 24)  # drafted from the part no Propose carried
+    pool.propose(ProposeArgs("bad", prompt_token_ids=(1,), new_token_ids=(40, 41)))
+    with pytest.raises(InvalidArgument, match="new_token_ids"):
+        pool.release("bad", is_finished=True, new_token_ids=(-1,))
+    assert pool.release("bad", is_finished=True) == 2  # refused before anything was dropped
+
+
 def test_a_finished_output_joins_its_tenant_s_suffix_index_only():
     """With API keys the ids behind the gateway are tenant/id: a later request of the same tenant
     drafts from an earlier one's output, another tenant's does not."""

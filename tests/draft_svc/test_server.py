@@ -167,6 +167,9 @@ def test_propose_and_release_over_grpc_before_and_after_attaching(draft, primary
     assert pool.num_requests == 0
     code, details = _code_and_details(lambda: stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details == "request_id: must not be empty"
+    bad = draft_pb2.DraftServiceReleaseRequest(request_id="r", is_finished=True, new_token_ids=[10**6])
+    code, details = _code_and_details(lambda: stub.Release(bad))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("new_token_ids: token id 1000000")
 
 
 def test_a_restarted_primary_is_re_attached_and_decoders_rebuilt(draft, primary):

@@ -388,8 +388,8 @@ class FakeBackends:
     async def release_primary(self, request_id: str) -> None:
         self.calls.append(("release_primary", {}))
 
-    async def release_draft(self, request_id: str, is_finished: bool) -> None:
-        self.calls.append(("release_draft", {}))
+    async def release_draft(self, request_id: str, is_finished: bool, new_token_ids=()) -> None:
+        self.calls.append(("release_draft", {"is_finished": is_finished, "new_token_ids": tuple(new_token_ids)}))
 
     def steps(self) -> list[str]:
         return [name for name, _ in self.calls if name in ("verify", "decode")]
@@ -855,6 +855,20 @@ def test_a_step_drafts_no_more_than_the_request_can_still_use(is_adaptive):
         assert all(c["num_nodes"] <= max_new_tokens - c["position"] - 1 for c in verifies)
 
 
+def test_a_finished_requests_release_brings_the_draft_pool_the_output_it_has_not_seen():
+    """The pool indexes a finished output for later requests but sees only what Proposes carried:
+    the tokens of steps after the last Propose (the primary's own, here the plain last token) go
+    with the Release, so that it indexes the whole output; an unfinished request sends none."""
+    backends = FakeBackends()
+    loop = run(make_params(is_adaptive=False, degree=1, draft_length=16, max_new_tokens=20), backends)
+    calls = backends.calls
+    proposed = [c for name, c in calls if name == "propose"]
+    seen = sum(len(c["new"]) for c in proposed)  # the output tokens the Proposes carried
+    release = [c for name, c in calls if name == "release_draft"][-1]
+    assert release["is_finished"] and release["new_token_ids"] == tuple(loop.outcome.token_ids[seen:])
+    assert seen + len(release["new_token_ids"]) == len(loop.outcome.token_ids) == 20
+
+
 def test_lookahead_rows_are_left_out_where_the_context_has_no_room_for_them():
     max_context = len(PROMPT) + 12
     backends = BoundedPrimary(
@@ -1217,7 +1231,7 @@ class MeetingReleases(FakeBackends):
     async def release_primary(self, request_id: str) -> None:
         await self._meet("release_primary")
 
-    async def release_draft(self, request_id: str, is_finished: bool) -> None:
+    async def release_draft(self, request_id: str, is_finished: bool, new_token_ids=()) -> None:
         await self._meet("release_draft")
 
 

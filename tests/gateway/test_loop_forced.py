@@ -141,7 +141,7 @@ class TargetBackends:
     async def release_primary(self, request_id) -> None:
         pass
 
-    async def release_draft(self, request_id, is_finished) -> None:
+    async def release_draft(self, request_id, is_finished, new_token_ids=()) -> None:
         pass
 
 
