@@ -24,7 +24,7 @@ from primary_svc.leases import KVLeases
 from primary_svc.run_grammars import RunGrammars
 from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
-from specdec.answers import DEFAULT_ANSWERS, AnswerIndex, AnswersFileError, load_answers
+from specdec.answers import DEFAULT_ANSWERS, AnswerIndex, AnswersFileError, LearnedAnswers, load_answers
 from specdec.engine.background_compile import BackgroundCompiler
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         start_grammars(tokenizer, loaded),
         load_run_answers(config.run_answers, loaded, worker),
         tokenizer,
+        LearnedAnswers(config.learned_answer_tokens) if config.learned_answer_tokens else None,
     )
     stop_expiry = threading.Event()
     threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()

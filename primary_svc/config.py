@@ -11,7 +11,7 @@ from pathlib import Path
 from primary_svc.leases import DEFAULT_TAKEOVER_S
 from primary_svc.scheduler import DEFAULT_MAX_STEP_TOKENS, DEFAULT_PREFILL_CHUNK_TOKENS
 from specdec.engine.prefix_cache import DEFAULT_MAX_BYTES as DEFAULT_PREFIX_CACHE_BYTES
-from specdec.answers import DEFAULT_ANSWERS
+from specdec.answers import DEFAULT_ANSWERS, MAX_LEARNED_TOKENS
 from specdec.field_checks import require_at_least_one
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
@@ -62,6 +62,7 @@ class PrimaryConfig:
     is_unauthenticated_allowed: bool = False  # serve without a token (a trusted network only)
     progress_file: str = ""  # start-up progress events for the launcher (specdec.progress); "": none
     run_answers: str = str(DEFAULT_ANSWERS)  # the model's own answers, drafted in runs (specdec.answers); "": none
+    learned_answer_tokens: int = MAX_LEARNED_TOKENS  # per tenant, served outputs drafted in its runs; 0: none
 
     @property
     def compile_cache_dir(self) -> Path:
@@ -85,6 +86,8 @@ class PrimaryConfig:
                 f"need 1 <= prefill_chunk_tokens <= max_step_tokens, got {self.prefill_chunk_tokens}, "
                 f"{self.max_step_tokens}"
             )
+        if self.learned_answer_tokens < 0:
+            raise ValueError(f"learned_answer_tokens must be >= 0 (0: none), got {self.learned_answer_tokens}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         if not 0 < self.kv_takeover_s <= self.kv_lease_s:
@@ -173,6 +176,12 @@ FLAGS = (
         help="the model's own answers (specdec/answers.py), drafted in runs of plain steps where the context "
         "repeats nothing; the default model's ship with the service. A file of another model, or one that "
         "cannot be read, is logged and left out; empty: none",
+    ),
+    Flag(
+        "--learned_answer_tokens",
+        help="tokens of each tenant's newest outputs that the primary keeps (of requests that speculate) and "
+        "drafts from in the tenant's later runs where their context repeats an earlier output's text (a "
+        "question asked again); 0: none",
     ),
     Flag(
         "--progress_file",

@@ -34,8 +34,9 @@ from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.model.tokenizer import StopStringWatch, Tokenizer, check_stop_strings
 from specdec.penalties import penalize
-from specdec.answers import AnswerIndex
+from specdec.answers import AnswerIndex, LearnedAnswers, RunAnswers
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
+from specdec.request_id import tenant_of
 from specdec.speculation_bounds import MAX_DRAFT_LENGTH
 from specdec.sampling import SamplingParams, draw_token
 from specdec.v1 import common_pb2, primary_pb2, primary_pb2_grpc
@@ -127,12 +128,17 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         run_grammars: RunGrammars | None = None,
         answers: AnswerIndex | None = None,
         tokenizer: Tokenizer | None = None,
+        learned_answers: LearnedAnswers | None = None,
     ) -> None:
         """`run_grammars`: the grammar states of Decode calls with a response_format (None: such
         calls are refused); `answers`: the model's own answers, which runs draft from too;
-        `tokenizer`: the model's, which DecodeStream's stop_strings are read by (None: ignored)."""
+        `tokenizer`: the model's, which DecodeStream's stop_strings are read by (None: ignored);
+        `learned_answers`: where the outputs of requests that speculate are kept, at their Release,
+        as drafts for the same tenant's later runs (None: not kept)."""
         self.loaded, self.worker, self.identity = loaded, worker, identity
         self.run_grammars, self.answers, self.tokenizer = run_grammars, answers, tokenizer
+        self.learned_answers = learned_answers
+        self._speculating: set[str] = set()  # requests that verified a tree or drafted in a run
         self.max_kv_bytes, self.metrics = max_kv_bytes, metrics
         self.vocab_size = loaded.config.vocab_size
         self.logits_slots = LogitsSlots(identity.instance_id)
@@ -218,6 +224,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def Verify(self, request, context):
         args = VerifyArgs.from_pb(request, self.vocab_size, check_lease=self.leases.check)
         request_id, num_rows = args.request_id, args.num_rows
+        self._speculating.add(request_id)
         token_ids, parents = args.tree_token_ids, args.tree_parents
         allowed, logprobs = args.allowed_tokens, args.logprobs
         features_out: list[torch.Tensor] | None = [] if args.return_features else None
@@ -407,7 +414,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         if sampling.has_penalties or has_logprobs:
             raise InvalidArgument("lookup_draft_length", "drafts a run without penalties, logit_bias or logprobs only")
         costs, engine = self.identity.verify_costs_ms or None, self.worker.built_engine
-        answers = self.answers
+        answers = RunAnswers(tenant_of(request_id), self.learned_answers, self.answers)
+        self._speculating.add(request_id)
         return lambda: RunDrafts(engine().token_ids(request_id), n, costs, answers)
 
     def _sampling(self, request) -> SamplingParams:
@@ -508,15 +516,25 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
     def _forget(self, request_id: str) -> None:
         """What the service keeps of a request beside the engine: its lease and grammar state."""
         self.leases.drop(request_id)
+        self._speculating.discard(request_id)
         if self.run_grammars is not None:
             self.run_grammars.drop(request_id)
 
     def Release(self, request, context):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
+        is_speculating = request_id in self._speculating
         self._forget(request_id)
         self.logits_slots.release(request_id)
-        freed = self.worker.call(lambda engine: engine.release(request_id))
+
+        def release(engine: Engine) -> int:
+            if is_speculating and self.learned_answers is not None and engine.has_request(request_id):
+                output = engine.output_token_ids(request_id)
+                prompt = engine.token_ids(request_id)[: engine.num_tokens(request_id) - len(output)]
+                self.learned_answers.add(tenant_of(request_id), prompt, output)
+            return engine.release(request_id)
+
+        freed = self.worker.call(release)
         self._observe_kv()
         return primary_pb2.PrimaryServiceReleaseResponse(freed_kv_bytes=freed)
 
@@ -527,6 +545,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             expired = self.leases.take_expired()
             for request_id in expired:
                 self.logits_slots.release(request_id)
+                self._speculating.discard(request_id)
                 if self.run_grammars is not None:
                     self.run_grammars.drop(request_id)
                 if engine.has_request(request_id):

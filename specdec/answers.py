@@ -13,6 +13,10 @@ with the share of occurrences that begin with the proposed token. A draft needs 
 of at least MIN_SHARE. The primary's run drafts (specdec.repeats.RunDrafts) ask it where the
 context's tail repeats nothing and price its drafts by their own acceptance estimate, as a copy's.
 
+`LearnedAnswers` are the same idea for what this primary served: each tenant's newest outputs (of
+requests that speculate), drafted where a later run's context ends as an earlier output's text did;
+a run asks them first (`RunAnswers`).
+
 The file: safetensors (no pickle), tensor `tokens` (int32 [N], the answers one after another,
 SEPARATOR after each) and metadata `format` (FORMAT), `model_fingerprint`
 (specdec.model.fingerprint of the model that wrote them) and `provenance` (JSON: the command, the
@@ -22,7 +26,10 @@ format or of another model is refused with AnswersFileError naming the file and 
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -136,3 +143,130 @@ class AnswerIndex:
             return [], share
         paths = most_frequent_paths(self.array.continuations(starts, max_tokens), 1)
         return list(paths[0]), share
+
+
+# The outputs a primary served, as drafts for the same tenant's later runs (LearnedAnswers).
+LEARNED_MATCH_TOKENS = 8  # a learned answer is drafted where the context's last 8 tokens stood before its text
+LEARNED_PROMPT_TOKENS = 16  # the prompt's last tokens kept before each output: a question asked again
+MAX_LEARNED_TOKENS = 1 << 14  # per tenant, the newest outputs (about 100 answers of 128 tokens)
+MAX_LEARNED_TENANTS = 16  # tenants whose outputs are kept, the most recently served
+
+
+class _TenantOutputs:
+    """One tenant's newest outputs: their tokens one after another, each after its prompt's last
+    tokens and followed by SEPARATOR, and where each n-gram that some output token followed was
+    last seen (its hash -> the position after it)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: list[int] = []
+        self.lengths: list[tuple[int, int]] = []  # (prompt tail, output) tokens per kept output, oldest first
+        self.followed: dict[int, int] = {}
+
+    def add(self, prompt_tail: Sequence[int], output: Sequence[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(prompt_tail)
+        first = len(self.tokens)  # n-grams are indexed only where an output token follows them
+        self.tokens.extend(output)
+        self.tokens.append(SEPARATOR)
+        self.lengths.append((len(prompt_tail), len(output)))
+        tokens, n = self.tokens, self.n
+        for p in range(max(first, start + n), first + len(output)):
+            self.followed[hash(tuple(tokens[p - n : p]))] = p
+
+    def keep_newest(self, max_tokens: int) -> None:
+        """Only the newest outputs that fit in max_tokens // 2 tokens, re-indexed (amortised: once
+        per max_tokens // 2 tokens added)."""
+        kept: list[tuple[int, int]] = []
+        total = 0
+        for prompt_len, output_len in reversed(self.lengths):
+            if total + prompt_len + output_len + 1 > max_tokens // 2:
+                break
+            kept.append((prompt_len, output_len))
+            total += prompt_len + output_len + 1
+        tokens = self.tokens[len(self.tokens) - total :]
+        self.tokens, self.lengths, self.followed = [], [], {}
+        at = 0
+        for prompt_len, output_len in reversed(kept):
+            self.add(tokens[at : at + prompt_len], tokens[at + prompt_len : at + prompt_len + output_len])
+            at += prompt_len + output_len + 1
+
+    def continuation(self, context_ids: Sequence[int], max_tokens: int) -> list[int]:
+        if len(context_ids) < self.n:
+            return []
+        p = self.followed.get(hash(tuple(context_ids[-self.n :])))
+        if p is None or tuple(self.tokens[p - self.n : p]) != tuple(context_ids[-self.n :]):
+            return []  # never seen (or a hash collision)
+        out = []
+        for token in self.tokens[p : p + max_tokens]:
+            if token == SEPARATOR:
+                break
+            out.append(token)
+        return out
+
+
+class LearnedAnswers:
+    """The outputs this primary served, per tenant (specdec.request_id.tenant_of): where a run's
+    context ends as an earlier output's text did (a question asked again, a reply that repeats an
+    earlier one's wording), what that output went on with is its draft. Prompt lookup drafts what
+    the request's own context holds, the shipped answers what the model writes in general; these
+    are what it wrote here. A tenant's drafts come from its own outputs only. Bounded: the newest
+    MAX_LEARNED_TOKENS tokens of the MAX_LEARNED_TENANTS tenants served last. Thread-safe."""
+
+    def __init__(
+        self,
+        max_tokens: int = MAX_LEARNED_TOKENS,
+        max_tenants: int = MAX_LEARNED_TENANTS,
+        n: int = LEARNED_MATCH_TOKENS,
+    ) -> None:
+        if max_tokens < 1 or max_tenants < 1 or n < 1:
+            raise ValueError(f"need max_tokens, max_tenants and n >= 1, got {max_tokens}, {max_tenants}, {n}")
+        self.max_tokens, self.max_tenants, self.n = max_tokens, max_tenants, n
+        self._tenants: collections.OrderedDict[str, _TenantOutputs] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, tenant: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """An output served to `tenant` after the prompt `prompt_ids` (its last LEARNED_PROMPT_TOKENS
+        are kept before it)."""
+        prompt_tail = list(prompt_ids[-LEARNED_PROMPT_TOKENS:])
+        if not output_ids or len(prompt_tail) + len(output_ids) + 1 > self.max_tokens // 2:
+            return  # nothing, or longer than what a tenant keeps
+        with self._lock:
+            outputs = self._tenants.pop(tenant, None) or _TenantOutputs(self.n)
+            self._tenants[tenant] = outputs  # the most recently served last
+            while len(self._tenants) > self.max_tenants:
+                self._tenants.popitem(last=False)
+            outputs.add(prompt_tail, list(output_ids))
+            if len(outputs.tokens) > self.max_tokens:
+                outputs.keep_newest(self.max_tokens)
+
+    def draft(self, tenant: str, context_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """What the tenant's newest output whose text stood where the context ends went on with, at
+        most max_tokens; empty where none did."""
+        if max_tokens <= 0:
+            return []
+        with self._lock:
+            outputs = self._tenants.get(tenant)
+            return [] if outputs is None else outputs.continuation(context_ids, max_tokens)
+
+    def num_tokens(self, tenant: str) -> int:
+        with self._lock:
+            outputs = self._tenants.get(tenant)
+            return 0 if outputs is None else len(outputs.tokens)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunAnswers:
+    """What one request's runs draft from where its context repeats nothing: its tenant's learned
+    answers first, then the model's shipped ones (specdec.repeats.RunDrafts asks `draft`)."""
+
+    tenant: str
+    learned: LearnedAnswers | None
+    shipped: AnswerIndex | None
+
+    def draft(self, context_ids: Sequence[int], max_tokens: int) -> list[int]:
+        if self.learned is not None:
+            drafted = self.learned.draft(self.tenant, context_ids, max_tokens)
+            if drafted:
+                return drafted
+        return [] if self.shipped is None else self.shipped.draft(context_ids, max_tokens)

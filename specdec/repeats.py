@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specdec.answers import AnswerIndex
+    from specdec.answers import AnswerIndex, RunAnswers
 
 MIN_REPEAT_TOKENS = 3  # a tail of this many tokens that occurred earlier is a repeat
 MAX_REPEAT_TOKENS = 16  # the longest tail a caller may ask a run to stop at (longer repeats are copies too)
@@ -124,14 +124,15 @@ class RunDrafts:
     context, the chain acceptance estimate, and each step's choice of how many tokens to draft.
 
     `row_costs`: ms (or any unit) of a verify of k rows by k, as the primary measured them; `answers`:
-    the model's own answers, drafted from where the tail repeats nothing."""
+    the model's own answers (shipped, and those the primary served the request's tenant), drafted
+    from where the tail repeats nothing."""
 
     def __init__(
         self,
         token_ids: Iterable[int],
         max_length: int,
         row_costs: Mapping[int, float] | None = None,
-        answers: AnswerIndex | None = None,
+        answers: AnswerIndex | RunAnswers | None = None,
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")

@@ -79,6 +79,15 @@ def test_prefix_cache_bytes_flag_its_environment_and_zero_for_none(monkeypatch):
         parse_config(["--prefix_cache_bytes", "-1"])
 
 
+def test_learned_answer_tokens_flag_its_environment_and_zero_for_none(monkeypatch):
+    assert parse_config([]).learned_answer_tokens == 1 << 14
+    assert parse_config(["--learned_answer_tokens", "0"]).learned_answer_tokens == 0
+    monkeypatch.setenv("SPECDEC_PRIMARY_LEARNED_ANSWER_TOKENS", "4096")
+    assert parse_config([]).learned_answer_tokens == 4096
+    with pytest.raises(ValueError, match="learned_answer_tokens"):
+        parse_config(["--learned_answer_tokens", "-1"])
+
+
 def test_rpc_threads_leave_room_for_a_full_batch_of_verifies_and_as_many_prefills():
     config = parse_config([])
     assert config.max_batch == 64 and config.server.max_workers >= 2 * config.max_batch

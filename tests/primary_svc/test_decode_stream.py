@@ -21,7 +21,7 @@ from primary_svc.server import ModelIdentity, PrimaryServicer
 from primary_svc.worker import EngineWorker
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
-from specdec.answers import AnswerIndex
+from specdec.answers import AnswerIndex, LearnedAnswers
 from specdec.pb import MAX_STEPS_PER_MESSAGE
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex
 from specdec.suffix_array import SEPARATOR
@@ -511,4 +511,35 @@ def test_a_run_given_the_model_s_answers_drafts_from_them_and_decodes_plain_deco
     assert 0 < kept <= drafted <= registry.get_sample_value("specdec_run_drafted_tokens_total")
     assert sum(m.num_answer_drafted for m in messages) == drafted  # each step says how many of its drafts
     assert sum(m.num_answer_accepted for m in messages) == kept
+    assert engine.kv_bytes == 0
+
+
+def test_a_tenants_speculating_outputs_are_drafted_in_its_later_runs_and_no_one_elses(fp32_model, primary, reference):
+    """learned_answers: at the Release of a request that drafted in a run, its output is kept for its
+    tenant; the same question asked again by that tenant drafts it from the run's first step (the
+    prompt's tail stood before it), several tokens a step, the tokens plain decoding's. Another
+    tenant's run, and the output of a run that did not draft (speculation off), learn nothing."""
+    _, engine, worker = primary
+    registry = CollectorRegistry()
+    learned = LearnedAnswers()
+    identity = ModelIdentity("test-model", "instance-3", MAX_CONTEXT, (2,), {1: 10.0})
+    servicer = PrimaryServicer(
+        fp32_model, worker, identity, 64 << 20, PrimaryMetrics(registry), KVLeases(30.0), learned_answers=learned
+    )
+
+    def run(request_id: str, lookup_draft_length: int) -> list[primary_pb2.DecodeResponse]:
+        lease = prefill(stub, request_id)
+        messages = list(stream(stub, request_id, lease, [], RUN, lookup_draft_length=lookup_draft_length))
+        release(stub, request_id, lease)
+        assert [t for m in messages for t in m.token_ids] == reference[:RUN]
+        return messages
+
+    with primary_stub(servicer) as stub:
+        run("a/plain", 0)
+        assert learned.num_tokens("a") == 0  # speculation off: nothing kept
+        first = run("a/first", 8)
+        assert learned.num_tokens("a") > RUN
+        again, other = run("a/again", 8), run("b/other", 8)
+    assert sum(m.num_answer_accepted for m in again) > RUN // 2  # the output drafted back
+    assert len(again) < len(first) // 2 and len(other) == len(first)  # b drafted nothing of a's
     assert engine.kv_bytes == 0

@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from specdec.answers import DEFAULT_ANSWERS, MIN_SHARE, AnswerIndex, AnswersFileError, load_answers, save_answers
+from specdec.answers import (
+    DEFAULT_ANSWERS,
+    MIN_SHARE,
+    AnswerIndex,
+    AnswersFileError,
+    LearnedAnswers,
+    RunAnswers,
+    load_answers,
+    save_answers,
+)
 from specdec.suffix_array import SEPARATOR
 
 FINGERPRINT = "f" * 32
@@ -68,3 +77,41 @@ def test_the_shipped_answers_are_the_default_model_s(default_model_fingerprint):
     """The file that ships for the default model loads for it (its fingerprint, its vocabulary)."""
     index = load_answers(DEFAULT_ANSWERS, 49152, default_model_fingerprint)
     assert index.num_tokens > 100_000
+
+
+def test_learned_answers_draft_what_a_tenants_output_went_on_with_where_the_context_ends_as_its_text_did():
+    learned = LearnedAnswers(n=3)
+    prompt, output = [1, 2, 3, 4], [10, 11, 12, 13, 14]
+    learned.add("a", prompt, output)
+    assert learned.draft("a", [9, 2, 3, 4], 3) == [10, 11, 12]  # the question asked again: its answer's start
+    assert learned.draft("a", [7, 10, 11, 12], 8) == [13, 14]  # mid-answer; an output's end stops the draft
+    assert learned.draft("a", [2, 3, 5], 8) == []  # never stood before an output token
+    assert learned.draft("a", [3, 4], 8) == []  # shorter than n
+    assert learned.draft("b", [9, 2, 3, 4], 3) == []  # another tenant's outputs are not its drafts
+    learned.add("a", [1, 2, 3, 4], [20, 21])
+    assert learned.draft("a", [2, 3, 4], 2) == [20, 21]  # the newest output where two stood after the same text
+
+
+def test_learned_answers_keep_each_tenants_newest_outputs_and_the_tenants_served_last():
+    learned = LearnedAnswers(max_tokens=40, max_tenants=2, n=2)
+    for i in range(6):  # each output 8 tokens after a 2-token prompt tail: 11 a piece
+        learned.add("a", [0, 1], [100 * (i + 1) + j for j in range(8)])
+    assert learned.num_tokens("a") <= 40
+    assert learned.draft("a", [0, 1], 2) == [600, 601]  # the newest
+    assert learned.draft("a", [101, 102], 2) == []  # the oldest, forgotten
+    learned.add("b", [0, 1], [7, 8])
+    learned.add("c", [0, 1], [9, 10])
+    assert learned.num_tokens("a") == 0 and learned.draft("c", [0, 1], 2) == [9, 10]  # a served longest ago
+    learned.add("c", [0, 1], list(range(30)))  # longer than half a tenant's room: not kept
+    assert learned.draft("c", [0, 1], 2) == [9, 10]
+    with pytest.raises(ValueError):
+        LearnedAnswers(max_tokens=0)
+
+
+def test_a_runs_answers_are_its_tenants_learned_ones_then_the_shipped_ones():
+    shipped = AnswerIndex(np.array([5, 6, 7, 8, SEPARATOR], dtype=np.int32), 50)
+    learned = LearnedAnswers(n=2)
+    learned.add("a", [5, 6], [30, 31])
+    assert RunAnswers("a", learned, shipped).draft([5, 6], 2) == [30, 31]
+    assert RunAnswers("b", learned, shipped).draft([5, 6], 2) == [7, 8]
+    assert RunAnswers("a", None, None).draft([5, 6], 2) == []
