@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from bench.prompts import BenchPrompt
 from bench.report import BASELINE, Record, check_json
 from specdec.launcher import Stack, StackConfig
 from specdec.redis_server import RedisServerError, redis_server
+from specdec.request_id import TENANT_SEPARATOR
 from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 REQUEST_TIMEOUT_S = 1800.0  # one request, prefill to the last token, on a slow shared CPU
@@ -155,8 +157,12 @@ def run_request(
     tokenizer: Any,
 ) -> Record:
     """One greedy request through the gateway, timed by the client; an RPC error becomes the record's error.
-    Outputs of prompts with a schema are checked against it, constrained or not."""
+    Outputs of prompts with a schema are checked against it, constrained or not. Each scenario is a
+    tenant of its own (its id's prefix): the scenarios that ask the same prompts (json with and
+    without its schema) draft nothing from each other's outputs, so every figure is of prompts the
+    stack has not answered."""
     req = build_request(prompt, max_new_tokens, is_speculative=system != BASELINE, is_constrained=is_constrained)
+    req.request_id = f"{scenario}{TENANT_SEPARATOR}{system}-{prompt.id[:64]}-{uuid.uuid4().hex[:8]}"
     t = time.perf_counter()
     try:
         resp = sut.stub.Generate(req, timeout=REQUEST_TIMEOUT_S)

@@ -44,3 +44,27 @@ def test_stats_dict_carries_forward_time_decoders_and_the_controller_choices():
     }
     assert d["num_steps_by_degree"] == [1, 0, 3] and d["num_steps_by_draft_length"] == [1, 0, 0, 0, 3]
     assert (d["num_probe_steps"], d["task_type"]) == (1, "structured")
+
+
+def test_each_scenario_s_requests_are_a_tenant_of_its_own():
+    """json with and without its schema ask the same prompts: as tenants apart, neither drafts from the
+    other's outputs (the primary's learned answers, the draft pool's index of finished outputs)."""
+    from types import SimpleNamespace
+
+    from bench.prompts import BenchPrompt
+    from bench.stack import run_request
+    from specdec.request_id import check_request_id, tenant_of
+
+    sent = []
+
+    class Stub:
+        def Generate(self, req, timeout):
+            sent.append(req.request_id)
+            return gateway_pb2.GenerateResponse(text="{}", token_ids=[1])
+
+    prompt = BenchPrompt("bfcl-" + "x" * 200, "json", "Call it", None, {"type": "object"}, False)
+    sut = SimpleNamespace(stub=Stub())
+    for scenario in ("json", "json_noschema", "json"):
+        run_request(sut, prompt, scenario, "speculative", 8, scenario == "json", None)
+    assert [tenant_of(r) for r in sent] == ["json", "json_noschema", "json"]
+    assert len(set(sent)) == 3 and all(check_request_id(r) == r for r in sent)  # unique, and valid ids
