@@ -70,22 +70,16 @@ def test_scheduler_flags_and_their_environment(monkeypatch):
         parse_config(["--max_step_tokens", "0"])
 
 
-def test_prefix_cache_bytes_flag_its_environment_and_zero_for_none(monkeypatch):
-    assert parse_config([]).prefix_cache_bytes == 256 << 20
-    monkeypatch.setenv("SPECDEC_PRIMARY_PREFIX_CACHE_BYTES", "0")
-    assert parse_config([]).prefix_cache_bytes == 0
-    assert parse_config(["--prefix_cache_bytes", "1048576"]).prefix_cache_bytes == 1 << 20
-    with pytest.raises(ValueError, match="prefix_cache_bytes"):
-        parse_config(["--prefix_cache_bytes", "-1"])
-
-
-def test_learned_answer_tokens_flag_its_environment_and_zero_for_none(monkeypatch):
-    assert parse_config([]).learned_answer_tokens == 1 << 14
-    assert parse_config(["--learned_answer_tokens", "0"]).learned_answer_tokens == 0
-    monkeypatch.setenv("SPECDEC_PRIMARY_LEARNED_ANSWER_TOKENS", "4096")
-    assert parse_config([]).learned_answer_tokens == 4096
-    with pytest.raises(ValueError, match="learned_answer_tokens"):
-        parse_config(["--learned_answer_tokens", "-1"])
+@pytest.mark.parametrize(
+    ("name", "default", "value"), [("prefix_cache_bytes", 256 << 20, 1 << 20), ("learned_answer_tokens", 1 << 14, 4096)]
+)
+def test_a_size_flag_its_environment_and_zero_for_none(monkeypatch, name, default, value):
+    assert getattr(parse_config([]), name) == default
+    monkeypatch.setenv(f"SPECDEC_PRIMARY_{name.upper()}", "0")
+    assert getattr(parse_config([]), name) == 0
+    assert getattr(parse_config([f"--{name}", str(value)]), name) == value
+    with pytest.raises(ValueError, match=name):
+        parse_config([f"--{name}", "-1"])
 
 
 def test_rpc_threads_leave_room_for_a_full_batch_of_verifies_and_as_many_prefills():
