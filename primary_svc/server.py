@@ -9,6 +9,7 @@ called for --kv_lease_s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -34,7 +35,7 @@ from primary_svc.metrics import PrimaryMetrics
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.model.tokenizer import StopStringWatch, Tokenizer, check_stop_strings
 from specdec.penalties import penalize
-from specdec.answers import AnswerIndex, LearnedAnswers, RunAnswers
+from specdec.answers import AnswerIndex, LearnedAnswers
 from specdec.repeats import MAX_REPEAT_TOKENS, RepeatIndex, RunDrafts
 from specdec.request_id import tenant_of
 from specdec.speculation_bounds import MAX_DRAFT_LENGTH
@@ -414,9 +415,10 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         if sampling.has_penalties or has_logprobs:
             raise InvalidArgument("lookup_draft_length", "drafts a run without penalties, logit_bias or logprobs only")
         costs, engine = self.identity.verify_costs_ms or None, self.worker.built_engine
-        answers = RunAnswers(tenant_of(request_id), self.learned_answers, self.answers)
+        answers, learned = self.answers, self.learned_answers
+        drafts_learned = None if learned is None else functools.partial(learned.draft, tenant_of(request_id))
         self._speculating.add(request_id)
-        return lambda: RunDrafts(engine().token_ids(request_id), n, costs, answers)
+        return lambda: RunDrafts(engine().token_ids(request_id), n, costs, answers, drafts_learned)
 
     def _sampling(self, request) -> SamplingParams:
         """The request's sampling parameters, checked (logit_bias ids against the vocabulary too)."""

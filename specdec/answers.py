@@ -15,7 +15,7 @@ context's tail repeats nothing and price its drafts by their own acceptance esti
 
 `LearnedAnswers` are the same idea for what this primary served: each tenant's newest outputs (of
 requests that speculate), drafted where a later run's context ends as an earlier output's text did;
-a run asks them first (`RunAnswers`).
+a run asks them first, each source priced by its own acceptance estimate (specdec.repeats.RunDrafts).
 
 The file: safetensors (no pickle), tensor `tokens` (int32 [N], the answers one after another,
 SEPARATOR after each) and metadata `format` (FORMAT), `model_fingerprint`
@@ -27,7 +27,6 @@ format or of another model is refused with AnswersFileError naming the file and 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import threading
 from collections.abc import Sequence
@@ -253,20 +252,3 @@ class LearnedAnswers:
         with self._lock:
             outputs = self._tenants.get(tenant)
             return 0 if outputs is None else len(outputs.tokens)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunAnswers:
-    """What one request's runs draft from where its context repeats nothing: its tenant's learned
-    answers first, then the model's shipped ones (specdec.repeats.RunDrafts asks `draft`)."""
-
-    tenant: str
-    learned: LearnedAnswers | None
-    shipped: AnswerIndex | None
-
-    def draft(self, context_ids: Sequence[int], max_tokens: int) -> list[int]:
-        if self.learned is not None:
-            drafted = self.learned.draft(self.tenant, context_ids, max_tokens)
-            if drafted:
-                return drafted
-        return [] if self.shipped is None else self.shipped.draft(context_ids, max_tokens)

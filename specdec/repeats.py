@@ -31,11 +31,11 @@ acceptance estimate of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from specdec.answers import AnswerIndex, RunAnswers
+    from specdec.answers import AnswerIndex
 
 MIN_REPEAT_TOKENS = 3  # a tail of this many tokens that occurred earlier is a repeat
 MAX_REPEAT_TOKENS = 16  # the longest tail a caller may ask a run to stop at (longer repeats are copies too)
@@ -123,16 +123,18 @@ class RunDrafts:
     """A run's own prompt-lookup drafts (see the module docstring): the index over the request's
     context, the chain acceptance estimate, and each step's choice of how many tokens to draft.
 
-    `row_costs`: ms (or any unit) of a verify of k rows by k, as the primary measured them; `answers`:
-    the model's own answers (shipped, and those the primary served the request's tenant), drafted
-    from where the tail repeats nothing."""
+    `row_costs`: ms (or any unit) of a verify of k rows by k, as the primary measured them; where the
+    tail repeats nothing, `learned` (context tail, max tokens -> draft: what the primary served the
+    request's tenant, specdec.answers.LearnedAnswers) and then `answers` (the model's shipped
+    answers) draft, each priced by an acceptance estimate of its own."""
 
     def __init__(
         self,
         token_ids: Iterable[int],
         max_length: int,
         row_costs: Mapping[int, float] | None = None,
-        answers: AnswerIndex | RunAnswers | None = None,
+        answers: AnswerIndex | None = None,
+        learned: Callable[[Sequence[int], int], list[int]] | None = None,
     ) -> None:
         if max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
@@ -147,6 +149,13 @@ class RunDrafts:
         self._cost_by_rows: list[float] = []
         self.answers = answers
         self._copies, self._answer_drafts = ChainAcceptance(), ChainAcceptance()
+        self._learned_drafts = ChainAcceptance()
+        # where the tail repeats nothing: the sources asked in turn, each with its estimate
+        self._answer_sources: list[tuple[Callable[[Sequence[int], int], list[int]], ChainAcceptance]] = []
+        if learned is not None:
+            self._answer_sources.append((learned, self._learned_drafts))
+        if answers is not None:
+            self._answer_sources.append((answers.draft, self._answer_drafts))
         self._drafted_from = self._copies  # whose estimate the next observe() updates
         self.is_answer_draft = False  # the last draft came from the answers
 
@@ -199,14 +208,15 @@ class RunDrafts:
         # and step) only where their estimate could pay for a row: beside many requests it seldom does.
         # The search goes only as deep as their estimate could pay for: a longer continuation would be
         # cut back to that length below, and its first tokens do not depend on how far it goes.
-        if not copy and self.answers is not None:
-            useful = self._best_length(limit, self._answer_drafts.value, other_rows, other_requests)
-            if useful > 0:
-                copy = self.answers.draft(self.index.tail(MAX_ANSWER_CONTEXT), useful)
-                estimate = self._answer_drafts if copy else estimate
+        for draft_from, source_estimate in [] if copy else self._answer_sources:
+            useful = self._best_length(limit, source_estimate.value, other_rows, other_requests)
+            copy = draft_from(self.index.tail(MAX_ANSWER_CONTEXT), useful) if useful > 0 else []
+            if copy:
+                estimate = source_estimate
+                break
         best = self._best_length(len(copy), estimate.value, other_rows, other_requests)
         self._drafted_from = estimate
-        self.is_answer_draft = best > 0 and estimate is self._answer_drafts
+        self.is_answer_draft = best > 0 and estimate is not self._copies
         return copy[:best]
 
     def _best_length(self, num_tokens: int, acceptance: float, other_rows: int, other_requests: int) -> int:

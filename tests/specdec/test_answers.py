@@ -14,7 +14,6 @@ from specdec.answers import (
     AnswerIndex,
     AnswersFileError,
     LearnedAnswers,
-    RunAnswers,
     load_answers,
     save_answers,
 )
@@ -106,12 +105,3 @@ def test_learned_answers_keep_each_tenants_newest_outputs_and_the_tenants_served
     assert learned.draft("c", [0, 1], 2) == [9, 10]
     with pytest.raises(ValueError):
         LearnedAnswers(max_tokens=0)
-
-
-def test_a_runs_answers_are_its_tenants_learned_ones_then_the_shipped_ones():
-    shipped = AnswerIndex(np.array([5, 6, 7, 8, SEPARATOR], dtype=np.int32), 50)
-    learned = LearnedAnswers(n=2)
-    learned.add("a", [5, 6], [30, 31])
-    assert RunAnswers("a", learned, shipped).draft([5, 6], 2) == [30, 31]
-    assert RunAnswers("b", learned, shipped).draft([5, 6], 2) == [7, 8]
-    assert RunAnswers("a", None, None).draft([5, 6], 2) == []

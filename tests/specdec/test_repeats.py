@@ -3,11 +3,13 @@ how much of it a run drafts?"""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 import numpy as np
 
-from specdec.answers import AnswerIndex
+from specdec.answers import AnswerIndex, LearnedAnswers
 from specdec.repeats import DEFAULT_ROW_COSTS, RepeatIndex, RunDrafts
 from specdec.suffix_array import SEPARATOR
 
@@ -112,6 +114,27 @@ def test_run_drafts_draft_the_model_s_answers_where_the_tail_repeats_nothing():
     copying = RunDrafts([7, 51, 52, 9, 8, 7, 51, 52], max_length=8, answers=answers)
     assert copying.draft(8)[:1] == [9] and not copying.is_answer_draft  # the context's own copy, not 53
     assert RunDrafts([1, 2, 3], max_length=8, answers=answers).draft(8) == []  # in neither
+
+
+def test_run_drafts_draft_what_the_tenant_was_served_first_each_source_priced_by_its_own_estimate():
+    """Where the tail repeats nothing, the outputs the primary served the tenant (learned) draft before
+    the shipped answers, and how a source's drafts did moves its own estimate only."""
+    answers = AnswerIndex(np.concatenate([np.append(a, SEPARATOR) for a in ANSWERS]).astype(np.int32), 128)
+    learned = LearnedAnswers(n=2)
+    learned.add("a", [], [51, 52, 80, 81, 82])
+    drafts = RunDrafts([1, 2, 51, 52], max_length=8, answers=answers, learned=functools.partial(learned.draft, "a"))
+    first = drafts.draft(8)
+    assert first and first == [80, 81, 82][: len(first)] and drafts.is_answer_draft
+    drafts.observe(len(first), len(first))  # accepted: the learned estimate rises
+    other = RunDrafts([1, 2, 51, 52], max_length=8, answers=answers, learned=functools.partial(learned.draft, "b"))
+    assert other.draft(8)[:1] == [53]  # another tenant's run: the shipped answers
+    learned_first = RunDrafts(
+        [1, 2, 51, 52], max_length=8, answers=answers, learned=functools.partial(learned.draft, "a")
+    )
+    for _ in range(3):  # the learned draft comes first, and only its estimate hears how it did
+        assert learned_first.draft(8)[:1] == [80]
+        learned_first.observe(1, 0)
+    assert learned_first.answer_acceptance == RunDrafts([1], max_length=8).answer_acceptance  # the prior
 
 
 def test_run_drafts_stop_drafting_answers_that_keep_missing():
