@@ -30,6 +30,7 @@ it does a cancelled run's last step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Callable, Mapping, Set
 from typing import Any
@@ -142,8 +143,18 @@ class DecodeRuns:
             await self.close()
             raise
         if decoded.is_run_end:
-            await self.close()
+            await self._end()
         return decoded
+
+    async def _end(self) -> None:
+        """After a run's last step: read the stream to its end (the primary's status follows the
+        last message at once), so that the call completes as a finished call, not a cancelled one
+        (its client span ends and is exported with the request's trace), then close it."""
+        run = self.stream
+        if run is not None:
+            with contextlib.suppress(StopAsyncIteration, Exception):
+                await anext(run)  # nothing more: the stream ends here
+        await self.close()
 
     async def close(self) -> None:
         """End the streamed run, if one is open: cancelled mid-run (the request ends, or its call
