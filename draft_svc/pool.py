@@ -585,7 +585,9 @@ class DraftPool:
         of output tokens indexed. Idempotent: a request the pool does not hold (it never proposed, as
         with speculation off, or it was released already, or the pool restarted) is released
         already (0)."""
-        self._check_token_ids("new_token_ids", new_token_ids)
+        self._check_token_ids("new_token_ids", new_token_ids)  # refused before anything is dropped
+        if len(new_token_ids) > self.config.max_context_tokens:
+            raise InvalidArgument("new_token_ids", f"longer than {self.config.max_context_tokens} tokens")
         with self._lock:
             request = self._requests.pop(request_id, None)
         if request is None:
@@ -593,8 +595,6 @@ class DraftPool:
         with request.lock:  # wait for an in-flight Propose of the request
             _release_decoders(request)
             output = [*request.token_ids[request.num_prompt_tokens :], *new_token_ids]
-        if len(request.token_ids) + len(new_token_ids) > self.config.max_context_tokens:
-            raise InvalidArgument("new_token_ids", f"context exceeds {self.config.max_context_tokens} tokens")
         if is_finished and self._suffix_index is not None and output:
             self._suffix_index.insert(output, tenant=request.tenant)
             return len(output)

@@ -152,8 +152,8 @@ class DecodeRuns:
         (its client span ends and is exported with the request's trace), then close it."""
         run = self.stream
         if run is not None:
-            with contextlib.suppress(StopAsyncIteration, Exception):
-                await anext(run)  # nothing more: the stream ends here
+            with contextlib.suppress(Exception):  # StopAsyncIteration: the stream's end
+                await anext(run)
         await self.close()
 
     async def close(self) -> None:
