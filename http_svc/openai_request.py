@@ -87,19 +87,21 @@ _IGNORED = (
     "prompt_cache_key",
     "safety_identifier",
 )
-# The parameters this service reads, by endpoint; what a body holds beyond these, _UNSUPPORTED and
-# _IGNORED is unknown: accepted, ignored and named in IGNORED_FIELDS_HEADER.
+# The parameters this service reads, by endpoint (every one parse_request passes on: a field read but
+# left out here would be named ignored while it changes the answer); what a body holds beyond these,
+# _UNSUPPORTED and _IGNORED is unknown: accepted, ignored and named in IGNORED_FIELDS_HEADER.
 _COMMON_FIELDS = frozenset(
     {
         "model", "n", "max_tokens", "stop", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias", "response_format",
         "return_token_ids", "speculative_decoding", "adaptive", "speculative_degree", "draft_length",
-        "acceptance_threshold", "strategies", "ignore_eos", "stop_token_ids", "min_tokens",
+        "acceptance_threshold", "strategies", "ignore_eos", "stop_token_ids", "min_tokens", "logprobs", "tools",
+        "tool_choice", "parallel_tool_calls", "prediction",
     }
 )  # fmt: skip
 _FIELDS = {
-    CHAT: _COMMON_FIELDS | {"messages", "max_completion_tokens"},
-    COMPLETION: _COMMON_FIELDS | {"prompt"},
+    CHAT: _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+    COMPLETION: _COMMON_FIELDS | {"prompt", "echo"},
 }
 IGNORED_FIELDS_HEADER = "x-specdec-ignored-fields"
 MAX_IGNORED_NAMED = 32  # fields the header names at most (a body may hold thousands)

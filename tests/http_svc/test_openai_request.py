@@ -267,6 +267,26 @@ def test_fields_without_effect_are_accepted_and_named() -> None:
     assert completion.unknown_fields == ("messages",)  # a chat field in a completion body has no effect
 
 
+def test_fields_that_take_effect_are_not_named_ignored() -> None:
+    """Tools, log probabilities, echo and a prediction change the answer: the header (and the
+    warning) must not tell the client they were dropped."""
+    tool = {"type": "function", "function": {"name": "f"}}
+    parsed = parse_request(
+        chat(
+            tools=[tool],
+            tool_choice="auto",
+            parallel_tool_calls=True,
+            logprobs=True,
+            top_logprobs=2,
+            prediction={"type": "content", "content": "Hi"},
+        ),
+        CHAT,
+    )
+    assert parsed.ignored_fields == () and parsed.unknown_fields == ()
+    legacy = parse_request({"model": MODEL, "prompt": "a", "logprobs": 1, "echo": True}, COMPLETION)
+    assert legacy.ignored_fields == () and legacy.unknown_fields == ()
+
+
 def test_the_ignored_fields_header_is_printable_ascii_and_bounded() -> None:
     assert ignored_fields_header(("foo", "a\r\nb", "\u00e9")) == "foo, a\\r\\nb, \\u00e9"
     value = ignored_fields_header(tuple(f"f{i}" for i in range(100)))
