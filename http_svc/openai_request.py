@@ -446,15 +446,18 @@ def _set_penalties(sampling: common_pb2.SamplingParams, data: dict[str, Any]) ->
     if not isinstance(bias, dict):
         raise bad_request("logit_bias", 'must be an object of token id -> bias, e.g. {"1234": -100}')
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()) or int(key) > (1 << 31) - 1:
+        # The digits' count is checked before int(), which raises past 4300 digits (leading zeros too).
+        digits = key.lstrip("0") if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if digits is None or len(digits) > len(str(MAX_INT32)) or int(digits or "0") > MAX_INT32:
             raise bad_request("logit_bias", f"keys must be token ids (decimal integers >= 0), got {key!r}")
-        sampling.logit_bias[int(key)] = _number(value, "logit_bias")
+        sampling.logit_bias[int(digits or "0")] = _number(value, "logit_bias")
 
 
 def _set_response_format(response_format: common_pb2.ResponseFormat, value: Any) -> None:
     if value is None:
         return
-    if not isinstance(value, dict) or value.get("type") not in _RESPONSE_FORMATS:
+    # A type that is not a string (a list: unhashable) is never a dict key to look up.
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str) or value["type"] not in _RESPONSE_FORMATS:
         raise bad_request("response_format.type", f"must be one of {list(_RESPONSE_FORMATS)}")
     response_format.type = _RESPONSE_FORMATS[value["type"]]
     if value["type"] != "json_schema":

@@ -106,6 +106,9 @@ def test_a_body_nested_past_the_parser_s_depth_is_a_400(client: TestClient, body
         (json.dumps(chat(messages=[[[[]]]])).encode(), "messages[0]"),
         (json.dumps(chat(seed=-1)).encode(), "seed"),
         (json.dumps(chat(top_k=1 << 40)).encode(), "top_k"),
+        (json.dumps(chat(logit_bias={"9" * 5000: 1})).encode(), "logit_bias"),  # a key past int()'s digit limit
+        (json.dumps(chat(response_format={"type": []})).encode(), "response_format.type"),  # not hashable
+        (json.dumps(chat(response_format={"type": {"a": 1}})).encode(), "response_format.type"),
     ],
 )
 def test_other_hostile_bodies_are_400s(client: TestClient, body: bytes, param: str | None) -> None:
