@@ -111,6 +111,42 @@ def test_the_budget_stops_measuring_and_the_incomplete_choice_is_kept(tmp_path):
     assert again.is_cached and again.precision == "bf16" and measured == ["bf16"]
 
 
+def test_contenders_are_measured_again_backwards_and_each_size_keeps_its_fastest_run(tmp_path):
+    """A noisy stretch during one candidate's pass (bf16's first, here) must not decide: the candidates
+    within reach of the best are measured again, last first, and each size keeps its fastest run."""
+    measured = []
+    slow_then_fast = iter([{k: 1.2 * v for k, v in FLAT.items()}, {k: 0.9 * v for k, v in FLAT.items()}])
+
+    def measure(model_dir, precision):
+        measured.append(precision)
+        return next(slow_then_fast) if precision == "bf16" else FLAT
+
+    choice = choose_precision(tmp_path / "m", tmp_path, 2, ("bf16", "fp32"), measure)
+    assert measured == ["bf16", "fp32", "fp32", "bf16"]
+    assert choice.precision == "bf16" and choice.verify_ms["bf16"] == {k: 0.9 * v for k, v in FLAT.items()}
+
+
+def test_a_candidate_far_behind_is_not_measured_again(tmp_path):
+    measured = []
+
+    def measure(model_dir, precision):
+        measured.append(precision)
+        return {"int4": FLAT, "int8": FLAT, "fp32": {k: 4 * v for k, v in FLAT.items()}}[precision]
+
+    choose_precision(tmp_path / "m", tmp_path, 2, ("int4", "int8", "fp32"), measure)
+    assert measured == ["int4", "int8", "fp32", "int8", "int4"]
+
+
+def test_the_preferred_candidate_is_served_where_it_scores_within_the_tie_share_of_the_best(tmp_path):
+    slightly_faster = {k: v * (1 - (1 - autotune.TIE_SHARE) / 2) for k, v in FLAT.items()}
+    choice = choose_precision(tmp_path / "a", tmp_path, 2, ("bf16", "fp32"), curves(bf16=FLAT, fp32=slightly_faster))
+    assert choice.precision == "bf16" and choice.tokens_per_s["fp32"] > choice.tokens_per_s["bf16"]
+    assert "preferred within 5 % of the best" in choice.reason
+    clearly_faster = {k: 0.9 * v for k, v in FLAT.items()}
+    choice = choose_precision(tmp_path / "b", tmp_path, 2, ("bf16", "fp32"), curves(bf16=FLAT, fp32=clearly_faster))
+    assert choice.precision == "fp32" and "preferred" not in choice.reason
+
+
 def test_starts_at_once_serve_one_choice(tmp_path):
     """Two primaries starting together (a cluster's nodes, a restart beside another start) whose own
     measurements would pick different formats: the second waits for the first's choice and serves
