@@ -59,8 +59,16 @@ class Output:
     def add(self, kept: list[int], generated: list[int]) -> tuple[int, bool]:
         """The text of a step's tokens `kept`, committed after `generated`, cut at the first stop
         string: (how many of `kept` the output keeps, whether a stop string completed)."""
-        self.text += self.detok.add(kept)
-        self.text, is_stopped = self._cut_at_stop(self.text)
+        delta = self.detok.add(kept)
+        self.text, is_stopped = self._cut_at_stop(self.text + delta)
+        if not is_stopped and self.stop and kept and not delta:
+            # A step that ends inside a character has its text held back whole, yet a stop string
+            # may complete before that character: plain decoding (a token a step) stops there.
+            held_back = self.detok.held_back()
+            if held_back:
+                text, is_stopped = self._cut_at_stop(self.text + held_back)
+                if is_stopped:
+                    self.text = text
         if not is_stopped or len(kept) <= 1:
             return len(kept), is_stopped
         # A step can commit several tokens: keep only those up to the one completing the stop

@@ -133,6 +133,13 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         return new_text[len(prefix_text) :]
 
+    def held_back(self) -> str:
+        """The whole characters of the tokens added but not yet returned: those before a trailing
+        partial character, which `add` holds back with it."""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        return new_text[len(prefix_text) :].rstrip(REPLACEMENT_CHAR)
+
     def finish(self) -> str:
         """The text still held back at the end of the stream (a trailing partial character decodes as "\ufffd")."""
         prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])

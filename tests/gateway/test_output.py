@@ -1,0 +1,58 @@
+"""A request's output side (gateway.output): where a step's tokens end, and their text cut at stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.output import Output
+
+# A byte-level vocabulary, as a byte-level BPE's: "é" is two bytes and comes as two tokens.
+A, X, E1, E2, B = range(5)
+PIECES = {A: b"a", X: b"x", E1: "é".encode()[:1], E2: "é".encode()[1:], B: b"b"}
+
+
+class ByteTokenizer:
+    """Token ids -> text as a byte-level tokenizer decodes them: a character cut short is U+FFFD."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(PIECES[t] for t in token_ids).decode("utf-8", errors="replace")
+
+
+def make_output(stop: tuple[str, ...]) -> Output:
+    return Output(
+        ByteTokenizer(),  # type: ignore[arg-type]
+        [],
+        eos=frozenset(),
+        stop=stop,
+        max_new_tokens=100,
+        num_prompt_tokens=3,
+        max_context=4096,
+    )
+
+
+def test_a_stop_string_before_a_split_character_ends_the_output_at_its_own_token():
+    """A step whose last token begins a character ("x" then the first byte of "é") stops at the
+    token completing the stop string, as plain decoding does (a token a step); it used to go on to
+    the next step, whose tokens then stayed in the output."""
+    output = make_output(stop=("x",))
+    assert output.add([A, X, E1], []) == (2, True)
+    assert output.ready_text(is_final=True) == "a"
+    assert output.end(is_flushed=False) == ""
+
+
+def test_plain_decoding_stops_at_the_same_token():
+    output = make_output(stop=("x",))
+    generated: list[int] = []
+    for t in [A, X, E1]:
+        num_kept, is_stopped = output.add([t], generated)
+        generated += [t][:num_kept]
+        if is_stopped:
+            break
+    assert generated == [A, X] and output.text == "a"
+
+
+def test_a_stop_string_in_a_character_split_across_steps_ends_at_its_last_byte():
+    output = make_output(stop=("é",))
+    assert output.add([A, E1], []) == (2, False)
+    assert output.add([E2, B], [A, E1]) == (1, True)
+    assert output.ready_text(is_final=True) == "a"
