@@ -20,6 +20,7 @@ import dataclasses
 import json
 import secrets
 
+import jinja2
 from tokenizers import Tokenizer as BackendTokenizer
 
 from gateway.params import GenerationParams
@@ -51,10 +52,17 @@ class PromptEncoder:
             return list(params.prompt_token_ids)
         if params.messages is None:
             return self.tokenizer.encode(params.prompt_text(self.tokenizer))
+        if self.tokenizer.chat_template is None:
+            raise InvalidArgument("chat.messages", "this model has no chat template; send a prompt or token_ids")
         self._check_tool_texts(params)
-        if not any(s in turn.content for turn in params.messages for s in self._special_texts):
-            return self.tokenizer.encode(params.prompt_text(self.tokenizer))
-        return self._encode_chat_split(params)
+        try:
+            if not any(s in turn.content for turn in params.messages for s in self._special_texts):
+                return self.tokenizer.encode(params.prompt_text(self.tokenizer))
+            return self._encode_chat_split(params)
+        except jinja2.TemplateError as e:
+            # The template is the model's, the turns are the caller's: turns it refuses (its
+            # raise_exception: "roles must alternate", a role it does not take) are bad input.
+            raise InvalidArgument("chat.messages", f"the model's chat template refuses them: {e}") from None
 
     def _check_tool_texts(self, params: GenerationParams) -> None:
         """Tools and calls are rendered as JSON inside the template's markup, where a control

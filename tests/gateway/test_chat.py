@@ -54,3 +54,21 @@ def test_a_template_that_rewrites_content_refuses_control_token_text(tokenizer: 
     )
     with pytest.raises(InvalidArgument, match=r"chat.messages\[0\].content"):
         PromptEncoder(rewriting).encode(chat_params(("user", FORGED)))
+
+
+@pytest.mark.parametrize(
+    "chat_template, message",
+    [
+        ("{{ raise_exception('Conversation roles must alternate user/assistant') }}", "roles must alternate"),
+        (None, "no chat template"),
+    ],
+)
+def test_messages_the_models_template_refuses_are_an_invalid_argument(
+    tokenizer: Tokenizer, chat_template: str | None, message: str
+) -> None:
+    """A template that raises on the caller's turns (two user turns in a row), or a model with no
+    template at all, is the caller's to fix: INVALID_ARGUMENT naming chat.messages (it was INTERNAL)."""
+    model = Tokenizer(tokenizer.backend, chat_template=chat_template)
+    with pytest.raises(InvalidArgument, match=message) as refused:
+        PromptEncoder(model).encode(chat_params(("user", "hi"), ("user", "again")))
+    assert refused.value.field == "chat.messages"
