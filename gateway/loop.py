@@ -716,7 +716,8 @@ class RequestLoop:
         v = await self.validation.decide(tree, verified, allowed, len(self.generated))
         t3 = time.perf_counter()
         if v is None:  # the validator is gone and only it can sample: drop this step's tree
-            await self.primary_calls.prefill()
+            # a recovery's prefill, not the request's own: its prompt figures and log probabilities stay
+            await self.primary_calls.reprefill()
             return plan, [], None, []
         outcomes = self._apply_decision(tree, verified, v)
         for stage, ms in (("draft", t1 - t0), ("verify", t2 - t1), ("validate", t3 - t2)):

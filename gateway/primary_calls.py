@@ -65,15 +65,23 @@ class PrimaryCalls:
         """The request's own prefill of its context, with no call after it."""
         await self.call(_nothing, is_fresh=True)
 
-    async def call(self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False) -> Any:
+    async def reprefill(self) -> None:
+        """A recovery's prefill of the request's context, with no call after it: the primary forgets
+        what it holds past the committed tokens (a tree no validator decided)."""
+        await self.call(_nothing, needs_prefill=True)
+
+    async def call(
+        self, call: Callable[[], Awaitable[Any]], is_fresh: bool = False, needs_prefill: bool = False
+    ) -> Any:
         """Run a primary call; if the primary lost the request (restart), re-prefill and retry.
+        `needs_prefill`: re-prefill before the call, as a recovery does.
 
         A re-prefill carries the lease the backends hold. A live slot leased to someone else (a
         predecessor gateway that died before its step stored the lease) answers ALREADY_EXISTS,
         which the backends report as Unavailable: retried here until the primary expires that slot
         (--kv_lease_s) or recovery_timeout_s passes."""
         give_up = time.monotonic() + self.recovery_timeout_s
-        needs_prefill = is_fresh
+        needs_prefill = needs_prefill or is_fresh
         while True:
             try:
                 if needs_prefill:

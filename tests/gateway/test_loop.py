@@ -1044,6 +1044,29 @@ def test_sampling_requests_run_plain_steps_while_the_validator_is_down():
     assert loop.stats.num_validator_fallback_steps == loop.stats.num_steps - 1
 
 
+@dataclasses.dataclass
+class CachingFlakyValidator(FlakyValidator):
+    """A FlakyValidator whose primary finds the whole prompt in its prefix cache after the first prefill."""
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        is_first = not self.truth
+        prefilled = await super().prefill(request_id, token_ids, num_prompt_tokens)
+        return dataclasses.replace(prefilled, num_cached_prompt_tokens=0 if is_first else num_prompt_tokens)
+
+
+def test_a_dropped_steps_re_prefill_is_a_recovery_not_the_requests_own_prefill():
+    """The re-prefill that drops a tree no validator decided leaves the request's own prefill's
+    figures (it used to count as the request's own: the prompt then looked cached)."""
+    backends = CachingFlakyValidator(is_down=lambda n: True)
+    params = dataclasses.replace(
+        make_params(is_adaptive=False, degree=2, draft_length=6, max_new_tokens=30),
+        sampling=SamplingParams(temperature=0.7, seed=1),
+    )
+    loop = run_with_validator(params, backends, retry_s=3600.0)
+    assert [n for n, _ in backends.calls].count("prefill") == 2
+    assert loop.stats.num_cached_prompt_tokens == 0
+
+
 def test_a_dependency_is_probed_once_per_retry_period_and_each_transition_logged_once():
     now = [0.0]
     changes = []
