@@ -959,7 +959,8 @@ class RequestLoop:
         return _PendingStep(check, write, output, num_chars, num_stored, is_stopped)
 
     def _unstore(self, pending: _PendingStep) -> None:
-        """A step the store refused leaves the output: its tokens and text."""
+        """A step the store refused leaves the output: its tokens, their count and text."""
+        self.stats.num_generated_tokens -= len(self.generated) - pending.num_stored
         del self.generated[pending.num_stored :]
         del self.output_logprobs[max(0, pending.num_stored - self.num_unscored) :]
         self.output.cut_back(pending.num_chars)

@@ -1221,7 +1221,7 @@ def test_with_adaptive_speculation_a_run_never_moves_a_draft():
 
 def test_a_step_the_store_refuses_never_reaches_the_output():
     """The write of step 5 is refused (cancelled elsewhere): the request ends CANCELLED with exactly
-    the stored tokens, in its outcome's token ids and text alike, and its resources are released."""
+    the stored tokens, in its outcome's token ids, text and stats alike, and its resources are released."""
     store, backends = RefusingStore(at=5), FakeBackends()
     loop = make_loop(make_params(is_enabled=False, max_new_tokens=40), backends, store)
 
@@ -1235,6 +1235,7 @@ def test_a_step_the_store_refuses_never_reaches_the_output():
     assert loop.outcome.finish_reason == "cancelled" and loop.outcome.token_ids == list(stored.token_ids)
     assert [t for out in outputs for t in out.token_ids] == list(stored.token_ids)
     assert loop.outcome.text == "".join(f"<{t}>" for t in stored.token_ids)
+    assert loop.outcome.stats.num_generated_tokens == 4
     assert [name for name, _ in backends.calls][-2:] == ["release_primary", "release_draft"]
 
 
