@@ -469,7 +469,8 @@ class RequestLoop:
         next step's draft and forward (_PendingStep), and the step's output is yielded when the write
         is in, usually long before that next step ends."""
         start = time.perf_counter()
-        finish: str | None = None
+        # a resumed request's output may be whole already: then only its end is stored
+        finish: str | None = self.output.resumed_finish(len(self.generated)) if self.generated else None
         pending: _PendingStep | None = None
         step: asyncio.Future | None = None
         step_start, step_end = 0.0, [0.0]
@@ -478,10 +479,11 @@ class RequestLoop:
             step_end[0] = time.perf_counter()
 
         try:
-            self.opening = self._open_first_step()
-            if self.opening[1] is None:  # an opening Propose compiles the format itself
-                self.grammar_preparation = self._prepare_draft_grammar()
-            await self._prefill()
+            if finish is None:
+                self.opening = self._open_first_step()
+                if self.opening[1] is None:  # an opening Propose compiles the format itself
+                    self.grammar_preparation = self._prepare_draft_grammar()
+                await self._prefill()
             while True:
                 if finish is None:
                     finish = self._stop_signal()

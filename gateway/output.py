@@ -51,10 +51,24 @@ class Output:
             if t in self.eos:
                 return kept, FINISH_STOP if t in self.stop_token_ids else FINISH_EOS
             kept.append(t)
-            total = num_generated + len(kept)
-            if total >= self.max_new_tokens or self.num_prompt_tokens + total >= self.max_context - 1:
+            if self._is_full(num_generated + len(kept)):
                 return kept, FINISH_LENGTH
         return kept, None
+
+    def resumed_finish(self, num_generated: int) -> str | None:
+        """The finish reason of a resumed output that had already ended (its gateway went after it
+        stored the last step, before the end), its text cut at the stop string; None when it goes on.
+        An end token is not stored: decoded again, it ends the output again."""
+        if self.stop:
+            text, is_stopped = self._cut_at_stop(self.text + self.detok.held_back())
+            if is_stopped:
+                self.text = text
+                return FINISH_STOP
+        return FINISH_LENGTH if self._is_full(num_generated) else None
+
+    def _is_full(self, num_generated: int) -> bool:
+        """The output reached max_new_tokens or the context's room."""
+        return num_generated >= self.max_new_tokens or self.num_prompt_tokens + num_generated >= self.max_context - 1
 
     def add(self, kept: list[int], generated: list[int]) -> tuple[int, bool]:
         """The text of a step's tokens `kept`, committed after `generated`, cut at the first stop

@@ -788,6 +788,24 @@ def test_stats_go_to_the_store_once_an_interval_and_a_successor_counts_every_sto
     assert resumed.stats.num_generated_tokens == 80
 
 
+@pytest.mark.parametrize("ending", ["length", "stop"])
+def test_a_resumed_output_that_had_already_ended_only_ends(ending):
+    """A gateway that died after it stored a request's last step, before its end, leaves a record
+    whose output is whole: the successor stores the end and computes nothing (it used to decode a
+    token past max_new_tokens, or past the stop string)."""
+    stored = plain_decoding(PROMPT, 6)
+    text = "".join(f"<{t}>" for t in stored)
+    stop = "".join(f"<{t}>" for t in stored[-2:])
+    assert text.find(stop) == len(text) - len(stop)  # where the dead gateway's output stopped
+    params = make_params(max_new_tokens=6 if ending == "length" else 40)
+    params = dataclasses.replace(params, stop=(stop,) if ending == "stop" else ())
+    backends = FakeBackends()
+    loop = run(params, backends, generated=stored)
+    assert loop.outcome.finish_reason == ending and loop.outcome.token_ids == stored
+    assert loop.outcome.text == (text if ending == "length" else text[: -len(stop)])
+    assert backends.steps() == []
+
+
 def test_an_unreadable_stored_controller_state_starts_afresh():
     loop = run(make_params(max_new_tokens=10), FakeBackends(), controller_state={"version": 99})
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 10)
