@@ -563,9 +563,12 @@ class RequestLoop:
         kept, finish = self.output.truncate(new_tokens, len(self.generated))
         self.stats.num_steps += num_engine_steps
         self.stats.num_generated_tokens += len(kept)
-        self.stats.num_end_tokens += finish in (FINISH_EOS, FINISH_STOP)  # truncate's: a stop token ended it
         pending = self._commit(
-            kept, is_final=finish is not None, num_forced=max(0, len(kept) - num_chosen), logprobs=step_logprobs
+            kept,
+            is_final=finish is not None,
+            num_forced=max(0, len(kept) - num_chosen),
+            logprobs=step_logprobs,
+            has_end_token=finish in (FINISH_EOS, FINISH_STOP),  # truncate's: a stop token ended it
         )
         if pending.is_stopped:
             finish = FINISH_STOP
@@ -922,12 +925,18 @@ class RequestLoop:
     # --- stop conditions, commit ---------------------------------------------------------------
 
     def _commit(
-        self, kept: list[int], is_final: bool, num_forced: int = 0, logprobs: Sequence[TokenLogprob] = ()
+        self,
+        kept: list[int],
+        is_final: bool,
+        num_forced: int = 0,
+        logprobs: Sequence[TokenLogprob] = (),
+        has_end_token: bool = False,
     ) -> _PendingStep:
-        """Commit the step's tokens, the last `num_forced` of them forced by the grammar: its text and
-        stop strings, the grammar, `generated`; then start the state store's write, which the caller
-        awaits before the step's output goes out (_PendingStep). Detokenizing, stop strings and the
-        grammar are booked as commit time, the wait for the write as state."""
+        """Commit the step's tokens, the last `num_forced` of them forced by the grammar, then the end
+        token the output leaves out when has_end_token: its text and stop strings, the grammar,
+        `generated`; then start the state store's write, which the caller awaits before the step's
+        output goes out (_PendingStep). Detokenizing, stop strings and the grammar are booked as
+        commit time, the wait for the write as state."""
         t = time.perf_counter()
         num_chars = len(self.output.text)
         k, is_stopped = self.output.add(kept, self.generated)
@@ -935,6 +944,9 @@ class RequestLoop:
             self.stats.num_generated_tokens -= len(kept) - k
             num_forced = max(0, num_forced - (len(kept) - k))  # the forced tokens are the last ones
             del kept[k:]  # the caller yields this same list
+        # a stop string among the tokens ends the output before the end token, which plain decoding
+        # never decodes: not one of the step's tokens (mean_accepted_length)
+        self.stats.num_end_tokens += has_end_token and not is_stopped
         self.stats.num_forced_tokens += num_forced
         if self.grammar is not None and not self.grammar.accept_tokens(kept):
             # Cannot happen while primary and validator apply the masks: fail loudly, not silently off-grammar.

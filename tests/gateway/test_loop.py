@@ -1218,6 +1218,23 @@ def test_a_run_ends_at_an_end_of_sequence_token():
     assert loop.stats.mean_accepted_length == 1.0
 
 
+def test_a_stop_string_before_an_end_token_in_the_same_step_leaves_the_end_uncounted():
+    """A step accepts a stop string's token and, after it, an end-of-sequence token: the output stops
+    at the stop string, as plain decoding does, which never decodes that end token; so it is not
+    counted among the steps' tokens (mean_accepted_length) either."""
+    truth = plain_decoding(PROMPT, 60)
+    last = next(i for i in range(8, 60) if truth[i] not in truth[:i] and truth[i + 1] not in truth[: i + 1])
+    model = dataclasses.replace(MODEL, eos_token_ids=(truth[last + 1],))
+    loops = {}
+    for is_enabled in (False, True):
+        params = make_params(is_enabled=is_enabled, is_adaptive=False, degree=1, draft_length=16, max_new_tokens=60)
+        params = dataclasses.replace(params, stop=(f"<{truth[last]}>",))
+        loops[is_enabled] = loop = run(params, FakeBackends(), model=model)
+        assert loop.outcome.token_ids == truth[: last + 1] and loop.outcome.finish_reason == "stop"
+    assert loops[True].stats.num_steps < loops[False].stats.num_steps  # its tokens came in fewer steps
+    assert loops[True].stats.num_end_tokens == loops[False].stats.num_end_tokens == 0
+
+
 def test_with_adaptive_speculation_a_run_never_moves_a_draft():
     """A plain step decodes the controller's plain steps ahead (until its next probe) in one run:
     every speculative step comes at the same token as when each plain token is a step of its own, the
