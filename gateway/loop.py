@@ -590,7 +590,9 @@ class RequestLoop:
     async def _conclude(self, finish: str) -> str:
         """The request's end stored and its outcome set; the text that became final at the end (what
         the detokenizer and the stop strings held back)."""
-        tail = self.output.end(is_flushed=finish != FINISH_STOP and not self.is_refused)
+        # a stop token ends the text as an end-of-sequence token does: a character it cut short is
+        # flushed (U+FFFD, as a decode of the stored tokens gives); a stop string's cut is not
+        tail = self.output.end(is_flushed=not self.output.is_stopped and not self.is_refused)
         await self._finish(finish)
         self.outcome = RequestOutcome(
             self.generated, self.output.text, finish, self.stats, self.output_logprobs, self.prompt_logprobs

@@ -41,6 +41,7 @@ class Output:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = self.detok.add(generated) if generated else ""
         self.emitted_chars = len(self.text)
+        self.is_stopped = False  # the text was cut at a stop string: nothing after it is flushed (end)
 
     def truncate(self, new_tokens: list[int], num_generated: int) -> tuple[list[int], str | None]:
         """A step's new tokens up to the output's end, after `num_generated` committed ones, and the
@@ -62,7 +63,7 @@ class Output:
         if self.stop:
             text, is_stopped = self._cut_at_stop(self.text + self.detok.held_back())
             if is_stopped:
-                self.text = text
+                self.text, self.is_stopped = text, True
                 return FINISH_STOP
         return FINISH_LENGTH if self._is_full(num_generated) else None
 
@@ -83,6 +84,7 @@ class Output:
                 text, is_stopped = self._cut_at_stop(self.text + held_back)
                 if is_stopped:
                     self.text = text
+        self.is_stopped = is_stopped
         if not is_stopped or len(kept) <= 1:
             return len(kept), is_stopped
         # A step can commit several tokens: keep only those up to the one completing the stop
@@ -107,8 +109,8 @@ class Output:
 
     def end(self, is_flushed: bool) -> str:
         """The text that became final at the output's end and no step sent: when is_flushed (the
-        output did not end at a stop string or a refused step), first what the detokenizer held
-        back, cut at a stop string."""
+        output did not end at a stop string, is_stopped, or a refused step), first what the
+        detokenizer held back, cut at a stop string."""
         if is_flushed:
             self.text = self._cut_at_stop(self.text + self.detok.finish())[0]
         return self.text[self.emitted_chars :]

@@ -456,17 +456,18 @@ def make_loop(params: GenerationParams, backends: FakeBackends, store=None, requ
 
 
 def loop_over_prompt(
-    params: GenerationParams, backends, store, request_id="r1", model=MODEL, owner="test", **kwargs
+    params: GenerationParams, backends, store, request_id="r1", model=MODEL, owner="test", tokenizer=None, **kwargs
 ) -> RequestLoop:
     """A RequestLoop over PROMPT on the async state store `store` (the request already stored), with
-    the fakes' tokenizer, fp32 wire formats, a 1 s recovery timeout and trees of up to 64 nodes."""
+    the fakes' tokenizer (unless given), fp32 wire formats, a 1 s recovery timeout and trees of up to
+    64 nodes."""
     return RequestLoop(
         request_id,
         params,
         PROMPT,
         backends,
         store,
-        FakeTokenizer(),
+        FakeTokenizer() if tokenizer is None else tokenizer,
         model,
         ("fp32", "fp32"),
         recovery_timeout_s=1.0,
@@ -1233,6 +1234,38 @@ def test_a_stop_string_before_an_end_token_in_the_same_step_leaves_the_end_uncou
         assert loop.outcome.token_ids == truth[: last + 1] and loop.outcome.finish_reason == "stop"
     assert loops[True].stats.num_steps < loops[False].stats.num_steps  # its tokens came in fewer steps
     assert loops[True].stats.num_end_tokens == loops[False].stats.num_end_tokens == 0
+
+
+class CutShortTokenizer(FakeTokenizer):
+    """Every token is the text "a" but `partial`, the first byte of "é", which nothing completes."""
+
+    def __init__(self, partial: int) -> None:
+        self.partial = partial
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        pieces = ["é".encode()[:1] if t == self.partial else b"a" for t in token_ids]
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+
+def test_a_stop_token_after_a_character_cut_short_ends_the_text_as_an_end_of_sequence_token_does():
+    """The output's last token begins a character that the end token leaves unfinished: its text
+    keeps what the detokenizer held back (U+FFFD) whichever end token it is, as GetRequest's and a
+    follower's decode of the stored tokens do (a stop token's used to drop it)."""
+    truth = plain_decoding(PROMPT, 60)
+    end = next(i for i in range(4, 60) if truth[i] not in truth[:i] and truth[i - 1] not in truth[: i - 1])
+    tokenizer = CutShortTokenizer(partial=truth[end - 1])
+    texts = {}
+    for finish in ("eos", "stop"):
+        params = make_params(is_enabled=False, max_new_tokens=60)
+        model = MODEL
+        if finish == "eos":
+            model = dataclasses.replace(MODEL, eos_token_ids=(truth[end],))
+        else:
+            params = dataclasses.replace(params, stop_token_ids=(truth[end],))
+        loop = run(params, FakeBackends(), model=model, tokenizer=tokenizer)
+        assert loop.outcome.finish_reason == finish and loop.outcome.token_ids == truth[:end]
+        texts[finish] = loop.outcome.text
+    assert texts["eos"] == texts["stop"] == tokenizer.decode(truth[:end])
 
 
 def test_with_adaptive_speculation_a_run_never_moves_a_draft():
