@@ -242,7 +242,8 @@ class StepPlanner:
 
     def plan(self) -> SpeculationPlan:
         """What the next step drafts: the fixed plan or the controller's, a plain step while no
-        validator can sample against a tree, no deeper than the step can use (draft_room)."""
+        validator can sample against a tree or score its draw on the raw rows, no deeper than the step
+        can use (draft_room)."""
         self._refresh_cost_model()
         self.is_feature_wanted = self._is_refreshing_features = False
         room = self.draft_room()
@@ -258,7 +259,21 @@ class StepPlanner:
         if plan.is_speculative and self.waits_for_validator and not self.validator_state.is_retry_due():
             self.stats.num_validator_fallback_steps += 1
             return SpeculationPlan()  # no validator to sample against: the primary samples alone
+        if plan.is_speculative and self._is_drawn_token_scored_on_processed_rows():
+            return SpeculationPlan()  # the primary's plain step scores its token on the raw row
         return within_room(plan, room)
+
+    def _is_drawn_token_scored_on_processed_rows(self) -> bool:
+        """Whether a speculative step would score its drawn token on other rows than the log
+        probabilities are of (specdec.logprobs: the raw row). The validator draws a sampled or threshold
+        step's last token and scores it on the rows the primary sent, which are processed (penalties,
+        logit_bias, min_tokens still ahead: specdec.penalties) when the primary's sampling for the step
+        has any; the primary's plain steps score every token on its raw row, so with speculation on or
+        off the values are the same."""
+        if self.params.logprobs is None or not self.waits_for_validator:
+            return False
+        end_token_ids = self.params.end_token_ids(self.model.eos_token_ids)
+        return self.params.sampling.holding_back(end_token_ids, len(self.generated)).has_penalties
 
     def draft_room(self) -> int:
         """The most draft tokens the next step can use: the context's room for its tree, and the

@@ -53,6 +53,7 @@ from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
 from specdec import pb
 from specdec.errors import DeadlineExceeded, Internal, NotFound, StateLost, Unavailable
+from specdec.logprobs import LogprobsRequest
 from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.state_store import RequestState, RequestStatus
@@ -1084,6 +1085,36 @@ def test_a_dropped_steps_re_prefill_is_a_recovery_not_the_requests_own_prefill()
     loop = run_with_validator(params, backends, retry_s=3600.0)
     assert [n for n, _ in backends.calls].count("prefill") == 2
     assert loop.stats.num_cached_prompt_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("sampling", "has_logprobs", "num_generated", "is_speculative"),
+    [
+        (SamplingParams(temperature=0.7, seed=1, frequency_penalty=0.5), True, 0, False),
+        (SamplingParams(temperature=0.7, seed=1, logit_bias=((3, 5.0),)), True, 0, False),
+        (SamplingParams(temperature=0.7, seed=1, min_tokens=4), True, 3, False),  # min_tokens still ahead
+        (SamplingParams(temperature=0.7, seed=1, min_tokens=4), True, 4, True),  # reached: rows are raw again
+        (SamplingParams(temperature=0.7, seed=1, frequency_penalty=0.5), False, 0, True),  # nothing to score
+        (SamplingParams(temperature=0.7, seed=1), True, 0, True),  # raw rows: the validator scores them
+        (SamplingParams(frequency_penalty=0.5), True, 0, True),  # greedy: the primary scores its own argmax
+    ],
+)
+def test_a_sampled_request_scoring_its_tokens_on_processed_rows_takes_plain_steps(
+    sampling, has_logprobs, num_generated, is_speculative
+):
+    """The validator scores the token it draws on the row it was sent, which is the processed one when
+    the primary applies penalties, logit_bias or min_tokens: e.g. frequency_penalty 0.5 on a token
+    seen once turns a row [0, ln 3] (p = 1/4, 3/4) into [0, ln 3 - 0.5], and the drawn token 1 would
+    be scored ln(3 e^-0.5 / (1 + 3 e^-0.5)) = -0.44 instead of its raw ln(3/4) = -0.29, which a plain
+    step (speculation off) gives. Such steps are plain, so the values are the same either way."""
+    params = dataclasses.replace(
+        make_params(is_adaptive=False, degree=2, draft_length=4, max_new_tokens=30),
+        sampling=sampling,
+        logprobs=LogprobsRequest(num_top=2) if has_logprobs else None,
+    )
+    loop = make_loop(params, FakeBackends())
+    loop.generated.extend(plain_decoding(PROMPT, num_generated))
+    assert loop.planner.plan().is_speculative == is_speculative
 
 
 def test_a_dependency_is_probed_once_per_retry_period_and_each_transition_logged_once():
