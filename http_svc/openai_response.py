@@ -216,10 +216,15 @@ class ChunkWriter:
 
     def _tool_events(self, message: gateway_pb2.GenerateStreamResponse) -> list[bytes]:
         """A chunk per piece: the content, then one per tool-call piece (OpenAI sends one call's
-        piece per chunk); the message's token ids ride on its first chunk. A step inside a call
-        that completes no piece yet (its name still open) sends nothing, unless token ids are asked for."""
+        piece per chunk); the message's token ids and log probabilities ride on its first chunk. A
+        step inside a call that completes no piece yet (its name still open) sends nothing, unless
+        token ids or log probabilities are asked for: they go out on an empty content chunk, else the
+        stream would lose those tokens' values."""
         deltas: list[dict] = [{"tool_calls": [_tool_call_delta(d)]} for d in message.tool_calls]
-        if message.content or (self.parsed.is_returning_token_ids and message.token_ids and not deltas):
+        is_carrying = (self.parsed.is_returning_token_ids and bool(message.token_ids)) or (
+            self.parsed.is_logprobs and bool(message.logprobs)
+        )
+        if message.content or (is_carrying and not deltas):
             deltas.insert(0, {"content": message.content})
         return [
             self._chunk(delta, None, message.token_ids if i == 0 else (), message.logprobs if i == 0 else ())

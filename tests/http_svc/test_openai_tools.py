@@ -11,7 +11,7 @@ import pytest
 from http_svc.errors import ApiError, param_for
 from http_svc.openai_request import CHAT, parse_request
 from http_svc.openai_response import ChunkWriter, completion
-from specdec.v1 import gateway_pb2
+from specdec.v1 import gateway_pb2, logprobs_pb2
 
 MODEL = "m"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -155,3 +155,26 @@ def test_streamed_calls_are_openai_deltas() -> None:
         )
     )
     assert last[-1]["finish_reason"] == "tool_calls"
+
+
+def test_streamed_calls_keep_every_tokens_log_probability() -> None:
+    """A step inside a call whose name is still open gives no piece; its tokens' log probabilities
+    still go out, on a chunk of their own, so the stream carries one per token as the whole answer does."""
+    writer = ChunkWriter(parse_request(chat(tools=[TOOL], stream=True, logprobs=True), CHAT), "chatcmpl-1", 0, MODEL)
+
+    def chunks(message: gateway_pb2.GenerateStreamResponse) -> list[dict]:
+        events = writer.step(message).decode().split("\n\n")
+        return [json.loads(e[6:])["choices"][0] for e in events if e.startswith("data: {")]
+
+    held = gateway_pb2.GenerateStreamResponse(
+        text='<tool_call>{"na',
+        content="",
+        token_ids=[2, 3],
+        logprobs=[
+            logprobs_pb2.TokenLogprob(token_id=2, logprob=-0.5, text="<tool_call>"),
+            logprobs_pb2.TokenLogprob(token_id=3, logprob=-0.25, text='{"na'),
+        ],
+    )
+    sent = [c for c in chunks(held) if c["logprobs"] is not None]
+    assert [e["logprob"] for c in sent for e in c["logprobs"]["content"]] == [-0.5, -0.25]
+    assert all("tool_calls" not in c["delta"] and not c["delta"].get("content") for c in sent)
