@@ -265,12 +265,13 @@ class StepPlanner:
 
     def _is_drawn_token_scored_on_processed_rows(self) -> bool:
         """Whether a speculative step would score its drawn token on other rows than the log
-        probabilities are of (specdec.logprobs: the raw row). The validator draws a sampled or threshold
+        probabilities are of (specdec.logprobs: the raw row). At temperature > 0 the validator draws a
         step's last token and scores it on the rows the primary sent, which are processed (penalties,
         logit_bias, min_tokens still ahead: specdec.penalties) when the primary's sampling for the step
         has any; the primary's plain steps score every token on its raw row, so with speculation on or
-        off the values are the same."""
-        if self.params.logprobs is None or not self.waits_for_validator:
+        off the values are the same. At temperature 0 (greedy or threshold) the last token is the row's
+        argmax, which the primary scores on its raw row (gateway.step_validation.path_logprobs)."""
+        if self.params.logprobs is None or self.params.sampling.is_greedy:
             return False
         end_token_ids = self.params.end_token_ids(self.model.eos_token_ids)
         return self.params.sampling.holding_back(end_token_ids, len(self.generated)).has_penalties

@@ -45,6 +45,7 @@ from gateway.cost_model import CostSettings, cost_model_for
 from gateway.node_pool import Node
 from gateway.nodes import NodeAddress
 from gateway.params import GenerationParams, SpeculationParams
+from specdec.acceptance_mode import AcceptanceMode
 from specdec.answers import AnswerIndex
 from specdec.repeats import RepeatIndex, RunDrafts
 from specdec.suffix_array import SEPARATOR
@@ -1099,20 +1100,24 @@ def test_a_dropped_steps_re_prefill_is_a_recovery_not_the_requests_own_prefill()
         (SamplingParams(frequency_penalty=0.5), True, 0, True),  # greedy: the primary scores its own argmax
     ],
 )
+@pytest.mark.parametrize("acceptance_threshold", [0.0, 0.5])  # sample or greedy mode; threshold mode
 def test_a_sampled_request_scoring_its_tokens_on_processed_rows_takes_plain_steps(
-    sampling, has_logprobs, num_generated, is_speculative
+    sampling, has_logprobs, num_generated, is_speculative, acceptance_threshold
 ):
     """The validator scores the token it draws on the row it was sent, which is the processed one when
     the primary applies penalties, logit_bias or min_tokens: e.g. frequency_penalty 0.5 on a token
     seen once turns a row [0, ln 3] (p = 1/4, 3/4) into [0, ln 3 - 0.5], and the drawn token 1 would
     be scored ln(3 e^-0.5 / (1 + 3 e^-0.5)) = -0.44 instead of its raw ln(3/4) = -0.29, which a plain
     step (speculation off) gives. Such steps are plain, so the values are the same either way."""
+    params = make_params(is_adaptive=False, degree=2, draft_length=4, max_new_tokens=30)
     params = dataclasses.replace(
-        make_params(is_adaptive=False, degree=2, draft_length=4, max_new_tokens=30),
+        params,
         sampling=sampling,
+        speculation=dataclasses.replace(params.speculation, acceptance_threshold=acceptance_threshold),
         logprobs=LogprobsRequest(num_top=2) if has_logprobs else None,
     )
     loop = make_loop(params, FakeBackends())
+    assert (loop.acceptance_mode == AcceptanceMode.THRESHOLD) == (acceptance_threshold > 0)
     loop.generated.extend(plain_decoding(PROMPT, num_generated))
     assert loop.planner.plan().is_speculative == is_speculative
 
