@@ -117,6 +117,23 @@ def test_sampled_tokens_with_speculation_get_their_raw_distributions_logprobs(ga
         assert [t.token_id for t in value.top_logprobs][:1] == [int(row.argmax())]
 
 
+def test_sampled_tokens_under_penalties_get_their_raw_distributions_logprobs(gateway_stub, fp32_model):
+    """With penalties and logit_bias the primary's rows are processed, so the validator would score
+    its draw on a processed row: such a request's values are those of the raw distribution all the
+    same, and those of speculation off."""
+    sampling = common_pb2.SamplingParams(temperature=0.7, seed=11, frequency_penalty=0.5, presence_penalty=0.3)
+    on, off = (
+        _generate(gateway_stub, is_speculative=is_speculative, sampling=sampling) for is_speculative in (True, False)
+    )
+    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
+    output = list(on.token_ids)
+    reference = _reference_log_probs(fp32_model.model, prompt_ids + output)[len(prompt_ids) - 1 :]
+    assert [x.token_id for x in on.logprobs] == output
+    for row, value in zip(reference, on.logprobs):
+        assert value.logprob == pytest.approx(float(row[value.token_id]), abs=TOLERANCE)
+    _assert_same_values(on.logprobs, off.logprobs)
+
+
 def test_a_streams_logprobs_are_the_whole_answers(gateway_stub):
     whole = _generate(gateway_stub, is_speculative=True, include_prompt=True)
     request = gateway_pb2.GenerateRequest(
