@@ -580,6 +580,12 @@ class Engine:
         E.g. [a, b, c], chunks of 2: one forward over [a, b] -> logits rows predicting b and c."""
         self.check_token_ids("token_ids", token_ids)
         n = len(token_ids)
+        # As `check_open` refuses it: a prompt past the context would be forwarded at positions the
+        # model has no rotary rows for (an IndexError deep in the forward, after the work).
+        if n >= self.max_context:
+            raise InvalidArgument(
+                "token_ids", f"{n} tokens do not fit the context of {self.max_context} with room to generate"
+            )
         if n < 2:
             return []
         try:

@@ -122,3 +122,14 @@ def test_too_many_top_logprobs_are_refused_naming_the_field(primary):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "num_top_logprobs" in e.value.details()
     assert pb.logprobs_request_from_pb(logprobs_pb2.LogprobsOptions(num_top_logprobs=20)).num_top == 20
+
+
+def test_prompt_logprobs_of_a_prompt_past_the_context_are_refused_naming_the_field(primary):
+    # The prompt is scored before the request is opened: a prompt that could never be opened (600 tokens
+    # in a 512-token context, within the KV budget) is refused as the Prefill without logprobs is, not
+    # forwarded at positions past the model's.
+    stub, _ = primary
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(primary_pb2.PrefillRequest(request_id="long", token_ids=[1] * 600, prompt_logprobs=OPTIONS))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids" in e.value.details()
