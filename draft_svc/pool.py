@@ -330,6 +330,10 @@ class DraftPool:
             raise InvalidArgument("prediction_token_ids", f"longer than {c.max_context_tokens} tokens")
         if args.prediction_token_ids and not args.prompt_token_ids:
             raise InvalidArgument("prediction_token_ids", "goes with the request's first Propose (prompt_token_ids)")
+        # A call that (re)opens the request follows no proposal of its state: refused here, before
+        # _request_for creates the request a later refusal would leave behind.
+        if args.lookahead_argmax_token_ids and args.prompt_token_ids:
+            raise InvalidArgument("lookahead_argmax_token_ids", "the previous Propose proposed no lookahead rows")
         return list(ranked_sources(names[:degree])), draft_length, max_nodes
 
     def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:

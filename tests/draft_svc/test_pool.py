@@ -176,6 +176,8 @@ def test_a_rank_zero_model_free_candidate_returns_its_continuation_past_the_draf
         (ProposeArgs("r", prompt_token_ids=(1,), max_nodes=257), "max_nodes"),
         (ProposeArgs("r", prompt_token_ids=(1, VOCAB)), "prompt_token_ids"),
         (ProposeArgs("r", prompt_token_ids=(1,), new_token_ids=(-1,)), "new_token_ids"),
+        # an opening call has no previous proposal whose lookahead rows the argmaxes could be of
+        (ProposeArgs("r", prompt_token_ids=(1,), lookahead_argmax_token_ids=(A,)), "lookahead_argmax_token_ids"),
     ],
 )
 def test_bad_arguments_name_their_field(args, field):
