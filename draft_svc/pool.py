@@ -271,10 +271,11 @@ class DraftPool:
             self._checked_features(args, len(args.prompt_token_ids) + len(args.new_token_ids))
         request, is_new = self._request_for(args)
         with request.lock:
-            self._observe_lookahead(request, args.lookahead_argmax_token_ids)
-            # checked before the context grows: a refused call leaves the request as it was
+            # checked before the context grows and before the lookahead decoder takes its argmaxes (a
+            # Jacobi step): a refused call leaves the request as it was
             num_tokens = len(request.token_ids) + (0 if is_new else len(args.new_token_ids))
             features = self._checked_features(args, num_tokens)
+            self._observe_lookahead(request, args.lookahead_argmax_token_ids)
             if not is_new:
                 self._extend(request, args.new_token_ids)
             self._attach_grammar(request)

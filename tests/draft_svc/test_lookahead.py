@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import pytest
 
 from draft_svc.pool import DraftPool, PoolConfig
@@ -117,4 +120,21 @@ def test_the_pool_returns_the_rows_and_hands_the_argmaxes_back():
     assert pool.propose(ProposeArgs("r", strategies=("prompt_lookup",))).lookahead == ((), ())
     with pytest.raises(InvalidArgument, match="proposed no lookahead rows"):
         pool.propose(ProposeArgs("r", strategies=("prompt_lookup",), lookahead_argmax_token_ids=(1,)))
+    pool.close()
+
+
+def test_a_call_refused_for_its_features_leaves_the_lookahead_rows_to_their_argmaxes():
+    pool = DraftPool(
+        PoolConfig(strategies=("lookahead",), default_strategies=("lookahead",)),
+        model_free_registry(lookahead=CONFIG),
+        DecoderRegistry(),
+        _NoModels(),
+    )
+    assert pool.propose(ProposeArgs("r", prompt_token_ids=(5, 6, 7))).lookahead == ((6, 7), (-1, 0))
+    step = ProposeArgs("r", new_token_ids=(8,), lookahead_argmax_token_ids=(10, 11))
+    bad_features = np.zeros((1, 4), dtype=np.float32)  # position 0: nothing predicts the first token
+    with pytest.raises(InvalidArgument, match="feature_position"):
+        pool.propose(dataclasses.replace(step, features=bad_features, feature_position=0))
+    # the refused call took neither the tokens nor the argmaxes: the same step without features goes on
+    assert pool.propose(step).lookahead == ((6, 7, 10, 11), (-1, 0, 0, 1))
     pool.close()
