@@ -247,6 +247,10 @@ def features_from_pb(pb: common_pb2.Features, field: str = "features") -> np.nda
     """Features (inline or a handle) -> float32 [n, C] of the rows pb.rows names (all when empty)."""
     enc = encoded_features_from_pb(pb, field)
     rows = list(pb.rows)
+    # A row index is a byte on the wire, a decoded row hidden_size floats: rows naming a row over and
+    # over would decode a message of a few MB to GBs. A reader means each row once.
+    if len(rows) > enc.num_rows:
+        raise InvalidArgument(f"{field}.rows", f"names {len(rows)} rows, more than the num_rows {enc.num_rows}")
     if any(r >= enc.num_rows for r in rows):
         raise InvalidArgument(f"{field}.rows", f"rows {rows} must be below num_rows {enc.num_rows}")
     values = decode_features(enc)  # [R, C]

@@ -108,3 +108,17 @@ def test_bad_inline_features_and_rows_are_refused_naming_the_field():
     with pytest.raises(InvalidArgument) as e:
         pb.features_from_pb(common_pb2.Features(dtype=DTYPE_FP16, num_rows=1, hidden_size=1))
     assert e.value.field == "features"
+
+
+def test_rows_naming_more_rows_than_the_payload_holds_are_refused_before_any_is_copied():
+    # A row index is a byte on the wire, a decoded row is hidden_size floats: rows repeating a row
+    # would have a message of a few MB decode to GBs. Each row is meant once (at most num_rows).
+    good = pb.features_to_pb(EncodedFeatures(DTYPE_FP16, 2, 4, bytes(16)))
+    repeated = _with(good)
+    repeated.rows.extend([0, 1, 0])
+    with pytest.raises(InvalidArgument) as e:
+        pb.features_from_pb(repeated)
+    assert e.value.field == "features.rows"
+    named = _with(good)
+    named.rows.extend([1, 0])
+    assert pb.features_from_pb(named).shape == (2, 4)
