@@ -527,9 +527,11 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         self.leases.check(request_id, request.kv_lease)
         is_speculating = request_id in self._speculating
         self._forget(request_id)
-        self.logits_slots.release(request_id)
 
         def release(engine: Engine) -> int:
+            # On the engine thread, as expiry does: a Verify of the request in its step writes its slot
+            # there, before this call runs (removed here) or never (its queued work fails NOT_FOUND).
+            self.logits_slots.release(request_id)
             if is_speculating and self.learned_answers is not None and engine.has_request(request_id):
                 output = engine.output_token_ids(request_id)
                 prompt = engine.token_ids(request_id)[: engine.num_tokens(request_id) - len(output)]

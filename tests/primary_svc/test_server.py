@@ -3,7 +3,9 @@ leases (only the caller that prefilled a request can step or release it; idle sl
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -23,6 +25,7 @@ from specdec.pb import logits_from_pb
 from specdec.penalties import penalize
 from specdec.sampling import SamplingParams
 from specdec.v1 import common_pb2, primary_pb2
+from specdec.weights.shared import SHM_DIR
 from tests.grpc_serving import primary_stub
 from tests.schemas import NAME_AGE_SCHEMA
 
@@ -635,3 +638,34 @@ def test_penalties_process_every_tree_row_from_its_own_history(primary):
         verify(common_pb2.SamplingParams(logit_bias={engine.vocab_size: 1.0}))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("sampling.logit_bias")
     stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="pen", kv_lease=lease))
+
+
+def test_a_release_while_a_verify_writes_the_request_s_logits_slot_leaves_no_slot_behind(primary, monkeypatch):
+    """A Verify's logits are written to the request's /dev/shm slot on the engine thread, in its finish;
+    a Release that arrives meanwhile still removes the slot (once the request is gone, nobody can)."""
+    stub, engine, servicer, _ = primary
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="slot", token_ids=PROMPT)).kv_lease
+    slots, is_writing, may_write = servicer.logits_slots, threading.Event(), threading.Event()
+    write = slots.write
+
+    def held_write(*args, **kwargs):  # on the engine thread, in the Verify's finish
+        is_writing.set()
+        assert may_write.wait(timeout=60)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(slots, "write", held_write)
+    verify = primary_pb2.VerifyRequest(request_id="slot", kv_lease=lease, return_handle=True)
+    release = primary_pb2.PrimaryServiceReleaseRequest(request_id="slot", kv_lease=lease)
+    with ThreadPoolExecutor(2) as threads:
+        verified = threads.submit(stub.Verify, verify)
+        assert is_writing.wait(timeout=60)
+        released = threads.submit(stub.Release, release)
+        for _ in range(60_000):  # until the Release's engine call is queued: its handler did all before it
+            if servicer.worker.queue_depth:
+                break
+            time.sleep(0.001)
+        may_write.set()
+        name = verified.result().logits.handle.memory.segment_name
+        assert released.result().freed_kv_bytes > 0
+    assert not (SHM_DIR / name).exists()
+    assert engine.kv_bytes == 0
