@@ -124,6 +124,8 @@ def check_schema_text(schema_text: str, max_schema_chars: int = DEFAULT_MAX_SCHE
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
         raise InvalidArgument(SCHEMA_FIELD, f"is not a valid JSON Schema: {e.message} (at {where})") from None
+    except RecursionError:  # the check recurses a few frames a level: JSON that parses can nest past it
+        raise InvalidArgument(SCHEMA_FIELD, "nests too deeply to check as a JSON Schema") from None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

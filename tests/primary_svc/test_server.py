@@ -248,6 +248,17 @@ def test_features_come_back_as_the_engine_computes_them_and_leave_the_logits_as_
             grpc.StatusCode.INVALID_ARGUMENT,
             "response_format.json_schema",
         ),
+        (  # JSON that parses, nested past what the JSON Schema check can recurse through
+            primary_pb2.DecodeRequest(
+                request_id="r",
+                max_tokens=4,
+                response_format=common_pb2.ResponseFormat(
+                    type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema='{"not": ' * 200 + "{}" + "}" * 200
+                ),
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "response_format.json_schema",
+        ),
         (
             primary_pb2.DecodeRequest(
                 request_id="r", max_tokens=4, committed_token_ids=[42], response_format=RESPONSE_FORMAT

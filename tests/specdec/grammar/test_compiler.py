@@ -20,6 +20,7 @@ from tests.schemas import PERSON_SCHEMA
         ("[1, 2]", "must be a JSON object, got list"),
         ('"string"', "must be a JSON object, got str"),
         ('{"type": "foo"}', "is not a valid JSON Schema"),
+        ('{"not": ' * 200 + "{}" + "}" * 200, "nests too deeply to check"),  # parses; the check's recursion fails
         ('{"properties": {"a": {"minLength": -1}}}', "at /properties/a/minLength"),
         # valid JSON Schema, but the engine refuses it: its reason comes through without the C++ log prefix
         (
