@@ -14,6 +14,7 @@ from specdec.logprobs import token_logprobs
 from specdec import acceptance_mode, pb
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
+from specdec.speculation_bounds import MAX_TREE_NODES
 from specdec.v1 import validator_pb2, validator_pb2_grpc
 from validator_svc.paths import TorchPath, ValidationInputs, ValidationPath
 
@@ -39,6 +40,10 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
         vocab_size = logits.vocab_size
         token_ids, parents = pb.tree_from_pb(request.tree, vocab_size)
+        # The primary verifies no larger tree; at a small vocabulary a huge one is cheap to send and
+        # costs seconds of the rule's time.
+        if len(token_ids) > MAX_TREE_NODES:
+            raise InvalidArgument("tree.token_ids", f"{len(token_ids)} nodes exceed the limit of {MAX_TREE_NODES}")
         if logits.num_rows != len(token_ids) + 1:
             raise InvalidArgument(
                 "target_logits",

@@ -13,6 +13,7 @@ from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import FORMATS, EncodedLogits
 from specdec.sampling import SamplingParams
 from specdec.service.server import ServerConfig
+from specdec.speculation_bounds import MAX_TREE_NODES
 from specdec.v1 import validator_pb2
 from tests.validator_svc.requests import validate_request
 from validator_svc import paths
@@ -138,6 +139,20 @@ def test_a_mode_that_does_not_fit_the_step_is_refused_naming_the_field(mode, tem
     with pytest.raises(InvalidArgument) as e:
         ValidatorServicer().Validate(req, None)
     assert e.value.field == field
+
+
+def test_a_tree_past_the_structural_node_bound_is_refused_before_the_rule_runs():
+    # The primary verifies at most MAX_TREE_NODES nodes; a larger tree (cheap to send at a small
+    # vocabulary: 200k nodes in a few MB) held a validator thread for seconds.
+    path = RecordingPath()
+    chain = list(range(-1, MAX_TREE_NODES))  # MAX_TREE_NODES + 1 nodes
+    req = validate_request(torch.zeros(len(chain) + 1, 2), [0] * len(chain), chain, "fp32")
+    with pytest.raises(InvalidArgument) as e:
+        ValidatorServicer(path).Validate(req, None)
+    assert e.value.field == "tree.token_ids" and not path.inputs
+    at_bound = validate_request(torch.zeros(len(chain), 2), [0] * (len(chain) - 1), chain[:-1], "fp32")
+    ValidatorServicer(path).Validate(at_bound, None)
+    assert len(path.inputs[-1].token_ids) == MAX_TREE_NODES
 
 
 # ---- the two paths agree through the servicer: an emulated kernel here, the real one on a GPU -------
