@@ -581,7 +581,9 @@ class EngineWorker:
             self._waiting.remove(w)
             rid = w.entry.request_id
             engine, _ = self._built()
-            if w.entry.is_admitted and engine.has_request(rid):
+            # Open once admitted, and still when preempted since (evicted, not admitted): it has no
+            # lease yet, so nothing else would ever release it.
+            if engine.has_request(rid):
                 engine.release(rid)
                 self._admitted_seq.pop(rid, None)
             w.prefill.future.set_exception(

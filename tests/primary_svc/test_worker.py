@@ -554,3 +554,39 @@ def test_features_asked_in_a_shared_step_are_each_requests_own_and_change_no_log
         assert torch.equal(logits0, want_logits["p0"]) and torch.equal(logits1, want_logits["p1"])
     finally:
         worker.stop()
+
+
+def test_a_prefill_preempted_mid_way_that_waits_past_its_deadline_leaves_no_request(fp32_model):
+    """A Prefill preempted in the middle of its prompt waits (evicted, still open) for room; when its
+    deadline passes there, DEADLINE_EXCEEDED forgets the request too: it was never leased, so nothing
+    else would, and a later Prefill of the id would find it live (ALREADY_EXISTS) for ever."""
+    old, new = LONG_PROMPT[:120], LONG_PROMPT[:300]
+    probe = new_engine(fp32_model)
+    growth = probe.kv_cache.bytes_for_rows(len(old) + 16) - probe.kv_bytes_to_open(len(old))
+    budget = probe.kv_bytes_to_open(len(old)) + probe.kv_bytes_to_open(len(new)) + growth // 2
+    worker = EngineWorker(new_engine(fp32_model, max_bytes=budget), 32, 16, 16)
+    try:
+        worker.prefill("old", old)
+        with ThreadPoolExecutor(2) as pool:
+            paused = Paused(worker)
+            prefilled = pool.submit(worker.prefill, "new", new, timeout_s=600)
+            paused.release_when_queued(1)
+            assert wait_until(lambda: worker.call(lambda e: e.has_request("new"))), "never admitted"
+            paused = Paused(worker)  # between two of its chunks
+            grown = pool.submit(worker.verify, "old", (), (), [7] * 16, list(range(-1, 15)))
+            paused.release_when_queued(1)
+            grown.result(timeout=120)
+            assert worker.engine.is_evicted("new") and worker.num_waiting == 1
+
+            def expire(engine: Engine) -> None:  # its deadline passes while it waits for room
+                for w in worker._waiting:
+                    if w.prefill is not None:
+                        w.prefill.deadline = time.monotonic()
+
+            worker.call(expire)
+            with pytest.raises(DeadlineExceeded):
+                prefilled.result(timeout=120)
+        assert not worker.call(lambda e: e.has_request("new"))
+        assert worker.engine.num_active_requests == 1
+    finally:
+        worker.stop()
