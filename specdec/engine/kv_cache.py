@@ -69,12 +69,11 @@ class KVCache:
     def _round_capacity(self, num_rows: int) -> int:
         return math.ceil(num_rows / BLOCK_TOKENS) * BLOCK_TOKENS
 
-    def _charge(self, extra_bytes: int) -> None:
+    def _check_room(self, extra_bytes: int) -> None:
         if self.max_bytes is not None and self.num_bytes + extra_bytes > self.max_bytes:
             raise KVBudgetExceeded(
                 f"KV cache needs {extra_bytes} more bytes; {self.num_bytes} of {self.max_bytes} are in use"
             )
-        self.num_bytes += extra_bytes
 
     def bytes_for_rows(self, num_rows: int) -> int:
         """What `allocate(num_rows)` charges."""
@@ -95,16 +94,20 @@ class KVCache:
 
     def allocate(self, num_rows: int) -> KVSlot:
         capacity = self._round_capacity(max(num_rows, 1))
-        self._charge(capacity * self.bytes_per_token)
-        return KVSlot(*self._alloc(capacity))
+        self._check_room(capacity * self.bytes_per_token)
+        slot = KVSlot(*self._alloc(capacity))
+        self.num_bytes += capacity * self.bytes_per_token  # charged once held: an allocation that raised holds nothing
+        return slot
 
     def reserve(self, slot: KVSlot, num_rows: int) -> None:
         """Make room for `num_rows` rows in total (context + the rows about to be appended)."""
         if num_rows <= slot.capacity:
             return
         capacity = self._round_capacity(max(num_rows, int(slot.capacity * GROWTH_FACTOR)))
-        self._charge((capacity - slot.capacity) * self.bytes_per_token)
+        extra_bytes = (capacity - slot.capacity) * self.bytes_per_token
+        self._check_room(extra_bytes)
         k, v = self._alloc(capacity)
+        self.num_bytes += extra_bytes  # charged once held, as in `allocate`
         k[:, :, : slot.num_cached] = slot.k[:, :, : slot.num_cached]
         v[:, :, : slot.num_cached] = slot.v[:, :, : slot.num_cached]
         slot.k, slot.v = k, v
