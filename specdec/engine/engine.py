@@ -85,7 +85,9 @@ class _Request:
     token_ids: list[int]
     kv: KVSlot | None  # None: evicted (preempted); re-prefills from token_ids
     num_prompt_tokens: int = 0  # > 0: tokens after the prompt re-prefill row by row (`prefill`)
-    tree_chain: int = 0  # chain rows written by the last verify, after num_cached
+    # chain rows written by the last verify, after num_cached; 0 once its rows are not in the slot
+    # (evicted, or overwritten by a verify that failed): a commit then keeps no row, the tokens re-run
+    tree_chain: int = 0
     tree_parents: tuple[int, ...] = ()  # the tree of the last verify, whose rows follow the chain
     tree_token_ids: tuple[int, ...] = ()
     num_reused: int = 0  # prompt tokens whose KV rows came from the prefix cache at the last (re)admission
@@ -290,6 +292,7 @@ class Engine:
             return 0
         freed = self.kv_cache.release(req.kv)
         req.kv = None
+        req.tree_chain = 0  # the tree's rows went with the slot (a commit before `readmit` finds none either)
         return freed
 
     def readmit(self, request_id: str, num_extra_rows: int = 0) -> None:
@@ -461,6 +464,9 @@ class Engine:
         req = self._requests[w.request_id]
         chain = req.token_ids[req.slot.num_cached :]
         n, c = len(w.token_ids), len(chain)
+        # The last tree's rows are rewritten (or, growing the slot, dropped) from here on, even if the
+        # step then fails: its path can still be committed, but no longer by keeping its rows.
+        req.tree_chain = 0
         self._reserve(req, req.slot.num_cached + c + n)
         rows.input_ids.extend(chain)
         rows.input_ids.extend(w.token_ids)
@@ -543,7 +549,7 @@ class Engine:
         if len(req.token_ids) + len(new_token_ids) > self.max_context:
             raise InvalidArgument("committed_token_ids", f"the request would exceed max_context {self.max_context}")
         self.check_token_ids("committed_token_ids", new_token_ids)
-        if req.kv is not None:  # an evicted request re-prefills these tokens
+        if req.kv is not None and req.tree_chain:  # else the rows are gone: these tokens run again
             self.kv_cache.commit(req.kv, req.tree_chain, accepted_nodes)
         req.token_ids.extend(new_token_ids)
         req.tree_chain, req.tree_parents, req.tree_token_ids = 0, (), ()

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from specdec.engine.engine import Engine
+from specdec.engine.engine import Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specdec.sampling import SamplingParams
@@ -101,6 +101,40 @@ def test_rejecting_every_node_rolls_the_tree_back(engine):
     engine.commit("a", [], [55])
     got = engine.verify("a", (), ())
     torch.testing.assert_close(got, sequential_logits(engine, PROMPT + [55], []), atol=ATOL, rtol=0)
+
+
+def test_a_verify_step_that_fails_leaves_no_rows_of_the_last_tree_to_commit(fp32_model):
+    """A re-verify whose step fails (here the other request's growth exceeds the budget) has already
+    grown "a"'s slot, which copies its cached rows only: the last tree's rows are gone. Committing that
+    tree's path must not keep them; its tokens run again in the next verify."""
+    probe = KVCache(fp32_model.config, torch.float32)
+    kv = KVCache(fp32_model.config, torch.float32, max_bytes=3 * probe.bytes_for_rows(len(PROMPT) + 1))
+    engine = Engine(fp32_model.model, kv, 1024)
+    engine.open("a", PROMPT)
+    engine.prefill("a")
+    engine.open("b", PROMPT)
+    engine.verify("a", [700, 701], [-1, 0])
+    wide = list(range(300, 360)), [-1] * 60  # grows a slot by a block: room for one of them only
+    with pytest.raises(ResourceExhausted):
+        engine.verify_batch([VerifyWork("a", *wide), VerifyWork("b", *wide)])
+    engine.commit("a", [0, 1], [700, 701, 9000])
+    got = engine.verify("a", (), ())
+    engine.release("b")  # room for the reference
+    torch.testing.assert_close(got, sequential_logits(engine, PROMPT + [700, 701, 9000], []), atol=ATOL, rtol=0)
+
+
+def test_a_commit_after_preemption_re_prefills_the_accepted_rows(engine):
+    """Evicted after its verify and given a new slot before its commit: the accepted path's rows went
+    with the old slot, so the commit keeps none and the prefill computes them."""
+    engine.open("a", PROMPT)
+    engine.prefill("a")
+    engine.verify("a", [700, 701, 702], [-1, 0, -1])
+    engine.evict("a")
+    engine.readmit("a")
+    engine.commit("a", [0, 1], [700, 701, 9000])
+    engine.prefill("a")
+    got = engine.verify("a", (), ())
+    torch.testing.assert_close(got, sequential_logits(engine, PROMPT + [700, 701, 9000], []), atol=ATOL, rtol=0)
 
 
 def test_batched_verify_equals_separate_verifies(engine):
