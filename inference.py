@@ -52,6 +52,12 @@ PROG = "python inference.py"
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 FINISH_REASON_PREFIX = "FINISH_REASON_"
 MAX_SEED = 2**64 - 1
+# The ranges of the request's proto fields (uint32 counts, int32 top_k): a larger value is a bad
+# flag, not a ValueError from protobuf when the request is built.
+MAX_UINT32, MAX_INT32 = 2**32 - 1, 2**31 - 1
+# About 31 years: a gRPC deadline past ~7e9 s from now overflows its nanoseconds and the call fails
+# at once with DEADLINE_EXCEEDED.
+MAX_TIMEOUT_S = 1e9
 # Statuses that say the request was at fault, not a service: no need to point at the logs.
 CLIENT_ERROR_CODES = (
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -84,13 +90,18 @@ def ranged(
             raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
         too_low = low is not None and (value <= low if is_low_open else value < low)
         if too_low or (high is not None and value > high):
-            bounds = (
-                f"{'(' if is_low_open else '['}{'-inf' if low is None else low:g}, {'inf' if high is None else high:g}]"
-            )
+            bounds = f"{'(' if is_low_open else '['}{_bound(low, '-inf')}, {_bound(high, 'inf')}]"
             raise argparse.ArgumentTypeError(f"must be in {bounds}, got {value}")
         return value
 
     return parse
+
+
+def _bound(value: float | None, unbounded: str) -> str:
+    """A bound as the message shows it: a float short (0.5, 1e+09), an int in full (4294967295)."""
+    if value is None:
+        return unbounded
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def strategy_list(text: str) -> tuple[str, ...]:
@@ -133,9 +144,9 @@ def _add_io_args(io: argparse._ArgumentGroup) -> None:
 
 def _add_generation_args(gen: argparse._ArgumentGroup) -> None:
     """Sampling, stop strings, length and deadline of the request."""
-    gen.add_argument("--max_new_tokens", type=ranged(int, 1), metavar="N", help="default: the gateway's")
+    gen.add_argument("--max_new_tokens", type=ranged(int, 1, MAX_UINT32), metavar="N", help="default: the gateway's")
     gen.add_argument("--temperature", type=ranged(float, 0.0), default=0.0, metavar="T", help="0 (default): greedy")
-    gen.add_argument("--top_k", type=ranged(int, 0), default=0, metavar="K", help="0 (default): off")
+    gen.add_argument("--top_k", type=ranged(int, 0, MAX_INT32), default=0, metavar="K", help="0 (default): off")
     gen.add_argument(
         "--top_p", type=ranged(float, 0.0, 1.0, is_low_open=True), default=1.0, metavar="P", help="1 (default): off"
     )
@@ -147,11 +158,15 @@ def _add_generation_args(gen: argparse._ArgumentGroup) -> None:
         help="the model's end-of-sequence tokens do not end the output: it runs to --max_new_tokens or a stop string",
     )
     gen.add_argument(
-        "--min_tokens", type=ranged(int, 0), default=0, metavar="N", help="no end of the output before N tokens"
+        "--min_tokens",
+        type=ranged(int, 0, MAX_UINT32),
+        default=0,
+        metavar="N",
+        help="no end of the output before N tokens",
     )
     gen.add_argument(
         "--timeout",
-        type=ranged(float, 0.0, is_low_open=True),
+        type=ranged(float, 0.0, MAX_TIMEOUT_S, is_low_open=True),
         default=DEFAULT_TIMEOUT_S,
         metavar="S",
         help=f"deadline of the request, seconds (default {DEFAULT_TIMEOUT_S:g})",
@@ -169,8 +184,12 @@ def _add_speculation_args(spec: argparse._ArgumentGroup) -> None:
         metavar="BOOL",
         help="speculate (true/false/1/0/yes/no); default: the gateway's (on)",
     )
-    spec.add_argument("--speculative_degree", type=ranged(int, 1), metavar="N", help="draft decoders per step")
-    spec.add_argument("--draft_length", type=ranged(int, 1), metavar="N", help="tokens each decoder proposes per step")
+    spec.add_argument(
+        "--speculative_degree", type=ranged(int, 1, MAX_UINT32), metavar="N", help="draft decoders per step"
+    )
+    spec.add_argument(
+        "--draft_length", type=ranged(int, 1, MAX_UINT32), metavar="N", help="tokens each decoder proposes per step"
+    )
     spec.add_argument(
         "--acceptance_threshold",
         type=ranged(float, 0.0, 1.0),

@@ -109,6 +109,14 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--redis_url", "redis+sentinel://127.0.0.1:26379"], "--redis_url"),
         (["--redis_url", "redis://127.0.0.1:6379", "--redis_cluster"], "--redis_cluster"),
         (["--gateway_address", "127.0.0.1:1", "--redis_cluster"], "--redis_cluster"),
+        # Past the request's proto fields (uint32, int32 top_k): a ValueError from protobuf otherwise.
+        (["--max_new_tokens", str(2**32)], "--max_new_tokens"),
+        (["--min_tokens", str(2**32)], "--min_tokens"),
+        (["--top_k", str(2**31)], "--top_k"),
+        (["--speculative_degree", str(2**32)], "--speculative_degree"),
+        (["--draft_length", str(2**32)], "--draft_length"),
+        # Past what a gRPC deadline holds: DEADLINE_EXCEEDED at once otherwise.
+        (["--timeout", "1e10"], "--timeout"),
     ],
 )
 def test_bad_flags_are_refused_locally_naming_the_flag(
