@@ -328,11 +328,26 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     if args.system is not None and not args.chat:
         parser.error("--system needs chat mode (drop --no-chat)")
     if args.prompt == "-":
-        args.prompt = sys.stdin.read()
+        try:
+            args.prompt = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            parser.error(f"--prompt -: stdin is not text in its encoding ({sys.stdin.encoding}): {e.reason}")
+    check_utf8(parser, args)
     if args.json_schema is not None:
         args.json_schema_text = read_json_schema(parser, args.json_schema)
     args.api_key = read_api_key(parser, args, os.environ)
     return args
+
+
+def check_utf8(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The texts the request carries must be UTF-8: bytes that are not (in an argument, or stdin in
+    a C locale) reach Python as lone surrogates, which protobuf refuses with a traceback."""
+    texts = [("--prompt", args.prompt), ("--system", args.system), *(("--stop", stop) for stop in args.stop)]
+    for flag, text in texts:
+        try:
+            (text or "").encode("utf-8")
+        except UnicodeEncodeError:
+            parser.error(f"{flag}: not UTF-8 text")
 
 
 def read_api_key(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
@@ -347,9 +362,11 @@ def read_api_key(parser: argparse.ArgumentParser, args: argparse.Namespace, envi
         return args.api_key
     if args.api_key_file is not None:
         try:
-            lines = args.api_key_file.read_text().splitlines()
+            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
         except OSError as e:
             parser.error(f"--api-key-file: cannot read {str(args.api_key_file)!r}: {e.strerror}")
+        except UnicodeDecodeError as e:
+            parser.error(f"--api-key-file: {str(args.api_key_file)!r} is not UTF-8 text: {e.reason}")
         key = lines[0].strip() if lines else ""
         if not key:
             parser.error(f"--api-key-file: {str(args.api_key_file)!r} has no key on its first line")
@@ -359,12 +376,14 @@ def read_api_key(parser: argparse.ArgumentParser, args: argparse.Namespace, envi
 
 def read_json_schema(parser: argparse.ArgumentParser, path: Path) -> str:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
         json.loads(text)
     except OSError as e:
         parser.error(f"--json_schema: cannot read {str(path)!r}: {e.strerror}")
     except json.JSONDecodeError as e:
         parser.error(f"--json_schema: {str(path)!r} is not JSON: {e}")
+    except UnicodeDecodeError as e:
+        parser.error(f"--json_schema: {str(path)!r} is not UTF-8 text: {e.reason}")
     return text
 
 

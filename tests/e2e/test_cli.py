@@ -5,6 +5,7 @@ with speculation on and off, streaming, errors with their gRPC status."""
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -117,6 +118,10 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--draft_length", str(2**32)], "--draft_length"),
         # Past what a gRPC deadline holds: DEADLINE_EXCEEDED at once otherwise.
         (["--timeout", "1e10"], "--timeout"),
+        # Bytes that are not UTF-8 (the shell passes them through as surrogates): protobuf cannot send them.
+        (["--prompt", "\udcff"], "--prompt"),
+        (["--system", "\udcff"], "--system"),
+        (["--stop", "\udcff"], "--stop"),
     ],
 )
 def test_bad_flags_are_refused_locally_naming_the_flag(
@@ -126,6 +131,28 @@ def test_bad_flags_are_refused_locally_naming_the_flag(
         inference.parse_args(["--prompt", "x", *flags])
     assert info.value.code == inference.EXIT_BAD_FLAGS
     assert field in capsys.readouterr().err
+
+
+def test_a_prompt_on_stdin_that_is_not_utf8_is_refused_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9"), encoding="utf-8"))
+    with pytest.raises(SystemExit) as info:
+        inference.parse_args(["--prompt", "-"])
+    assert info.value.code == inference.EXIT_BAD_FLAGS
+    assert "--prompt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--json_schema", "--api_key_file"])
+def test_a_file_that_is_not_utf8_is_refused_naming_the_flag(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "file"
+    path.write_bytes(b"\xff{}")
+    with pytest.raises(SystemExit) as info:
+        inference.parse_args(["--prompt", "x", flag, str(path)])
+    assert info.value.code == inference.EXIT_BAD_FLAGS
+    assert "UTF-8" in capsys.readouterr().err
 
 
 def test_the_request_carries_every_flag(tmp_path: Path) -> None:
