@@ -30,6 +30,7 @@ from draft_svc.strategies.suffix_index import ContinuationIndex, SuffixIndex
 from draft_svc.weights import PrimaryClient, WeightAttacher
 from specdec.grammar import GrammarCache, GrammarTokenizerInfo
 from specdec.logging import configure_service_telemetry
+from specdec.flags import config_or_exit
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from draft_svc.metrics import DraftMetrics
@@ -136,7 +137,7 @@ def _feature_drafter(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    config = from_args(argv, os.environ)
+    config = config_or_exit("python -m draft_svc", from_args, argv, os.environ)
     configure_service_telemetry("draft", config.log_level, os.environ)
     log = structlog.get_logger("draft_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)

@@ -26,6 +26,7 @@ from gateway.owner_probe import OwnerProbe
 from gateway.server import GenerationServicer
 from specdec.errors import Unavailable
 from specdec.logging import configure_service_telemetry
+from specdec.flags import config_or_exit
 from gateway.metrics import GatewayMetrics
 from specdec.model.loader import resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
@@ -42,7 +43,7 @@ LOOP_STOP_TIMEOUT_S = 10.0  # at shutdown, for running loops to stop within a st
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(argv)
+    config = config_or_exit("python -m gateway", parse_config, argv)
     configure_service_telemetry("gateway", config.log_level, os.environ)
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     try:

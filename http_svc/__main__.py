@@ -11,6 +11,7 @@ from specdec.service.api_keys import ApiKeys
 from http_svc.app import HttpFront
 from http_svc.config import parse_config
 from specdec.logging import configure_service_telemetry
+from specdec.flags import config_or_exit
 from specdec.metrics import start_metrics_server
 
 # In-flight answers get this long to finish after SIGTERM (the gRPC services drain for 5 s too).
@@ -18,7 +19,7 @@ GRACEFUL_STOP_S = 5
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(argv)
+    config = config_or_exit("python -m http_svc", parse_config, argv)
     configure_service_telemetry("http", config.log_level, os.environ)
     log = structlog.get_logger("http")
     try:

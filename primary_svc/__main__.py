@@ -31,6 +31,7 @@ from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import LoadedModel, load_model
 from specdec.logging import configure_service_telemetry
+from specdec.flags import config_or_exit
 from specdec.logits_shm import cleanup_stale_slots
 from primary_svc.metrics import PrimaryMetrics
 from specdec.model.fingerprint import model_fingerprint
@@ -52,7 +53,7 @@ LEASE_CHECK_MAX_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(argv)
+    config = config_or_exit("python -m primary_svc", parse_config, argv)
     configure_service_telemetry("primary_svc", config.log_level, os.environ, "primary")
     log = structlog.get_logger("primary_svc")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)

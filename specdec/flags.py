@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from specdec.flag_spellings import add_spellings
 from specdec.service.flags import Flags
@@ -37,6 +38,10 @@ class _FromConfig:
 FROM_CONFIG: Any = _FromConfig()
 # The group of a flag that sets no config field directly: its parse function reads it.
 NO_FIELD = None
+# argparse's exit status for a bad flag: a bad variable, or a value a config refuses, exits the same.
+EXIT_BAD_CONFIG = 2
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,3 +143,14 @@ def names(text: str) -> tuple[str, ...]:
 def optional(text: str | None) -> str | None:
     """An optional text flag's value: "" means unset."""
     return text or None
+
+
+def config_or_exit(prog: str, parse: Callable[..., T], *args: Any) -> T:
+    """parse(*args): a service's config from its flags and environment. A ValueError (a variable that
+    does not parse, a value the config refuses) is one line naming it and EXIT_BAD_CONFIG, as argparse
+    reports a bad flag: a traceback would bury the message in the service's log."""
+    try:
+        return parse(*args)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_CONFIG) from None

@@ -10,6 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from specdec.logging import configure_service_telemetry
+from specdec.flags import config_or_exit
 from specdec.metrics import RpcMetrics, gauge
 from specdec.service.auth import serve_internal, service_token_or_exit
 from specdec.v1 import validator_pb2_grpc
@@ -35,7 +36,7 @@ def build_servicer(
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(argv)
+    config = config_or_exit("python -m validator_svc", parse_config, argv)
     configure_service_telemetry("validator_svc", config.log_level, os.environ, "validator")
     service_token = service_token_or_exit(config.service_token_file, config.is_unauthenticated_allowed)
     if config.num_threads:

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from specdec.flags import NO_FIELD, Flag, names, parse_flags, values
+from specdec.flags import EXIT_BAD_CONFIG, NO_FIELD, Flag, names, parse_flags, values
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,3 +61,30 @@ def test_the_environment_sets_defaults_and_the_command_line_wins() -> None:
 def test_a_bad_variable_names_itself_and_the_flag() -> None:
     with pytest.raises(ValueError, match="SPECDEC_TEST_MAX_BATCH.*--max_batch"):
         parse([], {"SPECDEC_TEST_MAX_BATCH": "many"})
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "environ", "named"),
+    [
+        ("gateway", ["--max_active_requests", "0"], {}, "max_active_requests"),
+        ("gateway", [], {"SPECDEC_GATEWAY_PORT": "x"}, "SPECDEC_GATEWAY_PORT"),
+        ("primary_svc", ["--max_context", "8"], {}, "max_context"),
+        ("validator_svc", ["--num_threads", "-1"], {}, "num_threads"),
+        ("draft_svc", [], {"SPECDEC_PORT": "x"}, "SPECDEC_PORT"),
+        ("http_svc", [], {"SPECDEC_HTTP_MAX_BODY_BYTES": "x"}, "SPECDEC_HTTP_MAX_BODY_BYTES"),
+    ],
+)
+def test_a_service_refuses_a_bad_value_in_one_line_not_a_traceback(
+    module: str, argv: list[str], environ: dict[str, str], named: str
+) -> None:
+    """What a value that does not parse, or one the config refuses, looks like at the service's start."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        cwd=REPO_ROOT,
+        env={**os.environ, **environ},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == EXIT_BAD_CONFIG, done.stderr[-2000:]
+    assert named in done.stderr and "Traceback" not in done.stderr
