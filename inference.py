@@ -67,6 +67,7 @@ CLIENT_ERROR_CODES = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
 )
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_HTTP_PORT = 8000
 # The API key's variable, read when no --api-key-file is given.
 API_KEY_VARIABLE = "SPECDEC_API_KEY"
 # How often --serve checks that every service is still alive.
@@ -260,17 +261,16 @@ def _add_serving_args(stack: argparse._ArgumentGroup) -> None:
     stack.add_argument(
         "--http_port",
         type=ranged(int, 0, 65535),
-        default=8000,
         metavar="PORT",
-        help="--serve: the HTTP API's port on 127.0.0.1 (default 8000; 0: a free one)",
+        help=f"--serve: the HTTP API's port on 127.0.0.1 (default {DEFAULT_HTTP_PORT}; 0: a free one)",
     )
     stack.add_argument(
         "--max_service_restarts",
         type=ranged(int, 0),
-        default=DEFAULT_MAX_RAPID_RESTARTS,
         metavar="N",
         help="--serve: a service that exits is restarted on its address, after 0.5 s doubling to 30 s; "
-        "after N restarts in a row (none lasting a minute) the services stop (default %(default)s; 0: at once)",
+        f"after N restarts in a row (none lasting a minute) the services stop (default {DEFAULT_MAX_RAPID_RESTARTS}; "
+        "0: at once)",
     )
 
 
@@ -306,6 +306,13 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         parser.error("--prompt is required (or --serve)")
     if (args.nodes > 1 or args.gateways > 1) and (not args.serve or args.prompt is not None):
         parser.error("--nodes / --gateways above 1 start a cluster: they go with --serve and no --prompt")
+    # Unset (None) until here so that one given without --serve is refused, not silently unused.
+    serve_only = [f"--{n}" for n in ("http_port", "max_service_restarts") if getattr(args, n) is not None]
+    if serve_only and not args.serve:
+        parser.error(f"{', '.join(serve_only)}: only with --serve (without it no HTTP API or supervisor runs)")
+    args.http_port = DEFAULT_HTTP_PORT if args.http_port is None else args.http_port
+    if args.max_service_restarts is None:
+        args.max_service_restarts = DEFAULT_MAX_RAPID_RESTARTS
     if args.gateway_address is not None:
         if args.serve:
             parser.error("--serve starts the services: it does not take --gateway_address")

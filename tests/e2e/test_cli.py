@@ -118,6 +118,9 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--draft_length", str(2**32)], "--draft_length"),
         # Past what a gRPC deadline holds: DEADLINE_EXCEEDED at once otherwise.
         (["--timeout", "1e10"], "--timeout"),
+        # --serve's own flags without --serve: the HTTP front never started, nothing said so.
+        (["--http_port", "9000"], "--http_port"),
+        (["--max_service_restarts", "2"], "--max_service_restarts"),
         # Bytes that are not UTF-8 (the shell passes them through as surrogates): protobuf cannot send them.
         (["--prompt", "\udcff"], "--prompt"),
         (["--system", "\udcff"], "--system"),
