@@ -331,9 +331,12 @@ class StepPlanner:
         the prediction: the user supplied it and it costs nothing to draft, while the controller,
         pricing each decoder's nodes apart, may leave it out for another decoder that drafts the same
         tokens (the suffix index after a repeated request). At the degree bound it takes the last
-        source's place."""
+        source's place. Not where the request drafts without the decoder (a draft pool that does not
+        offer it, gateway.params): the pool could not draft it, nor the controller learn from it."""
         key = (PREDICTION_STRATEGY, 0)
         if self.prediction is None or not plan.is_speculative or key in plan.sources:
+            return plan
+        if PREDICTION_STRATEGY not in self.params.speculation.strategies:
             return plan
         position = self.prediction.next_position
         if position == LOST or position >= len(self.prediction_ids):
