@@ -178,9 +178,11 @@ _NO_DEPTHS: list[Any] = [0, [], []]  # a rank r > 0 row, or stats stored before 
 
 
 def _copied(value: Any) -> Any:
-    """A field's value with its lists and dicts copied (numbers and strings as they are)."""
+    """A field's value with its lists and dicts copied, nested ones too (numbers and strings as they
+    are): a decoder_depths row holds its counts by depth as lists, which the next step adds to while
+    the snapshot still waits for the validator's check before it is written (gateway.loop)."""
     if isinstance(value, list):
-        return list(value)
+        return [_copied(v) for v in value] if any(isinstance(v, (list, dict)) for v in value) else list(value)
     if isinstance(value, dict):
         return {k: _copied(v) for k, v in value.items()}
     return value
