@@ -17,9 +17,10 @@ overstates correlated ones; node counts ignore merged prefixes (an upper bound o
 
 Step costs come from gateway/cost_model.py, in units of one 1-token primary forward:
     speedup     = E[accepted length] * plain step cost / speculative step cost
-For each gamma on a grid, decoders are added greedily while the speedup grows, so one whose gain does
-not pay for its draft and verify cost is left out; the best gamma wins. Ranks of one decoder share its
-draft cost and the verify rows it adds beside its candidates (lookahead's window, `extra_rows`).
+For each gamma on a grid, decoders are added greedily while the speedup grows and their nodes stay within
+max_tree_nodes, so one whose gain does not pay for its draft and verify cost is left out; the best gamma
+wins. Ranks of one decoder share its draft cost and the verify rows it adds beside its candidates
+(lookahead's window, `extra_rows`).
 
 A tree decoder (specdec.strategies.TREE_STRATEGIES: the feature drafter, EAGLE-2) grows one token tree
 per Propose and returns its root-to-leaf paths, best leaf first, as its ranks 0, 1, ...; the request's
@@ -458,18 +459,16 @@ def _best_choice(
     speedup, accepted_length = np.zeros(len(gammas)), np.ones(len(gammas))  # [G]
     order: list[list[int]] = [[] for _ in gammas]
     for _ in range(min(config.max_speculative_degree, num_sources)):
-        is_eligible = ~chosen & (c.is_first_rank | chosen[:, c.prev_rank])  # [G, S]
+        new_nodes = num_nodes[:, None] + nodes  # [G, S]
+        # Only what the node budget holds: the pool cuts a larger tree to max_tree_nodes, so the depths
+        # past the budget would be counted as gained while the verify never sees them.
+        is_eligible = ~chosen & (c.is_first_rank | chosen[:, c.prev_rank]) & (new_nodes <= config.max_tree_nodes)
         new_miss = miss[:, None, :] * unreached  # [G, S, J]
         new_length = 1.0 + (1.0 - new_miss).sum(axis=2)  # [G, S], bonus token included
-        new_nodes = num_nodes[:, None] + nodes  # [G, S]
         is_paid = is_used[:, c.decoder_of]  # [G, S]
         new_draft = draft_cost[:, None] + np.where(is_paid, 0.0, c.draft)  # [G, S]
         new_extra = num_extra[:, None] + np.where(is_paid, 0.0, c.extra_rows)  # [G, S]
-        step = (
-            cost_model.speculative_overhead
-            + new_draft
-            + cost_model.verify(load + 1.0 + np.minimum(new_nodes, config.max_tree_nodes) + new_extra)
-        )  # [G, S]
+        step = cost_model.speculative_overhead + new_draft + cost_model.verify(load + 1.0 + new_nodes + new_extra)
         gain = (load + new_length) / (load + 1.0)  # [G, S]: the step's tokens against a plain step's
         new_speedup = np.where(is_eligible, gain * plain_step / step, -np.inf)  # [G, S]
         pick = new_speedup.argmax(axis=1)  # [G]

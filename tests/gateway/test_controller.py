@@ -159,6 +159,25 @@ def test_a_decoder_that_does_not_pay_for_its_cost_is_left_out():
     assert paid.sources == ((EARLY_EXIT, 0),)  # the same acceptance earns its place once it is cheap
 
 
+def test_a_plan_expects_no_more_of_its_tree_than_the_node_budget_holds():
+    # A flat verify curve makes every row free: without a budget both candidates draft 16 tokens. A
+    # budget of 8 nodes holds one chain of 8 (1 + 0.8 + ... + 0.8^8 = 4.33 tokens) or two of 4 (4.24),
+    # never two of 16, which the pool would cut to 8 nodes.
+    flat = CostModel(((1, 1.0), (64, 1.0)), ((LOOKUP, DraftCost()), (SUFFIX, DraftCost())))
+    decoders = {LOOKUP: 1, SUFFIX: 1}
+    roomy = ControllerConfig(prior_coverage=1.0, max_speculative_degree=2, draft_length_choices=(4, 8, 16))
+    tight = ControllerConfig(
+        prior_coverage=1.0, max_speculative_degree=2, draft_length_choices=(4, 8, 16), max_tree_nodes=8
+    )
+    wide = adjust_speculative_degree("code", 0.8, decoders=decoders, cost_model=flat, config=roomy)
+    assert (wide.draft_length, wide.speculative_degree) == (16, 2)
+    plan = adjust_speculative_degree("code", 0.8, decoders=decoders, cost_model=flat, config=tight)
+    assert (plan.draft_length, plan.speculative_degree, plan.max_tree_nodes) == (8, 1, 8)
+    assert plan.expected_accepted_length == pytest.approx(expected_accepted_length(0.8, 8))
+    assert plan.expected_speedup == pytest.approx(expected_accepted_length(0.8, 8))  # rows are free
+    assert plan.expected_speedup < wide.expected_speedup
+
+
 def test_a_decoders_extra_verify_rows_are_priced_once_by_the_verify_curve():
     # Lookahead's window adds rows to every verify it rides in: the same acceptance as prompt lookup
     # loses to it when the rows cost more than they gain, and ranks of it pay for the rows once.
@@ -639,7 +658,9 @@ def greedy_by_draft_length(estimates, cost_model, config, known_coverage, load):
                 new_draft = draft + (0.0 if is_paid else cost_model.draft(e.decoder, gamma))
                 new_extra = extra + (0.0 if is_paid else cost_model.extra_rows(e.decoder))
                 new_nodes = nodes + coverage * length
-                rows = load + 1.0 + min(new_nodes, config.max_tree_nodes) + new_extra
+                if new_nodes > config.max_tree_nodes:
+                    continue
+                rows = load + 1.0 + new_nodes + new_extra
                 step = cost_model.speculative_overhead + new_draft + cost_model.verify(rows)
                 value = (load + 1.0 + sum(1.0 - m for m in new_miss)) / (load + 1.0) * plain_step / step
                 if pick is None or value > pick[0]:
