@@ -14,8 +14,8 @@ values. The meta hash's fields:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from specdec.state_store.types import (
     TOKEN_BYTES,
@@ -29,7 +29,10 @@ from specdec.state_store.types import (
     decode_token_ids,
     encode_json,
     encode_token_ids,
+    record_corrupt,
 )
+
+T = TypeVar("T")
 
 
 def create_record(
@@ -77,23 +80,48 @@ def flat(meta: Mapping[str, str]) -> list[str]:
 def state_from_record(
     request_id: str, meta: Mapping[str, str], tokens: bytes | None, prompt: bytes | None, owner: str
 ) -> RequestState:
-    """The RequestState of a stored record (owner: "" when unclaimed or the lease expired)."""
+    """The RequestState of a stored record (owner: "" when unclaimed or the lease expired); Internal
+    (record_corrupt) naming the field when a value is missing or malformed: one record a bug or an
+    operator wrote must not pass for a store failure, nor crash its reader with a KeyError."""
+
+    def read(field: str, parse: Callable[[str], T]) -> T:
+        if field not in meta:
+            raise record_corrupt(request_id, field, "is missing")
+        try:
+            return parse(meta[field])
+        except ValueError as e:  # json.JSONDecodeError and an unknown status are ValueErrors too
+            raise record_corrupt(request_id, field, f"holds {meta[field][:80]!r}: {e}") from None
+
+    def packed(field: str, data: bytes | None) -> tuple[int, ...]:
+        try:
+            return decode_token_ids(data)
+        except ValueError as e:
+            raise record_corrupt(request_id, field, str(e)) from None
+
     return RequestState(
         request_id=request_id,
-        params=json.loads(meta["params"]),
-        status=RequestStatus(meta["status"]),
-        prompt_token_ids=decode_token_ids(prompt),
-        token_ids=decode_token_ids(tokens),
-        stats=json.loads(meta["stats"]),
-        controller_state=json.loads(meta["controller"]),
-        finish_reason=meta["finish_reason"],
-        error=meta["error"],
+        params=read("params", _json_object),
+        status=read("status", RequestStatus),
+        prompt_token_ids=packed("prompt", prompt),
+        token_ids=packed("tokens", tokens),
+        stats=read("stats", _json_object),
+        controller_state=read("controller", _json_object),
+        finish_reason=read("finish_reason", str),
+        error=read("error", str),
         owner=owner,
-        created_ms=int(meta["created_ms"]),
-        updated_ms=int(meta["updated_ms"]),
+        created_ms=read("created_ms", int),
+        updated_ms=read("updated_ms", int),
         kv_lease=meta.get("kv_lease", ""),
         node=meta.get("node", ""),
     )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A stored JSON object (params, stats, controller); ValueError for any other JSON."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object but {type(value).__name__}")
+    return value
 
 
 def is_replay(tokens: bytes | bytearray, packed: bytes, expected_num_tokens: int | None) -> bool:

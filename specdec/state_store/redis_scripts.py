@@ -232,8 +232,10 @@ def state_from_reply(request_id: str, replies: list[Any]) -> RequestState | None
     meta, tokens, prompt, owner = (reply or None for reply in replies)  # Lua's false -> None
     if not meta:
         return None
-    text = {meta[i].decode(): meta[i + 1].decode() for i in range(0, len(meta), 2)}
-    return state_from_record(request_id, text, tokens, prompt, (owner or b"").decode())
+    # errors="replace": a value that is not UTF-8 (written by hand) is refused by the field's own
+    # check (state_from_record) where it matters, and kept as text where it does not (an error message).
+    text = {meta[i].decode(errors="replace"): meta[i + 1].decode(errors="replace") for i in range(0, len(meta), 2)}
+    return state_from_record(request_id, text, tokens, prompt, (owner or b"").decode(errors="replace"))
 
 
 def split_stale(ids: list[str], statuses: list[bytes | None]) -> tuple[list[str], list[str]]:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict, Unpack
 
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from specdec.errors import AlreadyExists, FailedPrecondition, Internal, InvalidArgument, NotFound
 
 DEFAULT_NAMESPACE = "specdec"
 DEFAULT_TTL_S = 24 * 3600.0
@@ -256,6 +256,16 @@ def request_ended(request_id: str, status: str) -> FailedPrecondition:
 def lease_held(request_id: str, holder: str, owner: str | None) -> FailedPrecondition:
     """The write of owner refused: holder has a live lease on the request."""
     return FailedPrecondition("owner", f"the lease of {request_id!r} is held by {holder!r}, not {owner!r}")
+
+
+def record_corrupt(request_id: str, field: str, problem: str) -> Internal:
+    """A stored record the store cannot read back (a bug or an operator wrote it): the store's fault,
+    not the caller's, told apart from a store that does not answer (Unavailable)."""
+    return Internal(
+        "state_store",
+        f"the stored record of request {request_id!r} is corrupt: {field} {problem}",
+        dependency="state_store",
+    )
 
 
 def token_count_mismatch(num_stored: int, expected_num_tokens: int) -> FailedPrecondition:

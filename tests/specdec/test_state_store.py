@@ -18,7 +18,7 @@ import redis.asyncio
 
 from specdec.state_store.clients import open_async_client
 from specdec.state_store.redis_url import parse_redis_url
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from specdec.errors import AlreadyExists, FailedPrecondition, Internal, InvalidArgument, NotFound, Unavailable
 from specdec.state_store import (
     DEFAULT_NAMESPACE,
     AsyncInMemoryStateStore,
@@ -511,6 +511,40 @@ def test_redis_recovery_through_a_fresh_client(redis_server) -> None:
     finally:
         restarted.close()
         first.close()
+
+
+# A record a bug or an operator wrote: (the key under specdec:req:{r1}, a command that spoils it, the
+# field the error names).
+CORRUPTIONS = {
+    "bad-json": ("meta", ("HSET", "params", "{not json"), "params"),
+    "not-an-object": ("meta", ("HSET", "stats", "[1]"), "stats"),
+    "unknown-status": ("meta", ("HSET", "status", "paused"), "status"),
+    "missing-field": ("meta", ("HDEL", "created_ms"), "created_ms"),
+    "not-utf8": ("meta", ("HSET", "finish_reason", b"\xff"), None),
+    "torn-token-log": ("tokens", ("APPEND", b"\x01\x02\x03"), "tokens"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_redis_a_corrupt_record_loads_as_an_error_naming_the_field(
+    corruption: str, redis_server, redis_client: redis.Redis
+) -> None:
+    """Not a KeyError or a JSON error out of the store: its callers (GetRequest, adopting a request)
+    tell one record's corruption from a failing store, and say which field is bad."""
+    key, (command, *args), field = CORRUPTIONS[corruption]
+    store = RedisStateStore.from_url(redis_server.url, StateStoreConfig(ttl_s=60.0))
+    try:
+        store.create("r1", PARAMS, prompt_token_ids=[1])
+        store.append_step("r1", [2], owner="gw-1")
+        redis_client.execute_command(command, f"{DEFAULT_NAMESPACE}:req:{{r1}}:{key}", *args)
+        if field is None:  # text the record can carry on: not worth failing the request for
+            assert store.load("r1").finish_reason == "\ufffd"
+            return
+        with pytest.raises(Internal, match=f"'r1'.*{field}") as raised:
+            store.load("r1")
+        assert raised.value.dependency == "state_store"
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("is_stalled", [True, False], ids=["stalled", "absent"])
