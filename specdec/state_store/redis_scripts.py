@@ -239,12 +239,11 @@ def state_from_reply(request_id: str, replies: list[Any]) -> RequestState | None
 
 
 def split_stale(ids: list[str], statuses: list[bytes | None]) -> tuple[list[str], list[str]]:
-    """(active, stale) ids: stale ones have ended or expired and leave the index."""
-    stale = [
-        rid
-        for rid, status in zip(ids, statuses, strict=True)
-        if status is None or RequestStatus(status.decode()).is_terminal
-    ]
+    """(active, stale) ids: stale ones have ended or expired and leave the index. A status that is
+    no RequestStatus (written by hand) is not an end: that request stays listed, and its load says
+    what is wrong with it, rather than one record failing the list of every active request."""
+    ended = {s.value.encode() for s in TERMINAL_STATUSES}
+    stale = [rid for rid, status in zip(ids, statuses, strict=True) if status is None or status in ended]
     stale_set = set(stale)
     return [rid for rid in ids if rid not in stale_set], stale
 

@@ -547,6 +547,23 @@ def test_redis_a_corrupt_record_loads_as_an_error_naming_the_field(
         store.close()
 
 
+def test_redis_a_corrupt_status_does_not_hide_the_other_active_requests(
+    redis_server, redis_client: redis.Redis
+) -> None:
+    """list_active is how a starting gateway finds the requests it resumes: one status written by
+    hand must not fail it for all; that request stays listed (it has not ended), its load names it."""
+    store = RedisStateStore.from_url(redis_server.url, StateStoreConfig(ttl_s=60.0))
+    try:
+        store.create("r1", PARAMS)
+        store.create("r2", PARAMS)
+        redis_client.hset(f"{DEFAULT_NAMESPACE}:req:{{r1}}:meta", "status", "paused")
+        assert store.list_active() == ["r1", "r2"]
+        with pytest.raises(Internal, match="status"):
+            store.load("r1")
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("is_stalled", [True, False], ids=["stalled", "absent"])
 def test_a_stalled_or_absent_redis_is_unavailable_and_named_as_the_dependency(
     is_stalled: bool, redis_server, tmp_path
