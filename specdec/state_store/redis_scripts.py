@@ -59,13 +59,15 @@ from specdec.state_store.types import (
 # An error reply of the scripts below: a code, then an optional detail.
 _SCRIPT_ERROR = re.compile(r"(SPECDEC_[A-Z_]+)(?: (.*))?$")
 _TERMINAL_LUA = " or ".join(f"s == '{s}'" for s in sorted(TERMINAL_STATUSES))
+_LIVE_STATUSES = frozenset(s.value for s in RequestStatus if not s.is_terminal)
 
 # KEYS: meta, tokens, prompt, owner.
 # ARGV: packed prompt, ttl_ms, then field/value pairs of the meta hash (specdec.state_store.record).
 CREATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local m = redis.call('HMGET', KEYS[1], 'status', 'created_ms')
-  return redis.error_reply('SPECDEC_EXISTS ' .. m[1] .. ' ' .. m[2])
+  -- (a field that is missing, false here, would fail the concatenation: the id is taken all the same)
+  return redis.error_reply('SPECDEC_EXISTS ' .. (m[1] or '') .. ' ' .. (m[2] or ''))
 end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 redis.call('HSET', KEYS[1], unpack(ARGV, 3))
@@ -256,7 +258,9 @@ def live_duplicate_created_ms(e: redis.ResponseError) -> int | None:
     if match is None or match.group(1) != "SPECDEC_EXISTS" or not match.group(2):
         return None
     status, _, created_ms = match.group(2).partition(" ")
-    return None if RequestStatus(status).is_terminal else int(created_ms)
+    if status not in _LIVE_STATUSES or not created_ms.isdigit():  # a record written by hand: not ours
+        return None
+    return int(created_ms)
 
 
 @contextmanager

@@ -564,6 +564,22 @@ def test_redis_a_corrupt_status_does_not_hide_the_other_active_requests(
         store.close()
 
 
+@pytest.mark.parametrize("command", [("HDEL", "status", "created_ms"), ("HSET", "status", "paused")])
+def test_redis_a_create_over_a_corrupt_record_is_already_exists(
+    command: tuple[str, ...], redis_server, redis_client: redis.Redis
+) -> None:
+    """The id is taken whatever its record holds: ALREADY_EXISTS, not a Lua error or a ValueError."""
+    store = RedisStateStore.from_url(redis_server.url, StateStoreConfig(ttl_s=60.0))
+    try:
+        store.create("r1", PARAMS)
+        name, *args = command
+        redis_client.execute_command(name, f"{DEFAULT_NAMESPACE}:req:{{r1}}:meta", *args)
+        with pytest.raises(AlreadyExists, match="request_id"):
+            store.create("r1", PARAMS)
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("is_stalled", [True, False], ids=["stalled", "absent"])
 def test_a_stalled_or_absent_redis_is_unavailable_and_named_as_the_dependency(
     is_stalled: bool, redis_server, tmp_path
