@@ -48,6 +48,7 @@ from specdec.state_store.types import (
     RequestStatus,
     StateStoreConfig,
     StepFields,
+    check_request_id,
     encode_token_ids,
     lease_held,
     request_ended,
@@ -182,7 +183,10 @@ class RedisLayout:
         self.active_key = f"{self.config.namespace}:active"
 
     def keys(self, request_id: str) -> tuple[str, str, str, str]:
-        """meta, tokens, prompt, owner keys of request_id."""
+        """meta, tokens, prompt, owner keys of request_id; InvalidArgument for an id with braces (as
+        create refuses it): a '}' first would leave the hash tag empty and put each key in a slot of its
+        own, and every script over them would fail CROSSSLOT on a cluster."""
+        check_request_id(request_id)
         base = f"{self.config.namespace}:req:{{{request_id}}}"
         return f"{base}:meta", f"{base}:tokens", f"{base}:prompt", f"{base}:owner"
 
@@ -225,8 +229,10 @@ class RedisLayout:
     def status_keys(self, members: list[bytes]) -> tuple[list[str], list[str]]:
         """The ids of the index's members and their meta keys, whose statuses list_active reads
         (clients are made without decode_responses: members come back as bytes)."""
-        ids = [rid.decode() for rid in members]
-        return ids, [self.keys(rid)[0] for rid in ids]
+        ids = [rid.decode(errors="replace") for rid in members]
+        # Not keys(), which refuses an id with braces: one such member (written by hand) must not fail
+        # the listing; a single-key HGET needs no common slot, and finding no status prunes it.
+        return ids, [f"{self.config.namespace}:req:{{{rid}}}:meta" for rid in ids]
 
 
 def state_from_reply(request_id: str, replies: list[Any]) -> RequestState | None:

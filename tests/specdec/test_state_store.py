@@ -580,6 +580,31 @@ def test_redis_a_create_over_a_corrupt_record_is_already_exists(
         store.close()
 
 
+@pytest.mark.parametrize("kind", ["redis", "cluster"])
+def test_redis_an_id_with_braces_is_refused_by_every_call(kind: str, request: pytest.FixtureRequest) -> None:
+    """A '}' first leaves the {request_id} hash tag empty, so each of the id's keys hashes whole to a
+    slot of its own: on a cluster a script over them failed CROSSSLOT (GetRequest answered INTERNAL).
+    Every call refuses such an id by name, as create always did: no stored request can have one."""
+    h = make_harness(kind, request, StateStoreConfig(ttl_s=60.0))
+    calls = {
+        "load": h.store.load,
+        "delete": h.store.delete,
+        "append_step": lambda r: h.store.append_step(r, [1]),
+        "claim": lambda r: h.store.claim(r, "gw-1"),
+        "take_over": lambda r: h.store.take_over(r, "gw-1", "gw-0"),
+    }
+    try:
+        for name, call in calls.items():
+            with pytest.raises(InvalidArgument, match="request_id.*braces"):
+                call("}x")
+                pytest.fail(f"{name} took an id with braces")
+        h.store.create("r1", PARAMS)
+        h.redis_client.zadd(f"{DEFAULT_NAMESPACE}:active", {"}x": 0})  # written by hand: not a request
+        assert h.store.list_active() == ["r1"]
+    finally:
+        h.store.close()
+
+
 @pytest.mark.parametrize("is_stalled", [True, False], ids=["stalled", "absent"])
 def test_a_stalled_or_absent_redis_is_unavailable_and_named_as_the_dependency(
     is_stalled: bool, redis_server, tmp_path
