@@ -29,7 +29,6 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
-
 from gateway.admission import Admission, Ticket
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
@@ -42,7 +41,7 @@ from gateway.owner_probe import OwnerProbe
 from gateway.params import GenerationParams, params_from_pb
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import Cancelled, InvalidArgument, Unavailable
+from specdec.errors import Cancelled, Internal, InvalidArgument, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.state_store import AsyncStateStore, RequestState, RequestStatus
@@ -99,8 +98,7 @@ class Resumption:
         loop runs in a task, like an admitted request's."""
         resumed = []
         for request_id in await self.store.list_active():
-            state = await self.store.load(request_id)
-            if state is not None and await self.adopt_if_abandoned(state, is_starting=True):
+            if await self._adopt_listed(request_id, is_starting=True):
                 resumed.append(request_id)
         if resumed:
             self.log.info("resumed requests", request_ids=resumed)
@@ -251,12 +249,23 @@ class Resumption:
         adopted = []
         try:
             for request_id in await self.store.list_active():
-                state = None if request_id in mine else await self.store.load(request_id)
-                if state is not None and await self.adopt_if_abandoned(state, is_patient=True):
+                if request_id not in mine and await self._adopt_listed(request_id, is_patient=True):
                     adopted.append(request_id)
         except Exception as e:  # noqa: BLE001 - the store may be failing over: next round
             self.log.warning("could not adopt requests", error=str(e))
         return adopted
+
+    async def _adopt_listed(self, request_id: str, **kwargs: bool) -> bool:
+        """adopt_if_abandoned(its stored state, **kwargs) of a request list_active named; False when it
+        is gone meanwhile, and when its record cannot be read back (Internal: a bug or an operator
+        wrote it), logged: one such record must not stop a gateway's start or its sweeps for every
+        request listed after it. A store that does not answer still ends the sweep (Unavailable)."""
+        try:
+            state = await self.store.load(request_id)
+        except Internal as e:
+            self.log.warning("a stored request cannot be read back; not adopted", request_id=request_id, error=str(e))
+            return False
+        return state is not None and await self.adopt_if_abandoned(state, **kwargs)
 
     async def followed(self, request, context, is_streamed: bool = False):
         """The stream of a retried request (the same request under a stored id): its stored output

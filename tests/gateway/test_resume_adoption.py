@@ -17,7 +17,14 @@ from gateway.owner_id import OwnerId
 from gateway.owner_probe import OwnerProbe, OwnerProbeConfig
 from gateway.resume import Resumption
 from specdec.errors import FailedPrecondition
-from specdec.state_store import AsyncInMemoryStateStore, InMemoryStateStore, RequestStatus, StateStoreConfig
+from specdec.state_store import (
+    AsyncInMemoryStateStore,
+    InMemoryStateStore,
+    RequestState,
+    RequestStatus,
+    StateStoreConfig,
+)
+from specdec.state_store.types import record_corrupt
 from tests.gateway.fake_clock import FakeClock
 
 LEASE_S = 30.0
@@ -167,5 +174,31 @@ def test_the_owner_a_request_was_taken_from_is_refused_and_writes_no_end() -> No
         assert (state.status, state.token_ids, state.finish_reason) == (RequestStatus.FINISHED, (5, 6), "length")
         # a client's Cancel, on any gateway, still goes through the plain store
         assert await store.set_status("r-alive", RequestStatus.CANCELLED, finish_reason="cancelled")
+
+    asyncio.run(main())
+
+
+class UnreadableStore(InMemoryStateStore):
+    """r-bad's record cannot be read back (a bug or an operator wrote it)."""
+
+    def load(self, request_id: str) -> RequestState | None:
+        if request_id == "r-bad":
+            raise record_corrupt(request_id, "params", "is missing")
+        return super().load(request_id)
+
+
+def test_a_record_that_cannot_be_read_holds_up_no_other_request() -> None:
+    """One corrupt record, listed first, neither stops a gateway's start nor its heartbeat's
+    adoptions of the requests listed after it."""
+
+    async def main() -> None:
+        store = AsyncInMemoryStateStore(UnreadableStore(StateStoreConfig(lease_s=LEASE_S)))
+        for request_id, owner in (("r-bad", DEAD), ("r-dead", DEAD), ("r-earlier", EARLIER_HERE)):
+            store.sync.create(request_id, {}, prompt_token_ids=[1], status=RequestStatus.RUNNING)
+            assert store.sync.claim(request_id, str(owner))
+        clock, checked = FakeClock(), []
+        gateway = Adopter(store, HERE, probe_of(clock, checked))
+        assert await gateway.adopt_abandoned() == ["r-dead"]  # the heartbeat's sweep
+        assert await gateway.resume_active() == ["r-earlier"]  # a start-up's
 
     asyncio.run(main())
