@@ -29,6 +29,8 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
+from google.protobuf import json_format
+
 from gateway.admission import Admission, Ticket
 from gateway.backends import Backends
 from gateway.config import GatewayConfig
@@ -38,7 +40,7 @@ from specdec.grammar.compiling import Grammars
 from gateway.loop import RequestLoop
 from gateway.owner_id import OwnerId
 from gateway.owner_probe import OwnerProbe
-from gateway.params import GenerationParams, params_from_pb
+from gateway.params import GenerationParams, params_from_pb, params_pb_from_json
 from gateway.stats import RequestStats
 from specdec import pb
 from specdec.errors import Cancelled, Internal, InvalidArgument, Unavailable
@@ -132,8 +134,6 @@ class Resumption:
         """Run a stored request here from its stored tokens (its gateway is gone), if this gateway can
         claim it (no other gateway holds its lease) or take it over from dead_owner (still its holder),
         and does not run it already."""
-        from gateway.params import params_pb_from_json
-
         with self._lock:
             if request_id in self._active:
                 return False
@@ -150,7 +150,7 @@ class Resumption:
             return False
         try:
             params = params_from_pb(
-                params_pb_from_json(state.params), self.config.limits, self.config.speculation, self._offered_strategies
+                _stored_request(state.params), self.config.limits, self.config.speculation, self._offered_strategies
             )
         except InvalidArgument as e:  # this gateway's limits refuse what an earlier one admitted
             await self._fail_unresumable(request_id, e)
@@ -309,6 +309,16 @@ class Resumption:
             self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))
         finally:
             self._end(loop.request_id, ticket)
+
+
+def _stored_request(params: dict[str, Any]) -> gateway_pb2.GenerateRequest:
+    """The GenerateRequest a request's stored parameters hold; InvalidArgument when they hold none
+    (written by a bug or by hand): no gateway can run that request, so its adopter ends it FAILED
+    rather than raising out of adopt, which would stop a start-up's resume_active."""
+    try:
+        return params_pb_from_json(params)
+    except json_format.ParseError as e:  # its first line names the field; the rest lists the valid ones
+        raise InvalidArgument("params", f"the stored parameters are no request: {str(e).splitlines()[0]}") from None
 
 
 def _is_predecessor(owner: str, holder: str) -> bool:

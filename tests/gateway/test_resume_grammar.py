@@ -161,3 +161,19 @@ def test_a_schema_refused_on_adoption_fails_the_request_and_frees_it() -> None:
         gateway.grammars.close()
 
     asyncio.run(main())
+
+
+def test_stored_parameters_that_are_no_request_fail_the_adopted_request() -> None:
+    """Parameters a bug or an operator wrote (a JSON object, but no GenerateRequest) end the request
+    FAILED, naming why, rather than raising out of adopt (a start-up's resume_active would fail with it)."""
+
+    async def main() -> None:
+        gateway = Gateway(Grammars(HeldCache()))
+        gateway.store.sync.create("r-1", {"no_such_field": 1}, prompt_token_ids=[1], status=RequestStatus.RUNNING)
+        assert not await gateway.adopt("r-1")
+        state = await gateway.store.load("r-1")
+        assert state.status == RequestStatus.FAILED and "no_such_field" in state.error
+        assert gateway._active == {} and not gateway.loop_made.is_set()
+        gateway.grammars.close()
+
+    asyncio.run(main())
