@@ -200,24 +200,31 @@ class Resumption:
         grammar: GrammarState | None,
     ) -> None:
         """The adopted request's loop, in a task, behind an admission slot."""
-        # The previous gateway's lease: the primary may still hold the request's slot, and lets
-        # only the lease's holder re-prefill it (on its stored node; another node has no slot).
-        node = self._place(request_id, state.prompt_token_ids, state.node)
-        if node is None or node.node_id == state.node:
-            (self.backends if node is None else node.backends).adopt_kv_lease(request_id, state.kv_lease)
-        loop = self.make_loop(
-            request_id,
-            params,
-            state.prompt_token_ids,
-            cancel,
-            None,
-            state.token_ids,
-            RequestStats.of_record(state),
-            state.controller_state,
-            grammar,
-            stored_params=state.params,
-            node=node,
-        )
+        try:
+            # The previous gateway's lease: the primary may still hold the request's slot, and lets
+            # only the lease's holder re-prefill it (on its stored node; another node has no slot).
+            node = self._place(request_id, state.prompt_token_ids, state.node)
+            if node is None or node.node_id == state.node:
+                (self.backends if node is None else node.backends).adopt_kv_lease(request_id, state.kv_lease)
+            loop = self.make_loop(
+                request_id,
+                params,
+                state.prompt_token_ids,
+                cancel,
+                None,
+                state.token_ids,
+                RequestStats.of_record(state),
+                state.controller_state,
+                grammar,
+                stored_params=state.params,
+                node=node,
+            )
+        except BaseException:
+            # Not run here after all: out of _active, or keep_leases would renew its lease for as long as
+            # this gateway lives and no gateway would ever run it. The lease lapses; it is adopted again.
+            with self._lock:
+                self._active.pop(request_id, None)
+            raise
         # A slot like any request's: a restart with many requests in flight must not run more
         # than max_active_requests at once.
         ticket = self.admission.enter(self._tenant_of(request_id), is_accepted=True)

@@ -10,12 +10,13 @@ import threading
 import types
 from typing import Any
 
+import pytest
 import structlog
 
 from gateway.config import Limits, SpeculationDefaults
 from gateway.params import params_to_json
 from gateway.resume import Resumption
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, Unavailable
 from specdec.grammar import ResponseFormat
 from specdec.grammar.compiling import Grammars, GrammarSettings
 from specdec.state_store import AsyncInMemoryStateStore, InMemoryStateStore, RequestStatus, StateStoreConfig
@@ -174,6 +175,35 @@ def test_stored_parameters_that_are_no_request_fail_the_adopted_request() -> Non
         state = await gateway.store.load("r-1")
         assert state.status == RequestStatus.FAILED and "no_such_field" in state.error
         assert gateway._active == {} and not gateway.loop_made.is_set()
+        gateway.grammars.close()
+
+    asyncio.run(main())
+
+
+class Unplaceable(Gateway):
+    """No node is known yet (gateway.server._place, with --nodes)."""
+
+    def _place(self, request_id: str, prompt_ids: Any, stored_node: str = "") -> None:
+        raise Unavailable("request_id", f"request {request_id!r}: no node is known yet; retry later")
+
+
+def test_an_adopted_request_that_cannot_start_is_not_kept_as_running_here() -> None:
+    """keep_leases renews the lease of every request in _active: one whose loop never started must
+    leave it, or its lease would be renewed for as long as this gateway lives, and no gateway would
+    ever run it. Its lease then lapses, and it is adopted again."""
+
+    async def main() -> None:
+        cache = HeldCache()
+        gateway = Unplaceable(Grammars(cache))
+        req = gateway_pb2.GenerateRequest(prompt="hi", max_new_tokens=4)
+        gateway.store.sync.create("r-plain", params_to_json(req), prompt_token_ids=[1], status=RequestStatus.RUNNING)
+        gateway.store_request("r-schema", SCHEMA)
+        with pytest.raises(Unavailable, match="no node"):
+            await gateway.adopt("r-plain")
+        assert await gateway.adopt("r-schema")  # its loop is made once the schema compiled, in a task
+        cache.release.set()
+        await asyncio.gather(*gateway._tasks, return_exceptions=True)
+        assert gateway._active == {}
         gateway.grammars.close()
 
     asyncio.run(main())
