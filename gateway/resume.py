@@ -43,7 +43,7 @@ from gateway.owner_probe import OwnerProbe
 from gateway.params import GenerationParams, params_from_pb, params_pb_from_json
 from gateway.stats import RequestStats
 from specdec import pb
-from specdec.errors import Cancelled, Internal, InvalidArgument, Unavailable
+from specdec.errors import Cancelled, InvalidArgument, Unavailable
 from specdec.grammar import GrammarState
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specdec.state_store import AsyncStateStore, RequestState, RequestStatus
@@ -264,15 +264,20 @@ class Resumption:
 
     async def _adopt_listed(self, request_id: str, **kwargs: bool) -> bool:
         """adopt_if_abandoned(its stored state, **kwargs) of a request list_active named; False when it
-        is gone meanwhile, and when its record cannot be read back (Internal: a bug or an operator
-        wrote it), logged: one such record must not stop a gateway's start or its sweeps for every
-        request listed after it. A store that does not answer still ends the sweep (Unavailable)."""
+        is gone meanwhile, and, logged, when its record cannot be read back (Internal: a bug or an
+        operator wrote it) or its adoption fails otherwise (stats its loop cannot read, say): one such
+        request must not stop a gateway's start (which would fail again at every restart) or its sweeps
+        for every request listed after it. A store that does not answer still ends the sweep."""
         try:
             state = await self.store.load(request_id)
-        except Internal as e:
-            self.log.warning("a stored request cannot be read back; not adopted", request_id=request_id, error=str(e))
+            return state is not None and await self.adopt_if_abandoned(state, **kwargs)
+        except Unavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - this request's fault, not the sweep's
+            self.log.warning(
+                "could not adopt a stored request", request_id=request_id, error=f"{type(e).__name__}: {e}"
+            )
             return False
-        return state is not None and await self.adopt_if_abandoned(state, **kwargs)
 
     async def followed(self, request, context, is_streamed: bool = False):
         """The stream of a retried request (the same request under a stored id): its stored output

@@ -202,3 +202,28 @@ def test_a_record_that_cannot_be_read_holds_up_no_other_request() -> None:
         assert await gateway.resume_active() == ["r-earlier"]  # a start-up's
 
     asyncio.run(main())
+
+
+class StumblingAdopter(Adopter):
+    """Cannot run r-bad: its stored stats are no numbers, say (RequestStats.of_record raises)."""
+
+    async def adopt(self, request_id: str, dead_owner: str = "") -> bool:
+        if request_id == "r-bad":
+            raise TypeError("unsupported operand type(s) for -: 'int' and 'str'")
+        return await super().adopt(request_id, dead_owner)
+
+
+def test_a_request_that_cannot_be_adopted_holds_up_no_other_request() -> None:
+    """Whatever one adoption raises, a start-up (which would fail, and fail again at every restart)
+    and a sweep go on to the requests listed after it."""
+
+    async def main() -> None:
+        store = AsyncInMemoryStateStore(InMemoryStateStore(StateStoreConfig(lease_s=LEASE_S)))
+        for request_id, owner in (("r-bad", EARLIER_HERE), ("r-earlier", EARLIER_HERE), ("r-dead", DEAD)):
+            store.sync.create(request_id, {}, prompt_token_ids=[1], status=RequestStatus.RUNNING)
+            assert store.sync.claim(request_id, str(owner))
+        clock, checked = FakeClock(), []
+        gateway = StumblingAdopter(store, HERE, probe_of(clock, checked))
+        assert await gateway.resume_active() == ["r-earlier", "r-dead"]
+
+    asyncio.run(main())
