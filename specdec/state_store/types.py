@@ -129,7 +129,8 @@ class AsyncStateStore(Protocol):
     Errors (specdec.errors): NotFound for an unknown request_id, AlreadyExists
     for create() of an existing one, FailedPrecondition for a write to a
     finished request, a token-count mismatch or a lost lease, Unavailable when
-    the backend cannot be reached.
+    the backend cannot be reached, Internal (record_corrupt) for a stored record
+    that cannot be read back (a bug or an operator wrote it).
     """
 
     async def create(self, request_id: str, params: Mapping[str, Any], **options: Unpack[CreateOptions]) -> None:
