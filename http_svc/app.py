@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specdec.service.api_keys import AUTHORIZATION, ApiKeys
+from specdec.service.server import DEFAULT_MAX_MESSAGE_BYTES
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, from_rpc_error
 from http_svc.metrics import HttpMetrics
@@ -58,10 +59,13 @@ REQUEST_ID_HEADER = "x-request-id"
 ID_PREFIXES = {CHAT: "chatcmpl", COMPLETION: "cmpl"}
 ENDPOINTS = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 # Reconnect to a restarted gateway within a second (gRPC's default backoff grows to two minutes).
+# Receive what the gateway may send (a whole answer with log probabilities can pass gRPC's default
+# 4 MiB): past the limit the call fails RESOURCE_EXHAUSTED, which would read as a 429 to retry.
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
 )
 
 
