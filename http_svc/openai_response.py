@@ -256,5 +256,6 @@ class ChunkWriter:
 
 
 def error_event(error_json: dict) -> bytes:
-    """A failure after the stream began: an event with the error object (the SDKs raise APIError)."""
-    return ChunkWriter._event(error_json)
+    """A failure after the stream began: an event with the error object (the SDKs raise APIError),
+    then [DONE], which ends every stream (vLLM's too): a client reading to [DONE] sees the end."""
+    return ChunkWriter._event(error_json) + SSE_DONE

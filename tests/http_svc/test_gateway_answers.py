@@ -55,3 +55,12 @@ def test_an_answer_past_4_mib_is_served_not_a_429(client: TestClient) -> None:
     assert response.status_code == 200, response.text[:500]
     assert response.json()["choices"][0]["message"]["content"] == LARGE_TEXT
 
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(client: TestClient) -> None:
+    response = client.post(CHAT_PATH, json=_chat(stream=True))
+    assert response.status_code == 200, response.text
+    payloads = [line[len("data: ") :] for line in response.text.split("\n") if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+    error = json.loads(payloads[-2])["error"]
+    assert error["code"] == "service_unavailable" and "the primary is gone" in error["message"]
+    assert all("choices" in json.loads(p) for p in payloads[:-2])
