@@ -119,6 +119,7 @@ class HttpFront:
             exception_handlers={
                 ApiError: _api_error,  # type: ignore[dict-item]
                 HTTPException: _http_error,  # type: ignore[dict-item]
+                ClientDisconnect: _client_gone,
                 Exception: _internal,
             },
         )
@@ -599,6 +600,12 @@ async def _http_error(_request: Request, error: HTTPException) -> Response:
         status_code=error.status_code,
         headers=error.headers,
     )
+
+
+async def _client_gone(_request: Request, _error: Exception) -> Response:
+    """A client gone while its body was read (/tokenize, /detokenize; generations count theirs in
+    _generate): nobody reads an answer, and it is no internal error to log."""
+    return Response(status_code=499)
 
 
 async def _internal(_request: Request, error: Exception) -> Response:

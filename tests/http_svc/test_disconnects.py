@@ -39,3 +39,8 @@ def test_a_client_that_disconnects_before_its_body_arrives_is_counted_not_a_500(
     assert not [m for m in sent if m["type"] == "http.response.start" and m["status"] >= 500]
     assert _disconnects(front) == 1
     assert _requests(front, "499") == 1 and _requests(front, "500") is None
+
+
+def test_a_client_that_leaves_before_its_tokenize_body_arrives_is_no_internal_error(post_then_disconnect) -> None:  # noqa: ANN001
+    sent = asyncio.run(post_then_disconnect("/tokenize", b'{"prompt": ', after_body_chunks=0))
+    assert not [m for m in sent if m["type"] == "http.response.start" and m["status"] >= 500]
