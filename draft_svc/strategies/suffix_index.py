@@ -100,8 +100,14 @@ class SuffixIndex:
         self._heads = np.full((num_levels, 1 << self._bucket_bits), NO_POSITION, dtype=np.int64)
         self._prevs = np.full((num_levels, capacity), NO_POSITION, dtype=np.int64)
         self._doc_starts: collections.deque[int] = collections.deque()  # absolute starts, oldest first
+        self._doc_tenants: collections.deque[str] = collections.deque()  # their tenants, oldest first
         self._owners = np.zeros(capacity, dtype=np.int32)  # the tenant code of each ring position's document
-        self._tenant_codes: dict[str, int] = {"": 0}
+        # Only the tenants with a document held: tenants are whatever precedes a "/" in a request id, so
+        # a code kept for every tenant ever seen would grow without bound. A freed code is safe to hand
+        # out again: its positions all lie before the window start, where queries never read owners.
+        self._tenant_codes: dict[str, int] = {}
+        self._num_tenant_docs: dict[str, int] = {}
+        self._free_codes: list[int] = []
         self._write_pos = 0  # absolute position of the next write
         self._lock = threading.Lock()
 
@@ -116,6 +122,11 @@ class SuffixIndex:
     @property
     def num_documents(self) -> int:
         return len(self._doc_starts)
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants with a document held."""
+        return len(self._tenant_codes)
 
     @property
     def num_tokens(self) -> int:
@@ -141,14 +152,31 @@ class SuffixIndex:
             # Whole documents starting before end + 1 - capacity would be partly overwritten: evict them.
             while self._doc_starts and self._doc_starts[0] < end + 1 - capacity:
                 self._doc_starts.popleft()
+                self._forget_document_of(self._doc_tenants.popleft())
             written = np.arange(start, end + 1) % capacity
             self._ring[written] = np.append(tokens, SEPARATOR)
-            self._owners[written] = self._tenant_codes.setdefault(tenant, len(self._tenant_codes))
+            self._owners[written] = self._code_of(tenant)
             for level, n in enumerate(self._config.ngram_sizes):
                 if tokens.size > n:
                     self._link(level, n, tokens, start)
             self._doc_starts.append(start)
+            self._doc_tenants.append(tenant)
             self._write_pos = end + 1
+
+    def _code_of(self, tenant: str) -> int:
+        """The tenant's code, counting one more document of it."""
+        self._num_tenant_docs[tenant] = self._num_tenant_docs.get(tenant, 0) + 1
+        code = self._tenant_codes.get(tenant)
+        if code is None:
+            code = self._tenant_codes[tenant] = self._free_codes.pop() if self._free_codes else len(self._tenant_codes)
+        return code
+
+    def _forget_document_of(self, tenant: str) -> None:
+        """One document of the tenant evicted; its code is freed with its last one."""
+        self._num_tenant_docs[tenant] -= 1
+        if not self._num_tenant_docs[tenant]:
+            del self._num_tenant_docs[tenant]
+            self._free_codes.append(self._tenant_codes.pop(tenant))
 
     def _link(self, level: int, n: int, tokens: np.ndarray, start: int) -> None:
         """Push every n-gram of the document that has a next token onto its bucket's chain."""

@@ -107,6 +107,22 @@ def test_a_tenant_s_queries_match_its_own_documents_only():
     assert [c.token_ids for c in decoder.propose(2)] == [(9,)]
 
 
+def test_tenants_whose_documents_were_evicted_are_forgotten():
+    """The index keeps an entry per tenant only while it holds one of the tenant's documents: request ids
+    with ever new tenant parts (no API keys: "client-session/..." ids) must not grow it without bound,
+    and a tenant that takes a freed entry never drafts from the documents of the one that left it."""
+    index = SuffixIndex(SuffixIndexConfig(max_total_tokens=16, ngram_sizes=(2,), max_match_len=8))
+    for i in range(100):
+        index.insert([1, 2, 100 + i], tenant=f"t{i}")
+    assert index.num_documents == 4 and index.num_tenants == 4
+    assert index.query([1, 2], max_tokens=1, tenant="t99") == ((199,),)
+    assert index.query([1, 2], max_tokens=1, tenant="t95") == ()  # evicted
+    index.insert([1, 2, 7], tenant="new")  # evicts t96's document
+    assert index.num_tenants == 4
+    assert index.query([1, 2], max_tokens=1, tenant="new") == ((7,),)
+    assert index.query([1, 2], max_tokens=1, tenant="t96") == ()
+
+
 def test_oldest_whole_documents_are_evicted_first():
     # Capacity 16 tokens, each document takes 5 + 1 separator: the third insert evicts the first whole.
     index = _index([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], max_total_tokens=16, ngram_sizes=(2,))
