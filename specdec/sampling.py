@@ -144,7 +144,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = torch.zeros_like(logits)  # [R, V]
         probs[torch.arange(num_rows), argmax_ids] = 1.0
         return probs
-    scaled = logits / params.temperature  # [R, V]
+    # Shifted to each row's max first (softmax and the top-k order are unchanged): at a tiny
+    # temperature (1e-38) logits / T overflows to +inf and softmax([inf, inf, ...]) is NaN, while
+    # (x - max) / T is 0 at the max and at most -inf elsewhere. At T = 1 the values are the same bits.
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature  # [R, V], max 0
     if params.top_k != TOP_K_OFF and params.top_k < vocab_size:
         scaled = scaled.masked_fill(~_top_k_mask(scaled, params.top_k), -math.inf)
     probs = torch.softmax(scaled, dim=-1)  # [R, V]

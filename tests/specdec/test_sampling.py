@@ -67,6 +67,14 @@ def test_temperature_scales_logits():
     torch.testing.assert_close(probs, torch.tensor([[1.0, 4.0, 9.0, 16.0]]) / 30.0)
 
 
+def test_a_tiny_temperature_is_near_greedy_not_nan():
+    # 10 / 1e-38 overflows float32: unshifted, softmax([inf, inf, ...]) is NaN and every draw failed.
+    logits = torch.tensor([[10.0, 5.0, -1.0, 10.0], [-math.inf, 2.0, 1.0, -3.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1e-38, top_p=0.9, min_p=0.5))
+    assert probs.tolist() == [[0.5, 0.0, 0.0, 0.5], [0.0, 1.0, 0.0, 0.0]]  # the limit T -> 0: the tied maxima
+    assert sample(probs, make_generator(3, 0)).tolist()[1] == 1
+
+
 def test_top_k_keeps_k_largest_and_breaks_ties_by_lowest_id():
     probs = logits_to_probs(LOG_1234, SamplingParams(temperature=1.0, top_k=2))
     torch.testing.assert_close(probs, torch.tensor([[0.0, 0.0, 3 / 7, 4 / 7]]))
