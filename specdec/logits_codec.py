@@ -97,8 +97,9 @@ def fp8_row_scales(logits: torch.Tensor) -> torch.Tensor:
     """
     absmax = logits.abs().amax(dim=-1)  # [R]
     scales = absmax / FP8_E4M3_MAX  # [R] fp32
-    # A denormal absmax can underflow to scale 0 after the divide; treat it like a zero row.
-    return torch.where(scales > 0, scales, torch.full_like(scales, ZERO_ROW_SCALE))
+    # A denormal absmax can underflow to scale 0 after the divide; treat it like a zero row. Only 0:
+    # `scales > 0` is False for NaN too, and a NaN row must keep its NaN scale so the caller refuses it.
+    return torch.where(scales == 0, torch.full_like(scales, ZERO_ROW_SCALE), scales)
 
 
 def shift_to_row_max(logits: torch.Tensor) -> torch.Tensor:

@@ -94,6 +94,16 @@ def test_fp8_zero_row_and_non_finite_input():
         encode_logits(torch.tensor([[0.0, -math.inf]]), "fp8_e4m3")
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_fp8_torch_encoding_refuses_any_non_finite_row(bad):
+    """The torch encoder (the reference, and the fallback without native kernels) refuses what the
+    native one refuses: a NaN or +inf row once gave scale 1.0 and NaN bytes for the validator."""
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, bad, 1.0]])
+    with native.disabled(), pytest.raises(ValueError, match="finite"):
+        encode_logits(logits, "fp8_e4m3")
+    assert not bool(torch.isfinite(fp8_row_scales(shift_to_row_max(logits))[1]))
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
