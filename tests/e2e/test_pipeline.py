@@ -448,24 +448,27 @@ def test_greedy_output_with_a_penalty_is_identical_with_and_without_speculation(
         gateway_stub, LOOP_MESSAGES, is_enabled=False, max_new_tokens=LOOP_NEW_TOKENS, sampling=sampling
     )
     prediction = gateway_pb2.Prediction(content=loop_answer.text)
-    outputs = {SETTINGS[0]: baseline} | {
-        s: generate(
-            gateway_stub,
-            LOOP_MESSAGES,
-            is_enabled=s[0],
-            degree=s[1],
-            draft_length=s[2],
-            max_new_tokens=LOOP_NEW_TOKENS,
-            sampling=sampling,
-            prediction=prediction,
-        )
-        for s in SETTINGS[1:]
-    }
     assert list(baseline.token_ids) != list(loop_answer.token_ids), f"{name} changed nothing"
+    # Asked twice at most: a request's steps may all run plain for reasons of the moment (the draft
+    # service's breaker open after a slow call on a loaded machine), which leaves exactness shown
+    # but nothing drafted; every output of both rounds must equal the baseline's.
     num_drafted = 0
-    for setting, out in outputs.items():
-        assert list(out.token_ids) == list(baseline.token_ids), (name, setting, out.text, baseline.text)
-        num_drafted += out.stats.num_generated_tokens - out.stats.num_steps if setting[0] else 0
+    for _ in range(2):
+        for setting in SETTINGS[1:]:
+            out = generate(
+                gateway_stub,
+                LOOP_MESSAGES,
+                is_enabled=setting[0],
+                degree=setting[1],
+                draft_length=setting[2],
+                max_new_tokens=LOOP_NEW_TOKENS,
+                sampling=sampling,
+                prediction=prediction,
+            )
+            assert list(out.token_ids) == list(baseline.token_ids), (name, setting, out.text, baseline.text)
+            num_drafted += out.stats.num_generated_tokens - out.stats.num_steps
+        if num_drafted > 0:
+            break
     assert num_drafted > 0, "no speculative step accepted a draft token: the test shows nothing"
 
 
