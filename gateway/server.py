@@ -75,6 +75,9 @@ from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 # While the draft pool offers a strategy it has not measured yet (its weights not attached), its
 # GetPoolInfo is asked again at a request's start at most this often.
 POOL_INFO_RETRY_S = 5.0
+# A request that finds the pool's offer unknown waits for its GetPoolInfo at most this long (a pool
+# that answers does so in milliseconds), then starts on the defaults.
+POOL_INFO_WAIT_S = 2.0
 _STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop's task hands its call's coroutine
 STATUSES = {
     RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
@@ -183,6 +186,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         self.controller_config: ControllerConfig | None = None
         self._is_cost_pending = False  # the pool offers a strategy it has not measured yet (asked again)
         self._pool_info_at = 0.0  # monotonic time of the last GetPoolInfo
+        self._pool_info_task: asyncio.Task | None = None  # the GetPoolInfo in flight
         self._active: dict[str, threading.Event] = {}
         self.admission = Admission(config.max_active_requests, config.max_queued_requests, metrics)
         self._lock = threading.Lock()
@@ -611,33 +615,48 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
     async def _offered_by_pool(self) -> frozenset[str] | None:
-        """The strategies the draft pool offers, None while it cannot be reached. Asked once, and
-        again (at most every POOL_INFO_RETRY_S, at a request's start) while a strategy it offers has
-        no measured cost yet: the pool measures its model-based drafters once the primary's weights
+        """The strategies the draft pool offers, None while they are not known. Asked once, and again
+        (at most every POOL_INFO_RETRY_S, at a request's start) while a strategy it offers has no
+        measured cost yet: the pool measures its model-based drafters once the primary's weights
         attach, after it starts serving. Its measured costs replace the defaults in the cost model
-        that the requests started from then on use."""
+        that the requests started from then on use.
+
+        The question runs beside the requests, one at a time: only a request that finds the offer
+        unknown waits for the answer, and then at most the call deadlines' floor (POOL_INFO_WAIT_S at
+        most); the others start on what is known. Before, every request that found the cost pending
+        waited for its GetPoolInfo, whose deadline is --rpc_timeout_s while few such calls are known,
+        so a pool that hung then held a new request for a minute."""
         now = time.monotonic()
         is_due = self._offered_strategies is None or (
             self._is_cost_pending and now - self._pool_info_at >= POOL_INFO_RETRY_S
         )
-        if is_due and self.draft_state.is_retry_due():
+        if is_due and self._pool_info_task is None and self.draft_state.is_retry_due():
             self._pool_info_at = now
-            try:
-                info = await self.call_deadlines.call("draft.GetPoolInfo", self.backends.draft_pool_info())
-            except (Unavailable, DeadlineExceeded) as e:
-                self.draft_state.failed(str(e))  # down or hung: not asked again before its retry is due
-                return self._offered_strategies
-            self._offered_strategies = frozenset(info.strategies)
-            self._is_cost_pending = bool(MEASURED_STRATEGIES & self._offered_strategies - set(info.draft_costs_ms))
-            if info.acceptance_priors:
-                self.controller_config = controller_config_for(info.acceptance_priors)
-            if info.draft_costs_ms:
-                self.cost_model = cost_model_for(self.model.verify_costs_ms, self.config.costs, info.draft_costs_ms)
-                self.log.info(
-                    "draft costs measured by the pool",
-                    draft_costs_ms={k: [round(v, 3) for v in c] for k, c in info.draft_costs_ms.items()},
-                )
+            self._pool_info_task = self._in_background(self._ask_pool_info(), name="draft.GetPoolInfo")
+        if self._offered_strategies is None and self._pool_info_task is not None:
+            # not cancelled past the wait, nor raising here: still unknown, the request takes the defaults
+            await asyncio.wait({self._pool_info_task}, timeout=min(POOL_INFO_WAIT_S, self.call_deadlines.rule.floor_s))
         return self._offered_strategies
+
+    async def _ask_pool_info(self) -> None:
+        """GetPoolInfo, and what it says taken in: the offer, the trained drafters' priors, the costs."""
+        try:
+            info = await self.call_deadlines.call("draft.GetPoolInfo", self.backends.draft_pool_info())
+        except (Unavailable, DeadlineExceeded) as e:
+            self.draft_state.failed(str(e))  # down or hung: not asked again before its retry is due
+            return
+        finally:
+            self._pool_info_task = None
+        self._offered_strategies = frozenset(info.strategies)
+        self._is_cost_pending = bool(MEASURED_STRATEGIES & self._offered_strategies - set(info.draft_costs_ms))
+        if info.acceptance_priors:
+            self.controller_config = controller_config_for(info.acceptance_priors)
+        if info.draft_costs_ms:
+            self.cost_model = cost_model_for(self.model.verify_costs_ms, self.config.costs, info.draft_costs_ms)
+            self.log.info(
+                "draft costs measured by the pool",
+                draft_costs_ms={k: [round(v, 3) for v in c] for k, c in info.draft_costs_ms.items()},
+            )
 
     def make_loop(
         self,
