@@ -40,6 +40,8 @@ import grpc
 from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, ServiceError, Stack, StackConfig
 from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
 from specdec.progress import ProgressPrinter
+from specdec.proto_ranges import MAX_INT32, MAX_UINT32, MAX_UINT64
+from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
 from specdec.supervisor import DEFAULT_MAX_RAPID_RESTARTS, RestartPolicy, Supervisor
@@ -51,10 +53,6 @@ from specdec.flag_spellings import add_spellings
 PROG = "python inference.py"
 EXIT_RPC_ERROR, EXIT_BAD_FLAGS, EXIT_STACK_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 FINISH_REASON_PREFIX = "FINISH_REASON_"
-MAX_SEED = 2**64 - 1
-# The ranges of the request's proto fields (uint32 counts, int32 top_k): a larger value is a bad
-# flag, not a ValueError from protobuf when the request is built.
-MAX_UINT32, MAX_INT32 = 2**32 - 1, 2**31 - 1
 # About 31 years: a gRPC deadline past ~7e9 s from now overflows its nanoseconds and the call fails
 # at once with DEADLINE_EXCEEDED.
 MAX_TIMEOUT_S = 1e9
@@ -151,7 +149,7 @@ def _add_generation_args(gen: argparse._ArgumentGroup) -> None:
     gen.add_argument(
         "--top_p", type=ranged(float, 0.0, 1.0, is_low_open=True), default=1.0, metavar="P", help="1 (default): off"
     )
-    gen.add_argument("--seed", type=ranged(int, 0, MAX_SEED), metavar="N", help="seed of the sampling stream")
+    gen.add_argument("--seed", type=ranged(int, 0, MAX_UINT64), metavar="N", help="seed of the sampling stream")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     gen.add_argument(
         "--ignore_eos",
@@ -186,10 +184,16 @@ def _add_speculation_args(spec: argparse._ArgumentGroup) -> None:
         help="speculate (true/false/1/0/yes/no); default: the gateway's (on)",
     )
     spec.add_argument(
-        "--speculative_degree", type=ranged(int, 1, MAX_UINT32), metavar="N", help="draft decoders per step"
+        "--speculative_degree",
+        type=ranged(int, 1, MAX_REQUEST_SPECULATIVE_DEGREE),
+        metavar="N",
+        help="draft decoders per step",
     )
     spec.add_argument(
-        "--draft_length", type=ranged(int, 1, MAX_UINT32), metavar="N", help="tokens each decoder proposes per step"
+        "--draft_length",
+        type=ranged(int, 1, MAX_REQUEST_DRAFT_LENGTH),
+        metavar="N",
+        help="tokens each decoder proposes per step",
     )
     spec.add_argument(
         "--acceptance_threshold",

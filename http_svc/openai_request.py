@@ -49,14 +49,13 @@ from typing import Any
 
 from http_svc.errors import bad_request
 from http_svc.openai_tools import set_tool_calls, set_tools
+from specdec.proto_ranges import MAX_INT32, MAX_UINT32, MAX_UINT64
 from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.v1 import common_pb2, gateway_pb2
 
 CHAT, COMPLETION = "chat", "completion"
 # OpenAI's default temperature when a request gives none (the gRPC API's default is greedy).
 DEFAULT_TEMPERATURE = 1.0
-MAX_UINT32, MAX_UINT64 = (1 << 32) - 1, (1 << 64) - 1
-MAX_INT32 = (1 << 31) - 1
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's limit)
 MAX_PROMPTS = 64  # prompts one completions request may batch (each runs as a request of its own)

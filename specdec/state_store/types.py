@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict, Unpack
 
 from specdec.errors import AlreadyExists, FailedPrecondition, Internal, InvalidArgument, NotFound
+from specdec.proto_ranges import MAX_TOKEN_ID
 
 DEFAULT_NAMESPACE = "specdec"
 DEFAULT_TTL_S = 24 * 3600.0
 DEFAULT_LEASE_S = 30.0
 # Token ids are stored as little-endian int32, 4 bytes each.
 TOKEN_BYTES = 4
-_MAX_TOKEN_ID = 2**31 - 1
 
 
 class RequestStatus(enum.StrEnum):
@@ -187,8 +187,8 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     assert packed.itemsize == TOKEN_BYTES
     for t in token_ids:
         t = int(t)
-        if not 0 <= t <= _MAX_TOKEN_ID:
-            raise InvalidArgument("token_ids", f"token id {t} is outside [0, {_MAX_TOKEN_ID}]")
+        if not 0 <= t <= MAX_TOKEN_ID:
+            raise InvalidArgument("token_ids", f"token id {t} is outside [0, {MAX_TOKEN_ID}]")
         packed.append(t)
     if sys.byteorder == "big":
         packed.byteswap()

@@ -18,6 +18,7 @@ import pytest
 import inference
 from specdec.launcher import Stack
 from specdec.model.options import PRECISIONS
+from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.v1 import common_pb2, gateway_pb2
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +117,9 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--top_k", str(2**31)], "--top_k"),
         (["--speculative_degree", str(2**32)], "--speculative_degree"),
         (["--draft_length", str(2**32)], "--draft_length"),
+        # Past what one request may ask (specdec.speculation_bounds): a bad flag, not an RPC error.
+        (["--speculative_degree", str(MAX_REQUEST_SPECULATIVE_DEGREE + 1)], "--speculative_degree"),
+        (["--draft_length", str(MAX_REQUEST_DRAFT_LENGTH + 1)], "--draft_length"),
         # Past what a gRPC deadline holds: DEADLINE_EXCEEDED at once otherwise.
         (["--timeout", "1e10"], "--timeout"),
         # --serve's own flags without --serve: the HTTP front never started, nothing said so.
