@@ -578,16 +578,11 @@ class EngineWorker:
         for w in list(self._waiting):
             if w.prefill is None or not w.prefill.deadline or w.prefill.deadline > now:
                 continue
-            self._waiting.remove(w)
-            rid = w.entry.request_id
-            engine, _ = self._built()
             # Open once admitted, and still when preempted since (evicted, not admitted): it has no
-            # lease yet, so nothing else would ever release it.
-            if engine.has_request(rid):
-                engine.release(rid)
-                self._admitted_seq.pop(rid, None)
-            w.prefill.future.set_exception(
-                DeadlineExceeded("deadline", f"request {rid!r} waited past its deadline for KV room or its prefill")
+            # lease yet, so nothing else would ever release it; _fail_waiting does.
+            rid = w.entry.request_id
+            self._fail_waiting(
+                w, DeadlineExceeded("deadline", f"request {rid!r} waited past its deadline for KV room or its prefill")
             )
 
     def _drop_cancelled(self) -> None:
