@@ -55,7 +55,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, Mapping, 
 import structlog
 
 from gateway.backends import (
-    EMPTY_TREE,
     Backends,
     DraftTree,
     ModelInfo,
@@ -69,8 +68,9 @@ from gateway.acceptance_memory import AcceptanceMemory
 from gateway.decode_run import DecodeRuns, RunStart
 from gateway.cost_model import CostModel
 from gateway.dependencies import DependencyState
+from gateway.draft_calls import DraftCalls
 from gateway.node_pool import Node
-from gateway.output import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Output
+from gateway.output import FINISH_EOS, FINISH_STOP, Output
 from gateway.params import GenerationParams
 from gateway.primary_calls import PrimaryCalls
 from specdec.repeats import MIN_REPEAT_TOKENS
@@ -84,17 +84,15 @@ from specdec.acceptance_mode import AcceptanceMode, select_mode
 from specdec.candidates import (
     CandidateOutcome,
     candidate_outcomes,
-    decoders_for,
     depth_outcomes,
     stats_name,
 )
-from specdec.errors import DeadlineExceeded, FailedPrecondition, NotFound, Unavailable
-from specdec.grammar import GrammarState, ResponseFormat
+from specdec.errors import DeadlineExceeded, FailedPrecondition
+from specdec.grammar import GrammarState
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
 from specdec.model.tokenizer import Tokenizer
 from specdec.engine.tree import chain_parents
-from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncStateStore, RequestStatus
 from specdec.strategies import (
@@ -335,16 +333,11 @@ class RequestLoop:
         # What the primary / draft service still has to learn (piggybacked on the next call).
         self.pending_accepted: tuple[int, ...] = ()
         self.pending_committed: list[int] = []
-        self.draft_synced = 0  # generated tokens the draft service has seen
-        self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
         # With a strategy that reads them, the primary returns its features on every Prefill and Verify;
-        # the latest step's rows of committed tokens go to the next Propose: (features, the position of
-        # the token row 0 predicts). Steps between (continuations, plain decodes) leave a gap there.
+        # the latest step's rows of committed tokens go to the next Propose (DraftCalls.pending_features).
         self.is_feature_consumer = consumes_features(self.params.speculation.strategies)
-        self.pending_features: tuple[Any, int] | None = None
         # (decoder, tokens): what the last step's accepted candidate proposed past its draft and bonus
         self.carry: tuple[str, tuple[int, ...]] | None = None
-        self.is_draft_open = False
         self.step_engine_steps = 1  # the engine steps of the step being computed (a run's message may carry several)
         self.grammar_preparation: asyncio.Future | None = None  # the draft pool compiling the response format
         # The first step's plan, made before the prefill answers, and its Propose begun beside the
@@ -359,10 +352,18 @@ class RequestLoop:
     ) -> None:
         # Shared by the gateway's requests: whether the validator and the draft service answer.
         self.validator_state = validator_state or DependencyState("validator")
-        self.draft_state = draft_state or DependencyState("draft")
         # The validator's and the draft pool's calls end at a deadline from their recent latency: a
         # hung one fails like a dead one (gateway.call_deadlines).
         self.call_deadlines = call_deadlines or CallDeadlines()
+        self.draft = DraftCalls(
+            self.request_id,
+            self.prompt_ids,
+            self.generated,
+            self.backends,
+            draft_state or DependencyState("draft"),
+            self.call_deadlines,
+            self._remaining_s,
+        )
 
     def _init_constraints(self, grammar: GrammarState | None) -> None:
         # The response format's grammar, at the end of the committed output (replayed on a resume).
@@ -611,11 +612,11 @@ class RequestLoop:
             self.stats.num_runs_ended_at_repeat += self.planner.tail_repeats()
         opening, self.opening = self.opening, None
         if opening is None:
-            self.planner.are_features_current = self.pending_features is not None
+            self.planner.are_features_current = self.draft.pending_features is not None
             plan, proposal = self.planner.plan(), None
         else:
             plan, proposal = opening
-            if self.pending_features is None and self.planner.are_features_current:
+            if self.draft.pending_features is None and self.planner.are_features_current:
                 self.planner.features_missed()  # planned on features the prefill did not bring
         if plan.is_speculative:
             return await self._speculative_step(plan, proposal)
@@ -664,11 +665,10 @@ class RequestLoop:
         """The draft pool's compile of the request's response format, begun beside the prefill so that
         the first speculative step's Propose finds it compiled instead of compiling on that step's path
         (a new schema: docs/benchmarks.md, "Per-step overheads"); not asked where the first step's
-        Propose goes out beside the prefill, which begins the same compile. Best effort: a Propose
-        compiles what it does not find, and reports a bad schema itself."""
-        if self.params.response_format is None or not self.params.speculation.is_enabled or not self.draft_state.is_up:
+        Propose goes out beside the prefill, which begins the same compile."""
+        if self.params.response_format is None or not self.params.speculation.is_enabled:
             return None
-        return asyncio.ensure_future(self._prepared_grammar(self.params.response_format))
+        return self.draft.prepare_grammar(self.params.response_format)
 
     def _open_first_step(self) -> tuple[SpeculationPlan, asyncio.Future | None]:
         """The first step's plan, made while the prefill is under way (it reads the prompt, the
@@ -684,12 +684,6 @@ class RequestLoop:
         if not plan.is_speculative or consumes_features(decoder for decoder, _ in plan.sources):
             return plan, None
         return plan, asyncio.ensure_future(self._propose(plan))
-
-    async def _prepared_grammar(self, response_format: ResponseFormat) -> None:
-        with contextlib.suppress(Exception):  # down, hung or refusing: the first Propose will say
-            await self.call_deadlines.call(
-                "draft.PrepareGrammar", self.backends.prepare_grammar(response_format), self._remaining_s()
-            )
 
     async def _prefill(self) -> None:
         t = time.perf_counter()
@@ -757,15 +751,15 @@ class RequestLoop:
         draft, the stats and the step's cost record; the candidates' outcomes."""
         self.stats.forward_ms += verified.forward_ms
         self.planner.observe_load(verified.other_step_rows)
-        self.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
+        self.draft.pending_lookahead_argmax = verified.lookahead_argmax_token_ids
         if verified.features is not None:
             # Root row and the accepted nodes' rows: they predict the accepted tokens and the bonus, the
             # first of which lands at the context's end. E.g. accepted nodes (2, 5): rows [0, 3, 6].
             rows = [0, *(node + 1 for node in v.accepted_nodes)]
             position = len(self.prompt_ids) + len(self.generated)
-            self.pending_features = (features_of_rows(verified.features, rows), position)
+            self.draft.pending_features = (features_of_rows(verified.features, rows), position)
         else:  # the latest step has none; and older ones may name a logits slot since rewritten
-            self.pending_features = None
+            self.draft.pending_features = None
         self.pending_accepted = v.accepted_nodes
         self.pending_committed = [tree.token_ids[i] for i in v.accepted_nodes] + [v.bonus_token]
         self.carry = continuation_after(tree, v)
@@ -809,7 +803,7 @@ class RequestLoop:
         tokens = list(decoded.token_ids) or [decoded.token_id]
         self.step_engine_steps = decoded.num_steps
         self.carry = None  # what follows a plain step is not what the last draft continued with
-        self.pending_features = None  # the latest step has none
+        self.draft.pending_features = None  # the latest step has none
         self.stats.forward_ms += decoded.forward_ms
         if decoded.num_drafted:  # the run drafted this step itself (DecodeRuns._run_lookup_length)
             self.stats.num_proposed += decoded.num_drafted
@@ -855,60 +849,15 @@ class RequestLoop:
         return forced
 
     async def _propose(self, plan: SpeculationPlan) -> DraftTree:
-        """The plan's candidates as a tree. The draft service first hears the tokens committed since
-        its previous call (all of them when it opens the request: first call, or after it lost it)."""
-        strategies = decoders_for(plan.sources)
-        prompt, new = (
-            ((), self.generated[self.draft_synced :]) if self.is_draft_open else (self.prompt_ids, self.generated)
+        """The plan's candidates as a tree (gateway.draft_calls)."""
+        return await self.draft.propose(
+            plan.sources,
+            plan.draft_length,
+            min(plan.max_tree_nodes, self.max_tree_nodes),
+            response_format=self.params.response_format,
+            continuation_length=max(CONTINUATION_TOKENS, plan.draft_length) if self.grammar is None else 0,
+            prediction_ids=self.planner.prediction_ids,
         )
-        if not self.draft_state.should_call():  # down: no drafts; the primary alone still progresses
-            self.is_draft_open = False
-            return EMPTY_TREE
-        # the argmaxes belong to the rows of the service's previous proposal: none for a reopened request
-        lookahead_argmax, self.pending_lookahead_argmax = self.pending_lookahead_argmax, ()
-        features, self.pending_features = self.pending_features, None
-        try:
-            tree = await self.call_deadlines.call(
-                "draft.Propose",
-                self.backends.propose(
-                    ProposeArgs(
-                        self.request_id,
-                        tuple(prompt),
-                        tuple(new),
-                        strategies,
-                        len(strategies),
-                        plan.draft_length,
-                        min(plan.max_tree_nodes, self.max_tree_nodes),
-                        self.params.response_format if prompt else None,
-                        () if prompt else lookahead_argmax,
-                        continuation_length=max(CONTINUATION_TOKENS, plan.draft_length) if self.grammar is None else 0,
-                        **self._propose_extras(features, is_opening=bool(prompt)),
-                    )
-                ),
-                self._remaining_s(),
-            )
-        except NotFound:  # the draft service restarted: resend the context
-            self.is_draft_open = False
-            self.pending_features = features  # they describe committed tokens, which the reopened request has
-            return await self._propose(plan) if not prompt else EMPTY_TREE
-        except (Unavailable, DeadlineExceeded) as e:  # down or hung; logged once by the state, not at every step
-            self.draft_state.failed(str(e))
-            self.is_draft_open = False
-            return EMPTY_TREE
-        self.draft_state.succeeded()
-        self.is_draft_open = True
-        self.draft_synced = len(self.generated)
-        return tree
-
-    def _propose_extras(self, features: tuple[Any, int] | None, is_opening: bool) -> dict[str, Any]:
-        """The Propose's optional arguments: the features of committed tokens, and the prediction
-        when the call opens the request (only those given: a draft service hears nothing else)."""
-        extras: dict[str, Any] = {}
-        if features is not None:
-            extras.update(features=features[0], feature_position=features[1])
-        if is_opening and self.planner.prediction_ids:
-            extras["prediction_token_ids"] = self.planner.prediction_ids
-        return extras
 
     def _account(self, tree: DraftTree, outcomes: list[CandidateOutcome], v: Validation) -> None:
         """Per decoder and rank ("prompt_lookup", "prompt_lookup#1", ...); a decoder's time is its
@@ -999,26 +948,11 @@ class RequestLoop:
             await self.runs.close()
         # The two services forget the request at once: their round trips overlap instead of adding up
         # before the client hears of the end.
-        await asyncio.gather(self._release_primary(), self._release_draft(finish))
+        await asyncio.gather(self._release_primary(), self.draft.release(finish))
 
     async def _release_primary(self) -> None:
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
             await self.backends.release_primary(self.request_id)
-
-    async def _release_draft(self, finish: str) -> None:
-        if not self.draft_state.is_up:  # down or hung: the pool drops the request after its TTL
-            return
-        is_finished = finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)
-        # the output the pool has not seen: its last steps were often the primary's own
-        unseen = self.generated[self.draft_synced :] if is_finished and self.is_draft_open else []
-        try:
-            await self.call_deadlines.call(
-                "draft.Release", self.backends.release_draft(self.request_id, is_finished, tuple(unseen))
-            )
-        except DeadlineExceeded as e:
-            self.draft_state.failed(str(e))
-        except Exception:  # noqa: BLE001 - already gone (restarted) or never opened
-            pass
 
     # --- primary calls ----------------------------------------------------------------------
 
@@ -1079,10 +1013,10 @@ class RequestLoop:
         """Go on with another node's services after a failover (PrimaryCalls): its backends and the
         states of its validator and draft pool; the draft pool there opens the request afresh."""
         self.backends, self.record.node_id = node.backends, node.node_id
-        self.draft_state, self.validator_state = node.draft_state, node.validator_state
+        self.validator_state = node.validator_state
+        self.draft.move_to(node.backends, node.draft_state)
         self.planner.validator_state = node.validator_state  # whether a plan may draft under sampling
         self.validation.move_to(node.backends, node.validator_state)
-        self.is_draft_open, self.pending_lookahead_argmax, self.pending_features = False, (), None
         if self.opening is not None and self.opening[1] is not None:  # asked of the old node's draft pool
             self.opening[1].cancel()
             self.opening = (self.opening[0], None)  # the first step proposes on this node's
@@ -1106,7 +1040,7 @@ class RequestLoop:
             self.prompt_logprobs = [TokenLogprob(self.prompt_ids[0], math.nan), *prefilled.prompt_logprobs]
         # its one row predicts the pending (last) token; none when the prefill computed no row
         has_features = prefilled.features is not None
-        self.pending_features = (prefilled.features, len(context) - 1) if has_features else None
+        self.draft.pending_features = (prefilled.features, len(context) - 1) if has_features else None
         self.stats.forward_ms += prefilled.time_ms
         self.record.prefilled(prefilled.kv_lease)
         if is_fresh:  # the request's own prefill, not a recovery's
