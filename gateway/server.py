@@ -75,9 +75,10 @@ from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 # While the draft pool offers a strategy it has not measured yet (its weights not attached), its
 # GetPoolInfo is asked again at a request's start at most this often.
 POOL_INFO_RETRY_S = 5.0
-# A request that finds the pool's offer unknown waits for its GetPoolInfo at most this long (a pool
-# that answers does so in milliseconds), then starts on the defaults.
-POOL_INFO_WAIT_S = 2.0
+# A request that finds the pool's offer unknown waits for its GetPoolInfo at most this long, then
+# starts on the defaults (which leave out what only some pools offer) and without the check of the
+# strategies it names. A pool answers in milliseconds, in seconds while a loaded machine starts it.
+POOL_INFO_WAIT_S = 10.0
 _STEP, _FAILED, _DONE = "step", "failed", "done"  # what a loop's task hands its call's coroutine
 STATUSES = {
     RequestStatus.QUEUED: gateway_pb2.REQUEST_STATUS_QUEUED,
@@ -371,7 +372,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         deadline = None if remaining is None else time.monotonic() + remaining
         # the pool's strategies before the checks, which run in a thread (a first compile): a request's
         # own are checked against them, and the defaults of one that names none are those offered
-        offered = await self._offered_by_pool()
+        offered = await self._offered_by_pool(remaining)
         params, prompt_ids, grammar, stored = await _in_thread(self._prepare, request, client_id, deadline, offered)
         try:  # a slot now, a place in the queue, or refused before anything is stored
             ticket = self.admission.enter(tenant)
@@ -614,7 +615,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
-    async def _offered_by_pool(self) -> frozenset[str] | None:
+    async def _offered_by_pool(self, remaining_s: float | None = None) -> frozenset[str] | None:
         """The strategies the draft pool offers, None while they are not known. Asked once, and again
         (at most every POOL_INFO_RETRY_S, at a request's start) while a strategy it offers has no
         measured cost yet: the pool measures its model-based drafters once the primary's weights
@@ -622,8 +623,8 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         that the requests started from then on use.
 
         The question runs beside the requests, one at a time: only a request that finds the offer
-        unknown waits for the answer, and then at most the call deadlines' floor (POOL_INFO_WAIT_S at
-        most); the others start on what is known. Before, every request that found the cost pending
+        unknown waits for the answer, and then at most POOL_INFO_WAIT_S or its time left
+        (`remaining_s`); the others start on what is known. Before, every request that found the cost pending
         waited for its GetPoolInfo, whose deadline is --rpc_timeout_s while few such calls are known,
         so a pool that hung then held a new request for a minute."""
         now = time.monotonic()
@@ -635,7 +636,8 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             self._pool_info_task = self._in_background(self._ask_pool_info(), name="draft.GetPoolInfo")
         if self._offered_strategies is None and self._pool_info_task is not None:
             # not cancelled past the wait, nor raising here: still unknown, the request takes the defaults
-            await asyncio.wait({self._pool_info_task}, timeout=min(POOL_INFO_WAIT_S, self.call_deadlines.rule.floor_s))
+            wait_s = POOL_INFO_WAIT_S if remaining_s is None else max(0.0, min(POOL_INFO_WAIT_S, remaining_s))
+            await asyncio.wait({self._pool_info_task}, timeout=wait_s)
         return self._offered_strategies
 
     async def _ask_pool_info(self) -> None:

@@ -163,3 +163,16 @@ def test_a_pool_hung_before_its_first_answer_holds_a_request_at_most_the_wait(mo
         return first, second
 
     assert asyncio.run(two_requests()) == (None, None)
+
+
+def test_a_request_waits_for_the_first_answer_no_longer_than_its_own_time_left():
+    pool = Pool([None])
+    s = servicer(pool)
+
+    async def a_request_with_little_time() -> frozenset[str] | None:
+        offered = await asyncio.wait_for(s._offered_by_pool(remaining_s=0.05), 1.0)  # not POOL_INFO_WAIT_S
+        pool.released.set()
+        await offered_then_settled(s)
+        return offered
+
+    assert asyncio.run(a_request_with_little_time()) is None

@@ -66,7 +66,7 @@ def servicer(store: AsyncInMemoryStateStore, admission: Admission, make_loop) ->
     s.log = structlog.get_logger("test")
     s._prepare = lambda request, client_id, deadline, offered: (None, [1, 2, 3], None, request)
 
-    async def no_pool() -> None:  # the draft pool not reached: its offer unknown
+    async def no_pool(remaining_s: float | None = None) -> None:  # the draft pool not reached: its offer unknown
         return None
 
     s._offered_by_pool = no_pool
