@@ -272,6 +272,7 @@ class RequestLoop:
             max_new_tokens=self.params.max_new_tokens,
             num_prompt_tokens=len(self.prompt_ids),
             max_context=self.model.max_context,
+            min_tokens=self.params.sampling.min_tokens,
         )
         self.is_refused = False  # the store refused a step: the output ends before it
         # Log probabilities (params.logprobs): output_logprobs[i] belongs to generated[num_unscored + i];

@@ -4,7 +4,9 @@ The tokens end before an end-of-sequence token or at a length limit: max_new_tok
 context's room (truncate). Their text is detokenized as they commit and cut at the first of the
 request's stop strings; a step that completes one keeps only its tokens up to the one completing
 it (add). A step's text goes out without a tail that could still become a stop string, until the
-output ends (ready_text, end).
+output ends (ready_text, end). With min_tokens, as vLLM's, a stop string counts only where it ends
+in the text of the tokens past the first min_tokens: the end tokens are held back until then
+(the primary's logits), and so are the stop strings.
 """
 
 from __future__ import annotations
@@ -32,14 +34,19 @@ class Output:
         num_prompt_tokens: int,
         max_context: int,
         stop_token_ids: Set[int] = frozenset(),
+        min_tokens: int = 0,
     ) -> None:
         """`eos`: every token that ends the output; of them, `stop_token_ids` the request's own,
-        which finish it as a stop string does."""
+        which finish it as a stop string does; `min_tokens`: the tokens no stop string ends in."""
         self.tokenizer, self.eos, self.stop = tokenizer, eos, stop
         self.stop_token_ids = stop_token_ids
         self.max_new_tokens, self.num_prompt_tokens, self.max_context = max_new_tokens, num_prompt_tokens, max_context
         self.detok = IncrementalDetokenizer(tokenizer)
         self.text = self.detok.add(generated) if generated else ""
+        self.min_tokens = min_tokens
+        # the characters of the first min_tokens tokens' text, once there are that many (0: none)
+        self._min_chars: int | None = 0 if min_tokens == 0 else None
+        self._reach_min_tokens(generated)
         self.emitted_chars = len(self.text)
         self.is_stopped = False  # the text was cut at a stop string: nothing after it is flushed (end)
 
@@ -71,9 +78,16 @@ class Output:
         """The output reached max_new_tokens or the context's room."""
         return num_generated >= self.max_new_tokens or self.num_prompt_tokens + num_generated >= self.max_context - 1
 
+    def _reach_min_tokens(self, tokens: list[int]) -> None:
+        """Where the text of the first min_tokens tokens ends, once `tokens` (the output's) has them."""
+        if self._min_chars is None and len(tokens) >= self.min_tokens:
+            self._min_chars = len(self.tokenizer.decode(tokens[: self.min_tokens]))
+
     def add(self, kept: list[int], generated: list[int]) -> tuple[int, bool]:
         """The text of a step's tokens `kept`, committed after `generated`, cut at the first stop
         string: (how many of `kept` the output keeps, whether a stop string completed)."""
+        if self._min_chars is None:
+            self._reach_min_tokens(generated + kept)
         delta = self.detok.add(kept)
         self.text, is_stopped = self._cut_at_stop(self.text + delta)
         if not is_stopped and self.stop and kept and not delta:
@@ -116,7 +130,10 @@ class Output:
         return self.text[self.emitted_chars :]
 
     def _cut_at_stop(self, text: str) -> tuple[str, bool]:
-        if not self.stop:
+        """`text` cut before its earliest stop string that ends past the first min_tokens tokens'
+        text, and whether one did."""
+        if not self.stop or self._min_chars is None:
             return text, False
-        cut = find_stop_string(text, self.stop)
+        # a match may begin before that text's end, not end within it (find_stop_string's start)
+        cut = find_stop_string(text, self.stop, start=self._min_chars)
         return (text, False) if cut is None else (text[:cut], True)

@@ -252,6 +252,35 @@ def test_min_tokens_holds_back_the_end_until_that_many_tokens_exactly(client: op
     assert e.value.body["param"] == "min_tokens"
 
 
+def test_min_tokens_holds_back_a_stop_string_as_vllm_does(client: openai.OpenAI, gateway_stub):
+    """A stop string in the first min_tokens tokens does not end the output (before, it did, though
+    min_tokens held back the end tokens): the output runs to the stop string's next occurrence."""
+
+    def grpc_answer(min_tokens: int, stop: tuple[str, ...] = (), is_speculative: bool = True):
+        req = gateway_pb2.GenerateRequest(max_new_tokens=48, sampling=common_pb2.SamplingParams(min_tokens=min_tokens))
+        req.stop.extend(stop)
+        req.chat.messages.add(role="user", content=PROMPT)
+        req.speculation.is_enabled = is_speculative
+        return gateway_stub.Generate(req, timeout=600)
+
+    free = grpc_answer(0)
+    stop = " "  # the answer's first space
+    assert free.text.count(stop) >= 2, free.text
+    cut = grpc_answer(0, (stop,))
+    assert cut.finish_reason == gateway_pb2.FINISH_REASON_STOP and cut.text == free.text[: free.text.index(stop)]
+    # min_tokens past that first space: the output goes on to a space that ends past them
+    min_tokens = len(cut.token_ids) + 2
+    plain = grpc_answer(min_tokens, (stop,), is_speculative=False)
+    assert plain.finish_reason == gateway_pb2.FINISH_REASON_STOP
+    assert len(plain.token_ids) > min_tokens  # the token completing it comes after the first min_tokens
+    assert list(plain.token_ids) == list(free.token_ids[: len(plain.token_ids)])
+    assert free.text.startswith(plain.text + stop) and len(plain.text) > len(cut.text)
+    speculative = grpc_answer(min_tokens, (stop,))
+    assert list(speculative.token_ids) == list(plain.token_ids) and speculative.text == plain.text
+    over_http = _ask(client, PROMPT, max_tokens=48, temperature=0, stop=[stop], extra_body={"min_tokens": min_tokens})
+    assert over_http.choices[0].message.content == plain.text
+
+
 def test_speculation_settings_ride_as_extra_body_fields(client: openai.OpenAI, gateway_stub):
     reference = _grpc_chat(gateway_stub, PROMPT, 20)
     answer = _ask(client, PROMPT, max_tokens=20, temperature=0, extra_body={"speculative_decoding": False})

@@ -18,7 +18,7 @@ class ByteTokenizer:
         return b"".join(PIECES[t] for t in token_ids).decode("utf-8", errors="replace")
 
 
-def make_output(stop: tuple[str, ...]) -> Output:
+def make_output(stop: tuple[str, ...], min_tokens: int = 0) -> Output:
     return Output(
         ByteTokenizer(),  # type: ignore[arg-type]
         [],
@@ -27,6 +27,7 @@ def make_output(stop: tuple[str, ...]) -> Output:
         max_new_tokens=100,
         num_prompt_tokens=3,
         max_context=4096,
+        min_tokens=min_tokens,
     )
 
 
@@ -56,3 +57,44 @@ def test_a_stop_string_in_a_character_split_across_steps_ends_at_its_last_byte()
     assert output.add([A, E1], []) == (2, False)
     assert output.add([E2, B], [A, E1]) == (1, True)
     assert output.ready_text(is_final=True) == "a"
+
+
+def test_min_tokens_holds_back_stop_strings_as_it_holds_back_end_tokens():
+    """As vLLM's: a stop string counts only where it ends in the text past the first min_tokens
+    tokens (before, "x" as the second of min_tokens=3 ended the output at one token)."""
+    output = make_output(stop=("x",), min_tokens=3)
+    generated: list[int] = []
+    for t in [A, X, A, B, X, A]:  # plain decoding, a token a step
+        num_kept, is_stopped = output.add([t], generated)
+        generated += [t][:num_kept]
+        if is_stopped:
+            break
+    assert generated == [A, X, A, B, X] and output.text == "axab"
+
+
+def test_under_min_tokens_a_step_of_several_tokens_stops_where_plain_decoding_does():
+    output = make_output(stop=("x",), min_tokens=3)
+    assert output.add([A, X, A, X, B], []) == (4, True)
+    assert output.ready_text(is_final=True) == "axa"
+
+
+def test_a_stop_string_that_begins_inside_the_first_min_tokens_and_ends_past_them_counts():
+    output = make_output(stop=("ab",), min_tokens=1)
+    assert output.add([A, B, X], []) == (2, True)
+    assert output.text == ""
+
+
+def test_an_output_resumed_past_min_tokens_still_stops_at_a_later_stop_string():
+    output = Output(
+        ByteTokenizer(),  # type: ignore[arg-type]
+        [X, A],
+        eos=frozenset(),
+        stop=("x",),
+        max_new_tokens=100,
+        num_prompt_tokens=3,
+        max_context=4096,
+        min_tokens=2,
+    )
+    assert output.resumed_finish(2) is None  # the "x" was in the first two tokens
+    assert output.add([B, X], [X, A]) == (2, True)
+    assert output.text == "xab"
