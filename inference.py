@@ -200,8 +200,8 @@ def _add_speculation_args(spec: argparse._ArgumentGroup) -> None:
         type=ranged(float, 0.0, 1.0),
         default=0.0,
         metavar="X",
-        help="opt-in lossy mode: accept a draft token the primary gives at least this "
-        "probability; 0 (default): lossless",
+        help="opt-in lossy mode: accept a draft token the primary gives at least X times its top "
+        "token's probability; 0 (default): lossless",
     )
     spec.add_argument("--strategies", type=strategy_list, metavar="A,B", help="draft decoders, comma-separated")
     spec.add_argument("--task_type", choices=sorted(t.value for t in TaskType), help="default: inferred by the gateway")
