@@ -46,6 +46,7 @@ from specdec.engine.engine import Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.tree import chain_parents
 from specdec.engine.loading import load_model
+from specdec.flag_spellings import add_spellings
 from specdec.logits_codec import row_argmax
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
@@ -198,7 +199,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="int4")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
-    return p.parse_args(argv)
+    return add_spellings(p).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, system_under_test
+from specdec.flag_spellings import add_spellings
 from specdec.v1 import gateway_pb2
 
 DEFAULT_DATA_DIR = Path(__file__).parent / "data" / "prediction"
@@ -175,7 +176,7 @@ def main() -> None:
     p.add_argument("--precision", default="auto")
     p.add_argument("--num-threads", type=int, default=0, help="the primary's torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="also write the rows and settings as JSON here")
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
 
     from specdec.model.loader import default_cache_dir, resolve_model_dir
     from specdec.model.tokenizer import Tokenizer

@@ -37,6 +37,7 @@ from typing import Any
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, system_under_test
 from bench.suite import Selection, select_prompts
+from specdec.flag_spellings import add_spellings
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.v1 import common_pb2, gateway_pb2
@@ -131,7 +132,7 @@ def main() -> None:
     p.add_argument("--precision", default="auto")
     p.add_argument("--num-threads", type=int, default=0, help="the primary's torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="also write the rows and settings as JSON here")
-    args = p.parse_args()
+    args = add_spellings(p).parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
     tokenizer = Tokenizer.from_dir(resolve_model_dir(None, default_cache_dir()))

@@ -95,6 +95,26 @@ def test_the_kubernetes_page_nodes_value_parses() -> None:
         assert spec.dns is not None and spec.dns.name == "specdec-node", value
 
 
+def test_every_benchmark_takes_both_spellings() -> None:
+    """README: every command line, `bench` included, takes kebab-case flags and their snake_case
+    spellings alike. A store_true flag named `--no-x` keeps its one spelling (add_spellings leaves
+    the `--no-` prefix alone, as a negation)."""
+    import importlib
+
+    from bench.__main__ import BENCHMARKS
+    from specdec.flag_spellings import other_spelling
+
+    one_spelling = {}
+    for name in BENCHMARKS:
+        module = importlib.import_module(f"bench.{name}")
+        with mock.patch("sys.argv", [f"python -m bench {name}"]):
+            options = _options(_parser_of(module.main))
+        one_spelling[name] = sorted(
+            o for o in options if o.startswith("--") and not o.startswith("--no-") and other_spelling(o) not in options
+        )
+    assert not any(one_spelling.values()), {n: o for n, o in one_spelling.items() if o}
+
+
 @pytest.mark.parametrize("flag", ["--nodes", "--tensormt_optimizer", "--api-key-file"])
 def test_product_flags_sees_every_parser(flag: str) -> None:
     """The collection above reaches the parsers it names (a gateway, a primary, an inference.py flag)."""
