@@ -41,8 +41,13 @@ def add_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             if not option.startswith(LONG_PREFIX):
                 continue
             alias = other_spelling(option)
-            # No `--no_x` for `--no-x`: a BooleanOptionalAction reads "off" from the `--no-` prefix alone.
-            is_snake_negation = option.startswith(NEGATION_PREFIX) and "_" not in option
+            # No `--no_x` for a BooleanOptionalAction's `--no-x`: it reads "off" from the `--no-` prefix
+            # alone, so `--no_x` would turn x on. A flag of its own named `--no-x` (store_true) gets both.
+            is_snake_negation = (
+                isinstance(action, argparse.BooleanOptionalAction)
+                and option.startswith(NEGATION_PREFIX)
+                and "_" not in option
+            )
             if is_snake_negation or alias in parser._option_string_actions:
                 continue  # already a flag of its own (or added before)
             parser._option_string_actions[alias] = action

@@ -17,6 +17,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--logits_via_handle", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--no-schema", action="store_true")
     return add_spellings(p)
 
 
@@ -46,6 +47,13 @@ def test_boolean_flags_take_both_spellings_and_their_negation() -> None:
     assert parser().parse_args(["--no-chat"]).chat is False
     with pytest.raises(SystemExit):  # no `--no_chat`: it would read as "on"
         parser().parse_args(["--no_chat"])
+
+
+def test_a_flag_named_no_x_takes_both_spellings() -> None:
+    """A store_true flag whose name starts with `no-` (bench's --no-schema) is no negation of another."""
+    assert parser().parse_args(["--no_schema"]).no_schema is True
+    assert parser().parse_args(["--no-schema"]).no_schema is True
+    assert parser().parse_args([]).no_schema is False
 
 
 def test_help_shows_the_kebab_spelling_first() -> None:
