@@ -58,15 +58,17 @@ def parse_redis_url(url: str) -> RedisTarget:
     if not sep:
         raise _bad(url, "has no scheme (redis://, rediss://, unix://, redis+cluster://, redis+sentinel://)")
     scheme = scheme.lower()
+    if scheme not in SINGLE_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        raise _bad(url, f"has the unknown scheme {scheme!r}")
+    netloc, _, path = rest.partition("/")
+    if scheme != "unix" and "@" in path and "@" not in netloc:  # "user:pa/ss@host": cut at the password's '/'
+        raise _bad(url, "has an '@' after a '/': write a '/' in the user or password as %2F")
     if scheme in SINGLE_SCHEMES:
-        if scheme != "unix" and not rest.split("/", 1)[0].rpartition("@")[2]:
+        if scheme != "unix" and not netloc.rpartition("@")[2]:
             raise _bad(url, "names no host")
         return RedisTarget(RedisKind.SINGLE, url, is_tls=scheme == "rediss")
-    if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
-        raise _bad(url, f"has the unknown scheme {scheme!r}")
     if "?" in rest or "#" in rest:
         raise _bad(url, "takes no query or fragment for a cluster or sentinel URL")
-    netloc, _, path = rest.partition("/")
     userinfo, at, hosts = netloc.rpartition("@")
     username, password = _credentials(url, userinfo) if at else (None, None)
     nodes = tuple(_node(url, item) for item in hosts.split(","))
@@ -114,11 +116,16 @@ def _bad(url: str, why: str) -> ValueError:
 
 
 def _redacted(url: str) -> str:
-    """url without its password, for error messages and logs."""
+    """url without its password, for error messages and logs; where the netloc (up to the first '/')
+    has no '@', all up to the last '@' is hidden: a '/' in the password ended the netloc early."""
     scheme, sep, rest = url.partition("://")
     netloc, slash, path = rest.partition("/")
-    userinfo, at, hosts = netloc.rpartition("@")
+    userinfo, at, tail = netloc.rpartition("@")
+    if at:
+        tail += slash + path
+    else:
+        userinfo, at, tail = rest.rpartition("@")
     if not at:
         return url
     user = userinfo.partition(":")[0] if ":" in userinfo else ""
-    return f"{scheme}{sep}{user}:***@{hosts}{slash}{path}"
+    return f"{scheme}{sep}{user}:***@{tail}"

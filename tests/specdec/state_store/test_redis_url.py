@@ -61,3 +61,16 @@ def test_an_error_does_not_show_the_password() -> None:
     with pytest.raises(ValueError) as info:
         parse_redis_url("redis+cluster://app:hunter2@h")
     assert "hunter2" not in str(info.value) and "app:***@h" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis+cluster://app:hun/ter2@h:7000", "redis+sentinel://:hun/ter2@s:26379/m", "redis://:hun/ter2@h:6379/0"],
+)
+def test_a_password_with_an_unencoded_slash_is_refused_without_showing_it(url: str) -> None:
+    """The '/' ends the netloc early: the cut password was parsed as a node ("node 'app:hun'") and the
+    redaction, which looked for the '@' before the first '/', found none and showed the whole URL. For
+    a single server the URL went on to redis-py, whose error showed part of it too."""
+    with pytest.raises(ValueError, match="%2F") as info:
+        parse_redis_url(url)
+    assert "hun" not in str(info.value) and "ter2" not in str(info.value)
