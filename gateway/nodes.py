@@ -111,6 +111,16 @@ def _ports(address: str, default_ports: tuple[int, int]) -> tuple[str, int, int,
     return host, primary_port, draft_port, validator_port
 
 
+def _check_dns_name(name: str) -> None:
+    """InvalidArgument naming --nodes unless name can be looked up: the resolver (getaddrinfo) encodes
+    it with IDNA, which raises UnicodeError, not the OSError of a failed lookup, for an empty label or
+    one over 63 characters ("nodes..svc"): the gateway's start then failed on a traceback."""
+    try:
+        name.encode("idna")
+    except UnicodeError:
+        raise InvalidArgument(FLAG, f"{name!r} is no DNS name (a label is empty or over 63 characters)") from None
+
+
 def parse_nodes(text: str, default_draft_port: int, default_validator_port: int) -> NodeSpec:
     """The nodes of a --nodes value (see the module's docstring); InvalidArgument naming --nodes
     for anything else: an empty entry, a bad port, a node listed twice, a DNS name among others.
@@ -128,6 +138,7 @@ def parse_nodes(text: str, default_draft_port: int, default_validator_port: int)
         if len(entries) != 1:
             raise InvalidArgument(FLAG, "a dns:/// name stands alone (its records are the nodes)")
         name, primary_port, draft_port, validator_port = _ports(entries[0][len(DNS_SCHEME) :], defaults)
+        _check_dns_name(name)
         return NodeSpec(dns=DnsNodes(name, primary_port, draft_port, validator_port))
     nodes = tuple(NodeAddress.on_host(*_ports(e, defaults)) for e in entries)
     seen: set[str] = set()

@@ -3,9 +3,12 @@ with an error naming --nodes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.config import parse_config
+from gateway.node_pool import resolve_dns
 from gateway.nodes import NodeAddress, parse_nodes
 from specdec.errors import InvalidArgument
 
@@ -64,3 +67,16 @@ def test_the_gateway_flag_parses_nodes_and_without_it_keeps_its_one_node(monkeyp
     assert config.node_pool.limits.max_active_requests == 3
     with pytest.raises(ValueError, match="--nodes"):
         parse_config(["--nodes", "a:1,,b:2"])
+
+
+@pytest.mark.parametrize("name", ["nodes..svc", ".svc", "x" * 64 + ".svc"])
+def test_a_dns_name_the_resolver_cannot_encode_is_refused_naming_the_flag(name):
+    """An empty label or one over 63 characters fails getaddrinfo's IDNA encoding with a UnicodeError,
+    not a lookup's OSError, which the pool's resolve does not catch: the gateway's start failed on
+    that traceback rather than on an error naming --nodes."""
+    with pytest.raises(UnicodeError):
+        asyncio.run(resolve_dns(name, 50051))
+    with pytest.raises(InvalidArgument, match="no DNS name") as e:
+        parse_nodes(f"dns:///{name}:50051", 50052, 50053)
+    assert e.value.field == "--nodes"
+
