@@ -4,8 +4,12 @@ with an error naming --nodes."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.config import parse_config
 from gateway.node_pool import resolve_dns
@@ -80,3 +84,19 @@ def test_a_dns_name_the_resolver_cannot_encode_is_refused_naming_the_flag(name):
         parse_nodes(f"dns:///{name}:50051", 50052, 50053)
     assert e.value.field == "--nodes"
 
+
+def test_the_nodes_value_docs_kubernetes_gives_is_the_node_services_name_at_the_primarys_port(monkeypatch):
+    """docs/kubernetes.md told operators SPECDEC_GATEWAY_NODES=specdec-node: no dns:/// scheme and no
+    port, which --nodes refuses, so a gateway configured as written did not start."""
+    root = Path(__file__).parents[2]
+    text = (root / "docs" / "kubernetes.md").read_text()
+    service = yaml.safe_load((root / "deploy" / "k8s" / "base" / "node-service.yaml").read_text())
+    values = re.findall(r"SPECDEC_GATEWAY_NODES=([^`\s]+)", text)
+    assert values
+    for name in [name for name in os.environ if name.startswith("SPECDEC_")]:
+        monkeypatch.delenv(name)
+    for value in values:
+        monkeypatch.setenv("SPECDEC_GATEWAY_NODES", value)
+        nodes = parse_config([]).nodes
+        assert nodes is not None and nodes.dns is not None and nodes.dns.name == service["metadata"]["name"]
+        assert nodes.dns.at("10.0.0.5") == NodeAddress("10.0.0.5:50051", "10.0.0.5:50052", "10.0.0.5:50053")
