@@ -276,6 +276,13 @@ def redis_errors(request_id: str, expected_num_tokens: int | None = None, owner:
         yield
     except UNAVAILABLE_ERRORS as e:
         raise Unavailable("state_store", f"Redis unreachable: {e}", dependency="state_store") from e
+    except redis.exceptions.RedisClusterException as e:
+        # No node of a cluster answered: after a connection error the cluster client re-reads the slot
+        # map, and when no node answers that either it raises this ("Redis Cluster cannot be connected")
+        # with the last node's error as the cause, not the ConnectionError a lone server gives.
+        if isinstance(e.__cause__, UNAVAILABLE_ERRORS):
+            raise Unavailable("state_store", f"Redis unreachable: {e}", dependency="state_store") from e
+        raise
     except redis.ResponseError as e:
         # The script's reply (prefixed with the command when raised from a pipeline).
         match = _SCRIPT_ERROR.search(str(e))

@@ -6,7 +6,9 @@ client. The async stores run the tests through SyncStateStore, as synchronous to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ import pytest
 import redis
 import redis.asyncio
 
+from specdec.redis_cluster import free_port_pairs, redis_cluster
 from specdec.state_store.clients import open_async_client
 from specdec.state_store.redis_url import parse_redis_url
 from specdec.errors import AlreadyExists, FailedPrecondition, Internal, InvalidArgument, NotFound, Unavailable
@@ -623,6 +626,32 @@ def test_a_stalled_or_absent_redis_is_unavailable_and_named_as_the_dependency(
         os.kill(redis_server.pid, signal.SIGCONT)
         store.close()
     assert e.value.dependency == "state_store" and e.value.field == "state_store"
+
+
+@pytest.mark.parametrize("is_stalled", [True, False], ids=["stalled", "absent"])
+def test_a_stalled_or_absent_redis_cluster_is_unavailable_and_named_as_the_dependency(is_stalled: bool) -> None:
+    """As for one server: the cluster client re-reads the slot map after a connection error or a
+    timeout, and when no node answers that either it raised RedisClusterException, which passed
+    through the store untranslated, so the gateway neither retried it nor told it as UNAVAILABLE."""
+    with contextlib.ExitStack() as stack:
+        if is_stalled:  # a cluster of its own: the shared one is not stopped under other tests
+            if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+                pytest.skip("redis-server and redis-cli not installed (`make test` installs them)")
+            cluster = stack.enter_context(redis_cluster(num_masters=3, num_replicas=0))
+            url, pids = cluster.url, [node.pid for node in cluster.nodes]
+        else:
+            url, pids = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in free_port_pairs(2)), []
+        store = RedisStateStore.from_url(url, StateStoreConfig(namespace="stall"), timeout_s=0.2)
+        stack.callback(store.close)
+        if is_stalled:
+            store.create("r1", PARAMS)
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+                stack.callback(os.kill, pid, signal.SIGCONT)
+        for call in (lambda: store.load("r1"), lambda: store.append_step("r1", [1]), store.list_active):
+            with pytest.raises(Unavailable) as e:
+                call()
+            assert e.value.dependency == "state_store" and e.value.field == "state_store"
 
 
 def test_hundreds_of_concurrent_async_writes_share_a_bounded_pool(redis_server) -> None:
