@@ -30,6 +30,7 @@ from specdec.launcher import (
     service_specs,
 )
 from specdec.redis_server import redis_server
+from specdec.state_store.redis_url import redacted_url
 from specdec.supervisor import RestartPolicy, Supervisor
 
 _NODE_SERVICES = (PRIMARY, DRAFT, VALIDATOR)
@@ -106,7 +107,9 @@ def serve_cluster(
         if not config.redis_url:
             config = dataclasses.replace(config, redis_url=exits.enter_context(redis_server()).url)
         config = dataclasses.replace(config, is_serving_http=False)
-        say(f"starting {num_nodes} nodes and {num_gateways} gateways on one Redis ({config.redis_url})...")
+        say(
+            f"starting {num_nodes} nodes and {num_gateways} gateways on one Redis ({redacted_url(config.redis_url)})..."
+        )
         stack = exits.enter_context(Stack(config, specs=cluster_specs(config, num_nodes, num_gateways)))
         names = sorted(stack.addresses, key=lambda n: (not n.startswith(GATEWAY), n))
         for name in names:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from inference import parse_args
-from specdec.cluster import cluster_specs
+from specdec.cluster import cluster_specs, serve_cluster
 from specdec.launcher import StackConfig, waves
+from specdec.supervisor import RestartPolicy
 
 
 def test_each_node_has_its_three_services_and_every_gateway_routes_to_all_nodes():
@@ -42,3 +43,20 @@ def test_the_command_line_takes_nodes_and_gateways_only_to_serve(capsys):
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert "--serve and no --prompt" in capsys.readouterr().err
+
+
+def test_the_cluster_does_not_print_the_redis_password():
+    """serve_cluster said which Redis it starts on with the --redis_url as given, password and all."""
+    said: list[str] = []
+
+    class Said(Exception):
+        pass
+
+    def say(line: str) -> None:
+        said.append(line)
+        raise Said  # before any service starts
+
+    config = StackConfig(redis_url="redis://app:hunter2@10.0.0.9:6379/0")
+    with pytest.raises(Said):
+        serve_cluster(config, 2, 2, RestartPolicy(), say)
+    assert said and "hunter2" not in said[0] and "redis://app:***@10.0.0.9:6379/0" in said[0]

@@ -112,11 +112,11 @@ def _service_and_db(url: str, path: str) -> tuple[str, int]:
 
 
 def _bad(url: str, why: str) -> ValueError:
-    return ValueError(f"{FLAG} {_redacted(url)!r} {why}")
+    return ValueError(f"{FLAG} {redacted_url(url)!r} {why}")
 
 
-def _redacted(url: str) -> str:
-    """url without its password, for error messages and logs; where the netloc (up to the first '/')
+def redacted_url(url: str) -> str:
+    """url without its password, for error messages, logs and what a tool prints; where the netloc (up to the first '/')
     has no '@', all up to the last '@' is hidden: a '/' in the password ended the netloc early."""
     scheme, sep, rest = url.partition("://")
     netloc, slash, path = rest.partition("/")
