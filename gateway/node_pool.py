@@ -5,7 +5,9 @@ and its load (GetStats); a node that does not report SERVING gets no new request
 again, and a request's call that finds its primary unavailable marks the node down at once
 (mark_down), without waiting for the next check. With a DNS name (gateway.nodes.DnsNodes) the
 pool re-resolves it every `resolve_interval_s`: addresses that appear become nodes, nodes whose
-address is gone get no new requests (their running requests keep their connections).
+address is gone get no new requests and are forgotten (their running requests keep their node's
+connections, which close once the last of them lets go): on Kubernetes every recreated node Pod has
+a new address, and a gateway that kept every node it ever saw would grow for as long as it runs.
 
 New requests go where gateway.routing says: prefix affinity on a consistent-hash ring of the
 healthy nodes, bounded by each node's load. Between two reports a node's load counts the requests
@@ -93,7 +95,7 @@ class NodePool:
         self._make_backends, self._resolver = make_backends, resolver
         # (node id, "draft" | "validator") -> that dependency's state
         self._make_state = make_state or (lambda _node_id, name: DependencyState(name))
-        self.nodes: dict[str, Node] = {}  # every node known, listed or not
+        self.nodes: dict[str, Node] = {}  # the listed nodes
         self.listed: tuple[str, ...] = ()  # the node ids --nodes names now (static, or resolved)
         self.ring = HashRing(())
         self._task: asyncio.Task | None = None
@@ -110,6 +112,8 @@ class NodePool:
         if listed != self.listed:
             self.log.info("nodes listed", nodes=list(listed))
             self.listed, self.ring = listed, HashRing(listed)
+            for node_id in set(self.nodes) - set(listed):  # not closed: requests may still run on it
+                del self.nodes[node_id]
 
     async def resolve(self) -> None:
         """Re-resolve the DNS name (a no-op for static nodes); a failed lookup keeps the nodes known."""
@@ -205,7 +209,8 @@ class NodePool:
         down: it does not report SERVING to a health check now (a refused connection answers at once).
         None when it still serves (a passing fault, or a slot another gateway's lease holds: the request
         waits there as with a single node) or no other node is healthy. A down node gets no new
-        requests until a periodic check finds it serving again."""
+        requests until a periodic check finds it serving again. A node no longer listed (its address
+        left the DNS name's records) is not asked: its requests move at their first failed call."""
         node = self.nodes.get(node_id)
         if node is not None:
             if await node.backends.is_primary_serving(self.config.check_timeout_s):

@@ -117,3 +117,30 @@ def test_a_dns_name_is_re_resolved_and_a_failed_lookup_keeps_the_nodes():
         assert pool.route(PROMPT).node_id == "10.0.0.2:50051"  # type: ignore[union-attr]
 
     asyncio.run(main())
+
+
+def test_nodes_gone_from_the_dns_name_are_forgotten_but_not_closed_under_their_requests():
+    """A Kubernetes node Pod that is recreated comes back at a new address: the pool kept every node it
+    ever resolved, with its connections and states, for as long as the gateway ran. A node whose address
+    left the records is forgotten now; its backends stay open for the requests running on it."""
+    hosts = [f"10.0.{i // 250}.{i % 250 + 1}" for i in range(100)]
+
+    async def resolver(name: str, port: int) -> list[str]:
+        return [hosts.pop(0)]
+
+    async def main() -> None:
+        pool = pool_of("dns:///nodes.svc:50051", resolver=resolver)
+        await pool.resolve()
+        await pool.check()
+        running = pool.route(PROMPT)  # a request's node, whose address then goes
+        assert running is not None
+        while hosts:
+            await pool.resolve()
+        assert len(pool.nodes) == 1 and list(pool.nodes) == list(pool.listed)
+        assert running.node_id not in pool.nodes and not running.backends.is_closed  # type: ignore[attr-defined]
+        # its request's failed call moves it to a listed node, without asking the forgotten one
+        running.backends.is_serving = True  # type: ignore[attr-defined]
+        moved = await pool.fail_over(running.node_id, PROMPT, "", "UNAVAILABLE")
+        assert moved is not None and moved.node_id == pool.listed[0]
+
+    asyncio.run(main())
