@@ -18,6 +18,7 @@ E.g. redis+cluster://10.0.0.1:7000,10.0.0.2:7000 or redis+sentinel://s1:26379,s2
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -61,7 +62,7 @@ def parse_redis_url(url: str) -> RedisTarget:
     if scheme not in SINGLE_SCHEMES + CLUSTER_SCHEMES + SENTINEL_SCHEMES:
         raise _bad(url, f"has the unknown scheme {scheme!r}")
     netloc, _, path = rest.partition("/")
-    if scheme != "unix" and "@" in path and "@" not in netloc:  # "user:pa/ss@host": cut at the password's '/'
+    if scheme != "unix" and _is_cut_at_slash(rest):
         raise _bad(url, "has an '@' after a '/': write a '/' in the user or password as %2F")
     if scheme in SINGLE_SCHEMES:
         if scheme != "unix" and not netloc.rpartition("@")[2]:
@@ -115,17 +116,25 @@ def _bad(url: str, why: str) -> ValueError:
     return ValueError(f"{FLAG} {redacted_url(url)!r} {why}")
 
 
+def _is_cut_at_slash(rest: str) -> bool:
+    """Whether the URL after its scheme has an '@' past the first '/' (and before any query) but none
+    before it: "user:pa/ss@host", a password whose '/' ended the netloc early."""
+    head = re.split(r"[?#]", rest, maxsplit=1)[0]
+    netloc, _, path = head.partition("/")
+    return "@" in path and "@" not in netloc
+
+
 def redacted_url(url: str) -> str:
-    """url without its password, for error messages, logs and what a tool prints; where the netloc (up to the first '/')
-    has no '@', all up to the last '@' is hidden: a '/' in the password ended the netloc early."""
+    """url without its password, for error messages, logs and what a tool prints: the user info, up
+    to the last '@' before the first '/' (a '?' or '#' in a password does not end it here), or, where
+    a '/' in the password cut the netloc (_is_cut_at_slash), up to the last '@' before any query; and
+    a password= query option (redis-py's URLs take one)."""
     scheme, sep, rest = url.partition("://")
-    netloc, slash, path = rest.partition("/")
-    userinfo, at, tail = netloc.rpartition("@")
-    if at:
-        tail += slash + path
-    else:
-        userinfo, at, tail = rest.rpartition("@")
-    if not at:
-        return url
-    user = userinfo.partition(":")[0] if ":" in userinfo else ""
-    return f"{scheme}{sep}{user}:***@{tail}"
+    end = rest.partition("/")[0].rfind("@")
+    if end < 0 and _is_cut_at_slash(rest):
+        end = re.split(r"[?#]", rest, maxsplit=1)[0].rfind("@")
+    tail = re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", rest[max(end, 0) :])
+    if end < 0:
+        return f"{scheme}{sep}{tail}"
+    user = rest[:end].partition(":")[0] if ":" in rest[:end] else ""
+    return f"{scheme}{sep}{user}:***{tail}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.state_store.redis_url import RedisKind, RedisTarget, parse_redis_url
+from specdec.state_store.redis_url import RedisKind, RedisTarget, parse_redis_url, redacted_url
 
 
 def test_a_single_server_url_passes_through_to_redis_py() -> None:
@@ -74,3 +74,14 @@ def test_a_password_with_an_unencoded_slash_is_refused_without_showing_it(url: s
     with pytest.raises(ValueError, match="%2F") as info:
         parse_redis_url(url)
     assert "hun" not in str(info.value) and "ter2" not in str(info.value)
+
+
+def test_an_at_sign_in_a_query_is_no_cut_password_and_a_query_password_is_redacted() -> None:
+    """Only an '@' before the query marks a password cut at its '/': redis-py's single-server URLs
+    take options in the query, whose values may hold one. Its password= option is redacted too."""
+    url = "rediss://h:6380/0?ssl_ca_certs=/etc/ssl/ca@corp.pem"
+    assert parse_redis_url(url).kind is RedisKind.SINGLE
+    assert redacted_url(url) == url
+    assert redacted_url("redis://h:6379/0?password=hunter2&db=1") == "redis://h:6379/0?password=***&db=1"
+    assert redacted_url("redis://app:hun/ter2@h:6379/0?db=1") == "redis://app:***@h:6379/0?db=1"
+    assert redacted_url("redis+cluster://app:hun?ter2@h:7000") == "redis+cluster://app:***@h:7000"
