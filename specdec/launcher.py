@@ -85,6 +85,8 @@ OPENMP_SPIN_COUNT = "1000"
 MALLOC_ARENAS = "2"
 # Where the launcher keeps every service's restart count, in the log dir (JSON: name -> count).
 RESTARTS_FILE_NAME = "service_restarts.json"
+# The gateway's --redis_url as its own variable (specdec.service.flags: SPECDEC_<SERVICE>_<FLAG>).
+REDIS_URL_VARIABLE = "SPECDEC_GATEWAY_REDIS_URL"
 # How often a starting service is polled (exit status, then health).
 _POLL_S = 0.05
 # Picking a free port is bind(0)-then-release, so another process can take the
@@ -153,6 +155,9 @@ class ServiceSpec:
     health_ca_file: str = ""  # it serves TLS: health checks trust these PEM roots
     is_reporting_restarts: bool = False  # gets --service_restarts_file (Stack.num_restarts, for its /metrics)
     is_reporting_progress: bool = False  # gets --progress_file; Stack's on_progress hears its start-up events
+    # Variables its process gets beside the launcher's environment: values that must not stand in
+    # its command line, which every user of the machine can read (ps), e.g. a password in a URL.
+    env: tuple[tuple[str, str], ...] = ()
     # (primary, draft, validator) service names per node: a gateway of several nodes gets
     # --nodes host:primary_port/draft_port/validator_port,... (gateway.nodes)
     node_services: tuple[tuple[str, str, str], ...] = ()
@@ -293,7 +298,8 @@ def _draft_spec(config: StackConfig) -> ServiceSpec:
 def _gateway_spec(config: StackConfig) -> ServiceSpec:
     named = tuple(s for s in config.strategies if s not in _PER_REQUEST_STRATEGIES)
     strategies = ("--strategies", ",".join(named)) if named else ()
-    # --redis_url always: an empty one must not fall back to SPECDEC_REDIS_URL.
+    # The Redis URL always, as the gateway's own variable (a password in it stays out of the command
+    # line): an empty one must not fall back to SPECDEC_REDIS_URL (specdec.service.flags).
     # One machine: the validator reads the primary's logits through /dev/shm (--logits_via_handle).
     return ServiceSpec(
         GATEWAY,
@@ -304,9 +310,9 @@ def _gateway_spec(config: StackConfig) -> ServiceSpec:
             *_model_flags(config),
             *strategies,
             *_api_keys_flags(config),
-            f"--redis_url={config.redis_url}",
             "--logits_via_handle",
         ),
+        env=((REDIS_URL_VARIABLE, config.redis_url),),
         health_service="specdec.v1.GenerationService",
         # It asks the primary for the model before it serves, the pool and the validator only once
         # requests come (gateway.server: GetPoolInfo again while the pool's costs are pending).
@@ -690,7 +696,7 @@ class Stack:
             argv += ["--progress_file", str(progress_path)]
             progress = ProgressReader(progress_path)
         log_path = self.log_dir / f"{spec.name}.log"
-        process = _start_process(argv, log_path, self._env())
+        process = _start_process(argv, log_path, {**self._env(), **dict(spec.env)})
         running = _Running(spec, port, argv, log_path, process, metrics_port, progress, dependency_ports)
         self._running[spec.name] = running
         return running

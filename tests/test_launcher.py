@@ -186,9 +186,13 @@ def test_service_specs_pass_the_fixed_flags() -> None:
         "--draft_address": "draft",
         "--validator_address": "validator",
     }
-    # An empty redis_url is passed too: the gateway must not pick one up from the environment.
+    # An empty redis_url is passed too: the gateway must not pick one up from the environment. It
+    # goes as the gateway's own variable, not in its command line, which any user can read (ps).
     defaults = service_specs(StackConfig())
-    assert "--redis_url=" in defaults[3].command
+    assert dict(defaults[3].env) == {"SPECDEC_GATEWAY_REDIS_URL": ""}
+    with_password = service_specs(StackConfig(redis_url="redis://:s3cret@127.0.0.1:6379"))
+    assert not any("s3cret" in part for spec in with_password for part in spec.command)
+    assert dict(with_password[3].env) == {"SPECDEC_GATEWAY_REDIS_URL": "redis://:s3cret@127.0.0.1:6379"}
     assert not any("--model_path" in s.command or "--cache_dir" in s.command for s in defaults)
     with pytest.raises(ValueError, match="strategies"):
         StackConfig(strategies=("a,b",))
