@@ -90,7 +90,7 @@ def split_host_port(address: str, what: str) -> tuple[str, int]:
 
 
 def parse_port(text: str, what: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 65535:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
         raise InvalidArgument(FLAG, f"{what}: port {text!r} must be a number in 1..65535")
     return int(text)
 

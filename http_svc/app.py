@@ -515,7 +515,7 @@ class HttpFront:
         limit = self.config.max_body_bytes
         too_large = ApiError(413, f"the request body is larger than {limit} bytes", "invalid_request_error")
         length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
+        if length.isascii() and length.isdigit() and int(length) > limit:
             raise too_large
         chunks, size = [], 0
         async for chunk in request.stream():

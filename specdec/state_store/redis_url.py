@@ -98,7 +98,7 @@ def _node(url: str, item: str) -> tuple[str, int]:
         raise _bad(url, f"node {item!r} is not host:port")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not port_text.isdigit() or not 1 <= int(port_text) <= _MAX_PORT:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= _MAX_PORT:
         raise _bad(url, f"node {item!r} has no port in 1..{_MAX_PORT}")
     return host, int(port_text)
 
@@ -107,7 +107,7 @@ def _service_and_db(url: str, path: str) -> tuple[str, int]:
     parts = path.split("/") if path else []
     if not parts or not parts[0]:
         raise _bad(url, "names no service: redis+sentinel://host:port[,host:port]/service_name[/db]")
-    if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+    if len(parts) > 2 or (len(parts) == 2 and not (parts[1].isascii() and parts[1].isdigit())):
         raise _bad(url, "has a path past /service_name/db, or a db that is not a number >= 0")
     return unquote(parts[0]), int(parts[1]) if len(parts) == 2 else 0
 

@@ -46,6 +46,7 @@ def test_a_dns_name_stands_for_its_addresses_at_the_given_ports():
         ("a:0", "1..65535"),
         ("a:70000", "1..65535"),
         ("a:x", "1..65535"),
+        ("a:5\u00b2", "1..65535"),  # a digit to str.isdigit, not to int(): a ValueError naming nothing before
         (":50051", "no valid host"),
         ("a:1/2", "host:primary_port/draft_port/validator_port"),
         ("a:1/2/3/4", "host:primary_port/draft_port/validator_port"),

@@ -43,12 +43,14 @@ def test_a_sentinel_url_names_the_sentinels_the_service_and_the_db() -> None:
         ("redis+cluster://h", "is not host:port"),
         ("redis+cluster://h:0", "no port in 1..65535"),
         ("redis+cluster://h:70000", "no port in 1..65535"),
+        ("redis+cluster://h:7\u00b2", "no port in 1..65535"),  # isdigit() but not int(): a bare ValueError before
         ("redis+cluster://h:7000,", "is not host:port"),
         ("redis+cluster://h:7000/0", "takes no path"),
         ("redis+cluster://h:7000?timeout=1", "no query"),
         ("redis+sentinel://s:26379", "names no service"),
         ("redis+sentinel://s:26379/", "names no service"),
         ("redis+sentinel://s:26379/m/x", "db that is not a number"),
+        ("redis+sentinel://s:26379/m/\u00b9", "db that is not a number"),
         ("redis+sentinel://s:26379/m/1/2", "path past"),
     ],
 )
