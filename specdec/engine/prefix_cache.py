@@ -24,7 +24,8 @@ too; vLLM's blocks are not). Whether a caller may reuse rows at any count is the
 Scope: the engine passes the request's tenant (specdec.request_id.tenant_of). A hit is visible to
 its client (fewer prompt tokens computed, `num_cached_prompt_tokens`, a shorter time to first
 token), so a shared cache would tell one tenant which prompts another sent; tenants never share
-(vLLM's cache_salt). Without API keys every request is in scope "".
+(vLLM's cache_salt). Without API keys there is one trust domain: an id without "/" is in scope "",
+and a "/" in a client's own id only narrows what the id shares (tenant_of).
 
 Eviction: least recently used first, under a byte budget of its own (`max_bytes`), apart from the
 per-request KV budget (specdec.engine.kv_cache): the cache holds copies, so releasing a request
