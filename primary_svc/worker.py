@@ -880,6 +880,10 @@ class EngineWorker:
     def _observe(self) -> None:
         if self.metrics is None or self.engine is None:
             return
+        # The KV gauges after every turn, not only after a Prefill or Release RPC: a slot grows while
+        # its request decodes and a preemption frees another's, both inside steps.
+        self.metrics.observe_kv(self.engine.kv_bytes, self.engine.kv_cache.max_bytes or 0)
+        self.metrics.active_requests.set(self.engine.num_active_requests)
         self.metrics.scheduler_waiting.set(len(self._waiting))
         waiting = {w.entry.request_id for w in self._waiting}
         self.metrics.scheduler_running.set(sum(1 for r in self.engine.resident_request_ids() if r not in waiting))

@@ -543,3 +543,32 @@ def test_a_tenants_speculating_outputs_are_drafted_in_its_later_runs_and_no_one_
     assert sum(m.num_answer_accepted for m in again) > RUN // 2  # the output drafted back
     assert len(again) < len(first) // 2 and len(other) == len(first)  # b drafted nothing of a's
     assert engine.kv_bytes == 0
+
+
+def test_the_kv_gauges_follow_a_slot_that_grows_while_its_request_decodes(fp32_model, tokenizer):
+    """specdec_kv_bytes and kv_cache_usage_perc say what the engine holds after each step, not what
+    it held at the last Prefill or Release: a run longer than the prompt's slot grows the slot.
+    The worker and the servicer share one PrimaryMetrics, as primary_svc.__main__ wires them."""
+    max_bytes = 64 << 20
+    metrics = PrimaryMetrics(CollectorRegistry())
+    engine = Engine(fp32_model.model, KVCache(fp32_model.config, torch.float32, max_bytes=max_bytes), MAX_CONTEXT)
+    worker = EngineWorker(engine, metrics=metrics)
+    identity = ModelIdentity("test-model", "instance-kv", MAX_CONTEXT, (2,), {1: 10.0})
+    servicer = PrimaryServicer(
+        fp32_model, worker, identity, max_bytes, metrics=metrics, leases=KVLeases(30.0), tokenizer=tokenizer
+    )
+    value = metrics.registry.get_sample_value
+    try:
+        with primary_stub(servicer) as stub:
+            lease = prefill(stub, "kv")
+            opened = engine.kv_bytes
+            assert value("specdec_kv_bytes") == opened > 0
+            assert len(list(stream(stub, "kv", lease, [], LONG))) == LONG  # past the prompt's slot
+            worker.call(lambda e: None)  # the engine thread observed the metrics after the run's last step
+            assert engine.kv_bytes > opened
+            assert value("specdec_kv_bytes") == engine.kv_bytes
+            assert value("specdec_kv_cache_usage_perc") == engine.kv_bytes / max_bytes
+            release(stub, "kv", lease)
+            assert value("specdec_kv_bytes") == engine.kv_bytes == 0
+    finally:
+        worker.stop()
