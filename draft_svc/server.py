@@ -49,8 +49,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self, request: draft_pb2.DraftServiceReleaseRequest, context: grpc.ServicerContext
     ) -> draft_pb2.DraftServiceReleaseResponse:
         self._pool.release(pb.request_id_from_pb(request.request_id), request.is_finished, request.new_token_ids)
-        if self._metrics is not None:
+        if self._metrics is not None:  # the released request's state is gone: its bytes too
             self._metrics.requests.set(self._pool.num_requests)
+            self._metrics.state_bytes.set(self._pool.num_kv_bytes)
         return draft_pb2.DraftServiceReleaseResponse()
 
     def PrepareGrammar(

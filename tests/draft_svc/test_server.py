@@ -17,9 +17,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from draft_svc.__main__ import build
 from draft_svc.config import from_args
+from draft_svc.metrics import DraftMetrics
 from specdec.propose_args import ProposeArgs
 from draft_svc.primary_client import GrpcPrimaryClient
 from specdec import pb
@@ -170,6 +172,41 @@ def test_propose_and_release_over_grpc_before_and_after_attaching(draft, primary
     bad = draft_pb2.DraftServiceReleaseRequest(request_id="r", is_finished=True, new_token_ids=[10**6])
     code, details = _code_and_details(lambda: stub.Release(bad))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("new_token_ids: token id 1000000")
+
+
+def test_the_state_gauges_fall_when_a_request_is_released(primary):
+    """specdec_draft_requests and specdec_draft_state_bytes say what the pool holds once a Release
+    dropped a request's state, not what it held at the last Propose."""
+    _, address = primary
+    config = from_args(["--primary_address", address, "--strategies", "early_exit", "--early_exit_layers", "2"], {})
+    client = GrpcPrimaryClient(address)
+    metrics = DraftMetrics(CollectorRegistry())
+    servicer, pool, attacher = build(config, client, metrics)
+    server, port = create_server(
+        "127.0.0.1:0",
+        [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
+        interceptors=[ErrorInterceptor()],
+    )
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = draft_pb2_grpc.DraftServiceStub(channel)
+    value = metrics.registry.get_sample_value
+    try:
+        attacher.refresh()
+        stub.Propose(
+            draft_pb2.ProposeRequest(request_id="r", prompt_token_ids=PROMPT, draft_length=2, strategies=["early_exit"])
+        )
+        assert value("specdec_draft_requests") == 1
+        assert value("specdec_draft_state_bytes") == pool.num_kv_bytes > 0  # the early exit's KV
+        stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r", is_finished=True))
+        assert pool.num_requests == 0 and pool.num_kv_bytes == 0
+        assert value("specdec_draft_requests") == 0
+        assert value("specdec_draft_state_bytes") == 0
+    finally:
+        channel.close()
+        server.stop(0)
+        pool.close()
+        client.close()
 
 
 def test_a_restarted_primary_is_re_attached_and_decoders_rebuilt(draft, primary):
