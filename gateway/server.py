@@ -833,11 +833,15 @@ class _StepCounts:
 
     @staticmethod
     def of(stats: RequestStats, num_generated_tokens_at_start: int | None = None) -> _StepCounts:
+        stage_ms = dict(stats.stage_ms)
+        # The loop books no "other" time: it is the steps' wall time the other stages leave, as
+        # GenerationStats.stage_times.other_ms gives it.
+        stage_ms["other"] = max(0.0, stats.total_ms - sum(ms for stage, ms in stage_ms.items() if stage != "other"))
         return _StepCounts(
             stats.num_steps,
             stats.num_proposed,
             stats.num_accepted,
-            dict(stats.stage_ms),
+            stage_ms,
             {name: (int(row[0]), int(row[1])) for name, row in stats.decoders.items()},
             stats.num_generated_tokens if num_generated_tokens_at_start is None else num_generated_tokens_at_start,
         )
@@ -845,6 +849,9 @@ class _StepCounts:
     def observe_into(self, metrics: GatewayMetrics, stats: RequestStats) -> _StepCounts:
         """Record the steps since these counts; the counts now."""
         now = _StepCounts.of(stats, self.num_generated_tokens_at_start)
+        # A validation or write booked before the next step's wall time joins the total takes from
+        # "other" for a moment: never a negative sample, the rest is counted once the total catches up.
+        now.stage_ms["other"] = max(now.stage_ms["other"], self.stage_ms.get("other", 0.0))
         metrics.observe_step(
             num_steps=now.num_steps - self.num_steps,
             num_proposed=now.num_proposed - self.num_proposed,

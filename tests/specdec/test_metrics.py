@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry
 
 from draft_svc.metrics import DraftMetrics
 from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.server import _StepCounts
+from gateway.stats import RequestStats
 from primary_svc.metrics import PrimaryMetrics
 from specdec.metrics import RpcMetrics, start_metrics_server
 
@@ -40,6 +42,34 @@ def test_observe_step_counts_drafts_by_decoder_and_stages() -> None:
     assert value("specdec_spec_decode_accepted_length_count") == 1
     assert value("specdec_step_stage_seconds_count", {"stage": "verify"}) == 2
     assert value("specdec_step_stage_seconds_count", {"stage": "draft"}) == 1
+
+
+def test_a_request_s_steps_give_the_other_stage_the_wall_time_the_stages_leave() -> None:
+    """specdec_step_stage_seconds{stage="other"} adds up to the request's other_ms (its wall time
+    less the booked stages): the loop books no "other" time itself, so it is derived per step."""
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    stats = RequestStats()
+    seen = _StepCounts.of(stats)
+    # (draft, verify, validate booked, wall) ms per step; the third's check is booked before its wall
+    # time joins the total (the next step's commit), as the loop books a wait that overlapped a step
+    for draft_ms, verify_ms, validate_ms, wall_ms in ((2.0, 30.0, 0.0, 40.0), (1.0, 20.0, 0.0, 25.0), (0, 0, 3.0, 0)):
+        stats.num_steps += 1
+        stats.stage_ms["draft"] += draft_ms
+        stats.stage_ms["verify"] += verify_ms
+        stats.stage_ms["validate"] += validate_ms
+        stats.total_ms += wall_ms
+        seen = seen.observe_into(metrics, stats)
+    stats.num_steps += 1
+    stats.stage_ms["verify"] += 10.0
+    stats.total_ms += 20.0  # the wait included
+    seen.observe_into(metrics, stats)
+    value = registry.get_sample_value
+    other_s = stats.to_pb().stage_times.other_ms / 1000
+    assert other_s == pytest.approx(0.019)
+    assert value("specdec_step_stage_seconds_sum", {"stage": "other"}) == pytest.approx(other_s)
+    assert value("specdec_step_stage_seconds_count", {"stage": "other"}) == 4
+    assert value("specdec_step_stage_seconds_bucket", {"stage": "other", "le": "0.0001"}) == 1  # none negative
 
 
 def test_observe_step_rejects_inconsistent_input() -> None:
