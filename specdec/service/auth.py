@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from specdec.flags import Flag, add_flags
 from specdec.metrics import RpcMetrics
 from specdec.service.flags import Flags
-from specdec.service.interceptor import ErrorInterceptor
+from specdec.service.interceptor import ErrorInterceptor, method_name
 from specdec.service.server import AddServicerFn, ServerConfig, exit_if_port_will_not_bind, serve
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
@@ -106,12 +106,16 @@ def read_service_token(path: str | Path) -> str:
 
 
 class ServiceTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call without the service token (UNAUTHENTICATED); install it first."""
+    """Refuses every call without the service token (UNAUTHENTICATED); install it first. `metrics`:
+    each refused call is counted there (specdec_rpc_requests_total{code="UNAUTHENTICATED"}): the
+    error mapping after it, which counts the others, never sees it, and a caller with a wrong or
+    missing token is what an operator must be able to see."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, metrics: RpcMetrics | None = None) -> None:
         if len(token) < MIN_TOKEN_CHARS:
             raise ServiceTokenError(f"the service token must have at least {MIN_TOKEN_CHARS} characters")
         self._expected = (BEARER + token).encode()
+        self._metrics = metrics
 
     def intercept_service(
         self,
@@ -123,7 +127,11 @@ class ServiceTokenInterceptor(grpc.ServerInterceptor):
         ):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
-        return None if handler is None else _refusing(handler)
+        if handler is None:
+            return None
+        if self._metrics is not None:
+            self._metrics.requests.labels(method_name(handler_call_details.method), "UNAUTHENTICATED").inc()
+        return _refusing(handler)
 
     def _is_authorized(self, metadata: Any) -> bool:
         for key, value in metadata or ():
@@ -225,8 +233,9 @@ def load_service_token(token_file: str, is_unauthenticated_allowed: bool) -> str
 
 def internal_interceptors(token: str | None, rpc: RpcMetrics) -> list[grpc.ServerInterceptor]:
     """An internal service's server interceptors: the service token's check first (none without a
-    token), then the error mapping, which records every call in `rpc` (ErrorInterceptor)."""
-    return [*([] if token is None else [ServiceTokenInterceptor(token)]), ErrorInterceptor(rpc)]
+    token), which records the calls it refuses in `rpc`, then the error mapping, which records every
+    other call there (ErrorInterceptor)."""
+    return [*([] if token is None else [ServiceTokenInterceptor(token, rpc)]), ErrorInterceptor(rpc)]
 
 
 def serve_internal(

@@ -13,12 +13,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import CollectorRegistry
 
+from specdec.metrics import RpcMetrics
 from specdec.service import ErrorInterceptor, create_server
 from specdec.service.auth import (
     ServiceTokenError,
     ServiceTokenInterceptor,
     authenticated_channel,
+    internal_interceptors,
     load_service_token,
     new_service_token,
     read_service_token,
@@ -81,6 +84,32 @@ def test_calls_without_the_right_token_are_unauthenticated(served, token: str | 
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
         assert TOKEN not in e.value.details()
     assert validator.num_calls == 0, "the servicer never ran"
+
+
+def test_refused_calls_are_counted_in_the_rpc_metrics() -> None:
+    """An internal service's refusals show in specdec_rpc_requests_total{code="UNAUTHENTICATED"}
+    (a peer with a stale token), beside the calls it served."""
+    registry = CollectorRegistry()
+    server, port = create_server(
+        "127.0.0.1:0",
+        [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, CountingValidator())],
+        interceptors=internal_interceptors(TOKEN, RpcMetrics(registry)),
+    )
+    server.start()
+    try:
+        for token in (None, "0" * 64, TOKEN):
+            with authenticated_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), token) as channel:
+                stub = validator_pb2_grpc.ValidatorServiceStub(channel)
+                try:
+                    stub.Validate(validator_pb2.ValidateRequest(), timeout=10)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and token != TOKEN
+    finally:
+        server.stop(None)
+    value = registry.get_sample_value
+    method = "ValidatorService/Validate"
+    assert value("specdec_rpc_requests_total", {"method": method, "code": "UNAUTHENTICATED"}) == 2
+    assert value("specdec_rpc_requests_total", {"method": method, "code": "OK"}) == 1
 
 
 def test_the_right_token_reaches_the_servicer_and_health_needs_none(served) -> None:
