@@ -550,12 +550,19 @@ class _CallStreamingResponse(StreamingResponse):
     ) -> None:
         super().__init__(content, **kwargs)
         self._call, self._on_disconnect = call, on_disconnect
+        self._is_sent = False
+
+    async def stream_response(self, send) -> None:
+        await super().stream_response(send)
+        self._is_sent = True
 
     async def listen_for_disconnect(self, receive) -> None:
-        # ASGI servers before spec 2.4 (uvicorn's HTTP/1.1): this returns only when the client went
-        # away; a stream that ends first cancels it.
+        # ASGI servers before spec 2.4 (uvicorn's HTTP/1.1): this returns when the client went away,
+        # and also when the stream has just ended: uvicorn answers http.disconnect once the response
+        # is complete, and the wake-up beats the stream's cancel of this. Only the former counts.
         await super().listen_for_disconnect(receive)
-        self._on_disconnect()
+        if not self._is_sent:
+            self._on_disconnect()
 
     async def __call__(self, scope, receive, send) -> None:
         try:
