@@ -586,7 +586,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
 
     def _observe_kv(self) -> None:
         if self.metrics is not None:
+            # specdec_kv_requests is the engine thread's to set (EngineWorker._observe): it counts the
+            # requests holding a slot, which only that thread can list while the engine runs
             self.metrics.observe_kv(self.worker.built_engine().kv_bytes, self.max_kv_bytes)
-            self.metrics.active_requests.set(self.worker.built_engine().num_active_requests)
             self.metrics.queue_depth.set(self.worker.queue_depth)
             self.metrics.scheduler_waiting.set(self.worker.num_waiting)

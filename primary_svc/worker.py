@@ -883,10 +883,11 @@ class EngineWorker:
         # The KV gauges after every turn, not only after a Prefill or Release RPC: a slot grows while
         # its request decodes and a preemption frees another's, both inside steps.
         self.metrics.observe_kv(self.engine.kv_bytes, self.engine.kv_cache.max_bytes or 0)
-        self.metrics.active_requests.set(self.engine.num_active_requests)
+        resident = self.engine.resident_request_ids()  # a preempted request holds no slot until re-prefilled
+        self.metrics.active_requests.set(len(resident))
         self.metrics.scheduler_waiting.set(len(self._waiting))
         waiting = {w.entry.request_id for w in self._waiting}
-        self.metrics.scheduler_running.set(sum(1 for r in self.engine.resident_request_ids() if r not in waiting))
+        self.metrics.scheduler_running.set(sum(1 for r in resident if r not in waiting))
         if (cache := self.engine.prefix_cache) is not None:
             self._prefix_stats_seen = self.metrics.observe_prefix_cache(cache, self._prefix_stats_seen)
 

@@ -296,6 +296,31 @@ def test_preemption_releases_the_newest_and_it_continues_after_a_re_prefill(int4
         unlimited.stop()
 
 
+def test_a_preempted_request_leaves_the_kv_gauges(int4_model):
+    """specdec_kv_requests counts the requests holding a KV slot: a preempted one keeps its tokens
+    but not its slot (Engine.evict) until it re-prefills; specdec_kv_bytes drops with its slot."""
+    probe = new_engine(int4_model)
+    prompts = {"old": LONG_PROMPT[:120], "new": LONG_PROMPT[:100]}
+    slots = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())
+    tree = ([7] * 16, list(range(-1, 15)))  # a 16-deep chain: 'old' must grow
+    growth = probe.kv_cache.bytes_for_rows(len(prompts["old"]) + 16) - probe.kv_bytes_to_open(len(prompts["old"]))
+    metrics = PrimaryMetrics(CollectorRegistry())
+    worker = EngineWorker(new_engine(int4_model, max_bytes=slots + growth // 2), metrics=metrics)
+    value = metrics.registry.get_sample_value
+    try:
+        for rid, prompt in prompts.items():
+            worker.prefill(rid, prompt)
+        worker.call(lambda e: None)  # the engine thread observed the metrics after the prefills' turn
+        assert value("specdec_kv_requests") == 2 and value("specdec_kv_bytes") == slots
+        worker.verify("old", (), (), *tree)  # grows 'old', preempts 'new'
+        assert worker.engine.is_evicted("new") and worker.engine.has_request("new")
+        worker.call(lambda e: None)
+        assert value("specdec_kv_requests") == 1
+        assert value("specdec_kv_bytes") == worker.engine.kv_bytes == worker.engine.kv_bytes_of("old")
+    finally:
+        worker.stop()
+
+
 def test_concurrent_greedy_requests_equal_each_one_alone_int4(int4_model):
     """Four requests at once (chunked prompts, verify rows and chunks sharing forwards, a KV budget
     with no room to grow, so a request may wait or be preempted, depending on the order of arrival)
