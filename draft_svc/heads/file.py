@@ -85,7 +85,11 @@ def load(path: Path, expected_fingerprint: str | None = None) -> DrafterFile:
     if int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size:
         raise DrafterFileError(f"drafter file {path}: vocab ids must lie in [0, {config.vocab_size})")
     state = {k.removeprefix("drafter."): v.float() for k, v in tensors.items() if k.startswith("drafter.")}
-    expected = FeatureDrafter(config).state_dict()
+    try:  # the shapes alone (meta tensors): a config claiming huge sizes allocates nothing
+        with torch.device("meta"):
+            expected = FeatureDrafter(config).state_dict()
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise DrafterFileError(f"drafter file {path}: its config cannot build a drafter: {e}") from None
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
         raise DrafterFileError(f"drafter file {path}: its tensors do not match its config")
     return DrafterFile(config, state, vocab, fingerprint, training)

@@ -49,6 +49,9 @@ PRIMARY_FIELDS = (
 )
 
 
+MAX_WINDOW = 1 << 14  # a drafter's window: its KV rows per request (trained drafters use 512)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DrafterConfig:
     """The drafter's shape: the primary's layer shape, its vocabulary size and its KV window."""
@@ -72,8 +75,8 @@ class DrafterConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in (0, {self.vocab_size}], got {self.draft_vocab_size}")
-        if self.max_window < 2:
-            raise ValueError(f"max_window must be >= 2, got {self.max_window}")
+        if not 2 <= self.max_window <= MAX_WINDOW:  # each request's keys and values hold max_window rows
+            raise ValueError(f"max_window must be in [2, {MAX_WINDOW}], got {self.max_window}")
 
     @classmethod
     def for_model(cls, config: ModelConfig, draft_vocab_size: int, max_window: int = 512) -> DrafterConfig:

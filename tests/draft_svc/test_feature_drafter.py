@@ -5,12 +5,15 @@ window), and the pool's handling of its file (refused files, requests naming it 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
 import structlog
 import structlog.testing
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from draft_svc.heads import file as drafter_file
 from draft_svc.heads.model import DrafterConfig, FeatureDrafter, SharedParts, unrolled
@@ -257,7 +260,27 @@ def _other_format(path):
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
 
 
-@pytest.mark.parametrize("spoil", [None, _truncate, _other_format])
+def _rewrite(path, config=None, tensors=None):
+    """The file again with some config fields or tensors replaced (a hand-edited or corrupted file)."""
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    if config is not None:
+        metadata["config"] = json.dumps({**json.loads(metadata["config"]), **config})
+    save_file({**state, **(tensors or {})}, str(path), metadata=metadata)
+
+
+def _huge_config(path):
+    # a header claiming a layer of 2^30 x 2^30: refused from the shapes, nothing of that size allocated
+    _rewrite(path, config={"hidden_size": 1 << 30, "intermediate_size": 1 << 32})
+
+
+def _huge_window(path):
+    # every request would allocate keys and values of 2^40 rows
+    _rewrite(path, config={"max_window": 1 << 40})
+
+
+@pytest.mark.parametrize("spoil", [None, _truncate, _other_format, _huge_config, _huge_window])
 def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, spoil, fake_primary):
     from draft_svc.__main__ import build
     from draft_svc.config import from_args
