@@ -92,4 +92,7 @@ def load(path: Path, expected_fingerprint: str | None = None) -> DrafterFile:
         raise DrafterFileError(f"drafter file {path}: its config cannot build a drafter: {e}") from None
     if set(state) != set(expected) or any(state[k].shape != expected[k].shape for k in expected):
         raise DrafterFileError(f"drafter file {path}: its tensors do not match its config")
+    # A NaN or inf weight (a diverged training, a corrupted file) drafts noise at a full draft's cost
+    if not_finite := sorted(k for k, v in state.items() if not bool(torch.isfinite(v).all())):
+        raise DrafterFileError(f"drafter file {path}: tensors {not_finite} hold NaN or infinite weights")
     return DrafterFile(config, state, vocab, fingerprint, training)
