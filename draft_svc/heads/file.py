@@ -79,12 +79,17 @@ def load(path: Path, expected_fingerprint: str | None = None) -> DrafterFile:
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         raise DrafterFileError(f"drafter file {path} cannot be read: {e}") from None
     vocab = tensors.pop("vocab", None)
+    if vocab is not None and (vocab.dtype.is_floating_point or vocab.dtype.is_complex or vocab.dtype == torch.bool):
+        raise DrafterFileError(f"drafter file {path}: vocab must hold integer token ids, not {vocab.dtype}")
     if vocab is None or vocab.ndim != 1 or vocab.shape[0] != config.draft_vocab_size:
         raise DrafterFileError(f"drafter file {path}: vocab must hold {config.draft_vocab_size} token ids")
     vocab = vocab.to(torch.int64)
     if int(vocab.min()) < 0 or int(vocab.max()) >= config.vocab_size:
         raise DrafterFileError(f"drafter file {path}: vocab ids must lie in [0, {config.vocab_size})")
-    state = {k.removeprefix("drafter."): v.float() for k, v in tensors.items() if k.startswith("drafter.")}
+    weights = {k.removeprefix("drafter."): v for k, v in tensors.items() if k.startswith("drafter.")}
+    if wrong := sorted(k for k, v in weights.items() if not v.dtype.is_floating_point):
+        raise DrafterFileError(f"drafter file {path}: tensors {wrong} are not floating point")
+    state = {k: v.float() for k, v in weights.items()}
     try:  # the shapes alone (meta tensors): a config claiming huge sizes allocates nothing
         with torch.device("meta"):
             expected = FeatureDrafter(config).state_dict()

@@ -286,7 +286,21 @@ def _nan_weights(path):
     _rewrite(path, tensors={"drafter.fc.weight": torch.full_like(weight, float("nan"))})
 
 
-@pytest.mark.parametrize("spoil", [None, _truncate, _other_format, _huge_config, _huge_window, _nan_weights])
+def _float_vocab(path):
+    with safe_open(str(path), "pt") as f:
+        vocab = f.get_tensor("vocab")
+    _rewrite(path, tensors={"vocab": vocab.float() + 0.5})
+
+
+def _integer_weights(path):
+    with safe_open(str(path), "pt") as f:
+        weight = f.get_tensor("drafter.fc.weight")
+    _rewrite(path, tensors={"drafter.fc.weight": torch.ones_like(weight, dtype=torch.int8)})
+
+
+@pytest.mark.parametrize(
+    "spoil", [None, _truncate, _other_format, _huge_config, _huge_window, _nan_weights, _float_vocab, _integer_weights]
+)
 def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, spoil, fake_primary):
     from draft_svc.__main__ import build
     from draft_svc.config import from_args
