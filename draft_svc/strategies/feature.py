@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from draft_svc.heads.file import DrafterFile, DrafterFileError, load
-from draft_svc.heads.model import FeatureDrafter, SharedParts, for_serving, shared_parts
+from draft_svc.heads.model import PRIMARY_FIELDS, FeatureDrafter, SharedParts, for_serving, shared_parts
 from specdec.model.fingerprint import model_fingerprint
 from draft_svc.strategies.base import Candidate, validate_propose_args
 from specdec.field_checks import require_at_least_one
@@ -357,6 +357,17 @@ class FeatureDrafterSource:
                 f"drafter file {self.path} was trained for model {self._file.model_fingerprint}, "
                 f"but the primary serves model {expected}"
             )
+            self._log.warning("feature_drafter_refused", path=str(self.path), reason=self._model_error)
+            return None
+        # The fingerprint binds the file's name for the model, not its config: a config of another
+        # shape (its vocabulary ids past the model's, its width not the model's) would fail in the
+        # embedding lookup below and take the attach of the weights down with it
+        if differing := [
+            f"{name} {getattr(self._file.config, name)} (the model's {getattr(model.config, name)})"
+            for name in PRIMARY_FIELDS
+            if getattr(self._file.config, name) != getattr(model.config, name)
+        ]:
+            self._model_error = f"drafter file {self.path} does not fit the model: its {', '.join(differing)}"
             self._log.warning("feature_drafter_refused", path=str(self.path), reason=self._model_error)
             return None
         drafter = self._file.drafter()

@@ -340,6 +340,25 @@ def test_a_drafter_of_another_model_is_refused_when_the_weights_attach(tmp_path,
     assert proposal.tree.decoders == ("prompt_lookup",)
 
 
+def test_a_drafter_whose_config_is_not_the_models_is_refused_when_the_weights_attach(tmp_path, fake_primary):
+    """A file bound to the model's fingerprint but with a config of another vocabulary: its token ids
+    past the model's vocabulary are refused (logged), not looked up in the model's embedding (an
+    IndexError that failed the attach of the weights for every model-based strategy)."""
+    model = fake_primary(TINY)
+    wider = dataclasses.replace(TINY, vocab_size=TINY.vocab_size + 10)
+    vocab = torch.arange(wider.vocab_size - wider.draft_vocab_size, wider.vocab_size)
+    path = tmp_path / "d.safetensors"
+    drafter_file.save(path, FeatureDrafter(wider), vocab, model_fingerprint(model.config, model.norm.weight), {})
+    source = FeatureDrafterSource(path)
+    with structlog.testing.capture_logs() as logs:
+        assert source.is_loaded and source.bind(model) is None
+    assert [log["event"] for log in logs] == ["feature_drafter_refused"]
+    assert f"vocab_size {wider.vocab_size} (the model's {TINY.vocab_size})" in (source.refusal() or "")
+    with pytest.raises(InvalidArgument) as e:
+        pool_with(source, model).propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=("feature",)))
+    assert "'feature'" in str(e.value) and str(path) in str(e.value)
+
+
 def test_tree_attention_gives_each_beam_row_what_its_chain_alone_gives():
     drafter, shared = tiny_parts()
     token_ids, features = context(TINY, 20)
