@@ -81,10 +81,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     args = add_spellings(parser).parse_args(argv)
     try:  # before the answers are generated, not after
+        check_run_flags(args)
         args.train_settings = train_settings(args) if args.command == "train" else None
     except ValueError as e:
         parser.error(str(e))
     return args
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """The flags of the generation and the files it writes, checked before the model loads: a bad one
+    found after an hour of generating loses that hour (--out a directory fails only at the rename)."""
+    for name in ("tokens", "prompts", "batch", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_threads < 0:
+        raise ValueError(f"--num_threads must be >= 0 (0: every core), got {args.num_threads}")
+    for name in ("out", "data"):
+        path = getattr(args, name)
+        if path is not None and path.is_dir():
+            raise ValueError(f"--{name} {path} is a directory; name the file to write")
+        if path is not None and any(p.exists() and not p.is_dir() for p in path.parents):
+            raise ValueError(f"--{name} {path}: a parent of it is a file, not a directory")
 
 
 def train_settings(args: argparse.Namespace) -> train.TrainSettings:

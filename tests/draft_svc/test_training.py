@@ -97,3 +97,36 @@ def test_the_command_refuses_bad_settings_before_it_generates_anything(capsys, f
     with pytest.raises(SystemExit) as e:
         parse_args(["train", "--out", "x.safetensors", flag, value])
     assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "named"),
+    [("train", "--tokens", "0", "--tokens"), ("answers", "--prompts", "0", "--prompts"),
+     ("train", "--batch", "0", "--batch"), ("answers", "--max_new_tokens", "-1", "--max_new_tokens"),
+     ("train", "--num_threads", "-2", "--num_threads")],
+)  # fmt: skip
+def test_the_command_refuses_bad_generation_flags_before_it_loads_the_model(capsys, command, flag, value, named):
+    from draft_svc.heads.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args([command, "--out", "x.safetensors", flag, value])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_the_command_refuses_an_out_or_data_it_cannot_write_before_it_loads_the_model(capsys, tmp_path):
+    """--out a directory failed only at the final rename, after the hour of generating and training."""
+    from draft_svc.heads.__main__ import parse_args
+
+    (tmp_path / "a_file").write_text("")
+    for argv in (
+        ["train", "--out", str(tmp_path)],
+        ["answers", "--out", str(tmp_path / "a_file" / "x.safetensors")],
+        ["train", "--out", "x.safetensors", "--data", str(tmp_path)],
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and str(tmp_path) in err, argv
+    # a missing directory is made, an existing file replaced
+    args = parse_args(["train", "--out", str(tmp_path / "new" / "d.safetensors"), "--data", str(tmp_path / "a_file")])
+    assert args.out == tmp_path / "new" / "d.safetensors"
