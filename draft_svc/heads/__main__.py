@@ -34,6 +34,7 @@ from tqdm import tqdm
 from draft_svc.heads import data, file, generate, train
 from draft_svc.heads.model import DrafterConfig, FeatureDrafter, shared_parts
 from specdec.answers import save_answers
+from specdec.model.config import ModelConfig
 from specdec.model.fingerprint import model_fingerprint
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
@@ -44,6 +45,7 @@ from specdec.model import native
 from specdec.model.loader import default_cache_dir, resolve_model_dir
 from specdec.model.tokenizer import Tokenizer
 from specdec.flag_spellings import add_spellings
+from specdec.flags import EXIT_BAD_CONFIG
 
 COVERAGE_SIZES = (2048, 4096, 8192, 16384)
 MAX_POSITIONS = 2048  # the primary's context while it answers the training prompts
@@ -102,6 +104,12 @@ def check_run_flags(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} {path} is a directory; name the file to write")
         if path is not None and any(p.exists() and not p.is_dir() for p in path.parents):
             raise ValueError(f"--{name} {path}: a parent of it is a file, not a directory")
+
+
+def check_against_model(args: argparse.Namespace, config: ModelConfig) -> None:
+    """The flags the model bounds, checked once it is loaded and before it answers anything."""
+    if args.command == "train" and args.vocab > config.vocab_size:
+        raise ValueError(f"--vocab {args.vocab} is more than the model's vocabulary of {config.vocab_size} tokens")
 
 
 def train_settings(args: argparse.Namespace) -> train.TrainSettings:
@@ -188,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         set_num_threads(args.num_threads)
     model_dir = resolve_model_dir(args.model, default_cache_dir())
     loaded = load_model(model_dir, args.precision, max_positions=MAX_POSITIONS, is_shared=False)
+    try:
+        check_against_model(args, loaded.config)
+    except ValueError as e:
+        print(f"python -m draft_svc.heads: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
     fingerprint = model_fingerprint(loaded.config, loaded.model.norm.weight)
     settings = generate.GenerateSettings(max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed)
     print(f"model {model_dir} ({args.precision}), fingerprint {fingerprint}; {native.status()}")

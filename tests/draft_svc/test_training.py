@@ -130,3 +130,20 @@ def test_the_command_refuses_an_out_or_data_it_cannot_write_before_it_loads_the_
     # a missing directory is made, an existing file replaced
     args = parse_args(["train", "--out", str(tmp_path / "new" / "d.safetensors"), "--data", str(tmp_path / "a_file")])
     assert args.out == tmp_path / "new" / "d.safetensors"
+
+
+def test_a_vocab_larger_than_the_models_is_refused_before_the_model_answers(monkeypatch, capsys, fp32_model, tmp_path):
+    """--vocab past the model's vocabulary failed in DrafterConfig after the answers were generated."""
+    from draft_svc.heads import __main__ as command
+
+    def answers(*args, **kwargs):
+        raise AssertionError("the primary answered before --vocab was checked")
+
+    monkeypatch.setattr(command, "resolve_model_dir", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(command, "load_model", lambda *a, **k: fp32_model)
+    monkeypatch.setattr(command, "primary_answers", answers)
+    vocab = fp32_model.config.vocab_size + 1
+    with pytest.raises(SystemExit) as e:
+        command.main(["train", "--out", str(tmp_path / "d.safetensors"), "--vocab", str(vocab)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"--vocab {vocab}" in err and len(err.strip().splitlines()) == 1
