@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 from pathlib import Path
 
 import gguf
@@ -316,3 +317,62 @@ def test_the_conversion_reports_one_event_per_tensor_without_a_bar(tiny_gguf, tm
         gguf_path, tmp_path / "out", show_progress=False, on_progress=lambda *event: events.append(event)
     )
     assert events == [(gguf_convert.CONVERSION_STAGE, done, len(hf)) for done in range(1, len(hf) + 1)]
+
+
+def _gguf_header(tensor_count: int, fields: bytes, kv_count: int = 1) -> bytes:
+    """A GGUF v3 header (magic, version, counts) followed by `fields`: hand-made, hostile files."""
+    return b"GGUF" + struct.pack("<IQQ", 3, tensor_count, kv_count) + fields
+
+
+def _gguf_string(text: bytes, length: int | None = None) -> bytes:
+    return struct.pack("<Q", len(text) if length is None else length) + text
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        # 2^60 array items of one byte: the reader looped on empty reads past the end until memory ran out
+        (_gguf_header(0, _gguf_string(b"a") + struct.pack("<IIQ", 9, 0, 1 << 60)), "claims 1152921504606846976 items"),
+        (_gguf_header(0, _gguf_string(b"a") + struct.pack("<IIQ", 9, 8, 1 << 60)), "claims 1152921504606846976 items"),
+        # a key of 2^40 bytes in a file of 40
+        (_gguf_header(0, _gguf_string(b"a", length=1 << 40) + b"a" * 12), "of 1099511627776 bytes runs past the end"),
+        (_gguf_header(1 << 62, b""), "4611686018427387904 tensors claimed"),
+        (_gguf_header(0, b"", kv_count=1 << 62), "4611686018427387904 metadata fields claimed"),
+        (_gguf_header(0, _gguf_string(b"a") + struct.pack("<I", 77) + b"\0" * 8), "unknown value type 77"),
+        (b"GGUF\3\0", "shorter than a GGUF header"),
+        (b"PK\3\4" + b"\0" * 40, "GGUF magic"),
+    ],
+)
+def test_a_hostile_gguf_header_is_refused_by_name(tmp_path: Path, content: bytes, named: str):
+    """Counts and lengths past the file's end give an error naming the file and what is wrong, before
+    the reader allocates or loops on them (not an IndexError, a MemoryError or a hang)."""
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(content)
+    with pytest.raises(gguf_convert.GGUFFileError) as e:
+        loader.resolve_model_dir(path, tmp_path / "cache")
+    assert str(path) in str(e.value) and named in str(e.value)
+    assert not any((tmp_path / "cache").glob("hostile-*"))
+
+
+@pytest.mark.parametrize("keep", [0.05, 0.5, 0.99])
+def test_a_truncated_gguf_is_refused_by_name(tmp_path: Path, keep: float):
+    path = tmp_path / "tiny.F16.gguf"
+    write_tiny_gguf(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(gguf_convert.GGUFFileError, match="truncated") as e:
+        loader.resolve_model_dir(path, tmp_path / "cache")
+    assert str(path) in str(e.value)
+
+
+def test_a_gguf_without_what_the_model_needs_is_refused_by_name(tmp_path: Path):
+    """The config's own errors (a missing field, a missing tensor) name the file the operator gave."""
+    path = tmp_path / "empty.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(gguf_convert.GGUFFileError) as e:
+        loader.resolve_model_dir(path, tmp_path / "cache")
+    assert str(path) in str(e.value) and "llama.attention.head_count" in str(e.value)
