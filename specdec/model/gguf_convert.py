@@ -378,7 +378,14 @@ def _write_weights(
         for i in tensor_indices:
             tensor, hf_name = named[i]
             assert hf_name is not None  # unknown names were refused above
-            weight = _hf_rows(dequantize(tensor.data, tensor.tensor_type), tensor.name, config, is_qk_permuted)
+            try:
+                rows = dequantize(tensor.data, tensor.tensor_type)
+            except NotImplementedError:
+                raise GGUFFileError(
+                    f"GGUF file {reader.data.filename}: tensor {tensor.name} has type {tensor.tensor_type.name}, "
+                    "which this converter cannot dequantize"
+                ) from None
+            weight = _hf_rows(rows, tensor.name, config, is_qk_permuted)
             if tensor.tensor_type in gguf_blocks.Q4_TYPES:
                 q, d, m = gguf_blocks.unpack_q4_blocks(tensor.data, tensor.tensor_type)
                 q, d, m = (_hf_rows(a, tensor.name, config, is_qk_permuted) for a in (q, d, m))

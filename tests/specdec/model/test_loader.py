@@ -31,7 +31,9 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_gguf(
+    path: Path, arch: str = "llama", seed: int = 0, int32_tensor: str | None = None
+) -> dict[str, np.ndarray]:
     """An F16 GGUF as llama.cpp would write it; returns the HF-layout weights it encodes.
 
     `llama` files get their Q/K rows permuted; `qwen2` files do not, and carry Q/K/V biases.
@@ -88,6 +90,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", seed: int = 0) -> dict[str,
         elif arch == "llama" and ".attn_k." in gguf_name:
             value = llama_cpp_permute(value, TINY_KV_HEADS)
         # llama.cpp keeps 1-D tensors (norms, biases) in F32 in an F16 file.
+        if gguf_name == int32_tensor:  # a tensor type the converter cannot dequantize
+            value = value.astype(np.int32)
         writer.add_tensor(gguf_name, value if value.ndim == 1 else value.astype(np.float16))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -363,6 +367,15 @@ def test_a_truncated_gguf_is_refused_by_name(tmp_path: Path, keep: float):
     with pytest.raises(gguf_convert.GGUFFileError, match="truncated") as e:
         loader.resolve_model_dir(path, tmp_path / "cache")
     assert str(path) in str(e.value)
+
+
+def test_a_tensor_type_the_converter_cannot_dequantize_is_named(tmp_path: Path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, int32_tensor="output_norm.weight")
+    with pytest.raises(gguf_convert.GGUFFileError) as e:
+        loader.resolve_model_dir(path, tmp_path / "cache")
+    assert str(path) in str(e.value) and "output_norm.weight" in str(e.value) and "I32" in str(e.value)
+    assert not any((tmp_path / "cache").glob("tiny*"))  # no converted directory, no partial one
 
 
 def test_a_gguf_without_what_the_model_needs_is_refused_by_name(tmp_path: Path):
