@@ -241,15 +241,42 @@ def _check_matrices(matrices: tuple[MatrixLayout, ...], names: set[str]) -> None
 
 
 def cleanup_stale_segments() -> list[str]:
-    """Unlink weight segments left by owners that died without cleaning up (pid in the name)."""
+    """Unlink weight segments left by owners that died without cleaning up (pid in the name): their
+    pid gone, or taken by a process that started after the segment was written. In a container the
+    restarted primary gets its predecessor's pid (often 1), so "the pid is alive" kept every segment
+    a killed primary left, a whole model's memory in /dev/shm per restart."""
     removed = []
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}-*"):
         parts = path.name.split("-")
         pid = int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else None
-        if pid is not None and not Path(f"/proc/{pid}").exists():
+        if pid is None:
+            continue
+        try:
+            written = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if not Path(f"/proc/{pid}").exists() or _started_after(pid, written + PID_REUSE_MARGIN_S):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+# An owner writes its segment after it starts; the margin covers /proc's whole-second boot time and a
+# wall clock stepped since (a segment it misses is cleaned by a later start)
+PID_REUSE_MARGIN_S = 60.0
+
+
+def _started_after(pid: int, when: float) -> bool:
+    """Whether process `pid` started after `when` (seconds since the epoch); False when unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        start_ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime: after the name, fields 3..
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    return boot + start_ticks / os.sysconf("SC_CLK_TCK") > when
 
 
 # --- CUDA IPC (GPU nodes only; CuPy provides the runtime calls) ---------------------------

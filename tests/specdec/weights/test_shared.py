@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,22 @@ def test_stale_segments_of_dead_owners_are_cleaned(tmp_path):
     dead.write_bytes(b"x" * 64)
     assert dead.name in cleanup_stale_segments()
     assert not dead.exists()
+
+
+def test_a_segment_left_by_an_earlier_process_of_the_same_pid_is_cleaned():
+    """A restarted container's primary has its predecessor's pid: the segment a killed predecessor left
+    is stale (written before this process started), while this process's own live segment is kept."""
+    live = SharedWeights.create({"a": torch.arange(4, dtype=torch.float32)})
+    left = SHM_DIR / f"specdec-weights-{os.getpid()}-{'0' * 32}"
+    left.write_bytes(b"x" * 64)
+    long_ago = time.time() - 30 * 24 * 3600  # before this process started
+    os.utime(left, (long_ago, long_ago))
+    try:
+        assert left.name in cleanup_stale_segments()
+        assert not left.exists() and (SHM_DIR / live.manifest.segment_name).exists()
+    finally:
+        left.unlink(missing_ok=True)
+        live.unlink()
 
 
 def mixed_dtype_weights(num_floats: int) -> dict[str, torch.Tensor]:
