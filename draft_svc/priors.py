@@ -16,9 +16,13 @@ from typing import Any
 from draft_svc.heads.file import DrafterFileError, load
 
 
-def validation_acceptance(training: Mapping[str, Any]) -> tuple[float, ...]:
-    """top1_by_depth of a drafter file's training record, each in [0, 1]; () when it has none."""
-    by_depth = (training.get("validation") or {}).get("top1_by_depth") or ()
+def validation_acceptance(training: Any) -> tuple[float, ...]:
+    """top1_by_depth of a drafter file's training record, each in [0, 1]; () when it has none. The
+    record is the file's JSON, whatever its shape (a list where an object belongs failed the pool's start)."""
+    validation = training.get("validation") if isinstance(training, Mapping) else None
+    by_depth = validation.get("top1_by_depth") if isinstance(validation, Mapping) else None
+    if not isinstance(by_depth, (list, tuple)):  # a string's characters are no accuracies
+        return ()
     try:
         values = tuple(float(a) for a in by_depth)
     except (TypeError, ValueError):

@@ -153,6 +153,10 @@ def test_a_files_validation_acceptance_is_read_when_well_formed():
         {"validation": {}},
         {"validation": {"top1_by_depth": [1.2]}},
         {"validation": {"top1_by_depth": ["x"]}},
+        [0.8],
+        {"validation": [0.8]},
+        {"validation": {"top1_by_depth": "1"}},
+        {"validation": {"top1_by_depth": 0.8}},
     )
     for training in malformed:
         assert validation_acceptance(training) == ()
