@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 BLOCK_SIZE = 32
@@ -57,6 +58,12 @@ def load_q4_blocks(model_dir: Path) -> dict[str, tuple[torch.Tensor, torch.Tenso
     path = Path(model_dir) / Q4_BLOCKS_FILE
     if not path.is_file():
         return {}
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as e:  # as loader.read_weights_file, which imports this module
+        raise ValueError(
+            f"model weights file {str(path)!r} cannot be read ({e}); if it is a converted GGUF's, "
+            "remove its directory to convert the GGUF again"
+        ) from None
     names = [name.removesuffix(QWEIGHT) for name in tensors if name.endswith(QWEIGHT)]
     return {name: (tensors[name + QWEIGHT], tensors[name + QSCALE], tensors[name + QMIN]) for name in names}

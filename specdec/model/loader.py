@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specdec.progress import ProgressCallback, no_progress
@@ -109,8 +110,20 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"model directory {str(model_dir)!r} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for name in shard_names:
-        state.update(load_file(model_dir / name))
+        state.update(read_weights_file(model_dir / name))
     return state
+
+
+def read_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; ValueError naming it when it is truncated or corrupt
+    (safetensors' own error says what, not which file: a model's shards, a conversion's cache)."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(
+            f"model weights file {str(path)!r} cannot be read ({e}); if it is a converted GGUF's, "
+            "remove its directory to convert the GGUF again"
+        ) from None
 
 
 def _converted_gguf_dir(

@@ -12,8 +12,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from specdec.model import gguf_convert, loader
+from specdec.model import gguf_blocks, gguf_convert, loader
 from specdec.model.config import SHAPE_FIELDS
 from specdec.model.gguf_convert import hf_tensor_name, llama3_rope_factors, unpermute_qk_rows
 
@@ -389,3 +390,19 @@ def test_a_gguf_without_what_the_model_needs_is_refused_by_name(tmp_path: Path):
     with pytest.raises(gguf_convert.GGUFFileError) as e:
         loader.resolve_model_dir(path, tmp_path / "cache")
     assert str(path) in str(e.value) and "llama.attention.head_count" in str(e.value)
+
+
+@pytest.mark.parametrize("file_name", ["model.safetensors", gguf_blocks.Q4_BLOCKS_FILE])
+def test_a_truncated_file_of_a_cached_conversion_is_named(tmp_path: Path, file_name: str):
+    """A damaged cache (a cut shard) names the file and the way out, not safetensors' bare header error."""
+    gguf_path = tmp_path / "tiny.F16.gguf"
+    write_tiny_gguf(gguf_path)
+    model_dir = loader.resolve_model_dir(gguf_path, tmp_path / "cache", show_progress=False)
+    damaged = model_dir / file_name
+    if not damaged.exists():  # an F16 file has no Q4 blocks: a cut one, as a full disk leaves it
+        save_file({"x" + gguf_blocks.QWEIGHT: torch.zeros(64, dtype=torch.uint8)}, str(damaged))
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    read = loader.load_state_dict if file_name == "model.safetensors" else gguf_blocks.load_q4_blocks
+    with pytest.raises(ValueError) as e:
+        read(model_dir)
+    assert str(damaged) in str(e.value) and "remove its directory" in str(e.value)
