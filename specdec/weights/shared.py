@@ -136,7 +136,7 @@ class SharedWeights:
             # set at creation (a umask can only narrow it), so the segment is never readable by others.
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SEGMENT_MODE)
             with os.fdopen(fd, "wb") as f:
-                f.truncate(total)
+                _reserve(f.fileno(), path, total)
             storage = _mapped_storage(path, total)
             base = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (total,), (1,))
             keepalive = None
@@ -160,6 +160,22 @@ class SharedWeights:
         """Remove the segment's name; mappings (ours and peers') stay valid until unmapped."""
         if self.manifest.kind == KIND_SHARED_MEMORY:
             (SHM_DIR / self.manifest.segment_name).unlink(missing_ok=True)
+
+
+def _reserve(fd: int, path: Path, total: int) -> None:
+    """Give the segment its `total` bytes of memory now. A sparse file (truncate) left a /dev/shm
+    smaller than the weights (a container's 64 MB default) to fail on the copy that follows, as a
+    SIGBUS that killed the process without a word; here it is an OSError saying what to raise."""
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        free = os.statvfs(SHM_DIR)
+        raise OSError(
+            e.errno,
+            f"{SHM_DIR} has no room for the {total}-byte weight segment ({free.f_bavail * free.f_frsize} bytes "
+            f"free): {e.strerror}; give it more (a container's shm_size)",
+        ) from None
 
 
 def attach(manifest: WeightManifest, announced: WeightManifest | None = None) -> ModelWeights:

@@ -4,6 +4,7 @@ copy, and the model built on them gives identical logits."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import stat
@@ -156,6 +157,22 @@ def test_a_segment_left_by_an_earlier_process_of_the_same_pid_is_cleaned():
     finally:
         left.unlink(missing_ok=True)
         live.unlink()
+
+
+def test_a_dev_shm_too_small_for_the_weights_is_an_error_not_a_crash(monkeypatch):
+    """The segment's memory is reserved when it is made: a /dev/shm short of it (a container's 64 MB
+    default) is an OSError that says so and leaves no file, not a SIGBUS in the copy that follows."""
+    made = []
+
+    def no_room(fd, offset, length):
+        made.append(os.readlink(f"/proc/self/fd/{fd}"))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    with pytest.raises(OSError) as e:
+        SharedWeights.create({"a": torch.arange(1024, dtype=torch.float32)})
+    assert e.value.errno == errno.ENOSPC and "4096-byte weight segment" in str(e.value) and "shm_size" in str(e.value)
+    assert len(made) == 1 and not Path(made[0]).exists()
 
 
 def mixed_dtype_weights(num_floats: int) -> dict[str, torch.Tensor]:
