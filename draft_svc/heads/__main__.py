@@ -120,13 +120,18 @@ def train_settings(args: argparse.Namespace) -> train.TrainSettings:
 
 
 def primary_answers(
-    args: argparse.Namespace, settings: generate.GenerateSettings, loaded: LoadedModel, tokenizer: Tokenizer
+    args: argparse.Namespace,
+    settings: generate.GenerateSettings,
+    loaded: LoadedModel,
+    tokenizer: Tokenizer,
+    fingerprint: str = "",
 ) -> list[generate.Sequence_]:
-    """Step 1: the primary's answers to the training prompts (or those an earlier run kept in --data)."""
+    """Step 1: the primary's answers to the training prompts (or those an earlier run of the same
+    model kept in --data; AnswersDataError when they are another model's)."""
     model, config = loaded.model, loaded.config
     if args.data is not None and args.data.exists():
         print(f"1/3 the primary's answers from {args.data} (written by an earlier run of this command)")
-        return generate.load_sequences(args.data)
+        return generate.load_sequences(args.data, fingerprint or None, config.hidden_size)
     grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, config.vocab_size))
     engine = Engine(model, KVCache(config, model.kv_dtype), MAX_POSITIONS)
 
@@ -146,7 +151,7 @@ def primary_answers(
             engine, encode, grammars, prompts, settings, config.eos_token_ids, args.tokens, advanced
         )
     if args.data is not None:
-        generate.save_sequences(args.data, sequences)
+        generate.save_sequences(args.data, sequences, fingerprint)
     return sequences
 
 
@@ -204,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     fingerprint = model_fingerprint(loaded.config, loaded.model.norm.weight)
     settings = generate.GenerateSettings(max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed)
     print(f"model {model_dir} ({args.precision}), fingerprint {fingerprint}; {native.status()}")
-    sequences = primary_answers(args, settings, loaded, Tokenizer.from_dir(model_dir))
+    try:
+        sequences = primary_answers(args, settings, loaded, Tokenizer.from_dir(model_dir), fingerprint)
+    except generate.AnswersDataError as e:  # --data of another model
+        print(f"python -m draft_svc.heads: error: --data: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
     generated_s = time.monotonic() - started
     by_source: collections.Counter[str] = collections.Counter()
     for s in sequences:

@@ -16,6 +16,7 @@ last prompt token (x_0's feature with x_1), then every committed token with its 
 from __future__ import annotations
 
 import dataclasses
+import zipfile
 import time
 import zlib
 from pathlib import Path
@@ -207,8 +208,13 @@ def _finish(s: _Live) -> Sequence_:
     )
 
 
-def save_sequences(path: Path, sequences: Sequence[Sequence_]) -> None:
-    """The generated answers as one .npz (no pickle): concatenated arrays and their offsets."""
+class AnswersDataError(ValueError):
+    """Answers kept by an earlier run (--data) that cannot train a drafter for this model."""
+
+
+def save_sequences(path: Path, sequences: Sequence[Sequence_], fingerprint: str = "") -> None:
+    """The generated answers as one .npz (no pickle): concatenated arrays and their offsets, and the
+    fingerprint of the model that answered (`load_sequences` checks it)."""
     token_counts = np.array([len(s.tokens) for s in sequences], dtype=np.int64)
     row_counts = np.array([len(s.features) for s in sequences], dtype=np.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -222,15 +228,27 @@ def save_sequences(path: Path, sequences: Sequence[Sequence_]) -> None:
         sources=np.array([s.source for s in sequences]),
         is_sampled=np.array([s.is_sampled for s in sequences]),
         prompt_keys=np.array([s.prompt_key for s in sequences], dtype=np.int64),
+        model_fingerprint=np.array(fingerprint),
     )
 
 
-def load_sequences(path: Path) -> list[Sequence_]:
-    with np.load(path, allow_pickle=False) as f:
-        tokens, features, argmax = f["tokens"], f["features"], f["argmax"]
-        token_ends, row_ends = np.cumsum(f["token_counts"]), np.cumsum(f["row_counts"])
-        sources, sampled = f["sources"], f["is_sampled"]
-        keys = f["prompt_keys"] if "prompt_keys" in f.files else np.arange(len(sources))
+def load_sequences(path: Path, fingerprint: str | None = None, hidden_size: int | None = None) -> list[Sequence_]:
+    """The answers `save_sequences` wrote; AnswersDataError naming the file when they are another model's
+    (its fingerprint, or for a file written without one its features' width): a drafter trained on
+    them would be bound to this model yet have learnt another's features."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            tokens, features, argmax = f["tokens"], f["features"], f["argmax"]
+            token_ends, row_ends = np.cumsum(f["token_counts"]), np.cumsum(f["row_counts"])
+            sources, sampled = f["sources"], f["is_sampled"]
+            keys = f["prompt_keys"] if "prompt_keys" in f.files else np.arange(len(sources))
+            written_for = str(f["model_fingerprint"]) if "model_fingerprint" in f.files else ""
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise AnswersDataError(f"answers data {path} cannot be read: {e}") from None
+    if fingerprint is not None and written_for and written_for != fingerprint:
+        raise AnswersDataError(f"answers data {path} holds the answers of model {written_for}, not {fingerprint}")
+    if hidden_size is not None and (features.ndim != 2 or features.shape[1] != hidden_size):
+        raise AnswersDataError(f"answers data {path} holds features {features.shape}, the model is {hidden_size} wide")
     out = []
     for i in range(len(token_ends)):
         t0 = token_ends[i - 1] if i else 0

@@ -147,3 +147,42 @@ def test_a_vocab_larger_than_the_models_is_refused_before_the_model_answers(monk
         command.main(["train", "--out", str(tmp_path / "d.safetensors"), "--vocab", str(vocab)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"--vocab {vocab}" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kept_by", ["another model", "a model of another width"])
+def test_answers_data_of_another_model_is_refused(monkeypatch, capsys, fp32_model, tmp_path, kept_by):
+    """--data kept by a run of another model trained a drafter bound to this model's fingerprint on the
+    other's features; it is refused by its fingerprint (or, kept without one, its features' width)."""
+    from draft_svc.heads import __main__ as command
+
+    width = fp32_model.config.hidden_size if kept_by == "another model" else 64
+    data = tmp_path / "answers.npz"
+    np.savez(
+        data, tokens=np.arange(5, dtype=np.int32), features=np.zeros((4, width), np.float16),
+        argmax=np.zeros(4, np.int32), token_counts=np.array([5]), row_counts=np.array([4]), sources=np.array(["s"]),
+        is_sampled=np.array([False]), prompt_keys=np.array([0]),
+        **({"model_fingerprint": np.array("0" * 32)} if kept_by == "another model" else {}),
+    )  # fmt: skip
+
+    def train_drafter(*args, **kwargs):
+        raise AssertionError("trained on another model's answers")
+
+    monkeypatch.setattr(command, "resolve_model_dir", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(command, "load_model", lambda *a, **k: fp32_model)
+    monkeypatch.setattr(command.Tokenizer, "from_dir", staticmethod(lambda *a, **k: None))
+    monkeypatch.setattr(command, "train_drafter", train_drafter)
+    with pytest.raises(SystemExit) as e:
+        command.main(["train", "--out", str(tmp_path / "d.safetensors"), "--data", str(data)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and str(data) in err
+
+
+def test_answers_data_round_trips_for_the_model_that_answered(tmp_path):
+    from draft_svc.heads import generate
+
+    seq = generate.Sequence_("s", True, np.arange(5, dtype=np.int32), np.ones((4, 8), np.float16), np.arange(4))
+    generate.save_sequences(tmp_path / "a.npz", [seq, seq], "f" * 32)
+    loaded = generate.load_sequences(tmp_path / "a.npz", "f" * 32, 8)
+    assert len(loaded) == 2 and loaded[1].is_sampled and np.array_equal(loaded[1].tokens, seq.tokens)
+    with pytest.raises(generate.AnswersDataError, match="0{32}"):
+        generate.load_sequences(tmp_path / "a.npz", "0" * 32, 8)
