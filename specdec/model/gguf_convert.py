@@ -322,7 +322,12 @@ def convert_gguf(
     try:
         _write_weights(reader, config, partial_dir, show_progress, max_shard_bytes, on_progress)
         _write_json(partial_dir / "config.json", config)
-        tokenizer_json, tokenizer_config = gguf_tokenizer.build_tokenizer_files(metadata, gguf_path)
+        try:
+            tokenizer_json, tokenizer_config = gguf_tokenizer.build_tokenizer_files(metadata, gguf_path)
+        except (KeyError, IndexError, TypeError, ValueError) as e:  # e.g. an EOS id past the token list
+            raise GGUFFileError(
+                f"GGUF file {gguf_path}: its tokenizer metadata does not describe a tokenizer ({type(e).__name__}: {e})"
+            ) from None
         (partial_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
         _write_json(partial_dir / "tokenizer_config.json", tokenizer_config)
         _write_json(

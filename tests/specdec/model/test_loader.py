@@ -33,7 +33,7 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: Path, arch: str = "llama", seed: int = 0, int32_tensor: str | None = None
+    path: Path, arch: str = "llama", seed: int = 0, int32_tensor: str | None = None, eos_token_id: int | None = None
 ) -> dict[str, np.ndarray]:
     """An F16 GGUF as llama.cpp would write it; returns the HF-layout weights it encodes.
 
@@ -82,7 +82,7 @@ def write_tiny_gguf(
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 1) + [3])
     writer.add_token_merges(["Ġ a"])
-    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_eos_token_id(len(tokens) - 1 if eos_token_id is None else eos_token_id)
     gguf_names = {hf_tensor_name(name): name for name in _all_gguf_names()}
     for hf_name, value in hf.items():
         gguf_name = gguf_names[hf_name]
@@ -406,3 +406,12 @@ def test_a_truncated_file_of_a_cached_conversion_is_named(tmp_path: Path, file_n
     with pytest.raises(ValueError) as e:
         read(model_dir)
     assert str(damaged) in str(e.value) and "remove its directory" in str(e.value)
+
+
+def test_a_gguf_whose_tokenizer_metadata_is_broken_is_refused_by_name(tmp_path: Path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, eos_token_id=10_000)  # past the token list
+    with pytest.raises(gguf_convert.GGUFFileError) as e:
+        loader.resolve_model_dir(path, tmp_path / "cache", show_progress=False)
+    assert str(path) in str(e.value) and "tokenizer" in str(e.value)
+    assert not any((tmp_path / "cache").glob("tiny*"))
