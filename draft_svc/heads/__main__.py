@@ -199,7 +199,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.monotonic()
     if args.num_threads:
         set_num_threads(args.num_threads)
-    model_dir = resolve_model_dir(args.model, default_cache_dir())
+    try:  # a missing path, a directory without weights, a GGUF that cannot be converted
+        model_dir = resolve_model_dir(args.model, default_cache_dir())
+    except (OSError, ValueError) as e:
+        print(f"python -m draft_svc.heads: error: --model: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
     loaded = load_model(model_dir, args.precision, max_positions=MAX_POSITIONS, is_shared=False)
     try:
         check_against_model(args, loaded.config)

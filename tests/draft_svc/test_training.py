@@ -186,3 +186,17 @@ def test_answers_data_round_trips_for_the_model_that_answered(tmp_path):
     assert len(loaded) == 2 and loaded[1].is_sampled and np.array_equal(loaded[1].tokens, seq.tokens)
     with pytest.raises(generate.AnswersDataError, match="0{32}"):
         generate.load_sequences(tmp_path / "a.npz", "0" * 32, 8)
+
+
+@pytest.mark.parametrize("model", ["missing.gguf", "not-a.gguf"])
+def test_a_model_the_command_cannot_read_is_one_line_not_a_traceback(monkeypatch, capsys, tmp_path, model):
+    from draft_svc.heads import __main__ as command
+
+    monkeypatch.setattr(command, "default_cache_dir", lambda: tmp_path / "cache")
+    path = tmp_path / model
+    if model == "not-a.gguf":
+        path.write_bytes(b"PK\3\4" + bytes(60))
+    with pytest.raises(SystemExit) as e:
+        command.main(["answers", "--out", str(tmp_path / "a.safetensors"), "--model", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--model" in err and str(path) in err and len(err.strip().splitlines()) == 1
