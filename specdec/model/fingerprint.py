@@ -44,6 +44,8 @@ def bound_metadata(
     if not isinstance(header, dict):
         raise ValueError(f"{kind} file {path} is not a safetensors file (truncated or another kind)")
     metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):  # safetensors' metadata is an object of strings
+        raise ValueError(f"{kind} file {path} is not a safetensors file (its __metadata__ is not an object)")
     if metadata.get("format") != file_format:
         raise ValueError(
             f"{kind} file {path} has format {metadata.get('format')!r}; this version reads {file_format!r}"

@@ -260,6 +260,11 @@ def _other_format(path):
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
 
 
+def _metadata_not_an_object(path):
+    header = b'{"__metadata__": ["format"]}'
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
 def _rewrite(path, config=None, tensors=None):
     """The file again with some config fields or tensors replaced (a hand-edited or corrupted file)."""
     with safe_open(str(path), "pt") as f:
@@ -299,7 +304,18 @@ def _integer_weights(path):
 
 
 @pytest.mark.parametrize(
-    "spoil", [None, _truncate, _other_format, _huge_config, _huge_window, _nan_weights, _float_vocab, _integer_weights]
+    "spoil",
+    [
+        None,
+        _truncate,
+        _other_format,
+        _metadata_not_an_object,
+        _huge_config,
+        _huge_window,
+        _nan_weights,
+        _float_vocab,
+        _integer_weights,
+    ],
 )
 def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, spoil, fake_primary):
     from draft_svc.__main__ import build
