@@ -39,7 +39,7 @@ def bound_metadata(
         with open(path, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(header_len)) if 0 < header_len <= size - 8 else None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: a header nested past the parser's depth
         raise ValueError(f"{kind} file {path} cannot be read: {e}") from None
     if not isinstance(header, dict):
         raise ValueError(f"{kind} file {path} is not a safetensors file (truncated or another kind)")

@@ -265,6 +265,11 @@ def _metadata_not_an_object(path):
     path.write_bytes(len(header).to_bytes(8, "little") + header)
 
 
+def _deeply_nested_header(path):
+    header = b"[" * 100_000 + b"]" * 100_000
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
 def _rewrite(path, config=None, tensors=None):
     """The file again with some config fields or tensors replaced (a hand-edited or corrupted file)."""
     with safe_open(str(path), "pt") as f:
@@ -310,6 +315,7 @@ def _integer_weights(path):
         _truncate,
         _other_format,
         _metadata_not_an_object,
+        _deeply_nested_header,
         _huge_config,
         _huge_window,
         _nan_weights,
