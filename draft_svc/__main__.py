@@ -122,7 +122,8 @@ def _feature_drafter(
     config: DraftConfig, model_based: DecoderRegistry
 ) -> tuple[DraftConfig, FeatureDrafterSource | None]:
     """Read the feature drafter's file once and register its decoder; a file that is missing or
-    unreadable takes the strategy off the pool's list (logged; requests naming it are told why)."""
+    unreadable takes the strategy off the pool's list (logged; requests naming it are told why), or,
+    where it is the pool's only strategy, leaves it refused (a pool of no strategy is no config)."""
     if not config.has_feature_strategy:
         return config, None
     feature = FeatureDrafterSource(config.feature_drafter)
@@ -131,6 +132,9 @@ def _feature_drafter(
         return config, feature
     structlog.get_logger("draft_svc").warning("feature_drafter_unavailable", reason=feature.refusal())
     kept = tuple(n for n in config.pool.strategies if n != FeatureDecoder.name)
+    if not kept:  # the pool's only strategy: it stays listed, and every request is told why it is refused
+        model_based.register(FeatureDecoder.name, feature.create)
+        return config, feature
     defaults = tuple(n for n in config.pool.default_strategies if n != FeatureDecoder.name) or kept[:1]
     pool = dataclasses.replace(config.pool, strategies=kept, default_strategies=defaults)
     return dataclasses.replace(config, pool=pool), feature

@@ -346,6 +346,25 @@ def test_a_missing_or_unreadable_file_takes_the_strategy_off_the_pool(tmp_path, 
     assert pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 1), strategies=("prompt_lookup",))) is not None
 
 
+def test_a_pool_of_the_feature_strategy_alone_starts_without_its_file_and_says_why(tmp_path):
+    """--strategies feature with no drafter file: the pool starts (its configured strategy list was left
+    empty, which PoolConfig refused: a ValueError at start) and every request is refused by name."""
+    from draft_svc.__main__ import build
+    from draft_svc.config import from_args
+
+    path = tmp_path / "missing.safetensors"
+    config = from_args(["--strategies", "feature", "--feature_drafter", str(path)], {})
+    with structlog.testing.capture_logs() as logs:
+        _, pool, _ = build(config, client=None)
+    assert [log["event"] for log in logs if log["event"] == "feature_drafter_unavailable"]
+    assert pool.offered_strategies() == ()
+    for strategies in ((), ("feature",)):  # the default, and by name
+        with pytest.raises(InvalidArgument) as e:
+            pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2), strategies=strategies))
+        assert e.value.field == "strategies" and "'feature'" in str(e.value) and str(path) in str(e.value)
+    pool.close()
+
+
 def test_a_drafter_of_another_model_is_refused_when_the_weights_attach(tmp_path, fake_primary):
     write_drafter(tmp_path / "d.safetensors", fake_primary(TINY, seed=0))
     source = FeatureDrafterSource(tmp_path / "d.safetensors")
