@@ -886,6 +886,8 @@ class EngineWorker:
         resident = self.engine.resident_request_ids()  # a preempted request holds no slot until re-prefilled
         self.metrics.active_requests.set(len(resident))
         self.metrics.scheduler_waiting.set(len(self._waiting))
+        # what the turn left: Verify and Decode calls come and go between the RPCs that set it too
+        self.metrics.queue_depth.set(self.queue_depth)
         waiting = {w.entry.request_id for w in self._waiting}
         self.metrics.scheduler_running.set(sum(1 for r in resident if r not in waiting))
         if (cache := self.engine.prefix_cache) is not None:

@@ -321,6 +321,19 @@ def test_a_preempted_request_leaves_the_kv_gauges(int4_model):
         worker.stop()
 
 
+def test_the_queue_depth_gauge_says_what_each_turn_left(int4_model):
+    """specdec_queue_depth was set after a Prefill or Release RPC only: the calls in between
+    (Verify, Decode) came and went, and the gauge kept its last figure for good once traffic stopped."""
+    metrics = PrimaryMetrics(CollectorRegistry())
+    worker = EngineWorker(new_engine(int4_model), metrics=metrics)
+    try:
+        metrics.queue_depth.set(3)  # the figure an RPC left while three calls waited
+        worker.call(lambda e: None)
+        assert metrics.registry.get_sample_value("specdec_queue_depth") == 0
+    finally:
+        worker.stop()
+
+
 def test_concurrent_greedy_requests_equal_each_one_alone_int4(int4_model):
     """Four requests at once (chunked prompts, verify rows and chunks sharing forwards, a KV budget
     with no room to grow, so a request may wait or be preempted, depending on the order of arrival)
