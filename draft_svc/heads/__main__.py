@@ -26,6 +26,7 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 from pathlib import Path
 
 import torch
@@ -193,31 +194,40 @@ def train_drafter(args: argparse.Namespace, sequences: list[generate.Sequence_],
     return Trained(drafter, vocab, accuracy, dict(coverage), settings)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    command = "python -m draft_svc.heads " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-    started = time.monotonic()
+def _fail(message: str) -> NoReturn:
+    """A bad flag found past parsing: one line, exit 2."""
+    print(f"python -m draft_svc.heads: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def _loaded(args: argparse.Namespace) -> tuple[Path, LoadedModel]:
+    """The --model's directory and the model loaded, the flags checked against it."""
     if args.num_threads:
         set_num_threads(args.num_threads)
     try:  # a missing path, a directory without weights, a GGUF that cannot be converted
         model_dir = resolve_model_dir(args.model, default_cache_dir())
     except (OSError, ValueError) as e:
-        print(f"python -m draft_svc.heads: error: --model: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_CONFIG)
+        _fail(f"--model: {e}")
     loaded = load_model(model_dir, args.precision, max_positions=MAX_POSITIONS, is_shared=False)
     try:
         check_against_model(args, loaded.config)
     except ValueError as e:
-        print(f"python -m draft_svc.heads: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_CONFIG)
+        _fail(str(e))
+    return model_dir, loaded
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = "python -m draft_svc.heads " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    started = time.monotonic()
+    model_dir, loaded = _loaded(args)
     fingerprint = model_fingerprint(loaded.config, loaded.model.norm.weight)
     settings = generate.GenerateSettings(max_new_tokens=args.max_new_tokens, batch=args.batch, seed=args.seed)
     print(f"model {model_dir} ({args.precision}), fingerprint {fingerprint}; {native.status()}")
     try:
         sequences = primary_answers(args, settings, loaded, Tokenizer.from_dir(model_dir), fingerprint)
     except generate.AnswersDataError as e:  # --data of another model
-        print(f"python -m draft_svc.heads: error: --data: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_CONFIG)
+        _fail(f"--data: {e}")
     generated_s = time.monotonic() - started
     by_source: collections.Counter[str] = collections.Counter()
     for s in sequences:
