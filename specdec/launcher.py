@@ -860,11 +860,15 @@ def _sweep(running: _Running) -> None:
 
 
 def _terminate(services: Iterable[_Running], grace_s: float) -> None:
-    """SIGTERM each group in order, wait up to grace_s in all, then SIGKILL."""
+    """SIGTERM (and SIGCONT) each group in order, wait up to grace_s in all, then SIGKILL."""
     services = list(services)
     for r in services:
         if r.process.poll() is None:
             _signal_group(r.process, signal.SIGTERM)
+            # A stopped service (SIGSTOP, SIGTSTP, a debugger) keeps the SIGTERM pending and would
+            # sit out the grace to be SIGKILLed, skipping its graceful stop: the primary's weight and
+            # logits segments would stay in /dev/shm. Resumed, it handles the SIGTERM at once.
+            _signal_group(r.process, signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     for r in services:
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -360,6 +360,16 @@ def test_sigterm_stops_a_cooperative_service_within_the_grace(tmp_path: Path) ->
     assert "stopped" in (tmp_path / "a.log").read_text(), "serve() ran its graceful stop"
 
 
+def test_a_stopped_service_still_gets_its_graceful_stop(tmp_path: Path) -> None:
+    # A SIGSTOPped process keeps a SIGTERM pending: without a SIGCONT it sat out the grace and was
+    # SIGKILLed, and a primary's segments stayed in /dev/shm.
+    stack = Stack(StackConfig(stop_grace_s=5.0, log_dir=tmp_path), specs=[fake("a")]).start()
+    os.kill(stack.pid("a"), signal.SIGSTOP)
+    stack.stop()
+    assert "stopped" in (tmp_path / "a.log").read_text(), "serve() ran its graceful stop"
+    assert stack.exit_code("a") != -signal.SIGKILL
+
+
 def test_restart_while_the_launcher_has_an_rpc_in_flight(config: StackConfig) -> None:
     # The e2e tests restart a service while a stream to the gateway is open in
     # another thread: the fork for the new child must not hang on gRPC's state.
