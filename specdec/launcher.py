@@ -20,7 +20,8 @@ stop() sends SIGTERM (gateway first), then SIGKILL after a grace period; on
 Linux the kernel also SIGTERMs the services if the launcher itself is killed.
 
 restart() starts a service again on the port it had (the others hold its
-address) and waits for SERVING as at start-up; it counts restarts per service
+address), and on its /metrics port (the one printed for scraping) unless that was
+taken meanwhile, and waits for SERVING as at start-up; it counts restarts per service
 (num_restarts, and restarts_file in the log dir, which the HTTP front serves as
 specdec_service_restarts_total). Deciding when to restart a service that exited
 (backoff, giving up) is specdec.supervisor's job, which `inference.py --serve`
@@ -542,8 +543,9 @@ class Stack:
         note = f" ({reason})" if reason else ""
         with open(running.log_path, "ab") as log:
             log.write(f"\n---- restarted by the launcher at {time.strftime('%H:%M:%S')}{note} ----\n".encode())
-        relaunched = self._launch(running.spec, port=running.port)
-        self._await_serving(relaunched, may_retry_port=False)
+        # Its /metrics port too: Prometheus scrapes the address inference.py --serve printed.
+        relaunched = self._launch(running.spec, port=running.port, metrics_port=running.metrics_port)
+        self._await_serving(relaunched, may_move_port=False)
 
     # ---- introspection -----------------------------------------------------------------------------
 
@@ -662,9 +664,14 @@ class Stack:
             if spec.port and is_port_taken(self._host, spec.port):
                 raise PortInUseError(spec.name, self._host, spec.port, self.log_dir / f"{spec.name}.log")
 
-    def _launch(self, spec: ServiceSpec, port: int | None) -> _Running:
+    def _launch(self, spec: ServiceSpec, port: int | None, metrics_port: int | None = None) -> _Running:
+        """Start the service on port (None: the spec's, else a free one) and metrics_port (None: a
+        free one, when the stack serves metrics)."""
         port = (spec.port or free_port(self._host)) if port is None else port
-        metrics_port = free_port(self._host) if self.config.is_serving_metrics else int(NO_METRICS_PORT)
+        if not self.config.is_serving_metrics:
+            metrics_port = int(NO_METRICS_PORT)
+        elif metrics_port is None:
+            metrics_port = free_port(self._host)
         argv = [
             *spec.command,
             "--host",
@@ -712,23 +719,28 @@ class Stack:
         _terminate([running], grace_s=0.0)
         return self._launch(running.spec, port=None)
 
-    def _await_serving(self, running: _Running, may_retry_port: bool = True) -> None:
+    def _await_serving(self, running: _Running, may_move_port: bool = True) -> None:
         """Wait for SERVING; relaunch on new ports when another process took one of ours (the gRPC
-        port unless fixed by the spec, or the /metrics port: free_port only said they were free)."""
+        port unless fixed by the spec or may_move_port is False (a restart: the others hold its
+        address), or the /metrics port: free_port only said they were free, and a restart's old one
+        may have been taken meanwhile)."""
         for attempt in range(1, MAX_BIND_ATTEMPTS + 1):
             exit_code = _wait_serving(running, self._address(running.port), self._on_progress)
             if exit_code is None:
                 return
             taken = [
                 port
-                for port, is_ours_to_move in ((running.port, not running.spec.port), (running.metrics_port, True))
+                for port, is_ours_to_move in (
+                    (running.port, may_move_port and not running.spec.port),
+                    (running.metrics_port, True),
+                )
                 if port > 0 and is_ours_to_move and is_port_taken(self._host, port)
             ]
             if running.spec.port and is_port_taken(self._host, running.spec.port):
                 raise PortInUseError(
                     running.spec.name, self._host, running.spec.port, running.log_path, log_tail(running.log_path)
                 )
-            is_race = may_retry_port and attempt < MAX_BIND_ATTEMPTS and bool(taken)
+            is_race = attempt < MAX_BIND_ATTEMPTS and bool(taken)
             if not is_race:
                 raise ServiceError(
                     running.spec.name,
@@ -738,7 +750,7 @@ class Stack:
                 )
             with open(running.log_path, "ab") as log:
                 log.write(f"\n---- port {taken[0]} was taken: retrying on another port ----\n".encode())
-            running = self._launch(running.spec, port=None)
+            running = self._launch(running.spec, port=None if may_move_port else running.port)
 
     def _terminate_all(self) -> None:
         order = [

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -430,6 +431,30 @@ def test_a_metrics_port_lost_to_a_race_is_retried_on_another(monkeypatch: pytest
             assert is_serving(stack.addresses["a"])
             assert stack.metrics_url("a") and f":{taken}/" not in stack.metrics_url("a")
             assert f"port {taken} was taken" in stack.log_path("a").read_text()
+
+
+def test_a_restart_keeps_the_metrics_port_that_was_printed_for_scraping() -> None:
+    # inference.py --serve prints every service's /metrics URL once, for Prometheus; a restart drew
+    # a fresh port, and the restarted service was never scraped again.
+    with Stack(StackConfig(stop_grace_s=2.0, is_serving_metrics=True), specs=[fake("a")]) as stack:
+        url = stack.metrics_url("a")
+        stack.restart("a")
+        assert stack.metrics_url("a") == url
+        with urllib.request.urlopen(url, timeout=10) as response:
+            assert response.status == 200
+
+
+def test_a_restart_whose_metrics_port_was_taken_meanwhile_moves_only_that_port() -> None:
+    with Stack(StackConfig(stop_grace_s=2.0, is_serving_metrics=True), specs=[fake("a")]) as stack:
+        address, metrics_port = stack.addresses["a"], int(stack.metrics_url("a").rsplit(":", 1)[1].split("/")[0])
+        stack.kill("a")
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            squatter.bind((launcher.LOOPBACK, metrics_port))
+            squatter.listen()
+            stack.restart("a", is_killing=False)
+            assert stack.addresses["a"] == address and is_serving(address)
+            assert f":{metrics_port}/" not in stack.metrics_url("a")
 
 
 # ---- supervision -----------------------------------------------------------------------------------
