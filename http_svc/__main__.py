@@ -12,7 +12,7 @@ from http_svc.app import HttpFront
 from http_svc.config import parse_config
 from specdec.logging import configure_service_telemetry
 from specdec.flags import config_or_exit
-from specdec.metrics import start_metrics_server
+from specdec.service.server import exit_if_port_will_not_bind, start_metrics
 
 # In-flight answers get this long to finish after SIGTERM (the gRPC services drain for 5 s too).
 GRACEFUL_STOP_S = 5
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     registry = CollectorRegistry()
     front = HttpFront(config, api_keys, registry)
     if config.metrics_port:
-        start_metrics_server(config.metrics_port, registry, config.host)
+        with exit_if_port_will_not_bind():
+            start_metrics(config.metrics_port, registry, config.host)
     log.info(
         "http ready",
         host=config.host,

@@ -20,10 +20,17 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry
 
-from specdec.metrics import RpcMetrics, start_metrics_server
+from specdec.metrics import RpcMetrics
 from specdec.tracing import aio_server_interceptors
 from specdec.service.call_guard import CallGuard, guarded_handler, method_name
-from specdec.service.server import DEFAULT_MAX_MESSAGE_BYTES, AddServicerFn, ServerConfig, add_services, server_options
+from specdec.service.server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    AddServicerFn,
+    ServerConfig,
+    add_services,
+    server_options,
+    start_metrics,
+)
 
 
 class AioErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -128,7 +135,7 @@ async def serve_aio(
     metrics_server = None
     try:
         if registry is not None:
-            metrics_server = start_metrics_server(config.metrics_port, registry, host=config.host)
+            metrics_server = start_metrics(config.metrics_port, registry, config.host)
         await server.start()
         log.info(
             "serving",

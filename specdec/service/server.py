@@ -24,7 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from specdec.metrics import start_metrics_server
+from specdec.metrics import MetricsServer, start_metrics_server
 from specdec.tracing import server_interceptors
 
 # Loopback unless configured: a service is reachable from other hosts only
@@ -40,7 +40,8 @@ OVERALL_HEALTH = ""
 
 
 class PortBindError(OSError):
-    """The gRPC server's address would not bind: in use, or not an address of this host."""
+    """The gRPC server's address, or its /metrics endpoint's, would not bind: in use, or not an
+    address of this host."""
 
 
 @contextlib.contextmanager
@@ -51,6 +52,16 @@ def exit_if_port_will_not_bind() -> Iterator[None]:
         yield
     except PortBindError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+def start_metrics(port: int, registry: CollectorRegistry, host: str) -> MetricsServer | None:
+    """start_metrics_server; a port that will not bind is a PortBindError naming it, as the gRPC
+    port's is (exit_if_port_will_not_bind: one line, not a traceback)."""
+    try:
+        return start_metrics_server(port, registry, host=host)
+    except OSError as e:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise PortBindError(f"could not bind the metrics server to {address} ({e.strerror or e})") from None
 
 
 AddServicerFn = Callable[[Any, grpc.Server], None]
@@ -246,7 +257,7 @@ def serve(
             credentials=config.server_credentials(),
         )
         if registry is not None:
-            metrics_server = start_metrics_server(config.metrics_port, registry, host=config.host)
+            metrics_server = start_metrics(config.metrics_port, registry, config.host)
         server.start()
         metrics_port = None if metrics_server is None else metrics_server.port
         log.info("serving", host=config.host, port=port, tls=config.is_tls, metrics_port=metrics_port)

@@ -293,6 +293,24 @@ def test_a_port_that_will_not_bind_is_named_and_still_runs_on_stopped() -> None:
     assert stopped.is_set()
 
 
+def test_a_metrics_port_that_will_not_bind_is_named_as_the_grpc_port_is() -> None:
+    # Before, http.server's OSError went out as a traceback (exit_if_port_will_not_bind let it by).
+    stopped = threading.Event()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(PortBindError, match=f"could not bind the metrics server to 127.0.0.1:{port}"):
+            serve(
+                ServerConfig(port=0, metrics_port=port),
+                [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
+                registry=CollectorRegistry(),
+                stop_event=threading.Event(),
+                on_stopped=stopped.set,
+            )
+    assert stopped.is_set()
+
+
 def test_sigterm_stops_a_serving_process_gracefully(tmp_path: Path) -> None:
     script = tmp_path / "serve_one.py"
     script.write_text(
