@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 
 from specdec.launcher import (
@@ -34,6 +35,9 @@ from specdec.state_store.redis_url import redacted_url
 from specdec.supervisor import RestartPolicy, Supervisor
 
 _NODE_SERVICES = (PRIMARY, DRAFT, VALIDATOR)
+# serve_cluster's status when a service kept exiting and was given up: inference.py's for a stack
+# under --serve that gave one up (EXIT_STACK_FAILED).
+EXIT_GIVEN_UP = 3
 _ADDRESS_FLAGS = ("--primary_address", "--draft_address", "--validator_address")
 
 
@@ -101,8 +105,9 @@ def serve_cluster(
     """`inference.py --serve --nodes N --gateways M`: the cluster on loopback with one Redis (a
     throwaway redis-server unless config.redis_url names one), every address printed (one
     `name address` line each: the gateways' first), until Ctrl-C / SIGTERM (KeyboardInterrupt,
-    returned 0) or a service that keeps exiting (1). Services that exit are restarted on their
-    address (specdec.supervisor): a restarted primary's node gets requests again once healthy."""
+    returned 0) or a service that keeps exiting (EXIT_GIVEN_UP, its error on stderr). Services
+    that exit are restarted on their address (specdec.supervisor): a restarted primary's node gets
+    requests again once healthy."""
     with contextlib.ExitStack() as exits:
         if not config.redis_url:
             config = dataclasses.replace(config, redis_url=exits.enter_context(redis_server()).url)
@@ -118,8 +123,9 @@ def serve_cluster(
         try:
             Supervisor(stack, policy, say=say).run()
         except ServiceError as e:
-            say(f"error: {e}")
-            return 1
+            # On stderr even when say() is silent (--quiet): it is why the command exits.
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return EXIT_GIVEN_UP
         except KeyboardInterrupt:
             say("stopping the cluster...")
     return 0

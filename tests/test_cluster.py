@@ -3,11 +3,17 @@ command line that starts it."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
 import pytest
 
+import inference
 from inference import parse_args
+from specdec import cluster
 from specdec.cluster import cluster_specs, serve_cluster
-from specdec.launcher import StackConfig, waves
+from specdec.launcher import ServiceSpec, StackConfig, waves
 from specdec.supervisor import RestartPolicy
 
 
@@ -60,3 +66,36 @@ def test_the_cluster_does_not_print_the_redis_password():
     with pytest.raises(Said):
         serve_cluster(config, 2, 2, RestartPolicy(), say)
     assert said and "hunter2" not in said[0] and "redis://app:***@10.0.0.9:6379/0" in said[0]
+
+
+# A fake service for serve_cluster: writes its pid to the file its first argument names, then
+# serves grpc.health.v1 through the real serve().
+PID_WRITING_SERVICE = """
+import argparse, os, sys
+p = argparse.ArgumentParser()
+p.add_argument("--host")
+p.add_argument("--port", type=int)
+a, _ = p.parse_known_args(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    f.write(str(os.getpid()))
+from specdec.service import ServerConfig, serve
+serve(ServerConfig(host=a.host, port=a.port, grace_s=0.0), [])
+"""
+
+
+def test_a_service_given_up_fails_the_cluster_like_a_stack_with_its_error_on_stderr(tmp_path, monkeypatch, capsys):
+    # Before, serve_cluster returned 1 (inference.py documents 3 for a service given up under
+    # --serve) and said the error through say(), which --quiet silences: it exited without a word.
+    pid_file = tmp_path / "a.pid"
+    spec = ServiceSpec("a", (sys.executable, "-c", PID_WRITING_SERVICE, str(pid_file)))
+    monkeypatch.setattr(cluster, "cluster_specs", lambda *_args: (spec,))
+
+    def quiet(msg: str) -> None:  # --quiet; once serving, the service dies for good
+        if msg.startswith("serving"):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+    config = StackConfig(redis_url="redis://unused", log_dir=tmp_path / "logs", stop_grace_s=2.0)
+    code = cluster.serve_cluster(config, 1, 1, RestartPolicy(max_rapid_restarts=0), quiet, lambda _line: None)
+    assert code == inference.EXIT_STACK_FAILED
+    err = capsys.readouterr().err
+    assert "error: service 'a' was killed by SIGKILL; gave up after 0 restarts in a row" in err
