@@ -314,6 +314,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     serve_only = [f"--{n}" for n in ("http_port", "max_service_restarts") if getattr(args, n) is not None]
     if serve_only and not args.serve:
         parser.error(f"{', '.join(serve_only)}: only with --serve (without it no HTTP API or supervisor runs)")
+    if args.http_port is not None and (args.nodes > 1 or args.gateways > 1):
+        parser.error("--http_port: a cluster (--nodes / --gateways above 1) runs no HTTP API, only its gateways")
     args.http_port = DEFAULT_HTTP_PORT if args.http_port is None else args.http_port
     if args.max_service_restarts is None:
         args.max_service_restarts = DEFAULT_MAX_RAPID_RESTARTS

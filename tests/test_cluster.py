@@ -99,3 +99,16 @@ def test_a_service_given_up_fails_the_cluster_like_a_stack_with_its_error_on_std
     assert code == inference.EXIT_STACK_FAILED
     err = capsys.readouterr().err
     assert "error: service 'a' was killed by SIGKILL; gave up after 0 restarts in a row" in err
+
+
+def test_the_http_port_is_refused_for_a_cluster_which_runs_no_http_api(capsys):
+    # A cluster serves its gateways only: the port was silently unused.
+    for argv in (
+        ["--serve", "--nodes", "2", "--http_port", "9000"],
+        ["--serve", "--gateways", "2", "--http-port", "1"],
+    ):
+        with pytest.raises(SystemExit) as raised:
+            parse_args(argv)
+        assert raised.value.code == inference.EXIT_BAD_FLAGS
+        assert "--http_port: a cluster" in capsys.readouterr().err
+    assert parse_args(["--serve", "--http_port", "9000"]).http_port == 9000
