@@ -4,13 +4,17 @@ its exit code counts), and shaped as the design asks."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from specdec.service.flags import Flags
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GRPC_SERVICES = {
@@ -20,6 +24,8 @@ GRPC_SERVICES = {
     "gateway": "GenerationService",
 }
 GPU_SERVICES = ("primary", "draft", "validator")
+# Those that take --device (SPECDEC_DEVICE); the draft pool runs where the primary's weights are.
+DEVICE_SERVICES = ("primary", "validator")
 PROFILES = ("cpu", "gpu")
 
 
@@ -90,8 +96,9 @@ def test_all_services_present(services: dict) -> None:
 
 
 def test_the_cpu_profile_runs_on_cpus_from_the_cpu_image(services: dict) -> None:
-    for name in GPU_SERVICES:
+    for name in DEVICE_SERVICES:
         assert services[name]["environment"]["SPECDEC_DEVICE"] == "cpu", name
+    for name in GPU_SERVICES:
         assert "deploy" not in services[name], name
     for name in (*GRPC_SERVICES, "http"):
         assert services[name]["image"] == "specdec:cpu" and services[name]["build"]["target"] == "cpu", name
@@ -100,7 +107,7 @@ def test_the_cpu_profile_runs_on_cpus_from_the_cpu_image(services: dict) -> None
 def test_the_gpu_profile_reserves_gpus_under_the_same_names(gpu_services: dict) -> None:
     for name in GPU_SERVICES:
         service = gpu_services[name]
-        assert service["environment"]["SPECDEC_DEVICE"] == "cuda", name
+        assert service["environment"].get("SPECDEC_DEVICE") == ("cuda" if name in DEVICE_SERVICES else None), name
         assert service["image"] == "specdec:cuda" and service["build"]["target"] == "cuda", name
         assert service["networks"]["default"]["aliases"] == [name], name  # the gateway's addresses hold
     assert gpu_services["draft"]["ipc"] == "service:primary-gpu"
@@ -147,6 +154,43 @@ def test_grpc_services_bind_all_interfaces_and_check_health(profile: str) -> Non
             f"specdec.v1.{service_name}",
         ]
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+
+
+def _parse_service_config(module: str) -> object:
+    """The service's own configuration, built from os.environ and no argument."""
+    if module == "draft_svc":
+        return importlib.import_module("draft_svc.config").from_args([], os.environ)
+    return importlib.import_module(f"{module}.config").parse_config([])
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_service_environment_parses_and_every_variable_is_read(
+    profile: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each service's configuration code accepts its environment in compose.yaml and reads every
+    SPECDEC_* variable set there: one no flag reads is ignored silently (the draft pool's
+    SPECDEC_DEVICE was: the pool runs where the primary's weights are)."""
+    looked_up: set[str] = set()
+    variables = Flags.variables
+
+    def recording(self: Flags, name: str, *, shared: bool = True) -> tuple[str, ...]:
+        found = variables(self, name, shared=shared)
+        looked_up.update(found)
+        return found
+
+    monkeypatch.setattr(Flags, "variables", recording)
+    for name, service in _services(profile).items():
+        if service.get("command", [""])[0] != "python":
+            continue
+        env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
+        for variable in [v for v in os.environ if v.startswith("SPECDEC_")]:
+            monkeypatch.delenv(variable)
+        for variable, value in env.items():
+            monkeypatch.setenv(variable, value)
+        looked_up.clear()
+        assert _parse_service_config(service["command"][2]) is not None
+        unread = {v for v in env if v.startswith("SPECDEC_")} - looked_up
+        assert not unread, f"{profile} {name}: variables no flag reads: {sorted(unread)}"
 
 
 def test_primary_and_draft_share_ipc(services: dict) -> None:
