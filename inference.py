@@ -639,16 +639,31 @@ def serve_until_stopped(stack: Stack, policy: RestartPolicy, say: Callable[[str]
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
-    # Once: a second SIGTERM must not cut short the stop of the services.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Once: a second SIGTERM (or SIGHUP) must not cut short the stop of the services.
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is _interrupt:
+            signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+# SIGTERM (an operator, systemd, a container runtime) and SIGHUP (the terminal or ssh session that
+# ran the command closed) unwind like Ctrl-C, so the services are stopped on the way out. SIGHUP's
+# default would kill the launcher outright: the services get their SIGTERM from the kernel, but the
+# service token's directory, a temporary log dir and --redis_cluster's redis-servers were left.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _handle_stop_signals() -> None:
+    """_interrupt on every STOP_SIGNALS but one ignored from the start (`nohup` ignores SIGHUP)."""
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _interrupt)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """The command line; `prog` names it in help and errors (`specdec generate` when run as the package's command)."""
     args = parse_args(argv, prog)
-    # SIGTERM unwinds like Ctrl-C, so the services are stopped on the way out.
-    signal.signal(signal.SIGTERM, _interrupt)
+    _handle_stop_signals()
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.gateway_address is not None:
         try:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -295,6 +297,40 @@ def test_a_bad_flag_exits_nonzero_naming_the_field() -> None:
 
 
 # ---- the real command line -------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_a_hangup_stops_the_services_as_sigterm_does(tmp_path: Path) -> None:
+    # The terminal or ssh session closed: SIGHUP's default killed the launcher outright, leaving the
+    # service token's directory, a temporary log dir and --redis_cluster's redis-servers behind.
+    process = subprocess.Popen(
+        [sys.executable, "inference.py", "--prompt", "x", "--log_dir", str(tmp_path)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "primary.log").exists():  # the services are starting
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.05)
+        process.send_signal(signal.SIGHUP)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == inference.EXIT_INTERRUPTED, stderr
+    assert "interrupted; services stopped" in stderr
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(tmp_path) in _cmdline(p)]
+    assert not left, "a service outlived the launcher"
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 @pytest.fixture(scope="module")
