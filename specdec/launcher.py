@@ -84,6 +84,10 @@ OPENMP_SPIN_COUNT = "1000"
 # thread that decodes a step's logits would grow an arena of its own and keep it, and a service's
 # memory with them (the same section). An operator's own MALLOC_ARENA_MAX wins.
 MALLOC_ARENAS = "2"
+# POSIX shared memory, and the prefixes of the segments a primary names after its pid (its weights,
+# specdec.weights.shared; its logits slots, specdec.logits_shm; not imported: both load torch).
+SHM_DIR = Path("/dev/shm")
+SHM_SEGMENT_PREFIXES = ("specdec-weights", "specdec-logits")
 # Where the launcher keeps every service's restart count, in the log dir (JSON: name -> count).
 RESTARTS_FILE_NAME = "service_restarts.json"
 # The gateway's --redis_url as its own variable (specdec.service.flags: SPECDEC_<SERVICE>_<FLAG>).
@@ -864,11 +868,26 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
 
 
 def _sweep(running: _Running) -> None:
-    """SIGKILL what is left of an exited service's group (what it spawned), once:
-    right after the leader is reaped, before its pid (the group id) can be reused."""
+    """SIGKILL what is left of an exited service's group (what it spawned), and remove the shared
+    memory it named after its pid, once: right after the leader is reaped, before its pid (the group
+    id) can be reused. A primary unlinks its segments in its graceful stop; one killed, or stopped
+    while it started (before it handles SIGTERM), left hundreds of MB in /dev/shm until the next
+    primary's start."""
     if not running.is_swept:
         _signal_group(running.process, signal.SIGKILL)
+        remove_segments_of(running.process.pid)
         running.is_swept = True
+
+
+def remove_segments_of(pid: int, shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the shared-memory segments named after pid (SHM_SEGMENT_PREFIXES); their names.
+    Mappings stay valid until unmapped (a draft pool's)."""
+    removed = []
+    for prefix in SHM_SEGMENT_PREFIXES:
+        for path in shm_dir.glob(f"{prefix}-{pid}-*"):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 def _terminate(services: Iterable[_Running], grace_s: float) -> None:

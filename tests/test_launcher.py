@@ -371,6 +371,45 @@ def test_a_stopped_service_still_gets_its_graceful_stop(tmp_path: Path) -> None:
     assert stack.exit_code("a") != -signal.SIGKILL
 
 
+SHM_DIR = Path("/dev/shm")
+
+
+def test_shared_memory_a_service_named_after_its_pid_is_removed_once_it_is_gone(tmp_path: Path) -> None:
+    # As a primary stopped while it starts (before it handles SIGTERM) or killed leaves its weight
+    # and logits segments: before, they stayed in /dev/shm until another primary started.
+    leaves_segments = (
+        "import os, pathlib\n"
+        "for prefix in ('specdec-weights', 'specdec-logits'):\n"
+        "    pathlib.Path(f'/dev/shm/{prefix}-{os.getpid()}-test').write_bytes(b'x')\n"
+    )
+    spec = ServiceSpec("a", (sys.executable, "-c", leaves_segments + FAKE_SERVICE))
+    others = SHM_DIR / f"specdec-weights-{os.getpid()}-test"  # a process that still runs
+    others.write_bytes(b"x")
+    pid = None
+    try:
+        stack = Stack(StackConfig(stop_grace_s=2.0, log_dir=tmp_path), specs=[spec]).start()
+        pid = stack.pid("a")
+        assert sorted(p.name for p in SHM_DIR.glob(f"specdec-*-{pid}-test")) == [
+            f"specdec-logits-{pid}-test",
+            f"specdec-weights-{pid}-test",
+        ]
+        stack.stop()
+        assert not list(SHM_DIR.glob(f"specdec-*-{pid}-*"))
+        assert others.exists()
+    finally:
+        others.unlink(missing_ok=True)
+        for path in SHM_DIR.glob(f"specdec-*-{pid}-test") if pid is not None else ():
+            path.unlink()
+
+
+def test_the_launcher_knows_the_segment_names_of_the_primary() -> None:
+    from specdec import logits_shm
+    from specdec.weights import shared
+
+    assert launcher.SHM_SEGMENT_PREFIXES == (shared.SEGMENT_PREFIX, logits_shm.SLOT_PREFIX)
+    assert launcher.SHM_DIR == shared.SHM_DIR == SHM_DIR
+
+
 def test_restart_while_the_launcher_has_an_rpc_in_flight(config: StackConfig) -> None:
     # The e2e tests restart a service while a stream to the gateway is open in
     # another thread: the fork for the new child must not hang on gRPC's state.
