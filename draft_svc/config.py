@@ -32,7 +32,7 @@ from draft_svc.strategies.suffix_index import SuffixIndexConfig
 from specdec import strategies
 from specdec.logging import LOG_LEVELS
 from specdec.model.options import DEFAULT_CACHE_DIR
-from specdec.flags import NO_FIELD, Flag, listen_flags, model_path_flag, names, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 
@@ -151,7 +151,7 @@ CORPUS_FLAGS = (
 )
 FLAGS = (
     *listen_flags(DEFAULT_PORT),
-    Flag("--log_level", convert=str.upper),
+    log_level_flag(),
     Flag("--primary_address", help="host:port of the primary whose weights the model-based strategies run on"),
     Flag(
         "--num_threads",

@@ -18,7 +18,7 @@ from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.errors import InvalidArgument
 from specdec.state_store import DEFAULT_LEASE_S
 from specdec.logits_codec import FORMATS
-from specdec.flags import NO_FIELD, Flag, listen_flags, model_path_flag, names, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.api_keys import check_public_exposure, public_access_flags
 from specdec.service.server import ServerConfig
@@ -254,7 +254,7 @@ FLAGS = (
         group="grammar",
         field="max_pending_compiles",
     ),
-    Flag("--log_level"),
+    log_level_flag(),
     Flag("--num_threads", is_shared=False, help="torch intra-op threads (default 1; 0: torch's default)"),
     *service_token_flags(is_server=False),
     *public_access_flags(

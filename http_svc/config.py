@@ -8,7 +8,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from specdec.flags import NO_FIELD, Flag, model_path_flag, parse_flags, values
+from specdec.flags import NO_FIELD, Flag, log_level_flag, model_path_flag, parse_flags, values
 from specdec.service.api_keys import check_public_exposure, public_access_flags
 from specdec.service.server import DEFAULT_HOST
 
@@ -101,7 +101,7 @@ FLAGS = (
         "--service_restarts_file",
         help="the launcher's JSON of restarts per service, served as specdec_service_restarts_total (empty: none)",
     ),
-    Flag("--log_level"),
+    log_level_flag(),
 )
 
 

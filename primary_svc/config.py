@@ -15,7 +15,7 @@ from specdec.answers import DEFAULT_ANSWERS, MAX_LEARNED_TOKENS
 from specdec.field_checks import require_at_least_one
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
-from specdec.flags import Flag, listen_flags, model_path_flag, parse_flags, values
+from specdec.flags import Flag, listen_flags, log_level_flag, model_path_flag, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 
@@ -151,7 +151,7 @@ FLAGS = (
         options={"dest": "measure_verify_costs", "action": "store_false"},
     ),
     Flag("--max_message_bytes", 128 << 20, group="server"),
-    Flag("--log_level"),
+    log_level_flag(),
     Flag(
         "--tensormt_optimizer",
         aliases=("--compile",),

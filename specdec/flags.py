@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from specdec.flag_spellings import add_spellings
+from specdec.logging import LOG_LEVELS
 from specdec.service.flags import Flags
 
 
@@ -127,6 +128,13 @@ def listen_flags(port: int) -> tuple[Flag, ...]:
         Flag("--port", port, group="server"),
         Flag("--metrics_port", group="server"),
     )
+
+
+def log_level_flag() -> Flag:
+    """--log_level, one of specdec.logging.LOG_LEVELS in any case: a bad one, on the command line or
+    in SPECDEC_LOG_LEVEL, is refused while parsing (one line, EXIT_BAD_CONFIG) rather than by the
+    logging set-up after it (a traceback)."""
+    return Flag("--log_level", type=str.upper, choices=LOG_LEVELS)
 
 
 def model_path_flag(help: str | None = None, group: str | None = "") -> Flag:

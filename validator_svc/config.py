@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import os
 
-from specdec.flags import Flag, listen_flags, parse_flags, values
+from specdec.flags import Flag, listen_flags, log_level_flag, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 from validator_svc.paths import DEVICES
@@ -35,7 +35,7 @@ FLAGS = (
     *listen_flags(50053),
     Flag("--device", choices=DEVICES),
     Flag("--max_message_bytes", 128 << 20, group="server"),
-    Flag("--log_level"),
+    log_level_flag(),
     Flag("--num_threads", is_shared=False, help="torch intra-op threads (default 1; 0: torch's default)"),
     *service_token_flags(),
 )

@@ -72,6 +72,11 @@ def test_a_bad_variable_names_itself_and_the_flag() -> None:
         ("validator_svc", ["--num_threads", "-1"], {}, "num_threads"),
         ("draft_svc", [], {"SPECDEC_PORT": "x"}, "SPECDEC_PORT"),
         ("http_svc", [], {"SPECDEC_HTTP_MAX_BODY_BYTES": "x"}, "SPECDEC_HTTP_MAX_BODY_BYTES"),
+        # a log level the logging set-up refuses: before, a traceback from there, after the parse
+        ("gateway", [], {"SPECDEC_LOG_LEVEL": "verbose"}, "SPECDEC_LOG_LEVEL"),
+        ("primary_svc", ["--log_level", "verbose"], {}, "--log_level"),
+        ("validator_svc", [], {"SPECDEC_VALIDATOR_LOG_LEVEL": "trace"}, "SPECDEC_VALIDATOR_LOG_LEVEL"),
+        ("http_svc", ["--log-level", "verbose"], {}, "--log-level"),
     ],
 )
 def test_a_service_refuses_a_bad_value_in_one_line_not_a_traceback(
