@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http_path", default="", help="an HTTP server: GET this path must answer 200")
     parser.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     args = add_spellings(parser).parse_args(argv)
+    # Refused here (exit 2, one line): a path without its "/" made a URL whose port swallowed it, and
+    # urllib's InvalidURL came out as a traceback; a timeout <= 0 could never see an answer.
+    if args.http_path and not args.http_path.startswith("/"):
+        parser.error(f"--http_path must start with '/', got {args.http_path!r}")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be > 0, got {args.timeout}")
     if args.http_path:
         from specdec.launcher import is_http_healthy
 

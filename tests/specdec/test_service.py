@@ -227,6 +227,25 @@ def test_the_healthcheck_command_checks_an_http_server_too() -> None:
         httpd.server_close()
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["127.0.0.1:1", "--http_path", "health"], "--http_path must start with '/'"),
+        (["127.0.0.1:1", "--timeout", "0"], "--timeout must be > 0"),
+        (["127.0.0.1:1", "--timeout", "nan"], "--timeout must be > 0"),
+    ],
+)
+def test_the_healthcheck_command_refuses_bad_flags_in_one_line(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A path without its "/" was a traceback (urllib's InvalidURL: "nonnumeric port: '1health'").
+    with pytest.raises(SystemExit) as raised:
+        healthcheck.main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
 def test_wait_for_serving_times_out_on_a_dead_address() -> None:
     with pytest.raises(TimeoutError, match="did not report"):
         wait_for_serving("127.0.0.1:1", timeout_s=0.3)
