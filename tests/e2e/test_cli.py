@@ -410,12 +410,12 @@ def test_stream_prints_the_same_text(self_launched: dict, stack: Stack) -> None:
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_request_the_gateway_refuses_exits_with_its_status(stack: Stack) -> None:
-    # Valid locally (>= 1), beyond the gateway's limit on draft_length.
+    # Valid locally (a uint32), beyond the gateway's configured limit on max_new_tokens.
     done = run_cli(
-        "--prompt", PROMPT, "--draft_length", "100000", "--gateway_address", stack.gateway_address, timeout_s=120
+        "--prompt", PROMPT, "--max_new_tokens", "100000", "--gateway_address", stack.gateway_address, timeout_s=120
     )
     assert done.returncode == inference.EXIT_RPC_ERROR
-    assert "INVALID_ARGUMENT" in done.stderr and "draft_length" in done.stderr
+    assert "INVALID_ARGUMENT" in done.stderr and "max_new_tokens" in done.stderr
     assert done.stdout == ""
 
 
