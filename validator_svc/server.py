@@ -12,8 +12,10 @@ import numpy as np
 from specdec.logits_codec import decode_logits
 from specdec.logprobs import token_logprobs
 from specdec import acceptance_mode, pb
+from specdec.acceptance_mode import AcceptanceMode
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
+from specdec.sampling import SamplingParams
 from specdec.speculation_bounds import MAX_TREE_NODES
 from specdec.v1 import validator_pb2, validator_pb2_grpc
 from validator_svc.paths import TorchPath, ValidationInputs, ValidationPath
@@ -28,15 +30,7 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         pb.request_id_from_pb(request.request_id)
         sampling = pb.sampling_from_pb(request.sampling)
         threshold = float(request.acceptance_threshold)
-        # The gateway decided the mode; it is applied as sent, after checking it fits the step.
-        try:
-            mode = acceptance_mode.from_pb(request.mode)
-        except ValueError as e:
-            raise InvalidArgument("mode", f"mode {e}") from None
-        try:
-            acceptance_mode.check_mode(mode, sampling, threshold)
-        except ValueError as e:
-            raise InvalidArgument(str(e).split(" ", 1)[0], str(e)) from None
+        mode = _mode_from_pb(request.mode, sampling, threshold)
         logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
         vocab_size = logits.vocab_size
         token_ids, parents = pb.tree_from_pb(request.tree, vocab_size)
@@ -87,6 +81,20 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
             time_ms=(time.perf_counter() - start) * 1000,
             bonus_logprob=bonus_logprob,
         )
+
+
+def _mode_from_pb(value: int, sampling: SamplingParams, threshold: float) -> AcceptanceMode:
+    """The request's acceptance mode. The gateway decided it; it is applied as sent, after checking
+    that it fits the step's sampling and threshold (InvalidArgument naming the field otherwise)."""
+    try:
+        mode = acceptance_mode.from_pb(value)
+    except ValueError as e:
+        raise InvalidArgument("mode", f"mode {e}") from None
+    try:
+        acceptance_mode.check_mode(mode, sampling, threshold)
+    except ValueError as e:
+        raise InvalidArgument(str(e).split(" ", 1)[0], str(e)) from None
+    return mode
 
 
 def _check_argmax_allowed(argmax: list[int], allowed: TokenBitmask) -> None:
