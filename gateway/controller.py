@@ -442,8 +442,7 @@ def _best_choice(
     `known_coverage` replaces the estimated coverage of the (decoder, rank)s it names for this step;
     `other_rows` is the load R of the module docstring.
     """
-    num_sources = len(estimates)
-    if num_sources == 0:
+    if not (num_sources := len(estimates)):
         return _Choice((), 0, 1.0, 1.0)
     gammas = np.array(config.draft_length_choices, dtype=np.float64)  # [G]
     c = _decoder_arrays(cost_model, tuple((e.decoder, e.rank) for e in estimates), tuple(config.draft_length_choices))
