@@ -255,6 +255,17 @@ def measure_candidates(
         if len(order) < 2 or time.perf_counter() - start > max_measure_s:
             break
         total += len(order)
+    choice = _choice(candidates, curves, failures, time.perf_counter() - start)
+    if curves:
+        on_progress(AUTOTUNE_STAGE, total, total, f"chose {choice.precision}")
+    return choice
+
+
+def _choice(
+    candidates: Sequence[str], curves: dict[str, dict[int, float]], failures: list[str], seconds: float
+) -> PrecisionChoice:
+    """The first of `candidates` within TIE_SHARE of the best score among the measured `curves`, the
+    reason naming every score; fp32 when none was measured."""
     if not curves:
         return PrecisionChoice(
             FALLBACK_PRECISION,
@@ -267,12 +278,11 @@ def measure_candidates(
     best = next(p for p in candidates if scores.get(p, -1.0) >= TIE_SHARE * top)  # the preferred of the best
     ranking = ", ".join(f"{p} {s:.1f}" for p, s in sorted(scores.items(), key=lambda x: -x[1]))
     reason = (
-        f"auto chose {best}: expected tokens/s {ranking} (measured in {time.perf_counter() - start:.1f} s"
+        f"auto chose {best}: expected tokens/s {ranking} (measured in {seconds:.1f} s"
         + (f"; preferred within {100 * (1 - TIE_SHARE):.0f} % of the best" if scores[best] < top else "")
         + (f"; unavailable: {'; '.join(failures)}" if failures else "")
         + ")"
     )
-    on_progress(AUTOTUNE_STAGE, total, total, f"chose {best}")
     return PrecisionChoice(best, reason, scores, curves)
 
 
