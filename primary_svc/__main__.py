@@ -52,6 +52,30 @@ from specdec.v1 import primary_pb2_grpc
 LEASE_CHECK_MAX_S = 5.0
 
 
+def _servicer(
+    config: PrimaryConfig,
+    loaded: LoadedModel,
+    worker: EngineWorker,
+    identity: ModelIdentity,
+    metrics: PrimaryMetrics,
+    tokenizer: Tokenizer,
+) -> PrimaryServicer:
+    """The service over the loaded model: KV leases, run grammars, the run answers file and the
+    learned answers as the flags say."""
+    return PrimaryServicer(
+        loaded,
+        worker,
+        identity,
+        config.max_kv_bytes,
+        metrics,
+        KVLeases(config.kv_lease_s, takeover_s=config.kv_takeover_s),
+        start_grammars(tokenizer, loaded),
+        load_run_answers(config.run_answers, loaded, worker),
+        tokenizer,
+        LearnedAnswers(config.learned_answer_tokens) if config.learned_answer_tokens else None,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     config = config_or_exit("python -m primary_svc", parse_config, argv)
     configure_service_telemetry("primary_svc", config.log_level, os.environ, "primary")
@@ -73,18 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     compiler = start_step_compiler(config, loaded.model, metrics) if is_compiled else None
     if swept := cleanup_stale_slots():
         log.info("removed the logits slots of primaries that exited without cleaning up", num_slots=len(swept))
-    servicer = PrimaryServicer(
-        loaded,
-        worker,
-        identity,
-        config.max_kv_bytes,
-        metrics,
-        KVLeases(config.kv_lease_s, takeover_s=config.kv_takeover_s),
-        start_grammars(tokenizer, loaded),
-        load_run_answers(config.run_answers, loaded, worker),
-        tokenizer,
-        LearnedAnswers(config.learned_answer_tokens) if config.learned_answer_tokens else None,
-    )
+    servicer = _servicer(config, loaded, worker, identity, metrics, tokenizer)
     stop_expiry = threading.Event()
     threading.Thread(target=expire_leases, args=(servicer, stop_expiry), name="kv-leases", daemon=True).start()
 
