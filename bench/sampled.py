@@ -119,7 +119,7 @@ COLUMNS = (
 )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--scenarios", default="code,prose,json")
@@ -132,7 +132,11 @@ def main() -> None:
     p.add_argument("--precision", default="auto")
     p.add_argument("--num-threads", type=int, default=0, help="the primary's torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="also write the rows and settings as JSON here")
-    args = add_spellings(p).parse_args()
+    return add_spellings(p).parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     seeds = [int(s) for s in args.seeds.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
     tokenizer = Tokenizer.from_dir(resolve_model_dir(None, default_cache_dir()))
