@@ -3,12 +3,16 @@ plaintext one is not; the files go together."""
 
 from __future__ import annotations
 
+import http.server
+import ssl
+import threading
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec import healthcheck
 from specdec.service import ServerConfig, create_server
 from specdec.service.api_keys import check_tls_files
 
@@ -49,3 +53,68 @@ def test_tls_files_are_checked_while_the_flags_are_parsed(certificate: tuple[Pat
     garbage.write_text("not a certificate\n")
     with pytest.raises(ValueError, match="--gateway_ca_file"):
         check_tls_files("", "", str(garbage))
+
+
+def test_the_healthcheck_command_checks_a_tls_server_over_tls(
+    certificate: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server with --tls_cert (compose's gateway once TLS is on) was checked in plaintext only, so
+    it never turned healthy and what depends on it never started."""
+    cert, key = certificate
+    config = ServerConfig(host="127.0.0.1", tls_cert_file=str(cert), tls_key_file=str(key))
+    server, port = create_server(f"127.0.0.1:{config.port}", [], credentials=config.server_credentials())
+    server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        assert healthcheck.main([address, "--timeout", "1"]) == 1  # plaintext: refused
+        assert healthcheck.main([address, "--tls_ca_file", str(cert)]) == 0
+        assert healthcheck.main([address, "--tls_ca_file", str(cert), "--tls_server_name", "localhost"]) == 0
+        assert healthcheck.main([address, "--tls-ca-file", str(cert), "--tls_server_name", "other.example"]) == 1
+        monkeypatch.setenv(healthcheck.CA_FILE_VARIABLE, str(cert))  # the container's variable, its command unchanged
+        assert healthcheck.main([address]) == 0
+    finally:
+        server.stop(None)
+
+
+def test_the_healthcheck_command_checks_an_https_server(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert healthcheck.main([address, "--http_path", "/health", "--tls_ca_file", str(cert)]) == 0
+        assert healthcheck.main([address, "--http_path", "/down", "--tls_ca_file", str(cert)]) == 1
+        named = ["--tls_ca_file", str(cert), "--tls_server_name"]
+        assert healthcheck.main([address, "--http_path", "/health", *named, "localhost"]) == 0
+        assert healthcheck.main([address, "--http_path", "/health", *named, "other.example"]) == 1
+        assert healthcheck.main([address, "--http_path", "/health", "--timeout", "1"]) == 1  # plaintext
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["127.0.0.1:1", "--tls_server_name", "a.example"], "--tls_server_name"),
+        (["127.0.0.1:1", "--tls_ca_file", "/nonexistent.pem"], "--tls_ca_file"),
+    ],
+)
+def test_the_healthcheck_command_refuses_tls_flags_it_cannot_use(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        healthcheck.main(argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err
