@@ -10,8 +10,9 @@ it serves the default model (SmolLM2-135M-Instruct). The text goes to stdout
 and a short stats line to stderr; --json prints one JSON object instead, and
 --stream prints the text as it is accepted. --serve keeps the services up with
 the OpenAI-compatible HTTP API in front (http_svc, on --http_port) and prints
-the gateway's address and the HTTP API's URL; a service that exits meanwhile is
-restarted on its address (specdec.supervisor, --max_service_restarts), and the
+the gateway's address and the HTTP API's URL; a service that exits meanwhile, or
+answers no health check for 30 s (hung), is restarted on its address
+(specdec.supervisor, --max_service_restarts), and the
 HTTP API's /metrics counts it (specdec_service_restarts_total). --gateway_address
 talks to a gateway already running.
 
@@ -272,7 +273,8 @@ def _add_serving_args(stack: argparse._ArgumentGroup) -> None:
         "--max_service_restarts",
         type=ranged(int, 0),
         metavar="N",
-        help="--serve: a service that exits is restarted on its address, after 0.5 s doubling to 30 s; "
+        help="--serve: a service that exits (or answers no health check for 30 s) is restarted on its "
+        "address, after 0.5 s doubling to 30 s; "
         f"after N restarts in a row (none lasting a minute) the services stop (default {DEFAULT_MAX_RAPID_RESTARTS}; "
         "0: at once)",
     )

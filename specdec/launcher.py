@@ -602,6 +602,14 @@ class Stack:
     def is_running(self, name: str) -> bool:
         return self._get(name).process.poll() is None
 
+    def is_answering(self, name: str, timeout_s: float) -> bool:
+        """One health check of a running service: it answers SERVING within timeout_s (a stopped,
+        deadlocked or swapping process does not, though it runs and holds its port)."""
+        running = self._get(name)
+        address = self._address(running.port)
+        with _health_channel(running.spec, address) as channel:
+            return _is_serving(running.spec, address, channel, timeout_s)
+
     def exit_code(self, name: str) -> int | None:
         """None while the service runs; else its exit status (-N: killed by signal N), after what
         is left of its process group has been killed."""
@@ -766,6 +774,24 @@ class Stack:
         _terminate(order, self.config.stop_grace_s)
 
 
+def _health_channel(spec: ServiceSpec, address: str) -> grpc.Channel:
+    """A channel for the service's gRPC health checks (TLS where it serves TLS)."""
+    if spec.health_ca_file:
+        with open(spec.health_ca_file, "rb") as f:
+            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        return grpc.secure_channel(address, credentials, options=_HEALTH_CHANNEL_OPTIONS)
+    return grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS)
+
+
+def _is_serving(spec: ServiceSpec, address: str, channel: grpc.Channel, timeout_s: float) -> bool:
+    """One health check: SERVING (gRPC) or 200 (an HTTP server's health path) within timeout_s."""
+    if spec.health_http_path:
+        scheme = "https" if spec.health_ca_file else "http"
+        url = f"{scheme}://{address}{spec.health_http_path}"
+        return is_http_healthy(url, timeout_s=timeout_s, ca_file=spec.health_ca_file)
+    return check_health(channel, spec.health_service, timeout_s=timeout_s)
+
+
 def _wait_serving(
     running: _Running, address: str, on_progress: Callable[[str, ProgressEvent], None] | None = None
 ) -> int | None:
@@ -774,24 +800,13 @@ def _wait_serving(
     events to on_progress meanwhile."""
     spec = running.spec
     deadline = time.monotonic() + spec.startup_timeout_s
-    if spec.health_ca_file:
-        with open(spec.health_ca_file, "rb") as f:
-            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
-        channel = grpc.secure_channel(address, credentials, options=_HEALTH_CHANNEL_OPTIONS)
-    else:
-        channel = grpc.insecure_channel(address, options=_HEALTH_CHANNEL_OPTIONS)
-    scheme = "https" if spec.health_ca_file else "http"
-    with channel:
+    with _health_channel(spec, address) as channel:
         while True:
             _relay_progress(running, on_progress)
             if (code := running.process.poll()) is not None:
                 _sweep(running)
                 return code
-            is_serving = (
-                is_http_healthy(f"{scheme}://{address}{spec.health_http_path}", ca_file=spec.health_ca_file)
-                if spec.health_http_path
-                else check_health(channel, spec.health_service, timeout_s=1.0)
-            )
+            is_serving = _is_serving(spec, address, channel, timeout_s=1.0)
             # Another server on a port we lost to a race answers too: SERVING counts only once the
             # service itself listens on the port (until then it binds, or exits on EADDRINUSE).
             if is_serving and is_listening_itself(running):

@@ -1,4 +1,5 @@
-"""Keeping a started Stack up: a service that exits is restarted on its own address, with backoff.
+"""Keeping a started Stack up: a service that exits, or hangs, is restarted on its own address, with
+backoff.
 
     supervisor = Supervisor(stack, RestartPolicy(), say=print)
     supervisor.run()  # returns never; raises ServiceError when a service keeps dying
@@ -10,6 +11,12 @@ waits initial_backoff_s * 2**(n-1), at most max_backoff_s; a service that then s
 stable_after_s starts afresh. One that exits again after max_rapid_restarts such restarts is given
 up: run() raises ServiceError naming it, its last exit status and its log, and the caller stops the
 stack.
+
+A hung service (stopped, deadlocked, swapping: it runs and holds its port but answers nothing) is
+found by a health check every liveness_interval_s; one that has not answered one for hang_after_s
+is killed (SIGKILL) and restarted as an exited one, as a Kubernetes liveness probe would. The
+gateway serves around a hung validator or draft pool meanwhile (gateway.call_deadlines); a hung
+primary holds its requests until then.
 
 Driven from the thread that started the stack, not a thread of its own: on Linux a child is tied
 to the thread that spawned it (PR_SET_PDEATHSIG fires when that thread ends), and a Ctrl-C or
@@ -31,6 +38,8 @@ from specdec.launcher import ServiceError, Stack, log_tail
 DEFAULT_POLL_S = 0.5
 # Restarts in a row before the launcher gives up on a service: 0.5 + 1 + 2 + 4 + 8 s of backoff.
 DEFAULT_MAX_RAPID_RESTARTS = 5
+# The longest one liveness check waits (a loaded machine's health answer takes milliseconds).
+LIVENESS_TIMEOUT_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,6 +50,8 @@ class RestartPolicy:
     max_backoff_s: float = 30.0  # the doubling stops here
     stable_after_s: float = 60.0  # up (SERVING) this long: the next exit is a first one again
     max_rapid_restarts: int = DEFAULT_MAX_RAPID_RESTARTS  # in a row; 0: any exit stops the stack
+    liveness_interval_s: float = 5.0  # a health check of each running service this often
+    hang_after_s: float = 30.0  # no answer for this long: hung, killed and restarted (0: never)
 
     def __post_init__(self) -> None:
         if not 0 < self.initial_backoff_s <= self.max_backoff_s:
@@ -51,6 +62,16 @@ class RestartPolicy:
             raise ValueError(f"stable_after_s must be > 0, got {self.stable_after_s}")
         if self.max_rapid_restarts < 0:
             raise ValueError(f"max_rapid_restarts must be >= 0, got {self.max_rapid_restarts}")
+        if self.liveness_interval_s <= 0 or self.hang_after_s < 0:
+            raise ValueError(
+                f"need liveness_interval_s > 0 and hang_after_s >= 0, got {self.liveness_interval_s}, "
+                f"{self.hang_after_s}"
+            )
+
+    @property
+    def liveness_timeout_s(self) -> float:
+        """How long one health check waits for its answer."""
+        return min(LIVENESS_TIMEOUT_S, self.hang_after_s / 2)
 
     def backoff_s(self, num_rapid_restarts: int) -> float:
         """The wait before the next restart after num_rapid_restarts in a row.
@@ -65,6 +86,8 @@ class _Record:
     """One service as the supervisor sees it."""
 
     up_since: float  # when it last became SERVING
+    answered_at: float  # its last SERVING answer to a health check (or up_since)
+    checked_at: float  # its last health check
     num_rapid_restarts: int = 0  # restarts since it last stayed up for stable_after_s
     restart_at: float | None = None  # it is down: restart it then
 
@@ -95,7 +118,7 @@ class Supervisor:
         self._say = say
         self._clock = clock
         now = clock()
-        self._records = {name: _Record(up_since=now) for name in stack.addresses}
+        self._records = {name: _Record(now, now, now) for name in stack.addresses}
 
     def run(self, poll_s: float = DEFAULT_POLL_S) -> NoReturn:
         """poll() until a KeyboardInterrupt (Ctrl-C; SIGTERM where the caller maps it to one) or
@@ -109,11 +132,29 @@ class Supervisor:
         for name, record in self._records.items():
             if record.restart_at is None:
                 code = self.stack.exit_code(name)
+                if code is None and self._is_hung(name, record):
+                    self.stack.kill(name)
+                    code = self.stack.exit_code(name)
                 if code is None:
                     continue
                 self._on_exit(name, record, code)
             if record.restart_at is not None and self._clock() >= record.restart_at:
                 self._restart(name, record)
+
+    def _is_hung(self, name: str, record: _Record) -> bool:
+        """A health check when one is due; True once the service has answered none for hang_after_s."""
+        now = self._clock()
+        if not self.policy.hang_after_s or now - record.checked_at < self.policy.liveness_interval_s:
+            return False
+        record.checked_at = now
+        if self.stack.is_answering(name, self.policy.liveness_timeout_s):
+            record.answered_at = self._clock()
+            return False
+        silent_s = self._clock() - record.answered_at
+        if silent_s < self.policy.hang_after_s:
+            return False
+        self._say(f"service {name!r} answered no health check for {silent_s:.0f} s (hung?): killing it")
+        return True
 
     def _on_exit(self, name: str, record: _Record, code: int, *, has_served: bool = True) -> None:
         now = self._clock()
@@ -147,7 +188,7 @@ class Supervisor:
             self._say(f"service {name!r} failed to restart: {e.reason}")
             self._on_exit(name, record, -signal.SIGKILL if code is None else code, has_served=False)
             return
-        record.up_since = self._clock()
+        record.up_since = record.answered_at = record.checked_at = self._clock()
         self._say(
             f"service {name!r} is serving again at {self.stack.addresses[name]} "
             f"(restart {num}, up in {record.up_since - started:.1f} s)"

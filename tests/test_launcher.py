@@ -540,6 +540,26 @@ def test_a_killed_service_is_restarted_on_its_port_with_backoff_and_counted(conf
         assert stack.is_running("b") and stack.num_restarts("b") == 0
 
 
+def test_a_hung_service_is_killed_and_restarted(config: StackConfig) -> None:
+    """SIGSTOP: the process runs and holds its port, but answers nothing; before, --serve watched
+    exits only, so a hung primary stayed hung for good."""
+    messages: list[str] = []
+    policy = dataclasses.replace(FAST_RESTARTS, liveness_interval_s=0.1, hang_after_s=1.0)
+    with Stack(config, specs=[fake("a"), fake("b")]) as stack:
+        supervisor = Supervisor(stack, policy, say=messages.append)
+        address, pid = stack.addresses["a"], stack.pid("a")
+        for _ in range(5):  # checks that find it answering
+            supervisor.poll()
+            time.sleep(0.1)
+        assert stack.num_restarts("a") == 0 and not messages
+        os.killpg(pid, signal.SIGSTOP)
+        poll_until_restarted(supervisor, "a", 1)
+        assert stack.addresses["a"] == address and stack.pid("a") != pid and is_serving(address)
+        assert messages[0].startswith("service 'a' answered no health check for ")
+        assert messages[1].startswith("service 'a' was killed by SIGKILL; restarting it in ")
+        assert stack.num_restarts("b") == 0
+
+
 def test_a_service_that_keeps_dying_is_given_up_naming_it(config: StackConfig) -> None:
     messages: list[str] = []
     with Stack(config, specs=[fake("a")]) as stack, socket.socket() as squatter:
