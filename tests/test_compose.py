@@ -7,14 +7,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from specdec.service.flags import Flags
+from tests.service_env import unread_variables
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GRPC_SERVICES = {
@@ -156,13 +155,6 @@ def test_grpc_services_bind_all_interfaces_and_check_health(profile: str) -> Non
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
 
 
-def _parse_service_config(module: str) -> object:
-    """The service's own configuration, built from os.environ and no argument."""
-    if module == "draft_svc":
-        return importlib.import_module("draft_svc.config").from_args([], os.environ)
-    return importlib.import_module(f"{module}.config").parse_config([])
-
-
 @pytest.mark.parametrize("profile", PROFILES)
 def test_every_service_environment_parses_and_every_variable_is_read(
     profile: str, monkeypatch: pytest.MonkeyPatch
@@ -170,26 +162,11 @@ def test_every_service_environment_parses_and_every_variable_is_read(
     """Each service's configuration code accepts its environment in compose.yaml and reads every
     SPECDEC_* variable set there: one no flag reads is ignored silently (the draft pool's
     SPECDEC_DEVICE was: the pool runs where the primary's weights are)."""
-    looked_up: set[str] = set()
-    variables = Flags.variables
-
-    def recording(self: Flags, name: str, *, shared: bool = True) -> tuple[str, ...]:
-        found = variables(self, name, shared=shared)
-        looked_up.update(found)
-        return found
-
-    monkeypatch.setattr(Flags, "variables", recording)
     for name, service in _services(profile).items():
         if service.get("command", [""])[0] != "python":
             continue
         env = {k: str(v) for k, v in (service.get("environment") or {}).items()}
-        for variable in [v for v in os.environ if v.startswith("SPECDEC_")]:
-            monkeypatch.delenv(variable)
-        for variable, value in env.items():
-            monkeypatch.setenv(variable, value)
-        looked_up.clear()
-        assert _parse_service_config(service["command"][2]) is not None
-        unread = {v for v in env if v.startswith("SPECDEC_")} - looked_up
+        unread = unread_variables(service["command"][2], env, monkeypatch)
         assert not unread, f"{profile} {name}: variables no flag reads: {sorted(unread)}"
 
 

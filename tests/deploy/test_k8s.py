@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import importlib
 import ipaddress
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,9 +23,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from tests.service_env import unread_variables
 from specdec.service.api_keys import key_hash, new_key
 from specdec.service.auth import new_service_token
-from specdec.service.flags import Flags
 from tests.deploy.kustomize import KustomizeError, object_key, render, split_image, strategic_merge
 from tests.deploy.manifests import (
     container_ports,
@@ -242,13 +241,6 @@ def test_service_token_and_api_keys_reach_the_services_that_check_them(rendered:
 # --- the environment as the services read it -----------------------------------------------------
 
 
-def _parse(module: str) -> Any:
-    """The service's own configuration, built from os.environ and no argument."""
-    if module == "draft_svc":
-        return importlib.import_module("draft_svc.config").from_args([], os.environ)
-    return importlib.import_module(f"{module}.config").parse_config([])
-
-
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_environment_parses_and_every_variable_is_read(
     rendered: dict, overlay: str, monkeypatch: pytest.MonkeyPatch
@@ -256,27 +248,11 @@ def test_every_container_environment_parses_and_every_variable_is_read(
     """Each service's configuration code accepts its container's environment, and reads every
     SPECDEC_* variable the manifest sets (a misspelt one would be ignored silently)."""
     objects = rendered[overlay]
-    looked_up: set[str] = set()
-    variables = Flags.variables
-
-    def recording(self: Flags, name: str, *, shared: bool = True) -> tuple[str, ...]:
-        found = variables(self, name, shared=shared)
-        looked_up.update(found)
-        return found
-
-    monkeypatch.setattr(Flags, "variables", recording)
     for _, container in containers(objects):
         if container.get("command", [""])[0] != "python":
             continue
         env = {**IMAGE_ENV, **env_of(container, objects)}
-        for name in [name for name in os.environ if name.startswith("SPECDEC_")]:
-            monkeypatch.delenv(name)
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        looked_up.clear()
-        config = _parse(module_of(container))
-        assert config is not None
-        unread = {name for name in env if name.startswith("SPECDEC_")} - looked_up - set(IMAGE_ENV)
+        unread = unread_variables(module_of(container), env, monkeypatch) - set(IMAGE_ENV)
         assert not unread, f"{overlay} {container['name']}: variables no flag reads: {sorted(unread)}"
 
 

@@ -4,6 +4,7 @@ beyond the shared weights is its own small state."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -89,6 +91,23 @@ def primary(owner):
     server.stop(0)
 
 
+@contextlib.contextmanager
+def _served(servicer) -> Iterator[draft_pb2_grpc.DraftServiceStub]:  # noqa: ANN001
+    """The draft servicer on an in-process gRPC server (port 0), and a stub of it."""
+    server, port = create_server(
+        "127.0.0.1:0",
+        [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
+        interceptors=[ErrorInterceptor()],
+    )
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield draft_pb2_grpc.DraftServiceStub(channel)
+    finally:
+        channel.close()
+        server.stop(0)
+
+
 @pytest.fixture()
 def draft(primary):
     """An in-process draft service (port 0) whose attacher is driven by the test (no monitor thread)."""
@@ -108,16 +127,8 @@ def draft(primary):
     )
     client = GrpcPrimaryClient(address)
     servicer, pool, attacher = build(config, client)
-    server, port = create_server(
-        "127.0.0.1:0",
-        [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-        interceptors=[ErrorInterceptor()],
-    )
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield draft_pb2_grpc.DraftServiceStub(channel), pool, attacher
-    channel.close()
-    server.stop(0)
+    with _served(servicer) as stub:
+        yield stub, pool, attacher
     pool.close()
     client.close()
 
@@ -182,29 +193,21 @@ def test_the_state_gauges_fall_when_a_request_is_released(primary):
     client = GrpcPrimaryClient(address)
     metrics = DraftMetrics(CollectorRegistry())
     servicer, pool, attacher = build(config, client, metrics)
-    server, port = create_server(
-        "127.0.0.1:0",
-        [(draft_pb2_grpc.add_DraftServiceServicer_to_server, servicer)],
-        interceptors=[ErrorInterceptor()],
-    )
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = draft_pb2_grpc.DraftServiceStub(channel)
     value = metrics.registry.get_sample_value
     try:
-        attacher.refresh()
-        stub.Propose(
-            draft_pb2.ProposeRequest(request_id="r", prompt_token_ids=PROMPT, draft_length=2, strategies=["early_exit"])
-        )
-        assert value("specdec_draft_requests") == 1
-        assert value("specdec_draft_state_bytes") == pool.num_kv_bytes > 0  # the early exit's KV
-        stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r", is_finished=True))
-        assert pool.num_requests == 0 and pool.num_kv_bytes == 0
-        assert value("specdec_draft_requests") == 0
-        assert value("specdec_draft_state_bytes") == 0
+        with _served(servicer) as stub:
+            attacher.refresh()
+            propose = draft_pb2.ProposeRequest(
+                request_id="r", prompt_token_ids=PROMPT, draft_length=2, strategies=["early_exit"]
+            )
+            stub.Propose(propose)
+            assert value("specdec_draft_requests") == 1
+            assert value("specdec_draft_state_bytes") == pool.num_kv_bytes > 0  # the early exit's KV
+            stub.Release(draft_pb2.DraftServiceReleaseRequest(request_id="r", is_finished=True))
+            assert pool.num_requests == 0 and pool.num_kv_bytes == 0
+            assert value("specdec_draft_requests") == 0
+            assert value("specdec_draft_state_bytes") == 0
     finally:
-        channel.close()
-        server.stop(0)
         pool.close()
         client.close()
 

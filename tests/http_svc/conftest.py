@@ -19,6 +19,7 @@ from starlette.testclient import TestClient
 from gateway.config import Limits, SpeculationDefaults
 from gateway.params import params_from_pb
 from http_svc.app import HttpFront
+from tests.http_svc.asgi import post_scope
 from http_svc.config import HttpConfig
 from specdec.errors import InvalidArgument
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -139,21 +140,7 @@ async def _post_then_disconnect(front: HttpFront, path: str, body: bytes, *, aft
             if num_chunks >= after_body_chunks:
                 is_gone.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
+    scope = post_scope(path)
     async with front._lifespan(app):
         await asyncio.wait_for(app(scope, receive, send), HOLD_S)
     return sent

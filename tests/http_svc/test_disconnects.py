@@ -7,6 +7,7 @@ import asyncio
 import json
 
 from http_svc.app import HttpFront
+from tests.http_svc.asgi import post_scope
 
 MODEL = "test-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -68,21 +69,7 @@ async def _post_as_uvicorn_receives(front: HttpFront, path: str, body: bytes) ->
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             event.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-        "state": {},
-    }
+    scope = post_scope(path)
     async with front._lifespan(app):
         await asyncio.wait_for(app(scope, receive, send), 30)
     return sent
