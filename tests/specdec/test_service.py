@@ -233,6 +233,8 @@ def test_the_healthcheck_command_checks_an_http_server_too() -> None:
         (["127.0.0.1:1", "--http_path", "health"], "--http_path must start with '/'"),
         (["127.0.0.1:1", "--timeout", "0"], "--timeout must be > 0"),
         (["127.0.0.1:1", "--timeout", "nan"], "--timeout must be > 0"),
+        (["127.0.0.1:1", "--tls_server_name", "a.example"], "--tls_server_name: a name"),
+        (["127.0.0.1:1", "--tls_ca_file", "/nonexistent.pem"], "--tls_ca_file: no file"),
     ],
 )
 def test_the_healthcheck_command_refuses_bad_flags_in_one_line(

@@ -103,18 +103,3 @@ def test_the_healthcheck_command_checks_an_https_server(certificate: tuple[Path,
     finally:
         httpd.shutdown()
         httpd.server_close()
-
-
-@pytest.mark.parametrize(
-    ("argv", "named"),
-    [
-        (["127.0.0.1:1", "--tls_server_name", "a.example"], "--tls_server_name"),
-        (["127.0.0.1:1", "--tls_ca_file", "/nonexistent.pem"], "--tls_ca_file"),
-    ],
-)
-def test_the_healthcheck_command_refuses_tls_flags_it_cannot_use(
-    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as e:
-        healthcheck.main(argv)
-    assert e.value.code == 2 and named in capsys.readouterr().err
