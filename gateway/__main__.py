@@ -86,7 +86,9 @@ async def serve(
     if nodes is None:
         backends = make_backends(NodeAddress(config.primary_address, config.draft_address, config.validator_address))
     store = open_async_state_store(
-        config.redis_url, StateStoreConfig(ttl_s=config.state_ttl_s, lease_s=config.owner_lease_s)
+        config.redis_url,
+        StateStoreConfig(ttl_s=config.state_ttl_s, lease_s=config.owner_lease_s),
+        timeout_s=config.state_timeout_s,
     )
     servicer = None
     try:

@@ -16,7 +16,7 @@ from gateway.routing import LoadLimits
 from gateway.request_record import DEFAULT_STATS_INTERVAL_S
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.errors import InvalidArgument
-from specdec.state_store import DEFAULT_LEASE_S
+from specdec.state_store import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_LEASE_S
 from specdec.logits_codec import FORMATS
 from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
 from specdec.service.auth import service_token_flags
@@ -117,6 +117,7 @@ class GatewayConfig:
     rpc_timeout_s: float = 60.0
     recovery_timeout_s: float = 120.0  # how long a request waits for a restarted primary
     max_state_retry_s: float = DEFAULT_MAX_STATE_RETRY_S  # ... and for a state store that does not answer
+    state_timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S  # one state store command, before it is retried
     # A running request's stats and controller state go to the store with one step this often (its
     # tokens with every step; gateway.request_record); 0: with every step.
     state_stats_interval_s: float = DEFAULT_STATS_INTERVAL_S
@@ -160,6 +161,8 @@ class GatewayConfig:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
         if self.max_state_retry_s <= 0:
             raise ValueError(f"max_state_retry_s must be > 0, got {self.max_state_retry_s}")
+        if not 0 < self.state_timeout_s < float("inf"):
+            raise ValueError(f"state_timeout_s must be > 0 and finite, got {self.state_timeout_s}")
         if not 0 <= self.state_stats_interval_s < float("inf"):
             raise ValueError(f"state_stats_interval_s must be >= 0 and finite, got {self.state_stats_interval_s}")
         if self.owner_lease_s <= 0:
@@ -223,6 +226,11 @@ FLAGS = (
         "--max_state_retry_s",
         help="how long a request waits for a state store that does not answer (a Redis failover) "
         "before it fails UNAVAILABLE; never past the request's deadline",
+    ),
+    Flag(
+        "--state_timeout_s",
+        help="how long one state store command (or connect) may take before it counts as failed and is "
+        "retried within --max_state_retry_s: what each attempt costs while Redis stalls",
     ),
     Flag(
         "--state_stats_interval_s",

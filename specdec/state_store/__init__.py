@@ -14,7 +14,7 @@ n = store.append_step(request_id, [t1, t2, bonus], expected_num_tokens=n)
 from __future__ import annotations
 
 from specdec.state_store.memory import AsyncInMemoryStateStore, InMemoryStateStore
-from specdec.state_store.redis_store import AsyncRedisStateStore
+from specdec.state_store.redis_store import DEFAULT_COMMAND_TIMEOUT_S, AsyncRedisStateStore
 from specdec.state_store.sync import RedisStateStore, SyncStateStore
 from specdec.state_store.types import (
     DEFAULT_LEASE_S,
@@ -31,11 +31,14 @@ from specdec.state_store.types import (
 )
 
 
-def open_async_state_store(redis_url: str, config: StateStoreConfig | None = None) -> AsyncStateStore:
-    """AsyncRedisStateStore on redis_url, or an AsyncInMemoryStateStore when it is empty."""
+def open_async_state_store(
+    redis_url: str, config: StateStoreConfig | None = None, *, timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
+) -> AsyncStateStore:
+    """AsyncRedisStateStore on redis_url (a command that takes over timeout_s fails Unavailable), or an
+    AsyncInMemoryStateStore when it is empty."""
     if not redis_url:
         return AsyncInMemoryStateStore(config=config)
-    return AsyncRedisStateStore.from_url(redis_url, config)
+    return AsyncRedisStateStore.from_url(redis_url, config, timeout_s=timeout_s)
 
 
 def open_state_store(redis_url: str, config: StateStoreConfig | None = None) -> SyncStateStore:
@@ -46,6 +49,7 @@ def open_state_store(redis_url: str, config: StateStoreConfig | None = None) -> 
 
 
 __all__ = [
+    "DEFAULT_COMMAND_TIMEOUT_S",
     "DEFAULT_LEASE_S",
     "DEFAULT_NAMESPACE",
     "DEFAULT_TTL_S",

@@ -41,6 +41,9 @@ from specdec.state_store.types import (
 
 # Connections of one store: a Redis call takes ~0.2 ms, so a few dozen serve thousands of steps/s.
 DEFAULT_MAX_CONNECTIONS = 32
+# How long one command (or a connect, or the wait for a free connection) may take before it fails
+# Unavailable: a stalled server (a failover, an overloaded node) costs each attempt this long.
+DEFAULT_COMMAND_TIMEOUT_S = 5.0
 
 
 class AsyncRedisStateStore(RedisLayout):
@@ -78,7 +81,7 @@ class AsyncRedisStateStore(RedisLayout):
         url: str,
         config: StateStoreConfig | None = None,
         *,
-        timeout_s: float = 5.0,
+        timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> AsyncRedisStateStore:
         """url: any --redis_url (specdec.state_store.redis_url): one server, a cluster or sentinels.

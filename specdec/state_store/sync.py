@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from specdec.state_store.redis_store import AsyncRedisStateStore
+from specdec.state_store.redis_store import DEFAULT_COMMAND_TIMEOUT_S, AsyncRedisStateStore
 from specdec.state_store.types import AsyncStateStore, StateStoreConfig
 
 _P = ParamSpec("_P")
@@ -87,7 +87,9 @@ class RedisStateStore(SyncStateStore):
         super().__init__(store)
 
     @classmethod
-    def from_url(cls, url: str, config: StateStoreConfig | None = None, *, timeout_s: float = 5.0) -> RedisStateStore:
+    def from_url(
+        cls, url: str, config: StateStoreConfig | None = None, *, timeout_s: float = DEFAULT_COMMAND_TIMEOUT_S
+    ) -> RedisStateStore:
         """url: any --redis_url (specdec.state_store.redis_url): one server, a cluster or sentinels."""
         return cls(AsyncRedisStateStore.from_url(url, config, timeout_s=timeout_s))
 

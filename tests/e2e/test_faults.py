@@ -7,10 +7,10 @@ UNAVAILABLE naming the request, never an internal service, its field names or it
 
 The outages stop the module's redis-server (SIGSTOP) rather than kill it: it keeps no data on disk,
 so a restarted one would have lost every request. A stopped Redis is what a client of a failing-over
-or overloaded one sees: commands time out (the gateway's socket timeout is 5 s). A blip lasts until
-the gateway has seen a write time out (its log says it retries), however slow the machine. This module's
-gateway also offers a strategy the draft pool does not load (a deployment fault), waits only 3 s
-for a primary that went away and 12 s for a state store that does not answer; its draft pool is
+or overloaded one sees: commands time out (this module's gateway gives one 2 s, --state_timeout_s). A
+blip lasts until the gateway has seen a write time out (its log says it retries), however slow the
+machine. This module's gateway also offers a strategy the draft pool does not load (a deployment
+fault), waits only 3 s for a primary that went away and 5 s for a state store that does not answer; its draft pool is
 pointed at a feature drafter file that is not there (another deployment fault: the pool serves
 without the feature strategy).
 """
@@ -35,9 +35,11 @@ pytestmark = pytest.mark.e2e
 PROMPT = "List the planets of the solar system, one per line, with one fact about each."
 RETRYING = "state store unavailable; retrying"  # the gateway's log line when a write timed out
 INTERNAL_NAMES = ("primary", "draft", "validator", "state_store", "redis", "early_exit")
-# The gateway's budget for a state store that does not answer (30 s by default): over two of its
-# 5 s socket timeouts, so a blip that ends after the first is ridden out; an outage ends sooner.
-MAX_STATE_RETRY_S = 12
+# The gateway's time for one state store command (5 s by default) and its budget for a store that does
+# not answer (30 s by default): over two of the command timeouts, so a blip that ends after the first is
+# ridden out; an outage ends sooner than with the defaults.
+STATE_TIMEOUT_S = 2
+MAX_STATE_RETRY_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def stack(
     extra_args = {
         GATEWAY: (
             *("--strategies", "prompt_lookup,early_exit", "--recovery_timeout_s", "3"),
-            *("--max_state_retry_s", str(MAX_STATE_RETRY_S)),
+            *("--max_state_retry_s", str(MAX_STATE_RETRY_S), "--state_timeout_s", str(STATE_TIMEOUT_S)),
         ),
         DRAFT: ("--feature_drafter", str(missing_drafter)),  # its default strategies name "feature"
     }
@@ -85,7 +87,7 @@ def _assert_names_only_the_request(error: grpc.RpcError, request_id: str) -> Non
 def test_a_redis_blip_mid_request_changes_nothing_in_the_output(
     stream_in_background, gateway_stub, redis_server, stack
 ):
-    """Redis stalls mid-stream until a write has timed out (5 s), then comes back within the retry
+    """Redis stalls mid-stream until a write has timed out (STATE_TIMEOUT_S), then comes back within the retry
     budget (--max_state_retry_s from the write's start): the write is retried and succeeds (before,
     the request failed at that step with UNAVAILABLE, which also ends the stall here)."""
     reference = gateway_stub.Generate(_request("undisturbed"), timeout=300)

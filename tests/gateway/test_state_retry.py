@@ -13,9 +13,10 @@ import pytest
 from gateway import state_retry
 from gateway.config import parse_config
 from specdec.errors import InvalidArgument, Unavailable
+from specdec.state_store import DEFAULT_COMMAND_TIMEOUT_S
 from tests.gateway.fake_clock import FakeClock
 
-SOCKET_TIMEOUT_S = 5.0  # specdec.state_store's client timeout: what one attempt costs while Redis stalls
+SOCKET_TIMEOUT_S = DEFAULT_COMMAND_TIMEOUT_S  # the store's command timeout: what one attempt costs while Redis stalls
 
 
 @pytest.fixture
@@ -88,3 +89,11 @@ def test_the_budget_is_a_gateway_flag():
     assert parse_config([]).max_state_retry_s == state_retry.DEFAULT_MAX_STATE_RETRY_S >= 3 * SOCKET_TIMEOUT_S
     with pytest.raises(ValueError, match="max_state_retry_s"):
         dataclasses.replace(parse_config([]), max_state_retry_s=0.0)
+
+
+def test_a_state_store_commands_timeout_is_a_gateway_flag():
+    assert parse_config(["--state_timeout_s", "1.5"]).state_timeout_s == 1.5
+    assert parse_config([]).state_timeout_s == DEFAULT_COMMAND_TIMEOUT_S
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="state_timeout_s"):
+            dataclasses.replace(parse_config([]), state_timeout_s=bad)
