@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
@@ -88,6 +89,7 @@ class Resumption:
         def _tenant_of(self, request_id: str) -> str: ...
         def _in_background(self, coro: Any, name: str | None = None, *, is_logged: bool = True) -> asyncio.Task: ...
         def _end(self, request_id: str, ticket: Ticket) -> None: ...
+        def _measured(self, loop: RequestLoop, arrived_s: float | None) -> AsyncIterator[Any]: ...
         def _scoped(self, context: Any, client_id: str) -> str: ...
         def _told_as_client(self, request_id: str, client_id: str) -> contextlib.AbstractContextManager[None]: ...
 
@@ -315,7 +317,7 @@ class Resumption:
                 fenced = OwnerFencedStore(self.store, self.owner)  # not over an adopter's writes
                 await fenced.set_status(loop.request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
                 return
-            async for _ in loop.run():
+            async for _ in self._measured(loop, None):  # its steps and end in this gateway's metrics
                 pass
         except Exception as e:  # noqa: BLE001 - recorded as FAILED in the store by the loop
             self.log.warning("resumed request failed", request_id=loop.request_id, error=str(e))

@@ -785,20 +785,26 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             "request id to follow it",
         )
 
-    async def _measured(self, loop: RequestLoop, arrived_s: float) -> AsyncIterator:
+    async def _measured(self, loop: RequestLoop, arrived_s: float | None) -> AsyncIterator:
+        """loop.run()'s output, its steps, tokens and end counted in the metrics; arrived_s None: a
+        request adopted from another gateway, whose prompt, queue and client's latencies (first token,
+        end to end) were the first gateway's to measure: only what runs here is counted."""
         if self.metrics is None:
             async for out in loop.run():
                 yield out
             return
         metrics, stats = self.metrics, loop.stats
-        metrics.prompt_tokens.inc(len(loop.prompt_ids))
-        metrics.queue_time.observe(stats.queue_ms / 1000)
-        timer = RequestTimer(metrics, arrived_s)
+        timer = None
+        if arrived_s is not None:
+            metrics.prompt_tokens.inc(len(loop.prompt_ids))
+            metrics.queue_time.observe(stats.queue_ms / 1000)
+            timer = RequestTimer(metrics, arrived_s)
         seen = _StepCounts.of(stats)
         finish_reason = "error"
         try:
             async for out in loop.run():
-                timer.on_tokens(len(out.token_ids), time.perf_counter())
+                if timer is not None:
+                    timer.on_tokens(len(out.token_ids), time.perf_counter())
                 if stats.num_steps > seen.num_steps:
                     seen = seen.observe_into(metrics, stats)
                 yield out
@@ -813,7 +819,10 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             if stats.num_steps > seen.num_steps:  # a last step that committed nothing to send (an EOS)
                 seen.observe_into(metrics, stats)
             metrics.generation_tokens.inc(stats.num_generated_tokens - seen.num_generated_tokens_at_start)
-            timer.on_end(finish_reason, time.perf_counter())
+            if timer is not None:
+                timer.on_end(finish_reason, time.perf_counter())
+            else:
+                metrics.request_success.labels(finish_reason).inc()
 
     def _forget(self, request_id: str) -> None:
         with self._lock:

@@ -11,10 +11,12 @@ import types
 
 import pytest
 import structlog
+from prometheus_client import CollectorRegistry
 
 from gateway.admission import Admission
 from gateway.backends import Decoded, ModelInfo, Prefilled
 from gateway.loop import RequestLoop
+from gateway.metrics import GatewayMetrics
 from gateway.params import GenerationParams, SpeculationParams, params_to_json
 from gateway.server import GenerationServicer, _Retried
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
@@ -216,6 +218,48 @@ class LosingStore(AsyncInMemoryStateStore):
         if status == RequestStatus.RUNNING:
             self.sync.delete(request_id)
         return await super().set_status(request_id, status, **kwargs)
+
+
+class EndingPrimary(SlowPrimary):
+    """SlowPrimary whose fourth decode ends the request (its token is the model's end of sequence)."""
+
+    async def decode(self, *args, **kwargs) -> Decoded:
+        decoded = await super().decode(*args, **kwargs)
+        return Decoded(49, 20.0) if self.num_decodes == 4 else decoded
+
+
+def test_an_adopted_requests_steps_and_end_count_in_the_adopters_metrics() -> None:
+    """A request adopted from a gone gateway runs here: its steps, new tokens and end go into this
+    gateway's metrics (before: none of them did), while its prompt and its client's latencies (first
+    token, end to end), the first gateway's to measure, are not counted again."""
+    store, registry = InMemoryStateStore(), CollectorRegistry()
+    admission = Admission(max_active=1, max_queued=1)
+    s = servicer(AsyncInMemoryStateStore(store), admission, None)
+    s.metrics = GatewayMetrics(registry)
+    spec = SpeculationParams(False, 1, 1, 0.0, (), None, False)
+    params = GenerationParams("p", None, 100, (), SamplingParams(), spec)
+    model = ModelInfo(50, (49,), 1_000_000, "fake", verify_costs_ms={})
+    store.create("adopted", {}, prompt_token_ids=[1, 2, 3], status=RequestStatus.RUNNING)
+    store.append_step("adopted", [5, 6])  # what the first gateway generated
+    cancel = s._active["adopted"] = threading.Event()
+    loop = RequestLoop(
+        "adopted", params, [1, 2, 3], EndingPrimary(), s.store, Tokens(), model, ("fp32", "fp32"), 1.0, 8, cancel,
+        "gw", generated=[5, 6],
+    )  # fmt: skip
+
+    asyncio.run(s._resumed(loop, admission.enter("")))
+    state = store.load("adopted")
+    assert state.status == RequestStatus.FINISHED and list(state.token_ids) == [5, 6, 7, 7, 7]  # the end's token left out
+
+    def value(name: str, labels: dict[str, str] | None = None) -> float | None:
+        return registry.get_sample_value(f"specdec_{name}", labels or {})
+
+    assert value("generation_tokens_total") == 3  # the adopter's three, not the first gateway's two
+    assert value("request_success_total", {"finished_reason": "eos"}) == 1
+    assert value("steps_total") == 4
+    assert value("prompt_tokens_total") == 0
+    assert value("time_to_first_token_seconds_count") == 0 and value("e2e_request_latency_seconds_count") == 0
+    assert admission.num_active == 0 and s._active == {}
 
 
 def test_a_queued_request_whose_record_the_store_lost_still_runs() -> None:
