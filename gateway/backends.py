@@ -9,6 +9,7 @@ primary (NOT_FOUND after a re-prefill is needed, UNAVAILABLE while it is down).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any, AsyncGenerator, Sequence
 
@@ -469,9 +470,21 @@ class Backends:
             stop_strings=stop_strings,
             logprobs=_logprobs_pb(logprobs),
         )
-        call = self.primary.DecodeStream(request, timeout=self.timeout_s, metadata=outgoing_metadata(self._metadata))
+        # No deadline on the whole call: a run goes on to its request's end, minutes of steps for a long
+        # answer under load. Each message must come within timeout_s of the last instead, so a hung
+        # primary still fails the run then (DEADLINE_EXCEEDED, as the call's deadline did).
+        call = self.primary.DecodeStream(request, metadata=outgoing_metadata(self._metadata))
         try:
-            async for r in call:
+            while True:
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        r = await call.read()
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        "primary", f"no step of the decode stream within {self.timeout_s:g} s", dependency="primary"
+                    ) from None
+                if r is grpc.aio.EOF:
+                    return
                 decoded = _decoded(r)
                 self.other_step_rows = decoded.other_step_rows
                 yield decoded
