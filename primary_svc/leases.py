@@ -6,7 +6,8 @@ Prefill of the request while it is live (a recovery that replaces the slot):
 without it, ALREADY_EXISTS, and the running request goes on untouched. A wrong or
 missing lease gets the same NOT_FOUND as an unknown request id, so nobody
 else can step, read or free the request, or learn that it exists. Every
-accepted call renews the lease; a slot with no call for lease_s is expired
+accepted call renews the lease, and a DecodeStream's run at each of its steps
+(a run may stream for longer than lease_s); a slot with no call for lease_s is expired
 (released by the primary), so a caller that died or a Prefill nobody follows
 up cannot hold KV memory forever. A gateway whose request was expired finds
 NOT_FOUND at its next step and re-prefills from the committed tokens.
@@ -71,6 +72,14 @@ class KVLeases:
             if lease is None or not hmac.compare_digest(lease.token.encode(), token.encode()):
                 raise NotFound("request_id", f"no active request {request_id!r} on this primary")
             lease.renewed_at = self._clock()
+
+    def renew(self, request_id: str, token: str) -> None:
+        """Renew the lease when token is still request_id's current one (else nothing): a call in
+        progress holds the slot at each of its steps, as a new call would."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None and hmac.compare_digest(lease.token.encode(), token.encode()):
+                lease.renewed_at = self._clock()
 
     def may_replace(self, request_id: str, token: str) -> bool:
         """A Prefill may replace request_id's live slot: token is its lease, or the slot has had no

@@ -330,6 +330,7 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         context.add_callback(cancel.set)
 
         def on_step(result: Decided, forward_ms: float, is_last: bool) -> None:  # on the engine thread
+            self.leases.renew(request_id, request.kv_lease)  # the run holds the slot: no expiry under it
             scored = run.logprobs[len(run.tokens) - 1] if run.logprobs else None  # logprobs: one token a step
             steps.put(_StreamedStep(result, forward_ms, is_last, scored))
 

@@ -618,6 +618,26 @@ def test_slots_without_a_call_for_the_lease_period_are_released(primary):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_streamed_run_renews_its_lease_at_every_step(primary):
+    """A DecodeStream run may go on for far longer than the lease period (a long answer, under load):
+    each of its steps renews the request's lease, so expiry leaves a slot whose run is stepping. Before,
+    only the call's start renewed it: expiry released the slot mid-run and the run failed NOT_FOUND."""
+    stub, engine, servicer, clock = primary
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="long", token_ids=PROMPT)).kv_lease
+    call = stub.DecodeStream(primary_pb2.DecodeRequest(request_id="long", kv_lease=lease, max_tokens=40))
+    tokens = list(next(call).token_ids)
+
+    def lease_period_passes(engine: Engine) -> None:  # between two steps of the run, on the engine thread
+        clock.now += LEASE_S * 1.5
+
+    servicer.worker.call(lease_period_passes)
+    # queued behind the engine step that follows the call above: a step of the run, which renewed the lease
+    assert servicer.expire_idle_requests() == []
+    tokens += [t for m in call for t in m.token_ids]
+    assert len(tokens) == 40 and engine.has_request("long")
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="long", kv_lease=lease))
+
+
 def test_penalties_process_every_tree_row_from_its_own_history(primary):
     """VerifyRequest.sampling: each returned row (and its argmax) is the raw row processed from the
     context plus the node's path (specdec.penalties), as Decode processes the same position."""
