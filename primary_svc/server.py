@@ -197,20 +197,33 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
         # then runs in chunks between other requests' steps. A re-prefill (recovery) with the request's
         # lease replaces the old state; the lease is checked and granted on the engine thread, like
-        # expiry, so never for a slot being expired.
-        num_cached, num_reused, lease = self.worker.prefill(
-            request_id,
-            token_ids,
-            request.num_prompt_tokens,
-            timeout_s=context.time_remaining(),
-            on_replace=lambda: self._take_over(request_id, request.kv_lease),
-            finish=lambda num_cached: (
-                num_cached,
-                self.worker.built_engine().num_reused_tokens(request_id),
-                self.leases.grant(request_id),
-            ),
-            features_out=features,
-        )
+        # expiry, so never for a slot being expired. A call that ends first (its caller cancelled, or
+        # gave up at its own deadline) leaves the queue: no slot under a lease nobody received.
+        ended = threading.Event()
+
+        def on_end() -> None:  # on gRPC's thread, when the call ends (answered: set already)
+            if not ended.is_set():
+                ended.set()
+                self.worker.wake()
+
+        context.add_callback(on_end)
+        try:
+            num_cached, num_reused, lease = self.worker.prefill(
+                request_id,
+                token_ids,
+                request.num_prompt_tokens,
+                timeout_s=context.time_remaining(),
+                on_replace=lambda: self._take_over(request_id, request.kv_lease),
+                finish=lambda num_cached: (
+                    num_cached,
+                    self.worker.built_engine().num_reused_tokens(request_id),
+                    self.leases.grant(request_id),
+                ),
+                features_out=features,
+                cancel=ended,
+            )
+        finally:
+            ended.set()
         self._observe_kv()
         return primary_pb2.PrefillResponse(
             num_cached_tokens=num_cached,

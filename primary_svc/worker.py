@@ -4,7 +4,8 @@ The engine thread keeps two queues (policy: primary_svc.scheduler):
 
 - verify: the pending Verify/Decode items of running requests (one per request per step);
 - waiting: prefills, FIFO: a new request's Prefill (its KV is allocated only when its whole prompt
-  fits the free KV bytes, admission instead of failure; it waits at most until its RPC deadline), and
+  fits the free KV bytes, admission instead of failure; it waits at most until its RPC deadline, and
+  leaves the queue when its RPC ends before, taking no KV), and
   preempted requests, which re-prefill from their committed tokens before their verify runs.
 
 Each step the policy fills a budget of `max_step_tokens` rows with the verify rows first, then with
@@ -140,6 +141,8 @@ class _PrefillItem:
     # Given: receives the features [1, C] of the last prefilled row before `finish` runs, when the
     # prefill computed that row (not when the prefix cache held it).
     features_out: list[torch.Tensor] | None = None
+    # Set by the caller (its RPC ended): it leaves the queue, its KV released, CANCELLED (wake() it).
+    cancel: threading.Event | None = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -287,16 +290,27 @@ class EngineWorker:
         on_replace: Callable[[], None] = lambda: None,
         finish: Callable[[int], Any] = lambda num_cached: num_cached,
         features_out: list[torch.Tensor] | None = None,
+        cancel: threading.Event | None = None,
     ) -> Any:
         """Open the request (replacing an open one of that id) and prefill it; returns finish(num_cached).
 
         It waits in the queue until its prompt fits the KV budget, at most timeout_s (then
-        DEADLINE_EXCEEDED); a prompt larger than the whole budget fails at once (RESOURCE_EXHAUSTED)."""
+        DEADLINE_EXCEEDED); a prompt larger than the whole budget fails at once (RESOURCE_EXHAUSTED).
+        `cancel` set (then wake()) while it waits or is prefilled: it leaves the queue, CANCELLED, and
+        takes no KV; one that finished keeps its slot."""
         future: Future = Future()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._inbox.put(
             _PrefillItem(
-                request_id, list(token_ids), num_prompt_tokens, deadline, on_replace, finish, future, features_out
+                request_id,
+                list(token_ids),
+                num_prompt_tokens,
+                deadline,
+                on_replace,
+                finish,
+                future,
+                features_out,
+                cancel,
             )
         )
         return future.result()
@@ -374,6 +388,10 @@ class EngineWorker:
         )
         self._inbox.put(item)
         return item.future
+
+    def wake(self) -> None:
+        """A turn of the engine thread, which may be waiting for work: to see a Prefill's `cancel`."""
+        self._inbox.put(_CallItem(lambda: None, Future()))
 
     def stop(self) -> None:
         self._stopped.set()
@@ -576,11 +594,16 @@ class EngineWorker:
     def _expire_waiting(self) -> None:
         now = time.monotonic()
         for w in list(self._waiting):
-            if w.prefill is None or not w.prefill.deadline or w.prefill.deadline > now:
+            if w.prefill is None:
                 continue
             # Open once admitted, and still when preempted since (evicted, not admitted): it has no
             # lease yet, so nothing else would ever release it; _fail_waiting does.
             rid = w.entry.request_id
+            if w.prefill.cancel is not None and w.prefill.cancel.is_set():  # its caller is gone
+                self._fail_waiting(w, Cancelled("request_id", f"the prefill of request {rid!r} was cancelled"))
+                continue
+            if not w.prefill.deadline or w.prefill.deadline > now:
+                continue
             self._fail_waiting(
                 w, DeadlineExceeded("deadline", f"request {rid!r} waited past its deadline for KV room or its prefill")
             )

@@ -600,6 +600,32 @@ def test_a_prefill_of_a_request_whose_prefill_is_queued_is_refused(primary):
     assert engine.kv_bytes == 0
 
 
+def test_a_queued_prefill_whose_caller_went_away_leaves_the_queue_and_takes_no_slot(primary):
+    """A Prefill waiting for KV room whose call ends (its gateway's request was cancelled or ran out of
+    time) leaves the queue at once. Before, it stayed queued until its own deadline and, once room
+    came, took a slot under a lease nobody had received: the KV stayed held until the lease expired."""
+    stub, engine, servicer, _ = primary
+    per_request = engine.kv_bytes_to_open(500)
+    leases = [
+        stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
+        for i in range(engine.kv_cache.max_bytes // per_request)
+    ]
+    gone = stub.Prefill.future(primary_pb2.PrefillRequest(request_id="gone", token_ids=[5] * 500), timeout=120)
+    give_up = time.monotonic() + 60
+    while servicer.worker.num_waiting == 0 and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert servicer.worker.num_waiting == 1
+    gone.cancel()
+    give_up = time.monotonic() + 30  # the primary hears of the cancel on its own threads
+    while servicer.worker.num_waiting == 1 and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert servicer.worker.num_waiting == 0
+    for i, lease in enumerate(leases):  # room again: nothing queued takes it
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=f"fill{i}", kv_lease=lease))
+    servicer.worker.call(lambda engine: None)  # a turn of the engine thread after the releases
+    assert not engine.has_request("gone") and engine.kv_bytes == 0
+
+
 def test_slots_without_a_call_for_the_lease_period_are_released(primary):
     stub, engine, servicer, clock = primary
     stub.Prefill(primary_pb2.PrefillRequest(request_id="ghost", token_ids=PROMPT))  # nobody follows up
