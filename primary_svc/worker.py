@@ -610,9 +610,18 @@ class EngineWorker:
 
     def _drop_cancelled(self) -> None:
         """Queued steps of cancelled runs leave the queue: their callers are gone, and each token they
-        committed stays (the request and its KV stay open for the caller's next call)."""
-        for item in [v for v in self._verifies if v.is_cancelled]:
+        committed stays (the request and its KV stay open for the caller's next call). So does the step
+        of a preempted request waiting to re-prefill, before it takes KV room (once admitted, its
+        re-prefill finishes and its step leaves the queue then): it stays evicted, as the next call
+        finds it."""
+        cancelled = [v for v in self._verifies if v.is_cancelled]
+        for item in cancelled:
             self._verifies.remove(item)
+        for w in list(self._waiting):
+            if w.verify is not None and w.verify.is_cancelled and not w.entry.is_admitted:
+                self._waiting.remove(w)
+                cancelled.append(w.verify)
+        for item in cancelled:
             item.future.set_exception(Cancelled("request_id", f"the run of request {item.request_id!r} was cancelled"))
 
     def _step(self) -> None:

@@ -20,7 +20,7 @@ from specdec.engine.engine import PREFILL_CHUNK_TOKENS, Engine, VerifyWork
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.prefix_cache import PrefixCache
 from specdec.engine.loading import load_model
-from specdec.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
+from specdec.errors import Cancelled, DeadlineExceeded, InvalidArgument, ResourceExhausted
 from primary_svc.metrics import PrimaryMetrics
 
 PROMPTS = [[1, 504, 3458, 282], [1, 9690, 198, 2683, 253], [1, 30760, 563], [1, 260, 1945, 28, 837]]
@@ -294,6 +294,47 @@ def test_preemption_releases_the_newest_and_it_continues_after_a_re_prefill(int4
     finally:
         worker.stop()
         unlimited.stop()
+
+
+def test_a_cancelled_run_waiting_for_its_re_prefill_leaves_the_queue_without_it(int4_model):
+    """A streamed run whose request was preempted waits for room to re-prefill; cancelled meanwhile (its
+    caller went away), it leaves the queue at the next step: no re-prefill of its context into the room,
+    no step. Before, only the queued verifies of cancelled runs were dropped: the waiting one was first
+    re-prefilled (its whole context computed, its KV taken, ahead of every new prompt) for a caller that
+    was gone, and only then dropped."""
+    probe = new_engine(int4_model)
+    prompts = {"old": LONG_PROMPT[:120], "new": LONG_PROMPT[:100]}
+    slots = sum(probe.kv_bytes_to_open(len(p)) for p in prompts.values())
+    tree = ([7] * 16, list(range(-1, 15)))  # a 16-deep chain: 'old' must grow, 'new' is preempted
+    growth = probe.kv_cache.bytes_for_rows(len(prompts["old"]) + 16) - probe.kv_bytes_to_open(len(prompts["old"]))
+    worker = EngineWorker(new_engine(int4_model, max_bytes=slots + growth // 2))
+    try:
+        for rid, prompt in prompts.items():
+            worker.prefill(rid, prompt)
+        first, _ = worker.verify("new", (), (), (), ())
+        worker.verify("old", (), (), *tree)
+        assert worker.engine.is_evicted("new")
+        steps: list[bool] = []
+        cancel = threading.Event()
+        run = worker.stream_decode(
+            "new",
+            (),
+            (int(torch.argmax(first[0])),),
+            lambda logits: int(torch.argmax(logits[0])),
+            lambda token: RunStep((token,)),
+            lambda _token, _ms, is_last: steps.append(is_last),
+            cancel,
+        )
+        assert wait_until(lambda: worker.num_waiting == 1), "the preempted run waits for room"
+        cancel.set()  # its caller went away
+        worker.call(lambda e: e.release("old"))  # room again: a step follows this call
+        with pytest.raises(Cancelled):
+            run.result(timeout=120)
+        assert steps == [] and worker.num_waiting == 0 and worker.engine.is_evicted("new")
+        assert worker.engine.kv_bytes == 0
+        worker.call(lambda e: e.release("new"))
+    finally:
+        worker.stop()
 
 
 def test_a_preempted_request_leaves_the_kv_gauges(int4_model):
