@@ -183,14 +183,28 @@ def attach(manifest: WeightManifest, announced: WeightManifest | None = None) ->
     layouts of its matrices as the manifest carries them.
 
     announced: the manifest the owner itself exports; when given, `manifest` must name the same
-    memory (a caller cannot make this process map some other segment or IPC handle)."""
+    memory (a caller cannot make this process map some other segment or IPC handle), on the same
+    device and of the same size: a CUDA IPC mapping extends as far as the manifest's total_bytes
+    says (unlike a file, an opened handle has no size to check), so the owner's real handle with a
+    larger total_bytes would map, and the smoke forward read, device memory past its allocation."""
     _check_manifest(manifest)
-    if announced is not None and (manifest.kind, manifest.segment_name, manifest.cuda_ipc_handle) != (
-        announced.kind,
-        announced.segment_name,
-        announced.cuda_ipc_handle,
-    ):
-        raise HandleError("segment_name", "not the memory the primary exports (ExportWeights)")
+    if announced is not None:
+        if (manifest.kind, manifest.segment_name, manifest.cuda_ipc_handle) != (
+            announced.kind,
+            announced.segment_name,
+            announced.cuda_ipc_handle,
+        ):
+            raise HandleError("segment_name", "not the memory the primary exports (ExportWeights)")
+        if manifest.device_index != announced.device_index:
+            raise HandleError(
+                "device_index",
+                f"the primary exports memory of device {announced.device_index}, not {manifest.device_index}",
+            )
+        if manifest.total_bytes != announced.total_bytes:
+            raise HandleError(
+                "total_bytes",
+                f"the primary exports {announced.total_bytes} bytes, manifest says {manifest.total_bytes}",
+            )
     if manifest.kind == KIND_CUDA_IPC:
         base = _cuda_open_exported(manifest)
     else:

@@ -20,10 +20,14 @@ import torch
 from specdec.engine.engine import Engine
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.loading import config_to_json, load_model
+from specdec.weights import shared as shared_module
 from specdec.weights.shared import (
+    KIND_CUDA_IPC,
     SHM_DIR,
     HandleError,
     SharedWeights,
+    TensorDescriptor,
+    WeightManifest,
     attach,
     cleanup_stale_segments,
     manifest_from_dict,
@@ -212,3 +216,31 @@ def test_a_segment_is_its_owner_s_alone_under_an_unguessable_name():
         assert len(random_part) == 32 and int(random_part, 16) >= 0  # 16 bytes, hex
     finally:
         shared.unlink()
+
+
+def test_an_offered_cuda_manifest_maps_only_the_exported_device_and_size(monkeypatch):
+    """An opened CUDA IPC handle has no size to check: the mapping extends as far as the manifest's
+    total_bytes says. The owner's own handle offered with a larger total_bytes (or another device) is
+    refused before the handle is opened. (The CUDA runtime is stood in for: no GPU here.)"""
+    opened = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(
+        shared_module,
+        "_cuda_open_exported",
+        lambda m: opened.append(m) or torch.zeros(m.total_bytes, dtype=torch.uint8),
+    )
+    tensors = (TensorDescriptor("a", "float32", (16,), 0, 64),)
+    announced = WeightManifest(KIND_CUDA_IPC, "", bytes(range(64)), 0, 64, "owner", tensors)
+    cases = {
+        "total_bytes": dataclasses.replace(
+            announced, total_bytes=1 << 30, tensors=(TensorDescriptor("a", "float32", (1 << 28,), 0, 1 << 30),)
+        ),
+        "device_index": dataclasses.replace(announced, device_index=1),
+    }
+    for field, offered in cases.items():
+        with pytest.raises(HandleError) as e:
+            attach(offered, announced)
+        assert e.value.field == field
+    assert not opened
+    assert attach(announced, announced)["a"].shape == (16,) and len(opened) == 1
