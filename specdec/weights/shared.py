@@ -333,11 +333,31 @@ def _cuda_open_exported(m: WeightManifest) -> torch.Tensor:
             ptr = cupy.cuda.runtime.ipcOpenMemHandle(
                 m.cuda_ipc_handle, cupy.cuda.runtime.cudaIpcMemLazyEnablePeerAccess
             )
-            mem = cupy.cuda.UnownedMemory(ptr, m.total_bytes, owner=None, device_id=m.device_index)
+            # the mapping is closed when the last view of it is freed (the memory, via the DLPack
+            # export, holds its owner); open without close kept every attachment mapped for good
+            mem = cupy.cuda.UnownedMemory(
+                ptr, m.total_bytes, owner=_CudaIpcMapping(ptr, m.device_index), device_id=m.device_index
+            )
             arr = cupy.ndarray((m.total_bytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
     except cupy.cuda.runtime.CUDARuntimeError as e:
         raise HandleError("cuda_ipc_handle", f"cannot open the IPC handle: {e}") from None
     return torch.from_dlpack(arr)
+
+
+class _CudaIpcMapping:
+    """An opened IPC handle, closed with its last user. The driver counts the opens of a handle in a
+    process and unmaps at the last close (cudaIpcOpenMemHandle: memory it returns must be freed with
+    cudaIpcCloseMemHandle): without the close, every attachment a draft pool gave up (a restarted
+    primary's predecessor, an Attach refused after mapping) stayed mapped until the pool exited."""
+
+    def __init__(self, ptr: int, device_index: int) -> None:
+        import cupy
+
+        self._cupy, self.ptr, self.device_index = cupy, ptr, device_index
+
+    def __del__(self) -> None:
+        with self._cupy.cuda.Device(self.device_index):
+            self._cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
 class _CudaFree:

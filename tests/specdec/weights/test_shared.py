@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import gc
 import json
 import os
 import stat
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -244,3 +246,60 @@ def test_an_offered_cuda_manifest_maps_only_the_exported_device_and_size(monkeyp
         assert e.value.field == field
     assert not opened
     assert attach(announced, announced)["a"].shape == (16,) and len(opened) == 1
+
+
+def fake_cupy_ipc(monkeypatch) -> list[str]:
+    """Installs a stand-in for the CuPy calls that open and close a CUDA IPC handle (no GPU here): the
+    mapping is host memory, held as CuPy holds it (array -> memory pointer -> memory -> its owner),
+    and exported to torch through DLPack as CuPy does. Returns the log of opens and closes."""
+    events: list[str] = []
+
+    class Mapped(np.ndarray):
+        memptr: object = None
+
+    def ndarray(shape, dtype, memptr):
+        array = np.zeros(shape, dtype=dtype).view(Mapped)
+        array.memptr = memptr
+        return array
+
+    class Device:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    runtime = types.SimpleNamespace(
+        CUDARuntimeError=type("CUDARuntimeError", (RuntimeError,), {}),
+        cudaIpcMemLazyEnablePeerAccess=1,
+        ipcOpenMemHandle=lambda handle, flags: events.append("open") or 0x1000,
+        ipcCloseMemHandle=lambda ptr: events.append("close"),
+    )
+    cuda = types.SimpleNamespace(
+        Device=Device,
+        runtime=runtime,
+        UnownedMemory=lambda ptr, size, owner, device_id: types.SimpleNamespace(ptr=ptr, size=size, owner=owner),
+        MemoryPointer=lambda mem, offset: types.SimpleNamespace(mem=mem, offset=offset),
+    )
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda, ndarray=ndarray, uint8=np.uint8))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    return events
+
+
+def test_a_cuda_ipc_mapping_is_closed_once_its_last_view_is_freed(monkeypatch):
+    """Every open of a handle must be closed: a draft pool re-attaching to a restarted primary kept
+    each earlier mapping for good. The mapping lives exactly as long as a view of it does."""
+    events = fake_cupy_ipc(monkeypatch)
+    tensors = (TensorDescriptor("a", "float32", (16,), 0, 64), TensorDescriptor("b", "int8", (64,), 64, 64))
+    weights = attach(WeightManifest(KIND_CUDA_IPC, "", bytes(range(64)), 0, 128, "owner", tensors))
+    view = weights["b"]
+    del weights
+    gc.collect()
+    assert events == ["open"]  # a view is still in use
+    del view
+    gc.collect()
+    assert events == ["open", "close"]
