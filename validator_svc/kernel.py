@@ -291,6 +291,8 @@ class CudaRowStats:
         assert data.dtype == cupy.uint8 and data.size == num_rows * vocab_size * ITEMSIZE[fmt], "encoded rows"
         assert allowed is None or (allowed.num_rows, allowed.vocab_size) == (num_rows, vocab_size), "mask shape"
         num_nodes, device_offsets, device_nodes, device_tokens = _device_tree(token_ids, parents, vocab_size)
+        if num_rows != num_nodes + 1:  # row r reads offsets[r + 1] of N + 2: a further row reads past them
+            raise ValueError(f"target_logits has {num_rows} rows, expected num_nodes + 1 = {num_nodes + 1}")
         scales = row_scales if row_scales is not None else (1.0,) * num_rows
         device_scales = cupy.asarray(np.asarray(scales, dtype=np.float32))  # [R]
         device_words, num_words = _device_mask(allowed)

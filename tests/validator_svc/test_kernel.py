@@ -201,3 +201,12 @@ def test_cuda_host_glue_with_an_emulated_kernel(fake_cupy, random_tree_logits, f
     assert_stats_match(
         CudaRowStats()(encoded, token_ids, parents, allowed), row_stats_cpu(encoded, token_ids, parents, allowed)
     )
+
+
+def test_rows_that_do_not_fit_the_tree_are_refused_before_the_launch(fake_cupy):
+    """The kernel reads each row's CSR offsets (N + 2 of them) and writes children by node index: more
+    rows than N + 1 would read past them on the device. Refused as the reference refuses them."""
+    encoded = encode_logits(torch.zeros(3, 8), "fp32")
+    with pytest.raises(ValueError, match="target_logits has 3 rows, expected num_nodes \\+ 1 = 2"):
+        CudaRowStats()(encoded, [1], [-1])
+    assert fake_cupy.launches == 0
