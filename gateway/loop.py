@@ -114,6 +114,9 @@ MAX_FORCED_TOKENS = 32
 # next Propose. At least the step's draft length, so that a carried step drafts as long as a proposed
 # one: a prediction's 32-token drafts, accepted whole, would otherwise alternate with 16-token ones.
 CONTINUATION_TOKENS = 16
+# How often a request's own prefill, which may wait at the primary for KV room up to its call's deadline,
+# looks at the request's cancel (a threading.Event, set by Cancel or by the client's going away).
+PREFILL_CANCEL_POLL_S = 0.05
 
 
 def continuation_after(tree: DraftTree, v: Validation) -> tuple[str, tuple[int, ...]] | None:
@@ -482,10 +485,16 @@ class RequestLoop:
 
         try:
             if finish is None:
-                self.opening = self._open_first_step()
-                if self.opening[1] is None:  # an opening Propose compiles the format itself
-                    self.grammar_preparation = self._prepare_draft_grammar()
-                await self._prefill()
+                prefill_start = time.perf_counter()
+                prefill = asyncio.ensure_future(self.primary_calls.prefill())  # sent first: the critical path
+                try:
+                    self.opening = self._open_first_step()
+                    if self.opening[1] is None:  # an opening Propose compiles the format itself
+                        self.grammar_preparation = self._prepare_draft_grammar()
+                except BaseException:
+                    await _cancelled(prefill)
+                    raise
+                await self._prefilled(prefill, prefill_start)
             while True:
                 if finish is None:
                     finish = self._stop_signal()
@@ -686,9 +695,18 @@ class RequestLoop:
             return plan, None
         return plan, asyncio.ensure_future(self._propose(plan))
 
-    async def _prefill(self) -> None:
-        t = time.perf_counter()
-        await self.primary_calls.prefill()
+    async def _prefilled(self, prefill: asyncio.Future, t: float) -> None:
+        """The request's own prefill (begun at perf_counter t) done. One whose request is cancelled
+        meanwhile (Cancel, or its client went away) is given up: its call ends, so the primary drops it
+        from its queue for KV room, and the loop ends cancelled (_stop_signal) then, not once KV room
+        came or the call's deadline passed (the admission slot held all that time)."""
+        while not prefill.done():
+            await asyncio.wait({prefill}, timeout=PREFILL_CANCEL_POLL_S)
+            if self.cancel.is_set() and not prefill.done():
+                await _cancelled(prefill)
+                break
+        else:
+            prefill.result()
         ms = (time.perf_counter() - t) * 1000
         self.stats.stage_ms["verify"] += ms
         self.stats.total_ms += ms

@@ -2101,6 +2101,43 @@ def test_a_request_that_ends_at_its_prefill_stops_its_first_propose(ending):
 
 
 @dataclasses.dataclass
+class QueuedPrefill(FakeBackends):
+    """A prefill that waits at the primary (for KV room) until its call is cancelled, or 10 s."""
+
+    started: threading.Event = dataclasses.field(default_factory=threading.Event)
+    was_prefill_cancelled: bool = False
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        self.started.set()
+        try:
+            await asyncio.sleep(10.0)
+        except asyncio.CancelledError:
+            self.was_prefill_cancelled = True
+            raise
+        return await super().prefill(request_id, token_ids, num_prompt_tokens)
+
+
+def test_a_request_cancelled_while_its_prefill_waits_ends_then_and_ends_the_prefill():
+    """Cancelled (its client went away) while its prefill waits for KV room: the loop ends the prefill's
+    call, which takes it out of the primary's queue, and ends CANCELLED at once (before, it waited for
+    the prefill's answer, up to the call's deadline, holding its admission slot meanwhile)."""
+    backends, store = QueuedPrefill(), InMemoryStateStore()
+    loop = make_loop(make_params(is_adaptive=False, degree=2, draft_length=4), backends, store)
+
+    async def main() -> None:
+        running = asyncio.ensure_future(drain(loop))
+        while not backends.started.is_set():
+            await asyncio.sleep(0.01)
+        loop.cancel.set()
+        await running
+
+    asyncio.run(main())
+    assert backends.was_prefill_cancelled
+    assert store.load("r1").status == RequestStatus.CANCELLED and loop.outcome.finish_reason == "cancelled"
+    assert {"release_primary", "release_draft"} <= {name for name, _ in backends.calls}
+
+
+@dataclasses.dataclass
 class CachedPromptFeatureBackends(CurrentFeatureBackends):
     """CurrentFeatureBackends whose prefill computes no row (the whole prompt was cached): no features."""
 
