@@ -364,12 +364,12 @@ def test_4bit_blocks_at_their_extremes_sum_exactly_on_every_vector_path(path, fl
         assert torch.equal(here, there), (path, rows)
 
 
-@pytest.mark.parametrize("path, flags", [p for p in _PATHS if p[0] != "portable"], ids=lambda p: str(p))
-def test_attention_gives_the_same_bits_on_every_vector_path(path, flags):
-    """Attention's vector paths share one arithmetic: each score is eight lane sums over D then hsum_v8,
-    the softmax sum sixteen partial sums, each output element one FMA chain over the keys; AVX-512
-    only widens the tiles (four queries per key load, sixteen columns per value FMA). The portable
-    build is excluded: it takes expf where the vector paths take their own exp polynomial."""
+@pytest.mark.parametrize("path, flags", _PATHS, ids=[p for p, _ in _PATHS])
+def test_attention_gives_the_same_bits_on_every_instruction_path(path, flags):
+    """Attention's paths share one arithmetic: each score is eight lane sums over D then hsum_v8,
+    the softmax sum sixteen partial sums of the same exp polynomial, each output element one FMA
+    chain over the keys; AVX-512 only widens the tiles (four queries per key load, sixteen columns
+    per value FMA), and the portable build runs the same operations one float at a time."""
     other = native.variant(flags)
     g = torch.Generator().manual_seed(14)
     for kv_dtype in native.KV_DTYPES:

@@ -178,15 +178,25 @@ def test_the_one_call_forward_equals_the_layer_by_layer_calls(blocks, rope):
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2), num_rows
 
 
-@pytest.mark.skipif("avx2" not in native._cpu_flags().split(), reason="the CPU has no AVX2")
-def test_the_avx2_build_runs_the_forward_to_the_same_bits(blocks, rope):
-    """The library built for AVX2 alone (no AVX-512, no AMX) runs the same forward to the same bits.
-    (The portable build's SiLU and softmax use libm's expf, not the vector paths' polynomial.)"""
-    avx2 = native.variant(("-mno-avx512f", "-mno-avxvnni"))
+_NARROWER_BUILDS = {
+    "AVX2": ("-mno-avx512f", "-mno-avxvnni"),
+    "portable": ("-mno-avx", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f", "-mno-avxvnni"),
+}
+
+
+@pytest.mark.parametrize("path", list(_NARROWER_BUILDS))
+def test_a_narrower_build_runs_the_forward_to_the_same_bits(blocks, rope, path):
+    """The library built for AVX2 alone (no AVX-512, no AMX), or with no vector path at all, runs the
+    same forward to the same bits: RoPE's fused products and the softmax's and SiLU's exp polynomial
+    are the same operations in every build."""
+    if path == "AVX2" and "avx2" not in native._cpu_flags().split():
+        pytest.skip("the CPU has no AVX2")
+    other = native.variant(_NARROWER_BUILDS[path])
+    assert other.qgemm_isa().decode() == path
     x = hidden_rows(5)
     with settings(2):
         outs = []
-        for lib in (_lib(), avx2):
+        for lib in (_lib(), other):
             kc, vc = caches(torch.float16)
             outs.append(native.NativeStack(lib, blocks)(x[:37], torch.arange(37), rope, [causal_span(0, 37, kc, vc)]))
     assert torch.equal(*outs)

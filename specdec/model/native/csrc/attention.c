@@ -60,7 +60,7 @@ static void exp_shifted(float *s, int64_t m, float shift) {
         for (int j = 0; i + j < m; ++j) s[i + j] = t[j];
     }
 #else
-    for (; i < m; ++i) s[i] = expf(s[i] - shift);
+    for (; i < m; ++i) s[i] = exp1(s[i] - shift);
 #endif
 }
 

@@ -146,6 +146,29 @@ static inline __m512 floor16(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROU
 QGEMM_DEFINE_EXP(exp16, _mm512, __m512, __m512i, floor16, _mm512_castsi512_ps)
 #endif
 
+/* The same exp on one float, operation for operation (fmaf where the lanes fuse, truncation to int
+ * as cvttps, the same clamps: max/min return the bound for a NaN as the vector forms do), for the
+ * portable build's softmax and SiLU: without it they took libm's expf and the portable build's
+ * attention and forward differed in the last bits from the vector builds'. */
+static inline float exp1(float x) {
+    x = fminf(fmaxf(x, -87.33654f), 88.37626f);
+    const float fx = floorf(fmaf(x, 1.44269504088896341f, .5f));
+    float r = fmaf(-fx, 0.693359375f, x);
+    r = fmaf(-fx, -2.12194440e-4f, r);
+    float y = 1.9875691500e-4f;
+    y = fmaf(y, r, 1.3981999507e-3f);
+    y = fmaf(y, r, 8.3334519073e-3f);
+    y = fmaf(y, r, 4.1665795894e-2f);
+    y = fmaf(y, r, 1.6666665459e-1f);
+    y = fmaf(y, r, 5.0000001201e-1f);
+    const float r2 = r * r;
+    y = fmaf(y, r2, r) + 1.f;
+    const uint32_t e = (uint32_t)((int32_t)fx + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return y * scale;
+}
+
 static inline int32_t ld4(const void *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* ---- profile.c: the forward's timer (qgemm_set_profile) ---- */

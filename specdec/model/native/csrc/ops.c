@@ -59,7 +59,9 @@ int64_t qgemm_row_block(int64_t T) {
     return per_thread < 1 ? 1 : per_thread > QGEMM_NORM_ROWS ? QGEMM_NORM_ROWS : per_thread;
 }
 
-/* rotate-half RoPE in place on x [T, heads, D] with tables cos/sin [P, D] */
+/* rotate-half RoPE in place on x [T, heads, D] with tables cos/sin [P, D]. Each output is one product
+ * fused into the other (fmaf): what the vector builds' compiler made of a * c - b * s, written out so
+ * that the portable build, which has no FMA to contract into, computes the same bits. */
 static void rope(float *x, int64_t T, int64_t heads, int64_t D, const float *cos_t, const float *sin_t,
                  const int64_t *positions) {
     const int64_t half = D / 2;
@@ -69,8 +71,8 @@ static void rope(float *x, int64_t T, int64_t heads, int64_t D, const float *cos
             float *v = x + (t * heads + h) * D;
             for (int64_t i = 0; i < half; ++i) {
                 const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
+                v[i] = fmaf(a, c[i], -(b * s[i]));
+                v[i + half] = fmaf(b, c[i + half], a * s[i + half]);
             }
         }
     }
@@ -103,7 +105,7 @@ static void silu_mul(float *g, const float *u, int64_t n) {
         for (int i = 0; j + i < n; ++i) g[j + i] = t[i];
     }
 #else
-    for (; j < n; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    for (; j < n; ++j) g[j] = g[j] / (1.f + exp1(-g[j])) * u[j];
 #endif
 }
 
