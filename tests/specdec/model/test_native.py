@@ -387,6 +387,25 @@ def test_attention_gives_the_same_bits_on_every_instruction_path(path, flags):
                     assert torch.equal(here, there), (path, kv_dtype, rows, m is None, lanes)
 
 
+@pytest.mark.parametrize("path, flags", _PATHS, ids=[p for p, _ in _PATHS])
+@pytest.mark.parametrize("dim", [12, 20])
+def test_attention_of_heads_not_a_multiple_of_8_gives_the_same_bits_on_every_instruction_path(dim, path, flags):
+    """A head dimension the tiles do not take (not a multiple of 8) scores each key with one lone dot
+    whose every product is fused into its sum, as the tiles' are, so every build gives the same bits
+    there too (the compiler's own contraction of a * k into the sums differed from build to build)."""
+    other = native.variant(flags)
+    g = torch.Generator().manual_seed(16)
+    for kv_dtype in native.KV_DTYPES:
+        k_cache = torch.randn(2, 100, dim, generator=g).to(kv_dtype)
+        v_cache = torch.randn(2, 100, dim, generator=g).to(kv_dtype)
+        for rows, end in ((1, 40), (5, 90)):
+            q = torch.randn(rows, 6, dim, generator=g)
+            mask = torch.rand(rows, end, generator=g) < 0.8
+            for m in (None, mask):
+                here = native.attend(native.library(), q, k_cache, v_cache, end, m)
+                assert torch.equal(here, native.attend(other, q, k_cache, v_cache, end, m)), (kv_dtype, rows)
+
+
 def _att_lanes_from(min_queries: int) -> contextlib.AbstractContextManager[None]:
     """Attention's keys in lanes from chunks of `min_queries` queries (0: never) within the block."""
     lib = native.library()

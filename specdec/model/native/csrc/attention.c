@@ -32,16 +32,6 @@ static inline float ldkv(const void *base, int64_t i, int half) {
     return half ? fp16_to_fp32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-/* a . (row i of the cache): eight lane sums over D in order, then hsum_v8 */
-static inline float dot_kv(const float *a, const void *base, int64_t row, int64_t D, int half) {
-    v8 acc = {0};
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) acc += ld8(a + i) * ldkv8(base, row + i, half);
-    float s = hsum_v8(acc);
-    for (; i < D; ++i) s += a[i] * ldkv(base, row + i, half);
-    return s;
-}
-
 /* exp of every element of s[0, m) in place, lane by lane the same operations whatever m or the
  * element's position (so a row's probabilities do not depend on how many keys share the call). */
 static void exp_shifted(float *s, int64_t m, float shift) {
@@ -92,6 +82,19 @@ static inline v8 fma8(v8 acc, v8 x, v8 y) {
 }
 #define FMA8(acc, x, y) fma8(acc, x, y)
 #endif
+
+/* a . (row i of the cache) for D not a multiple of 8: eight lane sums over D in order, then hsum_v8,
+ * then the rest one by one, every product fused into its sum (FMA8, fmaf) as the tiles' are; with
+ * `acc += a * k` and `s += a * k` the compiler chose whether to fuse, and builds for different
+ * instruction sets (the portable one never fuses) gave different scores */
+static inline float dot_kv(const float *a, const void *base, int64_t row, int64_t D, int half) {
+    v8 acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) acc = FMA8(acc, ld8(a + i), ldkv8(base, row + i, half));
+    float s = hsum_v8(acc);
+    for (; i < D; ++i) s = fmaf(a[i], ldkv(base, row + i, half), s);
+    return s;
+}
 
 
 #if QGEMM_AVX2
