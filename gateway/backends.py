@@ -370,6 +370,11 @@ class Backends:
         if kv_lease:
             self._kv_leases[request_id] = kv_lease
 
+    def forget_kv_lease(self, request_id: str) -> None:
+        """Drop the lease held on request_id's slot without a Release (a request that ended on
+        another node after a failover: its slot here expires with its lease)."""
+        self._kv_leases.pop(request_id, None)
+
     async def verify(
         self,
         request_id: str,

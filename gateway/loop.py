@@ -315,6 +315,7 @@ class RequestLoop:
         self, recovery_timeout_s: float, failover: Callable[[str, str], Awaitable[Node | None]] | None
     ) -> None:
         """The primary's calls, carried through its restarts and failovers (gateway.primary_calls)."""
+        self.left_backends: list[Backends] = []  # the nodes' backends it failed over from
         self.primary_calls = PrimaryCalls(
             self.record,
             self._prefill_context,
@@ -968,6 +969,9 @@ class RequestLoop:
         # The two services forget the request at once: their round trips overlap instead of adding up
         # before the client hears of the end.
         await asyncio.gather(self._release_primary(), self.draft.release(finish))
+        for left in self.left_backends:  # the nodes it failed over from: their leases, else kept for good
+            if left is not self.backends:
+                left.forget_kv_lease(self.request_id)
 
     async def _release_primary(self) -> None:
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
@@ -1030,7 +1034,11 @@ class RequestLoop:
 
     def _move_to(self, node: Node) -> None:
         """Go on with another node's services after a failover (PrimaryCalls): its backends and the
-        states of its validator and draft pool; the draft pool there opens the request afresh."""
+        states of its validator and draft pool; the draft pool there opens the request afresh. The
+        old node's backends keep the request's lease (a failover back re-prefills with it) until the
+        request ends (_finish)."""
+        if not any(b is self.backends for b in self.left_backends):
+            self.left_backends.append(self.backends)
         self.backends, self.record.node_id = node.backends, node.node_id
         self.validator_state = node.validator_state
         self.draft.move_to(node.backends, node.draft_state)

@@ -56,6 +56,23 @@ def test_a_re_prefill_carries_the_held_lease_and_a_resumed_request_the_adopted_o
     assert asyncio.run(scenario()) == ["", "lease-1", "lease-2"]
 
 
+def test_a_forgotten_lease_is_not_sent_again(primary) -> None:  # noqa: ANN001
+    """What a request leaves on the node it failed over from: nothing once it ended there."""
+    servicer, address = primary
+
+    async def scenario() -> list[str]:
+        backends = Backends(address, address, address, timeout_s=10)
+        try:
+            await backends.prefill("r", [1, 2])
+            backends.forget_kv_lease("r")
+            await backends.prefill("r", [1, 2])
+        finally:
+            await backends.close()
+        return servicer.sent_leases
+
+    assert asyncio.run(scenario()) == ["", ""]
+
+
 class DraftingPrimary(primary_pb2_grpc.PrimaryServiceServicer):
     """A DecodeStream whose steps drafted: 3 tokens of 5 rows (the root and 4 drafts), then 1 of 7 rows."""
 

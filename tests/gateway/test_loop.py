@@ -393,6 +393,9 @@ class FakeBackends:
     async def release_draft(self, request_id: str, is_finished: bool, new_token_ids=()) -> None:
         self.calls.append(("release_draft", {"is_finished": is_finished, "new_token_ids": tuple(new_token_ids)}))
 
+    def forget_kv_lease(self, request_id: str) -> None:
+        self.calls.append(("forget_kv_lease", {}))
+
     def steps(self) -> list[str]:
         return [name for name, _ in self.calls if name in ("verify", "decode")]
 
@@ -1173,6 +1176,25 @@ def test_after_a_failover_steps_are_validated_by_the_new_nodes_validator():
     assert loop.node_id == "b:1"
     assert loop.validation.backends is other and loop.validation.validator_state is node.validator_state
     assert any(name == "validate" for name, _ in other.calls)
+
+
+def test_a_request_that_failed_over_leaves_no_lease_behind_on_the_node_it_left():
+    """The old node's backends keep the request's lease while it runs (a failover back prefills with
+    it); at its end they drop it: kept, every request that ever failed over would stay in the
+    gateway's memory for good. The node it ends on releases it as usual."""
+    dying, other = DyingPrimary(), FakeBackends()
+    node = Node(
+        NodeAddress("b:1", "b:2", "b:3"), cast(Backends, other), DependencyState("draft"), DependencyState("validator")
+    )
+
+    async def failover(node_id: str, error: str) -> Node | None:
+        return node
+
+    loop = run(make_params(is_adaptive=False, max_new_tokens=20), dying, failover=failover)
+    assert loop.node_id == "b:1"
+    assert [name for name, _ in dying.calls].count("forget_kv_lease") == 1
+    assert "forget_kv_lease" not in [name for name, _ in other.calls]
+    assert [name for name, _ in other.calls][-2:] == ["release_primary", "release_draft"]
 
 
 class BlippingStore(InMemoryStateStore):
