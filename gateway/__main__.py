@@ -201,11 +201,15 @@ async def _model_info(backends: Backends | None, nodes: NodePool | None) -> tupl
     while True:
         node = None if nodes is None else nodes.first()
         asked = backends if node is None else node.backends
+        if node is not None:  # held for good: the servicer asks its draft pool, listed or not
+            node.hold()
         try:
             if asked is not None:
                 return asked, await asked.model_info()
         except Unavailable:
             pass
+        if node is not None:
+            await node.let_go()
         if time.monotonic() > give_up:
             raise Unavailable("primary", f"no primary answered GetModelInfo within {MODEL_INFO_TIMEOUT_S:.0f} s")
         await asyncio.sleep(0.5)

@@ -228,7 +228,10 @@ class RequestLoop:
         steps_per_message: int = 1,
         node_id: str = "",
         failover: Callable[[str, str], Awaitable[Node | None]] | None = None,
+        node: Node | None = None,
     ) -> None:
+        """`node`: the node it runs on (with --nodes), held (Node.hold) until the request ends, as is
+        every node it fails over to."""
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.tokenizer, self.model = backends, tokenizer, model
         self.max_tree_nodes = max_tree_nodes
@@ -252,6 +255,14 @@ class RequestLoop:
             is_batched_plain=steps_per_message > 1,
         )
         self._init_runs(decode_run_max, is_run_drafting, steps_per_message)
+        self.held_nodes: list[Node] = []  # the nodes whose backends it uses, let go at its end (_finish)
+        if node is not None:
+            self._hold(node)
+
+    def _hold(self, node: Node) -> None:
+        if not any(n is node for n in self.held_nodes):
+            node.hold()
+            self.held_nodes.append(node)
 
     @property
     def node_id(self) -> str:
@@ -972,6 +983,15 @@ class RequestLoop:
         for left in self.left_backends:  # the nodes it failed over from: their leases, else kept for good
             if left is not self.backends:
                 left.forget_kv_lease(self.request_id)
+        await self.let_go_nodes()
+
+    async def let_go_nodes(self) -> None:
+        """Let go of the nodes it used (at its end; a request that never ran, once): a node no longer
+        listed closes its connections with its last request."""
+        held, self.held_nodes = self.held_nodes, []
+        for node in held:
+            with contextlib.suppress(Exception):  # a channel that would not close: the request is over
+                await node.let_go()
 
     async def _release_primary(self) -> None:
         with contextlib.suppress(Exception):  # already gone (restarted) or never opened
@@ -1039,6 +1059,7 @@ class RequestLoop:
         request ends (_finish)."""
         if not any(b is self.backends for b in self.left_backends):
             self.left_backends.append(self.backends)
+        self._hold(node)
         self.backends, self.record.node_id = node.backends, node.node_id
         self.validator_state = node.validator_state
         self.draft.move_to(node.backends, node.draft_state)

@@ -63,6 +63,18 @@ class Node:
     is_healthy: bool = True  # until a check or a call says otherwise
     stats: PrimaryStats | None = None  # the latest GetStats
     num_routed: int = 0  # requests routed here since that report
+    num_holders: int = 0  # what uses its backends (running requests; the servicer's pool questions)
+    is_listed: bool = True  # False once --nodes no longer names it (its address left the DNS records)
+
+    def hold(self) -> None:
+        """One more user of its backends: they stay open until each user has let go."""
+        self.num_holders += 1
+
+    async def let_go(self) -> None:
+        """One user fewer: a node no longer listed closes its backends with its last user."""
+        self.num_holders -= 1
+        if self.num_holders == 0 and not self.is_listed:
+            await self.backends.close()
 
     @property
     def node_id(self) -> str:
@@ -103,17 +115,23 @@ class NodePool:
         if spec.static:
             self._set_listed(spec.static)
 
-    def _set_listed(self, addresses: Sequence[NodeAddress]) -> None:
+    def _set_listed(self, addresses: Sequence[NodeAddress]) -> list[Node]:
+        """List these nodes; the nodes no longer listed, forgotten (their backends are not closed here:
+        requests may still run on them)."""
         for a in addresses:
             if a.node_id not in self.nodes:
                 states = (self._make_state(a.node_id, "draft"), self._make_state(a.node_id, "validator"))
                 self.nodes[a.node_id] = Node(a, self._make_backends(a), *states)
         listed = tuple(a.node_id for a in addresses)
+        dropped = []
         if listed != self.listed:
             self.log.info("nodes listed", nodes=list(listed))
             self.listed, self.ring = listed, HashRing(listed)
-            for node_id in set(self.nodes) - set(listed):  # not closed: requests may still run on it
-                del self.nodes[node_id]
+            for node_id in set(self.nodes) - set(listed):
+                node = self.nodes.pop(node_id)
+                node.is_listed = False
+                dropped.append(node)
+        return dropped
 
     async def resolve(self) -> None:
         """Re-resolve the DNS name (a no-op for static nodes); a failed lookup keeps the nodes known."""
@@ -126,7 +144,11 @@ class NodePool:
             self.log.warning("could not resolve the nodes' name", name=dns.name, error=str(e))
             return
         if hosts:
-            self._set_listed([dns.at(h) for h in hosts])
+            for node in self._set_listed([dns.at(h) for h in hosts]):
+                # A node nothing uses is closed now, another with its last user (Node.let_go): kept open,
+                # each address a recreated Pod left behind would hold its channels for good.
+                if node.num_holders == 0:
+                    await node.backends.close()
 
     async def check(self) -> None:
         """Health and load of every listed node, all at once."""

@@ -314,6 +314,7 @@ class Resumption:
             try:
                 await ticket.wait_async(None, loop.cancel, loop.request_id)
             except Cancelled:  # while it waited for a slot
+                await loop.let_go_nodes()  # never ran: its node is not held for it
                 fenced = OwnerFencedStore(self.store, self.owner)  # not over an adopter's writes
                 await fenced.set_status(loop.request_id, RequestStatus.CANCELLED, finish_reason="cancelled")
                 return

@@ -711,6 +711,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             steps_per_message=self.config.stream_interval if is_streamed else self.config.unary_stream_interval,
             node_id="" if node is None else node.node_id,
             failover=None if node is None else self._failover_of(request_id, prompt_ids),
+            node=node,
         )
 
     def _place(self, request_id: str, prompt_ids, stored_node: str = "") -> Node | None:

@@ -396,6 +396,9 @@ class FakeBackends:
     def forget_kv_lease(self, request_id: str) -> None:
         self.calls.append(("forget_kv_lease", {}))
 
+    async def close(self) -> None:
+        self.calls.append(("close", {}))
+
     def steps(self) -> list[str]:
         return [name for name, _ in self.calls if name in ("verify", "decode")]
 
@@ -1195,6 +1198,31 @@ def test_a_request_that_failed_over_leaves_no_lease_behind_on_the_node_it_left()
     assert [name for name, _ in dying.calls].count("forget_kv_lease") == 1
     assert "forget_kv_lease" not in [name for name, _ in other.calls]
     assert [name for name, _ in other.calls][-2:] == ["release_primary", "release_draft"]
+
+
+def test_a_request_holds_its_nodes_and_a_node_no_longer_listed_closes_with_its_last_request():
+    """With --nodes, a node whose address left the DNS records is forgotten by the pool, its backends left
+    open for the requests still on it: the request holds its node, and the node it fails over to, until
+    its end; a node no longer listed then closes its connections, a listed one keeps them."""
+    dying, other = DyingPrimary(), FakeBackends()
+    first = Node(
+        NodeAddress("a:1", "a:2", "a:3"), cast(Backends, dying), DependencyState("draft"), DependencyState("validator")
+    )
+    second = Node(
+        NodeAddress("b:1", "b:2", "b:3"), cast(Backends, other), DependencyState("draft"), DependencyState("validator")
+    )
+
+    async def failover(node_id: str, error: str) -> Node | None:
+        return second
+
+    loop = make_loop(make_params(is_adaptive=False, max_new_tokens=20), dying, node=first, failover=failover)
+    assert first.num_holders == 1
+    first.is_listed = False  # what NodePool.resolve does when its address goes
+    asyncio.run(drain(loop))
+    assert loop.node_id == "b:1"
+    assert first.num_holders == second.num_holders == 0
+    assert [name for name, _ in dying.calls][-1] == "close"
+    assert "close" not in [name for name, _ in other.calls]
 
 
 class BlippingStore(InMemoryStateStore):

@@ -134,6 +134,7 @@ def test_nodes_gone_from_the_dns_name_are_forgotten_but_not_closed_under_their_r
         await pool.check()
         running = pool.route(PROMPT)  # a request's node, whose address then goes
         assert running is not None
+        running.hold()  # as the request's loop does
         while hosts:
             await pool.resolve()
         assert len(pool.nodes) == 1 and list(pool.nodes) == list(pool.listed)
@@ -142,5 +143,34 @@ def test_nodes_gone_from_the_dns_name_are_forgotten_but_not_closed_under_their_r
         running.backends.is_serving = True  # type: ignore[attr-defined]
         moved = await pool.fail_over(running.node_id, PROMPT, "", "UNAVAILABLE")
         assert moved is not None and moved.node_id == pool.listed[0]
+
+    asyncio.run(main())
+
+
+def test_a_node_gone_from_the_dns_name_closes_its_connections_once_nothing_uses_it():
+    """Forgotten nodes were never closed: each address a recreated node Pod left behind kept its three
+    channels for as long as the gateway ran. One that nothing holds closes when it is forgotten; one a
+    request holds closes when that request lets go."""
+    hosts = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    made: list[StandInPrimary] = []
+
+    async def resolver(name: str, port: int) -> list[str]:
+        return [hosts.pop(0)]
+
+    def make_backends(address: NodeAddress) -> StandInPrimary:
+        made.append(StandInPrimary(address))
+        return made[-1]
+
+    async def main() -> None:
+        pool = NodePool(parse_nodes("dns:///nodes.svc:50051", 2, 3), make_backends, resolver=resolver)  # type: ignore[arg-type]
+        await pool.resolve()
+        running = pool.first()
+        assert running is not None
+        running.hold()  # a request runs on it
+        await pool.resolve()  # its address goes: forgotten, held
+        await pool.resolve()  # the second's goes too: nothing holds it
+        assert [b.is_closed for b in made] == [False, True, False]
+        await running.let_go()  # its request ended
+        assert [b.is_closed for b in made] == [True, True, False]
 
     asyncio.run(main())
