@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.backends import EMPTY_TREE, Backends, DraftTree
 from gateway.call_deadlines import CallDeadlines
-from gateway.dependencies import DependencyState
+from gateway.dependencies import DEFAULT_RETRY_S, DependencyState
 from gateway.output import FINISH_EOS, FINISH_LENGTH, FINISH_STOP
 from specdec.candidates import decoders_for
-from specdec.errors import DeadlineExceeded, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 from specdec.grammar import ResponseFormat
 from specdec.propose_args import ProposeArgs
 
@@ -49,6 +50,9 @@ class DraftCalls:
         # The latest step's features of committed tokens, for the next Propose: (features, the
         # position of the token row 0 predicts); None: none (steps between leave a gap there).
         self.pending_features: tuple[Any, int] | None = None
+        # A pool that holds as many requests as it may (RESOURCE_EXHAUSTED) is asked to open this one
+        # again no sooner than this (time.monotonic()); until then it runs without drafts.
+        self.refused_until = 0.0
 
     def move_to(self, backends: Backends, state: DependencyState) -> None:
         """Go on with another node's pool (a failover): it opens the request afresh."""
@@ -83,6 +87,8 @@ class DraftCalls:
         committed since its previous call (all of them, with the prompt, the response format and the
         prediction, when the call opens the request)."""
         prompt, new = ((), self.generated[self.synced :]) if self.is_open else (self.prompt_ids, self.generated)
+        if not self.is_open and time.monotonic() < self.refused_until:  # the pool is full: not yet
+            return EMPTY_TREE
         if not self.state.should_call():  # down: no drafts; the primary alone still progresses
             self.is_open = False
             return EMPTY_TREE
@@ -120,6 +126,12 @@ class DraftCalls:
                 continuation_length=continuation_length,
                 prediction_ids=prediction_ids,
             )
+        except ResourceExhausted:
+            # The pool holds as many requests as it may: it is up, and only this request goes on by the
+            # primary alone for a while. The pool is optional: a full one must not fail the request.
+            self.is_open = False
+            self.refused_until = time.monotonic() + DEFAULT_RETRY_S
+            return EMPTY_TREE
         except (Unavailable, DeadlineExceeded) as e:  # down or hung; logged once by the state, not at every step
             self.state.failed(str(e))
             self.is_open = False

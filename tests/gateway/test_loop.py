@@ -53,7 +53,7 @@ from gateway.step_costs import StepCostConfig, StepCosts
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
 from specdec import pb
-from specdec.errors import DeadlineExceeded, Internal, NotFound, StateLost, Unavailable
+from specdec.errors import DeadlineExceeded, Internal, NotFound, ResourceExhausted, StateLost, Unavailable
 from specdec.logprobs import LogprobsRequest
 from specdec.propose_args import ProposeArgs
 from specdec.sampling import SamplingParams
@@ -1223,6 +1223,30 @@ def test_a_request_holds_its_nodes_and_a_node_no_longer_listed_closes_with_its_l
     assert first.num_holders == second.num_holders == 0
     assert [name for name, _ in dying.calls][-1] == "close"
     assert "close" not in [name for name, _ in other.calls]
+
+
+@dataclasses.dataclass
+class FullDraftPool(FakeBackends):
+    """A draft pool that holds as many requests as it may: it refuses to open another (RESOURCE_EXHAUSTED,
+    as the draft service answers past its max_requests)."""
+
+    async def propose(self, args: ProposeArgs) -> DraftTree:
+        self.calls.append(("propose", {"is_open": bool(args.prompt_token_ids)}))
+        error = ResourceExhausted("request_id", "the draft pool holds 4096 requests")
+        error.dependency = "draft"  # as Backends reports a service's status
+        raise error
+
+
+def test_a_full_draft_pool_leaves_the_request_running_without_drafts():
+    """The pool is optional: a request it has no room for goes on by the primary alone, its output
+    unchanged, and the pool (up, only full) is not asked again at every step; before, the refusal
+    failed the request RESOURCE_EXHAUSTED."""
+    backends = FullDraftPool()
+    loop = run(make_params(is_adaptive=False, max_new_tokens=30), backends)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 30) and loop.outcome.finish_reason == "length"
+    proposes = [args for name, args in backends.calls if name == "propose"]
+    assert proposes and all(p["is_open"] for p in proposes) and len(proposes) < backends.num_steps()
+    assert loop.draft.state.is_up
 
 
 class BlippingStore(InMemoryStateStore):
