@@ -41,7 +41,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return draft_pb2.AttachResponse(mapped_bytes=attached.mapped_bytes)
 
     def Propose(self, request: draft_pb2.ProposeRequest, context: grpc.ServicerContext) -> draft_pb2.ProposeResponse:
-        proposal = self._pool.propose(ProposeArgs.from_pb(request))
+        args = ProposeArgs.from_pb(request)
+        proposal = self._pool.propose(args)
+        if args.prompt_token_ids and not context.is_active():
+            # An opening call whose caller is gone (its request ended, often cancelled at its prefill):
+            # the gateway's Release may have come while this call ran, found nothing and left the state
+            # this call made to the pool's --request_ttl_s. A gateway that still runs the request opens
+            # it again (a failed call is one the pool has not heard).
+            self._pool.release(args.request_id, is_finished=False)
         self._record(proposal)
         return proposal_to_pb(proposal)
 

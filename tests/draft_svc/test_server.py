@@ -212,6 +212,37 @@ def test_the_state_gauges_fall_when_a_request_is_released(primary):
         client.close()
 
 
+class GoneCaller:
+    """The context of a call whose caller went away while it ran (cancelled: no answer is wanted)."""
+
+    def is_active(self) -> bool:
+        return False
+
+
+def test_an_opening_propose_whose_caller_went_away_leaves_no_state(primary):
+    """A request ending at its prefill cancels its first Propose and sends Release, which may reach
+    the pool while that Propose still runs and find nothing: the Propose then drops the state it
+    opened (before, it stayed until --request_ttl_s, 15 minutes, against max_requests); a Propose
+    of a request already open keeps it."""
+    _, address = primary
+    config = from_args(["--primary_address", address, "--strategies", "prompt_lookup"], {})
+    client = GrpcPrimaryClient(address)
+    servicer, pool, _ = build(config, client)
+    try:
+        opening = draft_pb2.ProposeRequest(request_id="r", prompt_token_ids=PROMPT, strategies=["prompt_lookup"])
+        servicer.Propose(opening, GoneCaller())
+        assert pool.num_requests == 0
+        with _served(servicer) as stub:
+            stub.Propose(opening)
+        assert pool.num_requests == 1
+        step = draft_pb2.ProposeRequest(request_id="r", new_token_ids=[282], strategies=["prompt_lookup"])
+        servicer.Propose(step, GoneCaller())
+        assert pool.num_requests == 1
+    finally:
+        pool.close()
+        client.close()
+
+
 def test_a_restarted_primary_is_re_attached_and_decoders_rebuilt(draft, primary):
     stub, pool, attacher = draft
     fake, _ = primary
