@@ -12,13 +12,13 @@ import torch
 from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import FORMATS, EncodedLogits, decode_logits, encode_logits
 from specdec.sampling import SamplingParams
+from tests.validator_svc.cuda import requires_cuda_kernel
 from validator_svc.acceptance import greedy_accept, threshold_accept
 from validator_svc.kernel import (
     KERNEL_NAME,
     ROW_STATS_SOURCE,
     CudaRowStats,
     _csr,
-    cuda_device_count,
     row_stats_cpu,
     row_stats_reference,
     validate_from_stats,
@@ -26,7 +26,7 @@ from validator_svc.kernel import (
 
 NEG = -math.inf
 TOKEN_IDS, PARENTS = [2, 0, 3, 1], [-1, 0, -1, 2]  # root ── 0:2 ── 1:0 ;  root ── 2:3 ── 3:1
-requires_gpu = pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")
+requires_gpu = requires_cuda_kernel
 
 
 def test_reference_hand_case():

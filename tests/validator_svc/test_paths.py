@@ -15,11 +15,12 @@ from specdec.sampling import SamplingParams
 from specdec.service.server import ServerConfig
 from specdec.speculation_bounds import MAX_TREE_NODES
 from specdec.v1 import validator_pb2
+from tests.validator_svc.cuda import requires_cuda_kernel
 from tests.validator_svc.requests import validate_request
 from validator_svc import paths
 from validator_svc.__main__ import build_servicer
 from validator_svc.config import ValidatorConfig
-from validator_svc.kernel import CudaRowStats, cuda_device_count, row_stats_cpu
+from validator_svc.kernel import CudaRowStats, row_stats_cpu
 from validator_svc.paths import PATH_CUDA, PATH_TORCH, CudaPath, TorchPath, make_path
 from validator_svc.server import ValidatorServicer
 
@@ -199,7 +200,7 @@ def test_cuda_path_with_an_emulated_kernel_agrees_with_torch(fake_cupy, random_t
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(cuda_device_count() == 0, reason="no CUDA device")
+@requires_cuda_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("vocab_size", [70, 49152])
 def test_gpu_service_path_agrees_with_torch(random_tree_logits, fmt, vocab_size):
