@@ -10,6 +10,7 @@ primary (NOT_FOUND after a re-prefill is needed, UNAVAILABLE while it is down).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import Any, AsyncGenerator, Sequence
 
@@ -475,9 +476,15 @@ class Backends:
             stop_strings=stop_strings,
             logprobs=_logprobs_pb(logprobs),
         )
-        # No deadline on the whole call: a run goes on to its request's end, minutes of steps for a long
-        # answer under load. Each message must come within timeout_s of the last instead, so a hung
-        # primary still fails the run then (DEADLINE_EXCEEDED, as the call's deadline did).
+        async with contextlib.aclosing(self._streamed(request)) as messages:  # closed with this one: the call too
+            async for decoded in messages:
+                yield decoded
+
+    async def _streamed(self, request: primary_pb2.DecodeRequest) -> AsyncGenerator[Decoded, None]:
+        """DecodeStream's messages as Decoded. No deadline on the whole call: a run goes on to its
+        request's end, minutes of steps for a long answer under load. Each message must come within
+        timeout_s of the last instead, so a hung primary still fails the run then (DEADLINE_EXCEEDED,
+        as the call's deadline did)."""
         call = self.primary.DecodeStream(request, metadata=outgoing_metadata(self._metadata))
         try:
             while True:

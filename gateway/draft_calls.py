@@ -92,25 +92,8 @@ class DraftCalls:
         if not self.state.should_call():  # down: no drafts; the primary alone still progresses
             self.is_open = False
             return EMPTY_TREE
-        strategies = decoders_for(sources)
-        # the argmaxes belong to the rows of the pool's previous proposal: none for a reopened request
-        lookahead_argmax, self.pending_lookahead_argmax = self.pending_lookahead_argmax, ()
-        features, self.pending_features = self.pending_features, None
-        args = ProposeArgs(
-            self.request_id,
-            tuple(prompt),
-            tuple(new),
-            strategies,
-            len(strategies),
-            length,
-            max_nodes,
-            response_format if prompt else None,
-            () if prompt else lookahead_argmax,
-            continuation_length=continuation_length,
-            features=None if features is None else features[0],
-            feature_position=0 if features is None else features[1],
-            prediction_token_ids=prediction_ids if prompt else (),
-        )
+        features = self.pending_features
+        args = self._args(prompt, new, sources, length, max_nodes, response_format, continuation_length, prediction_ids)
         try:
             tree = await self.call_deadlines.call("draft.Propose", self.backends.propose(args), self.remaining_s())
         except NotFound:  # the pool restarted: resend the context
@@ -140,6 +123,39 @@ class DraftCalls:
         self.is_open = True
         self.synced = len(self.generated)
         return tree
+
+    def _args(
+        self,
+        prompt: Sequence[int],
+        new: Sequence[int],
+        sources: Sequence[tuple[str, int]],
+        length: int,
+        max_nodes: int,
+        response_format: ResponseFormat | None,
+        continuation_length: int,
+        prediction_ids: tuple[int, ...],
+    ) -> ProposeArgs:
+        """The call's arguments, with the lookahead argmaxes and features pending for it (taken: a
+        call carries them once); an opening call (a prompt) carries the response format and the
+        prediction instead of argmaxes, which belong to the rows of the pool's previous proposal."""
+        strategies = decoders_for(sources)
+        lookahead_argmax, self.pending_lookahead_argmax = self.pending_lookahead_argmax, ()
+        features, self.pending_features = self.pending_features, None
+        return ProposeArgs(
+            self.request_id,
+            tuple(prompt),
+            tuple(new),
+            strategies,
+            len(strategies),
+            length,
+            max_nodes,
+            response_format if prompt else None,
+            () if prompt else lookahead_argmax,
+            continuation_length=continuation_length,
+            features=None if features is None else features[0],
+            feature_position=0 if features is None else features[1],
+            prediction_token_ids=prediction_ids if prompt else (),
+        )
 
     async def release(self, finish: str) -> None:
         """The pool forgets the request; a finished one's unseen output goes with it (the pool's

@@ -230,12 +230,9 @@ class RequestLoop:
         failover: Callable[[str, str], Awaitable[Node | None]] | None = None,
         node: Node | None = None,
     ) -> None:
-        """`node`: the node it runs on (with --nodes), held (Node.hold) until the request ends, as is
-        every node it fails over to."""
         self.request_id, self.params, self.prompt_ids = request_id, params, list(prompt_ids)
         self.backends, self.tokenizer, self.model = backends, tokenizer, model
-        self.max_tree_nodes = max_tree_nodes
-        self.cancel, self.deadline = cancel, deadline
+        self.cancel, self.deadline, self.max_tree_nodes = cancel, deadline, max_tree_nodes
         self.log = structlog.get_logger("gateway.loop").bind(request_id=request_id)
         self._init_output(generated, stats)
         self._init_record(store, owner, stored_params, max_state_retry_s, node_id, stats_interval_s)
@@ -244,7 +241,6 @@ class RequestLoop:
         self._init_calls(validator_state, draft_state, call_deadlines)
         self._init_constraints(grammar)
         self._init_planning(logits_formats)
-        self._init_validation()
         self._init_planner(
             cost_model,
             step_costs,
@@ -255,6 +251,11 @@ class RequestLoop:
             is_batched_plain=steps_per_message > 1,
         )
         self._init_runs(decode_run_max, is_run_drafting, steps_per_message)
+        self._init_nodes(node)
+
+    def _init_nodes(self, node: Node | None) -> None:
+        """`node`: the node it runs on (with --nodes), held (Node.hold) until the request ends, as is
+        every node it fails over to."""
         self.held_nodes: list[Node] = []  # the nodes whose backends it uses, let go at its end (_finish)
         if node is not None:
             self._hold(node)
@@ -393,6 +394,7 @@ class RequestLoop:
         # The acceptance rule, decided here once for the request and sent on every Validate.
         self.acceptance_mode = select_mode(self.params.sampling, self.params.speculation.acceptance_threshold)
         self.step_record: StepRecord | None = None  # the step being computed, once it ran undisturbed
+        self._init_validation()
 
     def _init_validation(self) -> None:
         """The steps' acceptance on the validator, under the request's rule (gateway.step_validation)."""
@@ -497,16 +499,7 @@ class RequestLoop:
 
         try:
             if finish is None:
-                prefill_start = time.perf_counter()
-                prefill = asyncio.ensure_future(self.primary_calls.prefill())  # sent first: the critical path
-                try:
-                    self.opening = self._open_first_step()
-                    if self.opening[1] is None:  # an opening Propose compiles the format itself
-                        self.grammar_preparation = self._prepare_draft_grammar()
-                except BaseException:
-                    await _cancelled(prefill)
-                    raise
-                await self._prefilled(prefill, prefill_start)
+                await self._open()
             while True:
                 if finish is None:
                     finish = self._stop_signal()
@@ -706,6 +699,20 @@ class RequestLoop:
         if not plan.is_speculative or consumes_features(decoder for decoder, _ in plan.sources):
             return plan, None
         return plan, asyncio.ensure_future(self._propose(plan))
+
+    async def _open(self) -> None:
+        """The request's prefill, sent first (the critical path), with its first step's Propose and the
+        pool's compile of its response format begun beside it."""
+        prefill_start = time.perf_counter()
+        prefill = asyncio.ensure_future(self.primary_calls.prefill())
+        try:
+            self.opening = self._open_first_step()
+            if self.opening[1] is None:  # an opening Propose compiles the format itself
+                self.grammar_preparation = self._prepare_draft_grammar()
+        except BaseException:
+            await _cancelled(prefill)
+            raise
+        await self._prefilled(prefill, prefill_start)
 
     async def _prefilled(self, prefill: asyncio.Future, t: float) -> None:
         """The request's own prefill (begun at perf_counter t) done. One whose request is cancelled

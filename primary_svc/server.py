@@ -32,7 +32,7 @@ from specdec.grammar.bitmask import TokenBitmask
 from specdec.logits_codec import row_argmax
 from specdec.logits_shm import LogitsSlots
 from primary_svc.metrics import PrimaryMetrics
-from specdec.logprobs import TokenLogprob, token_logprobs
+from specdec.logprobs import LogprobsRequest, TokenLogprob, token_logprobs
 from specdec.model.tokenizer import StopStringWatch, Tokenizer, check_stop_strings
 from specdec.penalties import penalize
 from specdec.answers import AnswerIndex, LearnedAnswers
@@ -180,20 +180,13 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             raise InvalidArgument(
                 "num_prompt_tokens", f"is {request.num_prompt_tokens}, more than the {len(token_ids)} token_ids"
             )
-        prompt_logprobs = (
+        prompt_logprobs = (  # refused before anything starts
             pb.logprobs_request_from_pb(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None
         )
         self._prepare_grammar(request)
         start = time.perf_counter()
         features: list[torch.Tensor] | None = [] if request.return_features else None
-        # The prompt's log probabilities first, in a forward of their own on the engine thread: one that
-        # fails (no KV room) leaves nothing opened.
-        prompt = token_ids[: request.num_prompt_tokens or len(token_ids)]
-        scored: list[TokenLogprob] = (
-            []
-            if prompt_logprobs is None
-            else self.worker.call(lambda engine: engine.prompt_logprobs(prompt, prompt_logprobs.num_top))
-        )
+        scored = self._scored_prompt(prompt_logprobs, token_ids[: request.num_prompt_tokens or len(token_ids)])
         # Queued in the engine thread's scheduler: it waits for KV room (at most until the deadline),
         # then runs in chunks between other requests' steps. A re-prefill (recovery) with the request's
         # lease replaces the old state; the lease is checked and granted on the engine thread, like
@@ -234,6 +227,13 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             prompt_logprobs=[pb.token_logprob_to_pb(v) for v in scored],
             precision=self.loaded.precision,
         )
+
+    def _scored_prompt(self, asked: LogprobsRequest | None, prompt: list[int]) -> list[TokenLogprob]:
+        """The prompt's log probabilities where the Prefill asks for them, before it: in a forward of
+        their own on the engine thread, so that one that fails (no KV room) leaves nothing opened."""
+        if asked is None:
+            return []
+        return self.worker.call(lambda engine: engine.prompt_logprobs(prompt, asked.num_top))
 
     def Verify(self, request, context):
         args = VerifyArgs.from_pb(request, self.vocab_size, check_lease=self.leases.check)

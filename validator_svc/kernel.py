@@ -321,18 +321,14 @@ class CudaRowStats:
                 out_child_probs,
             ),
         )
-
-        def host(array: Any, length: int) -> torch.Tensor:
-            return torch.from_numpy(cupy.asnumpy(array)[:length])
-
         return RowStats(
             vocab_size,
-            host(out_max, num_rows),
-            host(out_lse, num_rows),
-            host(out_entropy, num_rows),
-            host(out_argmax, num_rows).to(torch.int64),
-            host(out_child_logits, num_nodes),
-            host(out_child_probs, num_nodes),
+            _host(out_max, num_rows),
+            _host(out_lse, num_rows),
+            _host(out_entropy, num_rows),
+            _host(out_argmax, num_rows).to(torch.int64),
+            _host(out_child_logits, num_nodes),
+            _host(out_child_probs, num_nodes),
         )
 
 
@@ -366,6 +362,13 @@ def _csr(children: Children, token_ids: Sequence[int]) -> tuple[list[int], list[
         nodes.extend(row_children)
         offsets.append(len(nodes))
     return offsets, nodes, [int(token_ids[j]) for j in nodes]
+
+
+def _host(array: Any, length: int) -> torch.Tensor:
+    """The first `length` entries of a CuPy array, on the host."""
+    import cupy
+
+    return torch.from_numpy(cupy.asnumpy(array)[:length])
 
 
 def cuda_device_count() -> int:
