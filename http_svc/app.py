@@ -222,12 +222,15 @@ class HttpFront:
             raise from_rpc_error(e, aliases, self.config.default_retry_after_s) from None
 
     async def _describe_model(self, request: Request) -> gateway_pb2.DescribeModelResponse:
-        """The served model's description, asked of the gateway once (it does not change)."""
-        if self._model_info is None:
-            self._model_info = await self._gateway_call(
-                request, "DescribeModel", gateway_pb2.DescribeModelRequest(), {}
-            )
-        return self._model_info
+        """The served model's description, asked of the gateway once (it does not change) when this
+        front checks keys itself; without --api_keys_file, at every call: the gateway's answer is
+        where a caller's key is checked, so one caller's answer must not serve another."""
+        if self._model_info is not None:
+            return self._model_info
+        info = await self._gateway_call(request, "DescribeModel", gateway_pb2.DescribeModelRequest(), {})
+        if self.api_keys is not None:
+            self._model_info = info
+        return info
 
     async def health(self, _request: Request) -> Response:
         """200 when the gateway reports SERVING (grpc.health.v1), else 503: what a probe needs."""
