@@ -8,8 +8,9 @@ every call through an interceptor on their channels. Health checks stay open
 attacker nothing); reflection and every API method need the token.
 
 The token is one line in a file (the launcher writes a fresh one, 0600, per
-stack; compose mounts it as a secret). Comparison is constant-time
-(hmac.compare_digest), so the answer's timing does not reveal a prefix.
+stack; compose mounts it as a secret); a service warns at start when any user
+may read it. Comparison is constant-time (hmac.compare_digest), so the
+answer's timing does not reveal a prefix.
 
     token = read_service_token(path)
     server interceptors: [ServiceTokenInterceptor(token), ErrorInterceptor(...)]
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -267,8 +269,21 @@ def service_token_or_exit(token_file: str, is_unauthenticated_allowed: bool) -> 
         token = load_service_token(token_file, is_unauthenticated_allowed)
     except ServiceTokenError as e:
         raise SystemExit(f"error: {e}") from None
+    log = structlog.get_logger("specdec.auth")
     if token is None:
-        structlog.get_logger("specdec.auth").warning(
-            "no service token: internal calls are not authenticated (--allow_unauthenticated)"
+        log.warning("no service token: internal calls are not authenticated (--allow_unauthenticated)")
+    elif is_readable_by_others(token_file):
+        # Warned, not refused: a Docker Swarm secret is 0444 unless its mode is set, and the
+        # token must still be usable there, though any user that reaches the file can read it.
+        log.warning(
+            "the service token file is readable by any user: chmod 0400 it (0440 where only the "
+            "services' user is in its group)",
+            file=token_file,
+            mode=f"{stat.S_IMODE(os.stat(token_file).st_mode):04o}",
         )
     return token
+
+
+def is_readable_by_others(path: str | Path) -> bool:
+    """Whether the file at path grants read to users outside its owner and group."""
+    return bool(os.stat(path).st_mode & stat.S_IROTH)

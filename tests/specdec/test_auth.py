@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -25,6 +26,7 @@ from specdec.service.auth import (
     load_service_token,
     new_service_token,
     read_service_token,
+    service_token_or_exit,
     write_service_token,
 )
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc, validator_pb2, validator_pb2_grpc
@@ -136,6 +138,22 @@ def test_the_token_file_is_private_and_read_back(tmp_path: Path) -> None:
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert read_service_token(path) == token and len(token) == 64
     assert write_service_token(path) != token, "each call writes a fresh secret"
+
+
+@pytest.mark.parametrize(
+    "mode, is_warned", [(0o644, True), (0o604, True), (0o640, False), (0o400, False)], ids=["644", "604", "640", "400"]
+)
+def test_a_token_file_any_user_can_read_is_warned_about(tmp_path: Path, mode: int, is_warned: bool) -> None:
+    path = tmp_path / "service_token"
+    token = write_service_token(path)
+    path.chmod(mode)
+    with structlog.testing.capture_logs() as logs:
+        assert service_token_or_exit(str(path), is_unauthenticated_allowed=False) == token
+    warned = [e for e in logs if "readable by any user" in e["event"]]
+    assert len(warned) == is_warned
+    if is_warned:
+        assert warned[0]["file"] == str(path) and warned[0]["mode"] == f"{mode:04o}"
+        assert token not in str(warned[0])
 
 
 def test_a_service_needs_a_token_unless_told_otherwise(tmp_path: Path) -> None:
