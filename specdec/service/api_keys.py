@@ -15,6 +15,7 @@ gateway scopes request ids by tenant, so another tenant's GetRequest/Cancel find
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
 import ssl
@@ -143,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tenant, path = args[1], Path(args[2])
     key = new_key()
-    with open(path, "a") as f:
-        f.write(f"{tenant} {key_hash(key)}\n")
+    line = f"{tenant} {key_hash(key)}\n".encode()
+    with open(path, "a+b") as f:  # appends go to the end, wherever the last read left off
+        # A file written by hand may end without a newline: the new line must not join its last one.
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
+        f.write(line)
     path.chmod(0o600)
     print(key)
     return 0

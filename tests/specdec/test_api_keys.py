@@ -31,6 +31,25 @@ def test_add_appends_a_hash_and_prints_the_key_once(tmp_path: Path, capsys: pyte
     assert main(["add", "no spaces", str(path)]) == 2
 
 
+@pytest.mark.parametrize(
+    "last_line", ["# tenants of the staging gateway", f"bob {key_hash('b')}"], ids=["comment", "tenant"]
+)
+def test_add_to_a_file_whose_last_line_has_no_newline_starts_a_line_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture, last_line: str
+) -> None:
+    """A file written by hand (or `printf`) may end without a newline: the new tenant was glued to
+    its last line, into a comment (a key printed that no gateway ever accepts) or onto a tenant's
+    line (a file the gateway refuses to start with)."""
+    path = tmp_path / "api_keys"
+    path.write_text(f"carol {key_hash('c')}\n{last_line}")
+    assert main(["add", "alice", str(path)]) == 0
+    alice = capsys.readouterr().out.strip()
+    keys = ApiKeys.from_file(path)
+    assert keys.tenant([("authorization", f"Bearer {alice}")]) == "alice"
+    assert keys.tenant([("authorization", "Bearer c")]) == "carol"
+    assert path.read_text().endswith("\n")
+
+
 def test_a_new_key_never_reads_as_a_command_line_option() -> None:
     """Bare URL-safe base64 starts with '-' one time in 64, and argparse then takes
     `--api_key KEY` for two options (the CLI's usage error, seen once in CI)."""
