@@ -145,14 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     tenant, path = args[1], Path(args[2])
     key = new_key()
     line = f"{tenant} {key_hash(key)}\n".encode()
-    with open(path, "a+b") as f:  # appends go to the end, wherever the last read left off
-        # A file written by hand may end without a newline: the new line must not join its last one.
-        if f.seek(0, os.SEEK_END) > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                line = b"\n" + line
-        f.write(line)
-    path.chmod(0o600)
+    try:
+        with open(path, "a+b") as f:  # appends go to the end, wherever the last read left off
+            # A file written by hand may end without a newline: the new line must not join its last one.
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = b"\n" + line
+            f.write(line)
+        path.chmod(0o600)
+    except OSError as e:  # e.g. a file made 0400 for the services' user (README): one line, no key printed
+        print(f"error: {str(path)!r}: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(key)
     return 0
 

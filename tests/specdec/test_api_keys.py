@@ -50,6 +50,18 @@ def test_add_to_a_file_whose_last_line_has_no_newline_starts_a_line_of_its_own(
     assert path.read_text().endswith("\n")
 
 
+@pytest.mark.parametrize("where", ["missing/api_keys", "."], ids=["no-folder", "a-folder"])
+def test_add_to_a_file_it_cannot_write_is_one_error_line_and_no_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture, where: str
+) -> None:
+    """A file it may not write (0400 for the services' user, as the README's compose setup leaves it;
+    here paths that fail the same way as root too) raised a traceback."""
+    path = tmp_path / where
+    assert main(["add", "alice", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and str(path) in err and "Traceback" not in err
+
+
 def test_a_new_key_never_reads_as_a_command_line_option() -> None:
     """Bare URL-safe base64 starts with '-' one time in 64, and argparse then takes
     `--api_key KEY` for two options (the CLI's usage error, seen once in CI)."""
