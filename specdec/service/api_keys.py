@@ -79,10 +79,10 @@ class ApiKeys:
             if key != AUTHORIZATION:
                 continue
             text = value.decode() if isinstance(value, bytes) else value
-            # Looked up by the hash of the key: how long the lookup takes says nothing about the key.
-            tenant = (
-                self._tenants_by_hash.get(key_hash(text[len(BEARER) :].strip())) if text.startswith(BEARER) else None
-            )
+            # Looked up by the hash of the key: how long the lookup takes says nothing about the key. The
+            # scheme's name is case-insensitive (RFC 9110, 11.1): "bearer KEY" is the same credential.
+            is_bearer = text[: len(BEARER)].lower() == BEARER.lower()
+            tenant = self._tenants_by_hash.get(key_hash(text[len(BEARER) :].strip())) if is_bearer else None
             if tenant is not None:
                 return tenant
         raise Unauthenticated(

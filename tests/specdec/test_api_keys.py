@@ -28,6 +28,7 @@ def test_add_appends_a_hash_and_prints_the_key_once(tmp_path: Path, capsys: pyte
     assert keys.tenants == {"alice", "bob"}
     assert keys.tenant([("authorization", f"Bearer {alice}")]) == "alice"
     assert keys.tenant([("user-agent", "x"), ("authorization", f"Bearer {bob}".encode())]) == "bob"
+    assert {keys.tenant([("authorization", f"{scheme} {alice}")]) for scheme in ("bearer", "BEARER")} == {"alice"}
     assert main(["add", "no spaces", str(path)]) == 2
 
 
