@@ -69,6 +69,12 @@ CHANNEL_OPTIONS = (
 )
 
 
+# The bodies a web page may POST to another site without the browser asking it first (CORS "simple"
+# requests): a front without API keys on loopback would otherwise run whatever a visited page sends.
+# JSON bodies come with their type (the SDKs, `curl -H 'Content-Type: application/json'`) or none.
+_CROSS_SITE_MEDIA_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data", "text/plain"})
+
+
 class _Cancellable(Protocol):
     def cancel(self) -> bool: ...
 
@@ -515,6 +521,13 @@ class HttpFront:
         return ((AUTHORIZATION, value),) if value and value.isascii() and value.isprintable() else ()
 
     async def _body(self, request: Request) -> bytes:
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type in _CROSS_SITE_MEDIA_TYPES:
+            raise ApiError(
+                415,
+                f"the request body must be JSON (Content-Type: application/json), got {media_type}",
+                "invalid_request_error",
+            )
         limit = self.config.max_body_bytes
         too_large = ApiError(413, f"the request body is larger than {limit} bytes", "invalid_request_error")
         length = request.headers.get("content-length", "")

@@ -202,3 +202,18 @@ def test_no_request_body_gets_a_5xx(client: TestClient, body: object, path: str)
     assert response.status_code < 500, response.text
     if response.status_code != 200:
         _error(response)
+
+
+@pytest.mark.parametrize("media_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETION_PATH, "/tokenize", "/detokenize"])
+def test_a_body_a_web_page_could_post_from_another_site_is_a_415(
+    client: TestClient, media_type: str, path: str
+) -> None:
+    """A browser lets any page POST these types to another site without asking it first (CORS simple
+    requests): a front without API keys on loopback would have run what a visited page sent. JSON
+    with its type, or with none (a raw body), is read as before."""
+    body = json.dumps(chat()).encode()
+    response = client.post(path, content=body, headers={"content-type": f"{media_type}; charset=utf-8"})
+    assert response.status_code == 415, response.text
+    assert "application/json" in _error(response)["message"]
+    assert client.post(CHAT_PATH, content=body).status_code == 200
