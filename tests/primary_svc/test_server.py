@@ -574,19 +574,26 @@ def test_a_slot_idle_for_the_takeover_period_may_be_prefilled_without_its_lease(
     assert engine.kv_bytes == 0
 
 
-def test_a_prefill_of_a_request_whose_prefill_is_queued_is_refused(primary):
-    """A queued Prefill (waiting for KV room) has granted no lease yet: nobody can replace it."""
+def _full_kv_and_a_queued_prefill(primary, request_id: str) -> tuple[list[str], grpc.Future]:  # noqa: ANN001
+    """KV filled by 500-token requests fill0, fill1, ... (their leases), and request_id's Prefill of as
+    many tokens, queued for room (its call, under way)."""
     stub, engine, servicer, _ = primary
-    per_request = engine.kv_bytes_to_open(500)
     leases = [
         stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
-        for i in range(engine.kv_cache.max_bytes // per_request)
+        for i in range(engine.kv_cache.max_bytes // engine.kv_bytes_to_open(500))
     ]
-    queued = stub.Prefill.future(primary_pb2.PrefillRequest(request_id="queued", token_ids=[5] * 500), timeout=120)
+    queued = stub.Prefill.future(primary_pb2.PrefillRequest(request_id=request_id, token_ids=[5] * 500), timeout=120)
     give_up = time.monotonic() + 60
     while servicer.worker.num_waiting == 0 and time.monotonic() < give_up:
         time.sleep(0.01)
     assert servicer.worker.num_waiting == 1
+    return leases, queued
+
+
+def test_a_prefill_of_a_request_whose_prefill_is_queued_is_refused(primary):
+    """A queued Prefill (waiting for KV room) has granted no lease yet: nobody can replace it."""
+    stub, engine, servicer, _ = primary
+    leases, queued = _full_kv_and_a_queued_prefill(primary, "queued")
     with pytest.raises(grpc.RpcError) as e:
         stub.Prefill(primary_pb2.PrefillRequest(request_id="queued", token_ids=[6] * 10), timeout=60)
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -605,16 +612,7 @@ def test_a_queued_prefill_whose_caller_went_away_leaves_the_queue_and_takes_no_s
     time) leaves the queue at once. Before, it stayed queued until its own deadline and, once room
     came, took a slot under a lease nobody had received: the KV stayed held until the lease expired."""
     stub, engine, servicer, _ = primary
-    per_request = engine.kv_bytes_to_open(500)
-    leases = [
-        stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
-        for i in range(engine.kv_cache.max_bytes // per_request)
-    ]
-    gone = stub.Prefill.future(primary_pb2.PrefillRequest(request_id="gone", token_ids=[5] * 500), timeout=120)
-    give_up = time.monotonic() + 60
-    while servicer.worker.num_waiting == 0 and time.monotonic() < give_up:
-        time.sleep(0.01)
-    assert servicer.worker.num_waiting == 1
+    leases, gone = _full_kv_and_a_queued_prefill(primary, "gone")
     gone.cancel()
     give_up = time.monotonic() + 30  # the primary hears of the cancel on its own threads
     while servicer.worker.num_waiting == 1 and time.monotonic() < give_up:
