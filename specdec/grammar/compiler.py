@@ -28,6 +28,7 @@ import dataclasses
 import json
 import re
 import threading
+import urllib.parse
 
 import jsonschema
 import xgrammar as xgr
@@ -126,6 +127,156 @@ def check_schema_text(schema_text: str, max_schema_chars: int = DEFAULT_MAX_SCHE
         raise InvalidArgument(SCHEMA_FIELD, f"is not a valid JSON Schema: {e.message} (at {where})") from None
     except RecursionError:  # the check recurses a few frames a level: JSON that parses can nest past it
         raise InvalidArgument(SCHEMA_FIELD, "nests too deeply to check as a JSON Schema") from None
+    unenforced = _first_unenforced(schema, schema, "")
+    if unenforced is not None:
+        where, what = unenforced
+        raise InvalidArgument(
+            SCHEMA_FIELD,
+            f"{what} (at {where or '/'}): the grammar engine cannot enforce it, so the output could break it",
+        )
+
+
+# What the engine does not enforce, found by checking its outputs with `jsonschema` (xgrammar 0.2.9):
+# it ignores these keywords, at most logging a warning on stderr, and the output then need not
+# validate. Refused rather than ignored, since the output must always follow the schema.
+_IGNORED_KEYWORDS = ("not", "if", "dependentRequired", "dependentSchemas", "dependencies", "contains", "propertyNames")
+# The keywords that constrain an instance (annotations and unknown keywords constrain nothing).
+_ASSERTIONS = frozenset(
+    "type enum const properties required additionalProperties patternProperties propertyNames minProperties "
+    "maxProperties items prefixItems additionalItems unevaluatedItems unevaluatedProperties minItems maxItems "
+    "uniqueItems contains minContains maxContains minLength maxLength pattern format minimum maximum "
+    "exclusiveMinimum exclusiveMaximum multipleOf not if then else dependentRequired dependentSchemas "
+    "dependencies allOf anyOf oneOf $ref".split()
+)
+# Beside one of these, other assertions (or a second of these) are not both enforced: the engine keeps one side.
+_COMPOSITIONS = ("$ref", "allOf", "anyOf", "oneOf")
+_MAX_INTEGER_MULTIPLE_OF = 1024  # the engine's bound; beyond it multipleOf is ignored
+_MAX_MULTIPLE_OF_RANGE = 10_000  # nor is it enforced inside a wider (or one-sided) range
+_SUBSCHEMA_KEYS = ("additionalProperties", "items", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties")  # definitions are checked where a $ref uses them
+_SUBSCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf")
+_LOOKAHEAD = re.compile(r"(?<!\\)\(\?[=!]")  # (?= or (?! not escaped
+
+
+def _first_unenforced(
+    node: object, root: dict, where: str, seen_refs: set[str] | None = None
+) -> tuple[str, str] | None:
+    """(JSON pointer, what) of the first part of the schema at `node` that the engine would ignore.
+    Definitions count where a `$ref` reaches them (each once): the engine compiles no other."""
+    if not isinstance(node, dict):
+        return None  # a boolean schema
+    seen_refs = set() if seen_refs is None else seen_refs
+    found = _unenforced_here(node, root)
+    if found is not None:
+        return where, found
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in seen_refs:
+        seen_refs.add(ref)
+        found_there = _first_unenforced(_local_target(ref, root), root, urllib.parse.unquote(ref[1:]), seen_refs)
+        if found_there is not None:
+            return found_there
+    children: list[tuple[str, object]] = [(key, node[key]) for key in _SUBSCHEMA_KEYS if key in node]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            children += [(f"{key}/{_pointer_token(name)}", sub) for name, sub in node[key].items()]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            children += [(f"{key}/{i}", sub) for i, sub in enumerate(node[key])]
+    for path, child in children:
+        found_below = _first_unenforced(child, root, f"{where}/{path}", seen_refs)
+        if found_below is not None:
+            return found_below
+    return None
+
+
+def _unenforced_here(node: dict, root: dict) -> str | None:
+    for key in _IGNORED_KEYWORDS:
+        if key in node:
+            return f"{key!r} is not supported"
+    if node.get("uniqueItems") is True:
+        return "'uniqueItems' is not supported"
+    compositions = [key for key in _COMPOSITIONS if key in node]
+    if compositions:
+        others = sorted(key for key in node if key in _ASSERTIONS and key not in compositions)
+        if others == ["type"] and len(compositions) == 1 and _branches_have_type(node, compositions[0], root):
+            others = []  # the type beside says nothing the branches do not say already
+        if len(compositions) > 1 or others:
+            return f"{compositions[0]!r} beside {sorted(set(compositions[1:]) | set(others))} is not supported"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return "'allOf' with more than one schema is not supported"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+            return f"'$ref' {ref!r} is not supported (only '#' and '#/...' pointers)"
+    properties: dict = node["properties"] if isinstance(node.get("properties"), dict) else {}
+    missing = [name for name in node.get("required", ()) if name not in properties]
+    if missing:
+        return f"'required' names {missing}, which 'properties' does not define"
+    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+        return f"{'pattern' if 'pattern' in node else 'format'!r} beside 'minLength' / 'maxLength' is not supported"
+    if isinstance(node.get("pattern"), str) and _LOOKAHEAD.search(node["pattern"]):
+        return "a lookahead in 'pattern' is not supported"
+    if "multipleOf" in node and not _is_enforced_multiple_of(node):
+        return (
+            f"'multipleOf' is supported only for 'type': 'integer', a whole multiple up to "
+            f"{_MAX_INTEGER_MULTIPLE_OF}, unbounded or within a range of at most {_MAX_MULTIPLE_OF_RANGE} values"
+        )
+    for key in ("enum", "const"):
+        if key in node:
+            values = node[key] if key == "enum" else [node[key]]
+            beside = {k: v for k, v in node.items() if k in _ASSERTIONS and k != key}
+            if beside and isinstance(values, list) and "$ref" not in json.dumps(beside):
+                validator = jsonschema.validators.validator_for(root)(beside)
+                bad = [v for v in values if not validator.is_valid(v)]
+                if bad:
+                    return f"{key!r} values {bad} break the schema beside them, which is not supported"
+    return None
+
+
+def _branches_have_type(node: dict, composition: str, root: dict) -> bool:
+    """Whether every branch of `composition` (each schema of the list, or the `$ref` target) has a
+    `type` within the `type` beside it (integer within number)."""
+    allowed = _type_set(node["type"])
+    branches = node[composition] if composition != "$ref" else [_local_target(node["$ref"], root)]
+    if not allowed or not isinstance(branches, list):
+        return False
+    for branch in branches:
+        types = _type_set(branch.get("type")) if isinstance(branch, dict) else set()
+        if not types or not types <= allowed | ({"integer"} if "number" in allowed else set()):
+            return False
+    return True
+
+
+def _type_set(value: object) -> set[str]:
+    values = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    return {v for v in values if isinstance(v, str)}
+
+
+def _local_target(ref: object, root: dict) -> object:
+    """The schema a local '#/...' `$ref` points at, or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    target: object = root
+    for token in filter(None, ref[1:].split("/")):
+        token = urllib.parse.unquote(token).replace("~1", "/").replace("~0", "~")
+        target = target.get(token) if isinstance(target, dict) else None
+    return target
+
+
+def _is_enforced_multiple_of(node: dict) -> bool:
+    multiple_of = node["multipleOf"]
+    if node.get("type") != "integer" or isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, float)):
+        return False
+    if multiple_of != int(multiple_of) or not 0 < multiple_of <= _MAX_INTEGER_MULTIPLE_OF:
+        return False
+    lows = [node[k] for k in ("minimum", "exclusiveMinimum") if isinstance(node.get(k), (int, float))]
+    highs = [node[k] for k in ("maximum", "exclusiveMaximum") if isinstance(node.get(k), (int, float))]
+    if not lows and not highs:
+        return True
+    return bool(lows and highs) and min(highs) - max(lows) < _MAX_MULTIPLE_OF_RANGE
+
+
+def _pointer_token(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

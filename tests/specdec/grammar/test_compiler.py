@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from specdec.errors import InvalidArgument
@@ -35,6 +36,95 @@ def test_invalid_schema_names_the_field(tokenizer_info, schema_text, reason):
     assert info.value.field == "response_format.json_schema"
     assert reason in info.value.message
     assert "[" not in info.value.message.split(":")[0]  # no "[17:07:09] /project/cpp/..." prefix
+
+
+# Each valid JSON Schema that the engine compiled, then let through an output that does not validate
+# (it ignored the keyword): the output it allowed is beside it. Refused now, naming what and where.
+@pytest.mark.parametrize(
+    "schema, allowed_output, reason, where",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1], "'uniqueItems'", "/"),
+        ({"not": {"type": "string"}}, "a", "'not'", "/"),
+        (
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+            {"a": 1},
+            "'dependentRequired'",
+            "/",
+        ),
+        ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [1], "'contains'", "/"),
+        ({"type": "object", "required": ["a"]}, {}, "'required' names ['a']", "/"),
+        (
+            {
+                "type": "object",
+                "properties": {"p": {"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}},
+            },
+            {"p": {"a": 1}},
+            "'required' names ['b']",
+            "/properties/p",
+        ),
+        ({"type": "number", "multipleOf": 2}, 3, "'multipleOf'", "/"),
+        ({"type": "integer", "multipleOf": 3, "minimum": 0}, 4, "'multipleOf'", "/"),
+        ({"type": "string", "pattern": "^[a-z]+$", "minLength": 3}, "ab", "'pattern' beside 'minLength'", "/"),
+        ({"type": "string", "format": "email", "maxLength": 5}, "abcdef@b.co", "'format' beside", "/"),
+        ({"type": "string", "pattern": "^(?!a)[a-z]+$"}, "abc", "lookahead", "/"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, 1, "'allOf' with more than one", "/"),
+        ({"anyOf": [{"type": "string"}], "type": "integer"}, "a", "'anyOf' beside ['type']", "/"),
+        (
+            {"$defs": {"x": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/x", "minimum": 3}}},
+            {"a": 1},
+            "'$ref' beside ['minimum']",
+            "/properties/a",
+        ),
+        ({"type": "integer", "enum": [1, "a"]}, "a", "'enum' values ['a']", "/"),
+        (  # in a definition, found where a $ref (here a recursive one) uses it
+            {
+                "$defs": {
+                    "Tags": {
+                        "type": "array",
+                        "items": {"anyOf": [{"type": "string"}, {"$ref": "#/$defs/Tags"}]},
+                        "uniqueItems": True,
+                    }
+                },
+                "$ref": "#/$defs/Tags",
+            },
+            ["a", "a"],
+            "'uniqueItems'",
+            "/$defs/Tags",
+        ),
+        ({"type": "string", "const": "x", "maxLength": 0}, "x", "'const' values ['x']", "/"),
+    ],
+)
+def test_schema_the_engine_would_not_enforce_is_refused(tokenizer_info, schema, allowed_output, reason, where):
+    with pytest.raises(jsonschema.ValidationError):  # the output the engine let through breaks the schema
+        jsonschema.validate(allowed_output, schema)
+    with pytest.raises(InvalidArgument) as info:
+        compile_response_format("json_schema", json.dumps(schema), tokenizer_info)
+    assert info.value.field == "response_format.json_schema"
+    assert reason in info.value.message and f"(at {where})" in info.value.message
+    assert "cannot enforce" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "enum": ["a", "b"]},
+        {"type": "integer", "multipleOf": 3},
+        {"type": "integer", "multipleOf": 3, "minimum": 1, "maximum": 20},
+        {"type": "string", "pattern": "^[a-z]+$"},
+        {"type": "string", "minLength": 2, "maxLength": 3},
+        {"allOf": [{"$ref": "#/$defs/x"}], "$defs": {"x": {"type": "integer"}}, "description": "d", "default": 1},
+        {"type": "object", "allOf": [{"type": "object", "properties": {"a": {}}, "required": ["a"]}]},
+        {
+            "$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+            "$ref": "#/$defs/n",
+        },
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "x-vendor": {"not": 1}},
+        # a definition nothing uses is not compiled: what it holds does not matter
+        {"type": "integer", "$defs": {"unused": {"not": {"type": "string"}}}},
+    ],
+)
+def test_schema_the_engine_enforces_compiles(tokenizer_info, schema):
+    compile_response_format("json_schema", json.dumps(schema), tokenizer_info)
 
 
 def test_schema_is_required_for_json_schema_and_refused_for_json_object():
