@@ -26,7 +26,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import re
+import sys
 import threading
 import urllib.parse
 
@@ -103,7 +105,8 @@ def compile_response_format(
     try:
         grammar = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
     except (RuntimeError, ValueError) as e:
-        reason = _ENGINE_LOG_PREFIX.sub("", str(e).strip().splitlines()[0])
+        lines = str(e).strip().splitlines()  # none for some refusals (a bound of 1e400 gave an empty message)
+        reason = _ENGINE_LOG_PREFIX.sub("", lines[0]) if lines else "it gives no reason"
         raise InvalidArgument(SCHEMA_FIELD, f"is not supported by the grammar engine: {reason}") from None
     return CompiledGrammar(response_format, tokenizer_info, grammar)
 
@@ -115,7 +118,7 @@ def check_schema_text(schema_text: str, max_schema_chars: int = DEFAULT_MAX_SCHE
             SCHEMA_FIELD, f"has {len(schema_text)} characters, more than the limit of {max_schema_chars}"
         )
     try:
-        schema = json.loads(schema_text)
+        schema = json.loads(schema_text, parse_float=_finite_float, parse_int=_finite_int, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:
         raise InvalidArgument(SCHEMA_FIELD, f"is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
@@ -277,6 +280,31 @@ def _is_enforced_multiple_of(node: dict) -> bool:
 
 def _pointer_token(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one past a double's range (1e400) is refused: Python reads it as
+    inf, which the engine cannot parse back (it failed without a message)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:32]} is beyond a double's range")
+    return value
+
+
+def _finite_int(text: str) -> int:
+    """A JSON integer, refused past a double's range (10**400) as `_finite_float` refuses 1e400."""
+    value = int(text)
+    if abs(value) > _MAX_DOUBLE:
+        raise ValueError(f"the number {text[:32]}... is beyond a double's range")
+    return value
+
+
+_MAX_DOUBLE = int(sys.float_info.max)
+
+
+def _not_json(name: str) -> float:
+    """Python's json reads NaN, Infinity and -Infinity; JSON has no such values."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import json
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 
 from specdec.errors import InvalidArgument
 from specdec.grammar import GrammarCache, ResponseFormat, compile_response_format
@@ -23,6 +24,12 @@ from tests.schemas import PERSON_SCHEMA
         ('{"type": "foo"}', "is not a valid JSON Schema"),
         ('{"not": ' * 200 + "{}" + "}" * 200, "nests too deeply to check"),  # parses; the check's recursion fails
         ('{"properties": {"a": {"minLength": -1}}}', "at /properties/a/minLength"),
+        # numbers JSON has not (Python's json reads them) or a double cannot hold: the engine failed on
+        # 1e400 with an empty message (IndexError, INTERNAL) and echoed the schema for NaN
+        ('{"type": "integer", "maximum": 1e400}', "is not valid JSON: the number 1e400 is beyond a double's range"),
+        ('{"type": "array", "maxItems": 1' + "0" * 400 + "}", "is not valid JSON: the number 1000"),
+        ('{"type": "number", "minimum": -Infinity}', "is not valid JSON: -Infinity is not a JSON value"),
+        ('{"type": "number", "maximum": NaN}', "is not valid JSON: NaN is not a JSON value"),
         # valid JSON Schema, but the engine refuses it: its reason comes through without the C++ log prefix
         (
             '{"type": "object", "minProperties": 3, "maxProperties": 1}',
@@ -125,6 +132,15 @@ def test_schema_the_engine_would_not_enforce_is_refused(tokenizer_info, schema, 
 )
 def test_schema_the_engine_enforces_compiles(tokenizer_info, schema):
     compile_response_format("json_schema", json.dumps(schema), tokenizer_info)
+
+
+def test_engine_refusal_without_a_message_still_names_the_field(tokenizer_info, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("")
+
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_json_schema", refuse)
+    with pytest.raises(InvalidArgument, match="response_format.json_schema: is not supported by the grammar engine"):
+        compile_response_format("json_schema", PERSON_SCHEMA, tokenizer_info)
 
 
 def test_schema_is_required_for_json_schema_and_refused_for_json_object():
