@@ -9,7 +9,9 @@ runs through the response_format grammar path (its forced tokens are drafted for
     parallel      {"type": "array", "items": <one call>, "minItems": 1}
 
 `name` comes first in every call object (xgrammar keeps the schema's property order), so a stream
-knows the function before its arguments begin.
+knows the function before its arguments begin. A tool's local `$ref`s ("#/$defs/Place", as pydantic
+writes nested models) point into its parameters, which sit deeper in the calls' schema: they are
+rebased onto where the parameters sit ("#/anyOf/0/properties/arguments/$defs/Place").
 """
 
 from __future__ import annotations
@@ -89,20 +91,54 @@ class ToolSpec:
         """The JSON schema (text) of a forced answer; see the module's docstring."""
         assert self.is_forced
         chosen = [t for t in self.tools if self.mode is ToolMode.REQUIRED or t.name == self.function_name]
-        calls = [_call_schema(t) for t in chosen]
-        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        if self.is_parallel and self.mode is ToolMode.REQUIRED:
+        is_array = self.is_parallel and self.mode is ToolMode.REQUIRED
+        at = "/items" if is_array else ""  # where the one call's schema sits
+        if len(chosen) == 1:
+            one = _call_schema(chosen[0], at)
+        else:
+            one = {"anyOf": [_call_schema(t, f"{at}/anyOf/{i}") for i, t in enumerate(chosen)]}
+        if is_array:
             one = {"type": "array", "items": one, "minItems": 1}
         return json.dumps(one)
 
 
-def _call_schema(tool: FunctionTool) -> dict:
+def _call_schema(tool: FunctionTool, at: str) -> dict:
+    """The schema of one call of `tool`, which sits at JSON pointer `at` in the calls' schema."""
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+        "properties": {
+            "name": {"const": tool.name},
+            "arguments": _rebased(tool.parameters, f"{at}/properties/arguments"),
+        },
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+# Keywords whose values are instances, not schemas: a "$ref" key inside them is data.
+_VALUE_KEYWORDS = frozenset(("const", "enum", "default", "examples", "example"))
+# Keywords whose values map names (which may be any word, "default" too) to schemas.
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+
+
+def _rebased(schema: object, at: str) -> object:
+    """`schema` with every local `$ref` ("#" or "#/...", relative to the schema's own root) pointing
+    to the same place once the schema sits at JSON pointer `at` of a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, object] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = f"#{at}{value[1:]}"
+        elif key in _VALUE_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, at) for name, sub in value.items()}
+        else:
+            out[key] = _rebased(value, at)
+    return out
 
 
 def tool_spec_from_pb(req: gateway_pb2.GenerateRequest, max_schema_depth: int) -> ToolSpec:

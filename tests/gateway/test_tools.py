@@ -107,6 +107,56 @@ def test_required_generates_under_the_calls_schema_with_grammar_drafts(grammar_c
     grammar_cache.compile(p.response_format)  # xgrammar takes it
 
 
+# Parameters as pydantic writes a nested model: "$ref"s into the parameters' own "$defs", one recursive.
+PLACES = {
+    "type": "object",
+    "properties": {
+        "place": {"$ref": "#/$defs/Place"},
+        "note": {"const": {"$ref": "#/kept"}},
+        "default": {"$ref": "#/$defs/Place"},  # a property's name, not the keyword
+    },
+    "required": ["place"],
+    "$defs": {
+        "Place": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "within": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]},
+            },
+            "required": ["city", "within"],
+        }
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "mode, function_name, is_parallel",
+    [
+        (gateway_pb2.ToolChoice.MODE_FUNCTION, "find", True),
+        (gateway_pb2.ToolChoice.MODE_REQUIRED, "", False),
+        (gateway_pb2.ToolChoice.MODE_REQUIRED, "", True),
+    ],
+)
+def test_refs_into_a_tools_own_defs_resolve_in_the_calls_schema(grammar_cache, mode, function_name, is_parallel):
+    req = request(mode, function_name, parallel_tool_calls=is_parallel)
+    req.tools.add(name="find", description="Find a place", parameters=json.dumps(PLACES))
+    p = params(req)
+    schema = json.loads(p.response_format.schema_text)
+    place = {"city": "Oslo", "within": {"city": "Norway", "within": None}}
+    call = {"name": "find", "arguments": {"place": place, "note": {"$ref": "#/kept"}}}  # a value is not rebased
+    jsonschema.validate([call] if mode == gateway_pb2.ToolChoice.MODE_REQUIRED and is_parallel else call, schema)
+    for wrong in ({"city": 1, "within": None}, {"city": "Oslo"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "find", "arguments": {"place": wrong}}, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"name": "find", "arguments": {"place": place, "default": wrong}}, schema)
+    grammar = grammar_cache.compile(p.response_format)  # xgrammar resolves them too
+    state = grammar.new_state()
+    call = {"name": "find", "arguments": {"place": place}}  # (the engine writes an object const without spaces)
+    text = json.dumps([call] if mode == gateway_pb2.ToolChoice.MODE_REQUIRED and is_parallel else call)
+    assert state.accept_tokens(grammar.tokenizer_info.tokenizer.encode(text)) and state.is_completed
+
+
 def test_a_named_function_is_its_own_schema_and_auto_has_none():
     p = params(request(gateway_pb2.ToolChoice.MODE_FUNCTION, "get_time"))
     schema = json.loads(p.response_format.schema_text)
