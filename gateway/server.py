@@ -59,6 +59,7 @@ from specdec.errors import (
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     SpecdecError,
     Unavailable,
 )
@@ -472,10 +473,11 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             grammar = (
                 None if params.response_format is None else self.grammars.new_state(params.response_format, deadline)
             )
-        except InvalidArgument as e:
+        except (InvalidArgument, ResourceExhausted) as e:  # a bad schema, or one too slow to compile
             if not params.tools.is_forced:
                 raise
-            raise InvalidArgument("tools", f"the calls' schema (from the tools' parameters) {e.message}") from None
+            # the format is the tools' (the request has none of its own): name them, not response_format
+            raise type(e)("tools", f"the calls' schema (from the tools' parameters) {e.message}") from None
         stored = request.__class__()
         stored.CopyFrom(request)
         stored.request_id = client_id

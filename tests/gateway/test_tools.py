@@ -5,6 +5,7 @@ the documented default (Hermes-style) when it has not, control-token text kept o
 from __future__ import annotations
 
 import json
+import types
 
 import jsonschema
 import pytest
@@ -12,9 +13,12 @@ import pytest
 from gateway.chat import PromptEncoder
 from gateway.config import Limits, SpeculationDefaults
 from gateway.params import params_from_pb
+from gateway.server import GenerationServicer
+from gateway.tokenization import Tokenization
 from gateway.tool_prompt import ChatTurn, default_format, has_tool_format, render
 from gateway.tools import FunctionTool, ToolCall, ToolMode
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, ResourceExhausted
+from specdec.grammar.compiling import Grammars
 from specdec.grammar.compiler import JSON_SCHEMA
 from specdec.model.tokenizer import Tokenizer
 from specdec.strategies import GRAMMAR_STRATEGY
@@ -155,6 +159,39 @@ def test_refs_into_a_tools_own_defs_resolve_in_the_calls_schema(grammar_cache, m
     call = {"name": "find", "arguments": {"place": place}}  # (the engine writes an object const without spaces)
     text = json.dumps([call] if mode == gateway_pb2.ToolChoice.MODE_REQUIRED and is_parallel else call)
     assert state.accept_tokens(grammar.tokenizer_info.tokenizer.encode(text)) and state.is_completed
+
+
+def _servicer_preparing(tokenizer: Tokenizer, tokenizer_info, grammars) -> GenerationServicer:
+    """A servicer with only what _prepare touches."""
+    s = GenerationServicer.__new__(GenerationServicer)
+    s.config = types.SimpleNamespace(limits=Limits(), speculation=SpeculationDefaults())
+    s.model = types.SimpleNamespace(
+        vocab_size=tokenizer_info.vocab_size, eos_token_ids=tokenizer.eos_token_ids, max_context=2048
+    )
+    s.prompt_encoder = PromptEncoder(tokenizer)
+    s.tokenization = Tokenization(tokenizer, s.prompt_encoder, tokenizer_info.vocab_size)
+    s.grammars = grammars
+    return s
+
+
+def test_a_forced_calls_schema_that_is_refused_or_too_slow_names_the_tools(tokenizer, tokenizer_info, grammar_cache):
+    req = request(gateway_pb2.ToolChoice.MODE_REQUIRED)
+    req.tools[1].parameters = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0.5}}})
+    grammars = Grammars(grammar_cache)
+    try:
+        with pytest.raises(InvalidArgument) as refused:  # the engine refuses it
+            _servicer_preparing(tokenizer, tokenizer_info, grammars)._prepare(req, "r", None, None)
+    finally:
+        grammars.close()
+    assert refused.value.field == "tools" and "whole number" in refused.value.message
+
+    def too_slow(response_format, deadline):  # as Grammars.compile says it
+        raise ResourceExhausted("response_format.json_schema", "took longer than 10.0 s to compile into a grammar")
+
+    s = _servicer_preparing(tokenizer, tokenizer_info, types.SimpleNamespace(new_state=too_slow))
+    with pytest.raises(ResourceExhausted) as slow:
+        s._prepare(request(gateway_pb2.ToolChoice.MODE_REQUIRED), "r", None, None)
+    assert slow.value.field == "tools" and "took longer than" in slow.value.message
 
 
 def test_a_named_function_is_its_own_schema_and_auto_has_none():
