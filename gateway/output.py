@@ -103,11 +103,14 @@ class Output:
             return len(kept), is_stopped
         # A step can commit several tokens: keep only those up to the one completing the stop
         # string, so token_ids match what plain decoding stops at. (Rare: decodes at most a step.)
-        num_kept = next(
-            (k for k in range(1, len(kept) + 1) if self._cut_at_stop(self.tokenizer.decode(generated + kept[:k]))[1]),
-            len(kept),
-        )
-        return num_kept, True
+        # The text is cut where plain decoding cuts it too: at that token's stop string, not at one
+        # that begins earlier but completes only at a later token of the step (several stop strings).
+        for k in range(1, len(kept) + 1):
+            text, is_complete = self._cut_at_stop(self.tokenizer.decode(generated + kept[:k]))
+            if is_complete:
+                self.text = text
+                return k, True
+        return len(kept), True
 
     def ready_text(self, is_final: bool) -> str:
         """The text that became final since the last call: all of it at the output's end (is_final),

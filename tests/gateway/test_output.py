@@ -98,3 +98,22 @@ def test_an_output_resumed_past_min_tokens_still_stops_at_a_later_stop_string():
     assert output.resumed_finish(2) is None  # the "x" was in the first two tokens
     assert output.add([B, X], [X, A]) == (2, True)
     assert output.text == "xab"
+
+
+def test_of_several_stop_strings_a_step_cuts_at_the_one_plain_decoding_completes_first():
+    """Stop strings "xaba" and "ab": "xaba" begins first but completes a token later, so plain
+    decoding (a token a step) stops at "ab", keeping "x"; a step of all four tokens kept the same
+    three tokens but cut its text before "xaba", to "", a text that did not match its token_ids."""
+    stop = ("xaba", "ab")
+    plain = make_output(stop)
+    generated: list[int] = []
+    for t in [X, A, B, A]:
+        num_kept, is_stopped = plain.add([t], generated)
+        generated += [t][:num_kept]
+        if is_stopped:
+            break
+    assert generated == [X, A, B] and plain.text == "x"
+    output = make_output(stop)
+    assert output.add([X, A, B, A], []) == (3, True)
+    assert output.ready_text(is_final=True) == "x"
+    assert output.end(is_flushed=False) == ""
