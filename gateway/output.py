@@ -11,6 +11,7 @@ in the text of the tokens past the first min_tokens: the end tokens are held bac
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence, Set
 
 from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
@@ -140,3 +141,34 @@ class Output:
         # a match may begin before that text's end, not end within it (find_stop_string's start)
         cut = find_stop_string(text, self.stop, start=self._min_chars)
         return (text, False) if cut is None else (text[:cut], True)
+
+
+def stored_output(tokenizer: Tokenizer, stop: Sequence[str], min_tokens: int) -> Output:
+    """The output of a stored request for one that reads it (a retry following it, GetRequest), cut
+    at its stop strings as its loop's output cut it: its tokens are stored up to the one completing a
+    stop string, their text is not. Add its tokens one at a time (add_stored)."""
+    return Output(
+        tokenizer,
+        [],
+        eos=frozenset(),
+        stop=stop,
+        max_new_tokens=sys.maxsize,
+        num_prompt_tokens=0,
+        max_context=sys.maxsize,
+        min_tokens=min_tokens,
+    )
+
+
+def add_stored(output: Output, token_ids: Sequence[int], generated: list[int]) -> None:
+    """Stored tokens after `generated` (which they extend), a token at a time: the text of each step
+    of several tokens, and the one completing a stop string, is the one plain decoding gives. Tokens
+    past a stop string are not the output's (a stored output has none)."""
+    if not output.stop:  # nothing to cut: the tokens' text at once
+        output.add(list(token_ids), generated)
+        generated.extend(token_ids)
+        return
+    for t in token_ids:
+        if output.is_stopped:
+            return
+        output.add([t], generated)
+        generated.append(t)

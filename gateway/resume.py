@@ -39,6 +39,7 @@ from gateway.fenced_store import OwnerFencedStore
 from gateway.follow import follow, is_orphaned
 from specdec.grammar.compiling import Grammars
 from gateway.loop import RequestLoop
+from gateway.output import Output, add_stored, stored_output
 from gateway.owner_id import OwnerId
 from gateway.owner_probe import OwnerProbe
 from gateway.params import GenerationParams, params_from_pb, params_pb_from_json
@@ -46,7 +47,7 @@ from gateway.stats import RequestStats
 from specdec import pb
 from specdec.errors import Cancelled, InvalidArgument, Unavailable
 from specdec.grammar import GrammarState
-from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import AsyncStateStore, RequestState, RequestStatus
 from specdec.v1 import gateway_pb2
 
@@ -281,29 +282,42 @@ class Resumption:
             )
             return False
 
+    def _stored_output(self, params: dict[str, Any]) -> Output:
+        """The output of a stored request as its loop cuts its text: at its stop strings, past its
+        min_tokens (a request whose parameters no gateway can read has none)."""
+        try:
+            request = _stored_request(params)
+        except InvalidArgument:
+            request = gateway_pb2.GenerateRequest()
+        return stored_output(self.tokenizer, tuple(request.stop), request.sampling.min_tokens)
+
     async def followed(self, request, context, is_streamed: bool = False):
         """The stream of a retried request (the same request under a stored id): its stored output
         so far, then each step stored, then a final message; the request is adopted here if its
         gateway is gone."""
         client_id = pb.request_id_from_pb(request.request_id)
         request_id = self._scoped(context, client_id)
-        detok = IncrementalDetokenizer(self.tokenizer)
-        num_sent, text, state = 0, "", None
+        output: Output | None = None
+        generated: list[int] = []
+        num_sent, state = 0, None
         with self._told_as_client(request_id, client_id):
             async for state in follow(self.store, request_id, self.adopt_if_abandoned):
+                if output is None:
+                    output = self._stored_output(state.params)
                 new = list(state.token_ids[num_sent:])
-                num_sent, delta = len(state.token_ids), detok.add(new)
-                text += delta
+                num_sent = len(state.token_ids)
+                add_stored(output, new, generated)
+                delta = output.ready_text(is_final=output.is_stopped)
                 if is_streamed and (new or delta):
                     yield gateway_pb2.GenerateStreamResponse(request_id=client_id, text=delta, token_ids=new)
-        assert state is not None
+        assert state is not None and output is not None
         if state.status == RequestStatus.FAILED:
             raise Unavailable("request_id", f"request {client_id!r} failed: {state.error or 'see the gateway log'}")
-        tail = detok.finish()
+        tail = output.end(is_flushed=not output.is_stopped)
         yield gateway_pb2.GenerateStreamResponse(
             request_id=client_id,
             is_final=True,
-            text=tail if is_streamed else text + tail,
+            text=tail if is_streamed else output.text,
             token_ids=[] if is_streamed else state.token_ids,
             finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
             stats=RequestStats.of_record(state).to_pb(),

@@ -45,6 +45,7 @@ from specdec.grammar.compiling import Grammars
 from gateway.loop import RequestLoop
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.node_pool import Node, NodePool
+from gateway.output import add_stored
 from gateway.owner_probe import OwnerProbe
 from gateway.params import check_end_tokens, check_offered, params_from_pb, params_to_json
 from gateway.resume import FINISH_REASONS, Resumption
@@ -333,11 +334,14 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             self._in_background(self.adopt_if_abandoned(state), name=f"adopt {request_id}")
         from gateway.params import params_pb_from_json
 
+        output = self._stored_output(state.params)  # the text cut at a stop string, as Generate's
+        add_stored(output, state.token_ids, [])
+        output.end(is_flushed=not output.is_stopped)
         return gateway_pb2.GetRequestResponse(
             status=STATUSES[state.status],
             params=params_pb_from_json(state.params),
             token_ids=state.token_ids,
-            text=self.tokenizer.decode(state.token_ids),
+            text=output.text,
             stats=RequestStats.of_record(state).to_pb(),
             finish_reason=FINISH_REASONS.get(state.finish_reason, gateway_pb2.FINISH_REASON_UNSPECIFIED),
             error=state.error,

@@ -1,0 +1,71 @@
+"""What a stored request's readers get as its text: a retry of its request id (Resumption.followed)
+and GetRequest give the text its own Generate gave, cut at its stop string, though its tokens are
+stored up to the one that completes the stop string."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from gateway.params import params_to_json
+from gateway.server import GenerationServicer
+from specdec.model.tokenizer import Tokenizer
+from specdec.state_store import AsyncInMemoryStateStore, InMemoryStateStore, RequestStatus
+from specdec.v1 import gateway_pb2
+
+
+class Context:
+    def time_remaining(self):
+        return None
+
+
+def stored(tokenizer: Tokenizer, request: gateway_pb2.GenerateRequest, text: str) -> GenerationServicer:
+    """A servicer with only what reading a stored request touches, over a store holding `request`
+    finished with the tokens of `text`."""
+    store = AsyncInMemoryStateStore(InMemoryStateStore())
+    store.sync.create(
+        request.request_id, params_to_json(request), prompt_token_ids=[1, 2], status=RequestStatus.RUNNING
+    )
+    store.sync.append_step(request.request_id, tokenizer.encode(text))
+    store.sync.set_status(request.request_id, RequestStatus.FINISHED, finish_reason="stop")
+    s = GenerationServicer.__new__(GenerationServicer)
+    s.store, s.tokenizer, s.api_keys, s.owner = store, tokenizer, None, "gateway@10.0.0.1:50050#1"
+    s.log = structlog.get_logger("test")
+    return s
+
+
+def read(s: GenerationServicer, request: gateway_pb2.GenerateRequest, is_streamed: bool) -> list:
+    async def main() -> list:
+        return [m async for m in s.followed(request, Context(), is_streamed=is_streamed)]
+
+    return asyncio.run(main())
+
+
+def test_a_retried_request_and_get_request_give_the_text_cut_at_its_stop_strings(tokenizer: Tokenizer) -> None:
+    # " world" completes "wor": Generate kept that token and cut its text to "Hello"; the retry's
+    # answer and GetRequest were the decoded tokens, "Hello world", stop string and all
+    request = gateway_pb2.GenerateRequest(request_id="r1", prompt="Say hello", stop=["wor", "\n"])
+    s = stored(tokenizer, request, "Hello world")
+    unary = read(s, request, is_streamed=False)
+    assert [m.text for m in unary] == ["Hello "] and list(unary[-1].token_ids) == tokenizer.encode("Hello world")
+    streamed = read(s, request, is_streamed=True)
+    assert "".join(m.text for m in streamed) == "Hello " and streamed[-1].is_final
+    assert sum((list(m.token_ids) for m in streamed), []) == tokenizer.encode("Hello world")
+    got = asyncio.run(s.GetRequest(gateway_pb2.GetRequestRequest(request_id="r1"), Context()))
+    assert got.text == "Hello " and list(got.token_ids) == tokenizer.encode("Hello world")
+
+
+def test_min_tokens_keeps_a_stop_string_in_its_first_tokens(tokenizer: Tokenizer) -> None:
+    # the first "," is in the first min_tokens tokens: only the second ended the output
+    request = gateway_pb2.GenerateRequest(request_id="r2", prompt="List", stop=[","])
+    request.sampling.min_tokens = len(tokenizer.encode("a, b"))
+    s = stored(tokenizer, request, "a, b,")
+    assert [m.text for m in read(s, request, is_streamed=False)] == ["a, b"]
+
+
+def test_without_stop_strings_the_text_is_the_tokens(tokenizer: Tokenizer) -> None:
+    request = gateway_pb2.GenerateRequest(request_id="r3", prompt="Emoji")
+    s = stored(tokenizer, request, "ok 🤗")
+    assert "".join(m.text for m in read(s, request, is_streamed=True)) == "ok 🤗"
+    assert [m.text for m in read(s, request, is_streamed=False)] == ["ok 🤗"]
