@@ -301,7 +301,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         )
 
     def _logprobs_pb(self, values: Sequence[TokenLogprob]) -> list:
-        return [pb.token_logprob_to_pb(v, self.tokenization.token_text) for v in values]
+        return [pb.token_logprob_to_pb(v, self.tokenization.token_text, self.tokenization.token_bytes) for v in values]
 
     async def Cancel(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))

@@ -33,6 +33,8 @@ class Tokenization:
     def __init__(self, tokenizer: Tokenizer, prompt_encoder: PromptEncoder, vocab_size: int) -> None:
         self.tokenizer, self.prompt_encoder, self.vocab_size = tokenizer, prompt_encoder, vocab_size
         self.token_text = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE_SIZE)(self._token_text)
+        # each token's own bytes (a part of a character where its text is U+FFFD): OpenAI's `bytes`
+        self.token_bytes = functools.lru_cache(maxsize=TOKEN_TEXT_CACHE_SIZE)(tokenizer.token_bytes)
 
     def _token_text(self, token_id: int) -> str:
         """One token decoded alone, special tokens spelled out ("<|im_end|>"); a token that is part

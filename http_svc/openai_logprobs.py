@@ -1,7 +1,8 @@
 """Log probabilities (protobuf TokenLogprob) -> OpenAI's two shapes.
 
 Chat completions: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...],
-"refusal": null}`, one entry per generated token.
+"refusal": null}`, one entry per generated token; `bytes` are the token's own (a token holding part of
+a character has the `token` U+FFFD, and its bytes join with the next tokens' into the character).
 
 Completions (the legacy shape lm-eval-harness reads): parallel lists over the choice's tokens,
 `tokens`, `token_logprobs`, `top_logprobs` (a {token: logprob} object per token, holding the
@@ -26,12 +27,13 @@ def _logprob(value: float) -> float | None:
 
 
 def chat_logprobs(values: Sequence[logprobs_pb2.TokenLogprob]) -> dict:
-    def entry(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
+    def entry(value: logprobs_pb2.TokenLogprob | logprobs_pb2.TopLogprob) -> dict:
+        # the token's own bytes: a token holding part of a character has the text U+FFFD, but its
+        # bytes join with its neighbours' into the character, as OpenAI's do (empty: not sent)
+        token_bytes = value.token_bytes or value.text.encode()
+        return {"token": value.text, "logprob": _logprob(value.logprob), "bytes": list(token_bytes)}
 
-    content = [
-        {**entry(v.text, v.logprob), "top_logprobs": [entry(t.text, t.logprob) for t in v.top_logprobs]} for v in values
-    ]
+    content = [{**entry(v), "top_logprobs": [entry(t) for t in v.top_logprobs]} for v in values]
     return {"content": content, "refusal": None}
 
 

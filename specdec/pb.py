@@ -326,16 +326,28 @@ def logprobs_request_to_pb(request: LogprobsRequest) -> logprobs_pb2.LogprobsOpt
     return logprobs_pb2.LogprobsOptions(num_top_logprobs=request.num_top, include_prompt=request.is_prompt_included)
 
 
-def token_logprob_to_pb(value: TokenLogprob, decode: Callable[[int], str] | None = None) -> logprobs_pb2.TokenLogprob:
-    """`decode`: token id -> its text (the gateway's answers carry it), or None."""
+def token_logprob_to_pb(
+    value: TokenLogprob,
+    decode: Callable[[int], str] | None = None,
+    token_bytes: Callable[[int], bytes] | None = None,
+) -> logprobs_pb2.TokenLogprob:
+    """`decode`: token id -> its text, `token_bytes`: token id -> its own bytes (the gateway's
+    answers carry both), or None."""
+
+    def top(t: int, p: float) -> logprobs_pb2.TopLogprob:
+        return logprobs_pb2.TopLogprob(
+            token_id=t,
+            logprob=p,
+            text="" if decode is None else decode(t),
+            token_bytes=b"" if token_bytes is None else token_bytes(t),
+        )
+
     return logprobs_pb2.TokenLogprob(
         token_id=value.token_id,
         logprob=value.logprob,
-        top_logprobs=[
-            logprobs_pb2.TopLogprob(token_id=t, logprob=p, text="" if decode is None else decode(t))
-            for t, p in value.top
-        ],
+        top_logprobs=[top(t, p) for t, p in value.top],
         text="" if decode is None else decode(value.token_id),
+        token_bytes=b"" if token_bytes is None else token_bytes(value.token_id),
     )
 
 

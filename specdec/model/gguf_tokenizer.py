@@ -62,7 +62,7 @@ def byte_level_bpe_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [0] * len(tokens)
     pre = metadata.get("tokenizer.ggml.pre", "default")
-    byte_chars = _bytes_to_unicode()
+    byte_chars = bytes_to_unicode()
     alphabet = set(byte_chars.values())
     # Vocabulary entries are spelled in the byte alphabet; a few files store added tokens as raw
     # text, which is respelled the same way transformers does it.
@@ -142,7 +142,7 @@ def _tokenizer_json_via_transformers(gguf_path: Path, tokenizer_type: str | None
     return hf_tokenizer.backend_tokenizer.to_str()
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table: printable Latin-1 bytes map to themselves."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table = {b: chr(b) for b in printable}

@@ -10,6 +10,7 @@ way transformers renders them (sandboxed jinja2, `trim_blocks`, `lstrip_blocks`,
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +22,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
 
 from specdec.errors import InvalidArgument
+from specdec.model.gguf_tokenizer import bytes_to_unicode
 
 # Decoding a token that ends inside a multi-byte character gives this replacement character.
 REPLACEMENT_CHAR = "\ufffd"
@@ -32,6 +34,10 @@ NUM_CONTEXT_TOKENS = 5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# How tokenizers spell raw bytes in a token: SentencePiece's byte fallback, and byte-level BPE's
+# printable character per byte (GPT-2's table).
+_BYTE_FALLBACK_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_BYTE_LEVEL_BYTES = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:
@@ -89,6 +95,20 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: for a token that holds part of a UTF-8 character (a byte-level
+        piece, a byte fallback's `<0xF0>`), that part, where its decoding alone gives U+FFFD; else
+        its text's UTF-8, special tokens spelled out."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if REPLACEMENT_CHAR not in text:
+            return text.encode()
+        piece = self.backend.id_to_token(token_id) or ""
+        if match := _BYTE_FALLBACK_PIECE.fullmatch(piece):
+            return bytes([int(match[1], 16)])
+        if piece and all(c in _BYTE_LEVEL_BYTES for c in piece):
+            return bytes(_BYTE_LEVEL_BYTES[c] for c in piece)
+        return text.encode()
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **template_kwargs: Any

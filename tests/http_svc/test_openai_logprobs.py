@@ -50,3 +50,23 @@ def test_chat_content_carries_bytes_and_alternatives():
         ],
         "refusal": None,
     }
+
+
+def test_the_bytes_of_tokens_that_split_a_character_join_into_it(tokenizer):
+    """A byte-level token holding part of "🤗" has the text U+FFFD; its `bytes` are its part, so
+    the entries' bytes join into the text, as OpenAI's do (they were U+FFFD's three bytes each)."""
+    from gateway.chat import PromptEncoder
+    from gateway.tokenization import Tokenization
+    from specdec import pb
+    from specdec.logprobs import TokenLogprob
+
+    tokenization = Tokenization(tokenizer, PromptEncoder(tokenizer), tokenizer.vocab_size)
+    ids = tokenizer.encode("ok 🤗<|im_end|>")
+    values = [
+        pb.token_logprob_to_pb(TokenLogprob(t, -1.0, ((t, -1.0),)), tokenization.token_text, tokenization.token_bytes)
+        for t in ids
+    ]
+    content = chat_logprobs(values)["content"]
+    assert sum(1 for c in content if c["token"] == "\ufffd") >= 2  # " 🤗" comes in several tokens
+    assert bytes(b for c in content for b in c["bytes"]).decode() == "ok 🤗<|im_end|>"
+    assert all(c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)

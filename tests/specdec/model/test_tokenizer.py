@@ -247,3 +247,19 @@ def test_from_dir_reads_hf_layouts(default_model_dir: Path, tmp_path: Path):
     assert Tokenizer.from_dir(tmp_path).apply_chat_template([]) == "from jinja file"
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path / "missing")
+
+
+def test_token_bytes_are_a_split_characters_parts(tokenizer: Tokenizer):
+    ids = tokenizer.encode(" 🤗")
+    assert len(ids) > 1 and REPLACEMENT_CHAR in tokenizer.decode(ids[:1])
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == " 🤗".encode()
+    assert tokenizer.token_bytes(tokenizer.encode("<|im_end|>")[0]) == b"<|im_end|>"
+    # SentencePiece's byte fallback spells a byte <0xF0>
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models
+
+    backend = BackendTokenizer(models.BPE(vocab={"<0xF0>": 0, "<0x9F>": 1, "▁ok": 2}, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fallback = Tokenizer(backend)
+    assert fallback.decode([0]) == REPLACEMENT_CHAR
+    assert [fallback.token_bytes(t) for t in (0, 1, 2)] == [b"\xf0", b"\x9f", b" ok"]
