@@ -286,7 +286,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
 
     async def Detokenize(self, request, context):
         self._tenant(context)
-        text = await _in_thread(self.tokenization.decode, list(request.token_ids))
+        text = await _in_thread(self.tokenization.decode, list(request.token_ids), request.include_special_tokens)
         return gateway_pb2.DetokenizeResponse(text=text)
 
     async def DescribeModel(self, request, context):

@@ -53,9 +53,9 @@ class Tokenization:
                     field, f"token id {t} at index {i} is outside the vocabulary [0, {self.vocab_size})"
                 )
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], include_special_tokens: bool = False) -> str:
         self.check_ids("token_ids", token_ids)
-        return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=not include_special_tokens)
 
     def describe(self, max_model_len: int, eos_token_ids: Sequence[int]) -> ModelDescription:
         return ModelDescription(

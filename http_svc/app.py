@@ -329,7 +329,9 @@ class HttpFront:
             raise
 
     async def _echo_texts(self, request: Request, parsed: ParsedRequest) -> list[str]:
-        """With `echo`, each prompt's text (token ids decoded by the gateway); else empty strings."""
+        """With `echo`, each prompt's text (token ids decoded by the gateway, special tokens spelled
+        out as a text prompt holds them, and as its tokens' log probabilities name them); else empty
+        strings."""
         prompts = parsed.prompt_requests
         if not parsed.is_echo:
             return [""] * len(prompts)
@@ -340,7 +342,10 @@ class HttpFront:
                 continue
             param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             answer = await self._gateway_call(
-                request, "Detokenize", gateway_pb2.DetokenizeRequest(token_ids=r.token_ids.ids), {"token_ids": param}
+                request,
+                "Detokenize",
+                gateway_pb2.DetokenizeRequest(token_ids=r.token_ids.ids, include_special_tokens=True),
+                {"token_ids": param},
             )
             texts.append(answer.text)
         return texts

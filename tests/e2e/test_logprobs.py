@@ -237,6 +237,20 @@ def test_completions_echo_logprobs_over_token_prompts_and_prompt_lists(client: o
     assert [o for s in streamed for o in s.text_offset or []] == lp.text_offset
 
 
+def test_an_echoed_token_prompt_spells_its_special_tokens_as_its_logprobs_do(client: openai.OpenAI, gateway_stub):
+    """The echo of a token prompt holding <|im_start|> is the text its tokens' log probabilities
+    name, as a text prompt's echo is (the echo used to leave the special tokens out)."""
+    chat = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=chat), timeout=60).token_ids)
+    assert prompt_ids[0] == 1  # <|im_start|>, the special token
+    answer = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0, logprobs=0, echo=True
+    )
+    choice = answer.choices[0]
+    assert choice.text.startswith(chat) and choice.logprobs is not None and choice.logprobs.tokens is not None
+    assert "".join(choice.logprobs.tokens[: len(prompt_ids)]) == chat
+
+
 def test_chat_logprobs_whole_and_streamed(client: openai.OpenAI):
     messages = [{"role": "user", "content": "Name three colours."}]
     whole = client.chat.completions.create(
