@@ -52,6 +52,7 @@ from gateway.resume import FINISH_REASONS, Resumption
 from gateway.state_retry import give_up_at, with_state_retries
 from gateway.stats import RequestStats
 from gateway.tool_calls import Piece, read_answer, reader_for
+from gateway.tools import ToolSpec, tool_spec_from_pb
 from gateway.tokenization import Tokenization
 from specdec import pb
 from specdec.errors import (
@@ -204,17 +205,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         try:
             client_id, loop, ticket = await self._start(request, context, is_streamed=False)
         except _Retried:
-            final = None
-            async for message in self.followed(request, context):
-                final = message
-            assert final is not None and final.is_final
-            return gateway_pb2.GenerateResponse(
-                request_id=final.request_id,
-                text=final.text,
-                token_ids=final.token_ids,
-                finish_reason=final.finish_reason,
-                stats=final.stats,
-            )
+            return await self._retried_answer(request, context)
         async with contextlib.aclosing(self._run(loop, client_id, ticket, arrived_s)) as steps:
             async for _ in steps:
                 pass
@@ -240,7 +231,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         try:
             client_id, loop, ticket = await self._start(request, context, is_streamed=True)
         except _Retried:
-            async for message in self.followed(request, context, is_streamed=True):
+            async for message in self._retried_stream(request, context):
                 yield message
             return
         reader = reader_for(loop.params.tools) if loop.params.tools.is_parsed else None
@@ -302,6 +293,53 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
 
     def _logprobs_pb(self, values: Sequence[TokenLogprob]) -> list:
         return [pb.token_logprob_to_pb(v, self.tokenization.token_text, self.tokenization.token_bytes) for v in values]
+
+    async def _retried_answer(self, request, context) -> gateway_pb2.GenerateResponse:
+        """Generate's answer to a retry of a stored request (followed), its calls read from its text
+        as the request's own answer reads them."""
+        final = None
+        async for message in self.followed(request, context):
+            final = message
+        assert final is not None and final.is_final
+        response = gateway_pb2.GenerateResponse(
+            request_id=final.request_id,
+            text=final.text,
+            token_ids=final.token_ids,
+            finish_reason=final.finish_reason,
+            stats=final.stats,
+        )
+        tools = self._retried_tools(request)
+        if tools is not None:
+            content, calls = read_answer(tools, final.text)
+            response.content = content
+            response.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+            response.finish_reason = _with_tool_calls(response.finish_reason, bool(calls))
+        return response
+
+    async def _retried_stream(self, request, context):
+        """GenerateStream's messages to a retry of a stored request (followed), with content and
+        call pieces as the request's own stream has them."""
+        tools = self._retried_tools(request)
+        reader = None if tools is None else reader_for(tools)
+        num_calls = 0
+        async for message in self.followed(request, context, is_streamed=True):
+            if reader is not None:
+                piece = reader.add(message.text)
+                if message.is_final:  # the final message carries the text held back to the end
+                    last = reader.finish()
+                    piece = Piece(piece.content + last.content, [*piece.deltas, *last.deltas])
+                num_calls += _add_piece(message, piece)
+                if message.is_final:
+                    message.finish_reason = _with_tool_calls(message.finish_reason, num_calls > 0)
+            yield message
+
+    def _retried_tools(self, request: gateway_pb2.GenerateRequest) -> ToolSpec | None:
+        """The tools whose calls a retried request's answer carries (None: its text is the answer)."""
+        try:
+            tools = tool_spec_from_pb(request, self.config.limits.max_schema_depth)
+        except InvalidArgument:
+            return None
+        return tools if tools.is_parsed else None
 
     async def Cancel(self, request, context):
         request_id = self._scoped(context, pb.request_id_from_pb(request.request_id))

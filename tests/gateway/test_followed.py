@@ -5,9 +5,12 @@ stored up to the one that completes the stop string."""
 from __future__ import annotations
 
 import asyncio
+import json
+import types
 
 import structlog
 
+from gateway.config import Limits
 from gateway.params import params_to_json
 from gateway.server import GenerationServicer
 from specdec.model.tokenizer import Tokenizer
@@ -31,7 +34,7 @@ def stored(tokenizer: Tokenizer, request: gateway_pb2.GenerateRequest, text: str
     store.sync.set_status(request.request_id, RequestStatus.FINISHED, finish_reason="stop")
     s = GenerationServicer.__new__(GenerationServicer)
     s.store, s.tokenizer, s.api_keys, s.owner = store, tokenizer, None, "gateway@10.0.0.1:50050#1"
-    s.log = structlog.get_logger("test")
+    s.log, s.config = structlog.get_logger("test"), types.SimpleNamespace(limits=Limits())
     return s
 
 
@@ -69,3 +72,25 @@ def test_without_stop_strings_the_text_is_the_tokens(tokenizer: Tokenizer) -> No
     s = stored(tokenizer, request, "ok 🤗")
     assert "".join(m.text for m in read(s, request, is_streamed=True)) == "ok 🤗"
     assert [m.text for m in read(s, request, is_streamed=False)] == ["ok 🤗"]
+
+
+def test_a_retried_request_with_tools_answers_its_calls_as_its_own_answer_did(tokenizer: Tokenizer) -> None:
+    """Its calls read from its text, as the request's own Generate and GenerateStream read them
+    (a retry used to answer the raw text, markup and all, with no calls)."""
+    request = gateway_pb2.GenerateRequest(request_id="r4")
+    request.chat.messages.add(role="user", content="Weather in Paris?")
+    request.tools.add(name="get_weather", parameters=json.dumps({"type": "object"}))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    s = stored(tokenizer, request, "Let me look." + call)
+    answer = asyncio.run(s._retried_answer(request, Context()))
+    assert answer.content == "Let me look." and answer.finish_reason == gateway_pb2.FINISH_REASON_TOOL_CALLS
+    assert [(c.name, json.loads(c.arguments)) for c in answer.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+    async def stream() -> list:
+        return [m async for m in s._retried_stream(request, Context())]
+
+    messages = asyncio.run(stream())
+    assert "".join(m.content for m in messages) == "Let me look."
+    deltas = [d for m in messages for d in m.tool_calls]
+    assert deltas[0].name == "get_weather" and json.loads("".join(d.arguments for d in deltas)) == {"city": "Paris"}
+    assert messages[-1].is_final and messages[-1].finish_reason == gateway_pb2.FINISH_REASON_TOOL_CALLS
