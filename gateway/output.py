@@ -14,7 +14,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence, Set
 
-from specdec.model.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, num_held_back_chars
+from specdec.model.tokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    Tokenizer,
+    find_stop_string,
+    num_held_back_chars,
+)
 
 FINISH_LENGTH, FINISH_STOP, FINISH_EOS = "length", "stop", "eos"
 
@@ -80,9 +86,11 @@ class Output:
         return num_generated >= self.max_new_tokens or self.num_prompt_tokens + num_generated >= self.max_context - 1
 
     def _reach_min_tokens(self, tokens: list[int]) -> None:
-        """Where the text of the first min_tokens tokens ends, once `tokens` (the output's) has them."""
+        """Where the text of the first min_tokens tokens ends, once `tokens` (the output's) has them:
+        a character they end inside of is the text of the token that completes it, after them."""
         if self._min_chars is None and len(tokens) >= self.min_tokens:
-            self._min_chars = len(self.tokenizer.decode(tokens[: self.min_tokens]))
+            text = self.tokenizer.decode(tokens[: self.min_tokens])
+            self._min_chars = len(text.rstrip(REPLACEMENT_CHAR))
 
     def add(self, kept: list[int], generated: list[int]) -> tuple[int, bool]:
         """The text of a step's tokens `kept`, committed after `generated`, cut at the first stop

@@ -117,3 +117,18 @@ def test_of_several_stop_strings_a_step_cuts_at_the_one_plain_decoding_completes
     assert output.add([X, A, B, A], []) == (3, True)
     assert output.ready_text(is_final=True) == "x"
     assert output.end(is_flushed=False) == ""
+
+
+def test_a_stop_string_completed_past_min_tokens_in_a_character_they_began_counts():
+    """min_tokens=2 ends inside "é" (its first byte): the character is the third token's text, so
+    "é" ends past the first two tokens' text and stops the output there, as in plain decoding (the
+    first two tokens' text counted the cut character, U+FFFD, and "é" never stopped it)."""
+    for steps in ([[A], [E1], [E2], [X]], [[A, E1, E2, X]]):
+        output = make_output(stop=("é",), min_tokens=2)
+        generated: list[int] = []
+        for step in steps:
+            num_kept, is_stopped = output.add(step, generated)
+            generated += step[:num_kept]
+            if is_stopped:
+                break
+        assert generated == [A, E1, E2] and output.text == "a"
