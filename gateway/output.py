@@ -168,15 +168,13 @@ def stored_output(tokenizer: Tokenizer, stop: Sequence[str], min_tokens: int) ->
 
 
 def add_stored(output: Output, token_ids: Sequence[int], generated: list[int]) -> None:
-    """Stored tokens after `generated` (which they extend), a token at a time: the text of each step
-    of several tokens, and the one completing a stop string, is the one plain decoding gives. Tokens
-    past a stop string are not the output's (a stored output has none)."""
-    if not output.stop:  # nothing to cut: the tokens' text at once
-        output.add(list(token_ids), generated)
-        generated.extend(token_ids)
-        return
-    for t in token_ids:
+    """Stored tokens after `generated` (which they extend). A stored output ends at the token that
+    completes its stop string, so all but the last token go in at once, then the last: each text
+    is decoded and searched once, not once a token (a stored output of thousands of tokens). Were
+    a stop string completed before the last, add would still cut where plain decoding does."""
+    for batch in (token_ids[:-1], token_ids[-1:]) if output.stop else (token_ids,):
         if output.is_stopped:
             return
-        output.add([t], generated)
-        generated.append(t)
+        if batch:
+            output.add(list(batch), generated)
+            generated.extend(batch)

@@ -94,3 +94,13 @@ def test_a_retried_request_with_tools_answers_its_calls_as_its_own_answer_did(to
     deltas = [d for m in messages for d in m.tool_calls]
     assert deltas[0].name == "get_weather" and json.loads("".join(d.arguments for d in deltas)) == {"city": "Paris"}
     assert messages[-1].is_final and messages[-1].finish_reason == gateway_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def test_a_follower_cuts_a_stream_stored_a_token_a_step(tokenizer: Tokenizer) -> None:
+    """Each stored step read on its own (a step of one token, the last completing "wor")."""
+    from gateway.output import add_stored, stored_output
+
+    output, generated = stored_output(tokenizer, ("wor",), 0), []
+    for t in tokenizer.encode("Hello world"):
+        add_stored(output, [t], generated)
+    assert output.is_stopped and output.text == "Hello " and generated == tokenizer.encode("Hello world")
