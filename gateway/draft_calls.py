@@ -25,6 +25,9 @@ from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavai
 from specdec.grammar import ResponseFormat
 from specdec.propose_args import ProposeArgs
 
+# Releases sent while the pool is marked down, not awaited (DraftCalls.release): kept until they end.
+_RELEASES_IN_FLIGHT: set[asyncio.Task] = set()
+
 
 class DraftCalls:
     """One request's Propose, PrepareGrammar and Release calls. `generated` is the request's output,
@@ -45,6 +48,7 @@ class DraftCalls:
         self.backends, self.state, self.call_deadlines = backends, state, call_deadlines
         self.remaining_s = remaining_s
         self.is_open = False  # the pool holds the request (its last Propose answered)
+        self.was_proposed = False  # a Propose was sent: the pool may hold the request, whatever it answered
         self.synced = 0  # generated tokens the pool has heard
         self.pending_lookahead_argmax: tuple[int, ...] = ()  # the primary's argmaxes at the last lookahead rows
         # The latest step's features of committed tokens, for the next Propose: (features, the
@@ -93,6 +97,7 @@ class DraftCalls:
             self.is_open = False
             return EMPTY_TREE
         features = self.pending_features
+        self.was_proposed = True
         args = self._args(prompt, new, sources, length, max_nodes, response_format, continuation_length, prediction_ids)
         try:
             tree = await self.call_deadlines.call("draft.Propose", self.backends.propose(args), self.remaining_s())
@@ -159,13 +164,21 @@ class DraftCalls:
 
     async def release(self, finish: str) -> None:
         """The pool forgets the request; a finished one's unseen output goes with it (the pool's
-        suffix index learns from served answers). Nothing while the pool is down or hung: it drops
-        the request after its TTL."""
-        if not self.state.is_up:
-            return
+        suffix index learns from served answers). While the pool is marked down (one slow call marks
+        it so for every request) the Release still goes, in the background: the request's end does not
+        wait for a pool that may not answer, and a pool that does drops the request now rather than
+        after its --request_ttl_s."""
         is_finished = finish in (FINISH_EOS, FINISH_LENGTH, FINISH_STOP)
         # the output the pool has not seen: its last steps were often the primary's own
         unseen = self.generated[self.synced :] if is_finished and self.is_open else []
+        if self.state.is_up:
+            await self._release(is_finished, unseen)
+        elif self.was_proposed:
+            task = asyncio.ensure_future(self._release(is_finished, unseen))
+            _RELEASES_IN_FLIGHT.add(task)
+            task.add_done_callback(_RELEASES_IN_FLIGHT.discard)
+
+    async def _release(self, is_finished: bool, unseen: Sequence[int]) -> None:
         try:
             await self.call_deadlines.call(
                 "draft.Release", self.backends.release_draft(self.request_id, is_finished, tuple(unseen))
