@@ -296,7 +296,17 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
         urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=1)
 
 
-def test_a_port_that_will_not_bind_is_named_and_still_runs_on_stopped() -> None:
+@pytest.mark.parametrize(
+    ("server", "config_of"),
+    [
+        ("gRPC", lambda port: ServerConfig(port=port)),
+        # Before, http.server's OSError went out as a traceback (exit_if_port_will_not_bind let it by).
+        ("metrics", lambda port: ServerConfig(port=0, metrics_port=port)),
+    ],
+)
+def test_a_port_that_will_not_bind_is_named_and_still_runs_on_stopped(
+    server: str, config_of: Callable[[int], ServerConfig]
+) -> None:
     # on_stopped stops a service's background threads: left running past the failed start, one in
     # native code when the interpreter exits aborts the process instead of exiting it with code 1.
     stopped = threading.Event()
@@ -304,26 +314,9 @@ def test_a_port_that_will_not_bind_is_named_and_still_runs_on_stopped() -> None:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
-        with pytest.raises(PortBindError, match=f"could not bind the gRPC server to 127.0.0.1:{port}"):
+        with pytest.raises(PortBindError, match=f"could not bind the {server} server to 127.0.0.1:{port}"):
             serve(
-                ServerConfig(port=port),
-                [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
-                stop_event=threading.Event(),
-                on_stopped=stopped.set,
-            )
-    assert stopped.is_set()
-
-
-def test_a_metrics_port_that_will_not_bind_is_named_as_the_grpc_port_is() -> None:
-    # Before, http.server's OSError went out as a traceback (exit_if_port_will_not_bind let it by).
-    stopped = threading.Event()
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        port = squatter.getsockname()[1]
-        with pytest.raises(PortBindError, match=f"could not bind the metrics server to 127.0.0.1:{port}"):
-            serve(
-                ServerConfig(port=0, metrics_port=port),
+                config_of(port),
                 [(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
                 registry=CollectorRegistry(),
                 stop_event=threading.Event(),
