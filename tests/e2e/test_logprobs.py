@@ -59,6 +59,18 @@ def _reference_log_probs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(rows, dim=-1)
 
 
+def _assert_raw_distributions_values(gateway_stub, fp32_model, answer) -> torch.Tensor:
+    """Assert that each output token of answer (a Generate of PROMPT) has its value in the raw
+    distribution, that of a direct forward over prompt + output; returns those rows, one a token."""
+    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
+    output = list(answer.token_ids)
+    reference = _reference_log_probs(fp32_model.model, prompt_ids + output)[len(prompt_ids) - 1 :]
+    assert [x.token_id for x in answer.logprobs] == output
+    for row, value in zip(reference, answer.logprobs):
+        assert value.logprob == pytest.approx(float(row[value.token_id]), abs=TOLERANCE)
+    return reference
+
+
 def _assert_same_values(a, b) -> None:
     assert [x.token_id for x in a] == [x.token_id for x in b]
     for x, y in zip(a, b):
@@ -108,12 +120,8 @@ def test_sampled_tokens_with_speculation_get_their_raw_distributions_logprobs(ga
     )
     answer = gateway_stub.Generate(request, timeout=600)
     assert answer.stats.num_proposed_tokens > 0 and answer.stats.num_steps < len(answer.token_ids)
-    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
-    output = list(answer.token_ids)
-    reference = _reference_log_probs(fp32_model.model, prompt_ids + output)[len(prompt_ids) - 1 :]
-    assert [x.token_id for x in answer.logprobs] == output
+    reference = _assert_raw_distributions_values(gateway_stub, fp32_model, answer)
     for row, value in zip(reference, answer.logprobs):
-        assert value.logprob == pytest.approx(float(row[value.token_id]), abs=TOLERANCE)
         assert [t.token_id for t in value.top_logprobs][:1] == [int(row.argmax())]
 
 
@@ -125,12 +133,7 @@ def test_sampled_tokens_under_penalties_get_their_raw_distributions_logprobs(gat
     on, off = (
         _generate(gateway_stub, is_speculative=is_speculative, sampling=sampling) for is_speculative in (True, False)
     )
-    prompt_ids = list(gateway_stub.Tokenize(gateway_pb2.TokenizeRequest(prompt=PROMPT), timeout=60).token_ids)
-    output = list(on.token_ids)
-    reference = _reference_log_probs(fp32_model.model, prompt_ids + output)[len(prompt_ids) - 1 :]
-    assert [x.token_id for x in on.logprobs] == output
-    for row, value in zip(reference, on.logprobs):
-        assert value.logprob == pytest.approx(float(row[value.token_id]), abs=TOLERANCE)
+    _assert_raw_distributions_values(gateway_stub, fp32_model, on)
     _assert_same_values(on.logprobs, off.logprobs)
 
 
