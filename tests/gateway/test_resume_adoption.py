@@ -57,13 +57,19 @@ class Adopter(Resumption):
 def fixture() -> tuple[AsyncInMemoryStateStore, FakeClock, list[str]]:
     """A store with r-dead (held by DEAD), r-alive (ALIVE), r-earlier (EARLIER_HERE), r-new (unowned,
     just created); a clock; the addresses checked."""
-    clock = FakeClock()
-    store = AsyncInMemoryStateStore(InMemoryStateStore(StateStoreConfig(lease_s=LEASE_S)))
-    for request_id, owner in (("r-dead", DEAD), ("r-alive", ALIVE), ("r-earlier", EARLIER_HERE), ("r-new", None)):
+    owners = (("r-dead", DEAD), ("r-alive", ALIVE), ("r-earlier", EARLIER_HERE), ("r-new", None))
+    return running(InMemoryStateStore(StateStoreConfig(lease_s=LEASE_S)), owners), FakeClock(), []
+
+
+def running(sync: InMemoryStateStore, owners: tuple[tuple[str, OwnerId | None], ...]) -> AsyncInMemoryStateStore:
+    """sync, with a RUNNING request per (request id, owner) in that order, claimed by its owner
+    (None: unowned), as an AsyncStateStore."""
+    store = AsyncInMemoryStateStore(sync)
+    for request_id, owner in owners:
         store.sync.create(request_id, {}, prompt_token_ids=[1], status=RequestStatus.RUNNING)
         if owner is not None:
             assert store.sync.claim(request_id, str(owner))
-    return store, clock, []
+    return store
 
 
 def probe_of(clock: FakeClock, checked: list[str]) -> OwnerProbe:
@@ -192,10 +198,8 @@ def test_a_record_that_cannot_be_read_holds_up_no_other_request() -> None:
     adoptions of the requests listed after it."""
 
     async def main() -> None:
-        store = AsyncInMemoryStateStore(UnreadableStore(StateStoreConfig(lease_s=LEASE_S)))
-        for request_id, owner in (("r-bad", DEAD), ("r-dead", DEAD), ("r-earlier", EARLIER_HERE)):
-            store.sync.create(request_id, {}, prompt_token_ids=[1], status=RequestStatus.RUNNING)
-            assert store.sync.claim(request_id, str(owner))
+        owners = (("r-bad", DEAD), ("r-dead", DEAD), ("r-earlier", EARLIER_HERE))
+        store = running(UnreadableStore(StateStoreConfig(lease_s=LEASE_S)), owners)
         clock, checked = FakeClock(), []
         gateway = Adopter(store, HERE, probe_of(clock, checked))
         assert await gateway.adopt_abandoned() == ["r-dead"]  # the heartbeat's sweep
@@ -218,10 +222,8 @@ def test_a_request_that_cannot_be_adopted_holds_up_no_other_request() -> None:
     and a sweep go on to the requests listed after it."""
 
     async def main() -> None:
-        store = AsyncInMemoryStateStore(InMemoryStateStore(StateStoreConfig(lease_s=LEASE_S)))
-        for request_id, owner in (("r-bad", EARLIER_HERE), ("r-earlier", EARLIER_HERE), ("r-dead", DEAD)):
-            store.sync.create(request_id, {}, prompt_token_ids=[1], status=RequestStatus.RUNNING)
-            assert store.sync.claim(request_id, str(owner))
+        owners = (("r-bad", EARLIER_HERE), ("r-earlier", EARLIER_HERE), ("r-dead", DEAD))
+        store = running(InMemoryStateStore(StateStoreConfig(lease_s=LEASE_S)), owners)
         clock, checked = FakeClock(), []
         gateway = StumblingAdopter(store, HERE, probe_of(clock, checked))
         assert await gateway.resume_active() == ["r-earlier", "r-dead"]
