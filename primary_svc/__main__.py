@@ -18,7 +18,7 @@ from primary_svc.autotune import (
     quantized_candidates,
     token_products_vectorized,
 )
-from primary_svc.config import PrimaryConfig, parse_config
+from primary_svc.config import PrimaryConfig, max_prefill_calls, parse_config
 from primary_svc.costs import measure_verify_costs
 from primary_svc.leases import KVLeases
 from primary_svc.run_grammars import RunGrammars
@@ -73,6 +73,7 @@ def _servicer(
         load_run_answers(config.run_answers, loaded, worker),
         tokenizer,
         LearnedAnswers(config.learned_answer_tokens) if config.learned_answer_tokens else None,
+        max_prefills=max_prefill_calls(config.max_batch),
     )
 
 

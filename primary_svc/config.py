@@ -27,12 +27,21 @@ DEFAULT_BATCH_WAIT_MS = 8.0
 MAX_BATCH_WAIT_MS = 1000.0
 
 
+def max_prefill_calls(max_batch: int) -> int:
+    """Prefill calls the primary serves at once (PrimaryServicer's max_prefills): a Prefill holds its
+    RPC thread while it waits for KV room, so without a bound the Prefills of several gateways took
+    every thread, and the Verify, Decode and Release calls that free room waited for one until the
+    Prefills' deadlines passed. More are refused at once, RESOURCE_EXHAUSTED with a retry hint."""
+    return max_batch
+
+
 def rpc_threads(max_batch: int) -> int:
     """The primary's RPC threads: a Verify, Decode or Prefill holds its thread until the engine step
     that runs it is over, so a step can batch only as many requests as there are threads waiting.
     With the common pool of 16 a step carried at most 16 requests' rows whatever --max_batch said;
-    this leaves room for a full batch of verifies, as many prefills, and the light RPCs."""
-    return 2 * max_batch + 8
+    this leaves room for a full batch of verifies, as many prefills (max_prefill_calls), and the
+    light RPCs."""
+    return max_batch + max_prefill_calls(max_batch) + 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

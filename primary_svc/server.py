@@ -25,7 +25,7 @@ from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.engine.tree import with_lookahead
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.features import encode_features
 from specdec.grammar import GrammarState
 from specdec.grammar.bitmask import TokenBitmask
@@ -52,6 +52,10 @@ _Verified = tuple[list[int], common_pb2.Logits, int, list[int], int, common_pb2.
 # this many engine steps, so a cancel or deadline is seen within them. A DecodeStream may ask for up to
 # the context: its caller hears of every step and cancels whenever it likes.
 MAX_DECODE_TOKENS = 64
+# A Prefill refused because max_prefills are under way already (RESOURCE_EXHAUSTED) carries this trailing
+# metadata: the milliseconds after which a retry may find room, as the gateway's admission sends it.
+RETRY_AFTER_KEY = "retry-after-ms"
+PREFILL_RETRY_AFTER_MS = 500
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,12 +134,17 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         answers: AnswerIndex | None = None,
         tokenizer: Tokenizer | None = None,
         learned_answers: LearnedAnswers | None = None,
+        max_prefills: int | None = None,
     ) -> None:
         """`run_grammars`: the grammar states of Decode calls with a response_format (None: such
         calls are refused); `answers`: the model's own answers, which runs draft from too;
         `tokenizer`: the model's, which DecodeStream's stop_strings are read by (None: ignored);
         `learned_answers`: where the outputs of requests that speculate are kept, at their Release,
-        as drafts for the same tenant's later runs (None: not kept)."""
+        as drafts for the same tenant's later runs (None: not kept); `max_prefills`: Prefill calls
+        under way at once, at most (None: no bound). A Prefill holds its RPC thread while it waits for
+        KV room, and the calls that free room (Verify, Decode, Release) need threads of the same pool:
+        bounded below the server's threads, the waiting Prefills cannot take them all; one more is
+        RESOURCE_EXHAUSTED at once, with a retry hint (primary_svc.config.max_prefill_calls)."""
         self.loaded, self.worker, self.identity = loaded, worker, identity
         self.run_grammars, self.answers, self.tokenizer = run_grammars, answers, tokenizer
         self.learned_answers = learned_answers
@@ -144,6 +153,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         self.vocab_size = loaded.config.vocab_size
         self.logits_slots = LogitsSlots(identity.instance_id)
         self.leases = KVLeases() if leases is None else leases
+        self.max_prefills = max_prefills
+        self._prefill_calls = None if max_prefills is None else threading.BoundedSemaphore(max_prefills)
 
     def GetModelInfo(self, request, context):
         return primary_pb2.GetModelInfoResponse(
@@ -184,6 +195,24 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             pb.logprobs_request_from_pb(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None
         )
         self._prepare_grammar(request)
+        calls = self._prefill_calls
+        if calls is not None and not calls.acquire(blocking=False):
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(PREFILL_RETRY_AFTER_MS)),))
+            raise ResourceExhausted(
+                "request_id",
+                f"this primary serves {self.max_prefills} prefills at once already (waiting for KV room or "
+                "running); retry later",
+            )
+        try:
+            return self._prefill(request, request_id, token_ids, prompt_logprobs, context)
+        finally:
+            if calls is not None:
+                calls.release()
+
+    def _prefill(
+        self, request, request_id: str, token_ids: list[int], prompt_logprobs: LogprobsRequest | None, context
+    ) -> primary_pb2.PrefillResponse:
+        """Prefill's work, checked and within the bound on Prefill calls."""
         start = time.perf_counter()
         features: list[torch.Tensor] | None = [] if request.return_features else None
         scored = self._scored_prompt(prompt_logprobs, token_ids[: request.num_prompt_tokens or len(token_ids)])

@@ -624,6 +624,43 @@ def test_a_queued_prefill_whose_caller_went_away_leaves_the_queue_and_takes_no_s
     assert not engine.has_request("gone") and engine.kv_bytes == 0
 
 
+def test_prefills_beyond_the_bound_are_refused_so_the_calls_that_free_kv_room_find_a_thread(primary):
+    """A Prefill waiting for KV room holds an RPC thread. Before, enough of them (several gateways'
+    requests) took every thread of the server, and the Release that would free room waited for one
+    until the Prefills' deadlines passed. Past max_prefills a Prefill is refused at once,
+    RESOURCE_EXHAUSTED with a retry hint, and a Release is served."""
+    _, engine, fixture_servicer, _ = primary
+    servicer = PrimaryServicer(
+        fixture_servicer.loaded, fixture_servicer.worker, fixture_servicer.identity, 64 << 20, max_prefills=2
+    )
+    with primary_stub(servicer, max_workers=3) as stub:  # two Prefills' threads, one for the rest
+        leases = [
+            stub.Prefill(primary_pb2.PrefillRequest(request_id=f"fill{i}", token_ids=[5] * 500)).kv_lease
+            for i in range(engine.kv_cache.max_bytes // engine.kv_bytes_to_open(500))
+        ]
+        queued = [
+            stub.Prefill.future(primary_pb2.PrefillRequest(request_id=f"queued{i}", token_ids=[5] * 500), timeout=120)
+            for i in range(2)
+        ]
+        give_up = time.monotonic() + 60
+        while servicer.worker.num_waiting < 2 and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert servicer.worker.num_waiting == 2
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(primary_pb2.PrefillRequest(request_id="refused", token_ids=[5] * 500), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.details().startswith("request_id: this primary serves 2 prefills at once already")
+        assert ("retry-after-ms", "500") in e.value.trailing_metadata()
+        assert not engine.has_request("refused")
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="fill0", kv_lease=leases[0]), timeout=30)
+        stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="fill1", kv_lease=leases[1]), timeout=30)
+        leases[:2] = [q.result().kv_lease for q in queued]  # admitted in the room the Releases freed
+        for i, lease in enumerate(leases):
+            request_id = f"queued{i}" if i < 2 else f"fill{i}"
+            stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id=request_id, kv_lease=lease))
+    assert engine.kv_bytes == 0
+
+
 def test_slots_without_a_call_for_the_lease_period_are_released(primary):
     stub, engine, servicer, clock = primary
     stub.Prefill(primary_pb2.PrefillRequest(request_id="ghost", token_ids=PROMPT))  # nobody follows up
