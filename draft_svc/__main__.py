@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,8 @@ from specdec.model.tokenizer import Tokenizer
 from draft_svc.metrics import DraftMetrics
 from specdec.service.auth import serve_internal, service_token_or_exit
 from specdec.v1 import draft_pb2_grpc
+
+EXPIRY_CHECK_MAX_S = 60.0  # the most time between two checks for idle requests (expire_idle_requests)
 
 
 def build(
@@ -140,6 +143,23 @@ def _feature_drafter(
     return dataclasses.replace(config, pool=pool), feature
 
 
+def expire_idle_requests(
+    pool: DraftPool, stop: threading.Event, metrics: DraftMetrics | None = None, check_s: float | None = None
+) -> None:
+    """Drop the pool's requests idle past --request_ttl_s, checking a few times per ttl (every check_s
+    when given), until `stop` is set: without it only a Propose dropped them, and a pool that heard no
+    more Proposes kept every idle request's state."""
+    log = structlog.get_logger("draft_svc")
+    every_s = min(pool.config.request_ttl_s / 4, EXPIRY_CHECK_MAX_S) if check_s is None else check_s
+    while not stop.wait(every_s):
+        try:
+            if pool.expire_idle() and metrics is not None:
+                metrics.requests.set(pool.num_requests)
+                metrics.state_bytes.set(pool.num_kv_bytes)
+        except Exception:  # noqa: BLE001 - the thread must outlive one failure
+            log.exception("draft request expiry failed")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     config = config_or_exit("python -m draft_svc", from_args, argv, os.environ)
     configure_service_telemetry("draft", config.log_level, os.environ)
@@ -170,11 +190,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
 
     def on_stopped() -> None:
+        stop_expiry.set()
         attacher.stop()
         pool.close()
         if client is not None:
             client.close()
 
+    stop_expiry = threading.Event()
+    threading.Thread(
+        target=expire_idle_requests, args=(pool, stop_expiry, metrics), name="draft-expiry", daemon=True
+    ).start()
     attacher.start()  # attaches in the background: model-free strategies serve at once
     if corpus is not None:
         corpus.start()

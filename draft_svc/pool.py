@@ -423,6 +423,16 @@ class DraftPool:
         else:  # as in _extend: the committed output left the grammar, so nothing is filtered
             self._log.warning("draft_output_left_grammar", num_tokens=len(request.token_ids))
 
+    def expire_idle(self) -> int:
+        """Drop the requests idle for request_ttl_s (their gateway died, or its Release never came);
+        returns how many. A Propose drops them too, but a pool that hears no more Proposes would keep
+        their state (and its memory) for ever: the service calls this on a timer
+        (draft_svc.__main__.expire_idle_requests)."""
+        with self._lock:
+            num_requests = len(self._requests)
+            self._drop_idle(time.monotonic())
+            return num_requests - len(self._requests)
+
     def _drop_idle(self, now: float) -> None:
         while self._requests:
             request_id, request = next(iter(self._requests.items()))

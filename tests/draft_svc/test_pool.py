@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from draft_svc import pool as pool_module
+from draft_svc.__main__ import expire_idle_requests
 from draft_svc.pool import DraftPool, PoolConfig
 from specdec.propose_args import ProposeArgs
 from draft_svc.strategies import model_free_registry
@@ -204,6 +205,33 @@ def test_unknown_requests_limits_and_idle_expiry(monkeypatch):
     with pytest.raises(NotFound):
         pool.propose(ProposeArgs("r", new_token_ids=(2,)))
     assert pool.release("r", is_finished=False) == 0  # dropped already: releasing it again is a no-op
+
+
+def test_idle_requests_expire_on_the_timer_without_another_propose(monkeypatch):
+    """The service's expiry thread drops requests idle past request_ttl_s. Before, only a Propose
+    dropped them: a pool that heard no more Proposes (its gateways gone) kept their state for ever."""
+    clock = [1000.0]  # the pool's clock, moved by hand: expiry follows the ttl, not the test's pace
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(pool_module, "time", fake_time)
+    pool = make_pool({"p": ((A,),)}, [], request_ttl_s=60.0)
+    pool.propose(ProposeArgs("idle", prompt_token_ids=(1,)))
+    clock[0] += 30.0
+    pool.propose(ProposeArgs("recent", prompt_token_ids=(1,)))
+    clock[0] += 31.0  # "idle" idles past its ttl, "recent" does not
+    stop = threading.Event()
+    expiry = threading.Thread(target=expire_idle_requests, args=(pool, stop), kwargs={"check_s": 0.01})
+    expiry.start()
+    try:
+        give_up = time.monotonic() + 30
+        while pool.num_requests > 1 and time.monotonic() < give_up:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        expiry.join()
+    assert pool.num_requests == 1
+    with pytest.raises(NotFound):
+        pool.propose(ProposeArgs("idle", new_token_ids=(2,)))
+    pool.propose(ProposeArgs("recent", new_token_ids=(2,)))
 
 
 def suffix_index_pool() -> DraftPool:
