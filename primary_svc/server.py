@@ -8,12 +8,13 @@ called for --kv_lease_s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -294,15 +295,17 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             )
             return argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb
 
-        (argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb), forward_ms = self.worker.verify(
-            request_id,
-            args.accepted_nodes,
-            args.committed_token_ids,
-            *with_lookahead(token_ids, parents, args.lookahead_token_ids, args.lookahead_parents),
-            finish,
-            num_lookahead=len(args.lookahead_token_ids),
-            features_out=features_out,
-        )
+        with self._until_call_ends(context) as ended:
+            (argmax, payload, num_cached, lookahead_argmax, step_rows, features_pb), forward_ms = self.worker.verify(
+                request_id,
+                args.accepted_nodes,
+                args.committed_token_ids,
+                *with_lookahead(token_ids, parents, args.lookahead_token_ids, args.lookahead_parents),
+                finish,
+                num_lookahead=len(args.lookahead_token_ids),
+                features_out=features_out,
+                cancel=ended,
+            )
         return primary_pb2.VerifyResponse(
             logits=payload,
             argmax_token_ids=argmax,
@@ -315,6 +318,26 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
             node_logprobs=[pb.token_logprob_to_pb(v) for v in node_logprobs],
             row_logprobs=[pb.token_logprob_to_pb(v) for v in row_logprobs],
         )
+
+    @contextlib.contextmanager
+    def _until_call_ends(self, context) -> Iterator[threading.Event]:
+        """An event set when the call ends before its engine work is done (its caller cancelled, or its
+        deadline passed), with a turn of the engine thread to see it: work queued with it as `cancel`
+        leaves the queue unrun, and a run takes no further step (as a DecodeStream's on its end). Set
+        once the work is done too, so that an answered call wakes nothing."""
+        ended = threading.Event()
+
+        def on_end() -> None:  # on gRPC's thread, when the call ends
+            if not ended.is_set():
+                ended.set()
+                self.worker.wake()
+
+        if not context.add_callback(on_end):  # the call has ended already
+            on_end()
+        try:
+            yield ended
+        finally:
+            ended.set()
 
     def _logits_payload(self, request_id: str, logits: torch.Tensor, fmt, features, is_handle: bool) -> tuple:
         """A verify's logits (and features) for the wire: inline, or (`is_handle`: the validator and draft
@@ -331,16 +354,18 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
         request_id = pb.request_id_from_pb(request.request_id)
         self.leases.check(request_id, request.kv_lease)
         run = self._plain_run(request, request_id, MAX_DECODE_TOKENS, context.time_remaining())
-        decided, forward_ms = self.worker.verify(
-            request_id,
-            list(request.accepted_nodes),
-            list(request.committed_token_ids),
-            (),
-            (),
-            run.finish,
-            repeat=run.repeat,
-            num_context_tokens=request.num_context_tokens,
-        )
+        with self._until_call_ends(context) as ended:
+            decided, forward_ms = self.worker.verify(
+                request_id,
+                list(request.accepted_nodes),
+                list(request.committed_token_ids),
+                (),
+                (),
+                run.finish,
+                repeat=run.repeat,
+                num_context_tokens=request.num_context_tokens,
+                cancel=ended,
+            )
         return primary_pb2.DecodeResponse(
             token_id=run.tokens[-1],
             forward_ms=forward_ms,

@@ -327,6 +327,7 @@ class EngineWorker:
         repeat: Callable[[Any], RunStep] | None = None,
         features_out: list[torch.Tensor] | None = None,
         num_context_tokens: int = 0,
+        cancel: threading.Event | None = None,
     ) -> tuple[Any, float]:
         """Commit the previous step, verify the tree (its last `num_lookahead` nodes lookahead rows);
         returns (finish(logits [N+1+L, V], the L lookahead rows last), forward ms).
@@ -341,7 +342,8 @@ class EngineWorker:
         each step beside the other requests', without a round trip between them. `features_out` receives
         the features of the logits rows [N+1+L, C] before `finish` runs (the step then runs eagerly).
         `num_context_tokens` > 0: the request's context is cut back to that many tokens before the commit
-        (Engine.truncate)."""
+        (Engine.truncate). `cancel` set (then wake()): the call's step leaves the queue unrun (CANCELLED),
+        its commit done, and a run takes no further step, as stream_decode's."""
         item = _VerifyItem(
             request_id,
             accepted_nodes,
@@ -352,6 +354,7 @@ class EngineWorker:
             finish,
             repeat,
             features_out=features_out,
+            cancel=cancel,
             num_context_tokens=num_context_tokens,
         )
         self._inbox.put(item)
@@ -390,7 +393,7 @@ class EngineWorker:
         return item.future
 
     def wake(self) -> None:
-        """A turn of the engine thread, which may be waiting for work: to see a Prefill's `cancel`."""
+        """A turn of the engine thread, which may be waiting for work: to see a call's `cancel`."""
         self._inbox.put(_CallItem(lambda: None, Future()))
 
     def stop(self) -> None:

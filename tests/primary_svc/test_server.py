@@ -661,6 +661,46 @@ def test_prefills_beyond_the_bound_are_refused_so_the_calls_that_free_kv_room_fi
     assert engine.kv_bytes == 0
 
 
+def _wait_for_queue_depth(worker: EngineWorker, depth: int) -> None:
+    give_up = time.monotonic() + 30
+    while worker.queue_depth != depth and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert worker.queue_depth == depth
+
+
+@pytest.mark.parametrize("method", ["Verify", "Decode"])
+def test_a_queued_verify_or_decode_whose_caller_went_away_leaves_the_queue_unrun(primary, method):
+    """A Verify or Decode whose call ends (its caller cancelled, or its deadline passed) while it waits
+    for the engine leaves the queue: no forward for nobody, and its RPC thread is free. Before, only
+    Prefill and DecodeStream heard of their call's end: a Verify ran its tree, a Decode its whole run."""
+    stub, engine, servicer, _ = primary
+    worker = servicer.worker
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="gone", token_ids=PROMPT)).kv_lease
+    num_items = worker.stats.num_items
+    held = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(worker.call, lambda engine: held.wait())  # the engine thread, busy
+        try:
+            _wait_for_queue_depth(worker, 0)
+            if method == "Verify":
+                tree = common_pb2.TokenTree(token_ids=[700, 701], parents=[-1, 0])
+                call = stub.Verify.future(primary_pb2.VerifyRequest(request_id="gone", tree=tree, kv_lease=lease))
+            else:
+                call = stub.Decode.future(primary_pb2.DecodeRequest(request_id="gone", kv_lease=lease, max_tokens=8))
+            _wait_for_queue_depth(worker, 1)  # the call's work, in the engine thread's inbox
+            call.cancel()
+            _wait_for_queue_depth(worker, 2)  # and the turn that sees its end
+        finally:
+            held.set()
+        holding.result()
+    worker.call(lambda engine: None)  # the turns after
+    assert worker.stats.num_items == num_items, "nothing ran for the call"
+    assert engine.token_ids("gone") == PROMPT
+    stub.Decode(primary_pb2.DecodeRequest(request_id="gone", kv_lease=lease))  # the request steps on
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="gone", kv_lease=lease))
+    assert engine.kv_bytes == 0
+
+
 def test_slots_without_a_call_for_the_lease_period_are_released(primary):
     stub, engine, servicer, clock = primary
     stub.Prefill(primary_pb2.PrefillRequest(request_id="ghost", token_ids=PROMPT))  # nobody follows up
