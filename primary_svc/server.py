@@ -229,7 +229,8 @@ class PrimaryServicer(primary_pb2_grpc.PrimaryServiceServicer):
                 ended.set()
                 self.worker.wake()
 
-        context.add_callback(on_end)
+        if not context.add_callback(on_end):  # the call has ended already: the callback would never run
+            on_end()
         try:
             num_cached, num_reused, lease = self.worker.prefill(
                 request_id,

@@ -661,6 +661,33 @@ def test_prefills_beyond_the_bound_are_refused_so_the_calls_that_free_kv_room_fi
     assert engine.kv_bytes == 0
 
 
+def test_a_prefill_whose_call_ended_before_it_was_queued_takes_no_slot(primary, monkeypatch):
+    """A Prefill whose caller went away before the handler asked to hear of the call's end (gRPC then
+    runs no callback: add_callback returns False) is cancelled at once. Before, it was queued as if its
+    caller waited, and took a slot under a lease nobody received, held until the lease expired."""
+    stub, engine, servicer, _ = primary
+    ended, done = threading.Event(), threading.Event()
+    prefill = servicer._prefill
+
+    def after_the_call_ended(request, request_id, token_ids, prompt_logprobs, context):  # noqa: ANN001, ANN202
+        try:
+            give_up = time.monotonic() + 30
+            while context.is_active() and time.monotonic() < give_up:
+                ended.set()
+                time.sleep(0.01)
+            return prefill(request, request_id, token_ids, prompt_logprobs, context)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(servicer, "_prefill", after_the_call_ended)
+    call = stub.Prefill.future(primary_pb2.PrefillRequest(request_id="early", token_ids=PROMPT))
+    assert ended.wait(30)
+    call.cancel()
+    assert done.wait(60)
+    servicer.worker.call(lambda engine: None)  # a turn of the engine thread after the call
+    assert not engine.has_request("early") and engine.kv_bytes == 0
+
+
 def _wait_for_queue_depth(worker: EngineWorker, depth: int) -> None:
     give_up = time.monotonic() + 30
     while worker.queue_depth != depth and time.monotonic() < give_up:
