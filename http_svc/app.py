@@ -34,6 +34,7 @@ from starlette.routing import Route
 
 from specdec.service.api_keys import AUTHORIZATION, ApiKeys
 from specdec.service.server import DEFAULT_MAX_MESSAGE_BYTES
+from http_svc.allowed_hosts import AllowedHostsMiddleware
 from http_svc.config import HttpConfig
 from http_svc.errors import ApiError, from_rpc_error
 from http_svc.metrics import HttpMetrics
@@ -117,9 +118,14 @@ class HttpFront:
         return Starlette(
             routes=routes,
             lifespan=self._lifespan,
-            # Outermost first: a span per request (W3C traceparent in, read by the gateway's call),
-            # then the client's X-Request-Id bound for the request's log lines.
-            middleware=[*self._tracing_middleware(), Middleware(RequestContextMiddleware)],
+            # Outermost first: without API keys, the Host check (http_svc.allowed_hosts); a span per
+            # request (W3C traceparent in, read by the gateway's call), then the client's X-Request-Id
+            # bound for the request's log lines.
+            middleware=[
+                *self._allowed_hosts_middleware(),
+                *self._tracing_middleware(),
+                Middleware(RequestContextMiddleware),
+            ],
             # Starlette calls each handler with instances of its key's class; its type says any
             # Exception, so the narrower handlers need the ignore.
             exception_handlers={
@@ -129,6 +135,13 @@ class HttpFront:
                 Exception: _internal,
             },
         )
+
+    def _allowed_hosts_middleware(self) -> list[Middleware]:
+        """Without API keys, a 403 to a request whose Host is neither loopback nor an --allowed_hosts
+        one (DNS rebinding); with keys a page cannot send the user's key, and nothing to check."""
+        if self.api_keys is not None:
+            return []
+        return [Middleware(AllowedHostsMiddleware, allowed_hosts=self.config.allowed_hosts)]
 
     @staticmethod
     def _tracing_middleware() -> list[Middleware]:

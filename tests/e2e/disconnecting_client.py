@@ -14,8 +14,9 @@ def first_chunk_then_disconnect(http_url: str, body: dict[str, Any]) -> dict[str
     payload = json.dumps(body).encode()
     with socket.create_connection((host, int(port)), timeout=300) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n".encode()
+            + payload
         )
         received = b""
         while b"\n" not in received.partition(b"data: ")[2]:

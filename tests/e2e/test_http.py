@@ -404,8 +404,9 @@ def test_a_client_that_disconnects_before_a_whole_answer_cancels_its_request(sta
     ).encode()
     with socket.create_connection((host, int(port)), timeout=300) as s:
         s.sendall(
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
         )
         give_up = time.monotonic() + 120
         while _metric(stack, "specdec_http_active_requests") < 1 and time.monotonic() < give_up:
@@ -494,6 +495,20 @@ def fronts(
             name: f"{'https' if name == 'http-quick' else 'http'}://{address}/v1"
             for name, address in extra.addresses.items()
         }
+
+
+def test_a_front_without_keys_answers_only_a_loopback_or_allowed_host(fronts: dict[str, str]):
+    """DNS rebinding (http_svc.allowed_hosts) through a real server: a page whose site's name now
+    resolves to 127.0.0.1 sends that name as Host and gets a 403 it cannot use; local clients'
+    hosts are answered; a front with keys answers any Host (its 401 without a key)."""
+    dead = fronts["http-dead"]  # no keys; /v1/models answers without a gateway
+    port = dead.rsplit(":", 1)[1].split("/")[0]
+    status, body = _get_as(f"{dead}/models", f"attacker.example:{port}")
+    assert status == 403 and body["error"]["code"] == "host_not_allowed"
+    assert f"attacker.example:{port}" in body["error"]["message"]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert _get_as(f"{dead}/models", host)[0] == 200, host
+    assert _get_as(f"{fronts['http-keys']}/models", "attacker.example")[0] == 401
 
 
 def test_a_missing_or_wrong_key_is_a_401(fronts: dict[str, str]):
@@ -660,6 +675,21 @@ def _get(url: str, is_json: bool = True) -> tuple[int, object]:
             return response.status, json.loads(body) if is_json else body
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read().decode()) if is_json else ""
+
+
+def _get_as(url: str, host: str) -> tuple[int, dict]:
+    """GET url with `host` as its Host header, as a browser sends it for the name it resolved."""
+    import http.client
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.request("GET", parts.path, headers={"Host": host})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
 
 
 def _post(url: str, body: bytes) -> tuple[int, dict]:

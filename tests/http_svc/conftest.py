@@ -102,8 +102,10 @@ def front(fake_gateway: tuple[FakeGateway, str]) -> HttpFront:
 
 @pytest.fixture
 def client(front: HttpFront) -> Iterator[TestClient]:
-    """Answers as a client gets them: an exception in a route is the 500 it becomes, not raised."""
-    with TestClient(front.app(), raise_server_exceptions=False) as started:
+    """Answers as a client gets them: an exception in a route is the 500 it becomes, not raised.
+    Its requests name localhost in their Host, as a local client's do (a front without API keys
+    refuses TestClient's default, "testserver": http_svc.allowed_hosts)."""
+    with TestClient(front.app(), base_url="http://localhost", raise_server_exceptions=False) as started:
         yield started
 
 

@@ -1,0 +1,81 @@
+"""The Host check of a front without API keys: the defence against DNS rebinding.
+
+A front without --api_keys_file answers whoever reaches it, which on loopback (the default) means
+the programs of this machine's user. A web page that user visits is not one of them, but it can
+become one: its site's name re-resolves to 127.0.0.1, and the page's requests to "its own" site
+(same origin, so the browser lets it read the answers) reach this front, with that name in their
+Host header (Ollama's CVE-2024-28224). So without API keys a request is answered only when its
+Host names localhost, a loopback address or a host of --allowed_hosts; others get a 403 naming
+the Host. A request without a Host header (HTTP/1.0; every browser sends one) passes. With API
+keys there is no check: a page cannot send the user's key, and such a front is meant to be
+reached by whatever name its clients use.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from http_svc.errors import ApiError
+from specdec.service.server import is_loopback
+
+HOST_HEADER = b"host"
+# An --allowed_hosts entry that allows every host (the check off).
+ANY_HOST = "*"
+_HOST_NAME = re.compile(r"^[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?$")
+
+
+def host_of(authority: str) -> str:
+    """The host of a Host header's value, lower case, without its port, an IPv6 address's brackets
+    or a trailing dot: "LocalHost:8000" -> "localhost", "[::1]:8000" -> "::1"."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):
+        end = authority.find("]")
+        return authority[1:end] if end > 0 else authority
+    return authority.partition(":")[0].removesuffix(".")
+
+
+def is_host_name(name: str) -> bool:
+    """Whether an --allowed_hosts entry is a host name or an IP address (no scheme, no port)."""
+    if is_loopback(name) or _HOST_NAME.match(name.lower().removesuffix(".")):
+        return True
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+class AllowedHostsMiddleware:
+    """Answers 403 to an HTTP request whose Host header names neither a loopback host nor one of
+    `allowed_hosts` ("*" among them: every host passes)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.allowed_hosts = frozenset(host_of(name) for name in allowed_hosts)
+        self.is_any = ANY_HOST in allowed_hosts
+
+    def is_allowed(self, host: str) -> bool:
+        return self.is_any or host in self.allowed_hosts or is_loopback(host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.is_any:
+            for key, value in scope.get("headers", ()):
+                if key.lower() != HOST_HEADER:
+                    continue
+                authority = value.decode("latin-1")
+                if not self.is_allowed(host_of(authority)):
+                    error = ApiError(
+                        403,
+                        f"the Host header {authority!r} is not allowed: without --api_keys_file this server "
+                        "answers requests to localhost, a loopback address or a host of --allowed_hosts "
+                        "(which keeps web pages from reaching it through DNS rebinding)",
+                        "permission_error",
+                        code="host_not_allowed",
+                    )
+                    await JSONResponse(error.to_json(), status_code=403)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
