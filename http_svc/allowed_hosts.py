@@ -9,12 +9,20 @@ Host names localhost, a loopback address or a host of --allowed_hosts; others ge
 the Host. A request without a Host header (HTTP/1.0; every browser sends one) passes. With API
 keys there is no check: a page cannot send the user's key, and such a front is meant to be
 reached by whatever name its clients use.
+
+The Origin header, which browsers send with every request a page makes to another origin (and
+with every POST, "null" when they withhold it), gets the same check: a page of another site may
+still POST to a loopback front unasked (a CORS "simple" request), and one whose body carries no
+Content-Type (fetch with a Blob or ArrayBuffer body) passes the front's 415 on the types a form
+could send; without this the front would run it. Clients other than browsers send no Origin.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+import urllib.parse
+from collections.abc import Iterable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -23,6 +31,7 @@ from http_svc.errors import ApiError
 from specdec.service.server import is_loopback
 
 HOST_HEADER = b"host"
+ORIGIN_HEADER = b"origin"
 # An --allowed_hosts entry that allows every host (the check off).
 ANY_HOST = "*"
 _HOST_NAME = re.compile(r"^[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?$")
@@ -50,8 +59,8 @@ def is_host_name(name: str) -> bool:
 
 
 class AllowedHostsMiddleware:
-    """Answers 403 to an HTTP request whose Host header names neither a loopback host nor one of
-    `allowed_hosts` ("*" among them: every host passes)."""
+    """Answers 403 to an HTTP request whose Host header, or Origin header when it has one, names
+    neither a loopback host nor one of `allowed_hosts` ("*" among them: every host passes)."""
 
     def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...] = ()) -> None:
         self.app = app
@@ -61,14 +70,14 @@ class AllowedHostsMiddleware:
     def is_allowed(self, host: str) -> bool:
         return self.is_any or host in self.allowed_hosts or is_loopback(host)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self.is_any:
-            for key, value in scope.get("headers", ()):
-                if key.lower() != HOST_HEADER:
-                    continue
+    def refusal(self, headers: Iterable[tuple[bytes, bytes]]) -> ApiError | None:
+        """The 403 of a request with these headers, None when it may be answered."""
+        for key, value in headers:
+            key = key.lower()
+            if key == HOST_HEADER:
                 authority = value.decode("latin-1")
                 if not self.is_allowed(host_of(authority)):
-                    error = ApiError(
+                    return ApiError(
                         403,
                         f"the Host header {authority!r} is not allowed: without --api_keys_file this server "
                         "answers requests to localhost, a loopback address or a host of --allowed_hosts "
@@ -76,6 +85,32 @@ class AllowedHostsMiddleware:
                         "permission_error",
                         code="host_not_allowed",
                     )
-                    await JSONResponse(error.to_json(), status_code=403)(scope, receive, send)
-                    return
+            elif key == ORIGIN_HEADER:
+                origin = value.decode("latin-1")
+                if not self.is_allowed(_origin_host(origin)):
+                    return ApiError(
+                        403,
+                        f"the Origin header {origin!r} is not allowed: without --api_keys_file this server "
+                        "answers web pages of localhost, a loopback address or a host of --allowed_hosts only",
+                        "permission_error",
+                        code="origin_not_allowed",
+                    )
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.is_any:
+            error = self.refusal(scope.get("headers", ()))
+            if error is not None:
+                await JSONResponse(error.to_json(), status_code=403)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
+
+
+def _origin_host(origin: str) -> str:
+    """The host of an Origin header's value ("http://LocalHost:3000" -> "localhost"); "" for "null"
+    or one that does not parse."""
+    try:
+        # hostname: lower case, an IPv6 address without its brackets, as host_of gives a Host's.
+        return (urllib.parse.urlsplit(origin.strip()).hostname or "").removesuffix(".")
+    except ValueError:
+        return ""

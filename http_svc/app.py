@@ -72,7 +72,8 @@ CHANNEL_OPTIONS = (
 
 # The bodies a web page may POST to another site without the browser asking it first (CORS "simple"
 # requests): a front without API keys on loopback would otherwise run whatever a visited page sends.
-# JSON bodies come with their type (the SDKs, `curl -H 'Content-Type: application/json'`) or none.
+# JSON bodies come with their type (the SDKs, `curl -H 'Content-Type: application/json'`) or none;
+# a page's body without a type (a Blob) is refused by its Origin (http_svc.allowed_hosts).
 _CROSS_SITE_MEDIA_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data", "text/plain"})
 
 

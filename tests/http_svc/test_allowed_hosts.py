@@ -3,6 +3,7 @@ a host of --allowed_hosts (http_svc.allowed_hosts: DNS rebinding); with API keys
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -110,3 +111,32 @@ def test_a_preflight_is_refused_without_cors_headers(started: TestClient) -> Non
     response = started.options("/v1/chat/completions", headers=preflight)
     assert response.status_code in (403, 405)
     assert not [name for name in response.headers if name.lower().startswith("access-control-")]
+
+
+@pytest.mark.parametrize("origin", ["https://attacker.example", "http://attacker.example:8000", "null", "x"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_page_of_another_site_is_a_403_naming_its_origin(
+    started: TestClient, fake_gateway: tuple[FakeGateway, str], origin: str, path: str
+) -> None:
+    """What fetch(..., {method: "POST", mode: "no-cors", body: new Blob([json])}) sends from any site:
+    a request the browser does not ask about first (no Content-Type, so no 415 either). The gateway
+    never sees it."""
+    body = json.dumps(CHAT if path == "/v1/chat/completions" else {"model": MODEL, "prompt": "Hi"}).encode()
+    response = started.post(path, content=body, headers={"host": "127.0.0.1:8000", "origin": origin})
+    assert response.status_code == 403, response.text
+    error = response.json()["error"]
+    assert error["type"] == "permission_error" and error["code"] == "origin_not_allowed"
+    assert repr(origin) in error["message"]
+    assert fake_gateway[0].requests == []
+
+
+@pytest.mark.parametrize("origin", ["http://localhost:3000", "http://127.0.0.1:8000", "http://[::1]:3000"])
+def test_a_page_of_a_loopback_origin_is_answered(started: TestClient, origin: str) -> None:
+    response = started.post("/v1/chat/completions", json=CHAT, headers={"host": "localhost:8000", "origin": origin})
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("started", [{"allowed_hosts": ("my-box.lan",)}], indirect=True)
+def test_a_page_of_an_allowed_host_is_answered(started: TestClient) -> None:
+    headers = {"host": "my-box.lan:8000", "origin": "http://my-box.lan:8000"}
+    assert started.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
