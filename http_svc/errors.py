@@ -9,6 +9,7 @@ into the OpenAI parameter the client sent ("temperature").
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -110,6 +111,16 @@ class ApiError(Exception):
 def bad_request(param: str | None, message: str) -> ApiError:
     """400 naming the parameter: a body that is not the OpenAI shape (the gateway checks values)."""
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def json_text(value: object, param: str) -> str:
+    """json.dumps(value) of a body's value; a 400 naming `param` when the value nests deeper than the
+    encoder can recurse: the parser allowed it from fewer frames down the stack, so a value nested
+    about as deep as the parser's limit would otherwise fail here with a RecursionError (a 500)."""
+    try:
+        return json.dumps(value)
+    except RecursionError:
+        raise bad_request(param, "is nested too deeply") from None
 
 
 def param_for(field: str, aliases: dict[str, str]) -> str:

@@ -47,7 +47,7 @@ import math
 import re
 from typing import Any
 
-from http_svc.errors import bad_request
+from http_svc.errors import bad_request, json_text
 from http_svc.openai_tools import set_tool_calls, set_tools
 from specdec.proto_ranges import MAX_INT32, MAX_UINT32, MAX_UINT64
 from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
@@ -382,7 +382,7 @@ def _token_ids(value: Any, param: str) -> list[int]:
         raise bad_request(param, "must be a string or a non-empty array of token ids")
     for j, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int):
-            raise bad_request(f"{param}[{j}]", f"must be a token id (an integer), got {json.dumps(t)}")
+            raise bad_request(f"{param}[{j}]", f"must be a token id (an integer), got {json_text(t, f'{param}[{j}]')}")
         if not 0 <= t <= MAX_INT32:
             raise bad_request(f"{param}[{j}]", f"must be a token id in [0, {MAX_INT32}], got {t}")
     return value
@@ -470,7 +470,7 @@ def _set_response_format(response_format: common_pb2.ResponseFormat, value: Any)
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema", "is required: a JSON Schema object")
-    response_format.json_schema = json.dumps(schema)
+    response_format.json_schema = json_text(schema, "response_format.json_schema.schema")
 
 
 def _set_prediction(request: gateway_pb2.GenerateRequest, value: Any) -> None:
@@ -481,7 +481,8 @@ def _set_prediction(request: gateway_pb2.GenerateRequest, value: Any) -> None:
     if not isinstance(value, dict):
         raise bad_request("prediction", 'must be an object {"type": "content", "content": ...}')
     if value.get("type") != "content":
-        raise bad_request("prediction.type", f'must be "content", got {json.dumps(value.get("type"))}')
+        shown = json_text(value.get("type"), "prediction.type")
+        raise bad_request("prediction.type", f'must be "content", got {shown}')
     if "content" not in value or value["content"] is None:
         raise bad_request("prediction.content", "is required: a string or an array of text parts")
     request.prediction.content = _content(value["content"], "prediction.content")
@@ -515,7 +516,7 @@ def _boolean(value: Any, param: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(param, f"must be true or false, got {json.dumps(value)}")
+        raise bad_request(param, f"must be true or false, got {json_text(value, param)}")
     return value
 
 
@@ -547,7 +548,7 @@ def _integer(value: Any, param: str, maximum: int = MAX_UINT64, minimum: int = 0
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(param, f"must be an integer, got {json.dumps(value)}")
+        raise bad_request(param, f"must be an integer, got {json_text(value, param)}")
     if value < minimum:
         raise bad_request(param, f"must be at least {minimum}, got {value}")
     if value > maximum:
@@ -557,7 +558,7 @@ def _integer(value: Any, param: str, maximum: int = MAX_UINT64, minimum: int = 0
 
 def _number(value: Any, param: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(param, f"must be a number, got {json.dumps(value)}")
+        raise bad_request(param, f"must be a number, got {json_text(value, param)}")
     if not math.isfinite(value):
         raise bad_request(param, "must be finite")
     return float(value)

@@ -16,10 +16,9 @@ the schema, "auto" ones are parsed as the model wrote them.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from http_svc.errors import bad_request
+from http_svc.errors import bad_request, json_text
 from specdec.v1 import gateway_pb2
 
 _MODES = {
@@ -40,7 +39,8 @@ def set_tools(request: gateway_pb2.GenerateRequest, data: dict[str, Any]) -> Non
     parallel = data.get("parallel_tool_calls")
     if parallel is not None:
         if not isinstance(parallel, bool):
-            raise bad_request("parallel_tool_calls", f"must be true or false, got {json.dumps(parallel)}")
+            shown = json_text(parallel, "parallel_tool_calls")
+            raise bad_request("parallel_tool_calls", f"must be true or false, got {shown}")
         request.parallel_tool_calls = parallel
 
 
@@ -63,7 +63,9 @@ def _add_tool(request: gateway_pb2.GenerateRequest, tool: Any, param: str) -> No
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{param}.function.strict", "must be true or false")
     request.tools.add(
-        name=name, description=description or "", parameters="" if parameters is None else json.dumps(parameters)
+        name=name,
+        description=description or "",
+        parameters="" if parameters is None else json_text(parameters, f"{param}.function.parameters"),
     )
 
 

@@ -88,6 +88,64 @@ def test_a_body_nested_past_the_parser_s_depth_is_a_400(client: TestClient, body
     assert error["param"] is None and "deep" in error["message"]
 
 
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def _chat_with(fields: str) -> str:
+    """A chat body's JSON text with these fields' text added."""
+    return json.dumps(chat())[:-1] + ", " + fields + "}"
+
+
+# Bodies with a value nested `depth` deep at the parameter that names it: path, body by depth.
+_NESTED_AT = {
+    "seed": (CHAT_PATH, lambda d: _chat_with(f'"seed": {_nested(d)}')),
+    "temperature": (CHAT_PATH, lambda d: _chat_with(f'"temperature": {_nested(d)}')),
+    "stream": (CHAT_PATH, lambda d: _chat_with(f'"stream": {_nested(d)}')),
+    "parallel_tool_calls": (CHAT_PATH, lambda d: _chat_with(f'"parallel_tool_calls": {_nested(d)}')),
+    "prediction.type": (CHAT_PATH, lambda d: _chat_with(f'"prediction": {{"type": {_nested(d)}}}')),
+    "tools[0].function.parameters": (
+        CHAT_PATH,
+        lambda d: _chat_with(
+            f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": {{"a": {_nested(d)}}}}}}}]'
+        ),
+    ),
+    "response_format.json_schema.schema": (
+        CHAT_PATH,
+        lambda d: _chat_with(
+            f'"response_format": {{"type": "json_schema", "json_schema": {{"name": "x", "schema": {{"a": '
+            f"{_nested(d)}}}}}}}"
+        ),
+    ),
+    "prompt[1]": (COMPLETION_PATH, lambda d: f'{{"model": "{MODEL}", "prompt": [[1, {_nested(d)}]]}}'),
+    "tokens[1]": ("/detokenize", lambda d: f'{{"tokens": [1, {_nested(d)}]}}'),
+}
+
+
+@pytest.mark.parametrize("param", sorted(_NESTED_AT))
+def test_a_value_nested_about_as_deep_as_the_parser_allows_gets_no_5xx(client: TestClient, param: str) -> None:
+    """The parser accepts what nests up to its recursion limit; the front, deeper down the stack,
+    turned such a value back into JSON (an error message showing it, a schema for the gateway) and
+    hit the limit there: a RecursionError and a 500. The depths the parser takes are found by
+    bisection (they depend on the stack it runs from); the deepest few get no 5xx."""
+    path, body = _NESTED_AT[param]
+
+    def is_parsed(depth: int) -> bool:
+        response = _post(client, body(depth).encode(), path)
+        return not (response.status_code == 400 and _error(response)["param"] is None)
+
+    parsed, refused = 1, 100_000
+    assert is_parsed(parsed) and not is_parsed(refused)
+    while refused - parsed > 1:
+        middle = (parsed + refused) // 2
+        parsed, refused = (middle, refused) if is_parsed(middle) else (parsed, middle)
+    for depth in range(parsed - 8, parsed + 1):
+        response = _post(client, body(depth).encode(), path)
+        assert response.status_code < 500, (depth, response.text[:300])
+        if response.status_code == 400:
+            assert _error(response)["param"].startswith(param)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
