@@ -17,6 +17,7 @@ from typing import Any, AsyncGenerator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.admission import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS, RETRY_AFTER_KEY
 from specdec import acceptance_mode, pb
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import node_depths
@@ -223,7 +224,19 @@ def _domain_error(e: grpc.RpcError, service: str) -> SpecdecError:
         else cls(service, e.details() or e.code().name)
     )
     error.dependency = service  # the loop recovers from some; a client never sees it as its own (client_error)
+    if isinstance(error, ResourceExhausted):  # a busy primary's refused Prefill says when to retry
+        error.retry_after_ms = _retry_after_ms(e)
     return error
+
+
+def _retry_after_ms(e: grpc.RpcError) -> int | None:
+    """The retry-after-ms hint in a failed call's trailing metadata (RETRY_AFTER_KEY), within
+    MIN_RETRY_AFTER_MS..MAX_RETRY_AFTER_MS; None when it has none."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            with contextlib.suppress(ValueError):
+                return max(MIN_RETRY_AFTER_MS, min(MAX_RETRY_AFTER_MS, int(value)))
+    return None
 
 
 def client_error(error: SpecdecError, request_id: str) -> SpecdecError:

@@ -7,6 +7,11 @@ prompt + committed tokens, and retries the call; greedy output is unchanged. Whi
 unavailable and the gateway has another node for the request, the request moves there (failover)
 and re-prefills the same way. A call also ends at the request's deadline: a hung primary, which
 nothing replaces, fails the request DEADLINE_EXCEEDED then.
+
+A busy primary refuses a Prefill past its bound on Prefills under way (RESOURCE_EXHAUSTED with a
+retry-after-ms hint, primary_svc.server): the request's own prefill, a recovery's or a streamed
+run's re-prefill waits the hinted time and tries again, until its deadline passes or it is
+cancelled. A refusal without the hint (a prompt larger than the whole KV budget) is final.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from typing import Any
 
 from gateway.node_pool import Node
 from gateway.request_record import RequestRecord
-from specdec.errors import DeadlineExceeded, NotFound, Unavailable
+from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 
 RECOVERY_POLL_S = 0.5
+# How often a call waiting to retry a busy primary's refusal looks at the request's cancel.
+BUSY_CANCEL_POLL_S = 0.05
 
 
 async def _nothing() -> None:
@@ -79,9 +86,11 @@ class PrimaryCalls:
         A re-prefill carries the lease the backends hold. A live slot leased to someone else (a
         predecessor gateway that died before its step stored the lease) answers ALREADY_EXISTS,
         which the backends report as Unavailable: retried here until the primary expires that slot
-        (--kv_lease_s) or recovery_timeout_s passes."""
+        (--kv_lease_s) or recovery_timeout_s passes. A refusal with a retry hint (a busy primary) is
+        retried after the hinted time until the request's deadline (DeadlineExceeded) or its cancel."""
         give_up = time.monotonic() + self.recovery_timeout_s
         needs_prefill = needs_prefill or is_fresh
+        num_busy = 0
         while True:
             try:
                 if needs_prefill:
@@ -103,6 +112,26 @@ class PrimaryCalls:
                     continue
                 self.log.warning("primary unavailable; waiting", error=str(e))
                 await asyncio.sleep(RECOVERY_POLL_S)
+            except ResourceExhausted as e:
+                if e.retry_after_ms is None:
+                    raise  # no hint: retrying cannot help (e.g. more KV than the primary has)
+                self.is_step_disturbed = True
+                (self.log.warning if num_busy == 0 else self.log.debug)(
+                    "primary busy; retrying", attempt=num_busy + 1, retry_after_ms=e.retry_after_ms
+                )
+                num_busy += 1
+                if not await self.within_deadline(self._wait_unless_cancelled(e.retry_after_ms / 1000)):
+                    raise
+
+    async def _wait_unless_cancelled(self, wait_s: float) -> bool:
+        """Sleep wait_s; False as soon as the request is cancelled meanwhile."""
+        end = time.monotonic() + wait_s
+        while not self.cancel.is_set():
+            left_s = end - time.monotonic()
+            if left_s <= 0:
+                return True
+            await asyncio.sleep(min(left_s, BUSY_CANCEL_POLL_S))
+        return False
 
     async def within_deadline(self, call: Awaitable[Any]) -> Any:
         """A primary call, ended at the request's deadline: a hung primary (nothing replaces it) fails the

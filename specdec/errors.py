@@ -47,7 +47,10 @@ class AlreadyExists(SpecdecError, status_name="ALREADY_EXISTS"):
 
 
 class ResourceExhausted(SpecdecError, status_name="RESOURCE_EXHAUSTED"):
-    """A capacity limit is reached (KV memory, queue length); retry later."""
+    """A capacity limit is reached (KV memory, queue length); retry later. `retry_after_ms`: when a
+    retry may find room, where the refusal said (a retry-after-ms hint); None: no hint."""
+
+    retry_after_ms: int | None = None
 
 
 class FailedPrecondition(SpecdecError, status_name="FAILED_PRECONDITION"):

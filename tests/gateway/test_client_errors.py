@@ -21,6 +21,9 @@ class FakeRpcError(grpc.RpcError, grpc.Call):
     def details(self) -> str:
         return self._details
 
+    def trailing_metadata(self) -> None:
+        return None
+
 
 @pytest.mark.parametrize(
     "code, details, told, status",
