@@ -59,6 +59,7 @@ from specdec.errors import (
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -127,6 +128,19 @@ def _add_piece(message: gateway_pb2.GenerateStreamResponse, piece: Piece) -> int
         gateway_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in piece.deltas
     )
     return sum(1 for d in piece.deltas if d.id)
+
+
+def _check_answerable_on_retry(request: gateway_pb2.GenerateRequest) -> None:
+    """FAILED_PRECONDITION for a retry of a request that asked for log probabilities: the state store
+    keeps a request's tokens, not their log probabilities (docs/logprobs.md), so a retry cannot give
+    the answer the request asked for, and one without them would read as complete (an OpenAI client's
+    logprobs silently missing). GetRequest still gives the stored tokens and text."""
+    if request.HasField("logprobs"):
+        raise FailedPrecondition(
+            "logprobs",
+            f"request {request.request_id!r} asked for log probabilities, which are not stored: a retry cannot "
+            "answer them (GetRequest gives its tokens and text; another request id runs it again)",
+        )
 
 
 async def _in_thread(fn, *args, **kwargs):
@@ -297,6 +311,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
     async def _retried_answer(self, request, context) -> gateway_pb2.GenerateResponse:
         """Generate's answer to a retry of a stored request (followed), its calls read from its text
         as the request's own answer reads them."""
+        _check_answerable_on_retry(request)
         final = None
         async for message in self.followed(request, context):
             final = message
@@ -319,6 +334,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
     async def _retried_stream(self, request, context):
         """GenerateStream's messages to a retry of a stored request (followed), with content and
         call pieces as the request's own stream has them."""
+        _check_answerable_on_retry(request)
         tools = self._retried_tools(request)
         reader = None if tools is None else reader_for(tools)
         num_calls = 0

@@ -8,11 +8,13 @@ import asyncio
 import json
 import types
 
+import pytest
 import structlog
 
 from gateway.config import Limits
 from gateway.params import params_to_json
 from gateway.server import GenerationServicer
+from specdec.errors import FailedPrecondition
 from specdec.model.tokenizer import Tokenizer
 from specdec.state_store import AsyncInMemoryStateStore, InMemoryStateStore, RequestStatus
 from specdec.v1 import gateway_pb2
@@ -104,3 +106,23 @@ def test_a_follower_cuts_a_stream_stored_a_token_a_step(tokenizer: Tokenizer) ->
     for t in tokenizer.encode("Hello world"):
         add_stored(output, [t], generated)
     assert output.is_stopped and output.text == "Hello " and generated == tokenizer.encode("Hello world")
+
+
+def test_a_retry_of_a_request_that_asked_for_logprobs_is_refused_not_answered_without_them(
+    tokenizer: Tokenizer,
+) -> None:
+    """The store keeps no log probabilities: a retry's answer would have none, read as complete."""
+    request = gateway_pb2.GenerateRequest(request_id="r5", prompt="Say hello")
+    request.logprobs.num_top_logprobs = 2
+    s = stored(tokenizer, request, "Hello world")
+    with pytest.raises(FailedPrecondition, match="log probabilities") as e:
+        asyncio.run(s._retried_answer(request, Context()))
+    assert e.value.field == "logprobs"
+
+    async def stream() -> list:
+        return [m async for m in s._retried_stream(request, Context())]
+
+    with pytest.raises(FailedPrecondition, match="log probabilities"):
+        asyncio.run(stream())
+    got = asyncio.run(s.GetRequest(gateway_pb2.GetRequestRequest(request_id="r5"), Context()))
+    assert got.text == "Hello world"  # the stored output is still there to read
