@@ -121,13 +121,30 @@ def _with_tool_calls(finish_reason: gateway_pb2.FinishReason, has_calls: bool) -
     return gateway_pb2.FINISH_REASON_TOOL_CALLS if has_calls and is_ended else finish_reason
 
 
-def _add_piece(message: gateway_pb2.GenerateStreamResponse, piece: Piece) -> int:
-    """Puts a reader's piece on a stream message; the number of calls it starts."""
-    message.content = piece.content
-    message.tool_calls.extend(
-        gateway_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in piece.deltas
-    )
-    return sum(1 for d in piece.deltas if d.id)
+class _CallPieces:
+    """A stream's content and tool-call pieces, read from its messages' text as they go out (the
+    request's own GenerateStream and a retry's alike); tools None: the text is the answer."""
+
+    def __init__(self, tools: ToolSpec | None) -> None:
+        self.reader = None if tools is None else reader_for(tools)
+        self.num_calls = 0
+
+    def read(self, message: gateway_pb2.GenerateStreamResponse) -> None:
+        """Put on message the content and call pieces of its text; on the final one also what the
+        reader held back to the end, and the finish reason TOOL_CALLS when the answer made calls."""
+        if self.reader is None:
+            return
+        piece = self.reader.add(message.text)
+        if message.is_final:  # a retry's final message carries the text held back to the end
+            last = self.reader.finish()
+            piece = Piece(piece.content + last.content, [*piece.deltas, *last.deltas])
+        message.content = piece.content
+        message.tool_calls.extend(
+            gateway_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in piece.deltas
+        )
+        self.num_calls += sum(1 for d in piece.deltas if d.id)
+        if message.is_final:
+            message.finish_reason = _with_tool_calls(message.finish_reason, self.num_calls > 0)
 
 
 def _check_answerable_on_retry(request: gateway_pb2.GenerateRequest) -> None:
@@ -248,8 +265,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             async for message in self._retried_stream(request, context):
                 yield message
             return
-        reader = reader_for(loop.params.tools) if loop.params.tools.is_parsed else None
-        num_calls = 0
+        calls = _CallPieces(loop.params.tools if loop.params.tools.is_parsed else None)
         is_prompt_sent = False  # the prompt's log probabilities ride on the first message
         async with contextlib.aclosing(self._run(loop, client_id, ticket, arrived_s)) as steps:
             async for out in steps:
@@ -261,8 +277,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
                     prompt_logprobs=[] if is_prompt_sent else self._logprobs_pb(loop.prompt_logprobs),
                 )
                 is_prompt_sent = True
-                if reader is not None:
-                    num_calls += _add_piece(message, reader.add(out.text))
+                calls.read(message)
                 yield message
         o = loop.outcome
         final = gateway_pb2.GenerateStreamResponse(
@@ -272,9 +287,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             stats=o.stats.to_pb(),
             prompt_logprobs=[] if is_prompt_sent else self._logprobs_pb(o.prompt_logprobs),
         )
-        if reader is not None:
-            num_calls += _add_piece(final, reader.finish())
-            final.finish_reason = _with_tool_calls(final.finish_reason, num_calls > 0)
+        calls.read(final)
         yield final
 
     async def Tokenize(self, request, context):
@@ -335,18 +348,9 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         """GenerateStream's messages to a retry of a stored request (followed), with content and
         call pieces as the request's own stream has them."""
         _check_answerable_on_retry(request)
-        tools = self._retried_tools(request)
-        reader = None if tools is None else reader_for(tools)
-        num_calls = 0
+        calls = _CallPieces(self._retried_tools(request))
         async for message in self.followed(request, context, is_streamed=True):
-            if reader is not None:
-                piece = reader.add(message.text)
-                if message.is_final:  # the final message carries the text held back to the end
-                    last = reader.finish()
-                    piece = Piece(piece.content + last.content, [*piece.deltas, *last.deltas])
-                num_calls += _add_piece(message, piece)
-                if message.is_final:
-                    message.finish_reason = _with_tool_calls(message.finish_reason, num_calls > 0)
+            calls.read(message)
             yield message
 
     def _retried_tools(self, request: gateway_pb2.GenerateRequest) -> ToolSpec | None:
