@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar, Unpack
 
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S, give_up_at, with_state_retries
-from specdec.errors import FailedPrecondition, Internal, NotFound, StateLost
-from specdec.state_store import AsyncStateStore, RequestStatus, StepFields
+from specdec.errors import AlreadyExists, FailedPrecondition, Internal, NotFound, StateLost, Unavailable
+from specdec.state_store import AsyncStateStore, RequestState, RequestStatus, StepFields
 
 T = TypeVar("T")
 
@@ -236,12 +236,26 @@ class RequestRecord:
             num_tokens=num_tokens,
         )
 
+        is_retry = False  # an attempt of the create timed out
+
         async def create() -> None:
+            nonlocal is_retry
             if self.stored_params is None:
                 raise Internal("params", "the request's stored parameters are not known to its loop")
-            await self.store.create(
-                self.request_id, self.stored_params, prompt_token_ids=self.prompt_ids, status=RequestStatus.RUNNING
-            )
+            try:
+                await self.store.create(
+                    self.request_id, self.stored_params, prompt_token_ids=self.prompt_ids, status=RequestStatus.RUNNING
+                )
+            except Unavailable:
+                is_retry = True
+                raise
+            except AlreadyExists:
+                # An attempt that timed out may have landed (a stalled Redis runs it once it resumes):
+                # that record, still bare, is this create's own and the refill fills it; anything
+                # else under the id is not (it was created by another gateway meanwhile).
+                state = await self.store.load(self.request_id)
+                if not is_retry or state is None or not self._is_bare_own(state):
+                    raise
 
         async def refill() -> None:
             await self._write(
@@ -267,6 +281,17 @@ class RequestRecord:
                 dependency="state_store",
             ) from e
         self.log.warning("request's stored state written back", num_tokens=num_tokens)
+
+    def _is_bare_own(self, state: RequestState) -> bool:
+        """Whether state is this request's record as restore's create writes it: its parameters and
+        prompt, no tokens, running, no other gateway's lease (this one's heartbeat may have claimed it)."""
+        return (
+            state.params == self.stored_params
+            and list(state.prompt_token_ids) == list(self.prompt_ids)
+            and not state.token_ids
+            and state.status == RequestStatus.RUNNING
+            and state.owner in ("", self.owner)
+        )
 
     async def is_stored(self, num_tokens: int) -> bool:
         """Whether the record is live and holds exactly num_tokens tokens."""

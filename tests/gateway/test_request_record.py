@@ -239,3 +239,26 @@ def test_a_cancelled_request_stops_retrying_at_once():
     record.cancel.set()
     with pytest.raises(Unavailable, match="Connection refused"):
         asyncio.run(commit(record, [10]))
+
+
+class CreateReplyLosingStore(InMemoryStateStore):
+    """Applies the second create (the first is new_record's), then its reply is lost."""
+
+    num_creates = 0
+
+    def create(self, request_id, params, **options):
+        self.num_creates += 1
+        super().create(request_id, params, **options)
+        if self.num_creates == 2:
+            raise Unavailable("state_store", "redis: Timeout reading from socket")
+
+
+def test_a_lost_records_write_back_whose_create_landed_though_it_timed_out_goes_on():
+    """The retried create finds the record its first attempt wrote: its own, filled in, not StateLost."""
+    store = CreateReplyLosingStore()
+    record = new_record(store, [10])
+    store.delete("r")
+    assert asyncio.run(commit(record, [11]))
+    state = store.load("r")
+    assert (state.token_ids, state.status, state.stats) == ((10, 11), RequestStatus.RUNNING, STATS)
+    assert store.num_creates == 3
