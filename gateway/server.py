@@ -440,6 +440,10 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         try:  # a slot now, a place in the queue, or refused before anything is stored
             ticket = self.admission.enter(tenant)
         except QueueFull as e:
+            # a client's retry of a stored request follows it and takes no slot: not refused for a
+            # full queue (its gateway died, and its requests' load came here)
+            if request.request_id and await self._is_stored_request(request_id, stored, prompt_ids):
+                raise _Retried() from None
             context.set_trailing_metadata(((RETRY_AFTER_KEY, str(e.retry_after_ms)),))
             raise
         is_queued = not ticket.is_granted  # as admission decided: a queued ticket may be granted meanwhile
@@ -468,6 +472,19 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             raise
         loop.stats.queue_ms = queue_s * 1000
         return client_id, loop, ticket
+
+    async def _is_stored_request(self, request_id: str, stored, prompt_ids) -> bool:
+        """Whether request_id holds this very request (its parameters and prompt), running or ended;
+        False too when the store does not answer (the caller's own answer stands)."""
+        try:
+            state = await self.store.load(request_id)
+        except SpecdecError:
+            return False
+        return (
+            state is not None
+            and state.params == params_to_json(stored)
+            and list(state.prompt_token_ids) == list(prompt_ids)
+        )
 
     async def _store_admitted(
         self,

@@ -13,7 +13,7 @@ import pytest
 import structlog
 from prometheus_client import CollectorRegistry
 
-from gateway.admission import Admission
+from gateway.admission import Admission, QueueFull
 from gateway.backends import Decoded, ModelInfo, Prefilled
 from gateway.loop import RequestLoop
 from gateway.metrics import GatewayMetrics
@@ -403,3 +403,28 @@ def test_a_retry_that_reaches_a_failing_over_store_follows_the_running_request_i
 
     asyncio.run(main())
     assert store.num_calls == 2 and store.sync.load("r7").token_ids == (4, 5)
+
+
+def test_a_retry_of_a_stored_request_follows_it_though_the_admission_queue_is_full() -> None:
+    """It takes no slot (before: RESOURCE_EXHAUSTED while its gateway's load filled this one); a new
+    request is still refused."""
+    admission = Admission(max_active=1, max_queued=0)
+    holder = admission.enter("")
+    store = AsyncInMemoryStateStore(InMemoryStateStore())
+    request = gateway_pb2.GenerateRequest(request_id="r8")
+    store.sync.create("r8", params_to_json(request), prompt_token_ids=[1, 2, 3], status=RequestStatus.RUNNING)
+    store.sync.append_step("r8", [4, 5], owner="gateway@10.0.0.2:50050#1")
+    trailers = []
+    context = Context()
+    context.set_trailing_metadata = trailers.append
+
+    async def main() -> None:
+        s = servicer(store, admission, lambda *_args, **_kwargs: None)
+        with pytest.raises(_Retried):
+            await s._start(request, context, is_streamed=False)
+        with pytest.raises(QueueFull):
+            await s._start(gateway_pb2.GenerateRequest(request_id="r9"), context, is_streamed=False)
+
+    asyncio.run(main())
+    assert len(trailers) == 1 and store.sync.load("r9") is None
+    holder.release()
