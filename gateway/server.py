@@ -394,7 +394,10 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
 
         output = self._stored_output(state.params)  # the text cut at a stop string, as Generate's
         add_stored(output, state.token_ids, [])
-        output.end(is_flushed=not output.is_stopped)
+        if state.status.is_terminal or output.is_stopped:
+            output.end(is_flushed=not output.is_stopped)
+        else:  # its last token may end inside a character that its next token completes: not text yet
+            output.text += output.detok.held_back()
         return gateway_pb2.GetRequestResponse(
             status=STATUSES[state.status],
             params=params_pb_from_json(state.params),

@@ -126,3 +126,26 @@ def test_a_retry_of_a_request_that_asked_for_logprobs_is_refused_not_answered_wi
         asyncio.run(stream())
     got = asyncio.run(s.GetRequest(gateway_pb2.GetRequestRequest(request_id="r5"), Context()))
     assert got.text == "Hello world"  # the stored output is still there to read
+
+
+def test_get_request_of_a_running_request_leaves_out_a_character_its_tokens_have_begun(
+    tokenizer: Tokenizer,
+) -> None:
+    """Its next token completes the character: the text so far is not cut short with U+FFFD."""
+    ids = tokenizer.encode("ok 🤗")
+    *begun, last = ids
+    assert tokenizer.decode(begun).endswith("\ufffd")  # the emoji's bytes span more than one token
+    store = AsyncInMemoryStateStore(InMemoryStateStore())
+    store.sync.create("r6", {"prompt": "Emoji"}, prompt_token_ids=[1, 2], status=RequestStatus.RUNNING)
+    s = stored(tokenizer, gateway_pb2.GenerateRequest(request_id="r0", prompt="x"), "")
+    s.store = store
+    store.sync.append_step("r6", begun, owner=s.owner)  # run by this gateway: GetRequest adopts nothing
+
+    def text() -> str:
+        return asyncio.run(s.GetRequest(gateway_pb2.GetRequestRequest(request_id="r6"), Context())).text
+
+    assert text() == "ok "
+    store.sync.append_step("r6", [last], owner=s.owner)
+    assert text() == "ok 🤗"
+    store.sync.set_status("r6", RequestStatus.FINISHED, finish_reason="length")
+    assert text() == "ok 🤗"
