@@ -864,10 +864,15 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         if state is None or state.status.is_terminal or state.owner in ("", self.owner):
             return
         self.log.warning("request taken over by another gateway", request_id=loop.request_id, owner=state.owner)
+        # a retry cannot follow log probabilities (not stored: _check_answerable_on_retry)
+        advice = (
+            "retry the same request id to follow it"
+            if loop.params.logprobs is None
+            else "GetRequest gives its tokens (its log probabilities are not stored: a retry cannot answer them)"
+        )
         raise Unavailable(
             "request_id",
-            f"request {client_id!r} is now run by another gateway (this one lost its lease); retry the same "
-            "request id to follow it",
+            f"request {client_id!r} is now run by another gateway (this one lost its lease); {advice}",
         )
 
     async def _measured(self, loop: RequestLoop, arrived_s: float | None) -> AsyncIterator:

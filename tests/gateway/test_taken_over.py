@@ -7,7 +7,15 @@ with the output of an undisturbed run: no token lost or stored twice. Fake backe
 from __future__ import annotations
 
 import asyncio
+import threading
+import types
 
+import pytest
+import structlog
+
+from gateway.server import GenerationServicer
+from specdec.errors import Unavailable
+from specdec.logprobs import LogprobsRequest
 from specdec.state_store import AsyncInMemoryStateStore, InMemoryStateStore, RequestStatus
 from tests.gateway.test_loop import PROMPT, FakeBackends, loop_over_prompt, make_params, plain_decoding
 
@@ -52,3 +60,29 @@ def test_the_old_owner_stops_cleanly_and_the_adopter_finishes_the_same_output() 
     final = store.load("r1")
     assert final is not None and final.status == RequestStatus.FINISHED
     assert list(final.token_ids) == new.outcome.token_ids == plain_decoding(PROMPT, MAX_NEW_TOKENS)
+
+
+def test_the_old_owners_client_is_told_to_retry_unless_its_request_asked_for_logprobs() -> None:
+    """A retry of a request that asked for log probabilities is refused (they are not stored): its
+    client is not sent to one."""
+    store = InMemoryStateStore()
+    store.create("r2", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    store.claim("r2", NEW)
+    s = GenerationServicer.__new__(GenerationServicer)
+    s.store, s.owner, s.log = AsyncInMemoryStateStore(store), OLD, structlog.get_logger("test")
+
+    def told(logprobs: LogprobsRequest | None) -> str:
+        loop = types.SimpleNamespace(
+            request_id="r2",
+            is_refused=True,
+            cancel=threading.Event(),
+            outcome=types.SimpleNamespace(finish_reason="cancelled"),
+            params=types.SimpleNamespace(logprobs=logprobs),
+        )
+        with pytest.raises(Unavailable) as e:
+            asyncio.run(s._check_not_taken_over(loop, "r2"))
+        return e.value.message
+
+    assert told(None).endswith("retry the same request id to follow it")
+    message = told(LogprobsRequest())
+    assert "retry the same request id" not in message and "GetRequest" in message
