@@ -38,3 +38,26 @@ def test_rows_too_long_for_the_stacks_context_are_passed_over(tmp_path):
     (tmp_path / "prose.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     selection = fitting_prompts(tmp_path, "prose", 2, 128, lambda p: len(p.prompt.split()))
     assert [p.id for p in selection.prompts] == ["r0", "r2"] and selection.num_skipped == 1
+
+
+def test_both_systems_find_the_prompt_in_the_prefix_cache():
+    """The plain answer, asked first, would pay the prompt's prefill and leave it cached for the
+    speculative one: a two-token request with speculation off reaches the stack before either."""
+    from types import SimpleNamespace
+
+    from bench.prompts import BenchPrompt
+    from bench.sampled import answer_prompt
+    from specdec.v1 import common_pb2
+
+    sent = []
+
+    class Stub:
+        def Generate(self, req, timeout):
+            sent.append((req.speculation.HasField("is_enabled") and not req.speculation.is_enabled, req.max_new_tokens))
+            return gateway_pb2.GenerateResponse(token_ids=[1, 2])
+
+    prompt = BenchPrompt("p", "prose", "Tell me a story.", None, None, True)
+    seeds = [common_pb2.SamplingParams(temperature=0.7, seed=s) for s in (1, 2)]
+    pairs = answer_prompt(SimpleNamespace(stub=Stub()), prompt, seeds, 64)
+    assert [sorted(p) for p in pairs] == [["plain", "speculative"]] * 2
+    assert sent == [(True, 2), (True, 64), (False, 64), (True, 64), (False, 64)]
