@@ -13,7 +13,8 @@ shared pool would let a later mix draft from an earlier mix's answers): the four
 (specdec.launcher.Stack, the default model) offering the mix's strategies, once the draft pool has
 attached the primary's weights when a model-based decoder is named (the feature drafter: once the
 pool reports its measured cost in GetPoolInfo, as it does when the drafter binds). Every prompt runs
-with speculation off, then with the mix, greedy, and the outputs are compared. A mix naming a
+with speculation off, then with the mix, greedy, and the outputs are compared (both after a two-token
+request that puts the prompt in the primary's prefix cache). A mix naming a
 strategy the pool does not offer (the feature drafter without its file) is skipped with a note.
 Without --adaptive every decoder gives one candidate every step, except a mix of tree decoders
 alone, which gives --tree-leaves (the leaves of its tree); with it the gateway's controller chooses.
@@ -34,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from bench.measure import NUM_PRIMING_TOKENS
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.report import step_tokens, sum_decoders
 from bench.stack import stats_dict
@@ -144,13 +146,16 @@ def measure_scenario(
     tree_leaves: int = 1,
 ) -> dict:
     """Each prompt plain, then with each mix; the scenario's figures per mix (medians of tokens/s,
-    summed counts)."""
+    summed counts). Before either, a short request with speculation off puts the prompt in the
+    primary's prefix cache (as the suite's priming request, bench.measure): otherwise the plain run
+    would pay the prompt's prefill and leave it cached for the mixes, whose tokens/s would gain it."""
     plain_tps: list[float] = []
     plain_ids: list[list[int]] = []
     spec_stats: dict[str, list[dict[str, Any]]] = {name: [] for name in mixes}
     spec_tps: dict[str, list[float]] = {name: [] for name in mixes}
     same = dict.fromkeys(mixes, 0)
     for prompt in prompts:
+        run(stub, prompt, False, [], NUM_PRIMING_TOKENS)
         plain = run(stub, prompt, False, [], max_new_tokens)
         plain_tps.append(plain.stats.tokens_per_second)
         plain_ids.append(list(plain.token_ids))

@@ -56,3 +56,26 @@ def test_a_mixs_figures_are_per_speculative_step_over_its_prompts():
     assert m["decoders"]["feature"]["draft_ms_per_step"] == pytest.approx(4.0 / 6)
     assert m["entropy_bins"]["[0, 1)"] == {"decisions": 6, "accepted": 4, "acceptance_rate": pytest.approx(4 / 6)}
     assert m["identical_outputs"] == 2
+
+
+def test_the_plain_run_and_the_mixes_find_the_prompt_in_the_prefix_cache():
+    """The plain run, asked first, would pay the prompt's prefill and leave it cached for the mixes: a
+    two-token request with speculation off reaches the stack before either, and is not measured."""
+    from bench.prompts import BenchPrompt
+    from bench.drafts import measure_scenario
+    from specdec.v1 import gateway_pb2
+
+    sent = []
+
+    class Stub:
+        def Generate(self, req, timeout):
+            sent.append((req.speculation.is_enabled, req.max_new_tokens))
+            tokens_per_second = 10.0 if req.max_new_tokens == 2 else 50.0
+            return gateway_pb2.GenerateResponse(
+                token_ids=[1, 2], stats=gateway_pb2.GenerationStats(num_steps=1, tokens_per_second=tokens_per_second)
+            )
+
+    prompt = BenchPrompt("p", "prose", "Tell me a story.", None, None, True)
+    r = measure_scenario(Stub(), [prompt], {"prompt_lookup": ["prompt_lookup"]}, 64, False)
+    assert sent == [(False, 2), (False, 64), (True, 64)]
+    assert r["plain_tokens_per_s"] == 50.0
