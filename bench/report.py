@@ -319,7 +319,7 @@ def summarize_scenario(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, cores, AVX512 flags, library versions and the date of the run."""
+    """CPU model, cores, AVX-512 (VNNI, BF16), AMX and AVX2 flags, library versions and the date of the run."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
@@ -329,6 +329,7 @@ def machine_info() -> dict[str, Any]:
         "num_cpus": os.cpu_count(),
         "num_usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "avx512": "avx512f" in flags,
+        "avx512_vnni": "avx512_vnni" in flags,  # the int8 dot products of the quantized kernels
         "avx512_bf16": "avx512_bf16" in flags,
         "amx": "amx_tile" in flags,
         "avx2": "avx2" in flags,

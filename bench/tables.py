@@ -310,11 +310,23 @@ def _long_setting(config: dict[str, Any]) -> str:
     )
 
 
+def _cpu_flags(machine: dict[str, Any]) -> str:
+    """The instruction sets the kernels' speed turns on, e.g. "AVX512 yes (VNNI yes), AMX no"; a flag
+    that results written before it was recorded lack is left out."""
+
+    def yes(key: str) -> str:
+        return "yes" if machine[key] else "no"
+
+    vnni = f" (VNNI {yes('avx512_vnni')})" if machine["avx512"] and "avx512_vnni" in machine else ""
+    amx = f", AMX {yes('amx')}" if "amx" in machine else ""
+    return f"AVX512 {yes('avx512')}{vnni}{amx}"
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     config, machine = results["config"], results["machine"]
     parts = [
-        f"Machine: {machine['cpu_model']}, {machine['num_cpus']} CPUs, AVX512 "
-        f"{'yes' if machine['avx512'] else 'no'}, torch {machine['versions']['torch']}, {machine['date']}. "
+        f"Machine: {machine['cpu_model']}, {machine['num_cpus']} CPUs, {_cpu_flags(machine)}, "
+        f"torch {machine['versions']['torch']}, {machine['date']}. "
         f"Greedy, batch 1, at most {config['max_new_tokens']} new tokens, sequence length "
         f"{config['sequence_length']}{_long_setting(config)}. json: the row's schema as response_format; "
         "json_noschema: the same prompts without (peers: always without)."

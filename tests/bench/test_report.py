@@ -285,3 +285,16 @@ def test_a_decoders_subtree_figures_by_depth_sum_over_requests():
         "mean_accepted_length": None,
         "draft_ms_per_step": None,
     }
+
+
+def test_machine_info_records_the_cpu_flags_the_kernels_turn_on():
+    """AVX-512 with and without VNNI (the quantized kernels' int8 dot products) are machines of
+    different speed: the report says which it ran on."""
+    from pathlib import Path
+
+    from bench.report import machine_info
+
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = set(next((ln for ln in lines if ln.startswith("flags")), ":").split(":", 1)[1].split())
+    m = machine_info()
+    assert m["avx512_vnni"] == ("avx512_vnni" in flags) and m["amx"] == ("amx_tile" in flags)

@@ -121,6 +121,13 @@ def test_render_markdown_names_skips():
     assert "### fp32" in md and "code 1" in md and "Concurrency sweep" in md
 
 
+def test_render_markdown_names_the_cpu_flags():
+    r = results()
+    assert "AVX512 no, torch" in render_markdown(r)  # results written before VNNI and AMX were recorded
+    r["machine"] |= {"avx512": True, "avx512_vnni": True, "amx": False}
+    assert "AVX512 yes (VNNI yes), AMX no" in render_markdown(r)
+
+
 def test_chart_series():
     scenarios, series = speedup_series(run())
     assert scenarios == ["code", "json"]
