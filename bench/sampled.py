@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.measure import NUM_PRIMING_TOKENS
+from bench.measure import NUM_PRIMING_TOKENS, NUM_WARMUP_TOKENS, WARMUP_PROMPT
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
 from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, system_under_test
 from bench.suite import Selection, select_prompts
@@ -95,6 +95,15 @@ def answer_prompt(
     it teaches the learned answers nothing."""
     answer(sut, prompt, "plain", samplings[0], NUM_PRIMING_TOKENS, is_schema)
     return [{s: answer(sut, prompt, s, sampling, max_new_tokens, is_schema) for s in SYSTEMS} for sampling in samplings]
+
+
+def warm_up(sut: SystemUnderTest, temperature: float) -> None:
+    """One short answer of each system, not recorded, on the suite's warm-up prompt (bench.measure):
+    not a measured one, whose speculative answer the primary would keep as a learned answer and draft
+    that prompt's measured answers from."""
+    sampling = common_pb2.SamplingParams(temperature=temperature, seed=0)
+    for system in SYSTEMS:
+        answer(sut, WARMUP_PROMPT, system, sampling, NUM_WARMUP_TOKENS)
 
 
 def fitting_prompts(
@@ -170,9 +179,7 @@ def main() -> None:
             print(f"# {scenario}: {selection.num_skipped} rows passed over (prompt + answer over {MAX_CONTEXT} tokens)")
     rows = []
     with system_under_test(args.precision, args.num_threads, MAX_CONTEXT) as sut:
-        warm_up = selections[scenarios[0]].prompts[0]
-        for system in SYSTEMS:
-            answer(sut, warm_up, system, common_pb2.SamplingParams(temperature=args.temperature, seed=0), 8)
+        warm_up(sut, args.temperature)
         for scenario in scenarios:
             pairs = []
             for prompt in selections[scenario].prompts:

@@ -61,3 +61,22 @@ def test_both_systems_find_the_prompt_in_the_prefix_cache():
     pairs = answer_prompt(SimpleNamespace(stub=Stub()), prompt, seeds, 64)
     assert [sorted(p) for p in pairs] == [["plain", "speculative"]] * 2
     assert sent == [(True, 2), (True, 64), (False, 64), (True, 64), (False, 64)]
+
+
+def test_the_warm_up_asks_no_measured_prompt():
+    """The speculative warm-up's answer is kept by the primary as a learned answer of the tenant: on a
+    measured prompt, that prompt's measured answers would draft from it."""
+    from types import SimpleNamespace
+
+    from bench.measure import WARMUP_PROMPT
+    from bench.sampled import warm_up
+
+    sent = []
+
+    class Stub:
+        def Generate(self, req, timeout):
+            sent.append((req.chat.messages[-1].content, req.speculation.HasField("is_enabled")))
+            return gateway_pb2.GenerateResponse(token_ids=[1])
+
+    warm_up(SimpleNamespace(stub=Stub()), 0.7)
+    assert sent == [(WARMUP_PROMPT.prompt, True), (WARMUP_PROMPT.prompt, False)]
