@@ -120,6 +120,10 @@ def fitting_prompts(
 
 
 def scenario_row(scenario: str, pairs: list[dict[str, Answer]]) -> dict[str, Any]:
+    """A scenario's figures over its pairs; without pairs (no row fit the context), none, so that the
+    other scenarios' rows are still printed and written."""
+    if not pairs:
+        return {"scenario": scenario, "answers": 0, **{key: None for key, _ in COLUMNS[2:]}, "same": "0/0"}
     rates = {s: statistics.median(p[s].tokens_per_second for p in pairs) for s in SYSTEMS}
     speculative = [p["speculative"] for p in pairs]
     num_tokens = sum(len(a.token_ids) for a in speculative)

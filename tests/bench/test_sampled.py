@@ -80,3 +80,10 @@ def test_the_warm_up_asks_no_measured_prompt():
 
     warm_up(SimpleNamespace(stub=Stub()), 0.7)
     assert sent == [(WARMUP_PROMPT.prompt, True), (WARMUP_PROMPT.prompt, False)]
+
+
+def test_a_scenario_without_answers_has_a_row_of_no_figures():
+    """A scenario none of whose rows fit the context has no pairs: its row says so, rather than a
+    median of nothing ending the run before any row is printed."""
+    row = scenario_row("code", [])
+    assert row["answers"] == 0 and row["plain_tok_s"] is None and row["speedup"] is None and row["same"] == "0/0"
