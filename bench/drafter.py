@@ -159,16 +159,24 @@ def speculate(
 
 
 def summarize(replays: Sequence[Replay], depth: int) -> dict[str, Any]:
+    """A scenario's figures over its replays; without a step (no prompt fit, or none past
+    --first-prompt), 0 steps and no times, so that the other scenarios still run."""
     steps = [(r, i) for r in replays for i in range(len(r.tokens))]
     accepted = [r.accepted(i) for r, i in steps]
     n = max(1, len(steps))
+    observe_s = [s for r in replays for s in r.observe_s]
+    propose_s = [s for r in replays for s in r.propose_s]
     return {
         "steps": len(steps),
         "hit_by_depth": [round(sum(a >= d for a in accepted) / n, 4) for d in range(1, depth + 1)],
         "drafts_per_step": round(sum(accepted) / n, 3),
-        "observe_ms": round(1000 * statistics.median(s for r in replays for s in r.observe_s), 3),
-        "propose_ms": round(1000 * statistics.median(s for r in replays for s in r.propose_s), 3),
+        "observe_ms": round(1000 * statistics.median(observe_s), 3) if observe_s else None,
+        "propose_ms": round(1000 * statistics.median(propose_s), 3) if propose_s else None,
     }
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 def scenario_ids(
@@ -225,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         hits = " / ".join(f"{h:.3f}" for h in row["hit_by_depth"])
         print(
             f"| {scenario} | {row['steps']} | {hits} | {row['drafts_per_step']:.2f} | "
-            f"{row['observe_ms']:.2f} | {row['propose_ms']:.2f} |",
+            f"{_ms(row['observe_ms'])} | {_ms(row['propose_ms'])} |",
             flush=True,
         )
     if args.speculate:
@@ -250,6 +258,8 @@ def speculate_table(
     table: dict[str, Any] = {}
     for scenario in args.scenarios.split(","):
         chosen = scenario_ids(args, prompts, scenario, tokenizer)
+        if not chosen:  # nothing to time
+            continue
         runs = {
             d: [speculate(engine, source.create(model=model) if d else None, i, args.max_new_tokens, d) for i in chosen]
             for d in (0, *depths)

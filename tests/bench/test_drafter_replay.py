@@ -36,6 +36,14 @@ def setup(default_model_dir):
     return engine, (lambda: source.create(model=loaded.model)), ids
 
 
+def test_a_scenario_without_prompts_has_no_steps_and_no_times():
+    """No prompt fit (or none past --first-prompt): a row of nothing, not a median of nothing that
+    ends the run before the other scenarios."""
+    row = summarize([], 3)
+    assert row["steps"] == 0 and row["hit_by_depth"] == [0.0] * 3
+    assert row["observe_ms"] is None and row["propose_ms"] is None
+
+
 def test_the_shipped_drafter_follows_greedy_decoding_of_a_real_prompt(setup):
     engine, new_decoder, ids = setup
     r = replay(engine, new_decoder(), ids, 12, 2)
