@@ -7,7 +7,8 @@ The markdown tables are bench/tables.py's, the chart bench/chart.py's.
 Definitions (also in bench/suite.py's docstring):
     tokens/s            generated tokens / client wall time of the whole call (prefill included);
                         median and spread (min, q1, q3, max) over prompts
-    speedup             ratio of medians: median tokens/s of the system / median tokens/s of the baseline
+    speedup             ratio of medians: median tokens/s of the system / median tokens/s of the baseline,
+                        over the prompts both answered without an error
     speedup_per_prompt  median of ratios: spread over prompts of the system's tokens/s / the baseline's
                         on the same prompt
     acceptance rate     accepted draft tokens / proposed draft tokens, summed over prompts
@@ -245,13 +246,15 @@ def num_same(records: Sequence[Record], references: dict[str, Record], by_text: 
 
 
 def speedups(records: Sequence[Record], references: Sequence[Record]) -> tuple[float | None, dict | None]:
-    """(ratio of medians, spread of per-prompt ratios) of tokens/s over the references' (errors left out).
+    """(ratio of medians, spread of per-prompt ratios) of tokens/s over the references', both over the
+    prompts that both answered (a prompt that failed on either side is left out of both medians, so
+    they are of the same work).
 
     E.g. tok/s a: 4 vs 2, b: 2 vs 1, c: 3 vs 3 -> medians 3 / 2 = 1.5; per prompt [2, 2, 1], median 2.
     """
-    ok = [r for r in records if not r.error]
     ok_refs = {r.prompt_id: r for r in references if not r.error}
-    tps, ref_tps = spread([r.tokens_per_s for r in ok]), spread([r.tokens_per_s for r in ok_refs.values()])
+    ok = [r for r in records if not r.error and r.prompt_id in ok_refs]
+    tps, ref_tps = spread([r.tokens_per_s for r in ok]), spread([ok_refs[r.prompt_id].tokens_per_s for r in ok])
     ratio_of_medians = tps["median"] / ref_tps["median"] if tps and ref_tps and ref_tps["median"] > 0 else None
     per_prompt = [
         r.tokens_per_s / ok_refs[r.prompt_id].tokens_per_s

@@ -38,7 +38,8 @@ and the stack and llama.cpp are started with room for 1,900 + 256 tokens (+ the 
 Figures (bench/report.py), per scenario and system:
     tokens/s        generated tokens / client wall time of the call, prefill included; median and
                     min/q1/q3/max over prompts
-    speedup         ratio of medians: median tok/s of the system / median tok/s of the baseline
+    speedup         ratio of medians: median tok/s of the system / median tok/s of the baseline, over
+                    the prompts both answered without an error
                     (speedup_over_own_greedy likewise for a peer's prompt lookup over its greedy)
     speedup_per_prompt  median of ratios: per prompt, the system's tok/s / the baseline's on the same
                     prompt; median and spread over prompts (less sensitive to a slow moment of a noisy

@@ -182,6 +182,15 @@ def test_speedups_ratio_of_medians_and_median_of_ratios():
     assert speedups(spec, [record(BASELINE, "a", error="E: x")]) == (None, None)
 
 
+def test_speedups_compare_the_same_prompts():
+    """A prompt that failed on one side is left out of both medians: a: 4 vs 2 tok/s, b: failed vs 1
+    -> 4 / 2, not 4 over the median of 2 and 1."""
+    spec = [record(SPECULATIVE, "a", seconds=1.0), record(SPECULATIVE, "b", error="E: x")]
+    base = [record(BASELINE, "a", seconds=2.0), record(BASELINE, "b", seconds=4.0)]
+    assert speedups(spec, base)[0] == pytest.approx(2.0)
+    assert speedups(base, spec)[0] == pytest.approx(0.5)
+
+
 def test_json_figures_rates():
     rows = [
         Record(BASELINE, "json", p, 5, (1,), "{}", 1.0, is_json=j, is_schema_valid=v)
