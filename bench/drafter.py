@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, check_scenarios, load_prompts
 from draft_svc.config import DEFAULT_FEATURE_DRAFTER
 from draft_svc.strategies.feature import FeatureDecoder, FeatureDrafterSource, FeatureTreeConfig
 from specdec.engine.engine import Engine, VerifyWork
@@ -207,7 +207,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="int4")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
-    return add_spellings(p).parse_args(argv)
+    args = add_spellings(p).parse_args(argv)
+    check_scenarios(p, args.scenarios, args.data_dir)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from bench.measure import NUM_PRIMING_TOKENS
-from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, check_scenarios, load_prompts
 from bench.report import step_tokens, sum_decoders
 from bench.stack import stats_dict
 from specdec import strategies as strategies_module
@@ -333,6 +333,7 @@ def main() -> None:
     p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR))
     p.add_argument("--out", default=None)
     args = add_spellings(p).parse_args()
+    check_scenarios(p, args.scenarios, args.data_dir)
     mixes = parse_mixes(args.mixes, args.strategies)
     scenarios = args.scenarios.split(",")
     prompts = load_prompts(args.data_dir, scenarios, args.num_prompts, max_chars=1500)

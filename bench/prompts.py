@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -27,6 +28,18 @@ class BenchPrompt:
 
     def text(self, tokenizer: Any) -> str:
         return self.prompt if self.is_completion else tokenizer.apply_chat_template(self.messages())
+
+
+def check_scenarios(parser: argparse.ArgumentParser, scenarios: str, data_dir: str | Path) -> None:
+    """A usage error (exit 2) naming each entry of the comma list `scenarios` that has no prompt file
+    in `data_dir`, and the ones there are, before anything starts (a traceback after a stack started,
+    before)."""
+    available = sorted(path.stem for path in Path(data_dir).glob("*.jsonl"))
+    unknown = [s for s in scenarios.split(",") if s and s not in available]
+    if unknown:
+        parser.error(
+            f"--scenarios: no prompt file for {', '.join(unknown)} in {data_dir} (there are: {', '.join(available)})"
+        )
 
 
 def load_prompts(

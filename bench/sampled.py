@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.measure import NUM_PRIMING_TOKENS, NUM_WARMUP_TOKENS, WARMUP_PROMPT
-from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, load_prompts
+from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, check_scenarios, load_prompts
 from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, system_under_test
 from bench.suite import Selection, select_prompts
 from specdec.flag_spellings import add_spellings
@@ -163,7 +163,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", default="auto")
     p.add_argument("--num-threads", type=int, default=0, help="the primary's torch threads (0: torch's default)")
     p.add_argument("--out", default=None, help="also write the rows and settings as JSON here")
-    return add_spellings(p).parse_args()
+    args = add_spellings(p).parse_args()
+    check_scenarios(p, args.scenarios, args.data_dir)
+    return args
 
 
 def main() -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
+
+import pytest
 
 from bench.prompts import DEFAULT_DATA_DIR, load_prompts
 from bench.suite import SuiteConfig
@@ -18,3 +22,18 @@ def test_the_default_scenarios_read_the_shipped_prompts():
     assert [p.scenario for p in prompts] == [s for s in config.scenarios for _ in range(2)]
     assert all(p.prompt for p in prompts)
     assert any(p.schema for p in prompts if p.scenario == "json")
+
+
+@pytest.mark.parametrize(
+    ("command", "entry"),
+    [("bench.sampled", "parse_args"), ("bench.drafts", "main"), ("bench.drafter", "parse_args")],
+)
+def test_an_unknown_scenario_is_a_usage_error_naming_it(command, entry, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """Before: the name reached load_prompts and ended in a FileNotFoundError traceback (for drafts,
+    after its stack had started)."""
+    monkeypatch.setattr(sys, "argv", [command, "--scenarios", "json,nope"])
+    with pytest.raises(SystemExit) as exited:
+        getattr(importlib.import_module(command), entry)()
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "--scenarios: no prompt file for nope" in error and "json" in error
