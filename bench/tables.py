@@ -322,10 +322,17 @@ def _cpu_flags(machine: dict[str, Any]) -> str:
     return f"AVX512 {yes('avx512')}{vnni}{amx}"
 
 
+def _cpus(machine: dict[str, Any]) -> str:
+    """The machine's CPUs, and how many of them the run could use where that differs (a container's or
+    taskset's affinity: the figures were made on those)."""
+    total, usable = machine["num_cpus"], machine.get("num_usable_cpus")
+    return f"{total} CPUs" if usable in (None, total) else f"{total} CPUs ({usable} usable)"
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     config, machine = results["config"], results["machine"]
     parts = [
-        f"Machine: {machine['cpu_model']}, {machine['num_cpus']} CPUs, {_cpu_flags(machine)}, "
+        f"Machine: {machine['cpu_model']}, {_cpus(machine)}, {_cpu_flags(machine)}, "
         f"torch {machine['versions']['torch']}, {machine['date']}. "
         f"Greedy, batch 1, at most {config['max_new_tokens']} new tokens, sequence length "
         f"{config['sequence_length']}{_long_setting(config)}. json: the row's schema as response_format; "

@@ -128,6 +128,14 @@ def test_render_markdown_names_the_cpu_flags():
     assert "AVX512 yes (VNNI yes), AMX no" in render_markdown(r)
 
 
+def test_render_markdown_names_the_cpus_the_run_could_use():
+    r = results()
+    r["machine"] |= {"num_cpus": 16, "num_usable_cpus": 16}
+    assert ", 16 CPUs, " in render_markdown(r)
+    r["machine"]["num_usable_cpus"] = 2  # a container's or taskset's affinity
+    assert ", 16 CPUs (2 usable), " in render_markdown(r)
+
+
 def test_chart_series():
     scenarios, series = speedup_series(run())
     assert scenarios == ["code", "json"]
