@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from gateway.json_depth import json_nesting_depth
 from specdec.errors import InvalidArgument
+from specdec.grammar import json_pointer
 from specdec.grammar.compiler import check_schema_text
 from specdec.v1 import gateway_pb2
 
@@ -92,11 +93,11 @@ class ToolSpec:
         assert self.is_forced
         chosen = [t for t in self.tools if self.mode is ToolMode.REQUIRED or t.name == self.function_name]
         is_array = self.is_parallel and self.mode is ToolMode.REQUIRED
-        at = "/items" if is_array else ""  # where the one call's schema sits
+        at = json_pointer.join("", "items") if is_array else ""  # where the one call's schema sits
         if len(chosen) == 1:
             one = _call_schema(chosen[0], at)
         else:
-            one = {"anyOf": [_call_schema(t, f"{at}/anyOf/{i}") for i, t in enumerate(chosen)]}
+            one = {"anyOf": [_call_schema(t, json_pointer.join(at, "anyOf", i)) for i, t in enumerate(chosen)]}
         if is_array:
             one = {"type": "array", "items": one, "minItems": 1}
         return json.dumps(one)
@@ -108,7 +109,7 @@ def _call_schema(tool: FunctionTool, at: str) -> dict:
         "type": "object",
         "properties": {
             "name": {"const": tool.name},
-            "arguments": _rebased(tool.parameters, f"{at}/properties/arguments"),
+            "arguments": _rebased(tool.parameters, json_pointer.join(at, "properties", "arguments")),
         },
         "required": ["name", "arguments"],
         "additionalProperties": False,
@@ -130,8 +131,8 @@ def _rebased(schema: object, at: str) -> object:
         return schema
     out: dict[str, object] = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = f"#{at}{value[1:]}"
+        if key == "$ref" and isinstance(value, str):
+            out[key] = json_pointer.rebased(value, at)
         elif key in _VALUE_KEYWORDS:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):

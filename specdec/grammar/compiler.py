@@ -30,13 +30,13 @@ import math
 import re
 import sys
 import threading
-import urllib.parse
 
 import jsonschema
 import xgrammar as xgr
 
 from specdec.errors import InvalidArgument
 from specdec.field_checks import require_at_least_one
+from specdec.grammar import json_pointer
 from specdec.grammar.state import GrammarState
 from specdec.grammar.tokenizer_info import GrammarTokenizerInfo
 
@@ -173,20 +173,20 @@ def _first_unenforced(
     if found is not None:
         return where, found
     ref = node.get("$ref")
-    if isinstance(ref, str) and ref.startswith("#") and ref not in seen_refs:
+    if json_pointer.is_local(ref) and ref not in seen_refs:
         seen_refs.add(ref)
-        found_there = _first_unenforced(_local_target(ref, root), root, urllib.parse.unquote(ref[1:]), seen_refs)
+        found_there = _first_unenforced(json_pointer.resolve(root, ref), root, json_pointer.pointer(ref), seen_refs)
         if found_there is not None:
             return found_there
-    children: list[tuple[str, object]] = [(key, node[key]) for key in _SUBSCHEMA_KEYS if key in node]
+    children = [(json_pointer.join(where, key), node[key]) for key in _SUBSCHEMA_KEYS if key in node]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(node.get(key), dict):
-            children += [(f"{key}/{_pointer_token(name)}", sub) for name, sub in node[key].items()]
+            children += [(json_pointer.join(where, key, name), sub) for name, sub in node[key].items()]
     for key in _SUBSCHEMA_LISTS:
         if isinstance(node.get(key), list):
-            children += [(f"{key}/{i}", sub) for i, sub in enumerate(node[key])]
+            children += [(json_pointer.join(where, key, i), sub) for i, sub in enumerate(node[key])]
     for path, child in children:
-        found_below = _first_unenforced(child, root, f"{where}/{path}", seen_refs)
+        found_below = _first_unenforced(child, root, path, seen_refs)
         if found_below is not None:
             return found_below
     return None
@@ -208,7 +208,7 @@ def _unenforced_here(node: dict, root: dict) -> str | None:
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "'allOf' with more than one schema is not supported"
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        if isinstance(ref, str) and not json_pointer.is_local(ref):
             return f"'$ref' {ref!r} is not supported (only '#' and '#/...' pointers)"
     properties: dict = node["properties"] if isinstance(node.get("properties"), dict) else {}
     missing = [name for name in node.get("required", ()) if name not in properties]
@@ -239,7 +239,7 @@ def _branches_have_type(node: dict, composition: str, root: dict) -> bool:
     """Whether every branch of `composition` (each schema of the list, or the `$ref` target) has a
     `type` within the `type` beside it (integer within number)."""
     allowed = _type_set(node["type"])
-    branches = node[composition] if composition != "$ref" else [_local_target(node["$ref"], root)]
+    branches = node[composition] if composition != "$ref" else [json_pointer.resolve(root, node["$ref"])]
     if not allowed or not isinstance(branches, list):
         return False
     for branch in branches:
@@ -254,17 +254,6 @@ def _type_set(value: object) -> set[str]:
     return {v for v in values if isinstance(v, str)}
 
 
-def _local_target(ref: object, root: dict) -> object:
-    """The schema a local '#/...' `$ref` points at, or None."""
-    if not isinstance(ref, str) or not ref.startswith("#"):
-        return None
-    target: object = root
-    for token in filter(None, ref[1:].split("/")):
-        token = urllib.parse.unquote(token).replace("~1", "/").replace("~0", "~")
-        target = target.get(token) if isinstance(target, dict) else None
-    return target
-
-
 def _is_enforced_multiple_of(node: dict) -> bool:
     multiple_of = node["multipleOf"]
     if node.get("type") != "integer" or isinstance(multiple_of, bool) or not isinstance(multiple_of, (int, float)):
@@ -276,10 +265,6 @@ def _is_enforced_multiple_of(node: dict) -> bool:
     if not lows and not highs:
         return True
     return bool(lows and highs) and min(highs) - max(lows) < _MAX_MULTIPLE_OF_RANGE
-
-
-def _pointer_token(name: str) -> str:
-    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _finite_float(text: str) -> float:

@@ -161,6 +161,20 @@ def test_refs_into_a_tools_own_defs_resolve_in_the_calls_schema(grammar_cache, m
     assert state.accept_tokens(grammar.tokenizer_info.tokenizer.encode(text)) and state.is_completed
 
 
+def test_a_tools_ref_with_its_type_beside_compiles_among_several_tools(grammar_cache):
+    """The calls' schema puts each tool under "anyOf/<i>": its rebased $refs go through that array,
+    and the check of the type beside a $ref must reach the target there as it does in the tool alone."""
+    req = request(gateway_pb2.ToolChoice.MODE_REQUIRED)
+    nested = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P", "type": "object"}}, "required": ["p"]}
+    nested["$defs"] = {"P": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}
+    req.tools[1].parameters = json.dumps(nested)
+    p = params(req)
+    grammar = grammar_cache.compile(p.response_format)
+    text = json.dumps([{"name": "get_time", "arguments": {"p": {"n": 1}}}])
+    state = grammar.new_state()
+    assert state.accept_tokens(grammar.tokenizer_info.tokenizer.encode(text)) and state.is_completed
+
+
 def _servicer_preparing(tokenizer: Tokenizer, tokenizer_info, grammars) -> GenerationServicer:
     """A servicer with only what _prepare touches."""
     s = GenerationServicer.__new__(GenerationServicer)

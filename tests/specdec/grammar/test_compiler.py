@@ -99,6 +99,19 @@ def test_invalid_schema_names_the_field(tokenizer_info, schema_text, reason):
             "/$defs/Tags",
         ),
         ({"type": "string", "const": "x", "maxLength": 0}, "x", "'const' values ['x']", "/"),
+        # a $ref reaches its target as the engine resolves it: into an array by index, to an empty key,
+        # through "~1" ("/") and percent-encoding; the checks went to no schema or the wrong one there
+        (
+            {
+                "$defs": {"U": {"anyOf": [{"type": "string"}, {"type": "array", "items": {}, "uniqueItems": True}]}},
+                "$ref": "#/$defs/U/anyOf/1",
+            },
+            [1, 1],
+            "'uniqueItems'",
+            "/$defs/U/anyOf/1",
+        ),
+        ({"$defs": {"": {"not": {"type": "string"}}}, "$ref": "#/$defs/"}, "a", "'not'", "/$defs/"),
+        ({"$defs": {"a/b c": {"not": {"type": "string"}}}, "$ref": "#/$defs/a~1b%20c"}, "a", "'not'", "/$defs/a~1b c"),
     ],
 )
 def test_schema_the_engine_would_not_enforce_is_refused(tokenizer_info, schema, allowed_output, reason, where):
