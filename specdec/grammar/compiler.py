@@ -32,6 +32,7 @@ import sys
 import threading
 
 import jsonschema
+import referencing.exceptions
 import xgrammar as xgr
 
 from specdec.errors import InvalidArgument
@@ -207,6 +208,12 @@ def _unenforced_here(node: dict, root: dict) -> str | None:
             return f"{compositions[0]!r} beside {sorted(set(compositions[1:]) | set(others))} is not supported"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "'allOf' with more than one schema is not supported"
+        overlap = _overlapping_branches(node.get("oneOf"), root)
+        if overlap is not None:
+            return (
+                f"'oneOf' branches {overlap[0]} and {overlap[1]} may both match one output, which is not supported "
+                "(give them different types, or a required property with different 'const' values, or use 'anyOf')"
+            )
         ref = node.get("$ref")
         if isinstance(ref, str) and not json_pointer.is_local(ref):
             return f"'$ref' {ref!r} is not supported (only '#' and '#/...' pointers)"
@@ -247,6 +254,72 @@ def _branches_have_type(node: dict, composition: str, root: dict) -> bool:
         if not types or not types <= allowed | ({"integer"} if "number" in allowed else set()):
             return False
     return True
+
+
+_MAX_EXCLUDES_DEPTH = 8  # properties (and $refs) followed to prove two branches disjoint
+
+
+def _overlapping_branches(branches: object, root: dict) -> tuple[int, int] | None:
+    """The first two branches of a 'oneOf' that may both match one output the engine writes, or None.
+    The engine compiles 'oneOf' as 'anyOf' (either branch, not exactly one): that is exact only when
+    no output of one branch validates against another."""
+    if not isinstance(branches, list):
+        return None
+    for j in range(len(branches)):
+        for i in range(j):
+            a, b = branches[i], branches[j]
+            if not (_excludes(a, b, root, 0) and _excludes(b, a, root, 0)):
+                return i, j
+    return None
+
+
+def _excludes(a: object, b: object, root: dict, depth: int) -> bool:
+    """Whether it is certain that no output the engine writes for schema `a` validates against
+    schema `b` (False when that cannot be shown): the values of either lie outside the other, their
+    types differ (an integer is a number), `a` requires a property whose schema excludes `b`'s, or
+    `a` allows no property that `b` requires (strict mode: no properties outside the schema)."""
+    for _ in range(_MAX_EXCLUDES_DEPTH):  # a branch that is a $ref (pydantic writes unions so)
+        if not (isinstance(a, dict) and json_pointer.is_local(a.get("$ref"))):
+            break
+        a = json_pointer.resolve(root, a["$ref"])
+    for _ in range(_MAX_EXCLUDES_DEPTH):
+        if not (isinstance(b, dict) and json_pointer.is_local(b.get("$ref"))):
+            break
+        b = json_pointer.resolve(root, b["$ref"])
+    if a is False or b is False:
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict) or depth > _MAX_EXCLUDES_DEPTH:
+        return False
+    for one, other in ((a, b), (b, a)):
+        values = [one["const"]] if "const" in one else one.get("enum")
+        if isinstance(values, list) and not any(_is_valid(value, other, root) for value in values):
+            return True
+    types_a, types_b = _widened(_type_set(a.get("type"))), _widened(_type_set(b.get("type")))
+    if types_a and types_b and not types_a & types_b:
+        return True
+    properties_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
+    properties_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+    for name in a.get("required", ()) if isinstance(a.get("required"), list) else ():
+        if name in properties_a and name in properties_b:
+            if _excludes(properties_a[name], properties_b[name], root, depth + 1):
+                return True
+    is_closed = a.get("additionalProperties", False) is False and not a.get("patternProperties")
+    required_b = b.get("required", ()) if isinstance(b.get("required"), list) else ()
+    return types_a == {"object"} and is_closed and any(name not in properties_a for name in required_b)
+
+
+def _is_valid(value: object, schema: dict, root: dict) -> bool:
+    """Whether `value` validates against `schema`, a part of `root` (its $refs resolve in `root`);
+    True when that cannot be told."""
+    try:
+        return jsonschema.validators.validator_for(root)(root).evolve(schema=schema).is_valid(value)
+    except (referencing.exceptions.Unresolvable, RecursionError):
+        return True
+
+
+def _widened(types: set[str]) -> set[str]:
+    """`types` with 'integer' and 'number' each standing for both (an integer is a number)."""
+    return types | ({"integer", "number"} if types & {"integer", "number"} else set())
 
 
 def _type_set(value: object) -> set[str]:

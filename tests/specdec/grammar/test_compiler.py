@@ -111,6 +111,15 @@ def test_invalid_schema_names_the_field(tokenizer_info, schema_text, reason):
             "/$defs/U/anyOf/1",
         ),
         ({"$defs": {"": {"not": {"type": "string"}}}, "$ref": "#/$defs/"}, "a", "'not'", "/$defs/"),
+        # the engine writes 'oneOf' as 'anyOf': an output matching two branches breaks it
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 1, "'oneOf' branches 0 and 1", "/"),
+        ({"oneOf": [{"type": "string"}, {"type": "integer"}, {"const": "x"}]}, "x", "'oneOf' branches 0 and 2", "/"),
+        (
+            {"oneOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]},
+            {},
+            "'oneOf' branches 0 and 1",
+            "/",
+        ),
         ({"$defs": {"a/b c": {"not": {"type": "string"}}}, "$ref": "#/$defs/a~1b%20c"}, "a", "'not'", "/$defs/a~1b c"),
     ],
 )
@@ -139,6 +148,24 @@ def test_schema_the_engine_would_not_enforce_is_refused(tokenizer_info, schema, 
             "$ref": "#/$defs/n",
         },
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "x-vendor": {"not": 1}},
+        # 'oneOf' whose branches no output can match both of (types, values, a required discriminator,
+        # a required property the other branch does not allow)
+        {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
+        {"oneOf": [{"const": "a", "title": "A"}, {"const": "b", "title": "B"}]},
+        {
+            "$defs": {
+                pet: {"type": "object", "properties": {"kind": {"const": pet}, "name": {}}, "required": ["kind"]}
+                for pet in ("cat", "dog")
+            },
+            "oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+            "discriminator": {"propertyName": "kind"},
+        },
+        {
+            "oneOf": [
+                {"type": "object", "properties": {"cat": {"type": "string"}}, "required": ["cat"]},
+                {"type": "object", "properties": {"dog": {"type": "string"}}, "required": ["dog"]},
+            ]
+        },
         # a definition nothing uses is not compiled: what it holds does not matter
         {"type": "integer", "$defs": {"unused": {"not": {"type": "string"}}}},
     ],
