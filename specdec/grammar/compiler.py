@@ -221,6 +221,11 @@ def _unenforced_here(node: dict, root: dict) -> str | None:
     missing = [name for name in node.get("required", ()) if name not in properties]
     if missing:
         return f"'required' names {missing}, which 'properties' does not define"
+    if _counts_map_keys(node, len(node.get("required", ()))):
+        return (
+            "'minProperties' over 1 beyond the 'required' properties beside 'additionalProperties' or "
+            "'patternProperties' is not supported (the engine counts a key written twice twice)"
+        )
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         return f"{'pattern' if 'pattern' in node else 'format'!r} beside 'minLength' / 'maxLength' is not supported"
     if isinstance(node.get("pattern"), str) and _LOOKAHEAD.search(node["pattern"]):
@@ -240,6 +245,16 @@ def _unenforced_here(node: dict, root: dict) -> str | None:
                 if bad:
                     return f"{key!r} values {bad} break the schema beside them, which is not supported"
     return None
+
+
+def _counts_map_keys(node: dict, num_required: int) -> bool:
+    """Whether `minProperties` may count a repeated key of an object whose other keys are free (a map).
+    Like every grammar engine, xgrammar lets a map repeat a key ({"a": 1, "a": 2}: JSON allows it, a
+    context-free grammar cannot exclude it) and counts it each time, while a JSON reader keeps one.
+    A minimum up to the required properties and one map key holds whatever repeats."""
+    is_map = node.get("additionalProperties", False) is not False or bool(node.get("patternProperties"))
+    minimum = node.get("minProperties")
+    return is_map and isinstance(minimum, int) and not isinstance(minimum, bool) and minimum > num_required + 1
 
 
 def _branches_have_type(node: dict, composition: str, root: dict) -> bool:

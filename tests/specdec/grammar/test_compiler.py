@@ -111,6 +111,25 @@ def test_invalid_schema_names_the_field(tokenizer_info, schema_text, reason):
             "/$defs/U/anyOf/1",
         ),
         ({"$defs": {"": {"not": {"type": "string"}}}, "$ref": "#/$defs/"}, "a", "'not'", "/$defs/"),
+        # a map may repeat a key, which the engine counts twice and a JSON reader once
+        (
+            {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+            json.loads('{"a": 1, "a": 2}'),
+            "'minProperties' over 1 beyond the 'required'",
+            "/",
+        ),
+        (
+            {
+                "type": "object",
+                "properties": {"a": {}},
+                "required": ["a"],
+                "patternProperties": {"^x": {}},
+                "minProperties": 3,
+            },
+            json.loads('{"a": 1, "x": 1, "x": 2}'),
+            "'minProperties' over 1 beyond the 'required'",
+            "/",
+        ),
         # the engine writes 'oneOf' as 'anyOf': an output matching two branches breaks it
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 1, "'oneOf' branches 0 and 1", "/"),
         ({"oneOf": [{"type": "string"}, {"type": "integer"}, {"const": "x"}]}, "x", "'oneOf' branches 0 and 2", "/"),
@@ -166,6 +185,16 @@ def test_schema_the_engine_would_not_enforce_is_refused(tokenizer_info, schema, 
                 {"type": "object", "properties": {"dog": {"type": "string"}}, "required": ["dog"]},
             ]
         },
+        # a minimum the required properties meet, or one over properties that cannot repeat
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "additionalProperties": {"type": "integer"},
+            "minProperties": 2,
+        },
+        {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1},
+        {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1},
         # a definition nothing uses is not compiled: what it holds does not matter
         {"type": "integer", "$defs": {"unused": {"not": {"type": "string"}}}},
     ],
