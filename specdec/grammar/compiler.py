@@ -30,6 +30,7 @@ import math
 import re
 import sys
 import threading
+from typing import Any
 
 import jsonschema
 import referencing.exceptions
@@ -174,7 +175,7 @@ def _first_unenforced(
     if found is not None:
         return where, found
     ref = node.get("$ref")
-    if json_pointer.is_local(ref) and ref not in seen_refs:
+    if isinstance(ref, str) and json_pointer.is_local(ref) and ref not in seen_refs:
         seen_refs.add(ref)
         found_there = _first_unenforced(json_pointer.resolve(root, ref), root, json_pointer.pointer(ref), seen_refs)
         if found_there is not None:
@@ -312,8 +313,8 @@ def _excludes(a: object, b: object, root: dict, depth: int) -> bool:
     types_a, types_b = _widened(_type_set(a.get("type"))), _widened(_type_set(b.get("type")))
     if types_a and types_b and not types_a & types_b:
         return True
-    properties_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
-    properties_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+    properties_a: dict = a["properties"] if isinstance(a.get("properties"), dict) else {}
+    properties_b: dict = b["properties"] if isinstance(b.get("properties"), dict) else {}
     for name in a.get("required", ()) if isinstance(a.get("required"), list) else ():
         if name in properties_a and name in properties_b:
             if _excludes(properties_a[name], properties_b[name], root, depth + 1):
@@ -323,7 +324,7 @@ def _excludes(a: object, b: object, root: dict, depth: int) -> bool:
     return types_a == {"object"} and is_closed and any(name not in properties_a for name in required_b)
 
 
-def _is_valid(value: object, schema: dict, root: dict) -> bool:
+def _is_valid(value: Any, schema: dict, root: dict) -> bool:
     """Whether `value` validates against `schema`, a part of `root` (its $refs resolve in `root`);
     True when that cannot be told."""
     try:
