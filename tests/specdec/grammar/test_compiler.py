@@ -203,6 +203,36 @@ def test_schema_the_engine_enforces_compiles(tokenizer_info, schema):
     compile_response_format("json_schema", json.dumps(schema), tokenizer_info)
 
 
+@pytest.mark.parametrize(
+    "schema, where",
+    [
+        ({"type": "string", "pattern": "^(\\w{0,20}){0,20}$"}, "/pattern"),  # over 20 s to compile
+        ({"type": "string", "pattern": "^[a-z]{0,9000}$"}, "/pattern"),
+        ({"type": "object", "patternProperties": {"^(\\w{0,50}){0,50}": {}}}, "/patternProperties/^(\\w{0,50}){0,50}"),
+        ({"$defs": {"x": {"type": "string", "pattern": "((a{2,3}){4}){6}"}}, "$ref": "#/$defs/x"}, "/$defs/x/pattern"),
+    ],
+)
+def test_pattern_too_costly_to_compile_is_refused_before_compiling(tokenizer_info, schema, where, monkeypatch):
+    """Such a compile cannot be stopped once begun: the schema is refused before it, naming the pattern."""
+
+    def never(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_json_schema", never)
+    with pytest.raises(InvalidArgument) as info:
+        compile_response_format("json_schema", json.dumps(schema), tokenizer_info)
+    assert info.value.field == "response_format.json_schema"
+    assert f"(at {where})" in info.value.message and "to compile in bounded time" in info.value.message
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["^(?:\\S+\\s+){0,199}\\S+$", "^[a-z]{0,4000}$", "^(\\w{0,8}){0,8}$", "^[\\]{]{3}(ab|cd){2}$"],
+)
+def test_pattern_of_bounded_cost_compiles(tokenizer_info, pattern):
+    compile_response_format("json_schema", json.dumps({"type": "string", "pattern": pattern}), tokenizer_info)
+
+
 def test_engine_refusal_without_a_message_still_names_the_field(tokenizer_info, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("")
