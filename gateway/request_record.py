@@ -230,31 +230,23 @@ class RequestRecord:
         parameters, prompt, first num_tokens generated tokens, stats, controller state and the
         primary's lease, with status when given (a final one). Unavailable, naming the lost state,
         when the store refuses (StateLost): never NotFound about the client's own live request."""
-        self.log.warning(
-            "the state store lost the request's record; writing it back from the gateway's memory",
-            error=str(lost),
-            num_tokens=num_tokens,
-        )
+        message = "the state store lost the request's record; writing it back from the gateway's memory"
+        self.log.warning(message, error=str(lost), num_tokens=num_tokens)
 
-        is_retry = False  # an attempt of the create timed out
+        timed_out = False  # an attempt of the create timed out (it may have landed all the same)
 
         async def create() -> None:
-            nonlocal is_retry
-            if self.stored_params is None:
-                raise Internal("params", "the request's stored parameters are not known to its loop")
+            nonlocal timed_out
             try:
-                await self.store.create(
-                    self.request_id, self.stored_params, prompt_token_ids=self.prompt_ids, status=RequestStatus.RUNNING
-                )
+                await self._create_back()
             except Unavailable:
-                is_retry = True
+                timed_out = True
                 raise
             except AlreadyExists:
                 # An attempt that timed out may have landed (a stalled Redis runs it once it resumes):
                 # that record, still bare, is this create's own and the refill fills it; anything
                 # else under the id is not (it was created by another gateway meanwhile).
-                state = await self.store.load(self.request_id)
-                if not is_retry or state is None or not self._is_bare_own(state):
+                if not timed_out or not self._is_bare_own(await self.store.load(self.request_id)):
                     raise
 
         async def refill() -> None:
@@ -282,11 +274,20 @@ class RequestRecord:
             ) from e
         self.log.warning("request's stored state written back", num_tokens=num_tokens)
 
-    def _is_bare_own(self, state: RequestState) -> bool:
+    async def _create_back(self) -> None:
+        """restore's create: the record as a new request's, running, from the parameters and prompt."""
+        if self.stored_params is None:
+            raise Internal("params", "the request's stored parameters are not known to its loop")
+        await self.store.create(
+            self.request_id, self.stored_params, prompt_token_ids=self.prompt_ids, status=RequestStatus.RUNNING
+        )
+
+    def _is_bare_own(self, state: RequestState | None) -> bool:
         """Whether state is this request's record as restore's create writes it: its parameters and
         prompt, no tokens, running, no other gateway's lease (this one's heartbeat may have claimed it)."""
         return (
-            state.params == self.stored_params
+            state is not None
+            and state.params == self.stored_params
             and list(state.prompt_token_ids) == list(self.prompt_ids)
             and not state.token_ids
             and state.status == RequestStatus.RUNNING
