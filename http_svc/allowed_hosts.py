@@ -22,7 +22,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import urllib.parse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -73,28 +73,19 @@ class AllowedHostsMiddleware:
     def refusal(self, headers: Iterable[tuple[bytes, bytes]]) -> ApiError | None:
         """The 403 of a request with these headers, None when it may be answered."""
         for key, value in headers:
-            key = key.lower()
-            if key == HOST_HEADER:
-                authority = value.decode("latin-1")
-                if not self.is_allowed(host_of(authority)):
-                    return ApiError(
-                        403,
-                        f"the Host header {authority!r} is not allowed: without --api_keys_file this server "
-                        "answers requests to localhost, a loopback address or a host of --allowed_hosts "
-                        "(which keeps web pages from reaching it through DNS rebinding)",
-                        "permission_error",
-                        code="host_not_allowed",
-                    )
-            elif key == ORIGIN_HEADER:
-                origin = value.decode("latin-1")
-                if not self.is_allowed(_origin_host(origin)):
-                    return ApiError(
-                        403,
-                        f"the Origin header {origin!r} is not allowed: without --api_keys_file this server "
-                        "answers web pages of localhost, a loopback address or a host of --allowed_hosts only",
-                        "permission_error",
-                        code="origin_not_allowed",
-                    )
+            checked = _CHECKED_HEADERS.get(key.lower())
+            if checked is None:
+                continue
+            name, host_of_value, answered, code = checked
+            text = value.decode("latin-1")
+            if not self.is_allowed(host_of_value(text)):
+                return ApiError(
+                    403,
+                    f"the {name} header {text!r} is not allowed: without --api_keys_file this server answers "
+                    + answered,
+                    "permission_error",
+                    code=code,
+                )
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -114,3 +105,21 @@ def _origin_host(origin: str) -> str:
         return (urllib.parse.urlsplit(origin.strip()).hostname or "").removesuffix(".")
     except ValueError:
         return ""
+
+
+# The headers checked: (name, its host, what the server answers, the error's code).
+_CHECKED_HEADERS: dict[bytes, tuple[str, Callable[[str], str], str, str]] = {
+    HOST_HEADER: (
+        "Host",
+        host_of,
+        "requests to localhost, a loopback address or a host of --allowed_hosts (which keeps web pages "
+        "from reaching it through DNS rebinding)",
+        "host_not_allowed",
+    ),
+    ORIGIN_HEADER: (
+        "Origin",
+        _origin_host,
+        "web pages of localhost, a loopback address or a host of --allowed_hosts only",
+        "origin_not_allowed",
+    ),
+}
