@@ -103,8 +103,8 @@ def measure_stack(
             # a repeated request drafts from the very text it is asked for (measured, int4, third run
             # of a prompt: mean accepted length 4.8-5.4 against 2.3-3.0 on a fresh stack; a second
             # run, right after the baseline's, was within noise of a fresh one). It still learns from
-            # earlier prompts, as a server does. json_noschema repeats json's prompts: its
-            # speculative run may find json's outputs of the same prompt.
+            # earlier prompts of its scenario, as a server does from a tenant's. json_noschema repeats
+            # json's prompts as a tenant of its own (run_request), so it drafts nothing from json's.
             # Before either, a priming request with speculation off puts the prompt in the primary's
             # prefix cache and has the gateway and the primary compile its schema, so both find them
             # there (otherwise the second would, and the first would not; a request with speculation
