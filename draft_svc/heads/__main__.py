@@ -82,6 +82,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument(
         "--cls_weight", type=float, default=defaults.cls_weight, help="the cross-entropy's weight beside the features'"
     )
+    t.add_argument(
+        "--distill",
+        type=float,
+        default=defaults.distill,
+        help="the primary's next-token distribution's share of the cross-entropy's target (0: its greedy token)",
+    )
     args = add_spellings(parser).parse_args(argv)
     try:  # before the answers are generated, not after
         check_run_flags(args)
@@ -116,7 +122,7 @@ def check_against_model(args: argparse.Namespace, config: ModelConfig) -> None:
 def train_settings(args: argparse.Namespace) -> train.TrainSettings:
     return train.TrainSettings(
         draft_vocab_size=args.vocab, depth=args.depth, epochs=args.epochs, seed=args.seed, lr=args.lr,
-        cls_weight=args.cls_weight, batch_tokens=args.batch_tokens,
+        cls_weight=args.cls_weight, batch_tokens=args.batch_tokens, distill=args.distill,
     )  # fmt: skip
 
 

@@ -4,7 +4,11 @@ Per sequence (draft_svc/heads/generate.py) the pair at row t is (f_t, x_{t+1}); 
 pass-d prediction at t (model.unrolled) is compared with the primary's next feature f_{t+1}
 (smooth L1) and its greedy token a_{t+1} (cross-entropy over the drafter's vocabulary):
 
-    loss = sum_d  DEPTH_DECAY^(d-1) * (smooth_l1(f^_d, f_{t+1}) + cls_weight * CE(head(f^_d), a_{t+1}))
+    loss = sum_d  DEPTH_DECAY^(d-1) * (smooth_l1(f^_d, f_{t+1}) + cls_weight * CE(head(f^_d), target_{t+1}))
+
+The classification target is the primary's greedy token a_{t+1}, or with `distill` > 0 partly its
+whole distribution over the drafter's vocabulary, softmax(head(f_{t+1})), as EAGLE's loss takes it:
+free here (f_{t+1} is the regression's target already) and more signal per row than one token.
 
 Unrolling (pass d feeds pass d-1's predictions) trains the drafter on the inputs it meets when it
 drafts d tokens deep, not only on the primary's true features (EAGLE-3's training-time test).
@@ -38,6 +42,7 @@ class TrainSettings:
     draft_vocab_size: int = 8192
     depth: int = 3  # draft steps unrolled in training
     cls_weight: float = 0.2  # the cross-entropy's weight beside the features' smooth L1
+    distill: float = 0.0  # the primary's distribution's share of the target (0: its greedy token alone)
     epochs: int = 4
     batch_tokens: int = 512  # rows a step: short of steps, the drafter learns more an epoch from small batches
     window: int = 256  # training rows per sequence piece (longer answers are cut into pieces)
@@ -55,6 +60,8 @@ class TrainSettings:
             raise ValueError(f"lr must be a positive number, got {self.lr}")
         if not (math.isfinite(self.cls_weight) and self.cls_weight >= 0):
             raise ValueError(f"cls_weight must be >= 0, got {self.cls_weight}")
+        if not 0 <= self.distill <= 1:
+            raise ValueError(f"distill must lie in [0, 1], got {self.distill}")
         if not 0 < self.validation_share < 1:
             raise ValueError(f"validation_share must lie in (0, 1), got {self.validation_share}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
@@ -188,21 +195,32 @@ def losses(
     depth: int,
     keep_logits: bool = False,
     cls_weight: float = 0.2,
+    distill: float = 0.0,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(the training loss, per depth the drafter's logits [B, T, N] when keep_logits).
 
     Products run in bf16 (AMX / AVX512-BF16 where the CPU has them: 4-7x fp32's rate on this work),
     norms, softmax and the loss in fp32; the weights stay fp32."""
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        return _losses(drafter, shared, batch, depth, keep_logits, cls_weight)
+        return _losses(drafter, shared, batch, depth, keep_logits, cls_weight, distill)
 
 
 def _losses(
-    drafter: FeatureDrafter, shared: SharedParts, batch: Batch, depth: int, keep_logits: bool, cls_weight: float
+    drafter: FeatureDrafter,
+    shared: SharedParts,
+    batch: Batch,
+    depth: int,
+    keep_logits: bool,
+    cls_weight: float,
+    distill: float,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     predicted = unrolled(drafter, shared, batch.features, batch.embeddings, batch.positions, batch.valid, depth)
     total = torch.zeros(())
     all_logits = []
+    soft = None
+    if distill > 0:  # the primary's next-token distribution over the drafter's vocabulary, the same each pass
+        with torch.no_grad():
+            soft = shared.logits(batch.next_features).float().softmax(-1)
     for d, f_hat in enumerate(predicted, start=1):
         rows = batch.valid.clone()
         rows[:, : d - 1] = False  # pass d has no input before row d-1
@@ -210,6 +228,9 @@ def _losses(
         logits = shared.logits(f_hat)
         labels = batch.labels.masked_fill(~rows, -100)
         cls = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        if soft is not None:
+            soft_cls = -(soft[rows] * logits[rows].float().log_softmax(-1)).sum(-1).mean()
+            cls = (1 - distill) * cls + distill * soft_cls
         total = total + DEPTH_DECAY ** (d - 1) * (reg + cls_weight * cls)
         if keep_logits:
             all_logits.append(logits.float())
@@ -286,7 +307,9 @@ def train(
         started = time.monotonic()
         for group in batches(train_pieces, settings.batch_tokens, rng):
             batch = make_batch(sequences, group, shared, row_of)
-            loss, _ = losses(drafter, shared, batch, settings.depth, cls_weight=settings.cls_weight)
+            loss, _ = losses(
+                drafter, shared, batch, settings.depth, cls_weight=settings.cls_weight, distill=settings.distill
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -75,6 +75,28 @@ def test_the_same_seed_trains_the_same_drafter():
     assert not all(torch.equal(weights[k], v) for k, v in other.state_dict().items())
 
 
+def test_distilling_takes_the_primarys_distribution_over_the_vocabulary_as_the_target():
+    """distill 1: the cross-entropy's target is softmax(head(f_{t+1})) over the drafter's vocabulary
+    (EAGLE's), not the greedy token; 0 leaves the greedy token's loss as it was; between, a mix."""
+    answers, _ = counting_answers(4)
+    drafter, shared = tiny_parts()
+    row_of = torch.full((TINY.vocab_size,), -100, dtype=torch.int64)
+    row_of[shared.vocab] = torch.arange(len(shared.vocab))
+    batch = train.make_batch(answers, train.pieces(answers, range(4), window=32)[:4], shared, row_of)
+    with torch.no_grad():
+        hard, (logits,) = train.losses(drafter, shared, batch, 1, keep_logits=True, cls_weight=1.0)
+        soft, _ = train.losses(drafter, shared, batch, 1, cls_weight=1.0, distill=1.0)
+        half, _ = train.losses(drafter, shared, batch, 1, cls_weight=1.0, distill=0.5)
+        unchanged, _ = train.losses(drafter, shared, batch, 1, cls_weight=1.0, distill=0.0)
+        target = (batch.next_features @ shared.head.T).softmax(-1)[batch.valid]
+        expected_soft_ce = -(target * logits[batch.valid].log_softmax(-1)).sum(-1).mean()
+        labels = batch.labels[batch.valid]
+        hard_ce = torch.nn.functional.cross_entropy(logits[batch.valid], labels, ignore_index=-100)
+    assert torch.equal(unchanged, hard)
+    assert float(soft - hard) == pytest.approx(float(expected_soft_ce - hard_ce), rel=0.05, abs=0.02)
+    assert float(half) == pytest.approx((float(soft) + float(hard)) / 2, rel=1e-4)
+
+
 @pytest.mark.parametrize("batch_tokens", [32, 256])
 def test_batches_hold_about_batch_tokens_rows_and_every_piece_once(batch_tokens):
     answers, _ = counting_answers(6)
@@ -89,7 +111,8 @@ def test_batches_hold_about_batch_tokens_rows_and_every_piece_once(batch_tokens)
 @pytest.mark.parametrize(
     ("flag", "value", "named"),
     [("--epochs", "0", "epochs"), ("--batch_tokens", "0", "batch_tokens"), ("--lr", "0", "lr"),
-     ("--lr", "nan", "lr"), ("--depth", "-1", "depth"), ("--cls_weight", "-1", "cls_weight")],
+     ("--lr", "nan", "lr"), ("--depth", "-1", "depth"), ("--cls_weight", "-1", "cls_weight"),
+     ("--distill", "1.5", "distill")],
 )  # fmt: skip
 def test_the_command_refuses_bad_settings_before_it_generates_anything(capsys, flag, value, named):
     from draft_svc.heads.__main__ import parse_args
