@@ -43,11 +43,11 @@ import numpy as np
 from bench.prompts import BenchPrompt
 from bench.report import sum_counts
 from bench.stack import REQUEST_TIMEOUT_S, SystemUnderTest, build_request, controller_choices, rpc_error
+from specdec.errors import RETRY_AFTER_KEY
 from specdec.request_id import TENANT_SEPARATOR
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
 CONNECT_TIMEOUT_S = 30.0
-RETRY_AFTER_KEY = "retry-after-ms"  # gateway.admission.RETRY_AFTER_KEY (not imported: it loads the gateway)
 DEFAULT_RETRY_AFTER_S = 1.0  # a RESOURCE_EXHAUSTED without a hint
 
 

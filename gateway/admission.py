@@ -31,10 +31,8 @@ from typing import Generic, TypeVar
 from specdec.errors import Cancelled, DeadlineExceeded, ResourceExhausted
 from gateway.metrics import GatewayMetrics
 
-# Trailing metadata of a RESOURCE_EXHAUSTED from a full queue: when a retry may find room,
-# integer milliseconds (HTTP fronts turn it into Retry-After). A busy primary's refused Prefill
-# carries the same (gateway.primary_calls waits that long and tries again).
-RETRY_AFTER_KEY = "retry-after-ms"
+# A full queue's RESOURCE_EXHAUSTED carries RETRY_AFTER_KEY (specdec.errors): when a retry may find
+# room, integer milliseconds (HTTP fronts turn it into Retry-After), within these bounds.
 MIN_RETRY_AFTER_MS, MAX_RETRY_AFTER_MS = 100, 60_000
 DEFAULT_SERVICE_S = 1.0  # a request's time in a slot, until one has been measured
 SERVICE_TIME_WEIGHT = 0.2  # weight of the latest request in the moving average of the service time

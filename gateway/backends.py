@@ -17,7 +17,7 @@ from typing import Any, AsyncGenerator, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.admission import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS, RETRY_AFTER_KEY
+from gateway.admission import MAX_RETRY_AFTER_MS, MIN_RETRY_AFTER_MS
 from specdec import acceptance_mode, pb
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.engine.tree import node_depths
@@ -25,6 +25,7 @@ from specdec.grammar.bitmask import TokenBitmask
 from specdec.grammar.compiler import ResponseFormat
 from specdec.logprobs import LogprobsRequest, TokenLogprob
 from specdec.errors import (
+    RETRY_AFTER_KEY,
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,

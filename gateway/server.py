@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 import structlog
 
-from gateway.admission import RETRY_AFTER_KEY, Admission, QueueFull, Ticket
+from gateway.admission import Admission, QueueFull, Ticket
 from gateway.backends import Backends, ModelInfo, client_error
 from gateway.chat import PromptEncoder
 from gateway.call_deadlines import DEFAULT_FLOOR_S, CallDeadlines, DeadlineRule
@@ -56,6 +56,7 @@ from gateway.tools import ToolSpec, tool_spec_from_pb
 from gateway.tokenization import Tokenization
 from specdec import pb
 from specdec.errors import (
+    RETRY_AFTER_KEY,
     AlreadyExists,
     Cancelled,
     DeadlineExceeded,

@@ -14,6 +14,7 @@ import math
 import re
 
 import grpc
+from specdec.errors import RETRY_AFTER_KEY
 
 # (HTTP status, OpenAI error type) of each gateway status; anything else is a 500.
 _STATUS_BY_CODE = {
@@ -42,7 +43,7 @@ _CODE_BY_STATUS = {
 # Trailing metadata keys a gateway may give a retry hint in: seconds, or milliseconds (gRPC's own
 # server pushback key among them).
 RETRY_AFTER_KEYS = ("retry-after", "retry-after-s")
-RETRY_AFTER_MS_KEYS = ("retry-after-ms", "grpc-retry-pushback-ms")
+RETRY_AFTER_MS_KEYS = (RETRY_AFTER_KEY, "grpc-retry-pushback-ms")
 # "field.path[3].name: message" -> field path, message (the gateway's InvalidArgument text).
 _FIELD_MESSAGE = re.compile(r"^([a-z_][a-z0-9_]*(?:\[\d+\])?(?:\.[a-z_][a-z0-9_]*(?:\[\d+\])?)*): (.*)$", re.S)
 # Gateway field -> OpenAI parameter; prefixes map with what follows them kept.

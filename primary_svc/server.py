@@ -26,7 +26,7 @@ from specdec import pb
 from specdec.engine.engine import Engine
 from specdec.engine.loading import LoadedModel, config_to_json
 from specdec.engine.tree import with_lookahead
-from specdec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
+from specdec.errors import RETRY_AFTER_KEY, AlreadyExists, FailedPrecondition, InvalidArgument, ResourceExhausted
 from specdec.features import encode_features
 from specdec.grammar import GrammarState
 from specdec.grammar.bitmask import TokenBitmask
@@ -55,7 +55,6 @@ _Verified = tuple[list[int], common_pb2.Logits, int, list[int], int, common_pb2.
 MAX_DECODE_TOKENS = 64
 # A Prefill refused because max_prefills are under way already (RESOURCE_EXHAUSTED) carries this trailing
 # metadata: the milliseconds after which a retry may find room, as the gateway's admission sends it.
-RETRY_AFTER_KEY = "retry-after-ms"
 PREFILL_RETRY_AFTER_MS = 500
 
 

@@ -46,6 +46,11 @@ class AlreadyExists(SpecdecError, status_name="ALREADY_EXISTS"):
     """The named resource exists already (e.g. a reused request_id)."""
 
 
+# The trailing metadata of a RESOURCE_EXHAUSTED that may be retried: the milliseconds after which a retry
+# may find room (the gateway's admission queue, a primary's bound on Prefills under way).
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
 class ResourceExhausted(SpecdecError, status_name="RESOURCE_EXHAUSTED"):
     """A capacity limit is reached (KV memory, queue length); retry later. `retry_after_ms`: when a
     retry may find room, where the refusal said (a retry-after-ms hint); None: no hint."""

@@ -15,7 +15,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admission import RETRY_AFTER_KEY
+from specdec.errors import RETRY_AFTER_KEY
 from specdec.launcher import GATEWAY, PRIMARY, Stack
 from specdec.v1 import gateway_pb2, primary_pb2, primary_pb2_grpc
 

@@ -15,7 +15,7 @@ import structlog
 from gateway.backends import Backends
 from gateway.primary_calls import PrimaryCalls
 from gateway.request_record import RequestRecord
-from primary_svc.server import RETRY_AFTER_KEY
+from specdec.errors import RETRY_AFTER_KEY
 from specdec.errors import DeadlineExceeded, ResourceExhausted
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.v1 import primary_pb2, primary_pb2_grpc
