@@ -538,9 +538,17 @@ def test_a_step_waits_for_the_requests_coming_back_and_not_for_the_others(fp32_m
         with ThreadPoolExecutor(3) as pool:
             # the engine thread busy meanwhile, both first verifies queue up and share a step (one
             # run alone would send its result out, and the other's step would then hold for it)
-            busy = pool.submit(worker.call, lambda e: time.sleep(0.5))
-            time.sleep(0.05)
+            started, release = threading.Event(), threading.Event()
+
+            def hold(_engine: Engine) -> None:
+                started.set()
+                release.wait(30)
+
+            busy = pool.submit(worker.call, hold)
+            assert started.wait(30), "the engine thread never ran the call"
             first = [pool.submit(worker.verify, rid, (), (), (), ()) for rid in ("a", "b")]
+            assert wait_until(lambda: worker.queue_depth >= 2), "the verifies never queued"
+            release.set()
             busy.result(timeout=30)
             logits = {rid: f.result(timeout=30)[0] for rid, f in zip(("a", "b"), first)}
             assert (worker.step_history[-1].num_verify_items, worker.step_history[-1].num_verify_rows) == (2, 9)
