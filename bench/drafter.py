@@ -9,7 +9,8 @@ drafter (`draft_svc.strategies.feature.FeatureDecoder`, a chain: top 1, beam 1) 
 every step exactly as the pool's strategy receives them. Before each step the drafter proposes a
 chain of `--depth` tokens; the figures compare it with the tokens the primary then chose:
 
-    hit by depth    the share of steps whose chain matched the primary's next d tokens (depth d)
+    hit by depth    the share of steps whose chain matched the primary's next d tokens (depth d),
+                    of the steps that had d tokens of the replay left
     drafts/step     mean accepted drafts a step would gain from the chain (greedy, verified)
     observe ms      the drafter's work on one step's features (its KV row and next feature)
     propose ms      one chain of --depth tokens
@@ -160,16 +161,25 @@ def speculate(
 
 def summarize(replays: Sequence[Replay], depth: int) -> dict[str, Any]:
     """A scenario's figures over its replays; without a step (no prompt fit, or none past
-    --first-prompt), 0 steps and no times, so that the other scenarios still run."""
+    --first-prompt), 0 steps and no times, so that the other scenarios still run.
+
+    Depth d is counted over the steps that had d of the replay's tokens left to match: a replay's
+    last d - 1 steps could not confirm d drafts whatever the chain, and counting them as misses
+    pulled the deeper depths down (by the share of such steps, more for short replays). Drafts a
+    step is the sum of those rates (the mean of a count is the sum over d of P(count >= d)), so it
+    is not cut short at the replays' ends either."""
     steps = [(r, i) for r in replays for i in range(len(r.tokens))]
-    accepted = [r.accepted(i) for r, i in steps]
-    n = max(1, len(steps))
+    accepted = [(r.accepted(i), len(r.tokens) - i) for r, i in steps]  # (drafts confirmed, tokens left)
+    hits = []
+    for d in range(1, depth + 1):
+        measurable = [a for a, left in accepted if left >= d]
+        hits.append(sum(a >= d for a in measurable) / len(measurable) if measurable else 0.0)
     observe_s = [s for r in replays for s in r.observe_s]
     propose_s = [s for r in replays for s in r.propose_s]
     return {
         "steps": len(steps),
-        "hit_by_depth": [round(sum(a >= d for a in accepted) / n, 4) for d in range(1, depth + 1)],
-        "drafts_per_step": round(sum(accepted) / n, 3),
+        "hit_by_depth": [round(h, 4) for h in hits],
+        "drafts_per_step": round(sum(hits), 3),
         "observe_ms": round(1000 * statistics.median(observe_s), 3) if observe_s else None,
         "propose_ms": round(1000 * statistics.median(propose_s), 3) if propose_s else None,
     }

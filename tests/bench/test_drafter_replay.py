@@ -20,8 +20,19 @@ def test_a_chain_counts_the_drafts_the_next_tokens_confirm_in_a_row():
     assert [r.accepted(i) for i in range(4)] == [2, 2, 0, 0]  # chain 0 stops at 9 != 7; step 3: 1 != 8
     r.observe_s, r.propose_s = [0.001] * 4, [0.002] * 4
     row = summarize([r], 3)
-    assert row["steps"] == 4 and row["hit_by_depth"] == [0.5, 0.5, 0.0] and row["drafts_per_step"] == 1.0
+    # depth 2 over the steps with 2 tokens left (0, 1, 2), depth 3 over those with 3 (0, 1)
+    assert row["steps"] == 4 and row["hit_by_depth"] == [0.5, 0.6667, 0.0] and row["drafts_per_step"] == 1.167
     assert row["observe_ms"] == 1.0 and row["propose_ms"] == 2.0
+
+
+def test_a_depth_counts_only_the_steps_that_had_that_many_tokens_left():
+    """A drafter right every time hits at every depth: the replay's last steps, with fewer tokens left
+    than the depth, cannot show a deep hit and are no misses (they were: 1.0 / 0.75 / 0.5 here)."""
+    tokens = [10, 11, 12, 13]
+    r = Replay(chains=[tokens[i : i + 3] + [99] * (i + 3 - len(tokens)) for i in range(4)], tokens=tokens)
+    assert [r.accepted(i) for i in range(4)] == [3, 3, 2, 1]
+    row = summarize([r, Replay(chains=[[7, 8, 9]], tokens=[5])], 3)  # a one-step replay: a miss at depth 1 only
+    assert row["steps"] == 5 and row["hit_by_depth"] == [0.8, 1.0, 1.0] and row["drafts_per_step"] == 2.8
 
 
 @pytest.fixture(scope="module")
