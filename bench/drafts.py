@@ -12,7 +12,8 @@ on the same prompts, each on a stack of its own (the suffix index learns every f
 shared pool would let a later mix draft from an earlier mix's answers): the four services
 (specdec.launcher.Stack, the default model) offering the mix's strategies, once the draft pool has
 attached the primary's weights when a model-based decoder is named (the feature drafter: once the
-pool reports its measured cost in GetPoolInfo, as it does when the drafter binds). Every prompt runs
+pool reports its measured cost in GetPoolInfo, as it does when the drafter binds), and warmed up on
+a short prompt that is not measured, with speculation off and with the mix. Every prompt runs
 with speculation off, then with the mix, greedy, and the outputs are compared (both after a two-token
 request that puts the prompt in the primary's prefix cache). A mix naming a
 strategy the pool does not offer (the feature drafter without its file) is skipped with a note.
@@ -35,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from bench.measure import NUM_PRIMING_TOKENS
+from bench.measure import NUM_PRIMING_TOKENS, NUM_WARMUP_TOKENS, WARMUP_PROMPT
 from bench.prompts import DEFAULT_DATA_DIR, BenchPrompt, check_scenarios, load_prompts
 from bench.report import step_tokens, sum_decoders
 from bench.stack import stats_dict
@@ -131,6 +132,30 @@ def run(
             gateway_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt.messages()
         )
     return stub.Generate(req, timeout=1800)
+
+
+def warm_up(stub, strategies: list[str], is_adaptive: bool, tree_leaves: int) -> None:
+    """One short answer with speculation off and one with the mix, not recorded, on the suite's
+    warm-up prompt (bench.measure) before a stack's first measured prompt: the stack's first calls
+    pay one-time costs (connections, the draft pool's first Propose of the mix, the first tree's
+    verify), which would fall on the first prompt's speculative answer alone. Not a measured prompt:
+    the suffix index learns every finished answer and would draft that prompt's answers from it."""
+    run(stub, WARMUP_PROMPT, False, [], NUM_WARMUP_TOKENS)
+    run(stub, WARMUP_PROMPT, True, strategies, NUM_WARMUP_TOKENS, is_adaptive, tree_leaves)
+
+
+def measure_mix(
+    stub, name: str, mix: list[str], prompts: list[BenchPrompt], scenarios: list[str], args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """One mix's stack warmed up, then every scenario's prompts plain then speculative: {scenario: its
+    figures, with this stack's plain tokens/s}."""
+    warm_up(stub, mix, args.adaptive, args.tree_leaves)
+    out = {}
+    for scenario in scenarios:
+        chosen = [x for x in prompts if x.scenario == scenario]
+        r = measure_scenario(stub, chosen, {name: mix}, args.max_new_tokens, args.adaptive, args.tree_leaves)
+        out[scenario] = {"prompts": r["prompts"], "plain_tokens_per_s": r["plain_tokens_per_s"], **r["mixes"][name]}
+    return out
 
 
 def bin_label(lower: float, upper: float) -> str:
@@ -291,12 +316,7 @@ def run_mix(
         waited_s += wait_for_model_decoders(stack, proposing, args.attach_timeout_s)
         if waited_s:
             print(f"[{name}] draft pool ready after {waited_s:.1f} s")
-        stub = gateway_pb2_grpc.GenerationServiceStub(channel)
-        out = {}
-        for scenario in scenarios:
-            chosen = [x for x in prompts if x.scenario == scenario]
-            r = measure_scenario(stub, chosen, {name: mix}, args.max_new_tokens, args.adaptive, args.tree_leaves)
-            out[scenario] = {"prompts": r["prompts"], "plain_tokens_per_s": r["plain_tokens_per_s"], **r["mixes"][name]}
+        out = measure_mix(gateway_pb2_grpc.GenerationServiceStub(channel), name, mix, prompts, scenarios, args)
         with stack.channel(PRIMARY) as ch:
             weight_bytes = primary_pb2_grpc.PrimaryServiceStub(ch).GetStats(primary_pb2.GetStatsRequest()).weight_bytes
         mem = smaps_rollup(stack.pid(DRAFT))

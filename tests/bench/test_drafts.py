@@ -79,3 +79,35 @@ def test_the_plain_run_and_the_mixes_find_the_prompt_in_the_prefix_cache():
     r = measure_scenario(Stub(), [prompt], {"prompt_lookup": ["prompt_lookup"]}, 64, False)
     assert sent == [(False, 2), (False, 64), (True, 64)]
     assert r["plain_tokens_per_s"] == 50.0
+
+
+def test_a_mixs_stack_answers_a_warm_up_prompt_before_the_measured_ones():
+    """A stack's first speculative request pays one-time costs (the draft pool's first Propose, the
+    first tree's verify): a short prompt that is not measured goes first, plain and with the mix, and
+    no figure counts it."""
+    import argparse
+
+    from bench.drafts import measure_mix
+    from bench.measure import WARMUP_PROMPT
+    from bench.prompts import BenchPrompt
+    from specdec.v1 import gateway_pb2
+
+    sent = []
+
+    class Stub:
+        def Generate(self, req, timeout):
+            content = req.chat.messages[-1].content if req.chat.messages else req.prompt
+            sent.append((content, req.speculation.is_enabled, list(req.speculation.strategies), req.max_new_tokens))
+            tokens_per_second = 1.0 if content == WARMUP_PROMPT.prompt else 50.0
+            return gateway_pb2.GenerateResponse(
+                token_ids=[1, 2], stats=gateway_pb2.GenerationStats(num_steps=1, tokens_per_second=tokens_per_second)
+            )
+
+    prompt = BenchPrompt("p", "prose", "Tell me a story.", None, None, True)
+    args = argparse.Namespace(adaptive=False, tree_leaves=4, max_new_tokens=64)
+    out = measure_mix(Stub(), "prompt_lookup", ["prompt_lookup"], [prompt], ["prose"], args)
+    warm = [(WARMUP_PROMPT.prompt, False, [], 8), (WARMUP_PROMPT.prompt, True, ["prompt_lookup"], 8)]
+    assert sent[:2] == warm
+    assert all(content != WARMUP_PROMPT.prompt for content, *_ in sent[2:])
+    assert [(s[1], s[3]) for s in sent[2:]] == [(False, 2), (False, 64), (True, 64)]
+    assert out["prose"]["plain_tokens_per_s"] == 50.0 and out["prose"]["speculative_tokens_per_s"] == 50.0
