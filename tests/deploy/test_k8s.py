@@ -10,10 +10,15 @@ and every container's environment parses with the service's own configuration co
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.server
 import importlib
 import ipaddress
 import shutil
+import ssl
 import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,9 +26,13 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from tests.service_env import unread_variables
+from specdec import healthcheck
+from specdec.service import ServerConfig, create_server
 from specdec.service.api_keys import key_hash, new_key
 from specdec.service.auth import new_service_token
 from tests.deploy.kustomize import KustomizeError, object_key, render, split_image, strategic_merge
@@ -62,6 +71,14 @@ HEALTH_SERVICES = {
     "gateway": ("gateway_pb2", "GenerationService"),
 }
 NODE_MODULES = ("primary_svc", "draft_svc", "validator_svc")
+# The prefix of each service's own variables (specdec/service/flags.py).
+SERVICE_PREFIXES = {
+    "primary_svc": "PRIMARY",
+    "draft_svc": "DRAFT",
+    "validator_svc": "VALIDATOR",
+    "gateway": "GATEWAY",
+    "http_svc": "HTTP",
+}
 # The image's own environment (Dockerfile): what a container sees besides its manifest's env.
 IMAGE_ENV = {"SPECDEC_HOST": "0.0.0.0", "SPECDEC_CACHE_DIR": "/cache"}
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -175,8 +192,17 @@ def _health_service(module: str) -> str | None:
     return importlib.import_module(f"specdec.v1.{proto}").DESCRIPTOR.services_by_name[service].full_name
 
 
+def _health_client_args(probe: Obj) -> list[str] | None:
+    """The arguments of an exec probe that runs the image's health client (python -m
+    specdec.healthcheck), else None."""
+    command = probe.get("exec", {}).get("command", [])
+    return command[3:] if command[:3] == ["python", "-m", "specdec.healthcheck"] else None
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_ask_declared_ports_and_the_services_health_name(rendered: dict, overlay: str) -> None:
+    """A grpc: probe, or the image's health client (an exec probe), asks the service's health name at
+    the port the service listens on."""
     for _, container in containers(rendered[overlay]):
         ports = container_ports(container)
         env = env_of(container, rendered[overlay])
@@ -187,6 +213,15 @@ def test_probes_ask_declared_ports_and_the_services_health_name(rendered: dict, 
                 continue
             handler = next(key for key in ("grpc", "httpGet", "tcpSocket", "exec") if key in probe)
             if handler == "exec":
+                args = _health_client_args(probe)
+                if args is None:
+                    continue
+                parsed = healthcheck._parse_args(args)
+                host, port = host_port(parsed.address)
+                assert ipaddress.ip_address(host).is_loopback, f"{container['name']} {kind}: {parsed.address}"
+                assert port == int(env["SPECDEC_PORT"]) and port in ports.values(), f"{container['name']} {kind}"
+                if module in HEALTH_SERVICES:
+                    assert not parsed.http_path and parsed.service == _health_service(module), f"{container['name']}"
                 continue
             assert probe[handler]["port"] in ports, f"{container['name']} {kind}: port {probe[handler]['port']}"
             if handler == "grpc":
@@ -194,7 +229,90 @@ def test_probes_ask_declared_ports_and_the_services_health_name(rendered: dict, 
                 assert probe["grpc"]["service"] == _health_service(module or ""), f"{container['name']} {kind}"
         if module in HEALTH_SERVICES:
             assert {"readinessProbe", "livenessProbe"} <= set(container), f"{container['name']}: probes missing"
-            assert "grpc" in container["readinessProbe"] and "grpc" in container["livenessProbe"]
+            for kind in ("readinessProbe", "livenessProbe"):
+                probe = container[kind]
+                assert "grpc" in probe or _health_client_args(probe) is not None, f"{container['name']} {kind}"
+
+
+def _serves_tls(module: str, env: dict[str, str], certificate: tuple[Path, Path], monkeypatch) -> bool:
+    """Whether the service reads a certificate and key from its environment and serves TLS with them
+    (SPECDEC_<SERVICE>_TLS_CERT / _KEY, the --tls_cert / --tls_key flags)."""
+    prefix = SERVICE_PREFIXES[module]
+    cert, key = (str(path) for path in certificate)
+    tls_env = {**env, f"SPECDEC_{prefix}_TLS_CERT": cert, f"SPECDEC_{prefix}_TLS_KEY": key}
+    return f"SPECDEC_{prefix}_TLS_CERT" not in unread_variables(module, tls_env, monkeypatch)
+
+
+@contextlib.contextmanager
+def _tls_server(certificate: tuple[Path, Path], grpc_service: str) -> Iterator[tuple[int, int]]:
+    """(gRPC port, HTTPS port) of two servers on 127.0.0.1 serving TLS with `certificate`: gRPC health
+    reporting `grpc_service` SERVING, and HTTP answering 200 to every GET (the front's /health and
+    /metrics)."""
+    cert, key = certificate
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    health_servicer = grpc_health.HealthServicer()
+    health_servicer.set(grpc_service, health_pb2.HealthCheckResponse.SERVING)
+    config = ServerConfig(host="127.0.0.1", tls_cert_file=str(cert), tls_key_file=str(key))
+    server, grpc_port = create_server(
+        "127.0.0.1:0", [], health_servicer=health_servicer, credentials=config.server_credentials()
+    )
+    server.start()
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield grpc_port, httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        server.stop(None)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_probes_of_a_service_serving_tls_pass_once_tls_is_on(
+    rendered: dict, overlay: str, certificate: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway and the HTTP front serve TLS once their container sets SPECDEC_*_TLS_CERT / _KEY
+    (docs/kubernetes.md). Kubernetes' grpc: probe speaks plaintext only, and an httpGet probe's
+    scheme is fixed in the manifest: with TLS on, their pods would never get ready (and the front's
+    liveness probe would restart it). Their probes run the image's health client instead, which checks
+    over TLS with the container's SPECDEC_HEALTHCHECK_TLS_CA_FILE: run here, with that variable set,
+    against servers serving TLS, each passes."""
+    objects = rendered[overlay]
+    serving_tls = set()
+    for _, container in containers(objects):
+        if container.get("command", [""])[0] != "python":
+            continue
+        module = module_of(container)
+        if not _serves_tls(module, {**IMAGE_ENV, **env_of(container, objects)}, certificate, monkeypatch):
+            continue
+        serving_tls.add(module)
+        kinds = ("startupProbe", "readinessProbe", "livenessProbe")
+        probes = {kind: container[kind] for kind in kinds if kind in container}
+        assert probes, f"{container['name']}: no probe"
+        with _tls_server(certificate, _health_service(module) or "") as (grpc_port, https_port):
+            for kind, probe in probes.items():
+                args = _health_client_args(probe)
+                assert args is not None, f"{overlay} {container['name']} {kind}: {probe} cannot speak TLS"
+                parsed = healthcheck._parse_args(args)
+                host, _ = host_port(parsed.address)
+                port = https_port if parsed.http_path else grpc_port
+                args = [f"{host}:{port}", *args[1:]]  # the test's server in place of the container's port
+                with monkeypatch.context() as m:
+                    m.setenv(healthcheck.CA_FILE_VARIABLE, str(certificate[0]))
+                    assert healthcheck.main(args) == 0, f"{overlay} {container['name']} {kind}"
+                assert healthcheck.main([*args, "--timeout", "1"]) == 1, "the server must refuse plaintext"
+    assert serving_tls == {"gateway", "http_svc"}
 
 
 # --- secrets -------------------------------------------------------------------------------------
