@@ -50,7 +50,7 @@ from bench.stack import build_request, system_under_test
 from primary_svc import step_report
 from specdec.cluster import node_name
 from specdec.launcher import GATEWAY, PRIMARY, SERVICE_NAMES, Stack
-from specdec.service.server import is_loopback
+from specdec.host_check import is_loopback
 from specdec.v1 import primary_pb2, primary_pb2_grpc
 from specdec.flag_spellings import add_spellings
 

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     front = HttpFront(config, api_keys, registry)
     if config.metrics_port:
         with exit_if_port_will_not_bind():
-            start_metrics(config.metrics_port, registry, config.host)
+            start_metrics(config.metrics_port, registry, config.host, config.allowed_hosts)
     log.info(
         "http ready",
         host=config.host,

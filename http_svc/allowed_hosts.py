@@ -19,43 +19,16 @@ could send; without this the front would run it. Clients other than browsers sen
 
 from __future__ import annotations
 
-import ipaddress
-import re
-import urllib.parse
 from collections.abc import Callable, Iterable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from http_svc.errors import ApiError
-from specdec.service.server import is_loopback
+from specdec.host_check import ANY_HOST, allowed_host_set, host_of, is_allowed, origin_host
 
 HOST_HEADER = b"host"
 ORIGIN_HEADER = b"origin"
-# An --allowed_hosts entry that allows every host (the check off).
-ANY_HOST = "*"
-_HOST_NAME = re.compile(r"^[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?$")
-
-
-def host_of(authority: str) -> str:
-    """The host of a Host header's value, lower case, without its port, an IPv6 address's brackets
-    or a trailing dot: "LocalHost:8000" -> "localhost", "[::1]:8000" -> "::1"."""
-    authority = authority.strip().lower()
-    if authority.startswith("["):
-        end = authority.find("]")
-        return authority[1:end] if end > 0 else authority
-    return authority.partition(":")[0].removesuffix(".")
-
-
-def is_host_name(name: str) -> bool:
-    """Whether an --allowed_hosts entry is a host name or an IP address (no scheme, no port)."""
-    if is_loopback(name) or _HOST_NAME.match(name.lower().removesuffix(".")):
-        return True
-    try:
-        ipaddress.ip_address(name.strip("[]"))
-    except ValueError:
-        return False
-    return True
 
 
 class AllowedHostsMiddleware:
@@ -64,11 +37,11 @@ class AllowedHostsMiddleware:
 
     def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...] = ()) -> None:
         self.app = app
-        self.allowed_hosts = frozenset(host_of(name) for name in allowed_hosts)
+        self.allowed_hosts = allowed_host_set(allowed_hosts)
         self.is_any = ANY_HOST in allowed_hosts
 
     def is_allowed(self, host: str) -> bool:
-        return self.is_any or host in self.allowed_hosts or is_loopback(host)
+        return is_allowed(host, self.allowed_hosts)
 
     def refusal(self, headers: Iterable[tuple[bytes, bytes]]) -> ApiError | None:
         """The 403 of a request with these headers, None when it may be answered."""
@@ -97,16 +70,6 @@ class AllowedHostsMiddleware:
         await self.app(scope, receive, send)
 
 
-def _origin_host(origin: str) -> str:
-    """The host of an Origin header's value ("http://LocalHost:3000" -> "localhost"); "" for "null"
-    or one that does not parse."""
-    try:
-        # hostname: lower case, an IPv6 address without its brackets, as host_of gives a Host's.
-        return (urllib.parse.urlsplit(origin.strip()).hostname or "").removesuffix(".")
-    except ValueError:
-        return ""
-
-
 # The headers checked: (name, its host, what the server answers, the error's code).
 _CHECKED_HEADERS: dict[bytes, tuple[str, Callable[[str], str], str, str]] = {
     HOST_HEADER: (
@@ -118,7 +81,7 @@ _CHECKED_HEADERS: dict[bytes, tuple[str, Callable[[str], str], str, str]] = {
     ),
     ORIGIN_HEADER: (
         "Origin",
-        _origin_host,
+        origin_host,
         "web pages of localhost, a loopback address or a host of --allowed_hosts only",
         "origin_not_allowed",
     ),

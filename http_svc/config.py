@@ -8,7 +8,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from http_svc.allowed_hosts import ANY_HOST, is_host_name
+from specdec.host_check import check_allowed_hosts
 from specdec.flags import NO_FIELD, Flag, log_level_flag, model_path_flag, names, parse_flags, values
 from specdec.service.api_keys import check_public_exposure, check_tls_files, public_access_flags
 from specdec.service.server import DEFAULT_HOST
@@ -34,7 +34,8 @@ class HttpConfig:
     model_name: str = DEFAULT_MODEL_NAME  # the one model /v1/models lists and requests must name
     api_keys_file: str = ""  # the gateway's keys file: checked here too (401 before any RPC)
     is_insecure_public_allowed: bool = False
-    # Without API keys, the hosts besides loopback ones that a request's Host may name (http_svc.allowed_hosts).
+    # Without API keys, the hosts besides loopback ones that a request's Host may name (http_svc.allowed_hosts);
+    # with or without, those that --metrics_port's /metrics answers besides those and IP addresses.
     allowed_hosts: tuple[str, ...] = ()
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -62,12 +63,7 @@ class HttpConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.default_retry_after_s < 0:
             raise ValueError(f"default_retry_after_s must be >= 0, got {self.default_retry_after_s}")
-        for name in self.allowed_hosts:
-            if name != ANY_HOST and not is_host_name(name):
-                raise ValueError(
-                    f"allowed_hosts: {name!r} is not a host name or IP address (no scheme, no port; "
-                    f"{ANY_HOST!r} allows any host)"
-                )
+        check_allowed_hosts(self.allowed_hosts)
         check_public_exposure(self.host, self.api_keys_file, self.is_insecure_public_allowed)
 
     @property
@@ -110,7 +106,8 @@ FLAGS = (
         convert=names,
         help="without --api_keys_file, the host names (comma-separated) that a request's Host header may "
         "name besides localhost and loopback addresses; others get 403, which keeps web pages from "
-        "reaching this server through DNS rebinding ('*': any host)",
+        "reaching this server through DNS rebinding ('*': any host). With or without keys, those that "
+        "/metrics on --metrics_port answers besides these and IP addresses",
     ),
     Flag("--max_body_bytes", help="larger request bodies get 413"),
     Flag("--request_timeout_s", help="deadline of one generation (504 after it)"),

@@ -121,12 +121,22 @@ def values(args: argparse.Namespace, declared: Sequence[Flag], group: str = "") 
 
 
 def listen_flags(port: int) -> tuple[Flag, ...]:
-    """--host, --port (this service's default) and --metrics_port: the fields of a service's
-    ServerConfig (specdec.service.server), in the config group "server"."""
+    """--host, --port (this service's default), --metrics_port and --allowed_hosts: the fields of a
+    service's ServerConfig (specdec.service.server), in the config group "server"."""
     return (
         Flag("--host", group="server"),
         Flag("--port", port, group="server"),
         Flag("--metrics_port", group="server"),
+        Flag(
+            "--allowed_hosts",
+            "",
+            type=str,
+            convert=names,
+            group="server",
+            help="the host names (comma-separated) that a /metrics request's Host header may name besides "
+            "localhost, loopback addresses and IP addresses; others get 403, which keeps web pages from "
+            "reading the counters through DNS rebinding ('*': any host)",
+        ),
     )
 
 

@@ -16,13 +16,20 @@ bytes, fractions are 0..1; where a user would compare with vLLM, the name is vLL
 from __future__ import annotations
 
 import functools
+import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
-from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING, Any, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from specdec.host_check import allowed_host_set, host_of, is_allowed, is_ip_address, origin_host
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 NAMESPACE = "specdec"
 # Port value that disables the metrics endpoint.
@@ -98,11 +105,68 @@ class MetricsServer:
         self.httpd.server_close()
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> MetricsServer | None:
-    """Serve `registry` on http://host:port/metrics; port 0 disables it (returns None)."""
+def start_metrics_server(
+    port: int, registry: CollectorRegistry, host: str = "127.0.0.1", allowed_hosts: Iterable[str] = ()
+) -> MetricsServer | None:
+    """Serve `registry` on http://host:port/metrics; port 0 disables it (returns None). It answers
+    without authentication, so a request whose Host names neither localhost, a loopback or other IP
+    address nor one of `allowed_hosts` ("*": any), or whose Origin names neither a loopback host nor
+    one of them, gets a 403 (host_checked)."""
     if port == METRICS_DISABLED_PORT:
         return None
     if not 0 < port < 65536:
         raise ValueError(f"metrics port must be in [0, 65535], got {port}")
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+
+    class Server(ThreadingWSGIServer):
+        """prometheus_client's server, with the address family of `host` (an IPv6 one too)."""
+
+    Server.address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    # prometheus_client's start_http_server starts serving its own app, without the Host check:
+    # this builds the same server around the checked one before it accepts a connection.
+    app = host_checked(make_wsgi_app(registry), allowed_hosts)
+    httpd = make_server(host, port, app, Server, handler_class=_QuietHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+    thread.start()
     return MetricsServer(httpd, thread)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per request (a scrape every few seconds)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def host_checked(app: WSGIApplication, allowed_hosts: Iterable[str] = ()) -> WSGIApplication:
+    """`app` behind the Host rule of specdec.host_check (DNS rebinding): a Host that is an IP address
+    passes too (a scraper names its target's address, and no page can make a browser send one for
+    another site), an Origin only when loopback or allowed (a scraper sends none)."""
+    allowed = allowed_host_set(allowed_hosts)
+
+    def checked(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        for header, key, host_of_value, answered in _CHECKED_HEADERS:
+            value = environ.get(key)
+            if value is None:
+                continue
+            host = host_of_value(value)
+            if is_allowed(host, allowed) or (header == "Host" and is_ip_address(host)):
+                continue
+            body = f"403: the {header} header {value[:200]!r} is not allowed: this endpoint answers {answered}\n"
+            start_response("403 Forbidden", [("Content-Type", "text/plain; charset=utf-8")])
+            return [body.encode()]
+        return app(environ, start_response)
+
+    return checked
+
+
+# The headers host_checked checks: (name, WSGI key, its host, what the endpoint answers).
+_CHECKED_HEADERS = (
+    (
+        "Host",
+        "HTTP_HOST",
+        host_of,
+        "requests to localhost, an IP address or a host of --allowed_hosts (which keeps web pages from "
+        "reading it through DNS rebinding)",
+    ),
+    ("Origin", "HTTP_ORIGIN", origin_host, "pages of localhost, a loopback address or a host of --allowed_hosts only"),
+)

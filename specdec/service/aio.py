@@ -135,7 +135,7 @@ async def serve_aio(
     metrics_server = None
     try:
         if registry is not None:
-            metrics_server = start_metrics(config.metrics_port, registry, config.host)
+            metrics_server = start_metrics(config.metrics_port, registry, config.host, config.allowed_hosts)
         await server.start()
         log.info(
             "serving",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from specdec.errors import Unauthenticated
 from specdec.flags import Flag
-from specdec.service.server import is_loopback
+from specdec.host_check import is_loopback
 
 AUTHORIZATION = "authorization"
 BEARER = "Bearer "

@@ -10,7 +10,6 @@ for "") and server reflection (grpcurl, grpcui).
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -24,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from specdec.host_check import check_allowed_hosts
 from specdec.metrics import MetricsServer, start_metrics_server
 from specdec.tracing import server_interceptors
 
@@ -54,27 +54,19 @@ def exit_if_port_will_not_bind() -> Iterator[None]:
         raise SystemExit(f"error: {e}") from None
 
 
-def start_metrics(port: int, registry: CollectorRegistry, host: str) -> MetricsServer | None:
+def start_metrics(
+    port: int, registry: CollectorRegistry, host: str, allowed_hosts: tuple[str, ...] = ()
+) -> MetricsServer | None:
     """start_metrics_server; a port that will not bind is a PortBindError naming it, as the gRPC
     port's is (exit_if_port_will_not_bind: one line, not a traceback)."""
     try:
-        return start_metrics_server(port, registry, host=host)
+        return start_metrics_server(port, registry, host=host, allowed_hosts=allowed_hosts)
     except OSError as e:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         raise PortBindError(f"could not bind the metrics server to {address} ({e.strerror or e})") from None
 
 
 AddServicerFn = Callable[[Any, grpc.Server], None]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether only this machine can reach `host` (public listeners need API keys otherwise)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name other than localhost: it may resolve to anything
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +79,9 @@ class ServerConfig:
     max_workers: int = DEFAULT_MAX_WORKERS
     grace_s: float = DEFAULT_GRACE_S
     metrics_port: int = 0  # 0: no /metrics endpoint
+    # The host names besides loopback ones and IP addresses that a /metrics request's Host may name
+    # (specdec.host_check: DNS rebinding); "*": any.
+    allowed_hosts: tuple[str, ...] = ()
     tls_cert_file: str = ""  # PEM certificate chain; with tls_key_file: serve TLS instead of plaintext
     tls_key_file: str = ""  # PEM private key of that certificate
 
@@ -105,6 +100,7 @@ class ServerConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        check_allowed_hosts(self.allowed_hosts)
 
     @property
     def is_tls(self) -> bool:
@@ -257,7 +253,7 @@ def serve(
             credentials=config.server_credentials(),
         )
         if registry is not None:
-            metrics_server = start_metrics(config.metrics_port, registry, config.host)
+            metrics_server = start_metrics(config.metrics_port, registry, config.host, config.allowed_hosts)
         server.start()
         metrics_port = None if metrics_server is None else metrics_server.port
         log.info("serving", host=config.host, port=port, tls=config.is_tls, metrics_port=metrics_port)

@@ -11,7 +11,7 @@ import pytest
 from specdec.service.api_keys import KEY_PREFIX, ApiKeys, key_hash, main, new_key
 from gateway.config import parse_config
 from inference import build_parser
-from specdec.service.server import is_loopback
+from specdec.host_check import is_loopback
 from specdec.errors import Unauthenticated
 
 

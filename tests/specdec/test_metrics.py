@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import http.client
 import socket
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from draft_svc.metrics import DraftMetrics
+from gateway import config as gateway_config
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.server import _StepCounts
 from gateway.stats import RequestStats
 from primary_svc.metrics import PrimaryMetrics
 from specdec.metrics import RpcMetrics, start_metrics_server
+from specdec.service.server import ServerConfig
+from validator_svc import config as validator_config
 
 
 def _names(registry: CollectorRegistry) -> set[str]:
@@ -129,3 +134,73 @@ def test_metrics_endpoint_serves_the_registry() -> None:
     finally:
         server.stop()
     assert "specdec_queue_depth 4.0" in body
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, headers: dict[str, str]) -> tuple[int, str]:
+    """GET /metrics with exactly these headers (Host too: http.client adds none of its own here)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        connection.putrequest("GET", "/metrics", skip_host=True, skip_accept_encoding=True)
+        for key, value in headers.items():
+            connection.putheader(key, value)
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+@pytest.fixture
+def metrics_port() -> Iterator[int]:
+    """A running metrics endpoint with one sample, allowing the host `prometheus.lan`."""
+    registry = CollectorRegistry()
+    PrimaryMetrics(registry).queue_depth.set(4)
+    server = start_metrics_server(_free_port(), registry, allowed_hosts=("prometheus.lan",))
+    assert server is not None
+    try:
+        yield server.port
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "host",
+    ["localhost:9100", "127.0.0.1:9100", "[::1]:9100", "10.1.2.3:9100", "10.1.2.3", "[fd00::5]:9100"]
+    + ["prometheus.lan:9100", "PROMETHEUS.lan"],
+)
+def test_the_metrics_endpoint_answers_loopback_ip_addresses_and_allowed_hosts(metrics_port: int, host: str) -> None:
+    """A scraper names its target's address (Kubernetes pod discovery, a static target) or a name
+    the operator allowed; no page can make a browser send an IP address for another site."""
+    status, body = _get(metrics_port, {"Host": host})
+    assert status == 200 and "specdec_queue_depth 4.0" in body
+    assert _get(metrics_port, {})[0] == 200  # no Host (HTTP/1.0)
+
+
+@pytest.mark.parametrize("host", ["attacker.example:9100", "127.0.0.1.attacker.example", "localhost.attacker.example"])
+def test_the_metrics_endpoint_refuses_another_host_name(metrics_port: int, host: str) -> None:
+    """DNS rebinding: a page whose site's name re-resolved to this address sends that name as Host."""
+    status, body = _get(metrics_port, {"Host": host})
+    assert status == 403 and repr(host) in body and "--allowed_hosts" in body
+    assert "specdec_" not in body
+
+
+def test_the_metrics_endpoint_refuses_a_page_of_another_origin(metrics_port: int) -> None:
+    status, body = _get(metrics_port, {"Host": "127.0.0.1:9100", "Origin": "http://attacker.example"})
+    assert status == 403 and "'http://attacker.example'" in body and "specdec_" not in body
+    assert _get(metrics_port, {"Host": "127.0.0.1:9100", "Origin": "http://localhost:3000"})[0] == 200
+
+
+def test_every_service_s_metrics_endpoint_has_the_host_check() -> None:
+    """--allowed_hosts (SPECDEC_ALLOWED_HOSTS) reaches each service's ServerConfig, which serve()
+    hands to the endpoint; a bad entry stops the start."""
+    config = gateway_config.parse_config(["--metrics_port", "9100", "--allowed_hosts", "prometheus.lan, b.lan"])
+    assert config.server.allowed_hosts == ("prometheus.lan", "b.lan")
+    assert validator_config.parse_config([]).server.allowed_hosts == ()
+    with pytest.raises(ValueError, match="allowed_hosts"):
+        ServerConfig(allowed_hosts=("http://prometheus.lan",))

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -273,7 +274,7 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
     thread = threading.Thread(
         target=serve,
         kwargs=dict(
-            config=ServerConfig(grace_s=0.5, metrics_port=metrics_port),
+            config=ServerConfig(grace_s=0.5, metrics_port=metrics_port, allowed_hosts=("prometheus.lan",)),
             services=[(validator_pb2_grpc.add_ValidatorServiceServicer_to_server, FakeValidator())],
             registry=registry,
             stop_event=stop,
@@ -287,6 +288,13 @@ def test_serve_stops_on_the_stop_event_and_reports_not_serving() -> None:
         wait_for_serving(address, timeout_s=5)
         body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
         assert 'specdec_rpc_requests_total{code="OK",method="Validator/Validate"} 3.0' in body
+        # The Host check (DNS rebinding) with the config's allowed hosts: specdec.metrics.host_checked.
+        for host, status in (("prometheus.lan:9100", 200), ("attacker.example:9100", 403)):
+            request = urllib.request.Request(f"http://127.0.0.1:{metrics_port}/metrics", headers={"Host": host})
+            try:
+                assert urllib.request.urlopen(request, timeout=5).status == status
+            except urllib.error.HTTPError as e:
+                assert e.code == status
     finally:
         stop.set()
         thread.join(timeout=10)
