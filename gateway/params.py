@@ -17,7 +17,7 @@ from gateway.tool_prompt import ChatTurn, render
 from gateway.tools import ToolSpec, tool_calls_from_pb, tool_spec_from_pb
 from specdec import pb
 from specdec.acceptance_mode import check_threshold
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, quoted
 from specdec.grammar.compiler import JSON_SCHEMA, SCHEMA_FIELD, ResponseFormat, check_schema_text
 from specdec.logprobs import LogprobsRequest
 from specdec.model.tokenizer import check_stop_strings
@@ -233,9 +233,9 @@ def _input_from_pb(req: gateway_pb2.GenerateRequest, limits: Limits):
 
 def _turn_from_pb(m: gateway_pb2.ChatMessage, field: str) -> ChatTurn:
     if m.role not in CHAT_ROLES:
-        raise InvalidArgument(f"{field}.role", f"must be one of {CHAT_ROLES}, got {m.role!r}")
+        raise InvalidArgument(f"{field}.role", f"must be one of {CHAT_ROLES}, got {quoted(m.role)}")
     if m.tool_calls and m.role != "assistant":
-        raise InvalidArgument(f"{field}.tool_calls", f"only assistant turns call tools, this one is {m.role!r}")
+        raise InvalidArgument(f"{field}.tool_calls", f"only assistant turns call tools, this one is {quoted(m.role)}")
     if m.role == "tool" and not m.tool_call_id:
         raise InvalidArgument(f"{field}.tool_call_id", "is required in a tool turn: the id of the call it answers")
     if m.role != "tool" and (m.tool_call_id or m.name):
@@ -296,7 +296,7 @@ def _speculation_from_pb(
     )
     for s in strategies:
         if s not in STRATEGY_NAMES:
-            raise InvalidArgument("speculation.strategies", f"unknown strategy {s!r}; known: {STRATEGY_NAMES}")
+            raise InvalidArgument("speculation.strategies", f"unknown strategy {quoted(s)}; known: {STRATEGY_NAMES}")
     if GRAMMAR_STRATEGY in strategies and not is_structured:
         raise InvalidArgument(
             "speculation.strategies",

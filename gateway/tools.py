@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 
 from gateway.json_depth import json_nesting_depth
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, quoted, shortened
 from specdec.grammar import json_pointer
 from specdec.grammar.compiler import check_schema_text
 from specdec.v1 import gateway_pb2
@@ -150,7 +150,7 @@ def tool_spec_from_pb(req: gateway_pb2.GenerateRequest, max_schema_depth: int) -
     names = [t.name for t in tools]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise InvalidArgument(f"tools[{i}].name", f"{name!r} is given twice")
+            raise InvalidArgument(f"tools[{i}].name", f"{quoted(name)} is given twice")
     is_parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True
     choice = req.tool_choice
     try:
@@ -159,8 +159,10 @@ def tool_spec_from_pb(req: gateway_pb2.GenerateRequest, max_schema_depth: int) -
         raise InvalidArgument("tool_choice.mode", f"unknown value {choice.mode}") from None
     if mode is ToolMode.FUNCTION:
         if choice.function_name not in names:
+            # 128 names of 64 characters would pass the client's metadata limit: shortened.
+            known = shortened(str(names), 1000)
             raise InvalidArgument(
-                "tool_choice.function_name", f"{choice.function_name!r} is not one of the request's tools {names}"
+                "tool_choice.function_name", f"{quoted(choice.function_name)} is not one of the request's tools {known}"
             )
     elif choice.function_name:
         raise InvalidArgument("tool_choice.function_name", "is only allowed with MODE_FUNCTION")
@@ -177,7 +179,7 @@ def tool_spec_from_pb(req: gateway_pb2.GenerateRequest, max_schema_depth: int) -
 
 def _tool_from_pb(tool: gateway_pb2.Tool, field: str, max_schema_depth: int) -> FunctionTool:
     if not _NAME.match(tool.name):
-        raise InvalidArgument(f"{field}.name", f"{_NAME_RULE}, got {tool.name!r}")
+        raise InvalidArgument(f"{field}.name", f"{_NAME_RULE}, got {quoted(tool.name)}")
     if not tool.parameters:
         return FunctionTool(tool.name, tool.description, dict(_NO_ARGUMENTS_SCHEMA))
     depth = json_nesting_depth(tool.parameters)
@@ -199,5 +201,5 @@ def tool_calls_from_pb(calls: Sequence[gateway_pb2.ToolCall], field: str) -> tup
         if not call.id:
             raise InvalidArgument(f"{field}[{j}].id", "is required")
         if not _NAME.match(call.name):
-            raise InvalidArgument(f"{field}[{j}].name", f"{_NAME_RULE}, got {call.name!r}")
+            raise InvalidArgument(f"{field}[{j}].name", f"{_NAME_RULE}, got {quoted(call.name)}")
     return tuple(ToolCall(c.id, c.name, c.arguments) for c in calls)

@@ -50,7 +50,7 @@ from http_svc.openai_request import (
 )
 from http_svc.tokenizer_request import parse_detokenize, parse_tokenize
 from http_svc.openai_response import ChunkWriter, completion, error_event, summed_stats
-from specdec.errors import InvalidArgument, Unauthenticated
+from specdec.errors import InvalidArgument, Unauthenticated, quoted
 from specdec.tracing import aio_channel_interceptors, check_client_request_id, is_tracing_on, outgoing_metadata
 from specdec.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -505,7 +505,8 @@ class HttpFront:
         if model != self.config.model_name:
             raise ApiError(
                 404,
-                f"the model {model!r} does not exist; this server serves {self.config.model_name!r} (GET /v1/models)",
+                f"the model {quoted(model)} does not exist; this server serves {self.config.model_name!r} "
+                "(GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )

@@ -14,7 +14,7 @@ import math
 import re
 
 import grpc
-from specdec.errors import RETRY_AFTER_KEY
+from specdec.errors import RETRY_AFTER_KEY, shortened
 
 # (HTTP status, OpenAI error type) of each gateway status; anything else is a 500.
 _STATUS_BY_CODE = {
@@ -122,6 +122,12 @@ def json_text(value: object, param: str) -> str:
         return json.dumps(value)
     except RecursionError:
         raise bad_request(param, "is nested too deeply") from None
+
+
+def shown(value: object, param: str) -> str:
+    """A body's value as an error message quotes it: its JSON text (json_text), shortened to its
+    first characters, an ellipsis and its length when long (specdec.errors.shortened)."""
+    return shortened(json_text(value, param))
 
 
 def param_for(field: str, aliases: dict[str, str]) -> str:

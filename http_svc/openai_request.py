@@ -47,8 +47,9 @@ import math
 import re
 from typing import Any
 
-from http_svc.errors import bad_request, json_text
+from http_svc.errors import bad_request, json_text, shown
 from http_svc.openai_tools import set_tool_calls, set_tools
+from specdec.errors import quoted
 from specdec.proto_ranges import MAX_INT32, MAX_UINT32, MAX_UINT64
 from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.v1 import common_pb2, gateway_pb2
@@ -382,7 +383,7 @@ def _token_ids(value: Any, param: str) -> list[int]:
         raise bad_request(param, "must be a string or a non-empty array of token ids")
     for j, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int):
-            raise bad_request(f"{param}[{j}]", f"must be a token id (an integer), got {json_text(t, f'{param}[{j}]')}")
+            raise bad_request(f"{param}[{j}]", f"must be a token id (an integer), got {shown(t, f'{param}[{j}]')}")
         if not 0 <= t <= MAX_INT32:
             raise bad_request(f"{param}[{j}]", f"must be a token id in [0, {MAX_INT32}], got {t}")
     return value
@@ -448,7 +449,7 @@ def _set_penalties(sampling: common_pb2.SamplingParams, data: dict[str, Any]) ->
         # The digits' count is checked before int(), which raises past 4300 digits (leading zeros too).
         digits = key.lstrip("0") if isinstance(key, str) and key.isascii() and key.isdigit() else None
         if digits is None or len(digits) > len(str(MAX_INT32)) or int(digits or "0") > MAX_INT32:
-            raise bad_request("logit_bias", f"keys must be token ids (decimal integers >= 0), got {key!r}")
+            raise bad_request("logit_bias", f"keys must be token ids (decimal integers >= 0), got {quoted(key)}")
         sampling.logit_bias[int(digits or "0")] = _number(value, "logit_bias")
 
 
@@ -481,8 +482,7 @@ def _set_prediction(request: gateway_pb2.GenerateRequest, value: Any) -> None:
     if not isinstance(value, dict):
         raise bad_request("prediction", 'must be an object {"type": "content", "content": ...}')
     if value.get("type") != "content":
-        shown = json_text(value.get("type"), "prediction.type")
-        raise bad_request("prediction.type", f'must be "content", got {shown}')
+        raise bad_request("prediction.type", f'must be "content", got {shown(value.get("type"), "prediction.type")}')
     if "content" not in value or value["content"] is None:
         raise bad_request("prediction.content", "is required: a string or an array of text parts")
     request.prediction.content = _content(value["content"], "prediction.content")
@@ -516,7 +516,7 @@ def _boolean(value: Any, param: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(param, f"must be true or false, got {json_text(value, param)}")
+        raise bad_request(param, f"must be true or false, got {shown(value, param)}")
     return value
 
 
@@ -548,7 +548,7 @@ def _integer(value: Any, param: str, maximum: int = MAX_UINT64, minimum: int = 0
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(param, f"must be an integer, got {json_text(value, param)}")
+        raise bad_request(param, f"must be an integer, got {shown(value, param)}")
     if value < minimum:
         raise bad_request(param, f"must be at least {minimum}, got {value}")
     if value > maximum:
@@ -558,7 +558,7 @@ def _integer(value: Any, param: str, maximum: int = MAX_UINT64, minimum: int = 0
 
 def _number(value: Any, param: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(param, f"must be a number, got {json_text(value, param)}")
+        raise bad_request(param, f"must be a number, got {shown(value, param)}")
     if not math.isfinite(value):
         raise bad_request(param, "must be finite")
     return float(value)

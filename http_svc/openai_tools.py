@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from http_svc.errors import bad_request, json_text
+from http_svc.errors import bad_request, json_text, shown
 from specdec.v1 import gateway_pb2
 
 _MODES = {
@@ -39,8 +39,8 @@ def set_tools(request: gateway_pb2.GenerateRequest, data: dict[str, Any]) -> Non
     parallel = data.get("parallel_tool_calls")
     if parallel is not None:
         if not isinstance(parallel, bool):
-            shown = json_text(parallel, "parallel_tool_calls")
-            raise bad_request("parallel_tool_calls", f"must be true or false, got {shown}")
+            got = shown(parallel, "parallel_tool_calls")
+            raise bad_request("parallel_tool_calls", f"must be true or false, got {got}")
         request.parallel_tool_calls = parallel
 
 

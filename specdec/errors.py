@@ -10,6 +10,27 @@ field (or resource) it is about, so a client can tell what to fix:
 
 from __future__ import annotations
 
+# An error message quotes at most this many characters of a caller's value: quoted whole, a
+# multi-MiB string gives a multi-MiB HTTP error body, and over gRPC a status message past the
+# client's metadata limit (8 KiB by default), which the client refuses and reports as an unrelated
+# INTERNAL or RESOURCE_EXHAUSTED in place of the INVALID_ARGUMENT naming the field.
+MAX_QUOTED_CHARS = 100
+
+
+def shortened(text: str, limit: int = MAX_QUOTED_CHARS) -> str:
+    """`text`, or when longer than `limit` its first `limit` characters, an ellipsis and its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quoted(value: object) -> str:
+    """repr(value) as an error message quotes a caller's value, bounded: a longer string is its first
+    MAX_QUOTED_CHARS characters quoted, an ellipsis and its length ("'xxx'... (4194304 characters)")."""
+    if isinstance(value, str) and len(value) > MAX_QUOTED_CHARS:
+        return f"{value[:MAX_QUOTED_CHARS]!r}... ({len(value)} characters)"
+    return shortened(repr(value))
+
 
 class SpecdecError(Exception):
     """Base of the domain errors: `field` names what the error is about. A subclass names the

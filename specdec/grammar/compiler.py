@@ -36,7 +36,7 @@ import jsonschema
 import referencing.exceptions
 import xgrammar as xgr
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, shortened
 from specdec.field_checks import require_at_least_one
 from specdec.grammar import json_pointer
 from specdec.grammar.state import GrammarState
@@ -109,6 +109,7 @@ def compile_response_format(
     except (RuntimeError, ValueError) as e:
         lines = str(e).strip().splitlines()  # none for some refusals (a bound of 1e400 gave an empty message)
         reason = _ENGINE_LOG_PREFIX.sub("", lines[0]) if lines else "it gives no reason"
+        reason = shortened(reason, 300)  # it may quote a part of the schema
         raise InvalidArgument(SCHEMA_FIELD, f"is not supported by the grammar engine: {reason}") from None
     return CompiledGrammar(response_format, tokenizer_info, grammar)
 
@@ -129,7 +130,10 @@ def check_schema_text(schema_text: str, max_schema_chars: int = DEFAULT_MAX_SCHE
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "/" + "/".join(str(p) for p in e.absolute_path)
-        raise InvalidArgument(SCHEMA_FIELD, f"is not a valid JSON Schema: {e.message} (at {where})") from None
+        # The message quotes the offending part of the schema, which may be most of its 64K characters.
+        raise InvalidArgument(
+            SCHEMA_FIELD, f"is not a valid JSON Schema: {shortened(e.message, 300)} (at {shortened(where, 300)})"
+        ) from None
     except RecursionError:  # the check recurses a few frames a level: JSON that parses can nest past it
         raise InvalidArgument(SCHEMA_FIELD, "nests too deeply to check as a JSON Schema") from None
     costly = _first_costly_pattern(schema, "")

@@ -3,13 +3,18 @@ formats and their refusals."""
 
 from __future__ import annotations
 
+import json
+
+import grpc
 import pytest
 
 from gateway.config import Limits, SpeculationDefaults
 from gateway.params import check_end_tokens, default_strategies, params_from_pb, response_format_from_pb
 from specdec.errors import InvalidArgument
+from specdec.service.interceptor import ErrorInterceptor
 from specdec.task_type import TaskType
-from specdec.v1 import common_pb2, gateway_pb2
+from specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.grpc_serving import serving
 
 JSON_MODE = common_pb2.ResponseFormat(type=common_pb2.ResponseFormat.TYPE_JSON_OBJECT)
 AT_LEAST_2, AT_LEAST_9 = common_pb2.SamplingParams(min_tokens=2), common_pb2.SamplingParams(min_tokens=9)
@@ -209,3 +214,60 @@ def test_min_tokens_holds_back_a_full_stop_list_and_the_models_end_tokens():
     with pytest.raises(InvalidArgument) as e:
         check_end_tokens(params_from_pb(wide, Limits(max_stop_token_ids=200), DEFAULTS), (2, 3))
     assert e.value.field == "sampling.min_tokens" and "at most 128" in str(e.value)
+
+
+HUGE = "x" * (1 << 20)  # a 1 MiB value: quoted whole, its status message would pass any metadata limit
+
+
+class CheckingGateway(gateway_pb2_grpc.GenerationServiceServicer):
+    """Checks each request as the gateway does (params_from_pb), errors mapped by the ErrorInterceptor."""
+
+    def Generate(self, request, context):  # noqa: ANN001, N802
+        params_from_pb(request, Limits(), DEFAULTS)
+        return gateway_pb2.GenerateResponse()
+
+
+def _chat(role: str) -> gateway_pb2.ChatMessages:
+    return gateway_pb2.ChatMessages(messages=[gateway_pb2.ChatMessage(role=role, content="Hi")])
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        (dict(chat=_chat(HUGE)), "chat.messages[0].role"),
+        (dict(prompt="hi", speculation=gateway_pb2.SpeculationConfig(strategies=[HUGE])), "speculation.strategies"),
+        (dict(prompt="hi", tools=[gateway_pb2.Tool(name=HUGE)]), "tools[0].name"),
+        (
+            dict(
+                prompt="hi",
+                tools=[gateway_pb2.Tool(name="f")],
+                tool_choice=gateway_pb2.ToolChoice(mode=gateway_pb2.ToolChoice.MODE_FUNCTION, function_name=HUGE),
+            ),
+            "tool_choice.function_name",
+        ),
+        (  # within the schema's 64K characters, a part the JSON Schema check's message quotes
+            dict(
+                prompt="hi",
+                response_format=common_pb2.ResponseFormat(
+                    type=common_pb2.ResponseFormat.TYPE_JSON_SCHEMA, json_schema=json.dumps({"type": "x" * 60000})
+                ),
+            ),
+            "response_format.json_schema",
+        ),
+    ],
+)
+def test_a_huge_value_is_an_invalid_argument_naming_its_field_over_grpc(fields: dict, field: str) -> None:
+    """The message quotes the value's first characters and its length: quoted whole it went in the
+    grpc-message trailer, which the client refused past its metadata limit, so the caller saw
+    RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") for its own bad field."""
+    add = gateway_pb2_grpc.add_GenerationServiceServicer_to_server
+    with (
+        serving(add, CheckingGateway(), [ErrorInterceptor()]) as address,
+        grpc.insecure_channel(address) as channel,
+    ):
+        with pytest.raises(grpc.RpcError) as raised:
+            gateway_pb2_grpc.GenerationServiceStub(channel).Generate(gateway_pb2.GenerateRequest(**fields), timeout=30)
+    error = raised.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert error.details().startswith(f"{field}: ") and " characters)" in error.details()
+    assert len(error.details()) < 500

@@ -76,6 +76,34 @@ def test_a_surrogate_encoded_as_utf_8_bytes_is_a_400_naming_it(client: TestClien
     assert response.status_code == 400 and _error(response)["param"] == "prompt"
 
 
+HUGE = "x" * (1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT_PATH, chat(seed=HUGE), "seed"),  # the front's own check
+        (CHAT_PATH, chat(max_tokens=[HUGE]), "max_tokens"),
+        (CHAT_PATH, chat(logit_bias={HUGE: 1}), "logit_bias"),
+        (CHAT_PATH, chat(prediction={"type": HUGE, "content": "a"}), "prediction.type"),
+        (CHAT_PATH, chat(messages=[{"role": HUGE, "content": "Hi"}]), "messages[0].role"),  # the gateway's, over gRPC
+        (CHAT_PATH, chat(strategies=[HUGE]), "strategies"),
+        (CHAT_PATH, chat(model=HUGE), "model"),
+        ("/detokenize", {"model": MODEL, "tokens": [HUGE]}, "tokens[0]"),
+    ],
+)
+def test_a_huge_value_is_quoted_by_its_first_characters_and_its_length(
+    client: TestClient, path: str, body: dict, param: str
+) -> None:
+    """Quoted whole, a 1 MiB value made a 1 MiB error body; one the gateway refused made a status
+    message past the gRPC client's metadata limit, which reached the caller as a 429."""
+    response = _post(client, body, path)
+    assert response.status_code == (404 if param == "model" else 400), response.text[:300]
+    error = _error(response)
+    assert error["param"] == param and len(error["message"]) < 500, error["message"][:300]
+    assert "... (10485" in error["message"]  # the length of the value (or of its JSON text): 1048576 + a few
+
+
 @pytest.mark.parametrize(
     "body",
     [b"[" * 100_000, b'{"a":' * 100_000, b'{"model": "m", "messages": ' + b"[" * 100_000],
