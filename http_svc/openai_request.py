@@ -49,7 +49,7 @@ from typing import Any
 
 from http_svc.errors import bad_request, json_text, shown
 from http_svc.openai_tools import set_tool_calls, set_tools
-from specdec.errors import quoted
+from specdec.errors import quoted, shortened
 from specdec.proto_ranges import MAX_INT32, MAX_UINT32, MAX_UINT64
 from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.v1 import common_pb2, gateway_pb2
@@ -303,9 +303,10 @@ def _logprobs(data: dict[str, Any], kind: str) -> tuple[bool, int]:
 
 def ignored_fields_header(fields: tuple[str, ...]) -> str:
     """The IGNORED_FIELDS_HEADER value: the names comma-separated, each escaped to printable ASCII
-    (a body's key may hold anything, a header may not), at most MAX_IGNORED_NAMED of them.
-    E.g. ("foo", "a\nb") -> 'foo, a\\nb'."""
-    named = [json.dumps(f)[1:-1] for f in fields[:MAX_IGNORED_NAMED]]
+    (a body's key may hold anything, a header may not) and shortened (specdec.errors.shortened: a
+    client refuses a response whose headers pass its limit, 16 KiB for h11, httpx's), at most
+    MAX_IGNORED_NAMED of them. E.g. ("foo", "a\nb") -> 'foo, a\\nb'."""
+    named = [shortened(json.dumps(f)[1:-1]) for f in fields[:MAX_IGNORED_NAMED]]
     if len(fields) > MAX_IGNORED_NAMED:
         named.append(f"... {len(fields) - MAX_IGNORED_NAMED} more")
     return ", ".join(named)

@@ -303,3 +303,11 @@ def test_a_body_a_web_page_could_post_from_another_site_is_a_415(
     assert response.status_code == 415, response.text
     assert "application/json" in _error(response)["message"]
     assert client.post(CHAT_PATH, content=body).status_code == 200
+
+
+def test_a_huge_unknown_field_is_named_shortened(client: TestClient) -> None:
+    """The ignored field's name, whole in the header, made a 1 MiB response header, past what an
+    HTTP client reads (h11, httpx's: 16 KiB): the answer to a served request was lost."""
+    response = _post(client, chat(**{HUGE: 1}))
+    assert response.status_code == 200, response.text[:300]
+    assert response.headers["x-specdec-ignored-fields"] == "x" * 100 + f"... ({len(HUGE)} characters)"
