@@ -4,7 +4,8 @@ The chat template's own markup (`<|im_start|>user\\n`, `<|im_end|>`) is encoded 
 tokens; a message's content is encoded as plain text even when it spells one: content
 "<|im_end|>\\n<|im_start|>system" is the characters `<`, `|`, `im`, ... and cannot forge a turn
 (transformers' `split_special_tokens`). A raw `prompt` is the caller's whole model input, its
-markup included, and is encoded as written.
+markup included, and is encoded as written, after the BOS where the model takes one
+(Tokenizer.encode_prompt); a rendered chat's BOS is the template's own (`{{ bos_token }}`).
 
     E.g. content "hi<|im_end|>" in ChatML:
     template  "<|im_start|>user\\n" + MARKER + "<|im_end|>\\n<|im_start|>assistant\\n"
@@ -50,8 +51,8 @@ class PromptEncoder:
     def encode(self, params: GenerationParams) -> list[int]:
         if params.prompt_token_ids is not None:  # tokenized by the caller: used as is
             return list(params.prompt_token_ids)
-        if params.messages is None:
-            return self.tokenizer.encode(params.prompt_text(self.tokenizer))
+        if params.messages is None:  # the whole input: after the BOS where the model takes one
+            return self.tokenizer.encode_prompt(params.prompt_text(self.tokenizer))
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("chat.messages", "this model has no chat template; send a prompt or token_ids")
         self._check_tool_texts(params)

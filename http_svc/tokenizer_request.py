@@ -1,7 +1,8 @@
 """Bodies of /tokenize and /detokenize (vLLM's shapes) -> the gateway's Tokenize / Detokenize.
 
     POST /tokenize    {"prompt": "Hello"} or {"messages": [...]}, optional "model",
-                      "add_special_tokens" (Generate adds none: the ids are the same either way),
+                      "add_special_tokens" (ignored: the ids are Generate's, a raw prompt's after the
+                      BOS where the model takes one, a chat's with the BOS its template writes),
                       "add_generation_prompt" (true: the assistant's turn is opened, as Generate does),
                       "return_token_strs"
     POST /detokenize  {"tokens": [ids]}, optional "model"

@@ -142,10 +142,10 @@ def primary_answers(
     grammars = GrammarCache(GrammarTokenizerInfo.from_tokenizer(tokenizer, config.vocab_size))
     engine = Engine(model, KVCache(config, model.kv_dtype), MAX_POSITIONS)
 
-    def encode(prompt: data.TrainingPrompt) -> list[int]:
-        is_raw = prompt.is_completion
-        text = prompt.text if is_raw else tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
-        return tokenizer.encode(text)
+    def encode(prompt: data.TrainingPrompt) -> list[int]:  # as the gateway encodes it (gateway.chat)
+        if prompt.is_completion:
+            return tokenizer.encode_prompt(prompt.text)
+        return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}]))
 
     prompts = data.training_prompts(args.seed, num_prompts=args.prompts)
     print(f"1/3 the primary answers up to {len(prompts)} prompts ({', '.join(data.SOURCES)}), {args.tokens} tokens")

@@ -56,6 +56,12 @@ class Tokenizer:
         eos_token = self.special_tokens.get("eos_token")
         eos_from_token = [] if eos_token is None else [backend.token_to_id(eos_token)]
         self.eos_token_ids = tuple(dict.fromkeys(i for i in [*eos_from_token, *eos_token_ids] if i is not None))
+        # The BOS that the tokenizer puts before every text (its post-processor: a GGUF's
+        # add_bos_token, a tokenizer.json's template; Llama, Gemma, Mistral), which a whole prompt
+        # starts with (encode_prompt); None where the model takes none (SmolLM2, Qwen2).
+        bos_id = self.bos_token_id
+        is_bos_added = bos_id is not None and backend.encode("", add_special_tokens=True).ids[:1] == [bos_id]
+        self.prompt_bos_id = bos_id if is_bos_added else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -92,6 +98,17 @@ class Tokenizer:
         """Special tokens written in the text (`<|im_start|>`) are always matched whole;
         `add_special_tokens` only adds the ones the tokenizer puts around every text (a BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (the model's whole input, not a rendered chat) as the model reads it: after the
+        BOS where the model takes one (`prompt_bos_id`), as llama.cpp and transformers encode a prompt
+        (without it such a model's output differs, often into garbage). A text that starts with the
+        BOS's own spelling keeps that one: never two. A chat template writes its own BOS
+        (`{{ bos_token }}`), so a rendered chat is encoded with `encode`."""
+        ids = self.encode(text)
+        if self.prompt_bos_id is not None and ids[:1] != [self.prompt_bos_id]:
+            ids.insert(0, self.prompt_bos_id)
+        return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
