@@ -87,7 +87,7 @@ from specdec.candidates import (
     depth_outcomes,
     stats_name,
 )
-from specdec.errors import DeadlineExceeded, FailedPrecondition
+from specdec.errors import Cancelled, DeadlineExceeded, FailedPrecondition
 from specdec.grammar import GrammarState
 from specdec.logits_codec import FORMAT_FP32
 from specdec.logprobs import TokenLogprob
@@ -529,8 +529,10 @@ class RequestLoop:
             raise
         except BaseException as e:
             await self._settle(step, pending)
-            await self._end_on_error(e)
-            raise
+            if not self._is_cut_short_by_cancel(e, pending):
+                await self._end_on_error(e)
+                raise
+            finish = FINISH_CANCELLED
         assert finish is not None  # the loop ends only with one
         tail = await self._conclude(finish)
         if tail:
@@ -593,6 +595,14 @@ class RequestLoop:
         record, self.step_record = self.step_record, None
         self.planner.measure_step(record, wall_ms)
         return pending, finish
+
+    def _is_cut_short_by_cancel(self, error: BaseException, pending: _PendingStep | None) -> bool:
+        """Whether the request's open or step ended on its own cancel (Cancelled while it is set: a
+        wait to retry a busy primary, PrimaryCalls): the request then ends as a cancel seen between
+        steps ends it (stored CANCELLED, finish reason "cancelled", no error for its client), not as
+        failed. Only where no step's write was in flight (`pending`), whose tokens would be stored
+        unsent."""
+        return isinstance(error, Cancelled) and pending is None and self._stop_signal() == FINISH_CANCELLED
 
     async def _end_on_error(self, error: BaseException) -> None:
         """Store the end of a request its loop left on an error."""

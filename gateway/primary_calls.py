@@ -11,7 +11,8 @@ nothing replaces, fails the request DEADLINE_EXCEEDED then.
 A busy primary refuses a Prefill past its bound on Prefills under way (RESOURCE_EXHAUSTED with a
 retry-after-ms hint, primary_svc.server): the request's own prefill, a recovery's or a streamed
 run's re-prefill waits the hinted time and tries again, until its deadline passes or it is
-cancelled. A refusal without the hint (a prompt larger than the whole KV budget) is final.
+cancelled (Cancelled: the loop ends the request as a cancel between its steps, not as failed). A
+refusal without the hint (a prompt larger than the whole KV budget) is final.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 from gateway.node_pool import Node
 from gateway.request_record import RequestRecord
-from specdec.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
+from specdec.errors import Cancelled, DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 
 RECOVERY_POLL_S = 0.5
 # How often a call waiting to retry a busy primary's refusal looks at the request's cancel.
@@ -87,7 +88,8 @@ class PrimaryCalls:
         predecessor gateway that died before its step stored the lease) answers ALREADY_EXISTS,
         which the backends report as Unavailable: retried here until the primary expires that slot
         (--kv_lease_s) or recovery_timeout_s passes. A refusal with a retry hint (a busy primary) is
-        retried after the hinted time until the request's deadline (DeadlineExceeded) or its cancel."""
+        retried after the hinted time until the request's deadline (DeadlineExceeded) or its cancel
+        (Cancelled)."""
         give_up = time.monotonic() + self.recovery_timeout_s
         needs_prefill = needs_prefill or is_fresh
         num_busy = 0
@@ -121,7 +123,8 @@ class PrimaryCalls:
                 )
                 num_busy += 1
                 if not await self.within_deadline(self._wait_unless_cancelled(e.retry_after_ms / 1000)):
-                    raise
+                    # the request's end, not the primary's refusal: the loop ends it as the cancel it is
+                    raise Cancelled("request_id", "cancelled while it waited to retry a busy primary") from None
 
     async def _wait_unless_cancelled(self, wait_s: float) -> bool:
         """Sleep wait_s; False as soon as the request is cancelled meanwhile."""

@@ -2212,6 +2212,68 @@ def test_a_request_cancelled_while_its_prefill_waits_ends_then_and_ends_the_pref
 
 
 @dataclasses.dataclass
+class BusyPrimary(FakeBackends):
+    """A primary that loses the request (NotFound, as after its restart) at its `lost_at`-th Verify or
+    run's message (0: never), and refuses every Prefill from its `busy_from`-th on as busy (its bound on
+    Prefills under way), hinting a retry after a minute; `refused` is set at the first refusal."""
+
+    busy_from: int = 1
+    lost_at: int = 0
+    num_prefills: int = 0
+    num_steps_called: int = 0
+    refused: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        self.num_prefills += 1
+        if self.num_prefills >= self.busy_from:
+            self.refused.set()
+            busy = ResourceExhausted("request_id", "1 prefills under way already; retry later", dependency="primary")
+            busy.retry_after_ms = 60_000
+            raise busy
+        return await super().prefill(request_id, token_ids, num_prompt_tokens)
+
+    def _lose(self) -> None:
+        self.num_steps_called += 1
+        if self.num_steps_called == self.lost_at:
+            raise NotFound("request_id", "no such request", dependency="primary")
+
+    async def verify(self, *args, **kwargs) -> Verified:
+        self._lose()
+        return await super().verify(*args, **kwargs)
+
+    async def decode_stream(self, *args, **kwargs):
+        async for decoded in super().decode_stream(*args, **kwargs):
+            self._lose()  # a run's message each
+            yield decoded
+
+
+@pytest.mark.parametrize("prefill", ["own", "recovery", "run"])
+def test_a_request_cancelled_while_it_waits_to_retry_a_busy_primary_ends_cancelled(prefill):
+    """Its own prefill, a recovery's re-prefill (the primary lost it at a Verify) or a streamed run's
+    re-prefill is refused by a busy primary, and the request is cancelled while it waits to retry: it
+    ends as a cancel between steps does (stored CANCELLED, no error, outcome "cancelled", its KV and
+    draft state released); before, it ended FAILED, its client told RESOURCE_EXHAUSTED."""
+    backends = BusyPrimary(busy_from=1 if prefill == "own" else 2, lost_at=0 if prefill == "own" else 3)
+    store = InMemoryStateStore()
+    params = make_params(is_enabled=prefill != "run", is_adaptive=False, degree=2, draft_length=4)
+    loop = make_loop(params, backends, store)
+
+    async def main() -> None:
+        running = asyncio.ensure_future(drain(loop))
+        while not backends.refused.is_set():
+            await asyncio.sleep(0.01)
+        loop.cancel.set()
+        await asyncio.wait_for(running, 10.0)  # not once the minute's hint is over
+
+    asyncio.run(main())
+    state = store.load("r1")
+    assert (state.status, state.finish_reason, state.error) == (RequestStatus.CANCELLED, "cancelled", "")
+    assert loop.outcome.finish_reason == "cancelled" and loop.outcome.token_ids == list(state.token_ids)
+    assert backends.num_steps_called == (0 if prefill == "own" else 3)
+    assert {"release_primary", "release_draft"} <= {name for name, _ in backends.calls}
+
+
+@dataclasses.dataclass
 class CachedPromptFeatureBackends(CurrentFeatureBackends):
     """CurrentFeatureBackends whose prefill computes no row (the whole prompt was cached): no features."""
 

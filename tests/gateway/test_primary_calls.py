@@ -16,7 +16,7 @@ from gateway.backends import Backends
 from gateway.primary_calls import PrimaryCalls
 from gateway.request_record import RequestRecord
 from specdec.errors import RETRY_AFTER_KEY
-from specdec.errors import DeadlineExceeded, ResourceExhausted
+from specdec.errors import Cancelled, DeadlineExceeded, ResourceExhausted
 from specdec.service.interceptor import ErrorInterceptor
 from specdec.v1 import primary_pb2, primary_pb2_grpc
 from tests.grpc_serving import serving
@@ -100,7 +100,8 @@ def test_a_busy_primary_is_retried_until_the_requests_deadline():
 
 
 def test_a_request_cancelled_while_it_waits_to_retry_ends_at_once():
-    """Not once the hinted time (a minute here, past the 30 s guard) is over."""
+    """Not once the hinted time (a minute here, past the 30 s guard) is over; as cancelled (the loop
+    ends the request as a cancel), not with the primary's refusal."""
     servicer, cancel = BusyPrimary(num_refused=1_000_000, retry_after_ms=60_000), threading.Event()
 
     def cancel_while_waiting() -> None:
@@ -111,7 +112,7 @@ def test_a_request_cancelled_while_it_waits_to_retry_ends_at_once():
     canceller = threading.Thread(target=cancel_while_waiting)
     canceller.start()
     try:
-        with served(servicer) as address, pytest.raises(ResourceExhausted):
+        with served(servicer) as address, pytest.raises(Cancelled):
             asyncio.run(prefill(address, cancel=cancel))
     finally:
         cancel.set()
