@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -158,6 +159,10 @@ class Resumption:
         except InvalidArgument as e:  # this gateway's limits refuse what an earlier one admitted
             await self._fail_unresumable(request_id, e)
             return False
+        # Its steps reach no client but through the store, which keeps no log probabilities (a retry
+        # that asks for them is refused): not computed, nor do they hold its steps back (plain steps
+        # where a sampled one would score processed rows, fp32 logits, no forced or run drafts).
+        params = dataclasses.replace(params, logprobs=None)
         cancel = threading.Event()
         with self._lock:
             if request_id in self._active:  # adopted meanwhile by another of this gateway's calls

@@ -7,14 +7,17 @@ from is fenced (OwnerFencedStore)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import types
 
 import pytest
 import structlog
 
+from gateway.config import Limits, SpeculationDefaults
 from gateway.fenced_store import OwnerFencedStore
 from gateway.owner_id import OwnerId
 from gateway.owner_probe import OwnerProbe, OwnerProbeConfig
+from gateway.params import params_to_json
 from gateway.resume import Resumption
 from specdec.errors import FailedPrecondition
 from specdec.state_store import (
@@ -25,6 +28,7 @@ from specdec.state_store import (
     StateStoreConfig,
 )
 from specdec.state_store.types import record_corrupt
+from specdec.v1 import gateway_pb2
 from tests.gateway.fake_clock import FakeClock
 
 LEASE_S = 30.0
@@ -229,3 +233,32 @@ def test_a_request_that_cannot_be_adopted_holds_up_no_other_request() -> None:
         assert await gateway.resume_active() == ["r-earlier", "r-dead"]
 
     asyncio.run(main())
+
+
+class Runner(Resumption):
+    """Resumption's own adopt over a real store, recording the parameters each adopted request's loop
+    would run with instead of running it."""
+
+    def __init__(self, store: AsyncInMemoryStateStore) -> None:
+        self.store, self.owner, self.owner_probe = store, str(HERE), None
+        self.config = types.SimpleNamespace(owner_lease_s=LEASE_S, limits=Limits(), speculation=SpeculationDefaults())
+        self._offered_strategies, self._lock, self._active = None, threading.Lock(), {}
+        self.log = structlog.get_logger("test")
+        self.ran: list = []
+
+    def _run_adopted(self, request_id, params, state, cancel, grammar) -> None:
+        self.ran.append(params)
+
+
+def test_an_adopted_request_computes_no_log_probabilities() -> None:
+    """Its steps reach its followers only through the store, which keeps no log probabilities (before,
+    its loop asked the primary for them at every step, and for the prompt's at its prefill, for nobody)."""
+    request = gateway_pb2.GenerateRequest(request_id="r-lp", prompt="Say hello", max_new_tokens=8)
+    request.logprobs.num_top_logprobs = 2
+    request.logprobs.include_prompt = True
+    store = AsyncInMemoryStateStore(InMemoryStateStore(StateStoreConfig(lease_s=LEASE_S)))
+    store.sync.create("r-lp", params_to_json(request), prompt_token_ids=[1, 2], status=RequestStatus.RUNNING)
+    gateway = Runner(store)
+    assert asyncio.run(gateway.adopt("r-lp"))
+    [params] = gateway.ran
+    assert params.logprobs is None and params.max_new_tokens == 8
