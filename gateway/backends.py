@@ -162,6 +162,7 @@ class Decoded:
     num_answer_drafted: int = 0  # of num_drafted, those from the model's own answers (--run_answers)
     num_answer_accepted: int = 0  # of them, those among token_ids
     num_steps: int = 1  # the engine steps of a streamed message (DecodeRequest.steps_per_message)
+    num_drafting_steps: int = 0  # of num_steps, those that drafted (num_drafted counts all their drafts)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -202,6 +203,8 @@ def _decoded(r: primary_pb2.DecodeStreamResponse) -> Decoded:
         r.num_answer_drafted,
         r.num_answer_accepted,
         max(1, r.num_steps),
+        # a primary that predates the field: a message that drafted counts as one drafting step
+        r.num_drafting_steps or int(r.num_drafted > 0),
     )
 
 

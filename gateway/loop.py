@@ -856,6 +856,7 @@ class RequestLoop:
         if decoded.num_drafted:  # the run drafted this step itself (DecodeRuns._run_lookup_length)
             self.stats.num_proposed += decoded.num_drafted
             self.stats.num_accepted += decoded.num_draft_accepted
+            self.stats.num_draft_steps += max(1, decoded.num_drafting_steps)
             copied, kept = (
                 decoded.num_drafted - decoded.num_answer_drafted,
                 decoded.num_draft_accepted - decoded.num_answer_accepted,
@@ -912,6 +913,7 @@ class RequestLoop:
         one run for all its ranks, so it goes to rank 0."""
         self.stats.num_proposed += tree.num_nodes
         self.stats.num_accepted += len(v.accepted_nodes)
+        self.stats.num_draft_steps += tree.num_nodes > 0
         for o in outcomes:
             ms = tree.decoder_ms.get(o.decoder, 0.0) if o.rank == 0 else 0.0
             self.stats.add_decoder(stats_name(o.decoder, o.rank), o.num_proposed, o.num_accepted, ms)

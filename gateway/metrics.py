@@ -123,10 +123,14 @@ class GatewayMetrics:
         num_accepted: int,
         stage_seconds: Mapping[str, float],
         by_decoder: Mapping[str, tuple[int, int]],
+        num_draft_steps: int = 1,
     ) -> None:
         """Record num_steps pipeline steps (a speculative step is one; a run of plain steps, several).
-        A step that verified drafts adds an accepted length of num_accepted + 1; by_decoder: each
-        decoder's (proposed, accepted) draft tokens of the step."""
+        Steps that verified drafts (num_draft_steps of them, at least one where drafts were proposed:
+        a run's message of several steps may carry several that drafted) add an accepted length of
+        num_accepted + 1 each, their accepted drafts shared evenly (the message gives only their sum),
+        so that the histogram's sum over its count stays the tokens per drafting step; by_decoder:
+        each decoder's (proposed, accepted) draft tokens of the steps."""
         if num_accepted > num_proposed:
             raise ValueError(f"num_accepted {num_accepted} > num_proposed {num_proposed}")
         unknown = set(stage_seconds) - set(STAGES)
@@ -134,8 +138,10 @@ class GatewayMetrics:
             raise ValueError(f"unknown stages {sorted(unknown)}; expected a subset of {STAGES}")
         self.num_steps.inc(num_steps)
         if num_proposed:
-            self.num_drafts.inc()
-            self.accepted_length.observe(num_accepted + 1)
+            num_draft_steps = max(1, num_draft_steps)
+            self.num_drafts.inc(num_draft_steps)
+            for _ in range(num_draft_steps):
+                self.accepted_length.observe(num_accepted / num_draft_steps + 1)
         for decoder, (proposed, accepted) in by_decoder.items():
             self.draft_tokens.labels(decoder).inc(proposed)
             self.accepted_tokens.labels(decoder).inc(accepted)

@@ -927,6 +927,7 @@ class _StepCounts:
     num_steps: int
     num_proposed: int
     num_accepted: int
+    num_draft_steps: int
     stage_ms: dict[str, float]
     decoders: dict[str, tuple[int, int]]
     num_generated_tokens_at_start: int
@@ -941,6 +942,7 @@ class _StepCounts:
             stats.num_steps,
             stats.num_proposed,
             stats.num_accepted,
+            stats.num_draft_steps,
             stage_ms,
             {name: (int(row[0]), int(row[1])) for name, row in stats.decoders.items()},
             stats.num_generated_tokens if num_generated_tokens_at_start is None else num_generated_tokens_at_start,
@@ -956,6 +958,7 @@ class _StepCounts:
             num_steps=now.num_steps - self.num_steps,
             num_proposed=now.num_proposed - self.num_proposed,
             num_accepted=now.num_accepted - self.num_accepted,
+            num_draft_steps=now.num_draft_steps - self.num_draft_steps,
             stage_seconds={k: (v - self.stage_ms.get(k, 0.0)) / 1000 for k, v in now.stage_ms.items()},
             by_decoder={
                 name: (p - self.decoders.get(name, (0, 0))[0], a - self.decoders.get(name, (0, 0))[1])

@@ -23,6 +23,9 @@ class RequestStats:
     num_steps: int = 0
     num_proposed: int = 0  # draft tokens sent to verify
     num_accepted: int = 0  # draft tokens accepted
+    # steps that verified drafts: speculative ones, and a run's steps that drafted (a run's message
+    # of several steps counts each); the metrics' accepted length is per such step
+    num_draft_steps: int = 0
     num_forced_tokens: int = 0  # tokens the grammar allowed alone, committed without a draft (in num_generated_tokens)
     # 1 where a stop token (eos, a stop_token_id) ended the output: its step committed it, the output
     # leaves it out; a step that decodes only the end still gained a token (mean_accepted_length)

@@ -83,6 +83,7 @@ def _stream_message(steps: Sequence[_StreamedStep]) -> primary_pb2.DecodeStreamR
         logprobs=[pb.token_logprob_to_pb(s.logprob) for s in steps if s.logprob is not None],
         num_steps=len(steps),
         num_other_rows=max(0, last.decided.num_step_rows - 1 - last.decided.num_drafted),
+        num_drafting_steps=sum(1 for s in steps if s.decided.num_drafted),
     )
 
 

@@ -28,6 +28,7 @@ import redis.asyncio
 import structlog.testing
 import torch
 
+from prometheus_client import CollectorRegistry
 from gateway.backends import Backends, Decoded, DraftTree, ModelInfo, Prefilled, Validation, Verified
 from gateway.call_deadlines import CallDeadlines, DeadlineRule
 from gateway.dependencies import DependencyState
@@ -49,6 +50,8 @@ from specdec.acceptance_mode import AcceptanceMode
 from specdec.answers import AnswerIndex
 from specdec.repeats import RepeatIndex, RunDrafts
 from specdec.suffix_array import SEPARATOR
+from gateway.metrics import GatewayMetrics
+from gateway.server import _StepCounts
 from gateway.step_costs import StepCostConfig, StepCosts
 from gateway.stats import RequestStats
 from specdec.candidates import ranked_sources
@@ -92,6 +95,7 @@ def _one_message(steps: Sequence[Decoded]) -> Decoded:
         num_answer_drafted=sum(s.num_answer_drafted for s in steps),
         num_answer_accepted=sum(s.num_answer_accepted for s in steps),
         num_steps=len(steps),
+        num_drafting_steps=sum(1 for s in steps if s.num_drafted),
     )
 
 
@@ -2025,6 +2029,43 @@ def test_runs_draft_nothing_with_penalties_or_without_prompt_lookup(monkeypatch,
     loop = run(params, backends, min_repeat_tokens=3)
     assert loop.outcome.token_ids == plain_decoding(PROMPT, 40)
     assert set(backends.lookup_draft_lengths) <= {0} and RUN_LOOKUP_STATS not in loop.stats.decoders
+
+
+def test_a_runs_steps_that_drafted_count_one_accepted_length_each_however_many_a_message(monkeypatch):
+    """A client that waits for the whole answer takes a run's steps several a message: a message
+    whose steps drafted their copies counted as one step that verified drafts, its accepted drafts
+    summed into one accepted length (8 steps keeping 2 drafts each: one step of 17, not 8 of 3), so
+    specdec_spec_decode_accepted_length's mean, the tokens per verify of drafts, came out several
+    times too high. Each drafting step counts, as with a message a step."""
+    monkeypatch.setattr(sys.modules[__name__], "primary_next", cycling_with_a_break)
+    seen = {}
+    for per_message in (1, 8):
+        backends = FakeBackends()
+        params = make_params(degree=1, draft_length=4, strategies=(LOOKUP,), max_new_tokens=80)
+        loop = make_loop(params, backends, min_repeat_tokens=3, steps_per_message=per_message)
+        registry = CollectorRegistry()
+        metrics = GatewayMetrics(registry)
+
+        async def measured() -> None:  # as GenerationServicer._measured observes a request's steps
+            counts = _StepCounts.of(loop.stats)
+            async for _ in loop.run():
+                counts = counts.observe_into(metrics, loop.stats)
+            counts.observe_into(metrics, loop.stats)
+
+        asyncio.run(measured())
+        assert loop.outcome.token_ids == plain_decoding(PROMPT, 80)
+        value = registry.get_sample_value
+        seen[per_message] = (
+            loop.stats.num_draft_steps,
+            value("specdec_spec_decode_num_drafts_total"),
+            value("specdec_spec_decode_accepted_length_count"),
+            value("specdec_spec_decode_accepted_length_sum"),
+        )
+        num_draft_steps = loop.stats.num_draft_steps
+        assert num_draft_steps > 10 and max(backends.run_messages) == per_message
+        assert seen[per_message][1:3] == (num_draft_steps, num_draft_steps)
+        assert seen[per_message][3] == pytest.approx(loop.stats.num_accepted + num_draft_steps)
+    assert seen[1] == pytest.approx(seen[8])
 
 
 def cycling_with_a_break(context: Sequence[int]) -> int:

@@ -185,8 +185,8 @@ def test_a_message_of_several_steps_goes_out_at_once_after_a_step_that_completes
 
 
 def test_a_drafted_run_sent_several_steps_a_message_counts_each_message_s_steps_and_drafts(primary, copying):
-    """A run that drafts its copies, its steps several a message: the tokens, the drafts and the kept
-    drafts add up to those of a message a step."""
+    """A run that drafts its copies, its steps several a message: the tokens, the drafts, the kept
+    drafts and the steps that drafted add up to those of a message a step."""
     stub, engine, _ = primary
     prompt, expected = copying
     runs = {}
@@ -202,6 +202,10 @@ def test_a_drafted_run_sent_several_steps_a_message_counts_each_message_s_steps_
     assert sum(m.num_steps for m in batched) == len(one) > len(batched)
     for name in ("num_drafted", "num_draft_accepted"):
         assert sum(getattr(m, name) for m in batched) == sum(getattr(m, name) for m in one)
+    # the steps that drafted, each a verify of its drafts (the gateway's accepted length is per such step)
+    assert all(m.num_drafting_steps == (m.num_drafted > 0) for m in one)
+    assert sum(m.num_drafting_steps for m in batched) == sum(m.num_drafting_steps for m in one)
+    assert max(m.num_drafting_steps for m in batched) > 1
 
 
 def test_a_stream_ends_at_a_stop_token_with_it_pending(primary, reference):
