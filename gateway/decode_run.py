@@ -38,6 +38,7 @@ from typing import Any
 from gateway.backends import Backends, Decoded
 from gateway.controller import NEVER_DRAFTS, AdaptiveController, ControllerState, SpeculationPlan
 from gateway.params import GenerationParams
+from specdec.context_room import output_room
 from specdec.errors import Unavailable
 from specdec.grammar import GrammarState, ResponseFormat
 from specdec.repeats import RepeatIndex
@@ -247,7 +248,7 @@ class DecodeRuns:
             return 1
         room = min(
             self.params.max_new_tokens - start.num_generated,
-            self.max_context - 1 - self.num_prompt_tokens - start.num_generated,
+            output_room(self.num_prompt_tokens, self.max_context) - start.num_generated,
         )
         run = room if self.decode_run_max is None else min(room, self.decode_run_max)
         if self.controller is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence, Set
 
+from specdec.context_room import output_room
 from specdec.model.tokenizer import (
     REPLACEMENT_CHAR,
     IncrementalDetokenizer,
@@ -83,7 +84,7 @@ class Output:
 
     def _is_full(self, num_generated: int) -> bool:
         """The output reached max_new_tokens or the context's room."""
-        return num_generated >= self.max_new_tokens or self.num_prompt_tokens + num_generated >= self.max_context - 1
+        return num_generated >= min(self.max_new_tokens, output_room(self.num_prompt_tokens, self.max_context))
 
     def _reach_min_tokens(self, tokens: list[int]) -> None:
         """Where the text of the first min_tokens tokens ends, once `tokens` (the output's) has them:

@@ -55,6 +55,7 @@ from gateway.tool_calls import Piece, read_answer, reader_for
 from gateway.tools import ToolSpec, tool_spec_from_pb
 from gateway.tokenization import Tokenization
 from specdec import pb
+from specdec.context_room import check_fits
 from specdec.errors import (
     RETRY_AFTER_KEY,
     AlreadyExists,
@@ -547,10 +548,7 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         check_end_tokens(params, self.model.eos_token_ids)
         if not prompt_ids:
             raise InvalidArgument(field, "the prompt encodes to no tokens")
-        if len(prompt_ids) >= self.model.max_context - 1:
-            raise InvalidArgument(
-                field, f"{len(prompt_ids)} prompt tokens do not fit the context of {self.model.max_context} tokens"
-            )
+        check_fits(len(prompt_ids), self.model.max_context, field)  # as the primary's Prefill checks it
         # Compiled before anything is stored: a schema refused here leaves no trace.
         try:
             grammar = (

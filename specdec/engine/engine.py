@@ -65,6 +65,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from specdec.context_room import check_fits, output_room
 from specdec.engine import tree as tree_geometry
 from specdec.speculation_bounds import MAX_LOOKAHEAD_NODES, MAX_TREE_NODES
 from specdec.engine.kv_cache import KVBudgetExceeded, KVCache, KVSlot
@@ -270,11 +271,7 @@ class Engine:
             raise InvalidArgument("request_id", f"request {request_id!r} is already open")
         if not token_ids:
             raise InvalidArgument("token_ids", "a request needs at least one token")
-        if len(token_ids) >= self.max_context:
-            raise InvalidArgument(
-                "token_ids",
-                f"{len(token_ids)} tokens do not fit the context of {self.max_context} with room to generate",
-            )
+        check_fits(len(token_ids), self.max_context, "token_ids")
         self.check_token_ids("token_ids", token_ids)
 
     def release(self, request_id: str) -> int:
@@ -588,10 +585,7 @@ class Engine:
         n = len(token_ids)
         # As `check_open` refuses it: a prompt past the context would be forwarded at positions the
         # model has no rotary rows for (an IndexError deep in the forward, after the work).
-        if n >= self.max_context:
-            raise InvalidArgument(
-                "token_ids", f"{n} tokens do not fit the context of {self.max_context} with room to generate"
-            )
+        check_fits(n, self.max_context, "token_ids")
         if n < 2:
             return []
         try:
@@ -648,7 +642,7 @@ class Engine:
             out: list[int] = []
             for position in range(max_new_tokens):
                 out.append(self.decode(request_id, sampling, position))
-                if out[-1] in stop or len(prompt_ids) + len(out) >= self.max_context:
+                if out[-1] in stop or len(out) >= output_room(len(prompt_ids), self.max_context):
                     break
             return out
         finally:

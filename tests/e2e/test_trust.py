@@ -161,7 +161,26 @@ def test_the_end_of_the_context_stops_speculation_like_plain_decoding(gateway_st
     speculative, plain = replies
     assert speculative.finish_reason == plain.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
     assert list(speculative.token_ids) == list(plain.token_ids)
-    assert speculative.stats.num_prompt_tokens + len(speculative.token_ids) == MAX_CONTEXT - 1
+    assert speculative.stats.num_prompt_tokens + len(speculative.token_ids) == MAX_CONTEXT  # prompt + output
+
+
+def test_a_prompt_one_token_short_of_the_context_answers_its_one_token(gateway_stub, tokenizer):
+    """Prompt + output <= max_context, the primary's bound: a prompt of MAX_CONTEXT - 1 tokens gets one
+    token, ending LENGTH (the gateway refused it as not fitting); one of MAX_CONTEXT is refused,
+    naming the field."""
+    counting = tokenizer.encode(", ".join(str(i) for i in range(1, 200)))
+    for is_speculative in (True, False):
+        req = gateway_pb2.GenerateRequest(
+            token_ids=gateway_pb2.TokenIds(ids=counting[: MAX_CONTEXT - 1]),
+            max_new_tokens=50,
+            speculation=gateway_pb2.SpeculationConfig(is_enabled=is_speculative),
+        )
+        reply = gateway_stub.Generate(req, timeout=600, metadata=as_tenant("alice"))
+        assert reply.finish_reason == gateway_pb2.FINISH_REASON_LENGTH and len(reply.token_ids) == 1
+    req = gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=counting[:MAX_CONTEXT]))
+    with pytest.raises(grpc.RpcError) as e:
+        gateway_stub.Generate(req, timeout=60, metadata=as_tenant("alice"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids.ids" in e.value.details()
 
 
 def test_a_stream_whose_client_goes_away_is_cancelled_and_frees_its_kv(gateway_stub, stack):

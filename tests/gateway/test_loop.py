@@ -832,9 +832,18 @@ def test_task_type_is_inferred_when_the_request_gives_none():
 
 @dataclasses.dataclass
 class BoundedPrimary(FakeBackends):
-    """A primary that refuses a tree deeper than its context has room for, as the real one does."""
+    """A primary that refuses a prompt without room to generate, a commit past its context and a tree
+    deeper than its context has room for, as the real one does (Engine.check_open, commit, check_verify)."""
 
     max_context: int = MODEL.max_context
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        assert len(token_ids) < self.max_context, f"{len(token_ids)} tokens leave no room in {self.max_context}"
+        return await super().prefill(request_id, token_ids, num_prompt_tokens)
+
+    def _commit(self, accepted_nodes: Sequence[int], committed: Sequence[int]) -> None:
+        super()._commit(accepted_nodes, committed)
+        assert len(self.primary_context) <= self.max_context, f"a commit past max_context {self.max_context}"
 
     async def verify(
         self, request_id, accepted_nodes, committed_token_ids, tree, logits_format, allowed=None
@@ -865,9 +874,22 @@ def test_the_end_of_the_context_clamps_the_tree_and_stops_like_plain_decoding(is
     params = make_params(is_adaptive=is_adaptive, degree=2, draft_length=16, max_new_tokens=200)
     loop = run(params, backends, store, model=model)
     assert loop.outcome.finish_reason == "length"
-    assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - len(PROMPT))  # prompt + output
     assert store.load("r1").status == RequestStatus.FINISHED
     assert any(c["draft_length"] < 16 for name, c in backends.calls if name == "propose"), "the tree was clamped"
+
+
+@pytest.mark.parametrize("is_enabled", [False, True])
+def test_a_prompt_one_token_short_of_the_context_gets_its_one_token(is_enabled):
+    """max_context bounds prompt + output (specdec.context_room), as the primary's engine does: a
+    prompt of max_context - 1 tokens answers one token, ending LENGTH, plain or speculative."""
+    max_context = len(PROMPT) + 1
+    backends = BoundedPrimary(max_context=max_context)
+    store = InMemoryStateStore()
+    params = make_params(is_enabled=is_enabled, is_adaptive=False, degree=2, draft_length=4, max_new_tokens=50)
+    loop = run(params, backends, store, model=dataclasses.replace(MODEL, max_context=max_context))
+    assert loop.outcome.finish_reason == "length" and loop.outcome.token_ids == plain_decoding(PROMPT, 1)
+    assert store.load("r1").status == RequestStatus.FINISHED
 
 
 @pytest.mark.parametrize("is_adaptive", [False, True])
@@ -907,7 +929,7 @@ def test_lookahead_rows_are_left_out_where_the_context_has_no_room_for_them():
     )
     params = make_params(is_adaptive=False, degree=1, draft_length=2, max_new_tokens=200)
     loop = run(params, backends, model=dataclasses.replace(MODEL, max_context=max_context))
-    assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - 1 - len(PROMPT))
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, max_context - len(PROMPT))  # prompt + output
     num_lookahead = [c["num_lookahead"] for name, c in backends.calls if name == "verify"]
     assert num_lookahead[0] == 5 and num_lookahead[-1] == 0  # BoundedPrimary checked every step's depth
 

@@ -132,3 +132,21 @@ def test_a_stop_string_completed_past_min_tokens_in_a_character_they_began_count
             if is_stopped:
                 break
         assert generated == [A, E1, E2] and output.text == "a"
+
+
+def test_the_output_fills_the_context_prompt_and_output_together():
+    """max_context bounds prompt + output (specdec.context_room): a prompt 3 tokens short of it gets 3
+    tokens, ending LENGTH (it got 2: the gateway kept a token of the context back that the primary
+    does not need), and a resumed output that reached it has ended."""
+    output = Output(
+        ByteTokenizer(),  # type: ignore[arg-type]
+        [],
+        eos=frozenset(),
+        stop=(),
+        max_new_tokens=100,
+        num_prompt_tokens=13,
+        max_context=16,
+    )
+    assert output.truncate([A, B, A, B], 0) == ([A, B, A], "length")
+    assert output.truncate([A, B], 1) == ([A, B], "length")
+    assert output.resumed_finish(2) is None and output.resumed_finish(3) == "length"

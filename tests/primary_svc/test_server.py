@@ -296,6 +296,27 @@ def test_bad_requests_get_a_status_naming_the_field(primary, request_, code, fie
     assert engine.kv_bytes == 0
 
 
+def test_a_prompt_one_token_short_of_the_context_is_prefilled_and_answers(primary):
+    """Prompt + output <= max_context (specdec.context_room; the gateway admits what this takes): a
+    prompt of 511 of the 512 tokens is prefilled and verified with a draft beside it, whose row is
+    the context's last position; one of 512 is refused, naming token_ids."""
+    stub, engine, *_ = primary
+    prompt = (PROMPT * 100)[:511]
+    lease = stub.Prefill(primary_pb2.PrefillRequest(request_id="edge", token_ids=prompt)).kv_lease
+    tree = common_pb2.TokenTree(token_ids=[700], parents=[-1])
+    v = stub.Verify(
+        primary_pb2.VerifyRequest(
+            request_id="edge", tree=tree, kv_lease=lease, logits_format=common_pb2.LOGITS_FORMAT_FP32
+        )
+    )
+    assert len(v.argmax_token_ids) == 2 and v.num_cached_tokens == 510
+    stub.Release(primary_pb2.PrimaryServiceReleaseRequest(request_id="edge", kv_lease=lease))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Prefill(primary_pb2.PrefillRequest(request_id="over", token_ids=(PROMPT * 100)[:512]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids" in e.value.details()
+    assert engine.kv_bytes == 0
+
+
 def test_a_decode_of_several_tokens_is_as_many_one_token_decodes(primary):
     """max_tokens: the primary steps the request itself, committing each token but the last; the
     tokens are those of one-token calls, a stop token ends the run, and so does the context's end."""
