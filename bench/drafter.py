@@ -194,7 +194,7 @@ def scenario_ids(
 ) -> list[list[int]]:
     """The token ids of the scenario's prompts after --first-prompt whose answer fits MAX_CONTEXT (the
     rest skipped, and said so)."""
-    rows = [tokenizer.encode(p.text(tokenizer)) for p in prompts if p.scenario == scenario][args.first_prompt :]
+    rows = [p.token_ids(tokenizer) for p in prompts if p.scenario == scenario][args.first_prompt :]
     fits = [ids for ids in rows if len(ids) + args.max_new_tokens + args.depth + 1 <= MAX_CONTEXT]
     if len(fits) < len(rows):
         print(f"({scenario}: {len(rows) - len(fits)} of {len(rows)} prompts skipped: longer than {MAX_CONTEXT} tokens)")

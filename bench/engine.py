@@ -212,7 +212,7 @@ def measure_precision(
     from transformers import AutoModelForCausalLM
 
     precision, _, kernels = name.partition(":")
-    prompts = [tokenizer.encode(p.text(tokenizer)) for p in bench_prompts]
+    prompts = [p.token_ids(tokenizer) for p in bench_prompts]
     start = time.perf_counter()
     with native.disabled() if kernels == "torch" else contextlib.nullcontext():
         loaded = load_model(model_dir, precision, max_positions=max_context, is_shared=False)

@@ -148,14 +148,14 @@ def peer_record(
 def measure_peer(
     peer: Any, selections: Mapping[str, Selection], new_tokens: Mapping[str, int], tokenizer: Any, precision: str
 ) -> list[Record]:
-    warmup_ids = tokenizer.encode(WARMUP_PROMPT.text(tokenizer))
+    warmup_ids = WARMUP_PROMPT.token_ids(tokenizer)
     for system in peer.systems:
         peer.run(system, warmup_ids, NUM_WARMUP_TOKENS)
     records = []
     done: dict[tuple[str, str, str], Record] = {}  # (prompt file, prompt id, system) -> its first record
     for scenario, selection in selections.items():
         for prompt in selection.prompts:
-            prompt_ids = tokenizer.encode(prompt.text(tokenizer))
+            prompt_ids = prompt.token_ids(tokenizer)
             for system in peer.systems:
                 key = (prompt_file(scenario), prompt.id, system)
                 if key in done:  # the peers run json unconstrained: one measurement serves both variants
@@ -190,7 +190,7 @@ def prompt_token_mismatches(
     records: Sequence[Record], tokenizer: Any, selections: Mapping[str, Selection]
 ) -> list[str]:
     """Prompts whose token count at the gateway differs from the ids the peers get (should be none)."""
-    expected = {p.id: len(tokenizer.encode(p.text(tokenizer))) for s in selections.values() for p in s.prompts}
+    expected = {p.id: len(p.token_ids(tokenizer)) for s in selections.values() for p in s.prompts}
     return sorted(
         {
             f"{r.prompt_id}: gateway {r.num_prompt_tokens}, peers {expected[r.prompt_id]}"

@@ -29,6 +29,13 @@ class BenchPrompt:
     def text(self, tokenizer: Any) -> str:
         return self.prompt if self.is_completion else tokenizer.apply_chat_template(self.messages())
 
+    def token_ids(self, tokenizer: Any) -> list[int]:
+        """The prompt as the service encodes it (gateway.chat.PromptEncoder): a rendered chat as its
+        template writes it, a raw prompt after the BOS where the model takes one."""
+        if self.is_completion:
+            return tokenizer.encode_prompt(self.prompt)
+        return tokenizer.encode(self.text(tokenizer))
+
 
 def check_scenarios(parser: argparse.ArgumentParser, scenarios: str, data_dir: str | Path) -> None:
     """A usage error (exit 2) naming each entry of the comma list `scenarios` that has no prompt file

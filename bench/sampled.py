@@ -175,7 +175,7 @@ def main() -> None:
     tokenizer = Tokenizer.from_dir(resolve_model_dir(None, default_cache_dir()))
 
     def count_tokens(prompt: BenchPrompt) -> int:
-        return len(tokenizer.encode(prompt.text(tokenizer)))
+        return len(prompt.token_ids(tokenizer))
 
     selections = {
         s: fitting_prompts(args.data_dir, s, args.num_prompts, args.max_new_tokens, count_tokens) for s in scenarios

@@ -41,7 +41,7 @@ PROBE_REQUEST_ID = "bench-service-step"
 def service_vs_engine(
     precision: str, num_threads: int, prompt: BenchPrompt, tokenizer: Any, num_steps: int
 ) -> dict[str, float]:
-    prompt_ids = tokenizer.encode(prompt.text(tokenizer))
+    prompt_ids = prompt.token_ids(tokenizer)
     with system_under_test(precision, num_threads, MAX_CONTEXT) as sut:
         record = run_request(sut, prompt, prompt.scenario, BASELINE, num_steps, False, tokenizer)
         forward_ms, rpc_ms = _primary_decode_steps(sut.stack, prompt_ids, num_steps)

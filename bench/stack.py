@@ -167,7 +167,7 @@ def run_request(
     try:
         resp = sut.stub.Generate(req, timeout=REQUEST_TIMEOUT_S)
     except grpc.RpcError as e:
-        num_prompt_tokens = len(tokenizer.encode(prompt.text(tokenizer)))
+        num_prompt_tokens = len(prompt.token_ids(tokenizer))
         return Record(system, scenario, prompt.id, num_prompt_tokens, (), "", 0.0, error=rpc_error(e))
     seconds = time.perf_counter() - t
     is_json, is_valid = check_json(resp.text, prompt.schema) if prompt.schema is not None else (None, None)

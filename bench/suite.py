@@ -282,7 +282,7 @@ def choose_prompts(config: SuiteConfig, tokenizer: Any) -> tuple[dict[str, Selec
     num_sweep = math.ceil(sum(config.concurrency) / len(files)) if files else 0
 
     def count_tokens(p: BenchPrompt) -> int:
-        return len(tokenizer.encode(p.text(tokenizer)))
+        return len(p.token_ids(tokenizer))
 
     by_file, sweep_groups = {}, []
     if LONG in config.scenarios:

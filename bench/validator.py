@@ -128,7 +128,7 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model_path, default_cache_dir())
     tokenizer = Tokenizer.from_dir(model_dir)
     prompts = [
-        tokenizer.encode(x.text(tokenizer))
+        x.token_ids(tokenizer)
         for x in load_prompts(args.data_dir, ["code", "prose", "json"], args.num_prompts, max_chars=1500)
     ]
     loaded = load_model(model_dir, "fp32", max_positions=2048, is_shared=False)

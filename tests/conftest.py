@@ -32,6 +32,28 @@ def default_gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def bos_tokenizer(default_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a Tokenizer
+    """The default model's tokenizer rebuilt from its GGUF metadata as a model that asks for a BOS
+    (`tokenizer.ggml.add_bos_token` true, as Llama's and Gemma's files do), its BOS <|endoftext|>, and
+    a chat template that writes the BOS itself (`{{ bos_token }}`, as theirs do)."""
+    import json
+
+    from specdec.model.gguf_convert import open_gguf, read_metadata
+    from specdec.model.gguf_tokenizer import build_tokenizer_files
+    from specdec.model.tokenizer import Tokenizer
+
+    metadata = read_metadata(open_gguf(default_gguf_path))
+    metadata["tokenizer.ggml.add_bos_token"] = True
+    metadata["tokenizer.ggml.bos_token_id"] = metadata["tokenizer.ggml.tokens"].index("<|endoftext|>")
+    metadata["tokenizer.chat_template"] = "{{ bos_token }}" + metadata["tokenizer.chat_template"]
+    tokenizer_json, tokenizer_config = build_tokenizer_files(metadata, default_gguf_path)
+    model_dir = tmp_path_factory.mktemp("bos-model")
+    (model_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
+    return Tokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The default model converted to a HF-style directory, in the default cache: the first run on a
     machine converts it (~15 s), later runs find it there."""

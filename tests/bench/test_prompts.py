@@ -37,3 +37,25 @@ def test_an_unknown_scenario_is_a_usage_error_naming_it(command, entry, monkeypa
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert "--scenarios: no prompt file for nope" in error and "json" in error
+
+
+def test_a_prompt_is_measured_as_the_service_encodes_it(bos_tokenizer):
+    """The benchmarks' token counts and in-process baselines read a prompt as the gateway does: a raw
+    (completion) prompt after the BOS where the model takes one, a chat as its template writes it."""
+    from bench.prompts import BenchPrompt
+    from gateway.chat import PromptEncoder
+    from gateway.config import Limits, SpeculationDefaults
+    from gateway.params import params_from_pb
+    from specdec.v1 import gateway_pb2
+
+    encoder = PromptEncoder(bos_tokenizer)
+    for is_completion in (True, False):
+        prompt = BenchPrompt("p", "code", "def fib(n):", None, None, is_completion)
+        request = gateway_pb2.GenerateRequest()
+        if is_completion:
+            request.prompt = prompt.prompt
+        else:
+            request.chat.messages.add(role="user", content=prompt.prompt)
+        expected = encoder.encode(params_from_pb(request, Limits(), SpeculationDefaults()))
+        assert prompt.token_ids(bos_tokenizer) == expected
+        assert expected[0] == bos_tokenizer.bos_token_id

@@ -3,8 +3,6 @@ issue), the template's markup does, and ordinary chats encode exactly as before.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 
@@ -12,8 +10,6 @@ from gateway.chat import PromptEncoder
 from gateway.config import Limits, SpeculationDefaults
 from gateway.params import params_from_pb
 from specdec.errors import InvalidArgument
-from specdec.model.gguf_convert import open_gguf, read_metadata
-from specdec.model.gguf_tokenizer import build_tokenizer_files
 from specdec.model.tokenizer import Tokenizer
 from specdec.v1 import gateway_pb2
 
@@ -77,22 +73,6 @@ def test_messages_the_models_template_refuses_are_an_invalid_argument(
     with pytest.raises(InvalidArgument, match=message) as refused:
         PromptEncoder(model).encode(chat_params(("user", "hi"), ("user", "again")))
     assert refused.value.field == "chat.messages"
-
-
-@pytest.fixture(scope="module")
-def bos_tokenizer(default_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    """The default model's tokenizer rebuilt from its GGUF metadata as a model that asks for a BOS
-    (`tokenizer.ggml.add_bos_token` true, as Llama's and Gemma's files do), its BOS <|endoftext|>, and
-    a chat template that writes the BOS itself (`{{ bos_token }}`, as theirs do)."""
-    metadata = read_metadata(open_gguf(default_gguf_path))
-    metadata["tokenizer.ggml.add_bos_token"] = True
-    metadata["tokenizer.ggml.bos_token_id"] = metadata["tokenizer.ggml.tokens"].index("<|endoftext|>")
-    metadata["tokenizer.chat_template"] = "{{ bos_token }}" + metadata["tokenizer.chat_template"]
-    tokenizer_json, tokenizer_config = build_tokenizer_files(metadata, default_gguf_path)
-    model_dir = tmp_path_factory.mktemp("bos-model")
-    (model_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config), encoding="utf-8")
-    return Tokenizer.from_dir(model_dir)
 
 
 def raw_params(**input_: object):
