@@ -438,6 +438,8 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
         tenant = self._tenant(context)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
+        if request.request_id and await self._is_stored_as_is(request_id, request, client_id):
+            raise _Retried()
         # the pool's strategies before the checks, which run in a thread (a first compile): a request's
         # own are checked against them, and the defaults of one that names none are those offered
         offered = await self._offered_by_pool(remaining)
@@ -477,6 +479,22 @@ class GenerationServicer(Resumption, gateway_pb2_grpc.GenerationServiceServicer)
             raise
         loop.stats.queue_ms = queue_s * 1000
         return client_id, loop, ticket
+
+    async def _is_stored_as_is(self, request_id: str, request, client_id: str) -> bool:
+        """Whether request_id holds this very request already (its parameters, prompt included): a
+        client's retry, which follows the stored request (_Retried) and needs none of a new request's
+        preparation. Asked first: a retry waited for the pool's offer and compiled its schema (a
+        second's CPU, or RESOURCE_EXHAUSTED with many compiles under way), and was refused where this
+        gateway's pool or limits now refuse what the request's first gateway admitted. False when the
+        store does not answer (the request goes on; its create finds a retry then)."""
+        stored = request.__class__()
+        stored.CopyFrom(request)
+        stored.request_id = client_id
+        try:
+            state = await self.store.load(request_id)
+        except SpecdecError:
+            return False
+        return state is not None and state.params == params_to_json(stored)
 
     async def _is_stored_request(self, request_id: str, stored, prompt_ids) -> bool:
         """Whether request_id holds this very request (its parameters and prompt), running or ended;

@@ -21,7 +21,7 @@ from gateway.params import GenerationParams, SpeculationParams, params_to_json
 from gateway.server import GenerationServicer, _Retried
 from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from gateway.stats import RequestStats
-from specdec.errors import AlreadyExists, Unavailable
+from specdec.errors import AlreadyExists, ResourceExhausted, Unavailable
 from specdec.sampling import SamplingParams
 from specdec.state_store import AsyncInMemoryStateStore
 from specdec.state_store.memory import InMemoryStateStore
@@ -395,6 +395,13 @@ def test_a_retry_that_reaches_a_failing_over_store_follows_the_running_request_i
     request = gateway_pb2.GenerateRequest(request_id="r7")
     store.sync.create("r7", params_to_json(request), prompt_token_ids=[1, 2, 3], status=RequestStatus.RUNNING)
     store.sync.append_step("r7", [4, 5], owner="gateway@10.0.0.2:50050#dead")
+    loaded = store.load
+
+    async def failing_over_load(request_id: str):  # the first read (is it a retry?) meets the failover too
+        store.load = loaded
+        raise Unavailable("state_store", "Redis unreachable: Timeout reading from socket", dependency="state_store")
+
+    store.load = failing_over_load
 
     async def main() -> None:
         s = servicer(store, Admission(max_active=1, max_queued=4), lambda *_args, **_kwargs: None)
@@ -428,3 +435,34 @@ def test_a_retry_of_a_stored_request_follows_it_though_the_admission_queue_is_fu
     asyncio.run(main())
     assert len(trailers) == 1 and store.sync.load("r9") is None
     holder.release()
+
+
+def test_a_retry_of_a_stored_request_follows_it_without_a_new_requests_preparation() -> None:
+    """The client's retry of a stored request (same id, parameters and prompt) follows it at once: it
+    waits for no pool offer and is not refused by the checks and compile of a new request (here a
+    schema's compile refused as too slow; likewise strategies this gateway's pool does not offer),
+    which it does not run again (before: refused with that error). Another request under the id is
+    still checked."""
+    request = gateway_pb2.GenerateRequest(request_id="r8", prompt="hi")
+    store = AsyncInMemoryStateStore(InMemoryStateStore())
+    store.sync.create("r8", params_to_json(request), prompt_token_ids=[1, 2, 3], status=RequestStatus.RUNNING)
+    store.sync.append_step("r8", [4, 5])
+    store.sync.set_status("r8", RequestStatus.FINISHED, finish_reason="length")
+    s = servicer(store, Admission(max_active=1, max_queued=4), None)
+    asked: list[str] = []
+
+    def refused(request, *_args):
+        asked.append("prepare")
+        raise ResourceExhausted("response_format.json_schema", "took longer than 10.0 s to compile into a grammar")
+
+    async def pool(remaining_s: float | None = None) -> None:
+        asked.append("pool")
+
+    s._prepare, s._offered_by_pool = refused, pool
+    with pytest.raises(_Retried):
+        asyncio.run(s._start(request, Context(), is_streamed=False))
+    assert asked == []
+    other = gateway_pb2.GenerateRequest(request_id="r8", prompt="something else")
+    with pytest.raises(ResourceExhausted):
+        asyncio.run(s._start(other, Context(), is_streamed=False))
+    assert asked == ["pool", "prepare"]
