@@ -598,7 +598,7 @@ class RequestLoop:
 
     def _is_cut_short_by_cancel(self, error: BaseException, pending: _PendingStep | None) -> bool:
         """Whether the request's open or step ended on its own cancel (Cancelled while it is set: a
-        wait to retry a busy primary, PrimaryCalls): the request then ends as a cancel seen between
+        wait for its primary, busy or unavailable, PrimaryCalls): the request then ends as a cancel seen between
         steps ends it (stored CANCELLED, finish reason "cancelled", no error for its client), not as
         failed. Only where no step's write was in flight (`pending`), whose tokens would be stored
         unsent."""

@@ -11,8 +11,10 @@ nothing replaces, fails the request DEADLINE_EXCEEDED then.
 A busy primary refuses a Prefill past its bound on Prefills under way (RESOURCE_EXHAUSTED with a
 retry-after-ms hint, primary_svc.server): the request's own prefill, a recovery's or a streamed
 run's re-prefill waits the hinted time and tries again, until its deadline passes or it is
-cancelled (Cancelled: the loop ends the request as a cancel between its steps, not as failed). A
-refusal without the hint (a prompt larger than the whole KV budget) is final.
+cancelled. A refusal without the hint (a prompt larger than the whole KV budget) is final.
+
+A request cancelled while it waits for its primary (unavailable, or busy) gets Cancelled: the loop
+ends it as a cancel between its steps does, not as failed by the primary.
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ class PrimaryCalls:
                 self.is_step_disturbed = True  # the step's time is the recovery's: not a step cost
             except Unavailable as e:
                 self.is_step_disturbed = True
-                if time.monotonic() > give_up or self.cancel.is_set():
+                if self.cancel.is_set():  # the request's end, not the primary's: ended as the cancel it is
+                    raise Cancelled("request_id", "cancelled while it waited for its primary") from None
+                if time.monotonic() > give_up:
                     raise
                 needs_prefill = True
                 if await self._fail_over(str(e)):

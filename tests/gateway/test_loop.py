@@ -2337,6 +2337,51 @@ def test_a_request_cancelled_while_it_waits_to_retry_a_busy_primary_ends_cancell
 
 
 @dataclasses.dataclass
+class DownPrimary(FakeBackends):
+    """A primary that cannot be reached from its `down_from`-th Verify on (its Prefills neither, so a
+    recovery waits for it); `down` is set at the first failure."""
+
+    down_from: int = 3
+    num_verifies: int = 0
+    down: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def _fail(self) -> None:
+        self.down.set()
+        raise Unavailable("primary", "UNAVAILABLE: connection refused", dependency="primary")
+
+    async def verify(self, *args, **kwargs) -> Verified:
+        self.num_verifies += 1
+        if self.num_verifies >= self.down_from:
+            self._fail()
+        return await super().verify(*args, **kwargs)
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        if self.down.is_set():
+            self._fail()
+        return await super().prefill(request_id, token_ids, num_prompt_tokens)
+
+
+def test_a_request_cancelled_while_it_waits_for_an_unavailable_primary_ends_cancelled():
+    """Cancelled while its recovery waits for the primary to come back: it ends as a cancel between
+    steps does (stored CANCELLED, no error, outcome "cancelled"); before, it ended FAILED with the
+    primary's UNAVAILABLE, its client told to retry the request it had cancelled."""
+    backends, store = DownPrimary(), InMemoryStateStore()
+    loop = make_loop(make_params(is_adaptive=False, degree=2, draft_length=4), backends, store)
+
+    async def main() -> None:
+        running = asyncio.ensure_future(drain(loop))
+        while not backends.down.is_set():
+            await asyncio.sleep(0.01)
+        loop.cancel.set()
+        await asyncio.wait_for(running, 10.0)
+
+    asyncio.run(main())
+    state = store.load("r1")
+    assert (state.status, state.finish_reason, state.error) == (RequestStatus.CANCELLED, "cancelled", "")
+    assert loop.outcome.finish_reason == "cancelled" and loop.outcome.token_ids == list(state.token_ids)
+
+
+@dataclasses.dataclass
 class CachedPromptFeatureBackends(CurrentFeatureBackends):
     """CurrentFeatureBackends whose prefill computes no row (the whole prompt was cached): no features."""
 
