@@ -1110,7 +1110,9 @@ class RequestLoop:
         self.draft.pending_features = (prefilled.features, len(context) - 1) if has_features else None
         self.stats.forward_ms += prefilled.time_ms
         self.record.prefilled(prefilled.kv_lease)
-        if is_fresh:  # the request's own prefill, not a recovery's
+        # the request's own prefill, not a recovery's, nor a resumed request's (its prompt's figure is its
+        # first gateway's, restored with its stats; this prefill of its output too is a recovery)
+        if is_fresh and not self.num_unscored:
             self.stats.num_cached_prompt_tokens = prefilled.num_cached_prompt_tokens
         self.pending_accepted, self.pending_committed = (), []
         return prefilled.precision

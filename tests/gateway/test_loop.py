@@ -1120,6 +1120,32 @@ def test_a_dropped_steps_re_prefill_is_a_recovery_not_the_requests_own_prefill()
     assert loop.stats.num_cached_prompt_tokens == 0
 
 
+@dataclasses.dataclass
+class CachingPrimary(FakeBackends):
+    """A primary that finds the whole prompt in its prefix cache at every prefill."""
+
+    async def prefill(self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int = 0) -> Prefilled:
+        prefilled = await super().prefill(request_id, token_ids, num_prompt_tokens)
+        return dataclasses.replace(prefilled, num_cached_prompt_tokens=num_prompt_tokens)
+
+
+def test_a_resumed_requests_prefill_keeps_its_first_gateways_cached_prompt_figure():
+    """A successor gateway's prefill of a resumed request (its prompt and stored output) is a recovery:
+    the prompt's figure stays the one its first gateway stored (it was overwritten with the re-prefill's
+    cache hit, the prompt then looked cached to its client); a request resumed before any output is
+    prefilled as its own."""
+    generated = plain_decoding(PROMPT, 10)
+    store = InMemoryStateStore()
+    store.create("r1", {}, prompt_token_ids=PROMPT, status=RequestStatus.RUNNING)
+    store.append_step("r1", generated)
+    stats = RequestStats(num_prompt_tokens=len(PROMPT), num_generated_tokens=10, num_steps=10)
+    params = make_params(is_enabled=False, max_new_tokens=30)
+    loop = run(params, CachingPrimary(), store, generated=generated, stats=stats)
+    assert loop.outcome.token_ids == plain_decoding(PROMPT, 30) and loop.stats.num_cached_prompt_tokens == 0
+    fresh = run(params, CachingPrimary(), request_id="r2")
+    assert fresh.stats.num_cached_prompt_tokens == len(PROMPT)
+
+
 @pytest.mark.parametrize(
     ("sampling", "has_logprobs", "num_generated", "is_speculative"),
     [
