@@ -437,6 +437,15 @@ def _check_inputs(
     bad_rows = (~torch.isfinite(target_logits.amax(dim=-1))).nonzero()
     if bad_rows.numel():
         raise ValueError(f"target_logits row {int(bad_rows[0])} holds NaN or +inf, or no finite logit")
+    if allowed is not None:
+        # The same under the grammar mask: a row whose allowed tokens all have a -inf logit leaves no
+        # token to choose (a NaN distribution; the kernel's and fp8 statistics refuse it as a -inf max).
+        masked_max = target_logits.gather(1, allowed.argmax(target_logits)[:, None])[:, 0]  # [R]
+        bad_rows = (masked_max == -math.inf).nonzero()
+        if bad_rows.numel():
+            raise ValueError(
+                f"target_logits row {int(bad_rows[0])} has no finite logit among the tokens allowed_tokens allows"
+            )
     return ids, children, _RowEntropies(target_logits, allowed)
 
 

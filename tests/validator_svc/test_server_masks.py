@@ -10,6 +10,8 @@ from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams
 from specdec.v1 import validator_pb2
 from tests.validator_svc.requests import validate_request
+from validator_svc.kernel import row_stats_cpu
+from validator_svc.paths import CudaPath, TorchPath
 from validator_svc.server import ValidatorServicer
 
 V = 8
@@ -67,3 +69,30 @@ def test_a_mask_of_the_wrong_height_is_refused():
     with pytest.raises(InvalidArgument) as e:
         ValidatorServicer().Validate(validate_request(logits, [3], [-1], allowed=allowed[:1]), None)
     assert e.value.field == "allowed_tokens.num_rows"
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "mode, temperature",
+    [
+        (validator_pb2.ACCEPTANCE_MODE_GREEDY, 0.0),
+        (validator_pb2.ACCEPTANCE_MODE_SAMPLE, 1.0),
+        (validator_pb2.ACCEPTANCE_MODE_THRESHOLD, 0.0),
+        (validator_pb2.ACCEPTANCE_MODE_THRESHOLD, 1.0),
+    ],
+)
+@pytest.mark.parametrize("path", [TorchPath, lambda: CudaPath(row_stats=row_stats_cpu)])
+def test_a_row_whose_allowed_tokens_are_all_minus_inf_is_refused_on_either_path(fmt, mode, temperature, path):
+    # The root row has finite logits, but the grammar allows only token 1, whose logit is -inf: no
+    # token is left to choose. The host rule sampled a NaN row (an assertion: INTERNAL) or answered a
+    # forbidden-probability bonus with a NaN entropy; the kernel's statistics refuse it.
+    logits = torch.tensor([[0.0, float("-inf"), 1.0], [0.0, 1.0, 2.0]])
+    allowed = torch.tensor([[False, True, False], [True, True, True]])
+    req = validate_request(
+        logits, [1], [-1], fmt, mode=mode, sampling=SamplingParams(temperature=temperature, seed=1), allowed=allowed
+    )
+    if mode == validator_pb2.ACCEPTANCE_MODE_THRESHOLD:
+        req.acceptance_threshold = 0.5
+    with pytest.raises(InvalidArgument) as e:
+        ValidatorServicer(path()).Validate(req, None)
+    assert e.value.field == "target_logits" and "row 0" in str(e.value)
