@@ -18,6 +18,7 @@ from specdec.grammar.bitmask import TokenBitmask
 from specdec.sampling import SamplingParams
 from specdec.speculation_bounds import MAX_TREE_NODES
 from specdec.v1 import validator_pb2, validator_pb2_grpc
+from validator_svc.acceptance import check_argmax_ids
 from validator_svc.paths import TorchPath, ValidationInputs, ValidationPath
 
 
@@ -50,8 +51,13 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
             # gives exact zeros that an fp8 wire format cannot carry.) The mask stays packed.
             allowed = pb.token_mask_from_pb(request.allowed_tokens, logits.num_rows, vocab_size, "allowed_tokens")
         argmax = list(request.target_argmax_token_ids) or None
-        if argmax is not None and allowed is not None:
-            _check_argmax_allowed(argmax, allowed)
+        if argmax is not None:
+            try:
+                check_argmax_ids(argmax, logits.num_rows, vocab_size)
+            except ValueError as e:  # the rule's own name for them is argmax_ids
+                raise InvalidArgument("target_argmax_token_ids", str(e)) from None
+            if allowed is not None:
+                _check_argmax_allowed(argmax, allowed)
         try:
             result = self.path.validate(
                 ValidationInputs(
@@ -98,11 +104,10 @@ def _mode_from_pb(value: int, sampling: SamplingParams, threshold: float) -> Acc
 
 
 def _check_argmax_allowed(argmax: list[int], allowed: TokenBitmask) -> None:
-    """The consistency check of a constrained step: the primary's argmax of every row must be a token
-    the grammar allows there (it took them under the same mask), or greedy acceptance could leave it."""
+    """The consistency check of a constrained step (argmax: one id in range a row, checked): the
+    primary's argmax of every row must be a token the grammar allows there (it took them under the
+    same mask), or greedy acceptance could leave it."""
     num_rows = allowed.num_rows
-    if len(argmax) != num_rows or not all(0 <= t < allowed.vocab_size for t in argmax):
-        return  # validate_tree refuses the length or the ids, naming the field
     is_allowed = allowed.is_allowed(np.arange(num_rows), argmax)  # [R] bool
     if not is_allowed.all():
         row = int(np.flatnonzero(~is_allowed)[0])

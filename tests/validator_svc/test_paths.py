@@ -142,6 +142,19 @@ def test_a_mode_that_does_not_fit_the_step_is_refused_naming_the_field(mode, tem
     assert e.value.field == field
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3"])
+@pytest.mark.parametrize("argmax", [[2], [2, 0, 1], [2, 3], [-1, 0]])
+@pytest.mark.parametrize("is_masked", [False, True])
+def test_a_primary_argmax_of_the_wrong_length_or_range_is_refused_naming_its_field(fmt, argmax, is_masked):
+    # The rule calls them argmax_ids; the caller sent target_argmax_token_ids, and the refusal names that.
+    logits = torch.tensor([[0.0, 1.0, 5.0], [4.0, 0.0, 0.0]])
+    allowed = torch.ones(2, 3, dtype=torch.bool) if is_masked else None
+    req = validate_request(logits, [2], [-1], fmt, allowed=allowed, argmax=argmax)
+    with pytest.raises(InvalidArgument) as e:
+        ValidatorServicer().Validate(req, None)
+    assert e.value.field == "target_argmax_token_ids"
+
+
 def test_a_tree_past_the_structural_node_bound_is_refused_before_the_rule_runs():
     # The primary verifies at most MAX_TREE_NODES nodes; a larger tree (cheap to send at a small
     # vocabulary: 200k nodes in a few MB) held a validator thread for seconds.
