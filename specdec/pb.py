@@ -107,10 +107,14 @@ def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return pb
 
 
-def tree_from_pb(pb: common_pb2.TokenTree, vocab_size: int, field: str = "tree") -> tuple[list[int], list[int]]:
+def tree_from_pb(
+    pb: common_pb2.TokenTree, vocab_size: int, field: str = "tree", *, is_siblings_unique: bool = False
+) -> tuple[list[int], list[int]]:
+    """The checked tree (check_tree; with is_siblings_unique, a merged one), InvalidArgument naming
+    `field`.token_ids or `field`.parents."""
     token_ids, parents = list(pb.token_ids), list(pb.parents)
     try:
-        check_tree(token_ids, parents, vocab_size)
+        check_tree(token_ids, parents, vocab_size, is_siblings_unique=is_siblings_unique)
     except TreeError as e:
         raise InvalidArgument(f"{field}.{e.field}", str(e)) from None
     return token_ids, parents

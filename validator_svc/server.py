@@ -34,7 +34,9 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         mode = _mode_from_pb(request.mode, sampling, threshold)
         logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
         vocab_size = logits.vocab_size
-        token_ids, parents = pb.tree_from_pb(request.tree, vocab_size)
+        # The rule needs a merged tree (siblings carry distinct tokens); checked here, so the refusal
+        # names the request's field.
+        token_ids, parents = pb.tree_from_pb(request.tree, vocab_size, is_siblings_unique=True)
         # The primary verifies no larger tree; at a small vocabulary a huge one is cheap to send and
         # costs seconds of the rule's time.
         if len(token_ids) > MAX_TREE_NODES:

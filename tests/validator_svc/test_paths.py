@@ -155,6 +155,15 @@ def test_a_primary_argmax_of_the_wrong_length_or_range_is_refused_naming_its_fie
     assert e.value.field == "target_argmax_token_ids"
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "fp8_e4m3"])
+def test_siblings_with_the_same_token_are_refused_naming_the_tree_field(fmt):
+    # The rule refused them as "token_ids[1]", which is no field of the request.
+    req = validate_request(torch.zeros(3, 3), [1, 1], [-1, -1], fmt)
+    with pytest.raises(InvalidArgument) as e:
+        ValidatorServicer().Validate(req, None)
+    assert e.value.field == "tree.token_ids" and "sibling" in str(e.value)
+
+
 def test_a_tree_past_the_structural_node_bound_is_refused_before_the_rule_runs():
     # The primary verifies at most MAX_TREE_NODES nodes; a larger tree (cheap to send at a small
     # vocabulary: 200k nodes in a few MB) held a validator thread for seconds.
