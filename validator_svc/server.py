@@ -32,15 +32,17 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         sampling = pb.sampling_from_pb(request.sampling)
         threshold = float(request.acceptance_threshold)
         mode = _mode_from_pb(request.mode, sampling, threshold)
+        # The primary verifies no larger tree; at a small vocabulary a huge one is cheap to send and
+        # costs seconds of the rule's time, and as many seconds (and a set of its nodes) to check and
+        # copy: refused from the fields' lengths, before the tree or the logits are read.
+        for name in ("token_ids", "parents"):
+            if (num_nodes := len(getattr(request.tree, name))) > MAX_TREE_NODES:
+                raise InvalidArgument(f"tree.{name}", f"{num_nodes} nodes exceed the limit of {MAX_TREE_NODES}")
         logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
         vocab_size = logits.vocab_size
         # The rule needs a merged tree (siblings carry distinct tokens); checked here, so the refusal
         # names the request's field.
         token_ids, parents = pb.tree_from_pb(request.tree, vocab_size, is_siblings_unique=True)
-        # The primary verifies no larger tree; at a small vocabulary a huge one is cheap to send and
-        # costs seconds of the rule's time.
-        if len(token_ids) > MAX_TREE_NODES:
-            raise InvalidArgument("tree.token_ids", f"{len(token_ids)} nodes exceed the limit of {MAX_TREE_NODES}")
         if logits.num_rows != len(token_ids) + 1:
             raise InvalidArgument(
                 "target_logits",

@@ -7,6 +7,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from specdec import pb
 from specdec.acceptance_mode import AcceptanceMode
 from specdec.errors import InvalidArgument
 from specdec.grammar.bitmask import TokenBitmask
@@ -176,6 +177,22 @@ def test_a_tree_past_the_structural_node_bound_is_refused_before_the_rule_runs()
     at_bound = validate_request(torch.zeros(len(chain), 2), [0] * (len(chain) - 1), chain[:-1], "fp32")
     ValidatorServicer(path).Validate(at_bound, None)
     assert len(path.inputs[-1].token_ids) == MAX_TREE_NODES
+
+
+@pytest.mark.parametrize("name", ["token_ids", "parents"])
+def test_a_tree_past_the_node_bound_is_refused_before_it_or_the_logits_are_read(monkeypatch, name):
+    # Checking a tree of millions of nodes (and its set of siblings) took seconds and hundreds of MB
+    # before its size was looked at; the fields' lengths decide first.
+    def no_read(*args, **kwargs):
+        raise AssertionError("the oversized tree was read")
+
+    monkeypatch.setattr(pb, "check_tree", no_read)
+    monkeypatch.setattr(pb, "encoded_logits_from_pb", no_read)
+    req = validate_request(torch.zeros(2, 2), [0], [-1], "fp32")
+    getattr(req.tree, name).extend([0] * MAX_TREE_NODES)  # MAX_TREE_NODES + 1 entries
+    with pytest.raises(InvalidArgument) as e:
+        ValidatorServicer().Validate(req, None)
+    assert e.value.field == f"tree.{name}"
 
 
 # ---- the two paths agree through the servicer: an emulated kernel here, the real one on a GPU -------
