@@ -454,9 +454,10 @@ class DraftPool:
         for decoder in request.decoders.values():
             decoder.extend(token_ids)
 
-    @staticmethod
-    def _checked_features(args: ProposeArgs, num_tokens: int) -> tuple[int, np.ndarray] | None:
-        """(feature_position, features) of the call, checked against the committed context's num_tokens."""
+    def _checked_features(self, args: ProposeArgs, num_tokens: int) -> tuple[int, np.ndarray] | None:
+        """(feature_position, features) of the call, checked against the committed context's num_tokens
+        and, once the weights are attached, the model's hidden size (rows of another width are not the
+        primary's features, and the decoders that read them could not take them)."""
         if args.features is None:
             return None
         features, position = args.features, args.feature_position
@@ -467,6 +468,11 @@ class DraftPool:
                 "feature_position",
                 f"{len(features)} rows predicting tokens from position {position} must predict committed tokens "
                 f"(positions 1 to {num_tokens - 1})",
+            )
+        attached = self._models.current_model()
+        if attached is not None and features.shape[1] != (hidden_size := attached[1].config.hidden_size):
+            raise InvalidArgument(
+                "features", f"rows of {features.shape[1]} values; the model's hidden size is {hidden_size}"
             )
         return position, features
 

@@ -573,3 +573,28 @@ def test_requests_draft_through_the_shared_native_layer_at_once(fp32_model):
     alone = [proposals(seed) for seed in seeds]
     with ThreadPoolExecutor(3) as pool:
         assert list(pool.map(proposals, seeds)) == alone
+
+
+@pytest.mark.parametrize("width", [TINY.hidden_size - 1, TINY.hidden_size + 1])
+def test_features_of_another_width_than_the_model_s_are_refused_naming_the_field(tmp_path, fake_primary, width):
+    """Rows of another width than the attached model's hidden size cannot be the primary's features:
+    the feature decoder's ValueError made the Propose an INTERNAL error, after the call's tokens had
+    joined the request's context."""
+    model = fake_primary(TINY)
+    write_drafter(tmp_path / "d.safetensors", model)
+    pool = pool_with(FeatureDrafterSource(tmp_path / "d.safetensors"), model)
+    rows = np.zeros((1, width), dtype=np.float32)
+    with pytest.raises(InvalidArgument) as e:  # the opening call: no request is left behind
+        pool.propose(
+            ProposeArgs("r", prompt_token_ids=(1, 2, 3, 4), strategies=("feature",), features=rows, feature_position=3)
+        )
+    assert e.value.field == "features" and str(TINY.hidden_size) in str(e.value)
+    assert pool.num_requests == 0
+    pool.propose(ProposeArgs("r", prompt_token_ids=(1, 2, 3, 4), strategies=("feature",)))
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", new_token_ids=(5,), strategies=("feature",), features=rows, feature_position=4))
+    assert e.value.field == "features"
+    assert pool._requests["r"].token_ids == [1, 2, 3, 4]  # the refused call's tokens were not taken
+    good = np.zeros((1, TINY.hidden_size), dtype=np.float32)
+    pool.propose(ProposeArgs("r", new_token_ids=(5,), strategies=("feature",), features=good, feature_position=4))
+    assert pool._requests["r"].decoders["feature"].is_current
