@@ -71,7 +71,7 @@ from specdec.speculation_bounds import (
     MAX_TREE_NODES,
     check_speculation_bounds,
 )
-from specdec.errors import InvalidArgument, NotFound, ResourceExhausted
+from specdec.errors import InvalidArgument, NotFound, ResourceExhausted, quoted
 from specdec.grammar import CompiledGrammar, GrammarCache, GrammarState, ResponseFormat
 from specdec.grammar.compiling import Grammars, GrammarSettings
 from specdec.model.llama import Transformer
@@ -305,7 +305,8 @@ class DraftPool:
             if (reason := self._refusal(name)) is not None:
                 raise InvalidArgument("strategies", f"{name!r} is not served by this pool: {reason}")
             if name not in c.strategies:
-                raise InvalidArgument("strategies", f"{name!r} is not one of this pool's {list(c.strategies)}")
+                # quoted: a caller's name of megabytes would make a status message no client accepts
+                raise InvalidArgument("strategies", f"{quoted(name)} is not one of this pool's {list(c.strategies)}")
         degree = args.speculative_degree or len(names)
         if not 1 <= degree <= min(len(names), c.max_speculative_degree):
             raise InvalidArgument(

@@ -30,7 +30,7 @@ import secrets
 import threading
 from pathlib import Path
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, quoted
 from specdec.features import EncodedFeatures
 from specdec.logits_codec import EncodedLogits, encode_logits
 from specdec.weights.shared import SHM_DIR
@@ -145,7 +145,7 @@ def read_features_slot(
 def _read_region(segment_name: str, offset: int, num_bytes: int, field: str, reader: str) -> bytes:
     """Bytes [offset, offset + num_bytes) of a live slot, every field checked (InvalidArgument naming it)."""
     if not _SLOT_NAME.match(segment_name):
-        raise InvalidArgument(f"{field}.memory.segment_name", f"not a logits slot name: {segment_name!r}")
+        raise InvalidArgument(f"{field}.memory.segment_name", f"not a logits slot name: {quoted(segment_name)}")
     path = Path(SHM_DIR) / segment_name
     try:
         fd = os.open(path, os.O_RDONLY)

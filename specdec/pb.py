@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from specdec.engine.tree import TreeError, check_tree
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, quoted
 from specdec.features import DTYPES as FEATURE_DTYPES
 from specdec.features import EncodedFeatures, decode_features
 from specdec.logprobs import LogprobsRequest, TokenLogprob
@@ -231,7 +231,7 @@ def select_feature_rows(pb: common_pb2.Features, rows: Sequence[int]) -> common_
 def encoded_features_from_pb(pb: common_pb2.Features, field: str) -> EncodedFeatures:
     """Features inline, or a handle into a logits slot on this machine -> every payload row, checked."""
     if pb.dtype not in FEATURE_DTYPES:
-        raise InvalidArgument(f"{field}.dtype", f"must be one of {FEATURE_DTYPES}, got {pb.dtype!r}")
+        raise InvalidArgument(f"{field}.dtype", f"must be one of {FEATURE_DTYPES}, got {quoted(pb.dtype)}")
     if pb.num_rows < 1 or pb.hidden_size < 1:
         raise InvalidArgument(field, f"num_rows and hidden_size must be >= 1, got [{pb.num_rows}, {pb.hidden_size}]")
     if pb.HasField("memory"):

@@ -395,6 +395,28 @@ def test_attach_builds_the_primary_s_layouts_with_or_without_their_records(draft
         ({"max_nodes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "max_nodes"),
         ({"prompt_token_ids": [1, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
         ({"request_id": "x" * 129}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),  # the limit of every service
+        # a caller's long string is quoted shortened: quoted whole, the status message passed the client's
+        # metadata limit and the caller got an unrelated error in place of the field's
+        ({"strategies": ["x" * (1 << 16)]}, grpc.StatusCode.INVALID_ARGUMENT, "strategies"),
+        (
+            {"features": common_pb2.Features(dtype="x" * (1 << 16), num_rows=1, hidden_size=4, data=bytes(8))},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "features.dtype",
+        ),
+        (
+            {
+                "features": common_pb2.Features(
+                    dtype="float16",
+                    num_rows=1,
+                    hidden_size=4,
+                    memory=common_pb2.MemoryHandle(
+                        kind=common_pb2.HANDLE_KIND_SHARED_MEMORY, segment_name="x" * (1 << 16), num_bytes=8
+                    ),
+                )
+            },
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "features.memory.segment_name",
+        ),
         ({"features": FEATURES, "feature_position": 0}, grpc.StatusCode.INVALID_ARGUMENT, "feature_position"),
         ({"features": FEATURES, "feature_position": len(PROMPT)}, grpc.StatusCode.INVALID_ARGUMENT, "feature_position"),
         (
