@@ -130,6 +130,11 @@ class ModelSource(Protocol):
         """The primary's vocabulary size when known (attached or described by the primary)."""
         ...
 
+    def max_context_length(self) -> int | None:
+        """The primary's context length (prompt and output together) when known (described by the
+        primary), else None."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Continuation:
@@ -328,8 +333,8 @@ class DraftPool:
         self._check_token_ids("new_token_ids", args.new_token_ids)
         self._check_token_ids("lookahead_argmax_token_ids", args.lookahead_argmax_token_ids)
         self._check_token_ids("prediction_token_ids", args.prediction_token_ids)
-        if len(args.prediction_token_ids) > c.max_context_tokens:
-            raise InvalidArgument("prediction_token_ids", f"longer than {c.max_context_tokens} tokens")
+        if len(args.prediction_token_ids) > (max_context := self._max_context_tokens()):
+            raise InvalidArgument("prediction_token_ids", f"longer than {max_context} tokens")
         if args.prediction_token_ids and not args.prompt_token_ids:
             raise InvalidArgument("prediction_token_ids", "goes with the request's first Propose (prompt_token_ids)")
         # A call that (re)opens the request follows no proposal of its state: refused here, before
@@ -337,6 +342,13 @@ class DraftPool:
         if args.lookahead_argmax_token_ids and args.prompt_token_ids:
             raise InvalidArgument("lookahead_argmax_token_ids", "the previous Propose proposed no lookahead rows")
         return list(ranked_sources(names[:degree])), draft_length, max_nodes
+
+    def _max_context_tokens(self) -> int:
+        """The most tokens a request's context (or prediction) may hold: max_context_tokens, or the
+        primary's context length where it is known and smaller. The gateway never commits more, and a
+        caller's longer contexts would only fill the pool's memory (its decoders index every token)."""
+        primary = self._models.max_context_length()
+        return min(primary, self.config.max_context_tokens) if primary else self.config.max_context_tokens
 
     def _check_token_ids(self, field: str, token_ids: Sequence[int]) -> None:
         if not token_ids:
@@ -352,8 +364,8 @@ class DraftPool:
         c = self.config
         grammar, compiling, response_format = None, None, args.response_format
         if args.prompt_token_ids:
-            if len(args.prompt_token_ids) + len(args.new_token_ids) > c.max_context_tokens:
-                raise InvalidArgument("prompt_token_ids", f"context exceeds {c.max_context_tokens} tokens")
+            if len(args.prompt_token_ids) + len(args.new_token_ids) > (max_context := self._max_context_tokens()):
+                raise InvalidArgument("prompt_token_ids", f"context exceeds {max_context} tokens")
             # Outside the pool's lock: a schema's first compile takes tens of ms, and every other
             # request's Propose would wait for it.
             try:
@@ -444,8 +456,8 @@ class DraftPool:
             _release_decoders(request)
 
     def _extend(self, request: _Request, token_ids: Sequence[int]) -> None:
-        if len(request.token_ids) + len(token_ids) > self.config.max_context_tokens:
-            raise InvalidArgument("new_token_ids", f"context exceeds {self.config.max_context_tokens} tokens")
+        if len(request.token_ids) + len(token_ids) > (max_context := self._max_context_tokens()):
+            raise InvalidArgument("new_token_ids", f"context exceeds {max_context} tokens")
         request.token_ids.extend(token_ids)
         if request.grammar is not None and not request.grammar.accept_tokens(token_ids):
             # The primary committed text the grammar refuses (its masks were not applied): stop filtering
@@ -608,8 +620,8 @@ class DraftPool:
         with speculation off, or it was released already, or the pool restarted) is released
         already (0)."""
         self._check_token_ids("new_token_ids", new_token_ids)  # refused before anything is dropped
-        if len(new_token_ids) > self.config.max_context_tokens:
-            raise InvalidArgument("new_token_ids", f"longer than {self.config.max_context_tokens} tokens")
+        if len(new_token_ids) > (max_context := self._max_context_tokens()):
+            raise InvalidArgument("new_token_ids", f"longer than {max_context} tokens")
         with self._lock:
             request = self._requests.pop(request_id, None)
         if request is None:

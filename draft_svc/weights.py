@@ -122,6 +122,10 @@ class WeightAttacher:
             return attached.model.config.vocab_size
         return None if info is None else info.vocab_size
 
+    def max_context_length(self) -> int | None:
+        info = self._info
+        return None if info is None or not info.max_context_length else info.max_context_length
+
     # --- attaching ---------------------------------------------------------------------------------
 
     def attach_offered(self, exported: ExportedWeights) -> AttachedModel:

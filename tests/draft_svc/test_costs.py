@@ -89,6 +89,9 @@ class NoModel:
     def vocab_size(self):
         return 50
 
+    def max_context_length(self):
+        return None
+
 
 def pool_info(refused: set[str], costs: DraftCosts) -> draft_pb2.GetPoolInfoResponse:
     based = DecoderRegistry()

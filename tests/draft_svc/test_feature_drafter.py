@@ -222,6 +222,9 @@ class Models:
     def vocab_size(self) -> int:
         return TINY.vocab_size
 
+    def max_context_length(self) -> int | None:
+        return None
+
 
 def write_drafter(path, model) -> None:
     drafter, _ = tiny_parts()

@@ -94,6 +94,9 @@ class _NoModels:
     def vocab_size(self):
         return 1000
 
+    def max_context_length(self):
+        return None
+
 
 def test_the_pool_returns_the_rows_and_hands_the_argmaxes_back():
     pool = DraftPool(

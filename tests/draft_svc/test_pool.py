@@ -52,12 +52,16 @@ class Scripted:
 class Models:
     def __init__(self) -> None:
         self.attached: tuple[str, object] | None = None
+        self.max_context: int | None = None  # the primary's context length, when it described itself
 
     def current_model(self):
         return self.attached
 
     def vocab_size(self) -> int | None:
         return VOCAB
+
+    def max_context_length(self) -> int | None:
+        return self.max_context
 
 
 def make_pool(
@@ -205,6 +209,31 @@ def test_unknown_requests_limits_and_idle_expiry(monkeypatch):
     with pytest.raises(NotFound):
         pool.propose(ProposeArgs("r", new_token_ids=(2,)))
     assert pool.release("r", is_finished=False) == 0  # dropped already: releasing it again is a no-op
+
+
+def test_contexts_longer_than_the_primary_s_are_refused():
+    """A context, prediction or released output past the primary's context length is refused naming
+    the field. Before, only max_context_tokens (2^20 tokens) bounded them: a caller could have every
+    request's decoders index a million tokens the primary would never serve."""
+    models = Models()
+    models.max_context = 8
+    pool = make_pool({"p": ((A,),)}, [], models=models)
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", prompt_token_ids=tuple(range(9))))
+    assert e.value.field == "prompt_token_ids" and pool.num_requests == 0
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", prompt_token_ids=(1,), prediction_token_ids=tuple(range(9))))
+    assert e.value.field == "prediction_token_ids" and pool.num_requests == 0
+    pool.propose(ProposeArgs("r", prompt_token_ids=tuple(range(7))))
+    pool.propose(ProposeArgs("r", new_token_ids=(7,)))  # the whole context: it fits
+    with pytest.raises(InvalidArgument) as e:
+        pool.propose(ProposeArgs("r", new_token_ids=(8,)))
+    assert e.value.field == "new_token_ids"
+    with pytest.raises(InvalidArgument) as e:
+        pool.release("r", is_finished=True, new_token_ids=tuple(range(9)))
+    assert e.value.field == "new_token_ids" and pool.num_requests == 1
+    models.max_context = None  # not known (the primary not reached yet): the pool's own bound
+    pool.propose(ProposeArgs("r", new_token_ids=(8,)))
 
 
 def test_idle_requests_expire_on_the_timer_without_another_propose(monkeypatch):

@@ -40,6 +40,9 @@ class Models:
     def vocab_size(self) -> int:
         return 49152
 
+    def max_context_length(self) -> int | None:
+        return None
+
 
 def make_pool(grammar_cache, lookup_ids: tuple[int, ...]) -> DraftPool:
     free, grammar_based = DecoderRegistry(), DecoderRegistry()

@@ -22,6 +22,9 @@ class Models:
     def vocab_size(self) -> int | None:
         return VOCAB
 
+    def max_context_length(self) -> int | None:
+        return None
+
 
 @pytest.fixture
 def pool() -> DraftPool:

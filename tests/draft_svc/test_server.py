@@ -394,6 +394,8 @@ def test_attach_builds_the_primary_s_layouts_with_or_without_their_records(draft
         ({"draft_length": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "draft_length"),
         ({"max_nodes": 1000}, grpc.StatusCode.INVALID_ARGUMENT, "max_nodes"),
         ({"prompt_token_ids": [1, 49152]}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+        # longer than the context the primary described (GetModelInfo's max_context_length)
+        ({"prompt_token_ids": [1] * (MAX_CONTEXT + 1)}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
         ({"request_id": "x" * 129}, grpc.StatusCode.INVALID_ARGUMENT, "request_id"),  # the limit of every service
         # a caller's long string is quoted shortened: quoted whole, the status message passed the client's
         # metadata limit and the caller got an unrelated error in place of the field's
