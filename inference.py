@@ -342,16 +342,29 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         parser.error(f"--model_path: {args.model_path!r} does not exist")
     if args.system is not None and not args.chat:
         parser.error("--system needs chat mode (drop --no-chat)")
-    if args.prompt == "-":
+    is_stdin = args.prompt == "-"
+    if is_stdin:
         try:
             args.prompt = sys.stdin.read()
         except UnicodeDecodeError as e:
             parser.error(f"--prompt -: stdin is not text in its encoding ({sys.stdin.encoding}): {e.reason}")
+    check_prompt(parser, args, is_stdin)
     check_utf8(parser, args)
     if args.json_schema is not None:
         args.json_schema_text = read_json_schema(parser, args.json_schema)
     args.api_key = read_api_key(parser, args, os.environ)
     return args
+
+
+def check_prompt(parser: argparse.ArgumentParser, args: argparse.Namespace, is_stdin: bool) -> None:
+    """A request needs some text: the gateway refuses a blank prompt (a chat whose every message is
+    blank), which reached it only after the services had started and came back naming its field
+    (`chat.messages`), not the flag."""
+    if args.prompt is None or args.prompt.strip():
+        return
+    if args.chat and args.system is not None and args.system.strip():
+        return  # the system message carries the text
+    parser.error(f"--prompt: {'stdin held no text' if is_stdin else 'the prompt is empty'}")
 
 
 def check_utf8(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

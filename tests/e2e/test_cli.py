@@ -152,6 +152,27 @@ def test_a_prompt_on_stdin_that_is_not_utf8_is_refused_naming_the_flag(
     assert "--prompt" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "stdin"),
+    [(["--prompt", ""], ""), (["--prompt", " \n"], ""), (["--prompt", "", "--no-chat"], ""), (["--prompt", "-"], "\n")],
+)
+def test_a_blank_prompt_is_refused_naming_the_flag(
+    flags: list[str], stdin: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The gateway refuses it, naming chat.messages or prompt: only after the services had started.
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as info:
+        inference.parse_args(flags)
+    assert info.value.code == inference.EXIT_BAD_FLAGS
+    assert "--prompt" in capsys.readouterr().err
+
+
+def test_a_blank_prompt_after_a_system_message_is_sent() -> None:
+    # The gateway takes a chat with one message of text: the system message carries it.
+    request = inference.build_request(inference.parse_args(["--prompt", "", "--system", "Say hello."]))
+    assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Say hello."), ("user", "")]
+
+
 @pytest.mark.parametrize("flag", ["--json_schema", "--api_key_file"])
 def test_a_file_that_is_not_utf8_is_refused_naming_the_flag(
     flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
