@@ -350,6 +350,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
             parser.error(f"--prompt -: stdin is not text in its encoding ({sys.stdin.encoding}): {e.reason}")
     check_prompt(parser, args, is_stdin)
     check_utf8(parser, args)
+    if args.stop:
+        check_stop(parser, args.stop)
     if args.json_schema is not None:
         args.json_schema_text = read_json_schema(parser, args.json_schema)
     args.api_key = read_api_key(parser, args, os.environ)
@@ -376,6 +378,18 @@ def check_utf8(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             (text or "").encode("utf-8")
         except UnicodeEncodeError:
             parser.error(f"{flag}: not UTF-8 text")
+
+
+def check_stop(parser: argparse.ArgumentParser, stop: Sequence[str]) -> None:
+    """The gateway's bounds on stop strings (how many, each 1 to MAX_STOP_CHARS characters): an empty
+    --stop reached the gateway only after the services had started, refused naming its field."""
+    from specdec.errors import InvalidArgument
+    from specdec.model.tokenizer import check_stop_strings  # jinja2 and tokenizers: only when --stop is given
+
+    try:
+        check_stop_strings(stop, "--stop")
+    except InvalidArgument as e:
+        parser.error(str(e))
 
 
 def read_api_key(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:

@@ -20,6 +20,7 @@ import pytest
 import inference
 from specdec.launcher import Stack
 from specdec.model.options import PRECISIONS
+from specdec.model.tokenizer import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.v1 import common_pb2, gateway_pb2
 
@@ -131,6 +132,10 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--prompt", "\udcff"], "--prompt"),
         (["--system", "\udcff"], "--system"),
         (["--stop", "\udcff"], "--stop"),
+        # What the gateway refuses of any request: after the services had started, naming its field.
+        (["--stop", ""], "--stop"),
+        (["--stop", "x" * (MAX_STOP_CHARS + 1)], "--stop"),
+        ([arg for i in range(MAX_STOP_STRINGS + 1) for arg in ("--stop", str(i))], "--stop"),
     ],
 )
 def test_bad_flags_are_refused_locally_naming_the_flag(
