@@ -42,6 +42,7 @@ from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, Servi
 from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
 from specdec.progress import ProgressPrinter
 from specdec.proto_ranges import MAX_INT32, MAX_UINT32, MAX_UINT64
+from specdec.strategies import check_names
 from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
@@ -105,9 +106,15 @@ def _bound(value: float | None, unbounded: str) -> str:
 
 
 def strategy_list(text: str) -> tuple[str, ...]:
+    """Names of specdec.strategies: an unknown one stopped the draft pool's start (exit 3, its log's
+    tail) or, against a running gateway, came back as its INVALID_ARGUMENT."""
     names = tuple(s.strip() for s in text.split(","))
     if not all(names):
         raise argparse.ArgumentTypeError(f"expected comma-separated strategy names, got {text!r}")
+    try:
+        check_names(names)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return names
 
 

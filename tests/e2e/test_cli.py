@@ -104,6 +104,7 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--max_new_tokens", "0"], "--max_new_tokens"),
         (["--speculative_degree", "0"], "--speculative_degree"),
         (["--top_k", "nan"], "--top_k"),
+        (["--strategies", "prompt_lookup,no_such_strategy"], "--strategies"),
         (["--temperature", "inf"], "--temperature"),
         (["--speculative_decoding=maybe"], "--speculative_decoding"),
         (["--precision", "int3"], "--precision"),
