@@ -359,6 +359,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     check_utf8(parser, args)
     if args.stop:
         check_stop(parser, args.stop)
+    check_output_bounds(parser, args)
     if args.json_schema is not None:
         args.json_schema_text = read_json_schema(parser, args.json_schema)
     args.api_key = read_api_key(parser, args, os.environ)
@@ -385,6 +386,17 @@ def check_utf8(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             (text or "").encode("utf-8")
         except UnicodeEncodeError:
             parser.error(f"{flag}: not UTF-8 text")
+
+
+def check_output_bounds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What the gateway refuses of every request (gateway.params) among --min_tokens, --max_new_tokens,
+    --ignore_eos and a JSON output: refused here, before the services start, naming the flags."""
+    if args.max_new_tokens is not None and args.min_tokens > args.max_new_tokens:
+        parser.error(f"--min_tokens: must be at most --max_new_tokens ({args.max_new_tokens}), got {args.min_tokens}")
+    json_flag = "--json_schema" if args.json_schema is not None else "--json_mode" if args.json_mode else None
+    for flag, is_given in (("--ignore_eos", args.ignore_eos), ("--min_tokens", args.min_tokens > 0)):
+        if is_given and json_flag is not None:
+            parser.error(f"{flag}: cannot be combined with {json_flag}: a finished JSON value allows only the end")
 
 
 def check_stop(parser: argparse.ArgumentParser, stop: Sequence[str]) -> None:

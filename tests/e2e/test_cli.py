@@ -134,6 +134,9 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--system", "\udcff"], "--system"),
         (["--stop", "\udcff"], "--stop"),
         # What the gateway refuses of any request: after the services had started, naming its field.
+        (["--min_tokens", "8", "--max_new_tokens", "4"], "--min_tokens"),
+        (["--min_tokens", "1", "--json_mode"], "--min_tokens"),
+        (["--ignore_eos", "--json_mode"], "--ignore_eos"),
         (["--stop", ""], "--stop"),
         (["--stop", "x" * (MAX_STOP_CHARS + 1)], "--stop"),
         ([arg for i in range(MAX_STOP_STRINGS + 1) for arg in ("--stop", str(i))], "--stop"),
@@ -228,8 +231,6 @@ def test_the_request_carries_every_flag(tmp_path: Path) -> None:
             "--task_type",
             "code",
             "--no-adaptive",
-            "--json_schema",
-            str(schema),
         ]
     )
     req = inference.build_request(args)
@@ -241,6 +242,8 @@ def test_the_request_carries_every_flag(tmp_path: Path) -> None:
     assert (s.speculative_degree, s.draft_length, list(s.strategies)) == (4, 6, ["prompt_lookup", "suffix_index"])
     assert s.acceptance_threshold == pytest.approx(0.7)
     assert s.task_type == common_pb2.TASK_TYPE_CODE and s.HasField("is_adaptive") and not s.is_adaptive
+    # A schema goes without --ignore_eos and --min_tokens, which the gateway refuses beside it.
+    req = inference.build_request(inference.parse_args(["--prompt", "Hi", "--json_schema", str(schema)]))
     assert req.response_format.type == common_pb2.ResponseFormat.TYPE_JSON_SCHEMA
     assert req.response_format.json_schema == '{"type": "object"}'
 
