@@ -710,7 +710,10 @@ def _handle_stop_signals() -> None:
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     """The command line; `prog` names it in help and errors (`specdec generate` when run as the package's command)."""
-    args = parse_args(argv, prog)
+    try:
+        args = parse_args(argv, prog)
+    except KeyboardInterrupt:  # Ctrl-C while `--prompt -` waits for stdin: nothing started, no traceback
+        return EXIT_INTERRUPTED
     _handle_stop_signals()
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.gateway_address is not None:

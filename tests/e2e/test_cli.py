@@ -182,6 +182,21 @@ def test_a_blank_prompt_after_a_system_message_is_sent() -> None:
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Say hello."), ("user", "")]
 
 
+class _InterruptedStdin(io.StringIO):
+    def read(self, size: int | None = -1) -> str:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_the_prompt_is_read_from_stdin_exits_130(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `--prompt -` waits for stdin; Ctrl-C there ended the command with a traceback.
+    monkeypatch.setattr(sys, "stdin", _InterruptedStdin())
+    try:
+        exit_code = inference.main(["--prompt", "-"])
+    except KeyboardInterrupt:  # not raised on: it would stop the whole test run
+        pytest.fail("the interrupt escaped main (a traceback)")
+    assert exit_code == inference.EXIT_INTERRUPTED
+
+
 @pytest.mark.parametrize("flag", ["--json_schema", "--api_key_file"])
 def test_a_file_that_is_not_utf8_is_refused_naming_the_flag(
     flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
