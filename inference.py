@@ -347,6 +347,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
             parser.error(str(e))
     if args.model_path is not None and not Path(args.model_path).expanduser().exists():
         parser.error(f"--model_path: {args.model_path!r} does not exist")
+    if args.log_dir is not None:
+        check_log_dir(parser, args.log_dir)
     if args.system is not None and not args.chat:
         parser.error("--system needs chat mode (drop --no-chat)")
     is_stdin = args.prompt == "-"
@@ -364,6 +366,19 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
         args.json_schema_text = read_json_schema(parser, args.json_schema)
     args.api_key = read_api_key(parser, args, os.environ)
     return args
+
+
+def check_log_dir(parser: argparse.ArgumentParser, path: Path) -> None:
+    """--log_dir must be a directory the services' logs can be written in (created if missing): the
+    stack's start raised on one that is a file or cannot be created, a traceback."""
+    if path.exists() and not path.is_dir():
+        parser.error(f"--log_dir: {str(path)!r} is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--log_dir: cannot create {str(path)!r}: {e.strerror}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        parser.error(f"--log_dir: {str(path)!r} is not writable")
 
 
 def check_prompt(parser: argparse.ArgumentParser, args: argparse.Namespace, is_stdin: bool) -> None:

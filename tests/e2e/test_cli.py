@@ -182,6 +182,23 @@ def test_a_blank_prompt_after_a_system_message_is_sent() -> None:
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Say hello."), ("user", "")]
 
 
+@pytest.mark.parametrize("under_a_file", [False, True])
+def test_a_log_dir_that_cannot_be_one_is_refused_naming_the_flag(
+    under_a_file: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The stack's start raised FileExistsError / NotADirectoryError from mkdir: a traceback.
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(SystemExit) as info:
+        inference.parse_args(["--prompt", "x", "--log_dir", str(file / "logs" if under_a_file else file)])
+    assert info.value.code == inference.EXIT_BAD_FLAGS
+    assert "--log_dir" in capsys.readouterr().err
+
+
+def test_a_missing_log_dir_is_created(tmp_path: Path) -> None:
+    assert inference.parse_args(["--prompt", "x", "--log_dir", str(tmp_path / "a" / "logs")]).log_dir.is_dir()
+
+
 class _InterruptedStdin(io.StringIO):
     def read(self, size: int | None = -1) -> str:
         raise KeyboardInterrupt
