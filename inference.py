@@ -118,6 +118,28 @@ def strategy_list(text: str) -> tuple[str, ...]:
     return names
 
 
+# gRPC target schemes taken as they are (grpc's naming doc); anything else is HOST:PORT.
+GRPC_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def grpc_address(text: str) -> str:
+    """An argparse type: HOST:PORT ([V6]:PORT) with a port in [1, 65535], or a gRPC target URI. grpc
+    itself takes a port past 65535 modulo 65536 (127.0.0.1:99999 dialled port 34463, another
+    server) and reports a malformed address as UNKNOWN or a failed name lookup."""
+    if text.startswith(GRPC_TARGET_SCHEMES):
+        return text
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+        sep = sep if ":" not in host else ""
+    if not sep or not host or any(c.isspace() or c in "/[]" for c in host):
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"the port must be a number in [1, 65535], got {text!r}")
+    return text
+
+
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     _add_io_args(p.add_argument_group("input and output"))
@@ -290,7 +312,10 @@ def _add_serving_args(stack: argparse._ArgumentGroup) -> None:
 def _add_remote_args(stack: argparse._ArgumentGroup) -> None:
     """A running gateway instead of local services, the --serve topology, and the API key."""
     stack.add_argument(
-        "--gateway_address", metavar="HOST:PORT", help="use a running gateway instead of starting the services"
+        "--gateway_address",
+        type=grpc_address,
+        metavar="HOST:PORT",
+        help="use a running gateway instead of starting the services",
     )
     for name, what in (("--nodes", "nodes (primary, draft pool, validator each)"), ("--gateways", "gateways")):
         stack.add_argument(

@@ -115,6 +115,12 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--redis_url", "redis+sentinel://127.0.0.1:26379"], "--redis_url"),
         (["--redis_url", "redis://127.0.0.1:6379", "--redis_cluster"], "--redis_cluster"),
         (["--gateway_address", "127.0.0.1:1", "--redis_cluster"], "--redis_cluster"),
+        # grpc dialled port 99999 - 65536 = 34463; the others failed as UNKNOWN or a name lookup.
+        (["--gateway_address", "127.0.0.1:99999"], "--gateway_address"),
+        (["--gateway_address", "127.0.0.1:0"], "--gateway_address"),
+        (["--gateway_address", "127.0.0.1"], "--gateway_address"),
+        (["--gateway_address", ""], "--gateway_address"),
+        (["--gateway_address", "http://127.0.0.1:50050"], "--gateway_address"),
         # Past the request's proto fields (uint32, int32 top_k): a ValueError from protobuf otherwise.
         (["--max_new_tokens", str(2**32)], "--max_new_tokens"),
         (["--min_tokens", str(2**32)], "--min_tokens"),
@@ -332,6 +338,11 @@ def test_a_bad_api_key_file_is_refused_naming_the_flag(
         inference.parse_args(["--prompt", "x", "--api-key-file", str(key_file)])
     err = capsys.readouterr().err
     assert "--api-key-file" in err and message in err
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:50050", "localhost:1", "[::1]:65535", "dns:///gateway:50050"])
+def test_a_gateway_address_is_host_port_or_a_grpc_target(address: str) -> None:
+    assert inference.parse_args(["--prompt", "x", "--gateway_address", address]).gateway_address == address
 
 
 def test_kebab_and_snake_flags_are_the_same_flag() -> None:
