@@ -370,8 +370,15 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
             parse_redis_url(args.redis_url)
         except ValueError as e:
             parser.error(str(e))
-    if args.model_path is not None and not Path(args.model_path).expanduser().exists():
-        parser.error(f"--model_path: {args.model_path!r} does not exist")
+    if args.model_path is not None:
+        # A directory without a model, another file, a cut GGUF: the primary's start failed on it,
+        # a traceback in the error, after the other services had started.
+        from specdec.model.model_files import check_model_path  # numpy and gguf: only for a local model
+
+        try:
+            check_model_path(Path(args.model_path).expanduser())
+        except (OSError, ValueError) as e:
+            parser.error(f"--model_path: {e}")
     if args.log_dir is not None:
         check_log_dir(parser, args.log_dir)
     if args.system is not None and not args.chat:

