@@ -379,8 +379,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
             check_model_path(Path(args.model_path).expanduser())
         except (OSError, ValueError) as e:
             parser.error(f"--model_path: {e}")
-    if args.log_dir is not None:
-        check_log_dir(parser, args.log_dir)
+    for flag, directory in (("--log_dir", args.log_dir), ("--cache_dir", args.cache_dir)):
+        if directory is not None:
+            check_directory(parser, flag, directory)
     if args.system is not None and not args.chat:
         parser.error("--system needs chat mode (drop --no-chat)")
     is_stdin = args.prompt == "-"
@@ -400,17 +401,19 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     return args
 
 
-def check_log_dir(parser: argparse.ArgumentParser, path: Path) -> None:
-    """--log_dir must be a directory the services' logs can be written in (created if missing): the
-    stack's start raised on one that is a file or cannot be created, a traceback."""
+def check_directory(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
+    """--log_dir and --cache_dir must be directories the services can write in (created if missing):
+    the stack's start raised on a --log_dir that is a file or cannot be created, a traceback; the
+    primary did on such a --cache_dir (where it converts the GGUF), which the error showed as its
+    log's traceback."""
     if path.exists() and not path.is_dir():
-        parser.error(f"--log_dir: {str(path)!r} is not a directory")
+        parser.error(f"{flag}: {str(path)!r} is not a directory")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        parser.error(f"--log_dir: cannot create {str(path)!r}: {e.strerror}")
+        parser.error(f"{flag}: cannot create {str(path)!r}: {e.strerror}")
     if not os.access(path, os.W_OK | os.X_OK):
-        parser.error(f"--log_dir: {str(path)!r} is not writable")
+        parser.error(f"{flag}: {str(path)!r} is not writable")
 
 
 def check_prompt(parser: argparse.ArgumentParser, args: argparse.Namespace, is_stdin: bool) -> None:

@@ -189,17 +189,19 @@ def test_a_blank_prompt_after_a_system_message_is_sent() -> None:
     assert [(m.role, m.content) for m in request.chat.messages] == [("system", "Say hello."), ("user", "")]
 
 
+@pytest.mark.parametrize("flag", ["--log_dir", "--cache_dir"])
 @pytest.mark.parametrize("under_a_file", [False, True])
-def test_a_log_dir_that_cannot_be_one_is_refused_naming_the_flag(
-    under_a_file: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_a_directory_that_cannot_be_one_is_refused_naming_the_flag(
+    flag: str, under_a_file: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The stack's start raised FileExistsError / NotADirectoryError from mkdir: a traceback.
+    # --log_dir: the stack's start raised FileExistsError / NotADirectoryError from mkdir, a
+    # traceback; --cache_dir: the primary did, shown as its log's traceback.
     file = tmp_path / "file"
     file.write_text("")
     with pytest.raises(SystemExit) as info:
-        inference.parse_args(["--prompt", "x", "--log_dir", str(file / "logs" if under_a_file else file)])
+        inference.parse_args(["--prompt", "x", flag, str(file / "dir" if under_a_file else file)])
     assert info.value.code == inference.EXIT_BAD_FLAGS
-    assert "--log_dir" in capsys.readouterr().err
+    assert flag in capsys.readouterr().err
 
 
 def test_a_missing_log_dir_is_created(tmp_path: Path) -> None:
