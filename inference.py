@@ -42,7 +42,7 @@ from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, Servi
 from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
 from specdec.progress import ProgressPrinter
 from specdec.proto_ranges import MAX_INT32, MAX_UINT32, MAX_UINT64
-from specdec.strategies import check_names
+from specdec.strategies import GRAMMAR_STRATEGY, PREDICTION_STRATEGY, check_names
 from specdec.speculation_bounds import MAX_REQUEST_DRAFT_LENGTH, MAX_REQUEST_SPECULATIVE_DEGREE
 from specdec.service.auth import authenticated_channel
 from specdec.service.flags import parse_bool
@@ -395,6 +395,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     if args.stop:
         check_stop(parser, args.stop)
     check_output_bounds(parser, args)
+    check_request_strategies(parser, args)
     if args.json_schema is not None:
         args.json_schema_text = read_json_schema(parser, args.json_schema)
     args.api_key = read_api_key(parser, args, os.environ)
@@ -447,6 +448,18 @@ def check_output_bounds(parser: argparse.ArgumentParser, args: argparse.Namespac
     for flag, is_given in (("--ignore_eos", args.ignore_eos), ("--min_tokens", args.min_tokens > 0)):
         if is_given and json_flag is not None:
             parser.error(f"{flag}: cannot be combined with {json_flag}: a finished JSON value allows only the end")
+
+
+def check_request_strategies(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Strategies the gateway refuses in this command's requests (gateway.params): grammar-forced
+    drafts without a JSON output, prediction drafts (no request of this command carries a prediction)."""
+    strategies = args.strategies or ()
+    if PREDICTION_STRATEGY in strategies:
+        parser.error(
+            f"--strategies: {PREDICTION_STRATEGY!r} drafts need a prediction, which this command does not send"
+        )
+    if GRAMMAR_STRATEGY in strategies and args.json_schema is None and not args.json_mode:
+        parser.error(f"--strategies: {GRAMMAR_STRATEGY!r} drafts need --json_schema or --json_mode")
 
 
 def check_stop(parser: argparse.ArgumentParser, stop: Sequence[str]) -> None:

@@ -106,6 +106,8 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         (["--speculative_degree", "0"], "--speculative_degree"),
         (["--top_k", "nan"], "--top_k"),
         (["--strategies", "prompt_lookup,no_such_strategy"], "--strategies"),
+        (["--strategies", "grammar"], "--strategies"),
+        (["--strategies", "prompt_lookup,prediction", "--json_mode"], "--strategies"),
         (["--temperature", "inf"], "--temperature"),
         (["--speculative_decoding=maybe"], "--speculative_decoding"),
         (["--precision", "int3"], "--precision"),
