@@ -719,17 +719,25 @@ def request_or_report(
 
 def stack_config(args: argparse.Namespace) -> StackConfig:
     return StackConfig(
-        model_path=args.model_path,
+        model_path=None if args.model_path is None else str(_absolute(Path(args.model_path))),
         precision=args.precision or AUTO,
-        cache_dir=args.cache_dir,
+        cache_dir=None if args.cache_dir is None else _absolute(args.cache_dir),
         redis_url=args.redis_url or "",
         strategies=args.strategies or (),
         num_threads=args.num_threads,
-        log_dir=args.log_dir,
+        log_dir=None if args.log_dir is None else _absolute(args.log_dir),
         is_serving_http=args.serve,
         http_port=args.http_port,
         is_serving_metrics=args.serve,  # each service's own /metrics (docs/metrics.md), printed at start
     )
+
+
+def _absolute(path: Path) -> Path:
+    """A path as this command's working directory names it: the services run in the project's
+    directory (specdec.launcher), where a relative --model_path, --cache_dir or --log_dir (the
+    services' progress files) named another file, or none, once the command ran elsewhere (the
+    installed `specdec generate`, a script in another directory)."""
+    return path.expanduser().absolute()
 
 
 def metrics_lines(stack: Stack) -> str:

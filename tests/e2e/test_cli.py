@@ -312,6 +312,21 @@ def test_serve_adds_the_http_front_on_its_port() -> None:
     assert not inference.stack_config(inference.parse_args(["--prompt", "x"])).is_serving_http
 
 
+def test_relative_paths_reach_the_services_as_this_command_names_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The services run in the project's directory: a relative --model_path named a file there.
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    args = inference.parse_args(["--prompt", "x", "--model_path", "model", "--cache_dir", "cache", "--log_dir", "logs"])
+    config = inference.stack_config(args)
+    here = Path.cwd()  # tmp_path, its links resolved
+    assert config.model_path == str(here / "model")
+    assert (config.cache_dir, config.log_dir) == (here / "cache", here / "logs")
+
+
 def test_serve_on_a_taken_port_is_a_clear_error_before_services_ready(tmp_path: Path) -> None:
     """Another server holds the HTTP port: --serve names the port and the flag and never says ready."""
     with socket.socket() as squatter:
