@@ -353,6 +353,30 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     args.http_port = DEFAULT_HTTP_PORT if args.http_port is None else args.http_port
     if args.max_service_restarts is None:
         args.max_service_restarts = DEFAULT_MAX_RAPID_RESTARTS
+    check_service_flags(parser, args)
+    if args.system is not None and not args.chat:
+        parser.error("--system needs chat mode (drop --no-chat)")
+    is_stdin = args.prompt == "-"
+    if is_stdin:
+        try:
+            args.prompt = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            parser.error(f"--prompt -: stdin is not text in its encoding ({sys.stdin.encoding}): {e.reason}")
+    check_prompt(parser, args, is_stdin)
+    check_utf8(parser, args)
+    if args.stop:
+        check_stop(parser, args.stop)
+    check_output_bounds(parser, args)
+    check_request_strategies(parser, args)
+    if args.json_schema is not None:
+        args.json_schema_text = read_json_schema(parser, args.json_schema)
+    args.api_key = read_api_key(parser, args, os.environ)
+    return args
+
+
+def check_service_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags that configure the services this command starts: none with --gateway_address (it
+    starts none); a Redis URL that parses, a model path that holds a model, directories it can write."""
     if args.gateway_address is not None:
         if args.serve:
             parser.error("--serve starts the services: it does not take --gateway_address")
@@ -382,24 +406,6 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = PROG) -> argparse.
     for flag, directory in (("--log_dir", args.log_dir), ("--cache_dir", args.cache_dir)):
         if directory is not None:
             check_directory(parser, flag, directory)
-    if args.system is not None and not args.chat:
-        parser.error("--system needs chat mode (drop --no-chat)")
-    is_stdin = args.prompt == "-"
-    if is_stdin:
-        try:
-            args.prompt = sys.stdin.read()
-        except UnicodeDecodeError as e:
-            parser.error(f"--prompt -: stdin is not text in its encoding ({sys.stdin.encoding}): {e.reason}")
-    check_prompt(parser, args, is_stdin)
-    check_utf8(parser, args)
-    if args.stop:
-        check_stop(parser, args.stop)
-    check_output_bounds(parser, args)
-    check_request_strategies(parser, args)
-    if args.json_schema is not None:
-        args.json_schema_text = read_json_schema(parser, args.json_schema)
-    args.api_key = read_api_key(parser, args, os.environ)
-    return args
 
 
 def check_directory(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from specdec.logits_codec import decode_logits
+from specdec.logits_codec import EncodedLogits, decode_logits
 from specdec.logprobs import token_logprobs
 from specdec import acceptance_mode, pb
 from specdec.acceptance_mode import AcceptanceMode
@@ -32,36 +32,8 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
         sampling = pb.sampling_from_pb(request.sampling)
         threshold = float(request.acceptance_threshold)
         mode = _mode_from_pb(request.mode, sampling, threshold)
-        # The primary verifies no larger tree; at a small vocabulary a huge one is cheap to send and
-        # costs seconds of the rule's time, and as many seconds (and a set of its nodes) to check and
-        # copy: refused from the fields' lengths, before the tree or the logits are read.
-        for name in ("token_ids", "parents"):
-            if (num_nodes := len(getattr(request.tree, name))) > MAX_TREE_NODES:
-                raise InvalidArgument(f"tree.{name}", f"{num_nodes} nodes exceed the limit of {MAX_TREE_NODES}")
-        logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
-        vocab_size = logits.vocab_size
-        # The rule needs a merged tree (siblings carry distinct tokens); checked here, so the refusal
-        # names the request's field.
-        token_ids, parents = pb.tree_from_pb(request.tree, vocab_size, is_siblings_unique=True)
-        if logits.num_rows != len(token_ids) + 1:
-            raise InvalidArgument(
-                "target_logits",
-                f"{logits.num_rows} rows for a tree of {len(token_ids)} nodes (expected {len(token_ids) + 1})",
-            )
-        allowed = None
-        if request.HasField("allowed_tokens"):
-            # Disallowed tokens get probability 0: no path that leaves the grammar can be accepted, and
-            # the bonus token is one the grammar allows. (Masking here, not only in the primary, also
-            # gives exact zeros that an fp8 wire format cannot carry.) The mask stays packed.
-            allowed = pb.token_mask_from_pb(request.allowed_tokens, logits.num_rows, vocab_size, "allowed_tokens")
-        argmax = list(request.target_argmax_token_ids) or None
-        if argmax is not None:
-            try:
-                check_argmax_ids(argmax, logits.num_rows, vocab_size)
-            except ValueError as e:  # the rule's own name for them is argmax_ids
-                raise InvalidArgument("target_argmax_token_ids", str(e)) from None
-            if allowed is not None:
-                _check_argmax_allowed(argmax, allowed)
+        token_ids, parents, logits = _tree_and_logits(request)
+        allowed, argmax = _mask_and_argmax(request, logits)
         try:
             result = self.path.validate(
                 ValidationInputs(
@@ -91,6 +63,47 @@ class ValidatorServicer(validator_pb2_grpc.ValidatorServiceServicer):
             time_ms=(time.perf_counter() - start) * 1000,
             bonus_logprob=bonus_logprob,
         )
+
+
+def _tree_and_logits(request: validator_pb2.ValidateRequest) -> tuple[list[int], list[int], EncodedLogits]:
+    """The request's tree (token ids, parents) and target logits, checked against each other."""
+    # The primary verifies no larger tree; at a small vocabulary a huge one is cheap to send and
+    # costs seconds of the rule's time, and as many seconds (and a set of its nodes) to check and
+    # copy: refused from the fields' lengths, before the tree or the logits are read.
+    for name in ("token_ids", "parents"):
+        if (num_nodes := len(getattr(request.tree, name))) > MAX_TREE_NODES:
+            raise InvalidArgument(f"tree.{name}", f"{num_nodes} nodes exceed the limit of {MAX_TREE_NODES}")
+    logits = pb.encoded_logits_from_pb(request.target_logits, "target_logits")
+    # The rule needs a merged tree (siblings carry distinct tokens); checked here, so the refusal
+    # names the request's field.
+    token_ids, parents = pb.tree_from_pb(request.tree, logits.vocab_size, is_siblings_unique=True)
+    if logits.num_rows != len(token_ids) + 1:
+        raise InvalidArgument(
+            "target_logits",
+            f"{logits.num_rows} rows for a tree of {len(token_ids)} nodes (expected {len(token_ids) + 1})",
+        )
+    return token_ids, parents, logits
+
+
+def _mask_and_argmax(
+    request: validator_pb2.ValidateRequest, logits: EncodedLogits
+) -> tuple[TokenBitmask | None, list[int] | None]:
+    """The request's grammar mask (allowed_tokens) and the primary's argmaxes, checked."""
+    allowed = None
+    if request.HasField("allowed_tokens"):
+        # Disallowed tokens get probability 0: no path that leaves the grammar can be accepted, and
+        # the bonus token is one the grammar allows. (Masking here, not only in the primary, also
+        # gives exact zeros that an fp8 wire format cannot carry.) The mask stays packed.
+        allowed = pb.token_mask_from_pb(request.allowed_tokens, logits.num_rows, logits.vocab_size, "allowed_tokens")
+    argmax = list(request.target_argmax_token_ids) or None
+    if argmax is not None:
+        try:
+            check_argmax_ids(argmax, logits.num_rows, logits.vocab_size)
+        except ValueError as e:  # the rule's own name for them is argmax_ids
+            raise InvalidArgument("target_argmax_token_ids", str(e)) from None
+        if allowed is not None:
+            _check_argmax_allowed(argmax, allowed)
+    return allowed, argmax
 
 
 def _mode_from_pb(value: int, sampling: SamplingParams, threshold: float) -> AcceptanceMode:
