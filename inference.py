@@ -38,6 +38,7 @@ from typing import Any, TextIO
 
 import grpc
 
+from specdec.flags import MAX_NUM_THREADS
 from specdec.launcher import HTTP, PRIMARY, SERVICE_NAMES, PortInUseError, ServiceError, Stack, StackConfig
 from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
 from specdec.progress import ProgressPrinter
@@ -281,7 +282,11 @@ def _add_state_store_args(stack: argparse._ArgumentGroup) -> None:
 def _add_serving_args(stack: argparse._ArgumentGroup) -> None:
     """How the local services run: threads, logs, and --serve with its HTTP port and restarts."""
     stack.add_argument(
-        "--num_threads", type=ranged(int, 0), default=0, metavar="N", help="the primary's threads; 0: torch's"
+        "--num_threads",
+        type=ranged(int, 0, MAX_NUM_THREADS),
+        default=0,
+        metavar="N",
+        help="the primary's threads; 0: torch's",
     )
     stack.add_argument(
         "--log_dir", type=Path, metavar="DIR", help="service logs (default: a temporary dir, kept on failure)"

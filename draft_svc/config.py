@@ -32,7 +32,17 @@ from draft_svc.strategies.suffix_index import SuffixIndexConfig
 from specdec import strategies
 from specdec.logging import LOG_LEVELS
 from specdec.model.options import DEFAULT_CACHE_DIR
-from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
+from specdec.flags import (
+    check_num_threads,
+    NO_FIELD,
+    Flag,
+    listen_flags,
+    log_level_flag,
+    model_path_flag,
+    names,
+    parse_flags,
+    values,
+)
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 
@@ -81,8 +91,9 @@ class DraftConfig:
         strategies.check_names(self.pool.strategies)
         if self.attach_poll_s <= 0:
             raise ValueError(f"attach_poll_s must be > 0, got {self.attach_poll_s}")
-        if self.max_context < 0 or self.num_torch_threads < 0:
-            raise ValueError("max_context and num_torch_threads must be >= 0")
+        if self.max_context < 0:
+            raise ValueError(f"max_context must be >= 0, got {self.max_context}")
+        check_num_threads(self.num_torch_threads)
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
 

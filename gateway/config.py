@@ -18,7 +18,17 @@ from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.errors import InvalidArgument
 from specdec.state_store import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_LEASE_S
 from specdec.logits_codec import FORMATS
-from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
+from specdec.flags import (
+    check_num_threads,
+    NO_FIELD,
+    Flag,
+    listen_flags,
+    log_level_flag,
+    model_path_flag,
+    names,
+    parse_flags,
+    values,
+)
 from specdec.service.auth import service_token_flags
 from specdec.service.api_keys import check_public_exposure, check_tls_files, public_access_flags
 from specdec.service.server import ServerConfig
@@ -157,6 +167,7 @@ class GatewayConfig:
     node_pool: NodePoolConfig = NodePoolConfig()
 
     def __post_init__(self) -> None:
+        check_num_threads(self.num_threads)
         if self.max_active_requests < 1:
             raise ValueError(f"max_active_requests must be >= 1, got {self.max_active_requests}")
         if self.max_state_retry_s <= 0:

@@ -15,7 +15,7 @@ from specdec.answers import DEFAULT_ANSWERS, MAX_LEARNED_TOKENS
 from specdec.field_checks import require_at_least_one
 from specdec.model.compiled import COMPILE_MODES
 from specdec.model.options import AUTO, DEFAULT_CACHE_DIR, PRECISIONS
-from specdec.flags import Flag, listen_flags, log_level_flag, model_path_flag, parse_flags, values
+from specdec.flags import check_num_threads, Flag, listen_flags, log_level_flag, model_path_flag, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 
@@ -79,6 +79,7 @@ class PrimaryConfig:
         return self.cache_dir / "inductor"
 
     def __post_init__(self) -> None:
+        check_num_threads(self.num_threads)
         if self.precision not in (AUTO, *PRECISIONS):
             raise ValueError(f"precision must be one of {(AUTO, *PRECISIONS)}, got {self.precision!r}")
         if self.max_context < 16:

@@ -120,6 +120,18 @@ def values(args: argparse.Namespace, declared: Sequence[Flag], group: str = "") 
     return out
 
 
+# The most torch threads a service takes (--num_threads): above the hardware threads of any one
+# machine; far more (a typo's 100000) made libgomp's thread creation fail at the first product, which
+# aborts the process, and a negative count made torch raise at start-up: a traceback, not a refusal.
+MAX_NUM_THREADS = 1024
+
+
+def check_num_threads(value: int, name: str = "num_threads") -> None:
+    """A service's torch thread count: 0 (torch's default) to MAX_NUM_THREADS."""
+    if not 0 <= value <= MAX_NUM_THREADS:
+        raise ValueError(f"{name} must be in [0, {MAX_NUM_THREADS}] (0: torch's default), got {value}")
+
+
 def listen_flags(port: int) -> tuple[Flag, ...]:
     """--host, --port (this service's default), --metrics_port and --allowed_hosts: the fields of a
     service's ServerConfig (specdec.service.server), in the config group "server"."""

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 import os
 
-from specdec.flags import Flag, listen_flags, log_level_flag, parse_flags, values
+from specdec.flags import check_num_threads, Flag, listen_flags, log_level_flag, parse_flags, values
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 from validator_svc.paths import DEVICES
@@ -27,8 +27,7 @@ class ValidatorConfig:
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0 (0: torch's default), got {self.num_threads}")
+        check_num_threads(self.num_threads)
 
 
 FLAGS = (

@@ -133,6 +133,8 @@ def test_speculative_decoding_parses_both_forms(flags: list[str], expected: bool
         # Past what one request may ask (specdec.speculation_bounds): a bad flag, not an RPC error.
         (["--speculative_degree", str(MAX_REQUEST_SPECULATIVE_DEGREE + 1)], "--speculative_degree"),
         (["--draft_length", str(MAX_REQUEST_DRAFT_LENGTH + 1)], "--draft_length"),
+        # More threads than a machine has: libgomp's thread creation failed and aborted the primary.
+        (["--num_threads", "100000"], "--num_threads"),
         # Past what a gRPC deadline holds: DEADLINE_EXCEEDED at once otherwise.
         (["--timeout", "1e10"], "--timeout"),
         # --serve's own flags without --serve: the HTTP front never started, nothing said so.

@@ -97,3 +97,23 @@ def test_a_service_refuses_a_bad_value_in_one_line_not_a_traceback(
     )
     assert done.returncode == EXIT_BAD_CONFIG, done.stderr[-2000:]
     assert named in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "100000"])
+def test_every_service_refuses_a_thread_count_torch_cannot_run(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative count made torch raise at start-up, a huge one made libgomp abort the process at the
+    first product (Thread creation failed): each service's config refuses both, naming the flag; a
+    count within the bound parses."""
+    from draft_svc.config import from_args as draft_config
+    from gateway.config import parse_config as gateway_config
+    from primary_svc.config import parse_config as primary_config
+    from validator_svc.config import parse_config as validator_config
+
+    for parse in (primary_config, gateway_config, validator_config):
+        with pytest.raises(ValueError, match=f"num_threads must be in .*got {value}"):
+            parse(["--num_threads", value])
+        parse(["--num_threads", "2"])
+    with pytest.raises(SystemExit):  # the draft service's parser reports its config's ValueError
+        draft_config(["--num_threads", value], {})
+    assert f"num_threads must be in [0, 1024] (0: torch's default), got {value}" in capsys.readouterr().err
+    draft_config(["--num_threads", "2"], {})
