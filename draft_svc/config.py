@@ -32,17 +32,8 @@ from draft_svc.strategies.suffix_index import SuffixIndexConfig
 from specdec import strategies
 from specdec.logging import LOG_LEVELS
 from specdec.model.options import DEFAULT_CACHE_DIR
-from specdec.flags import (
-    check_num_threads,
-    NO_FIELD,
-    Flag,
-    listen_flags,
-    log_level_flag,
-    model_path_flag,
-    names,
-    parse_flags,
-    values,
-)
+from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
+from specdec.flags import check_num_threads
 from specdec.service.auth import service_token_flags
 from specdec.service.server import ServerConfig
 

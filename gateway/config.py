@@ -18,17 +18,8 @@ from gateway.state_retry import DEFAULT_MAX_STATE_RETRY_S
 from specdec.errors import InvalidArgument
 from specdec.state_store import DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_LEASE_S
 from specdec.logits_codec import FORMATS
-from specdec.flags import (
-    check_num_threads,
-    NO_FIELD,
-    Flag,
-    listen_flags,
-    log_level_flag,
-    model_path_flag,
-    names,
-    parse_flags,
-    values,
-)
+from specdec.flags import NO_FIELD, Flag, listen_flags, log_level_flag, model_path_flag, names, parse_flags, values
+from specdec.flags import check_num_threads
 from specdec.service.auth import service_token_flags
 from specdec.service.api_keys import check_public_exposure, check_tls_files, public_access_flags
 from specdec.service.server import ServerConfig
